@@ -1,0 +1,413 @@
+"""The NumPy oracle: SPEC section 3, stage by stage, in float64.
+
+Two precisions:
+  "float64"  float64 everywhere, no rounding: the exact result of the block for the given
+             BF16 inputs and weights.
+  "bf16"     float64 arithmetic, rounded to BF16 exactly where the block rounds: every
+             projection output (qkv_proj, down_proj, forget_proj, out_gate, final_out), the conv
+             output and the gated-norm output. The recurrence and gates stay unrounded, as the
+             block keeps them in FP32.
+
+Each stage is a module-level function whose name matches the kernel in kernels_src/ and the
+stage buffer of the GPU workspace. They accept NumPy or CuPy arrays (`xp` follows the input),
+so the same oracle can run in float64 on a GPU when the CPU is too slow for real geometries.
+
+Stage dictionaries use these names, in pipeline order (STAGE_ORDER):
+  qkv_proj    [T, 3*qkv]   q|k|v projections (conv input)
+  down_proj   [T, 2*D+H]   f_a | g_a | b_proj of the hidden row
+  forget_proj [T, qkv]     f_b(f_a x): forget-gate pre-activation (before dt_bias)
+  out_gate    [T, qkv]     g_b(g_a x): output gate pre-sigmoid
+  conv_out    [T, 3*qkv]   silu(causal conv), BF16, before L2
+  query, key  [T, H, D]    L2-normalised q and k
+  value       [T, H, D]    v (never normalised)
+  gate        [T, H, D]    log-decay g
+  beta        [T, H]       sigmoid(b_proj x)
+  core        [T, H, D]    delta-rule output o
+  o_norm_out  [T, qkv]     sigmoid-gated RMSNorm of core
+  final_out   [T, hidden]  o_proj
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+from .config import KdaConfig
+from .state import KdaState, array_module
+
+STAGE_ORDER = (
+    "qkv_proj",
+    "down_proj",
+    "forget_proj",
+    "out_gate",
+    "conv_out",
+    "query",
+    "key",
+    "value",
+    "gate",
+    "beta",
+    "core",
+    "o_norm_out",
+    "final_out",
+)
+
+PRECISIONS = ("float64", "bf16")
+
+
+# BF16 rounding --------------------------------------------------------------------------
+def round_bf16(x: Any) -> Any:
+    """Round float64 values to the nearest BF16 (ties to even), returned as float64.
+
+    Rounds ONCE: the float64 -> float32 step rounds to odd (truncate, then set the last bit if
+    anything was dropped), which makes the following float32 -> BF16 round-to-nearest-even
+    exact; a plain float64 -> float32 -> BF16 chain would double-round about 1 case in 2^16.
+    """
+    xp = array_module(x)
+    x = xp.asarray(x, dtype=xp.float64)
+    f32 = x.astype(xp.float32)
+    # Truncate toward zero: step back one ulp where RNE rounded away from zero.
+    away = xp.abs(f32.astype(xp.float64)) > xp.abs(x)
+    f32 = xp.where(away, xp.nextafter(f32, xp.float32(0)), f32)
+    bits = f32.view(xp.uint32)
+    inexact = f32.astype(xp.float64) != x
+    bits = xp.where(inexact, bits | xp.uint32(1), bits)
+    rounded = (bits + xp.uint32(0x7FFF) + ((bits >> 16) & xp.uint32(1))) & xp.uint32(0xFFFF0000)
+    out = rounded.view(xp.float32).astype(xp.float64)
+    # NaN stays NaN; +-inf and values that overflow BF16 come out as +-inf from the bit arithmetic.
+    return xp.where(xp.isnan(x), x, out)
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+# Stages ---------------------------------------------------------------------------------
+def linear(x: Any, weight: Any) -> Any:
+    """x [T, in] @ weight[out, in]^T -> [T, out], float64."""
+    return x @ weight.T
+
+
+def conv_silu(qkv_proj: Any, conv_state: Any, conv_weight: Any) -> tuple[Any, Any]:
+    """Causal depthwise conv over time then SiLU, continuing from `conv_state`.
+
+    qkv_proj [T, C], conv_state [C, K] (last K inputs, oldest first), conv_weight [C, K].
+    c[t, ch] = silu(sum_j w[ch, j] * m[ch, t - (K-1) + j]); history before t = 0 comes from the
+    state. Returns (pre-rounding conv output [T, C], new state [C, K] = the last K inputs).
+    """
+    xp = array_module(qkv_proj)
+    tokens = qkv_proj.shape[0]
+    kernel = conv_weight.shape[1]
+    # Full input sequence: K state slots, then the T new inputs. Slot 0 of the state is never
+    # read: output t uses positions t+1 .. t+K of this sequence.
+    seq = xp.concatenate([conv_state.T, qkv_proj], axis=0)  # [K + T, C]
+    acc = xp.zeros(qkv_proj.shape, dtype=xp.float64)
+    for j in range(kernel):
+        acc += conv_weight[:, j][None, :] * seq[1 + j : 1 + j + tokens]
+    out = acc / (1.0 + xp.exp(-acc))
+    new_state = seq[tokens:].T.copy()
+    return out, new_state
+
+
+def l2norm_split(conv_out: Any, heads: int, head_dim: int, l2_eps: float) -> tuple[Any, Any, Any]:
+    """Split conv_out [T, 3*qkv] into q, k, v [T, H, D]; q and k L2-normalised per head with
+    x / sqrt(sum(x*x) + eps) (eps INSIDE the sqrt), exactly once; v untouched."""
+    tokens = conv_out.shape[0]
+    q, k, v = (conv_out[:, i * heads * head_dim : (i + 1) * heads * head_dim].reshape(tokens, heads, head_dim) for i in range(3))
+    xp = array_module(conv_out)
+
+    def l2(x):
+        return x / xp.sqrt((x * x).sum(axis=-1, keepdims=True) + l2_eps)
+
+    return l2(q), l2(k), v.copy()
+
+
+def forget_gate(forget_proj: Any, dt_bias: Any, a_log: Any, config: KdaConfig) -> Any:
+    """Log-decay g [T, H, D] from forget_proj [T, qkv], dt_bias [qkv] (per CHANNEL) and
+    A_log [H] (per HEAD).
+
+    bounded:  g = lower_bound * sigmoid(exp(A_log[h]) * u)
+    softplus: g = -exp(A_log[h]) * softplus(u), softplus(u) = u for u > 20
+    with u = forget_proj + dt_bias.
+    """
+    xp = array_module(forget_proj)
+    tokens = forget_proj.shape[0]
+    u = (forget_proj + dt_bias[None, :]).reshape(tokens, config.heads, config.head_dim)
+    a = xp.exp(a_log)[None, :, None]
+    if config.bounded:
+        return config.gate_lower_bound / (1.0 + xp.exp(-a * u))
+    softplus = xp.where(u > 20.0, u, xp.log1p(xp.exp(xp.minimum(u, 20.0))))
+    return -a * softplus
+
+
+def sigmoid(x: Any) -> Any:
+    xp = array_module(x)
+    return 1.0 / (1.0 + xp.exp(-x))
+
+
+def recurrent_scan(query: Any, key: Any, value: Any, gate: Any, beta: Any, recurrent: Any) -> tuple[Any, Any]:
+    """The delta rule token by token (the decode form).
+
+    query/key/value/gate [T, H, D], beta [T, H], recurrent [H, D_k, D_v]. Per token:
+    S = S * exp(g)[:, None]; pred = S^T k; S = S + k (beta (v - pred))^T; o = S^T (q / sqrt(D)).
+    Returns (core [T, H, D], new state).
+    """
+    xp = array_module(query)
+    scale = 1.0 / math.sqrt(query.shape[-1])
+    state = recurrent.astype(xp.float64, copy=True)
+    core = xp.empty(value.shape, dtype=xp.float64)
+    for t in range(query.shape[0]):
+        state *= xp.exp(gate[t])[:, :, None]
+        pred = xp.einsum("hkv,hk->hv", state, key[t])
+        delta = beta[t][:, None] * (value[t] - pred)
+        state += key[t][:, :, None] * delta[:, None, :]
+        core[t] = xp.einsum("hkv,hk->hv", state, query[t] * scale)
+    return core, state
+
+
+def chunk_scan(
+    query: Any,
+    key: Any,
+    value: Any,
+    gate: Any,
+    beta: Any,
+    recurrent: Any,
+    chunk: int,
+    pad_value: float = 0.0,
+) -> tuple[Any, Any]:
+    """The same recurrence evaluated chunk-wise (WY form), with a padded last chunk.
+
+    The inputs are padded to a multiple of `chunk` with `pad_value` (tests poison it with NaN
+    or 1e30), and the padding is then masked BY INDEX before any arithmetic, as the kernels do:
+    a padded row acts as q = k = v = 0, g = 0, beta = 0 and leaves outputs and state untouched.
+
+    Within a chunk (rows t, s; G = cumulative g from the chunk start; S0 the carried state):
+      A[t,s] = sum_d k_t k_s exp(G_t - G_s)               (s < t)
+      (I + diag(beta) A) W = diag(beta) (K * exp(G)),  (I + diag(beta) A) Uc = diag(beta) V
+      U = Uc - W S0
+      o_t = (q_t exp(G_t) / sqrt(D))^T S0 + sum_{s<=t} (q_t . k_s exp(G_t - G_s)) / sqrt(D) U_s
+      S   = exp(G_last) * S0 + sum_s (k_s exp(G_last - G_s)) U_s^T
+    Exponents are formed as differences, never as exp(G_t) * exp(-G_s), which overflows.
+    Returns (core [T, H, D], new state).
+    """
+    xp = array_module(query)
+    tokens, heads, head_dim = query.shape
+    scale = 1.0 / math.sqrt(head_dim)
+    nchunks = -(-tokens // chunk)
+    padded = nchunks * chunk
+    valid = xp.arange(padded) < tokens
+
+    def pad(x):
+        out = xp.full((padded,) + x.shape[1:], pad_value, dtype=xp.float64)
+        out[:tokens] = x
+        mask = valid.reshape((padded,) + (1,) * (x.ndim - 1))
+        return xp.where(mask, out, 0.0)
+
+    q, k, v, g, b = (pad(x) for x in (query, key, value, gate, beta))
+    state = recurrent.astype(xp.float64, copy=True)
+    core = xp.empty((padded, heads, head_dim), dtype=xp.float64)
+    rows = xp.arange(chunk)
+    inclusive = rows[:, None] >= rows[None, :]
+    strict = rows[:, None] > rows[None, :]
+    eye = xp.eye(chunk)
+    for n in range(nchunks):
+        sl = slice(n * chunk, (n + 1) * chunk)
+        # [H, C, D] per head.
+        qc, kc, vc, gc = (x[sl].transpose(1, 0, 2) for x in (q, k, v, g))
+        bc = b[sl].T  # [H, C]
+        cum = xp.cumsum(gc, axis=1)
+        diff = cum[:, :, None, :] - cum[:, None, :, :]  # [H, t, s, D]
+        decay = xp.exp(xp.where(inclusive[None, :, :, None], diff, -xp.inf))
+        attn_kk = xp.einsum("htd,hsd,htsd->hts", kc, kc, decay) * strict
+        attn_qk = xp.einsum("htd,hsd,htsd->hts", qc, kc, decay) * scale
+        system = eye[None] + bc[:, :, None] * attn_kk
+        w = xp.linalg.solve(system, bc[:, :, None] * (kc * xp.exp(cum)))
+        u_c = xp.linalg.solve(system, bc[:, :, None] * vc)
+        u = u_c - w @ state
+        out = (qc * scale * xp.exp(cum)) @ state + attn_qk @ u
+        tail = kc * xp.exp(cum[:, -1:, :] - cum)
+        state = xp.exp(cum[:, -1, :])[:, :, None] * state + xp.einsum("hsk,hsv->hkv", tail, u)
+        core[sl] = out.transpose(1, 0, 2)
+    return core[:tokens], state
+
+
+def gated_rmsnorm(core: Any, out_gate: Any, norm_weight: Any, eps: float) -> Any:
+    """Per head: y = o / sqrt(mean(o*o) + eps) * w * sigmoid(z). core [T, H, D], out_gate [T, qkv].
+
+    The gate activation is SIGMOID. The common gated RMSNorm applies SiLU and has the same
+    shapes and dtypes, which is why this is a separate, named stage.
+    """
+    xp = array_module(core)
+    tokens, heads, head_dim = core.shape
+    z = out_gate.reshape(tokens, heads, head_dim)
+    normed = core / xp.sqrt((core * core).mean(axis=-1, keepdims=True) + eps)
+    return (normed * norm_weight[None, None, :] * sigmoid(z)).reshape(tokens, heads * head_dim)
+
+
+# The block ------------------------------------------------------------------------------
+WEIGHT_FIELDS = ("qkv_weight", "down_weight", "f_b", "g_b", "conv_weight", "dt_bias", "a_log", "o_norm", "o_proj")
+
+
+class KdaOracle:
+    """SPEC section 3 for one bound layer, in float64 or BF16-faithful precision.
+
+    `layer` is a BoundLayer (glm_kda.checkpoint) or any object with the attributes of
+    WEIGHT_FIELDS and `config`. Calls never mutate the state they are given: they return
+    (stages, new_state), where stages maps STAGE_ORDER names to float64 arrays.
+    """
+
+    def __init__(self, layer: Any, precision: str = "float64", xp: Any = np, config: KdaConfig | None = None):
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        self.config = config if config is not None else layer.config
+        self.precision = precision
+        self.xp = xp
+        self.round = round_bf16 if precision == "bf16" else _identity
+        self.weights = {name: xp.asarray(np.asarray(getattr(layer, name), dtype=np.float64)) for name in WEIGHT_FIELDS}
+
+    # Stage groups, mirroring the GPU front end, stateful part and back end ---------------
+    def front_end(self, hidden: Any) -> dict[str, Any]:
+        """Everything driven by the raw hidden rows: projections, gate, beta, output gate."""
+        cfg, w, rnd, xp = self.config, self.weights, self.round, self.xp
+        x = _to_float64(hidden, xp)
+        d = cfg.head_dim
+        stages = {"qkv_proj": rnd(linear(x, w["qkv_weight"])), "down_proj": rnd(linear(x, w["down_weight"]))}
+        down = stages["down_proj"]
+        stages["forget_proj"] = rnd(linear(down[:, :d], w["f_b"]))
+        stages["out_gate"] = rnd(linear(down[:, d : 2 * d], w["g_b"]))
+        stages["gate"] = forget_gate(stages["forget_proj"], w["dt_bias"], w["a_log"], cfg)
+        stages["beta"] = sigmoid(down[:, 2 * d :])
+        return stages
+
+    def conv_stage(self, stages: dict[str, Any], conv_state: Any) -> Any:
+        cfg = self.config
+        conv_out, new_conv = conv_silu(stages["qkv_proj"], conv_state, self.weights["conv_weight"])
+        stages["conv_out"] = self.round(conv_out)
+        stages["query"], stages["key"], stages["value"] = l2norm_split(stages["conv_out"], cfg.heads, cfg.head_dim, cfg.l2_eps)
+        return new_conv
+
+    def back_end(self, stages: dict[str, Any]) -> None:
+        w = self.weights
+        stages["o_norm_out"] = self.round(gated_rmsnorm(stages["core"], stages["out_gate"], w["o_norm"], self.config.rms_norm_eps))
+        stages["final_out"] = self.round(linear(stages["o_norm_out"], w["o_proj"]))
+
+    def _state(self, state: KdaState | None) -> KdaState:
+        xp = self.xp
+        if state is None:
+            return KdaState.zeros(self.config, xp, xp.float64)
+        state.check(self.config)
+        return KdaState(_to_float64(state.conv, xp), _to_float64(state.recurrent, xp))
+
+    # Operations ----------------------------------------------------------------------------
+    def prefill(self, hidden: Any, state: KdaState | None = None, chunk: int | None = None, pad_value: float = 0.0) -> tuple[dict[str, Any], KdaState]:
+        """hidden [T, hidden] from `state` (None: a new sequence). chunk=None walks token by
+        token; an int evaluates the recurrence chunk-wise with a padded tail of `pad_value`."""
+        start = self._state(state)
+        stages = self.front_end(hidden)
+        conv = self.conv_stage(stages, start.conv)
+        args = (stages["query"], stages["key"], stages["value"], stages["gate"], stages["beta"], start.recurrent)
+        if chunk is None:
+            stages["core"], recurrent = recurrent_scan(*args)
+        else:
+            stages["core"], recurrent = chunk_scan(*args, chunk=chunk, pad_value=pad_value)
+        self.back_end(stages)
+        return stages, KdaState(conv, recurrent)
+
+    def decode(self, hidden_row: Any, state: KdaState | None = None) -> tuple[dict[str, Any], KdaState]:
+        """One token, hidden_row [1, hidden] or [hidden]."""
+        hidden_row = hidden_row.reshape(1, -1)
+        return self.prefill(hidden_row, state)
+
+    def verify(self, hidden_rows: Any, state: KdaState | None = None) -> tuple[dict[str, Any], list[KdaState]]:
+        """K rows of one sequence walked token by token; returns the state after every row."""
+        stages_rows, states = [], []
+        current = state
+        for row in range(hidden_rows.shape[0]):
+            stages, current = self.decode(hidden_rows[row : row + 1], current)
+            stages_rows.append(stages)
+            states.append(current)
+        xp = self.xp
+        merged = {name: xp.concatenate([s[name] for s in stages_rows], axis=0) for name in stages_rows[0]}
+        return merged, states
+
+
+def _to_float64(x: Any, xp: Any) -> Any:
+    """Any host (BF16 included) or device array as a float64 array of module xp."""
+    if isinstance(x, np.ndarray):
+        return xp.asarray(x.astype(np.float64))
+    return xp.asarray(x).astype(xp.float64)
+
+
+# Comparison -----------------------------------------------------------------------------
+def _as_float64(x: Any) -> np.ndarray:
+    if hasattr(x, "get") and not isinstance(x, np.ndarray):
+        x = x.get()
+    return np.asarray(x).astype(np.float64)
+
+
+def rms_ratio(actual: Any, reference: Any) -> float:
+    """rms(actual - reference) / rms(reference); NaN anywhere gives NaN, a zero reference
+    gives rms(actual) (0 when both are zero)."""
+    a, r = _as_float64(actual), _as_float64(reference)
+    if a.shape != r.shape:
+        a = a.reshape(r.shape)
+    err = math.sqrt(float(np.mean((a - r) ** 2))) if a.size else 0.0
+    ref = math.sqrt(float(np.mean(r * r))) if r.size else 0.0
+    if math.isnan(err) or math.isnan(ref):
+        return float("nan")
+    return err / ref if ref > 0 else err
+
+
+@dataclass(frozen=True)
+class StageRow:
+    stage: str
+    rms_ratio: float
+    max_abs: float
+    shape: tuple[int, ...]
+
+
+class StageTable:
+    """rms-ratio and max-abs per stage, in pipeline order."""
+
+    def __init__(self, rows: Iterable[StageRow]):
+        self.rows = list(rows)
+
+    def __getitem__(self, stage: str) -> StageRow:
+        for row in self.rows:
+            if row.stage == stage:
+                return row
+        raise KeyError(f"no stage {stage!r} in this table; stages: {[r.stage for r in self.rows]}")
+
+    def ratios(self) -> dict[str, float]:
+        return {row.stage: row.rms_ratio for row in self.rows}
+
+    def first_above(self, threshold: float) -> str | None:
+        """The earliest stage (pipeline order) whose rms-ratio exceeds threshold (or is NaN)."""
+        for row in self.rows:
+            if not row.rms_ratio <= threshold:
+                return row.stage
+        return None
+
+    def __str__(self) -> str:
+        lines = [f"{'stage':<12} {'rms-ratio':>11} {'max-abs':>11}  shape"]
+        for row in self.rows:
+            lines.append(f"{row.stage:<12} {row.rms_ratio:>11.3e} {row.max_abs:>11.3e}  {list(row.shape)}")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def compare_stages(actual: Mapping[str, Any], reference: Mapping[str, Any], stages: Iterable[str] | None = None) -> StageTable:
+    """Table of rms-ratio and max-abs for every stage present in both dicts (pipeline order)."""
+    names = list(stages) if stages is not None else [s for s in STAGE_ORDER if s in actual and s in reference]
+    rows = []
+    for name in names:
+        a, r = _as_float64(actual[name]), _as_float64(reference[name])
+        a = a.reshape(r.shape) if a.size == r.size else a
+        if a.shape != r.shape:
+            raise ValueError(f"stage {name!r}: shapes differ, {list(a.shape)} vs reference {list(r.shape)}")
+        max_abs = float(np.max(np.abs(a - r))) if a.size else 0.0
+        rows.append(StageRow(name, rms_ratio(a, r), max_abs, tuple(r.shape)))
+    return StageTable(rows)

@@ -1,0 +1,110 @@
+"""The per-sequence state a KDA block carries, in our layout, and its exchange layouts.
+
+Our layout (the GPU kernels and the oracle share it):
+  conv       FP32 [conv_dim, K]   the last K conv INPUTS (pre-conv q|k|v) per channel, oldest
+                                  first. A step shifts left, then writes the new input in slot K-1
+                                  and convolves all K slots, so the slot 0 held BEFORE the shift
+                                  is never read.
+  recurrent  FP32 [H, D_k, D_v]   K-major: row k is multiplied by exp(g[k]).
+
+transformers (5.17) keeps the last K inputs too, in BF16: ours == transformers up to dtype.
+vLLM keeps only the K-1 inputs that are ever read: ours[:, 1:] == vllm[:, :].
+The recurrent state is FP32 [H, D_k, D_v] in all three.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from .config import KdaConfig
+
+
+def array_module(array: Any):
+    """numpy or cupy, whichever owns `array` (cupy is imported only if the array is one)."""
+    if isinstance(array, np.ndarray):
+        return np
+    import cupy
+
+    return cupy.get_array_module(array)
+
+
+@dataclass
+class KdaState:
+    """State of one sequence: `conv` [conv_dim, K] and `recurrent` [H, D, D], NumPy or CuPy.
+
+    The GPU layer updates both arrays in place; the NumPy oracle returns new ones.
+    """
+
+    conv: Any
+    recurrent: Any
+
+    @classmethod
+    def zeros(cls, config: KdaConfig, xp: Any = np, dtype: Any = np.float32) -> "KdaState":
+        """A new sequence: zero history, zero recurrent state."""
+        return cls(xp.zeros(config.conv_state_shape, dtype), xp.zeros(config.recurrent_state_shape, dtype))
+
+    @classmethod
+    def random(cls, config: KdaConfig, seed: int = 0, scale: float = 0.1) -> "KdaState":
+        """A carried state with realistic content, for tests: conv history of BF16-representable
+        values (they are BF16 projections), recurrent entries ~ N(0, scale)."""
+        rng = np.random.default_rng(seed)
+        conv = rng.standard_normal(config.conv_state_shape).astype(ml_dtypes.bfloat16).astype(np.float32)
+        recurrent = (scale * rng.standard_normal(config.recurrent_state_shape)).astype(np.float32)
+        return cls(conv, recurrent)
+
+    def copy(self) -> "KdaState":
+        return KdaState(self.conv.copy(), self.recurrent.copy())
+
+    def astype(self, dtype: Any) -> "KdaState":
+        return KdaState(self.conv.astype(dtype), self.recurrent.astype(dtype))
+
+    def to_numpy(self) -> "KdaState":
+        """Host copies (a CuPy state is copied to the host; a NumPy one is copied)."""
+        return KdaState(_host(self.conv), _host(self.recurrent))
+
+    def check(self, config: KdaConfig, name: str = "state") -> None:
+        """Raise ValueError naming the buffer whose shape does not fit `config`."""
+        for field, expected in (("conv", config.conv_state_shape), ("recurrent", config.recurrent_state_shape)):
+            got = tuple(getattr(self, field).shape)
+            if got != tuple(expected):
+                raise ValueError(f"{name}.{field} has shape {list(got)}, expected {list(expected)} for {config.describe()}")
+
+    # Exchange layouts ------------------------------------------------------------------
+    def to_transformers(self) -> tuple[np.ndarray, np.ndarray]:
+        """(conv BF16 [conv_dim, K], recurrent FP32 [H, D, D]): the same slots, BF16 conv."""
+        state = self.to_numpy()
+        return state.conv.astype(ml_dtypes.bfloat16), state.recurrent.astype(np.float32)
+
+    @classmethod
+    def from_transformers(cls, conv: Any, recurrent: Any) -> "KdaState":
+        conv = np.asarray(_host(conv))
+        if conv.ndim != 2:
+            raise ValueError(f"transformers conv state must be [conv_dim, K], got shape {list(conv.shape)}")
+        return cls(conv.astype(np.float32), np.asarray(_host(recurrent), dtype=np.float32).copy())
+
+    def to_vllm(self) -> tuple[np.ndarray, np.ndarray]:
+        """(conv FP32 [conv_dim, K-1], recurrent FP32 [H, D, D]): vLLM keeps the K-1 read slots."""
+        state = self.to_numpy()
+        return np.ascontiguousarray(state.conv[:, 1:]), state.recurrent
+
+    @classmethod
+    def from_vllm(cls, conv: Any, recurrent: Any) -> "KdaState":
+        """Slot 0 of ours (never read) is set to zero."""
+        conv = np.asarray(_host(conv), dtype=np.float32)
+        if conv.ndim != 2:
+            raise ValueError(f"vLLM conv state must be [conv_dim, K-1], got shape {list(conv.shape)}")
+        ours = np.zeros((conv.shape[0], conv.shape[1] + 1), np.float32)
+        ours[:, 1:] = conv
+        return cls(ours, np.asarray(_host(recurrent), dtype=np.float32).copy())
+
+
+def _host(array: Any) -> np.ndarray:
+    if isinstance(array, np.ndarray):
+        return array.copy()
+    if hasattr(array, "get"):
+        return array.get()
+    return np.array(array)
