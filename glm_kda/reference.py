@@ -67,7 +67,8 @@ def round_bf16(x: Any) -> Any:
     """
     xp = array_module(x)
     x = xp.asarray(x, dtype=xp.float64)
-    f32 = x.astype(xp.float32)
+    with np.errstate(over="ignore"):  # beyond the float32 range becomes inf, as in BF16
+        f32 = x.astype(xp.float32)
     # Truncate toward zero: step back one ulp where RNE rounded away from zero.
     away = xp.abs(f32.astype(xp.float64)) > xp.abs(x)
     f32 = xp.where(away, xp.nextafter(f32, xp.float32(0)), f32)
