@@ -1,0 +1,82 @@
+"""`glm-kda`: inspect a checkpoint, run the demo, self-test and benchmark on a GPU."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from .checkpoint import CheckpointError, check_layers
+    from .config import ConfigError, KdaConfig
+
+    try:
+        config = KdaConfig.from_pretrained(args.path)
+    except (ConfigError, CheckpointError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"{args.path}: model_type {config.model_type or '?'}")
+    print(f"  geometry: {config.describe()}")
+    layers = ", ".join(str(i) for i in config.kda_layers) or "unknown (config lists none)"
+    print(f"  KDA layers ({len(config.kda_layers)} of {config.num_layers or '?'}), 0-based: {layers}")
+    try:
+        config.validate()
+        print("  CUDA kernels: geometry supported")
+    except ConfigError as exc:
+        print(f"  CUDA kernels: NOT supported: {exc}")
+    if args.no_tensors:
+        return 0
+    try:
+        results = check_layers(args.path, config)
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    bad = 0
+    for layer_idx, ok, message in results:
+        bad += not ok
+        print(f"  layer {layer_idx:>3}: {'ok  ' if ok else 'FAIL'} {message}")
+    print(f"  {len(results) - bad} of {len(results)} KDA layers bind cleanly")
+    return 1 if bad else 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    run_demo(args.geometry, prompt=args.prompt, steps=args.steps, seed=args.seed, force_cpu=args.cpu)
+    return 0
+
+
+def _selftest(args: argparse.Namespace) -> int:
+    from .selftest import run_selftest
+
+    return run_selftest(args.output, quick=args.quick)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="glm-kda", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("inspect", help="geometry, gate law, KDA layers and a tensor check of a checkpoint")
+    p.add_argument("path", help="checkpoint directory or hub repo id")
+    p.add_argument("--no-tensors", action="store_true", help="only read config.json")
+    p.set_defaults(func=_inspect)
+
+    p = sub.add_parser("demo", help="prefill + decode on a synthetic checkpoint, with a stage agreement table")
+    p.add_argument("--geometry", default="kimi", choices=["glm", "kimi", "tiny-glm", "tiny-kimi"])
+    p.add_argument("--prompt", type=int, default=64, help="prefill tokens (default 64)")
+    p.add_argument("--steps", type=int, default=32, help="decode steps (default 32)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cpu", action="store_true", help="run the NumPy path even when a GPU is present")
+    p.set_defaults(func=_demo)
+
+    p = sub.add_parser("selftest", help="GPU machines: run the GPU tests and a few timings, write a JSON report")
+    p.add_argument("--output", default="glm_kda_selftest.json")
+    p.add_argument("--quick", action="store_true", help="skip the real-geometry cases")
+    p.set_defaults(func=_selftest)
+
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

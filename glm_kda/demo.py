@@ -1,0 +1,95 @@
+"""The demo: a synthetic checkpoint, a prefill, a decode loop, a stage agreement table.
+
+On a machine with a CUDA GPU the block runs in the CUDA kernels and is compared with the
+float64 oracle; without one, the BF16-faithful NumPy oracle stands in for the kernels, and the
+demo says so.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .checkpoint import bind_layer
+from .device import gpu_status
+from .reference import KdaOracle, compare_stages
+from .synthetic import synthetic_hidden, write_synthetic_checkpoint
+
+
+def demo_checkpoint(geometry: str, seed: int = 0) -> Path:
+    """Write (once) and return a synthetic checkpoint directory for `geometry`."""
+    root = Path(os.environ.get("GLM_KDA_CACHE", Path(tempfile.gettempdir()) / "glm_kda_demo"))
+    path = root / f"{geometry}-seed{seed}"
+    if not (path / "config.json").exists():
+        print(f"writing a synthetic {geometry} checkpoint to {path} ...", flush=True)
+        write_synthetic_checkpoint(path, geometry, seed=seed, num_layers=4, progress=True)
+    return path
+
+
+def _tqdm(iterable, **kwargs):
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, **kwargs)
+
+
+def run_demo(geometry: str = "kimi", prompt: int = 64, steps: int = 32, seed: int = 0, force_cpu: bool = False) -> dict:
+    """Prefill `prompt` synthetic hidden rows, decode `steps` more, compare with the oracle.
+
+    Returns a dict with the path taken ("cuda" or "numpy"), timings and the stage table.
+    """
+    path = demo_checkpoint(geometry, seed)
+    layer = bind_layer(path, 0, progress=False)
+    cfg = layer.config
+    print(f"layer 0 of {path.name}: {cfg.describe()}")
+    hidden = synthetic_hidden(prompt + steps, cfg.hidden, seed=seed + 1)
+    ok, why = gpu_status()
+    use_gpu = ok and not force_cpu
+    exact = KdaOracle(layer, "float64")
+    if use_gpu:
+        print(f"GPU: {why}: running the CUDA kernels")
+        result = _run_gpu(path, hidden, prompt, steps)
+    else:
+        reason = "--cpu given" if force_cpu else f"no GPU found ({why})"
+        print(f"{reason}: running the NumPy reference path (BF16-faithful oracle in place of the kernels)")
+        result = _run_oracle(KdaOracle(layer, "bf16"), hidden, prompt, steps)
+    t0 = time.perf_counter()
+    ref_stages, ref_state = exact.prefill(hidden[:prompt], None)
+    ref_decode = _decode_loop(exact, hidden[prompt:], ref_state, progress=False)
+    ref_stages = {k: np.concatenate([ref_stages[k], ref_decode[k]]) for k in ref_stages}
+    table = compare_stages(result["stages"], ref_stages)
+    print(f"\nagreement with the float64 oracle over {prompt} prefill + {steps} decode tokens "
+          f"(oracle took {time.perf_counter() - t0:.1f} s):")
+    print(table)
+    print(f"\nprefill {prompt} tokens: {result['prefill_ms']:.2f} ms; decode: {result['decode_ms_per_token']:.3f} ms/token "
+          f"({result['path']} path)")
+    result["table"] = table
+    return result
+
+
+def _decode_loop(oracle: KdaOracle, rows: np.ndarray, state, progress: bool = True) -> dict:
+    outs = []
+    for i in _tqdm(range(rows.shape[0]), desc="decode", disable=not progress, leave=False):
+        stages, state = oracle.decode(rows[i : i + 1], state)
+        outs.append(stages)
+    return {k: np.concatenate([o[k] for o in outs]) for k in outs[0]}
+
+
+def _run_oracle(oracle: KdaOracle, hidden: np.ndarray, prompt: int, steps: int) -> dict:
+    t0 = time.perf_counter()
+    stages, state = oracle.prefill(hidden[:prompt], None, chunk=oracle.config.chunk)
+    t1 = time.perf_counter()
+    decoded = _decode_loop(oracle, hidden[prompt:], state)
+    t2 = time.perf_counter()
+    merged = {k: np.concatenate([stages[k], decoded[k]]) for k in stages}
+    return {"path": "numpy", "stages": merged, "prefill_ms": 1e3 * (t1 - t0),
+            "decode_ms_per_token": 1e3 * (t2 - t1) / max(steps, 1)}
+
+
+def _run_gpu(path: Path, hidden: np.ndarray, prompt: int, steps: int) -> dict:
+    from .layer import run_demo_on_gpu
+
+    return run_demo_on_gpu(path, hidden, prompt, steps)

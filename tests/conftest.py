@@ -1,0 +1,46 @@
+"""Shared fixtures: real-geometry synthetic checkpoints (written once per session) and a fake hub."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from huggingface_hub.errors import EntryNotFoundError
+
+from glm_kda.synthetic import write_synthetic_checkpoint
+
+
+@pytest.fixture(scope="session")
+def real_checkpoint(tmp_path_factory):
+    """real_checkpoint(geometry, layout) -> directory of a one-layer checkpoint at the real
+    GLM-5.3-Flash or Kimi-Linear geometry (seed 0), written on first use."""
+    written: dict[tuple[str, str], Path] = {}
+
+    def get(geometry: str, layout: str = "release") -> Path:
+        if (geometry, layout) not in written:
+            directory = tmp_path_factory.mktemp(f"{geometry}-{layout}")
+            written[geometry, layout] = write_synthetic_checkpoint(directory, geometry, layout=layout, num_layers=1)
+        return written[geometry, layout]
+
+    return get
+
+
+@pytest.fixture
+def fake_hub(monkeypatch):
+    """fake_hub(directory) serves `directory` as a hub repo through a stand-in for
+    glm_kda.checkpoint.hf_hub_download; returns the list of (repo_id, filename, kwargs) requested."""
+
+    def serve(directory: Path) -> list[tuple[str, str, dict]]:
+        requests: list[tuple[str, str, dict]] = []
+
+        def download(*, repo_id: str, filename: str, **kwargs) -> str:
+            requests.append((repo_id, filename, kwargs))
+            path = Path(directory) / filename
+            if not path.is_file():
+                raise EntryNotFoundError(f"{repo_id}: {filename} not found")
+            return str(path)
+
+        monkeypatch.setattr("glm_kda.checkpoint.hf_hub_download", download)
+        return requests
+
+    return serve
