@@ -294,6 +294,39 @@ class KdaOracle:
         stages["o_norm_out"] = self.round(gated_rmsnorm(stages["core"], stages["out_gate"], w["o_norm"], self.config.rms_norm_eps))
         stages["final_out"] = self.round(linear(stages["o_norm_out"], w["o_proj"]))
 
+    def fed_stages(self, hidden: Any, upstream: Mapping[str, Any], state: KdaState | None = None,
+                   chunk: int | None = None) -> tuple[dict[str, Any], KdaState]:
+        """Every stage recomputed from the UPSTREAM stage values given (typically a kernel's
+        workspace), so each stage can be judged on its own, free of upstream rounding flips.
+
+        upstream holds at least qkv_proj, down_proj, forget_proj, conv_out, query, key, value,
+        gate, beta, core, out_gate, o_norm_out (as a GPU workspace does); `state` is the state
+        the run started from. Returns (stages, state after the run from upstream inputs).
+        """
+        cfg, w, rnd, xp = self.config, self.weights, self.round, self.xp
+        d = cfg.head_dim
+        up = {name: _to_float64(value, xp) for name, value in upstream.items()}
+        start = self._state(state)
+        out: dict[str, Any] = {}
+        x = _to_float64(hidden, xp)
+        out["qkv_proj"] = rnd(linear(x, w["qkv_weight"]))
+        out["down_proj"] = rnd(linear(x, w["down_weight"]))
+        out["forget_proj"] = rnd(linear(up["down_proj"][:, :d], w["f_b"]))
+        out["out_gate"] = rnd(linear(up["down_proj"][:, d : 2 * d], w["g_b"]))
+        out["gate"] = forget_gate(up["forget_proj"], w["dt_bias"], w["a_log"], cfg)
+        out["beta"] = sigmoid(up["down_proj"][:, 2 * d :])
+        conv_out, conv_state = conv_silu(up["qkv_proj"], start.conv, w["conv_weight"])
+        out["conv_out"] = rnd(conv_out)
+        out["query"], out["key"], out["value"] = l2norm_split(up["conv_out"], cfg.heads, cfg.head_dim, cfg.l2_eps)
+        args = (up["query"], up["key"], up["value"], up["gate"], up["beta"], start.recurrent)
+        if chunk is None:
+            out["core"], recurrent = recurrent_scan(*args)
+        else:
+            out["core"], recurrent = chunk_scan(*args, chunk=chunk)
+        out["o_norm_out"] = rnd(gated_rmsnorm(up["core"], up["out_gate"], w["o_norm"], cfg.rms_norm_eps))
+        out["final_out"] = rnd(linear(up["o_norm_out"], w["o_proj"]))
+        return out, KdaState(conv_state, recurrent)
+
     def _state(self, state: KdaState | None) -> KdaState:
         xp = self.xp
         if state is None:

@@ -221,3 +221,15 @@ def test_compare_stages_reports_nan_and_shapes():
     assert np.isnan(table["core"].rms_ratio) and table.first_above(1.0) == "core"
     with pytest.raises(ValueError, match="core"):
         compare_stages({"core": np.zeros(3)}, {"core": np.zeros(4)})
+
+
+def test_fed_stages_of_an_oracle_run_reproduce_it(tiny_layer):
+    """Fed its own stages, the oracle reproduces each of them: the per-stage judge is exact."""
+    oracle = KdaOracle(tiny_layer, "bf16")
+    hidden = synthetic_hidden(20, tiny_layer.config.hidden, seed=12)
+    state = KdaState.random(tiny_layer.config, seed=6)
+    stages, after = oracle.prefill(hidden, state)
+    fed, fed_after = oracle.fed_stages(hidden, stages, state)
+    for name in STAGE_ORDER:
+        assert_bits_equal(fed[name], stages[name], f"fed {name}")
+    assert_bits_equal(fed_after.recurrent, after.recurrent, "fed recurrent state")
