@@ -1,0 +1,428 @@
+"""Loader of the CUDA kernels in ``kernels_src/`` and the one place that launches them.
+
+One ``.cu`` file per kernel family, every kernel ``extern "C"`` with its dtype in
+its name, so CuPy's on-disk cache keys on the source text alone. The shared header
+``kda_common.cuh`` is inlined by :func:`kernel_source` with ``#line`` directives,
+so a compiler error names the real file and line and NVRTC needs no include path.
+
+Importing this module does not touch the GPU: :class:`KernelSet` compiles and
+loads the modules the first time it is built, and :func:`compile_check` compiles
+with NVRTC alone (no driver, no GPU), which is what the test suite runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+# file stem -> kernel entry points, in the pipeline order of the block.
+ENTRY_POINTS: dict[str, tuple[str, ...]] = {
+    "gemv": ("gemv_bf16",),
+    "conv": ("conv_decode_silu_l2_bf16", "conv_prefill_silu_bf16", "l2norm_split_f32"),
+    "gate": ("gate_beta_f32",),
+    "recurrent": ("kda_recurrent_step_f32",),
+    "chunk": ("kda_chunk_prepare_f32", "kda_chunk_scan_f32"),
+    "norm": ("gated_rmsnorm_sigmoid_bf16",),
+}
+
+# The kernel source files, one per family (the keys of ENTRY_POINTS plus ".cu").
+KERNEL_FILES: tuple[str, ...] = tuple(f"{stem}.cu" for stem in ENTRY_POINTS)
+
+COMMON_HEADER = "kda_common.cuh"
+
+# Precise math on purpose: no --use_fast_math (expf, sqrtf and division stay IEEE).
+COMPILE_OPTIONS: tuple[str, ...] = ("-std=c++17",)
+
+_INCLUDE_COMMON = re.compile(r'^[ \t]*#[ \t]*include[ \t]*[<"]' + re.escape(COMMON_HEADER) + r'[>"]')
+
+
+def kernels_dir() -> Path:
+    """The folder holding the ``.cu`` sources.
+
+    ``<package>/kernels_src`` in an installed wheel, else ``<package>/../kernels_src``
+    in a source checkout.
+    """
+    package = Path(__file__).resolve().parent
+    for candidate in (package / "kernels_src", package.parent / "kernels_src"):
+        if (candidate / COMMON_HEADER).is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"kernel sources not found: neither {package / 'kernels_src'} nor "
+        f"{package.parent / 'kernels_src'} holds {COMMON_HEADER}"
+    )
+
+
+def _line_directive(line: int, path: Path) -> str:
+    quoted = str(path).replace("\\", "\\\\").replace('"', '\\"')
+    return f'#line {line} "{quoted}"'
+
+
+def kernel_source(stem: str, directory: Path | str | None = None) -> str:
+    """The text of ``<stem>.cu`` with ``kda_common.cuh`` inlined where it is included.
+
+    Each part starts with a ``#line`` directive naming its real file, and the
+    directive after the inlined header restores the ``.cu`` file's numbering, so
+    compiler messages point at the real file and line.
+    """
+    folder = Path(directory) if directory is not None else kernels_dir()
+    source_path = (folder / f"{stem}.cu").resolve()
+    header_path = (folder / COMMON_HEADER).resolve()
+    lines = source_path.read_text().splitlines()
+    parts = [_line_directive(1, source_path)]
+    for number, line in enumerate(lines, start=1):
+        if _INCLUDE_COMMON.match(line):
+            parts.append(_line_directive(1, header_path))
+            parts.append(header_path.read_text().rstrip("\n"))
+            parts.append(_line_directive(number + 1, source_path))
+        else:
+            parts.append(line)
+    return "\n".join(parts) + "\n"
+
+
+# --------------------------------------------------------------------------------------
+# Compilation without a GPU (NVRTC only)
+# --------------------------------------------------------------------------------------
+
+
+class KernelCompileError(RuntimeError):
+    """NVRTC rejected a kernel file; the message carries the compiler log."""
+
+
+@dataclass(frozen=True)
+class CompiledFile:
+    """One kernel file compiled for one architecture."""
+
+    stem: str
+    arch: str
+    cubin: bytes
+    log: str
+
+
+def compile_file(stem: str, arch: str, directory: Path | str | None = None) -> CompiledFile:
+    """Compile ``<stem>.cu`` to a cubin for ``arch`` (e.g. "sm_90") with NVRTC.
+
+    Needs the NVRTC library only (the nvidia-cuda-nvrtc-cu12 wheel), no driver.
+    Raises KernelCompileError with the full compiler log on failure.
+    """
+    from cupy.cuda import nvrtc
+
+    source = kernel_source(stem, directory)
+    options = [*COMPILE_OPTIONS, f"--gpu-architecture={arch}", "--ptxas-options=-v"]
+    program = nvrtc.createProgram(source, f"{stem}.cu", [], [])
+    try:
+        try:
+            nvrtc.compileProgram(program, options)
+        except nvrtc.NVRTCError as error:
+            log = nvrtc.getProgramLog(program).rstrip("\x00")
+            raise KernelCompileError(
+                f"NVRTC failed to compile {stem}.cu for {arch} ({error}):\n{log}"
+            ) from None
+        log = nvrtc.getProgramLog(program).rstrip("\x00")
+        cubin = nvrtc.getCUBIN(program)
+    finally:
+        nvrtc.destroyProgram(program)
+    if not _PTXAS_ENTRY.search(log):
+        log = _ptxas_log_without_cache(source, f"{stem}.cu", options)
+    return CompiledFile(stem=stem, arch=arch, cubin=cubin, log=log)
+
+
+_UNCACHED_COMPILE_SCRIPT = """
+import json, sys
+from cupy.cuda import nvrtc
+source, name, options = json.load(sys.stdin)
+program = nvrtc.createProgram(source, name, [], [])
+nvrtc.compileProgram(program, options)
+sys.stdout.write(nvrtc.getProgramLog(program).rstrip("\\x00"))
+"""
+
+
+def _ptxas_log_without_cache(source: str, name: str, options: list[str]) -> str:
+    """The ptxas report of a compile that bypasses the CUDA compute cache.
+
+    NVRTC 13 reuses ptxas output from the compute cache (~/.nv/ComputeCache) and
+    then reports no resource usage. The cache switch (CUDA_CACHE_DISABLE) is read
+    once, when the library loads, so the report comes from a child process.
+    """
+    import json
+    import os
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", _UNCACHED_COMPILE_SCRIPT],
+        input=json.dumps([source, name, options]),
+        capture_output=True,
+        text=True,
+        env={**os.environ, "CUDA_CACHE_DISABLE": "1"},
+        check=False,
+    )
+    if result.returncode != 0:
+        raise KernelCompileError(f"uncached recompile of {name} failed:\n{result.stderr}")
+    return result.stdout
+
+
+_PTXAS_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+_PTXAS_PROPERTIES = re.compile(r"Function properties for (\S+)")
+_PTXAS_FRAME = re.compile(
+    r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads"
+)
+_PTXAS_REGISTERS = re.compile(r"Used (\d+) registers")
+_PTXAS_SHARED = re.compile(r"(\d+) bytes smem")
+
+
+def parse_ptxas_log(log: str) -> dict[str, dict[str, int]]:
+    """Per entry function: registers, spill_stores, spill_loads, stack_frame, shared.
+
+    ``shared`` is the static shared memory in bytes (dynamic shared memory is a
+    launch parameter and does not appear in the log).
+    """
+    resources: dict[str, dict[str, int]] = {}
+    current: str | None = None
+    for line in log.splitlines():
+        match = _PTXAS_ENTRY.search(line) or _PTXAS_PROPERTIES.search(line)
+        if match:
+            current = match.group(1)
+            resources.setdefault(
+                current,
+                {"registers": 0, "spill_stores": 0, "spill_loads": 0, "stack_frame": 0, "shared": 0},
+            )
+            continue
+        if current is None:
+            continue
+        match = _PTXAS_FRAME.search(line)
+        if match:
+            frame, stores, loads = (int(value) for value in match.groups())
+            resources[current].update(stack_frame=frame, spill_stores=stores, spill_loads=loads)
+        match = _PTXAS_REGISTERS.search(line)
+        if match:
+            resources[current]["registers"] = int(match.group(1))
+            shared = _PTXAS_SHARED.search(line)
+            if shared:
+                resources[current]["shared"] = int(shared.group(1))
+    return resources
+
+
+def cubin_function_symbols(cubin: bytes) -> list[str]:
+    """Names of the function symbols (STT_FUNC) in a cubin's ELF symbol table."""
+    if cubin[:4] != b"\x7fELF" or cubin[4] != 2:
+        raise ValueError("not a 64-bit ELF cubin")
+    endian = "<" if cubin[5] == 1 else ">"
+    (section_offset,) = struct.unpack_from(endian + "Q", cubin, 0x28)
+    section_size, section_count = struct.unpack_from(endian + "HH", cubin, 0x3A)
+    sections = [
+        struct.unpack_from(endian + "IIQQQQIIQQ", cubin, section_offset + index * section_size)
+        for index in range(section_count)
+    ]
+    names: list[str] = []
+    for _, kind, _, _, offset, size, link, _, _, entry_size in sections:
+        if kind != 2:  # SHT_SYMTAB
+            continue
+        strings_offset = sections[link][4]
+        for position in range(offset, offset + size, entry_size or 24):
+            name_offset, info = struct.unpack_from(endian + "IB", cubin, position)
+            if info & 0xF != 2:  # STT_FUNC
+                continue
+            start = strings_offset + name_offset
+            names.append(cubin[start : cubin.index(b"\x00", start)].decode())
+    return names
+
+
+def compile_check(arch: str) -> dict[str, dict[str, int]]:
+    """Compile every kernel file for ``arch`` with NVRTC (no GPU needed).
+
+    Returns, per kernel entry point, {registers, spill_stores, spill_loads,
+    stack_frame, shared} from the ``--ptxas-options=-v`` log. Raises
+    KernelCompileError with the compiler log if a file fails, or if an entry
+    point of ENTRY_POINTS is missing from its cubin.
+    """
+    report: dict[str, dict[str, int]] = {}
+    for stem, names in ENTRY_POINTS.items():
+        compiled = compile_file(stem, arch)
+        symbols = set(cubin_function_symbols(compiled.cubin))
+        resources = parse_ptxas_log(compiled.log)
+        missing = [name for name in names if name not in symbols]
+        if missing:
+            raise KernelCompileError(
+                f"{stem}.cu compiled for {arch} lacks entry points {missing}:\n{compiled.log}"
+            )
+        for name in names:
+            report[name] = resources.get(
+                name,
+                {"registers": 0, "spill_stores": 0, "spill_loads": 0, "stack_frame": 0, "shared": 0},
+            )
+    return report
+
+
+# --------------------------------------------------------------------------------------
+# Loading on a GPU
+# --------------------------------------------------------------------------------------
+
+
+class KernelSet:
+    """Every entry point of ENTRY_POINTS, compiled and loaded on one device.
+
+    Construction compiles one ``cupy.RawModule`` per file (CuPy caches the cubin on
+    disk) and resolves every entry point; a missing one is a hard error listing all
+    missing names, never a silent fallback. Use :meth:`get` for the cached instance
+    of the current device.
+    """
+
+    _instances: dict[int, "KernelSet"] = {}
+
+    def __init__(self) -> None:
+        import cupy
+
+        self.device_id: int = cupy.cuda.Device().id
+        self.modules: dict[str, Any] = {}
+        self.functions: dict[str, Any] = {}
+        # Largest dynamic shared memory each kernel has been opted in to.
+        self._dynamic_shared_limit: dict[str, int] = {}
+        missing: list[str] = []
+        for stem, names in ENTRY_POINTS.items():
+            module = cupy.RawModule(code=kernel_source(stem), options=COMPILE_OPTIONS)
+            self.modules[stem] = module
+            for name in names:
+                try:
+                    self.functions[name] = module.get_function(name)
+                except cupy.cuda.driver.CUDADriverError:
+                    missing.append(f"{stem}.cu:{name}")
+        if missing:
+            raise RuntimeError(f"kernel entry points not found: {', '.join(missing)}")
+
+    @classmethod
+    def get(cls) -> "KernelSet":
+        """The KernelSet of the current CUDA device, built on first use."""
+        import cupy
+
+        device_id = cupy.cuda.Device().id
+        instance = cls._instances.get(device_id)
+        if instance is None:
+            instance = cls()
+            cls._instances[device_id] = instance
+        return instance
+
+    def function(self, name: str) -> Any:
+        try:
+            return self.functions[name]
+        except KeyError:
+            raise KeyError(f"unknown kernel {name!r}; known: {sorted(self.functions)}") from None
+
+    def ensure_dynamic_shared(self, name: str, shared_mem: int) -> None:
+        """Opt ``name`` in to ``shared_mem`` bytes of dynamic shared memory (above 48 KiB
+        a kernel must ask for it explicitly)."""
+        if shared_mem <= self._dynamic_shared_limit.get(name, 48 * 1024):
+            return
+        import cupy
+
+        runtime = cupy.cuda.runtime
+        device_limit = runtime.deviceGetAttribute(
+            runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, self.device_id
+        )
+        if shared_mem > device_limit:
+            raise ValueError(
+                f"{name} needs {shared_mem} bytes of shared memory per block; this device "
+                f"allows {device_limit} (use a smaller chunk)"
+            )
+        self.function(name).max_dynamic_shared_size_bytes = shared_mem
+        self._dynamic_shared_limit[name] = shared_mem
+
+
+# --------------------------------------------------------------------------------------
+# Timing and the launch point
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class StageTimer:
+    """Per-kernel GPU time, measured with a pair of CUDA events around each launch.
+
+    Off by default; when off, :func:`launch` pays one attribute check. Use through
+    :func:`timing`.
+    """
+
+    active: bool = False
+    _pending: list[tuple[str, Any, Any]] = field(default_factory=list)
+    totals_ms: dict[str, float] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)
+
+    def reset(self) -> None:
+        self._pending.clear()
+        self.totals_ms.clear()
+        self.calls.clear()
+
+    def record(self, name: str, start: Any, end: Any) -> None:
+        self._pending.append((name, start, end))
+
+    def synchronize(self) -> None:
+        """Wait for the recorded launches and fold their times into the totals."""
+        import cupy
+
+        for name, start, end in self._pending:
+            end.synchronize()
+            self.totals_ms[name] = self.totals_ms.get(name, 0.0) + cupy.cuda.get_elapsed_time(
+                start, end
+            )
+            self.calls[name] = self.calls.get(name, 0) + 1
+        self._pending.clear()
+
+    def summary(self) -> dict[str, float]:
+        """Total milliseconds per kernel name, largest first (after synchronize)."""
+        return dict(sorted(self.totals_ms.items(), key=lambda item: -item[1]))
+
+    def table(self) -> str:
+        """The summary as aligned text: kernel, calls, total ms."""
+        rows = [f"{'kernel':32s} {'calls':>7s} {'total ms':>10s}"]
+        for name, total in self.summary().items():
+            rows.append(f"{name:32s} {self.calls[name]:7d} {total:10.3f}")
+        return "\n".join(rows)
+
+
+TIMER = StageTimer()
+
+
+@contextlib.contextmanager
+def timing() -> Iterator[StageTimer]:
+    """Time every launch inside the block: ``with timing() as t: ...`` then
+    ``t.summary()``. The totals are complete once the block has exited."""
+    TIMER.reset()
+    TIMER.active = True
+    try:
+        yield TIMER
+    finally:
+        TIMER.active = False
+        TIMER.synchronize()
+
+
+def launch(
+    name: str,
+    grid: Sequence[int],
+    block: Sequence[int],
+    args: Sequence[Any],
+    shared_mem: int = 0,
+) -> None:
+    """Launch kernel ``name`` on the current stream.
+
+    ``args`` are cupy arrays (passed as device pointers) and numpy.int32 /
+    numpy.float32 scalars, in the kernel's parameter order; the wrappers in
+    :mod:`glm_kda.ops` build them.
+    """
+    kernel_set = KernelSet.get()
+    function = kernel_set.function(name)
+    if shared_mem > 0:
+        kernel_set.ensure_dynamic_shared(name, shared_mem)
+    grid = tuple(int(value) for value in grid)
+    block = tuple(int(value) for value in block)
+    if TIMER.active:
+        import cupy
+
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        function(grid, block, tuple(args), shared_mem=shared_mem)
+        end.record()
+        TIMER.record(name, start, end)
+    else:
+        function(grid, block, tuple(args), shared_mem=shared_mem)

@@ -1,0 +1,371 @@
+"""One KDA block on the GPU: device weights, a shared workspace, prefill / decode / decode_k.
+
+    front end  (driven by the raw hidden rows, identical on every path)
+        qkv_proj    = hidden @ [W_q; W_k; W_v]^T           one projection, weights fused at bind
+        down_proj   = hidden @ [W_fa; W_ga; W_b]^T         one projection, weights fused at bind
+        forget_proj = down_proj[:, :D] @ W_fb^T
+        out_gate    = down_proj[:, D:2D] @ W_gb^T
+        gate, beta  = gate_beta_f32(forget_proj, dt_bias, A_log, down_proj[:, 2D:])
+    stateful part
+        decode:  per row, conv + SiLU + L2 fused, then one recurrent step (state read once,
+                 written once)
+        prefill: conv + SiLU over T tokens, L2 + split, chunk prepare, chunk scan
+    back end
+        o_norm_out  = sigmoid-gated RMSNorm(core, out_gate)
+        final_out   = o_norm_out @ W_o^T
+
+Projections of 1..16 rows use gemv_bf16, whose per-row arithmetic does not depend on the row
+count: this is what makes decode_k (K rows) bit-identical to K calls of decode. Wider
+projections go to cuBLAS (BF16 in, FP32 compute), which reassociates and is used only by
+prefill of more than 16 tokens, never by verify.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+import ml_dtypes
+import numpy as np
+
+from . import kernels, ops
+from .checkpoint import BoundLayer, bind_layer
+from .config import KdaConfig
+from .device import require_gpu
+from .state import KdaState
+
+GEMV_MAX_ROWS = ops.GEMV_MAX_ROWS
+
+
+@functools.lru_cache(maxsize=1)
+def bf16_dtype() -> Any:
+    """ml_dtypes.bfloat16 where this CuPy has a BF16 dtype, else uint16 (same bytes)."""
+    import cupy
+
+    try:
+        cupy.zeros(1, dtype=ml_dtypes.bfloat16)
+        return np.dtype(ml_dtypes.bfloat16)
+    except Exception:
+        return np.dtype(np.uint16)
+
+
+def to_device_bf16(array: np.ndarray) -> Any:
+    import cupy
+
+    host = np.ascontiguousarray(np.asarray(array).astype(ml_dtypes.bfloat16))
+    return cupy.asarray(host.view(np.uint16)).view(bf16_dtype())
+
+
+def to_device_f32(array: np.ndarray) -> Any:
+    import cupy
+
+    return cupy.asarray(np.ascontiguousarray(np.asarray(array, dtype=np.float32)))
+
+
+def to_host(array: Any) -> np.ndarray:
+    """Device array -> host NumPy (BF16 buffers come back as ml_dtypes.bfloat16)."""
+    host = array.get() if hasattr(array, "get") else np.asarray(array)
+    if host.dtype == np.uint16:
+        host = host.view(ml_dtypes.bfloat16)
+    return host
+
+
+@contextlib.contextmanager
+def _section(name: str):
+    """CUDA events around a group of launches when timing is on; free when off."""
+    if not kernels.TIMER.active:
+        yield
+        return
+    import cupy
+
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    yield
+    end.record()
+    kernels.TIMER.record(f"[{name}]", start, end)
+
+
+class KdaWorkspace:
+    """Scratch sized once for `max_tokens` rows; one workspace serves every layer of a geometry.
+
+    The stage buffers are public on purpose: they carry the oracle's stage names
+    (glm_kda.reference.STAGE_ORDER), so `workspace.stages(T)` lines up with an oracle run.
+
+      qkv_proj [T, 3*qkv] BF16    down_proj [T, 2D+H] BF16    forget_proj, out_gate [T, qkv] BF16
+      conv_out [T, 3*qkv] BF16    query, key, value, gate, core [Tp, H, D] FP32    beta [Tp, H] FP32
+      o_norm_out [T, qkv] BF16    final_out [T, hidden] BF16
+      chunk scratch: q_decay, k_tail, chunk_w, chunk_u [Tp, H, D], attn [Tp/C, H, C, C],
+      chunk_decay [Tp/C, H, D], all FP32
+    with Tp = max_tokens rounded up to the chunk.
+    """
+
+    _shared: dict[tuple, "KdaWorkspace"] = {}
+
+    def __init__(self, config: KdaConfig, max_tokens: int):
+        import cupy
+
+        config.validate()
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        self.config = config
+        self.max_tokens = max_tokens
+        c = config
+        self.padded_tokens = padded = -(-max_tokens // c.chunk) * c.chunk
+        nchunks = padded // c.chunk
+        bf16, f32 = bf16_dtype(), np.float32
+        heads, dim = c.heads, c.head_dim
+        self.qkv_proj = cupy.zeros((max_tokens, c.conv_dim), bf16)
+        self.down_proj = cupy.zeros((max_tokens, c.down_dim), bf16)
+        # forget_proj and out_gate have the same shape and kind: separate buffers, never aliased.
+        self.forget_proj = cupy.zeros((max_tokens, c.qkv), bf16)
+        self.out_gate = cupy.zeros((max_tokens, c.qkv), bf16)
+        self.conv_out = cupy.zeros((max_tokens, c.conv_dim), bf16)
+        self.query = cupy.zeros((padded, heads, dim), f32)
+        self.key = cupy.zeros((padded, heads, dim), f32)
+        self.value = cupy.zeros((padded, heads, dim), f32)
+        self.gate = cupy.zeros((padded, heads, dim), f32)
+        self.beta = cupy.zeros((padded, heads), f32)
+        self.core = cupy.zeros((padded, heads, dim), f32)
+        self.o_norm_out = cupy.zeros((max_tokens, c.qkv), bf16)
+        self.final_out = cupy.zeros((max_tokens, c.hidden), bf16)
+        self.q_decay = cupy.zeros((padded, heads, dim), f32)
+        self.k_tail = cupy.zeros((padded, heads, dim), f32)
+        self.chunk_w = cupy.zeros((padded, heads, dim), f32)
+        self.chunk_u = cupy.zeros((padded, heads, dim), f32)
+        self.attn = cupy.zeros((nchunks, heads, c.chunk, c.chunk), f32)
+        self.chunk_decay = cupy.zeros((nchunks, heads, dim), f32)
+
+    @classmethod
+    def shared(cls, config: KdaConfig, max_tokens: int) -> "KdaWorkspace":
+        """The workspace of this geometry and size on the current device, made on first use."""
+        import cupy
+
+        key = (config.hidden, config.heads, config.head_dim, config.conv_kernel, config.chunk, max_tokens, cupy.cuda.Device().id)
+        if key not in cls._shared:
+            cls._shared[key] = cls(config, max_tokens)
+        return cls._shared[key]
+
+    def stages(self, rows: int) -> dict[str, np.ndarray]:
+        """Host copies of the first `rows` rows of every stage buffer, by oracle stage name."""
+        from .reference import STAGE_ORDER
+
+        return {name: to_host(getattr(self, name)[:rows]) for name in STAGE_ORDER}
+
+
+class KdaLayer:
+    """One KDA block bound to the GPU. Calls take and return BF16 [rows, hidden] arrays
+    (CuPy; NumPy is uploaded; torch tensors pass through DLPack without copies)."""
+
+    def __init__(self, bound: BoundLayer, max_tokens: int = 4096, workspace: KdaWorkspace | None = None):
+        require_gpu("KdaLayer")
+        self.config = bound.config.validate()
+        self.layer_idx = bound.layer_idx
+        self.workspace = workspace if workspace is not None else KdaWorkspace.shared(self.config, max_tokens)
+        if self.workspace.config.conv_dim != self.config.conv_dim or self.workspace.config.hidden != self.config.hidden:
+            raise ValueError("workspace geometry differs from the layer's")
+        kernels.KernelSet.get()  # compile and resolve every entry point now, not mid-call
+        self.qkv_weight = to_device_bf16(bound.qkv_weight)
+        self.down_weight = to_device_bf16(bound.down_weight)
+        self.f_b = to_device_bf16(bound.f_b)
+        self.g_b = to_device_bf16(bound.g_b)
+        self.conv_weight = to_device_bf16(bound.conv_weight)
+        self.dt_bias = to_device_f32(bound.dt_bias)
+        self.a_log = to_device_f32(bound.a_log.reshape(-1))
+        self.o_norm = to_device_bf16(bound.o_norm)
+        self.o_proj = to_device_bf16(bound.o_proj)
+        self.scale = 1.0 / math.sqrt(self.config.head_dim)
+
+    @classmethod
+    def from_pretrained(cls, path_or_repo: str | Path, layer_idx: int, max_tokens: int = 4096, chunk: int = 64,
+                        workspace: KdaWorkspace | None = None, **hub_kwargs: Any) -> "KdaLayer":
+        """Bind layer `layer_idx` of a checkpoint directory or hub repo and upload it."""
+        require_gpu("KdaLayer.from_pretrained")
+        bound = bind_layer(path_or_repo, layer_idx, **hub_kwargs)
+        if chunk != bound.config.chunk:
+            import dataclasses
+
+            bound = dataclasses.replace(bound, config=bound.config.with_chunk(chunk))
+        return cls(bound, max_tokens=max_tokens, workspace=workspace)
+
+    def new_state(self) -> KdaState:
+        """Zero state of a new sequence: conv FP32 [conv_dim, K], recurrent FP32 [H, D, D]."""
+        import cupy
+
+        return KdaState.zeros(self.config, cupy, np.float32)
+
+    # Input checks: everything is checked before the first launch, so a call that fails leaves
+    # the state untouched ---------------------------------------------------------------------
+    def _rows_in(self, hidden: Any, what: str, max_rows: int) -> tuple[Any, Any]:
+        """(cupy view of hidden [rows, hidden], a function mapping a cupy output back to the
+        caller's kind)."""
+        import cupy
+
+        back = lambda out: out  # noqa: E731
+        if type(hidden).__module__.startswith("torch"):
+            import torch
+
+            if hidden.dtype != torch.bfloat16:
+                raise TypeError(f"{what}: torch tensor must be torch.bfloat16, got {hidden.dtype}")
+            if not hidden.is_cuda:
+                raise TypeError(f"{what}: torch tensor must be on a CUDA device, got {hidden.device}")
+            hidden = cupy.from_dlpack(hidden.view(torch.int16)).view(bf16_dtype())
+            back = lambda out: torch.from_dlpack(out.view(np.int16)).view(torch.bfloat16)  # noqa: E731
+        elif isinstance(hidden, np.ndarray):
+            if hidden.dtype != ml_dtypes.bfloat16:
+                raise TypeError(f"{what}: expected a BF16 array (ml_dtypes.bfloat16), got dtype {hidden.dtype}")
+            hidden = to_device_bf16(hidden)
+            back = to_host
+        elif not isinstance(hidden, cupy.ndarray):
+            raise TypeError(f"{what}: expected a CuPy, NumPy or torch BF16 array, got {type(hidden).__name__}")
+        if hidden.dtype not in (np.dtype(ml_dtypes.bfloat16), np.dtype(np.uint16)):
+            raise TypeError(f"{what}: expected BF16 (ml_dtypes.bfloat16), got dtype {hidden.dtype}")
+        if hidden.ndim == 1:
+            hidden = hidden.reshape(1, -1)
+        if hidden.ndim != 2 or hidden.shape[1] != self.config.hidden:
+            raise ValueError(f"{what}: expected [rows, {self.config.hidden}], got {list(hidden.shape)}")
+        rows = hidden.shape[0]
+        if not 1 <= rows <= max_rows:
+            raise ValueError(f"{what}: {rows} rows; this call takes 1..{max_rows} (workspace max_tokens={self.workspace.max_tokens})")
+        if not hidden.flags.c_contiguous:
+            raise ValueError(f"{what}: hidden must be C-contiguous")
+        if hidden.device.id != self.qkv_weight.device.id:
+            raise ValueError(f"{what}: hidden is on device {hidden.device.id}, the layer on {self.qkv_weight.device.id}")
+        return hidden, back
+
+    def _check_state(self, state: KdaState, what: str) -> None:
+        import cupy
+
+        if not isinstance(state, KdaState):
+            raise TypeError(f"{what}: state must be a KdaState (layer.new_state()), got {type(state).__name__}")
+        state.check(self.config, "state")
+        for field in ("conv", "recurrent"):
+            buf = getattr(state, field)
+            if not isinstance(buf, cupy.ndarray) or buf.dtype != np.float32 or not buf.flags.c_contiguous:
+                raise TypeError(f"{what}: state.{field} must be a contiguous CuPy float32 array")
+
+    # Stages -------------------------------------------------------------------------------
+    def _project(self, x: Any, weight: Any, out: Any) -> None:
+        if x.shape[0] <= GEMV_MAX_ROWS:
+            ops.gemv_bf16(x, weight, out, rows=x.shape[0])
+        else:
+            ops.gemm_bf16_cublas(x, weight, out)
+
+    def front_end(self, hidden: Any) -> None:
+        """Projections, forget gate, beta and output gate of `rows` hidden rows."""
+        ws, c, rows = self.workspace, self.config, hidden.shape[0]
+        d = c.head_dim
+        self._project(hidden, self.qkv_weight, ws.qkv_proj[:rows])
+        self._project(hidden, self.down_weight, ws.down_proj[:rows])
+        self._project(ws.down_proj[:rows, :d], self.f_b, ws.forget_proj[:rows])
+        self._project(ws.down_proj[:rows, d : 2 * d], self.g_b, ws.out_gate[:rows])
+        ops.gate_beta_f32(ws.forget_proj, self.dt_bias, self.a_log, ws.down_proj[:, 2 * d :], ws.gate, ws.beta,
+                          c.heads, d, c.bounded, c.gate_lower_bound or 0.0, tokens=rows)
+
+    def stateful_row(self, row: int, state: KdaState) -> None:
+        """Decode's stateful half for workspace row `row`: conv (+ SiLU + L2, fused) then one
+        recurrent step, both updating `state` in place. q and k arrive normalised; the
+        recurrent step must not normalise them again."""
+        ws, c = self.workspace, self.config
+        ops.conv_decode_silu_l2_bf16(state.conv, ws.qkv_proj[row], self.conv_weight, ws.conv_out[row],
+                                     ws.query[row], ws.key[row], ws.value[row], c.heads, c.head_dim, c.l2_eps)
+        ops.kda_recurrent_step_f32(ws.query[row], ws.key[row], ws.value[row], ws.gate[row], ws.beta[row],
+                                   state.recurrent, ws.core[row], self.scale)
+
+    def back_end(self, rows: int) -> None:
+        ws, c = self.workspace, self.config
+        ops.gated_rmsnorm_sigmoid_bf16(ws.core, ws.out_gate, self.o_norm, ws.o_norm_out, c.heads, c.head_dim,
+                                       c.rms_norm_eps, tokens=rows)
+        self._project(ws.o_norm_out[:rows], self.o_proj, ws.final_out[:rows])
+
+    # Calls ----------------------------------------------------------------------------------
+    def prefill(self, hidden: Any, state: KdaState, pad_value: float = 0.0) -> Any:
+        """Chunked prefill of hidden [T, hidden] BF16 from the carried `state` (updated in place).
+
+        Returns the block output [T, hidden] BF16 (a new array). `pad_value` fills the padded
+        tail of the last chunk in the q/k/v/gate/beta buffers; the chunk kernels must ignore it
+        (tests poison it with NaN and 1e30).
+        """
+        hidden, back = self._rows_in(hidden, "prefill", self.workspace.max_tokens)
+        self._check_state(state, "prefill")
+        ws, c, tokens = self.workspace, self.config, hidden.shape[0]
+        padded = ops.chunk_count(tokens, c.chunk) * c.chunk
+        with _section("front_end"):
+            self.front_end(hidden)
+        with _section("recurrence"):
+            ops.conv_prefill_silu_bf16(state.conv, ws.qkv_proj, self.conv_weight, ws.conv_out, tokens=tokens)
+            ops.l2norm_split_f32(ws.conv_out, ws.query, ws.key, ws.value, c.heads, c.head_dim, c.l2_eps, tokens=tokens)
+            if padded > tokens:
+                for buf in (ws.query, ws.key, ws.value, ws.gate, ws.beta):
+                    buf[tokens:padded].fill(pad_value)
+            ops.kda_chunk_prepare_f32(ws.query, ws.key, ws.value, ws.gate, ws.beta, ws.q_decay, ws.k_tail,
+                                      ws.chunk_w, ws.chunk_u, ws.attn, ws.chunk_decay, tokens, c.chunk, self.scale)
+            ops.kda_chunk_scan_f32(ws.q_decay, ws.k_tail, ws.chunk_w, ws.chunk_u, ws.attn, ws.chunk_decay,
+                                   state.recurrent, ws.core, tokens, c.chunk)
+        with _section("back_end"):
+            self.back_end(tokens)
+        return back(ws.final_out[:tokens].copy())
+
+    def decode(self, hidden_row: Any, state: KdaState) -> Any:
+        """One token: hidden_row [1, hidden] (or [hidden]) BF16 -> [1, hidden] BF16; state in place."""
+        return self.decode_k(hidden_row, state)
+
+    def decode_k(self, hidden_rows: Any, state: KdaState, snapshots: Sequence[KdaState] | None = None) -> Any:
+        """K rows (1..16) of ONE sequence: projections in one weight sweep, the recurrence
+        walked row by row. Bit-identical to K calls of decode.
+
+        `snapshots`, if given, holds up to K states (layer.new_state()); snapshots[i] receives
+        the state after row i, what a partial accept rolls back to.
+        """
+        hidden_rows, back = self._rows_in(hidden_rows, "decode_k", min(GEMV_MAX_ROWS, self.workspace.max_tokens))
+        self._check_state(state, "decode_k")
+        rows = hidden_rows.shape[0]
+        snapshots = list(snapshots or [])
+        if len(snapshots) > rows:
+            raise ValueError(f"decode_k: {len(snapshots)} snapshots for {rows} rows")
+        for i, snap in enumerate(snapshots):
+            self._check_state(snap, f"decode_k snapshots[{i}]")
+        with _section("front_end"):
+            self.front_end(hidden_rows)
+        with _section("recurrence"):
+            for row in range(rows):
+                self.stateful_row(row, state)
+                if row < len(snapshots):
+                    snapshots[row].conv[...] = state.conv
+                    snapshots[row].recurrent[...] = state.recurrent
+        with _section("back_end"):
+            self.back_end(rows)
+        return back(self.workspace.final_out[:rows].copy())
+
+
+def run_demo_on_gpu(path: Path, hidden: np.ndarray, prompt: int, steps: int) -> dict:
+    """The demo's GPU half: prefill, then a decode loop; stage buffers gathered per call."""
+    import cupy
+    from tqdm.auto import tqdm
+
+    layer = KdaLayer.from_pretrained(path, 0, max_tokens=max(prompt, 16))
+    state = layer.new_state()
+    device_hidden = to_device_bf16(hidden)
+    # Warm-up on a scratch state so compile and cuBLAS set-up stay out of the timings.
+    scratch = layer.new_state()
+    layer.prefill(device_hidden[:prompt], scratch)
+    layer.decode(device_hidden[prompt : prompt + 1], scratch)
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    layer.prefill(device_hidden[:prompt], state)
+    end.record()
+    end.synchronize()
+    prefill_ms = cupy.cuda.get_elapsed_time(start, end)
+    stages = layer.workspace.stages(prompt)
+    decoded, total_ms = [], 0.0
+    for i in tqdm(range(steps), desc="decode", leave=False):
+        start.record()
+        layer.decode(device_hidden[prompt + i : prompt + i + 1], state)
+        end.record()
+        end.synchronize()
+        total_ms += cupy.cuda.get_elapsed_time(start, end)
+        decoded.append(layer.workspace.stages(1))
+    merged = {k: np.concatenate([stages[k]] + [d[k] for d in decoded]) for k in stages}
+    return {"path": "cuda", "stages": merged, "prefill_ms": prefill_ms, "decode_ms_per_token": total_ms / max(steps, 1)}

@@ -1,0 +1,597 @@
+"""Thin launch wrappers, one per kernel, named after the kernel they launch.
+
+Each wrapper takes cupy arrays, checks dtype, shape, contiguity and alignment
+against what its kernel assumes, computes the grid and hands everything to
+:func:`glm_kda.kernels.launch` (ints as numpy.int32, floats as numpy.float32).
+Nothing here allocates: outputs are caller-owned buffers, so one workspace can be
+reused across layers and its stages compared one by one.
+
+BF16 arrays may have dtype ``ml_dtypes.bfloat16`` or ``uint16`` (the raw bits);
+both are passed to the kernels as the same pointer.
+
+Arrays with a token axis accept more rows than are used (a workspace sized for
+the longest prompt): ``tokens`` defaults to the first dimension of the main input,
+and the kernels touch only the first ``tokens`` rows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cupy
+import ml_dtypes
+import numpy
+
+from glm_kda import kernels
+
+HEAD_DIM = 128  # KDA_HEAD_DIM of kernels_src/kda_common.cuh
+HEAD_BLOCK = 128  # threads of every per-head kernel, one per channel
+GEMV_MAX_ROWS = 16
+GEMV_WARPS_PER_BLOCK = 8
+CONV_MAX_KERNEL = 4
+CONV_PREFILL_BLOCK = 256
+RECURRENT_COLUMNS = 32
+CHUNK_MAX = 64
+# Largest gridDim.y: kernels with a token grid axis are launched in slices of this.
+MAX_GRID_Y = 65535
+# cudaDataType CUDA_R_16BF (library_types.h); cupy's cublas module does not export it.
+CUDA_R_16BF = 14
+
+_BF16_DTYPES = (numpy.dtype(numpy.uint16), numpy.dtype(ml_dtypes.bfloat16))
+_F32_DTYPE = numpy.dtype(numpy.float32)
+_INT32_MAX = 2**31 - 1
+
+
+# --------------------------------------------------------------------------------------
+# Checks
+# --------------------------------------------------------------------------------------
+
+
+def _check_dtype(name: str, array, kind: str) -> None:
+    if not isinstance(array, cupy.ndarray):
+        raise TypeError(f"{name}: expected a cupy.ndarray, got {type(array).__name__}")
+    if kind == "bf16":
+        if array.dtype not in _BF16_DTYPES:
+            raise TypeError(f"{name}: expected BF16 (bfloat16 or uint16 bits), got {array.dtype}")
+    elif array.dtype != _F32_DTYPE:
+        raise TypeError(f"{name}: expected float32, got {array.dtype}")
+
+
+def _strip_leading_ones(shape) -> tuple[int, ...]:
+    shape = tuple(shape)
+    while len(shape) > 1 and shape[0] == 1:
+        shape = shape[1:]
+    return shape
+
+
+def _require(name: str, array, kind: str, shape: tuple[int, ...], *, aligned: bool = False) -> None:
+    """A contiguous array of exactly `shape` (leading axes of size 1 ignored)."""
+    _check_dtype(name, array, kind)
+    if _strip_leading_ones(array.shape) != _strip_leading_ones(shape):
+        raise ValueError(f"{name}: expected shape {list(shape)}, got {list(array.shape)}")
+    if not array.flags.c_contiguous:
+        raise ValueError(f"{name}: must be C-contiguous")
+    if aligned:
+        _require_aligned(name, array)
+
+
+def _require_rows(
+    name: str, array, kind: str, rows: int, row_shape: tuple[int, ...], *, aligned: bool = False
+) -> None:
+    """A contiguous [>= rows, *row_shape] array; the row may also be flattened."""
+    _check_dtype(name, array, kind)
+    row_elements = math.prod(row_shape)
+    if (
+        array.ndim < 2
+        or array.shape[0] < rows
+        or math.prod(array.shape[1:]) != row_elements
+    ):
+        raise ValueError(
+            f"{name}: expected shape [>= {rows}, {', '.join(map(str, row_shape))}], "
+            f"got {list(array.shape)}"
+        )
+    if not array.flags.c_contiguous:
+        raise ValueError(f"{name}: must be C-contiguous")
+    if aligned:
+        _require_aligned(name, array)
+
+
+def _row_stride(name: str, array, kind: str, rows: int, columns: int) -> int:
+    """Row stride in elements of a 2-D [>= rows, columns] array with unit column
+    stride (a column slice of a wider row-major buffer is fine). A 1-D array is one row."""
+    _check_dtype(name, array, kind)
+    if array.ndim == 1:
+        if rows != 1 or array.shape[0] != columns or array.strides[0] != array.itemsize:
+            raise ValueError(f"{name}: expected one contiguous row of {columns}, got {list(array.shape)}")
+        return columns
+    if array.ndim != 2 or array.shape[0] < rows or array.shape[1] != columns:
+        raise ValueError(f"{name}: expected shape [>= {rows}, {columns}], got {list(array.shape)}")
+    if array.strides[1] != array.itemsize:
+        raise ValueError(f"{name}: columns must be contiguous (stride {array.strides[1]} bytes)")
+    stride = array.strides[0] // array.itemsize
+    if array.shape[0] > 1 and (array.strides[0] % array.itemsize or stride < columns):
+        raise ValueError(f"{name}: row stride {array.strides[0]} bytes overlaps its rows")
+    # A single row's stride is not observable; treat it as dense.
+    return stride if array.shape[0] > 1 else max(stride, columns)
+
+
+def _require_aligned(name: str, array, alignment: int = 16) -> None:
+    if array.data.ptr % alignment:
+        raise ValueError(f"{name}: data pointer must be {alignment}-byte aligned")
+
+
+def _require_int32(name: str, value: int) -> None:
+    if not 0 <= value <= _INT32_MAX:
+        raise ValueError(f"{name} = {value} does not fit the kernel's int32")
+
+
+def _require_head_dim(head_dim: int) -> None:
+    if head_dim != HEAD_DIM:
+        raise ValueError(f"head_dim must be {HEAD_DIM} (KDA_HEAD_DIM), got {head_dim}")
+
+
+def _token_slices(tokens: int):
+    """[start, end) ranges of at most MAX_GRID_Y tokens (the grid's y axis limit)."""
+    for start in range(0, tokens, MAX_GRID_Y):
+        yield start, min(tokens, start + MAX_GRID_Y)
+
+
+def _i32(value) -> numpy.int32:
+    return numpy.int32(value)
+
+
+def _f32(value) -> numpy.float32:
+    return numpy.float32(value)
+
+
+# --------------------------------------------------------------------------------------
+# 1. Projections
+# --------------------------------------------------------------------------------------
+
+
+def gemv_bf16(x, w, out, rows: int | None = None) -> None:
+    """out[r, :] = bf16(x[r, :] @ w.T) for r < rows (1..16), FP32 accumulation.
+
+    x [>= rows, k] BF16 (row stride a multiple of 8, 16-byte aligned), w [n, k]
+    BF16 torch Linear layout, out [>= rows, n] BF16 (may be a column slice of a
+    wider buffer). Row r's bits do not depend on `rows`: a 16-row verify equals
+    16 one-row decodes.
+    """
+    if rows is None:
+        rows = 1 if x.ndim == 1 else x.shape[0]
+    if not 1 <= rows <= GEMV_MAX_ROWS:
+        raise ValueError(f"gemv_bf16: rows must be 1..{GEMV_MAX_ROWS}, got {rows}")
+    _require("w", w, "bf16", tuple(w.shape), aligned=True)
+    if w.ndim != 2:
+        raise ValueError(f"w: expected [n, k], got {list(w.shape)}")
+    n, k = w.shape
+    if k % 8:
+        raise ValueError(f"gemv_bf16: k = {k} must be a multiple of 8 (16-byte vector loads)")
+    ldx = _row_stride("x", x, "bf16", rows, k)
+    ldy = _row_stride("out", out, "bf16", rows, n)
+    if ldx % 8:
+        raise ValueError(f"gemv_bf16: x row stride {ldx} must be a multiple of 8")
+    _require_aligned("x", x)
+    for name, value in (("n", n), ("k", k), ("ldx", ldx), ("ldy", ldy)):
+        _require_int32(name, value)
+    grid = ((n + GEMV_WARPS_PER_BLOCK - 1) // GEMV_WARPS_PER_BLOCK,)
+    kernels.launch(
+        "gemv_bf16",
+        grid,
+        (GEMV_WARPS_PER_BLOCK * 32,),
+        (x, _i32(ldx), w, out, _i32(ldy), _i32(rows), _i32(n), _i32(k)),
+    )
+
+
+def gemm_bf16_cublas(x, w, out) -> None:
+    """out[T, n] = bf16(x[T, k] @ w[n, k]^T) through cuBLAS, BF16 in/out, FP32 compute.
+
+    For prefill widths (T > 16). Reassociates differently from gemv_bf16, so it is
+    never used where decode bits must be reproduced. x and out may be row slices
+    or column slices of wider row-major buffers: their row strides are passed.
+
+    cuBLAS is column-major. A row-major [R, C] matrix with row stride ld is the
+    column-major [C, R] matrix with leading dimension ld, so the row-major
+    out = x w^T is computed as the column-major out^T = w^T-op(...) product
+        out^T [n, T] = op_T(W) [n, k] * X [k, T]
+    where W is w read column-major ([k, n], ld = k, transposed by OP_T) and X is
+    x read column-major ([k, T], ld = ldx, OP_N); C = out^T, ldc = ldo.
+    """
+    from cupy.cuda import cublas  # loading cuBLAS needs the library; not at import
+
+    _require("w", w, "bf16", tuple(w.shape))
+    if w.ndim != 2 or x.ndim != 2 or out.ndim != 2:
+        raise ValueError("gemm_bf16_cublas: x [T, k], w [n, k] and out [T, n] must be 2-D")
+    n, k = w.shape
+    tokens = x.shape[0]
+    ldx = _row_stride("x", x, "bf16", tokens, k)
+    ldo = _row_stride("out", out, "bf16", tokens, n)
+    if out.shape[0] != tokens:
+        raise ValueError(f"out: expected {tokens} rows like x, got {out.shape[0]}")
+    if tokens == 0 or n == 0:
+        return
+    for name, value in (("T", tokens), ("n", n), ("k", k), ("ldx", ldx), ("ldo", ldo)):
+        _require_int32(name, value)
+
+    handle = cupy.cuda.device.get_cublas_handle()
+    cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
+    # Host scalars, FP32 because the compute type is CUBLAS_COMPUTE_32F.
+    alpha = numpy.array(1.0, dtype=numpy.float32)
+    beta = numpy.array(0.0, dtype=numpy.float32)
+    pointer_mode = cublas.getPointerMode(handle)
+    cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+    try:
+        cublas.gemmEx(
+            handle,
+            cublas.CUBLAS_OP_T,  # op(A): W column-major [k, n] -> [n, k]
+            cublas.CUBLAS_OP_N,  # op(B): X column-major [k, T]
+            n,  # m: rows of C = out^T
+            tokens,  # n: columns of C
+            k,  # k: the reduction
+            alpha.ctypes.data,
+            w.data.ptr,
+            CUDA_R_16BF,
+            k,  # lda >= k: A is stored [k, n]
+            x.data.ptr,
+            CUDA_R_16BF,
+            ldx,  # ldb >= k: B is stored [k, T] with x's row stride
+            beta.ctypes.data,
+            out.data.ptr,
+            CUDA_R_16BF,
+            ldo,  # ldc >= n: C is stored [n, T] with out's row stride
+            cublas.CUBLAS_COMPUTE_32F,
+            cublas.CUBLAS_GEMM_DEFAULT,
+        )
+    finally:
+        cublas.setPointerMode(handle, pointer_mode)
+
+
+# --------------------------------------------------------------------------------------
+# 2. Conv + SiLU, L2
+# --------------------------------------------------------------------------------------
+
+
+def _conv_kernel_size(conv_state, conv_w, conv_dim: int) -> int:
+    _check_dtype("conv_state", conv_state, "f32")
+    if conv_state.ndim != 2 or conv_state.shape[0] != conv_dim:
+        raise ValueError(f"conv_state: expected [{conv_dim}, K], got {list(conv_state.shape)}")
+    kernel_size = conv_state.shape[1]
+    if not 1 <= kernel_size <= CONV_MAX_KERNEL:
+        raise ValueError(f"conv kernel size must be 1..{CONV_MAX_KERNEL}, got {kernel_size}")
+    _require("conv_state", conv_state, "f32", (conv_dim, kernel_size))
+    _check_dtype("conv_w", conv_w, "bf16")
+    # [conv_dim, K] or the checkpoint's [conv_dim, 1, K]: the same bytes.
+    if tuple(conv_w.shape) not in ((conv_dim, kernel_size), (conv_dim, 1, kernel_size)):
+        raise ValueError(
+            f"conv_w: expected [{conv_dim}, {kernel_size}] (conv_state's K), got {list(conv_w.shape)}"
+        )
+    if not conv_w.flags.c_contiguous:
+        raise ValueError("conv_w: must be C-contiguous")
+    return kernel_size
+
+
+def conv_decode_silu_l2_bf16(
+    conv_state, qkv_proj, conv_w, conv_out, query, key, value, heads: int, head_dim: int, l2_eps: float
+) -> None:
+    """One decode token: conv + SiLU (conv_state updated in place), then L2 of q, k.
+
+    conv_state [3*H*D, K] FP32, qkv_proj [3*H*D] BF16, conv_w [3*H*D, K] BF16,
+    conv_out [3*H*D] BF16; query, key (normalised) and value [H, D] FP32.
+    """
+    _require_head_dim(head_dim)
+    conv_dim = 3 * heads * head_dim
+    kernel_size = _conv_kernel_size(conv_state, conv_w, conv_dim)
+    _require("qkv_proj", qkv_proj, "bf16", (conv_dim,))
+    _require("conv_out", conv_out, "bf16", (conv_dim,))
+    for name, array in (("query", query), ("key", key), ("value", value)):
+        _require(name, array, "f32", (heads, head_dim))
+    kernels.launch(
+        "conv_decode_silu_l2_bf16",
+        (3 * heads,),
+        (HEAD_BLOCK,),
+        (
+            conv_state,
+            qkv_proj,
+            conv_w,
+            conv_out,
+            query,
+            key,
+            value,
+            _i32(heads),
+            _i32(head_dim),
+            _i32(kernel_size),
+            _f32(l2_eps),
+        ),
+    )
+
+
+def conv_prefill_silu_bf16(conv_state, qkv_proj, conv_w, conv_out, tokens: int | None = None) -> None:
+    """T tokens of conv + SiLU, leaving conv_state as T decode steps would.
+
+    conv_state [conv_dim, K] FP32 (in place), qkv_proj [>= T, conv_dim] BF16,
+    conv_w [conv_dim, K] BF16, conv_out [>= T, conv_dim] BF16.
+    """
+    _check_dtype("conv_state", conv_state, "f32")
+    conv_dim = conv_state.shape[0]
+    kernel_size = _conv_kernel_size(conv_state, conv_w, conv_dim)
+    if tokens is None:
+        tokens = qkv_proj.shape[0]
+    _require_rows("qkv_proj", qkv_proj, "bf16", tokens, (conv_dim,))
+    _require_rows("conv_out", conv_out, "bf16", tokens, (conv_dim,))
+    _require_int32("tokens", tokens)
+    if tokens == 0:
+        return
+    kernels.launch(
+        "conv_prefill_silu_bf16",
+        ((conv_dim + CONV_PREFILL_BLOCK - 1) // CONV_PREFILL_BLOCK,),
+        (CONV_PREFILL_BLOCK,),
+        (conv_state, qkv_proj, conv_w, conv_out, _i32(conv_dim), _i32(kernel_size), _i32(tokens)),
+    )
+
+
+def l2norm_split_f32(
+    conv_out, query, key, value, heads: int, head_dim: int, l2_eps: float, tokens: int | None = None
+) -> None:
+    """Prefill's L2 pass: split conv_out [>= T, 3*H*D] BF16 into query, key
+    (L2-normalised per head) and value, each [>= T, H, D] FP32."""
+    _require_head_dim(head_dim)
+    if tokens is None:
+        tokens = conv_out.shape[0]
+    _require_rows("conv_out", conv_out, "bf16", tokens, (3 * heads * head_dim,))
+    for name, array in (("query", query), ("key", key), ("value", value)):
+        _require_rows(name, array, "f32", tokens, (heads, head_dim))
+    for start, end in _token_slices(tokens):
+        kernels.launch(
+            "l2norm_split_f32",
+            (3 * heads, end - start),
+            (HEAD_BLOCK,),
+            (
+                conv_out[start:end],
+                query[start:end],
+                key[start:end],
+                value[start:end],
+                _i32(heads),
+                _i32(head_dim),
+                _f32(l2_eps),
+            ),
+        )
+
+
+# --------------------------------------------------------------------------------------
+# 3. Forget gate and beta
+# --------------------------------------------------------------------------------------
+
+
+def gate_beta_f32(
+    forget_proj,
+    dt_bias,
+    a_log,
+    beta_logits,
+    gate,
+    beta,
+    heads: int,
+    head_dim: int,
+    bounded: bool,
+    lower_bound: float,
+    tokens: int | None = None,
+) -> None:
+    """Forget-gate log-decay and beta.
+
+    forget_proj [>= T, H*D] BF16, dt_bias [H*D] FP32 (per channel), a_log [H] FP32
+    (per head; Kimi's [1, 1, H, 1] is accepted), beta_logits [>= T, >= H] BF16 (may
+    be a column slice of a wider buffer), gate [>= T, H, D] FP32, beta [>= T, H]
+    FP32. bounded: gate = lower_bound * sigmoid(exp(A_log) u); else the softplus
+    law (lower_bound ignored).
+    """
+    qkv = heads * head_dim
+    if tokens is None:
+        tokens = forget_proj.shape[0]
+    _require_rows("forget_proj", forget_proj, "bf16", tokens, (qkv,))
+    _check_dtype("dt_bias", dt_bias, "f32")
+    if dt_bias.size != qkv or not dt_bias.flags.c_contiguous:
+        raise ValueError(f"dt_bias: expected {qkv} contiguous values (per channel), got {list(dt_bias.shape)}")
+    _check_dtype("a_log", a_log, "f32")
+    if a_log.size != heads or not a_log.flags.c_contiguous:
+        raise ValueError(f"a_log: expected {heads} contiguous values (per head), got {list(a_log.shape)}")
+    _check_dtype("beta_logits", beta_logits, "bf16")
+    if beta_logits.ndim != 2 or beta_logits.shape[0] < tokens or beta_logits.shape[1] < heads:
+        raise ValueError(f"beta_logits: expected [>= {tokens}, >= {heads}], got {list(beta_logits.shape)}")
+    ld_beta = _row_stride("beta_logits", beta_logits, "bf16", tokens, beta_logits.shape[1])
+    _require_rows("gate", gate, "f32", tokens, (heads, head_dim))
+    _require_rows("beta", beta, "f32", tokens, (heads,))
+    if head_dim > 1024:
+        raise ValueError(f"head_dim {head_dim} exceeds a block")
+    if bounded and not math.isfinite(lower_bound):
+        raise ValueError(f"bounded gate needs a finite lower_bound, got {lower_bound}")
+    for start, end in _token_slices(tokens):
+        kernels.launch(
+            "gate_beta_f32",
+            (heads, end - start),
+            (head_dim,),
+            (
+                forget_proj[start:end],
+                dt_bias,
+                a_log,
+                beta_logits[start:end],
+                _i32(ld_beta),
+                gate[start:end],
+                beta[start:end],
+                _i32(heads),
+                _i32(head_dim),
+                _i32(1 if bounded else 0),
+                _f32(lower_bound if bounded else 0.0),
+            ),
+        )
+
+
+# --------------------------------------------------------------------------------------
+# 4. Recurrent step (decode)
+# --------------------------------------------------------------------------------------
+
+
+def kda_recurrent_step_f32(query, key, value, gate, beta, state, core, scale: float) -> None:
+    """One decode token of the delta rule; state [H, D, D] FP32 K-major, in place.
+
+    query, key, value, gate, core [H, D] FP32; beta [H] FP32.
+    """
+    _check_dtype("state", state, "f32")
+    if state.ndim != 3:
+        raise ValueError(f"state: expected [H, {HEAD_DIM}, {HEAD_DIM}], got {list(state.shape)}")
+    heads = state.shape[0]
+    _require("state", state, "f32", (heads, HEAD_DIM, HEAD_DIM))
+    for name, array in (("query", query), ("key", key), ("value", value), ("gate", gate), ("core", core)):
+        _require(name, array, "f32", (heads, HEAD_DIM))
+    _require("beta", beta, "f32", (heads,))
+    kernels.launch(
+        "kda_recurrent_step_f32",
+        (heads, HEAD_DIM // RECURRENT_COLUMNS),
+        (RECURRENT_COLUMNS,),
+        (query, key, value, gate, beta, state, core, _i32(heads), _f32(scale)),
+    )
+
+
+# --------------------------------------------------------------------------------------
+# 5. Chunked prefill
+# --------------------------------------------------------------------------------------
+
+
+def chunk_prepare_smem_bytes(chunk: int) -> int:
+    """Dynamic shared memory of kda_chunk_prepare_f32: three [C][D + 1] FP32 tiles
+    (k, q, cumulative gate), the [C][C] matrix A and beta [C]."""
+    return 4 * (3 * chunk * (HEAD_DIM + 1) + chunk * chunk + chunk)
+
+
+def chunk_count(tokens: int, chunk: int) -> int:
+    """nchunks = ceil(T / C); the padded length is nchunks * C."""
+    return (tokens + chunk - 1) // chunk
+
+
+def _require_chunk(chunk: int) -> None:
+    if not 1 <= chunk <= CHUNK_MAX:
+        raise ValueError(f"chunk must be 1..{CHUNK_MAX}, got {chunk}")
+
+
+def kda_chunk_prepare_f32(
+    query, key, value, gate, beta, q_decay, k_tail, w, u, attn, chunk_decay, tokens: int, chunk: int, scale: float
+) -> None:
+    """Per-chunk WY preparation (intra-chunk work, no state).
+
+    Inputs query, key, value, gate [>= T, H, D] FP32 and beta [>= T, H] FP32; rows
+    >= T are never read. Outputs q_decay, k_tail, w, u [>= Tp, H, D], attn
+    [nchunks, H, C, C] (the matrix B), chunk_decay [nchunks, H, D], all FP32, with
+    Tp = nchunks * C; padded rows are written as zeros.
+    """
+    _require_chunk(chunk)
+    _require_int32("tokens", tokens)
+    if tokens == 0:
+        return
+    _check_dtype("beta", beta, "f32")
+    if beta.ndim != 2:
+        raise ValueError(f"beta: expected [>= T, H], got {list(beta.shape)}")
+    heads = beta.shape[1]
+    nchunks = chunk_count(tokens, chunk)
+    padded = nchunks * chunk
+    _require_rows("beta", beta, "f32", tokens, (heads,))
+    for name, array in (("query", query), ("key", key), ("value", value), ("gate", gate)):
+        _require_rows(name, array, "f32", tokens, (heads, HEAD_DIM))
+    for name, array in (("q_decay", q_decay), ("k_tail", k_tail), ("w", w), ("u", u)):
+        _require_rows(name, array, "f32", padded, (heads, HEAD_DIM), aligned=True)
+    _require_rows("attn", attn, "f32", nchunks, (heads, chunk, chunk))
+    _require_rows("chunk_decay", chunk_decay, "f32", nchunks, (heads, HEAD_DIM), aligned=True)
+    kernels.launch(
+        "kda_chunk_prepare_f32",
+        (nchunks, heads),
+        (HEAD_BLOCK,),
+        (
+            query,
+            key,
+            value,
+            gate,
+            beta,
+            q_decay,
+            k_tail,
+            w,
+            u,
+            attn,
+            chunk_decay,
+            _i32(tokens),
+            _i32(heads),
+            _i32(chunk),
+            _f32(scale),
+        ),
+        shared_mem=chunk_prepare_smem_bytes(chunk),
+    )
+
+
+def kda_chunk_scan_f32(q_decay, k_tail, w, u, attn, chunk_decay, state, core, tokens: int, chunk: int) -> None:
+    """The inter-chunk scan: state [H, D, D] FP32 (in place) carried over all chunks,
+    core [>= T, H, D] FP32 written for the T real tokens only.
+
+    q_decay, k_tail, w, u [>= Tp, H, D], attn [nchunks, H, C, C] and chunk_decay
+    [nchunks, H, D] come from kda_chunk_prepare_f32 with the same tokens and chunk.
+    """
+    _require_chunk(chunk)
+    _require_int32("tokens", tokens)
+    if tokens == 0:
+        return
+    _check_dtype("state", state, "f32")
+    if state.ndim != 3:
+        raise ValueError(f"state: expected [H, {HEAD_DIM}, {HEAD_DIM}], got {list(state.shape)}")
+    heads = state.shape[0]
+    _require("state", state, "f32", (heads, HEAD_DIM, HEAD_DIM))
+    nchunks = chunk_count(tokens, chunk)
+    padded = nchunks * chunk
+    # q_decay, w, k_tail and chunk_decay rows are read as float4 vectors.
+    for name, array in (("q_decay", q_decay), ("k_tail", k_tail), ("w", w), ("u", u)):
+        _require_rows(name, array, "f32", padded, (heads, HEAD_DIM), aligned=True)
+    _require_rows("attn", attn, "f32", nchunks, (heads, chunk, chunk))
+    _require_rows("chunk_decay", chunk_decay, "f32", nchunks, (heads, HEAD_DIM), aligned=True)
+    _require_rows("core", core, "f32", tokens, (heads, HEAD_DIM))
+    kernels.launch(
+        "kda_chunk_scan_f32",
+        (heads, HEAD_DIM // RECURRENT_COLUMNS),
+        (RECURRENT_COLUMNS,),
+        (
+            q_decay,
+            k_tail,
+            w,
+            u,
+            attn,
+            chunk_decay,
+            state,
+            core,
+            _i32(tokens),
+            _i32(heads),
+            _i32(chunk),
+            _i32(nchunks),
+        ),
+    )
+
+
+# --------------------------------------------------------------------------------------
+# 6. Gated RMSNorm
+# --------------------------------------------------------------------------------------
+
+
+def gated_rmsnorm_sigmoid_bf16(
+    core, out_gate, norm_w, o_norm_out, heads: int, head_dim: int, eps: float, tokens: int | None = None
+) -> None:
+    """o_norm_out = bf16(core / sqrt(mean(core^2) + eps) * norm_w * sigmoid(out_gate)) per head.
+
+    core [>= T, H, D] FP32, out_gate [>= T, H*D] BF16, norm_w [D] BF16,
+    o_norm_out [>= T, H*D] BF16. The gate is a SIGMOID, not SiLU.
+    """
+    _require_head_dim(head_dim)
+    if tokens is None:
+        tokens = out_gate.shape[0]
+    _require_rows("core", core, "f32", tokens, (heads, head_dim))
+    _require_rows("out_gate", out_gate, "bf16", tokens, (heads * head_dim,))
+    _require_rows("o_norm_out", o_norm_out, "bf16", tokens, (heads * head_dim,))
+    _require("norm_w", norm_w, "bf16", (head_dim,))
+    for start, end in _token_slices(tokens):
+        kernels.launch(
+            "gated_rmsnorm_sigmoid_bf16",
+            (heads, end - start),
+            (HEAD_BLOCK,),
+            (core[start:end], out_gate[start:end], norm_w, o_norm_out[start:end], _i32(heads), _i32(head_dim), _f32(eps)),
+        )

@@ -1,0 +1,125 @@
+"""`glm-kda selftest`: on a GPU machine, run the GPU tests and a few timings; write a JSON report.
+
+Timings are CUDA-event medians after warm-up, quoted beside the device-to-device copy
+bandwidth measured in the same process (bytes read + bytes written per second), so the
+numbers carry their own roofline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+import numpy as np
+
+from .device import gpu_status
+
+
+def copy_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 20) -> float:
+    """Device-to-device copy: (read + write) bytes / median time, GB/s."""
+    import cupy
+
+    src = cupy.empty(nbytes // 4, cupy.float32)
+    src.fill(1.0)
+    dst = cupy.empty_like(src)
+    return 2 * nbytes / 1e9 / (median_ms(lambda: cupy.copyto(dst, src), repeats) / 1e3)
+
+
+def median_ms(fn, repeats: int = 50, warmup: int = 5) -> float:
+    import cupy
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    for _ in range(repeats):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end))
+    return float(np.median(times))
+
+
+def decode_bytes(config) -> int:
+    """Fewest bytes one decode token moves: every weight once, the state read and written."""
+    c = config
+    weights = 2 * (c.conv_dim * c.hidden + c.down_dim * c.hidden + 2 * c.qkv * c.head_dim + c.conv_dim * c.conv_kernel
+                   + c.head_dim + c.hidden * c.qkv) + 4 * (c.qkv + c.heads)
+    state = 2 * 4 * (c.heads * c.head_dim * c.head_dim + c.conv_dim * c.conv_kernel)
+    return weights + state
+
+
+def block_timings(geometry: str, directory: Path, bandwidth: float) -> dict:
+    import cupy
+
+    from .layer import KdaLayer, to_device_bf16
+    from .synthetic import synthetic_hidden, write_synthetic_checkpoint
+
+    path = write_synthetic_checkpoint(directory / geometry, geometry, num_layers=1)
+    layer = KdaLayer.from_pretrained(path, 0, max_tokens=16384, progress=False)
+    cfg = layer.config
+    hidden = to_device_bf16(synthetic_hidden(16384, cfg.hidden))
+    state = layer.new_state()
+    result = {"geometry": geometry}
+    decode_ms = median_ms(lambda: layer.decode(hidden[:1], state), repeats=200, warmup=20)
+    nbytes = decode_bytes(cfg)
+    result["decode_eager_us"] = 1e3 * decode_ms
+    result["decode_bytes"] = nbytes
+    result["decode_roofline_ratio"] = nbytes / 1e9 / bandwidth / (decode_ms / 1e3)
+    for k in (4, 16):
+        result[f"decode_k{k}_eager_us"] = 1e3 * median_ms(lambda: layer.decode_k(hidden[:k], state), repeats=50)
+    for tokens in (1024, 4096, 16384):
+        ms = median_ms(lambda: layer.prefill(hidden[:tokens], state), repeats=5, warmup=2)
+        result[f"prefill_T{tokens}_ms"] = ms
+        result[f"prefill_T{tokens}_Mtok_s"] = tokens / ms / 1e3
+    del hidden
+    cupy.get_default_memory_pool().free_all_blocks()
+    return result
+
+
+def import_times() -> dict:
+    """Seconds to import and build every kernel in a fresh process: first (cache may be cold)
+    and second (warm CuPy kernel cache)."""
+    code = "import time; t=time.perf_counter(); import glm_kda.kernels as k; k.KernelSet.get(); print(time.perf_counter()-t)"
+    env = dict(os.environ)
+    out = {}
+    for name in ("first", "second"):
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+        out[f"{name}_import_and_build_s"] = float(done.stdout.strip().splitlines()[-1])
+    return out
+
+
+def run_selftest(output: str, quick: bool = False) -> int:
+    ok, why = gpu_status()
+    report: dict = {"gpu": why, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if not ok:
+        print(f"selftest needs a CUDA GPU: {why}")
+        report["error"] = why
+        Path(output).write_text(json.dumps(report, indent=2))
+        return 2
+    repo_tests = Path(__file__).resolve().parent.parent / "tests"
+    with tempfile.TemporaryDirectory() as tmp:
+        junit = Path(tmp) / "junit.xml"
+        args = [sys.executable, "-m", "pytest", "-q", str(repo_tests / "test_gpu.py"), f"--junitxml={junit}"]
+        if quick:
+            args += ["-x", "-k", "kimi and not T4096 and not T1000"]
+        print("running", " ".join(args), flush=True)
+        rc = subprocess.call(args)
+        suite = ElementTree.parse(junit).getroot().find("testsuite") if junit.exists() else None
+        if suite is not None:
+            report["tests"] = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+        report["tests_returncode"] = rc
+        bandwidth = copy_bandwidth_gbs()
+        report["copy_bandwidth_GBs"] = bandwidth
+        report["timings"] = [block_timings(g, Path(tmp), bandwidth) for g in (("kimi",) if quick else ("glm", "kimi"))]
+    report["import"] = import_times()
+    Path(output).write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+    return 0 if rc == 0 else 1

@@ -1,0 +1,81 @@
+// Code shared by every KDA kernel: BF16 storage without cuda_bf16.h (so NVRTC
+// needs no CUDA headers), the one block reduction every per-head sum goes through,
+// and the head size the register-resident kernels are compiled for.
+//
+// The loader (glm_kda/kernels.py) inlines this file where it is #included, so it
+// must stay self-contained: no other #include.
+#ifndef KDA_COMMON_CUH
+#define KDA_COMMON_CUH
+
+// Head dimension D. The recurrent and chunk-scan kernels keep a state column of
+// D floats in registers, so D must be a compile-time constant.
+#define KDA_HEAD_DIM 128
+
+// Threads per block of every per-head kernel (one thread per channel of a head).
+#define KDA_HEAD_BLOCK 128
+
+#define KDA_FULL_WARP_MASK 0xffffffffu
+
+// A BF16 value as its raw 16 bits: the upper half of the FP32 encoding.
+typedef unsigned short bf16_t;
+
+// Exact: every BF16 value is an FP32 value with 16 zero low bits.
+__device__ __forceinline__ float bf16_to_f32(bf16_t value)
+{
+    return __uint_as_float(static_cast<unsigned int>(value) << 16);
+}
+
+// Round to nearest, ties to even, bit-identical to ml_dtypes' float32 -> bfloat16
+// cast (what the NumPy oracle uses): finite values that round past the largest
+// BF16 become infinity, subnormals are kept (no flush), and every NaN becomes the
+// canonical quiet NaN with the input's sign (0x7FC0 / 0xFFC0; the payload is
+// dropped, as ml_dtypes drops it).
+__device__ __forceinline__ bf16_t f32_to_bf16(float value)
+{
+    const unsigned int bits = __float_as_uint(value);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) {
+        return static_cast<bf16_t>(((bits >> 16) & 0x8000u) | 0x7fc0u);
+    }
+    const unsigned int lsb = (bits >> 16) & 1u;
+    return static_cast<bf16_t>((bits + 0x7fffu + lsb) >> 16);
+}
+
+// Sum of `value` over a block of exactly KDA_HEAD_BLOCK (= 128) threads, returned
+// to every thread. Deterministic: a fixed xor-shuffle tree inside each warp, then
+// thread 0 adds the four warp sums in warp order. Every per-head reduction (decode
+// conv + L2, prefill L2, gated RMSNorm) uses this one function, so the decode and
+// prefill paths produce the same bits for the same inputs.
+//
+// `scratch` is at least 5 floats of shared memory. All threads of the block must
+// call it (it contains __syncthreads); it may be called again right away.
+__device__ __forceinline__ float block_sum_f32(float value, float* scratch)
+{
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        value += __shfl_xor_sync(KDA_FULL_WARP_MASK, value, offset);
+    }
+    const int warp = threadIdx.x >> 5;
+    if ((threadIdx.x & 31) == 0) {
+        scratch[warp] = value;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float total = scratch[0];
+        total += scratch[1];
+        total += scratch[2];
+        total += scratch[3];
+        scratch[4] = total;
+    }
+    __syncthreads();
+    const float total = scratch[4];
+    // Nobody may overwrite scratch for the next call before every thread read it.
+    __syncthreads();
+    return total;
+}
+
+__device__ __forceinline__ float sigmoid_f32(float x)
+{
+    return 1.0f / (1.0f + expf(-x));
+}
+
+#endif  // KDA_COMMON_CUH

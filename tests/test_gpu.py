@@ -1,0 +1,267 @@
+"""The CUDA block against the oracle: SPEC section 5 on a GPU.
+
+Two levels:
+  * each stage against the BF16-faithful oracle fed the SAME upstream stage values (the GPU's
+    own workspace): rms-ratio <= 1e-3, FP32 reassociation and rare BF16 rounding flips only;
+  * end to end against the float64 oracle: no more than 1.5x the error of the BF16-faithful
+    oracle's own end-to-end run.
+The float64 oracle runs on the GPU through CuPy (same code as the NumPy oracle), which keeps
+real-geometry cases fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from glm_kda.device import gpu_status
+from glm_kda.reference import STAGE_ORDER, KdaOracle, compare_stages, rms_ratio
+from glm_kda.state import KdaState
+from glm_kda.synthetic import synthetic_hidden, write_synthetic_checkpoint
+
+GPU_OK, GPU_WHY = gpu_status()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not GPU_OK, reason=f"no CUDA GPU: {GPU_WHY}")]
+
+STAGE_BOUND = 1e-3
+E2E_FACTOR = 1.5
+SEED = 99
+TOKENS = [1, 2, 15, 16, 17, 63, 64, 65, 1000, 4096]
+
+
+def _cp():
+    import cupy
+
+    return cupy
+
+
+@pytest.fixture(scope="module")
+def layers(real_checkpoint):
+    """(bound, KdaLayer) per geometry and chunk, built once."""
+    from glm_kda.checkpoint import bind_layer
+    from glm_kda.layer import KdaLayer, KdaWorkspace
+
+    built = {}
+
+    def get(geometry: str, chunk: int = 64):
+        if (geometry, chunk) not in built:
+            bound = bind_layer(real_checkpoint(geometry), 0, progress=False)
+            bound = dataclasses.replace(bound, config=bound.config.with_chunk(chunk))
+            built[geometry, chunk] = (bound, KdaLayer(bound, workspace=KdaWorkspace.shared(bound.config, 4096)))
+        return built[geometry, chunk]
+
+    return get
+
+
+def device_state(layer, host_state: KdaState | None) -> KdaState:
+    cp = _cp()
+    if host_state is None:
+        return layer.new_state()
+    return KdaState(cp.asarray(host_state.conv), cp.asarray(host_state.recurrent))
+
+
+def check_stages(bound, hidden, gpu_stages, start, chunk, tag):
+    """Level 1: each GPU stage against the BF16 oracle fed the GPU's own upstream stages."""
+    oracle = KdaOracle(bound, "bf16", xp=_cp())
+    fed, fed_state = oracle.fed_stages(hidden, gpu_stages, start, chunk=chunk)
+    table = compare_stages(gpu_stages, fed)
+    bad = [row for row in table.rows if not row.rms_ratio <= STAGE_BOUND]
+    assert not bad, f"{tag}: stages above {STAGE_BOUND:g} against the fed BF16 oracle:\n{table}"
+    return fed_state
+
+
+def check_end_to_end(bound, hidden, gpu_out, gpu_state, start, tag):
+    """Level 2: final output and state against float64, within 1.5x the BF16 oracle's own error."""
+    cp = _cp()
+    exact, exact_state = KdaOracle(bound, "float64", xp=cp).prefill(hidden, start)
+    faithful, faithful_state = KdaOracle(bound, "bf16", xp=cp).prefill(hidden, start)
+    for what, ours, ref, floor in (
+        ("final_out", gpu_out, exact["final_out"], faithful["final_out"]),
+        ("recurrent state", gpu_state.recurrent, exact_state.recurrent, faithful_state.recurrent),
+        ("conv state", gpu_state.conv, exact_state.conv, faithful_state.conv),
+    ):
+        ours_err, floor_err = rms_ratio(ours, ref), rms_ratio(floor, ref)
+        bound_err = E2E_FACTOR * floor_err
+        assert ours_err <= bound_err, (f"{tag} {what}: rms-ratio {ours_err:.3e} vs float64; the BF16 oracle's own "
+                                       f"is {floor_err:.3e}, bound {bound_err:.3e} (ratio {ours_err / max(floor_err, 1e-300):.2f}x)")
+
+
+def as_float(x):
+    """A host BF16 output as float32."""
+    return np.asarray(x, dtype=np.float32)
+
+
+@pytest.mark.parametrize("chunk", [16, 32, 64], ids=lambda c: f"C{c}")
+@pytest.mark.parametrize("tokens", TOKENS, ids=lambda t: f"T{t}")
+@pytest.mark.parametrize("geometry", ["glm", "kimi"])
+def test_prefill_matches_oracle(layers, geometry, tokens, chunk):
+    bound, layer = layers(geometry, chunk)
+    cfg = bound.config
+    start = KdaState.random(cfg, seed=tokens) if tokens in (17, 1000) else None
+    hidden = synthetic_hidden(tokens, cfg.hidden, seed=SEED + tokens)
+    state = device_state(layer, start)
+    out = layer.prefill(hidden, state)
+    tag = f"{geometry} T{tokens}-C{chunk}"
+    gpu_stages = layer.workspace.stages(tokens)
+    fed_state = check_stages(bound, hidden, gpu_stages, start, chunk, tag)
+    assert rms_ratio(state.recurrent, fed_state.recurrent) <= STAGE_BOUND, f"{tag}: chunk-scan state vs fed oracle"
+    assert np.array_equal(state.conv.get(), np.asarray(fed_state.conv.get(), np.float32)), f"{tag}: conv state"
+    check_end_to_end(bound, hidden, out, state, start, tag)
+
+
+@pytest.mark.parametrize("geometry", ["glm", "kimi"])
+def test_decode_512_steps_after_1000_token_prefill(layers, geometry):
+    bound, layer = layers(geometry)
+    cfg = bound.config
+    hidden = synthetic_hidden(1512, cfg.hidden, seed=SEED)
+    state = layer.new_state()
+    outs = [as_float(layer.prefill(hidden[:1000], state))]
+    for t in range(1000, 1512):
+        outs.append(as_float(layer.decode(hidden[t], state)))
+    cp = _cp()
+    exact = KdaOracle(bound, "float64", xp=cp)
+    faithful = KdaOracle(bound, "bf16", xp=cp)
+    ex_stages, ex_state = exact.prefill(hidden[:1000])
+    fa_stages, fa_state = faithful.prefill(hidden[:1000])
+    ex_out, fa_out = [ex_stages["final_out"].get()], [fa_stages["final_out"].get()]
+    for t in range(1000, 1512):
+        s, ex_state = exact.decode(hidden[t], ex_state)
+        ex_out.append(s["final_out"].get())
+        s, fa_state = faithful.decode(hidden[t], fa_state)
+        fa_out.append(s["final_out"].get())
+    ours, ref, floor = np.concatenate(outs), np.concatenate(ex_out), np.concatenate(fa_out)
+    tail = slice(1000, 1512)
+    for what, a, r, f in (("outputs 1000..1511", ours[tail], ref[tail], floor[tail]),
+                          ("recurrent state", state.recurrent, ex_state.recurrent, fa_state.recurrent)):
+        err, floor_err = rms_ratio(a, r), rms_ratio(f, r)
+        assert err <= E2E_FACTOR * floor_err, f"{geometry} {what}: {err:.3e} vs BF16 oracle {floor_err:.3e}"
+
+
+@pytest.mark.parametrize("geometry", ["glm", "kimi"])
+def test_decode_stages_match_fed_oracle(layers, geometry):
+    bound, layer = layers(geometry)
+    cfg = bound.config
+    start = KdaState.random(cfg, seed=4)
+    state = device_state(layer, start)
+    hidden = synthetic_hidden(3, cfg.hidden, seed=5)
+    host = start
+    for t in range(3):
+        layer.decode(hidden[t], state)
+        gpu = layer.workspace.stages(1)
+        fed_state = check_stages(bound, hidden[t : t + 1], gpu, host, None, f"{geometry} decode row {t}")
+        assert rms_ratio(state.recurrent, fed_state.recurrent) <= STAGE_BOUND
+        host = KdaState(state.conv.get(), state.recurrent.get())
+
+
+@pytest.mark.parametrize("geometry", ["glm", "kimi"])
+def test_decode_k_is_bit_identical_to_decode(layers, geometry):
+    cp = _cp()
+    bound, layer = layers(geometry)
+    cfg = bound.config
+    start = KdaState.random(cfg, seed=8)
+    hidden = cp.asarray(synthetic_hidden(16, cfg.hidden, seed=9).view(np.uint16)).view(layer.workspace.final_out.dtype)
+    for k in range(1, 17):
+        serial = device_state(layer, start)
+        serial_outs, serial_states = [], []
+        for row in range(k):
+            serial_outs.append(layer.decode(hidden[row : row + 1], serial))
+            serial_states.append(KdaState(serial.conv.copy(), serial.recurrent.copy()))
+        batched = device_state(layer, start)
+        snapshots = [layer.new_state() for _ in range(k)]
+        out = layer.decode_k(hidden[:k], batched, snapshots=snapshots)
+        serial_out = cp.concatenate(serial_outs)
+        differ = int(cp.count_nonzero(out.view(cp.uint16) != serial_out.view(cp.uint16)))
+        assert differ == 0, f"{geometry} K={k}: {differ} output elements differ"
+        for name in ("recurrent", "conv"):
+            a, b = getattr(batched, name), getattr(serial, name)
+            assert int(cp.count_nonzero(a.view(cp.uint32) != b.view(cp.uint32))) == 0, f"K={k} final {name} state"
+        for i, (snap, ref) in enumerate(zip(snapshots, serial_states)):
+            for name in ("recurrent", "conv"):
+                a, b = getattr(snap, name), getattr(ref, name)
+                assert int(cp.count_nonzero(a.view(cp.uint32) != b.view(cp.uint32))) == 0, f"K={k} snapshot {i} {name}"
+
+
+@pytest.mark.parametrize("poison", [float("nan"), 1e30], ids=["nan", "1e30"])
+@pytest.mark.parametrize("tokens,chunk", [(1, 16), (17, 16), (65, 64), (1000, 32)], ids=lambda v: str(v))
+def test_poisoned_pad_changes_no_bit(layers, tokens, chunk, poison):
+    cp = _cp()
+    bound, layer = layers("kimi", chunk)
+    cfg = bound.config
+    start = KdaState.random(cfg, seed=1)
+    hidden = synthetic_hidden(tokens, cfg.hidden, seed=2)
+    runs = []
+    for pad in (0.0, poison):
+        state = device_state(layer, start)
+        out = layer.prefill(hidden, state, pad_value=pad)
+        runs.append((out.view(np.uint16), state.recurrent.get().view(np.uint32), state.conv.get().view(np.uint32),
+                     layer.workspace.core[:tokens].get().view(np.uint32)))
+    for what, a, b in zip(("output", "recurrent state", "conv state", "core"), runs[0], runs[1]):
+        differ = int(np.count_nonzero(np.asarray(a) != np.asarray(b)))
+        assert differ == 0, f"T{tokens}-C{chunk} pad={poison}: {differ} bits of the {what} differ"
+
+
+def test_conv_taps_in_kqv_order_fail_at_the_conv_stage(layers, tmp_path):
+    from glm_kda.checkpoint import bind_layer
+    from glm_kda.layer import KdaLayer
+
+    bound, _ = layers("kimi")
+    faulty_dir = write_synthetic_checkpoint(tmp_path / "kqv", "kimi", num_layers=1, conv_order=("k", "q", "v"))
+    faulty = KdaLayer(bind_layer(faulty_dir, 0, progress=False))
+    hidden = synthetic_hidden(40, bound.config.hidden, seed=3)
+    faulty.prefill(hidden, faulty.new_state())
+    gpu = faulty.workspace.stages(40)
+    truth, _ = KdaOracle(bound, "bf16", xp=_cp()).prefill(hidden)
+    table = compare_stages(gpu, truth)
+    assert table.first_above(0.1) == "conv_out", f"the k,q,v fault must first show at conv_out:\n{table}"
+
+
+def test_bad_calls_raise_before_any_launch(layers):
+    cp = _cp()
+    bound, layer = layers("kimi")
+    cfg = bound.config
+    state = device_state(layer, KdaState.random(cfg, seed=3))
+    before = (state.conv.copy(), state.recurrent.copy())
+    good = synthetic_hidden(4, cfg.hidden)
+    cases = {
+        "dtype float32": (lambda: layer.prefill(good.astype(np.float32), state), "BF16"),
+        "wrong width": (lambda: layer.prefill(synthetic_hidden(4, cfg.hidden + 8), state), str(cfg.hidden)),
+        "too many rows": (lambda: layer.prefill(synthetic_hidden(layer.workspace.max_tokens + 1, cfg.hidden), state), "rows"),
+        "decode_k 17 rows": (lambda: layer.decode_k(synthetic_hidden(17, cfg.hidden), state), "1..16"),
+        "non-contiguous": (lambda: layer.prefill(cp.asarray(synthetic_hidden(8, cfg.hidden).view(np.uint16))[::2].view(layer.workspace.final_out.dtype), state), "contiguous"),
+        "other geometry state": (lambda: layer.decode(good[0], KdaState.zeros(dataclasses.replace(cfg, heads=cfg.heads // 2), cp)), "state.conv"),
+    }
+    for name, (call, needle) in cases.items():
+        with pytest.raises((TypeError, ValueError)) as info:
+            call()
+        assert needle in str(info.value), f"{name}: message {info.value!r} does not name {needle!r}"
+        assert cp.array_equal(state.conv, before[0]) and cp.array_equal(state.recurrent, before[1]), f"{name} mutated the state"
+
+
+def test_torch_tensors_pass_through_dlpack(layers):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA")
+    bound, layer = layers("kimi")
+    host = synthetic_hidden(3, bound.config.hidden, seed=4)
+    as_torch = torch.from_numpy(host.view(np.int16)).cuda().view(torch.bfloat16)
+    a_state, b_state = layer.new_state(), layer.new_state()
+    out_torch = layer.prefill(as_torch, a_state)
+    out_cupy = layer.prefill(host, b_state)
+    assert isinstance(out_torch, torch.Tensor) and out_torch.dtype == torch.bfloat16
+    assert np.array_equal(out_torch.view(torch.int16).cpu().numpy(), np.asarray(out_cupy).view(np.int16))
+
+
+def test_timing_reports_sections_and_kernels(layers):
+    from glm_kda import kernels
+
+    _, layer = layers("kimi")
+    hidden = synthetic_hidden(64, layer.config.hidden)
+    state = layer.new_state()
+    with kernels.timing() as timer:
+        layer.prefill(hidden, state)
+        layer.decode(hidden[0], state)
+    summary = timer.summary()
+    for name in ("[front_end]", "[recurrence]", "[back_end]", "kda_chunk_scan_f32", "kda_recurrent_step_f32", "gemv_bf16"):
+        assert name in summary and summary[name] > 0, f"{name} missing from timing: {sorted(summary)}"
+    assert not kernels.TIMER.active

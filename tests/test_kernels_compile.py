@@ -1,0 +1,153 @@
+"""Every kernel file compiles with NVRTC for every supported architecture.
+
+Runs without a GPU or driver: it needs only the NVRTC library (the
+nvidia-cuda-nvrtc-cu12 wheel). Each (file, architecture) pair is compiled once,
+in a module-scoped fixture. Run with ``pytest -s`` to see the register / spill
+table.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from glm_kda import kernels, ops
+
+# NVRTC 13 serves repeated compiles from the CUDA compute cache and then prints
+# no ptxas report; the switch is read when the library loads, so set it before
+# any test compiles (kernels.compile_file falls back to a child process otherwise).
+os.environ.setdefault("CUDA_CACHE_DISABLE", "1")
+
+ARCHS = ("sm_80", "sm_90", "sm_100", "sm_120")
+
+# The chunk kernels keep a D-float state column (scan) or large unrolled loops in
+# registers and may spill on some architectures; the table reports it. Every
+# other kernel must not spill.
+SPILL_ALLOWED = frozenset({"kda_chunk_prepare_f32", "kda_chunk_scan_f32"})
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict[tuple[str, str], kernels.CompiledFile]:
+    return {
+        (stem, arch): kernels.compile_file(stem, arch)
+        for stem in kernels.ENTRY_POINTS
+        for arch in ARCHS
+    }
+
+
+def _resource_table(compiled, arch: str) -> str:
+    rows = [f"{'kernel':30s} {'regs':>5s} {'spill st':>9s} {'spill ld':>9s} {'stack':>6s} {'smem':>6s}  ({arch})"]
+    for stem, names in kernels.ENTRY_POINTS.items():
+        resources = kernels.parse_ptxas_log(compiled[(stem, arch)].log)
+        for name in names:
+            r = resources[name]
+            rows.append(
+                f"{name:30s} {r['registers']:5d} {r['spill_stores']:9d} {r['spill_loads']:9d} "
+                f"{r['stack_frame']:6d} {r['shared']:6d}"
+            )
+    return "\n".join(rows)
+
+
+def test_kernel_files_match_entry_points():
+    folder = kernels.kernels_dir()
+    assert sorted(path.name for path in folder.glob("*.cu")) == sorted(kernels.KERNEL_FILES)
+    for stem, names in kernels.ENTRY_POINTS.items():
+        text = (folder / f"{stem}.cu").read_text()
+        declared = re.findall(r'extern "C" __global__ void(?:\s+__launch_bounds__\([^)]*\))?\s+(\w+)\s*\(', text)
+        assert tuple(declared) == names, f"{stem}.cu declares {declared}, ENTRY_POINTS says {names}"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("stem", list(kernels.ENTRY_POINTS))
+def test_entry_points_in_cubin(compiled, stem, arch):
+    result = compiled[(stem, arch)]
+    symbols = kernels.cubin_function_symbols(result.cubin)
+    for name in kernels.ENTRY_POINTS[stem]:
+        assert name in symbols or f"'{name}'" in result.log, f"{name} missing from {stem}.cu for {arch}"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_no_spills_outside_chunk_kernels(compiled, arch):
+    print("\n" + _resource_table(compiled, arch))
+    spilling = []
+    for stem, names in kernels.ENTRY_POINTS.items():
+        resources = kernels.parse_ptxas_log(compiled[(stem, arch)].log)
+        for name in names:
+            r = resources[name]
+            if name not in SPILL_ALLOWED and (r["spill_stores"] or r["spill_loads"]):
+                spilling.append(f"{name}: {r['spill_stores']} B stores, {r['spill_loads']} B loads")
+    assert not spilling, f"register spills on {arch}: {spilling}"
+
+
+def test_resource_table_report(compiled, tmp_path):
+    report = "\n\n".join(_resource_table(compiled, arch) for arch in ARCHS)
+    path = tmp_path / "kernel_resources.txt"
+    path.write_text(report + "\n")
+    print("\n" + report)
+    assert path.read_text().count("gemv_bf16") == len(ARCHS)
+
+
+def test_compile_check_reports_every_entry_point():
+    report = kernels.compile_check("sm_90")
+    expected = {name for names in kernels.ENTRY_POINTS.values() for name in names}
+    assert set(report) == expected
+    for name, resources in report.items():
+        assert resources["registers"] > 0, name
+        assert set(resources) == {"registers", "spill_stores", "spill_loads", "stack_frame", "shared"}
+
+
+def test_kernel_source_inlines_header_with_line_directives():
+    source = kernels.kernel_source("norm")
+    folder = kernels.kernels_dir().resolve()
+    assert source.startswith(f'#line 1 "{folder / "norm.cu"}"')
+    assert f'#line 1 "{folder / kernels.COMMON_HEADER}"' in source
+    assert '#include "kda_common.cuh"' not in source
+    assert "block_sum_f32" in source
+
+
+def _write_broken_kernel(folder: Path) -> int:
+    """A kernel file whose error sits after the inlined header; returns its line."""
+    (folder / kernels.COMMON_HEADER).write_text((kernels.kernels_dir() / kernels.COMMON_HEADER).read_text())
+    lines = [
+        "// a kernel with a deliberate error",
+        '#include "kda_common.cuh"',
+        "",
+        'extern "C" __global__ void broken_f32(float* out)',
+        "{",
+        "    out[threadIdx.x] = undefined_name;",
+        "}",
+    ]
+    (folder / "broken.cu").write_text("\n".join(lines) + "\n")
+    return lines.index("    out[threadIdx.x] = undefined_name;") + 1
+
+
+def test_compile_error_names_real_file_and_line(tmp_path):
+    line = _write_broken_kernel(tmp_path)
+    with pytest.raises(kernels.KernelCompileError) as error:
+        kernels.compile_file("broken", "sm_90", directory=tmp_path)
+    message = str(error.value)
+    assert f"{(tmp_path / 'broken.cu').resolve()}({line})" in message, message
+    assert "undefined_name" in message
+
+
+def test_compile_error_through_kernels_dir(tmp_path, monkeypatch):
+    line = _write_broken_kernel(tmp_path)
+    monkeypatch.setattr(kernels, "kernels_dir", lambda: tmp_path)
+    with pytest.raises(kernels.KernelCompileError, match=rf"broken\.cu\({line}\)"):
+        kernels.compile_file("broken", "sm_80")
+
+
+@pytest.mark.parametrize("chunk", [1, 16, 32, 64], ids=lambda c: f"C{c}")
+def test_chunk_prepare_smem_fits_h200(chunk):
+    # H200 (sm_90) allows 227 KiB of opt-in shared memory per block.
+    assert ops.chunk_prepare_smem_bytes(chunk) <= 227 * 1024
+    assert ops.chunk_prepare_smem_bytes(chunk) == 4 * (3 * chunk * 129 + chunk * chunk + chunk)
+
+
+def test_import_does_not_touch_gpu():
+    # Building a KernelSet needs a GPU; importing and describing the kernels does not.
+    assert kernels.COMPILE_OPTIONS == ("-std=c++17",)
+    assert not kernels.TIMER.active
