@@ -74,8 +74,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="skip the real-geometry cases")
     p.set_defaults(func=_selftest)
 
+    p = sub.add_parser("bench", help="GPU benchmarks, one JSON line per case")
+    bench = p.add_subparsers(dest="bench", required=True)
+    from . import bench_decode
+
+    b = bench.add_parser("decode", help="batched decode, verify, graph vs eager, against the copy roofline")
+    bench_decode.add_arguments(b)
+    b.set_defaults(func=bench_decode.run)
+
     args = parser.parse_args(argv)
-    return args.func(args)
+    from .device import NoGpuError
+
+    try:
+        return args.func(args)
+    except NoGpuError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -35,9 +35,14 @@ from . import kernels, ops
 from .checkpoint import BoundLayer, bind_layer
 from .config import KdaConfig
 from .device import require_gpu
-from .state import KdaState
+from .state import KdaState, StatePool
 
 GEMV_MAX_ROWS = ops.GEMV_MAX_ROWS
+# The one projection kernel of every decode-side call and the row group it takes per launch.
+DECODE_PROJECTION = ops.gemv_bf16
+DECODE_ROW_GROUP = GEMV_MAX_ROWS
+# Most rows one batched decode call takes (the workspace and the pool may limit it further).
+MAX_DECODE_ROWS = 256
 
 
 @functools.lru_cache(maxsize=1)
@@ -137,6 +142,9 @@ class KdaWorkspace:
         self.chunk_u = cupy.zeros((padded, heads, dim), f32)
         self.attn = cupy.zeros((nchunks, heads, c.chunk, c.chunk), f32)
         self.chunk_decay = cupy.zeros((nchunks, heads, dim), f32)
+        # Fixed input buffers of the captured decode graphs.
+        self.graph_hidden = cupy.zeros((max_tokens, c.hidden), bf16)
+        self.graph_slots = cupy.zeros((max_tokens,), np.int32)
 
     @classmethod
     def shared(cls, config: KdaConfig, max_tokens: int) -> "KdaWorkspace":
@@ -177,6 +185,16 @@ class KdaLayer:
         self.o_norm = to_device_bf16(bound.o_norm)
         self.o_proj = to_device_bf16(bound.o_proj)
         self.scale = 1.0 / math.sqrt(self.config.head_dim)
+        self._graphs = DecodeGraphs(self)
+
+    @property
+    def use_graphs(self) -> bool:
+        """Decode-side calls replay captured CUDA graphs (default True); False: eager launches."""
+        return self._graphs.enabled
+
+    @use_graphs.setter
+    def use_graphs(self, value: bool) -> None:
+        self._graphs.enabled = bool(value)
 
     @classmethod
     def from_pretrained(cls, path_or_repo: str | Path, layer_idx: int, max_tokens: int = 4096, chunk: int = 64,
@@ -247,38 +265,51 @@ class KdaLayer:
                 raise TypeError(f"{what}: state.{field} must be a contiguous CuPy float32 array")
 
     # Stages -------------------------------------------------------------------------------
-    def _project(self, x: Any, weight: Any, out: Any) -> None:
-        if x.shape[0] <= GEMV_MAX_ROWS:
-            ops.gemv_bf16(x, weight, out, rows=x.shape[0])
-        else:
-            ops.gemm_bf16_cublas(x, weight, out)
+    def _project_decode(self, x: Any, weight: Any, out: Any) -> None:
+        """The projection of every decode-side call (decode, decode_k, batched decode, and
+        prefill of <= 16 rows). One kernel, applied to groups of DECODE_ROW_GROUP rows, whose
+        per-row arithmetic does not depend on the row count: a row's bits are the same in
+        every one of those calls, whatever else shares the launch."""
+        rows = x.shape[0]
+        for start in range(0, rows, DECODE_ROW_GROUP):
+            stop = min(rows, start + DECODE_ROW_GROUP)
+            DECODE_PROJECTION(x[start:stop], weight, out[start:stop], rows=stop - start)
 
-    def front_end(self, hidden: Any) -> None:
+    def _project(self, x: Any, weight: Any, out: Any, wide: bool) -> None:
+        if wide:
+            # Prefill only: cuBLAS reassociates, which no bit-exact path may see.
+            ops.gemm_bf16_cublas(x, weight, out)
+        else:
+            self._project_decode(x, weight, out)
+
+    def front_end(self, hidden: Any, wide: bool = False) -> None:
         """Projections, forget gate, beta and output gate of `rows` hidden rows."""
         ws, c, rows = self.workspace, self.config, hidden.shape[0]
         d = c.head_dim
-        self._project(hidden, self.qkv_weight, ws.qkv_proj[:rows])
-        self._project(hidden, self.down_weight, ws.down_proj[:rows])
-        self._project(ws.down_proj[:rows, :d], self.f_b, ws.forget_proj[:rows])
-        self._project(ws.down_proj[:rows, d : 2 * d], self.g_b, ws.out_gate[:rows])
+        self._project(hidden, self.qkv_weight, ws.qkv_proj[:rows], wide)
+        self._project(hidden, self.down_weight, ws.down_proj[:rows], wide)
+        self._project(ws.down_proj[:rows, :d], self.f_b, ws.forget_proj[:rows], wide)
+        self._project(ws.down_proj[:rows, d : 2 * d], self.g_b, ws.out_gate[:rows], wide)
         ops.gate_beta_f32(ws.forget_proj, self.dt_bias, self.a_log, ws.down_proj[:, 2 * d :], ws.gate, ws.beta,
                           c.heads, d, c.bounded, c.gate_lower_bound or 0.0, tokens=rows)
 
-    def stateful_row(self, row: int, state: KdaState) -> None:
-        """Decode's stateful half for workspace row `row`: conv (+ SiLU + L2, fused) then one
-        recurrent step, both updating `state` in place. q and k arrive normalised; the
-        recurrent step must not normalise them again."""
+    def stateful_rows(self, first: int, rows: int, conv_state: Any, recurrent_state: Any, slots: Any = None) -> None:
+        """Decode's stateful half for workspace rows first..first+rows-1: conv (+ SiLU + L2,
+        fused) then one recurrent step, updating the states in place. Row r uses slot
+        slots[r] of a pool, or (slots None, rows == 1) the single state given. q and k arrive
+        normalised; the recurrent step must not normalise them again."""
         ws, c = self.workspace, self.config
-        ops.conv_decode_silu_l2_bf16(state.conv, ws.qkv_proj[row], self.conv_weight, ws.conv_out[row],
-                                     ws.query[row], ws.key[row], ws.value[row], c.heads, c.head_dim, c.l2_eps)
-        ops.kda_recurrent_step_f32(ws.query[row], ws.key[row], ws.value[row], ws.gate[row], ws.beta[row],
-                                   state.recurrent, ws.core[row], self.scale)
+        sl = slice(first, first + rows)
+        ops.conv_decode_silu_l2_bf16(conv_state, ws.qkv_proj[sl], self.conv_weight, ws.conv_out[sl],
+                                     ws.query[sl], ws.key[sl], ws.value[sl], c.heads, c.head_dim, c.l2_eps, slots=slots)
+        ops.kda_recurrent_step_f32(ws.query[sl], ws.key[sl], ws.value[sl], ws.gate[sl], ws.beta[sl],
+                                   recurrent_state, ws.core[sl], self.scale, slots=slots)
 
-    def back_end(self, rows: int) -> None:
+    def back_end(self, rows: int, wide: bool = False) -> None:
         ws, c = self.workspace, self.config
         ops.gated_rmsnorm_sigmoid_bf16(ws.core, ws.out_gate, self.o_norm, ws.o_norm_out, c.heads, c.head_dim,
                                        c.rms_norm_eps, tokens=rows)
-        self._project(ws.o_norm_out[:rows], self.o_proj, ws.final_out[:rows])
+        self._project(ws.o_norm_out[:rows], self.o_proj, ws.final_out[:rows], wide)
 
     # Calls ----------------------------------------------------------------------------------
     def prefill(self, hidden: Any, state: KdaState, pad_value: float = 0.0) -> Any:
@@ -291,9 +322,10 @@ class KdaLayer:
         hidden, back = self._rows_in(hidden, "prefill", self.workspace.max_tokens)
         self._check_state(state, "prefill")
         ws, c, tokens = self.workspace, self.config, hidden.shape[0]
+        wide = tokens > GEMV_MAX_ROWS
         padded = ops.chunk_count(tokens, c.chunk) * c.chunk
         with _section("front_end"):
-            self.front_end(hidden)
+            self.front_end(hidden, wide)
         with _section("recurrence"):
             ops.conv_prefill_silu_bf16(state.conv, ws.qkv_proj, self.conv_weight, ws.conv_out, tokens=tokens)
             ops.l2norm_split_f32(ws.conv_out, ws.query, ws.key, ws.value, c.heads, c.head_dim, c.l2_eps, tokens=tokens)
@@ -305,12 +337,23 @@ class KdaLayer:
             ops.kda_chunk_scan_f32(ws.q_decay, ws.k_tail, ws.chunk_w, ws.chunk_u, ws.attn, ws.chunk_decay,
                                    state.recurrent, ws.core, tokens, c.chunk)
         with _section("back_end"):
-            self.back_end(tokens)
+            self.back_end(tokens, wide)
         return back(ws.final_out[:tokens].copy())
 
-    def decode(self, hidden_row: Any, state: KdaState) -> Any:
-        """One token: hidden_row [1, hidden] (or [hidden]) BF16 -> [1, hidden] BF16; state in place."""
-        return self.decode_k(hidden_row, state)
+    def decode(self, hidden: Any, state: KdaState | StatePool, slots: Any = None) -> Any:
+        """One token per sequence.
+
+        decode(hidden_row [1, hidden] or [hidden], state): one sequence, state in place.
+        decode(hidden [B, hidden], pool, slots): B sequences of a StatePool advance one token
+        each, weights read once for all B; slots [B] (host ints or a device int32 array,
+        distinct) names each row's slot. A sequence's bits do not depend on B or on the other
+        rows. Returns [rows, hidden] BF16.
+        """
+        if isinstance(state, StatePool):
+            return self._decode_pool(hidden, state, slots)
+        if slots is not None:
+            raise TypeError("decode: slots only apply to a StatePool")
+        return self.decode_k(hidden, state)
 
     def decode_k(self, hidden_rows: Any, state: KdaState, snapshots: Sequence[KdaState] | None = None) -> Any:
         """K rows (1..16) of ONE sequence: projections in one weight sweep, the recurrence
@@ -327,17 +370,115 @@ class KdaLayer:
             raise ValueError(f"decode_k: {len(snapshots)} snapshots for {rows} rows")
         for i, snap in enumerate(snapshots):
             self._check_state(snap, f"decode_k snapshots[{i}]")
-        with _section("front_end"):
-            self.front_end(hidden_rows)
-        with _section("recurrence"):
-            for row in range(rows):
-                self.stateful_row(row, state)
-                if row < len(snapshots):
-                    snapshots[row].conv[...] = state.conv
-                    snapshots[row].recurrent[...] = state.recurrent
-        with _section("back_end"):
-            self.back_end(rows)
+
+        def body(hidden: Any, _slots: Any) -> None:
+            with _section("front_end"):
+                self.front_end(hidden)
+            with _section("recurrence"):
+                for row in range(rows):
+                    self.stateful_rows(row, 1, state.conv, state.recurrent)
+                    if row < len(snapshots):
+                        snapshots[row].conv[...] = state.conv
+                        snapshots[row].recurrent[...] = state.recurrent
+            with _section("back_end"):
+                self.back_end(rows)
+
+        key = ("k", rows, state.conv.data.ptr, state.recurrent.data.ptr,
+               tuple((s.conv.data.ptr, s.recurrent.data.ptr) for s in snapshots))
+        self._graphs.run(key, hidden_rows, None, body)
         return back(self.workspace.final_out[:rows].copy())
+
+    def _decode_pool(self, hidden: Any, pool: StatePool, slots: Any) -> Any:
+        import cupy
+
+        max_rows = min(MAX_DECODE_ROWS, self.workspace.max_tokens, len(pool))
+        hidden, back = self._rows_in(hidden, "decode", max_rows)
+        rows = hidden.shape[0]
+        if pool.conv.shape[1:] != tuple(self.config.conv_state_shape) or pool.recurrent.shape[1:] != tuple(self.config.recurrent_state_shape):
+            raise ValueError(f"decode: the pool's states [{list(pool.conv.shape[1:])}, {list(pool.recurrent.shape[1:])}] "
+                             f"do not fit {self.config.describe()}")
+        if slots is None:
+            raise ValueError("decode with a StatePool needs slots (one per row)")
+        if isinstance(slots, cupy.ndarray):
+            if slots.dtype != np.int32 or slots.shape != (rows,):
+                raise ValueError(f"slots: expected a device int32 array of {rows} entries, got {slots.dtype} {list(slots.shape)}")
+        else:
+            host = np.asarray(slots)
+            if host.shape != (rows,) or not np.issubdtype(host.dtype, np.integer):
+                raise ValueError(f"slots: expected {rows} integer slots, got {host.dtype} {list(host.shape)}")
+            if host.min() < 0 or host.max() >= len(pool):
+                raise ValueError(f"slots: {host.tolist()} outside this pool of {len(pool)} slots")
+            if len(set(host.tolist())) != rows:
+                raise ValueError(f"slots: {host.tolist()} repeats a slot; each row must advance its own sequence")
+            slots = cupy.asarray(host.astype(np.int32))
+
+        def body(hidden: Any, device_slots: Any) -> None:
+            with _section("front_end"):
+                self.front_end(hidden)
+            with _section("recurrence"):
+                self.stateful_rows(0, rows, pool.conv, pool.recurrent, slots=device_slots)
+            with _section("back_end"):
+                self.back_end(rows)
+
+        self._graphs.run(("pool", rows, pool.conv.data.ptr, pool.recurrent.data.ptr), hidden, slots, body)
+        return back(self.workspace.final_out[:rows].copy())
+
+
+class DecodeGraphs:
+    """CUDA graphs of the decode-side calls, captured once per shape and state, replayed after.
+
+    A call's key holds its kind, its row count and the device pointers it touches besides the
+    workspace (state, snapshots, pool). The first call of a key runs eagerly (so every kernel
+    is compiled and every wrapper check has passed), the second captures the call on a side
+    stream, and from then on each call is one graph launch plus the copy of its input rows
+    (and slots) into the workspace's fixed input buffers. A new state object, pool or
+    workspace has new pointers and so a new key: it is captured afresh; the oldest graphs are
+    dropped past `capacity`. Slots live in a device buffer, so sequences entering and leaving
+    a pool never cause a recapture. Set `enabled = False` for eager launches; timing
+    (glm_kda.kernels.timing) also runs eagerly.
+    """
+
+    def __init__(self, layer: "KdaLayer", capacity: int = 64):
+        self.layer = layer
+        self.enabled = True
+        self.capacity = capacity
+        self.graphs: dict[tuple, Any] = {}
+        self.seen: set[tuple] = set()
+        self.captures = 0
+
+    def run(self, key: tuple, hidden: Any, slots: Any, body) -> None:
+        import cupy
+
+        ws = self.layer.workspace
+        if not self.enabled or kernels.TIMER.active:
+            body(hidden, slots)
+            return
+        key = key + (id(ws),)
+        rows = hidden.shape[0]
+        ws.graph_hidden[:rows].view(np.uint16)[...] = hidden.view(np.uint16)
+        static_slots = None
+        if slots is not None:
+            ws.graph_slots[:rows] = slots
+            static_slots = ws.graph_slots[:rows]
+        static_hidden = ws.graph_hidden[:rows]
+        graph = self.graphs.get(key)
+        if graph is None:
+            if key not in self.seen:
+                self.seen.add(key)
+                body(static_hidden, static_slots)
+                return
+            side = cupy.cuda.Stream(non_blocking=True)
+            with side:
+                side.begin_capture()
+                try:
+                    body(static_hidden, static_slots)
+                finally:
+                    graph = side.end_capture()
+            self.captures += 1
+            if len(self.graphs) >= self.capacity:
+                self.graphs.pop(next(iter(self.graphs)))
+            self.graphs[key] = graph
+        graph.launch(cupy.cuda.get_current_stream())
 
 
 def run_demo_on_gpu(path: Path, hidden: np.ndarray, prompt: int, steps: int) -> dict:

@@ -270,38 +270,51 @@ def _conv_kernel_size(conv_state, conv_w, conv_dim: int) -> int:
     return kernel_size
 
 
-def conv_decode_silu_l2_bf16(
-    conv_state, qkv_proj, conv_w, conv_out, query, key, value, heads: int, head_dim: int, l2_eps: float
-) -> None:
-    """One decode token: conv + SiLU (conv_state updated in place), then L2 of q, k.
+def _slot_rows(name: str, state, per_state: tuple[int, ...], rows: int, slots) -> None:
+    """Check a state (one [*per_state]) or a pool ([N, *per_state]) against `rows` rows and
+    their `slots` (a device int32 [rows] array, or None: row r uses state r)."""
+    _check_dtype(name, state, "f32")
+    if tuple(state.shape[-len(per_state):]) != per_state or state.ndim not in (len(per_state), len(per_state) + 1):
+        raise ValueError(f"{name}: expected [{', '.join(map(str, per_state))}] or [N, ...] of it, got {list(state.shape)}")
+    if not state.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous")
+    count = 1 if state.ndim == len(per_state) else state.shape[0]
+    if slots is None:
+        if rows > count:
+            raise ValueError(f"{name}: {rows} rows but only {count} state(s) and no slots")
+        return
+    if slots.dtype != numpy.int32 or slots.ndim != 1 or slots.shape[0] < rows or not slots.flags.c_contiguous:
+        raise ValueError(f"slots: expected a contiguous int32 device array of >= {rows} entries, got "
+                         f"{slots.dtype} {list(slots.shape)}")
 
-    conv_state [3*H*D, K] FP32, qkv_proj [3*H*D] BF16, conv_w [3*H*D, K] BF16,
-    conv_out [3*H*D] BF16; query, key (normalised) and value [H, D] FP32.
+
+def conv_decode_silu_l2_bf16(
+    conv_state, qkv_proj, conv_w, conv_out, query, key, value, heads: int, head_dim: int, l2_eps: float,
+    slots=None,
+) -> None:
+    """One decode token of each of `rows` sequences: conv + SiLU (conv states updated in
+    place), then L2 of q, k.
+
+    conv_state [3*H*D, K] FP32 (one sequence) or a pool [N, 3*H*D, K]; qkv_proj
+    [rows, 3*H*D] (or [3*H*D]) BF16; conv_w [3*H*D, K] BF16; conv_out like qkv_proj;
+    query, key (normalised) and value [rows, H, D] (or [H, D]) FP32. Row r uses state
+    slots[r] (device int32) or, without slots, state r.
     """
     _require_head_dim(head_dim)
     conv_dim = 3 * heads * head_dim
-    kernel_size = _conv_kernel_size(conv_state, conv_w, conv_dim)
-    _require("qkv_proj", qkv_proj, "bf16", (conv_dim,))
-    _require("conv_out", conv_out, "bf16", (conv_dim,))
+    kernel_size = _conv_kernel_size(conv_state[0] if conv_state.ndim == 3 else conv_state, conv_w, conv_dim)
+    rows = 1 if qkv_proj.ndim == 1 else qkv_proj.shape[0]
+    _slot_rows("conv_state", conv_state, (conv_dim, kernel_size), rows, slots)
+    _require("qkv_proj", qkv_proj, "bf16", (rows, conv_dim))
+    _require("conv_out", conv_out, "bf16", (rows, conv_dim))
     for name, array in (("query", query), ("key", key), ("value", value)):
-        _require(name, array, "f32", (heads, head_dim))
+        _require(name, array, "f32", (rows, heads, head_dim))
     kernels.launch(
         "conv_decode_silu_l2_bf16",
-        (3 * heads,),
+        (3 * heads, rows),
         (HEAD_BLOCK,),
-        (
-            conv_state,
-            qkv_proj,
-            conv_w,
-            conv_out,
-            query,
-            key,
-            value,
-            _i32(heads),
-            _i32(head_dim),
-            _i32(kernel_size),
-            _f32(l2_eps),
-        ),
+        (conv_state, slots, qkv_proj, conv_w, conv_out, query, key, value,
+         _i32(heads), _i32(head_dim), _i32(kernel_size), _f32(l2_eps)),
     )
 
 
@@ -429,24 +442,27 @@ def gate_beta_f32(
 # --------------------------------------------------------------------------------------
 
 
-def kda_recurrent_step_f32(query, key, value, gate, beta, state, core, scale: float) -> None:
-    """One decode token of the delta rule; state [H, D, D] FP32 K-major, in place.
+def kda_recurrent_step_f32(query, key, value, gate, beta, state, core, scale: float, slots=None) -> None:
+    """One decode token of the delta rule for each of `rows` sequences, states in place.
 
-    query, key, value, gate, core [H, D] FP32; beta [H] FP32.
+    state [H, D, D] FP32 K-major (one sequence) or a pool [N, H, D, D]; query, key, value,
+    gate, core [rows, H, D] (or [H, D]) FP32; beta [rows, H] (or [H]) FP32. Row r uses
+    state slots[r] (device int32) or, without slots, state r.
     """
     _check_dtype("state", state, "f32")
-    if state.ndim != 3:
-        raise ValueError(f"state: expected [H, {HEAD_DIM}, {HEAD_DIM}], got {list(state.shape)}")
-    heads = state.shape[0]
-    _require("state", state, "f32", (heads, HEAD_DIM, HEAD_DIM))
+    if state.ndim not in (3, 4):
+        raise ValueError(f"state: expected [H, {HEAD_DIM}, {HEAD_DIM}] or [N, H, ...], got {list(state.shape)}")
+    heads = state.shape[-3]
+    rows = 1 if query.ndim == 2 else query.shape[0]
+    _slot_rows("state", state, (heads, HEAD_DIM, HEAD_DIM), rows, slots)
     for name, array in (("query", query), ("key", key), ("value", value), ("gate", gate), ("core", core)):
-        _require(name, array, "f32", (heads, HEAD_DIM))
-    _require("beta", beta, "f32", (heads,))
+        _require(name, array, "f32", (rows, heads, HEAD_DIM))
+    _require("beta", beta, "f32", (rows, heads))
     kernels.launch(
         "kda_recurrent_step_f32",
-        (heads, HEAD_DIM // RECURRENT_COLUMNS),
+        (heads, HEAD_DIM // RECURRENT_COLUMNS, rows),
         (RECURRENT_COLUMNS,),
-        (query, key, value, gate, beta, state, core, _i32(heads), _f32(scale)),
+        (query, key, value, gate, beta, state, slots, core, _i32(heads), _f32(scale)),
     )
 
 

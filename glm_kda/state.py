@@ -108,3 +108,40 @@ def _host(array: Any) -> np.ndarray:
     if hasattr(array, "get"):
         return array.get()
     return np.array(array)
+
+
+class StatePool:
+    """States of N sequences in two arrays, addressed by slot:
+    conv [N, conv_dim, K] and recurrent [N, H, D, D], FP32 (CuPy by default).
+
+    Batched decode reads the slot of each row from a device int32 array, so sequences come
+    and go (reset a slot, reuse it) without re-capturing a CUDA graph.
+    """
+
+    def __init__(self, config: KdaConfig, slots: int, xp: Any = None):
+        if xp is None:
+            import cupy as xp
+        if slots < 1:
+            raise ValueError(f"a pool needs >= 1 slot, got {slots}")
+        self.config = config
+        self.conv = xp.zeros((slots,) + tuple(config.conv_state_shape), np.float32)
+        self.recurrent = xp.zeros((slots,) + tuple(config.recurrent_state_shape), np.float32)
+
+    def __len__(self) -> int:
+        return self.conv.shape[0]
+
+    def state(self, slot: int) -> KdaState:
+        """Slot `slot` as a KdaState of views: writes go to the pool."""
+        self._check_slot(slot)
+        return KdaState(self.conv[slot], self.recurrent[slot])
+
+    def reset(self, *slots: int) -> None:
+        """Zero the given slots (a new sequence starts there)."""
+        for slot in slots:
+            self._check_slot(slot)
+            self.conv[slot].fill(0)
+            self.recurrent[slot].fill(0)
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= int(slot) < len(self):
+            raise IndexError(f"slot {slot} outside this pool of {len(self)} slots")

@@ -8,9 +8,12 @@
 // L2 reads the ROUNDED conv output: x / sqrt(sum(x * x) + eps), eps inside the
 // sqrt; v is never normalised.
 //
-// conv_decode_silu_l2_bf16: one token. grid (3 * heads), block head_dim = 128:
-//   one block per head of q, k or v, so the L2 sum of a q/k head is one block
-//   reduction and conv + SiLU + L2 fuse into a single launch.
+// conv_decode_silu_l2_bf16: one token of each of `rows` sequences. grid (3 * heads,
+//   rows), block head_dim = 128: one block per head of q, k or v, so the L2 sum of a
+//   q/k head is one block reduction and conv + SiLU + L2 fuse into a single launch.
+//   Row r reads and writes the conv state of slot slots[r] (slot r when slots is
+//   null) of a pool of [conv_dim, K] states; the arithmetic of a row does not
+//   depend on the other rows, so a sequence's bits do not depend on the batch.
 // conv_prefill_silu_bf16: T tokens. grid ceil(conv_dim / 256), block 256: one
 //   thread per channel walks the tokens in order with the window in registers,
 //   so prefill of T tokens leaves the state T decode steps would leave; reads
@@ -90,11 +93,11 @@ __device__ __forceinline__ void split_normalize_head(float conv_value, int block
 }
 
 extern "C" __global__ void __launch_bounds__(KDA_HEAD_BLOCK)
-conv_decode_silu_l2_bf16(float* __restrict__ conv_state, const bf16_t* __restrict__ qkv_proj,
-                         const bf16_t* __restrict__ conv_w, bf16_t* __restrict__ conv_out,
-                         float* __restrict__ query, float* __restrict__ key,
-                         float* __restrict__ value, int heads, int head_dim, int kernel_size,
-                         float l2_eps)
+conv_decode_silu_l2_bf16(float* __restrict__ conv_state, const int* __restrict__ slots,
+                         const bf16_t* __restrict__ qkv_proj, const bf16_t* __restrict__ conv_w,
+                         bf16_t* __restrict__ conv_out, float* __restrict__ query,
+                         float* __restrict__ key, float* __restrict__ value, int heads,
+                         int head_dim, int kernel_size, float l2_eps)
 {
     __shared__ float scratch[8];
     // Uniform over the block: a wrong geometry leaves whole blocks, before any sync.
@@ -102,8 +105,16 @@ conv_decode_silu_l2_bf16(float* __restrict__ conv_state, const bf16_t* __restric
         kernel_size < 1 || kernel_size > CONV_MAX_KERNEL) {
         return;
     }
+    const size_t row = blockIdx.y;
+    const size_t slot = slots != nullptr ? static_cast<size_t>(slots[row]) : row;
+    const size_t qkv = static_cast<size_t>(heads) * head_dim;
+    qkv_proj += row * 3 * qkv;
+    conv_out += row * 3 * qkv;
+    query += row * qkv;
+    key += row * qkv;
+    value += row * qkv;
     const int channel = blockIdx.x * head_dim + threadIdx.x;
-    float* state = conv_state + static_cast<size_t>(channel) * kernel_size;
+    float* state = conv_state + (slot * 3 * qkv + channel) * kernel_size;
 
     float window[CONV_MAX_KERNEL] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll

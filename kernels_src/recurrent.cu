@@ -5,7 +5,10 @@
 //   S    = S + k (beta * (v - pred))^T
 //   core = S^T (q * scale)                  read AFTER the update
 //
-// Launch: grid (heads, D / 32), block 32. A thread owns value column v = 32 *
+// Launch: grid (heads, D / 32, rows), block 32; row r advances the state of slot
+// slots[r] of a pool of [heads, D, D] states (slot r when slots is null) by one
+// token, reading row r of the per-token inputs. Rows never interact, so a
+// sequence's bits do not depend on which other sequences share the launch. A thread owns value column v = 32 *
 // blockIdx.y + lane and keeps the whole state column S[0..D-1, v] in registers:
 // every column is independent, so the state is read once and written once, and
 // with v the fast axis each of those D row accesses is a coalesced 128-byte
@@ -19,7 +22,8 @@ extern "C" __global__ void __launch_bounds__(RECURRENT_COLUMNS)
 kda_recurrent_step_f32(const float* __restrict__ query, const float* __restrict__ key,
                        const float* __restrict__ value, const float* __restrict__ gate,
                        const float* __restrict__ beta, float* __restrict__ state,
-                       float* __restrict__ core, int heads, float scale)
+                       const int* __restrict__ slots, float* __restrict__ core, int heads,
+                       float scale)
 {
     __shared__ float decay_s[KDA_HEAD_DIM];
     __shared__ float key_s[KDA_HEAD_DIM];
@@ -32,6 +36,16 @@ kda_recurrent_step_f32(const float* __restrict__ query, const float* __restrict_
         return;
     }
     const int column = blockIdx.y * RECURRENT_COLUMNS + lane;
+    const size_t row = blockIdx.z;
+    const size_t slot = slots != nullptr ? static_cast<size_t>(slots[row]) : row;
+    const size_t row_offset = row * heads * KDA_HEAD_DIM;
+    query += row_offset;
+    key += row_offset;
+    value += row_offset;
+    gate += row_offset;
+    core += row_offset;
+    beta += row * heads;
+    state += slot * heads * KDA_HEAD_DIM * KDA_HEAD_DIM;
     const size_t head_offset = static_cast<size_t>(head) * KDA_HEAD_DIM;
 
     for (int i = lane; i < KDA_HEAD_DIM; i += RECURRENT_COLUMNS) {

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import pytest
@@ -44,3 +46,14 @@ def fake_hub(monkeypatch):
         return requests
 
     return serve
+
+
+@pytest.fixture(scope="session")
+def figures():
+    """A list the GPU tests append their measured ratios to; written as JSON to the path in
+    $GLM_KDA_FIGURES at the end of the session (for reports), otherwise discarded."""
+    rows: list[dict] = []
+    yield rows
+    target = os.environ.get("GLM_KDA_FIGURES")
+    if target:
+        Path(target).write_text(json.dumps(rows, indent=1))

@@ -61,17 +61,18 @@ def device_state(layer, host_state: KdaState | None) -> KdaState:
     return KdaState(cp.asarray(host_state.conv), cp.asarray(host_state.recurrent))
 
 
-def check_stages(bound, hidden, gpu_stages, start, chunk, tag):
+def check_stages(bound, hidden, gpu_stages, start, chunk, tag, figures):
     """Level 1: each GPU stage against the BF16 oracle fed the GPU's own upstream stages."""
     oracle = KdaOracle(bound, "bf16", xp=_cp())
     fed, fed_state = oracle.fed_stages(hidden, gpu_stages, start, chunk=chunk)
     table = compare_stages(gpu_stages, fed)
+    figures.append({"test": tag, "level": "stage", **table.ratios()})
     bad = [row for row in table.rows if not row.rms_ratio <= STAGE_BOUND]
     assert not bad, f"{tag}: stages above {STAGE_BOUND:g} against the fed BF16 oracle:\n{table}"
     return fed_state
 
 
-def check_end_to_end(bound, hidden, gpu_out, gpu_state, start, tag):
+def check_end_to_end(bound, hidden, gpu_out, gpu_state, start, tag, figures):
     """Level 2: final output and state against float64, within 1.5x the BF16 oracle's own error."""
     cp = _cp()
     exact, exact_state = KdaOracle(bound, "float64", xp=cp).prefill(hidden, start)
@@ -83,6 +84,7 @@ def check_end_to_end(bound, hidden, gpu_out, gpu_state, start, tag):
     ):
         ours_err, floor_err = rms_ratio(ours, ref), rms_ratio(floor, ref)
         bound_err = E2E_FACTOR * floor_err
+        figures.append({"test": tag, "level": "end_to_end", "what": what, "ours": ours_err, "bf16_oracle": floor_err})
         assert ours_err <= bound_err, (f"{tag} {what}: rms-ratio {ours_err:.3e} vs float64; the BF16 oracle's own "
                                        f"is {floor_err:.3e}, bound {bound_err:.3e} (ratio {ours_err / max(floor_err, 1e-300):.2f}x)")
 
@@ -95,7 +97,7 @@ def as_float(x):
 @pytest.mark.parametrize("chunk", [16, 32, 64], ids=lambda c: f"C{c}")
 @pytest.mark.parametrize("tokens", TOKENS, ids=lambda t: f"T{t}")
 @pytest.mark.parametrize("geometry", ["glm", "kimi"])
-def test_prefill_matches_oracle(layers, geometry, tokens, chunk):
+def test_prefill_matches_oracle(layers, geometry, tokens, chunk, figures):
     bound, layer = layers(geometry, chunk)
     cfg = bound.config
     start = KdaState.random(cfg, seed=tokens) if tokens in (17, 1000) else None
@@ -104,14 +106,14 @@ def test_prefill_matches_oracle(layers, geometry, tokens, chunk):
     out = layer.prefill(hidden, state)
     tag = f"{geometry} T{tokens}-C{chunk}"
     gpu_stages = layer.workspace.stages(tokens)
-    fed_state = check_stages(bound, hidden, gpu_stages, start, chunk, tag)
+    fed_state = check_stages(bound, hidden, gpu_stages, start, chunk, tag, figures)
     assert rms_ratio(state.recurrent, fed_state.recurrent) <= STAGE_BOUND, f"{tag}: chunk-scan state vs fed oracle"
     assert np.array_equal(state.conv.get(), np.asarray(fed_state.conv.get(), np.float32)), f"{tag}: conv state"
-    check_end_to_end(bound, hidden, out, state, start, tag)
+    check_end_to_end(bound, hidden, out, state, start, tag, figures)
 
 
 @pytest.mark.parametrize("geometry", ["glm", "kimi"])
-def test_decode_512_steps_after_1000_token_prefill(layers, geometry):
+def test_decode_512_steps_after_1000_token_prefill(layers, geometry, figures):
     bound, layer = layers(geometry)
     cfg = bound.config
     hidden = synthetic_hidden(1512, cfg.hidden, seed=SEED)
@@ -135,11 +137,13 @@ def test_decode_512_steps_after_1000_token_prefill(layers, geometry):
     for what, a, r, f in (("outputs 1000..1511", ours[tail], ref[tail], floor[tail]),
                           ("recurrent state", state.recurrent, ex_state.recurrent, fa_state.recurrent)):
         err, floor_err = rms_ratio(a, r), rms_ratio(f, r)
+        figures.append({"test": f"{geometry} decode 512 after 1000", "level": "end_to_end", "what": what,
+                        "ours": err, "bf16_oracle": floor_err})
         assert err <= E2E_FACTOR * floor_err, f"{geometry} {what}: {err:.3e} vs BF16 oracle {floor_err:.3e}"
 
 
 @pytest.mark.parametrize("geometry", ["glm", "kimi"])
-def test_decode_stages_match_fed_oracle(layers, geometry):
+def test_decode_stages_match_fed_oracle(layers, geometry, figures):
     bound, layer = layers(geometry)
     cfg = bound.config
     start = KdaState.random(cfg, seed=4)
@@ -149,7 +153,7 @@ def test_decode_stages_match_fed_oracle(layers, geometry):
     for t in range(3):
         layer.decode(hidden[t], state)
         gpu = layer.workspace.stages(1)
-        fed_state = check_stages(bound, hidden[t : t + 1], gpu, host, None, f"{geometry} decode row {t}")
+        fed_state = check_stages(bound, hidden[t : t + 1], gpu, host, None, f"{geometry} decode row {t}", figures)
         assert rms_ratio(state.recurrent, fed_state.recurrent) <= STAGE_BOUND
         host = KdaState(state.conv.get(), state.recurrent.get())
 
@@ -265,3 +269,78 @@ def test_timing_reports_sections_and_kernels(layers):
     for name in ("[front_end]", "[recurrence]", "[back_end]", "kda_chunk_scan_f32", "kda_recurrent_step_f32", "gemv_bf16"):
         assert name in summary and summary[name] > 0, f"{name} missing from timing: {sorted(summary)}"
     assert not kernels.TIMER.active
+
+
+def _bits(x):
+    cp = _cp()
+    x = x if isinstance(x, cp.ndarray) else cp.asarray(np.asarray(x).view(np.uint16) if np.asarray(x).dtype.itemsize == 2 else np.asarray(x))
+    return x.view(cp.uint16 if x.dtype.itemsize == 2 else cp.uint32)
+
+
+@pytest.mark.parametrize("geometry", ["glm", "kimi"])
+def test_batched_decode_is_batch_invariant(layers, geometry):
+    """Every sequence gets the same output and state bits alone (B=1) as in batches of
+    3, 16, 64 and 256 with shuffled slot order, and as through the single-state API."""
+    from glm_kda.state import StatePool
+
+    cp = _cp()
+    bound, layer = layers(geometry)
+    cfg = bound.config
+    count = 256
+    rng = np.random.default_rng(21)
+    hidden = cp.asarray(synthetic_hidden(count, cfg.hidden, seed=22).view(np.uint16)).view(layer.workspace.final_out.dtype)
+    start_conv = cp.asarray(rng.standard_normal((count,) + cfg.conv_state_shape).astype(np.float32))
+    start_rec = cp.asarray((0.1 * rng.standard_normal((count,) + cfg.recurrent_state_shape)).astype(np.float32))
+    pool = StatePool(cfg, count)
+
+    def run(batch):
+        pool.conv[...] = start_conv
+        pool.recurrent[...] = start_rec
+        order = rng.permutation(count)
+        outs = cp.empty((count, cfg.hidden), dtype=hidden.dtype)
+        for first in range(0, count, batch):
+            seqs = order[first : first + batch]
+            slots = cp.asarray(seqs.astype(np.int32))
+            outs[cp.asarray(seqs)] = layer.decode(hidden[cp.asarray(seqs)], pool, slots)
+        return outs, pool.conv.copy(), pool.recurrent.copy()
+
+    alone = run(1)
+    for batch in (3, 16, 64, 256):
+        together = run(batch)
+        for what, a, b in zip(("outputs", "conv states", "recurrent states"), alone, together):
+            differ = int(cp.count_nonzero(_bits(a) != _bits(b)))
+            assert differ == 0, f"{geometry} B={batch}: {differ} elements of the {what} differ from B=1"
+    single = KdaState(start_conv[5].copy(), start_rec[5].copy())
+    out = layer.decode(hidden[5:6], single)
+    assert int(cp.count_nonzero(_bits(out[0]) != _bits(alone[0][5]))) == 0, "single-state decode differs from the pool"
+    assert int(cp.count_nonzero(_bits(single.recurrent) != _bits(alone[2][5]))) == 0
+
+
+def test_graph_replay_equals_eager_and_recaptures_on_new_pointers(layers):
+    cp = _cp()
+    bound, layer = layers("kimi")
+    cfg = bound.config
+    hidden = cp.asarray(synthetic_hidden(6, cfg.hidden, seed=30).view(np.uint16)).view(layer.workspace.final_out.dtype)
+    start = KdaState.random(cfg, seed=31)
+    graphed, eager = device_state(layer, start), device_state(layer, start)
+    captures = layer._graphs.captures
+    outs_graph, outs_eager = [], []
+    for t in range(5):
+        outs_graph.append(layer.decode(hidden[t : t + 1], graphed))
+    layer.use_graphs = False
+    try:
+        for t in range(5):
+            outs_eager.append(layer.decode(hidden[t : t + 1], eager))
+            if t == 1:
+                eager_after_two = eager.recurrent.copy()
+    finally:
+        layer.use_graphs = True
+    assert layer._graphs.captures == captures + 1, "one capture for one (kind, rows, state) key"
+    for t in range(5):
+        assert int(cp.count_nonzero(_bits(outs_graph[t]) != _bits(outs_eager[t]))) == 0, f"step {t} output"
+    assert int(cp.count_nonzero(_bits(graphed.recurrent) != _bits(eager.recurrent))) == 0
+    other = device_state(layer, start)
+    layer.decode(hidden[0:1], other)
+    layer.decode(hidden[1:2], other)
+    assert layer._graphs.captures == captures + 2, "a new state (new pointers) is captured afresh"
+    assert int(cp.count_nonzero(_bits(other.recurrent) != _bits(eager_after_two))) == 0, "recaptured graph state"
