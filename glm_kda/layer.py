@@ -14,10 +14,11 @@
         o_norm_out  = sigmoid-gated RMSNorm(core, out_gate)
         final_out   = o_norm_out @ W_o^T
 
-Projections of 1..16 rows use gemv_bf16, whose per-row arithmetic does not depend on the row
-count: this is what makes decode_k (K rows) bit-identical to K calls of decode. Wider
-projections go to cuBLAS (BF16 in, FP32 compute), which reassociates and is used only by
-prefill of more than 16 tokens, never by verify.
+Every decode-side projection (decode, decode_k, batched decode, prefill of <= 16 rows) uses
+gemm_rows_bf16, whose per-row arithmetic does not depend on the row count or on the other rows:
+this is what makes decode_k (K rows) bit-identical to K calls of decode, and a sequence's bits
+independent of the batch it is decoded in. Prefill of more than 16 tokens goes to cuBLAS (BF16
+in, FP32 compute), which reassociates and is never used by decode or verify.
 """
 
 from __future__ import annotations
@@ -31,16 +32,18 @@ from typing import Any, Sequence
 import ml_dtypes
 import numpy as np
 
-from . import kernels, ops
+from . import gemm_rows, kernels, ops
 from .checkpoint import BoundLayer, bind_layer
 from .config import KdaConfig
 from .device import require_gpu
 from .state import KdaState, StatePool
 
 GEMV_MAX_ROWS = ops.GEMV_MAX_ROWS
-# The one projection kernel of every decode-side call and the row group it takes per launch.
-DECODE_PROJECTION = ops.gemv_bf16
-DECODE_ROW_GROUP = GEMV_MAX_ROWS
+# The one projection kernel of every decode-side call and the row group it takes per launch:
+# the tensor-core gemm_rows_bf16 (rows padded to its tile, one k order for every row count).
+# ops.gemv_bf16 keeps the same contract and stays as the scalar reference.
+DECODE_PROJECTION = gemm_rows.gemm_rows_bf16
+DECODE_ROW_GROUP = gemm_rows.GEMM_ROWS_MAX_ROWS
 # Most rows one batched decode call takes (the workspace and the pool may limit it further).
 MAX_DECODE_ROWS = 256
 

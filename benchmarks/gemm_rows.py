@@ -1,0 +1,193 @@
+"""gemm_rows_bf16 timings on a GPU, one JSON line per (shape, rows).
+
+Roofline: up to 64 rows the kernel must read the weight once, so its floor is
+(bytes of w) / (device-to-device copy bandwidth, read + write bytes over the time of
+a 1 GiB cupy copy, measured in the same run). Each line carries
+
+    median_us           median of >= 200 launches, one CUDA event pair around each
+    back_to_back_us     mean of as many launches timed as back-to-back batches
+    weight_bytes        bytes of w (rows > 64 read it ceil(rows / 64) times)
+    ratio               (weight_bytes / median_us) / copy bandwidth
+    ratio_back_to_back  the same with back_to_back_us (no event pair between launches)
+
+Both times queue their launches behind a spin kernel, so the host's launch overhead
+(larger than the small cases) is not in them; what remains per launch is the GPU's
+own start and drain of a kernel, a few microseconds that dominate the small shapes.
+
+Launches rotate over enough copies of the weight (at least 4) that together they
+exceed three times the L2 cache, so every launch reads its weight from memory; the
+line says how many copies and whether a single copy alone would fit in L2.
+For comparison ops.gemv_bf16 (the CUDA-core GEMV of up to 16 rows) is timed at rows
+1 and 16 of every shape.
+
+    PYTHONPATH=. python benchmarks/gemm_rows.py [--launches 200] [--sweep]
+
+--sweep adds one line per tiles_per_warp (1, 2, 4) at rows 1, 16 and 64: the
+choice launch_plan makes automatically, measured against the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import cupy
+import numpy as np
+
+from glm_kda import ops
+from glm_kda.gemm_rows import gemm_rows_bf16, launch_plan, weight_bytes
+from glm_kda.selftest import copy_bandwidth_gbs
+
+# (geometry, projection, n, k)
+SHAPES = [
+    ("glm", "qkv_proj", 24576, 4096),
+    ("glm", "down_proj", 320, 4096),
+    ("glm", "f_b/g_b", 8192, 128),
+    ("glm", "o_proj", 4096, 8192),
+    ("kimi", "qkv_proj", 12288, 2304),
+    ("kimi", "down_proj", 288, 2304),
+    ("kimi", "f_b/g_b", 4096, 128),
+    ("kimi", "o_proj", 2304, 4096),
+]
+ROWS = (1, 4, 16, 64, 256)
+GEMV_ROWS = (1, 16)
+WARMUP = 20
+
+
+def _random_bf16_bits(shape, scale: float = 1.0):
+    """BF16 bits of scaled normals, made on the device (truncated, which is fine for timing)."""
+    values = cupy.random.standard_normal(shape, dtype=cupy.float32) * scale
+    return (values.view(cupy.uint32) >> 16).astype(cupy.uint16)
+
+
+# Keeps the GPU busy while the host queues a batch, so that the events time the
+# kernels and not the host's launch overhead (which is larger than the small cases).
+_SPIN = cupy.RawKernel(
+    r"""extern "C" __global__ void spin(long long cycles)
+    {
+        const long long start = clock64();
+        while (clock64() - start < cycles) {
+        }
+    }""",
+    "spin",
+)
+SPIN_SECONDS = 0.03
+BATCH = 100
+
+
+def _spin() -> None:
+    rate_khz = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["clockRate"]
+    _SPIN((1,), (1,), (np.int64(rate_khz * 1e3 * SPIN_SECONDS),))
+
+
+def _time_launches(launch, count: int, launches: int) -> tuple[float, float]:
+    """(median µs of single launches, mean µs of back-to-back launches); launch(i) runs copy i % count.
+
+    Launches go in batches of BATCH behind a spin kernel: the queue is full when the GPU
+    reaches them, so an event pair measures the kernel alone.
+    """
+    for index in range(WARMUP):
+        launch(index % count)
+    single: list[float] = []
+    streams: list[float] = []
+    done = 0
+    while done < launches:
+        _spin()
+        events = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(BATCH)]
+        for offset, (start, end) in enumerate(events):
+            start.record()
+            launch((done + offset) % count)
+            end.record()
+        events[-1][1].synchronize()
+        single += [cupy.cuda.get_elapsed_time(start, end) * 1e3 for start, end in events]
+
+        _spin()
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        for offset in range(BATCH):
+            launch((done + offset) % count)
+        end.record()
+        end.synchronize()
+        streams.append(cupy.cuda.get_elapsed_time(start, end) * 1e3 / BATCH)
+        done += BATCH
+    return float(np.median(single)), float(np.mean(streams))
+
+
+def _weight_copies(n: int, k: int, l2_bytes: int) -> list:
+    count = max(4, math.ceil(3 * l2_bytes / weight_bytes(n, k)))
+    return [_random_bf16_bits((n, k), k**-0.5) for _ in range(count)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--launches", type=int, default=200)
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time every tiles_per_warp at rows 1, 16, 64")
+    args = parser.parse_args()
+    if args.launches < 200:
+        parser.error("--launches must be at least 200 (the median needs them)")
+
+    device = cupy.cuda.Device()
+    properties = cupy.cuda.runtime.getDeviceProperties(device.id)
+    l2_bytes = int(properties["l2CacheSize"])
+    sm_count = int(properties["multiProcessorCount"])
+    bandwidth = copy_bandwidth_gbs()
+    common = {
+        "device": properties["name"].decode() if isinstance(properties["name"], bytes) else str(properties["name"]),
+        "copy_bandwidth_GBs": round(bandwidth, 1),
+        "l2_bytes": l2_bytes,
+    }
+
+    for geometry, projection, n, k in SHAPES:
+        weights = _weight_copies(n, k, l2_bytes)
+        nbytes = weight_bytes(n, k)
+        x = _random_bf16_bits((max(ROWS), k))
+        out = cupy.empty((max(ROWS), n), cupy.uint16)
+
+        def record(kernel: str, rows: int, median_us: float, back_to_back_us: float, **extra) -> None:
+            achieved = nbytes / (median_us * 1e-6) / 1e9
+            print(json.dumps({
+                "geometry": geometry, "projection": projection, "n": n, "k": k, "rows": rows,
+                "kernel": kernel, **extra,
+                "median_us": round(median_us, 2), "back_to_back_us": round(back_to_back_us, 2),
+                "weight_bytes": nbytes, "weight_reads": -(-rows // 64) if kernel == "gemm_rows_bf16" else 1,
+                "weight_GBs": round(achieved, 1), "ratio": round(achieved / bandwidth, 3),
+                "ratio_back_to_back": round(nbytes / (back_to_back_us * 1e-6) / 1e9 / bandwidth, 3),
+                "weight_copies": len(weights), "one_copy_fits_l2": nbytes <= l2_bytes, **common,
+            }), flush=True)
+
+        for rows in ROWS:
+            plan = launch_plan(n, k, rows, sm_count=sm_count)
+
+            def launch(index: int, rows: int = rows) -> None:
+                gemm_rows_bf16(x[:rows], weights[index], out[:rows], rows=rows)
+
+            record("gemm_rows_bf16", rows, *_time_launches(launch, len(weights), args.launches),
+                   grid=list(plan.grid), tiles_per_warp=plan.tiles_per_warp)
+
+        if args.sweep:
+            for rows in (1, 16, 64):
+                for tiles in (1, 2, 4):
+                    plan = launch_plan(n, k, rows, tiles, sm_count)
+                    if plan.tiles_per_warp != tiles:
+                        continue
+
+                    def launch(index: int, rows: int = rows, tiles: int = tiles) -> None:
+                        gemm_rows_bf16(x[:rows], weights[index], out[:rows], rows=rows, tiles_per_warp=tiles)
+
+                    record("gemm_rows_bf16", rows, *_time_launches(launch, len(weights), args.launches),
+                           grid=list(plan.grid), tiles_per_warp=tiles, sweep=True)
+
+        for rows in GEMV_ROWS:
+
+            def launch(index: int, rows: int = rows) -> None:
+                ops.gemv_bf16(x[:rows], weights[index], out[:rows], rows=rows)
+
+            record("gemv_bf16", rows, *_time_launches(launch, len(weights), args.launches))
+        del weights
+        cupy.get_default_memory_pool().free_all_blocks()
+
+
+if __name__ == "__main__":
+    main()

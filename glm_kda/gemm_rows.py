@@ -1,0 +1,141 @@
+"""Launch wrapper of ``kernels_src/gemm_rows.cu``: the tensor-core projection of 1..256 rows.
+
+The decode, speculative-verify and batched-decode projections of the block
+(``qkv_proj``, ``down_proj``, the gate up-projections, ``o_proj``) multiply a few
+token rows by a BF16 weight in torch Linear layout. Up to 64 rows that is bound by
+reading the weight once, and the kernel is laid out for that stream; see the
+comment at the top of the ``.cu`` file for the geometry.
+
+The oracle of this stage is :func:`glm_kda.reference.linear` rounded to BF16.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import cupy
+
+from glm_kda import kernels
+from glm_kda.ops import _i32, _require, _require_aligned, _require_int32, _row_stride
+
+GEMM_ROWS_MAX_ROWS = 256
+# Rows swept together over one read of the weight (blockIdx.y picks the group).
+ROWS_PER_SWEEP = 64
+M_TILE = 16
+N_TILE = 8
+K_BLOCK = 32
+WARPS_PER_BLOCK = 8
+TILES_PER_WARP = (1, 2, 4)
+# H200; the wrapper passes the current device's count.
+DEFAULT_SM_COUNT = 132
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Grid and block of one call, and the tiles per warp the kernel derives from the grid."""
+
+    grid: tuple[int, int]
+    block: tuple[int]
+    tiles_per_warp: int
+
+
+def k_split(k: int) -> int:
+    """Warps that split the k axis of a block; mirrors ``k_split_for`` in the kernel.
+
+    The most (up to 8) that leaves each warp at least 4 blocks of 32 k. It depends on
+    k alone: it fixes the summation order of every output, so it must never depend on
+    the row count.
+    """
+    k_blocks = -(-k // K_BLOCK)
+    split = WARPS_PER_BLOCK
+    while split > 1 and k_blocks < 4 * split:
+        split //= 2
+    return split
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_id: int) -> int:
+    return int(cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device_id))
+
+
+def launch_plan(
+    n: int, k: int, rows: int, tiles_per_warp: int | None = None, sm_count: int = DEFAULT_SM_COUNT
+) -> LaunchPlan:
+    """The launch of one call.
+
+    grid.y = row groups of 64; grid.x = column groups of (8 / k_split) warps times
+    ``tiles_per_warp`` tiles of 8 columns; the kernel reads the tiles per warp back
+    from grid.x. Wider tiles reuse each x fragment more and cut the number of blocks.
+    Left as None it is the widest (4, 2, else 1; at most 2 above 32 rows, the
+    register budget of 4 m-tiles) that still gives every SM a block: on an H200 this
+    was the fastest choice for every GLM and Kimi projection shape. Any value gives
+    the same bits: it moves work between blocks, never across the k order.
+    """
+    warps_n = WARPS_PER_BLOCK // k_split(k)
+    n_tiles = -(-n // N_TILE)
+    widest = 4 if rows <= 2 * M_TILE else 2
+
+    def column_groups(tiles: int) -> int:
+        return -(-n_tiles // (warps_n * tiles))
+
+    if tiles_per_warp is None:
+        tiles_per_warp = next(
+            (tiles for tiles in (4, 2) if tiles <= widest and column_groups(tiles) >= sm_count), 1
+        )
+    elif tiles_per_warp not in TILES_PER_WARP:
+        raise ValueError(f"tiles_per_warp must be one of {TILES_PER_WARP}, got {tiles_per_warp}")
+    tiles_per_warp = min(tiles_per_warp, widest)
+    return LaunchPlan(
+        grid=(column_groups(tiles_per_warp), -(-rows // ROWS_PER_SWEEP)),
+        block=(WARPS_PER_BLOCK * 32,),
+        tiles_per_warp=tiles_per_warp,
+    )
+
+
+def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | None = None) -> None:
+    """out[r, :] = bf16(x[r, :] @ w.T) for r < rows (1..256), FP32 accumulation on tensor cores.
+
+    Shapes:
+        x    [>= rows, k] BF16, row stride a multiple of 8, 16-byte aligned (a row slice
+             or a column slice of a wider buffer is fine; columns contiguous)
+        w    [n, k] BF16, torch Linear layout, C-contiguous, 16-byte aligned; k % 8 == 0
+        out  [>= rows, n] BF16, columns contiguous; may be a column slice of a wider
+             buffer: only columns < n of rows < rows are written
+
+    Bit contract: out[r] depends only on x[r] and w. For every rows in 1..256 it is,
+    bit for bit, what a one-row call on x[r] alone writes: padding rows are zeros that
+    are never read, and the k summation order is a function of k alone (see
+    kernels_src/gemm_rows.cu). ``tiles_per_warp`` (1, 2, 4, or None to choose from the
+    shape) tunes the grid and leaves every bit unchanged.
+    """
+    if rows is None:
+        rows = 1 if x.ndim == 1 else x.shape[0]
+    if not 1 <= rows <= GEMM_ROWS_MAX_ROWS:
+        raise ValueError(f"gemm_rows_bf16: rows must be 1..{GEMM_ROWS_MAX_ROWS}, got {rows}")
+    _require("w", w, "bf16", tuple(w.shape), aligned=True)
+    if w.ndim != 2 or w.shape[0] < 1 or w.shape[1] < 1:
+        raise ValueError(f"w: expected [n, k] with n, k >= 1, got {list(w.shape)}")
+    n, k = w.shape
+    if k % 8:
+        raise ValueError(f"w: k = {k} must be a multiple of 8 (16-byte vector loads)")
+    ldx = _row_stride("x", x, "bf16", rows, k)
+    ldy = _row_stride("out", out, "bf16", rows, n)
+    if ldx % 8:
+        raise ValueError(f"x: row stride {ldx} must be a multiple of 8 (16-byte vector loads)")
+    _require_aligned("x", x)
+    # int32 inside a row; the kernel widens row offsets to size_t.
+    for name, value in (("n", n), ("k", k), ("ldx", ldx), ("ldy", ldy)):
+        _require_int32(name, value)
+    plan = launch_plan(n, k, rows, tiles_per_warp, _sm_count(cupy.cuda.Device().id))
+    kernels.launch(
+        "gemm_rows_bf16",
+        plan.grid,
+        plan.block,
+        (x, _i32(ldx), w, out, _i32(ldy), _i32(rows), _i32(n), _i32(k)),
+    )
+
+
+def weight_bytes(n: int, k: int) -> int:
+    """Bytes of a BF16 [n, k] weight: what one call of up to 64 rows must read."""
+    return 2 * n * k

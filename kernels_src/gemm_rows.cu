@@ -1,0 +1,319 @@
+// Projection GEMM for decode, speculative verify and batched decode, on tensor cores:
+//   y[r, j] = bf16( sum_i x[r, i] * w[j, i] )   for r < rows (1..256), j < n
+// with x [rows, k] (row stride ldx), w [n, k] (torch Linear layout, contiguous) and
+// y [rows, n] (row stride ldy, so y may be a column slice of a wider buffer).
+//
+// Up to 64 rows the kernel is bound by streaming w once from memory, so the layout
+// serves that stream:
+//   * a block is 8 warps; `k_split` of them split the k axis of the block's columns
+//     into contiguous ranges, the other 8 / k_split sit side by side along n;
+//   * a warp owns `N_TILES` tiles of 8 columns and loops over its k range in steps of
+//     K_UNROLL blocks of 32 k, issuing all N_TILES * K_UNROLL 16-byte weight loads of
+//     a step before the first mma: 8 per lane (128 bytes in flight) with one m-tile,
+//     8 / M_TILES with more, whose x fragments and accumulators take the registers;
+//   * x is small (it is read through L1 and L2) and each fragment of it feeds
+//     N_TILES tiles of w;
+//   * blockIdx.y picks a group of 64 rows (4 m-tiles of 16), so up to 64 rows every
+//     weight byte is read exactly once; more rows re-read w once per group.
+// The number of tiles per warp only trades x reuse against the number of blocks; it
+// is read from gridDim.x (the wrapper chooses the grid) and never changes a bit of y.
+//
+// Bit contract: row r's bits do not depend on `rows` or on the other rows' values.
+// mma.sync m16n8k16 computes each output element from its own row of A and column of
+// B, so zero rows padding the 16-row tile and any m-tiling leave a row alone. What
+// fixes the sum is the k order, which depends on k only: each warp accumulates its
+// k range in ascending blocks of 32 (two k16 steps each) in a chain of mma, and the
+// k_split partial sums are added in shared memory in ascending warp order. Neither
+// the row count, nor the m-tiles, nor the grid enter that order, and there are no
+// atomics. Rows >= rows are never read (their loads are predicated off, zeros fill).
+//
+// Fragment trick: inside a block of 32 k, lane (g = lane / 4, t = lane % 4) loads
+// the 16 contiguous bytes k = 8t .. 8t+7 of one w row (column g of the tile) and of
+// x rows g and g+8. mma step s (0, 1) takes words 2s and 2s+1 of those loads, which
+// is the standard fragment layout with k permuted the same way for A and B: logical
+// k 2t+e <-> physical 8t+4s+e and logical 2t+8+e <-> physical 8t+4s+2+e. Steps 0 and
+// 1 together cover all 32 k of the block exactly once, for every row and column.
+//
+// Requires k % 8 == 0, ldx % 8 == 0 and 16-byte aligned x and w (checked by the
+// Python wrapper): every load is one 16-byte vector of 8 BF16; a k that is not a
+// multiple of 32 is padded with zeros in both operands.
+#include "kda_common.cuh"
+
+#define GEMM_ROWS_WARPS 8
+#define GEMM_ROWS_THREADS (GEMM_ROWS_WARPS * 32)
+#define GEMM_ROWS_K_BLOCK 32
+#define GEMM_ROWS_M_TILE 16
+#define GEMM_ROWS_N_TILE 8
+// Rows per blockIdx.y: 4 m-tiles swept together over one read of w.
+#define GEMM_ROWS_M_GROUP 64
+// Weight loads one lane issues per step (N_TILES * K_UNROLL).
+#define GEMM_ROWS_LOADS_IN_FLIGHT 8
+// Largest M_TILES * N_TILES of any variant: the shared partial sums are sized for it.
+#define GEMM_ROWS_MAX_FRAGMENTS 8
+
+// 16 bytes of w, streamed once: no L1 allocation, 256-byte L2 prefetch (a warp's
+// next loads continue the same rows). Predicated off (zeros) outside the matrix.
+__device__ __forceinline__ uint4 load_weight_16B(const bf16_t* pointer, bool valid)
+{
+    uint4 value;
+    asm("{\n\t"
+        ".reg .pred p;\n\t"
+        "setp.ne.b32 p, %5, 0;\n\t"
+        "mov.b32 %0, 0;\n\t"
+        "mov.b32 %1, 0;\n\t"
+        "mov.b32 %2, 0;\n\t"
+        "mov.b32 %3, 0;\n\t"
+        "@p ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n\t"
+        "}"
+        : "=r"(value.x), "=r"(value.y), "=r"(value.z), "=r"(value.w)
+        : "l"(pointer), "r"(static_cast<int>(valid)));
+    return value;
+}
+
+// 16 bytes of x, read by every block: cached in L1. Predicated off (zeros) for the
+// padding rows and the k tail, so rows >= `rows` are never read.
+__device__ __forceinline__ uint4 load_activation_16B(const bf16_t* pointer, bool valid)
+{
+    uint4 value;
+    asm("{\n\t"
+        ".reg .pred p;\n\t"
+        "setp.ne.b32 p, %5, 0;\n\t"
+        "mov.b32 %0, 0;\n\t"
+        "mov.b32 %1, 0;\n\t"
+        "mov.b32 %2, 0;\n\t"
+        "mov.b32 %3, 0;\n\t"
+        "@p ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n\t"
+        "}"
+        : "=r"(value.x), "=r"(value.y), "=r"(value.z), "=r"(value.w)
+        : "l"(pointer), "r"(static_cast<int>(valid)));
+    return value;
+}
+
+__device__ __forceinline__ unsigned int word_of(const uint4& v, int index)
+{
+    return index == 0 ? v.x : index == 1 ? v.y : index == 2 ? v.z : v.w;
+}
+
+// acc[16 x 8] += A[16 x 16] * B[16 x 8], FP32 accumulate (fragment layout of the PTX
+// ISA: a0/a2 rows g, a1/a3 rows g+8; b0 k 2t.., b1 k 2t+8..; acc[0..1] row g,
+// acc[2..3] row g+8, columns 2t, 2t+1).
+__device__ __forceinline__ void mma_bf16_m16n8k16(float acc[4], unsigned int a0, unsigned int a1,
+                                                  unsigned int a2, unsigned int a3,
+                                                  unsigned int b0, unsigned int b1)
+{
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Warps splitting the k axis of a block: the most (up to 8) that leaves each at least
+// 4 blocks of 32 k. A function of k alone, because it fixes every output's summation
+// order. glm_kda/gemm_rows.py mirrors it to size the grid.
+__device__ __forceinline__ int k_split_for(int k)
+{
+    const int k_blocks = (k + GEMM_ROWS_K_BLOCK - 1) / GEMM_ROWS_K_BLOCK;
+    int split = GEMM_ROWS_WARPS;
+    while (split > 1 && k_blocks < 4 * split) {
+        split >>= 1;
+    }
+    return split;
+}
+
+// One block's share of the output: rows [row_begin, row_end) (at most 64) and the
+// column groups blockIdx.x, blockIdx.x + gridDim.x, ...
+template <int M_TILES, int N_TILES>
+__device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, int ldx,
+                                                const bf16_t* __restrict__ w,
+                                                bf16_t* __restrict__ y, int ldy, int row_begin,
+                                                int row_end, int n, int k, int k_split,
+                                                float* partial)
+{
+    // Each lane keeps 8 (m-tile, n-tile, k-block) products per step: with one m-tile
+    // that is 8 weight loads in flight; more m-tiles spend the registers on their x
+    // fragments and accumulators instead (8 / M_TILES weight loads).
+    constexpr int K_UNROLL = GEMM_ROWS_LOADS_IN_FLIGHT / (M_TILES * N_TILES);
+    constexpr int FRAGMENTS = M_TILES * N_TILES * 4;  // accumulators per lane
+
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int group_lane = lane >> 2;   // g: row of A / C, column of B
+    const int thread_in_group = lane & 3;  // t: which 8 k of a 32-k block
+    const int warps_n = GEMM_ROWS_WARPS / k_split;
+    const int warp_k = warp % k_split;
+    const int warp_n = warp / k_split;
+
+    const int k_blocks = (k + GEMM_ROWS_K_BLOCK - 1) / GEMM_ROWS_K_BLOCK;
+    const int k_range = (k_blocks + k_split - 1) / k_split;
+    const int kb_begin = warp_k * k_range;
+    const int kb_end = min(kb_begin + k_range, k_blocks);
+
+    const int group_columns = warps_n * N_TILES * GEMM_ROWS_N_TILE;
+    const int column_groups = (n + group_columns - 1) / group_columns;
+
+    // This lane's x rows: row_begin + 16 m + g (half 0) and + 8 (half 1).
+    const bf16_t* x_lane =
+        x + static_cast<size_t>(row_begin + group_lane) * ldx + 8 * thread_in_group;
+    bool x_valid[M_TILES][2];
+#pragma unroll
+    for (int m = 0; m < M_TILES; ++m) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            x_valid[m][half] = row_begin + GEMM_ROWS_M_TILE * m + 8 * half + group_lane < row_end;
+        }
+    }
+
+    for (int group = blockIdx.x; group < column_groups; group += gridDim.x) {
+        const int warp_column = group * group_columns + warp_n * N_TILES * GEMM_ROWS_N_TILE;
+
+        const bf16_t* w_lane[N_TILES];
+        bool w_valid[N_TILES];
+#pragma unroll
+        for (int j = 0; j < N_TILES; ++j) {
+            const int column = warp_column + GEMM_ROWS_N_TILE * j + group_lane;
+            w_valid[j] = column < n;
+            w_lane[j] = w + static_cast<size_t>(column) * k + 8 * thread_in_group;
+        }
+
+        float acc[M_TILES][N_TILES][4];
+#pragma unroll
+        for (int m = 0; m < M_TILES; ++m) {
+#pragma unroll
+            for (int j = 0; j < N_TILES; ++j) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    acc[m][j][e] = 0.0f;
+                }
+            }
+        }
+
+        for (int kb_step = kb_begin; kb_step < kb_end; kb_step += K_UNROLL) {
+            // Every weight load of the step first: they are what the kernel waits on.
+            uint4 w_frag[K_UNROLL][N_TILES];
+#pragma unroll
+            for (int u = 0; u < K_UNROLL; ++u) {
+                const int k_offset = (kb_step + u) * GEMM_ROWS_K_BLOCK;
+                const bool k_valid = kb_step + u < kb_end && k_offset + 8 * thread_in_group < k;
+#pragma unroll
+                for (int j = 0; j < N_TILES; ++j) {
+                    w_frag[u][j] = load_weight_16B(w_lane[j] + k_offset, w_valid[j] && k_valid);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < K_UNROLL; ++u) {
+                // Warp-uniform: the blocks past the warp's range add nothing, so the
+                // mma chain is exactly the range's blocks whatever K_UNROLL is.
+                if (kb_step + u < kb_end) {
+                    const int k_offset = (kb_step + u) * GEMM_ROWS_K_BLOCK;
+                    const bool k_valid = k_offset + 8 * thread_in_group < k;
+#pragma unroll
+                    for (int m = 0; m < M_TILES; ++m) {
+                        const bf16_t* x_tile =
+                            x_lane + static_cast<size_t>(GEMM_ROWS_M_TILE * m) * ldx + k_offset;
+                        const uint4 x_low = load_activation_16B(x_tile, x_valid[m][0] && k_valid);
+                        const uint4 x_high = load_activation_16B(
+                            x_tile + static_cast<size_t>(8) * ldx, x_valid[m][1] && k_valid);
+#pragma unroll
+                        for (int step = 0; step < 2; ++step) {
+#pragma unroll
+                            for (int j = 0; j < N_TILES; ++j) {
+                                mma_bf16_m16n8k16(acc[m][j], word_of(x_low, 2 * step),
+                                                  word_of(x_high, 2 * step),
+                                                  word_of(x_low, 2 * step + 1),
+                                                  word_of(x_high, 2 * step + 1),
+                                                  word_of(w_frag[u][j], 2 * step),
+                                                  word_of(w_frag[u][j], 2 * step + 1));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+
+        // Deterministic split-k: partial[warp][fragment][lane], then each output adds
+        // its k_split partials in ascending warp_k order.
+#pragma unroll
+        for (int m = 0; m < M_TILES; ++m) {
+#pragma unroll
+            for (int j = 0; j < N_TILES; ++j) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int fragment = (m * N_TILES + j) * 4 + e;
+                    partial[(warp * FRAGMENTS + fragment) * 32 + lane] = acc[m][j][e];
+                }
+            }
+        }
+        __syncthreads();
+        for (int output = threadIdx.x; output < warps_n * FRAGMENTS * 32;
+             output += GEMM_ROWS_THREADS) {
+            const int out_lane = output & 31;
+            const int fragment = (output >> 5) % FRAGMENTS;
+            const int out_warp_n = (output >> 5) / FRAGMENTS;
+            const float* source = partial + (out_warp_n * k_split * FRAGMENTS + fragment) * 32 + out_lane;
+            float sum = source[0];
+            for (int split = 1; split < k_split; ++split) {
+                sum += source[split * FRAGMENTS * 32];
+            }
+            const int e = fragment & 3;
+            const int j = (fragment >> 2) % N_TILES;
+            const int m = (fragment >> 2) / N_TILES;
+            const int row = row_begin + GEMM_ROWS_M_TILE * m + (out_lane >> 2) + 8 * (e >> 1);
+            const int column = group * group_columns +
+                               (out_warp_n * N_TILES + j) * GEMM_ROWS_N_TILE +
+                               2 * (out_lane & 3) + (e & 1);
+            if (row < row_end && column < n) {
+                y[static_cast<size_t>(row) * ldy + column] = f32_to_bf16(sum);
+            }
+        }
+        // The next column group overwrites `partial`.
+        __syncthreads();
+    }
+}
+
+// Launch: block 256 threads, no dynamic shared memory; grid.y = ceil(rows / 64);
+// grid.x = column groups. The tiles per warp follow from grid.x: the fewest of
+// 1, 2, 4 for which grid.x blocks cover the n / 8 column tiles (4 only up to 32
+// rows, the register budget of 4 m-tiles allows 2); a smaller grid loops.
+extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, 2)
+gemm_rows_bf16(const bf16_t* __restrict__ x, int ldx, const bf16_t* __restrict__ w,
+               bf16_t* __restrict__ y, int ldy, int rows, int n, int k)
+{
+    __shared__ float partial[GEMM_ROWS_WARPS * GEMM_ROWS_MAX_FRAGMENTS * 4 * 32];
+
+    const int row_begin = blockIdx.y * GEMM_ROWS_M_GROUP;
+    if (row_begin >= rows) {
+        return;
+    }
+    const int row_end = min(rows, row_begin + GEMM_ROWS_M_GROUP);
+    const int m_tiles = (row_end - row_begin + GEMM_ROWS_M_TILE - 1) / GEMM_ROWS_M_TILE;
+
+    const int k_split = k_split_for(k);
+    const int warps_n = GEMM_ROWS_WARPS / k_split;
+    const int n_tiles = (n + GEMM_ROWS_N_TILE - 1) / GEMM_ROWS_N_TILE;
+    const int per_block = static_cast<int>(gridDim.x) * warps_n;
+    const int tiles_per_warp = per_block >= n_tiles ? 1 : 2 * per_block >= n_tiles ? 2 : 4;
+
+    if (m_tiles == 1) {
+        if (tiles_per_warp == 1) {
+            gemm_rows_sweep<1, 1>(x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split, partial);
+        } else if (tiles_per_warp == 2) {
+            gemm_rows_sweep<1, 2>(x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split, partial);
+        } else {
+            gemm_rows_sweep<1, 4>(x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split, partial);
+        }
+    } else if (m_tiles == 2) {
+        if (tiles_per_warp == 1) {
+            gemm_rows_sweep<2, 1>(x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split, partial);
+        } else if (tiles_per_warp == 2) {
+            gemm_rows_sweep<2, 2>(x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split, partial);
+        } else {
+            gemm_rows_sweep<2, 4>(x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split, partial);
+        }
+    } else {
+        if (tiles_per_warp == 1) {
+            gemm_rows_sweep<4, 1>(x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split, partial);
+        } else {
+            gemm_rows_sweep<4, 2>(x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split, partial);
+        }
+    }
+}

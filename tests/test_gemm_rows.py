@@ -1,0 +1,314 @@
+"""gemm_rows_bf16 against its contract: the float64 oracle, and row bits independent of the row count.
+
+Promises tested, one test each:
+  * out = bf16(x @ w.T) within rms-ratio 1e-3 of the float64 oracle rounded to BF16;
+  * row r of an R-row call equals, bit for bit, a one-row call on x[r] alone, for R in
+    1..256, also when the other rows change (to random, huge, infinite or NaN values);
+  * the grid (tiles per warp) changes no bit;
+  * strided x and a column slice of a wider out: only columns < n of rows < rows are written;
+  * the GLM-5.3-Flash and Kimi-Linear projection shapes.
+The geometry rule (k_split depends on k alone) and the argument checks that need no
+device run everywhere; the rest needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from glm_kda.device import gpu_status
+from glm_kda.gemm_rows import GEMM_ROWS_MAX_ROWS, k_split, launch_plan
+
+GPU_OK, GPU_WHY = gpu_status()
+needs_gpu = pytest.mark.skipif(not GPU_OK, reason=f"no CUDA GPU: {GPU_WHY}")
+
+RMS_BOUND = 1e-3
+SEED = 1234
+BIT_ROWS = (1, 2, 3, 15, 16, 17, 63, 64, 100, 256)
+# (n, k): awkward sizes on purpose (n not a multiple of 8, k not a multiple of 32).
+SMALL_SHAPES = [(40, 128), (100, 136), (72, 2056), (320, 4096), (288, 2304)]
+# The projections of one attention block: qkv, down, f_b / g_b, o_proj.
+GLM_SHAPES = [(24576, 4096), (320, 4096), (8192, 128), (4096, 8192)]
+KIMI_SHAPES = [(12288, 2304), (288, 2304), (4096, 128), (2304, 4096)]
+POISON = 0x7FA5  # a NaN payload the kernel never writes (its NaNs are 0x7FC0 / 0xFFC0)
+
+
+def _shape_id(shape) -> str:
+    return f"N{shape[0]}-K{shape[1]}"
+
+
+# --------------------------------------------------------------------------------------
+# Data, oracle and comparisons
+# --------------------------------------------------------------------------------------
+
+
+def _cp():
+    import cupy
+
+    return cupy
+
+
+def _random_bf16(rng, shape, scale=1.0):
+    """Device BF16 bits (uint16) of scaled standard normals."""
+    import ml_dtypes
+
+    values = (rng.standard_normal(shape) * scale).astype(np.float32).astype(ml_dtypes.bfloat16)
+    return _cp().asarray(values.view(np.uint16))
+
+
+def _bits_to_f64(bits):
+    """BF16 bits (cupy uint16) -> cupy float64, exact."""
+    cp = _cp()
+    return (bits.astype(cp.uint32) << 16).view(cp.float32).astype(cp.float64)
+
+
+def _oracle(x_bits, w_bits):
+    """float64 x @ w.T rounded once to BF16, as float64 (on the device)."""
+    from glm_kda.reference import round_bf16
+
+    return round_bf16(_bits_to_f64(x_bits) @ _bits_to_f64(w_bits).T)
+
+
+def _assert_close(actual_bits, x_bits, w_bits, tag):
+    from glm_kda.reference import rms_ratio
+
+    ratio = rms_ratio(_bits_to_f64(actual_bits), _oracle(x_bits, w_bits))
+    print(f"{tag}: rms-ratio {ratio:.3e}")
+    assert ratio <= RMS_BOUND, f"{tag}: rms-ratio {ratio:.3e} against the float64 oracle (bound {RMS_BOUND:g})"
+    return ratio
+
+
+def _run(x, w, rows, **kwargs):
+    from glm_kda.gemm_rows import gemm_rows_bf16
+
+    cp = _cp()
+    out = cp.full((rows, w.shape[0]), POISON, dtype=cp.uint16)
+    gemm_rows_bf16(x, w, out, rows=rows, **kwargs)
+    return out
+
+
+def _one_row_calls(x, w, rows):
+    """Row r of the result is a one-row call on a copy of x[r] alone."""
+    cp = _cp()
+    return cp.concatenate([_run(cp.ascontiguousarray(x[r : r + 1]), w, 1) for r in range(rows)], axis=0)
+
+
+def _assert_bits_equal(actual, expected, tag):
+    actual, expected = actual.get(), expected.get()
+    if not np.array_equal(actual, expected):
+        rows, cols = np.nonzero(actual != expected)
+        raise AssertionError(
+            f"{tag}: {rows.size} elements differ in bits, first at row {rows[0]} column {cols[0]}: "
+            f"{actual[rows[0], cols[0]]:#06x} != {expected[rows[0], cols[0]]:#06x}"
+        )
+
+
+# --------------------------------------------------------------------------------------
+# Without a device
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k", [8, 128, 136, 256, 512, 1024, 2304, 4096, 8192])
+def test_k_split_depends_on_k_alone(k):
+    split = k_split(k)
+    assert split in (1, 2, 4, 8)
+    k_blocks = -(-k // 32)
+    assert split == 1 or k_blocks >= 4 * split
+    for rows in (1, 16, 17, 64, 65, 256):
+        plan = launch_plan(4096, k, rows)
+        assert plan.block == (256,)
+        assert plan.grid[1] == -(-rows // 64)
+        assert plan.tiles_per_warp in (1, 2, 4) and (rows <= 32 or plan.tiles_per_warp <= 2)
+
+
+@pytest.mark.parametrize("shape", GLM_SHAPES + KIMI_SHAPES, ids=_shape_id)
+def test_launch_plan_covers_every_column(shape):
+    n, k = shape
+    for rows in (1, 16, 64, 256):
+        for tiles in (None, 1, 2, 4):
+            plan = launch_plan(n, k, rows, tiles_per_warp=tiles)
+            assert plan.grid[0] * (8 // k_split(k)) * plan.tiles_per_warp * 8 >= n
+            assert plan.grid[1] * 64 >= rows
+
+
+def test_launch_plan_fills_every_sm_when_it_can():
+    # The widest tiles that still give each of 132 SMs a block: GLM qkv_proj takes 4,
+    # o_proj 2, a down_proj of 40 tiles cannot fill the SMs and takes 1.
+    assert launch_plan(24576, 4096, 1).tiles_per_warp == 4
+    assert launch_plan(4096, 8192, 1).tiles_per_warp == 2
+    assert launch_plan(320, 4096, 1).tiles_per_warp == 1
+    assert launch_plan(24576, 4096, 64).tiles_per_warp == 2
+    assert launch_plan(24576, 4096, 1, sm_count=1000).tiles_per_warp == 2
+    assert launch_plan(24576, 4096, 1, sm_count=2000).tiles_per_warp == 1
+
+
+def test_launch_plan_rejects_unknown_tiles():
+    with pytest.raises(ValueError, match="tiles_per_warp"):
+        launch_plan(64, 128, 1, tiles_per_warp=3)
+
+
+# --------------------------------------------------------------------------------------
+# On a GPU
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 64, 65, 256], ids=lambda r: f"R{r}")
+@pytest.mark.parametrize("shape", SMALL_SHAPES, ids=_shape_id)
+def test_matches_float64_oracle(shape, rows):
+    n, k = shape
+    rng = np.random.default_rng(SEED)
+    x = _random_bf16(rng, (rows, k))
+    w = _random_bf16(rng, (n, k), scale=k**-0.5)
+    out = _run(x, w, rows)
+    _assert_close(out, x, w, f"{_shape_id(shape)}-R{rows}")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("rows", BIT_ROWS, ids=lambda r: f"R{r}")
+@pytest.mark.parametrize("shape", [(100, 136), (288, 2304), (320, 4096)], ids=_shape_id)
+def test_rows_bit_identical_to_one_row_calls(shape, rows):
+    cp = _cp()
+    n, k = shape
+    rng = np.random.default_rng(SEED + rows)
+    x = _random_bf16(rng, (rows, k))
+    w = _random_bf16(rng, (n, k), scale=k**-0.5)
+    full = _run(x, w, rows)
+    _assert_bits_equal(full, _one_row_calls(x, w, rows), f"{_shape_id(shape)}-R{rows} vs one-row calls")
+
+    # Change every row but a random few: the kept rows keep their bits.
+    kept = rng.choice(rows, size=max(1, rows // 3), replace=False)
+    changed = _random_bf16(rng, (rows, k), scale=3.0)
+    changed[cp.asarray(kept)] = x[cp.asarray(kept)]
+    again = _run(changed, w, rows)
+    _assert_bits_equal(again[cp.asarray(kept)], full[cp.asarray(kept)], f"{_shape_id(shape)}-R{rows} other rows changed")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("rows", [2, 17, 100], ids=lambda r: f"R{r}")
+def test_rows_isolated_from_huge_infinite_and_nan_rows(rows):
+    cp = _cp()
+    n, k = 200, 520
+    rng = np.random.default_rng(SEED)
+    x = _random_bf16(rng, (rows, k))
+    w = _random_bf16(rng, (n, k), scale=k**-0.5)
+    full = _run(x, w, rows)
+    # Row 0 stays; the others become +-3e38 (overflowing products), +-inf and NaN.
+    wild = x.copy()
+    patterns = cp.asarray(np.array([0x7F7F, 0xFF7F, 0x7F80, 0xFF80, 0x7FC0], dtype=np.uint16))
+    wild[1:] = patterns[cp.asarray(rng.integers(0, patterns.size, size=(rows - 1, k)))]
+    again = _run(wild, w, rows)
+    _assert_bits_equal(again[:1], full[:1], f"R{rows} row 0 beside inf / NaN rows")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("rows", [1, 16, 40, 64, 200], ids=lambda r: f"R{r}")
+def test_grid_changes_no_bit(rows):
+    n, k = 1000, 1032
+    rng = np.random.default_rng(SEED)
+    x = _random_bf16(rng, (rows, k))
+    w = _random_bf16(rng, (n, k), scale=k**-0.5)
+    default = _run(x, w, rows)
+    for tiles in (1, 2, 4):
+        _assert_bits_equal(_run(x, w, rows, tiles_per_warp=tiles), default, f"R{rows} tiles_per_warp={tiles}")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("rows", [1, 5, 16, 33, 130], ids=lambda r: f"R{r}")
+def test_strided_x_and_column_slice_out(rows):
+    from glm_kda.gemm_rows import gemm_rows_bf16
+
+    cp = _cp()
+    n, k = 136, 264
+    rng = np.random.default_rng(SEED)
+    w = _random_bf16(rng, (n, k), scale=k**-0.5)
+    # x: columns 16 .. 16+k of a [rows + 3, k + 40] buffer (row stride k + 40, 16-byte aligned).
+    x_buffer = _random_bf16(rng, (rows + 3, k + 40))
+    x = x_buffer[:, 16 : 16 + k]
+    # out: columns 24 .. 24+n of a wider, poisoned buffer with two extra rows.
+    out_buffer = cp.full((rows + 2, n + 40), POISON, dtype=cp.uint16)
+    out = out_buffer[:, 24 : 24 + n]
+    gemm_rows_bf16(x, w, out, rows=rows)
+
+    expected = _run(cp.ascontiguousarray(x[:rows]), w, rows)
+    _assert_bits_equal(out[:rows], expected, f"R{rows} strided x / sliced out vs contiguous")
+    _assert_close(out[:rows], x[:rows], w, f"R{rows} strided")
+    host = out_buffer.get()
+    untouched = np.ones(host.shape, dtype=bool)
+    untouched[:rows, 24 : 24 + n] = False
+    assert (host[untouched] == POISON).all(), f"R{rows}: wrote outside columns 24..{24 + n} / rows < {rows}"
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_bfloat16_dtype_and_rows_below_x_rows():
+    import ml_dtypes
+
+    from glm_kda.gemm_rows import gemm_rows_bf16
+
+    cp = _cp()
+    try:
+        cp.zeros(1, dtype=ml_dtypes.bfloat16)
+    except Exception:  # this CuPy has no BF16 dtype; uint16 bits are covered everywhere else
+        pytest.skip("this CuPy cannot hold ml_dtypes.bfloat16 arrays")
+    rng = np.random.default_rng(SEED)
+    x = _random_bf16(rng, (8, 256))
+    w = _random_bf16(rng, (64, 256), scale=1 / 16)
+    out = cp.full((8, 64), POISON, dtype=cp.uint16)
+    gemm_rows_bf16(x.view(ml_dtypes.bfloat16), w.view(ml_dtypes.bfloat16), out.view(ml_dtypes.bfloat16), rows=3)
+    _assert_bits_equal(out[:3], _run(x, w, 3), "bfloat16 views vs uint16")
+    assert (out[3:].get() == POISON).all(), "rows >= rows were written"
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_argument_errors_name_the_argument():
+    from glm_kda.gemm_rows import gemm_rows_bf16
+
+    cp = _cp()
+    x = cp.zeros((4, 128), cp.uint16)
+    w = cp.zeros((64, 128), cp.uint16)
+    out = cp.zeros((4, 64), cp.uint16)
+    with pytest.raises(ValueError, match="rows must be 1..256"):
+        gemm_rows_bf16(x, w, out, rows=0)
+    with pytest.raises(ValueError, match="rows must be 1..256"):
+        gemm_rows_bf16(cp.zeros((GEMM_ROWS_MAX_ROWS + 1, 128), cp.uint16), w, out)
+    with pytest.raises(TypeError, match="^w: expected BF16"):
+        gemm_rows_bf16(x, w.astype(cp.float32), out)
+    with pytest.raises(TypeError, match="^out: expected BF16"):
+        gemm_rows_bf16(x, w, out.astype(cp.float32))
+    with pytest.raises(ValueError, match="^w: k = 124 must be a multiple of 8"):
+        gemm_rows_bf16(x[:, :124], cp.zeros((64, 124), cp.uint16), out)
+    with pytest.raises(ValueError, match="^x: row stride 132 must be a multiple of 8"):
+        gemm_rows_bf16(cp.zeros((4, 132), cp.uint16)[:, :128], w, out)
+    with pytest.raises(ValueError, match=r"^x: expected shape \[>= 4, 128\]"):
+        gemm_rows_bf16(x[:, :120], w, out)
+    with pytest.raises(ValueError, match=r"^out: expected shape \[>= 4, 64\]"):
+        gemm_rows_bf16(x, w, out[:, :60])
+    with pytest.raises(ValueError, match="^x: data pointer must be 16-byte aligned"):
+        gemm_rows_bf16(cp.zeros((4, 136), cp.uint16)[:, 4:132], w, out)
+    with pytest.raises(ValueError, match="^w: must be C-contiguous"):
+        gemm_rows_bf16(x, cp.zeros((128, 64), cp.uint16).T, out)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("rows", [1, 16, 64], ids=lambda r: f"R{r}")
+@pytest.mark.parametrize("shape", GLM_SHAPES + KIMI_SHAPES, ids=_shape_id)
+def test_model_projection_shapes(shape, rows):
+    cp = _cp()
+    n, k = shape
+    rng = np.random.default_rng(SEED)
+    x = _random_bf16(rng, (rows, k))
+    w = _random_bf16(rng, (n, k), scale=k**-0.5)
+    out = _run(x, w, rows)
+    _assert_close(out, x, w, f"{_shape_id(shape)}-R{rows}")
+    # Bits of the first, a middle and the last row against one-row calls.
+    for r in sorted({0, rows // 2, rows - 1}):
+        _assert_bits_equal(out[r : r + 1], _run(cp.ascontiguousarray(x[r : r + 1]), w, 1), f"{_shape_id(shape)}-R{rows} row {r}")
