@@ -1,0 +1,1056 @@
+"""Tensor parallelism for one KDA block: H heads split over tp_size GPUs, one all-reduce.
+
+Every head of the block is independent from the conv to the gated RMSNorm, so rank r of
+tp_size takes heads [r*H/tp, (r+1)*H/tp) and runs an ordinary KdaLayer of H/tp heads:
+
+    replicated input  hidden [T, hidden] on every rank
+    per rank          q/k/v_proj, f_b, g_b rows of its heads (channels c = h*D + d)
+                      conv taps of ITS q, k and v channels: three row ranges of the fused
+                          [3*qkv, K] conv, not one slice (q|k|v are laid out one after another)
+                      dt_bias channels, A_log heads, b_proj rows of its heads
+                      o_proj COLUMNS of its channels: its partial output [T, hidden]
+    replicated        f_a, g_a (low-rank down projections), o_norm (per head_dim, shared)
+    all-reduce        out = sum over ranks of the partial outputs
+
+Numerics of the sum: the rank's partial o_proj output comes out of the layer in BF16 (the
+precision of every projection output); the partials are widened to FP32, summed by NCCL in
+FP32 and rounded once more to BF16 (round to nearest, ties to even). The TP output therefore
+differs from the single-GPU output by a BF16 double rounding, not by FP32 reassociation:
+rms-ratio about 3e-3 between the two, and about 1.5x the single-GPU error against the
+float64 oracle (both measured on a simulation of the real o_proj width). For tp_size = 2
+the FP32 sum is one addition, commutative, so decode_k stays bit-identical to K decodes.
+With more ranks NCCL may order the additions differently for a K-row message than for a
+one-row message, and that promise then rests on NCCL choosing the same algorithm for both.
+
+Layout of this module, in the order a call uses it:
+    TensorParallelPlan     which rows/columns/channels/heads rank r owns; shard() and the
+                           state split/gather, all on the host, no GPU
+    bind_layer_shard       reads only rank r's byte ranges of a safetensors checkpoint
+    TpRankLayer            one rank on its GPU (one process per GPU, NCCL communicator given)
+    TensorParallelBlock    every rank from one process (notebooks), NCCL group calls
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import math
+import mmap
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO, Sequence
+
+import ml_dtypes
+import numpy as np
+from tqdm.auto import tqdm
+
+from .checkpoint import (
+    _MAX_HEADER_BYTES,
+    BF16,
+    CONFIG_FILE,
+    F32,
+    BoundLayer,
+    CheckpointError,
+    _Checkpoint,
+    _check_layer_index,
+    _plan_layer,
+    attention_prefix,
+    expected_tensors,
+    resolve_file,
+)
+from .config import KdaConfig
+from .state import KdaState, array_module
+
+
+class TensorParallelError(ValueError):
+    """A tensor-parallel split that cannot be made: tp_size, rank, devices or shapes."""
+
+
+# The plan ---------------------------------------------------------------------------------
+class TensorParallelPlan:
+    """Which part of one KDA block rank r of `tp_size` owns (see the module docstring).
+
+    Ranges are Python slices over the full block's axes:
+        head_slice(r)            heads              [H]
+        channel_slice(r)         channels of q, k or v, of f_b, g_b, dt_bias, o_proj's input
+                                                    [qkv]
+        conv_channel_slices(r)   its q, k and v rows of the fused conv input / conv state
+                                                    three slices of [3*qkv]
+    """
+
+    def __init__(self, config: KdaConfig, tp_size: int):
+        if isinstance(tp_size, bool) or not isinstance(tp_size, (int, np.integer)) or tp_size < 1:
+            raise TensorParallelError(f"tp_size must be a positive integer, got {tp_size!r}")
+        tp_size = int(tp_size)
+        if config.heads % tp_size:
+            raise TensorParallelError(
+                f"tp_size={tp_size} does not divide heads={config.heads}: every rank takes whole "
+                f"heads, so tp_size must be one of {_divisors(config.heads)}"
+            )
+        self.config = config
+        self.tp_size = tp_size
+        self.heads_per_rank = config.heads // tp_size
+        self.channels_per_rank = self.heads_per_rank * config.head_dim
+
+    def __repr__(self) -> str:
+        return (f"TensorParallelPlan(tp_size={self.tp_size}, {self.heads_per_rank} of {self.config.heads} "
+                f"heads per rank; {self.config.describe()})")
+
+    def check_rank(self, rank: int) -> int:
+        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < self.tp_size:
+            raise TensorParallelError(
+                f"rank {rank!r} is outside [0, {self.tp_size}) for tp_size={self.tp_size}"
+            )
+        return int(rank)
+
+    def ranks(self) -> range:
+        return range(self.tp_size)
+
+    def head_slice(self, rank: int) -> slice:
+        rank = self.check_rank(rank)
+        return slice(rank * self.heads_per_rank, (rank + 1) * self.heads_per_rank)
+
+    def channel_slice(self, rank: int) -> slice:
+        rank = self.check_rank(rank)
+        return slice(rank * self.channels_per_rank, (rank + 1) * self.channels_per_rank)
+
+    def conv_channel_slices(self, rank: int) -> tuple[slice, slice, slice]:
+        """The rank's rows of the fused conv [3*qkv, K] and of the conv state: its q, k and v
+        channels, three ranges qkv apart (q|k|v follow each other in the fused layout)."""
+        channels = self.channel_slice(rank)
+        qkv = self.config.qkv
+        return tuple(slice(part * qkv + channels.start, part * qkv + channels.stop) for part in range(3))
+
+    def rank_config(self, rank: int) -> KdaConfig:
+        """The KdaConfig rank r's KdaLayer is built from: H/tp heads, everything else equal."""
+        self.check_rank(rank)
+        return dataclasses.replace(self.config, heads=self.heads_per_rank)
+
+    # Weights ------------------------------------------------------------------------------
+    def shard(self, bound: BoundLayer, rank: int) -> BoundLayer:
+        """Rank r's weights cut from an already bound full layer (host copies, contiguous)."""
+        rank = self.check_rank(rank)
+        if bound.config != self.config:
+            raise TensorParallelError(
+                f"layer {bound.layer_idx} was bound with a config that differs from the plan's in "
+                f"{_config_differences(bound.config, self.config)}"
+            )
+        heads, channels = self.head_slice(rank), self.channel_slice(rank)
+
+        def rows(array: np.ndarray, part: slice) -> np.ndarray:
+            return array[part].copy()  # a copy, so the shard does not keep the full layer alive
+
+        conv = np.concatenate([bound.conv_weight[part] for part in self.conv_channel_slices(rank)], axis=0)
+        return BoundLayer(
+            layer_idx=bound.layer_idx,
+            config=self.rank_config(rank),
+            layout=bound.layout,
+            q_proj=rows(bound.q_proj, channels),
+            k_proj=rows(bound.k_proj, channels),
+            v_proj=rows(bound.v_proj, channels),
+            conv_weight=np.ascontiguousarray(conv),
+            f_a=bound.f_a.copy(),
+            f_b=rows(bound.f_b, channels),
+            dt_bias=rows(bound.dt_bias, channels),
+            a_log=rows(bound.a_log.reshape(-1), heads),
+            b_proj=rows(bound.b_proj, heads),
+            g_a=bound.g_a.copy(),
+            g_b=rows(bound.g_b, channels),
+            o_norm=bound.o_norm.copy(),
+            # o_proj [hidden, qkv] is split by its INPUT columns; the ranks' outputs are summed.
+            o_proj=np.ascontiguousarray(bound.o_proj[:, channels]),
+        )
+
+    # State --------------------------------------------------------------------------------
+    def state_slice(self, state: KdaState, rank: int) -> KdaState:
+        """Rank r's part of a full state (NumPy or CuPy, copies): conv rows of its q, k and v
+        channels [3*qkv/tp, K], recurrent state of its heads [H/tp, D, D]."""
+        rank = self.check_rank(rank)
+        state.check(self.config, "state")
+        xp = array_module(state.conv)
+        # CuPy launches on the current device: make it the state's.
+        with contextlib.nullcontext() if xp is np else state.conv.device:
+            conv = xp.concatenate([state.conv[part] for part in self.conv_channel_slices(rank)], axis=0)
+            return KdaState(xp.ascontiguousarray(conv), state.recurrent[self.head_slice(rank)].copy())
+
+    def gather_states(self, states: Sequence[KdaState]) -> KdaState:
+        """The full state from the ranks' states, in rank order. NumPy states give NumPy;
+        device states (each on its rank's GPU) come back to the host."""
+        if len(states) != self.tp_size:
+            raise TensorParallelError(f"gather_states: got {len(states)} states for tp_size={self.tp_size}")
+        host = not all(isinstance(s.conv, np.ndarray) and isinstance(s.recurrent, np.ndarray) for s in states)
+        parts = [s.to_numpy() if host else s for s in states]
+        for rank, part in enumerate(parts):
+            part.check(self.rank_config(rank), f"states[{rank}]")
+        width = self.channels_per_rank
+        # Each rank's conv rows are its q | k | v channels; the full conv is all q, then all k, then all v.
+        conv = np.concatenate(
+            [part.conv[i * width : (i + 1) * width] for i in range(3) for part in parts], axis=0
+        )
+        recurrent = np.concatenate([part.recurrent for part in parts], axis=0)
+        return KdaState(conv, recurrent)
+
+
+def _divisors(value: int) -> list[int]:
+    return [d for d in range(1, value + 1) if value % d == 0]
+
+
+def _config_differences(actual: KdaConfig, expected: KdaConfig) -> str:
+    fields = [f.name for f in dataclasses.fields(KdaConfig)]
+    differ = [f"{name} ({getattr(actual, name)!r} vs {getattr(expected, name)!r})"
+              for name in fields if getattr(actual, name) != getattr(expected, name)]
+    return ", ".join(differ) or "nothing"
+
+
+# Reading only one rank's bytes ------------------------------------------------------------
+# BoundLayer field -> its tensor's name without the layout's sub-module prefix; the layout's
+# full names come from glm_kda.checkpoint.expected_tensors.
+_FIELD_TENSORS = {
+    "q_proj": "q_proj.weight",
+    "k_proj": "k_proj.weight",
+    "v_proj": "v_proj.weight",
+    "f_a": "f_a_proj.weight",
+    "f_b": "f_b_proj.weight",
+    "dt_bias": "dt_bias",
+    "a_log": "A_log",
+    "b_proj": "b_proj.weight",
+    "g_a": "g_a_proj.weight",
+    "g_b": "g_b_proj.weight",
+    "o_norm": "o_norm.weight",
+    "o_proj": "o_proj.weight",
+}
+_NUMPY_DTYPES = {BF16: np.dtype(ml_dtypes.bfloat16), F32: np.dtype("<f4")}
+
+
+def _open_binary(path: Path) -> BinaryIO:
+    """Every file read of bind_layer_shard goes through here (tests count the bytes)."""
+    return open(path, "rb")
+
+
+@dataclass
+class ShardReadStats:
+    """What one bind_layer_shard call read.
+
+    bytes_read: bytes returned by file reads (safetensors headers and the row ranges).
+    bytes_mapped: bytes of the pages the o_proj column copy touched through the memory map
+        (whole pages: what the OS reads at most, before read-ahead).
+    reads: (file, offset, length) of every file read, in order.
+    """
+
+    bytes_read: int = 0
+    bytes_mapped: int = 0
+    reads: list[tuple[str, int, int]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _TensorEntry:
+    """One tensor of a safetensors header: dtype, shape and its bytes [begin, end) in the file."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def _read_exactly(handle: BinaryIO, path: Path, offset: int, length: int, stats: ShardReadStats,
+                  out: np.ndarray | None = None) -> memoryview | np.ndarray:
+    """`length` bytes at `offset`, into `out` (a uint8 array) when given."""
+    buffer = out if out is not None else np.empty(length, np.uint8)
+    handle.seek(offset)
+    view = memoryview(buffer).cast("B")
+    got = 0
+    while got < length:
+        count = handle.readinto(view[got:])
+        if not count:
+            break
+        got += count
+    stats.bytes_read += got
+    stats.reads.append((path.name, offset, got))
+    if got != length:
+        raise CheckpointError(f"{path}: truncated: wanted bytes [{offset}, {offset + length}), the file ends at {offset + got}")
+    return buffer
+
+
+def read_safetensors_entries(path: str | Path, stats: ShardReadStats | None = None) -> dict[str, _TensorEntry]:
+    """{tensor name: (dtype, shape, absolute byte range)} from a safetensors header.
+
+    The layout is an 8-byte little-endian header length, the header JSON, then the data;
+    each tensor's `data_offsets` count from the start of the data.
+    """
+    path = Path(path)
+    stats = stats if stats is not None else ShardReadStats()
+    with _open_binary(path) as handle:
+        prefix = bytes(_read_exactly(handle, path, 0, 8, stats)) if _file_size(handle) >= 8 else b""
+        if len(prefix) < 8:
+            raise CheckpointError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
+        length = int.from_bytes(prefix, "little")
+        if length > _MAX_HEADER_BYTES or 8 + length > _file_size(handle):
+            raise CheckpointError(f"{path}: not a safetensors file (header length {length})")
+        raw = bytes(_read_exactly(handle, path, 8, length, stats))
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: unreadable safetensors header ({exc})") from None
+    header.pop("__metadata__", None)
+    data_start = 8 + length
+    entries = {}
+    for name, info in header.items():
+        try:
+            begin, end = (int(v) for v in info["data_offsets"])
+            entries[name] = _TensorEntry(str(info["dtype"]), tuple(int(n) for n in info["shape"]),
+                                         data_start + begin, data_start + end)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{path}: header entry of '{name}' lacks dtype, shape or data_offsets ({exc})") from None
+    return entries
+
+
+def _file_size(handle: BinaryIO) -> int:
+    return os.fstat(handle.fileno()).st_size
+
+
+class _RangeCheckpoint(_Checkpoint):
+    """A checkpoint whose headers keep the byte range of every tensor.
+
+    header() answers as glm_kda.checkpoint expects ({name: (dtype, shape)}), so the layer is
+    checked by the same code and with the same messages as bind_layer.
+    """
+
+    def __init__(self, location: str | Path, hub_kwargs: dict[str, Any], stats: ShardReadStats):
+        super().__init__(location, hub_kwargs)
+        self.stats = stats
+        self._entries: dict[str, dict[str, _TensorEntry]] = {}
+
+    def entries(self, filename: str) -> dict[str, _TensorEntry]:
+        if filename not in self._entries:
+            self._entries[filename] = read_safetensors_entries(self.path(filename), self.stats)
+        return self._entries[filename]
+
+    def header(self, filename: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+        return {name: (entry.dtype, entry.shape) for name, entry in self.entries(filename).items()}
+
+
+@dataclass(frozen=True)
+class _RowRange:
+    """Rows [start, stop) of a tensor viewed as [rows, row_elements] (row-major)."""
+
+    name: str
+    rows: int
+    start: int
+    stop: int
+
+
+def _layout_names(config: KdaConfig, layout: str) -> tuple[dict[str, str], list[str]]:
+    """(BoundLayer field -> full relative tensor name, conv tensor names in q, k, v order)."""
+    names = [spec.name for spec in expected_tensors(config, layout)]
+    fields = {}
+    for field_name, base in _FIELD_TENSORS.items():
+        matches = [n for n in names if n == base or n.endswith("." + base)]
+        assert len(matches) == 1, f"{layout} layout: {base} is named {matches}"
+        fields[field_name] = matches[0]
+    # Release: q_conv1d, k_conv1d, v_conv1d (in that order); transformers: the fused conv1d.
+    conv = [n for n in names if n.endswith("conv1d.weight")]
+    return fields, conv
+
+
+def _rank_row_ranges(plan: TensorParallelPlan, rank: int, layout: str) -> dict[str, list[_RowRange]]:
+    """What rank r reads of every BoundLayer field except o_proj (a column slice), as row
+    ranges of the stored tensors. Per-head and per-channel vectors are rows of one element."""
+    c = plan.config
+    fields, conv = _layout_names(c, layout)
+    heads, channels = plan.head_slice(rank), plan.channel_slice(rank)
+
+    def part(field_name: str, rows: int, span: slice | None = None) -> list[_RowRange]:
+        span = span if span is not None else slice(0, rows)
+        return [_RowRange(fields[field_name], rows, span.start, span.stop)]
+
+    ranges = {
+        "q_proj": part("q_proj", c.qkv, channels),
+        "k_proj": part("k_proj", c.qkv, channels),
+        "v_proj": part("v_proj", c.qkv, channels),
+        "f_a": part("f_a", c.head_dim),
+        "f_b": part("f_b", c.qkv, channels),
+        "dt_bias": part("dt_bias", c.qkv, channels),
+        # A_log is [H] or [1, 1, H, 1]: either way H elements in head order.
+        "a_log": part("a_log", c.heads, heads),
+        "b_proj": part("b_proj", c.heads, heads),
+        "g_a": part("g_a", c.head_dim),
+        "g_b": part("g_b", c.qkv, channels),
+        "o_norm": part("o_norm", c.head_dim),
+    }
+    if len(conv) == 3:
+        ranges["conv_weight"] = [_RowRange(name, c.qkv, channels.start, channels.stop) for name in conv]
+    else:
+        ranges["conv_weight"] = [_RowRange(conv[0], c.conv_dim, s.start, s.stop) for s in plan.conv_channel_slices(rank)]
+    return ranges
+
+
+def _rank_shapes(config: KdaConfig) -> dict[str, tuple[int, ...]]:
+    """BoundLayer field shapes of a (rank) config; see BoundLayer's docstring."""
+    c = config
+    return {
+        "q_proj": (c.qkv, c.hidden), "k_proj": (c.qkv, c.hidden), "v_proj": (c.qkv, c.hidden),
+        "conv_weight": (c.conv_dim, c.conv_kernel), "f_a": (c.head_dim, c.hidden), "f_b": (c.qkv, c.head_dim),
+        "dt_bias": (c.qkv,), "a_log": (c.heads,), "b_proj": (c.heads, c.hidden), "g_a": (c.head_dim, c.hidden),
+        "g_b": (c.qkv, c.head_dim), "o_norm": (c.head_dim,), "o_proj": (c.hidden, c.qkv),
+    }
+
+
+def _entry_for(ckpt: _RangeCheckpoint, file: str, name: str) -> _TensorEntry:
+    """The header entry of `name`, its byte count checked against dtype and shape."""
+    entry = ckpt.entries(file)[name]
+    itemsize = _NUMPY_DTYPES[entry.dtype].itemsize
+    need = math.prod(entry.shape) * itemsize
+    if entry.end - entry.begin != need:
+        raise CheckpointError(
+            f"{file}: tensor '{name}' has data_offsets spanning {entry.end - entry.begin} bytes, "
+            f"but {entry.dtype} {list(entry.shape)} needs {need}"
+        )
+    size = ckpt.path(file).stat().st_size
+    if entry.end > size:
+        raise CheckpointError(f"{file}: truncated: tensor '{name}' ends at byte {entry.end}, the file at {size}")
+    return entry
+
+
+def _touched_pages(begin: int, row_bytes: int, rows: int, first_byte: int, stop_byte: int) -> int:
+    """Pages a copy of bytes [first_byte, stop_byte) of every row touches (rows row_bytes
+    apart, from `begin`): the union of each row's page interval."""
+    page = mmap.PAGESIZE
+    starts = begin + np.arange(rows, dtype=np.int64) * row_bytes + first_byte
+    first = starts // page
+    last = (starts + (stop_byte - first_byte) - 1) // page
+    previous_last = np.concatenate([[-1], np.maximum.accumulate(last)[:-1]])
+    return int(np.maximum(0, last - np.maximum(first, previous_last + 1) + 1).sum())
+
+
+def bind_layer_shard(
+    path_or_repo: str | Path,
+    layer_idx: int,
+    tp_size: int,
+    rank: int,
+    config: KdaConfig | None = None,
+    *,
+    progress: bool = True,
+    stats: ShardReadStats | None = None,
+    **hub_kwargs: Any,
+) -> BoundLayer:
+    """Rank `rank` of `tp_size`'s weights of KDA layer `layer_idx`, reading only its bytes.
+
+    Equal, bit for bit, to `TensorParallelPlan(config, tp_size).shard(bind_layer(...), rank)`.
+    Names, shapes and dtypes are checked from the headers by glm_kda.checkpoint (same
+    messages as bind_layer) before any data is read. Row slices (the rank's rows of q/k/v,
+    f_b, g_b, b_proj, conv taps, dt_bias, A_log; replicated f_a, g_a, o_norm in full) are
+    read with seek + read; o_proj's column slice is copied out of a memory map of the tensor,
+    so only the pages holding its columns are read. For a hub repo the shards holding the
+    layer are downloaded whole (the hub serves files), then read the same way.
+    `stats`, if given, receives what was read.
+    """
+    if config is None:
+        config = KdaConfig.from_file(resolve_file(path_or_repo, CONFIG_FILE, **hub_kwargs))
+    plan = TensorParallelPlan(config, tp_size)
+    rank = plan.check_rank(rank)
+    _check_layer_index(config, layer_idx)
+    stats = stats if stats is not None else ShardReadStats()
+    ckpt = _RangeCheckpoint(path_or_repo, hub_kwargs, stats)
+    layer_plan = _plan_layer(ckpt, config, layer_idx)
+    if layer_plan.problems:
+        raise CheckpointError("\n".join(layer_plan.problems))
+
+    prefix = attention_prefix(layer_idx)
+    row_ranges = _rank_row_ranges(plan, rank, layer_plan.layout)
+    fields, _ = _layout_names(config, layer_plan.layout)
+    rank_config = plan.rank_config(rank)
+    shapes = _rank_shapes(rank_config)
+    arrays: dict[str, np.ndarray] = {}
+    handles: dict[str, BinaryIO] = {}
+    try:
+        with tqdm(total=len(shapes), desc=f"layer {layer_idx} rank {rank}/{tp_size}", unit="tensor",
+                  disable=None if progress else True, leave=False) as bar:
+            for field_name, ranges in row_ranges.items():
+                pieces = []
+                for piece in ranges:
+                    full = prefix + piece.name
+                    file = layer_plan.files[full]
+                    entry = _entry_for(ckpt, file, full)
+                    dtype = _NUMPY_DTYPES[entry.dtype]
+                    row_bytes = (entry.end - entry.begin) // piece.rows
+                    if file not in handles:
+                        handles[file] = _open_binary(ckpt.path(file))
+                    length = (piece.stop - piece.start) * row_bytes
+                    data = _read_exactly(handles[file], ckpt.path(file), entry.begin + piece.start * row_bytes,
+                                         length, stats)
+                    pieces.append(data.view(dtype))
+                joined = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+                arrays[field_name] = joined.reshape(shapes[field_name])
+                bar.update(1)
+            arrays["o_proj"] = _read_columns(ckpt, layer_plan.files[prefix + fields["o_proj"]],
+                                             prefix + fields["o_proj"], plan.channel_slice(rank), stats)
+            bar.update(1)
+    finally:
+        for handle in handles.values():
+            handle.close()
+    return BoundLayer(layer_idx=layer_idx, config=rank_config, layout=layer_plan.layout, **arrays)
+
+
+def _read_columns(ckpt: _RangeCheckpoint, file: str, name: str, columns: slice, stats: ShardReadStats) -> np.ndarray:
+    """Columns `columns` of a 2-D tensor, copied out of a read-only memory map of it: the OS
+    reads only the pages the strided copy touches."""
+    entry = _entry_for(ckpt, file, name)
+    rows, width = entry.shape
+    itemsize = _NUMPY_DTYPES[entry.dtype].itemsize
+    path = ckpt.path(file)
+    mapped = np.memmap(path, dtype=np.dtype(f"<u{itemsize}"), mode="r", offset=entry.begin, shape=(rows, width))
+    try:
+        # np.array copies even when the slice is contiguous (tp_size 1), so nothing keeps the map.
+        copied = np.array(mapped[:, columns], copy=True, subok=False)
+    finally:
+        del mapped
+    stats.bytes_mapped += mmap.PAGESIZE * _touched_pages(
+        entry.begin, width * itemsize, rows, columns.start * itemsize, columns.stop * itemsize
+    )
+    return copied.view(_NUMPY_DTYPES[entry.dtype])
+
+
+# Running it: FP32 sum of BF16 partials ----------------------------------------------------
+# Widening BF16 is exact (BF16 is the top half of an FP32 bit pattern). Rounding back is to
+# nearest, ties to even, as ml_dtypes and __float2bfloat16_rn do; NaN stays a quiet NaN and
+# values past the BF16 range round to inf. Plain bit arithmetic needs no cuda_bf16.h.
+BF16_CONVERSIONS_SOURCE = r"""
+__device__ __forceinline__ float tp_bf16_bits_to_float(unsigned short bits) {
+    return __uint_as_float(((unsigned int)bits) << 16);
+}
+
+__device__ __forceinline__ unsigned short tp_float_to_bf16_bits(float value) {
+    unsigned int bits = __float_as_uint(value);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) {
+        return (unsigned short)((bits >> 16) | 0x0040u);
+    }
+    return (unsigned short)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+"""
+
+
+@functools.lru_cache(maxsize=1)
+def _conversion_kernels() -> tuple[Any, Any]:
+    """(widen BF16 bits -> FP32, round FP32 -> BF16 bits) elementwise kernels."""
+    import cupy
+
+    widen = cupy.ElementwiseKernel(
+        "uint16 partial_bits", "float32 partial", "partial = tp_bf16_bits_to_float(partial_bits)",
+        "tp_widen_bf16_f32", preamble=BF16_CONVERSIONS_SOURCE,
+    )
+    narrow = cupy.ElementwiseKernel(
+        "float32 summed", "uint16 summed_bits", "summed_bits = tp_float_to_bf16_bits(summed)",
+        "tp_round_f32_bf16", preamble=BF16_CONVERSIONS_SOURCE,
+    )
+    return widen, narrow
+
+
+@functools.lru_cache(maxsize=1)
+def _nccl() -> Any:
+    """cupy.cuda.nccl, or a clear error when CuPy cannot load the NCCL library (an error
+    is not cached: installing the library and calling again works)."""
+    with warnings.catch_warnings():
+        # CuPy warns at import when libnccl is missing; the error below says it better.
+        warnings.simplefilter("ignore")
+        from cupy.cuda import nccl
+    if not getattr(nccl, "available", False):
+        raise TensorParallelError(
+            "tensor parallelism needs NCCL: CuPy could not load libnccl.so.2 "
+            "(install it with `pip install nvidia-nccl-cu12`)"
+        )
+    return nccl
+
+
+def check_devices(devices: Sequence[int], visible: int) -> list[int]:
+    """The device list, checked against the number of visible CUDA devices."""
+    devices = [int(d) for d in devices]
+    if not devices:
+        raise TensorParallelError("devices is empty: tensor parallelism needs at least one GPU")
+    if len(set(devices)) != len(devices):
+        raise TensorParallelError(f"devices {devices} lists a GPU twice; every rank needs its own GPU")
+    if len(devices) > visible or any(not 0 <= d < visible for d in devices):
+        raise TensorParallelError(
+            f"devices {devices} asks for {len(devices)} GPUs (ids up to {max(devices)}), but only {visible} "
+            f"CUDA device{'s are' if visible != 1 else ' is'} visible (ids 0..{visible - 1})"
+        )
+    return devices
+
+
+def _check_state(state: Any, config: KdaConfig, device_id: int, what: str) -> None:
+    import cupy
+
+    if not isinstance(state, KdaState):
+        raise TypeError(f"{what}: expected a KdaState (new_state()), got {type(state).__name__}")
+    state.check(config, what)
+    for name in ("conv", "recurrent"):
+        buf = getattr(state, name)
+        if not isinstance(buf, cupy.ndarray) or buf.dtype != np.float32 or not buf.flags.c_contiguous:
+            raise TypeError(f"{what}.{name} must be a contiguous CuPy float32 array")
+        if buf.device.id != device_id:
+            raise ValueError(f"{what}.{name} is on device {buf.device.id}; this rank runs on device {device_id}")
+
+
+def _hidden_rows(hidden: Any, width: int, what: str, max_rows: int) -> tuple[Any, bool]:
+    """(hidden as [rows, width] BF16, True when it came from the host)."""
+    import cupy
+
+    if isinstance(hidden, np.ndarray):
+        if hidden.dtype != ml_dtypes.bfloat16:
+            raise TypeError(f"{what}: expected a BF16 array (ml_dtypes.bfloat16), got dtype {hidden.dtype}")
+        on_host = True
+    elif isinstance(hidden, cupy.ndarray):
+        if hidden.dtype not in (np.dtype(ml_dtypes.bfloat16), np.dtype(np.uint16)):
+            raise TypeError(f"{what}: expected BF16 (ml_dtypes.bfloat16 or uint16 bits), got dtype {hidden.dtype}")
+        on_host = False
+    else:
+        raise TypeError(f"{what}: expected a NumPy or CuPy BF16 array, got {type(hidden).__name__}")
+    if hidden.ndim == 1:
+        hidden = hidden.reshape(1, -1)
+    if hidden.ndim != 2 or hidden.shape[1] != width:
+        raise ValueError(f"{what}: expected [rows, {width}], got {list(hidden.shape)}")
+    if not 1 <= hidden.shape[0] <= max_rows:
+        raise ValueError(f"{what}: {hidden.shape[0]} rows; this call takes 1..{max_rows}")
+    if not hidden.flags.c_contiguous:
+        raise ValueError(f"{what}: hidden must be C-contiguous")
+    return hidden, on_host
+
+
+class TpRankLayer:
+    """Rank `rank` of a tensor-parallel KDA block, on the current CUDA device.
+
+    For launchers that run one process per GPU: build `comm` as
+    `cupy.cuda.nccl.NcclCommunicator(tp_size, unique_id, rank)` from one
+    `cupy.cuda.nccl.get_unique_id()` shared by all processes, then construct this inside
+    `with cupy.cuda.Device(d):`. Every call takes the FULL hidden rows (replicated on every
+    rank), runs the rank's KdaLayer of H/tp heads and all-reduces the output in FP32, so every
+    rank returns the same full [rows, hidden] BF16 output. All ranks must make the same calls
+    in the same order (each call is a collective).
+
+    Buffers (on this rank's GPU): `partial` FP32 [max_tokens, hidden] (the widened partial
+    output, then the sum), `output` BF16 [max_tokens, hidden] (the rounded sum).
+    """
+
+    def __init__(self, bound_shard: BoundLayer, plan: TensorParallelPlan, rank: int, comm: Any,
+                 max_tokens: int = 4096, workspace: Any = None):
+        from .device import require_gpu
+
+        require_gpu("TpRankLayer")
+        import cupy
+
+        from .layer import GEMV_MAX_ROWS, KdaLayer, bf16_dtype
+
+        self.plan = plan
+        self.rank = plan.check_rank(rank)
+        expected = plan.rank_config(self.rank)
+        if bound_shard.config != expected:
+            raise TensorParallelError(
+                f"rank {self.rank}: the bound weights do not fit the plan, they differ in "
+                f"{_config_differences(bound_shard.config, expected)}; pass plan.shard(bound, rank) "
+                f"or bind_layer_shard(path, layer_idx, {plan.tp_size}, {self.rank})"
+            )
+        self.device_id = cupy.cuda.Device().id
+        _check_comm(comm, plan, self.rank, self.device_id)
+        self.comm = comm
+        self.layer = KdaLayer(bound_shard, max_tokens=max_tokens, workspace=workspace)
+        self.config = self.layer.config
+        self.max_tokens = self.layer.workspace.max_tokens
+        self.decode_rows = min(GEMV_MAX_ROWS, self.max_tokens)
+        hidden = self.config.hidden
+        self.partial = cupy.zeros((self.max_tokens, hidden), np.float32)
+        self.output = cupy.zeros((self.max_tokens, hidden), bf16_dtype())
+        # Fixed input rows of the captured decode graphs.
+        self.graph_hidden = cupy.zeros((GEMV_MAX_ROWS, hidden), bf16_dtype())
+        self.capture_stream = cupy.cuda.Stream(non_blocking=True)
+        self._ready_events: dict[int, Any] = {}
+        self._group = _RankGroup([self])
+
+    # Single-rank API ----------------------------------------------------------------------
+    @property
+    def use_graphs(self) -> bool:
+        """Decode-side calls replay one CUDA graph per call shape (layer + all-reduce)."""
+        return self._group.use_graphs
+
+    @use_graphs.setter
+    def use_graphs(self, value: bool) -> None:
+        self._group.use_graphs = bool(value)
+
+    def new_state(self) -> KdaState:
+        """Zero state of this rank's heads, on its GPU."""
+        import cupy
+
+        with cupy.cuda.Device(self.device_id):
+            return self.layer.new_state()
+
+    def prefill(self, hidden: Any, state: KdaState, pad_value: float = 0.0) -> Any:
+        """Chunked prefill of the full hidden [T, hidden] BF16; returns the full output."""
+        return self._group.prefill(hidden, [state], pad_value)
+
+    def decode(self, hidden: Any, state: KdaState) -> Any:
+        """One token: hidden [1, hidden] or [hidden]."""
+        return self._group.decode_k(hidden, [state], None)
+
+    def decode_k(self, hidden: Any, state: KdaState, snapshots: Sequence[KdaState] | None = None) -> Any:
+        """K rows (1..16) of one sequence, bit-identical to K decode calls (see module
+        docstring for tp_size > 2). snapshots[i] receives the state after row i."""
+        return self._group.decode_k(hidden, [state], None if snapshots is None else [list(snapshots)])
+
+    # Pieces the groups put together -------------------------------------------------------
+    def _device_rows(self, hidden: Any, on_host: bool) -> Any:
+        """`hidden` on this rank's GPU (the array itself when it is already there)."""
+        import cupy
+
+        from .layer import to_device_bf16
+
+        with cupy.cuda.Device(self.device_id):
+            if on_host:
+                return to_device_bf16(hidden)
+            if hidden.device.id == self.device_id:
+                return hidden
+            copy = cupy.empty(hidden.shape, hidden.dtype)
+            self._copy_from(copy, hidden)
+            return copy
+
+    def _stage_rows(self, hidden: Any, on_host: bool) -> Any:
+        """Copy the decode rows into the fixed graph input; returns that view."""
+        import cupy
+
+        rows = hidden.shape[0]
+        target = self.graph_hidden[:rows]
+        with cupy.cuda.Device(self.device_id):
+            if on_host:
+                target.view(np.uint16).set(np.ascontiguousarray(hidden.view(np.uint16)))
+            else:
+                self._copy_from(target, hidden)
+        return target
+
+    def _copy_from(self, target: Any, source: Any) -> None:
+        """target (on this GPU) <- source (any GPU), ordered after the source's pending work."""
+        import cupy
+
+        runtime = cupy.cuda.runtime
+        stream = cupy.cuda.get_current_stream()
+        source_device = source.device.id
+        if source_device != self.device_id:
+            # Another GPU's stream writes `source`: wait for it before the peer copy.
+            event = self._ready_events.get(source_device)
+            if event is None:
+                with cupy.cuda.Device(source_device):
+                    event = cupy.cuda.Event(disable_timing=True)
+                self._ready_events[source_device] = event
+            with cupy.cuda.Device(source_device):
+                event.record(cupy.cuda.get_current_stream())
+            stream.wait_event(event)
+        runtime.memcpyAsync(target.data.ptr, source.data.ptr, source.nbytes, runtime.memcpyDefault, stream.ptr)
+
+    def _widen(self, rows: int, partial_bf16: Any) -> None:
+        """partial[:rows] = FP32 of this rank's BF16 partial output rows."""
+        widen, _ = _conversion_kernels()
+        widen(partial_bf16[:rows].view(np.uint16), self.partial[:rows])
+
+    def _all_reduce(self, rows: int, stream: Any) -> None:
+        nccl = _nccl()
+        pointer = self.partial.data.ptr
+        self.comm.allReduce(pointer, pointer, rows * self.config.hidden, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, stream.ptr)
+
+    def _round(self, rows: int) -> None:
+        """output[:rows] = BF16 (nearest even) of the summed FP32 rows."""
+        _, narrow = _conversion_kernels()
+        narrow(self.partial[:rows], self.output[:rows].view(np.uint16))
+
+    def _decode_body(self, rows: int, state: KdaState, snapshots: Sequence[KdaState]) -> None:
+        """The decode-side launches on graph_hidden[:rows], then the widening.
+
+        The same stages in the same order as KdaLayer.decode_k's graph body, so a captured
+        step and an eager one produce the same bits. It is repeated here rather than calling
+        decode_k because decode_k returns a fresh copy of final_out, and an allocation made
+        during capture would be written by every replay after CuPy has reused its memory.
+        """
+        layer = self.layer
+        layer.front_end(self.graph_hidden[:rows])
+        for row in range(rows):
+            layer.stateful_rows(row, 1, state.conv, state.recurrent)
+            if row < len(snapshots):
+                snapshots[row].conv[...] = state.conv
+                snapshots[row].recurrent[...] = state.recurrent
+        layer.back_end(rows)
+        self._widen(rows, layer.workspace.final_out)
+
+
+def _check_comm(comm: Any, plan: TensorParallelPlan, rank: int, device_id: int) -> None:
+    """The communicator must be rank `rank` of tp_size on this GPU (when it can say)."""
+    checks = (("size", plan.tp_size, "ranks"), ("rank_id", rank, "rank"), ("device_id", device_id, "device"))
+    for method, expected, what in checks:
+        if not hasattr(comm, method):
+            continue
+        actual = getattr(comm, method)()
+        if actual != expected:
+            raise TensorParallelError(
+                f"rank {rank}: the NCCL communicator's {what} is {actual}, expected {expected} "
+                f"(tp_size={plan.tp_size}, current device {device_id})"
+            )
+
+
+class _RankGroup:
+    """Ranks whose calls are issued together from one thread.
+
+    One thread driving several communicators must put their collectives in one NCCL group
+    (groupStart/groupEnd), or the first all-reduce waits forever for the others; a group of
+    one rank (one process per GPU) is the same code. Decode-side calls are captured as one
+    CUDA graph per rank and call shape (layer stages, widening, all-reduce, rounding): the
+    first call of a shape runs eagerly (compiles, connects NCCL), the second captures every
+    rank at once, later ones replay. Prefill always runs eagerly.
+    """
+
+    def __init__(self, ranks: Sequence[TpRankLayer], capacity: int = 64):
+        self.ranks = list(ranks)
+        self.use_graphs = True
+        self.capacity = capacity
+        self.graphs: dict[tuple, list[Any]] = {}
+        self.seen: set[tuple] = set()
+        self.captures = 0
+
+    @property
+    def config(self) -> KdaConfig:
+        return self.ranks[0].config
+
+    def _check_states(self, states: Sequence[KdaState], what: str) -> None:
+        if len(states) != len(self.ranks):
+            raise ValueError(f"{what}: {len(states)} states for {len(self.ranks)} ranks")
+        for rank, state in zip(self.ranks, states):
+            _check_state(state, rank.config, rank.device_id, f"{what} state of rank {rank.rank}")
+
+    def _result(self, rows: int, on_host: bool) -> Any:
+        """The first rank's output rows: a new device array, or a host array for host input."""
+        import cupy
+
+        from .layer import to_host
+
+        first = self.ranks[0]
+        with cupy.cuda.Device(first.device_id):
+            out = first.output[:rows].copy()
+            return to_host(out) if on_host else out
+
+    def _reduce_and_round(self, rows: int, streams: Sequence[Any] | None = None) -> None:
+        import cupy
+
+        nccl = _nccl()
+        if streams is None:
+            streams = []
+            for rank in self.ranks:
+                with cupy.cuda.Device(rank.device_id):
+                    streams.append(cupy.cuda.get_current_stream())
+        nccl.groupStart()
+        try:
+            for rank, stream in zip(self.ranks, streams):
+                with cupy.cuda.Device(rank.device_id):
+                    rank._all_reduce(rows, stream)
+        finally:
+            nccl.groupEnd()
+        for rank, stream in zip(self.ranks, streams):
+            with cupy.cuda.Device(rank.device_id), stream:
+                rank._round(rows)
+
+    # Calls --------------------------------------------------------------------------------
+    def prefill(self, hidden: Any, states: Sequence[KdaState], pad_value: float) -> Any:
+        import cupy
+
+        hidden, on_host = _hidden_rows(hidden, self.config.hidden, "prefill", min(r.max_tokens for r in self.ranks))
+        self._check_states(states, "prefill")
+        rows = hidden.shape[0]
+        for rank, state in zip(self.ranks, states):
+            with cupy.cuda.Device(rank.device_id):
+                partial = rank.layer.prefill(rank._device_rows(hidden, on_host), state, pad_value)
+                rank._widen(rows, partial)
+        self._reduce_and_round(rows)
+        return self._result(rows, on_host)
+
+    def decode_k(self, hidden: Any, states: Sequence[KdaState], snapshots: Sequence[Sequence[KdaState]] | None) -> Any:
+        """snapshots: None, or per rank the list of states receiving the state after each row."""
+        from . import kernels
+
+        hidden, on_host = _hidden_rows(hidden, self.config.hidden, "decode_k", min(r.decode_rows for r in self.ranks))
+        self._check_states(states, "decode_k")
+        rows = hidden.shape[0]
+        per_rank = [list(s) for s in snapshots] if snapshots is not None else [[] for _ in self.ranks]
+        if len(per_rank) != len(self.ranks):
+            raise ValueError(f"decode_k: snapshots for {len(per_rank)} ranks, expected {len(self.ranks)}")
+        for rank, snaps in zip(self.ranks, per_rank):
+            if len(snaps) > rows:
+                raise ValueError(f"decode_k: {len(snaps)} snapshots for {rows} rows")
+            for i, snap in enumerate(snaps):
+                _check_state(snap, rank.config, rank.device_id, f"decode_k snapshots[{i}] of rank {rank.rank}")
+        for rank in self.ranks:
+            rank._stage_rows(hidden, on_host)
+
+        key = ("k", rows) + tuple(
+            (state.conv.data.ptr, state.recurrent.data.ptr) + tuple((s.conv.data.ptr, s.recurrent.data.ptr) for s in snaps)
+            for state, snaps in zip(states, per_rank)
+        )
+        graphs = None
+        if self.use_graphs and not kernels.TIMER.active:
+            graphs = self.graphs.get(key)
+            if graphs is None and key in self.seen:
+                graphs = self._capture(key, rows, states, per_rank)
+            self.seen.add(key)
+        if graphs is None:
+            self._decode_eager(rows, states, per_rank)
+        else:
+            self._launch(graphs)
+        return self._result(rows, on_host)
+
+    def _decode_eager(self, rows: int, states: Sequence[KdaState], snapshots: Sequence[Sequence[KdaState]]) -> None:
+        import cupy
+
+        for rank, state, snaps in zip(self.ranks, states, snapshots):
+            with cupy.cuda.Device(rank.device_id):
+                partial = rank.layer.decode_k(rank.graph_hidden[:rows], state, snaps)
+                rank._widen(rows, partial)
+        self._reduce_and_round(rows)
+
+    def _launch(self, graphs: Sequence[Any]) -> None:
+        import cupy
+
+        for rank, graph in zip(self.ranks, graphs):
+            with cupy.cuda.Device(rank.device_id):
+                graph.launch(cupy.cuda.get_current_stream())
+
+    def _capture(self, key: tuple, rows: int, states: Sequence[KdaState],
+                 snapshots: Sequence[Sequence[KdaState]]) -> list[Any] | None:
+        """Capture one graph per rank, all at once (their all-reduces form one NCCL group).
+        On failure, graphs are switched off with a warning and the call runs eagerly:
+        capture records launches without running them, so the states are untouched."""
+        import cupy
+
+        capturing: list[TpRankLayer] = []
+        try:
+            for rank, state, snaps in zip(self.ranks, states, snapshots):
+                with cupy.cuda.Device(rank.device_id):
+                    rank.capture_stream.begin_capture()
+                    capturing.append(rank)
+                    with rank.capture_stream:
+                        rank._decode_body(rows, state, snaps)
+            self._reduce_and_round(rows, [rank.capture_stream for rank in self.ranks])
+            graphs = []
+            while capturing:
+                rank = capturing[0]
+                with cupy.cuda.Device(rank.device_id):
+                    graphs.append(rank.capture_stream.end_capture())
+                capturing.pop(0)
+        except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager launches
+            for rank in capturing:
+                with cupy.cuda.Device(rank.device_id):
+                    try:
+                        rank.capture_stream.end_capture()
+                    except Exception:  # noqa: BLE001 - the capture is being abandoned anyway
+                        pass
+            self.use_graphs = False
+            warnings.warn(f"tensor-parallel decode continues without CUDA graphs: capture failed ({exc})",
+                          RuntimeWarning, stacklevel=3)
+            return None
+        self.captures += 1
+        if len(self.graphs) >= self.capacity:
+            self.graphs.pop(next(iter(self.graphs)))
+        self.graphs[key] = graphs
+        return graphs
+
+
+class TensorParallelBlock:
+    """Every rank of a tensor-parallel KDA block driven from one process (notebooks, tests).
+
+    States are per rank: `new_state()` returns a list with one KdaState per rank, each on its
+    GPU; `split_state` / `gather_state` convert from / to a full host state. Calls take host
+    (NumPy) or device (CuPy, any GPU) BF16 hidden rows and return the output of rank 0
+    (host for host input, else a CuPy array on rank 0's GPU); every rank holds the same.
+    """
+
+    def __init__(self, plan: TensorParallelPlan, ranks: Sequence[TpRankLayer]):
+        ranks = list(ranks)
+        if [r.rank for r in ranks] != list(plan.ranks()):
+            raise TensorParallelError(f"expected ranks 0..{plan.tp_size - 1} in order, got {[r.rank for r in ranks]}")
+        if len({r.device_id for r in ranks}) != len(ranks):
+            raise TensorParallelError(f"every rank needs its own GPU, got devices {[r.device_id for r in ranks]}")
+        self.plan = plan
+        self.ranks = ranks
+        self.config = plan.config
+        self.devices = [r.device_id for r in ranks]
+        self._group = _RankGroup(ranks)
+
+    @classmethod
+    def from_pretrained(cls, path_or_repo: str | Path, layer_idx: int, devices: Sequence[int] = (0, 1),
+                        max_tokens: int = 4096, chunk: int = 64, progress: bool = False,
+                        **hub_kwargs: Any) -> "TensorParallelBlock":
+        """Bind layer `layer_idx` split over `devices` (rank r on devices[r]); each rank reads
+        only its bytes of the checkpoint."""
+        from .device import require_gpu
+
+        require_gpu("TensorParallelBlock.from_pretrained")
+        import cupy
+
+        devices = check_devices(devices, cupy.cuda.runtime.getDeviceCount())
+        config = KdaConfig.from_file(resolve_file(path_or_repo, CONFIG_FILE, **hub_kwargs), chunk=chunk)
+        plan = TensorParallelPlan(config, len(devices))
+        plan.rank_config(0).validate()  # the kernels' limits, before anything is read or uploaded
+        nccl = _nccl()
+        shards = [bind_layer_shard(path_or_repo, layer_idx, plan.tp_size, rank, config=config,
+                                   progress=progress, **hub_kwargs) for rank in plan.ranks()]
+        comms = nccl.NcclCommunicator.initAll(list(devices))
+        ranks = []
+        for rank, (device, comm, shard) in enumerate(zip(devices, comms, shards)):
+            with cupy.cuda.Device(device):
+                ranks.append(TpRankLayer(shard, plan, rank, comm, max_tokens=max_tokens))
+        return cls(plan, ranks)
+
+    @property
+    def use_graphs(self) -> bool:
+        return self._group.use_graphs
+
+    @use_graphs.setter
+    def use_graphs(self, value: bool) -> None:
+        self._group.use_graphs = bool(value)
+
+    def new_state(self) -> list[KdaState]:
+        return [rank.new_state() for rank in self.ranks]
+
+    def split_state(self, state: KdaState) -> list[KdaState]:
+        """A full state (host or device) as per-rank device states."""
+        import cupy
+
+        host = state.to_numpy() if not isinstance(state.conv, np.ndarray) else state
+        out = []
+        for rank in self.ranks:
+            part = self.plan.state_slice(host, rank.rank)
+            with cupy.cuda.Device(rank.device_id):
+                out.append(KdaState(cupy.asarray(part.conv), cupy.asarray(part.recurrent)))
+        return out
+
+    def gather_state(self, states: Sequence[KdaState]) -> KdaState:
+        """Per-rank device states as one full host state."""
+        return self.plan.gather_states(states)
+
+    def prefill(self, hidden: Any, states: Sequence[KdaState], pad_value: float = 0.0) -> Any:
+        """Chunked prefill of hidden [T, hidden] BF16 from the ranks' states (updated in place)."""
+        return self._group.prefill(hidden, states, pad_value)
+
+    def decode(self, hidden: Any, states: Sequence[KdaState]) -> Any:
+        """One token of one sequence, hidden [1, hidden] or [hidden]."""
+        return self._group.decode_k(hidden, states, None)
+
+    def decode_k(self, hidden: Any, states: Sequence[KdaState],
+                 snapshots: Sequence[Sequence[KdaState]] | None = None) -> Any:
+        """K rows (1..16) of one sequence; snapshots[i] (a new_state() list) receives the
+        state after row i."""
+        per_rank = None
+        if snapshots is not None:
+            for i, snap in enumerate(snapshots):
+                if len(snap) != len(self.ranks):
+                    raise ValueError(f"decode_k: snapshots[{i}] has {len(snap)} rank states, expected {len(self.ranks)}")
+            per_rank = [[snap[r] for snap in snapshots] for r in range(len(self.ranks))]
+        return self._group.decode_k(hidden, states, per_rank)
+
+    def outputs(self, rows: int) -> list[Any]:
+        """Every rank's output rows of the last call (device views): all equal."""
+        return [rank.output[:rows] for rank in self.ranks]
