@@ -18,5 +18,6 @@ timeout 100 compute-sanitizer --tool memcheck --print-limit 20 python -m pytest 
 timeout 45 compute-sanitizer --tool racecheck --kernel-name kns=kda_ --print-limit 20 python -m pytest -q -p no:cacheprovider \
   tests/test_gpu.py -k "kimi and T15 and C16 or kimi and decode_stages" 2>&1 | tee "$out/racecheck.log" | tail -4
 timeout 80 python benchmarks/decode.py 2>&1 | tee "$out/decode.jsonl" | tail -40
+timeout 40 python benchmarks/decode_breakdown.py 2>&1 | tee "$out/decode_breakdown.jsonl"
 if [ "${1:-}" = block ]; then timeout 60 python benchmarks/block.py glm kimi 2>&1 | tee "$out/block.jsonl"; fi
 python -c "import json; from glm_kda.selftest import import_times; print(json.dumps(import_times()))" 2>&1 | tee "$out/import.json"

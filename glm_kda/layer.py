@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import math
 from pathlib import Path
 from typing import Any, Sequence
@@ -111,6 +112,7 @@ class KdaWorkspace:
     """
 
     _shared: dict[tuple, "KdaWorkspace"] = {}
+    _serials = itertools.count()
 
     def __init__(self, config: KdaConfig, max_tokens: int):
         import cupy
@@ -120,6 +122,8 @@ class KdaWorkspace:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         self.config = config
         self.max_tokens = max_tokens
+        # Unique for the life of the process (unlike id()): part of every decode graph's key.
+        self.serial = next(KdaWorkspace._serials)
         c = config
         self.padded_tokens = padded = -(-max_tokens // c.chunk) * c.chunk
         nchunks = padded // c.chunk
@@ -448,6 +452,7 @@ class DecodeGraphs:
         self.graphs: dict[tuple, Any] = {}
         self.seen: set[tuple] = set()
         self.captures = 0
+        self.last_graph: Any = None  # the graph of the latest replayed call (benchmarks time it alone)
 
     def run(self, key: tuple, hidden: Any, slots: Any, body) -> None:
         import cupy
@@ -456,7 +461,7 @@ class DecodeGraphs:
         if not self.enabled or kernels.TIMER.active:
             body(hidden, slots)
             return
-        key = key + (id(ws),)
+        key = key + (ws.serial,)
         rows = hidden.shape[0]
         ws.graph_hidden[:rows].view(np.uint16)[...] = hidden.view(np.uint16)
         static_slots = None
@@ -481,7 +486,13 @@ class DecodeGraphs:
             if len(self.graphs) >= self.capacity:
                 self.graphs.pop(next(iter(self.graphs)))
             self.graphs[key] = graph
+        self.last_graph = graph
         graph.launch(cupy.cuda.get_current_stream())
+
+    def clear(self) -> None:
+        """Forget every captured graph (the next calls run eagerly once, then recapture)."""
+        self.graphs.clear()
+        self.seen.clear()
 
 
 def run_demo_on_gpu(path: Path, hidden: np.ndarray, prompt: int, steps: int) -> dict:
