@@ -105,6 +105,11 @@ def run_selftest(output: str, quick: bool = False) -> int:
         Path(output).write_text(json.dumps(report, indent=2))
         return 2
     repo_tests = Path(__file__).resolve().parent.parent / "tests"
+    if not (repo_tests / "test_gpu.py").exists():
+        print(f"selftest runs the test suite of a checkout; {repo_tests} has none (an installed wheel ships no tests)")
+        report["error"] = "no tests/ beside the package"
+        Path(output).write_text(json.dumps(report, indent=2))
+        return 2
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "junit.xml"
         args = [sys.executable, "-m", "pytest", "-q", str(repo_tests / "test_gpu.py"), f"--junitxml={junit}"]
