@@ -68,13 +68,16 @@ def block_timings(geometry: str, directory: Path, bandwidth: float) -> dict:
     hidden = to_device_bf16(synthetic_hidden(16384, cfg.hidden))
     state = layer.new_state()
     result = {"geometry": geometry}
-    decode_ms = median_ms(lambda: layer.decode(hidden[:1], state), repeats=200, warmup=20)
     nbytes = decode_bytes(cfg)
-    result["decode_eager_us"] = 1e3 * decode_ms
     result["decode_bytes"] = nbytes
-    result["decode_roofline_ratio"] = nbytes / 1e9 / bandwidth / (decode_ms / 1e3)
-    for k in (4, 16):
-        result[f"decode_k{k}_eager_us"] = 1e3 * median_ms(lambda: layer.decode_k(hidden[:k], state), repeats=50)
+    for mode, graphs in (("graph", True), ("eager", False)):
+        layer.use_graphs = graphs
+        decode_ms = median_ms(lambda: layer.decode(hidden[:1], state), repeats=200, warmup=20)
+        result[f"decode_{mode}_us"] = 1e3 * decode_ms
+        result[f"decode_{mode}_roofline_ratio"] = nbytes / 1e9 / bandwidth / (decode_ms / 1e3)
+        for k in (4, 16):
+            result[f"decode_k{k}_{mode}_us"] = 1e3 * median_ms(lambda: layer.decode_k(hidden[:k], state), repeats=50)
+    layer.use_graphs = True
     for tokens in (1024, 4096, 16384):
         ms = median_ms(lambda: layer.prefill(hidden[:tokens], state), repeats=5, warmup=2)
         result[f"prefill_T{tokens}_ms"] = ms
