@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import cupy
 
 from glm_kda import kernels
-from glm_kda.ops import _i32, _require, _require_aligned, _require_int32, _row_stride
+from glm_kda.ops import _i32, projection_args
 
 GEMM_ROWS_MAX_ROWS = 256
 # Rows swept together over one read of the weight (blockIdx.y picks the group).
@@ -109,24 +109,7 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
     kernels_src/gemm_rows.cu). ``tiles_per_warp`` (1, 2, 4, or None to choose from the
     shape) tunes the grid and leaves every bit unchanged.
     """
-    if rows is None:
-        rows = 1 if x.ndim == 1 else x.shape[0]
-    if not 1 <= rows <= GEMM_ROWS_MAX_ROWS:
-        raise ValueError(f"gemm_rows_bf16: rows must be 1..{GEMM_ROWS_MAX_ROWS}, got {rows}")
-    _require("w", w, "bf16", tuple(w.shape), aligned=True)
-    if w.ndim != 2 or w.shape[0] < 1 or w.shape[1] < 1:
-        raise ValueError(f"w: expected [n, k] with n, k >= 1, got {list(w.shape)}")
-    n, k = w.shape
-    if k % 8:
-        raise ValueError(f"w: k = {k} must be a multiple of 8 (16-byte vector loads)")
-    ldx = _row_stride("x", x, "bf16", rows, k)
-    ldy = _row_stride("out", out, "bf16", rows, n)
-    if ldx % 8:
-        raise ValueError(f"x: row stride {ldx} must be a multiple of 8 (16-byte vector loads)")
-    _require_aligned("x", x)
-    # int32 inside a row; the kernel widens row offsets to size_t.
-    for name, value in (("n", n), ("k", k), ("ldx", ldx), ("ldy", ldy)):
-        _require_int32(name, value)
+    rows, n, k, ldx, ldy = projection_args("gemm_rows_bf16", x, w, out, rows, GEMM_ROWS_MAX_ROWS)
     plan = launch_plan(n, k, rows, tiles_per_warp, _sm_count(cupy.cuda.Device().id))
     kernels.launch(
         "gemm_rows_bf16",

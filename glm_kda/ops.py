@@ -149,6 +149,32 @@ def _f32(value) -> numpy.float32:
 # --------------------------------------------------------------------------------------
 
 
+def projection_args(kernel: str, x, w, out, rows: int | None, max_rows: int) -> tuple[int, int, int, int, int]:
+    """Check the operands of a row projection out[r] = x[r] @ w^T and return (rows, n, k,
+    ldx, ldy): w [n, k] contiguous and 16-byte aligned with k % 8 == 0; x [>= rows, k] and out
+    [>= rows, n] BF16 with row strides (out may be a column slice), x's stride a multiple of 8
+    and x 16-byte aligned: every load is one 16-byte vector of 8 BF16."""
+    if rows is None:
+        rows = 1 if x.ndim == 1 else x.shape[0]
+    if not 1 <= rows <= max_rows:
+        raise ValueError(f"{kernel}: rows must be 1..{max_rows}, got {rows}")
+    _require("w", w, "bf16", tuple(w.shape), aligned=True)
+    if w.ndim != 2 or w.shape[0] < 1 or w.shape[1] < 1:
+        raise ValueError(f"w: expected [n, k] with n, k >= 1, got {list(w.shape)}")
+    n, k = w.shape
+    if k % 8:
+        raise ValueError(f"{kernel}: w: k = {k} must be a multiple of 8 (16-byte vector loads)")
+    ldx = _row_stride("x", x, "bf16", rows, k)
+    ldy = _row_stride("out", out, "bf16", rows, n)
+    if ldx % 8:
+        raise ValueError(f"{kernel}: x row stride {ldx} must be a multiple of 8 (16-byte vector loads)")
+    _require_aligned("x", x)
+    # int32 inside a row; the kernels widen row offsets to size_t.
+    for name, value in (("n", n), ("k", k), ("ldx", ldx), ("ldy", ldy)):
+        _require_int32(name, value)
+    return rows, n, k, ldx, ldy
+
+
 def gemv_bf16(x, w, out, rows: int | None = None) -> None:
     """out[r, :] = bf16(x[r, :] @ w.T) for r < rows (1..16), FP32 accumulation.
 
@@ -157,23 +183,7 @@ def gemv_bf16(x, w, out, rows: int | None = None) -> None:
     wider buffer). Row r's bits do not depend on `rows`: a 16-row verify equals
     16 one-row decodes.
     """
-    if rows is None:
-        rows = 1 if x.ndim == 1 else x.shape[0]
-    if not 1 <= rows <= GEMV_MAX_ROWS:
-        raise ValueError(f"gemv_bf16: rows must be 1..{GEMV_MAX_ROWS}, got {rows}")
-    _require("w", w, "bf16", tuple(w.shape), aligned=True)
-    if w.ndim != 2:
-        raise ValueError(f"w: expected [n, k], got {list(w.shape)}")
-    n, k = w.shape
-    if k % 8:
-        raise ValueError(f"gemv_bf16: k = {k} must be a multiple of 8 (16-byte vector loads)")
-    ldx = _row_stride("x", x, "bf16", rows, k)
-    ldy = _row_stride("out", out, "bf16", rows, n)
-    if ldx % 8:
-        raise ValueError(f"gemv_bf16: x row stride {ldx} must be a multiple of 8")
-    _require_aligned("x", x)
-    for name, value in (("n", n), ("k", k), ("ldx", ldx), ("ldy", ldy)):
-        _require_int32(name, value)
+    rows, n, k, ldx, ldy = projection_args("gemv_bf16", x, w, out, rows, GEMV_MAX_ROWS)
     grid = ((n + GEMV_WARPS_PER_BLOCK - 1) // GEMV_WARPS_PER_BLOCK,)
     kernels.launch(
         "gemv_bf16",

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from glm_kda.device import gpu_status
-from glm_kda.reference import STAGE_ORDER, KdaOracle, compare_stages, rms_ratio
+from glm_kda.reference import KdaOracle, compare_stages, rms_ratio
 from glm_kda.state import KdaState
 from glm_kda.synthetic import synthetic_hidden, write_synthetic_checkpoint
 
@@ -189,7 +189,6 @@ def test_decode_k_is_bit_identical_to_decode(layers, geometry):
 @pytest.mark.parametrize("poison", [float("nan"), 1e30], ids=["nan", "1e30"])
 @pytest.mark.parametrize("tokens,chunk", [(1, 16), (17, 16), (65, 64), (1000, 32)], ids=lambda v: str(v))
 def test_poisoned_pad_changes_no_bit(layers, tokens, chunk, poison):
-    cp = _cp()
     bound, layer = layers("kimi", chunk)
     cfg = bound.config
     start = KdaState.random(cfg, seed=1)
