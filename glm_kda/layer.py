@@ -179,8 +179,11 @@ class KdaLayer:
         self.config = bound.config.validate()
         self.layer_idx = bound.layer_idx
         self.workspace = workspace if workspace is not None else KdaWorkspace.shared(self.config, max_tokens)
-        if self.workspace.config.conv_dim != self.config.conv_dim or self.workspace.config.hidden != self.config.hidden:
-            raise ValueError("workspace geometry differs from the layer's")
+        fields = ("hidden", "heads", "head_dim", "conv_kernel", "chunk")
+        differ = [f"{f} {getattr(self.workspace.config, f)} vs {getattr(self.config, f)}" for f in fields
+                  if getattr(self.workspace.config, f) != getattr(self.config, f)]
+        if differ:
+            raise ValueError(f"the workspace was sized for another geometry: {', '.join(differ)} (workspace vs layer)")
         kernels.KernelSet.get()  # compile and resolve every entry point now, not mid-call
         self.qkv_weight = to_device_bf16(bound.qkv_weight)
         self.down_weight = to_device_bf16(bound.down_weight)
