@@ -10,7 +10,7 @@ export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1 GLM_KDA_FIGURES="$out/figu
 nvidia-smi -L | tee "$out/device.txt"
 python -c "import cupy; print('cupy', cupy.__version__, 'cuda', cupy.cuda.runtime.runtimeGetVersion())" | tee -a "$out/device.txt"
 python -c "from cupy.cuda import nccl; print('nccl', nccl.get_version())" 2>&1 | tail -1 | tee -a "$out/device.txt"
-timeout ${SUITE_TIMEOUT:-300} python -m pytest -q -rfE tests/test_gpu.py tests/test_gemm_rows.py tests/test_kernels_compile.py \
+timeout ${SUITE_TIMEOUT:-360} python -m pytest -q -rfE tests/test_gpu.py tests/test_gemm_rows.py tests/test_chunk_tc.py tests/test_kernels_compile.py \
   --junitxml="$out/junit.xml" 2>&1 | tee "$out/gpu_tests.log" | tail -25
 unset GLM_KDA_FIGURES
 timeout 100 compute-sanitizer --tool memcheck --print-limit 20 python -m pytest -q -p no:cacheprovider tests/test_gpu.py \

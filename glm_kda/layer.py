@@ -33,7 +33,7 @@ from typing import Any, Sequence
 import ml_dtypes
 import numpy as np
 
-from . import gemm_rows, kernels, ops
+from . import chunk_tc, gemm_rows, kernels, ops
 from .checkpoint import BoundLayer, bind_layer
 from .config import KdaConfig
 from .device import require_gpu
@@ -174,7 +174,10 @@ class KdaLayer:
     """One KDA block bound to the GPU. Calls take and return BF16 [rows, hidden] arrays
     (CuPy; NumPy is uploaded; torch tensors pass through DLPack without copies)."""
 
-    def __init__(self, bound: BoundLayer, max_tokens: int = 4096, workspace: KdaWorkspace | None = None):
+    CHUNK_IMPLS = ("fp32", "tensor")
+
+    def __init__(self, bound: BoundLayer, max_tokens: int = 4096, workspace: KdaWorkspace | None = None,
+                 chunk_impl: str = "fp32"):
         require_gpu("KdaLayer")
         self.config = bound.config.validate()
         self.layer_idx = bound.layer_idx
@@ -196,6 +199,24 @@ class KdaLayer:
         self.o_proj = to_device_bf16(bound.o_proj)
         self.scale = 1.0 / math.sqrt(self.config.head_dim)
         self._graphs = DecodeGraphs(self)
+        self.chunk_impl = chunk_impl
+
+    @property
+    def chunk_impl(self) -> str:
+        """Which chunked-prefill kernels run: "fp32" (the FP32 reference kernels, any gate law)
+        or "tensor" (TF32 tensor-core kernels, bounded gate with lower bound >= -5, chunk 64;
+        not the default until its GPU figures are in)."""
+        return self._chunk_impl
+
+    @chunk_impl.setter
+    def chunk_impl(self, value: str) -> None:
+        if value not in self.CHUNK_IMPLS:
+            raise ValueError(f"chunk_impl must be one of {self.CHUNK_IMPLS}, got {value!r}")
+        if value == "tensor":
+            ok, why = chunk_tc.chunk_tc_supported(self.config)
+            if not ok:
+                raise ValueError(f"chunk_impl='tensor' cannot run this layer: {why}")
+        self._chunk_impl = value
 
     @property
     def use_graphs(self) -> bool:
@@ -342,10 +363,15 @@ class KdaLayer:
             if padded > tokens:
                 for buf in (ws.query, ws.key, ws.value, ws.gate, ws.beta):
                     buf[tokens:padded].fill(pad_value)
-            ops.kda_chunk_prepare_f32(ws.query, ws.key, ws.value, ws.gate, ws.beta, ws.q_decay, ws.k_tail,
-                                      ws.chunk_w, ws.chunk_u, ws.attn, ws.chunk_decay, tokens, c.chunk, self.scale)
-            ops.kda_chunk_scan_f32(ws.q_decay, ws.k_tail, ws.chunk_w, ws.chunk_u, ws.attn, ws.chunk_decay,
-                                   state.recurrent, ws.core, tokens, c.chunk)
+            if self._chunk_impl == "tensor":
+                chunk_tc.chunk_prefill_tc(ws.query, ws.key, ws.value, ws.gate, ws.beta, state.recurrent, ws.core,
+                                          tokens, c.gate_lower_bound, ws.q_decay, ws.k_tail, ws.chunk_w, ws.chunk_u,
+                                          ws.attn, ws.chunk_decay, scale=self.scale)
+            else:
+                ops.kda_chunk_prepare_f32(ws.query, ws.key, ws.value, ws.gate, ws.beta, ws.q_decay, ws.k_tail,
+                                          ws.chunk_w, ws.chunk_u, ws.attn, ws.chunk_decay, tokens, c.chunk, self.scale)
+                ops.kda_chunk_scan_f32(ws.q_decay, ws.k_tail, ws.chunk_w, ws.chunk_u, ws.attn, ws.chunk_decay,
+                                       state.recurrent, ws.core, tokens, c.chunk)
         with _section("back_end"):
             self.back_end(tokens, wide)
         return back(ws.final_out[:tokens].copy())

@@ -347,3 +347,34 @@ def test_graph_replay_equals_eager_and_recaptures_on_new_pointers(layers):
     layer.decode(hidden[1:2], other)
     assert layer._graphs.captures == captures + 2, "a new state (new pointers) is captured afresh"
     assert int(cp.count_nonzero(_bits(other.recurrent) != _bits(eager_after_two))) == 0, "recaptured graph state"
+
+
+@pytest.mark.parametrize("tokens", [65, 1000], ids=lambda t: f"T{t}")
+def test_tensor_core_prefill_path_matches_oracle(layers, tokens, figures):
+    """chunk_impl="tensor" (TF32 mma chunk kernels): the same end-to-end bound as the FP32
+    path, and its core within 1e-3 of the FP32 kernels' core on the same inputs."""
+    from glm_kda.layer import KdaLayer
+
+    bound, reference_layer = layers("glm")
+    layer = KdaLayer(bound, workspace=reference_layer.workspace, chunk_impl="tensor")
+    start = KdaState.random(bound.config, seed=tokens)
+    hidden = synthetic_hidden(tokens, bound.config.hidden, seed=SEED + 7 * tokens)
+    fp32_state = device_state(reference_layer, start)
+    reference_layer.prefill(hidden, fp32_state)
+    fp32_core = reference_layer.workspace.core[:tokens].get()
+    state = device_state(layer, start)
+    out = layer.prefill(hidden, state)
+    tensor_core = layer.workspace.core[:tokens].get()
+    ratio = rms_ratio(tensor_core, fp32_core)
+    figures.append({"test": f"glm tensor-core prefill T{tokens}", "level": "stage", "core_vs_fp32_path": ratio})
+    assert ratio <= STAGE_BOUND, f"T{tokens}: tensor-core core vs FP32 path rms-ratio {ratio:.3e}"
+    assert rms_ratio(state.recurrent, fp32_state.recurrent) <= STAGE_BOUND
+    check_end_to_end(bound, hidden, out, state, start, f"glm tensor-core T{tokens}", figures)
+
+
+def test_tensor_core_prefill_path_refuses_the_softplus_law(layers):
+    from glm_kda.layer import KdaLayer
+
+    bound, reference_layer = layers("kimi")
+    with pytest.raises(ValueError, match="chunk_impl='tensor'"):
+        KdaLayer(bound, workspace=reference_layer.workspace, chunk_impl="tensor")

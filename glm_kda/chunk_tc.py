@@ -1,0 +1,405 @@
+"""The tensor-core chunked prefill (``kernels_src/chunk_tc.cu``): launch wrappers and a
+float64 NumPy model of its blocked algorithm.
+
+Same inputs and outputs as the FP32 pair ``ops.kda_chunk_prepare_f32`` +
+``ops.kda_chunk_scan_f32`` (which stay the reference path): query, key, value, gate
+[>= T, H, D] FP32, beta [>= T, H] FP32, the carried state [H, D, D] FP32 (K-major, updated
+in place) and core [>= T, H, D] FP32 out. Every matrix product runs on mma.sync TF32 with
+FP32 accumulation; chunk 64, sub-chunks of 16. The gate must follow the BOUNDED law with
+lower_bound >= -5 (:func:`chunk_tc_supported`): the kernel turns the pairwise decays
+exp(G_t - G_s) into matrix products through one reference row per 16-row sub-chunk, and
+the range of those factors is only bounded when every g >= -5 (see the comment above the
+pair products in the .cu file).
+
+Call sequence (one prefill of T tokens; the scratch is that of ``KdaWorkspace`` with chunk
+64, see :func:`scratch_shapes`)::
+
+    chunk_prefill_tc(query, key, value, gate, beta, state, core, T, lower_bound,
+                     q_decay, k_tail, w, u, attn, chunk_decay)
+
+which is ``kda_chunk_tc_prepare_f32`` (grid (nchunks, H)) then ``kda_chunk_tc_scan_f32``
+(grid (H, D / 32)).
+
+:func:`model_chunk_tc` follows the kernels step by step in float64: the same sub-chunk
+reference rows, the same block order of the triangular inverse, and TF32 rounding
+(:func:`round_tf32`, bit-identical to the kernel's) applied to exactly the operands the
+kernels round, and the kernel's FP32 cumulative gate and exponent arguments. With
+``emulate_rounding=False`` it is the exact blocked algorithm and equals
+:func:`glm_kda.reference.chunk_scan` to float64 rounding. The rest of the kernels' FP32
+arithmetic (expf, products, mma accumulation) is float64 here, so kernel and model differ
+at the FP32 level plus rare TF32 rounding flips of operands.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from glm_kda import kernels
+from glm_kda.ops import HEAD_DIM, _check_dtype, _f32, _i32, _require, _require_int32, _require_rows
+from glm_kda.state import array_module
+
+CHUNK = 64
+SUB_CHUNK = 16
+# The smallest bounded-law lower bound for which the sub-chunk decay factors stay within
+# FP32 range: exp(5 * 15) = 3.7e32 (the argument is in kernels_src/chunk_tc.cu).
+MIN_LOWER_BOUND = -5.0
+PREPARE_THREADS = 256
+SCAN_THREADS = 128
+SCAN_COLUMNS = 32
+D_STRIDE = HEAD_DIM + 4
+C_STRIDE = CHUNK + 4
+# Four reusable units of a [D][C + 4] tile, plus beta [C].
+PREPARE_SMEM_BYTES = 4 * (4 * HEAD_DIM * C_STRIDE + CHUNK)
+# W and q_decay [C][D + 4], the TF32 state copy [32][D + 4], U^T [32][C + 4].
+SCAN_SMEM_BYTES = 4 * (2 * CHUNK * D_STRIDE + SCAN_COLUMNS * D_STRIDE + SCAN_COLUMNS * C_STRIDE)
+
+
+def chunk_tc_supported(config: Any) -> tuple[bool, str]:
+    """(usable, reason): whether the tensor-core prefill applies to this KdaConfig.
+
+    Needs D = 128, the bounded gate law with -5 <= lower_bound <= 0 and chunk 64 (the
+    workspace's chunk scratch is sized by config.chunk and reused as is). Otherwise the
+    layer keeps the FP32 path. Device requirement (checked at launch): 139,520 bytes of
+    opt-in shared memory per block (sm_80, sm_90, sm_100; not sm_86 / sm_89 / sm_120).
+    """
+    if config.head_dim != HEAD_DIM:
+        return False, f"head_dim={config.head_dim}: the kernels are compiled for D = {HEAD_DIM}"
+    if not config.bounded:
+        return False, (f"gate law {config.gate_law!r} has no lower bound; the tensor-core path needs "
+                       f"g >= {MIN_LOWER_BOUND} on every token (bounded law)")
+    bound = config.gate_lower_bound
+    if not (MIN_LOWER_BOUND <= bound <= 0.0):
+        return False, (f"gate_lower_bound={bound}: the tensor-core path needs {MIN_LOWER_BOUND} <= "
+                       f"lower_bound <= 0 (the decay factor over 15 tokens is exp(-15 * lower_bound))")
+    if config.chunk != CHUNK:
+        return False, (f"chunk={config.chunk}: the tensor-core path runs chunk {CHUNK} on the workspace's "
+                       f"chunk scratch")
+    return True, f"bounded law, lower_bound={bound}, chunk {CHUNK}"
+
+
+def chunk_count(tokens: int) -> int:
+    """nchunks = ceil(T / 64); the padded length is nchunks * 64."""
+    return (tokens + CHUNK - 1) // CHUNK
+
+
+def scratch_shapes(tokens: int, heads: int) -> dict[str, tuple[int, ...]]:
+    """Shapes of the FP32 scratch buffers of one call (any larger first dimension is fine).
+
+    These are exactly the chunk scratch of ``KdaWorkspace`` at chunk 64: q_decay, k_tail,
+    w (workspace ``chunk_w``), u (``chunk_u``) [Tp, H, D]; attn [nchunks, H, 64, 64];
+    chunk_decay [nchunks, H, D]. k_tail holds the same number of floats as [Tp, H, D] but in
+    the chunk-transposed order [nchunks, H, D, 64].
+    """
+    nchunks = chunk_count(tokens)
+    padded = nchunks * CHUNK
+    return {
+        "q_decay": (padded, heads, HEAD_DIM),
+        "k_tail": (padded, heads, HEAD_DIM),
+        "w": (padded, heads, HEAD_DIM),
+        "u": (padded, heads, HEAD_DIM),
+        "attn": (nchunks, heads, CHUNK, CHUNK),
+        "chunk_decay": (nchunks, heads, HEAD_DIM),
+    }
+
+
+_SHARED_CARVEOUT_SET: set[tuple[int, str]] = set()
+
+
+def _launch(name: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int) -> None:
+    """kernels.launch, after asking once per device for the largest shared-memory carveout:
+    two scan blocks of 93 KB per SM need more than the driver's default split leaves when
+    it is free to favour L1 (the carveout is a hint; a block that cannot run at all is
+    always given enough)."""
+    kernel_set = kernels.KernelSet.get()
+    key = (kernel_set.device_id, name)
+    if key not in _SHARED_CARVEOUT_SET:
+        kernel_set.function(name).preferred_shared_memory_carveout = 100
+        _SHARED_CARVEOUT_SET.add(key)
+    kernels.launch(name, grid, block, args, shared_mem=shared_mem)
+
+
+def _require_lower_bound(lower_bound: float) -> None:
+    try:
+        bound = float(lower_bound)
+    except (TypeError, ValueError):
+        bound = math.nan
+    if not MIN_LOWER_BOUND <= bound <= 0.0:
+        raise ValueError(
+            f"lower_bound = {lower_bound!r}: the tensor-core prefill needs the bounded gate law with "
+            f"{MIN_LOWER_BOUND} <= lower_bound <= 0 (the softplus law, or a bound below {MIN_LOWER_BOUND}, "
+            f"uses the FP32 path)"
+        )
+
+
+def _require_scratch(q_decay, k_tail, w, u, attn, chunk_decay, tokens: int, heads: int) -> None:
+    nchunks = chunk_count(tokens)
+    padded = nchunks * CHUNK
+    # Every scratch access is a 16-byte (or 8-byte) vector.
+    for name, array in (("q_decay", q_decay), ("k_tail", k_tail), ("w", w), ("u", u)):
+        _require_rows(name, array, "f32", padded, (heads, HEAD_DIM), aligned=True)
+    _require_rows("attn", attn, "f32", nchunks, (heads, CHUNK, CHUNK), aligned=True)
+    _require_rows("chunk_decay", chunk_decay, "f32", nchunks, (heads, HEAD_DIM), aligned=True)
+
+
+def _heads_of(beta) -> int:
+    _check_dtype("beta", beta, "f32")
+    if beta.ndim != 2:
+        raise ValueError(f"beta: expected [>= T, H], got {list(beta.shape)}")
+    return beta.shape[1]
+
+
+def kda_chunk_tc_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, u, attn, chunk_decay,
+                             tokens: int, lower_bound: float, scale: float | None = None) -> None:
+    """Intra-chunk work of every chunk (no state): grid (nchunks, H), 256 threads.
+
+    query, key, value, gate [>= T, H, D] and beta [>= T, H] FP32, 16-byte aligned; rows >= T
+    are never read. Writes the scratch of :func:`scratch_shapes`: q_decay = tf32(scale q
+    exp(G)), k_tail = tf32(k exp(G_last - G)) chunk-transposed, w = tf32(W), u = Uc (FP32),
+    attn = tf32(B) (zero above the diagonal), chunk_decay = exp(G_last); padded rows zero.
+    """
+    _require_lower_bound(lower_bound)
+    _require_int32("tokens", tokens)
+    if tokens == 0:
+        return
+    heads = _heads_of(beta)
+    _require_rows("beta", beta, "f32", tokens, (heads,))
+    for name, array in (("query", query), ("key", key), ("value", value), ("gate", gate)):
+        _require_rows(name, array, "f32", tokens, (heads, HEAD_DIM), aligned=True)
+    _require_scratch(q_decay, k_tail, w, u, attn, chunk_decay, tokens, heads)
+    if scale is None:
+        scale = 1.0 / math.sqrt(HEAD_DIM)
+    _launch(
+        "kda_chunk_tc_prepare_f32",
+        (chunk_count(tokens), heads),
+        (PREPARE_THREADS,),
+        (query, key, value, gate, beta, q_decay, k_tail, w, u, attn, chunk_decay,
+         _i32(tokens), _i32(heads), _f32(scale), _f32(lower_bound)),
+        shared_mem=PREPARE_SMEM_BYTES,
+    )
+
+
+def kda_chunk_tc_scan_f32(q_decay, k_tail, w, u, attn, chunk_decay, state, core, tokens: int) -> None:
+    """The inter-chunk scan: grid (H, D / 32), 128 threads; state [H, D, D] FP32 in place,
+    core [>= T, H, D] FP32 written for the T real tokens only. The scratch comes from
+    :func:`kda_chunk_tc_prepare_f32` with the same tokens."""
+    _require_int32("tokens", tokens)
+    if tokens == 0:
+        return
+    _check_dtype("state", state, "f32")
+    if state.ndim != 3:
+        raise ValueError(f"state: expected [H, {HEAD_DIM}, {HEAD_DIM}], got {list(state.shape)}")
+    heads = state.shape[0]
+    _require("state", state, "f32", (heads, HEAD_DIM, HEAD_DIM), aligned=True)
+    _require_scratch(q_decay, k_tail, w, u, attn, chunk_decay, tokens, heads)
+    _require_rows("core", core, "f32", tokens, (heads, HEAD_DIM), aligned=True)
+    _launch(
+        "kda_chunk_tc_scan_f32",
+        (heads, HEAD_DIM // SCAN_COLUMNS),
+        (SCAN_THREADS,),
+        (q_decay, k_tail, w, u, attn, chunk_decay, state, core, _i32(tokens), _i32(heads)),
+        shared_mem=SCAN_SMEM_BYTES,
+    )
+
+
+def chunk_prefill_tc(query, key, value, gate, beta, state, core, tokens: int, lower_bound: float,
+                     q_decay, k_tail, w, u, attn, chunk_decay, scale: float | None = None) -> None:
+    """The chunked prefill core on tensor cores: core [>= T, H, D] and the carried state
+    [H, D, D] (in place) from query, key, value, gate [>= T, H, D] and beta [>= T, H].
+
+    Scratch (FP32, C-contiguous, 16-byte aligned; :func:`scratch_shapes`), with
+    Tp = ceil(T / 64) * 64: q_decay, k_tail, w, u [>= Tp, H, D]; attn [>= Tp / 64, H, 64, 64];
+    chunk_decay [>= Tp / 64, H, D]. The workspace's q_decay, k_tail, chunk_w, chunk_u, attn and
+    chunk_decay are exactly these when its chunk is 64.
+
+    lower_bound is the bounded gate law's bound (-5 <= lower_bound <= 0); anything else is
+    refused here, before any launch. Every argument is checked before the first launch, so
+    a refused call leaves the state untouched.
+    """
+    _require_lower_bound(lower_bound)
+    _require_int32("tokens", tokens)
+    if tokens == 0:
+        return
+    heads = _heads_of(beta)
+    _check_dtype("state", state, "f32")
+    if tuple(state.shape) != (heads, HEAD_DIM, HEAD_DIM):
+        raise ValueError(f"state: expected [{heads}, {HEAD_DIM}, {HEAD_DIM}] (H from beta), got {list(state.shape)}")
+    _require("state", state, "f32", (heads, HEAD_DIM, HEAD_DIM), aligned=True)
+    _require_rows("core", core, "f32", tokens, (heads, HEAD_DIM), aligned=True)
+    _require_scratch(q_decay, k_tail, w, u, attn, chunk_decay, tokens, heads)
+    kda_chunk_tc_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, u, attn, chunk_decay,
+                             tokens, lower_bound, scale)
+    kda_chunk_tc_scan_f32(q_decay, k_tail, w, u, attn, chunk_decay, state, core, tokens)
+
+
+# --------------------------------------------------------------------------------------
+# The float64 model of the blocked algorithm
+# --------------------------------------------------------------------------------------
+
+
+def round_tf32(x: Any) -> Any:
+    """x (float64) -> FP32 -> TF32 with round-to-nearest, ties away from zero, as a float64
+    array: bit for bit the kernel's round_tf32 of the same FP32 value. Inf and NaN pass."""
+    xp = array_module(x)
+    bits = xp.asarray(x, dtype=xp.float32).view(xp.uint32)
+    special = (bits & xp.uint32(0x7F800000)) == xp.uint32(0x7F800000)
+    rounded = xp.where(special, bits, (bits + xp.uint32(0x1000)) & xp.uint32(0xFFFFE000))
+    return rounded.view(xp.float32).astype(xp.float64)
+
+
+def _exact(x: Any) -> Any:
+    return array_module(x).asarray(x, dtype=array_module(x).float64)
+
+
+def _blocks(matrix: Any, i: int, j: int) -> Any:
+    """Sub-chunk block (i, j) of [..., C, C] (a view)."""
+    return matrix[..., SUB_CHUNK * i : SUB_CHUNK * (i + 1), SUB_CHUNK * j : SUB_CHUNK * (j + 1)]
+
+
+def model_chunk_tc_prepare(query, key, value, gate, beta, lower_bound: float, scale: float | None = None,
+                           emulate_rounding: bool = True, pad_value: float = 0.0) -> dict[str, Any]:
+    """kda_chunk_tc_prepare_f32 in float64: the scratch it writes, in its layouts
+    (see :func:`scratch_shapes`; k_tail as [nchunks, H, D, 64]).
+
+    The inputs are padded to a multiple of 64 rows with `pad_value` and the padding is then
+    replaced BY INDEX (q = k = v = 0, g = 0, beta = 0) before any arithmetic, as the kernel
+    never reads those rows.
+    """
+    _require_lower_bound(lower_bound)
+    xp = array_module(query)
+    rnd = round_tf32 if emulate_rounding else _exact
+    # The kernel's cumulative gate is an FP32 running sum and every exponent argument an FP32
+    # difference; emulated, because their FP32 error (1e-5 relative in exp at |G| ~ 300)
+    # would otherwise flip many TF32 roundings between kernel and model.
+    gate_dtype = xp.float32 if emulate_rounding else xp.float64
+
+    def exp_of_difference(a, b):
+        return xp.exp((a.astype(gate_dtype) - b.astype(gate_dtype)).astype(xp.float64))
+
+    tokens, heads, dim = query.shape
+    if scale is None:
+        scale = 1.0 / math.sqrt(dim)
+    nchunks = chunk_count(tokens)
+    padded = nchunks * CHUNK
+    valid = xp.arange(padded) < tokens
+
+    def chunked(x):
+        # [T, H, ...] -> [nchunks, H, C, ...], padding zero by index.
+        full = xp.full((padded,) + x.shape[1:], pad_value, dtype=xp.float64)
+        full[:tokens] = x
+        full = xp.where(valid.reshape((padded,) + (1,) * (x.ndim - 1)), full, 0.0)
+        full = full.reshape((nchunks, CHUNK) + x.shape[1:])
+        return xp.moveaxis(full, 1, 2)
+
+    q, k, v, g = (chunked(x) for x in (query, key, value, gate))
+    b = chunked(beta)  # [nchunks, H, C]
+    # The kernel's clamp to [lower_bound, 0]: the identity on the bounded law's gates.
+    g = xp.where(g < lower_bound, lower_bound, xp.where(g > 0.0, 0.0, g))
+    # G_t = G_{t-1} + g_t in row order, as the kernel sums (CuPy's cumsum is a parallel scan).
+    cumgate = g.astype(gate_dtype)
+    for t in range(1, CHUNK):
+        cumgate[:, :, t] += cumgate[:, :, t - 1]
+    cumgate = cumgate.astype(xp.float64)
+    last = cumgate[:, :, -1:, :]
+
+    # 1. Elementwise outputs.
+    q_decay = rnd(scale * q * xp.exp(cumgate))
+    k_tail = rnd(k * exp_of_difference(last, cumgate))
+    chunk_decay = xp.exp(last[:, :, 0, :])
+
+    # 2. A and B by row block i, reference row 16 i (range argument in the .cu file).
+    pair_kk = xp.zeros((nchunks, heads, CHUNK, CHUNK))
+    pair_qk = xp.zeros((nchunks, heads, CHUNK, CHUNK))
+    for i in range(CHUNK // SUB_CHUNK):
+        rows = slice(SUB_CHUNK * i, SUB_CHUNK * (i + 1))
+        columns = slice(0, SUB_CHUNK * (i + 1))
+        reference = cumgate[:, :, SUB_CHUNK * i : SUB_CHUNK * i + 1, :]
+        factor = exp_of_difference(cumgate[:, :, rows], reference)
+        key_row = rnd(k[:, :, rows] * factor)
+        query_row = rnd(q[:, :, rows] * factor)
+        key_source = rnd(k[:, :, columns] * exp_of_difference(reference, cumgate[:, :, columns]))
+        pair_kk[:, :, rows, columns] = key_row @ xp.swapaxes(key_source, -1, -2)
+        pair_qk[:, :, rows, columns] = query_row @ xp.swapaxes(key_source, -1, -2)
+    position = xp.arange(CHUNK)
+    strict = position[:, None] > position[None, :]
+    inclusive = position[:, None] >= position[None, :]
+    lower = xp.where(strict, b[..., :, None] * pair_kk, 0.0)
+    attn = rnd(xp.where(inclusive, scale * pair_qk, 0.0))
+
+    # 3. T = (I + L)^-1: exact diagonal blocks (the kernel's FP32 forward substitution),
+    # then the blocks below the diagonal in waves of distance 1, 2, 3.
+    inverse = xp.zeros((nchunks, heads, CHUNK, CHUNK))
+    eye = xp.eye(SUB_CHUNK)
+    subs = CHUNK // SUB_CHUNK
+    for i in range(subs):
+        _blocks(inverse, i, i)[...] = xp.linalg.inv(eye + _blocks(lower, i, i))
+    for distance in range(1, subs):
+        for i in range(distance, subs):
+            j = i - distance
+            total = sum(rnd(_blocks(lower, i, k_)) @ rnd(_blocks(inverse, k_, j)) for k_ in range(j, i))
+            _blocks(inverse, i, j)[...] = -(rnd(_blocks(inverse, i, i)) @ rnd(total))
+
+    # 4. W and Uc.
+    key_beta = rnd(b[..., None] * k * xp.exp(cumgate))
+    value_beta = rnd(b[..., None] * v)
+    w = rnd(rnd(inverse) @ key_beta)
+    u = rnd(inverse) @ value_beta
+
+    def rows_major(x):  # [nchunks, H, C, D] -> [Tp, H, D]
+        return xp.moveaxis(x, 2, 1).reshape(padded, heads, dim)
+
+    return {
+        "q_decay": rows_major(q_decay),
+        "k_tail": xp.swapaxes(k_tail, -1, -2).copy(),  # [nchunks, H, D, C]
+        "w": rows_major(w),
+        "u": rows_major(u),
+        "attn": attn,
+        "chunk_decay": chunk_decay,
+    }
+
+
+def model_chunk_tc_scan(scratch: dict[str, Any], recurrent: Any, tokens: int,
+                        emulate_rounding: bool = True) -> tuple[Any, Any]:
+    """kda_chunk_tc_scan_f32 in float64 on a prepare's scratch (the model's or a kernel's,
+    host or device arrays): returns (core [T, H, D], state [H, D, D])."""
+    rnd = round_tf32 if emulate_rounding else _exact
+    q_decay = _exact(scratch["q_decay"])
+    xp = array_module(q_decay)
+    k_tail, w, u = (_exact(scratch[name]) for name in ("k_tail", "w", "u"))
+    attn, chunk_decay = _exact(scratch["attn"]), _exact(scratch["chunk_decay"])
+    heads, dim = recurrent.shape[0], recurrent.shape[1]
+    nchunks = chunk_count(tokens)
+    k_tail = k_tail.reshape(-1)[: nchunks * heads * dim * CHUNK].reshape(nchunks, heads, dim, CHUNK)
+    state = xp.asarray(recurrent, dtype=xp.float64).copy()
+    core = xp.zeros((nchunks * CHUNK, heads, dim))
+    position = xp.arange(CHUNK)
+    for n in range(nchunks):
+        rows = slice(n * CHUNK, (n + 1) * CHUNK)
+        valid = (position < tokens - n * CHUNK)[None, :, None]
+        state_operand = rnd(state)
+        w_chunk, u_chunk, q_chunk = (xp.swapaxes(x[rows], 0, 1) for x in (w, u, q_decay))  # [H, C, D]
+        new_value = xp.where(valid, u_chunk - w_chunk @ state_operand, 0.0)
+        new_value_operand = rnd(new_value)
+        out = q_chunk @ state_operand + attn[n] @ new_value_operand
+        state = chunk_decay[n][:, :, None] * state + k_tail[n] @ new_value_operand
+        core[rows] = xp.swapaxes(out, 0, 1)
+    return core[:tokens], state
+
+
+def model_chunk_tc(query, key, value, gate, beta, recurrent, lower_bound: float, scale: float | None = None,
+                   emulate_rounding: bool = True, pad_value: float = 0.0) -> tuple[Any, Any]:
+    """The whole tensor-core prefill in float64: (core [T, H, D], state [H, D, D]).
+
+    query, key, value, gate [T, H, D], beta [T, H], recurrent [H, D, D] (NumPy, or CuPy to
+    run on a GPU). With emulate_rounding=False, equal to reference.chunk_scan(..., chunk=64) up
+    to float64 rounding (for gates inside [lower_bound, 0]).
+    """
+    scratch = model_chunk_tc_prepare(query, key, value, gate, beta, lower_bound, scale, emulate_rounding, pad_value)
+    return model_chunk_tc_scan(scratch, recurrent, query.shape[0], emulate_rounding)
+
+
+__all__ = [
+    "CHUNK", "MIN_LOWER_BOUND", "PREPARE_SMEM_BYTES", "SCAN_SMEM_BYTES", "chunk_count", "chunk_prefill_tc",
+    "chunk_tc_supported", "kda_chunk_tc_prepare_f32", "kda_chunk_tc_scan_f32", "model_chunk_tc",
+    "model_chunk_tc_prepare", "model_chunk_tc_scan", "round_tf32", "scratch_shapes",
+]

@@ -1,0 +1,851 @@
+// Chunked (WY) prefill of the KDA delta rule on tensor cores: the same mathematics,
+// inputs and outputs as kda_chunk_prepare_f32 + kda_chunk_scan_f32 (chunk.cu, the FP32
+// reference path), with every matrix product on mma.sync m16n8k8 TF32 -> FP32.
+// Chunk C = 64 rows, split into 4 sub-chunks of 16; D = KDA_HEAD_DIM = 128. Bounded
+// gate law only (g >= lower_bound >= -5, see the range argument in the pair products).
+//
+// Per chunk and head (t, s rows of the chunk, G_t = sum_{r<=t} g_r per channel, S0 the
+// state [D_k, D_v] at the chunk start), exactly as chunk.cu:
+//   A[t][s] = sum_d k_t k_s exp(G_t - G_s)  (s < t),   B[t][s] = scale sum_d q_t k_s exp(G_t - G_s)  (s <= t)
+//   T = (I + diag(beta) A)^-1,  W = T diag(beta) (K * exp(G)),  Uc = T diag(beta) V
+//   U = Uc - W S0,  o = (scale Q * exp(G)) S0 + B U,  S = diag(exp(G_{C-1})) S0 + (K * exp(G_{C-1} - G))^T U
+// glm_kda/chunk_tc.py `model_chunk_tc` is a float64 NumPy model of exactly this blocked
+// algorithm: the same sub-chunk reference rows, block order and TF32 rounding points.
+//
+// Numerics. Every mma operand is rounded to TF32 (round_tf32 below: nearest, ties away
+// from zero, 10 mantissa bits) before the product; products and sums are FP32 (mma
+// accumulates in FP32) and the state stays FP32 in registers and in global memory; only
+// its per-chunk operand copy is TF32. Expected error, measured on the model against the
+// float64 oracle (random and correlated unit keys, strong and weak decay, T up to
+// 16384): rms-ratio 3e-4 .. 7e-4 for core and final state, flat in T (the delta rule
+// corrects the state every chunk, so the rounding does not accumulate). BF16 operands
+// (8 significant bits against 11) measure 2e-3 .. 4e-3 in the same model, above the 1e-3
+// budget; TF32 mma has half BF16's rate, which these latency-bound kernels do not feel.
+//
+// Padding: rows t >= T of the last chunk are zero BY INDEX at the loads (q = k = v = 0,
+// g = 0, beta = 0): the padded input rows are never read, so NaN or 1e30 there changes
+// no output bit and no state bit. Padded rows of the scratch are written as zeros.
+//
+// Two kernels, like chunk.cu: the intra-chunk work is independent per chunk, the scan is
+// sequential over chunks.
+//
+// kda_chunk_tc_prepare_f32: grid (nchunks, heads), 256 threads (8 warps), dynamic shared
+//   memory CHUNK_TC_PREPARE_SMEM_BYTES = 139,520 B (needs the opt-in of sm_80 (163 KB),
+//   sm_90 and sm_100 (227 KB); not sm_86 / sm_89 / sm_120 (99 KB)). One block per
+//   (chunk, head):
+//     1. load k, q, g (masked, gate clamped to [lower_bound, 0]), cumulative gate G;
+//        write q_decay, k_tail (transposed per chunk) and chunk_decay elementwise;
+//     2. the 10 blocks (i >= j) of 16x16 of A and B, one warp per block pair (A and B
+//        share the key operand); L = diag(beta) A kept in shared memory, B to global;
+//     3. T = (I + L)^-1 blockwise: the four 16x16 diagonal blocks by FP32 forward
+//        substitution, then T_ij = -T_ii sum_{j<=k<i} L_ik T_kj on mma in three waves
+//        (i - j = 1, 2, 3);
+//     4. W = T (beta K exp(G)) and Uc = T (beta V): 64x64 @ 64x128 on mma, 4 warps each.
+// kda_chunk_tc_scan_f32: grid (heads, D / 32), 128 threads (4 warps), dynamic shared
+//   memory CHUNK_TC_SCAN_SMEM_BYTES = 93,184 B, so two blocks fit one SM of sm_80 /
+//   sm_90 / sm_100 and GLM's 64 heads x 4 value tiles (256 blocks) run in one wave on an
+//   H200's 132 SMs; Kimi's 32 heads give 128 blocks. A block owns the state columns
+//   [32 y, 32 y + 32) of one head, FP32 in registers as mma accumulators (warp w: rows
+//   32 w .. 32 w + 31), and walks the chunks:
+//     phase A (warp w: chunk rows 16 w .. 16 w + 15): U = Uc - W S0 and o = q_decay S0,
+//       W and q_decay staged in shared memory by cp.async one phase ahead;
+//     phase B: o += B U (core out), S = diag(decay) S + k_tail^T U, attn / k_tail / Uc
+//       fragments loaded into registers at the chunk start.
+//   Two barriers per chunk; the value columns are independent, no atomics anywhere, so
+//   every bit is a function of the inputs alone.
+//
+// Fragment layout (PTX ISA, mma.m16n8k8 .tf32; lane = 4 g + t): A a0 (g, t), a1 (g+8, t),
+// a2 (g, t+4), a3 (g+8, t+4); B b0 (k t, n g), b1 (k t+4, n g); C c0/c1 (g, 2t / 2t+1),
+// c2/c3 (g+8, ...). As in gemm_rows.cu the k axis is permuted the same way for A and B so
+// that a lane reads contiguous k: inside a block of 8 S k (S mma steps), lane t holds
+// physical k 2St .. 2St + 2S - 1 of its rows and of its B column, and step s takes the
+// pair 2s, 2s + 1 as logical k t and t + 4. Every physical k is used once per block. B
+// operands are therefore stored n-major ([n][k], "transposed") in shared memory.
+// Shared-memory rows have a stride of 4 mod 8 floats (132 for D, 68 for C), which makes
+// those 16-byte fragment loads and the accumulator stores bank-conflict free.
+#include "kda_common.cuh"
+
+#define CHUNK_TC 64
+#define CHUNK_TC_SUB 16
+#define CHUNK_TC_SUBS (CHUNK_TC / CHUNK_TC_SUB)
+// Smallest lower bound of the bounded gate law the exponent range argument allows.
+#define CHUNK_TC_MIN_LOWER_BOUND (-5.0f)
+#define CHUNK_TC_PREPARE_THREADS 256
+#define CHUNK_TC_PREPARE_WARPS (CHUNK_TC_PREPARE_THREADS / 32)
+#define CHUNK_TC_SCAN_COLUMNS 32
+#define CHUNK_TC_SCAN_THREADS 128
+// Row strides (floats) of the shared tiles: [*][D] and [*][C].
+#define CHUNK_TC_D_STRIDE (KDA_HEAD_DIM + 4)
+#define CHUNK_TC_C_STRIDE (CHUNK_TC + 4)
+// The prepare kernel's shared memory is four units, reused between phases; a unit holds a
+// [C][D_STRIDE] tile (8448 floats) or a [D][C_STRIDE] tile (8704 floats).
+#define CHUNK_TC_UNIT (KDA_HEAD_DIM * CHUNK_TC_C_STRIDE)
+#define CHUNK_TC_PREPARE_SMEM_BYTES (4 * (4 * CHUNK_TC_UNIT + CHUNK_TC))
+#define CHUNK_TC_SCAN_SMEM_BYTES                                                              \
+    (4 * (2 * CHUNK_TC * CHUNK_TC_D_STRIDE + CHUNK_TC_SCAN_COLUMNS * CHUNK_TC_D_STRIDE +     \
+          CHUNK_TC_SCAN_COLUMNS * CHUNK_TC_C_STRIDE))
+
+// x rounded to TF32 (10 mantissa bits), to nearest with ties away from zero, as
+// cvt.rna.tf32.f32 rounds; the result is an FP32 value with 13 zero low bits, so the mma
+// sees exactly this value and glm_kda/chunk_tc.py `round_tf32` reproduces it bit for bit.
+// Infinities and NaNs pass unchanged (adding to a NaN's bits could wrap it to -0).
+__device__ __forceinline__ float round_tf32(float x)
+{
+    const unsigned int bits = __float_as_uint(x);
+    if ((bits & 0x7f800000u) == 0x7f800000u) {
+        return x;
+    }
+    return __uint_as_float((bits + 0x1000u) & 0xffffe000u);
+}
+
+// acc[16 x 8] += A[16 x 8] B[8 x 8], TF32 operands (already rounded), FP32 accumulate.
+__device__ __forceinline__ void mma_tf32_m16n8k8(float acc[4], float a0, float a1, float a2,
+                                                 float a3, float b0, float b1)
+{
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+        : "r"(__float_as_uint(a0)), "r"(__float_as_uint(a1)), "r"(__float_as_uint(a2)),
+          "r"(__float_as_uint(a3)), "r"(__float_as_uint(b0)), "r"(__float_as_uint(b1)));
+}
+
+// One permuted k block of 8 STEPS: a_low / a_high are the lane's 2 STEPS values of rows g
+// and g + 8, b its 2 STEPS values of column g (see the fragment layout above).
+template <int STEPS>
+__device__ __forceinline__ void mma_k_block(float acc[4], const float* a_low, const float* a_high,
+                                            const float* b)
+{
+#pragma unroll
+    for (int step = 0; step < STEPS; ++step) {
+        mma_tf32_m16n8k8(acc, a_low[2 * step], a_high[2 * step], a_low[2 * step + 1],
+                         a_high[2 * step + 1], b[2 * step], b[2 * step + 1]);
+    }
+}
+
+// Eight floats from 16-byte aligned memory (shared or global).
+__device__ __forceinline__ void load8(float out[8], const float* pointer)
+{
+    const float4 low = *reinterpret_cast<const float4*>(pointer);
+    const float4 high = *reinterpret_cast<const float4*>(pointer + 4);
+    out[0] = low.x;
+    out[1] = low.y;
+    out[2] = low.z;
+    out[3] = low.w;
+    out[4] = high.x;
+    out[5] = high.y;
+    out[6] = high.z;
+    out[7] = high.w;
+}
+
+__device__ __forceinline__ void load4(float out[4], const float* pointer)
+{
+    const float4 value = *reinterpret_cast<const float4*>(pointer);
+    out[0] = value.x;
+    out[1] = value.y;
+    out[2] = value.z;
+    out[3] = value.w;
+}
+
+__device__ __forceinline__ void round8_tf32(float values[8])
+{
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        values[e] = round_tf32(values[e]);
+    }
+}
+
+// The bounded law gives lower_bound <= g <= 0; the clamp makes the exponent range argument
+// hold whatever the buffer holds, and is the identity on every gate the law produces. A
+// NaN passes through (both comparisons are false), as it would in the FP32 path.
+__device__ __forceinline__ float clamp_gate(float g, float lower_bound)
+{
+    return g < lower_bound ? lower_bound : (g > 0.0f ? 0.0f : g);
+}
+
+// 16 bytes global -> shared, asynchronous (L2 only: the tile is read once per block).
+__device__ __forceinline__ void copy_async_16B(float* shared_destination, const float* source)
+{
+    const unsigned int address =
+        static_cast<unsigned int>(__cvta_generic_to_shared(shared_destination));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(address), "l"(source)
+                 : "memory");
+}
+
+__device__ __forceinline__ void copy_async_commit()
+{
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+__device__ __forceinline__ void copy_async_wait_all()
+{
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+}
+
+// T_ij = -T_ii sum_{j<=k<i} L_ik T_kj for one 16x16 block below the diagonal (one warp).
+// lower_s holds L = diag(beta) A, inverse_s holds T; both [C][C_STRIDE]. Every block the
+// sum reads is closer to the diagonal than (i, j) and so complete in an earlier wave. The
+// sum X is parked in block (i, j) of inverse_s to be reread as a B operand.
+__device__ __forceinline__ void inverse_block_below_diagonal(const float* lower_s, float* inverse_s,
+                                                             int i, int j, int lane)
+{
+    const int group_lane = lane >> 2;
+    const int thread_in_group = lane & 3;
+    // This lane's A rows (block row i), its 4 k of a 16-k block, its B / C column.
+    const float* lower_low =
+        lower_s + (CHUNK_TC_SUB * i + group_lane) * CHUNK_TC_C_STRIDE + 4 * thread_in_group;
+    const float* lower_high = lower_low + 8 * CHUNK_TC_C_STRIDE;
+    const float* inverse_low = inverse_s + (lower_low - lower_s);
+    const float* inverse_high = inverse_s + (lower_high - lower_s);
+    float* block = inverse_s + CHUNK_TC_SUB * i * CHUNK_TC_C_STRIDE + CHUNK_TC_SUB * j;
+    // C element e of n-tile n sits at block[accumulator_at + 8 n + c_offset(e)].
+    const int accumulator_at = group_lane * CHUNK_TC_C_STRIDE + 2 * thread_in_group;
+
+    float sum[2][4] = {};
+    for (int k = j; k < i; ++k) {
+        float a_low[4];
+        float a_high[4];
+        load4(a_low, lower_low + CHUNK_TC_SUB * k);
+        load4(a_high, lower_high + CHUNK_TC_SUB * k);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            a_low[e] = round_tf32(a_low[e]);
+            a_high[e] = round_tf32(a_high[e]);
+        }
+        const float* inverse_kj = inverse_s + (CHUNK_TC_SUB * k + 4 * thread_in_group) * CHUNK_TC_C_STRIDE +
+                                  CHUNK_TC_SUB * j + group_lane;
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+            float b[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                b[e] = round_tf32(inverse_kj[e * CHUNK_TC_C_STRIDE + 8 * n]);
+            }
+            mma_k_block<2>(sum[n], a_low, a_high, b);
+        }
+    }
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            block[accumulator_at + (e >> 1) * 8 * CHUNK_TC_C_STRIDE + 8 * n + (e & 1)] = sum[n][e];
+        }
+    }
+    __syncwarp();
+    float x[2][4];
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            x[n][e] = round_tf32(block[(4 * thread_in_group + e) * CHUNK_TC_C_STRIDE + 8 * n + group_lane]);
+        }
+    }
+    // Every lane holds its X fragment before block (i, j) is overwritten with T_ij.
+    __syncwarp();
+    float a_low[4];
+    float a_high[4];
+    load4(a_low, inverse_low + CHUNK_TC_SUB * i);
+    load4(a_high, inverse_high + CHUNK_TC_SUB * i);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        a_low[e] = round_tf32(a_low[e]);
+        a_high[e] = round_tf32(a_high[e]);
+    }
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+        float product[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        mma_k_block<2>(product, a_low, a_high, x[n]);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            block[accumulator_at + (e >> 1) * 8 * CHUNK_TC_C_STRIDE + 8 * n + (e & 1)] = -product[e];
+        }
+    }
+}
+
+// Transposing pass over a [C][D_STRIDE] tile: each lane takes 4 channels d .. d+3 of one
+// row t, a warp covers 16 rows x 8 channels per step, so the [D][C_STRIDE] (and global
+// [D][C]) stores of a warp hit 32 distinct banks / two 64-byte segments.
+#define CHUNK_TC_TRANSPOSE_STEPS ((CHUNK_TC / 16) * (KDA_HEAD_DIM / 8))
+
+extern "C" __global__ void __launch_bounds__(CHUNK_TC_PREPARE_THREADS, 1)
+kda_chunk_tc_prepare_f32(const float* __restrict__ query, const float* __restrict__ key,
+                         const float* __restrict__ value, const float* __restrict__ gate,
+                         const float* __restrict__ beta, float* __restrict__ q_decay,
+                         float* __restrict__ k_tail_t, float* __restrict__ w,
+                         float* __restrict__ u, float* __restrict__ attn,
+                         float* __restrict__ chunk_decay, int tokens, int heads, float scale,
+                         float lower_bound)
+{
+    // Four units of CHUNK_TC_UNIT floats, then beta [C]:
+    //   unit 0: key_s [C][D_STRIDE]        k;  from phase 3: value_t_s [D][C_STRIDE] tf32(beta v)^T
+    //   unit 1: query_s [C][D_STRIDE]      q;  from phase 3: key_beta_t_s [D][C_STRIDE] tf32(beta k exp(G))^T
+    //   unit 2: cumgate_s [C][D_STRIDE]    G
+    //   unit 3: lower_s [C][C_STRIDE]      L = diag(beta) A, then inverse_s [C][C_STRIDE] T
+    extern __shared__ __align__(16) float shared[];
+    float* key_s = shared;
+    float* query_s = shared + CHUNK_TC_UNIT;
+    float* cumgate_s = shared + 2 * CHUNK_TC_UNIT;
+    float* lower_s = shared + 3 * CHUNK_TC_UNIT;
+    float* inverse_s = lower_s + CHUNK_TC * CHUNK_TC_C_STRIDE;
+    float* beta_s = shared + 4 * CHUNK_TC_UNIT;
+    float* value_t_s = key_s;
+    float* key_beta_t_s = query_s;
+
+    const int chunk_index = blockIdx.x;
+    const int head = blockIdx.y;
+    const int thread = threadIdx.x;
+    const int lane = thread & 31;
+    const int warp = thread >> 5;
+    const int group_lane = lane >> 2;
+    const int thread_in_group = lane & 3;
+    // The lane's first k inside a permuted 32-k block (see the fragment layout above).
+    const int lane_k = 8 * thread_in_group;
+    if (blockDim.x != CHUNK_TC_PREPARE_THREADS || tokens < 1 || head >= heads ||
+        chunk_index >= (tokens + CHUNK_TC - 1) / CHUNK_TC ||
+        !(lower_bound >= CHUNK_TC_MIN_LOWER_BOUND && lower_bound <= 0.0f)) {
+        return;
+    }
+    const int first = chunk_index * CHUNK_TC;
+    // Rows of this chunk that are real tokens; rows valid..C-1 are padding.
+    const int valid = min(CHUNK_TC, tokens - first);
+    const size_t row_stride = static_cast<size_t>(heads) * KDA_HEAD_DIM;
+    const size_t head_offset = static_cast<size_t>(head) * KDA_HEAD_DIM;
+    const size_t chunk_head = static_cast<size_t>(chunk_index) * heads + head;
+
+    // 1. Load (padding rows zero by index, never read), cumulative gate, elementwise outputs.
+    for (int index = thread; index < CHUNK_TC * KDA_HEAD_DIM / 4; index += CHUNK_TC_PREPARE_THREADS) {
+        const int t = index >> 5;
+        const int d = (index & 31) * 4;
+        float4 key_value = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        float4 query_value = key_value;
+        float4 gate_value = key_value;
+        if (t < valid) {
+            const size_t at = static_cast<size_t>(first + t) * row_stride + head_offset + d;
+            key_value = *reinterpret_cast<const float4*>(key + at);
+            query_value = *reinterpret_cast<const float4*>(query + at);
+            gate_value = *reinterpret_cast<const float4*>(gate + at);
+            gate_value.x = clamp_gate(gate_value.x, lower_bound);
+            gate_value.y = clamp_gate(gate_value.y, lower_bound);
+            gate_value.z = clamp_gate(gate_value.z, lower_bound);
+            gate_value.w = clamp_gate(gate_value.w, lower_bound);
+        }
+        *reinterpret_cast<float4*>(key_s + t * CHUNK_TC_D_STRIDE + d) = key_value;
+        *reinterpret_cast<float4*>(query_s + t * CHUNK_TC_D_STRIDE + d) = query_value;
+        *reinterpret_cast<float4*>(cumgate_s + t * CHUNK_TC_D_STRIDE + d) = gate_value;
+    }
+    if (thread < CHUNK_TC) {
+        beta_s[thread] = thread < valid ? beta[static_cast<size_t>(first + thread) * heads + head] : 0.0f;
+    }
+    __syncthreads();
+
+    if (thread < KDA_HEAD_DIM) {
+        // Channel d: G_t = G_{t-1} + g_t in row order (the padded rows add zero).
+        float running = 0.0f;
+        for (int t = 0; t < CHUNK_TC; ++t) {
+            running += cumgate_s[t * CHUNK_TC_D_STRIDE + thread];
+            cumgate_s[t * CHUNK_TC_D_STRIDE + thread] = running;
+        }
+        chunk_decay[chunk_head * KDA_HEAD_DIM + thread] = expf(running);
+    }
+    __syncthreads();
+
+    // q_decay = tf32(scale q exp(G)), row-major like the inputs.
+    for (int index = thread; index < CHUNK_TC * KDA_HEAD_DIM / 4; index += CHUNK_TC_PREPARE_THREADS) {
+        const int t = index >> 5;
+        const int d = (index & 31) * 4;
+        const float4 query_value = *reinterpret_cast<const float4*>(query_s + t * CHUNK_TC_D_STRIDE + d);
+        const float4 cumgate = *reinterpret_cast<const float4*>(cumgate_s + t * CHUNK_TC_D_STRIDE + d);
+        float4 out;
+        out.x = round_tf32(scale * query_value.x * expf(cumgate.x));
+        out.y = round_tf32(scale * query_value.y * expf(cumgate.y));
+        out.z = round_tf32(scale * query_value.z * expf(cumgate.z));
+        out.w = round_tf32(scale * query_value.w * expf(cumgate.w));
+        const size_t at = static_cast<size_t>(first + t) * row_stride + head_offset + d;
+        *reinterpret_cast<float4*>(q_decay + at) = out;
+    }
+    // k_tail_t[chunk][head][d][s] = tf32(k_s exp(G_{C-1} - G_s)): transposed, the scan's A
+    // operand of k_tail^T U.
+    {
+        float* tail_block = k_tail_t + chunk_head * KDA_HEAD_DIM * CHUNK_TC;
+        const float* cumgate_last = cumgate_s + (CHUNK_TC - 1) * CHUNK_TC_D_STRIDE;
+        for (int step = warp; step < CHUNK_TC_TRANSPOSE_STEPS; step += CHUNK_TC_PREPARE_WARPS) {
+            const int t = (step & 3) * 16 + (lane & 15);
+            const int d = (step >> 2) * 8 + (lane >> 4) * 4;
+            float key_value[4];
+            float cumgate[4];
+            float last[4];
+            load4(key_value, key_s + t * CHUNK_TC_D_STRIDE + d);
+            load4(cumgate, cumgate_s + t * CHUNK_TC_D_STRIDE + d);
+            load4(last, cumgate_last + d);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                tail_block[(d + e) * CHUNK_TC + t] = round_tf32(key_value[e] * expf(last[e] - cumgate[e]));
+            }
+        }
+    }
+    // B above the diagonal blocks is zero: the scan reads whole 32-column halves of a row.
+    float* attn_block = attn + chunk_head * CHUNK_TC * CHUNK_TC;
+    for (int index = thread; index < CHUNK_TC * CHUNK_TC / 4; index += CHUNK_TC_PREPARE_THREADS) {
+        const int t = index >> 4;
+        const int s = (index & 15) * 4;
+        if (s >= (t / CHUNK_TC_SUB + 1) * CHUNK_TC_SUB) {
+            *reinterpret_cast<float4*>(attn_block + t * CHUNK_TC + s) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+    }
+
+    // 2. Blocks (i, j), j <= i, of A and B, one warp per block pair.
+    //
+    // Range argument, where it bites: exp(G_t - G_s) is never formed from exp(G_t) and
+    // exp(-G_s) over the chunk (G reaches -5 * 64 = -320, exp(320) overflows). Instead
+    // each row block i has a reference row r = 16 i, and
+    //   A[t][s] = sum_d (k_t exp(G_t - G_r)) (k_s exp(G_r - G_s)).
+    // For t in sub-chunk i: G_t - G_r in [-75, 0] (15 gates >= -5), so the first factor is
+    // in [exp(-75), 1] = [2.7e-33, 1], a normal FP32 / TF32 number. For s in an earlier
+    // sub-chunk, G_r - G_s <= 0: the second factor is <= 1 (it underflows, or is flushed
+    // as a denormal, only where the true term is below 1e-38 anyway). For s in sub-chunk
+    // i, G_r - G_s is in [0, 75]: the factor is <= exp(75) = 3.7e32 < 3.4e38 (FP32 and
+    // TF32 share the 8-bit exponent). So every operand is finite,
+    // products of a pair s <= t are <= 1 in size, and the entries s > t of a diagonal
+    // block (discarded below) stay below 128 * 3.7e32. This needs g >= -5 on every token:
+    // the bounded law with lower_bound >= -5 (the clamp in the load enforces it); the
+    // softplus law has no bound and uses the FP32 path.
+    for (int pair = warp; pair < CHUNK_TC_SUBS * (CHUNK_TC_SUBS + 1) / 2; pair += CHUNK_TC_PREPARE_WARPS) {
+        const int i = (pair >= 1) + (pair >= 3) + (pair >= 6);
+        const int j = pair - i * (i + 1) / 2;
+        const int reference = CHUNK_TC_SUB * i;
+        const int row_low = CHUNK_TC_SUB * i + group_lane;
+        const int row_high = row_low + 8;
+        float acc_kk[2][4] = {};
+        float acc_qk[2][4] = {};
+#pragma unroll
+        for (int kb = 0; kb < KDA_HEAD_DIM / 32; ++kb) {
+            const int d = 32 * kb + lane_k;
+            float reference_gate[8];
+            load8(reference_gate, cumgate_s + reference * CHUNK_TC_D_STRIDE + d);
+            float key_low[8];
+            float key_high[8];
+            float query_low[8];
+            float query_high[8];
+            {
+                float cumgate[8];
+                load8(cumgate, cumgate_s + row_low * CHUNK_TC_D_STRIDE + d);
+                load8(key_low, key_s + row_low * CHUNK_TC_D_STRIDE + d);
+                load8(query_low, query_s + row_low * CHUNK_TC_D_STRIDE + d);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    const float factor = expf(cumgate[e] - reference_gate[e]);
+                    key_low[e] = round_tf32(key_low[e] * factor);
+                    query_low[e] = round_tf32(query_low[e] * factor);
+                }
+                load8(cumgate, cumgate_s + row_high * CHUNK_TC_D_STRIDE + d);
+                load8(key_high, key_s + row_high * CHUNK_TC_D_STRIDE + d);
+                load8(query_high, query_s + row_high * CHUNK_TC_D_STRIDE + d);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    const float factor = expf(cumgate[e] - reference_gate[e]);
+                    key_high[e] = round_tf32(key_high[e] * factor);
+                    query_high[e] = round_tf32(query_high[e] * factor);
+                }
+            }
+#pragma unroll
+            for (int n = 0; n < 2; ++n) {
+                const int source = CHUNK_TC_SUB * j + 8 * n + group_lane;
+                float key_source[8];
+                float cumgate[8];
+                load8(key_source, key_s + source * CHUNK_TC_D_STRIDE + d);
+                load8(cumgate, cumgate_s + source * CHUNK_TC_D_STRIDE + d);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    key_source[e] = round_tf32(key_source[e] * expf(reference_gate[e] - cumgate[e]));
+                }
+                mma_k_block<4>(acc_kk[n], key_low, key_high, key_source);
+                mma_k_block<4>(acc_qk[n], query_low, query_high, key_source);
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int t = row_low + 8 * (e >> 1);
+                const int s = CHUNK_TC_SUB * j + 8 * n + 2 * thread_in_group + (e & 1);
+                // A is strictly lower triangular, B keeps its diagonal.
+                lower_s[t * CHUNK_TC_C_STRIDE + s] = s < t ? beta_s[t] * acc_kk[n][e] : 0.0f;
+                attn_block[t * CHUNK_TC + s] = s <= t ? round_tf32(scale * acc_qk[n][e]) : 0.0f;
+            }
+        }
+    }
+    __syncthreads();
+
+    // 3. T = (I + L)^-1. Diagonal blocks: FP32 forward substitution, warp i for block i,
+    // lane c < 16 computing column c (lanes 16..31 mirror lanes 0..15 and do not write).
+    if (warp < CHUNK_TC_SUBS) {
+        const int base = CHUNK_TC_SUB * warp;
+        const int column = lane & 15;
+        float x[CHUNK_TC_SUB];
+#pragma unroll
+        for (int r = 0; r < CHUNK_TC_SUB; ++r) {
+            float sum = 0.0f;
+#pragma unroll
+            for (int k = 0; k < r; ++k) {
+                sum = fmaf(lower_s[(base + r) * CHUNK_TC_C_STRIDE + base + k], x[k], sum);
+            }
+            x[r] = r < column ? 0.0f : (r == column ? 1.0f : -sum);
+        }
+        if (lane < CHUNK_TC_SUB) {
+#pragma unroll
+            for (int r = 0; r < CHUNK_TC_SUB; ++r) {
+                inverse_s[(base + r) * CHUNK_TC_C_STRIDE + base + column] = x[r];
+            }
+        }
+    } else {
+        // T is zero above the diagonal blocks (phase 4 reads whole 32-column halves).
+        for (int index = thread - 32 * CHUNK_TC_SUBS; index < CHUNK_TC * CHUNK_TC / 4;
+             index += CHUNK_TC_PREPARE_THREADS - 32 * CHUNK_TC_SUBS) {
+            const int t = index >> 4;
+            const int s = (index & 15) * 4;
+            if (s >= (t / CHUNK_TC_SUB + 1) * CHUNK_TC_SUB) {
+                *reinterpret_cast<float4*>(inverse_s + t * CHUNK_TC_C_STRIDE + s) =
+                    make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            }
+        }
+    }
+    // key_beta_t_s = tf32(beta k exp(G))^T over the dead query tile (last read in phase 2).
+    for (int step = warp; step < CHUNK_TC_TRANSPOSE_STEPS; step += CHUNK_TC_PREPARE_WARPS) {
+        const int t = (step & 3) * 16 + (lane & 15);
+        const int d = (step >> 2) * 8 + (lane >> 4) * 4;
+        float key_value[4];
+        float cumgate[4];
+        load4(key_value, key_s + t * CHUNK_TC_D_STRIDE + d);
+        load4(cumgate, cumgate_s + t * CHUNK_TC_D_STRIDE + d);
+        const float beta_t = beta_s[t];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            key_beta_t_s[(d + e) * CHUNK_TC_C_STRIDE + t] =
+                round_tf32(beta_t * key_value[e] * expf(cumgate[e]));
+        }
+    }
+    __syncthreads();
+
+    // Off-diagonal blocks, in waves of equal distance from the diagonal.
+    if (warp < CHUNK_TC_SUBS - 1) {
+        inverse_block_below_diagonal(lower_s, inverse_s, warp + 1, warp, lane);
+    }
+    // value_t_s = tf32(beta v)^T over the dead key tile (last read before the barrier).
+    for (int step = warp; step < CHUNK_TC_TRANSPOSE_STEPS; step += CHUNK_TC_PREPARE_WARPS) {
+        const int t = (step & 3) * 16 + (lane & 15);
+        const int d = (step >> 2) * 8 + (lane >> 4) * 4;
+        float value_row[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (t < valid) {
+            load4(value_row, value + static_cast<size_t>(first + t) * row_stride + head_offset + d);
+        }
+        const float beta_t = beta_s[t];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            value_t_s[(d + e) * CHUNK_TC_C_STRIDE + t] = round_tf32(beta_t * value_row[e]);
+        }
+    }
+    __syncthreads();
+    if (warp < CHUNK_TC_SUBS - 2) {
+        inverse_block_below_diagonal(lower_s, inverse_s, warp + 2, warp, lane);
+    }
+    __syncthreads();
+    if (warp == 0) {
+        inverse_block_below_diagonal(lower_s, inverse_s, 3, 0, lane);
+    }
+    __syncthreads();
+
+    // 4. W = T key_beta (warps 0-3) and Uc = T value_beta (warps 4-7), each warp 32
+    // channels of all 64 rows. T is lower triangular: rows < 32 skip the tokens >= 32.
+    {
+        const bool is_value = warp >= 4;
+        const float* operand_t = is_value ? value_t_s : key_beta_t_s;
+        const int d_base = 32 * (warp & 3);
+        float acc[4][4][4] = {};
+#pragma unroll
+        for (int kb = 0; kb < CHUNK_TC / 32; ++kb) {
+            float b[4][8];
+#pragma unroll
+            for (int n = 0; n < 4; ++n) {
+                load8(b[n], operand_t + (d_base + 8 * n + group_lane) * CHUNK_TC_C_STRIDE + 32 * kb + lane_k);
+            }
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {
+                if (kb == 1 && m < 2) {
+                    continue;
+                }
+                float a_low[8];
+                float a_high[8];
+                load8(a_low, inverse_s + (16 * m + group_lane) * CHUNK_TC_C_STRIDE + 32 * kb + lane_k);
+                load8(a_high, inverse_s + (16 * m + group_lane + 8) * CHUNK_TC_C_STRIDE + 32 * kb + lane_k);
+                round8_tf32(a_low);
+                round8_tf32(a_high);
+#pragma unroll
+                for (int n = 0; n < 4; ++n) {
+                    mma_k_block<4>(acc[m][n], a_low, a_high, b[n]);
+                }
+            }
+        }
+        // W is an mma operand of the scan (stored TF32); Uc only initialises U (FP32).
+        float* out = is_value ? u : w;
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+#pragma unroll
+            for (int n = 0; n < 4; ++n) {
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int t = 16 * m + group_lane + 8 * half;
+                    const int d = d_base + 8 * n + 2 * thread_in_group;
+                    float2 pair_value = make_float2(acc[m][n][2 * half], acc[m][n][2 * half + 1]);
+                    if (!is_value) {
+                        pair_value.x = round_tf32(pair_value.x);
+                        pair_value.y = round_tf32(pair_value.y);
+                    }
+                    if (t >= valid) {
+                        pair_value = make_float2(0.0f, 0.0f);
+                    }
+                    const size_t at = static_cast<size_t>(first + t) * row_stride + head_offset + d;
+                    *reinterpret_cast<float2*>(out + at) = pair_value;
+                }
+            }
+        }
+    }
+}
+
+// The scan's W and q_decay tiles of chunk `chunk_index` into shared memory, asynchronously
+// (one warp copies one 512-byte row per instruction).
+__device__ __forceinline__ void copy_chunk_rows_async(float* w_s, float* q_s, const float* w,
+                                                      const float* q_decay, int chunk_index,
+                                                      size_t row_stride, size_t head_offset)
+{
+    for (int index = threadIdx.x; index < 2 * CHUNK_TC * KDA_HEAD_DIM / 4; index += CHUNK_TC_SCAN_THREADS) {
+        const int matrix = index / (CHUNK_TC * KDA_HEAD_DIM / 4);
+        const int rest = index - matrix * (CHUNK_TC * KDA_HEAD_DIM / 4);
+        const int t = rest >> 5;
+        const int d = (rest & 31) * 4;
+        const size_t at = static_cast<size_t>(chunk_index * CHUNK_TC + t) * row_stride + head_offset + d;
+        copy_async_16B((matrix == 0 ? w_s : q_s) + t * CHUNK_TC_D_STRIDE + d, (matrix == 0 ? w : q_decay) + at);
+    }
+    copy_async_commit();
+}
+
+extern "C" __global__ void __launch_bounds__(CHUNK_TC_SCAN_THREADS, 2)
+kda_chunk_tc_scan_f32(const float* __restrict__ q_decay, const float* __restrict__ k_tail_t,
+                      const float* __restrict__ w, const float* __restrict__ u,
+                      const float* __restrict__ attn, const float* __restrict__ chunk_decay,
+                      float* __restrict__ state, float* __restrict__ core, int tokens, int heads)
+{
+    // w_s, q_s [C][D_STRIDE]: this chunk's W and q_decay (TF32 values from the prepare).
+    // state_t_s [32][D_STRIDE]: tf32(S0)^T of the block's columns, the B operand of phase A.
+    // u_t_s [32][C_STRIDE]: tf32(U)^T, the B operand of phase B.
+    extern __shared__ __align__(16) float shared[];
+    float* w_s = shared;
+    float* q_s = w_s + CHUNK_TC * CHUNK_TC_D_STRIDE;
+    float* state_t_s = q_s + CHUNK_TC * CHUNK_TC_D_STRIDE;
+    float* u_t_s = state_t_s + CHUNK_TC_SCAN_COLUMNS * CHUNK_TC_D_STRIDE;
+
+    const int head = blockIdx.x;
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int group_lane = lane >> 2;
+    const int thread_in_group = lane & 3;
+    // The lane's first k inside a permuted 32-k block (see the fragment layout above).
+    const int lane_k = 8 * thread_in_group;
+    if (blockDim.x != CHUNK_TC_SCAN_THREADS || blockIdx.y >= KDA_HEAD_DIM / CHUNK_TC_SCAN_COLUMNS ||
+        head >= heads || tokens < 1) {
+        return;
+    }
+    const int nchunks = (tokens + CHUNK_TC - 1) / CHUNK_TC;
+    const int column_base = blockIdx.y * CHUNK_TC_SCAN_COLUMNS;
+    const size_t row_stride = static_cast<size_t>(heads) * KDA_HEAD_DIM;
+    const size_t head_offset = static_cast<size_t>(head) * KDA_HEAD_DIM;
+    // Phase A rows of this warp (chunk rows) and state rows it owns (key channels).
+    const int row_low = 16 * warp + group_lane;
+    const int state_row = 32 * warp + group_lane;
+
+    // S[state_row + 16 m + 8 half][column_base + 8 n + 2 thread_in_group + (0, 1)]
+    //   = state_acc[m][n][2 half + (0, 1)]: FP32, the accumulator layout of k_tail^T U.
+    float* state_head = state + head_offset * KDA_HEAD_DIM;
+    float state_acc[2][4][4];
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int row = state_row + 16 * m + 8 * half;
+                const int column = 8 * n + 2 * thread_in_group;
+                const float2 pair_value = *reinterpret_cast<const float2*>(
+                    state_head + static_cast<size_t>(row) * KDA_HEAD_DIM + column_base + column);
+                state_acc[m][n][2 * half] = pair_value.x;
+                state_acc[m][n][2 * half + 1] = pair_value.y;
+                state_t_s[column * CHUNK_TC_D_STRIDE + row] = round_tf32(pair_value.x);
+                state_t_s[(column + 1) * CHUNK_TC_D_STRIDE + row] = round_tf32(pair_value.y);
+            }
+        }
+    }
+    copy_chunk_rows_async(w_s, q_s, w, q_decay, 0, row_stride, head_offset);
+
+    for (int chunk_index = 0; chunk_index < nchunks; ++chunk_index) {
+        const int first = chunk_index * CHUNK_TC;
+        const int valid = min(CHUNK_TC, tokens - first);
+        const size_t chunk_head = static_cast<size_t>(chunk_index) * heads + head;
+
+        // Phase B's operands, loaded now so that phase A hides their latency: B rows
+        // row_low (+8) (all 64 columns: the blocks above the diagonal are zero), k_tail^T
+        // rows state_row + 16 m (+8), and the decay of those rows.
+        float attn_low[2][8];
+        float attn_high[2][8];
+        const float* attn_block = attn + chunk_head * CHUNK_TC * CHUNK_TC;
+#pragma unroll
+        for (int kb = 0; kb < 2; ++kb) {
+            load8(attn_low[kb], attn_block + row_low * CHUNK_TC + 32 * kb + lane_k);
+            load8(attn_high[kb], attn_block + (row_low + 8) * CHUNK_TC + 32 * kb + lane_k);
+        }
+        float tail_low[2][2][8];
+        float tail_high[2][2][8];
+        const float* tail_block = k_tail_t + chunk_head * KDA_HEAD_DIM * CHUNK_TC;
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+#pragma unroll
+            for (int kb = 0; kb < 2; ++kb) {
+                load8(tail_low[m][kb], tail_block + (state_row + 16 * m) * CHUNK_TC + 32 * kb + lane_k);
+                load8(tail_high[m][kb], tail_block + (state_row + 16 * m + 8) * CHUNK_TC + 32 * kb + lane_k);
+            }
+        }
+        float decay[2][2];
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+            decay[m][0] = chunk_decay[chunk_head * KDA_HEAD_DIM + state_row + 16 * m];
+            decay[m][1] = chunk_decay[chunk_head * KDA_HEAD_DIM + state_row + 16 * m + 8];
+        }
+        // U = Uc - W S0 accumulates onto Uc (mma with -W; TF32 negation is exact).
+        float u_acc[4][4];
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const float2 pair_value = *reinterpret_cast<const float2*>(
+                    u + static_cast<size_t>(first + row_low + 8 * half) * row_stride + head_offset +
+                    column_base + 8 * n + 2 * thread_in_group);
+                u_acc[n][2 * half] = pair_value.x;
+                u_acc[n][2 * half + 1] = pair_value.y;
+            }
+        }
+
+        copy_async_wait_all();
+        __syncthreads();
+
+        // Phase A: U = Uc - W S0, o = q_decay S0 (rows row_low, row_low + 8).
+        float out_acc[4][4] = {};
+#pragma unroll
+        for (int kb = 0; kb < KDA_HEAD_DIM / 32; ++kb) {
+            float w_low[8];
+            float w_high[8];
+            float q_low[8];
+            float q_high[8];
+            load8(w_low, w_s + row_low * CHUNK_TC_D_STRIDE + 32 * kb + lane_k);
+            load8(w_high, w_s + (row_low + 8) * CHUNK_TC_D_STRIDE + 32 * kb + lane_k);
+            load8(q_low, q_s + row_low * CHUNK_TC_D_STRIDE + 32 * kb + lane_k);
+            load8(q_high, q_s + (row_low + 8) * CHUNK_TC_D_STRIDE + 32 * kb + lane_k);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                w_low[e] = -w_low[e];
+                w_high[e] = -w_high[e];
+            }
+#pragma unroll
+            for (int n = 0; n < 4; ++n) {
+                float b[8];
+                load8(b, state_t_s + (8 * n + group_lane) * CHUNK_TC_D_STRIDE + 32 * kb + lane_k);
+                mma_k_block<4>(u_acc[n], w_low, w_high, b);
+                mma_k_block<4>(out_acc[n], q_low, q_high, b);
+            }
+        }
+        // Padded rows: U = 0 by index (they are 0 - 0 already; this keeps it independent
+        // of the scratch contents).
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int t = row_low + 8 * (e >> 1);
+                const int column = 8 * n + 2 * thread_in_group + (e & 1);
+                u_t_s[column * CHUNK_TC_C_STRIDE + t] = t < valid ? round_tf32(u_acc[n][e]) : 0.0f;
+            }
+        }
+        // U complete; every warp is done with w_s / q_s / state_t_s of this chunk.
+        __syncthreads();
+        if (chunk_index + 1 < nchunks) {
+            copy_chunk_rows_async(w_s, q_s, w, q_decay, chunk_index + 1, row_stride, head_offset);
+        }
+
+        // Phase B: o += B U, then the state update.
+#pragma unroll
+        for (int kb = 0; kb < 2; ++kb) {
+#pragma unroll
+            for (int n = 0; n < 4; ++n) {
+                float b[8];
+                load8(b, u_t_s + (8 * n + group_lane) * CHUNK_TC_C_STRIDE + 32 * kb + lane_k);
+                mma_k_block<4>(out_acc[n], attn_low[kb], attn_high[kb], b);
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int t = row_low + 8 * half;
+                if (t < valid) {
+                    *reinterpret_cast<float2*>(core + static_cast<size_t>(first + t) * row_stride +
+                                               head_offset + column_base + 8 * n + 2 * thread_in_group) =
+                        make_float2(out_acc[n][2 * half], out_acc[n][2 * half + 1]);
+                }
+            }
+        }
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+#pragma unroll
+            for (int n = 0; n < 4; ++n) {
+                state_acc[m][n][0] *= decay[m][0];
+                state_acc[m][n][1] *= decay[m][0];
+                state_acc[m][n][2] *= decay[m][1];
+                state_acc[m][n][3] *= decay[m][1];
+            }
+        }
+#pragma unroll
+        for (int kb = 0; kb < 2; ++kb) {
+#pragma unroll
+            for (int n = 0; n < 4; ++n) {
+                float b[8];
+                load8(b, u_t_s + (8 * n + group_lane) * CHUNK_TC_C_STRIDE + 32 * kb + lane_k);
+#pragma unroll
+                for (int m = 0; m < 2; ++m) {
+                    mma_k_block<4>(state_acc[m][n], tail_low[m][kb], tail_high[m][kb], b);
+                }
+            }
+        }
+        // The next chunk's S0 operand (nobody reads state_t_s until the next barrier).
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+#pragma unroll
+            for (int n = 0; n < 4; ++n) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int row = state_row + 16 * m + 8 * (e >> 1);
+                    const int column = 8 * n + 2 * thread_in_group + (e & 1);
+                    state_t_s[column * CHUNK_TC_D_STRIDE + row] = round_tf32(state_acc[m][n][e]);
+                }
+            }
+        }
+    }
+
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int row = state_row + 16 * m + 8 * half;
+                *reinterpret_cast<float2*>(state_head + static_cast<size_t>(row) * KDA_HEAD_DIM +
+                                           column_base + 8 * n + 2 * thread_in_group) =
+                    make_float2(state_acc[m][n][2 * half], state_acc[m][n][2 * half + 1]);
+            }
+        }
+    }
+}

@@ -1,0 +1,766 @@
+"""The tensor-core chunked prefill (glm_kda.chunk_tc, kernels_src/chunk_tc.cu) against its contract.
+
+Promises, one test each:
+  * the float64 model of the blocked algorithm is the chunked delta rule: with its rounding
+    emulation off it equals reference.chunk_scan (float64) to 1e-12;
+  * with the kernels' TF32 operand rounding emulated it stays within TC_BOUND of the float64
+    oracle, for T = 1 .. 300 from zero and random carried states, the bounded law at -5, a
+    strongly-decaying law (g near -5 on every token) and g = -5 exactly;
+  * a poisoned pad (NaN, 1e30, inf) changes no bit of outputs, scratch or state;
+  * round_tf32 rounds like cvt.rna.tf32.f32 and passes inf / NaN;
+  * support and refusals: bounded law with -5 <= lower_bound <= 0 and chunk 64 only; the
+    wrappers refuse any other bound before a launch; launch geometry and shared memory;
+  * the kernel SOURCE, compiled for the host with one thread per CUDA thread (barriers as
+    std::barrier, mma.sync from the PTX fragment layout, cp.async as a copy), equals the
+    model stage by stage and keeps the pad out: index arithmetic, fragment layouts, shared
+    memory reuse and padding checked without a GPU (skipped without a C++20 compiler);
+  * on a GPU: the kernels against the FP32 kernel path and the float64 oracle at GLM (64
+    heads) and Kimi (32 heads) geometry for T in {1, 17, 64, 65, 1000, 4096}, each kernel
+    against the model fed its own inputs, poisoned pad bits, carried state, determinism.
+
+Tolerance, why TC_BOUND = 1.5e-3: TF32 keeps 10 mantissa bits, so a rounded operand carries
+a relative error of at most u = 2^-11 = 4.9e-4 (rms about u / sqrt(3)); each output is a
+short chain of such products (W = T K, U = Uc - W S, o = Q S + B U), measured at 3e-4 ..
+7e-4 on random, correlated-key, strong- and weak-decay inputs up to T = 16384, flat in T.
+1.5e-3 (about 3 u) leaves twice the worst measured case; the emulation-off bound of 1e-12
+shows the rounding points are the only departure from the exact algorithm.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from glm_kda import chunk_tc, kernels, ops
+from glm_kda.chunk_tc import (
+    PREPARE_SMEM_BYTES,
+    SCAN_SMEM_BYTES,
+    chunk_count,
+    chunk_tc_supported,
+    model_chunk_tc,
+    model_chunk_tc_prepare,
+    model_chunk_tc_scan,
+    round_tf32,
+    scratch_shapes,
+)
+from glm_kda.device import gpu_status
+from glm_kda.reference import chunk_scan, rms_ratio
+from glm_kda.synthetic import synthetic_config
+
+GPU_OK, GPU_WHY = gpu_status()
+needs_gpu = pytest.mark.skipif(not GPU_OK, reason=f"no CUDA GPU: {GPU_WHY}")
+
+SEED = 4321
+LOWER_BOUND = -5.0
+TC_BOUND = 1.5e-3
+EXACT_BOUND = 1e-12
+# A kernel against the model fed its own inputs: FP32 arithmetic and the rare TF32 rounding
+# flips it causes (1e-6 .. 2e-5 measured on the host emulation).
+FED_BOUND = 1e-4
+MODEL_TOKENS = [1, 15, 16, 17, 63, 64, 65, 300]
+MODEL_HEADS = 4
+GPU_TOKENS = [1, 17, 64, 65, 1000, 4096]
+GEOMETRY_HEADS = {"glm": 64, "kimi": 32}
+POISONS = {"nan": float("nan"), "1e30": 1e30, "inf": float("inf")}
+SCRATCH = ("q_decay", "k_tail", "w", "u", "attn", "chunk_decay")
+
+
+def assert_close(actual, expected, bound, what):
+    ratio = rms_ratio(actual, expected)
+    print(f"{what}: rms-ratio {ratio:.3e}")
+    assert ratio <= bound, f"{what}: rms-ratio {ratio:.3e} > bound {bound:.1e}"
+
+
+def bits(x):
+    x = x.get() if hasattr(x, "get") else np.asarray(x)
+    x = np.ascontiguousarray(x)
+    return x.view(np.uint64 if x.dtype == np.float64 else np.uint32)
+
+
+def assert_bits_equal(a, b, what):
+    differ = int(np.count_nonzero(bits(a) != bits(b)))
+    assert differ == 0, f"{what}: {differ} elements differ in their bits"
+
+
+def make_inputs(tokens, heads, law="bounded", state="random", seed=SEED, xp=np, dtype=np.float64):
+    """query, key (unit rows), value, gate, beta, recurrent state. Laws: "bounded" (the GLM
+    law with lower bound -5 on random pre-activations), "strong" (g in [-5, -4.85] on every
+    token: the strongest decay the bound allows), "at_bound" (g = -5 exactly)."""
+    rng = np.random.default_rng(seed) if xp is np else xp.random.default_rng(seed)
+
+    def normal(*shape):
+        return rng.standard_normal(shape, dtype=np.float32 if xp is not np else np.float64)
+
+    def unit(x):
+        return x / xp.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)
+
+    query = unit(normal(tokens, heads, 128))
+    key = unit(normal(tokens, heads, 128))
+    value = normal(tokens, heads, 128)
+    if law == "bounded":
+        gate = LOWER_BOUND / (1.0 + xp.exp(-(2.0 * normal(tokens, heads, 128) - 3.0)))
+    elif law == "strong":
+        gate = LOWER_BOUND * (0.97 + 0.03 * rng.random((tokens, heads, 128)))
+    elif law == "at_bound":
+        gate = xp.full((tokens, heads, 128), LOWER_BOUND)
+    else:
+        raise ValueError(law)
+    beta = 1.0 / (1.0 + xp.exp(-normal(tokens, heads)))
+    recurrent = 0.1 * normal(heads, 128, 128) if state == "random" else xp.zeros((heads, 128, 128))
+    # The values the kernels see are FP32; the models and the oracle get the same values.
+    return tuple(xp.asarray(x, dtype=np.float32).astype(dtype) for x in (query, key, value, gate, beta, recurrent))
+
+
+# --------------------------------------------------------------------------------------
+# The float64 model (no GPU)
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("state", ["zero", "random"])
+@pytest.mark.parametrize("law", ["bounded", "strong"])
+@pytest.mark.parametrize("tokens", MODEL_TOKENS, ids=lambda t: f"T{t}")
+def test_model_without_rounding_is_the_chunked_delta_rule(tokens, law, state):
+    q, k, v, g, b, s0 = make_inputs(tokens, MODEL_HEADS, law, state)
+    core, final = model_chunk_tc(q, k, v, g, b, s0, LOWER_BOUND, emulate_rounding=False)
+    ref_core, ref_state = chunk_scan(q, k, v, g, b, s0, chunk=64)
+    assert_close(core, ref_core, EXACT_BOUND, f"T{tokens}-{law}-{state} core")
+    assert_close(final, ref_state, EXACT_BOUND, f"T{tokens}-{law}-{state} state")
+
+
+@pytest.mark.parametrize("state", ["zero", "random"])
+@pytest.mark.parametrize("law", ["bounded", "strong"])
+@pytest.mark.parametrize("tokens", MODEL_TOKENS, ids=lambda t: f"T{t}")
+def test_model_with_tf32_rounding_within_bound(tokens, law, state):
+    q, k, v, g, b, s0 = make_inputs(tokens, MODEL_HEADS, law, state)
+    core, final = model_chunk_tc(q, k, v, g, b, s0, LOWER_BOUND)
+    ref_core, ref_state = chunk_scan(q, k, v, g, b, s0, chunk=64)
+    assert_close(core, ref_core, TC_BOUND, f"T{tokens}-{law}-{state} core")
+    assert_close(final, ref_state, TC_BOUND, f"T{tokens}-{law}-{state} state")
+
+
+@pytest.mark.parametrize("tokens", [16, 65, 300], ids=lambda t: f"T{t}")
+def test_model_at_the_bound_stays_finite(tokens):
+    # g = -5 on every token: the widest exponent range the argument allows (exp(75) on the
+    # diagonal blocks, exp(-320) at the chunk end); every scratch value must stay finite.
+    q, k, v, g, b, s0 = make_inputs(tokens, MODEL_HEADS, "at_bound")
+    scratch = model_chunk_tc_prepare(q, k, v, g, b, LOWER_BOUND)
+    for name, value in scratch.items():
+        assert np.isfinite(value.astype(np.float32)).all(), f"{name} leaves the FP32 range"
+    core, final = model_chunk_tc_scan(scratch, s0, tokens)
+    ref_core, ref_state = chunk_scan(q, k, v, g, b, s0, chunk=64)
+    assert_close(core, ref_core, TC_BOUND, f"T{tokens}-at_bound core")
+    assert_close(final, ref_state, TC_BOUND, f"T{tokens}-at_bound state")
+
+
+@pytest.mark.parametrize("poison", list(POISONS), ids=list(POISONS))
+@pytest.mark.parametrize("tokens", [1, 17, 63, 65, 300], ids=lambda t: f"T{t}")
+def test_model_poisoned_pad_changes_no_bit(tokens, poison):
+    q, k, v, g, b, s0 = make_inputs(tokens, 2)
+    clean_scratch = model_chunk_tc_prepare(q, k, v, g, b, LOWER_BOUND)
+    dirty_scratch = model_chunk_tc_prepare(q, k, v, g, b, LOWER_BOUND, pad_value=POISONS[poison])
+    for name in SCRATCH:
+        assert_bits_equal(dirty_scratch[name], clean_scratch[name], f"{name} with pad {poison}")
+    clean = model_chunk_tc(q, k, v, g, b, s0, LOWER_BOUND)
+    dirty = model_chunk_tc(q, k, v, g, b, s0, LOWER_BOUND, pad_value=POISONS[poison])
+    assert_bits_equal(dirty[0], clean[0], f"core with pad {poison}")
+    assert_bits_equal(dirty[1], clean[1], f"state with pad {poison}")
+
+
+def test_round_tf32_is_nearest_ties_away():
+    one = 1.0
+    cases = {
+        one + 2.0**-11: one + 2.0**-10,  # a tie rounds away from zero
+        -(one + 2.0**-11): -(one + 2.0**-10),
+        one + 2.0**-12: one,
+        one + 3 * 2.0**-12: one + 2.0**-10,
+        0.0: 0.0,
+        float("inf"): float("inf"),
+        -float("inf"): -float("inf"),
+    }
+    for value, expected in cases.items():
+        assert round_tf32(np.array([value]))[0] == expected, value
+    x = np.random.default_rng(SEED).standard_normal(10000) * 1e3
+    rounded = round_tf32(x)
+    assert not np.any(rounded.astype(np.float32).view(np.uint32) & 0x1FFF), "low 13 bits must be zero"
+    assert np.max(np.abs(rounded - x.astype(np.float32)) / np.abs(x)) <= 2.0**-11 * (1 + 1e-6)
+    with np.errstate(invalid="ignore"):
+        nan = np.array([0x7FFFFFFF, 0x7F800001, 0xFFC00000], np.uint32).view(np.float32).astype(np.float64)
+        assert np.isnan(round_tf32(nan)).all(), "a NaN must stay a NaN"
+
+
+# --------------------------------------------------------------------------------------
+# Support, refusals and launch geometry (no GPU: stand-ins for the device arrays)
+# --------------------------------------------------------------------------------------
+
+
+def test_support_is_the_bounded_law_at_chunk_64():
+    glm, kimi = synthetic_config("glm"), synthetic_config("kimi")
+    ok, reason = chunk_tc_supported(glm)
+    assert ok, reason
+    ok, reason = chunk_tc_supported(kimi)
+    assert not ok and "softplus" in reason
+    import dataclasses
+
+    ok, reason = chunk_tc_supported(dataclasses.replace(glm, gate_lower_bound=-6.0))
+    assert not ok and "gate_lower_bound=-6.0" in reason
+    ok, reason = chunk_tc_supported(glm.with_chunk(32))
+    assert not ok and "chunk=32" in reason
+
+
+class HostStandIn:
+    """Just enough of cupy.ndarray for the wrappers' checks (a NumPy array underneath)."""
+
+    def __init__(self, array: np.ndarray):
+        self._array = array
+        self.dtype, self.shape, self.ndim = array.dtype, array.shape, array.ndim
+        self.strides, self.itemsize, self.size, self.flags = array.strides, array.itemsize, array.size, array.flags
+        self.data = SimpleNamespace(ptr=array.ctypes.data)
+
+
+def _aligned_f32(shape):
+    count = int(np.prod(shape))
+    raw = np.zeros(count * 4 + 16, np.uint8)
+    start = (-raw.ctypes.data) % 16
+    return HostStandIn(raw[start : start + count * 4].view(np.float32).reshape(shape))
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Stand-ins instead of cupy arrays, and the launches recorded instead of run."""
+    monkeypatch.setattr(ops, "cupy", SimpleNamespace(ndarray=HostStandIn))
+    recorded = []
+    monkeypatch.setattr(chunk_tc, "_launch", lambda name, grid, block, args, shared_mem: recorded.append(
+        (name, grid, block, shared_mem)))
+    return recorded
+
+
+def _call_arguments(tokens, heads):
+    inputs = [_aligned_f32((tokens, heads, 128)) for _ in range(4)]
+    beta = _aligned_f32((tokens, heads))
+    state = _aligned_f32((heads, 128, 128))
+    core = _aligned_f32((tokens, heads, 128))
+    scratch = [_aligned_f32(shape) for shape in scratch_shapes(tokens, heads).values()]
+    return inputs, beta, state, core, scratch
+
+
+@pytest.mark.parametrize("bound", [-6.0, -5.0001, 0.5, float("nan"), float("-inf"), None], ids=str)
+def test_wrapper_refuses_other_bounds_before_any_launch(launches, bound):
+    inputs, beta, state, core, scratch = _call_arguments(65, 2)
+    with pytest.raises(ValueError, match="lower_bound"):
+        chunk_tc.chunk_prefill_tc(*inputs, beta, state, core, 65, bound, *scratch)
+    assert launches == []
+
+
+@pytest.mark.parametrize("tokens,heads", [(1, 64), (65, 32), (4096, 1)], ids=lambda v: str(v))
+def test_launch_geometry_and_shared_memory(launches, tokens, heads):
+    inputs, beta, state, core, scratch = _call_arguments(tokens, heads)
+    chunk_tc.chunk_prefill_tc(*inputs, beta, state, core, tokens, LOWER_BOUND, *scratch)
+    nchunks = chunk_count(tokens)
+    assert launches == [
+        ("kda_chunk_tc_prepare_f32", (nchunks, heads), (256,), PREPARE_SMEM_BYTES),
+        ("kda_chunk_tc_scan_f32", (heads, 4), (128,), SCAN_SMEM_BYTES),
+    ]
+    # sm_90 / sm_100: 227 KB per block, 228 KB per SM with 1 KB reserved per block. The scan
+    # must fit twice (GLM's 256 scan blocks in one wave on 132 SMs).
+    assert PREPARE_SMEM_BYTES == 139520 <= 227 * 1024
+    assert SCAN_SMEM_BYTES == 93184 and 2 * (SCAN_SMEM_BYTES + 1024) <= 228 * 1024
+    source = (kernels.kernels_dir() / "chunk_tc.cu").read_text()
+    assert "139,520 B" in source and "93,184 B" in source, "the .cu header states the shared memory"
+
+
+def test_wrapper_names_a_bad_scratch_buffer(launches):
+    inputs, beta, state, core, scratch = _call_arguments(65, 2)
+    scratch[4] = _aligned_f32((1, 2, 64, 64))  # attn for one chunk, two are needed
+    with pytest.raises(ValueError, match="attn"):
+        chunk_tc.chunk_prefill_tc(*inputs, beta, state, core, 65, LOWER_BOUND, *scratch)
+    assert launches == []
+
+
+def test_no_spills_on_sm_90():
+    os.environ.setdefault("CUDA_CACHE_DISABLE", "1")
+    compiled = kernels.compile_file("chunk_tc", "sm_90")
+    resources = kernels.parse_ptxas_log(compiled.log)
+    for name in kernels.ENTRY_POINTS["chunk_tc"]:
+        r = resources[name]
+        print(f"{name}: {r}")
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack_frame"] == 0, f"{name} spills: {r}"
+        # Two 128-thread scan blocks per SM need <= 255 registers (65536 / 256).
+        assert 0 < r["registers"] <= 255
+
+
+# --------------------------------------------------------------------------------------
+# The kernel source on the host
+# --------------------------------------------------------------------------------------
+
+EMULATION_HEADER = r"""
+// The CUDA subset chunk_tc.cu uses, on the host: one std::thread per CUDA thread, std::barrier
+// for __syncthreads / __syncwarp, mma.m16n8k8 TF32 as a warp collective built from the PTX
+// fragment layout (A (g + 8 (r % 2), t + 4 (r / 2)), B (k t + 4 r, n g), C (g + 8 (r / 2),
+// 2 t + r % 2), lane = 4 g + t), cp.async as a plain copy. Counts mma operands that are not
+// TF32 values and vector accesses that are not aligned.
+#pragma once
+#include <algorithm>
+#include <atomic>
+#include <barrier>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+using std::max;
+using std::min;
+struct dim3 { unsigned x = 1, y = 1, z = 1; };
+struct alignas(16) float4 { float x, y, z, w; };
+struct alignas(8) float2 { float x, y; };
+inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
+inline float2 make_float2(float a, float b) { return {a, b}; }
+inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
+inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
+template <class T> T __shfl_xor_sync(unsigned, T v, int) { return v; }
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+extern thread_local dim3 threadIdx, blockIdx;
+extern dim3 blockDim, gridDim;
+extern float* emulated_shared;
+extern std::barrier<>* block_barrier;
+extern std::barrier<>* warp_barriers[32];
+extern std::atomic<long> not_tf32, misaligned, mma_count;
+extern int jitter;
+struct WarpSlot { float a[4], b[2]; };
+extern WarpSlot warp_slots[32][32];
+inline void maybe_sleep()
+{
+    if (!jitter) return;
+    thread_local unsigned s = 12345u + 7919u * threadIdx.x;
+    s = s * 1103515245u + 12345u;
+    if ((s >> 16) % 4 == 0) std::this_thread::sleep_for(std::chrono::microseconds((s >> 20) % 50));
+}
+inline void __syncthreads() { maybe_sleep(); block_barrier->arrive_and_wait(); }
+inline void __syncwarp() { maybe_sleep(); warp_barriers[threadIdx.x >> 5]->arrive_and_wait(); }
+template <class T, class P> T* checked_cast(P* p)
+{
+    if (reinterpret_cast<uintptr_t>(p) % alignof(T)) misaligned++;
+    return reinterpret_cast<T*>(p);
+}
+inline void mma_tf32_m16n8k8(float acc[4], float a0, float a1, float a2, float a3, float b0, float b1)
+{
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (float x : {a0, a1, a2, a3, b0, b1}) if (__float_as_uint(x) & 0x1fffu) not_tf32++;
+    WarpSlot& slot = warp_slots[warp][lane];
+    slot.a[0] = a0; slot.a[1] = a1; slot.a[2] = a2; slot.a[3] = a3; slot.b[0] = b0; slot.b[1] = b1;
+    maybe_sleep();
+    warp_barriers[warp]->arrive_and_wait();
+    const int g = lane >> 2, t = lane & 3;
+    float out[4];
+    for (int e = 0; e < 4; ++e) {
+        const int row = g + 8 * (e >> 1), col = 2 * t + (e & 1);
+        double sum = acc[e];
+        for (int k = 0; k < 8; ++k) {
+            sum += double(warp_slots[warp][4 * (row % 8) + k % 4].a[row / 8 + 2 * (k / 4)]) *
+                   double(warp_slots[warp][4 * col + k % 4].b[k / 4]);
+        }
+        out[e] = float(sum);
+    }
+    warp_barriers[warp]->arrive_and_wait();
+    for (int e = 0; e < 4; ++e) acc[e] = out[e];
+    if (lane == 0) mma_count++;
+}
+inline void copy_async_16B(float* destination, const float* source) { std::memcpy(destination, source, 16); }
+inline void copy_async_commit() {}
+inline void copy_async_wait_all() {}
+"""
+
+EMULATION_MAIN = r"""
+#include "emulation.h"
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+thread_local dim3 threadIdx, blockIdx;
+dim3 blockDim, gridDim;
+float* emulated_shared;
+std::barrier<>* block_barrier;
+std::barrier<>* warp_barriers[32];
+std::atomic<long> not_tf32{0}, misaligned{0}, mma_count{0};
+int jitter = 0;
+WarpSlot warp_slots[32][32];
+extern "C" void kda_chunk_tc_prepare_f32(const float*, const float*, const float*, const float*, const float*,
+    float*, float*, float*, float*, float*, float*, int, int, float, float);
+extern "C" void kda_chunk_tc_scan_f32(const float*, const float*, const float*, const float*, const float*,
+    const float*, float*, float*, int, int);
+
+template <class F> void run_grid(dim3 grid, int threads, size_t shared_bytes, F kernel)
+{
+    gridDim = grid;
+    blockDim = dim3{unsigned(threads), 1, 1};
+    std::vector<float> shared(shared_bytes / 4 + 4);
+    for (unsigned y = 0; y < grid.y; ++y) {
+        for (unsigned x = 0; x < grid.x; ++x) {
+            std::fill(shared.begin(), shared.end(), std::nanf(""));  // a read before a write shows
+            emulated_shared = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(shared.data()) + 15) & ~uintptr_t(15));
+            std::barrier<> block(threads);
+            block_barrier = &block;
+            std::vector<std::unique_ptr<std::barrier<>>> warps;
+            for (int w = 0; w < threads / 32; ++w) {
+                warps.emplace_back(new std::barrier<>(32));
+                warp_barriers[w] = warps.back().get();
+            }
+            std::vector<std::thread> pool;
+            for (int t = 0; t < threads; ++t) {
+                pool.emplace_back([=] { threadIdx = dim3{unsigned(t), 0, 0}; blockIdx = dim3{x, y, 0}; kernel(); });
+            }
+            for (auto& thread : pool) thread.join();
+        }
+    }
+}
+
+static std::vector<float> load(const std::string& path, size_t count)
+{
+    std::vector<float> v(count);
+    std::ifstream file(path, std::ios::binary);
+    file.read(reinterpret_cast<char*>(v.data()), count * 4);
+    if (!file) { std::fprintf(stderr, "short read: %s\n", path.c_str()); std::exit(2); }
+    return v;
+}
+static void save(const std::string& path, const std::vector<float>& v)
+{
+    std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(v.data()), v.size() * 4);
+}
+
+int main(int argc, char** argv)
+{
+    const std::string dir = argv[1];
+    const int tokens = std::atoi(argv[2]), rows = std::atoi(argv[3]), heads = std::atoi(argv[4]);
+    const float lower_bound = std::atof(argv[5]);
+    jitter = std::atoi(argv[6]);
+    const size_t D = 128, C = 64, nchunks = (tokens + C - 1) / C, padded = nchunks * C;
+    auto in = [&](const char* name, size_t per_row) { return load(dir + "/" + name, rows * heads * per_row); };
+    auto query = in("query", D), key = in("key", D), value = in("value", D), gate = in("gate", D), beta = in("beta", 1);
+    auto state = load(dir + "/state", heads * D * D);
+    // Scratch starts as NaN: an element the prepare does not write shows.
+    auto poisoned = [](size_t count) { return std::vector<float>(count, std::nanf("")); };
+    auto q_decay = poisoned(padded * heads * D), k_tail = poisoned(padded * heads * D);
+    auto w = poisoned(padded * heads * D), u = poisoned(padded * heads * D);
+    auto attn = poisoned(nchunks * heads * C * C), chunk_decay = poisoned(nchunks * heads * D);
+    auto core = std::vector<float>(rows * heads * D, 12345.0f);
+    run_grid(dim3{unsigned(nchunks), unsigned(heads), 1}, 256, std::atoi(argv[7]), [&] {
+        kda_chunk_tc_prepare_f32(query.data(), key.data(), value.data(), gate.data(), beta.data(), q_decay.data(),
+                                 k_tail.data(), w.data(), u.data(), attn.data(), chunk_decay.data(), tokens, heads,
+                                 1.0f / std::sqrt(128.0f), lower_bound);
+    });
+    run_grid(dim3{unsigned(heads), 4, 1}, 128, std::atoi(argv[8]), [&] {
+        kda_chunk_tc_scan_f32(q_decay.data(), k_tail.data(), w.data(), u.data(), attn.data(), chunk_decay.data(),
+                              state.data(), core.data(), tokens, heads);
+    });
+    for (auto [name, data] : {std::pair{"q_decay", &q_decay}, {"k_tail", &k_tail}, {"w", &w}, {"u", &u},
+                              {"attn", &attn}, {"chunk_decay", &chunk_decay}, {"core", &core}, {"state", &state}}) {
+        save(dir + "/" + name + ".out", *data);
+    }
+    std::printf("not_tf32=%ld misaligned=%ld mma=%ld\n", not_tf32.load(), misaligned.load(), mma_count.load());
+    return 0;
+}
+"""
+
+# The device-only helpers the emulation header replaces (their bodies are inline PTX).
+DEVICE_HELPERS = ("mma_tf32_m16n8k8", "copy_async_16B", "copy_async_commit", "copy_async_wait_all")
+
+
+def host_source() -> str:
+    """chunk_tc.cu (header inlined) rewritten for the host: the PTX helpers removed, dynamic
+    shared memory from the emulator, every vector cast alignment-checked."""
+    import re
+
+    source = kernels.kernel_source("chunk_tc")
+    for name in DEVICE_HELPERS:
+        match = re.search(r"__device__ __forceinline__ void " + name + r"\(.*?\n\}\n", source, re.S)
+        assert match, f"chunk_tc.cu no longer defines {name}; update the host emulation"
+        source = source[: match.start()] + source[match.end() :]
+    declaration = "extern __shared__ __align__(16) float shared[];"
+    assert source.count(declaration) == 2, "the host emulation expects one dynamic shared array per kernel"
+    source = source.replace(declaration, "float* shared = emulated_shared;")
+    for vector in ("float4", "float2"):
+        source = source.replace(f"reinterpret_cast<const {vector}*>(", f"checked_cast<const {vector}>(")
+        source = source.replace(f"reinterpret_cast<{vector}*>(", f"checked_cast<{vector}>(")
+    assert "asm" not in re.sub(r"//.*", "", source), "inline PTX left in the host build"
+    return '#include "emulation.h"\n' + source
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory):
+    compiler = shutil.which("g++") or shutil.which("clang++")
+    if compiler is None:
+        pytest.skip("no C++ compiler for the host emulation")
+    folder = tmp_path_factory.mktemp("chunk_tc_host")
+    probe = folder / "probe.cpp"
+    probe.write_text("#include <barrier>\nint main() { std::barrier<> b(1); b.arrive_and_wait(); }\n")
+    if subprocess.run([compiler, "-std=c++20", "-pthread", "-o", str(folder / "probe"), str(probe)],
+                      capture_output=True).returncode != 0:
+        pytest.skip(f"{compiler} lacks C++20 <barrier>")
+    (folder / "emulation.h").write_text(EMULATION_HEADER)
+    (folder / "main.cpp").write_text(EMULATION_MAIN)
+    (folder / "kernel.cpp").write_text(host_source())
+    binary = folder / "chunk_tc_host"
+    result = subprocess.run(
+        [compiler, "-std=c++20", "-O2", "-pthread", "-Wno-unknown-pragmas", "-o", str(binary),
+         str(folder / "main.cpp"), str(folder / "kernel.cpp")],
+        capture_output=True, text=True,
+    )
+    assert result.returncode == 0, f"host build of chunk_tc.cu failed:\n{result.stderr[-4000:]}"
+    return binary
+
+
+def run_on_host(binary, inputs, tokens, pad, jitter=False):
+    """The two kernels on the host emulator; input rows T.. are filled with `pad`."""
+    query, key, value, gate, beta, recurrent = inputs
+    heads = query.shape[1]
+    nchunks = chunk_count(tokens)
+    rows = nchunks * 64 + 3
+    folder = Path(binary).parent / f"T{tokens}-H{heads}-{pad}-{int(jitter)}"
+    folder.mkdir(exist_ok=True)
+    for name, x in (("query", query), ("key", key), ("value", value), ("gate", gate), ("beta", beta)):
+        full = np.full((rows,) + x.shape[1:], pad, np.float32)
+        full[:tokens] = x
+        full.tofile(folder / name)
+    recurrent.astype(np.float32).tofile(folder / "state")
+    result = subprocess.run(
+        [str(binary), str(folder), str(tokens), str(rows), str(heads), str(LOWER_BOUND), str(int(jitter)),
+         str(PREPARE_SMEM_BYTES), str(SCAN_SMEM_BYTES)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    counters = dict(item.split("=") for item in result.stdout.split())
+    shapes = {**scratch_shapes(tokens, heads), "k_tail": (nchunks, heads, 128, 64),
+              "core": (rows, heads, 128), "state": (heads, 128, 128)}
+    out = {name: np.fromfile(folder / f"{name}.out", np.float32).reshape(shape) for name, shape in shapes.items()}
+    return out, {name: int(value) for name, value in counters.items()}
+
+
+HOST_CASES = [(1, 1, "bounded", "random"), (17, 2, "strong", "random"), (65, 1, "bounded", "zero"),
+              (130, 1, "at_bound", "random")]
+
+
+@pytest.mark.parametrize("tokens,heads,law,state", HOST_CASES, ids=lambda v: str(v))
+def test_kernel_source_on_host_matches_model(emulator, tokens, heads, law, state):
+    inputs = make_inputs(tokens, heads, law, state, seed=SEED + tokens)
+    out, counters = run_on_host(emulator, inputs, tokens, pad=float("nan"))
+    tag = f"host T{tokens}-H{heads}-{law}-{state}"
+    assert counters["not_tf32"] == 0, f"{tag}: {counters['not_tf32']} mma operands not rounded to TF32"
+    assert counters["misaligned"] == 0, f"{tag}: {counters['misaligned']} misaligned vector accesses"
+    scratch = model_chunk_tc_prepare(*inputs[:5], LOWER_BOUND)
+    for name in SCRATCH:
+        assert not np.isnan(out[name]).any(), f"{tag}: {name} has elements the prepare never wrote"
+        if name != "chunk_decay":  # exp(-320) underflows in FP32, not in float64
+            assert_close(out[name], scratch[name], FED_BOUND, f"{tag} {name} vs model")
+    fed_core, fed_state = model_chunk_tc_scan(out, inputs[5], tokens)
+    assert_close(out["core"][:tokens], fed_core, FED_BOUND, f"{tag} scan core vs model fed the same scratch")
+    assert_close(out["state"], fed_state, FED_BOUND, f"{tag} scan state vs model fed the same scratch")
+    assert (out["core"][tokens:] == 12345.0).all(), f"{tag}: core rows >= T were written"
+    ref_core, ref_state = chunk_scan(*inputs, chunk=64)
+    assert_close(out["core"][:tokens], ref_core, TC_BOUND, f"{tag} core vs float64 oracle")
+    assert_close(out["state"], ref_state, TC_BOUND, f"{tag} state vs float64 oracle")
+
+
+@pytest.mark.parametrize("tokens", [17, 65], ids=lambda t: f"T{t}")
+def test_kernel_source_on_host_poisoned_pad_and_jitter(emulator, tokens):
+    # Bit-identical outputs, scratch and state whatever the pad holds, and whatever the
+    # interleaving of the threads (random sleeps at every barrier and mma).
+    inputs = make_inputs(tokens, 1, seed=SEED + 7)
+    clean, _ = run_on_host(emulator, inputs, tokens, pad=0.0)
+    for pad, jitter in ((float("nan"), True), (1e30, False), (float("inf"), True)):
+        dirty, _ = run_on_host(emulator, inputs, tokens, pad=pad, jitter=jitter)
+        for name in (*SCRATCH, "state"):
+            assert_bits_equal(dirty[name], clean[name], f"host T{tokens} {name}, pad {pad}, jitter {jitter}")
+        assert_bits_equal(dirty["core"][:tokens], clean["core"][:tokens], f"host T{tokens} core, pad {pad}")
+
+
+# --------------------------------------------------------------------------------------
+# On a GPU
+# --------------------------------------------------------------------------------------
+
+
+def _cp():
+    import cupy
+
+    return cupy
+
+
+def _device_inputs(tokens, heads, law="bounded", seed=SEED, pad=0.0):
+    """FP32 device inputs in buffers padded to the chunk with `pad` (the workspace layout),
+    and float64 copies of the first T rows for the oracle."""
+    cp = _cp()
+    inputs = make_inputs(tokens, heads, law, "random", seed=seed, xp=cp, dtype=np.float32)
+    padded = chunk_count(tokens) * 64
+    device = []
+    for x in inputs[:5]:
+        full = cp.full((padded,) + x.shape[1:], pad, cp.float32)
+        full[:tokens] = x
+        device.append(full)
+    return device, inputs[5].copy(), [x.astype(cp.float64) for x in inputs]
+
+
+def _scratch(tokens, heads):
+    cp = _cp()
+    return {name: cp.full(shape, float("nan"), cp.float32) for name, shape in scratch_shapes(tokens, heads).items()}
+
+
+def _run_tc(device, state, tokens):
+    cp = _cp()
+    scratch = _scratch(tokens, state.shape[0])
+    core = cp.full(device[0].shape, 12345.0, cp.float32)
+    chunk_tc.chunk_prefill_tc(*device, state, core, tokens, LOWER_BOUND, *scratch.values())
+    return core, scratch
+
+
+def _run_fp32(device, state, tokens):
+    cp = _cp()
+    heads = state.shape[0]
+    scratch = _scratch(tokens, heads)
+    core = cp.zeros(device[0].shape, cp.float32)
+    ops.kda_chunk_prepare_f32(*device, *scratch.values(), tokens, 64, 1.0 / math.sqrt(128))
+    ops.kda_chunk_scan_f32(*scratch.values(), state, core, tokens, 64)
+    return core
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("tokens", GPU_TOKENS, ids=lambda t: f"T{t}")
+@pytest.mark.parametrize("geometry", list(GEOMETRY_HEADS))
+def test_gpu_kernels_against_fp32_path_and_oracle(geometry, tokens, figures):
+    heads = GEOMETRY_HEADS[geometry]
+    device, start, exact = _device_inputs(tokens, heads, seed=SEED + tokens)
+    tc_state, fp32_state = start.copy(), start.copy()
+    tc_core, scratch = _run_tc(device, tc_state, tokens)
+    fp32_core = _run_fp32(device, fp32_state, tokens)
+    ref_core, ref_state = chunk_scan(*exact, chunk=64)
+    tag = f"{geometry} T{tokens}"
+    # Each kernel against the model fed its own inputs: localises a fault to one kernel.
+    model_scratch = model_chunk_tc_prepare(*exact[:5], LOWER_BOUND)
+    for name in SCRATCH:
+        if name != "chunk_decay":
+            assert_close(scratch[name].reshape(model_scratch[name].shape), model_scratch[name], FED_BOUND,
+                         f"{tag} prepare {name} vs model")
+    fed_core, fed_state = model_chunk_tc_scan(scratch, exact[5], tokens)
+    assert_close(tc_core[:tokens], fed_core, FED_BOUND, f"{tag} scan core vs model fed the kernel's scratch")
+    assert_close(tc_state, fed_state, FED_BOUND, f"{tag} scan state vs model fed the kernel's scratch")
+    # The contract: within TC_BOUND of the float64 oracle and of the FP32 kernel path.
+    ratios = {
+        "core_vs_oracle": rms_ratio(tc_core[:tokens], ref_core),
+        "state_vs_oracle": rms_ratio(tc_state, ref_state),
+        "core_vs_fp32_path": rms_ratio(tc_core[:tokens], fp32_core[:tokens]),
+        "state_vs_fp32_path": rms_ratio(tc_state, fp32_state),
+        "fp32_path_core_vs_oracle": rms_ratio(fp32_core[:tokens], ref_core),
+    }
+    figures.append({"test": f"chunk_tc {tag}", **ratios})
+    print(tag, ratios)
+    bad = {name: ratio for name, ratio in ratios.items() if not ratio <= TC_BOUND}
+    assert not bad, f"{tag}: above {TC_BOUND:g}: {bad}"
+    assert bool((tc_core[tokens:] == 12345.0).all()), f"{tag}: core rows >= T were written"
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("poison", ["nan", "1e30"])
+@pytest.mark.parametrize("tokens", [1, 17, 65, 1000], ids=lambda t: f"T{t}")
+def test_gpu_poisoned_pad_changes_no_bit(tokens, poison):
+    runs = []
+    for pad in (0.0, POISONS[poison]):
+        device, start, _ = _device_inputs(tokens, 32, seed=SEED + 1, pad=pad)
+        core, scratch = _run_tc(device, start, tokens)
+        runs.append((core[:tokens], start, scratch))
+    assert_bits_equal(runs[1][0], runs[0][0], f"T{tokens} core, pad {poison}")
+    assert_bits_equal(runs[1][1], runs[0][1], f"T{tokens} carried state, pad {poison}")
+    for name in SCRATCH:
+        assert_bits_equal(runs[1][2][name], runs[0][2][name], f"T{tokens} {name}, pad {poison}")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("geometry", list(GEOMETRY_HEADS))
+def test_gpu_carried_state_across_calls(geometry):
+    # 1000 tokens as 300 + 700 (a split inside a chunk) from a random state, against one
+    # call and against the oracle: the state carries between calls exactly as within one.
+    cp = _cp()
+    heads = GEOMETRY_HEADS[geometry]
+    device, start, exact = _device_inputs(1000, heads, law="strong", seed=SEED + 2)
+    whole_state = start.copy()
+    whole_core, _ = _run_tc(device, whole_state, 1000)
+    split_state = start.copy()
+    first = [x[:300].copy() for x in device]
+    second = [x[300:].copy() for x in device]
+    core_a, _ = _run_tc(first, split_state, 300)
+    core_b, _ = _run_tc(second, split_state, 700)
+    split_core = cp.concatenate([core_a[:300], core_b[:700]])
+    ref_core, ref_state = chunk_scan(*exact, chunk=64)
+    assert_close(split_core, ref_core, TC_BOUND, f"{geometry} split core vs oracle")
+    assert_close(split_state, ref_state, TC_BOUND, f"{geometry} split state vs oracle")
+    assert_close(split_state, whole_state, TC_BOUND, f"{geometry} split state vs one call")
+    assert_close(split_core, whole_core[:1000], TC_BOUND, f"{geometry} split core vs one call")
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_runs_are_bit_identical():
+    device, start, _ = _device_inputs(1000, 64, seed=SEED + 3)
+    results = []
+    for _ in range(2):
+        state = start.copy()
+        core, _ = _run_tc(device, state, 1000)
+        results.append((core, state))
+    assert_bits_equal(results[1][0], results[0][0], "core of a repeated run")
+    assert_bits_equal(results[1][1], results[0][1], "state of a repeated run")
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_refusal_leaves_the_state_untouched():
+    device, start, _ = _device_inputs(65, 32, seed=SEED + 4)
+    state = start.copy()
+    scratch = _scratch(65, 32)
+    core = _cp().zeros(device[0].shape, np.float32)
+    with pytest.raises(ValueError, match="lower_bound"):
+        chunk_tc.chunk_prefill_tc(*device, state, core, 65, -6.0, *scratch.values())
+    assert_bits_equal(state, start, "state after a refused call")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("geometry", list(GEOMETRY_HEADS))
+def test_gpu_throughput_report(geometry, figures):
+    # Not a benchmark (benchmarks/ has those): a sanity figure that the tensor-core path is
+    # faster than the FP32 path it replaces, recorded with the other figures.
+    cp = _cp()
+    heads, tokens = GEOMETRY_HEADS[geometry], 4096
+    device, start, _ = _device_inputs(tokens, heads, seed=SEED + 5)
+    state, core, scratch = start.copy(), cp.zeros(device[0].shape, cp.float32), _scratch(tokens, heads)
+
+    def tensor_core():
+        chunk_tc.chunk_prefill_tc(*device, state, core, tokens, LOWER_BOUND, *scratch.values())
+
+    def fp32():
+        ops.kda_chunk_prepare_f32(*device, *scratch.values(), tokens, 64, 1.0 / math.sqrt(128))
+        ops.kda_chunk_scan_f32(*scratch.values(), state, core, tokens, 64)
+
+    timings = {}
+    for name, run in (("tc", tensor_core), ("fp32", fp32)):
+        run()  # compile and warm up
+        begin, end = cp.cuda.Event(), cp.cuda.Event()
+        begin.record()
+        for _ in range(3):
+            run()
+        end.record()
+        end.synchronize()
+        timings[name] = cp.cuda.get_elapsed_time(begin, end) / 3 / 1e3
+    rates = {f"{name}_mtok_per_s": tokens / seconds / 1e6 for name, seconds in timings.items()}
+    figures.append({"test": f"chunk_tc throughput {geometry} T{tokens}", **rates})
+    print(geometry, rates)
+    assert timings["tc"] < timings["fp32"], f"{geometry}: tensor-core path not faster: {rates}"
