@@ -53,6 +53,7 @@ from glm_kda.chunk_tc import (
 from glm_kda.device import gpu_status
 from glm_kda.reference import chunk_scan, rms_ratio
 from glm_kda.synthetic import synthetic_config
+from standins import HostStandIn, aligned
 
 GPU_OK, GPU_WHY = gpu_status()
 needs_gpu = pytest.mark.skipif(not GPU_OK, reason=f"no CUDA GPU: {GPU_WHY}")
@@ -214,21 +215,8 @@ def test_support_is_the_bounded_law_at_chunk_64():
     assert not ok and "chunk=32" in reason
 
 
-class HostStandIn:
-    """Just enough of cupy.ndarray for the wrappers' checks (a NumPy array underneath)."""
-
-    def __init__(self, array: np.ndarray):
-        self._array = array
-        self.dtype, self.shape, self.ndim = array.dtype, array.shape, array.ndim
-        self.strides, self.itemsize, self.size, self.flags = array.strides, array.itemsize, array.size, array.flags
-        self.data = SimpleNamespace(ptr=array.ctypes.data)
-
-
 def _aligned_f32(shape):
-    count = int(np.prod(shape))
-    raw = np.zeros(count * 4 + 16, np.uint8)
-    start = (-raw.ctypes.data) % 16
-    return HostStandIn(raw[start : start + count * 4].view(np.float32).reshape(shape))
+    return HostStandIn(aligned(shape, np.float32))
 
 
 @pytest.fixture

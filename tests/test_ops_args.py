@@ -9,19 +9,7 @@ import numpy as np
 import pytest
 
 from glm_kda import ops
-
-
-class HostStandIn:
-    """Just enough of cupy.ndarray for the wrappers' checks."""
-
-    def __init__(self, array: np.ndarray):
-        self._array = array
-        self.dtype, self.shape, self.ndim = array.dtype, array.shape, array.ndim
-        self.strides, self.itemsize, self.size, self.flags = array.strides, array.itemsize, array.size, array.flags
-        self.data = SimpleNamespace(ptr=array.ctypes.data)
-
-    def __getitem__(self, index):
-        return HostStandIn(self._array[index])
+from standins import HostStandIn, aligned
 
 
 @pytest.fixture(autouse=True)
@@ -29,16 +17,8 @@ def stand_in(monkeypatch):
     monkeypatch.setattr(ops, "cupy", SimpleNamespace(ndarray=HostStandIn))
 
 
-def aligned(shape, dtype=np.uint16):
-    """A 16-byte aligned host array (the wrappers require 16-byte aligned rows)."""
-    count = int(np.prod(shape))
-    raw = np.zeros(count * np.dtype(dtype).itemsize + 16, np.uint8)
-    start = (-raw.ctypes.data) % 16
-    return raw[start : start + count * np.dtype(dtype).itemsize].view(dtype).reshape(shape)
-
-
 def test_projection_strides_of_column_slices():
-    d, heads, hidden = 128, 32, 2304
+    d, heads = 128, 32
     down = HostStandIn(aligned((16, 2 * d + heads)))   # f_a | g_a | b_proj, one buffer
     w = HostStandIn(aligned((4096, d)))
     out = HostStandIn(aligned((16, 4096)))
