@@ -36,7 +36,7 @@ import math
 from typing import Any
 
 from glm_kda import kernels
-from glm_kda.ops import HEAD_DIM, _check_dtype, _f32, _i32, _require, _require_int32, _require_rows
+from glm_kda.ops import HEAD_DIM, _check_dtype, _f32, _i32, _require, _require_int32, _require_rows, recurrent_state_heads
 from glm_kda.state import array_module
 
 CHUNK = 64
@@ -186,11 +186,7 @@ def kda_chunk_tc_scan_f32(q_decay, k_tail, w, u, attn, chunk_decay, state, core,
     _require_int32("tokens", tokens)
     if tokens == 0:
         return
-    _check_dtype("state", state, "f32")
-    if state.ndim != 3:
-        raise ValueError(f"state: expected [H, {HEAD_DIM}, {HEAD_DIM}], got {list(state.shape)}")
-    heads = state.shape[0]
-    _require("state", state, "f32", (heads, HEAD_DIM, HEAD_DIM), aligned=True)
+    heads = recurrent_state_heads(state, aligned=True)
     _require_scratch(q_decay, k_tail, w, u, attn, chunk_decay, tokens, heads)
     _require_rows("core", core, "f32", tokens, (heads, HEAD_DIM), aligned=True)
     _launch(

@@ -280,6 +280,16 @@ def _conv_kernel_size(conv_state, conv_w, conv_dim: int) -> int:
     return kernel_size
 
 
+def recurrent_state_heads(state, *, aligned: bool = False) -> int:
+    """Check one sequence's recurrent state, a contiguous FP32 [H, D, D], and return H."""
+    _check_dtype("state", state, "f32")
+    if state.ndim != 3:
+        raise ValueError(f"state: expected [H, {HEAD_DIM}, {HEAD_DIM}], got {list(state.shape)}")
+    heads = state.shape[0]
+    _require("state", state, "f32", (heads, HEAD_DIM, HEAD_DIM), aligned=aligned)
+    return heads
+
+
 def _slot_rows(name: str, state, per_state: tuple[int, ...], rows: int, slots) -> None:
     """Check a state (one [*per_state]) or a pool ([N, *per_state]) against `rows` rows and
     their `slots` (a device int32 [rows] array, or None: row r uses state r)."""
@@ -560,11 +570,7 @@ def kda_chunk_scan_f32(q_decay, k_tail, w, u, attn, chunk_decay, state, core, to
     _require_int32("tokens", tokens)
     if tokens == 0:
         return
-    _check_dtype("state", state, "f32")
-    if state.ndim != 3:
-        raise ValueError(f"state: expected [H, {HEAD_DIM}, {HEAD_DIM}], got {list(state.shape)}")
-    heads = state.shape[0]
-    _require("state", state, "f32", (heads, HEAD_DIM, HEAD_DIM))
+    heads = recurrent_state_heads(state)
     nchunks = chunk_count(tokens, chunk)
     padded = nchunks * chunk
     # q_decay, w, k_tail and chunk_decay rows are read as float4 vectors.
