@@ -268,31 +268,55 @@ class KdaOracle:
         self.round = round_bf16 if precision == "bf16" else _identity
         self.weights = {name: xp.asarray(np.asarray(getattr(layer, name), dtype=np.float64)) for name in WEIGHT_FIELDS}
 
-    # Stage groups, mirroring the GPU front end, stateful part and back end ---------------
-    def front_end(self, hidden: Any) -> dict[str, Any]:
-        """Everything driven by the raw hidden rows: projections, gate, beta, output gate."""
-        cfg, w, rnd, xp = self.config, self.weights, self.round, self.xp
-        x = _to_float64(hidden, xp)
+    # Stage groups, mirroring the GPU front end, stateful part and back end. Each writes its
+    # stages into `out` and reads its inputs from `src`: the same dict for an ordinary run,
+    # given upstream values (a kernel's workspace) for fed_stages --------------------------
+    def front_end(self, x: Any, out: dict[str, Any], src: Mapping[str, Any]) -> None:
+        """Everything driven by the raw hidden rows x: projections, gate, beta, output gate."""
+        cfg, w, rnd = self.config, self.weights, self.round
         d = cfg.head_dim
-        stages = {"qkv_proj": rnd(linear(x, w["qkv_weight"])), "down_proj": rnd(linear(x, w["down_weight"]))}
-        down = stages["down_proj"]
-        stages["forget_proj"] = rnd(linear(down[:, :d], w["f_b"]))
-        stages["out_gate"] = rnd(linear(down[:, d : 2 * d], w["g_b"]))
-        stages["gate"] = forget_gate(stages["forget_proj"], w["dt_bias"], w["a_log"], cfg)
-        stages["beta"] = sigmoid(down[:, 2 * d :])
-        return stages
+        out["qkv_proj"] = rnd(linear(x, w["qkv_weight"]))
+        out["down_proj"] = rnd(linear(x, w["down_weight"]))
+        down = src["down_proj"]
+        out["forget_proj"] = rnd(linear(down[:, :d], w["f_b"]))
+        out["out_gate"] = rnd(linear(down[:, d : 2 * d], w["g_b"]))
+        out["gate"] = forget_gate(src["forget_proj"], w["dt_bias"], w["a_log"], cfg)
+        out["beta"] = sigmoid(down[:, 2 * d :])
 
-    def conv_stage(self, stages: dict[str, Any], conv_state: Any) -> Any:
+    def conv_stage(self, out: dict[str, Any], src: Mapping[str, Any], conv_state: Any) -> Any:
+        """Conv + SiLU, then the q/k L2 and split; returns the new conv state."""
         cfg = self.config
-        conv_out, new_conv = conv_silu(stages["qkv_proj"], conv_state, self.weights["conv_weight"])
-        stages["conv_out"] = self.round(conv_out)
-        stages["query"], stages["key"], stages["value"] = l2norm_split(stages["conv_out"], cfg.heads, cfg.head_dim, cfg.l2_eps)
+        conv_out, new_conv = conv_silu(src["qkv_proj"], conv_state, self.weights["conv_weight"])
+        out["conv_out"] = self.round(conv_out)
+        out["query"], out["key"], out["value"] = l2norm_split(src["conv_out"], cfg.heads, cfg.head_dim, cfg.l2_eps)
         return new_conv
 
-    def back_end(self, stages: dict[str, Any]) -> None:
+    def scan_stage(self, out: dict[str, Any], src: Mapping[str, Any], recurrent: Any, chunk: int | None,
+                   pad_value: float) -> Any:
+        """The delta rule, token by token (chunk None) or chunk-wise; returns the new state."""
+        args = (src["query"], src["key"], src["value"], src["gate"], src["beta"], recurrent)
+        if chunk is None:
+            out["core"], recurrent = recurrent_scan(*args)
+        else:
+            out["core"], recurrent = chunk_scan(*args, chunk=chunk, pad_value=pad_value)
+        return recurrent
+
+    def back_end(self, out: dict[str, Any], src: Mapping[str, Any]) -> None:
         w = self.weights
-        stages["o_norm_out"] = self.round(gated_rmsnorm(stages["core"], stages["out_gate"], w["o_norm"], self.config.rms_norm_eps))
-        stages["final_out"] = self.round(linear(stages["o_norm_out"], w["o_proj"]))
+        out["o_norm_out"] = self.round(gated_rmsnorm(src["core"], src["out_gate"], w["o_norm"], self.config.rms_norm_eps))
+        out["final_out"] = self.round(linear(src["o_norm_out"], w["o_proj"]))
+
+    def _run(self, hidden: Any, state: KdaState | None, chunk: int | None, pad_value: float,
+             upstream: Mapping[str, Any] | None) -> tuple[dict[str, Any], KdaState]:
+        xp = self.xp
+        start = self._state(state)
+        out: dict[str, Any] = {}
+        src = out if upstream is None else {name: _to_float64(value, xp) for name, value in upstream.items()}
+        self.front_end(_to_float64(hidden, xp), out, src)
+        conv = self.conv_stage(out, src, start.conv)
+        recurrent = self.scan_stage(out, src, start.recurrent, chunk, pad_value)
+        self.back_end(out, src)
+        return out, KdaState(conv, recurrent)
 
     def fed_stages(self, hidden: Any, upstream: Mapping[str, Any], state: KdaState | None = None,
                    chunk: int | None = None) -> tuple[dict[str, Any], KdaState]:
@@ -303,29 +327,7 @@ class KdaOracle:
         gate, beta, core, out_gate, o_norm_out (as a GPU workspace does); `state` is the state
         the run started from. Returns (stages, state after the run from upstream inputs).
         """
-        cfg, w, rnd, xp = self.config, self.weights, self.round, self.xp
-        d = cfg.head_dim
-        up = {name: _to_float64(value, xp) for name, value in upstream.items()}
-        start = self._state(state)
-        out: dict[str, Any] = {}
-        x = _to_float64(hidden, xp)
-        out["qkv_proj"] = rnd(linear(x, w["qkv_weight"]))
-        out["down_proj"] = rnd(linear(x, w["down_weight"]))
-        out["forget_proj"] = rnd(linear(up["down_proj"][:, :d], w["f_b"]))
-        out["out_gate"] = rnd(linear(up["down_proj"][:, d : 2 * d], w["g_b"]))
-        out["gate"] = forget_gate(up["forget_proj"], w["dt_bias"], w["a_log"], cfg)
-        out["beta"] = sigmoid(up["down_proj"][:, 2 * d :])
-        conv_out, conv_state = conv_silu(up["qkv_proj"], start.conv, w["conv_weight"])
-        out["conv_out"] = rnd(conv_out)
-        out["query"], out["key"], out["value"] = l2norm_split(up["conv_out"], cfg.heads, cfg.head_dim, cfg.l2_eps)
-        args = (up["query"], up["key"], up["value"], up["gate"], up["beta"], start.recurrent)
-        if chunk is None:
-            out["core"], recurrent = recurrent_scan(*args)
-        else:
-            out["core"], recurrent = chunk_scan(*args, chunk=chunk)
-        out["o_norm_out"] = rnd(gated_rmsnorm(up["core"], up["out_gate"], w["o_norm"], cfg.rms_norm_eps))
-        out["final_out"] = rnd(linear(up["o_norm_out"], w["o_proj"]))
-        return out, KdaState(conv_state, recurrent)
+        return self._run(hidden, state, chunk, 0.0, upstream)
 
     def _state(self, state: KdaState | None) -> KdaState:
         xp = self.xp
@@ -338,16 +340,7 @@ class KdaOracle:
     def prefill(self, hidden: Any, state: KdaState | None = None, chunk: int | None = None, pad_value: float = 0.0) -> tuple[dict[str, Any], KdaState]:
         """hidden [T, hidden] from `state` (None: a new sequence). chunk=None walks token by
         token; an int evaluates the recurrence chunk-wise with a padded tail of `pad_value`."""
-        start = self._state(state)
-        stages = self.front_end(hidden)
-        conv = self.conv_stage(stages, start.conv)
-        args = (stages["query"], stages["key"], stages["value"], stages["gate"], stages["beta"], start.recurrent)
-        if chunk is None:
-            stages["core"], recurrent = recurrent_scan(*args)
-        else:
-            stages["core"], recurrent = chunk_scan(*args, chunk=chunk, pad_value=pad_value)
-        self.back_end(stages)
-        return stages, KdaState(conv, recurrent)
+        return self._run(hidden, state, chunk, pad_value, None)
 
     def decode(self, hidden_row: Any, state: KdaState | None = None) -> tuple[dict[str, Any], KdaState]:
         """One token, hidden_row [1, hidden] or [hidden]."""

@@ -194,17 +194,16 @@ class ALogByChannelOracle(KdaOracle):
     """A deliberately wrong oracle: A_log tiled over channels (channel c takes A_log[c % H])
     instead of repeated per head (channel c takes A_log[c // D])."""
 
-    def front_end(self, hidden):
-        stages = super().front_end(hidden)
+    def front_end(self, x, out, src):
+        super().front_end(x, out, src)
         cfg, w = self.config, self.weights
-        tokens = stages["forget_proj"].shape[0]
-        u = (stages["forget_proj"] + w["dt_bias"][None, :]).reshape(tokens, cfg.heads, cfg.head_dim)
+        tokens = src["forget_proj"].shape[0]
+        u = (src["forget_proj"] + w["dt_bias"][None, :]).reshape(tokens, cfg.heads, cfg.head_dim)
         a = np.exp(np.tile(w["a_log"], cfg.head_dim)).reshape(cfg.heads, cfg.head_dim)[None]
         if cfg.bounded:
-            stages["gate"] = cfg.gate_lower_bound / (1.0 + np.exp(-a * u))
+            out["gate"] = cfg.gate_lower_bound / (1.0 + np.exp(-a * u))
         else:
-            stages["gate"] = -a * np.where(u > 20, u, np.log1p(np.exp(np.minimum(u, 20))))
-        return stages
+            out["gate"] = -a * np.where(u > 20, u, np.log1p(np.exp(np.minimum(u, 20))))
 
 
 def test_a_log_indexed_by_channel_fails_at_the_gate_stage(tiny_layer):
