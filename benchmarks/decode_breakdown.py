@@ -35,7 +35,7 @@ def main(geometries: list[str]) -> None:
     import cupy
 
     from glm_kda import kernels
-    from glm_kda.bench_decode import weight_bytes, state_bytes
+    from glm_kda.selftest import state_bytes, weight_bytes
     from glm_kda.layer import KdaLayer, to_device_bf16
     from glm_kda.selftest import copy_bandwidth_gbs
     from glm_kda.synthetic import synthetic_hidden, write_synthetic_checkpoint

@@ -17,18 +17,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from .selftest import copy_bandwidth_gbs, decode_bytes, median_ms
-
-
-def weight_bytes(config) -> int:
-    c = config
-    return decode_bytes(c) - 2 * 4 * (c.heads * c.head_dim * c.head_dim + c.conv_dim * c.conv_kernel)
-
-
-def state_bytes(config) -> int:
-    """One sequence's state, read once and written once."""
-    c = config
-    return 2 * 4 * (c.heads * c.head_dim * c.head_dim + c.conv_dim * c.conv_kernel)
+from .selftest import copy_bandwidth_gbs, median_ms, state_bytes, weight_bytes
 
 
 def bench_geometry(geometry: str, directory: Path, bandwidth: float, repeats: int) -> list[dict]:

@@ -562,7 +562,7 @@ def _our_rows(geometry: str, directory: Path, bandwidth: float, repeats: int, to
 def _decorate(row: dict, geometry: str, config: KdaConfig, bandwidth: float) -> dict:
     """geometry, copy bandwidth and, for decode, the roofline of bench_decode (weights once,
     each sequence's state read and written once, FP32 state as ours)."""
-    from .bench_decode import state_bytes, weight_bytes
+    from .selftest import state_bytes, weight_bytes
 
     row.update(geometry=geometry, copy_bandwidth_GBs=bandwidth)
     if row["case"] == "decode":

@@ -47,13 +47,22 @@ def median_ms(fn, repeats: int = 50, warmup: int = 5) -> float:
     return float(np.median(times))
 
 
+def weight_bytes(config) -> int:
+    """Bytes of every weight of the block (BF16, and the FP32 dt_bias and A_log)."""
+    c = config
+    return (2 * (c.conv_dim * c.hidden + c.down_dim * c.hidden + 2 * c.qkv * c.head_dim + c.conv_dim * c.conv_kernel
+                 + c.head_dim + c.hidden * c.qkv) + 4 * (c.qkv + c.heads))
+
+
+def state_bytes(config) -> int:
+    """One sequence's conv and recurrent state, read once and written once."""
+    c = config
+    return 2 * 4 * (c.heads * c.head_dim * c.head_dim + c.conv_dim * c.conv_kernel)
+
+
 def decode_bytes(config) -> int:
     """Fewest bytes one decode token moves: every weight once, the state read and written."""
-    c = config
-    weights = 2 * (c.conv_dim * c.hidden + c.down_dim * c.hidden + 2 * c.qkv * c.head_dim + c.conv_dim * c.conv_kernel
-                   + c.head_dim + c.hidden * c.qkv) + 4 * (c.qkv + c.heads)
-    state = 2 * 4 * (c.heads * c.head_dim * c.head_dim + c.conv_dim * c.conv_kernel)
-    return weights + state
+    return weight_bytes(config) + state_bytes(config)
 
 
 def block_timings(geometry: str, directory: Path, bandwidth: float) -> dict:
