@@ -76,11 +76,14 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("bench", help="GPU benchmarks, one JSON line per case")
     bench = p.add_subparsers(dest="bench", required=True)
-    from . import bench_decode
+    from . import bench_decode, bench_prefill
 
     b = bench.add_parser("decode", help="batched decode, verify, graph vs eager, against the copy roofline")
     bench_decode.add_arguments(b)
     b.set_defaults(func=bench_decode.run)
+    b = bench.add_parser("prefill", help="whole block and KDA core, tensor-core and FP32 chunk kernels, Mtok/s")
+    bench_prefill.add_arguments(b)
+    b.set_defaults(func=bench_prefill.run)
 
     args = parser.parse_args(argv)
     from .device import NoGpuError

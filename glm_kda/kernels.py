@@ -23,7 +23,7 @@ from typing import Any, Iterator, Sequence
 ENTRY_POINTS: dict[str, tuple[str, ...]] = {
     "gemv": ("gemv_bf16",),
     "gemm_rows": ("gemm_rows_bf16",),
-    "conv": ("conv_decode_silu_l2_bf16", "conv_prefill_silu_bf16", "l2norm_split_f32"),
+    "conv": ("conv_decode_silu_l2_bf16", "conv_prefill_silu_l2_bf16"),
     "gate": ("gate_beta_f32",),
     "recurrent": ("kda_recurrent_step_f32",),
     "chunk": ("kda_chunk_prepare_f32", "kda_chunk_scan_f32"),

@@ -174,10 +174,10 @@ class KdaLayer:
     """One KDA block bound to the GPU. Calls take and return BF16 [rows, hidden] arrays
     (CuPy; NumPy is uploaded; torch tensors pass through DLPack without copies)."""
 
-    CHUNK_IMPLS = ("fp32", "tensor")
+    CHUNK_IMPLS = ("auto", "fp32", "tensor")
 
     def __init__(self, bound: BoundLayer, max_tokens: int = 4096, workspace: KdaWorkspace | None = None,
-                 chunk_impl: str = "fp32"):
+                 chunk_impl: str = "auto"):
         require_gpu("KdaLayer")
         self.config = bound.config.validate()
         self.layer_idx = bound.layer_idx
@@ -203,16 +203,19 @@ class KdaLayer:
 
     @property
     def chunk_impl(self) -> str:
-        """Which chunked-prefill kernels run: "fp32" (the FP32 reference kernels, any gate law)
-        or "tensor" (TF32 tensor-core kernels, bounded gate with lower bound >= -5, chunk 64;
-        not the default until its GPU figures are in)."""
+        """Which chunked-prefill kernels run: "tensor" (TF32 tensor-core kernels; bounded gate
+        with lower bound >= -5, chunk 64) or "fp32" (the FP32 reference kernels, any gate law).
+        Setting "auto" (the default) picks "tensor" where chunk_tc.chunk_tc_supported allows it,
+        else "fp32"; reading gives the resolved choice."""
         return self._chunk_impl
 
     @chunk_impl.setter
     def chunk_impl(self, value: str) -> None:
         if value not in self.CHUNK_IMPLS:
             raise ValueError(f"chunk_impl must be one of {self.CHUNK_IMPLS}, got {value!r}")
-        if value == "tensor":
+        if value == "auto":
+            value = "tensor" if chunk_tc.chunk_tc_supported(self.config)[0] else "fp32"
+        elif value == "tensor":
             ok, why = chunk_tc.chunk_tc_supported(self.config)
             if not ok:
                 raise ValueError(f"chunk_impl='tensor' cannot run this layer: {why}")
@@ -342,39 +345,119 @@ class KdaLayer:
                                        c.rms_norm_eps, tokens=rows)
         self._project(ws.o_norm_out[:rows], self.o_proj, ws.final_out[:rows], wide)
 
+    def prefill_core(self, tokens: int, conv_state: Any, recurrent_state: Any, pad_value: float | None = 0.0,
+                     first: int = 0) -> None:
+        """The stateful middle of a prefill for workspace rows first..first+T-1: from qkv_proj
+        [T, 3*qkv] BF16, gate [T, H, D] and beta [T, H] to conv_out, query, key, value and core
+        [T, H, D] FP32. conv + SiLU + L2 + split in one pass (conv_state [3*qkv, K] FP32 in
+        place), then the chunked delta rule from the carried recurrent_state [H, D, D] FP32 (in
+        place). The chunk kernels never read past row T-1 of their sequence: the padded tail of
+        the last chunk is filled with `pad_value` (tests poison it) or, with None, left as it
+        is (packed prefill, where those rows belong to the next sequence). The chunk scratch is
+        per call, from its row 0."""
+        ws, c = self.workspace, self.config
+        rows = slice(first, None)
+        query, key, value, gate, beta, core = (buf[rows] for buf in (ws.query, ws.key, ws.value, ws.gate,
+                                                                      ws.beta, ws.core))
+        ops.conv_prefill_silu_l2_bf16(conv_state, ws.qkv_proj[rows], self.conv_weight, ws.conv_out[rows], query,
+                                      key, value, c.heads, c.head_dim, c.l2_eps, tokens=tokens)
+        padded = ops.chunk_count(tokens, c.chunk) * c.chunk
+        if pad_value is not None and padded > tokens:
+            for buf in (query, key, value, gate, beta):
+                buf[tokens:padded].fill(pad_value)
+        if self._chunk_impl == "tensor":
+            chunk_tc.chunk_prefill_tc(query, key, value, gate, beta, recurrent_state, core, tokens,
+                                      c.gate_lower_bound, ws.q_decay, ws.k_tail, ws.chunk_w, ws.chunk_u, ws.attn,
+                                      ws.chunk_decay, scale=self.scale)
+        else:
+            ops.kda_chunk_prepare_f32(query, key, value, gate, beta, ws.q_decay, ws.k_tail, ws.chunk_w, ws.chunk_u,
+                                      ws.attn, ws.chunk_decay, tokens, c.chunk, self.scale)
+            ops.kda_chunk_scan_f32(ws.q_decay, ws.k_tail, ws.chunk_w, ws.chunk_u, ws.attn, ws.chunk_decay,
+                                   recurrent_state, core, tokens, c.chunk)
+
     # Calls ----------------------------------------------------------------------------------
-    def prefill(self, hidden: Any, state: KdaState, pad_value: float = 0.0) -> Any:
+    def prefill(self, hidden: Any, state: KdaState | StatePool, pad_value: float = 0.0, *, slots: Any = None,
+                cu_seqlens: Sequence[int] | None = None) -> Any:
         """Chunked prefill of hidden [T, hidden] BF16 from the carried `state` (updated in place).
 
         Returns the block output [T, hidden] BF16 (a new array). `pad_value` fills the padded
         tail of the last chunk in the q/k/v/gate/beta buffers; the chunk kernels must ignore it
         (tests poison it with NaN and 1e30).
+
+        Packed sequences: prefill(hidden [sum T_i, hidden], pool, slots=[N], cu_seqlens=[N+1])
+        prefills N sequences of a StatePool at once, sequence i being rows
+        cu_seqlens[i]..cu_seqlens[i+1]-1 (host ints, 0 first, strictly increasing) and
+        advancing slot slots[i] (distinct). The projections and the back end run once over
+        all rows; the conv and the chunked delta rule run per sequence, so no state or chunk
+        crosses a sequence boundary. Each sequence equals its own prefill within the oracle
+        bounds (not bit for bit: the projections of a short sequence alone take the
+        decode-side kernel).
         """
+        if isinstance(state, StatePool):
+            return self._prefill_packed(hidden, state, slots, cu_seqlens)
+        if slots is not None or cu_seqlens is not None:
+            raise TypeError("prefill: slots and cu_seqlens only apply to a StatePool")
         hidden, back = self._rows_in(hidden, "prefill", self.workspace.max_tokens)
         self._check_state(state, "prefill")
-        ws, c, tokens = self.workspace, self.config, hidden.shape[0]
+        ws, tokens = self.workspace, hidden.shape[0]
         wide = tokens > GEMV_MAX_ROWS
-        padded = ops.chunk_count(tokens, c.chunk) * c.chunk
         with _section("front_end"):
             self.front_end(hidden, wide)
         with _section("recurrence"):
-            ops.conv_prefill_silu_bf16(state.conv, ws.qkv_proj, self.conv_weight, ws.conv_out, tokens=tokens)
-            ops.l2norm_split_f32(ws.conv_out, ws.query, ws.key, ws.value, c.heads, c.head_dim, c.l2_eps, tokens=tokens)
-            if padded > tokens:
-                for buf in (ws.query, ws.key, ws.value, ws.gate, ws.beta):
-                    buf[tokens:padded].fill(pad_value)
-            if self._chunk_impl == "tensor":
-                chunk_tc.chunk_prefill_tc(ws.query, ws.key, ws.value, ws.gate, ws.beta, state.recurrent, ws.core,
-                                          tokens, c.gate_lower_bound, ws.q_decay, ws.k_tail, ws.chunk_w, ws.chunk_u,
-                                          ws.attn, ws.chunk_decay, scale=self.scale)
-            else:
-                ops.kda_chunk_prepare_f32(ws.query, ws.key, ws.value, ws.gate, ws.beta, ws.q_decay, ws.k_tail,
-                                          ws.chunk_w, ws.chunk_u, ws.attn, ws.chunk_decay, tokens, c.chunk, self.scale)
-                ops.kda_chunk_scan_f32(ws.q_decay, ws.k_tail, ws.chunk_w, ws.chunk_u, ws.attn, ws.chunk_decay,
-                                       state.recurrent, ws.core, tokens, c.chunk)
+            self.prefill_core(tokens, state.conv, state.recurrent, pad_value)
         with _section("back_end"):
             self.back_end(tokens, wide)
         return back(ws.final_out[:tokens].copy())
+
+    def _prefill_packed(self, hidden: Any, pool: StatePool, slots: Any, cu_seqlens: Sequence[int] | None) -> Any:
+        hidden, back = self._rows_in(hidden, "prefill", self.workspace.max_tokens)
+        self._check_pool(pool, "prefill")
+        rows = hidden.shape[0]
+        if cu_seqlens is None:
+            raise ValueError("prefill with a StatePool needs cu_seqlens ([N+1] cumulative lengths) and slots ([N])")
+        bounds = np.asarray(cu_seqlens.get() if hasattr(cu_seqlens, "get") else cu_seqlens)
+        if bounds.ndim != 1 or bounds.size < 2 or not np.issubdtype(bounds.dtype, np.integer):
+            raise ValueError(f"cu_seqlens: expected [N+1] integers (N >= 1), got {bounds.dtype} {list(bounds.shape)}")
+        lengths = np.diff(bounds)
+        if bounds[0] != 0 or bounds[-1] != rows or (lengths < 1).any():
+            raise ValueError(f"cu_seqlens: must start at 0, end at the {rows} rows of hidden and strictly increase; "
+                             f"got {bounds.tolist()}")
+        host_slots = self._host_slots(slots, len(lengths), pool, "prefill")
+        ws, wide = self.workspace, rows > GEMV_MAX_ROWS
+        with _section("front_end"):
+            self.front_end(hidden, wide)
+        with _section("recurrence"):
+            for first, tokens, slot in zip(bounds[:-1].tolist(), lengths.tolist(), host_slots.tolist()):
+                self.prefill_core(tokens, pool.conv[slot], pool.recurrent[slot], pad_value=None, first=first)
+        with _section("back_end"):
+            self.back_end(rows, wide)
+        return back(ws.final_out[:rows].copy())
+
+    def _check_pool(self, pool: StatePool, what: str) -> None:
+        import cupy
+
+        c = self.config
+        if pool.conv.shape[1:] != tuple(c.conv_state_shape) or pool.recurrent.shape[1:] != tuple(c.recurrent_state_shape):
+            raise ValueError(f"{what}: the pool's states [{list(pool.conv.shape[1:])}, {list(pool.recurrent.shape[1:])}] "
+                             f"do not fit {c.describe()}")
+        for field in ("conv", "recurrent"):
+            buf = getattr(pool, field)
+            if not isinstance(buf, cupy.ndarray) or buf.dtype != np.float32 or not buf.flags.c_contiguous:
+                raise TypeError(f"{what}: pool.{field} must be a contiguous CuPy float32 array")
+
+    @staticmethod
+    def _host_slots(slots: Any, count: int, pool: StatePool, what: str) -> np.ndarray:
+        """Host int slots [count], checked: in the pool, no slot twice."""
+        if slots is None:
+            raise ValueError(f"{what} with a StatePool needs slots (one per sequence)")
+        host = np.asarray(slots.get() if hasattr(slots, "get") else slots)
+        if host.shape != (count,) or not np.issubdtype(host.dtype, np.integer):
+            raise ValueError(f"slots: expected {count} integer slots, got {host.dtype} {list(host.shape)}")
+        if host.min() < 0 or host.max() >= len(pool):
+            raise ValueError(f"slots: {host.tolist()} outside this pool of {len(pool)} slots")
+        if len(set(host.tolist())) != count:
+            raise ValueError(f"slots: {host.tolist()} repeats a slot; each sequence must advance its own state")
+        return host
 
     def decode(self, hidden: Any, state: KdaState | StatePool, slots: Any = None) -> Any:
         """One token per sequence.
@@ -430,23 +513,14 @@ class KdaLayer:
         max_rows = min(MAX_DECODE_ROWS, self.workspace.max_tokens, len(pool))
         hidden, back = self._rows_in(hidden, "decode", max_rows)
         rows = hidden.shape[0]
-        if pool.conv.shape[1:] != tuple(self.config.conv_state_shape) or pool.recurrent.shape[1:] != tuple(self.config.recurrent_state_shape):
-            raise ValueError(f"decode: the pool's states [{list(pool.conv.shape[1:])}, {list(pool.recurrent.shape[1:])}] "
-                             f"do not fit {self.config.describe()}")
-        if slots is None:
-            raise ValueError("decode with a StatePool needs slots (one per row)")
+        self._check_pool(pool, "decode")
         if isinstance(slots, cupy.ndarray):
+            # Device slots are not read back (that would synchronise every step): their range
+            # and uniqueness are the caller's promise.
             if slots.dtype != np.int32 or slots.shape != (rows,):
                 raise ValueError(f"slots: expected a device int32 array of {rows} entries, got {slots.dtype} {list(slots.shape)}")
         else:
-            host = np.asarray(slots)
-            if host.shape != (rows,) or not np.issubdtype(host.dtype, np.integer):
-                raise ValueError(f"slots: expected {rows} integer slots, got {host.dtype} {list(host.shape)}")
-            if host.min() < 0 or host.max() >= len(pool):
-                raise ValueError(f"slots: {host.tolist()} outside this pool of {len(pool)} slots")
-            if len(set(host.tolist())) != rows:
-                raise ValueError(f"slots: {host.tolist()} repeats a slot; each row must advance its own sequence")
-            slots = cupy.asarray(host.astype(np.int32))
+            slots = cupy.asarray(self._host_slots(slots, rows, pool, "decode").astype(np.int32))
 
         def body(hidden: Any, device_slots: Any) -> None:
             with _section("front_end"):

@@ -29,7 +29,7 @@ HEAD_BLOCK = 128  # threads of every per-head kernel, one per channel
 GEMV_MAX_ROWS = 16
 GEMV_WARPS_PER_BLOCK = 8
 CONV_MAX_KERNEL = 4
-CONV_PREFILL_BLOCK = 256
+CONV_PREFILL_TILE = 64  # tokens per block of conv_prefill_silu_l2_bf16 (kernels_src/conv.cu)
 RECURRENT_COLUMNS = 32
 CHUNK_MAX = 64
 # Largest gridDim.y: kernels with a token grid axis are launched in slices of this.
@@ -338,56 +338,36 @@ def conv_decode_silu_l2_bf16(
     )
 
 
-def conv_prefill_silu_bf16(conv_state, qkv_proj, conv_w, conv_out, tokens: int | None = None) -> None:
-    """T tokens of conv + SiLU, leaving conv_state as T decode steps would.
+def conv_prefill_silu_l2_bf16(
+    conv_state, qkv_proj, conv_w, conv_out, query, key, value, heads: int, head_dim: int, l2_eps: float,
+    tokens: int | None = None,
+) -> None:
+    """T tokens of conv + SiLU + L2 + split in one pass, leaving conv_state as T decode steps would.
 
-    conv_state [conv_dim, K] FP32 (in place), qkv_proj [>= T, conv_dim] BF16,
-    conv_w [conv_dim, K] BF16, conv_out [>= T, conv_dim] BF16.
+    conv_state [conv_dim, K] FP32 (in place), qkv_proj [>= T, conv_dim] BF16, conv_w
+    [conv_dim, K] BF16; writes conv_out [>= T, conv_dim] BF16 and query, key (L2-normalised
+    per head), value [>= T, H, D] FP32, conv_dim = 3 * H * D. Grid (3H, ceil(T / 64)).
     """
+    _require_head_dim(head_dim)
     _check_dtype("conv_state", conv_state, "f32")
-    conv_dim = conv_state.shape[0]
+    conv_dim = 3 * heads * head_dim
     kernel_size = _conv_kernel_size(conv_state, conv_w, conv_dim)
     if tokens is None:
         tokens = qkv_proj.shape[0]
     _require_rows("qkv_proj", qkv_proj, "bf16", tokens, (conv_dim,))
     _require_rows("conv_out", conv_out, "bf16", tokens, (conv_dim,))
+    for name, array in (("query", query), ("key", key), ("value", value)):
+        _require_rows(name, array, "f32", tokens, (heads, head_dim))
     _require_int32("tokens", tokens)
     if tokens == 0:
         return
     kernels.launch(
-        "conv_prefill_silu_bf16",
-        ((conv_dim + CONV_PREFILL_BLOCK - 1) // CONV_PREFILL_BLOCK,),
-        (CONV_PREFILL_BLOCK,),
-        (conv_state, qkv_proj, conv_w, conv_out, _i32(conv_dim), _i32(kernel_size), _i32(tokens)),
+        "conv_prefill_silu_l2_bf16",
+        (3 * heads, -(-tokens // CONV_PREFILL_TILE)),
+        (HEAD_BLOCK,),
+        (conv_state, qkv_proj, conv_w, conv_out, query, key, value, _i32(heads), _i32(head_dim),
+         _i32(kernel_size), _i32(tokens), _f32(l2_eps)),
     )
-
-
-def l2norm_split_f32(
-    conv_out, query, key, value, heads: int, head_dim: int, l2_eps: float, tokens: int | None = None
-) -> None:
-    """Prefill's L2 pass: split conv_out [>= T, 3*H*D] BF16 into query, key
-    (L2-normalised per head) and value, each [>= T, H, D] FP32."""
-    _require_head_dim(head_dim)
-    if tokens is None:
-        tokens = conv_out.shape[0]
-    _require_rows("conv_out", conv_out, "bf16", tokens, (3 * heads * head_dim,))
-    for name, array in (("query", query), ("key", key), ("value", value)):
-        _require_rows(name, array, "f32", tokens, (heads, head_dim))
-    for start, end in _token_slices(tokens):
-        kernels.launch(
-            "l2norm_split_f32",
-            (3 * heads, end - start),
-            (HEAD_BLOCK,),
-            (
-                conv_out[start:end],
-                query[start:end],
-                key[start:end],
-                value[start:end],
-                _i32(heads),
-                _i32(head_dim),
-                _f32(l2_eps),
-            ),
-        )
 
 
 # --------------------------------------------------------------------------------------

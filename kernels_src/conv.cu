@@ -14,19 +14,20 @@
 //   Row r reads and writes the conv state of slot slots[r] (slot r when slots is
 //   null) of a pool of [conv_dim, K] states; the arithmetic of a row does not
 //   depend on the other rows, so a sequence's bits do not depend on the batch.
-// conv_prefill_silu_bf16: T tokens. grid ceil(conv_dim / 256), block 256: one
-//   thread per channel walks the tokens in order with the window in registers,
-//   so prefill of T tokens leaves the state T decode steps would leave; reads
-//   and writes of a token row are coalesced across the channels.
-// l2norm_split_f32: prefill's separate L2 over the [T, conv_dim] conv output.
-//   grid (3 * heads, T), block head_dim = 128, the same per-head arithmetic as
-//   decode (shared device function), output [T, heads, head_dim] FP32 each.
+// conv_prefill_silu_l2_bf16: T tokens. grid (3 * heads, ceil(T / 64)), block head_dim =
+//   128: a block holds one head of q, k or v for a tile of 64 tokens, so the tokens run
+//   in parallel (a thread rebuilds its window from the K - 1 inputs before its tile) and
+//   the L2 sum of each token's head is one block reduction; conv + SiLU + L2 + split
+//   fuse into one pass. Leaves conv_state as T decode steps would. Per token the
+//   arithmetic is decode's (the same device functions), so prefill and decode agree bit
+//   for bit on the conv output and q, k, v.
 //
 // K <= 4: the window lives in four registers.
 #include "kda_common.cuh"
 
 #define CONV_MAX_KERNEL 4
-#define CONV_PREFILL_BLOCK 256
+// Tokens per block of the prefill conv; at least CONV_MAX_KERNEL (see the kernel).
+#define CONV_PREFILL_TILE 64
 
 // Shift the window left by one and put `input` in slot kernel_size - 1.
 // Compile-time indices only, so the window stays in registers.
@@ -139,52 +140,76 @@ conv_decode_silu_l2_bf16(float* __restrict__ conv_state, const int* __restrict__
                          value, scratch);
 }
 
-extern "C" __global__ void __launch_bounds__(CONV_PREFILL_BLOCK)
-conv_prefill_silu_bf16(float* __restrict__ conv_state, const bf16_t* __restrict__ qkv_proj,
-                       const bf16_t* __restrict__ conv_w, bf16_t* __restrict__ conv_out,
-                       int conv_dim, int kernel_size, int tokens)
+extern "C" __global__ void __launch_bounds__(KDA_HEAD_BLOCK)
+conv_prefill_silu_l2_bf16(float* __restrict__ conv_state, const bf16_t* __restrict__ qkv_proj,
+                          const bf16_t* __restrict__ conv_w, bf16_t* __restrict__ conv_out,
+                          float* __restrict__ query, float* __restrict__ key,
+                          float* __restrict__ value, int heads, int head_dim, int kernel_size,
+                          int tokens, float l2_eps)
 {
-    const int channel = blockIdx.x * blockDim.x + threadIdx.x;
-    if (channel >= conv_dim || kernel_size < 1 || kernel_size > CONV_MAX_KERNEL) {
+    __shared__ float scratch[8];
+    if (head_dim != KDA_HEAD_DIM || blockDim.x != KDA_HEAD_BLOCK || blockIdx.x >= 3 * heads ||
+        kernel_size < 1 || kernel_size > CONV_MAX_KERNEL) {
         return;
     }
+    const size_t qkv = static_cast<size_t>(heads) * head_dim;
+    const size_t conv_dim = 3 * qkv;
+    const int channel = blockIdx.x * head_dim + threadIdx.x;
+    const int first = blockIdx.y * CONV_PREFILL_TILE;
+    const int last = min(first + CONV_PREFILL_TILE, tokens);
     float* state = conv_state + static_cast<size_t>(channel) * kernel_size;
     const bf16_t* taps = conv_w + static_cast<size_t>(channel) * kernel_size;
 
+    // The conv input of token t: qkv_proj for t >= 0, the carried state before the first
+    // token (state slot K-1 is token -1). Only tile 0 reaches t < 0 (the tile is >= K long).
+    float old_state[CONV_MAX_KERNEL] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (blockIdx.y == 0) {
+#pragma unroll
+        for (int j = 0; j < CONV_MAX_KERNEL; ++j) {
+            if (j < kernel_size) {
+                old_state[j] = state[j];
+            }
+        }
+    }
+    auto input = [&](int t) -> float {
+        if (t >= 0) {
+            return bf16_to_f32(qkv_proj[static_cast<size_t>(t) * conv_dim + channel]);
+        }
+        float carried = 0.0f;
+#pragma unroll
+        for (int j = 0; j < CONV_MAX_KERNEL; ++j) {
+            if (j == kernel_size + t) {
+                carried = old_state[j];
+            }
+        }
+        return carried;
+    };
+
+    // The window before token `first` holds its K predecessors, oldest in slot 0.
     float window[CONV_MAX_KERNEL] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
     for (int j = 0; j < CONV_MAX_KERNEL; ++j) {
         if (j < kernel_size) {
-            window[j] = state[j];
+            window[j] = input(first - kernel_size + j);
         }
     }
-    for (int t = 0; t < tokens; ++t) {
-        const size_t index = static_cast<size_t>(t) * conv_dim + channel;
-        conv_window_push(window, bf16_to_f32(qkv_proj[index]), kernel_size);
-        conv_out[index] = f32_to_bf16(conv_silu(window, taps, kernel_size));
+    for (int t = first; t < last; ++t) {
+        const size_t row = static_cast<size_t>(t);
+        conv_window_push(window, input(t), kernel_size);
+        const bf16_t rounded = f32_to_bf16(conv_silu(window, taps, kernel_size));
+        conv_out[row * conv_dim + channel] = rounded;
+        split_normalize_head(bf16_to_f32(rounded), blockIdx.x, heads, head_dim, l2_eps,
+                             query + row * qkv, key + row * qkv, value + row * qkv, scratch);
     }
-#pragma unroll
-    for (int j = 0; j < CONV_MAX_KERNEL; ++j) {
-        if (j < kernel_size) {
-            state[j] = window[j];
-        }
-    }
-}
 
-extern "C" __global__ void __launch_bounds__(KDA_HEAD_BLOCK)
-l2norm_split_f32(const bf16_t* __restrict__ conv_out, float* __restrict__ query,
-                 float* __restrict__ key, float* __restrict__ value, int heads, int head_dim,
-                 float l2_eps)
-{
-    __shared__ float scratch[8];
-    if (head_dim != KDA_HEAD_DIM || blockDim.x != KDA_HEAD_BLOCK || blockIdx.x >= 3 * heads) {
-        return;
+    // Tile 0 alone writes the new state (the last K inputs), so no block reads a slot that
+    // another has already overwritten; its old values are in registers by now.
+    if (blockIdx.y == 0) {
+#pragma unroll
+        for (int j = 0; j < CONV_MAX_KERNEL; ++j) {
+            if (j < kernel_size) {
+                state[j] = input(tokens - kernel_size + j);
+            }
+        }
     }
-    const size_t token = blockIdx.y;
-    const size_t qkv = static_cast<size_t>(heads) * head_dim;
-    const float conv_value =
-        bf16_to_f32(conv_out[token * 3 * qkv + static_cast<size_t>(blockIdx.x) * head_dim +
-                             threadIdx.x]);
-    split_normalize_head(conv_value, blockIdx.x, heads, head_dim, l2_eps, query + token * qkv,
-                         key + token * qkv, value + token * qkv, scratch);
 }

@@ -72,11 +72,13 @@ def check_stages(bound, hidden, gpu_stages, start, chunk, tag, figures):
     return fed_state
 
 
-def check_end_to_end(bound, hidden, gpu_out, gpu_state, start, tag, figures):
-    """Level 2: final output and state against float64, within 1.5x the BF16 oracle's own error."""
+def check_end_to_end(bound, hidden, gpu_out, gpu_state, start, tag, figures, oracle_chunk=None):
+    """Level 2: final output and state against float64, within 1.5x the BF16 oracle's own error.
+    The oracles walk token by token, or chunk-wise with `oracle_chunk` (equal to 1e-15, and
+    far faster at long T)."""
     cp = _cp()
-    exact, exact_state = KdaOracle(bound, "float64", xp=cp).prefill(hidden, start)
-    faithful, faithful_state = KdaOracle(bound, "bf16", xp=cp).prefill(hidden, start)
+    exact, exact_state = KdaOracle(bound, "float64", xp=cp).prefill(hidden, start, chunk=oracle_chunk)
+    faithful, faithful_state = KdaOracle(bound, "bf16", xp=cp).prefill(hidden, start, chunk=oracle_chunk)
     for what, ours, ref, floor in (
         ("final_out", gpu_out, exact["final_out"], faithful["final_out"]),
         ("recurrent state", gpu_state.recurrent, exact_state.recurrent, faithful_state.recurrent),
@@ -355,8 +357,9 @@ def test_tensor_core_prefill_path_matches_oracle(layers, tokens, figures):
     path, and its core within 1e-3 of the FP32 kernels' core on the same inputs."""
     from glm_kda.layer import KdaLayer
 
-    bound, reference_layer = layers("glm")
-    layer = KdaLayer(bound, workspace=reference_layer.workspace, chunk_impl="tensor")
+    bound, shared_layer = layers("glm")
+    layer = KdaLayer(bound, workspace=shared_layer.workspace, chunk_impl="tensor")
+    reference_layer = KdaLayer(bound, workspace=shared_layer.workspace, chunk_impl="fp32")
     start = KdaState.random(bound.config, seed=tokens)
     hidden = synthetic_hidden(tokens, bound.config.hidden, seed=SEED + 7 * tokens)
     fp32_state = device_state(reference_layer, start)
@@ -378,3 +381,101 @@ def test_tensor_core_prefill_path_refuses_the_softplus_law(layers):
     bound, reference_layer = layers("kimi")
     with pytest.raises(ValueError, match="chunk_impl='tensor'"):
         KdaLayer(bound, workspace=reference_layer.workspace, chunk_impl="tensor")
+
+
+PACKED_LENGTHS = [1, 17, 64, 100, 1000, 3, 4096, 250]
+
+
+@pytest.mark.parametrize("geometry", ["glm", "kimi"])
+def test_packed_prefill_equals_solo_prefills(layers, geometry, figures):
+    """8 sequences of lengths 1..4096 packed in one call: each sequence's output and states
+    (in its own, shuffled slot of a larger pool) within the end-to-end oracle bound, and
+    within the stage bound of its solo prefill; the slots not named are left untouched."""
+    from glm_kda.layer import KdaLayer, KdaWorkspace
+    from glm_kda.state import StatePool
+
+    cp = _cp()
+    bound, _ = layers(geometry)
+    cfg = bound.config
+    rng = np.random.default_rng(31)
+    total = sum(PACKED_LENGTHS)
+    layer = KdaLayer(bound, workspace=KdaWorkspace(cfg, total))
+    bounds = np.concatenate([[0], np.cumsum(PACKED_LENGTHS)])
+    hidden = synthetic_hidden(total, cfg.hidden, seed=SEED + 5)
+    pool = StatePool(cfg, 12)
+    starts = [KdaState.random(cfg, seed=40 + i) for i in range(len(pool))]
+    for slot, start in enumerate(starts):
+        pool.conv[slot] = cp.asarray(start.conv)
+        pool.recurrent[slot] = cp.asarray(start.recurrent)
+    slots = rng.permutation(len(pool))[: len(PACKED_LENGTHS)]
+    out = as_float(layer.prefill(hidden, pool, slots=slots, cu_seqlens=bounds))
+    for i, (first, last) in enumerate(zip(bounds[:-1], bounds[1:])):
+        slot, tag = int(slots[i]), f"{geometry} packed seq{i} T{last - first} slot{slots[i]}"
+        state = pool.state(slot)
+        check_end_to_end(bound, hidden[first:last], out[first:last], state, starts[slot], tag, figures)
+        solo_state = device_state(layer, starts[slot])
+        solo = as_float(layer.prefill(hidden[first:last], solo_state))
+        for what, a, b in (("output", out[first:last], solo), ("recurrent state", state.recurrent, solo_state.recurrent),
+                           ("conv state", state.conv, solo_state.conv)):
+            ratio = rms_ratio(a, b)
+            assert ratio <= STAGE_BOUND, f"{tag}: packed vs solo {what} rms-ratio {ratio:.3e} (bound {STAGE_BOUND:g})"
+    for slot in sorted(set(range(len(pool))) - set(slots.tolist())):
+        assert np.array_equal(pool.conv[slot].get(), starts[slot].conv), f"slot {slot} not named but its conv state changed"
+        assert np.array_equal(pool.recurrent[slot].get(), starts[slot].recurrent), f"slot {slot}: recurrent state changed"
+
+
+def test_packed_prefill_refuses_bad_lengths_and_slots_before_any_launch(layers):
+    from glm_kda.state import StatePool
+
+    bound, layer = layers("kimi")
+    cfg = bound.config
+    pool = StatePool(cfg, 4)
+    pool.recurrent[...] = 0.5
+    hidden = synthetic_hidden(10, cfg.hidden, seed=1)
+    bad = [
+        (dict(slots=[0, 1], cu_seqlens=[0, 4, 9]), "end at the 10 rows"),
+        (dict(slots=[0, 1], cu_seqlens=[0, 0, 10]), "strictly increase"),
+        (dict(slots=[0, 0], cu_seqlens=[0, 4, 10]), "repeats a slot"),
+        (dict(slots=[0, 4], cu_seqlens=[0, 4, 10]), "outside this pool"),
+        (dict(slots=[0], cu_seqlens=[0, 4, 10]), "expected 2 integer slots"),
+        (dict(slots=[0, 1]), "needs cu_seqlens"),
+    ]
+    for kwargs, message in bad:
+        with pytest.raises(ValueError, match=message):
+            layer.prefill(hidden, pool, **kwargs)
+    assert float(pool.recurrent.min()) == 0.5 == float(pool.recurrent.max()), "a refused call changed the pool"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tokens", [16384, 65536], ids=lambda t: f"T{t}")
+def test_tensor_core_prefill_long_sequences(layers, tokens, figures):
+    """The default (tensor-core) path on GLM geometry at long T, from a random state: core,
+    output and both states within the stage bound of the FP32 reference kernels on the same
+    inputs; at T=16384 also the end-to-end bound against the float64 oracle (at 65536 the
+    oracle's float64 stage buffers would not fit beside the workspace)."""
+    from glm_kda.layer import KdaLayer, KdaWorkspace
+
+    cp = _cp()
+    bound, _ = layers("glm")
+    workspace = KdaWorkspace(bound.config, tokens)
+    layer = KdaLayer(bound, workspace=workspace)
+    assert layer.chunk_impl == "tensor"
+    start = KdaState.random(bound.config, seed=tokens)
+    hidden = synthetic_hidden(tokens, bound.config.hidden, seed=SEED + 11)
+    state = device_state(layer, start)
+    out = layer.prefill(hidden, state)
+    tensor_core = workspace.core[:tokens].copy()
+    reference = KdaLayer(bound, workspace=workspace, chunk_impl="fp32")
+    fp32_state = device_state(reference, start)
+    fp32_out = reference.prefill(hidden, fp32_state)
+    for what, ours, ref in (("core", tensor_core, workspace.core[:tokens]), ("final_out", out, fp32_out),
+                            ("recurrent state", state.recurrent, fp32_state.recurrent),
+                            ("conv state", state.conv, fp32_state.conv)):
+        ratio = float(rms_ratio(ours, ref))
+        figures.append({"test": f"glm tensor-core prefill T{tokens}", "level": "stage", f"{what}_vs_fp32_path": ratio})
+        assert ratio <= STAGE_BOUND, f"T{tokens}: tensor-core {what} vs FP32 path rms-ratio {ratio:.3e}"
+    del tensor_core, workspace, reference, fp32_state, fp32_out
+    cp.get_default_memory_pool().free_all_blocks()
+    if tokens <= 16384:
+        check_end_to_end(bound, hidden, as_float(out), state, start, f"glm tensor-core T{tokens}", figures,
+                         oracle_chunk=64)

@@ -1,0 +1,15 @@
+"""Prefill timings (whole block and KDA core, tensor-core and FP32 chunk kernels, and
+flash-linear-attention in the same run when importable): see glm_kda/bench_prefill.py.
+
+    PYTHONPATH=. python benchmarks/prefill.py [--geometry glm kimi-bounded] [--tokens 1024 4096 16384 65536]
+"""
+
+import argparse
+import sys
+
+from glm_kda import bench_prefill
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=bench_prefill.__doc__.splitlines()[0])
+    bench_prefill.add_arguments(parser)
+    sys.exit(bench_prefill.run(parser.parse_args()))
