@@ -18,17 +18,9 @@ from pathlib import Path
 
 
 def back_to_back_us(fn, calls: int = 200) -> float:
-    import cupy
+    from glm_kda.selftest import back_to_back_ms
 
-    for _ in range(10):
-        fn()
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    end.synchronize()
-    return 1e3 * cupy.cuda.get_elapsed_time(start, end) / calls
+    return 1e3 * back_to_back_ms(fn, calls)
 
 
 def main(geometries: list[str]) -> None:

@@ -4,7 +4,12 @@ One JSON line per case. Each carries the device-to-device copy bandwidth measure
 run and the roofline ratio: the fewest bytes the call must move (every weight once; each
 sequence's conv and recurrent state read and written once) over the copy bandwidth, divided by
 the measured median time. Times are CUDA-event medians over >= 200 calls after warm-up,
-measured on the stream, so Python time inside a call counts when the GPU waits for it.
+each call between its own pair of events and synchronised (so all Python time inside a call
+counts), and, as `back_to_back_us`, the mean over 200 calls issued without synchronising
+between two events: what a decode loop that chains layers pays per call, with
+`back_to_back_roofline_ratio` from it. When flash-linear-attention is importable, its
+KimiDeltaAttention layer runs the same decode cases (graphed) on the same weights in the
+same process (impl "fla").
 
     glm-kda bench decode [--geometry glm kimi] [--repeats 200]
     PYTHONPATH=. python benchmarks/decode.py (the same)
@@ -17,7 +22,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from .selftest import copy_bandwidth_gbs, median_ms, state_bytes, weight_bytes
+from .selftest import back_to_back_ms, copy_bandwidth_gbs, median_ms, state_bytes, weight_bytes
 
 
 def bench_geometry(geometry: str, directory: Path, bandwidth: float, repeats: int) -> list[dict]:
@@ -34,22 +39,27 @@ def bench_geometry(geometry: str, directory: Path, bandwidth: float, repeats: in
     pool = StatePool(cfg, 256)
     rows = []
 
-    def record(case: dict, ms: float, nbytes: int) -> None:
-        case.update(geometry=geometry, median_us=1e3 * ms, bytes=nbytes, copy_bandwidth_GBs=bandwidth,
-                    roofline_ratio=nbytes / 1e9 / bandwidth / (ms / 1e3))
+    def record(case: dict, call, nbytes: int) -> None:
+        ms = median_ms(call, repeats=repeats, warmup=10)
+        chained_ms = back_to_back_ms(call, calls=repeats)
+        case.update(impl="glm_kda", geometry=geometry, median_us=1e3 * ms, back_to_back_us=1e3 * chained_ms,
+                    bytes=nbytes, copy_bandwidth_GBs=bandwidth, roofline_ratio=nbytes / 1e9 / bandwidth / (ms / 1e3),
+                    back_to_back_roofline_ratio=nbytes / 1e9 / bandwidth / (chained_ms / 1e3))
         rows.append(case)
         print(json.dumps(case), flush=True)
 
     for graph in (True, False):
         layer.use_graphs = graph
+        state = layer.new_state()
+        record({"case": "decode", "B": 1, "graph": graph, "api": "state"}, lambda: layer.decode(hidden[:1], state),
+               weight_bytes(cfg) + state_bytes(cfg))
         for batch in (1, 4, 16, 64, 256):
             slots = cupy.arange(batch, dtype=cupy.int32)
-            ms = median_ms(lambda: layer.decode(hidden[:batch], pool, slots), repeats=repeats, warmup=10)
-            record({"case": "decode", "B": batch, "graph": graph}, ms, weight_bytes(cfg) + batch * state_bytes(cfg))
-        state = layer.new_state()
+            record({"case": "decode", "B": batch, "graph": graph, "api": "pool"},
+                   lambda: layer.decode(hidden[:batch], pool, slots), weight_bytes(cfg) + batch * state_bytes(cfg))
         for k in (2, 4, 8, 16):
-            ms = median_ms(lambda: layer.decode_k(hidden[:k], state), repeats=repeats, warmup=10)
-            record({"case": "verify", "K": k, "graph": graph}, ms, weight_bytes(cfg) + state_bytes(cfg))
+            record({"case": "verify", "K": k, "graph": graph}, lambda: layer.decode_k(hidden[:k], state),
+                   weight_bytes(cfg) + state_bytes(cfg))
     layer.use_graphs = True
     return rows
 
@@ -57,6 +67,7 @@ def bench_geometry(geometry: str, directory: Path, bandwidth: float, repeats: in
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--geometry", nargs="+", default=["glm", "kimi"], choices=["glm", "kimi"])
     parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--no-fla", dest="fla", action="store_false", help="skip the flash-linear-attention rows")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,15 +76,22 @@ def run(args: argparse.Namespace) -> int:
     require_gpu("the decode benchmark")
     import cupy
 
-    bandwidth = copy_bandwidth_gbs()
-    try:
-        import fla  # noqa: F401  (only to say whether the comparison could run)
+    from .bench_fla import decorate_row, bench_fla_decode, fla_available
+    from .checkpoint import bind_layer
 
-        print(json.dumps({"note": "flash-linear-attention is importable; its comparison is not wired in yet"}))
-    except ImportError:
-        print(json.dumps({"note": "flash-linear-attention not importable here: no comparison rows"}))
+    bandwidth = copy_bandwidth_gbs()
+    fla_ok, why = fla_available() if args.fla else (False, "--no-fla")
+    print(json.dumps({"note": f"flash-linear-attention: {why}" if fla_ok else f"no flash-linear-attention rows: {why}",
+                      "copy_bandwidth_GBs": bandwidth}), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for geometry in args.geometry:
             bench_geometry(geometry, Path(tmp), bandwidth, args.repeats)
             cupy.get_default_memory_pool().free_all_blocks()
+            if fla_ok:
+                import torch
+
+                bound = bind_layer(Path(tmp) / geometry, 0, progress=False)
+                for row in bench_fla_decode(bound, repeats=args.repeats, graphs=(True,)):
+                    print(json.dumps(decorate_row(row, geometry, bound.config, bandwidth)), flush=True)
+                torch.cuda.empty_cache()
     return 0

@@ -559,7 +559,7 @@ def _our_rows(geometry: str, directory: Path, bandwidth: float, repeats: int, to
     return rows
 
 
-def _decorate(row: dict, geometry: str, config: KdaConfig, bandwidth: float) -> dict:
+def decorate_row(row: dict, geometry: str, config: KdaConfig, bandwidth: float) -> dict:
     """geometry, copy bandwidth and, for decode, the roofline of bench_decode (weights once,
     each sequence's state read and written once, FP32 state as ours)."""
     from .selftest import state_bytes, weight_bytes
@@ -605,9 +605,9 @@ def run(args: argparse.Namespace) -> int:
             bound = bind_layer(directory / geometry, 0, progress=False)
             layer = build_fla_layer(bound)
             for row in bench_fla_decode(bound, args.batches, args.repeats, layer=layer):
-                print(json.dumps(_decorate(row, geometry, bound.config, bandwidth)), flush=True)
+                print(json.dumps(decorate_row(row, geometry, bound.config, bandwidth)), flush=True)
             for row in bench_fla_prefill(bound, args.tokens, layer=layer):
-                print(json.dumps(_decorate(row, geometry, bound.config, bandwidth)), flush=True)
+                print(json.dumps(decorate_row(row, geometry, bound.config, bandwidth)), flush=True)
             del layer
             torch.cuda.empty_cache()
     return 0

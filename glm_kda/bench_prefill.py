@@ -2,9 +2,10 @@
 
 One JSON line per case: geometry, impl ("tensor": the TF32 tensor-core chunk kernels, "fp32":
 the FP32 reference kernels), T, median µs over CUDA events after warm-up, Mtok/s and achieved
-TFLOP/s (the FLOP count of :func:`block_flops` / :func:`core_flops`). "core" is conv output to
-core output: L2 norm + split, forget gate + beta, the chunked delta rule (what
-flash-linear-attention's chunk_kda computes with its in-kernel norm, gate and beta).
+TFLOP/s (the FLOP count of :func:`block_flops` / :func:`core_flops`). "core" is projection
+output to core output: conv + L2 norm + split, forget gate + beta, the chunked delta rule (what
+flash-linear-attention's chunk_kda computes with its in-kernel norm, gate and beta; ours also
+counts the causal conv, which is fused with the L2 norm).
 
 Geometries: "glm" (hidden 4096, 64 heads, bounded gate -5), "kimi" (hidden 2304, 32 heads,
 softplus law: FP32 kernels only) and "kimi-bounded" (Kimi's shapes with the bounded gate -5, the
@@ -64,6 +65,7 @@ def block_flops(config: KdaConfig, tokens: int) -> int:
 def bench_geometry(geometry: str, directory: Path, tokens: tuple[int, ...], repeats: int) -> list[dict]:
     import cupy
 
+    from . import kernels
     from .checkpoint import bind_layer
     from .layer import KdaLayer, KdaWorkspace, to_device_bf16
     from .selftest import median_ms
@@ -86,15 +88,23 @@ def bench_geometry(geometry: str, directory: Path, tokens: tuple[int, ...], repe
             block_ms = median_ms(lambda: layer.prefill(hidden[:count], state), repeats=reps, warmup=2)
 
             def core() -> None:
+                # conv + L2 (fused, so counted here, though chunk_kda does no conv), gate, beta
+                # and the chunked delta rule.
                 ws, c = layer.workspace, layer.config
                 from . import ops
 
                 ops.gate_beta_f32(ws.forget_proj, layer.dt_bias, layer.a_log, ws.down_proj[:, 2 * c.head_dim:],
                                   ws.gate, ws.beta, c.heads, c.head_dim, c.bounded, c.gate_lower_bound or 0.0,
                                   tokens=count)
-                layer.prefill_core(count, state.recurrent)
+                layer.prefill_core(count, state.conv, state.recurrent)
 
             core_ms = median_ms(core, repeats=reps, warmup=2)
+            if count == 16384:
+                with kernels.timing() as timer:
+                    layer.prefill(hidden[:count], state)
+                breakdown = {"impl": f"glm_kda-{impl}", "case": "block_kernels", "geometry": geometry, "T": count,
+                             "total_ms": {name: round(ms, 4) for name, ms in timer.summary().items()}}
+                print(json.dumps(breakdown), flush=True)
             for case, ms, flops in (("block", block_ms, block_flops(config, count)),
                                     ("core", core_ms, core_flops(config, count))):
                 row = {"impl": f"glm_kda-{impl}", "case": case, "geometry": geometry, "T": count,

@@ -199,6 +199,7 @@ class KdaLayer:
         self.o_proj = to_device_bf16(bound.o_proj)
         self.scale = 1.0 / math.sqrt(self.config.head_dim)
         self._graphs = DecodeGraphs(self)
+        self._side_stream = self._fork_event = self._join_event = None
         self.chunk_impl = chunk_impl
 
     @property
@@ -317,15 +318,48 @@ class KdaLayer:
             self._project_decode(x, weight, out)
 
     def front_end(self, hidden: Any, wide: bool = False) -> None:
-        """Projections, forget gate, beta and output gate of `rows` hidden rows."""
+        """Projections, forget gate, beta and output gate of `rows` hidden rows.
+
+        On the decode side the low-rank chain (down_proj -> forget_proj -> gate, beta; and
+        out_gate) runs on a second, higher-priority stream beside the q|k|v projection, which
+        streams most of the weight bytes: in a captured graph the two are parallel branches
+        that join before the conv. The same kernels, the same inputs: no bit changes."""
         ws, c, rows = self.workspace, self.config, hidden.shape[0]
         d = c.head_dim
-        self._project(hidden, self.qkv_weight, ws.qkv_proj[:rows], wide)
-        self._project(hidden, self.down_weight, ws.down_proj[:rows], wide)
-        self._project(ws.down_proj[:rows, :d], self.f_b, ws.forget_proj[:rows], wide)
-        self._project(ws.down_proj[:rows, d : 2 * d], self.g_b, ws.out_gate[:rows], wide)
-        ops.gate_beta_f32(ws.forget_proj, self.dt_bias, self.a_log, ws.down_proj[:, 2 * d :], ws.gate, ws.beta,
-                          c.heads, d, c.bounded, c.gate_lower_bound or 0.0, tokens=rows)
+        with self._beside(not wide and not kernels.TIMER.active) as side:
+            with side:
+                self._project(hidden, self.down_weight, ws.down_proj[:rows], wide)
+                self._project(ws.down_proj[:rows, :d], self.f_b, ws.forget_proj[:rows], wide)
+                ops.gate_beta_f32(ws.forget_proj, self.dt_bias, self.a_log, ws.down_proj[:, 2 * d :], ws.gate,
+                                  ws.beta, c.heads, d, c.bounded, c.gate_lower_bound or 0.0, tokens=rows)
+                self._project(ws.down_proj[:rows, d : 2 * d], self.g_b, ws.out_gate[:rows], wide)
+            self._project(hidden, self.qkv_weight, ws.qkv_proj[:rows], wide)
+
+    @contextlib.contextmanager
+    def _beside(self, concurrent: bool):
+        """Yields the stream for work that may run beside the current stream's next launches:
+        a second stream that starts after everything issued so far and that the current
+        stream waits for on exit (fork and join), or, when not `concurrent`, the current
+        stream itself."""
+        import cupy
+
+        main = cupy.cuda.get_current_stream()
+        if not concurrent:
+            yield main
+            return
+        if self._side_stream is None:
+            # Lower is more urgent; CUDA clamps it to the device's greatest priority.
+            self._side_stream = cupy.cuda.Stream(non_blocking=True, priority=-64)
+            self._fork_event = cupy.cuda.Event(disable_timing=True)
+            self._join_event = cupy.cuda.Event(disable_timing=True)
+        side = self._side_stream
+        self._fork_event.record(main)
+        side.wait_event(self._fork_event)
+        try:
+            yield side
+        finally:
+            self._join_event.record(side)
+            main.wait_event(self._join_event)
 
     def stateful_rows(self, first: int, rows: int, conv_state: Any, recurrent_state: Any, slots: Any = None) -> None:
         """Decode's stateful half for workspace rows first..first+rows-1: conv (+ SiLU + L2,

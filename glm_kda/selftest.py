@@ -47,6 +47,22 @@ def median_ms(fn, repeats: int = 50, warmup: int = 5) -> float:
     return float(np.median(times))
 
 
+def back_to_back_ms(fn, calls: int = 200, warmup: int = 10) -> float:
+    """Mean milliseconds per call of `calls` calls issued back to back between two events
+    (no synchronisation in between: host work overlaps the GPU's)."""
+    import cupy
+
+    for _ in range(warmup):
+        fn()
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return cupy.cuda.get_elapsed_time(start, end) / calls
+
+
 def weight_bytes(config) -> int:
     """Bytes of every weight of the block (BF16, and the FP32 dt_bias and A_log)."""
     c = config
