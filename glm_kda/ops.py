@@ -26,6 +26,7 @@ from glm_kda import kernels
 
 HEAD_DIM = 128  # KDA_HEAD_DIM of kernels_src/kda_common.cuh
 HEAD_BLOCK = 128  # threads of every per-head kernel, one per channel
+TOKENS_PER_BLOCK = 8  # tokens per block of the gate and norm kernels (KDA_TOKENS_PER_BLOCK)
 GEMV_MAX_ROWS = 16
 GEMV_WARPS_PER_BLOCK = 8
 CONV_MAX_KERNEL = 4
@@ -419,7 +420,7 @@ def gate_beta_f32(
     for start, end in _token_slices(tokens):
         kernels.launch(
             "gate_beta_f32",
-            (heads, end - start),
+            (heads, -(-(end - start) // TOKENS_PER_BLOCK)),
             (head_dim,),
             (
                 forget_proj[start:end],
@@ -433,6 +434,7 @@ def gate_beta_f32(
                 _i32(head_dim),
                 _i32(1 if bounded else 0),
                 _f32(lower_bound if bounded else 0.0),
+                _i32(end - start),
             ),
         )
 
@@ -603,7 +605,8 @@ def gated_rmsnorm_sigmoid_bf16(
     for start, end in _token_slices(tokens):
         kernels.launch(
             "gated_rmsnorm_sigmoid_bf16",
-            (heads, end - start),
+            (heads, -(-(end - start) // TOKENS_PER_BLOCK)),
             (HEAD_BLOCK,),
-            (core[start:end], out_gate[start:end], norm_w, o_norm_out[start:end], _i32(heads), _i32(head_dim), _f32(eps)),
+            (core[start:end], out_gate[start:end], norm_w, o_norm_out[start:end], _i32(heads), _i32(head_dim), _f32(eps),
+             _i32(end - start)),
         )

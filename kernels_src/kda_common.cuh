@@ -15,6 +15,9 @@
 #define KDA_HEAD_BLOCK 128
 
 #define KDA_FULL_WARP_MASK 0xffffffffu
+// Tokens one block of the per-(head, token) elementwise kernels (gate, norm) walks:
+// enough rows to amortise a block's start at prefill widths.
+#define KDA_TOKENS_PER_BLOCK 8
 
 // A BF16 value as its raw 16 bits: the upper half of the FP32 encoding.
 typedef unsigned short bf16_t;

@@ -4,15 +4,17 @@
 // gate instead and has the same shapes, dtypes and launch geometry, so swapping
 // the two is silent.
 //
-// Launch: grid (heads, T), block head_dim = 128: one block per (head, token), one
-// thread per channel, so the mean over the head is one block reduction (the same
-// block_sum_f32 every per-head reduction uses).
+// Launch: grid (heads, ceil(T / KDA_TOKENS_PER_BLOCK)), block head_dim = 128: one block
+// per head and group of 8 tokens, one thread per channel, so the mean over the head is
+// one block reduction per token (the same block_sum_f32 every per-head reduction uses).
+// The group's loads are issued before its first reduction; an element's arithmetic does
+// not depend on the grouping.
 #include "kda_common.cuh"
 
 extern "C" __global__ void __launch_bounds__(KDA_HEAD_BLOCK)
 gated_rmsnorm_sigmoid_bf16(const float* __restrict__ core, const bf16_t* __restrict__ out_gate,
                            const bf16_t* __restrict__ norm_w, bf16_t* __restrict__ o_norm_out,
-                           int heads, int head_dim, float eps)
+                           int heads, int head_dim, float eps, int tokens)
 {
     __shared__ float scratch[8];
     // Uniform over the block: a wrong geometry leaves whole blocks, before any sync.
@@ -20,13 +22,27 @@ gated_rmsnorm_sigmoid_bf16(const float* __restrict__ core, const bf16_t* __restr
         return;
     }
     const int d = threadIdx.x;
-    const size_t index = static_cast<size_t>(blockIdx.y) * heads * head_dim +
-                         static_cast<size_t>(blockIdx.x) * head_dim + d;
-
-    const float o = core[index];
-    // __fmul_rn: a product the compiler may not fuse into the first shuffle add.
-    const float mean_square = block_sum_f32(__fmul_rn(o, o), scratch) / static_cast<float>(head_dim);
-    const float y = o / sqrtf(mean_square + eps) * bf16_to_f32(norm_w[d]) *
-                    sigmoid_f32(bf16_to_f32(out_gate[index]));
-    o_norm_out[index] = f32_to_bf16(y);
+    const int first = blockIdx.y * KDA_TOKENS_PER_BLOCK;
+    const int count = min(KDA_TOKENS_PER_BLOCK, tokens - first);
+    const size_t row_stride = static_cast<size_t>(heads) * head_dim;
+    const size_t base = static_cast<size_t>(first) * row_stride + static_cast<size_t>(blockIdx.x) * head_dim + d;
+    const float weight = bf16_to_f32(norm_w[d]);
+    float o[KDA_TOKENS_PER_BLOCK];
+    float z[KDA_TOKENS_PER_BLOCK];
+#pragma unroll
+    for (int i = 0; i < KDA_TOKENS_PER_BLOCK; ++i) {
+        o[i] = i < count ? core[base + i * row_stride] : 0.0f;
+        z[i] = i < count ? bf16_to_f32(out_gate[base + i * row_stride]) : 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < KDA_TOKENS_PER_BLOCK; ++i) {
+        // count is uniform over the block, so every thread meets the same barriers.
+        if (i < count) {
+            // __fmul_rn: a product the compiler may not fuse into the first shuffle add.
+            const float mean_square =
+                block_sum_f32(__fmul_rn(o[i], o[i]), scratch) / static_cast<float>(head_dim);
+            const float y = o[i] / sqrtf(mean_square + eps) * weight * sigmoid_f32(z[i]);
+            o_norm_out[base + i * row_stride] = f32_to_bf16(y);
+        }
+    }
 }

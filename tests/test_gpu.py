@@ -409,16 +409,22 @@ def test_packed_prefill_equals_solo_prefills(layers, geometry, figures):
         pool.recurrent[slot] = cp.asarray(start.recurrent)
     slots = rng.permutation(len(pool))[: len(PACKED_LENGTHS)]
     out = as_float(layer.prefill(hidden, pool, slots=slots, cu_seqlens=bounds))
+    cases = len(figures)
     for i, (first, last) in enumerate(zip(bounds[:-1], bounds[1:])):
         slot, tag = int(slots[i]), f"{geometry} packed seq{i} T{last - first} slot{slots[i]}"
         state = pool.state(slot)
         check_end_to_end(bound, hidden[first:last], out[first:last], state, starts[slot], tag, figures)
+        floors = {row["what"]: row["bf16_oracle"] for row in figures[cases:] if row["test"] == tag}
+        # The solo prefill of a sequence of <= 16 rows takes the decode-side projection kernel,
+        # the packed call cuBLAS: two roundings, each within E2E_FACTOR of the BF16 oracle's
+        # own error, so at most twice that apart.
         solo_state = device_state(layer, starts[slot])
         solo = as_float(layer.prefill(hidden[first:last], solo_state))
-        for what, a, b in (("output", out[first:last], solo), ("recurrent state", state.recurrent, solo_state.recurrent),
+        for what, a, b in (("final_out", out[first:last], solo), ("recurrent state", state.recurrent, solo_state.recurrent),
                            ("conv state", state.conv, solo_state.conv)):
-            ratio = rms_ratio(a, b)
-            assert ratio <= STAGE_BOUND, f"{tag}: packed vs solo {what} rms-ratio {ratio:.3e} (bound {STAGE_BOUND:g})"
+            ratio, limit = rms_ratio(a, b), 2 * E2E_FACTOR * floors[what]
+            assert ratio <= limit, (f"{tag}: packed vs solo {what} rms-ratio {ratio:.3e}; bound {limit:.3e} "
+                                    f"(twice {E2E_FACTOR}x the BF16 oracle's own {floors[what]:.3e})")
     for slot in sorted(set(range(len(pool))) - set(slots.tolist())):
         assert np.array_equal(pool.conv[slot].get(), starts[slot].conv), f"slot {slot} not named but its conv state changed"
         assert np.array_equal(pool.recurrent[slot].get(), starts[slot].recurrent), f"slot {slot}: recurrent state changed"
