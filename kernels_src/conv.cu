@@ -193,31 +193,13 @@ conv_prefill_silu_l2_bf16(float* __restrict__ conv_state, const bf16_t* __restri
             window[j] = input(first - kernel_size + j);
         }
     }
-    bf16_t tap_values[CONV_MAX_KERNEL] = {0, 0, 0, 0};
-#pragma unroll
-    for (int j = 0; j < CONV_MAX_KERNEL; ++j) {
-        if (j < kernel_size) {
-            tap_values[j] = taps[j];
-        }
-    }
-    // Every input of the tile is loaded before the first token's block reduction, so the
-    // loads are in flight together instead of one per barrier.
-    float inputs[CONV_PREFILL_TILE];
-#pragma unroll
-    for (int i = 0; i < CONV_PREFILL_TILE; ++i) {
-        inputs[i] = first + i < last ? input(first + i) : 0.0f;
-    }
-#pragma unroll
-    for (int i = 0; i < CONV_PREFILL_TILE; ++i) {
-        // first + i < last is the same for the whole block, so the barriers inside agree.
-        if (first + i < last) {
-            const size_t row = static_cast<size_t>(first + i);
-            conv_window_push(window, inputs[i], kernel_size);
-            const bf16_t rounded = f32_to_bf16(conv_silu(window, tap_values, kernel_size));
-            conv_out[row * conv_dim + channel] = rounded;
-            split_normalize_head(bf16_to_f32(rounded), blockIdx.x, heads, head_dim, l2_eps,
-                                 query + row * qkv, key + row * qkv, value + row * qkv, scratch);
-        }
+    for (int t = first; t < last; ++t) {
+        const size_t row = static_cast<size_t>(t);
+        conv_window_push(window, input(t), kernel_size);
+        const bf16_t rounded = f32_to_bf16(conv_silu(window, taps, kernel_size));
+        conv_out[row * conv_dim + channel] = rounded;
+        split_normalize_head(bf16_to_f32(rounded), blockIdx.x, heads, head_dim, l2_eps,
+                             query + row * qkv, key + row * qkv, value + row * qkv, scratch);
     }
 
     // Tile 0 alone writes the new state (the last K inputs), so no block reads a slot that
