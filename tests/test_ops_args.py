@@ -61,3 +61,60 @@ def test_slot_checks():
         ops._slot_rows("conv_state", HostStandIn(aligned((96, 4), np.float32)), (96, 4), 2, None)
     with pytest.raises(ValueError, match="int32"):
         ops._slot_rows("conv_state", pool, (96, 4), 3, HostStandIn(np.zeros(3, np.int64)))
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Every kernels.launch the wrappers make, as (name, grid, block, args), instead of running."""
+    made = []
+    monkeypatch.setattr(ops.kernels, "launch", lambda name, grid, block, args, shared_mem=0: made.append(
+        (name, tuple(grid), tuple(block), tuple(args))))
+    return made
+
+
+def _f32(*shape):
+    return HostStandIn(aligned(shape, np.float32))
+
+
+def _bf16(*shape):
+    return HostStandIn(aligned(shape))
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 63, 64, 65, 1000], ids=lambda t: f"T{t}")
+def test_prefill_conv_grid_is_heads_by_token_tiles(launches, tokens):
+    heads, dim, kernel = 2, ops.HEAD_DIM, 4
+    conv_dim = 3 * heads * dim
+    ops.conv_prefill_silu_l2_bf16(_f32(conv_dim, kernel), _bf16(tokens, conv_dim), _bf16(conv_dim, kernel),
+                                  _bf16(tokens, conv_dim), _f32(tokens, heads, dim), _f32(tokens, heads, dim),
+                                  _f32(tokens, heads, dim), heads, dim, 1e-6, tokens=tokens)
+    (name, grid, block, args), = launches
+    assert name == "conv_prefill_silu_l2_bf16"
+    assert grid == (3 * heads, -(-tokens // ops.CONV_PREFILL_TILE)) and block == (ops.HEAD_BLOCK,)
+    assert int(args[-2]) == tokens
+
+
+def test_prefill_conv_names_a_short_output(launches):
+    heads, dim = 2, ops.HEAD_DIM
+    conv_dim = 3 * heads * dim
+    with pytest.raises(ValueError, match="key"):
+        ops.conv_prefill_silu_l2_bf16(_f32(conv_dim, 4), _bf16(10, conv_dim), _bf16(conv_dim, 4), _bf16(10, conv_dim),
+                                      _f32(10, heads, dim), _f32(9, heads, dim), _f32(10, heads, dim), heads, dim, 1e-6,
+                                      tokens=10)
+    assert not launches
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 8, 9, ops.MAX_GRID_Y + 5], ids=lambda t: f"T{t}")
+def test_gate_and_norm_walk_token_groups(launches, tokens):
+    """grid.y = ceil(T / TOKENS_PER_BLOCK) per slice of at most MAX_GRID_Y tokens; each launch
+    is told its slice's token count (the kernels stop there)."""
+    heads, dim = 1, ops.HEAD_DIM
+    qkv = heads * dim
+    ops.gate_beta_f32(_bf16(tokens, qkv), _f32(qkv), _f32(heads), _bf16(tokens, 2 * dim + heads)[:, 2 * dim:],
+                      _f32(tokens, heads, dim), _f32(tokens, heads), heads, dim, True, -5.0, tokens=tokens)
+    ops.gated_rmsnorm_sigmoid_bf16(_f32(tokens, heads, dim), _bf16(tokens, qkv), _bf16(dim), _bf16(tokens, qkv),
+                                   heads, dim, 1e-5, tokens=tokens)
+    slices = [min(ops.MAX_GRID_Y, tokens - start) for start in range(0, tokens, ops.MAX_GRID_Y)]
+    for kernel in ("gate_beta_f32", "gated_rmsnorm_sigmoid_bf16"):
+        made = [launch for launch in launches if launch[0] == kernel]
+        assert [launch[1] for launch in made] == [(heads, -(-count // ops.TOKENS_PER_BLOCK)) for count in slices]
+        assert [int(launch[3][-1]) for launch in made] == slices

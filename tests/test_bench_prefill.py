@@ -1,0 +1,29 @@
+"""The prefill benchmark's geometries and FLOP counts, without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+from glm_kda.bench_prefill import PREFILL_GEOMETRIES, block_flops, core_flops, geometry_config
+from glm_kda.chunk_tc import chunk_tc_supported
+
+
+def test_geometries_and_which_chunk_kernels_they_take():
+    glm, kimi, kimi_bounded = (geometry_config(name) for name in PREFILL_GEOMETRIES)
+    assert (glm.hidden, glm.heads, glm.gate_lower_bound) == (4096, 64, -5.0)
+    assert (kimi.hidden, kimi.heads, kimi.bounded) == (2304, 32, False)
+    # Kimi's shapes with the bounded law flash-linear-attention's safe-gate path is timed with.
+    assert (kimi_bounded.hidden, kimi_bounded.heads, kimi_bounded.gate_lower_bound) == (2304, 32, -5.0)
+    assert [chunk_tc_supported(c)[0] for c in (glm, kimi, kimi_bounded)] == [True, False, True]
+    with pytest.raises(ValueError, match="geometry must be one of"):
+        geometry_config("glm-5")
+
+
+def test_flop_counts_by_hand():
+    config = geometry_config("kimi-bounded")
+    c, d, heads, tokens = config.chunk, config.head_dim, config.heads, 1000
+    core = tokens * heads * (8 * c * d + (2 * c * c) // 3 + 6 * d * d)
+    assert core_flops(config, tokens) == core
+    qkv, hidden = heads * d, config.hidden
+    projections = 2 * tokens * (hidden * (3 * qkv + 2 * d + heads) + 2 * d * qkv + qkv * hidden)
+    assert block_flops(config, tokens) == projections + core
