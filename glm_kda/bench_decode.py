@@ -76,13 +76,12 @@ def run(args: argparse.Namespace) -> int:
     require_gpu("the decode benchmark")
     import cupy
 
-    from .bench_fla import decorate_row, bench_fla_decode, fla_available
+    from .bench_fla import bench_fla_decode, comparison_note, decorate_row
     from .checkpoint import bind_layer
 
     bandwidth = copy_bandwidth_gbs()
-    fla_ok, why = fla_available() if args.fla else (False, "--no-fla")
-    print(json.dumps({"note": f"flash-linear-attention: {why}" if fla_ok else f"no flash-linear-attention rows: {why}",
-                      "copy_bandwidth_GBs": bandwidth}), flush=True)
+    fla_ok, note = comparison_note(args.fla)
+    print(json.dumps({**note, "copy_bandwidth_GBs": bandwidth}), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for geometry in args.geometry:
             bench_geometry(geometry, Path(tmp), bandwidth, args.repeats)

@@ -271,6 +271,13 @@ def fla_available() -> tuple[bool, str]:
                   f"{torch.cuda.get_device_name()}")
 
 
+def comparison_note(wanted: bool) -> tuple[bool, dict]:
+    """(whether fla rows will run, the benchmark's opening JSON note saying so and why);
+    wanted False is the benchmarks' --no-fla."""
+    ok, why = fla_available() if wanted else (False, "--no-fla")
+    return ok, {"note": f"flash-linear-attention: {why}" if ok else f"no flash-linear-attention rows: {why}"}
+
+
 def require_fla() -> None:
     ok, why = fla_available()
     if not ok:

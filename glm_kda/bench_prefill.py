@@ -65,7 +65,7 @@ def block_flops(config: KdaConfig, tokens: int) -> int:
 def bench_geometry(geometry: str, directory: Path, tokens: tuple[int, ...], repeats: int) -> list[dict]:
     import cupy
 
-    from . import kernels
+    from . import kernels, ops
     from .checkpoint import bind_layer
     from .layer import KdaLayer, KdaWorkspace, to_device_bf16
     from .selftest import median_ms
@@ -91,8 +91,6 @@ def bench_geometry(geometry: str, directory: Path, tokens: tuple[int, ...], repe
                 # conv + L2 (fused, so counted here, though chunk_kda does no conv), gate, beta
                 # and the chunked delta rule.
                 ws, c = layer.workspace, layer.config
-                from . import ops
-
                 ops.gate_beta_f32(ws.forget_proj, layer.dt_bias, layer.a_log, ws.down_proj[:, 2 * c.head_dim:],
                                   ws.gate, ws.beta, c.heads, c.head_dim, c.bounded, c.gate_lower_bound or 0.0,
                                   tokens=count)
@@ -143,14 +141,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .bench_fla import fla_available
+    from .bench_fla import comparison_note
     from .device import require_gpu
 
     require_gpu("the prefill benchmark")
     tokens = tuple(args.tokens)
-    fla_ok, why = fla_available() if args.fla else (False, "--no-fla")
-    print(json.dumps({"note": f"flash-linear-attention: {why}" if fla_ok else f"no flash-linear-attention rows: {why}"}),
-          flush=True)
+    fla_ok, note = comparison_note(args.fla)
+    print(json.dumps(note), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for geometry in args.geometry:
             bench_geometry(geometry, Path(tmp), tokens, args.repeats)

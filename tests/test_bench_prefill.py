@@ -27,3 +27,12 @@ def test_flop_counts_by_hand():
     qkv, hidden = heads * d, config.hidden
     projections = 2 * tokens * (hidden * (3 * qkv + 2 * d + heads) + 2 * d * qkv + qkv * hidden)
     assert block_flops(config, tokens) == projections + core
+
+
+def test_comparison_note_says_why_there_are_no_fla_rows():
+    from glm_kda.bench_fla import comparison_note, fla_available
+
+    assert comparison_note(False) == (False, {"note": "no flash-linear-attention rows: --no-fla"})
+    ok, why = fla_available()
+    wanted_ok, note = comparison_note(True)
+    assert wanted_ok == ok and why in note["note"]

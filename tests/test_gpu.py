@@ -390,7 +390,7 @@ PACKED_LENGTHS = [1, 17, 64, 100, 1000, 3, 4096, 250]
 def test_packed_prefill_equals_solo_prefills(layers, geometry, figures):
     """8 sequences of lengths 1..4096 packed in one call: each sequence's output and states
     (in its own, shuffled slot of a larger pool) within the end-to-end oracle bound, and
-    within the stage bound of its solo prefill; the slots not named are left untouched."""
+    within twice that bound of its solo prefill; the slots not named are left untouched."""
     from glm_kda.layer import KdaLayer, KdaWorkspace
     from glm_kda.state import StatePool
 
