@@ -49,8 +49,8 @@ SCAN_THREADS = 128
 SCAN_COLUMNS = 32
 D_STRIDE = HEAD_DIM + 4
 C_STRIDE = CHUNK + 4
-# Four reusable units of a [D][C + 4] tile, plus beta [C].
-PREPARE_SMEM_BYTES = 4 * (4 * HEAD_DIM * C_STRIDE + CHUNK)
+# Three reusable units of a [D][C + 4] tile, plus beta [C]: 104,704 bytes, two blocks per SM.
+PREPARE_SMEM_BYTES = 4 * (3 * HEAD_DIM * C_STRIDE + CHUNK)
 # W and q_decay [C][D + 4], the TF32 state copy [32][D + 4], U^T [32][C + 4].
 SCAN_SMEM_BYTES = 4 * (2 * CHUNK * D_STRIDE + SCAN_COLUMNS * D_STRIDE + SCAN_COLUMNS * C_STRIDE)
 
@@ -60,7 +60,7 @@ def chunk_tc_supported(config: Any) -> tuple[bool, str]:
 
     Needs D = 128, the bounded gate law with -5 <= lower_bound <= 0 and chunk 64 (the
     workspace's chunk scratch is sized by config.chunk and reused as is). Otherwise the
-    layer keeps the FP32 path. Device requirement (checked at launch): 139,520 bytes of
+    layer keeps the FP32 path. Device requirement (checked at launch): 104,704 bytes of
     opt-in shared memory per block (sm_80, sm_90, sm_100; not sm_86 / sm_89 / sm_120).
     """
     if config.head_dim != HEAD_DIM:

@@ -30,11 +30,13 @@
 // sequential over chunks.
 //
 // kda_chunk_tc_prepare_f32: grid (nchunks, heads), 256 threads (8 warps), dynamic shared
-//   memory CHUNK_TC_PREPARE_SMEM_BYTES = 139,520 B (needs the opt-in of sm_80 (163 KB),
-//   sm_90 and sm_100 (227 KB); not sm_86 / sm_89 / sm_120 (99 KB)). One block per
+//   memory CHUNK_TC_PREPARE_SMEM_BYTES = 104,704 B (needs the opt-in of sm_80 (163 KB),
+//   sm_90 and sm_100 (227 KB); not sm_86 / sm_89 / sm_120 (99 KB)), at most 128 registers,
+//   so two blocks share an SM and one's loads overlap the other's products. One block per
 //   (chunk, head):
-//     1. load k, q, g (masked, gate clamped to [lower_bound, 0]), cumulative gate G;
-//        write q_decay, k_tail (transposed per chunk) and chunk_decay elementwise;
+//     1. load k, g (masked, gate clamped to [lower_bound, 0]), cumulative gate G; write
+//        q_decay (q read from global memory, never staged), k_tail (transposed per chunk)
+//        and chunk_decay elementwise;
 //     2. the 10 blocks (i >= j) of 16x16 of A and B, one warp per block pair (A and B
 //        share the key operand); L = diag(beta) A kept in shared memory, B to global;
 //     3. T = (I + L)^-1 blockwise: the four 16x16 diagonal blocks by FP32 forward
@@ -80,7 +82,9 @@
 // The prepare kernel's shared memory is four units, reused between phases; a unit holds a
 // [C][D_STRIDE] tile (8448 floats) or a [D][C_STRIDE] tile (8704 floats).
 #define CHUNK_TC_UNIT (KDA_HEAD_DIM * CHUNK_TC_C_STRIDE)
-#define CHUNK_TC_PREPARE_SMEM_BYTES (4 * (4 * CHUNK_TC_UNIT + CHUNK_TC))
+#define CHUNK_TC_PREPARE_SMEM_BYTES (4 * (3 * CHUNK_TC_UNIT + CHUNK_TC))
+// float4 loads per thread to cover one [C][D] tile.
+#define CHUNK_TC_TILE_LOADS (CHUNK_TC * KDA_HEAD_DIM / 4 / CHUNK_TC_PREPARE_THREADS)
 #define CHUNK_TC_SCAN_SMEM_BYTES                                                              \
     (4 * (2 * CHUNK_TC * CHUNK_TC_D_STRIDE + CHUNK_TC_SCAN_COLUMNS * CHUNK_TC_D_STRIDE +     \
           CHUNK_TC_SCAN_COLUMNS * CHUNK_TC_C_STRIDE))
@@ -261,12 +265,29 @@ __device__ __forceinline__ void inverse_block_below_diagonal(const float* lower_
     }
 }
 
+// Eight q values of chunk row t (channels at column .. column + 7 of the row), zero for a
+// padding row (t >= valid: never read).
+__device__ __forceinline__ void load_query_row8(float out[8], const float* __restrict__ query, int first, int t,
+                                                int valid, size_t row_stride, size_t column)
+{
+    if (t < valid) {
+        load8(out, query + static_cast<size_t>(first + t) * row_stride + column);
+    } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            out[e] = 0.0f;
+        }
+    }
+}
+
 // Transposing pass over a [C][D_STRIDE] tile: each lane takes 4 channels d .. d+3 of one
 // row t, a warp covers 16 rows x 8 channels per step, so the [D][C_STRIDE] (and global
 // [D][C]) stores of a warp hit 32 distinct banks / two 64-byte segments.
 #define CHUNK_TC_TRANSPOSE_STEPS ((CHUNK_TC / 16) * (KDA_HEAD_DIM / 8))
+// Steps per warp of one transposing pass over the tile.
+#define CHUNK_TC_TRANSPOSE_PASSES (CHUNK_TC_TRANSPOSE_STEPS / CHUNK_TC_PREPARE_WARPS)
 
-extern "C" __global__ void __launch_bounds__(CHUNK_TC_PREPARE_THREADS, 1)
+extern "C" __global__ void __launch_bounds__(CHUNK_TC_PREPARE_THREADS, 2)
 kda_chunk_tc_prepare_f32(const float* __restrict__ query, const float* __restrict__ key,
                          const float* __restrict__ value, const float* __restrict__ gate,
                          const float* __restrict__ beta, float* __restrict__ q_decay,
@@ -275,20 +296,20 @@ kda_chunk_tc_prepare_f32(const float* __restrict__ query, const float* __restric
                          float* __restrict__ chunk_decay, int tokens, int heads, float scale,
                          float lower_bound)
 {
-    // Four units of CHUNK_TC_UNIT floats, then beta [C]:
+    // Three units of CHUNK_TC_UNIT floats, then beta [C] (104,704 B: two blocks per SM of
+    // sm_80 / sm_90 / sm_100). q is never staged: it is an elementwise input of q_decay and
+    // the A operand of the B blocks, read from global memory (L2) where it is used.
     //   unit 0: key_s [C][D_STRIDE]        k;  from phase 3: value_t_s [D][C_STRIDE] tf32(beta v)^T
-    //   unit 1: query_s [C][D_STRIDE]      q;  from phase 3: key_beta_t_s [D][C_STRIDE] tf32(beta k exp(G))^T
-    //   unit 2: cumgate_s [C][D_STRIDE]    G
-    //   unit 3: lower_s [C][C_STRIDE]      L = diag(beta) A, then inverse_s [C][C_STRIDE] T
+    //   unit 1: cumgate_s [C][D_STRIDE]    G;  from phase 3: key_beta_t_s [D][C_STRIDE] tf32(beta k exp(G))^T
+    //   unit 2: lower_s [C][C_STRIDE]      L = diag(beta) A, then inverse_s [C][C_STRIDE] T
     extern __shared__ __align__(16) float shared[];
     float* key_s = shared;
-    float* query_s = shared + CHUNK_TC_UNIT;
-    float* cumgate_s = shared + 2 * CHUNK_TC_UNIT;
-    float* lower_s = shared + 3 * CHUNK_TC_UNIT;
+    float* cumgate_s = shared + CHUNK_TC_UNIT;
+    float* lower_s = shared + 2 * CHUNK_TC_UNIT;
     float* inverse_s = lower_s + CHUNK_TC * CHUNK_TC_C_STRIDE;
-    float* beta_s = shared + 4 * CHUNK_TC_UNIT;
+    float* beta_s = shared + 3 * CHUNK_TC_UNIT;
     float* value_t_s = key_s;
-    float* key_beta_t_s = query_s;
+    float* key_beta_t_s = cumgate_s;
 
     const int chunk_index = blockIdx.x;
     const int head = blockIdx.y;
@@ -311,26 +332,37 @@ kda_chunk_tc_prepare_f32(const float* __restrict__ query, const float* __restric
     const size_t head_offset = static_cast<size_t>(head) * KDA_HEAD_DIM;
     const size_t chunk_head = static_cast<size_t>(chunk_index) * heads + head;
 
-    // 1. Load (padding rows zero by index, never read), cumulative gate, elementwise outputs.
-    for (int index = thread; index < CHUNK_TC * KDA_HEAD_DIM / 4; index += CHUNK_TC_PREPARE_THREADS) {
-        const int t = index >> 5;
-        const int d = (index & 31) * 4;
-        float4 key_value = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        float4 query_value = key_value;
-        float4 gate_value = key_value;
-        if (t < valid) {
-            const size_t at = static_cast<size_t>(first + t) * row_stride + head_offset + d;
-            key_value = *reinterpret_cast<const float4*>(key + at);
-            query_value = *reinterpret_cast<const float4*>(query + at);
-            gate_value = *reinterpret_cast<const float4*>(gate + at);
-            gate_value.x = clamp_gate(gate_value.x, lower_bound);
-            gate_value.y = clamp_gate(gate_value.y, lower_bound);
-            gate_value.z = clamp_gate(gate_value.z, lower_bound);
-            gate_value.w = clamp_gate(gate_value.w, lower_bound);
+    // 1. Load k and g (padding rows zero by index, never read): every load of the thread is
+    // issued before the first store, then the cumulative gate and the elementwise outputs.
+    {
+        float4 key_value[CHUNK_TC_TILE_LOADS];
+        float4 gate_value[CHUNK_TC_TILE_LOADS];
+#pragma unroll
+        for (int l = 0; l < CHUNK_TC_TILE_LOADS; ++l) {
+            const int index = thread + l * CHUNK_TC_PREPARE_THREADS;
+            const int t = index >> 5;
+            const int d = (index & 31) * 4;
+            key_value[l] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            gate_value[l] = key_value[l];
+            if (t < valid) {
+                const size_t at = static_cast<size_t>(first + t) * row_stride + head_offset + d;
+                key_value[l] = *reinterpret_cast<const float4*>(key + at);
+                gate_value[l] = *reinterpret_cast<const float4*>(gate + at);
+            }
         }
-        *reinterpret_cast<float4*>(key_s + t * CHUNK_TC_D_STRIDE + d) = key_value;
-        *reinterpret_cast<float4*>(query_s + t * CHUNK_TC_D_STRIDE + d) = query_value;
-        *reinterpret_cast<float4*>(cumgate_s + t * CHUNK_TC_D_STRIDE + d) = gate_value;
+#pragma unroll
+        for (int l = 0; l < CHUNK_TC_TILE_LOADS; ++l) {
+            const int index = thread + l * CHUNK_TC_PREPARE_THREADS;
+            const int t = index >> 5;
+            const int d = (index & 31) * 4;
+            float4 gate_clamped = gate_value[l];
+            gate_clamped.x = clamp_gate(gate_clamped.x, lower_bound);
+            gate_clamped.y = clamp_gate(gate_clamped.y, lower_bound);
+            gate_clamped.z = clamp_gate(gate_clamped.z, lower_bound);
+            gate_clamped.w = clamp_gate(gate_clamped.w, lower_bound);
+            *reinterpret_cast<float4*>(key_s + t * CHUNK_TC_D_STRIDE + d) = key_value[l];
+            *reinterpret_cast<float4*>(cumgate_s + t * CHUNK_TC_D_STRIDE + d) = gate_clamped;
+        }
     }
     if (thread < CHUNK_TC) {
         beta_s[thread] = thread < valid ? beta[static_cast<size_t>(first + thread) * heads + head] : 0.0f;
@@ -348,19 +380,35 @@ kda_chunk_tc_prepare_f32(const float* __restrict__ query, const float* __restric
     }
     __syncthreads();
 
-    // q_decay = tf32(scale q exp(G)), row-major like the inputs.
-    for (int index = thread; index < CHUNK_TC * KDA_HEAD_DIM / 4; index += CHUNK_TC_PREPARE_THREADS) {
-        const int t = index >> 5;
-        const int d = (index & 31) * 4;
-        const float4 query_value = *reinterpret_cast<const float4*>(query_s + t * CHUNK_TC_D_STRIDE + d);
-        const float4 cumgate = *reinterpret_cast<const float4*>(cumgate_s + t * CHUNK_TC_D_STRIDE + d);
-        float4 out;
-        out.x = round_tf32(scale * query_value.x * expf(cumgate.x));
-        out.y = round_tf32(scale * query_value.y * expf(cumgate.y));
-        out.z = round_tf32(scale * query_value.z * expf(cumgate.z));
-        out.w = round_tf32(scale * query_value.w * expf(cumgate.w));
-        const size_t at = static_cast<size_t>(first + t) * row_stride + head_offset + d;
-        *reinterpret_cast<float4*>(q_decay + at) = out;
+    // q_decay = tf32(scale q exp(G)), row-major like the inputs (q straight from global
+    // memory, all loads of the thread first).
+    {
+        float4 query_value[CHUNK_TC_TILE_LOADS];
+#pragma unroll
+        for (int l = 0; l < CHUNK_TC_TILE_LOADS; ++l) {
+            const int index = thread + l * CHUNK_TC_PREPARE_THREADS;
+            const int t = index >> 5;
+            const int d = (index & 31) * 4;
+            query_value[l] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (t < valid) {
+                query_value[l] = *reinterpret_cast<const float4*>(
+                    query + static_cast<size_t>(first + t) * row_stride + head_offset + d);
+            }
+        }
+#pragma unroll
+        for (int l = 0; l < CHUNK_TC_TILE_LOADS; ++l) {
+            const int index = thread + l * CHUNK_TC_PREPARE_THREADS;
+            const int t = index >> 5;
+            const int d = (index & 31) * 4;
+            const float4 cumgate = *reinterpret_cast<const float4*>(cumgate_s + t * CHUNK_TC_D_STRIDE + d);
+            float4 out;
+            out.x = round_tf32(scale * query_value[l].x * expf(cumgate.x));
+            out.y = round_tf32(scale * query_value[l].y * expf(cumgate.y));
+            out.z = round_tf32(scale * query_value[l].z * expf(cumgate.z));
+            out.w = round_tf32(scale * query_value[l].w * expf(cumgate.w));
+            const size_t at = static_cast<size_t>(first + t) * row_stride + head_offset + d;
+            *reinterpret_cast<float4*>(q_decay + at) = out;
+        }
     }
     // k_tail_t[chunk][head][d][s] = tf32(k_s exp(G_{C-1} - G_s)): transposed, the scan's A
     // operand of k_tail^T U.
@@ -429,7 +477,7 @@ kda_chunk_tc_prepare_f32(const float* __restrict__ query, const float* __restric
                 float cumgate[8];
                 load8(cumgate, cumgate_s + row_low * CHUNK_TC_D_STRIDE + d);
                 load8(key_low, key_s + row_low * CHUNK_TC_D_STRIDE + d);
-                load8(query_low, query_s + row_low * CHUNK_TC_D_STRIDE + d);
+                load_query_row8(query_low, query, first, row_low, valid, row_stride, head_offset + d);
 #pragma unroll
                 for (int e = 0; e < 8; ++e) {
                     const float factor = expf(cumgate[e] - reference_gate[e]);
@@ -438,7 +486,7 @@ kda_chunk_tc_prepare_f32(const float* __restrict__ query, const float* __restric
                 }
                 load8(cumgate, cumgate_s + row_high * CHUNK_TC_D_STRIDE + d);
                 load8(key_high, key_s + row_high * CHUNK_TC_D_STRIDE + d);
-                load8(query_high, query_s + row_high * CHUNK_TC_D_STRIDE + d);
+                load_query_row8(query_high, query, first, row_high, valid, row_stride, head_offset + d);
 #pragma unroll
                 for (int e = 0; e < 8; ++e) {
                     const float factor = expf(cumgate[e] - reference_gate[e]);
@@ -475,6 +523,23 @@ kda_chunk_tc_prepare_f32(const float* __restrict__ query, const float* __restric
     }
     __syncthreads();
 
+    // v rows for value_t_s (phase 3), loaded now so that the diagonal
+    // inverse blocks hide their latency.
+    float value_rows[CHUNK_TC_TRANSPOSE_PASSES][4];
+#pragma unroll
+    for (int pass = 0; pass < CHUNK_TC_TRANSPOSE_PASSES; ++pass) {
+        const int step = warp + pass * CHUNK_TC_PREPARE_WARPS;
+        const int t = (step & 3) * 16 + (lane & 15);
+        const int d = (step >> 2) * 8 + (lane >> 4) * 4;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            value_rows[pass][e] = 0.0f;
+        }
+        if (t < valid) {
+            load4(value_rows[pass], value + static_cast<size_t>(first + t) * row_stride + head_offset + d);
+        }
+    }
+
     // 3. T = (I + L)^-1. Diagonal blocks: FP32 forward substitution, warp i for block i,
     // lane c < 16 computing column c (lanes 16..31 mirror lanes 0..15 and do not write).
     if (warp < CHUNK_TC_SUBS) {
@@ -508,19 +573,35 @@ kda_chunk_tc_prepare_f32(const float* __restrict__ query, const float* __restric
             }
         }
     }
-    // key_beta_t_s = tf32(beta k exp(G))^T over the dead query tile (last read in phase 2).
-    for (int step = warp; step < CHUNK_TC_TRANSPOSE_STEPS; step += CHUNK_TC_PREPARE_WARPS) {
-        const int t = (step & 3) * 16 + (lane & 15);
-        const int d = (step >> 2) * 8 + (lane >> 4) * 4;
-        float key_value[4];
-        float cumgate[4];
-        load4(key_value, key_s + t * CHUNK_TC_D_STRIDE + d);
-        load4(cumgate, cumgate_s + t * CHUNK_TC_D_STRIDE + d);
-        const float beta_t = beta_s[t];
+    // key_beta_t_s = tf32(beta k exp(G))^T over the cumulative-gate tile: every thread holds
+    // its values before the barrier, so no G is overwritten while another warp reads it.
+    {
+        float key_beta[CHUNK_TC_TRANSPOSE_PASSES][4];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            key_beta_t_s[(d + e) * CHUNK_TC_C_STRIDE + t] =
-                round_tf32(beta_t * key_value[e] * expf(cumgate[e]));
+        for (int pass = 0; pass < CHUNK_TC_TRANSPOSE_PASSES; ++pass) {
+            const int step = warp + pass * CHUNK_TC_PREPARE_WARPS;
+            const int t = (step & 3) * 16 + (lane & 15);
+            const int d = (step >> 2) * 8 + (lane >> 4) * 4;
+            float key_value[4];
+            float cumgate[4];
+            load4(key_value, key_s + t * CHUNK_TC_D_STRIDE + d);
+            load4(cumgate, cumgate_s + t * CHUNK_TC_D_STRIDE + d);
+            const float beta_t = beta_s[t];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                key_beta[pass][e] = round_tf32(beta_t * key_value[e] * expf(cumgate[e]));
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int pass = 0; pass < CHUNK_TC_TRANSPOSE_PASSES; ++pass) {
+            const int step = warp + pass * CHUNK_TC_PREPARE_WARPS;
+            const int t = (step & 3) * 16 + (lane & 15);
+            const int d = (step >> 2) * 8 + (lane >> 4) * 4;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                key_beta_t_s[(d + e) * CHUNK_TC_C_STRIDE + t] = key_beta[pass][e];
+            }
         }
     }
     __syncthreads();
@@ -530,17 +611,15 @@ kda_chunk_tc_prepare_f32(const float* __restrict__ query, const float* __restric
         inverse_block_below_diagonal(lower_s, inverse_s, warp + 1, warp, lane);
     }
     // value_t_s = tf32(beta v)^T over the dead key tile (last read before the barrier).
-    for (int step = warp; step < CHUNK_TC_TRANSPOSE_STEPS; step += CHUNK_TC_PREPARE_WARPS) {
+#pragma unroll
+    for (int pass = 0; pass < CHUNK_TC_TRANSPOSE_PASSES; ++pass) {
+        const int step = warp + pass * CHUNK_TC_PREPARE_WARPS;
         const int t = (step & 3) * 16 + (lane & 15);
         const int d = (step >> 2) * 8 + (lane >> 4) * 4;
-        float value_row[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        if (t < valid) {
-            load4(value_row, value + static_cast<size_t>(first + t) * row_stride + head_offset + d);
-        }
         const float beta_t = beta_s[t];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            value_t_s[(d + e) * CHUNK_TC_C_STRIDE + t] = round_tf32(beta_t * value_row[e]);
+            value_t_s[(d + e) * CHUNK_TC_C_STRIDE + t] = round_tf32(beta_t * value_rows[pass][e]);
         }
     }
     __syncthreads();
