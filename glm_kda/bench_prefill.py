@@ -2,10 +2,11 @@
 
 One JSON line per case: geometry, impl ("tensor": the TF32 tensor-core chunk kernels, "fp32":
 the FP32 reference kernels), T, median µs over CUDA events after warm-up, Mtok/s and achieved
-TFLOP/s (the FLOP count of :func:`block_flops` / :func:`core_flops`). "core" is projection
-output to core output: conv + L2 norm + split, forget gate + beta, the chunked delta rule (what
-flash-linear-attention's chunk_kda computes with its in-kernel norm, gate and beta; ours also
-counts the causal conv, which is fused with the L2 norm).
+TFLOP/s (the FLOP count of :func:`block_flops` / :func:`core_flops`). "core" is conv output to
+core output: forget gate + beta and the chunked delta rule (what flash-linear-attention's
+chunk_kda computes from the same inputs with its in-kernel gate and beta; its in-kernel L2
+norm is fused into our conv pass, so our "core" leaves it out). "core_conv" adds the conv
+(+ SiLU + L2 + split) pass: projection output to core output.
 
 Geometries: "glm" (hidden 4096, 64 heads, bounded gate -5), "kimi" (hidden 2304, 32 heads,
 softplus law: FP32 kernels only) and "kimi-bounded" (Kimi's shapes with the bounded gate -5, the
@@ -65,7 +66,7 @@ def block_flops(config: KdaConfig, tokens: int) -> int:
 def bench_geometry(geometry: str, directory: Path, tokens: tuple[int, ...], repeats: int) -> list[dict]:
     import cupy
 
-    from . import kernels, ops
+    from . import kernels
     from .checkpoint import bind_layer
     from .layer import KdaLayer, KdaWorkspace, to_device_bf16
     from .selftest import median_ms
@@ -88,15 +89,15 @@ def bench_geometry(geometry: str, directory: Path, tokens: tuple[int, ...], repe
             block_ms = median_ms(lambda: layer.prefill(hidden[:count], state), repeats=reps, warmup=2)
 
             def core() -> None:
-                # conv + L2 (fused, so counted here, though chunk_kda does no conv), gate, beta
-                # and the chunked delta rule.
-                ws, c = layer.workspace, layer.config
-                ops.gate_beta_f32(ws.forget_proj, layer.dt_bias, layer.a_log, ws.down_proj[:, 2 * c.head_dim:],
-                                  ws.gate, ws.beta, c.heads, c.head_dim, c.bounded, c.gate_lower_bound or 0.0,
-                                  tokens=count)
+                layer.gate_beta(count)
+                layer.chunk_core(count, state.recurrent)
+
+            def core_conv() -> None:
+                layer.gate_beta(count)
                 layer.prefill_core(count, state.conv, state.recurrent)
 
             core_ms = median_ms(core, repeats=reps, warmup=2)
+            core_conv_ms = median_ms(core_conv, repeats=reps, warmup=2)
             if count == 16384:
                 with kernels.timing() as timer:
                     layer.prefill(hidden[:count], state)
@@ -104,7 +105,8 @@ def bench_geometry(geometry: str, directory: Path, tokens: tuple[int, ...], repe
                              "total_ms": {name: round(ms, 4) for name, ms in timer.summary().items()}}
                 print(json.dumps(breakdown), flush=True)
             for case, ms, flops in (("block", block_ms, block_flops(config, count)),
-                                    ("core", core_ms, core_flops(config, count))):
+                                    ("core", core_ms, core_flops(config, count)),
+                                    ("core_conv", core_conv_ms, core_flops(config, count))):
                 row = {"impl": f"glm_kda-{impl}", "case": case, "geometry": geometry, "T": count,
                        "median_us": 1e3 * ms, "Mtok_s": count / (1e3 * ms), "TFLOP_s": flops / 1e9 / ms}
                 rows.append(row)

@@ -5,7 +5,9 @@ Same inputs and outputs as the FP32 pair ``ops.kda_chunk_prepare_f32`` +
 ``ops.kda_chunk_scan_f32`` (which stay the reference path): query, key, value, gate
 [>= T, H, D] FP32, beta [>= T, H] FP32, the carried state [H, D, D] FP32 (K-major, updated
 in place) and core [>= T, H, D] FP32 out. Every matrix product runs on mma.sync TF32 with
-FP32 accumulation; chunk 64, sub-chunks of 16. The gate must follow the BOUNDED law with
+FP32 accumulation; chunk 64, sub-chunks of 16. The scratch the scan reads as mma operands
+(q_decay, k_tail, W, B) is stored as FP16, which holds those TF32 values exactly in its
+normal range (SCRATCH_KINDS). The gate must follow the BOUNDED law with
 lower_bound >= -5 (:func:`chunk_tc_supported`): the kernel turns the pairwise decays
 exp(G_t - G_s) into matrix products through one reference row per 16-row sub-chunk, and
 the range of those factors is only bounded when every g >= -5 (see the comment above the
@@ -23,7 +25,7 @@ which is ``kda_chunk_tc_prepare_f32`` (grid (nchunks, H)) then ``kda_chunk_tc_sc
 :func:`model_chunk_tc` follows the kernels step by step in float64: the same sub-chunk
 reference rows, the same block order of the triangular inverse, and TF32 rounding
 (:func:`round_tf32`, bit-identical to the kernel's) applied to exactly the operands the
-kernels round, and the kernel's FP32 cumulative gate and exponent arguments. With
+kernels round, the FP16 storage of the scratch (:func:`round_f16`), and the kernel's FP32 cumulative gate and exponent arguments. With
 ``emulate_rounding=False`` it is the exact blocked algorithm and equals
 :func:`glm_kda.reference.chunk_scan` to float64 rounding. The rest of the kernels' FP32
 arithmetic (expf, products, mma accumulation) is float64 here, so kernel and model differ
@@ -51,8 +53,13 @@ D_STRIDE = HEAD_DIM + 4
 C_STRIDE = CHUNK + 4
 # Three reusable units of a [D][C + 4] tile, plus beta [C]: 104,704 bytes, two blocks per SM.
 PREPARE_SMEM_BYTES = 4 * (3 * HEAD_DIM * C_STRIDE + CHUNK)
-# W and q_decay [C][D + 4], the TF32 state copy [32][D + 4], U^T [32][C + 4].
-SCAN_SMEM_BYTES = 4 * (2 * CHUNK * D_STRIDE + SCAN_COLUMNS * D_STRIDE + SCAN_COLUMNS * C_STRIDE)
+# FP16 row stride (halves) of the scan's W and q_decay tiles.
+H_STRIDE = HEAD_DIM + 32
+# W and q_decay FP16 [C][D + 32], the TF32 state copy [32][D + 4], U^T [32][C + 4]: 66,560 bytes.
+SCAN_SMEM_BYTES = 2 * 2 * CHUNK * H_STRIDE + 4 * (SCAN_COLUMNS * D_STRIDE + SCAN_COLUMNS * C_STRIDE)
+# The scratch the scan reads as mma operands is FP16 (TF32 values, which FP16 holds exactly
+# in its normal range: kernels_src/chunk_tc.cu); U and the chunk decay stay FP32.
+SCRATCH_KINDS = {"q_decay": "f16", "k_tail": "f16", "w": "f16", "u": "f32", "attn": "f16", "chunk_decay": "f32"}
 
 
 def chunk_tc_supported(config: Any) -> tuple[bool, str]:
@@ -84,12 +91,13 @@ def chunk_count(tokens: int) -> int:
 
 
 def scratch_shapes(tokens: int, heads: int) -> dict[str, tuple[int, ...]]:
-    """Shapes of the FP32 scratch buffers of one call (any larger first dimension is fine).
+    """Shapes of the scratch buffers of one call (any larger first dimension is fine); their
+    dtypes are SCRATCH_KINDS: q_decay, k_tail, w, attn FP16, u and chunk_decay FP32.
 
-    These are exactly the chunk scratch of ``KdaWorkspace`` at chunk 64: q_decay, k_tail,
-    w (workspace ``chunk_w``), u (``chunk_u``) [Tp, H, D]; attn [nchunks, H, 64, 64];
-    chunk_decay [nchunks, H, D]. k_tail holds the same number of floats as [Tp, H, D] but in
-    the chunk-transposed order [nchunks, H, D, 64].
+    Shapes as the chunk scratch of ``KdaWorkspace`` at chunk 64: q_decay, k_tail, w
+    (workspace ``chunk_w_f16``), u (``chunk_u``) [Tp, H, D]; attn [nchunks, H, 64, 64];
+    chunk_decay [nchunks, H, D]. k_tail holds the same number of elements as [Tp, H, D] but
+    in the chunk-transposed order [nchunks, H, D, 64].
     """
     nchunks = chunk_count(tokens)
     padded = nchunks * CHUNK
@@ -101,6 +109,20 @@ def scratch_shapes(tokens: int, heads: int) -> dict[str, tuple[int, ...]]:
         "attn": (nchunks, heads, CHUNK, CHUNK),
         "chunk_decay": (nchunks, heads, HEAD_DIM),
     }
+
+
+def f16_view(buffer: Any) -> Any:
+    """An FP16 view of the first half of a C-contiguous FP32 buffer's bytes, of the buffer's
+    shape: the workspace keeps one allocation per scratch for both chunk paths."""
+    flat = buffer.reshape(-1)
+    return flat[: flat.size // 2].view(array_module(buffer).float16).reshape(buffer.shape)
+
+
+def new_scratch(xp: Any, tokens: int, heads: int, fill: float = 0.0) -> dict[str, Any]:
+    """Scratch buffers of :func:`scratch_shapes` and SCRATCH_KINDS, filled with `fill`."""
+    dtypes = {"f16": xp.float16, "f32": xp.float32}
+    return {name: xp.full(shape, fill, dtypes[SCRATCH_KINDS[name]])
+            for name, shape in scratch_shapes(tokens, heads).items()}
 
 
 _SHARED_CARVEOUT_SET: set[tuple[int, str]] = set()
@@ -135,10 +157,10 @@ def _require_lower_bound(lower_bound: float) -> None:
 def _require_scratch(q_decay, k_tail, w, u, attn, chunk_decay, tokens: int, heads: int) -> None:
     nchunks = chunk_count(tokens)
     padded = nchunks * CHUNK
-    # Every scratch access is a 16-byte (or 8-byte) vector.
+    # Every scratch access is a 16-, 8- or 4-byte vector.
     for name, array in (("q_decay", q_decay), ("k_tail", k_tail), ("w", w), ("u", u)):
-        _require_rows(name, array, "f32", padded, (heads, HEAD_DIM), aligned=True)
-    _require_rows("attn", attn, "f32", nchunks, (heads, CHUNK, CHUNK), aligned=True)
+        _require_rows(name, array, SCRATCH_KINDS[name], padded, (heads, HEAD_DIM), aligned=True)
+    _require_rows("attn", attn, SCRATCH_KINDS["attn"], nchunks, (heads, CHUNK, CHUNK), aligned=True)
     _require_rows("chunk_decay", chunk_decay, "f32", nchunks, (heads, HEAD_DIM), aligned=True)
 
 
@@ -154,9 +176,10 @@ def kda_chunk_tc_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, 
     """Intra-chunk work of every chunk (no state): grid (nchunks, H), 256 threads.
 
     query, key, value, gate [>= T, H, D] and beta [>= T, H] FP32, 16-byte aligned; rows >= T
-    are never read. Writes the scratch of :func:`scratch_shapes`: q_decay = tf32(scale q
-    exp(G)), k_tail = tf32(k exp(G_last - G)) chunk-transposed, w = tf32(W), u = Uc (FP32),
-    attn = tf32(B) (zero above the diagonal), chunk_decay = exp(G_last); padded rows zero.
+    are never read. Writes the scratch of :func:`scratch_shapes`: q_decay = f16(tf32(scale q
+    exp(G))), k_tail = f16(tf32(k exp(G_last - G))) chunk-transposed, w = f16(tf32(W)),
+    u = Uc (FP32), attn = f16(tf32(B)) (zero above the diagonal), chunk_decay = exp(G_last)
+    (FP32); padded rows zero.
     """
     _require_lower_bound(lower_bound)
     _require_int32("tokens", tokens)
@@ -203,10 +226,11 @@ def chunk_prefill_tc(query, key, value, gate, beta, state, core, tokens: int, lo
     """The chunked prefill core on tensor cores: core [>= T, H, D] and the carried state
     [H, D, D] (in place) from query, key, value, gate [>= T, H, D] and beta [>= T, H].
 
-    Scratch (FP32, C-contiguous, 16-byte aligned; :func:`scratch_shapes`), with
-    Tp = ceil(T / 64) * 64: q_decay, k_tail, w, u [>= Tp, H, D]; attn [>= Tp / 64, H, 64, 64];
-    chunk_decay [>= Tp / 64, H, D]. The workspace's q_decay, k_tail, chunk_w, chunk_u, attn and
-    chunk_decay are exactly these when its chunk is 64.
+    Scratch (C-contiguous, 16-byte aligned; :func:`scratch_shapes`, dtypes SCRATCH_KINDS),
+    with Tp = ceil(T / 64) * 64: q_decay, k_tail, w (FP16), u (FP32) [>= Tp, H, D]; attn (FP16)
+    [>= Tp / 64, H, 64, 64]; chunk_decay (FP32) [>= Tp / 64, H, D]. The workspace's
+    q_decay_f16, k_tail_f16, chunk_w_f16, chunk_u, attn_f16 and chunk_decay are exactly these
+    when its chunk is 64.
 
     lower_bound is the bounded gate law's bound (-5 <= lower_bound <= 0); anything else is
     refused here, before any launch. Every argument is checked before the first launch, so
@@ -243,6 +267,16 @@ def round_tf32(x: Any) -> Any:
     return rounded.view(xp.float32).astype(xp.float64)
 
 
+def round_f16(x: Any) -> Any:
+    """x (float64) -> FP32 -> FP16 (nearest even, subnormals kept, overflow to inf) as float64."""
+    xp = array_module(x)
+    return xp.asarray(x, dtype=xp.float32).astype(xp.float16).astype(xp.float64)
+
+
+def _round_f16_of_tf32(x: Any) -> Any:
+    return round_f16(round_tf32(x))
+
+
 def _exact(x: Any) -> Any:
     return array_module(x).asarray(x, dtype=array_module(x).float64)
 
@@ -264,6 +298,9 @@ def model_chunk_tc_prepare(query, key, value, gate, beta, lower_bound: float, sc
     _require_lower_bound(lower_bound)
     xp = array_module(query)
     rnd = round_tf32 if emulate_rounding else _exact
+    # The scratch the scan reads as mma operands is stored FP16 (exact for TF32 values in
+    # FP16's normal range; rounded to nearest even below it, as cvt.rn.f16.f32 does).
+    stored = _round_f16_of_tf32 if emulate_rounding else _exact
     # The kernel's cumulative gate is an FP32 running sum and every exponent argument an FP32
     # difference; emulated, because their FP32 error (1e-5 relative in exp at |G| ~ 300)
     # would otherwise flip many TF32 roundings between kernel and model.
@@ -299,8 +336,8 @@ def model_chunk_tc_prepare(query, key, value, gate, beta, lower_bound: float, sc
     last = cumgate[:, :, -1:, :]
 
     # 1. Elementwise outputs.
-    q_decay = rnd(scale * q * xp.exp(cumgate))
-    k_tail = rnd(k * exp_of_difference(last, cumgate))
+    q_decay = stored(scale * q * xp.exp(cumgate))
+    k_tail = stored(k * exp_of_difference(last, cumgate))
     chunk_decay = xp.exp(last[:, :, 0, :])
 
     # 2. A and B by row block i, reference row 16 i (range argument in the .cu file).
@@ -320,7 +357,7 @@ def model_chunk_tc_prepare(query, key, value, gate, beta, lower_bound: float, sc
     strict = position[:, None] > position[None, :]
     inclusive = position[:, None] >= position[None, :]
     lower = xp.where(strict, b[..., :, None] * pair_kk, 0.0)
-    attn = rnd(xp.where(inclusive, scale * pair_qk, 0.0))
+    attn = stored(xp.where(inclusive, scale * pair_qk, 0.0))
 
     # 3. T = (I + L)^-1: exact diagonal blocks (the kernel's FP32 forward substitution),
     # then the blocks below the diagonal in waves of distance 1, 2, 3.
@@ -338,7 +375,7 @@ def model_chunk_tc_prepare(query, key, value, gate, beta, lower_bound: float, sc
     # 4. W and Uc.
     key_beta = rnd(b[..., None] * k * xp.exp(cumgate))
     value_beta = rnd(b[..., None] * v)
-    w = rnd(rnd(inverse) @ key_beta)
+    w = stored(rnd(inverse) @ key_beta)
     u = rnd(inverse) @ value_beta
 
     def rows_major(x):  # [nchunks, H, C, D] -> [Tp, H, D]
@@ -397,5 +434,6 @@ def model_chunk_tc(query, key, value, gate, beta, recurrent, lower_bound: float,
 __all__ = [
     "CHUNK", "MIN_LOWER_BOUND", "PREPARE_SMEM_BYTES", "SCAN_SMEM_BYTES", "chunk_count", "chunk_prefill_tc",
     "chunk_tc_supported", "kda_chunk_tc_prepare_f32", "kda_chunk_tc_scan_f32", "model_chunk_tc",
-    "model_chunk_tc_prepare", "model_chunk_tc_scan", "round_tf32", "scratch_shapes",
+    "model_chunk_tc_prepare", "model_chunk_tc_scan", "round_tf32", "round_f16", "scratch_shapes", "SCRATCH_KINDS",
+    "f16_view", "new_scratch",
 ]

@@ -108,7 +108,9 @@ class KdaWorkspace:
       o_norm_out [T, qkv] BF16    final_out [T, hidden] BF16
       chunk scratch: q_decay, k_tail, chunk_w, chunk_u [Tp, H, D], attn [Tp/C, H, C, C],
       chunk_decay [Tp/C, H, D], all FP32
-    with Tp = max_tokens rounded up to the chunk.
+    with Tp = max_tokens rounded up to the chunk. The tensor-core path keeps q_decay, k_tail,
+    w and attn as FP16 in the first half of the same bytes: q_decay_f16, k_tail_f16,
+    chunk_w_f16, attn_f16 are those views, of the FP32 buffers' shapes (see glm_kda.chunk_tc).
     """
 
     _shared: dict[tuple, "KdaWorkspace"] = {}
@@ -149,6 +151,8 @@ class KdaWorkspace:
         self.chunk_u = cupy.zeros((padded, heads, dim), f32)
         self.attn = cupy.zeros((nchunks, heads, c.chunk, c.chunk), f32)
         self.chunk_decay = cupy.zeros((nchunks, heads, dim), f32)
+        self.q_decay_f16, self.k_tail_f16, self.chunk_w_f16, self.attn_f16 = (
+            chunk_tc.f16_view(buffer) for buffer in (self.q_decay, self.k_tail, self.chunk_w, self.attn))
         # Fixed input buffers of the captured decode graphs.
         self.graph_hidden = cupy.zeros((max_tokens, c.hidden), bf16)
         self.graph_slots = cupy.zeros((max_tokens,), np.int32)
@@ -317,6 +321,13 @@ class KdaLayer:
         else:
             self._project_decode(x, weight, out)
 
+    def gate_beta(self, rows: int) -> None:
+        """Forget gate [rows, H, D] and beta [rows, H] (FP32) from forget_proj and the b_proj
+        columns of down_proj, in one pass."""
+        ws, c = self.workspace, self.config
+        ops.gate_beta_f32(ws.forget_proj, self.dt_bias, self.a_log, ws.down_proj[:, 2 * c.head_dim :], ws.gate,
+                          ws.beta, c.heads, c.head_dim, c.bounded, c.gate_lower_bound or 0.0, tokens=rows)
+
     def front_end(self, hidden: Any, wide: bool = False) -> None:
         """Projections, forget gate, beta and output gate of `rows` hidden rows.
 
@@ -330,8 +341,7 @@ class KdaLayer:
             with side:
                 self._project(hidden, self.down_weight, ws.down_proj[:rows], wide)
                 self._project(ws.down_proj[:rows, :d], self.f_b, ws.forget_proj[:rows], wide)
-                ops.gate_beta_f32(ws.forget_proj, self.dt_bias, self.a_log, ws.down_proj[:, 2 * d :], ws.gate,
-                                  ws.beta, c.heads, d, c.bounded, c.gate_lower_bound or 0.0, tokens=rows)
+                self.gate_beta(rows)
                 self._project(ws.down_proj[:rows, d : 2 * d], self.g_b, ws.out_gate[:rows], wide)
             self._project(hidden, self.qkv_weight, ws.qkv_proj[:rows], wide)
 
@@ -399,10 +409,20 @@ class KdaLayer:
         if pad_value is not None and padded > tokens:
             for buf in (query, key, value, gate, beta):
                 buf[tokens:padded].fill(pad_value)
+        self.chunk_core(tokens, recurrent_state, first)
+
+    def chunk_core(self, tokens: int, recurrent_state: Any, first: int = 0) -> None:
+        """The chunked delta rule alone for workspace rows first..first+T-1: query, key, value,
+        gate [T, H, D] and beta [T, H] FP32 to core [T, H, D] FP32, the recurrent_state [H, D, D]
+        FP32 carried in place, on the chunk implementation of `chunk_impl`."""
+        ws, c = self.workspace, self.config
+        rows = slice(first, None)
+        query, key, value, gate, beta, core = (buf[rows] for buf in (ws.query, ws.key, ws.value, ws.gate,
+                                                                      ws.beta, ws.core))
         if self._chunk_impl == "tensor":
             chunk_tc.chunk_prefill_tc(query, key, value, gate, beta, recurrent_state, core, tokens,
-                                      c.gate_lower_bound, ws.q_decay, ws.k_tail, ws.chunk_w, ws.chunk_u, ws.attn,
-                                      ws.chunk_decay, scale=self.scale)
+                                      c.gate_lower_bound, ws.q_decay_f16, ws.k_tail_f16, ws.chunk_w_f16,
+                                      ws.chunk_u, ws.attn_f16, ws.chunk_decay, scale=self.scale)
         else:
             ops.kda_chunk_prepare_f32(query, key, value, gate, beta, ws.q_decay, ws.k_tail, ws.chunk_w, ws.chunk_u,
                                       ws.attn, ws.chunk_decay, tokens, c.chunk, self.scale)

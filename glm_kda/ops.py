@@ -54,6 +54,9 @@ def _check_dtype(name: str, array, kind: str) -> None:
     if kind == "bf16":
         if array.dtype not in _BF16_DTYPES:
             raise TypeError(f"{name}: expected BF16 (bfloat16 or uint16 bits), got {array.dtype}")
+    elif kind == "f16":
+        if array.dtype != numpy.dtype(numpy.float16):
+            raise TypeError(f"{name}: expected float16, got {array.dtype}")
     elif array.dtype != _F32_DTYPE:
         raise TypeError(f"{name}: expected float32, got {array.dtype}")
 

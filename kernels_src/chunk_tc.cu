@@ -44,9 +44,11 @@
 //        (i - j = 1, 2, 3);
 //     4. W = T (beta K exp(G)) and Uc = T (beta V): 64x64 @ 64x128 on mma, 4 warps each.
 // kda_chunk_tc_scan_f32: grid (heads, D / 32), 128 threads (4 warps), dynamic shared
-//   memory CHUNK_TC_SCAN_SMEM_BYTES = 93,184 B, so two blocks fit one SM of sm_80 /
-//   sm_90 / sm_100 and GLM's 64 heads x 4 value tiles (256 blocks) run in one wave on an
-//   H200's 132 SMs; Kimi's 32 heads give 128 blocks. A block owns the state columns
+//   memory CHUNK_TC_SCAN_SMEM_BYTES = 66,560 B, so two blocks fit one SM of sm_80 /
+//   sm_90 / sm_100 / sm_120 and GLM's 64 heads x 4 value tiles (256 blocks) run in one wave
+//   on an H200's 132 SMs; Kimi's 32 heads give 128 blocks. The scan is bound by the L2
+//   traffic of the operands every value tile of a head reads (W, q_decay, k_tail, B: FP16,
+//   see f32_to_f16 below). A block owns the state columns
 //   [32 y, 32 y + 32) of one head, FP32 in registers as mma accumulators (warp w: rows
 //   32 w .. 32 w + 31), and walks the chunks:
 //     phase A (warp w: chunk rows 16 w .. 16 w + 15): U = Uc - W S0 and o = q_decay S0,
@@ -79,6 +81,9 @@
 // Row strides (floats) of the shared tiles: [*][D] and [*][C].
 #define CHUNK_TC_D_STRIDE (KDA_HEAD_DIM + 4)
 #define CHUNK_TC_C_STRIDE (CHUNK_TC + 4)
+// Row stride (halves) of the scan's FP16 [C][D] tiles: 320 bytes, 64 mod 128, so the
+// 16-byte fragment loads of a quarter warp (rows g, g + 1; 64 bytes each) hit 32 banks.
+#define CHUNK_TC_H_STRIDE (KDA_HEAD_DIM + 32)
 // The prepare kernel's shared memory is four units, reused between phases; a unit holds a
 // [C][D_STRIDE] tile (8448 floats) or a [D][C_STRIDE] tile (8704 floats).
 #define CHUNK_TC_UNIT (KDA_HEAD_DIM * CHUNK_TC_C_STRIDE)
@@ -86,8 +91,8 @@
 // float4 loads per thread to cover one [C][D] tile.
 #define CHUNK_TC_TILE_LOADS (CHUNK_TC * KDA_HEAD_DIM / 4 / CHUNK_TC_PREPARE_THREADS)
 #define CHUNK_TC_SCAN_SMEM_BYTES                                                              \
-    (4 * (2 * CHUNK_TC * CHUNK_TC_D_STRIDE + CHUNK_TC_SCAN_COLUMNS * CHUNK_TC_D_STRIDE +     \
-          CHUNK_TC_SCAN_COLUMNS * CHUNK_TC_C_STRIDE))
+    (2 * 2 * CHUNK_TC * CHUNK_TC_H_STRIDE +                                                   \
+     4 * (CHUNK_TC_SCAN_COLUMNS * CHUNK_TC_D_STRIDE + CHUNK_TC_SCAN_COLUMNS * CHUNK_TC_C_STRIDE))
 
 // x rounded to TF32 (10 mantissa bits), to nearest with ties away from zero, as
 // cvt.rna.tf32.f32 rounds; the result is an FP32 value with 13 zero low bits, so the mma
@@ -100,6 +105,49 @@ __device__ __forceinline__ float round_tf32(float x)
         return x;
     }
     return __uint_as_float((bits + 0x1000u) & 0xffffe000u);
+}
+
+// FP16 storage for the scratch the scan reads as mma operands (q_decay, k_tail, W, B): a
+// TF32 value has 11 significant bits, as FP16 has, so one inside FP16's normal range
+// [6.1e-5, 65504] converts exactly and the scan multiplies the very TF32 values the FP32
+// scratch held; below that range FP16 keeps a subnormal (absolute error <= 3e-8 on a term of
+// that size, which the rms measure does not see). It halves the scan's traffic, which is
+// what bounds it. The range holds for these operands: |q_decay| <= scale, |k_tail| <= 1,
+// |B| <= scale (unit q and k, decays <= 1), and W = T diag(beta) K exp(G) is of order |T|,
+// the inverse of a unit-triangular matrix whose entries are key dot products (measured
+// |W| <= 0.3); a value beyond 65504 would become inf, and the output NaN, not wrong numbers.
+// The raw 16 bits, so that no header is needed.
+typedef unsigned short f16_t;
+
+__device__ __forceinline__ f16_t f32_to_f16(float x)
+{
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return h;
+}
+
+__device__ __forceinline__ float f16_to_f32(f16_t h)
+{
+    float x;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(x) : "h"(h));
+    return x;
+}
+
+__device__ __forceinline__ unsigned int pack_f16x2(float low, float high)
+{
+    return static_cast<unsigned int>(f32_to_f16(low)) | (static_cast<unsigned int>(f32_to_f16(high)) << 16);
+}
+
+// Eight FP16 values from 16-byte aligned memory (shared or global), as floats.
+__device__ __forceinline__ void load8_f16(float out[8], const f16_t* pointer)
+{
+    const uint4 value = *reinterpret_cast<const uint4*>(pointer);
+    const unsigned int words[4] = {value.x, value.y, value.z, value.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        out[2 * e] = f16_to_f32(static_cast<f16_t>(words[e] & 0xffffu));
+        out[2 * e + 1] = f16_to_f32(static_cast<f16_t>(words[e] >> 16));
+    }
 }
 
 // acc[16 x 8] += A[16 x 8] B[8 x 8], TF32 operands (already rounded), FP32 accumulate.
@@ -167,7 +215,7 @@ __device__ __forceinline__ float clamp_gate(float g, float lower_bound)
 }
 
 // 16 bytes global -> shared, asynchronous (L2 only: the tile is read once per block).
-__device__ __forceinline__ void copy_async_16B(float* shared_destination, const float* source)
+__device__ __forceinline__ void copy_async_16B(void* shared_destination, const void* source)
 {
     const unsigned int address =
         static_cast<unsigned int>(__cvta_generic_to_shared(shared_destination));
@@ -290,9 +338,9 @@ __device__ __forceinline__ void load_query_row8(float out[8], const float* __res
 extern "C" __global__ void __launch_bounds__(CHUNK_TC_PREPARE_THREADS, 2)
 kda_chunk_tc_prepare_f32(const float* __restrict__ query, const float* __restrict__ key,
                          const float* __restrict__ value, const float* __restrict__ gate,
-                         const float* __restrict__ beta, float* __restrict__ q_decay,
-                         float* __restrict__ k_tail_t, float* __restrict__ w,
-                         float* __restrict__ u, float* __restrict__ attn,
+                         const float* __restrict__ beta, f16_t* __restrict__ q_decay,
+                         f16_t* __restrict__ k_tail_t, f16_t* __restrict__ w,
+                         float* __restrict__ u, f16_t* __restrict__ attn,
                          float* __restrict__ chunk_decay, int tokens, int heads, float scale,
                          float lower_bound)
 {
@@ -407,13 +455,16 @@ kda_chunk_tc_prepare_f32(const float* __restrict__ query, const float* __restric
             out.z = round_tf32(scale * query_value[l].z * expf(cumgate.z));
             out.w = round_tf32(scale * query_value[l].w * expf(cumgate.w));
             const size_t at = static_cast<size_t>(first + t) * row_stride + head_offset + d;
-            *reinterpret_cast<float4*>(q_decay + at) = out;
+            uint2 packed;
+            packed.x = pack_f16x2(out.x, out.y);
+            packed.y = pack_f16x2(out.z, out.w);
+            *reinterpret_cast<uint2*>(q_decay + at) = packed;
         }
     }
     // k_tail_t[chunk][head][d][s] = tf32(k_s exp(G_{C-1} - G_s)): transposed, the scan's A
     // operand of k_tail^T U.
     {
-        float* tail_block = k_tail_t + chunk_head * KDA_HEAD_DIM * CHUNK_TC;
+        f16_t* tail_block = k_tail_t + chunk_head * KDA_HEAD_DIM * CHUNK_TC;
         const float* cumgate_last = cumgate_s + (CHUNK_TC - 1) * CHUNK_TC_D_STRIDE;
         for (int step = warp; step < CHUNK_TC_TRANSPOSE_STEPS; step += CHUNK_TC_PREPARE_WARPS) {
             const int t = (step & 3) * 16 + (lane & 15);
@@ -426,17 +477,20 @@ kda_chunk_tc_prepare_f32(const float* __restrict__ query, const float* __restric
             load4(last, cumgate_last + d);
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                tail_block[(d + e) * CHUNK_TC + t] = round_tf32(key_value[e] * expf(last[e] - cumgate[e]));
+                tail_block[(d + e) * CHUNK_TC + t] = f32_to_f16(round_tf32(key_value[e] * expf(last[e] - cumgate[e])));
             }
         }
     }
     // B above the diagonal blocks is zero: the scan reads whole 32-column halves of a row.
-    float* attn_block = attn + chunk_head * CHUNK_TC * CHUNK_TC;
+    f16_t* attn_block = attn + chunk_head * CHUNK_TC * CHUNK_TC;
     for (int index = thread; index < CHUNK_TC * CHUNK_TC / 4; index += CHUNK_TC_PREPARE_THREADS) {
         const int t = index >> 4;
         const int s = (index & 15) * 4;
         if (s >= (t / CHUNK_TC_SUB + 1) * CHUNK_TC_SUB) {
-            *reinterpret_cast<float4*>(attn_block + t * CHUNK_TC + s) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            uint2 zeros;
+            zeros.x = 0u;
+            zeros.y = 0u;
+            *reinterpret_cast<uint2*>(attn_block + t * CHUNK_TC + s) = zeros;
         }
     }
 
@@ -517,7 +571,7 @@ kda_chunk_tc_prepare_f32(const float* __restrict__ query, const float* __restric
                 const int s = CHUNK_TC_SUB * j + 8 * n + 2 * thread_in_group + (e & 1);
                 // A is strictly lower triangular, B keeps its diagonal.
                 lower_s[t * CHUNK_TC_C_STRIDE + s] = s < t ? beta_s[t] * acc_kk[n][e] : 0.0f;
-                attn_block[t * CHUNK_TC + s] = s <= t ? round_tf32(scale * acc_qk[n][e]) : 0.0f;
+                attn_block[t * CHUNK_TC + s] = f32_to_f16(s <= t ? round_tf32(scale * acc_qk[n][e]) : 0.0f);
             }
         }
     }
@@ -663,8 +717,7 @@ kda_chunk_tc_prepare_f32(const float* __restrict__ query, const float* __restric
                 }
             }
         }
-        // W is an mma operand of the scan (stored TF32); Uc only initialises U (FP32).
-        float* out = is_value ? u : w;
+        // W is an mma operand of the scan (TF32 values stored as FP16); Uc only initialises U (FP32).
 #pragma unroll
         for (int m = 0; m < 4; ++m) {
 #pragma unroll
@@ -674,15 +727,16 @@ kda_chunk_tc_prepare_f32(const float* __restrict__ query, const float* __restric
                     const int t = 16 * m + group_lane + 8 * half;
                     const int d = d_base + 8 * n + 2 * thread_in_group;
                     float2 pair_value = make_float2(acc[m][n][2 * half], acc[m][n][2 * half + 1]);
-                    if (!is_value) {
-                        pair_value.x = round_tf32(pair_value.x);
-                        pair_value.y = round_tf32(pair_value.y);
-                    }
                     if (t >= valid) {
                         pair_value = make_float2(0.0f, 0.0f);
                     }
                     const size_t at = static_cast<size_t>(first + t) * row_stride + head_offset + d;
-                    *reinterpret_cast<float2*>(out + at) = pair_value;
+                    if (is_value) {
+                        *reinterpret_cast<float2*>(u + at) = pair_value;
+                    } else {
+                        *reinterpret_cast<unsigned int*>(w + at) =
+                            pack_f16x2(round_tf32(pair_value.x), round_tf32(pair_value.y));
+                    }
                 }
             }
         }
@@ -691,34 +745,34 @@ kda_chunk_tc_prepare_f32(const float* __restrict__ query, const float* __restric
 
 // The scan's W and q_decay tiles of chunk `chunk_index` into shared memory, asynchronously
 // (one warp copies one 512-byte row per instruction).
-__device__ __forceinline__ void copy_chunk_rows_async(float* w_s, float* q_s, const float* w,
-                                                      const float* q_decay, int chunk_index,
+__device__ __forceinline__ void copy_chunk_rows_async(f16_t* w_s, f16_t* q_s, const f16_t* w,
+                                                      const f16_t* q_decay, int chunk_index,
                                                       size_t row_stride, size_t head_offset)
 {
-    for (int index = threadIdx.x; index < 2 * CHUNK_TC * KDA_HEAD_DIM / 4; index += CHUNK_TC_SCAN_THREADS) {
-        const int matrix = index / (CHUNK_TC * KDA_HEAD_DIM / 4);
-        const int rest = index - matrix * (CHUNK_TC * KDA_HEAD_DIM / 4);
-        const int t = rest >> 5;
-        const int d = (rest & 31) * 4;
+    for (int index = threadIdx.x; index < 2 * CHUNK_TC * KDA_HEAD_DIM / 8; index += CHUNK_TC_SCAN_THREADS) {
+        const int matrix = index / (CHUNK_TC * KDA_HEAD_DIM / 8);
+        const int rest = index - matrix * (CHUNK_TC * KDA_HEAD_DIM / 8);
+        const int t = rest >> 4;
+        const int d = (rest & 15) * 8;
         const size_t at = static_cast<size_t>(chunk_index * CHUNK_TC + t) * row_stride + head_offset + d;
-        copy_async_16B((matrix == 0 ? w_s : q_s) + t * CHUNK_TC_D_STRIDE + d, (matrix == 0 ? w : q_decay) + at);
+        copy_async_16B((matrix == 0 ? w_s : q_s) + t * CHUNK_TC_H_STRIDE + d, (matrix == 0 ? w : q_decay) + at);
     }
     copy_async_commit();
 }
 
 extern "C" __global__ void __launch_bounds__(CHUNK_TC_SCAN_THREADS, 2)
-kda_chunk_tc_scan_f32(const float* __restrict__ q_decay, const float* __restrict__ k_tail_t,
-                      const float* __restrict__ w, const float* __restrict__ u,
-                      const float* __restrict__ attn, const float* __restrict__ chunk_decay,
+kda_chunk_tc_scan_f32(const f16_t* __restrict__ q_decay, const f16_t* __restrict__ k_tail_t,
+                      const f16_t* __restrict__ w, const float* __restrict__ u,
+                      const f16_t* __restrict__ attn, const float* __restrict__ chunk_decay,
                       float* __restrict__ state, float* __restrict__ core, int tokens, int heads)
 {
-    // w_s, q_s [C][D_STRIDE]: this chunk's W and q_decay (TF32 values from the prepare).
+    // w_s, q_s [C][H_STRIDE] FP16: this chunk's W and q_decay (TF32 values from the prepare).
     // state_t_s [32][D_STRIDE]: tf32(S0)^T of the block's columns, the B operand of phase A.
     // u_t_s [32][C_STRIDE]: tf32(U)^T, the B operand of phase B.
     extern __shared__ __align__(16) float shared[];
-    float* w_s = shared;
-    float* q_s = w_s + CHUNK_TC * CHUNK_TC_D_STRIDE;
-    float* state_t_s = q_s + CHUNK_TC * CHUNK_TC_D_STRIDE;
+    f16_t* w_s = reinterpret_cast<f16_t*>(shared);
+    f16_t* q_s = w_s + CHUNK_TC * CHUNK_TC_H_STRIDE;
+    float* state_t_s = shared + CHUNK_TC * CHUNK_TC_H_STRIDE;
     float* u_t_s = state_t_s + CHUNK_TC_SCAN_COLUMNS * CHUNK_TC_D_STRIDE;
 
     const int head = blockIdx.x;
@@ -773,21 +827,21 @@ kda_chunk_tc_scan_f32(const float* __restrict__ q_decay, const float* __restrict
         // rows state_row + 16 m (+8), and the decay of those rows.
         float attn_low[2][8];
         float attn_high[2][8];
-        const float* attn_block = attn + chunk_head * CHUNK_TC * CHUNK_TC;
+        const f16_t* attn_block = attn + chunk_head * CHUNK_TC * CHUNK_TC;
 #pragma unroll
         for (int kb = 0; kb < 2; ++kb) {
-            load8(attn_low[kb], attn_block + row_low * CHUNK_TC + 32 * kb + lane_k);
-            load8(attn_high[kb], attn_block + (row_low + 8) * CHUNK_TC + 32 * kb + lane_k);
+            load8_f16(attn_low[kb], attn_block + row_low * CHUNK_TC + 32 * kb + lane_k);
+            load8_f16(attn_high[kb], attn_block + (row_low + 8) * CHUNK_TC + 32 * kb + lane_k);
         }
         float tail_low[2][2][8];
         float tail_high[2][2][8];
-        const float* tail_block = k_tail_t + chunk_head * KDA_HEAD_DIM * CHUNK_TC;
+        const f16_t* tail_block = k_tail_t + chunk_head * KDA_HEAD_DIM * CHUNK_TC;
 #pragma unroll
         for (int m = 0; m < 2; ++m) {
 #pragma unroll
             for (int kb = 0; kb < 2; ++kb) {
-                load8(tail_low[m][kb], tail_block + (state_row + 16 * m) * CHUNK_TC + 32 * kb + lane_k);
-                load8(tail_high[m][kb], tail_block + (state_row + 16 * m + 8) * CHUNK_TC + 32 * kb + lane_k);
+                load8_f16(tail_low[m][kb], tail_block + (state_row + 16 * m) * CHUNK_TC + 32 * kb + lane_k);
+                load8_f16(tail_high[m][kb], tail_block + (state_row + 16 * m + 8) * CHUNK_TC + 32 * kb + lane_k);
             }
         }
         float decay[2][2];
@@ -821,10 +875,10 @@ kda_chunk_tc_scan_f32(const float* __restrict__ q_decay, const float* __restrict
             float w_high[8];
             float q_low[8];
             float q_high[8];
-            load8(w_low, w_s + row_low * CHUNK_TC_D_STRIDE + 32 * kb + lane_k);
-            load8(w_high, w_s + (row_low + 8) * CHUNK_TC_D_STRIDE + 32 * kb + lane_k);
-            load8(q_low, q_s + row_low * CHUNK_TC_D_STRIDE + 32 * kb + lane_k);
-            load8(q_high, q_s + (row_low + 8) * CHUNK_TC_D_STRIDE + 32 * kb + lane_k);
+            load8_f16(w_low, w_s + row_low * CHUNK_TC_H_STRIDE + 32 * kb + lane_k);
+            load8_f16(w_high, w_s + (row_low + 8) * CHUNK_TC_H_STRIDE + 32 * kb + lane_k);
+            load8_f16(q_low, q_s + row_low * CHUNK_TC_H_STRIDE + 32 * kb + lane_k);
+            load8_f16(q_high, q_s + (row_low + 8) * CHUNK_TC_H_STRIDE + 32 * kb + lane_k);
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
                 w_low[e] = -w_low[e];

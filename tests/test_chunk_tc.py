@@ -47,6 +47,9 @@ from glm_kda.chunk_tc import (
     model_chunk_tc,
     model_chunk_tc_prepare,
     model_chunk_tc_scan,
+    SCRATCH_KINDS,
+    new_scratch,
+    round_f16,
     round_tf32,
     scratch_shapes,
 )
@@ -82,7 +85,7 @@ def assert_close(actual, expected, bound, what):
 def bits(x):
     x = x.get() if hasattr(x, "get") else np.asarray(x)
     x = np.ascontiguousarray(x)
-    return x.view(np.uint64 if x.dtype == np.float64 else np.uint32)
+    return x.view({8: np.uint64, 4: np.uint32, 2: np.uint16}[x.dtype.itemsize])
 
 
 def assert_bits_equal(a, b, what):
@@ -234,7 +237,9 @@ def _call_arguments(tokens, heads):
     beta = _aligned_f32((tokens, heads))
     state = _aligned_f32((heads, 128, 128))
     core = _aligned_f32((tokens, heads, 128))
-    scratch = [_aligned_f32(shape) for shape in scratch_shapes(tokens, heads).values()]
+    dtypes = {"f16": np.float16, "f32": np.float32}
+    scratch = [HostStandIn(aligned(shape, dtypes[SCRATCH_KINDS[name]]))
+               for name, shape in scratch_shapes(tokens, heads).items()]
     return inputs, beta, state, core, scratch
 
 
@@ -259,15 +264,18 @@ def test_launch_geometry_and_shared_memory(launches, tokens, heads):
     # kernels must fit twice (the scan: GLM's 256 blocks in one wave on 132 SMs; the prepare:
     # one block's loads overlap the other's products).
     assert PREPARE_SMEM_BYTES == 104704 and 2 * (PREPARE_SMEM_BYTES + 1024) <= 228 * 1024
-    assert SCAN_SMEM_BYTES == 93184 and 2 * (SCAN_SMEM_BYTES + 1024) <= 228 * 1024
+    assert SCAN_SMEM_BYTES == 66560 and 2 * (SCAN_SMEM_BYTES + 1024) <= 228 * 1024
     source = (kernels.kernels_dir() / "chunk_tc.cu").read_text()
-    assert "104,704 B" in source and "93,184 B" in source, "the .cu header states the shared memory"
+    assert "104,704 B" in source and "66,560 B" in source, "the .cu header states the shared memory"
 
 
 def test_wrapper_names_a_bad_scratch_buffer(launches):
     inputs, beta, state, core, scratch = _call_arguments(65, 2)
-    scratch[4] = _aligned_f32((1, 2, 64, 64))  # attn for one chunk, two are needed
+    scratch[4] = HostStandIn(aligned((1, 2, 64, 64), np.float16))  # attn for one chunk, two are needed
     with pytest.raises(ValueError, match="attn"):
+        chunk_tc.chunk_prefill_tc(*inputs, beta, state, core, 65, LOWER_BOUND, *scratch)
+    scratch[4] = _aligned_f32((2, 2, 64, 64))  # the FP32 path's attn: the tensor-core path stores FP16
+    with pytest.raises(TypeError, match="attn: expected float16"):
         chunk_tc.chunk_prefill_tc(*inputs, beta, state, core, 65, LOWER_BOUND, *scratch)
     assert launches == []
 
@@ -292,7 +300,8 @@ EMULATION_HEADER = r"""
 // The CUDA subset chunk_tc.cu uses, on the host: one std::thread per CUDA thread, std::barrier
 // for __syncthreads / __syncwarp, mma.m16n8k8 TF32 as a warp collective built from the PTX
 // fragment layout (A (g + 8 (r % 2), t + 4 (r / 2)), B (k t + 4 r, n g), C (g + 8 (r / 2),
-// 2 t + r % 2), lane = 4 g + t), cp.async as a plain copy. Counts mma operands that are not
+// 2 t + r % 2), lane = 4 g + t), cp.async as a plain copy, the FP16 conversions through
+// _Float16. Counts mma operands that are not
 // TF32 values and vector accesses that are not aligned.
 #pragma once
 #include <algorithm>
@@ -308,6 +317,8 @@ using std::min;
 struct dim3 { unsigned x = 1, y = 1, z = 1; };
 struct alignas(16) float4 { float x, y, z, w; };
 struct alignas(8) float2 { float x, y; };
+struct alignas(16) uint4 { unsigned int x, y, z, w; };
+struct alignas(8) uint2 { unsigned int x, y; };
 inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 inline float2 make_float2(float a, float b) { return {a, b}; }
 inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
@@ -363,7 +374,21 @@ inline void mma_tf32_m16n8k8(float acc[4], float a0, float a1, float a2, float a
     for (int e = 0; e < 4; ++e) acc[e] = out[e];
     if (lane == 0) mma_count++;
 }
-inline void copy_async_16B(float* destination, const float* source) { std::memcpy(destination, source, 16); }
+inline void copy_async_16B(void* destination, const void* source) { std::memcpy(destination, source, 16); }
+// cvt.rn.f16.f32 / cvt.f32.f16 through the compiler's IEEE half type (nearest even).
+inline unsigned short f32_to_f16(float x)
+{
+    const _Float16 h = static_cast<_Float16>(x);
+    unsigned short bits;
+    std::memcpy(&bits, &h, 2);
+    return bits;
+}
+inline float f16_to_f32(unsigned short bits)
+{
+    _Float16 h;
+    std::memcpy(&h, &bits, 2);
+    return static_cast<float>(h);
+}
 inline void copy_async_commit() {}
 inline void copy_async_wait_all() {}
 """
@@ -383,9 +408,10 @@ std::barrier<>* warp_barriers[32];
 std::atomic<long> not_tf32{0}, misaligned{0}, mma_count{0};
 int jitter = 0;
 WarpSlot warp_slots[32][32];
+using f16_t = unsigned short;
 extern "C" void kda_chunk_tc_prepare_f32(const float*, const float*, const float*, const float*, const float*,
-    float*, float*, float*, float*, float*, float*, int, int, float, float);
-extern "C" void kda_chunk_tc_scan_f32(const float*, const float*, const float*, const float*, const float*,
+    f16_t*, f16_t*, f16_t*, float*, f16_t*, float*, int, int, float, float);
+extern "C" void kda_chunk_tc_scan_f32(const f16_t*, const f16_t*, const f16_t*, const float*, const f16_t*,
     const float*, float*, float*, int, int);
 
 template <class F> void run_grid(dim3 grid, int threads, size_t shared_bytes, F kernel)
@@ -425,6 +451,12 @@ static void save(const std::string& path, const std::vector<float>& v)
 {
     std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(v.data()), v.size() * 4);
 }
+static void save(const std::string& path, const std::vector<f16_t>& v)
+{
+    std::vector<float> widened(v.size());
+    for (size_t i = 0; i < v.size(); ++i) widened[i] = f16_to_f32(v[i]);
+    save(path, widened);
+}
 
 int main(int argc, char** argv)
 {
@@ -438,9 +470,10 @@ int main(int argc, char** argv)
     auto state = load(dir + "/state", heads * D * D);
     // Scratch starts as NaN: an element the prepare does not write shows.
     auto poisoned = [](size_t count) { return std::vector<float>(count, std::nanf("")); };
-    auto q_decay = poisoned(padded * heads * D), k_tail = poisoned(padded * heads * D);
-    auto w = poisoned(padded * heads * D), u = poisoned(padded * heads * D);
-    auto attn = poisoned(nchunks * heads * C * C), chunk_decay = poisoned(nchunks * heads * D);
+    auto poisoned_f16 = [](size_t count) { return std::vector<f16_t>(count, f16_t(0x7e00)); };
+    auto q_decay = poisoned_f16(padded * heads * D), k_tail = poisoned_f16(padded * heads * D);
+    auto w = poisoned_f16(padded * heads * D), attn = poisoned_f16(nchunks * heads * C * C);
+    auto u = poisoned(padded * heads * D), chunk_decay = poisoned(nchunks * heads * D);
     auto core = std::vector<float>(rows * heads * D, 12345.0f);
     run_grid(dim3{unsigned(nchunks), unsigned(heads), 1}, 256, std::atoi(argv[7]), [&] {
         kda_chunk_tc_prepare_f32(query.data(), key.data(), value.data(), gate.data(), beta.data(), q_decay.data(),
@@ -451,8 +484,10 @@ int main(int argc, char** argv)
         kda_chunk_tc_scan_f32(q_decay.data(), k_tail.data(), w.data(), u.data(), attn.data(), chunk_decay.data(),
                               state.data(), core.data(), tokens, heads);
     });
-    for (auto [name, data] : {std::pair{"q_decay", &q_decay}, {"k_tail", &k_tail}, {"w", &w}, {"u", &u},
-                              {"attn", &attn}, {"chunk_decay", &chunk_decay}, {"core", &core}, {"state", &state}}) {
+    for (auto [name, data] : {std::pair{"q_decay", &q_decay}, {"k_tail", &k_tail}, {"w", &w}, {"attn", &attn}}) {
+        save(dir + "/" + name + ".out", *data);
+    }
+    for (auto [name, data] : {std::pair{"u", &u}, {"chunk_decay", &chunk_decay}, {"core", &core}, {"state", &state}}) {
         save(dir + "/" + name + ".out", *data);
     }
     std::printf("not_tf32=%ld misaligned=%ld mma=%ld\n", not_tf32.load(), misaligned.load(), mma_count.load());
@@ -461,7 +496,8 @@ int main(int argc, char** argv)
 """
 
 # The device-only helpers the emulation header replaces (their bodies are inline PTX).
-DEVICE_HELPERS = ("mma_tf32_m16n8k8", "copy_async_16B", "copy_async_commit", "copy_async_wait_all")
+DEVICE_HELPERS = ("mma_tf32_m16n8k8", "copy_async_16B", "copy_async_commit", "copy_async_wait_all", "f32_to_f16",
+                  "f16_to_f32")
 
 
 def host_source() -> str:
@@ -471,13 +507,13 @@ def host_source() -> str:
 
     source = kernels.kernel_source("chunk_tc")
     for name in DEVICE_HELPERS:
-        match = re.search(r"__device__ __forceinline__ void " + name + r"\(.*?\n\}\n", source, re.S)
+        match = re.search(r"__device__ __forceinline__ \w+ " + name + r"\(.*?\n\}\n", source, re.S)
         assert match, f"chunk_tc.cu no longer defines {name}; update the host emulation"
         source = source[: match.start()] + source[match.end() :]
     declaration = "extern __shared__ __align__(16) float shared[];"
     assert source.count(declaration) == 2, "the host emulation expects one dynamic shared array per kernel"
     source = source.replace(declaration, "float* shared = emulated_shared;")
-    for vector in ("float4", "float2"):
+    for vector in ("float4", "float2", "uint4", "uint2", "unsigned int"):
         source = source.replace(f"reinterpret_cast<const {vector}*>(", f"checked_cast<const {vector}>(")
         source = source.replace(f"reinterpret_cast<{vector}*>(", f"checked_cast<{vector}>(")
     assert "asm" not in re.sub(r"//.*", "", source), "inline PTX left in the host build"
@@ -598,6 +634,12 @@ def _device_inputs(tokens, heads, law="bounded", seed=SEED, pad=0.0):
 
 
 def _scratch(tokens, heads):
+    """The tensor-core path's scratch (FP16 operands, FP32 u and chunk_decay), NaN-filled."""
+    return new_scratch(_cp(), tokens, heads, fill=float("nan"))
+
+
+def _scratch_f32(tokens, heads):
+    """The FP32 path's scratch, NaN-filled."""
     cp = _cp()
     return {name: cp.full(shape, float("nan"), cp.float32) for name, shape in scratch_shapes(tokens, heads).items()}
 
@@ -613,7 +655,7 @@ def _run_tc(device, state, tokens):
 def _run_fp32(device, state, tokens):
     cp = _cp()
     heads = state.shape[0]
-    scratch = _scratch(tokens, heads)
+    scratch = _scratch_f32(tokens, heads)
     core = cp.zeros(device[0].shape, cp.float32)
     ops.kda_chunk_prepare_f32(*device, *scratch.values(), tokens, 64, 1.0 / math.sqrt(128))
     ops.kda_chunk_scan_f32(*scratch.values(), state, core, tokens, 64)
@@ -730,14 +772,15 @@ def test_gpu_throughput_report(geometry, figures):
     cp = _cp()
     heads, tokens = GEOMETRY_HEADS[geometry], 4096
     device, start, _ = _device_inputs(tokens, heads, seed=SEED + 5)
-    state, core, scratch = start.copy(), cp.zeros(device[0].shape, cp.float32), _scratch(tokens, heads)
+    state, core = start.copy(), cp.zeros(device[0].shape, cp.float32)
+    scratch, scratch_f32 = _scratch(tokens, heads), _scratch_f32(tokens, heads)
 
     def tensor_core():
         chunk_tc.chunk_prefill_tc(*device, state, core, tokens, LOWER_BOUND, *scratch.values())
 
     def fp32():
-        ops.kda_chunk_prepare_f32(*device, *scratch.values(), tokens, 64, 1.0 / math.sqrt(128))
-        ops.kda_chunk_scan_f32(*scratch.values(), state, core, tokens, 64)
+        ops.kda_chunk_prepare_f32(*device, *scratch_f32.values(), tokens, 64, 1.0 / math.sqrt(128))
+        ops.kda_chunk_scan_f32(*scratch_f32.values(), state, core, tokens, 64)
 
     timings = {}
     for name, run in (("tc", tensor_core), ("fp32", fp32)):
