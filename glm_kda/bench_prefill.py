@@ -88,16 +88,9 @@ def bench_geometry(geometry: str, directory: Path, tokens: tuple[int, ...], repe
             reps = repeats if count <= 16384 else max(2, repeats // 2)
             block_ms = median_ms(lambda: layer.prefill(hidden[:count], state), repeats=reps, warmup=2)
 
-            def core() -> None:
-                layer.gate_beta(count)
-                layer.chunk_core(count, state.recurrent)
-
-            def core_conv() -> None:
-                layer.gate_beta(count)
-                layer.prefill_core(count, state.conv, state.recurrent)
-
-            core_ms = median_ms(core, repeats=reps, warmup=2)
-            core_conv_ms = median_ms(core_conv, repeats=reps, warmup=2)
+            core_ms = median_ms(lambda: layer.chunk_core(count, state.recurrent), repeats=reps, warmup=2)
+            core_conv_ms = median_ms(lambda: layer.prefill_core(count, state.conv, state.recurrent), repeats=reps,
+                                     warmup=2)
             if count == 16384:
                 with kernels.timing() as timer:
                     layer.prefill(hidden[:count], state)

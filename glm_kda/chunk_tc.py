@@ -35,9 +35,9 @@ at the FP32 level plus rare TF32 rounding flips of operands.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
-from glm_kda import kernels
+from glm_kda import kernels, ops
 from glm_kda.ops import HEAD_DIM, _check_dtype, _f32, _i32, _require, _require_int32, _require_rows, recurrent_state_heads
 from glm_kda.state import array_module
 
@@ -171,12 +171,26 @@ def _heads_of(beta) -> int:
     return beta.shape[1]
 
 
+class GateSource(NamedTuple):
+    """What the forget gate and beta are formed from (as ops.gate_beta_f32 takes them):
+    forget_proj [>= T, H*D] BF16, dt_bias [H*D] FP32, a_log [H] FP32, beta_logits [>= T, >= H]
+    BF16 (a column slice of a wider buffer is fine)."""
+
+    forget_proj: Any
+    dt_bias: Any
+    a_log: Any
+    beta_logits: Any
+
+
 def kda_chunk_tc_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, u, attn, chunk_decay,
-                             tokens: int, lower_bound: float, scale: float | None = None) -> None:
+                             tokens: int, lower_bound: float, scale: float | None = None,
+                             gate_source: GateSource | None = None) -> None:
     """Intra-chunk work of every chunk (no state): grid (nchunks, H), 256 threads.
 
     query, key, value, gate [>= T, H, D] and beta [>= T, H] FP32, 16-byte aligned; rows >= T
-    are never read. Writes the scratch of :func:`scratch_shapes`: q_decay = f16(tf32(scale q
+    are never read. With `gate_source`, gate and beta are OUTPUTS instead: the kernel forms
+    them from the projections (the bounded law at lower_bound, bit for bit what
+    ops.gate_beta_f32 writes) and writes their T rows, saving the gate kernel's pass. Writes the scratch of :func:`scratch_shapes`: q_decay = f16(tf32(scale q
     exp(G))), k_tail = f16(tf32(k exp(G_last - G))) chunk-transposed, w = f16(tf32(W)),
     u = Uc (FP32), attn = f16(tf32(B)) (zero above the diagonal), chunk_decay = exp(G_last)
     (FP32); padded rows zero.
@@ -190,6 +204,12 @@ def kda_chunk_tc_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, 
     for name, array in (("query", query), ("key", key), ("value", value), ("gate", gate)):
         _require_rows(name, array, "f32", tokens, (heads, HEAD_DIM), aligned=True)
     _require_scratch(q_decay, k_tail, w, u, attn, chunk_decay, tokens, heads)
+    if gate_source is None:
+        # Unused pointers of the unfused form (never dereferenced).
+        sources, ld_beta = (gate, gate, gate, gate), 0
+    else:
+        sources = GateSource(*gate_source)
+        ld_beta = ops.check_gate_sources(*sources, heads, HEAD_DIM, tokens, aligned=True)
     if scale is None:
         scale = 1.0 / math.sqrt(HEAD_DIM)
     _launch(
@@ -197,7 +217,8 @@ def kda_chunk_tc_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, 
         (chunk_count(tokens), heads),
         (PREPARE_THREADS,),
         (query, key, value, gate, beta, q_decay, k_tail, w, u, attn, chunk_decay,
-         _i32(tokens), _i32(heads), _f32(scale), _f32(lower_bound)),
+         _i32(tokens), _i32(heads), _f32(scale), _f32(lower_bound), _i32(int(gate_source is not None)),
+         *sources, _i32(ld_beta)),
         shared_mem=PREPARE_SMEM_BYTES,
     )
 
@@ -222,7 +243,8 @@ def kda_chunk_tc_scan_f32(q_decay, k_tail, w, u, attn, chunk_decay, state, core,
 
 
 def chunk_prefill_tc(query, key, value, gate, beta, state, core, tokens: int, lower_bound: float,
-                     q_decay, k_tail, w, u, attn, chunk_decay, scale: float | None = None) -> None:
+                     q_decay, k_tail, w, u, attn, chunk_decay, scale: float | None = None,
+                     gate_source: GateSource | None = None) -> None:
     """The chunked prefill core on tensor cores: core [>= T, H, D] and the carried state
     [H, D, D] (in place) from query, key, value, gate [>= T, H, D] and beta [>= T, H].
 
@@ -233,7 +255,8 @@ def chunk_prefill_tc(query, key, value, gate, beta, state, core, tokens: int, lo
     when its chunk is 64.
 
     lower_bound is the bounded gate law's bound (-5 <= lower_bound <= 0); anything else is
-    refused here, before any launch. Every argument is checked before the first launch, so
+    refused here, before any launch. With `gate_source` (:class:`GateSource`) gate and beta
+    are written from the projections instead of read (see :func:`kda_chunk_tc_prepare_f32`). Every argument is checked before the first launch, so
     a refused call leaves the state untouched.
     """
     _require_lower_bound(lower_bound)
@@ -247,8 +270,10 @@ def chunk_prefill_tc(query, key, value, gate, beta, state, core, tokens: int, lo
     _require("state", state, "f32", (heads, HEAD_DIM, HEAD_DIM), aligned=True)
     _require_rows("core", core, "f32", tokens, (heads, HEAD_DIM), aligned=True)
     _require_scratch(q_decay, k_tail, w, u, attn, chunk_decay, tokens, heads)
+    if gate_source is not None:
+        ops.check_gate_sources(*gate_source, heads, HEAD_DIM, tokens, aligned=True)
     kda_chunk_tc_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, u, attn, chunk_decay,
-                             tokens, lower_bound, scale)
+                             tokens, lower_bound, scale, gate_source)
     kda_chunk_tc_scan_f32(q_decay, k_tail, w, u, attn, chunk_decay, state, core, tokens)
 
 
@@ -435,5 +460,5 @@ __all__ = [
     "CHUNK", "MIN_LOWER_BOUND", "PREPARE_SMEM_BYTES", "SCAN_SMEM_BYTES", "chunk_count", "chunk_prefill_tc",
     "chunk_tc_supported", "kda_chunk_tc_prepare_f32", "kda_chunk_tc_scan_f32", "model_chunk_tc",
     "model_chunk_tc_prepare", "model_chunk_tc_scan", "round_tf32", "round_f16", "scratch_shapes", "SCRATCH_KINDS",
-    "f16_view", "new_scratch",
+    "f16_view", "new_scratch", "GateSource",
 ]

@@ -321,15 +321,22 @@ class KdaLayer:
         else:
             self._project_decode(x, weight, out)
 
-    def gate_beta(self, rows: int) -> None:
-        """Forget gate [rows, H, D] and beta [rows, H] (FP32) from forget_proj and the b_proj
-        columns of down_proj, in one pass."""
-        ws, c = self.workspace, self.config
-        ops.gate_beta_f32(ws.forget_proj, self.dt_bias, self.a_log, ws.down_proj[:, 2 * c.head_dim :], ws.gate,
-                          ws.beta, c.heads, c.head_dim, c.bounded, c.gate_lower_bound or 0.0, tokens=rows)
+    def gate_source(self, first: int = 0) -> chunk_tc.GateSource:
+        """Workspace rows first.. of what the forget gate and beta are formed from."""
+        ws = self.workspace
+        return chunk_tc.GateSource(ws.forget_proj[first:], self.dt_bias, self.a_log,
+                                   ws.down_proj[first:, 2 * self.config.head_dim :])
 
-    def front_end(self, hidden: Any, wide: bool = False) -> None:
-        """Projections, forget gate, beta and output gate of `rows` hidden rows.
+    def gate_beta(self, rows: int, first: int = 0) -> None:
+        """Forget gate [rows, H, D] and beta [rows, H] (FP32) of workspace rows first.. from
+        forget_proj and the b_proj columns of down_proj, in one pass."""
+        ws, c = self.workspace, self.config
+        ops.gate_beta_f32(*self.gate_source(first), ws.gate[first:], ws.beta[first:], c.heads, c.head_dim,
+                          c.bounded, c.gate_lower_bound or 0.0, tokens=rows)
+
+    def front_end(self, hidden: Any, wide: bool = False, gate: bool = True) -> None:
+        """Projections, forget gate, beta and output gate of `rows` hidden rows. A prefill
+        passes gate=False: its chunk_core forms the gate (fused into the tensor-core prepare).
 
         On the decode side the low-rank chain (down_proj -> forget_proj -> gate, beta; and
         out_gate) runs on a second, higher-priority stream beside the q|k|v projection, which
@@ -341,7 +348,8 @@ class KdaLayer:
             with side:
                 self._project(hidden, self.down_weight, ws.down_proj[:rows], wide)
                 self._project(ws.down_proj[:rows, :d], self.f_b, ws.forget_proj[:rows], wide)
-                self.gate_beta(rows)
+                if gate:
+                    self.gate_beta(rows)
                 self._project(ws.down_proj[:rows, d : 2 * d], self.g_b, ws.out_gate[:rows], wide)
             self._project(hidden, self.qkv_weight, ws.qkv_proj[:rows], wide)
 
@@ -392,10 +400,10 @@ class KdaLayer:
     def prefill_core(self, tokens: int, conv_state: Any, recurrent_state: Any, pad_value: float | None = 0.0,
                      first: int = 0) -> None:
         """The stateful middle of a prefill for workspace rows first..first+T-1: from qkv_proj
-        [T, 3*qkv] BF16, gate [T, H, D] and beta [T, H] to conv_out, query, key, value and core
-        [T, H, D] FP32. conv + SiLU + L2 + split in one pass (conv_state [3*qkv, K] FP32 in
-        place), then the chunked delta rule from the carried recurrent_state [H, D, D] FP32 (in
-        place). The chunk kernels never read past row T-1 of their sequence: the padded tail of
+        [T, 3*qkv] BF16, forget_proj [T, qkv] and the beta logits (down_proj) to conv_out, query,
+        key, value, gate, beta and core [T, H, D] FP32. conv + SiLU + L2 + split in one pass
+        (conv_state [3*qkv, K] FP32 in place), then :meth:`chunk_core` (gate, beta and the
+        chunked delta rule from the carried recurrent_state [H, D, D] FP32, in place). The chunk kernels never read past row T-1 of their sequence: the padded tail of
         the last chunk is filled with `pad_value` (tests poison it) or, with None, left as it
         is (packed prefill, where those rows belong to the next sequence). The chunk scratch is
         per call, from its row 0."""
@@ -412,9 +420,12 @@ class KdaLayer:
         self.chunk_core(tokens, recurrent_state, first)
 
     def chunk_core(self, tokens: int, recurrent_state: Any, first: int = 0) -> None:
-        """The chunked delta rule alone for workspace rows first..first+T-1: query, key, value,
-        gate [T, H, D] and beta [T, H] FP32 to core [T, H, D] FP32, the recurrent_state [H, D, D]
-        FP32 carried in place, on the chunk implementation of `chunk_impl`."""
+        """Conv output to core output for workspace rows first..first+T-1: the forget gate
+        and beta (gate [T, H, D], beta [T, H] FP32, from forget_proj and down_proj), then the
+        chunked delta rule from query, key, value to core [T, H, D] FP32, the recurrent_state
+        [H, D, D] FP32 carried in place, on the chunk implementation of `chunk_impl`. The
+        tensor-core prepare forms the gate itself (the same bits as the gate kernel); the FP32
+        path runs the gate kernel first."""
         ws, c = self.workspace, self.config
         rows = slice(first, None)
         query, key, value, gate, beta, core = (buf[rows] for buf in (ws.query, ws.key, ws.value, ws.gate,
@@ -422,8 +433,10 @@ class KdaLayer:
         if self._chunk_impl == "tensor":
             chunk_tc.chunk_prefill_tc(query, key, value, gate, beta, recurrent_state, core, tokens,
                                       c.gate_lower_bound, ws.q_decay_f16, ws.k_tail_f16, ws.chunk_w_f16,
-                                      ws.chunk_u, ws.attn_f16, ws.chunk_decay, scale=self.scale)
+                                      ws.chunk_u, ws.attn_f16, ws.chunk_decay, scale=self.scale,
+                                      gate_source=self.gate_source(first))
         else:
+            self.gate_beta(tokens, first)
             ops.kda_chunk_prepare_f32(query, key, value, gate, beta, ws.q_decay, ws.k_tail, ws.chunk_w, ws.chunk_u,
                                       ws.attn, ws.chunk_decay, tokens, c.chunk, self.scale)
             ops.kda_chunk_scan_f32(ws.q_decay, ws.k_tail, ws.chunk_w, ws.chunk_u, ws.attn, ws.chunk_decay,
@@ -456,7 +469,7 @@ class KdaLayer:
         ws, tokens = self.workspace, hidden.shape[0]
         wide = tokens > GEMV_MAX_ROWS
         with _section("front_end"):
-            self.front_end(hidden, wide)
+            self.front_end(hidden, wide, gate=False)
         with _section("recurrence"):
             self.prefill_core(tokens, state.conv, state.recurrent, pad_value)
         with _section("back_end"):
@@ -479,7 +492,7 @@ class KdaLayer:
         host_slots = self._host_slots(slots, len(lengths), pool, "prefill")
         ws, wide = self.workspace, rows > GEMV_MAX_ROWS
         with _section("front_end"):
-            self.front_end(hidden, wide)
+            self.front_end(hidden, wide, gate=False)
         with _section("recurrence"):
             for first, tokens, slot in zip(bounds[:-1].tolist(), lengths.tolist(), host_slots.tolist()):
                 self.prefill_core(tokens, pool.conv[slot], pool.recurrent[slot], pad_value=None, first=first)

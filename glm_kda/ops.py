@@ -379,6 +379,24 @@ def conv_prefill_silu_l2_bf16(
 # --------------------------------------------------------------------------------------
 
 
+def check_gate_sources(forget_proj, dt_bias, a_log, beta_logits, heads: int, head_dim: int, tokens: int,
+                       aligned: bool = False) -> int:
+    """Checks the forget gate's and beta's sources (see :func:`gate_beta_f32`) for `tokens`
+    rows; returns the beta logits' row stride in elements."""
+    qkv = heads * head_dim
+    _require_rows("forget_proj", forget_proj, "bf16", tokens, (qkv,), aligned=aligned)
+    _check_dtype("dt_bias", dt_bias, "f32")
+    if dt_bias.size != qkv or not dt_bias.flags.c_contiguous:
+        raise ValueError(f"dt_bias: expected {qkv} contiguous values (per channel), got {list(dt_bias.shape)}")
+    _check_dtype("a_log", a_log, "f32")
+    if a_log.size != heads or not a_log.flags.c_contiguous:
+        raise ValueError(f"a_log: expected {heads} contiguous values (per head), got {list(a_log.shape)}")
+    _check_dtype("beta_logits", beta_logits, "bf16")
+    if beta_logits.ndim != 2 or beta_logits.shape[0] < tokens or beta_logits.shape[1] < heads:
+        raise ValueError(f"beta_logits: expected [>= {tokens}, >= {heads}], got {list(beta_logits.shape)}")
+    return _row_stride("beta_logits", beta_logits, "bf16", tokens, beta_logits.shape[1])
+
+
 def gate_beta_f32(
     forget_proj,
     dt_bias,
@@ -400,20 +418,9 @@ def gate_beta_f32(
     FP32. bounded: gate = lower_bound * sigmoid(exp(A_log) u); else the softplus
     law (lower_bound ignored).
     """
-    qkv = heads * head_dim
     if tokens is None:
         tokens = forget_proj.shape[0]
-    _require_rows("forget_proj", forget_proj, "bf16", tokens, (qkv,))
-    _check_dtype("dt_bias", dt_bias, "f32")
-    if dt_bias.size != qkv or not dt_bias.flags.c_contiguous:
-        raise ValueError(f"dt_bias: expected {qkv} contiguous values (per channel), got {list(dt_bias.shape)}")
-    _check_dtype("a_log", a_log, "f32")
-    if a_log.size != heads or not a_log.flags.c_contiguous:
-        raise ValueError(f"a_log: expected {heads} contiguous values (per head), got {list(a_log.shape)}")
-    _check_dtype("beta_logits", beta_logits, "bf16")
-    if beta_logits.ndim != 2 or beta_logits.shape[0] < tokens or beta_logits.shape[1] < heads:
-        raise ValueError(f"beta_logits: expected [>= {tokens}, >= {heads}], got {list(beta_logits.shape)}")
-    ld_beta = _row_stride("beta_logits", beta_logits, "bf16", tokens, beta_logits.shape[1])
+    ld_beta = check_gate_sources(forget_proj, dt_bias, a_log, beta_logits, heads, head_dim, tokens)
     _require_rows("gate", gate, "f32", tokens, (heads, head_dim))
     _require_rows("beta", beta, "f32", tokens, (heads,))
     if head_dim > 1024:

@@ -337,13 +337,20 @@ __device__ __forceinline__ void load_query_row8(float out[8], const float* __res
 
 extern "C" __global__ void __launch_bounds__(CHUNK_TC_PREPARE_THREADS, 2)
 kda_chunk_tc_prepare_f32(const float* __restrict__ query, const float* __restrict__ key,
-                         const float* __restrict__ value, const float* __restrict__ gate,
-                         const float* __restrict__ beta, f16_t* __restrict__ q_decay,
+                         const float* __restrict__ value, float* __restrict__ gate,
+                         float* __restrict__ beta, f16_t* __restrict__ q_decay,
                          f16_t* __restrict__ k_tail_t, f16_t* __restrict__ w,
                          float* __restrict__ u, f16_t* __restrict__ attn,
                          float* __restrict__ chunk_decay, int tokens, int heads, float scale,
-                         float lower_bound)
+                         float lower_bound, int fused_gate, const bf16_t* __restrict__ forget_proj,
+                         const float* __restrict__ dt_bias, const float* __restrict__ a_log,
+                         const bf16_t* __restrict__ beta_logits, int ld_beta)
 {
+    // fused_gate = 0: gate [T, H, D] and beta [T, H] are inputs. fused_gate = 1: they are
+    // outputs (the stage buffers), formed here from forget_proj [T, H*D] BF16 + dt_bias [H*D]
+    // and A_log [H] (kda_forget_gate, bounded law: the bits of gate_beta_f32) and from the
+    // BF16 beta logits (row stride ld_beta), for the real rows of the chunk only; the gate
+    // kernel's pass over memory is saved.
     // Three units of CHUNK_TC_UNIT floats, then beta [C] (104,704 B: two blocks per SM of
     // sm_80 / sm_90 / sm_100). q is never staged: it is an elementwise input of q_decay and
     // the A operand of the B blocks, read from global memory (L2) where it is used.
@@ -383,37 +390,92 @@ kda_chunk_tc_prepare_f32(const float* __restrict__ query, const float* __restric
     // 1. Load k and g (padding rows zero by index, never read): every load of the thread is
     // issued before the first store, then the cumulative gate and the elementwise outputs.
     {
+        // The gate tile goes to shared memory clamped to [lower_bound, 0]; the key tile after
+        // the branch. This thread's 4 channels are the same in every load (index & 31 is
+        // thread & 31), so its rows are t = thread / 32 + 8 l.
         float4 key_value[CHUNK_TC_TILE_LOADS];
-        float4 gate_value[CHUNK_TC_TILE_LOADS];
+        const int channel = (thread & 31) * 4;
+        if (fused_gate) {
+            uint2 projected[CHUNK_TC_TILE_LOADS];
 #pragma unroll
-        for (int l = 0; l < CHUNK_TC_TILE_LOADS; ++l) {
-            const int index = thread + l * CHUNK_TC_PREPARE_THREADS;
-            const int t = index >> 5;
-            const int d = (index & 31) * 4;
-            key_value[l] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            gate_value[l] = key_value[l];
-            if (t < valid) {
-                const size_t at = static_cast<size_t>(first + t) * row_stride + head_offset + d;
-                key_value[l] = *reinterpret_cast<const float4*>(key + at);
-                gate_value[l] = *reinterpret_cast<const float4*>(gate + at);
+            for (int l = 0; l < CHUNK_TC_TILE_LOADS; ++l) {
+                const int t = (thread + l * CHUNK_TC_PREPARE_THREADS) >> 5;
+                key_value[l] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                projected[l].x = 0u;
+                projected[l].y = 0u;
+                if (t < valid) {
+                    const size_t at = static_cast<size_t>(first + t) * row_stride + head_offset + channel;
+                    key_value[l] = *reinterpret_cast<const float4*>(key + at);
+                    projected[l] = *reinterpret_cast<const uint2*>(forget_proj + at);
+                }
+            }
+            const float a = expf(a_log[head]);
+            float bias[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                bias[e] = dt_bias[head_offset + channel + e];
+            }
+#pragma unroll
+            for (int l = 0; l < CHUNK_TC_TILE_LOADS; ++l) {
+                const int t = (thread + l * CHUNK_TC_PREPARE_THREADS) >> 5;
+                const unsigned int words[2] = {projected[l].x, projected[l].y};
+                float g[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const bf16_t bits = static_cast<bf16_t>(e & 1 ? words[e >> 1] >> 16 : words[e >> 1] & 0xffffu);
+                    g[e] = kda_forget_gate(bf16_to_f32(bits) + bias[e], a, true, lower_bound);
+                }
+                float4 clamped = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                if (t < valid) {
+                    *reinterpret_cast<float4*>(gate + static_cast<size_t>(first + t) * row_stride + head_offset +
+                                               channel) = make_float4(g[0], g[1], g[2], g[3]);
+                    clamped = make_float4(clamp_gate(g[0], lower_bound), clamp_gate(g[1], lower_bound),
+                                          clamp_gate(g[2], lower_bound), clamp_gate(g[3], lower_bound));
+                }
+                *reinterpret_cast<float4*>(cumgate_s + t * CHUNK_TC_D_STRIDE + channel) = clamped;
+            }
+        } else {
+            float4 gate_value[CHUNK_TC_TILE_LOADS];
+#pragma unroll
+            for (int l = 0; l < CHUNK_TC_TILE_LOADS; ++l) {
+                const int t = (thread + l * CHUNK_TC_PREPARE_THREADS) >> 5;
+                key_value[l] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                gate_value[l] = key_value[l];
+                if (t < valid) {
+                    const size_t at = static_cast<size_t>(first + t) * row_stride + head_offset + channel;
+                    key_value[l] = *reinterpret_cast<const float4*>(key + at);
+                    gate_value[l] = *reinterpret_cast<const float4*>(gate + at);
+                }
+            }
+#pragma unroll
+            for (int l = 0; l < CHUNK_TC_TILE_LOADS; ++l) {
+                const int t = (thread + l * CHUNK_TC_PREPARE_THREADS) >> 5;
+                float4 clamped = gate_value[l];
+                clamped.x = clamp_gate(clamped.x, lower_bound);
+                clamped.y = clamp_gate(clamped.y, lower_bound);
+                clamped.z = clamp_gate(clamped.z, lower_bound);
+                clamped.w = clamp_gate(clamped.w, lower_bound);
+                *reinterpret_cast<float4*>(cumgate_s + t * CHUNK_TC_D_STRIDE + channel) = clamped;
             }
         }
 #pragma unroll
         for (int l = 0; l < CHUNK_TC_TILE_LOADS; ++l) {
-            const int index = thread + l * CHUNK_TC_PREPARE_THREADS;
-            const int t = index >> 5;
-            const int d = (index & 31) * 4;
-            float4 gate_clamped = gate_value[l];
-            gate_clamped.x = clamp_gate(gate_clamped.x, lower_bound);
-            gate_clamped.y = clamp_gate(gate_clamped.y, lower_bound);
-            gate_clamped.z = clamp_gate(gate_clamped.z, lower_bound);
-            gate_clamped.w = clamp_gate(gate_clamped.w, lower_bound);
-            *reinterpret_cast<float4*>(key_s + t * CHUNK_TC_D_STRIDE + d) = key_value[l];
-            *reinterpret_cast<float4*>(cumgate_s + t * CHUNK_TC_D_STRIDE + d) = gate_clamped;
+            const int t = (thread + l * CHUNK_TC_PREPARE_THREADS) >> 5;
+            *reinterpret_cast<float4*>(key_s + t * CHUNK_TC_D_STRIDE + channel) = key_value[l];
         }
     }
     if (thread < CHUNK_TC) {
-        beta_s[thread] = thread < valid ? beta[static_cast<size_t>(first + thread) * heads + head] : 0.0f;
+        float beta_t = 0.0f;
+        if (thread < valid) {
+            const size_t token = static_cast<size_t>(first + thread);
+            if (fused_gate) {
+                beta_t = sigmoid_f32(bf16_to_f32(beta_logits[token * ld_beta + head]));
+                beta[token * heads + head] = beta_t;
+            } else {
+                beta_t = beta[token * heads + head];
+            }
+        }
+        beta_s[thread] = beta_t;
     }
     __syncthreads();
 

@@ -12,10 +12,6 @@
 // not depend on the grouping).
 #include "kda_common.cuh"
 
-// Above this the softplus equals its argument to FP32 precision (the usual
-// threshold of the reference implementations).
-#define GATE_SOFTPLUS_THRESHOLD 20.0f
-
 extern "C" __global__ void __launch_bounds__(KDA_HEAD_BLOCK)
 gate_beta_f32(const bf16_t* __restrict__ forget_proj, const float* __restrict__ dt_bias,
               const float* __restrict__ a_log, const bf16_t* __restrict__ beta_logits,
@@ -41,15 +37,7 @@ gate_beta_f32(const bf16_t* __restrict__ forget_proj, const float* __restrict__ 
             break;
         }
         const size_t index = token * heads * head_dim + channel;
-        const float u = bf16_to_f32(forget_proj[index]) + bias;
-        float g;
-        if (bounded) {
-            g = lower_bound / (1.0f + expf(-(a * u)));
-        } else {
-            const float softplus = (u > GATE_SOFTPLUS_THRESHOLD) ? u : log1pf(expf(u));
-            g = -a * softplus;
-        }
-        gate[index] = g;
+        gate[index] = kda_forget_gate(bf16_to_f32(forget_proj[index]) + bias, a, bounded != 0, lower_bound);
         if (d == 0) {
             beta[token * heads + head] =
                 sigmoid_f32(bf16_to_f32(beta_logits[token * ld_beta + head]));

@@ -81,4 +81,20 @@ __device__ __forceinline__ float sigmoid_f32(float x)
     return 1.0f / (1.0f + expf(-x));
 }
 
+// Above this the softplus equals its argument to FP32 precision (the usual
+// threshold of the reference implementations).
+#define KDA_SOFTPLUS_THRESHOLD 20.0f
+
+// The forget gate's log-decay of one channel: u = forget_proj + dt_bias (FP32), a =
+// exp(A_log[head]). One definition for every kernel that forms it (gate.cu, the
+// tensor-core chunk prepare), so they agree bit for bit.
+__device__ __forceinline__ float kda_forget_gate(float u, float a, bool bounded, float lower_bound)
+{
+    if (bounded) {
+        return lower_bound / (1.0f + expf(-(a * u)));
+    }
+    const float softplus = (u > KDA_SOFTPLUS_THRESHOLD) ? u : log1pf(expf(u));
+    return -a * softplus;
+}
+
 #endif  // KDA_COMMON_CUH

@@ -16,7 +16,8 @@ Promises, one test each:
     memory reuse and padding checked without a GPU (skipped without a C++20 compiler);
   * on a GPU: the kernels against the FP32 kernel path and the float64 oracle at GLM (64
     heads) and Kimi (32 heads) geometry for T in {1, 17, 64, 65, 1000, 4096}, each kernel
-    against the model fed its own inputs, poisoned pad bits, carried state, determinism.
+    against the model fed its own inputs, poisoned pad bits, carried state, determinism,
+    and the prepare's fused gate and beta bit-equal to the gate kernel's.
 
 Tolerance, why TC_BOUND = 1.5e-3: TF32 keeps 10 mantissa bits, so a rounded operand carries
 a relative error of at most u = 2^-11 = 4.9e-4 (rms about u / sqrt(3)); each output is a
@@ -280,6 +281,21 @@ def test_wrapper_names_a_bad_scratch_buffer(launches):
     assert launches == []
 
 
+def test_wrapper_names_a_bad_gate_source(launches):
+    inputs, beta, state, core, scratch = _call_arguments(65, 2)
+    good = dict(forget_proj=HostStandIn(aligned((65, 256), np.uint16)), dt_bias=_aligned_f32((256,)),
+                a_log=_aligned_f32((2,)), beta_logits=HostStandIn(aligned((65, 2), np.uint16)))
+    for name, bad in (("forget_proj", _aligned_f32((65, 256))), ("dt_bias", _aligned_f32((2,))),
+                      ("a_log", _aligned_f32((256,))), ("beta_logits", HostStandIn(aligned((64, 2), np.uint16)))):
+        source = chunk_tc.GateSource(**{**good, name: bad})
+        with pytest.raises((TypeError, ValueError), match=name):
+            chunk_tc.chunk_prefill_tc(*inputs, beta, state, core, 65, LOWER_BOUND, *scratch, gate_source=source)
+    assert launches == []
+    chunk_tc.chunk_prefill_tc(*inputs, beta, state, core, 65, LOWER_BOUND, *scratch,
+                              gate_source=chunk_tc.GateSource(**good))
+    assert [launch[0] for launch in launches] == ["kda_chunk_tc_prepare_f32", "kda_chunk_tc_scan_f32"]
+
+
 def test_no_spills_on_sm_90():
     os.environ.setdefault("CUDA_CACHE_DISABLE", "1")
     compiled = kernels.compile_file("chunk_tc", "sm_90")
@@ -409,8 +425,10 @@ std::atomic<long> not_tf32{0}, misaligned{0}, mma_count{0};
 int jitter = 0;
 WarpSlot warp_slots[32][32];
 using f16_t = unsigned short;
-extern "C" void kda_chunk_tc_prepare_f32(const float*, const float*, const float*, const float*, const float*,
-    f16_t*, f16_t*, f16_t*, float*, f16_t*, float*, int, int, float, float);
+using bf16_t = unsigned short;
+extern "C" void kda_chunk_tc_prepare_f32(const float*, const float*, const float*, float*, float*,
+    f16_t*, f16_t*, f16_t*, float*, f16_t*, float*, int, int, float, float, int, const bf16_t*, const float*,
+    const float*, const bf16_t*, int);
 extern "C" void kda_chunk_tc_scan_f32(const f16_t*, const f16_t*, const f16_t*, const float*, const f16_t*,
     const float*, float*, float*, int, int);
 
@@ -478,7 +496,7 @@ int main(int argc, char** argv)
     run_grid(dim3{unsigned(nchunks), unsigned(heads), 1}, 256, std::atoi(argv[7]), [&] {
         kda_chunk_tc_prepare_f32(query.data(), key.data(), value.data(), gate.data(), beta.data(), q_decay.data(),
                                  k_tail.data(), w.data(), u.data(), attn.data(), chunk_decay.data(), tokens, heads,
-                                 1.0f / std::sqrt(128.0f), lower_bound);
+                                 1.0f / std::sqrt(128.0f), lower_bound, 0, nullptr, nullptr, nullptr, nullptr, 0);
     });
     run_grid(dim3{unsigned(heads), 4, 1}, 128, std::atoi(argv[8]), [&] {
         kda_chunk_tc_scan_f32(q_decay.data(), k_tail.data(), w.data(), u.data(), attn.data(), chunk_decay.data(),
@@ -796,3 +814,42 @@ def test_gpu_throughput_report(geometry, figures):
     figures.append({"test": f"chunk_tc throughput {geometry} T{tokens}", **rates})
     print(geometry, rates)
     assert timings["tc"] < timings["fp32"], f"{geometry}: tensor-core path not faster: {rates}"
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("tokens", [1, 65, 1000], ids=lambda t: f"T{t}")
+def test_gpu_fused_gate_equals_the_gate_kernel(tokens):
+    # The prepare forming gate and beta from the projections writes the bits gate_beta_f32
+    # writes, only for the T real rows, and the chunk results equal those of the unfused
+    # prepare fed the gate kernel's output.
+    import ml_dtypes
+
+    cp = _cp()
+    heads, qkv = 32, 32 * 128
+    rng = np.random.default_rng(SEED + 9)
+    padded = chunk_count(tokens) * 64
+    forget_proj = cp.asarray((rng.standard_normal((padded, qkv)) * 2.0).astype(ml_dtypes.bfloat16).view(np.uint16))
+    wide = cp.asarray(rng.standard_normal((padded, 2 * 128 + heads)).astype(ml_dtypes.bfloat16).view(np.uint16))
+    beta_logits = wide[:, 2 * 128 :]
+    dt_bias = cp.asarray(rng.standard_normal(qkv).astype(np.float32))
+    a_log = cp.asarray((0.5 * rng.standard_normal(heads)).astype(np.float32))
+    device, start, _ = _device_inputs(tokens, heads, seed=SEED + 9)
+    gate_ref, beta_ref = cp.full((padded, heads, 128), np.nan, cp.float32), cp.full((padded, heads), np.nan, cp.float32)
+    ops.gate_beta_f32(forget_proj, dt_bias, a_log, beta_logits, gate_ref, beta_ref, heads, 128, True, LOWER_BOUND,
+                      tokens=tokens)
+    query, key, value = device[:3]
+    gate_out, beta_out = cp.full_like(gate_ref, 7.0), cp.full_like(beta_ref, 7.0)
+    fused_state, fused_core, fused_scratch = start.copy(), cp.zeros_like(query), _scratch(tokens, heads)
+    chunk_tc.chunk_prefill_tc(query, key, value, gate_out, beta_out, fused_state, fused_core, tokens, LOWER_BOUND,
+                              *fused_scratch.values(),
+                              gate_source=chunk_tc.GateSource(forget_proj, dt_bias, a_log, beta_logits))
+    assert_bits_equal(gate_out[:tokens], gate_ref[:tokens], f"T{tokens} fused gate")
+    assert_bits_equal(beta_out[:tokens], beta_ref[:tokens], f"T{tokens} fused beta")
+    assert bool((gate_out[tokens:] == 7.0).all()) and bool((beta_out[tokens:] == 7.0).all()), \
+        f"T{tokens}: the fused prepare wrote gate or beta rows >= T"
+    plain_state, plain_core, plain_scratch = start.copy(), cp.zeros_like(query), _scratch(tokens, heads)
+    chunk_tc.chunk_prefill_tc(query, key, value, gate_ref, beta_ref, plain_state, plain_core, tokens, LOWER_BOUND,
+                              *plain_scratch.values())
+    assert_bits_equal(fused_core[:tokens], plain_core[:tokens], f"T{tokens} core, fused vs unfused gate")
+    assert_bits_equal(fused_state, plain_state, f"T{tokens} state, fused vs unfused gate")
