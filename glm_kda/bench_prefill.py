@@ -77,10 +77,12 @@ def bench_geometry(geometry: str, directory: Path, tokens: tuple[int, ...], repe
     bound = bind_layer(path, 0, progress=False)
     layer = KdaLayer(bound, workspace=KdaWorkspace(bound.config, max(tokens)))
     hidden = to_device_bf16(synthetic_hidden(max(tokens), config.hidden, seed=3))
-    impls = ["fp32"] + (["tensor"] if config.bounded else [])
+    # "tensor-gate-kernel": the tensor-core path with the gate kernel before an unfused prepare.
+    impls = ["fp32"] + (["tensor", "tensor-gate-kernel"] if config.bounded else [])
     rows = []
     for impl in impls:
-        layer.chunk_impl = impl
+        layer.chunk_impl = impl.split("-")[0]
+        layer.fused_gate = impl != "tensor-gate-kernel"
         for count in tokens:
             if impl == "fp32" and count > FP32_MAX_TOKENS:
                 continue

@@ -204,23 +204,16 @@ def kda_chunk_tc_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, 
     for name, array in (("query", query), ("key", key), ("value", value), ("gate", gate)):
         _require_rows(name, array, "f32", tokens, (heads, HEAD_DIM), aligned=True)
     _require_scratch(q_decay, k_tail, w, u, attn, chunk_decay, tokens, heads)
-    if gate_source is None:
-        # Unused pointers of the unfused form (never dereferenced).
-        sources, ld_beta = (gate, gate, gate, gate), 0
-    else:
-        sources = GateSource(*gate_source)
-        ld_beta = ops.check_gate_sources(*sources, heads, HEAD_DIM, tokens, aligned=True)
     if scale is None:
         scale = 1.0 / math.sqrt(HEAD_DIM)
-    _launch(
-        "kda_chunk_tc_prepare_f32",
-        (chunk_count(tokens), heads),
-        (PREPARE_THREADS,),
-        (query, key, value, gate, beta, q_decay, k_tail, w, u, attn, chunk_decay,
-         _i32(tokens), _i32(heads), _f32(scale), _f32(lower_bound), _i32(int(gate_source is not None)),
-         *sources, _i32(ld_beta)),
-        shared_mem=PREPARE_SMEM_BYTES,
-    )
+    args = (query, key, value, gate, beta, q_decay, k_tail, w, u, attn, chunk_decay,
+            _i32(tokens), _i32(heads), _f32(scale), _f32(lower_bound))
+    name = "kda_chunk_tc_prepare_f32"
+    if gate_source is not None:
+        sources = GateSource(*gate_source)
+        ld_beta = ops.check_gate_sources(*sources, heads, HEAD_DIM, tokens, aligned=True)
+        name, args = "kda_chunk_tc_prepare_gate_f32", (*args, *sources, _i32(ld_beta))
+    _launch(name, (chunk_count(tokens), heads), (PREPARE_THREADS,), args, shared_mem=PREPARE_SMEM_BYTES)
 
 
 def kda_chunk_tc_scan_f32(q_decay, k_tail, w, u, attn, chunk_decay, state, core, tokens: int) -> None:

@@ -27,7 +27,7 @@ ENTRY_POINTS: dict[str, tuple[str, ...]] = {
     "gate": ("gate_beta_f32",),
     "recurrent": ("kda_recurrent_step_f32",),
     "chunk": ("kda_chunk_prepare_f32", "kda_chunk_scan_f32"),
-    "chunk_tc": ("kda_chunk_tc_prepare_f32", "kda_chunk_tc_scan_f32"),
+    "chunk_tc": ("kda_chunk_tc_prepare_f32", "kda_chunk_tc_prepare_gate_f32", "kda_chunk_tc_scan_f32"),
     "norm": ("gated_rmsnorm_sigmoid_bf16",),
 }
 

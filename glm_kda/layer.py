@@ -205,6 +205,9 @@ class KdaLayer:
         self._graphs = DecodeGraphs(self)
         self._side_stream = self._fork_event = self._join_event = None
         self.chunk_impl = chunk_impl
+        # Tensor-core prefill: the prepare forms the forget gate and beta itself (True) or
+        # reads them from the gate kernel (False); the same bits either way.
+        self.fused_gate = True
 
     @property
     def chunk_impl(self) -> str:
@@ -431,10 +434,12 @@ class KdaLayer:
         query, key, value, gate, beta, core = (buf[rows] for buf in (ws.query, ws.key, ws.value, ws.gate,
                                                                       ws.beta, ws.core))
         if self._chunk_impl == "tensor":
+            if not self.fused_gate:
+                self.gate_beta(tokens, first)
             chunk_tc.chunk_prefill_tc(query, key, value, gate, beta, recurrent_state, core, tokens,
                                       c.gate_lower_bound, ws.q_decay_f16, ws.k_tail_f16, ws.chunk_w_f16,
                                       ws.chunk_u, ws.attn_f16, ws.chunk_decay, scale=self.scale,
-                                      gate_source=self.gate_source(first))
+                                      gate_source=self.gate_source(first) if self.fused_gate else None)
         else:
             self.gate_beta(tokens, first)
             ops.kda_chunk_prepare_f32(query, key, value, gate, beta, ws.q_decay, ws.k_tail, ws.chunk_w, ws.chunk_u,

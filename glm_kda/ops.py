@@ -167,11 +167,11 @@ def projection_args(kernel: str, x, w, out, rows: int | None, max_rows: int) -> 
         raise ValueError(f"w: expected [n, k] with n, k >= 1, got {list(w.shape)}")
     n, k = w.shape
     if k % 8:
-        raise ValueError(f"{kernel}: w: k = {k} must be a multiple of 8 (16-byte vector loads)")
+        raise ValueError(f"w: k = {k} must be a multiple of 8 ({kernel} loads 16-byte vectors)")
     ldx = _row_stride("x", x, "bf16", rows, k)
     ldy = _row_stride("out", out, "bf16", rows, n)
     if ldx % 8:
-        raise ValueError(f"{kernel}: x row stride {ldx} must be a multiple of 8 (16-byte vector loads)")
+        raise ValueError(f"x: row stride {ldx} must be a multiple of 8 ({kernel} loads 16-byte vectors)")
     _require_aligned("x", x)
     # int32 inside a row; the kernels widen row offsets to size_t.
     for name, value in (("n", n), ("k", k), ("ldx", ldx), ("ldy", ldy)):

@@ -335,22 +335,21 @@ __device__ __forceinline__ void load_query_row8(float out[8], const float* __res
 // Steps per warp of one transposing pass over the tile.
 #define CHUNK_TC_TRANSPOSE_PASSES (CHUNK_TC_TRANSPOSE_STEPS / CHUNK_TC_PREPARE_WARPS)
 
-extern "C" __global__ void __launch_bounds__(CHUNK_TC_PREPARE_THREADS, 2)
-kda_chunk_tc_prepare_f32(const float* __restrict__ query, const float* __restrict__ key,
-                         const float* __restrict__ value, float* __restrict__ gate,
-                         float* __restrict__ beta, f16_t* __restrict__ q_decay,
-                         f16_t* __restrict__ k_tail_t, f16_t* __restrict__ w,
-                         float* __restrict__ u, f16_t* __restrict__ attn,
-                         float* __restrict__ chunk_decay, int tokens, int heads, float scale,
-                         float lower_bound, int fused_gate, const bf16_t* __restrict__ forget_proj,
-                         const float* __restrict__ dt_bias, const float* __restrict__ a_log,
-                         const bf16_t* __restrict__ beta_logits, int ld_beta)
+// The prepare, in two entry points below. FUSED_GATE false: gate_in [T, H, D] and beta_in
+// [T, H] are inputs. FUSED_GATE true: gate_out and beta_out (the stage buffers) are formed
+// here from forget_proj [T, H*D] BF16 + dt_bias [H*D] and A_log [H] (kda_forget_gate, bounded
+// law: the bits of gate_beta_f32) and from the BF16 beta logits (row stride ld_beta), for
+// the real rows of the chunk only, saving the gate kernel's pass over memory.
+template <bool FUSED_GATE>
+__device__ __forceinline__ void chunk_tc_prepare(
+    const float* __restrict__ query, const float* __restrict__ key, const float* __restrict__ value,
+    const float* __restrict__ gate_in, const float* __restrict__ beta_in, float* __restrict__ gate_out,
+    float* __restrict__ beta_out, f16_t* __restrict__ q_decay, f16_t* __restrict__ k_tail_t,
+    f16_t* __restrict__ w, float* __restrict__ u, f16_t* __restrict__ attn, float* __restrict__ chunk_decay,
+    int tokens, int heads, float scale, float lower_bound, const bf16_t* __restrict__ forget_proj,
+    const float* __restrict__ dt_bias, const float* __restrict__ a_log, const bf16_t* __restrict__ beta_logits,
+    int ld_beta)
 {
-    // fused_gate = 0: gate [T, H, D] and beta [T, H] are inputs. fused_gate = 1: they are
-    // outputs (the stage buffers), formed here from forget_proj [T, H*D] BF16 + dt_bias [H*D]
-    // and A_log [H] (kda_forget_gate, bounded law: the bits of gate_beta_f32) and from the
-    // BF16 beta logits (row stride ld_beta), for the real rows of the chunk only; the gate
-    // kernel's pass over memory is saved.
     // Three units of CHUNK_TC_UNIT floats, then beta [C] (104,704 B: two blocks per SM of
     // sm_80 / sm_90 / sm_100). q is never staged: it is an elementwise input of q_decay and
     // the A operand of the B blocks, read from global memory (L2) where it is used.
@@ -395,7 +394,7 @@ kda_chunk_tc_prepare_f32(const float* __restrict__ query, const float* __restric
         // thread & 31), so its rows are t = thread / 32 + 8 l.
         float4 key_value[CHUNK_TC_TILE_LOADS];
         const int channel = (thread & 31) * 4;
-        if (fused_gate) {
+        if (FUSED_GATE) {
             uint2 projected[CHUNK_TC_TILE_LOADS];
 #pragma unroll
             for (int l = 0; l < CHUNK_TC_TILE_LOADS; ++l) {
@@ -427,7 +426,7 @@ kda_chunk_tc_prepare_f32(const float* __restrict__ query, const float* __restric
                 }
                 float4 clamped = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
                 if (t < valid) {
-                    *reinterpret_cast<float4*>(gate + static_cast<size_t>(first + t) * row_stride + head_offset +
+                    *reinterpret_cast<float4*>(gate_out + static_cast<size_t>(first + t) * row_stride + head_offset +
                                                channel) = make_float4(g[0], g[1], g[2], g[3]);
                     clamped = make_float4(clamp_gate(g[0], lower_bound), clamp_gate(g[1], lower_bound),
                                           clamp_gate(g[2], lower_bound), clamp_gate(g[3], lower_bound));
@@ -444,7 +443,7 @@ kda_chunk_tc_prepare_f32(const float* __restrict__ query, const float* __restric
                 if (t < valid) {
                     const size_t at = static_cast<size_t>(first + t) * row_stride + head_offset + channel;
                     key_value[l] = *reinterpret_cast<const float4*>(key + at);
-                    gate_value[l] = *reinterpret_cast<const float4*>(gate + at);
+                    gate_value[l] = *reinterpret_cast<const float4*>(gate_in + at);
                 }
             }
 #pragma unroll
@@ -468,11 +467,11 @@ kda_chunk_tc_prepare_f32(const float* __restrict__ query, const float* __restric
         float beta_t = 0.0f;
         if (thread < valid) {
             const size_t token = static_cast<size_t>(first + thread);
-            if (fused_gate) {
+            if (FUSED_GATE) {
                 beta_t = sigmoid_f32(bf16_to_f32(beta_logits[token * ld_beta + head]));
-                beta[token * heads + head] = beta_t;
+                beta_out[token * heads + head] = beta_t;
             } else {
-                beta_t = beta[token * heads + head];
+                beta_t = beta_in[token * heads + head];
             }
         }
         beta_s[thread] = beta_t;
@@ -803,6 +802,36 @@ kda_chunk_tc_prepare_f32(const float* __restrict__ query, const float* __restric
             }
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(CHUNK_TC_PREPARE_THREADS, 2)
+kda_chunk_tc_prepare_f32(const float* __restrict__ query, const float* __restrict__ key,
+                         const float* __restrict__ value, const float* __restrict__ gate,
+                         const float* __restrict__ beta, f16_t* __restrict__ q_decay,
+                         f16_t* __restrict__ k_tail_t, f16_t* __restrict__ w,
+                         float* __restrict__ u, f16_t* __restrict__ attn,
+                         float* __restrict__ chunk_decay, int tokens, int heads, float scale,
+                         float lower_bound)
+{
+    chunk_tc_prepare<false>(query, key, value, gate, beta, nullptr, nullptr, q_decay, k_tail_t, w, u, attn,
+                            chunk_decay, tokens, heads, scale, lower_bound, nullptr, nullptr, nullptr, nullptr, 0);
+}
+
+// The prepare with the forget gate and beta formed from the projections and written out.
+extern "C" __global__ void __launch_bounds__(CHUNK_TC_PREPARE_THREADS, 2)
+kda_chunk_tc_prepare_gate_f32(const float* __restrict__ query, const float* __restrict__ key,
+                              const float* __restrict__ value, float* __restrict__ gate,
+                              float* __restrict__ beta, f16_t* __restrict__ q_decay,
+                              f16_t* __restrict__ k_tail_t, f16_t* __restrict__ w,
+                              float* __restrict__ u, f16_t* __restrict__ attn,
+                              float* __restrict__ chunk_decay, int tokens, int heads, float scale,
+                              float lower_bound, const bf16_t* __restrict__ forget_proj,
+                              const float* __restrict__ dt_bias, const float* __restrict__ a_log,
+                              const bf16_t* __restrict__ beta_logits, int ld_beta)
+{
+    chunk_tc_prepare<true>(query, key, value, nullptr, nullptr, gate, beta, q_decay, k_tail_t, w, u, attn,
+                           chunk_decay, tokens, heads, scale, lower_bound, forget_proj, dt_bias, a_log,
+                           beta_logits, ld_beta);
 }
 
 // The scan's W and q_decay tiles of chunk `chunk_index` into shared memory, asynchronously

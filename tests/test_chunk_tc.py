@@ -293,7 +293,7 @@ def test_wrapper_names_a_bad_gate_source(launches):
     assert launches == []
     chunk_tc.chunk_prefill_tc(*inputs, beta, state, core, 65, LOWER_BOUND, *scratch,
                               gate_source=chunk_tc.GateSource(**good))
-    assert [launch[0] for launch in launches] == ["kda_chunk_tc_prepare_f32", "kda_chunk_tc_scan_f32"]
+    assert [launch[0] for launch in launches] == ["kda_chunk_tc_prepare_gate_f32", "kda_chunk_tc_scan_f32"]
 
 
 def test_no_spills_on_sm_90():
@@ -425,10 +425,8 @@ std::atomic<long> not_tf32{0}, misaligned{0}, mma_count{0};
 int jitter = 0;
 WarpSlot warp_slots[32][32];
 using f16_t = unsigned short;
-using bf16_t = unsigned short;
-extern "C" void kda_chunk_tc_prepare_f32(const float*, const float*, const float*, float*, float*,
-    f16_t*, f16_t*, f16_t*, float*, f16_t*, float*, int, int, float, float, int, const bf16_t*, const float*,
-    const float*, const bf16_t*, int);
+extern "C" void kda_chunk_tc_prepare_f32(const float*, const float*, const float*, const float*, const float*,
+    f16_t*, f16_t*, f16_t*, float*, f16_t*, float*, int, int, float, float);
 extern "C" void kda_chunk_tc_scan_f32(const f16_t*, const f16_t*, const f16_t*, const float*, const f16_t*,
     const float*, float*, float*, int, int);
 
@@ -496,7 +494,7 @@ int main(int argc, char** argv)
     run_grid(dim3{unsigned(nchunks), unsigned(heads), 1}, 256, std::atoi(argv[7]), [&] {
         kda_chunk_tc_prepare_f32(query.data(), key.data(), value.data(), gate.data(), beta.data(), q_decay.data(),
                                  k_tail.data(), w.data(), u.data(), attn.data(), chunk_decay.data(), tokens, heads,
-                                 1.0f / std::sqrt(128.0f), lower_bound, 0, nullptr, nullptr, nullptr, nullptr, 0);
+                                 1.0f / std::sqrt(128.0f), lower_bound);
     });
     run_grid(dim3{unsigned(heads), 4, 1}, 128, std::atoi(argv[8]), [&] {
         kda_chunk_tc_scan_f32(q_decay.data(), k_tail.data(), w.data(), u.data(), attn.data(), chunk_decay.data(),
