@@ -188,12 +188,15 @@ def kda_chunk_tc_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, 
     """Intra-chunk work of every chunk (no state): grid (nchunks, H), 256 threads.
 
     query, key, value, gate [>= T, H, D] and beta [>= T, H] FP32, 16-byte aligned; rows >= T
-    are never read. With `gate_source`, gate and beta are OUTPUTS instead: the kernel forms
-    them from the projections (the bounded law at lower_bound, bit for bit what
-    ops.gate_beta_f32 writes) and writes their T rows, saving the gate kernel's pass. Writes the scratch of :func:`scratch_shapes`: q_decay = f16(tf32(scale q
-    exp(G))), k_tail = f16(tf32(k exp(G_last - G))) chunk-transposed, w = f16(tf32(W)),
-    u = Uc (FP32), attn = f16(tf32(B)) (zero above the diagonal), chunk_decay = exp(G_last)
-    (FP32); padded rows zero.
+    are never read. With `gate_source`, gate and beta are OUTPUTS instead: the
+    kda_chunk_tc_prepare_gate_f32 entry point forms them from the projections (the bounded
+    law at lower_bound, bit for bit what ops.gate_beta_f32 writes) and writes their T rows.
+    It measured slower than the gate kernel + this prepare (benchmarks/NOTES.md).
+
+    Writes the scratch of :func:`scratch_shapes`: q_decay = f16(tf32(scale q exp(G))),
+    k_tail = f16(tf32(k exp(G_last - G))) chunk-transposed, w = f16(tf32(W)), u = Uc (FP32),
+    attn = f16(tf32(B)) (zero above the diagonal), chunk_decay = exp(G_last) (FP32); padded
+    rows zero.
     """
     _require_lower_bound(lower_bound)
     _require_int32("tokens", tokens)

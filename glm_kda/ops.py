@@ -26,7 +26,9 @@ from glm_kda import kernels
 
 HEAD_DIM = 128  # KDA_HEAD_DIM of kernels_src/kda_common.cuh
 HEAD_BLOCK = 128  # threads of every per-head kernel, one per channel
-TOKENS_PER_BLOCK = 8  # tokens per block of the gate and norm kernels (KDA_TOKENS_PER_BLOCK)
+TOKENS_PER_BLOCK = 8  # tokens per block of the norm kernel (KDA_TOKENS_PER_BLOCK)
+GATE_TOKENS_PER_BLOCK = 32  # tokens per block of the gate kernel (kernels_src/gate.cu)
+GATE_THREADS = 128
 GEMV_MAX_ROWS = 16
 GEMV_WARPS_PER_BLOCK = 8
 CONV_MAX_KERNEL = 4
@@ -420,18 +422,19 @@ def gate_beta_f32(
     """
     if tokens is None:
         tokens = forget_proj.shape[0]
-    ld_beta = check_gate_sources(forget_proj, dt_bias, a_log, beta_logits, heads, head_dim, tokens)
-    _require_rows("gate", gate, "f32", tokens, (heads, head_dim))
+    if head_dim != HEAD_DIM:
+        raise ValueError(f"head_dim = {head_dim}: the gate kernel is compiled for D = {HEAD_DIM}")
+    ld_beta = check_gate_sources(forget_proj, dt_bias, a_log, beta_logits, heads, head_dim, tokens, aligned=True)
+    _require_aligned("dt_bias", dt_bias)
+    _require_rows("gate", gate, "f32", tokens, (heads, head_dim), aligned=True)
     _require_rows("beta", beta, "f32", tokens, (heads,))
-    if head_dim > 1024:
-        raise ValueError(f"head_dim {head_dim} exceeds a block")
     if bounded and not math.isfinite(lower_bound):
         raise ValueError(f"bounded gate needs a finite lower_bound, got {lower_bound}")
     for start, end in _token_slices(tokens):
         kernels.launch(
             "gate_beta_f32",
-            (heads, -(-(end - start) // TOKENS_PER_BLOCK)),
-            (head_dim,),
+            (heads, -(-(end - start) // GATE_TOKENS_PER_BLOCK)),
+            (GATE_THREADS,),
             (
                 forget_proj[start:end],
                 dt_bias,

@@ -4,43 +4,68 @@
 //   bounded law:  gate = lower_bound * sigmoid(a * u)
 //   softplus law: gate = -a * softplus(u),  softplus(u) = u for u > 20
 //   beta[t, h] = sigmoid(beta_logits[t, h])
+// (kda_forget_gate in kda_common.cuh: the one definition, shared with the tensor-core
+// chunk prepare, so the two agree bit for bit.)
 //
-// Launch: grid (heads, ceil(T / KDA_TOKENS_PER_BLOCK)), block head_dim = 128: one
-// thread per channel, one block per head and group of 8 tokens, so exp(A_log[h]) is a
-// block-uniform value and thread 0 can write the head's beta without a second launch;
-// the group amortises a block's start over 8 rows (the arithmetic of an element does
-// not depend on the grouping).
+// Launch: grid (heads, ceil(T / GATE_TOKENS_PER_BLOCK)), block 128 threads for one head of
+// KDA_HEAD_DIM = 128 channels and a group of 32 tokens. Thread 32 r + c owns channels
+// 4c .. 4c + 3 (one 8-byte load of 4 BF16, one 16-byte store of 4 FP32) of the tokens
+// r, r + 4, .., r + 28 of the group; all its loads are issued before the first store. So
+// exp(A_log[h]) is block-uniform and the c = 0 threads write the beta of their tokens. The
+// grouping is only a walk order: an element's arithmetic does not depend on it.
 #include "kda_common.cuh"
 
-extern "C" __global__ void __launch_bounds__(KDA_HEAD_BLOCK)
+#define GATE_TOKENS_PER_BLOCK 32
+#define GATE_THREADS 128
+#define GATE_ROWS (GATE_THREADS / (KDA_HEAD_DIM / 4))
+#define GATE_STEPS (GATE_TOKENS_PER_BLOCK / GATE_ROWS)
+
+extern "C" __global__ void __launch_bounds__(GATE_THREADS)
 gate_beta_f32(const bf16_t* __restrict__ forget_proj, const float* __restrict__ dt_bias,
               const float* __restrict__ a_log, const bf16_t* __restrict__ beta_logits,
               int ld_beta, float* __restrict__ gate, float* __restrict__ beta, int heads,
               int head_dim, int bounded, float lower_bound, int tokens)
 {
     const int head = blockIdx.x;
-    const int d = threadIdx.x;
-    if (head >= heads || d >= head_dim) {
+    if (head >= heads || head_dim != KDA_HEAD_DIM || blockDim.x != GATE_THREADS) {
         return;
     }
-    const int channel = head * head_dim + d;
+    const int row = threadIdx.x / (KDA_HEAD_DIM / 4);
+    const int d = 4 * (threadIdx.x % (KDA_HEAD_DIM / 4));
+    const size_t channel = static_cast<size_t>(head) * KDA_HEAD_DIM + d;
+    const size_t row_stride = static_cast<size_t>(heads) * KDA_HEAD_DIM;
     // dt_bias is per CHANNEL ([heads * head_dim]), A_log is per HEAD ([heads]).
     // Indexing A_log by channel (or dt_bias by head) reads valid memory and gives a
     // plausible-looking gate: the highest-risk line of the block.
-    const float bias = dt_bias[channel];
+    const float4 bias = *reinterpret_cast<const float4*>(dt_bias + channel);
     const float a = expf(a_log[head]);
-    const int first = blockIdx.y * KDA_TOKENS_PER_BLOCK;
+    const int first = blockIdx.y * GATE_TOKENS_PER_BLOCK + row;
+    uint2 projected[GATE_STEPS];
 #pragma unroll
-    for (int i = 0; i < KDA_TOKENS_PER_BLOCK; ++i) {
-        const size_t token = static_cast<size_t>(first + i);
-        if (first + i >= tokens) {
+    for (int step = 0; step < GATE_STEPS; ++step) {
+        const int token = first + GATE_ROWS * step;
+        projected[step].x = 0u;
+        projected[step].y = 0u;
+        if (token < tokens) {
+            projected[step] = *reinterpret_cast<const uint2*>(forget_proj + token * row_stride + channel);
+        }
+    }
+#pragma unroll
+    for (int step = 0; step < GATE_STEPS; ++step) {
+        const size_t token = static_cast<size_t>(first + GATE_ROWS * step);
+        if (first + GATE_ROWS * step >= tokens) {
             break;
         }
-        const size_t index = token * heads * head_dim + channel;
-        gate[index] = kda_forget_gate(bf16_to_f32(forget_proj[index]) + bias, a, bounded != 0, lower_bound);
+        const float4 u = make_float4(bf16_to_f32(static_cast<bf16_t>(projected[step].x & 0xffffu)) + bias.x,
+                                     bf16_to_f32(static_cast<bf16_t>(projected[step].x >> 16)) + bias.y,
+                                     bf16_to_f32(static_cast<bf16_t>(projected[step].y & 0xffffu)) + bias.z,
+                                     bf16_to_f32(static_cast<bf16_t>(projected[step].y >> 16)) + bias.w);
+        const bool is_bounded = bounded != 0;
+        *reinterpret_cast<float4*>(gate + token * row_stride + channel) =
+            make_float4(kda_forget_gate(u.x, a, is_bounded, lower_bound), kda_forget_gate(u.y, a, is_bounded, lower_bound),
+                        kda_forget_gate(u.z, a, is_bounded, lower_bound), kda_forget_gate(u.w, a, is_bounded, lower_bound));
         if (d == 0) {
-            beta[token * heads + head] =
-                sigmoid_f32(bf16_to_f32(beta_logits[token * ld_beta + head]));
+            beta[token * heads + head] = sigmoid_f32(bf16_to_f32(beta_logits[token * ld_beta + head]));
         }
     }
 }

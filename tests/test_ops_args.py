@@ -105,7 +105,7 @@ def test_prefill_conv_names_a_short_output(launches):
 
 @pytest.mark.parametrize("tokens", [1, 7, 8, 9, ops.MAX_GRID_Y + 5], ids=lambda t: f"T{t}")
 def test_gate_and_norm_walk_token_groups(launches, tokens):
-    """grid.y = ceil(T / TOKENS_PER_BLOCK) per slice of at most MAX_GRID_Y tokens; each launch
+    """grid.y = ceil(T / tokens per block) per slice of at most MAX_GRID_Y tokens; each launch
     is told its slice's token count (the kernels stop there)."""
     heads, dim = 1, ops.HEAD_DIM
     qkv = heads * dim
@@ -114,7 +114,30 @@ def test_gate_and_norm_walk_token_groups(launches, tokens):
     ops.gated_rmsnorm_sigmoid_bf16(_f32(tokens, heads, dim), _bf16(tokens, qkv), _bf16(dim), _bf16(tokens, qkv),
                                    heads, dim, 1e-5, tokens=tokens)
     slices = [min(ops.MAX_GRID_Y, tokens - start) for start in range(0, tokens, ops.MAX_GRID_Y)]
-    for kernel in ("gate_beta_f32", "gated_rmsnorm_sigmoid_bf16"):
+    for kernel, per_block in (("gate_beta_f32", ops.GATE_TOKENS_PER_BLOCK),
+                              ("gated_rmsnorm_sigmoid_bf16", ops.TOKENS_PER_BLOCK)):
         made = [launch for launch in launches if launch[0] == kernel]
-        assert [launch[1] for launch in made] == [(heads, -(-count // ops.TOKENS_PER_BLOCK)) for count in slices]
+        assert [launch[1] for launch in made] == [(heads, -(-count // per_block)) for count in slices]
         assert [int(launch[3][-1]) for launch in made] == slices
+
+
+def test_token_group_constants_match_the_kernel_sources():
+    import re
+
+    from glm_kda import kernels
+
+    def define(stem, name):
+        match = re.search(rf"#define {name} (\d+)", (kernels.kernels_dir() / stem).read_text())
+        assert match, f"{stem} no longer defines {name}"
+        return int(match.group(1))
+
+    assert ops.GATE_TOKENS_PER_BLOCK == define("gate.cu", "GATE_TOKENS_PER_BLOCK")
+    assert ops.GATE_THREADS == define("gate.cu", "GATE_THREADS")
+    assert ops.TOKENS_PER_BLOCK == define("kda_common.cuh", "KDA_TOKENS_PER_BLOCK")
+
+
+def test_gate_refuses_another_head_dim(launches):
+    with pytest.raises(ValueError, match="head_dim = 64"):
+        ops.gate_beta_f32(_bf16(4, 128), _f32(128), _f32(2), _bf16(4, 130)[:, 128:], _f32(4, 2, 64), _f32(4, 2), 2, 64,
+                          True, -5.0, tokens=4)
+    assert not launches
