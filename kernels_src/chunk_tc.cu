@@ -27,7 +27,10 @@
 // no output bit and no state bit. Padded rows of the scratch are written as zeros.
 //
 // Two kernels, like chunk.cu: the intra-chunk work is independent per chunk, the scan is
-// sequential over chunks.
+// sequential over chunks. The prepare has a second entry point,
+// kda_chunk_tc_prepare_gate_f32, that forms the forget gate and beta from the projections
+// in step 1 (and writes them out) instead of reading them; it measured slower than the gate
+// kernel + kda_chunk_tc_prepare_f32 and is opt-in (KdaLayer.fused_gate).
 //
 // kda_chunk_tc_prepare_f32: grid (nchunks, heads), 256 threads (8 warps), dynamic shared
 //   memory CHUNK_TC_PREPARE_SMEM_BYTES = 104,704 B (needs the opt-in of sm_80 (163 KB),
