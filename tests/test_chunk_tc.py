@@ -13,7 +13,8 @@ Promises, one test each:
   * the kernel SOURCE, compiled for the host with one thread per CUDA thread (barriers as
     std::barrier, mma.sync from the PTX fragment layout, cp.async as a copy), equals the
     model stage by stage and keeps the pad out: index arithmetic, fragment layouts, shared
-    memory reuse and padding checked without a GPU (skipped without a C++20 compiler);
+    memory reuse and padding checked without a GPU (skipped without a C++20 compiler),
+    and the fused-gate prepare's gate, beta and results against the plain prepare's;
   * on a GPU: the kernels against the FP32 kernel path and the float64 oracle at GLM (64
     heads) and Kimi (32 heads) geometry for T in {1, 17, 64, 65, 1000, 4096}, each kernel
     against the model fed its own inputs, poisoned pad bits, carried state, determinism,
@@ -427,6 +428,10 @@ WarpSlot warp_slots[32][32];
 using f16_t = unsigned short;
 extern "C" void kda_chunk_tc_prepare_f32(const float*, const float*, const float*, const float*, const float*,
     f16_t*, f16_t*, f16_t*, float*, f16_t*, float*, int, int, float, float);
+using bf16_t = unsigned short;
+extern "C" void kda_chunk_tc_prepare_gate_f32(const float*, const float*, const float*, float*, float*,
+    f16_t*, f16_t*, f16_t*, float*, f16_t*, float*, int, int, float, float, const bf16_t*, const float*,
+    const float*, const bf16_t*, int);
 extern "C" void kda_chunk_tc_scan_f32(const f16_t*, const f16_t*, const f16_t*, const float*, const f16_t*,
     const float*, float*, float*, int, int);
 
@@ -463,6 +468,14 @@ static std::vector<float> load(const std::string& path, size_t count)
     if (!file) { std::fprintf(stderr, "short read: %s\n", path.c_str()); std::exit(2); }
     return v;
 }
+static std::vector<unsigned short> load_u16(const std::string& path, size_t count)
+{
+    std::vector<unsigned short> v(count);
+    std::ifstream file(path, std::ios::binary);
+    file.read(reinterpret_cast<char*>(v.data()), count * 2);
+    if (!file) { std::fprintf(stderr, "short read: %s\n", path.c_str()); std::exit(2); }
+    return v;
+}
 static void save(const std::string& path, const std::vector<float>& v)
 {
     std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(v.data()), v.size() * 4);
@@ -491,10 +504,32 @@ int main(int argc, char** argv)
     auto w = poisoned_f16(padded * heads * D), attn = poisoned_f16(nchunks * heads * C * C);
     auto u = poisoned(padded * heads * D), chunk_decay = poisoned(nchunks * heads * D);
     auto core = std::vector<float>(rows * heads * D, 12345.0f);
+    // "fused": the prepare forms gate and beta from forget_proj, dt_bias, a_log and the beta
+    // logits (row stride heads + 3) and writes them over buffers of 7.0.
+    const bool fused = argc > 9 && std::string(argv[9]) == "fused";
+    const int ld_beta = heads + 3;
+    std::vector<unsigned short> forget_proj, beta_logits;
+    std::vector<float> dt_bias, a_log;
+    if (fused) {
+        forget_proj = load_u16(dir + "/forget_proj", rows * heads * D);
+        beta_logits = load_u16(dir + "/beta_logits", rows * ld_beta);
+        dt_bias = load(dir + "/dt_bias", heads * D);
+        a_log = load(dir + "/a_log", heads);
+        std::fill(gate.begin(), gate.end(), 7.0f);
+        std::fill(beta.begin(), beta.end(), 7.0f);
+    }
     run_grid(dim3{unsigned(nchunks), unsigned(heads), 1}, 256, std::atoi(argv[7]), [&] {
-        kda_chunk_tc_prepare_f32(query.data(), key.data(), value.data(), gate.data(), beta.data(), q_decay.data(),
-                                 k_tail.data(), w.data(), u.data(), attn.data(), chunk_decay.data(), tokens, heads,
-                                 1.0f / std::sqrt(128.0f), lower_bound);
+        if (fused) {
+            kda_chunk_tc_prepare_gate_f32(query.data(), key.data(), value.data(), gate.data(), beta.data(),
+                                          q_decay.data(), k_tail.data(), w.data(), u.data(), attn.data(),
+                                          chunk_decay.data(), tokens, heads, 1.0f / std::sqrt(128.0f), lower_bound,
+                                          forget_proj.data(), dt_bias.data(), a_log.data(), beta_logits.data(),
+                                          ld_beta);
+        } else {
+            kda_chunk_tc_prepare_f32(query.data(), key.data(), value.data(), gate.data(), beta.data(),
+                                     q_decay.data(), k_tail.data(), w.data(), u.data(), attn.data(),
+                                     chunk_decay.data(), tokens, heads, 1.0f / std::sqrt(128.0f), lower_bound);
+        }
     });
     run_grid(dim3{unsigned(heads), 4, 1}, 128, std::atoi(argv[8]), [&] {
         kda_chunk_tc_scan_f32(q_decay.data(), k_tail.data(), w.data(), u.data(), attn.data(), chunk_decay.data(),
@@ -503,7 +538,8 @@ int main(int argc, char** argv)
     for (auto [name, data] : {std::pair{"q_decay", &q_decay}, {"k_tail", &k_tail}, {"w", &w}, {"attn", &attn}}) {
         save(dir + "/" + name + ".out", *data);
     }
-    for (auto [name, data] : {std::pair{"u", &u}, {"chunk_decay", &chunk_decay}, {"core", &core}, {"state", &state}}) {
+    for (auto [name, data] : {std::pair{"u", &u}, {"chunk_decay", &chunk_decay}, {"core", &core}, {"state", &state},
+                              {"gate", &gate}, {"beta", &beta}}) {
         save(dir + "/" + name + ".out", *data);
     }
     std::printf("not_tf32=%ld misaligned=%ld mma=%ld\n", not_tf32.load(), misaligned.load(), mma_count.load());
@@ -560,30 +596,84 @@ def emulator(tmp_path_factory):
     return binary
 
 
-def run_on_host(binary, inputs, tokens, pad, jitter=False):
-    """The two kernels on the host emulator; input rows T.. are filled with `pad`."""
+def host_rows(tokens):
+    """Rows of the emulator's input buffers: the padded chunks and 3 more."""
+    return chunk_count(tokens) * 64 + 3
+
+
+def run_on_host(binary, inputs, tokens, pad, jitter=False, gate_source=None):
+    """The two kernels on the host emulator; input rows T.. are filled with `pad`. With
+    gate_source (forget_proj [rows, H*D] and beta_logits [rows, H + 3] as BF16 bits, dt_bias,
+    a_log), the fused-gate prepare runs and "gate" / "beta" are its outputs."""
     query, key, value, gate, beta, recurrent = inputs
     heads = query.shape[1]
     nchunks = chunk_count(tokens)
-    rows = nchunks * 64 + 3
-    folder = Path(binary).parent / f"T{tokens}-H{heads}-{pad}-{int(jitter)}"
+    rows = host_rows(tokens)
+    folder = Path(binary).parent / f"T{tokens}-H{heads}-{pad}-{int(jitter)}-{int(gate_source is not None)}"
     folder.mkdir(exist_ok=True)
     for name, x in (("query", query), ("key", key), ("value", value), ("gate", gate), ("beta", beta)):
         full = np.full((rows,) + x.shape[1:], pad, np.float32)
         full[:tokens] = x
         full.tofile(folder / name)
     recurrent.astype(np.float32).tofile(folder / "state")
+    if gate_source is not None:
+        forget_proj, beta_logits, dt_bias, a_log = gate_source
+        np.ascontiguousarray(forget_proj, np.uint16).tofile(folder / "forget_proj")
+        np.ascontiguousarray(beta_logits, np.uint16).tofile(folder / "beta_logits")
+        np.asarray(dt_bias, np.float32).tofile(folder / "dt_bias")
+        np.asarray(a_log, np.float32).tofile(folder / "a_log")
     result = subprocess.run(
         [str(binary), str(folder), str(tokens), str(rows), str(heads), str(LOWER_BOUND), str(int(jitter)),
-         str(PREPARE_SMEM_BYTES), str(SCAN_SMEM_BYTES)],
+         str(PREPARE_SMEM_BYTES), str(SCAN_SMEM_BYTES), "fused" if gate_source is not None else "plain"],
         capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr
     counters = dict(item.split("=") for item in result.stdout.split())
     shapes = {**scratch_shapes(tokens, heads), "k_tail": (nchunks, heads, 128, 64),
-              "core": (rows, heads, 128), "state": (heads, 128, 128)}
+              "core": (rows, heads, 128), "state": (heads, 128, 128), "gate": (rows, heads, 128), "beta": (rows, heads)}
     out = {name: np.fromfile(folder / f"{name}.out", np.float32).reshape(shape) for name, shape in shapes.items()}
     return out, {name: int(value) for name, value in counters.items()}
+
+
+def test_kernel_source_on_host_fused_gate(emulator):
+    # The fused-gate entry point: gate and beta from the projections for the real rows only
+    # (the pad rows of the sources are NaN and must not leak), and, fed those gate and beta,
+    # the plain prepare gives the same scratch, core and state bits.
+    import ml_dtypes
+
+    tokens, heads = 70, 2
+    rows = host_rows(tokens)
+    inputs = make_inputs(tokens, heads, seed=SEED + 11)
+    rng = np.random.default_rng(SEED + 11)
+
+    def bf16_bits(x):
+        return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
+
+    forget_proj = np.full((rows, heads * 128), 0x7FC0, np.uint16)  # BF16 NaN in the pad rows
+    forget_proj[:tokens] = bf16_bits(2.0 * rng.standard_normal((tokens, heads * 128)))
+    beta_logits = np.full((rows, heads + 3), 0x7FC0, np.uint16)
+    beta_logits[:tokens] = bf16_bits(rng.standard_normal((tokens, heads + 3)))
+    dt_bias = rng.standard_normal(heads * 128).astype(np.float32)
+    a_log = (0.5 * rng.standard_normal(heads)).astype(np.float32)
+    fused, counters = run_on_host(emulator, inputs, tokens, pad=float("nan"),
+                                  gate_source=(forget_proj, beta_logits, dt_bias, a_log))
+    assert counters["misaligned"] == 0, f"fused host run: {counters['misaligned']} misaligned vector accesses"
+    # The law in float32 (the host's expf may differ from NumPy's by an ulp).
+    projected = forget_proj[:tokens].view(ml_dtypes.bfloat16).astype(np.float32).reshape(tokens, heads, 128)
+    u = projected + dt_bias.reshape(heads, 128)
+    a = np.exp(a_log).astype(np.float32)[None, :, None]
+    expected_gate = np.float32(LOWER_BOUND) / (np.float32(1.0) + np.exp(-(a * u)))
+    logits = beta_logits[:tokens, :heads].view(ml_dtypes.bfloat16).astype(np.float32)
+    expected_beta = np.float32(1.0) / (np.float32(1.0) + np.exp(-logits))
+    assert_close(fused["gate"][:tokens], expected_gate, 1e-6, "host fused gate vs the law")
+    assert_close(fused["beta"][:tokens], expected_beta, 1e-6, "host fused beta vs sigmoid")
+    assert (fused["gate"][tokens:] == 7.0).all() and (fused["beta"][tokens:] == 7.0).all(), \
+        "the fused prepare wrote gate or beta rows >= T"
+    fed = (*inputs[:3], fused["gate"][:tokens], fused["beta"][:tokens], inputs[5])
+    plain, _ = run_on_host(emulator, fed, tokens, pad=float("nan"))
+    for name in (*SCRATCH, "state"):
+        assert_bits_equal(fused[name], plain[name], f"host {name}, fused vs plain prepare")
+    assert_bits_equal(fused["core"][:tokens], plain["core"][:tokens], "host core, fused vs plain prepare")
 
 
 HOST_CASES = [(1, 1, "bounded", "random"), (17, 2, "strong", "random"), (65, 1, "bounded", "zero"),
