@@ -25,7 +25,8 @@ which is ``kda_chunk_tc_prepare_f32`` (grid (nchunks, H)) then ``kda_chunk_tc_sc
 :func:`model_chunk_tc` follows the kernels step by step in float64: the same sub-chunk
 reference rows, the same block order of the triangular inverse, and TF32 rounding
 (:func:`round_tf32`, bit-identical to the kernel's) applied to exactly the operands the
-kernels round, the FP16 storage of the scratch (:func:`round_f16`), and the kernel's FP32 cumulative gate and exponent arguments. With
+kernels round, the FP16 storage of the scratch (:func:`round_f16`), and the kernel's FP32
+cumulative gate and exponent arguments. With
 ``emulate_rounding=False`` it is the exact blocked algorithm and equals
 :func:`glm_kda.reference.chunk_scan` to float64 rounding. The rest of the kernels' FP32
 arithmetic (expf, products, mma accumulation) is float64 here, so kernel and model differ
@@ -214,7 +215,7 @@ def kda_chunk_tc_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, 
     name = "kda_chunk_tc_prepare_f32"
     if gate_source is not None:
         sources = GateSource(*gate_source)
-        ld_beta = ops.check_gate_sources(*sources, heads, HEAD_DIM, tokens, aligned=True)
+        ld_beta = ops.check_gate_sources(*sources, heads, HEAD_DIM, tokens)
         name, args = "kda_chunk_tc_prepare_gate_f32", (*args, *sources, _i32(ld_beta))
     _launch(name, (chunk_count(tokens), heads), (PREPARE_THREADS,), args, shared_mem=PREPARE_SMEM_BYTES)
 
@@ -252,8 +253,9 @@ def chunk_prefill_tc(query, key, value, gate, beta, state, core, tokens: int, lo
 
     lower_bound is the bounded gate law's bound (-5 <= lower_bound <= 0); anything else is
     refused here, before any launch. With `gate_source` (:class:`GateSource`) gate and beta
-    are written from the projections instead of read (see :func:`kda_chunk_tc_prepare_f32`). Every argument is checked before the first launch, so
-    a refused call leaves the state untouched.
+    are written from the projections instead of read (see :func:`kda_chunk_tc_prepare_f32`).
+    Every argument is checked before the first launch, so a refused call leaves the state
+    untouched.
     """
     _require_lower_bound(lower_bound)
     _require_int32("tokens", tokens)
@@ -266,8 +268,7 @@ def chunk_prefill_tc(query, key, value, gate, beta, state, core, tokens: int, lo
     _require("state", state, "f32", (heads, HEAD_DIM, HEAD_DIM), aligned=True)
     _require_rows("core", core, "f32", tokens, (heads, HEAD_DIM), aligned=True)
     _require_scratch(q_decay, k_tail, w, u, attn, chunk_decay, tokens, heads)
-    if gate_source is not None:
-        ops.check_gate_sources(*gate_source, heads, HEAD_DIM, tokens, aligned=True)
+    # The gate sources are the prepare's alone: it checks them before its launch.
     kda_chunk_tc_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, u, attn, chunk_decay,
                              tokens, lower_bound, scale, gate_source)
     kda_chunk_tc_scan_f32(q_decay, k_tail, w, u, attn, chunk_decay, state, core, tokens)

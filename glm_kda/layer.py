@@ -408,10 +408,11 @@ class KdaLayer:
         [T, 3*qkv] BF16, forget_proj [T, qkv] and the beta logits (down_proj) to conv_out, query,
         key, value, gate, beta and core [T, H, D] FP32. conv + SiLU + L2 + split in one pass
         (conv_state [3*qkv, K] FP32 in place), then :meth:`chunk_core` (gate, beta and the
-        chunked delta rule from the carried recurrent_state [H, D, D] FP32, in place). The chunk kernels never read past row T-1 of their sequence: the padded tail of
-        the last chunk is filled with `pad_value` (tests poison it) or, with None, left as it
-        is (packed prefill, where those rows belong to the next sequence). The chunk scratch is
-        per call, from its row 0."""
+        chunked delta rule from the carried recurrent_state [H, D, D] FP32, in place). The chunk
+        kernels never read past row T-1 of their sequence: the padded tail of the last chunk is
+        filled with `pad_value` (tests poison it) or, with None, left as it is (packed prefill,
+        where those rows belong to the next sequence). The chunk scratch is per call, from its
+        row 0."""
         ws, c = self.workspace, self.config
         rows = slice(first, None)
         query, key, value, gate, beta, core = (buf[rows] for buf in (ws.query, ws.key, ws.value, ws.gate,

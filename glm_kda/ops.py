@@ -381,12 +381,12 @@ def conv_prefill_silu_l2_bf16(
 # --------------------------------------------------------------------------------------
 
 
-def check_gate_sources(forget_proj, dt_bias, a_log, beta_logits, heads: int, head_dim: int, tokens: int,
-                       aligned: bool = False) -> int:
+def check_gate_sources(forget_proj, dt_bias, a_log, beta_logits, heads: int, head_dim: int, tokens: int) -> int:
     """Checks the forget gate's and beta's sources (see :func:`gate_beta_f32`) for `tokens`
-    rows; returns the beta logits' row stride in elements."""
+    rows (forget_proj 16-byte aligned: both readers load it in vectors); returns the beta
+    logits' row stride in elements."""
     qkv = heads * head_dim
-    _require_rows("forget_proj", forget_proj, "bf16", tokens, (qkv,), aligned=aligned)
+    _require_rows("forget_proj", forget_proj, "bf16", tokens, (qkv,), aligned=True)
     _check_dtype("dt_bias", dt_bias, "f32")
     if dt_bias.size != qkv or not dt_bias.flags.c_contiguous:
         raise ValueError(f"dt_bias: expected {qkv} contiguous values (per channel), got {list(dt_bias.shape)}")
@@ -424,7 +424,7 @@ def gate_beta_f32(
         tokens = forget_proj.shape[0]
     if head_dim != HEAD_DIM:
         raise ValueError(f"head_dim = {head_dim}: the gate kernel is compiled for D = {HEAD_DIM}")
-    ld_beta = check_gate_sources(forget_proj, dt_bias, a_log, beta_logits, heads, head_dim, tokens, aligned=True)
+    ld_beta = check_gate_sources(forget_proj, dt_bias, a_log, beta_logits, heads, head_dim, tokens)
     _require_aligned("dt_bias", dt_bias)
     _require_rows("gate", gate, "f32", tokens, (heads, head_dim), aligned=True)
     _require_rows("beta", beta, "f32", tokens, (heads,))
