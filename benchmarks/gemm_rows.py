@@ -22,8 +22,9 @@ For comparison ops.gemv_bf16 (the CUDA-core GEMV of up to 16 rows) is timed at r
 
     PYTHONPATH=. python benchmarks/gemm_rows.py [--launches 200] [--sweep]
 
---sweep adds one line per tiles_per_warp (1, 2, 4) at rows 1, 16 and 64: the
-choice launch_plan makes automatically, measured against the others.
+--sweep adds one line per tiles_per_warp (1, 2, 4) and grid (one block per column group,
+or only as many blocks as are resident at once) at rows 1, 4, 16 and 64: the choice
+launch_plan makes automatically, measured against the others.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import cupy
 import numpy as np
 
 from glm_kda import ops
-from glm_kda.gemm_rows import gemm_rows_bf16, launch_plan, weight_bytes
+from glm_kda.gemm_rows import GEMM_ROWS_BLOCKS_PER_SM, gemm_rows_bf16, launch_plan, weight_bytes
 from glm_kda.selftest import copy_bandwidth_gbs
 
 # (geometry, projection, n, k)
@@ -164,20 +165,26 @@ def main() -> None:
                 gemm_rows_bf16(x[:rows], weights[index], out[:rows], rows=rows)
 
             record("gemm_rows_bf16", rows, *_time_launches(launch, len(weights), args.launches),
-                   grid=list(plan.grid), tiles_per_warp=plan.tiles_per_warp)
+                   grid=list(plan.grid), tiles_per_warp=plan.tiles_per_warp, entry=plan.kernel)
 
         if args.sweep:
-            for rows in (1, 16, 64):
+            for rows in (1, 4, 16, 64):
                 for tiles in (1, 2, 4):
                     plan = launch_plan(n, k, rows, tiles, sm_count)
                     if plan.tiles_per_warp != tiles:
                         continue
+                    # One block per column group, and a grid of exactly the resident blocks
+                    # (each loops over the groups) where that is fewer.
+                    resident = sm_count * GEMM_ROWS_BLOCKS_PER_SM[(plan.m_tiles, tiles)]
+                    for blocks in (None, resident) if resident < plan.grid[0] else (None,):
 
-                    def launch(index: int, rows: int = rows, tiles: int = tiles) -> None:
-                        gemm_rows_bf16(x[:rows], weights[index], out[:rows], rows=rows, tiles_per_warp=tiles)
+                        def launch(index: int, rows: int = rows, tiles: int = tiles, blocks=blocks) -> None:
+                            gemm_rows_bf16(x[:rows], weights[index], out[:rows], rows=rows, tiles_per_warp=tiles,
+                                           blocks=blocks)
 
-                    record("gemm_rows_bf16", rows, *_time_launches(launch, len(weights), args.launches),
-                           grid=list(plan.grid), tiles_per_warp=tiles, sweep=True)
+                        swept = launch_plan(n, k, rows, tiles, sm_count, blocks)
+                        record("gemm_rows_bf16", rows, *_time_launches(launch, len(weights), args.launches),
+                               grid=list(swept.grid), tiles_per_warp=tiles, entry=swept.kernel, sweep=True)
 
         for rows in GEMV_ROWS:
 

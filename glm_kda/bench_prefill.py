@@ -64,7 +64,7 @@ def block_flops(config: KdaConfig, tokens: int) -> int:
 
 
 def bench_geometry(geometry: str, directory: Path, tokens: tuple[int, ...], repeats: int,
-                   fused_gate: bool = False) -> list[dict]:
+                   gate_kernel: bool = False) -> list[dict]:
     import cupy
 
     from . import kernels
@@ -78,13 +78,13 @@ def bench_geometry(geometry: str, directory: Path, tokens: tuple[int, ...], repe
     bound = bind_layer(path, 0, progress=False)
     layer = KdaLayer(bound, workspace=KdaWorkspace(bound.config, max(tokens)))
     hidden = to_device_bf16(synthetic_hidden(max(tokens), config.hidden, seed=3))
-    # "tensor-fused-gate": the tensor-core path with the prepare forming the gate itself
-    # (KdaLayer.fused_gate), with --fused-gate.
-    impls = ["fp32"] + (["tensor"] + (["tensor-fused-gate"] if fused_gate else []) if config.bounded else [])
+    # "tensor": the default, the prepare forming the gate itself (KdaLayer.fused_gate);
+    # "tensor-gate-kernel": the gate kernel and the plain prepare, with --gate-kernel.
+    impls = ["fp32"] + (["tensor"] + (["tensor-gate-kernel"] if gate_kernel else []) if config.bounded else [])
     rows = []
     for impl in impls:
         layer.chunk_impl = impl.split("-")[0]
-        layer.fused_gate = impl == "tensor-fused-gate"
+        layer.fused_gate = impl != "tensor-gate-kernel"
         for count in tokens:
             if impl == "fp32" and count > FP32_MAX_TOKENS:
                 continue
@@ -137,8 +137,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=list(PREFILL_TOKENS))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-fla", dest="fla", action="store_false", help="skip the flash-linear-attention rows")
-    parser.add_argument("--fused-gate", action="store_true",
-                        help="also time the tensor-core path with the gate formed inside the prepare")
+    parser.add_argument("--gate-kernel", action="store_true",
+                        help="also time the tensor-core path with the gate kernel and the plain prepare")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
     print(json.dumps(note), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for geometry in args.geometry:
-            bench_geometry(geometry, Path(tmp), tokens, args.repeats, args.fused_gate)
+            bench_geometry(geometry, Path(tmp), tokens, args.repeats, args.gate_kernel)
             if fla_ok and geometry != "kimi":
                 bench_fla(geometry, Path(tmp), tokens, args.repeats)
     return 0

@@ -27,16 +27,21 @@ N_TILE = 8
 K_BLOCK = 32
 WARPS_PER_BLOCK = 8
 TILES_PER_WARP = (1, 2, 4)
+# (m-tiles, tiles per warp) -> blocks per SM the entry point is compiled for (its
+# __launch_bounds__ in kernels_src/gemm_rows.cu). Four m-tiles allow at most 2 tiles per warp.
+GEMM_ROWS_BLOCKS_PER_SM = {(1, 1): 2, (1, 2): 2, (1, 4): 2, (2, 1): 2, (2, 2): 2, (2, 4): 2, (4, 1): 2, (4, 2): 2}
 # H200; the wrapper passes the current device's count.
 DEFAULT_SM_COUNT = 132
 
 
 @dataclass(frozen=True)
 class LaunchPlan:
-    """Grid and block of one call, and the tiles per warp the kernel derives from the grid."""
+    """Entry point, grid and block of one call."""
 
+    kernel: str
     grid: tuple[int, int]
     block: tuple[int]
+    m_tiles: int
     tiles_per_warp: int
 
 
@@ -54,27 +59,39 @@ def k_split(k: int) -> int:
     return split
 
 
+def m_tiles_for(rows: int) -> int:
+    """m-tiles of 16 rows one block sweeps: 1 up to 16 rows, 2 up to 32, else 4 (a group
+    of 64). A row group with fewer rows than that leaves the rest predicated off."""
+    rows = min(rows, ROWS_PER_SWEEP)
+    return 1 if rows <= M_TILE else 2 if rows <= 2 * M_TILE else 4
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(device_id: int) -> int:
     return int(cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device_id))
 
 
 def launch_plan(
-    n: int, k: int, rows: int, tiles_per_warp: int | None = None, sm_count: int = DEFAULT_SM_COUNT
+    n: int, k: int, rows: int, tiles_per_warp: int | None = None, sm_count: int = DEFAULT_SM_COUNT,
+    blocks: int | None = None,
 ) -> LaunchPlan:
     """The launch of one call.
 
-    grid.y = row groups of 64; grid.x = column groups of (8 / k_split) warps times
-    ``tiles_per_warp`` tiles of 8 columns; the kernel reads the tiles per warp back
-    from grid.x. Wider tiles reuse each x fragment more and cut the number of blocks.
-    Left as None it is the widest (4, 2, else 1; at most 2 above 32 rows, the
-    register budget of 4 m-tiles) that still gives every SM a block: on an H200 this
-    was the fastest choice for every GLM and Kimi projection shape. Any value gives
-    the same bits: it moves work between blocks, never across the k order.
+    grid.y = row groups of 64; grid.x = `blocks` column groups of (8 / k_split) warps
+    times ``tiles_per_warp`` tiles of 8 columns at a time (a block loops over the groups
+    blockIdx.x, blockIdx.x + grid.x, ...). Wider tiles reuse each x fragment more and cut
+    the number of blocks. Left as None the tiles are the widest (4, 2, else 1; at most 2
+    with 4 m-tiles, their register budget) that still give every SM a block, and grid.x
+    is the number of groups, capped with one m-tile at the blocks resident at once
+    (sm_count times the entry's blocks per SM). On an H200 (benchmarks/gemm_rows.py
+    --sweep) the cap took the one-row q|k|v projection from 56.0 to 55.1 us (GLM) and from
+    25.7 to 22.9 us (Kimi), and made the 64-row one 4 % slower, hence one m-tile only.
+    Any choice gives the same bits: it moves work between blocks, never across the k order.
     """
     warps_n = WARPS_PER_BLOCK // k_split(k)
     n_tiles = -(-n // N_TILE)
-    widest = 4 if rows <= 2 * M_TILE else 2
+    m_tiles = m_tiles_for(rows)
+    widest = 2 if m_tiles == 4 else 4
 
     def column_groups(tiles: int) -> int:
         return -(-n_tiles // (warps_n * tiles))
@@ -86,14 +103,22 @@ def launch_plan(
     elif tiles_per_warp not in TILES_PER_WARP:
         raise ValueError(f"tiles_per_warp must be one of {TILES_PER_WARP}, got {tiles_per_warp}")
     tiles_per_warp = min(tiles_per_warp, widest)
+    groups = column_groups(tiles_per_warp)
+    if blocks is None:
+        blocks = sm_count * GEMM_ROWS_BLOCKS_PER_SM[(m_tiles, tiles_per_warp)] if m_tiles == 1 else groups
+    elif blocks < 1:
+        raise ValueError(f"blocks must be >= 1, got {blocks}")
     return LaunchPlan(
-        grid=(column_groups(tiles_per_warp), -(-rows // ROWS_PER_SWEEP)),
+        kernel=f"gemm_rows_bf16_m{m_tiles}_n{tiles_per_warp}",
+        grid=(min(blocks, groups), -(-rows // ROWS_PER_SWEEP)),
         block=(WARPS_PER_BLOCK * 32,),
+        m_tiles=m_tiles,
         tiles_per_warp=tiles_per_warp,
     )
 
 
-def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | None = None) -> None:
+def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | None = None,
+                   blocks: int | None = None) -> None:
     """out[r, :] = bf16(x[r, :] @ w.T) for r < rows (1..256), FP32 accumulation on tensor cores.
 
     Shapes:
@@ -107,12 +132,13 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
     bit for bit, what a one-row call on x[r] alone writes: padding rows are zeros that
     are never read, and the k summation order is a function of k alone (see
     kernels_src/gemm_rows.cu). ``tiles_per_warp`` (1, 2, 4, or None to choose from the
-    shape) tunes the grid and leaves every bit unchanged.
+    shape) and ``blocks`` (the most blocks along n, None to choose) tune the launch and
+    leave every bit unchanged.
     """
     rows, n, k, ldx, ldy = projection_args("gemm_rows_bf16", x, w, out, rows, GEMM_ROWS_MAX_ROWS)
-    plan = launch_plan(n, k, rows, tiles_per_warp, _sm_count(cupy.cuda.Device().id))
+    plan = launch_plan(n, k, rows, tiles_per_warp, _sm_count(cupy.cuda.Device().id), blocks)
     kernels.launch(
-        "gemm_rows_bf16",
+        plan.kernel,
         plan.grid,
         plan.block,
         (x, _i32(ldx), w, out, _i32(ldy), _i32(rows), _i32(n), _i32(k)),

@@ -582,7 +582,7 @@ __device__ __forceinline__ void chunk_tc_prepare(
         const int row_high = row_low + 8;
         float acc_kk[2][4] = {};
         float acc_qk[2][4] = {};
-#pragma unroll
+#pragma unroll 1
         for (int kb = 0; kb < KDA_HEAD_DIM / 32; ++kb) {
             const int d = 32 * kb + lane_k;
             float reference_gate[8];
@@ -724,31 +724,30 @@ __device__ __forceinline__ void chunk_tc_prepare(
     }
     __syncthreads();
 
-    // Off-diagonal blocks, in waves of equal distance from the diagonal.
-    if (warp < CHUNK_TC_SUBS - 1) {
-        inverse_block_below_diagonal(lower_s, inverse_s, warp + 1, warp, lane);
-    }
-    // value_t_s = tf32(beta v)^T over the dead key tile (last read before the barrier).
-#pragma unroll
-    for (int pass = 0; pass < CHUNK_TC_TRANSPOSE_PASSES; ++pass) {
-        const int step = warp + pass * CHUNK_TC_PREPARE_WARPS;
-        const int t = (step & 3) * 16 + (lane & 15);
-        const int d = (step >> 2) * 8 + (lane >> 4) * 4;
-        const float beta_t = beta_s[t];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            value_t_s[(d + e) * CHUNK_TC_C_STRIDE + t] = round_tf32(beta_t * value_rows[pass][e]);
+    // Off-diagonal blocks, in waves of equal distance from the diagonal. The loop stays
+    // rolled (as do the k blocks of phase 2): unrolled, the prepare's code outgrew the SM's
+    // instruction cache and its warps stalled on instruction fetch.
+#pragma unroll 1
+    for (int distance = 1; distance < CHUNK_TC_SUBS; ++distance) {
+        if (warp < CHUNK_TC_SUBS - distance) {
+            inverse_block_below_diagonal(lower_s, inverse_s, warp + distance, warp, lane);
         }
+        if (distance == 1) {
+            // value_t_s = tf32(beta v)^T over the dead key tile (last read before the barrier).
+#pragma unroll
+            for (int pass = 0; pass < CHUNK_TC_TRANSPOSE_PASSES; ++pass) {
+                const int step = warp + pass * CHUNK_TC_PREPARE_WARPS;
+                const int t = (step & 3) * 16 + (lane & 15);
+                const int d = (step >> 2) * 8 + (lane >> 4) * 4;
+                const float beta_t = beta_s[t];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    value_t_s[(d + e) * CHUNK_TC_C_STRIDE + t] = round_tf32(beta_t * value_rows[pass][e]);
+                }
+            }
+        }
+        __syncthreads();
     }
-    __syncthreads();
-    if (warp < CHUNK_TC_SUBS - 2) {
-        inverse_block_below_diagonal(lower_s, inverse_s, warp + 2, warp, lane);
-    }
-    __syncthreads();
-    if (warp == 0) {
-        inverse_block_below_diagonal(lower_s, inverse_s, 3, 0, lane);
-    }
-    __syncthreads();
 
     // 4. W = T key_beta (warps 0-3) and Uc = T value_beta (warps 4-7), each warp 32
     // channels of all 64 rows. T is lower triangular: rows < 32 skip the tokens >= 32.
@@ -781,25 +780,25 @@ __device__ __forceinline__ void chunk_tc_prepare(
                 }
             }
         }
-        // W is an mma operand of the scan (TF32 values stored as FP16); Uc only initialises U (FP32).
+        // W is an mma operand of the scan (TF32 values stored as FP16); Uc only initialises U
+        // (FP32). Padding rows store zeros (a select, not a branch: the code stays small).
+        const size_t lane_at = static_cast<size_t>(first + group_lane) * row_stride + head_offset + d_base +
+                               2 * thread_in_group;
 #pragma unroll
         for (int m = 0; m < 4; ++m) {
 #pragma unroll
-            for (int n = 0; n < 4; ++n) {
+            for (int half = 0; half < 2; ++half) {
+                const int t = 16 * m + group_lane + 8 * half;
+                const size_t row_at = lane_at + static_cast<size_t>(16 * m + 8 * half) * row_stride;
 #pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const int t = 16 * m + group_lane + 8 * half;
-                    const int d = d_base + 8 * n + 2 * thread_in_group;
-                    float2 pair_value = make_float2(acc[m][n][2 * half], acc[m][n][2 * half + 1]);
-                    if (t >= valid) {
-                        pair_value = make_float2(0.0f, 0.0f);
-                    }
-                    const size_t at = static_cast<size_t>(first + t) * row_stride + head_offset + d;
+                for (int n = 0; n < 4; ++n) {
+                    const float low = t < valid ? acc[m][n][2 * half] : 0.0f;
+                    const float high = t < valid ? acc[m][n][2 * half + 1] : 0.0f;
                     if (is_value) {
-                        *reinterpret_cast<float2*>(u + at) = pair_value;
+                        *reinterpret_cast<float2*>(u + row_at + 8 * n) = make_float2(low, high);
                     } else {
-                        *reinterpret_cast<unsigned int*>(w + at) =
-                            pack_f16x2(round_tf32(pair_value.x), round_tf32(pair_value.y));
+                        *reinterpret_cast<unsigned int*>(w + row_at + 8 * n) =
+                            pack_f16x2(round_tf32(low), round_tf32(high));
                     }
                 }
             }

@@ -16,7 +16,8 @@
 //   * blockIdx.y picks a group of 64 rows (4 m-tiles of 16), so up to 64 rows every
 //     weight byte is read exactly once; more rows re-read w once per group.
 // The number of tiles per warp only trades x reuse against the number of blocks; it
-// is read from gridDim.x (the wrapper chooses the grid) and never changes a bit of y.
+// is a template parameter (one entry point per variant, chosen by the wrapper with the
+// grid) and never changes a bit of y.
 //
 // Bit contract: row r's bits do not depend on `rows` or on the other rows' values.
 // mma.sync m16n8k16 computes each output element from its own row of A and column of
@@ -48,8 +49,6 @@
 #define GEMM_ROWS_M_GROUP 64
 // Weight loads one lane issues per step (N_TILES * K_UNROLL).
 #define GEMM_ROWS_LOADS_IN_FLIGHT 8
-// Largest M_TILES * N_TILES of any variant: the shared partial sums are sized for it.
-#define GEMM_ROWS_MAX_FRAGMENTS 8
 
 // 16 bytes of w, streamed once: no L1 allocation, 256-byte L2 prefetch (a warp's
 // next loads continue the same rows). Predicated off (zeros) outside the matrix.
@@ -120,6 +119,24 @@ __device__ __forceinline__ int k_split_for(int k)
     return split;
 }
 
+// The weight fragments of one step (K_UNROLL blocks of 32 k from block kb_step on, N_TILES
+// tiles): 16 bytes per lane and fragment, zeros past the warp's range or the matrix.
+template <int K_UNROLL, int N_TILES>
+__device__ __forceinline__ void load_weight_step(uint4 (&w_frag)[K_UNROLL][N_TILES], const bf16_t* w_lane,
+                                                 int tile_stride, const bool (&w_valid)[N_TILES], int kb_step,
+                                                 int kb_end, int k, int thread_in_group)
+{
+#pragma unroll
+    for (int u = 0; u < K_UNROLL; ++u) {
+        const int k_offset = (kb_step + u) * GEMM_ROWS_K_BLOCK;
+        const bool k_valid = kb_step + u < kb_end && k_offset + 8 * thread_in_group < k;
+#pragma unroll
+        for (int j = 0; j < N_TILES; ++j) {
+            w_frag[u][j] = load_weight_16B(w_lane + (j * tile_stride + k_offset), w_valid[j] && k_valid);
+        }
+    }
+}
+
 // One block's share of the output: rows [row_begin, row_end) (at most 64) and the
 // column groups blockIdx.x, blockIdx.x + gridDim.x, ...
 template <int M_TILES, int N_TILES>
@@ -166,13 +183,14 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
     for (int group = blockIdx.x; group < column_groups; group += gridDim.x) {
         const int warp_column = group * group_columns + warp_n * N_TILES * GEMM_ROWS_N_TILE;
 
-        const bf16_t* w_lane[N_TILES];
+        // Tile j's row of this lane is w_lane + j * tile_stride (one pointer, not N_TILES:
+        // the registers go to loads in flight).
+        const bf16_t* w_lane = w + static_cast<size_t>(warp_column + group_lane) * k + 8 * thread_in_group;
+        const int tile_stride = GEMM_ROWS_N_TILE * k;
         bool w_valid[N_TILES];
 #pragma unroll
         for (int j = 0; j < N_TILES; ++j) {
-            const int column = warp_column + GEMM_ROWS_N_TILE * j + group_lane;
-            w_valid[j] = column < n;
-            w_lane[j] = w + static_cast<size_t>(column) * k + 8 * thread_in_group;
+            w_valid[j] = warp_column + GEMM_ROWS_N_TILE * j + group_lane < n;
         }
 
         float acc[M_TILES][N_TILES][4];
@@ -188,17 +206,12 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
         }
 
         for (int kb_step = kb_begin; kb_step < kb_end; kb_step += K_UNROLL) {
-            // Every weight load of the step first: they are what the kernel waits on.
+            // Every weight load of the step first: they are what the kernel waits on. (A
+            // software pipeline, the next step's loads issued before this step's mma, measured
+            // no faster on an H200 at the GLM and Kimi shapes.)
             uint4 w_frag[K_UNROLL][N_TILES];
-#pragma unroll
-            for (int u = 0; u < K_UNROLL; ++u) {
-                const int k_offset = (kb_step + u) * GEMM_ROWS_K_BLOCK;
-                const bool k_valid = kb_step + u < kb_end && k_offset + 8 * thread_in_group < k;
-#pragma unroll
-                for (int j = 0; j < N_TILES; ++j) {
-                    w_frag[u][j] = load_weight_16B(w_lane[j] + k_offset, w_valid[j] && k_valid);
-                }
-            }
+            load_weight_step<K_UNROLL, N_TILES>(w_frag, w_lane, tile_stride, w_valid, kb_step, kb_end, k,
+                                                thread_in_group);
 #pragma unroll
             for (int u = 0; u < K_UNROLL; ++u) {
                 // Warp-uniform: the blocks past the warp's range add nothing, so the
@@ -270,50 +283,44 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
     }
 }
 
-// Launch: block 256 threads, no dynamic shared memory; grid.y = ceil(rows / 64);
-// grid.x = column groups. The tiles per warp follow from grid.x: the fewest of
-// 1, 2, 4 for which grid.x blocks cover the n / 8 column tiles (4 only up to 32
-// rows, the register budget of 4 m-tiles allows 2); a smaller grid loops.
-extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, 2)
-gemm_rows_bf16(const bf16_t* __restrict__ x, int ldx, const bf16_t* __restrict__ w,
-               bf16_t* __restrict__ y, int ldy, int rows, int n, int k)
+// Launch: block 256 threads, no dynamic shared memory; grid.y = ceil(rows / 64), grid.x =
+// any number of blocks (a block loops over the column groups blockIdx.x + i gridDim.x).
+// One entry point per (M_TILES, N_TILES), named gemm_rows_bf16_m<M>_n<N>: the wrapper picks
+// M_TILES from the rows (1: <= 16, 2: <= 32, 4: more; a row group with fewer rows leaves the
+// extra m-tiles predicated off) and N_TILES and the grid from the shape. Separate entries keep
+// each kernel's code small: one variant in the instruction cache, not all eight.
+template <int M_TILES, int N_TILES>
+__device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, int ldx,
+                                                const bf16_t* __restrict__ w, bf16_t* __restrict__ y,
+                                                int ldy, int rows, int n, int k)
 {
-    __shared__ float partial[GEMM_ROWS_WARPS * GEMM_ROWS_MAX_FRAGMENTS * 4 * 32];
+    __shared__ float partial[GEMM_ROWS_WARPS * M_TILES * N_TILES * 4 * 32];
 
     const int row_begin = blockIdx.y * GEMM_ROWS_M_GROUP;
-    if (row_begin >= rows) {
+    if (row_begin >= rows || blockDim.x != GEMM_ROWS_THREADS) {
         return;
     }
     const int row_end = min(rows, row_begin + GEMM_ROWS_M_GROUP);
-    const int m_tiles = (row_end - row_begin + GEMM_ROWS_M_TILE - 1) / GEMM_ROWS_M_TILE;
-
-    const int k_split = k_split_for(k);
-    const int warps_n = GEMM_ROWS_WARPS / k_split;
-    const int n_tiles = (n + GEMM_ROWS_N_TILE - 1) / GEMM_ROWS_N_TILE;
-    const int per_block = static_cast<int>(gridDim.x) * warps_n;
-    const int tiles_per_warp = per_block >= n_tiles ? 1 : 2 * per_block >= n_tiles ? 2 : 4;
-
-    if (m_tiles == 1) {
-        if (tiles_per_warp == 1) {
-            gemm_rows_sweep<1, 1>(x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split, partial);
-        } else if (tiles_per_warp == 2) {
-            gemm_rows_sweep<1, 2>(x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split, partial);
-        } else {
-            gemm_rows_sweep<1, 4>(x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split, partial);
-        }
-    } else if (m_tiles == 2) {
-        if (tiles_per_warp == 1) {
-            gemm_rows_sweep<2, 1>(x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split, partial);
-        } else if (tiles_per_warp == 2) {
-            gemm_rows_sweep<2, 2>(x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split, partial);
-        } else {
-            gemm_rows_sweep<2, 4>(x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split, partial);
-        }
-    } else {
-        if (tiles_per_warp == 1) {
-            gemm_rows_sweep<4, 1>(x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split, partial);
-        } else {
-            gemm_rows_sweep<4, 2>(x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split, partial);
-        }
-    }
+    gemm_rows_sweep<M_TILES, N_TILES>(x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split_for(k), partial);
 }
+
+#define GEMM_ROWS_ENTRY(M_TILES, N_TILES, MIN_BLOCKS)                                              \
+    extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, MIN_BLOCKS)                    \
+        gemm_rows_bf16_m##M_TILES##_n##N_TILES(const bf16_t* __restrict__ x, int ldx,              \
+                                               const bf16_t* __restrict__ w, bf16_t* __restrict__ y, \
+                                               int ldy, int rows, int n, int k)                    \
+    {                                                                                              \
+        gemm_rows_entry<M_TILES, N_TILES>(x, ldx, w, y, ldy, rows, n, k);                          \
+    }
+
+// Every variant is compiled for 2 blocks per SM (up to 128 registers per thread; 3 blocks
+// of the narrow variants, at 80, measured no faster on an H200); GEMM_ROWS_BLOCKS_PER_SM in
+// glm_kda/gemm_rows.py mirrors it.
+GEMM_ROWS_ENTRY(1, 1, 2)
+GEMM_ROWS_ENTRY(1, 2, 2)
+GEMM_ROWS_ENTRY(1, 4, 2)
+GEMM_ROWS_ENTRY(2, 1, 2)
+GEMM_ROWS_ENTRY(2, 2, 2)
+GEMM_ROWS_ENTRY(2, 4, 2)
+GEMM_ROWS_ENTRY(4, 1, 2)
+GEMM_ROWS_ENTRY(4, 2, 2)

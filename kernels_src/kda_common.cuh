@@ -91,7 +91,10 @@ __device__ __forceinline__ float sigmoid_f32(float x)
 __device__ __forceinline__ float kda_forget_gate(float u, float a, bool bounded, float lower_bound)
 {
     if (bounded) {
-        return lower_bound / (1.0f + expf(-(a * u)));
+        // lower_bound * sigmoid(a u). __fdividef (reciprocal and product, 2 ulp) rather than
+        // the IEEE division: the prepare that forms the gate inline evaluates this 32 times
+        // per thread, and every IEEE division brings its own call of the slow path.
+        return __fdividef(lower_bound, 1.0f + expf(-(a * u)));
     }
     const float softplus = (u > KDA_SOFTPLUS_THRESHOLD) ? u : log1pf(expf(u));
     return -a * softplus;

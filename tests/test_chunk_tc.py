@@ -406,6 +406,8 @@ inline float f16_to_f32(unsigned short bits)
     std::memcpy(&h, &bits, 2);
     return static_cast<float>(h);
 }
+// __fdividef's approximate reciprocal-and-product, as the IEEE quotient (within 2 ulp of it).
+inline float __fdividef(float a, float b) { return a / b; }
 inline void copy_async_commit() {}
 inline void copy_async_wait_all() {}
 """

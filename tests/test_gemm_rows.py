@@ -4,7 +4,7 @@ Promises tested, one test each:
   * out = bf16(x @ w.T) within rms-ratio 1e-3 of the float64 oracle rounded to BF16;
   * row r of an R-row call equals, bit for bit, a one-row call on x[r] alone, for R in
     1..256, also when the other rows change (to random, huge, infinite or NaN values);
-  * the grid (tiles per warp) changes no bit;
+  * the launch (entry point, tiles per warp, grid) changes no bit;
   * strided x and a column slice of a wider out: only columns < n of rows < rows are written;
   * the GLM-5.3-Flash and Kimi-Linear projection shapes.
 The geometry rule (k_split depends on k alone) and the argument checks that need no
@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from glm_kda.device import gpu_status
-from glm_kda.gemm_rows import GEMM_ROWS_MAX_ROWS, k_split, launch_plan
+from glm_kda.gemm_rows import GEMM_ROWS_BLOCKS_PER_SM, GEMM_ROWS_MAX_ROWS, k_split, launch_plan
+from glm_kda.kernels import ENTRY_POINTS
 
 GPU_OK, GPU_WHY = gpu_status()
 needs_gpu = pytest.mark.skipif(not GPU_OK, reason=f"no CUDA GPU: {GPU_WHY}")
@@ -119,6 +120,9 @@ def test_k_split_depends_on_k_alone(k):
         assert plan.block == (256,)
         assert plan.grid[1] == -(-rows // 64)
         assert plan.tiles_per_warp in (1, 2, 4) and (rows <= 32 or plan.tiles_per_warp <= 2)
+        assert plan.m_tiles == (1 if rows <= 16 else 2 if rows <= 32 else 4)
+        assert plan.kernel == f"gemm_rows_bf16_m{plan.m_tiles}_n{plan.tiles_per_warp}"
+        assert plan.kernel in ENTRY_POINTS["gemm_rows"] and (plan.m_tiles, plan.tiles_per_warp) in GEMM_ROWS_BLOCKS_PER_SM
 
 
 @pytest.mark.parametrize("shape", GLM_SHAPES + KIMI_SHAPES, ids=_shape_id)
@@ -126,9 +130,16 @@ def test_launch_plan_covers_every_column(shape):
     n, k = shape
     for rows in (1, 16, 64, 256):
         for tiles in (None, 1, 2, 4):
+            # Uncapped, one block per column group covers every column; by default the grid
+            # is capped at the resident blocks and the blocks loop over the groups.
+            whole = launch_plan(n, k, rows, tiles_per_warp=tiles, blocks=10**9)
+            assert whole.grid[0] * (8 // k_split(k)) * whole.tiles_per_warp * 8 >= n
+            assert (whole.grid[0] - 1) * (8 // k_split(k)) * whole.tiles_per_warp * 8 < n
+            assert whole.grid[1] * 64 >= rows
             plan = launch_plan(n, k, rows, tiles_per_warp=tiles)
-            assert plan.grid[0] * (8 // k_split(k)) * plan.tiles_per_warp * 8 >= n
-            assert plan.grid[1] * 64 >= rows
+            resident = 132 * GEMM_ROWS_BLOCKS_PER_SM[(plan.m_tiles, plan.tiles_per_warp)]
+            assert plan.grid[0] == (min(whole.grid[0], resident) if plan.m_tiles == 1 else whole.grid[0])
+            assert plan.grid[1] == whole.grid[1] and plan.kernel == whole.kernel
 
 
 def test_launch_plan_fills_every_sm_when_it_can():
@@ -145,6 +156,24 @@ def test_launch_plan_fills_every_sm_when_it_can():
 def test_launch_plan_rejects_unknown_tiles():
     with pytest.raises(ValueError, match="tiles_per_warp"):
         launch_plan(64, 128, 1, tiles_per_warp=3)
+    with pytest.raises(ValueError, match="blocks"):
+        launch_plan(64, 128, 1, blocks=0)
+
+
+def test_launch_plan_blocks_caps_the_grid():
+    assert launch_plan(24576, 4096, 1, tiles_per_warp=1, blocks=264).grid == (264, 1)
+    assert launch_plan(24576, 4096, 100, tiles_per_warp=1, blocks=10**6).grid == (3072, 2)
+
+
+def test_every_entry_point_is_in_the_kernel_source():
+    from glm_kda.kernels import kernel_source
+
+    source = kernel_source("gemm_rows")
+    for m_tiles, tiles in GEMM_ROWS_BLOCKS_PER_SM:
+        blocks = GEMM_ROWS_BLOCKS_PER_SM[(m_tiles, tiles)]
+        assert f"GEMM_ROWS_ENTRY({m_tiles}, {tiles}, {blocks})" in source, \
+            f"gemm_rows.cu has no entry ({m_tiles}, {tiles}) compiled for {blocks} blocks per SM"
+    assert len(ENTRY_POINTS["gemm_rows"]) == len(GEMM_ROWS_BLOCKS_PER_SM)
 
 
 # --------------------------------------------------------------------------------------
@@ -214,7 +243,9 @@ def test_grid_changes_no_bit(rows):
     w = _random_bf16(rng, (n, k), scale=k**-0.5)
     default = _run(x, w, rows)
     for tiles in (1, 2, 4):
-        _assert_bits_equal(_run(x, w, rows, tiles_per_warp=tiles), default, f"R{rows} tiles_per_warp={tiles}")
+        for blocks in (None, 1, 3, 7):
+            _assert_bits_equal(_run(x, w, rows, tiles_per_warp=tiles, blocks=blocks), default,
+                               f"R{rows} tiles_per_warp={tiles} blocks={blocks}")
 
 
 @pytest.mark.gpu
