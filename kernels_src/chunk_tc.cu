@@ -338,6 +338,15 @@ __device__ __forceinline__ void load_query_row8(float out[8], const float* __res
 // Steps per warp of one transposing pass over the tile.
 #define CHUNK_TC_TRANSPOSE_PASSES (CHUNK_TC_TRANSPOSE_STEPS / CHUNK_TC_PREPARE_WARPS)
 
+// Row t and first channel d of this lane's 4 channels in step `step` of a transposing pass:
+// step & 3 picks the 16-row quarter, step >> 2 the 8 channels, lane & 15 the row in it and
+// lane >> 4 the half of the 8 channels. The one definition of the pass's coordinates.
+__device__ __forceinline__ void transpose_slot(int step, int lane, int& t, int& d)
+{
+    t = (step & 3) * 16 + (lane & 15);
+    d = (step >> 2) * 8 + (lane >> 4) * 4;
+}
+
 // The prepare, in two entry points below. FUSED_GATE false: gate_in [T, H, D] and beta_in
 // [T, H] are inputs. FUSED_GATE true: gate_out and beta_out (the stage buffers) are formed
 // here from forget_proj [T, H*D] BF16 + dt_bias [H*D] and A_log [H] (kda_forget_gate, bounded
@@ -531,8 +540,8 @@ __device__ __forceinline__ void chunk_tc_prepare(
         f16_t* tail_block = k_tail_t + chunk_head * KDA_HEAD_DIM * CHUNK_TC;
         const float* cumgate_last = cumgate_s + (CHUNK_TC - 1) * CHUNK_TC_D_STRIDE;
         for (int step = warp; step < CHUNK_TC_TRANSPOSE_STEPS; step += CHUNK_TC_PREPARE_WARPS) {
-            const int t = (step & 3) * 16 + (lane & 15);
-            const int d = (step >> 2) * 8 + (lane >> 4) * 4;
+            int t, d;
+            transpose_slot(step, lane, t, d);
             float key_value[4];
             float cumgate[4];
             float last[4];
@@ -647,8 +656,8 @@ __device__ __forceinline__ void chunk_tc_prepare(
 #pragma unroll
     for (int pass = 0; pass < CHUNK_TC_TRANSPOSE_PASSES; ++pass) {
         const int step = warp + pass * CHUNK_TC_PREPARE_WARPS;
-        const int t = (step & 3) * 16 + (lane & 15);
-        const int d = (step >> 2) * 8 + (lane >> 4) * 4;
+        int t, d;
+        transpose_slot(step, lane, t, d);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             value_rows[pass][e] = 0.0f;
@@ -698,8 +707,8 @@ __device__ __forceinline__ void chunk_tc_prepare(
 #pragma unroll
         for (int pass = 0; pass < CHUNK_TC_TRANSPOSE_PASSES; ++pass) {
             const int step = warp + pass * CHUNK_TC_PREPARE_WARPS;
-            const int t = (step & 3) * 16 + (lane & 15);
-            const int d = (step >> 2) * 8 + (lane >> 4) * 4;
+            int t, d;
+            transpose_slot(step, lane, t, d);
             float key_value[4];
             float cumgate[4];
             load4(key_value, key_s + t * CHUNK_TC_D_STRIDE + d);
@@ -714,8 +723,8 @@ __device__ __forceinline__ void chunk_tc_prepare(
 #pragma unroll
         for (int pass = 0; pass < CHUNK_TC_TRANSPOSE_PASSES; ++pass) {
             const int step = warp + pass * CHUNK_TC_PREPARE_WARPS;
-            const int t = (step & 3) * 16 + (lane & 15);
-            const int d = (step >> 2) * 8 + (lane >> 4) * 4;
+            int t, d;
+            transpose_slot(step, lane, t, d);
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 key_beta_t_s[(d + e) * CHUNK_TC_C_STRIDE + t] = key_beta[pass][e];
@@ -737,8 +746,8 @@ __device__ __forceinline__ void chunk_tc_prepare(
 #pragma unroll
             for (int pass = 0; pass < CHUNK_TC_TRANSPOSE_PASSES; ++pass) {
                 const int step = warp + pass * CHUNK_TC_PREPARE_WARPS;
-                const int t = (step & 3) * 16 + (lane & 15);
-                const int d = (step >> 2) * 8 + (lane >> 4) * 4;
+                int t, d;
+                transpose_slot(step, lane, t, d);
                 const float beta_t = beta_s[t];
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
