@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU: the GPU test suite (figures to figures.json),
-# compute-sanitizer memcheck over a subset of it, racecheck over the chunk, recurrent and
+# compute-sanitizer memcheck over a subset of it, racecheck over the chunk (FP32 and tensor-core), recurrent and
 # prefill-conv kernels ("tests"), then the decode and prefill benchmarks and the import
 # timing ("bench"). Logs and JSON land in ${OUT:-./gpu_check_out}. The two halves take about
 # seven and five minutes on an H200; run them as separate commands where one command is
@@ -23,6 +23,11 @@ if [ "$part" = tests ] || [ "$part" = all ]; then
     -k "kimi and (T17 and C16 or T65 and C64 or poisoned and nan or graph_replay)" 2>&1 | tee "$out/memcheck.log" | tail -4
   timeout 45 compute-sanitizer --tool racecheck --kernel-name kns=kda_ --print-limit 20 python -m pytest -q -p no:cacheprovider \
     tests/test_gpu.py -k "kimi and T15 and C16 or kimi and decode_stages" 2>&1 | tee "$out/racecheck.log" | tail -4
+  # The tensor-core chunk kernels run for the bounded (GLM) law; <= 16 rows keeps cuBLAS, which
+  # racecheck cannot follow, out of the prefill.
+  timeout 45 compute-sanitizer --tool racecheck --kernel-name kns=kda_chunk_tc --print-limit 20 python -m pytest -q \
+    -p no:cacheprovider tests/test_gpu.py -k "prefill_matches_oracle and glm and C64 and T15" 2>&1 \
+    | tee "$out/racecheck_tc.log" | tail -4
   timeout 45 compute-sanitizer --tool racecheck --kernel-name kns=conv_prefill --print-limit 20 python -m pytest -q \
     -p no:cacheprovider tests/test_gpu.py -k "prefill_matches_oracle and kimi and C64 and T65" 2>&1 \
     | tee "$out/racecheck_conv.log" | tail -4

@@ -209,8 +209,8 @@ def parse_ptxas_log(log: str) -> dict[str, dict[str, int]]:
     return resources
 
 
-def cubin_function_symbols(cubin: bytes) -> list[str]:
-    """Names of the function symbols (STT_FUNC) in a cubin's ELF symbol table."""
+def cubin_function_sizes(cubin: bytes) -> dict[str, int]:
+    """Code size in bytes of each function symbol (STT_FUNC) in a cubin's ELF symbol table."""
     if cubin[:4] != b"\x7fELF" or cubin[4] != 2:
         raise ValueError("not a 64-bit ELF cubin")
     endian = "<" if cubin[5] == 1 else ">"
@@ -220,18 +220,24 @@ def cubin_function_symbols(cubin: bytes) -> list[str]:
         struct.unpack_from(endian + "IIQQQQIIQQ", cubin, section_offset + index * section_size)
         for index in range(section_count)
     ]
-    names: list[str] = []
+    sizes: dict[str, int] = {}
     for _, kind, _, _, offset, size, link, _, _, entry_size in sections:
         if kind != 2:  # SHT_SYMTAB
             continue
         strings_offset = sections[link][4]
         for position in range(offset, offset + size, entry_size or 24):
-            name_offset, info = struct.unpack_from(endian + "IB", cubin, position)
+            # Elf64_Sym: st_name, st_info, st_other, st_shndx, st_value, st_size.
+            name_offset, info, _, _, _, code_size = struct.unpack_from(endian + "IBBHQQ", cubin, position)
             if info & 0xF != 2:  # STT_FUNC
                 continue
             start = strings_offset + name_offset
-            names.append(cubin[start : cubin.index(b"\x00", start)].decode())
-    return names
+            sizes[cubin[start : cubin.index(b"\x00", start)].decode()] = code_size
+    return sizes
+
+
+def cubin_function_symbols(cubin: bytes) -> list[str]:
+    """Names of the function symbols (STT_FUNC) in a cubin's ELF symbol table."""
+    return list(cubin_function_sizes(cubin))
 
 
 def compile_check(arch: str) -> dict[str, dict[str, int]]:
