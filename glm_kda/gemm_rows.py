@@ -27,9 +27,12 @@ N_TILE = 8
 K_BLOCK = 32
 WARPS_PER_BLOCK = 8
 TILES_PER_WARP = (1, 2, 4)
-# (m-tiles, tiles per warp) -> blocks per SM the entry point is compiled for (its
-# __launch_bounds__ in kernels_src/gemm_rows.cu). Four m-tiles allow at most 2 tiles per warp.
-GEMM_ROWS_BLOCKS_PER_SM = {(1, 1): 2, (1, 2): 2, (1, 4): 2, (2, 1): 2, (2, 2): 2, (2, 4): 2, (4, 1): 2, (4, 2): 2}
+# Blocks per SM every entry point is compiled for (GEMM_ROWS_MIN_BLOCKS in its
+# __launch_bounds__, kernels_src/gemm_rows.cu).
+GEMM_ROWS_BLOCKS_PER_SM = 2
+# Weight loads per lane and step: 8, or 16 (the deep variants, one m-tile only).
+LOADS_PER_STEP = (8, 16)
+DEEP_LOADS = 16
 # H200; the wrapper passes the current device's count.
 DEFAULT_SM_COUNT = 132
 
@@ -43,6 +46,7 @@ class LaunchPlan:
     block: tuple[int]
     m_tiles: int
     tiles_per_warp: int
+    loads: int
 
 
 def k_split(k: int) -> int:
@@ -73,7 +77,7 @@ def _sm_count(device_id: int) -> int:
 
 def launch_plan(
     n: int, k: int, rows: int, tiles_per_warp: int | None = None, sm_count: int = DEFAULT_SM_COUNT,
-    blocks: int | None = None,
+    blocks: int | None = None, loads: int = 8,
 ) -> LaunchPlan:
     """The launch of one call.
 
@@ -86,7 +90,9 @@ def launch_plan(
     (sm_count times the entry's blocks per SM). On an H200 (benchmarks/gemm_rows.py
     --sweep) the cap took the one-row q|k|v projection from 56.0 to 55.1 us (GLM) and from
     25.7 to 22.9 us (Kimi), and made the 64-row one 4 % slower, hence one m-tile only.
-    Any choice gives the same bits: it moves work between blocks, never across the k order.
+    ``loads`` (8, or 16 with one m-tile) is the number of weight loads a lane issues per
+    step before its mma. Any choice gives the same bits: it moves work between blocks and
+    regroups loads, never changes the k order.
     """
     warps_n = WARPS_PER_BLOCK // k_split(k)
     n_tiles = -(-n // N_TILE)
@@ -103,22 +109,25 @@ def launch_plan(
     elif tiles_per_warp not in TILES_PER_WARP:
         raise ValueError(f"tiles_per_warp must be one of {TILES_PER_WARP}, got {tiles_per_warp}")
     tiles_per_warp = min(tiles_per_warp, widest)
+    if loads not in LOADS_PER_STEP or (loads == DEEP_LOADS and m_tiles != 1):
+        raise ValueError(f"loads must be 8, or 16 with up to 16 rows; got {loads} for {rows} rows")
     groups = column_groups(tiles_per_warp)
     if blocks is None:
-        blocks = sm_count * GEMM_ROWS_BLOCKS_PER_SM[(m_tiles, tiles_per_warp)] if m_tiles == 1 else groups
+        blocks = sm_count * GEMM_ROWS_BLOCKS_PER_SM if m_tiles == 1 else groups
     elif blocks < 1:
         raise ValueError(f"blocks must be >= 1, got {blocks}")
     return LaunchPlan(
-        kernel=f"gemm_rows_bf16_m{m_tiles}_n{tiles_per_warp}",
+        kernel=f"gemm_rows_bf16_m{m_tiles}_n{tiles_per_warp}_l{loads}",
         grid=(min(blocks, groups), -(-rows // ROWS_PER_SWEEP)),
         block=(WARPS_PER_BLOCK * 32,),
         m_tiles=m_tiles,
         tiles_per_warp=tiles_per_warp,
+        loads=loads,
     )
 
 
 def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | None = None,
-                   blocks: int | None = None) -> None:
+                   blocks: int | None = None, loads: int = 8) -> None:
     """out[r, :] = bf16(x[r, :] @ w.T) for r < rows (1..256), FP32 accumulation on tensor cores.
 
     Shapes:
@@ -132,11 +141,12 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
     bit for bit, what a one-row call on x[r] alone writes: padding rows are zeros that
     are never read, and the k summation order is a function of k alone (see
     kernels_src/gemm_rows.cu). ``tiles_per_warp`` (1, 2, 4, or None to choose from the
-    shape) and ``blocks`` (the most blocks along n, None to choose) tune the launch and
-    leave every bit unchanged.
+    shape), ``blocks`` (the most blocks along n, None to choose) and ``loads`` (8, or 16
+    up to 16 rows: weight loads per lane and step) tune the launch and leave every bit
+    unchanged.
     """
     rows, n, k, ldx, ldy = projection_args("gemm_rows_bf16", x, w, out, rows, GEMM_ROWS_MAX_ROWS)
-    plan = launch_plan(n, k, rows, tiles_per_warp, _sm_count(cupy.cuda.Device().id), blocks)
+    plan = launch_plan(n, k, rows, tiles_per_warp, _sm_count(cupy.cuda.Device().id), blocks, loads)
     kernels.launch(
         plan.kernel,
         plan.grid,

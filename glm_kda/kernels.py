@@ -22,8 +22,9 @@ from typing import Any, Iterator, Sequence
 # file stem -> kernel entry points, in the pipeline order of the block.
 ENTRY_POINTS: dict[str, tuple[str, ...]] = {
     "gemv": ("gemv_bf16",),
-    "gemm_rows": tuple(f"gemm_rows_bf16_m{m}_n{n}" for m, n in ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4),
-                                                               (4, 1), (4, 2))),
+    "gemm_rows": tuple(f"gemm_rows_bf16_m{m}_n{n}_l{loads}" for m, n, loads in (
+        (1, 1, 8), (1, 2, 8), (1, 4, 8), (2, 1, 8), (2, 2, 8), (2, 4, 8), (4, 1, 8), (4, 2, 8),
+        (1, 1, 16), (1, 2, 16), (1, 4, 16))),
     "conv": ("conv_decode_silu_l2_bf16", "conv_prefill_silu_l2_bf16"),
     "gate": ("gate_beta_f32",),
     "recurrent": ("kda_recurrent_step_f32",),

@@ -47,8 +47,6 @@
 #define GEMM_ROWS_N_TILE 8
 // Rows per blockIdx.y: 4 m-tiles swept together over one read of w.
 #define GEMM_ROWS_M_GROUP 64
-// Weight loads one lane issues per step (N_TILES * K_UNROLL).
-#define GEMM_ROWS_LOADS_IN_FLIGHT 8
 
 // 16 bytes of w, streamed once: no L1 allocation, 256-byte L2 prefetch (a warp's
 // next loads continue the same rows). Predicated off (zeros) outside the matrix.
@@ -139,17 +137,18 @@ __device__ __forceinline__ void load_weight_step(uint4 (&w_frag)[K_UNROLL][N_TIL
 
 // One block's share of the output: rows [row_begin, row_end) (at most 64) and the
 // column groups blockIdx.x, blockIdx.x + gridDim.x, ...
-template <int M_TILES, int N_TILES>
+template <int M_TILES, int N_TILES, int LOADS>
 __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, int ldx,
                                                 const bf16_t* __restrict__ w,
                                                 bf16_t* __restrict__ y, int ldy, int row_begin,
                                                 int row_end, int n, int k, int k_split,
                                                 float* partial)
 {
-    // Each lane keeps 8 (m-tile, n-tile, k-block) products per step: with one m-tile
-    // that is 8 weight loads in flight; more m-tiles spend the registers on their x
-    // fragments and accumulators instead (8 / M_TILES weight loads).
-    constexpr int K_UNROLL = GEMM_ROWS_LOADS_IN_FLIGHT / (M_TILES * N_TILES);
+    // Each lane keeps LOADS (m-tile, n-tile, k-block) products per step: with one m-tile
+    // that is LOADS weight loads in flight (8, or 16 in the deep variants); more m-tiles
+    // spend the registers on their x fragments and accumulators instead (8 / M_TILES).
+    constexpr int K_UNROLL = LOADS / (M_TILES * N_TILES);
+    static_assert(K_UNROLL >= 1, "LOADS must cover one k block of every (m-tile, n-tile)");
     constexpr int FRAGMENTS = M_TILES * N_TILES * 4;  // accumulators per lane
 
     const int lane = threadIdx.x & 31;
@@ -285,11 +284,13 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
 
 // Launch: block 256 threads, no dynamic shared memory; grid.y = ceil(rows / 64), grid.x =
 // any number of blocks (a block loops over the column groups blockIdx.x + i gridDim.x).
-// One entry point per (M_TILES, N_TILES), named gemm_rows_bf16_m<M>_n<N>: the wrapper picks
-// M_TILES from the rows (1: <= 16, 2: <= 32, 4: more; a row group with fewer rows leaves the
-// extra m-tiles predicated off) and N_TILES and the grid from the shape. Separate entries keep
-// each kernel's code small: one variant in the instruction cache, not all eight.
-template <int M_TILES, int N_TILES>
+// One entry point per (M_TILES, N_TILES, LOADS), named gemm_rows_bf16_m<M>_n<N>_l<LOADS>: the
+// wrapper picks M_TILES from the rows (1: <= 16, 2: <= 32, 4: more; a row group with fewer
+// rows leaves the extra m-tiles predicated off) and N_TILES, LOADS and the grid from the
+// shape. Separate entries keep each kernel's code small: one variant in the instruction
+// cache, not all of them. LOADS (weight loads per lane and step) regroups the loads ahead of
+// the same mma chain: like the tiles and the grid, it changes no bit.
+template <int M_TILES, int N_TILES, int LOADS>
 __device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, int ldx,
                                                 const bf16_t* __restrict__ w, bf16_t* __restrict__ y,
                                                 int ldy, int rows, int n, int k)
@@ -301,26 +302,32 @@ __device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, in
         return;
     }
     const int row_end = min(rows, row_begin + GEMM_ROWS_M_GROUP);
-    gemm_rows_sweep<M_TILES, N_TILES>(x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split_for(k), partial);
+    gemm_rows_sweep<M_TILES, N_TILES, LOADS>(x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split_for(k),
+                                             partial);
 }
 
-#define GEMM_ROWS_ENTRY(M_TILES, N_TILES, MIN_BLOCKS)                                              \
-    extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, MIN_BLOCKS)                    \
-        gemm_rows_bf16_m##M_TILES##_n##N_TILES(const bf16_t* __restrict__ x, int ldx,              \
-                                               const bf16_t* __restrict__ w, bf16_t* __restrict__ y, \
-                                               int ldy, int rows, int n, int k)                    \
+#define GEMM_ROWS_ENTRY(M_TILES, N_TILES, LOADS)                                                   \
+    extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_MIN_BLOCKS)          \
+        gemm_rows_bf16_m##M_TILES##_n##N_TILES##_l##LOADS(                                         \
+            const bf16_t* __restrict__ x, int ldx, const bf16_t* __restrict__ w,                   \
+            bf16_t* __restrict__ y, int ldy, int rows, int n, int k)                               \
     {                                                                                              \
-        gemm_rows_entry<M_TILES, N_TILES>(x, ldx, w, y, ldy, rows, n, k);                          \
+        gemm_rows_entry<M_TILES, N_TILES, LOADS>(x, ldx, w, y, ldy, rows, n, k);                   \
     }
 
 // Every variant is compiled for 2 blocks per SM (up to 128 registers per thread; 3 blocks
 // of the narrow variants, at 80, measured no faster on an H200); GEMM_ROWS_BLOCKS_PER_SM in
-// glm_kda/gemm_rows.py mirrors it.
-GEMM_ROWS_ENTRY(1, 1, 2)
-GEMM_ROWS_ENTRY(1, 2, 2)
-GEMM_ROWS_ENTRY(1, 4, 2)
-GEMM_ROWS_ENTRY(2, 1, 2)
-GEMM_ROWS_ENTRY(2, 2, 2)
-GEMM_ROWS_ENTRY(2, 4, 2)
-GEMM_ROWS_ENTRY(4, 1, 2)
-GEMM_ROWS_ENTRY(4, 2, 2)
+// glm_kda/gemm_rows.py mirrors it. The deep variants (16 loads per lane and step) exist for
+// one m-tile only: more m-tiles would spill.
+#define GEMM_ROWS_MIN_BLOCKS 2
+GEMM_ROWS_ENTRY(1, 1, 8)
+GEMM_ROWS_ENTRY(1, 2, 8)
+GEMM_ROWS_ENTRY(1, 4, 8)
+GEMM_ROWS_ENTRY(2, 1, 8)
+GEMM_ROWS_ENTRY(2, 2, 8)
+GEMM_ROWS_ENTRY(2, 4, 8)
+GEMM_ROWS_ENTRY(4, 1, 8)
+GEMM_ROWS_ENTRY(4, 2, 8)
+GEMM_ROWS_ENTRY(1, 1, 16)
+GEMM_ROWS_ENTRY(1, 2, 16)
+GEMM_ROWS_ENTRY(1, 4, 16)

@@ -4,7 +4,7 @@ Promises tested, one test each:
   * out = bf16(x @ w.T) within rms-ratio 1e-3 of the float64 oracle rounded to BF16;
   * row r of an R-row call equals, bit for bit, a one-row call on x[r] alone, for R in
     1..256, also when the other rows change (to random, huge, infinite or NaN values);
-  * the launch (entry point, tiles per warp, grid) changes no bit;
+  * the launch (entry point, tiles per warp, grid, loads per step) changes no bit;
   * strided x and a column slice of a wider out: only columns < n of rows < rows are written;
   * the GLM-5.3-Flash and Kimi-Linear projection shapes.
 The geometry rule (k_split depends on k alone) and the argument checks that need no
@@ -121,8 +121,12 @@ def test_k_split_depends_on_k_alone(k):
         assert plan.grid[1] == -(-rows // 64)
         assert plan.tiles_per_warp in (1, 2, 4) and (rows <= 32 or plan.tiles_per_warp <= 2)
         assert plan.m_tiles == (1 if rows <= 16 else 2 if rows <= 32 else 4)
-        assert plan.kernel == f"gemm_rows_bf16_m{plan.m_tiles}_n{plan.tiles_per_warp}"
-        assert plan.kernel in ENTRY_POINTS["gemm_rows"] and (plan.m_tiles, plan.tiles_per_warp) in GEMM_ROWS_BLOCKS_PER_SM
+        assert plan.kernel == f"gemm_rows_bf16_m{plan.m_tiles}_n{plan.tiles_per_warp}_l8" and plan.loads == 8
+        assert plan.kernel in ENTRY_POINTS["gemm_rows"]
+        if rows <= 16:
+            deep = launch_plan(4096, k, rows, loads=16)
+            assert deep.kernel == plan.kernel.replace("_l8", "_l16") and deep.kernel in ENTRY_POINTS["gemm_rows"]
+            assert deep.grid == plan.grid
 
 
 @pytest.mark.parametrize("shape", GLM_SHAPES + KIMI_SHAPES, ids=_shape_id)
@@ -137,7 +141,7 @@ def test_launch_plan_covers_every_column(shape):
             assert (whole.grid[0] - 1) * (8 // k_split(k)) * whole.tiles_per_warp * 8 < n
             assert whole.grid[1] * 64 >= rows
             plan = launch_plan(n, k, rows, tiles_per_warp=tiles)
-            resident = 132 * GEMM_ROWS_BLOCKS_PER_SM[(plan.m_tiles, plan.tiles_per_warp)]
+            resident = 132 * GEMM_ROWS_BLOCKS_PER_SM
             assert plan.grid[0] == (min(whole.grid[0], resident) if plan.m_tiles == 1 else whole.grid[0])
             assert plan.grid[1] == whole.grid[1] and plan.kernel == whole.kernel
 
@@ -158,6 +162,10 @@ def test_launch_plan_rejects_unknown_tiles():
         launch_plan(64, 128, 1, tiles_per_warp=3)
     with pytest.raises(ValueError, match="blocks"):
         launch_plan(64, 128, 1, blocks=0)
+    with pytest.raises(ValueError, match="loads"):
+        launch_plan(64, 128, 17, loads=16)
+    with pytest.raises(ValueError, match="loads"):
+        launch_plan(64, 128, 1, loads=4)
 
 
 def test_launch_plan_blocks_caps_the_grid():
@@ -169,11 +177,11 @@ def test_every_entry_point_is_in_the_kernel_source():
     from glm_kda.kernels import kernel_source
 
     source = kernel_source("gemm_rows")
-    for m_tiles, tiles in GEMM_ROWS_BLOCKS_PER_SM:
-        blocks = GEMM_ROWS_BLOCKS_PER_SM[(m_tiles, tiles)]
-        assert f"GEMM_ROWS_ENTRY({m_tiles}, {tiles}, {blocks})" in source, \
-            f"gemm_rows.cu has no entry ({m_tiles}, {tiles}) compiled for {blocks} blocks per SM"
-    assert len(ENTRY_POINTS["gemm_rows"]) == len(GEMM_ROWS_BLOCKS_PER_SM)
+    for name in ENTRY_POINTS["gemm_rows"]:
+        m_tiles, tiles, loads = (int(part[1:]) for part in name.split("_")[-3:])
+        assert f"GEMM_ROWS_ENTRY({m_tiles}, {tiles}, {loads})" in source, f"gemm_rows.cu has no entry for {name}"
+        assert m_tiles == 1 or loads == 8, f"{name}: the deep variants are for one m-tile only"
+    assert f"#define GEMM_ROWS_MIN_BLOCKS {GEMM_ROWS_BLOCKS_PER_SM}" in source
 
 
 # --------------------------------------------------------------------------------------
@@ -244,8 +252,9 @@ def test_grid_changes_no_bit(rows):
     default = _run(x, w, rows)
     for tiles in (1, 2, 4):
         for blocks in (None, 1, 3, 7):
-            _assert_bits_equal(_run(x, w, rows, tiles_per_warp=tiles, blocks=blocks), default,
-                               f"R{rows} tiles_per_warp={tiles} blocks={blocks}")
+            for loads in (8, 16) if rows <= 16 else (8,):
+                _assert_bits_equal(_run(x, w, rows, tiles_per_warp=tiles, blocks=blocks, loads=loads), default,
+                                   f"R{rows} tiles_per_warp={tiles} blocks={blocks} loads={loads}")
 
 
 @pytest.mark.gpu
