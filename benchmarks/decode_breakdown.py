@@ -5,6 +5,8 @@
     step, and its roofline ratio against the copy bandwidth measured in the same run;
   * the public call (input copy, replay, output copy) issued back to back, 200 calls between
     two events: what a decode loop that does not synchronise every token pays per call.
+Each geometry runs twice: the fused decode step (the default) and the separate kernels
+(layer.fused_decode = False), in the same process.
 
     PYTHONPATH=. python benchmarks/decode_breakdown.py [glm kimi]
 """
@@ -40,22 +42,25 @@ def main(geometries: list[str]) -> None:
             cfg = layer.config
             hidden = to_device_bf16(synthetic_hidden(1, cfg.hidden))
             state = layer.new_state()
-            for _ in range(3):
-                layer.decode(hidden, state)  # eager, capture, replay
-            with kernels.timing() as timer:
-                for _ in range(20):
-                    layer.decode(hidden, state)
-            per_kernel = {name: 1e3 * ms / 20 for name, ms in timer.summary().items()}
-            graph = layer._graphs.last_graph
-            stream = cupy.cuda.get_current_stream()
-            replay_us = back_to_back_us(lambda: graph.launch(stream))
-            call_us = back_to_back_us(lambda: layer.decode(hidden, state))
-            nbytes = weight_bytes(cfg) + state_bytes(cfg)
-            print(json.dumps({
-                "geometry": geometry, "copy_bandwidth_GBs": bandwidth, "bytes": nbytes,
-                "graph_replay_us": replay_us, "graph_replay_roofline_ratio": nbytes / 1e3 / bandwidth / replay_us,
-                "public_call_back_to_back_us": call_us, "eager_per_kernel_us": per_kernel,
-            }), flush=True)
+            for fused in (True, False):
+                layer.fused_decode = fused
+                for _ in range(3):
+                    layer.decode(hidden, state)  # eager, capture, replay
+                with kernels.timing() as timer:
+                    for _ in range(20):
+                        layer.decode(hidden, state)
+                per_kernel = {name: 1e3 * ms / 20 for name, ms in timer.summary().items()}
+                graph = layer._graphs.last_graph
+                stream = cupy.cuda.get_current_stream()
+                replay_us = back_to_back_us(lambda: graph.launch(stream))
+                call_us = back_to_back_us(lambda: layer.decode(hidden, state))
+                nbytes = weight_bytes(cfg) + state_bytes(cfg)
+                print(json.dumps({
+                    "geometry": geometry, "fused_decode": fused, "copy_bandwidth_GBs": bandwidth, "bytes": nbytes,
+                    "graph_replay_us": replay_us, "graph_replay_roofline_ratio": nbytes / 1e3 / bandwidth / replay_us,
+                    "public_call_back_to_back_us": call_us, "eager_per_kernel_us": per_kernel,
+                }), flush=True)
+            layer.fused_decode = True
 
 
 if __name__ == "__main__":

@@ -210,6 +210,10 @@ class KdaLayer:
         # H200 at GLM T=16384 the fused prepare ran 2.12 ms against 1.99 ms for the plain one
         # plus 0.26 ms for the gate kernel (one pass over the gate fewer).
         self.fused_gate = True
+        # Decode side: conv + L2, gate and beta, the recurrent step and the gated norm in one
+        # launch per row group (True, the default), or as the four kernels they fuse (False);
+        # the same bits either way (tests/test_gpu.py compares every stage and the states).
+        self.fused_decode = True
 
     @property
     def chunk_impl(self) -> str:
@@ -385,21 +389,61 @@ class KdaLayer:
             main.wait_event(self._join_event)
 
     def stateful_rows(self, first: int, rows: int, conv_state: Any, recurrent_state: Any, slots: Any = None) -> None:
-        """Decode's stateful half for workspace rows first..first+rows-1: conv (+ SiLU + L2,
-        fused) then one recurrent step, updating the states in place. Row r uses slot
-        slots[r] of a pool, or (slots None, rows == 1) the single state given. q and k arrive
-        normalised; the recurrent step must not normalise them again."""
+        """Decode's stateful half for workspace rows first..first+rows-1, updating the states
+        in place. Row r uses slot slots[r] of a pool, or (slots None, rows == 1) the single
+        state given.
+
+        With `fused_decode` (the default) one launch forms conv + SiLU + L2, the gate and beta,
+        the recurrent step and the gated norm (o_norm_out), so the front end must skip the gate
+        and the back end the norm (see :meth:`decode_rows`). Otherwise conv (+ SiLU + L2) then
+        one recurrent step, reading the gate the front end formed; q and k arrive normalised and
+        the recurrent step must not normalise them again."""
         ws, c = self.workspace, self.config
         sl = slice(first, first + rows)
+        if self.fused_decode:
+            d = c.head_dim
+            ops.kda_decode_fused_bf16(
+                conv_state, recurrent_state, ws.qkv_proj[sl], self.conv_weight, ws.forget_proj[sl], self.dt_bias,
+                self.a_log, ws.down_proj[sl, 2 * d :], ws.out_gate[sl], self.o_norm, ws.conv_out[sl], ws.query[sl],
+                ws.key[sl], ws.value[sl], ws.gate[sl], ws.beta[sl], ws.core[sl], ws.o_norm_out[sl],
+                bounded=c.bounded, lower_bound=c.gate_lower_bound or 0.0, scale=self.scale, l2_eps=c.l2_eps,
+                norm_eps=c.rms_norm_eps, slots=slots)
+            return
         ops.conv_decode_silu_l2_bf16(conv_state, ws.qkv_proj[sl], self.conv_weight, ws.conv_out[sl],
                                      ws.query[sl], ws.key[sl], ws.value[sl], c.heads, c.head_dim, c.l2_eps, slots=slots)
         ops.kda_recurrent_step_f32(ws.query[sl], ws.key[sl], ws.value[sl], ws.gate[sl], ws.beta[sl],
                                    recurrent_state, ws.core[sl], self.scale, slots=slots)
 
-    def back_end(self, rows: int, wide: bool = False) -> None:
+    def decode_rows(self, hidden: Any, conv_state: Any, recurrent_state: Any, *, slots: Any = None,
+                    sequential: bool = False, snapshots: Sequence[KdaState] = ()) -> None:
+        """Every launch of a decode-side call on hidden [rows, hidden] BF16, output in
+        workspace.final_out[:rows]: the front end, the stateful half, the back end.
+
+        sequential: the rows are consecutive tokens of ONE sequence (decode_k), walked row by
+        row, snapshots[i] (if given) receiving the state after row i. Otherwise each row is
+        one token of its own sequence, row r advancing slot slots[r] of a pool."""
+        rows = hidden.shape[0]
+        with _section("front_end"):
+            self.front_end(hidden, gate=not self.fused_decode)
+        with _section("recurrence"):
+            if sequential:
+                for row in range(rows):
+                    self.stateful_rows(row, 1, conv_state, recurrent_state)
+                    if row < len(snapshots):
+                        snapshots[row].conv[...] = conv_state
+                        snapshots[row].recurrent[...] = recurrent_state
+            else:
+                self.stateful_rows(0, rows, conv_state, recurrent_state, slots=slots)
+        with _section("back_end"):
+            self.back_end(rows, norm=not self.fused_decode)
+
+    def back_end(self, rows: int, wide: bool = False, norm: bool = True) -> None:
+        """Gated RMSNorm of core into o_norm_out (skipped with norm=False: the fused decode
+        step wrote it), then o_proj into final_out."""
         ws, c = self.workspace, self.config
-        ops.gated_rmsnorm_sigmoid_bf16(ws.core, ws.out_gate, self.o_norm, ws.o_norm_out, c.heads, c.head_dim,
-                                       c.rms_norm_eps, tokens=rows)
+        if norm:
+            ops.gated_rmsnorm_sigmoid_bf16(ws.core, ws.out_gate, self.o_norm, ws.o_norm_out, c.heads, c.head_dim,
+                                           c.rms_norm_eps, tokens=rows)
         self._project(ws.o_norm_out[:rows], self.o_proj, ws.final_out[:rows], wide)
 
     def prefill_core(self, tokens: int, conv_state: Any, recurrent_state: Any, pad_value: float | None = 0.0,
@@ -566,18 +610,9 @@ class KdaLayer:
             self._check_state(snap, f"decode_k snapshots[{i}]")
 
         def body(hidden: Any, _slots: Any) -> None:
-            with _section("front_end"):
-                self.front_end(hidden)
-            with _section("recurrence"):
-                for row in range(rows):
-                    self.stateful_rows(row, 1, state.conv, state.recurrent)
-                    if row < len(snapshots):
-                        snapshots[row].conv[...] = state.conv
-                        snapshots[row].recurrent[...] = state.recurrent
-            with _section("back_end"):
-                self.back_end(rows)
+            self.decode_rows(hidden, state.conv, state.recurrent, sequential=True, snapshots=snapshots)
 
-        key = ("k", rows, state.conv.data.ptr, state.recurrent.data.ptr,
+        key = ("k", rows, self.fused_decode, state.conv.data.ptr, state.recurrent.data.ptr,
                tuple((s.conv.data.ptr, s.recurrent.data.ptr) for s in snapshots))
         self._graphs.run(key, hidden_rows, None, body)
         return back(self.workspace.final_out[:rows].copy())
@@ -598,14 +633,10 @@ class KdaLayer:
             slots = cupy.asarray(self._host_slots(slots, rows, pool, "decode").astype(np.int32))
 
         def body(hidden: Any, device_slots: Any) -> None:
-            with _section("front_end"):
-                self.front_end(hidden)
-            with _section("recurrence"):
-                self.stateful_rows(0, rows, pool.conv, pool.recurrent, slots=device_slots)
-            with _section("back_end"):
-                self.back_end(rows)
+            self.decode_rows(hidden, pool.conv, pool.recurrent, slots=device_slots)
 
-        self._graphs.run(("pool", rows, pool.conv.data.ptr, pool.recurrent.data.ptr), hidden, slots, body)
+        self._graphs.run(("pool", rows, self.fused_decode, pool.conv.data.ptr, pool.recurrent.data.ptr), hidden, slots,
+                         body)
         return back(self.workspace.final_out[:rows].copy())
 
 

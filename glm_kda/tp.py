@@ -764,19 +764,14 @@ class TpRankLayer:
     def _decode_body(self, rows: int, state: KdaState, snapshots: Sequence[KdaState]) -> None:
         """The decode-side launches on graph_hidden[:rows], then the widening.
 
-        The same stages in the same order as KdaLayer.decode_k's graph body, so a captured
-        step and an eager one produce the same bits. It is repeated here rather than calling
-        decode_k because decode_k returns a fresh copy of final_out, and an allocation made
-        during capture would be written by every replay after CuPy has reused its memory.
+        KdaLayer.decode_rows, what decode_k's graph body runs, so a captured step and an eager
+        one produce the same bits. It does not call decode_k because decode_k returns a fresh
+        copy of final_out, and an allocation made during capture would be written by every
+        replay after CuPy has reused its memory.
         """
         layer = self.layer
-        layer.front_end(self.graph_hidden[:rows])
-        for row in range(rows):
-            layer.stateful_rows(row, 1, state.conv, state.recurrent)
-            if row < len(snapshots):
-                snapshots[row].conv[...] = state.conv
-                snapshots[row].recurrent[...] = state.recurrent
-        layer.back_end(rows)
+        layer.decode_rows(self.graph_hidden[:rows], state.conv, state.recurrent, sequential=True,
+                          snapshots=snapshots)
         self._widen(rows, layer.workspace.final_out)
 
 

@@ -22,55 +22,12 @@
 //   arithmetic is decode's (the same device functions), so prefill and decode agree bit
 //   for bit on the conv output and q, k, v.
 //
-// K <= 4: the window lives in four registers.
+// K <= CONV_MAX_KERNEL = 4: the window lives in four registers (conv_window_push, conv_silu
+// and l2_normalize_head are in kda_common.cuh, shared with the fused decode step).
 #include "kda_common.cuh"
 
-#define CONV_MAX_KERNEL 4
 // Tokens per block of the prefill conv; at least CONV_MAX_KERNEL (see the kernel).
 #define CONV_PREFILL_TILE 64
-
-// Shift the window left by one and put `input` in slot kernel_size - 1.
-// Compile-time indices only, so the window stays in registers.
-__device__ __forceinline__ void conv_window_push(float window[CONV_MAX_KERNEL], float input,
-                                                 int kernel_size)
-{
-#pragma unroll
-    for (int j = 0; j + 1 < CONV_MAX_KERNEL; ++j) {
-        if (j + 1 < kernel_size) {
-            window[j] = window[j + 1];
-        }
-    }
-#pragma unroll
-    for (int j = 0; j < CONV_MAX_KERNEL; ++j) {
-        if (j == kernel_size - 1) {
-            window[j] = input;
-        }
-    }
-}
-
-// silu( sum_j taps[j] * window[j] ), FP32 fma in ascending j. The one place the
-// conv arithmetic is written, so decode and prefill agree bit for bit.
-__device__ __forceinline__ float conv_silu(const float window[CONV_MAX_KERNEL],
-                                           const bf16_t* taps, int kernel_size)
-{
-    float acc = 0.0f;
-#pragma unroll
-    for (int j = 0; j < CONV_MAX_KERNEL; ++j) {
-        if (j < kernel_size) {
-            acc = fmaf(bf16_to_f32(taps[j]), window[j], acc);
-        }
-    }
-    return acc / (1.0f + expf(-acc));
-}
-
-// value / sqrt(sum over the head of value^2 + eps). All KDA_HEAD_BLOCK threads of
-// the block call it (it reduces across the block).
-__device__ __forceinline__ float l2_normalize_head(float value, float l2_eps, float* scratch)
-{
-    // __fmul_rn: a product the compiler may not fuse into the first shuffle add.
-    const float sum_squares = block_sum_f32(__fmul_rn(value, value), scratch);
-    return value / sqrtf(sum_squares + l2_eps);
-}
 
 // Block b of 3 * heads: heads of q (b < heads), k (b < 2 * heads), then v.
 // Writes query / key (normalised) or value (as is) at [head, d] of `row` outputs.

@@ -100,4 +100,98 @@ __device__ __forceinline__ float kda_forget_gate(float u, float a, bool bounded,
     return -a * softplus;
 }
 
+// ---- Per-token arithmetic of the decode step, one definition for the separate kernels
+// (conv.cu, recurrent.cu, norm.cu) and the fused step (decode.cu), so both agree bit for bit.
+
+// Causal conv window: the last CONV_MAX_KERNEL inputs of a channel, oldest in slot 0.
+#define CONV_MAX_KERNEL 4
+// Shift the window left by one and put `input` in slot kernel_size - 1.
+// Compile-time indices only, so the window stays in registers.
+__device__ __forceinline__ void conv_window_push(float window[CONV_MAX_KERNEL], float input,
+                                                 int kernel_size)
+{
+#pragma unroll
+    for (int j = 0; j + 1 < CONV_MAX_KERNEL; ++j) {
+        if (j + 1 < kernel_size) {
+            window[j] = window[j + 1];
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < CONV_MAX_KERNEL; ++j) {
+        if (j == kernel_size - 1) {
+            window[j] = input;
+        }
+    }
+}
+
+// silu( sum_j taps[j] * window[j] ), FP32 fma in ascending j. The one place the
+// conv arithmetic is written, so decode and prefill agree bit for bit.
+__device__ __forceinline__ float conv_silu(const float window[CONV_MAX_KERNEL],
+                                           const bf16_t* taps, int kernel_size)
+{
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < CONV_MAX_KERNEL; ++j) {
+        if (j < kernel_size) {
+            acc = fmaf(bf16_to_f32(taps[j]), window[j], acc);
+        }
+    }
+    return acc / (1.0f + expf(-acc));
+}
+
+// value / sqrt(sum over the head of value^2 + eps). All KDA_HEAD_BLOCK threads of
+// the block call it (it reduces across the block).
+__device__ __forceinline__ float l2_normalize_head(float value, float l2_eps, float* scratch)
+{
+    // __fmul_rn: a product the compiler may not fuse into the first shuffle add.
+    const float sum_squares = block_sum_f32(__fmul_rn(value, value), scratch);
+    return value / sqrtf(sum_squares + l2_eps);
+}
+
+// One delta-rule step of value column `column` of a head's state S [D_k, D_v] (K-major,
+// row i at state_column + i * KDA_HEAD_DIM), FP32:
+//   S = S * exp(gate)[:, None];  pred = S^T k;  S += k (beta (v - pred))^T;  out = S^T (q scale)
+// decay_s, key_s, query_s (exp(gate), k, q * scale) are the head's vectors in shared
+// memory, read as broadcasts. The thread keeps the column in registers: the state is read
+// once and written once. Every thread of the block must call it (it holds a barrier).
+// Returns out, read after the update.
+__device__ __forceinline__ float kda_recurrent_column(float* state_column, const float* decay_s,
+                                                      const float* key_s, const float* query_s,
+                                                      float value, float beta)
+{
+    // Decay folded into the load and the update into the store, so no more than the D state
+    // values are live at once.
+    float s[KDA_HEAD_DIM];
+    float pred = 0.0f;
+#pragma unroll
+    for (int i = 0; i < KDA_HEAD_DIM; ++i) {
+        s[i] = state_column[static_cast<size_t>(i) * KDA_HEAD_DIM] * decay_s[i];
+        pred = fmaf(s[i], key_s[i], pred);
+    }
+    const float delta = beta * (value - pred);
+    // A barrier is a shared-memory fence: it stops the compiler from keeping the D key
+    // values of the first pass in registers for the second, which with the D state values
+    // would exceed the 255-register budget and spill.
+    __syncthreads();
+
+    float out = 0.0f;
+#pragma unroll
+    for (int i = 0; i < KDA_HEAD_DIM; ++i) {
+        s[i] = fmaf(key_s[i], delta, s[i]);
+        out = fmaf(s[i], query_s[i], out);
+        state_column[static_cast<size_t>(i) * KDA_HEAD_DIM] = s[i];
+    }
+    return out;
+}
+
+// Gated RMSNorm of one channel of a head, the gate a SIGMOID:
+//   o / sqrt(mean over the head of o^2 + eps) * weight * sigmoid(z)
+// All KDA_HEAD_BLOCK threads of the block call it (it reduces across the block).
+__device__ __forceinline__ float gated_rmsnorm_sigmoid(float o, float weight, float z, float eps, float* scratch)
+{
+    // __fmul_rn: a product the compiler may not fuse into the first shuffle add.
+    const float mean_square = block_sum_f32(__fmul_rn(o, o), scratch) / static_cast<float>(KDA_HEAD_DIM);
+    return o / sqrtf(mean_square + eps) * weight * sigmoid_f32(z);
+}
+
 #endif  // KDA_COMMON_CUH

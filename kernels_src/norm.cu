@@ -38,10 +38,7 @@ gated_rmsnorm_sigmoid_bf16(const float* __restrict__ core, const bf16_t* __restr
     for (int i = 0; i < KDA_TOKENS_PER_BLOCK; ++i) {
         // count is uniform over the block, so every thread meets the same barriers.
         if (i < count) {
-            // __fmul_rn: a product the compiler may not fuse into the first shuffle add.
-            const float mean_square =
-                block_sum_f32(__fmul_rn(o[i], o[i]), scratch) / static_cast<float>(head_dim);
-            const float y = o[i] / sqrtf(mean_square + eps) * weight * sigmoid_f32(z[i]);
+            const float y = gated_rmsnorm_sigmoid(o[i], weight, z[i], eps, scratch);
             o_norm_out[base + i * row_stride] = f32_to_bf16(y);
         }
     }

@@ -13,7 +13,8 @@
 // every column is independent, so the state is read once and written once, and
 // with v the fast axis each of those D row accesses is a coalesced 128-byte
 // line per warp. The per-head vectors (decay, k, q * scale) are staged once in
-// shared memory and read as broadcasts.
+// shared memory and read as broadcasts. The column step is kda_recurrent_column
+// (kda_common.cuh), shared with the fused decode step.
 #include "kda_common.cuh"
 
 #define RECURRENT_COLUMNS 32
@@ -56,27 +57,7 @@ kda_recurrent_step_f32(const float* __restrict__ query, const float* __restrict_
     __syncthreads();
 
     float* state_column = state + head_offset * KDA_HEAD_DIM + column;
-    // Decay folded into the load and the update into the store, so no more than
-    // the D state values are live at once.
-    float s[KDA_HEAD_DIM];
-    float pred = 0.0f;
-#pragma unroll
-    for (int i = 0; i < KDA_HEAD_DIM; ++i) {
-        s[i] = state_column[static_cast<size_t>(i) * KDA_HEAD_DIM] * decay_s[i];
-        pred = fmaf(s[i], key_s[i], pred);
-    }
-    const float delta = beta[head] * (value[head_offset + column] - pred);
-    // A barrier is a shared-memory fence: it stops the compiler from keeping the
-    // D key values of the first pass in registers for the second, which with the
-    // D state values would exceed the 255-register budget and spill.
-    __syncthreads();
-
-    float out = 0.0f;
-#pragma unroll
-    for (int i = 0; i < KDA_HEAD_DIM; ++i) {
-        s[i] = fmaf(key_s[i], delta, s[i]);
-        out = fmaf(s[i], query_s[i], out);
-        state_column[static_cast<size_t>(i) * KDA_HEAD_DIM] = s[i];
-    }
+    const float out = kda_recurrent_column(state_column, decay_s, key_s, query_s,
+                                           value[head_offset + column], beta[head]);
     core[head_offset + column] = out;
 }

@@ -267,7 +267,7 @@ def test_timing_reports_sections_and_kernels(layers):
         layer.prefill(hidden, state)
         layer.decode(hidden[0], state)
     summary = timer.summary()
-    for name in ("[front_end]", "[recurrence]", "[back_end]", "kda_chunk_scan_f32", "kda_recurrent_step_f32"):
+    for name in ("[front_end]", "[recurrence]", "[back_end]", "kda_chunk_scan_f32", "kda_decode_fused_bf16"):
         assert name in summary and summary[name] > 0, f"{name} missing from timing: {sorted(summary)}"
     assert any(name.startswith("gemm_rows_bf16_m") and time > 0 for name, time in summary.items()), \
         f"no gemm_rows_bf16 entry point in timing: {sorted(summary)}"
@@ -318,6 +318,50 @@ def test_batched_decode_is_batch_invariant(layers, geometry):
     out = layer.decode(hidden[5:6].view(bf16), single)
     assert int(cp.count_nonzero(_bits(out[0]) != _bits(alone[0][5]))) == 0, "single-state decode differs from the pool"
     assert int(cp.count_nonzero(_bits(single.recurrent) != _bits(alone[2][5]))) == 0
+
+
+@pytest.mark.parametrize("geometry", ["glm", "kimi"])
+def test_fused_decode_equals_the_separate_kernels(layers, geometry):
+    """The fused decode step (conv + L2, gate and beta, recurrent step, gated norm in one
+    launch) writes the bits the four separate kernels write: every stage buffer, the output
+    and both states, for a pool batch with shuffled slots and for decode_k's row walk. GLM
+    has the bounded gate law, Kimi the softplus law."""
+    from glm_kda.reference import STAGE_ORDER
+    from glm_kda.state import StatePool
+
+    cp = _cp()
+    bound, layer = layers(geometry)
+    cfg = bound.config
+    count, rows = 8, 5
+    rng = np.random.default_rng(41)
+    bf16 = layer.workspace.final_out.dtype
+    hidden = cp.asarray(synthetic_hidden(rows, cfg.hidden, seed=42).view(np.uint16)).view(bf16)
+    start_conv = cp.asarray(rng.standard_normal((count,) + cfg.conv_state_shape).astype(np.float32))
+    start_rec = cp.asarray((0.1 * rng.standard_normal((count,) + cfg.recurrent_state_shape)).astype(np.float32))
+    slots = cp.asarray(rng.permutation(count)[:rows].astype(np.int32))
+    start = KdaState.random(cfg, seed=43)
+
+    def run(fused: bool) -> dict:
+        layer.fused_decode = fused
+        try:
+            pool = StatePool(cfg, count)
+            pool.conv[...] = start_conv
+            pool.recurrent[...] = start_rec
+            results = {"pool output": layer.decode(hidden, pool, slots)}
+            results.update({f"pool {name}": getattr(layer.workspace, name)[:rows].copy() for name in STAGE_ORDER})
+            results.update({"pool conv state": pool.conv, "pool recurrent state": pool.recurrent})
+            state = device_state(layer, start)
+            results["decode_k output"] = layer.decode_k(hidden, state)
+            results.update({"decode_k conv state": state.conv, "decode_k recurrent state": state.recurrent})
+            return results
+        finally:
+            layer.fused_decode = True
+
+    fused, separate = run(True), run(False)
+    assert fused.keys() == separate.keys()
+    for what in fused:
+        differ = int(cp.count_nonzero(_bits(fused[what]) != _bits(separate[what])))
+        assert differ == 0, f"{geometry} {what}: {differ} of {fused[what].size} elements differ between the fused step and the separate kernels"
 
 
 def test_graph_replay_equals_eager_and_recaptures_on_new_pointers(layers):

@@ -141,3 +141,54 @@ def test_gate_refuses_another_head_dim(launches):
         ops.gate_beta_f32(_bf16(4, 128), _f32(128), _f32(2), _bf16(4, 130)[:, 128:], _f32(4, 2, 64), _f32(4, 2), 2, 64,
                           True, -5.0, tokens=4)
     assert not launches
+
+
+def _fused_decode_operands(heads: int, rows: int, kernel: int = 4, pool: int | None = None):
+    dim = ops.HEAD_DIM
+    qkv = heads * dim
+    lead = () if pool is None else (pool,)
+    return dict(
+        conv_state=_f32(*lead, 3 * qkv, kernel), state=_f32(*lead, heads, dim, dim),
+        qkv_proj=_bf16(rows, 3 * qkv), conv_w=_bf16(3 * qkv, kernel), forget_proj=_bf16(rows, qkv),
+        dt_bias=_f32(qkv), a_log=_f32(heads), beta_logits=_bf16(rows, 2 * dim + heads)[:, 2 * dim:],
+        out_gate=_bf16(rows, qkv), norm_w=_bf16(dim), conv_out=_bf16(rows, 3 * qkv),
+        query=_f32(rows, heads, dim), key=_f32(rows, heads, dim), value=_f32(rows, heads, dim),
+        gate=_f32(rows, heads, dim), beta=_f32(rows, heads), core=_f32(rows, heads, dim),
+        o_norm_out=_bf16(rows, qkv),
+    )
+
+
+_FUSED_SCALARS = dict(bounded=True, lower_bound=-5.0, scale=128**-0.5, l2_eps=1e-6, norm_eps=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_fused_decode_grid_and_arguments_match_the_kernel(launches, rows):
+    """grid (heads, rows), one block per head, and as many arguments as the kernel declares."""
+    import re
+
+    from glm_kda import kernels
+
+    heads = 2
+    slots = HostStandIn(np.arange(rows, dtype=np.int32))
+    ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, rows, pool=4), **_FUSED_SCALARS, slots=slots)
+    (name, grid, block, args), = launches
+    assert name == "kda_decode_fused_bf16" and grid == (heads, rows) and block == (ops.HEAD_BLOCK,)
+    source = (kernels.kernels_dir() / "decode.cu").read_text()
+    signature = re.search(r"kda_decode_fused_bf16\(([^)]*)\)", source).group(1)
+    assert len(args) == signature.count(",") + 1
+    assert (int(args[-7]), int(args[-6])) == (heads, 4)  # heads, kernel_size
+
+
+@pytest.mark.parametrize("operand,shape,needle", [
+    ("out_gate", (3, 200), "out_gate"),
+    ("a_log", (5,), "a_log"),
+    ("gate", (3, 2, 64), "gate"),
+    ("state", (3, 128, 128), "state"),
+])
+def test_fused_decode_names_the_bad_operand_before_any_launch(launches, operand, shape, needle):
+    operands = _fused_decode_operands(2, 3, pool=4)
+    slots = HostStandIn(np.arange(3, dtype=np.int32))
+    operands[operand] = (_bf16 if operands[operand].dtype == np.uint16 else _f32)(*shape)
+    with pytest.raises(ValueError, match=needle):
+        ops.kda_decode_fused_bf16(**operands, **_FUSED_SCALARS, slots=slots)
+    assert not launches
