@@ -2,11 +2,16 @@
 
   * per-kernel GPU time of an eager step (CUDA events around every launch, 20 steps averaged);
   * the captured graph replayed back to back with no Python in between: the GPU time of one
-    step, and its roofline ratio against the copy bandwidth measured in the same run;
+    step (median of 5 interleaved rounds of 200 replays), its roofline ratio against the copy
+    bandwidth measured in the same run, and the replays of verify K=4 and K=16 (decode_k)
+    over it;
   * the public call (input copy, replay, output copy) issued back to back, 200 calls between
     two events: what a decode loop that does not synchronise every token pays per call.
-Each geometry runs twice: the fused decode step (the default) and the separate kernels
-(layer.fused_decode = False), in the same process.
+Each geometry runs five ways in the same process: the fused decode step with the projections
+after a kernel launched as its programmatic dependents, asking L2 for the first 4, 16 (the
+default) or 0 blocks of 32 k of each weight row (gemm_rows.PREFETCH_K_BLOCKS); the fused
+step with plain launches (kernels.PROGRAMMATIC_LAUNCH = False); and the separate kernels with
+plain launches (layer.fused_decode = False).
 
     PYTHONPATH=. python benchmarks/decode_breakdown.py [glm kimi]
 """
@@ -25,42 +30,74 @@ def back_to_back_us(fn, calls: int = 200) -> float:
     return 1e3 * back_to_back_ms(fn, calls)
 
 
+VARIANTS = (  # (fused_decode, programmatic launches, L2 prefetch k blocks)
+    (True, True, 4), (True, True, 16), (True, True, 0), (True, False, 0), (False, False, 0),
+)
+ROUNDS = 5
+VERIFY_K = (4, 16)
+
+
 def main(geometries: list[str]) -> None:
     import cupy
+    import numpy as np
 
-    from glm_kda import kernels
+    from glm_kda import gemm_rows, kernels
     from glm_kda.selftest import state_bytes, weight_bytes
     from glm_kda.layer import KdaLayer, to_device_bf16
     from glm_kda.selftest import copy_bandwidth_gbs
     from glm_kda.synthetic import synthetic_hidden, write_synthetic_checkpoint
 
     bandwidth = copy_bandwidth_gbs()
+    defaults = (True, kernels.PROGRAMMATIC_LAUNCH, gemm_rows.PREFETCH_K_BLOCKS)
+    stream = cupy.cuda.get_current_stream()
     with tempfile.TemporaryDirectory() as tmp:
         for geometry in geometries:
             path = write_synthetic_checkpoint(Path(tmp) / geometry, geometry, num_layers=1)
             layer = KdaLayer.from_pretrained(path, 0, max_tokens=64, progress=False)
             cfg = layer.config
-            hidden = to_device_bf16(synthetic_hidden(1, cfg.hidden))
+            hidden = to_device_bf16(synthetic_hidden(max(VERIFY_K), cfg.hidden))
             state = layer.new_state()
-            for fused in (True, False):
+            nbytes = weight_bytes(cfg) + state_bytes(cfg)
+            captured = {}
+            for variant in VARIANTS:
+                fused, programmatic, prefetch = variant
                 layer.fused_decode = fused
-                for _ in range(3):
-                    layer.decode(hidden, state)  # eager, capture, replay
+                kernels.PROGRAMMATIC_LAUNCH = programmatic
+                gemm_rows.PREFETCH_K_BLOCKS = prefetch
+                layer._graphs.clear()
+                graphs = {}
+                for rows in (1,) + VERIFY_K:
+                    for _ in range(3):
+                        layer.decode_k(hidden[:rows], state)  # eager, capture, replay
+                    graphs[rows] = layer._graphs.last_graph
                 with kernels.timing() as timer:
                     for _ in range(20):
-                        layer.decode(hidden, state)
+                        layer.decode(hidden[:1], state)
                 per_kernel = {name: 1e3 * ms / 20 for name, ms in timer.summary().items()}
-                graph = layer._graphs.last_graph
-                stream = cupy.cuda.get_current_stream()
-                replay_us = back_to_back_us(lambda: graph.launch(stream))
-                call_us = back_to_back_us(lambda: layer.decode(hidden, state))
-                nbytes = weight_bytes(cfg) + state_bytes(cfg)
+                call_us = back_to_back_us(lambda: layer.decode(hidden[:1], state))
+                captured[variant] = (graphs, per_kernel, call_us)
+            # The graphs keep what they were captured with: replay them in interleaved rounds,
+            # so that drift over the run hits every variant alike.
+            replays = {(variant, rows): [] for variant in VARIANTS for rows in (1,) + VERIFY_K}
+            for _ in range(ROUNDS):
+                for variant in VARIANTS:
+                    for rows, graph in captured[variant][0].items():
+                        replays[variant, rows].append(back_to_back_us(lambda: graph.launch(stream)))
+            for variant in VARIANTS:
+                fused, programmatic, prefetch = variant
+                replay_us = float(np.median(replays[variant, 1]))
+                verify = {f"K{rows}": round(float(np.median(replays[variant, rows])) / replay_us, 3) for rows in VERIFY_K}
                 print(json.dumps({
-                    "geometry": geometry, "fused_decode": fused, "copy_bandwidth_GBs": bandwidth, "bytes": nbytes,
-                    "graph_replay_us": replay_us, "graph_replay_roofline_ratio": nbytes / 1e3 / bandwidth / replay_us,
-                    "public_call_back_to_back_us": call_us, "eager_per_kernel_us": per_kernel,
+                    "geometry": geometry, "fused_decode": fused, "programmatic_launch": programmatic,
+                    "l2_prefetch_k_blocks": prefetch, "default": variant == defaults, "copy_bandwidth_GBs": bandwidth,
+                    "bytes": nbytes, "graph_replay_us": replay_us,
+                    "graph_replay_rounds_us": [round(x, 2) for x in replays[variant, 1]],
+                    "graph_replay_roofline_ratio": nbytes / 1e3 / bandwidth / replay_us,
+                    "verify_replay_over_decode": verify,
+                    "public_call_back_to_back_us": captured[variant][2], "eager_per_kernel_us": captured[variant][1],
                 }), flush=True)
             layer.fused_decode = True
+            kernels.PROGRAMMATIC_LAUNCH, gemm_rows.PREFETCH_K_BLOCKS = defaults[1:]
 
 
 if __name__ == "__main__":

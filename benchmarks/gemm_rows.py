@@ -22,10 +22,9 @@ For comparison ops.gemv_bf16 (the CUDA-core GEMV of up to 16 rows) is timed at r
 
     PYTHONPATH=. python benchmarks/gemm_rows.py [--launches 200] [--sweep]
 
---sweep adds one line per tiles_per_warp (1, 2, 4), grid (one block per column group, or
-only as many blocks as are resident at once) and weight loads per lane and step (8; 16 up
-to 16 rows) at rows 1, 4, 16 and 64: the choice launch_plan makes automatically, measured
-against the others.
+--sweep adds one line per tiles_per_warp (1, 2, 4) and grid (one block per column group, or
+only as many blocks as are resident at once) at rows 1, 4, 16 and 64: the choice launch_plan
+makes automatically, measured against the others.
 """
 
 from __future__ import annotations
@@ -175,21 +174,18 @@ def main() -> None:
                     if plan.tiles_per_warp != tiles:
                         continue
                     # One block per column group, and a grid of exactly the resident blocks
-                    # (each loops over the groups) where that is fewer; 8 and (one m-tile)
-                    # 16 weight loads per lane and step.
+                    # (each loops over the groups) where that is fewer.
                     whole = launch_plan(n, k, rows, tiles, sm_count, blocks=10**9).grid[0]
                     resident = sm_count * GEMM_ROWS_BLOCKS_PER_SM
                     for blocks in (whole, resident) if resident < whole else (whole,):
-                        for loads in (8, 16) if plan.m_tiles == 1 else (8,):
 
-                            def launch(index: int, rows: int = rows, tiles: int = tiles, blocks=blocks,
-                                       loads=loads) -> None:
-                                gemm_rows_bf16(x[:rows], weights[index], out[:rows], rows=rows,
-                                               tiles_per_warp=tiles, blocks=blocks, loads=loads)
+                        def launch(index: int, rows: int = rows, tiles: int = tiles, blocks=blocks) -> None:
+                            gemm_rows_bf16(x[:rows], weights[index], out[:rows], rows=rows,
+                                           tiles_per_warp=tiles, blocks=blocks)
 
-                            swept = launch_plan(n, k, rows, tiles, sm_count, blocks, loads)
-                            record("gemm_rows_bf16", rows, *_time_launches(launch, len(weights), args.launches),
-                                   grid=list(swept.grid), tiles_per_warp=tiles, entry=swept.kernel, sweep=True)
+                        swept = launch_plan(n, k, rows, tiles, sm_count, blocks)
+                        record("gemm_rows_bf16", rows, *_time_launches(launch, len(weights), args.launches),
+                               grid=list(swept.grid), tiles_per_warp=tiles, entry=swept.kernel, sweep=True)
 
         for rows in GEMV_ROWS:
 

@@ -30,11 +30,13 @@ TILES_PER_WARP = (1, 2, 4)
 # Blocks per SM every entry point is compiled for (GEMM_ROWS_MIN_BLOCKS in its
 # __launch_bounds__, kernels_src/gemm_rows.cu).
 GEMM_ROWS_BLOCKS_PER_SM = 2
-# Weight loads per lane and step: 8, or 16 (the deep variants, one m-tile only).
-LOADS_PER_STEP = (8, 16)
-DEEP_LOADS = 16
 # H200; the wrapper passes the current device's count.
 DEFAULT_SM_COUNT = 132
+# Blocks of 32 k of each weight row that a programmatic launch asks L2 for before it waits
+# (see the kernel; 0: none). benchmarks/decode_breakdown.py compares the choices: on an H200,
+# graph replays interleaved in one process, 16 ran GLM 87.7 / Kimi 37.6 us, 4 89.8 / 37.5,
+# 0 87.2 / 38.5.
+PREFETCH_K_BLOCKS = 16
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,6 @@ class LaunchPlan:
     block: tuple[int]
     m_tiles: int
     tiles_per_warp: int
-    loads: int
 
 
 def k_split(k: int) -> int:
@@ -77,7 +78,7 @@ def _sm_count(device_id: int) -> int:
 
 def launch_plan(
     n: int, k: int, rows: int, tiles_per_warp: int | None = None, sm_count: int = DEFAULT_SM_COUNT,
-    blocks: int | None = None, loads: int = 8,
+    blocks: int | None = None,
 ) -> LaunchPlan:
     """The launch of one call.
 
@@ -90,9 +91,7 @@ def launch_plan(
     (sm_count times the entry's blocks per SM). On an H200 (benchmarks/gemm_rows.py
     --sweep) the cap took the one-row q|k|v projection from 56.0 to 55.1 us (GLM) and from
     25.7 to 22.9 us (Kimi), and made the 64-row one 4 % slower, hence one m-tile only.
-    ``loads`` (8, or 16 with one m-tile) is the number of weight loads a lane issues per
-    step before its mma. Any choice gives the same bits: it moves work between blocks and
-    regroups loads, never changes the k order.
+    Any choice gives the same bits: it moves work between blocks, never changes the k order.
     """
     warps_n = WARPS_PER_BLOCK // k_split(k)
     n_tiles = -(-n // N_TILE)
@@ -109,25 +108,22 @@ def launch_plan(
     elif tiles_per_warp not in TILES_PER_WARP:
         raise ValueError(f"tiles_per_warp must be one of {TILES_PER_WARP}, got {tiles_per_warp}")
     tiles_per_warp = min(tiles_per_warp, widest)
-    if loads not in LOADS_PER_STEP or (loads == DEEP_LOADS and m_tiles != 1):
-        raise ValueError(f"loads must be 8, or 16 with up to 16 rows; got {loads} for {rows} rows")
     groups = column_groups(tiles_per_warp)
     if blocks is None:
         blocks = sm_count * GEMM_ROWS_BLOCKS_PER_SM if m_tiles == 1 else groups
     elif blocks < 1:
         raise ValueError(f"blocks must be >= 1, got {blocks}")
     return LaunchPlan(
-        kernel=f"gemm_rows_bf16_m{m_tiles}_n{tiles_per_warp}_l{loads}",
+        kernel=f"gemm_rows_bf16_m{m_tiles}_n{tiles_per_warp}",
         grid=(min(blocks, groups), -(-rows // ROWS_PER_SWEEP)),
         block=(WARPS_PER_BLOCK * 32,),
         m_tiles=m_tiles,
         tiles_per_warp=tiles_per_warp,
-        loads=loads,
     )
 
 
 def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | None = None,
-                   blocks: int | None = None, loads: int = 8) -> None:
+                   blocks: int | None = None, programmatic: bool = False) -> None:
     """out[r, :] = bf16(x[r, :] @ w.T) for r < rows (1..256), FP32 accumulation on tensor cores.
 
     Shapes:
@@ -141,17 +137,22 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
     bit for bit, what a one-row call on x[r] alone writes: padding rows are zeros that
     are never read, and the k summation order is a function of k alone (see
     kernels_src/gemm_rows.cu). ``tiles_per_warp`` (1, 2, 4, or None to choose from the
-    shape), ``blocks`` (the most blocks along n, None to choose) and ``loads`` (8, or 16
-    up to 16 rows: weight loads per lane and step) tune the launch and leave every bit
-    unchanged.
+    shape) and ``blocks`` (the most blocks along n, None to choose) tune the launch and
+    leave every bit unchanged.
+
+    ``programmatic``: launch as a programmatic dependent of the previous kernel in the
+    stream (sm_90 and later): the blocks start while that kernel drains, ask L2 for their
+    first weight bytes, and wait for it before they read x or write out. For a launch whose
+    previous operation in the stream is the kernel that writes x; the bits are the same.
     """
     rows, n, k, ldx, ldy = projection_args("gemm_rows_bf16", x, w, out, rows, GEMM_ROWS_MAX_ROWS)
-    plan = launch_plan(n, k, rows, tiles_per_warp, _sm_count(cupy.cuda.Device().id), blocks, loads)
+    plan = launch_plan(n, k, rows, tiles_per_warp, _sm_count(cupy.cuda.Device().id), blocks)
     kernels.launch(
         plan.kernel,
         plan.grid,
         plan.block,
-        (x, _i32(ldx), w, out, _i32(ldy), _i32(rows), _i32(n), _i32(k)),
+        (x, _i32(ldx), w, out, _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(PREFETCH_K_BLOCKS if programmatic else 0)),
+        programmatic=programmatic,
     )
 
 

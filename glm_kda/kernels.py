@@ -13,6 +13,7 @@ with NVRTC alone (no driver, no GPU), which is what the test suite runs.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import re
 import struct
 from dataclasses import dataclass, field
@@ -22,9 +23,8 @@ from typing import Any, Iterator, Sequence
 # file stem -> kernel entry points, in the pipeline order of the block.
 ENTRY_POINTS: dict[str, tuple[str, ...]] = {
     "gemv": ("gemv_bf16",),
-    "gemm_rows": tuple(f"gemm_rows_bf16_m{m}_n{n}_l{loads}" for m, n, loads in (
-        (1, 1, 8), (1, 2, 8), (1, 4, 8), (2, 1, 8), (2, 2, 8), (2, 4, 8), (4, 1, 8), (4, 2, 8),
-        (1, 1, 16), (1, 2, 16), (1, 4, 16))),
+    "gemm_rows": tuple(f"gemm_rows_bf16_m{m}_n{n}" for m, n in (
+        (1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2))),
     "conv": ("conv_decode_silu_l2_bf16", "conv_prefill_silu_l2_bf16"),
     "gate": ("gate_beta_f32",),
     "recurrent": ("kda_recurrent_step_f32",),
@@ -408,18 +408,114 @@ def timing() -> Iterator[StageTimer]:
         TIMER.synchronize()
 
 
+# Programmatic dependent launch: launch(..., programmatic=True) lets the kernel start while the
+# previous kernel of its stream drains (sm_90 and later, through cuLaunchKernelEx). False turns
+# every such launch back into a plain one (benchmarks compare the two in one process).
+PROGRAMMATIC_LAUNCH = True
+# cuLaunchAttributeID CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h).
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class _LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute: the id, padding to 8 bytes, a 64-byte value union."""
+
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig (cuda.h)."""
+
+    _fields_ = [
+        ("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+        ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
+        ("shared_mem", ctypes.c_uint), ("stream", ctypes.c_void_p),
+        ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint),
+    ]
+
+
+@dataclass
+class _ProgrammaticLauncher:
+    """cuLaunchKernelEx of the driver, or why programmatic launches fall back to plain ones."""
+
+    launch_ex: Any = None
+    unavailable: str | None = None
+    devices: dict[int, bool] = field(default_factory=dict)
+
+    def usable(self, device_id: int) -> bool:
+        if self.launch_ex is None and self.unavailable is None:
+            try:
+                driver = ctypes.CDLL("libcuda.so.1")
+                self.launch_ex = driver.cuLaunchKernelEx
+                self.launch_ex.restype = ctypes.c_int
+                self.launch_ex.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p,
+                                           ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+            except (OSError, AttributeError) as exc:
+                self.unavailable = f"no cuLaunchKernelEx in the driver: {exc}"
+        if self.launch_ex is None:
+            return False
+        if device_id not in self.devices:
+            import cupy
+
+            self.devices[device_id] = int(cupy.cuda.Device(device_id).compute_capability) >= 90
+        return self.devices[device_id]
+
+    def launch(self, function: Any, grid: tuple, block: tuple, args: Sequence[Any], shared_mem: int,
+               stream: int) -> int:
+        """cuLaunchKernelEx of a cupy RawKernel (its CUfunction) on `stream` (a CUstream handle)
+        with programmatic serialization; returns the CUresult."""
+        values = kernel_parameters(args)
+        params = (ctypes.c_void_p * len(values))(*(ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values))
+        attribute = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+        attribute.value[0] = 1
+        config = _LaunchConfig(*(grid + (1,) * (3 - len(grid))), *(block + (1,) * (3 - len(block))), shared_mem,
+                               stream, ctypes.pointer(attribute), 1)
+        handle = function.kernel.ptr if hasattr(function, "kernel") else function.ptr
+        return self.launch_ex(ctypes.byref(config), handle, params, None)
+
+
+def kernel_parameters(args: Sequence[Any]) -> list:
+    """ctypes values of a launch's arguments: device arrays (anything with .data.ptr) as
+    pointers, None as a null pointer, numpy int32 / int64 / float32 scalars as themselves."""
+    import numpy
+
+    values: list = []
+    for index, arg in enumerate(args):
+        if arg is None:
+            values.append(ctypes.c_void_p(None))
+        elif hasattr(arg, "data") and hasattr(arg.data, "ptr"):
+            values.append(ctypes.c_void_p(arg.data.ptr))
+        elif isinstance(arg, numpy.int32):
+            values.append(ctypes.c_int32(int(arg)))
+        elif isinstance(arg, numpy.int64):
+            values.append(ctypes.c_int64(int(arg)))
+        elif isinstance(arg, numpy.float32):
+            values.append(ctypes.c_float(float(arg)))
+        else:
+            raise TypeError(f"kernel argument {index}: unsupported type {type(arg).__name__} "
+                            "(a device array, None, or a numpy int32 / int64 / float32)")
+    return values
+
+
+_PROGRAMMATIC = _ProgrammaticLauncher()
+
+
 def launch(
     name: str,
     grid: Sequence[int],
     block: Sequence[int],
     args: Sequence[Any],
     shared_mem: int = 0,
+    *,
+    programmatic: bool = False,
 ) -> None:
     """Launch kernel ``name`` on the current stream.
 
-    ``args`` are cupy arrays (passed as device pointers) and numpy.int32 /
-    numpy.float32 scalars, in the kernel's parameter order; the wrappers in
-    :mod:`glm_kda.ops` build them.
+    ``args`` are cupy arrays (passed as device pointers), None (a null pointer) and
+    numpy.int32 / numpy.float32 scalars, in the kernel's parameter order; the wrappers in
+    :mod:`glm_kda.ops` build them. ``programmatic``: a programmatic dependent launch (see
+    kda_wait_for_previous_kernel in kda_common.cuh: the kernel must wait before it touches
+    anything the previous kernel writes); a plain launch where the device or driver cannot,
+    with PROGRAMMATIC_LAUNCH False, or while timing.
     """
     kernel_set = KernelSet.get()
     function = kernel_set.function(name)
@@ -427,6 +523,16 @@ def launch(
         kernel_set.ensure_dynamic_shared(name, shared_mem)
     grid = tuple(int(value) for value in grid)
     block = tuple(int(value) for value in block)
+    if programmatic and PROGRAMMATIC_LAUNCH and not TIMER.active and _PROGRAMMATIC.usable(kernel_set.device_id):
+        import cupy
+
+        result = _PROGRAMMATIC.launch(function, grid, block, args, shared_mem, cupy.cuda.get_current_stream().ptr)
+        if result == 0:
+            return
+        # Refused (an older driver, a capture mode that cannot hold the edge): plain launches
+        # from now on.
+        _PROGRAMMATIC.unavailable = f"cuLaunchKernelEx returned CUresult {result}"
+        _PROGRAMMATIC.launch_ex = None
     if TIMER.active:
         import cupy
 

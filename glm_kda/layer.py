@@ -40,10 +40,9 @@ from .device import require_gpu
 from .state import KdaState, StatePool
 
 GEMV_MAX_ROWS = ops.GEMV_MAX_ROWS
-# The one projection kernel of every decode-side call and the row group it takes per launch:
-# the tensor-core gemm_rows_bf16 (rows padded to its tile, one k order for every row count).
-# ops.gemv_bf16 keeps the same contract and stays as the scalar reference.
-DECODE_PROJECTION = gemm_rows.gemm_rows_bf16
+# The one projection kernel of every decode-side call is the tensor-core gemm_rows_bf16 (rows
+# padded to its tile, one k order for every row count), and this is the row group it takes per
+# launch. ops.gemv_bf16 keeps the same contract and stays as the scalar reference.
 DECODE_ROW_GROUP = gemm_rows.GEMM_ROWS_MAX_ROWS
 # Most rows one batched decode call takes (the workspace and the pool may limit it further).
 MAX_DECODE_ROWS = 256
@@ -313,22 +312,27 @@ class KdaLayer:
                 raise TypeError(f"{what}: state.{field} must be a contiguous CuPy float32 array")
 
     # Stages -------------------------------------------------------------------------------
-    def _project_decode(self, x: Any, weight: Any, out: Any) -> None:
+    def _project_decode(self, x: Any, weight: Any, out: Any, after_kernel: bool = False) -> None:
         """The projection of every decode-side call (decode, decode_k, batched decode, and
         prefill of <= 16 rows). One kernel, applied to groups of DECODE_ROW_GROUP rows, whose
         per-row arithmetic does not depend on the row count: a row's bits are the same in
-        every one of those calls, whatever else shares the launch."""
+        every one of those calls, whatever else shares the launch.
+
+        after_kernel: the previous operation on this stream is the kernel that writes x, so
+        the projection may launch as its programmatic dependent (its blocks start and ask L2
+        for their first weights while that kernel drains; the same bits)."""
         rows = x.shape[0]
         for start in range(0, rows, DECODE_ROW_GROUP):
             stop = min(rows, start + DECODE_ROW_GROUP)
-            DECODE_PROJECTION(x[start:stop], weight, out[start:stop], rows=stop - start)
+            gemm_rows.gemm_rows_bf16(x[start:stop], weight, out[start:stop], rows=stop - start,
+                                     programmatic=after_kernel or start > 0)
 
-    def _project(self, x: Any, weight: Any, out: Any, wide: bool) -> None:
+    def _project(self, x: Any, weight: Any, out: Any, wide: bool, after_kernel: bool = False) -> None:
         if wide:
             # Prefill only: cuBLAS reassociates, which no bit-exact path may see.
             ops.gemm_bf16_cublas(x, weight, out)
         else:
-            self._project_decode(x, weight, out)
+            self._project_decode(x, weight, out, after_kernel)
 
     def gate_source(self, first: int = 0) -> chunk_tc.GateSource:
         """Workspace rows first.. of what the forget gate and beta are formed from."""
@@ -356,10 +360,10 @@ class KdaLayer:
         with self._beside(not wide and not kernels.TIMER.active) as side:
             with side:
                 self._project(hidden, self.down_weight, ws.down_proj[:rows], wide)
-                self._project(ws.down_proj[:rows, :d], self.f_b, ws.forget_proj[:rows], wide)
+                self._project(ws.down_proj[:rows, :d], self.f_b, ws.forget_proj[:rows], wide, after_kernel=True)
                 if gate:
                     self.gate_beta(rows)
-                self._project(ws.down_proj[:rows, d : 2 * d], self.g_b, ws.out_gate[:rows], wide)
+                self._project(ws.down_proj[:rows, d : 2 * d], self.g_b, ws.out_gate[:rows], wide, after_kernel=True)
             self._project(hidden, self.qkv_weight, ws.qkv_proj[:rows], wide)
 
     @contextlib.contextmanager
@@ -388,10 +392,12 @@ class KdaLayer:
             self._join_event.record(side)
             main.wait_event(self._join_event)
 
-    def stateful_rows(self, first: int, rows: int, conv_state: Any, recurrent_state: Any, slots: Any = None) -> None:
+    def stateful_rows(self, first: int, rows: int, conv_state: Any, recurrent_state: Any, slots: Any = None,
+                      walk: bool = False) -> None:
         """Decode's stateful half for workspace rows first..first+rows-1, updating the states
         in place. Row r uses slot slots[r] of a pool, or (slots None, rows == 1) the single
-        state given.
+        state given; walk=True: the rows are consecutive tokens of the single state given,
+        walked in one launch (fused_decode only).
 
         With `fused_decode` (the default) one launch forms conv + SiLU + L2, the gate and beta,
         the recurrent step and the gated norm (o_norm_out), so the front end must skip the gate
@@ -407,8 +413,10 @@ class KdaLayer:
                 self.a_log, ws.down_proj[sl, 2 * d :], ws.out_gate[sl], self.o_norm, ws.conv_out[sl], ws.query[sl],
                 ws.key[sl], ws.value[sl], ws.gate[sl], ws.beta[sl], ws.core[sl], ws.o_norm_out[sl],
                 bounded=c.bounded, lower_bound=c.gate_lower_bound or 0.0, scale=self.scale, l2_eps=c.l2_eps,
-                norm_eps=c.rms_norm_eps, slots=slots)
+                norm_eps=c.rms_norm_eps, slots=slots, tokens=rows if walk else 1)
             return
+        if walk:
+            raise ValueError("stateful_rows: walk=True needs fused_decode")
         ops.conv_decode_silu_l2_bf16(conv_state, ws.qkv_proj[sl], self.conv_weight, ws.conv_out[sl],
                                      ws.query[sl], ws.key[sl], ws.value[sl], c.heads, c.head_dim, c.l2_eps, slots=slots)
         ops.kda_recurrent_step_f32(ws.query[sl], ws.key[sl], ws.value[sl], ws.gate[sl], ws.beta[sl],
@@ -419,14 +427,18 @@ class KdaLayer:
         """Every launch of a decode-side call on hidden [rows, hidden] BF16, output in
         workspace.final_out[:rows]: the front end, the stateful half, the back end.
 
-        sequential: the rows are consecutive tokens of ONE sequence (decode_k), walked row by
-        row, snapshots[i] (if given) receiving the state after row i. Otherwise each row is
-        one token of its own sequence, row r advancing slot slots[r] of a pool."""
+        sequential: the rows are consecutive tokens of ONE sequence (decode_k), snapshots[i] (if
+        given) receiving the state after row i. With fused_decode and no snapshots one launch
+        walks them all (the states stay in registers from the first row to the last); else one
+        launch per row, the snapshot copies between them. Otherwise each row is one token of
+        its own sequence, row r advancing slot slots[r] of a pool."""
         rows = hidden.shape[0]
         with _section("front_end"):
             self.front_end(hidden, gate=not self.fused_decode)
         with _section("recurrence"):
-            if sequential:
+            if sequential and self.fused_decode and not snapshots:
+                self.stateful_rows(0, rows, conv_state, recurrent_state, walk=True)
+            elif sequential:
                 for row in range(rows):
                     self.stateful_rows(row, 1, conv_state, recurrent_state)
                     if row < len(snapshots):
@@ -444,7 +456,7 @@ class KdaLayer:
         if norm:
             ops.gated_rmsnorm_sigmoid_bf16(ws.core, ws.out_gate, self.o_norm, ws.o_norm_out, c.heads, c.head_dim,
                                            c.rms_norm_eps, tokens=rows)
-        self._project(ws.o_norm_out[:rows], self.o_proj, ws.final_out[:rows], wide)
+        self._project(ws.o_norm_out[:rows], self.o_proj, ws.final_out[:rows], wide, after_kernel=True)
 
     def prefill_core(self, tokens: int, conv_state: Any, recurrent_state: Any, pad_value: float | None = 0.0,
                      first: int = 0) -> None:

@@ -484,18 +484,20 @@ def kda_recurrent_step_f32(query, key, value, gate, beta, state, core, scale: fl
 def kda_decode_fused_bf16(
     conv_state, state, qkv_proj, conv_w, forget_proj, dt_bias, a_log, beta_logits, out_gate, norm_w,
     conv_out, query, key, value, gate, beta, core, o_norm_out, *, bounded: bool, lower_bound: float,
-    scale: float, l2_eps: float, norm_eps: float, slots=None,
+    scale: float, l2_eps: float, norm_eps: float, slots=None, tokens: int = 1,
 ) -> None:
-    """The stateful half of one decode token of each of `rows` sequences in one launch:
-    conv + SiLU + L2, forget gate and beta, one delta-rule step, gated RMSNorm.
+    """The stateful half of decode in one launch: for each sequence, `tokens` consecutive
+    tokens of conv + SiLU + L2, forget gate and beta, one delta-rule step, gated RMSNorm.
 
     What conv_decode_silu_l2_bf16, gate_beta_f32, kda_recurrent_step_f32 and
-    gated_rmsnorm_sigmoid_bf16 compute in turn, bit for bit (the same device functions),
-    and every one of their outputs is written.
+    gated_rmsnorm_sigmoid_bf16 compute in turn, token by token, bit for bit (the same device
+    functions), and every one of their outputs is written. rows = sequences * tokens: rows
+    s * tokens .. s * tokens + tokens - 1 are sequence s's tokens in order (tokens > 1 is a
+    speculative verify's walk: the states stay in registers from the first token to the last).
 
     States, in place: conv_state [3*H*D, K] FP32 and state [H, D, D] FP32 (one sequence),
-    or pools [N, 3*H*D, K] and [N, H, D, D]; row r uses slot slots[r] (device int32) or,
-    without slots, state r.
+    or pools [N, 3*H*D, K] and [N, H, D, D]; sequence s uses slot slots[s] (device int32) or,
+    without slots, state s.
     Inputs: qkv_proj [rows, 3*H*D] BF16, conv_w [3*H*D, K] BF16, forget_proj [rows, H*D]
     BF16, dt_bias [H*D] FP32, a_log [H] FP32, beta_logits [>= rows, >= H] BF16 (a column
     slice is fine), out_gate [rows, H*D] BF16, norm_w [D] BF16.
@@ -509,9 +511,12 @@ def kda_decode_fused_bf16(
     qkv = heads * HEAD_DIM
     conv_dim = 3 * qkv
     rows = 1 if qkv_proj.ndim == 1 else qkv_proj.shape[0]
+    if tokens < 1 or rows % tokens:
+        raise ValueError(f"tokens = {tokens}: the {rows} rows must be whole sequences of tokens rows")
+    sequences = rows // tokens
     kernel_size = _conv_kernel_size(conv_state[0] if conv_state.ndim == 3 else conv_state, conv_w, conv_dim)
-    _slot_rows("conv_state", conv_state, (conv_dim, kernel_size), rows, slots)
-    _slot_rows("state", state, (heads, HEAD_DIM, HEAD_DIM), rows, slots)
+    _slot_rows("conv_state", conv_state, (conv_dim, kernel_size), sequences, slots)
+    _slot_rows("state", state, (heads, HEAD_DIM, HEAD_DIM), sequences, slots)
     _require("qkv_proj", qkv_proj, "bf16", (rows, conv_dim))
     _require("conv_out", conv_out, "bf16", (rows, conv_dim))
     ld_beta = check_gate_sources(forget_proj, dt_bias, a_log, beta_logits, heads, HEAD_DIM, rows)
@@ -526,11 +531,11 @@ def kda_decode_fused_bf16(
         raise ValueError(f"bounded gate needs a finite lower_bound, got {lower_bound}")
     kernels.launch(
         "kda_decode_fused_bf16",
-        (heads, rows),
+        (heads, sequences),
         (HEAD_BLOCK,),
         (conv_state, state, slots, qkv_proj, conv_w, forget_proj, dt_bias, a_log, beta_logits, _i32(ld_beta),
          out_gate, norm_w, conv_out, query, key, value, gate, beta, core, o_norm_out, _i32(heads),
-         _i32(kernel_size), _i32(1 if bounded else 0), _f32(lower_bound if bounded else 0.0), _f32(scale),
+         _i32(kernel_size), _i32(tokens), _i32(1 if bounded else 0), _f32(lower_bound if bounded else 0.0), _f32(scale),
          _f32(l2_eps), _f32(norm_eps)),
     )
 

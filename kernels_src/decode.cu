@@ -1,24 +1,29 @@
-// The stateful half of a decode step in one launch: for one token of each of `rows`
-// sequences and every head h,
-//   conv + SiLU of the head's q, k and v channels (conv states updated in place),
+// The stateful half of decode in one launch: for each of `sequences` sequences, `tokens`
+// consecutive tokens (rows s * tokens .. s * tokens + tokens - 1 of the per-token buffers),
+// and every head h, token after token:
+//   conv + SiLU of the head's q, k and v channels,
 //   L2 of q and k,
 //   forget gate and beta (from forget_proj, dt_bias, A_log and the b_proj logits),
 //   one delta-rule step of the head's FP32 state,
 //   gated RMSNorm (sigmoid gate) of the core output, BF16 result.
 // What conv_decode_silu_l2_bf16, gate_beta_f32, kda_recurrent_step_f32 and
-// gated_rmsnorm_sigmoid_bf16 compute one after the other, through the same device
-// functions (kda_common.cuh) with the same reductions, so the two paths agree bit for
-// bit; this one saves three launches and the round trips of q, k, v, the gate and the
-// core output through memory between them. Every stage buffer is still written, so a
-// fused step can be inspected stage by stage like the separate kernels.
+// gated_rmsnorm_sigmoid_bf16 compute one after the other, token by token, through the same
+// device functions (kda_common.cuh) with the same reductions, so the two paths agree bit for
+// bit; this one saves three launches per token and the round trips of q, k, v, the gate
+// and the core output through memory between them, and a walk of several tokens (the
+// rows of a speculative verify) keeps the conv window and the state column in registers
+// from the first token to the last: the states are read once and written once. Every
+// stage buffer is still written, so a fused step can be inspected stage by stage like the
+// separate kernels.
 //
-// Launch: grid (heads, rows), block KDA_HEAD_BLOCK = 128, thread d owns channel d of the
-// head: conv channels h D + d of q, k and v, and value column d of the state, which it
-// keeps in registers (kda_recurrent_column). One block holds a whole head, because the
-// L2 sums of q and k and the norm's mean reduce over the head, and because the conv
-// window of a q or k channel must be read before it is written: several blocks per head
-// would each need it. Row r advances slot slots[r] of a pool (slot r when slots is null);
-// rows never interact, so a sequence's bits do not depend on the batch.
+// Launch: grid (heads, sequences), block KDA_HEAD_BLOCK = 128, thread d owns channel d of
+// the head: conv channels h D + d of q, k and v, and value column d of the state. One block
+// holds a whole head, because the L2 sums of q and k and the norm's mean reduce over the
+// head, and because the conv window of a q or k channel must be read before it is written:
+// several blocks per head would each need it. Sequence s advances slot slots[s] of a pool
+// (slot s when slots is null); sequences never interact, so a sequence's bits do not depend
+// on the batch. The block lets the next kernel launch at once (the output projection,
+// launched as a programmatic dependent, starts its weight stream while this one runs).
 #include "kda_common.cuh"
 
 extern "C" __global__ void __launch_bounds__(KDA_HEAD_BLOCK)
@@ -31,7 +36,7 @@ kda_decode_fused_bf16(float* __restrict__ conv_state, float* __restrict__ state,
                       bf16_t* __restrict__ conv_out, float* __restrict__ query,
                       float* __restrict__ key, float* __restrict__ value, float* __restrict__ gate,
                       float* __restrict__ beta, float* __restrict__ core,
-                      bf16_t* __restrict__ o_norm_out, int heads, int kernel_size, int bounded,
+                      bf16_t* __restrict__ o_norm_out, int heads, int kernel_size, int tokens, int bounded,
                       float lower_bound, float scale, float l2_eps, float norm_eps)
 {
     __shared__ float scratch[8];
@@ -39,24 +44,27 @@ kda_decode_fused_bf16(float* __restrict__ conv_state, float* __restrict__ state,
     __shared__ float key_s[KDA_HEAD_DIM];
     __shared__ float query_s[KDA_HEAD_DIM];
 
+    kda_let_next_kernel_launch();
     // Uniform over the block: a wrong geometry leaves whole blocks, before any sync.
     if (blockIdx.x >= heads || blockDim.x != KDA_HEAD_BLOCK || kernel_size < 1 ||
-        kernel_size > CONV_MAX_KERNEL) {
+        kernel_size > CONV_MAX_KERNEL || tokens < 1) {
         return;
     }
     const int head = blockIdx.x;
     const int d = threadIdx.x;
-    const size_t row = blockIdx.y;
-    const size_t slot = slots != nullptr ? static_cast<size_t>(slots[row]) : row;
+    const size_t sequence = blockIdx.y;
+    const size_t slot = slots != nullptr ? static_cast<size_t>(slots[sequence]) : sequence;
     const size_t qkv = static_cast<size_t>(heads) * KDA_HEAD_DIM;
     const size_t channel = static_cast<size_t>(head) * KDA_HEAD_DIM + d;  // within q, k or v
 
-    // Every global input of the thread first: the conv windows and inputs, the gate's
-    // sources, the output gate, and the state column (inside kda_recurrent_column).
+    // The sequence's state column (64 KB per block, the bulk of the traffic) and conv windows
+    // first: in flight while the first token's inputs are formed.
+    float* state_column =
+        state + (slot * heads + head) * static_cast<size_t>(KDA_HEAD_DIM) * KDA_HEAD_DIM + d;
+    float s[KDA_HEAD_DIM];
+    kda_recurrent_load(s, state_column);
     float* conv_slot = conv_state + slot * 3 * qkv * kernel_size;
-    const bf16_t* projected = qkv_proj + row * 3 * qkv;
     float window[3][CONV_MAX_KERNEL];
-    float conv_input[3];
 #pragma unroll
     for (int part = 0; part < 3; ++part) {
         const size_t c = part * qkv + channel;
@@ -64,23 +72,62 @@ kda_decode_fused_bf16(float* __restrict__ conv_state, float* __restrict__ state,
         for (int j = 0; j < CONV_MAX_KERNEL; ++j) {
             window[part][j] = j < kernel_size ? conv_slot[c * kernel_size + j] : 0.0f;
         }
-        conv_input[part] = bf16_to_f32(projected[c]);
     }
-    const float u = bf16_to_f32(forget_proj[row * qkv + channel]) + dt_bias[channel];
     const float a = expf(a_log[head]);
-    const float beta_head = sigmoid_f32(bf16_to_f32(beta_logits[row * ld_beta + head]));
-    const float z = bf16_to_f32(out_gate[row * qkv + channel]);
+    const float bias = dt_bias[channel];
     const float weight = bf16_to_f32(norm_w[d]);
 
-    // Conv + SiLU, rounded to BF16 (the conv output stage), then L2 of q and k.
-    float rounded[3];
+    for (int t = 0; t < tokens; ++t) {
+        const size_t row = sequence * tokens + t;
+        const bf16_t* projected = qkv_proj + row * 3 * qkv;
+        const size_t out_index = row * qkv + channel;
+        float conv_input[3];
+#pragma unroll
+        for (int part = 0; part < 3; ++part) {
+            conv_input[part] = bf16_to_f32(projected[part * qkv + channel]);
+        }
+        const float u = bf16_to_f32(forget_proj[out_index]) + bias;
+        const float beta_head = sigmoid_f32(bf16_to_f32(beta_logits[row * ld_beta + head]));
+        const float z = bf16_to_f32(out_gate[out_index]);
+
+        // Conv + SiLU, rounded to BF16 (the conv output stage), then L2 of q and k.
+        float rounded[3];
+#pragma unroll
+        for (int part = 0; part < 3; ++part) {
+            const size_t c = part * qkv + channel;
+            conv_window_push(window[part], conv_input[part], kernel_size);
+            const bf16_t out = f32_to_bf16(conv_silu(window[part], conv_w + c * kernel_size, kernel_size));
+            conv_out[row * 3 * qkv + c] = out;
+            rounded[part] = bf16_to_f32(out);
+        }
+        const float q = l2_normalize_head(rounded[0], l2_eps, scratch);
+        const float k = l2_normalize_head(rounded[1], l2_eps, scratch);
+        const float v = rounded[2];
+        const float g = kda_forget_gate(u, a, bounded != 0, lower_bound);
+
+        query[out_index] = q;
+        key[out_index] = k;
+        value[out_index] = v;
+        gate[out_index] = g;
+        if (d == 0) {
+            beta[row * heads + head] = beta_head;
+        }
+        // The previous token's step has read the vectors (the norm's reductions since hold
+        // barriers), so they may be replaced.
+        decay_s[d] = expf(g);
+        key_s[d] = k;
+        query_s[d] = q * scale;
+        __syncthreads();
+
+        const float o = kda_recurrent_step(s, decay_s, key_s, query_s, v, beta_head);
+        core[out_index] = o;
+        o_norm_out[out_index] = f32_to_bf16(gated_rmsnorm_sigmoid(o, weight, z, norm_eps, scratch));
+    }
+
+    kda_recurrent_store(s, state_column);
 #pragma unroll
     for (int part = 0; part < 3; ++part) {
         const size_t c = part * qkv + channel;
-        conv_window_push(window[part], conv_input[part], kernel_size);
-        const bf16_t out = f32_to_bf16(conv_silu(window[part], conv_w + c * kernel_size, kernel_size));
-        conv_out[row * 3 * qkv + c] = out;
-        rounded[part] = bf16_to_f32(out);
 #pragma unroll
         for (int j = 0; j < CONV_MAX_KERNEL; ++j) {
             if (j < kernel_size) {
@@ -88,27 +135,4 @@ kda_decode_fused_bf16(float* __restrict__ conv_state, float* __restrict__ state,
             }
         }
     }
-    const float q = l2_normalize_head(rounded[0], l2_eps, scratch);
-    const float k = l2_normalize_head(rounded[1], l2_eps, scratch);
-    const float v = rounded[2];
-    const float g = kda_forget_gate(u, a, bounded != 0, lower_bound);
-
-    const size_t out_index = row * qkv + channel;
-    query[out_index] = q;
-    key[out_index] = k;
-    value[out_index] = v;
-    gate[out_index] = g;
-    if (d == 0) {
-        beta[row * heads + head] = beta_head;
-    }
-    decay_s[d] = expf(g);
-    key_s[d] = k;
-    query_s[d] = q * scale;
-    __syncthreads();
-
-    float* state_column =
-        state + (slot * heads + head) * static_cast<size_t>(KDA_HEAD_DIM) * KDA_HEAD_DIM + d;
-    const float o = kda_recurrent_column(state_column, decay_s, key_s, query_s, v, beta_head);
-    core[out_index] = o;
-    o_norm_out[out_index] = f32_to_bf16(gated_rmsnorm_sigmoid(o, weight, z, norm_eps, scratch));
 }

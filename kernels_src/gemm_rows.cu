@@ -15,6 +15,10 @@
 //     N_TILES tiles of w;
 //   * blockIdx.y picks a group of 64 rows (4 m-tiles of 16), so up to 64 rows every
 //     weight byte is read exactly once; more rows re-read w once per group.
+// Measured on an H200 and dropped: the transposed form (w as the A operand, 16 output
+// columns and 8 rows per mma, half the mma for a decode row) ran no faster (GLM q|k|v, one
+// row: 56.3 us against 55.1), nor did 16 weight loads per lane and step, nor a software
+// pipeline: the mma count and the loads in flight are not what bounds the stream.
 // The number of tiles per warp only trades x reuse against the number of blocks; it
 // is a template parameter (one entry point per variant, chosen by the wrapper with the
 // grid) and never changes a bit of y.
@@ -35,6 +39,12 @@
 // k 2t+e <-> physical 8t+4s+e and logical 2t+8+e <-> physical 8t+4s+2+e. Steps 0 and
 // 1 together cover all 32 k of the block exactly once, for every row and column.
 //
+// Programmatic dependent launch (sm_90 and later): a block lets the next kernel of its
+// stream start as soon as it runs, and waits for the kernel before it only after it has
+// asked L2 for the first `prefetch` blocks of 32 k of each of its weight rows: the weight never
+// depends on an earlier kernel, x does. Launched without the attribute (or before sm_90)
+// the wait returns at once and the prefetch only warms L2.
+//
 // Requires k % 8 == 0, ldx % 8 == 0 and 16-byte aligned x and w (checked by the
 // Python wrapper): every load is one 16-byte vector of 8 BF16; a k that is not a
 // multiple of 32 is padded with zeros in both operands.
@@ -47,6 +57,8 @@
 #define GEMM_ROWS_N_TILE 8
 // Rows per blockIdx.y: 4 m-tiles swept together over one read of w.
 #define GEMM_ROWS_M_GROUP 64
+// Weight loads per lane and step with one m-tile (8 / M_TILES with more).
+#define GEMM_ROWS_LOADS 8
 
 // 16 bytes of w, streamed once: no L1 allocation, 256-byte L2 prefetch (a warp's
 // next loads continue the same rows). Predicated off (zeros) outside the matrix.
@@ -65,6 +77,12 @@ __device__ __forceinline__ uint4 load_weight_16B(const bf16_t* pointer, bool val
         : "=r"(value.x), "=r"(value.y), "=r"(value.z), "=r"(value.w)
         : "l"(pointer), "r"(static_cast<int>(valid)));
     return value;
+}
+
+// Ask L2 for one 128-byte line (no register, no wait).
+__device__ __forceinline__ void prefetch_l2(const void* pointer)
+{
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(pointer));
 }
 
 // 16 bytes of x, read by every block: cached in L1. Predicated off (zeros) for the
@@ -135,20 +153,40 @@ __device__ __forceinline__ void load_weight_step(uint4 (&w_frag)[K_UNROLL][N_TIL
     }
 }
 
+// The x fragments of k block kb (rows g and g + 8 of each m-tile): zeros past the warp's
+// range, the matrix or the rows.
+template <int M_TILES>
+__device__ __forceinline__ void load_x_block(uint4 (&x_frag)[M_TILES][2], const bf16_t* x_lane, int ldx,
+                                             const bool (&x_valid)[M_TILES][2], int kb, int kb_end, int k,
+                                             int thread_in_group)
+{
+    const int k_offset = kb * GEMM_ROWS_K_BLOCK;
+    const bool k_valid = kb < kb_end && k_offset + 8 * thread_in_group < k;
+#pragma unroll
+    for (int m = 0; m < M_TILES; ++m) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            x_frag[m][half] = load_activation_16B(
+                x_lane + static_cast<size_t>(GEMM_ROWS_M_TILE * m + 8 * half) * ldx + k_offset,
+                x_valid[m][half] && k_valid);
+        }
+    }
+}
+
 // One block's share of the output: rows [row_begin, row_end) (at most 64) and the
 // column groups blockIdx.x, blockIdx.x + gridDim.x, ...
-template <int M_TILES, int N_TILES, int LOADS>
+template <int M_TILES, int N_TILES>
 __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, int ldx,
                                                 const bf16_t* __restrict__ w,
                                                 bf16_t* __restrict__ y, int ldy, int row_begin,
-                                                int row_end, int n, int k, int k_split,
+                                                int row_end, int n, int k, int k_split, int prefetch,
                                                 float* partial)
 {
-    // Each lane keeps LOADS (m-tile, n-tile, k-block) products per step: with one m-tile
-    // that is LOADS weight loads in flight (8, or 16 in the deep variants); more m-tiles
-    // spend the registers on their x fragments and accumulators instead (8 / M_TILES).
-    constexpr int K_UNROLL = LOADS / (M_TILES * N_TILES);
-    static_assert(K_UNROLL >= 1, "LOADS must cover one k block of every (m-tile, n-tile)");
+    // Each lane keeps GEMM_ROWS_LOADS (m-tile, n-tile, k-block) products per step: with one
+    // m-tile that is 8 weight loads in flight; more m-tiles spend the registers on their x
+    // fragments and accumulators instead (8 / M_TILES).
+    constexpr int K_UNROLL = GEMM_ROWS_LOADS / (M_TILES * N_TILES);
+    static_assert(K_UNROLL >= 1, "a step must cover one k block of every (m-tile, n-tile)");
     constexpr int FRAGMENTS = M_TILES * N_TILES * 4;  // accumulators per lane
 
     const int lane = threadIdx.x & 31;
@@ -166,6 +204,23 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
 
     const int group_columns = warps_n * N_TILES * GEMM_ROWS_N_TILE;
     const int column_groups = (n + group_columns - 1) / group_columns;
+
+    if (prefetch != 0 && blockIdx.x < column_groups) {
+        // L2 lines of the first `prefetch` blocks of this warp's k range, for every weight row
+        // of its first column group.
+        const int first_row = blockIdx.x * group_columns + warp_n * N_TILES * GEMM_ROWS_N_TILE;
+        const int kb_last = min(kb_end, kb_begin + prefetch);
+        const int lines_per_row = (max(kb_last - kb_begin, 0) * GEMM_ROWS_K_BLOCK * 2 + 127) / 128;
+        for (int index = lane; index < N_TILES * GEMM_ROWS_N_TILE * lines_per_row; index += 32) {
+            const int row = first_row + index / lines_per_row;
+            const int k_offset = kb_begin * GEMM_ROWS_K_BLOCK + 64 * (index % lines_per_row);
+            if (row < n && k_offset < k) {
+                prefetch_l2(w + static_cast<size_t>(row) * k + k_offset);
+            }
+        }
+    }
+    // x (and y) may belong to the previous kernel: nothing below runs before it is done.
+    kda_wait_for_previous_kernel();
 
     // This lane's x rows: row_begin + 16 m + g (half 0) and + 8 (half 1).
     const bf16_t* x_lane =
@@ -205,26 +260,36 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
         }
 
         for (int kb_step = kb_begin; kb_step < kb_end; kb_step += K_UNROLL) {
-            // Every weight load of the step first: they are what the kernel waits on. (A
-            // software pipeline, the next step's loads issued before this step's mma, measured
-            // no faster on an H200 at the GLM and Kimi shapes.)
+            // Every weight load of the step first: they are what the kernel waits on.
             uint4 w_frag[K_UNROLL][N_TILES];
             load_weight_step<K_UNROLL, N_TILES>(w_frag, w_lane, tile_stride, w_valid, kb_step, kb_end, k,
                                                 thread_in_group);
+            // The step's x fragments in the same breath as its weights (rows g and g + 8 of each
+            // m-tile; L1 or L2 hits that would otherwise wait behind the weights), where the
+            // registers allow: up to 4 (k block, m-tile) pairs per step.
+            constexpr bool X_AHEAD = K_UNROLL * M_TILES <= 4;
+            constexpr int X_STEPS = X_AHEAD ? K_UNROLL : 1;
+            uint4 x_frag[X_STEPS][M_TILES][2];
+            if constexpr (X_AHEAD) {
+#pragma unroll
+                for (int u = 0; u < K_UNROLL; ++u) {
+                    load_x_block<M_TILES>(x_frag[u], x_lane, ldx, x_valid, kb_step + u, kb_end, k, thread_in_group);
+                }
+            }
 #pragma unroll
             for (int u = 0; u < K_UNROLL; ++u) {
                 // Warp-uniform: the blocks past the warp's range add nothing, so the
                 // mma chain is exactly the range's blocks whatever K_UNROLL is.
                 if (kb_step + u < kb_end) {
-                    const int k_offset = (kb_step + u) * GEMM_ROWS_K_BLOCK;
-                    const bool k_valid = k_offset + 8 * thread_in_group < k;
+                    if constexpr (!X_AHEAD) {
+                        load_x_block<M_TILES>(x_frag[0], x_lane, ldx, x_valid, kb_step + u, kb_end, k,
+                                              thread_in_group);
+                    }
+                    const int xu = X_AHEAD ? u : 0;
 #pragma unroll
                     for (int m = 0; m < M_TILES; ++m) {
-                        const bf16_t* x_tile =
-                            x_lane + static_cast<size_t>(GEMM_ROWS_M_TILE * m) * ldx + k_offset;
-                        const uint4 x_low = load_activation_16B(x_tile, x_valid[m][0] && k_valid);
-                        const uint4 x_high = load_activation_16B(
-                            x_tile + static_cast<size_t>(8) * ldx, x_valid[m][1] && k_valid);
+                        const uint4& x_low = x_frag[xu][m][0];
+                        const uint4& x_high = x_frag[xu][m][1];
 #pragma unroll
                         for (int step = 0; step < 2; ++step) {
 #pragma unroll
@@ -284,50 +349,47 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
 
 // Launch: block 256 threads, no dynamic shared memory; grid.y = ceil(rows / 64), grid.x =
 // any number of blocks (a block loops over the column groups blockIdx.x + i gridDim.x).
-// One entry point per (M_TILES, N_TILES, LOADS), named gemm_rows_bf16_m<M>_n<N>_l<LOADS>: the
-// wrapper picks M_TILES from the rows (1: <= 16, 2: <= 32, 4: more; a row group with fewer
-// rows leaves the extra m-tiles predicated off) and N_TILES, LOADS and the grid from the
-// shape. Separate entries keep each kernel's code small: one variant in the instruction
-// cache, not all of them. LOADS (weight loads per lane and step) regroups the loads ahead of
-// the same mma chain: like the tiles and the grid, it changes no bit.
-template <int M_TILES, int N_TILES, int LOADS>
+// One entry point per (M_TILES, N_TILES), named gemm_rows_bf16_m<M>_n<N>: the wrapper picks
+// M_TILES from the rows (1: <= 16, 2: <= 32, 4: more; a row group with fewer rows leaves the
+// extra m-tiles predicated off) and N_TILES and the grid from the shape. Separate entries
+// keep each kernel's code small: one variant in the instruction cache, not all of them.
+// `prefetch` (k blocks per weight row, 0 for none) asks L2 for the first weights before the
+// wait on the previous kernel; like the tiles and the grid it changes no bit.
+template <int M_TILES, int N_TILES>
 __device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, int ldx,
                                                 const bf16_t* __restrict__ w, bf16_t* __restrict__ y,
-                                                int ldy, int rows, int n, int k)
+                                                int ldy, int rows, int n, int k, int prefetch)
 {
     __shared__ float partial[GEMM_ROWS_WARPS * M_TILES * N_TILES * 4 * 32];
 
+    kda_let_next_kernel_launch();
     const int row_begin = blockIdx.y * GEMM_ROWS_M_GROUP;
     if (row_begin >= rows || blockDim.x != GEMM_ROWS_THREADS) {
         return;
     }
     const int row_end = min(rows, row_begin + GEMM_ROWS_M_GROUP);
-    gemm_rows_sweep<M_TILES, N_TILES, LOADS>(x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split_for(k),
-                                             partial);
+    gemm_rows_sweep<M_TILES, N_TILES>(x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split_for(k), prefetch,
+                                      partial);
 }
 
-#define GEMM_ROWS_ENTRY(M_TILES, N_TILES, LOADS)                                                   \
+#define GEMM_ROWS_ENTRY(M_TILES, N_TILES)                                                          \
     extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_MIN_BLOCKS)          \
-        gemm_rows_bf16_m##M_TILES##_n##N_TILES##_l##LOADS(                                         \
+        gemm_rows_bf16_m##M_TILES##_n##N_TILES(                                                    \
             const bf16_t* __restrict__ x, int ldx, const bf16_t* __restrict__ w,                   \
-            bf16_t* __restrict__ y, int ldy, int rows, int n, int k)                               \
+            bf16_t* __restrict__ y, int ldy, int rows, int n, int k, int prefetch)                 \
     {                                                                                              \
-        gemm_rows_entry<M_TILES, N_TILES, LOADS>(x, ldx, w, y, ldy, rows, n, k);                   \
+        gemm_rows_entry<M_TILES, N_TILES>(x, ldx, w, y, ldy, rows, n, k, prefetch);                \
     }
 
 // Every variant is compiled for 2 blocks per SM (up to 128 registers per thread; 3 blocks
 // of the narrow variants, at 80, measured no faster on an H200); GEMM_ROWS_BLOCKS_PER_SM in
-// glm_kda/gemm_rows.py mirrors it. The deep variants (16 loads per lane and step) exist for
-// one m-tile only: more m-tiles would spill.
+// glm_kda/gemm_rows.py mirrors it.
 #define GEMM_ROWS_MIN_BLOCKS 2
-GEMM_ROWS_ENTRY(1, 1, 8)
-GEMM_ROWS_ENTRY(1, 2, 8)
-GEMM_ROWS_ENTRY(1, 4, 8)
-GEMM_ROWS_ENTRY(2, 1, 8)
-GEMM_ROWS_ENTRY(2, 2, 8)
-GEMM_ROWS_ENTRY(2, 4, 8)
-GEMM_ROWS_ENTRY(4, 1, 8)
-GEMM_ROWS_ENTRY(4, 2, 8)
-GEMM_ROWS_ENTRY(1, 1, 16)
-GEMM_ROWS_ENTRY(1, 2, 16)
-GEMM_ROWS_ENTRY(1, 4, 16)
+GEMM_ROWS_ENTRY(1, 1)
+GEMM_ROWS_ENTRY(1, 2)
+GEMM_ROWS_ENTRY(1, 4)
+GEMM_ROWS_ENTRY(2, 1)
+GEMM_ROWS_ENTRY(2, 2)
+GEMM_ROWS_ENTRY(2, 4)
+GEMM_ROWS_ENTRY(4, 1)
+GEMM_ROWS_ENTRY(4, 2)

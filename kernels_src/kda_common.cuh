@@ -76,6 +76,26 @@ __device__ __forceinline__ float block_sum_f32(float value, float* scratch)
     return total;
 }
 
+// Programmatic dependent launch (sm_90 and later; no-ops before). A kernel launched with the
+// programmatic-serialization attribute may start while the kernel before it in the stream
+// still runs, once every block of that one has called kda_let_next_kernel_launch (or
+// exited); kda_wait_for_previous_kernel then returns when the previous kernel has finished
+// and its writes are visible. Without the attribute the wait returns at once. Whatever a
+// kernel reads or writes that the previous kernel may touch must come after the wait.
+__device__ __forceinline__ void kda_let_next_kernel_launch()
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void kda_wait_for_previous_kernel()
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float sigmoid_f32(float x)
 {
     return 1.0f / (1.0f + expf(-x));
@@ -148,24 +168,32 @@ __device__ __forceinline__ float l2_normalize_head(float value, float l2_eps, fl
     return value / sqrtf(sum_squares + l2_eps);
 }
 
-// One delta-rule step of value column `column` of a head's state S [D_k, D_v] (K-major,
-// row i at state_column + i * KDA_HEAD_DIM), FP32:
-//   S = S * exp(gate)[:, None];  pred = S^T k;  S += k (beta (v - pred))^T;  out = S^T (q scale)
+// Delta-rule steps of one value column of a head's state S [D_k, D_v] (K-major, row i at
+// state_column + i * KDA_HEAD_DIM), FP32, kept in registers between a load and a store so
+// that a kernel can issue the loads before it has formed the gate and walk several tokens:
+//   kda_recurrent_load:   s = the column, as stored
+//   kda_recurrent_step:   s *= exp(gate);  pred = s . k;  s += k (beta (v - pred));
+//                         returns out = s . (q scale), read after the update
+//   kda_recurrent_store:  the column = s
 // decay_s, key_s, query_s (exp(gate), k, q * scale) are the head's vectors in shared
-// memory, read as broadcasts. The thread keeps the column in registers: the state is read
-// once and written once. Every thread of the block must call it (it holds a barrier).
-// Returns out, read after the update.
-__device__ __forceinline__ float kda_recurrent_column(float* state_column, const float* decay_s,
-                                                      const float* key_s, const float* query_s,
-                                                      float value, float beta)
+// memory, read as broadcasts. Every thread of the block must call the step (it holds a
+// barrier).
+__device__ __forceinline__ void kda_recurrent_load(float (&s)[KDA_HEAD_DIM], const float* state_column)
 {
-    // Decay folded into the load and the update into the store, so no more than the D state
-    // values are live at once.
-    float s[KDA_HEAD_DIM];
+#pragma unroll
+    for (int i = 0; i < KDA_HEAD_DIM; ++i) {
+        s[i] = state_column[static_cast<size_t>(i) * KDA_HEAD_DIM];
+    }
+}
+
+__device__ __forceinline__ float kda_recurrent_step(float (&s)[KDA_HEAD_DIM], const float* decay_s,
+                                                    const float* key_s, const float* query_s, float value,
+                                                    float beta)
+{
     float pred = 0.0f;
 #pragma unroll
     for (int i = 0; i < KDA_HEAD_DIM; ++i) {
-        s[i] = state_column[static_cast<size_t>(i) * KDA_HEAD_DIM] * decay_s[i];
+        s[i] = s[i] * decay_s[i];
         pred = fmaf(s[i], key_s[i], pred);
     }
     const float delta = beta * (value - pred);
@@ -179,9 +207,16 @@ __device__ __forceinline__ float kda_recurrent_column(float* state_column, const
     for (int i = 0; i < KDA_HEAD_DIM; ++i) {
         s[i] = fmaf(key_s[i], delta, s[i]);
         out = fmaf(s[i], query_s[i], out);
-        state_column[static_cast<size_t>(i) * KDA_HEAD_DIM] = s[i];
     }
     return out;
+}
+
+__device__ __forceinline__ void kda_recurrent_store(const float (&s)[KDA_HEAD_DIM], float* state_column)
+{
+#pragma unroll
+    for (int i = 0; i < KDA_HEAD_DIM; ++i) {
+        state_column[static_cast<size_t>(i) * KDA_HEAD_DIM] = s[i];
+    }
 }
 
 // Gated RMSNorm of one channel of a head, the gate a SIGMOID:

@@ -13,8 +13,8 @@
 // every column is independent, so the state is read once and written once, and
 // with v the fast axis each of those D row accesses is a coalesced 128-byte
 // line per warp. The per-head vectors (decay, k, q * scale) are staged once in
-// shared memory and read as broadcasts. The column step is kda_recurrent_column
-// (kda_common.cuh), shared with the fused decode step.
+// shared memory and read as broadcasts. The column step is kda_recurrent_load, _step
+// and _store (kda_common.cuh), shared with the fused decode step.
 #include "kda_common.cuh"
 
 #define RECURRENT_COLUMNS 32
@@ -57,7 +57,9 @@ kda_recurrent_step_f32(const float* __restrict__ query, const float* __restrict_
     __syncthreads();
 
     float* state_column = state + head_offset * KDA_HEAD_DIM + column;
-    const float out = kda_recurrent_column(state_column, decay_s, key_s, query_s,
-                                           value[head_offset + column], beta[head]);
+    float s[KDA_HEAD_DIM];
+    kda_recurrent_load(s, state_column);
+    const float out = kda_recurrent_step(s, decay_s, key_s, query_s, value[head_offset + column], beta[head]);
+    kda_recurrent_store(s, state_column);
     core[head_offset + column] = out;
 }

@@ -408,6 +408,8 @@ inline float f16_to_f32(unsigned short bits)
 }
 // __fdividef's approximate reciprocal-and-product, as the IEEE quotient (within 2 ulp of it).
 inline float __fdividef(float a, float b) { return a / b; }
+// The rounded product the per-head reductions use (they are compiled here, not run).
+inline float __fmul_rn(float a, float b) { return a * b; }
 inline void copy_async_commit() {}
 inline void copy_async_wait_all() {}
 """
@@ -551,7 +553,7 @@ int main(int argc, char** argv)
 
 # The device-only helpers the emulation header replaces (their bodies are inline PTX).
 DEVICE_HELPERS = ("mma_tf32_m16n8k8", "copy_async_16B", "copy_async_commit", "copy_async_wait_all", "f32_to_f16",
-                  "f16_to_f32")
+                  "f16_to_f32", "kda_let_next_kernel_launch", "kda_wait_for_previous_kernel")
 
 
 def host_source() -> str:

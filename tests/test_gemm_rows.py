@@ -4,7 +4,7 @@ Promises tested, one test each:
   * out = bf16(x @ w.T) within rms-ratio 1e-3 of the float64 oracle rounded to BF16;
   * row r of an R-row call equals, bit for bit, a one-row call on x[r] alone, for R in
     1..256, also when the other rows change (to random, huge, infinite or NaN values);
-  * the launch (entry point, tiles per warp, grid, loads per step) changes no bit;
+  * the launch (entry point, tiles per warp, grid, programmatic or plain) changes no bit;
   * strided x and a column slice of a wider out: only columns < n of rows < rows are written;
   * the GLM-5.3-Flash and Kimi-Linear projection shapes.
 The geometry rule (k_split depends on k alone) and the argument checks that need no
@@ -121,12 +121,8 @@ def test_k_split_depends_on_k_alone(k):
         assert plan.grid[1] == -(-rows // 64)
         assert plan.tiles_per_warp in (1, 2, 4) and (rows <= 32 or plan.tiles_per_warp <= 2)
         assert plan.m_tiles == (1 if rows <= 16 else 2 if rows <= 32 else 4)
-        assert plan.kernel == f"gemm_rows_bf16_m{plan.m_tiles}_n{plan.tiles_per_warp}_l8" and plan.loads == 8
+        assert plan.kernel == f"gemm_rows_bf16_m{plan.m_tiles}_n{plan.tiles_per_warp}"
         assert plan.kernel in ENTRY_POINTS["gemm_rows"]
-        if rows <= 16:
-            deep = launch_plan(4096, k, rows, loads=16)
-            assert deep.kernel == plan.kernel.replace("_l8", "_l16") and deep.kernel in ENTRY_POINTS["gemm_rows"]
-            assert deep.grid == plan.grid
 
 
 @pytest.mark.parametrize("shape", GLM_SHAPES + KIMI_SHAPES, ids=_shape_id)
@@ -162,10 +158,6 @@ def test_launch_plan_rejects_unknown_tiles():
         launch_plan(64, 128, 1, tiles_per_warp=3)
     with pytest.raises(ValueError, match="blocks"):
         launch_plan(64, 128, 1, blocks=0)
-    with pytest.raises(ValueError, match="loads"):
-        launch_plan(64, 128, 17, loads=16)
-    with pytest.raises(ValueError, match="loads"):
-        launch_plan(64, 128, 1, loads=4)
 
 
 def test_launch_plan_blocks_caps_the_grid():
@@ -178,9 +170,8 @@ def test_every_entry_point_is_in_the_kernel_source():
 
     source = kernel_source("gemm_rows")
     for name in ENTRY_POINTS["gemm_rows"]:
-        m_tiles, tiles, loads = (int(part[1:]) for part in name.split("_")[-3:])
-        assert f"GEMM_ROWS_ENTRY({m_tiles}, {tiles}, {loads})" in source, f"gemm_rows.cu has no entry for {name}"
-        assert m_tiles == 1 or loads == 8, f"{name}: the deep variants are for one m-tile only"
+        m_tiles, tiles = (int(part[1:]) for part in name.split("_")[-2:])
+        assert f"GEMM_ROWS_ENTRY({m_tiles}, {tiles})" in source, f"gemm_rows.cu has no entry for {name}"
     assert f"#define GEMM_ROWS_MIN_BLOCKS {GEMM_ROWS_BLOCKS_PER_SM}" in source
 
 
@@ -252,9 +243,20 @@ def test_grid_changes_no_bit(rows):
     default = _run(x, w, rows)
     for tiles in (1, 2, 4):
         for blocks in (None, 1, 3, 7):
-            for loads in (8, 16) if rows <= 16 else (8,):
-                _assert_bits_equal(_run(x, w, rows, tiles_per_warp=tiles, blocks=blocks, loads=loads), default,
-                                   f"R{rows} tiles_per_warp={tiles} blocks={blocks} loads={loads}")
+            _assert_bits_equal(_run(x, w, rows, tiles_per_warp=tiles, blocks=blocks), default,
+                               f"R{rows} tiles_per_warp={tiles} blocks={blocks}")
+    # A programmatic launch (with the L2 prefetch) right behind the kernel that writes x.
+    from glm_kda.gemm_rows import gemm_rows_bf16
+
+    cp = _cp()
+    staged = cp.zeros_like(x)
+    out = cp.full((rows, n), POISON, dtype=cp.uint16)
+    for _ in range(3):
+        out.fill(POISON)
+        staged.fill(0)
+        cp.copyto(staged, x)
+        gemm_rows_bf16(staged, w, out, rows=rows, programmatic=True)
+        _assert_bits_equal(out, default, f"R{rows} programmatic launch")
 
 
 @pytest.mark.gpu

@@ -179,6 +179,14 @@ def test_decode_k_is_bit_identical_to_decode(layers, geometry):
         serial_out = cp.concatenate(serial_outs)
         differ = int(cp.count_nonzero(out.view(cp.uint16) != serial_out.view(cp.uint16)))
         assert differ == 0, f"{geometry} K={k}: {differ} output elements differ"
+        # Without snapshots the fused step walks the K rows in one launch.
+        walked = device_state(layer, start)
+        walked_out = layer.decode_k(hidden[:k], walked)
+        differ = int(cp.count_nonzero(walked_out.view(cp.uint16) != serial_out.view(cp.uint16)))
+        assert differ == 0, f"{geometry} K={k}, one walk: {differ} output elements differ"
+        for name in ("recurrent", "conv"):
+            a, b = getattr(walked, name), getattr(serial, name)
+            assert int(cp.count_nonzero(a.view(cp.uint32) != b.view(cp.uint32))) == 0, f"K={k} walk final {name} state"
         for name in ("recurrent", "conv"):
             a, b = getattr(batched, name), getattr(serial, name)
             assert int(cp.count_nonzero(a.view(cp.uint32) != b.view(cp.uint32))) == 0, f"K={k} final {name} state"

@@ -176,7 +176,7 @@ def test_fused_decode_grid_and_arguments_match_the_kernel(launches, rows):
     source = (kernels.kernels_dir() / "decode.cu").read_text()
     signature = re.search(r"kda_decode_fused_bf16\(([^)]*)\)", source).group(1)
     assert len(args) == signature.count(",") + 1
-    assert (int(args[-7]), int(args[-6])) == (heads, 4)  # heads, kernel_size
+    assert (int(args[-8]), int(args[-7]), int(args[-6])) == (heads, 4, 1)  # heads, kernel_size, tokens
 
 
 @pytest.mark.parametrize("operand,shape,needle", [
@@ -192,3 +192,54 @@ def test_fused_decode_names_the_bad_operand_before_any_launch(launches, operand,
     with pytest.raises(ValueError, match=needle):
         ops.kda_decode_fused_bf16(**operands, **_FUSED_SCALARS, slots=slots)
     assert not launches
+
+
+def test_programmatic_launch_marshals_the_launch_config_and_arguments():
+    """cuLaunchKernelEx gets the grid, block, stream, one programmatic-serialization attribute
+    and a pointer per argument (device arrays as their data pointers), laid out as cuda.h."""
+    import ctypes
+    from types import SimpleNamespace
+
+    from glm_kda import kernels
+
+    assert ctypes.sizeof(kernels._LaunchAttribute) == 72 and ctypes.sizeof(kernels._LaunchConfig) == 56
+    seen = {}
+
+    def fake_launch_ex(config_ref, handle, params, extra):
+        config = ctypes.cast(config_ref, ctypes.POINTER(kernels._LaunchConfig)).contents
+        seen["grid"] = (config.grid_x, config.grid_y, config.grid_z)
+        seen["block"] = (config.block_x, config.block_y, config.block_z)
+        seen["stream"], seen["shared"] = config.stream, config.shared_mem
+        seen["attribute"] = (config.num_attrs, config.attrs[0].id, config.attrs[0].value[0])
+        seen["handle"] = handle
+        seen["pointer"] = ctypes.cast(params[0], ctypes.POINTER(ctypes.c_void_p)).contents.value
+        seen["null"] = ctypes.cast(params[1], ctypes.POINTER(ctypes.c_void_p)).contents.value
+        seen["int"] = ctypes.cast(params[2], ctypes.POINTER(ctypes.c_int32)).contents.value
+        seen["float"] = ctypes.cast(params[3], ctypes.POINTER(ctypes.c_float)).contents.value
+        return 0
+
+    launcher = kernels._ProgrammaticLauncher(launch_ex=fake_launch_ex)
+    array = HostStandIn(aligned((4,), np.float32))
+    function = SimpleNamespace(kernel=SimpleNamespace(ptr=0xF00D))
+    result = launcher.launch(function, (7, 2), (256,), (array, None, np.int32(-3), np.float32(0.5)), 0, 0xABC)
+    assert result == 0
+    assert seen["grid"] == (7, 2, 1) and seen["block"] == (256, 1, 1) and seen["shared"] == 0
+    assert seen["stream"] == 0xABC and seen["handle"] == 0xF00D
+    assert seen["attribute"] == (1, kernels._PROGRAMMATIC_STREAM_SERIALIZATION, 1)
+    assert seen["pointer"] == array.data.ptr and seen["null"] is None
+    assert seen["int"] == -3 and seen["float"] == 0.5
+    with pytest.raises(TypeError, match="argument 1"):
+        kernels.kernel_parameters((array, 3.0))
+
+
+
+def test_fused_decode_walks_whole_sequences_of_tokens(launches):
+    """tokens > 1: grid (heads, rows / tokens), the sequences checked against the states."""
+    heads = 2
+    ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, 6), **_FUSED_SCALARS, tokens=6)
+    (name, grid, block, args), = launches
+    assert grid == (heads, 1) and int(args[-6]) == 6
+    with pytest.raises(ValueError, match="whole sequences"):
+        ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, 6), **_FUSED_SCALARS, tokens=4)
+    with pytest.raises(ValueError, match="only 1 state"):
+        ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, 6), **_FUSED_SCALARS, tokens=3)
