@@ -243,3 +243,27 @@ def test_fused_decode_walks_whole_sequences_of_tokens(launches):
         ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, 6), **_FUSED_SCALARS, tokens=4)
     with pytest.raises(ValueError, match="only 1 state"):
         ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, 6), **_FUSED_SCALARS, tokens=3)
+
+
+def test_a_refused_programmatic_launch_falls_back_to_plain_launches(monkeypatch):
+    """cuLaunchKernelEx refusing (an older driver, say) turns that launch and every later one
+    into a plain launch of the same kernel with the same arguments."""
+    from types import SimpleNamespace
+
+    from glm_kda import kernels
+
+    plain = []
+    function = lambda grid, block, args, shared_mem=0: plain.append((grid, block, args))  # noqa: E731
+    fake_set = SimpleNamespace(device_id=0, function=lambda name: function, ensure_dynamic_shared=lambda *a: None)
+    monkeypatch.setattr(kernels.KernelSet, "get", classmethod(lambda cls: fake_set))
+    tried = []
+    launcher = kernels._ProgrammaticLauncher(launch_ex=object(), devices={0: True})
+    launcher.launch = lambda *args: tried.append(args) or 801  # CUDA_ERROR_NOT_SUPPORTED
+    monkeypatch.setattr(kernels, "_PROGRAMMATIC", launcher)
+    monkeypatch.setitem(__import__("sys").modules, "cupy", SimpleNamespace(
+        cuda=SimpleNamespace(get_current_stream=lambda: SimpleNamespace(ptr=0))))
+    args = (np.int32(1),)
+    kernels.launch("k", (2,), (32,), args, programmatic=True)
+    kernels.launch("k", (2,), (32,), args, programmatic=True)
+    assert len(tried) == 1 and "801" in launcher.unavailable
+    assert plain == [((2,), (32,), args), ((2,), (32,), args)]
