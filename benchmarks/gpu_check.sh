@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU: the GPU test suite (figures to figures.json),
-# compute-sanitizer memcheck over a subset of it, racecheck over the chunk (FP32 and tensor-core), recurrent and
-# prefill-conv kernels ("tests"), then the decode and prefill benchmarks and the import
+# compute-sanitizer memcheck over a subset of it, racecheck over the chunk (FP32 and tensor-core), recurrent,
+# fused decode (one row and a verify walk) and prefill-conv kernels ("tests"), then the decode and prefill benchmarks and the import
 # timing ("bench"). Logs and JSON land in ${OUT:-./gpu_check_out}. The two halves take about
 # seven and five minutes on an H200; run them as separate commands where one command is
 # limited to ten minutes. "block" adds the whole-block timings to "bench". With
@@ -22,7 +22,8 @@ if [ "$part" = tests ] || [ "$part" = all ]; then
   timeout 100 compute-sanitizer --tool memcheck --print-limit 20 python -m pytest -q -p no:cacheprovider tests/test_gpu.py \
     -k "kimi and (T17 and C16 or T65 and C64 or poisoned and nan or graph_replay)" 2>&1 | tee "$out/memcheck.log" | tail -4
   timeout 45 compute-sanitizer --tool racecheck --kernel-name kns=kda_ --print-limit 20 python -m pytest -q -p no:cacheprovider \
-    tests/test_gpu.py -k "kimi and T15 and C16 or kimi and decode_stages" 2>&1 | tee "$out/racecheck.log" | tail -4
+    tests/test_gpu.py -k "kimi and T15 and C16 or kimi and decode_stages or kimi and fused_decode" 2>&1 \
+    | tee "$out/racecheck.log" | tail -4
   # The tensor-core chunk kernels run for the bounded (GLM) law; <= 16 rows keeps cuBLAS, which
   # racecheck cannot follow, out of the prefill.
   timeout 45 compute-sanitizer --tool racecheck --kernel-name kns=kda_chunk_tc --print-limit 20 python -m pytest -q \
@@ -34,7 +35,7 @@ if [ "$part" = tests ] || [ "$part" = all ]; then
 fi
 if [ "$part" = bench ] || [ "$part" = all ]; then
   timeout 120 python benchmarks/decode.py 2>&1 | tee "$out/decode.jsonl" | tail -40
-  timeout 40 python benchmarks/decode_breakdown.py 2>&1 | tee "$out/decode_breakdown.jsonl"
+  timeout 60 python benchmarks/decode_breakdown.py 2>&1 | tee "$out/decode_breakdown.jsonl"
   timeout 150 python benchmarks/prefill.py --tokens 1024 16384 65536 2>&1 | tee "$out/prefill.jsonl"
   if [ "${2:-}" = block ]; then timeout 60 python benchmarks/block.py glm kimi 2>&1 | tee "$out/block.jsonl"; fi
   python -c "import json; from glm_kda.selftest import import_times; print(json.dumps(import_times()))" 2>&1 | tee "$out/import.json"

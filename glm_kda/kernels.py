@@ -410,7 +410,8 @@ def timing() -> Iterator[StageTimer]:
 
 # Programmatic dependent launch: launch(..., programmatic=True) lets the kernel start while the
 # previous kernel of its stream drains (sm_90 and later, through cuLaunchKernelEx). False turns
-# every such launch back into a plain one (benchmarks compare the two in one process).
+# every such launch back into a plain one (benchmarks compare the two in one process). A captured
+# CUDA graph keeps the launches it was captured with: clear a layer's graphs after a change.
 PROGRAMMATIC_LAUNCH = True
 # cuLaunchAttributeID CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h).
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6
