@@ -296,6 +296,15 @@ def recurrent_state_heads(state, *, aligned: bool = False) -> int:
     return heads
 
 
+def _state_or_pool_heads(state) -> int:
+    """H of a recurrent state FP32 [H, D, D] or a pool of them [N, H, D, D] (the dtype and
+    rank checked here, the rest by _slot_rows)."""
+    _check_dtype("state", state, "f32")
+    if state.ndim not in (3, 4):
+        raise ValueError(f"state: expected [H, {HEAD_DIM}, {HEAD_DIM}] or [N, H, ...], got {list(state.shape)}")
+    return state.shape[-3]
+
+
 def _slot_rows(name: str, state, per_state: tuple[int, ...], rows: int, slots) -> None:
     """Check a state (one [*per_state]) or a pool ([N, *per_state]) against `rows` rows and
     their `slots` (a device int32 [rows] array, or None: row r uses state r)."""
@@ -464,10 +473,7 @@ def kda_recurrent_step_f32(query, key, value, gate, beta, state, core, scale: fl
     gate, core [rows, H, D] (or [H, D]) FP32; beta [rows, H] (or [H]) FP32. Row r uses
     state slots[r] (device int32) or, without slots, state r.
     """
-    _check_dtype("state", state, "f32")
-    if state.ndim not in (3, 4):
-        raise ValueError(f"state: expected [H, {HEAD_DIM}, {HEAD_DIM}] or [N, H, ...], got {list(state.shape)}")
-    heads = state.shape[-3]
+    heads = _state_or_pool_heads(state)
     rows = 1 if query.ndim == 2 else query.shape[0]
     _slot_rows("state", state, (heads, HEAD_DIM, HEAD_DIM), rows, slots)
     for name, array in (("query", query), ("key", key), ("value", value), ("gate", gate), ("core", core)):
@@ -504,10 +510,7 @@ def kda_decode_fused_bf16(
     Stage outputs: conv_out [rows, 3*H*D] BF16; query, key (L2-normalised), value, gate,
     core [rows, H, D] FP32; beta [rows, H] FP32; o_norm_out [rows, H*D] BF16.
     """
-    _check_dtype("state", state, "f32")
-    if state.ndim not in (3, 4):
-        raise ValueError(f"state: expected [H, {HEAD_DIM}, {HEAD_DIM}] or [N, H, ...], got {list(state.shape)}")
-    heads = state.shape[-3]
+    heads = _state_or_pool_heads(state)
     qkv = heads * HEAD_DIM
     conv_dim = 3 * qkv
     rows = 1 if qkv_proj.ndim == 1 else qkv_proj.shape[0]

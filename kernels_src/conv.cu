@@ -22,8 +22,8 @@
 //   arithmetic is decode's (the same device functions), so prefill and decode agree bit
 //   for bit on the conv output and q, k, v.
 //
-// K <= CONV_MAX_KERNEL = 4: the window lives in four registers (conv_window_push, conv_silu
-// and l2_normalize_head are in kda_common.cuh, shared with the fused decode step).
+// K <= CONV_MAX_KERNEL = 4: the window lives in four registers (the conv_window_* helpers,
+// conv_silu and l2_normalize_head are in kda_common.cuh, shared with the fused decode step).
 #include "kda_common.cuh"
 
 // Tokens per block of the prefill conv; at least CONV_MAX_KERNEL (see the kernel).
@@ -74,24 +74,14 @@ conv_decode_silu_l2_bf16(float* __restrict__ conv_state, const int* __restrict__
     const int channel = blockIdx.x * head_dim + threadIdx.x;
     float* state = conv_state + (slot * 3 * qkv + channel) * kernel_size;
 
-    float window[CONV_MAX_KERNEL] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-    for (int j = 0; j < CONV_MAX_KERNEL; ++j) {
-        if (j < kernel_size) {
-            window[j] = state[j];
-        }
-    }
+    float window[CONV_MAX_KERNEL];
+    conv_window_load(window, state, kernel_size);
     conv_window_push(window, bf16_to_f32(qkv_proj[channel]), kernel_size);
     const bf16_t rounded =
         f32_to_bf16(conv_silu(window, conv_w + static_cast<size_t>(channel) * kernel_size,
                               kernel_size));
     conv_out[channel] = rounded;
-#pragma unroll
-    for (int j = 0; j < CONV_MAX_KERNEL; ++j) {
-        if (j < kernel_size) {
-            state[j] = window[j];
-        }
-    }
+    conv_window_store(window, state, kernel_size);
 
     split_normalize_head(bf16_to_f32(rounded), blockIdx.x, heads, head_dim, l2_eps, query, key,
                          value, scratch);

@@ -67,11 +67,7 @@ kda_decode_fused_bf16(float* __restrict__ conv_state, float* __restrict__ state,
     float window[3][CONV_MAX_KERNEL];
 #pragma unroll
     for (int part = 0; part < 3; ++part) {
-        const size_t c = part * qkv + channel;
-#pragma unroll
-        for (int j = 0; j < CONV_MAX_KERNEL; ++j) {
-            window[part][j] = j < kernel_size ? conv_slot[c * kernel_size + j] : 0.0f;
-        }
+        conv_window_load(window[part], conv_slot + (part * qkv + channel) * kernel_size, kernel_size);
     }
     const float a = expf(a_log[head]);
     const float bias = dt_bias[channel];
@@ -127,12 +123,6 @@ kda_decode_fused_bf16(float* __restrict__ conv_state, float* __restrict__ state,
     kda_recurrent_store(s, state_column);
 #pragma unroll
     for (int part = 0; part < 3; ++part) {
-        const size_t c = part * qkv + channel;
-#pragma unroll
-        for (int j = 0; j < CONV_MAX_KERNEL; ++j) {
-            if (j < kernel_size) {
-                conv_slot[c * kernel_size + j] = window[part][j];
-            }
-        }
+        conv_window_store(window[part], conv_slot + (part * qkv + channel) * kernel_size, kernel_size);
     }
 }

@@ -144,6 +144,30 @@ __device__ __forceinline__ void conv_window_push(float window[CONV_MAX_KERNEL], 
     }
 }
 
+// The window from the K stored inputs of a channel (slots K.. stay zero), and back.
+__device__ __forceinline__ void conv_window_load(float window[CONV_MAX_KERNEL], const float* stored,
+                                                 int kernel_size)
+{
+#pragma unroll
+    for (int j = 0; j < CONV_MAX_KERNEL; ++j) {
+        window[j] = 0.0f;
+        if (j < kernel_size) {
+            window[j] = stored[j];
+        }
+    }
+}
+
+__device__ __forceinline__ void conv_window_store(const float window[CONV_MAX_KERNEL], float* stored,
+                                                  int kernel_size)
+{
+#pragma unroll
+    for (int j = 0; j < CONV_MAX_KERNEL; ++j) {
+        if (j < kernel_size) {
+            stored[j] = window[j];
+        }
+    }
+}
+
 // silu( sum_j taps[j] * window[j] ), FP32 fma in ascending j. The one place the
 // conv arithmetic is written, so decode and prefill agree bit for bit.
 __device__ __forceinline__ float conv_silu(const float window[CONV_MAX_KERNEL],
