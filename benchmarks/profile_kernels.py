@@ -5,6 +5,7 @@ Nsight Compute: every kernel of the step and nothing of the set-up.
         --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__grid_size \
         python benchmarks/profile_kernels.py decode glm
     python benchmarks/profile_kernels.py prefill glm 16384
+    python benchmarks/profile_kernels.py decode glm 64     # 64 sequences of a StatePool
 
 Geometries as in glm_kda.bench_prefill (glm, kimi, kimi-bounded).
 """
@@ -18,10 +19,12 @@ from pathlib import Path
 
 def main(kind: str, geometry: str, tokens: int) -> None:
     import cupy
+    import numpy as np
 
     from glm_kda.bench_prefill import geometry_config
     from glm_kda.checkpoint import bind_layer
     from glm_kda.layer import KdaLayer, KdaWorkspace, to_device_bf16
+    from glm_kda.state import StatePool
     from glm_kda.synthetic import synthetic_hidden, write_synthetic_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -31,7 +34,15 @@ def main(kind: str, geometry: str, tokens: int) -> None:
     layer.use_graphs = False
     hidden = to_device_bf16(synthetic_hidden(max(tokens, 1), bound.config.hidden, seed=3))
     state = layer.new_state()
-    step = (lambda: layer.decode(hidden[:1], state)) if kind == "decode" else (lambda: layer.prefill(hidden[:tokens], state))
+    if kind == "prefill":
+        step = lambda: layer.prefill(hidden[:tokens], state)  # noqa: E731
+    elif tokens == 1:
+        step = lambda: layer.decode(hidden[:1], state)  # noqa: E731
+    else:
+        # Batched decode: `tokens` sequences of a pool, one token each, slots shuffled.
+        pool = StatePool(bound.config, tokens)
+        slots = cupy.asarray(np.random.default_rng(0).permutation(tokens).astype(np.int32))
+        step = lambda: layer.decode(hidden[:tokens], pool, slots)  # noqa: E731
     for _ in range(3):
         step()
     cupy.cuda.Device().synchronize()

@@ -24,7 +24,7 @@ from typing import Any, Iterator, Sequence
 ENTRY_POINTS: dict[str, tuple[str, ...]] = {
     "gemv": ("gemv_bf16",),
     "gemm_rows": tuple(f"gemm_rows_bf16_m{m}_n{n}" for m, n in (
-        (1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2))),
+        (1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2))) + ("gemm_rows_wide_bf16_n2", "gemm_rows_wide_bf16_n4"),
     "conv": ("conv_decode_silu_l2_bf16", "conv_prefill_silu_l2_bf16"),
     "gate": ("gate_beta_f32",),
     "recurrent": ("kda_recurrent_step_f32",),
@@ -325,7 +325,9 @@ class KernelSet:
     def ensure_dynamic_shared(self, name: str, shared_mem: int) -> None:
         """Opt ``name`` in to ``shared_mem`` bytes of dynamic shared memory (above 48 KiB
         a kernel must ask for it explicitly)."""
-        if shared_mem <= self._dynamic_shared_limit.get(name, 48 * 1024):
+        # Opted in on first use whatever the size: 48 KiB of dynamic memory may be refused when
+        # the kernel declares static shared memory as well.
+        if shared_mem <= self._dynamic_shared_limit.get(name, 0):
             return
         import cupy
 

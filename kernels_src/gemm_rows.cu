@@ -347,6 +347,351 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
     }
 }
 
+// ---------------------------------------------------------------------------------------
+// The wide sweep: 33..64 rows per group (batched decode), both operands staged in shared memory.
+//
+// With 4 m-tiles the sweep above keeps only 2 weight loads per lane in flight (the x
+// fragments and accumulators of the rows take the registers), and every warp reads x
+// for its own k range and 8 or 16 columns from L2: at 64 rows x is read 4x as often as
+// w (GLM q|k|v, 64 rows: 860 MB of L2 traffic for 201 MB of weight). Here a block's
+// WIDE_WARPS warps sit side by side along n (N_TILES tiles of 8 columns each, 32 N_TILES
+// columns a block) and walk the k ranges one after the other, all warps on the same k
+// block at a time. Each k block of x (64 rows x 32 k) and of w (32 N_TILES rows x 32 k)
+// goes through a ring of WideRing<N_TILES>::STAGES stages by cp.async, AHEAD k blocks ahead
+// of the one the mma consume: x is read once per 32 N_TILES columns, and the weight stream
+// does not wait on registers. A warp's k block is 8 x-fragment loads, N_TILES weight
+// fragments and 8 N_TILES mma: measured on an H200, one n-tile per warp (8 warps a block)
+// spent more issue slots on copies, addressing and barriers than on the mma, and ran the
+// GLM q|k|v projection at 64 rows in 165 us against 110 us for the sweep above.
+//
+// Same bits as gemm_rows_sweep: the k ranges are the k_split ranges of k_split_for(k); a
+// range's partial is the same chain of mma from zero (ascending blocks of 32, k16 steps 0
+// then 1, the same fragment words), and the partials are added in ascending range order
+// starting from range 0's, the order of the split-k reduction above. A range may be empty
+// (its partial +0.0, added all the same).
+//
+// `splits` > 1 (few columns, so few blocks): blockIdx.x = column group * splits + split,
+// and split s walks ranges [s R, s R + R) with R = k_split / splits. Split 0 keeps the
+// running sum of its ranges (the order's prefix), the others each range's partial; each
+// writes them to `scratch` in fragment order, and the block that arrives last at the
+// group's counter (one int per (column group, row group), zero before the launch and left
+// zero after it) adds them in range order and writes y. Which block arrives last changes
+// nothing: the order of the adds is fixed.
+#define WIDE_WARPS 4
+#define WIDE_THREADS (WIDE_WARPS * 32)
+#define WIDE_M_TILES 4
+// Elements of x in one stage: 64 rows x 32 k (rows of 64 bytes).
+#define WIDE_X_ELEMENTS (GEMM_ROWS_M_GROUP * GEMM_ROWS_K_BLOCK)
+
+// Ring of x: one k block per stage, copies issued AHEAD = STAGES - 2 blocks ahead (the stage a
+// copy overwrites was read two k blocks earlier, before a barrier every thread has passed
+// since). The weight goes straight to registers, K_UNROLL blocks of 32 k per step (512 or 256
+// contiguous bytes of each weight row at a time, as the narrow sweep at one row).
+template <int N_TILES>
+struct WideRing {
+    static constexpr int STAGES = 8;
+    static constexpr int AHEAD = STAGES - 2;
+    static constexpr int K_UNROLL = 16 / N_TILES;  // 16 weight loads per lane in flight
+    static constexpr int W_ROWS = WIDE_WARPS * N_TILES * GEMM_ROWS_N_TILE;
+    static constexpr int STAGE_ELEMENTS = WIDE_X_ELEMENTS;
+    // 16-byte copies of x per thread and k block.
+    static constexpr int X_COPIES = WIDE_X_ELEMENTS / 8 / WIDE_THREADS;
+    static constexpr int FRAGMENTS = WIDE_M_TILES * N_TILES * 4;     // accumulators per lane
+    static constexpr int TILE_FLOATS = WIDE_WARPS * FRAGMENTS * 32;  // one slab of a tile
+    static constexpr int SHARED_BYTES = STAGES * STAGE_ELEMENTS * 2 + TILE_FLOATS * 4;
+};
+
+// 16 bytes global -> shared, asynchronous (L2 only); zeros when `valid` is false (the
+// source is then not read). The weight's copies ask L2 for 256 bytes (the next k blocks of
+// the same row).
+template <bool WEIGHT>
+__device__ __forceinline__ void copy_async_16B_or_zero(void* shared_destination, const void* source, bool valid)
+{
+    const unsigned int address = static_cast<unsigned int>(__cvta_generic_to_shared(shared_destination));
+    if constexpr (WEIGHT) {
+        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(address), "l"(source),
+                     "r"(valid ? 16 : 0)
+                     : "memory");
+    } else {
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(address), "l"(source),
+                     "r"(valid ? 16 : 0)
+                     : "memory");
+    }
+}
+
+__device__ __forceinline__ void copy_async_commit()
+{
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+template <int PENDING>
+__device__ __forceinline__ void copy_async_wait()
+{
+    asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
+}
+
+__device__ __forceinline__ uint4 load_shared_16B(const bf16_t* pointer)
+{
+    return *reinterpret_cast<const uint4*>(pointer);
+}
+
+// Slabs of `scratch` one (column group, row group) tile of a split sweep uses: split 0's
+// running sum, then one per range of the other splits.
+__device__ __forceinline__ int wide_slabs(int k_split, int splits)
+{
+    return 1 + k_split - k_split / splits;
+}
+
+template <int N_TILES>
+__device__ __forceinline__ void gemm_rows_wide_sweep(const bf16_t* __restrict__ x, int ldx,
+                                                     const bf16_t* __restrict__ w, bf16_t* __restrict__ y,
+                                                     int ldy, int rows, int n, int k, int splits,
+                                                     float* __restrict__ scratch, int* __restrict__ counters,
+                                                     int prefetch, bf16_t* ring, float* sums, int* last_flag)
+{
+    using Ring = WideRing<N_TILES>;
+    constexpr int M_TILES = WIDE_M_TILES;
+    constexpr int FRAGMENTS = Ring::FRAGMENTS;
+
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int group_lane = lane >> 2;
+    const int thread_in_group = lane & 3;
+
+    const int k_split = k_split_for(k);
+    const int k_blocks = (k + GEMM_ROWS_K_BLOCK - 1) / GEMM_ROWS_K_BLOCK;
+    const int k_range = (k_blocks + k_split - 1) / k_split;
+    const int ranges = k_split / splits;
+    const int column_groups = gridDim.x / splits;
+    const int column_group = blockIdx.x / splits;
+    const int split = blockIdx.x % splits;
+    const int range_first = split * ranges;
+    const int kb_lo = min(range_first * k_range, k_blocks);
+    const int kb_hi = min((range_first + ranges) * k_range, k_blocks);
+    const int row_begin = blockIdx.y * GEMM_ROWS_M_GROUP;
+    const int row_end = min(rows, row_begin + GEMM_ROWS_M_GROUP);
+    const int block_column = column_group * Ring::W_ROWS;
+
+    if (prefetch != 0) {
+        // L2 lines of the block's first `prefetch` k blocks, for every weight row of the warp.
+        const int first_row = block_column + warp * N_TILES * GEMM_ROWS_N_TILE;
+        const int lines_per_row = (max(min(kb_hi, kb_lo + prefetch) - kb_lo, 0) * GEMM_ROWS_K_BLOCK * 2 + 127) / 128;
+        for (int index = lane; index < N_TILES * GEMM_ROWS_N_TILE * lines_per_row; index += 32) {
+            const int row = first_row + index / lines_per_row;
+            const int k_offset = kb_lo * GEMM_ROWS_K_BLOCK + 64 * (index % lines_per_row);
+            if (row < n && k_offset < k) {
+                prefetch_l2(w + static_cast<size_t>(row) * k + k_offset);
+            }
+        }
+    }
+    kda_wait_for_previous_kernel();
+
+    // Copy c of a thread: 16-byte word i = threadIdx.x + WIDE_THREADS c of the stage's x (row
+    // i / 4, bytes 16 (i % 4) ..), stored at 16 i.
+    const int copy_k = 8 * (threadIdx.x & 3);
+    const bf16_t* x_source[Ring::X_COPIES];
+    bool x_row_valid[Ring::X_COPIES];
+#pragma unroll
+    for (int c = 0; c < Ring::X_COPIES; ++c) {
+        const int row = row_begin + (threadIdx.x >> 2) + (WIDE_THREADS / 4) * c;
+        x_row_valid[c] = row < row_end;
+        x_source[c] = x + static_cast<size_t>(x_row_valid[c] ? row : 0) * ldx + copy_k;
+    }
+    // This lane's weight rows: tile j's is w_lane + j * 8 k (the narrow sweep's layout).
+    const int warp_column = block_column + warp * N_TILES * GEMM_ROWS_N_TILE;
+    const bf16_t* w_lane = w + static_cast<size_t>(warp_column + group_lane) * k + 8 * thread_in_group;
+    bool w_valid[N_TILES];
+#pragma unroll
+    for (int j = 0; j < N_TILES; ++j) {
+        w_valid[j] = warp_column + GEMM_ROWS_N_TILE * j + group_lane < n;
+    }
+    auto issue = [&](int kb, int stage_index) {
+        const bool k_valid = kb < kb_hi && kb * GEMM_ROWS_K_BLOCK + copy_k < k;
+        bf16_t* stage = ring + stage_index * Ring::STAGE_ELEMENTS + 8 * threadIdx.x;
+        const int offset = kb * GEMM_ROWS_K_BLOCK;
+#pragma unroll
+        for (int c = 0; c < Ring::X_COPIES; ++c) {
+            const bool valid = k_valid && x_row_valid[c];
+            copy_async_16B_or_zero<false>(stage + 8 * WIDE_THREADS * c, valid ? x_source[c] + offset : x, valid);
+        }
+        copy_async_commit();
+    };
+#pragma unroll
+    for (int ahead = 0; ahead < Ring::AHEAD; ++ahead) {
+        issue(kb_lo + ahead, ahead);
+    }
+    int read_stage = 0;
+    int write_stage = Ring::AHEAD;
+
+    // This lane's words of the (row group, column group) tile in scratch: slab after slab of
+    // TILE_FLOATS floats in fragment order (split sweeps only; scratch may be null otherwise).
+    // Formed where it is used: a pointer held across the k loop would cost two registers.
+    auto tile = [&]() {
+        return scratch + (static_cast<size_t>(blockIdx.y) * column_groups + column_group) *
+                             wide_slabs(k_split, splits) * Ring::TILE_FLOATS +
+               warp * FRAGMENTS * 32 + lane;
+    };
+    // The running sum of the ranges so far (split 0 and unsplit sweeps) lives in shared memory,
+    // each lane's words its own (the registers go to the accumulators).
+    float* sum_lane = sums + warp * FRAGMENTS * 32 + lane;
+    // Lane (g, t) reads rows g (+ 8, + 16 m) of x, bytes 16 t .. of the k block: the fragment
+    // layout of gemm_rows_sweep.
+    const int x_fragment = GEMM_ROWS_K_BLOCK * group_lane + 8 * thread_in_group;
+
+    float acc[M_TILES][N_TILES][4];
+#pragma unroll 1
+    for (int range = range_first; range < range_first + ranges; ++range) {
+#pragma unroll
+        for (int m = 0; m < M_TILES; ++m) {
+#pragma unroll
+            for (int j = 0; j < N_TILES; ++j) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    acc[m][j][e] = 0.0f;
+                }
+            }
+        }
+        const int kb_begin = min(range * k_range, k_blocks);
+        const int kb_end = min(kb_begin + k_range, k_blocks);
+#pragma unroll 1
+        for (int kb_step = kb_begin; kb_step < kb_end; kb_step += Ring::K_UNROLL) {
+            // The step's weight fragments first: they are what the sweep waits on.
+            uint4 w_frag[Ring::K_UNROLL][N_TILES];
+            load_weight_step<Ring::K_UNROLL, N_TILES>(w_frag, w_lane, GEMM_ROWS_N_TILE * k, w_valid, kb_step,
+                                                      kb_end, k, thread_in_group);
+#pragma unroll
+            for (int u = 0; u < Ring::K_UNROLL; ++u) {
+                // Block-uniform: every warp walks the same k blocks.
+                if (kb_step + u < kb_end) {
+                    issue(kb_step + u + Ring::AHEAD, write_stage);
+                    write_stage = write_stage + 1 == Ring::STAGES ? 0 : write_stage + 1;
+                    // This thread's copies of the block are done; the barrier makes everyone's
+                    // visible, and tells the next issue that the previous block's stage is free.
+                    copy_async_wait<Ring::AHEAD>();
+                    __syncthreads();
+                    const bf16_t* stage = ring + read_stage * Ring::STAGE_ELEMENTS + x_fragment;
+                    read_stage = read_stage + 1 == Ring::STAGES ? 0 : read_stage + 1;
+#pragma unroll
+                    for (int m = 0; m < M_TILES; ++m) {
+                        const uint4 x_low = load_shared_16B(stage + GEMM_ROWS_K_BLOCK * (GEMM_ROWS_M_TILE * m));
+                        const uint4 x_high = load_shared_16B(stage + GEMM_ROWS_K_BLOCK * (GEMM_ROWS_M_TILE * m + 8));
+#pragma unroll
+                        for (int step = 0; step < 2; ++step) {
+#pragma unroll
+                            for (int j = 0; j < N_TILES; ++j) {
+                                mma_bf16_m16n8k16(acc[m][j], word_of(x_low, 2 * step), word_of(x_high, 2 * step),
+                                                  word_of(x_low, 2 * step + 1), word_of(x_high, 2 * step + 1),
+                                                  word_of(w_frag[u][j], 2 * step),
+                                                  word_of(w_frag[u][j], 2 * step + 1));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        // The range's partial joins the sum in range order (split 0: range 0 starts it); the
+        // other splits hand each partial over through scratch, slab 1 + range - ranges.
+#pragma unroll
+        for (int m = 0; m < M_TILES; ++m) {
+#pragma unroll
+            for (int j = 0; j < N_TILES; ++j) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int fragment = ((m * N_TILES + j) * 4 + e) * 32;
+                    if (split == 0) {
+                        sum_lane[fragment] = range == 0 ? acc[m][j][e] : sum_lane[fragment] + acc[m][j][e];
+                    } else {
+                        __stcg(tile() + static_cast<size_t>(1 + range - ranges) * Ring::TILE_FLOATS + fragment,
+                               acc[m][j][e]);
+                    }
+                }
+            }
+        }
+    }
+    // The zero fills issued past the last k block.
+    copy_async_wait<0>();
+
+    if (splits > 1) {
+        if (split == 0) {
+#pragma unroll 4
+            for (int fragment = 0; fragment < FRAGMENTS * 32; fragment += 32) {
+                __stcg(tile() + fragment, sum_lane[fragment]);
+            }
+        }
+        // Publish this block's slabs, then count it in; the last block of the group sums.
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            int* counter = counters + static_cast<size_t>(blockIdx.y) * column_groups + column_group;
+            const int arrived = atomicAdd(counter, 1);
+            *last_flag = arrived == splits - 1;
+            if (arrived == splits - 1) {
+                *counter = 0;
+            }
+        }
+        __syncthreads();
+        if (*last_flag == 0) {
+            return;
+        }
+        __threadfence();
+        const int slabs = wide_slabs(k_split, splits);
+#pragma unroll 4
+        for (int fragment = 0; fragment < FRAGMENTS * 32; fragment += 32) {
+            const float* source = tile() + fragment;
+            float value = __ldcg(source);
+#pragma unroll 1
+            for (int slab = 1; slab < slabs; ++slab) {
+                value += __ldcg(source + static_cast<size_t>(slab) * Ring::TILE_FLOATS);
+            }
+            sum_lane[fragment] = value;
+        }
+    }
+
+#pragma unroll
+    for (int m = 0; m < M_TILES; ++m) {
+#pragma unroll
+        for (int j = 0; j < N_TILES; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int row = row_begin + GEMM_ROWS_M_TILE * m + group_lane + 8 * (e >> 1);
+                const int column = warp_column + GEMM_ROWS_N_TILE * j + 2 * thread_in_group + (e & 1);
+                if (row < row_end && column < n) {
+                    y[static_cast<size_t>(row) * ldy + column] =
+                        f32_to_bf16(sum_lane[((m * N_TILES + j) * 4 + e) * 32]);
+                }
+            }
+        }
+    }
+}
+
+// Launch: block WIDE_THREADS = 128, WideRing<N_TILES>::SHARED_BYTES of dynamic shared memory
+// (the ring, then the running sums; N_TILES 2: 64 + 16 KB, 4: 72 + 32 KB; wide_shared_bytes in
+// glm_kda/gemm_rows.py mirrors it); grid.y = ceil(rows / 64), grid.x = column groups (of 32
+// N_TILES columns) times `splits` (a power of two dividing k_split); with splits > 1,
+// `scratch` holds ceil(rows / 64) * column groups * wide_slabs tiles of TILE_FLOATS floats and
+// `counters` ceil(rows / 64) * column groups zeroed ints.
+#define GEMM_ROWS_WIDE_ENTRY(N_TILES)                                                              \
+    extern "C" __global__ void __launch_bounds__(WIDE_THREADS, 2)                                  \
+        gemm_rows_wide_bf16_n##N_TILES(const bf16_t* __restrict__ x, int ldx,                      \
+                                       const bf16_t* __restrict__ w, bf16_t* __restrict__ y,       \
+                                       int ldy, int rows, int n, int k, int splits,                \
+                                       float* __restrict__ scratch, int* __restrict__ counters,    \
+                                       int prefetch)                                               \
+    {                                                                                              \
+        extern __shared__ __align__(16) unsigned char wide_shared[];                               \
+        __shared__ int last_flag;                                                                  \
+        kda_let_next_kernel_launch();                                                              \
+        if (blockIdx.y * GEMM_ROWS_M_GROUP >= rows || blockDim.x != WIDE_THREADS || splits < 1 ||  \
+            k_split_for(k) % splits != 0) {                                                        \
+            return;                                                                                \
+        }                                                                                          \
+        bf16_t* ring = reinterpret_cast<bf16_t*>(wide_shared);                                     \
+        float* sums = reinterpret_cast<float*>(                                                    \
+            wide_shared + WideRing<N_TILES>::STAGES * WideRing<N_TILES>::STAGE_ELEMENTS * 2);      \
+        gemm_rows_wide_sweep<N_TILES>(x, ldx, w, y, ldy, rows, n, k, splits, scratch, counters,    \
+                                      prefetch, ring, sums, &last_flag);                           \
+    }
+
 // Launch: block 256 threads, no dynamic shared memory; grid.y = ceil(rows / 64), grid.x =
 // any number of blocks (a block loops over the column groups blockIdx.x + i gridDim.x).
 // One entry point per (M_TILES, N_TILES), named gemm_rows_bf16_m<M>_n<N>: the wrapper picks
@@ -393,3 +738,5 @@ GEMM_ROWS_ENTRY(2, 2)
 GEMM_ROWS_ENTRY(2, 4)
 GEMM_ROWS_ENTRY(4, 1)
 GEMM_ROWS_ENTRY(4, 2)
+GEMM_ROWS_WIDE_ENTRY(2)
+GEMM_ROWS_WIDE_ENTRY(4)
