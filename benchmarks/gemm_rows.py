@@ -24,10 +24,7 @@ For comparison ops.gemv_bf16 (the CUDA-core GEMV of up to 16 rows) is timed at r
 
 --sweep adds one line per tiles_per_warp (1, 2, 4) and grid (one block per column group, or
 only as many blocks as are resident at once) at rows 1, 4, 16 and 64: the choice launch_plan
-makes automatically, measured against the others; at 64 rows also the wide sweep's tiles (2,
-4) and splits (1, 2, 4, 8); the narrow lines at 64 rows are the narrow sweep (`wide` false)
-that ran 64 rows before.
-The default launches lend the wide sweep a SplitScratch, as the layer does.
+makes automatically, measured against the others.
 """
 
 from __future__ import annotations
@@ -40,8 +37,7 @@ import cupy
 import numpy as np
 
 from glm_kda import ops
-from glm_kda.gemm_rows import (GEMM_ROWS_BLOCKS_PER_SM, WIDE_MIN_ROWS, SplitScratch, gemm_rows_bf16, k_split,
-                                launch_plan, weight_bytes, wide_launch_plan)
+from glm_kda.gemm_rows import GEMM_ROWS_BLOCKS_PER_SM, gemm_rows_bf16, launch_plan, weight_bytes
 from glm_kda.selftest import copy_bandwidth_gbs
 
 # (geometry, projection, n, k)
@@ -149,7 +145,6 @@ def main() -> None:
         nbytes = weight_bytes(n, k)
         x = _random_bf16_bits((max(ROWS), k))
         out = cupy.empty((max(ROWS), n), cupy.uint16)
-        scratch = SplitScratch(n, k)
 
         def record(kernel: str, rows: int, median_us: float, back_to_back_us: float, **extra) -> None:
             achieved = nbytes / (median_us * 1e-6) / 1e9
@@ -164,14 +159,13 @@ def main() -> None:
             }), flush=True)
 
         for rows in ROWS:
-            plan = (wide_launch_plan(n, k, rows, sm_count=sm_count) if rows >= WIDE_MIN_ROWS
-                    else launch_plan(n, k, rows, sm_count=sm_count))
+            plan = launch_plan(n, k, rows, sm_count=sm_count)
 
             def launch(index: int, rows: int = rows) -> None:
-                gemm_rows_bf16(x[:rows], weights[index], out[:rows], rows=rows, scratch=scratch)
+                gemm_rows_bf16(x[:rows], weights[index], out[:rows], rows=rows)
 
             record("gemm_rows_bf16", rows, *_time_launches(launch, len(weights), args.launches),
-                   grid=list(plan.grid), tiles_per_warp=plan.tiles_per_warp, entry=plan.kernel, splits=plan.splits)
+                   grid=list(plan.grid), tiles_per_warp=plan.tiles_per_warp, entry=plan.kernel)
 
         if args.sweep:
             for rows in (1, 4, 16, 64):
@@ -187,25 +181,11 @@ def main() -> None:
 
                         def launch(index: int, rows: int = rows, tiles: int = tiles, blocks=blocks) -> None:
                             gemm_rows_bf16(x[:rows], weights[index], out[:rows], rows=rows,
-                                           tiles_per_warp=tiles, blocks=blocks, wide=False)
+                                           tiles_per_warp=tiles, blocks=blocks)
 
                         swept = launch_plan(n, k, rows, tiles, sm_count, blocks)
                         record("gemm_rows_bf16", rows, *_time_launches(launch, len(weights), args.launches),
                                grid=list(swept.grid), tiles_per_warp=tiles, entry=swept.kernel, sweep=True)
-
-        if args.sweep:
-            for tiles in (2, 4):
-                for splits in (1, 2, 4, 8):
-                    if k_split(k) % splits:
-                        continue
-                    plan = wide_launch_plan(n, k, 64, tiles, sm_count, splits)
-
-                    def launch(index: int, tiles: int = tiles, splits: int = splits) -> None:
-                        gemm_rows_bf16(x[:64], weights[index], out[:64], rows=64, tiles_per_warp=tiles,
-                                       splits=splits, scratch=scratch)
-
-                    record("gemm_rows_bf16", 64, *_time_launches(launch, len(weights), args.launches),
-                           grid=list(plan.grid), tiles_per_warp=tiles, entry=plan.kernel, splits=splits, sweep=True)
 
         for rows in GEMV_ROWS:
 

@@ -4,11 +4,7 @@ The decode, speculative-verify and batched-decode projections of the block
 (``qkv_proj``, ``down_proj``, the gate up-projections, ``o_proj``) multiply a few
 token rows by a BF16 weight in torch Linear layout. Up to 64 rows that is bound by
 reading the weight once, and the kernel is laid out for that stream; see the
-comment at the top of the ``.cu`` file for the geometry. Up to 32 rows the narrow
-sweep runs (x fragments in registers); above, the wide sweep (x staged in shared
-memory, read once per 64 or 128 columns), which for few columns splits the k ranges
-over several blocks when the caller lends it a :class:`SplitScratch`. Every launch
-gives a row the same bits.
+comment at the top of the ``.cu`` file for the geometry.
 
 The oracle of this stage is :func:`glm_kda.reference.linear` rounded to BF16.
 """
@@ -43,67 +39,15 @@ DEFAULT_SM_COUNT = 132
 PREFETCH_K_BLOCKS = 16
 
 
-# Rows above which the wide sweep runs (x staged in shared memory, 4 m-tiles a row group).
-WIDE_MIN_ROWS = 33
-WIDE_TILES_PER_WARP = (2, 4)
-# The wide sweep's block: 4 warps, each tiles_per_warp tiles of 8 columns.
-WIDE_WARPS = 4
-# Floats of one (row group, column group) slab of a split wide sweep, per tile per warp: 4
-# warps x 4 m-tiles x 4 accumulators x 32 lanes (Ring::TILE_FLOATS = this x tiles per warp).
-WIDE_SLAB_FLOATS_PER_TILE = WIDE_WARPS * 4 * 4 * 32
-# Stages of the wide sweep's ring of x (WideRing<t>::STAGES in the kernel), one k block each.
-WIDE_RING_STAGES = 8
-
-
-def wide_shared_bytes(tiles_per_warp: int) -> int:
-    """Dynamic shared memory of a wide sweep (Ring::SHARED_BYTES): the ring of x (64 rows x 32
-    k BF16 a stage), then the running sums of one slab."""
-    return WIDE_RING_STAGES * ROWS_PER_SWEEP * K_BLOCK * 2 + WIDE_SLAB_FLOATS_PER_TILE * tiles_per_warp * 4
-
-
 @dataclass(frozen=True)
 class LaunchPlan:
-    """Entry point, grid and block of one call (splits: blocks sharing a column group's k
-    ranges, wide sweep only)."""
+    """Entry point, grid and block of one call."""
 
     kernel: str
     grid: tuple[int, int]
     block: tuple[int]
     m_tiles: int
     tiles_per_warp: int
-    splits: int = 1
-
-
-def wide_slabs(k: int, splits: int) -> int:
-    """Slabs of scratch a split wide sweep uses per tile: split 0's running sum, then one per
-    range of the other splits (mirrors wide_slabs in the kernel)."""
-    return 1 + k_split(k) - k_split(k) // splits
-
-
-class SplitScratch:
-    """Device scratch a wide sweep with splits > 1 needs for one projection: partial sums
-    (FP32) and one arrival counter per (row group, column group), zero between calls.
-
-    Sized for a weight of [n, k] and up to ``max_rows`` rows, any split and tiling. One
-    scratch must not serve two launches that may run at the same time (two streams); calls
-    in one stream may share it. Its pointers stay fixed, so captured graphs may use it.
-    """
-
-    def __init__(self, n: int, k: int, max_rows: int = GEMM_ROWS_MAX_ROWS):
-        if n < 1 or k < 1 or not 1 <= max_rows <= GEMM_ROWS_MAX_ROWS:
-            raise ValueError(f"SplitScratch: need n, k >= 1 and max_rows in 1..{GEMM_ROWS_MAX_ROWS}, "
-                             f"got n={n}, k={k}, max_rows={max_rows}")
-        self.n, self.k, self.max_rows = n, k, max_rows
-        row_groups = -(-max_rows // ROWS_PER_SWEEP)
-        # ceil(n / 32 t) groups of t slab units each: at most ceil(n / 32) + t - 1 units.
-        units = -(-n // (WIDE_WARPS * N_TILE)) + max(WIDE_TILES_PER_WARP) - 1
-        self.partials = cupy.zeros(row_groups * units * k_split(k) * WIDE_SLAB_FLOATS_PER_TILE, cupy.float32)
-        self.counters = cupy.zeros(row_groups * -(-n // (WIDE_WARPS * N_TILE * min(WIDE_TILES_PER_WARP))), cupy.int32)
-
-    def check(self, n: int, k: int, rows: int) -> None:
-        if n > self.n or k_split(k) > k_split(self.k) or rows > self.max_rows:
-            raise ValueError(f"scratch: sized for n <= {self.n}, k_split {k_split(self.k)}, rows <= {self.max_rows}; "
-                             f"this call has n={n}, k={k} (k_split {k_split(k)}), rows={rows}")
 
 
 def k_split(k: int) -> int:
@@ -132,46 +76,11 @@ def _sm_count(device_id: int) -> int:
     return int(cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device_id))
 
 
-def wide_launch_plan(n: int, k: int, rows: int, tiles_per_warp: int | None = None,
-                     sm_count: int = DEFAULT_SM_COUNT, splits: int | None = None,
-                     can_split: bool = True) -> LaunchPlan:
-    """The launch of a wide sweep (rows >= WIDE_MIN_ROWS).
-
-    grid.x = column groups of 32 ``tiles_per_warp`` columns (4 warps) times ``splits``, grid.y
-    = row groups of 64. Left as None, the tiles are 4 when that still gives every SM a block,
-    else 2 (1 counts as 2), and the splits the fewest (a power of two dividing k_split(k))
-    that give every SM a block; with ``can_split`` False (no scratch) splits stays 1. Any
-    choice gives the same bits.
-    """
-    row_groups = -(-rows // ROWS_PER_SWEEP)
-    if tiles_per_warp is None:
-        tiles_per_warp = 4 if -(-n // (WIDE_WARPS * N_TILE * 4)) * row_groups >= sm_count else 2
-    elif tiles_per_warp not in TILES_PER_WARP:
-        raise ValueError(f"tiles_per_warp must be one of {TILES_PER_WARP}, got {tiles_per_warp}")
-    tiles_per_warp = max(tiles_per_warp, min(WIDE_TILES_PER_WARP))
-    groups = -(-n // (WIDE_WARPS * N_TILE * tiles_per_warp))
-    ranges = k_split(k)
-    if splits is None:
-        splits = 1
-        while can_split and splits < ranges and groups * splits * row_groups < sm_count:
-            splits *= 2
-    elif splits < 1 or ranges % splits:
-        raise ValueError(f"splits must divide k_split(k) = {ranges} (k = {k}), got {splits}")
-    return LaunchPlan(
-        kernel=f"gemm_rows_wide_bf16_n{tiles_per_warp}",
-        grid=(groups * splits, row_groups),
-        block=(WIDE_WARPS * 32,),
-        m_tiles=4,
-        tiles_per_warp=tiles_per_warp,
-        splits=splits,
-    )
-
-
 def launch_plan(
     n: int, k: int, rows: int, tiles_per_warp: int | None = None, sm_count: int = DEFAULT_SM_COUNT,
     blocks: int | None = None,
 ) -> LaunchPlan:
-    """The launch of one narrow sweep (any rows; gemm_rows_bf16 takes it up to 32 rows).
+    """The launch of one call.
 
     grid.y = row groups of 64; grid.x = `blocks` column groups of (8 / k_split) warps
     times ``tiles_per_warp`` tiles of 8 columns at a time (a block loops over the groups
@@ -214,8 +123,7 @@ def launch_plan(
 
 
 def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | None = None,
-                   blocks: int | None = None, programmatic: bool = False, scratch: SplitScratch | None = None,
-                   splits: int | None = None, wide: bool | None = None) -> None:
+                   blocks: int | None = None, programmatic: bool = False) -> None:
     """out[r, :] = bf16(x[r, :] @ w.T) for r < rows (1..256), FP32 accumulation on tensor cores.
 
     Shapes:
@@ -238,34 +146,12 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
     previous operation in the stream is the kernel that writes x; the bits are the same.
     """
     rows, n, k, ldx, ldy = projection_args("gemm_rows_bf16", x, w, out, rows, GEMM_ROWS_MAX_ROWS)
-    sm_count = _sm_count(cupy.cuda.Device().id)
-    prefetch = _i32(PREFETCH_K_BLOCKS if programmatic else 0)
-    if wide is None:
-        wide = rows >= WIDE_MIN_ROWS
-    if wide:
-        if scratch is not None:
-            if not isinstance(scratch, SplitScratch):
-                raise TypeError(f"scratch: expected a SplitScratch, got {type(scratch).__name__}")
-            scratch.check(n, k, rows)
-        elif splits not in (None, 1):
-            raise ValueError(f"splits={splits} needs a SplitScratch (scratch=...)")
-        plan = wide_launch_plan(n, k, rows, tiles_per_warp, sm_count, splits, can_split=scratch is not None)
-        partials = scratch.partials if plan.splits > 1 else None
-        counters = scratch.counters if plan.splits > 1 else None
-        kernels.launch(
-            plan.kernel, plan.grid, plan.block,
-            (x, _i32(ldx), w, out, _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(plan.splits), partials, counters,
-             prefetch),
-            shared_mem=wide_shared_bytes(plan.tiles_per_warp),
-            programmatic=programmatic,
-        )
-        return
-    plan = launch_plan(n, k, rows, tiles_per_warp, sm_count, blocks)
+    plan = launch_plan(n, k, rows, tiles_per_warp, _sm_count(cupy.cuda.Device().id), blocks)
     kernels.launch(
         plan.kernel,
         plan.grid,
         plan.block,
-        (x, _i32(ldx), w, out, _i32(ldy), _i32(rows), _i32(n), _i32(k), prefetch),
+        (x, _i32(ldx), w, out, _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(PREFETCH_K_BLOCKS if programmatic else 0)),
         programmatic=programmatic,
     )
 

@@ -152,13 +152,6 @@ class KdaWorkspace:
         self.chunk_decay = cupy.zeros((nchunks, heads, dim), f32)
         self.q_decay_f16, self.k_tail_f16, self.chunk_w_f16, self.attn_f16 = (
             chunk_tc.f16_view(buffer) for buffer in (self.q_decay, self.k_tail, self.chunk_w, self.attn))
-        # Split-sweep scratch of the decode-side projections with few output columns (o_proj,
-        # down_proj), one each: down_proj runs on a second stream beside q|k|v.
-        rows = min(max_tokens, gemm_rows.GEMM_ROWS_MAX_ROWS)
-        self.split_scratch = {}
-        if rows >= gemm_rows.WIDE_MIN_ROWS:
-            self.split_scratch = {"o_proj": gemm_rows.SplitScratch(c.hidden, c.qkv, rows),
-                                  "down_proj": gemm_rows.SplitScratch(c.down_dim, c.hidden, rows)}
         # Fixed input buffers of the captured decode graphs.
         self.graph_hidden = cupy.zeros((max_tokens, c.hidden), bf16)
         self.graph_slots = cupy.zeros((max_tokens,), np.int32)
@@ -319,7 +312,7 @@ class KdaLayer:
                 raise TypeError(f"{what}: state.{field} must be a contiguous CuPy float32 array")
 
     # Stages -------------------------------------------------------------------------------
-    def _project_decode(self, x: Any, weight: Any, out: Any, after_kernel: bool = False, scratch: str = "") -> None:
+    def _project_decode(self, x: Any, weight: Any, out: Any, after_kernel: bool = False) -> None:
         """The projection of every decode-side call (decode, decode_k, batched decode, and
         prefill of <= 16 rows). One kernel, applied to groups of DECODE_ROW_GROUP rows, whose
         per-row arithmetic does not depend on the row count: a row's bits are the same in
@@ -327,24 +320,19 @@ class KdaLayer:
 
         after_kernel: the previous operation on this stream is the kernel that writes x, so
         the projection may launch as its programmatic dependent (its blocks start and ask L2
-        for their first weights while that kernel drains; the same bits).
-
-        scratch: the name of the workspace's SplitScratch this projection may split its k
-        ranges through (a wide sweep over few columns; the same bits)."""
+        for their first weights while that kernel drains; the same bits)."""
         rows = x.shape[0]
-        split_scratch = self.workspace.split_scratch.get(scratch)
         for start in range(0, rows, DECODE_ROW_GROUP):
             stop = min(rows, start + DECODE_ROW_GROUP)
             gemm_rows.gemm_rows_bf16(x[start:stop], weight, out[start:stop], rows=stop - start,
-                                     programmatic=after_kernel or start > 0, scratch=split_scratch)
+                                     programmatic=after_kernel or start > 0)
 
-    def _project(self, x: Any, weight: Any, out: Any, wide: bool, after_kernel: bool = False,
-                 scratch: str = "") -> None:
+    def _project(self, x: Any, weight: Any, out: Any, wide: bool, after_kernel: bool = False) -> None:
         if wide:
             # Prefill only: cuBLAS reassociates, which no bit-exact path may see.
             ops.gemm_bf16_cublas(x, weight, out)
         else:
-            self._project_decode(x, weight, out, after_kernel, scratch)
+            self._project_decode(x, weight, out, after_kernel)
 
     def gate_source(self, first: int = 0) -> chunk_tc.GateSource:
         """Workspace rows first.. of what the forget gate and beta are formed from."""
@@ -371,7 +359,7 @@ class KdaLayer:
         d = c.head_dim
         with self._beside(not wide and not kernels.TIMER.active) as side:
             with side:
-                self._project(hidden, self.down_weight, ws.down_proj[:rows], wide, scratch="down_proj")
+                self._project(hidden, self.down_weight, ws.down_proj[:rows], wide)
                 self._project(ws.down_proj[:rows, :d], self.f_b, ws.forget_proj[:rows], wide, after_kernel=True)
                 if gate:
                     self.gate_beta(rows)
@@ -468,7 +456,7 @@ class KdaLayer:
         if norm:
             ops.gated_rmsnorm_sigmoid_bf16(ws.core, ws.out_gate, self.o_norm, ws.o_norm_out, c.heads, c.head_dim,
                                            c.rms_norm_eps, tokens=rows)
-        self._project(ws.o_norm_out[:rows], self.o_proj, ws.final_out[:rows], wide, after_kernel=True, scratch="o_proj")
+        self._project(ws.o_norm_out[:rows], self.o_proj, ws.final_out[:rows], wide, after_kernel=True)
 
     def prefill_core(self, tokens: int, conv_state: Any, recurrent_state: Any, pad_value: float | None = 0.0,
                      first: int = 0) -> None:

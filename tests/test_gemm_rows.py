@@ -4,8 +4,7 @@ Promises tested, one test each:
   * out = bf16(x @ w.T) within rms-ratio 1e-3 of the float64 oracle rounded to BF16;
   * row r of an R-row call equals, bit for bit, a one-row call on x[r] alone, for R in
     1..256, also when the other rows change (to random, huge, infinite or NaN values);
-  * the launch (entry point, tiles per warp, grid, programmatic or plain, the narrow or the
-    wide sweep, split k ranges through a SplitScratch) changes no bit;
+  * the launch (entry point, tiles per warp, grid, programmatic or plain) changes no bit;
   * strided x and a column slice of a wider out: only columns < n of rows < rows are written;
   * the GLM-5.3-Flash and Kimi-Linear projection shapes.
 The geometry rule (k_split depends on k alone) and the argument checks that need no
@@ -18,8 +17,7 @@ import numpy as np
 import pytest
 
 from glm_kda.device import gpu_status
-from glm_kda.gemm_rows import (GEMM_ROWS_BLOCKS_PER_SM, GEMM_ROWS_MAX_ROWS, WIDE_SLAB_FLOATS_PER_TILE, k_split,
-                                launch_plan, wide_launch_plan, wide_slabs)
+from glm_kda.gemm_rows import GEMM_ROWS_BLOCKS_PER_SM, GEMM_ROWS_MAX_ROWS, k_split, launch_plan
 from glm_kda.kernels import ENTRY_POINTS
 
 GPU_OK, GPU_WHY = gpu_status()
@@ -162,46 +160,6 @@ def test_launch_plan_rejects_unknown_tiles():
         launch_plan(64, 128, 1, blocks=0)
 
 
-@pytest.mark.parametrize("shape", GLM_SHAPES + KIMI_SHAPES + SMALL_SHAPES, ids=_shape_id)
-def test_wide_launch_plan_covers_every_column_and_fits_its_scratch(shape):
-    n, k = shape
-    for rows in (33, 64, 65, 256):
-        row_groups = -(-rows // 64)
-        for tiles in (None, 1, 2, 4):
-            for splits in (None, 1, 2, 4, 8):
-                if splits is not None and k_split(k) % splits:
-                    with pytest.raises(ValueError, match="splits must divide"):
-                        wide_launch_plan(n, k, rows, tiles, splits=splits)
-                    continue
-                plan = wide_launch_plan(n, k, rows, tiles, splits=splits)
-                assert plan.kernel in ENTRY_POINTS["gemm_rows"] and plan.kernel.endswith(f"_n{plan.tiles_per_warp}")
-                assert k_split(k) % plan.splits == 0 and plan.grid[1] == row_groups
-                groups = plan.grid[0] // plan.splits
-                columns = 32 * plan.tiles_per_warp
-                assert groups * plan.splits == plan.grid[0]
-                assert groups * columns >= n > (groups - 1) * columns
-                # The SplitScratch of this shape holds every tile's slabs and counters.
-                floats = row_groups * groups * wide_slabs(k, plan.splits) * WIDE_SLAB_FLOATS_PER_TILE * plan.tiles_per_warp
-                assert floats <= 4 * (-(-n // 32) + 3) * k_split(k) * WIDE_SLAB_FLOATS_PER_TILE
-                assert row_groups * groups <= 4 * -(-n // 64)
-        # Without scratch the plan never splits; by default it splits until the SMs are filled.
-        assert wide_launch_plan(n, k, rows, can_split=False).splits == 1
-        plan = wide_launch_plan(n, k, rows)
-        assert plan.splits == k_split(k) or plan.grid[0] * plan.grid[1] >= 132
-        assert plan.splits == 1 or plan.grid[0] // 2 * plan.grid[1] < 132
-
-
-def test_wide_launch_plan_choices():
-    # GLM q|k|v: 192 groups of 128 columns, no split; o_proj: 64 groups of 64 columns, 4 splits.
-    assert wide_launch_plan(24576, 4096, 64).grid == (192, 1)
-    plan = wide_launch_plan(4096, 8192, 64)
-    assert (plan.tiles_per_warp, plan.splits, plan.grid) == (2, 4, (256, 1))
-    assert plan.block == (128,) and wide_launch_plan(4096, 8192, 64, tiles_per_warp=1).tiles_per_warp == 2
-    assert wide_launch_plan(4096, 8192, 64, can_split=False).grid == (64, 1)
-    with pytest.raises(ValueError, match="tiles_per_warp"):
-        wide_launch_plan(64, 128, 64, tiles_per_warp=3)
-
-
 def test_launch_plan_blocks_caps_the_grid():
     assert launch_plan(24576, 4096, 1, tiles_per_warp=1, blocks=264).grid == (264, 1)
     assert launch_plan(24576, 4096, 100, tiles_per_warp=1, blocks=10**6).grid == (3072, 2)
@@ -212,16 +170,9 @@ def test_every_entry_point_is_in_the_kernel_source():
 
     source = kernel_source("gemm_rows")
     for name in ENTRY_POINTS["gemm_rows"]:
-        if name.startswith("gemm_rows_wide_bf16_n"):
-            assert f"GEMM_ROWS_WIDE_ENTRY({int(name[-1])})" in source, f"gemm_rows.cu has no entry for {name}"
-            continue
         m_tiles, tiles = (int(part[1:]) for part in name.split("_")[-2:])
         assert f"GEMM_ROWS_ENTRY({m_tiles}, {tiles})" in source, f"gemm_rows.cu has no entry for {name}"
     assert f"#define GEMM_ROWS_MIN_BLOCKS {GEMM_ROWS_BLOCKS_PER_SM}" in source
-    # wide_shared_bytes mirrors the ring depth of the wide sweep.
-    from glm_kda.gemm_rows import WIDE_RING_STAGES
-
-    assert f"static constexpr int STAGES = {WIDE_RING_STAGES};" in source
 
 
 # --------------------------------------------------------------------------------------
@@ -254,12 +205,6 @@ def test_rows_bit_identical_to_one_row_calls(shape, rows):
     w = _random_bf16(rng, (n, k), scale=k**-0.5)
     full = _run(x, w, rows)
     _assert_bits_equal(full, _one_row_calls(x, w, rows), f"{_shape_id(shape)}-R{rows} vs one-row calls")
-    if rows >= 33:
-        # The wide sweep, its k ranges split over blocks as the layer lends it scratch.
-        from glm_kda.gemm_rows import SplitScratch
-
-        _assert_bits_equal(_run(x, w, rows, scratch=SplitScratch(n, k, rows)), full,
-                           f"{_shape_id(shape)}-R{rows} split through scratch")
 
     # Change every row but a random few: the kept rows keep their bits.
     kept = rng.choice(rows, size=max(1, rows // 3), replace=False)
@@ -312,54 +257,6 @@ def test_grid_changes_no_bit(rows):
         cp.copyto(staged, x)
         gemm_rows_bf16(staged, w, out, rows=rows, programmatic=True)
         _assert_bits_equal(out, default, f"R{rows} programmatic launch")
-
-
-@pytest.mark.gpu
-@needs_gpu
-@pytest.mark.parametrize("rows", [33, 64, 100], ids=lambda r: f"R{r}")
-@pytest.mark.parametrize("shape", [(200, 1032), (300, 4096), (72, 2056)], ids=_shape_id)
-def test_wide_sweep_tiles_and_splits_change_no_bit(shape, rows):
-    """The wide sweep (every tiling, every split, twice each: the counters are left at zero)
-    against the narrow sweep. k = 1032 has 33 blocks of 32 k over 8 ranges of 5: its last
-    range is empty."""
-    from glm_kda.gemm_rows import SplitScratch
-
-    n, k = shape
-    rng = np.random.default_rng(SEED + rows)
-    x = _random_bf16(rng, (rows, k))
-    w = _random_bf16(rng, (n, k), scale=k**-0.5)
-    narrow = _run(x, w, rows, wide=False)
-    _assert_close(narrow, x, w, f"{_shape_id(shape)}-R{rows} narrow")
-    scratch = SplitScratch(n, k, rows)
-    for tiles in (2, 4):
-        for splits in (1, 2, 4, 8):
-            if k_split(k) % splits:
-                continue
-            for attempt in range(2):
-                _assert_bits_equal(_run(x, w, rows, tiles_per_warp=tiles, splits=splits, scratch=scratch), narrow,
-                                   f"{_shape_id(shape)}-R{rows} wide tiles={tiles} splits={splits} call {attempt}")
-    assert int(scratch.counters.sum()) == 0, "a split sweep left a counter set"
-
-
-@pytest.mark.gpu
-@needs_gpu
-def test_split_scratch_errors_name_the_argument():
-    from glm_kda.gemm_rows import SplitScratch, gemm_rows_bf16
-
-    cp = _cp()
-    x = cp.zeros((64, 1024), cp.uint16)
-    w = cp.zeros((256, 1024), cp.uint16)
-    out = cp.zeros((64, 256), cp.uint16)
-    with pytest.raises(ValueError, match="^scratch: sized for n <= 128"):
-        gemm_rows_bf16(x, w, out, scratch=SplitScratch(128, 1024))
-    with pytest.raises(ValueError, match="rows <= 40"):
-        gemm_rows_bf16(x, w, out, scratch=SplitScratch(256, 1024, max_rows=40))
-    with pytest.raises(TypeError, match="^scratch: expected a SplitScratch"):
-        gemm_rows_bf16(x, w, out, scratch=cp.zeros(10, cp.float32))
-    with pytest.raises(ValueError, match="needs a SplitScratch"):
-        gemm_rows_bf16(x, w, out, splits=2)
-    with pytest.raises(ValueError, match="SplitScratch: need"):
-        SplitScratch(0, 1024)
 
 
 @pytest.mark.gpu
@@ -454,11 +351,6 @@ def test_model_projection_shapes(shape, rows):
     w = _random_bf16(rng, (n, k), scale=k**-0.5)
     out = _run(x, w, rows)
     _assert_close(out, x, w, f"{_shape_id(shape)}-R{rows}")
-    if rows >= 33:
-        from glm_kda.gemm_rows import SplitScratch
-
-        _assert_bits_equal(_run(x, w, rows, scratch=SplitScratch(n, k, rows)), out, f"{_shape_id(shape)}-R{rows} split")
-        _assert_bits_equal(_run(x, w, rows, wide=False), out, f"{_shape_id(shape)}-R{rows} narrow sweep")
     # Bits of the first, a middle and the last row against one-row calls.
     for r in sorted({0, rows // 2, rows - 1}):
         _assert_bits_equal(out[r : r + 1], _run(cp.ascontiguousarray(x[r : r + 1]), w, 1), f"{_shape_id(shape)}-R{rows} row {r}")

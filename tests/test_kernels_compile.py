@@ -60,11 +60,9 @@ def test_kernel_files_match_entry_points():
         text = (folder / f"{stem}.cu").read_text()
         declared = re.findall(r'^extern "C" __global__ void(?:\s+__launch_bounds__\([^)]*\))?\s+(\w+)\s*\(', text,
                               re.M)
-        # gemm_rows.cu declares its variants through macros: GEMM_ROWS_ENTRY(m-tiles, tiles) and
-        # GEMM_ROWS_WIDE_ENTRY(tiles).
+        # gemm_rows.cu declares its variants through a macro: GEMM_ROWS_ENTRY(m-tiles, tiles).
         declared += [f"gemm_rows_bf16_m{m}_n{n}"
                      for m, n in re.findall(r"^GEMM_ROWS_ENTRY\((\d+), (\d+)\)", text, re.M)]
-        declared += [f"gemm_rows_wide_bf16_n{n}" for n in re.findall(r"^GEMM_ROWS_WIDE_ENTRY\((\d+)\)", text, re.M)]
         assert tuple(declared) == names, f"{stem}.cu declares {declared}, ENTRY_POINTS says {names}"
 
 
