@@ -33,6 +33,7 @@ GEMV_MAX_ROWS = 16
 GEMV_WARPS_PER_BLOCK = 8
 CONV_MAX_KERNEL = 4
 CONV_PREFILL_TILE = 64  # tokens per block of conv_prefill_silu_l2_bf16 (kernels_src/conv.cu)
+CONV_PREFILL_HEADS_PER_BLOCK = 4  # heads of q, k or v per block of it: one per warp
 RECURRENT_COLUMNS = 32
 CHUNK_MAX = 64
 # Largest gridDim.y: kernels with a token grid axis are launched in slices of this.
@@ -361,7 +362,9 @@ def conv_prefill_silu_l2_bf16(
 
     conv_state [conv_dim, K] FP32 (in place), qkv_proj [>= T, conv_dim] BF16, conv_w
     [conv_dim, K] BF16; writes conv_out [>= T, conv_dim] BF16 and query, key (L2-normalised
-    per head), value [>= T, H, D] FP32, conv_dim = 3 * H * D. Grid (3H, ceil(T / 64)).
+    per head), value [>= T, H, D] FP32, conv_dim = 3 * H * D; qkv_proj, conv_out, query, key
+    and value 16-byte aligned (vector loads and stores). Grid (ceil(3H / 4), ceil(T / 64)),
+    one warp per head of q, k or v and tile of tokens.
     """
     _require_head_dim(head_dim)
     _check_dtype("conv_state", conv_state, "f32")
@@ -369,16 +372,16 @@ def conv_prefill_silu_l2_bf16(
     kernel_size = _conv_kernel_size(conv_state, conv_w, conv_dim)
     if tokens is None:
         tokens = qkv_proj.shape[0]
-    _require_rows("qkv_proj", qkv_proj, "bf16", tokens, (conv_dim,))
-    _require_rows("conv_out", conv_out, "bf16", tokens, (conv_dim,))
+    _require_rows("qkv_proj", qkv_proj, "bf16", tokens, (conv_dim,), aligned=True)
+    _require_rows("conv_out", conv_out, "bf16", tokens, (conv_dim,), aligned=True)
     for name, array in (("query", query), ("key", key), ("value", value)):
-        _require_rows(name, array, "f32", tokens, (heads, head_dim))
+        _require_rows(name, array, "f32", tokens, (heads, head_dim), aligned=True)
     _require_int32("tokens", tokens)
     if tokens == 0:
         return
     kernels.launch(
         "conv_prefill_silu_l2_bf16",
-        (3 * heads, -(-tokens // CONV_PREFILL_TILE)),
+        (-(-3 * heads // CONV_PREFILL_HEADS_PER_BLOCK), -(-tokens // CONV_PREFILL_TILE)),
         (HEAD_BLOCK,),
         (conv_state, qkv_proj, conv_w, conv_out, query, key, value, _i32(heads), _i32(head_dim),
          _i32(kernel_size), _i32(tokens), _f32(l2_eps)),

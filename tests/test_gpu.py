@@ -288,6 +288,40 @@ def _bits(x):
     return x.view(cp.uint16 if x.dtype.itemsize == 2 else cp.uint32)
 
 
+@pytest.mark.parametrize("kernel_size", [4, 3, 1])
+@pytest.mark.parametrize("tokens", [1, 3, 64, 70, 200], ids=lambda t: f"T{t}")
+def test_prefill_conv_equals_decode_conv_steps(tokens, kernel_size):
+    """The prefill conv (a warp per head, 4 channels a lane) and T decode conv steps (a block
+    per head) write the same bits: conv output, q, k, v and the carried state, from a random
+    carried state; token tiles of 64 rebuild their windows from the tokens before them."""
+    import ml_dtypes
+
+    from glm_kda import ops
+
+    cp = _cp()
+    heads, dim = 4, ops.HEAD_DIM
+    conv_dim = 3 * heads * dim
+    rng = np.random.default_rng(SEED + tokens + kernel_size)
+    bits = lambda a: cp.asarray(a.astype(np.float32).astype(ml_dtypes.bfloat16).view(np.uint16))  # noqa: E731
+    qkv_proj = bits(rng.standard_normal((tokens, conv_dim)) * 2.0)
+    conv_w = bits(rng.standard_normal((conv_dim, kernel_size)) * 0.5)
+    start = cp.asarray(rng.standard_normal((conv_dim, kernel_size)).astype(np.float32))
+
+    def outputs():
+        return (cp.zeros((tokens, conv_dim), cp.uint16), *(cp.zeros((tokens, heads, dim), cp.float32) for _ in range(3)))
+
+    prefill_state, prefill = start.copy(), outputs()
+    ops.conv_prefill_silu_l2_bf16(prefill_state, qkv_proj, conv_w, *prefill, heads, dim, 1e-6)
+    decode_state, decode = start.copy(), outputs()
+    for t in range(tokens):
+        ops.conv_decode_silu_l2_bf16(decode_state, qkv_proj[t : t + 1], conv_w, *(a[t : t + 1] for a in decode),
+                                     heads, dim, 1e-6)
+    for what, a, b in zip(("conv_out", "query", "key", "value", "conv state"), (*prefill, prefill_state),
+                          (*decode, decode_state)):
+        differ = int(cp.count_nonzero(_bits(a) != _bits(b)))
+        assert differ == 0, f"T={tokens} K={kernel_size}: {differ} elements of {what} differ between prefill and decode"
+
+
 @pytest.mark.parametrize("geometry", ["glm", "kimi"])
 def test_batched_decode_is_batch_invariant(layers, geometry):
     """Every sequence gets the same output and state bits alone (B=1) as in batches of

@@ -81,7 +81,7 @@ def _bf16(*shape):
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 63, 64, 65, 1000], ids=lambda t: f"T{t}")
-def test_prefill_conv_grid_is_heads_by_token_tiles(launches, tokens):
+def test_prefill_conv_grid_is_head_groups_by_token_tiles(launches, tokens):
     heads, dim, kernel = 2, ops.HEAD_DIM, 4
     conv_dim = 3 * heads * dim
     ops.conv_prefill_silu_l2_bf16(_f32(conv_dim, kernel), _bf16(tokens, conv_dim), _bf16(conv_dim, kernel),
@@ -89,7 +89,8 @@ def test_prefill_conv_grid_is_heads_by_token_tiles(launches, tokens):
                                   _f32(tokens, heads, dim), heads, dim, 1e-6, tokens=tokens)
     (name, grid, block, args), = launches
     assert name == "conv_prefill_silu_l2_bf16"
-    assert grid == (3 * heads, -(-tokens // ops.CONV_PREFILL_TILE)) and block == (ops.HEAD_BLOCK,)
+    # One warp per head of q, k or v: 4 heads per block of 128 threads.
+    assert grid == (-(-3 * heads // 4), -(-tokens // ops.CONV_PREFILL_TILE)) and block == (ops.HEAD_BLOCK,)
     assert int(args[-2]) == tokens
 
 
