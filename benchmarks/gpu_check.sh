@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU: the GPU test suite (figures to figures.json),
-# compute-sanitizer memcheck over a subset of it, racecheck over the chunk (FP32 and tensor-core), recurrent,
-# fused decode (one row and a verify walk) and prefill-conv kernels ("tests"), then the decode and prefill benchmarks and the import
+# compute-sanitizer memcheck over a subset of it and over the prefill conv, racecheck over the chunk (FP32 and
+# tensor-core), recurrent and fused decode (one row and a verify walk) kernels ("tests"), then the decode and prefill benchmarks and the import
 # timing ("bench"). Logs and JSON land in ${OUT:-./gpu_check_out}. The two halves take about
 # seven and five minutes on an H200; run them as separate commands where one command is
 # limited to ten minutes. "block" adds the whole-block timings to "bench". With
@@ -29,9 +29,12 @@ if [ "$part" = tests ] || [ "$part" = all ]; then
   timeout 45 compute-sanitizer --tool racecheck --kernel-name kns=kda_chunk_tc --print-limit 20 python -m pytest -q \
     -p no:cacheprovider tests/test_gpu.py -k "prefill_matches_oracle and glm and C64 and T15" 2>&1 \
     | tee "$out/racecheck_tc.log" | tail -4
-  timeout 45 compute-sanitizer --tool racecheck --kernel-name kns=conv_prefill --print-limit 20 python -m pytest -q \
-    -p no:cacheprovider tests/test_gpu.py -k "prefill_matches_oracle and kimi and C64 and T65" 2>&1 \
-    | tee "$out/racecheck_conv.log" | tail -4
+  # The prefill conv has no shared memory (a warp per head): memcheck over its vector loads
+  # and stores, against decode steps and in two real prefills.
+  timeout 100 compute-sanitizer --tool memcheck --kernel-name kns=conv_prefill_silu_l2_bf16 --print-limit 20 python -m pytest \
+    -q -p no:cacheprovider tests/test_gpu.py \
+    -k "prefill_conv_equals or (prefill_matches_oracle and kimi and T65-C64) or (prefill_matches_oracle and glm and T1000-C64)" \
+    2>&1 | tee "$out/memcheck_conv.log" | tail -4
 fi
 if [ "$part" = bench ] || [ "$part" = all ]; then
   timeout 120 python benchmarks/decode.py 2>&1 | tee "$out/decode.jsonl" | tail -40
