@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
@@ -58,6 +57,7 @@ from glm_kda.chunk_tc import (
 from glm_kda.device import gpu_status
 from glm_kda.reference import chunk_scan, rms_ratio
 from glm_kda.synthetic import synthetic_config
+from host_cuda import COMMON_DEVICE_HELPERS, HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, build_host_binary, host_kernel_source
 from standins import HostStandIn, aligned
 
 GPU_OK, GPU_WHY = gpu_status()
@@ -313,61 +313,15 @@ def test_no_spills_on_sm_90():
 # The kernel source on the host
 # --------------------------------------------------------------------------------------
 
-EMULATION_HEADER = r"""
-// The CUDA subset chunk_tc.cu uses, on the host: one std::thread per CUDA thread, std::barrier
-// for __syncthreads / __syncwarp, mma.m16n8k8 TF32 as a warp collective built from the PTX
-// fragment layout (A (g + 8 (r % 2), t + 4 (r / 2)), B (k t + 4 r, n g), C (g + 8 (r / 2),
-// 2 t + r % 2), lane = 4 g + t), cp.async as a plain copy, the FP16 conversions through
-// _Float16. Counts mma operands that are not
-// TF32 values and vector accesses that are not aligned.
-#pragma once
-#include <algorithm>
-#include <atomic>
-#include <barrier>
-#include <chrono>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <thread>
-using std::max;
-using std::min;
-struct dim3 { unsigned x = 1, y = 1, z = 1; };
-struct alignas(16) float4 { float x, y, z, w; };
-struct alignas(8) float2 { float x, y; };
-struct alignas(16) uint4 { unsigned int x, y, z, w; };
-struct alignas(8) uint2 { unsigned int x, y; };
-inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
-inline float2 make_float2(float a, float b) { return {a, b}; }
-inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
-inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
-template <class T> T __shfl_xor_sync(unsigned, T v, int) { return v; }
-#define __global__
-#define __device__
-#define __forceinline__ inline
-#define __launch_bounds__(...)
-extern thread_local dim3 threadIdx, blockIdx;
-extern dim3 blockDim, gridDim;
-extern float* emulated_shared;
-extern std::barrier<>* block_barrier;
-extern std::barrier<>* warp_barriers[32];
-extern std::atomic<long> not_tf32, misaligned, mma_count;
-extern int jitter;
+# chunk_tc.cu's own device helpers on the host, after the common CUDA subset (host_cuda.py):
+# mma.m16n8k8 TF32 as a warp collective built from the PTX fragment layout (A (g + 8 (r % 2),
+# t + 4 (r / 2)), B (k t + 4 r, n g), C (g + 8 (r / 2), 2 t + r % 2), lane = 4 g + t), cp.async
+# as a plain copy, the FP16 conversions through _Float16. Counts mma operands that are not TF32
+# values (and, through checked_cast, vector accesses that are not aligned).
+EMULATION_HEADER = HOST_CUDA_HEADER + r"""
+extern std::atomic<long> not_tf32, mma_count;
 struct WarpSlot { float a[4], b[2]; };
 extern WarpSlot warp_slots[32][32];
-inline void maybe_sleep()
-{
-    if (!jitter) return;
-    thread_local unsigned s = 12345u + 7919u * threadIdx.x;
-    s = s * 1103515245u + 12345u;
-    if ((s >> 16) % 4 == 0) std::this_thread::sleep_for(std::chrono::microseconds((s >> 20) % 50));
-}
-inline void __syncthreads() { maybe_sleep(); block_barrier->arrive_and_wait(); }
-inline void __syncwarp() { maybe_sleep(); warp_barriers[threadIdx.x >> 5]->arrive_and_wait(); }
-template <class T, class P> T* checked_cast(P* p)
-{
-    if (reinterpret_cast<uintptr_t>(p) % alignof(T)) misaligned++;
-    return reinterpret_cast<T*>(p);
-}
 inline void mma_tf32_m16n8k8(float acc[4], float a0, float a1, float a2, float a3, float b0, float b1)
 {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -406,28 +360,14 @@ inline float f16_to_f32(unsigned short bits)
     std::memcpy(&h, &bits, 2);
     return static_cast<float>(h);
 }
-// __fdividef's approximate reciprocal-and-product, as the IEEE quotient (within 2 ulp of it).
-inline float __fdividef(float a, float b) { return a / b; }
-// The rounded product the per-head reductions use (they are compiled here, not run).
-inline float __fmul_rn(float a, float b) { return a * b; }
 inline void copy_async_commit() {}
 inline void copy_async_wait_all() {}
 """
 
 EMULATION_MAIN = r"""
 #include "emulation.h"
-#include <cstdio>
-#include <fstream>
-#include <memory>
-#include <string>
-#include <vector>
-thread_local dim3 threadIdx, blockIdx;
-dim3 blockDim, gridDim;
-float* emulated_shared;
-std::barrier<>* block_barrier;
-std::barrier<>* warp_barriers[32];
-std::atomic<long> not_tf32{0}, misaligned{0}, mma_count{0};
-int jitter = 0;
+""" + HOST_CUDA_RUNTIME + r"""
+std::atomic<long> not_tf32{0}, mma_count{0};
 WarpSlot warp_slots[32][32];
 using f16_t = unsigned short;
 extern "C" void kda_chunk_tc_prepare_f32(const float*, const float*, const float*, const float*, const float*,
@@ -439,51 +379,6 @@ extern "C" void kda_chunk_tc_prepare_gate_f32(const float*, const float*, const 
 extern "C" void kda_chunk_tc_scan_f32(const f16_t*, const f16_t*, const f16_t*, const float*, const f16_t*,
     const float*, float*, float*, int, int);
 
-template <class F> void run_grid(dim3 grid, int threads, size_t shared_bytes, F kernel)
-{
-    gridDim = grid;
-    blockDim = dim3{unsigned(threads), 1, 1};
-    std::vector<float> shared(shared_bytes / 4 + 4);
-    for (unsigned y = 0; y < grid.y; ++y) {
-        for (unsigned x = 0; x < grid.x; ++x) {
-            std::fill(shared.begin(), shared.end(), std::nanf(""));  // a read before a write shows
-            emulated_shared = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(shared.data()) + 15) & ~uintptr_t(15));
-            std::barrier<> block(threads);
-            block_barrier = &block;
-            std::vector<std::unique_ptr<std::barrier<>>> warps;
-            for (int w = 0; w < threads / 32; ++w) {
-                warps.emplace_back(new std::barrier<>(32));
-                warp_barriers[w] = warps.back().get();
-            }
-            std::vector<std::thread> pool;
-            for (int t = 0; t < threads; ++t) {
-                pool.emplace_back([=] { threadIdx = dim3{unsigned(t), 0, 0}; blockIdx = dim3{x, y, 0}; kernel(); });
-            }
-            for (auto& thread : pool) thread.join();
-        }
-    }
-}
-
-static std::vector<float> load(const std::string& path, size_t count)
-{
-    std::vector<float> v(count);
-    std::ifstream file(path, std::ios::binary);
-    file.read(reinterpret_cast<char*>(v.data()), count * 4);
-    if (!file) { std::fprintf(stderr, "short read: %s\n", path.c_str()); std::exit(2); }
-    return v;
-}
-static std::vector<unsigned short> load_u16(const std::string& path, size_t count)
-{
-    std::vector<unsigned short> v(count);
-    std::ifstream file(path, std::ios::binary);
-    file.read(reinterpret_cast<char*>(v.data()), count * 2);
-    if (!file) { std::fprintf(stderr, "short read: %s\n", path.c_str()); std::exit(2); }
-    return v;
-}
-static void save(const std::string& path, const std::vector<float>& v)
-{
-    std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(v.data()), v.size() * 4);
-}
 static void save(const std::string& path, const std::vector<f16_t>& v)
 {
     std::vector<float> widened(v.size());
@@ -553,51 +448,23 @@ int main(int argc, char** argv)
 
 # The device-only helpers the emulation header replaces (their bodies are inline PTX).
 DEVICE_HELPERS = ("mma_tf32_m16n8k8", "copy_async_16B", "copy_async_commit", "copy_async_wait_all", "f32_to_f16",
-                  "f16_to_f32", "kda_let_next_kernel_launch", "kda_wait_for_previous_kernel")
+                  "f16_to_f32", *COMMON_DEVICE_HELPERS)
 
 
 def host_source() -> str:
     """chunk_tc.cu (header inlined) rewritten for the host: the PTX helpers removed, dynamic
     shared memory from the emulator, every vector cast alignment-checked."""
-    import re
-
-    source = kernels.kernel_source("chunk_tc")
-    for name in DEVICE_HELPERS:
-        match = re.search(r"__device__ __forceinline__ \w+ " + name + r"\(.*?\n\}\n", source, re.S)
-        assert match, f"chunk_tc.cu no longer defines {name}; update the host emulation"
-        source = source[: match.start()] + source[match.end() :]
+    source = host_kernel_source("chunk_tc", DEVICE_HELPERS)
     declaration = "extern __shared__ __align__(16) float shared[];"
     assert source.count(declaration) == 2, "the host emulation expects one dynamic shared array per kernel"
     source = source.replace(declaration, "float* shared = emulated_shared;")
-    for vector in ("float4", "float2", "uint4", "uint2", "unsigned int"):
-        source = source.replace(f"reinterpret_cast<const {vector}*>(", f"checked_cast<const {vector}>(")
-        source = source.replace(f"reinterpret_cast<{vector}*>(", f"checked_cast<{vector}>(")
-    assert "asm" not in re.sub(r"//.*", "", source), "inline PTX left in the host build"
     return '#include "emulation.h"\n' + source
 
 
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory):
-    compiler = shutil.which("g++") or shutil.which("clang++")
-    if compiler is None:
-        pytest.skip("no C++ compiler for the host emulation")
-    folder = tmp_path_factory.mktemp("chunk_tc_host")
-    probe = folder / "probe.cpp"
-    probe.write_text("#include <barrier>\nint main() { std::barrier<> b(1); b.arrive_and_wait(); }\n")
-    if subprocess.run([compiler, "-std=c++20", "-pthread", "-o", str(folder / "probe"), str(probe)],
-                      capture_output=True).returncode != 0:
-        pytest.skip(f"{compiler} lacks C++20 <barrier>")
-    (folder / "emulation.h").write_text(EMULATION_HEADER)
-    (folder / "main.cpp").write_text(EMULATION_MAIN)
-    (folder / "kernel.cpp").write_text(host_source())
-    binary = folder / "chunk_tc_host"
-    result = subprocess.run(
-        [compiler, "-std=c++20", "-O2", "-pthread", "-Wno-unknown-pragmas", "-o", str(binary),
-         str(folder / "main.cpp"), str(folder / "kernel.cpp")],
-        capture_output=True, text=True,
-    )
-    assert result.returncode == 0, f"host build of chunk_tc.cu failed:\n{result.stderr[-4000:]}"
-    return binary
+    return build_host_binary(tmp_path_factory.mktemp("chunk_tc_host"), "chunk_tc_host",
+                             {"emulation.h": EMULATION_HEADER, "main.cpp": EMULATION_MAIN, "kernel.cpp": host_source()})
 
 
 def host_rows(tokens):

@@ -1,0 +1,198 @@
+"""The CUDA subset the kernels use, on the host: enough to compile a kernel file as C++ and run
+its grid with one std::thread per CUDA thread, so CPU CI runs the kernel source itself.
+
+  HOST_CUDA_HEADER   types, bit casts, __syncthreads / __syncwarp (std::barrier), warp
+                     shuffles (a slot per lane and two warp barriers), static __shared__ arrays
+                     (function statics: the blocks run one after the other), alignment-checked
+                     vector casts, and shims for the intrinsics with no host twin
+  HOST_CUDA_RUNTIME  the globals, run_grid (a grid, block after block) and file helpers
+  host_kernel_source the kernel file with its PTX-only helpers removed
+  build_host_binary  compile with g++ / clang++ (C++20 for <barrier>), or skip the test
+
+Host libm's expf and sqrtf are not the device's, so a host run is compared with itself or with
+the oracle within a bound, never with a GPU run bit for bit.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from glm_kda import kernels
+
+HOST_CUDA_HEADER = r"""
+#pragma once
+#include <algorithm>
+#include <atomic>
+#include <barrier>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+using std::max;
+using std::min;
+struct dim3 { unsigned x = 1, y = 1, z = 1; };
+struct alignas(16) float4 { float x, y, z, w; };
+struct alignas(8) float2 { float x, y; };
+struct alignas(16) uint4 { unsigned int x, y, z, w; };
+struct alignas(8) uint2 { unsigned int x, y; };
+inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
+inline float2 make_float2(float a, float b) { return {a, b}; }
+inline uint2 make_uint2(unsigned int a, unsigned int b) { return {a, b}; }
+inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
+inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__ static
+extern thread_local dim3 threadIdx, blockIdx;
+extern dim3 blockDim, gridDim;
+extern float* emulated_shared;
+extern std::barrier<>* block_barrier;
+extern std::barrier<>* warp_barriers[32];
+extern std::atomic<long> misaligned;
+extern unsigned int shuffle_slots[32][32];
+extern int jitter;
+inline void maybe_sleep()
+{
+    if (!jitter) return;
+    thread_local unsigned s = 12345u + 7919u * threadIdx.x;
+    s = s * 1103515245u + 12345u;
+    if ((s >> 16) % 4 == 0) std::this_thread::sleep_for(std::chrono::microseconds((s >> 20) % 50));
+}
+inline void __syncthreads() { maybe_sleep(); block_barrier->arrive_and_wait(); }
+inline void __syncwarp() { maybe_sleep(); warp_barriers[threadIdx.x >> 5]->arrive_and_wait(); }
+// Every lane of the warp takes part (the kernels shuffle full warps only).
+template <class T> T __shfl_sync(unsigned, T v, int source_lane)
+{
+    static_assert(sizeof(T) == 4, "32-bit shuffles only");
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    std::memcpy(&shuffle_slots[warp][lane], &v, 4);
+    maybe_sleep();
+    warp_barriers[warp]->arrive_and_wait();
+    T out;
+    std::memcpy(&out, &shuffle_slots[warp][source_lane & 31], 4);
+    warp_barriers[warp]->arrive_and_wait();
+    return out;
+}
+template <class T> T __shfl_xor_sync(unsigned mask, T v, int lane_mask)
+{
+    return __shfl_sync(mask, v, (threadIdx.x & 31) ^ lane_mask);
+}
+template <class T, class P> T* checked_cast(P* p)
+{
+    if (reinterpret_cast<uintptr_t>(p) % alignof(T)) misaligned++;
+    return reinterpret_cast<T*>(p);
+}
+// __fdividef's approximate reciprocal-and-product, as the IEEE quotient (within 2 ulp of it).
+inline float __fdividef(float a, float b) { return a / b; }
+// The correctly rounded product (the host build does not contract into fma: ISO C++, no -ffast-math).
+inline float __fmul_rn(float a, float b) { return a * b; }
+"""
+
+HOST_CUDA_RUNTIME = r"""
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+thread_local dim3 threadIdx, blockIdx;
+dim3 blockDim, gridDim;
+float* emulated_shared;
+std::barrier<>* block_barrier;
+std::barrier<>* warp_barriers[32];
+std::atomic<long> misaligned{0};
+unsigned int shuffle_slots[32][32];
+int jitter = 0;
+
+template <class F> void run_grid(dim3 grid, int threads, size_t shared_bytes, F kernel)
+{
+    gridDim = grid;
+    blockDim = dim3{unsigned(threads), 1, 1};
+    std::vector<float> shared(shared_bytes / 4 + 4);
+    for (unsigned y = 0; y < grid.y; ++y) {
+        for (unsigned x = 0; x < grid.x; ++x) {
+            std::fill(shared.begin(), shared.end(), std::nanf(""));  // a read before a write shows
+            emulated_shared = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(shared.data()) + 15) & ~uintptr_t(15));
+            std::barrier<> block(threads);
+            block_barrier = &block;
+            std::vector<std::unique_ptr<std::barrier<>>> warps;
+            for (int w = 0; w < threads / 32; ++w) {
+                warps.emplace_back(new std::barrier<>(32));
+                warp_barriers[w] = warps.back().get();
+            }
+            std::vector<std::thread> pool;
+            for (int t = 0; t < threads; ++t) {
+                pool.emplace_back([=] { threadIdx = dim3{unsigned(t), 0, 0}; blockIdx = dim3{x, y, 0}; kernel(); });
+            }
+            for (auto& thread : pool) thread.join();
+        }
+    }
+}
+
+template <class T> static std::vector<T> load_as(const std::string& path, size_t count)
+{
+    std::vector<T> v(count);
+    std::ifstream file(path, std::ios::binary);
+    file.read(reinterpret_cast<char*>(v.data()), count * sizeof(T));
+    if (!file) { std::fprintf(stderr, "short read: %s\n", path.c_str()); std::exit(2); }
+    return v;
+}
+static std::vector<float> load(const std::string& path, size_t count) { return load_as<float>(path, count); }
+static std::vector<unsigned short> load_u16(const std::string& path, size_t count)
+{
+    return load_as<unsigned short>(path, count);
+}
+template <class T> static void save(const std::string& path, const std::vector<T>& v)
+{
+    std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(T));
+}
+"""
+
+
+def host_kernel_source(stem: str, device_helpers: tuple[str, ...]) -> str:
+    """``<stem>.cu`` (header inlined) for the host: the named PTX-only helpers removed (the
+    emulation header defines them), every vector cast alignment-checked, no inline PTX left."""
+    source = kernels.kernel_source(stem)
+    for name in device_helpers:
+        match = re.search(r"__device__ __forceinline__ \w+ " + name + r"\(.*?\n\}\n", source, re.S)
+        assert match, f"{stem}.cu no longer defines {name}; update the host emulation"
+        source = source[: match.start()] + source[match.end() :]
+    for vector in ("float4", "float2", "uint4", "uint2", "unsigned int"):
+        source = source.replace(f"reinterpret_cast<const {vector}*>(", f"checked_cast<const {vector}>(")
+        source = source.replace(f"reinterpret_cast<{vector}*>(", f"checked_cast<{vector}>(")
+    assert "asm" not in re.sub(r"//.*", "", source), f"inline PTX left in the host build of {stem}.cu"
+    return source
+
+
+# The PTX-only helpers of kda_common.cuh (no-ops before sm_90; their bodies are inline PTX).
+COMMON_DEVICE_HELPERS = ("kda_let_next_kernel_launch", "kda_wait_for_previous_kernel")
+
+
+def build_host_binary(folder: Path, name: str, files: dict[str, str]) -> Path:
+    """Write `files` into `folder` and compile every .cpp among them into `folder / name`;
+    skips the test where no C++20 compiler is at hand."""
+    compiler = shutil.which("g++") or shutil.which("clang++")
+    if compiler is None:
+        pytest.skip("no C++ compiler for the host emulation")
+    probe = folder / "probe.cpp"
+    probe.write_text("#include <barrier>\nint main() { std::barrier<> b(1); b.arrive_and_wait(); }\n")
+    if subprocess.run([compiler, "-std=c++20", "-pthread", "-o", str(folder / "probe"), str(probe)],
+                      capture_output=True).returncode != 0:
+        pytest.skip(f"{compiler} lacks C++20 <barrier>")
+    for file_name, text in files.items():
+        (folder / file_name).write_text(text)
+    binary = folder / name
+    result = subprocess.run(
+        [compiler, "-std=c++20", "-O2", "-pthread", "-Wno-unknown-pragmas", "-o", str(binary),
+         *(str(folder / file_name) for file_name in files if file_name.endswith(".cpp"))],
+        capture_output=True, text=True,
+    )
+    assert result.returncode == 0, f"host build of {name} failed:\n{result.stderr[-4000:]}"
+    return binary
