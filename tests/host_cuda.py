@@ -94,11 +94,16 @@ template <class T, class P> T* checked_cast(P* p)
 inline float __fdividef(float a, float b) { return a / b; }
 // The correctly rounded product (the host build does not contract into fma: ISO C++, no -ffast-math).
 inline float __fmul_rn(float a, float b) { return a * b; }
+// The programmatic-launch helpers of kda_common.cuh (PTX on sm_90, removed from the host build):
+// one kernel at a time here, nothing to overlap.
+inline void kda_let_next_kernel_launch() {}
+inline void kda_wait_for_previous_kernel() {}
 """
 
 HOST_CUDA_RUNTIME = r"""
 #include <cstdio>
 #include <fstream>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <vector>
@@ -152,6 +157,13 @@ static std::vector<unsigned short> load_u16(const std::string& path, size_t coun
 template <class T> static void save(const std::string& path, const std::vector<T>& v)
 {
     std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(T));
+}
+// save(prefix + names[i], vectors[i]) for each vector, in order.
+template <class... Vectors>
+static void save_each(const std::string& prefix, std::initializer_list<const char*> names, const Vectors&... vectors)
+{
+    auto name = names.begin();
+    (save(prefix + *name++, vectors), ...);
 }
 """
 

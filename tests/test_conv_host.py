@@ -68,12 +68,8 @@ int main(int argc, char** argv)
                 });
             }
         }
-        const std::string prefix = dir + "/" + path + ".";
-        save(prefix + "conv_out", conv_out);
-        save(prefix + "query", query);
-        save(prefix + "key", key);
-        save(prefix + "value", value);
-        save(prefix + "state", state);
+        save_each(dir + "/" + std::string(path) + ".", {"conv_out", "query", "key", "value", "state"}, conv_out, query,
+                  key, value, state);
     }
     std::printf("misaligned=%ld\n", misaligned.load());
     return 0;

@@ -1,0 +1,202 @@
+"""The decode kernels' source on the host (tests/host_cuda.py), so CPU CI checks the promise the
+layer's `fused_decode` switch rests on.
+
+Promises tested, for both gate laws and 1..9 tokens of one sequence from a random state:
+  * kernels_src/decode.cu, one launch per token, writes bit for bit what the separate kernels
+    write one after the other (conv.cu decode, gate.cu, recurrent.cu, norm.cu): every stage
+    buffer (conv_out, q, k, v, gate, beta, core, o_norm_out) and both states;
+  * decode.cu walking all the tokens in one launch (a verify's rows) writes the same bits;
+  * the separate kernels' core output is the float64 recurrence (glm_kda.reference.
+    recurrent_scan) of their own q, k, v, gate and beta, within FP32 rounding.
+The GPU tests (tests/test_gpu.py) check the same bits on the device.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import numpy as np
+import pytest
+
+from glm_kda.reference import recurrent_scan, rms_ratio
+from host_cuda import COMMON_DEVICE_HELPERS, HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, build_host_binary, host_kernel_source
+
+HEADS = 2
+DIM = 128
+KERNEL = 4
+LOWER_BOUND = -5.0
+L2_EPS = 1e-6
+NORM_EPS = 1e-5
+STEMS = ("conv", "gate", "recurrent", "norm", "decode")
+OUTPUTS = ("conv_out", "query", "key", "value", "gate", "beta", "core", "o_norm_out", "conv_state", "state")
+
+DECODE_MAIN = r"""
+#include "emulation.h"
+""" + HOST_CUDA_RUNTIME + r"""
+using bf16_t = unsigned short;
+extern "C" void conv_decode_silu_l2_bf16(float*, const int*, const bf16_t*, const bf16_t*, bf16_t*, float*, float*,
+                                         float*, int, int, int, float);
+extern "C" void gate_beta_f32(const bf16_t*, const float*, const float*, const bf16_t*, int, float*, float*, int, int,
+                              int, float, int);
+extern "C" void kda_recurrent_step_f32(const float*, const float*, const float*, const float*, const float*, float*,
+                                       const int*, float*, int, float);
+extern "C" void gated_rmsnorm_sigmoid_bf16(const float*, const bf16_t*, const bf16_t*, bf16_t*, int, int, float, int);
+extern "C" void kda_decode_fused_bf16(float*, float*, const int*, const bf16_t*, const bf16_t*, const bf16_t*,
+                                      const float*, const float*, const bf16_t*, int, const bf16_t*, const bf16_t*,
+                                      bf16_t*, float*, float*, float*, float*, float*, float*, bf16_t*, int, int, int,
+                                      int, float, float, float, float);
+
+int main(int argc, char** argv)
+{
+    const std::string dir = argv[1];
+    const int tokens = std::atoi(argv[2]), heads = std::atoi(argv[3]), kernel = std::atoi(argv[4]);
+    const int bounded = std::atoi(argv[5]);
+    const float lower_bound = std::atof(argv[6]), l2_eps = std::atof(argv[7]), norm_eps = std::atof(argv[8]);
+    jitter = std::atoi(argv[9]);
+    const size_t D = 128, qkv = heads * D, conv_dim = 3 * qkv, ld_beta = 2 * D + heads;
+    const float scale = 1.0f / std::sqrt(float(D));
+    const auto qkv_proj = load_u16(dir + "/qkv_proj", tokens * conv_dim);
+    const auto conv_w = load_u16(dir + "/conv_w", conv_dim * kernel);
+    const auto forget_proj = load_u16(dir + "/forget_proj", tokens * qkv);
+    const auto down_proj = load_u16(dir + "/down_proj", tokens * ld_beta);  // beta logits at column 2 D
+    const auto out_gate = load_u16(dir + "/out_gate", tokens * qkv);
+    const auto norm_w = load_u16(dir + "/norm_w", D);
+    const auto dt_bias = load(dir + "/dt_bias", qkv);
+    const auto a_log = load(dir + "/a_log", heads);
+    const auto conv_start = load(dir + "/conv_state", conv_dim * kernel);
+    const auto state_start = load(dir + "/state", heads * D * D);
+    const bf16_t* beta_logits = down_proj.data() + 2 * D;
+
+    for (const std::string path : {"separate", "fused_rows", "fused_walk"}) {
+        auto conv_state = conv_start, state = state_start;
+        std::vector<bf16_t> conv_out(tokens * conv_dim, 0x7FA5), o_norm_out(tokens * qkv, 0x7FA5);
+        std::vector<float> query(tokens * qkv, std::nanf("")), key = query, value = query, gate = query, core = query;
+        std::vector<float> beta(tokens * heads, std::nanf(""));
+        auto fused = [&](int first, int count) {
+            run_grid(dim3{unsigned(heads), 1, 1}, 128, 0, [&] {
+                kda_decode_fused_bf16(conv_state.data(), state.data(), nullptr, qkv_proj.data() + first * conv_dim,
+                                      conv_w.data(), forget_proj.data() + first * qkv, dt_bias.data(), a_log.data(),
+                                      beta_logits + first * ld_beta, int(ld_beta), out_gate.data() + first * qkv,
+                                      norm_w.data(), conv_out.data() + first * conv_dim, query.data() + first * qkv,
+                                      key.data() + first * qkv, value.data() + first * qkv, gate.data() + first * qkv,
+                                      beta.data() + first * heads, core.data() + first * qkv,
+                                      o_norm_out.data() + first * qkv, heads, kernel, count, bounded, lower_bound,
+                                      scale, l2_eps, norm_eps);
+            });
+        };
+        if (path == "fused_walk") {
+            fused(0, tokens);
+        }
+        for (int t = 0; t < tokens && path != "fused_walk"; ++t) {
+            if (path == "fused_rows") {
+                fused(t, 1);
+                continue;
+            }
+            run_grid(dim3{unsigned(3 * heads), 1, 1}, 128, 0, [&] {
+                conv_decode_silu_l2_bf16(conv_state.data(), nullptr, qkv_proj.data() + t * conv_dim, conv_w.data(),
+                                         conv_out.data() + t * conv_dim, query.data() + t * qkv,
+                                         key.data() + t * qkv, value.data() + t * qkv, heads, 128, kernel, l2_eps);
+            });
+            run_grid(dim3{unsigned(heads), 1, 1}, 128, 0, [&] {
+                gate_beta_f32(forget_proj.data() + t * qkv, dt_bias.data(), a_log.data(), beta_logits + t * ld_beta,
+                              int(ld_beta), gate.data() + t * qkv, beta.data() + t * heads, heads, 128, bounded,
+                              lower_bound, 1);
+            });
+            run_grid(dim3{unsigned(heads), 4, 1}, 32, 0, [&] {
+                kda_recurrent_step_f32(query.data() + t * qkv, key.data() + t * qkv, value.data() + t * qkv,
+                                       gate.data() + t * qkv, beta.data() + t * heads, state.data(), nullptr,
+                                       core.data() + t * qkv, heads, scale);
+            });
+            run_grid(dim3{unsigned(heads), 1, 1}, 128, 0, [&] {
+                gated_rmsnorm_sigmoid_bf16(core.data() + t * qkv, out_gate.data() + t * qkv, norm_w.data(),
+                                           o_norm_out.data() + t * qkv, heads, 128, norm_eps, 1);
+            });
+        }
+        save_each(dir + "/" + path + ".",
+                  {"conv_out", "query", "key", "value", "gate", "beta", "core", "o_norm_out", "conv_state", "state"},
+                  conv_out, query, key, value, gate, beta, core, o_norm_out, conv_state, state);
+    }
+    std::printf("misaligned=%ld\n", misaligned.load());
+    return 0;
+}
+"""
+
+
+def _layout(tokens):
+    """dtype and shape of every output file, by the OUTPUTS name."""
+    conv_dim = 3 * HEADS * DIM
+    vector = (np.float32, (tokens, HEADS, DIM))
+    layout = {"conv_out": (np.uint16, (tokens, conv_dim)), "query": vector, "key": vector, "value": vector,
+              "gate": vector, "beta": (np.float32, (tokens, HEADS)), "core": vector,
+              "o_norm_out": (np.uint16, (tokens, HEADS, DIM)), "conv_state": (np.float32, (conv_dim, KERNEL)),
+              "state": (np.float32, (HEADS, DIM, DIM))}
+    assert tuple(layout) == OUTPUTS
+    return layout
+
+
+@pytest.fixture(scope="module")
+def decode_host(tmp_path_factory):
+    files = {"emulation.h": HOST_CUDA_HEADER, "main.cpp": DECODE_MAIN}
+    for stem in STEMS:
+        files[f"{stem}.cpp"] = '#include "emulation.h"\n' + host_kernel_source(stem, COMMON_DEVICE_HELPERS)
+    return build_host_binary(tmp_path_factory.mktemp("decode_host"), "decode_host", files)
+
+
+def _bf16_bits(x) -> np.ndarray:
+    import ml_dtypes
+
+    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
+
+
+def run_decode(binary, tokens, bounded, seed, jitter=False):
+    """(outputs of the three paths by name, the random inputs)."""
+    rng = np.random.default_rng(seed)
+    qkv, conv_dim = HEADS * DIM, 3 * HEADS * DIM
+    inputs = {
+        "qkv_proj": _bf16_bits(rng.standard_normal((tokens, conv_dim)) * 2.0),
+        "conv_w": _bf16_bits(rng.standard_normal((conv_dim, KERNEL)) * 0.5),
+        "forget_proj": _bf16_bits(rng.standard_normal((tokens, qkv))),
+        "down_proj": _bf16_bits(rng.standard_normal((tokens, 2 * DIM + HEADS)) * 2.0),
+        "out_gate": _bf16_bits(rng.standard_normal((tokens, qkv))),
+        "norm_w": _bf16_bits(1.0 + 0.1 * rng.standard_normal(DIM)),
+        "dt_bias": rng.standard_normal(qkv).astype(np.float32),
+        "a_log": rng.uniform(-1.0, 1.0, HEADS).astype(np.float32),
+        "conv_state": rng.standard_normal((conv_dim, KERNEL)).astype(np.float32),
+        "state": (0.1 * rng.standard_normal((HEADS, DIM, DIM))).astype(np.float32),
+    }
+    folder = binary.parent / f"T{tokens}-b{int(bounded)}-{seed}-{int(jitter)}"
+    folder.mkdir(exist_ok=True)
+    for name, array in inputs.items():
+        np.ascontiguousarray(array).tofile(folder / name)
+    result = subprocess.run(
+        [str(binary), str(folder), str(tokens), str(HEADS), str(KERNEL), str(int(bounded)), repr(LOWER_BOUND),
+         repr(L2_EPS), repr(NORM_EPS), str(int(jitter))], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["misaligned=0"], f"host run: {result.stdout.strip()}"
+    layout = _layout(tokens)
+    out = {}
+    for path in ("separate", "fused_rows", "fused_walk"):
+        out[path] = {name: np.fromfile(folder / f"{path}.{name}", dtype).reshape(shape)
+                     for name, (dtype, shape) in layout.items()}
+    return out, inputs
+
+
+@pytest.mark.parametrize("bounded", [True, False], ids=["bounded", "softplus"])
+@pytest.mark.parametrize("tokens,jitter", [(1, False), (3, True), (9, False)], ids=lambda v: str(v))
+def test_fused_decode_equals_separate_kernels_on_host(decode_host, tokens, jitter, bounded):
+    out, inputs = run_decode(decode_host, tokens, bounded, seed=7 * tokens + int(bounded), jitter=jitter)
+    separate = out["separate"]
+    for path in ("fused_rows", "fused_walk"):
+        for name in OUTPUTS:
+            a, b = out[path][name], separate[name]
+            differ = int(np.count_nonzero(a.view(np.uint8) != b.view(np.uint8)))
+            assert differ == 0, f"T={tokens} {path}: {differ} bytes of {name} differ from the separate kernels"
+    assert np.isfinite(separate["core"]).all() and np.isfinite(separate["gate"]).all()
+
+    # The separate kernels' recurrence against float64, fed their own vectors.
+    core, state = recurrent_scan(*(separate[name].astype(np.float64) for name in ("query", "key", "value", "gate")),
+                                 separate["beta"].astype(np.float64), inputs["state"].astype(np.float64))
+    ratio = rms_ratio(separate["core"].astype(np.float64), core)
+    assert ratio <= 1e-5, f"T={tokens}: core rms-ratio {ratio:.3e} against the float64 recurrence"
+    ratio = rms_ratio(separate["state"].astype(np.float64), state)
+    assert ratio <= 1e-5, f"T={tokens}: state rms-ratio {ratio:.3e} against the float64 recurrence"
