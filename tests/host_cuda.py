@@ -94,6 +94,27 @@ template <class T, class P> T* checked_cast(P* p)
 inline float __fdividef(float a, float b) { return a / b; }
 // The correctly rounded product (the host build does not contract into fma: ISO C++, no -ffast-math).
 inline float __fmul_rn(float a, float b) { return a * b; }
+// A warp-collective mma: each lane leaves its fragments in slots[warp][lane], the warp meets, each
+// lane forms its 4 outputs (rows g, g + 8; columns 2t, 2t + 1) as acc + the sum over k < K of
+// product(the warp's slots, row, column, k) in float64, ascending k, and the warp meets again.
+template <int K, class Slot, class Product>
+inline void warp_mma(float acc[4], const Slot& mine, Slot (&slots)[32][32], Product product)
+{
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    slots[warp][lane] = mine;
+    maybe_sleep();
+    warp_barriers[warp]->arrive_and_wait();
+    const int g = lane >> 2, t = lane & 3;
+    float out[4];
+    for (int e = 0; e < 4; ++e) {
+        const int row = g + 8 * (e >> 1), col = 2 * t + (e & 1);
+        double sum = acc[e];
+        for (int k = 0; k < K; ++k) sum += product(slots[warp], row, col, k);
+        out[e] = float(sum);
+    }
+    warp_barriers[warp]->arrive_and_wait();
+    for (int e = 0; e < 4; ++e) acc[e] = out[e];
+}
 // The programmatic-launch helpers of kda_common.cuh (PTX on sm_90, removed from the host build):
 // one kernel at a time here, nothing to overlap.
 inline void kda_let_next_kernel_launch() {}

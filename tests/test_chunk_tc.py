@@ -324,26 +324,11 @@ struct WarpSlot { float a[4], b[2]; };
 extern WarpSlot warp_slots[32][32];
 inline void mma_tf32_m16n8k8(float acc[4], float a0, float a1, float a2, float a3, float b0, float b1)
 {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     for (float x : {a0, a1, a2, a3, b0, b1}) if (__float_as_uint(x) & 0x1fffu) not_tf32++;
-    WarpSlot& slot = warp_slots[warp][lane];
-    slot.a[0] = a0; slot.a[1] = a1; slot.a[2] = a2; slot.a[3] = a3; slot.b[0] = b0; slot.b[1] = b1;
-    maybe_sleep();
-    warp_barriers[warp]->arrive_and_wait();
-    const int g = lane >> 2, t = lane & 3;
-    float out[4];
-    for (int e = 0; e < 4; ++e) {
-        const int row = g + 8 * (e >> 1), col = 2 * t + (e & 1);
-        double sum = acc[e];
-        for (int k = 0; k < 8; ++k) {
-            sum += double(warp_slots[warp][4 * (row % 8) + k % 4].a[row / 8 + 2 * (k / 4)]) *
-                   double(warp_slots[warp][4 * col + k % 4].b[k / 4]);
-        }
-        out[e] = float(sum);
-    }
-    warp_barriers[warp]->arrive_and_wait();
-    for (int e = 0; e < 4; ++e) acc[e] = out[e];
-    if (lane == 0) mma_count++;
+    warp_mma<8>(acc, WarpSlot{{a0, a1, a2, a3}, {b0, b1}}, warp_slots, [](const WarpSlot* slot, int row, int col, int k) {
+        return double(slot[4 * (row % 8) + k % 4].a[row / 8 + 2 * (k / 4)]) * double(slot[4 * col + k % 4].b[k / 4]);
+    });
+    if ((threadIdx.x & 31) == 0) mma_count++;
 }
 inline void copy_async_16B(void* destination, const void* source) { std::memcpy(destination, source, 16); }
 // cvt.rn.f16.f32 / cvt.f32.f16 through the compiler's IEEE half type (nearest even).

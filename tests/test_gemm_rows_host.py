@@ -1,0 +1,184 @@
+"""kernels_src/gemm_rows.cu on the host (tests/host_cuda.py), launched as glm_kda.gemm_rows plans
+it, so CPU CI runs the projection kernel's own indexing, predication, k tails and split-k order.
+
+The BF16 mma.m16n8k16 is emulated as a warp collective from the PTX fragment layout (A: row g
+for registers 0 and 2, g + 8 for 1 and 3, k 2t + 8 (r / 2) + e; B: k 2t + 8 r + e, column g;
+C: row g + 8 (e / 2), column 2t + e % 2; lane = 4g + t), the products summed in float64: the
+hardware's rounding inside an mma is not modelled, so host bits are compared with host bits.
+
+Promises tested: row r of an R-row launch equals a one-row launch on x[r] alone, bit for bit,
+for R from 1 to 65 and every entry point the plan picks; tiles per warp and the grid change no
+bit; strided x and a column slice of out write only columns < n of rows < R; every row is the
+float64 oracle rounded to BF16 within the bound of tests/test_gemm_rows.py.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import numpy as np
+import pytest
+
+from glm_kda.gemm_rows import launch_plan
+from glm_kda.reference import rms_ratio, round_bf16
+from host_cuda import COMMON_DEVICE_HELPERS, HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, build_host_binary, host_kernel_source
+
+RMS_BOUND = 1e-3
+POISON = 0x7FA5
+ENTRIES = ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2))
+DEVICE_HELPERS = ("load_weight_16B", "prefetch_l2", "load_activation_16B", "mma_bf16_m16n8k16", *COMMON_DEVICE_HELPERS)
+
+GEMM_HEADER = HOST_CUDA_HEADER + r"""
+using bf16_t = unsigned short;
+struct MmaSlot { unsigned int a[4], b[2]; };
+extern MmaSlot mma_slots[32][32];
+// Predicated 16-byte loads: zeros when not valid (the source is then not read).
+inline uint4 load_weight_16B(const bf16_t* pointer, bool valid)
+{
+    uint4 v{0, 0, 0, 0};
+    if (valid) std::memcpy(&v, checked_cast<const uint4>(pointer), 16);
+    return v;
+}
+inline uint4 load_activation_16B(const bf16_t* pointer, bool valid) { return load_weight_16B(pointer, valid); }
+inline void prefetch_l2(const void*) {}
+inline double bf16_word(unsigned int word, int half)
+{
+    return double(__uint_as_float(half ? (word & 0xFFFF0000u) : (word << 16)));
+}
+inline void mma_bf16_m16n8k16(float acc[4], unsigned int a0, unsigned int a1, unsigned int a2, unsigned int a3,
+                              unsigned int b0, unsigned int b1)
+{
+    // k = 2 t' + 8 half + h: register (row / 8) + 2 half of lane 4 (row % 8) + t' for A, register
+    // half of lane 4 col + t' for B, element h of the register.
+    warp_mma<16>(acc, MmaSlot{{a0, a1, a2, a3}, {b0, b1}}, mma_slots, [](const MmaSlot* slot, int row, int col, int k) {
+        const int tk = (k % 8) / 2, half = k / 8, h = k % 2;
+        return bf16_word(slot[4 * (row % 8) + tk].a[row / 8 + 2 * half], h) * bf16_word(slot[4 * col + tk].b[half], h);
+    });
+}
+"""
+
+GEMM_MAIN = r"""
+#include "emulation.h"
+""" + HOST_CUDA_RUNTIME + r"""
+MmaSlot mma_slots[32][32];
+#define DECLARE(M, N) extern "C" void gemm_rows_bf16_m##M##_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, \
+                                                                int, int, int);
+DECLARE(1, 1) DECLARE(1, 2) DECLARE(1, 4) DECLARE(2, 1) DECLARE(2, 2) DECLARE(2, 4) DECLARE(4, 1) DECLARE(4, 2)
+using Entry = void (*)(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int, int);
+
+int main(int argc, char** argv)
+{
+    const std::string dir = argv[1];
+    const int m_tiles = std::atoi(argv[2]), n_tiles = std::atoi(argv[3]);
+    const unsigned grid_x = std::atoi(argv[4]), grid_y = std::atoi(argv[5]);
+    const int rows = std::atoi(argv[6]), n = std::atoi(argv[7]), k = std::atoi(argv[8]);
+    const int ldx = std::atoi(argv[9]), ldy = std::atoi(argv[10]), x_rows = std::atoi(argv[11]);
+    const int y_rows = std::atoi(argv[12]);
+    const std::pair<int, int> key{m_tiles, n_tiles};
+    const std::pair<std::pair<int, int>, Entry> entries[] = {
+        {{1, 1}, gemm_rows_bf16_m1_n1}, {{1, 2}, gemm_rows_bf16_m1_n2}, {{1, 4}, gemm_rows_bf16_m1_n4},
+        {{2, 1}, gemm_rows_bf16_m2_n1}, {{2, 2}, gemm_rows_bf16_m2_n2}, {{2, 4}, gemm_rows_bf16_m2_n4},
+        {{4, 1}, gemm_rows_bf16_m4_n1}, {{4, 2}, gemm_rows_bf16_m4_n2}};
+    Entry entry = nullptr;
+    for (const auto& [name, function] : entries) if (name == key) entry = function;
+    if (!entry) { std::fprintf(stderr, "no entry m%d_n%d\n", m_tiles, n_tiles); return 2; }
+    const auto x = load_u16(dir + "/x", size_t(x_rows) * ldx);
+    const auto w = load_u16(dir + "/w", size_t(n) * k);
+    auto y = load_u16(dir + "/y", size_t(y_rows) * ldy);
+    run_grid(dim3{grid_x, grid_y, 1}, 256, 0, [&] { entry(x.data(), ldx, w.data(), y.data(), ldy, rows, n, k, 0); });
+    save(dir + "/y.out", y);
+    std::printf("misaligned=%ld\n", misaligned.load());
+    return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def gemm_host(tmp_path_factory):
+    kernel = '#include "emulation.h"\n' + host_kernel_source("gemm_rows", DEVICE_HELPERS)
+    return build_host_binary(tmp_path_factory.mktemp("gemm_rows_host"), "gemm_rows_host",
+                             {"emulation.h": GEMM_HEADER, "main.cpp": GEMM_MAIN, "kernel.cpp": kernel})
+
+
+def _bf16_bits(x) -> np.ndarray:
+    import ml_dtypes
+
+    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
+
+
+def _bits_to_f64(bits):
+    return (np.asarray(bits).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+_calls = iter(range(10**9))
+
+
+def run_host(binary, x_buffer, w, rows, y_buffer, **plan_args):
+    """One launch as gemm_rows_bf16 plans it (132 SMs), on x_buffer[:, :k] (row stride of the
+    buffer) into y_buffer[:, :n]; returns the new y_buffer."""
+    n, k = w.shape
+    plan = launch_plan(n, k, rows, **plan_args)
+    m_tiles, n_tiles = (int(part[1:]) for part in plan.kernel.split("_")[-2:])
+    folder = binary.parent / f"call{next(_calls)}"
+    folder.mkdir()
+    x_buffer.tofile(folder / "x")
+    w.tofile(folder / "w")
+    y_buffer.tofile(folder / "y")
+    result = subprocess.run(
+        [str(binary), str(folder), str(m_tiles), str(n_tiles), str(plan.grid[0]), str(plan.grid[1]), str(rows), str(n),
+         str(k), str(x_buffer.shape[1]), str(y_buffer.shape[1]), str(x_buffer.shape[0]), str(y_buffer.shape[0])],
+        capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["misaligned=0"], f"host run: {result.stdout.strip()}"
+    return np.fromfile(folder / "y.out", np.uint16).reshape(y_buffer.shape)
+
+
+def _inputs(n, k, rows, seed):
+    rng = np.random.default_rng(seed)
+    return _bf16_bits(rng.standard_normal((rows, k))), _bf16_bits(rng.standard_normal((n, k)) * k**-0.5)
+
+
+def _assert_bits_equal(actual, expected, tag):
+    differ = int(np.count_nonzero(actual != expected))
+    assert differ == 0, f"{tag}: {differ} elements differ in bits"
+
+
+@pytest.mark.parametrize("shape", [(40, 128), (100, 136), (72, 2056)], ids=lambda s: f"N{s[0]}-K{s[1]}")
+def test_rows_equal_one_row_launches_on_host(gemm_host, shape):
+    n, k = shape
+    x, w = _inputs(n, k, 65, seed=n + k)
+    one_row = np.concatenate([run_host(gemm_host, x[r : r + 1], w, 1, np.full((1, n), POISON, np.uint16))
+                              for r in range(65)])
+    ratio = rms_ratio(_bits_to_f64(one_row), round_bf16(_bits_to_f64(x) @ _bits_to_f64(w).T))
+    assert ratio <= RMS_BOUND, f"N{n}-K{k}: rms-ratio {ratio:.3e} against the float64 oracle (bound {RMS_BOUND:g})"
+    for rows in (2, 3, 16, 17, 33, 64, 65):
+        out = run_host(gemm_host, x[:rows], w, rows, np.full((rows, n), POISON, np.uint16))
+        _assert_bits_equal(out, one_row[:rows], f"N{n}-K{k} R{rows} vs one-row launches")
+
+
+@pytest.mark.parametrize("rows", [1, 16, 40], ids=lambda r: f"R{r}")
+def test_tiles_and_grid_change_no_bit_on_host(gemm_host, rows):
+    n, k = 200, 520
+    x, w = _inputs(n, k, rows, seed=rows)
+    default = run_host(gemm_host, x, w, rows, np.full((rows, n), POISON, np.uint16))
+    for tiles in (1, 2, 4):
+        for blocks in (None, 1, 3):
+            out = run_host(gemm_host, x, w, rows, np.full((rows, n), POISON, np.uint16), tiles_per_warp=tiles,
+                           blocks=blocks)
+            _assert_bits_equal(out, default, f"R{rows} tiles_per_warp={tiles} blocks={blocks}")
+
+
+@pytest.mark.parametrize("rows", [1, 5, 33], ids=lambda r: f"R{r}")
+def test_strided_x_and_column_slice_out_on_host(gemm_host, rows):
+    n, k = 136, 264
+    rng = np.random.default_rng(rows)
+    x_buffer = _bf16_bits(rng.standard_normal((rows + 3, k + 40)))
+    w = _bf16_bits(rng.standard_normal((n, k)) * k**-0.5)
+    # x: columns 0 .. k of a buffer with row stride k + 40; out: columns 0 .. n of a wider buffer.
+    wide = run_host(gemm_host, x_buffer, w, rows, np.full((rows + 2, n + 40), POISON, np.uint16))
+    contiguous = run_host(gemm_host, np.ascontiguousarray(x_buffer[:rows, :k]), w, rows,
+                          np.full((rows, n), POISON, np.uint16))
+    _assert_bits_equal(wide[:rows, :n], contiguous, f"R{rows} strided x / sliced out vs contiguous")
+    untouched = np.ones(wide.shape, dtype=bool)
+    untouched[:rows, :n] = False
+    assert (wide[untouched] == POISON).all(), f"R{rows}: wrote outside columns < {n} / rows < {rows}"
