@@ -20,9 +20,22 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from glm_kda import kernels
+
+
+def bf16_bits(x) -> np.ndarray:
+    """BF16 bits (uint16) of x, rounded to nearest even (ml_dtypes)."""
+    import ml_dtypes
+
+    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
+
+
+def bits_to_f64(bits) -> np.ndarray:
+    """BF16 bits (uint16) as float64, exactly."""
+    return (np.asarray(bits).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
 HOST_CUDA_HEADER = r"""
 #pragma once

@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 
 from glm_kda.reference import conv_silu, l2norm_split, rms_ratio, round_bf16
-from host_cuda import COMMON_DEVICE_HELPERS, HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, build_host_binary, host_kernel_source
+from host_cuda import (COMMON_DEVICE_HELPERS, HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, bf16_bits, bits_to_f64, build_host_binary,
+                       host_kernel_source)
 
 HEADS = 2  # 6 heads of q, k or v: the prefill's second block has two warps past the last head
 DIM = 128
@@ -87,13 +88,13 @@ def conv_host(tmp_path_factory):
                              {"emulation.h": HOST_CUDA_HEADER, "main.cpp": CONV_MAIN, "kernel.cpp": host_source()})
 
 
-def _bf16_bits(x: np.ndarray) -> np.ndarray:
+def bf16_bits(x: np.ndarray) -> np.ndarray:
     import ml_dtypes
 
     return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
 
 
-def _bits_to_f64(bits: np.ndarray) -> np.ndarray:
+def bits_to_f64(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
 
@@ -125,8 +126,8 @@ def run_conv(binary, qkv_proj_bits, conv_w_bits, state, jitter=False):
 def test_conv_kernels_on_host(conv_host, tokens, kernel, jitter):
     rng = np.random.default_rng(1000 * tokens + kernel)
     conv_dim = 3 * HEADS * DIM
-    qkv_proj = _bf16_bits(rng.standard_normal((tokens, conv_dim)) * 2.0)
-    conv_w = _bf16_bits(rng.standard_normal((conv_dim, kernel)) * 0.5)
+    qkv_proj = bf16_bits(rng.standard_normal((tokens, conv_dim)) * 2.0)
+    conv_w = bf16_bits(rng.standard_normal((conv_dim, kernel)) * 0.5)
     start = rng.standard_normal((conv_dim, kernel)).astype(np.float32)
     prefill, decode = run_conv(conv_host, qkv_proj, conv_w, start, jitter)
     tag = f"T={tokens} K={kernel}"
@@ -136,8 +137,8 @@ def test_conv_kernels_on_host(conv_host, tokens, kernel, jitter):
         differ = int(np.count_nonzero(a.view(np.uint8) != b.view(np.uint8)))
         assert differ == 0, f"{tag}: {differ} bytes of {name} differ between the prefill and the decode kernel"
 
-    expected_conv, expected_state = conv_silu(_bits_to_f64(qkv_proj), start.astype(np.float64), _bits_to_f64(conv_w))
-    conv_out = _bits_to_f64(prefill["conv_out"])
+    expected_conv, expected_state = conv_silu(bits_to_f64(qkv_proj), start.astype(np.float64), bits_to_f64(conv_w))
+    conv_out = bits_to_f64(prefill["conv_out"])
     ratio = rms_ratio(conv_out, round_bf16(expected_conv))
     assert ratio <= STAGE_BOUND, f"{tag}: conv_out rms-ratio {ratio:.3e} against the float64 oracle (bound {STAGE_BOUND:g})"
     q, k, v = l2norm_split(conv_out, HEADS, DIM, L2_EPS)

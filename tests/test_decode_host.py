@@ -6,8 +6,10 @@ Promises tested, for both gate laws and 1..9 tokens of one sequence from a rando
     write one after the other (conv.cu decode, gate.cu, recurrent.cu, norm.cu): every stage
     buffer (conv_out, q, k, v, gate, beta, core, o_norm_out) and both states;
   * decode.cu walking all the tokens in one launch (a verify's rows) writes the same bits;
-  * the separate kernels' core output is the float64 recurrence (glm_kda.reference.
-    recurrent_scan) of their own q, k, v, gate and beta, within FP32 rounding.
+  * against the float64 oracle (glm_kda.reference), each fed the kernels' own inputs: the gate
+    (forget_gate; dt_bias per channel, A_log per head) and beta within FP32 rounding, the core
+    output and state of the recurrence (recurrent_scan) likewise, the gated norm within the
+    stage bound after its BF16 rounding.
 The GPU tests (tests/test_gpu.py) check the same bits on the device.
 """
 
@@ -18,8 +20,11 @@ import subprocess
 import numpy as np
 import pytest
 
-from glm_kda.reference import recurrent_scan, rms_ratio
-from host_cuda import COMMON_DEVICE_HELPERS, HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, build_host_binary, host_kernel_source
+from types import SimpleNamespace
+
+from glm_kda.reference import forget_gate, gated_rmsnorm, recurrent_scan, rms_ratio, round_bf16, sigmoid
+from host_cuda import (COMMON_DEVICE_HELPERS, HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, bf16_bits, bits_to_f64, build_host_binary,
+                       host_kernel_source)
 
 HEADS = 2
 DIM = 128
@@ -142,10 +147,6 @@ def decode_host(tmp_path_factory):
     return build_host_binary(tmp_path_factory.mktemp("decode_host"), "decode_host", files)
 
 
-def _bf16_bits(x) -> np.ndarray:
-    import ml_dtypes
-
-    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
 
 
 def run_decode(binary, tokens, bounded, seed, jitter=False):
@@ -153,12 +154,12 @@ def run_decode(binary, tokens, bounded, seed, jitter=False):
     rng = np.random.default_rng(seed)
     qkv, conv_dim = HEADS * DIM, 3 * HEADS * DIM
     inputs = {
-        "qkv_proj": _bf16_bits(rng.standard_normal((tokens, conv_dim)) * 2.0),
-        "conv_w": _bf16_bits(rng.standard_normal((conv_dim, KERNEL)) * 0.5),
-        "forget_proj": _bf16_bits(rng.standard_normal((tokens, qkv))),
-        "down_proj": _bf16_bits(rng.standard_normal((tokens, 2 * DIM + HEADS)) * 2.0),
-        "out_gate": _bf16_bits(rng.standard_normal((tokens, qkv))),
-        "norm_w": _bf16_bits(1.0 + 0.1 * rng.standard_normal(DIM)),
+        "qkv_proj": bf16_bits(rng.standard_normal((tokens, conv_dim)) * 2.0),
+        "conv_w": bf16_bits(rng.standard_normal((conv_dim, KERNEL)) * 0.5),
+        "forget_proj": bf16_bits(rng.standard_normal((tokens, qkv))),
+        "down_proj": bf16_bits(rng.standard_normal((tokens, 2 * DIM + HEADS)) * 2.0),
+        "out_gate": bf16_bits(rng.standard_normal((tokens, qkv))),
+        "norm_w": bf16_bits(1.0 + 0.1 * rng.standard_normal(DIM)),
         "dt_bias": rng.standard_normal(qkv).astype(np.float32),
         "a_log": rng.uniform(-1.0, 1.0, HEADS).astype(np.float32),
         "conv_state": rng.standard_normal((conv_dim, KERNEL)).astype(np.float32),
@@ -200,3 +201,16 @@ def test_fused_decode_equals_separate_kernels_on_host(decode_host, tokens, jitte
     assert ratio <= 1e-5, f"T={tokens}: core rms-ratio {ratio:.3e} against the float64 recurrence"
     ratio = rms_ratio(separate["state"].astype(np.float64), state)
     assert ratio <= 1e-5, f"T={tokens}: state rms-ratio {ratio:.3e} against the float64 recurrence"
+
+    # The gate, beta and the gated norm against float64, fed the kernels' inputs.
+    config = SimpleNamespace(heads=HEADS, head_dim=DIM, bounded=bounded, gate_lower_bound=LOWER_BOUND)
+    gate = forget_gate(bits_to_f64(inputs["forget_proj"]), inputs["dt_bias"].astype(np.float64),
+                       inputs["a_log"].astype(np.float64), config)
+    ratio = rms_ratio(separate["gate"].astype(np.float64), gate)
+    assert ratio <= 1e-5, f"T={tokens}: gate rms-ratio {ratio:.3e} against the float64 forget gate"
+    ratio = rms_ratio(separate["beta"].astype(np.float64), sigmoid(bits_to_f64(inputs["down_proj"][:, 2 * DIM :])))
+    assert ratio <= 1e-6, f"T={tokens}: beta rms-ratio {ratio:.3e} against sigmoid of the logits"
+    norm = gated_rmsnorm(separate["core"].astype(np.float64), bits_to_f64(inputs["out_gate"]),
+                         bits_to_f64(inputs["norm_w"]), NORM_EPS)
+    ratio = rms_ratio(bits_to_f64(separate["o_norm_out"]).reshape(tokens, -1), round_bf16(norm))
+    assert ratio <= 1e-3, f"T={tokens}: o_norm_out rms-ratio {ratio:.3e} against the float64 gated norm (bound 1e-3)"

@@ -21,7 +21,8 @@ import pytest
 
 from glm_kda.gemm_rows import launch_plan
 from glm_kda.reference import rms_ratio, round_bf16
-from host_cuda import COMMON_DEVICE_HELPERS, HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, build_host_binary, host_kernel_source
+from host_cuda import (COMMON_DEVICE_HELPERS, HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, bf16_bits, bits_to_f64, build_host_binary,
+                       host_kernel_source)
 
 RMS_BOUND = 1e-3
 POISON = 0x7FA5
@@ -106,14 +107,6 @@ def gemm_host(tmp_path_factory):
                              {"emulation.h": GEMM_HEADER, "main.cpp": GEMM_MAIN, "kernel.cpp": kernel})
 
 
-def _bf16_bits(x) -> np.ndarray:
-    import ml_dtypes
-
-    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
-
-
-def _bits_to_f64(bits):
-    return (np.asarray(bits).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
 
 _calls = iter(range(10**9))
@@ -144,7 +137,7 @@ def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, **plan
 
 def _inputs(n, k, rows, seed):
     rng = np.random.default_rng(seed)
-    return _bf16_bits(rng.standard_normal((rows, k))), _bf16_bits(rng.standard_normal((n, k)) * k**-0.5)
+    return bf16_bits(rng.standard_normal((rows, k))), bf16_bits(rng.standard_normal((n, k)) * k**-0.5)
 
 
 def _assert_bits_equal(actual, expected, tag):
@@ -157,7 +150,7 @@ def test_rows_equal_one_row_launches_on_host(gemm_host, shape):
     n, k = shape
     x, w = _inputs(n, k, 65, seed=n + k)
     one_row = run_host(gemm_host, x, w, 65, np.full((65, n), POISON, np.uint16), one_row_launches=True)
-    ratio = rms_ratio(_bits_to_f64(one_row), round_bf16(_bits_to_f64(x) @ _bits_to_f64(w).T))
+    ratio = rms_ratio(bits_to_f64(one_row), round_bf16(bits_to_f64(x) @ bits_to_f64(w).T))
     assert ratio <= RMS_BOUND, f"N{n}-K{k}: rms-ratio {ratio:.3e} against the float64 oracle (bound {RMS_BOUND:g})"
     for rows in (2, 3, 16, 17, 33, 64, 65):
         out = run_host(gemm_host, x[:rows], w, rows, np.full((rows, n), POISON, np.uint16))
@@ -180,8 +173,8 @@ def test_tiles_and_grid_change_no_bit_on_host(gemm_host, rows):
 def test_strided_x_and_column_slice_out_on_host(gemm_host, rows):
     n, k = 136, 264
     rng = np.random.default_rng(rows)
-    x_buffer = _bf16_bits(rng.standard_normal((rows + 3, k + 40)))
-    w = _bf16_bits(rng.standard_normal((n, k)) * k**-0.5)
+    x_buffer = bf16_bits(rng.standard_normal((rows + 3, k + 40)))
+    w = bf16_bits(rng.standard_normal((n, k)) * k**-0.5)
     # x: columns 0 .. k of a buffer with row stride k + 40; out: columns 0 .. n of a wider buffer.
     wide = run_host(gemm_host, x_buffer, w, rows, np.full((rows + 2, n + 40), POISON, np.uint16))
     contiguous = run_host(gemm_host, np.ascontiguousarray(x_buffer[:rows, :k]), w, rows,
