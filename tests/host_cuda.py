@@ -5,7 +5,7 @@ its grid with one std::thread per CUDA thread, so CPU CI runs the kernel source 
                      shuffles (a slot per lane and two warp barriers), static __shared__ arrays
                      (function statics: the blocks run one after the other), alignment-checked
                      vector casts, and shims for the intrinsics with no host twin
-  HOST_CUDA_RUNTIME  the globals, run_grid (a grid, block after block) and file helpers
+  HOST_CUDA_RUNTIME  the globals, run_grid (a grid, block after block, x fastest) and file helpers
   host_kernel_source the kernel file with its PTX-only helpers removed
   build_host_binary  compile with g++ / clang++ (C++20 for <barrier>), or skip the test
 
@@ -155,23 +155,22 @@ template <class F> void run_grid(dim3 grid, int threads, size_t shared_bytes, F 
     gridDim = grid;
     blockDim = dim3{unsigned(threads), 1, 1};
     std::vector<float> shared(shared_bytes / 4 + 4);
-    for (unsigned y = 0; y < grid.y; ++y) {
-        for (unsigned x = 0; x < grid.x; ++x) {
-            std::fill(shared.begin(), shared.end(), std::nanf(""));  // a read before a write shows
-            emulated_shared = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(shared.data()) + 15) & ~uintptr_t(15));
-            std::barrier<> block(threads);
-            block_barrier = &block;
-            std::vector<std::unique_ptr<std::barrier<>>> warps;
-            for (int w = 0; w < threads / 32; ++w) {
-                warps.emplace_back(new std::barrier<>(32));
-                warp_barriers[w] = warps.back().get();
-            }
-            std::vector<std::thread> pool;
-            for (int t = 0; t < threads; ++t) {
-                pool.emplace_back([=] { threadIdx = dim3{unsigned(t), 0, 0}; blockIdx = dim3{x, y, 0}; kernel(); });
-            }
-            for (auto& thread : pool) thread.join();
+    for (unsigned index = 0; index < grid.x * grid.y * grid.z; ++index) {
+        const unsigned x = index % grid.x, y = index / grid.x % grid.y, z = index / (grid.x * grid.y);
+        std::fill(shared.begin(), shared.end(), std::nanf(""));  // a read before a write shows
+        emulated_shared = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(shared.data()) + 15) & ~uintptr_t(15));
+        std::barrier<> block(threads);
+        block_barrier = &block;
+        std::vector<std::unique_ptr<std::barrier<>>> warps;
+        for (int w = 0; w < threads / 32; ++w) {
+            warps.emplace_back(new std::barrier<>(32));
+            warp_barriers[w] = warps.back().get();
         }
+        std::vector<std::thread> pool;
+        for (int t = 0; t < threads; ++t) {
+            pool.emplace_back([=] { threadIdx = dim3{unsigned(t), 0, 0}; blockIdx = dim3{x, y, z}; kernel(); });
+        }
+        for (auto& thread : pool) thread.join();
     }
 }
 

@@ -6,6 +6,9 @@ Promises tested, for both gate laws and 1..9 tokens of one sequence from a rando
     write one after the other (conv.cu decode, gate.cu, recurrent.cu, norm.cu): every stage
     buffer (conv_out, q, k, v, gate, beta, core, o_norm_out) and both states;
   * decode.cu walking all the tokens in one launch (a verify's rows) writes the same bits;
+  * in a pool, B sequences advancing shuffled slots in one launch (fused, and the separate
+    kernels with their slots) write the bits each sequence gets alone, and the other slots
+    keep theirs;
   * against the float64 oracle (glm_kda.reference), each fed the kernels' own inputs: the gate
     (forget_gate; dt_bias per channel, A_log per head) and beta within FP32 rounding, the core
     output and state of the recurrence (recurrent_scan) likewise, the gated norm within the
@@ -51,10 +54,18 @@ extern "C" void kda_decode_fused_bf16(float*, float*, const int*, const bf16_t*,
                                       bf16_t*, float*, float*, float*, float*, float*, float*, bf16_t*, int, int, int,
                                       int, float, float, float, float);
 
+int run_pool(const std::string& dir, int sequences, int heads, int kernel, int bounded, float lower_bound,
+             float l2_eps, float norm_eps, int pool_size);
+
 int main(int argc, char** argv)
 {
     const std::string dir = argv[1];
     const int tokens = std::atoi(argv[2]), heads = std::atoi(argv[3]), kernel = std::atoi(argv[4]);
+    if (argc > 10) {  // a pool of argv[10] slots, `tokens` sequences of one token each
+        jitter = std::atoi(argv[9]);
+        return run_pool(dir, tokens, heads, kernel, std::atoi(argv[5]), std::atof(argv[6]), std::atof(argv[7]),
+                        std::atof(argv[8]), std::atoi(argv[10]));
+    }
     const int bounded = std::atoi(argv[5]);
     const float lower_bound = std::atof(argv[6]), l2_eps = std::atof(argv[7]), norm_eps = std::atof(argv[8]);
     jitter = std::atoi(argv[9]);
@@ -124,6 +135,76 @@ int main(int argc, char** argv)
     std::printf("misaligned=%ld\n", misaligned.load());
     return 0;
 }
+
+// Sequence s (input row s) advances slot slots[s] of the pool: the fused step and the separate
+// kernels for all sequences in one launch each, and the fused step for each sequence alone.
+int run_pool(const std::string& dir, int sequences, int heads, int kernel, int bounded, float lower_bound,
+             float l2_eps, float norm_eps, int pool_size)
+{
+    const size_t D = 128, qkv = heads * D, conv_dim = 3 * qkv, ld_beta = 2 * D + heads;
+    const size_t conv_slot = conv_dim * kernel, state_slot = heads * D * D;
+    const float scale = 1.0f / std::sqrt(float(D));
+    const auto qkv_proj = load_u16(dir + "/qkv_proj", sequences * conv_dim);
+    const auto conv_w = load_u16(dir + "/conv_w", conv_dim * kernel);
+    const auto forget_proj = load_u16(dir + "/forget_proj", sequences * qkv);
+    const auto down_proj = load_u16(dir + "/down_proj", sequences * ld_beta);
+    const auto out_gate = load_u16(dir + "/out_gate", sequences * qkv);
+    const auto norm_w = load_u16(dir + "/norm_w", D);
+    const auto dt_bias = load(dir + "/dt_bias", qkv);
+    const auto a_log = load(dir + "/a_log", heads);
+    const auto conv_start = load(dir + "/conv_pool", pool_size * conv_slot);
+    const auto state_start = load(dir + "/state_pool", pool_size * state_slot);
+    const auto slots = load_as<int>(dir + "/slots", sequences);
+    const bf16_t* beta_logits = down_proj.data() + 2 * D;
+    for (const std::string path : {"pool_fused", "pool_separate", "alone"}) {
+        auto conv_pool = conv_start, state_pool = state_start;
+        std::vector<bf16_t> conv_out(sequences * conv_dim, 0x7FA5), o_norm_out(sequences * qkv, 0x7FA5);
+        std::vector<float> query(sequences * qkv, std::nanf("")), key = query, value = query, gate = query;
+        std::vector<float> core = query, beta(sequences * heads, std::nanf(""));
+        auto fused = [&](int first, int count, const int* slot_list, float* conv_base, float* state_base) {
+            run_grid(dim3{unsigned(heads), unsigned(count), 1}, 128, 0, [&] {
+                kda_decode_fused_bf16(conv_base, state_base, slot_list, qkv_proj.data() + first * conv_dim,
+                                      conv_w.data(), forget_proj.data() + first * qkv, dt_bias.data(), a_log.data(),
+                                      beta_logits + first * ld_beta, int(ld_beta), out_gate.data() + first * qkv,
+                                      norm_w.data(), conv_out.data() + first * conv_dim, query.data() + first * qkv,
+                                      key.data() + first * qkv, value.data() + first * qkv, gate.data() + first * qkv,
+                                      beta.data() + first * heads, core.data() + first * qkv,
+                                      o_norm_out.data() + first * qkv, heads, kernel, 1, bounded, lower_bound, scale,
+                                      l2_eps, norm_eps);
+            });
+        };
+        if (path == "pool_fused") {
+            fused(0, sequences, slots.data(), conv_pool.data(), state_pool.data());
+        } else if (path == "alone") {
+            for (int s = 0; s < sequences; ++s) {
+                fused(s, 1, nullptr, conv_pool.data() + slots[s] * conv_slot, state_pool.data() + slots[s] * state_slot);
+            }
+        } else {
+            run_grid(dim3{unsigned(3 * heads), unsigned(sequences), 1}, 128, 0, [&] {
+                conv_decode_silu_l2_bf16(conv_pool.data(), slots.data(), qkv_proj.data(), conv_w.data(),
+                                         conv_out.data(), query.data(), key.data(), value.data(), heads, 128, kernel,
+                                         l2_eps);
+            });
+            run_grid(dim3{unsigned(heads), unsigned((sequences + 31) / 32), 1}, 128, 0, [&] {
+                gate_beta_f32(forget_proj.data(), dt_bias.data(), a_log.data(), beta_logits, int(ld_beta), gate.data(),
+                              beta.data(), heads, 128, bounded, lower_bound, sequences);
+            });
+            run_grid(dim3{unsigned(heads), 4, unsigned(sequences)}, 32, 0, [&] {
+                kda_recurrent_step_f32(query.data(), key.data(), value.data(), gate.data(), beta.data(),
+                                       state_pool.data(), slots.data(), core.data(), heads, scale);
+            });
+            run_grid(dim3{unsigned(heads), unsigned((sequences + 7) / 8), 1}, 128, 0, [&] {
+                gated_rmsnorm_sigmoid_bf16(core.data(), out_gate.data(), norm_w.data(), o_norm_out.data(), heads, 128,
+                                           norm_eps, sequences);
+            });
+        }
+        save_each(dir + "/" + path + ".",
+                  {"conv_out", "query", "key", "value", "gate", "beta", "core", "o_norm_out", "conv_state", "state"},
+                  conv_out, query, key, value, gate, beta, core, o_norm_out, conv_pool, state_pool);
+    }
+    std::printf("misaligned=%ld\n", misaligned.load());
+    return 0;
+}
 """
 
 
@@ -147,33 +228,41 @@ def decode_host(tmp_path_factory):
     return build_host_binary(tmp_path_factory.mktemp("decode_host"), "decode_host", files)
 
 
+def _layer_inputs(rng, rows):
+    """Random inputs of `rows` token rows and the weights they meet (BF16 bits or FP32)."""
+    qkv, conv_dim = HEADS * DIM, 3 * HEADS * DIM
+    return {
+        "qkv_proj": bf16_bits(rng.standard_normal((rows, conv_dim)) * 2.0),
+        "conv_w": bf16_bits(rng.standard_normal((conv_dim, KERNEL)) * 0.5),
+        "forget_proj": bf16_bits(rng.standard_normal((rows, qkv))),
+        "down_proj": bf16_bits(rng.standard_normal((rows, 2 * DIM + HEADS)) * 2.0),
+        "out_gate": bf16_bits(rng.standard_normal((rows, qkv))),
+        "norm_w": bf16_bits(1.0 + 0.1 * rng.standard_normal(DIM)),
+        "dt_bias": rng.standard_normal(qkv).astype(np.float32),
+        "a_log": rng.uniform(-1.0, 1.0, HEADS).astype(np.float32),
+    }
+
+
+def _run_binary(binary, folder, inputs, rows, bounded, *extra):
+    """Write the inputs to `folder`, run the host binary on them; the outputs land there."""
+    folder.mkdir(exist_ok=True)
+    for name, array in inputs.items():
+        np.ascontiguousarray(array).tofile(folder / name)
+    result = subprocess.run(
+        [str(binary), str(folder), str(rows), str(HEADS), str(KERNEL), str(int(bounded)), repr(LOWER_BOUND),
+         repr(L2_EPS), repr(NORM_EPS), *map(str, extra)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["misaligned=0"], f"host run: {result.stdout.strip()}"
 
 
 def run_decode(binary, tokens, bounded, seed, jitter=False):
     """(outputs of the three paths by name, the random inputs)."""
     rng = np.random.default_rng(seed)
-    qkv, conv_dim = HEADS * DIM, 3 * HEADS * DIM
-    inputs = {
-        "qkv_proj": bf16_bits(rng.standard_normal((tokens, conv_dim)) * 2.0),
-        "conv_w": bf16_bits(rng.standard_normal((conv_dim, KERNEL)) * 0.5),
-        "forget_proj": bf16_bits(rng.standard_normal((tokens, qkv))),
-        "down_proj": bf16_bits(rng.standard_normal((tokens, 2 * DIM + HEADS)) * 2.0),
-        "out_gate": bf16_bits(rng.standard_normal((tokens, qkv))),
-        "norm_w": bf16_bits(1.0 + 0.1 * rng.standard_normal(DIM)),
-        "dt_bias": rng.standard_normal(qkv).astype(np.float32),
-        "a_log": rng.uniform(-1.0, 1.0, HEADS).astype(np.float32),
-        "conv_state": rng.standard_normal((conv_dim, KERNEL)).astype(np.float32),
-        "state": (0.1 * rng.standard_normal((HEADS, DIM, DIM))).astype(np.float32),
-    }
+    inputs = _layer_inputs(rng, tokens)
+    inputs["conv_state"] = rng.standard_normal((3 * HEADS * DIM, KERNEL)).astype(np.float32)
+    inputs["state"] = (0.1 * rng.standard_normal((HEADS, DIM, DIM))).astype(np.float32)
     folder = binary.parent / f"T{tokens}-b{int(bounded)}-{seed}-{int(jitter)}"
-    folder.mkdir(exist_ok=True)
-    for name, array in inputs.items():
-        np.ascontiguousarray(array).tofile(folder / name)
-    result = subprocess.run(
-        [str(binary), str(folder), str(tokens), str(HEADS), str(KERNEL), str(int(bounded)), repr(LOWER_BOUND),
-         repr(L2_EPS), repr(NORM_EPS), str(int(jitter))], capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["misaligned=0"], f"host run: {result.stdout.strip()}"
+    _run_binary(binary, folder, inputs, tokens, bounded, int(jitter))
     layout = _layout(tokens)
     out = {}
     for path in ("separate", "fused_rows", "fused_walk"):
@@ -214,3 +303,28 @@ def test_fused_decode_equals_separate_kernels_on_host(decode_host, tokens, jitte
                          bits_to_f64(inputs["norm_w"]), NORM_EPS)
     ratio = rms_ratio(bits_to_f64(separate["o_norm_out"]).reshape(tokens, -1), round_bf16(norm))
     assert ratio <= 1e-3, f"T={tokens}: o_norm_out rms-ratio {ratio:.3e} against the float64 gated norm (bound 1e-3)"
+
+
+@pytest.mark.parametrize("bounded", [True, False], ids=["bounded", "softplus"])
+@pytest.mark.parametrize("sequences", [1, 5, 33], ids=lambda b: f"B{b}")
+def test_pool_sequences_equal_each_alone_on_host(decode_host, sequences, bounded):
+    rng = np.random.default_rng(100 + sequences + int(bounded))
+    conv_dim, pool_size = 3 * HEADS * DIM, sequences + 3
+    inputs = _layer_inputs(rng, sequences)
+    inputs["conv_pool"] = rng.standard_normal((pool_size, conv_dim, KERNEL)).astype(np.float32)
+    inputs["state_pool"] = (0.1 * rng.standard_normal((pool_size, HEADS, DIM, DIM))).astype(np.float32)
+    inputs["slots"] = rng.permutation(pool_size)[:sequences].astype(np.int32)
+    folder = decode_host.parent / f"pool-B{sequences}-b{int(bounded)}"
+    _run_binary(decode_host, folder, inputs, sequences, bounded, 0, pool_size)
+    layout = {**_layout(sequences), "conv_state": (np.float32, (pool_size, conv_dim, KERNEL)),
+              "state": (np.float32, (pool_size, HEADS, DIM, DIM))}
+    out = {path: {name: np.fromfile(folder / f"{path}.{name}", dtype).reshape(shape) for name, (dtype, shape) in layout.items()}
+           for path in ("pool_fused", "pool_separate", "alone")}
+    for path in ("pool_fused", "pool_separate"):
+        for name in OUTPUTS:
+            differ = int(np.count_nonzero(out[path][name].view(np.uint8) != out["alone"][name].view(np.uint8)))
+            assert differ == 0, f"B={sequences} {path}: {differ} bytes of {name} differ from each sequence alone"
+    others = np.setdiff1d(np.arange(pool_size), inputs["slots"])
+    assert np.array_equal(out["pool_fused"]["state"][others], inputs["state_pool"][others]), "an unnamed slot changed"
+    assert np.array_equal(out["pool_fused"]["conv_state"][others], inputs["conv_pool"][others]), "an unnamed slot changed"
+    assert not np.array_equal(out["alone"]["state"][inputs["slots"]], inputs["state_pool"][inputs["slots"]])
