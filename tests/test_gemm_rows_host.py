@@ -1,5 +1,6 @@
 """kernels_src/gemm_rows.cu on the host (tests/host_cuda.py), launched as glm_kda.gemm_rows plans
-it, so CPU CI runs the projection kernel's own indexing, predication, k tails and split-k order.
+it, so CPU CI runs the projection kernel's own indexing, predication, k tails and split-k order;
+and gemv.cu, the CUDA-core reference GEMV of up to 16 rows.
 
 The BF16 mma.m16n8k16 is emulated as a warp collective from the PTX fragment layout (A: row g
 for registers 0 and 2, g + 8 for 1 and 3, k 2t + 8 (r / 2) + e; B: k 2t + 8 r + e, column g;
@@ -15,6 +16,7 @@ float64 oracle rounded to BF16 within the bound of tests/test_gemm_rows.py.
 from __future__ import annotations
 
 import subprocess
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -65,6 +67,7 @@ MmaSlot mma_slots[32][32];
 #define DECLARE(M, N) extern "C" void gemm_rows_bf16_m##M##_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, \
                                                                 int, int, int);
 DECLARE(1, 1) DECLARE(1, 2) DECLARE(1, 4) DECLARE(2, 1) DECLARE(2, 2) DECLARE(2, 4) DECLARE(4, 1) DECLARE(4, 2)
+extern "C" void gemv_bf16(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int);
 using Entry = void (*)(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int, int);
 
 int main(int argc, char** argv)
@@ -81,7 +84,11 @@ int main(int argc, char** argv)
     const std::pair<std::pair<int, int>, Entry> entries[] = {
         {{1, 1}, gemm_rows_bf16_m1_n1}, {{1, 2}, gemm_rows_bf16_m1_n2}, {{1, 4}, gemm_rows_bf16_m1_n4},
         {{2, 1}, gemm_rows_bf16_m2_n1}, {{2, 2}, gemm_rows_bf16_m2_n2}, {{2, 4}, gemm_rows_bf16_m2_n4},
-        {{4, 1}, gemm_rows_bf16_m4_n1}, {{4, 2}, gemm_rows_bf16_m4_n2}};
+        {{4, 1}, gemm_rows_bf16_m4_n1}, {{4, 2}, gemm_rows_bf16_m4_n2},
+        // m0_n0: gemv_bf16 (no prefetch argument)
+        {{0, 0}, [](const bf16_t* x, int ldx, const bf16_t* w, bf16_t* y, int ldy, int rows, int n, int k, int) {
+             gemv_bf16(x, ldx, w, y, ldy, rows, n, k);
+         }}};
     Entry entry = nullptr;
     for (const auto& [name, function] : entries) if (name == key) entry = function;
     if (!entry) { std::fprintf(stderr, "no entry m%d_n%d\n", m_tiles, n_tiles); return 2; }
@@ -103,8 +110,9 @@ int main(int argc, char** argv)
 @pytest.fixture(scope="module")
 def gemm_host(tmp_path_factory):
     kernel = '#include "emulation.h"\n' + host_kernel_source("gemm_rows", DEVICE_HELPERS)
+    gemv = '#include "emulation.h"\n' + host_kernel_source("gemv", COMMON_DEVICE_HELPERS)
     return build_host_binary(tmp_path_factory.mktemp("gemm_rows_host"), "gemm_rows_host",
-                             {"emulation.h": GEMM_HEADER, "main.cpp": GEMM_MAIN, "kernel.cpp": kernel})
+                             {"emulation.h": GEMM_HEADER, "main.cpp": GEMM_MAIN, "kernel.cpp": kernel, "gemv.cpp": gemv})
 
 
 
@@ -112,13 +120,17 @@ def gemm_host(tmp_path_factory):
 _calls = iter(range(10**9))
 
 
-def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, **plan_args):
+def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, gemv=False, **plan_args):
     """One launch as gemm_rows_bf16 plans it (132 SMs), on x_buffer[:, :k] (row stride of the
     buffer) into y_buffer[:, :n], or with one_row_launches a one-row launch per row; returns the
-    new y_buffer."""
+    new y_buffer. gemv: ops.gemv_bf16's launch instead (8 columns a block)."""
     n, k = w.shape
-    plan = launch_plan(n, k, 1 if one_row_launches else rows, **plan_args)
-    m_tiles, n_tiles = (int(part[1:]) for part in plan.kernel.split("_")[-2:])
+    if gemv:
+        m_tiles = n_tiles = 0
+        plan = SimpleNamespace(grid=(-(-n // 8), 1))
+    else:
+        plan = launch_plan(n, k, 1 if one_row_launches else rows, **plan_args)
+        m_tiles, n_tiles = (int(part[1:]) for part in plan.kernel.split("_")[-2:])
     folder = binary.parent / f"call{next(_calls)}"
     folder.mkdir()
     x_buffer.tofile(folder / "x")
@@ -183,3 +195,17 @@ def test_strided_x_and_column_slice_out_on_host(gemm_host, rows):
     untouched = np.ones(wide.shape, dtype=bool)
     untouched[:rows, :n] = False
     assert (wide[untouched] == POISON).all(), f"R{rows}: wrote outside columns < {n} / rows < {rows}"
+
+
+@pytest.mark.parametrize("shape", [(40, 136), (72, 2056)], ids=lambda s: f"N{s[0]}-K{s[1]}")
+def test_gemv_rows_equal_one_row_launches_on_host(gemm_host, shape):
+    """ops.gemv_bf16, the CUDA-core GEMV of up to 16 rows that gemm_rows replaced (the scalar
+    reference): rows equal one-row launches bit for bit, and the oracle within the bound."""
+    n, k = shape
+    x, w = _inputs(n, k, 16, seed=3 * n + k)
+    one_row = run_host(gemm_host, x, w, 16, np.full((16, n), POISON, np.uint16), one_row_launches=True, gemv=True)
+    ratio = rms_ratio(bits_to_f64(one_row), round_bf16(bits_to_f64(x) @ bits_to_f64(w).T))
+    assert ratio <= RMS_BOUND, f"gemv N{n}-K{k}: rms-ratio {ratio:.3e} against the float64 oracle (bound {RMS_BOUND:g})"
+    for rows in (2, 7, 16):
+        out = run_host(gemm_host, x[:rows], w, rows, np.full((rows, n), POISON, np.uint16), gemv=True)
+        _assert_bits_equal(out, one_row[:rows], f"gemv N{n}-K{k} R{rows} vs one-row launches")
