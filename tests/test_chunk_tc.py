@@ -57,7 +57,8 @@ from glm_kda.chunk_tc import (
 from glm_kda.device import gpu_status
 from glm_kda.reference import chunk_scan, rms_ratio
 from glm_kda.synthetic import synthetic_config
-from host_cuda import COMMON_DEVICE_HELPERS, HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, build_host_binary, host_kernel_source
+from host_cuda import (COMMON_DEVICE_HELPERS, HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, bf16_bits, build_host_binary,
+                       host_kernel_source)
 from standins import HostStandIn, aligned
 
 GPU_OK, GPU_WHY = gpu_status()
@@ -501,9 +502,6 @@ def test_kernel_source_on_host_fused_gate(emulator):
     rows = host_rows(tokens)
     inputs = make_inputs(tokens, heads, seed=SEED + 11)
     rng = np.random.default_rng(SEED + 11)
-
-    def bf16_bits(x):
-        return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
 
     forget_proj = np.full((rows, heads * 128), 0x7FC0, np.uint16)  # BF16 NaN in the pad rows
     forget_proj[:tokens] = bf16_bits(2.0 * rng.standard_normal((tokens, heads * 128)))

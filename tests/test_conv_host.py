@@ -30,7 +30,6 @@ HEADS = 2  # 6 heads of q, k or v: the prefill's second block has two warps past
 DIM = 128
 L2_EPS = 1e-6
 STAGE_BOUND = 1e-3
-POISON_BF16 = 0x7FA5
 
 CONV_MAIN = r"""
 #include "emulation.h"
@@ -86,16 +85,6 @@ def host_source() -> str:
 def conv_host(tmp_path_factory):
     return build_host_binary(tmp_path_factory.mktemp("conv_host"), "conv_host",
                              {"emulation.h": HOST_CUDA_HEADER, "main.cpp": CONV_MAIN, "kernel.cpp": host_source()})
-
-
-def bf16_bits(x: np.ndarray) -> np.ndarray:
-    import ml_dtypes
-
-    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
-
-
-def bits_to_f64(bits: np.ndarray) -> np.ndarray:
-    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
 
 def run_conv(binary, qkv_proj_bits, conv_w_bits, state, jitter=False):

@@ -54,153 +54,98 @@ extern "C" void kda_decode_fused_bf16(float*, float*, const int*, const bf16_t*,
                                       bf16_t*, float*, float*, float*, float*, float*, float*, bf16_t*, int, int, int,
                                       int, float, float, float, float);
 
-int run_pool(const std::string& dir, int sequences, int heads, int kernel, int bounded, float lower_bound,
-             float l2_eps, float norm_eps, int pool_size);
-
+// argv: dir, rows, heads, K, bounded, lower bound, l2 eps, norm eps, jitter, pool size. Pool size
+// 0: the rows are consecutive tokens of one sequence (paths separate, fused_rows, fused_walk);
+// else sequence s (row s) advances slot slots[s] of a pool of that many (paths pool_fused,
+// pool_separate, and alone: the fused step for each sequence by itself).
 int main(int argc, char** argv)
 {
     const std::string dir = argv[1];
-    const int tokens = std::atoi(argv[2]), heads = std::atoi(argv[3]), kernel = std::atoi(argv[4]);
-    if (argc > 10) {  // a pool of argv[10] slots, `tokens` sequences of one token each
-        jitter = std::atoi(argv[9]);
-        return run_pool(dir, tokens, heads, kernel, std::atoi(argv[5]), std::atof(argv[6]), std::atof(argv[7]),
-                        std::atof(argv[8]), std::atoi(argv[10]));
-    }
+    const int rows = std::atoi(argv[2]), heads = std::atoi(argv[3]), kernel = std::atoi(argv[4]);
     const int bounded = std::atoi(argv[5]);
     const float lower_bound = std::atof(argv[6]), l2_eps = std::atof(argv[7]), norm_eps = std::atof(argv[8]);
     jitter = std::atoi(argv[9]);
+    const int pool_size = std::atoi(argv[10]);
     const size_t D = 128, qkv = heads * D, conv_dim = 3 * qkv, ld_beta = 2 * D + heads;
+    const size_t conv_slot = conv_dim * kernel, state_slot = heads * D * D, slot_count = std::max(pool_size, 1);
     const float scale = 1.0f / std::sqrt(float(D));
-    const auto qkv_proj = load_u16(dir + "/qkv_proj", tokens * conv_dim);
+    const auto qkv_proj = load_u16(dir + "/qkv_proj", rows * conv_dim);
     const auto conv_w = load_u16(dir + "/conv_w", conv_dim * kernel);
-    const auto forget_proj = load_u16(dir + "/forget_proj", tokens * qkv);
-    const auto down_proj = load_u16(dir + "/down_proj", tokens * ld_beta);  // beta logits at column 2 D
-    const auto out_gate = load_u16(dir + "/out_gate", tokens * qkv);
+    const auto forget_proj = load_u16(dir + "/forget_proj", rows * qkv);
+    const auto down_proj = load_u16(dir + "/down_proj", rows * ld_beta);  // beta logits at column 2 D
+    const auto out_gate = load_u16(dir + "/out_gate", rows * qkv);
     const auto norm_w = load_u16(dir + "/norm_w", D);
     const auto dt_bias = load(dir + "/dt_bias", qkv);
     const auto a_log = load(dir + "/a_log", heads);
-    const auto conv_start = load(dir + "/conv_state", conv_dim * kernel);
-    const auto state_start = load(dir + "/state", heads * D * D);
+    const auto conv_start = load(dir + "/conv_state", slot_count * conv_slot);
+    const auto state_start = load(dir + "/state", slot_count * state_slot);
+    const auto slots = pool_size ? load_as<int>(dir + "/slots", rows) : std::vector<int>();
     const bf16_t* beta_logits = down_proj.data() + 2 * D;
 
-    for (const std::string path : {"separate", "fused_rows", "fused_walk"}) {
+    const std::initializer_list<const char*> one_sequence = {"separate", "fused_rows", "fused_walk"};
+    const std::initializer_list<const char*> pool = {"pool_fused", "pool_separate", "alone"};
+    for (const std::string path : pool_size ? pool : one_sequence) {
         auto conv_state = conv_start, state = state_start;
-        std::vector<bf16_t> conv_out(tokens * conv_dim, 0x7FA5), o_norm_out(tokens * qkv, 0x7FA5);
-        std::vector<float> query(tokens * qkv, std::nanf("")), key = query, value = query, gate = query, core = query;
-        std::vector<float> beta(tokens * heads, std::nanf(""));
-        auto fused = [&](int first, int count) {
-            run_grid(dim3{unsigned(heads), 1, 1}, 128, 0, [&] {
-                kda_decode_fused_bf16(conv_state.data(), state.data(), nullptr, qkv_proj.data() + first * conv_dim,
-                                      conv_w.data(), forget_proj.data() + first * qkv, dt_bias.data(), a_log.data(),
+        std::vector<bf16_t> conv_out(rows * conv_dim, 0x7FA5), o_norm_out(rows * qkv, 0x7FA5);
+        std::vector<float> query(rows * qkv, std::nanf("")), key = query, value = query, gate = query, core = query;
+        std::vector<float> beta(rows * heads, std::nanf(""));
+        // The fused step over rows first.. : `sequences` sequences (slot_list, or the states given
+        // when null) of `tokens` tokens each.
+        auto fused = [&](int first, int sequences, int tokens, const int* slot_list, float* conv, float* states) {
+            run_grid(dim3{unsigned(heads), unsigned(sequences), 1}, 128, 0, [&] {
+                kda_decode_fused_bf16(conv, states, slot_list, qkv_proj.data() + first * conv_dim, conv_w.data(),
+                                      forget_proj.data() + first * qkv, dt_bias.data(), a_log.data(),
                                       beta_logits + first * ld_beta, int(ld_beta), out_gate.data() + first * qkv,
                                       norm_w.data(), conv_out.data() + first * conv_dim, query.data() + first * qkv,
                                       key.data() + first * qkv, value.data() + first * qkv, gate.data() + first * qkv,
                                       beta.data() + first * heads, core.data() + first * qkv,
-                                      o_norm_out.data() + first * qkv, heads, kernel, count, bounded, lower_bound,
+                                      o_norm_out.data() + first * qkv, heads, kernel, tokens, bounded, lower_bound,
                                       scale, l2_eps, norm_eps);
             });
         };
+        // The separate kernels over rows first .. first + count - 1, one token of a sequence each.
+        auto separate = [&](int first, int count, const int* slot_list, float* conv, float* states) {
+            run_grid(dim3{unsigned(3 * heads), unsigned(count), 1}, 128, 0, [&] {
+                conv_decode_silu_l2_bf16(conv, slot_list, qkv_proj.data() + first * conv_dim, conv_w.data(),
+                                         conv_out.data() + first * conv_dim, query.data() + first * qkv,
+                                         key.data() + first * qkv, value.data() + first * qkv, heads, 128, kernel,
+                                         l2_eps);
+            });
+            run_grid(dim3{unsigned(heads), unsigned((count + 31) / 32), 1}, 128, 0, [&] {
+                gate_beta_f32(forget_proj.data() + first * qkv, dt_bias.data(), a_log.data(),
+                              beta_logits + first * ld_beta, int(ld_beta), gate.data() + first * qkv,
+                              beta.data() + first * heads, heads, 128, bounded, lower_bound, count);
+            });
+            run_grid(dim3{unsigned(heads), 4, unsigned(count)}, 32, 0, [&] {
+                kda_recurrent_step_f32(query.data() + first * qkv, key.data() + first * qkv,
+                                       value.data() + first * qkv, gate.data() + first * qkv,
+                                       beta.data() + first * heads, states, slot_list, core.data() + first * qkv,
+                                       heads, scale);
+            });
+            run_grid(dim3{unsigned(heads), unsigned((count + 7) / 8), 1}, 128, 0, [&] {
+                gated_rmsnorm_sigmoid_bf16(core.data() + first * qkv, out_gate.data() + first * qkv, norm_w.data(),
+                                           o_norm_out.data() + first * qkv, heads, 128, norm_eps, count);
+            });
+        };
         if (path == "fused_walk") {
-            fused(0, tokens);
+            fused(0, 1, rows, nullptr, conv_state.data(), state.data());
+        } else if (path == "pool_fused") {
+            fused(0, rows, 1, slots.data(), conv_state.data(), state.data());
+        } else if (path == "pool_separate") {
+            separate(0, rows, slots.data(), conv_state.data(), state.data());
         }
-        for (int t = 0; t < tokens && path != "fused_walk"; ++t) {
+        for (int t = 0; t < rows; ++t) {
             if (path == "fused_rows") {
-                fused(t, 1);
-                continue;
+                fused(t, 1, 1, nullptr, conv_state.data(), state.data());
+            } else if (path == "separate") {
+                separate(t, 1, nullptr, conv_state.data(), state.data());
+            } else if (path == "alone") {
+                fused(t, 1, 1, nullptr, conv_state.data() + slots[t] * conv_slot, state.data() + slots[t] * state_slot);
             }
-            run_grid(dim3{unsigned(3 * heads), 1, 1}, 128, 0, [&] {
-                conv_decode_silu_l2_bf16(conv_state.data(), nullptr, qkv_proj.data() + t * conv_dim, conv_w.data(),
-                                         conv_out.data() + t * conv_dim, query.data() + t * qkv,
-                                         key.data() + t * qkv, value.data() + t * qkv, heads, 128, kernel, l2_eps);
-            });
-            run_grid(dim3{unsigned(heads), 1, 1}, 128, 0, [&] {
-                gate_beta_f32(forget_proj.data() + t * qkv, dt_bias.data(), a_log.data(), beta_logits + t * ld_beta,
-                              int(ld_beta), gate.data() + t * qkv, beta.data() + t * heads, heads, 128, bounded,
-                              lower_bound, 1);
-            });
-            run_grid(dim3{unsigned(heads), 4, 1}, 32, 0, [&] {
-                kda_recurrent_step_f32(query.data() + t * qkv, key.data() + t * qkv, value.data() + t * qkv,
-                                       gate.data() + t * qkv, beta.data() + t * heads, state.data(), nullptr,
-                                       core.data() + t * qkv, heads, scale);
-            });
-            run_grid(dim3{unsigned(heads), 1, 1}, 128, 0, [&] {
-                gated_rmsnorm_sigmoid_bf16(core.data() + t * qkv, out_gate.data() + t * qkv, norm_w.data(),
-                                           o_norm_out.data() + t * qkv, heads, 128, norm_eps, 1);
-            });
         }
         save_each(dir + "/" + path + ".",
                   {"conv_out", "query", "key", "value", "gate", "beta", "core", "o_norm_out", "conv_state", "state"},
                   conv_out, query, key, value, gate, beta, core, o_norm_out, conv_state, state);
-    }
-    std::printf("misaligned=%ld\n", misaligned.load());
-    return 0;
-}
-
-// Sequence s (input row s) advances slot slots[s] of the pool: the fused step and the separate
-// kernels for all sequences in one launch each, and the fused step for each sequence alone.
-int run_pool(const std::string& dir, int sequences, int heads, int kernel, int bounded, float lower_bound,
-             float l2_eps, float norm_eps, int pool_size)
-{
-    const size_t D = 128, qkv = heads * D, conv_dim = 3 * qkv, ld_beta = 2 * D + heads;
-    const size_t conv_slot = conv_dim * kernel, state_slot = heads * D * D;
-    const float scale = 1.0f / std::sqrt(float(D));
-    const auto qkv_proj = load_u16(dir + "/qkv_proj", sequences * conv_dim);
-    const auto conv_w = load_u16(dir + "/conv_w", conv_dim * kernel);
-    const auto forget_proj = load_u16(dir + "/forget_proj", sequences * qkv);
-    const auto down_proj = load_u16(dir + "/down_proj", sequences * ld_beta);
-    const auto out_gate = load_u16(dir + "/out_gate", sequences * qkv);
-    const auto norm_w = load_u16(dir + "/norm_w", D);
-    const auto dt_bias = load(dir + "/dt_bias", qkv);
-    const auto a_log = load(dir + "/a_log", heads);
-    const auto conv_start = load(dir + "/conv_pool", pool_size * conv_slot);
-    const auto state_start = load(dir + "/state_pool", pool_size * state_slot);
-    const auto slots = load_as<int>(dir + "/slots", sequences);
-    const bf16_t* beta_logits = down_proj.data() + 2 * D;
-    for (const std::string path : {"pool_fused", "pool_separate", "alone"}) {
-        auto conv_pool = conv_start, state_pool = state_start;
-        std::vector<bf16_t> conv_out(sequences * conv_dim, 0x7FA5), o_norm_out(sequences * qkv, 0x7FA5);
-        std::vector<float> query(sequences * qkv, std::nanf("")), key = query, value = query, gate = query;
-        std::vector<float> core = query, beta(sequences * heads, std::nanf(""));
-        auto fused = [&](int first, int count, const int* slot_list, float* conv_base, float* state_base) {
-            run_grid(dim3{unsigned(heads), unsigned(count), 1}, 128, 0, [&] {
-                kda_decode_fused_bf16(conv_base, state_base, slot_list, qkv_proj.data() + first * conv_dim,
-                                      conv_w.data(), forget_proj.data() + first * qkv, dt_bias.data(), a_log.data(),
-                                      beta_logits + first * ld_beta, int(ld_beta), out_gate.data() + first * qkv,
-                                      norm_w.data(), conv_out.data() + first * conv_dim, query.data() + first * qkv,
-                                      key.data() + first * qkv, value.data() + first * qkv, gate.data() + first * qkv,
-                                      beta.data() + first * heads, core.data() + first * qkv,
-                                      o_norm_out.data() + first * qkv, heads, kernel, 1, bounded, lower_bound, scale,
-                                      l2_eps, norm_eps);
-            });
-        };
-        if (path == "pool_fused") {
-            fused(0, sequences, slots.data(), conv_pool.data(), state_pool.data());
-        } else if (path == "alone") {
-            for (int s = 0; s < sequences; ++s) {
-                fused(s, 1, nullptr, conv_pool.data() + slots[s] * conv_slot, state_pool.data() + slots[s] * state_slot);
-            }
-        } else {
-            run_grid(dim3{unsigned(3 * heads), unsigned(sequences), 1}, 128, 0, [&] {
-                conv_decode_silu_l2_bf16(conv_pool.data(), slots.data(), qkv_proj.data(), conv_w.data(),
-                                         conv_out.data(), query.data(), key.data(), value.data(), heads, 128, kernel,
-                                         l2_eps);
-            });
-            run_grid(dim3{unsigned(heads), unsigned((sequences + 31) / 32), 1}, 128, 0, [&] {
-                gate_beta_f32(forget_proj.data(), dt_bias.data(), a_log.data(), beta_logits, int(ld_beta), gate.data(),
-                              beta.data(), heads, 128, bounded, lower_bound, sequences);
-            });
-            run_grid(dim3{unsigned(heads), 4, unsigned(sequences)}, 32, 0, [&] {
-                kda_recurrent_step_f32(query.data(), key.data(), value.data(), gate.data(), beta.data(),
-                                       state_pool.data(), slots.data(), core.data(), heads, scale);
-            });
-            run_grid(dim3{unsigned(heads), unsigned((sequences + 7) / 8), 1}, 128, 0, [&] {
-                gated_rmsnorm_sigmoid_bf16(core.data(), out_gate.data(), norm_w.data(), o_norm_out.data(), heads, 128,
-                                           norm_eps, sequences);
-            });
-        }
-        save_each(dir + "/" + path + ".",
-                  {"conv_out", "query", "key", "value", "gate", "beta", "core", "o_norm_out", "conv_state", "state"},
-                  conv_out, query, key, value, gate, beta, core, o_norm_out, conv_pool, state_pool);
     }
     std::printf("misaligned=%ld\n", misaligned.load());
     return 0;
@@ -262,7 +207,7 @@ def run_decode(binary, tokens, bounded, seed, jitter=False):
     inputs["conv_state"] = rng.standard_normal((3 * HEADS * DIM, KERNEL)).astype(np.float32)
     inputs["state"] = (0.1 * rng.standard_normal((HEADS, DIM, DIM))).astype(np.float32)
     folder = binary.parent / f"T{tokens}-b{int(bounded)}-{seed}-{int(jitter)}"
-    _run_binary(binary, folder, inputs, tokens, bounded, int(jitter))
+    _run_binary(binary, folder, inputs, tokens, bounded, int(jitter), 0)
     layout = _layout(tokens)
     out = {}
     for path in ("separate", "fused_rows", "fused_walk"):
@@ -311,8 +256,8 @@ def test_pool_sequences_equal_each_alone_on_host(decode_host, sequences, bounded
     rng = np.random.default_rng(100 + sequences + int(bounded))
     conv_dim, pool_size = 3 * HEADS * DIM, sequences + 3
     inputs = _layer_inputs(rng, sequences)
-    inputs["conv_pool"] = rng.standard_normal((pool_size, conv_dim, KERNEL)).astype(np.float32)
-    inputs["state_pool"] = (0.1 * rng.standard_normal((pool_size, HEADS, DIM, DIM))).astype(np.float32)
+    inputs["conv_state"] = rng.standard_normal((pool_size, conv_dim, KERNEL)).astype(np.float32)
+    inputs["state"] = (0.1 * rng.standard_normal((pool_size, HEADS, DIM, DIM))).astype(np.float32)
     inputs["slots"] = rng.permutation(pool_size)[:sequences].astype(np.int32)
     folder = decode_host.parent / f"pool-B{sequences}-b{int(bounded)}"
     _run_binary(decode_host, folder, inputs, sequences, bounded, 0, pool_size)
@@ -325,6 +270,6 @@ def test_pool_sequences_equal_each_alone_on_host(decode_host, sequences, bounded
             differ = int(np.count_nonzero(out[path][name].view(np.uint8) != out["alone"][name].view(np.uint8)))
             assert differ == 0, f"B={sequences} {path}: {differ} bytes of {name} differ from each sequence alone"
     others = np.setdiff1d(np.arange(pool_size), inputs["slots"])
-    assert np.array_equal(out["pool_fused"]["state"][others], inputs["state_pool"][others]), "an unnamed slot changed"
-    assert np.array_equal(out["pool_fused"]["conv_state"][others], inputs["conv_pool"][others]), "an unnamed slot changed"
-    assert not np.array_equal(out["alone"]["state"][inputs["slots"]], inputs["state_pool"][inputs["slots"]])
+    assert np.array_equal(out["pool_fused"]["state"][others], inputs["state"][others]), "an unnamed slot changed"
+    assert np.array_equal(out["pool_fused"]["conv_state"][others], inputs["conv_state"][others]), "an unnamed slot changed"
+    assert not np.array_equal(out["alone"]["state"][inputs["slots"]], inputs["state"][inputs["slots"]])

@@ -28,7 +28,6 @@ from host_cuda import (COMMON_DEVICE_HELPERS, HOST_CUDA_HEADER, HOST_CUDA_RUNTIM
 
 RMS_BOUND = 1e-3
 POISON = 0x7FA5
-ENTRIES = ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2))
 DEVICE_HELPERS = ("load_weight_16B", "prefetch_l2", "load_activation_16B", "mma_bf16_m16n8k16", *COMMON_DEVICE_HELPERS)
 
 GEMM_HEADER = HOST_CUDA_HEADER + r"""

@@ -294,17 +294,15 @@ def test_prefill_conv_equals_decode_conv_steps(tokens, kernel_size):
     """The prefill conv (a warp per head, 4 channels a lane) and T decode conv steps (a block
     per head) write the same bits: conv output, q, k, v and the carried state, from a random
     carried state; token tiles of 64 rebuild their windows from the tokens before them."""
-    import ml_dtypes
-
     from glm_kda import ops
+    from host_cuda import bf16_bits
 
     cp = _cp()
     heads, dim = 4, ops.HEAD_DIM
     conv_dim = 3 * heads * dim
     rng = np.random.default_rng(SEED + tokens + kernel_size)
-    bits = lambda a: cp.asarray(a.astype(np.float32).astype(ml_dtypes.bfloat16).view(np.uint16))  # noqa: E731
-    qkv_proj = bits(rng.standard_normal((tokens, conv_dim)) * 2.0)
-    conv_w = bits(rng.standard_normal((conv_dim, kernel_size)) * 0.5)
+    qkv_proj = cp.asarray(bf16_bits(rng.standard_normal((tokens, conv_dim)) * 2.0))
+    conv_w = cp.asarray(bf16_bits(rng.standard_normal((conv_dim, kernel_size)) * 0.5))
     start = cp.asarray(rng.standard_normal((conv_dim, kernel_size)).astype(np.float32))
 
     def outputs():
