@@ -3,15 +3,19 @@
   * per-kernel GPU time of an eager step (CUDA events around every launch, 20 steps averaged);
   * the captured graph replayed back to back with no Python in between: the GPU time of one
     step (median of 5 interleaved rounds of 200 replays), its roofline ratio against the copy
-    bandwidth measured in the same run, and the replays of verify K=4 and K=16 (decode_k)
-    over it;
+    bandwidth measured in the same run, the replays of verify K=4 and K=16 (decode_k) over it,
+    and a step of 64 sequences of a pool (shuffled slots) with its own roofline ratio;
   * the public call (input copy, replay, output copy) issued back to back, 200 calls between
     two events: what a decode loop that does not synchronise every token pays per call.
-Each geometry runs five ways in the same process: the fused decode step with the projections
-after a kernel launched as its programmatic dependents, asking L2 for the first 4, 16 (the
-default) or 0 blocks of 32 k of each weight row (gemm_rows.PREFETCH_K_BLOCKS); the fused
-step with plain launches (kernels.PROGRAMMATIC_LAUNCH = False); and the separate kernels with
-plain launches (layer.fused_decode = False).
+Each geometry runs the VARIANTS below in the same process: the fused decode step with the
+projections after a kernel launched as its programmatic dependents, with or without their first
+weights staged in shared memory before the wait (gemm_rows.STAGE_WEIGHTS), the fused step
+launched as the programmatic dependent of the q|k|v projection or plainly
+(layer.PROGRAMMATIC_STEP), every decode kernel asking for the largest shared-memory split or
+leaving it to the driver (ops.DECODE_CARVEOUT 100 or -1), and L2 asked for 16 or 0 further
+blocks of 32 k of each weight row (gemm_rows.PREFETCH_K_BLOCKS); the fused step with plain launches
+(kernels.PROGRAMMATIC_LAUNCH = False); and the separate kernels with plain launches
+(layer.fused_decode = False).
 
     PYTHONPATH=. python benchmarks/decode_breakdown.py [glm kimi]
 """
@@ -30,46 +34,64 @@ def back_to_back_us(fn, calls: int = 200) -> float:
     return 1e3 * back_to_back_ms(fn, calls)
 
 
-VARIANTS = (  # (fused_decode, programmatic launches, L2 prefetch k blocks)
-    (True, True, 4), (True, True, 16), (True, True, 0), (True, False, 0), (False, False, 0),
+# (fused_decode, programmatic launches, L2 prefetch k blocks, staged weights, programmatic step,
+# shared-memory carveout)
+VARIANTS = (
+    (True, True, 16, True, True, 100), (True, True, 0, True, True, 100), (True, True, 16, True, False, 100),
+    (True, True, 16, False, True, 100), (True, True, 16, False, False, 100), (True, True, 16, False, False, -1),
+    (True, False, 0, False, False, -1), (False, False, 0, False, False, -1),
 )
 ROUNDS = 5
 VERIFY_K = (4, 16)
+BATCH = 64
+
+
+def apply(variant) -> None:
+    from glm_kda import gemm_rows, kernels, layer, ops
+
+    (_, kernels.PROGRAMMATIC_LAUNCH, gemm_rows.PREFETCH_K_BLOCKS, gemm_rows.STAGE_WEIGHTS, layer.PROGRAMMATIC_STEP,
+     ops.DECODE_CARVEOUT) = variant
 
 
 def main(geometries: list[str]) -> None:
     import cupy
     import numpy as np
 
-    from glm_kda import gemm_rows, kernels
+    from glm_kda import gemm_rows, kernels, layer as layer_module, ops
     from glm_kda.selftest import state_bytes, weight_bytes
     from glm_kda.layer import KdaLayer, to_device_bf16
+    from glm_kda.state import StatePool
     from glm_kda.selftest import copy_bandwidth_gbs
     from glm_kda.synthetic import synthetic_hidden, write_synthetic_checkpoint
 
     bandwidth = copy_bandwidth_gbs()
-    defaults = (True, kernels.PROGRAMMATIC_LAUNCH, gemm_rows.PREFETCH_K_BLOCKS)
+    defaults = (True, kernels.PROGRAMMATIC_LAUNCH, gemm_rows.PREFETCH_K_BLOCKS, gemm_rows.STAGE_WEIGHTS,
+                layer_module.PROGRAMMATIC_STEP, ops.DECODE_CARVEOUT)
     stream = cupy.cuda.get_current_stream()
     with tempfile.TemporaryDirectory() as tmp:
         for geometry in geometries:
             path = write_synthetic_checkpoint(Path(tmp) / geometry, geometry, num_layers=1)
             layer = KdaLayer.from_pretrained(path, 0, max_tokens=64, progress=False)
             cfg = layer.config
-            hidden = to_device_bf16(synthetic_hidden(max(VERIFY_K), cfg.hidden))
+            hidden = to_device_bf16(synthetic_hidden(BATCH, cfg.hidden))
             state = layer.new_state()
+            pool = StatePool(cfg, 2 * BATCH)
+            slots = cupy.asarray(np.random.default_rng(0).permutation(2 * BATCH)[:BATCH].astype(np.int32))
             nbytes = weight_bytes(cfg) + state_bytes(cfg)
+            batch_bytes = weight_bytes(cfg) + BATCH * state_bytes(cfg)
             captured = {}
             for variant in VARIANTS:
-                fused, programmatic, prefetch = variant
-                layer.fused_decode = fused
-                kernels.PROGRAMMATIC_LAUNCH = programmatic
-                gemm_rows.PREFETCH_K_BLOCKS = prefetch
+                layer.fused_decode = variant[0]
+                apply(variant)
                 layer._graphs.clear()
                 graphs = {}
                 for rows in (1,) + VERIFY_K:
                     for _ in range(3):
                         layer.decode_k(hidden[:rows], state)  # eager, capture, replay
                     graphs[rows] = layer._graphs.last_graph
+                for _ in range(3):
+                    layer.decode(hidden, pool, slots)
+                graphs["B64"] = layer._graphs.last_graph
                 with kernels.timing() as timer:
                     for _ in range(20):
                         layer.decode(hidden[:1], state)
@@ -78,26 +100,31 @@ def main(geometries: list[str]) -> None:
                 captured[variant] = (graphs, per_kernel, call_us)
             # The graphs keep what they were captured with: replay them in interleaved rounds,
             # so that drift over the run hits every variant alike.
-            replays = {(variant, rows): [] for variant in VARIANTS for rows in (1,) + VERIFY_K}
+            replays = {(variant, rows): [] for variant in VARIANTS for rows in (1, *VERIFY_K, "B64")}
             for _ in range(ROUNDS):
                 for variant in VARIANTS:
                     for rows, graph in captured[variant][0].items():
                         replays[variant, rows].append(back_to_back_us(lambda: graph.launch(stream)))
             for variant in VARIANTS:
-                fused, programmatic, prefetch = variant
+                fused, programmatic, prefetch, staged, programmatic_step, carveout = variant
                 replay_us = float(np.median(replays[variant, 1]))
                 verify = {f"K{rows}": round(float(np.median(replays[variant, rows])) / replay_us, 3) for rows in VERIFY_K}
+                batch_us = float(np.median(replays[variant, "B64"]))
                 print(json.dumps({
                     "geometry": geometry, "fused_decode": fused, "programmatic_launch": programmatic,
-                    "l2_prefetch_k_blocks": prefetch, "default": variant == defaults, "copy_bandwidth_GBs": bandwidth,
+                    "l2_prefetch_k_blocks": prefetch, "staged_weights": staged, "programmatic_step": programmatic_step,
+                    "shared_carveout": carveout,
+                    "default": variant == defaults, "copy_bandwidth_GBs": bandwidth,
                     "bytes": nbytes, "graph_replay_us": replay_us,
                     "graph_replay_rounds_us": [round(x, 2) for x in replays[variant, 1]],
                     "graph_replay_roofline_ratio": nbytes / 1e3 / bandwidth / replay_us,
                     "verify_replay_over_decode": verify,
+                    f"B{BATCH}_graph_replay_us": batch_us,
+                    f"B{BATCH}_roofline_ratio": batch_bytes / 1e3 / bandwidth / batch_us,
                     "public_call_back_to_back_us": captured[variant][2], "eager_per_kernel_us": captured[variant][1],
                 }), flush=True)
             layer.fused_decode = True
-            kernels.PROGRAMMATIC_LAUNCH, gemm_rows.PREFETCH_K_BLOCKS = defaults[1:]
+            apply(defaults)
 
 
 if __name__ == "__main__":

@@ -126,20 +126,11 @@ def new_scratch(xp: Any, tokens: int, heads: int, fill: float = 0.0) -> dict[str
             for name, shape in scratch_shapes(tokens, heads).items()}
 
 
-_SHARED_CARVEOUT_SET: set[tuple[int, str]] = set()
-
-
 def _launch(name: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int) -> None:
-    """kernels.launch, after asking once per device for the largest shared-memory carveout:
-    two scan blocks of 93 KB per SM need more than the driver's default split leaves when
-    it is free to favour L1 (the carveout is a hint; a block that cannot run at all is
-    always given enough)."""
-    kernel_set = kernels.KernelSet.get()
-    key = (kernel_set.device_id, name)
-    if key not in _SHARED_CARVEOUT_SET:
-        kernel_set.function(name).preferred_shared_memory_carveout = 100
-        _SHARED_CARVEOUT_SET.add(key)
-    kernels.launch(name, grid, block, args, shared_mem=shared_mem)
+    """kernels.launch with the largest shared-memory carveout: two scan blocks of 93 KB per SM
+    need more than the driver's default split leaves when it is free to favour L1 (the
+    carveout is a hint; a block that cannot run at all is always given enough)."""
+    kernels.launch(name, grid, block, args, shared_mem=shared_mem, carveout=100)
 
 
 def _require_lower_bound(lower_bound: float) -> None:

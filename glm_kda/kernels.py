@@ -292,6 +292,7 @@ class KernelSet:
         self.functions: dict[str, Any] = {}
         # Largest dynamic shared memory each kernel has been opted in to.
         self._dynamic_shared_limit: dict[str, int] = {}
+        self._carveout: dict[str, int] = {}
         missing: list[str] = []
         for stem, names in ENTRY_POINTS.items():
             module = cupy.RawModule(code=kernel_source(stem), options=COMPILE_OPTIONS)
@@ -342,6 +343,16 @@ class KernelSet:
             )
         self.function(name).max_dynamic_shared_size_bytes = shared_mem
         self._dynamic_shared_limit[name] = shared_mem
+
+    def prefer_shared_carveout(self, name: str, percent: int) -> None:
+        """Ask that an SM running ``name`` split its L1 / shared memory as ``percent`` % shared
+        (-1: the driver's choice). A hint, set once per value. Kernels that are to share SMs
+        (a programmatic dependent starting beside the kernel before it) must ask for the same
+        split: an SM runs blocks of one split at a time."""
+        if self._carveout.get(name, -1) == percent:
+            return
+        self.function(name).preferred_shared_memory_carveout = percent
+        self._carveout[name] = percent
 
 
 # --------------------------------------------------------------------------------------
@@ -510,6 +521,7 @@ def launch(
     shared_mem: int = 0,
     *,
     programmatic: bool = False,
+    carveout: int = -1,
 ) -> None:
     """Launch kernel ``name`` on the current stream.
 
@@ -518,12 +530,14 @@ def launch(
     :mod:`glm_kda.ops` build them. ``programmatic``: a programmatic dependent launch (see
     kda_wait_for_previous_kernel in kda_common.cuh: the kernel must wait before it touches
     anything the previous kernel writes); a plain launch where the device or driver cannot,
-    with PROGRAMMATIC_LAUNCH False, or while timing.
+    with PROGRAMMATIC_LAUNCH False, or while timing. ``carveout``: the preferred shared-memory
+    split in percent (see :meth:`KernelSet.prefer_shared_carveout`; -1 the driver's choice).
     """
     kernel_set = KernelSet.get()
     function = kernel_set.function(name)
     if shared_mem > 0:
         kernel_set.ensure_dynamic_shared(name, shared_mem)
+    kernel_set.prefer_shared_carveout(name, carveout)
     grid = tuple(int(value) for value in grid)
     block = tuple(int(value) for value in block)
     if programmatic and PROGRAMMATIC_LAUNCH and not TIMER.active and _PROGRAMMATIC.usable(kernel_set.device_id):

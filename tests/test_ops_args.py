@@ -67,8 +67,8 @@ def test_slot_checks():
 def launches(monkeypatch):
     """Every kernels.launch the wrappers make, as (name, grid, block, args), instead of running."""
     made = []
-    monkeypatch.setattr(ops.kernels, "launch", lambda name, grid, block, args, shared_mem=0: made.append(
-        (name, tuple(grid), tuple(block), tuple(args))))
+    monkeypatch.setattr(ops.kernels, "launch", lambda name, grid, block, args, shared_mem=0, **options:
+                        made.append((name, tuple(grid), tuple(block), tuple(args))))
     return made
 
 
@@ -255,7 +255,8 @@ def test_a_refused_programmatic_launch_falls_back_to_plain_launches(monkeypatch)
 
     plain = []
     function = lambda grid, block, args, shared_mem=0: plain.append((grid, block, args))  # noqa: E731
-    fake_set = SimpleNamespace(device_id=0, function=lambda name: function, ensure_dynamic_shared=lambda *a: None)
+    fake_set = SimpleNamespace(device_id=0, function=lambda name: function, ensure_dynamic_shared=lambda *a: None,
+                               prefer_shared_carveout=lambda *a: None)
     monkeypatch.setattr(kernels.KernelSet, "get", classmethod(lambda cls: fake_set))
     tried = []
     launcher = kernels._ProgrammaticLauncher(launch_ex=object(), devices={0: True})
