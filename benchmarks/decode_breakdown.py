@@ -8,14 +8,13 @@
   * the public call (input copy, replay, output copy) issued back to back, 200 calls between
     two events: what a decode loop that does not synchronise every token pays per call.
 Each geometry runs the VARIANTS below in the same process: the fused decode step with the
-projections after a kernel launched as its programmatic dependents, with or without their first
-weights staged in shared memory before the wait (gemm_rows.STAGE_WEIGHTS), the fused step
-launched as the programmatic dependent of the q|k|v projection or plainly
-(layer.PROGRAMMATIC_STEP), every decode kernel asking for the largest shared-memory split or
-leaving it to the driver (ops.DECODE_CARVEOUT 100 or -1), and L2 asked for 16 or 0 further
-blocks of 32 k of each weight row (gemm_rows.PREFETCH_K_BLOCKS); the fused step with plain launches
-(kernels.PROGRAMMATIC_LAUNCH = False); and the separate kernels with plain launches
-(layer.fused_decode = False).
+projections after a kernel launched as its programmatic dependents, asking L2 for 16 blocks of 32
+k of each weight row before the wait (gemm_rows.PREFETCH_K_BLOCKS), with or without their first
+step's weights loaded before it (gemm_rows.PRELOAD_FIRST_STEP), L2 asked for 0, 2 or 4 blocks of
+the next column group during a group's last step (gemm_rows.NEXT_GROUP_PREFETCH_K_BLOCKS), the
+projections asking for the largest L1 or leaving the split to the driver (carveout 0 or -1);
+the fused step with plain launches (kernels.PROGRAMMATIC_LAUNCH = False); and the separate
+kernels with plain launches (layer.fused_decode = False).
 
     PYTHONPATH=. python benchmarks/decode_breakdown.py [glm kimi]
 """
@@ -34,12 +33,12 @@ def back_to_back_us(fn, calls: int = 200) -> float:
     return 1e3 * back_to_back_ms(fn, calls)
 
 
-# (fused_decode, programmatic launches, L2 prefetch k blocks, staged weights, programmatic step,
-# shared-memory carveout)
+# (fused_decode, programmatic launches, L2 prefetch k blocks, preload, next-group k blocks,
+# projection carveout)
 VARIANTS = (
-    (True, True, 16, True, True, 100), (True, True, 0, True, True, 100), (True, True, 16, True, False, 100),
-    (True, True, 16, False, True, 100), (True, True, 16, False, False, 100), (True, True, 16, False, False, -1),
-    (True, False, 0, False, False, -1), (False, False, 0, False, False, -1),
+    (True, True, 16, True, 2, -1), (True, True, 16, True, 0, -1), (True, True, 16, False, 2, -1),
+    (True, True, 16, False, 0, -1), (True, True, 16, True, 4, -1), (True, True, 16, True, 2, 0),
+    (True, False, 0, False, 0, -1), (False, False, 0, False, 0, -1),
 )
 ROUNDS = 5
 VERIFY_K = (4, 16)
@@ -47,17 +46,17 @@ BATCH = 64
 
 
 def apply(variant) -> None:
-    from glm_kda import gemm_rows, kernels, layer, ops
+    from glm_kda import gemm_rows, kernels
 
-    (_, kernels.PROGRAMMATIC_LAUNCH, gemm_rows.PREFETCH_K_BLOCKS, gemm_rows.STAGE_WEIGHTS, layer.PROGRAMMATIC_STEP,
-     ops.DECODE_CARVEOUT) = variant
+    (_, kernels.PROGRAMMATIC_LAUNCH, gemm_rows.PREFETCH_K_BLOCKS, gemm_rows.PRELOAD_FIRST_STEP,
+     gemm_rows.NEXT_GROUP_PREFETCH_K_BLOCKS, gemm_rows.CARVEOUT) = variant
 
 
 def main(geometries: list[str]) -> None:
     import cupy
     import numpy as np
 
-    from glm_kda import gemm_rows, kernels, layer as layer_module, ops
+    from glm_kda import gemm_rows, kernels
     from glm_kda.selftest import state_bytes, weight_bytes
     from glm_kda.layer import KdaLayer, to_device_bf16
     from glm_kda.state import StatePool
@@ -65,8 +64,8 @@ def main(geometries: list[str]) -> None:
     from glm_kda.synthetic import synthetic_hidden, write_synthetic_checkpoint
 
     bandwidth = copy_bandwidth_gbs()
-    defaults = (True, kernels.PROGRAMMATIC_LAUNCH, gemm_rows.PREFETCH_K_BLOCKS, gemm_rows.STAGE_WEIGHTS,
-                layer_module.PROGRAMMATIC_STEP, ops.DECODE_CARVEOUT)
+    defaults = (True, kernels.PROGRAMMATIC_LAUNCH, gemm_rows.PREFETCH_K_BLOCKS, gemm_rows.PRELOAD_FIRST_STEP,
+                gemm_rows.NEXT_GROUP_PREFETCH_K_BLOCKS, gemm_rows.CARVEOUT)
     stream = cupy.cuda.get_current_stream()
     with tempfile.TemporaryDirectory() as tmp:
         for geometry in geometries:
@@ -106,14 +105,14 @@ def main(geometries: list[str]) -> None:
                     for rows, graph in captured[variant][0].items():
                         replays[variant, rows].append(back_to_back_us(lambda: graph.launch(stream)))
             for variant in VARIANTS:
-                fused, programmatic, prefetch, staged, programmatic_step, carveout = variant
+                fused, programmatic, prefetch, preload, ahead, carveout = variant
                 replay_us = float(np.median(replays[variant, 1]))
                 verify = {f"K{rows}": round(float(np.median(replays[variant, rows])) / replay_us, 3) for rows in VERIFY_K}
                 batch_us = float(np.median(replays[variant, "B64"]))
                 print(json.dumps({
                     "geometry": geometry, "fused_decode": fused, "programmatic_launch": programmatic,
-                    "l2_prefetch_k_blocks": prefetch, "staged_weights": staged, "programmatic_step": programmatic_step,
-                    "shared_carveout": carveout,
+                    "l2_prefetch_k_blocks": prefetch, "preload_first_step": preload, "next_group_prefetch_k_blocks": ahead,
+                    "projection_carveout": carveout,
                     "default": variant == defaults, "copy_bandwidth_GBs": bandwidth,
                     "bytes": nbytes, "graph_replay_us": replay_us,
                     "graph_replay_rounds_us": [round(x, 2) for x in replays[variant, 1]],

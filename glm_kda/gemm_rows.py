@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import cupy
 
-from glm_kda import kernels, ops
+from glm_kda import kernels
 from glm_kda.ops import _i32, projection_args
 
 GEMM_ROWS_MAX_ROWS = 256
@@ -37,16 +37,15 @@ DEFAULT_SM_COUNT = 132
 # graph replays interleaved in one process, 16 ran GLM 87.7 / Kimi 37.6 us, 4 89.8 / 37.5,
 # 0 87.2 / 38.5.
 PREFETCH_K_BLOCKS = 16
-# A programmatic launch copies the first k blocks of each warp range into shared memory before
-# it waits (see the kernel), as many as fit beside the block's split-k scratch while two blocks
-# stay resident per SM with room for one decode-step block (its 1.6 KiB of static shared memory):
-# the weight stream of o_proj starts while the decode step runs. False: none.
-STAGE_WEIGHTS = True
-# Shared memory the driver reserves per block, and what is left per SM for a co-resident kernel.
-RESERVED_SHARED_PER_BLOCK = 1024
-SHARED_LEFT_PER_SM = 4096
-# Bytes of shared memory one staged k block takes per tile: 16 per thread of the block.
-STAGED_BYTES_PER_K_BLOCK_AND_TILE = 16 * WARPS_PER_BLOCK * 32
+# A programmatic launch also loads its first step's weights into registers before the wait.
+PRELOAD_FIRST_STEP = True
+# Blocks of 32 k of the next column group that a block asks L2 for during the last step of the
+# current one (every launch; 0: none): its loads otherwise start after the group's reduction.
+NEXT_GROUP_PREFETCH_K_BLOCKS = 2
+# The shared-memory split the projections ask for (kernels.launch's carveout, -1: the driver's
+# choice). Their loads in flight land in L1: a split that favours shared memory starves them
+# (benchmarks/NOTES.md).
+CARVEOUT = -1
 
 
 @dataclass(frozen=True)
@@ -58,10 +57,6 @@ class LaunchPlan:
     block: tuple[int]
     m_tiles: int
     tiles_per_warp: int
-    # k blocks of each warp range staged in shared memory before the wait, and the dynamic
-    # shared memory they take (0 and 0: none).
-    staged_blocks: int = 0
-    shared_mem: int = 0
 
 
 def k_split(k: int) -> int:
@@ -90,35 +85,9 @@ def _sm_count(device_id: int) -> int:
     return int(cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device_id))
 
 
-@functools.lru_cache(maxsize=None)
-def _shared_per_sm(device_id: int) -> int:
-    return int(cupy.cuda.runtime.deviceGetAttribute(
-        cupy.cuda.runtime.cudaDevAttrMaxSharedMemoryPerMultiprocessor, device_id))
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def k_unroll(m_tiles: int, tiles_per_warp: int) -> int:
-    """k blocks per step of the sweep (K_UNROLL in the kernel): 8 loads per lane and step."""
-    return 8 // (m_tiles * tiles_per_warp)
-
-
-def split_scratch_bytes(m_tiles: int, tiles_per_warp: int) -> int:
-    """Static shared memory of an entry point: the split-k partials of its 8 warps."""
-    return 4 * WARPS_PER_BLOCK * m_tiles * tiles_per_warp * 4 * 32
-
-
-def stage_budget(shared_per_sm: int) -> int:
-    """Shared memory per block (static + dynamic) that keeps GEMM_ROWS_BLOCKS_PER_SM blocks
-    resident with SHARED_LEFT_PER_SM to spare."""
-    return (shared_per_sm - SHARED_LEFT_PER_SM) // GEMM_ROWS_BLOCKS_PER_SM - RESERVED_SHARED_PER_BLOCK
-
-
 def launch_plan(
     n: int, k: int, rows: int, tiles_per_warp: int | None = None, sm_count: int = DEFAULT_SM_COUNT,
-    blocks: int | None = None, shared_budget: int = 0,
+    blocks: int | None = None,
 ) -> LaunchPlan:
     """The launch of one call.
 
@@ -132,10 +101,6 @@ def launch_plan(
     --sweep) the cap took the one-row q|k|v projection from 56.0 to 55.1 us (GLM) and from
     25.7 to 22.9 us (Kimi), and made the 64-row one 4 % slower, hence one m-tile only.
     Any choice gives the same bits: it moves work between blocks, never changes the k order.
-
-    shared_budget: bytes of shared memory a block may take in all; the whole steps of each warp
-    range that fit beside the split-k scratch are staged (none with the default 0). Staging,
-    too, changes no bit.
     """
     warps_n = WARPS_PER_BLOCK // k_split(k)
     n_tiles = -(-n // N_TILE)
@@ -157,19 +122,12 @@ def launch_plan(
         blocks = sm_count * GEMM_ROWS_BLOCKS_PER_SM if m_tiles == 1 else groups
     elif blocks < 1:
         raise ValueError(f"blocks must be >= 1, got {blocks}")
-    unroll = k_unroll(m_tiles, tiles_per_warp)
-    k_range = _ceil_div(_ceil_div(k, K_BLOCK), k_split(k))  # k blocks of a warp range
-    k_range_steps = _ceil_div(k_range, unroll)
-    step_bytes = unroll * tiles_per_warp * STAGED_BYTES_PER_K_BLOCK_AND_TILE
-    staged_steps = min(k_range_steps, max(shared_budget - split_scratch_bytes(m_tiles, tiles_per_warp), 0) // step_bytes)
     return LaunchPlan(
         kernel=f"gemm_rows_bf16_m{m_tiles}_n{tiles_per_warp}",
         grid=(min(blocks, groups), -(-rows // ROWS_PER_SWEEP)),
         block=(WARPS_PER_BLOCK * 32,),
         m_tiles=m_tiles,
         tiles_per_warp=tiles_per_warp,
-        staged_blocks=staged_steps * unroll,
-        shared_mem=staged_steps * step_bytes,
     )
 
 
@@ -192,24 +150,21 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
     leave every bit unchanged.
 
     ``programmatic``: launch as a programmatic dependent of the previous kernel in the
-    stream (sm_90 and later): the blocks start while that kernel drains, copy their first
-    weight bytes into shared memory (STAGE_WEIGHTS), ask L2 for the next ones, and wait for it
-    before they read x or write out. For a launch whose previous operation in the stream is
-    the kernel that writes x; the bits are the same.
+    stream (sm_90 and later): the blocks start while that kernel drains, load their first
+    step's weights (PRELOAD_FIRST_STEP), ask L2 for the next ones, and wait for it before they
+    read x or write out. For a launch whose
+    previous operation in the stream is the kernel that writes x; the bits are the same.
     """
     rows, n, k, ldx, ldy = projection_args("gemm_rows_bf16", x, w, out, rows, GEMM_ROWS_MAX_ROWS)
-    device_id = cupy.cuda.Device().id
-    budget = stage_budget(_shared_per_sm(device_id)) if programmatic and STAGE_WEIGHTS else 0
-    plan = launch_plan(n, k, rows, tiles_per_warp, _sm_count(device_id), blocks, shared_budget=budget)
+    plan = launch_plan(n, k, rows, tiles_per_warp, _sm_count(cupy.cuda.Device().id), blocks)
     kernels.launch(
         plan.kernel,
         plan.grid,
         plan.block,
         (x, _i32(ldx), w, out, _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(PREFETCH_K_BLOCKS if programmatic else 0),
-         _i32(plan.staged_blocks)),
-        shared_mem=plan.shared_mem,
+         _i32(1 if programmatic and PRELOAD_FIRST_STEP else 0), _i32(NEXT_GROUP_PREFETCH_K_BLOCKS)),
         programmatic=programmatic,
-        carveout=ops.DECODE_CARVEOUT,
+        carveout=CARVEOUT,
     )
 
 

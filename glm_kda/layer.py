@@ -44,9 +44,6 @@ GEMV_MAX_ROWS = ops.GEMV_MAX_ROWS
 # padded to its tile, one k order for every row count), and this is the row group it takes per
 # launch. ops.gemv_bf16 keeps the same contract and stays as the scalar reference.
 DECODE_ROW_GROUP = gemm_rows.GEMM_ROWS_MAX_ROWS
-# The fused decode step launches as the programmatic dependent of the q|k|v projection (its
-# state loads overlap the projection's tail). False: a plain launch.
-PROGRAMMATIC_STEP = True
 # Most rows one batched decode call takes (the workspace and the pool may limit it further).
 MAX_DECODE_ROWS = 256
 
@@ -396,7 +393,7 @@ class KdaLayer:
             main.wait_event(self._join_event)
 
     def stateful_rows(self, first: int, rows: int, conv_state: Any, recurrent_state: Any, slots: Any = None,
-                      walk: bool = False, after_projection: bool = False) -> None:
+                      walk: bool = False) -> None:
         """Decode's stateful half for workspace rows first..first+rows-1, updating the states
         in place. Row r uses slot slots[r] of a pool, or (slots None, rows == 1) the single
         state given; walk=True: the rows are consecutive tokens of the single state given,
@@ -406,12 +403,7 @@ class KdaLayer:
         the recurrent step and the gated norm (o_norm_out), so the front end must skip the gate
         and the back end the norm (see :meth:`decode_rows`). Otherwise conv (+ SiLU + L2) then
         one recurrent step, reading the gate the front end formed; q and k arrive normalised and
-        the recurrent step must not normalise them again.
-
-        after_projection: the previous kernel on this stream is the q|k|v projection of the same
-        call (and the states were last written before it), so the fused step may launch as its
-        programmatic dependent (PROGRAMMATIC_STEP): the state loads overlap the projection's
-        tail; the same bits."""
+        the recurrent step must not normalise them again."""
         ws, c = self.workspace, self.config
         sl = slice(first, first + rows)
         if self.fused_decode:
@@ -421,8 +413,7 @@ class KdaLayer:
                 self.a_log, ws.down_proj[sl, 2 * d :], ws.out_gate[sl], self.o_norm, ws.conv_out[sl], ws.query[sl],
                 ws.key[sl], ws.value[sl], ws.gate[sl], ws.beta[sl], ws.core[sl], ws.o_norm_out[sl],
                 bounded=c.bounded, lower_bound=c.gate_lower_bound or 0.0, scale=self.scale, l2_eps=c.l2_eps,
-                norm_eps=c.rms_norm_eps, slots=slots, tokens=rows if walk else 1,
-                programmatic=after_projection and PROGRAMMATIC_STEP)
+                norm_eps=c.rms_norm_eps, slots=slots, tokens=rows if walk else 1)
             return
         if walk:
             raise ValueError("stateful_rows: walk=True needs fused_decode")
@@ -446,15 +437,15 @@ class KdaLayer:
             self.front_end(hidden, gate=not self.fused_decode)
         with _section("recurrence"):
             if sequential and self.fused_decode and not snapshots:
-                self.stateful_rows(0, rows, conv_state, recurrent_state, walk=True, after_projection=True)
+                self.stateful_rows(0, rows, conv_state, recurrent_state, walk=True)
             elif sequential:
                 for row in range(rows):
-                    self.stateful_rows(row, 1, conv_state, recurrent_state, after_projection=row == 0)
+                    self.stateful_rows(row, 1, conv_state, recurrent_state)
                     if row < len(snapshots):
                         snapshots[row].conv[...] = conv_state
                         snapshots[row].recurrent[...] = recurrent_state
             else:
-                self.stateful_rows(0, rows, conv_state, recurrent_state, slots=slots, after_projection=True)
+                self.stateful_rows(0, rows, conv_state, recurrent_state, slots=slots)
         with _section("back_end"):
             self.back_end(rows, norm=not self.fused_decode)
 

@@ -490,16 +490,10 @@ def kda_recurrent_step_f32(query, key, value, gate, beta, state, core, scale: fl
     )
 
 
-# The shared-memory split every decode-side kernel asks for (kernels.launch's carveout; -1: the
-# driver's choice): one split for all, so that a staged projection's blocks can start on an SM
-# beside the kernel before it (an SM runs blocks of one split at a time).
-DECODE_CARVEOUT = 100
-
-
 def kda_decode_fused_bf16(
     conv_state, state, qkv_proj, conv_w, forget_proj, dt_bias, a_log, beta_logits, out_gate, norm_w,
     conv_out, query, key, value, gate, beta, core, o_norm_out, *, bounded: bool, lower_bound: float,
-    scale: float, l2_eps: float, norm_eps: float, slots=None, tokens: int = 1, programmatic: bool = False,
+    scale: float, l2_eps: float, norm_eps: float, slots=None, tokens: int = 1,
 ) -> None:
     """The stateful half of decode in one launch: for each sequence, `tokens` consecutive
     tokens of conv + SiLU + L2, forget gate and beta, one delta-rule step, gated RMSNorm.
@@ -518,12 +512,6 @@ def kda_decode_fused_bf16(
     slice is fine), out_gate [rows, H*D] BF16, norm_w [D] BF16.
     Stage outputs: conv_out [rows, 3*H*D] BF16; query, key (L2-normalised), value, gate,
     core [rows, H, D] FP32; beta [rows, H] FP32; o_norm_out [rows, H*D] BF16.
-
-    programmatic: launch as a programmatic dependent of the previous kernel in the stream
-    (sm_90 and later): the blocks load the states and the slots while it drains, and wait for
-    it before they read anything else. Only where that kernel (and whatever it overlaps)
-    neither writes the states nor the slots, and the last writer of the states ran before a
-    plain launch: the q|k|v projection of the same call.
     """
     heads = _state_or_pool_heads(state)
     qkv = heads * HEAD_DIM
@@ -555,8 +543,6 @@ def kda_decode_fused_bf16(
          out_gate, norm_w, conv_out, query, key, value, gate, beta, core, o_norm_out, _i32(heads),
          _i32(kernel_size), _i32(tokens), _i32(1 if bounded else 0), _f32(lower_bound if bounded else 0.0), _f32(scale),
          _f32(l2_eps), _f32(norm_eps)),
-        programmatic=programmatic,
-        carveout=DECODE_CARVEOUT,
     )
 
 

@@ -23,9 +23,7 @@
 // several blocks per head would each need it. Sequence s advances slot slots[s] of a pool
 // (slot s when slots is null); sequences never interact, so a sequence's bits do not depend
 // on the batch. The block lets the next kernel launch at once (the output projection,
-// launched as a programmatic dependent, starts its weight stream while this one runs), and
-// may itself be launched as the programmatic dependent of the q|k|v projection: it loads the
-// states first and only then waits for the kernels before it (see the wait below).
+// launched as a programmatic dependent, starts its weight stream while this one runs).
 #include "kda_common.cuh"
 
 extern "C" __global__ void __launch_bounds__(KDA_HEAD_BLOCK)
@@ -74,11 +72,6 @@ kda_decode_fused_bf16(float* __restrict__ conv_state, float* __restrict__ state,
     const float a = expf(a_log[head]);
     const float bias = dt_bias[channel];
     const float weight = bf16_to_f32(norm_w[d]);
-    // Launched as a programmatic dependent of the q|k|v projection, the block gets here while
-    // that kernel drains: the states and the weights above belong to no kernel in flight (the
-    // last step that wrote the states ran before the projection, which is a plain launch), the
-    // projections' outputs below do.
-    kda_wait_for_previous_kernel();
 
     for (int t = 0; t < tokens; ++t) {
         const size_t row = sequence * tokens + t;

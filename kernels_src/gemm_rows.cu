@@ -41,17 +41,12 @@
 //
 // Programmatic dependent launch (sm_90 and later): a block lets the next kernel of its
 // stream start as soon as it runs, and waits for the kernel before it only after it has
-// started its first weight bytes, which never depend on an earlier kernel (x does):
-//   * the fragments of the first `staged_blocks` blocks of 32 k of its warp range (first
-//     column group) are copied into dynamic shared memory by cp.async, each lane its own 16
-//     bytes per (k block, tile) at staged[(b * N_TILES + j) * 256 + threadIdx.x]; after the
-//     wait the lane reads them back instead of loading them (the same bytes, the same mma
-//     chain: no bit changes). Those bytes are on chip before x exists, so the stream of a
-//     projection after a short kernel (o_proj after the decode step) starts while that
-//     kernel runs, with the memory it leaves idle.
-//   * L2 is asked for the next `prefetch` blocks of each of its weight rows.
-// Launched without the attribute (or before sm_90) the wait returns at once; the staging
-// and the prefetch then only reorder the block's own loads.
+// loaded its first step's weights into registers (`preload`) and asked L2 for the next
+// `prefetch` blocks of 32 k of each of its weight rows: the weight never depends on an
+// earlier kernel, x does. Launched without the attribute (or before sm_90) the wait returns
+// at once and these only reorder the block's own loads. A block that sweeps several column
+// groups asks L2 for the first `ahead` blocks of the next group during the last step of the
+// current one, so that the next loads need not start cold after the reduction.
 //
 // Requires k % 8 == 0, ldx % 8 == 0 and 16-byte aligned x and w (checked by the
 // Python wrapper): every load is one 16-byte vector of 8 BF16; a k that is not a
@@ -85,22 +80,6 @@ __device__ __forceinline__ uint4 load_weight_16B(const bf16_t* pointer, bool val
         : "=r"(value.x), "=r"(value.y), "=r"(value.z), "=r"(value.w)
         : "l"(pointer), "r"(static_cast<int>(valid)));
     return value;
-}
-
-// 16 bytes of w into this lane's slot of shared memory, asynchronously (cp.async, L2 only):
-// zeros when not valid (the source is then not read).
-__device__ __forceinline__ void stage_weight_16B(uint4* slot, const bf16_t* pointer, bool valid)
-{
-    const unsigned int address = static_cast<unsigned int>(__cvta_generic_to_shared(slot));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(address), "l"(pointer),
-                 "r"(valid ? 16 : 0)
-                 : "memory");
-}
-
-// This lane's staged weights have landed in shared memory (it reads only its own slots).
-__device__ __forceinline__ void staged_weights_wait()
-{
-    asm volatile("cp.async.wait_all;" ::: "memory");
 }
 
 // Ask L2 for one 128-byte line (no register, no wait).
@@ -177,40 +156,6 @@ __device__ __forceinline__ void load_weight_step(uint4 (&w_frag)[K_UNROLL][N_TIL
     }
 }
 
-// The same fragments of a staged step (blocks staged_block .. staged_block + K_UNROLL - 1 of the
-// warp range) from this lane's slots of `staged`, which hold the same bytes and zeros.
-template <int K_UNROLL, int N_TILES>
-__device__ __forceinline__ void load_staged_step(uint4 (&w_frag)[K_UNROLL][N_TILES], const uint4* staged,
-                                                 int staged_block)
-{
-#pragma unroll
-    for (int u = 0; u < K_UNROLL; ++u) {
-#pragma unroll
-        for (int j = 0; j < N_TILES; ++j) {
-            w_frag[u][j] = staged[((staged_block + u) * N_TILES + j) * GEMM_ROWS_THREADS + threadIdx.x];
-        }
-    }
-}
-
-// The weight fragments of blocks kb_begin .. kb_begin + count - 1 (the first a step would
-// load) into this lane's slots of `staged`, with the same zeros.
-template <int N_TILES>
-__device__ __forceinline__ void stage_weight_blocks(uint4* staged, const bf16_t* w, const bf16_t* w_lane,
-                                                    int tile_stride, const bool (&w_valid)[N_TILES], int kb_begin,
-                                                    int count, int kb_end, int k, int thread_in_group)
-{
-    for (int b = 0; b < count; ++b) {
-        const int k_offset = (kb_begin + b) * GEMM_ROWS_K_BLOCK;
-        const bool k_valid = kb_begin + b < kb_end && k_offset + 8 * thread_in_group < k;
-#pragma unroll
-        for (int j = 0; j < N_TILES; ++j) {
-            const bool valid = w_valid[j] && k_valid;
-            stage_weight_16B(staged + (b * N_TILES + j) * GEMM_ROWS_THREADS + threadIdx.x,
-                             valid ? w_lane + (j * tile_stride + k_offset) : w, valid);
-        }
-    }
-}
-
 // The x fragments of k block kb (rows g and g + 8 of each m-tile): zeros past the warp's
 // range, the matrix or the rows.
 template <int M_TILES>
@@ -238,7 +183,7 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
                                                 const bf16_t* __restrict__ w,
                                                 bf16_t* __restrict__ y, int ldy, int row_begin,
                                                 int row_end, int n, int k, int k_split, int prefetch,
-                                                int staged_blocks_asked, float* partial, uint4* staged)
+                                                int preload, int ahead, float* partial)
 {
     // Each lane keeps GEMM_ROWS_LOADS (m-tile, n-tile, k-block) products per step: with one
     // m-tile that is 8 weight loads in flight; more m-tiles spend the registers on their x
@@ -246,8 +191,6 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
     constexpr int K_UNROLL = GEMM_ROWS_LOADS / (M_TILES * N_TILES);
     static_assert(K_UNROLL >= 1, "a step must cover one k block of every (m-tile, n-tile)");
     constexpr int FRAGMENTS = M_TILES * N_TILES * 4;  // accumulators per lane
-    // Whole steps only, so that a step reads all its fragments from one place.
-    const int staged_blocks = staged_blocks_asked / K_UNROLL * K_UNROLL;
 
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -265,6 +208,20 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
     const int group_columns = warps_n * N_TILES * GEMM_ROWS_N_TILE;
     const int column_groups = (n + group_columns - 1) / group_columns;
 
+    // L2 lines of blocks kb_from .. kb_from + count - 1 of this warp's k range (clipped to it) for
+    // every weight row of the warp in column group `group`.
+    auto prefetch_rows = [&](int group, int kb_from, int count) {
+        const int first_row = group * group_columns + warp_n * N_TILES * GEMM_ROWS_N_TILE;
+        const int kb_last = min(kb_end, kb_from + count);
+        const int lines_per_row = (max(kb_last - kb_from, 0) * GEMM_ROWS_K_BLOCK * 2 + 127) / 128;
+        for (int index = lane; index < N_TILES * GEMM_ROWS_N_TILE * lines_per_row; index += 32) {
+            const int row = first_row + index / lines_per_row;
+            const int k_offset = kb_from * GEMM_ROWS_K_BLOCK + 64 * (index % lines_per_row);
+            if (row < n && k_offset < k) {
+                prefetch_l2(w + static_cast<size_t>(row) * k + k_offset);
+            }
+        }
+    };
     // This lane's weight rows in column group `group`: tile j's row is w_lane + j * tile_stride
     // (one pointer, not N_TILES: the registers go to loads in flight).
     const int tile_stride = GEMM_ROWS_N_TILE * k;
@@ -277,24 +234,18 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
         return w + static_cast<size_t>(warp_column + group_lane) * k + 8 * thread_in_group;
     };
 
-    if (blockIdx.x < column_groups) {
+    // Before the wait: the first step's weights of the first column group into registers
+    // (`preload`), L2 asked for the `prefetch` blocks after them.
+    uint4 w_first[K_UNROLL][N_TILES];
+    const bool preloaded = preload != 0 && blockIdx.x < column_groups && kb_begin < kb_end;
+    if (preloaded) {
         bool w_valid[N_TILES];
         const bf16_t* w_lane = lane_rows(blockIdx.x, w_valid);
-        stage_weight_blocks<N_TILES>(staged, w, w_lane, tile_stride, w_valid, kb_begin, staged_blocks, kb_end, k,
-                                     thread_in_group);
-        // L2 lines of the `prefetch` blocks of this warp's k range after the staged ones, for
-        // every weight row of its first column group.
-        const int first_row = blockIdx.x * group_columns + warp_n * N_TILES * GEMM_ROWS_N_TILE;
-        const int kb_first = min(kb_end, kb_begin + staged_blocks);
-        const int kb_last = min(kb_end, kb_first + prefetch);
-        const int lines_per_row = (max(kb_last - kb_first, 0) * GEMM_ROWS_K_BLOCK * 2 + 127) / 128;
-        for (int index = lane; index < N_TILES * GEMM_ROWS_N_TILE * lines_per_row; index += 32) {
-            const int row = first_row + index / lines_per_row;
-            const int k_offset = kb_first * GEMM_ROWS_K_BLOCK + 64 * (index % lines_per_row);
-            if (row < n && k_offset < k) {
-                prefetch_l2(w + static_cast<size_t>(row) * k + k_offset);
-            }
-        }
+        load_weight_step<K_UNROLL, N_TILES>(w_first, w_lane, tile_stride, w_valid, kb_begin, kb_end, k,
+                                            thread_in_group);
+    }
+    if (prefetch != 0 && blockIdx.x < column_groups) {
+        prefetch_rows(blockIdx.x, kb_begin + (preloaded ? K_UNROLL : 0), prefetch);
     }
     // x (and y) may belong to the previous kernel: nothing below runs before it is done.
     kda_wait_for_previous_kernel();
@@ -311,78 +262,85 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
         }
     }
 
-    for (int group = blockIdx.x; group < column_groups; group += gridDim.x) {
-        bool w_valid[N_TILES];
-        const bf16_t* w_lane = lane_rows(group, w_valid);
-        // Only the first column group was staged, whole steps of it.
-        const int staged_count = group == blockIdx.x ? staged_blocks : 0;
-        if (staged_count > 0) {
-            staged_weights_wait();
-        }
-
-        float acc[M_TILES][N_TILES][4];
+    // Zeroed again after each column group's reduction.
+    float acc[M_TILES][N_TILES][4];
 #pragma unroll
-        for (int m = 0; m < M_TILES; ++m) {
+    for (int m = 0; m < M_TILES; ++m) {
 #pragma unroll
-            for (int j = 0; j < N_TILES; ++j) {
+        for (int j = 0; j < N_TILES; ++j) {
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    acc[m][j][e] = 0.0f;
-                }
+            for (int e = 0; e < 4; ++e) {
+                acc[m][j][e] = 0.0f;
             }
         }
+    }
 
-        for (int kb_step = kb_begin; kb_step < kb_end; kb_step += K_UNROLL) {
-            // Every weight load of the step first: they are what the kernel waits on.
-            uint4 w_frag[K_UNROLL][N_TILES];
-            // Warp-uniform: staged_count is a whole number of steps.
-            if (kb_step - kb_begin < staged_count) {
-                load_staged_step<K_UNROLL, N_TILES>(w_frag, staged, kb_step - kb_begin);
-            } else {
-                load_weight_step<K_UNROLL, N_TILES>(w_frag, w_lane, tile_stride, w_valid, kb_step, kb_end, k,
-                                                    thread_in_group);
-            }
-            // The step's x fragments in the same breath as its weights (rows g and g + 8 of each
-            // m-tile; L1 or L2 hits that would otherwise wait behind the weights), where the
-            // registers allow: up to 4 (k block, m-tile) pairs per step.
-            constexpr bool X_AHEAD = K_UNROLL * M_TILES <= 4;
-            constexpr int X_STEPS = X_AHEAD ? K_UNROLL : 1;
-            uint4 x_frag[X_STEPS][M_TILES][2];
-            if constexpr (X_AHEAD) {
-#pragma unroll
-                for (int u = 0; u < K_UNROLL; ++u) {
-                    load_x_block<M_TILES>(x_frag[u], x_lane, ldx, x_valid, kb_step + u, kb_end, k, thread_in_group);
-                }
-            }
+    // One step: the x fragments, then the mma of K_UNROLL blocks of 32 k on the weights of w_frag.
+    auto multiply_step = [&](const uint4 (&w_frag)[K_UNROLL][N_TILES], int kb_step) {
+        // The step's x fragments in the same breath as its weights (rows g and g + 8 of each
+        // m-tile; L1 or L2 hits that would otherwise wait behind the weights), where the
+        // registers allow: up to 4 (k block, m-tile) pairs per step.
+        constexpr bool X_AHEAD = K_UNROLL * M_TILES <= 4;
+        constexpr int X_STEPS = X_AHEAD ? K_UNROLL : 1;
+        uint4 x_frag[X_STEPS][M_TILES][2];
+        if constexpr (X_AHEAD) {
 #pragma unroll
             for (int u = 0; u < K_UNROLL; ++u) {
-                // Warp-uniform: the blocks past the warp's range add nothing, so the
-                // mma chain is exactly the range's blocks whatever K_UNROLL is.
-                if (kb_step + u < kb_end) {
-                    if constexpr (!X_AHEAD) {
-                        load_x_block<M_TILES>(x_frag[0], x_lane, ldx, x_valid, kb_step + u, kb_end, k,
-                                              thread_in_group);
-                    }
-                    const int xu = X_AHEAD ? u : 0;
+                load_x_block<M_TILES>(x_frag[u], x_lane, ldx, x_valid, kb_step + u, kb_end, k, thread_in_group);
+            }
+        }
 #pragma unroll
-                    for (int m = 0; m < M_TILES; ++m) {
-                        const uint4& x_low = x_frag[xu][m][0];
-                        const uint4& x_high = x_frag[xu][m][1];
+        for (int u = 0; u < K_UNROLL; ++u) {
+            // Warp-uniform: the blocks past the warp's range add nothing, so the
+            // mma chain is exactly the range's blocks whatever K_UNROLL is.
+            if (kb_step + u < kb_end) {
+                if constexpr (!X_AHEAD) {
+                    load_x_block<M_TILES>(x_frag[0], x_lane, ldx, x_valid, kb_step + u, kb_end, k,
+                                          thread_in_group);
+                }
+                const int xu = X_AHEAD ? u : 0;
 #pragma unroll
-                        for (int step = 0; step < 2; ++step) {
+                for (int m = 0; m < M_TILES; ++m) {
+                    const uint4& x_low = x_frag[xu][m][0];
+                    const uint4& x_high = x_frag[xu][m][1];
 #pragma unroll
-                            for (int j = 0; j < N_TILES; ++j) {
-                                mma_bf16_m16n8k16(acc[m][j], word_of(x_low, 2 * step),
-                                                  word_of(x_high, 2 * step),
-                                                  word_of(x_low, 2 * step + 1),
-                                                  word_of(x_high, 2 * step + 1),
-                                                  word_of(w_frag[u][j], 2 * step),
-                                                  word_of(w_frag[u][j], 2 * step + 1));
-                            }
+                    for (int step = 0; step < 2; ++step) {
+#pragma unroll
+                        for (int j = 0; j < N_TILES; ++j) {
+                            mma_bf16_m16n8k16(acc[m][j], word_of(x_low, 2 * step),
+                                              word_of(x_high, 2 * step),
+                                              word_of(x_low, 2 * step + 1),
+                                              word_of(x_high, 2 * step + 1),
+                                              word_of(w_frag[u][j], 2 * step),
+                                              word_of(w_frag[u][j], 2 * step + 1));
                         }
                     }
                 }
             }
+        }
+    };
+
+    // The preloaded step goes first, so that its registers are free before the sweep.
+    if (preloaded) {
+        multiply_step(w_first, kb_begin);
+    }
+    for (int group = blockIdx.x; group < column_groups; group += gridDim.x) {
+        bool w_valid[N_TILES];
+        const bf16_t* w_lane = lane_rows(group, w_valid);
+
+        int kb_step = kb_begin + (preloaded && group == blockIdx.x ? K_UNROLL : 0);
+        const int next_group = group + gridDim.x;
+        for (; kb_step < kb_end; kb_step += K_UNROLL) {
+            // Every weight load of the step first: they are what the kernel waits on.
+            uint4 w_frag[K_UNROLL][N_TILES];
+            load_weight_step<K_UNROLL, N_TILES>(w_frag, w_lane, tile_stride, w_valid, kb_step, kb_end, k,
+                                                thread_in_group);
+            // The last step of a group: L2 is asked for the first `ahead` blocks of the next one,
+            // whose loads would otherwise start only after this group's reduction.
+            if (ahead != 0 && kb_step + K_UNROLL >= kb_end && next_group < column_groups) {
+                prefetch_rows(next_group, kb_begin, ahead);
+            }
+            multiply_step(w_frag, kb_step);
         }
 
         // Deterministic split-k: partial[warp][fragment][lane], then each output adds
@@ -422,27 +380,34 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
         }
         // The next column group overwrites `partial`.
         __syncthreads();
+#pragma unroll
+        for (int m = 0; m < M_TILES; ++m) {
+#pragma unroll
+            for (int j = 0; j < N_TILES; ++j) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    acc[m][j][e] = 0.0f;
+                }
+            }
+        }
     }
 }
 
-// Launch: block 256 threads, dynamic shared memory staged_blocks * N_TILES * 4 KiB (16 bytes per
-// thread, k block and tile; none when staged_blocks is 0); grid.y = ceil(rows / 64), grid.x =
+// Launch: block 256 threads, no dynamic shared memory; grid.y = ceil(rows / 64), grid.x =
 // any number of blocks (a block loops over the column groups blockIdx.x + i gridDim.x).
 // One entry point per (M_TILES, N_TILES), named gemm_rows_bf16_m<M>_n<N>: the wrapper picks
 // M_TILES from the rows (1: <= 16, 2: <= 32, 4: more; a row group with fewer rows leaves the
 // extra m-tiles predicated off) and N_TILES and the grid from the shape. Separate entries
 // keep each kernel's code small: one variant in the instruction cache, not all of them.
-// `staged_blocks` (k blocks of each warp range copied to shared memory) and `prefetch` (the k
-// blocks after them that L2 is asked for) start the weight stream before the wait on the
-// previous kernel; like the tiles and the grid they change no bit.
+// `preload` (0 or 1), `prefetch` and `ahead` (k blocks per weight row, 0 for none) start weight
+// loads early (see the top of the file); like the tiles and the grid they change no bit.
 template <int M_TILES, int N_TILES>
 __device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, int ldx,
                                                 const bf16_t* __restrict__ w, bf16_t* __restrict__ y,
-                                                int ldy, int rows, int n, int k, int prefetch,
-                                                int staged_blocks)
+                                                int ldy, int rows, int n, int k, int prefetch, int preload,
+                                                int ahead)
 {
     __shared__ float partial[GEMM_ROWS_WARPS * M_TILES * N_TILES * 4 * 32];
-    extern __shared__ uint4 gemm_rows_staged[];
 
     kda_let_next_kernel_launch();
     const int row_begin = blockIdx.y * GEMM_ROWS_M_GROUP;
@@ -451,17 +416,17 @@ __device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, in
     }
     const int row_end = min(rows, row_begin + GEMM_ROWS_M_GROUP);
     gemm_rows_sweep<M_TILES, N_TILES>(x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split_for(k), prefetch,
-                                      staged_blocks, partial, gemm_rows_staged);
+                                      preload, ahead, partial);
 }
 
 #define GEMM_ROWS_ENTRY(M_TILES, N_TILES)                                                          \
     extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_MIN_BLOCKS)          \
         gemm_rows_bf16_m##M_TILES##_n##N_TILES(                                                    \
             const bf16_t* __restrict__ x, int ldx, const bf16_t* __restrict__ w,                   \
-            bf16_t* __restrict__ y, int ldy, int rows, int n, int k, int prefetch,                 \
-            int staged_blocks)                                                                     \
+            bf16_t* __restrict__ y, int ldy, int rows, int n, int k, int prefetch, int preload,    \
+            int ahead)                                                                             \
     {                                                                                              \
-        gemm_rows_entry<M_TILES, N_TILES>(x, ldx, w, y, ldy, rows, n, k, prefetch, staged_blocks); \
+        gemm_rows_entry<M_TILES, N_TILES>(x, ldx, w, y, ldy, rows, n, k, prefetch, preload, ahead);\
     }
 
 // Every variant is compiled for 2 blocks per SM (up to 128 registers per thread; 3 blocks

@@ -245,8 +245,7 @@ def test_grid_changes_no_bit(rows):
         for blocks in (None, 1, 3, 7):
             _assert_bits_equal(_run(x, w, rows, tiles_per_warp=tiles, blocks=blocks), default,
                                f"R{rows} tiles_per_warp={tiles} blocks={blocks}")
-    # A programmatic launch (its first weights staged in shared memory, the L2 prefetch after
-    # them) right behind the kernel that writes x.
+    # A programmatic launch (with the L2 prefetch) right behind the kernel that writes x.
     from glm_kda.gemm_rows import gemm_rows_bf16
 
     cp = _cp()

@@ -28,9 +28,7 @@ from host_cuda import (COMMON_DEVICE_HELPERS, HOST_CUDA_HEADER, HOST_CUDA_RUNTIM
 
 RMS_BOUND = 1e-3
 POISON = 0x7FA5
-DEVICE_HELPERS = ("load_weight_16B", "stage_weight_16B", "staged_weights_wait", "prefetch_l2", "load_activation_16B",
-                  "mma_bf16_m16n8k16", *COMMON_DEVICE_HELPERS)
-STAGED_DECLARATION = "extern __shared__ uint4 gemm_rows_staged[];"
+DEVICE_HELPERS = ("load_weight_16B", "prefetch_l2", "load_activation_16B", "mma_bf16_m16n8k16", *COMMON_DEVICE_HELPERS)
 
 GEMM_HEADER = HOST_CUDA_HEADER + r"""
 using bf16_t = unsigned short;
@@ -44,9 +42,6 @@ inline uint4 load_weight_16B(const bf16_t* pointer, bool valid)
     return v;
 }
 inline uint4 load_activation_16B(const bf16_t* pointer, bool valid) { return load_weight_16B(pointer, valid); }
-// cp.async into this lane's slot: done at once here (the same zeros); the wait has nothing left.
-inline void stage_weight_16B(uint4* slot, const bf16_t* pointer, bool valid) { *slot = load_weight_16B(pointer, valid); }
-inline void staged_weights_wait() {}
 inline void prefetch_l2(const void*) {}
 inline double bf16_word(unsigned int word, int half)
 {
@@ -69,10 +64,10 @@ GEMM_MAIN = r"""
 """ + HOST_CUDA_RUNTIME + r"""
 MmaSlot mma_slots[32][32];
 #define DECLARE(M, N) extern "C" void gemm_rows_bf16_m##M##_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, \
-                                                                int, int, int, int);
+                                                                int, int, int, int, int);
 DECLARE(1, 1) DECLARE(1, 2) DECLARE(1, 4) DECLARE(2, 1) DECLARE(2, 2) DECLARE(2, 4) DECLARE(4, 1) DECLARE(4, 2)
 extern "C" void gemv_bf16(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int);
-using Entry = void (*)(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int, int, int);
+using Entry = void (*)(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int, int, int, int);
 
 int main(int argc, char** argv)
 {
@@ -84,15 +79,15 @@ int main(int argc, char** argv)
     const int y_rows = std::atoi(argv[12]);
     // launches > 1: that many one-row launches (the plan is a one-row plan), on rows 0, 1, ...
     const int launches = std::atoi(argv[13]);
-    // The plan's staged k blocks, their dynamic shared memory and the L2 prefetch argument.
-    const int staged_blocks = std::atoi(argv[14]), shared_mem = std::atoi(argv[15]), prefetch = std::atoi(argv[16]);
+    // The early-load arguments: prefetch and preload before the wait, ahead for the next group.
+    const int prefetch = std::atoi(argv[14]), preload = std::atoi(argv[15]), ahead = std::atoi(argv[16]);
     const std::pair<int, int> key{m_tiles, n_tiles};
     const std::pair<std::pair<int, int>, Entry> entries[] = {
         {{1, 1}, gemm_rows_bf16_m1_n1}, {{1, 2}, gemm_rows_bf16_m1_n2}, {{1, 4}, gemm_rows_bf16_m1_n4},
         {{2, 1}, gemm_rows_bf16_m2_n1}, {{2, 2}, gemm_rows_bf16_m2_n2}, {{2, 4}, gemm_rows_bf16_m2_n4},
         {{4, 1}, gemm_rows_bf16_m4_n1}, {{4, 2}, gemm_rows_bf16_m4_n2},
-        // m0_n0: gemv_bf16 (no prefetch or staging arguments)
-        {{0, 0}, [](const bf16_t* x, int ldx, const bf16_t* w, bf16_t* y, int ldy, int rows, int n, int k, int, int) {
+        // m0_n0: gemv_bf16 (no early-load arguments)
+        {{0, 0}, [](const bf16_t* x, int ldx, const bf16_t* w, bf16_t* y, int ldy, int rows, int n, int k, int, int, int) {
              gemv_bf16(x, ldx, w, y, ldy, rows, n, k);
          }}};
     Entry entry = nullptr;
@@ -102,9 +97,9 @@ int main(int argc, char** argv)
     const auto w = load_u16(dir + "/w", size_t(n) * k);
     auto y = load_u16(dir + "/y", size_t(y_rows) * ldy);
     for (int launch = 0; launch < launches; ++launch) {
-        run_grid(dim3{grid_x, grid_y, 1}, 256, shared_mem, [&] {
+        run_grid(dim3{grid_x, grid_y, 1}, 256, 0, [&] {
             entry(x.data() + size_t(launch) * ldx, ldx, w.data(), y.data() + size_t(launch) * ldy, ldy, rows, n, k,
-                  prefetch, staged_blocks);
+                  prefetch, preload, ahead);
         });
     }
     save(dir + "/y.out", y);
@@ -116,10 +111,7 @@ int main(int argc, char** argv)
 
 @pytest.fixture(scope="module")
 def gemm_host(tmp_path_factory):
-    source = host_kernel_source("gemm_rows", DEVICE_HELPERS)
-    assert source.count(STAGED_DECLARATION) == 1, "the host emulation expects one dynamic shared array"
-    source = source.replace(STAGED_DECLARATION, "uint4* gemm_rows_staged = reinterpret_cast<uint4*>(emulated_shared);")
-    kernel = '#include "emulation.h"\n' + source
+    kernel = '#include "emulation.h"\n' + host_kernel_source("gemm_rows", DEVICE_HELPERS)
     gemv = '#include "emulation.h"\n' + host_kernel_source("gemv", COMMON_DEVICE_HELPERS)
     return build_host_binary(tmp_path_factory.mktemp("gemm_rows_host"), "gemm_rows_host",
                              {"emulation.h": GEMM_HEADER, "main.cpp": GEMM_MAIN, "kernel.cpp": kernel, "gemv.cpp": gemv})
@@ -130,15 +122,15 @@ def gemm_host(tmp_path_factory):
 _calls = iter(range(10**9))
 
 
-def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, gemv=False, prefetch=0, **plan_args):
+def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, gemv=False, early=(0, 0, 0), **plan_args):
     """One launch as gemm_rows_bf16 plans it (132 SMs), on x_buffer[:, :k] (row stride of the
     buffer) into y_buffer[:, :n], or with one_row_launches a one-row launch per row; returns the
-    new y_buffer. gemv: ops.gemv_bf16's launch instead (8 columns a block). plan_args go to
-    launch_plan (shared_budget: the staged weights of a programmatic launch)."""
+    new y_buffer. gemv: ops.gemv_bf16's launch instead (8 columns a block). early: the kernel's
+    (prefetch, preload, ahead) arguments."""
     n, k = w.shape
     if gemv:
         m_tiles = n_tiles = 0
-        plan = SimpleNamespace(grid=(-(-n // 8), 1), staged_blocks=0, shared_mem=0)
+        plan = SimpleNamespace(grid=(-(-n // 8), 1))
     else:
         plan = launch_plan(n, k, 1 if one_row_launches else rows, **plan_args)
         m_tiles, n_tiles = (int(part[1:]) for part in plan.kernel.split("_")[-2:])
@@ -151,7 +143,7 @@ def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, gemv=F
         [str(binary), str(folder), str(m_tiles), str(n_tiles), str(plan.grid[0]), str(plan.grid[1]),
          str(1 if one_row_launches else rows), str(n),
          str(k), str(x_buffer.shape[1]), str(y_buffer.shape[1]), str(x_buffer.shape[0]), str(y_buffer.shape[0]),
-         str(rows if one_row_launches else 1), str(plan.staged_blocks), str(plan.shared_mem), str(prefetch)],
+         str(rows if one_row_launches else 1), *(str(value) for value in early)],
         capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["misaligned=0"], f"host run: {result.stdout.strip()}"
@@ -223,22 +215,17 @@ def test_gemv_rows_equal_one_row_launches_on_host(gemm_host, shape):
 
 
 @pytest.mark.parametrize("rows", [1, 16, 40], ids=lambda r: f"R{r}")
-def test_staged_weights_change_no_bit_on_host(gemm_host, rows):
-    """A programmatic launch copies the first k blocks of every warp range into shared memory
-    before its wait and reads them back: the same bits for every amount staged (none, one step,
-    part of the range, all of it and more), with or without the L2 prefetch after them, on a k
-    with a tail and a short last warp range, and with a block sweeping several column groups
-    (only its first is staged)."""
-    n, k = 200, 1064  # 34 blocks of 32 k (the last one partial): 8 ranges of 5, the last of 4
+def test_early_weight_loads_change_no_bit_on_host(gemm_host, rows):
+    """The first step's weights loaded before the wait (preload), L2 prefetches before it and
+    for the next column group (ahead): the same bits, on a k with a tail and a short last warp
+    range (34 blocks of 32 k over 8 warps) and with blocks that sweep several column groups."""
+    n, k = 200, 1064
     x, w = _inputs(n, k, rows, seed=7 * rows)
-    plain = run_host(gemm_host, x, w, rows, np.full((rows, n), POISON, np.uint16))
-    budgets = set()
     for tiles in (1, 2, 4):
-        for budget in (24 * 1024, 48 * 1024, 96 * 1024, 160 * 1024):
-            for blocks in (None, 3):
-                plan = launch_plan(n, k, rows, tiles_per_warp=tiles, blocks=blocks, shared_budget=budget)
-                budgets.add(plan.staged_blocks)
+        for blocks in (None, 3):
+            plain = run_host(gemm_host, x, w, rows, np.full((rows, n), POISON, np.uint16), tiles_per_warp=tiles,
+                             blocks=blocks)
+            for early in ((0, 1, 0), (16, 1, 2), (4, 0, 8)):
                 out = run_host(gemm_host, x, w, rows, np.full((rows, n), POISON, np.uint16), tiles_per_warp=tiles,
-                               blocks=blocks, shared_budget=budget, prefetch=4)
-                _assert_bits_equal(out, plain, f"R{rows} tiles {tiles} blocks {blocks} staged {plan.staged_blocks}")
-    assert 0 in budgets and max(budgets) >= 5, f"R{rows}: the budgets staged only {sorted(budgets)} k blocks"
+                               blocks=blocks, early=early)
+                _assert_bits_equal(out, plain, f"R{rows} tiles {tiles} blocks {blocks} (prefetch, preload, ahead) {early}")
