@@ -37,15 +37,6 @@ DEFAULT_SM_COUNT = 132
 # graph replays interleaved in one process, 16 ran GLM 87.7 / Kimi 37.6 us, 4 89.8 / 37.5,
 # 0 87.2 / 38.5.
 PREFETCH_K_BLOCKS = 16
-# A programmatic launch also loads its first step's weights into registers before the wait.
-PRELOAD_FIRST_STEP = True
-# Blocks of 32 k of the next column group that a block asks L2 for during the last step of the
-# current one (every launch; 0: none): its loads otherwise start after the group's reduction.
-NEXT_GROUP_PREFETCH_K_BLOCKS = 2
-# The shared-memory split the projections ask for (kernels.launch's carveout, -1: the driver's
-# choice). Their loads in flight land in L1: a split that favours shared memory starves them
-# (benchmarks/NOTES.md).
-CARVEOUT = -1
 
 
 @dataclass(frozen=True)
@@ -150,9 +141,8 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
     leave every bit unchanged.
 
     ``programmatic``: launch as a programmatic dependent of the previous kernel in the
-    stream (sm_90 and later): the blocks start while that kernel drains, load their first
-    step's weights (PRELOAD_FIRST_STEP), ask L2 for the next ones, and wait for it before they
-    read x or write out. For a launch whose
+    stream (sm_90 and later): the blocks start while that kernel drains, ask L2 for their
+    first weight bytes, and wait for it before they read x or write out. For a launch whose
     previous operation in the stream is the kernel that writes x; the bits are the same.
     """
     rows, n, k, ldx, ldy = projection_args("gemm_rows_bf16", x, w, out, rows, GEMM_ROWS_MAX_ROWS)
@@ -161,10 +151,8 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
         plan.kernel,
         plan.grid,
         plan.block,
-        (x, _i32(ldx), w, out, _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(PREFETCH_K_BLOCKS if programmatic else 0),
-         _i32(1 if programmatic and PRELOAD_FIRST_STEP else 0), _i32(NEXT_GROUP_PREFETCH_K_BLOCKS)),
+        (x, _i32(ldx), w, out, _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(PREFETCH_K_BLOCKS if programmatic else 0)),
         programmatic=programmatic,
-        carveout=CARVEOUT,
     )
 
 

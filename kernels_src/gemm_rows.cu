@@ -41,12 +41,9 @@
 //
 // Programmatic dependent launch (sm_90 and later): a block lets the next kernel of its
 // stream start as soon as it runs, and waits for the kernel before it only after it has
-// loaded its first step's weights into registers (`preload`) and asked L2 for the next
-// `prefetch` blocks of 32 k of each of its weight rows: the weight never depends on an
-// earlier kernel, x does. Launched without the attribute (or before sm_90) the wait returns
-// at once and these only reorder the block's own loads. A block that sweeps several column
-// groups asks L2 for the first `ahead` blocks of the next group during the last step of the
-// current one, so that the next loads need not start cold after the reduction.
+// asked L2 for the first `prefetch` blocks of 32 k of each of its weight rows: the weight never
+// depends on an earlier kernel, x does. Launched without the attribute (or before sm_90)
+// the wait returns at once and the prefetch only warms L2.
 //
 // Requires k % 8 == 0, ldx % 8 == 0 and 16-byte aligned x and w (checked by the
 // Python wrapper): every load is one 16-byte vector of 8 BF16; a k that is not a
@@ -183,7 +180,7 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
                                                 const bf16_t* __restrict__ w,
                                                 bf16_t* __restrict__ y, int ldy, int row_begin,
                                                 int row_end, int n, int k, int k_split, int prefetch,
-                                                int preload, int ahead, float* partial)
+                                                float* partial)
 {
     // Each lane keeps GEMM_ROWS_LOADS (m-tile, n-tile, k-block) products per step: with one
     // m-tile that is 8 weight loads in flight; more m-tiles spend the registers on their x
@@ -208,44 +205,19 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
     const int group_columns = warps_n * N_TILES * GEMM_ROWS_N_TILE;
     const int column_groups = (n + group_columns - 1) / group_columns;
 
-    // L2 lines of blocks kb_from .. kb_from + count - 1 of this warp's k range (clipped to it) for
-    // every weight row of the warp in column group `group`.
-    auto prefetch_rows = [&](int group, int kb_from, int count) {
-        const int first_row = group * group_columns + warp_n * N_TILES * GEMM_ROWS_N_TILE;
-        const int kb_last = min(kb_end, kb_from + count);
-        const int lines_per_row = (max(kb_last - kb_from, 0) * GEMM_ROWS_K_BLOCK * 2 + 127) / 128;
+    if (prefetch != 0 && blockIdx.x < column_groups) {
+        // L2 lines of the first `prefetch` blocks of this warp's k range, for every weight row
+        // of its first column group.
+        const int first_row = blockIdx.x * group_columns + warp_n * N_TILES * GEMM_ROWS_N_TILE;
+        const int kb_last = min(kb_end, kb_begin + prefetch);
+        const int lines_per_row = (max(kb_last - kb_begin, 0) * GEMM_ROWS_K_BLOCK * 2 + 127) / 128;
         for (int index = lane; index < N_TILES * GEMM_ROWS_N_TILE * lines_per_row; index += 32) {
             const int row = first_row + index / lines_per_row;
-            const int k_offset = kb_from * GEMM_ROWS_K_BLOCK + 64 * (index % lines_per_row);
+            const int k_offset = kb_begin * GEMM_ROWS_K_BLOCK + 64 * (index % lines_per_row);
             if (row < n && k_offset < k) {
                 prefetch_l2(w + static_cast<size_t>(row) * k + k_offset);
             }
         }
-    };
-    // This lane's weight rows in column group `group`: tile j's row is w_lane + j * tile_stride
-    // (one pointer, not N_TILES: the registers go to loads in flight).
-    const int tile_stride = GEMM_ROWS_N_TILE * k;
-    auto lane_rows = [&](int group, bool (&w_valid)[N_TILES]) {
-        const int warp_column = group * group_columns + warp_n * N_TILES * GEMM_ROWS_N_TILE;
-#pragma unroll
-        for (int j = 0; j < N_TILES; ++j) {
-            w_valid[j] = warp_column + GEMM_ROWS_N_TILE * j + group_lane < n;
-        }
-        return w + static_cast<size_t>(warp_column + group_lane) * k + 8 * thread_in_group;
-    };
-
-    // Before the wait: the first step's weights of the first column group into registers
-    // (`preload`), L2 asked for the `prefetch` blocks after them.
-    uint4 w_first[K_UNROLL][N_TILES];
-    const bool preloaded = preload != 0 && blockIdx.x < column_groups && kb_begin < kb_end;
-    if (preloaded) {
-        bool w_valid[N_TILES];
-        const bf16_t* w_lane = lane_rows(blockIdx.x, w_valid);
-        load_weight_step<K_UNROLL, N_TILES>(w_first, w_lane, tile_stride, w_valid, kb_begin, kb_end, k,
-                                            thread_in_group);
-    }
-    if (prefetch != 0 && blockIdx.x < column_groups) {
-        prefetch_rows(blockIdx.x, kb_begin + (preloaded ? K_UNROLL : 0), prefetch);
     }
     // x (and y) may belong to the previous kernel: nothing below runs before it is done.
     kda_wait_for_previous_kernel();
@@ -262,85 +234,77 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
         }
     }
 
-    // Zeroed again after each column group's reduction.
-    float acc[M_TILES][N_TILES][4];
-#pragma unroll
-    for (int m = 0; m < M_TILES; ++m) {
+    for (int group = blockIdx.x; group < column_groups; group += gridDim.x) {
+        const int warp_column = group * group_columns + warp_n * N_TILES * GEMM_ROWS_N_TILE;
+
+        // Tile j's row of this lane is w_lane + j * tile_stride (one pointer, not N_TILES:
+        // the registers go to loads in flight).
+        const bf16_t* w_lane = w + static_cast<size_t>(warp_column + group_lane) * k + 8 * thread_in_group;
+        const int tile_stride = GEMM_ROWS_N_TILE * k;
+        bool w_valid[N_TILES];
 #pragma unroll
         for (int j = 0; j < N_TILES; ++j) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                acc[m][j][e] = 0.0f;
-            }
+            w_valid[j] = warp_column + GEMM_ROWS_N_TILE * j + group_lane < n;
         }
-    }
 
-    // One step: the x fragments, then the mma of K_UNROLL blocks of 32 k on the weights of w_frag.
-    auto multiply_step = [&](const uint4 (&w_frag)[K_UNROLL][N_TILES], int kb_step) {
-        // The step's x fragments in the same breath as its weights (rows g and g + 8 of each
-        // m-tile; L1 or L2 hits that would otherwise wait behind the weights), where the
-        // registers allow: up to 4 (k block, m-tile) pairs per step.
-        constexpr bool X_AHEAD = K_UNROLL * M_TILES <= 4;
-        constexpr int X_STEPS = X_AHEAD ? K_UNROLL : 1;
-        uint4 x_frag[X_STEPS][M_TILES][2];
-        if constexpr (X_AHEAD) {
+        float acc[M_TILES][N_TILES][4];
 #pragma unroll
-            for (int u = 0; u < K_UNROLL; ++u) {
-                load_x_block<M_TILES>(x_frag[u], x_lane, ldx, x_valid, kb_step + u, kb_end, k, thread_in_group);
-            }
-        }
+        for (int m = 0; m < M_TILES; ++m) {
 #pragma unroll
-        for (int u = 0; u < K_UNROLL; ++u) {
-            // Warp-uniform: the blocks past the warp's range add nothing, so the
-            // mma chain is exactly the range's blocks whatever K_UNROLL is.
-            if (kb_step + u < kb_end) {
-                if constexpr (!X_AHEAD) {
-                    load_x_block<M_TILES>(x_frag[0], x_lane, ldx, x_valid, kb_step + u, kb_end, k,
-                                          thread_in_group);
-                }
-                const int xu = X_AHEAD ? u : 0;
+            for (int j = 0; j < N_TILES; ++j) {
 #pragma unroll
-                for (int m = 0; m < M_TILES; ++m) {
-                    const uint4& x_low = x_frag[xu][m][0];
-                    const uint4& x_high = x_frag[xu][m][1];
-#pragma unroll
-                    for (int step = 0; step < 2; ++step) {
-#pragma unroll
-                        for (int j = 0; j < N_TILES; ++j) {
-                            mma_bf16_m16n8k16(acc[m][j], word_of(x_low, 2 * step),
-                                              word_of(x_high, 2 * step),
-                                              word_of(x_low, 2 * step + 1),
-                                              word_of(x_high, 2 * step + 1),
-                                              word_of(w_frag[u][j], 2 * step),
-                                              word_of(w_frag[u][j], 2 * step + 1));
-                        }
-                    }
+                for (int e = 0; e < 4; ++e) {
+                    acc[m][j][e] = 0.0f;
                 }
             }
         }
-    };
 
-    // The preloaded step goes first, so that its registers are free before the sweep.
-    if (preloaded) {
-        multiply_step(w_first, kb_begin);
-    }
-    for (int group = blockIdx.x; group < column_groups; group += gridDim.x) {
-        bool w_valid[N_TILES];
-        const bf16_t* w_lane = lane_rows(group, w_valid);
-
-        int kb_step = kb_begin + (preloaded && group == blockIdx.x ? K_UNROLL : 0);
-        const int next_group = group + gridDim.x;
-        for (; kb_step < kb_end; kb_step += K_UNROLL) {
+        for (int kb_step = kb_begin; kb_step < kb_end; kb_step += K_UNROLL) {
             // Every weight load of the step first: they are what the kernel waits on.
             uint4 w_frag[K_UNROLL][N_TILES];
             load_weight_step<K_UNROLL, N_TILES>(w_frag, w_lane, tile_stride, w_valid, kb_step, kb_end, k,
                                                 thread_in_group);
-            // The last step of a group: L2 is asked for the first `ahead` blocks of the next one,
-            // whose loads would otherwise start only after this group's reduction.
-            if (ahead != 0 && kb_step + K_UNROLL >= kb_end && next_group < column_groups) {
-                prefetch_rows(next_group, kb_begin, ahead);
+            // The step's x fragments in the same breath as its weights (rows g and g + 8 of each
+            // m-tile; L1 or L2 hits that would otherwise wait behind the weights), where the
+            // registers allow: up to 4 (k block, m-tile) pairs per step.
+            constexpr bool X_AHEAD = K_UNROLL * M_TILES <= 4;
+            constexpr int X_STEPS = X_AHEAD ? K_UNROLL : 1;
+            uint4 x_frag[X_STEPS][M_TILES][2];
+            if constexpr (X_AHEAD) {
+#pragma unroll
+                for (int u = 0; u < K_UNROLL; ++u) {
+                    load_x_block<M_TILES>(x_frag[u], x_lane, ldx, x_valid, kb_step + u, kb_end, k, thread_in_group);
+                }
             }
-            multiply_step(w_frag, kb_step);
+#pragma unroll
+            for (int u = 0; u < K_UNROLL; ++u) {
+                // Warp-uniform: the blocks past the warp's range add nothing, so the
+                // mma chain is exactly the range's blocks whatever K_UNROLL is.
+                if (kb_step + u < kb_end) {
+                    if constexpr (!X_AHEAD) {
+                        load_x_block<M_TILES>(x_frag[0], x_lane, ldx, x_valid, kb_step + u, kb_end, k,
+                                              thread_in_group);
+                    }
+                    const int xu = X_AHEAD ? u : 0;
+#pragma unroll
+                    for (int m = 0; m < M_TILES; ++m) {
+                        const uint4& x_low = x_frag[xu][m][0];
+                        const uint4& x_high = x_frag[xu][m][1];
+#pragma unroll
+                        for (int step = 0; step < 2; ++step) {
+#pragma unroll
+                            for (int j = 0; j < N_TILES; ++j) {
+                                mma_bf16_m16n8k16(acc[m][j], word_of(x_low, 2 * step),
+                                                  word_of(x_high, 2 * step),
+                                                  word_of(x_low, 2 * step + 1),
+                                                  word_of(x_high, 2 * step + 1),
+                                                  word_of(w_frag[u][j], 2 * step),
+                                                  word_of(w_frag[u][j], 2 * step + 1));
+                            }
+                        }
+                    }
+                }
+            }
         }
 
         // Deterministic split-k: partial[warp][fragment][lane], then each output adds
@@ -380,16 +344,6 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
         }
         // The next column group overwrites `partial`.
         __syncthreads();
-#pragma unroll
-        for (int m = 0; m < M_TILES; ++m) {
-#pragma unroll
-            for (int j = 0; j < N_TILES; ++j) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    acc[m][j][e] = 0.0f;
-                }
-            }
-        }
     }
 }
 
@@ -399,13 +353,12 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
 // M_TILES from the rows (1: <= 16, 2: <= 32, 4: more; a row group with fewer rows leaves the
 // extra m-tiles predicated off) and N_TILES and the grid from the shape. Separate entries
 // keep each kernel's code small: one variant in the instruction cache, not all of them.
-// `preload` (0 or 1), `prefetch` and `ahead` (k blocks per weight row, 0 for none) start weight
-// loads early (see the top of the file); like the tiles and the grid they change no bit.
+// `prefetch` (k blocks per weight row, 0 for none) asks L2 for the first weights before the
+// wait on the previous kernel; like the tiles and the grid it changes no bit.
 template <int M_TILES, int N_TILES>
 __device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, int ldx,
                                                 const bf16_t* __restrict__ w, bf16_t* __restrict__ y,
-                                                int ldy, int rows, int n, int k, int prefetch, int preload,
-                                                int ahead)
+                                                int ldy, int rows, int n, int k, int prefetch)
 {
     __shared__ float partial[GEMM_ROWS_WARPS * M_TILES * N_TILES * 4 * 32];
 
@@ -416,17 +369,16 @@ __device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, in
     }
     const int row_end = min(rows, row_begin + GEMM_ROWS_M_GROUP);
     gemm_rows_sweep<M_TILES, N_TILES>(x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split_for(k), prefetch,
-                                      preload, ahead, partial);
+                                      partial);
 }
 
 #define GEMM_ROWS_ENTRY(M_TILES, N_TILES)                                                          \
     extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_MIN_BLOCKS)          \
         gemm_rows_bf16_m##M_TILES##_n##N_TILES(                                                    \
             const bf16_t* __restrict__ x, int ldx, const bf16_t* __restrict__ w,                   \
-            bf16_t* __restrict__ y, int ldy, int rows, int n, int k, int prefetch, int preload,    \
-            int ahead)                                                                             \
+            bf16_t* __restrict__ y, int ldy, int rows, int n, int k, int prefetch)                 \
     {                                                                                              \
-        gemm_rows_entry<M_TILES, N_TILES>(x, ldx, w, y, ldy, rows, n, k, prefetch, preload, ahead);\
+        gemm_rows_entry<M_TILES, N_TILES>(x, ldx, w, y, ldy, rows, n, k, prefetch);                \
     }
 
 // Every variant is compiled for 2 blocks per SM (up to 128 registers per thread; 3 blocks

@@ -64,10 +64,10 @@ GEMM_MAIN = r"""
 """ + HOST_CUDA_RUNTIME + r"""
 MmaSlot mma_slots[32][32];
 #define DECLARE(M, N) extern "C" void gemm_rows_bf16_m##M##_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, \
-                                                                int, int, int, int, int);
+                                                                int, int, int);
 DECLARE(1, 1) DECLARE(1, 2) DECLARE(1, 4) DECLARE(2, 1) DECLARE(2, 2) DECLARE(2, 4) DECLARE(4, 1) DECLARE(4, 2)
 extern "C" void gemv_bf16(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int);
-using Entry = void (*)(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int, int, int, int);
+using Entry = void (*)(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int, int);
 
 int main(int argc, char** argv)
 {
@@ -79,15 +79,13 @@ int main(int argc, char** argv)
     const int y_rows = std::atoi(argv[12]);
     // launches > 1: that many one-row launches (the plan is a one-row plan), on rows 0, 1, ...
     const int launches = std::atoi(argv[13]);
-    // The early-load arguments: prefetch and preload before the wait, ahead for the next group.
-    const int prefetch = std::atoi(argv[14]), preload = std::atoi(argv[15]), ahead = std::atoi(argv[16]);
     const std::pair<int, int> key{m_tiles, n_tiles};
     const std::pair<std::pair<int, int>, Entry> entries[] = {
         {{1, 1}, gemm_rows_bf16_m1_n1}, {{1, 2}, gemm_rows_bf16_m1_n2}, {{1, 4}, gemm_rows_bf16_m1_n4},
         {{2, 1}, gemm_rows_bf16_m2_n1}, {{2, 2}, gemm_rows_bf16_m2_n2}, {{2, 4}, gemm_rows_bf16_m2_n4},
         {{4, 1}, gemm_rows_bf16_m4_n1}, {{4, 2}, gemm_rows_bf16_m4_n2},
-        // m0_n0: gemv_bf16 (no early-load arguments)
-        {{0, 0}, [](const bf16_t* x, int ldx, const bf16_t* w, bf16_t* y, int ldy, int rows, int n, int k, int, int, int) {
+        // m0_n0: gemv_bf16 (no prefetch argument)
+        {{0, 0}, [](const bf16_t* x, int ldx, const bf16_t* w, bf16_t* y, int ldy, int rows, int n, int k, int) {
              gemv_bf16(x, ldx, w, y, ldy, rows, n, k);
          }}};
     Entry entry = nullptr;
@@ -98,8 +96,7 @@ int main(int argc, char** argv)
     auto y = load_u16(dir + "/y", size_t(y_rows) * ldy);
     for (int launch = 0; launch < launches; ++launch) {
         run_grid(dim3{grid_x, grid_y, 1}, 256, 0, [&] {
-            entry(x.data() + size_t(launch) * ldx, ldx, w.data(), y.data() + size_t(launch) * ldy, ldy, rows, n, k,
-                  prefetch, preload, ahead);
+            entry(x.data() + size_t(launch) * ldx, ldx, w.data(), y.data() + size_t(launch) * ldy, ldy, rows, n, k, 0);
         });
     }
     save(dir + "/y.out", y);
@@ -122,11 +119,10 @@ def gemm_host(tmp_path_factory):
 _calls = iter(range(10**9))
 
 
-def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, gemv=False, early=(0, 0, 0), **plan_args):
+def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, gemv=False, **plan_args):
     """One launch as gemm_rows_bf16 plans it (132 SMs), on x_buffer[:, :k] (row stride of the
     buffer) into y_buffer[:, :n], or with one_row_launches a one-row launch per row; returns the
-    new y_buffer. gemv: ops.gemv_bf16's launch instead (8 columns a block). early: the kernel's
-    (prefetch, preload, ahead) arguments."""
+    new y_buffer. gemv: ops.gemv_bf16's launch instead (8 columns a block)."""
     n, k = w.shape
     if gemv:
         m_tiles = n_tiles = 0
@@ -143,7 +139,7 @@ def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, gemv=F
         [str(binary), str(folder), str(m_tiles), str(n_tiles), str(plan.grid[0]), str(plan.grid[1]),
          str(1 if one_row_launches else rows), str(n),
          str(k), str(x_buffer.shape[1]), str(y_buffer.shape[1]), str(x_buffer.shape[0]), str(y_buffer.shape[0]),
-         str(rows if one_row_launches else 1), *(str(value) for value in early)],
+         str(rows if one_row_launches else 1)],
         capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["misaligned=0"], f"host run: {result.stdout.strip()}"
@@ -212,20 +208,3 @@ def test_gemv_rows_equal_one_row_launches_on_host(gemm_host, shape):
     for rows in (2, 7, 16):
         out = run_host(gemm_host, x[:rows], w, rows, np.full((rows, n), POISON, np.uint16), gemv=True)
         _assert_bits_equal(out, one_row[:rows], f"gemv N{n}-K{k} R{rows} vs one-row launches")
-
-
-@pytest.mark.parametrize("rows", [1, 16, 40], ids=lambda r: f"R{r}")
-def test_early_weight_loads_change_no_bit_on_host(gemm_host, rows):
-    """The first step's weights loaded before the wait (preload), L2 prefetches before it and
-    for the next column group (ahead): the same bits, on a k with a tail and a short last warp
-    range (34 blocks of 32 k over 8 warps) and with blocks that sweep several column groups."""
-    n, k = 200, 1064
-    x, w = _inputs(n, k, rows, seed=7 * rows)
-    for tiles in (1, 2, 4):
-        for blocks in (None, 3):
-            plain = run_host(gemm_host, x, w, rows, np.full((rows, n), POISON, np.uint16), tiles_per_warp=tiles,
-                             blocks=blocks)
-            for early in ((0, 1, 0), (16, 1, 2), (4, 0, 8)):
-                out = run_host(gemm_host, x, w, rows, np.full((rows, n), POISON, np.uint16), tiles_per_warp=tiles,
-                               blocks=blocks, early=early)
-                _assert_bits_equal(out, plain, f"R{rows} tiles {tiles} blocks {blocks} (prefetch, preload, ahead) {early}")
