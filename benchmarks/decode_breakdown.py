@@ -4,17 +4,16 @@
   * the captured graph replayed back to back with no Python in between: the GPU time of one
     step (median of 5 interleaved rounds of 200 replays), its roofline ratio against the copy
     bandwidth measured in the same run, the replays of verify K=4 and K=16 (decode_k) over it,
-    and a step of 64 sequences of a pool (shuffled slots) with its own roofline ratio;
+    and steps of 64 and 256 sequences of a pool (shuffled slots) with their own roofline ratios;
   * the public call (input copy, replay, output copy) issued back to back, 200 calls between
     two events: what a decode loop that does not synchronise every token pays per call.
 Each geometry runs the VARIANTS below in the same process: the fused decode step with the
-projections after a kernel launched as its programmatic dependents, asking L2 for 16 blocks of 32
-k of each weight row before the wait (gemm_rows.PREFETCH_K_BLOCKS), with or without their first
-step's weights loaded before it (gemm_rows.PRELOAD_FIRST_STEP), L2 asked for 0, 2 or 4 blocks of
-the next column group during a group's last step (gemm_rows.NEXT_GROUP_PREFETCH_K_BLOCKS), the
-projections asking for the largest L1 or leaving the split to the driver (carveout 0 or -1);
-the fused step with plain launches (kernels.PROGRAMMATIC_LAUNCH = False); and the separate
-kernels with plain launches (layer.fused_decode = False).
+projections after a kernel launched as its programmatic dependents, asking L2 for the first 16
+(the default) or 0 blocks of 32 k of each weight row (gemm_rows.PREFETCH_K_BLOCKS), and each
+block of a batched step asking L2 for the state of the block 0, 0.25, 0.5 (the default), 0.75 or
+1 wave later (layer.STEP_PREFETCH_WAVES); the fused step with plain launches
+(kernels.PROGRAMMATIC_LAUNCH = False); and the separate kernels with plain launches
+(layer.fused_decode = False).
 
     PYTHONPATH=. python benchmarks/decode_breakdown.py [glm kimi]
 """
@@ -33,30 +32,27 @@ def back_to_back_us(fn, calls: int = 200) -> float:
     return 1e3 * back_to_back_ms(fn, calls)
 
 
-# (fused_decode, programmatic launches, L2 prefetch k blocks, preload, next-group k blocks,
-# projection carveout)
+# (fused_decode, programmatic launches, L2 prefetch k blocks, step prefetch waves)
 VARIANTS = (
-    (True, True, 16, True, 2, -1), (True, True, 16, True, 0, -1), (True, True, 16, False, 2, -1),
-    (True, True, 16, False, 0, -1), (True, True, 16, True, 4, -1), (True, True, 16, True, 2, 0),
-    (True, False, 0, False, 0, -1), (False, False, 0, False, 0, -1),
+    (True, True, 16, 0.5), (True, True, 16, 0.0), (True, True, 16, 0.25), (True, True, 16, 0.75),
+    (True, True, 16, 1.0), (True, True, 0, 0.5), (True, False, 0, 0.5), (False, False, 0, 0.0),
 )
 ROUNDS = 5
 VERIFY_K = (4, 16)
-BATCH = 64
+BATCHES = (64, 256)
 
 
 def apply(variant) -> None:
-    from glm_kda import gemm_rows, kernels
+    from glm_kda import gemm_rows, kernels, layer
 
-    (_, kernels.PROGRAMMATIC_LAUNCH, gemm_rows.PREFETCH_K_BLOCKS, gemm_rows.PRELOAD_FIRST_STEP,
-     gemm_rows.NEXT_GROUP_PREFETCH_K_BLOCKS, gemm_rows.CARVEOUT) = variant
+    _, kernels.PROGRAMMATIC_LAUNCH, gemm_rows.PREFETCH_K_BLOCKS, layer.STEP_PREFETCH_WAVES = variant
 
 
 def main(geometries: list[str]) -> None:
     import cupy
     import numpy as np
 
-    from glm_kda import gemm_rows, kernels
+    from glm_kda import gemm_rows, kernels, layer as layer_module
     from glm_kda.selftest import state_bytes, weight_bytes
     from glm_kda.layer import KdaLayer, to_device_bf16
     from glm_kda.state import StatePool
@@ -64,22 +60,23 @@ def main(geometries: list[str]) -> None:
     from glm_kda.synthetic import synthetic_hidden, write_synthetic_checkpoint
 
     bandwidth = copy_bandwidth_gbs()
-    defaults = (True, kernels.PROGRAMMATIC_LAUNCH, gemm_rows.PREFETCH_K_BLOCKS, gemm_rows.PRELOAD_FIRST_STEP,
-                gemm_rows.NEXT_GROUP_PREFETCH_K_BLOCKS, gemm_rows.CARVEOUT)
+    defaults = (True, kernels.PROGRAMMATIC_LAUNCH, gemm_rows.PREFETCH_K_BLOCKS, layer_module.STEP_PREFETCH_WAVES)
     stream = cupy.cuda.get_current_stream()
     with tempfile.TemporaryDirectory() as tmp:
         for geometry in geometries:
             path = write_synthetic_checkpoint(Path(tmp) / geometry, geometry, num_layers=1)
-            layer = KdaLayer.from_pretrained(path, 0, max_tokens=64, progress=False)
+            layer = KdaLayer.from_pretrained(path, 0, max_tokens=max(BATCHES), progress=False)
             cfg = layer.config
-            hidden = to_device_bf16(synthetic_hidden(BATCH, cfg.hidden))
+            hidden = to_device_bf16(synthetic_hidden(max(BATCHES), cfg.hidden))
             state = layer.new_state()
-            pool = StatePool(cfg, 2 * BATCH)
-            slots = cupy.asarray(np.random.default_rng(0).permutation(2 * BATCH)[:BATCH].astype(np.int32))
+            pool = StatePool(cfg, 2 * max(BATCHES))
+            order = np.random.default_rng(0).permutation(2 * max(BATCHES)).astype(np.int32)
+            slots = {batch: cupy.asarray(order[:batch]) for batch in BATCHES}
             nbytes = weight_bytes(cfg) + state_bytes(cfg)
-            batch_bytes = weight_bytes(cfg) + BATCH * state_bytes(cfg)
             captured = {}
-            for variant in VARIANTS:
+            # The first variant twice, the first capture thrown away: in one run the graphs captured
+            # first replayed 4 us slower than the same kernels captured later.
+            for variant in (VARIANTS[0],) + VARIANTS:
                 layer.fused_decode = variant[0]
                 apply(variant)
                 layer._graphs.clear()
@@ -88,9 +85,10 @@ def main(geometries: list[str]) -> None:
                     for _ in range(3):
                         layer.decode_k(hidden[:rows], state)  # eager, capture, replay
                     graphs[rows] = layer._graphs.last_graph
-                for _ in range(3):
-                    layer.decode(hidden, pool, slots)
-                graphs["B64"] = layer._graphs.last_graph
+                for batch in BATCHES:
+                    for _ in range(3):
+                        layer.decode(hidden[:batch], pool, slots[batch])
+                    graphs[f"B{batch}"] = layer._graphs.last_graph
                 with kernels.timing() as timer:
                     for _ in range(20):
                         layer.decode(hidden[:1], state)
@@ -99,27 +97,30 @@ def main(geometries: list[str]) -> None:
                 captured[variant] = (graphs, per_kernel, call_us)
             # The graphs keep what they were captured with: replay them in interleaved rounds,
             # so that drift over the run hits every variant alike.
-            replays = {(variant, rows): [] for variant in VARIANTS for rows in (1, *VERIFY_K, "B64")}
+            replays = {(variant, rows): [] for variant in VARIANTS for rows in (1, *VERIFY_K, *(f"B{b}" for b in BATCHES))}
             for _ in range(ROUNDS):
                 for variant in VARIANTS:
                     for rows, graph in captured[variant][0].items():
                         replays[variant, rows].append(back_to_back_us(lambda: graph.launch(stream)))
             for variant in VARIANTS:
-                fused, programmatic, prefetch, preload, ahead, carveout = variant
+                fused, programmatic, prefetch, step_prefetch = variant
                 replay_us = float(np.median(replays[variant, 1]))
                 verify = {f"K{rows}": round(float(np.median(replays[variant, rows])) / replay_us, 3) for rows in VERIFY_K}
-                batch_us = float(np.median(replays[variant, "B64"]))
+                batched = {}
+                for batch in BATCHES:
+                    batch_us = float(np.median(replays[variant, f"B{batch}"]))
+                    batched[f"B{batch}_graph_replay_us"] = batch_us
+                    batched[f"B{batch}_roofline_ratio"] = (
+                        (weight_bytes(cfg) + batch * state_bytes(cfg)) / 1e3 / bandwidth / batch_us)
                 print(json.dumps({
                     "geometry": geometry, "fused_decode": fused, "programmatic_launch": programmatic,
-                    "l2_prefetch_k_blocks": prefetch, "preload_first_step": preload, "next_group_prefetch_k_blocks": ahead,
-                    "projection_carveout": carveout,
+                    "l2_prefetch_k_blocks": prefetch, "step_prefetch_waves": step_prefetch,
                     "default": variant == defaults, "copy_bandwidth_GBs": bandwidth,
                     "bytes": nbytes, "graph_replay_us": replay_us,
                     "graph_replay_rounds_us": [round(x, 2) for x in replays[variant, 1]],
                     "graph_replay_roofline_ratio": nbytes / 1e3 / bandwidth / replay_us,
                     "verify_replay_over_decode": verify,
-                    f"B{BATCH}_graph_replay_us": batch_us,
-                    f"B{BATCH}_roofline_ratio": batch_bytes / 1e3 / bandwidth / batch_us,
+                    **batched,
                     "public_call_back_to_back_us": captured[variant][2], "eager_per_kernel_us": captured[variant][1],
                 }), flush=True)
             layer.fused_decode = True

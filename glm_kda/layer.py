@@ -44,6 +44,14 @@ GEMV_MAX_ROWS = ops.GEMV_MAX_ROWS
 # padded to its tile, one k order for every row count), and this is the row group it takes per
 # launch. ops.gemv_bf16 keeps the same contract and stays as the scalar reference.
 DECODE_ROW_GROUP = gemm_rows.GEMM_ROWS_MAX_ROWS
+# A batched fused step runs waves of (head, sequence) blocks; each block asks L2 for the state
+# of the block this many waves later (kda_decode_fused_bf16's prefetch_ahead, in sequences:
+# waves x the sequences one wave of resident blocks holds). 0: none. On an H200
+# (benchmarks/decode_breakdown.py, one process) 0.5 took the 64-sequence graph from 370 to 342 us
+# (GLM) and from 177 to 164 us (Kimi), 256 sequences from 1388 to 1261 and 609 to 546 us; one
+# wave gained 2 %, two waves lost 3 to 6 %.
+STEP_PREFETCH_WAVES = 0.5
+STEP_RESIDENT_BLOCKS_PER_SM = 2
 # Most rows one batched decode call takes (the workspace and the pool may limit it further).
 MAX_DECODE_ROWS = 256
 
@@ -413,7 +421,8 @@ class KdaLayer:
                 self.a_log, ws.down_proj[sl, 2 * d :], ws.out_gate[sl], self.o_norm, ws.conv_out[sl], ws.query[sl],
                 ws.key[sl], ws.value[sl], ws.gate[sl], ws.beta[sl], ws.core[sl], ws.o_norm_out[sl],
                 bounded=c.bounded, lower_bound=c.gate_lower_bound or 0.0, scale=self.scale, l2_eps=c.l2_eps,
-                norm_eps=c.rms_norm_eps, slots=slots, tokens=rows if walk else 1)
+                norm_eps=c.rms_norm_eps, slots=slots, tokens=rows if walk else 1,
+                prefetch_ahead=self._step_prefetch_ahead())
             return
         if walk:
             raise ValueError("stateful_rows: walk=True needs fused_decode")
@@ -421,6 +430,11 @@ class KdaLayer:
                                      ws.query[sl], ws.key[sl], ws.value[sl], c.heads, c.head_dim, c.l2_eps, slots=slots)
         ops.kda_recurrent_step_f32(ws.query[sl], ws.key[sl], ws.value[sl], ws.gate[sl], ws.beta[sl],
                                    recurrent_state, ws.core[sl], self.scale, slots=slots)
+
+    def _step_prefetch_ahead(self) -> int:
+        """Sequences ahead whose state a batched fused step asks L2 for (STEP_PREFETCH_WAVES)."""
+        resident = gemm_rows._sm_count(self.qkv_weight.device.id) * STEP_RESIDENT_BLOCKS_PER_SM
+        return max(0, round(STEP_PREFETCH_WAVES * resident / self.config.heads))
 
     def decode_rows(self, hidden: Any, conv_state: Any, recurrent_state: Any, *, slots: Any = None,
                     sequential: bool = False, snapshots: Sequence[KdaState] = ()) -> None:

@@ -493,7 +493,7 @@ def kda_recurrent_step_f32(query, key, value, gate, beta, state, core, scale: fl
 def kda_decode_fused_bf16(
     conv_state, state, qkv_proj, conv_w, forget_proj, dt_bias, a_log, beta_logits, out_gate, norm_w,
     conv_out, query, key, value, gate, beta, core, o_norm_out, *, bounded: bool, lower_bound: float,
-    scale: float, l2_eps: float, norm_eps: float, slots=None, tokens: int = 1,
+    scale: float, l2_eps: float, norm_eps: float, slots=None, tokens: int = 1, prefetch_ahead: int = 0,
 ) -> None:
     """The stateful half of decode in one launch: for each sequence, `tokens` consecutive
     tokens of conv + SiLU + L2, forget gate and beta, one delta-rule step, gated RMSNorm.
@@ -512,6 +512,10 @@ def kda_decode_fused_bf16(
     slice is fine), out_gate [rows, H*D] BF16, norm_w [D] BF16.
     Stage outputs: conv_out [rows, 3*H*D] BF16; query, key (L2-normalised), value, gate,
     core [rows, H, D] FP32; beta [rows, H] FP32; o_norm_out [rows, H*D] BF16.
+
+    prefetch_ahead: the block of sequence s asks L2 for the state of sequence s + prefetch_ahead
+    (0: none), a block of a later wave when that many sequences fill the resident blocks; it
+    changes no bit.
     """
     heads = _state_or_pool_heads(state)
     qkv = heads * HEAD_DIM
@@ -535,6 +539,8 @@ def kda_decode_fused_bf16(
     _require("beta", beta, "f32", (rows, heads))
     if bounded and not math.isfinite(lower_bound):
         raise ValueError(f"bounded gate needs a finite lower_bound, got {lower_bound}")
+    if prefetch_ahead < 0:
+        raise ValueError(f"prefetch_ahead must be >= 0, got {prefetch_ahead}")
     kernels.launch(
         "kda_decode_fused_bf16",
         (heads, sequences),
@@ -542,7 +548,7 @@ def kda_decode_fused_bf16(
         (conv_state, state, slots, qkv_proj, conv_w, forget_proj, dt_bias, a_log, beta_logits, _i32(ld_beta),
          out_gate, norm_w, conv_out, query, key, value, gate, beta, core, o_norm_out, _i32(heads),
          _i32(kernel_size), _i32(tokens), _i32(1 if bounded else 0), _f32(lower_bound if bounded else 0.0), _f32(scale),
-         _f32(l2_eps), _f32(norm_eps)),
+         _f32(l2_eps), _f32(norm_eps), _i32(prefetch_ahead)),
     )
 
 

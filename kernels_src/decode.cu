@@ -23,8 +23,29 @@
 // several blocks per head would each need it. Sequence s advances slot slots[s] of a pool
 // (slot s when slots is null); sequences never interact, so a sequence's bits do not depend
 // on the batch. The block lets the next kernel launch at once (the output projection,
-// launched as a programmatic dependent, starts its weight stream while this one runs).
+// launched as a programmatic dependent, starts its weight stream while this one runs). A batch
+// of many sequences runs many waves of blocks, each waiting on its own 64 KB state column:
+// the block of sequence s asks L2 for the column of sequence s + prefetch_ahead (a block of a
+// later wave; 0: none), which it never reads itself, so no bit depends on it.
 #include "kda_common.cuh"
+
+// Ask L2 for one head's state of one sequence (KDA_HEAD_DIM^2 floats, contiguous), thread d of
+// the block's KDA_HEAD_BLOCK taking part: one bulk request (thread 0) on sm_90 and later, a
+// line per thread and request before.
+__device__ __forceinline__ void prefetch_state_l2(const float* state_head, int d)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (d == 0) {
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(state_head),
+                     "r"(static_cast<unsigned int>(KDA_HEAD_DIM * KDA_HEAD_DIM * sizeof(float)))
+                     : "memory");
+    }
+#else
+    for (int line = d; line < KDA_HEAD_DIM * KDA_HEAD_DIM * 4 / 128; line += KDA_HEAD_BLOCK) {
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(state_head + 32 * line));
+    }
+#endif
+}
 
 extern "C" __global__ void __launch_bounds__(KDA_HEAD_BLOCK)
 kda_decode_fused_bf16(float* __restrict__ conv_state, float* __restrict__ state,
@@ -37,7 +58,7 @@ kda_decode_fused_bf16(float* __restrict__ conv_state, float* __restrict__ state,
                       float* __restrict__ key, float* __restrict__ value, float* __restrict__ gate,
                       float* __restrict__ beta, float* __restrict__ core,
                       bf16_t* __restrict__ o_norm_out, int heads, int kernel_size, int tokens, int bounded,
-                      float lower_bound, float scale, float l2_eps, float norm_eps)
+                      float lower_bound, float scale, float l2_eps, float norm_eps, int prefetch_ahead)
 {
     __shared__ float scratch[8];
     __shared__ float decay_s[KDA_HEAD_DIM];
@@ -63,6 +84,13 @@ kda_decode_fused_bf16(float* __restrict__ conv_state, float* __restrict__ state,
         state + (slot * heads + head) * static_cast<size_t>(KDA_HEAD_DIM) * KDA_HEAD_DIM + d;
     float s[KDA_HEAD_DIM];
     kda_recurrent_load(s, state_column);
+    // A batch runs many waves of blocks, each of which waits on its state column: ask L2 for the
+    // column of sequence + prefetch_ahead (a block of a later wave) now, so that its loads hit.
+    if (prefetch_ahead > 0 && sequence + prefetch_ahead < gridDim.y) {
+        const size_t ahead = sequence + prefetch_ahead;
+        const size_t ahead_slot = slots != nullptr ? static_cast<size_t>(slots[ahead]) : ahead;
+        prefetch_state_l2(state + (ahead_slot * heads + head) * static_cast<size_t>(KDA_HEAD_DIM) * KDA_HEAD_DIM, d);
+    }
     float* conv_slot = conv_state + slot * 3 * qkv * kernel_size;
     float window[3][CONV_MAX_KERNEL];
 #pragma unroll

@@ -38,9 +38,33 @@ NORM_EPS = 1e-5
 STEMS = ("conv", "gate", "recurrent", "norm", "decode")
 OUTPUTS = ("conv_out", "query", "key", "value", "gate", "beta", "core", "o_norm_out", "conv_state", "state")
 
+# The pool path's fused step asks L2 for the state of the sequence this far ahead.
+PREFETCH_AHEAD = 2
+DEVICE_HELPERS = {"decode": ("prefetch_state_l2", *COMMON_DEVICE_HELPERS)}
+
+# The L2 request of the fused step: counted, and checked to name the head of the block (blockIdx.x)
+# in the slot of the sequence PREFETCH_AHEAD after the block's (blockIdx.y).
+DECODE_HEADER = HOST_CUDA_HEADER + r"""
+extern const float* prefetch_pool;
+extern const int* prefetch_slots;
+extern int prefetch_heads;
+extern std::atomic<long> prefetches, bad_prefetches;
+inline void prefetch_state_l2(const float* state_head, int d)
+{
+    if (d != 0) return;
+    prefetches++;
+    const long slot = prefetch_slots[blockIdx.y + PREFETCH_AHEAD];
+    if (state_head != prefetch_pool + (slot * prefetch_heads + blockIdx.x) * 128 * 128) bad_prefetches++;
+}
+""".replace("PREFETCH_AHEAD", str(PREFETCH_AHEAD))
+
 DECODE_MAIN = r"""
 #include "emulation.h"
 """ + HOST_CUDA_RUNTIME + r"""
+const float* prefetch_pool;
+const int* prefetch_slots;
+int prefetch_heads;
+std::atomic<long> prefetches{0}, bad_prefetches{0};
 using bf16_t = unsigned short;
 extern "C" void conv_decode_silu_l2_bf16(float*, const int*, const bf16_t*, const bf16_t*, bf16_t*, float*, float*,
                                          float*, int, int, int, float);
@@ -52,7 +76,7 @@ extern "C" void gated_rmsnorm_sigmoid_bf16(const float*, const bf16_t*, const bf
 extern "C" void kda_decode_fused_bf16(float*, float*, const int*, const bf16_t*, const bf16_t*, const bf16_t*,
                                       const float*, const float*, const bf16_t*, int, const bf16_t*, const bf16_t*,
                                       bf16_t*, float*, float*, float*, float*, float*, float*, bf16_t*, int, int, int,
-                                      int, float, float, float, float);
+                                      int, float, float, float, float, int);
 
 // argv: dir, rows, heads, K, bounded, lower bound, l2 eps, norm eps, jitter, pool size. Pool size
 // 0: the rows are consecutive tokens of one sequence (paths separate, fused_rows, fused_walk);
@@ -91,7 +115,11 @@ int main(int argc, char** argv)
         std::vector<float> beta(rows * heads, std::nanf(""));
         // The fused step over rows first.. : `sequences` sequences (slot_list, or the states given
         // when null) of `tokens` tokens each.
-        auto fused = [&](int first, int sequences, int tokens, const int* slot_list, float* conv, float* states) {
+        auto fused = [&](int first, int sequences, int tokens, const int* slot_list, float* conv, float* states,
+                         int prefetch_ahead = 0) {
+            prefetch_pool = states;
+            prefetch_slots = slot_list;
+            prefetch_heads = heads;
             run_grid(dim3{unsigned(heads), unsigned(sequences), 1}, 128, 0, [&] {
                 kda_decode_fused_bf16(conv, states, slot_list, qkv_proj.data() + first * conv_dim, conv_w.data(),
                                       forget_proj.data() + first * qkv, dt_bias.data(), a_log.data(),
@@ -100,7 +128,7 @@ int main(int argc, char** argv)
                                       key.data() + first * qkv, value.data() + first * qkv, gate.data() + first * qkv,
                                       beta.data() + first * heads, core.data() + first * qkv,
                                       o_norm_out.data() + first * qkv, heads, kernel, tokens, bounded, lower_bound,
-                                      scale, l2_eps, norm_eps);
+                                      scale, l2_eps, norm_eps, prefetch_ahead);
             });
         };
         // The separate kernels over rows first .. first + count - 1, one token of a sequence each.
@@ -130,7 +158,7 @@ int main(int argc, char** argv)
         if (path == "fused_walk") {
             fused(0, 1, rows, nullptr, conv_state.data(), state.data());
         } else if (path == "pool_fused") {
-            fused(0, rows, 1, slots.data(), conv_state.data(), state.data());
+            fused(0, rows, 1, slots.data(), conv_state.data(), state.data(), PREFETCH_AHEAD);
         } else if (path == "pool_separate") {
             separate(0, rows, slots.data(), conv_state.data(), state.data());
         }
@@ -147,10 +175,11 @@ int main(int argc, char** argv)
                   {"conv_out", "query", "key", "value", "gate", "beta", "core", "o_norm_out", "conv_state", "state"},
                   conv_out, query, key, value, gate, beta, core, o_norm_out, conv_state, state);
     }
-    std::printf("misaligned=%ld\n", misaligned.load());
+    std::printf("misaligned=%ld prefetches=%ld bad_prefetches=%ld\n", misaligned.load(), prefetches.load(),
+                bad_prefetches.load());
     return 0;
 }
-"""
+""".replace("PREFETCH_AHEAD", str(PREFETCH_AHEAD))
 
 
 def _layout(tokens):
@@ -167,9 +196,9 @@ def _layout(tokens):
 
 @pytest.fixture(scope="module")
 def decode_host(tmp_path_factory):
-    files = {"emulation.h": HOST_CUDA_HEADER, "main.cpp": DECODE_MAIN}
+    files = {"emulation.h": DECODE_HEADER, "main.cpp": DECODE_MAIN}
     for stem in STEMS:
-        files[f"{stem}.cpp"] = '#include "emulation.h"\n' + host_kernel_source(stem, COMMON_DEVICE_HELPERS)
+        files[f"{stem}.cpp"] = '#include "emulation.h"\n' + host_kernel_source(stem, DEVICE_HELPERS.get(stem, COMMON_DEVICE_HELPERS))
     return build_host_binary(tmp_path_factory.mktemp("decode_host"), "decode_host", files)
 
 
@@ -197,7 +226,12 @@ def _run_binary(binary, folder, inputs, rows, bounded, *extra):
         [str(binary), str(folder), str(rows), str(HEADS), str(KERNEL), str(int(bounded)), repr(LOWER_BOUND),
          repr(L2_EPS), repr(NORM_EPS), *map(str, extra)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["misaligned=0"], f"host run: {result.stdout.strip()}"
+    pool_size = int(extra[1]) if len(extra) > 1 else 0
+    # The pool path's blocks of sequences s < rows - PREFETCH_AHEAD each ask L2 for one head of the
+    # pool (the state of sequence s + PREFETCH_AHEAD); nothing else does.
+    prefetches = HEADS * max(rows - PREFETCH_AHEAD, 0) if pool_size else 0
+    assert result.stdout.split() == ["misaligned=0", f"prefetches={prefetches}", "bad_prefetches=0"], \
+        f"host run: {result.stdout.strip()}"
 
 
 def run_decode(binary, tokens, bounded, seed, jitter=False):

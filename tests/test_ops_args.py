@@ -177,7 +177,8 @@ def test_fused_decode_grid_and_arguments_match_the_kernel(launches, rows):
     source = (kernels.kernels_dir() / "decode.cu").read_text()
     signature = re.search(r"kda_decode_fused_bf16\(([^)]*)\)", source).group(1)
     assert len(args) == signature.count(",") + 1
-    assert (int(args[-8]), int(args[-7]), int(args[-6])) == (heads, 4, 1)  # heads, kernel_size, tokens
+    assert (int(args[-9]), int(args[-8]), int(args[-7])) == (heads, 4, 1)  # heads, kernel_size, tokens
+    assert int(args[-1]) == 0  # prefetch_ahead
 
 
 @pytest.mark.parametrize("operand,shape,needle", [
@@ -239,7 +240,7 @@ def test_fused_decode_walks_whole_sequences_of_tokens(launches):
     heads = 2
     ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, 6), **_FUSED_SCALARS, tokens=6)
     (name, grid, block, args), = launches
-    assert grid == (heads, 1) and int(args[-6]) == 6
+    assert grid == (heads, 1) and int(args[-7]) == 6
     with pytest.raises(ValueError, match="whole sequences"):
         ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, 6), **_FUSED_SCALARS, tokens=4)
     with pytest.raises(ValueError, match="only 1 state"):
