@@ -52,6 +52,9 @@ DECODE_ROW_GROUP = gemm_rows.GEMM_ROWS_MAX_ROWS
 # wave gained 2 %, two waves lost 3 to 6 %.
 STEP_PREFETCH_WAVES = 0.5
 STEP_RESIDENT_BLOCKS_PER_SM = 2
+# Decode of one sequence (decode, decode_k): the q|k|v projection asks L2 for the recurrent state
+# as it ends (gemm_rows_bf16's tail_prefetch), so that the fused step's loads hit. False: none.
+QKV_TAIL_PREFETCH = True
 # Most rows one batched decode call takes (the workspace and the pool may limit it further).
 MAX_DECODE_ROWS = 256
 
@@ -320,7 +323,8 @@ class KdaLayer:
                 raise TypeError(f"{what}: state.{field} must be a contiguous CuPy float32 array")
 
     # Stages -------------------------------------------------------------------------------
-    def _project_decode(self, x: Any, weight: Any, out: Any, after_kernel: bool = False) -> None:
+    def _project_decode(self, x: Any, weight: Any, out: Any, after_kernel: bool = False,
+                        tail_prefetch: Any = None) -> None:
         """The projection of every decode-side call (decode, decode_k, batched decode, and
         prefill of <= 16 rows). One kernel, applied to groups of DECODE_ROW_GROUP rows, whose
         per-row arithmetic does not depend on the row count: a row's bits are the same in
@@ -328,19 +332,22 @@ class KdaLayer:
 
         after_kernel: the previous operation on this stream is the kernel that writes x, so
         the projection may launch as its programmatic dependent (its blocks start and ask L2
-        for their first weights while that kernel drains; the same bits)."""
+        for their first weights while that kernel drains; the same bits). tail_prefetch: what the
+        next kernel reads, asked of L2 by the last launch as it ends (the same bits)."""
         rows = x.shape[0]
         for start in range(0, rows, DECODE_ROW_GROUP):
             stop = min(rows, start + DECODE_ROW_GROUP)
             gemm_rows.gemm_rows_bf16(x[start:stop], weight, out[start:stop], rows=stop - start,
-                                     programmatic=after_kernel or start > 0)
+                                     programmatic=after_kernel or start > 0,
+                                     tail_prefetch=tail_prefetch if stop == rows else None)
 
-    def _project(self, x: Any, weight: Any, out: Any, wide: bool, after_kernel: bool = False) -> None:
+    def _project(self, x: Any, weight: Any, out: Any, wide: bool, after_kernel: bool = False,
+                 tail_prefetch: Any = None) -> None:
         if wide:
             # Prefill only: cuBLAS reassociates, which no bit-exact path may see.
             ops.gemm_bf16_cublas(x, weight, out)
         else:
-            self._project_decode(x, weight, out, after_kernel)
+            self._project_decode(x, weight, out, after_kernel, tail_prefetch)
 
     def gate_source(self, first: int = 0) -> chunk_tc.GateSource:
         """Workspace rows first.. of what the forget gate and beta are formed from."""
@@ -355,14 +362,15 @@ class KdaLayer:
         ops.gate_beta_f32(*self.gate_source(first), ws.gate[first:], ws.beta[first:], c.heads, c.head_dim,
                           c.bounded, c.gate_lower_bound or 0.0, tokens=rows)
 
-    def front_end(self, hidden: Any, wide: bool = False, gate: bool = True) -> None:
+    def front_end(self, hidden: Any, wide: bool = False, gate: bool = True, tail_prefetch: Any = None) -> None:
         """Projections, forget gate, beta and output gate of `rows` hidden rows. A prefill
         passes gate=False: its chunk_core forms the gate (see KdaLayer.fused_gate).
 
         On the decode side the low-rank chain (down_proj -> forget_proj -> gate, beta; and
         out_gate) runs on a second, higher-priority stream beside the q|k|v projection, which
         streams most of the weight bytes: in a captured graph the two are parallel branches
-        that join before the conv. The same kernels, the same inputs: no bit changes."""
+        that join before the conv. The same kernels, the same inputs: no bit changes.
+        tail_prefetch: an array the q|k|v projection asks L2 for as it ends (the decode state)."""
         ws, c, rows = self.workspace, self.config, hidden.shape[0]
         d = c.head_dim
         with self._beside(not wide and not kernels.TIMER.active) as side:
@@ -372,7 +380,7 @@ class KdaLayer:
                 if gate:
                     self.gate_beta(rows)
                 self._project(ws.down_proj[:rows, d : 2 * d], self.g_b, ws.out_gate[:rows], wide, after_kernel=True)
-            self._project(hidden, self.qkv_weight, ws.qkv_proj[:rows], wide)
+            self._project(hidden, self.qkv_weight, ws.qkv_proj[:rows], wide, tail_prefetch=tail_prefetch)
 
     @contextlib.contextmanager
     def _beside(self, concurrent: bool):
@@ -448,7 +456,8 @@ class KdaLayer:
         its own sequence, row r advancing slot slots[r] of a pool."""
         rows = hidden.shape[0]
         with _section("front_end"):
-            self.front_end(hidden, gate=not self.fused_decode)
+            single = slots is None and QKV_TAIL_PREFETCH and self.fused_decode
+            self.front_end(hidden, gate=not self.fused_decode, tail_prefetch=recurrent_state if single else None)
         with _section("recurrence"):
             if sequential and self.fused_decode and not snapshots:
                 self.stateful_rows(0, rows, conv_state, recurrent_state, walk=True)

@@ -29,20 +29,20 @@
 // later wave; 0: none), which it never reads itself, so no bit depends on it.
 #include "kda_common.cuh"
 
-// Ask L2 for one head's state of one sequence (KDA_HEAD_DIM^2 floats, contiguous), thread d of
-// the block's KDA_HEAD_BLOCK taking part: one bulk request (thread 0) on sm_90 and later, a
-// line per thread and request before.
-__device__ __forceinline__ void prefetch_state_l2(const float* state_head, int d)
+// Ask L2 for `count` contiguous floats from `first` (16-byte aligned, count a multiple of 4),
+// thread d of the block's KDA_HEAD_BLOCK taking part: one bulk request (thread 0) on sm_90 and
+// later, a 128-byte line per thread and request before.
+__device__ __forceinline__ void prefetch_floats_l2(const float* first, int count, int d)
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (d == 0) {
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(state_head),
-                     "r"(static_cast<unsigned int>(KDA_HEAD_DIM * KDA_HEAD_DIM * sizeof(float)))
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(first),
+                     "r"(static_cast<unsigned int>(count * sizeof(float)))
                      : "memory");
     }
 #else
-    for (int line = d; line < KDA_HEAD_DIM * KDA_HEAD_DIM * 4 / 128; line += KDA_HEAD_BLOCK) {
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(state_head + 32 * line));
+    for (int line = d; line < (count + 31) / 32; line += KDA_HEAD_BLOCK) {
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(first + 32 * line));
     }
 #endif
 }
@@ -85,11 +85,18 @@ kda_decode_fused_bf16(float* __restrict__ conv_state, float* __restrict__ state,
     float s[KDA_HEAD_DIM];
     kda_recurrent_load(s, state_column);
     // A batch runs many waves of blocks, each of which waits on its state column: ask L2 for the
-    // column of sequence + prefetch_ahead (a block of a later wave) now, so that its loads hit.
+    // head's state of sequence + prefetch_ahead (a block of a later wave) now, so that its loads
+    // hit, and for its conv windows (the head's channels of q, k and v: three runs of D K floats).
     if (prefetch_ahead > 0 && sequence + prefetch_ahead < gridDim.y) {
         const size_t ahead = sequence + prefetch_ahead;
         const size_t ahead_slot = slots != nullptr ? static_cast<size_t>(slots[ahead]) : ahead;
-        prefetch_state_l2(state + (ahead_slot * heads + head) * static_cast<size_t>(KDA_HEAD_DIM) * KDA_HEAD_DIM, d);
+        prefetch_floats_l2(state + (ahead_slot * heads + head) * static_cast<size_t>(KDA_HEAD_DIM) * KDA_HEAD_DIM,
+                           KDA_HEAD_DIM * KDA_HEAD_DIM, d);
+        for (int part = 0; part < 3; ++part) {
+            prefetch_floats_l2(conv_state + (ahead_slot * 3 + part) * qkv * kernel_size +
+                                   static_cast<size_t>(head) * KDA_HEAD_DIM * kernel_size,
+                               KDA_HEAD_DIM * kernel_size, d);
+        }
     }
     float* conv_slot = conv_state + slot * 3 * qkv * kernel_size;
     float window[3][CONV_MAX_KERNEL];

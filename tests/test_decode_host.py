@@ -40,21 +40,27 @@ OUTPUTS = ("conv_out", "query", "key", "value", "gate", "beta", "core", "o_norm_
 
 # The pool path's fused step asks L2 for the state of the sequence this far ahead.
 PREFETCH_AHEAD = 2
-DEVICE_HELPERS = {"decode": ("prefetch_state_l2", *COMMON_DEVICE_HELPERS)}
+DEVICE_HELPERS = {"decode": ("prefetch_floats_l2", *COMMON_DEVICE_HELPERS)}
 
-# The L2 request of the fused step: counted, and checked to name the head of the block (blockIdx.x)
-# in the slot of the sequence PREFETCH_AHEAD after the block's (blockIdx.y).
+# The L2 requests of the fused step: counted, and checked to name exactly the head of the block
+# (blockIdx.x) in the slot of the sequence PREFETCH_AHEAD after the block's (blockIdx.y): its
+# state, then the conv windows of its q, k and v channels.
 DECODE_HEADER = HOST_CUDA_HEADER + r"""
 extern const float* prefetch_pool;
+extern const float* prefetch_conv_pool;
 extern const int* prefetch_slots;
-extern int prefetch_heads;
+extern int prefetch_heads, prefetch_kernel;
 extern std::atomic<long> prefetches, bad_prefetches;
-inline void prefetch_state_l2(const float* state_head, int d)
+inline void prefetch_floats_l2(const float* first, int count, int d)
 {
     if (d != 0) return;
-    prefetches++;
-    const long slot = prefetch_slots[blockIdx.y + PREFETCH_AHEAD];
-    if (state_head != prefetch_pool + (slot * prefetch_heads + blockIdx.x) * 128 * 128) bad_prefetches++;
+    const long request = prefetches++ % 4;  // a block's four requests come one after the other
+    const long slot = prefetch_slots[blockIdx.y + PREFETCH_AHEAD], head = blockIdx.x, D = 128, K = prefetch_kernel;
+    const long qkv = prefetch_heads * D;
+    const float* expected = request == 0
+        ? prefetch_pool + (slot * prefetch_heads + head) * D * D
+        : prefetch_conv_pool + ((slot * 3 + request - 1) * qkv + head * D) * K;
+    if (first != expected || count != (request == 0 ? D * D : D * K)) bad_prefetches++;
 }
 """.replace("PREFETCH_AHEAD", str(PREFETCH_AHEAD))
 
@@ -62,8 +68,9 @@ DECODE_MAIN = r"""
 #include "emulation.h"
 """ + HOST_CUDA_RUNTIME + r"""
 const float* prefetch_pool;
+const float* prefetch_conv_pool;
 const int* prefetch_slots;
-int prefetch_heads;
+int prefetch_heads, prefetch_kernel;
 std::atomic<long> prefetches{0}, bad_prefetches{0};
 using bf16_t = unsigned short;
 extern "C" void conv_decode_silu_l2_bf16(float*, const int*, const bf16_t*, const bf16_t*, bf16_t*, float*, float*,
@@ -118,8 +125,10 @@ int main(int argc, char** argv)
         auto fused = [&](int first, int sequences, int tokens, const int* slot_list, float* conv, float* states,
                          int prefetch_ahead = 0) {
             prefetch_pool = states;
+            prefetch_conv_pool = conv;
             prefetch_slots = slot_list;
             prefetch_heads = heads;
+            prefetch_kernel = kernel;
             run_grid(dim3{unsigned(heads), unsigned(sequences), 1}, 128, 0, [&] {
                 kda_decode_fused_bf16(conv, states, slot_list, qkv_proj.data() + first * conv_dim, conv_w.data(),
                                       forget_proj.data() + first * qkv, dt_bias.data(), a_log.data(),
@@ -227,9 +236,9 @@ def _run_binary(binary, folder, inputs, rows, bounded, *extra):
          repr(L2_EPS), repr(NORM_EPS), *map(str, extra)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     pool_size = int(extra[1]) if len(extra) > 1 else 0
-    # The pool path's blocks of sequences s < rows - PREFETCH_AHEAD each ask L2 for one head of the
-    # pool (the state of sequence s + PREFETCH_AHEAD); nothing else does.
-    prefetches = HEADS * max(rows - PREFETCH_AHEAD, 0) if pool_size else 0
+    # The pool path's blocks of sequences s < rows - PREFETCH_AHEAD each ask L2 for the state and the
+    # three conv windows of their head in the slot of sequence s + PREFETCH_AHEAD; nothing else does.
+    prefetches = 4 * HEADS * max(rows - PREFETCH_AHEAD, 0) if pool_size else 0
     assert result.stdout.split() == ["misaligned=0", f"prefetches={prefetches}", "bad_prefetches=0"], \
         f"host run: {result.stdout.strip()}"
 
