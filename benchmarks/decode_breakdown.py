@@ -10,10 +10,8 @@
 Each geometry runs the VARIANTS below in the same process: the fused decode step with the
 projections after a kernel launched as its programmatic dependents, asking L2 for the first 16
 (the default) or 0 blocks of 32 k of each weight row (gemm_rows.PREFETCH_K_BLOCKS), and each
-block of a batched step asking L2 for the state of the block 0, 0.25, 0.5 (the default) or 0.75
-waves later (layer.STEP_PREFETCH_WAVES), the q|k|v projection of one sequence asking L2 for its
-state as it ends or not (layer.QKV_TAIL_PREFETCH), and both off (the kernels as they were before
-those two); the fused step with plain launches
+block of a batched step asking L2 for the state of the block 0 (as before that request),
+0.125, 0.25 (the default) or 0.5 waves later (layer.STEP_PREFETCH_WAVES); the fused step with plain launches
 (kernels.PROGRAMMATIC_LAUNCH = False); and the separate kernels with plain launches
 (layer.fused_decode = False).
 
@@ -34,11 +32,10 @@ def back_to_back_us(fn, calls: int = 200) -> float:
     return 1e3 * back_to_back_ms(fn, calls)
 
 
-# (fused_decode, programmatic launches, L2 prefetch k blocks, step prefetch waves, q|k|v tail prefetch)
+# (fused_decode, programmatic launches, L2 prefetch k blocks, step prefetch waves)
 VARIANTS = (
-    (True, True, 16, 0.5, True), (True, True, 16, 0.5, False), (True, True, 16, 0.0, True),
-    (True, True, 16, 0.25, True), (True, True, 16, 0.75, True), (True, True, 16, 0.0, False),
-    (True, True, 0, 0.5, True), (True, False, 0, 0.5, True), (False, False, 0, 0.0, False),
+    (True, True, 16, 0.25), (True, True, 16, 0.0), (True, True, 16, 0.125), (True, True, 16, 0.5),
+    (True, True, 0, 0.25), (True, False, 0, 0.25), (False, False, 0, 0.0),
 )
 ROUNDS = 5
 VERIFY_K = (4, 16)
@@ -48,7 +45,7 @@ BATCHES = (64, 256)
 def apply(variant) -> None:
     from glm_kda import gemm_rows, kernels, layer
 
-    _, kernels.PROGRAMMATIC_LAUNCH, gemm_rows.PREFETCH_K_BLOCKS, layer.STEP_PREFETCH_WAVES, layer.QKV_TAIL_PREFETCH = variant
+    _, kernels.PROGRAMMATIC_LAUNCH, gemm_rows.PREFETCH_K_BLOCKS, layer.STEP_PREFETCH_WAVES = variant
 
 
 def main(geometries: list[str]) -> None:
@@ -63,8 +60,7 @@ def main(geometries: list[str]) -> None:
     from glm_kda.synthetic import synthetic_hidden, write_synthetic_checkpoint
 
     bandwidth = copy_bandwidth_gbs()
-    defaults = (True, kernels.PROGRAMMATIC_LAUNCH, gemm_rows.PREFETCH_K_BLOCKS, layer_module.STEP_PREFETCH_WAVES,
-                layer_module.QKV_TAIL_PREFETCH)
+    defaults = (True, kernels.PROGRAMMATIC_LAUNCH, gemm_rows.PREFETCH_K_BLOCKS, layer_module.STEP_PREFETCH_WAVES)
     stream = cupy.cuda.get_current_stream()
     with tempfile.TemporaryDirectory() as tmp:
         for geometry in geometries:
@@ -107,7 +103,7 @@ def main(geometries: list[str]) -> None:
                     for rows, graph in captured[variant][0].items():
                         replays[variant, rows].append(back_to_back_us(lambda: graph.launch(stream)))
             for variant in VARIANTS:
-                fused, programmatic, prefetch, step_prefetch, qkv_tail = variant
+                fused, programmatic, prefetch, step_prefetch = variant
                 replay_us = float(np.median(replays[variant, 1]))
                 verify = {f"K{rows}": round(float(np.median(replays[variant, rows])) / replay_us, 3) for rows in VERIFY_K}
                 batched = {}
@@ -118,7 +114,7 @@ def main(geometries: list[str]) -> None:
                         (weight_bytes(cfg) + batch * state_bytes(cfg)) / 1e3 / bandwidth / batch_us)
                 print(json.dumps({
                     "geometry": geometry, "fused_decode": fused, "programmatic_launch": programmatic,
-                    "l2_prefetch_k_blocks": prefetch, "step_prefetch_waves": step_prefetch, "qkv_tail_prefetch": qkv_tail,
+                    "l2_prefetch_k_blocks": prefetch, "step_prefetch_waves": step_prefetch,
                     "default": variant == defaults, "copy_bandwidth_GBs": bandwidth,
                     "bytes": nbytes, "graph_replay_us": replay_us,
                     "graph_replay_rounds_us": [round(x, 2) for x in replays[variant, 1]],

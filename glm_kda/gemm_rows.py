@@ -15,7 +15,6 @@ import functools
 from dataclasses import dataclass
 
 import cupy
-import numpy
 
 from glm_kda import kernels
 from glm_kda.ops import _i32, projection_args
@@ -124,7 +123,7 @@ def launch_plan(
 
 
 def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | None = None,
-                   blocks: int | None = None, programmatic: bool = False, tail_prefetch=None) -> None:
+                   blocks: int | None = None, programmatic: bool = False) -> None:
     """out[r, :] = bf16(x[r, :] @ w.T) for r < rows (1..256), FP32 accumulation on tensor cores.
 
     Shapes:
@@ -145,24 +144,14 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
     stream (sm_90 and later): the blocks start while that kernel drains, ask L2 for their
     first weight bytes, and wait for it before they read x or write out. For a launch whose
     previous operation in the stream is the kernel that writes x; the bits are the same.
-
-    ``tail_prefetch``: a C-contiguous device array (16-byte aligned, whole 16-byte words) that
-    the next kernel reads: the blocks ask L2 for it, a share each, as they start their last
-    step, so that it arrives as this kernel ends. Never read here; the bits are the same.
     """
     rows, n, k, ldx, ldy = projection_args("gemm_rows_bf16", x, w, out, rows, GEMM_ROWS_MAX_ROWS)
-    tail_bytes = 0
-    if tail_prefetch is not None:
-        tail_bytes = int(tail_prefetch.nbytes)
-        if not tail_prefetch.flags.c_contiguous or tail_prefetch.data.ptr % 16 or tail_bytes % 16:
-            raise ValueError("gemm_rows_bf16: tail_prefetch must be C-contiguous, 16-byte aligned, of whole 16-byte words")
     plan = launch_plan(n, k, rows, tiles_per_warp, _sm_count(cupy.cuda.Device().id), blocks)
     kernels.launch(
         plan.kernel,
         plan.grid,
         plan.block,
-        (x, _i32(ldx), w, out, _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(PREFETCH_K_BLOCKS if programmatic else 0),
-         tail_prefetch, numpy.int64(tail_bytes)),
+        (x, _i32(ldx), w, out, _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(PREFETCH_K_BLOCKS if programmatic else 0)),
         programmatic=programmatic,
     )
 

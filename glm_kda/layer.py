@@ -45,16 +45,13 @@ GEMV_MAX_ROWS = ops.GEMV_MAX_ROWS
 # launch. ops.gemv_bf16 keeps the same contract and stays as the scalar reference.
 DECODE_ROW_GROUP = gemm_rows.GEMM_ROWS_MAX_ROWS
 # A batched fused step runs waves of (head, sequence) blocks; each block asks L2 for the state
-# of the block this many waves later (kda_decode_fused_bf16's prefetch_ahead, in sequences:
-# waves x the sequences one wave of resident blocks holds). 0: none. On an H200
-# (benchmarks/decode_breakdown.py, one process) 0.5 took the 64-sequence graph from 370 to 342 us
-# (GLM) and from 177 to 164 us (Kimi), 256 sequences from 1388 to 1261 and 609 to 546 us; one
-# wave gained 2 %, two waves lost 3 to 6 %.
-STEP_PREFETCH_WAVES = 0.5
+# and conv windows of the block this many waves later (kda_decode_fused_bf16's prefetch_ahead,
+# in sequences: waves x the sequences one wave of resident blocks holds, at least 1). 0: none.
+# On an H200 (benchmarks/decode_breakdown.py, one process) 0.25 took the 64-sequence graph from
+# 374 to 340 us (GLM) and from 180 to 163 us (Kimi), 256 sequences from 1406 to 1284 and 620 to
+# 561 us; 0.5 gained less (352, 169 us at 64) and 0.75 or more little or nothing.
+STEP_PREFETCH_WAVES = 0.25
 STEP_RESIDENT_BLOCKS_PER_SM = 2
-# Decode of one sequence (decode, decode_k): the q|k|v projection asks L2 for the recurrent state
-# as it ends (gemm_rows_bf16's tail_prefetch), so that the fused step's loads hit. False: none.
-QKV_TAIL_PREFETCH = True
 # Most rows one batched decode call takes (the workspace and the pool may limit it further).
 MAX_DECODE_ROWS = 256
 
@@ -323,8 +320,7 @@ class KdaLayer:
                 raise TypeError(f"{what}: state.{field} must be a contiguous CuPy float32 array")
 
     # Stages -------------------------------------------------------------------------------
-    def _project_decode(self, x: Any, weight: Any, out: Any, after_kernel: bool = False,
-                        tail_prefetch: Any = None) -> None:
+    def _project_decode(self, x: Any, weight: Any, out: Any, after_kernel: bool = False) -> None:
         """The projection of every decode-side call (decode, decode_k, batched decode, and
         prefill of <= 16 rows). One kernel, applied to groups of DECODE_ROW_GROUP rows, whose
         per-row arithmetic does not depend on the row count: a row's bits are the same in
@@ -332,22 +328,19 @@ class KdaLayer:
 
         after_kernel: the previous operation on this stream is the kernel that writes x, so
         the projection may launch as its programmatic dependent (its blocks start and ask L2
-        for their first weights while that kernel drains; the same bits). tail_prefetch: what the
-        next kernel reads, asked of L2 by the last launch as it ends (the same bits)."""
+        for their first weights while that kernel drains; the same bits)."""
         rows = x.shape[0]
         for start in range(0, rows, DECODE_ROW_GROUP):
             stop = min(rows, start + DECODE_ROW_GROUP)
             gemm_rows.gemm_rows_bf16(x[start:stop], weight, out[start:stop], rows=stop - start,
-                                     programmatic=after_kernel or start > 0,
-                                     tail_prefetch=tail_prefetch if stop == rows else None)
+                                     programmatic=after_kernel or start > 0)
 
-    def _project(self, x: Any, weight: Any, out: Any, wide: bool, after_kernel: bool = False,
-                 tail_prefetch: Any = None) -> None:
+    def _project(self, x: Any, weight: Any, out: Any, wide: bool, after_kernel: bool = False) -> None:
         if wide:
             # Prefill only: cuBLAS reassociates, which no bit-exact path may see.
             ops.gemm_bf16_cublas(x, weight, out)
         else:
-            self._project_decode(x, weight, out, after_kernel, tail_prefetch)
+            self._project_decode(x, weight, out, after_kernel)
 
     def gate_source(self, first: int = 0) -> chunk_tc.GateSource:
         """Workspace rows first.. of what the forget gate and beta are formed from."""
@@ -362,15 +355,14 @@ class KdaLayer:
         ops.gate_beta_f32(*self.gate_source(first), ws.gate[first:], ws.beta[first:], c.heads, c.head_dim,
                           c.bounded, c.gate_lower_bound or 0.0, tokens=rows)
 
-    def front_end(self, hidden: Any, wide: bool = False, gate: bool = True, tail_prefetch: Any = None) -> None:
+    def front_end(self, hidden: Any, wide: bool = False, gate: bool = True) -> None:
         """Projections, forget gate, beta and output gate of `rows` hidden rows. A prefill
         passes gate=False: its chunk_core forms the gate (see KdaLayer.fused_gate).
 
         On the decode side the low-rank chain (down_proj -> forget_proj -> gate, beta; and
         out_gate) runs on a second, higher-priority stream beside the q|k|v projection, which
         streams most of the weight bytes: in a captured graph the two are parallel branches
-        that join before the conv. The same kernels, the same inputs: no bit changes.
-        tail_prefetch: an array the q|k|v projection asks L2 for as it ends (the decode state)."""
+        that join before the conv. The same kernels, the same inputs: no bit changes."""
         ws, c, rows = self.workspace, self.config, hidden.shape[0]
         d = c.head_dim
         with self._beside(not wide and not kernels.TIMER.active) as side:
@@ -380,7 +372,7 @@ class KdaLayer:
                 if gate:
                     self.gate_beta(rows)
                 self._project(ws.down_proj[:rows, d : 2 * d], self.g_b, ws.out_gate[:rows], wide, after_kernel=True)
-            self._project(hidden, self.qkv_weight, ws.qkv_proj[:rows], wide, tail_prefetch=tail_prefetch)
+            self._project(hidden, self.qkv_weight, ws.qkv_proj[:rows], wide)
 
     @contextlib.contextmanager
     def _beside(self, concurrent: bool):
@@ -442,7 +434,9 @@ class KdaLayer:
     def _step_prefetch_ahead(self) -> int:
         """Sequences ahead whose state a batched fused step asks L2 for (STEP_PREFETCH_WAVES)."""
         resident = gemm_rows._sm_count(self.qkv_weight.device.id) * STEP_RESIDENT_BLOCKS_PER_SM
-        return max(0, round(STEP_PREFETCH_WAVES * resident / self.config.heads))
+        if STEP_PREFETCH_WAVES <= 0:
+            return 0
+        return max(1, round(STEP_PREFETCH_WAVES * resident / self.config.heads))
 
     def decode_rows(self, hidden: Any, conv_state: Any, recurrent_state: Any, *, slots: Any = None,
                     sequential: bool = False, snapshots: Sequence[KdaState] = ()) -> None:
@@ -456,8 +450,7 @@ class KdaLayer:
         its own sequence, row r advancing slot slots[r] of a pool."""
         rows = hidden.shape[0]
         with _section("front_end"):
-            single = slots is None and QKV_TAIL_PREFETCH and self.fused_decode
-            self.front_end(hidden, gate=not self.fused_decode, tail_prefetch=recurrent_state if single else None)
+            self.front_end(hidden, gate=not self.fused_decode)
         with _section("recurrence"):
             if sequential and self.fused_decode and not snapshots:
                 self.stateful_rows(0, rows, conv_state, recurrent_state, walk=True)

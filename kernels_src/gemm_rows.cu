@@ -45,12 +45,6 @@
 // depends on an earlier kernel, x does. Launched without the attribute (or before sm_90)
 // the wait returns at once and the prefetch only warms L2.
 //
-// Tail prefetch: a region the next kernel will read (`tail`, `tail_bytes`; none when 0), split
-// into gridDim.x chunks of 16-byte multiples, chunk blockIdx.x asked of L2 by warp 0 of block
-// (blockIdx.x, 0) when it starts the last step of its last column group, so that the region
-// arrives as the kernel ends (the decode step's state behind the q|k|v projection). The
-// region is never read here.
-//
 // Requires k % 8 == 0, ldx % 8 == 0 and 16-byte aligned x and w (checked by the
 // Python wrapper): every load is one 16-byte vector of 8 BF16; a k that is not a
 // multiple of 32 is padded with zeros in both operands.
@@ -89,21 +83,6 @@ __device__ __forceinline__ uint4 load_weight_16B(const bf16_t* pointer, bool val
 __device__ __forceinline__ void prefetch_l2(const void* pointer)
 {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(pointer));
-}
-
-// Ask L2 for `bytes` (a multiple of 16) from the 16-byte aligned `first`, the 32 lanes of a warp
-// taking part: one bulk request (lane 0) on sm_90 and later, a line per lane and request before.
-__device__ __forceinline__ void prefetch_range_l2(const char* first, unsigned int bytes, int lane)
-{
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (lane == 0 && bytes > 0) {
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(first), "r"(bytes) : "memory");
-    }
-#else
-    for (unsigned int offset = 128u * lane; offset < bytes; offset += 128u * 32u) {
-        prefetch_l2(first + offset);
-    }
-#endif
 }
 
 // 16 bytes of x, read by every block: cached in L1. Predicated off (zeros) for the
@@ -201,7 +180,7 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
                                                 const bf16_t* __restrict__ w,
                                                 bf16_t* __restrict__ y, int ldy, int row_begin,
                                                 int row_end, int n, int k, int k_split, int prefetch,
-                                                const char* tail, unsigned long long tail_bytes, float* partial)
+                                                float* partial)
 {
     // Each lane keeps GEMM_ROWS_LOADS (m-tile, n-tile, k-block) products per step: with one
     // m-tile that is 8 weight loads in flight; more m-tiles spend the registers on their x
@@ -280,17 +259,11 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
             }
         }
 
-        const bool last_group = group + gridDim.x >= column_groups;
         for (int kb_step = kb_begin; kb_step < kb_end; kb_step += K_UNROLL) {
             // Every weight load of the step first: they are what the kernel waits on.
             uint4 w_frag[K_UNROLL][N_TILES];
             load_weight_step<K_UNROLL, N_TILES>(w_frag, w_lane, tile_stride, w_valid, kb_step, kb_end, k,
                                                 thread_in_group);
-            if (tail_bytes != 0 && last_group && warp == 0 && blockIdx.y == 0 && kb_step + K_UNROLL >= kb_end) {
-                const unsigned long long chunk = ((tail_bytes + gridDim.x - 1) / gridDim.x + 15) / 16 * 16;
-                const unsigned long long begin = min(tail_bytes, chunk * blockIdx.x);
-                prefetch_range_l2(tail + begin, static_cast<unsigned int>(min(tail_bytes, begin + chunk) - begin), lane);
-            }
             // The step's x fragments in the same breath as its weights (rows g and g + 8 of each
             // m-tile; L1 or L2 hits that would otherwise wait behind the weights), where the
             // registers allow: up to 4 (k block, m-tile) pairs per step.
@@ -381,13 +354,11 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
 // extra m-tiles predicated off) and N_TILES and the grid from the shape. Separate entries
 // keep each kernel's code small: one variant in the instruction cache, not all of them.
 // `prefetch` (k blocks per weight row, 0 for none) asks L2 for the first weights before the
-// wait on the previous kernel, `tail` for the next kernel's region (see the top); like the tiles
-// and the grid they change no bit.
+// wait on the previous kernel; like the tiles and the grid it changes no bit.
 template <int M_TILES, int N_TILES>
 __device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, int ldx,
                                                 const bf16_t* __restrict__ w, bf16_t* __restrict__ y,
-                                                int ldy, int rows, int n, int k, int prefetch,
-                                                const char* tail, unsigned long long tail_bytes)
+                                                int ldy, int rows, int n, int k, int prefetch)
 {
     __shared__ float partial[GEMM_ROWS_WARPS * M_TILES * N_TILES * 4 * 32];
 
@@ -398,18 +369,16 @@ __device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, in
     }
     const int row_end = min(rows, row_begin + GEMM_ROWS_M_GROUP);
     gemm_rows_sweep<M_TILES, N_TILES>(x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split_for(k), prefetch,
-                                      tail, tail_bytes, partial);
+                                      partial);
 }
 
 #define GEMM_ROWS_ENTRY(M_TILES, N_TILES)                                                          \
     extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_MIN_BLOCKS)          \
         gemm_rows_bf16_m##M_TILES##_n##N_TILES(                                                    \
             const bf16_t* __restrict__ x, int ldx, const bf16_t* __restrict__ w,                   \
-            bf16_t* __restrict__ y, int ldy, int rows, int n, int k, int prefetch,                 \
-            const char* tail, unsigned long long tail_bytes)                                       \
+            bf16_t* __restrict__ y, int ldy, int rows, int n, int k, int prefetch)                 \
     {                                                                                              \
-        gemm_rows_entry<M_TILES, N_TILES>(x, ldx, w, y, ldy, rows, n, k, prefetch, tail,           \
-                                          tail_bytes);                                             \
+        gemm_rows_entry<M_TILES, N_TILES>(x, ldx, w, y, ldy, rows, n, k, prefetch);                \
     }
 
 // Every variant is compiled for 2 blocks per SM (up to 128 registers per thread; 3 blocks

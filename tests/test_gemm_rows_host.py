@@ -28,14 +28,10 @@ from host_cuda import (COMMON_DEVICE_HELPERS, HOST_CUDA_HEADER, HOST_CUDA_RUNTIM
 
 RMS_BOUND = 1e-3
 POISON = 0x7FA5
-DEVICE_HELPERS = ("load_weight_16B", "prefetch_l2", "prefetch_range_l2", "load_activation_16B", "mma_bf16_m16n8k16",
-                  *COMMON_DEVICE_HELPERS)
+DEVICE_HELPERS = ("load_weight_16B", "prefetch_l2", "load_activation_16B", "mma_bf16_m16n8k16", *COMMON_DEVICE_HELPERS)
 
 GEMM_HEADER = HOST_CUDA_HEADER + r"""
 using bf16_t = unsigned short;
-#include <mutex>
-#include <utility>
-#include <vector>
 struct MmaSlot { unsigned int a[4], b[2]; };
 extern MmaSlot mma_slots[32][32];
 // Predicated 16-byte loads: zeros when not valid (the source is then not read).
@@ -47,16 +43,6 @@ inline uint4 load_weight_16B(const bf16_t* pointer, bool valid)
 }
 inline uint4 load_activation_16B(const bf16_t* pointer, bool valid) { return load_weight_16B(pointer, valid); }
 inline void prefetch_l2(const void*) {}
-// The tail prefetch: every nonzero request (offset into the region, bytes) is recorded.
-extern const char* tail_region;
-extern std::vector<std::pair<long, long>> tail_requests;
-extern std::mutex tail_mutex;
-inline void prefetch_range_l2(const char* first, unsigned int bytes, int lane)
-{
-    if (lane != 0 || bytes == 0) return;
-    std::lock_guard<std::mutex> hold(tail_mutex);
-    tail_requests.push_back({first - tail_region, long(bytes)});
-}
 inline double bf16_word(unsigned int word, int half)
 {
     return double(__uint_as_float(half ? (word & 0xFFFF0000u) : (word << 16)));
@@ -77,15 +63,11 @@ GEMM_MAIN = r"""
 #include "emulation.h"
 """ + HOST_CUDA_RUNTIME + r"""
 MmaSlot mma_slots[32][32];
-const char* tail_region;
-std::vector<std::pair<long, long>> tail_requests;
-std::mutex tail_mutex;
 #define DECLARE(M, N) extern "C" void gemm_rows_bf16_m##M##_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, \
-                                                                int, int, int, const char*, unsigned long long);
+                                                                int, int, int);
 DECLARE(1, 1) DECLARE(1, 2) DECLARE(1, 4) DECLARE(2, 1) DECLARE(2, 2) DECLARE(2, 4) DECLARE(4, 1) DECLARE(4, 2)
 extern "C" void gemv_bf16(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int);
-using Entry = void (*)(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int, int, const char*,
-                      unsigned long long);
+using Entry = void (*)(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int, int);
 
 int main(int argc, char** argv)
 {
@@ -97,18 +79,13 @@ int main(int argc, char** argv)
     const int y_rows = std::atoi(argv[12]);
     // launches > 1: that many one-row launches (the plan is a one-row plan), on rows 0, 1, ...
     const int launches = std::atoi(argv[13]);
-    // Bytes of a tail-prefetch region (0: none); each launch must ask for all of it exactly once.
-    const unsigned long long tail_bytes = std::strtoull(argv[14], nullptr, 10);
-    std::vector<uint4> region(tail_bytes / 16 + 1);
-    tail_region = reinterpret_cast<const char*>(region.data());
     const std::pair<int, int> key{m_tiles, n_tiles};
     const std::pair<std::pair<int, int>, Entry> entries[] = {
         {{1, 1}, gemm_rows_bf16_m1_n1}, {{1, 2}, gemm_rows_bf16_m1_n2}, {{1, 4}, gemm_rows_bf16_m1_n4},
         {{2, 1}, gemm_rows_bf16_m2_n1}, {{2, 2}, gemm_rows_bf16_m2_n2}, {{2, 4}, gemm_rows_bf16_m2_n4},
         {{4, 1}, gemm_rows_bf16_m4_n1}, {{4, 2}, gemm_rows_bf16_m4_n2},
-        // m0_n0: gemv_bf16 (no prefetch arguments)
-        {{0, 0}, [](const bf16_t* x, int ldx, const bf16_t* w, bf16_t* y, int ldy, int rows, int n, int k, int,
-                    const char*, unsigned long long) {
+        // m0_n0: gemv_bf16 (no prefetch argument)
+        {{0, 0}, [](const bf16_t* x, int ldx, const bf16_t* w, bf16_t* y, int ldy, int rows, int n, int k, int) {
              gemv_bf16(x, ldx, w, y, ldy, rows, n, k);
          }}};
     Entry entry = nullptr;
@@ -118,19 +95,9 @@ int main(int argc, char** argv)
     const auto w = load_u16(dir + "/w", size_t(n) * k);
     auto y = load_u16(dir + "/y", size_t(y_rows) * ldy);
     for (int launch = 0; launch < launches; ++launch) {
-        tail_requests.clear();
         run_grid(dim3{grid_x, grid_y, 1}, 256, 0, [&] {
-            entry(x.data() + size_t(launch) * ldx, ldx, w.data(), y.data() + size_t(launch) * ldy, ldy, rows, n, k, 0,
-                  tail_bytes ? tail_region : nullptr, tail_bytes);
+            entry(x.data() + size_t(launch) * ldx, ldx, w.data(), y.data() + size_t(launch) * ldy, ldy, rows, n, k, 0);
         });
-        // The requests, in order of offset, tile [0, tail_bytes) in whole 16-byte words.
-        std::sort(tail_requests.begin(), tail_requests.end());
-        long covered = 0;
-        for (const auto& [offset, bytes] : tail_requests) {
-            if (offset != covered || offset % 16 || bytes % 16) { std::printf("tail_gap_at=%ld\n", offset); return 3; }
-            covered += bytes;
-        }
-        if (covered != long(tail_bytes)) { std::printf("tail_covered=%ld\n", covered); return 3; }
     }
     save(dir + "/y.out", y);
     std::printf("misaligned=%ld\n", misaligned.load());
@@ -152,11 +119,10 @@ def gemm_host(tmp_path_factory):
 _calls = iter(range(10**9))
 
 
-def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, gemv=False, tail_bytes=0, **plan_args):
+def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, gemv=False, **plan_args):
     """One launch as gemm_rows_bf16 plans it (132 SMs), on x_buffer[:, :k] (row stride of the
     buffer) into y_buffer[:, :n], or with one_row_launches a one-row launch per row; returns the
-    new y_buffer. gemv: ops.gemv_bf16's launch instead (8 columns a block). tail_bytes: a
-    tail-prefetch region of that many bytes, which every launch must ask L2 for exactly once."""
+    new y_buffer. gemv: ops.gemv_bf16's launch instead (8 columns a block)."""
     n, k = w.shape
     if gemv:
         m_tiles = n_tiles = 0
@@ -173,9 +139,9 @@ def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, gemv=F
         [str(binary), str(folder), str(m_tiles), str(n_tiles), str(plan.grid[0]), str(plan.grid[1]),
          str(1 if one_row_launches else rows), str(n),
          str(k), str(x_buffer.shape[1]), str(y_buffer.shape[1]), str(x_buffer.shape[0]), str(y_buffer.shape[0]),
-         str(rows if one_row_launches else 1), str(tail_bytes)],
+         str(rows if one_row_launches else 1)],
         capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, f"host run: {result.stdout.strip()} {result.stderr}"
+    assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["misaligned=0"], f"host run: {result.stdout.strip()}"
     return np.fromfile(folder / "y.out", np.uint16).reshape(y_buffer.shape)
 
@@ -242,17 +208,3 @@ def test_gemv_rows_equal_one_row_launches_on_host(gemm_host, shape):
     for rows in (2, 7, 16):
         out = run_host(gemm_host, x[:rows], w, rows, np.full((rows, n), POISON, np.uint16), gemv=True)
         _assert_bits_equal(out, one_row[:rows], f"gemv N{n}-K{k} R{rows} vs one-row launches")
-
-
-@pytest.mark.parametrize("tail_bytes", [16, 528, 8 * 1024 * 1024], ids=lambda b: f"{b}B")
-def test_tail_prefetch_asks_for_the_region_once_on_host(gemm_host, tail_bytes):
-    """The q|k|v projection asks L2 for the decode state as it ends: the blocks' requests tile the
-    region exactly (no gap, no overlap, whole 16-byte words), for regions smaller than, not a
-    multiple of, and far larger than the grid, whatever the tiles; the bits are those of a
-    launch without it."""
-    n, k = 200, 520
-    x, w = _inputs(n, k, 1, seed=5)
-    plain = run_host(gemm_host, x, w, 1, np.full((1, n), POISON, np.uint16))
-    for tiles in (1, 2, 4):
-        out = run_host(gemm_host, x, w, 1, np.full((1, n), POISON, np.uint16), tiles_per_warp=tiles, tail_bytes=tail_bytes)
-        _assert_bits_equal(out, plain, f"tiles {tiles} tail {tail_bytes} B")
