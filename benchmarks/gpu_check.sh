@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Everything that needs the GPU: the GPU test suite (figures to figures.json),
+# Everything that needs the GPU: the GPU test suite (figures to figures.json; "tests"),
 # compute-sanitizer memcheck over a subset of it and over the prefill conv, racecheck over the chunk (FP32 and
-# tensor-core), recurrent and fused decode (one row and a verify walk) kernels ("tests"), then the decode and prefill benchmarks and the import
-# timing ("bench"). Logs and JSON land in ${OUT:-./gpu_check_out}. The two halves take about
-# seven and five minutes on an H200; run them as separate commands where one command is
-# limited to ten minutes. "block" adds the whole-block timings to "bench". With
-# flash-linear-attention importable (see benchmarks/NOTES.md) both benchmarks add its rows;
+# tensor-core), recurrent and fused decode (one row and a verify walk) kernels ("sanitize"), then the decode and
+# prefill benchmarks and the import timing ("bench"). Logs and JSON land in ${OUT:-./gpu_check_out}.
+# The three parts take about eight, two and five minutes on an H200; run them as separate commands
+# where one command is limited to ten minutes. "block" adds the whole-block timings to "bench".
+# With flash-linear-attention importable (see benchmarks/NOTES.md) both benchmarks add its rows;
 # its first call compiles Triton kernels for a minute or more.
-#   PYTHONPATH=. bash benchmarks/gpu_check.sh [tests|bench|all] [block]
+#   PYTHONPATH=. bash benchmarks/gpu_check.sh [tests|sanitize|bench|all] [block]
 set -u -o pipefail
 part=${1:-all}
 out=${OUT:-./gpu_check_out}; mkdir -p "$out"
@@ -16,9 +16,11 @@ nvidia-smi -L | tee "$out/device.txt"
 python -c "import cupy; print('cupy', cupy.__version__, 'cuda', cupy.cuda.runtime.runtimeGetVersion())" | tee -a "$out/device.txt"
 python -c "from cupy.cuda import nccl; print('nccl', nccl.get_version())" 2>&1 | tail -1 | tee -a "$out/device.txt"
 if [ "$part" = tests ] || [ "$part" = all ]; then
-  GLM_KDA_FIGURES="$out/figures.json" timeout ${SUITE_TIMEOUT:-420} python -m pytest -q -rfE tests/test_gpu.py \
+  GLM_KDA_FIGURES="$out/figures.json" timeout ${SUITE_TIMEOUT:-560} python -m pytest -q -rfE tests/test_gpu.py \
     tests/test_gemm_rows.py tests/test_chunk_tc.py tests/test_kernels_compile.py --junitxml="$out/junit.xml" 2>&1 \
     | tee "$out/gpu_tests.log" | tail -25
+fi
+if [ "$part" = sanitize ] || [ "$part" = all ]; then
   timeout 100 compute-sanitizer --tool memcheck --print-limit 20 python -m pytest -q -p no:cacheprovider tests/test_gpu.py \
     -k "kimi and (T17 and C16 or T65 and C64 or poisoned and nan or graph_replay)" 2>&1 | tee "$out/memcheck.log" | tail -4
   timeout 45 compute-sanitizer --tool racecheck --kernel-name kns=kda_ --print-limit 20 python -m pytest -q -p no:cacheprovider \
@@ -38,7 +40,7 @@ if [ "$part" = tests ] || [ "$part" = all ]; then
 fi
 if [ "$part" = bench ] || [ "$part" = all ]; then
   timeout 120 python benchmarks/decode.py 2>&1 | tee "$out/decode.jsonl" | tail -40
-  timeout 60 python benchmarks/decode_breakdown.py 2>&1 | tee "$out/decode_breakdown.jsonl"
+  timeout 120 python benchmarks/decode_breakdown.py 2>&1 | tee "$out/decode_breakdown.jsonl"
   timeout 150 python benchmarks/prefill.py --tokens 1024 16384 65536 2>&1 | tee "$out/prefill.jsonl"
   if [ "${2:-}" = block ]; then timeout 60 python benchmarks/block.py glm kimi 2>&1 | tee "$out/block.jsonl"; fi
   python -c "import json; from glm_kda.selftest import import_times; print(json.dumps(import_times()))" 2>&1 | tee "$out/import.json"

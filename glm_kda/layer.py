@@ -48,8 +48,8 @@ DECODE_ROW_GROUP = gemm_rows.GEMM_ROWS_MAX_ROWS
 # and conv windows of the block this many waves later (kda_decode_fused_bf16's prefetch_ahead,
 # in sequences: waves x the sequences one wave of resident blocks holds, at least 1). 0: none.
 # On an H200 (benchmarks/decode_breakdown.py, one process) 0.25 took the 64-sequence graph from
-# 374 to 340 us (GLM) and from 180 to 163 us (Kimi), 256 sequences from 1406 to 1284 and 620 to
-# 561 us; 0.5 gained less (352, 169 us at 64) and 0.75 or more little or nothing.
+# 372.5 to 338.9 us (GLM) and from 178.8 to 162.7 us (Kimi), 256 sequences from 1407 to 1284 and
+# 620 to 559 us; 0.5 gained less (349, 167 us at 64), 0.75 and more little or nothing.
 STEP_PREFETCH_WAVES = 0.25
 STEP_RESIDENT_BLOCKS_PER_SM = 2
 # Most rows one batched decode call takes (the workspace and the pool may limit it further).
