@@ -270,3 +270,29 @@ def test_a_refused_programmatic_launch_falls_back_to_plain_launches(monkeypatch)
     kernels.launch("k", (2,), (32,), args, programmatic=True)
     assert len(tried) == 1 and "801" in launcher.unavailable
     assert plain == [((2,), (32,), args), ((2,), (32,), args)]
+
+
+def test_fused_decode_passes_the_prefetch_distance_and_refuses_a_negative_one(launches):
+    heads = 2
+    slots = HostStandIn(np.arange(3, dtype=np.int32))
+    ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, 3, pool=4), **_FUSED_SCALARS, slots=slots,
+                              prefetch_ahead=2)
+    (_, _, _, args), = launches
+    assert int(args[-1]) == 2
+    with pytest.raises(ValueError, match="prefetch_ahead"):
+        ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, 3, pool=4), **_FUSED_SCALARS, slots=slots,
+                                  prefetch_ahead=-1)
+    assert len(launches) == 1
+
+
+@pytest.mark.parametrize("heads,waves,expected", [(64, 0.25, 1), (32, 0.25, 2), (32, 0.125, 1), (64, 0.5, 2),
+                                                  (4, 0.25, 16), (64, 0.0, 0)])
+def test_batched_step_prefetch_distance(monkeypatch, heads, waves, expected):
+    """layer.STEP_PREFETCH_WAVES in sequences: waves x (132 SMs x 2 resident blocks) / heads,
+    rounded, at least one sequence unless switched off."""
+    from glm_kda import gemm_rows, layer
+
+    monkeypatch.setattr(gemm_rows, "_sm_count", lambda device_id: 132)
+    monkeypatch.setattr(layer, "STEP_PREFETCH_WAVES", waves)
+    fake = SimpleNamespace(config=SimpleNamespace(heads=heads), qkv_weight=SimpleNamespace(device=SimpleNamespace(id=0)))
+    assert layer.KdaLayer._step_prefetch_ahead(fake) == expected
