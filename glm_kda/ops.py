@@ -541,6 +541,8 @@ def kda_decode_fused_bf16(
         raise ValueError(f"bounded gate needs a finite lower_bound, got {lower_bound}")
     if prefetch_ahead < 0:
         raise ValueError(f"prefetch_ahead must be >= 0, got {prefetch_ahead}")
+    if conv_state.data.ptr % 16 or state.data.ptr % 16:
+        prefetch_ahead = 0  # the L2 requests take 16-byte aligned ranges; a hint, so none
     kernels.launch(
         "kda_decode_fused_bf16",
         (heads, sequences),

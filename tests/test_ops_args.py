@@ -283,6 +283,12 @@ def test_fused_decode_passes_the_prefetch_distance_and_refuses_a_negative_one(la
         ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, 3, pool=4), **_FUSED_SCALARS, slots=slots,
                                   prefetch_ahead=-1)
     assert len(launches) == 1
+    # States that do not start on 16 bytes get no L2 request (it takes aligned ranges).
+    operands = _fused_decode_operands(heads, 3, pool=4)
+    shifted = aligned((4 * heads * 128 * 128 + 1,), np.float32)[1:].reshape(4, heads, 128, 128)
+    operands["state"] = HostStandIn(shifted)
+    ops.kda_decode_fused_bf16(**operands, **_FUSED_SCALARS, slots=slots, prefetch_ahead=2)
+    assert int(launches[-1][3][-1]) == 0
 
 
 @pytest.mark.parametrize("heads,waves,expected", [(64, 0.25, 1), (32, 0.25, 2), (32, 0.125, 1), (64, 0.5, 2),
