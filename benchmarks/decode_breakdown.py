@@ -7,13 +7,12 @@
     and steps of 64 and 256 sequences of a pool (shuffled slots) with their own roofline ratios;
   * the public call (input copy, replay, output copy) issued back to back, 200 calls between
     two events: what a decode loop that does not synchronise every token pays per call.
-Each geometry runs the VARIANTS below in the same process: the fused decode step with the
-projections after a kernel launched as its programmatic dependents, asking L2 for the first 16
-(the default) or 0 blocks of 32 k of each weight row (gemm_rows.PREFETCH_K_BLOCKS), and each
-block of a batched step asking L2 for the state of the block 0 (as before that request),
-0.125, 0.25 (the default) or 0.5 waves later (layer.STEP_PREFETCH_WAVES); the fused step with plain launches
-(kernels.PROGRAMMATIC_LAUNCH = False); and the separate kernels with plain launches
-(layer.fused_decode = False).
+Each geometry runs the VARIANTS below in the same process: the separate launches (the fused
+decode step with the projections after a kernel launched as its programmatic dependents,
+asking L2 for the first 16 or 0 blocks of 32 k of each weight row, gemm_rows.PREFETCH_K_BLOCKS),
+and the one persistent launch (layer.persistent_decode) with several task orders (the lags of
+glm_kda.persistent, in pairs of heads). The persistent launch takes one sequence's rows only:
+its variants time B=1 and verify, the batches are the separate launches'.
 
     PYTHONPATH=. python benchmarks/decode_breakdown.py [glm kimi]
 """
@@ -32,20 +31,25 @@ def back_to_back_us(fn, calls: int = 200) -> float:
     return 1e3 * back_to_back_ms(fn, calls)
 
 
-# (fused_decode, programmatic launches, L2 prefetch k blocks, step prefetch waves)
+# (fused_decode, programmatic launches, L2 prefetch k blocks, step prefetch waves, persistent
+# decode lags (step, out) in pairs of heads or None for the separate launches)
 VARIANTS = (
-    (True, True, 16, 0.25), (True, True, 16, 0.0), (True, True, 16, 0.125), (True, True, 16, 0.5),
-    (True, True, 0, 0.25), (True, False, 0, 0.25), (False, False, 0, 0.0),
+    (True, True, 16, 0.25, None), (True, True, 0, 0.25, None),
+    (True, True, 16, 0.25, (12, 99)), (True, True, 16, 0.25, (8, 99)), (True, True, 16, 0.25, (16, 99)),
 )
 ROUNDS = 5
 VERIFY_K = (4, 16)
 BATCHES = (64, 256)
 
 
-def apply(variant) -> None:
-    from glm_kda import gemm_rows, kernels, layer
+def apply(variant, layer_object) -> None:
+    from glm_kda import gemm_rows, kernels, layer, persistent
 
-    _, kernels.PROGRAMMATIC_LAUNCH, gemm_rows.PREFETCH_K_BLOCKS, layer.STEP_PREFETCH_WAVES = variant
+    fused, kernels.PROGRAMMATIC_LAUNCH, gemm_rows.PREFETCH_K_BLOCKS, layer.STEP_PREFETCH_WAVES, lags = variant
+    layer_object.fused_decode = fused
+    layer_object.persistent_decode = lags is not None
+    if lags is not None:
+        persistent.STEP_LAG_PAIRS, persistent.OUT_LAG_PAIRS = lags
 
 
 def main(geometries: list[str]) -> None:
@@ -60,7 +64,10 @@ def main(geometries: list[str]) -> None:
     from glm_kda.synthetic import synthetic_hidden, write_synthetic_checkpoint
 
     bandwidth = copy_bandwidth_gbs()
-    defaults = (True, kernels.PROGRAMMATIC_LAUNCH, gemm_rows.PREFETCH_K_BLOCKS, layer_module.STEP_PREFETCH_WAVES)
+    from glm_kda import persistent
+
+    defaults = (True, kernels.PROGRAMMATIC_LAUNCH, gemm_rows.PREFETCH_K_BLOCKS, layer_module.STEP_PREFETCH_WAVES,
+                (persistent.STEP_LAG_PAIRS, persistent.OUT_LAG_PAIRS) if layer_module.PERSISTENT_DECODE else None)
     stream = cupy.cuda.get_current_stream()
     with tempfile.TemporaryDirectory() as tmp:
         for geometry in geometries:
@@ -77,15 +84,15 @@ def main(geometries: list[str]) -> None:
             # The first variant twice, the first capture thrown away: in one run the graphs captured
             # first replayed 4 us slower than the same kernels captured later.
             for variant in (VARIANTS[0],) + VARIANTS:
-                layer.fused_decode = variant[0]
-                apply(variant)
+                apply(variant, layer)
                 layer._graphs.clear()
                 graphs = {}
                 for rows in (1,) + VERIFY_K:
                     for _ in range(3):
                         layer.decode_k(hidden[:rows], state)  # eager, capture, replay
                     graphs[rows] = layer._graphs.last_graph
-                for batch in BATCHES:
+                for batch in BATCHES if variant[4] is None else ():
+                    # (A persistent variant's batches are the separate launches: not timed again.)
                     for _ in range(3):
                         layer.decode(hidden[:batch], pool, slots[batch])
                     graphs[f"B{batch}"] = layer._graphs.last_graph
@@ -97,17 +104,17 @@ def main(geometries: list[str]) -> None:
                 captured[variant] = (graphs, per_kernel, call_us)
             # The graphs keep what they were captured with: replay them in interleaved rounds,
             # so that drift over the run hits every variant alike.
-            replays = {(variant, rows): [] for variant in VARIANTS for rows in (1, *VERIFY_K, *(f"B{b}" for b in BATCHES))}
+            replays = {(variant, rows): [] for variant in VARIANTS for rows in captured[variant][0]}
             for _ in range(ROUNDS):
                 for variant in VARIANTS:
                     for rows, graph in captured[variant][0].items():
                         replays[variant, rows].append(back_to_back_us(lambda: graph.launch(stream)))
             for variant in VARIANTS:
-                fused, programmatic, prefetch, step_prefetch = variant
+                fused, programmatic, prefetch, step_prefetch, lags = variant
                 replay_us = float(np.median(replays[variant, 1]))
                 verify = {f"K{rows}": round(float(np.median(replays[variant, rows])) / replay_us, 3) for rows in VERIFY_K}
                 batched = {}
-                for batch in BATCHES:
+                for batch in BATCHES if lags is None else ():
                     batch_us = float(np.median(replays[variant, f"B{batch}"]))
                     batched[f"B{batch}_graph_replay_us"] = batch_us
                     batched[f"B{batch}_roofline_ratio"] = (
@@ -115,6 +122,7 @@ def main(geometries: list[str]) -> None:
                 print(json.dumps({
                     "geometry": geometry, "fused_decode": fused, "programmatic_launch": programmatic,
                     "l2_prefetch_k_blocks": prefetch, "step_prefetch_waves": step_prefetch,
+                    "persistent_lags": lags,
                     "default": variant == defaults, "copy_bandwidth_GBs": bandwidth,
                     "bytes": nbytes, "graph_replay_us": replay_us,
                     "graph_replay_rounds_us": [round(x, 2) for x in replays[variant, 1]],
@@ -123,8 +131,7 @@ def main(geometries: list[str]) -> None:
                     **batched,
                     "public_call_back_to_back_us": captured[variant][2], "eager_per_kernel_us": captured[variant][1],
                 }), flush=True)
-            layer.fused_decode = True
-            apply(defaults)
+            apply(defaults, layer)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """Loader of the CUDA kernels in ``kernels_src/`` and the one place that launches them.
 
 One ``.cu`` file per kernel family, every kernel ``extern "C"`` with its dtype in
-its name, so CuPy's on-disk cache keys on the source text alone. The shared header
-``kda_common.cuh`` is inlined by :func:`kernel_source` with ``#line`` directives,
-so a compiler error names the real file and line and NVRTC needs no include path.
+its name, so CuPy's on-disk cache keys on the source text alone. The shared headers
+(``kda_common.cuh`` and the ``.cuh`` files next to it) are inlined by
+:func:`kernel_source` with ``#line`` directives, so a compiler error names the real
+file and line and NVRTC needs no include path.
 
 Importing this module does not touch the GPU: :class:`KernelSet` compiles and
 loads the modules the first time it is built, and :func:`compile_check` compiles
@@ -29,6 +30,7 @@ ENTRY_POINTS: dict[str, tuple[str, ...]] = {
     "gate": ("gate_beta_f32",),
     "recurrent": ("kda_recurrent_step_f32",),
     "decode": ("kda_decode_fused_bf16",),
+    "decode_persistent": ("kda_decode_persistent_bf16",),
     "chunk": ("kda_chunk_prepare_f32", "kda_chunk_scan_f32"),
     "chunk_tc": ("kda_chunk_tc_prepare_f32", "kda_chunk_tc_prepare_gate_f32", "kda_chunk_tc_scan_f32"),
     "norm": ("gated_rmsnorm_sigmoid_bf16",),
@@ -42,7 +44,9 @@ COMMON_HEADER = "kda_common.cuh"
 # Precise math on purpose: no --use_fast_math (expf, sqrtf and division stay IEEE).
 COMPILE_OPTIONS: tuple[str, ...] = ("-std=c++17",)
 
-_INCLUDE_COMMON = re.compile(r'^[ \t]*#[ \t]*include[ \t]*[<"]' + re.escape(COMMON_HEADER) + r'[>"]')
+# `#include "name.cuh"` of a header in the kernel folder (inlined; any other include is an error
+# for NVRTC, which has no include path).
+_INCLUDE_HEADER = re.compile(r'^[ \t]*#[ \t]*include[ \t]*[<"]([A-Za-z0-9_]+\.cuh)[>"]')
 
 
 def kernels_dir() -> Path:
@@ -67,24 +71,34 @@ def _line_directive(line: int, path: Path) -> str:
 
 
 def kernel_source(stem: str, directory: Path | str | None = None) -> str:
-    """The text of ``<stem>.cu`` with ``kda_common.cuh`` inlined where it is included.
+    """The text of ``<stem>.cu`` with its headers inlined where they are included.
 
-    Each part starts with a ``#line`` directive naming its real file, and the
-    directive after the inlined header restores the ``.cu`` file's numbering, so
-    compiler messages point at the real file and line.
+    A header of the kernel folder (``kda_common.cuh``, ``gemm_rows.cuh``, ...) is inlined at
+    its first include, its own includes likewise, and later includes of it are dropped. Each
+    part starts with a ``#line`` directive naming its real file, and the directive after an
+    inlined header restores the including file's numbering, so compiler messages point at
+    the real file and line.
     """
     folder = Path(directory) if directory is not None else kernels_dir()
-    source_path = (folder / f"{stem}.cu").resolve()
-    header_path = (folder / COMMON_HEADER).resolve()
-    lines = source_path.read_text().splitlines()
-    parts = [_line_directive(1, source_path)]
-    for number, line in enumerate(lines, start=1):
-        if _INCLUDE_COMMON.match(line):
-            parts.append(_line_directive(1, header_path))
-            parts.append(header_path.read_text().rstrip("\n"))
-            parts.append(_line_directive(number + 1, source_path))
-        else:
-            parts.append(line)
+    parts: list[str] = []
+    inlined: set[str] = set()
+
+    def inline(path: Path) -> None:
+        parts.append(_line_directive(1, path))
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            match = _INCLUDE_HEADER.match(line)
+            if match is None:
+                parts.append(line)
+                continue
+            header = (folder / match.group(1)).resolve()
+            if not header.is_file():
+                raise FileNotFoundError(f"{path.name}:{number} includes {match.group(1)}, which is not in {folder}")
+            if header.name not in inlined:
+                inlined.add(header.name)
+                inline(header)
+            parts.append(_line_directive(number + 1, path))
+
+    inline((folder / f"{stem}.cu").resolve())
     return "\n".join(parts) + "\n"
 
 

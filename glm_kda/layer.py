@@ -33,7 +33,7 @@ from typing import Any, Sequence
 import ml_dtypes
 import numpy as np
 
-from . import chunk_tc, gemm_rows, kernels, ops
+from . import chunk_tc, gemm_rows, kernels, ops, persistent
 from .checkpoint import BoundLayer, bind_layer
 from .config import KdaConfig
 from .device import require_gpu
@@ -52,6 +52,8 @@ DECODE_ROW_GROUP = gemm_rows.GEMM_ROWS_MAX_ROWS
 # 620 to 559 us; 0.5 gained less (349, 167 us at 64), 0.75 and more little or nothing.
 STEP_PREFETCH_WAVES = 0.25
 STEP_RESIDENT_BLOCKS_PER_SM = 2
+# Default of KdaLayer.persistent_decode.
+PERSISTENT_DECODE = False
 # Most rows one batched decode call takes (the workspace and the pool may limit it further).
 MAX_DECODE_ROWS = 256
 
@@ -221,6 +223,11 @@ class KdaLayer:
         # launch per row group (True, the default), or as the four kernels they fuse (False);
         # the same bits either way (tests/test_gpu.py compares every stage and the states).
         self.fused_decode = True
+        # One sequence's decode and verify walk (1..16 rows, no snapshots) as ONE persistent
+        # launch (kernels_src/decode_persistent.cu: every projection, every head's fused step and
+        # the output as tasks), bit for bit what the separate launches compute; False: those
+        # launches. Needs fused_decode and an even head count.
+        self.persistent_decode = PERSISTENT_DECODE
 
     @property
     def chunk_impl(self) -> str:
@@ -449,6 +456,10 @@ class KdaLayer:
         launch per row, the snapshot copies between them. Otherwise each row is one token of
         its own sequence, row r advancing slot slots[r] of a pool."""
         rows = hidden.shape[0]
+        if self._persistent_applies(rows, sequential, snapshots, slots):
+            with _section("persistent"):
+                persistent.launch(self, hidden, conv_state, recurrent_state, slots)
+            return
         with _section("front_end"):
             self.front_end(hidden, gate=not self.fused_decode)
         with _section("recurrence"):
@@ -464,6 +475,15 @@ class KdaLayer:
                 self.stateful_rows(0, rows, conv_state, recurrent_state, slots=slots)
         with _section("back_end"):
             self.back_end(rows, norm=not self.fused_decode)
+
+    def _persistent_applies(self, rows: int, sequential: bool, snapshots: Sequence[KdaState], slots: Any) -> bool:
+        """Whether a decode-side call of `rows` rows runs as the one persistent launch: one
+        sequence (rows consecutive tokens, or one row of a pool), no snapshots, 1..16 rows."""
+        if not (self.persistent_decode and self.fused_decode) or snapshots:
+            return False
+        if not (sequential or rows == 1) or rows > persistent.MAX_ROWS:
+            return False
+        return self.config.heads % 2 == 0
 
     def back_end(self, rows: int, wide: bool = False, norm: bool = True) -> None:
         """Gated RMSNorm of core into o_norm_out (skipped with norm=False: the fused decode
@@ -640,7 +660,7 @@ class KdaLayer:
         def body(hidden: Any, _slots: Any) -> None:
             self.decode_rows(hidden, state.conv, state.recurrent, sequential=True, snapshots=snapshots)
 
-        key = ("k", rows, self.fused_decode, state.conv.data.ptr, state.recurrent.data.ptr,
+        key = ("k", rows, self.fused_decode, self.persistent_decode, state.conv.data.ptr, state.recurrent.data.ptr,
                tuple((s.conv.data.ptr, s.recurrent.data.ptr) for s in snapshots))
         self._graphs.run(key, hidden_rows, None, body)
         return back(self.workspace.final_out[:rows].copy())
@@ -663,7 +683,7 @@ class KdaLayer:
         def body(hidden: Any, device_slots: Any) -> None:
             self.decode_rows(hidden, pool.conv, pool.recurrent, slots=device_slots)
 
-        self._graphs.run(("pool", rows, self.fused_decode, pool.conv.data.ptr, pool.recurrent.data.ptr), hidden, slots,
+        self._graphs.run(("pool", rows, self.fused_decode, self.persistent_decode, pool.conv.data.ptr, pool.recurrent.data.ptr), hidden, slots,
                          body)
         return back(self.workspace.final_out[:rows].copy())
 

@@ -43,36 +43,48 @@ __device__ __forceinline__ bf16_t f32_to_bf16(float value)
     return static_cast<bf16_t>((bits + 0x7fffu + lsb) >> 16);
 }
 
-// Sum of `value` over a block of exactly KDA_HEAD_BLOCK (= 128) threads, returned
-// to every thread. Deterministic: a fixed xor-shuffle tree inside each warp, then
-// thread 0 adds the four warp sums in warp order. Every per-head reduction (decode
-// conv + L2, prefill L2, gated RMSNorm) uses this one function, so the decode and
-// prefill paths produce the same bits for the same inputs.
+// The threads a per-head reduction spans: KDA_HEAD_BLOCK threads, each one channel of a
+// head, and the barrier that joins them. KdaBlockSync is a whole block of KDA_HEAD_BLOCK
+// threads (__syncthreads); a kernel that runs several heads per block passes a group of its
+// own (a named barrier per head) with the same interface. Which threads take part never
+// changes an addition: the sums below depend only on the thread's index within the group.
+struct KdaBlockSync {
+    __device__ __forceinline__ int thread() const { return threadIdx.x; }
+    __device__ __forceinline__ void sync() const { __syncthreads(); }
+};
+
+// Sum of `value` over the KDA_HEAD_BLOCK (= 128) threads of a group (by default the whole
+// block), returned to every one of them. Deterministic: a fixed xor-shuffle tree inside each
+// warp, then the group's thread 0 adds the four warp sums in warp order. Every per-head
+// reduction (decode conv + L2, prefill L2, gated RMSNorm) uses this one function, so the
+// decode and prefill paths produce the same bits for the same inputs.
 //
-// `scratch` is at least 5 floats of shared memory. All threads of the block must
-// call it (it contains __syncthreads); it may be called again right away.
-__device__ __forceinline__ float block_sum_f32(float value, float* scratch)
+// `scratch` is at least 5 floats of shared memory, the group's own. All threads of the
+// group must call it (it contains barriers); it may be called again right away.
+template <class Sync = KdaBlockSync>
+__device__ __forceinline__ float block_sum_f32(float value, float* scratch, Sync group = Sync())
 {
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) {
         value += __shfl_xor_sync(KDA_FULL_WARP_MASK, value, offset);
     }
-    const int warp = threadIdx.x >> 5;
-    if ((threadIdx.x & 31) == 0) {
+    const int thread = group.thread();
+    const int warp = thread >> 5;
+    if ((thread & 31) == 0) {
         scratch[warp] = value;
     }
-    __syncthreads();
-    if (threadIdx.x == 0) {
+    group.sync();
+    if (thread == 0) {
         float total = scratch[0];
         total += scratch[1];
         total += scratch[2];
         total += scratch[3];
         scratch[4] = total;
     }
-    __syncthreads();
+    group.sync();
     const float total = scratch[4];
     // Nobody may overwrite scratch for the next call before every thread read it.
-    __syncthreads();
+    group.sync();
     return total;
 }
 
@@ -184,11 +196,12 @@ __device__ __forceinline__ float conv_silu(const float window[CONV_MAX_KERNEL],
 }
 
 // value / sqrt(sum over the head of value^2 + eps). All KDA_HEAD_BLOCK threads of
-// the block call it (it reduces across the block).
-__device__ __forceinline__ float l2_normalize_head(float value, float l2_eps, float* scratch)
+// the group call it (it reduces across the group).
+template <class Sync = KdaBlockSync>
+__device__ __forceinline__ float l2_normalize_head(float value, float l2_eps, float* scratch, Sync group = Sync())
 {
     // __fmul_rn: a product the compiler may not fuse into the first shuffle add.
-    const float sum_squares = block_sum_f32(__fmul_rn(value, value), scratch);
+    const float sum_squares = block_sum_f32(__fmul_rn(value, value), scratch, group);
     return value / sqrtf(sum_squares + l2_eps);
 }
 
@@ -200,7 +213,7 @@ __device__ __forceinline__ float l2_normalize_head(float value, float l2_eps, fl
 //                         returns out = s . (q scale), read after the update
 //   kda_recurrent_store:  the column = s
 // decay_s, key_s, query_s (exp(gate), k, q * scale) are the head's vectors in shared
-// memory, read as broadcasts. Every thread of the block must call the step (it holds a
+// memory, read as broadcasts. Every thread of the group must call the step (it holds a
 // barrier).
 __device__ __forceinline__ void kda_recurrent_load(float (&s)[KDA_HEAD_DIM], const float* state_column)
 {
@@ -210,9 +223,10 @@ __device__ __forceinline__ void kda_recurrent_load(float (&s)[KDA_HEAD_DIM], con
     }
 }
 
+template <class Sync = KdaBlockSync>
 __device__ __forceinline__ float kda_recurrent_step(float (&s)[KDA_HEAD_DIM], const float* decay_s,
                                                     const float* key_s, const float* query_s, float value,
-                                                    float beta)
+                                                    float beta, Sync group = Sync())
 {
     float pred = 0.0f;
 #pragma unroll
@@ -224,7 +238,7 @@ __device__ __forceinline__ float kda_recurrent_step(float (&s)[KDA_HEAD_DIM], co
     // A barrier is a shared-memory fence: it stops the compiler from keeping the D key
     // values of the first pass in registers for the second, which with the D state values
     // would exceed the 255-register budget and spill.
-    __syncthreads();
+    group.sync();
 
     float out = 0.0f;
 #pragma unroll
@@ -245,11 +259,13 @@ __device__ __forceinline__ void kda_recurrent_store(const float (&s)[KDA_HEAD_DI
 
 // Gated RMSNorm of one channel of a head, the gate a SIGMOID:
 //   o / sqrt(mean over the head of o^2 + eps) * weight * sigmoid(z)
-// All KDA_HEAD_BLOCK threads of the block call it (it reduces across the block).
-__device__ __forceinline__ float gated_rmsnorm_sigmoid(float o, float weight, float z, float eps, float* scratch)
+// All KDA_HEAD_BLOCK threads of the group call it (it reduces across the group).
+template <class Sync = KdaBlockSync>
+__device__ __forceinline__ float gated_rmsnorm_sigmoid(float o, float weight, float z, float eps, float* scratch,
+                                                       Sync group = Sync())
 {
     // __fmul_rn: a product the compiler may not fuse into the first shuffle add.
-    const float mean_square = block_sum_f32(__fmul_rn(o, o), scratch) / static_cast<float>(KDA_HEAD_DIM);
+    const float mean_square = block_sum_f32(__fmul_rn(o, o), scratch, group) / static_cast<float>(KDA_HEAD_DIM);
     return o / sqrtf(mean_square + eps) * weight * sigmoid_f32(z);
 }
 

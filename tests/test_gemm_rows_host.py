@@ -28,7 +28,8 @@ from host_cuda import (COMMON_DEVICE_HELPERS, HOST_CUDA_HEADER, HOST_CUDA_RUNTIM
 
 RMS_BOUND = 1e-3
 POISON = 0x7FA5
-DEVICE_HELPERS = ("load_weight_16B", "prefetch_l2", "load_activation_16B", "mma_bf16_m16n8k16", *COMMON_DEVICE_HELPERS)
+DEVICE_HELPERS = ("load_weight_16B", "prefetch_l2", "load_activation_16B", "load_produced_16B", "mma_bf16_m16n8k16",
+                  *COMMON_DEVICE_HELPERS)
 
 GEMM_HEADER = HOST_CUDA_HEADER + r"""
 using bf16_t = unsigned short;
@@ -42,6 +43,7 @@ inline uint4 load_weight_16B(const bf16_t* pointer, bool valid)
     return v;
 }
 inline uint4 load_activation_16B(const bf16_t* pointer, bool valid) { return load_weight_16B(pointer, valid); }
+inline uint4 load_produced_16B(const bf16_t* pointer, bool valid) { return load_weight_16B(pointer, valid); }
 inline void prefetch_l2(const void*) {}
 inline double bf16_word(unsigned int word, int half)
 {

@@ -16,6 +16,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from glm_kda import kernels
 from glm_kda.device import gpu_status
 from glm_kda.reference import KdaOracle, compare_stages, rms_ratio
 from glm_kda.state import KdaState
@@ -402,6 +403,70 @@ def test_fused_decode_equals_the_separate_kernels(layers, geometry):
     for what in fused:
         differ = int(cp.count_nonzero(_bits(fused[what]) != _bits(separate[what])))
         assert differ == 0, f"{geometry} {what}: {differ} of {fused[what].size} elements differ between the fused step and the separate kernels"
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graph", "eager"])
+@pytest.mark.parametrize("geometry", ["glm", "kimi"])
+def test_persistent_decode_equals_the_separate_launches(layers, geometry, graphs):
+    """The one-launch decode (kernels_src/decode_persistent.cu) writes the bits the separate
+    launches write: every stage buffer, the output and both states, over 6 decode steps of a
+    state, a 5-row decode_k walk and one row of a pool in a shuffled slot; replayed from a
+    graph (the counters reset by the launch itself) and eagerly."""
+    from glm_kda.reference import STAGE_ORDER
+    from glm_kda.state import StatePool
+
+    cp = _cp()
+    bound, layer = layers(geometry)
+    cfg = bound.config
+    rows, count = 5, 4
+    bf16 = layer.workspace.final_out.dtype
+    hidden = cp.asarray(synthetic_hidden(6, cfg.hidden, seed=52).view(np.uint16)).view(bf16)
+    start = KdaState.random(cfg, seed=53)
+    rng = np.random.default_rng(54)
+    start_conv = cp.asarray(rng.standard_normal((count,) + cfg.conv_state_shape).astype(np.float32))
+    start_rec = cp.asarray((0.1 * rng.standard_normal((count,) + cfg.recurrent_state_shape)).astype(np.float32))
+    slot = cp.asarray(np.array([2], np.int32))
+
+    previous = layer.persistent_decode
+
+    def run(persistent_decode: bool) -> dict:
+        layer.persistent_decode = persistent_decode
+        layer.use_graphs = graphs
+        try:
+            results = {}
+            state = device_state(layer, start)
+            for t in range(6):
+                results[f"decode step {t} output"] = layer.decode(hidden[t : t + 1], state)
+            results.update({f"decode {name}": getattr(layer.workspace, name)[:1].copy() for name in STAGE_ORDER})
+            results.update({"decode conv state": state.conv, "decode recurrent state": state.recurrent})
+            walk = device_state(layer, start)
+            results["decode_k output"] = layer.decode_k(hidden[:rows], walk)
+            results.update({f"decode_k {name}": getattr(layer.workspace, name)[:rows].copy() for name in STAGE_ORDER})
+            results.update({"decode_k conv state": walk.conv, "decode_k recurrent state": walk.recurrent})
+            pool = StatePool(cfg, count)
+            pool.conv[...] = start_conv
+            pool.recurrent[...] = start_rec
+            results["pool output"] = layer.decode(hidden[:1], pool, slot)
+            results.update({"pool conv state": pool.conv, "pool recurrent state": pool.recurrent})
+            return results
+        finally:
+            layer.persistent_decode = previous
+            layer.use_graphs = True
+
+    one, separate = run(True), run(False)
+    layer.persistent_decode = True
+    try:
+        with kernels.timing() as timer:
+            layer.decode(hidden[:1], device_state(layer, start))
+    finally:
+        layer.persistent_decode = previous
+    launched = [name for name in timer.summary() if not name.startswith("[")]  # "[section]" totals aside
+    assert launched == ["kda_decode_persistent_bf16"], f"launches of a persistent decode: {timer.summary()}"
+    assert one.keys() == separate.keys()
+    for what in one:
+        differ = int(cp.count_nonzero(_bits(one[what]) != _bits(separate[what])))
+        assert differ == 0, (f"{geometry} {what}: {differ} of {one[what].size} elements differ between the "
+                             "persistent launch and the separate launches")
 
 
 def test_graph_replay_equals_eager_and_recaptures_on_new_pointers(layers):

@@ -1,0 +1,167 @@
+// The fused decode step of one head of one sequence (see decode.cu for what it computes and
+// why), as a device function over a group of KDA_HEAD_BLOCK threads: decode.cu runs one head
+// per block, the persistent decode kernel two heads per block, through the same code, so the
+// two agree bit for bit.
+#ifndef DECODE_STEP_CUH
+#define DECODE_STEP_CUH
+
+#include "kda_common.cuh"
+
+// Ask L2 for `count` contiguous floats from `first` (16-byte aligned, count a multiple of 4),
+// thread d of the block's KDA_HEAD_BLOCK taking part: one bulk request (thread 0) on sm_90 and
+// later, a 128-byte line per thread and request before.
+__device__ __forceinline__ void prefetch_floats_l2(const float* first, int count, int d)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (d == 0) {
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(first),
+                     "r"(static_cast<unsigned int>(count * sizeof(float)))
+                     : "memory");
+    }
+#else
+    for (int line = d; line < (count + 31) / 32; line += KDA_HEAD_BLOCK) {
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(first + 32 * line));
+    }
+#endif
+}
+
+// The operands of the fused step: states, inputs, stage outputs and scalars, as the kernel
+// parameters of kda_decode_fused_bf16 name them.
+struct KdaStepArgs {
+    float* conv_state;
+    float* state;
+    const int* slots;
+    const bf16_t* qkv_proj;
+    const bf16_t* conv_w;
+    const bf16_t* forget_proj;
+    const float* dt_bias;
+    const float* a_log;
+    const bf16_t* beta_logits;
+    int ld_beta;
+    const bf16_t* out_gate;
+    const bf16_t* norm_w;
+    bf16_t* conv_out;
+    float* query;
+    float* key;
+    float* value;
+    float* gate;
+    float* beta;
+    float* core;
+    bf16_t* o_norm_out;
+    int heads;
+    int kernel_size;
+    int tokens;
+    int bounded;
+    float lower_bound;
+    float scale;
+    float l2_eps;
+    float norm_eps;
+    int prefetch_ahead;
+};
+
+// The shared memory of one head group.
+struct KdaStepShared {
+    float scratch[8];
+    float decay[KDA_HEAD_DIM];
+    float key[KDA_HEAD_DIM];
+    float query[KDA_HEAD_DIM];
+};
+
+// Head `head` of sequence `sequence` (of `sequences`), `tokens` tokens, by the KDA_HEAD_BLOCK
+// threads of `group` (thread d owns channel d of the head).
+template <class Sync>
+__device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, size_t sequence, size_t sequences,
+                                                Sync group, KdaStepShared& shared)
+{
+    const int d = group.thread();
+    const size_t slot = p.slots != nullptr ? static_cast<size_t>(p.slots[sequence]) : sequence;
+    const int heads = p.heads;
+    const int kernel_size = p.kernel_size;
+    const size_t qkv = static_cast<size_t>(heads) * KDA_HEAD_DIM;
+    const size_t channel = static_cast<size_t>(head) * KDA_HEAD_DIM + d;  // within q, k or v
+
+    // The sequence's state column (64 KB per head, the bulk of the traffic) and conv windows
+    // first: in flight while the first token's inputs are formed.
+    float* state_column =
+        p.state + (slot * heads + head) * static_cast<size_t>(KDA_HEAD_DIM) * KDA_HEAD_DIM + d;
+    float s[KDA_HEAD_DIM];
+    kda_recurrent_load(s, state_column);
+    // A batch runs many waves of blocks, each of which waits on its state column: ask L2 for the
+    // head's state of sequence + prefetch_ahead (a block of a later wave) now, so that its loads
+    // hit, and for its conv windows (the head's channels of q, k and v: three runs of D K floats).
+    if (p.prefetch_ahead > 0 && sequence + p.prefetch_ahead < sequences) {
+        const size_t ahead = sequence + p.prefetch_ahead;
+        const size_t ahead_slot = p.slots != nullptr ? static_cast<size_t>(p.slots[ahead]) : ahead;
+        prefetch_floats_l2(p.state + (ahead_slot * heads + head) * static_cast<size_t>(KDA_HEAD_DIM) * KDA_HEAD_DIM,
+                           KDA_HEAD_DIM * KDA_HEAD_DIM, d);
+        for (int part = 0; part < 3; ++part) {
+            prefetch_floats_l2(p.conv_state + (ahead_slot * 3 + part) * qkv * kernel_size +
+                                   static_cast<size_t>(head) * KDA_HEAD_DIM * kernel_size,
+                               KDA_HEAD_DIM * kernel_size, d);
+        }
+    }
+    float* conv_slot = p.conv_state + slot * 3 * qkv * kernel_size;
+    float window[3][CONV_MAX_KERNEL];
+#pragma unroll
+    for (int part = 0; part < 3; ++part) {
+        conv_window_load(window[part], conv_slot + (part * qkv + channel) * kernel_size, kernel_size);
+    }
+    const float a = expf(p.a_log[head]);
+    const float bias = p.dt_bias[channel];
+    const float weight = bf16_to_f32(p.norm_w[d]);
+
+    for (int t = 0; t < p.tokens; ++t) {
+        const size_t row = sequence * p.tokens + t;
+        const bf16_t* projected = p.qkv_proj + row * 3 * qkv;
+        const size_t out_index = row * qkv + channel;
+        float conv_input[3];
+#pragma unroll
+        for (int part = 0; part < 3; ++part) {
+            conv_input[part] = bf16_to_f32(projected[part * qkv + channel]);
+        }
+        const float u = bf16_to_f32(p.forget_proj[out_index]) + bias;
+        const float beta_head = sigmoid_f32(bf16_to_f32(p.beta_logits[row * p.ld_beta + head]));
+        const float z = bf16_to_f32(p.out_gate[out_index]);
+
+        // Conv + SiLU, rounded to BF16 (the conv output stage), then L2 of q and k.
+        float rounded[3];
+#pragma unroll
+        for (int part = 0; part < 3; ++part) {
+            const size_t c = part * qkv + channel;
+            conv_window_push(window[part], conv_input[part], kernel_size);
+            const bf16_t out = f32_to_bf16(conv_silu(window[part], p.conv_w + c * kernel_size, kernel_size));
+            p.conv_out[row * 3 * qkv + c] = out;
+            rounded[part] = bf16_to_f32(out);
+        }
+        const float q = l2_normalize_head(rounded[0], p.l2_eps, shared.scratch, group);
+        const float k = l2_normalize_head(rounded[1], p.l2_eps, shared.scratch, group);
+        const float v = rounded[2];
+        const float g = kda_forget_gate(u, a, p.bounded != 0, p.lower_bound);
+
+        p.query[out_index] = q;
+        p.key[out_index] = k;
+        p.value[out_index] = v;
+        p.gate[out_index] = g;
+        if (d == 0) {
+            p.beta[row * heads + head] = beta_head;
+        }
+        // The previous token's step has read the vectors (the norm's reductions since hold
+        // barriers), so they may be replaced.
+        shared.decay[d] = expf(g);
+        shared.key[d] = k;
+        shared.query[d] = q * p.scale;
+        group.sync();
+
+        const float o = kda_recurrent_step(s, shared.decay, shared.key, shared.query, v, beta_head, group);
+        p.core[out_index] = o;
+        p.o_norm_out[out_index] = f32_to_bf16(gated_rmsnorm_sigmoid(o, weight, z, p.norm_eps, shared.scratch, group));
+    }
+
+    kda_recurrent_store(s, state_column);
+#pragma unroll
+    for (int part = 0; part < 3; ++part) {
+        conv_window_store(window[part], conv_slot + (part * qkv + channel) * kernel_size, kernel_size);
+    }
+}
+
+#endif  // DECODE_STEP_CUH

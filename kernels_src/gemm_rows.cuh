@@ -1,0 +1,422 @@
+// Device code of the row projection (gemm_rows.cu launches it; the persistent decode kernel
+// runs its column groups as tasks). The layout and the bit contract:
+//
+// Projection GEMM for decode, speculative verify and batched decode, on tensor cores:
+//   y[r, j] = bf16( sum_i x[r, i] * w[j, i] )   for r < rows (1..256), j < n
+// with x [rows, k] (row stride ldx), w [n, k] (torch Linear layout, contiguous) and
+// y [rows, n] (row stride ldy, so y may be a column slice of a wider buffer).
+//
+// Up to 64 rows the kernel is bound by streaming w once from memory, so the layout
+// serves that stream:
+//   * a block is 8 warps; `k_split` of them split the k axis of the block's columns
+//     into contiguous ranges, the other 8 / k_split sit side by side along n;
+//   * a warp owns `N_TILES` tiles of 8 columns and loops over its k range in steps of
+//     K_UNROLL blocks of 32 k, issuing all N_TILES * K_UNROLL 16-byte weight loads of
+//     a step before the first mma: 8 per lane (128 bytes in flight) with one m-tile,
+//     8 / M_TILES with more, whose x fragments and accumulators take the registers;
+//   * x is small (it is read through L1 and L2) and each fragment of it feeds
+//     N_TILES tiles of w;
+//   * blockIdx.y picks a group of 64 rows (4 m-tiles of 16), so up to 64 rows every
+//     weight byte is read exactly once; more rows re-read w once per group.
+// Measured on an H200 and dropped: the transposed form (w as the A operand, 16 output
+// columns and 8 rows per mma, half the mma for a decode row) ran no faster (GLM q|k|v, one
+// row: 56.3 us against 55.1), nor did 16 weight loads per lane and step, nor a software
+// pipeline: the mma count and the loads in flight are not what bounds the stream.
+// The number of tiles per warp only trades x reuse against the number of blocks; it
+// is a template parameter (one entry point per variant, chosen by the wrapper with the
+// grid) and never changes a bit of y.
+//
+// Bit contract: row r's bits do not depend on `rows` or on the other rows' values.
+// mma.sync m16n8k16 computes each output element from its own row of A and column of
+// B, so zero rows padding the 16-row tile and any m-tiling leave a row alone. What
+// fixes the sum is the k order, which depends on k only: each warp accumulates its
+// k range in ascending blocks of 32 (two k16 steps each) in a chain of mma, and the
+// k_split partial sums are added in shared memory in ascending warp order. Neither
+// the row count, nor the m-tiles, nor the grid enter that order, and there are no
+// atomics. Rows >= rows are never read (their loads are predicated off, zeros fill).
+//
+// Fragment trick: inside a block of 32 k, lane (g = lane / 4, t = lane % 4) loads
+// the 16 contiguous bytes k = 8t .. 8t+7 of one w row (column g of the tile) and of
+// x rows g and g+8. mma step s (0, 1) takes words 2s and 2s+1 of those loads, which
+// is the standard fragment layout with k permuted the same way for A and B: logical
+// k 2t+e <-> physical 8t+4s+e and logical 2t+8+e <-> physical 8t+4s+2+e. Steps 0 and
+// 1 together cover all 32 k of the block exactly once, for every row and column.
+//
+// Programmatic dependent launch (sm_90 and later): a block lets the next kernel of its
+// stream start as soon as it runs, and waits for the kernel before it only after it has
+// asked L2 for the first `prefetch` blocks of 32 k of each of its weight rows: the weight never
+// depends on an earlier kernel, x does. Launched without the attribute (or before sm_90)
+// the wait returns at once and the prefetch only warms L2.
+//
+// Requires k % 8 == 0, ldx % 8 == 0 and 16-byte aligned x and w (checked by the
+// Python wrapper): every load is one 16-byte vector of 8 BF16; a k that is not a
+// multiple of 32 is padded with zeros in both operands.
+#ifndef GEMM_ROWS_CUH
+#define GEMM_ROWS_CUH
+
+#include "kda_common.cuh"
+
+#define GEMM_ROWS_WARPS 8
+#define GEMM_ROWS_THREADS (GEMM_ROWS_WARPS * 32)
+#define GEMM_ROWS_K_BLOCK 32
+#define GEMM_ROWS_M_TILE 16
+#define GEMM_ROWS_N_TILE 8
+// Rows per blockIdx.y: 4 m-tiles swept together over one read of w.
+#define GEMM_ROWS_M_GROUP 64
+// Weight loads per lane and step with one m-tile (8 / M_TILES with more) in the launches
+// of gemm_rows.cu (2 blocks per SM); a kernel of one block per SM may keep more in flight.
+#define GEMM_ROWS_LOADS 8
+
+// 16 bytes of w, streamed once: no L1 allocation, 256-byte L2 prefetch (a warp's
+// next loads continue the same rows). Predicated off (zeros) outside the matrix.
+__device__ __forceinline__ uint4 load_weight_16B(const bf16_t* pointer, bool valid)
+{
+    uint4 value;
+    asm("{\n\t"
+        ".reg .pred p;\n\t"
+        "setp.ne.b32 p, %5, 0;\n\t"
+        "mov.b32 %0, 0;\n\t"
+        "mov.b32 %1, 0;\n\t"
+        "mov.b32 %2, 0;\n\t"
+        "mov.b32 %3, 0;\n\t"
+        "@p ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n\t"
+        "}"
+        : "=r"(value.x), "=r"(value.y), "=r"(value.z), "=r"(value.w)
+        : "l"(pointer), "r"(static_cast<int>(valid)));
+    return value;
+}
+
+// Ask L2 for one 128-byte line (no register, no wait).
+__device__ __forceinline__ void prefetch_l2(const void* pointer)
+{
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(pointer));
+}
+
+// 16 bytes of x, read by every block: cached in L1. Predicated off (zeros) for the
+// padding rows and the k tail, so rows >= `rows` are never read.
+__device__ __forceinline__ uint4 load_activation_16B(const bf16_t* pointer, bool valid)
+{
+    uint4 value;
+    asm("{\n\t"
+        ".reg .pred p;\n\t"
+        "setp.ne.b32 p, %5, 0;\n\t"
+        "mov.b32 %0, 0;\n\t"
+        "mov.b32 %1, 0;\n\t"
+        "mov.b32 %2, 0;\n\t"
+        "mov.b32 %3, 0;\n\t"
+        "@p ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n\t"
+        "}"
+        : "=r"(value.x), "=r"(value.y), "=r"(value.z), "=r"(value.w)
+        : "l"(pointer), "r"(static_cast<int>(valid)));
+    return value;
+}
+
+// 16 bytes of x that an earlier part of the same kernel wrote (another block's output):
+// read from L2 (.cg), never through the non-coherent read-only path or a stale L1 line.
+// Predicated off (zeros) like load_activation_16B.
+__device__ __forceinline__ uint4 load_produced_16B(const bf16_t* pointer, bool valid)
+{
+    uint4 value;
+    asm volatile("{\n\t"
+        ".reg .pred p;\n\t"
+        "setp.ne.b32 p, %5, 0;\n\t"
+        "mov.b32 %0, 0;\n\t"
+        "mov.b32 %1, 0;\n\t"
+        "mov.b32 %2, 0;\n\t"
+        "mov.b32 %3, 0;\n\t"
+        "@p ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];\n\t"
+        "}"
+        : "=r"(value.x), "=r"(value.y), "=r"(value.z), "=r"(value.w)
+        : "l"(pointer), "r"(static_cast<int>(valid))
+        : "memory");
+    return value;
+}
+
+__device__ __forceinline__ unsigned int word_of(const uint4& v, int index)
+{
+    return index == 0 ? v.x : index == 1 ? v.y : index == 2 ? v.z : v.w;
+}
+
+// acc[16 x 8] += A[16 x 16] * B[16 x 8], FP32 accumulate (fragment layout of the PTX
+// ISA: a0/a2 rows g, a1/a3 rows g+8; b0 k 2t.., b1 k 2t+8..; acc[0..1] row g,
+// acc[2..3] row g+8, columns 2t, 2t+1).
+__device__ __forceinline__ void mma_bf16_m16n8k16(float acc[4], unsigned int a0, unsigned int a1,
+                                                  unsigned int a2, unsigned int a3,
+                                                  unsigned int b0, unsigned int b1)
+{
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Warps splitting the k axis of a block: the most (up to 8) that leaves each at least
+// 4 blocks of 32 k. A function of k alone, because it fixes every output's summation
+// order. glm_kda/gemm_rows.py mirrors it to size the grid.
+__device__ __forceinline__ int k_split_for(int k)
+{
+    const int k_blocks = (k + GEMM_ROWS_K_BLOCK - 1) / GEMM_ROWS_K_BLOCK;
+    int split = GEMM_ROWS_WARPS;
+    while (split > 1 && k_blocks < 4 * split) {
+        split >>= 1;
+    }
+    return split;
+}
+
+// The weight fragments of one step (K_UNROLL blocks of 32 k from block kb_step on, N_TILES
+// tiles): 16 bytes per lane and fragment, zeros past the warp's range or the matrix.
+template <int K_UNROLL, int N_TILES>
+__device__ __forceinline__ void load_weight_step(uint4 (&w_frag)[K_UNROLL][N_TILES], const bf16_t* w_lane,
+                                                 int tile_stride, const bool (&w_valid)[N_TILES], int kb_step,
+                                                 int kb_end, int k, int thread_in_group)
+{
+#pragma unroll
+    for (int u = 0; u < K_UNROLL; ++u) {
+        const int k_offset = (kb_step + u) * GEMM_ROWS_K_BLOCK;
+        const bool k_valid = kb_step + u < kb_end && k_offset + 8 * thread_in_group < k;
+#pragma unroll
+        for (int j = 0; j < N_TILES; ++j) {
+            w_frag[u][j] = load_weight_16B(w_lane + (j * tile_stride + k_offset), w_valid[j] && k_valid);
+        }
+    }
+}
+
+// The x fragments of k block kb (rows g and g + 8 of each m-tile): zeros past the warp's
+// range, the matrix or the rows. PRODUCED: x was written earlier in the same kernel.
+template <int M_TILES, bool PRODUCED = false>
+__device__ __forceinline__ void load_x_block(uint4 (&x_frag)[M_TILES][2], const bf16_t* x_lane, int ldx,
+                                             const bool (&x_valid)[M_TILES][2], int kb, int kb_end, int k,
+                                             int thread_in_group)
+{
+    const int k_offset = kb * GEMM_ROWS_K_BLOCK;
+    const bool k_valid = kb < kb_end && k_offset + 8 * thread_in_group < k;
+#pragma unroll
+    for (int m = 0; m < M_TILES; ++m) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const bf16_t* pointer = x_lane + static_cast<size_t>(GEMM_ROWS_M_TILE * m + 8 * half) * ldx + k_offset;
+            const bool valid = x_valid[m][half] && k_valid;
+            x_frag[m][half] = PRODUCED ? load_produced_16B(pointer, valid) : load_activation_16B(pointer, valid);
+        }
+    }
+}
+
+// One warp's accumulators over its k blocks [kb_begin, kb_end) for N_TILES tiles of 8 columns
+// from warp_column on and the rows [row_begin, row_end) (at most 64): a chain of mma in
+// ascending k blocks, starting from zero. The chain depends on the k range alone, never on
+// LOADS (the weight loads each lane keeps in flight per step), the tiles or the rows.
+template <int M_TILES, int N_TILES, int LOADS = GEMM_ROWS_LOADS, bool PRODUCED = false>
+__device__ __forceinline__ void gemm_rows_accumulate(float (&acc)[M_TILES][N_TILES][4], const bf16_t* x, int ldx,
+                                                     const bf16_t* w, int n, int k, int row_begin, int row_end,
+                                                     int warp_column, int kb_begin, int kb_end)
+{
+    // Each lane keeps LOADS (m-tile, n-tile, k-block) products per step: with one m-tile that
+    // is LOADS weight loads in flight; more m-tiles spend the registers on their x fragments
+    // and accumulators instead (LOADS / M_TILES).
+    constexpr int K_UNROLL = LOADS / (M_TILES * N_TILES);
+    static_assert(K_UNROLL >= 1, "a step must cover one k block of every (m-tile, n-tile)");
+
+    const int lane = threadIdx.x & 31;
+    const int group_lane = lane >> 2;   // g: row of A / C, column of B
+    const int thread_in_group = lane & 3;  // t: which 8 k of a 32-k block
+
+    // This lane's x rows: row_begin + 16 m + g (half 0) and + 8 (half 1).
+    const bf16_t* x_lane =
+        x + static_cast<size_t>(row_begin + group_lane) * ldx + 8 * thread_in_group;
+    bool x_valid[M_TILES][2];
+#pragma unroll
+    for (int m = 0; m < M_TILES; ++m) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            x_valid[m][half] = row_begin + GEMM_ROWS_M_TILE * m + 8 * half + group_lane < row_end;
+        }
+    }
+
+    // Tile j's row of this lane is w_lane + j * tile_stride (one pointer, not N_TILES:
+    // the registers go to loads in flight).
+    const bf16_t* w_lane = w + static_cast<size_t>(warp_column + group_lane) * k + 8 * thread_in_group;
+    const int tile_stride = GEMM_ROWS_N_TILE * k;
+    bool w_valid[N_TILES];
+#pragma unroll
+    for (int j = 0; j < N_TILES; ++j) {
+        w_valid[j] = warp_column + GEMM_ROWS_N_TILE * j + group_lane < n;
+    }
+
+#pragma unroll
+    for (int m = 0; m < M_TILES; ++m) {
+#pragma unroll
+        for (int j = 0; j < N_TILES; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                acc[m][j][e] = 0.0f;
+            }
+        }
+    }
+
+    for (int kb_step = kb_begin; kb_step < kb_end; kb_step += K_UNROLL) {
+        // Every weight load of the step first: they are what the kernel waits on.
+        uint4 w_frag[K_UNROLL][N_TILES];
+        load_weight_step<K_UNROLL, N_TILES>(w_frag, w_lane, tile_stride, w_valid, kb_step, kb_end, k,
+                                            thread_in_group);
+        // The step's x fragments in the same breath as its weights (rows g and g + 8 of each
+        // m-tile; L1 or L2 hits that would otherwise wait behind the weights), where the
+        // registers allow: up to 4 (k block, m-tile) pairs per step.
+        constexpr bool X_AHEAD = K_UNROLL * M_TILES <= 4;
+        constexpr int X_STEPS = X_AHEAD ? K_UNROLL : 1;
+        uint4 x_frag[X_STEPS][M_TILES][2];
+        if constexpr (X_AHEAD) {
+#pragma unroll
+            for (int u = 0; u < K_UNROLL; ++u) {
+                load_x_block<M_TILES, PRODUCED>(x_frag[u], x_lane, ldx, x_valid, kb_step + u, kb_end, k,
+                                                thread_in_group);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < K_UNROLL; ++u) {
+            // Warp-uniform: the blocks past the warp's range add nothing, so the
+            // mma chain is exactly the range's blocks whatever K_UNROLL is.
+            if (kb_step + u < kb_end) {
+                if constexpr (!X_AHEAD) {
+                    load_x_block<M_TILES, PRODUCED>(x_frag[0], x_lane, ldx, x_valid, kb_step + u, kb_end, k,
+                                                    thread_in_group);
+                }
+                const int xu = X_AHEAD ? u : 0;
+#pragma unroll
+                for (int m = 0; m < M_TILES; ++m) {
+                    const uint4& x_low = x_frag[xu][m][0];
+                    const uint4& x_high = x_frag[xu][m][1];
+#pragma unroll
+                    for (int step = 0; step < 2; ++step) {
+#pragma unroll
+                        for (int j = 0; j < N_TILES; ++j) {
+                            mma_bf16_m16n8k16(acc[m][j], word_of(x_low, 2 * step),
+                                              word_of(x_high, 2 * step),
+                                              word_of(x_low, 2 * step + 1),
+                                              word_of(x_high, 2 * step + 1),
+                                              word_of(w_frag[u][j], 2 * step),
+                                              word_of(w_frag[u][j], 2 * step + 1));
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+// The k range of split part `warp_k` of `k_split`: k blocks [kb_begin, kb_end).
+__device__ __forceinline__ void gemm_rows_k_range(int k, int k_split, int warp_k, int& kb_begin, int& kb_end)
+{
+    const int k_blocks = (k + GEMM_ROWS_K_BLOCK - 1) / GEMM_ROWS_K_BLOCK;
+    const int k_range = (k_blocks + k_split - 1) / k_split;
+    kb_begin = warp_k * k_range;
+    kb_end = min(kb_begin + k_range, k_blocks);
+}
+
+// Columns of one column group: the warps side by side along n, N_TILES tiles of 8 each.
+template <int N_TILES>
+__device__ __forceinline__ int gemm_rows_group_columns(int k_split)
+{
+    return GEMM_ROWS_WARPS / k_split * N_TILES * GEMM_ROWS_N_TILE;
+}
+
+// Shared-memory floats of gemm_rows_group's partial sums.
+#define GEMM_ROWS_PARTIAL_FLOATS(M_TILES, N_TILES) (GEMM_ROWS_WARPS * (M_TILES) * (N_TILES) * 4 * 32)
+
+// One column group of the output, by the block's 8 warps: rows [row_begin, row_end) (at most
+// 64), columns group * group_columns ... Deterministic split-k: partial[warp][fragment][lane],
+// then each output adds its k_split partials in ascending warp_k order. Ends with a barrier
+// (the next group may overwrite `partial`).
+template <int M_TILES, int N_TILES, int LOADS = GEMM_ROWS_LOADS, bool PRODUCED = false>
+__device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const bf16_t* w, bf16_t* y, int ldy,
+                                                int row_begin, int row_end, int n, int k, int k_split, int group,
+                                                float* partial)
+{
+    constexpr int FRAGMENTS = M_TILES * N_TILES * 4;  // accumulators per lane
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int warps_n = GEMM_ROWS_WARPS / k_split;
+    const int warp_k = warp % k_split;
+    const int warp_n = warp / k_split;
+    int kb_begin, kb_end;
+    gemm_rows_k_range(k, k_split, warp_k, kb_begin, kb_end);
+    const int group_columns = gemm_rows_group_columns<N_TILES>(k_split);
+    const int warp_column = group * group_columns + warp_n * N_TILES * GEMM_ROWS_N_TILE;
+
+    float acc[M_TILES][N_TILES][4];
+    gemm_rows_accumulate<M_TILES, N_TILES, LOADS, PRODUCED>(acc, x, ldx, w, n, k, row_begin, row_end, warp_column,
+                                                            kb_begin, kb_end);
+#pragma unroll
+    for (int m = 0; m < M_TILES; ++m) {
+#pragma unroll
+        for (int j = 0; j < N_TILES; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int fragment = (m * N_TILES + j) * 4 + e;
+                partial[(warp * FRAGMENTS + fragment) * 32 + lane] = acc[m][j][e];
+            }
+        }
+    }
+    __syncthreads();
+    for (int output = threadIdx.x; output < warps_n * FRAGMENTS * 32; output += GEMM_ROWS_THREADS) {
+        const int out_lane = output & 31;
+        const int fragment = (output >> 5) % FRAGMENTS;
+        const int out_warp_n = (output >> 5) / FRAGMENTS;
+        const float* source = partial + (out_warp_n * k_split * FRAGMENTS + fragment) * 32 + out_lane;
+        float sum = source[0];
+        for (int split = 1; split < k_split; ++split) {
+            sum += source[split * FRAGMENTS * 32];
+        }
+        const int e = fragment & 3;
+        const int j = (fragment >> 2) % N_TILES;
+        const int m = (fragment >> 2) / N_TILES;
+        const int row = row_begin + GEMM_ROWS_M_TILE * m + (out_lane >> 2) + 8 * (e >> 1);
+        const int column = group * group_columns + (out_warp_n * N_TILES + j) * GEMM_ROWS_N_TILE +
+                           2 * (out_lane & 3) + (e & 1);
+        if (row < row_end && column < n) {
+            y[static_cast<size_t>(row) * ldy + column] = f32_to_bf16(sum);
+        }
+    }
+    // The next column group overwrites `partial`.
+    __syncthreads();
+}
+
+// One block's share of the output: rows [row_begin, row_end) (at most 64) and the
+// column groups blockIdx.x, blockIdx.x + gridDim.x, ...
+template <int M_TILES, int N_TILES>
+__device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, int ldx,
+                                                const bf16_t* __restrict__ w,
+                                                bf16_t* __restrict__ y, int ldy, int row_begin,
+                                                int row_end, int n, int k, int k_split, int prefetch,
+                                                float* partial)
+{
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int warp_n = warp / k_split;
+    int kb_begin, kb_end;
+    gemm_rows_k_range(k, k_split, warp % k_split, kb_begin, kb_end);
+    const int group_columns = gemm_rows_group_columns<N_TILES>(k_split);
+    const int column_groups = (n + group_columns - 1) / group_columns;
+
+    if (prefetch != 0 && blockIdx.x < column_groups) {
+        // L2 lines of the first `prefetch` blocks of this warp's k range, for every weight row
+        // of its first column group.
+        const int first_row = blockIdx.x * group_columns + warp_n * N_TILES * GEMM_ROWS_N_TILE;
+        const int kb_last = min(kb_end, kb_begin + prefetch);
+        const int lines_per_row = (max(kb_last - kb_begin, 0) * GEMM_ROWS_K_BLOCK * 2 + 127) / 128;
+        for (int index = lane; index < N_TILES * GEMM_ROWS_N_TILE * lines_per_row; index += 32) {
+            const int row = first_row + index / lines_per_row;
+            const int k_offset = kb_begin * GEMM_ROWS_K_BLOCK + 64 * (index % lines_per_row);
+            if (row < n && k_offset < k) {
+                prefetch_l2(w + static_cast<size_t>(row) * k + k_offset);
+            }
+        }
+    }
+    // x (and y) may belong to the previous kernel: nothing below runs before it is done.
+    kda_wait_for_previous_kernel();
+
+    for (int group = blockIdx.x; group < column_groups; group += gridDim.x) {
+        gemm_rows_group<M_TILES, N_TILES>(x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split, group, partial);
+    }
+}
+
+#endif  // GEMM_ROWS_CUH
