@@ -37,6 +37,10 @@ DEFAULT_SM_COUNT = 132
 # graph replays interleaved in one process, 16 ran GLM 87.7 / Kimi 37.6 us, 4 89.8 / 37.5,
 # 0 87.2 / 38.5.
 PREFETCH_K_BLOCKS = 16
+# ... but only for weights of at most this many bytes (None: any). A large weight's request (GLM's
+# o_proj asks for 32 MB at once, beside the step's state) cost GLM 0.5-1.8 us in every run, while
+# Kimi's (its o_proj asks for its whole 19 MB) saved it 0.9-1.5 us.
+PREFETCH_MAX_WEIGHT_BYTES: int | None = 32 << 20
 
 
 @dataclass(frozen=True)
@@ -147,13 +151,21 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
     """
     rows, n, k, ldx, ldy = projection_args("gemm_rows_bf16", x, w, out, rows, GEMM_ROWS_MAX_ROWS)
     plan = launch_plan(n, k, rows, tiles_per_warp, _sm_count(cupy.cuda.Device().id), blocks)
+    prefetch = prefetch_k_blocks(n, k) if programmatic else 0
     kernels.launch(
         plan.kernel,
         plan.grid,
         plan.block,
-        (x, _i32(ldx), w, out, _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(PREFETCH_K_BLOCKS if programmatic else 0)),
+        (x, _i32(ldx), w, out, _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(prefetch)),
         programmatic=programmatic,
     )
+
+
+def prefetch_k_blocks(n: int, k: int) -> int:
+    """Blocks of 32 k per weight row a programmatic launch over a [n, k] weight asks L2 for:
+    PREFETCH_K_BLOCKS up to PREFETCH_MAX_WEIGHT_BYTES of weight, else 0. Changes no bit."""
+    limit = PREFETCH_MAX_WEIGHT_BYTES
+    return PREFETCH_K_BLOCKS if limit is None or weight_bytes(n, k) <= limit else 0
 
 
 def weight_bytes(n: int, k: int) -> int:

@@ -35,7 +35,7 @@ KIND_NAMES = ("down", "qkv", "up_f", "up_g", "step", "out")
 TASK_INTS = 8
 # DECODE_PERSISTENT_TILES, DECODE_PERSISTENT_OUT_TILES and DECODE_PERSISTENT_THREADS of the kernel.
 TILES = 4
-OUT_TILES = 4
+OUT_TILES = 2
 THREADS = 256
 MAX_ROWS = 16
 TICKET, EXIT = 0, 1
@@ -57,6 +57,7 @@ class Schedule:
     counter_count: int
     out_split: int  # k ranges of o_proj (k_split of qkv)
     out_groups: int  # o_proj column groups (8 warps of OUT_TILES tiles of 8 columns)
+    out_range_k: int  # k of o_proj's longest k range
 
     def kinds(self) -> dict[str, int]:
         """Tasks per kind."""
@@ -68,8 +69,10 @@ def _pair_of_column(column: int, qkv: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def build_schedule(hidden: int, heads: int, step_lag: int = STEP_LAG_PAIRS, out_lag: int = OUT_LAG_PAIRS) -> Schedule:
-    """The ticket order of one decode step at (hidden, heads), head_dim 128.
+def build_schedule(hidden: int, heads: int, step_lag: int = STEP_LAG_PAIRS, out_lag: int = OUT_LAG_PAIRS,
+                   out_tiles: int | None = None) -> Schedule:
+    """The ticket order of one decode step at (hidden, heads), head_dim 128. `out_tiles` (None:
+    OUT_TILES) must be the kernel's DECODE_PERSISTENT_OUT_TILES.
 
     Raises ValueError for a geometry the kernel's task layout cannot split by pairs of heads
     (an odd head count, a hidden size that is not a multiple of 8).
@@ -80,6 +83,7 @@ def build_schedule(hidden: int, heads: int, step_lag: int = STEP_LAG_PAIRS, out_
         raise ValueError(f"the persistent decode needs hidden % 8 == 0, got {hidden}")
     if step_lag < 0 or out_lag < 0:
         raise ValueError(f"lags must be >= 0, got step_lag={step_lag}, out_lag={out_lag}")
+    out_tiles = OUT_TILES if out_tiles is None else out_tiles
     dim = HEAD_DIM
     qkv = heads * dim
     pairs = heads // 2
@@ -91,7 +95,7 @@ def build_schedule(hidden: int, heads: int, step_lag: int = STEP_LAG_PAIRS, out_
     out_split = gemm_rows.k_split(qkv)
     k_blocks = -(-qkv // gemm_rows.K_BLOCK)
     range_k = -(-k_blocks // out_split) * gemm_rows.K_BLOCK
-    out_columns = gemm_rows.WARPS_PER_BLOCK * OUT_TILES * gemm_rows.N_TILE
+    out_columns = gemm_rows.WARPS_PER_BLOCK * out_tiles * gemm_rows.N_TILE
     out_groups = -(-hidden // out_columns)
 
     # Counters.
@@ -104,14 +108,12 @@ def build_schedule(hidden: int, heads: int, step_lag: int = STEP_LAG_PAIRS, out_
     def range_span(r: int) -> tuple[int, int]:
         return r * range_k, min((r + 1) * range_k, qkv)
 
-    def pairs_of_range(r: int) -> list[int]:
-        begin, end = range_span(r)
-        if begin >= end:
-            return []
-        return list(range(begin // dim // 2, (end - 1) // dim // 2 + 1))
+    steps = [(head, 2) for head in range(0, heads, 2)]  # a pair of heads per step task
 
-    def ranges_of_pair(p: int) -> list[int]:
-        return [r for r in range(out_split) if p in pairs_of_range(r)]
+    def steps_of_range(r: int) -> list[int]:
+        """The step tasks whose heads feed k range r of o_proj."""
+        begin, end = range_span(r)
+        return [i for i, (head, count) in enumerate(steps) if head * dim < end and (head + count) * dim > begin]
 
     entries: list[tuple[float, int, list[int]]] = []  # (position, order, task)
 
@@ -138,21 +140,24 @@ def build_schedule(hidden: int, heads: int, step_lag: int = STEP_LAG_PAIRS, out_
                 raise ValueError(f"gate group {g} spans two pairs of heads")
             pair_inputs[p] += 1
             add(max(p, step_lag // 2) + 0.5, [kind, g, 0, down_counter, down_groups, pair_counter + p, -1, -1])
-    for p in range(pairs):
-        signals = [range_counter + r for r in ranges_of_pair(p)]
+    for i, (head, count) in enumerate(steps):
+        p = head // 2
+        signals = [range_counter + r for r in range(out_split) if i in steps_of_range(r)]
         if len(signals) > 3:
-            raise ValueError(f"pair {p} of heads feeds {len(signals)} k ranges of o_proj; at most 3")
+            raise ValueError(f"heads {head}..{head + count - 1} feed {len(signals)} k ranges of o_proj; at most 3")
         signals += [-1] * (3 - len(signals))
-        add(p + step_lag + 0.75, [STEP, p, 0, pair_counter + p, pair_inputs[p], *signals])
+        add(p + step_lag + 0.75, [STEP, head, count, pair_counter + p, pair_inputs[p], *signals])
     for r in range(out_split):
-        needed = pairs_of_range(r)
-        position = max(max(needed) + out_lag, pairs) + step_lag + 0.875 if needed else -0.5
+        needed = steps_of_range(r)
+        last_pair = max(steps[i][0] for i in needed) // 2 if needed else 0
+        position = max(last_pair + out_lag, pairs) + step_lag + 0.875 if needed else -0.5
         wait = [range_counter + r, len(needed)] if needed else [-1, 0]
         for c in range(out_groups):
             add(position, [OUT, c, r, *wait, arrival_counter + c, -1, -1])
     entries.sort(key=lambda entry: (entry[0], entry[1]))
     tasks = np.array([task for _, _, task in entries], dtype=np.int32).reshape(-1, TASK_INTS)
-    schedule = Schedule(tasks=tasks, counter_count=counter_count, out_split=out_split, out_groups=out_groups)
+    schedule = Schedule(tasks=tasks, counter_count=counter_count, out_split=out_split, out_groups=out_groups,
+                        out_range_k=range_k)
     check_schedule(schedule)
     return schedule
 
@@ -187,22 +192,21 @@ def launch(layer, hidden, conv_state, recurrent_state, slots=None, schedule: Sch
 
     from glm_kda import kernels
 
-    grid, block, args = launch_arguments(layer, hidden, conv_state, recurrent_state, slots, schedule, trace)
-    kernels.launch("kda_decode_persistent_bf16", grid, block, args)
+    grid, block, args, shared = launch_arguments(layer, hidden, conv_state, recurrent_state, slots, schedule, trace)
+    kernels.launch("kda_decode_persistent_bf16", grid, block, args, shared)
 
 
 def launch_arguments(layer, hidden, conv_state, recurrent_state, slots=None, schedule: Schedule | None = None,
                      trace=None) -> tuple:
-    """(grid, block, kernel arguments) of :func:`launch`, checked."""
-    import cupy
-
+    """(grid, block, kernel arguments, dynamic shared bytes: o_proj's x over one k range) of
+    :func:`launch`, checked."""
     from glm_kda.ops import _f32, _i32, _require
 
     ws, c = layer.workspace, layer.config
     rows = hidden.shape[0]
     if not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"persistent decode: 1..{MAX_ROWS} rows of one sequence, got {rows}")
-    _require("hidden", hidden, "bf16", (rows, c.hidden))
+    _require("hidden", hidden, "bf16", (rows, c.hidden), aligned=True)
     if schedule is None:
         schedule = build_schedule(c.hidden, c.heads, STEP_LAG_PAIRS, OUT_LAG_PAIRS)
     if trace is not None and (trace.dtype != np.uint64 or trace.shape != (schedule.tasks.shape[0], 4)):
@@ -218,7 +222,15 @@ def launch_arguments(layer, hidden, conv_state, recurrent_state, slots=None, sch
         _i32(c.conv_kernel), _i32(1 if bounded else 0), _f32((c.gate_lower_bound or 0.0) if bounded else 0.0),
         _f32(layer.scale), _f32(c.l2_eps), _f32(c.rms_norm_eps), trace,
     )
-    return (gemm_rows._sm_count(cupy.cuda.Device().id),), (THREADS,), args
+    shared = 2 * rows * schedule.out_range_k
+    return (_resident_blocks(),), (THREADS,), args, shared
+
+
+def _resident_blocks() -> int:
+    """Blocks of one launch: one per SM of the current device."""
+    import cupy
+
+    return gemm_rows._sm_count(cupy.cuda.Device().id)
 
 
 def buffers(workspace, schedule: Schedule) -> tuple:

@@ -13,7 +13,7 @@
 //   QKV    column group `index` of qkv_proj = hidden W_qkv^T
 //   UP_F   column group `index` of forget_proj = down_proj[:, :D] W_fb^T
 //   UP_G   column group `index` of out_gate = down_proj[:, D:2D] W_gb^T
-//   STEP   heads 2 index and 2 index + 1: kda_decode_head, threads 0..127 and 128..255
+//   STEP   heads index and index + 1: kda_decode_head, threads 0..127 and 128..255
 //   OUT    columns of final_out group `index`, k range `aux` of o_proj: the range's partial
 //          sums into out_partial; the last of the k ranges of a group to arrive adds them in
 //          ascending range order and writes the BF16 output.
@@ -34,7 +34,8 @@
 // same launch).
 //
 // Launch: grid = any number of blocks (the SM count: one block per SM), block
-// DECODE_PERSISTENT_THREADS; counters [counter_count] int32, zero before the first launch.
+// DECODE_PERSISTENT_THREADS, dynamic shared memory rows x (o_proj's longest k range) BF16;
+// counters [counter_count] int32, zero before the first launch.
 // trace (null: none) receives per ticket the global timer (ns) when the block took it, when its
 // wait ended and when it was done, and the block: [task_count][4] uint64.
 #include "gemm_rows.cuh"
@@ -42,13 +43,17 @@
 
 #define DECODE_PERSISTENT_THREADS 256
 // Weight loads in flight per lane and step: one block per SM (the step's state column takes
-// the registers), so each lane keeps twice what gemm_rows.cu's two blocks per SM keep.
+// the registers), so each lane keeps twice what gemm_rows.cu's two blocks per SM keep. On an
+// H200 24 and 32 ran no faster (GLM 88.7 and 91.3 us against 89.2, with hidden staged in shared
+// memory; 100.3 and 104.7 against 87.2 with it from global memory, then loaded a k block at a
+// time): a block streams about 30 GB/s whatever it keeps in flight.
 #define DECODE_PERSISTENT_LOADS 16
-// Tiles of 8 columns per warp in every projection task but o_proj's, and in o_proj's. On an H200
-// o_proj tasks of 1 or 2 tiles (more of them side by side in the tail of the launch) ran slower:
-// with more than 4 k blocks per step the x fragments are loaded one k block at a time.
+// Tiles of 8 columns per warp in every projection task but o_proj's, and in o_proj's (narrower:
+// the last k range's tasks are the tail of the launch, and more of them run side by side; their
+// x comes from shared memory). On an H200 2 tiles ran GLM 87.2 us against 89.1 (4) and 95.3 (1),
+// Kimi 46.4 against 47.4 (4) and 46.0 (1).
 #define DECODE_PERSISTENT_TILES 4
-#define DECODE_PERSISTENT_OUT_TILES 4
+#define DECODE_PERSISTENT_OUT_TILES 2
 #define DECODE_PERSISTENT_TASK_INTS 8
 // A wait longer than this many polls (seconds) is a broken schedule: trap instead of hanging.
 #define DECODE_PERSISTENT_MAX_POLLS (1 << 26)
@@ -66,16 +71,15 @@ enum DecodeTask {
 #define COUNTER_TICKET 0
 #define COUNTER_EXIT 1
 
-// The KDA_HEAD_BLOCK threads from `base` on, joined by named barrier `barrier` (1 or 2; 0 is
-// __syncthreads).
-struct KdaNamedGroup {
+// The KDA_HEAD_BLOCK threads from `base` on, as the group of one head. Its barrier is the
+// block's: a step task runs two heads, one per half of the block, through the same code (the
+// same tokens), so every barrier of kda_decode_head is met by all the block's threads at once.
+// (Named barriers per half let a block step one head, but compute-sanitizer's racecheck then
+// reports hazards on the task record that no run has shown; the block barrier is clean.)
+struct KdaHalfBlock {
     int base;
-    int barrier;
     __device__ __forceinline__ int thread() const { return static_cast<int>(threadIdx.x) - base; }
-    __device__ __forceinline__ void sync() const
-    {
-        asm volatile("bar.sync %0, %1;" ::"r"(barrier), "n"(KDA_HEAD_BLOCK) : "memory");
-    }
+    __device__ __forceinline__ void sync() const { __syncthreads(); }
 };
 
 __device__ __forceinline__ unsigned long long global_timer_ns()
@@ -138,6 +142,8 @@ kda_decode_persistent_bf16(int* counters, int counter_count, const int* tasks, i
     __shared__ KdaStepShared step_shared[2];
     __shared__ int task_s[DECODE_PERSISTENT_TASK_INTS];
     __shared__ int last_s;
+    // o_proj's x over one k range (rows x the longest k range BF16), sized by the launch.
+    extern __shared__ __align__(16) bf16_t out_x_shared[];
 
     // Uniform over the block: a wrong launch leaves before any barrier.
     if (blockDim.x != DECODE_PERSISTENT_THREADS || rows < 1 || rows > GEMM_ROWS_M_TILE || kernel_size < 1 ||
@@ -192,23 +198,20 @@ kda_decode_persistent_bf16(int* counters, int counter_count, const int* tasks, i
             break;
         }
         if (kind == TASK_DOWN) {
-            gemm_rows_group<1, TILES, LOADS, false>(hidden, hidden_size, down_w, down_proj, down_dim, 0, rows,
+            gemm_rows_group<1, TILES, LOADS, GEMM_X_INPUT>(hidden, hidden_size, down_w, down_proj, down_dim, 0, rows,
                                                     down_dim, hidden_size, k_split_for(hidden_size), index, partial);
         } else if (kind == TASK_QKV) {
-            gemm_rows_group<1, TILES, LOADS, false>(hidden, hidden_size, qkv_w, qkv_proj, 3 * qkv, 0, rows, 3 * qkv,
+            gemm_rows_group<1, TILES, LOADS, GEMM_X_INPUT>(hidden, hidden_size, qkv_w, qkv_proj, 3 * qkv, 0, rows, 3 * qkv,
                                                     hidden_size, k_split_for(hidden_size), index, partial);
         } else if (kind == TASK_UP_F || kind == TASK_UP_G) {
             const bool forget = kind == TASK_UP_F;
-            gemm_rows_group<1, TILES, LOADS, true>(down_proj + (forget ? 0 : dim), down_dim, forget ? f_b_w : g_b_w,
+            gemm_rows_group<1, TILES, LOADS, GEMM_X_PRODUCED>(down_proj + (forget ? 0 : dim), down_dim, forget ? f_b_w : g_b_w,
                                                    forget ? forget_proj : out_gate, qkv, 0, rows, qkv, dim,
                                                    k_split_for(dim), index, partial);
         } else if (kind == TASK_STEP) {
+            // Heads index and index + 1, one per half of the block.
             const int half = threadIdx.x / KDA_HEAD_BLOCK;
-            const int head = 2 * index + half;
-            if (head < heads) {
-                kda_decode_head(step_args, head, 0, 1, KdaNamedGroup{half * KDA_HEAD_BLOCK, 1 + half},
-                                step_shared[half]);
-            }
+            kda_decode_head(step_args, index + half, 0, 1, KdaHalfBlock{half * KDA_HEAD_BLOCK}, step_shared[half]);
         } else if (kind == TASK_OUT) {
             // Every warp the same k range `aux`, side by side along n: the partial sums that
             // gemm_rows_group's warp aux would hold for these columns.
@@ -219,9 +222,22 @@ kda_decode_persistent_bf16(int* counters, int counter_count, const int* tasks, i
             const int warp_column = index * group_columns + warp * OUT_TILES * GEMM_ROWS_N_TILE;
             int kb_begin, kb_end;
             gemm_rows_k_range(qkv, out_split, aux, kb_begin, kb_end);
+            // The rows' x over this k range, copied once into shared memory for all 8 warps (16
+            // bytes a thread and step, from L2: another block wrote it).
+            const int k_origin = kb_begin * GEMM_ROWS_K_BLOCK;
+            const int range_k = max(min(kb_end * GEMM_ROWS_K_BLOCK, qkv) - k_origin, 0);
+            const int chunks = range_k / 8;
+            for (int chunk = threadIdx.x; chunk < rows * chunks; chunk += DECODE_PERSISTENT_THREADS) {
+                const int row = chunk / chunks;
+                const int offset = 8 * (chunk % chunks);
+                *reinterpret_cast<uint4*>(out_x_shared + row * range_k + offset) =
+                    load_produced_16B(o_norm_out + static_cast<size_t>(row) * qkv + k_origin + offset, true);
+            }
+            __syncthreads();
             float acc[1][OUT_TILES][4];
-            gemm_rows_accumulate<1, OUT_TILES, LOADS, true>(acc, o_norm_out, qkv, o_w, hidden_size, qkv, 0, rows,
-                                                            warp_column, kb_begin, kb_end);
+            gemm_rows_accumulate<1, OUT_TILES, LOADS, GEMM_X_SHARED>(acc, out_x_shared, range_k, o_w, hidden_size, qkv,
+                                                                    0, rows, warp_column, kb_begin, kb_end,
+                                                                    k_origin);
             float* range_partial = out_partial + static_cast<size_t>(aux) * rows * hidden_size;
 #pragma unroll
             for (int j = 0; j < OUT_TILES; ++j) {

@@ -181,12 +181,19 @@ __device__ __forceinline__ void load_weight_step(uint4 (&w_frag)[K_UNROLL][N_TIL
     }
 }
 
+// Where x comes from: global memory written before the kernel (read-only path), global memory
+// written earlier in the same kernel (L2), or a shared-memory copy of the rows and of the k
+// range [x_k_origin, ...) a block needs (then x_lane and ldx address that copy).
+#define GEMM_X_INPUT 0
+#define GEMM_X_PRODUCED 1
+#define GEMM_X_SHARED 2
+
 // The x fragments of k block kb (rows g and g + 8 of each m-tile): zeros past the warp's
-// range, the matrix or the rows. PRODUCED: x was written earlier in the same kernel.
-template <int M_TILES, bool PRODUCED = false>
+// range, the matrix or the rows.
+template <int M_TILES, int X_FROM = GEMM_X_INPUT>
 __device__ __forceinline__ void load_x_block(uint4 (&x_frag)[M_TILES][2], const bf16_t* x_lane, int ldx,
                                              const bool (&x_valid)[M_TILES][2], int kb, int kb_end, int k,
-                                             int thread_in_group)
+                                             int thread_in_group, int x_k_origin)
 {
     const int k_offset = kb * GEMM_ROWS_K_BLOCK;
     const bool k_valid = kb < kb_end && k_offset + 8 * thread_in_group < k;
@@ -194,9 +201,16 @@ __device__ __forceinline__ void load_x_block(uint4 (&x_frag)[M_TILES][2], const 
     for (int m = 0; m < M_TILES; ++m) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            const bf16_t* pointer = x_lane + static_cast<size_t>(GEMM_ROWS_M_TILE * m + 8 * half) * ldx + k_offset;
+            const bf16_t* pointer =
+                x_lane + static_cast<size_t>(GEMM_ROWS_M_TILE * m + 8 * half) * ldx + (k_offset - x_k_origin);
             const bool valid = x_valid[m][half] && k_valid;
-            x_frag[m][half] = PRODUCED ? load_produced_16B(pointer, valid) : load_activation_16B(pointer, valid);
+            if constexpr (X_FROM == GEMM_X_SHARED) {
+                x_frag[m][half] = valid ? *reinterpret_cast<const uint4*>(pointer) : uint4{0u, 0u, 0u, 0u};
+            } else if constexpr (X_FROM == GEMM_X_PRODUCED) {
+                x_frag[m][half] = load_produced_16B(pointer, valid);
+            } else {
+                x_frag[m][half] = load_activation_16B(pointer, valid);
+            }
         }
     }
 }
@@ -205,10 +219,10 @@ __device__ __forceinline__ void load_x_block(uint4 (&x_frag)[M_TILES][2], const 
 // from warp_column on and the rows [row_begin, row_end) (at most 64): a chain of mma in
 // ascending k blocks, starting from zero. The chain depends on the k range alone, never on
 // LOADS (the weight loads each lane keeps in flight per step), the tiles or the rows.
-template <int M_TILES, int N_TILES, int LOADS = GEMM_ROWS_LOADS, bool PRODUCED = false>
+template <int M_TILES, int N_TILES, int LOADS = GEMM_ROWS_LOADS, int X_FROM = GEMM_X_INPUT>
 __device__ __forceinline__ void gemm_rows_accumulate(float (&acc)[M_TILES][N_TILES][4], const bf16_t* x, int ldx,
                                                      const bf16_t* w, int n, int k, int row_begin, int row_end,
-                                                     int warp_column, int kb_begin, int kb_end)
+                                                     int warp_column, int kb_begin, int kb_end, int x_k_origin = 0)
 {
     // Each lane keeps LOADS (m-tile, n-tile, k-block) products per step: with one m-tile that
     // is LOADS weight loads in flight; more m-tiles spend the registers on their x fragments
@@ -260,15 +274,16 @@ __device__ __forceinline__ void gemm_rows_accumulate(float (&acc)[M_TILES][N_TIL
                                             thread_in_group);
         // The step's x fragments in the same breath as its weights (rows g and g + 8 of each
         // m-tile; L1 or L2 hits that would otherwise wait behind the weights), where the
-        // registers allow: up to 4 (k block, m-tile) pairs per step.
-        constexpr bool X_AHEAD = K_UNROLL * M_TILES <= 4;
+        // registers allow: up to 4 (k block, m-tile) pairs per step. Shared-memory x is loaded
+        // where it is used.
+        constexpr bool X_AHEAD = X_FROM != GEMM_X_SHARED && K_UNROLL * M_TILES <= 4;
         constexpr int X_STEPS = X_AHEAD ? K_UNROLL : 1;
         uint4 x_frag[X_STEPS][M_TILES][2];
         if constexpr (X_AHEAD) {
 #pragma unroll
             for (int u = 0; u < K_UNROLL; ++u) {
-                load_x_block<M_TILES, PRODUCED>(x_frag[u], x_lane, ldx, x_valid, kb_step + u, kb_end, k,
-                                                thread_in_group);
+                load_x_block<M_TILES, X_FROM>(x_frag[u], x_lane, ldx, x_valid, kb_step + u, kb_end, k,
+                                              thread_in_group, x_k_origin);
             }
         }
 #pragma unroll
@@ -277,8 +292,8 @@ __device__ __forceinline__ void gemm_rows_accumulate(float (&acc)[M_TILES][N_TIL
             // mma chain is exactly the range's blocks whatever K_UNROLL is.
             if (kb_step + u < kb_end) {
                 if constexpr (!X_AHEAD) {
-                    load_x_block<M_TILES, PRODUCED>(x_frag[0], x_lane, ldx, x_valid, kb_step + u, kb_end, k,
-                                                    thread_in_group);
+                    load_x_block<M_TILES, X_FROM>(x_frag[0], x_lane, ldx, x_valid, kb_step + u, kb_end, k,
+                                                  thread_in_group, x_k_origin);
                 }
                 const int xu = X_AHEAD ? u : 0;
 #pragma unroll
@@ -326,7 +341,7 @@ __device__ __forceinline__ int gemm_rows_group_columns(int k_split)
 // 64), columns group * group_columns ... Deterministic split-k: partial[warp][fragment][lane],
 // then each output adds its k_split partials in ascending warp_k order. Ends with a barrier
 // (the next group may overwrite `partial`).
-template <int M_TILES, int N_TILES, int LOADS = GEMM_ROWS_LOADS, bool PRODUCED = false>
+template <int M_TILES, int N_TILES, int LOADS = GEMM_ROWS_LOADS, int X_FROM = GEMM_X_INPUT>
 __device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const bf16_t* w, bf16_t* y, int ldy,
                                                 int row_begin, int row_end, int n, int k, int k_split, int group,
                                                 float* partial)
@@ -343,7 +358,7 @@ __device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const 
     const int warp_column = group * group_columns + warp_n * N_TILES * GEMM_ROWS_N_TILE;
 
     float acc[M_TILES][N_TILES][4];
-    gemm_rows_accumulate<M_TILES, N_TILES, LOADS, PRODUCED>(acc, x, ldx, w, n, k, row_begin, row_end, warp_column,
+    gemm_rows_accumulate<M_TILES, N_TILES, LOADS, X_FROM>(acc, x, ldx, w, n, k, row_begin, row_end, warp_column,
                                                             kb_begin, kb_end);
 #pragma unroll
     for (int m = 0; m < M_TILES; ++m) {

@@ -302,3 +302,54 @@ def test_batched_step_prefetch_distance(monkeypatch, heads, waves, expected):
     monkeypatch.setattr(layer, "STEP_PREFETCH_WAVES", waves)
     fake = SimpleNamespace(config=SimpleNamespace(heads=heads), qkv_weight=SimpleNamespace(device=SimpleNamespace(id=0)))
     assert layer.KdaLayer._step_prefetch_ahead(fake) == expected
+
+
+@pytest.mark.parametrize("n,k,expected", [(4096, 8192, 0), (2304, 4096, 16), (8192, 128, 16), (24576, 4096, 0)],
+                         ids=["glm_o_proj", "kimi_o_proj", "glm_f_b", "glm_qkv"])
+def test_programmatic_l2_request_only_for_weights_up_to_the_limit(monkeypatch, n, k, expected):
+    from glm_kda import gemm_rows
+
+    assert gemm_rows.prefetch_k_blocks(n, k) == expected
+    monkeypatch.setattr(gemm_rows, "PREFETCH_MAX_WEIGHT_BYTES", None)
+    assert gemm_rows.prefetch_k_blocks(n, k) == gemm_rows.PREFETCH_K_BLOCKS
+
+
+def test_persistent_decode_arguments_match_the_kernel(monkeypatch):
+    """One launch: one block per SM, 256 threads, o_proj's x over one k range in shared memory,
+    as many arguments as the kernel declares, the scalars where the kernel expects them; a bad
+    hidden is refused before any launch."""
+    import re
+    import types
+
+    from glm_kda import kernels, persistent
+    from glm_kda.config import KdaConfig
+
+    config = KdaConfig(hidden=2304, heads=32, head_dim=128, conv_kernel=4, gate_law="bounded", gate_lower_bound=-5.0,
+                       rms_norm_eps=1e-5)
+    made = []
+    monkeypatch.setattr(persistent, "buffers", lambda ws, schedule: (
+        HostStandIn(schedule.tasks), HostStandIn(np.zeros(schedule.counter_count, np.int32)), _f32(8, 16, 2304)))
+    monkeypatch.setattr(persistent, "_resident_blocks", lambda: 132)
+    monkeypatch.setattr(kernels, "launch", lambda name, grid, block, args, shared_mem=0, **options:
+                        made.append((name, grid, block, args, shared_mem)))
+    ws = types.SimpleNamespace(config=config, **{name: None for name in (
+        "down_proj", "qkv_proj", "forget_proj", "out_gate", "final_out", "conv_out", "query", "key", "value", "gate",
+        "beta", "core", "o_norm_out")})
+    layer = types.SimpleNamespace(workspace=ws, config=config, scale=128**-0.5, **{name: None for name in (
+        "down_weight", "qkv_weight", "f_b", "g_b", "o_proj", "conv_weight", "dt_bias", "a_log", "o_norm")})
+    persistent.launch(layer, _bf16(3, 2304), None, None)
+    (name, grid, block, args, shared), = made
+    schedule = persistent.build_schedule(2304, 32, persistent.STEP_LAG_PAIRS, persistent.OUT_LAG_PAIRS)
+    assert name == "kda_decode_persistent_bf16" and grid == (132,) and block == (persistent.THREADS,)
+    assert shared == 2 * 3 * schedule.out_range_k
+    source = (kernels.kernels_dir() / "decode_persistent.cu").read_text()
+    signature = re.search(r"kda_decode_persistent_bf16\(([^)]*)\)", source).group(1)
+    assert len(args) == signature.count(",") + 1
+    assert (int(args[1]), int(args[3]), int(args[4])) == (schedule.counter_count, len(schedule.tasks), 3)
+    assert (int(args[-8]), int(args[-7]), int(args[-6])) == (32, 4, 1)  # heads, kernel_size, bounded
+    assert float(args[-5]) == -5.0 and args[-1] is None  # lower_bound, no trace
+    with pytest.raises(ValueError, match="hidden"):
+        persistent.launch(layer, _bf16(3, 2300), None, None)
+    with pytest.raises(ValueError, match="1..16 rows"):
+        persistent.launch(layer, _bf16(17, 2304), None, None)
+    assert len(made) == 1

@@ -4,6 +4,7 @@ alone (the launch cannot deadlock), and the Python constants mirror the kernel's
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -13,6 +14,7 @@ from glm_kda import gemm_rows, kernels, persistent
 from glm_kda.persistent import DOWN, OUT, QKV, STEP, UP_F, UP_G
 
 GEOMETRIES = [(4096, 64), (2304, 32), (256, 4), (512, 16), (1024, 2)]
+# (step lag, out lag)
 LAGS = [(0, 0), (4, 1), (12, 99), (40, 3)]
 
 
@@ -21,7 +23,7 @@ def _columns(kind_tasks: np.ndarray, width: int) -> np.ndarray:
     return np.concatenate([np.arange(index * width, (index + 1) * width) for index in kind_tasks[:, 1]])
 
 
-@pytest.mark.parametrize("lags", LAGS, ids=lambda lags: f"lag{lags[0]}_{lags[1]}")
+@pytest.mark.parametrize("lags", LAGS, ids=lambda lags: "lag{}_{}".format(*lags))
 @pytest.mark.parametrize("hidden,heads", GEOMETRIES, ids=lambda v: str(v))
 def test_every_output_has_exactly_one_task(hidden, heads, lags):
     schedule = persistent.build_schedule(hidden, heads, *lags)
@@ -34,8 +36,10 @@ def test_every_output_has_exactly_one_task(hidden, heads, lags):
         assert np.array_equal(covered, np.arange(n)), (
             f"{persistent.KIND_NAMES[kind]}: {covered.size} column writes for {n} columns, or a column twice")
         assert (columns >= n).sum() < width, f"{persistent.KIND_NAMES[kind]}: a whole task past the matrix"
-    steps = np.sort(tasks[tasks[:, 0] == STEP, 1])
-    assert np.array_equal(steps, np.arange(heads // 2)), f"step tasks {steps.tolist()}"
+    steps = tasks[tasks[:, 0] == STEP]
+    stepped = np.sort(np.concatenate([np.arange(first, first + count) for first, count in steps[:, 1:3]]))
+    assert np.array_equal(stepped, np.arange(heads)), f"heads of the step tasks: {stepped.tolist()}"
+    assert set(steps[:, 2].tolist()) == {2} and (steps[:, 1] % 2 == 0).all(), "a step task is a pair of heads"
     outs = tasks[tasks[:, 0] == OUT][:, 1:3]
     pairs = {tuple(pair) for pair in outs.tolist()}
     assert len(pairs) == len(outs) == schedule.out_groups * schedule.out_split, "o_proj (group, k range) twice"
@@ -43,7 +47,7 @@ def test_every_output_has_exactly_one_task(hidden, heads, lags):
     assert schedule.out_groups * gemm_rows.WARPS_PER_BLOCK * persistent.OUT_TILES * gemm_rows.N_TILE >= hidden
 
 
-@pytest.mark.parametrize("lags", LAGS, ids=lambda lags: f"lag{lags[0]}_{lags[1]}")
+@pytest.mark.parametrize("lags", LAGS, ids=lambda lags: "lag{}_{}".format(*lags))
 @pytest.mark.parametrize("hidden,heads", GEOMETRIES, ids=lambda v: str(v))
 def test_each_wait_is_met_by_earlier_tickets_and_names_its_inputs(hidden, heads, lags):
     schedule = persistent.build_schedule(hidden, heads, *lags)
@@ -66,7 +70,17 @@ def test_each_wait_is_met_by_earlier_tickets_and_names_its_inputs(hidden, heads,
                 width = persistent.group_columns(128 if producer[0] in (UP_F, UP_G) else hidden)
                 first = producer[1] * width
                 heads_fed.add((first % qkv) // 128 // 2)
-            assert heads_fed == {index}, f"step {index} waits on groups of pairs {heads_fed}"
+            assert heads_fed == {index // 2}, f"step of head {index} waits on groups of pairs {heads_fed}"
+        if kind == OUT and wait >= 0:
+            # The k range's o_proj x is written by exactly the step tasks of the heads it spans.
+            producers = [tasks[t] for t in signalled_by[wait]]
+            assert len(producers) == target and all(producer[0] == STEP for producer in producers)
+            fed = set()
+            for _, first, count, *_ in producers:
+                fed.update(range(first * 128, (first + count) * 128))
+            begin, end = aux * schedule.out_range_k, min((aux + 1) * schedule.out_range_k, qkv)
+            assert fed >= set(range(begin, end)), f"o_proj range {aux} waits on heads that miss some of its k"
+            assert all(any(begin <= k < end for k in range(f * 128, (f + c) * 128)) for _, f, c, *_ in producers)
         if kind in (UP_F, UP_G):
             assert target == sum(task[0] == DOWN for task in tasks), "f_b / g_b must wait for all of f_a|g_a|b"
 
@@ -77,8 +91,7 @@ def test_a_step_before_its_inputs_is_caught():
     step = int(np.flatnonzero(tasks[:, 0] == STEP)[0])
     broken = np.concatenate([tasks[step : step + 1], np.delete(tasks, step, axis=0)])
     with pytest.raises(AssertionError, match="waits for counter"):
-        persistent.check_schedule(persistent.Schedule(broken, schedule.counter_count, schedule.out_split,
-                                                      schedule.out_groups))
+        persistent.check_schedule(dataclasses.replace(schedule, tasks=broken))
 
 
 @pytest.mark.parametrize("hidden,heads,message", [(4096, 63, "even number of heads"), (4100, 64, "hidden % 8"),
