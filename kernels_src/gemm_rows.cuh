@@ -116,20 +116,7 @@ __device__ __forceinline__ uint4 load_activation_16B(const bf16_t* pointer, bool
 // Predicated off (zeros) like load_activation_16B.
 __device__ __forceinline__ uint4 load_produced_16B(const bf16_t* pointer, bool valid)
 {
-    uint4 value;
-    asm volatile("{\n\t"
-        ".reg .pred p;\n\t"
-        "setp.ne.b32 p, %5, 0;\n\t"
-        "mov.b32 %0, 0;\n\t"
-        "mov.b32 %1, 0;\n\t"
-        "mov.b32 %2, 0;\n\t"
-        "mov.b32 %3, 0;\n\t"
-        "@p ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];\n\t"
-        "}"
-        : "=r"(value.x), "=r"(value.y), "=r"(value.z), "=r"(value.w)
-        : "l"(pointer), "r"(static_cast<int>(valid))
-        : "memory");
-    return value;
+    return valid ? __ldcg(reinterpret_cast<const uint4*>(pointer)) : uint4{0u, 0u, 0u, 0u};
 }
 
 __device__ __forceinline__ unsigned int word_of(const uint4& v, int index)
