@@ -206,7 +206,7 @@ def host_kernel_source(stem: str, device_helpers: tuple[str, ...]) -> str:
     emulation header defines them), every vector cast alignment-checked, no inline PTX left."""
     source = kernels.kernel_source(stem)
     for name in device_helpers:
-        match = re.search(r"__device__ __forceinline__ \w+ " + name + r"\(.*?\n\}\n", source, re.S)
+        match = re.search(r"__device__ __forceinline__ (?:\w+ )+" + name + r"\(.*?\n\}\n", source, re.S)
         assert match, f"{stem}.cu no longer defines {name}; update the host emulation"
         source = source[: match.start()] + source[match.end() :]
     for vector in ("float4", "float2", "uint4", "uint2", "unsigned int"):
