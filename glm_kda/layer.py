@@ -456,7 +456,7 @@ class KdaLayer:
         launch per row, the snapshot copies between them. Otherwise each row is one token of
         its own sequence, row r advancing slot slots[r] of a pool."""
         rows = hidden.shape[0]
-        if self._persistent_applies(rows, sequential, snapshots, slots):
+        if self._persistent_applies(rows, sequential, snapshots):
             with _section("persistent"):
                 persistent.launch(self, hidden, conv_state, recurrent_state, slots)
             return
@@ -476,7 +476,7 @@ class KdaLayer:
         with _section("back_end"):
             self.back_end(rows, norm=not self.fused_decode)
 
-    def _persistent_applies(self, rows: int, sequential: bool, snapshots: Sequence[KdaState], slots: Any) -> bool:
+    def _persistent_applies(self, rows: int, sequential: bool, snapshots: Sequence[KdaState]) -> bool:
         """Whether a decode-side call of `rows` rows runs as the one persistent launch: one
         sequence (rows consecutive tokens, or one row of a pool), no snapshots, 1..16 rows."""
         if not (self.persistent_decode and self.fused_decode) or snapshots:
@@ -683,8 +683,8 @@ class KdaLayer:
         def body(hidden: Any, device_slots: Any) -> None:
             self.decode_rows(hidden, pool.conv, pool.recurrent, slots=device_slots)
 
-        self._graphs.run(("pool", rows, self.fused_decode, self.persistent_decode, pool.conv.data.ptr, pool.recurrent.data.ptr), hidden, slots,
-                         body)
+        key = ("pool", rows, self.fused_decode, self.persistent_decode, pool.conv.data.ptr, pool.recurrent.data.ptr)
+        self._graphs.run(key, hidden, slots, body)
         return back(self.workspace.final_out[:rows].copy())
 
 

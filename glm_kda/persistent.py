@@ -188,8 +188,6 @@ def launch(layer, hidden, conv_state, recurrent_state, slots=None, schedule: Sch
     `schedule` defaults to the layer geometry's (build_schedule with the module's lags).
     `trace` (a device uint64 array [tasks, 4], or None) receives per ticket the global timer in
     ns when a block took it, when its wait ended and when it was done, and the block."""
-    import cupy
-
     from glm_kda import kernels
 
     grid, block, args, shared = launch_arguments(layer, hidden, conv_state, recurrent_state, slots, schedule, trace)

@@ -197,17 +197,19 @@ kda_decode_persistent_bf16(int* counters, int counter_count, const int* tasks, i
         if (kind < 0) {
             break;
         }
-        if (kind == TASK_DOWN) {
-            gemm_rows_group<1, TILES, LOADS, GEMM_X_INPUT>(hidden, hidden_size, down_w, down_proj, down_dim, 0, rows,
-                                                    down_dim, hidden_size, k_split_for(hidden_size), index, partial);
-        } else if (kind == TASK_QKV) {
-            gemm_rows_group<1, TILES, LOADS, GEMM_X_INPUT>(hidden, hidden_size, qkv_w, qkv_proj, 3 * qkv, 0, rows, 3 * qkv,
-                                                    hidden_size, k_split_for(hidden_size), index, partial);
+        if (kind == TASK_DOWN || kind == TASK_QKV) {
+            // One call for both projections of hidden: one inlined copy of the sweep.
+            const bool down = kind == TASK_DOWN;
+            const int n = down ? down_dim : 3 * qkv;
+            gemm_rows_group<1, TILES, LOADS, GEMM_X_INPUT>(hidden, hidden_size, down ? down_w : qkv_w,
+                                                           down ? down_proj : qkv_proj, n, 0, rows, n, hidden_size,
+                                                           k_split_for(hidden_size), index, partial);
         } else if (kind == TASK_UP_F || kind == TASK_UP_G) {
             const bool forget = kind == TASK_UP_F;
-            gemm_rows_group<1, TILES, LOADS, GEMM_X_PRODUCED>(down_proj + (forget ? 0 : dim), down_dim, forget ? f_b_w : g_b_w,
-                                                   forget ? forget_proj : out_gate, qkv, 0, rows, qkv, dim,
-                                                   k_split_for(dim), index, partial);
+            gemm_rows_group<1, TILES, LOADS, GEMM_X_PRODUCED>(down_proj + (forget ? 0 : dim), down_dim,
+                                                              forget ? f_b_w : g_b_w, forget ? forget_proj : out_gate,
+                                                              qkv, 0, rows, qkv, dim, k_split_for(dim), index,
+                                                              partial);
         } else if (kind == TASK_STEP) {
             // Heads index and index + 1, one per half of the block.
             const int half = threadIdx.x / KDA_HEAD_BLOCK;
