@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import re
 import struct
 from dataclasses import dataclass, field
@@ -30,7 +29,7 @@ ENTRY_POINTS: dict[str, tuple[str, ...]] = {
     "conv": ("conv_decode_silu_l2_bf16", "conv_prefill_silu_l2_bf16"),
     "gate": ("gate_beta_f32",),
     "recurrent": ("kda_recurrent_step_f32",),
-    "decode": ("kda_decode_fused_bf16", "kda_decode_cluster_bf16"),
+    "decode": ("kda_decode_fused_bf16", "kda_decode_split_bf16"),
     "decode_persistent": ("kda_decode_persistent_bf16",),
     "chunk": ("kda_chunk_prepare_f32", "kda_chunk_scan_f32"),
     "chunk_tc": ("kda_chunk_tc_prepare_f32", "kda_chunk_tc_prepare_gate_f32", "kda_chunk_tc_scan_f32"),
@@ -526,20 +525,6 @@ def kernel_parameters(args: Sequence[Any]) -> list:
 
 
 _PROGRAMMATIC = _ProgrammaticLauncher()
-
-
-@functools.lru_cache(maxsize=None)
-def _compute_capability(device_id: int) -> int:
-    import cupy
-
-    return int(cupy.cuda.Device(device_id).compute_capability)
-
-
-def has_clusters() -> bool:
-    """Whether the current device runs thread-block clusters (sm_90 and later)."""
-    import cupy
-
-    return _compute_capability(cupy.cuda.Device().id) >= 90
 
 
 def launch(

@@ -52,15 +52,10 @@ DECODE_ROW_GROUP = gemm_rows.GEMM_ROWS_MAX_ROWS
 # 620 to 559 us; 0.5 gained less (349, 167 us at 64), 0.75 and more little or nothing.
 STEP_PREFETCH_WAVES = 0.25
 STEP_RESIDENT_BLOCKS_PER_SM = 2
-# Default of KdaLayer.step_cluster_max_sequences for a geometry of at least STEP_CLUSTER_MIN_HEADS
-# heads (0 below): a one-token fused step of at most this many sequences runs each head as a
-# cluster of four blocks of a quarter of its state (ops.kda_decode_fused_bf16's cluster; the same
-# bits). On an H200 (graph replays interleaved in one process) one GLM sequence took
-# 87.3 us against 89.1 for one block per head; Kimi (32 heads) 39.8 against 37.9, a 64-sequence
-# step 372 against 353 us (GLM), a 16-row verify walk 146 against 122 us: hence one sequence,
-# one token, 64 heads.
-STEP_CLUSTER_MAX_SEQUENCES = 1
-STEP_CLUSTER_MIN_HEADS = 64
+# Default of KdaLayer.step_split_max_sequences: a fused step of at most this many sequences
+# runs each head as four blocks of a quarter of its state (ops.kda_decode_fused_bf16's
+# arrivals; the same bits). 0: never.
+STEP_SPLIT_MAX_SEQUENCES = 16
 # Default of KdaLayer.persistent_decode.
 PERSISTENT_DECODE = False
 # Most rows one batched decode call takes (the workspace and the pool may limit it further).
@@ -113,14 +108,6 @@ def _section(name: str):
     yield
     end.record()
     kernels.TIMER.record(f"[{name}]", start, end)
-
-
-def default_step_cluster_max_sequences(config: KdaConfig) -> int:
-    """KdaLayer.step_cluster_max_sequences of a new layer: STEP_CLUSTER_MAX_SEQUENCES for at
-    least STEP_CLUSTER_MIN_HEADS heads on a device with clusters, else 0."""
-    if config.heads < STEP_CLUSTER_MIN_HEADS or not kernels.has_clusters():
-        return 0
-    return STEP_CLUSTER_MAX_SEQUENCES
 
 
 class KdaWorkspace:
@@ -182,6 +169,8 @@ class KdaWorkspace:
         # Fixed input buffers of the captured decode graphs.
         self.graph_hidden = cupy.zeros((max_tokens, c.hidden), bf16)
         self.graph_slots = cupy.zeros((max_tokens,), np.int32)
+        # Arrival counters [sequence, head] of the split fused step (zero between launches).
+        self.step_arrivals = cupy.zeros((max_tokens, heads), np.int32)
 
     @classmethod
     def shared(cls, config: KdaConfig, max_tokens: int) -> "KdaWorkspace":
@@ -245,11 +234,10 @@ class KdaLayer:
         # the output as tasks), bit for bit what the separate launches compute; False: those
         # launches. Needs fused_decode and an even head count.
         self.persistent_decode = PERSISTENT_DECODE
-        # A one-token fused step of at most this many sequences runs each head as a cluster of
-        # four blocks, a quarter of the state each: the same bits on four times the SMs (sm_90 and
-        # later; 0: never). step_cluster_walks: a verify walk's step too.
-        self.step_cluster_max_sequences = default_step_cluster_max_sequences(self.config)
-        self.step_cluster_walks = False
+        # The fused step of at most this many sequences (a verify walk is one) splits each head
+        # over four blocks of one warp, a quarter of the state each: the same bits on four times
+        # the SMs. 0: never.
+        self.step_split_max_sequences = STEP_SPLIT_MAX_SEQUENCES
 
     @property
     def chunk_impl(self) -> str:
@@ -451,7 +439,8 @@ class KdaLayer:
                 ws.key[sl], ws.value[sl], ws.gate[sl], ws.beta[sl], ws.core[sl], ws.o_norm_out[sl],
                 bounded=c.bounded, lower_bound=c.gate_lower_bound or 0.0, scale=self.scale, l2_eps=c.l2_eps,
                 norm_eps=c.rms_norm_eps, slots=slots, tokens=rows if walk else 1,
-                prefetch_ahead=self._step_prefetch_ahead(), cluster=self._step_cluster_applies(rows, walk))
+                prefetch_ahead=self._step_prefetch_ahead(),
+                arrivals=ws.step_arrivals if (1 if walk else rows) <= self.step_split_max_sequences else None)
             return
         if walk:
             raise ValueError("stateful_rows: walk=True needs fused_decode")
@@ -459,13 +448,6 @@ class KdaLayer:
                                      ws.query[sl], ws.key[sl], ws.value[sl], c.heads, c.head_dim, c.l2_eps, slots=slots)
         ops.kda_recurrent_step_f32(ws.query[sl], ws.key[sl], ws.value[sl], ws.gate[sl], ws.beta[sl],
                                    recurrent_state, ws.core[sl], self.scale, slots=slots)
-
-    def _step_cluster_applies(self, rows: int, walk: bool) -> bool:
-        """Whether a fused step of `rows` rows (one sequence's walk, or one token of `rows`
-        sequences) runs as clusters (step_cluster_max_sequences, step_cluster_walks)."""
-        if walk:
-            return self.step_cluster_walks and rows <= ops.CLUSTER_MAX_TOKENS and self.step_cluster_max_sequences >= 1
-        return rows <= self.step_cluster_max_sequences
 
     def _step_prefetch_ahead(self) -> int:
         """Sequences ahead whose state a batched fused step asks L2 for (STEP_PREFETCH_WAVES)."""
@@ -689,8 +671,8 @@ class KdaLayer:
         def body(hidden: Any, _slots: Any) -> None:
             self.decode_rows(hidden, state.conv, state.recurrent, sequential=True, snapshots=snapshots)
 
-        key = ("k", rows, self.fused_decode, self.persistent_decode, self.step_cluster_max_sequences,
-               self.step_cluster_walks, state.conv.data.ptr, state.recurrent.data.ptr, tuple((s.conv.data.ptr, s.recurrent.data.ptr) for s in snapshots))
+        key = ("k", rows, self.fused_decode, self.persistent_decode, self.step_split_max_sequences,
+               state.conv.data.ptr, state.recurrent.data.ptr, tuple((s.conv.data.ptr, s.recurrent.data.ptr) for s in snapshots))
         self._graphs.run(key, hidden_rows, None, body)
         return back(self.workspace.final_out[:rows].copy())
 
@@ -712,8 +694,8 @@ class KdaLayer:
         def body(hidden: Any, device_slots: Any) -> None:
             self.decode_rows(hidden, pool.conv, pool.recurrent, slots=device_slots)
 
-        key = ("pool", rows, self.fused_decode, self.persistent_decode, self.step_cluster_max_sequences,
-               self.step_cluster_walks, pool.conv.data.ptr, pool.recurrent.data.ptr)
+        key = ("pool", rows, self.fused_decode, self.persistent_decode, self.step_split_max_sequences,
+               pool.conv.data.ptr, pool.recurrent.data.ptr)
         self._graphs.run(key, hidden, slots, body)
         return back(self.workspace.final_out[:rows].copy())
 

@@ -56,30 +56,27 @@ kda_decode_fused_bf16(float* __restrict__ conv_state, float* __restrict__ state,
     kda_decode_head(args, blockIdx.x, blockIdx.y, gridDim.y, KdaBlockSync(), shared);
 }
 
-// ---- The same step with each head split over a cluster of KDA_SPLIT_PARTS blocks of one warp
-// (sm_90 and later; the entry point does nothing before).
+// ---- The same step with each head split over KDA_SPLIT_PARTS blocks of one warp.
 //
-// A block holds a quarter of a head's state (value columns 32 part .. 32 part + 31, 16 KB), so a
-// step of one sequence spreads its state over four times the SMs. Block `part` owns the q, k and
-// v channels 32 part + lane of the head as well: conv, SiLU, gate and stage writes of its own
-// channels only, each conv window read and written by its owner alone.
+// One block holds a quarter of a head's state (value columns 32 part .. 32 part + 31, 16 KB),
+// so a step of few sequences spreads its state over four times the SMs: a single SM streams
+// a 64 KB column in several microseconds, which at one sequence is the whole step.
 //
-// Same bits as kda_decode_fused_bf16. Each block pushes what the others need into every block's
-// shared memory (its conv outputs of q and k, exp(gate), the warp sums of q^2 and k^2), then one
-// cluster barrier per token; after it every read is local. The head sums are block_sum_f32's:
-// each block's warp tree over its 32 channels is that function's warp sum for warp `part`, and
-// every block adds the four in ascending order. The vectors alternate between two buffers by
-// token: a block may push token t + 1's while another still steps with token t's. The gated norm
-// needs the sum of o^2 over the head: each block pushes its warp sum of every token, and after
-// the walk one more barrier makes them visible, so a walk of T tokens costs T + 1 barriers;
-// after the last one nobody touches another block's memory, so a block may leave.
+// Same bits as kda_decode_fused_bf16. Lane l of part p owns value column c = 32 p + l, with
+// the same per-column arithmetic (kda_recurrent_step over all D key rows). The L2 norms of q
+// and k need every channel of the head, so each part forms all D of them (lane l holds
+// channels 32 j + l, j = 0..3) and sums them with warp_head_sum_f32, block_sum_f32's tree and
+// order; the gate likewise. A part writes only its own channels of the stage buffers and of
+// v's conv window. The gated norm needs the whole head's core output, and the q and k conv
+// windows may only be written once every part has read them: so each part counts itself in
+// arrivals[sequence, head] after its writes, and the last to arrive (the counter then reads
+// KDA_SPLIT_PARTS - 1) stores the q and k windows, forms the norm of every token from the
+// core outputs the four parts wrote (read from L2) and sets the counter back to zero.
 //
-// Launch: grid (heads * KDA_SPLIT_PARTS, sequences), block KDA_SPLIT_COLUMNS = 32, clusters of
-// KDA_SPLIT_PARTS along x (compiled in); tokens <= KDA_CLUSTER_MAX_TOKENS.
+// Launch: grid (heads * KDA_SPLIT_PARTS, sequences), block KDA_SPLIT_COLUMNS = 32; arrivals
+// [sequences, heads] int32, zero before the launch (and zero after it).
 #define KDA_SPLIT_PARTS 4
 #define KDA_SPLIT_COLUMNS (KDA_HEAD_DIM / KDA_SPLIT_PARTS)
-// Most tokens of one launch (a verify walk's rows).
-#define KDA_CLUSTER_MAX_TOKENS 16
 
 // The reductions' barrier for a group of one warp.
 struct KdaWarpSync {
@@ -87,74 +84,40 @@ struct KdaWarpSync {
     __device__ __forceinline__ void sync() const { __syncwarp(); }
 };
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define KDA_CLUSTER_OF_PARTS __cluster_dims__(KDA_SPLIT_PARTS, 1, 1)
-#define KDA_HAS_CLUSTERS 1
-#else
-#define KDA_CLUSTER_OF_PARTS
-#define KDA_HAS_CLUSTERS 0
-#endif
-
-// Every block of the cluster arrives, then waits for the others; shared-memory writes before it
-// are visible to the cluster after it.
-__device__ __forceinline__ void kda_cluster_sync()
+extern "C" __global__ void __launch_bounds__(KDA_SPLIT_COLUMNS)
+kda_decode_split_bf16(float* __restrict__ conv_state, float* __restrict__ state,
+                      const int* __restrict__ slots, const bf16_t* __restrict__ qkv_proj,
+                      const bf16_t* __restrict__ conv_w, const bf16_t* __restrict__ forget_proj,
+                      const float* __restrict__ dt_bias, const float* __restrict__ a_log,
+                      const bf16_t* __restrict__ beta_logits, int ld_beta,
+                      const bf16_t* __restrict__ out_gate, const bf16_t* __restrict__ norm_w,
+                      bf16_t* __restrict__ conv_out, float* __restrict__ query,
+                      float* __restrict__ key, float* __restrict__ value, float* __restrict__ gate,
+                      float* __restrict__ beta, float* __restrict__ core,
+                      bf16_t* __restrict__ o_norm_out, int heads, int kernel_size, int tokens, int bounded,
+                      float lower_bound, float scale, float l2_eps, float norm_eps, int prefetch_ahead,
+                      int* __restrict__ arrivals)
 {
-#if KDA_HAS_CLUSTERS
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-#endif
-}
-
-// Store `value` at `local` (an address of this block's shared memory) in block `rank` of the
-// cluster: no wait, visible to that block after the next kda_cluster_sync.
-__device__ __forceinline__ void kda_cluster_store(float* local, unsigned int rank, float value)
-{
-#if KDA_HAS_CLUSTERS
-    const unsigned int address = static_cast<unsigned int>(__cvta_generic_to_shared(local));
-    unsigned int remote;
-    asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(address), "r"(rank));
-    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(value) : "memory");
-#endif
-}
-
-extern "C" __global__ void KDA_CLUSTER_OF_PARTS __launch_bounds__(KDA_SPLIT_COLUMNS)
-kda_decode_cluster_bf16(float* __restrict__ conv_state, float* __restrict__ state,
-                        const int* __restrict__ slots, const bf16_t* __restrict__ qkv_proj,
-                        const bf16_t* __restrict__ conv_w, const bf16_t* __restrict__ forget_proj,
-                        const float* __restrict__ dt_bias, const float* __restrict__ a_log,
-                        const bf16_t* __restrict__ beta_logits, int ld_beta,
-                        const bf16_t* __restrict__ out_gate, const bf16_t* __restrict__ norm_w,
-                        bf16_t* __restrict__ conv_out, float* __restrict__ query,
-                        float* __restrict__ key, float* __restrict__ value, float* __restrict__ gate,
-                        float* __restrict__ beta, float* __restrict__ core,
-                        bf16_t* __restrict__ o_norm_out, int heads, int kernel_size, int tokens, int bounded,
-                        float lower_bound, float scale, float l2_eps, float norm_eps, int prefetch_ahead)
-{
-    // [buffer][channel of the head]: the conv outputs of q and k (normalised in place once the
-    // sums are in), exp(gate); [buffer][q or k][part]: the warp sums of q^2 and k^2.
-    __shared__ float query_s[2][KDA_HEAD_DIM];
-    __shared__ float key_s[2][KDA_HEAD_DIM];
-    __shared__ float decay_s[2][KDA_HEAD_DIM];
-    __shared__ float qk_sums[2][2][KDA_SPLIT_PARTS];
-    // [token][part]: the warp sums of o^2; [token][lane]: this block's own core outputs.
-    __shared__ float o_sums[KDA_CLUSTER_MAX_TOKENS][KDA_SPLIT_PARTS];
-    __shared__ float o_own[KDA_CLUSTER_MAX_TOKENS][KDA_SPLIT_COLUMNS];
+    __shared__ float decay_s[KDA_HEAD_DIM];
+    __shared__ float key_s[KDA_HEAD_DIM];
+    __shared__ float query_s[KDA_HEAD_DIM];
+    // The q and k conv windows of the lane's four channels (in shared memory: with the state
+    // column in registers they would spill), padded against bank conflicts.
+    __shared__ float windows[2][KDA_SPLIT_PARTS][KDA_SPLIT_COLUMNS][CONV_MAX_KERNEL + 1];
 
     kda_let_next_kernel_launch();
-    // Uniform over the grid: nobody waits on a block that left.
-    if (!KDA_HAS_CLUSTERS || gridDim.x != static_cast<unsigned int>(heads * KDA_SPLIT_PARTS) ||
-        blockDim.x != KDA_SPLIT_COLUMNS || kernel_size < 1 || kernel_size > CONV_MAX_KERNEL || tokens < 1 ||
-        tokens > KDA_CLUSTER_MAX_TOKENS) {
+    if (blockIdx.x >= heads * KDA_SPLIT_PARTS || blockDim.x != KDA_SPLIT_COLUMNS || kernel_size < 1 ||
+        kernel_size > CONV_MAX_KERNEL || tokens < 1) {
         return;
     }
     const int head = blockIdx.x / KDA_SPLIT_PARTS;
-    const int part = blockIdx.x % KDA_SPLIT_PARTS;  // the rank in the cluster
+    const int part = blockIdx.x % KDA_SPLIT_PARTS;
     const int lane = threadIdx.x;
     const size_t sequence = blockIdx.y;
     const size_t slot = slots != nullptr ? static_cast<size_t>(slots[sequence]) : sequence;
     const size_t qkv = static_cast<size_t>(heads) * KDA_HEAD_DIM;
     const size_t head_base = static_cast<size_t>(head) * KDA_HEAD_DIM;
-    const int column = KDA_SPLIT_COLUMNS * part + lane;
-    const size_t channel = head_base + column;  // of q, k and v, this lane's own
+    const int column = KDA_SPLIT_COLUMNS * part + lane;  // value column, and this lane's own channel
 
     float* state_column = state + (slot * heads + head) * static_cast<size_t>(KDA_HEAD_DIM) * KDA_HEAD_DIM + column;
     float s[KDA_HEAD_DIM];
@@ -166,99 +129,123 @@ kda_decode_cluster_bf16(float* __restrict__ conv_state, float* __restrict__ stat
                                prefetch_ahead};
         kda_prefetch_ahead(args, head, sequence, gridDim.y, lane, KDA_SPLIT_COLUMNS);
     }
+
+    // Channel j of this lane (q and k): head_base + 32 j + lane. v: only its own, `column`.
     float* conv_slot = conv_state + slot * 3 * qkv * kernel_size;
-    float window[3][CONV_MAX_KERNEL];
+    float* window_q[KDA_SPLIT_PARTS];
+    float* window_k[KDA_SPLIT_PARTS];
+    float window_v[CONV_MAX_KERNEL];
 #pragma unroll
-    for (int p = 0; p < 3; ++p) {
-        conv_window_load(window[p], conv_slot + (p * qkv + channel) * kernel_size, kernel_size);
+    for (int j = 0; j < KDA_SPLIT_PARTS; ++j) {
+        const size_t channel = head_base + KDA_SPLIT_COLUMNS * j + lane;
+        window_q[j] = windows[0][j][lane];
+        window_k[j] = windows[1][j][lane];
+        conv_window_load(window_q[j], conv_slot + channel * kernel_size, kernel_size);
+        conv_window_load(window_k[j], conv_slot + (qkv + channel) * kernel_size, kernel_size);
     }
+    conv_window_load(window_v, conv_slot + (2 * qkv + head_base + column) * kernel_size, kernel_size);
     const float a = expf(a_log[head]);
-    const float bias = dt_bias[channel];
 
     for (int t = 0; t < tokens; ++t) {
-        const int buffer = t & 1;
         const size_t row = sequence * tokens + t;
         const bf16_t* projected = qkv_proj + row * 3 * qkv;
-        const size_t own = row * qkv + channel;
-        float rounded[3];
+        bf16_t* conv_row = conv_out + row * 3 * qkv;
+        const size_t own = row * qkv + head_base + column;
+        float q[KDA_SPLIT_PARTS], k[KDA_SPLIT_PARTS], g[KDA_SPLIT_PARTS];
+        float q_squares[KDA_SPLIT_PARTS], k_squares[KDA_SPLIT_PARTS];
 #pragma unroll
-        for (int p = 0; p < 3; ++p) {
-            const size_t c = p * qkv + channel;
-            conv_window_push(window[p], bf16_to_f32(projected[c]), kernel_size);
-            const bf16_t out = f32_to_bf16(conv_silu(window[p], conv_w + c * kernel_size, kernel_size));
-            conv_out[row * 3 * qkv + c] = out;
-            rounded[p] = bf16_to_f32(out);
+        for (int j = 0; j < KDA_SPLIT_PARTS; ++j) {
+            const size_t channel = head_base + KDA_SPLIT_COLUMNS * j + lane;
+            conv_window_push(window_q[j], bf16_to_f32(projected[channel]), kernel_size);
+            conv_window_push(window_k[j], bf16_to_f32(projected[qkv + channel]), kernel_size);
+            const bf16_t q_out = f32_to_bf16(conv_silu(window_q[j], conv_w + channel * kernel_size, kernel_size));
+            const bf16_t k_out =
+                f32_to_bf16(conv_silu(window_k[j], conv_w + (qkv + channel) * kernel_size, kernel_size));
+            if (j == part) {
+                conv_row[channel] = q_out;
+                conv_row[qkv + channel] = k_out;
+            }
+            q[j] = bf16_to_f32(q_out);
+            k[j] = bf16_to_f32(k_out);
+            q_squares[j] = __fmul_rn(q[j], q[j]);
+            k_squares[j] = __fmul_rn(k[j], k[j]);
+            g[j] = kda_forget_gate(bf16_to_f32(forget_proj[row * qkv + channel]) + dt_bias[channel], a, bounded != 0,
+                                   lower_bound);
         }
-        const float g = kda_forget_gate(bf16_to_f32(forget_proj[own]) + bias, a, bounded != 0, lower_bound);
+        const size_t v_channel = 2 * qkv + head_base + column;
+        conv_window_push(window_v, bf16_to_f32(projected[v_channel]), kernel_size);
+        const bf16_t v_out = f32_to_bf16(conv_silu(window_v, conv_w + v_channel * kernel_size, kernel_size));
+        conv_row[v_channel] = v_out;
+        const float v = bf16_to_f32(v_out);
+        const float q_sum = warp_head_sum_f32(q_squares);
+        const float k_sum = warp_head_sum_f32(k_squares);
         const float beta_head = sigmoid_f32(bf16_to_f32(beta_logits[row * ld_beta + head]));
-        const float q_part = warp_tree_sum_f32(__fmul_rn(rounded[0], rounded[0]));
-        const float k_part = warp_tree_sum_f32(__fmul_rn(rounded[1], rounded[1]));
-        const float decay = expf(g);
+
+        // The previous token's step has read the vectors.
+        __syncwarp();
 #pragma unroll
-        for (int r = 0; r < KDA_SPLIT_PARTS; ++r) {
-            kda_cluster_store(&query_s[buffer][column], r, rounded[0]);
-            kda_cluster_store(&key_s[buffer][column], r, rounded[1]);
-            kda_cluster_store(&decay_s[buffer][column], r, decay);
-            if (lane == 0) {
-                kda_cluster_store(&qk_sums[buffer][0][part], r, q_part);
-                kda_cluster_store(&qk_sums[buffer][1][part], r, k_part);
+        for (int j = 0; j < KDA_SPLIT_PARTS; ++j) {
+            q[j] = l2_apply(q[j], q_sum, l2_eps);
+            k[j] = l2_apply(k[j], k_sum, l2_eps);
+            const int d = KDA_SPLIT_COLUMNS * j + lane;
+            decay_s[d] = expf(g[j]);
+            key_s[d] = k[j];
+            query_s[d] = q[j] * scale;
+            if (j == part) {
+                query[own] = q[j];
+                key[own] = k[j];
+                gate[own] = g[j];
             }
         }
-        kda_cluster_sync();
-        // block_sum_f32's order: the four quarters' warp sums in ascending order.
-        float q_sum = qk_sums[buffer][0][0];
-        float k_sum = qk_sums[buffer][1][0];
-#pragma unroll
-        for (int r = 1; r < KDA_SPLIT_PARTS; ++r) {
-            q_sum += qk_sums[buffer][0][r];
-            k_sum += qk_sums[buffer][1][r];
-        }
-        // Normalise the gathered vectors in place (each lane its four channels: no other lane reads
-        // them before the warp barrier below).
-#pragma unroll
-        for (int r = 0; r < KDA_SPLIT_PARTS; ++r) {
-            const int d = KDA_SPLIT_COLUMNS * r + lane;
-            query_s[buffer][d] = l2_apply(query_s[buffer][d], q_sum, l2_eps) * scale;
-            key_s[buffer][d] = l2_apply(key_s[buffer][d], k_sum, l2_eps);
-        }
-        const float q = l2_apply(rounded[0], q_sum, l2_eps);
-        const float k = l2_apply(rounded[1], k_sum, l2_eps);
-        const float v = rounded[2];
-        query[own] = q;
-        key[own] = k;
         value[own] = v;
-        gate[own] = g;
         if (part == 0 && lane == 0) {
             beta[row * heads + head] = beta_head;
         }
         __syncwarp();
-        const float o = kda_recurrent_step(s, decay_s[buffer], key_s[buffer], query_s[buffer], v, beta_head,
-                                           KdaWarpSync());
-        core[own] = o;
-        o_own[t][lane] = o;
-        const float o_part = warp_tree_sum_f32(__fmul_rn(o, o));
-        if (lane == 0) {
-#pragma unroll
-            for (int r = 0; r < KDA_SPLIT_PARTS; ++r) {
-                kda_cluster_store(&o_sums[t][part], r, o_part);
-            }
-        }
+        core[own] = kda_recurrent_step(s, decay_s, key_s, query_s, v, beta_head, KdaWarpSync());
     }
     kda_recurrent_store(s, state_column);
-#pragma unroll
-    for (int p = 0; p < 3; ++p) {
-        conv_window_store(window[p], conv_slot + (p * qkv + channel) * kernel_size, kernel_size);
+    conv_window_store(window_v, conv_slot + (2 * qkv + head_base + column) * kernel_size, kernel_size);
+
+    // Count this part in; every lane's writes before the count.
+    __threadfence();
+    __syncwarp();
+    int arrived = 0;
+    int* counter = arrivals + sequence * heads + head;
+    if (lane == 0) {
+        arrived = atomicAdd(counter, 1);
     }
-    kda_cluster_sync();
-    const float weight = bf16_to_f32(norm_w[column]);
-    for (int t = 0; t < tokens; ++t) {
-        float o_sum = o_sums[t][0];
+    arrived = __shfl_sync(KDA_FULL_WARP_MASK, arrived, 0);
+    if (arrived != KDA_SPLIT_PARTS - 1) {
+        return;
+    }
+    // The last part: every other part has read the q and k windows and written its core outputs.
+    __threadfence();
+    if (lane == 0) {
+        *counter = 0;
+    }
+    float weight[KDA_SPLIT_PARTS];
 #pragma unroll
-        for (int r = 1; r < KDA_SPLIT_PARTS; ++r) {
-            o_sum += o_sums[t][r];
+    for (int j = 0; j < KDA_SPLIT_PARTS; ++j) {
+        const size_t channel = head_base + KDA_SPLIT_COLUMNS * j + lane;
+        conv_window_store(window_q[j], conv_slot + channel * kernel_size, kernel_size);
+        conv_window_store(window_k[j], conv_slot + (qkv + channel) * kernel_size, kernel_size);
+        weight[j] = bf16_to_f32(norm_w[KDA_SPLIT_COLUMNS * j + lane]);
+    }
+    for (int t = 0; t < tokens; ++t) {
+        const size_t row = sequence * tokens + t;
+        float o[KDA_SPLIT_PARTS], o_squares[KDA_SPLIT_PARTS];
+#pragma unroll
+        for (int j = 0; j < KDA_SPLIT_PARTS; ++j) {
+            o[j] = __ldcg(core + row * qkv + head_base + KDA_SPLIT_COLUMNS * j + lane);
+            o_squares[j] = __fmul_rn(o[j], o[j]);
         }
-        const size_t own = (sequence * tokens + t) * qkv + channel;
-        o_norm_out[own] = f32_to_bf16(gated_rmsnorm_apply(o_own[t][lane], o_sum, weight, bf16_to_f32(out_gate[own]),
-                                                          norm_eps));
+        const float o_sum = warp_head_sum_f32(o_squares);
+#pragma unroll
+        for (int j = 0; j < KDA_SPLIT_PARTS; ++j) {
+            const size_t index = row * qkv + head_base + KDA_SPLIT_COLUMNS * j + lane;
+            o_norm_out[index] = f32_to_bf16(gated_rmsnorm_apply(o[j], o_sum, weight[j], bf16_to_f32(out_gate[index]),
+                                                                norm_eps));
+        }
     }
 }

@@ -96,6 +96,18 @@ __device__ __forceinline__ float block_sum_f32(float value, float* scratch, Sync
     return total;
 }
 
+// block_sum_f32 by ONE warp that holds the head's 128 channels four to a lane (value[j] is
+// channel 32 j + lane): the same tree per group of 32 channels and the same ascending sum of
+// the four group sums, so the same bits, with no barrier and no shared memory.
+__device__ __forceinline__ float warp_head_sum_f32(const float (&value)[4])
+{
+    float total = warp_tree_sum_f32(value[0]);
+    total += warp_tree_sum_f32(value[1]);
+    total += warp_tree_sum_f32(value[2]);
+    total += warp_tree_sum_f32(value[3]);
+    return total;
+}
+
 // Programmatic dependent launch (sm_90 and later; no-ops before). A kernel launched with the
 // programmatic-serialization attribute may start while the kernel before it in the stream
 // still runs, once every block of that one has called kda_let_next_kernel_launch (or

@@ -222,13 +222,6 @@ def host_kernel_source(stem: str, device_helpers: tuple[str, ...]) -> str:
 
 # The PTX-only helpers of kda_common.cuh (no-ops before sm_90; their bodies are inline PTX).
 COMMON_DEVICE_HELPERS = ("kda_let_next_kernel_launch", "kda_wait_for_previous_kernel")
-# decode.cu's cluster helpers (inline PTX), and their host stand-ins: the cluster entry point
-# leaves at once without clusters (the host build has none), so they are never called.
-DECODE_CLUSTER_HELPERS = ("kda_cluster_sync", "kda_cluster_store")
-DECODE_CLUSTER_SHIMS = r"""
-inline void kda_cluster_sync() { std::abort(); }
-inline void kda_cluster_store(float*, unsigned int, float) { std::abort(); }
-"""
 
 
 def build_host_binary(folder: Path, name: str, files: dict[str, str]) -> Path:

@@ -276,8 +276,8 @@ def test_timing_reports_sections_and_kernels(layers):
         layer.prefill(hidden, state)
         layer.decode(hidden[0], state)
     summary = timer.summary()
-    # One decode step of one sequence: the cluster fused step where the layer's default takes it.
-    step = "kda_decode_cluster_bf16" if layer.step_cluster_max_sequences >= 1 else "kda_decode_fused_bf16"
+    # One decode step: the split fused step (a single sequence is within step_split_max_sequences).
+    step = "kda_decode_split_bf16" if layer.step_split_max_sequences >= 1 else "kda_decode_fused_bf16"
     for name in ("[front_end]", "[recurrence]", "[back_end]", "kda_chunk_scan_f32", step):
         assert name in summary and summary[name] > 0, f"{name} missing from timing: {sorted(summary)}"
     assert any(name.startswith("gemm_rows_bf16_m") and time > 0 for name, time in summary.items()), \
@@ -408,17 +408,15 @@ def test_fused_decode_equals_the_separate_kernels(layers, geometry):
 
 
 @pytest.mark.parametrize("geometry", ["glm", "kimi"])
-def test_cluster_step_equals_the_whole_head_step(layers, geometry):
-    """The fused step as a cluster of four blocks per head (kda_decode_cluster_bf16) writes the
-    bits of the one-block-per-head step: every stage buffer, the output and both states, over 4
-    decode steps of a state, a 7-row decode_k walk and 1, 3 and 64 rows of a pool in shuffled
-    slots, graphed and eager."""
+def test_split_step_equals_the_whole_head_step(layers, geometry):
+    """The fused step split over four blocks per head (kda_decode_split_bf16) writes the bits of
+    the one-block-per-head step: every stage buffer, the output and both states, over 4 decode
+    steps of a state, a 7-row decode_k walk and 1, 3 and 64 rows of a pool in shuffled slots; and
+    its arrival counters are zero after every call (graphed and eager)."""
     from glm_kda.reference import STAGE_ORDER
     from glm_kda.state import StatePool
 
     cp = _cp()
-    if not kernels.has_clusters():
-        pytest.skip("no thread-block clusters on this device (sm_90 or later)")
     bound, layer = layers(geometry)
     cfg = bound.config
     bf16 = layer.workspace.final_out.dtype
@@ -429,10 +427,10 @@ def test_cluster_step_equals_the_whole_head_step(layers, geometry):
     start_conv = cp.asarray(rng.standard_normal((count,) + cfg.conv_state_shape).astype(np.float32))
     start_rec = cp.asarray((0.1 * rng.standard_normal((count,) + cfg.recurrent_state_shape)).astype(np.float32))
     slots = cp.asarray(rng.permutation(count)[:64].astype(np.int32))
-    previous = layer.step_cluster_max_sequences, layer.step_cluster_walks
+    previous = layer.step_split_max_sequences
 
-    def run(cluster: bool, graphs: bool) -> dict:
-        layer.step_cluster_max_sequences, layer.step_cluster_walks = (64, True) if cluster else (0, False)
+    def run(split_max: int, graphs: bool) -> dict:
+        layer.step_split_max_sequences = split_max
         layer.use_graphs = graphs
         try:
             results = {}
@@ -453,26 +451,28 @@ def test_cluster_step_equals_the_whole_head_step(layers, geometry):
                 results.update({f"pool B{batch} {name}": getattr(layer.workspace, name)[:batch].copy()
                                 for name in STAGE_ORDER})
                 results.update({f"pool B{batch} conv state": pool.conv, f"pool B{batch} recurrent state": pool.recurrent})
+            left = int(cp.count_nonzero(layer.workspace.step_arrivals))
+            assert left == 0, f"{geometry}: {left} arrival counters left nonzero (split max {split_max}, graphs {graphs})"
             return results
         finally:
-            layer.step_cluster_max_sequences, layer.step_cluster_walks = previous
+            layer.step_split_max_sequences = previous
             layer.use_graphs = True
 
-    whole = run(False, True)
+    whole = run(0, True)
     for graphs in (True, False):
-        clustered = run(True, graphs)
-        assert clustered.keys() == whole.keys()
-        for what in clustered:
-            differ = int(cp.count_nonzero(_bits(clustered[what]) != _bits(whole[what])))
+        split = run(64, graphs)
+        assert split.keys() == whole.keys()
+        for what in split:
+            differ = int(cp.count_nonzero(_bits(split[what]) != _bits(whole[what])))
             assert differ == 0, (f"{geometry} {what} ({'graph' if graphs else 'eager'}): {differ} of "
-                                 f"{clustered[what].size} elements differ between the cluster and the whole-head step")
-    layer.step_cluster_max_sequences = 64
+                                 f"{split[what].size} elements differ between the split and the whole-head step")
+    layer.step_split_max_sequences = 64
     try:
         with kernels.timing() as timer:
             layer.decode(hidden[:1], device_state(layer, start))
     finally:
-        layer.step_cluster_max_sequences, layer.step_cluster_walks = previous
-    assert "kda_decode_cluster_bf16" in timer.summary(), f"launches of a cluster decode: {timer.summary()}"
+        layer.step_split_max_sequences = previous
+    assert "kda_decode_split_bf16" in timer.summary(), f"launches of a split decode: {timer.summary()}"
 
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["graph", "eager"])
