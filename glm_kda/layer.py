@@ -52,10 +52,6 @@ DECODE_ROW_GROUP = gemm_rows.GEMM_ROWS_MAX_ROWS
 # 620 to 559 us; 0.5 gained less (349, 167 us at 64), 0.75 and more little or nothing.
 STEP_PREFETCH_WAVES = 0.25
 STEP_RESIDENT_BLOCKS_PER_SM = 2
-# Default of KdaLayer.step_split_max_sequences: a fused step of at most this many sequences
-# runs each head as four blocks of a quarter of its state (ops.kda_decode_fused_bf16's
-# arrivals; the same bits). 0: never.
-STEP_SPLIT_MAX_SEQUENCES = 16
 # Default of KdaLayer.persistent_decode.
 PERSISTENT_DECODE = False
 # Most rows one batched decode call takes (the workspace and the pool may limit it further).
@@ -169,8 +165,6 @@ class KdaWorkspace:
         # Fixed input buffers of the captured decode graphs.
         self.graph_hidden = cupy.zeros((max_tokens, c.hidden), bf16)
         self.graph_slots = cupy.zeros((max_tokens,), np.int32)
-        # Arrival counters [sequence, head] of the split fused step (zero between launches).
-        self.step_arrivals = cupy.zeros((max_tokens, heads), np.int32)
 
     @classmethod
     def shared(cls, config: KdaConfig, max_tokens: int) -> "KdaWorkspace":
@@ -234,10 +228,6 @@ class KdaLayer:
         # the output as tasks), bit for bit what the separate launches compute; False: those
         # launches. Needs fused_decode and an even head count.
         self.persistent_decode = PERSISTENT_DECODE
-        # The fused step of at most this many sequences (a verify walk is one) splits each head
-        # over four blocks of one warp, a quarter of the state each: the same bits on four times
-        # the SMs. 0: never.
-        self.step_split_max_sequences = STEP_SPLIT_MAX_SEQUENCES
 
     @property
     def chunk_impl(self) -> str:
@@ -439,8 +429,7 @@ class KdaLayer:
                 ws.key[sl], ws.value[sl], ws.gate[sl], ws.beta[sl], ws.core[sl], ws.o_norm_out[sl],
                 bounded=c.bounded, lower_bound=c.gate_lower_bound or 0.0, scale=self.scale, l2_eps=c.l2_eps,
                 norm_eps=c.rms_norm_eps, slots=slots, tokens=rows if walk else 1,
-                prefetch_ahead=self._step_prefetch_ahead(),
-                arrivals=ws.step_arrivals if (1 if walk else rows) <= self.step_split_max_sequences else None)
+                prefetch_ahead=self._step_prefetch_ahead())
             return
         if walk:
             raise ValueError("stateful_rows: walk=True needs fused_decode")
@@ -671,8 +660,8 @@ class KdaLayer:
         def body(hidden: Any, _slots: Any) -> None:
             self.decode_rows(hidden, state.conv, state.recurrent, sequential=True, snapshots=snapshots)
 
-        key = ("k", rows, self.fused_decode, self.persistent_decode, self.step_split_max_sequences,
-               state.conv.data.ptr, state.recurrent.data.ptr, tuple((s.conv.data.ptr, s.recurrent.data.ptr) for s in snapshots))
+        key = ("k", rows, self.fused_decode, self.persistent_decode, state.conv.data.ptr, state.recurrent.data.ptr,
+               tuple((s.conv.data.ptr, s.recurrent.data.ptr) for s in snapshots))
         self._graphs.run(key, hidden_rows, None, body)
         return back(self.workspace.final_out[:rows].copy())
 
@@ -694,8 +683,7 @@ class KdaLayer:
         def body(hidden: Any, device_slots: Any) -> None:
             self.decode_rows(hidden, pool.conv, pool.recurrent, slots=device_slots)
 
-        key = ("pool", rows, self.fused_decode, self.persistent_decode, self.step_split_max_sequences,
-               pool.conv.data.ptr, pool.recurrent.data.ptr)
+        key = ("pool", rows, self.fused_decode, self.persistent_decode, pool.conv.data.ptr, pool.recurrent.data.ptr)
         self._graphs.run(key, hidden, slots, body)
         return back(self.workspace.final_out[:rows].copy())
 

@@ -35,8 +35,6 @@ CONV_MAX_KERNEL = 4
 CONV_PREFILL_TILE = 64  # tokens per block of conv_prefill_silu_l2_bf16 (kernels_src/conv.cu)
 CONV_PREFILL_HEADS_PER_BLOCK = 4  # heads of q, k or v per block of it: one per warp
 RECURRENT_COLUMNS = 32
-# Blocks of one warp per head of the split fused step (KDA_SPLIT_PARTS of kernels_src/decode.cu).
-SPLIT_PARTS = 4
 CHUNK_MAX = 64
 # Largest gridDim.y: kernels with a token grid axis are launched in slices of this.
 MAX_GRID_Y = 65535
@@ -496,7 +494,6 @@ def kda_decode_fused_bf16(
     conv_state, state, qkv_proj, conv_w, forget_proj, dt_bias, a_log, beta_logits, out_gate, norm_w,
     conv_out, query, key, value, gate, beta, core, o_norm_out, *, bounded: bool, lower_bound: float,
     scale: float, l2_eps: float, norm_eps: float, slots=None, tokens: int = 1, prefetch_ahead: int = 0,
-    arrivals=None,
 ) -> None:
     """The stateful half of decode in one launch: for each sequence, `tokens` consecutive
     tokens of conv + SiLU + L2, forget gate and beta, one delta-rule step, gated RMSNorm.
@@ -519,11 +516,6 @@ def kda_decode_fused_bf16(
     prefetch_ahead: the block of sequence s asks L2 for the state of sequence s + prefetch_ahead
     (0: none), a block of a later wave when that many sequences fill the resident blocks; it
     changes no bit.
-
-    arrivals: None runs one block per (head, sequence); an int32 array of at least
-    sequences * H elements, zero (the kernel leaves it zero), runs each head as
-    SPLIT_PARTS blocks of a quarter of its state (kda_decode_split_bf16): the same bits,
-    spread over four times the SMs, which is what a step of few sequences waits on.
     """
     heads = _state_or_pool_heads(state)
     qkv = heads * HEAD_DIM
@@ -549,21 +541,17 @@ def kda_decode_fused_bf16(
         raise ValueError(f"bounded gate needs a finite lower_bound, got {lower_bound}")
     if prefetch_ahead < 0:
         raise ValueError(f"prefetch_ahead must be >= 0, got {prefetch_ahead}")
-    if arrivals is not None:
-        if arrivals.dtype != "int32" or not arrivals.flags.c_contiguous or arrivals.size < sequences * heads:
-            raise ValueError(f"arrivals must be a C-contiguous int32 array of >= {sequences} x {heads} elements, "
-                             f"got {arrivals.dtype} {tuple(arrivals.shape)}")
     if conv_state.data.ptr % 16 or state.data.ptr % 16:
         prefetch_ahead = 0  # the L2 requests take 16-byte aligned ranges; a hint, so none
-    args = (conv_state, state, slots, qkv_proj, conv_w, forget_proj, dt_bias, a_log, beta_logits, _i32(ld_beta),
-            out_gate, norm_w, conv_out, query, key, value, gate, beta, core, o_norm_out, _i32(heads),
-            _i32(kernel_size), _i32(tokens), _i32(1 if bounded else 0), _f32(lower_bound if bounded else 0.0),
-            _f32(scale), _f32(l2_eps), _f32(norm_eps), _i32(prefetch_ahead))
-    if arrivals is None:
-        kernels.launch("kda_decode_fused_bf16", (heads, sequences), (HEAD_BLOCK,), args)
-    else:
-        kernels.launch("kda_decode_split_bf16", (heads * SPLIT_PARTS, sequences), (HEAD_DIM // SPLIT_PARTS,),
-                       (*args, arrivals))
+    kernels.launch(
+        "kda_decode_fused_bf16",
+        (heads, sequences),
+        (HEAD_BLOCK,),
+        (conv_state, state, slots, qkv_proj, conv_w, forget_proj, dt_bias, a_log, beta_logits, _i32(ld_beta),
+         out_gate, norm_w, conv_out, query, key, value, gate, beta, core, o_norm_out, _i32(heads),
+         _i32(kernel_size), _i32(tokens), _i32(1 if bounded else 0), _f32(lower_bound if bounded else 0.0), _f32(scale),
+         _f32(l2_eps), _f32(norm_eps), _i32(prefetch_ahead)),
+    )
 
 
 # --------------------------------------------------------------------------------------

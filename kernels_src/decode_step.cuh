@@ -8,9 +8,9 @@
 #include "kda_common.cuh"
 
 // Ask L2 for `count` contiguous floats from `first` (16-byte aligned, count a multiple of 4),
-// thread d of `threads` taking part: one bulk request (thread 0) on sm_90 and later, a
-// 128-byte line per thread and request before.
-__device__ __forceinline__ void prefetch_floats_l2(const float* first, int count, int d, int threads)
+// thread d of the block's KDA_HEAD_BLOCK taking part: one bulk request (thread 0) on sm_90 and
+// later, a 128-byte line per thread and request before.
+__device__ __forceinline__ void prefetch_floats_l2(const float* first, int count, int d)
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (d == 0) {
@@ -19,7 +19,7 @@ __device__ __forceinline__ void prefetch_floats_l2(const float* first, int count
                      : "memory");
     }
 #else
-    for (int line = d; line < (count + 31) / 32; line += threads) {
+    for (int line = d; line < (count + 31) / 32; line += KDA_HEAD_BLOCK) {
         asm volatile("prefetch.global.L2 [%0];" ::"l"(first + 32 * line));
     }
 #endif
@@ -67,28 +67,6 @@ struct KdaStepShared {
     float query[KDA_HEAD_DIM];
 };
 
-// A batch runs many waves of blocks, each of which waits on its state column: ask L2 for the
-// head's state of sequence + prefetch_ahead (a block of a later wave) now, so that its loads
-// hit, and for its conv windows (the head's channels of q, k and v: three runs of D K floats).
-// Thread d of `threads` takes part.
-__device__ __forceinline__ void kda_prefetch_ahead(const KdaStepArgs& p, int head, size_t sequence, size_t sequences,
-                                                   int d, int threads)
-{
-    if (p.prefetch_ahead <= 0 || sequence + p.prefetch_ahead >= sequences) {
-        return;
-    }
-    const size_t ahead = sequence + p.prefetch_ahead;
-    const size_t ahead_slot = p.slots != nullptr ? static_cast<size_t>(p.slots[ahead]) : ahead;
-    const size_t qkv = static_cast<size_t>(p.heads) * KDA_HEAD_DIM;
-    prefetch_floats_l2(p.state + (ahead_slot * p.heads + head) * static_cast<size_t>(KDA_HEAD_DIM) * KDA_HEAD_DIM,
-                       KDA_HEAD_DIM * KDA_HEAD_DIM, d, threads);
-    for (int part = 0; part < 3; ++part) {
-        prefetch_floats_l2(p.conv_state + (ahead_slot * 3 + part) * qkv * p.kernel_size +
-                               static_cast<size_t>(head) * KDA_HEAD_DIM * p.kernel_size,
-                           KDA_HEAD_DIM * p.kernel_size, d, threads);
-    }
-}
-
 // Head `head` of sequence `sequence` (of `sequences`), `tokens` tokens, by the KDA_HEAD_BLOCK
 // threads of `group` (thread d owns channel d of the head).
 template <class Sync>
@@ -108,7 +86,20 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
         p.state + (slot * heads + head) * static_cast<size_t>(KDA_HEAD_DIM) * KDA_HEAD_DIM + d;
     float s[KDA_HEAD_DIM];
     kda_recurrent_load(s, state_column);
-    kda_prefetch_ahead(p, head, sequence, sequences, d, KDA_HEAD_BLOCK);
+    // A batch runs many waves of blocks, each of which waits on its state column: ask L2 for the
+    // head's state of sequence + prefetch_ahead (a block of a later wave) now, so that its loads
+    // hit, and for its conv windows (the head's channels of q, k and v: three runs of D K floats).
+    if (p.prefetch_ahead > 0 && sequence + p.prefetch_ahead < sequences) {
+        const size_t ahead = sequence + p.prefetch_ahead;
+        const size_t ahead_slot = p.slots != nullptr ? static_cast<size_t>(p.slots[ahead]) : ahead;
+        prefetch_floats_l2(p.state + (ahead_slot * heads + head) * static_cast<size_t>(KDA_HEAD_DIM) * KDA_HEAD_DIM,
+                           KDA_HEAD_DIM * KDA_HEAD_DIM, d);
+        for (int part = 0; part < 3; ++part) {
+            prefetch_floats_l2(p.conv_state + (ahead_slot * 3 + part) * qkv * kernel_size +
+                                   static_cast<size_t>(head) * KDA_HEAD_DIM * kernel_size,
+                               KDA_HEAD_DIM * kernel_size, d);
+        }
+    }
     float* conv_slot = p.conv_state + slot * 3 * qkv * kernel_size;
     float window[3][CONV_MAX_KERNEL];
 #pragma unroll

@@ -61,21 +61,13 @@ struct KdaBlockSync {
 //
 // `scratch` is at least 5 floats of shared memory, the group's own. All threads of the
 // group must call it (it contains barriers); it may be called again right away.
-// The warp stage of block_sum_f32: a fixed xor-shuffle tree over the 32 lanes, the same
-// bits in every lane.
-__device__ __forceinline__ float warp_tree_sum_f32(float value)
+template <class Sync = KdaBlockSync>
+__device__ __forceinline__ float block_sum_f32(float value, float* scratch, Sync group = Sync())
 {
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) {
         value += __shfl_xor_sync(KDA_FULL_WARP_MASK, value, offset);
     }
-    return value;
-}
-
-template <class Sync = KdaBlockSync>
-__device__ __forceinline__ float block_sum_f32(float value, float* scratch, Sync group = Sync())
-{
-    value = warp_tree_sum_f32(value);
     const int thread = group.thread();
     const int warp = thread >> 5;
     if ((thread & 31) == 0) {
@@ -93,18 +85,6 @@ __device__ __forceinline__ float block_sum_f32(float value, float* scratch, Sync
     const float total = scratch[4];
     // Nobody may overwrite scratch for the next call before every thread read it.
     group.sync();
-    return total;
-}
-
-// block_sum_f32 by ONE warp that holds the head's 128 channels four to a lane (value[j] is
-// channel 32 j + lane): the same tree per group of 32 channels and the same ascending sum of
-// the four group sums, so the same bits, with no barrier and no shared memory.
-__device__ __forceinline__ float warp_head_sum_f32(const float (&value)[4])
-{
-    float total = warp_tree_sum_f32(value[0]);
-    total += warp_tree_sum_f32(value[1]);
-    total += warp_tree_sum_f32(value[2]);
-    total += warp_tree_sum_f32(value[3]);
     return total;
 }
 
@@ -215,20 +195,14 @@ __device__ __forceinline__ float conv_silu(const float window[CONV_MAX_KERNEL],
     return acc / (1.0f + expf(-acc));
 }
 
-// value / sqrt(sum_squares + eps), sum_squares the head's sum of value^2 (in the order of
-// block_sum_f32 over __fmul_rn(value, value)).
-__device__ __forceinline__ float l2_apply(float value, float sum_squares, float l2_eps)
-{
-    return value / sqrtf(sum_squares + l2_eps);
-}
-
 // value / sqrt(sum over the head of value^2 + eps). All KDA_HEAD_BLOCK threads of
 // the group call it (it reduces across the group).
 template <class Sync = KdaBlockSync>
 __device__ __forceinline__ float l2_normalize_head(float value, float l2_eps, float* scratch, Sync group = Sync())
 {
     // __fmul_rn: a product the compiler may not fuse into the first shuffle add.
-    return l2_apply(value, block_sum_f32(__fmul_rn(value, value), scratch, group), l2_eps);
+    const float sum_squares = block_sum_f32(__fmul_rn(value, value), scratch, group);
+    return value / sqrtf(sum_squares + l2_eps);
 }
 
 // Delta-rule steps of one value column of a head's state S [D_k, D_v] (K-major, row i at
@@ -283,14 +257,6 @@ __device__ __forceinline__ void kda_recurrent_store(const float (&s)[KDA_HEAD_DI
     }
 }
 
-// The gated norm of one channel from the head's sum of o^2 (in block_sum_f32's order over
-// __fmul_rn(o, o)).
-__device__ __forceinline__ float gated_rmsnorm_apply(float o, float sum_squares, float weight, float z, float eps)
-{
-    const float mean_square = sum_squares / static_cast<float>(KDA_HEAD_DIM);
-    return o / sqrtf(mean_square + eps) * weight * sigmoid_f32(z);
-}
-
 // Gated RMSNorm of one channel of a head, the gate a SIGMOID:
 //   o / sqrt(mean over the head of o^2 + eps) * weight * sigmoid(z)
 // All KDA_HEAD_BLOCK threads of the group call it (it reduces across the group).
@@ -299,7 +265,8 @@ __device__ __forceinline__ float gated_rmsnorm_sigmoid(float o, float weight, fl
                                                        Sync group = Sync())
 {
     // __fmul_rn: a product the compiler may not fuse into the first shuffle add.
-    return gated_rmsnorm_apply(o, block_sum_f32(__fmul_rn(o, o), scratch, group), weight, z, eps);
+    const float mean_square = block_sum_f32(__fmul_rn(o, o), scratch, group) / static_cast<float>(KDA_HEAD_DIM);
+    return o / sqrtf(mean_square + eps) * weight * sigmoid_f32(z);
 }
 
 #endif  // KDA_COMMON_CUH

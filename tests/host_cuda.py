@@ -128,10 +128,6 @@ inline void warp_mma(float acc[4], const Slot& mine, Slot (&slots)[32][32], Prod
     warp_barriers[warp]->arrive_and_wait();
     for (int e = 0; e < 4; ++e) acc[e] = out[e];
 }
-// Device-scope atomics and fences, and the L2 load of a value another block wrote.
-inline int atomicAdd(int* address, int value) { return reinterpret_cast<std::atomic<int>*>(address)->fetch_add(value); }
-inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-inline float __ldcg(const float* pointer) { return *pointer; }
 // The programmatic-launch helpers of kda_common.cuh (PTX on sm_90, removed from the host build):
 // one kernel at a time here, nothing to overlap.
 inline void kda_let_next_kernel_launch() {}

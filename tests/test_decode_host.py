@@ -49,14 +49,13 @@ DECODE_HEADER = HOST_CUDA_HEADER + r"""
 extern const float* prefetch_pool;
 extern const float* prefetch_conv_pool;
 extern const int* prefetch_slots;
-extern int prefetch_heads, prefetch_kernel, prefetch_parts;
+extern int prefetch_heads, prefetch_kernel;
 extern std::atomic<long> prefetches, bad_prefetches;
-inline void prefetch_floats_l2(const float* first, int count, int d, int)
+inline void prefetch_floats_l2(const float* first, int count, int d)
 {
     if (d != 0) return;
     const long request = prefetches++ % 4;  // a block's four requests come one after the other
-    const long slot = prefetch_slots[blockIdx.y + PREFETCH_AHEAD], D = 128, K = prefetch_kernel;
-    const long head = blockIdx.x / prefetch_parts;
+    const long slot = prefetch_slots[blockIdx.y + PREFETCH_AHEAD], head = blockIdx.x, D = 128, K = prefetch_kernel;
     const long qkv = prefetch_heads * D;
     const float* expected = request == 0
         ? prefetch_pool + (slot * prefetch_heads + head) * D * D
@@ -71,7 +70,7 @@ DECODE_MAIN = r"""
 const float* prefetch_pool;
 const float* prefetch_conv_pool;
 const int* prefetch_slots;
-int prefetch_heads, prefetch_kernel, prefetch_parts = 1;
+int prefetch_heads, prefetch_kernel;
 std::atomic<long> prefetches{0}, bad_prefetches{0};
 using bf16_t = unsigned short;
 extern "C" void conv_decode_silu_l2_bf16(float*, const int*, const bf16_t*, const bf16_t*, bf16_t*, float*, float*,
@@ -85,16 +84,11 @@ extern "C" void kda_decode_fused_bf16(float*, float*, const int*, const bf16_t*,
                                       const float*, const float*, const bf16_t*, int, const bf16_t*, const bf16_t*,
                                       bf16_t*, float*, float*, float*, float*, float*, float*, bf16_t*, int, int, int,
                                       int, float, float, float, float, int);
-extern "C" void kda_decode_split_bf16(float*, float*, const int*, const bf16_t*, const bf16_t*, const bf16_t*,
-                                      const float*, const float*, const bf16_t*, int, const bf16_t*, const bf16_t*,
-                                      bf16_t*, float*, float*, float*, float*, float*, float*, bf16_t*, int, int, int,
-                                      int, float, float, float, float, int, int*);
 
 // argv: dir, rows, heads, K, bounded, lower bound, l2 eps, norm eps, jitter, pool size. Pool size
-// 0: the rows are consecutive tokens of one sequence (paths separate, fused_rows, fused_walk and
-// the split step's split_rows, split_walk); else sequence s (row s) advances slot slots[s] of a
-// pool of that many (paths pool_fused, pool_split, pool_separate, and alone: the fused step for
-// each sequence by itself). Prints the split step's counters left nonzero.
+// 0: the rows are consecutive tokens of one sequence (paths separate, fused_rows, fused_walk);
+// else sequence s (row s) advances slot slots[s] of a pool of that many (paths pool_fused,
+// pool_separate, and alone: the fused step for each sequence by itself).
 int main(int argc, char** argv)
 {
     const std::string dir = argv[1];
@@ -119,11 +113,8 @@ int main(int argc, char** argv)
     const auto slots = pool_size ? load_as<int>(dir + "/slots", rows) : std::vector<int>();
     const bf16_t* beta_logits = down_proj.data() + 2 * D;
 
-    const std::initializer_list<const char*> one_sequence = {"separate", "fused_rows", "fused_walk", "split_rows",
-                                                             "split_walk"};
-    const std::initializer_list<const char*> pool = {"pool_fused", "pool_split", "pool_separate", "alone"};
-    std::vector<int> arrivals(rows * heads, 0);
-    long arrivals_left = 0;
+    const std::initializer_list<const char*> one_sequence = {"separate", "fused_rows", "fused_walk"};
+    const std::initializer_list<const char*> pool = {"pool_fused", "pool_separate", "alone"};
     for (const std::string path : pool_size ? pool : one_sequence) {
         auto conv_state = conv_start, state = state_start;
         std::vector<bf16_t> conv_out(rows * conv_dim, 0x7FA5), o_norm_out(rows * qkv, 0x7FA5);
@@ -132,33 +123,22 @@ int main(int argc, char** argv)
         // The fused step over rows first.. : `sequences` sequences (slot_list, or the states given
         // when null) of `tokens` tokens each.
         auto fused = [&](int first, int sequences, int tokens, const int* slot_list, float* conv, float* states,
-                         int prefetch_ahead = 0, bool split = false) {
+                         int prefetch_ahead = 0) {
             prefetch_pool = states;
             prefetch_conv_pool = conv;
             prefetch_slots = slot_list;
             prefetch_heads = heads;
             prefetch_kernel = kernel;
-            prefetch_parts = split ? 4 : 1;
-            // One signature for both entry points: the fused step takes no counters.
-            auto step = [&](auto entry, auto... counters) {
-                entry(conv, states, slot_list, qkv_proj.data() + first * conv_dim, conv_w.data(),
-                      forget_proj.data() + first * qkv, dt_bias.data(), a_log.data(), beta_logits + first * ld_beta,
-                      int(ld_beta), out_gate.data() + first * qkv, norm_w.data(), conv_out.data() + first * conv_dim,
-                      query.data() + first * qkv, key.data() + first * qkv, value.data() + first * qkv,
-                      gate.data() + first * qkv, beta.data() + first * heads, core.data() + first * qkv,
-                      o_norm_out.data() + first * qkv, heads, kernel, tokens, bounded, lower_bound, scale, l2_eps,
-                      norm_eps, prefetch_ahead, counters...);
-            };
-            if (split) {
-                run_grid(dim3{unsigned(4 * heads), unsigned(sequences), 1}, 32, 0,
-                         [&] { step(kda_decode_split_bf16, arrivals.data()); });
-            } else {
-                run_grid(dim3{unsigned(heads), unsigned(sequences), 1}, 128, 0, [&] { step(kda_decode_fused_bf16); });
-            }
-            for (int& count : arrivals) {
-                arrivals_left += count != 0;
-                count = 0;
-            }
+            run_grid(dim3{unsigned(heads), unsigned(sequences), 1}, 128, 0, [&] {
+                kda_decode_fused_bf16(conv, states, slot_list, qkv_proj.data() + first * conv_dim, conv_w.data(),
+                                      forget_proj.data() + first * qkv, dt_bias.data(), a_log.data(),
+                                      beta_logits + first * ld_beta, int(ld_beta), out_gate.data() + first * qkv,
+                                      norm_w.data(), conv_out.data() + first * conv_dim, query.data() + first * qkv,
+                                      key.data() + first * qkv, value.data() + first * qkv, gate.data() + first * qkv,
+                                      beta.data() + first * heads, core.data() + first * qkv,
+                                      o_norm_out.data() + first * qkv, heads, kernel, tokens, bounded, lower_bound,
+                                      scale, l2_eps, norm_eps, prefetch_ahead);
+            });
         };
         // The separate kernels over rows first .. first + count - 1, one token of a sequence each.
         auto separate = [&](int first, int count, const int* slot_list, float* conv, float* states) {
@@ -184,16 +164,16 @@ int main(int argc, char** argv)
                                            o_norm_out.data() + first * qkv, heads, 128, norm_eps, count);
             });
         };
-        if (path == "fused_walk" || path == "split_walk") {
-            fused(0, 1, rows, nullptr, conv_state.data(), state.data(), 0, path == "split_walk");
-        } else if (path == "pool_fused" || path == "pool_split") {
-            fused(0, rows, 1, slots.data(), conv_state.data(), state.data(), PREFETCH_AHEAD, path == "pool_split");
+        if (path == "fused_walk") {
+            fused(0, 1, rows, nullptr, conv_state.data(), state.data());
+        } else if (path == "pool_fused") {
+            fused(0, rows, 1, slots.data(), conv_state.data(), state.data(), PREFETCH_AHEAD);
         } else if (path == "pool_separate") {
             separate(0, rows, slots.data(), conv_state.data(), state.data());
         }
         for (int t = 0; t < rows; ++t) {
-            if (path == "fused_rows" || path == "split_rows") {
-                fused(t, 1, 1, nullptr, conv_state.data(), state.data(), 0, path == "split_rows");
+            if (path == "fused_rows") {
+                fused(t, 1, 1, nullptr, conv_state.data(), state.data());
             } else if (path == "separate") {
                 separate(t, 1, nullptr, conv_state.data(), state.data());
             } else if (path == "alone") {
@@ -204,8 +184,8 @@ int main(int argc, char** argv)
                   {"conv_out", "query", "key", "value", "gate", "beta", "core", "o_norm_out", "conv_state", "state"},
                   conv_out, query, key, value, gate, beta, core, o_norm_out, conv_state, state);
     }
-    std::printf("misaligned=%ld prefetches=%ld bad_prefetches=%ld arrivals_left=%ld\n", misaligned.load(),
-                prefetches.load(), bad_prefetches.load(), arrivals_left);
+    std::printf("misaligned=%ld prefetches=%ld bad_prefetches=%ld\n", misaligned.load(), prefetches.load(),
+                bad_prefetches.load());
     return 0;
 }
 """.replace("PREFETCH_AHEAD", str(PREFETCH_AHEAD))
@@ -258,11 +238,8 @@ def _run_binary(binary, folder, inputs, rows, bounded, *extra):
     pool_size = int(extra[1]) if len(extra) > 1 else 0
     # The pool path's blocks of sequences s < rows - PREFETCH_AHEAD each ask L2 for the state and the
     # three conv windows of their head in the slot of sequence s + PREFETCH_AHEAD; nothing else does.
-    # Both pool steps (fused and split) do, the split step by the first part of each head only; the
-    # split step leaves every arrival counter at zero.
-    prefetches = 2 * 4 * HEADS * max(rows - PREFETCH_AHEAD, 0) if pool_size else 0
-    assert result.stdout.split() == ["misaligned=0", f"prefetches={prefetches}", "bad_prefetches=0",
-                                     "arrivals_left=0"], \
+    prefetches = 4 * HEADS * max(rows - PREFETCH_AHEAD, 0) if pool_size else 0
+    assert result.stdout.split() == ["misaligned=0", f"prefetches={prefetches}", "bad_prefetches=0"], \
         f"host run: {result.stdout.strip()}"
 
 
@@ -276,7 +253,7 @@ def run_decode(binary, tokens, bounded, seed, jitter=False):
     _run_binary(binary, folder, inputs, tokens, bounded, int(jitter), 0)
     layout = _layout(tokens)
     out = {}
-    for path in ("separate", "fused_rows", "fused_walk", "split_rows", "split_walk"):
+    for path in ("separate", "fused_rows", "fused_walk"):
         out[path] = {name: np.fromfile(folder / f"{path}.{name}", dtype).reshape(shape)
                      for name, (dtype, shape) in layout.items()}
     return out, inputs
@@ -287,7 +264,7 @@ def run_decode(binary, tokens, bounded, seed, jitter=False):
 def test_fused_decode_equals_separate_kernels_on_host(decode_host, tokens, jitter, bounded):
     out, inputs = run_decode(decode_host, tokens, bounded, seed=7 * tokens + int(bounded), jitter=jitter)
     separate = out["separate"]
-    for path in ("fused_rows", "fused_walk", "split_rows", "split_walk"):
+    for path in ("fused_rows", "fused_walk"):
         for name in OUTPUTS:
             a, b = out[path][name], separate[name]
             differ = int(np.count_nonzero(a.view(np.uint8) != b.view(np.uint8)))
@@ -330,14 +307,12 @@ def test_pool_sequences_equal_each_alone_on_host(decode_host, sequences, bounded
     layout = {**_layout(sequences), "conv_state": (np.float32, (pool_size, conv_dim, KERNEL)),
               "state": (np.float32, (pool_size, HEADS, DIM, DIM))}
     out = {path: {name: np.fromfile(folder / f"{path}.{name}", dtype).reshape(shape) for name, (dtype, shape) in layout.items()}
-           for path in ("pool_fused", "pool_split", "pool_separate", "alone")}
-    for path in ("pool_fused", "pool_split", "pool_separate"):
+           for path in ("pool_fused", "pool_separate", "alone")}
+    for path in ("pool_fused", "pool_separate"):
         for name in OUTPUTS:
             differ = int(np.count_nonzero(out[path][name].view(np.uint8) != out["alone"][name].view(np.uint8)))
             assert differ == 0, f"B={sequences} {path}: {differ} bytes of {name} differ from each sequence alone"
     others = np.setdiff1d(np.arange(pool_size), inputs["slots"])
-    for path in ("pool_fused", "pool_split"):
-        assert np.array_equal(out[path]["state"][others], inputs["state"][others]), f"{path}: an unnamed slot changed"
-        assert np.array_equal(out[path]["conv_state"][others], inputs["conv_state"][others]), \
-            f"{path}: an unnamed slot changed"
+    assert np.array_equal(out["pool_fused"]["state"][others], inputs["state"][others]), "an unnamed slot changed"
+    assert np.array_equal(out["pool_fused"]["conv_state"][others], inputs["conv_state"][others]), "an unnamed slot changed"
     assert not np.array_equal(out["alone"]["state"][inputs["slots"]], inputs["state"][inputs["slots"]])

@@ -276,9 +276,7 @@ def test_timing_reports_sections_and_kernels(layers):
         layer.prefill(hidden, state)
         layer.decode(hidden[0], state)
     summary = timer.summary()
-    # One decode step: the split fused step (a single sequence is within step_split_max_sequences).
-    step = "kda_decode_split_bf16" if layer.step_split_max_sequences >= 1 else "kda_decode_fused_bf16"
-    for name in ("[front_end]", "[recurrence]", "[back_end]", "kda_chunk_scan_f32", step):
+    for name in ("[front_end]", "[recurrence]", "[back_end]", "kda_chunk_scan_f32", "kda_decode_fused_bf16"):
         assert name in summary and summary[name] > 0, f"{name} missing from timing: {sorted(summary)}"
     assert any(name.startswith("gemm_rows_bf16_m") and time > 0 for name, time in summary.items()), \
         f"no gemm_rows_bf16 entry point in timing: {sorted(summary)}"
@@ -405,74 +403,6 @@ def test_fused_decode_equals_the_separate_kernels(layers, geometry):
     for what in fused:
         differ = int(cp.count_nonzero(_bits(fused[what]) != _bits(separate[what])))
         assert differ == 0, f"{geometry} {what}: {differ} of {fused[what].size} elements differ between the fused step and the separate kernels"
-
-
-@pytest.mark.parametrize("geometry", ["glm", "kimi"])
-def test_split_step_equals_the_whole_head_step(layers, geometry):
-    """The fused step split over four blocks per head (kda_decode_split_bf16) writes the bits of
-    the one-block-per-head step: every stage buffer, the output and both states, over 4 decode
-    steps of a state, a 7-row decode_k walk and 1, 3 and 64 rows of a pool in shuffled slots; and
-    its arrival counters are zero after every call (graphed and eager)."""
-    from glm_kda.reference import STAGE_ORDER
-    from glm_kda.state import StatePool
-
-    cp = _cp()
-    bound, layer = layers(geometry)
-    cfg = bound.config
-    bf16 = layer.workspace.final_out.dtype
-    hidden = cp.asarray(synthetic_hidden(64, cfg.hidden, seed=61).view(np.uint16)).view(bf16)
-    start = KdaState.random(cfg, seed=62)
-    rng = np.random.default_rng(63)
-    count = 80
-    start_conv = cp.asarray(rng.standard_normal((count,) + cfg.conv_state_shape).astype(np.float32))
-    start_rec = cp.asarray((0.1 * rng.standard_normal((count,) + cfg.recurrent_state_shape)).astype(np.float32))
-    slots = cp.asarray(rng.permutation(count)[:64].astype(np.int32))
-    previous = layer.step_split_max_sequences
-
-    def run(split_max: int, graphs: bool) -> dict:
-        layer.step_split_max_sequences = split_max
-        layer.use_graphs = graphs
-        try:
-            results = {}
-            state = device_state(layer, start)
-            for t in range(4):
-                results[f"decode step {t} output"] = layer.decode(hidden[t : t + 1], state)
-            results.update({f"decode {name}": getattr(layer.workspace, name)[:1].copy() for name in STAGE_ORDER})
-            results.update({"decode conv state": state.conv, "decode recurrent state": state.recurrent})
-            walk = device_state(layer, start)
-            results["decode_k output"] = layer.decode_k(hidden[:7], walk)
-            results.update({f"decode_k {name}": getattr(layer.workspace, name)[:7].copy() for name in STAGE_ORDER})
-            results.update({"decode_k conv state": walk.conv, "decode_k recurrent state": walk.recurrent})
-            for batch in (1, 3, 64):
-                pool = StatePool(cfg, count)
-                pool.conv[...] = start_conv
-                pool.recurrent[...] = start_rec
-                results[f"pool B{batch} output"] = layer.decode(hidden[:batch], pool, slots[:batch])
-                results.update({f"pool B{batch} {name}": getattr(layer.workspace, name)[:batch].copy()
-                                for name in STAGE_ORDER})
-                results.update({f"pool B{batch} conv state": pool.conv, f"pool B{batch} recurrent state": pool.recurrent})
-            left = int(cp.count_nonzero(layer.workspace.step_arrivals))
-            assert left == 0, f"{geometry}: {left} arrival counters left nonzero (split max {split_max}, graphs {graphs})"
-            return results
-        finally:
-            layer.step_split_max_sequences = previous
-            layer.use_graphs = True
-
-    whole = run(0, True)
-    for graphs in (True, False):
-        split = run(64, graphs)
-        assert split.keys() == whole.keys()
-        for what in split:
-            differ = int(cp.count_nonzero(_bits(split[what]) != _bits(whole[what])))
-            assert differ == 0, (f"{geometry} {what} ({'graph' if graphs else 'eager'}): {differ} of "
-                                 f"{split[what].size} elements differ between the split and the whole-head step")
-    layer.step_split_max_sequences = 64
-    try:
-        with kernels.timing() as timer:
-            layer.decode(hidden[:1], device_state(layer, start))
-    finally:
-        layer.step_split_max_sequences = previous
-    assert "kda_decode_split_bf16" in timer.summary(), f"launches of a split decode: {timer.summary()}"
 
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["graph", "eager"])

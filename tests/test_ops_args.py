@@ -181,38 +181,6 @@ def test_fused_decode_grid_and_arguments_match_the_kernel(launches, rows):
     assert int(args[-1]) == 0  # prefetch_ahead
 
 
-@pytest.mark.parametrize("rows,tokens", [(1, 1), (3, 1), (6, 6)])
-def test_split_decode_grid_and_arguments_match_the_kernel(launches, rows, tokens):
-    """grid (heads * SPLIT_PARTS, sequences), a warp per block, the counters last."""
-    import re
-
-    from glm_kda import kernels
-
-    heads = 2
-    arrivals = HostStandIn(np.zeros((rows, heads), np.int32))
-    pool = None if tokens > 1 else 4
-    slots = None if tokens > 1 else HostStandIn(np.arange(rows, dtype=np.int32))
-    ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, rows, pool=pool), **_FUSED_SCALARS, tokens=tokens,
-                              slots=slots, arrivals=arrivals)
-    (name, grid, block, args), = launches
-    assert name == "kda_decode_split_bf16"
-    assert grid == (heads * ops.SPLIT_PARTS, rows // tokens) and block == (ops.HEAD_DIM // ops.SPLIT_PARTS,)
-    source = (kernels.kernels_dir() / "decode.cu").read_text()
-    signature = re.search(r"kda_decode_split_bf16\(([^)]*)\)", source).group(1)
-    assert len(args) == signature.count(",") + 1
-    assert re.search(r"KDA_SPLIT_PARTS (\d+)", source).group(1) == str(ops.SPLIT_PARTS)
-    assert args[-1] is arrivals and (int(args[-10]), int(args[-8])) == (heads, tokens)
-
-
-def test_split_decode_rejects_short_counters_before_any_launch(launches):
-    slots = HostStandIn(np.arange(3, dtype=np.int32))
-    for arrivals in (np.zeros(5, np.int32), np.zeros(6, np.int64)):
-        with pytest.raises(ValueError, match="arrivals"):
-            ops.kda_decode_fused_bf16(**_fused_decode_operands(2, 3, pool=4), **_FUSED_SCALARS, slots=slots,
-                                      arrivals=HostStandIn(arrivals))
-    assert not launches
-
-
 @pytest.mark.parametrize("operand,shape,needle", [
     ("out_gate", (3, 200), "out_gate"),
     ("a_log", (5,), "a_log"),

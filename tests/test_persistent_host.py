@@ -32,14 +32,17 @@ HELPERS = (*GEMM_DEVICE_HELPERS, "prefetch_floats_l2", "global_timer_ns", "load_
 
 PERSISTENT_HEADER = GEMM_HEADER + r"""
 #define __align__(n) alignas(n)
-inline void prefetch_floats_l2(const float*, int, int, int) {}
+inline void prefetch_floats_l2(const float*, int, int) {}
 inline unsigned long long global_timer_ns() { return 0; }
 inline int load_acquire(const int* counter)
 {
     return reinterpret_cast<const std::atomic<int>*>(counter)->load(std::memory_order_acquire);
 }
+inline int atomicAdd(int* address, int value) { return reinterpret_cast<std::atomic<int>*>(address)->fetch_add(value); }
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline void __nanosleep(unsigned) { std::this_thread::yield(); }
 [[noreturn]] inline void __trap() { std::abort(); }
+inline float __ldcg(const float* pointer) { return *pointer; }
 """
 
 MAIN = r"""
