@@ -55,3 +55,40 @@ kda_decode_fused_bf16(float* __restrict__ conv_state, float* __restrict__ state,
                            heads, kernel_size, tokens, bounded, lower_bound, scale, l2_eps, norm_eps, prefetch_ahead};
     kda_decode_head(args, blockIdx.x, blockIdx.y, gridDim.y, KdaBlockSync(), shared);
 }
+
+// The same step with the state column in shared memory (kda_decode_head's STATE_SHARED): 64 KB of
+// dynamic shared memory per block and fewer registers, so three blocks per SM instead of two
+// for a batch of many sequences, each block's state copied in while its inputs are formed. The
+// same operations in the same order: the same bits as kda_decode_fused_bf16.
+//
+// Launch: as kda_decode_fused_bf16, with KDA_HEAD_DIM * KDA_HEAD_DIM * 4 bytes of dynamic shared
+// memory.
+#define KDA_SHARED_STATE_BLOCKS_PER_SM 3
+
+extern "C" __global__ void __launch_bounds__(KDA_HEAD_BLOCK, KDA_SHARED_STATE_BLOCKS_PER_SM)
+kda_decode_fused_shared_bf16(float* __restrict__ conv_state, float* __restrict__ state,
+                             const int* __restrict__ slots, const bf16_t* __restrict__ qkv_proj,
+                             const bf16_t* __restrict__ conv_w, const bf16_t* __restrict__ forget_proj,
+                             const float* __restrict__ dt_bias, const float* __restrict__ a_log,
+                             const bf16_t* __restrict__ beta_logits, int ld_beta,
+                             const bf16_t* __restrict__ out_gate, const bf16_t* __restrict__ norm_w,
+                             bf16_t* __restrict__ conv_out, float* __restrict__ query,
+                             float* __restrict__ key, float* __restrict__ value, float* __restrict__ gate,
+                             float* __restrict__ beta, float* __restrict__ core,
+                             bf16_t* __restrict__ o_norm_out, int heads, int kernel_size, int tokens, int bounded,
+                             float lower_bound, float scale, float l2_eps, float norm_eps, int prefetch_ahead)
+{
+    __shared__ KdaStepShared shared;
+    extern __shared__ __align__(16) float state_shared[];
+
+    kda_let_next_kernel_launch();
+    if (blockIdx.x >= heads || blockDim.x != KDA_HEAD_BLOCK || kernel_size < 1 ||
+        kernel_size > CONV_MAX_KERNEL || tokens < 1) {
+        return;
+    }
+    const KdaStepArgs args{conv_state, state, slots, qkv_proj, conv_w, forget_proj, dt_bias, a_log, beta_logits,
+                           ld_beta, out_gate, norm_w, conv_out, query, key, value, gate, beta, core, o_norm_out,
+                           heads, kernel_size, tokens, bounded, lower_bound, scale, l2_eps, norm_eps, prefetch_ahead};
+    kda_decode_head<KdaBlockSync, true>(args, blockIdx.x, blockIdx.y, gridDim.y, KdaBlockSync(), shared,
+                                        state_shared);
+}

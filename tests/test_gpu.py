@@ -405,6 +405,70 @@ def test_fused_decode_equals_the_separate_kernels(layers, geometry):
         assert differ == 0, f"{geometry} {what}: {differ} of {fused[what].size} elements differ between the fused step and the separate kernels"
 
 
+@pytest.mark.parametrize("geometry", ["glm", "kimi"])
+def test_shared_state_step_equals_the_register_step(layers, geometry):
+    """The fused step with the state column in shared memory (kda_decode_fused_shared_bf16)
+    writes the bits of the register one: every stage buffer, the output and both states, over 3
+    decode steps of a state and 1, 3, 64 and 256 rows of a pool in shuffled slots, graphed and
+    eager."""
+    from glm_kda.reference import STAGE_ORDER
+    from glm_kda.state import StatePool
+
+    cp = _cp()
+    bound, layer = layers(geometry)
+    cfg = bound.config
+    batches = [b for b in (1, 3, 64, 256) if b <= layer.workspace.max_tokens]
+    bf16 = layer.workspace.final_out.dtype
+    hidden = cp.asarray(synthetic_hidden(max(batches), cfg.hidden, seed=71).view(np.uint16)).view(bf16)
+    start = KdaState.random(cfg, seed=72)
+    rng = np.random.default_rng(73)
+    count = max(batches) + 8
+    start_conv = cp.asarray(rng.standard_normal((count,) + cfg.conv_state_shape).astype(np.float32))
+    start_rec = cp.asarray((0.1 * rng.standard_normal((count,) + cfg.recurrent_state_shape)).astype(np.float32))
+    slots = cp.asarray(rng.permutation(count)[: max(batches)].astype(np.int32))
+    previous = layer.step_shared_min_sequences
+
+    def run(shared_min: int, graphs: bool) -> dict:
+        layer.step_shared_min_sequences = shared_min
+        layer.use_graphs = graphs
+        try:
+            results = {}
+            state = device_state(layer, start)
+            for t in range(3):
+                results[f"decode step {t} output"] = layer.decode(hidden[t : t + 1], state)
+            results.update({f"decode {name}": getattr(layer.workspace, name)[:1].copy() for name in STAGE_ORDER})
+            results.update({"decode conv state": state.conv, "decode recurrent state": state.recurrent})
+            for batch in batches:
+                pool = StatePool(cfg, count)
+                pool.conv[...] = start_conv
+                pool.recurrent[...] = start_rec
+                results[f"pool B{batch} output"] = layer.decode(hidden[:batch], pool, slots[:batch])
+                results.update({f"pool B{batch} {name}": getattr(layer.workspace, name)[:batch].copy()
+                                for name in STAGE_ORDER})
+                results.update({f"pool B{batch} conv state": pool.conv, f"pool B{batch} recurrent state": pool.recurrent})
+            return results
+        finally:
+            layer.step_shared_min_sequences = previous
+            layer.use_graphs = True
+
+    registers = run(0, True)
+    for graphs in (True, False):
+        shared = run(1, graphs)
+        assert shared.keys() == registers.keys()
+        for what in shared:
+            differ = int(cp.count_nonzero(_bits(shared[what]) != _bits(registers[what])))
+            assert differ == 0, (f"{geometry} {what} ({'graph' if graphs else 'eager'}): {differ} of "
+                                 f"{shared[what].size} elements differ between the shared-memory and the "
+                                 "register state")
+    layer.step_shared_min_sequences = 1
+    try:
+        with kernels.timing() as timer:
+            layer.decode(hidden[:1], device_state(layer, start))
+    finally:
+        layer.step_shared_min_sequences = previous
+    assert "kda_decode_fused_shared_bf16" in timer.summary(), f"launches: {timer.summary()}"
+
+
 @pytest.mark.parametrize("graphs", [True, False], ids=["graph", "eager"])
 @pytest.mark.parametrize("geometry", ["glm", "kimi"])
 def test_persistent_decode_equals_the_separate_launches(layers, geometry, graphs):
