@@ -52,10 +52,6 @@ DECODE_ROW_GROUP = gemm_rows.GEMM_ROWS_MAX_ROWS
 # 620 to 559 us; 0.5 gained less (349, 167 us at 64), 0.75 and more little or nothing.
 STEP_PREFETCH_WAVES = 0.25
 STEP_RESIDENT_BLOCKS_PER_SM = 2
-# Default of KdaLayer.step_shared_min_sequences: a one-token fused step of at least this many
-# sequences keeps each state column in shared memory (ops.kda_decode_fused_bf16's
-# state_in_shared; the same bits). 0: never.
-STEP_SHARED_MIN_SEQUENCES = 0
 # Default of KdaLayer.persistent_decode.
 PERSISTENT_DECODE = False
 # Most rows one batched decode call takes (the workspace and the pool may limit it further).
@@ -232,10 +228,6 @@ class KdaLayer:
         # the output as tasks), bit for bit what the separate launches compute; False: those
         # launches. Needs fused_decode and an even head count.
         self.persistent_decode = PERSISTENT_DECODE
-        # A one-token fused step of at least this many sequences keeps each state column in
-        # shared memory rather than registers (three blocks per SM instead of two); the same bits.
-        # 0: never.
-        self.step_shared_min_sequences = STEP_SHARED_MIN_SEQUENCES
 
     @property
     def chunk_impl(self) -> str:
@@ -431,14 +423,13 @@ class KdaLayer:
         sl = slice(first, first + rows)
         if self.fused_decode:
             d = c.head_dim
-            shared_state = not walk and 0 < self.step_shared_min_sequences <= rows
             ops.kda_decode_fused_bf16(
                 conv_state, recurrent_state, ws.qkv_proj[sl], self.conv_weight, ws.forget_proj[sl], self.dt_bias,
                 self.a_log, ws.down_proj[sl, 2 * d :], ws.out_gate[sl], self.o_norm, ws.conv_out[sl], ws.query[sl],
                 ws.key[sl], ws.value[sl], ws.gate[sl], ws.beta[sl], ws.core[sl], ws.o_norm_out[sl],
                 bounded=c.bounded, lower_bound=c.gate_lower_bound or 0.0, scale=self.scale, l2_eps=c.l2_eps,
                 norm_eps=c.rms_norm_eps, slots=slots, tokens=rows if walk else 1,
-                prefetch_ahead=self._step_prefetch_ahead(shared_state), state_in_shared=shared_state)
+                prefetch_ahead=self._step_prefetch_ahead())
             return
         if walk:
             raise ValueError("stateful_rows: walk=True needs fused_decode")
@@ -447,14 +438,11 @@ class KdaLayer:
         ops.kda_recurrent_step_f32(ws.query[sl], ws.key[sl], ws.value[sl], ws.gate[sl], ws.beta[sl],
                                    recurrent_state, ws.core[sl], self.scale, slots=slots)
 
-    def _step_prefetch_ahead(self, shared_state: bool = False) -> int:
-        """Sequences ahead whose state a batched fused step asks L2 for (STEP_PREFETCH_WAVES of
-        the blocks resident at once: STEP_RESIDENT_BLOCKS_PER_SM per SM, or
-        ops.SHARED_STATE_BLOCKS_PER_SM with the state in shared memory)."""
+    def _step_prefetch_ahead(self) -> int:
+        """Sequences ahead whose state a batched fused step asks L2 for (STEP_PREFETCH_WAVES)."""
         if STEP_PREFETCH_WAVES <= 0:
             return 0
-        per_sm = ops.SHARED_STATE_BLOCKS_PER_SM if shared_state else STEP_RESIDENT_BLOCKS_PER_SM
-        resident = gemm_rows._sm_count(self.qkv_weight.device.id) * per_sm
+        resident = gemm_rows._sm_count(self.qkv_weight.device.id) * STEP_RESIDENT_BLOCKS_PER_SM
         return max(1, round(STEP_PREFETCH_WAVES * resident / self.config.heads))
 
     def decode_rows(self, hidden: Any, conv_state: Any, recurrent_state: Any, *, slots: Any = None,
@@ -672,8 +660,7 @@ class KdaLayer:
         def body(hidden: Any, _slots: Any) -> None:
             self.decode_rows(hidden, state.conv, state.recurrent, sequential=True, snapshots=snapshots)
 
-        key = ("k", rows, self.fused_decode, self.persistent_decode, self.step_shared_min_sequences,
-               state.conv.data.ptr, state.recurrent.data.ptr,
+        key = ("k", rows, self.fused_decode, self.persistent_decode, state.conv.data.ptr, state.recurrent.data.ptr,
                tuple((s.conv.data.ptr, s.recurrent.data.ptr) for s in snapshots))
         self._graphs.run(key, hidden_rows, None, body)
         return back(self.workspace.final_out[:rows].copy())
@@ -696,8 +683,7 @@ class KdaLayer:
         def body(hidden: Any, device_slots: Any) -> None:
             self.decode_rows(hidden, pool.conv, pool.recurrent, slots=device_slots)
 
-        key = ("pool", rows, self.fused_decode, self.persistent_decode, self.step_shared_min_sequences,
-               pool.conv.data.ptr, pool.recurrent.data.ptr)
+        key = ("pool", rows, self.fused_decode, self.persistent_decode, pool.conv.data.ptr, pool.recurrent.data.ptr)
         self._graphs.run(key, hidden, slots, body)
         return back(self.workspace.final_out[:rows].copy())
 

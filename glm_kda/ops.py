@@ -35,10 +35,6 @@ CONV_MAX_KERNEL = 4
 CONV_PREFILL_TILE = 64  # tokens per block of conv_prefill_silu_l2_bf16 (kernels_src/conv.cu)
 CONV_PREFILL_HEADS_PER_BLOCK = 4  # heads of q, k or v per block of it: one per warp
 RECURRENT_COLUMNS = 32
-# Dynamic shared memory of kda_decode_fused_shared_bf16 (one head's state column), and the
-# blocks per SM it is compiled for (KDA_SHARED_STATE_BLOCKS_PER_SM).
-SHARED_STATE_BYTES = HEAD_DIM * HEAD_DIM * 4
-SHARED_STATE_BLOCKS_PER_SM = 3
 CHUNK_MAX = 64
 # Largest gridDim.y: kernels with a token grid axis are launched in slices of this.
 MAX_GRID_Y = 65535
@@ -498,7 +494,6 @@ def kda_decode_fused_bf16(
     conv_state, state, qkv_proj, conv_w, forget_proj, dt_bias, a_log, beta_logits, out_gate, norm_w,
     conv_out, query, key, value, gate, beta, core, o_norm_out, *, bounded: bool, lower_bound: float,
     scale: float, l2_eps: float, norm_eps: float, slots=None, tokens: int = 1, prefetch_ahead: int = 0,
-    state_in_shared: bool = False,
 ) -> None:
     """The stateful half of decode in one launch: for each sequence, `tokens` consecutive
     tokens of conv + SiLU + L2, forget gate and beta, one delta-rule step, gated RMSNorm.
@@ -521,9 +516,6 @@ def kda_decode_fused_bf16(
     prefetch_ahead: the block of sequence s asks L2 for the state of sequence s + prefetch_ahead
     (0: none), a block of a later wave when that many sequences fill the resident blocks; it
     changes no bit.
-
-    state_in_shared: run kda_decode_fused_shared_bf16, which keeps each state column in 64 KB of
-    shared memory instead of registers (more blocks per SM for a batch); the same bits.
     """
     heads = _state_or_pool_heads(state)
     qkv = heads * HEAD_DIM
@@ -552,14 +544,13 @@ def kda_decode_fused_bf16(
     if conv_state.data.ptr % 16 or state.data.ptr % 16:
         prefetch_ahead = 0  # the L2 requests take 16-byte aligned ranges; a hint, so none
     kernels.launch(
-        "kda_decode_fused_shared_bf16" if state_in_shared else "kda_decode_fused_bf16",
+        "kda_decode_fused_bf16",
         (heads, sequences),
         (HEAD_BLOCK,),
         (conv_state, state, slots, qkv_proj, conv_w, forget_proj, dt_bias, a_log, beta_logits, _i32(ld_beta),
          out_gate, norm_w, conv_out, query, key, value, gate, beta, core, o_norm_out, _i32(heads),
          _i32(kernel_size), _i32(tokens), _i32(1 if bounded else 0), _f32(lower_bound if bounded else 0.0), _f32(scale),
          _f32(l2_eps), _f32(norm_eps), _i32(prefetch_ahead)),
-        SHARED_STATE_BYTES if state_in_shared else 0,
     )
 
 

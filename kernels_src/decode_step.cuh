@@ -67,51 +67,11 @@ struct KdaStepShared {
     float query[KDA_HEAD_DIM];
 };
 
-// 16 bytes from global to shared memory, asynchronously (cp.async, sm_80 and later): complete
-// for the calling thread after copy_async_wait_all, for the others after a barrier that follows.
-__device__ __forceinline__ void copy_16B_async(float* shared_destination, const float* global_source)
-{
-    const unsigned int address = static_cast<unsigned int>(__cvta_generic_to_shared(shared_destination));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(address), "l"(global_source) : "memory");
-}
-
-__device__ __forceinline__ void copy_async_wait_all()
-{
-    asm volatile("cp.async.wait_all;" ::: "memory");
-}
-
-// kda_recurrent_step on a state held in shared memory (row i at state_shared + i * D, this
-// thread's value column d): the same operations in the same order, so the same bits.
-__device__ __forceinline__ float kda_recurrent_step_shared(float* state_shared, int d, const float* decay_s,
-                                                           const float* key_s, const float* query_s, float value,
-                                                           float beta)
-{
-    float pred = 0.0f;
-#pragma unroll 16
-    for (int i = 0; i < KDA_HEAD_DIM; ++i) {
-        const float decayed = state_shared[i * KDA_HEAD_DIM + d] * decay_s[i];
-        state_shared[i * KDA_HEAD_DIM + d] = decayed;
-        pred = fmaf(decayed, key_s[i], pred);
-    }
-    const float delta = beta * (value - pred);
-    float out = 0.0f;
-#pragma unroll 16
-    for (int i = 0; i < KDA_HEAD_DIM; ++i) {
-        const float updated = fmaf(key_s[i], delta, state_shared[i * KDA_HEAD_DIM + d]);
-        state_shared[i * KDA_HEAD_DIM + d] = updated;
-        out = fmaf(updated, query_s[i], out);
-    }
-    return out;
-}
-
 // Head `head` of sequence `sequence` (of `sequences`), `tokens` tokens, by the KDA_HEAD_BLOCK
-// threads of `group` (thread d owns channel d of the head). STATE_SHARED: the state column lives
-// in `state_shared` (D x D floats of shared memory, copied in asynchronously while the first
-// token's inputs are formed) instead of registers, which leaves the registers of a block for
-// more blocks per SM; the arithmetic is the same.
-template <class Sync, bool STATE_SHARED = false>
+// threads of `group` (thread d owns channel d of the head).
+template <class Sync>
 __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, size_t sequence, size_t sequences,
-                                                Sync group, KdaStepShared& shared, float* state_shared = nullptr)
+                                                Sync group, KdaStepShared& shared)
 {
     const int d = group.thread();
     const size_t slot = p.slots != nullptr ? static_cast<size_t>(p.slots[sequence]) : sequence;
@@ -124,16 +84,8 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
     // first: in flight while the first token's inputs are formed.
     float* state_column =
         p.state + (slot * heads + head) * static_cast<size_t>(KDA_HEAD_DIM) * KDA_HEAD_DIM + d;
-    float s[STATE_SHARED ? 1 : KDA_HEAD_DIM];
-    if constexpr (STATE_SHARED) {
-        // The head's 64 KB, as stored: 16 bytes per copy, consecutive threads consecutive copies.
-        const float* head_state = state_column - d;
-        for (int chunk = d; chunk < KDA_HEAD_DIM * KDA_HEAD_DIM / 4; chunk += KDA_HEAD_BLOCK) {
-            copy_16B_async(state_shared + 4 * chunk, head_state + 4 * chunk);
-        }
-    } else {
-        kda_recurrent_load(s, state_column);
-    }
+    float s[KDA_HEAD_DIM];
+    kda_recurrent_load(s, state_column);
     // A batch runs many waves of blocks, each of which waits on its state column: ask L2 for the
     // head's state of sequence + prefetch_ahead (a block of a later wave) now, so that its loads
     // hit, and for its conv windows (the head's channels of q, k and v: three runs of D K floats).
@@ -198,31 +150,14 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
         shared.decay[d] = expf(g);
         shared.key[d] = k;
         shared.query[d] = q * p.scale;
-        if constexpr (STATE_SHARED) {
-            if (t == 0) {
-                copy_async_wait_all();  // this thread's copies; the barrier below makes all visible
-            }
-        }
         group.sync();
 
-        float o;
-        if constexpr (STATE_SHARED) {
-            o = kda_recurrent_step_shared(state_shared, d, shared.decay, shared.key, shared.query, v, beta_head);
-        } else {
-            o = kda_recurrent_step(s, shared.decay, shared.key, shared.query, v, beta_head, group);
-        }
+        const float o = kda_recurrent_step(s, shared.decay, shared.key, shared.query, v, beta_head, group);
         p.core[out_index] = o;
         p.o_norm_out[out_index] = f32_to_bf16(gated_rmsnorm_sigmoid(o, weight, z, p.norm_eps, shared.scratch, group));
     }
 
-    if constexpr (STATE_SHARED) {
-#pragma unroll 16
-        for (int i = 0; i < KDA_HEAD_DIM; ++i) {
-            state_column[static_cast<size_t>(i) * KDA_HEAD_DIM] = state_shared[i * KDA_HEAD_DIM + d];
-        }
-    } else {
-        kda_recurrent_store(s, state_column);
-    }
+    kda_recurrent_store(s, state_column);
 #pragma unroll
     for (int part = 0; part < 3; ++part) {
         conv_window_store(window[part], conv_slot + (part * qkv + channel) * kernel_size, kernel_size);

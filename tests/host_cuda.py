@@ -218,19 +218,6 @@ def host_kernel_source(stem: str, device_helpers: tuple[str, ...]) -> str:
 
 # The PTX-only helpers of kda_common.cuh (no-ops before sm_90; their bodies are inline PTX).
 COMMON_DEVICE_HELPERS = ("kda_let_next_kernel_launch", "kda_wait_for_previous_kernel")
-# decode_step.cuh's asynchronous copy (cp.async) and its host stand-in: a copy at once (the block
-# barrier that follows the wait on the device still orders every thread's reads after it).
-DECODE_COPY_HELPERS = ("copy_16B_async", "copy_async_wait_all")
-DECODE_COPY_SHIMS = r"""
-inline void copy_16B_async(float* shared_destination, const float* global_source)
-{
-    std::memcpy(checked_cast<float4>(shared_destination), checked_cast<const float4>(global_source), 16);
-}
-inline void copy_async_wait_all() {}
-"""
-# The dynamic shared memory of the shared-state fused step, and its host form.
-DECODE_SHARED_STATE_DECLARATION = ("extern __shared__ __align__(16) float state_shared[];",
-                                   "float* state_shared = emulated_shared;")
 
 
 def build_host_binary(folder: Path, name: str, files: dict[str, str]) -> Path:

@@ -26,7 +26,7 @@ import pytest
 from types import SimpleNamespace
 
 from glm_kda.reference import forget_gate, gated_rmsnorm, recurrent_scan, rms_ratio, round_bf16, sigmoid
-from host_cuda import (COMMON_DEVICE_HELPERS, DECODE_COPY_HELPERS, DECODE_COPY_SHIMS, DECODE_SHARED_STATE_DECLARATION, HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, bf16_bits, bits_to_f64, build_host_binary,
+from host_cuda import (COMMON_DEVICE_HELPERS, HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, bf16_bits, bits_to_f64, build_host_binary,
                        host_kernel_source)
 
 HEADS = 2
@@ -40,12 +40,12 @@ OUTPUTS = ("conv_out", "query", "key", "value", "gate", "beta", "core", "o_norm_
 
 # The pool path's fused step asks L2 for the state of the sequence this far ahead.
 PREFETCH_AHEAD = 2
-DEVICE_HELPERS = {"decode": ("prefetch_floats_l2", *DECODE_COPY_HELPERS, *COMMON_DEVICE_HELPERS)}
+DEVICE_HELPERS = {"decode": ("prefetch_floats_l2", *COMMON_DEVICE_HELPERS)}
 
 # The L2 requests of the fused step: counted, and checked to name exactly the head of the block
 # (blockIdx.x) in the slot of the sequence PREFETCH_AHEAD after the block's (blockIdx.y): its
 # state, then the conv windows of its q, k and v channels.
-DECODE_HEADER = HOST_CUDA_HEADER + DECODE_COPY_SHIMS + r"""
+DECODE_HEADER = HOST_CUDA_HEADER + r"""
 extern const float* prefetch_pool;
 extern const float* prefetch_conv_pool;
 extern const int* prefetch_slots;
@@ -84,17 +84,11 @@ extern "C" void kda_decode_fused_bf16(float*, float*, const int*, const bf16_t*,
                                       const float*, const float*, const bf16_t*, int, const bf16_t*, const bf16_t*,
                                       bf16_t*, float*, float*, float*, float*, float*, float*, bf16_t*, int, int, int,
                                       int, float, float, float, float, int);
-extern "C" void kda_decode_fused_shared_bf16(float*, float*, const int*, const bf16_t*, const bf16_t*,
-                                             const bf16_t*, const float*, const float*, const bf16_t*, int,
-                                             const bf16_t*, const bf16_t*, bf16_t*, float*, float*, float*, float*,
-                                             float*, float*, bf16_t*, int, int, int, int, float, float, float, float,
-                                             int);
 
 // argv: dir, rows, heads, K, bounded, lower bound, l2 eps, norm eps, jitter, pool size. Pool size
-// 0: the rows are consecutive tokens of one sequence (paths separate, fused_rows, fused_walk and
-// the shared-state step's shared_rows, shared_walk); else sequence s (row s) advances slot
-// slots[s] of a pool of that many (paths pool_fused, pool_shared, pool_separate, and alone: the
-// fused step for each sequence by itself).
+// 0: the rows are consecutive tokens of one sequence (paths separate, fused_rows, fused_walk);
+// else sequence s (row s) advances slot slots[s] of a pool of that many (paths pool_fused,
+// pool_separate, and alone: the fused step for each sequence by itself).
 int main(int argc, char** argv)
 {
     const std::string dir = argv[1];
@@ -119,9 +113,8 @@ int main(int argc, char** argv)
     const auto slots = pool_size ? load_as<int>(dir + "/slots", rows) : std::vector<int>();
     const bf16_t* beta_logits = down_proj.data() + 2 * D;
 
-    const std::initializer_list<const char*> one_sequence = {"separate", "fused_rows", "fused_walk", "shared_rows",
-                                                             "shared_walk"};
-    const std::initializer_list<const char*> pool = {"pool_fused", "pool_shared", "pool_separate", "alone"};
+    const std::initializer_list<const char*> one_sequence = {"separate", "fused_rows", "fused_walk"};
+    const std::initializer_list<const char*> pool = {"pool_fused", "pool_separate", "alone"};
     for (const std::string path : pool_size ? pool : one_sequence) {
         auto conv_state = conv_start, state = state_start;
         std::vector<bf16_t> conv_out(rows * conv_dim, 0x7FA5), o_norm_out(rows * qkv, 0x7FA5);
@@ -130,14 +123,14 @@ int main(int argc, char** argv)
         // The fused step over rows first.. : `sequences` sequences (slot_list, or the states given
         // when null) of `tokens` tokens each.
         auto fused = [&](int first, int sequences, int tokens, const int* slot_list, float* conv, float* states,
-                         int prefetch_ahead = 0, bool shared_state = false) {
+                         int prefetch_ahead = 0) {
             prefetch_pool = states;
             prefetch_conv_pool = conv;
             prefetch_slots = slot_list;
             prefetch_heads = heads;
             prefetch_kernel = kernel;
-            run_grid(dim3{unsigned(heads), unsigned(sequences), 1}, 128, shared_state ? 128 * 128 * 4 : 0, [&] {
-                (shared_state ? kda_decode_fused_shared_bf16 : kda_decode_fused_bf16)(conv, states, slot_list, qkv_proj.data() + first * conv_dim, conv_w.data(),
+            run_grid(dim3{unsigned(heads), unsigned(sequences), 1}, 128, 0, [&] {
+                kda_decode_fused_bf16(conv, states, slot_list, qkv_proj.data() + first * conv_dim, conv_w.data(),
                                       forget_proj.data() + first * qkv, dt_bias.data(), a_log.data(),
                                       beta_logits + first * ld_beta, int(ld_beta), out_gate.data() + first * qkv,
                                       norm_w.data(), conv_out.data() + first * conv_dim, query.data() + first * qkv,
@@ -171,16 +164,16 @@ int main(int argc, char** argv)
                                            o_norm_out.data() + first * qkv, heads, 128, norm_eps, count);
             });
         };
-        if (path == "fused_walk" || path == "shared_walk") {
-            fused(0, 1, rows, nullptr, conv_state.data(), state.data(), 0, path == "shared_walk");
-        } else if (path == "pool_fused" || path == "pool_shared") {
-            fused(0, rows, 1, slots.data(), conv_state.data(), state.data(), PREFETCH_AHEAD, path == "pool_shared");
+        if (path == "fused_walk") {
+            fused(0, 1, rows, nullptr, conv_state.data(), state.data());
+        } else if (path == "pool_fused") {
+            fused(0, rows, 1, slots.data(), conv_state.data(), state.data(), PREFETCH_AHEAD);
         } else if (path == "pool_separate") {
             separate(0, rows, slots.data(), conv_state.data(), state.data());
         }
         for (int t = 0; t < rows; ++t) {
-            if (path == "fused_rows" || path == "shared_rows") {
-                fused(t, 1, 1, nullptr, conv_state.data(), state.data(), 0, path == "shared_rows");
+            if (path == "fused_rows") {
+                fused(t, 1, 1, nullptr, conv_state.data(), state.data());
             } else if (path == "separate") {
                 separate(t, 1, nullptr, conv_state.data(), state.data());
             } else if (path == "alone") {
@@ -214,8 +207,7 @@ def _layout(tokens):
 def decode_host(tmp_path_factory):
     files = {"emulation.h": DECODE_HEADER, "main.cpp": DECODE_MAIN}
     for stem in STEMS:
-        source = host_kernel_source(stem, DEVICE_HELPERS.get(stem, COMMON_DEVICE_HELPERS))
-        files[f"{stem}.cpp"] = '#include "emulation.h"\n' + source.replace(*DECODE_SHARED_STATE_DECLARATION)
+        files[f"{stem}.cpp"] = '#include "emulation.h"\n' + host_kernel_source(stem, DEVICE_HELPERS.get(stem, COMMON_DEVICE_HELPERS))
     return build_host_binary(tmp_path_factory.mktemp("decode_host"), "decode_host", files)
 
 
@@ -246,8 +238,7 @@ def _run_binary(binary, folder, inputs, rows, bounded, *extra):
     pool_size = int(extra[1]) if len(extra) > 1 else 0
     # The pool path's blocks of sequences s < rows - PREFETCH_AHEAD each ask L2 for the state and the
     # three conv windows of their head in the slot of sequence s + PREFETCH_AHEAD; nothing else does.
-    # (Both pool steps do: the state in registers and in shared memory.)
-    prefetches = 2 * 4 * HEADS * max(rows - PREFETCH_AHEAD, 0) if pool_size else 0
+    prefetches = 4 * HEADS * max(rows - PREFETCH_AHEAD, 0) if pool_size else 0
     assert result.stdout.split() == ["misaligned=0", f"prefetches={prefetches}", "bad_prefetches=0"], \
         f"host run: {result.stdout.strip()}"
 
@@ -262,7 +253,7 @@ def run_decode(binary, tokens, bounded, seed, jitter=False):
     _run_binary(binary, folder, inputs, tokens, bounded, int(jitter), 0)
     layout = _layout(tokens)
     out = {}
-    for path in ("separate", "fused_rows", "fused_walk", "shared_rows", "shared_walk"):
+    for path in ("separate", "fused_rows", "fused_walk"):
         out[path] = {name: np.fromfile(folder / f"{path}.{name}", dtype).reshape(shape)
                      for name, (dtype, shape) in layout.items()}
     return out, inputs
@@ -273,7 +264,7 @@ def run_decode(binary, tokens, bounded, seed, jitter=False):
 def test_fused_decode_equals_separate_kernels_on_host(decode_host, tokens, jitter, bounded):
     out, inputs = run_decode(decode_host, tokens, bounded, seed=7 * tokens + int(bounded), jitter=jitter)
     separate = out["separate"]
-    for path in ("fused_rows", "fused_walk", "shared_rows", "shared_walk"):
+    for path in ("fused_rows", "fused_walk"):
         for name in OUTPUTS:
             a, b = out[path][name], separate[name]
             differ = int(np.count_nonzero(a.view(np.uint8) != b.view(np.uint8)))
@@ -316,14 +307,12 @@ def test_pool_sequences_equal_each_alone_on_host(decode_host, sequences, bounded
     layout = {**_layout(sequences), "conv_state": (np.float32, (pool_size, conv_dim, KERNEL)),
               "state": (np.float32, (pool_size, HEADS, DIM, DIM))}
     out = {path: {name: np.fromfile(folder / f"{path}.{name}", dtype).reshape(shape) for name, (dtype, shape) in layout.items()}
-           for path in ("pool_fused", "pool_shared", "pool_separate", "alone")}
-    for path in ("pool_fused", "pool_shared", "pool_separate"):
+           for path in ("pool_fused", "pool_separate", "alone")}
+    for path in ("pool_fused", "pool_separate"):
         for name in OUTPUTS:
             differ = int(np.count_nonzero(out[path][name].view(np.uint8) != out["alone"][name].view(np.uint8)))
             assert differ == 0, f"B={sequences} {path}: {differ} bytes of {name} differ from each sequence alone"
     others = np.setdiff1d(np.arange(pool_size), inputs["slots"])
-    for path in ("pool_fused", "pool_shared"):
-        assert np.array_equal(out[path]["state"][others], inputs["state"][others]), f"{path}: an unnamed slot changed"
-        assert np.array_equal(out[path]["conv_state"][others], inputs["conv_state"][others]), \
-            f"{path}: an unnamed slot changed"
+    assert np.array_equal(out["pool_fused"]["state"][others], inputs["state"][others]), "an unnamed slot changed"
+    assert np.array_equal(out["pool_fused"]["conv_state"][others], inputs["conv_state"][others]), "an unnamed slot changed"
     assert not np.array_equal(out["alone"]["state"][inputs["slots"]], inputs["state"][inputs["slots"]])

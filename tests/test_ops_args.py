@@ -181,31 +181,6 @@ def test_fused_decode_grid_and_arguments_match_the_kernel(launches, rows):
     assert int(args[-1]) == 0  # prefetch_ahead
 
 
-def test_shared_state_decode_takes_the_fused_arguments_and_one_state_of_shared_memory(monkeypatch):
-    """The shared-memory form: the fused step's grid, block and arguments, and D * D floats of
-    dynamic shared memory; the blocks per SM it is compiled for match the layer's prefetch rule."""
-    import re
-
-    from glm_kda import kernels
-
-    made = []
-    monkeypatch.setattr(ops.kernels, "launch", lambda name, grid, block, args, shared_mem=0, **options:
-                        made.append((name, tuple(grid), tuple(block), tuple(args), shared_mem)))
-    heads, rows = 2, 3
-    slots = HostStandIn(np.arange(rows, dtype=np.int32))
-    for shared in (False, True):
-        ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, rows, pool=4), **_FUSED_SCALARS, slots=slots,
-                                  state_in_shared=shared)
-    (name0, grid0, block0, args0, bytes0), (name1, grid1, block1, args1, bytes1) = made
-    assert (name0, name1) == ("kda_decode_fused_bf16", "kda_decode_fused_shared_bf16")
-    assert (grid0, block0, len(args0), bytes0) == (grid1, block1, len(args1), 0)
-    assert bytes1 == ops.SHARED_STATE_BYTES == ops.HEAD_DIM * ops.HEAD_DIM * 4
-    source = (kernels.kernels_dir() / "decode.cu").read_text()
-    signature = re.search(r"kda_decode_fused_shared_bf16\(([^)]*)\)", source).group(1)
-    assert len(args1) == signature.count(",") + 1
-    assert re.search(r"KDA_SHARED_STATE_BLOCKS_PER_SM (\d+)", source).group(1) == str(ops.SHARED_STATE_BLOCKS_PER_SM)
-
-
 @pytest.mark.parametrize("operand,shape,needle", [
     ("out_gate", (3, 200), "out_gate"),
     ("a_log", (5,), "a_log"),

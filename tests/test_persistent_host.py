@@ -23,15 +23,14 @@ import numpy as np
 import pytest
 
 from glm_kda import persistent
-from host_cuda import (COMMON_DEVICE_HELPERS, DECODE_COPY_HELPERS, DECODE_COPY_SHIMS, DECODE_SHARED_STATE_DECLARATION,
-                       HOST_CUDA_RUNTIME, bf16_bits, build_host_binary, host_kernel_source)
+from host_cuda import COMMON_DEVICE_HELPERS, HOST_CUDA_RUNTIME, bf16_bits, build_host_binary, host_kernel_source
 from test_gemm_rows_host import DEVICE_HELPERS as GEMM_DEVICE_HELPERS
 from test_gemm_rows_host import GEMM_HEADER
 
 DIM, KERNEL = 128, 4
-HELPERS = (*GEMM_DEVICE_HELPERS, "prefetch_floats_l2", *DECODE_COPY_HELPERS, "global_timer_ns", "load_acquire")
+HELPERS = (*GEMM_DEVICE_HELPERS, "prefetch_floats_l2", "global_timer_ns", "load_acquire")
 
-PERSISTENT_HEADER = GEMM_HEADER + DECODE_COPY_SHIMS + r"""
+PERSISTENT_HEADER = GEMM_HEADER + r"""
 #define __align__(n) alignas(n)
 inline void prefetch_floats_l2(const float*, int, int) {}
 inline unsigned long long global_timer_ns() { return 0; }
@@ -167,9 +166,7 @@ def persistent_host(tmp_path_factory):
         "main.cpp": MAIN,
         "persistent.cpp": '#include "emulation.h"\n' + kernel,
         "gemm_rows.cpp": '#include "emulation.h"\n' + host_kernel_source("gemm_rows", GEMM_DEVICE_HELPERS),
-        "decode.cpp": '#include "emulation.h"\n' + host_kernel_source(
-            "decode", ("prefetch_floats_l2", *DECODE_COPY_HELPERS, *COMMON_DEVICE_HELPERS)).replace(
-                *DECODE_SHARED_STATE_DECLARATION),
+        "decode.cpp": '#include "emulation.h"\n' + host_kernel_source("decode", ("prefetch_floats_l2", *COMMON_DEVICE_HELPERS)),
     }
     return build_host_binary(tmp_path_factory.mktemp("persistent_host"), "persistent_host", files)
 
