@@ -186,8 +186,7 @@ conv_prefill_silu_l2_bf16(float* __restrict__ conv_state, const bf16_t* __restri
     // (slot K + t holds token t).
     auto input = [&](const uint2& packed, int t, int c) -> float {
         if (t >= 0) {
-            const unsigned int word = c < 2 ? packed.x : packed.y;
-            return __uint_as_float((c & 1) ? (word & 0xFFFF0000u) : (word << 16));
+            return bf16_half_to_f32(c < 2 ? packed.x : packed.y, c & 1);
         }
         return conv_carried_input(old_state[c], kernel_size + t);
     };

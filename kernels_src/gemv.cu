@@ -28,8 +28,8 @@ __device__ __forceinline__ void unpack_bf16x8(const uint4 packed, float out[GEMV
     const unsigned int words[4] = {packed.x, packed.y, packed.z, packed.w};
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-        out[2 * e] = __uint_as_float(words[e] << 16);
-        out[2 * e + 1] = __uint_as_float(words[e] & 0xffff0000u);
+        out[2 * e] = bf16_half_to_f32(words[e], 0);
+        out[2 * e + 1] = bf16_half_to_f32(words[e], 1);
     }
 }
 
