@@ -7,11 +7,15 @@ Same inputs and outputs as the FP32 pair ``ops.kda_chunk_prepare_f32`` +
 in place) and core [>= T, H, D] FP32 out. Every matrix product runs on mma.sync TF32 with
 FP32 accumulation; chunk 64, sub-chunks of 16. The scratch the scan reads as mma operands
 (q_decay, k_tail, W, B) is stored as FP16, which holds those TF32 values exactly in its
-normal range (SCRATCH_KINDS). The gate must follow the BOUNDED law with
-lower_bound >= -5 (:func:`chunk_tc_supported`): the kernel turns the pairwise decays
-exp(G_t - G_s) into matrix products through one reference row per 16-row sub-chunk, and
-the range of those factors is only bounded when every g >= -5 (see the comment above the
-pair products in the .cu file).
+normal range (SCRATCH_KINDS). The gate follows the BOUNDED law with lower_bound >= -5
+(:func:`chunk_tc_supported`): the kernel turns the pairwise decays exp(G_t - G_s) into matrix
+products through one reference row per 16-row sub-chunk, and the range of those factors is
+only bounded when every g >= -5 (see the comment above the pair products in the .cu file).
+lower_bound=None takes any gate <= 0 (the softplus law) through
+kda_chunk_tc_prepare_unbounded_f32: the blocks below the diagonal keep the products (both
+factors <= 1 for any gate), the four diagonal blocks are exact FP32 sums. That entry is
+checked against the model in the host emulation (tests/test_chunk_tc.py); the layer does not
+use it yet (it has not been measured on a GPU).
 
 Call sequence (one prefill of T tokens; the scratch is that of ``KdaWorkspace`` with chunk
 64, see :func:`scratch_shapes`)::
@@ -133,7 +137,9 @@ def _launch(name: str, grid: tuple[int, ...], block: tuple[int, ...], args: tupl
     kernels.launch(name, grid, block, args, shared_mem=shared_mem, carveout=100)
 
 
-def _require_lower_bound(lower_bound: float) -> None:
+def _require_lower_bound(lower_bound: float | None) -> None:
+    if lower_bound is None:  # no lower bound: the unbounded prepare
+        return
     try:
         bound = float(lower_bound)
     except (TypeError, ValueError):
@@ -141,8 +147,8 @@ def _require_lower_bound(lower_bound: float) -> None:
     if not MIN_LOWER_BOUND <= bound <= 0.0:
         raise ValueError(
             f"lower_bound = {lower_bound!r}: the tensor-core prefill needs the bounded gate law with "
-            f"{MIN_LOWER_BOUND} <= lower_bound <= 0 (the softplus law, or a bound below {MIN_LOWER_BOUND}, "
-            f"uses the FP32 path)"
+            f"{MIN_LOWER_BOUND} <= lower_bound <= 0, or lower_bound=None for gates without a bound (the softplus "
+            f"law; a bound below {MIN_LOWER_BOUND} is such a gate)"
         )
 
 
@@ -175,9 +181,14 @@ class GateSource(NamedTuple):
 
 
 def kda_chunk_tc_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, u, attn, chunk_decay,
-                             tokens: int, lower_bound: float, scale: float | None = None,
+                             tokens: int, lower_bound: float | None, scale: float | None = None,
                              gate_source: GateSource | None = None) -> None:
     """Intra-chunk work of every chunk (no state): grid (nchunks, H), 256 threads.
+
+    lower_bound: the bounded law's bound (-5 <= lower_bound <= 0), or None for gates with no
+    lower bound (the softplus law): the kda_chunk_tc_prepare_unbounded_f32 entry point, which
+    forms the diagonal 16 x 16 blocks of A and B as exact FP32 sums instead of tensor-core
+    products (their factors are only bounded under a bound on g). Not with `gate_source`.
 
     query, key, value, gate [>= T, H, D] and beta [>= T, H] FP32, 16-byte aligned; rows >= T
     are never read. With `gate_source`, gate and beta are OUTPUTS instead: the
@@ -191,6 +202,8 @@ def kda_chunk_tc_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, 
     rows zero.
     """
     _require_lower_bound(lower_bound)
+    if lower_bound is None and gate_source is not None:
+        raise ValueError("gate_source forms the bounded law's gate: it needs a lower_bound")
     _require_int32("tokens", tokens)
     if tokens == 0:
         return
@@ -202,8 +215,8 @@ def kda_chunk_tc_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, 
     if scale is None:
         scale = 1.0 / math.sqrt(HEAD_DIM)
     args = (query, key, value, gate, beta, q_decay, k_tail, w, u, attn, chunk_decay,
-            _i32(tokens), _i32(heads), _f32(scale), _f32(lower_bound))
-    name = "kda_chunk_tc_prepare_f32"
+            _i32(tokens), _i32(heads), _f32(scale), _f32(0.0 if lower_bound is None else lower_bound))
+    name = "kda_chunk_tc_prepare_f32" if lower_bound is not None else "kda_chunk_tc_prepare_unbounded_f32"
     if gate_source is not None:
         sources = GateSource(*gate_source)
         ld_beta = ops.check_gate_sources(*sources, heads, HEAD_DIM, tokens)
@@ -230,7 +243,7 @@ def kda_chunk_tc_scan_f32(q_decay, k_tail, w, u, attn, chunk_decay, state, core,
     )
 
 
-def chunk_prefill_tc(query, key, value, gate, beta, state, core, tokens: int, lower_bound: float,
+def chunk_prefill_tc(query, key, value, gate, beta, state, core, tokens: int, lower_bound: float | None,
                      q_decay, k_tail, w, u, attn, chunk_decay, scale: float | None = None,
                      gate_source: GateSource | None = None) -> None:
     """The chunked prefill core on tensor cores: core [>= T, H, D] and the carried state
@@ -242,13 +255,16 @@ def chunk_prefill_tc(query, key, value, gate, beta, state, core, tokens: int, lo
     q_decay_f16, k_tail_f16, chunk_w_f16, chunk_u, attn_f16 and chunk_decay are exactly these
     when its chunk is 64.
 
-    lower_bound is the bounded gate law's bound (-5 <= lower_bound <= 0); anything else is
-    refused here, before any launch. With `gate_source` (:class:`GateSource`) gate and beta
+    lower_bound is the bounded gate law's bound (-5 <= lower_bound <= 0), or None for gates
+    without a lower bound (the unbounded prepare, see :func:`kda_chunk_tc_prepare_f32`); anything
+    else is refused here, before any launch. With `gate_source` (:class:`GateSource`) gate and beta
     are written from the projections instead of read (see :func:`kda_chunk_tc_prepare_f32`).
     Every argument is checked before the first launch, so a refused call leaves the state
     untouched.
     """
     _require_lower_bound(lower_bound)
+    if lower_bound is None and gate_source is not None:
+        raise ValueError("gate_source forms the bounded law's gate: it needs a lower_bound")
     _require_int32("tokens", tokens)
     if tokens == 0:
         return
@@ -299,14 +315,15 @@ def _blocks(matrix: Any, i: int, j: int) -> Any:
     return matrix[..., SUB_CHUNK * i : SUB_CHUNK * (i + 1), SUB_CHUNK * j : SUB_CHUNK * (j + 1)]
 
 
-def model_chunk_tc_prepare(query, key, value, gate, beta, lower_bound: float, scale: float | None = None,
+def model_chunk_tc_prepare(query, key, value, gate, beta, lower_bound: float | None, scale: float | None = None,
                            emulate_rounding: bool = True, pad_value: float = 0.0) -> dict[str, Any]:
     """kda_chunk_tc_prepare_f32 in float64: the scratch it writes, in its layouts
     (see :func:`scratch_shapes`; k_tail as [nchunks, H, D, 64]).
 
     The inputs are padded to a multiple of 64 rows with `pad_value` and the padding is then
     replaced BY INDEX (q = k = v = 0, g = 0, beta = 0) before any arithmetic, as the kernel
-    never reads those rows.
+    never reads those rows. lower_bound None: the unbounded prepare (diagonal blocks of A and B
+    as exact sums, the gate only capped at 0).
     """
     _require_lower_bound(lower_bound)
     xp = array_module(query)
@@ -340,7 +357,9 @@ def model_chunk_tc_prepare(query, key, value, gate, beta, lower_bound: float, sc
     q, k, v, g = (chunked(x) for x in (query, key, value, gate))
     b = chunked(beta)  # [nchunks, H, C]
     # The kernel's clamp to [lower_bound, 0]: the identity on the bounded law's gates.
-    g = xp.where(g < lower_bound, lower_bound, xp.where(g > 0.0, 0.0, g))
+    g = xp.where(g > 0.0, 0.0, g)
+    if lower_bound is not None:
+        g = xp.where(g < lower_bound, lower_bound, g)
     # G_t = G_{t-1} + g_t in row order, as the kernel sums (CuPy's cumsum is a parallel scan).
     cumgate = g.astype(gate_dtype)
     for t in range(1, CHUNK):
@@ -358,7 +377,8 @@ def model_chunk_tc_prepare(query, key, value, gate, beta, lower_bound: float, sc
     pair_qk = xp.zeros((nchunks, heads, CHUNK, CHUNK))
     for i in range(CHUNK // SUB_CHUNK):
         rows = slice(SUB_CHUNK * i, SUB_CHUNK * (i + 1))
-        columns = slice(0, SUB_CHUNK * (i + 1))
+        # The unbounded prepare forms the diagonal block below, not by the product.
+        columns = slice(0, SUB_CHUNK * (i + (lower_bound is not None)))
         reference = cumgate[:, :, SUB_CHUNK * i : SUB_CHUNK * i + 1, :]
         factor = exp_of_difference(cumgate[:, :, rows], reference)
         key_row = rnd(k[:, :, rows] * factor)
@@ -366,6 +386,11 @@ def model_chunk_tc_prepare(query, key, value, gate, beta, lower_bound: float, sc
         key_source = rnd(k[:, :, columns] * exp_of_difference(reference, cumgate[:, :, columns]))
         pair_kk[:, :, rows, columns] = key_row @ xp.swapaxes(key_source, -1, -2)
         pair_qk[:, :, rows, columns] = query_row @ xp.swapaxes(key_source, -1, -2)
+        if lower_bound is None:
+            # The unbounded prepare's diagonal block: sum_d x_t k_s exp(G_t - G_s), no TF32 operands.
+            decayed = k[:, :, None, rows] * exp_of_difference(cumgate[:, :, rows, None], cumgate[:, :, None, rows])
+            pair_kk[:, :, rows, rows] = (k[:, :, rows, None] * decayed).sum(-1)
+            pair_qk[:, :, rows, rows] = (q[:, :, rows, None] * decayed).sum(-1)
     position = xp.arange(CHUNK)
     strict = position[:, None] > position[None, :]
     inclusive = position[:, None] >= position[None, :]
@@ -432,13 +457,13 @@ def model_chunk_tc_scan(scratch: dict[str, Any], recurrent: Any, tokens: int,
     return core[:tokens], state
 
 
-def model_chunk_tc(query, key, value, gate, beta, recurrent, lower_bound: float, scale: float | None = None,
+def model_chunk_tc(query, key, value, gate, beta, recurrent, lower_bound: float | None, scale: float | None = None,
                    emulate_rounding: bool = True, pad_value: float = 0.0) -> tuple[Any, Any]:
     """The whole tensor-core prefill in float64: (core [T, H, D], state [H, D, D]).
 
     query, key, value, gate [T, H, D], beta [T, H], recurrent [H, D, D] (NumPy, or CuPy to
     run on a GPU). With emulate_rounding=False, equal to reference.chunk_scan(..., chunk=64) up
-    to float64 rounding (for gates inside [lower_bound, 0]).
+    to float64 rounding (for gates inside [lower_bound, 0]; lower_bound None: any gate <= 0).
     """
     scratch = model_chunk_tc_prepare(query, key, value, gate, beta, lower_bound, scale, emulate_rounding, pad_value)
     return model_chunk_tc_scan(scratch, recurrent, query.shape[0], emulate_rounding)

@@ -32,7 +32,8 @@ ENTRY_POINTS: dict[str, tuple[str, ...]] = {
     "decode": ("kda_decode_fused_bf16",),
     "decode_persistent": ("kda_decode_persistent_bf16",),
     "chunk": ("kda_chunk_prepare_f32", "kda_chunk_scan_f32"),
-    "chunk_tc": ("kda_chunk_tc_prepare_f32", "kda_chunk_tc_prepare_gate_f32", "kda_chunk_tc_scan_f32"),
+    "chunk_tc": ("kda_chunk_tc_prepare_f32", "kda_chunk_tc_prepare_gate_f32", "kda_chunk_tc_prepare_unbounded_f32",
+                 "kda_chunk_tc_scan_f32"),
     "norm": ("gated_rmsnorm_sigmoid_bf16",),
 }
 

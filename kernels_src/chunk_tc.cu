@@ -1,8 +1,10 @@
 // Chunked (WY) prefill of the KDA delta rule on tensor cores: the same mathematics,
 // inputs and outputs as kda_chunk_prepare_f32 + kda_chunk_scan_f32 (chunk.cu, the FP32
 // reference path), with every matrix product on mma.sync m16n8k8 TF32 -> FP32.
-// Chunk C = 64 rows, split into 4 sub-chunks of 16; D = KDA_HEAD_DIM = 128. Bounded
-// gate law only (g >= lower_bound >= -5, see the range argument in the pair products).
+// Chunk C = 64 rows, split into 4 sub-chunks of 16; D = KDA_HEAD_DIM = 128. The bounded
+// gate law (g >= lower_bound >= -5, see the range argument in the pair products); the
+// kda_chunk_tc_prepare_unbounded_f32 entry takes any gate <= 0 (the softplus law) by forming
+// the four diagonal 16 x 16 blocks of A and B as exact FP32 sums (diagonal_block_exact).
 //
 // Per chunk and head (t, s rows of the chunk, G_t = sum_{r<=t} g_r per channel, S0 the
 // state [D_k, D_v] at the chunk start), exactly as chunk.cu:
@@ -347,12 +349,47 @@ __device__ __forceinline__ void transpose_slot(int step, int lane, int& t, int& 
     d = (step >> 2) * 8 + (lane >> 4) * 4;
 }
 
+// Diagonal block i of A and B without the reference-row products (whose factor exp(G_r - G_s)
+// for s after r is unbounded without a lower bound on g), by one warp: for each pair s <= t of
+// sub-chunk i, FP32 sums over d in ascending order of k_t (k_s exp(G_t - G_s)) and
+// q_t (k_s exp(G_t - G_s)), every factor <= 1. Writes L = diag(beta) A (s < t) and
+// tf32(scale B) (s <= t), zeros above the diagonal, as the product path does. q rows past
+// `valid` are zero by index.
+__device__ __forceinline__ void diagonal_block_exact(const float* key_s, const float* cumgate_s, const float* beta_s,
+                                                     float* lower_s, f16_t* attn_block, const float* query, int first,
+                                                     int valid, size_t row_stride, size_t head_offset, float scale,
+                                                     int i, int lane)
+{
+    for (int index = lane; index < CHUNK_TC_SUB * CHUNK_TC_SUB; index += 32) {
+        const int t = CHUNK_TC_SUB * i + index / CHUNK_TC_SUB;
+        const int s = CHUNK_TC_SUB * i + index % CHUNK_TC_SUB;
+        float kk = 0.0f;
+        float qk = 0.0f;
+        if (s <= t) {
+            const float* key_t = key_s + t * CHUNK_TC_D_STRIDE;
+            const float* key_src = key_s + s * CHUNK_TC_D_STRIDE;
+            const float* gate_t = cumgate_s + t * CHUNK_TC_D_STRIDE;
+            const float* gate_src = cumgate_s + s * CHUNK_TC_D_STRIDE;
+            const float* query_t = query + static_cast<size_t>(first + t) * row_stride + head_offset;
+            const bool real = t < valid;
+#pragma unroll 4
+            for (int d = 0; d < KDA_HEAD_DIM; ++d) {
+                const float decayed = key_src[d] * expf(gate_t[d] - gate_src[d]);
+                kk = fmaf(key_t[d], decayed, kk);
+                qk = fmaf(real ? query_t[d] : 0.0f, decayed, qk);
+            }
+        }
+        lower_s[t * CHUNK_TC_C_STRIDE + s] = s < t ? beta_s[t] * kk : 0.0f;
+        attn_block[t * CHUNK_TC + s] = f32_to_f16(s <= t ? round_tf32(scale * qk) : 0.0f);
+    }
+}
+
 // The prepare, in two entry points below. FUSED_GATE false: gate_in [T, H, D] and beta_in
 // [T, H] are inputs. FUSED_GATE true: gate_out and beta_out (the stage buffers) are formed
 // here from forget_proj [T, H*D] BF16 + dt_bias [H*D] and A_log [H] (kda_forget_gate, bounded
 // law: the bits of gate_beta_f32) and from the BF16 beta logits (row stride ld_beta), for
 // the real rows of the chunk only, saving the gate kernel's pass over memory.
-template <bool FUSED_GATE>
+template <bool FUSED_GATE, bool UNBOUNDED = false>
 __device__ __forceinline__ void chunk_tc_prepare(
     const float* __restrict__ query, const float* __restrict__ key, const float* __restrict__ value,
     const float* __restrict__ gate_in, const float* __restrict__ beta_in, float* __restrict__ gate_out,
@@ -386,11 +423,14 @@ __device__ __forceinline__ void chunk_tc_prepare(
     const int thread_in_group = lane & 3;
     // The lane's first k inside a permuted 32-k block (see the fragment layout above).
     const int lane_k = 8 * thread_in_group;
+    static_assert(!(FUSED_GATE && UNBOUNDED), "the fused gate forms the bounded law");
     if (blockDim.x != CHUNK_TC_PREPARE_THREADS || tokens < 1 || head >= heads ||
         chunk_index >= (tokens + CHUNK_TC - 1) / CHUNK_TC ||
-        !(lower_bound >= CHUNK_TC_MIN_LOWER_BOUND && lower_bound <= 0.0f)) {
+        !(UNBOUNDED || (lower_bound >= CHUNK_TC_MIN_LOWER_BOUND && lower_bound <= 0.0f))) {
         return;
     }
+    // UNBOUNDED: any gate <= 0 (the softplus law); the clamp only caps g at 0.
+    const float clamp_bound = UNBOUNDED ? -__uint_as_float(0x7f800000u) : lower_bound;
     const int first = chunk_index * CHUNK_TC;
     // Rows of this chunk that are real tokens; rows valid..C-1 are padding.
     const int valid = min(CHUNK_TC, tokens - first);
@@ -462,10 +502,10 @@ __device__ __forceinline__ void chunk_tc_prepare(
             for (int l = 0; l < CHUNK_TC_TILE_LOADS; ++l) {
                 const int t = (thread + l * CHUNK_TC_PREPARE_THREADS) >> 5;
                 float4 clamped = gate_value[l];
-                clamped.x = clamp_gate(clamped.x, lower_bound);
-                clamped.y = clamp_gate(clamped.y, lower_bound);
-                clamped.z = clamp_gate(clamped.z, lower_bound);
-                clamped.w = clamp_gate(clamped.w, lower_bound);
+                clamped.x = clamp_gate(clamped.x, clamp_bound);
+                clamped.y = clamp_gate(clamped.y, clamp_bound);
+                clamped.z = clamp_gate(clamped.z, clamp_bound);
+                clamped.w = clamp_gate(clamped.w, clamp_bound);
                 *reinterpret_cast<float4*>(cumgate_s + t * CHUNK_TC_D_STRIDE + channel) = clamped;
             }
         }
@@ -586,6 +626,11 @@ __device__ __forceinline__ void chunk_tc_prepare(
     for (int pair = warp; pair < CHUNK_TC_SUBS * (CHUNK_TC_SUBS + 1) / 2; pair += CHUNK_TC_PREPARE_WARPS) {
         const int i = (pair >= 1) + (pair >= 3) + (pair >= 6);
         const int j = pair - i * (i + 1) / 2;
+        if (UNBOUNDED && i == j) {  // warp-uniform
+            diagonal_block_exact(key_s, cumgate_s, beta_s, lower_s, attn_block, query, first, valid, row_stride,
+                                 head_offset, scale, i, lane);
+            continue;
+        }
         const int reference = CHUNK_TC_SUB * i;
         const int row_low = CHUNK_TC_SUB * i + group_lane;
         const int row_high = row_low + 8;
@@ -815,18 +860,24 @@ __device__ __forceinline__ void chunk_tc_prepare(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(CHUNK_TC_PREPARE_THREADS, 2)
-kda_chunk_tc_prepare_f32(const float* __restrict__ query, const float* __restrict__ key,
-                         const float* __restrict__ value, const float* __restrict__ gate,
-                         const float* __restrict__ beta, f16_t* __restrict__ q_decay,
-                         f16_t* __restrict__ k_tail_t, f16_t* __restrict__ w,
-                         float* __restrict__ u, f16_t* __restrict__ attn,
-                         float* __restrict__ chunk_decay, int tokens, int heads, float scale,
-                         float lower_bound)
-{
-    chunk_tc_prepare<false>(query, key, value, gate, beta, nullptr, nullptr, q_decay, k_tail_t, w, u, attn,
-                            chunk_decay, tokens, heads, scale, lower_bound, nullptr, nullptr, nullptr, nullptr, 0);
-}
+// The prepare reading gate and beta, for the bounded law (NAME kda_chunk_tc_prepare_f32,
+// UNBOUNDED false) or for gates without a lower bound, the softplus law (NAME
+// kda_chunk_tc_prepare_unbounded_f32, UNBOUNDED true: the blocks below the diagonal keep the
+// products, both factors <= 1 for any gate <= 0, and the diagonal blocks are formed exactly
+// instead, diagonal_block_exact; lower_bound is not read).
+#define CHUNK_TC_PREPARE_ENTRY(NAME, UNBOUNDED)                                                     \
+    extern "C" __global__ void __launch_bounds__(CHUNK_TC_PREPARE_THREADS, 2)                       \
+        NAME(const float* __restrict__ query, const float* __restrict__ key,                        \
+             const float* __restrict__ value, const float* __restrict__ gate,                       \
+             const float* __restrict__ beta, f16_t* __restrict__ q_decay, f16_t* __restrict__ k_tail_t, \
+             f16_t* __restrict__ w, float* __restrict__ u, f16_t* __restrict__ attn,                \
+             float* __restrict__ chunk_decay, int tokens, int heads, float scale, float lower_bound) \
+    {                                                                                               \
+        chunk_tc_prepare<false, UNBOUNDED>(query, key, value, gate, beta, nullptr, nullptr, q_decay, k_tail_t, w, \
+                                           u, attn, chunk_decay, tokens, heads, scale, lower_bound, nullptr,   \
+                                           nullptr, nullptr, nullptr, 0);                                     \
+    }
+CHUNK_TC_PREPARE_ENTRY(kda_chunk_tc_prepare_f32, false)
 
 // The prepare with the forget gate and beta formed from the projections and written out.
 extern "C" __global__ void __launch_bounds__(CHUNK_TC_PREPARE_THREADS, 2)
@@ -844,6 +895,8 @@ kda_chunk_tc_prepare_gate_f32(const float* __restrict__ query, const float* __re
                            chunk_decay, tokens, heads, scale, lower_bound, forget_proj, dt_bias, a_log,
                            beta_logits, ld_beta);
 }
+
+CHUNK_TC_PREPARE_ENTRY(kda_chunk_tc_prepare_unbounded_f32, true)
 
 // The scan's W and q_decay tiles of chunk `chunk_index` into shared memory, asynchronously
 // (one warp copies one 512-byte row per instruction).

@@ -7,6 +7,9 @@ Promises, one test each:
     oracle, for T = 1 .. 300 from zero and random carried states, the bounded law at -5, a
     strongly-decaying law (g near -5 on every token) and g = -5 exactly;
   * a poisoned pad (NaN, 1e30, inf) changes no bit of outputs, scratch or state;
+  * lower_bound None (the unbounded prepare, for gates without a bound such as the softplus
+    law): the model is the chunked delta rule without rounding and within TC_BOUND with it, for
+    gates far below -5; the bounded prepare (gates clamped to -5) is not;
   * round_tf32 rounds like cvt.rna.tf32.f32 and passes inf / NaN;
   * support and refusals: bounded law with -5 <= lower_bound <= 0 and chunk 64 only; the
     wrappers refuse any other bound before a launch; launch geometry and shared memory;
@@ -14,7 +17,8 @@ Promises, one test each:
     std::barrier, mma.sync from the PTX fragment layout, cp.async as a copy), equals the
     model stage by stage and keeps the pad out: index arithmetic, fragment layouts, shared
     memory reuse and padding checked without a GPU (skipped without a C++20 compiler),
-    and the fused-gate prepare's gate, beta and results against the plain prepare's;
+    and the fused-gate prepare's gate, beta and results against the plain prepare's, and the
+    unbounded prepare against its model on softplus-law gates;
   * on a GPU: the kernels against the FP32 kernel path and the float64 oracle at GLM (64
     heads) and Kimi (32 heads) geometry for T in {1, 17, 64, 65, 1000, 4096}, each kernel
     against the model fed its own inputs, poisoned pad bits, carried state, determinism,
@@ -99,7 +103,9 @@ def assert_bits_equal(a, b, what):
 def make_inputs(tokens, heads, law="bounded", state="random", seed=SEED, xp=np, dtype=np.float64):
     """query, key (unit rows), value, gate, beta, recurrent state. Laws: "bounded" (the GLM
     law with lower bound -5 on random pre-activations), "strong" (g in [-5, -4.85] on every
-    token: the strongest decay the bound allows), "at_bound" (g = -5 exactly)."""
+    token: the strongest decay the bound allows), "at_bound" (g = -5 exactly), "softplus" (the
+    Kimi law -exp(A_log) softplus(u), no lower bound: A_log per head in [-0.5, 2], so gates
+    reach -40 and below)."""
     rng = np.random.default_rng(seed) if xp is np else xp.random.default_rng(seed)
 
     def normal(*shape):
@@ -117,6 +123,10 @@ def make_inputs(tokens, heads, law="bounded", state="random", seed=SEED, xp=np, 
         gate = LOWER_BOUND * (0.97 + 0.03 * rng.random((tokens, heads, 128)))
     elif law == "at_bound":
         gate = xp.full((tokens, heads, 128), LOWER_BOUND)
+    elif law == "softplus":
+        a = xp.exp(-0.5 + 2.5 * rng.random((1, heads, 1)))
+        u = 2.0 * normal(tokens, heads, 128)
+        gate = -a * xp.where(u > 20.0, u, xp.log1p(xp.exp(xp.minimum(u, 20.0))))
     else:
         raise ValueError(law)
     beta = 1.0 / (1.0 + xp.exp(-normal(tokens, heads)))
@@ -150,6 +160,39 @@ def test_model_with_tf32_rounding_within_bound(tokens, law, state):
     ref_core, ref_state = chunk_scan(q, k, v, g, b, s0, chunk=64)
     assert_close(core, ref_core, TC_BOUND, f"T{tokens}-{law}-{state} core")
     assert_close(final, ref_state, TC_BOUND, f"T{tokens}-{law}-{state} state")
+
+
+@pytest.mark.parametrize("law", ["softplus", "strong"])
+@pytest.mark.parametrize("tokens", MODEL_TOKENS, ids=lambda t: f"T{t}")
+def test_unbounded_model_is_the_chunked_delta_rule_and_within_bound(tokens, law):
+    # lower_bound None (the unbounded prepare: diagonal blocks as exact sums): without rounding
+    # the chunked delta rule, with the kernels' rounding within TC_BOUND, every scratch value
+    # finite, for gates far below -5.
+    q, k, v, g, b, s0 = make_inputs(tokens, MODEL_HEADS, law, "random")
+    if law == "softplus":
+        assert float(g.min()) < 2 * LOWER_BOUND, "the softplus inputs must leave the bounded law's range"
+    ref_core, ref_state = chunk_scan(q, k, v, g, b, s0, chunk=64)
+    core, final = model_chunk_tc(q, k, v, g, b, s0, None, emulate_rounding=False)
+    assert_close(core, ref_core, EXACT_BOUND, f"T{tokens}-{law} unbounded core, no rounding")
+    assert_close(final, ref_state, EXACT_BOUND, f"T{tokens}-{law} unbounded state, no rounding")
+    scratch = model_chunk_tc_prepare(q, k, v, g, b, None)
+    for name, value in scratch.items():
+        assert np.isfinite(value.astype(np.float32)).all(), f"{name} leaves the FP32 range"
+    core, final = model_chunk_tc_scan(scratch, s0, tokens)
+    assert_close(core, ref_core, TC_BOUND, f"T{tokens}-{law} unbounded core")
+    assert_close(final, ref_state, TC_BOUND, f"T{tokens}-{law} unbounded state")
+
+
+def test_the_bounded_prepare_cannot_serve_the_softplus_law():
+    # Why the unbounded prepare exists: the bounded one clamps the softplus law's gates to -5
+    # (its reference-row products would overflow otherwise), which changes the result beyond
+    # the contract; the unbounded one keeps it.
+    q, k, v, g, b, s0 = make_inputs(65, 2, "softplus", "random")
+    ref_core, _ = chunk_scan(q, k, v, g, b, s0, chunk=64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        clamped = rms_ratio(model_chunk_tc(q, k, v, g, b, s0, LOWER_BOUND)[0], ref_core)
+    unbounded = rms_ratio(model_chunk_tc(q, k, v, g, b, s0, None)[0], ref_core)
+    assert clamped > TC_BOUND >= unbounded, f"core rms-ratio: clamped to -5 {clamped:.2e}, unbounded {unbounded:.2e}"
 
 
 @pytest.mark.parametrize("tokens", [16, 65, 300], ids=lambda t: f"T{t}")
@@ -246,7 +289,7 @@ def _call_arguments(tokens, heads):
     return inputs, beta, state, core, scratch
 
 
-@pytest.mark.parametrize("bound", [-6.0, -5.0001, 0.5, float("nan"), float("-inf"), None], ids=str)
+@pytest.mark.parametrize("bound", [-6.0, -5.0001, 0.5, float("nan"), float("-inf"), "x"], ids=str)
 def test_wrapper_refuses_other_bounds_before_any_launch(launches, bound):
     inputs, beta, state, core, scratch = _call_arguments(65, 2)
     with pytest.raises(ValueError, match="lower_bound"):
@@ -270,6 +313,21 @@ def test_launch_geometry_and_shared_memory(launches, tokens, heads):
     assert SCAN_SMEM_BYTES == 66560 and 2 * (SCAN_SMEM_BYTES + 1024) <= 228 * 1024
     source = (kernels.kernels_dir() / "chunk_tc.cu").read_text()
     assert "104,704 B" in source and "66,560 B" in source, "the .cu header states the shared memory"
+
+
+def test_unbounded_launches_its_prepare_and_refuses_the_fused_gate(launches):
+    inputs, beta, state, core, scratch = _call_arguments(65, 2)
+    chunk_tc.chunk_prefill_tc(*inputs, beta, state, core, 65, None, *scratch)
+    assert launches == [
+        ("kda_chunk_tc_prepare_unbounded_f32", (2, 2), (256,), PREPARE_SMEM_BYTES),
+        ("kda_chunk_tc_scan_f32", (2, 4), (128,), SCAN_SMEM_BYTES),
+    ]
+    launches.clear()
+    source = chunk_tc.GateSource(HostStandIn(aligned((65, 256), np.uint16)), _aligned_f32((256,)), _aligned_f32((2,)),
+                                 HostStandIn(aligned((65, 2), np.uint16)))
+    with pytest.raises(ValueError, match="gate_source"):
+        chunk_tc.chunk_prefill_tc(*inputs, beta, state, core, 65, None, *scratch, gate_source=source)
+    assert launches == []
 
 
 def test_wrapper_names_a_bad_scratch_buffer(launches):
@@ -362,6 +420,8 @@ using bf16_t = unsigned short;
 extern "C" void kda_chunk_tc_prepare_gate_f32(const float*, const float*, const float*, float*, float*,
     f16_t*, f16_t*, f16_t*, float*, f16_t*, float*, int, int, float, float, const bf16_t*, const float*,
     const float*, const bf16_t*, int);
+extern "C" void kda_chunk_tc_prepare_unbounded_f32(const float*, const float*, const float*, const float*,
+    const float*, f16_t*, f16_t*, f16_t*, float*, f16_t*, float*, int, int, float, float);
 extern "C" void kda_chunk_tc_scan_f32(const f16_t*, const f16_t*, const f16_t*, const float*, const f16_t*,
     const float*, float*, float*, int, int);
 
@@ -390,8 +450,10 @@ int main(int argc, char** argv)
     auto u = poisoned(padded * heads * D), chunk_decay = poisoned(nchunks * heads * D);
     auto core = std::vector<float>(rows * heads * D, 12345.0f);
     // "fused": the prepare forms gate and beta from forget_proj, dt_bias, a_log and the beta
-    // logits (row stride heads + 3) and writes them over buffers of 7.0.
+    // logits (row stride heads + 3) and writes them over buffers of 7.0. "unbounded": the
+    // prepare for gates without a lower bound.
     const bool fused = argc > 9 && std::string(argv[9]) == "fused";
+    const bool unbounded = argc > 9 && std::string(argv[9]) == "unbounded";
     const int ld_beta = heads + 3;
     std::vector<unsigned short> forget_proj, beta_logits;
     std::vector<float> dt_bias, a_log;
@@ -411,9 +473,10 @@ int main(int argc, char** argv)
                                           forget_proj.data(), dt_bias.data(), a_log.data(), beta_logits.data(),
                                           ld_beta);
         } else {
-            kda_chunk_tc_prepare_f32(query.data(), key.data(), value.data(), gate.data(), beta.data(),
-                                     q_decay.data(), k_tail.data(), w.data(), u.data(), attn.data(),
-                                     chunk_decay.data(), tokens, heads, 1.0f / std::sqrt(128.0f), lower_bound);
+            (unbounded ? kda_chunk_tc_prepare_unbounded_f32 : kda_chunk_tc_prepare_f32)(
+                query.data(), key.data(), value.data(), gate.data(), beta.data(), q_decay.data(), k_tail.data(),
+                w.data(), u.data(), attn.data(), chunk_decay.data(), tokens, heads, 1.0f / std::sqrt(128.0f),
+                lower_bound);
         }
     });
     run_grid(dim3{unsigned(heads), 4, 1}, 128, std::atoi(argv[8]), [&] {
@@ -458,15 +521,16 @@ def host_rows(tokens):
     return chunk_count(tokens) * 64 + 3
 
 
-def run_on_host(binary, inputs, tokens, pad, jitter=False, gate_source=None):
+def run_on_host(binary, inputs, tokens, pad, jitter=False, gate_source=None, unbounded=False):
     """The two kernels on the host emulator; input rows T.. are filled with `pad`. With
     gate_source (forget_proj [rows, H*D] and beta_logits [rows, H + 3] as BF16 bits, dt_bias,
-    a_log), the fused-gate prepare runs and "gate" / "beta" are its outputs."""
+    a_log), the fused-gate prepare runs and "gate" / "beta" are its outputs; unbounded: the
+    prepare for gates without a lower bound."""
     query, key, value, gate, beta, recurrent = inputs
     heads = query.shape[1]
     nchunks = chunk_count(tokens)
     rows = host_rows(tokens)
-    folder = Path(binary).parent / f"T{tokens}-H{heads}-{pad}-{int(jitter)}-{int(gate_source is not None)}"
+    folder = Path(binary).parent / f"T{tokens}-H{heads}-{pad}-{int(jitter)}-{int(gate_source is not None)}-{int(unbounded)}"
     folder.mkdir(exist_ok=True)
     for name, x in (("query", query), ("key", key), ("value", value), ("gate", gate), ("beta", beta)):
         full = np.full((rows,) + x.shape[1:], pad, np.float32)
@@ -481,7 +545,8 @@ def run_on_host(binary, inputs, tokens, pad, jitter=False, gate_source=None):
         np.asarray(a_log, np.float32).tofile(folder / "a_log")
     result = subprocess.run(
         [str(binary), str(folder), str(tokens), str(rows), str(heads), str(LOWER_BOUND), str(int(jitter)),
-         str(PREPARE_SMEM_BYTES), str(SCAN_SMEM_BYTES), "fused" if gate_source is not None else "plain"],
+         str(PREPARE_SMEM_BYTES), str(SCAN_SMEM_BYTES),
+         "fused" if gate_source is not None else "unbounded" if unbounded else "plain"],
         capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr
@@ -530,20 +595,27 @@ def test_kernel_source_on_host_fused_gate(emulator):
     assert_bits_equal(fused["core"][:tokens], plain["core"][:tokens], "host core, fused vs plain prepare")
 
 
-HOST_CASES = [(1, 1, "bounded", "random"), (17, 2, "strong", "random"), (65, 1, "bounded", "zero"),
-              (130, 1, "at_bound", "random")]
+# (tokens, heads, law, state, unbounded): the last three run the prepare for gates without a
+# lower bound (lower_bound None), two of them on the softplus law's gates.
+HOST_CASES = [(1, 1, "bounded", "random", False), (17, 2, "strong", "random", False),
+              (65, 1, "bounded", "zero", False), (130, 1, "at_bound", "random", False),
+              (17, 2, "softplus", "random", True), (65, 1, "softplus", "zero", True),
+              (130, 1, "strong", "random", True)]
 
 
-@pytest.mark.parametrize("tokens,heads,law,state", HOST_CASES, ids=lambda v: str(v))
-def test_kernel_source_on_host_matches_model(emulator, tokens, heads, law, state):
-    inputs = make_inputs(tokens, heads, law, state, seed=SEED + tokens)
-    out, counters = run_on_host(emulator, inputs, tokens, pad=float("nan"))
-    tag = f"host T{tokens}-H{heads}-{law}-{state}"
+@pytest.mark.parametrize("tokens,heads,law,state,unbounded", HOST_CASES, ids=lambda v: str(v))
+def test_kernel_source_on_host_matches_model(emulator, tokens, heads, law, state, unbounded):
+    # Each kernel against the model fed its own inputs, the whole path against the float64
+    # oracle; the unbounded prepare also bit-equal with a NaN and a zero pad (jittered threads).
+    bound = None if unbounded else LOWER_BOUND
+    inputs = make_inputs(tokens, heads, law, state, seed=SEED + tokens + (31 if unbounded else 0))
+    out, counters = run_on_host(emulator, inputs, tokens, pad=float("nan"), unbounded=unbounded)
+    tag = f"host T{tokens}-H{heads}-{law}-{state}" + (" unbounded" if unbounded else "")
     assert counters["not_tf32"] == 0, f"{tag}: {counters['not_tf32']} mma operands not rounded to TF32"
     assert counters["misaligned"] == 0, f"{tag}: {counters['misaligned']} misaligned vector accesses"
-    scratch = model_chunk_tc_prepare(*inputs[:5], LOWER_BOUND)
+    scratch = model_chunk_tc_prepare(*inputs[:5], bound)
     for name in SCRATCH:
-        assert not np.isnan(out[name]).any(), f"{tag}: {name} has elements the prepare never wrote"
+        assert np.isfinite(out[name]).all(), f"{tag}: {name} is not finite, or has elements never written"
         if name != "chunk_decay":  # exp(-320) underflows in FP32, not in float64
             assert_close(out[name], scratch[name], FED_BOUND, f"{tag} {name} vs model")
     fed_core, fed_state = model_chunk_tc_scan(out, inputs[5], tokens)
@@ -553,6 +625,11 @@ def test_kernel_source_on_host_matches_model(emulator, tokens, heads, law, state
     ref_core, ref_state = chunk_scan(*inputs, chunk=64)
     assert_close(out["core"][:tokens], ref_core, TC_BOUND, f"{tag} core vs float64 oracle")
     assert_close(out["state"], ref_state, TC_BOUND, f"{tag} state vs float64 oracle")
+    if unbounded:
+        clean, _ = run_on_host(emulator, inputs, tokens, pad=0.0, jitter=True, unbounded=True)
+        for name in (*SCRATCH, "state"):
+            assert_bits_equal(out[name], clean[name], f"{tag} {name}, NaN pad vs zero pad (jitter)")
+        assert_bits_equal(out["core"][:tokens], clean["core"][:tokens], f"{tag} core, NaN pad vs zero pad")
 
 
 @pytest.mark.parametrize("tokens", [17, 65], ids=lambda t: f"T{t}")
@@ -604,11 +681,11 @@ def _scratch_f32(tokens, heads):
     return {name: cp.full(shape, float("nan"), cp.float32) for name, shape in scratch_shapes(tokens, heads).items()}
 
 
-def _run_tc(device, state, tokens):
+def _run_tc(device, state, tokens, lower_bound=LOWER_BOUND):
     cp = _cp()
     scratch = _scratch(tokens, state.shape[0])
     core = cp.full(device[0].shape, 12345.0, cp.float32)
-    chunk_tc.chunk_prefill_tc(*device, state, core, tokens, LOWER_BOUND, *scratch.values())
+    chunk_tc.chunk_prefill_tc(*device, state, core, tokens, lower_bound, *scratch.values())
     return core, scratch
 
 
@@ -626,16 +703,20 @@ def _run_fp32(device, state, tokens):
 @needs_gpu
 @pytest.mark.parametrize("tokens", GPU_TOKENS, ids=lambda t: f"T{t}")
 @pytest.mark.parametrize("geometry", list(GEOMETRY_HEADS))
-def test_gpu_kernels_against_fp32_path_and_oracle(geometry, tokens, figures):
+@pytest.mark.parametrize("law", ["bounded", "softplus"])
+def test_gpu_kernels_against_fp32_path_and_oracle(law, geometry, tokens, figures):
+    # "softplus": gates without a lower bound, through the unbounded prepare (lower_bound None).
     heads = GEOMETRY_HEADS[geometry]
-    device, start, exact = _device_inputs(tokens, heads, seed=SEED + tokens)
+    bound = LOWER_BOUND if law == "bounded" else None
+    seed = SEED + tokens if law == "bounded" else SEED + 40 + tokens
+    device, start, exact = _device_inputs(tokens, heads, law=law, seed=seed)
     tc_state, fp32_state = start.copy(), start.copy()
-    tc_core, scratch = _run_tc(device, tc_state, tokens)
+    tc_core, scratch = _run_tc(device, tc_state, tokens, lower_bound=bound)
     fp32_core = _run_fp32(device, fp32_state, tokens)
     ref_core, ref_state = chunk_scan(*exact, chunk=64)
-    tag = f"{geometry} T{tokens}"
+    tag = f"{geometry} T{tokens}" + ("" if law == "bounded" else " softplus")
     # Each kernel against the model fed its own inputs: localises a fault to one kernel.
-    model_scratch = model_chunk_tc_prepare(*exact[:5], LOWER_BOUND)
+    model_scratch = model_chunk_tc_prepare(*exact[:5], bound)
     for name in SCRATCH:
         if name != "chunk_decay":
             assert_close(scratch[name].reshape(model_scratch[name].shape), model_scratch[name], FED_BOUND,
