@@ -152,6 +152,16 @@ def _require_lower_bound(lower_bound: float | None) -> None:
         )
 
 
+def _checked_call_needs_work(lower_bound: float | None, gate_source: Any, tokens: int) -> bool:
+    """The checks every prefill call starts with (the bound, the gate source it allows, tokens);
+    False for zero tokens (nothing to launch)."""
+    _require_lower_bound(lower_bound)
+    if lower_bound is None and gate_source is not None:
+        raise ValueError("gate_source forms the bounded law's gate: it needs a lower_bound")
+    _require_int32("tokens", tokens)
+    return tokens != 0
+
+
 def _require_scratch(q_decay, k_tail, w, u, attn, chunk_decay, tokens: int, heads: int) -> None:
     nchunks = chunk_count(tokens)
     padded = nchunks * CHUNK
@@ -201,11 +211,7 @@ def kda_chunk_tc_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, 
     attn = f16(tf32(B)) (zero above the diagonal), chunk_decay = exp(G_last) (FP32); padded
     rows zero.
     """
-    _require_lower_bound(lower_bound)
-    if lower_bound is None and gate_source is not None:
-        raise ValueError("gate_source forms the bounded law's gate: it needs a lower_bound")
-    _require_int32("tokens", tokens)
-    if tokens == 0:
+    if not _checked_call_needs_work(lower_bound, gate_source, tokens):
         return
     heads = _heads_of(beta)
     _require_rows("beta", beta, "f32", tokens, (heads,))
@@ -262,11 +268,7 @@ def chunk_prefill_tc(query, key, value, gate, beta, state, core, tokens: int, lo
     Every argument is checked before the first launch, so a refused call leaves the state
     untouched.
     """
-    _require_lower_bound(lower_bound)
-    if lower_bound is None and gate_source is not None:
-        raise ValueError("gate_source forms the bounded law's gate: it needs a lower_bound")
-    _require_int32("tokens", tokens)
-    if tokens == 0:
+    if not _checked_call_needs_work(lower_bound, gate_source, tokens):
         return
     heads = _heads_of(beta)
     _check_dtype("state", state, "f32")
