@@ -67,22 +67,21 @@
 // of gemm_rows.cu (2 blocks per SM); a kernel of one block per SM may keep more in flight.
 #define GEMM_ROWS_LOADS 8
 
+// The PTX of the predicated 16-byte loads below: zeros, then the load with the cache QUALIFIERS
+// of its kind where `valid` holds. Operands: GEMM_ROWS_LOAD_16B_OPERANDS(value, pointer, valid).
+#define GEMM_ROWS_LOAD_16B(QUALIFIERS)                                                            \
+    "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %5, 0;\n\t"                                             \
+    "mov.b32 %0, 0;\n\tmov.b32 %1, 0;\n\tmov.b32 %2, 0;\n\tmov.b32 %3, 0;\n\t"                    \
+    "@p ld.global.nc" QUALIFIERS ".v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
+#define GEMM_ROWS_LOAD_16B_OPERANDS(value, pointer, valid)                                          \
+    "=r"(value.x), "=r"(value.y), "=r"(value.z), "=r"(value.w) : "l"(pointer), "r"(static_cast<int>(valid))
+
 // 16 bytes of w, streamed once: no L1 allocation, 256-byte L2 prefetch (a warp's
 // next loads continue the same rows). Predicated off (zeros) outside the matrix.
 __device__ __forceinline__ uint4 load_weight_16B(const bf16_t* pointer, bool valid)
 {
     uint4 value;
-    asm("{\n\t"
-        ".reg .pred p;\n\t"
-        "setp.ne.b32 p, %5, 0;\n\t"
-        "mov.b32 %0, 0;\n\t"
-        "mov.b32 %1, 0;\n\t"
-        "mov.b32 %2, 0;\n\t"
-        "mov.b32 %3, 0;\n\t"
-        "@p ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n\t"
-        "}"
-        : "=r"(value.x), "=r"(value.y), "=r"(value.z), "=r"(value.w)
-        : "l"(pointer), "r"(static_cast<int>(valid)));
+    asm(GEMM_ROWS_LOAD_16B(".L1::no_allocate.L2::256B") : GEMM_ROWS_LOAD_16B_OPERANDS(value, pointer, valid));
     return value;
 }
 
@@ -97,17 +96,7 @@ __device__ __forceinline__ void prefetch_l2(const void* pointer)
 __device__ __forceinline__ uint4 load_activation_16B(const bf16_t* pointer, bool valid)
 {
     uint4 value;
-    asm("{\n\t"
-        ".reg .pred p;\n\t"
-        "setp.ne.b32 p, %5, 0;\n\t"
-        "mov.b32 %0, 0;\n\t"
-        "mov.b32 %1, 0;\n\t"
-        "mov.b32 %2, 0;\n\t"
-        "mov.b32 %3, 0;\n\t"
-        "@p ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n\t"
-        "}"
-        : "=r"(value.x), "=r"(value.y), "=r"(value.z), "=r"(value.w)
-        : "l"(pointer), "r"(static_cast<int>(valid)));
+    asm(GEMM_ROWS_LOAD_16B("") : GEMM_ROWS_LOAD_16B_OPERANDS(value, pointer, valid));
     return value;
 }
 
