@@ -53,7 +53,8 @@ __device__ __forceinline__ bf16_t f32_to_bf16(float value)
 // The threads a per-head reduction spans: KDA_HEAD_BLOCK threads, each one channel of a
 // head, and the barrier that joins them. KdaBlockSync is a whole block of KDA_HEAD_BLOCK
 // threads (__syncthreads); a kernel that runs several heads per block passes a group of its
-// own (a named barrier per head) with the same interface. Which threads take part never
+// own with the same interface (the persistent decode: half a block per head, joined by the
+// block barrier). Which threads take part never
 // changes an addition: the sums below depend only on the thread's index within the group.
 struct KdaBlockSync {
     __device__ __forceinline__ int thread() const { return threadIdx.x; }
