@@ -26,10 +26,10 @@ if [ "$part" = sanitize ] || [ "$part" = all ]; then
   timeout 45 compute-sanitizer --tool racecheck --kernel-name kns=kda_ --print-limit 20 python -m pytest -q -p no:cacheprovider \
     tests/test_gpu.py -k "kimi and T15 and C16 or kimi and decode_stages or kimi and fused_decode" 2>&1 \
     | tee "$out/racecheck.log" | tail -4
-  # The tensor-core chunk kernels run for the bounded (GLM) law; <= 16 rows keeps cuBLAS, which
-  # racecheck cannot follow, out of the prefill.
-  timeout 45 compute-sanitizer --tool racecheck --kernel-name kns=kda_chunk_tc --print-limit 20 python -m pytest -q \
-    -p no:cacheprovider tests/test_gpu.py -k "prefill_matches_oracle and glm and C64 and T15" 2>&1 \
+  # The tensor-core chunk kernels: the bounded prepare (GLM's law) and the unbounded one (Kimi's
+  # softplus law); <= 16 rows keeps cuBLAS, which racecheck cannot follow, out of the prefill.
+  timeout 60 compute-sanitizer --tool racecheck --kernel-name kns=kda_chunk_tc --print-limit 20 python -m pytest -q \
+    -p no:cacheprovider tests/test_gpu.py -k "prefill_matches_oracle and C64 and T15" 2>&1 \
     | tee "$out/racecheck_tc.log" | tail -4
   # The prefill conv has no shared memory (a warp per head): memcheck over its vector loads
   # and stores, against decode steps and in two real prefills.

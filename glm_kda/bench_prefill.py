@@ -67,7 +67,7 @@ def bench_geometry(geometry: str, directory: Path, tokens: tuple[int, ...], repe
                    gate_kernel: bool = False) -> list[dict]:
     import cupy
 
-    from . import kernels
+    from . import chunk_tc, kernels
     from .checkpoint import bind_layer
     from .layer import KdaLayer, KdaWorkspace, to_device_bf16
     from .selftest import median_ms
@@ -80,7 +80,9 @@ def bench_geometry(geometry: str, directory: Path, tokens: tuple[int, ...], repe
     hidden = to_device_bf16(synthetic_hidden(max(tokens), config.hidden, seed=3))
     # "tensor": the default, the prepare forming the gate itself (KdaLayer.fused_gate);
     # "tensor-gate-kernel": the gate kernel and the plain prepare, with --gate-kernel.
-    impls = ["fp32"] + (["tensor"] + (["tensor-gate-kernel"] if gate_kernel else []) if config.bounded else [])
+    # The softplus law's "tensor" is the unbounded prepare fed by the gate kernel.
+    fused = chunk_tc.prepare_lower_bound(config) is not None
+    impls = ["fp32", "tensor"] + (["tensor-gate-kernel"] if gate_kernel and fused else [])
     rows = []
     for impl in impls:
         layer.chunk_impl = impl.split("-")[0]

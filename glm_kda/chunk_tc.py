@@ -13,9 +13,8 @@ products through one reference row per 16-row sub-chunk, and the range of those 
 only bounded when every g >= -5 (see the comment above the pair products in the .cu file).
 lower_bound=None takes any gate <= 0 (the softplus law) through
 kda_chunk_tc_prepare_unbounded_f32: the blocks below the diagonal keep the products (both
-factors <= 1 for any gate), the four diagonal blocks are exact FP32 sums. That entry is
-checked against the model in the host emulation (tests/test_chunk_tc.py); the layer does not
-use it yet (it has not been measured on a GPU).
+factors <= 1 for any gate), the four diagonal blocks are exact FP32 sums. The layer takes it
+for the softplus law (:func:`prepare_lower_bound`).
 
 Call sequence (one prefill of T tokens; the scratch is that of ``KdaWorkspace`` with chunk
 64, see :func:`scratch_shapes`)::
@@ -70,24 +69,33 @@ SCRATCH_KINDS = {"q_decay": "f16", "k_tail": "f16", "w": "f16", "u": "f32", "att
 def chunk_tc_supported(config: Any) -> tuple[bool, str]:
     """(usable, reason): whether the tensor-core prefill applies to this KdaConfig.
 
-    Needs D = 128, the bounded gate law with -5 <= lower_bound <= 0 and chunk 64 (the
-    workspace's chunk scratch is sized by config.chunk and reused as is). Otherwise the
-    layer keeps the FP32 path. Device requirement (checked at launch): 104,704 bytes of
-    opt-in shared memory per block (sm_80, sm_90, sm_100; not sm_86 / sm_89 / sm_120).
+    Needs D = 128 and chunk 64 (the workspace's chunk scratch is sized by config.chunk and
+    reused as is). The bounded law with -5 <= lower_bound <= 0 takes the bounded prepare;
+    any other gate (the softplus law, or a bounded law below -5) takes the unbounded one
+    (:func:`prepare_lower_bound`). Otherwise the layer keeps the FP32 path. Device
+    requirement (checked at launch): 104,704 bytes of opt-in shared memory per block (sm_80,
+    sm_90, sm_100; not sm_86 / sm_89 / sm_120).
     """
     if config.head_dim != HEAD_DIM:
         return False, f"head_dim={config.head_dim}: the kernels are compiled for D = {HEAD_DIM}"
-    if not config.bounded:
-        return False, (f"gate law {config.gate_law!r} has no lower bound; the tensor-core path needs "
-                       f"g >= {MIN_LOWER_BOUND} on every token (bounded law)")
-    bound = config.gate_lower_bound
-    if not (MIN_LOWER_BOUND <= bound <= 0.0):
-        return False, (f"gate_lower_bound={bound}: the tensor-core path needs {MIN_LOWER_BOUND} <= "
-                       f"lower_bound <= 0 (the decay factor over 15 tokens is exp(-15 * lower_bound))")
     if config.chunk != CHUNK:
         return False, (f"chunk={config.chunk}: the tensor-core path runs chunk {CHUNK} on the workspace's "
                        f"chunk scratch")
+    bound = prepare_lower_bound(config)
+    if bound is None:
+        law = (f"gate law {config.gate_law!r}" if not config.bounded
+               else f"bounded law with gate_lower_bound={config.gate_lower_bound} < {MIN_LOWER_BOUND}")
+        return True, f"{law}: the unbounded prepare (exact FP32 diagonal blocks), chunk {CHUNK}"
     return True, f"bounded law, lower_bound={bound}, chunk {CHUNK}"
+
+
+def prepare_lower_bound(config: Any) -> float | None:
+    """The lower_bound a tensor-core prefill of this KdaConfig passes: the bounded law's
+    bound where -5 <= bound <= 0 (the bounded prepare, which may also form the gate itself),
+    else None (the unbounded prepare, fed by the gate kernel: any gate <= 0)."""
+    if config.bounded and MIN_LOWER_BOUND <= config.gate_lower_bound <= 0.0:
+        return float(config.gate_lower_bound)
+    return None
 
 
 def chunk_count(tokens: int) -> int:
@@ -473,7 +481,7 @@ def model_chunk_tc(query, key, value, gate, beta, recurrent, lower_bound: float 
 
 __all__ = [
     "CHUNK", "MIN_LOWER_BOUND", "PREPARE_SMEM_BYTES", "SCAN_SMEM_BYTES", "chunk_count", "chunk_prefill_tc",
-    "chunk_tc_supported", "kda_chunk_tc_prepare_f32", "kda_chunk_tc_scan_f32", "model_chunk_tc",
+    "chunk_tc_supported", "prepare_lower_bound", "kda_chunk_tc_prepare_f32", "kda_chunk_tc_scan_f32", "model_chunk_tc",
     "model_chunk_tc_prepare", "model_chunk_tc_scan", "round_tf32", "round_f16", "scratch_shapes", "SCRATCH_KINDS",
     "f16_view", "new_scratch", "GateSource",
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from glm_kda.bench_prefill import PREFILL_GEOMETRIES, block_flops, core_flops, geometry_config
-from glm_kda.chunk_tc import chunk_tc_supported
+from glm_kda.chunk_tc import chunk_tc_supported, prepare_lower_bound
 
 
 def test_geometries_and_which_chunk_kernels_they_take():
@@ -14,7 +14,9 @@ def test_geometries_and_which_chunk_kernels_they_take():
     assert (kimi.hidden, kimi.heads, kimi.bounded) == (2304, 32, False)
     # Kimi's shapes with the bounded law flash-linear-attention's safe-gate path is timed with.
     assert (kimi_bounded.hidden, kimi_bounded.heads, kimi_bounded.gate_lower_bound) == (2304, 32, -5.0)
-    assert [chunk_tc_supported(c)[0] for c in (glm, kimi, kimi_bounded)] == [True, False, True]
+    assert [chunk_tc_supported(c)[0] for c in (glm, kimi, kimi_bounded)] == [True, True, True]
+    # The softplus law takes the unbounded prepare (no lower bound), the other two the bounded one.
+    assert [prepare_lower_bound(c) for c in (glm, kimi, kimi_bounded)] == [-5.0, None, -5.0]
     with pytest.raises(ValueError, match="geometry must be one of"):
         geometry_config("glm-5")
 

@@ -49,6 +49,7 @@ from glm_kda.chunk_tc import (
     SCAN_SMEM_BYTES,
     chunk_count,
     chunk_tc_supported,
+    prepare_lower_bound,
     model_chunk_tc,
     model_chunk_tc_prepare,
     model_chunk_tc_scan,
@@ -250,18 +251,25 @@ def test_round_tf32_is_nearest_ties_away():
 # --------------------------------------------------------------------------------------
 
 
-def test_support_is_the_bounded_law_at_chunk_64():
-    glm, kimi = synthetic_config("glm"), synthetic_config("kimi")
-    ok, reason = chunk_tc_supported(glm)
-    assert ok, reason
-    ok, reason = chunk_tc_supported(kimi)
-    assert not ok and "softplus" in reason
+def test_support_is_chunk_64_and_the_prepare_follows_the_gate_law():
     import dataclasses
 
-    ok, reason = chunk_tc_supported(dataclasses.replace(glm, gate_lower_bound=-6.0))
-    assert not ok and "gate_lower_bound=-6.0" in reason
+    glm, kimi = synthetic_config("glm"), synthetic_config("kimi")
+    ok, reason = chunk_tc_supported(glm)
+    assert ok and "bounded law" in reason, reason
+    assert prepare_lower_bound(glm) == glm.gate_lower_bound == -5.0
+    ok, reason = chunk_tc_supported(kimi)
+    assert ok and "softplus" in reason and "unbounded" in reason, reason
+    assert prepare_lower_bound(kimi) is None
+    below = dataclasses.replace(glm, gate_lower_bound=-6.0)
+    ok, reason = chunk_tc_supported(below)
+    assert ok and "gate_lower_bound=-6.0" in reason and "unbounded" in reason, reason
+    assert prepare_lower_bound(below) is None, "a bound below -5 is outside the bounded prepare's range"
+    assert prepare_lower_bound(dataclasses.replace(glm, gate_lower_bound=-2.5)) == -2.5
     ok, reason = chunk_tc_supported(glm.with_chunk(32))
     assert not ok and "chunk=32" in reason
+    ok, reason = chunk_tc_supported(kimi.with_chunk(16))
+    assert not ok and "chunk=16" in reason
 
 
 def _aligned_f32(shape):

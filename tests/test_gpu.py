@@ -502,13 +502,40 @@ def test_graph_replay_equals_eager_and_recaptures_on_new_pointers(layers):
     assert int(cp.count_nonzero(_bits(other.recurrent) != _bits(eager_after_two))) == 0, "recaptured graph state"
 
 
+def test_copy_into_memcpy_and_strided_fallback():
+    """The decode calls' input and output copies: a memcpy for contiguous arrays, the
+    element-wise copy for strided ones, the same values; a shape or dtype mismatch is refused
+    before anything is written."""
+    from glm_kda.layer import copy_into, copy_of
+
+    cp = _cp()
+    src = cp.arange(48, dtype=cp.int32).reshape(6, 8)
+    dst = cp.full((6, 8), -1, cp.int32)
+    copy_into(dst, src)
+    assert bool((dst == src).all())
+    strided = cp.full((6, 16), -1, cp.int32)[:, ::2]
+    copy_into(strided, src)
+    assert bool((strided == src).all()) and not strided.flags.c_contiguous
+    out = copy_of(src[1:4])
+    assert out.flags.c_contiguous and out.data.ptr != src.data.ptr and bool((out == src[1:4]).all())
+    untouched = cp.full((6, 8), -1, cp.int32)
+    for bad in (cp.zeros((6, 7), cp.int32), cp.zeros((6, 8), cp.float32)):
+        with pytest.raises(ValueError, match="copy_into"):
+            copy_into(untouched, bad)
+    assert int((untouched == -1).sum()) == 48, "a refused copy wrote into its destination"
+
+
+@pytest.mark.parametrize("geometry", ["glm", "kimi"])
 @pytest.mark.parametrize("tokens", [65, 1000], ids=lambda t: f"T{t}")
-def test_tensor_core_prefill_path_matches_oracle(layers, tokens, figures):
-    """chunk_impl="tensor" (TF32 mma chunk kernels): the same end-to-end bound as the FP32
-    path, and its core within 1e-3 of the FP32 kernels' core on the same inputs."""
+def test_tensor_core_prefill_path_matches_oracle(layers, geometry, tokens, figures):
+    """chunk_impl="tensor" (TF32 mma chunk kernels; GLM's bounded law takes the bounded
+    prepare, Kimi's softplus law the unbounded one): the same end-to-end bound as the FP32
+    path, and its core and state within 1e-3 of the FP32 kernels' on the same inputs."""
+    from glm_kda.chunk_tc import prepare_lower_bound
     from glm_kda.layer import KdaLayer
 
-    bound, shared_layer = layers("glm")
+    bound, shared_layer = layers(geometry)
+    assert (prepare_lower_bound(bound.config) is None) == (geometry == "kimi")
     layer = KdaLayer(bound, workspace=shared_layer.workspace, chunk_impl="tensor")
     reference_layer = KdaLayer(bound, workspace=shared_layer.workspace, chunk_impl="fp32")
     start = KdaState.random(bound.config, seed=tokens)
@@ -520,17 +547,20 @@ def test_tensor_core_prefill_path_matches_oracle(layers, tokens, figures):
     out = layer.prefill(hidden, state)
     tensor_core = layer.workspace.core[:tokens].get()
     ratio = rms_ratio(tensor_core, fp32_core)
-    figures.append({"test": f"glm tensor-core prefill T{tokens}", "level": "stage", "core_vs_fp32_path": ratio})
-    assert ratio <= STAGE_BOUND, f"T{tokens}: tensor-core core vs FP32 path rms-ratio {ratio:.3e}"
-    assert rms_ratio(state.recurrent, fp32_state.recurrent) <= STAGE_BOUND
-    check_end_to_end(bound, hidden, out, state, start, f"glm tensor-core T{tokens}", figures)
+    state_ratio = float(rms_ratio(state.recurrent, fp32_state.recurrent))
+    figures.append({"test": f"{geometry} tensor-core prefill T{tokens}", "level": "stage", "core_vs_fp32_path": ratio,
+                    "recurrent_vs_fp32_path": state_ratio})
+    assert ratio <= STAGE_BOUND, f"{geometry} T{tokens}: tensor-core core vs FP32 path rms-ratio {ratio:.3e}"
+    assert state_ratio <= STAGE_BOUND, f"{geometry} T{tokens}: tensor-core state vs FP32 path {state_ratio:.3e}"
+    check_end_to_end(bound, hidden, out, state, start, f"{geometry} tensor-core T{tokens}", figures)
 
 
-def test_tensor_core_prefill_path_refuses_the_softplus_law(layers):
+def test_tensor_core_prefill_path_refuses_another_chunk(layers):
     from glm_kda.layer import KdaLayer
 
-    bound, reference_layer = layers("kimi")
-    with pytest.raises(ValueError, match="chunk_impl='tensor'"):
+    bound, reference_layer = layers("kimi", 32)
+    assert reference_layer.chunk_impl == "fp32", "chunk 32 has no tensor-core path: auto takes the FP32 kernels"
+    with pytest.raises(ValueError, match="chunk_impl='tensor'.*chunk=32"):
         KdaLayer(bound, workspace=reference_layer.workspace, chunk_impl="tensor")
 
 
