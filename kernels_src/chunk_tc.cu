@@ -4,7 +4,7 @@
 // Chunk C = 64 rows, split into 4 sub-chunks of 16; D = KDA_HEAD_DIM = 128. The bounded
 // gate law (g >= lower_bound >= -5, see the range argument in the pair products); the
 // kda_chunk_tc_prepare_unbounded_f32 entry takes any gate <= 0 (the softplus law) by forming
-// the four diagonal 16 x 16 blocks of A and B as exact FP32 sums (diagonal_block_exact).
+// the four diagonal 16 x 16 blocks of A and B as exact FP32 sums (diagonal_blocks_exact).
 //
 // Per chunk and head (t, s rows of the chunk, G_t = sum_{r<=t} g_r per channel, S0 the
 // state [D_k, D_v] at the chunk start), exactly as chunk.cu:
@@ -349,38 +349,71 @@ __device__ __forceinline__ void transpose_slot(int step, int lane, int& t, int& 
     d = (step >> 2) * 8 + (lane >> 4) * 4;
 }
 
-// Diagonal block i of A and B without the reference-row products (whose factor exp(G_r - G_s)
-// for s after r is unbounded without a lower bound on g), by one warp: for each pair s <= t of
-// sub-chunk i, FP32 sums over d in ascending order of k_t (k_s exp(G_t - G_s)) and
+// Pairs s <= t of one 16 x 16 diagonal block.
+#define CHUNK_TC_SUB_PAIRS (CHUNK_TC_SUB * (CHUNK_TC_SUB + 1) / 2)
+
+// The four diagonal blocks of A and B without the reference-row products (whose factor
+// exp(G_r - G_s) for s after r is unbounded without a lower bound on g), by every thread of
+// the block: task k is the pair (t, s), s <= t, number k % 136 of diagonal block k / 136 in
+// row-major order of its lower triangle (the lanes of a warp mostly share t, and their rows s
+// hit distinct banks), an FP32 sum over d in ascending order of k_t (k_s exp(G_t - G_s)) and
 // q_t (k_s exp(G_t - G_s)), every factor <= 1. Writes L = diag(beta) A (s < t) and
-// tf32(scale B) (s <= t), zeros above the diagonal, as the product path does. q rows past
+// tf32(scale B) (s <= t), and zeros above the diagonal, as the product path does. q rows past
 // `valid` are zero by index.
-__device__ __forceinline__ void diagonal_block_exact(const float* key_s, const float* cumgate_s, const float* beta_s,
-                                                     float* lower_s, f16_t* attn_block, const float* query, int first,
-                                                     int valid, size_t row_stride, size_t head_offset, float scale,
-                                                     int i, int lane)
+__device__ __forceinline__ void diagonal_blocks_exact(const float* key_s, const float* cumgate_s, const float* beta_s,
+                                                      float* lower_s, f16_t* attn_block, const float* query, int first,
+                                                      int valid, size_t row_stride, size_t head_offset, float scale,
+                                                      int thread)
 {
-    for (int index = lane; index < CHUNK_TC_SUB * CHUNK_TC_SUB; index += 32) {
-        const int t = CHUNK_TC_SUB * i + index / CHUNK_TC_SUB;
-        const int s = CHUNK_TC_SUB * i + index % CHUNK_TC_SUB;
+    for (int task = thread; task < CHUNK_TC_SUBS * CHUNK_TC_SUB_PAIRS; task += CHUNK_TC_PREPARE_THREADS) {
+        const int i = task / CHUNK_TC_SUB_PAIRS;
+        const int pair = task - i * CHUNK_TC_SUB_PAIRS;
+        int row = 0;
+        while ((row + 1) * (row + 2) / 2 <= pair) {
+            ++row;
+        }
+        const int t = CHUNK_TC_SUB * i + row;
+        const int s = CHUNK_TC_SUB * i + pair - row * (row + 1) / 2;
+        const float* key_t = key_s + t * CHUNK_TC_D_STRIDE;
+        const float* key_src = key_s + s * CHUNK_TC_D_STRIDE;
+        const float* gate_t = cumgate_s + t * CHUNK_TC_D_STRIDE;
+        const float* gate_src = cumgate_s + s * CHUNK_TC_D_STRIDE;
+        const float* query_t = query + static_cast<size_t>(first + t) * row_stride + head_offset;
+        const bool real = t < valid;
         float kk = 0.0f;
         float qk = 0.0f;
-        if (s <= t) {
-            const float* key_t = key_s + t * CHUNK_TC_D_STRIDE;
-            const float* key_src = key_s + s * CHUNK_TC_D_STRIDE;
-            const float* gate_t = cumgate_s + t * CHUNK_TC_D_STRIDE;
-            const float* gate_src = cumgate_s + s * CHUNK_TC_D_STRIDE;
-            const float* query_t = query + static_cast<size_t>(first + t) * row_stride + head_offset;
-            const bool real = t < valid;
-#pragma unroll 4
-            for (int d = 0; d < KDA_HEAD_DIM; ++d) {
-                const float decayed = key_src[d] * expf(gate_t[d] - gate_src[d]);
-                kk = fmaf(key_t[d], decayed, kk);
-                qk = fmaf(real ? query_t[d] : 0.0f, decayed, qk);
+#pragma unroll 2
+        for (int d = 0; d < KDA_HEAD_DIM; d += 4) {
+            float key_row[4];
+            float key_source[4];
+            float gate_row[4];
+            float gate_source[4];
+            float query_row[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            load4(key_row, key_t + d);
+            load4(key_source, key_src + d);
+            load4(gate_row, gate_t + d);
+            load4(gate_source, gate_src + d);
+            if (real) {
+                load4(query_row, query_t + d);
+            }
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float decayed = key_source[e] * expf(gate_row[e] - gate_source[e]);
+                kk = fmaf(key_row[e], decayed, kk);
+                qk = fmaf(query_row[e], decayed, qk);
             }
         }
         lower_s[t * CHUNK_TC_C_STRIDE + s] = s < t ? beta_s[t] * kk : 0.0f;
-        attn_block[t * CHUNK_TC + s] = f32_to_f16(s <= t ? round_tf32(scale * qk) : 0.0f);
+        attn_block[t * CHUNK_TC + s] = f32_to_f16(round_tf32(scale * qk));
+    }
+    for (int index = thread; index < CHUNK_TC_SUBS * CHUNK_TC_SUB * CHUNK_TC_SUB; index += CHUNK_TC_PREPARE_THREADS) {
+        const int base = CHUNK_TC_SUB * (index / (CHUNK_TC_SUB * CHUNK_TC_SUB));
+        const int t = base + (index / CHUNK_TC_SUB) % CHUNK_TC_SUB;
+        const int s = base + index % CHUNK_TC_SUB;
+        if (s > t) {
+            lower_s[t * CHUNK_TC_C_STRIDE + s] = 0.0f;
+            attn_block[t * CHUNK_TC + s] = f32_to_f16(0.0f);
+        }
     }
 }
 
@@ -626,9 +659,7 @@ __device__ __forceinline__ void chunk_tc_prepare(
     for (int pair = warp; pair < CHUNK_TC_SUBS * (CHUNK_TC_SUBS + 1) / 2; pair += CHUNK_TC_PREPARE_WARPS) {
         const int i = (pair >= 1) + (pair >= 3) + (pair >= 6);
         const int j = pair - i * (i + 1) / 2;
-        if (UNBOUNDED && i == j) {  // warp-uniform
-            diagonal_block_exact(key_s, cumgate_s, beta_s, lower_s, attn_block, query, first, valid, row_stride,
-                                 head_offset, scale, i, lane);
+        if (UNBOUNDED && i == j) {  // warp-uniform: formed below by the whole block
             continue;
         }
         const int reference = CHUNK_TC_SUB * i;
@@ -692,6 +723,10 @@ __device__ __forceinline__ void chunk_tc_prepare(
                 attn_block[t * CHUNK_TC + s] = f32_to_f16(s <= t ? round_tf32(scale * acc_qk[n][e]) : 0.0f);
             }
         }
+    }
+    if (UNBOUNDED) {
+        diagonal_blocks_exact(key_s, cumgate_s, beta_s, lower_s, attn_block, query, first, valid, row_stride,
+                              head_offset, scale, thread);
     }
     __syncthreads();
 
@@ -864,7 +899,7 @@ __device__ __forceinline__ void chunk_tc_prepare(
 // UNBOUNDED false) or for gates without a lower bound, the softplus law (NAME
 // kda_chunk_tc_prepare_unbounded_f32, UNBOUNDED true: the blocks below the diagonal keep the
 // products, both factors <= 1 for any gate <= 0, and the diagonal blocks are formed exactly
-// instead, diagonal_block_exact; lower_bound is not read).
+// instead, diagonal_blocks_exact; lower_bound is not read).
 #define CHUNK_TC_PREPARE_ENTRY(NAME, UNBOUNDED)                                                     \
     extern "C" __global__ void __launch_bounds__(CHUNK_TC_PREPARE_THREADS, 2)                       \
         NAME(const float* __restrict__ query, const float* __restrict__ key,                        \
