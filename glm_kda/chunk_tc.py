@@ -13,8 +13,9 @@ products through one reference row per 16-row sub-chunk, and the range of those 
 only bounded when every g >= -5 (see the comment above the pair products in the .cu file).
 lower_bound=None takes any gate <= 0 (the softplus law) through
 kda_chunk_tc_prepare_unbounded_f32: the blocks below the diagonal keep the products (both
-factors <= 1 for any gate), the four diagonal blocks are exact FP32 sums. The layer takes it
-for the softplus law (:func:`prepare_lower_bound`).
+factors <= 1 for any gate); a diagonal block keeps them too where the decay across it is
+within the bounded range (DIAGONAL_RANGE), and is formed as exact FP32 sums where it is not.
+The layer takes it for the softplus law (:func:`prepare_lower_bound`).
 
 Call sequence (one prefill of T tokens; the scratch is that of ``KdaWorkspace`` with chunk
 64, see :func:`scratch_shapes`)::
@@ -50,6 +51,10 @@ SUB_CHUNK = 16
 # The smallest bounded-law lower bound for which the sub-chunk decay factors stay within
 # FP32 range: exp(5 * 15) = 3.7e32 (the argument is in kernels_src/chunk_tc.cu).
 MIN_LOWER_BOUND = -5.0
+# The widest decay across a 16-row diagonal block that the unbounded prepare still forms by
+# the reference-row products (the bounded law's range, 15 gates of at least -5); wider blocks
+# take exact FP32 sums (CHUNK_TC_DIAGONAL_RANGE in the .cu file).
+DIAGONAL_RANGE = -MIN_LOWER_BOUND * (SUB_CHUNK - 1)
 PREPARE_THREADS = 256
 SCAN_THREADS = 128
 SCAN_COLUMNS = 32
@@ -85,7 +90,7 @@ def chunk_tc_supported(config: Any) -> tuple[bool, str]:
     if bound is None:
         law = (f"gate law {config.gate_law!r}" if not config.bounded
                else f"bounded law with gate_lower_bound={config.gate_lower_bound} < {MIN_LOWER_BOUND}")
-        return True, f"{law}: the unbounded prepare (exact FP32 diagonal blocks), chunk {CHUNK}"
+        return True, f"{law}: the unbounded prepare (exact FP32 sums for wide diagonal blocks), chunk {CHUNK}"
     return True, f"bounded law, lower_bound={bound}, chunk {CHUNK}"
 
 
@@ -205,8 +210,9 @@ def kda_chunk_tc_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, 
 
     lower_bound: the bounded law's bound (-5 <= lower_bound <= 0), or None for gates with no
     lower bound (the softplus law): the kda_chunk_tc_prepare_unbounded_f32 entry point, which
-    forms the diagonal 16 x 16 blocks of A and B as exact FP32 sums instead of tensor-core
-    products (their factors are only bounded under a bound on g). Not with `gate_source`.
+    forms a diagonal 16 x 16 block of A and B whose decay exceeds DIAGONAL_RANGE as exact FP32
+    sums instead of tensor-core products (their factors are only bounded under a bound on the
+    decay; :func:`diagonal_in_range`). Not with `gate_source`.
 
     query, key, value, gate [>= T, H, D] and beta [>= T, H] FP32, 16-byte aligned; rows >= T
     are never read. With `gate_source`, gate and beta are OUTPUTS instead: the
@@ -325,6 +331,17 @@ def _blocks(matrix: Any, i: int, j: int) -> Any:
     return matrix[..., SUB_CHUNK * i : SUB_CHUNK * (i + 1), SUB_CHUNK * j : SUB_CHUNK * (j + 1)]
 
 
+def diagonal_in_range(cumgate: Any, i: int) -> Any:
+    """[nchunks, H] bool: whether diagonal block i of each chunk may take the reference-row
+    products in the unbounded prepare: G_r - G_last <= DIAGONAL_RANGE in every channel, r and
+    last its first and last rows, as the kernel's FP32 difference (a NaN is out of range).
+    cumgate [nchunks, H, 64, D], the chunk's cumulative (FP32) gate."""
+    xp = array_module(cumgate)
+    first_row = cumgate[:, :, SUB_CHUNK * i, :].astype(xp.float32)
+    last_row = cumgate[:, :, SUB_CHUNK * (i + 1) - 1, :].astype(xp.float32)
+    return ((first_row - last_row) <= DIAGONAL_RANGE).all(-1)
+
+
 def model_chunk_tc_prepare(query, key, value, gate, beta, lower_bound: float | None, scale: float | None = None,
                            emulate_rounding: bool = True, pad_value: float = 0.0) -> dict[str, Any]:
     """kda_chunk_tc_prepare_f32 in float64: the scratch it writes, in its layouts
@@ -332,8 +349,9 @@ def model_chunk_tc_prepare(query, key, value, gate, beta, lower_bound: float | N
 
     The inputs are padded to a multiple of 64 rows with `pad_value` and the padding is then
     replaced BY INDEX (q = k = v = 0, g = 0, beta = 0) before any arithmetic, as the kernel
-    never reads those rows. lower_bound None: the unbounded prepare (diagonal blocks of A and B
-    as exact sums, the gate only capped at 0).
+    never reads those rows. lower_bound None: the unbounded prepare (a diagonal block of A and B
+    wider than DIAGONAL_RANGE as exact sums, see :func:`diagonal_in_range`; the gate only
+    capped at 0).
     """
     _require_lower_bound(lower_bound)
     xp = array_module(query)
@@ -397,10 +415,18 @@ def model_chunk_tc_prepare(query, key, value, gate, beta, lower_bound: float | N
         pair_kk[:, :, rows, columns] = key_row @ xp.swapaxes(key_source, -1, -2)
         pair_qk[:, :, rows, columns] = query_row @ xp.swapaxes(key_source, -1, -2)
         if lower_bound is None:
-            # The unbounded prepare's diagonal block: sum_d x_t k_s exp(G_t - G_s), no TF32 operands.
+            # The unbounded prepare's diagonal block: the products where its decay is within
+            # DIAGONAL_RANGE (the exponent capped only where it is not, whose products are
+            # replaced), else sum_d x_t k_s exp(G_t - G_s) with no TF32 operands.
+            in_range = diagonal_in_range(cumgate, i)[..., None, None]
+            capped = xp.minimum((reference.astype(gate_dtype) - cumgate[:, :, rows].astype(gate_dtype)).astype(xp.float64),
+                                DIAGONAL_RANGE)
+            diagonal_source = rnd(k[:, :, rows] * xp.exp(capped))
             decayed = k[:, :, None, rows] * exp_of_difference(cumgate[:, :, rows, None], cumgate[:, :, None, rows])
-            pair_kk[:, :, rows, rows] = (k[:, :, rows, None] * decayed).sum(-1)
-            pair_qk[:, :, rows, rows] = (q[:, :, rows, None] * decayed).sum(-1)
+            pair_kk[:, :, rows, rows] = xp.where(in_range, key_row @ xp.swapaxes(diagonal_source, -1, -2),
+                                                 (k[:, :, rows, None] * decayed).sum(-1))
+            pair_qk[:, :, rows, rows] = xp.where(in_range, query_row @ xp.swapaxes(diagonal_source, -1, -2),
+                                                 (q[:, :, rows, None] * decayed).sum(-1))
     position = xp.arange(CHUNK)
     strict = position[:, None] > position[None, :]
     inclusive = position[:, None] >= position[None, :]
@@ -481,7 +507,8 @@ def model_chunk_tc(query, key, value, gate, beta, recurrent, lower_bound: float 
 
 __all__ = [
     "CHUNK", "MIN_LOWER_BOUND", "PREPARE_SMEM_BYTES", "SCAN_SMEM_BYTES", "chunk_count", "chunk_prefill_tc",
-    "chunk_tc_supported", "prepare_lower_bound", "kda_chunk_tc_prepare_f32", "kda_chunk_tc_scan_f32", "model_chunk_tc",
+    "chunk_tc_supported", "prepare_lower_bound", "diagonal_in_range", "DIAGONAL_RANGE", "kda_chunk_tc_prepare_f32",
+    "kda_chunk_tc_scan_f32", "model_chunk_tc",
     "model_chunk_tc_prepare", "model_chunk_tc_scan", "round_tf32", "round_f16", "scratch_shapes", "SCRATCH_KINDS",
     "f16_view", "new_scratch", "GateSource",
 ]

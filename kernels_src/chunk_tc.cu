@@ -3,8 +3,9 @@
 // reference path), with every matrix product on mma.sync m16n8k8 TF32 -> FP32.
 // Chunk C = 64 rows, split into 4 sub-chunks of 16; D = KDA_HEAD_DIM = 128. The bounded
 // gate law (g >= lower_bound >= -5, see the range argument in the pair products); the
-// kda_chunk_tc_prepare_unbounded_f32 entry takes any gate <= 0 (the softplus law) by forming
-// the four diagonal 16 x 16 blocks of A and B as exact FP32 sums (diagonal_blocks_exact).
+// kda_chunk_tc_prepare_unbounded_f32 entry takes any gate <= 0 (the softplus law): a diagonal
+// 16 x 16 block of A and B whose decay exceeds the bounded range is formed as exact FP32 sums
+// (diagonal_blocks_exact), every other block as in the bounded prepare.
 //
 // Per chunk and head (t, s rows of the chunk, G_t = sum_{r<=t} g_r per channel, S0 the
 // state [D_k, D_v] at the chunk start), exactly as chunk.cu:
@@ -349,12 +350,36 @@ __device__ __forceinline__ void transpose_slot(int step, int lane, int& t, int& 
     d = (step >> 2) * 8 + (lane >> 4) * 4;
 }
 
+// The largest decay across a diagonal block (G_r - G_s, r its first row, s its last, in any
+// channel) for which the unbounded prepare still forms the block by the reference-row
+// products: the factors exp(G_r - G_s) stay below exp(75) = 3.7e32 and exp(G_t - G_r) above
+// exp(-75), the range a bound of -5 gives the bounded prepare (the argument above the pair
+// products). Wider blocks take the exact sums.
+#define CHUNK_TC_DIAGONAL_RANGE (-CHUNK_TC_MIN_LOWER_BOUND * (CHUNK_TC_SUB - 1))
+
+// Whether diagonal block i is within CHUNK_TC_DIAGONAL_RANGE in every channel, by one warp
+// (warp-uniform; a NaN counts as out of range). G never increases along the chunk (every
+// gate is capped at 0), so the first and last rows of the block bound every pair in it.
+__device__ __forceinline__ bool diagonal_in_range(const float* cumgate_s, int i, int lane)
+{
+    float first_row[4];
+    float last_row[4];
+    load4(first_row, cumgate_s + CHUNK_TC_SUB * i * CHUNK_TC_D_STRIDE + 4 * lane);
+    load4(last_row, cumgate_s + (CHUNK_TC_SUB * i + CHUNK_TC_SUB - 1) * CHUNK_TC_D_STRIDE + 4 * lane);
+    bool in_range = true;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        in_range = in_range && first_row[e] - last_row[e] <= CHUNK_TC_DIAGONAL_RANGE;
+    }
+    return __all_sync(KDA_FULL_WARP_MASK, in_range);
+}
+
 // Pairs s <= t of one 16 x 16 diagonal block.
 #define CHUNK_TC_SUB_PAIRS (CHUNK_TC_SUB * (CHUNK_TC_SUB + 1) / 2)
 
-// The four diagonal blocks of A and B without the reference-row products (whose factor
-// exp(G_r - G_s) for s after r is unbounded without a lower bound on g), by every thread of
-// the block: task k is the pair (t, s), s <= t, number k % 136 of diagonal block k / 136 in
+// The diagonal blocks i with exact[i] set, of A and B, without the reference-row products
+// (whose factor exp(G_r - G_s) for s after r is unbounded without a lower bound on g), by every
+// thread of the block: task k is the pair (t, s), s <= t, number k % 136 of diagonal block k / 136 in
 // row-major order of its lower triangle (the lanes of a warp mostly share t, and their rows s
 // hit distinct banks), an FP32 sum over d in ascending order of k_t (k_s exp(G_t - G_s)) and
 // q_t (k_s exp(G_t - G_s)), every factor <= 1. Writes L = diag(beta) A (s < t) and
@@ -363,10 +388,13 @@ __device__ __forceinline__ void transpose_slot(int step, int lane, int& t, int& 
 __device__ __forceinline__ void diagonal_blocks_exact(const float* key_s, const float* cumgate_s, const float* beta_s,
                                                       float* lower_s, f16_t* attn_block, const float* query, int first,
                                                       int valid, size_t row_stride, size_t head_offset, float scale,
-                                                      int thread)
+                                                      const int* exact, int thread)
 {
     for (int task = thread; task < CHUNK_TC_SUBS * CHUNK_TC_SUB_PAIRS; task += CHUNK_TC_PREPARE_THREADS) {
         const int i = task / CHUNK_TC_SUB_PAIRS;
+        if (!exact[i]) {
+            continue;
+        }
         const int pair = task - i * CHUNK_TC_SUB_PAIRS;
         int row = 0;
         while ((row + 1) * (row + 2) / 2 <= pair) {
@@ -410,7 +438,7 @@ __device__ __forceinline__ void diagonal_blocks_exact(const float* key_s, const 
         const int base = CHUNK_TC_SUB * (index / (CHUNK_TC_SUB * CHUNK_TC_SUB));
         const int t = base + (index / CHUNK_TC_SUB) % CHUNK_TC_SUB;
         const int s = base + index % CHUNK_TC_SUB;
-        if (s > t) {
+        if (s > t && exact[base / CHUNK_TC_SUB]) {
             lower_s[t * CHUNK_TC_C_STRIDE + s] = 0.0f;
             attn_block[t * CHUNK_TC + s] = f32_to_f16(0.0f);
         }
@@ -446,6 +474,8 @@ __device__ __forceinline__ void chunk_tc_prepare(
     float* beta_s = shared + 3 * CHUNK_TC_UNIT;
     float* value_t_s = key_s;
     float* key_beta_t_s = cumgate_s;
+    // UNBOUNDED: which diagonal blocks take the exact sums (set by their warps in phase 2).
+    __shared__ int exact_s[CHUNK_TC_SUBS];
 
     const int chunk_index = blockIdx.x;
     const int head = blockIdx.y;
@@ -654,13 +684,23 @@ __device__ __forceinline__ void chunk_tc_prepare(
     // TF32 share the 8-bit exponent). So every operand is finite,
     // products of a pair s <= t are <= 1 in size, and the entries s > t of a diagonal
     // block (discarded below) stay below 128 * 3.7e32. This needs g >= -5 on every token:
-    // the bounded law with lower_bound >= -5 (the clamp in the load enforces it); the
-    // softplus law has no bound and uses the FP32 path.
+    // the bounded law with lower_bound >= -5 (the clamp in the load enforces it). Without a
+    // bound (the unbounded prepare) the blocks below the diagonal still hold (the second
+    // factor is <= 1 for any gate <= 0) and each diagonal block checks its own range
+    // (diagonal_in_range), taking exact sums beyond it.
     for (int pair = warp; pair < CHUNK_TC_SUBS * (CHUNK_TC_SUBS + 1) / 2; pair += CHUNK_TC_PREPARE_WARPS) {
         const int i = (pair >= 1) + (pair >= 3) + (pair >= 6);
         const int j = pair - i * (i + 1) / 2;
-        if (UNBOUNDED && i == j) {  // warp-uniform: formed below by the whole block
-            continue;
+        if (UNBOUNDED && i == j) {
+            // Within the bounded range the products below serve; else the exact sums after
+            // the loop (warp-uniform either way).
+            const bool exact = !diagonal_in_range(cumgate_s, i, lane);
+            if (lane == 0) {
+                exact_s[i] = exact;
+            }
+            if (exact) {
+                continue;
+            }
         }
         const int reference = CHUNK_TC_SUB * i;
         const int row_low = CHUNK_TC_SUB * i + group_lane;
@@ -724,11 +764,12 @@ __device__ __forceinline__ void chunk_tc_prepare(
             }
         }
     }
-    if (UNBOUNDED) {
-        diagonal_blocks_exact(key_s, cumgate_s, beta_s, lower_s, attn_block, query, first, valid, row_stride,
-                              head_offset, scale, thread);
-    }
     __syncthreads();
+    if (UNBOUNDED && (exact_s[0] | exact_s[1] | exact_s[2] | exact_s[3])) {  // block-uniform
+        diagonal_blocks_exact(key_s, cumgate_s, beta_s, lower_s, attn_block, query, first, valid, row_stride,
+                              head_offset, scale, exact_s, thread);
+        __syncthreads();
+    }
 
     // v rows for value_t_s (phase 3), loaded now so that the diagonal
     // inverse blocks hide their latency.
@@ -898,8 +939,8 @@ __device__ __forceinline__ void chunk_tc_prepare(
 // The prepare reading gate and beta, for the bounded law (NAME kda_chunk_tc_prepare_f32,
 // UNBOUNDED false) or for gates without a lower bound, the softplus law (NAME
 // kda_chunk_tc_prepare_unbounded_f32, UNBOUNDED true: the blocks below the diagonal keep the
-// products, both factors <= 1 for any gate <= 0, and the diagonal blocks are formed exactly
-// instead, diagonal_blocks_exact; lower_bound is not read).
+// products, both factors <= 1 for any gate <= 0, and a diagonal block wider than the bounded
+// range is formed exactly instead, diagonal_blocks_exact; lower_bound is not read).
 #define CHUNK_TC_PREPARE_ENTRY(NAME, UNBOUNDED)                                                     \
     extern "C" __global__ void __launch_bounds__(CHUNK_TC_PREPARE_THREADS, 2)                       \
         NAME(const float* __restrict__ query, const float* __restrict__ key,                        \

@@ -1,7 +1,7 @@
 """The CUDA subset the kernels use, on the host: enough to compile a kernel file as C++ and run
 its grid with one std::thread per CUDA thread, so CPU CI runs the kernel source itself.
 
-  HOST_CUDA_HEADER   types, bit casts, __syncthreads / __syncwarp (std::barrier), warp
+  HOST_CUDA_HEADER   types, bit casts, __syncthreads / __syncwarp (std::barrier), warp votes and
                      shuffles (a slot per lane and two warp barriers), static __shared__ arrays
                      (function statics: the blocks run one after the other), alignment-checked
                      vector casts, and shims for the intrinsics with no host twin
@@ -97,6 +97,17 @@ template <class T> T __shfl_sync(unsigned, T v, int source_lane)
 template <class T> T __shfl_xor_sync(unsigned mask, T v, int lane_mask)
 {
     return __shfl_sync(mask, v, (threadIdx.x & 31) ^ lane_mask);
+}
+inline int __all_sync(unsigned, int predicate)
+{
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    shuffle_slots[warp][lane] = predicate ? 1u : 0u;
+    maybe_sleep();
+    warp_barriers[warp]->arrive_and_wait();
+    int all = 1;
+    for (int l = 0; l < 32; ++l) all = all && shuffle_slots[warp][l] != 0u;
+    warp_barriers[warp]->arrive_and_wait();
+    return all;
 }
 template <class T, class P> T* checked_cast(P* p)
 {

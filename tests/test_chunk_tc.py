@@ -611,6 +611,30 @@ HOST_CASES = [(1, 1, "bounded", "random", False), (17, 2, "strong", "random", Fa
               (130, 1, "strong", "random", True)]
 
 
+def _diagonal_forms(tokens, heads, law, state, seed):
+    """[nchunks][4][H] of diagonal_in_range for make_inputs' gate, cumulated in FP32 per chunk
+    with the padding zero, as the unbounded prepare sees it."""
+    gate = np.minimum(make_inputs(tokens, heads, law, state, seed=seed)[3], 0.0)
+    nchunks = chunk_count(tokens)
+    padded = np.zeros((nchunks * 64, heads, 128), np.float32)
+    padded[:tokens] = gate
+    cumgate = np.cumsum(padded.reshape(nchunks, 64, heads, 128), axis=1, dtype=np.float32).transpose(0, 2, 1, 3)
+    return np.stack([chunk_tc.diagonal_in_range(cumgate, i) for i in range(4)], axis=1)
+
+
+def test_unbounded_host_cases_reach_both_diagonal_forms():
+    """The unbounded prepare's host cases cover the exact sums and the products for diagonal
+    blocks, and both in one chunk: softplus T17 H2 (head 0's first block exact, the rest
+    products), softplus T65 (chunk 0 exact throughout), strong (decays of 73 - 75, just
+    within the range, products throughout)."""
+    forms = {(t, h, law): _diagonal_forms(t, h, law, state, SEED + t + 31)
+             for t, h, law, state, unbounded in HOST_CASES if unbounded}
+    mixed = forms[17, 2, "softplus"]
+    assert not mixed[0, 0, 0] and mixed[0, 0, 1] and mixed[0, 1:].all(), mixed
+    assert not forms[65, 1, "softplus"][0].any() and forms[65, 1, "softplus"][1].all()
+    assert forms[130, 1, "strong"].all()
+
+
 @pytest.mark.parametrize("tokens,heads,law,state,unbounded", HOST_CASES, ids=lambda v: str(v))
 def test_kernel_source_on_host_matches_model(emulator, tokens, heads, law, state, unbounded):
     # Each kernel against the model fed its own inputs, the whole path against the float64
