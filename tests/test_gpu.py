@@ -276,7 +276,9 @@ def test_timing_reports_sections_and_kernels(layers):
         layer.prefill(hidden, state)
         layer.decode(hidden[0], state)
     summary = timer.summary()
-    for name in ("[front_end]", "[recurrence]", "[back_end]", "kda_chunk_scan_f32", "kda_decode_fused_bf16"):
+    # Kimi's softplus law: the gate kernel, then the unbounded tensor-core prepare and the scan.
+    for name in ("[front_end]", "[recurrence]", "[back_end]", "gate_beta_f32", "kda_chunk_tc_prepare_unbounded_f32",
+                 "kda_chunk_tc_scan_f32", "kda_decode_fused_bf16"):
         assert name in summary and summary[name] > 0, f"{name} missing from timing: {sorted(summary)}"
     assert any(name.startswith("gemm_rows_bf16_m") and time > 0 for name, time in summary.items()), \
         f"no gemm_rows_bf16 entry point in timing: {sorted(summary)}"
