@@ -405,28 +405,26 @@ def model_chunk_tc_prepare(query, key, value, gate, beta, lower_bound: float | N
     pair_qk = xp.zeros((nchunks, heads, CHUNK, CHUNK))
     for i in range(CHUNK // SUB_CHUNK):
         rows = slice(SUB_CHUNK * i, SUB_CHUNK * (i + 1))
-        # The unbounded prepare forms the diagonal block below, not by the product.
-        columns = slice(0, SUB_CHUNK * (i + (lower_bound is not None)))
+        columns = slice(0, SUB_CHUNK * (i + 1))
         reference = cumgate[:, :, SUB_CHUNK * i : SUB_CHUNK * i + 1, :]
         factor = exp_of_difference(cumgate[:, :, rows], reference)
         key_row = rnd(k[:, :, rows] * factor)
         query_row = rnd(q[:, :, rows] * factor)
-        key_source = rnd(k[:, :, columns] * exp_of_difference(reference, cumgate[:, :, columns]))
+        source_exponent = (reference.astype(gate_dtype) - cumgate[:, :, columns].astype(gate_dtype)).astype(xp.float64)
+        if lower_bound is None:
+            # Only a diagonal block wider than DIAGONAL_RANGE reaches the cap (the earlier
+            # columns' exponents are <= 0), and its products are replaced below.
+            source_exponent = xp.minimum(source_exponent, DIAGONAL_RANGE)
+        key_source = rnd(k[:, :, columns] * xp.exp(source_exponent))
         pair_kk[:, :, rows, columns] = key_row @ xp.swapaxes(key_source, -1, -2)
         pair_qk[:, :, rows, columns] = query_row @ xp.swapaxes(key_source, -1, -2)
         if lower_bound is None:
-            # The unbounded prepare's diagonal block: the products where its decay is within
-            # DIAGONAL_RANGE (the exponent capped only where it is not, whose products are
-            # replaced), else sum_d x_t k_s exp(G_t - G_s) with no TF32 operands.
+            # The unbounded prepare's diagonal block where its decay exceeds DIAGONAL_RANGE:
+            # sum_d x_t k_s exp(G_t - G_s) with no TF32 operands.
             in_range = diagonal_in_range(cumgate, i)[..., None, None]
-            capped = xp.minimum((reference.astype(gate_dtype) - cumgate[:, :, rows].astype(gate_dtype)).astype(xp.float64),
-                                DIAGONAL_RANGE)
-            diagonal_source = rnd(k[:, :, rows] * xp.exp(capped))
             decayed = k[:, :, None, rows] * exp_of_difference(cumgate[:, :, rows, None], cumgate[:, :, None, rows])
-            pair_kk[:, :, rows, rows] = xp.where(in_range, key_row @ xp.swapaxes(diagonal_source, -1, -2),
-                                                 (k[:, :, rows, None] * decayed).sum(-1))
-            pair_qk[:, :, rows, rows] = xp.where(in_range, query_row @ xp.swapaxes(diagonal_source, -1, -2),
-                                                 (q[:, :, rows, None] * decayed).sum(-1))
+            for pair, x in ((pair_kk, k), (pair_qk, q)):
+                pair[:, :, rows, rows] = xp.where(in_range, pair[:, :, rows, rows], (x[:, :, rows, None] * decayed).sum(-1))
     position = xp.arange(CHUNK)
     strict = position[:, None] > position[None, :]
     inclusive = position[:, None] >= position[None, :]
