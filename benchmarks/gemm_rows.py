@@ -17,7 +17,8 @@ own start and drain of a kernel, a few microseconds that dominate the small shap
 Launches rotate over enough copies of the weight (at least 4) that together they
 exceed three times the L2 cache, so every launch reads its weight from memory; the
 line says how many copies and whether a single copy alone would fit in L2.
-For comparison ops.gemv_bf16 (the CUDA-core GEMV of up to 16 rows) is timed at rows
+Every row count runs with the weight row-major and in gemm_rows' packed layout
+(`layout`), and the two outputs must agree bit for bit. For comparison ops.gemv_bf16 (the CUDA-core GEMV of up to 16 rows) is timed at rows
 1 and 16 of every shape.
 
     PYTHONPATH=. python benchmarks/gemm_rows.py [--launches 200] [--sweep]
@@ -37,7 +38,7 @@ import cupy
 import numpy as np
 
 from glm_kda import ops
-from glm_kda.gemm_rows import GEMM_ROWS_BLOCKS_PER_SM, gemm_rows_bf16, launch_plan, weight_bytes
+from glm_kda.gemm_rows import GEMM_ROWS_BLOCKS_PER_SM, gemm_rows_bf16, launch_plan, pack_weight, weight_bytes
 from glm_kda.selftest import copy_bandwidth_gbs
 
 # (geometry, projection, n, k)
@@ -158,14 +159,20 @@ def main() -> None:
                 "weight_copies": len(weights), "one_copy_fits_l2": nbytes <= l2_bytes, **common,
             }), flush=True)
 
+        layouts = {"row_major": weights, "packed": [pack_weight(w) for w in weights]}
         for rows in ROWS:
             plan = launch_plan(n, k, rows, sm_count=sm_count)
+            results = {}
+            for layout, copies in layouts.items():
 
-            def launch(index: int, rows: int = rows) -> None:
-                gemm_rows_bf16(x[:rows], weights[index], out[:rows], rows=rows)
+                def launch(index: int, rows: int = rows, copies=copies) -> None:
+                    gemm_rows_bf16(x[:rows], copies[index], out[:rows], rows=rows)
 
-            record("gemm_rows_bf16", rows, *_time_launches(launch, len(weights), args.launches),
-                   grid=list(plan.grid), tiles_per_warp=plan.tiles_per_warp, entry=plan.kernel)
+                record("gemm_rows_bf16", rows, *_time_launches(launch, len(copies), args.launches),
+                       grid=list(plan.grid), tiles_per_warp=plan.tiles_per_warp, entry=plan.kernel, layout=layout)
+                results[layout] = out[:rows].copy()
+            if not bool((results["packed"] == results["row_major"]).all()):
+                raise SystemExit(f"{geometry} {projection} rows {rows}: the packed layout changed bits")
 
         if args.sweep:
             for rows in (1, 4, 16, 64):
@@ -178,14 +185,18 @@ def main() -> None:
                     whole = launch_plan(n, k, rows, tiles, sm_count, blocks=10**9).grid[0]
                     resident = sm_count * GEMM_ROWS_BLOCKS_PER_SM
                     for blocks in (whole, resident) if resident < whole else (whole,):
+                        for layout, copies in layouts.items():
 
-                        def launch(index: int, rows: int = rows, tiles: int = tiles, blocks=blocks) -> None:
-                            gemm_rows_bf16(x[:rows], weights[index], out[:rows], rows=rows,
-                                           tiles_per_warp=tiles, blocks=blocks)
+                            def launch(index: int, rows: int = rows, tiles: int = tiles, blocks=blocks,
+                                       copies=copies) -> None:
+                                gemm_rows_bf16(x[:rows], copies[index], out[:rows], rows=rows,
+                                               tiles_per_warp=tiles, blocks=blocks)
 
-                        swept = launch_plan(n, k, rows, tiles, sm_count, blocks)
-                        record("gemm_rows_bf16", rows, *_time_launches(launch, len(weights), args.launches),
-                               grid=list(swept.grid), tiles_per_warp=tiles, entry=swept.kernel, sweep=True)
+                            swept = launch_plan(n, k, rows, tiles, sm_count, blocks)
+                            record("gemm_rows_bf16", rows, *_time_launches(launch, len(copies), args.launches),
+                                   grid=list(swept.grid), tiles_per_warp=tiles, entry=swept.kernel, sweep=True,
+                                   layout=layout)
+        del layouts
 
         for rows in GEMV_ROWS:
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import cupy
 
@@ -41,6 +42,56 @@ PREFETCH_K_BLOCKS = 16
 # o_proj asks for 32 MB at once, beside the step's state) cost GLM 0.5-1.8 us in every run, while
 # Kimi's (its o_proj asks for its whole 19 MB) saved it 0.9-1.5 us.
 PREFETCH_MAX_WEIGHT_BYTES: int | None = 32 << 20
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A [n, k] BF16 weight in the packed layout of kernels_src/gemm_rows.cuh, made by
+    :func:`pack_weight`: ``data[tile, kb, 8 * lane + e] = w[8 tile + lane // 4, 32 kb + 8 (lane % 4) + e]``
+    (zeros past n and k), shape [ceil(n / 8), ceil(k / 32), 256]. A warp of the projection
+    reads each tile's k range as one run of contiguous bytes; the values it loads, and so the
+    bits of every output, are those of the row-major weight."""
+
+    data: Any
+    n: int
+    k: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(n, k) of the weight it holds."""
+        return (self.n, self.k)
+
+    @property
+    def packed_shape(self) -> tuple[int, int, int]:
+        return packed_shape(self.n, self.k)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+
+def packed_shape(n: int, k: int) -> tuple[int, int, int]:
+    """Shape of the packed layout of a [n, k] weight: [ceil(n / 8), ceil(k / 32), 256]."""
+    return (-(-n // N_TILE), -(-k // K_BLOCK), N_TILE * K_BLOCK)
+
+
+def pack_weight(w: Any) -> PackedWeight:
+    """The packed layout of a [n, k] BF16 weight (a CuPy or NumPy array; the result lives
+    where w does). k must be a multiple of 8, like every weight of gemm_rows_bf16."""
+    xp = cupy.get_array_module(w)
+    if w.ndim != 2 or w.shape[0] < 1 or w.shape[1] < 1:
+        raise ValueError(f"pack_weight: w must be [n, k] with n, k >= 1, got {list(w.shape)}")
+    if w.dtype.itemsize != 2:
+        raise TypeError(f"pack_weight: w must be BF16 (2-byte elements), got {w.dtype}")
+    n, k = (int(v) for v in w.shape)
+    if k % 8:
+        raise ValueError(f"pack_weight: k = {k} must be a multiple of 8")
+    tiles, k_blocks, _ = packed_shape(n, k)
+    padded = xp.zeros((tiles * N_TILE, k_blocks * K_BLOCK), w.dtype)
+    padded[:n, :k] = w
+    # [tile, g, kb, t, e] -> [tile, kb, g, t, e]: lane 4 g + t holds row g, k 8 t .. 8 t + 7.
+    data = padded.reshape(tiles, N_TILE, k_blocks, 4, 8).transpose(0, 2, 1, 3, 4)
+    return PackedWeight(xp.ascontiguousarray(data).reshape(packed_shape(n, k)), n, k)
 
 
 @dataclass(frozen=True)
@@ -144,6 +195,9 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
     shape) and ``blocks`` (the most blocks along n, None to choose) tune the launch and
     leave every bit unchanged.
 
+    ``w`` may also be a :class:`PackedWeight` of the same weight (:func:`pack_weight`): the
+    same bits, the weight read in contiguous runs.
+
     ``programmatic``: launch as a programmatic dependent of the previous kernel in the
     stream (sm_90 and later): the blocks start while that kernel drains, ask L2 for their
     first weight bytes, and wait for it before they read x or write out. For a launch whose
@@ -152,11 +206,12 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
     rows, n, k, ldx, ldy = projection_args("gemm_rows_bf16", x, w, out, rows, GEMM_ROWS_MAX_ROWS)
     plan = launch_plan(n, k, rows, tiles_per_warp, _sm_count(cupy.cuda.Device().id), blocks)
     prefetch = prefetch_k_blocks(n, k) if programmatic else 0
+    packed = isinstance(w, PackedWeight)
     kernels.launch(
-        plan.kernel,
+        plan.kernel.replace("gemm_rows_", "gemm_rows_packed_") if packed else plan.kernel,
         plan.grid,
         plan.block,
-        (x, _i32(ldx), w, out, _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(prefetch)),
+        (x, _i32(ldx), w.data if packed else w, out, _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(prefetch)),
         programmatic=programmatic,
     )
 

@@ -190,7 +190,7 @@ class KdaLayer:
     CHUNK_IMPLS = ("auto", "fp32", "tensor")
 
     def __init__(self, bound: BoundLayer, max_tokens: int = 4096, workspace: KdaWorkspace | None = None,
-                 chunk_impl: str = "auto"):
+                 chunk_impl: str = "auto", packed_decode: bool = True):
         require_gpu("KdaLayer")
         self.config = bound.config.validate()
         self.layer_idx = bound.layer_idx
@@ -229,6 +229,34 @@ class KdaLayer:
         # the output as tasks), bit for bit what the separate launches compute; False: those
         # launches. Needs fused_decode and an even head count.
         self.persistent_decode = PERSISTENT_DECODE
+        self._packed: dict[str, gemm_rows.PackedWeight] = {}
+        self.packed_decode = packed_decode
+
+    # The weights every decode-side projection reads (the attribute names).
+    DECODE_WEIGHTS = ("qkv_weight", "down_weight", "f_b", "g_b", "o_proj")
+
+    @property
+    def packed_decode(self) -> bool:
+        """Whether the decode-side projections read their weights in gemm_rows' packed layout
+        (True, the default: a copy of each made when this is set, as many bytes again as the
+        five projection weights) or the row-major arrays the prefill's cuBLAS reads (False: no
+        copy). The same bits either way (tests/test_gpu.py); the packed layout streams in
+        contiguous runs (benchmarks/NOTES.md has the timings). Setting it drops the captured
+        decode graphs."""
+        return bool(self._packed)
+
+    @packed_decode.setter
+    def packed_decode(self, value: bool) -> None:
+        if bool(value) == bool(self._packed):
+            return
+        self._graphs.clear()
+        self._packed = ({name: gemm_rows.pack_weight(getattr(self, name)) for name in self.DECODE_WEIGHTS}
+                        if value else {})
+
+    def decode_weight(self, name: str) -> Any:
+        """The weight `name` (one of DECODE_WEIGHTS) as the decode-side projections read it: its
+        packed copy with packed_decode, else the array itself."""
+        return self._packed.get(name) or getattr(self, name)
 
     @property
     def chunk_impl(self) -> str:
@@ -344,12 +372,13 @@ class KdaLayer:
             gemm_rows.gemm_rows_bf16(x[start:stop], weight, out[start:stop], rows=stop - start,
                                      programmatic=after_kernel or start > 0)
 
-    def _project(self, x: Any, weight: Any, out: Any, wide: bool, after_kernel: bool = False) -> None:
+    def _project(self, x: Any, weight: str, out: Any, wide: bool, after_kernel: bool = False) -> None:
+        """x @ the weight named `weight` (one of DECODE_WEIGHTS) into out."""
         if wide:
             # Prefill only: cuBLAS reassociates, which no bit-exact path may see.
-            ops.gemm_bf16_cublas(x, weight, out)
+            ops.gemm_bf16_cublas(x, getattr(self, weight), out)
         else:
-            self._project_decode(x, weight, out, after_kernel)
+            self._project_decode(x, self.decode_weight(weight), out, after_kernel)
 
     def gate_source(self, first: int = 0) -> chunk_tc.GateSource:
         """Workspace rows first.. of what the forget gate and beta are formed from."""
@@ -376,12 +405,12 @@ class KdaLayer:
         d = c.head_dim
         with self._beside(not wide and not kernels.TIMER.active) as side:
             with side:
-                self._project(hidden, self.down_weight, ws.down_proj[:rows], wide)
-                self._project(ws.down_proj[:rows, :d], self.f_b, ws.forget_proj[:rows], wide, after_kernel=True)
+                self._project(hidden, "down_weight", ws.down_proj[:rows], wide)
+                self._project(ws.down_proj[:rows, :d], "f_b", ws.forget_proj[:rows], wide, after_kernel=True)
                 if gate:
                     self.gate_beta(rows)
-                self._project(ws.down_proj[:rows, d : 2 * d], self.g_b, ws.out_gate[:rows], wide, after_kernel=True)
-            self._project(hidden, self.qkv_weight, ws.qkv_proj[:rows], wide)
+                self._project(ws.down_proj[:rows, d : 2 * d], "g_b", ws.out_gate[:rows], wide, after_kernel=True)
+            self._project(hidden, "qkv_weight", ws.qkv_proj[:rows], wide)
 
     @contextlib.contextmanager
     def _beside(self, concurrent: bool):
@@ -494,7 +523,7 @@ class KdaLayer:
         if norm:
             ops.gated_rmsnorm_sigmoid_bf16(ws.core, ws.out_gate, self.o_norm, ws.o_norm_out, c.heads, c.head_dim,
                                            c.rms_norm_eps, tokens=rows)
-        self._project(ws.o_norm_out[:rows], self.o_proj, ws.final_out[:rows], wide, after_kernel=True)
+        self._project(ws.o_norm_out[:rows], "o_proj", ws.final_out[:rows], wide, after_kernel=True)
 
     def prefill_core(self, tokens: int, conv_state: Any, recurrent_state: Any, pad_value: float | None = 0.0,
                      first: int = 0) -> None:

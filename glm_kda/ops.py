@@ -165,10 +165,16 @@ def projection_args(kernel: str, x, w, out, rows: int | None, max_rows: int) -> 
         rows = 1 if x.ndim == 1 else x.shape[0]
     if not 1 <= rows <= max_rows:
         raise ValueError(f"{kernel}: rows must be 1..{max_rows}, got {rows}")
-    _require("w", w, "bf16", tuple(w.shape), aligned=True)
-    if w.ndim != 2 or w.shape[0] < 1 or w.shape[1] < 1:
-        raise ValueError(f"w: expected [n, k] with n, k >= 1, got {list(w.shape)}")
-    n, k = w.shape
+    packed = getattr(w, "packed_shape", None)
+    if packed is not None:
+        # A gemm_rows.PackedWeight: its array must still be what packing made.
+        _require("w.data", w.data, "bf16", packed, aligned=True)
+        n, k = w.shape
+    else:
+        _require("w", w, "bf16", tuple(w.shape), aligned=True)
+        if w.ndim != 2 or w.shape[0] < 1 or w.shape[1] < 1:
+            raise ValueError(f"w: expected [n, k] with n, k >= 1, got {list(w.shape)}")
+        n, k = w.shape
     if k % 8:
         raise ValueError(f"w: k = {k} must be a multiple of 8 ({kernel} loads 16-byte vectors)")
     ldx = _row_stride("x", x, "bf16", rows, k)

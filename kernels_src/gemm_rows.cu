@@ -10,7 +10,7 @@
 // keep each kernel's code small: one variant in the instruction cache, not all of them.
 // `prefetch` (k blocks per weight row, 0 for none) asks L2 for the first weights before the
 // wait on the previous kernel; like the tiles and the grid it changes no bit.
-template <int M_TILES, int N_TILES>
+template <int M_TILES, int N_TILES, bool PACKED>
 __device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, int ldx,
                                                 const bf16_t* __restrict__ w, bf16_t* __restrict__ y,
                                                 int ldy, int rows, int n, int k, int prefetch)
@@ -23,18 +23,22 @@ __device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, in
         return;
     }
     const int row_end = min(rows, row_begin + GEMM_ROWS_M_GROUP);
-    gemm_rows_sweep<M_TILES, N_TILES>(x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split_for(k), prefetch,
-                                      partial);
+    gemm_rows_sweep<M_TILES, N_TILES, PACKED>(x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split_for(k),
+                                              prefetch, partial);
 }
 
-#define GEMM_ROWS_ENTRY(M_TILES, N_TILES)                                                          \
+#define GEMM_ROWS_ENTRY_OF(NAME, M_TILES, N_TILES, PACKED)                                         \
     extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_MIN_BLOCKS)          \
-        gemm_rows_bf16_m##M_TILES##_n##N_TILES(                                                    \
-            const bf16_t* __restrict__ x, int ldx, const bf16_t* __restrict__ w,                   \
-            bf16_t* __restrict__ y, int ldy, int rows, int n, int k, int prefetch)                 \
+        NAME(const bf16_t* __restrict__ x, int ldx, const bf16_t* __restrict__ w,                  \
+             bf16_t* __restrict__ y, int ldy, int rows, int n, int k, int prefetch)                \
     {                                                                                              \
-        gemm_rows_entry<M_TILES, N_TILES>(x, ldx, w, y, ldy, rows, n, k, prefetch);                \
+        gemm_rows_entry<M_TILES, N_TILES, PACKED>(x, ldx, w, y, ldy, rows, n, k, prefetch);        \
     }
+// gemm_rows_bf16_m<M>_n<N> reads w in torch Linear layout, gemm_rows_packed_bf16_m<M>_n<N> in the
+// packed layout of gemm_rows.cuh (the same bits).
+#define GEMM_ROWS_ENTRY(M_TILES, N_TILES)                                                          \
+    GEMM_ROWS_ENTRY_OF(gemm_rows_bf16_m##M_TILES##_n##N_TILES, M_TILES, N_TILES, false)            \
+    GEMM_ROWS_ENTRY_OF(gemm_rows_packed_bf16_m##M_TILES##_n##N_TILES, M_TILES, N_TILES, true)
 
 // Every variant is compiled for 2 blocks per SM (up to 128 registers per thread; 3 blocks
 // of the narrow variants, at 80, measured no faster on an H200); GEMM_ROWS_BLOCKS_PER_SM in

@@ -143,8 +143,8 @@ __device__ __forceinline__ int k_split_for(int k)
 // tiles): 16 bytes per lane and fragment, zeros past the warp's range or the matrix.
 template <int K_UNROLL, int N_TILES>
 __device__ __forceinline__ void load_weight_step(uint4 (&w_frag)[K_UNROLL][N_TILES], const bf16_t* w_lane,
-                                                 int tile_stride, const bool (&w_valid)[N_TILES], int kb_step,
-                                                 int kb_end, int k, int thread_in_group)
+                                                 int tile_stride, int block_stride, const bool (&w_valid)[N_TILES],
+                                                 int kb_step, int kb_end, int k, int thread_in_group)
 {
 #pragma unroll
     for (int u = 0; u < K_UNROLL; ++u) {
@@ -152,10 +152,25 @@ __device__ __forceinline__ void load_weight_step(uint4 (&w_frag)[K_UNROLL][N_TIL
         const bool k_valid = kb_step + u < kb_end && k_offset + 8 * thread_in_group < k;
 #pragma unroll
         for (int j = 0; j < N_TILES; ++j) {
-            w_frag[u][j] = load_weight_16B(w_lane + (j * tile_stride + k_offset), w_valid[j] && k_valid);
+            w_frag[u][j] = load_weight_16B(w_lane + (j * tile_stride + (kb_step + u) * block_stride),
+                                           w_valid[j] && k_valid);
         }
     }
 }
+
+// The packed weight layout (GEMM_ROWS_PACKED): the 512 bytes one warp-wide load of a tile and a
+// k block reads, in lane order. For a [n, k] weight with n padded to a multiple of 8 and k to a
+// multiple of 32 by zeros,
+//   packed[tile][kb][lane][e] = w[8 tile + lane / 4, 32 kb + 8 (lane % 4) + e]
+// so a tile's k blocks follow each other: a warp streams its k range of a tile as one run of
+// contiguous bytes instead of 8 rows' 64-byte pieces. The loads fetch the same values (zeros
+// where the row-major layout's predicated loads give zeros), so the bits are the row-major
+// layout's. glm_kda/gemm_rows.py packs.
+__device__ __forceinline__ int gemm_rows_k_blocks(int k)
+{
+    return (k + GEMM_ROWS_K_BLOCK - 1) / GEMM_ROWS_K_BLOCK;
+}
+#define GEMM_ROWS_PACKED_BLOCK (GEMM_ROWS_N_TILE * GEMM_ROWS_K_BLOCK)  // elements per (tile, k block)
 
 // Where x comes from: global memory written before the kernel (read-only path), global memory
 // written earlier in the same kernel (L2), or a shared-memory copy of the rows and of the k
@@ -195,7 +210,7 @@ __device__ __forceinline__ void load_x_block(uint4 (&x_frag)[M_TILES][2], const 
 // from warp_column on and the rows [row_begin, row_end) (at most 64): a chain of mma in
 // ascending k blocks, starting from zero. The chain depends on the k range alone, never on
 // LOADS (the weight loads each lane keeps in flight per step), the tiles or the rows.
-template <int M_TILES, int N_TILES, int LOADS = GEMM_ROWS_LOADS, int X_FROM = GEMM_X_INPUT>
+template <int M_TILES, int N_TILES, int LOADS = GEMM_ROWS_LOADS, int X_FROM = GEMM_X_INPUT, bool PACKED = false>
 __device__ __forceinline__ void gemm_rows_accumulate(float (&acc)[M_TILES][N_TILES][4], const bf16_t* x, int ldx,
                                                      const bf16_t* w, int n, int k, int row_begin, int row_end,
                                                      int warp_column, int kb_begin, int kb_end, int x_k_origin = 0)
@@ -222,10 +237,19 @@ __device__ __forceinline__ void gemm_rows_accumulate(float (&acc)[M_TILES][N_TIL
         }
     }
 
-    // Tile j's row of this lane is w_lane + j * tile_stride (one pointer, not N_TILES:
-    // the registers go to loads in flight).
-    const bf16_t* w_lane = w + static_cast<size_t>(warp_column + group_lane) * k + 8 * thread_in_group;
-    const int tile_stride = GEMM_ROWS_N_TILE * k;
+    // Tile j's k block kb of this lane is w_lane + j * tile_stride + kb * block_stride (one
+    // pointer, not N_TILES: the registers go to loads in flight).
+    const bf16_t* w_lane;
+    int tile_stride, block_stride;
+    if constexpr (PACKED) {
+        tile_stride = gemm_rows_k_blocks(k) * GEMM_ROWS_PACKED_BLOCK;
+        block_stride = GEMM_ROWS_PACKED_BLOCK;
+        w_lane = w + static_cast<size_t>(warp_column / GEMM_ROWS_N_TILE) * tile_stride + 8 * lane;
+    } else {
+        tile_stride = GEMM_ROWS_N_TILE * k;
+        block_stride = GEMM_ROWS_K_BLOCK;
+        w_lane = w + static_cast<size_t>(warp_column + group_lane) * k + 8 * thread_in_group;
+    }
     bool w_valid[N_TILES];
 #pragma unroll
     for (int j = 0; j < N_TILES; ++j) {
@@ -246,8 +270,8 @@ __device__ __forceinline__ void gemm_rows_accumulate(float (&acc)[M_TILES][N_TIL
     for (int kb_step = kb_begin; kb_step < kb_end; kb_step += K_UNROLL) {
         // Every weight load of the step first: they are what the kernel waits on.
         uint4 w_frag[K_UNROLL][N_TILES];
-        load_weight_step<K_UNROLL, N_TILES>(w_frag, w_lane, tile_stride, w_valid, kb_step, kb_end, k,
-                                            thread_in_group);
+        load_weight_step<K_UNROLL, N_TILES>(w_frag, w_lane, tile_stride, block_stride, w_valid, kb_step, kb_end,
+                                            k, thread_in_group);
         // The step's x fragments in the same breath as its weights (rows g and g + 8 of each
         // m-tile; L1 or L2 hits that would otherwise wait behind the weights), where the
         // registers allow: up to 4 (k block, m-tile) pairs per step. Shared-memory x is loaded
@@ -317,7 +341,7 @@ __device__ __forceinline__ int gemm_rows_group_columns(int k_split)
 // 64), columns group * group_columns ... Deterministic split-k: partial[warp][fragment][lane],
 // then each output adds its k_split partials in ascending warp_k order. Ends with a barrier
 // (the next group may overwrite `partial`).
-template <int M_TILES, int N_TILES, int LOADS = GEMM_ROWS_LOADS, int X_FROM = GEMM_X_INPUT>
+template <int M_TILES, int N_TILES, int LOADS = GEMM_ROWS_LOADS, int X_FROM = GEMM_X_INPUT, bool PACKED = false>
 __device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const bf16_t* w, bf16_t* y, int ldy,
                                                 int row_begin, int row_end, int n, int k, int k_split, int group,
                                                 float* partial)
@@ -334,8 +358,8 @@ __device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const 
     const int warp_column = group * group_columns + warp_n * N_TILES * GEMM_ROWS_N_TILE;
 
     float acc[M_TILES][N_TILES][4];
-    gemm_rows_accumulate<M_TILES, N_TILES, LOADS, X_FROM>(acc, x, ldx, w, n, k, row_begin, row_end, warp_column,
-                                                            kb_begin, kb_end);
+    gemm_rows_accumulate<M_TILES, N_TILES, LOADS, X_FROM, PACKED>(acc, x, ldx, w, n, k, row_begin, row_end,
+                                                                    warp_column, kb_begin, kb_end);
 #pragma unroll
     for (int m = 0; m < M_TILES; ++m) {
 #pragma unroll
@@ -373,7 +397,7 @@ __device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const 
 
 // One block's share of the output: rows [row_begin, row_end) (at most 64) and the
 // column groups blockIdx.x, blockIdx.x + gridDim.x, ...
-template <int M_TILES, int N_TILES>
+template <int M_TILES, int N_TILES, bool PACKED = false>
 __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, int ldx,
                                                 const bf16_t* __restrict__ w,
                                                 bf16_t* __restrict__ y, int ldy, int row_begin,
@@ -393,12 +417,25 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
         // of its first column group.
         const int first_row = blockIdx.x * group_columns + warp_n * N_TILES * GEMM_ROWS_N_TILE;
         const int kb_last = min(kb_end, kb_begin + prefetch);
-        const int lines_per_row = (max(kb_last - kb_begin, 0) * GEMM_ROWS_K_BLOCK * 2 + 127) / 128;
-        for (int index = lane; index < N_TILES * GEMM_ROWS_N_TILE * lines_per_row; index += 32) {
-            const int row = first_row + index / lines_per_row;
-            const int k_offset = kb_begin * GEMM_ROWS_K_BLOCK + 64 * (index % lines_per_row);
-            if (row < n && k_offset < k) {
-                prefetch_l2(w + static_cast<size_t>(row) * k + k_offset);
+        if constexpr (PACKED) {
+            // Each tile's blocks [kb_begin, kb_last) are one run of 512-byte pieces.
+            const int tile_stride = gemm_rows_k_blocks(k) * GEMM_ROWS_PACKED_BLOCK;
+            const int lines_per_tile = max(kb_last - kb_begin, 0) * (GEMM_ROWS_PACKED_BLOCK * 2 / 128);
+            for (int index = lane; index < N_TILES * lines_per_tile; index += 32) {
+                const int tile = first_row / GEMM_ROWS_N_TILE + index / lines_per_tile;
+                if (tile * GEMM_ROWS_N_TILE < n) {
+                    prefetch_l2(w + static_cast<size_t>(tile) * tile_stride + kb_begin * GEMM_ROWS_PACKED_BLOCK +
+                                64 * (index % lines_per_tile));
+                }
+            }
+        } else {
+            const int lines_per_row = (max(kb_last - kb_begin, 0) * GEMM_ROWS_K_BLOCK * 2 + 127) / 128;
+            for (int index = lane; index < N_TILES * GEMM_ROWS_N_TILE * lines_per_row; index += 32) {
+                const int row = first_row + index / lines_per_row;
+                const int k_offset = kb_begin * GEMM_ROWS_K_BLOCK + 64 * (index % lines_per_row);
+                if (row < n && k_offset < k) {
+                    prefetch_l2(w + static_cast<size_t>(row) * k + k_offset);
+                }
             }
         }
     }
@@ -406,7 +443,9 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
     kda_wait_for_previous_kernel();
 
     for (int group = blockIdx.x; group < column_groups; group += gridDim.x) {
-        gemm_rows_group<M_TILES, N_TILES>(x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split, group, partial);
+        gemm_rows_group<M_TILES, N_TILES, GEMM_ROWS_LOADS, GEMM_X_INPUT, PACKED>(x, ldx, w, y, ldy, row_begin,
+                                                                                row_end, n, k, k_split, group,
+                                                                                partial);
     }
 }
 

@@ -354,3 +354,28 @@ def test_model_projection_shapes(shape, rows):
     # Bits of the first, a middle and the last row against one-row calls.
     for r in sorted({0, rows // 2, rows - 1}):
         _assert_bits_equal(out[r : r + 1], _run(cp.ascontiguousarray(x[r : r + 1]), w, 1), f"{_shape_id(shape)}-R{rows} row {r}")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("rows", [1, 16, 64, 65], ids=lambda r: f"R{r}")
+@pytest.mark.parametrize("shape", [(13, 40), (100, 136), (1000, 1032)] + GLM_SHAPES + KIMI_SHAPES, ids=_shape_id)
+def test_packed_weight_gives_the_row_major_bits(shape, rows):
+    """gemm_rows.pack_weight's layout: every output bit of the row-major launch, for the
+    model's shapes and shapes whose n and k need the zero padding; a programmatic launch
+    (its L2 request walks the packed runs) too."""
+    from glm_kda.gemm_rows import pack_weight
+
+    cp = _cp()
+    n, k = shape
+    rng = np.random.default_rng(SEED + n + rows)
+    x = _random_bf16(rng, (rows, k))
+    w = _random_bf16(rng, (n, k), scale=k**-0.5)
+    packed = pack_weight(w)
+    row_major = _run(x, w, rows)
+    _assert_bits_equal(_run(x, packed, rows), row_major, f"{_shape_id(shape)}-R{rows} packed")
+    _assert_bits_equal(_run(x, packed, rows, programmatic=True), row_major,
+                       f"{_shape_id(shape)}-R{rows} packed, programmatic")
+    assert bool((row_major != POISON).all()), f"{_shape_id(shape)}-R{rows}: outputs left unwritten"
+    packed_host = pack_weight(w.get()).data
+    assert np.array_equal(packed.data.get(), packed_host), f"{_shape_id(shape)}: device and host packing differ"

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from glm_kda.gemm_rows import launch_plan
+from glm_kda.gemm_rows import launch_plan, pack_weight
 from glm_kda.reference import rms_ratio, round_bf16
 from host_cuda import (COMMON_DEVICE_HELPERS, HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, bf16_bits, bits_to_f64, build_host_binary,
                        host_kernel_source)
@@ -67,7 +67,11 @@ GEMM_MAIN = r"""
 MmaSlot mma_slots[32][32];
 #define DECLARE(M, N) extern "C" void gemm_rows_bf16_m##M##_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, \
                                                                 int, int, int);
-DECLARE(1, 1) DECLARE(1, 2) DECLARE(1, 4) DECLARE(2, 1) DECLARE(2, 2) DECLARE(2, 4) DECLARE(4, 1) DECLARE(4, 2)
+#define DECLARE_PACKED(M, N) extern "C" void gemm_rows_packed_bf16_m##M##_n##N(const bf16_t*, int, const bf16_t*, \
+                                                                              bf16_t*, int, int, int, int, int);
+#define DECLARE_BOTH(M, N) DECLARE(M, N) DECLARE_PACKED(M, N)
+DECLARE_BOTH(1, 1) DECLARE_BOTH(1, 2) DECLARE_BOTH(1, 4) DECLARE_BOTH(2, 1) DECLARE_BOTH(2, 2) DECLARE_BOTH(2, 4)
+DECLARE_BOTH(4, 1) DECLARE_BOTH(4, 2)
 extern "C" void gemv_bf16(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int);
 using Entry = void (*)(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int, int);
 
@@ -81,6 +85,8 @@ int main(int argc, char** argv)
     const int y_rows = std::atoi(argv[12]);
     // launches > 1: that many one-row launches (the plan is a one-row plan), on rows 0, 1, ...
     const int launches = std::atoi(argv[13]);
+    // w_elements > 0: w is in the packed layout (that many elements) and the packed entry runs.
+    const long w_elements = std::atol(argv[14]);
     const std::pair<int, int> key{m_tiles, n_tiles};
     const std::pair<std::pair<int, int>, Entry> entries[] = {
         {{1, 1}, gemm_rows_bf16_m1_n1}, {{1, 2}, gemm_rows_bf16_m1_n2}, {{1, 4}, gemm_rows_bf16_m1_n4},
@@ -90,11 +96,20 @@ int main(int argc, char** argv)
         {{0, 0}, [](const bf16_t* x, int ldx, const bf16_t* w, bf16_t* y, int ldy, int rows, int n, int k, int) {
              gemv_bf16(x, ldx, w, y, ldy, rows, n, k);
          }}};
+    const std::pair<std::pair<int, int>, Entry> packed_entries[] = {
+        {{1, 1}, gemm_rows_packed_bf16_m1_n1}, {{1, 2}, gemm_rows_packed_bf16_m1_n2},
+        {{1, 4}, gemm_rows_packed_bf16_m1_n4}, {{2, 1}, gemm_rows_packed_bf16_m2_n1},
+        {{2, 2}, gemm_rows_packed_bf16_m2_n2}, {{2, 4}, gemm_rows_packed_bf16_m2_n4},
+        {{4, 1}, gemm_rows_packed_bf16_m4_n1}, {{4, 2}, gemm_rows_packed_bf16_m4_n2}};
     Entry entry = nullptr;
-    for (const auto& [name, function] : entries) if (name == key) entry = function;
+    if (w_elements > 0) {
+        for (const auto& [name, function] : packed_entries) if (name == key) entry = function;
+    } else {
+        for (const auto& [name, function] : entries) if (name == key) entry = function;
+    }
     if (!entry) { std::fprintf(stderr, "no entry m%d_n%d\n", m_tiles, n_tiles); return 2; }
     const auto x = load_u16(dir + "/x", size_t(x_rows) * ldx);
-    const auto w = load_u16(dir + "/w", size_t(n) * k);
+    const auto w = load_u16(dir + "/w", w_elements > 0 ? size_t(w_elements) : size_t(n) * k);
     auto y = load_u16(dir + "/y", size_t(y_rows) * ldy);
     for (int launch = 0; launch < launches; ++launch) {
         run_grid(dim3{grid_x, grid_y, 1}, 256, 0, [&] {
@@ -121,11 +136,13 @@ def gemm_host(tmp_path_factory):
 _calls = iter(range(10**9))
 
 
-def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, gemv=False, **plan_args):
+def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, gemv=False, packed=False, **plan_args):
     """One launch as gemm_rows_bf16 plans it (132 SMs), on x_buffer[:, :k] (row stride of the
     buffer) into y_buffer[:, :n], or with one_row_launches a one-row launch per row; returns the
-    new y_buffer. gemv: ops.gemv_bf16's launch instead (8 columns a block)."""
+    new y_buffer. gemv: ops.gemv_bf16's launch instead (8 columns a block). packed: the packed
+    entry point on gemm_rows.pack_weight(w)."""
     n, k = w.shape
+    w_file = pack_weight(w.view(np.uint16)).data if packed else w
     if gemv:
         m_tiles = n_tiles = 0
         plan = SimpleNamespace(grid=(-(-n // 8), 1))
@@ -135,13 +152,13 @@ def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, gemv=F
     folder = binary.parent / f"call{next(_calls)}"
     folder.mkdir()
     x_buffer.tofile(folder / "x")
-    w.tofile(folder / "w")
+    w_file.tofile(folder / "w")
     y_buffer.tofile(folder / "y")
     result = subprocess.run(
         [str(binary), str(folder), str(m_tiles), str(n_tiles), str(plan.grid[0]), str(plan.grid[1]),
          str(1 if one_row_launches else rows), str(n),
          str(k), str(x_buffer.shape[1]), str(y_buffer.shape[1]), str(x_buffer.shape[0]), str(y_buffer.shape[0]),
-         str(rows if one_row_launches else 1)],
+         str(rows if one_row_launches else 1), str(w_file.size if packed else 0)],
         capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["misaligned=0"], f"host run: {result.stdout.strip()}"
@@ -210,3 +227,32 @@ def test_gemv_rows_equal_one_row_launches_on_host(gemm_host, shape):
     for rows in (2, 7, 16):
         out = run_host(gemm_host, x[:rows], w, rows, np.full((rows, n), POISON, np.uint16), gemv=True)
         _assert_bits_equal(out, one_row[:rows], f"gemv N{n}-K{k} R{rows} vs one-row launches")
+
+
+@pytest.mark.parametrize("shape", [(40, 128), (100, 136), (72, 2056), (13, 40)], ids=lambda s: f"N{s[0]}-K{s[1]}")
+def test_packed_weight_gives_the_row_major_bits_on_host(gemm_host, shape):
+    """The packed layout (n and k padded by zeros) loads the values the row-major launch loads:
+    the same bits for every entry point the plans pick, every tile width and a small grid."""
+    n, k = shape
+    x, w = _inputs(n, k, 40, seed=5 * n + k)
+    for rows in (1, 16, 40):
+        for tiles, blocks in ((None, None), (1, 3), (4, 1)):
+            args = dict(tiles_per_warp=tiles, blocks=blocks)
+            row_major = run_host(gemm_host, x[:rows], w, rows, np.full((rows, n), POISON, np.uint16), **args)
+            packed = run_host(gemm_host, x[:rows], w, rows, np.full((rows, n), POISON, np.uint16), packed=True,
+                              **args)
+            _assert_bits_equal(packed, row_major, f"N{n}-K{k} R{rows} tiles={tiles} blocks={blocks} packed")
+            assert (packed != POISON).all(), f"N{n}-K{k} R{rows}: the packed launch left outputs unwritten"
+
+
+def test_pack_weight_layout():
+    """pack_weight's layout element by element: data[tile, kb, 8 lane + e] = w[8 tile + lane // 4,
+    32 kb + 8 (lane % 4) + e], zeros past n and k."""
+    n, k = 11, 48
+    w = (np.arange(n * k, dtype=np.uint16) + 1).reshape(n, k)
+    data = pack_weight(w).data
+    assert data.shape == (2, 2, 256), data.shape
+    for tile, kb, lane, e in np.ndindex(*data.shape[:2], 32, 8):
+        row, col = 8 * tile + lane // 4, 32 * kb + 8 * (lane % 4) + e
+        expected = w[row, col] if row < n and col < k else 0
+        assert data[tile, kb, 8 * lane + e] == expected, (tile, kb, lane, e)

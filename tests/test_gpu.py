@@ -407,6 +407,55 @@ def test_fused_decode_equals_the_separate_kernels(layers, geometry):
         assert differ == 0, f"{geometry} {what}: {differ} of {fused[what].size} elements differ between the fused step and the separate kernels"
 
 
+@pytest.mark.parametrize("geometry", ["glm", "kimi"])
+def test_packed_decode_weights_give_the_row_major_bits(layers, geometry):
+    """layer.packed_decode (the decode projections read gemm_rows' packed copies of the
+    weights) writes the bits of the row-major weights: every stage buffer, the output and both
+    states of a 64-sequence pool step with shuffled slots, of a 5-row decode_k walk and of a
+    10-token prefill (which takes the decode projections)."""
+    from glm_kda.reference import STAGE_ORDER
+    from glm_kda.state import StatePool
+
+    cp = _cp()
+    bound, layer = layers(geometry)
+    cfg = bound.config
+    count, rows, walk_rows = 80, 64, 5
+    rng = np.random.default_rng(61)
+    bf16 = layer.workspace.final_out.dtype
+    hidden = cp.asarray(synthetic_hidden(rows, cfg.hidden, seed=62).view(np.uint16)).view(bf16)
+    start_conv = cp.asarray(rng.standard_normal((count,) + cfg.conv_state_shape).astype(np.float32))
+    start_rec = cp.asarray((0.1 * rng.standard_normal((count,) + cfg.recurrent_state_shape)).astype(np.float32))
+    slots = cp.asarray(rng.permutation(count)[:rows].astype(np.int32))
+    start = KdaState.random(cfg, seed=63)
+    previous = layer.packed_decode
+
+    def run(packed: bool) -> dict:
+        layer.packed_decode = packed
+        try:
+            pool = StatePool(cfg, count)
+            pool.conv[...] = start_conv
+            pool.recurrent[...] = start_rec
+            results = {"pool output": layer.decode(hidden, pool, slots)}
+            results.update({f"pool {name}": getattr(layer.workspace, name)[:rows].copy() for name in STAGE_ORDER})
+            results.update({"pool conv state": pool.conv, "pool recurrent state": pool.recurrent})
+            state = device_state(layer, start)
+            results["decode_k output"] = layer.decode_k(hidden[:walk_rows], state)
+            results.update({"decode_k conv state": state.conv, "decode_k recurrent state": state.recurrent})
+            prefilled = device_state(layer, start)
+            results["prefill output"] = layer.prefill(hidden[:10], prefilled)
+            results.update({"prefill conv state": prefilled.conv, "prefill recurrent state": prefilled.recurrent})
+            return results
+        finally:
+            layer.packed_decode = previous
+
+    packed, row_major = run(True), run(False)
+    assert packed.keys() == row_major.keys()
+    for what in packed:
+        differ = int(cp.count_nonzero(_bits(packed[what]) != _bits(row_major[what])))
+        assert differ == 0, (f"{geometry} {what}: {differ} of {packed[what].size} elements differ between the packed "
+                             "and the row-major decode weights")
+
+
 @pytest.mark.parametrize("graphs", [True, False], ids=["graph", "eager"])
 @pytest.mark.parametrize("geometry", ["glm", "kimi"])
 def test_persistent_decode_equals_the_separate_launches(layers, geometry, graphs):
