@@ -52,10 +52,6 @@ DECODE_ROW_GROUP = gemm_rows.GEMM_ROWS_MAX_ROWS
 # 620 to 559 us; 0.5 gained less (349, 167 us at 64), 0.75 and more little or nothing.
 STEP_PREFETCH_WAVES = 0.25
 STEP_RESIDENT_BLOCKS_PER_SM = 2
-# One sequence's fused step (decode of one state, a verify walk) asks L2 for the first this many
-# k blocks of every (tile, warp k range) run of o_proj's packed weight once its state has
-# arrived (kda_decode_fused_bf16's next_weight; packed_decode only). 0: none.
-STEP_NEXT_WEIGHT_BLOCKS = 0
 # Default of KdaLayer.persistent_decode.
 PERSISTENT_DECODE = False
 # Most rows one batched decode call takes (the workspace and the pool may limit it further).
@@ -464,7 +460,7 @@ class KdaLayer:
                 ws.key[sl], ws.value[sl], ws.gate[sl], ws.beta[sl], ws.core[sl], ws.o_norm_out[sl],
                 bounded=c.bounded, lower_bound=c.gate_lower_bound or 0.0, scale=self.scale, l2_eps=c.l2_eps,
                 norm_eps=c.rms_norm_eps, slots=slots, tokens=rows if walk else 1,
-                prefetch_ahead=self._step_prefetch_ahead(), **self._step_next_weight(1 if walk else rows))
+                prefetch_ahead=self._step_prefetch_ahead())
             return
         if walk:
             raise ValueError("stateful_rows: walk=True needs fused_decode")
@@ -472,13 +468,6 @@ class KdaLayer:
                                      ws.query[sl], ws.key[sl], ws.value[sl], c.heads, c.head_dim, c.l2_eps, slots=slots)
         ops.kda_recurrent_step_f32(ws.query[sl], ws.key[sl], ws.value[sl], ws.gate[sl], ws.beta[sl],
                                    recurrent_state, ws.core[sl], self.scale, slots=slots)
-
-    def _step_next_weight(self, sequences: int) -> dict:
-        """The fused step's L2 request for o_proj's weight (STEP_NEXT_WEIGHT_BLOCKS): one sequence
-        and packed decode weights only."""
-        if sequences != 1 or STEP_NEXT_WEIGHT_BLOCKS <= 0 or not self.packed_decode:
-            return {}
-        return {"next_weight": self.decode_weight("o_proj"), "next_blocks": STEP_NEXT_WEIGHT_BLOCKS}
 
     def _step_prefetch_ahead(self) -> int:
         """Sequences ahead whose state a batched fused step asks L2 for (STEP_PREFETCH_WAVES)."""

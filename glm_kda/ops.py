@@ -500,7 +500,6 @@ def kda_decode_fused_bf16(
     conv_state, state, qkv_proj, conv_w, forget_proj, dt_bias, a_log, beta_logits, out_gate, norm_w,
     conv_out, query, key, value, gate, beta, core, o_norm_out, *, bounded: bool, lower_bound: float,
     scale: float, l2_eps: float, norm_eps: float, slots=None, tokens: int = 1, prefetch_ahead: int = 0,
-    next_weight=None, next_blocks: int = 0,
 ) -> None:
     """The stateful half of decode in one launch: for each sequence, `tokens` consecutive
     tokens of conv + SiLU + L2, forget gate and beta, one delta-rule step, gated RMSNorm.
@@ -523,10 +522,6 @@ def kda_decode_fused_bf16(
     prefetch_ahead: the block of sequence s asks L2 for the state of sequence s + prefetch_ahead
     (0: none), a block of a later wave when that many sequences fill the resident blocks; it
     changes no bit.
-
-    next_weight (a gemm_rows.PackedWeight, the projection that reads o_norm_out next) and
-    next_blocks: with one sequence, the step asks L2 for the first next_blocks k blocks of each
-    (tile, warp k range) run of that weight once its state has arrived; it changes no bit.
     """
     heads = _state_or_pool_heads(state)
     qkv = heads * HEAD_DIM
@@ -554,17 +549,6 @@ def kda_decode_fused_bf16(
         raise ValueError(f"prefetch_ahead must be >= 0, got {prefetch_ahead}")
     if conv_state.data.ptr % 16 or state.data.ptr % 16:
         prefetch_ahead = 0  # the L2 requests take 16-byte aligned ranges; a hint, so none
-    if next_blocks < 0:
-        raise ValueError(f"next_blocks must be >= 0, got {next_blocks}")
-    next_args = (None, _i32(0), _i32(0), _i32(0), _i32(0))
-    if next_weight is not None and next_blocks > 0:
-        from glm_kda import gemm_rows
-
-        if not isinstance(next_weight, gemm_rows.PackedWeight):
-            raise TypeError(f"next_weight must be a gemm_rows.PackedWeight, got {type(next_weight).__name__}")
-        tiles, k_blocks, _ = next_weight.packed_shape
-        k_range = -(-k_blocks // gemm_rows.k_split(next_weight.k))
-        next_args = (next_weight.data, _i32(tiles), _i32(k_blocks), _i32(k_range), _i32(next_blocks))
     kernels.launch(
         "kda_decode_fused_bf16",
         (heads, sequences),
@@ -572,7 +556,7 @@ def kda_decode_fused_bf16(
         (conv_state, state, slots, qkv_proj, conv_w, forget_proj, dt_bias, a_log, beta_logits, _i32(ld_beta),
          out_gate, norm_w, conv_out, query, key, value, gate, beta, core, o_norm_out, _i32(heads),
          _i32(kernel_size), _i32(tokens), _i32(1 if bounded else 0), _f32(lower_bound if bounded else 0.0), _f32(scale),
-         _f32(l2_eps), _f32(norm_eps), _i32(prefetch_ahead), *next_args),
+         _f32(l2_eps), _f32(norm_eps), _i32(prefetch_ahead)),
     )
 
 

@@ -26,10 +26,7 @@
 // launched as a programmatic dependent, starts its weight stream while this one runs). A batch
 // of many sequences runs many waves of blocks, each waiting on its own 64 KB state column:
 // the block of sequence s asks L2 for the column of sequence s + prefetch_ahead (a block of a
-// later wave; 0: none), which it never reads itself, so no bit depends on it. With one
-// sequence, the blocks ask L2 for a share of the output projection's packed weight once their
-// state column has arrived (next_*; see KdaStepArgs): the DRAM is otherwise idle until that
-// projection streams.
+// later wave; 0: none), which it never reads itself, so no bit depends on it.
 #include "decode_step.cuh"
 
 extern "C" __global__ void __launch_bounds__(KDA_HEAD_BLOCK)
@@ -43,9 +40,7 @@ kda_decode_fused_bf16(float* __restrict__ conv_state, float* __restrict__ state,
                       float* __restrict__ key, float* __restrict__ value, float* __restrict__ gate,
                       float* __restrict__ beta, float* __restrict__ core,
                       bf16_t* __restrict__ o_norm_out, int heads, int kernel_size, int tokens, int bounded,
-                      float lower_bound, float scale, float l2_eps, float norm_eps, int prefetch_ahead,
-                      const bf16_t* __restrict__ next_weight, int next_tiles, int next_k_blocks, int next_range,
-                      int next_blocks)
+                      float lower_bound, float scale, float l2_eps, float norm_eps, int prefetch_ahead)
 {
     __shared__ KdaStepShared shared;
 
@@ -57,7 +52,6 @@ kda_decode_fused_bf16(float* __restrict__ conv_state, float* __restrict__ state,
     }
     const KdaStepArgs args{conv_state, state, slots, qkv_proj, conv_w, forget_proj, dt_bias, a_log, beta_logits,
                            ld_beta, out_gate, norm_w, conv_out, query, key, value, gate, beta, core, o_norm_out,
-                           heads, kernel_size, tokens, bounded, lower_bound, scale, l2_eps, norm_eps, prefetch_ahead,
-                           next_weight, next_tiles, next_k_blocks, next_range, next_blocks};
+                           heads, kernel_size, tokens, bounded, lower_bound, scale, l2_eps, norm_eps, prefetch_ahead};
     kda_decode_head(args, blockIdx.x, blockIdx.y, gridDim.y, KdaBlockSync(), shared);
 }

@@ -25,19 +25,6 @@ __device__ __forceinline__ void prefetch_floats_l2(const float* first, int count
 #endif
 }
 
-// Ask L2 for `bytes` contiguous bytes from `first` (16-byte aligned, a multiple of 16), by this
-// thread alone: one bulk request on sm_90 and later, a request per 128-byte line before.
-__device__ __forceinline__ void prefetch_run_l2(const void* first, unsigned int bytes)
-{
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(first), "r"(bytes) : "memory");
-#else
-    for (unsigned int offset = 0; offset < bytes; offset += 128) {
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(static_cast<const char*>(first) + offset));
-    }
-#endif
-}
-
 // The operands of the fused step: states, inputs, stage outputs and scalars, as the kernel
 // parameters of kda_decode_fused_bf16 name them.
 struct KdaStepArgs {
@@ -70,32 +57,7 @@ struct KdaStepArgs {
     float l2_eps;
     float norm_eps;
     int prefetch_ahead;
-    // The packed weight (gemm_rows' layout) of the projection that reads o_norm_out next, and
-    // what of it to ask L2 for while the step computes: the first next_blocks k blocks of each
-    // (tile, warp k range) run, the ranges next_range k blocks long (null or 0: nothing).
-    const bf16_t* next_weight;
-    int next_tiles;
-    int next_k_blocks;
-    int next_range;
-    int next_blocks;
 };
-
-// The L2 requests for the next projection's weight (KdaStepArgs::next_*): run r of the
-// tiles x ranges runs by thread `first` + i `stride`. They read nothing back: no bit depends
-// on them.
-__device__ __forceinline__ void kda_prefetch_next_weight(const KdaStepArgs& p, int first, int stride)
-{
-    const int ranges = (p.next_k_blocks + p.next_range - 1) / p.next_range;
-    for (int run = first; run < p.next_tiles * ranges; run += stride) {
-        const int tile = run / ranges;
-        const int kb_begin = (run % ranges) * p.next_range;
-        const int count = min(p.next_blocks, min(p.next_range, p.next_k_blocks - kb_begin));
-        if (count > 0) {
-            prefetch_run_l2(p.next_weight + (static_cast<size_t>(tile) * p.next_k_blocks + kb_begin) * 256,
-                            static_cast<unsigned int>(count) * 512u);
-        }
-    }
-}
 
 // The shared memory of one head group.
 struct KdaStepShared {
@@ -189,13 +151,6 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
         shared.key[d] = k;
         shared.query[d] = q * p.scale;
         group.sync();
-        if (t == 0 && sequence == 0 && p.next_weight != nullptr && p.next_blocks > 0) {
-            // The state column and this token's inputs have arrived (the conv and L2 used
-            // them): what the DRAM does next is idle until the next projection streams, so ask
-            // L2 for a share of that projection's weight now. Every head's block of sequence 0
-            // takes a share of the runs.
-            kda_prefetch_next_weight(p, head * KDA_HEAD_BLOCK + d, heads * KDA_HEAD_BLOCK);
-        }
 
         const float o = kda_recurrent_step(s, shared.decay, shared.key, shared.query, v, beta_head, group);
         p.core[out_index] = o;

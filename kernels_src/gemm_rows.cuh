@@ -65,9 +65,7 @@
 #define GEMM_ROWS_M_GROUP 64
 // Weight loads per lane and step with one m-tile (8 / M_TILES with more) in the launches
 // of gemm_rows.cu (2 blocks per SM); a kernel of one block per SM may keep more in flight.
-#ifndef GEMM_ROWS_LOADS
 #define GEMM_ROWS_LOADS 8
-#endif
 
 // The PTX of the predicated 16-byte loads below: zeros, then the load with the cache QUALIFIERS
 // of its kind where `valid` holds. Operands: GEMM_ROWS_LOAD_16B_OPERANDS(value, pointer, valid).

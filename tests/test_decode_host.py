@@ -40,7 +40,7 @@ OUTPUTS = ("conv_out", "query", "key", "value", "gate", "beta", "core", "o_norm_
 
 # The pool path's fused step asks L2 for the state of the sequence this far ahead.
 PREFETCH_AHEAD = 2
-DEVICE_HELPERS = {"decode": ("prefetch_floats_l2", "prefetch_run_l2", *COMMON_DEVICE_HELPERS)}
+DEVICE_HELPERS = {"decode": ("prefetch_floats_l2", *COMMON_DEVICE_HELPERS)}
 
 # The L2 requests of the fused step: counted, and checked to name exactly the head of the block
 # (blockIdx.x) in the slot of the sequence PREFETCH_AHEAD after the block's (blockIdx.y): its
@@ -51,7 +51,6 @@ extern const float* prefetch_conv_pool;
 extern const int* prefetch_slots;
 extern int prefetch_heads, prefetch_kernel;
 extern std::atomic<long> prefetches, bad_prefetches;
-inline void prefetch_run_l2(const void*, unsigned int) {}
 inline void prefetch_floats_l2(const float* first, int count, int d)
 {
     if (d != 0) return;
@@ -84,7 +83,7 @@ extern "C" void gated_rmsnorm_sigmoid_bf16(const float*, const bf16_t*, const bf
 extern "C" void kda_decode_fused_bf16(float*, float*, const int*, const bf16_t*, const bf16_t*, const bf16_t*,
                                       const float*, const float*, const bf16_t*, int, const bf16_t*, const bf16_t*,
                                       bf16_t*, float*, float*, float*, float*, float*, float*, bf16_t*, int, int, int,
-                                      int, float, float, float, float, int, const bf16_t*, int, int, int, int);
+                                      int, float, float, float, float, int);
 
 // argv: dir, rows, heads, K, bounded, lower bound, l2 eps, norm eps, jitter, pool size. Pool size
 // 0: the rows are consecutive tokens of one sequence (paths separate, fused_rows, fused_walk);
@@ -138,7 +137,7 @@ int main(int argc, char** argv)
                                       key.data() + first * qkv, value.data() + first * qkv, gate.data() + first * qkv,
                                       beta.data() + first * heads, core.data() + first * qkv,
                                       o_norm_out.data() + first * qkv, heads, kernel, tokens, bounded, lower_bound,
-                                      scale, l2_eps, norm_eps, prefetch_ahead, nullptr, 0, 0, 0, 0);
+                                      scale, l2_eps, norm_eps, prefetch_ahead);
             });
         };
         // The separate kernels over rows first .. first + count - 1, one token of a sequence each.

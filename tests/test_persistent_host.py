@@ -28,12 +28,11 @@ from test_gemm_rows_host import DEVICE_HELPERS as GEMM_DEVICE_HELPERS
 from test_gemm_rows_host import GEMM_HEADER
 
 DIM, KERNEL = 128, 4
-HELPERS = (*GEMM_DEVICE_HELPERS, "prefetch_floats_l2", "prefetch_run_l2", "global_timer_ns", "load_acquire")
+HELPERS = (*GEMM_DEVICE_HELPERS, "prefetch_floats_l2", "global_timer_ns", "load_acquire")
 
 PERSISTENT_HEADER = GEMM_HEADER + r"""
 #define __align__(n) alignas(n)
 inline void prefetch_floats_l2(const float*, int, int) {}
-inline void prefetch_run_l2(const void*, unsigned int) {}
 inline unsigned long long global_timer_ns() { return 0; }
 inline int load_acquire(const int* counter)
 {
@@ -55,7 +54,7 @@ extern "C" void gemm_rows_bf16_m1_n4(const bf16_t*, int, const bf16_t*, bf16_t*,
 extern "C" void kda_decode_fused_bf16(float*, float*, const int*, const bf16_t*, const bf16_t*, const bf16_t*,
                                       const float*, const float*, const bf16_t*, int, const bf16_t*, const bf16_t*,
                                       bf16_t*, float*, float*, float*, float*, float*, float*, bf16_t*, int, int, int,
-                                      int, float, float, float, float, int, const bf16_t*, int, int, int, int);
+                                      int, float, float, float, float, int);
 extern "C" void kda_decode_persistent_bf16(
     int*, int, const int*, int, int, const bf16_t*, int, const bf16_t*, bf16_t*, int, const bf16_t*, bf16_t*,
     const bf16_t*, bf16_t*, const bf16_t*, bf16_t*, const bf16_t*, float*, bf16_t*, float*, float*, const int*,
@@ -122,7 +121,7 @@ int main(int argc, char** argv)
                               s.forget_proj.data(), dt_bias.data(), a_log.data(), s.down_proj.data() + 2 * D, down_dim,
                               s.out_gate.data(), norm_w.data(), s.conv_out.data(), s.query.data(), s.key.data(),
                               s.value.data(), s.gate.data(), s.beta.data(), s.core.data(), s.o_norm_out.data(), heads,
-                              K, rows, bounded, lower_bound, scale, l2_eps, norm_eps, 0, nullptr, 0, 0, 0, 0);
+                              K, rows, bounded, lower_bound, scale, l2_eps, norm_eps, 0);
     });
     gemm(s.o_norm_out.data(), qkv, o_w, s.final_out.data(), hidden, hidden, qkv);
 
@@ -167,7 +166,7 @@ def persistent_host(tmp_path_factory):
         "main.cpp": MAIN,
         "persistent.cpp": '#include "emulation.h"\n' + kernel,
         "gemm_rows.cpp": '#include "emulation.h"\n' + host_kernel_source("gemm_rows", GEMM_DEVICE_HELPERS),
-        "decode.cpp": '#include "emulation.h"\n' + host_kernel_source("decode", ("prefetch_floats_l2", "prefetch_run_l2", *COMMON_DEVICE_HELPERS)),
+        "decode.cpp": '#include "emulation.h"\n' + host_kernel_source("decode", ("prefetch_floats_l2", *COMMON_DEVICE_HELPERS)),
     }
     return build_host_binary(tmp_path_factory.mktemp("persistent_host"), "persistent_host", files)
 
