@@ -34,13 +34,11 @@ def back_to_back_us(fn, calls: int = 200) -> float:
 
 # (fused_decode, programmatic launches, L2 prefetch k blocks, step prefetch waves, persistent
 # decode lags (step, out) in pairs of heads or None for the separate launches, largest weight
-# that a programmatic launch asks L2 for (None: any), packed decode weights, stages of the staged
-# stream (None: the register stream))
+# that a programmatic launch asks L2 for (None: any), packed decode weights)
 MB = 1 << 20
 VARIANTS = (
-    (True, True, 16, 0.25, None, 32 * MB, True, 4), (True, True, 16, 0.25, None, 32 * MB, True, None),
-    (True, True, 16, 0.25, None, 32 * MB, False, None), (True, True, 16, 0.25, None, 32 * MB, True, 2),
-    (True, True, 16, 0.25, None, 32 * MB, True, 3), (True, True, 16, 0.25, None, 32 * MB, True, 6),
+    (True, True, 16, 0.25, None, 32 * MB, True), (True, True, 16, 0.25, None, 32 * MB, False),
+    (True, True, 16, 0.25, None, None, True), (True, True, 0, 0.25, None, None, True),
 )
 ROUNDS = 5
 VERIFY_K = (4, 16)
@@ -51,7 +49,7 @@ def apply(variant, layer_object) -> None:
     from glm_kda import gemm_rows, kernels, layer, persistent
 
     (fused, kernels.PROGRAMMATIC_LAUNCH, gemm_rows.PREFETCH_K_BLOCKS, layer.STEP_PREFETCH_WAVES, lags,
-     gemm_rows.PREFETCH_MAX_WEIGHT_BYTES, packed, gemm_rows.STAGED_STAGES) = variant
+     gemm_rows.PREFETCH_MAX_WEIGHT_BYTES, packed) = variant
     layer_object.fused_decode = fused
     layer_object.packed_decode = packed
     layer_object.persistent_decode = lags is not None
@@ -75,7 +73,7 @@ def main(geometries: list[str]) -> None:
 
     defaults = (True, kernels.PROGRAMMATIC_LAUNCH, gemm_rows.PREFETCH_K_BLOCKS, layer_module.STEP_PREFETCH_WAVES,
                 (persistent.STEP_LAG_PAIRS, persistent.OUT_LAG_PAIRS) if layer_module.PERSISTENT_DECODE else None,
-                gemm_rows.PREFETCH_MAX_WEIGHT_BYTES, True, gemm_rows.STAGED_STAGES)
+                gemm_rows.PREFETCH_MAX_WEIGHT_BYTES, True)
     stream = cupy.cuda.get_current_stream()
     with tempfile.TemporaryDirectory() as tmp:
         for geometry in geometries:
@@ -118,7 +116,7 @@ def main(geometries: list[str]) -> None:
                     for rows, graph in captured[variant][0].items():
                         replays[variant, rows].append(back_to_back_us(lambda: graph.launch(stream)))
             for variant in VARIANTS:
-                fused, programmatic, prefetch, step_prefetch, lags, prefetch_limit, packed, stages = variant
+                fused, programmatic, prefetch, step_prefetch, lags, prefetch_limit, packed = variant
                 replay_us = float(np.median(replays[variant, 1]))
                 verify = {f"K{rows}": round(float(np.median(replays[variant, rows])) / replay_us, 3) for rows in VERIFY_K}
                 batched = {}
@@ -131,7 +129,6 @@ def main(geometries: list[str]) -> None:
                     "geometry": geometry, "fused_decode": fused, "programmatic_launch": programmatic,
                     "l2_prefetch_k_blocks": prefetch, "step_prefetch_waves": step_prefetch,
                     "persistent_lags": lags, "l2_prefetch_max_weight_bytes": prefetch_limit, "packed_decode": packed,
-                    "staged_stages": stages,
                     "default": variant == defaults, "copy_bandwidth_GBs": bandwidth,
                     "bytes": nbytes, "graph_replay_us": replay_us,
                     "graph_replay_rounds_us": [round(x, 2) for x in replays[variant, 1]],

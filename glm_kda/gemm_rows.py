@@ -44,47 +44,6 @@ PREFETCH_K_BLOCKS = 16
 PREFETCH_MAX_WEIGHT_BYTES: int | None = 32 << 20
 
 
-# The staged stream (kernels_src/gemm_rows.cuh: bulk asynchronous copies of a packed weight into
-# per-warp rings of shared memory, sm_90 and later, up to STAGED_MAX_ROWS rows): steps of 4 KB in
-# flight per warp; None: never (the register stream instead; the same bits either way).
-STAGED_STAGES: int | None = 4
-STAGED_MAX_ROWS = M_TILE
-STAGE_BYTES = 4096
-MAX_STAGES = 8
-# Shared memory an SM offers its blocks (H200: 228 KiB, 1 KiB of it reserved per block).
-SHARED_PER_SM = 228 * 1024
-SHARED_RESERVED_PER_BLOCK = 1024
-
-
-def staged_shared_bytes(stages: int) -> int:
-    """Dynamic shared memory of a staged launch: 8 warps x stages x STAGE_BYTES."""
-    return WARPS_PER_BLOCK * stages * STAGE_BYTES
-
-
-def staged_plan(n: int, k: int, rows: int, stages: int, sm_count: int = DEFAULT_SM_COUNT,
-                blocks: int | None = None, tiles_per_warp: int | None = None) -> tuple["LaunchPlan", int]:
-    """(plan, dynamic shared bytes) of a staged launch: the register plan's tiles (or
-    tiles_per_warp), a grid of the blocks that fit the SMs' shared memory at once, at most
-    two per SM (each loops over the column groups), or `blocks`."""
-    if not 1 <= stages <= MAX_STAGES:
-        raise ValueError(f"stages must be 1..{MAX_STAGES}, got {stages}")
-    if rows > STAGED_MAX_ROWS:
-        raise ValueError(f"the staged stream takes at most {STAGED_MAX_ROWS} rows, got {rows}")
-    register_plan = launch_plan(n, k, rows, tiles_per_warp, sm_count=sm_count)
-    tiles = register_plan.tiles_per_warp
-    shared = staged_shared_bytes(stages)
-    static = 4 * WARPS_PER_BLOCK * tiles * 4 * 32 + 8 * WARPS_PER_BLOCK * MAX_STAGES  # partial + barriers
-    per_sm = max(1, SHARED_PER_SM // (shared + static + SHARED_RESERVED_PER_BLOCK))
-    groups = launch_plan(n, k, rows, tiles, sm_count, blocks=10**9).grid[0]
-    grid = min(groups, blocks if blocks is not None else sm_count * min(per_sm, GEMM_ROWS_BLOCKS_PER_SM))
-    return LaunchPlan(f"gemm_rows_staged_bf16_n{tiles}", (grid, 1), (WARPS_PER_BLOCK * 32,), 1, tiles), shared
-
-
-@functools.lru_cache(maxsize=None)
-def _compute_capability(device_id: int) -> int:
-    return int(cupy.cuda.Device(device_id).compute_capability)
-
-
 @dataclass(frozen=True)
 class PackedWeight:
     """A [n, k] BF16 weight in the packed layout of kernels_src/gemm_rows.cuh, made by
@@ -237,8 +196,7 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
     leave every bit unchanged.
 
     ``w`` may also be a :class:`PackedWeight` of the same weight (:func:`pack_weight`): the
-    same bits, the weight read in contiguous runs; up to 16 rows on sm_90 and later those runs
-    are copied into shared memory by the staged stream (STAGED_STAGES steps in flight per warp).
+    same bits, the weight read in contiguous runs.
 
     ``programmatic``: launch as a programmatic dependent of the previous kernel in the
     stream (sm_90 and later): the blocks start while that kernel drains, ask L2 for their
@@ -249,13 +207,6 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
     plan = launch_plan(n, k, rows, tiles_per_warp, _sm_count(cupy.cuda.Device().id), blocks)
     prefetch = prefetch_k_blocks(n, k) if programmatic else 0
     packed = isinstance(w, PackedWeight)
-    device_id = cupy.cuda.Device().id
-    if packed and STAGED_STAGES and rows <= STAGED_MAX_ROWS and _compute_capability(device_id) >= 90:
-        plan, shared = staged_plan(n, k, rows, STAGED_STAGES, _sm_count(device_id), blocks, tiles_per_warp)
-        kernels.launch(plan.kernel, plan.grid, plan.block,
-                       (x, _i32(ldx), w.data, out, _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(STAGED_STAGES)),
-                       shared_mem=shared, programmatic=programmatic)
-        return
     kernels.launch(
         plan.kernel.replace("gemm_rows_", "gemm_rows_packed_") if packed else plan.kernel,
         plan.grid,

@@ -52,37 +52,3 @@ GEMM_ROWS_ENTRY(2, 2)
 GEMM_ROWS_ENTRY(2, 4)
 GEMM_ROWS_ENTRY(4, 1)
 GEMM_ROWS_ENTRY(4, 2)
-
-// The staged stream of gemm_rows.cuh: packed weights, rows <= 16, sm_90 and later (an earlier
-// architecture compiles the entries as no-ops; glm_kda/gemm_rows.py never launches them there).
-// Launch: block 256 threads, grid.x blocks (each loops over the column groups blockIdx.x +
-// i gridDim.x), dynamic shared memory 8 x stages x GEMM_ROWS_STAGE_BYTES, 1 <= stages <= 8.
-template <int N_TILES>
-__device__ __forceinline__ void gemm_rows_staged_entry(const bf16_t* __restrict__ x, int ldx,
-                                                       const bf16_t* __restrict__ w, bf16_t* __restrict__ y, int ldy,
-                                                       int rows, int n, int k, int stages)
-{
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-    (void)x, (void)ldx, (void)w, (void)y, (void)ldy, (void)rows, (void)n, (void)k, (void)stages;
-#else
-    __shared__ float partial[GEMM_ROWS_PARTIAL_FLOATS(1, N_TILES)];
-    __shared__ unsigned long long barriers[GEMM_ROWS_WARPS][GEMM_ROWS_MAX_STAGES];
-    extern __shared__ __align__(128) unsigned char gemm_rows_ring[];
-    if (rows < 1 || rows > GEMM_ROWS_M_TILE || stages < 1 || stages > GEMM_ROWS_MAX_STAGES ||
-        blockDim.x != GEMM_ROWS_THREADS) {
-        return;
-    }
-    gemm_rows_staged_sweep<N_TILES>(x, ldx, w, y, ldy, rows, n, k, stages, gemm_rows_ring, barriers, partial);
-#endif
-}
-
-#define GEMM_ROWS_STAGED_ENTRY(N_TILES)                                                            \
-    extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, 1) gemm_rows_staged_bf16_n##N_TILES( \
-        const bf16_t* __restrict__ x, int ldx, const bf16_t* __restrict__ w, bf16_t* __restrict__ y, \
-        int ldy, int rows, int n, int k, int stages)                                               \
-    {                                                                                              \
-        gemm_rows_staged_entry<N_TILES>(x, ldx, w, y, ldy, rows, n, k, stages);                    \
-    }
-GEMM_ROWS_STAGED_ENTRY(1)
-GEMM_ROWS_STAGED_ENTRY(2)
-GEMM_ROWS_STAGED_ENTRY(4)

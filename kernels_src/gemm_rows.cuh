@@ -337,19 +337,29 @@ __device__ __forceinline__ int gemm_rows_group_columns(int k_split)
 // Shared-memory floats of gemm_rows_group's partial sums.
 #define GEMM_ROWS_PARTIAL_FLOATS(M_TILES, N_TILES) (GEMM_ROWS_WARPS * (M_TILES) * (N_TILES) * 4 * 32)
 
-// The end of a column group: each warp's accumulators (its k range of N_TILES tiles) into
-// partial[warp][fragment][lane], then each output adds its k_split partials in ascending warp_k
-// order and is stored as BF16. Ends with a barrier (the next group may overwrite `partial`).
-template <int M_TILES, int N_TILES>
-__device__ __forceinline__ void gemm_rows_reduce_store(const float (&acc)[M_TILES][N_TILES][4], bf16_t* y, int ldy,
-                                                       int row_begin, int row_end, int n, int k_split, int group,
-                                                       float* partial)
+// One column group of the output, by the block's 8 warps: rows [row_begin, row_end) (at most
+// 64), columns group * group_columns ... Deterministic split-k: partial[warp][fragment][lane],
+// then each output adds its k_split partials in ascending warp_k order. Ends with a barrier
+// (the next group may overwrite `partial`).
+template <int M_TILES, int N_TILES, int LOADS = GEMM_ROWS_LOADS, int X_FROM = GEMM_X_INPUT, bool PACKED = false>
+__device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const bf16_t* w, bf16_t* y, int ldy,
+                                                int row_begin, int row_end, int n, int k, int k_split, int group,
+                                                float* partial)
 {
     constexpr int FRAGMENTS = M_TILES * N_TILES * 4;  // accumulators per lane
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int warps_n = GEMM_ROWS_WARPS / k_split;
+    const int warp_k = warp % k_split;
+    const int warp_n = warp / k_split;
+    int kb_begin, kb_end;
+    gemm_rows_k_range(k, k_split, warp_k, kb_begin, kb_end);
     const int group_columns = gemm_rows_group_columns<N_TILES>(k_split);
+    const int warp_column = group * group_columns + warp_n * N_TILES * GEMM_ROWS_N_TILE;
+
+    float acc[M_TILES][N_TILES][4];
+    gemm_rows_accumulate<M_TILES, N_TILES, LOADS, X_FROM, PACKED>(acc, x, ldx, w, n, k, row_begin, row_end,
+                                                                    warp_column, kb_begin, kb_end);
 #pragma unroll
     for (int m = 0; m < M_TILES; ++m) {
 #pragma unroll
@@ -383,28 +393,6 @@ __device__ __forceinline__ void gemm_rows_reduce_store(const float (&acc)[M_TILE
     }
     // The next column group overwrites `partial`.
     __syncthreads();
-}
-
-// One column group of the output, by the block's 8 warps: rows [row_begin, row_end) (at most
-// 64), columns group * group_columns ... Deterministic split-k (gemm_rows_reduce_store). Ends
-// with a barrier (the next group may overwrite `partial`).
-template <int M_TILES, int N_TILES, int LOADS = GEMM_ROWS_LOADS, int X_FROM = GEMM_X_INPUT, bool PACKED = false>
-__device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const bf16_t* w, bf16_t* y, int ldy,
-                                                int row_begin, int row_end, int n, int k, int k_split, int group,
-                                                float* partial)
-{
-    const int warp = threadIdx.x >> 5;
-    const int warp_k = warp % k_split;
-    const int warp_n = warp / k_split;
-    int kb_begin, kb_end;
-    gemm_rows_k_range(k, k_split, warp_k, kb_begin, kb_end);
-    const int group_columns = gemm_rows_group_columns<N_TILES>(k_split);
-    const int warp_column = group * group_columns + warp_n * N_TILES * GEMM_ROWS_N_TILE;
-
-    float acc[M_TILES][N_TILES][4];
-    gemm_rows_accumulate<M_TILES, N_TILES, LOADS, X_FROM, PACKED>(acc, x, ldx, w, n, k, row_begin, row_end,
-                                                                    warp_column, kb_begin, kb_end);
-    gemm_rows_reduce_store<M_TILES, N_TILES>(acc, y, ldy, row_begin, row_end, n, k_split, group, partial);
 }
 
 // One block's share of the output: rows [row_begin, row_end) (at most 64) and the
@@ -458,207 +446,6 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
         gemm_rows_group<M_TILES, N_TILES, GEMM_ROWS_LOADS, GEMM_X_INPUT, PACKED>(x, ldx, w, y, ldy, row_begin,
                                                                                 row_end, n, k, k_split, group,
                                                                                 partial);
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// The staged stream (sm_90 and later; packed weights, up to 16 rows): each warp copies its weight
-// steps into its own ring of shared-memory stages with bulk asynchronous copies (one per tile
-// and step: the packed layout makes a tile's k blocks one contiguous run) that complete on a
-// per-stage mbarrier, and reads each lane's 16 bytes of a fragment back from the stage. A warp
-// keeps `stages` steps (4 KB each) in flight without spending registers on them, and its first
-// steps are in flight before the wait on the previous kernel. The steps, the fragments, the mma
-// chain and the partial sums are gemm_rows_group's with 8 weight loads per lane and step: the
-// same bits as every other entry.
-#define GEMM_ROWS_STAGE_BYTES (GEMM_ROWS_LOADS * GEMM_ROWS_PACKED_BLOCK * 2)  // one step of a warp
-#define GEMM_ROWS_MAX_STAGES 8
-
-__device__ __forceinline__ void mbarrier_init(unsigned long long* barrier, unsigned int count)
-{
-    asm volatile("mbarrier.init.shared.b64 [%0], %1;" ::"r"(static_cast<unsigned int>(__cvta_generic_to_shared(barrier))),
-                 "r"(count)
-                 : "memory");
-}
-
-// The initialised barriers made visible to the asynchronous copies (then a block barrier).
-__device__ __forceinline__ void mbarrier_init_fence()
-{
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-
-// One arrival that also expects `bytes` of asynchronous copies before the phase completes.
-__device__ __forceinline__ void mbarrier_arrive_expect_tx(unsigned long long* barrier, unsigned int bytes)
-{
-    unsigned long long state;
-    asm volatile("mbarrier.arrive.expect_tx.shared.b64 %0, [%1], %2;"
-                 : "=l"(state)
-                 : "r"(static_cast<unsigned int>(__cvta_generic_to_shared(barrier))), "r"(bytes)
-                 : "memory");
-}
-
-__device__ __forceinline__ void mbarrier_arrive(unsigned long long* barrier)
-{
-    unsigned long long state;
-    asm volatile("mbarrier.arrive.shared.b64 %0, [%1];"
-                 : "=l"(state)
-                 : "r"(static_cast<unsigned int>(__cvta_generic_to_shared(barrier)))
-                 : "memory");
-}
-
-// Returns once the barrier's phase of parity `parity` has completed.
-__device__ __forceinline__ void mbarrier_wait_parity(unsigned long long* barrier, unsigned int parity)
-{
-    const unsigned int address = static_cast<unsigned int>(__cvta_generic_to_shared(barrier));
-    unsigned int done = 0;
-    while (!done) {
-        asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared.b64 p, [%1], %2;\n\t"
-                     "selp.u32 %0, 1, 0, p;\n\t}"
-                     : "=r"(done)
-                     : "r"(address), "r"(parity)
-                     : "memory");
-    }
-}
-
-// `bytes` (a multiple of 16) from global `source` to shared `destination` (both 16-byte
-// aligned), completing on `barrier`.
-__device__ __forceinline__ void bulk_copy_to_shared(void* destination, const void* source, unsigned int bytes,
-                                                    unsigned long long* barrier)
-{
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                     static_cast<unsigned int>(__cvta_generic_to_shared(destination))),
-                 "l"(source), "r"(bytes), "r"(static_cast<unsigned int>(__cvta_generic_to_shared(barrier)))
-                 : "memory");
-}
-
-// A block's share of a one-m-tile projection (rows <= 16) over a packed weight, through the
-// stage rings (ring: 8 warps x stages x GEMM_ROWS_STAGE_BYTES of shared memory, 16-byte
-// aligned; barriers: one per warp and stage).
-template <int N_TILES>
-__device__ __forceinline__ void gemm_rows_staged_sweep(const bf16_t* __restrict__ x, int ldx,
-                                                       const bf16_t* __restrict__ w, bf16_t* __restrict__ y,
-                                                       int ldy, int rows, int n, int k, int stages,
-                                                       unsigned char* ring,
-                                                       unsigned long long (*barriers)[GEMM_ROWS_MAX_STAGES],
-                                                       float* partial)
-{
-    constexpr int STEP_BLOCKS = GEMM_ROWS_LOADS / N_TILES;  // k blocks of a step
-    constexpr int RUN_BYTES = STEP_BLOCKS * GEMM_ROWS_PACKED_BLOCK * 2;  // one tile's part of a step
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    const int group_lane = lane >> 2;
-    const int thread_in_group = lane & 3;
-    const int k_split = k_split_for(k);
-    const int warp_n = warp / k_split;
-    int kb_begin, kb_end;
-    gemm_rows_k_range(k, k_split, warp % k_split, kb_begin, kb_end);
-    const int k_blocks = gemm_rows_k_blocks(k);
-    // Every warp walks the steps of the longest k range (a shorter range's extra steps copy and
-    // add nothing), so the block's warps meet at every group's end together.
-    const int steps_per_group = ((k_blocks + k_split - 1) / k_split + STEP_BLOCKS - 1) / STEP_BLOCKS;
-    const int group_columns = gemm_rows_group_columns<N_TILES>(k_split);
-    const int column_groups = (n + group_columns - 1) / group_columns;
-    const int groups = static_cast<int>(blockIdx.x) < column_groups
-                           ? (column_groups - 1 - static_cast<int>(blockIdx.x)) / static_cast<int>(gridDim.x) + 1
-                           : 0;
-    const int total_steps = groups * steps_per_group;
-    const int n_tiles = (n + GEMM_ROWS_N_TILE - 1) / GEMM_ROWS_N_TILE;
-    const size_t tile_elements = static_cast<size_t>(k_blocks) * GEMM_ROWS_PACKED_BLOCK;
-    unsigned char* warp_ring = ring + static_cast<size_t>(warp) * stages * GEMM_ROWS_STAGE_BYTES;
-
-    if (threadIdx.x < GEMM_ROWS_WARPS * stages) {
-        mbarrier_init(&barriers[threadIdx.x / stages][threadIdx.x % stages], 1);
-    }
-    mbarrier_init_fence();
-    __syncthreads();
-
-    // Step `step` of this warp: the group, its first k block and the blocks and tiles it has.
-    auto step_blocks = [&](int step, int& group, int& kb) {
-        group = static_cast<int>(blockIdx.x) + (step / steps_per_group) * static_cast<int>(gridDim.x);
-        kb = kb_begin + (step % steps_per_group) * STEP_BLOCKS;
-        return max(0, min(STEP_BLOCKS, kb_end - kb));
-    };
-    auto first_tile_of = [&](int group) {
-        return (group * group_columns + warp_n * N_TILES * GEMM_ROWS_N_TILE) / GEMM_ROWS_N_TILE;
-    };
-    // Lane-collective: lane 0 arms the stage's barrier, lanes 0 .. tiles - 1 copy a tile's run each.
-    auto issue = [&](int step) {
-        int group, kb;
-        const int blocks = step_blocks(step, group, kb);
-        const int first_tile = first_tile_of(group);
-        const int tiles = blocks > 0 ? max(0, min(N_TILES, n_tiles - first_tile)) : 0;
-        unsigned long long* barrier = &barriers[warp][step % stages];
-        if (lane == 0) {
-            if (tiles > 0) {
-                mbarrier_arrive_expect_tx(barrier, static_cast<unsigned int>(tiles * blocks) * 512u);
-            } else {
-                mbarrier_arrive(barrier);
-            }
-        }
-        __syncwarp();
-        if (lane < tiles) {
-            bulk_copy_to_shared(warp_ring + static_cast<size_t>((step % stages) * N_TILES + lane) * RUN_BYTES,
-                                w + static_cast<size_t>(first_tile + lane) * tile_elements +
-                                    static_cast<size_t>(kb) * GEMM_ROWS_PACKED_BLOCK,
-                                static_cast<unsigned int>(blocks) * 512u, barrier);
-        }
-    };
-
-    kda_let_next_kernel_launch();
-    // The weight never depends on an earlier kernel: the first stages stream while it drains.
-    for (int step = 0; step < min(stages, total_steps); ++step) {
-        issue(step);
-    }
-    kda_wait_for_previous_kernel();
-
-    const bf16_t* x_lane = x + static_cast<size_t>(group_lane) * ldx + 8 * thread_in_group;
-    const bool x_valid[1][2] = {{group_lane < rows, group_lane + 8 < rows}};
-    float acc[1][N_TILES][4];
-    for (int step = 0; step < total_steps; ++step) {
-        int group, kb;
-        const int blocks = step_blocks(step, group, kb);
-        const int tiles = max(0, min(N_TILES, n_tiles - first_tile_of(group)));
-        if (step % steps_per_group == 0) {
-#pragma unroll
-            for (int j = 0; j < N_TILES; ++j) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    acc[0][j][e] = 0.0f;
-                }
-            }
-        }
-        mbarrier_wait_parity(&barriers[warp][step % stages], static_cast<unsigned int>(step / stages) & 1u);
-        const unsigned char* stage = warp_ring + static_cast<size_t>(step % stages) * GEMM_ROWS_STAGE_BYTES + 16 * lane;
-#pragma unroll
-        for (int u = 0; u < STEP_BLOCKS; ++u) {
-            // Warp-uniform, as in gemm_rows_accumulate: the blocks past the range add nothing.
-            if (u < blocks) {
-                uint4 x_frag[1][2];
-                load_x_block<1>(x_frag, x_lane, ldx, x_valid, kb + u, kb_end, k, thread_in_group, 0);
-                uint4 w_frag[N_TILES];
-#pragma unroll
-                for (int j = 0; j < N_TILES; ++j) {
-                    w_frag[j] = j < tiles ? *reinterpret_cast<const uint4*>(stage + j * RUN_BYTES + u * 512)
-                                          : uint4{0u, 0u, 0u, 0u};
-                }
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-#pragma unroll
-                    for (int j = 0; j < N_TILES; ++j) {
-                        mma_bf16_m16n8k16(acc[0][j], word_of(x_frag[0][0], 2 * half), word_of(x_frag[0][1], 2 * half),
-                                          word_of(x_frag[0][0], 2 * half + 1), word_of(x_frag[0][1], 2 * half + 1),
-                                          word_of(w_frag[j], 2 * half), word_of(w_frag[j], 2 * half + 1));
-                    }
-                }
-            }
-        }
-        // Every lane has its fragments of this stage: refill it.
-        __syncwarp();
-        if (step + stages < total_steps) {
-            issue(step + stages);
-        }
-        if (step % steps_per_group == steps_per_group - 1) {
-            gemm_rows_reduce_store<1, N_TILES>(acc, y, ldy, 0, rows, n, k_split, group, partial);
-        }
     }
 }
 

@@ -160,25 +160,6 @@ def test_launch_plan_rejects_unknown_tiles():
         launch_plan(64, 128, 1, blocks=0)
 
 
-def test_staged_plan():
-    """The staged stream's plan: the register plan's tiles, a grid of the blocks the SMs' shared
-    memory holds at once (at most 2 per SM), its dynamic shared memory, and its refusals."""
-    from glm_kda.gemm_rows import staged_plan
-
-    plan, shared = staged_plan(24576, 4096, 1, 4)
-    assert (plan.kernel, plan.grid, plan.tiles_per_warp, shared) == ("gemm_rows_staged_bf16_n4", (132, 1), 4, 131072)
-    plan, shared = staged_plan(24576, 4096, 16, 2)
-    assert (plan.grid, shared) == ((264, 1), 65536)
-    plan, _ = staged_plan(2304, 4096, 1, 3)
-    assert (plan.kernel, plan.grid) == ("gemm_rows_staged_bf16_n2", (144, 1))
-    assert staged_plan(320, 4096, 1, 4)[0].grid[0] == 40  # no more blocks than column groups
-    assert staged_plan(24576, 4096, 1, 4, blocks=3)[0].grid == (3, 1)
-    with pytest.raises(ValueError, match="stages must be 1..8"):
-        staged_plan(64, 128, 1, 9)
-    with pytest.raises(ValueError, match="at most 16 rows"):
-        staged_plan(64, 128, 17, 2)
-
-
 def test_launch_plan_blocks_caps_the_grid():
     assert launch_plan(24576, 4096, 1, tiles_per_warp=1, blocks=264).grid == (264, 1)
     assert launch_plan(24576, 4096, 100, tiles_per_warp=1, blocks=10**6).grid == (3072, 2)
@@ -189,9 +170,6 @@ def test_every_entry_point_is_in_the_kernel_source():
 
     source = kernel_source("gemm_rows")
     for name in ENTRY_POINTS["gemm_rows"]:
-        if name.startswith("gemm_rows_staged_"):
-            assert f"GEMM_ROWS_STAGED_ENTRY({name[-1]})" in source, f"gemm_rows.cu has no entry for {name}"
-            continue
         m_tiles, tiles = (int(part[1:]) for part in name.split("_")[-2:])
         assert f"GEMM_ROWS_ENTRY({m_tiles}, {tiles})" in source, f"gemm_rows.cu has no entry for {name}"
     assert f"#define GEMM_ROWS_MIN_BLOCKS {GEMM_ROWS_BLOCKS_PER_SM}" in source
@@ -401,30 +379,3 @@ def test_packed_weight_gives_the_row_major_bits(shape, rows):
     assert bool((row_major != POISON).all()), f"{_shape_id(shape)}-R{rows}: outputs left unwritten"
     packed_host = pack_weight(w.get()).data
     assert np.array_equal(packed.data.get(), packed_host), f"{_shape_id(shape)}: device and host packing differ"
-
-
-@pytest.mark.gpu
-@needs_gpu
-@pytest.mark.parametrize("stages", [1, 2, 3, 8], ids=lambda s: f"S{s}")
-@pytest.mark.parametrize("shape", [(13, 40), (1000, 1032), (4096, 128), (2304, 4096)], ids=_shape_id)
-def test_staged_stream_gives_the_row_major_bits(monkeypatch, shape, stages):
-    """The staged stream (packed weights, up to 16 rows, sm_90 and later) at every ring depth:
-    the row-major launch's bits for rows 1, 5 and 16, every tile width, and a grid of 3 blocks
-    (each block's ring running on over several column groups); a programmatic launch too."""
-    from glm_kda import gemm_rows
-    from glm_kda.gemm_rows import pack_weight
-
-    cp = _cp()
-    if cp.cuda.Device().compute_capability < "90":
-        pytest.skip("the staged stream needs sm_90 or later")
-    monkeypatch.setattr(gemm_rows, "STAGED_STAGES", stages)
-    n, k = shape
-    rng = np.random.default_rng(SEED + n + stages)
-    x = _random_bf16(rng, (16, k))
-    w = _random_bf16(rng, (n, k), scale=k**-0.5)
-    packed = pack_weight(w)
-    for rows in (1, 5, 16):
-        row_major = _run(x, w, rows)
-        for kwargs in ({}, {"tiles_per_warp": 1}, {"tiles_per_warp": 4, "blocks": 3}, {"programmatic": True}):
-            _assert_bits_equal(_run(x, packed, rows, **kwargs), row_major,
-                               f"{_shape_id(shape)}-R{rows} stages {stages} {kwargs}")

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from glm_kda.gemm_rows import launch_plan, pack_weight, staged_plan
+from glm_kda.gemm_rows import launch_plan, pack_weight
 from glm_kda.reference import rms_ratio, round_bf16
 from host_cuda import (COMMON_DEVICE_HELPERS, HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, bf16_bits, bits_to_f64, build_host_binary,
                        host_kernel_source)
@@ -29,8 +29,7 @@ from host_cuda import (COMMON_DEVICE_HELPERS, HOST_CUDA_HEADER, HOST_CUDA_RUNTIM
 RMS_BOUND = 1e-3
 POISON = 0x7FA5
 DEVICE_HELPERS = ("load_weight_16B", "prefetch_l2", "load_activation_16B", "load_produced_16B", "mma_bf16_m16n8k16",
-                  "mbarrier_init", "mbarrier_init_fence", "mbarrier_arrive_expect_tx", "mbarrier_arrive",
-                  "mbarrier_wait_parity", "bulk_copy_to_shared", *COMMON_DEVICE_HELPERS)
+                  *COMMON_DEVICE_HELPERS)
 
 GEMM_HEADER = HOST_CUDA_HEADER + r"""
 using bf16_t = unsigned short;
@@ -46,18 +45,6 @@ inline uint4 load_weight_16B(const bf16_t* pointer, bool valid)
 inline uint4 load_activation_16B(const bf16_t* pointer, bool valid) { return load_weight_16B(pointer, valid); }
 inline uint4 load_produced_16B(const bf16_t* pointer, bool valid) { return load_weight_16B(pointer, valid); }
 inline void prefetch_l2(const void*) {}
-// The staged stream's barriers and bulk copies: a copy lands at once (the issuing lane copies),
-// and a wait is the warp meeting, after which every lane sees what its warp copied.
-inline void mbarrier_init(unsigned long long*, unsigned int) {}
-inline void mbarrier_init_fence() {}
-inline void mbarrier_arrive_expect_tx(unsigned long long*, unsigned int) {}
-inline void mbarrier_arrive(unsigned long long*) {}
-inline void mbarrier_wait_parity(unsigned long long*, unsigned int) { __syncwarp(); }
-inline void bulk_copy_to_shared(void* destination, const void* source, unsigned int bytes, unsigned long long*)
-{
-    if (bytes % 16 || reinterpret_cast<uintptr_t>(destination) % 16) misaligned++;
-    std::memcpy(destination, checked_cast<const uint4>(source), bytes);
-}
 inline double bf16_word(unsigned int word, int half)
 {
     return double(__uint_as_float(half ? (word & 0xFFFF0000u) : (word << 16)));
@@ -85,9 +72,6 @@ MmaSlot mma_slots[32][32];
 #define DECLARE_BOTH(M, N) DECLARE(M, N) DECLARE_PACKED(M, N)
 DECLARE_BOTH(1, 1) DECLARE_BOTH(1, 2) DECLARE_BOTH(1, 4) DECLARE_BOTH(2, 1) DECLARE_BOTH(2, 2) DECLARE_BOTH(2, 4)
 DECLARE_BOTH(4, 1) DECLARE_BOTH(4, 2)
-#define DECLARE_STAGED(N) extern "C" void gemm_rows_staged_bf16_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, int, \
-                                                                  int, int, int, int);
-DECLARE_STAGED(1) DECLARE_STAGED(2) DECLARE_STAGED(4)
 extern "C" void gemv_bf16(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int);
 using Entry = void (*)(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int, int);
 
@@ -103,8 +87,6 @@ int main(int argc, char** argv)
     const int launches = std::atoi(argv[13]);
     // w_elements > 0: w is in the packed layout (that many elements) and the packed entry runs.
     const long w_elements = std::atol(argv[14]);
-    // stages > 0: the staged entry of n_tiles (packed w, m_tiles 1) with that many stages.
-    const int stages = std::atoi(argv[15]);
     const std::pair<int, int> key{m_tiles, n_tiles};
     const std::pair<std::pair<int, int>, Entry> entries[] = {
         {{1, 1}, gemm_rows_bf16_m1_n1}, {{1, 2}, gemm_rows_bf16_m1_n2}, {{1, 4}, gemm_rows_bf16_m1_n4},
@@ -119,12 +101,8 @@ int main(int argc, char** argv)
         {{1, 4}, gemm_rows_packed_bf16_m1_n4}, {{2, 1}, gemm_rows_packed_bf16_m2_n1},
         {{2, 2}, gemm_rows_packed_bf16_m2_n2}, {{2, 4}, gemm_rows_packed_bf16_m2_n4},
         {{4, 1}, gemm_rows_packed_bf16_m4_n1}, {{4, 2}, gemm_rows_packed_bf16_m4_n2}};
-    const std::pair<std::pair<int, int>, Entry> staged_entries[] = {
-        {{1, 1}, gemm_rows_staged_bf16_n1}, {{1, 2}, gemm_rows_staged_bf16_n2}, {{1, 4}, gemm_rows_staged_bf16_n4}};
     Entry entry = nullptr;
-    if (stages > 0) {
-        for (const auto& [name, function] : staged_entries) if (name == key) entry = function;
-    } else if (w_elements > 0) {
+    if (w_elements > 0) {
         for (const auto& [name, function] : packed_entries) if (name == key) entry = function;
     } else {
         for (const auto& [name, function] : entries) if (name == key) entry = function;
@@ -134,9 +112,8 @@ int main(int argc, char** argv)
     const auto w = load_u16(dir + "/w", w_elements > 0 ? size_t(w_elements) : size_t(n) * k);
     auto y = load_u16(dir + "/y", size_t(y_rows) * ldy);
     for (int launch = 0; launch < launches; ++launch) {
-        run_grid(dim3{grid_x, grid_y, 1}, 256, size_t(stages) * 8 * 4096, [&] {
-            entry(x.data() + size_t(launch) * ldx, ldx, w.data(), y.data() + size_t(launch) * ldy, ldy, rows, n, k,
-                  stages);
+        run_grid(dim3{grid_x, grid_y, 1}, 256, 0, [&] {
+            entry(x.data() + size_t(launch) * ldx, ldx, w.data(), y.data() + size_t(launch) * ldy, ldy, rows, n, k, 0);
         });
     }
     save(dir + "/y.out", y);
@@ -148,11 +125,7 @@ int main(int argc, char** argv)
 
 @pytest.fixture(scope="module")
 def gemm_host(tmp_path_factory):
-    ring = "extern __shared__ __align__(128) unsigned char gemm_rows_ring[];"
-    kernel = host_kernel_source("gemm_rows", DEVICE_HELPERS)
-    assert ring in kernel, "gemm_rows.cu no longer declares its stage ring; update the host emulation"
-    kernel = '#include "emulation.h"\n' + kernel.replace(
-        ring, "unsigned char* gemm_rows_ring = reinterpret_cast<unsigned char*>(emulated_shared);")
+    kernel = '#include "emulation.h"\n' + host_kernel_source("gemm_rows", DEVICE_HELPERS)
     gemv = '#include "emulation.h"\n' + host_kernel_source("gemv", COMMON_DEVICE_HELPERS)
     return build_host_binary(tmp_path_factory.mktemp("gemm_rows_host"), "gemm_rows_host",
                              {"emulation.h": GEMM_HEADER, "main.cpp": GEMM_MAIN, "kernel.cpp": kernel, "gemv.cpp": gemv})
@@ -163,22 +136,16 @@ def gemm_host(tmp_path_factory):
 _calls = iter(range(10**9))
 
 
-def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, gemv=False, packed=False, stages=0,
-             **plan_args):
+def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, gemv=False, packed=False, **plan_args):
     """One launch as gemm_rows_bf16 plans it (132 SMs), on x_buffer[:, :k] (row stride of the
     buffer) into y_buffer[:, :n], or with one_row_launches a one-row launch per row; returns the
     new y_buffer. gemv: ops.gemv_bf16's launch instead (8 columns a block). packed: the packed
-    entry point on gemm_rows.pack_weight(w); stages > 0: the staged entry (packed) with that many
-    stages, as gemm_rows.staged_plan plans it."""
+    entry point on gemm_rows.pack_weight(w)."""
     n, k = w.shape
-    packed = packed or stages > 0
     w_file = pack_weight(w.view(np.uint16)).data if packed else w
     if gemv:
         m_tiles = n_tiles = 0
         plan = SimpleNamespace(grid=(-(-n // 8), 1))
-    elif stages > 0:
-        plan, _ = staged_plan(n, k, 1 if one_row_launches else rows, stages, **plan_args)
-        m_tiles, n_tiles = 1, plan.tiles_per_warp
     else:
         plan = launch_plan(n, k, 1 if one_row_launches else rows, **plan_args)
         m_tiles, n_tiles = (int(part[1:]) for part in plan.kernel.split("_")[-2:])
@@ -191,7 +158,7 @@ def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, gemv=F
         [str(binary), str(folder), str(m_tiles), str(n_tiles), str(plan.grid[0]), str(plan.grid[1]),
          str(1 if one_row_launches else rows), str(n),
          str(k), str(x_buffer.shape[1]), str(y_buffer.shape[1]), str(x_buffer.shape[0]), str(y_buffer.shape[0]),
-         str(rows if one_row_launches else 1), str(w_file.size if packed else 0), str(stages)],
+         str(rows if one_row_launches else 1), str(w_file.size if packed else 0)],
         capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["misaligned=0"], f"host run: {result.stdout.strip()}"
@@ -289,20 +256,3 @@ def test_pack_weight_layout():
         row, col = 8 * tile + lane // 4, 32 * kb + 8 * (lane % 4) + e
         expected = w[row, col] if row < n and col < k else 0
         assert data[tile, kb, 8 * lane + e] == expected, (tile, kb, lane, e)
-
-
-@pytest.mark.parametrize("shape", [(40, 128), (100, 136), (72, 2056), (13, 40), (1000, 264)],
-                         ids=lambda s: f"N{s[0]}-K{s[1]}")
-def test_staged_stream_gives_the_row_major_bits_on_host(gemm_host, shape):
-    """The staged entries (bulk copies of the packed runs into per-warp stage rings, emulated as
-    copies at issue) give the row-major launch's bits: 1..8 stages (rings shorter and longer
-    than a group's steps), every tile width, grids of 1 and 3 blocks (blocks looping over
-    several groups, the ring running on across them) and the planned grid."""
-    n, k = shape
-    x, w = _inputs(n, k, 16, seed=7 * n + k)
-    for rows in (1, 9, 16):
-        row_major = run_host(gemm_host, x[:rows], w, rows, np.full((rows, n), POISON, np.uint16))
-        for stages, tiles, blocks in ((1, None, None), (2, 1, 3), (4, 2, 1), (8, 4, None), (3, None, 3)):
-            out = run_host(gemm_host, x[:rows], w, rows, np.full((rows, n), POISON, np.uint16), stages=stages,
-                           tiles_per_warp=tiles, blocks=blocks)
-            _assert_bits_equal(out, row_major, f"N{n}-K{k} R{rows} stages={stages} tiles={tiles} blocks={blocks}")

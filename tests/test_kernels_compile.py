@@ -64,7 +64,6 @@ def test_kernel_files_match_entry_points():
         # entry per weight layout.
         declared += [f"gemm_rows_{layout}bf16_m{m}_n{n}" for layout in ("", "packed_")
                      for m, n in re.findall(r"^GEMM_ROWS_ENTRY\((\d+), (\d+)\)", text, re.M)]
-        declared += [f"gemm_rows_staged_bf16_n{n}" for n in re.findall(r"^GEMM_ROWS_STAGED_ENTRY\((\d+)\)", text, re.M)]
         # chunk_tc.cu declares its two plain prepares through CHUNK_TC_PREPARE_ENTRY(name, unbounded).
         declared += re.findall(r"^CHUNK_TC_PREPARE_ENTRY\((\w+), \w+\)", text, re.M)
         assert sorted(declared) == sorted(names) and len(set(declared)) == len(declared), \
