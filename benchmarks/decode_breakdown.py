@@ -34,11 +34,14 @@ def back_to_back_us(fn, calls: int = 200) -> float:
 
 # (fused_decode, programmatic launches, L2 prefetch k blocks, step prefetch waves, persistent
 # decode lags (step, out) in pairs of heads or None for the separate launches, largest weight
-# that a programmatic launch asks L2 for (None: any), packed decode weights)
+# that a programmatic launch asks L2 for (None: any), packed decode weights, where the fused step
+# lets the output projection launch (layer.STEP_DEPENDENTS_AFTER))
 MB = 1 << 20
 VARIANTS = (
-    (True, True, 16, 0.25, None, 32 * MB, True), (True, True, 16, 0.25, None, 32 * MB, False),
-    (True, True, 16, 0.25, None, None, True), (True, True, 0, 0.25, None, None, True),
+    (True, True, 16, 0.25, None, 32 * MB, True, 0), (True, True, 16, 0.25, None, 32 * MB, False, 0),
+    (True, True, 16, 0.25, None, 32 * MB, True, 1), (True, True, 16, 0.25, None, 32 * MB, True, 2),
+    (True, True, 16, 0.25, None, None, True, 1), (True, True, 16, 0.25, None, None, True, 2),
+    (True, True, 0, 0.25, None, None, True, 1),
 )
 ROUNDS = 5
 VERIFY_K = (4, 16)
@@ -49,7 +52,7 @@ def apply(variant, layer_object) -> None:
     from glm_kda import gemm_rows, kernels, layer, persistent
 
     (fused, kernels.PROGRAMMATIC_LAUNCH, gemm_rows.PREFETCH_K_BLOCKS, layer.STEP_PREFETCH_WAVES, lags,
-     gemm_rows.PREFETCH_MAX_WEIGHT_BYTES, packed) = variant
+     gemm_rows.PREFETCH_MAX_WEIGHT_BYTES, packed, layer.STEP_DEPENDENTS_AFTER) = variant
     layer_object.fused_decode = fused
     layer_object.packed_decode = packed
     layer_object.persistent_decode = lags is not None
@@ -73,7 +76,7 @@ def main(geometries: list[str]) -> None:
 
     defaults = (True, kernels.PROGRAMMATIC_LAUNCH, gemm_rows.PREFETCH_K_BLOCKS, layer_module.STEP_PREFETCH_WAVES,
                 (persistent.STEP_LAG_PAIRS, persistent.OUT_LAG_PAIRS) if layer_module.PERSISTENT_DECODE else None,
-                gemm_rows.PREFETCH_MAX_WEIGHT_BYTES, True)
+                gemm_rows.PREFETCH_MAX_WEIGHT_BYTES, True, layer_module.STEP_DEPENDENTS_AFTER)
     stream = cupy.cuda.get_current_stream()
     with tempfile.TemporaryDirectory() as tmp:
         for geometry in geometries:
@@ -116,7 +119,7 @@ def main(geometries: list[str]) -> None:
                     for rows, graph in captured[variant][0].items():
                         replays[variant, rows].append(back_to_back_us(lambda: graph.launch(stream)))
             for variant in VARIANTS:
-                fused, programmatic, prefetch, step_prefetch, lags, prefetch_limit, packed = variant
+                fused, programmatic, prefetch, step_prefetch, lags, prefetch_limit, packed, dependents = variant
                 replay_us = float(np.median(replays[variant, 1]))
                 verify = {f"K{rows}": round(float(np.median(replays[variant, rows])) / replay_us, 3) for rows in VERIFY_K}
                 batched = {}
@@ -129,6 +132,7 @@ def main(geometries: list[str]) -> None:
                     "geometry": geometry, "fused_decode": fused, "programmatic_launch": programmatic,
                     "l2_prefetch_k_blocks": prefetch, "step_prefetch_waves": step_prefetch,
                     "persistent_lags": lags, "l2_prefetch_max_weight_bytes": prefetch_limit, "packed_decode": packed,
+                    "step_dependents_after": dependents,
                     "default": variant == defaults, "copy_bandwidth_GBs": bandwidth,
                     "bytes": nbytes, "graph_replay_us": replay_us,
                     "graph_replay_rounds_us": [round(x, 2) for x in replays[variant, 1]],

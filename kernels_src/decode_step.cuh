@@ -57,6 +57,10 @@ struct KdaStepArgs {
     float l2_eps;
     float norm_eps;
     int prefetch_ahead;
+    // Where the step lets the next kernel of its stream launch (kda_let_next_kernel_launch):
+    // 0 not here (the caller's business), 1 once the first token's inputs are formed (the state
+    // column and the inputs have arrived), 2 after the first token's recurrent step.
+    int dependents_after;
 };
 
 // The shared memory of one head group.
@@ -151,8 +155,14 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
         shared.key[d] = k;
         shared.query[d] = q * p.scale;
         group.sync();
+        if (t == 0 && p.dependents_after == 1) {
+            kda_let_next_kernel_launch();
+        }
 
         const float o = kda_recurrent_step(s, shared.decay, shared.key, shared.query, v, beta_head, group);
+        if (t == 0 && p.dependents_after == 2) {
+            kda_let_next_kernel_launch();
+        }
         p.core[out_index] = o;
         p.o_norm_out[out_index] = f32_to_bf16(gated_rmsnorm_sigmoid(o, weight, z, p.norm_eps, shared.scratch, group));
     }

@@ -54,7 +54,7 @@ extern "C" void gemm_rows_bf16_m1_n4(const bf16_t*, int, const bf16_t*, bf16_t*,
 extern "C" void kda_decode_fused_bf16(float*, float*, const int*, const bf16_t*, const bf16_t*, const bf16_t*,
                                       const float*, const float*, const bf16_t*, int, const bf16_t*, const bf16_t*,
                                       bf16_t*, float*, float*, float*, float*, float*, float*, bf16_t*, int, int, int,
-                                      int, float, float, float, float, int);
+                                      int, float, float, float, float, int, int);
 extern "C" void kda_decode_persistent_bf16(
     int*, int, const int*, int, int, const bf16_t*, int, const bf16_t*, bf16_t*, int, const bf16_t*, bf16_t*,
     const bf16_t*, bf16_t*, const bf16_t*, bf16_t*, const bf16_t*, float*, bf16_t*, float*, float*, const int*,
@@ -121,7 +121,7 @@ int main(int argc, char** argv)
                               s.forget_proj.data(), dt_bias.data(), a_log.data(), s.down_proj.data() + 2 * D, down_dim,
                               s.out_gate.data(), norm_w.data(), s.conv_out.data(), s.query.data(), s.key.data(),
                               s.value.data(), s.gate.data(), s.beta.data(), s.core.data(), s.o_norm_out.data(), heads,
-                              K, rows, bounded, lower_bound, scale, l2_eps, norm_eps, 0);
+                              K, rows, bounded, lower_bound, scale, l2_eps, norm_eps, 0, 0);
     });
     gemm(s.o_norm_out.data(), qkv, o_w, s.final_out.data(), hidden, hidden, qkv);
 
