@@ -65,7 +65,7 @@ struct KdaStepArgs {
 
 // The shared memory of one head group.
 struct KdaStepShared {
-    float scratch[8];
+    float scratch[10];
     float decay[KDA_HEAD_DIM];
     float key[KDA_HEAD_DIM];
     float query[KDA_HEAD_DIM];
@@ -137,8 +137,9 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
             p.conv_out[row * 3 * qkv + c] = out;
             rounded[part] = bf16_to_f32(out);
         }
-        const float q = l2_normalize_head(rounded[0], p.l2_eps, shared.scratch, group);
-        const float k = l2_normalize_head(rounded[1], p.l2_eps, shared.scratch, group);
+        float q = rounded[0];
+        float k = rounded[1];
+        l2_normalize_pair(q, k, p.l2_eps, shared.scratch, group);
         const float v = rounded[2];
         const float g = kda_forget_gate(u, a, p.bounded != 0, p.lower_bound);
 

@@ -96,6 +96,38 @@ __device__ __forceinline__ float block_sum_f32(float value, float* scratch, Sync
     return total;
 }
 
+// block_sum_f32 of two values at once, by the same tree each (so the same bits as two calls),
+// with the barriers of one call. `scratch` is at least 10 floats of the group's shared memory.
+template <class Sync = KdaBlockSync>
+__device__ __forceinline__ void block_sum2_f32(float& a, float& b, float* scratch, Sync group = Sync())
+{
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        a += __shfl_xor_sync(KDA_FULL_WARP_MASK, a, offset);
+        b += __shfl_xor_sync(KDA_FULL_WARP_MASK, b, offset);
+    }
+    const int thread = group.thread();
+    const int warp = thread >> 5;
+    if ((thread & 31) == 0) {
+        scratch[warp] = a;
+        scratch[5 + warp] = b;
+    }
+    group.sync();
+    if (thread == 0 || thread == 32) {
+        const float* sums = scratch + (thread == 0 ? 0 : 5);
+        float total = sums[0];
+        total += sums[1];
+        total += sums[2];
+        total += sums[3];
+        scratch[(thread == 0 ? 0 : 5) + 4] = total;
+    }
+    group.sync();
+    a = scratch[4];
+    b = scratch[9];
+    // Nobody may overwrite scratch for the next call before every thread read it.
+    group.sync();
+}
+
 // Programmatic dependent launch (sm_90 and later; no-ops before). A kernel launched with the
 // programmatic-serialization attribute may start while the kernel before it in the stream
 // still runs, once every block of that one has called kda_let_next_kernel_launch (or
@@ -211,6 +243,19 @@ __device__ __forceinline__ float l2_normalize_head(float value, float l2_eps, fl
     // __fmul_rn: a product the compiler may not fuse into the first shuffle add.
     const float sum_squares = block_sum_f32(__fmul_rn(value, value), scratch, group);
     return value / sqrtf(sum_squares + l2_eps);
+}
+
+// l2_normalize_head of q and of k (channel d of each) with the barriers of one reduction: the
+// same bits as two calls. `scratch` is at least 10 floats.
+template <class Sync = KdaBlockSync>
+__device__ __forceinline__ void l2_normalize_pair(float& q, float& k, float l2_eps, float* scratch,
+                                                  Sync group = Sync())
+{
+    float q_squares = __fmul_rn(q, q);
+    float k_squares = __fmul_rn(k, k);
+    block_sum2_f32(q_squares, k_squares, scratch, group);
+    q = q / sqrtf(q_squares + l2_eps);
+    k = k / sqrtf(k_squares + l2_eps);
 }
 
 // Delta-rule steps of one value column of a head's state S [D_k, D_v] (K-major, row i at
