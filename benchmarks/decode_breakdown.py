@@ -38,8 +38,8 @@ def back_to_back_us(fn, calls: int = 200) -> float:
 # lets the output projection launch (layer.STEP_DEPENDENTS_AFTER))
 MB = 1 << 20
 VARIANTS = (
-    (True, True, 16, 0.25, None, 32 * MB, True, 2), (True, True, 16, 0.25, None, 32 * MB, False, 2),
-    (True, True, 16, 0.25, None, 32 * MB, True, 0), (True, True, 16, 0.25, None, 32 * MB, True, 1),
+    (True, True, 16, 0.25, None, 32 * MB, True, 0), (True, True, 16, 0.25, None, 32 * MB, False, 0),
+    (True, True, 16, 0.25, None, 32 * MB, True, 2),
 )
 ROUNDS = 5
 VERIFY_K = (4, 16)

@@ -54,8 +54,9 @@ STEP_PREFETCH_WAVES = 0.25
 STEP_RESIDENT_BLOCKS_PER_SM = 2
 # Where the fused step lets the output projection (its programmatic dependent) launch:
 # kda_decode_fused_bf16's dependents_after (0 at once, 1 once the first token's inputs are
-# formed, 2 after its recurrent step).
-STEP_DEPENDENTS_AFTER = 2
+# formed, 2 after its recurrent step). On an H200 (benchmarks/decode_breakdown.py, two runs) the
+# three were within the rounds' spread of each other (GLM B=1 83.2 - 84.3 us, Kimi 35.6 - 36.5).
+STEP_DEPENDENTS_AFTER = 0
 # Default of KdaLayer.persistent_decode.
 PERSISTENT_DECODE = False
 # Most rows one batched decode call takes (the workspace and the pool may limit it further).
