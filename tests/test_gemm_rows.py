@@ -366,7 +366,6 @@ def test_packed_weight_gives_the_row_major_bits(shape, rows):
     (its L2 request walks the packed runs) too."""
     from glm_kda.gemm_rows import pack_weight
 
-    cp = _cp()
     n, k = shape
     rng = np.random.default_rng(SEED + n + rows)
     x = _random_bf16(rng, (rows, k))

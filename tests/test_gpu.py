@@ -365,74 +365,26 @@ def test_batched_decode_is_batch_invariant(layers, geometry):
     assert int(cp.count_nonzero(_bits(single.recurrent) != _bits(alone[2][5]))) == 0
 
 
-@pytest.mark.parametrize("geometry", ["glm", "kimi"])
-def test_fused_decode_equals_the_separate_kernels(layers, geometry):
-    """The fused decode step (conv + L2, gate and beta, recurrent step, gated norm in one
-    launch) writes the bits the four separate kernels write: every stage buffer, the output
-    and both states, for a pool batch with shuffled slots and for decode_k's row walk. GLM
-    has the bounded gate law, Kimi the softplus law."""
+def _decode_paths(layer, count: int, rows: int, walk_rows: int, prefill_rows: int, seed: int, switch) -> dict:
+    """Every stage buffer, output and state of a `rows`-sequence pool step (shuffled slots of a
+    pool of `count`), a `walk_rows`-row decode_k walk and (prefill_rows > 0) a prefill of that
+    many tokens, all from the same random start, once with switch(True) and once with
+    switch(False) in effect (switch(None) restores the layer): (results True, results False)."""
     from glm_kda.reference import STAGE_ORDER
     from glm_kda.state import StatePool
 
     cp = _cp()
-    bound, layer = layers(geometry)
-    cfg = bound.config
-    count, rows = 8, 5
-    rng = np.random.default_rng(41)
+    cfg = layer.config
+    rng = np.random.default_rng(seed)
     bf16 = layer.workspace.final_out.dtype
-    hidden = cp.asarray(synthetic_hidden(rows, cfg.hidden, seed=42).view(np.uint16)).view(bf16)
+    hidden = cp.asarray(synthetic_hidden(rows, cfg.hidden, seed=seed + 1).view(np.uint16)).view(bf16)
     start_conv = cp.asarray(rng.standard_normal((count,) + cfg.conv_state_shape).astype(np.float32))
     start_rec = cp.asarray((0.1 * rng.standard_normal((count,) + cfg.recurrent_state_shape)).astype(np.float32))
     slots = cp.asarray(rng.permutation(count)[:rows].astype(np.int32))
-    start = KdaState.random(cfg, seed=43)
+    start = KdaState.random(cfg, seed=seed + 2)
 
-    def run(fused: bool) -> dict:
-        layer.fused_decode = fused
-        try:
-            pool = StatePool(cfg, count)
-            pool.conv[...] = start_conv
-            pool.recurrent[...] = start_rec
-            results = {"pool output": layer.decode(hidden, pool, slots)}
-            results.update({f"pool {name}": getattr(layer.workspace, name)[:rows].copy() for name in STAGE_ORDER})
-            results.update({"pool conv state": pool.conv, "pool recurrent state": pool.recurrent})
-            state = device_state(layer, start)
-            results["decode_k output"] = layer.decode_k(hidden, state)
-            results.update({"decode_k conv state": state.conv, "decode_k recurrent state": state.recurrent})
-            return results
-        finally:
-            layer.fused_decode = True
-
-    fused, separate = run(True), run(False)
-    assert fused.keys() == separate.keys()
-    for what in fused:
-        differ = int(cp.count_nonzero(_bits(fused[what]) != _bits(separate[what])))
-        assert differ == 0, f"{geometry} {what}: {differ} of {fused[what].size} elements differ between the fused step and the separate kernels"
-
-
-@pytest.mark.parametrize("geometry", ["glm", "kimi"])
-def test_packed_decode_weights_give_the_row_major_bits(layers, geometry):
-    """layer.packed_decode (the decode projections read gemm_rows' packed copies of the
-    weights) writes the bits of the row-major weights: every stage buffer, the output and both
-    states of a 64-sequence pool step with shuffled slots, of a 5-row decode_k walk and of a
-    10-token prefill (which takes the decode projections)."""
-    from glm_kda.reference import STAGE_ORDER
-    from glm_kda.state import StatePool
-
-    cp = _cp()
-    bound, layer = layers(geometry)
-    cfg = bound.config
-    count, rows, walk_rows = 80, 64, 5
-    rng = np.random.default_rng(61)
-    bf16 = layer.workspace.final_out.dtype
-    hidden = cp.asarray(synthetic_hidden(rows, cfg.hidden, seed=62).view(np.uint16)).view(bf16)
-    start_conv = cp.asarray(rng.standard_normal((count,) + cfg.conv_state_shape).astype(np.float32))
-    start_rec = cp.asarray((0.1 * rng.standard_normal((count,) + cfg.recurrent_state_shape)).astype(np.float32))
-    slots = cp.asarray(rng.permutation(count)[:rows].astype(np.int32))
-    start = KdaState.random(cfg, seed=63)
-    previous = layer.packed_decode
-
-    def run(packed: bool) -> dict:
-        layer.packed_decode = packed
+    def run(setting: bool) -> dict:
+        switch(setting)
         try:
             pool = StatePool(cfg, count)
             pool.conv[...] = start_conv
@@ -443,19 +395,54 @@ def test_packed_decode_weights_give_the_row_major_bits(layers, geometry):
             state = device_state(layer, start)
             results["decode_k output"] = layer.decode_k(hidden[:walk_rows], state)
             results.update({"decode_k conv state": state.conv, "decode_k recurrent state": state.recurrent})
-            prefilled = device_state(layer, start)
-            results["prefill output"] = layer.prefill(hidden[:10], prefilled)
-            results.update({"prefill conv state": prefilled.conv, "prefill recurrent state": prefilled.recurrent})
+            if prefill_rows:
+                prefilled = device_state(layer, start)
+                results["prefill output"] = layer.prefill(hidden[:prefill_rows], prefilled)
+                results.update({"prefill conv state": prefilled.conv, "prefill recurrent state": prefilled.recurrent})
             return results
         finally:
-            layer.packed_decode = previous
+            switch(None)
 
-    packed, row_major = run(True), run(False)
-    assert packed.keys() == row_major.keys()
-    for what in packed:
-        differ = int(cp.count_nonzero(_bits(packed[what]) != _bits(row_major[what])))
-        assert differ == 0, (f"{geometry} {what}: {differ} of {packed[what].size} elements differ between the packed "
-                             "and the row-major decode weights")
+    return run(True), run(False)
+
+
+def _assert_same_bits(ours: dict, theirs: dict, tag: str, between: str) -> None:
+    cp = _cp()
+    assert ours.keys() == theirs.keys()
+    for what in ours:
+        differ = int(cp.count_nonzero(_bits(ours[what]) != _bits(theirs[what])))
+        assert differ == 0, f"{tag} {what}: {differ} of {ours[what].size} elements differ between {between}"
+
+
+@pytest.mark.parametrize("geometry", ["glm", "kimi"])
+def test_fused_decode_equals_the_separate_kernels(layers, geometry):
+    """The fused decode step (conv + L2, gate and beta, recurrent step, gated norm in one
+    launch) writes the bits the four separate kernels write: every stage buffer, the output
+    and both states, for a pool batch with shuffled slots and for decode_k's row walk. GLM
+    has the bounded gate law, Kimi the softplus law."""
+    _, layer = layers(geometry)
+
+    def switch(fused):
+        layer.fused_decode = True if fused is None else fused
+
+    fused, separate = _decode_paths(layer, count=8, rows=5, walk_rows=5, prefill_rows=0, seed=41, switch=switch)
+    _assert_same_bits(fused, separate, geometry, "the fused step and the separate kernels")
+
+
+@pytest.mark.parametrize("geometry", ["glm", "kimi"])
+def test_packed_decode_weights_give_the_row_major_bits(layers, geometry):
+    """layer.packed_decode (the decode projections read gemm_rows' packed copies of the
+    weights) writes the bits of the row-major weights: every stage buffer, the output and both
+    states of a 64-sequence pool step with shuffled slots, of a 5-row decode_k walk and of a
+    10-token prefill (which takes the decode projections)."""
+    _, layer = layers(geometry)
+    previous = layer.packed_decode
+
+    def switch(packed):
+        layer.packed_decode = previous if packed is None else packed
+
+    packed, row_major = _decode_paths(layer, count=80, rows=64, walk_rows=5, prefill_rows=10, seed=61, switch=switch)
+    _assert_same_bits(packed, row_major, geometry, "the packed and the row-major decode weights")
 
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["graph", "eager"])
