@@ -65,10 +65,6 @@ class PackedWeight:
     def packed_shape(self) -> tuple[int, int, int]:
         return packed_shape(self.n, self.k)
 
-    @property
-    def nbytes(self) -> int:
-        return int(self.data.nbytes)
-
 
 def packed_shape(n: int, k: int) -> tuple[int, int, int]:
     """Shape of the packed layout of a [n, k] weight: [ceil(n / 8), ceil(k / 32), 256]."""
