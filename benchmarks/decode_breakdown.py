@@ -14,8 +14,10 @@ for weights up to 32 MB (the default) or any, gemm_rows.PREFETCH_MAX_WEIGHT_BYTE
 weights in gemm_rows' packed layout (layer.packed_decode, the default) or row-major. A variant
 with the one persistent launch (layer.persistent_decode; a lags pair in place of None) times
 B=1 and verify only: it takes one sequence's rows, the batches are the separate launches'.
+With --against DIR the default configuration also runs the kernels compiled from the sources in
+DIR (another version of kernels_src/, say the previous commit's), in the same process.
 
-    PYTHONPATH=. python benchmarks/decode_breakdown.py [glm kimi]
+    PYTHONPATH=. python benchmarks/decode_breakdown.py [--against DIR] [glm kimi]
 """
 
 from __future__ import annotations
@@ -34,23 +36,28 @@ def back_to_back_us(fn, calls: int = 200) -> float:
 
 # (fused_decode, programmatic launches, L2 prefetch k blocks, step prefetch waves, persistent
 # decode lags (step, out) in pairs of heads or None for the separate launches, largest weight
-# that a programmatic launch asks L2 for (None: any), packed decode weights, where the fused step
-# lets the output projection launch (layer.STEP_DEPENDENTS_AFTER))
+# that a programmatic launch asks L2 for (None: any), packed decode weights, the folder of the
+# kernel sources (None: the package's own))
 MB = 1 << 20
 VARIANTS = (
-    (True, True, 16, 0.25, None, 32 * MB, True, 0), (True, True, 16, 0.25, None, 32 * MB, False, 0),
-    (True, True, 16, 0.25, None, 32 * MB, True, 2),
+    (True, True, 16, 0.25, None, 32 * MB, True, None), (True, True, 16, 0.25, None, 32 * MB, False, None),
 )
 ROUNDS = 5
 VERIFY_K = (4, 16)
 BATCHES = (64, 256)
 
 
+_KERNEL_SETS: dict = {}
+
+
 def apply(variant, layer_object) -> None:
     from glm_kda import gemm_rows, kernels, layer, persistent
 
     (fused, kernels.PROGRAMMATIC_LAUNCH, gemm_rows.PREFETCH_K_BLOCKS, layer.STEP_PREFETCH_WAVES, lags,
-     gemm_rows.PREFETCH_MAX_WEIGHT_BYTES, packed, layer.STEP_DEPENDENTS_AFTER) = variant
+     gemm_rows.PREFETCH_MAX_WEIGHT_BYTES, packed, sources) = variant
+    if sources not in _KERNEL_SETS:
+        _KERNEL_SETS[sources] = kernels.KernelSet.get() if sources is None else kernels.KernelSet(sources)
+    kernels.KernelSet.install(_KERNEL_SETS[sources])
     layer_object.fused_decode = fused
     layer_object.packed_decode = packed
     layer_object.persistent_decode = lags is not None
@@ -58,7 +65,7 @@ def apply(variant, layer_object) -> None:
         persistent.STEP_LAG_PAIRS, persistent.OUT_LAG_PAIRS = lags
 
 
-def main(geometries: list[str]) -> None:
+def main(geometries: list[str], against: str | None = None) -> None:
     import cupy
     import numpy as np
 
@@ -74,7 +81,8 @@ def main(geometries: list[str]) -> None:
 
     defaults = (True, kernels.PROGRAMMATIC_LAUNCH, gemm_rows.PREFETCH_K_BLOCKS, layer_module.STEP_PREFETCH_WAVES,
                 (persistent.STEP_LAG_PAIRS, persistent.OUT_LAG_PAIRS) if layer_module.PERSISTENT_DECODE else None,
-                gemm_rows.PREFETCH_MAX_WEIGHT_BYTES, True, layer_module.STEP_DEPENDENTS_AFTER)
+                gemm_rows.PREFETCH_MAX_WEIGHT_BYTES, True, None)
+    variants = VARIANTS + ((defaults[:-1] + (against,),) if against is not None else ())
     stream = cupy.cuda.get_current_stream()
     with tempfile.TemporaryDirectory() as tmp:
         for geometry in geometries:
@@ -90,7 +98,7 @@ def main(geometries: list[str]) -> None:
             captured = {}
             # The first variant twice, the first capture thrown away: in one run the graphs captured
             # first replayed 4 us slower than the same kernels captured later.
-            for variant in (VARIANTS[0],) + VARIANTS:
+            for variant in (variants[0],) + variants:
                 apply(variant, layer)
                 layer._graphs.clear()
                 graphs = {}
@@ -111,13 +119,13 @@ def main(geometries: list[str]) -> None:
                 captured[variant] = (graphs, per_kernel, call_us)
             # The graphs keep what they were captured with: replay them in interleaved rounds,
             # so that drift over the run hits every variant alike.
-            replays = {(variant, rows): [] for variant in VARIANTS for rows in captured[variant][0]}
+            replays = {(variant, rows): [] for variant in variants for rows in captured[variant][0]}
             for _ in range(ROUNDS):
-                for variant in VARIANTS:
+                for variant in variants:
                     for rows, graph in captured[variant][0].items():
                         replays[variant, rows].append(back_to_back_us(lambda: graph.launch(stream)))
-            for variant in VARIANTS:
-                fused, programmatic, prefetch, step_prefetch, lags, prefetch_limit, packed, dependents = variant
+            for variant in variants:
+                fused, programmatic, prefetch, step_prefetch, lags, prefetch_limit, packed, sources = variant
                 replay_us = float(np.median(replays[variant, 1]))
                 verify = {f"K{rows}": round(float(np.median(replays[variant, rows])) / replay_us, 3) for rows in VERIFY_K}
                 batched = {}
@@ -130,7 +138,7 @@ def main(geometries: list[str]) -> None:
                     "geometry": geometry, "fused_decode": fused, "programmatic_launch": programmatic,
                     "l2_prefetch_k_blocks": prefetch, "step_prefetch_waves": step_prefetch,
                     "persistent_lags": lags, "l2_prefetch_max_weight_bytes": prefetch_limit, "packed_decode": packed,
-                    "step_dependents_after": dependents,
+                    "kernel_sources": sources or "package",
                     "default": variant == defaults, "copy_bandwidth_GBs": bandwidth,
                     "bytes": nbytes, "graph_replay_us": replay_us,
                     "graph_replay_rounds_us": [round(x, 2) for x in replays[variant, 1]],
@@ -143,4 +151,10 @@ def main(geometries: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["glm", "kimi"])
+    arguments = sys.argv[1:]
+    against = None
+    if "--against" in arguments:
+        at = arguments.index("--against")
+        against = arguments[at + 1]
+        del arguments[at : at + 2]
+    main(arguments or ["glm", "kimi"], against)

@@ -294,12 +294,13 @@ class KernelSet:
     Construction compiles one ``cupy.RawModule`` per file (CuPy caches the cubin on
     disk) and resolves every entry point; a missing one is a hard error listing all
     missing names, never a silent fallback. Use :meth:`get` for the cached instance
-    of the current device.
+    of the current device. ``directory``: the folder of the sources (default
+    :func:`kernels_dir`); see :meth:`install`.
     """
 
     _instances: dict[int, "KernelSet"] = {}
 
-    def __init__(self) -> None:
+    def __init__(self, directory: Path | str | None = None) -> None:
         import cupy
 
         self.device_id: int = cupy.cuda.Device().id
@@ -310,7 +311,7 @@ class KernelSet:
         self._carveout: dict[str, int] = {}
         missing: list[str] = []
         for stem, names in ENTRY_POINTS.items():
-            module = cupy.RawModule(code=kernel_source(stem), options=COMPILE_OPTIONS)
+            module = cupy.RawModule(code=kernel_source(stem, directory), options=COMPILE_OPTIONS)
             self.modules[stem] = module
             for name in names:
                 try:
@@ -331,6 +332,22 @@ class KernelSet:
             instance = cls()
             cls._instances[device_id] = instance
         return instance
+
+    @classmethod
+    def install(cls, kernel_set: "KernelSet") -> "KernelSet":
+        """Launch the kernels of ``kernel_set`` (built on the current device, say from another
+        version of the sources) from now on; returns the set that was in use. For same-process
+        comparisons: graphs captured before keep the kernels they were captured with, so a
+        layer must drop its graphs after the switch."""
+        import cupy
+
+        device_id = cupy.cuda.Device().id
+        if kernel_set.device_id != device_id:
+            raise ValueError(f"the kernel set was built on device {kernel_set.device_id}, not on the current "
+                             f"device {device_id}")
+        previous = cls.get()
+        cls._instances[device_id] = kernel_set
+        return previous
 
     def function(self, name: str) -> Any:
         try:

@@ -52,11 +52,6 @@ DECODE_ROW_GROUP = gemm_rows.GEMM_ROWS_MAX_ROWS
 # 620 to 559 us; 0.5 gained less (349, 167 us at 64), 0.75 and more little or nothing.
 STEP_PREFETCH_WAVES = 0.25
 STEP_RESIDENT_BLOCKS_PER_SM = 2
-# Where the fused step lets the output projection (its programmatic dependent) launch:
-# kda_decode_fused_bf16's dependents_after (0 at once, 1 once the first token's inputs are
-# formed, 2 after its recurrent step). On an H200 (benchmarks/decode_breakdown.py, two runs) the
-# three were within the rounds' spread of each other (GLM B=1 83.2 - 84.3 us, Kimi 35.6 - 36.5).
-STEP_DEPENDENTS_AFTER = 0
 # Default of KdaLayer.persistent_decode.
 PERSISTENT_DECODE = False
 # Most rows one batched decode call takes (the workspace and the pool may limit it further).
@@ -465,7 +460,7 @@ class KdaLayer:
                 ws.key[sl], ws.value[sl], ws.gate[sl], ws.beta[sl], ws.core[sl], ws.o_norm_out[sl],
                 bounded=c.bounded, lower_bound=c.gate_lower_bound or 0.0, scale=self.scale, l2_eps=c.l2_eps,
                 norm_eps=c.rms_norm_eps, slots=slots, tokens=rows if walk else 1,
-                prefetch_ahead=self._step_prefetch_ahead(), dependents_after=STEP_DEPENDENTS_AFTER)
+                prefetch_ahead=self._step_prefetch_ahead())
             return
         if walk:
             raise ValueError("stateful_rows: walk=True needs fused_decode")

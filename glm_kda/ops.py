@@ -500,7 +500,6 @@ def kda_decode_fused_bf16(
     conv_state, state, qkv_proj, conv_w, forget_proj, dt_bias, a_log, beta_logits, out_gate, norm_w,
     conv_out, query, key, value, gate, beta, core, o_norm_out, *, bounded: bool, lower_bound: float,
     scale: float, l2_eps: float, norm_eps: float, slots=None, tokens: int = 1, prefetch_ahead: int = 0,
-    dependents_after: int = 0,
 ) -> None:
     """The stateful half of decode in one launch: for each sequence, `tokens` consecutive
     tokens of conv + SiLU + L2, forget gate and beta, one delta-rule step, gated RMSNorm.
@@ -523,10 +522,6 @@ def kda_decode_fused_bf16(
     prefetch_ahead: the block of sequence s asks L2 for the state of sequence s + prefetch_ahead
     (0: none), a block of a later wave when that many sequences fill the resident blocks; it
     changes no bit.
-
-    dependents_after: where the blocks let the next kernel of the stream launch (a programmatic
-    dependent such as the output projection): 0 at once, 1 once the first token's inputs are
-    formed, 2 after its recurrent step. It changes no bit.
     """
     heads = _state_or_pool_heads(state)
     qkv = heads * HEAD_DIM
@@ -554,8 +549,6 @@ def kda_decode_fused_bf16(
         raise ValueError(f"prefetch_ahead must be >= 0, got {prefetch_ahead}")
     if conv_state.data.ptr % 16 or state.data.ptr % 16:
         prefetch_ahead = 0  # the L2 requests take 16-byte aligned ranges; a hint, so none
-    if dependents_after not in (0, 1, 2):
-        raise ValueError(f"dependents_after must be 0, 1 or 2, got {dependents_after}")
     kernels.launch(
         "kda_decode_fused_bf16",
         (heads, sequences),
@@ -563,7 +556,7 @@ def kda_decode_fused_bf16(
         (conv_state, state, slots, qkv_proj, conv_w, forget_proj, dt_bias, a_log, beta_logits, _i32(ld_beta),
          out_gate, norm_w, conv_out, query, key, value, gate, beta, core, o_norm_out, _i32(heads),
          _i32(kernel_size), _i32(tokens), _i32(1 if bounded else 0), _f32(lower_bound if bounded else 0.0), _f32(scale),
-         _f32(l2_eps), _f32(norm_eps), _i32(prefetch_ahead), _i32(dependents_after)),
+         _f32(l2_eps), _f32(norm_eps), _i32(prefetch_ahead)),
     )
 
 

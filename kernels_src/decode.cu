@@ -22,10 +22,9 @@
 // head, and because the conv window of a q or k channel must be read before it is written:
 // several blocks per head would each need it. Sequence s advances slot slots[s] of a pool
 // (slot s when slots is null); sequences never interact, so a sequence's bits do not depend
-// on the batch. The block lets the next kernel launch (the output projection, launched as a
-// programmatic dependent, starts while this one runs) at once, or with dependents_after 1 / 2
-// only once the first token's inputs are formed / its recurrent step is done: then that
-// projection's first weight requests do not queue in front of the state column's loads. A batch
+// on the batch. The block lets the next kernel launch at once (the output projection, launched
+// as a programmatic dependent, starts while this one runs; letting it launch only once the first
+// token's inputs were formed, or after its recurrent step, measured no different). A batch
 // of many sequences runs many waves of blocks, each waiting on its own 64 KB state column:
 // the block of sequence s asks L2 for the column of sequence s + prefetch_ahead (a block of a
 // later wave; 0: none), which it never reads itself, so no bit depends on it.
@@ -42,14 +41,11 @@ kda_decode_fused_bf16(float* __restrict__ conv_state, float* __restrict__ state,
                       float* __restrict__ key, float* __restrict__ value, float* __restrict__ gate,
                       float* __restrict__ beta, float* __restrict__ core,
                       bf16_t* __restrict__ o_norm_out, int heads, int kernel_size, int tokens, int bounded,
-                      float lower_bound, float scale, float l2_eps, float norm_eps, int prefetch_ahead,
-                      int dependents_after)
+                      float lower_bound, float scale, float l2_eps, float norm_eps, int prefetch_ahead)
 {
     __shared__ KdaStepShared shared;
 
-    if (dependents_after == 0) {
-        kda_let_next_kernel_launch();
-    }
+    kda_let_next_kernel_launch();
     // Uniform over the block: a wrong geometry leaves whole blocks, before any sync.
     if (blockIdx.x >= heads || blockDim.x != KDA_HEAD_BLOCK || kernel_size < 1 ||
         kernel_size > CONV_MAX_KERNEL || tokens < 1) {
@@ -57,7 +53,6 @@ kda_decode_fused_bf16(float* __restrict__ conv_state, float* __restrict__ state,
     }
     const KdaStepArgs args{conv_state, state, slots, qkv_proj, conv_w, forget_proj, dt_bias, a_log, beta_logits,
                            ld_beta, out_gate, norm_w, conv_out, query, key, value, gate, beta, core, o_norm_out,
-                           heads, kernel_size, tokens, bounded, lower_bound, scale, l2_eps, norm_eps, prefetch_ahead,
-                           dependents_after};
+                           heads, kernel_size, tokens, bounded, lower_bound, scale, l2_eps, norm_eps, prefetch_ahead};
     kda_decode_head(args, blockIdx.x, blockIdx.y, gridDim.y, KdaBlockSync(), shared);
 }

@@ -57,10 +57,6 @@ struct KdaStepArgs {
     float l2_eps;
     float norm_eps;
     int prefetch_ahead;
-    // Where the step lets the next kernel of its stream launch (kda_let_next_kernel_launch):
-    // 0 not here (the caller's business), 1 once the first token's inputs are formed (the state
-    // column and the inputs have arrived), 2 after the first token's recurrent step.
-    int dependents_after;
 };
 
 // The shared memory of one head group.
@@ -137,9 +133,10 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
             p.conv_out[row * 3 * qkv + c] = out;
             rounded[part] = bf16_to_f32(out);
         }
-        float q = rounded[0];
-        float k = rounded[1];
-        l2_normalize_pair(q, k, p.l2_eps, shared.scratch, group);
+        float query_key[2] = {rounded[0], rounded[1]};
+        l2_normalize_heads<2>(query_key, p.l2_eps, shared.scratch, group);
+        const float q = query_key[0];
+        const float k = query_key[1];
         const float v = rounded[2];
         const float g = kda_forget_gate(u, a, p.bounded != 0, p.lower_bound);
 
@@ -156,14 +153,8 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
         shared.key[d] = k;
         shared.query[d] = q * p.scale;
         group.sync();
-        if (t == 0 && p.dependents_after == 1) {
-            kda_let_next_kernel_launch();
-        }
 
         const float o = kda_recurrent_step(s, shared.decay, shared.key, shared.query, v, beta_head, group);
-        if (t == 0 && p.dependents_after == 2) {
-            kda_let_next_kernel_launch();
-        }
         p.core[out_index] = o;
         p.o_norm_out[out_index] = f32_to_bf16(gated_rmsnorm_sigmoid(o, weight, z, p.norm_eps, shared.scratch, group));
     }

@@ -83,7 +83,7 @@ extern "C" void gated_rmsnorm_sigmoid_bf16(const float*, const bf16_t*, const bf
 extern "C" void kda_decode_fused_bf16(float*, float*, const int*, const bf16_t*, const bf16_t*, const bf16_t*,
                                       const float*, const float*, const bf16_t*, int, const bf16_t*, const bf16_t*,
                                       bf16_t*, float*, float*, float*, float*, float*, float*, bf16_t*, int, int, int,
-                                      int, float, float, float, float, int, int);
+                                      int, float, float, float, float, int);
 
 // argv: dir, rows, heads, K, bounded, lower bound, l2 eps, norm eps, jitter, pool size. Pool size
 // 0: the rows are consecutive tokens of one sequence (paths separate, fused_rows, fused_walk);
@@ -124,8 +124,6 @@ int main(int argc, char** argv)
         // when null) of `tokens` tokens each.
         auto fused = [&](int first, int sequences, int tokens, const int* slot_list, float* conv, float* states,
                          int prefetch_ahead = 0) {
-            // Where the blocks let the next kernel launch (a no-op here): every choice, in turn.
-            const int dependents_after = (first + tokens) % 3;
             prefetch_pool = states;
             prefetch_conv_pool = conv;
             prefetch_slots = slot_list;
@@ -139,7 +137,7 @@ int main(int argc, char** argv)
                                       key.data() + first * qkv, value.data() + first * qkv, gate.data() + first * qkv,
                                       beta.data() + first * heads, core.data() + first * qkv,
                                       o_norm_out.data() + first * qkv, heads, kernel, tokens, bounded, lower_bound,
-                                      scale, l2_eps, norm_eps, prefetch_ahead, dependents_after);
+                                      scale, l2_eps, norm_eps, prefetch_ahead);
             });
         };
         // The separate kernels over rows first .. first + count - 1, one token of a sequence each.

@@ -177,8 +177,8 @@ def test_fused_decode_grid_and_arguments_match_the_kernel(launches, rows):
     source = (kernels.kernels_dir() / "decode.cu").read_text()
     signature = re.search(r"kda_decode_fused_bf16\(([^)]*)\)", source).group(1)
     assert len(args) == signature.count(",") + 1
-    assert (int(args[-10]), int(args[-9]), int(args[-8])) == (heads, 4, 1)  # heads, kernel_size, tokens
-    assert (int(args[-2]), int(args[-1])) == (0, 0)  # prefetch_ahead, dependents_after
+    assert (int(args[-9]), int(args[-8]), int(args[-7])) == (heads, 4, 1)  # heads, kernel_size, tokens
+    assert int(args[-1]) == 0  # prefetch_ahead
 
 
 @pytest.mark.parametrize("operand,shape,needle", [
@@ -240,7 +240,7 @@ def test_fused_decode_walks_whole_sequences_of_tokens(launches):
     heads = 2
     ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, 6), **_FUSED_SCALARS, tokens=6)
     (name, grid, block, args), = launches
-    assert grid == (heads, 1) and int(args[-8]) == 6
+    assert grid == (heads, 1) and int(args[-7]) == 6
     with pytest.raises(ValueError, match="whole sequences"):
         ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, 6), **_FUSED_SCALARS, tokens=4)
     with pytest.raises(ValueError, match="only 1 state"):
@@ -278,7 +278,7 @@ def test_fused_decode_passes_the_prefetch_distance_and_refuses_a_negative_one(la
     ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, 3, pool=4), **_FUSED_SCALARS, slots=slots,
                               prefetch_ahead=2)
     (_, _, _, args), = launches
-    assert int(args[-2]) == 2
+    assert int(args[-1]) == 2
     with pytest.raises(ValueError, match="prefetch_ahead"):
         ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, 3, pool=4), **_FUSED_SCALARS, slots=slots,
                                   prefetch_ahead=-1)
@@ -288,20 +288,7 @@ def test_fused_decode_passes_the_prefetch_distance_and_refuses_a_negative_one(la
     shifted = aligned((4 * heads * 128 * 128 + 1,), np.float32)[1:].reshape(4, heads, 128, 128)
     operands["state"] = HostStandIn(shifted)
     ops.kda_decode_fused_bf16(**operands, **_FUSED_SCALARS, slots=slots, prefetch_ahead=2)
-    assert int(launches[-1][3][-2]) == 0
-
-
-def test_fused_decode_passes_where_its_dependents_launch(launches):
-    heads = 2
-    slots = HostStandIn(np.arange(3, dtype=np.int32))
-    for where in (0, 1, 2):
-        ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, 3, pool=4), **_FUSED_SCALARS, slots=slots,
-                                  dependents_after=where)
-        assert int(launches[-1][3][-1]) == where
-    with pytest.raises(ValueError, match="dependents_after must be 0, 1 or 2, got 3"):
-        ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, 3, pool=4), **_FUSED_SCALARS, slots=slots,
-                                  dependents_after=3)
-    assert len(launches) == 3
+    assert int(launches[-1][3][-1]) == 0
 
 
 @pytest.mark.parametrize("heads,waves,expected", [(64, 0.25, 1), (32, 0.25, 2), (32, 0.125, 1), (64, 0.5, 2),
