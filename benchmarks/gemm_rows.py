@@ -21,11 +21,16 @@ Every row count runs with the weight row-major and in gemm_rows' packed layout
 (`layout`), and the two outputs must agree bit for bit. For comparison ops.gemv_bf16 (the CUDA-core GEMV of up to 16 rows) is timed at rows
 1 and 16 of every shape.
 
-    PYTHONPATH=. python benchmarks/gemm_rows.py [--launches 200] [--sweep]
+    PYTHONPATH=. python benchmarks/gemm_rows.py [--launches 200] [--sweep] [--against DIR]
 
 --sweep adds one line per tiles_per_warp (1, 2, 4) and grid (one block per column group, or
 only as many blocks as are resident at once) at rows 1, 4, 16 and 64: the choice launch_plan
 makes automatically, measured against the others.
+
+--against DIR also times every gemm_rows line with the kernels compiled from the sources in DIR
+(another version of kernels_src/, say the previous commit's: `git archive HEAD~1 kernels_src | tar
+-x -C /tmp/previous`), right after the package's own in the same process (`sources` names which),
+and requires the two to agree bit for bit.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import math
 import cupy
 import numpy as np
 
-from glm_kda import ops
+from glm_kda import kernels, ops
 from glm_kda.gemm_rows import GEMM_ROWS_BLOCKS_PER_SM, gemm_rows_bf16, launch_plan, pack_weight, weight_bytes
 from glm_kda.selftest import copy_bandwidth_gbs
 
@@ -126,6 +131,8 @@ def main() -> None:
     parser.add_argument("--launches", type=int, default=200)
     parser.add_argument("--sweep", action="store_true",
                         help="also time every tiles_per_warp at rows 1, 16, 64")
+    parser.add_argument("--against", metavar="DIR",
+                        help="also time the kernels compiled from the sources in DIR, bits compared")
     args = parser.parse_args()
     if args.launches < 200:
         parser.error("--launches must be at least 200 (the median needs them)")
@@ -135,6 +142,9 @@ def main() -> None:
     l2_bytes = int(properties["l2CacheSize"])
     sm_count = int(properties["multiProcessorCount"])
     bandwidth = copy_bandwidth_gbs()
+    kernel_sets = {"package": kernels.KernelSet.get()}
+    if args.against is not None:
+        kernel_sets[args.against] = kernels.KernelSet(args.against)
     common = {
         "device": properties["name"].decode() if isinstance(properties["name"], bytes) else str(properties["name"]),
         "copy_bandwidth_GBs": round(bandwidth, 1),
@@ -168,11 +178,19 @@ def main() -> None:
                 def launch(index: int, rows: int = rows, copies=copies) -> None:
                     gemm_rows_bf16(x[:rows], copies[index], out[:rows], rows=rows)
 
-                record("gemm_rows_bf16", rows, *_time_launches(launch, len(copies), args.launches),
-                       grid=list(plan.grid), tiles_per_warp=plan.tiles_per_warp, entry=plan.kernel, layout=layout)
-                results[layout] = out[:rows].copy()
-            if not bool((results["packed"] == results["row_major"]).all()):
-                raise SystemExit(f"{geometry} {projection} rows {rows}: the packed layout changed bits")
+                for sources, kernel_set in kernel_sets.items():
+                    kernels.KernelSet.install(kernel_set)
+                    extra = {"sources": sources} if len(kernel_sets) > 1 else {}
+                    record("gemm_rows_bf16", rows, *_time_launches(launch, len(copies), args.launches),
+                           grid=list(plan.grid), tiles_per_warp=plan.tiles_per_warp, entry=plan.kernel, layout=layout,
+                           **extra)
+                    results[layout, sources] = out[:rows].copy()
+                kernels.KernelSet.install(kernel_sets["package"])
+            reference = results["row_major", "package"]
+            for (layout, sources), result in results.items():
+                if not bool((result == reference).all()):
+                    raise SystemExit(f"{geometry} {projection} rows {rows}: the {layout} layout with the kernels of "
+                                     f"{sources} changed bits against the package's row-major launch")
 
         if args.sweep:
             for rows in (1, 4, 16, 64):
