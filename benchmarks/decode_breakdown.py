@@ -11,7 +11,8 @@ Each geometry runs the VARIANTS below in the same process: the separate launches
 decode step with the projections after a kernel launched as its programmatic dependents,
 asking L2 for the first 16 or 0 blocks of 32 k of each weight row, gemm_rows.PREFETCH_K_BLOCKS,
 for weights up to 32 MB (the default) or any, gemm_rows.PREFETCH_MAX_WEIGHT_BYTES), with the
-weights in gemm_rows' packed layout (layer.packed_decode, the default) or row-major. A variant
+weights in gemm_rows' packed layout (layer.packed_decode, the default) or row-major, and the
+batched step as blocks walking the sequences (layer.walk_batched_step). A variant
 with the one persistent launch (layer.persistent_decode; a lags pair in place of None) times
 B=1 and verify only: it takes one sequence's rows, the batches are the separate launches'.
 With --against DIR the default configuration also runs the kernels compiled from the sources in
@@ -36,11 +37,13 @@ def back_to_back_us(fn, calls: int = 200) -> float:
 
 # (fused_decode, programmatic launches, L2 prefetch k blocks, step prefetch waves, persistent
 # decode lags (step, out) in pairs of heads or None for the separate launches, largest weight
-# that a programmatic launch asks L2 for (None: any), packed decode weights, the folder of the
-# kernel sources (None: the package's own))
+# that a programmatic launch asks L2 for (None: any), packed decode weights, the batched step as
+# blocks walking the sequences (layer.walk_batched_step), the folder of the kernel sources (None:
+# the package's own))
 MB = 1 << 20
 VARIANTS = (
-    (True, True, 16, 0.25, None, 32 * MB, True, None), (True, True, 16, 0.25, None, 32 * MB, False, None),
+    (True, True, 16, 0.25, None, 32 * MB, True, False, None), (True, True, 16, 0.25, None, 32 * MB, False, False, None),
+    (True, True, 16, 0.25, None, 32 * MB, True, True, None),
 )
 ROUNDS = 5
 VERIFY_K = (4, 16)
@@ -54,12 +57,13 @@ def apply(variant, layer_object) -> None:
     from glm_kda import gemm_rows, kernels, layer, persistent
 
     (fused, kernels.PROGRAMMATIC_LAUNCH, gemm_rows.PREFETCH_K_BLOCKS, layer.STEP_PREFETCH_WAVES, lags,
-     gemm_rows.PREFETCH_MAX_WEIGHT_BYTES, packed, sources) = variant
+     gemm_rows.PREFETCH_MAX_WEIGHT_BYTES, packed, walk, sources) = variant
     if sources not in _KERNEL_SETS:
         _KERNEL_SETS[sources] = kernels.KernelSet.get() if sources is None else kernels.KernelSet(sources)
     kernels.KernelSet.install(_KERNEL_SETS[sources])
     layer_object.fused_decode = fused
     layer_object.packed_decode = packed
+    layer_object.walk_batched_step = walk
     layer_object.persistent_decode = lags is not None
     if lags is not None:
         persistent.STEP_LAG_PAIRS, persistent.OUT_LAG_PAIRS = lags
@@ -81,7 +85,7 @@ def main(geometries: list[str], against: str | None = None) -> None:
 
     defaults = (True, kernels.PROGRAMMATIC_LAUNCH, gemm_rows.PREFETCH_K_BLOCKS, layer_module.STEP_PREFETCH_WAVES,
                 (persistent.STEP_LAG_PAIRS, persistent.OUT_LAG_PAIRS) if layer_module.PERSISTENT_DECODE else None,
-                gemm_rows.PREFETCH_MAX_WEIGHT_BYTES, True, None)
+                gemm_rows.PREFETCH_MAX_WEIGHT_BYTES, True, layer_module.STEP_WALK, None)
     variants = VARIANTS + ((defaults[:-1] + (against,),) if against is not None else ())
     stream = cupy.cuda.get_current_stream()
     with tempfile.TemporaryDirectory() as tmp:
@@ -125,7 +129,7 @@ def main(geometries: list[str], against: str | None = None) -> None:
                     for rows, graph in captured[variant][0].items():
                         replays[variant, rows].append(back_to_back_us(lambda: graph.launch(stream)))
             for variant in variants:
-                fused, programmatic, prefetch, step_prefetch, lags, prefetch_limit, packed, sources = variant
+                fused, programmatic, prefetch, step_prefetch, lags, prefetch_limit, packed, walk, sources = variant
                 replay_us = float(np.median(replays[variant, 1]))
                 verify = {f"K{rows}": round(float(np.median(replays[variant, rows])) / replay_us, 3) for rows in VERIFY_K}
                 batched = {}
@@ -138,7 +142,7 @@ def main(geometries: list[str], against: str | None = None) -> None:
                     "geometry": geometry, "fused_decode": fused, "programmatic_launch": programmatic,
                     "l2_prefetch_k_blocks": prefetch, "step_prefetch_waves": step_prefetch,
                     "persistent_lags": lags, "l2_prefetch_max_weight_bytes": prefetch_limit, "packed_decode": packed,
-                    "kernel_sources": sources or "package",
+                    "walk_batched_step": walk, "kernel_sources": sources or "package",
                     "default": variant == defaults, "copy_bandwidth_GBs": bandwidth,
                     "bytes": nbytes, "graph_replay_us": replay_us,
                     "graph_replay_rounds_us": [round(x, 2) for x in replays[variant, 1]],

@@ -52,6 +52,11 @@ DECODE_ROW_GROUP = gemm_rows.GEMM_ROWS_MAX_ROWS
 # 620 to 559 us; 0.5 gained less (349, 167 us at 64), 0.75 and more little or nothing.
 STEP_PREFETCH_WAVES = 0.25
 STEP_RESIDENT_BLOCKS_PER_SM = 2
+# Default of KdaLayer.walk_batched_step: a batched fused step as one wave of resident blocks (the
+# SMs x STEP_RESIDENT_BLOCKS_PER_SM, shared out among the heads) that each walk sequences, staging
+# the next one's state in shared memory while they step the present one (kda_decode_fused_walk_bf16),
+# in place of a block per (head, sequence) in waves. The same bits; not yet timed on a GPU, so off.
+STEP_WALK = False
 # Default of KdaLayer.persistent_decode.
 PERSISTENT_DECODE = False
 # Most rows one batched decode call takes (the workspace and the pool may limit it further).
@@ -229,6 +234,9 @@ class KdaLayer:
         # the output as tasks), bit for bit what the separate launches compute; False: those
         # launches. Needs fused_decode and an even head count.
         self.persistent_decode = PERSISTENT_DECODE
+        # A batched fused step (2 or more sequences) as one wave of blocks walking the sequences
+        # (True) or a block per (head, sequence) (False); the same bits (see STEP_WALK).
+        self.walk_batched_step = STEP_WALK
         self._packed: dict[str, gemm_rows.PackedWeight] = {}
         self.packed_decode = packed_decode
 
@@ -454,13 +462,18 @@ class KdaLayer:
         sl = slice(first, first + rows)
         if self.fused_decode:
             d = c.head_dim
+            blocks_per_head = None
+            if self.walk_batched_step and not walk and rows > 1:
+                resident = gemm_rows._sm_count(self.qkv_weight.device.id) * STEP_RESIDENT_BLOCKS_PER_SM
+                blocks = max(1, resident // c.heads)
+                blocks_per_head = blocks if blocks < rows else None
             ops.kda_decode_fused_bf16(
                 conv_state, recurrent_state, ws.qkv_proj[sl], self.conv_weight, ws.forget_proj[sl], self.dt_bias,
                 self.a_log, ws.down_proj[sl, 2 * d :], ws.out_gate[sl], self.o_norm, ws.conv_out[sl], ws.query[sl],
                 ws.key[sl], ws.value[sl], ws.gate[sl], ws.beta[sl], ws.core[sl], ws.o_norm_out[sl],
                 bounded=c.bounded, lower_bound=c.gate_lower_bound or 0.0, scale=self.scale, l2_eps=c.l2_eps,
                 norm_eps=c.rms_norm_eps, slots=slots, tokens=rows if walk else 1,
-                prefetch_ahead=self._step_prefetch_ahead())
+                prefetch_ahead=0 if blocks_per_head else self._step_prefetch_ahead(), blocks_per_head=blocks_per_head)
             return
         if walk:
             raise ValueError("stateful_rows: walk=True needs fused_decode")
@@ -716,7 +729,8 @@ class KdaLayer:
         def body(hidden: Any, device_slots: Any) -> None:
             self.decode_rows(hidden, pool.conv, pool.recurrent, slots=device_slots)
 
-        key = ("pool", rows, self.fused_decode, self.persistent_decode, pool.conv.data.ptr, pool.recurrent.data.ptr)
+        key = ("pool", rows, self.fused_decode, self.persistent_decode, self.walk_batched_step, pool.conv.data.ptr,
+               pool.recurrent.data.ptr)
         self._graphs.run(key, hidden, slots, body)
         return back(copy_of(self.workspace.final_out[:rows]))
 

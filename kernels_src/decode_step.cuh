@@ -25,6 +25,85 @@ __device__ __forceinline__ void prefetch_floats_l2(const float* first, int count
 #endif
 }
 
+// A block that walks several sequences (decode.cu) stages the next one's state: a bulk copy of the
+// head's 64 KB state (contiguous, row-major) into shared memory, on an mbarrier, while the block
+// steps the present sequence. sm_90 only (cp.async.bulk; for sm_100 and sm_120 NVRTC 13 spills
+// the walking kernel's registers with it): elsewhere a walking block reads every state column
+// from global memory (KDA_STAGE_STATE 0). The staged copy holds the values global memory holds,
+// read in the same layout, so no bit depends on it.
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ == 900
+#define KDA_STAGE_STATE 1
+#else
+#define KDA_STAGE_STATE 0
+#endif
+
+__device__ __forceinline__ unsigned int kda_shared_address(const void* pointer)
+{
+    return static_cast<unsigned int>(__cvta_generic_to_shared(pointer));
+}
+
+// One thread: the barrier expects one arrival (with the copy's bytes) per phase.
+__device__ __forceinline__ void kda_stage_init(unsigned long long* barrier)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(kda_shared_address(barrier)) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+}
+
+// One thread: copy `bytes` (a multiple of 16, both ends 16-byte aligned) from global `source` to
+// shared `buffer`, completing the barrier's present phase when they have landed. The block's
+// earlier reads of the buffer must be behind a barrier.
+__device__ __forceinline__ void kda_stage_copy(float* buffer, const float* source, unsigned int bytes,
+                                               unsigned long long* barrier)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(kda_shared_address(barrier)),
+                 "r"(bytes)
+                 : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     kda_shared_address(buffer)),
+                 "l"(source), "r"(bytes), "r"(kda_shared_address(barrier))
+                 : "memory");
+#endif
+}
+
+// Every thread: until the barrier's phase of parity `parity` has completed.
+__device__ __forceinline__ void kda_stage_wait(unsigned long long* barrier, unsigned int parity)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    unsigned int done = 0;
+    do {
+        asm volatile(
+            "{\n\t.reg .pred complete;\n\t"
+            "mbarrier.try_wait.parity.shared::cta.b64 complete, [%1], %2;\n\t"
+            "selp.u32 %0, 1, 0, complete;\n\t}"
+            : "=r"(done)
+            : "r"(kda_shared_address(barrier)), "r"(parity)
+            : "memory");
+    } while (done == 0);
+#endif
+}
+
+// The staging of one (head, sequence) of a walking block: `buffer` (shared, KDA_HEAD_DIM^2 floats
+// and then the copies' mbarrier; null: no staging) holds this sequence's state once the barrier's
+// phase of parity `wait_parity` has completed (-1: it does not, read global memory), and
+// receives the head's state of sequence `next` (the block's next; -1: none) once every thread
+// has read it.
+#define KDA_STAGE_FLOATS (KDA_HEAD_DIM * KDA_HEAD_DIM)
+#define KDA_STAGE_BYTES (KDA_STAGE_FLOATS * 4 + 16)  // the dynamic shared memory of a walking block
+struct KdaStateStage {
+    float* buffer;
+    int wait_parity;
+    int next;
+};
+
+__device__ __forceinline__ unsigned long long* kda_stage_barrier(float* buffer)
+{
+    return reinterpret_cast<unsigned long long*>(buffer + KDA_STAGE_FLOATS);
+}
+
 // The operands of the fused step: states, inputs, stage outputs and scalars, as the kernel
 // parameters of kda_decode_fused_bf16 name them.
 struct KdaStepArgs {
@@ -68,10 +147,12 @@ struct KdaStepShared {
 };
 
 // Head `head` of sequence `sequence` (of `sequences`), `tokens` tokens, by the KDA_HEAD_BLOCK
-// threads of `group` (thread d owns channel d of the head).
+// threads of `group` (thread d owns channel d of the head); `stage`: see KdaStateStage (a
+// default one stages nothing).
 template <class Sync>
 __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, size_t sequence, size_t sequences,
-                                                Sync group, KdaStepShared& shared)
+                                                Sync group, KdaStepShared& shared,
+                                                const KdaStateStage& stage = KdaStateStage{nullptr, -1, -1})
 {
     const int d = group.thread();
     const size_t slot = p.slots != nullptr ? static_cast<size_t>(p.slots[sequence]) : sequence;
@@ -85,7 +166,22 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
     float* state_column =
         p.state + (slot * heads + head) * static_cast<size_t>(KDA_HEAD_DIM) * KDA_HEAD_DIM + d;
     float s[KDA_HEAD_DIM];
-    kda_recurrent_load(s, state_column);
+    if (stage.wait_parity >= 0) {
+        kda_stage_wait(kda_stage_barrier(stage.buffer), static_cast<unsigned int>(stage.wait_parity));
+        kda_recurrent_load(s, stage.buffer + d);
+    } else {
+        kda_recurrent_load(s, state_column);
+    }
+    if (stage.next >= 0) {
+        // Every thread has its column of the buffer in registers: the next state may land there.
+        group.sync();
+        if (d == 0) {
+            const size_t next_slot = p.slots != nullptr ? static_cast<size_t>(p.slots[stage.next]) : stage.next;
+            kda_stage_copy(stage.buffer,
+                           p.state + (next_slot * heads + head) * static_cast<size_t>(KDA_HEAD_DIM) * KDA_HEAD_DIM,
+                           KDA_STAGE_FLOATS * sizeof(float), kda_stage_barrier(stage.buffer));
+        }
+    }
     // A batch runs many waves of blocks, each of which waits on its state column: ask L2 for the
     // head's state of sequence + prefetch_ahead (a block of a later wave) now, so that its loads
     // hit, and for its conv windows (the head's channels of q, k and v: three runs of D K floats).

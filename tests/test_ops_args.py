@@ -165,20 +165,67 @@ _FUSED_SCALARS = dict(bounded=True, lower_bound=-5.0, scale=128**-0.5, l2_eps=1e
 @pytest.mark.parametrize("rows", [1, 3])
 def test_fused_decode_grid_and_arguments_match_the_kernel(launches, rows):
     """grid (heads, rows), one block per head, and as many arguments as the kernel declares."""
-    import re
-
-    from glm_kda import kernels
-
     heads = 2
     slots = HostStandIn(np.arange(rows, dtype=np.int32))
     ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, rows, pool=4), **_FUSED_SCALARS, slots=slots)
     (name, grid, block, args), = launches
     assert name == "kda_decode_fused_bf16" and grid == (heads, rows) and block == (ops.HEAD_BLOCK,)
+    assert len(args) == _fused_decode_parameter_count()
+    assert (int(args[-10]), int(args[-9]), int(args[-8])) == (heads, 4, 1)  # heads, kernel_size, tokens
+    assert (int(args[-2]), int(args[-1])) == (0, rows)  # prefetch_ahead, sequences
+
+
+def _fused_decode_parameter_count():
+    """Parameters of both fused-step entry points (KDA_DECODE_FUSED_PARAMETERS in decode.cu)."""
+    import re
+
+    from glm_kda import kernels
+
     source = (kernels.kernels_dir() / "decode.cu").read_text()
-    signature = re.search(r"kda_decode_fused_bf16\(([^)]*)\)", source).group(1)
-    assert len(args) == signature.count(",") + 1
-    assert (int(args[-9]), int(args[-8]), int(args[-7])) == (heads, 4, 1)  # heads, kernel_size, tokens
-    assert int(args[-1]) == 0  # prefetch_ahead
+    for name in ("kda_decode_fused_bf16", "kda_decode_fused_walk_bf16"):
+        assert re.search(rf"{name}\(KDA_DECODE_FUSED_PARAMETERS\)", source), f"{name} takes other parameters"
+    body = re.search(r"#define KDA_DECODE_FUSED_PARAMETERS(.*?)\n\n", source, re.S).group(1)
+    return body.count(",") + 1
+
+
+def test_fused_decode_walks_with_fewer_blocks_per_head(monkeypatch):
+    """blocks_per_head < sequences: the walking entry point, grid (heads, blocks_per_head), the
+    sequence count as its last argument and one head's state (and its mbarrier) of dynamic shared
+    memory; out of range refused before any launch; misaligned states take a block each."""
+    made = []
+    monkeypatch.setattr(ops.kernels, "launch", lambda name, grid, block, args, shared_mem=0, **options:
+                        made.append((name, tuple(grid), tuple(args), shared_mem)))
+    heads, rows = 2, 5
+    slots = HostStandIn(np.arange(rows, dtype=np.int32))
+    ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, rows, pool=8), **_FUSED_SCALARS, slots=slots,
+                              blocks_per_head=2)
+    (name, grid, args, shared_mem), = made
+    assert name == "kda_decode_fused_walk_bf16" and grid == (heads, 2) and int(args[-1]) == rows
+    assert len(args) == _fused_decode_parameter_count()
+    assert shared_mem == ops.STEP_STAGE_BYTES == 128 * 128 * 4 + 16
+    ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, rows, pool=8), **_FUSED_SCALARS, slots=slots,
+                              blocks_per_head=rows)
+    assert made[-1][:2] == ("kda_decode_fused_bf16", (heads, rows)) and made[-1][3] == 0
+    for bad in (0, rows + 1):
+        with pytest.raises(ValueError, match=f"blocks_per_head must be 1 .. {rows}"):
+            ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, rows, pool=8), **_FUSED_SCALARS, slots=slots,
+                                      blocks_per_head=bad)
+    operands = _fused_decode_operands(heads, rows, pool=8)
+    shifted = aligned((8 * heads * 128 * 128 + 1,), np.float32)[1:].reshape(8, heads, 128, 128)
+    operands["state"] = HostStandIn(shifted)
+    ops.kda_decode_fused_bf16(**operands, **_FUSED_SCALARS, slots=slots, blocks_per_head=2)
+    assert made[-1][:2] == ("kda_decode_fused_bf16", (heads, rows)) and len(made) == 3
+
+
+def test_step_stage_bytes_match_the_kernel_source():
+    import re
+
+    from glm_kda import kernels
+
+    source = (kernels.kernels_dir() / "decode_step.cuh").read_text()
+    assert "#define KDA_STAGE_FLOATS (KDA_HEAD_DIM * KDA_HEAD_DIM)" in source
+    assert re.search(r"#define KDA_STAGE_BYTES \(KDA_STAGE_FLOATS \* 4 \+ 16\)", source)
+    assert ops.STEP_STAGE_BYTES == ops.HEAD_DIM * ops.HEAD_DIM * 4 + 16
 
 
 @pytest.mark.parametrize("operand,shape,needle", [
@@ -240,7 +287,7 @@ def test_fused_decode_walks_whole_sequences_of_tokens(launches):
     heads = 2
     ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, 6), **_FUSED_SCALARS, tokens=6)
     (name, grid, block, args), = launches
-    assert grid == (heads, 1) and int(args[-7]) == 6
+    assert grid == (heads, 1) and int(args[-8]) == 6
     with pytest.raises(ValueError, match="whole sequences"):
         ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, 6), **_FUSED_SCALARS, tokens=4)
     with pytest.raises(ValueError, match="only 1 state"):
@@ -278,7 +325,7 @@ def test_fused_decode_passes_the_prefetch_distance_and_refuses_a_negative_one(la
     ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, 3, pool=4), **_FUSED_SCALARS, slots=slots,
                               prefetch_ahead=2)
     (_, _, _, args), = launches
-    assert int(args[-1]) == 2
+    assert int(args[-2]) == 2
     with pytest.raises(ValueError, match="prefetch_ahead"):
         ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, 3, pool=4), **_FUSED_SCALARS, slots=slots,
                                   prefetch_ahead=-1)
@@ -288,7 +335,7 @@ def test_fused_decode_passes_the_prefetch_distance_and_refuses_a_negative_one(la
     shifted = aligned((4 * heads * 128 * 128 + 1,), np.float32)[1:].reshape(4, heads, 128, 128)
     operands["state"] = HostStandIn(shifted)
     ops.kda_decode_fused_bf16(**operands, **_FUSED_SCALARS, slots=slots, prefetch_ahead=2)
-    assert int(launches[-1][3][-1]) == 0
+    assert int(launches[-1][3][-2]) == 0
 
 
 @pytest.mark.parametrize("heads,waves,expected", [(64, 0.25, 1), (32, 0.25, 2), (32, 0.125, 1), (64, 0.5, 2),
