@@ -334,19 +334,26 @@ __device__ __forceinline__ int gemm_rows_group_columns(int k_split)
     return GEMM_ROWS_WARPS / k_split * N_TILES * GEMM_ROWS_N_TILE;
 }
 
-// Shared-memory floats of gemm_rows_group's partial sums.
-#define GEMM_ROWS_PARTIAL_FLOATS(M_TILES, N_TILES) (GEMM_ROWS_WARPS * (M_TILES) * (N_TILES) * 4 * 32)
+// The m-tiles whose partial sums gemm_rows_group adds up at a time: all of them up to 8 (m-tile,
+// n-tile) fragments per lane, else 8 fragments' worth (the static shared memory of a block stays
+// within 32 KB), and the shared-memory floats of those partial sums.
+#define GEMM_ROWS_M_CHUNK(M_TILES, N_TILES) ((M_TILES) * (N_TILES) <= 8 ? (M_TILES) : 8 / (N_TILES))
+#define GEMM_ROWS_PARTIAL_FLOATS(M_TILES, N_TILES) \
+    (GEMM_ROWS_WARPS * GEMM_ROWS_M_CHUNK(M_TILES, N_TILES) * (N_TILES) * 4 * 32)
 
 // One column group of the output, by the block's 8 warps: rows [row_begin, row_end) (at most
 // 64), columns group * group_columns ... Deterministic split-k: partial[warp][fragment][lane],
-// then each output adds its k_split partials in ascending warp_k order. Ends with a barrier
-// (the next group may overwrite `partial`).
+// then each output adds its k_split partials in ascending warp_k order (GEMM_ROWS_M_CHUNK m-tiles
+// at a time; every output's sum is the same whichever chunk it is in). Ends with a barrier (the
+// next group may overwrite `partial`).
 template <int M_TILES, int N_TILES, int LOADS = GEMM_ROWS_LOADS, int X_FROM = GEMM_X_INPUT, bool PACKED = false>
 __device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const bf16_t* w, bf16_t* y, int ldy,
                                                 int row_begin, int row_end, int n, int k, int k_split, int group,
                                                 float* partial)
 {
-    constexpr int FRAGMENTS = M_TILES * N_TILES * 4;  // accumulators per lane
+    constexpr int M_CHUNK = GEMM_ROWS_M_CHUNK(M_TILES, N_TILES);
+    static_assert(M_TILES % M_CHUNK == 0, "the chunks cover the m-tiles");
+    constexpr int FRAGMENTS = M_CHUNK * N_TILES * 4;  // accumulators per lane and chunk
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int warps_n = GEMM_ROWS_WARPS / k_split;
@@ -361,43 +368,46 @@ __device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const 
     gemm_rows_accumulate<M_TILES, N_TILES, LOADS, X_FROM, PACKED>(acc, x, ldx, w, n, k, row_begin, row_end,
                                                                     warp_column, kb_begin, kb_end);
 #pragma unroll
-    for (int m = 0; m < M_TILES; ++m) {
+    for (int m_first = 0; m_first < M_TILES; m_first += M_CHUNK) {
 #pragma unroll
-        for (int j = 0; j < N_TILES; ++j) {
+        for (int m = 0; m < M_CHUNK; ++m) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int fragment = (m * N_TILES + j) * 4 + e;
-                partial[(warp * FRAGMENTS + fragment) * 32 + lane] = acc[m][j][e];
+            for (int j = 0; j < N_TILES; ++j) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int fragment = (m * N_TILES + j) * 4 + e;
+                    partial[(warp * FRAGMENTS + fragment) * 32 + lane] = acc[m_first + m][j][e];
+                }
             }
         }
-    }
-    __syncthreads();
-    for (int output = threadIdx.x; output < warps_n * FRAGMENTS * 32; output += GEMM_ROWS_THREADS) {
-        const int out_lane = output & 31;
-        const int fragment = (output >> 5) % FRAGMENTS;
-        const int out_warp_n = (output >> 5) / FRAGMENTS;
-        const float* source = partial + (out_warp_n * k_split * FRAGMENTS + fragment) * 32 + out_lane;
-        float sum = source[0];
-        for (int split = 1; split < k_split; ++split) {
-            sum += source[split * FRAGMENTS * 32];
+        __syncthreads();
+        for (int output = threadIdx.x; output < warps_n * FRAGMENTS * 32; output += GEMM_ROWS_THREADS) {
+            const int out_lane = output & 31;
+            const int fragment = (output >> 5) % FRAGMENTS;
+            const int out_warp_n = (output >> 5) / FRAGMENTS;
+            const float* source = partial + (out_warp_n * k_split * FRAGMENTS + fragment) * 32 + out_lane;
+            float sum = source[0];
+            for (int split = 1; split < k_split; ++split) {
+                sum += source[split * FRAGMENTS * 32];
+            }
+            const int e = fragment & 3;
+            const int j = (fragment >> 2) % N_TILES;
+            const int m = m_first + (fragment >> 2) / N_TILES;
+            const int row = row_begin + GEMM_ROWS_M_TILE * m + (out_lane >> 2) + 8 * (e >> 1);
+            const int column = group * group_columns + (out_warp_n * N_TILES + j) * GEMM_ROWS_N_TILE +
+                               2 * (out_lane & 3) + (e & 1);
+            if (row < row_end && column < n) {
+                y[static_cast<size_t>(row) * ldy + column] = f32_to_bf16(sum);
+            }
         }
-        const int e = fragment & 3;
-        const int j = (fragment >> 2) % N_TILES;
-        const int m = (fragment >> 2) / N_TILES;
-        const int row = row_begin + GEMM_ROWS_M_TILE * m + (out_lane >> 2) + 8 * (e >> 1);
-        const int column = group * group_columns + (out_warp_n * N_TILES + j) * GEMM_ROWS_N_TILE +
-                           2 * (out_lane & 3) + (e & 1);
-        if (row < row_end && column < n) {
-            y[static_cast<size_t>(row) * ldy + column] = f32_to_bf16(sum);
-        }
+        // The next chunk, or the next column group, overwrites `partial`.
+        __syncthreads();
     }
-    // The next column group overwrites `partial`.
-    __syncthreads();
 }
 
 // One block's share of the output: rows [row_begin, row_end) (at most 64) and the
 // column groups blockIdx.x, blockIdx.x + gridDim.x, ...
-template <int M_TILES, int N_TILES, bool PACKED = false>
+template <int M_TILES, int N_TILES, bool PACKED = false, int LOADS = GEMM_ROWS_LOADS>
 __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, int ldx,
                                                 const bf16_t* __restrict__ w,
                                                 bf16_t* __restrict__ y, int ldy, int row_begin,
@@ -443,7 +453,7 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
     kda_wait_for_previous_kernel();
 
     for (int group = blockIdx.x; group < column_groups; group += gridDim.x) {
-        gemm_rows_group<M_TILES, N_TILES, GEMM_ROWS_LOADS, GEMM_X_INPUT, PACKED>(x, ldx, w, y, ldy, row_begin,
+        gemm_rows_group<M_TILES, N_TILES, LOADS, GEMM_X_INPUT, PACKED>(x, ldx, w, y, ldy, row_begin,
                                                                                 row_end, n, k, k_split, group,
                                                                                 partial);
     }
