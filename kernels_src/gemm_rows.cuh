@@ -206,75 +206,20 @@ __device__ __forceinline__ void load_x_block(uint4 (&x_frag)[M_TILES][2], const 
     }
 }
 
-// K blocks of 32 per step of a warp: each lane keeps LOADS (m-tile, n-tile, k-block) products per
-// step, so with one m-tile that is LOADS weight loads in flight; more m-tiles spend the registers
-// on their x fragments and accumulators instead (LOADS / M_TILES).
-template <int M_TILES, int N_TILES, int LOADS>
-__device__ __forceinline__ constexpr int gemm_rows_k_unroll()
-{
-    static_assert(LOADS / (M_TILES * N_TILES) >= 1, "a step must cover one k block of every (m-tile, n-tile)");
-    return LOADS / (M_TILES * N_TILES);
-}
-
-// Where tile j's k block kb of this lane's weight lies (lane + j * tile_stride + kb * block_stride,
-// one pointer rather than N_TILES: the registers go to loads in flight) and which tiles are inside
-// the matrix, for the warp whose tiles start at column warp_column.
-template <int N_TILES, bool PACKED>
-struct GemmRowsWeightLane {
-    const bf16_t* lane;
-    int tile_stride;
-    int block_stride;
-    bool valid[N_TILES];
-
-    __device__ __forceinline__ GemmRowsWeightLane(const bf16_t* w, int n, int k, int warp_column)
-    {
-        const int lane_id = threadIdx.x & 31;
-        if constexpr (PACKED) {
-            tile_stride = gemm_rows_k_blocks(k) * GEMM_ROWS_PACKED_BLOCK;
-            block_stride = GEMM_ROWS_PACKED_BLOCK;
-            lane = w + static_cast<size_t>(warp_column / GEMM_ROWS_N_TILE) * tile_stride + 8 * lane_id;
-        } else {
-            tile_stride = GEMM_ROWS_N_TILE * k;
-            block_stride = GEMM_ROWS_K_BLOCK;
-            lane = w + static_cast<size_t>(warp_column + (lane_id >> 2)) * k + 8 * (lane_id & 3);
-        }
-#pragma unroll
-        for (int j = 0; j < N_TILES; ++j) {
-            valid[j] = warp_column + GEMM_ROWS_N_TILE * j + (lane_id >> 2) < n;
-        }
-    }
-
-    // The fragments of one step: K_UNROLL blocks of 32 k from kb_step on.
-    template <int K_UNROLL>
-    __device__ __forceinline__ void load(uint4 (&w_frag)[K_UNROLL][N_TILES], int kb_step, int kb_end, int k) const
-    {
-        load_weight_step<K_UNROLL, N_TILES>(w_frag, lane, tile_stride, block_stride, valid, kb_step, kb_end, k,
-                                            threadIdx.x & 3);
-    }
-};
-
-// The first step's weight fragments of a warp's next column group, loaded while the block adds up
-// the partial sums of the present one (gemm_rows_sweep): `fragments` holds them once `loaded`.
-template <int K_UNROLL, int N_TILES>
-struct GemmRowsCarry {
-    uint4 fragments[K_UNROLL][N_TILES];
-    bool loaded;
-};
-
 // One warp's accumulators over its k blocks [kb_begin, kb_end) for N_TILES tiles of 8 columns
 // from warp_column on and the rows [row_begin, row_end) (at most 64): a chain of mma in
 // ascending k blocks, starting from zero. The chain depends on the k range alone, never on
 // LOADS (the weight loads each lane keeps in flight per step), the tiles or the rows.
-//
-// carry (gemm_rows_sweep's, or null): where carry->loaded, the first step's weights are in
-// carry->fragments already (gemm_rows_group loaded them): the same values meet the same mma.
 template <int M_TILES, int N_TILES, int LOADS = GEMM_ROWS_LOADS, int X_FROM = GEMM_X_INPUT, bool PACKED = false>
-__device__ __forceinline__ void gemm_rows_accumulate(
-    float (&acc)[M_TILES][N_TILES][4], const bf16_t* x, int ldx, const bf16_t* w, int n, int k, int row_begin,
-    int row_end, int warp_column, int kb_begin, int kb_end, int x_k_origin = 0,
-    const GemmRowsCarry<gemm_rows_k_unroll<M_TILES, N_TILES, LOADS>(), N_TILES>* carry = nullptr)
+__device__ __forceinline__ void gemm_rows_accumulate(float (&acc)[M_TILES][N_TILES][4], const bf16_t* x, int ldx,
+                                                     const bf16_t* w, int n, int k, int row_begin, int row_end,
+                                                     int warp_column, int kb_begin, int kb_end, int x_k_origin = 0)
 {
-    constexpr int K_UNROLL = gemm_rows_k_unroll<M_TILES, N_TILES, LOADS>();
+    // Each lane keeps LOADS (m-tile, n-tile, k-block) products per step: with one m-tile that
+    // is LOADS weight loads in flight; more m-tiles spend the registers on their x fragments
+    // and accumulators instead (LOADS / M_TILES).
+    constexpr int K_UNROLL = LOADS / (M_TILES * N_TILES);
+    static_assert(K_UNROLL >= 1, "a step must cover one k block of every (m-tile, n-tile)");
 
     const int lane = threadIdx.x & 31;
     const int group_lane = lane >> 2;   // g: row of A / C, column of B
@@ -292,7 +237,24 @@ __device__ __forceinline__ void gemm_rows_accumulate(
         }
     }
 
-    const GemmRowsWeightLane<N_TILES, PACKED> weights(w, n, k, warp_column);
+    // Tile j's k block kb of this lane is w_lane + j * tile_stride + kb * block_stride (one
+    // pointer, not N_TILES: the registers go to loads in flight).
+    const bf16_t* w_lane;
+    int tile_stride, block_stride;
+    if constexpr (PACKED) {
+        tile_stride = gemm_rows_k_blocks(k) * GEMM_ROWS_PACKED_BLOCK;
+        block_stride = GEMM_ROWS_PACKED_BLOCK;
+        w_lane = w + static_cast<size_t>(warp_column / GEMM_ROWS_N_TILE) * tile_stride + 8 * lane;
+    } else {
+        tile_stride = GEMM_ROWS_N_TILE * k;
+        block_stride = GEMM_ROWS_K_BLOCK;
+        w_lane = w + static_cast<size_t>(warp_column + group_lane) * k + 8 * thread_in_group;
+    }
+    bool w_valid[N_TILES];
+#pragma unroll
+    for (int j = 0; j < N_TILES; ++j) {
+        w_valid[j] = warp_column + GEMM_ROWS_N_TILE * j + group_lane < n;
+    }
 
 #pragma unroll
     for (int m = 0; m < M_TILES; ++m) {
@@ -305,22 +267,11 @@ __device__ __forceinline__ void gemm_rows_accumulate(
         }
     }
 
-    // Every weight load of a step comes first (they are what the kernel waits on): the first
-    // step's before the loop (or carried over), each later step's right after the mma of the one
-    // before, so the instruction stream is load, mma, load, mma...
-    uint4 w_frag[K_UNROLL][N_TILES];
-    if (carry != nullptr && carry->loaded) {
-#pragma unroll
-        for (int u = 0; u < K_UNROLL; ++u) {
-#pragma unroll
-            for (int j = 0; j < N_TILES; ++j) {
-                w_frag[u][j] = carry->fragments[u][j];
-            }
-        }
-    } else {
-        weights.template load<K_UNROLL>(w_frag, kb_begin, kb_end, k);
-    }
     for (int kb_step = kb_begin; kb_step < kb_end; kb_step += K_UNROLL) {
+        // Every weight load of the step first: they are what the kernel waits on.
+        uint4 w_frag[K_UNROLL][N_TILES];
+        load_weight_step<K_UNROLL, N_TILES>(w_frag, w_lane, tile_stride, block_stride, w_valid, kb_step, kb_end,
+                                            k, thread_in_group);
         // The step's x fragments in the same breath as its weights (rows g and g + 8 of each
         // m-tile; L1 or L2 hits that would otherwise wait behind the weights), where the
         // registers allow: up to 4 (k block, m-tile) pairs per step. Shared-memory x is loaded
@@ -364,9 +315,6 @@ __device__ __forceinline__ void gemm_rows_accumulate(
                 }
             }
         }
-        if (kb_step + K_UNROLL < kb_end) {
-            weights.template load<K_UNROLL>(w_frag, kb_step + K_UNROLL, kb_end, k);
-        }
     }
 }
 
@@ -399,10 +347,9 @@ __device__ __forceinline__ int gemm_rows_group_columns(int k_split)
 // at a time; every output's sum is the same whichever chunk it is in). Ends with a barrier (the
 // next group may overwrite `partial`).
 template <int M_TILES, int N_TILES, int LOADS = GEMM_ROWS_LOADS, int X_FROM = GEMM_X_INPUT, bool PACKED = false>
-__device__ __forceinline__ void gemm_rows_group(
-    const bf16_t* x, int ldx, const bf16_t* w, bf16_t* y, int ldy, int row_begin, int row_end, int n, int k,
-    int k_split, int group, float* partial,
-    GemmRowsCarry<gemm_rows_k_unroll<M_TILES, N_TILES, LOADS>(), N_TILES>* carry = nullptr, int next_group = -1)
+__device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const bf16_t* w, bf16_t* y, int ldy,
+                                                int row_begin, int row_end, int n, int k, int k_split, int group,
+                                                float* partial)
 {
     constexpr int M_CHUNK = GEMM_ROWS_M_CHUNK(M_TILES, N_TILES);
     static_assert(M_TILES % M_CHUNK == 0, "the chunks cover the m-tiles");
@@ -415,11 +362,11 @@ __device__ __forceinline__ void gemm_rows_group(
     int kb_begin, kb_end;
     gemm_rows_k_range(k, k_split, warp_k, kb_begin, kb_end);
     const int group_columns = gemm_rows_group_columns<N_TILES>(k_split);
-    const int warp_offset = warp_n * N_TILES * GEMM_ROWS_N_TILE;
+    const int warp_column = group * group_columns + warp_n * N_TILES * GEMM_ROWS_N_TILE;
 
     float acc[M_TILES][N_TILES][4];
-    gemm_rows_accumulate<M_TILES, N_TILES, LOADS, X_FROM, PACKED>(
-        acc, x, ldx, w, n, k, row_begin, row_end, group * group_columns + warp_offset, kb_begin, kb_end, 0, carry);
+    gemm_rows_accumulate<M_TILES, N_TILES, LOADS, X_FROM, PACKED>(acc, x, ldx, w, n, k, row_begin, row_end,
+                                                                    warp_column, kb_begin, kb_end);
 #pragma unroll
     for (int m_first = 0; m_first < M_TILES; m_first += M_CHUNK) {
 #pragma unroll
@@ -431,16 +378,6 @@ __device__ __forceinline__ void gemm_rows_group(
                     const int fragment = (m * N_TILES + j) * 4 + e;
                     partial[(warp * FRAGMENTS + fragment) * 32 + lane] = acc[m_first + m][j][e];
                 }
-            }
-        }
-        // Each warp loads its first step of group next_group once its last partials are stored:
-        // those loads are in flight while the block adds up the partials.
-        if (carry != nullptr && m_first + M_CHUNK == M_TILES) {
-            carry->loaded = next_group >= 0;
-            if (next_group >= 0) {
-                const GemmRowsWeightLane<N_TILES, PACKED> next(w, n, k, next_group * group_columns + warp_offset);
-                next.template load<gemm_rows_k_unroll<M_TILES, N_TILES, LOADS>()>(carry->fragments, kb_begin, kb_end,
-                                                                                 k);
             }
         }
         __syncthreads();
@@ -515,18 +452,10 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
     // x (and y) may belong to the previous kernel: nothing below runs before it is done.
     kda_wait_for_previous_kernel();
 
-    GemmRowsCarry<gemm_rows_k_unroll<M_TILES, N_TILES, LOADS>(), N_TILES> carry;
-    carry.loaded = false;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-    constexpr bool CARRY = false;
-#else
-    constexpr bool CARRY = true;
-#endif
     for (int group = blockIdx.x; group < column_groups; group += gridDim.x) {
-        const int next_group = group + static_cast<int>(gridDim.x) < column_groups ? group + gridDim.x : -1;
-        gemm_rows_group<M_TILES, N_TILES, LOADS, GEMM_X_INPUT, PACKED>(
-            x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split, group, partial, CARRY ? &carry : nullptr,
-            next_group);
+        gemm_rows_group<M_TILES, N_TILES, LOADS, GEMM_X_INPUT, PACKED>(x, ldx, w, y, ldy, row_begin,
+                                                                                row_end, n, k, k_split, group,
+                                                                                partial);
     }
 }
 
