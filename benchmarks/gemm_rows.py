@@ -18,8 +18,8 @@ Launches rotate over enough copies of the weight (at least 4) that together they
 exceed three times the L2 cache, so every launch reads its weight from memory; the
 line says how many copies and whether a single copy alone would fit in L2.
 Every row count runs with the weight row-major and in gemm_rows' packed layout
-(`layout`), and the two outputs must agree bit for bit. For comparison ops.gemv_bf16 (the CUDA-core GEMV of up to 16 rows) is timed at rows
-1 and 16 of every shape.
+(`layout`), and the two outputs must agree bit for bit. For comparison ops.gemv_bf16 (the
+CUDA-core GEMV of up to 16 rows) is timed at rows 1 and 16 of every shape.
 
     PYTHONPATH=. python benchmarks/gemm_rows.py [--launches 200] [--sweep] [--against DIR]
 

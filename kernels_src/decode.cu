@@ -17,8 +17,8 @@
 // separate kernels.
 //
 // Launch: grid (heads, sequences) (or fewer blocks per head, see below), block KDA_HEAD_BLOCK =
-// 128, thread d owns channel d of
-// the head: conv channels h D + d of q, k and v, and value column d of the state. One block
+// 128, thread d owns channel d of the head: conv channels h D + d of q, k and v, and value
+// column d of the state. One block
 // holds a whole head, because the L2 sums of q and k and the norm's mean reduce over the
 // head, and because the conv window of a q or k channel must be read before it is written:
 // several blocks per head would each need it. Sequence s advances slot slots[s] of a pool

@@ -136,6 +136,18 @@ struct KdaStepArgs {
     float l2_eps;
     float norm_eps;
     int prefetch_ahead;
+
+    // The slot sequence `sequence` advances (slots[sequence], or the sequence itself).
+    __device__ __forceinline__ size_t slot_of(size_t sequence) const
+    {
+        return slots != nullptr ? static_cast<size_t>(slots[sequence]) : sequence;
+    }
+
+    // The state [D_k, D_v] of head `head` in slot `slot` (KDA_STAGE_FLOATS contiguous floats).
+    __device__ __forceinline__ float* head_state(size_t slot, int head) const
+    {
+        return state + (slot * heads + head) * static_cast<size_t>(KDA_STAGE_FLOATS);
+    }
 };
 
 // The shared memory of one head group.
@@ -155,7 +167,7 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
                                                 const KdaStateStage& stage = KdaStateStage{nullptr, -1, -1})
 {
     const int d = group.thread();
-    const size_t slot = p.slots != nullptr ? static_cast<size_t>(p.slots[sequence]) : sequence;
+    const size_t slot = p.slot_of(sequence);
     const int heads = p.heads;
     const int kernel_size = p.kernel_size;
     const size_t qkv = static_cast<size_t>(heads) * KDA_HEAD_DIM;
@@ -163,8 +175,7 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
 
     // The sequence's state column (64 KB per head, the bulk of the traffic) and conv windows
     // first: in flight while the first token's inputs are formed.
-    float* state_column =
-        p.state + (slot * heads + head) * static_cast<size_t>(KDA_HEAD_DIM) * KDA_HEAD_DIM + d;
+    float* state_column = p.head_state(slot, head) + d;
     float s[KDA_HEAD_DIM];
     if (stage.wait_parity >= 0) {
         kda_stage_wait(kda_stage_barrier(stage.buffer), static_cast<unsigned int>(stage.wait_parity));
@@ -176,20 +187,16 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
         // Every thread has its column of the buffer in registers: the next state may land there.
         group.sync();
         if (d == 0) {
-            const size_t next_slot = p.slots != nullptr ? static_cast<size_t>(p.slots[stage.next]) : stage.next;
-            kda_stage_copy(stage.buffer,
-                           p.state + (next_slot * heads + head) * static_cast<size_t>(KDA_HEAD_DIM) * KDA_HEAD_DIM,
-                           KDA_STAGE_FLOATS * sizeof(float), kda_stage_barrier(stage.buffer));
+            kda_stage_copy(stage.buffer, p.head_state(p.slot_of(stage.next), head), KDA_STAGE_FLOATS * sizeof(float),
+                           kda_stage_barrier(stage.buffer));
         }
     }
     // A batch runs many waves of blocks, each of which waits on its state column: ask L2 for the
     // head's state of sequence + prefetch_ahead (a block of a later wave) now, so that its loads
     // hit, and for its conv windows (the head's channels of q, k and v: three runs of D K floats).
     if (p.prefetch_ahead > 0 && sequence + p.prefetch_ahead < sequences) {
-        const size_t ahead = sequence + p.prefetch_ahead;
-        const size_t ahead_slot = p.slots != nullptr ? static_cast<size_t>(p.slots[ahead]) : ahead;
-        prefetch_floats_l2(p.state + (ahead_slot * heads + head) * static_cast<size_t>(KDA_HEAD_DIM) * KDA_HEAD_DIM,
-                           KDA_HEAD_DIM * KDA_HEAD_DIM, d);
+        const size_t ahead_slot = p.slot_of(sequence + p.prefetch_ahead);
+        prefetch_floats_l2(p.head_state(ahead_slot, head), KDA_STAGE_FLOATS, d);
         for (int part = 0; part < 3; ++part) {
             prefetch_floats_l2(p.conv_state + (ahead_slot * 3 + part) * qkv * kernel_size +
                                    static_cast<size_t>(head) * KDA_HEAD_DIM * kernel_size,

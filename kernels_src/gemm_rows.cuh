@@ -126,12 +126,18 @@ __device__ __forceinline__ void mma_bf16_m16n8k16(float acc[4], unsigned int a0,
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// Blocks of 32 k in a k axis of k (the last one padded with zeros).
+__device__ __forceinline__ int gemm_rows_k_blocks(int k)
+{
+    return (k + GEMM_ROWS_K_BLOCK - 1) / GEMM_ROWS_K_BLOCK;
+}
+
 // Warps splitting the k axis of a block: the most (up to 8) that leaves each at least
 // 4 blocks of 32 k. A function of k alone, because it fixes every output's summation
 // order. glm_kda/gemm_rows.py mirrors it to size the grid.
 __device__ __forceinline__ int k_split_for(int k)
 {
-    const int k_blocks = (k + GEMM_ROWS_K_BLOCK - 1) / GEMM_ROWS_K_BLOCK;
+    const int k_blocks = gemm_rows_k_blocks(k);
     int split = GEMM_ROWS_WARPS;
     while (split > 1 && k_blocks < 4 * split) {
         split >>= 1;
@@ -166,10 +172,6 @@ __device__ __forceinline__ void load_weight_step(uint4 (&w_frag)[K_UNROLL][N_TIL
 // contiguous bytes instead of 8 rows' 64-byte pieces. The loads fetch the same values (zeros
 // where the row-major layout's predicated loads give zeros), so the bits are the row-major
 // layout's. glm_kda/gemm_rows.py packs.
-__device__ __forceinline__ int gemm_rows_k_blocks(int k)
-{
-    return (k + GEMM_ROWS_K_BLOCK - 1) / GEMM_ROWS_K_BLOCK;
-}
 #define GEMM_ROWS_PACKED_BLOCK (GEMM_ROWS_N_TILE * GEMM_ROWS_K_BLOCK)  // elements per (tile, k block)
 
 // Where x comes from: global memory written before the kernel (read-only path), global memory
@@ -321,7 +323,7 @@ __device__ __forceinline__ void gemm_rows_accumulate(float (&acc)[M_TILES][N_TIL
 // The k range of split part `warp_k` of `k_split`: k blocks [kb_begin, kb_end).
 __device__ __forceinline__ void gemm_rows_k_range(int k, int k_split, int warp_k, int& kb_begin, int& kb_end)
 {
-    const int k_blocks = (k + GEMM_ROWS_K_BLOCK - 1) / GEMM_ROWS_K_BLOCK;
+    const int k_blocks = gemm_rows_k_blocks(k);
     const int k_range = (k_blocks + k_split - 1) / k_split;
     kb_begin = warp_k * k_range;
     kb_end = min(kb_begin + k_range, k_blocks);
@@ -453,9 +455,8 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
     kda_wait_for_previous_kernel();
 
     for (int group = blockIdx.x; group < column_groups; group += gridDim.x) {
-        gemm_rows_group<M_TILES, N_TILES, LOADS, GEMM_X_INPUT, PACKED>(x, ldx, w, y, ldy, row_begin,
-                                                                                row_end, n, k, k_split, group,
-                                                                                partial);
+        gemm_rows_group<M_TILES, N_TILES, LOADS, GEMM_X_INPUT, PACKED>(x, ldx, w, y, ldy, row_begin, row_end, n, k,
+                                                                       k_split, group, partial);
     }
 }
 

@@ -26,6 +26,7 @@ import pytest
 
 from types import SimpleNamespace
 
+from glm_kda import ops
 from glm_kda.reference import forget_gate, gated_rmsnorm, recurrent_scan, rms_ratio, round_bf16, sigmoid
 from host_cuda import (COMMON_DEVICE_HELPERS, DECODE_STAGE_EMULATION, HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, bf16_bits,
                        bits_to_f64, build_host_binary, host_decode_source, host_kernel_source)
@@ -67,7 +68,7 @@ inline void prefetch_floats_l2(const float* first, int count, int d)
 }
 """.replace("PREFETCH_AHEAD", str(PREFETCH_AHEAD))
 
-DECODE_MAIN = r"""
+DECODE_MAIN = (r"""
 #include "emulation.h"
 """ + HOST_CUDA_RUNTIME + r"""
 const float* prefetch_pool;
@@ -139,7 +140,7 @@ int main(int argc, char** argv)
             prefetch_kernel = kernel;
             auto* entry = walk_blocks ? kda_decode_fused_walk_bf16 : kda_decode_fused_bf16;
             const unsigned blocks = walk_blocks ? walk_blocks : sequences;
-            run_grid(dim3{unsigned(heads), blocks, 1}, 128, walk_blocks ? 128 * 128 * 4 + 16 : 0, [&] {
+            run_grid(dim3{unsigned(heads), blocks, 1}, 128, walk_blocks ? STEP_STAGE_BYTES : 0, [&] {
                 entry(conv, states, slot_list, qkv_proj.data() + first * conv_dim, conv_w.data(),
                       forget_proj.data() + first * qkv, dt_bias.data(), a_log.data(), beta_logits + first * ld_beta,
                       int(ld_beta), out_gate.data() + first * qkv, norm_w.data(), conv_out.data() + first * conv_dim,
@@ -200,6 +201,7 @@ int main(int argc, char** argv)
     return 0;
 }
 """.replace("PREFETCH_AHEAD", str(PREFETCH_AHEAD)).replace("WALK_BLOCKS", str(WALK_BLOCKS))
+    .replace("STEP_STAGE_BYTES", str(ops.STEP_STAGE_BYTES)))
 
 
 def _layout(tokens):
