@@ -63,6 +63,11 @@ PERSISTENT_DECODE = False
 MAX_DECODE_ROWS = 256
 
 
+def _step_resident_blocks(device_id: int) -> int:
+    """Fused-step blocks resident at once on a device (STEP_RESIDENT_BLOCKS_PER_SM a SM)."""
+    return gemm_rows._sm_count(device_id) * STEP_RESIDENT_BLOCKS_PER_SM
+
+
 @functools.lru_cache(maxsize=1)
 def bf16_dtype() -> Any:
     """ml_dtypes.bfloat16 where this CuPy has a BF16 dtype, else uint16 (same bytes)."""
@@ -462,11 +467,7 @@ class KdaLayer:
         sl = slice(first, first + rows)
         if self.fused_decode:
             d = c.head_dim
-            blocks_per_head = None
-            if self.walk_batched_step and not walk and rows > 1:
-                resident = gemm_rows._sm_count(self.qkv_weight.device.id) * STEP_RESIDENT_BLOCKS_PER_SM
-                blocks = max(1, resident // c.heads)
-                blocks_per_head = blocks if blocks < rows else None
+            blocks_per_head = self._step_walk_blocks(rows) if self.walk_batched_step and not walk else None
             ops.kda_decode_fused_bf16(
                 conv_state, recurrent_state, ws.qkv_proj[sl], self.conv_weight, ws.forget_proj[sl], self.dt_bias,
                 self.a_log, ws.down_proj[sl, 2 * d :], ws.out_gate[sl], self.o_norm, ws.conv_out[sl], ws.query[sl],
@@ -486,8 +487,13 @@ class KdaLayer:
         """Sequences ahead whose state a batched fused step asks L2 for (STEP_PREFETCH_WAVES)."""
         if STEP_PREFETCH_WAVES <= 0:
             return 0
-        resident = gemm_rows._sm_count(self.qkv_weight.device.id) * STEP_RESIDENT_BLOCKS_PER_SM
-        return max(1, round(STEP_PREFETCH_WAVES * resident / self.config.heads))
+        return max(1, round(STEP_PREFETCH_WAVES * _step_resident_blocks(self.qkv_weight.device.id) / self.config.heads))
+
+    def _step_walk_blocks(self, sequences: int) -> int | None:
+        """Blocks per head of a walking step over `sequences` (one resident wave), or None
+        where that wave holds them all (a block per sequence then)."""
+        blocks = max(1, _step_resident_blocks(self.qkv_weight.device.id) // self.config.heads)
+        return blocks if blocks < sequences else None
 
     def decode_rows(self, hidden: Any, conv_state: Any, recurrent_state: Any, *, slots: Any = None,
                     sequential: bool = False, snapshots: Sequence[KdaState] = ()) -> None:

@@ -351,6 +351,18 @@ def test_batched_step_prefetch_distance(monkeypatch, heads, waves, expected):
     assert layer.KdaLayer._step_prefetch_ahead(fake) == expected
 
 
+@pytest.mark.parametrize("heads,sequences,expected", [(64, 64, 4), (32, 64, 8), (32, 5, None), (64, 5, 4),
+                                                      (64, 1, None), (512, 64, 1)])
+def test_walking_step_blocks_per_head(monkeypatch, heads, sequences, expected):
+    """layer.walk_batched_step: one wave of resident blocks (132 SMs x 2) shared among the heads,
+    at least one a head; None (a block per sequence) where that wave holds every sequence."""
+    from glm_kda import gemm_rows, layer
+
+    monkeypatch.setattr(gemm_rows, "_sm_count", lambda device_id: 132)
+    fake = SimpleNamespace(config=SimpleNamespace(heads=heads), qkv_weight=SimpleNamespace(device=SimpleNamespace(id=0)))
+    assert layer.KdaLayer._step_walk_blocks(fake, sequences) == expected
+
+
 @pytest.mark.parametrize("n,k,expected", [(4096, 8192, 0), (2304, 4096, 16), (8192, 128, 16), (24576, 4096, 0)],
                          ids=["glm_o_proj", "kimi_o_proj", "glm_f_b", "glm_qkv"])
 def test_programmatic_l2_request_only_for_weights_up_to_the_limit(monkeypatch, n, k, expected):
