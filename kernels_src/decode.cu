@@ -94,6 +94,7 @@ extern "C" __global__ void __launch_bounds__(KDA_HEAD_BLOCK)
         stage.wait_parity = stage.buffer != nullptr && walked > 0 ? (walked - 1) & 1 : -1;
         const int next = sequence + static_cast<int>(gridDim.y);
         stage.next = stage.buffer != nullptr && next < sequences ? next : -1;
-        kda_decode_head(args, blockIdx.x, sequence, sequences, KdaBlockSync(), shared, stage);
+        kda_decode_head<KdaBlockSync, KDA_STAGE_STATE != 0>(args, blockIdx.x, sequence, sequences, KdaBlockSync(),
+                                                             shared, stage);
     }
 }

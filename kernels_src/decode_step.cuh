@@ -159,9 +159,10 @@ struct KdaStepShared {
 };
 
 // Head `head` of sequence `sequence` (of `sequences`), `tokens` tokens, by the KDA_HEAD_BLOCK
-// threads of `group` (thread d owns channel d of the head); `stage`: see KdaStateStage (a
-// default one stages nothing).
-template <class Sync>
+// threads of `group` (thread d owns channel d of the head). STAGED: `stage` (see KdaStateStage)
+// says where the state comes from and what to stage next; a compile-time switch, because the
+// stage's branches in the one-block-per-sequence step cost it 2 - 5 % on an H200.
+template <class Sync, bool STAGED = false>
 __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, size_t sequence, size_t sequences,
                                                 Sync group, KdaStepShared& shared,
                                                 const KdaStateStage& stage = KdaStateStage{nullptr, -1, -1})
@@ -177,19 +178,23 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
     // first: in flight while the first token's inputs are formed.
     float* state_column = p.head_state(slot, head) + d;
     float s[KDA_HEAD_DIM];
-    if (stage.wait_parity >= 0) {
-        kda_stage_wait(kda_stage_barrier(stage.buffer), static_cast<unsigned int>(stage.wait_parity));
-        kda_recurrent_load(s, stage.buffer + d);
+    if constexpr (STAGED) {
+        if (stage.wait_parity >= 0) {
+            kda_stage_wait(kda_stage_barrier(stage.buffer), static_cast<unsigned int>(stage.wait_parity));
+            kda_recurrent_load(s, stage.buffer + d);
+        } else {
+            kda_recurrent_load(s, state_column);
+        }
+        if (stage.next >= 0) {
+            // Every thread has its column of the buffer in registers: the next state may land there.
+            group.sync();
+            if (d == 0) {
+                kda_stage_copy(stage.buffer, p.head_state(p.slot_of(stage.next), head),
+                               KDA_STAGE_FLOATS * sizeof(float), kda_stage_barrier(stage.buffer));
+            }
+        }
     } else {
         kda_recurrent_load(s, state_column);
-    }
-    if (stage.next >= 0) {
-        // Every thread has its column of the buffer in registers: the next state may land there.
-        group.sync();
-        if (d == 0) {
-            kda_stage_copy(stage.buffer, p.head_state(p.slot_of(stage.next), head), KDA_STAGE_FLOATS * sizeof(float),
-                           kda_stage_barrier(stage.buffer));
-        }
     }
     // A batch runs many waves of blocks, each of which waits on its state column: ask L2 for the
     // head's state of sequence + prefetch_ahead (a block of a later wave) now, so that its loads
@@ -236,10 +241,9 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
             p.conv_out[row * 3 * qkv + c] = out;
             rounded[part] = bf16_to_f32(out);
         }
-        float query_key[2] = {rounded[0], rounded[1]};
-        l2_normalize_heads<2>(query_key, p.l2_eps, shared.scratch, group);
-        const float q = query_key[0];
-        const float k = query_key[1];
+        float q = rounded[0];
+        float k = rounded[1];
+        l2_normalize_pair(q, k, p.l2_eps, shared.scratch, group);
         const float v = rounded[2];
         const float g = kda_forget_gate(u, a, p.bounded != 0, p.lower_bound);
 

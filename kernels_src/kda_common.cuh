@@ -61,59 +61,71 @@ struct KdaBlockSync {
     __device__ __forceinline__ void sync() const { __syncthreads(); }
 };
 
-// Sums over the KDA_HEAD_BLOCK (= 128) threads of a group (by default the whole block) of each
-// of COUNT (1..4) values, returned to every one of them. Deterministic: a fixed xor-shuffle tree
-// inside each warp, then thread 32 v of the group adds the four warp sums of value v in warp
-// order. Every per-head reduction (decode conv + L2, prefill L2, gated RMSNorm) uses this one
-// function, so the decode and prefill paths produce the same bits for the same inputs, and a
-// value's bits do not depend on how many are reduced together (only the barriers are shared).
+// Sum of `value` over the KDA_HEAD_BLOCK (= 128) threads of a group (by default the whole
+// block), returned to every one of them. Deterministic: a fixed xor-shuffle tree inside each
+// warp, then the group's thread 0 adds the four warp sums in warp order. Every per-head
+// reduction (decode conv + L2, prefill L2, gated RMSNorm) uses this one function, so the
+// decode and prefill paths produce the same bits for the same inputs.
 //
-// `scratch` is at least 5 COUNT floats of shared memory, the group's own. All threads of the
+// `scratch` is at least 5 floats of shared memory, the group's own. All threads of the
 // group must call it (it contains barriers); it may be called again right away.
-template <int COUNT, class Sync = KdaBlockSync>
-__device__ __forceinline__ void block_sums_f32(float (&values)[COUNT], float* scratch, Sync group = Sync())
+template <class Sync = KdaBlockSync>
+__device__ __forceinline__ float block_sum_f32(float value, float* scratch, Sync group = Sync())
 {
-    static_assert(COUNT >= 1 && COUNT <= KDA_HEAD_BLOCK / 32, "one warp adds up each value's warp sums");
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) {
-#pragma unroll
-        for (int v = 0; v < COUNT; ++v) {
-            values[v] += __shfl_xor_sync(KDA_FULL_WARP_MASK, values[v], offset);
-        }
+        value += __shfl_xor_sync(KDA_FULL_WARP_MASK, value, offset);
     }
     const int thread = group.thread();
     const int warp = thread >> 5;
     if ((thread & 31) == 0) {
-#pragma unroll
-        for (int v = 0; v < COUNT; ++v) {
-            scratch[5 * v + warp] = values[v];
-        }
+        scratch[warp] = value;
     }
     group.sync();
-    if ((thread & 31) == 0 && warp < COUNT) {
-        float* sums = scratch + 5 * warp;
+    if (thread == 0) {
+        float total = scratch[0];
+        total += scratch[1];
+        total += scratch[2];
+        total += scratch[3];
+        scratch[4] = total;
+    }
+    group.sync();
+    const float total = scratch[4];
+    // Nobody may overwrite scratch for the next call before every thread read it.
+    group.sync();
+    return total;
+}
+
+// block_sum_f32 of two values at once, by the same tree each (so the same bits as two calls),
+// with the barriers of one call. `scratch` is at least 10 floats of the group's shared memory.
+template <class Sync = KdaBlockSync>
+__device__ __forceinline__ void block_sum2_f32(float& a, float& b, float* scratch, Sync group = Sync())
+{
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        a += __shfl_xor_sync(KDA_FULL_WARP_MASK, a, offset);
+        b += __shfl_xor_sync(KDA_FULL_WARP_MASK, b, offset);
+    }
+    const int thread = group.thread();
+    const int warp = thread >> 5;
+    if ((thread & 31) == 0) {
+        scratch[warp] = a;
+        scratch[5 + warp] = b;
+    }
+    group.sync();
+    if (thread == 0 || thread == 32) {
+        const float* sums = scratch + (thread == 0 ? 0 : 5);
         float total = sums[0];
         total += sums[1];
         total += sums[2];
         total += sums[3];
-        sums[4] = total;
+        scratch[(thread == 0 ? 0 : 5) + 4] = total;
     }
     group.sync();
-#pragma unroll
-    for (int v = 0; v < COUNT; ++v) {
-        values[v] = scratch[5 * v + 4];
-    }
+    a = scratch[4];
+    b = scratch[9];
     // Nobody may overwrite scratch for the next call before every thread read it.
     group.sync();
-}
-
-// block_sums_f32 of one value. `scratch` is at least 5 floats.
-template <class Sync = KdaBlockSync>
-__device__ __forceinline__ float block_sum_f32(float value, float* scratch, Sync group = Sync())
-{
-    float values[1] = {value};
-    block_sums_f32<1>(values, scratch, group);
-    return values[0];
 }
 
 // Programmatic dependent launch (sm_90 and later; no-ops before). A kernel launched with the
@@ -223,34 +235,27 @@ __device__ __forceinline__ float conv_silu(const float window[CONV_MAX_KERNEL],
     return acc / (1.0f + expf(-acc));
 }
 
-// value / sqrt(sum over the head of value^2 + eps), for each of COUNT values (channel d of q
-// and of k, say) with the barriers of one reduction: the same bits as one call per value. All
-// KDA_HEAD_BLOCK threads of the group call it (it reduces across the group); `scratch` is at
-// least 5 COUNT floats.
-template <int COUNT, class Sync = KdaBlockSync>
-__device__ __forceinline__ void l2_normalize_heads(float (&values)[COUNT], float l2_eps, float* scratch,
-                                                   Sync group = Sync())
-{
-    float sum_squares[COUNT];
-#pragma unroll
-    for (int v = 0; v < COUNT; ++v) {
-        // __fmul_rn: a product the compiler may not fuse into the first shuffle add.
-        sum_squares[v] = __fmul_rn(values[v], values[v]);
-    }
-    block_sums_f32<COUNT>(sum_squares, scratch, group);
-#pragma unroll
-    for (int v = 0; v < COUNT; ++v) {
-        values[v] = values[v] / sqrtf(sum_squares[v] + l2_eps);
-    }
-}
-
-// l2_normalize_heads of one value.
+// value / sqrt(sum over the head of value^2 + eps). All KDA_HEAD_BLOCK threads of
+// the group call it (it reduces across the group).
 template <class Sync = KdaBlockSync>
 __device__ __forceinline__ float l2_normalize_head(float value, float l2_eps, float* scratch, Sync group = Sync())
 {
-    float values[1] = {value};
-    l2_normalize_heads<1>(values, l2_eps, scratch, group);
-    return values[0];
+    // __fmul_rn: a product the compiler may not fuse into the first shuffle add.
+    const float sum_squares = block_sum_f32(__fmul_rn(value, value), scratch, group);
+    return value / sqrtf(sum_squares + l2_eps);
+}
+
+// l2_normalize_head of q and of k (channel d of each) with the barriers of one reduction: the
+// same bits as two calls. `scratch` is at least 10 floats.
+template <class Sync = KdaBlockSync>
+__device__ __forceinline__ void l2_normalize_pair(float& q, float& k, float l2_eps, float* scratch,
+                                                  Sync group = Sync())
+{
+    float q_squares = __fmul_rn(q, q);
+    float k_squares = __fmul_rn(k, k);
+    block_sum2_f32(q_squares, k_squares, scratch, group);
+    q = q / sqrtf(q_squares + l2_eps);
+    k = k / sqrtf(k_squares + l2_eps);
 }
 
 // Delta-rule steps of one value column of a head's state S [D_k, D_v] (K-major, row i at
