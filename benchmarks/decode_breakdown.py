@@ -8,9 +8,8 @@
   * the public call (input copy, replay, output copy) issued back to back, 200 calls between
     two events: what a decode loop that does not synchronise every token pays per call.
 Each geometry runs the VARIANTS below in the same process, each the package's defaults with the
-settings it names changed (see `variant`): the defaults, the decode weights row-major instead of
-gemm_rows' packed layout (layer.packed_decode), the batched step as blocks walking the sequences
-(layer.walk_batched_step), and the wide 64-row projection entry (gemm_rows.M4_TILES_PER_WARP = 4).
+settings it names changed (see `variant`): the defaults, and the decode weights row-major instead
+of gemm_rows' packed layout (layer.packed_decode).
 A variant with the one persistent launch (persistent_lags) times B=1 and verify only: it takes
 one sequence's rows, the batches are the separate launches'. With --against DIR the defaults
 also run with the kernels compiled from the sources in DIR (another version of kernels_src/ with
@@ -39,7 +38,7 @@ def variant(**settings) -> tuple:
     return tuple(sorted(settings.items()))
 
 
-VARIANTS = (variant(), variant(packed_decode=False), variant(walk_batched_step=True), variant(m4_tiles_per_warp=4))
+VARIANTS = (variant(), variant(packed_decode=False))
 ROUNDS = 5
 VERIFY_K = (4, 16)
 BATCHES = (64, 256)
@@ -50,7 +49,7 @@ def defaults() -> dict:
     programmatic_launch, l2_prefetch_k_blocks (blocks of 32 k a programmatic projection asks L2
     for), step_prefetch_waves, persistent_lags (the one persistent launch with these (step, out)
     lags in pairs of heads; None: the separate launches), l2_prefetch_max_weight_bytes (None: any
-    weight), packed_decode, walk_batched_step, m4_tiles_per_warp, kernel_sources (a folder of
+    weight), packed_decode, step_dependents_after (layer.STEP_DEPENDENTS_AFTER), kernel_sources (a folder of
     kernel sources; None: the package's own)."""
     from glm_kda import gemm_rows, kernels, layer, persistent
 
@@ -59,7 +58,7 @@ def defaults() -> dict:
         "l2_prefetch_k_blocks": gemm_rows.PREFETCH_K_BLOCKS, "step_prefetch_waves": layer.STEP_PREFETCH_WAVES,
         "persistent_lags": (persistent.STEP_LAG_PAIRS, persistent.OUT_LAG_PAIRS) if layer.PERSISTENT_DECODE else None,
         "l2_prefetch_max_weight_bytes": gemm_rows.PREFETCH_MAX_WEIGHT_BYTES, "packed_decode": True,
-        "walk_batched_step": layer.STEP_WALK, "m4_tiles_per_warp": gemm_rows.M4_TILES_PER_WARP, "kernel_sources": None,
+        "step_dependents_after": layer.STEP_DEPENDENTS_AFTER, "kernel_sources": None,
     }
 
 
@@ -81,14 +80,13 @@ def apply(settings: dict, layer_object) -> None:
     gemm_rows.PREFETCH_K_BLOCKS = settings["l2_prefetch_k_blocks"]
     layer.STEP_PREFETCH_WAVES = settings["step_prefetch_waves"]
     gemm_rows.PREFETCH_MAX_WEIGHT_BYTES = settings["l2_prefetch_max_weight_bytes"]
-    gemm_rows.M4_TILES_PER_WARP = settings["m4_tiles_per_warp"]
+    layer.STEP_DEPENDENTS_AFTER = settings["step_dependents_after"]
     sources = settings["kernel_sources"]
     if sources not in _KERNEL_SETS:
         _KERNEL_SETS[sources] = kernels.KernelSet.get() if sources is None else kernels.KernelSet(sources)
     kernels.KernelSet.install(_KERNEL_SETS[sources])
     layer_object.fused_decode = settings["fused_decode"]
     layer_object.packed_decode = settings["packed_decode"]
-    layer_object.walk_batched_step = settings["walk_batched_step"]
     lags = settings["persistent_lags"]
     layer_object.persistent_decode = lags is not None
     if lags is not None:

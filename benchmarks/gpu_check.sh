@@ -31,11 +31,6 @@ if [ "$part" = sanitize ] || [ "$part" = all ]; then
   timeout 60 compute-sanitizer --tool racecheck --kernel-name kns=kda_chunk_tc --print-limit 20 python -m pytest -q \
     -p no:cacheprovider tests/test_gpu.py -k "prefill_matches_oracle and C64 and T15" 2>&1 \
     | tee "$out/racecheck_tc.log" | tail -4
-  # The walking batched step: a bulk copy into shared memory on an mbarrier while the block steps.
-  for tool in racecheck synccheck; do
-    timeout 60 compute-sanitizer --tool $tool --kernel-name kns=kda_decode_fused_walk --print-limit 20 python -m pytest \
-      -q -p no:cacheprovider tests/test_gpu.py -k "walking and B5" 2>&1 | tee "$out/${tool}_walk.log" | tail -4
-  done
   # The prefill conv has no shared memory (a warp per head): memcheck over its vector loads
   # and stores, against decode steps and in two real prefills.
   timeout 100 compute-sanitizer --tool memcheck --kernel-name kns=conv_prefill_silu_l2_bf16 --print-limit 20 python -m pytest \

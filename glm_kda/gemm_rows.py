@@ -29,15 +29,8 @@ K_BLOCK = 32
 WARPS_PER_BLOCK = 8
 TILES_PER_WARP = (1, 2, 4)
 # Blocks per SM every entry point is compiled for (GEMM_ROWS_MIN_BLOCKS in its
-# __launch_bounds__, kernels_src/gemm_rows.cu) but the wide one, 4 m-tiles by 4 n-tiles
-# (GEMM_ROWS_WIDE_MIN_BLOCKS).
+# __launch_bounds__, kernels_src/gemm_rows.cu).
 GEMM_ROWS_BLOCKS_PER_SM = 2
-GEMM_ROWS_WIDE_BLOCKS_PER_SM = 1
-# Tiles per warp the plan picks at 4 m-tiles (33..64 rows of a group) when the caller leaves it
-# open: 2 (gemm_rows_bf16_m4_n2, two blocks per SM), or 4 for the wide entry (m4_n4: each x
-# fragment feeds twice the columns, so half the x bytes per weight byte reach the SMs, on one
-# block per SM). The same bits either way; the wide entry is not yet timed on a GPU, so 2.
-M4_TILES_PER_WARP = 2
 # H200; the wrapper passes the current device's count.
 DEFAULT_SM_COUNT = 132
 # Blocks of 32 k of each weight row that a programmatic launch asks L2 for before it waits
@@ -143,11 +136,10 @@ def launch_plan(
     grid.y = row groups of 64; grid.x = `blocks` column groups of (8 / k_split) warps
     times ``tiles_per_warp`` tiles of 8 columns at a time (a block loops over the groups
     blockIdx.x, blockIdx.x + grid.x, ...). Wider tiles reuse each x fragment more and cut
-    the number of blocks. Left as None the tiles are the widest (4, 2, else 1; at most
-    M4_TILES_PER_WARP with 4 m-tiles) that still give every SM a block, and grid.x
+    the number of blocks. Left as None the tiles are the widest (4, 2, else 1; at most 2
+    with 4 m-tiles, their register budget) that still give every SM a block, and grid.x
     is the number of groups, capped with one m-tile at the blocks resident at once
-    (sm_count times the entry's blocks per SM). At 4 m-tiles the choice left open is
-    M4_TILES_PER_WARP (4 asked for explicitly: the wide entry). On an H200 (benchmarks/gemm_rows.py
+    (sm_count times the entry's blocks per SM). On an H200 (benchmarks/gemm_rows.py
     --sweep) the cap took the one-row q|k|v projection from 56.0 to 55.1 us (GLM) and from
     25.7 to 22.9 us (Kimi), and made the 64-row one 4 % slower, hence one m-tile only.
     Any choice gives the same bits: it moves work between blocks, never changes the k order.
@@ -155,17 +147,18 @@ def launch_plan(
     warps_n = WARPS_PER_BLOCK // k_split(k)
     n_tiles = -(-n // N_TILE)
     m_tiles = m_tiles_for(rows)
+    widest = 2 if m_tiles == 4 else 4
 
     def column_groups(tiles: int) -> int:
         return -(-n_tiles // (warps_n * tiles))
 
     if tiles_per_warp is None:
-        widest = M4_TILES_PER_WARP if m_tiles == 4 else 4
         tiles_per_warp = next(
             (tiles for tiles in (4, 2) if tiles <= widest and column_groups(tiles) >= sm_count), 1
         )
     elif tiles_per_warp not in TILES_PER_WARP:
         raise ValueError(f"tiles_per_warp must be one of {TILES_PER_WARP}, got {tiles_per_warp}")
+    tiles_per_warp = min(tiles_per_warp, widest)
     groups = column_groups(tiles_per_warp)
     if blocks is None:
         blocks = sm_count * GEMM_ROWS_BLOCKS_PER_SM if m_tiles == 1 else groups

@@ -25,11 +25,11 @@ from typing import Any, Iterator, Sequence
 ENTRY_POINTS: dict[str, tuple[str, ...]] = {
     "gemv": ("gemv_bf16",),
     "gemm_rows": tuple(f"gemm_rows_{layout}bf16_m{m}_n{n}" for layout in ("", "packed_") for m, n in (
-        (1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (4, 4))),
+        (1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2))),
     "conv": ("conv_decode_silu_l2_bf16", "conv_prefill_silu_l2_bf16"),
     "gate": ("gate_beta_f32",),
     "recurrent": ("kda_recurrent_step_f32",),
-    "decode": ("kda_decode_fused_bf16", "kda_decode_fused_walk_bf16"),
+    "decode": ("kda_decode_fused_bf16",),
     "decode_persistent": ("kda_decode_persistent_bf16",),
     "chunk": ("kda_chunk_prepare_f32", "kda_chunk_scan_f32"),
     "chunk_tc": ("kda_chunk_tc_prepare_f32", "kda_chunk_tc_prepare_gate_f32", "kda_chunk_tc_prepare_unbounded_f32",

@@ -52,20 +52,15 @@ DECODE_ROW_GROUP = gemm_rows.GEMM_ROWS_MAX_ROWS
 # 620 to 559 us; 0.5 gained less (349, 167 us at 64), 0.75 and more little or nothing.
 STEP_PREFETCH_WAVES = 0.25
 STEP_RESIDENT_BLOCKS_PER_SM = 2
-# Default of KdaLayer.walk_batched_step: a batched fused step as one wave of resident blocks (the
-# SMs x STEP_RESIDENT_BLOCKS_PER_SM, shared out among the heads) that each walk sequences, staging
-# the next one's state in shared memory while they step the present one (kda_decode_fused_walk_bf16),
-# in place of a block per (head, sequence) in waves. The same bits; not yet timed on a GPU, so off.
-STEP_WALK = False
+# Where the fused step lets the output projection (its programmatic dependent) launch:
+# kda_decode_fused_bf16's dependents_after (0 at once, 1 once the first token's inputs are
+# formed, 2 after its recurrent step). On an H200 (benchmarks/decode_breakdown.py, two runs) the
+# three were within the rounds' spread of each other (GLM B=1 83.2 - 84.3 us, Kimi 35.6 - 36.5).
+STEP_DEPENDENTS_AFTER = 0
 # Default of KdaLayer.persistent_decode.
 PERSISTENT_DECODE = False
 # Most rows one batched decode call takes (the workspace and the pool may limit it further).
 MAX_DECODE_ROWS = 256
-
-
-def _step_resident_blocks(device_id: int) -> int:
-    """Fused-step blocks resident at once on a device (STEP_RESIDENT_BLOCKS_PER_SM a SM)."""
-    return gemm_rows._sm_count(device_id) * STEP_RESIDENT_BLOCKS_PER_SM
 
 
 @functools.lru_cache(maxsize=1)
@@ -239,9 +234,6 @@ class KdaLayer:
         # the output as tasks), bit for bit what the separate launches compute; False: those
         # launches. Needs fused_decode and an even head count.
         self.persistent_decode = PERSISTENT_DECODE
-        # A batched fused step (2 or more sequences) as one wave of blocks walking the sequences
-        # (True) or a block per (head, sequence) (False); the same bits (see STEP_WALK).
-        self.walk_batched_step = STEP_WALK
         self._packed: dict[str, gemm_rows.PackedWeight] = {}
         self.packed_decode = packed_decode
 
@@ -467,14 +459,13 @@ class KdaLayer:
         sl = slice(first, first + rows)
         if self.fused_decode:
             d = c.head_dim
-            blocks_per_head = self._step_walk_blocks(rows) if self.walk_batched_step and not walk else None
             ops.kda_decode_fused_bf16(
                 conv_state, recurrent_state, ws.qkv_proj[sl], self.conv_weight, ws.forget_proj[sl], self.dt_bias,
                 self.a_log, ws.down_proj[sl, 2 * d :], ws.out_gate[sl], self.o_norm, ws.conv_out[sl], ws.query[sl],
                 ws.key[sl], ws.value[sl], ws.gate[sl], ws.beta[sl], ws.core[sl], ws.o_norm_out[sl],
                 bounded=c.bounded, lower_bound=c.gate_lower_bound or 0.0, scale=self.scale, l2_eps=c.l2_eps,
                 norm_eps=c.rms_norm_eps, slots=slots, tokens=rows if walk else 1,
-                prefetch_ahead=0 if blocks_per_head else self._step_prefetch_ahead(), blocks_per_head=blocks_per_head)
+                prefetch_ahead=self._step_prefetch_ahead(), dependents_after=STEP_DEPENDENTS_AFTER)
             return
         if walk:
             raise ValueError("stateful_rows: walk=True needs fused_decode")
@@ -487,13 +478,8 @@ class KdaLayer:
         """Sequences ahead whose state a batched fused step asks L2 for (STEP_PREFETCH_WAVES)."""
         if STEP_PREFETCH_WAVES <= 0:
             return 0
-        return max(1, round(STEP_PREFETCH_WAVES * _step_resident_blocks(self.qkv_weight.device.id) / self.config.heads))
-
-    def _step_walk_blocks(self, sequences: int) -> int | None:
-        """Blocks per head of a walking step over `sequences` (one resident wave), or None
-        where that wave holds them all (a block per sequence then)."""
-        blocks = max(1, _step_resident_blocks(self.qkv_weight.device.id) // self.config.heads)
-        return blocks if blocks < sequences else None
+        resident = gemm_rows._sm_count(self.qkv_weight.device.id) * STEP_RESIDENT_BLOCKS_PER_SM
+        return max(1, round(STEP_PREFETCH_WAVES * resident / self.config.heads))
 
     def decode_rows(self, hidden: Any, conv_state: Any, recurrent_state: Any, *, slots: Any = None,
                     sequential: bool = False, snapshots: Sequence[KdaState] = ()) -> None:
@@ -735,8 +721,7 @@ class KdaLayer:
         def body(hidden: Any, device_slots: Any) -> None:
             self.decode_rows(hidden, pool.conv, pool.recurrent, slots=device_slots)
 
-        key = ("pool", rows, self.fused_decode, self.persistent_decode, self.walk_batched_step, pool.conv.data.ptr,
-               pool.recurrent.data.ptr)
+        key = ("pool", rows, self.fused_decode, self.persistent_decode, pool.conv.data.ptr, pool.recurrent.data.ptr)
         self._graphs.run(key, hidden, slots, body)
         return back(copy_of(self.workspace.final_out[:rows]))
 

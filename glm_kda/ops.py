@@ -26,9 +26,6 @@ from glm_kda import kernels
 
 HEAD_DIM = 128  # KDA_HEAD_DIM of kernels_src/kda_common.cuh
 HEAD_BLOCK = 128  # threads of every per-head kernel, one per channel
-# Dynamic shared memory of a walking fused step block: one head's state and an mbarrier
-# (KDA_STAGE_BYTES of kernels_src/decode_step.cuh).
-STEP_STAGE_BYTES = HEAD_DIM * HEAD_DIM * 4 + 16
 TOKENS_PER_BLOCK = 8  # tokens per block of the norm kernel (KDA_TOKENS_PER_BLOCK)
 GATE_TOKENS_PER_BLOCK = 32  # tokens per block of the gate kernel (kernels_src/gate.cu)
 GATE_THREADS = 128
@@ -503,7 +500,7 @@ def kda_decode_fused_bf16(
     conv_state, state, qkv_proj, conv_w, forget_proj, dt_bias, a_log, beta_logits, out_gate, norm_w,
     conv_out, query, key, value, gate, beta, core, o_norm_out, *, bounded: bool, lower_bound: float,
     scale: float, l2_eps: float, norm_eps: float, slots=None, tokens: int = 1, prefetch_ahead: int = 0,
-    blocks_per_head: int | None = None,
+    dependents_after: int = 0,
 ) -> None:
     """The stateful half of decode in one launch: for each sequence, `tokens` consecutive
     tokens of conv + SiLU + L2, forget gate and beta, one delta-rule step, gated RMSNorm.
@@ -527,10 +524,9 @@ def kda_decode_fused_bf16(
     (0: none), a block of a later wave when that many sequences fill the resident blocks; it
     changes no bit.
 
-    blocks_per_head: None (or the sequence count) launches a block per (head, sequence); fewer
-    launch that many blocks per head, which walk the sequences (block y: sequences y, y +
-    blocks_per_head, ...) and on sm_90 stage each next sequence's state in shared memory by a bulk
-    copy while they step the present one (kda_decode_fused_walk_bf16). It changes no bit.
+    dependents_after: where the blocks let the next kernel of the stream launch (a programmatic
+    dependent such as the output projection): 0 at once, 1 once the first token's inputs are
+    formed, 2 after its recurrent step. It changes no bit.
     """
     heads = _state_or_pool_heads(state)
     qkv = heads * HEAD_DIM
@@ -556,23 +552,18 @@ def kda_decode_fused_bf16(
         raise ValueError(f"bounded gate needs a finite lower_bound, got {lower_bound}")
     if prefetch_ahead < 0:
         raise ValueError(f"prefetch_ahead must be >= 0, got {prefetch_ahead}")
-    if blocks_per_head is None:
-        blocks_per_head = sequences
-    if not 1 <= blocks_per_head <= sequences:
-        raise ValueError(f"blocks_per_head must be 1 .. {sequences} (the sequences), got {blocks_per_head}")
     if conv_state.data.ptr % 16 or state.data.ptr % 16:
         prefetch_ahead = 0  # the L2 requests take 16-byte aligned ranges; a hint, so none
-        blocks_per_head = sequences  # so do the staging copies of a walk
-    walk = blocks_per_head < sequences
+    if dependents_after not in (0, 1, 2):
+        raise ValueError(f"dependents_after must be 0, 1 or 2, got {dependents_after}")
     kernels.launch(
-        "kda_decode_fused_walk_bf16" if walk else "kda_decode_fused_bf16",
-        (heads, blocks_per_head),
+        "kda_decode_fused_bf16",
+        (heads, sequences),
         (HEAD_BLOCK,),
         (conv_state, state, slots, qkv_proj, conv_w, forget_proj, dt_bias, a_log, beta_logits, _i32(ld_beta),
          out_gate, norm_w, conv_out, query, key, value, gate, beta, core, o_norm_out, _i32(heads),
          _i32(kernel_size), _i32(tokens), _i32(1 if bounded else 0), _f32(lower_bound if bounded else 0.0), _f32(scale),
-         _f32(l2_eps), _f32(norm_eps), _i32(prefetch_ahead), _i32(sequences)),
-        STEP_STAGE_BYTES if walk else 0,
+         _f32(l2_eps), _f32(norm_eps), _i32(prefetch_ahead), _i32(dependents_after)),
     )
 
 

@@ -25,85 +25,6 @@ __device__ __forceinline__ void prefetch_floats_l2(const float* first, int count
 #endif
 }
 
-// A block that walks several sequences (decode.cu) stages the next one's state: a bulk copy of the
-// head's 64 KB state (contiguous, row-major) into shared memory, on an mbarrier, while the block
-// steps the present sequence. sm_90 only (cp.async.bulk; for sm_100 and sm_120 NVRTC 13 spills
-// the walking kernel's registers with it): elsewhere a walking block reads every state column
-// from global memory (KDA_STAGE_STATE 0). The staged copy holds the values global memory holds,
-// read in the same layout, so no bit depends on it.
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ == 900
-#define KDA_STAGE_STATE 1
-#else
-#define KDA_STAGE_STATE 0
-#endif
-
-__device__ __forceinline__ unsigned int kda_shared_address(const void* pointer)
-{
-    return static_cast<unsigned int>(__cvta_generic_to_shared(pointer));
-}
-
-// One thread: the barrier expects one arrival (with the copy's bytes) per phase.
-__device__ __forceinline__ void kda_stage_init(unsigned long long* barrier)
-{
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(kda_shared_address(barrier)) : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-#endif
-}
-
-// One thread: copy `bytes` (a multiple of 16, both ends 16-byte aligned) from global `source` to
-// shared `buffer`, completing the barrier's present phase when they have landed. The block's
-// earlier reads of the buffer must be behind a barrier.
-__device__ __forceinline__ void kda_stage_copy(float* buffer, const float* source, unsigned int bytes,
-                                               unsigned long long* barrier)
-{
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(kda_shared_address(barrier)),
-                 "r"(bytes)
-                 : "memory");
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                     kda_shared_address(buffer)),
-                 "l"(source), "r"(bytes), "r"(kda_shared_address(barrier))
-                 : "memory");
-#endif
-}
-
-// Every thread: until the barrier's phase of parity `parity` has completed.
-__device__ __forceinline__ void kda_stage_wait(unsigned long long* barrier, unsigned int parity)
-{
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    unsigned int done = 0;
-    do {
-        asm volatile(
-            "{\n\t.reg .pred complete;\n\t"
-            "mbarrier.try_wait.parity.shared::cta.b64 complete, [%1], %2;\n\t"
-            "selp.u32 %0, 1, 0, complete;\n\t}"
-            : "=r"(done)
-            : "r"(kda_shared_address(barrier)), "r"(parity)
-            : "memory");
-    } while (done == 0);
-#endif
-}
-
-// The staging of one (head, sequence) of a walking block: `buffer` (shared, KDA_HEAD_DIM^2 floats
-// and then the copies' mbarrier; null: no staging) holds this sequence's state once the barrier's
-// phase of parity `wait_parity` has completed (-1: it does not, read global memory), and
-// receives the head's state of sequence `next` (the block's next; -1: none) once every thread
-// has read it.
-#define KDA_STAGE_FLOATS (KDA_HEAD_DIM * KDA_HEAD_DIM)
-#define KDA_STAGE_BYTES (KDA_STAGE_FLOATS * 4 + 16)  // the dynamic shared memory of a walking block
-struct KdaStateStage {
-    float* buffer;
-    int wait_parity;
-    int next;
-};
-
-__device__ __forceinline__ unsigned long long* kda_stage_barrier(float* buffer)
-{
-    return reinterpret_cast<unsigned long long*>(buffer + KDA_STAGE_FLOATS);
-}
-
 // The operands of the fused step: states, inputs, stage outputs and scalars, as the kernel
 // parameters of kda_decode_fused_bf16 name them.
 struct KdaStepArgs {
@@ -136,18 +57,10 @@ struct KdaStepArgs {
     float l2_eps;
     float norm_eps;
     int prefetch_ahead;
-
-    // The slot sequence `sequence` advances (slots[sequence], or the sequence itself).
-    __device__ __forceinline__ size_t slot_of(size_t sequence) const
-    {
-        return slots != nullptr ? static_cast<size_t>(slots[sequence]) : sequence;
-    }
-
-    // The state [D_k, D_v] of head `head` in slot `slot` (KDA_STAGE_FLOATS contiguous floats).
-    __device__ __forceinline__ float* head_state(size_t slot, int head) const
-    {
-        return state + (slot * heads + head) * static_cast<size_t>(KDA_STAGE_FLOATS);
-    }
+    // Where the step lets the next kernel of its stream launch (kda_let_next_kernel_launch):
+    // 0 not here (the caller's business), 1 once the first token's inputs are formed (the state
+    // column and the inputs have arrived), 2 after the first token's recurrent step.
+    int dependents_after;
 };
 
 // The shared memory of one head group.
@@ -159,16 +72,13 @@ struct KdaStepShared {
 };
 
 // Head `head` of sequence `sequence` (of `sequences`), `tokens` tokens, by the KDA_HEAD_BLOCK
-// threads of `group` (thread d owns channel d of the head). STAGED: `stage` (see KdaStateStage)
-// says where the state comes from and what to stage next; a compile-time switch, because the
-// stage's branches in the one-block-per-sequence step cost it 2 - 5 % on an H200.
-template <class Sync, bool STAGED = false>
+// threads of `group` (thread d owns channel d of the head).
+template <class Sync>
 __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, size_t sequence, size_t sequences,
-                                                Sync group, KdaStepShared& shared,
-                                                const KdaStateStage& stage = KdaStateStage{nullptr, -1, -1})
+                                                Sync group, KdaStepShared& shared)
 {
     const int d = group.thread();
-    const size_t slot = p.slot_of(sequence);
+    const size_t slot = p.slots != nullptr ? static_cast<size_t>(p.slots[sequence]) : sequence;
     const int heads = p.heads;
     const int kernel_size = p.kernel_size;
     const size_t qkv = static_cast<size_t>(heads) * KDA_HEAD_DIM;
@@ -176,32 +86,18 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
 
     // The sequence's state column (64 KB per head, the bulk of the traffic) and conv windows
     // first: in flight while the first token's inputs are formed.
-    float* state_column = p.head_state(slot, head) + d;
+    float* state_column =
+        p.state + (slot * heads + head) * static_cast<size_t>(KDA_HEAD_DIM) * KDA_HEAD_DIM + d;
     float s[KDA_HEAD_DIM];
-    if constexpr (STAGED) {
-        if (stage.wait_parity >= 0) {
-            kda_stage_wait(kda_stage_barrier(stage.buffer), static_cast<unsigned int>(stage.wait_parity));
-            kda_recurrent_load(s, stage.buffer + d);
-        } else {
-            kda_recurrent_load(s, state_column);
-        }
-        if (stage.next >= 0) {
-            // Every thread has its column of the buffer in registers: the next state may land there.
-            group.sync();
-            if (d == 0) {
-                kda_stage_copy(stage.buffer, p.head_state(p.slot_of(stage.next), head),
-                               KDA_STAGE_FLOATS * sizeof(float), kda_stage_barrier(stage.buffer));
-            }
-        }
-    } else {
-        kda_recurrent_load(s, state_column);
-    }
+    kda_recurrent_load(s, state_column);
     // A batch runs many waves of blocks, each of which waits on its state column: ask L2 for the
     // head's state of sequence + prefetch_ahead (a block of a later wave) now, so that its loads
     // hit, and for its conv windows (the head's channels of q, k and v: three runs of D K floats).
     if (p.prefetch_ahead > 0 && sequence + p.prefetch_ahead < sequences) {
-        const size_t ahead_slot = p.slot_of(sequence + p.prefetch_ahead);
-        prefetch_floats_l2(p.head_state(ahead_slot, head), KDA_STAGE_FLOATS, d);
+        const size_t ahead = sequence + p.prefetch_ahead;
+        const size_t ahead_slot = p.slots != nullptr ? static_cast<size_t>(p.slots[ahead]) : ahead;
+        prefetch_floats_l2(p.state + (ahead_slot * heads + head) * static_cast<size_t>(KDA_HEAD_DIM) * KDA_HEAD_DIM,
+                           KDA_HEAD_DIM * KDA_HEAD_DIM, d);
         for (int part = 0; part < 3; ++part) {
             prefetch_floats_l2(p.conv_state + (ahead_slot * 3 + part) * qkv * kernel_size +
                                    static_cast<size_t>(head) * KDA_HEAD_DIM * kernel_size,
@@ -260,8 +156,14 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
         shared.key[d] = k;
         shared.query[d] = q * p.scale;
         group.sync();
+        if (t == 0 && p.dependents_after == 1) {
+            kda_let_next_kernel_launch();
+        }
 
         const float o = kda_recurrent_step(s, shared.decay, shared.key, shared.query, v, beta_head, group);
+        if (t == 0 && p.dependents_after == 2) {
+            kda_let_next_kernel_launch();
+        }
         p.core[out_index] = o;
         p.o_norm_out[out_index] = f32_to_bf16(gated_rmsnorm_sigmoid(o, weight, z, p.norm_eps, shared.scratch, group));
     }

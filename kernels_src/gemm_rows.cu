@@ -10,7 +10,7 @@
 // keep each kernel's code small: one variant in the instruction cache, not all of them.
 // `prefetch` (k blocks per weight row, 0 for none) asks L2 for the first weights before the
 // wait on the previous kernel; like the tiles and the grid it changes no bit.
-template <int M_TILES, int N_TILES, bool PACKED, int LOADS>
+template <int M_TILES, int N_TILES, bool PACKED>
 __device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, int ldx,
                                                 const bf16_t* __restrict__ w, bf16_t* __restrict__ y,
                                                 int ldy, int rows, int n, int k, int prefetch)
@@ -23,28 +23,27 @@ __device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, in
         return;
     }
     const int row_end = min(rows, row_begin + GEMM_ROWS_M_GROUP);
-    gemm_rows_sweep<M_TILES, N_TILES, PACKED, LOADS>(x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split_for(k),
-                                                     prefetch, partial);
+    gemm_rows_sweep<M_TILES, N_TILES, PACKED>(x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split_for(k),
+                                              prefetch, partial);
 }
 
-#define GEMM_ROWS_ENTRY_OF(NAME, M_TILES, N_TILES, PACKED, LOADS, MIN_BLOCKS)                      \
-    extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, MIN_BLOCKS)                    \
+#define GEMM_ROWS_ENTRY_OF(NAME, M_TILES, N_TILES, PACKED)                                         \
+    extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_MIN_BLOCKS)          \
         NAME(const bf16_t* __restrict__ x, int ldx, const bf16_t* __restrict__ w,                  \
              bf16_t* __restrict__ y, int ldy, int rows, int n, int k, int prefetch)                \
     {                                                                                              \
-        gemm_rows_entry<M_TILES, N_TILES, PACKED, LOADS>(x, ldx, w, y, ldy, rows, n, k, prefetch); \
+        gemm_rows_entry<M_TILES, N_TILES, PACKED>(x, ldx, w, y, ldy, rows, n, k, prefetch);        \
     }
 // gemm_rows_bf16_m<M>_n<N> reads w in torch Linear layout, gemm_rows_packed_bf16_m<M>_n<N> in the
 // packed layout of gemm_rows.cuh (the same bits).
-#define GEMM_ROWS_ENTRY_WITH(M_TILES, N_TILES, LOADS, MIN_BLOCKS)                                         \
-    GEMM_ROWS_ENTRY_OF(gemm_rows_bf16_m##M_TILES##_n##N_TILES, M_TILES, N_TILES, false, LOADS, MIN_BLOCKS) \
-    GEMM_ROWS_ENTRY_OF(gemm_rows_packed_bf16_m##M_TILES##_n##N_TILES, M_TILES, N_TILES, true, LOADS, MIN_BLOCKS)
+#define GEMM_ROWS_ENTRY(M_TILES, N_TILES)                                                          \
+    GEMM_ROWS_ENTRY_OF(gemm_rows_bf16_m##M_TILES##_n##N_TILES, M_TILES, N_TILES, false)            \
+    GEMM_ROWS_ENTRY_OF(gemm_rows_packed_bf16_m##M_TILES##_n##N_TILES, M_TILES, N_TILES, true)
 
-// Every variant but the widest is compiled for 2 blocks per SM (up to 128 registers per thread;
-// 3 blocks of the narrow variants, at 80, measured no faster on an H200); GEMM_ROWS_BLOCKS_PER_SM
-// in glm_kda/gemm_rows.py mirrors it.
+// Every variant is compiled for 2 blocks per SM (up to 128 registers per thread; 3 blocks
+// of the narrow variants, at 80, measured no faster on an H200); GEMM_ROWS_BLOCKS_PER_SM in
+// glm_kda/gemm_rows.py mirrors it.
 #define GEMM_ROWS_MIN_BLOCKS 2
-#define GEMM_ROWS_ENTRY(M_TILES, N_TILES) GEMM_ROWS_ENTRY_WITH(M_TILES, N_TILES, GEMM_ROWS_LOADS, GEMM_ROWS_MIN_BLOCKS)
 GEMM_ROWS_ENTRY(1, 1)
 GEMM_ROWS_ENTRY(1, 2)
 GEMM_ROWS_ENTRY(1, 4)
@@ -53,9 +52,3 @@ GEMM_ROWS_ENTRY(2, 2)
 GEMM_ROWS_ENTRY(2, 4)
 GEMM_ROWS_ENTRY(4, 1)
 GEMM_ROWS_ENTRY(4, 2)
-// 4 m-tiles by 4 n-tiles: each x fragment feeds twice the columns of m4_n2, so half the x bytes
-// per weight byte reach the SM, on one block per SM (8 warps of up to 255 registers, the same
-// weight bytes in flight: 16 products a step). GEMM_ROWS_WIDE_BLOCKS_PER_SM in gemm_rows.py.
-#define GEMM_ROWS_WIDE_LOADS 16
-#define GEMM_ROWS_WIDE_MIN_BLOCKS 1
-GEMM_ROWS_ENTRY_WITH(4, 4, GEMM_ROWS_WIDE_LOADS, GEMM_ROWS_WIDE_MIN_BLOCKS)

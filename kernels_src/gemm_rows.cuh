@@ -126,18 +126,12 @@ __device__ __forceinline__ void mma_bf16_m16n8k16(float acc[4], unsigned int a0,
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Blocks of 32 k in a k axis of k (the last one padded with zeros).
-__device__ __forceinline__ int gemm_rows_k_blocks(int k)
-{
-    return (k + GEMM_ROWS_K_BLOCK - 1) / GEMM_ROWS_K_BLOCK;
-}
-
 // Warps splitting the k axis of a block: the most (up to 8) that leaves each at least
 // 4 blocks of 32 k. A function of k alone, because it fixes every output's summation
 // order. glm_kda/gemm_rows.py mirrors it to size the grid.
 __device__ __forceinline__ int k_split_for(int k)
 {
-    const int k_blocks = gemm_rows_k_blocks(k);
+    const int k_blocks = (k + GEMM_ROWS_K_BLOCK - 1) / GEMM_ROWS_K_BLOCK;
     int split = GEMM_ROWS_WARPS;
     while (split > 1 && k_blocks < 4 * split) {
         split >>= 1;
@@ -172,6 +166,10 @@ __device__ __forceinline__ void load_weight_step(uint4 (&w_frag)[K_UNROLL][N_TIL
 // contiguous bytes instead of 8 rows' 64-byte pieces. The loads fetch the same values (zeros
 // where the row-major layout's predicated loads give zeros), so the bits are the row-major
 // layout's. glm_kda/gemm_rows.py packs.
+__device__ __forceinline__ int gemm_rows_k_blocks(int k)
+{
+    return (k + GEMM_ROWS_K_BLOCK - 1) / GEMM_ROWS_K_BLOCK;
+}
 #define GEMM_ROWS_PACKED_BLOCK (GEMM_ROWS_N_TILE * GEMM_ROWS_K_BLOCK)  // elements per (tile, k block)
 
 // Where x comes from: global memory written before the kernel (read-only path), global memory
@@ -323,7 +321,7 @@ __device__ __forceinline__ void gemm_rows_accumulate(float (&acc)[M_TILES][N_TIL
 // The k range of split part `warp_k` of `k_split`: k blocks [kb_begin, kb_end).
 __device__ __forceinline__ void gemm_rows_k_range(int k, int k_split, int warp_k, int& kb_begin, int& kb_end)
 {
-    const int k_blocks = gemm_rows_k_blocks(k);
+    const int k_blocks = (k + GEMM_ROWS_K_BLOCK - 1) / GEMM_ROWS_K_BLOCK;
     const int k_range = (k_blocks + k_split - 1) / k_split;
     kb_begin = warp_k * k_range;
     kb_end = min(kb_begin + k_range, k_blocks);
@@ -336,26 +334,19 @@ __device__ __forceinline__ int gemm_rows_group_columns(int k_split)
     return GEMM_ROWS_WARPS / k_split * N_TILES * GEMM_ROWS_N_TILE;
 }
 
-// The m-tiles whose partial sums gemm_rows_group adds up at a time: all of them up to 8 (m-tile,
-// n-tile) fragments per lane, else 8 fragments' worth (the static shared memory of a block stays
-// within 32 KB), and the shared-memory floats of those partial sums.
-#define GEMM_ROWS_M_CHUNK(M_TILES, N_TILES) ((M_TILES) * (N_TILES) <= 8 ? (M_TILES) : 8 / (N_TILES))
-#define GEMM_ROWS_PARTIAL_FLOATS(M_TILES, N_TILES) \
-    (GEMM_ROWS_WARPS * GEMM_ROWS_M_CHUNK(M_TILES, N_TILES) * (N_TILES) * 4 * 32)
+// Shared-memory floats of gemm_rows_group's partial sums.
+#define GEMM_ROWS_PARTIAL_FLOATS(M_TILES, N_TILES) (GEMM_ROWS_WARPS * (M_TILES) * (N_TILES) * 4 * 32)
 
 // One column group of the output, by the block's 8 warps: rows [row_begin, row_end) (at most
 // 64), columns group * group_columns ... Deterministic split-k: partial[warp][fragment][lane],
-// then each output adds its k_split partials in ascending warp_k order (GEMM_ROWS_M_CHUNK m-tiles
-// at a time; every output's sum is the same whichever chunk it is in). Ends with a barrier (the
-// next group may overwrite `partial`).
+// then each output adds its k_split partials in ascending warp_k order. Ends with a barrier
+// (the next group may overwrite `partial`).
 template <int M_TILES, int N_TILES, int LOADS = GEMM_ROWS_LOADS, int X_FROM = GEMM_X_INPUT, bool PACKED = false>
 __device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const bf16_t* w, bf16_t* y, int ldy,
                                                 int row_begin, int row_end, int n, int k, int k_split, int group,
                                                 float* partial)
 {
-    constexpr int M_CHUNK = GEMM_ROWS_M_CHUNK(M_TILES, N_TILES);
-    static_assert(M_TILES % M_CHUNK == 0, "the chunks cover the m-tiles");
-    constexpr int FRAGMENTS = M_CHUNK * N_TILES * 4;  // accumulators per lane and chunk
+    constexpr int FRAGMENTS = M_TILES * N_TILES * 4;  // accumulators per lane
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int warps_n = GEMM_ROWS_WARPS / k_split;
@@ -370,46 +361,43 @@ __device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const 
     gemm_rows_accumulate<M_TILES, N_TILES, LOADS, X_FROM, PACKED>(acc, x, ldx, w, n, k, row_begin, row_end,
                                                                     warp_column, kb_begin, kb_end);
 #pragma unroll
-    for (int m_first = 0; m_first < M_TILES; m_first += M_CHUNK) {
+    for (int m = 0; m < M_TILES; ++m) {
 #pragma unroll
-        for (int m = 0; m < M_CHUNK; ++m) {
+        for (int j = 0; j < N_TILES; ++j) {
 #pragma unroll
-            for (int j = 0; j < N_TILES; ++j) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int fragment = (m * N_TILES + j) * 4 + e;
-                    partial[(warp * FRAGMENTS + fragment) * 32 + lane] = acc[m_first + m][j][e];
-                }
+            for (int e = 0; e < 4; ++e) {
+                const int fragment = (m * N_TILES + j) * 4 + e;
+                partial[(warp * FRAGMENTS + fragment) * 32 + lane] = acc[m][j][e];
             }
         }
-        __syncthreads();
-        for (int output = threadIdx.x; output < warps_n * FRAGMENTS * 32; output += GEMM_ROWS_THREADS) {
-            const int out_lane = output & 31;
-            const int fragment = (output >> 5) % FRAGMENTS;
-            const int out_warp_n = (output >> 5) / FRAGMENTS;
-            const float* source = partial + (out_warp_n * k_split * FRAGMENTS + fragment) * 32 + out_lane;
-            float sum = source[0];
-            for (int split = 1; split < k_split; ++split) {
-                sum += source[split * FRAGMENTS * 32];
-            }
-            const int e = fragment & 3;
-            const int j = (fragment >> 2) % N_TILES;
-            const int m = m_first + (fragment >> 2) / N_TILES;
-            const int row = row_begin + GEMM_ROWS_M_TILE * m + (out_lane >> 2) + 8 * (e >> 1);
-            const int column = group * group_columns + (out_warp_n * N_TILES + j) * GEMM_ROWS_N_TILE +
-                               2 * (out_lane & 3) + (e & 1);
-            if (row < row_end && column < n) {
-                y[static_cast<size_t>(row) * ldy + column] = f32_to_bf16(sum);
-            }
-        }
-        // The next chunk, or the next column group, overwrites `partial`.
-        __syncthreads();
     }
+    __syncthreads();
+    for (int output = threadIdx.x; output < warps_n * FRAGMENTS * 32; output += GEMM_ROWS_THREADS) {
+        const int out_lane = output & 31;
+        const int fragment = (output >> 5) % FRAGMENTS;
+        const int out_warp_n = (output >> 5) / FRAGMENTS;
+        const float* source = partial + (out_warp_n * k_split * FRAGMENTS + fragment) * 32 + out_lane;
+        float sum = source[0];
+        for (int split = 1; split < k_split; ++split) {
+            sum += source[split * FRAGMENTS * 32];
+        }
+        const int e = fragment & 3;
+        const int j = (fragment >> 2) % N_TILES;
+        const int m = (fragment >> 2) / N_TILES;
+        const int row = row_begin + GEMM_ROWS_M_TILE * m + (out_lane >> 2) + 8 * (e >> 1);
+        const int column = group * group_columns + (out_warp_n * N_TILES + j) * GEMM_ROWS_N_TILE +
+                           2 * (out_lane & 3) + (e & 1);
+        if (row < row_end && column < n) {
+            y[static_cast<size_t>(row) * ldy + column] = f32_to_bf16(sum);
+        }
+    }
+    // The next column group overwrites `partial`.
+    __syncthreads();
 }
 
 // One block's share of the output: rows [row_begin, row_end) (at most 64) and the
 // column groups blockIdx.x, blockIdx.x + gridDim.x, ...
-template <int M_TILES, int N_TILES, bool PACKED = false, int LOADS = GEMM_ROWS_LOADS>
+template <int M_TILES, int N_TILES, bool PACKED = false>
 __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, int ldx,
                                                 const bf16_t* __restrict__ w,
                                                 bf16_t* __restrict__ y, int ldy, int row_begin,
@@ -455,8 +443,9 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
     kda_wait_for_previous_kernel();
 
     for (int group = blockIdx.x; group < column_groups; group += gridDim.x) {
-        gemm_rows_group<M_TILES, N_TILES, LOADS, GEMM_X_INPUT, PACKED>(x, ldx, w, y, ldy, row_begin, row_end, n, k,
-                                                                       k_split, group, partial);
+        gemm_rows_group<M_TILES, N_TILES, GEMM_ROWS_LOADS, GEMM_X_INPUT, PACKED>(x, ldx, w, y, ldy, row_begin,
+                                                                                row_end, n, k, k_split, group,
+                                                                                partial);
     }
 }
 

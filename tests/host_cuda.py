@@ -230,35 +230,6 @@ def host_kernel_source(stem: str, device_helpers: tuple[str, ...]) -> str:
 # The PTX-only helpers of kda_common.cuh (no-ops before sm_90; their bodies are inline PTX).
 COMMON_DEVICE_HELPERS = ("kda_let_next_kernel_launch", "kda_wait_for_previous_kernel")
 
-# The state staging of the walking fused step (decode_step.cuh, PTX on sm_90) and its emulation:
-# the bulk copy a memcpy by the one thread that issues it, the mbarrier a count of completed
-# copies (a phase each) that the block waits on by parity as on the device; staged_copies counts.
-DECODE_STAGE_HELPERS = ("kda_shared_address", "kda_stage_init", "kda_stage_copy", "kda_stage_wait")
-DECODE_STAGE_EMULATION = r"""
-inline std::atomic<long> staged_copies{0};
-inline void kda_stage_init(unsigned long long* barrier) { __atomic_store_n(barrier, 0ull, __ATOMIC_SEQ_CST); }
-inline void kda_stage_copy(float* buffer, const float* source, unsigned int bytes, unsigned long long* barrier)
-{
-    std::memcpy(buffer, source, bytes);
-    staged_copies++;
-    __atomic_fetch_add(barrier, 1ull, __ATOMIC_SEQ_CST);
-}
-inline void kda_stage_wait(unsigned long long* barrier, unsigned int parity)
-{
-    while ((__atomic_load_n(barrier, __ATOMIC_SEQ_CST) & 1ull) == parity) std::this_thread::yield();
-}
-"""
-
-
-def host_decode_source(stem: str, device_helpers: tuple[str, ...]) -> str:
-    """host_kernel_source of a file that includes decode_step.cuh, its staging helpers removed too
-    (DECODE_STAGE_EMULATION defines them) and decode.cu's dynamic shared array the emulator's."""
-    source = host_kernel_source(stem, (*device_helpers, *DECODE_STAGE_HELPERS))
-    declaration = "extern __shared__ __align__(128) float staged_state[];"
-    if stem == "decode":
-        assert source.count(declaration) == 1, "the host emulation expects one dynamic shared array in decode.cu"
-    return source.replace(declaration, "float* staged_state = emulated_shared;")
-
 
 def build_host_binary(folder: Path, name: str, files: dict[str, str]) -> Path:
     """Write `files` into `folder` and compile every .cpp among them into `folder / name`;

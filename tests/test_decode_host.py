@@ -6,10 +6,9 @@ Promises tested, for both gate laws and 1..9 tokens of one sequence from a rando
     write one after the other (conv.cu decode, gate.cu, recurrent.cu, norm.cu): every stage
     buffer (conv_out, q, k, v, gate, beta, core, o_norm_out) and both states;
   * decode.cu walking all the tokens in one launch (a verify's rows) writes the same bits;
-  * in a pool, B sequences advancing shuffled slots in one launch (fused, the fused step with
-    fewer blocks per head walking the sequences and staging each next state through shared
-    memory, and the separate kernels with their slots) write the bits each sequence gets alone,
-    and the other slots keep theirs;
+  * in a pool, B sequences advancing shuffled slots in one launch (fused, and the separate
+    kernels with their slots) write the bits each sequence gets alone, and the other slots
+    keep theirs;
   * against the float64 oracle (glm_kda.reference), each fed the kernels' own inputs: the gate
     (forget_gate; dt_bias per channel, A_log per head) and beta within FP32 rounding, the core
     output and state of the recurrence (recurrent_scan) likewise, the gated norm within the
@@ -26,10 +25,9 @@ import pytest
 
 from types import SimpleNamespace
 
-from glm_kda import ops
 from glm_kda.reference import forget_gate, gated_rmsnorm, recurrent_scan, rms_ratio, round_bf16, sigmoid
-from host_cuda import (COMMON_DEVICE_HELPERS, DECODE_STAGE_EMULATION, HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, bf16_bits,
-                       bits_to_f64, build_host_binary, host_decode_source, host_kernel_source)
+from host_cuda import (COMMON_DEVICE_HELPERS, HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, bf16_bits, bits_to_f64, build_host_binary,
+                       host_kernel_source)
 
 HEADS = 2
 DIM = 128
@@ -43,13 +41,11 @@ OUTPUTS = ("conv_out", "query", "key", "value", "gate", "beta", "core", "o_norm_
 # The pool path's fused step asks L2 for the state of the sequence this far ahead.
 PREFETCH_AHEAD = 2
 DEVICE_HELPERS = {"decode": ("prefetch_floats_l2", *COMMON_DEVICE_HELPERS)}
-# Blocks per head of the walking pool path (at most the sequences).
-WALK_BLOCKS = 4
 
 # The L2 requests of the fused step: counted, and checked to name exactly the head of the block
 # (blockIdx.x) in the slot of the sequence PREFETCH_AHEAD after the block's (blockIdx.y): its
 # state, then the conv windows of its q, k and v channels.
-DECODE_HEADER = HOST_CUDA_HEADER + DECODE_STAGE_EMULATION + r"""
+DECODE_HEADER = HOST_CUDA_HEADER + r"""
 extern const float* prefetch_pool;
 extern const float* prefetch_conv_pool;
 extern const int* prefetch_slots;
@@ -68,7 +64,7 @@ inline void prefetch_floats_l2(const float* first, int count, int d)
 }
 """.replace("PREFETCH_AHEAD", str(PREFETCH_AHEAD))
 
-DECODE_MAIN = (r"""
+DECODE_MAIN = r"""
 #include "emulation.h"
 """ + HOST_CUDA_RUNTIME + r"""
 const float* prefetch_pool;
@@ -88,16 +84,11 @@ extern "C" void kda_decode_fused_bf16(float*, float*, const int*, const bf16_t*,
                                       const float*, const float*, const bf16_t*, int, const bf16_t*, const bf16_t*,
                                       bf16_t*, float*, float*, float*, float*, float*, float*, bf16_t*, int, int, int,
                                       int, float, float, float, float, int, int);
-extern "C" void kda_decode_fused_walk_bf16(float*, float*, const int*, const bf16_t*, const bf16_t*, const bf16_t*,
-                                           const float*, const float*, const bf16_t*, int, const bf16_t*,
-                                           const bf16_t*, bf16_t*, float*, float*, float*, float*, float*, float*,
-                                           bf16_t*, int, int, int, int, float, float, float, float, int, int);
 
 // argv: dir, rows, heads, K, bounded, lower bound, l2 eps, norm eps, jitter, pool size. Pool size
 // 0: the rows are consecutive tokens of one sequence (paths separate, fused_rows, fused_walk);
 // else sequence s (row s) advances slot slots[s] of a pool of that many (paths pool_fused,
-// pool_walk: min(rows, WALK_BLOCKS) blocks per head walking the sequences, pool_separate, and
-// alone: the fused step for each sequence by itself).
+// pool_separate, and alone: the fused step for each sequence by itself).
 int main(int argc, char** argv)
 {
     const std::string dir = argv[1];
@@ -123,7 +114,7 @@ int main(int argc, char** argv)
     const bf16_t* beta_logits = down_proj.data() + 2 * D;
 
     const std::initializer_list<const char*> one_sequence = {"separate", "fused_rows", "fused_walk"};
-    const std::initializer_list<const char*> pool = {"pool_fused", "pool_walk", "pool_separate", "alone"};
+    const std::initializer_list<const char*> pool = {"pool_fused", "pool_separate", "alone"};
     for (const std::string path : pool_size ? pool : one_sequence) {
         auto conv_state = conv_start, state = state_start;
         std::vector<bf16_t> conv_out(rows * conv_dim, 0x7FA5), o_norm_out(rows * qkv, 0x7FA5);
@@ -132,22 +123,23 @@ int main(int argc, char** argv)
         // The fused step over rows first.. : `sequences` sequences (slot_list, or the states given
         // when null) of `tokens` tokens each.
         auto fused = [&](int first, int sequences, int tokens, const int* slot_list, float* conv, float* states,
-                         int prefetch_ahead = 0, int walk_blocks = 0) {
+                         int prefetch_ahead = 0) {
+            // Where the blocks let the next kernel launch (a no-op here): every choice, in turn.
+            const int dependents_after = (first + tokens) % 3;
             prefetch_pool = states;
             prefetch_conv_pool = conv;
             prefetch_slots = slot_list;
             prefetch_heads = heads;
             prefetch_kernel = kernel;
-            auto* entry = walk_blocks ? kda_decode_fused_walk_bf16 : kda_decode_fused_bf16;
-            const unsigned blocks = walk_blocks ? walk_blocks : sequences;
-            run_grid(dim3{unsigned(heads), blocks, 1}, 128, walk_blocks ? STEP_STAGE_BYTES : 0, [&] {
-                entry(conv, states, slot_list, qkv_proj.data() + first * conv_dim, conv_w.data(),
-                      forget_proj.data() + first * qkv, dt_bias.data(), a_log.data(), beta_logits + first * ld_beta,
-                      int(ld_beta), out_gate.data() + first * qkv, norm_w.data(), conv_out.data() + first * conv_dim,
-                      query.data() + first * qkv, key.data() + first * qkv, value.data() + first * qkv,
-                      gate.data() + first * qkv, beta.data() + first * heads, core.data() + first * qkv,
-                      o_norm_out.data() + first * qkv, heads, kernel, tokens, bounded, lower_bound, scale, l2_eps,
-                      norm_eps, prefetch_ahead, sequences);
+            run_grid(dim3{unsigned(heads), unsigned(sequences), 1}, 128, 0, [&] {
+                kda_decode_fused_bf16(conv, states, slot_list, qkv_proj.data() + first * conv_dim, conv_w.data(),
+                                      forget_proj.data() + first * qkv, dt_bias.data(), a_log.data(),
+                                      beta_logits + first * ld_beta, int(ld_beta), out_gate.data() + first * qkv,
+                                      norm_w.data(), conv_out.data() + first * conv_dim, query.data() + first * qkv,
+                                      key.data() + first * qkv, value.data() + first * qkv, gate.data() + first * qkv,
+                                      beta.data() + first * heads, core.data() + first * qkv,
+                                      o_norm_out.data() + first * qkv, heads, kernel, tokens, bounded, lower_bound,
+                                      scale, l2_eps, norm_eps, prefetch_ahead, dependents_after);
             });
         };
         // The separate kernels over rows first .. first + count - 1, one token of a sequence each.
@@ -178,8 +170,6 @@ int main(int argc, char** argv)
             fused(0, 1, rows, nullptr, conv_state.data(), state.data());
         } else if (path == "pool_fused") {
             fused(0, rows, 1, slots.data(), conv_state.data(), state.data(), PREFETCH_AHEAD);
-        } else if (path == "pool_walk") {
-            fused(0, rows, 1, slots.data(), conv_state.data(), state.data(), 0, std::min(rows, WALK_BLOCKS));
         } else if (path == "pool_separate") {
             separate(0, rows, slots.data(), conv_state.data(), state.data());
         }
@@ -196,12 +186,11 @@ int main(int argc, char** argv)
                   {"conv_out", "query", "key", "value", "gate", "beta", "core", "o_norm_out", "conv_state", "state"},
                   conv_out, query, key, value, gate, beta, core, o_norm_out, conv_state, state);
     }
-    std::printf("misaligned=%ld prefetches=%ld bad_prefetches=%ld staged=%ld\n", misaligned.load(), prefetches.load(),
-                bad_prefetches.load(), staged_copies.load());
+    std::printf("misaligned=%ld prefetches=%ld bad_prefetches=%ld\n", misaligned.load(), prefetches.load(),
+                bad_prefetches.load());
     return 0;
 }
-""".replace("PREFETCH_AHEAD", str(PREFETCH_AHEAD)).replace("WALK_BLOCKS", str(WALK_BLOCKS))
-    .replace("STEP_STAGE_BYTES", str(ops.STEP_STAGE_BYTES)))
+""".replace("PREFETCH_AHEAD", str(PREFETCH_AHEAD))
 
 
 def _layout(tokens):
@@ -220,11 +209,7 @@ def _layout(tokens):
 def decode_host(tmp_path_factory):
     files = {"emulation.h": DECODE_HEADER, "main.cpp": DECODE_MAIN}
     for stem in STEMS:
-        if stem == "decode":
-            source = host_decode_source(stem, DEVICE_HELPERS[stem])
-        else:
-            source = host_kernel_source(stem, COMMON_DEVICE_HELPERS)
-        files[f"{stem}.cpp"] = '#include "emulation.h"\n' + source
+        files[f"{stem}.cpp"] = '#include "emulation.h"\n' + host_kernel_source(stem, DEVICE_HELPERS.get(stem, COMMON_DEVICE_HELPERS))
     return build_host_binary(tmp_path_factory.mktemp("decode_host"), "decode_host", files)
 
 
@@ -256,10 +241,8 @@ def _run_binary(binary, folder, inputs, rows, bounded, *extra):
     # The pool path's blocks of sequences s < rows - PREFETCH_AHEAD each ask L2 for the state and the
     # three conv windows of their head in the slot of sequence s + PREFETCH_AHEAD; nothing else does.
     prefetches = 4 * HEADS * max(rows - PREFETCH_AHEAD, 0) if pool_size else 0
-    # The walking path's blocks stage the state of every sequence but the first of their walk.
-    staged = HEADS * (rows - min(rows, WALK_BLOCKS)) if pool_size else 0
-    assert result.stdout.split() == ["misaligned=0", f"prefetches={prefetches}", "bad_prefetches=0",
-                                     f"staged={staged}"], f"host run: {result.stdout.strip()}"
+    assert result.stdout.split() == ["misaligned=0", f"prefetches={prefetches}", "bad_prefetches=0"], \
+        f"host run: {result.stdout.strip()}"
 
 
 def run_decode(binary, tokens, bounded, seed, jitter=False):
@@ -326,8 +309,8 @@ def test_pool_sequences_equal_each_alone_on_host(decode_host, sequences, bounded
     layout = {**_layout(sequences), "conv_state": (np.float32, (pool_size, conv_dim, KERNEL)),
               "state": (np.float32, (pool_size, HEADS, DIM, DIM))}
     out = {path: {name: np.fromfile(folder / f"{path}.{name}", dtype).reshape(shape) for name, (dtype, shape) in layout.items()}
-           for path in ("pool_fused", "pool_walk", "pool_separate", "alone")}
-    for path in ("pool_fused", "pool_walk", "pool_separate"):
+           for path in ("pool_fused", "pool_separate", "alone")}
+    for path in ("pool_fused", "pool_separate"):
         for name in OUTPUTS:
             differ = int(np.count_nonzero(out[path][name].view(np.uint8) != out["alone"][name].view(np.uint8)))
             assert differ == 0, f"B={sequences} {path}: {differ} bytes of {name} differ from each sequence alone"

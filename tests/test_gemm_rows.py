@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 
 from glm_kda.device import gpu_status
-from glm_kda.gemm_rows import (GEMM_ROWS_BLOCKS_PER_SM, GEMM_ROWS_MAX_ROWS, GEMM_ROWS_WIDE_BLOCKS_PER_SM, k_split,
-                              launch_plan)
+from glm_kda.gemm_rows import GEMM_ROWS_BLOCKS_PER_SM, GEMM_ROWS_MAX_ROWS, k_split, launch_plan
 from glm_kda.kernels import ENTRY_POINTS
 
 GPU_OK, GPU_WHY = gpu_status()
@@ -154,20 +153,6 @@ def test_launch_plan_fills_every_sm_when_it_can():
     assert launch_plan(24576, 4096, 1, sm_count=2000).tiles_per_warp == 1
 
 
-def test_launch_plan_takes_the_wide_entry_when_asked(monkeypatch):
-    """4 tiles per warp at 4 m-tiles: the wide entry (m4_n4) when asked for, or when
-    M4_TILES_PER_WARP makes it the choice left open; 2 by default."""
-    from glm_kda import gemm_rows
-
-    assert launch_plan(24576, 4096, 64, tiles_per_warp=4).kernel == "gemm_rows_bf16_m4_n4"
-    assert launch_plan(24576, 4096, 64, tiles_per_warp=4).grid == (768, 1)
-    assert launch_plan(24576, 4096, 64).kernel == "gemm_rows_bf16_m4_n2"
-    monkeypatch.setattr(gemm_rows, "M4_TILES_PER_WARP", 4)
-    assert launch_plan(24576, 4096, 64).kernel == "gemm_rows_bf16_m4_n4"
-    assert launch_plan(24576, 4096, 16).kernel == "gemm_rows_bf16_m1_n4"
-    assert launch_plan(4096, 8192, 64).kernel == "gemm_rows_bf16_m4_n2"  # 64 groups of 4 tiles: too few
-
-
 def test_launch_plan_rejects_unknown_tiles():
     with pytest.raises(ValueError, match="tiles_per_warp"):
         launch_plan(64, 128, 1, tiles_per_warp=3)
@@ -186,11 +171,8 @@ def test_every_entry_point_is_in_the_kernel_source():
     source = kernel_source("gemm_rows")
     for name in ENTRY_POINTS["gemm_rows"]:
         m_tiles, tiles = (int(part[1:]) for part in name.split("_")[-2:])
-        assert (f"GEMM_ROWS_ENTRY({m_tiles}, {tiles})" in source
-                or f"GEMM_ROWS_ENTRY_WITH({m_tiles}, {tiles}, " in source), f"gemm_rows.cu has no entry for {name}"
+        assert f"GEMM_ROWS_ENTRY({m_tiles}, {tiles})" in source, f"gemm_rows.cu has no entry for {name}"
     assert f"#define GEMM_ROWS_MIN_BLOCKS {GEMM_ROWS_BLOCKS_PER_SM}" in source
-    assert f"#define GEMM_ROWS_WIDE_MIN_BLOCKS {GEMM_ROWS_WIDE_BLOCKS_PER_SM}" in source
-    assert "GEMM_ROWS_ENTRY_WITH(4, 4, GEMM_ROWS_WIDE_LOADS, GEMM_ROWS_WIDE_MIN_BLOCKS)" in source
 
 
 # --------------------------------------------------------------------------------------

@@ -71,7 +71,7 @@ MmaSlot mma_slots[32][32];
                                                                               bf16_t*, int, int, int, int, int);
 #define DECLARE_BOTH(M, N) DECLARE(M, N) DECLARE_PACKED(M, N)
 DECLARE_BOTH(1, 1) DECLARE_BOTH(1, 2) DECLARE_BOTH(1, 4) DECLARE_BOTH(2, 1) DECLARE_BOTH(2, 2) DECLARE_BOTH(2, 4)
-DECLARE_BOTH(4, 1) DECLARE_BOTH(4, 2) DECLARE_BOTH(4, 4)
+DECLARE_BOTH(4, 1) DECLARE_BOTH(4, 2)
 extern "C" void gemv_bf16(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int);
 using Entry = void (*)(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int, int);
 
@@ -91,7 +91,7 @@ int main(int argc, char** argv)
     const std::pair<std::pair<int, int>, Entry> entries[] = {
         {{1, 1}, gemm_rows_bf16_m1_n1}, {{1, 2}, gemm_rows_bf16_m1_n2}, {{1, 4}, gemm_rows_bf16_m1_n4},
         {{2, 1}, gemm_rows_bf16_m2_n1}, {{2, 2}, gemm_rows_bf16_m2_n2}, {{2, 4}, gemm_rows_bf16_m2_n4},
-        {{4, 1}, gemm_rows_bf16_m4_n1}, {{4, 2}, gemm_rows_bf16_m4_n2}, {{4, 4}, gemm_rows_bf16_m4_n4},
+        {{4, 1}, gemm_rows_bf16_m4_n1}, {{4, 2}, gemm_rows_bf16_m4_n2},
         // m0_n0: gemv_bf16 (no prefetch argument)
         {{0, 0}, [](const bf16_t* x, int ldx, const bf16_t* w, bf16_t* y, int ldy, int rows, int n, int k, int) {
              gemv_bf16(x, ldx, w, y, ldy, rows, n, k);
@@ -100,8 +100,7 @@ int main(int argc, char** argv)
         {{1, 1}, gemm_rows_packed_bf16_m1_n1}, {{1, 2}, gemm_rows_packed_bf16_m1_n2},
         {{1, 4}, gemm_rows_packed_bf16_m1_n4}, {{2, 1}, gemm_rows_packed_bf16_m2_n1},
         {{2, 2}, gemm_rows_packed_bf16_m2_n2}, {{2, 4}, gemm_rows_packed_bf16_m2_n4},
-        {{4, 1}, gemm_rows_packed_bf16_m4_n1}, {{4, 2}, gemm_rows_packed_bf16_m4_n2},
-        {{4, 4}, gemm_rows_packed_bf16_m4_n4}};
+        {{4, 1}, gemm_rows_packed_bf16_m4_n1}, {{4, 2}, gemm_rows_packed_bf16_m4_n2}};
     Entry entry = nullptr;
     if (w_elements > 0) {
         for (const auto& [name, function] : packed_entries) if (name == key) entry = function;

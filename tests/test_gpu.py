@@ -445,24 +445,6 @@ def test_packed_decode_weights_give_the_row_major_bits(layers, geometry):
     _assert_same_bits(packed, row_major, geometry, "the packed and the row-major decode weights")
 
 
-@pytest.mark.parametrize("rows", [5, 64, 256], ids=lambda r: f"B{r}")
-@pytest.mark.parametrize("geometry", ["glm", "kimi"])
-def test_walking_batched_step_gives_the_block_per_sequence_bits(layers, geometry, rows):
-    """layer.walk_batched_step (one wave of blocks walking the sequences, each next state staged
-    in shared memory by a bulk copy) writes the bits of a block per (head, sequence): every stage
-    buffer, the output and both states of a pool step with shuffled slots (at 5 sequences GLM's
-    64 heads walk, 4 blocks a head on 132 SMs, Kimi's 32 do not), and of a 5-row decode_k walk."""
-    _, layer = layers(geometry)
-    previous = layer.walk_batched_step
-
-    def switch(walking):
-        layer.walk_batched_step = previous if walking is None else walking
-
-    walking, one_block_each = _decode_paths(layer, count=rows + 16, rows=rows, walk_rows=5, prefill_rows=0,
-                                            seed=71 + rows, switch=switch)
-    _assert_same_bits(walking, one_block_each, f"{geometry} B={rows}", "the walking and the block-per-sequence step")
-
-
 @pytest.mark.parametrize("graphs", [True, False], ids=["graph", "eager"])
 @pytest.mark.parametrize("geometry", ["glm", "kimi"])
 def test_persistent_decode_equals_the_separate_launches(layers, geometry, graphs):

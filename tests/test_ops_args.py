@@ -165,67 +165,20 @@ _FUSED_SCALARS = dict(bounded=True, lower_bound=-5.0, scale=128**-0.5, l2_eps=1e
 @pytest.mark.parametrize("rows", [1, 3])
 def test_fused_decode_grid_and_arguments_match_the_kernel(launches, rows):
     """grid (heads, rows), one block per head, and as many arguments as the kernel declares."""
+    import re
+
+    from glm_kda import kernels
+
     heads = 2
     slots = HostStandIn(np.arange(rows, dtype=np.int32))
     ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, rows, pool=4), **_FUSED_SCALARS, slots=slots)
     (name, grid, block, args), = launches
     assert name == "kda_decode_fused_bf16" and grid == (heads, rows) and block == (ops.HEAD_BLOCK,)
-    assert len(args) == _fused_decode_parameter_count()
-    assert (int(args[-10]), int(args[-9]), int(args[-8])) == (heads, 4, 1)  # heads, kernel_size, tokens
-    assert (int(args[-2]), int(args[-1])) == (0, rows)  # prefetch_ahead, sequences
-
-
-def _fused_decode_parameter_count():
-    """Parameters of both fused-step entry points (KDA_DECODE_FUSED_PARAMETERS in decode.cu)."""
-    import re
-
-    from glm_kda import kernels
-
     source = (kernels.kernels_dir() / "decode.cu").read_text()
-    for name in ("kda_decode_fused_bf16", "kda_decode_fused_walk_bf16"):
-        assert re.search(rf"{name}\(KDA_DECODE_FUSED_PARAMETERS\)", source), f"{name} takes other parameters"
-    body = re.search(r"#define KDA_DECODE_FUSED_PARAMETERS(.*?)\n\n", source, re.S).group(1)
-    return body.count(",") + 1
-
-
-def test_fused_decode_walks_with_fewer_blocks_per_head(monkeypatch):
-    """blocks_per_head < sequences: the walking entry point, grid (heads, blocks_per_head), the
-    sequence count as its last argument and one head's state (and its mbarrier) of dynamic shared
-    memory; out of range refused before any launch; misaligned states take a block each."""
-    made = []
-    monkeypatch.setattr(ops.kernels, "launch", lambda name, grid, block, args, shared_mem=0, **options:
-                        made.append((name, tuple(grid), tuple(args), shared_mem)))
-    heads, rows = 2, 5
-    slots = HostStandIn(np.arange(rows, dtype=np.int32))
-    ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, rows, pool=8), **_FUSED_SCALARS, slots=slots,
-                              blocks_per_head=2)
-    (name, grid, args, shared_mem), = made
-    assert name == "kda_decode_fused_walk_bf16" and grid == (heads, 2) and int(args[-1]) == rows
-    assert len(args) == _fused_decode_parameter_count()
-    assert shared_mem == ops.STEP_STAGE_BYTES == 128 * 128 * 4 + 16
-    ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, rows, pool=8), **_FUSED_SCALARS, slots=slots,
-                              blocks_per_head=rows)
-    assert made[-1][:2] == ("kda_decode_fused_bf16", (heads, rows)) and made[-1][3] == 0
-    for bad in (0, rows + 1):
-        with pytest.raises(ValueError, match=f"blocks_per_head must be 1 .. {rows}"):
-            ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, rows, pool=8), **_FUSED_SCALARS, slots=slots,
-                                      blocks_per_head=bad)
-    operands = _fused_decode_operands(heads, rows, pool=8)
-    shifted = aligned((8 * heads * 128 * 128 + 1,), np.float32)[1:].reshape(8, heads, 128, 128)
-    operands["state"] = HostStandIn(shifted)
-    ops.kda_decode_fused_bf16(**operands, **_FUSED_SCALARS, slots=slots, blocks_per_head=2)
-    assert made[-1][:2] == ("kda_decode_fused_bf16", (heads, rows)) and len(made) == 3
-
-
-def test_step_stage_bytes_match_the_kernel_source():
-    import re
-
-    from glm_kda import kernels
-
-    source = (kernels.kernels_dir() / "decode_step.cuh").read_text()
-    assert "#define KDA_STAGE_FLOATS (KDA_HEAD_DIM * KDA_HEAD_DIM)" in source
-    assert re.search(r"#define KDA_STAGE_BYTES \(KDA_STAGE_FLOATS \* 4 \+ 16\)", source)
-    assert ops.STEP_STAGE_BYTES == ops.HEAD_DIM * ops.HEAD_DIM * 4 + 16
+    signature = re.search(r"kda_decode_fused_bf16\(([^)]*)\)", source).group(1)
+    assert len(args) == signature.count(",") + 1
+    assert (int(args[-10]), int(args[-9]), int(args[-8])) == (heads, 4, 1)  # heads, kernel_size, tokens
+    assert (int(args[-2]), int(args[-1])) == (0, 0)  # prefetch_ahead, dependents_after
 
 
 @pytest.mark.parametrize("operand,shape,needle", [
@@ -338,6 +291,19 @@ def test_fused_decode_passes_the_prefetch_distance_and_refuses_a_negative_one(la
     assert int(launches[-1][3][-2]) == 0
 
 
+def test_fused_decode_passes_where_its_dependents_launch(launches):
+    heads = 2
+    slots = HostStandIn(np.arange(3, dtype=np.int32))
+    for where in (0, 1, 2):
+        ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, 3, pool=4), **_FUSED_SCALARS, slots=slots,
+                                  dependents_after=where)
+        assert int(launches[-1][3][-1]) == where
+    with pytest.raises(ValueError, match="dependents_after must be 0, 1 or 2, got 3"):
+        ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, 3, pool=4), **_FUSED_SCALARS, slots=slots,
+                                  dependents_after=3)
+    assert len(launches) == 3
+
+
 @pytest.mark.parametrize("heads,waves,expected", [(64, 0.25, 1), (32, 0.25, 2), (32, 0.125, 1), (64, 0.5, 2),
                                                   (4, 0.25, 16), (64, 0.0, 0)])
 def test_batched_step_prefetch_distance(monkeypatch, heads, waves, expected):
@@ -349,18 +315,6 @@ def test_batched_step_prefetch_distance(monkeypatch, heads, waves, expected):
     monkeypatch.setattr(layer, "STEP_PREFETCH_WAVES", waves)
     fake = SimpleNamespace(config=SimpleNamespace(heads=heads), qkv_weight=SimpleNamespace(device=SimpleNamespace(id=0)))
     assert layer.KdaLayer._step_prefetch_ahead(fake) == expected
-
-
-@pytest.mark.parametrize("heads,sequences,expected", [(64, 64, 4), (32, 64, 8), (32, 5, None), (64, 5, 4),
-                                                      (64, 1, None), (512, 64, 1)])
-def test_walking_step_blocks_per_head(monkeypatch, heads, sequences, expected):
-    """layer.walk_batched_step: one wave of resident blocks (132 SMs x 2) shared among the heads,
-    at least one a head; None (a block per sequence) where that wave holds every sequence."""
-    from glm_kda import gemm_rows, layer
-
-    monkeypatch.setattr(gemm_rows, "_sm_count", lambda device_id: 132)
-    fake = SimpleNamespace(config=SimpleNamespace(heads=heads), qkv_weight=SimpleNamespace(device=SimpleNamespace(id=0)))
-    assert layer.KdaLayer._step_walk_blocks(fake, sequences) == expected
 
 
 @pytest.mark.parametrize("n,k,expected", [(4096, 8192, 0), (2304, 4096, 16), (8192, 128, 16), (24576, 4096, 0)],

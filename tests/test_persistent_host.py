@@ -23,15 +23,14 @@ import numpy as np
 import pytest
 
 from glm_kda import persistent
-from host_cuda import (COMMON_DEVICE_HELPERS, DECODE_STAGE_EMULATION, HOST_CUDA_RUNTIME, bf16_bits, build_host_binary,
-                       host_decode_source, host_kernel_source)
+from host_cuda import COMMON_DEVICE_HELPERS, HOST_CUDA_RUNTIME, bf16_bits, build_host_binary, host_kernel_source
 from test_gemm_rows_host import DEVICE_HELPERS as GEMM_DEVICE_HELPERS
 from test_gemm_rows_host import GEMM_HEADER
 
 DIM, KERNEL = 128, 4
 HELPERS = (*GEMM_DEVICE_HELPERS, "prefetch_floats_l2", "global_timer_ns", "load_acquire")
 
-PERSISTENT_HEADER = GEMM_HEADER + DECODE_STAGE_EMULATION + r"""
+PERSISTENT_HEADER = GEMM_HEADER + r"""
 #define __align__(n) alignas(n)
 inline void prefetch_floats_l2(const float*, int, int) {}
 inline unsigned long long global_timer_ns() { return 0; }
@@ -122,7 +121,7 @@ int main(int argc, char** argv)
                               s.forget_proj.data(), dt_bias.data(), a_log.data(), s.down_proj.data() + 2 * D, down_dim,
                               s.out_gate.data(), norm_w.data(), s.conv_out.data(), s.query.data(), s.key.data(),
                               s.value.data(), s.gate.data(), s.beta.data(), s.core.data(), s.o_norm_out.data(), heads,
-                              K, rows, bounded, lower_bound, scale, l2_eps, norm_eps, 0, 1);
+                              K, rows, bounded, lower_bound, scale, l2_eps, norm_eps, 0, 0);
     });
     gemm(s.o_norm_out.data(), qkv, o_w, s.final_out.data(), hidden, hidden, qkv);
 
@@ -158,7 +157,7 @@ F32_OUTPUTS = ("query", "key", "value", "gate", "beta", "core", "conv_state", "s
 
 @pytest.fixture(scope="module")
 def persistent_host(tmp_path_factory):
-    kernel = host_decode_source("decode_persistent", HELPERS)
+    kernel = host_kernel_source("decode_persistent", HELPERS)
     declaration = "extern __shared__ __align__(16) bf16_t out_x_shared[];"
     assert declaration in kernel, "decode_persistent.cu no longer declares out_x_shared; update the host emulation"
     kernel = kernel.replace(declaration, "bf16_t* out_x_shared = reinterpret_cast<bf16_t*>(emulated_shared);")
@@ -167,7 +166,7 @@ def persistent_host(tmp_path_factory):
         "main.cpp": MAIN,
         "persistent.cpp": '#include "emulation.h"\n' + kernel,
         "gemm_rows.cpp": '#include "emulation.h"\n' + host_kernel_source("gemm_rows", GEMM_DEVICE_HELPERS),
-        "decode.cpp": '#include "emulation.h"\n' + host_decode_source("decode", ("prefetch_floats_l2", *COMMON_DEVICE_HELPERS)),
+        "decode.cpp": '#include "emulation.h"\n' + host_kernel_source("decode", ("prefetch_floats_l2", *COMMON_DEVICE_HELPERS)),
     }
     return build_host_binary(tmp_path_factory.mktemp("persistent_host"), "persistent_host", files)
 
