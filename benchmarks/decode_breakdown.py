@@ -8,14 +8,16 @@
   * the public call (input copy, replay, output copy) issued back to back, 200 calls between
     two events: what a decode loop that does not synchronise every token pays per call.
 Each geometry runs the VARIANTS below in the same process, each the package's defaults with the
-settings it names changed (see `variant`): the defaults, and the decode weights row-major instead
-of gemm_rows' packed layout (layer.packed_decode).
+settings it names changed (see `variant`): the defaults, the decode weights row-major instead
+of gemm_rows' packed layout (layer.packed_decode), and no staged first weights in the projections
+after a kernel (gemm_rows.STAGE_K_BLOCKS = 0: they ask L2 for them instead).
 A variant with the one persistent launch (persistent_lags) times B=1 and verify only: it takes
 one sequence's rows, the batches are the separate launches'. With --against DIR the defaults
 also run with the kernels compiled from the sources in DIR (another version of kernels_src/ with
-the same entry points and parameters), in the same process.
+the same entry points and parameters), in the same process; each --variant adds a variant of
+the settings it names (name=value[,name=value...], see `defaults`).
 
-    PYTHONPATH=. python benchmarks/decode_breakdown.py [--against DIR] [glm kimi]
+    PYTHONPATH=. python benchmarks/decode_breakdown.py [--against DIR] [--variant SETTINGS ...] [glm kimi]
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def variant(**settings) -> tuple:
     return tuple(sorted(settings.items()))
 
 
-VARIANTS = (variant(), variant(packed_decode=False))
+VARIANTS = (variant(), variant(packed_decode=False), variant(stage_k_blocks=0))
 ROUNDS = 5
 VERIFY_K = (4, 16)
 BATCHES = (64, 256)
@@ -50,7 +52,8 @@ def defaults() -> dict:
     for), step_prefetch_waves, persistent_lags (the one persistent launch with these (step, out)
     lags in pairs of heads; None: the separate launches), l2_prefetch_max_weight_bytes (None: any
     weight), packed_decode, step_dependents_after (layer.STEP_DEPENDENTS_AFTER), kernel_sources (a folder of
-    kernel sources; None: the package's own)."""
+    kernel sources; None: the package's own), stage_k_blocks (gemm_rows.STAGE_K_BLOCKS: k blocks per warp
+    and tile a programmatic projection stages in shared memory before its wait; 0 none)."""
     from glm_kda import gemm_rows, kernels, layer, persistent
 
     return {
@@ -59,6 +62,7 @@ def defaults() -> dict:
         "persistent_lags": (persistent.STEP_LAG_PAIRS, persistent.OUT_LAG_PAIRS) if layer.PERSISTENT_DECODE else None,
         "l2_prefetch_max_weight_bytes": gemm_rows.PREFETCH_MAX_WEIGHT_BYTES, "packed_decode": True,
         "step_dependents_after": layer.STEP_DEPENDENTS_AFTER, "kernel_sources": None,
+        "stage_k_blocks": gemm_rows.STAGE_K_BLOCKS,
     }
 
 
@@ -81,6 +85,7 @@ def apply(settings: dict, layer_object) -> None:
     layer.STEP_PREFETCH_WAVES = settings["step_prefetch_waves"]
     gemm_rows.PREFETCH_MAX_WEIGHT_BYTES = settings["l2_prefetch_max_weight_bytes"]
     layer.STEP_DEPENDENTS_AFTER = settings["step_dependents_after"]
+    gemm_rows.STAGE_K_BLOCKS = settings["stage_k_blocks"]
     sources = settings["kernel_sources"]
     if sources not in _KERNEL_SETS:
         _KERNEL_SETS[sources] = kernels.KernelSet.get() if sources is None else kernels.KernelSet(sources)
@@ -93,7 +98,21 @@ def apply(settings: dict, layer_object) -> None:
         persistent.STEP_LAG_PAIRS, persistent.OUT_LAG_PAIRS = lags
 
 
-def main(geometries: list[str], against: str | None = None) -> None:
+def parse_variant(text: str) -> tuple:
+    """A variant from the command line: name=value[,name=value...], each value a Python literal
+    (stage_k_blocks=4,step_dependents_after=1)."""
+    import ast
+
+    settings = {}
+    for item in text.split(","):
+        name, equals, value = item.partition("=")
+        if not equals:
+            raise SystemExit(f"--variant {text!r}: expected name=value[,name=value...]")
+        settings[name.strip()] = ast.literal_eval(value.strip())
+    return variant(**settings)
+
+
+def main(geometries: list[str], against: str | None = None, extra: tuple = ()) -> None:
     import cupy
     import numpy as np
 
@@ -105,7 +124,9 @@ def main(geometries: list[str], against: str | None = None) -> None:
 
     bandwidth = copy_bandwidth_gbs()
     base = defaults()
-    variants = VARIANTS + ((variant(kernel_sources=against),) if against is not None else ())
+    variants = VARIANTS + tuple(extra) + ((variant(kernel_sources=against),) if against is not None else ())
+    for one in variants:
+        settings_of(one, base)  # an unknown name fails before any GPU work
     chosen = {v: settings_of(v, base) for v in variants}
     stream = cupy.cuda.get_current_stream()
     with tempfile.TemporaryDirectory() as tmp:
@@ -181,4 +202,11 @@ if __name__ == "__main__":
             raise SystemExit("--against needs a folder of kernel sources")
         against = arguments[at + 1]
         del arguments[at : at + 2]
-    main(arguments or ["glm", "kimi"], against)
+    extra = []
+    while "--variant" in arguments:
+        at = arguments.index("--variant")
+        if at + 1 >= len(arguments):
+            raise SystemExit("--variant needs name=value[,name=value...]")
+        extra.append(parse_variant(arguments[at + 1]))
+        del arguments[at : at + 2]
+    main(arguments or ["glm", "kimi"], against, tuple(extra))

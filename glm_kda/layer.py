@@ -465,7 +465,8 @@ class KdaLayer:
                 ws.key[sl], ws.value[sl], ws.gate[sl], ws.beta[sl], ws.core[sl], ws.o_norm_out[sl],
                 bounded=c.bounded, lower_bound=c.gate_lower_bound or 0.0, scale=self.scale, l2_eps=c.l2_eps,
                 norm_eps=c.rms_norm_eps, slots=slots, tokens=rows if walk else 1,
-                prefetch_ahead=self._step_prefetch_ahead(), dependents_after=STEP_DEPENDENTS_AFTER)
+                prefetch_ahead=self._step_prefetch_ahead(), dependents_after=STEP_DEPENDENTS_AFTER,
+                carveout=self._step_carveout())
             return
         if walk:
             raise ValueError("stateful_rows: walk=True needs fused_decode")
@@ -473,6 +474,13 @@ class KdaLayer:
                                      ws.query[sl], ws.key[sl], ws.value[sl], c.heads, c.head_dim, c.l2_eps, slots=slots)
         ops.kda_recurrent_step_f32(ws.query[sl], ws.key[sl], ws.value[sl], ws.gate[sl], ws.beta[sl],
                                    recurrent_state, ws.core[sl], self.scale, slots=slots)
+
+    def _step_carveout(self) -> int:
+        """The fused step's shared-memory split: the one the output projection after it asks for
+        when it stages its first weights (gemm_rows.STAGE_K_BLOCKS), so that its blocks can start
+        on the SMs that run the step while the step runs; else the driver's choice."""
+        staging = self.packed_decode and gemm_rows.STAGE_K_BLOCKS != 0
+        return gemm_rows.STAGE_CARVEOUT if staging else -1
 
     def _step_prefetch_ahead(self) -> int:
         """Sequences ahead whose state a batched fused step asks L2 for (STEP_PREFETCH_WAVES)."""
