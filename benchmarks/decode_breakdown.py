@@ -9,8 +9,8 @@
     two events: what a decode loop that does not synchronise every token pays per call.
 Each geometry runs the VARIANTS below in the same process, each the package's defaults with the
 settings it names changed (see `variant`): the defaults, the decode weights row-major instead
-of gemm_rows' packed layout (layer.packed_decode), and no staged first weights in the projections
-after a kernel (gemm_rows.STAGE_K_BLOCKS = 0: they ask L2 for them instead).
+of gemm_rows' packed layout (layer.packed_decode), and the fused step as a plain launch instead
+of a programmatic dependent of the q|k|v projection (layer.STEP_AFTER_PROJECTION).
 A variant with the one persistent launch (persistent_lags) times B=1 and verify only: it takes
 one sequence's rows, the batches are the separate launches'. With --against DIR the defaults
 also run with the kernels compiled from the sources in DIR (another version of kernels_src/ with
@@ -40,7 +40,7 @@ def variant(**settings) -> tuple:
     return tuple(sorted(settings.items()))
 
 
-VARIANTS = (variant(), variant(packed_decode=False), variant(stage_k_blocks=0))
+VARIANTS = (variant(), variant(packed_decode=False), variant(step_after_projection=False))
 ROUNDS = 5
 VERIFY_K = (4, 16)
 BATCHES = (64, 256)
@@ -53,7 +53,9 @@ def defaults() -> dict:
     lags in pairs of heads; None: the separate launches), l2_prefetch_max_weight_bytes (None: any
     weight), packed_decode, step_dependents_after (layer.STEP_DEPENDENTS_AFTER), kernel_sources (a folder of
     kernel sources; None: the package's own), stage_k_blocks (gemm_rows.STAGE_K_BLOCKS: k blocks per warp
-    and tile a programmatic projection stages in shared memory before its wait; 0 none)."""
+    and tile a programmatic projection stages in shared memory before its wait; 0 none), carveout
+    (gemm_rows.CARVEOUT: the shared-memory split of the projections and the fused step, -1 the
+    driver's), step_after_projection (layer.STEP_AFTER_PROJECTION)."""
     from glm_kda import gemm_rows, kernels, layer, persistent
 
     return {
@@ -62,7 +64,8 @@ def defaults() -> dict:
         "persistent_lags": (persistent.STEP_LAG_PAIRS, persistent.OUT_LAG_PAIRS) if layer.PERSISTENT_DECODE else None,
         "l2_prefetch_max_weight_bytes": gemm_rows.PREFETCH_MAX_WEIGHT_BYTES, "packed_decode": True,
         "step_dependents_after": layer.STEP_DEPENDENTS_AFTER, "kernel_sources": None,
-        "stage_k_blocks": gemm_rows.STAGE_K_BLOCKS,
+        "stage_k_blocks": gemm_rows.STAGE_K_BLOCKS, "carveout": gemm_rows.CARVEOUT,
+        "step_after_projection": layer.STEP_AFTER_PROJECTION,
     }
 
 
@@ -86,6 +89,8 @@ def apply(settings: dict, layer_object) -> None:
     gemm_rows.PREFETCH_MAX_WEIGHT_BYTES = settings["l2_prefetch_max_weight_bytes"]
     layer.STEP_DEPENDENTS_AFTER = settings["step_dependents_after"]
     gemm_rows.STAGE_K_BLOCKS = settings["stage_k_blocks"]
+    gemm_rows.CARVEOUT = settings["carveout"]
+    layer.STEP_AFTER_PROJECTION = settings["step_after_projection"]
     sources = settings["kernel_sources"]
     if sources not in _KERNEL_SETS:
         _KERNEL_SETS[sources] = kernels.KernelSet.get() if sources is None else kernels.KernelSet(sources)
@@ -189,6 +194,7 @@ def main(geometries: list[str], against: str | None = None, extra: tuple = ()) -
                     "verify_replay_over_decode": verify,
                     **batched,
                     "public_call_back_to_back_us": captured[one][2], "eager_per_kernel_us": captured[one][1],
+                    "programmatic_unavailable": kernels._PROGRAMMATIC.unavailable,
                 }), flush=True)
             apply(base, layer)
 

@@ -49,11 +49,14 @@ PREFETCH_MAX_WEIGHT_BYTES: int | None = 32 << 20
 # blocks start beside that kernel (the fused decode step before o_proj) and move that much of
 # their weight while it runs. None: as many as fit while GEMM_ROWS_BLOCKS_PER_SM blocks share an
 # SM; 0: none (the launch then asks L2 for its first weights instead, see PREFETCH_K_BLOCKS).
-STAGE_K_BLOCKS: int | None = None
-# The shared-memory split (percent of the most) a staging launch asks for. An SM runs blocks of
-# one split at a time, so the kernel before it must ask for the same one for their blocks to share
-# SMs (layer.KdaLayer passes it to the fused decode step).
-STAGE_CARVEOUT = 100
+# Its blocks can only share an SM with the kernel before it where both ask for one shared-memory
+# split (CARVEOUT 100 for the staging to fit).
+STAGE_K_BLOCKS: int | None = 0
+# The shared-memory split (percent of the most; -1 the driver's choice) every launch of the
+# projection asks for, and the fused decode step with it (layer.KdaLayer passes it on): an SM
+# runs blocks of one split at a time, so kernels whose blocks are to share SMs (a programmatic
+# dependent starting beside the kernel before it) must ask for the same one.
+CARVEOUT = -1
 
 
 @dataclass(frozen=True)
@@ -225,7 +228,7 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
          _i32(stage)),
         shared_mem=stage_bytes(plan.tiles_per_warp, stage),
         programmatic=programmatic,
-        carveout=STAGE_CARVEOUT if packed and STAGE_K_BLOCKS != 0 else -1,
+        carveout=CARVEOUT,
     )
 
 

@@ -18,7 +18,7 @@ def test_every_variant_changes_known_settings_only():
     assert resolved[0] == base, "the first variant is the package's defaults"
     assert len({tuple(sorted(map(str, r.items()))) for r in resolved}) == len(resolved), "two variants are the same"
     assert resolved[1]["packed_decode"] is False
-    assert resolved[2]["stage_k_blocks"] == 0
+    assert resolved[2]["step_after_projection"] is False
     assert decode_breakdown.parse_variant("stage_k_blocks=4, step_dependents_after=1") == (
         ("stage_k_blocks", 4), ("step_dependents_after", 1))
     with pytest.raises(ValueError, match="unknown variant settings \\['tiles'\\]"):
