@@ -49,9 +49,11 @@ PREFETCH_MAX_WEIGHT_BYTES: int | None = 32 << 20
 # blocks start beside that kernel (the fused decode step before o_proj) and move that much of
 # their weight while it runs. None: as many as fit while GEMM_ROWS_BLOCKS_PER_SM blocks share an
 # SM; 0: none (the launch then asks L2 for its first weights instead, see PREFETCH_K_BLOCKS).
-# Its blocks can only share an SM with the kernel before it where both ask for one shared-memory
-# split (CARVEOUT 100 for the staging to fit).
+# Only launches that ask for it (stage=True: the output projection after the fused step) and
+# sweep one m-tile (up to 16 rows) stage. Their blocks can only share an SM with the kernel before
+# it where both ask for one shared-memory split: STAGE_CARVEOUT, which the step then asks for too.
 STAGE_K_BLOCKS: int | None = 0
+STAGE_CARVEOUT = 100
 # The shared-memory split (percent of the most; -1 the driver's choice) every launch of the
 # projection asks for, and the fused decode step with it (layer.KdaLayer passes it on): an SM
 # runs blocks of one split at a time, so kernels whose blocks are to share SMs (a programmatic
@@ -189,7 +191,7 @@ def launch_plan(
 
 
 def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | None = None,
-                   blocks: int | None = None, programmatic: bool = False) -> None:
+                   blocks: int | None = None, programmatic: bool = False, stage: bool = False) -> None:
     """out[r, :] = bf16(x[r, :] @ w.T) for r < rows (1..256), FP32 accumulation on tensor cores.
 
     Shapes:
@@ -209,6 +211,10 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
     ``w`` may also be a :class:`PackedWeight` of the same weight (:func:`pack_weight`): the
     same bits, the weight read in contiguous runs.
 
+    ``stage``: with ``programmatic``, a packed weight and up to 16 rows, copy the first
+    STAGE_K_BLOCKS k blocks of each warp's range into shared memory before the wait (see
+    :func:`stage_k_blocks`), asking for the STAGE_CARVEOUT split; the same bits.
+
     ``programmatic``: launch as a programmatic dependent of the previous kernel in the
     stream (sm_90 and later): the blocks start while that kernel drains, ask L2 for their
     first weight bytes, and wait for it before they read x or write out. For a launch whose
@@ -218,7 +224,8 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
     device_id = cupy.cuda.Device().id
     plan = launch_plan(n, k, rows, tiles_per_warp, _sm_count(device_id), blocks)
     packed = isinstance(w, PackedWeight)
-    stage = stage_k_blocks(plan, k, device_id) if programmatic and packed else 0
+    staging = stage and programmatic and packed and plan.m_tiles == 1 and STAGE_K_BLOCKS != 0
+    stage = stage_k_blocks(plan, k, device_id) if staging else 0
     prefetch = prefetch_k_blocks(n, k) if programmatic and not stage else 0
     kernels.launch(
         plan.kernel.replace("gemm_rows_", "gemm_rows_packed_") if packed else plan.kernel,
@@ -228,7 +235,7 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
          _i32(stage)),
         shared_mem=stage_bytes(plan.tiles_per_warp, stage),
         programmatic=programmatic,
-        carveout=CARVEOUT,
+        carveout=STAGE_CARVEOUT if staging else CARVEOUT,
     )
 
 

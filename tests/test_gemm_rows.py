@@ -360,10 +360,11 @@ def test_model_projection_shapes(shape, rows):
 @needs_gpu
 @pytest.mark.parametrize("rows", [1, 16, 64, 65], ids=lambda r: f"R{r}")
 @pytest.mark.parametrize("shape", [(13, 40), (100, 136), (1000, 1032)] + GLM_SHAPES + KIMI_SHAPES, ids=_shape_id)
-def test_packed_weight_gives_the_row_major_bits(shape, rows):
+def test_packed_weight_gives_the_row_major_bits(shape, rows, monkeypatch):
     """gemm_rows.pack_weight's layout: every output bit of the row-major launch, for the
     model's shapes and shapes whose n and k need the zero padding; a programmatic launch
-    (its L2 request walks the packed runs) too."""
+    (its L2 request walks the packed runs) too, and one that stages its first weights."""
+    from glm_kda import gemm_rows
     from glm_kda.gemm_rows import pack_weight
 
     n, k = shape
@@ -375,6 +376,9 @@ def test_packed_weight_gives_the_row_major_bits(shape, rows):
     _assert_bits_equal(_run(x, packed, rows), row_major, f"{_shape_id(shape)}-R{rows} packed")
     _assert_bits_equal(_run(x, packed, rows, programmatic=True), row_major,
                        f"{_shape_id(shape)}-R{rows} packed, programmatic")
+    monkeypatch.setattr(gemm_rows, "STAGE_K_BLOCKS", None)
+    _assert_bits_equal(_run(x, packed, rows, programmatic=True, stage=True), row_major,
+                       f"{_shape_id(shape)}-R{rows} packed, programmatic, staged")
     assert bool((row_major != POISON).all()), f"{_shape_id(shape)}-R{rows}: outputs left unwritten"
     packed_host = pack_weight(w.get()).data
     assert np.array_equal(packed.data.get(), packed_host), f"{_shape_id(shape)}: device and host packing differ"
@@ -446,5 +450,5 @@ def test_staged_launch_behind_a_running_kernel_gives_the_unstaged_bits(shape, ro
             out.fill(POISON)
             written.fill(0)
             spin((64,), (128,), (x, written, np.int64(x.size), np.int64(20000)))
-            gemm_rows.gemm_rows_bf16(written, w, out, rows=rows, programmatic=True)
+            gemm_rows.gemm_rows_bf16(written, w, out, rows=rows, programmatic=True, stage=True)
             _assert_bits_equal(out, plain, f"{_shape_id(shape)}-R{rows} stage={stage} behind a running kernel")
