@@ -52,10 +52,7 @@ def defaults() -> dict:
     for), step_prefetch_waves, persistent_lags (the one persistent launch with these (step, out)
     lags in pairs of heads; None: the separate launches), l2_prefetch_max_weight_bytes (None: any
     weight), packed_decode, step_dependents_after (layer.STEP_DEPENDENTS_AFTER), kernel_sources (a folder of
-    kernel sources; None: the package's own), stage_k_blocks (gemm_rows.STAGE_K_BLOCKS: k blocks per warp
-    and tile a programmatic projection stages in shared memory before its wait; 0 none), carveout
-    (gemm_rows.CARVEOUT: the shared-memory split of the projections and the fused step, -1 the
-    driver's), step_after_projection (layer.STEP_AFTER_PROJECTION)."""
+    kernel sources; None: the package's own), step_after_projection (layer.STEP_AFTER_PROJECTION)."""
     from glm_kda import gemm_rows, kernels, layer, persistent
 
     return {
@@ -64,7 +61,6 @@ def defaults() -> dict:
         "persistent_lags": (persistent.STEP_LAG_PAIRS, persistent.OUT_LAG_PAIRS) if layer.PERSISTENT_DECODE else None,
         "l2_prefetch_max_weight_bytes": gemm_rows.PREFETCH_MAX_WEIGHT_BYTES, "packed_decode": True,
         "step_dependents_after": layer.STEP_DEPENDENTS_AFTER, "kernel_sources": None,
-        "stage_k_blocks": gemm_rows.STAGE_K_BLOCKS, "carveout": gemm_rows.CARVEOUT,
         "step_after_projection": layer.STEP_AFTER_PROJECTION,
     }
 
@@ -88,8 +84,6 @@ def apply(settings: dict, layer_object) -> None:
     layer.STEP_PREFETCH_WAVES = settings["step_prefetch_waves"]
     gemm_rows.PREFETCH_MAX_WEIGHT_BYTES = settings["l2_prefetch_max_weight_bytes"]
     layer.STEP_DEPENDENTS_AFTER = settings["step_dependents_after"]
-    gemm_rows.STAGE_K_BLOCKS = settings["stage_k_blocks"]
-    gemm_rows.CARVEOUT = settings["carveout"]
     layer.STEP_AFTER_PROJECTION = settings["step_after_projection"]
     sources = settings["kernel_sources"]
     if sources not in _KERNEL_SETS:
@@ -105,7 +99,7 @@ def apply(settings: dict, layer_object) -> None:
 
 def parse_variant(text: str) -> tuple:
     """A variant from the command line: name=value[,name=value...], each value a Python literal
-    (stage_k_blocks=4,step_dependents_after=1)."""
+    (step_after_projection=False,step_dependents_after=1)."""
     import ast
 
     settings = {}

@@ -1,5 +1,37 @@
-import sys,json
-for l in sys.stdin:
-    try: d=json.loads(l)
-    except Exception: print(l.strip()[:300]); continue
-    print(d['geometry'], d['changed'], 'bw', round(d['copy_bandwidth_GBs']), 'B1', round(d['graph_replay_us'],2), round(d['graph_replay_roofline_ratio'],3), d['verify_replay_over_decode'], 'B64', round(d.get('B64_graph_replay_us',0),1), round(d.get('B64_roofline_ratio',0),3), 'B256', round(d.get('B256_graph_replay_us',0),1), round(d.get('B256_roofline_ratio',0),3), 'pub', round(d['public_call_back_to_back_us'],1), d.get('programmatic_unavailable'))
+"""One line per JSON line of benchmarks/decode_breakdown.py: geometry, the variant's changed
+settings, the copy bandwidth, the B=1 graph replay (us and roofline ratio), verify over decode,
+B=64 and B=256 (us and ratio), the public call, and why programmatic launches fell back (if
+they did). Lines that are not JSON pass through.
+
+    PYTHONPATH=. python benchmarks/decode_breakdown.py | python benchmarks/summarize_breakdown.py
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def summary(record: dict) -> str:
+    batches = " ".join(
+        f"B{b} {record[f'B{b}_graph_replay_us']:.1f} us ({record[f'B{b}_roofline_ratio']:.3f})"
+        for b in (64, 256) if f"B{b}_graph_replay_us" in record)
+    fallback = record.get("programmatic_unavailable")
+    return (f"{record['geometry']} {record['changed'] or 'defaults'} | copy {record['copy_bandwidth_GBs']:.0f} GB/s | "
+            f"B1 {record['graph_replay_us']:.2f} us ({record['graph_replay_roofline_ratio']:.3f}) | verify "
+            f"{record['verify_replay_over_decode']} | {batches} | public call {record['public_call_back_to_back_us']:.1f} us"
+            + (f" | programmatic launches fell back: {fallback}" if fallback else ""))
+
+
+def main() -> None:
+    for line in sys.stdin:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            print(line.rstrip()[:300])
+            continue
+        print(summary(record), flush=True)
+
+
+if __name__ == "__main__":
+    main()

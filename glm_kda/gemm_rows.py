@@ -28,8 +28,6 @@ N_TILE = 8
 K_BLOCK = 32
 WARPS_PER_BLOCK = 8
 TILES_PER_WARP = (1, 2, 4)
-# Weight loads per lane and step with one m-tile (GEMM_ROWS_LOADS of the kernel).
-GEMM_ROWS_LOADS = 8
 # Blocks per SM every entry point is compiled for (GEMM_ROWS_MIN_BLOCKS in its
 # __launch_bounds__, kernels_src/gemm_rows.cu).
 GEMM_ROWS_BLOCKS_PER_SM = 2
@@ -44,21 +42,6 @@ PREFETCH_K_BLOCKS = 16
 # o_proj asks for 32 MB at once, beside the step's state) cost GLM 0.5-1.8 us in every run, while
 # Kimi's (its o_proj asks for its whole 19 MB) saved it 0.9-1.5 us.
 PREFETCH_MAX_WEIGHT_BYTES: int | None = 32 << 20
-# Blocks of 32 k per warp and tile that a programmatic launch over a packed weight copies into
-# shared memory before it waits for the previous kernel (the staging of gemm_rows_sweep): its
-# blocks start beside that kernel (the fused decode step before o_proj) and move that much of
-# their weight while it runs. None: as many as fit while GEMM_ROWS_BLOCKS_PER_SM blocks share an
-# SM; 0: none (the launch then asks L2 for its first weights instead, see PREFETCH_K_BLOCKS).
-# Only launches that ask for it (stage=True: the output projection after the fused step) and
-# sweep one m-tile (up to 16 rows) stage. Their blocks can only share an SM with the kernel before
-# it where both ask for one shared-memory split: STAGE_CARVEOUT, which the step then asks for too.
-STAGE_K_BLOCKS: int | None = 0
-STAGE_CARVEOUT = 100
-# The shared-memory split (percent of the most; -1 the driver's choice) every launch of the
-# projection asks for, and the fused decode step with it (layer.KdaLayer passes it on): an SM
-# runs blocks of one split at a time, so kernels whose blocks are to share SMs (a programmatic
-# dependent starting beside the kernel before it) must ask for the same one.
-CARVEOUT = -1
 
 
 @dataclass(frozen=True)
@@ -191,7 +174,7 @@ def launch_plan(
 
 
 def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | None = None,
-                   blocks: int | None = None, programmatic: bool = False, stage: bool = False) -> None:
+                   blocks: int | None = None, programmatic: bool = False) -> None:
     """out[r, :] = bf16(x[r, :] @ w.T) for r < rows (1..256), FP32 accumulation on tensor cores.
 
     Shapes:
@@ -211,72 +194,22 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
     ``w`` may also be a :class:`PackedWeight` of the same weight (:func:`pack_weight`): the
     same bits, the weight read in contiguous runs.
 
-    ``stage``: with ``programmatic``, a packed weight and up to 16 rows, copy the first
-    STAGE_K_BLOCKS k blocks of each warp's range into shared memory before the wait (see
-    :func:`stage_k_blocks`), asking for the STAGE_CARVEOUT split; the same bits.
-
     ``programmatic``: launch as a programmatic dependent of the previous kernel in the
     stream (sm_90 and later): the blocks start while that kernel drains, ask L2 for their
     first weight bytes, and wait for it before they read x or write out. For a launch whose
     previous operation in the stream is the kernel that writes x; the bits are the same.
     """
     rows, n, k, ldx, ldy = projection_args("gemm_rows_bf16", x, w, out, rows, GEMM_ROWS_MAX_ROWS)
-    device_id = cupy.cuda.Device().id
-    plan = launch_plan(n, k, rows, tiles_per_warp, _sm_count(device_id), blocks)
+    plan = launch_plan(n, k, rows, tiles_per_warp, _sm_count(cupy.cuda.Device().id), blocks)
+    prefetch = prefetch_k_blocks(n, k) if programmatic else 0
     packed = isinstance(w, PackedWeight)
-    staging = stage and programmatic and packed and plan.m_tiles == 1 and STAGE_K_BLOCKS != 0
-    stage = stage_k_blocks(plan, k, device_id) if staging else 0
-    prefetch = prefetch_k_blocks(n, k) if programmatic and not stage else 0
     kernels.launch(
         plan.kernel.replace("gemm_rows_", "gemm_rows_packed_") if packed else plan.kernel,
         plan.grid,
         plan.block,
-        (x, _i32(ldx), w.data if packed else w, out, _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(prefetch),
-         _i32(stage)),
-        shared_mem=stage_bytes(plan.tiles_per_warp, stage),
+        (x, _i32(ldx), w.data if packed else w, out, _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(prefetch)),
         programmatic=programmatic,
-        carveout=STAGE_CARVEOUT if staging else CARVEOUT,
     )
-
-
-def stage_bytes(tiles_per_warp: int, stage: int) -> int:
-    """Dynamic shared memory of a launch that stages `stage` k blocks per warp and tile
-    (GEMM_ROWS_STAGE_BYTES of the kernel): 512 bytes per (warp, tile, k block)."""
-    return WARPS_PER_BLOCK * tiles_per_warp * stage * N_TILE * K_BLOCK * 2
-
-
-def partial_bytes(plan: LaunchPlan) -> int:
-    """Static shared memory of an entry point: its split-k partial sums (GEMM_ROWS_PARTIAL_FLOATS)."""
-    return 4 * WARPS_PER_BLOCK * plan.m_tiles * plan.tiles_per_warp * 4 * 32
-
-
-@functools.lru_cache(maxsize=None)
-def _shared_limits(device_id: int) -> tuple[int, int, int]:
-    """(shared memory per SM, reserved per block, most per block) of a device, in bytes."""
-    runtime = cupy.cuda.runtime
-    return tuple(int(runtime.deviceGetAttribute(attribute, device_id)) for attribute in (
-        runtime.cudaDevAttrMaxSharedMemoryPerMultiprocessor, runtime.cudaDevAttrReservedSharedMemoryPerBlock,
-        runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin))
-
-
-def stage_k_blocks(plan: LaunchPlan, k: int, device_id: int | None = None,
-                   limits: tuple[int, int, int] | None = None) -> int:
-    """k blocks per warp and tile a staging launch of `plan` copies (STAGE_K_BLOCKS, 0 for none):
-    at most what fits in shared memory beside the partial sums while GEMM_ROWS_BLOCKS_PER_SM
-    blocks share an SM, at most a warp's k range, in whole steps of the sweep (or the whole range). `limits` (shared
-    memory per SM, reserved per block, most per block) default to the device's. Changes no bit.
-    (The kernel stages the same count: it rounds to whole steps the same way.)"""
-    if STAGE_K_BLOCKS == 0:
-        return 0
-    per_sm, reserved, per_block = limits if limits is not None else _shared_limits(device_id)
-    budget = min(per_sm // GEMM_ROWS_BLOCKS_PER_SM - reserved, per_block) - partial_bytes(plan)
-    stage = max(budget, 0) // stage_bytes(plan.tiles_per_warp, 1)
-    k_range = -(-(-(-k // K_BLOCK)) // k_split(k))
-    stage = min(stage, k_range) if STAGE_K_BLOCKS is None else min(stage, k_range, STAGE_K_BLOCKS)
-    # The sweep takes K_UNROLL blocks a step (GEMM_ROWS_LOADS / (m-tiles x tiles)): whole steps,
-    # or the warp's whole range.
-    unroll = max(GEMM_ROWS_LOADS // (plan.m_tiles * plan.tiles_per_warp), 1)
-    return stage if stage == k_range else stage - stage % unroll
 
 
 def prefetch_k_blocks(n: int, k: int) -> int:

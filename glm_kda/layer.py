@@ -366,7 +366,7 @@ class KdaLayer:
                 raise TypeError(f"{what}: state.{field} must be a contiguous CuPy float32 array")
 
     # Stages -------------------------------------------------------------------------------
-    def _project_decode(self, x: Any, weight: Any, out: Any, after_kernel: bool = False, stage: bool = False) -> None:
+    def _project_decode(self, x: Any, weight: Any, out: Any, after_kernel: bool = False) -> None:
         """The projection of every decode-side call (decode, decode_k, batched decode, and
         prefill of <= 16 rows). One kernel, applied to groups of DECODE_ROW_GROUP rows, whose
         per-row arithmetic does not depend on the row count: a row's bits are the same in
@@ -374,22 +374,20 @@ class KdaLayer:
 
         after_kernel: the previous operation on this stream is the kernel that writes x, so
         the projection may launch as its programmatic dependent (its blocks start and ask L2
-        for their first weights while that kernel drains; the same bits); stage: they may also copy
-        their first weights into shared memory then (gemm_rows.STAGE_K_BLOCKS)."""
+        for their first weights while that kernel drains; the same bits)."""
         rows = x.shape[0]
         for start in range(0, rows, DECODE_ROW_GROUP):
             stop = min(rows, start + DECODE_ROW_GROUP)
             gemm_rows.gemm_rows_bf16(x[start:stop], weight, out[start:stop], rows=stop - start,
-                                     programmatic=after_kernel or start > 0, stage=stage)
+                                     programmatic=after_kernel or start > 0)
 
-    def _project(self, x: Any, weight: str, out: Any, wide: bool, after_kernel: bool = False,
-                 stage: bool = False) -> None:
+    def _project(self, x: Any, weight: str, out: Any, wide: bool, after_kernel: bool = False) -> None:
         """x @ the weight named `weight` (one of DECODE_WEIGHTS) into out."""
         if wide:
             # Prefill only: cuBLAS reassociates, which no bit-exact path may see.
             ops.gemm_bf16_cublas(x, getattr(self, weight), out)
         else:
-            self._project_decode(x, self.decode_weight(weight), out, after_kernel, stage)
+            self._project_decode(x, self.decode_weight(weight), out, after_kernel)
 
     def gate_source(self, first: int = 0) -> chunk_tc.GateSource:
         """Workspace rows first.. of what the forget gate and beta are formed from."""
@@ -474,7 +472,6 @@ class KdaLayer:
                 bounded=c.bounded, lower_bound=c.gate_lower_bound or 0.0, scale=self.scale, l2_eps=c.l2_eps,
                 norm_eps=c.rms_norm_eps, slots=slots, tokens=rows if walk else 1,
                 prefetch_ahead=self._step_prefetch_ahead(), dependents_after=STEP_DEPENDENTS_AFTER,
-                carveout=gemm_rows.STAGE_CARVEOUT if gemm_rows.STAGE_K_BLOCKS != 0 else gemm_rows.CARVEOUT,
                 programmatic=after_kernel and STEP_AFTER_PROJECTION)
             return
         if walk:
@@ -538,7 +535,7 @@ class KdaLayer:
         if norm:
             ops.gated_rmsnorm_sigmoid_bf16(ws.core, ws.out_gate, self.o_norm, ws.o_norm_out, c.heads, c.head_dim,
                                            c.rms_norm_eps, tokens=rows)
-        self._project(ws.o_norm_out[:rows], "o_proj", ws.final_out[:rows], wide, after_kernel=True, stage=True)
+        self._project(ws.o_norm_out[:rows], "o_proj", ws.final_out[:rows], wide, after_kernel=True)
 
     def prefill_core(self, tokens: int, conv_state: Any, recurrent_state: Any, pad_value: float | None = 0.0,
                      first: int = 0) -> None:

@@ -2,24 +2,20 @@
 // entry points. The device code, its layout and its bit contract are in gemm_rows.cuh.
 #include "gemm_rows.cuh"
 
-// Launch: block 256 threads; dynamic shared memory GEMM_ROWS_STAGE_BYTES(N, stage) for a packed
-// entry that stages (see gemm_rows_sweep), else none; grid.y = ceil(rows / 64), grid.x =
+// Launch: block 256 threads, no dynamic shared memory; grid.y = ceil(rows / 64), grid.x =
 // any number of blocks (a block loops over the column groups blockIdx.x + i gridDim.x).
 // One entry point per (M_TILES, N_TILES), named gemm_rows_bf16_m<M>_n<N>: the wrapper picks
 // M_TILES from the rows (1: <= 16, 2: <= 32, 4: more; a row group with fewer rows leaves the
 // extra m-tiles predicated off) and N_TILES and the grid from the shape. Separate entries
 // keep each kernel's code small: one variant in the instruction cache, not all of them.
 // `prefetch` (k blocks per weight row, 0 for none) asks L2 for the first weights before the
-// wait on the previous kernel, and `stage` (k blocks per warp and tile, packed entries only, 0 for
-// none) copies the first weights of the block's first column group into shared memory before
-// it; like the tiles and the grid, neither changes a bit.
+// wait on the previous kernel; like the tiles and the grid it changes no bit.
 template <int M_TILES, int N_TILES, bool PACKED>
 __device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, int ldx,
                                                 const bf16_t* __restrict__ w, bf16_t* __restrict__ y,
-                                                int ldy, int rows, int n, int k, int prefetch, int stage)
+                                                int ldy, int rows, int n, int k, int prefetch)
 {
     __shared__ float partial[GEMM_ROWS_PARTIAL_FLOATS(M_TILES, N_TILES)];
-    extern __shared__ __align__(16) uint4 gemm_rows_staged[];
 
     kda_let_next_kernel_launch();
     const int row_begin = blockIdx.y * GEMM_ROWS_M_GROUP;
@@ -28,15 +24,15 @@ __device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, in
     }
     const int row_end = min(rows, row_begin + GEMM_ROWS_M_GROUP);
     gemm_rows_sweep<M_TILES, N_TILES, PACKED>(x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split_for(k),
-                                              prefetch, partial, stage, gemm_rows_staged);
+                                              prefetch, partial);
 }
 
 #define GEMM_ROWS_ENTRY_OF(NAME, M_TILES, N_TILES, PACKED)                                         \
     extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_MIN_BLOCKS)          \
         NAME(const bf16_t* __restrict__ x, int ldx, const bf16_t* __restrict__ w,                  \
-             bf16_t* __restrict__ y, int ldy, int rows, int n, int k, int prefetch, int stage)     \
+             bf16_t* __restrict__ y, int ldy, int rows, int n, int k, int prefetch)                \
     {                                                                                              \
-        gemm_rows_entry<M_TILES, N_TILES, PACKED>(x, ldx, w, y, ldy, rows, n, k, prefetch, stage); \
+        gemm_rows_entry<M_TILES, N_TILES, PACKED>(x, ldx, w, y, ldy, rows, n, k, prefetch);        \
     }
 // gemm_rows_bf16_m<M>_n<N> reads w in torch Linear layout, gemm_rows_packed_bf16_m<M>_n<N> in the
 // packed layout of gemm_rows.cuh (the same bits).

@@ -91,33 +91,6 @@ __device__ __forceinline__ void prefetch_l2(const void* pointer)
     asm volatile("prefetch.global.L2 [%0];" ::"l"(pointer));
 }
 
-// Copy 16 bytes of w into shared memory without a register (cp.async, sm_80 and later; 256-byte
-// L2 prefetch like load_weight_16B), and the waits for this thread's copies: after
-// wait_staged_weights the copying thread reads what it copied (no other thread does).
-__device__ __forceinline__ void stage_weight_16B(uint4* shared_destination, const bf16_t* source)
-{
-    const unsigned int address = static_cast<unsigned int>(__cvta_generic_to_shared(shared_destination));
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(address), "l"(source) : "memory");
-}
-
-__device__ __forceinline__ void commit_staged_weights()
-{
-    asm volatile("cp.async.commit_group;" ::: "memory");
-}
-
-__device__ __forceinline__ void wait_staged_weights()
-{
-    asm volatile("cp.async.wait_all;" ::: "memory");
-}
-
-// Bytes of dynamic shared memory the launch gave the block.
-__device__ __forceinline__ unsigned int dynamic_shared_bytes()
-{
-    unsigned int bytes;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
-    return bytes;
-}
-
 // 16 bytes of x, read by every block: cached in L1. Predicated off (zeros) for the
 // padding rows and the k tail, so rows >= `rows` are never read.
 __device__ __forceinline__ uint4 load_activation_16B(const bf16_t* pointer, bool valid)
@@ -185,26 +158,6 @@ __device__ __forceinline__ void load_weight_step(uint4 (&w_frag)[K_UNROLL][N_TIL
     }
 }
 
-// The same fragments from the block's staged copy of blocks [kb_begin, staged_end) (see
-// gemm_rows_sweep): tile j's k block kb_begin + offset of this lane is
-// staged_lane[(j * stage + offset) * 32]; the same predicate, so the same values as
-// load_weight_step (staged_end is a step boundary or the end of the warp's range).
-template <int K_UNROLL, int N_TILES>
-__device__ __forceinline__ void load_staged_step(uint4 (&w_frag)[K_UNROLL][N_TILES], const uint4* staged_lane,
-                                                 int stage, const bool (&w_valid)[N_TILES], int kb_step, int kb_begin,
-                                                 int staged_end, int k, int thread_in_group)
-{
-#pragma unroll
-    for (int u = 0; u < K_UNROLL; ++u) {
-        const bool k_valid = kb_step + u < staged_end && (kb_step + u) * GEMM_ROWS_K_BLOCK + 8 * thread_in_group < k;
-#pragma unroll
-        for (int j = 0; j < N_TILES; ++j) {
-            w_frag[u][j] = w_valid[j] && k_valid ? staged_lane[(j * stage + kb_step - kb_begin + u) * 32]
-                                                 : uint4{0u, 0u, 0u, 0u};
-        }
-    }
-}
-
 // The packed weight layout (GEMM_ROWS_PACKED): the 512 bytes one warp-wide load of a tile and a
 // k block reads, in lane order. For a [n, k] weight with n padded to a multiple of 8 and k to a
 // multiple of 32 by zeros,
@@ -260,9 +213,7 @@ __device__ __forceinline__ void load_x_block(uint4 (&x_frag)[M_TILES][2], const 
 template <int M_TILES, int N_TILES, int LOADS = GEMM_ROWS_LOADS, int X_FROM = GEMM_X_INPUT, bool PACKED = false>
 __device__ __forceinline__ void gemm_rows_accumulate(float (&acc)[M_TILES][N_TILES][4], const bf16_t* x, int ldx,
                                                      const bf16_t* w, int n, int k, int row_begin, int row_end,
-                                                     int warp_column, int kb_begin, int kb_end, int x_k_origin = 0,
-                                                     const uint4* staged_lane = nullptr, int stage = 0,
-                                                     int staged_blocks = 0)
+                                                     int warp_column, int kb_begin, int kb_end, int x_k_origin = 0)
 {
     // Each lane keeps LOADS (m-tile, n-tile, k-block) products per step: with one m-tile that
     // is LOADS weight loads in flight; more m-tiles spend the registers on their x fragments
@@ -316,18 +267,11 @@ __device__ __forceinline__ void gemm_rows_accumulate(float (&acc)[M_TILES][N_TIL
         }
     }
 
-    // The first staged_blocks blocks (whole steps, or the whole range) come from the staged copy.
-    const int staged_end = kb_begin + staged_blocks;
     for (int kb_step = kb_begin; kb_step < kb_end; kb_step += K_UNROLL) {
         // Every weight load of the step first: they are what the kernel waits on.
         uint4 w_frag[K_UNROLL][N_TILES];
-        if (kb_step < staged_end) {
-            load_staged_step<K_UNROLL, N_TILES>(w_frag, staged_lane, stage, w_valid, kb_step, kb_begin, staged_end,
-                                                k, thread_in_group);
-        } else {
-            load_weight_step<K_UNROLL, N_TILES>(w_frag, w_lane, tile_stride, block_stride, w_valid, kb_step, kb_end,
-                                                k, thread_in_group);
-        }
+        load_weight_step<K_UNROLL, N_TILES>(w_frag, w_lane, tile_stride, block_stride, w_valid, kb_step, kb_end,
+                                            k, thread_in_group);
         // The step's x fragments in the same breath as its weights (rows g and g + 8 of each
         // m-tile; L1 or L2 hits that would otherwise wait behind the weights), where the
         // registers allow: up to 4 (k block, m-tile) pairs per step. Shared-memory x is loaded
@@ -400,8 +344,7 @@ __device__ __forceinline__ int gemm_rows_group_columns(int k_split)
 template <int M_TILES, int N_TILES, int LOADS = GEMM_ROWS_LOADS, int X_FROM = GEMM_X_INPUT, bool PACKED = false>
 __device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const bf16_t* w, bf16_t* y, int ldy,
                                                 int row_begin, int row_end, int n, int k, int k_split, int group,
-                                                float* partial, const uint4* staged = nullptr, int stage = 0,
-                                                int staged_blocks = 0)
+                                                float* partial)
 {
     constexpr int FRAGMENTS = M_TILES * N_TILES * 4;  // accumulators per lane
     const int lane = threadIdx.x & 31;
@@ -415,10 +358,8 @@ __device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const 
     const int warp_column = group * group_columns + warp_n * N_TILES * GEMM_ROWS_N_TILE;
 
     float acc[M_TILES][N_TILES][4];
-    gemm_rows_accumulate<M_TILES, N_TILES, LOADS, X_FROM, PACKED>(
-        acc, x, ldx, w, n, k, row_begin, row_end, warp_column, kb_begin, kb_end, 0,
-        staged_blocks > 0 ? staged + static_cast<size_t>(warp * N_TILES * stage) * 32 + lane : nullptr, stage,
-        staged_blocks);
+    gemm_rows_accumulate<M_TILES, N_TILES, LOADS, X_FROM, PACKED>(acc, x, ldx, w, n, k, row_begin, row_end,
+                                                                    warp_column, kb_begin, kb_end);
 #pragma unroll
     for (int m = 0; m < M_TILES; ++m) {
 #pragma unroll
@@ -454,26 +395,14 @@ __device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const 
     __syncthreads();
 }
 
-// Shared-memory bytes of a staged copy of `stage` k blocks per warp and tile (gemm_rows_sweep).
-#define GEMM_ROWS_STAGE_BYTES(N_TILES, stage) (GEMM_ROWS_WARPS * (N_TILES) * (stage) * GEMM_ROWS_PACKED_BLOCK * 2)
-
 // One block's share of the output: rows [row_begin, row_end) (at most 64) and the
 // column groups blockIdx.x, blockIdx.x + gridDim.x, ...
-//
-// Staging (packed weights only): with stage > 0, before the wait on the previous kernel each
-// warp copies the first `stage` k blocks of its range of each of its tiles of the block's first
-// column group into shared memory (staged[warp][tile][block][lane], 512 bytes a (tile, block),
-// GEMM_ROWS_STAGE_BYTES in all), so a block that starts while the previous kernel runs moves
-// that part of its weight while the memory would otherwise serve only that kernel. The sweep of
-// that group then reads those blocks from the copy: the same values in the same mma chain, so
-// the same bits. The number staged is rounded down to whole steps (K_UNROLL blocks) unless it
-// covers the warp's whole range, and a launch with less dynamic shared memory than the copy needs stages nothing.
 template <int M_TILES, int N_TILES, bool PACKED = false>
 __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, int ldx,
                                                 const bf16_t* __restrict__ w,
                                                 bf16_t* __restrict__ y, int ldy, int row_begin,
                                                 int row_end, int n, int k, int k_split, int prefetch,
-                                                float* partial, int stage = 0, uint4* staged = nullptr)
+                                                float* partial)
 {
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -510,42 +439,13 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
             }
         }
     }
-    int staged_blocks = 0;
-    if constexpr (PACKED) {
-        constexpr int K_UNROLL = GEMM_ROWS_LOADS / (M_TILES * N_TILES);
-        if (stage > 0 && blockIdx.x < column_groups && staged != nullptr &&
-            GEMM_ROWS_STAGE_BYTES(N_TILES, stage) <= dynamic_shared_bytes()) {
-            staged_blocks = min(stage, max(kb_end - kb_begin, 0));
-            if (staged_blocks < kb_end - kb_begin) {
-                staged_blocks -= staged_blocks % K_UNROLL;
-            }
-            const int tile_stride = gemm_rows_k_blocks(k) * GEMM_ROWS_PACKED_BLOCK;
-            const int first_tile = (blockIdx.x * group_columns + warp_n * N_TILES * GEMM_ROWS_N_TILE) /
-                                   GEMM_ROWS_N_TILE;
-#pragma unroll
-            for (int j = 0; j < N_TILES; ++j) {
-                if ((first_tile + j) * GEMM_ROWS_N_TILE < n) {
-                    const bf16_t* source = w + static_cast<size_t>(first_tile + j) * tile_stride +
-                                           kb_begin * GEMM_ROWS_PACKED_BLOCK + 8 * lane;
-                    uint4* destination = staged + static_cast<size_t>((warp * N_TILES + j) * stage) * 32 + lane;
-                    for (int block = 0; block < staged_blocks; ++block) {
-                        stage_weight_16B(destination + 32 * block, source + block * GEMM_ROWS_PACKED_BLOCK);
-                    }
-                }
-            }
-            commit_staged_weights();
-        }
-    }
     // x (and y) may belong to the previous kernel: nothing below runs before it is done.
     kda_wait_for_previous_kernel();
-    if (staged_blocks > 0) {
-        wait_staged_weights();
-    }
 
     for (int group = blockIdx.x; group < column_groups; group += gridDim.x) {
-        gemm_rows_group<M_TILES, N_TILES, GEMM_ROWS_LOADS, GEMM_X_INPUT, PACKED>(
-            x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split, group, partial, staged, stage,
-            group == static_cast<int>(blockIdx.x) ? staged_blocks : 0);
+        gemm_rows_group<M_TILES, N_TILES, GEMM_ROWS_LOADS, GEMM_X_INPUT, PACKED>(x, ldx, w, y, ldy, row_begin,
+                                                                                row_end, n, k, k_split, group,
+                                                                                partial);
     }
 }
 

@@ -67,7 +67,6 @@ inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); 
 extern thread_local dim3 threadIdx, blockIdx;
 extern dim3 blockDim, gridDim;
 extern float* emulated_shared;
-extern size_t emulated_shared_bytes;
 extern std::barrier<>* block_barrier;
 extern std::barrier<>* warp_barriers[32];
 extern std::atomic<long> misaligned;
@@ -156,7 +155,6 @@ HOST_CUDA_RUNTIME = r"""
 thread_local dim3 threadIdx, blockIdx;
 dim3 blockDim, gridDim;
 float* emulated_shared;
-size_t emulated_shared_bytes;
 std::barrier<>* block_barrier;
 std::barrier<>* warp_barriers[32];
 std::atomic<long> misaligned{0};
@@ -168,7 +166,6 @@ template <class F> void run_grid(dim3 grid, int threads, size_t shared_bytes, F 
     gridDim = grid;
     blockDim = dim3{unsigned(threads), 1, 1};
     std::vector<float> shared(shared_bytes / 4 + 4);
-    emulated_shared_bytes = shared_bytes;
     for (unsigned index = 0; index < grid.x * grid.y * grid.z; ++index) {
         const unsigned x = index % grid.x, y = index / grid.x % grid.y, z = index / (grid.x * grid.y);
         std::fill(shared.begin(), shared.end(), std::nanf(""));  // a read before a write shows

@@ -19,8 +19,8 @@ def test_every_variant_changes_known_settings_only():
     assert len({tuple(sorted(map(str, r.items()))) for r in resolved}) == len(resolved), "two variants are the same"
     assert resolved[1]["packed_decode"] is False
     assert resolved[2]["step_after_projection"] is False
-    assert decode_breakdown.parse_variant("stage_k_blocks=4, step_dependents_after=1") == (
-        ("stage_k_blocks", 4), ("step_dependents_after", 1))
+    assert decode_breakdown.parse_variant("step_after_projection=False, step_dependents_after=1") == (
+        ("step_after_projection", False), ("step_dependents_after", 1))
     with pytest.raises(ValueError, match="unknown variant settings \\['tiles'\\]"):
         decode_breakdown.settings_of(decode_breakdown.variant(tiles=4), base)
 

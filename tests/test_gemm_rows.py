@@ -360,11 +360,10 @@ def test_model_projection_shapes(shape, rows):
 @needs_gpu
 @pytest.mark.parametrize("rows", [1, 16, 64, 65], ids=lambda r: f"R{r}")
 @pytest.mark.parametrize("shape", [(13, 40), (100, 136), (1000, 1032)] + GLM_SHAPES + KIMI_SHAPES, ids=_shape_id)
-def test_packed_weight_gives_the_row_major_bits(shape, rows, monkeypatch):
+def test_packed_weight_gives_the_row_major_bits(shape, rows):
     """gemm_rows.pack_weight's layout: every output bit of the row-major launch, for the
     model's shapes and shapes whose n and k need the zero padding; a programmatic launch
-    (its L2 request walks the packed runs) too, and one that stages its first weights."""
-    from glm_kda import gemm_rows
+    (its L2 request walks the packed runs) too."""
     from glm_kda.gemm_rows import pack_weight
 
     n, k = shape
@@ -376,79 +375,6 @@ def test_packed_weight_gives_the_row_major_bits(shape, rows, monkeypatch):
     _assert_bits_equal(_run(x, packed, rows), row_major, f"{_shape_id(shape)}-R{rows} packed")
     _assert_bits_equal(_run(x, packed, rows, programmatic=True), row_major,
                        f"{_shape_id(shape)}-R{rows} packed, programmatic")
-    monkeypatch.setattr(gemm_rows, "STAGE_K_BLOCKS", None)
-    _assert_bits_equal(_run(x, packed, rows, programmatic=True, stage=True), row_major,
-                       f"{_shape_id(shape)}-R{rows} packed, programmatic, staged")
     assert bool((row_major != POISON).all()), f"{_shape_id(shape)}-R{rows}: outputs left unwritten"
     packed_host = pack_weight(w.get()).data
     assert np.array_equal(packed.data.get(), packed_host), f"{_shape_id(shape)}: device and host packing differ"
-
-
-def test_stage_k_blocks_fits_two_blocks_an_sm(monkeypatch):
-    """The staged k blocks: what fits beside the partial sums while two blocks share an SM, at
-    most a warp's k range, whole steps of the sweep or the whole range, none when switched off."""
-    from glm_kda import gemm_rows
-
-    h200 = (233472, 1024, 232448)  # shared memory per SM, reserved per block, most per block
-    sm80 = (167936, 1024, 166912)
-    glm_o = launch_plan(4096, 8192, 1)   # 2 tiles a warp, 32 k blocks a warp
-    kimi_o = launch_plan(2304, 4096, 1)  # 2 tiles, 16 k blocks a warp
-    batch = launch_plan(4096, 8192, 64)  # 4 m-tiles, 2 tiles: one block of 32 k a step
-    f_b = launch_plan(8192, 128, 1)      # 1 tile, 4 k blocks (k split 1)
-    monkeypatch.setattr(gemm_rows, "STAGE_K_BLOCKS", None)
-    for plan, k, limits, expected in ((glm_o, 8192, h200, 12), (kimi_o, 4096, h200, 12), (glm_o, 8192, sm80, 8),
-                                      (batch, 8192, h200, 10), (f_b, 128, h200, 4)):
-        stage = gemm_rows.stage_k_blocks(plan, k, limits=limits)
-        assert stage == expected, f"{plan.kernel} k={k} limits={limits}: stage {stage}, expected {expected}"
-        used = gemm_rows.stage_bytes(plan.tiles_per_warp, stage) + gemm_rows.partial_bytes(plan) + limits[1]
-        assert 2 * used <= limits[0], f"{plan.kernel}: two blocks need {2 * used} bytes of {limits[0]}"
-    monkeypatch.setattr(gemm_rows, "STAGE_K_BLOCKS", 6)
-    assert gemm_rows.stage_k_blocks(glm_o, 8192, limits=h200) == 4  # capped, then whole steps of 4 blocks
-    monkeypatch.setattr(gemm_rows, "STAGE_K_BLOCKS", 0)
-    assert gemm_rows.stage_k_blocks(glm_o, 8192, limits=h200) == 0
-
-
-_SPIN_THEN_COPY = r"""
-extern "C" __global__ void spin_then_copy(const unsigned short* source, unsigned short* destination, long count,
-                                          long long cycles)
-{
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-    const long long start = clock64();
-    while (clock64() - start < cycles) {
-    }
-    for (long i = blockIdx.x * blockDim.x + threadIdx.x; i < count; i += gridDim.x * blockDim.x) {
-        destination[i] = source[i];
-    }
-}
-"""
-
-
-@pytest.mark.gpu
-@needs_gpu
-@pytest.mark.parametrize("rows", [1, 16, 64], ids=lambda r: f"R{r}")
-@pytest.mark.parametrize("shape", [(4096, 8192), (2304, 4096), (1000, 1032)], ids=_shape_id)
-def test_staged_launch_behind_a_running_kernel_gives_the_unstaged_bits(shape, rows, monkeypatch):
-    """A programmatic launch over a packed weight stages its first k blocks in shared memory while
-    the kernel before it (64 blocks that spin, then write x, as the fused decode step does on as
-    many SMs) still runs: the bits of the plain launch, for every stage setting."""
-    from glm_kda import gemm_rows
-
-    cp = _cp()
-    n, k = shape
-    rng = np.random.default_rng(SEED + 3 * n + rows)
-    x = _random_bf16(rng, (rows, k))
-    w = gemm_rows.pack_weight(_random_bf16(rng, (n, k), scale=k**-0.5))
-    plain = _run(x, w, rows)
-    spin = cp.RawKernel(_SPIN_THEN_COPY, "spin_then_copy")
-    for stage in (None, 4, 1, 0):
-        monkeypatch.setattr(gemm_rows, "STAGE_K_BLOCKS", stage)
-        written = cp.zeros_like(x)
-        out = cp.full((rows, n), POISON, dtype=cp.uint16)
-        for _ in range(2):
-            out.fill(POISON)
-            written.fill(0)
-            spin((64,), (128,), (x, written, np.int64(x.size), np.int64(20000)))
-            gemm_rows.gemm_rows_bf16(written, w, out, rows=rows, programmatic=True, stage=True)
-            _assert_bits_equal(out, plain, f"{_shape_id(shape)}-R{rows} stage={stage} behind a running kernel")

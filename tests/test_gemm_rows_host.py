@@ -21,24 +21,15 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from glm_kda.gemm_rows import launch_plan, pack_weight, stage_bytes
+from glm_kda.gemm_rows import launch_plan, pack_weight
 from glm_kda.reference import rms_ratio, round_bf16
 from host_cuda import (COMMON_DEVICE_HELPERS, HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, bf16_bits, bits_to_f64, build_host_binary,
                        host_kernel_source)
 
 RMS_BOUND = 1e-3
 POISON = 0x7FA5
-DEVICE_HELPERS = ("load_weight_16B", "prefetch_l2", "stage_weight_16B", "commit_staged_weights",
-                  "wait_staged_weights", "dynamic_shared_bytes", "load_activation_16B", "load_produced_16B",
-                  "mma_bf16_m16n8k16", *COMMON_DEVICE_HELPERS)
-STAGED_DECLARATION = "extern __shared__ __align__(16) uint4 gemm_rows_staged[];"
-
-
-def gemm_rows_host_source() -> str:
-    """gemm_rows.cu for the host build: its dynamic shared memory is the emulation's."""
-    source = host_kernel_source("gemm_rows", DEVICE_HELPERS)
-    assert STAGED_DECLARATION in source, "gemm_rows.cu no longer declares gemm_rows_staged; update the host emulation"
-    return source.replace(STAGED_DECLARATION, "uint4* gemm_rows_staged = reinterpret_cast<uint4*>(emulated_shared);")
+DEVICE_HELPERS = ("load_weight_16B", "prefetch_l2", "load_activation_16B", "load_produced_16B", "mma_bf16_m16n8k16",
+                  *COMMON_DEVICE_HELPERS)
 
 GEMM_HEADER = HOST_CUDA_HEADER + r"""
 using bf16_t = unsigned short;
@@ -54,14 +45,6 @@ inline uint4 load_weight_16B(const bf16_t* pointer, bool valid)
 inline uint4 load_activation_16B(const bf16_t* pointer, bool valid) { return load_weight_16B(pointer, valid); }
 inline uint4 load_produced_16B(const bf16_t* pointer, bool valid) { return load_weight_16B(pointer, valid); }
 inline void prefetch_l2(const void*) {}
-// cp.async as a plain copy: the copying thread alone reads what it staged, after the wait.
-inline void stage_weight_16B(uint4* destination, const bf16_t* source)
-{
-    std::memcpy(checked_cast<uint4>(destination), checked_cast<const uint4>(source), 16);
-}
-inline void commit_staged_weights() {}
-inline void wait_staged_weights() {}
-inline unsigned int dynamic_shared_bytes() { return unsigned(emulated_shared_bytes); }
 inline double bf16_word(unsigned int word, int half)
 {
     return double(__uint_as_float(half ? (word & 0xFFFF0000u) : (word << 16)));
@@ -83,14 +66,14 @@ GEMM_MAIN = r"""
 """ + HOST_CUDA_RUNTIME + r"""
 MmaSlot mma_slots[32][32];
 #define DECLARE(M, N) extern "C" void gemm_rows_bf16_m##M##_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, \
-                                                                int, int, int, int);
+                                                                int, int, int);
 #define DECLARE_PACKED(M, N) extern "C" void gemm_rows_packed_bf16_m##M##_n##N(const bf16_t*, int, const bf16_t*, \
-                                                                              bf16_t*, int, int, int, int, int, int);
+                                                                              bf16_t*, int, int, int, int, int);
 #define DECLARE_BOTH(M, N) DECLARE(M, N) DECLARE_PACKED(M, N)
 DECLARE_BOTH(1, 1) DECLARE_BOTH(1, 2) DECLARE_BOTH(1, 4) DECLARE_BOTH(2, 1) DECLARE_BOTH(2, 2) DECLARE_BOTH(2, 4)
 DECLARE_BOTH(4, 1) DECLARE_BOTH(4, 2)
 extern "C" void gemv_bf16(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int);
-using Entry = void (*)(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int, int, int);
+using Entry = void (*)(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int, int);
 
 int main(int argc, char** argv)
 {
@@ -104,17 +87,13 @@ int main(int argc, char** argv)
     const int launches = std::atoi(argv[13]);
     // w_elements > 0: w is in the packed layout (that many elements) and the packed entry runs.
     const long w_elements = std::atol(argv[14]);
-    // stage: k blocks per warp and tile staged in shared memory (packed entries), in a launch
-    // with shared_bytes of dynamic shared memory.
-    const int stage = std::atoi(argv[15]);
-    const size_t shared_bytes = std::atol(argv[16]);
     const std::pair<int, int> key{m_tiles, n_tiles};
     const std::pair<std::pair<int, int>, Entry> entries[] = {
         {{1, 1}, gemm_rows_bf16_m1_n1}, {{1, 2}, gemm_rows_bf16_m1_n2}, {{1, 4}, gemm_rows_bf16_m1_n4},
         {{2, 1}, gemm_rows_bf16_m2_n1}, {{2, 2}, gemm_rows_bf16_m2_n2}, {{2, 4}, gemm_rows_bf16_m2_n4},
         {{4, 1}, gemm_rows_bf16_m4_n1}, {{4, 2}, gemm_rows_bf16_m4_n2},
         // m0_n0: gemv_bf16 (no prefetch argument)
-        {{0, 0}, [](const bf16_t* x, int ldx, const bf16_t* w, bf16_t* y, int ldy, int rows, int n, int k, int, int) {
+        {{0, 0}, [](const bf16_t* x, int ldx, const bf16_t* w, bf16_t* y, int ldy, int rows, int n, int k, int) {
              gemv_bf16(x, ldx, w, y, ldy, rows, n, k);
          }}};
     const std::pair<std::pair<int, int>, Entry> packed_entries[] = {
@@ -133,9 +112,8 @@ int main(int argc, char** argv)
     const auto w = load_u16(dir + "/w", w_elements > 0 ? size_t(w_elements) : size_t(n) * k);
     auto y = load_u16(dir + "/y", size_t(y_rows) * ldy);
     for (int launch = 0; launch < launches; ++launch) {
-        run_grid(dim3{grid_x, grid_y, 1}, 256, shared_bytes, [&] {
-            entry(x.data() + size_t(launch) * ldx, ldx, w.data(), y.data() + size_t(launch) * ldy, ldy, rows, n, k, 0,
-                  stage);
+        run_grid(dim3{grid_x, grid_y, 1}, 256, 0, [&] {
+            entry(x.data() + size_t(launch) * ldx, ldx, w.data(), y.data() + size_t(launch) * ldy, ldy, rows, n, k, 0);
         });
     }
     save(dir + "/y.out", y);
@@ -147,7 +125,7 @@ int main(int argc, char** argv)
 
 @pytest.fixture(scope="module")
 def gemm_host(tmp_path_factory):
-    kernel = '#include "emulation.h"\n' + gemm_rows_host_source()
+    kernel = '#include "emulation.h"\n' + host_kernel_source("gemm_rows", DEVICE_HELPERS)
     gemv = '#include "emulation.h"\n' + host_kernel_source("gemv", COMMON_DEVICE_HELPERS)
     return build_host_binary(tmp_path_factory.mktemp("gemm_rows_host"), "gemm_rows_host",
                              {"emulation.h": GEMM_HEADER, "main.cpp": GEMM_MAIN, "kernel.cpp": kernel, "gemv.cpp": gemv})
@@ -158,13 +136,11 @@ def gemm_host(tmp_path_factory):
 _calls = iter(range(10**9))
 
 
-def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, gemv=False, packed=False, stage=0,
-             shared_bytes=None, **plan_args):
+def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, gemv=False, packed=False, **plan_args):
     """One launch as gemm_rows_bf16 plans it (132 SMs), on x_buffer[:, :k] (row stride of the
     buffer) into y_buffer[:, :n], or with one_row_launches a one-row launch per row; returns the
     new y_buffer. gemv: ops.gemv_bf16's launch instead (8 columns a block). packed: the packed
-    entry point on gemm_rows.pack_weight(w), staging `stage` k blocks per warp and tile in a launch
-    with shared_bytes of dynamic shared memory (None: what the stage needs)."""
+    entry point on gemm_rows.pack_weight(w)."""
     n, k = w.shape
     w_file = pack_weight(w.view(np.uint16)).data if packed else w
     if gemv:
@@ -182,8 +158,7 @@ def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, gemv=F
         [str(binary), str(folder), str(m_tiles), str(n_tiles), str(plan.grid[0]), str(plan.grid[1]),
          str(1 if one_row_launches else rows), str(n),
          str(k), str(x_buffer.shape[1]), str(y_buffer.shape[1]), str(x_buffer.shape[0]), str(y_buffer.shape[0]),
-         str(rows if one_row_launches else 1), str(w_file.size if packed else 0), str(stage),
-         str(stage_bytes(n_tiles, stage) if shared_bytes is None else shared_bytes)],
+         str(rows if one_row_launches else 1), str(w_file.size if packed else 0)],
         capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["misaligned=0"], f"host run: {result.stdout.strip()}"
@@ -281,23 +256,3 @@ def test_pack_weight_layout():
         row, col = 8 * tile + lane // 4, 32 * kb + 8 * (lane % 4) + e
         expected = w[row, col] if row < n and col < k else 0
         assert data[tile, kb, 8 * lane + e] == expected, (tile, kb, lane, e)
-
-
-@pytest.mark.parametrize("shape", [(72, 2056), (13, 40), (100, 136)], ids=lambda s: f"N{s[0]}-K{s[1]}")
-def test_staged_weights_give_the_unstaged_bits_on_host(gemm_host, shape):
-    """A packed launch that stages its first k blocks in shared memory (before the programmatic
-    wait) writes the bits of the one that does not: any stage (whole steps or not, beyond a
-    warp's range), a block with several column groups (only its first is staged), and a launch
-    with less shared memory than the stage needs (it stages nothing)."""
-    n, k = shape
-    x, w = _inputs(n, k, 40, seed=7 * n + k)
-    for rows in (1, 16, 40):
-        for tiles, blocks in ((None, None), (1, 1), (4, 2)):
-            args = dict(tiles_per_warp=tiles, blocks=blocks, packed=True)
-            plain = run_host(gemm_host, x[:rows], w, rows, np.full((rows, n), POISON, np.uint16), **args)
-            assert (plain != POISON).all(), f"N{n}-K{k} R{rows}: the launch left outputs unwritten"
-            for stage, shared_bytes in ((1, None), (3, None), (8, None), (100, None), (8, 1024)):
-                staged = run_host(gemm_host, x[:rows], w, rows, np.full((rows, n), POISON, np.uint16), stage=stage,
-                                  shared_bytes=shared_bytes, **args)
-                _assert_bits_equal(staged, plain, f"N{n}-K{k} R{rows} tiles={tiles} blocks={blocks} stage={stage} "
-                                                  f"shared_bytes={shared_bytes}")

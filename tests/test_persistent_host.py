@@ -25,7 +25,7 @@ import pytest
 from glm_kda import persistent
 from host_cuda import COMMON_DEVICE_HELPERS, HOST_CUDA_RUNTIME, bf16_bits, build_host_binary, host_kernel_source
 from test_gemm_rows_host import DEVICE_HELPERS as GEMM_DEVICE_HELPERS
-from test_gemm_rows_host import GEMM_HEADER, gemm_rows_host_source
+from test_gemm_rows_host import GEMM_HEADER
 
 DIM, KERNEL = 128, 4
 HELPERS = (*GEMM_DEVICE_HELPERS, "prefetch_floats_l2", "global_timer_ns", "load_acquire")
@@ -50,7 +50,7 @@ MAIN = r"""
 """ + HOST_CUDA_RUNTIME + r"""
 MmaSlot mma_slots[32][32];
 using bf16_t = unsigned short;
-extern "C" void gemm_rows_bf16_m1_n4(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int, int, int);
+extern "C" void gemm_rows_bf16_m1_n4(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int, int);
 extern "C" void kda_decode_fused_bf16(float*, float*, const int*, const bf16_t*, const bf16_t*, const bf16_t*,
                                       const float*, const float*, const bf16_t*, int, const bf16_t*, const bf16_t*,
                                       bf16_t*, float*, float*, float*, float*, float*, float*, bf16_t*, int, int, int,
@@ -107,7 +107,7 @@ int main(int argc, char** argv)
         return b;
     };
     auto gemm = [&](const bf16_t* x, int ldx, const std::vector<bf16_t>& w, bf16_t* y, int ldy, int n, int k) {
-        run_grid(dim3{1, 1, 1}, 256, 0, [&] { gemm_rows_bf16_m1_n4(x, ldx, w.data(), y, ldy, rows, n, k, 0, 0); });
+        run_grid(dim3{1, 1, 1}, 256, 0, [&] { gemm_rows_bf16_m1_n4(x, ldx, w.data(), y, ldy, rows, n, k, 0); });
     };
 
     // The separate launches.
@@ -165,7 +165,7 @@ def persistent_host(tmp_path_factory):
         "emulation.h": PERSISTENT_HEADER,
         "main.cpp": MAIN,
         "persistent.cpp": '#include "emulation.h"\n' + kernel,
-        "gemm_rows.cpp": '#include "emulation.h"\n' + gemm_rows_host_source(),
+        "gemm_rows.cpp": '#include "emulation.h"\n' + host_kernel_source("gemm_rows", GEMM_DEVICE_HELPERS),
         "decode.cpp": '#include "emulation.h"\n' + host_kernel_source("decode", ("prefetch_floats_l2", *COMMON_DEVICE_HELPERS)),
     }
     return build_host_binary(tmp_path_factory.mktemp("persistent_host"), "persistent_host", files)
