@@ -8,9 +8,8 @@
   * the public call (input copy, replay, output copy) issued back to back, 200 calls between
     two events: what a decode loop that does not synchronise every token pays per call.
 Each geometry runs the VARIANTS below in the same process, each the package's defaults with the
-settings it names changed (see `variant`): the defaults, the decode weights row-major instead
-of gemm_rows' packed layout (layer.packed_decode), and the fused step as a plain launch instead
-of a programmatic dependent of the q|k|v projection (layer.STEP_AFTER_PROJECTION).
+settings it names changed (see `variant`): the defaults, and the decode weights row-major instead
+of gemm_rows' packed layout (layer.packed_decode).
 A variant with the one persistent launch (persistent_lags) times B=1 and verify only: it takes
 one sequence's rows, the batches are the separate launches'. With --against DIR the defaults
 also run with the kernels compiled from the sources in DIR (another version of kernels_src/ with
@@ -40,7 +39,7 @@ def variant(**settings) -> tuple:
     return tuple(sorted(settings.items()))
 
 
-VARIANTS = (variant(), variant(packed_decode=False), variant(step_after_projection=False))
+VARIANTS = (variant(), variant(packed_decode=False))
 ROUNDS = 5
 VERIFY_K = (4, 16)
 BATCHES = (64, 256)
@@ -52,7 +51,7 @@ def defaults() -> dict:
     for), step_prefetch_waves, persistent_lags (the one persistent launch with these (step, out)
     lags in pairs of heads; None: the separate launches), l2_prefetch_max_weight_bytes (None: any
     weight), packed_decode, step_dependents_after (layer.STEP_DEPENDENTS_AFTER), kernel_sources (a folder of
-    kernel sources; None: the package's own), step_after_projection (layer.STEP_AFTER_PROJECTION)."""
+    kernel sources; None: the package's own)."""
     from glm_kda import gemm_rows, kernels, layer, persistent
 
     return {
@@ -61,7 +60,6 @@ def defaults() -> dict:
         "persistent_lags": (persistent.STEP_LAG_PAIRS, persistent.OUT_LAG_PAIRS) if layer.PERSISTENT_DECODE else None,
         "l2_prefetch_max_weight_bytes": gemm_rows.PREFETCH_MAX_WEIGHT_BYTES, "packed_decode": True,
         "step_dependents_after": layer.STEP_DEPENDENTS_AFTER, "kernel_sources": None,
-        "step_after_projection": layer.STEP_AFTER_PROJECTION,
     }
 
 
@@ -84,7 +82,6 @@ def apply(settings: dict, layer_object) -> None:
     layer.STEP_PREFETCH_WAVES = settings["step_prefetch_waves"]
     gemm_rows.PREFETCH_MAX_WEIGHT_BYTES = settings["l2_prefetch_max_weight_bytes"]
     layer.STEP_DEPENDENTS_AFTER = settings["step_dependents_after"]
-    layer.STEP_AFTER_PROJECTION = settings["step_after_projection"]
     sources = settings["kernel_sources"]
     if sources not in _KERNEL_SETS:
         _KERNEL_SETS[sources] = kernels.KernelSet.get() if sources is None else kernels.KernelSet(sources)
@@ -99,7 +96,7 @@ def apply(settings: dict, layer_object) -> None:
 
 def parse_variant(text: str) -> tuple:
     """A variant from the command line: name=value[,name=value...], each value a Python literal
-    (step_after_projection=False,step_dependents_after=1)."""
+    (packed_decode=False,step_dependents_after=1)."""
     import ast
 
     settings = {}
@@ -121,12 +118,10 @@ def main(geometries: list[str], against: str | None = None, extra: tuple = ()) -
     from glm_kda.state import StatePool
     from glm_kda.synthetic import synthetic_hidden, write_synthetic_checkpoint
 
-    bandwidth = copy_bandwidth_gbs()
     base = defaults()
     variants = VARIANTS + tuple(extra) + ((variant(kernel_sources=against),) if against is not None else ())
-    for one in variants:
-        settings_of(one, base)  # an unknown name fails before any GPU work
-    chosen = {v: settings_of(v, base) for v in variants}
+    chosen = {v: settings_of(v, base) for v in variants}  # an unknown name fails before any GPU work
+    bandwidth = copy_bandwidth_gbs()
     stream = cupy.cuda.get_current_stream()
     with tempfile.TemporaryDirectory() as tmp:
         for geometry in geometries:

@@ -57,10 +57,6 @@ STEP_RESIDENT_BLOCKS_PER_SM = 2
 # formed, 2 after its recurrent step). On an H200 (benchmarks/decode_breakdown.py, two runs) the
 # three were within the rounds' spread of each other (GLM B=1 83.2 - 84.3 us, Kimi 35.6 - 36.5).
 STEP_DEPENDENTS_AFTER = 0
-# The fused step launches as a programmatic dependent of the q|k|v projection (sm_90 and later):
-# its blocks take the SMs that projection's blocks leave, load their state column and conv
-# windows, and wait for it before they read an input. False: a plain launch.
-STEP_AFTER_PROJECTION = True
 # Default of KdaLayer.persistent_decode.
 PERSISTENT_DECODE = False
 # Most rows one batched decode call takes (the workspace and the pool may limit it further).
@@ -448,13 +444,11 @@ class KdaLayer:
             main.wait_event(self._join_event)
 
     def stateful_rows(self, first: int, rows: int, conv_state: Any, recurrent_state: Any, slots: Any = None,
-                      walk: bool = False, after_kernel: bool = False) -> None:
+                      walk: bool = False) -> None:
         """Decode's stateful half for workspace rows first..first+rows-1, updating the states
         in place. Row r uses slot slots[r] of a pool, or (slots None, rows == 1) the single
         state given; walk=True: the rows are consecutive tokens of the single state given,
-        walked in one launch (fused_decode only). after_kernel: the previous operation on this
-        stream is the q|k|v projection (the front end), so the fused step may launch as its
-        programmatic dependent (STEP_AFTER_PROJECTION; the same bits).
+        walked in one launch (fused_decode only).
 
         With `fused_decode` (the default) one launch forms conv + SiLU + L2, the gate and beta,
         the recurrent step and the gated norm (o_norm_out), so the front end must skip the gate
@@ -471,8 +465,7 @@ class KdaLayer:
                 ws.key[sl], ws.value[sl], ws.gate[sl], ws.beta[sl], ws.core[sl], ws.o_norm_out[sl],
                 bounded=c.bounded, lower_bound=c.gate_lower_bound or 0.0, scale=self.scale, l2_eps=c.l2_eps,
                 norm_eps=c.rms_norm_eps, slots=slots, tokens=rows if walk else 1,
-                prefetch_ahead=self._step_prefetch_ahead(), dependents_after=STEP_DEPENDENTS_AFTER,
-                programmatic=after_kernel and STEP_AFTER_PROJECTION)
+                prefetch_ahead=self._step_prefetch_ahead(), dependents_after=STEP_DEPENDENTS_AFTER)
             return
         if walk:
             raise ValueError("stateful_rows: walk=True needs fused_decode")
@@ -507,15 +500,15 @@ class KdaLayer:
             self.front_end(hidden, gate=not self.fused_decode)
         with _section("recurrence"):
             if sequential and self.fused_decode and not snapshots:
-                self.stateful_rows(0, rows, conv_state, recurrent_state, walk=True, after_kernel=True)
+                self.stateful_rows(0, rows, conv_state, recurrent_state, walk=True)
             elif sequential:
                 for row in range(rows):
-                    self.stateful_rows(row, 1, conv_state, recurrent_state, after_kernel=row == 0)
+                    self.stateful_rows(row, 1, conv_state, recurrent_state)
                     if row < len(snapshots):
                         snapshots[row].conv[...] = conv_state
                         snapshots[row].recurrent[...] = recurrent_state
             else:
-                self.stateful_rows(0, rows, conv_state, recurrent_state, slots=slots, after_kernel=True)
+                self.stateful_rows(0, rows, conv_state, recurrent_state, slots=slots)
         with _section("back_end"):
             self.back_end(rows, norm=not self.fused_decode)
 

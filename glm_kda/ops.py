@@ -500,7 +500,7 @@ def kda_decode_fused_bf16(
     conv_state, state, qkv_proj, conv_w, forget_proj, dt_bias, a_log, beta_logits, out_gate, norm_w,
     conv_out, query, key, value, gate, beta, core, o_norm_out, *, bounded: bool, lower_bound: float,
     scale: float, l2_eps: float, norm_eps: float, slots=None, tokens: int = 1, prefetch_ahead: int = 0,
-    dependents_after: int = 0, programmatic: bool = False,
+    dependents_after: int = 0,
 ) -> None:
     """The stateful half of decode in one launch: for each sequence, `tokens` consecutive
     tokens of conv + SiLU + L2, forget gate and beta, one delta-rule step, gated RMSNorm.
@@ -527,10 +527,6 @@ def kda_decode_fused_bf16(
     dependents_after: where the blocks let the next kernel of the stream launch (a programmatic
     dependent such as the output projection): 0 at once, 1 once the first token's inputs are
     formed, 2 after its recurrent step. It changes no bit.
-
-    programmatic: launch as a programmatic dependent of the kernel before it in the stream (the
-    q|k|v projection): the blocks load their state column and conv windows, then wait for that
-    kernel before they read any input. The same bits.
     """
     heads = _state_or_pool_heads(state)
     qkv = heads * HEAD_DIM
@@ -568,7 +564,6 @@ def kda_decode_fused_bf16(
          out_gate, norm_w, conv_out, query, key, value, gate, beta, core, o_norm_out, _i32(heads),
          _i32(kernel_size), _i32(tokens), _i32(1 if bounded else 0), _f32(lower_bound if bounded else 0.0), _f32(scale),
          _f32(l2_eps), _f32(norm_eps), _i32(prefetch_ahead), _i32(dependents_after)),
-        programmatic=programmatic,
     )
 
 

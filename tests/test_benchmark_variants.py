@@ -18,9 +18,8 @@ def test_every_variant_changes_known_settings_only():
     assert resolved[0] == base, "the first variant is the package's defaults"
     assert len({tuple(sorted(map(str, r.items()))) for r in resolved}) == len(resolved), "two variants are the same"
     assert resolved[1]["packed_decode"] is False
-    assert resolved[2]["step_after_projection"] is False
-    assert decode_breakdown.parse_variant("step_after_projection=False, step_dependents_after=1") == (
-        ("step_after_projection", False), ("step_dependents_after", 1))
+    assert decode_breakdown.parse_variant("packed_decode=False, step_dependents_after=1") == (
+        ("packed_decode", False), ("step_dependents_after", 1))
     with pytest.raises(ValueError, match="unknown variant settings \\['tiles'\\]"):
         decode_breakdown.settings_of(decode_breakdown.variant(tiles=4), base)
 
