@@ -188,20 +188,22 @@ def main(geometries: list[str], against: str | None = None, extra: tuple = ()) -
             apply(base, layer)
 
 
+def take_option(arguments: list[str], flag: str, needs: str) -> str | None:
+    """The value after the first `flag` in arguments, both removed (None without the flag)."""
+    if flag not in arguments:
+        return None
+    at = arguments.index(flag)
+    if at + 1 >= len(arguments):
+        raise SystemExit(f"{flag} needs {needs}")
+    value = arguments[at + 1]
+    del arguments[at : at + 2]
+    return value
+
+
 if __name__ == "__main__":
     arguments = sys.argv[1:]
-    against = None
-    if "--against" in arguments:
-        at = arguments.index("--against")
-        if at + 1 >= len(arguments):
-            raise SystemExit("--against needs a folder of kernel sources")
-        against = arguments[at + 1]
-        del arguments[at : at + 2]
+    against = take_option(arguments, "--against", "a folder of kernel sources")
     extra = []
-    while "--variant" in arguments:
-        at = arguments.index("--variant")
-        if at + 1 >= len(arguments):
-            raise SystemExit("--variant needs name=value[,name=value...]")
-        extra.append(parse_variant(arguments[at + 1]))
-        del arguments[at : at + 2]
+    while (text := take_option(arguments, "--variant", "name=value[,name=value...]")) is not None:
+        extra.append(parse_variant(text))
     main(arguments or ["glm", "kimi"], against, tuple(extra))

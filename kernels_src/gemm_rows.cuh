@@ -73,11 +73,6 @@
     "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %5, 0;\n\t"                                             \
     "mov.b32 %0, 0;\n\tmov.b32 %1, 0;\n\tmov.b32 %2, 0;\n\tmov.b32 %3, 0;\n\t"                    \
     "@p ld.global.nc" QUALIFIERS ".v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
-// The same with a coherent load (ld.global, cached in L1).
-#define GEMM_ROWS_LOAD_COHERENT_16B                                                               \
-    "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %5, 0;\n\t"                                             \
-    "mov.b32 %0, 0;\n\tmov.b32 %1, 0;\n\tmov.b32 %2, 0;\n\tmov.b32 %3, 0;\n\t"                    \
-    "@p ld.global.v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
 #define GEMM_ROWS_LOAD_16B_OPERANDS(value, pointer, valid)                                          \
     "=r"(value.x), "=r"(value.y), "=r"(value.z), "=r"(value.w) : "l"(pointer), "r"(static_cast<int>(valid))
 
@@ -97,15 +92,11 @@ __device__ __forceinline__ void prefetch_l2(const void* pointer)
 }
 
 // 16 bytes of x, read by every block: cached in L1. Predicated off (zeros) for the
-// padding rows and the k tail, so rows >= `rows` are never read. A coherent load kept in program
-// order (volatile), not the read-only path: in a programmatic launch the kernel before writes x
-// while this one already runs, and a read-only load of it may be scheduled ahead of the wait
-// (on an H200, with the wait moved into the first k loop, ld.global.nc here read the fused
-// step's output before it was written; this load gave the right bits there, no slower).
+// padding rows and the k tail, so rows >= `rows` are never read.
 __device__ __forceinline__ uint4 load_activation_16B(const bf16_t* pointer, bool valid)
 {
     uint4 value;
-    asm volatile(GEMM_ROWS_LOAD_COHERENT_16B : GEMM_ROWS_LOAD_16B_OPERANDS(value, pointer, valid));
+    asm(GEMM_ROWS_LOAD_16B("") : GEMM_ROWS_LOAD_16B_OPERANDS(value, pointer, valid));
     return value;
 }
 

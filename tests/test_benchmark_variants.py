@@ -20,6 +20,14 @@ def test_every_variant_changes_known_settings_only():
     assert resolved[1]["packed_decode"] is False
     assert decode_breakdown.parse_variant("packed_decode=False, step_dependents_after=1") == (
         ("packed_decode", False), ("step_dependents_after", 1))
+    arguments = ["glm", "--variant", "packed_decode=False", "--against", "dir", "--variant", "fused_decode=False"]
+    assert decode_breakdown.take_option(arguments, "--against", "a folder") == "dir"
+    assert decode_breakdown.take_option(arguments, "--variant", "settings") == "packed_decode=False"
+    assert decode_breakdown.take_option(arguments, "--variant", "settings") == "fused_decode=False"
+    assert decode_breakdown.take_option(arguments, "--variant", "settings") is None
+    assert arguments == ["glm"]
+    with pytest.raises(SystemExit, match="--against needs a folder"):
+        decode_breakdown.take_option(["--against"], "--against", "a folder")
     with pytest.raises(ValueError, match="unknown variant settings \\['tiles'\\]"):
         decode_breakdown.settings_of(decode_breakdown.variant(tiles=4), base)
 
