@@ -67,12 +67,13 @@
 // of gemm_rows.cu (2 blocks per SM); a kernel of one block per SM may keep more in flight.
 #define GEMM_ROWS_LOADS 8
 
-// The PTX of the predicated 16-byte loads below: zeros, then the load with the cache QUALIFIERS
-// of its kind where `valid` holds. Operands: GEMM_ROWS_LOAD_16B_OPERANDS(value, pointer, valid).
-#define GEMM_ROWS_LOAD_16B(QUALIFIERS)                                                            \
+// The PTX of the predicated 16-byte loads below: zeros, then the load LOAD (the opcode with the
+// cache qualifiers of its kind) where `valid` holds. Operands:
+// GEMM_ROWS_LOAD_16B_OPERANDS(value, pointer, valid).
+#define GEMM_ROWS_LOAD_16B(LOAD)                                                                  \
     "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %5, 0;\n\t"                                             \
     "mov.b32 %0, 0;\n\tmov.b32 %1, 0;\n\tmov.b32 %2, 0;\n\tmov.b32 %3, 0;\n\t"                    \
-    "@p ld.global.nc" QUALIFIERS ".v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
+    "@p " LOAD ".v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
 #define GEMM_ROWS_LOAD_16B_OPERANDS(value, pointer, valid)                                          \
     "=r"(value.x), "=r"(value.y), "=r"(value.z), "=r"(value.w) : "l"(pointer), "r"(static_cast<int>(valid))
 
@@ -81,7 +82,8 @@
 __device__ __forceinline__ uint4 load_weight_16B(const bf16_t* pointer, bool valid)
 {
     uint4 value;
-    asm(GEMM_ROWS_LOAD_16B(".L1::no_allocate.L2::256B") : GEMM_ROWS_LOAD_16B_OPERANDS(value, pointer, valid));
+    asm(GEMM_ROWS_LOAD_16B("ld.global.nc.L1::no_allocate.L2::256B")
+        : GEMM_ROWS_LOAD_16B_OPERANDS(value, pointer, valid));
     return value;
 }
 
@@ -92,11 +94,15 @@ __device__ __forceinline__ void prefetch_l2(const void* pointer)
 }
 
 // 16 bytes of x, read by every block: cached in L1. Predicated off (zeros) for the
-// padding rows and the k tail, so rows >= `rows` are never read.
+// padding rows and the k tail, so rows >= `rows` are never read. A coherent load kept in program
+// order (volatile), not the read-only path: in a programmatic launch the kernel before writes x
+// while this one already runs, and a read-only load may be scheduled ahead of the wait (on an
+// H200, with the wait moved into the first k loop, ld.global.nc here read the fused step's output
+// before it was written).
 __device__ __forceinline__ uint4 load_activation_16B(const bf16_t* pointer, bool valid)
 {
     uint4 value;
-    asm(GEMM_ROWS_LOAD_16B("") : GEMM_ROWS_LOAD_16B_OPERANDS(value, pointer, valid));
+    asm volatile(GEMM_ROWS_LOAD_16B("ld.global") : GEMM_ROWS_LOAD_16B_OPERANDS(value, pointer, valid));
     return value;
 }
 
