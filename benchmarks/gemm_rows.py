@@ -21,13 +21,14 @@ Every row count runs with the weight row-major and in gemm_rows' packed layout
 (`layout`), and the two outputs must agree bit for bit. For comparison ops.gemv_bf16 (the
 CUDA-core GEMV of up to 16 rows) is timed at rows 1 and 16 of every shape.
 
-    PYTHONPATH=. python benchmarks/gemm_rows.py [--launches 200] [--sweep] [--against DIR]
+    PYTHONPATH=. python benchmarks/gemm_rows.py [--launches 200] [--sweep] [--against DIR ...]
+        [--rows R ...] [--layout both|row_major|packed] [--no-gemv] [--serial auto|both]
 
 --sweep adds one line per tiles_per_warp (1, 2, 4) and grid (one block per column group, or
 only as many blocks as are resident at once) at rows 1, 4, 16 and 64: the choice launch_plan
 makes automatically, measured against the others.
 
---against DIR also times every gemm_rows line with the kernels compiled from the sources in DIR
+--against DIR (repeatable) also times every gemm_rows line with the kernels compiled from the sources in DIR
 (another version of kernels_src/, say the previous commit's: `git archive HEAD~1 kernels_src | tar
 -x -C /tmp/previous`), right after the package's own in the same process (`sources` names which),
 and requires the two to agree bit for bit.
@@ -131,9 +132,17 @@ def main() -> None:
     parser.add_argument("--launches", type=int, default=200)
     parser.add_argument("--sweep", action="store_true",
                         help="also time every tiles_per_warp at rows 1, 16, 64")
-    parser.add_argument("--against", metavar="DIR",
-                        help="also time the kernels compiled from the sources in DIR, bits compared")
+    parser.add_argument("--against", metavar="DIR", action="append", default=[],
+                        help="also time the kernels compiled from the sources in DIR, bits compared (repeatable)")
+    parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS), help=f"row counts (default {ROWS})")
+    parser.add_argument("--layout", choices=("both", "row_major", "packed"), default="both",
+                        help="weight layouts to time (the bits are compared against the first)")
+    parser.add_argument("--no-gemv", action="store_true", help="leave out the gemv_bf16 lines")
+    parser.add_argument("--serial", choices=("auto", "both"), default="auto",
+                        help="17..64 rows: the sweep launch_plan picks, or both the split-k and the serial sweep")
     args = parser.parse_args()
+    if any(not 1 <= rows <= 256 for rows in args.rows):
+        parser.error(f"--rows must lie in 1..256, got {args.rows}")
     if args.launches < 200:
         parser.error("--launches must be at least 200 (the median needs them)")
 
@@ -143,8 +152,8 @@ def main() -> None:
     sm_count = int(properties["multiProcessorCount"])
     bandwidth = copy_bandwidth_gbs()
     kernel_sets = {"package": kernels.KernelSet.get()}
-    if args.against is not None:
-        kernel_sets[args.against] = kernels.KernelSet(args.against)
+    for folder in args.against:
+        kernel_sets[folder] = kernels.KernelSet(folder)
     common = {
         "device": properties["name"].decode() if isinstance(properties["name"], bytes) else str(properties["name"]),
         "copy_bandwidth_GBs": round(bandwidth, 1),
@@ -169,28 +178,34 @@ def main() -> None:
                 "weight_copies": len(weights), "one_copy_fits_l2": nbytes <= l2_bytes, **common,
             }), flush=True)
 
-        layouts = {"row_major": weights, "packed": [pack_weight(w) for w in weights]}
-        for rows in ROWS:
-            plan = launch_plan(n, k, rows, sm_count=sm_count)
+        layouts = {}
+        if args.layout in ("both", "row_major"):
+            layouts["row_major"] = weights
+        if args.layout in ("both", "packed"):
+            layouts["packed"] = [pack_weight(w) for w in weights]
+        for rows in args.rows:
             results = {}
-            for layout, copies in layouts.items():
+            for serial in (False, True) if args.serial == "both" and 16 < rows <= 64 else (None,):
+                plan = launch_plan(n, k, rows, sm_count=sm_count, serial=serial)
+                for layout, copies in layouts.items():
 
-                def launch(index: int, rows: int = rows, copies=copies) -> None:
-                    gemm_rows_bf16(x[:rows], copies[index], out[:rows], rows=rows)
+                    def launch(index: int, rows: int = rows, copies=copies, serial=serial) -> None:
+                        gemm_rows_bf16(x[:rows], copies[index], out[:rows], rows=rows, serial=serial)
 
-                for sources, kernel_set in kernel_sets.items():
-                    kernels.KernelSet.install(kernel_set)
-                    extra = {"sources": sources} if len(kernel_sets) > 1 else {}
-                    record("gemm_rows_bf16", rows, *_time_launches(launch, len(copies), args.launches),
-                           grid=list(plan.grid), tiles_per_warp=plan.tiles_per_warp, entry=plan.kernel, layout=layout,
-                           **extra)
-                    results[layout, sources] = out[:rows].copy()
-                kernels.KernelSet.install(kernel_sets["package"])
-            reference = results["row_major", "package"]
-            for (layout, sources), result in results.items():
+                    for sources, kernel_set in kernel_sets.items():
+                        kernels.KernelSet.install(kernel_set)
+                        extra = {"sources": sources} if len(kernel_sets) > 1 else {}
+                        record("gemm_rows_bf16", rows, *_time_launches(launch, len(copies), args.launches),
+                               grid=list(plan.grid), tiles_per_warp=plan.tiles_per_warp, entry=plan.kernel,
+                               layout=layout, **extra)
+                        results[layout, sources, plan.kernel] = out[:rows].copy()
+                    kernels.KernelSet.install(kernel_sets["package"])
+            first = next(iter(results))
+            reference = results[first]
+            for (layout, sources, entry), result in results.items():
                 if not bool((result == reference).all()):
-                    raise SystemExit(f"{geometry} {projection} rows {rows}: the {layout} layout with the kernels of "
-                                     f"{sources} changed bits against the package's row-major launch")
+                    raise SystemExit(f"{geometry} {projection} rows {rows}: {entry} on the {layout} layout with the "
+                                     f"kernels of {sources} changed bits against {first[2]} on the {first[0]} layout")
 
         if args.sweep:
             for rows in (1, 4, 16, 64):
@@ -216,7 +231,7 @@ def main() -> None:
                                    layout=layout)
         del layouts
 
-        for rows in GEMV_ROWS:
+        for rows in () if args.no_gemv else GEMV_ROWS:
 
             def launch(index: int, rows: int = rows) -> None:
                 ops.gemv_bf16(x[:rows], weights[index], out[:rows], rows=rows)

@@ -33,6 +33,16 @@ TILES_PER_WARP = (1, 2, 4)
 GEMM_ROWS_BLOCKS_PER_SM = 2
 # H200; the wrapper passes the current device's count.
 DEFAULT_SM_COUNT = 132
+# Warps of a block of the serial sweep (GEMM_ROWS_SERIAL_WARPS, kernels_src/gemm_rows.cuh): 33..64
+# rows of a weight wide enough that its blocks of SERIAL_WARPS * tiles_per_warp tiles number at
+# least SERIAL_MIN_GROUPS_PER_SM per SM (None: never) run as the serial sweep, whose warps walk
+# every k range themselves and share x through L1. The same bits either way. Off by default: on an
+# H200 it ran GLM's q|k|v at 64 rows alone in 89.8 us against 97.5 for the split-k sweep
+# (benchmarks/gemm_rows.py), but the 64-sequence decode graph, where that projection runs beside
+# the low-rank chain, took 325.5 us with it (2.0) and 311.7 without (B=256: 1196 against 1222;
+# benchmarks/decode_breakdown.py, one process).
+SERIAL_WARPS = 4
+SERIAL_MIN_GROUPS_PER_SM: float | None = None
 # Blocks of 32 k of each weight row that a programmatic launch asks L2 for before it waits
 # (see the kernel; 0: none). benchmarks/decode_breakdown.py compares the choices: on an H200,
 # graph replays interleaved in one process, 16 ran GLM 87.7 / Kimi 37.6 us, 4 89.8 / 37.5,
@@ -129,7 +139,7 @@ def _sm_count(device_id: int) -> int:
 
 def launch_plan(
     n: int, k: int, rows: int, tiles_per_warp: int | None = None, sm_count: int = DEFAULT_SM_COUNT,
-    blocks: int | None = None,
+    blocks: int | None = None, serial: bool | None = None,
 ) -> LaunchPlan:
     """The launch of one call.
 
@@ -142,11 +152,22 @@ def launch_plan(
     (sm_count times the entry's blocks per SM). On an H200 (benchmarks/gemm_rows.py
     --sweep) the cap took the one-row q|k|v projection from 56.0 to 55.1 us (GLM) and from
     25.7 to 22.9 us (Kimi), and made the 64-row one 4 % slower, hence one m-tile only.
+    Above 32 rows, ``serial`` (None: by SERIAL_MIN_GROUPS_PER_SM) picks the serial sweep: blocks of
+    SERIAL_WARPS warps side by side along n, each warp walking every k range of its columns (where
+    it has no entry for the tiles, True keeps the split-k sweep).
     Any choice gives the same bits: it moves work between blocks, never changes the k order.
     """
+    m_tiles = m_tiles_for(rows)
+    if tiles_per_warp is not None and tiles_per_warp not in TILES_PER_WARP:
+        raise ValueError(f"tiles_per_warp must be one of {TILES_PER_WARP}, got {tiles_per_warp}")
+    if serial and m_tiles < 4:
+        raise ValueError(f"the serial sweep runs 33..64 rows per group, not {rows}")
+    if m_tiles == 4 and serial is not False:
+        plan = _serial_plan(n, rows, m_tiles, tiles_per_warp, sm_count, blocks)
+        if plan is not None and (serial or _serial_is_wide_enough(plan, sm_count)):
+            return plan
     warps_n = WARPS_PER_BLOCK // k_split(k)
     n_tiles = -(-n // N_TILE)
-    m_tiles = m_tiles_for(rows)
     widest = 2 if m_tiles == 4 else 4
 
     def column_groups(tiles: int) -> int:
@@ -156,8 +177,6 @@ def launch_plan(
         tiles_per_warp = next(
             (tiles for tiles in (4, 2) if tiles <= widest and column_groups(tiles) >= sm_count), 1
         )
-    elif tiles_per_warp not in TILES_PER_WARP:
-        raise ValueError(f"tiles_per_warp must be one of {TILES_PER_WARP}, got {tiles_per_warp}")
     tiles_per_warp = min(tiles_per_warp, widest)
     groups = column_groups(tiles_per_warp)
     if blocks is None:
@@ -173,8 +192,40 @@ def launch_plan(
     )
 
 
+# Tiles per warp of the serial entries (kernels_src/gemm_rows.cu) by m-tiles, the widest first. At
+# 17..32 rows (2 m-tiles) the serial sweep ran slower than the split-k one on an H200 (GLM q|k|v
+# 63.6 against 60.6 us), so it has no entry there.
+SERIAL_TILES = {2: (), 4: (2,)}
+
+
+def _serial_plan(n: int, rows: int, m_tiles: int, tiles_per_warp: int | None, sm_count: int,
+                 blocks: int | None) -> LaunchPlan | None:
+    """The serial sweep's launch (None where no serial entry has those tiles): the widest tiles
+    that still give every SM SERIAL_MIN_GROUPS_PER_SM blocks, one block per column group."""
+    choices = SERIAL_TILES[m_tiles] if tiles_per_warp is None else (tiles_per_warp,)
+    if not choices or not set(choices) <= set(SERIAL_TILES[m_tiles]):
+        return None
+    n_tiles = -(-n // N_TILE)
+    minimum = (SERIAL_MIN_GROUPS_PER_SM or 0.0) * sm_count
+    tiles = next((t for t in choices if -(-n_tiles // (SERIAL_WARPS * t)) >= minimum), choices[-1])
+    groups = -(-n_tiles // (SERIAL_WARPS * tiles))
+    if blocks is not None and blocks < 1:
+        raise ValueError(f"blocks must be >= 1, got {blocks}")
+    return LaunchPlan(
+        kernel=f"gemm_rows_serial_bf16_m{m_tiles}_n{tiles}",
+        grid=(min(blocks or groups, groups), -(-rows // ROWS_PER_SWEEP)),
+        block=(SERIAL_WARPS * 32,),
+        m_tiles=m_tiles,
+        tiles_per_warp=tiles,
+    )
+
+
+def _serial_is_wide_enough(plan: LaunchPlan, sm_count: int) -> bool:
+    return SERIAL_MIN_GROUPS_PER_SM is not None and plan.grid[0] >= SERIAL_MIN_GROUPS_PER_SM * sm_count
+
+
 def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | None = None,
-                   blocks: int | None = None, programmatic: bool = False) -> None:
+                   blocks: int | None = None, programmatic: bool = False, serial: bool | None = None) -> None:
     """out[r, :] = bf16(x[r, :] @ w.T) for r < rows (1..256), FP32 accumulation on tensor cores.
 
     Shapes:
@@ -189,7 +240,8 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
     are never read, and the k summation order is a function of k alone (see
     kernels_src/gemm_rows.cu). ``tiles_per_warp`` (1, 2, 4, or None to choose from the
     shape) and ``blocks`` (the most blocks along n, None to choose) tune the launch and
-    leave every bit unchanged.
+    leave every bit unchanged, as does ``serial`` (33..64 rows per group: the serial sweep, or
+    not; None to choose from the shape).
 
     ``w`` may also be a :class:`PackedWeight` of the same weight (:func:`pack_weight`): the
     same bits, the weight read in contiguous runs.
@@ -200,7 +252,7 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
     previous operation in the stream is the kernel that writes x; the bits are the same.
     """
     rows, n, k, ldx, ldy = projection_args("gemm_rows_bf16", x, w, out, rows, GEMM_ROWS_MAX_ROWS)
-    plan = launch_plan(n, k, rows, tiles_per_warp, _sm_count(cupy.cuda.Device().id), blocks)
+    plan = launch_plan(n, k, rows, tiles_per_warp, _sm_count(cupy.cuda.Device().id), blocks, serial)
     prefetch = prefetch_k_blocks(n, k) if programmatic else 0
     packed = isinstance(w, PackedWeight)
     kernels.launch(

@@ -52,3 +52,39 @@ GEMM_ROWS_ENTRY(2, 2)
 GEMM_ROWS_ENTRY(2, 4)
 GEMM_ROWS_ENTRY(4, 1)
 GEMM_ROWS_ENTRY(4, 2)
+
+// The serial sweep of gemm_rows.cuh (33..64 rows of a wide weight): block GEMM_ROWS_SERIAL_THREADS
+// threads, no shared memory, grid.x any number of blocks (each loops over the column groups of
+// GEMM_ROWS_SERIAL_WARPS * N_TILES tiles), grid.y the row groups of 64. The same bits as the entries
+// above. `prefetch` is accepted and unused: its warps' first weights are those of k range 0 only.
+template <int M_TILES, int N_TILES, bool PACKED>
+__device__ __forceinline__ void gemm_rows_serial_entry(const bf16_t* __restrict__ x, int ldx,
+                                                       const bf16_t* __restrict__ w, bf16_t* __restrict__ y,
+                                                       int ldy, int rows, int n, int k)
+{
+    kda_let_next_kernel_launch();
+    const int row_begin = blockIdx.y * GEMM_ROWS_M_GROUP;
+    if (row_begin >= rows || blockDim.x != GEMM_ROWS_SERIAL_THREADS) {
+        return;
+    }
+    const int row_end = min(rows, row_begin + GEMM_ROWS_M_GROUP);
+    gemm_rows_serial_sweep<M_TILES, N_TILES, PACKED>(x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split_for(k));
+}
+
+// Serial blocks per SM the entries are compiled for: 3 (up to 168 registers; the running total
+// beside the accumulators spills at 128, the bound of 4).
+#ifndef GEMM_ROWS_SERIAL_MIN_BLOCKS
+#define GEMM_ROWS_SERIAL_MIN_BLOCKS 3
+#endif
+#define GEMM_ROWS_SERIAL_ENTRY_OF(NAME, M_TILES, N_TILES, PACKED)                                  \
+    extern "C" __global__ void __launch_bounds__(GEMM_ROWS_SERIAL_THREADS, GEMM_ROWS_SERIAL_MIN_BLOCKS) \
+        NAME(const bf16_t* __restrict__ x, int ldx, const bf16_t* __restrict__ w,                  \
+             bf16_t* __restrict__ y, int ldy, int rows, int n, int k, int /* prefetch */)          \
+    {                                                                                              \
+        gemm_rows_serial_entry<M_TILES, N_TILES, PACKED>(x, ldx, w, y, ldy, rows, n, k);           \
+    }
+#define GEMM_ROWS_SERIAL_ENTRY(M_TILES, N_TILES)                                                   \
+    GEMM_ROWS_SERIAL_ENTRY_OF(gemm_rows_serial_bf16_m##M_TILES##_n##N_TILES, M_TILES, N_TILES, false) \
+    GEMM_ROWS_SERIAL_ENTRY_OF(gemm_rows_packed_serial_bf16_m##M_TILES##_n##N_TILES, M_TILES, N_TILES, true)
+
+GEMM_ROWS_SERIAL_ENTRY(4, 2)

@@ -34,6 +34,11 @@
 // k_split partial sums are added in shared memory in ascending warp order. Neither
 // the row count, nor the m-tiles, nor the grid enter that order, and there are no
 // atomics. Rows >= rows are never read (their loads are predicated off, zeros fill).
+// Two forms keep that order with other instruction counts: with 2 or 4 m-tiles and an even
+// number of tiles per warp the mma's operands are swapped (w as A, x as B: the same products in
+// the same k slots, and the same bits on the tensor cores, see gemm_rows_transposed), and the
+// serial sweep at the end of this file has one warp walk every k range itself, adding the
+// partials in the order the block's shared memory adds them.
 //
 // Fragment trick: inside a block of 32 k, lane (g = lane / 4, t = lane % 4) loads
 // the 16 contiguous bytes k = 8t .. 8t+7 of one w row (column g of the tile) and of
@@ -119,6 +124,14 @@ __device__ __forceinline__ unsigned int word_of(const uint4& v, int index)
     return index == 0 ? v.x : index == 1 ? v.y : index == 2 ? v.z : v.w;
 }
 
+// The A fragment of step `step` (0, 1) of two tiles' weight loads (w as the A operand, tile
+// `low` its rows g, `high` its rows g + 8): words 2 step and 2 step + 1 of each, interleaved.
+__device__ __forceinline__ uint4 interleave_pair(const uint4& low, const uint4& high, int step)
+{
+    return uint4{word_of(low, 2 * step), word_of(high, 2 * step), word_of(low, 2 * step + 1),
+                 word_of(high, 2 * step + 1)};
+}
+
 // acc[16 x 8] += A[16 x 16] * B[16 x 8], FP32 accumulate (fragment layout of the PTX
 // ISA: a0/a2 rows g, a1/a3 rows g+8; b0 k 2t.., b1 k 2t+8..; acc[0..1] row g,
 // acc[2..3] row g+8, columns 2t, 2t+1).
@@ -177,6 +190,38 @@ __device__ __forceinline__ int gemm_rows_k_blocks(int k)
     return (k + GEMM_ROWS_K_BLOCK - 1) / GEMM_ROWS_K_BLOCK;
 }
 #define GEMM_ROWS_PACKED_BLOCK (GEMM_ROWS_N_TILE * GEMM_ROWS_K_BLOCK)  // elements per (tile, k block)
+
+// With more than one m-tile and an even number of tiles per warp the sweep swaps the mma's
+// operands: w as A (two tiles, 16 columns), x as B (8 rows a tile). The products and their k slots
+// are the same, and the tensor cores add them to the same bits whichever operand holds them
+// (benchmarks/mma_forms.py: 0 of 2.1 million outputs differ on an H200, wide exponents and
+// cancellation included; the GPU tests compare the row counts bit for bit), while x's B fragment
+// is two words of one load instead of four words of two, which saves the register moves that
+// dominate the 4-m-tile loop. On an H200 (benchmarks/gemm_rows.py, 64 rows, one process): GLM
+// q|k|v 103.7 -> 98.0 us, o_proj 34.8 -> 33.5, Kimi q|k|v 35.9 -> 34.8, o_proj 20.3 -> 19.4.
+template <int M_TILES, int N_TILES>
+__device__ __forceinline__ constexpr bool gemm_rows_transposed()
+{
+    return M_TILES > 1 && N_TILES % 2 == 0;
+}
+
+// Where accumulator `fragment` (the flat index of acc[M_TILES][N_TILES][4]) of lane `lane` lands:
+// its row among the warp's rows and its column among the warp's N_TILES * 8. In the transposed form
+// acc holds [N_TILES / 2][2 M_TILES][4]: pair p of tiles by row tile h of 8.
+template <int M_TILES, int N_TILES>
+__device__ __forceinline__ void gemm_rows_fragment_place(int fragment, int lane, int& row, int& column)
+{
+    const int e = fragment & 3;
+    if constexpr (gemm_rows_transposed<M_TILES, N_TILES>()) {
+        const int h = (fragment >> 2) % (2 * M_TILES), p = (fragment >> 2) / (2 * M_TILES);
+        row = 8 * h + 2 * (lane & 3) + (e & 1);
+        column = (2 * p + (e >> 1)) * GEMM_ROWS_N_TILE + (lane >> 2);
+    } else {
+        const int j = (fragment >> 2) % N_TILES, m = (fragment >> 2) / N_TILES;
+        row = GEMM_ROWS_M_TILE * m + (lane >> 2) + 8 * (e >> 1);
+        column = j * GEMM_ROWS_N_TILE + 2 * (lane & 3) + (e & 1);
+    }
+}
 
 // Where x comes from: global memory written before the kernel (read-only path), global memory
 // written earlier in the same kernel (L2), or a shared-memory copy of the rows and of the k
@@ -302,20 +347,38 @@ __device__ __forceinline__ void gemm_rows_accumulate(float (&acc)[M_TILES][N_TIL
                                                   thread_in_group, x_k_origin);
                 }
                 const int xu = X_AHEAD ? u : 0;
-#pragma unroll
-                for (int m = 0; m < M_TILES; ++m) {
-                    const uint4& x_low = x_frag[xu][m][0];
-                    const uint4& x_high = x_frag[xu][m][1];
+                if constexpr (gemm_rows_transposed<M_TILES, N_TILES>()) {
+                    // acc as [pair][row tile][4]; row tile h is x_frag[h / 2][h % 2].
+                    auto& acc_t = reinterpret_cast<float(&)[N_TILES / 2][2 * M_TILES][4]>(acc);
 #pragma unroll
                     for (int step = 0; step < 2; ++step) {
 #pragma unroll
-                        for (int j = 0; j < N_TILES; ++j) {
-                            mma_bf16_m16n8k16(acc[m][j], word_of(x_low, 2 * step),
-                                              word_of(x_high, 2 * step),
-                                              word_of(x_low, 2 * step + 1),
-                                              word_of(x_high, 2 * step + 1),
-                                              word_of(w_frag[u][j], 2 * step),
-                                              word_of(w_frag[u][j], 2 * step + 1));
+                        for (int p = 0; p < N_TILES / 2; ++p) {
+                            const uint4 a = interleave_pair(w_frag[u][2 * p], w_frag[u][2 * p + 1], step);
+#pragma unroll
+                            for (int h = 0; h < 2 * M_TILES; ++h) {
+                                const uint4& x_rows = x_frag[xu][h >> 1][h & 1];
+                                mma_bf16_m16n8k16(acc_t[p][h], a.x, a.y, a.z, a.w, word_of(x_rows, 2 * step),
+                                                  word_of(x_rows, 2 * step + 1));
+                            }
+                        }
+                    }
+                } else {
+#pragma unroll
+                    for (int m = 0; m < M_TILES; ++m) {
+                        const uint4& x_low = x_frag[xu][m][0];
+                        const uint4& x_high = x_frag[xu][m][1];
+#pragma unroll
+                        for (int step = 0; step < 2; ++step) {
+#pragma unroll
+                            for (int j = 0; j < N_TILES; ++j) {
+                                mma_bf16_m16n8k16(acc[m][j], word_of(x_low, 2 * step),
+                                                  word_of(x_high, 2 * step),
+                                                  word_of(x_low, 2 * step + 1),
+                                                  word_of(x_high, 2 * step + 1),
+                                                  word_of(w_frag[u][j], 2 * step),
+                                                  word_of(w_frag[u][j], 2 * step + 1));
+                            }
                         }
                     }
                 }
@@ -387,12 +450,10 @@ __device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const 
         for (int split = 1; split < k_split; ++split) {
             sum += source[split * FRAGMENTS * 32];
         }
-        const int e = fragment & 3;
-        const int j = (fragment >> 2) % N_TILES;
-        const int m = (fragment >> 2) / N_TILES;
-        const int row = row_begin + GEMM_ROWS_M_TILE * m + (out_lane >> 2) + 8 * (e >> 1);
-        const int column = group * group_columns + (out_warp_n * N_TILES + j) * GEMM_ROWS_N_TILE +
-                           2 * (out_lane & 3) + (e & 1);
+        int row, column;
+        gemm_rows_fragment_place<M_TILES, N_TILES>(fragment, out_lane, row, column);
+        row += row_begin;
+        column += group * group_columns + out_warp_n * N_TILES * GEMM_ROWS_N_TILE;
         if (row < row_end && column < n) {
             y[static_cast<size_t>(row) * ldy + column] = f32_to_bf16(sum);
         }
@@ -452,6 +513,84 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
         gemm_rows_group<M_TILES, N_TILES, GEMM_ROWS_LOADS, GEMM_X_INPUT, PACKED>(x, ldx, w, y, ldy, row_begin,
                                                                                 row_end, n, k, k_split, group,
                                                                                 partial);
+    }
+}
+
+// The serial sweep: one warp walks all k_split k ranges of its own columns, one after the other,
+// each range a chain of mma from zero, and keeps their running sum in registers:
+//   total = partial_0; total += partial_1; ... total += partial_{k_split - 1}
+// which are the fp32 additions gemm_rows_group makes in shared memory, in the same order, so the
+// bits are gemm_rows_group's. What changes is who reads x: the warps of a block sit side by side
+// along n and walk the same k blocks at about the same time, so x (the 64 rows of a k block)
+// comes from L1 for all but one of them, where split-k warps each read their own k range of x
+// for every column group (at 64 rows four times the weight's bytes from L2). It needs many
+// columns to fill the GPU (a block covers GEMM_ROWS_SERIAL_WARPS * N_TILES tiles), so
+// glm_kda/gemm_rows.py takes it only for wide weights.
+#define GEMM_ROWS_SERIAL_WARPS 4
+// Weight loads per lane and step of the serial sweep, twice the split-k sweep's: its entries run
+// 3 blocks of 4 warps per SM with up to 168 registers, room for two k blocks a step (on an H200,
+// GLM q|k|v at 64 rows: 89.8 us against 94.0 with 8 loads, 97.5 for the split-k sweep).
+#ifndef GEMM_ROWS_SERIAL_LOADS
+#define GEMM_ROWS_SERIAL_LOADS 16
+#endif
+#define GEMM_ROWS_SERIAL_THREADS (GEMM_ROWS_SERIAL_WARPS * 32)
+
+template <int M_TILES, int N_TILES, bool PACKED = false>
+__device__ __forceinline__ void gemm_rows_serial_sweep(const bf16_t* __restrict__ x, int ldx,
+                                                       const bf16_t* __restrict__ w, bf16_t* __restrict__ y,
+                                                       int ldy, int row_begin, int row_end, int n, int k,
+                                                       int k_split)
+{
+    constexpr int BLOCK_COLUMNS = GEMM_ROWS_SERIAL_WARPS * N_TILES * GEMM_ROWS_N_TILE;
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int column_groups = (n + BLOCK_COLUMNS - 1) / BLOCK_COLUMNS;
+
+    // x (and y) may belong to the previous kernel: nothing below runs before it is done.
+    kda_wait_for_previous_kernel();
+
+    for (int group = blockIdx.x; group < column_groups; group += gridDim.x) {
+        const int warp_column = group * BLOCK_COLUMNS + warp * N_TILES * GEMM_ROWS_N_TILE;
+        if (warp_column >= n) {
+            continue;  // warp-uniform; the serial sweep has no barrier
+        }
+        int kb_begin, kb_end;
+        gemm_rows_k_range(k, k_split, 0, kb_begin, kb_end);
+        float total[M_TILES][N_TILES][4];
+        gemm_rows_accumulate<M_TILES, N_TILES, GEMM_ROWS_SERIAL_LOADS, GEMM_X_INPUT, PACKED>(
+            total, x, ldx, w, n, k, row_begin, row_end, warp_column, kb_begin, kb_end);
+        for (int split = 1; split < k_split; ++split) {
+            gemm_rows_k_range(k, k_split, split, kb_begin, kb_end);
+            float acc[M_TILES][N_TILES][4];
+            gemm_rows_accumulate<M_TILES, N_TILES, GEMM_ROWS_SERIAL_LOADS, GEMM_X_INPUT, PACKED>(
+                acc, x, ldx, w, n, k, row_begin, row_end, warp_column, kb_begin, kb_end);
+#pragma unroll
+            for (int m = 0; m < M_TILES; ++m) {
+#pragma unroll
+                for (int j = 0; j < N_TILES; ++j) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        total[m][j][e] += acc[m][j][e];
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int m = 0; m < M_TILES; ++m) {
+#pragma unroll
+            for (int j = 0; j < N_TILES; ++j) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    int row, column;
+                    gemm_rows_fragment_place<M_TILES, N_TILES>((m * N_TILES + j) * 4 + e, lane, row, column);
+                    row += row_begin;
+                    column += warp_column;
+                    if (row < row_end && column < n) {
+                        y[static_cast<size_t>(row) * ldy + column] = f32_to_bf16(total[m][j][e]);
+                    }
+                }
+            }
+        }
     }
 }
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from glm_kda.device import gpu_status
-from glm_kda.gemm_rows import GEMM_ROWS_BLOCKS_PER_SM, GEMM_ROWS_MAX_ROWS, k_split, launch_plan
+from glm_kda.gemm_rows import GEMM_ROWS_BLOCKS_PER_SM, GEMM_ROWS_MAX_ROWS, SERIAL_TILES, k_split, launch_plan
 from glm_kda.kernels import ENTRY_POINTS
 
 GPU_OK, GPU_WHY = gpu_status()
@@ -116,13 +116,19 @@ def test_k_split_depends_on_k_alone(k):
     k_blocks = -(-k // 32)
     assert split == 1 or k_blocks >= 4 * split
     for rows in (1, 16, 17, 64, 65, 256):
-        plan = launch_plan(4096, k, rows)
-        assert plan.block == (256,)
-        assert plan.grid[1] == -(-rows // 64)
-        assert plan.tiles_per_warp in (1, 2, 4) and (rows <= 32 or plan.tiles_per_warp <= 2)
-        assert plan.m_tiles == (1 if rows <= 16 else 2 if rows <= 32 else 4)
-        assert plan.kernel == f"gemm_rows_bf16_m{plan.m_tiles}_n{plan.tiles_per_warp}"
-        assert plan.kernel in ENTRY_POINTS["gemm_rows"]
+        for n, serial in ((4096, None), (4096, False), (24576, None), (4096, True)):
+            if serial and rows <= 32:
+                continue
+            plan = launch_plan(n, k, rows, serial=serial)
+            is_serial = "_serial_" in plan.kernel
+            assert is_serial == (rows > 32 and bool(serial)), plan
+            assert plan.block == ((128,) if is_serial else (256,))
+            assert plan.grid[1] == -(-rows // 64)
+            assert plan.tiles_per_warp in (1, 2, 4) and (rows <= 32 or plan.tiles_per_warp <= 2)
+            assert plan.m_tiles == (1 if rows <= 16 else 2 if rows <= 32 else 4)
+            name = "serial_bf16" if is_serial else "bf16"
+            assert plan.kernel == f"gemm_rows_{name}_m{plan.m_tiles}_n{plan.tiles_per_warp}"
+            assert plan.kernel in ENTRY_POINTS["gemm_rows"]
 
 
 @pytest.mark.parametrize("shape", GLM_SHAPES + KIMI_SHAPES, ids=_shape_id)
@@ -132,14 +138,20 @@ def test_launch_plan_covers_every_column(shape):
         for tiles in (None, 1, 2, 4):
             # Uncapped, one block per column group covers every column; by default the grid
             # is capped at the resident blocks and the blocks loop over the groups.
-            whole = launch_plan(n, k, rows, tiles_per_warp=tiles, blocks=10**9)
+            whole = launch_plan(n, k, rows, tiles_per_warp=tiles, blocks=10**9, serial=False)
             assert whole.grid[0] * (8 // k_split(k)) * whole.tiles_per_warp * 8 >= n
             assert (whole.grid[0] - 1) * (8 // k_split(k)) * whole.tiles_per_warp * 8 < n
             assert whole.grid[1] * 64 >= rows
-            plan = launch_plan(n, k, rows, tiles_per_warp=tiles)
+            plan = launch_plan(n, k, rows, tiles_per_warp=tiles, serial=False)
             resident = 132 * GEMM_ROWS_BLOCKS_PER_SM
             assert plan.grid[0] == (min(whole.grid[0], resident) if plan.m_tiles == 1 else whole.grid[0])
             assert plan.grid[1] == whole.grid[1] and plan.kernel == whole.kernel
+            if rows > 32 and (tiles or 2) in SERIAL_TILES[plan.m_tiles]:
+                serial = launch_plan(n, k, rows, tiles_per_warp=tiles, serial=True)
+                warps = serial.block[0] // 32
+                assert serial.grid[0] * warps * serial.tiles_per_warp * 8 >= n
+                assert (serial.grid[0] - 1) * warps * serial.tiles_per_warp * 8 < n
+                assert serial.grid[1] == whole.grid[1]
 
 
 def test_launch_plan_fills_every_sm_when_it_can():
@@ -158,6 +170,30 @@ def test_launch_plan_rejects_unknown_tiles():
         launch_plan(64, 128, 1, tiles_per_warp=3)
     with pytest.raises(ValueError, match="blocks"):
         launch_plan(64, 128, 1, blocks=0)
+    with pytest.raises(ValueError, match="blocks"):
+        launch_plan(64, 128, 40, blocks=0, serial=True)
+    for rows in (16, 32):
+        with pytest.raises(ValueError, match="serial sweep runs 33..64 rows"):
+            launch_plan(64, 128, rows, serial=True)
+
+
+def test_launch_plan_takes_the_serial_sweep_for_wide_weights(monkeypatch):
+    from glm_kda import gemm_rows
+
+    assert launch_plan(24576, 4096, 64).kernel == "gemm_rows_bf16_m4_n2"  # off by default
+    monkeypatch.setattr(gemm_rows, "SERIAL_MIN_GROUPS_PER_SM", 2.0)
+    # 33..64 rows: GLM's q|k|v (3072 tiles) gives 384 serial blocks of 2 tiles a warp, at least 2
+    # per SM. Kimi's (1536 tiles) would give 192, GLM's o_proj 64: they keep the split-k sweep, as
+    # do 17..32 rows (no serial entry).
+    assert launch_plan(24576, 4096, 64).kernel == "gemm_rows_serial_bf16_m4_n2"
+    assert launch_plan(24576, 4096, 64).grid == (384, 1)
+    assert launch_plan(24576, 4096, 32).kernel == "gemm_rows_bf16_m2_n4"
+    assert launch_plan(12288, 2304, 64).kernel == "gemm_rows_bf16_m4_n2"
+    assert launch_plan(4096, 8192, 64).kernel == "gemm_rows_bf16_m4_n2"
+    assert launch_plan(24576, 4096, 64, serial=False).kernel == "gemm_rows_bf16_m4_n2"
+    assert launch_plan(24576, 4096, 16).kernel == "gemm_rows_bf16_m1_n4"
+    # tiles that have no serial entry keep the split-k sweep
+    assert launch_plan(24576, 4096, 64, tiles_per_warp=1, serial=True).kernel == "gemm_rows_bf16_m4_n1"
 
 
 def test_launch_plan_blocks_caps_the_grid():
@@ -171,7 +207,8 @@ def test_every_entry_point_is_in_the_kernel_source():
     source = kernel_source("gemm_rows")
     for name in ENTRY_POINTS["gemm_rows"]:
         m_tiles, tiles = (int(part[1:]) for part in name.split("_")[-2:])
-        assert f"GEMM_ROWS_ENTRY({m_tiles}, {tiles})" in source, f"gemm_rows.cu has no entry for {name}"
+        macro = "GEMM_ROWS_SERIAL_ENTRY" if "_serial_" in name else "GEMM_ROWS_ENTRY"
+        assert f"{macro}({m_tiles}, {tiles})" in source, f"gemm_rows.cu has no entry for {name}"
     assert f"#define GEMM_ROWS_MIN_BLOCKS {GEMM_ROWS_BLOCKS_PER_SM}" in source
 
 
@@ -243,8 +280,9 @@ def test_grid_changes_no_bit(rows):
     default = _run(x, w, rows)
     for tiles in (1, 2, 4):
         for blocks in (None, 1, 3, 7):
-            _assert_bits_equal(_run(x, w, rows, tiles_per_warp=tiles, blocks=blocks), default,
-                               f"R{rows} tiles_per_warp={tiles} blocks={blocks}")
+            for serial in (False, True) if rows > 32 else (None,):
+                _assert_bits_equal(_run(x, w, rows, tiles_per_warp=tiles, blocks=blocks, serial=serial), default,
+                                   f"R{rows} tiles_per_warp={tiles} blocks={blocks} serial={serial}")
     # A programmatic launch (with the L2 prefetch) right behind the kernel that writes x.
     from glm_kda.gemm_rows import gemm_rows_bf16
 
@@ -257,6 +295,44 @@ def test_grid_changes_no_bit(rows):
         cp.copyto(staged, x)
         gemm_rows_bf16(staged, w, out, rows=rows, programmatic=True)
         _assert_bits_equal(out, default, f"R{rows} programmatic launch")
+
+
+def _order_sensitive(rng, rows, n, k):
+    """x, w whose k ranges give partial sums that make the fp32 total depend on the order of its
+    additions: even ranges huge products, equal and of opposite sign in ranges 0 / 2, 4 / 6; odd
+    ranges small ones (plain random data leaves the last fp32 bits to the BF16 rounding)."""
+    import ml_dtypes
+
+    k_range = 32 * -(-(-(-k // 32)) // k_split(k))
+    x = rng.standard_normal((rows, k))
+    w = rng.standard_normal((n, k)) * 2.0**-4
+    huge_x, huge_w = rng.standard_normal((rows, k_range)), rng.standard_normal((n, k_range)) * 2.0**12
+    for start in range(0, k, 2 * k_range):
+        if start + k_range <= k:
+            x[:, start:start + k_range] = huge_x
+            w[:, start:start + k_range] = huge_w if start // (2 * k_range) % 2 == 0 else -huge_w
+    cp = _cp()
+    return tuple(cp.asarray(v.astype(np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)) for v in (x, w))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("shape", [GLM_SHAPES[0], GLM_SHAPES[3], KIMI_SHAPES[0]], ids=_shape_id)
+def test_split_k_order_kept_by_every_sweep(shape):
+    """Order-sensitive data at the model's shapes: 40 and 64 rows through the split-k and the
+    serial sweeps (row-major and packed weights) equal one-row calls bit for bit."""
+    from glm_kda.gemm_rows import pack_weight
+
+    n, k = shape
+    rows = 64
+    x, w = _order_sensitive(np.random.default_rng(SEED + n), rows, n, k)
+    one_row = _one_row_calls(x, w, rows)
+    packed = pack_weight(w)
+    for count in (40, 64):
+        for serial in (False, True):
+            for weight, layout in ((w, "row-major"), (packed, "packed")):
+                _assert_bits_equal(_run(x, weight, count, serial=serial), one_row[:count],
+                                   f"{_shape_id(shape)}-R{count} serial={serial} {layout} vs one-row calls")
 
 
 @pytest.mark.gpu
@@ -378,3 +454,23 @@ def test_packed_weight_gives_the_row_major_bits(shape, rows):
     assert bool((row_major != POISON).all()), f"{_shape_id(shape)}-R{rows}: outputs left unwritten"
     packed_host = pack_weight(w.get()).data
     assert np.array_equal(packed.data.get(), packed_host), f"{_shape_id(shape)}: device and host packing differ"
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_mma_operand_order_gives_the_same_bits():
+    """The swapped form of the 2- and 4-m-tile sweeps (w as the mma's A operand) relies on the
+    tensor cores adding the same products in the same k slots to the same bits whichever operand
+    holds them: benchmarks/mma_forms.py measures it over 2.1 million outputs."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    result = subprocess.run([sys.executable, str(root / "benchmarks" / "mma_forms.py")], capture_output=True,
+                            text=True, timeout=300, cwd=root)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    differing = {name: case["differing_bits"] for name, case in report.items() if isinstance(case, dict)}
+    assert differing and not any(differing.values()), f"{report['device']}: outputs that differ by operand order {differing}"

@@ -72,6 +72,12 @@ MmaSlot mma_slots[32][32];
 #define DECLARE_BOTH(M, N) DECLARE(M, N) DECLARE_PACKED(M, N)
 DECLARE_BOTH(1, 1) DECLARE_BOTH(1, 2) DECLARE_BOTH(1, 4) DECLARE_BOTH(2, 1) DECLARE_BOTH(2, 2) DECLARE_BOTH(2, 4)
 DECLARE_BOTH(4, 1) DECLARE_BOTH(4, 2)
+#define DECLARE_SERIAL(M, N) \
+    extern "C" void gemm_rows_serial_bf16_m##M##_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, \
+                                                       int, int); \
+    extern "C" void gemm_rows_packed_serial_bf16_m##M##_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, int, \
+                                                              int, int, int, int);
+DECLARE_SERIAL(4, 2)
 extern "C" void gemv_bf16(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int);
 using Entry = void (*)(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int, int);
 
@@ -87,6 +93,9 @@ int main(int argc, char** argv)
     const int launches = std::atoi(argv[13]);
     // w_elements > 0: w is in the packed layout (that many elements) and the packed entry runs.
     const long w_elements = std::atol(argv[14]);
+    // serial: the serial sweep's entry (threads per block: argv[16]).
+    const bool serial = std::atoi(argv[15]) != 0;
+    const unsigned threads = std::atoi(argv[16]);
     const std::pair<int, int> key{m_tiles, n_tiles};
     const std::pair<std::pair<int, int>, Entry> entries[] = {
         {{1, 1}, gemm_rows_bf16_m1_n1}, {{1, 2}, gemm_rows_bf16_m1_n2}, {{1, 4}, gemm_rows_bf16_m1_n4},
@@ -101,8 +110,15 @@ int main(int argc, char** argv)
         {{1, 4}, gemm_rows_packed_bf16_m1_n4}, {{2, 1}, gemm_rows_packed_bf16_m2_n1},
         {{2, 2}, gemm_rows_packed_bf16_m2_n2}, {{2, 4}, gemm_rows_packed_bf16_m2_n4},
         {{4, 1}, gemm_rows_packed_bf16_m4_n1}, {{4, 2}, gemm_rows_packed_bf16_m4_n2}};
+    const std::pair<std::pair<int, int>, Entry> serial_entries[] = {{{4, 2}, gemm_rows_serial_bf16_m4_n2}};
+    const std::pair<std::pair<int, int>, Entry> packed_serial_entries[] = {
+        {{4, 2}, gemm_rows_packed_serial_bf16_m4_n2}};
     Entry entry = nullptr;
-    if (w_elements > 0) {
+    if (serial) {
+        for (const auto& [name, function] : w_elements > 0 ? packed_serial_entries : serial_entries) {
+            if (name == key) entry = function;
+        }
+    } else if (w_elements > 0) {
         for (const auto& [name, function] : packed_entries) if (name == key) entry = function;
     } else {
         for (const auto& [name, function] : entries) if (name == key) entry = function;
@@ -112,7 +128,7 @@ int main(int argc, char** argv)
     const auto w = load_u16(dir + "/w", w_elements > 0 ? size_t(w_elements) : size_t(n) * k);
     auto y = load_u16(dir + "/y", size_t(y_rows) * ldy);
     for (int launch = 0; launch < launches; ++launch) {
-        run_grid(dim3{grid_x, grid_y, 1}, 256, 0, [&] {
+        run_grid(dim3{grid_x, grid_y, 1}, threads, 0, [&] {
             entry(x.data() + size_t(launch) * ldx, ldx, w.data(), y.data() + size_t(launch) * ldy, ldy, rows, n, k, 0);
         });
     }
@@ -145,7 +161,7 @@ def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, gemv=F
     w_file = pack_weight(w.view(np.uint16)).data if packed else w
     if gemv:
         m_tiles = n_tiles = 0
-        plan = SimpleNamespace(grid=(-(-n // 8), 1))
+        plan = SimpleNamespace(grid=(-(-n // 8), 1), block=(256,), kernel="gemv_bf16")
     else:
         plan = launch_plan(n, k, 1 if one_row_launches else rows, **plan_args)
         m_tiles, n_tiles = (int(part[1:]) for part in plan.kernel.split("_")[-2:])
@@ -158,7 +174,8 @@ def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, gemv=F
         [str(binary), str(folder), str(m_tiles), str(n_tiles), str(plan.grid[0]), str(plan.grid[1]),
          str(1 if one_row_launches else rows), str(n),
          str(k), str(x_buffer.shape[1]), str(y_buffer.shape[1]), str(x_buffer.shape[0]), str(y_buffer.shape[0]),
-         str(rows if one_row_launches else 1), str(w_file.size if packed else 0)],
+         str(rows if one_row_launches else 1), str(w_file.size if packed else 0),
+         str(int("_serial_" in plan.kernel)), str(plan.block[0])],
         capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["misaligned=0"], f"host run: {result.stdout.strip()}"
@@ -183,8 +200,9 @@ def test_rows_equal_one_row_launches_on_host(gemm_host, shape):
     ratio = rms_ratio(bits_to_f64(one_row), round_bf16(bits_to_f64(x) @ bits_to_f64(w).T))
     assert ratio <= RMS_BOUND, f"N{n}-K{k}: rms-ratio {ratio:.3e} against the float64 oracle (bound {RMS_BOUND:g})"
     for rows in (2, 3, 16, 17, 33, 64, 65):
-        out = run_host(gemm_host, x[:rows], w, rows, np.full((rows, n), POISON, np.uint16))
-        _assert_bits_equal(out, one_row[:rows], f"N{n}-K{k} R{rows} vs one-row launches")
+        for serial in (None, True) if rows > 32 else (None,):
+            out = run_host(gemm_host, x[:rows], w, rows, np.full((rows, n), POISON, np.uint16), serial=serial)
+            _assert_bits_equal(out, one_row[:rows], f"N{n}-K{k} R{rows} serial={serial} vs one-row launches")
 
 
 @pytest.mark.parametrize("rows", [1, 16, 40], ids=lambda r: f"R{r}")
@@ -194,9 +212,10 @@ def test_tiles_and_grid_change_no_bit_on_host(gemm_host, rows):
     default = run_host(gemm_host, x, w, rows, np.full((rows, n), POISON, np.uint16))
     for tiles in (1, 2, 4):
         for blocks in (None, 1, 3):
-            out = run_host(gemm_host, x, w, rows, np.full((rows, n), POISON, np.uint16), tiles_per_warp=tiles,
-                           blocks=blocks)
-            _assert_bits_equal(out, default, f"R{rows} tiles_per_warp={tiles} blocks={blocks}")
+            for serial in (False, True) if rows > 32 and tiles > 1 else (None,):
+                out = run_host(gemm_host, x, w, rows, np.full((rows, n), POISON, np.uint16), tiles_per_warp=tiles,
+                               blocks=blocks, serial=serial)
+                _assert_bits_equal(out, default, f"R{rows} tiles_per_warp={tiles} blocks={blocks} serial={serial}")
 
 
 @pytest.mark.parametrize("rows", [1, 5, 33], ids=lambda r: f"R{r}")
@@ -206,13 +225,14 @@ def test_strided_x_and_column_slice_out_on_host(gemm_host, rows):
     x_buffer = bf16_bits(rng.standard_normal((rows + 3, k + 40)))
     w = bf16_bits(rng.standard_normal((n, k)) * k**-0.5)
     # x: columns 0 .. k of a buffer with row stride k + 40; out: columns 0 .. n of a wider buffer.
-    wide = run_host(gemm_host, x_buffer, w, rows, np.full((rows + 2, n + 40), POISON, np.uint16))
     contiguous = run_host(gemm_host, np.ascontiguousarray(x_buffer[:rows, :k]), w, rows,
                           np.full((rows, n), POISON, np.uint16))
-    _assert_bits_equal(wide[:rows, :n], contiguous, f"R{rows} strided x / sliced out vs contiguous")
-    untouched = np.ones(wide.shape, dtype=bool)
-    untouched[:rows, :n] = False
-    assert (wide[untouched] == POISON).all(), f"R{rows}: wrote outside columns < {n} / rows < {rows}"
+    for serial in (None, True) if rows > 32 else (None,):
+        wide = run_host(gemm_host, x_buffer, w, rows, np.full((rows + 2, n + 40), POISON, np.uint16), serial=serial)
+        _assert_bits_equal(wide[:rows, :n], contiguous, f"R{rows} serial={serial} strided x / sliced out vs contiguous")
+        untouched = np.ones(wide.shape, dtype=bool)
+        untouched[:rows, :n] = False
+        assert (wide[untouched] == POISON).all(), f"R{rows} serial={serial}: wrote outside columns < {n} / rows < {rows}"
 
 
 @pytest.mark.parametrize("shape", [(40, 136), (72, 2056)], ids=lambda s: f"N{s[0]}-K{s[1]}")
@@ -236,12 +256,14 @@ def test_packed_weight_gives_the_row_major_bits_on_host(gemm_host, shape):
     n, k = shape
     x, w = _inputs(n, k, 40, seed=5 * n + k)
     for rows in (1, 16, 40):
-        for tiles, blocks in ((None, None), (1, 3), (4, 1)):
-            args = dict(tiles_per_warp=tiles, blocks=blocks)
+        for tiles, blocks, serial in ((None, None, None), (1, 3, None), (4, 1, None), (2, 3, True), (None, None, True)):
+            if serial and rows <= 32:
+                continue
+            args = dict(tiles_per_warp=tiles, blocks=blocks, serial=serial)
             row_major = run_host(gemm_host, x[:rows], w, rows, np.full((rows, n), POISON, np.uint16), **args)
             packed = run_host(gemm_host, x[:rows], w, rows, np.full((rows, n), POISON, np.uint16), packed=True,
                               **args)
-            _assert_bits_equal(packed, row_major, f"N{n}-K{k} R{rows} tiles={tiles} blocks={blocks} packed")
+            _assert_bits_equal(packed, row_major, f"N{n}-K{k} R{rows} tiles={tiles} blocks={blocks} serial={serial} packed")
             assert (packed != POISON).all(), f"N{n}-K{k} R{rows}: the packed launch left outputs unwritten"
 
 
@@ -256,3 +278,29 @@ def test_pack_weight_layout():
         row, col = 8 * tile + lane // 4, 32 * kb + 8 * (lane % 4) + e
         expected = w[row, col] if row < n and col < k else 0
         assert data[tile, kb, 8 * lane + e] == expected, (tile, kb, lane, e)
+
+
+@pytest.mark.parametrize("k", [520, 2056], ids=lambda k: f"K{k}")
+def test_split_k_order_is_kept_on_host(gemm_host, k):
+    """k ranges whose partial sums make the fp32 total depend on the order it is taken in (plain
+    random data leaves the last fp32 bits to the BF16 rounding, which hides them): even ranges
+    hold huge products, equal and of opposite sign in ranges 0 / 2, 4 / 6, odd ranges small ones,
+    so the total keeps the small partials' bits only as rounded where they were added. Every
+    launch of 17..64 rows, split-k or serial, equals the one-row launches."""
+    from glm_kda.gemm_rows import k_split
+
+    n, rows = 48, 40
+    rng = np.random.default_rng(k)
+    k_range = 32 * -(-(-(-k // 32)) // k_split(k))
+    x = rng.standard_normal((rows, k))
+    w = rng.standard_normal((n, k)) * 2.0**-4
+    huge_x, huge_w = rng.standard_normal((rows, k_range)), rng.standard_normal((n, k_range)) * 2.0**12
+    for start in range(0, k, 2 * k_range):
+        if start + k_range <= k:
+            x[:, start:start + k_range] = huge_x
+            w[:, start:start + k_range] = huge_w if start // (2 * k_range) % 2 == 0 else -huge_w
+    x, w = bf16_bits(x), bf16_bits(w)
+    one_row = run_host(gemm_host, x, w, rows, np.full((rows, n), POISON, np.uint16), one_row_launches=True)
+    for serial in (False, True):
+        out = run_host(gemm_host, x, w, rows, np.full((rows, n), POISON, np.uint16), serial=serial)
+        _assert_bits_equal(out, one_row, f"K{k} R{rows} serial={serial} vs one-row launches")

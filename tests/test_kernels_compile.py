@@ -60,10 +60,12 @@ def test_kernel_files_match_entry_points():
         text = (folder / f"{stem}.cu").read_text()
         declared = re.findall(r'^extern "C" __global__ void(?:\s+__launch_bounds__\([^)]*\))?\s+(\w+)\s*\(', text,
                               re.M)
-        # gemm_rows.cu declares its variants through a macro: GEMM_ROWS_ENTRY(m-tiles, tiles), one
-        # entry per weight layout.
+        # gemm_rows.cu declares its variants through macros: GEMM_ROWS_ENTRY(m-tiles, tiles) and
+        # GEMM_ROWS_SERIAL_ENTRY(m-tiles, tiles), one entry per weight layout.
         declared += [f"gemm_rows_{layout}bf16_m{m}_n{n}" for layout in ("", "packed_")
                      for m, n in re.findall(r"^GEMM_ROWS_ENTRY\((\d+), (\d+)\)", text, re.M)]
+        declared += [f"gemm_rows_{layout}serial_bf16_m{m}_n{n}" for layout in ("", "packed_")
+                     for m, n in re.findall(r"^GEMM_ROWS_SERIAL_ENTRY\((\d+), (\d+)\)", text, re.M)]
         # chunk_tc.cu declares its two plain prepares through CHUNK_TC_PREPARE_ENTRY(name, unbounded).
         declared += re.findall(r"^CHUNK_TC_PREPARE_ENTRY\((\w+), \w+\)", text, re.M)
         assert sorted(declared) == sorted(names) and len(set(declared)) == len(declared), \
