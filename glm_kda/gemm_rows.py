@@ -43,6 +43,10 @@ DEFAULT_SM_COUNT = 132
 # benchmarks/decode_breakdown.py, one process).
 SERIAL_WARPS = 4
 SERIAL_MIN_GROUPS_PER_SM: float | None = None
+# Tiles per warp of the one serial entry (4 m-tiles, gemm_rows_serial_bf16_m4_n2). At 17..32 rows
+# the serial sweep ran slower than the split-k one on an H200 (GLM q|k|v 63.6 against 60.6 us), so
+# it has no entry there.
+SERIAL_TILES_PER_WARP = 2
 # Blocks of 32 k of each weight row that a programmatic launch asks L2 for before it waits
 # (see the kernel; 0: none). benchmarks/decode_breakdown.py compares the choices: on an H200,
 # graph replays interleaved in one process, 16 ran GLM 87.7 / Kimi 37.6 us, 4 89.8 / 37.5,
@@ -160,12 +164,21 @@ def launch_plan(
     m_tiles = m_tiles_for(rows)
     if tiles_per_warp is not None and tiles_per_warp not in TILES_PER_WARP:
         raise ValueError(f"tiles_per_warp must be one of {TILES_PER_WARP}, got {tiles_per_warp}")
+    if blocks is not None and blocks < 1:
+        raise ValueError(f"blocks must be >= 1, got {blocks}")
     if serial and m_tiles < 4:
         raise ValueError(f"the serial sweep runs 33..64 rows per group, not {rows}")
-    if m_tiles == 4 and serial is not False:
-        plan = _serial_plan(n, rows, m_tiles, tiles_per_warp, sm_count, blocks)
-        if plan is not None and (serial or _serial_is_wide_enough(plan, sm_count)):
-            return plan
+    if m_tiles == 4 and serial is not False and tiles_per_warp in (None, SERIAL_TILES_PER_WARP):
+        groups = -(-n // (SERIAL_WARPS * SERIAL_TILES_PER_WARP * N_TILE))
+        wide_enough = SERIAL_MIN_GROUPS_PER_SM is not None and groups >= SERIAL_MIN_GROUPS_PER_SM * sm_count
+        if serial or wide_enough:
+            return LaunchPlan(
+                kernel=f"gemm_rows_serial_bf16_m{m_tiles}_n{SERIAL_TILES_PER_WARP}",
+                grid=(min(blocks or groups, groups), -(-rows // ROWS_PER_SWEEP)),
+                block=(SERIAL_WARPS * 32,),
+                m_tiles=m_tiles,
+                tiles_per_warp=SERIAL_TILES_PER_WARP,
+            )
     warps_n = WARPS_PER_BLOCK // k_split(k)
     n_tiles = -(-n // N_TILE)
     widest = 2 if m_tiles == 4 else 4
@@ -181,8 +194,6 @@ def launch_plan(
     groups = column_groups(tiles_per_warp)
     if blocks is None:
         blocks = sm_count * GEMM_ROWS_BLOCKS_PER_SM if m_tiles == 1 else groups
-    elif blocks < 1:
-        raise ValueError(f"blocks must be >= 1, got {blocks}")
     return LaunchPlan(
         kernel=f"gemm_rows_bf16_m{m_tiles}_n{tiles_per_warp}",
         grid=(min(blocks, groups), -(-rows // ROWS_PER_SWEEP)),
@@ -190,38 +201,6 @@ def launch_plan(
         m_tiles=m_tiles,
         tiles_per_warp=tiles_per_warp,
     )
-
-
-# Tiles per warp of the serial entries (kernels_src/gemm_rows.cu) by m-tiles, the widest first. At
-# 17..32 rows (2 m-tiles) the serial sweep ran slower than the split-k one on an H200 (GLM q|k|v
-# 63.6 against 60.6 us), so it has no entry there.
-SERIAL_TILES = {2: (), 4: (2,)}
-
-
-def _serial_plan(n: int, rows: int, m_tiles: int, tiles_per_warp: int | None, sm_count: int,
-                 blocks: int | None) -> LaunchPlan | None:
-    """The serial sweep's launch (None where no serial entry has those tiles): the widest tiles
-    that still give every SM SERIAL_MIN_GROUPS_PER_SM blocks, one block per column group."""
-    choices = SERIAL_TILES[m_tiles] if tiles_per_warp is None else (tiles_per_warp,)
-    if not choices or not set(choices) <= set(SERIAL_TILES[m_tiles]):
-        return None
-    n_tiles = -(-n // N_TILE)
-    minimum = (SERIAL_MIN_GROUPS_PER_SM or 0.0) * sm_count
-    tiles = next((t for t in choices if -(-n_tiles // (SERIAL_WARPS * t)) >= minimum), choices[-1])
-    groups = -(-n_tiles // (SERIAL_WARPS * tiles))
-    if blocks is not None and blocks < 1:
-        raise ValueError(f"blocks must be >= 1, got {blocks}")
-    return LaunchPlan(
-        kernel=f"gemm_rows_serial_bf16_m{m_tiles}_n{tiles}",
-        grid=(min(blocks or groups, groups), -(-rows // ROWS_PER_SWEEP)),
-        block=(SERIAL_WARPS * 32,),
-        m_tiles=m_tiles,
-        tiles_per_warp=tiles,
-    )
-
-
-def _serial_is_wide_enough(plan: LaunchPlan, sm_count: int) -> bool:
-    return SERIAL_MIN_GROUPS_PER_SM is not None and plan.grid[0] >= SERIAL_MIN_GROUPS_PER_SM * sm_count
 
 
 def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | None = None,

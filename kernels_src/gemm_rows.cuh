@@ -554,41 +554,33 @@ __device__ __forceinline__ void gemm_rows_serial_sweep(const bf16_t* __restrict_
         if (warp_column >= n) {
             continue;  // warp-uniform; the serial sweep has no barrier
         }
+        // The accumulators by their flat index, the `fragment` of gemm_rows_fragment_place.
+        constexpr int FRAGMENTS = M_TILES * N_TILES * 4;
         int kb_begin, kb_end;
         gemm_rows_k_range(k, k_split, 0, kb_begin, kb_end);
         float total[M_TILES][N_TILES][4];
         gemm_rows_accumulate<M_TILES, N_TILES, GEMM_ROWS_SERIAL_LOADS, GEMM_X_INPUT, PACKED>(
             total, x, ldx, w, n, k, row_begin, row_end, warp_column, kb_begin, kb_end);
+        auto& total_flat = reinterpret_cast<float(&)[FRAGMENTS]>(total);
         for (int split = 1; split < k_split; ++split) {
             gemm_rows_k_range(k, k_split, split, kb_begin, kb_end);
             float acc[M_TILES][N_TILES][4];
             gemm_rows_accumulate<M_TILES, N_TILES, GEMM_ROWS_SERIAL_LOADS, GEMM_X_INPUT, PACKED>(
                 acc, x, ldx, w, n, k, row_begin, row_end, warp_column, kb_begin, kb_end);
+            const auto& acc_flat = reinterpret_cast<const float(&)[FRAGMENTS]>(acc);
 #pragma unroll
-            for (int m = 0; m < M_TILES; ++m) {
-#pragma unroll
-                for (int j = 0; j < N_TILES; ++j) {
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        total[m][j][e] += acc[m][j][e];
-                    }
-                }
+            for (int fragment = 0; fragment < FRAGMENTS; ++fragment) {
+                total_flat[fragment] += acc_flat[fragment];
             }
         }
 #pragma unroll
-        for (int m = 0; m < M_TILES; ++m) {
-#pragma unroll
-            for (int j = 0; j < N_TILES; ++j) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    int row, column;
-                    gemm_rows_fragment_place<M_TILES, N_TILES>((m * N_TILES + j) * 4 + e, lane, row, column);
-                    row += row_begin;
-                    column += warp_column;
-                    if (row < row_end && column < n) {
-                        y[static_cast<size_t>(row) * ldy + column] = f32_to_bf16(total[m][j][e]);
-                    }
-                }
+        for (int fragment = 0; fragment < FRAGMENTS; ++fragment) {
+            int row, column;
+            gemm_rows_fragment_place<M_TILES, N_TILES>(fragment, lane, row, column);
+            row += row_begin;
+            column += warp_column;
+            if (row < row_end && column < n) {
+                y[static_cast<size_t>(row) * ldy + column] = f32_to_bf16(total_flat[fragment]);
             }
         }
     }

@@ -33,6 +33,23 @@ def bf16_bits(x) -> np.ndarray:
     return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
 
 
+def order_sensitive_inputs(rng, rows: int, n: int, k: int, k_split: int) -> tuple[np.ndarray, np.ndarray]:
+    """float64 x [rows, k] and w [n, k] whose fp32 sum over gemm_rows' k_split ranges of 32-k
+    blocks depends on the order of its additions (plain random data leaves the last fp32 bits to
+    the BF16 rounding of the output, which hides them): even ranges hold huge products, equal and
+    of opposite sign in ranges 0 / 2, 4 / 6; odd ranges small ones, so the total keeps the small
+    partials' bits only as rounded where they were added."""
+    k_range = 32 * -(-(-(-k // 32)) // k_split)
+    x = rng.standard_normal((rows, k))
+    w = rng.standard_normal((n, k)) * 2.0**-4
+    huge_x, huge_w = rng.standard_normal((rows, k_range)), rng.standard_normal((n, k_range)) * 2.0**12
+    for start in range(0, k, 2 * k_range):
+        if start + k_range <= k:
+            x[:, start:start + k_range] = huge_x
+            w[:, start:start + k_range] = huge_w if start // (2 * k_range) % 2 == 0 else -huge_w
+    return x, w
+
+
 def bits_to_f64(bits) -> np.ndarray:
     """BF16 bits (uint16) as float64, exactly."""
     return (np.asarray(bits).astype(np.uint32) << 16).view(np.float32).astype(np.float64)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from glm_kda.device import gpu_status
-from glm_kda.gemm_rows import GEMM_ROWS_BLOCKS_PER_SM, GEMM_ROWS_MAX_ROWS, SERIAL_TILES, k_split, launch_plan
+from glm_kda.gemm_rows import GEMM_ROWS_BLOCKS_PER_SM, GEMM_ROWS_MAX_ROWS, SERIAL_TILES_PER_WARP, k_split, launch_plan
 from glm_kda.kernels import ENTRY_POINTS
 
 GPU_OK, GPU_WHY = gpu_status()
@@ -146,7 +146,7 @@ def test_launch_plan_covers_every_column(shape):
             resident = 132 * GEMM_ROWS_BLOCKS_PER_SM
             assert plan.grid[0] == (min(whole.grid[0], resident) if plan.m_tiles == 1 else whole.grid[0])
             assert plan.grid[1] == whole.grid[1] and plan.kernel == whole.kernel
-            if rows > 32 and (tiles or 2) in SERIAL_TILES[plan.m_tiles]:
+            if rows > 32 and tiles in (None, SERIAL_TILES_PER_WARP):
                 serial = launch_plan(n, k, rows, tiles_per_warp=tiles, serial=True)
                 warps = serial.block[0] // 32
                 assert serial.grid[0] * warps * serial.tiles_per_warp * 8 >= n
@@ -298,21 +298,11 @@ def test_grid_changes_no_bit(rows):
 
 
 def _order_sensitive(rng, rows, n, k):
-    """x, w whose k ranges give partial sums that make the fp32 total depend on the order of its
-    additions: even ranges huge products, equal and of opposite sign in ranges 0 / 2, 4 / 6; odd
-    ranges small ones (plain random data leaves the last fp32 bits to the BF16 rounding)."""
-    import ml_dtypes
+    """Device BF16 bits of host_cuda.order_sensitive_inputs: x, w whose fp32 sum over the k ranges
+    depends on the order of its additions."""
+    from host_cuda import bf16_bits, order_sensitive_inputs
 
-    k_range = 32 * -(-(-(-k // 32)) // k_split(k))
-    x = rng.standard_normal((rows, k))
-    w = rng.standard_normal((n, k)) * 2.0**-4
-    huge_x, huge_w = rng.standard_normal((rows, k_range)), rng.standard_normal((n, k_range)) * 2.0**12
-    for start in range(0, k, 2 * k_range):
-        if start + k_range <= k:
-            x[:, start:start + k_range] = huge_x
-            w[:, start:start + k_range] = huge_w if start // (2 * k_range) % 2 == 0 else -huge_w
-    cp = _cp()
-    return tuple(cp.asarray(v.astype(np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)) for v in (x, w))
+    return tuple(_cp().asarray(bf16_bits(v)) for v in order_sensitive_inputs(rng, rows, n, k, k_split(k)))
 
 
 @pytest.mark.gpu

@@ -24,7 +24,7 @@ import pytest
 from glm_kda.gemm_rows import launch_plan, pack_weight
 from glm_kda.reference import rms_ratio, round_bf16
 from host_cuda import (COMMON_DEVICE_HELPERS, HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, bf16_bits, bits_to_f64, build_host_binary,
-                       host_kernel_source)
+                       host_kernel_source, order_sensitive_inputs)
 
 RMS_BOUND = 1e-3
 POISON = 0x7FA5
@@ -282,24 +282,13 @@ def test_pack_weight_layout():
 
 @pytest.mark.parametrize("k", [520, 2056], ids=lambda k: f"K{k}")
 def test_split_k_order_is_kept_on_host(gemm_host, k):
-    """k ranges whose partial sums make the fp32 total depend on the order it is taken in (plain
-    random data leaves the last fp32 bits to the BF16 rounding, which hides them): even ranges
-    hold huge products, equal and of opposite sign in ranges 0 / 2, 4 / 6, odd ranges small ones,
-    so the total keeps the small partials' bits only as rounded where they were added. Every
-    launch of 17..64 rows, split-k or serial, equals the one-row launches."""
+    """k ranges whose partial sums make the fp32 total depend on the order it is taken in
+    (host_cuda.order_sensitive_inputs): every launch of 17..64 rows, split-k or serial, equals the
+    one-row launches."""
     from glm_kda.gemm_rows import k_split
 
     n, rows = 48, 40
-    rng = np.random.default_rng(k)
-    k_range = 32 * -(-(-(-k // 32)) // k_split(k))
-    x = rng.standard_normal((rows, k))
-    w = rng.standard_normal((n, k)) * 2.0**-4
-    huge_x, huge_w = rng.standard_normal((rows, k_range)), rng.standard_normal((n, k_range)) * 2.0**12
-    for start in range(0, k, 2 * k_range):
-        if start + k_range <= k:
-            x[:, start:start + k_range] = huge_x
-            w[:, start:start + k_range] = huge_w if start // (2 * k_range) % 2 == 0 else -huge_w
-    x, w = bf16_bits(x), bf16_bits(w)
+    x, w = (bf16_bits(v) for v in order_sensitive_inputs(np.random.default_rng(k), rows, n, k, k_split(k)))
     one_row = run_host(gemm_host, x, w, rows, np.full((rows, n), POISON, np.uint16), one_row_launches=True)
     for serial in (False, True):
         out = run_host(gemm_host, x, w, rows, np.full((rows, n), POISON, np.uint16), serial=serial)
