@@ -51,7 +51,8 @@ def defaults() -> dict:
     for), step_prefetch_waves, persistent_lags (the one persistent launch with these (step, out)
     lags in pairs of heads; None: the separate launches), l2_prefetch_max_weight_bytes (None: any
     weight), packed_decode, step_dependents_after (layer.STEP_DEPENDENTS_AFTER), serial_min_groups_per_sm
-    (gemm_rows.SERIAL_MIN_GROUPS_PER_SM; None: never the serial sweep), kernel_sources (a folder of
+    (gemm_rows.SERIAL_MIN_GROUPS_PER_SM; None: never the serial sweep), wgmma_min_groups_per_sm
+    (gemm_rows.WGMMA_MIN_GROUPS_PER_SM; None: never the warpgroup-MMA sweep), kernel_sources (a folder of
     kernel sources; None: the package's own)."""
     from glm_kda import gemm_rows, kernels, layer, persistent
 
@@ -61,7 +62,8 @@ def defaults() -> dict:
         "persistent_lags": (persistent.STEP_LAG_PAIRS, persistent.OUT_LAG_PAIRS) if layer.PERSISTENT_DECODE else None,
         "l2_prefetch_max_weight_bytes": gemm_rows.PREFETCH_MAX_WEIGHT_BYTES, "packed_decode": True,
         "step_dependents_after": layer.STEP_DEPENDENTS_AFTER,
-        "serial_min_groups_per_sm": gemm_rows.SERIAL_MIN_GROUPS_PER_SM, "kernel_sources": None,
+        "serial_min_groups_per_sm": gemm_rows.SERIAL_MIN_GROUPS_PER_SM,
+        "wgmma_min_groups_per_sm": gemm_rows.WGMMA_MIN_GROUPS_PER_SM, "kernel_sources": None,
     }
 
 
@@ -85,6 +87,7 @@ def apply(settings: dict, layer_object) -> None:
     gemm_rows.PREFETCH_MAX_WEIGHT_BYTES = settings["l2_prefetch_max_weight_bytes"]
     layer.STEP_DEPENDENTS_AFTER = settings["step_dependents_after"]
     gemm_rows.SERIAL_MIN_GROUPS_PER_SM = settings["serial_min_groups_per_sm"]
+    gemm_rows.WGMMA_MIN_GROUPS_PER_SM = settings["wgmma_min_groups_per_sm"]
     sources = settings["kernel_sources"]
     if sources not in _KERNEL_SETS:
         _KERNEL_SETS[sources] = kernels.KernelSet.get() if sources is None else kernels.KernelSet(sources)

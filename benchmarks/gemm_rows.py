@@ -44,7 +44,8 @@ import cupy
 import numpy as np
 
 from glm_kda import kernels, ops
-from glm_kda.gemm_rows import GEMM_ROWS_BLOCKS_PER_SM, gemm_rows_bf16, launch_plan, pack_weight, weight_bytes
+from glm_kda.gemm_rows import (GEMM_ROWS_BLOCKS_PER_SM, gemm_rows_bf16, launch_plan, pack_weight, wgmma_available,
+                               weight_bytes)
 from glm_kda.selftest import copy_bandwidth_gbs
 
 # (geometry, projection, n, k)
@@ -140,6 +141,9 @@ def main() -> None:
     parser.add_argument("--no-gemv", action="store_true", help="leave out the gemv_bf16 lines")
     parser.add_argument("--serial", choices=("auto", "both"), default="auto",
                         help="17..64 rows: the sweep launch_plan picks, or both the split-k and the serial sweep")
+    parser.add_argument("--wgmma", choices=("auto", "both"), default="auto",
+                        help="17..256 rows of a packed weight: the sweep launch_plan picks, or both the mma.sync "
+                             "and the warpgroup-MMA sweep (sm_90)")
     args = parser.parse_args()
     if any(not 1 <= rows <= 256 for rows in args.rows):
         parser.error(f"--rows must lie in 1..256, got {args.rows}")
@@ -185,12 +189,19 @@ def main() -> None:
             layouts["packed"] = [pack_weight(w) for w in weights]
         for rows in args.rows:
             results = {}
-            for serial in (False, True) if args.serial == "both" and 16 < rows <= 64 else (None,):
-                plan = launch_plan(n, k, rows, sm_count=sm_count, serial=serial)
+            forms = [(serial, None) for serial in ((False, True) if args.serial == "both" and 16 < rows <= 64
+                                                   else (None,))]
+            if args.wgmma == "both" and rows > 16 and wgmma_available():
+                forms = [(serial, False) for serial, _ in forms] + [(None, True)]
+            for serial, wgmma in forms:
                 for layout, copies in layouts.items():
+                    use_wgmma = wgmma if layout == "packed" and wgmma_available() else False
+                    plan = launch_plan(n, k, rows, sm_count=sm_count, serial=serial, wgmma=use_wgmma)
+                    if wgmma and not use_wgmma:
+                        continue
 
-                    def launch(index: int, rows: int = rows, copies=copies, serial=serial) -> None:
-                        gemm_rows_bf16(x[:rows], copies[index], out[:rows], rows=rows, serial=serial)
+                    def launch(index: int, rows: int = rows, copies=copies, serial=serial, wgmma=use_wgmma) -> None:
+                        gemm_rows_bf16(x[:rows], copies[index], out[:rows], rows=rows, serial=serial, wgmma=wgmma)
 
                     for sources, kernel_set in kernel_sets.items():
                         kernels.KernelSet.install(kernel_set)

@@ -47,6 +47,20 @@ SERIAL_MIN_GROUPS_PER_SM: float | None = None
 # the serial sweep ran slower than the split-k one on an H200 (GLM q|k|v 63.6 against 60.6 us), so
 # it has no entry there.
 SERIAL_TILES_PER_WARP = 2
+# 17..64 rows a group of a packed weight on an sm_90 device run on Hopper's warpgroup MMA
+# (kernels_src/gemm_rows_wgmma.cu: w as the A operand from registers, x from shared memory, the
+# same bits as the mma.sync sweeps) where the weight has at least WGMMA_MIN_GROUPS_PER_SM groups of
+# 64 columns per SM (None: never). WGMMA_WARPGROUPS warpgroups of a block share x's stages. Off:
+# on an H200 it ran far slower than the mma.sync sweeps (64 rows, GLM q|k|v 163.7 against 97.3 us,
+# Kimi q|k|v 79.3 against 34.3; benchmarks/NOTES.md), so it is opt-in (wgmma=True) until it wins.
+WGMMA_MIN_GROUPS_PER_SM: float | None = None
+WGMMA_WARPGROUPS = 1
+WGMMA_COLUMNS = 64
+# Blocks of 32 k of x per stage and stages in a block's ring (GEMM_WGMMA_CHUNK, GEMM_WGMMA_STAGES).
+WGMMA_CHUNK = 4
+WGMMA_STAGES = 3
+# Warpgroups per SM the entries are compiled for (__launch_bounds__(WG * 128, 4 / WG)).
+WGMMA_WARPGROUPS_PER_SM = 4
 # Blocks of 32 k of each weight row that a programmatic launch asks L2 for before it waits
 # (see the kernel; 0: none). benchmarks/decode_breakdown.py compares the choices: on an H200,
 # graph replays interleaved in one process, 16 ran GLM 87.7 / Kimi 37.6 us, 4 89.8 / 37.5,
@@ -113,6 +127,7 @@ class LaunchPlan:
     block: tuple[int]
     m_tiles: int
     tiles_per_warp: int
+    shared_mem: int = 0
 
 
 def k_split(k: int) -> int:
@@ -143,7 +158,7 @@ def _sm_count(device_id: int) -> int:
 
 def launch_plan(
     n: int, k: int, rows: int, tiles_per_warp: int | None = None, sm_count: int = DEFAULT_SM_COUNT,
-    blocks: int | None = None, serial: bool | None = None,
+    blocks: int | None = None, serial: bool | None = None, wgmma: bool | None = False,
 ) -> LaunchPlan:
     """The launch of one call.
 
@@ -159,9 +174,27 @@ def launch_plan(
     Above 32 rows, ``serial`` (None: by SERIAL_MIN_GROUPS_PER_SM) picks the serial sweep: blocks of
     SERIAL_WARPS warps side by side along n, each warp walking every k range of its columns (where
     it has no entry for the tiles, True keeps the split-k sweep).
+    Above 16 rows, ``wgmma`` picks the warpgroup-MMA sweep of a packed weight on sm_90 (True: always,
+    None: where the weight has WGMMA_MIN_GROUPS_PER_SM groups of 64 columns per SM, False: never; the
+    caller knows whether the weight is packed and the device has it, see :func:`gemm_rows_bf16`).
     Any choice gives the same bits: it moves work between blocks, never changes the k order.
     """
     m_tiles = m_tiles_for(rows)
+    if m_tiles > 1 and wgmma is not False:
+        groups = -(-n // (WGMMA_COLUMNS * WGMMA_WARPGROUPS))
+        wide_enough = (WGMMA_MIN_GROUPS_PER_SM is not None
+                       and -(-n // WGMMA_COLUMNS) >= WGMMA_MIN_GROUPS_PER_SM * sm_count)
+        if wgmma or wide_enough:
+            n_rows = 32 if m_tiles == 2 else 64
+            resident = sm_count * (WGMMA_WARPGROUPS_PER_SM // WGMMA_WARPGROUPS)
+            return LaunchPlan(
+                kernel=f"gemm_rows_wgmma_n{n_rows}_g{WGMMA_WARPGROUPS}",
+                grid=(min(blocks or resident, resident, groups), -(-rows // ROWS_PER_SWEEP)),
+                block=(WGMMA_WARPGROUPS * 128,),
+                m_tiles=m_tiles,
+                tiles_per_warp=2,
+                shared_mem=WGMMA_STAGES * WGMMA_CHUNK * 64 * n_rows,
+            )
     if tiles_per_warp is not None and tiles_per_warp not in TILES_PER_WARP:
         raise ValueError(f"tiles_per_warp must be one of {TILES_PER_WARP}, got {tiles_per_warp}")
     if blocks is not None and blocks < 1:
@@ -203,8 +236,15 @@ def launch_plan(
     )
 
 
+def wgmma_available() -> bool:
+    """Whether the current device runs the warpgroup-MMA sweep (sm_90, and the kernel set in use
+    has it)."""
+    return kernels.KernelSet.get().has(f"gemm_rows_wgmma_n64_g{WGMMA_WARPGROUPS}")
+
+
 def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | None = None,
-                   blocks: int | None = None, programmatic: bool = False, serial: bool | None = None) -> None:
+                   blocks: int | None = None, programmatic: bool = False, serial: bool | None = None,
+                   wgmma: bool | None = None) -> None:
     """out[r, :] = bf16(x[r, :] @ w.T) for r < rows (1..256), FP32 accumulation on tensor cores.
 
     Shapes:
@@ -220,7 +260,8 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
     kernels_src/gemm_rows.cu). ``tiles_per_warp`` (1, 2, 4, or None to choose from the
     shape) and ``blocks`` (the most blocks along n, None to choose) tune the launch and
     leave every bit unchanged, as does ``serial`` (33..64 rows per group: the serial sweep, or
-    not; None to choose from the shape).
+    not; None to choose from the shape) and ``wgmma`` (17..64 rows per group of a packed weight on
+    sm_90: the warpgroup-MMA sweep, or not; None to choose from the shape).
 
     ``w`` may also be a :class:`PackedWeight` of the same weight (:func:`pack_weight`): the
     same bits, the weight read in contiguous runs.
@@ -231,15 +272,25 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
     previous operation in the stream is the kernel that writes x; the bits are the same.
     """
     rows, n, k, ldx, ldy = projection_args("gemm_rows_bf16", x, w, out, rows, GEMM_ROWS_MAX_ROWS)
-    plan = launch_plan(n, k, rows, tiles_per_warp, _sm_count(cupy.cuda.Device().id), blocks, serial)
-    prefetch = prefetch_k_blocks(n, k) if programmatic else 0
     packed = isinstance(w, PackedWeight)
+    if not (packed and wgmma_available()):
+        if wgmma:
+            raise ValueError("gemm_rows_bf16: wgmma=True needs a PackedWeight on an sm_90 device"
+                             f" (packed: {packed}, warpgroup-MMA kernels loaded: {wgmma_available()})")
+        wgmma = False
+    plan = launch_plan(n, k, rows, tiles_per_warp, _sm_count(cupy.cuda.Device().id), blocks, serial, wgmma)
+    prefetch = prefetch_k_blocks(n, k) if programmatic else 0
+    kernel = plan.kernel
+    if packed and not kernel.startswith("gemm_rows_wgmma"):
+        kernel = kernel.replace("gemm_rows_", "gemm_rows_packed_")
     kernels.launch(
-        plan.kernel.replace("gemm_rows_", "gemm_rows_packed_") if packed else plan.kernel,
+        kernel,
         plan.grid,
         plan.block,
         (x, _i32(ldx), w.data if packed else w, out, _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(prefetch)),
+        plan.shared_mem,
         programmatic=programmatic,
+        carveout=100 if plan.shared_mem else -1,
     )
 
 

@@ -38,8 +38,15 @@ ENTRY_POINTS: dict[str, tuple[str, ...]] = {
     "norm": ("gated_rmsnorm_sigmoid_bf16",),
 }
 
-# The kernel source files, one per family (the keys of ENTRY_POINTS plus ".cu").
-KERNEL_FILES: tuple[str, ...] = tuple(f"{stem}.cu" for stem in ENTRY_POINTS)
+# file stem -> (architecture, entry points): families that use one architecture's own instructions
+# (sm_90a: Hopper's warpgroup MMA). They are compiled for that architecture alone and loaded only on a
+# device of it; the wrappers fall back to the portable kernels elsewhere (KernelSet.has).
+ARCH_ENTRY_POINTS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "gemm_rows_wgmma": ("sm_90a", tuple(f"gemm_rows_wgmma_n{n}_g{g}" for n in (32, 64) for g in (1, 2))),
+}
+
+# The kernel source files, one per family (the keys of ENTRY_POINTS and ARCH_ENTRY_POINTS plus ".cu").
+KERNEL_FILES: tuple[str, ...] = tuple(f"{stem}.cu" for stem in (*ENTRY_POINTS, *ARCH_ENTRY_POINTS))
 
 COMMON_HEADER = "kda_common.cuh"
 
@@ -259,7 +266,8 @@ def cubin_function_symbols(cubin: bytes) -> list[str]:
 
 
 def compile_check(arch: str) -> dict[str, dict[str, int]]:
-    """Compile every kernel file for ``arch`` with NVRTC (no GPU needed).
+    """Compile every kernel file for ``arch`` with NVRTC (no GPU needed): the portable families, and
+    the families of ARCH_ENTRY_POINTS built for ``arch`` itself (e.g. "sm_90a").
 
     Returns, per kernel entry point, {registers, spill_stores, spill_loads,
     stack_frame, shared} from the ``--ptxas-options=-v`` log. Raises
@@ -267,7 +275,8 @@ def compile_check(arch: str) -> dict[str, dict[str, int]]:
     point of ENTRY_POINTS is missing from its cubin.
     """
     report: dict[str, dict[str, int]] = {}
-    for stem, names in ENTRY_POINTS.items():
+    families = {**ENTRY_POINTS, **{stem: names for stem, (only, names) in ARCH_ENTRY_POINTS.items() if only == arch}}
+    for stem, names in families.items():
         compiled = compile_file(stem, arch)
         symbols = set(cubin_function_symbols(compiled.cubin))
         resources = parse_ptxas_log(compiled.log)
@@ -287,6 +296,26 @@ def compile_check(arch: str) -> dict[str, dict[str, int]]:
 # --------------------------------------------------------------------------------------
 # Loading on a GPU
 # --------------------------------------------------------------------------------------
+
+
+def _cached_cubin(stem: str, arch: str, directory: Path | str | None) -> Path:
+    """The cubin of ``<stem>.cu`` for ``arch``, compiled by NVRTC once and kept in a file named by
+    the hash of its source and options (CuPy's own cache compiles for the device's portable
+    architecture only, not for an "a" architecture)."""
+    import hashlib
+    import os
+    import tempfile
+
+    source = kernel_source(stem, directory)
+    key = hashlib.sha256("\0".join([source, arch, *COMPILE_OPTIONS]).encode()).hexdigest()[:24]
+    folder = Path(os.environ.get("GLM_KDA_CUBIN_CACHE", Path(tempfile.gettempdir()) / f"glm_kda-{os.getuid()}"))
+    path = folder / f"{stem}-{arch}-{key}.cubin"
+    if not path.is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.part")
+        partial.write_bytes(compile_file(stem, arch, directory).cubin)
+        partial.replace(path)
+    return path
 
 
 class KernelSet:
@@ -313,6 +342,19 @@ class KernelSet:
         missing: list[str] = []
         for stem, names in ENTRY_POINTS.items():
             module = cupy.RawModule(code=kernel_source(stem, directory), options=COMPILE_OPTIONS)
+            self.modules[stem] = module
+            for name in names:
+                try:
+                    self.functions[name] = module.get_function(name)
+                except cupy.cuda.driver.CUDADriverError:
+                    missing.append(f"{stem}.cu:{name}")
+        device_arch = f"sm_{cupy.cuda.Device().compute_capability}a"
+        folder = Path(directory) if directory is not None else kernels_dir()
+        for stem, (arch, names) in ARCH_ENTRY_POINTS.items():
+            # Another version of the sources may predate the family: its set runs the portable kernels.
+            if arch != device_arch or not (folder / f"{stem}.cu").is_file():
+                continue
+            module = cupy.RawModule(path=str(_cached_cubin(stem, arch, directory)))
             self.modules[stem] = module
             for name in names:
                 try:
@@ -349,6 +391,11 @@ class KernelSet:
         previous = cls.get()
         cls._instances[device_id] = kernel_set
         return previous
+
+    def has(self, name: str) -> bool:
+        """Whether this set holds entry point ``name`` (an architecture's own family is loaded only
+        on a device of that architecture)."""
+        return name in self.functions
 
     def function(self, name: str) -> Any:
         try:

@@ -196,6 +196,46 @@ def test_launch_plan_takes_the_serial_sweep_for_wide_weights(monkeypatch):
     assert launch_plan(24576, 4096, 64, tiles_per_warp=1, serial=True).kernel == "gemm_rows_bf16_m4_n1"
 
 
+def test_launch_plan_takes_the_wgmma_sweep_for_wide_weights(monkeypatch):
+    from glm_kda import gemm_rows
+
+    # Off by default: the rule never picks it.
+    assert gemm_rows.WGMMA_MIN_GROUPS_PER_SM is None
+    assert launch_plan(24576, 4096, 64, wgmma=None).kernel == "gemm_rows_bf16_m4_n2"
+    # The rule once on: 17..64 rows a group of a weight with a group of 64 columns per SM.
+    monkeypatch.setattr(gemm_rows, "WGMMA_MIN_GROUPS_PER_SM", 1.0)
+    plan = launch_plan(24576, 4096, 64, wgmma=None)
+    assert plan.kernel == f"gemm_rows_wgmma_n64_g{gemm_rows.WGMMA_WARPGROUPS}"
+    assert plan.shared_mem == gemm_rows.WGMMA_STAGES * gemm_rows.WGMMA_CHUNK * 64 * 64
+    assert plan.block == (128 * gemm_rows.WGMMA_WARPGROUPS,)
+    assert launch_plan(24576, 4096, 32, wgmma=None).kernel.startswith("gemm_rows_wgmma_n32_")
+    assert launch_plan(24576, 4096, 200, wgmma=None).grid[1] == 4
+    assert launch_plan(12288, 2304, 64, wgmma=None).kernel.startswith("gemm_rows_wgmma_n64_")
+    # Too few column groups, one m-tile, or not asked for: the mma.sync sweeps.
+    assert launch_plan(2304, 4096, 64, wgmma=None).kernel == "gemm_rows_bf16_m4_n2"
+    assert launch_plan(24576, 4096, 16, wgmma=None).kernel == "gemm_rows_bf16_m1_n4"
+    assert launch_plan(24576, 4096, 64).kernel == "gemm_rows_bf16_m4_n2"
+    # Forced, any width; the grid never exceeds the groups nor the resident blocks.
+    forced = launch_plan(200, 1056, 40, wgmma=True)
+    assert forced.kernel.startswith("gemm_rows_wgmma_n64_") and forced.grid == (-(-200 // (64 * gemm_rows.WGMMA_WARPGROUPS)), 1)
+    resident = 132 * gemm_rows.WGMMA_WARPGROUPS_PER_SM // gemm_rows.WGMMA_WARPGROUPS
+    assert launch_plan(24576, 4096, 64, wgmma=True, blocks=10**6).grid[0] == min(resident, 384 // gemm_rows.WGMMA_WARPGROUPS)
+
+
+def test_wgmma_entry_points_match_the_launch_plan():
+    from glm_kda import gemm_rows
+    from glm_kda.kernels import ARCH_ENTRY_POINTS, kernel_source
+
+    arch, names = ARCH_ENTRY_POINTS["gemm_rows_wgmma"]
+    assert arch == "sm_90a"
+    for rows in (17, 64):
+        assert launch_plan(24576, 4096, rows, wgmma=True).kernel in names
+    source = kernel_source("gemm_rows_wgmma")
+    assert f"#define GEMM_WGMMA_CHUNK {gemm_rows.WGMMA_CHUNK}" in source
+    assert f"#define GEMM_WGMMA_STAGES {gemm_rows.WGMMA_STAGES}" in source
+    assert f"#define GEMM_WGMMA_COLUMNS {gemm_rows.WGMMA_COLUMNS}" in source
+
+
 def test_launch_plan_blocks_caps_the_grid():
     assert launch_plan(24576, 4096, 1, tiles_per_warp=1, blocks=264).grid == (264, 1)
     assert launch_plan(24576, 4096, 100, tiles_per_warp=1, blocks=10**6).grid == (3072, 2)
@@ -446,21 +486,109 @@ def test_packed_weight_gives_the_row_major_bits(shape, rows):
     assert np.array_equal(packed.data.get(), packed_host), f"{_shape_id(shape)}: device and host packing differ"
 
 
+def _needs_wgmma():
+    from glm_kda.gemm_rows import wgmma_available
+
+    if not wgmma_available():
+        pytest.skip("the warpgroup-MMA sweep needs an sm_90 device (this one runs the mma.sync sweeps)")
+
+
+WGMMA_ROWS = (17, 24, 32, 33, 40, 64, 65, 100, 256)
+
+
 @pytest.mark.gpu
 @needs_gpu
-def test_mma_operand_order_gives_the_same_bits():
-    """The swapped form of the 2- and 4-m-tile sweeps (w as the mma's A operand) relies on the
-    tensor cores adding the same products in the same k slots to the same bits whichever operand
-    holds them: benchmarks/mma_forms.py measures it over 2.1 million outputs."""
+@pytest.mark.parametrize("shape", [(13, 40), (100, 136), (200, 1056), (1000, 1032), (72, 2056)] + GLM_SHAPES
+                         + KIMI_SHAPES, ids=_shape_id)
+def test_wgmma_sweep_gives_the_mma_sync_bits(shape):
+    """The warpgroup-MMA sweep (packed weight, 17..256 rows) writes the bits of the mma.sync sweeps
+    and of one-row calls: awkward n and k (k tails, an empty last k range at k = 1056), the model's
+    shapes; any grid; a programmatic launch."""
+    from glm_kda.gemm_rows import gemm_rows_bf16, pack_weight
+
+    _needs_wgmma()
+    cp = _cp()
+    n, k = shape
+    rng = np.random.default_rng(SEED + 7 * n + k)
+    x = _random_bf16(rng, (max(WGMMA_ROWS), k))
+    packed = pack_weight(_random_bf16(rng, (n, k), scale=k**-0.5))
+    one_row = cp.concatenate([_run(cp.ascontiguousarray(x[r : r + 1]), packed, 1) for r in range(max(WGMMA_ROWS))])
+    for rows in WGMMA_ROWS:
+        wgmma = _run(x, packed, rows, wgmma=True)
+        _assert_bits_equal(wgmma, _run(x, packed, rows, wgmma=False), f"{_shape_id(shape)}-R{rows} wgmma vs mma.sync")
+        _assert_bits_equal(wgmma, one_row[:rows], f"{_shape_id(shape)}-R{rows} wgmma vs one-row calls")
+    for blocks in (1, 3):
+        _assert_bits_equal(_run(x, packed, 64, wgmma=True, blocks=blocks), one_row[:64],
+                           f"{_shape_id(shape)}-R64 wgmma blocks={blocks}")
+    staged = cp.zeros_like(x)
+    out = cp.full((40, n), POISON, dtype=cp.uint16)
+    for _ in range(3):
+        staged.fill(0)
+        cp.copyto(staged, x)
+        gemm_rows_bf16(staged, packed, out, rows=40, programmatic=True, wgmma=True)
+        _assert_bits_equal(out, one_row[:40], f"{_shape_id(shape)}-R40 wgmma, programmatic")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("shape", [GLM_SHAPES[0], GLM_SHAPES[3], KIMI_SHAPES[0], (200, 1056)], ids=_shape_id)
+def test_wgmma_sweep_keeps_the_split_k_order(shape):
+    """Order-sensitive data (its fp32 sum over the k ranges depends on the order of the additions):
+    the warpgroup-MMA sweep at 24, 40 and 64 rows equals one-row calls bit for bit."""
+    from glm_kda.gemm_rows import pack_weight
+
+    _needs_wgmma()
+    n, k = shape
+    x, w = _order_sensitive(np.random.default_rng(SEED + n), 64, n, k)
+    packed = pack_weight(w)
+    one_row = _one_row_calls(x, packed, 64)
+    for rows in (24, 40, 64):
+        _assert_bits_equal(_run(x, packed, rows, wgmma=True), one_row[:rows],
+                           f"{_shape_id(shape)}-R{rows} wgmma vs one-row calls (order-sensitive data)")
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_wgmma_needs_a_packed_weight():
+    _needs_wgmma()
+    rng = np.random.default_rng(SEED)
+    x = _random_bf16(rng, (40, 128))
+    w = _random_bf16(rng, (64, 128))
+    with pytest.raises(ValueError, match="wgmma=True needs a PackedWeight"):
+        _run(x, w, 40, wgmma=True)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_wgmma_forms_give_the_same_bits():
+    """The warpgroup-MMA sweep relies on wgmma adding a k16 step to the bits mma.sync m16n8k16 gives
+    for the same products in the same slots: benchmarks/wgmma_forms.py measures it."""
+    _needs_wgmma()
+    report = _benchmark_report("wgmma_forms.py")
+    matching = {name: case["differing_bits"] for name, case in report.items()
+                if isinstance(case, dict) and case["wgmma_error"] < 1e-3}
+    assert len(matching) == 9 and not any(matching.values()), f"{report['device']}: {report}"
+
+
+def _benchmark_report(script: str) -> dict:
     import json
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    result = subprocess.run([sys.executable, str(root / "benchmarks" / "mma_forms.py")], capture_output=True,
+    result = subprocess.run([sys.executable, str(root / "benchmarks" / script)], capture_output=True,
                             text=True, timeout=300, cwd=root)
     assert result.returncode == 0, result.stderr[-2000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_mma_operand_order_gives_the_same_bits():
+    """The swapped form of the 2- and 4-m-tile sweeps (w as the mma's A operand) relies on the
+    tensor cores adding the same products in the same k slots to the same bits whichever operand
+    holds them: benchmarks/mma_forms.py measures it over 2.1 million outputs."""
+    report = _benchmark_report("mma_forms.py")
     differing = {name: case["differing_bits"] for name, case in report.items() if isinstance(case, dict)}
     assert differing and not any(differing.values()), f"{report['device']}: outputs that differ by operand order {differing}"

@@ -56,7 +56,8 @@ def _resource_table(compiled, arch: str) -> str:
 def test_kernel_files_match_entry_points():
     folder = kernels.kernels_dir()
     assert sorted(path.name for path in folder.glob("*.cu")) == sorted(kernels.KERNEL_FILES)
-    for stem, names in kernels.ENTRY_POINTS.items():
+    families = {**kernels.ENTRY_POINTS, **{stem: names for stem, (_, names) in kernels.ARCH_ENTRY_POINTS.items()}}
+    for stem, names in families.items():
         text = (folder / f"{stem}.cu").read_text()
         declared = re.findall(r'^extern "C" __global__ void(?:\s+__launch_bounds__\([^)]*\))?\s+(\w+)\s*\(', text,
                               re.M)
@@ -66,6 +67,9 @@ def test_kernel_files_match_entry_points():
                      for m, n in re.findall(r"^GEMM_ROWS_ENTRY\((\d+), (\d+)\)", text, re.M)]
         declared += [f"gemm_rows_{layout}serial_bf16_m{m}_n{n}" for layout in ("", "packed_")
                      for m, n in re.findall(r"^GEMM_ROWS_SERIAL_ENTRY\((\d+), (\d+)\)", text, re.M)]
+        # gemm_rows_wgmma.cu declares its entries through GEMM_WGMMA_ENTRY(rows, warpgroups).
+        declared += [f"gemm_rows_wgmma_n{rows}_g{groups}"
+                     for rows, groups in re.findall(r"^GEMM_WGMMA_ENTRY\((\d+), (\d+)\)", text, re.M)]
         # chunk_tc.cu declares its two plain prepares through CHUNK_TC_PREPARE_ENTRY(name, unbounded).
         declared += re.findall(r"^CHUNK_TC_PREPARE_ENTRY\((\w+), \w+\)", text, re.M)
         assert sorted(declared) == sorted(names) and len(set(declared)) == len(declared), \
@@ -182,3 +186,23 @@ def test_import_does_not_touch_gpu():
     # Building a KernelSet needs a GPU; importing and describing the kernels does not.
     assert kernels.COMPILE_OPTIONS == ("-std=c++17",)
     assert not kernels.TIMER.active
+
+
+@pytest.mark.parametrize("stem", list(kernels.ARCH_ENTRY_POINTS))
+def test_architecture_families_compile_for_their_architecture(stem):
+    """A family of one architecture's own instructions (gemm_rows_wgmma: sm_90a) compiles for it with
+    every entry point, no spill and code that fits the instruction cache; compile_check of that
+    architecture reports it beside the portable families."""
+    arch, names = kernels.ARCH_ENTRY_POINTS[stem]
+    compiled = kernels.compile_file(stem, arch)
+    symbols = kernels.cubin_function_symbols(compiled.cubin)
+    sizes = kernels.cubin_function_sizes(compiled.cubin)
+    resources = kernels.parse_ptxas_log(compiled.log)
+    for name in names:
+        assert name in symbols, f"{name} missing from {stem}.cu for {arch}"
+        r = resources[name]
+        assert max(r["spill_stores"], r["spill_loads"]) == 0, f"{name} spills on {arch}: {r}"
+        assert 0 < sizes[name] <= CODE_SIZE_LIMIT, f"{name}: {sizes[name]} bytes of code on {arch}"
+    report = kernels.compile_check(arch)
+    assert set(names) <= set(report)
+    assert {name for families in kernels.ENTRY_POINTS.values() for name in families} <= set(report)

@@ -1,0 +1,376 @@
+// The row projection of 17..64 rows a group on Hopper's warpgroup MMA (wgmma, sm_90a only): the
+// bits of gemm_rows.cu's sweeps, several times fewer instructions per weight byte.
+//
+//   y[r, j] = bf16( sum_i x[r, i] * w[j, i] )   for r < rows (1..256), j < n
+// with x [rows, k] (row stride ldx), w in the packed layout of gemm_rows.cuh, y [rows, n] (row
+// stride ldy).
+//
+// Geometry: a warpgroup (4 warps) owns 64 weight columns (8 tiles of 8, tiles 2 v and 2 v + 1 for
+// its warp v) and computes them for the N (32 or 64) rows of its row group in one wgmma m64nNk16
+// per k16 step: w is the A operand, straight from the warp's registers, and x the B operand, from
+// shared memory. A block of WG warpgroups (1 or 2) walks one or more groups of 64 WG columns; its
+// threads copy x into a ring of shared-memory stages (CHUNK blocks of 32 k each) by 4-byte cp.async,
+// while each warp keeps the weight loads of the next STEP blocks of 32 k in flight in registers.
+//
+// The bit contract is gemm_rows.cuh's: for every output, each of the k_split ranges of k (a
+// function of k alone) is a chain from zero over its blocks of 32 k in ascending order, two k16
+// steps a block, step s taking the products of physical k 8t + 4s + e (logical slot 2t + e) and
+// 8t + 4s + 2 + e (slot 2t + 8 + e) for t = 0..3, e = 0, 1; the range sums are added in ascending
+// range order. The A operand is the weight fragment of gemm_rows' transposed form (interleave_pair:
+// the same words in the same slots), and x is laid out in shared memory so that the B operand's
+// logical k16 of step s are the same physical k in the same slots: for each row and block of 32 k,
+// the 16 words of its 64 bytes as 4 x 4 (chunk c of 8 k, word q) stored transposed, piece h of step
+// s holding word 2 s + h of chunks 0..3. The tensor cores sum a k16 step to the same bits through
+// wgmma as through mma.sync m16n8k16: benchmarks/wgmma_forms.py, 0 of 4.7 million outputs differ on
+// an H200 (chains of 16 to 128 k16 steps at 8, 32 and 64 rows; normal values, exponents over
+// 2^-24 .. 2^24, near-cancelling pairs), and the GPU tests compare every row count with the
+// mma.sync sweeps bit for bit.
+//
+// Shared memory of one k block (64 N bytes): [step 2][half 2][row N][16 bytes]: the B operand of
+// step s is N rows of two 16-byte pieces, core matrices of 8 rows x 16 bytes; the descriptor's
+// leading byte offset (between the two k halves) is 16 N and its stride byte offset (between
+// groups of 8 rows) 128 (measured: the other reading gives other numbers, benchmarks/wgmma_forms.py).
+#include "gemm_rows.cuh"
+
+#define GEMM_WGMMA_WARPGROUP 128
+// Weight columns of one warpgroup: the 64 rows of wgmma's A operand.
+#define GEMM_WGMMA_COLUMNS 64
+// Blocks of 32 k per step: the weight loads a lane keeps in flight are 2 STEP (16 bytes each).
+#ifndef GEMM_WGMMA_STEP
+#define GEMM_WGMMA_STEP 2
+#endif
+// Blocks of 32 k of x per shared-memory stage, and stages in the ring. CHUNK is a multiple of STEP.
+#ifndef GEMM_WGMMA_CHUNK
+#define GEMM_WGMMA_CHUNK 4
+#endif
+#ifndef GEMM_WGMMA_STAGES
+#define GEMM_WGMMA_STAGES 3
+#endif
+#ifndef GEMM_WGMMA_LOADS_FIRST
+#define GEMM_WGMMA_LOADS_FIRST 0
+#endif
+#ifndef GEMM_WGMMA_NO_PROXY_FENCE
+#define GEMM_WGMMA_NO_PROXY_FENCE 0
+#endif
+#ifndef GEMM_WGMMA_WARPGROUPS_PER_SM
+#define GEMM_WGMMA_WARPGROUPS_PER_SM 4
+#endif
+static_assert(GEMM_WGMMA_CHUNK % GEMM_WGMMA_STEP == 0, "a step never spans two stages");
+static_assert(GEMM_WGMMA_STAGES >= 2, "at least one stage in flight");
+
+__device__ __forceinline__ unsigned int shared_address(const void* pointer)
+{
+    return static_cast<unsigned int>(__cvta_generic_to_shared(pointer));
+}
+
+// 4 bytes global -> shared, asynchronous; zeros where `valid` is false (nothing is read then).
+__device__ __forceinline__ void copy_word_async(unsigned int destination, const void* source, bool valid)
+{
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(destination), "l"(source),
+                 "r"(valid ? 4 : 0)
+                 : "memory");
+}
+
+__device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int PENDING>
+__device__ __forceinline__ void copy_wait()
+{
+    asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
+}
+
+// Shared-memory descriptor of a K-major operand without swizzle (sm_90 wgmma): start address,
+// leading byte offset (between core matrices along k), stride byte offset (along the rows).
+__device__ __forceinline__ unsigned long long wgmma_descriptor(unsigned int address, unsigned int leading,
+                                                               unsigned int stride)
+{
+    return static_cast<unsigned long long>((address & 0x3FFFF) >> 4) |
+           (static_cast<unsigned long long>(leading >> 4) << 16) |
+           (static_cast<unsigned long long>(stride >> 4) << 32);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+
+// Registers an asynchronous wgmma reads or writes: after wgmma_wait_all, this keeps the compiler
+// from moving their other uses across the wait.
+template <int COUNT>
+__device__ __forceinline__ void wgmma_hold(float (&registers)[COUNT])
+{
+#pragma unroll
+    for (int i = 0; i < COUNT; ++i) {
+        asm volatile("" : "+f"(registers[i])::"memory");
+    }
+}
+
+__device__ __forceinline__ void wgmma_hold(uint4& registers)
+{
+    asm volatile("" : "+r"(registers.x), "+r"(registers.y), "+r"(registers.z), "+r"(registers.w)::"memory");
+}
+
+// d[64 x N] += a[64 x 16] b[16 x N]: A from registers (the mma.sync A fragment of each warp's 16
+// rows), B by descriptor. d: N / 2 floats a thread, fragment 4 i + e at A row 16 warp + g + 8 (e / 2),
+// B column 8 i + 2 t + e % 2.
+__device__ __forceinline__ void wgmma_m64nk16(float (&d)[32], const uint4& a, unsigned long long desc)
+{
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, "
+                 "%8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, "
+                 "%24, %25, %26, %27, %28, %29, %30, %31}, "
+                 "{%32, %33, %34, %35}, %36, 1, 1, 1, 0;"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "l"(desc));
+}
+
+__device__ __forceinline__ void wgmma_m64nk16(float (&d)[16], const uint4& a, unsigned long long desc)
+{
+    asm volatile("wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, "
+                 "%8, %9, %10, %11, %12, %13, %14, %15}, "
+                 "{%16, %17, %18, %19}, %20, 1, 1, 1, 0;"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+                 : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "l"(desc));
+}
+
+// Bytes of x one block of 32 k takes in shared memory at N rows, and of the whole ring.
+template <int N>
+__device__ __host__ constexpr int gemm_wgmma_block_bytes()
+{
+    return 2 * 2 * N * 16;
+}
+
+// Copy the x of stage `chunk` (blocks chunk * CHUNK ..) into ring slot chunk % STAGES, by every
+// thread of the block: word q = 4 c + 2 s + h of a row's block (k 8 c + 4 s + 2 h, + 1) goes to
+// [step s][half h][row][word c]. Rows >= rows_here, k >= k and blocks past the matrix are zeros.
+template <int N, int THREADS>
+__device__ __forceinline__ void gemm_wgmma_stage_x(unsigned int ring, const bf16_t* x, int ldx, int rows_here, int k,
+                                                   int k_blocks, int chunk)
+{
+    constexpr int WORDS = GEMM_WGMMA_CHUNK * 16 * N;
+    const unsigned int slot = ring + (chunk % GEMM_WGMMA_STAGES) * (GEMM_WGMMA_CHUNK * gemm_wgmma_block_bytes<N>());
+#pragma unroll 4
+    for (int index = threadIdx.x; index < WORDS; index += THREADS) {
+        const int block_in_chunk = index / (16 * N);
+        const int row = (index / 16) % N;
+        const int q = index % 16;
+        const int c = q >> 2, s = (q >> 1) & 1, h = q & 1;
+        const int kb = chunk * GEMM_WGMMA_CHUNK + block_in_chunk;
+        const int kk = kb * GEMM_ROWS_K_BLOCK + 8 * c + 4 * s + 2 * h;
+        const bool valid = kb < k_blocks && kk < k && row < rows_here;
+        const unsigned int destination =
+            slot + block_in_chunk * gemm_wgmma_block_bytes<N>() + ((2 * s + h) * N + row) * 16 + 4 * c;
+        copy_word_async(destination, valid ? x + static_cast<size_t>(row) * ldx + kk : x, valid);
+    }
+}
+
+// The weight loads of one step (STEP blocks of 32 k from kb_step on) of the warp's two tiles:
+// zeros past the matrix.
+__device__ __forceinline__ void gemm_wgmma_load_step(uint4 (&w_frag)[GEMM_WGMMA_STEP][2], const bf16_t* w_lane,
+                                                     int tile_stride, bool low_valid, bool high_valid, int kb_step,
+                                                     int k_blocks)
+{
+#pragma unroll
+    for (int u = 0; u < GEMM_WGMMA_STEP; ++u) {
+        const bool k_valid = kb_step + u < k_blocks;
+        const bf16_t* pointer = w_lane + static_cast<size_t>(kb_step + u) * GEMM_ROWS_PACKED_BLOCK;
+        w_frag[u][0] = load_weight_16B(pointer, low_valid && k_valid);
+        w_frag[u][1] = load_weight_16B(pointer + tile_stride, high_valid && k_valid);
+    }
+}
+
+// The per-group state of one warpgroup: the running sum of the finished k ranges, the range being
+// summed, and where the next range starts.
+template <int N>
+struct GemmWgmmaSums {
+    float total[N / 2];
+    float acc[N / 2];
+    int range;       // index of the range acc belongs to
+    int next_start;  // first block of range + 1
+};
+
+// One step: STEP blocks of 32 k from kb_step on, their weights in w_frag (the next step's are
+// loaded into w_next first, so that they are in flight while this step's wgmma run). At a stage
+// boundary the block waits for the stage's copies and starts the copies of the stage STAGES - 1
+// ahead (into the slot of the stage every warp has just finished).
+template <int N, int THREADS>
+__device__ __forceinline__ void gemm_wgmma_step(GemmWgmmaSums<N>& sums, uint4 (&w_frag)[GEMM_WGMMA_STEP][2],
+                                                uint4 (&w_next)[GEMM_WGMMA_STEP][2], const bf16_t* w_lane,
+                                                int tile_stride, bool low_valid, bool high_valid, int kb_step,
+                                                int k_blocks, int k_range, unsigned int ring, const bf16_t* x, int ldx,
+                                                int rows_here, int k)
+{
+#if GEMM_WGMMA_LOADS_FIRST
+    gemm_wgmma_load_step(w_next, w_lane, tile_stride, low_valid, high_valid, kb_step + GEMM_WGMMA_STEP, k_blocks);
+#endif
+    if (kb_step % GEMM_WGMMA_CHUNK == 0) {
+        const int chunk = kb_step / GEMM_WGMMA_CHUNK;
+        copy_wait<GEMM_WGMMA_STAGES - 2>();
+#if !GEMM_WGMMA_NO_PROXY_FENCE
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+        __syncthreads();
+        const int ahead = chunk + GEMM_WGMMA_STAGES - 1;
+        if (ahead * GEMM_WGMMA_CHUNK < k_blocks) {
+            gemm_wgmma_stage_x<N, THREADS>(ring, x, ldx, rows_here, k, k_blocks, ahead);
+        }
+        copy_commit();  // empty past the matrix: one group per stage keeps the count of copy_wait
+    }
+#if !GEMM_WGMMA_LOADS_FIRST
+    gemm_wgmma_load_step(w_next, w_lane, tile_stride, low_valid, high_valid, kb_step + GEMM_WGMMA_STEP, k_blocks);
+#endif
+    wgmma_fence();
+#pragma unroll
+    for (int u = 0; u < GEMM_WGMMA_STEP; ++u) {
+        const int kb = kb_step + u;
+        if (kb < k_blocks) {  // warpgroup-uniform
+            if (kb == sums.next_start) {
+                // A new k range: fold the finished one into the total, start from zero.
+                if (kb > 0) {
+                    wgmma_commit();
+                    wgmma_wait_all();
+                    wgmma_hold(sums.acc);
+#pragma unroll
+                    for (int i = 0; i < N / 2; ++i) {
+                        sums.total[i] = sums.range == 0 ? sums.acc[i] : sums.total[i] + sums.acc[i];
+                    }
+                    ++sums.range;
+                }
+#pragma unroll
+                for (int i = 0; i < N / 2; ++i) {
+                    sums.acc[i] = 0.0f;
+                }
+                sums.next_start += k_range;
+                wgmma_fence();
+            }
+            const unsigned int block = ring + ((kb / GEMM_WGMMA_CHUNK) % GEMM_WGMMA_STAGES) *
+                                                  (GEMM_WGMMA_CHUNK * gemm_wgmma_block_bytes<N>()) +
+                                       (kb % GEMM_WGMMA_CHUNK) * gemm_wgmma_block_bytes<N>();
+#pragma unroll
+            for (int s = 0; s < 2; ++s) {
+                wgmma_m64nk16(sums.acc, interleave_pair(w_frag[u][0], w_frag[u][1], s),
+                              wgmma_descriptor(block + s * 2 * N * 16, N * 16, 128));
+            }
+        }
+    }
+    wgmma_commit();
+    wgmma_wait_all();
+    wgmma_hold(sums.acc);
+#pragma unroll
+    for (int u = 0; u < GEMM_WGMMA_STEP; ++u) {
+        wgmma_hold(w_frag[u][0]);
+        wgmma_hold(w_frag[u][1]);
+    }
+}
+
+// One block's share of the output: rows [row_begin, row_end) (at most N) and the column groups of
+// 64 WG columns blockIdx.x, blockIdx.x + gridDim.x, ... `ring`: GEMM_WGMMA_STAGES * CHUNK blocks of
+// x in shared memory.
+template <int N, int WG>
+__device__ __forceinline__ void gemm_wgmma_sweep(const bf16_t* __restrict__ x, int ldx, const bf16_t* __restrict__ w,
+                                                 bf16_t* __restrict__ y, int ldy, int row_begin, int row_end, int n,
+                                                 int k, unsigned int ring)
+{
+    constexpr int THREADS = WG * GEMM_WGMMA_WARPGROUP;
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int warpgroup = warp >> 2, warp_in_group = warp & 3;
+    const int k_blocks = gemm_rows_k_blocks(k);
+    const int k_split = k_split_for(k);
+    const int k_range = (k_blocks + k_split - 1) / k_split;
+    const int n_tiles = (n + GEMM_ROWS_N_TILE - 1) / GEMM_ROWS_N_TILE;
+    const int groups = (n + WG * GEMM_WGMMA_COLUMNS - 1) / (WG * GEMM_WGMMA_COLUMNS);
+    const int tile_stride = k_blocks * GEMM_ROWS_PACKED_BLOCK;
+    const int rows_here = row_end - row_begin;
+    const bf16_t* x_rows = x + static_cast<size_t>(row_begin) * ldx;
+
+    // x (and y) may belong to the previous kernel: nothing below runs before it is done.
+    kda_wait_for_previous_kernel();
+
+    for (int group = blockIdx.x; group < groups; group += gridDim.x) {
+        const int tile = (group * WG + warpgroup) * (GEMM_WGMMA_COLUMNS / GEMM_ROWS_N_TILE) + 2 * warp_in_group;
+        const bool low_valid = tile < n_tiles, high_valid = tile + 1 < n_tiles;
+        const bf16_t* w_lane = w + static_cast<size_t>(tile) * tile_stride + 8 * lane;
+
+        for (int chunk = 0; chunk < GEMM_WGMMA_STAGES - 1; ++chunk) {
+            gemm_wgmma_stage_x<N, THREADS>(ring, x_rows, ldx, rows_here, k, k_blocks, chunk);
+            copy_commit();
+        }
+        GemmWgmmaSums<N> sums;
+        sums.range = 0;
+        sums.next_start = 0;
+        uint4 w_a[GEMM_WGMMA_STEP][2], w_b[GEMM_WGMMA_STEP][2];
+        gemm_wgmma_load_step(w_a, w_lane, tile_stride, low_valid, high_valid, 0, k_blocks);
+        for (int kb_step = 0; kb_step < k_blocks; kb_step += 2 * GEMM_WGMMA_STEP) {
+            gemm_wgmma_step<N, THREADS>(sums, w_a, w_b, w_lane, tile_stride, low_valid, high_valid, kb_step, k_blocks,
+                                        k_range, ring, x_rows, ldx, rows_here, k);
+            if (kb_step + GEMM_WGMMA_STEP < k_blocks) {
+                gemm_wgmma_step<N, THREADS>(sums, w_b, w_a, w_lane, tile_stride, low_valid, high_valid,
+                                            kb_step + GEMM_WGMMA_STEP, k_blocks, k_range, ring, x_rows, ldx,
+                                            rows_here, k);
+            }
+        }
+        // The last range, then the ranges past the matrix (empty: a partial sum of zero, added as
+        // gemm_rows_group adds it).
+#pragma unroll
+        for (int i = 0; i < N / 2; ++i) {
+            sums.total[i] = sums.range == 0 ? sums.acc[i] : sums.total[i] + sums.acc[i];
+        }
+        for (int range = sums.range + 1; range < k_split; ++range) {
+#pragma unroll
+            for (int i = 0; i < N / 2; ++i) {
+                sums.total[i] += 0.0f;
+            }
+        }
+        const int g = lane >> 2, t = lane & 3;
+        const int column_base = tile * GEMM_ROWS_N_TILE + g;
+#pragma unroll
+        for (int i = 0; i < N / 2; ++i) {
+            const int e = i & 3;
+            const int column = column_base + 8 * (e >> 1);
+            const int row = 8 * (i >> 2) + 2 * t + (e & 1);
+            if (row < rows_here && column < n) {
+                y[static_cast<size_t>(row_begin + row) * ldy + column] = f32_to_bf16(sums.total[i]);
+            }
+        }
+        // Every stage's copies landed and were read before the next group's copies reuse the ring.
+        copy_wait<0>();
+        __syncthreads();
+    }
+}
+
+// Launch: block WG * 128 threads, dynamic shared memory gemm_wgmma_shared_bytes (the ring), grid.y
+// = row groups of 64, grid.x any number of blocks (each loops over the groups of 64 WG columns).
+// `prefetch` is accepted and unused. One entry per (N, WG): gemm_rows_wgmma_n<N>_g<WG>.
+template <int N, int WG>
+__device__ __forceinline__ void gemm_wgmma_entry(const bf16_t* __restrict__ x, int ldx, const bf16_t* __restrict__ w,
+                                                 bf16_t* __restrict__ y, int ldy, int rows, int n, int k)
+{
+    extern __shared__ __align__(128) unsigned char gemm_wgmma_ring[];
+    kda_let_next_kernel_launch();
+    const int row_begin = blockIdx.y * GEMM_ROWS_M_GROUP;
+    if (row_begin >= rows || blockDim.x != WG * GEMM_WGMMA_WARPGROUP) {
+        return;
+    }
+    const int row_end = min(rows, row_begin + N);
+    gemm_wgmma_sweep<N, WG>(x, ldx, w, y, ldy, row_begin, row_end, n, k, shared_address(gemm_wgmma_ring));
+}
+
+#define GEMM_WGMMA_ENTRY(N, WG)                                                                   \
+    extern "C" __global__ void __launch_bounds__(WG * GEMM_WGMMA_WARPGROUP, GEMM_WGMMA_WARPGROUPS_PER_SM / WG)               \
+        gemm_rows_wgmma_n##N##_g##WG(const bf16_t* __restrict__ x, int ldx, const bf16_t* __restrict__ w, \
+                                     bf16_t* __restrict__ y, int ldy, int rows, int n, int k,       \
+                                     int /* prefetch */)                                            \
+    {                                                                                               \
+        gemm_wgmma_entry<N, WG>(x, ldx, w, y, ldy, rows, n, k);                                     \
+    }
+
+GEMM_WGMMA_ENTRY(32, 1)
+GEMM_WGMMA_ENTRY(64, 1)
+GEMM_WGMMA_ENTRY(32, 2)
+GEMM_WGMMA_ENTRY(64, 2)
