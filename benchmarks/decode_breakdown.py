@@ -52,7 +52,8 @@ def defaults() -> dict:
     lags in pairs of heads; None: the separate launches), l2_prefetch_max_weight_bytes (None: any
     weight), packed_decode, step_dependents_after (layer.STEP_DEPENDENTS_AFTER), serial_min_groups_per_sm
     (gemm_rows.SERIAL_MIN_GROUPS_PER_SM; None: never the serial sweep), wgmma_min_groups_per_sm
-    (gemm_rows.WGMMA_MIN_GROUPS_PER_SM; None: never the warpgroup-MMA sweep), kernel_sources (a folder of
+    (gemm_rows.WGMMA_MIN_GROUPS_PER_SM; None: never the warpgroup-MMA sweep), step_staged_state and
+    step_staged_carveout (layer.STEP_STAGED_STATE, layer.STEP_STAGED_CARVEOUT), kernel_sources (a folder of
     kernel sources; None: the package's own)."""
     from glm_kda import gemm_rows, kernels, layer, persistent
 
@@ -63,7 +64,8 @@ def defaults() -> dict:
         "l2_prefetch_max_weight_bytes": gemm_rows.PREFETCH_MAX_WEIGHT_BYTES, "packed_decode": True,
         "step_dependents_after": layer.STEP_DEPENDENTS_AFTER,
         "serial_min_groups_per_sm": gemm_rows.SERIAL_MIN_GROUPS_PER_SM,
-        "wgmma_min_groups_per_sm": gemm_rows.WGMMA_MIN_GROUPS_PER_SM, "kernel_sources": None,
+        "wgmma_min_groups_per_sm": gemm_rows.WGMMA_MIN_GROUPS_PER_SM, "step_staged_state": layer.STEP_STAGED_STATE,
+        "step_staged_carveout": layer.STEP_STAGED_CARVEOUT, "kernel_sources": None,
     }
 
 
@@ -88,6 +90,8 @@ def apply(settings: dict, layer_object) -> None:
     layer.STEP_DEPENDENTS_AFTER = settings["step_dependents_after"]
     gemm_rows.SERIAL_MIN_GROUPS_PER_SM = settings["serial_min_groups_per_sm"]
     gemm_rows.WGMMA_MIN_GROUPS_PER_SM = settings["wgmma_min_groups_per_sm"]
+    layer.STEP_STAGED_STATE = settings["step_staged_state"]
+    layer.STEP_STAGED_CARVEOUT = settings["step_staged_carveout"]
     sources = settings["kernel_sources"]
     if sources not in _KERNEL_SETS:
         _KERNEL_SETS[sources] = kernels.KernelSet.get() if sources is None else kernels.KernelSet(sources)

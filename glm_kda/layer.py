@@ -57,6 +57,13 @@ STEP_RESIDENT_BLOCKS_PER_SM = 2
 # formed, 2 after its recurrent step). On an H200 (benchmarks/decode_breakdown.py, two runs) the
 # three were within the rounds' spread of each other (GLM B=1 83.2 - 84.3 us, Kimi 35.6 - 36.5).
 STEP_DEPENDENTS_AFTER = 0
+# The fused step moves each head's state by one bulk copy each way through shared memory (sm_90
+# and later; kda_decode_fused_bf16's staged), asking for STEP_STAGED_CARVEOUT percent of shared
+# memory (-1: the driver's choice). The same bits as the per-thread loads, but slower on an H200
+# (benchmarks/decode_breakdown.py, one process: GLM B=1 84.0 against 83.6 us, B=64 323.0 against
+# 312.3; Kimi 35.7 / 35.4, 159.5 / 156.2; carveout 100 slower still), so off.
+STEP_STAGED_STATE = False
+STEP_STAGED_CARVEOUT = -1
 # Default of KdaLayer.persistent_decode.
 PERSISTENT_DECODE = False
 # Most rows one batched decode call takes (the workspace and the pool may limit it further).
@@ -465,7 +472,8 @@ class KdaLayer:
                 ws.key[sl], ws.value[sl], ws.gate[sl], ws.beta[sl], ws.core[sl], ws.o_norm_out[sl],
                 bounded=c.bounded, lower_bound=c.gate_lower_bound or 0.0, scale=self.scale, l2_eps=c.l2_eps,
                 norm_eps=c.rms_norm_eps, slots=slots, tokens=rows if walk else 1,
-                prefetch_ahead=self._step_prefetch_ahead(), dependents_after=STEP_DEPENDENTS_AFTER)
+                prefetch_ahead=self._step_prefetch_ahead(), dependents_after=STEP_DEPENDENTS_AFTER,
+                staged=STEP_STAGED_STATE, carveout=STEP_STAGED_CARVEOUT)
             return
         if walk:
             raise ValueError("stateful_rows: walk=True needs fused_decode")

@@ -500,7 +500,7 @@ def kda_decode_fused_bf16(
     conv_state, state, qkv_proj, conv_w, forget_proj, dt_bias, a_log, beta_logits, out_gate, norm_w,
     conv_out, query, key, value, gate, beta, core, o_norm_out, *, bounded: bool, lower_bound: float,
     scale: float, l2_eps: float, norm_eps: float, slots=None, tokens: int = 1, prefetch_ahead: int = 0,
-    dependents_after: int = 0,
+    dependents_after: int = 0, staged: bool = False, carveout: int = -1,
 ) -> None:
     """The stateful half of decode in one launch: for each sequence, `tokens` consecutive
     tokens of conv + SiLU + L2, forget gate and beta, one delta-rule step, gated RMSNorm.
@@ -527,6 +527,11 @@ def kda_decode_fused_bf16(
     dependents_after: where the blocks let the next kernel of the stream launch (a programmatic
     dependent such as the output projection): 0 at once, 1 once the first token's inputs are
     formed, 2 after its recurrent step. It changes no bit.
+
+    staged: on sm_90 and later, move each head's state (64 KB) by one bulk copy each way through
+    shared memory instead of a load and a store per value and thread (ignored before sm_90 or
+    for a state not 16-byte aligned); ``carveout`` is then the shared-memory split it asks for
+    (percent, -1 the driver's choice). It changes no bit.
     """
     heads = _state_or_pool_heads(state)
     qkv = heads * HEAD_DIM
@@ -556,15 +561,26 @@ def kda_decode_fused_bf16(
         prefetch_ahead = 0  # the L2 requests take 16-byte aligned ranges; a hint, so none
     if dependents_after not in (0, 1, 2):
         raise ValueError(f"dependents_after must be 0, 1 or 2, got {dependents_after}")
+    staged = staged and state.data.ptr % 16 == 0 and bulk_copies_available()
     kernels.launch(
-        "kda_decode_fused_bf16",
+        "kda_decode_fused_staged_bf16" if staged else "kda_decode_fused_bf16",
         (heads, sequences),
         (HEAD_BLOCK,),
         (conv_state, state, slots, qkv_proj, conv_w, forget_proj, dt_bias, a_log, beta_logits, _i32(ld_beta),
          out_gate, norm_w, conv_out, query, key, value, gate, beta, core, o_norm_out, _i32(heads),
          _i32(kernel_size), _i32(tokens), _i32(1 if bounded else 0), _f32(lower_bound if bounded else 0.0), _f32(scale),
          _f32(l2_eps), _f32(norm_eps), _i32(prefetch_ahead), _i32(dependents_after)),
+        HEAD_DIM * HEAD_DIM * 4 if staged else 0,
+        carveout=carveout if staged else -1,
     )
+
+
+def bulk_copies_available() -> bool:
+    """Whether the current device has the bulk copies (the tensor memory accelerator, sm_90 and
+    later) that kda_decode_fused_bf16(staged=True) uses."""
+    import cupy
+
+    return int(cupy.cuda.Device().compute_capability) >= 90
 
 
 # --------------------------------------------------------------------------------------

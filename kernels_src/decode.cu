@@ -29,35 +29,52 @@
 // of many sequences runs many waves of blocks, each waiting on its own 64 KB state column:
 // the block of sequence s asks L2 for the column of sequence s + prefetch_ahead (a block of a
 // later wave; 0: none), which it never reads itself, so no bit depends on it.
+//
+// kda_decode_fused_staged_bf16 is the same step with the head's 64 KB state moved by one bulk
+// copy each way through KDA_HEAD_STATE_BYTES of dynamic shared memory (sm_90 and later, the
+// state 16-byte aligned; before sm_90 it compiles to the register loads): the same bits.
 #include "decode_step.cuh"
 
-extern "C" __global__ void __launch_bounds__(KDA_HEAD_BLOCK)
-kda_decode_fused_bf16(float* __restrict__ conv_state, float* __restrict__ state,
-                      const int* __restrict__ slots, const bf16_t* __restrict__ qkv_proj,
-                      const bf16_t* __restrict__ conv_w, const bf16_t* __restrict__ forget_proj,
-                      const float* __restrict__ dt_bias, const float* __restrict__ a_log,
-                      const bf16_t* __restrict__ beta_logits, int ld_beta,
-                      const bf16_t* __restrict__ out_gate, const bf16_t* __restrict__ norm_w,
-                      bf16_t* __restrict__ conv_out, float* __restrict__ query,
-                      float* __restrict__ key, float* __restrict__ value, float* __restrict__ gate,
-                      float* __restrict__ beta, float* __restrict__ core,
-                      bf16_t* __restrict__ o_norm_out, int heads, int kernel_size, int tokens, int bounded,
-                      float lower_bound, float scale, float l2_eps, float norm_eps, int prefetch_ahead,
-                      int dependents_after)
+template <bool Staged>
+__device__ __forceinline__ void kda_decode_fused_block(const KdaStepArgs& args, float* stage)
 {
     __shared__ KdaStepShared shared;
 
-    if (dependents_after == 0) {
+    if (args.dependents_after == 0) {
         kda_let_next_kernel_launch();
     }
     // Uniform over the block: a wrong geometry leaves whole blocks, before any sync.
-    if (blockIdx.x >= heads || blockDim.x != KDA_HEAD_BLOCK || kernel_size < 1 ||
-        kernel_size > CONV_MAX_KERNEL || tokens < 1) {
+    if (blockIdx.x >= args.heads || blockDim.x != KDA_HEAD_BLOCK || args.kernel_size < 1 ||
+        args.kernel_size > CONV_MAX_KERNEL || args.tokens < 1) {
         return;
     }
-    const KdaStepArgs args{conv_state, state, slots, qkv_proj, conv_w, forget_proj, dt_bias, a_log, beta_logits,
-                           ld_beta, out_gate, norm_w, conv_out, query, key, value, gate, beta, core, o_norm_out,
-                           heads, kernel_size, tokens, bounded, lower_bound, scale, l2_eps, norm_eps, prefetch_ahead,
-                           dependents_after};
-    kda_decode_head(args, blockIdx.x, blockIdx.y, gridDim.y, KdaBlockSync(), shared);
+    kda_decode_head<KdaBlockSync, Staged>(args, blockIdx.x, blockIdx.y, gridDim.y, KdaBlockSync(), shared, stage);
+}
+
+#define KDA_DECODE_FUSED_PARAMETERS                                                                                  \
+    float *__restrict__ conv_state, float *__restrict__ state, const int *__restrict__ slots,                         \
+        const bf16_t *__restrict__ qkv_proj, const bf16_t *__restrict__ conv_w,                                       \
+        const bf16_t *__restrict__ forget_proj, const float *__restrict__ dt_bias, const float *__restrict__ a_log,   \
+        const bf16_t *__restrict__ beta_logits, int ld_beta, const bf16_t *__restrict__ out_gate,                     \
+        const bf16_t *__restrict__ norm_w, bf16_t *__restrict__ conv_out, float *__restrict__ query,                  \
+        float *__restrict__ key, float *__restrict__ value, float *__restrict__ gate, float *__restrict__ beta,       \
+        float *__restrict__ core, bf16_t *__restrict__ o_norm_out, int heads, int kernel_size, int tokens,            \
+        int bounded, float lower_bound, float scale, float l2_eps, float norm_eps, int prefetch_ahead,                \
+        int dependents_after
+#define KDA_DECODE_FUSED_ARGS                                                                                        \
+    KdaStepArgs{conv_state, state, slots, qkv_proj, conv_w, forget_proj, dt_bias, a_log, beta_logits,                \
+                ld_beta, out_gate, norm_w, conv_out, query, key, value, gate, beta, core, o_norm_out,                \
+                heads, kernel_size, tokens, bounded, lower_bound, scale, l2_eps, norm_eps, prefetch_ahead,           \
+                dependents_after}
+
+extern "C" __global__ void __launch_bounds__(KDA_HEAD_BLOCK) kda_decode_fused_bf16(KDA_DECODE_FUSED_PARAMETERS)
+{
+    kda_decode_fused_block<false>(KDA_DECODE_FUSED_ARGS, nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(KDA_HEAD_BLOCK)
+kda_decode_fused_staged_bf16(KDA_DECODE_FUSED_PARAMETERS)
+{
+    extern __shared__ __align__(128) float kda_state_stage[];
+    kda_decode_fused_block<true>(KDA_DECODE_FUSED_ARGS, kda_state_stage);
 }

@@ -25,6 +25,86 @@ __device__ __forceinline__ void prefetch_floats_l2(const float* first, int count
 #endif
 }
 
+// ---- The head's state through shared memory (sm_90 and later): the whole 64 KB of a head is
+// contiguous, so one thread moves it with one bulk copy each way (the tensor memory accelerator)
+// instead of every thread issuing KDA_HEAD_DIM four-byte loads and stores, whose issue and
+// queueing were most of the step's time. The values, and so every bit, are those of the
+// register loads: the threads read their columns out of the stage (kda_recurrent_load on the
+// shared copy) and write them back before the copy out.
+#define KDA_HEAD_STATE_BYTES (KDA_HEAD_DIM * KDA_HEAD_DIM * 4)
+#ifndef KDA_STAGED_STATE  // (a host emulation defines it and the copies)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define KDA_STAGED_STATE 1
+#else
+#define KDA_STAGED_STATE 0
+#endif
+#endif
+
+__device__ __forceinline__ unsigned int shared_address(const void* pointer)
+{
+    return static_cast<unsigned int>(__cvta_generic_to_shared(pointer));
+}
+
+// Thread `d` == 0: start the copy of a head's state (16-byte aligned) into `stage`; the group
+// must pass a barrier before anyone waits on `arrived` (kda_wait_staged_state).
+__device__ __forceinline__ void kda_stage_state_in(float* stage, const float* head_state, unsigned long long* arrived,
+                                                   int d)
+{
+#if KDA_STAGED_STATE
+    if (d == 0) {
+        const unsigned int barrier = shared_address(arrived);
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(barrier) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(barrier),
+                     "r"(KDA_HEAD_STATE_BYTES)
+                     : "memory");
+        asm volatile(
+            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                shared_address(stage)),
+            "l"(head_state), "r"(KDA_HEAD_STATE_BYTES), "r"(barrier)
+            : "memory");
+    }
+#endif
+}
+
+// Every thread: wait until the copy started by kda_stage_state_in has landed.
+__device__ __forceinline__ void kda_wait_staged_state(unsigned long long* arrived)
+{
+#if KDA_STAGED_STATE
+    asm volatile(
+        "{\n"
+        ".reg .pred arrived;\n"
+        "KDA_WAIT_STATE:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 arrived, [%0], 0;\n"
+        "@!arrived bra KDA_WAIT_STATE;\n"
+        "}\n" ::"r"(shared_address(arrived))
+        : "memory");
+#endif
+}
+
+// After every thread of the group wrote its column into `stage` and passed a barrier that
+// follows kda_stage_fence: thread `d` == 0 copies the stage out to the head's state and waits
+// until the stage has been read (the block's shared memory must outlive the copy).
+__device__ __forceinline__ void kda_stage_fence()
+{
+#if KDA_STAGED_STATE
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void kda_stage_state_out(const float* stage, float* head_state, int d)
+{
+#if KDA_STAGED_STATE
+    if (d == 0) {
+        asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(head_state),
+                     "r"(shared_address(stage)), "r"(KDA_HEAD_STATE_BYTES)
+                     : "memory");
+        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+        asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+    }
+#endif
+}
+
 // The operands of the fused step: states, inputs, stage outputs and scalars, as the kernel
 // parameters of kda_decode_fused_bf16 name them.
 struct KdaStepArgs {
@@ -63,8 +143,9 @@ struct KdaStepArgs {
     int dependents_after;
 };
 
-// The shared memory of one head group.
+// The shared memory of one head group. `state_arrived`: the mbarrier of the staged state copy.
 struct KdaStepShared {
+    unsigned long long state_arrived;
     float scratch[10];
     float decay[KDA_HEAD_DIM];
     float key[KDA_HEAD_DIM];
@@ -72,10 +153,13 @@ struct KdaStepShared {
 };
 
 // Head `head` of sequence `sequence` (of `sequences`), `tokens` tokens, by the KDA_HEAD_BLOCK
-// threads of `group` (thread d owns channel d of the head).
-template <class Sync>
+// threads of `group` (thread d owns channel d of the head). Staged false: each thread loads its
+// state column into registers; true (sm_90 and later; before, the register loads): the head's
+// state moves by bulk copies through `stage`, KDA_HEAD_STATE_BYTES of the group's shared memory
+// (128-byte aligned; the state 16-byte aligned). The same bits either way.
+template <class Sync, bool Staged = false>
 __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, size_t sequence, size_t sequences,
-                                                Sync group, KdaStepShared& shared)
+                                                Sync group, KdaStepShared& shared, float* stage = nullptr)
 {
     const int d = group.thread();
     const size_t slot = p.slots != nullptr ? static_cast<size_t>(p.slots[sequence]) : sequence;
@@ -86,10 +170,14 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
 
     // The sequence's state column (64 KB per head, the bulk of the traffic) and conv windows
     // first: in flight while the first token's inputs are formed.
-    float* state_column =
-        p.state + (slot * heads + head) * static_cast<size_t>(KDA_HEAD_DIM) * KDA_HEAD_DIM + d;
+    float* head_state = p.state + (slot * heads + head) * static_cast<size_t>(KDA_HEAD_DIM) * KDA_HEAD_DIM;
+    constexpr bool staged = KDA_STAGED_STATE && Staged;
     float s[KDA_HEAD_DIM];
-    kda_recurrent_load(s, state_column);
+    if constexpr (staged) {
+        kda_stage_state_in(stage, head_state, &shared.state_arrived, d);
+    } else {
+        kda_recurrent_load(s, head_state + d);
+    }
     // A batch runs many waves of blocks, each of which waits on its state column: ask L2 for the
     // head's state of sequence + prefetch_ahead (a block of a later wave) now, so that its loads
     // hit, and for its conv windows (the head's channels of q, k and v: three runs of D K floats).
@@ -160,6 +248,13 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
             kda_let_next_kernel_launch();
         }
 
+        if constexpr (staged) {
+            if (t == 0) {
+            // The barrier above also published the mbarrier's initialisation.
+                kda_wait_staged_state(&shared.state_arrived);
+                kda_recurrent_load(s, stage + d);
+            }
+        }
         const float o = kda_recurrent_step(s, shared.decay, shared.key, shared.query, v, beta_head, group);
         if (t == 0 && p.dependents_after == 2) {
             kda_let_next_kernel_launch();
@@ -168,7 +263,14 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
         p.o_norm_out[out_index] = f32_to_bf16(gated_rmsnorm_sigmoid(o, weight, z, p.norm_eps, shared.scratch, group));
     }
 
-    kda_recurrent_store(s, state_column);
+    if constexpr (staged) {
+        kda_recurrent_store(s, stage + d);
+        kda_stage_fence();
+        group.sync();
+        kda_stage_state_out(stage, head_state, d);
+    } else {
+        kda_recurrent_store(s, head_state + d);
+    }
 #pragma unroll
     for (int part = 0; part < 3; ++part) {
         conv_window_store(window[part], conv_slot + (part * qkv + channel) * kernel_size, kernel_size);

@@ -26,8 +26,8 @@ import pytest
 from types import SimpleNamespace
 
 from glm_kda.reference import forget_gate, gated_rmsnorm, recurrent_scan, rms_ratio, round_bf16, sigmoid
-from host_cuda import (COMMON_DEVICE_HELPERS, HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, bf16_bits, bits_to_f64, build_host_binary,
-                       host_kernel_source)
+from host_cuda import (COMMON_DEVICE_HELPERS, HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, STAGED_STATE_BYTES, bf16_bits,
+                       bits_to_f64, build_host_binary, host_decode_source, host_kernel_source)
 
 HEADS = 2
 DIM = 128
@@ -62,7 +62,7 @@ inline void prefetch_floats_l2(const float* first, int count, int d)
         : prefetch_conv_pool + ((slot * 3 + request - 1) * qkv + head * D) * K;
     if (first != expected || count != (request == 0 ? D * D : D * K)) bad_prefetches++;
 }
-""".replace("PREFETCH_AHEAD", str(PREFETCH_AHEAD))
+""".replace("PREFETCH_AHEAD", str(PREFETCH_AHEAD)).replace("STAGED_STATE_BYTES", str(STAGED_STATE_BYTES))
 
 DECODE_MAIN = r"""
 #include "emulation.h"
@@ -80,15 +80,18 @@ extern "C" void gate_beta_f32(const bf16_t*, const float*, const float*, const b
 extern "C" void kda_recurrent_step_f32(const float*, const float*, const float*, const float*, const float*, float*,
                                        const int*, float*, int, float);
 extern "C" void gated_rmsnorm_sigmoid_bf16(const float*, const bf16_t*, const bf16_t*, bf16_t*, int, int, float, int);
-extern "C" void kda_decode_fused_bf16(float*, float*, const int*, const bf16_t*, const bf16_t*, const bf16_t*,
-                                      const float*, const float*, const bf16_t*, int, const bf16_t*, const bf16_t*,
-                                      bf16_t*, float*, float*, float*, float*, float*, float*, bf16_t*, int, int, int,
-                                      int, float, float, float, float, int, int);
+#define KDA_DECODE_FUSED_SIGNATURE                                                                              \
+    (float*, float*, const int*, const bf16_t*, const bf16_t*, const bf16_t*, const float*, const float*,          \
+     const bf16_t*, int, const bf16_t*, const bf16_t*, bf16_t*, float*, float*, float*, float*, float*, float*,      \
+     bf16_t*, int, int, int, int, float, float, float, float, int, int)
+extern "C" void kda_decode_fused_bf16 KDA_DECODE_FUSED_SIGNATURE;
+extern "C" void kda_decode_fused_staged_bf16 KDA_DECODE_FUSED_SIGNATURE;
 
-// argv: dir, rows, heads, K, bounded, lower bound, l2 eps, norm eps, jitter, pool size. Pool size
-// 0: the rows are consecutive tokens of one sequence (paths separate, fused_rows, fused_walk);
+// argv: dir, rows, heads, K, bounded, lower bound, l2 eps, norm eps, jitter, pool size, staged. Pool
+// size 0: the rows are consecutive tokens of one sequence (paths separate, fused_rows, fused_walk);
 // else sequence s (row s) advances slot slots[s] of a pool of that many (paths pool_fused,
-// pool_separate, and alone: the fused step for each sequence by itself).
+// pool_separate, and alone: the fused step for each sequence by itself). Staged 1: the fused paths
+// run kda_decode_fused_staged_bf16 (the state through the block's shared memory).
 int main(int argc, char** argv)
 {
     const std::string dir = argv[1];
@@ -97,6 +100,7 @@ int main(int argc, char** argv)
     const float lower_bound = std::atof(argv[6]), l2_eps = std::atof(argv[7]), norm_eps = std::atof(argv[8]);
     jitter = std::atoi(argv[9]);
     const int pool_size = std::atoi(argv[10]);
+    const bool staged = std::atoi(argv[11]) != 0;
     const size_t D = 128, qkv = heads * D, conv_dim = 3 * qkv, ld_beta = 2 * D + heads;
     const size_t conv_slot = conv_dim * kernel, state_slot = heads * D * D, slot_count = std::max(pool_size, 1);
     const float scale = 1.0f / std::sqrt(float(D));
@@ -131,15 +135,16 @@ int main(int argc, char** argv)
             prefetch_slots = slot_list;
             prefetch_heads = heads;
             prefetch_kernel = kernel;
-            run_grid(dim3{unsigned(heads), unsigned(sequences), 1}, 128, 0, [&] {
-                kda_decode_fused_bf16(conv, states, slot_list, qkv_proj.data() + first * conv_dim, conv_w.data(),
-                                      forget_proj.data() + first * qkv, dt_bias.data(), a_log.data(),
-                                      beta_logits + first * ld_beta, int(ld_beta), out_gate.data() + first * qkv,
-                                      norm_w.data(), conv_out.data() + first * conv_dim, query.data() + first * qkv,
-                                      key.data() + first * qkv, value.data() + first * qkv, gate.data() + first * qkv,
-                                      beta.data() + first * heads, core.data() + first * qkv,
-                                      o_norm_out.data() + first * qkv, heads, kernel, tokens, bounded, lower_bound,
-                                      scale, l2_eps, norm_eps, prefetch_ahead, dependents_after);
+            const auto kernel_entry = staged ? kda_decode_fused_staged_bf16 : kda_decode_fused_bf16;
+            run_grid(dim3{unsigned(heads), unsigned(sequences), 1}, 128, staged ? STAGED_STATE_BYTES : 0, [&] {
+                kernel_entry(conv, states, slot_list, qkv_proj.data() + first * conv_dim, conv_w.data(),
+                             forget_proj.data() + first * qkv, dt_bias.data(), a_log.data(),
+                             beta_logits + first * ld_beta, int(ld_beta), out_gate.data() + first * qkv,
+                             norm_w.data(), conv_out.data() + first * conv_dim, query.data() + first * qkv,
+                             key.data() + first * qkv, value.data() + first * qkv, gate.data() + first * qkv,
+                             beta.data() + first * heads, core.data() + first * qkv,
+                             o_norm_out.data() + first * qkv, heads, kernel, tokens, bounded, lower_bound,
+                             scale, l2_eps, norm_eps, prefetch_ahead, dependents_after);
             });
         };
         // The separate kernels over rows first .. first + count - 1, one token of a sequence each.
@@ -190,7 +195,7 @@ int main(int argc, char** argv)
                 bad_prefetches.load());
     return 0;
 }
-""".replace("PREFETCH_AHEAD", str(PREFETCH_AHEAD))
+""".replace("PREFETCH_AHEAD", str(PREFETCH_AHEAD)).replace("STAGED_STATE_BYTES", str(STAGED_STATE_BYTES))
 
 
 def _layout(tokens):
@@ -209,7 +214,9 @@ def _layout(tokens):
 def decode_host(tmp_path_factory):
     files = {"emulation.h": DECODE_HEADER, "main.cpp": DECODE_MAIN}
     for stem in STEMS:
-        files[f"{stem}.cpp"] = '#include "emulation.h"\n' + host_kernel_source(stem, DEVICE_HELPERS.get(stem, COMMON_DEVICE_HELPERS))
+        helpers = DEVICE_HELPERS.get(stem, COMMON_DEVICE_HELPERS)
+        source = host_decode_source(helpers) if stem == "decode" else host_kernel_source(stem, helpers)
+        files[f"{stem}.cpp"] = '#include "emulation.h"\n' + source
     return build_host_binary(tmp_path_factory.mktemp("decode_host"), "decode_host", files)
 
 
@@ -237,7 +244,7 @@ def _run_binary(binary, folder, inputs, rows, bounded, *extra):
         [str(binary), str(folder), str(rows), str(HEADS), str(KERNEL), str(int(bounded)), repr(LOWER_BOUND),
          repr(L2_EPS), repr(NORM_EPS), *map(str, extra)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
-    pool_size = int(extra[1]) if len(extra) > 1 else 0
+    pool_size = int(extra[1])
     # The pool path's blocks of sequences s < rows - PREFETCH_AHEAD each ask L2 for the state and the
     # three conv windows of their head in the slot of sequence s + PREFETCH_AHEAD; nothing else does.
     prefetches = 4 * HEADS * max(rows - PREFETCH_AHEAD, 0) if pool_size else 0
@@ -245,14 +252,14 @@ def _run_binary(binary, folder, inputs, rows, bounded, *extra):
         f"host run: {result.stdout.strip()}"
 
 
-def run_decode(binary, tokens, bounded, seed, jitter=False):
+def run_decode(binary, tokens, bounded, seed, jitter=False, staged=False):
     """(outputs of the three paths by name, the random inputs)."""
     rng = np.random.default_rng(seed)
     inputs = _layer_inputs(rng, tokens)
     inputs["conv_state"] = rng.standard_normal((3 * HEADS * DIM, KERNEL)).astype(np.float32)
     inputs["state"] = (0.1 * rng.standard_normal((HEADS, DIM, DIM))).astype(np.float32)
-    folder = binary.parent / f"T{tokens}-b{int(bounded)}-{seed}-{int(jitter)}"
-    _run_binary(binary, folder, inputs, tokens, bounded, int(jitter), 0)
+    folder = binary.parent / f"T{tokens}-b{int(bounded)}-{seed}-{int(jitter)}-{int(staged)}"
+    _run_binary(binary, folder, inputs, tokens, bounded, int(jitter), 0, int(staged))
     layout = _layout(tokens)
     out = {}
     for path in ("separate", "fused_rows", "fused_walk"):
@@ -262,9 +269,12 @@ def run_decode(binary, tokens, bounded, seed, jitter=False):
 
 
 @pytest.mark.parametrize("bounded", [True, False], ids=["bounded", "softplus"])
-@pytest.mark.parametrize("tokens,jitter", [(1, False), (3, True), (9, False)], ids=lambda v: str(v))
-def test_fused_decode_equals_separate_kernels_on_host(decode_host, tokens, jitter, bounded):
-    out, inputs = run_decode(decode_host, tokens, bounded, seed=7 * tokens + int(bounded), jitter=jitter)
+@pytest.mark.parametrize("tokens,jitter,staged", [(1, False, False), (3, True, False), (9, False, False),
+                                                  (1, False, True), (3, True, True)], ids=lambda v: str(v))
+def test_fused_decode_equals_separate_kernels_on_host(decode_host, tokens, jitter, staged, bounded):
+    """The fused step (staged: its state through shared memory) against the separate kernels, bit
+    for bit, and the separate kernels against float64."""
+    out, inputs = run_decode(decode_host, tokens, bounded, seed=7 * tokens + int(bounded), jitter=jitter, staged=staged)
     separate = out["separate"]
     for path in ("fused_rows", "fused_walk"):
         for name in OUTPUTS:
@@ -296,16 +306,17 @@ def test_fused_decode_equals_separate_kernels_on_host(decode_host, tokens, jitte
 
 
 @pytest.mark.parametrize("bounded", [True, False], ids=["bounded", "softplus"])
-@pytest.mark.parametrize("sequences", [1, 5, 33], ids=lambda b: f"B{b}")
-def test_pool_sequences_equal_each_alone_on_host(decode_host, sequences, bounded):
+@pytest.mark.parametrize("sequences,staged", [(1, False), (5, False), (33, False), (5, True)],
+                         ids=lambda v: str(v))
+def test_pool_sequences_equal_each_alone_on_host(decode_host, sequences, staged, bounded):
     rng = np.random.default_rng(100 + sequences + int(bounded))
     conv_dim, pool_size = 3 * HEADS * DIM, sequences + 3
     inputs = _layer_inputs(rng, sequences)
     inputs["conv_state"] = rng.standard_normal((pool_size, conv_dim, KERNEL)).astype(np.float32)
     inputs["state"] = (0.1 * rng.standard_normal((pool_size, HEADS, DIM, DIM))).astype(np.float32)
     inputs["slots"] = rng.permutation(pool_size)[:sequences].astype(np.int32)
-    folder = decode_host.parent / f"pool-B{sequences}-b{int(bounded)}"
-    _run_binary(decode_host, folder, inputs, sequences, bounded, 0, pool_size)
+    folder = decode_host.parent / f"pool-B{sequences}-b{int(bounded)}-{int(staged)}"
+    _run_binary(decode_host, folder, inputs, sequences, bounded, 0, pool_size, int(staged))
     layout = {**_layout(sequences), "conv_state": (np.float32, (pool_size, conv_dim, KERNEL)),
               "state": (np.float32, (pool_size, HEADS, DIM, DIM))}
     out = {path: {name: np.fromfile(folder / f"{path}.{name}", dtype).reshape(shape) for name, (dtype, shape) in layout.items()}
