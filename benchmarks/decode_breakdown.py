@@ -53,7 +53,8 @@ def defaults() -> dict:
     weight), packed_decode, step_dependents_after (layer.STEP_DEPENDENTS_AFTER), serial_min_groups_per_sm
     (gemm_rows.SERIAL_MIN_GROUPS_PER_SM; None: never the serial sweep), wgmma_min_groups_per_sm
     (gemm_rows.WGMMA_MIN_GROUPS_PER_SM; None: never the warpgroup-MMA sweep), step_staged_state and
-    step_staged_carveout (layer.STEP_STAGED_STATE, layer.STEP_STAGED_CARVEOUT), kernel_sources (a folder of
+    step_staged_carveout (layer.STEP_STAGED_STATE, layer.STEP_STAGED_CARVEOUT), step_split_waves
+    (layer.STEP_SPLIT_WAVES; None: never a split head), kernel_sources (a folder of
     kernel sources; None: the package's own)."""
     from glm_kda import gemm_rows, kernels, layer, persistent
 
@@ -65,7 +66,8 @@ def defaults() -> dict:
         "step_dependents_after": layer.STEP_DEPENDENTS_AFTER,
         "serial_min_groups_per_sm": gemm_rows.SERIAL_MIN_GROUPS_PER_SM,
         "wgmma_min_groups_per_sm": gemm_rows.WGMMA_MIN_GROUPS_PER_SM, "step_staged_state": layer.STEP_STAGED_STATE,
-        "step_staged_carveout": layer.STEP_STAGED_CARVEOUT, "kernel_sources": None,
+        "step_staged_carveout": layer.STEP_STAGED_CARVEOUT, "step_split_waves": layer.STEP_SPLIT_WAVES,
+        "kernel_sources": None,
     }
 
 
@@ -92,6 +94,7 @@ def apply(settings: dict, layer_object) -> None:
     gemm_rows.WGMMA_MIN_GROUPS_PER_SM = settings["wgmma_min_groups_per_sm"]
     layer.STEP_STAGED_STATE = settings["step_staged_state"]
     layer.STEP_STAGED_CARVEOUT = settings["step_staged_carveout"]
+    layer.STEP_SPLIT_WAVES = settings["step_split_waves"]
     sources = settings["kernel_sources"]
     if sources not in _KERNEL_SETS:
         _KERNEL_SETS[sources] = kernels.KernelSet.get() if sources is None else kernels.KernelSet(sources)

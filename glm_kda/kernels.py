@@ -30,7 +30,7 @@ ENTRY_POINTS: dict[str, tuple[str, ...]] = {
     "conv": ("conv_decode_silu_l2_bf16", "conv_prefill_silu_l2_bf16"),
     "gate": ("gate_beta_f32",),
     "recurrent": ("kda_recurrent_step_f32",),
-    "decode": ("kda_decode_fused_bf16", "kda_decode_fused_staged_bf16"),
+    "decode": ("kda_decode_fused_bf16", "kda_decode_fused_staged_bf16", "kda_decode_fused_split_bf16"),
     "decode_persistent": ("kda_decode_persistent_bf16",),
     "chunk": ("kda_chunk_prepare_f32", "kda_chunk_scan_f32"),
     "chunk_tc": ("kda_chunk_tc_prepare_f32", "kda_chunk_tc_prepare_gate_f32", "kda_chunk_tc_prepare_unbounded_f32",

@@ -64,6 +64,13 @@ STEP_DEPENDENTS_AFTER = 0
 # 312.3; Kimi 35.7 / 35.4, 159.5 / 156.2; carveout 100 slower still), so off.
 STEP_STAGED_STATE = False
 STEP_STAGED_CARVEOUT = -1
+# The fused step splits each head over a cluster of ops.HEAD_SPLIT blocks (sm_90 and later;
+# kda_decode_fused_bf16's split) where those blocks fit in STEP_SPLIT_WAVES waves of resident
+# blocks (STEP_RESIDENT_BLOCKS_PER_SM per SM; None: never): one sequence, or a few, whose state
+# would otherwise come through a few SMs. The same bits as one block per head, but no faster on
+# an H200 (benchmarks/decode_breakdown.py, one process, split / one block: GLM B=1 87.4 / 83.4 us,
+# verify K16 2.00x / 1.40x; Kimi 35.1 / 35.1, 2.24x / 1.95x), so off.
+STEP_SPLIT_WAVES: float | None = None
 # Default of KdaLayer.persistent_decode.
 PERSISTENT_DECODE = False
 # Most rows one batched decode call takes (the workspace and the pool may limit it further).
@@ -473,7 +480,8 @@ class KdaLayer:
                 bounded=c.bounded, lower_bound=c.gate_lower_bound or 0.0, scale=self.scale, l2_eps=c.l2_eps,
                 norm_eps=c.rms_norm_eps, slots=slots, tokens=rows if walk else 1,
                 prefetch_ahead=self._step_prefetch_ahead(), dependents_after=STEP_DEPENDENTS_AFTER,
-                staged=STEP_STAGED_STATE, carveout=STEP_STAGED_CARVEOUT)
+                staged=STEP_STAGED_STATE, carveout=STEP_STAGED_CARVEOUT,
+                split=self._step_split(1 if walk else rows))
             return
         if walk:
             raise ValueError("stateful_rows: walk=True needs fused_decode")
@@ -481,6 +489,13 @@ class KdaLayer:
                                      ws.query[sl], ws.key[sl], ws.value[sl], c.heads, c.head_dim, c.l2_eps, slots=slots)
         ops.kda_recurrent_step_f32(ws.query[sl], ws.key[sl], ws.value[sl], ws.gate[sl], ws.beta[sl],
                                    recurrent_state, ws.core[sl], self.scale, slots=slots)
+
+    def _step_split(self, sequences: int) -> bool:
+        """Whether a fused step of `sequences` sequences splits its heads (STEP_SPLIT_WAVES)."""
+        if STEP_SPLIT_WAVES is None:
+            return False
+        resident = gemm_rows._sm_count(self.qkv_weight.device.id) * STEP_RESIDENT_BLOCKS_PER_SM
+        return sequences * self.config.heads * ops.HEAD_SPLIT <= STEP_SPLIT_WAVES * resident
 
     def _step_prefetch_ahead(self) -> int:
         """Sequences ahead whose state a batched fused step asks L2 for (STEP_PREFETCH_WAVES)."""

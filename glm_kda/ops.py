@@ -26,6 +26,7 @@ from glm_kda import kernels
 
 HEAD_DIM = 128  # KDA_HEAD_DIM of kernels_src/kda_common.cuh
 HEAD_BLOCK = 128  # threads of every per-head kernel, one per channel
+HEAD_SPLIT = 4  # KDA_HEAD_SPLIT of kernels_src/decode_step.cuh: blocks of a split head
 TOKENS_PER_BLOCK = 8  # tokens per block of the norm kernel (KDA_TOKENS_PER_BLOCK)
 GATE_TOKENS_PER_BLOCK = 32  # tokens per block of the gate kernel (kernels_src/gate.cu)
 GATE_THREADS = 128
@@ -500,7 +501,7 @@ def kda_decode_fused_bf16(
     conv_state, state, qkv_proj, conv_w, forget_proj, dt_bias, a_log, beta_logits, out_gate, norm_w,
     conv_out, query, key, value, gate, beta, core, o_norm_out, *, bounded: bool, lower_bound: float,
     scale: float, l2_eps: float, norm_eps: float, slots=None, tokens: int = 1, prefetch_ahead: int = 0,
-    dependents_after: int = 0, staged: bool = False, carveout: int = -1,
+    dependents_after: int = 0, staged: bool = False, carveout: int = -1, split: bool = False,
 ) -> None:
     """The stateful half of decode in one launch: for each sequence, `tokens` consecutive
     tokens of conv + SiLU + L2, forget gate and beta, one delta-rule step, gated RMSNorm.
@@ -532,6 +533,11 @@ def kda_decode_fused_bf16(
     shared memory instead of a load and a store per value and thread (ignored before sm_90 or
     for a state not 16-byte aligned); ``carveout`` is then the shared-memory split it asks for
     (percent, -1 the driver's choice). It changes no bit.
+
+    split: on sm_90 and later, run each head on a cluster of HEAD_SPLIT blocks, block r stepping
+    value columns 32 r .. 32 r + 31 (a quarter of the state each, so four SMs move a head's
+    state), every block forming the head's q, k and gate (ignored before sm_90, or with staged).
+    It changes no bit.
     """
     heads = _state_or_pool_heads(state)
     qkv = heads * HEAD_DIM
@@ -562,9 +568,11 @@ def kda_decode_fused_bf16(
     if dependents_after not in (0, 1, 2):
         raise ValueError(f"dependents_after must be 0, 1 or 2, got {dependents_after}")
     staged = staged and state.data.ptr % 16 == 0 and bulk_copies_available()
+    split = split and not staged and bulk_copies_available()
+    name = "kda_decode_fused_staged_bf16" if staged else "kda_decode_fused_split_bf16" if split else "kda_decode_fused_bf16"
     kernels.launch(
-        "kda_decode_fused_staged_bf16" if staged else "kda_decode_fused_bf16",
-        (heads, sequences),
+        name,
+        (heads * HEAD_SPLIT if split else heads, sequences),
         (HEAD_BLOCK,),
         (conv_state, state, slots, qkv_proj, conv_w, forget_proj, dt_bias, a_log, beta_logits, _i32(ld_beta),
          out_gate, norm_w, conv_out, query, key, value, gate, beta, core, o_norm_out, _i32(heads),
@@ -576,8 +584,9 @@ def kda_decode_fused_bf16(
 
 
 def bulk_copies_available() -> bool:
-    """Whether the current device has the bulk copies (the tensor memory accelerator, sm_90 and
-    later) that kda_decode_fused_bf16(staged=True) uses."""
+    """Whether the current device has the bulk copies (the tensor memory accelerator) and the
+    thread-block clusters of sm_90 and later, which kda_decode_fused_bf16(staged=True) and
+    (split=True) use."""
     import cupy
 
     return int(cupy.cuda.Device().compute_capability) >= 90

@@ -35,20 +35,23 @@
 // state 16-byte aligned; before sm_90 it compiles to the register loads): the same bits.
 #include "decode_step.cuh"
 
-template <bool Staged>
-__device__ __forceinline__ void kda_decode_fused_block(const KdaStepArgs& args, float* stage)
+// Head `head` (block `rank` of its KDA_HEAD_SPLIT when Split) of sequence blockIdx.y.
+template <bool Staged, int Split = 1>
+__device__ __forceinline__ void kda_decode_fused_block(const KdaStepArgs& args, float* stage, int head, int rank = 0)
 {
     __shared__ KdaStepShared shared;
 
     if (args.dependents_after == 0) {
         kda_let_next_kernel_launch();
     }
-    // Uniform over the block: a wrong geometry leaves whole blocks, before any sync.
-    if (blockIdx.x >= args.heads || blockDim.x != KDA_HEAD_BLOCK || args.kernel_size < 1 ||
+    // Uniform over the block: a wrong geometry leaves whole blocks, before any sync (and a
+    // cluster's blocks share the head, so they leave together).
+    if (head >= args.heads || blockDim.x != KDA_HEAD_BLOCK || args.kernel_size < 1 ||
         args.kernel_size > CONV_MAX_KERNEL || args.tokens < 1) {
         return;
     }
-    kda_decode_head<KdaBlockSync, Staged>(args, blockIdx.x, blockIdx.y, gridDim.y, KdaBlockSync(), shared, stage);
+    kda_decode_head<KdaBlockSync, Staged, Split>(args, head, blockIdx.y, gridDim.y, KdaBlockSync(), shared, stage,
+                                                 rank);
 }
 
 #define KDA_DECODE_FUSED_PARAMETERS                                                                                  \
@@ -69,12 +72,33 @@ __device__ __forceinline__ void kda_decode_fused_block(const KdaStepArgs& args, 
 
 extern "C" __global__ void __launch_bounds__(KDA_HEAD_BLOCK) kda_decode_fused_bf16(KDA_DECODE_FUSED_PARAMETERS)
 {
-    kda_decode_fused_block<false>(KDA_DECODE_FUSED_ARGS, nullptr);
+    kda_decode_fused_block<false>(KDA_DECODE_FUSED_ARGS, nullptr, blockIdx.x);
 }
 
 extern "C" __global__ void __launch_bounds__(KDA_HEAD_BLOCK)
 kda_decode_fused_staged_bf16(KDA_DECODE_FUSED_PARAMETERS)
 {
     extern __shared__ __align__(128) float kda_state_stage[];
-    kda_decode_fused_block<true>(KDA_DECODE_FUSED_ARGS, kda_state_stage);
+    kda_decode_fused_block<true>(KDA_DECODE_FUSED_ARGS, kda_state_stage, blockIdx.x);
+}
+
+// The head split over a cluster of KDA_HEAD_SPLIT blocks (grid: heads * KDA_HEAD_SPLIT along x).
+// Before sm_90 there are no clusters: the first block of each KDA_HEAD_SPLIT runs the whole head.
+#if KDA_CLUSTERS
+#define KDA_SPLIT_CLUSTER_DIMS __cluster_dims__(KDA_HEAD_SPLIT, 1, 1)
+#else
+#define KDA_SPLIT_CLUSTER_DIMS
+#endif
+
+extern "C" __global__ void __launch_bounds__(KDA_HEAD_BLOCK) KDA_SPLIT_CLUSTER_DIMS
+kda_decode_fused_split_bf16(KDA_DECODE_FUSED_PARAMETERS)
+{
+#if KDA_CLUSTERS
+    kda_decode_fused_block<false, KDA_HEAD_SPLIT>(KDA_DECODE_FUSED_ARGS, nullptr, blockIdx.x / KDA_HEAD_SPLIT,
+                                                  blockIdx.x % KDA_HEAD_SPLIT);
+#else
+    if (blockIdx.x % KDA_HEAD_SPLIT == 0) {
+        kda_decode_fused_block<false>(KDA_DECODE_FUSED_ARGS, nullptr, blockIdx.x / KDA_HEAD_SPLIT);
+    }
+#endif
 }

@@ -147,26 +147,114 @@ struct KdaStepArgs {
 struct KdaStepShared {
     unsigned long long state_arrived;
     float scratch[10];
+    float partials[2][4];  // a split head's warp sums for the norm, by token parity
     float decay[KDA_HEAD_DIM];
     float key[KDA_HEAD_DIM];
     float query[KDA_HEAD_DIM];
 };
 
+// ---- One head over the KDA_HEAD_SPLIT blocks of a thread-block cluster (sm_90 and later). A
+// block of KDA_HEAD_BLOCK threads reads a head's state at about the rate one SM moves data, so a
+// one-sequence step spent most of its time waiting for its 64 KB: split, block `rank` of the
+// cluster steps the value columns of its warp `rank` (16 KB), while every block forms the head's
+// q, k, gate and beta (the L2 sums need all the channels) by the same code and reductions. The
+// gated norm's sum over the head's columns adds the four warp sums, exchanged through the
+// blocks' shared memory, in block_sum_f32's order: the same bits as one block per head.
+#define KDA_HEAD_SPLIT 4
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define KDA_CLUSTERS 1
+#else
+#define KDA_CLUSTERS 0
+#endif
+
+// The barrier of the cluster's threads, in two halves: arrive (release: this thread's earlier
+// memory operations, shared memory of other blocks included, become visible to threads that
+// have waited) and wait (acquire). Every thread of every block of the cluster takes part.
+__device__ __forceinline__ void cluster_arrive_relaxed()
+{
+#if KDA_CLUSTERS
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void cluster_arrive()
+{
+#if KDA_CLUSTERS
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void cluster_wait()
+{
+#if KDA_CLUSTERS
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+
+// *address in the shared memory of block `rank` of the cluster (address: this block's copy).
+__device__ __forceinline__ void store_shared_cluster(float* address, int rank, float value)
+{
+#if KDA_CLUSTERS
+    unsigned int remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(shared_address(address)), "r"(rank));
+    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(value) : "memory");
+#endif
+}
+
+// gated_rmsnorm_sigmoid of a head split over a cluster: the threads of warp `rank` of each block
+// (`owner`) hold the head's channels 32 rank ..; `partials` (4 floats, the same offset in every
+// block) receives the warp sums. Every thread of the cluster calls it; the result means something
+// in the owners only.
+__device__ __forceinline__ float cluster_gated_rmsnorm_sigmoid(float o, float weight, float z, float eps,
+                                                               float* partials, int rank, bool owner)
+{
+    if (owner) {
+        const float warp_total = warp_sum_f32(__fmul_rn(o, o));
+        if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+            for (int to = 0; to < KDA_HEAD_SPLIT; ++to) {
+                store_shared_cluster(&partials[rank], to, warp_total);
+            }
+        }
+    }
+    cluster_arrive();
+    cluster_wait();
+    // block_sum_f32's order: the warp sums in warp order.
+    float total = partials[0];
+    total += partials[1];
+    total += partials[2];
+    total += partials[3];
+    const float mean_square = total / static_cast<float>(KDA_HEAD_DIM);
+    return o / sqrtf(mean_square + eps) * weight * sigmoid_f32(z);
+}
+
 // Head `head` of sequence `sequence` (of `sequences`), `tokens` tokens, by the KDA_HEAD_BLOCK
 // threads of `group` (thread d owns channel d of the head). Staged false: each thread loads its
 // state column into registers; true (sm_90 and later; before, the register loads): the head's
 // state moves by bulk copies through `stage`, KDA_HEAD_STATE_BYTES of the group's shared memory
-// (128-byte aligned; the state 16-byte aligned). The same bits either way.
-template <class Sync, bool Staged = false>
+// (128-byte aligned; the state 16-byte aligned). Split (KDA_HEAD_SPLIT, sm_90, the group a block
+// of a cluster of that many, `rank` its place): the head split over the cluster's blocks, each
+// stepping the columns of its warp `rank`. The same bits every way.
+template <class Sync, bool Staged = false, int Split = 1>
 __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, size_t sequence, size_t sequences,
-                                                Sync group, KdaStepShared& shared, float* stage = nullptr)
+                                                Sync group, KdaStepShared& shared, float* stage = nullptr,
+                                                int rank = 0)
 {
+    constexpr bool split = Split > 1;
+    static_assert(!split || (Split == KDA_HEAD_SPLIT && !Staged), "a split head has KDA_HEAD_SPLIT blocks, unstaged");
     const int d = group.thread();
+    // Whether this thread steps value column d and writes channel d's outputs (in a split head,
+    // the blocks other than the owner form the same values and drop them).
+    const bool owner = !split || (d >> 5) == rank;
     const size_t slot = p.slots != nullptr ? static_cast<size_t>(p.slots[sequence]) : sequence;
     const int heads = p.heads;
     const int kernel_size = p.kernel_size;
     const size_t qkv = static_cast<size_t>(heads) * KDA_HEAD_DIM;
     const size_t channel = static_cast<size_t>(head) * KDA_HEAD_DIM + d;  // within q, k or v
+    if constexpr (split) {
+        // Another block's shared memory may be written only once that block runs.
+        cluster_arrive_relaxed();
+    }
 
     // The sequence's state column (64 KB per head, the bulk of the traffic) and conv windows
     // first: in flight while the first token's inputs are formed.
@@ -176,12 +264,14 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
     if constexpr (staged) {
         kda_stage_state_in(stage, head_state, &shared.state_arrived, d);
     } else {
-        kda_recurrent_load(s, head_state + d);
+        if (owner) {
+            kda_recurrent_load(s, head_state + d);
+        }
     }
     // A batch runs many waves of blocks, each of which waits on its state column: ask L2 for the
     // head's state of sequence + prefetch_ahead (a block of a later wave) now, so that its loads
     // hit, and for its conv windows (the head's channels of q, k and v: three runs of D K floats).
-    if (p.prefetch_ahead > 0 && sequence + p.prefetch_ahead < sequences) {
+    if (p.prefetch_ahead > 0 && sequence + p.prefetch_ahead < sequences && rank == 0) {
         const size_t ahead = sequence + p.prefetch_ahead;
         const size_t ahead_slot = p.slots != nullptr ? static_cast<size_t>(p.slots[ahead]) : ahead;
         prefetch_floats_l2(p.state + (ahead_slot * heads + head) * static_cast<size_t>(KDA_HEAD_DIM) * KDA_HEAD_DIM,
@@ -222,7 +312,9 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
             const size_t c = part * qkv + channel;
             conv_window_push(window[part], conv_input[part], kernel_size);
             const bf16_t out = f32_to_bf16(conv_silu(window[part], p.conv_w + c * kernel_size, kernel_size));
-            p.conv_out[row * 3 * qkv + c] = out;
+            if (owner) {
+                p.conv_out[row * 3 * qkv + c] = out;
+            }
             rounded[part] = bf16_to_f32(out);
         }
         float q = rounded[0];
@@ -231,11 +323,13 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
         const float v = rounded[2];
         const float g = kda_forget_gate(u, a, p.bounded != 0, p.lower_bound);
 
-        p.query[out_index] = q;
-        p.key[out_index] = k;
-        p.value[out_index] = v;
-        p.gate[out_index] = g;
-        if (d == 0) {
+        if (owner) {
+            p.query[out_index] = q;
+            p.key[out_index] = k;
+            p.value[out_index] = v;
+            p.gate[out_index] = g;
+        }
+        if (d == 0 && rank == 0) {
             p.beta[row * heads + head] = beta_head;
         }
         // The previous token's step has read the vectors (the norm's reductions since hold
@@ -250,30 +344,55 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
 
         if constexpr (staged) {
             if (t == 0) {
-            // The barrier above also published the mbarrier's initialisation.
+                // The barrier above also published the mbarrier's initialisation.
                 kda_wait_staged_state(&shared.state_arrived);
                 kda_recurrent_load(s, stage + d);
             }
         }
-        const float o = kda_recurrent_step(s, shared.decay, shared.key, shared.query, v, beta_head, group);
+        float o = 0.0f;
+        if constexpr (split) {
+            if (owner) {
+                o = kda_recurrent_step(s, shared.decay, shared.key, shared.query, v, beta_head, KdaWarpSync());
+            }
+        } else {
+            o = kda_recurrent_step(s, shared.decay, shared.key, shared.query, v, beta_head, group);
+        }
         if (t == 0 && p.dependents_after == 2) {
             kda_let_next_kernel_launch();
         }
-        p.core[out_index] = o;
-        p.o_norm_out[out_index] = f32_to_bf16(gated_rmsnorm_sigmoid(o, weight, z, p.norm_eps, shared.scratch, group));
+        float normed;
+        if constexpr (split) {
+            if (t == 0) {
+                cluster_wait();  // the arrive at the start: every block of the cluster runs
+            }
+            // Two sets of partial sums, by token parity: a block may write the next token's before
+            // a slower one has read this token's, never the one after (it waits on that block).
+            normed = cluster_gated_rmsnorm_sigmoid(o, weight, z, p.norm_eps, shared.partials[t & 1], rank, owner);
+        } else {
+            normed = gated_rmsnorm_sigmoid(o, weight, z, p.norm_eps, shared.scratch, group);
+        }
+        if (owner) {
+            p.core[out_index] = o;
+            p.o_norm_out[out_index] = f32_to_bf16(normed);
+        }
     }
 
+    // (A split head: every block has read its conv windows before the last token's barrier.)
     if constexpr (staged) {
         kda_recurrent_store(s, stage + d);
         kda_stage_fence();
         group.sync();
         kda_stage_state_out(stage, head_state, d);
     } else {
-        kda_recurrent_store(s, head_state + d);
+        if (owner) {
+            kda_recurrent_store(s, head_state + d);
+        }
     }
+    if (owner) {
 #pragma unroll
-    for (int part = 0; part < 3; ++part) {
-        conv_window_store(window[part], conv_slot + (part * qkv + channel) * kernel_size, kernel_size);
+        for (int part = 0; part < 3; ++part) {
+            conv_window_store(window[part], conv_slot + (part * qkv + channel) * kernel_size, kernel_size);
+        }
     }
 }
 

@@ -61,6 +61,12 @@ struct KdaBlockSync {
     __device__ __forceinline__ void sync() const { __syncthreads(); }
 };
 
+// One warp as the group of a per-column step (kda_recurrent_step's barrier is a fence there).
+struct KdaWarpSync {
+    __device__ __forceinline__ int thread() const { return threadIdx.x; }
+    __device__ __forceinline__ void sync() const { __syncwarp(); }
+};
+
 // Sum of `value` over the KDA_HEAD_BLOCK (= 128) threads of a group (by default the whole
 // block), returned to every one of them. Deterministic: a fixed xor-shuffle tree inside each
 // warp, then the group's thread 0 adds the four warp sums in warp order. Every per-head
@@ -69,13 +75,21 @@ struct KdaBlockSync {
 //
 // `scratch` is at least 5 floats of shared memory, the group's own. All threads of the
 // group must call it (it contains barriers); it may be called again right away.
-template <class Sync = KdaBlockSync>
-__device__ __forceinline__ float block_sum_f32(float value, float* scratch, Sync group = Sync())
+// The sum of `value` over a warp, returned to every lane: the fixed xor-shuffle tree of
+// block_sum_f32.
+__device__ __forceinline__ float warp_sum_f32(float value)
 {
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) {
         value += __shfl_xor_sync(KDA_FULL_WARP_MASK, value, offset);
     }
+    return value;
+}
+
+template <class Sync = KdaBlockSync>
+__device__ __forceinline__ float block_sum_f32(float value, float* scratch, Sync group = Sync())
+{
+    value = warp_sum_f32(value);
     const int thread = group.thread();
     const int warp = thread >> 5;
     if ((thread & 31) == 0) {

@@ -173,6 +173,12 @@ inline void kda_stage_state_out(const float* stage, float* head_state, int d)
 {
     if (d == 0) std::memcpy(head_state, stage, 128 * 128 * sizeof(float));
 }
+// Its cluster helpers (a split head needs blocks that run together; the host runs one block at a
+// time, so only the split entry's one-block fallback runs here).
+inline void cluster_arrive_relaxed() {}
+inline void cluster_arrive() {}
+inline void cluster_wait() {}
+inline void store_shared_cluster(float* address, int, float value) { *address = value; }
 """
 
 HOST_CUDA_RUNTIME = r"""
@@ -259,9 +265,11 @@ def host_kernel_source(stem: str, device_helpers: tuple[str, ...]) -> str:
 
 # The PTX-only helpers of kda_common.cuh (no-ops before sm_90; their bodies are inline PTX).
 COMMON_DEVICE_HELPERS = ("kda_let_next_kernel_launch", "kda_wait_for_previous_kernel")
-# decode_step.cuh's bulk copies of the staged state (emulated by HOST_CUDA_HEADER).
+# decode_step.cuh's bulk copies of the staged state and its cluster helpers (emulated by
+# HOST_CUDA_HEADER).
 STAGED_STATE_HELPERS = ("shared_address", "kda_stage_state_in", "kda_wait_staged_state", "kda_stage_fence",
-                        "kda_stage_state_out")
+                        "kda_stage_state_out", "cluster_arrive_relaxed", "cluster_arrive", "cluster_wait",
+                        "store_shared_cluster")
 # Bytes of dynamic shared memory kda_decode_fused_staged_bf16 takes (one head's state).
 STAGED_STATE_BYTES = 128 * 128 * 4
 

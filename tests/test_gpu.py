@@ -453,6 +453,28 @@ def test_staged_step_state_gives_the_register_bits(layers, geometry, monkeypatch
                           "the staged step state and the per-thread loads")
 
 
+@pytest.mark.parametrize("rows", [1, 3, 64])
+@pytest.mark.parametrize("geometry", ["glm", "kimi"])
+def test_split_step_gives_the_one_block_bits(layers, geometry, rows, monkeypatch):
+    """The fused step with each head split over a cluster of blocks (layer.STEP_SPLIT_WAVES, sm_90)
+    writes the bits of one block per head: every stage buffer, the output and both states of a
+    pool step of `rows` sequences with shuffled slots, and of a 5-row decode_k walk."""
+    from glm_kda import layer as layer_module
+    from glm_kda.ops import bulk_copies_available
+
+    if not bulk_copies_available():
+        pytest.skip("the split step needs thread-block clusters (sm_90 or later); this device has none")
+    _, layer = layers(geometry)
+    previous = layer_module.STEP_SPLIT_WAVES
+
+    def switch(split):
+        monkeypatch.setattr(layer_module, "STEP_SPLIT_WAVES", previous if split is None else 1e9 if split else None)
+        layer._graphs.clear()  # graphs hold the kernels they were captured with
+
+    split, whole = _decode_paths(layer, count=80, rows=rows, walk_rows=5, prefill_rows=0, seed=71 + rows, switch=switch)
+    _assert_same_bits(split, whole, f"{geometry} B{rows}", "the split heads and one block per head")
+
+
 @pytest.mark.parametrize("geometry", ["glm", "kimi"])
 def test_packed_decode_weights_give_the_row_major_bits(layers, geometry):
     """layer.packed_decode (the decode projections read gemm_rows' packed copies of the

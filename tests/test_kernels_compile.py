@@ -59,8 +59,9 @@ def test_kernel_files_match_entry_points():
     families = {**kernels.ENTRY_POINTS, **{stem: names for stem, (_, names) in kernels.ARCH_ENTRY_POINTS.items()}}
     for stem, names in families.items():
         text = (folder / f"{stem}.cu").read_text()
-        declared = re.findall(r'^extern "C" __global__ void(?:\s+__launch_bounds__\([^)]*\))?\s+(\w+)\s*\(', text,
-                              re.M)
+        # (an entry may carry a macro of attributes after its launch bounds, e.g. cluster dims)
+        declared = re.findall(r'^extern "C" __global__ void(?:\s+__launch_bounds__\([^)]*\))?(?:\s+[A-Z][A-Z0-9_]*)?'
+                              r'\s+(\w+)\s*\(', text, re.M)
         # gemm_rows.cu declares its variants through macros: GEMM_ROWS_ENTRY(m-tiles, tiles) and
         # GEMM_ROWS_SERIAL_ENTRY(m-tiles, tiles), one entry per weight layout.
         declared += [f"gemm_rows_{layout}bf16_m{m}_n{n}" for layout in ("", "packed_")
