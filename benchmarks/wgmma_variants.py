@@ -58,21 +58,12 @@ def build(folder: Path, variants: list[tuple[int, ...]]) -> None:
 
 
 def median_ms(launch, calls: int = CALLS, rounds: int = ROUNDS) -> float:
-    import cupy
+    """Median over `rounds` of the mean time per call of `calls` launches back to back."""
     import numpy as np
 
-    for _ in range(3):
-        launch()
-    times = []
-    for _ in range(rounds):
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        for _ in range(calls):
-            launch()
-        end.record()
-        end.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, end) / calls)
-    return float(np.median(times))
+    from glm_kda.selftest import back_to_back_ms
+
+    return float(np.median([back_to_back_ms(launch, calls, warmup=3) for _ in range(rounds)]))
 
 
 def run(folder: Path) -> None:
