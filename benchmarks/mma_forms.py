@@ -19,9 +19,8 @@ import json
 import cupy
 import numpy as np
 
-_SOURCE = r"""
-#include <cuda_bf16.h>
-
+# The mma.sync m16n8k16 and the BF16 pair of a row, device code benchmarks/wgmma_forms.py shares.
+MMA_HELPERS = r"""
 __device__ __forceinline__ void mma16816(float acc[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
                                          unsigned b0, unsigned b1)
 {
@@ -36,7 +35,11 @@ __device__ __forceinline__ unsigned pair_at(const unsigned short* m, int k_total
 {
     return static_cast<unsigned>(m[row * k_total + k]) | (static_cast<unsigned>(m[row * k_total + k + 1]) << 16);
 }
+"""
 
+_SOURCE = r"""
+#include <cuda_bf16.h>
+""" + MMA_HELPERS + r"""
 // One warp per case: x [16, K], w [16, K]. out_xw[r * 16 + c] from x as A (two n-tiles of w),
 // out_wx[r * 16 + c] from w as A (two n-tiles of x rows), c a column of w, r a row of x.
 // The k slots of lane (g, t) in step s of a 32-k block: logical 2t, 2t+1 <- physical 8t+4s, +1;

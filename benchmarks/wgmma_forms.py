@@ -27,7 +27,7 @@ import cupy
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mma_forms import bf16_bits  # noqa: E402
+from mma_forms import MMA_HELPERS, bf16_bits  # noqa: E402
 
 
 def _wgmma_asm(n: int) -> str:
@@ -44,20 +44,7 @@ def _wgmma_asm(n: int) -> str:
 
 def _source(n: int) -> str:
     return f"#define N {n}\n" + r"""
-__device__ __forceinline__ void mma16816(float acc[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                         unsigned b0, unsigned b1)
-{
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-                 : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ unsigned pair_at(const unsigned short* m, int k_total, int row, int k)
-{
-    return static_cast<unsigned>(m[row * k_total + k]) | (static_cast<unsigned>(m[row * k_total + k + 1]) << 16);
-}
-
+""" + MMA_HELPERS + r"""
 __device__ __forceinline__ void wgmma_step(float (&d)[N / 2], const unsigned (&a)[4], unsigned long long desc)
 {
     WGMMA_ASM

@@ -342,12 +342,7 @@ class KernelSet:
         missing: list[str] = []
         for stem, names in ENTRY_POINTS.items():
             module = cupy.RawModule(code=kernel_source(stem, directory), options=COMPILE_OPTIONS)
-            self.modules[stem] = module
-            for name in names:
-                try:
-                    self.functions[name] = module.get_function(name)
-                except cupy.cuda.driver.CUDADriverError:
-                    missing.append(f"{stem}.cu:{name}")
+            missing += self._add_module(stem, module, names)
         device_arch = f"sm_{cupy.cuda.Device().compute_capability}a"
         folder = Path(directory) if directory is not None else kernels_dir()
         for stem, (arch, names) in ARCH_ENTRY_POINTS.items():
@@ -355,14 +350,22 @@ class KernelSet:
             if arch != device_arch or not (folder / f"{stem}.cu").is_file():
                 continue
             module = cupy.RawModule(path=str(_cached_cubin(stem, arch, directory)))
-            self.modules[stem] = module
-            for name in names:
-                try:
-                    self.functions[name] = module.get_function(name)
-                except cupy.cuda.driver.CUDADriverError:
-                    missing.append(f"{stem}.cu:{name}")
+            missing += self._add_module(stem, module, names)
         if missing:
             raise RuntimeError(f"kernel entry points not found: {', '.join(missing)}")
+
+    def _add_module(self, stem: str, module: Any, names: Sequence[str]) -> list[str]:
+        """Keep ``module`` (of ``<stem>.cu``) and resolve its entry points; returns those missing."""
+        import cupy
+
+        self.modules[stem] = module
+        missing = []
+        for name in names:
+            try:
+                self.functions[name] = module.get_function(name)
+            except cupy.cuda.driver.CUDADriverError:
+                missing.append(f"{stem}.cu:{name}")
+        return missing
 
     @classmethod
     def get(cls) -> "KernelSet":

@@ -77,6 +77,11 @@ PERSISTENT_DECODE = False
 MAX_DECODE_ROWS = 256
 
 
+def _step_resident_blocks(device_id: int) -> int:
+    """Blocks of the fused step resident at once on a device (STEP_RESIDENT_BLOCKS_PER_SM a SM)."""
+    return gemm_rows._sm_count(device_id) * STEP_RESIDENT_BLOCKS_PER_SM
+
+
 @functools.lru_cache(maxsize=1)
 def bf16_dtype() -> Any:
     """ml_dtypes.bfloat16 where this CuPy has a BF16 dtype, else uint16 (same bytes)."""
@@ -494,14 +499,14 @@ class KdaLayer:
         """Whether a fused step of `sequences` sequences splits its heads (STEP_SPLIT_WAVES)."""
         if STEP_SPLIT_WAVES is None:
             return False
-        resident = gemm_rows._sm_count(self.qkv_weight.device.id) * STEP_RESIDENT_BLOCKS_PER_SM
+        resident = _step_resident_blocks(self.qkv_weight.device.id)
         return sequences * self.config.heads * ops.HEAD_SPLIT <= STEP_SPLIT_WAVES * resident
 
     def _step_prefetch_ahead(self) -> int:
         """Sequences ahead whose state a batched fused step asks L2 for (STEP_PREFETCH_WAVES)."""
         if STEP_PREFETCH_WAVES <= 0:
             return 0
-        resident = gemm_rows._sm_count(self.qkv_weight.device.id) * STEP_RESIDENT_BLOCKS_PER_SM
+        resident = _step_resident_blocks(self.qkv_weight.device.id)
         return max(1, round(STEP_PREFETCH_WAVES * resident / self.config.heads))
 
     def decode_rows(self, hidden: Any, conv_state: Any, recurrent_state: Any, *, slots: Any = None,

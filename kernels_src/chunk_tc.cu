@@ -223,9 +223,7 @@ __device__ __forceinline__ float clamp_gate(float g, float lower_bound)
 // 16 bytes global -> shared, asynchronous (L2 only: the tile is read once per block).
 __device__ __forceinline__ void copy_async_16B(void* shared_destination, const void* source)
 {
-    const unsigned int address =
-        static_cast<unsigned int>(__cvta_generic_to_shared(shared_destination));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(address), "l"(source)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_address(shared_destination)), "l"(source)
                  : "memory");
 }
 

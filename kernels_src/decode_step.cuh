@@ -40,11 +40,6 @@ __device__ __forceinline__ void prefetch_floats_l2(const float* first, int count
 #endif
 #endif
 
-__device__ __forceinline__ unsigned int shared_address(const void* pointer)
-{
-    return static_cast<unsigned int>(__cvta_generic_to_shared(pointer));
-}
-
 // Thread `d` == 0: start the copy of a head's state (16-byte aligned) into `stage`; the group
 // must pass a barrier before anyone waits on `arrived` (kda_wait_staged_state).
 __device__ __forceinline__ void kda_stage_state_in(float* stage, const float* head_state, unsigned long long* arrived,

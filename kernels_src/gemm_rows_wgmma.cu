@@ -58,11 +58,6 @@
 static_assert(GEMM_WGMMA_CHUNK % GEMM_WGMMA_STEP == 0, "a step never spans two stages");
 static_assert(GEMM_WGMMA_STAGES >= 2, "at least one stage in flight");
 
-__device__ __forceinline__ unsigned int shared_address(const void* pointer)
-{
-    return static_cast<unsigned int>(__cvta_generic_to_shared(pointer));
-}
-
 // 4 bytes global -> shared, asynchronous; zeros where `valid` is false (nothing is read then).
 __device__ __forceinline__ void copy_word_async(unsigned int destination, const void* source, bool valid)
 {

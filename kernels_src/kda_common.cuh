@@ -162,6 +162,13 @@ __device__ __forceinline__ void kda_wait_for_previous_kernel()
 #endif
 }
 
+// The shared-memory (state-space) address of a pointer into this block's shared memory, as the
+// asynchronous copies, mbarriers and cluster instructions take it.
+__device__ __forceinline__ unsigned int shared_address(const void* pointer)
+{
+    return static_cast<unsigned int>(__cvta_generic_to_shared(pointer));
+}
+
 __device__ __forceinline__ float sigmoid_f32(float x)
 {
     return 1.0f / (1.0f + expf(-x));

@@ -263,11 +263,12 @@ def host_kernel_source(stem: str, device_helpers: tuple[str, ...]) -> str:
     return source
 
 
-# The PTX-only helpers of kda_common.cuh (no-ops before sm_90; their bodies are inline PTX).
-COMMON_DEVICE_HELPERS = ("kda_let_next_kernel_launch", "kda_wait_for_previous_kernel")
+# The device-only helpers of kda_common.cuh (the first two no-ops before sm_90; their bodies are
+# inline PTX or device intrinsics).
+COMMON_DEVICE_HELPERS = ("kda_let_next_kernel_launch", "kda_wait_for_previous_kernel", "shared_address")
 # decode_step.cuh's bulk copies of the staged state and its cluster helpers (emulated by
 # HOST_CUDA_HEADER).
-STAGED_STATE_HELPERS = ("shared_address", "kda_stage_state_in", "kda_wait_staged_state", "kda_stage_fence",
+STAGED_STATE_HELPERS = ("kda_stage_state_in", "kda_wait_staged_state", "kda_stage_fence",
                         "kda_stage_state_out", "cluster_arrive_relaxed", "cluster_arrive", "cluster_wait",
                         "store_shared_cluster")
 # Bytes of dynamic shared memory kda_decode_fused_staged_bf16 takes (one head's state).
