@@ -186,7 +186,7 @@ def main() -> None:
         if args.layout in ("both", "row_major"):
             layouts["row_major"] = weights
         if args.layout in ("both", "packed"):
-            layouts["packed"] = [pack_weight(w) for w in weights]
+            layouts["packed"] = [pack_weight(w, pairs=args.wgmma == "both") for w in weights]
         for rows in args.rows:
             results = {}
             forms = [(serial, None) for serial in ((False, True) if args.serial == "both" and 16 < rows <= 64

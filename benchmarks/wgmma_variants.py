@@ -80,7 +80,7 @@ def run(folder: Path) -> None:
         bits = cupy.random.standard_normal((ROWS, k), dtype=cupy.float32).view(cupy.uint32) >> 16
         x = bits.astype(cupy.uint16)
         w = ((cupy.random.standard_normal((n, k), dtype=cupy.float32) * 0.05).view(cupy.uint32) >> 16).astype(cupy.uint16)
-        packed = pack_weight(w)
+        packed = pack_weight(w, pairs=True)
         reference = cupy.zeros((ROWS, n), dtype=cupy.uint16)
         gemm_rows_bf16(x, packed, reference, rows=ROWS, wgmma=False)
         base_ms = median_ms(lambda: gemm_rows_bf16(x, packed, reference, rows=ROWS, wgmma=False))
@@ -96,7 +96,7 @@ def run(folder: Path) -> None:
             groups = -(-n // (64 * groups_per_block))
             grid = (min(sm_count * (per_sm // groups_per_block), groups), 1)
             out = cupy.full((ROWS, n), 0x7FC1, dtype=cupy.uint16)
-            args = (x, _i32(k), packed.data, out, _i32(n), _i32(ROWS), _i32(n), _i32(k), _i32(0))
+            args = (x, _i32(k), packed.pairs, out, _i32(n), _i32(ROWS), _i32(n), _i32(k), _i32(0))
 
             def launch(function=function, grid=grid, args=args, groups_per_block=groups_per_block, shared=shared):
                 function(grid, (128 * groups_per_block,), args, shared_mem=shared)

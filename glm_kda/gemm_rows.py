@@ -78,11 +78,15 @@ class PackedWeight:
     :func:`pack_weight`: ``data[tile, kb, 8 * lane + e] = w[8 tile + lane // 4, 32 kb + 8 (lane % 4) + e]``
     (zeros past n and k), shape [ceil(n / 8), ceil(k / 32), 256]. A warp of the projection
     reads each tile's k range as one run of contiguous bytes; the values it loads, and so the
-    bits of every output, are those of the row-major weight."""
+    bits of every output, are those of the row-major weight.
+
+    ``pairs`` (None unless asked for): the same weight in the pair layout the warpgroup-MMA sweep
+    reads (:func:`pack_pairs`), as many bytes again."""
 
     data: Any
     n: int
     k: int
+    pairs: Any = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -94,28 +98,58 @@ class PackedWeight:
         return packed_shape(self.n, self.k)
 
 
+def packed_shape(self) -> tuple[int, int, int]:
+        return packed_shape(self.n, self.k)
+
+
 def packed_shape(n: int, k: int) -> tuple[int, int, int]:
     """Shape of the packed layout of a [n, k] weight: [ceil(n / 8), ceil(k / 32), 256]."""
     return (-(-n // N_TILE), -(-k // K_BLOCK), N_TILE * K_BLOCK)
 
 
-def pack_weight(w: Any) -> PackedWeight:
-    """The packed layout of a [n, k] BF16 weight (a CuPy or NumPy array; the result lives
-    where w does). k must be a multiple of 8, like every weight of gemm_rows_bf16."""
+def _padded(w: Any, name: str, rows_multiple: int) -> tuple[Any, int, int, int]:
+    """w checked ([n, k] BF16, k % 8 == 0) and padded by zeros to n a multiple of rows_multiple and
+    k of K_BLOCK: (padded, n, k, k_blocks)."""
     xp = cupy.get_array_module(w)
     if w.ndim != 2 or w.shape[0] < 1 or w.shape[1] < 1:
-        raise ValueError(f"pack_weight: w must be [n, k] with n, k >= 1, got {list(w.shape)}")
+        raise ValueError(f"{name}: w must be [n, k] with n, k >= 1, got {list(w.shape)}")
     if w.dtype.itemsize != 2:
-        raise TypeError(f"pack_weight: w must be BF16 (2-byte elements), got {w.dtype}")
+        raise TypeError(f"{name}: w must be BF16 (2-byte elements), got {w.dtype}")
     n, k = (int(v) for v in w.shape)
     if k % 8:
-        raise ValueError(f"pack_weight: k = {k} must be a multiple of 8")
-    tiles, k_blocks, _ = packed_shape(n, k)
-    padded = xp.zeros((tiles * N_TILE, k_blocks * K_BLOCK), w.dtype)
+        raise ValueError(f"{name}: k = {k} must be a multiple of 8")
+    k_blocks = -(-k // K_BLOCK)
+    padded = xp.zeros((-(-n // rows_multiple) * rows_multiple, k_blocks * K_BLOCK), w.dtype)
     padded[:n, :k] = w
+    return padded, n, k, k_blocks
+
+
+def pack_weight(w: Any, pairs: bool = False) -> PackedWeight:
+    """The packed layout of a [n, k] BF16 weight (a CuPy or NumPy array; the result lives
+    where w does). k must be a multiple of 8, like every weight of gemm_rows_bf16. ``pairs``:
+    also the pair layout of the warpgroup-MMA sweep (:func:`pack_pairs`)."""
+    xp = cupy.get_array_module(w)
+    padded, n, k, _ = _padded(w, "pack_weight", N_TILE)
+    tiles, k_blocks, _ = packed_shape(n, k)
     # [tile, g, kb, t, e] -> [tile, kb, g, t, e]: lane 4 g + t holds row g, k 8 t .. 8 t + 7.
     data = padded.reshape(tiles, N_TILE, k_blocks, 4, 8).transpose(0, 2, 1, 3, 4)
-    return PackedWeight(xp.ascontiguousarray(data).reshape(packed_shape(n, k)), n, k)
+    return PackedWeight(xp.ascontiguousarray(data).reshape(packed_shape(n, k)), n, k,
+                        pack_pairs(w) if pairs else None)
+
+
+def pack_pairs(w: Any) -> Any:
+    """The pair layout of a [n, k] BF16 weight (kernels_src/gemm_rows_wgmma.cu), shape
+    [ceil(n / 16), ceil(k / 32), 512]: for the tiles 2 p and 2 p + 1 (rows 16 p + g and 16 p + 8 + g),
+    block kb, k16 step s and lane 4 g + t, the 8 elements at [p, kb, 256 s + 8 lane] are
+    ``w[16p+g, k0+4s : +2], w[16p+8+g, k0+4s : +2], w[16p+g, k0+4s+2 : +2], w[16p+8+g, k0+4s+2 : +2]``
+    with k0 = 32 kb + 8 t (zeros past n and k): the A fragment of that step, in the words the
+    mma.sync sweep's interleave_pair forms from two loads of :func:`pack_weight`'s layout."""
+    xp = cupy.get_array_module(w)
+    padded, _, _, k_blocks = _padded(w, "pack_pairs", 2 * N_TILE)
+    pairs = padded.shape[0] // (2 * N_TILE)
+    # k = 32 kb + 8 t + 4 s + 2 q + e, row = 16 p + 8 h + g -> [p, kb, s, g, t, q, h, e].
+    data = padded.reshape(pairs, 2, N_TILE, k_blocks, 4, 2, 2, 2).transpose(0, 3, 5, 2, 4, 6, 1, 7)
+    return xp.ascontiguousarray(data).reshape(pairs, k_blocks, 2 * N_TILE * K_BLOCK)
 
 
 @dataclass(frozen=True)
@@ -182,9 +216,7 @@ def launch_plan(
     m_tiles = m_tiles_for(rows)
     if m_tiles > 1 and wgmma is not False:
         groups = -(-n // (WGMMA_COLUMNS * WGMMA_WARPGROUPS))
-        wide_enough = (WGMMA_MIN_GROUPS_PER_SM is not None
-                       and -(-n // WGMMA_COLUMNS) >= WGMMA_MIN_GROUPS_PER_SM * sm_count)
-        if wgmma or wide_enough:
+        if wgmma or wgmma_wide_enough(n, sm_count):
             n_rows = 32 if m_tiles == 2 else 64
             resident = sm_count * (WGMMA_WARPGROUPS_PER_SM // WGMMA_WARPGROUPS)
             return LaunchPlan(
@@ -236,6 +268,19 @@ def launch_plan(
     )
 
 
+def wgmma_wide_enough(n: int, sm_count: int = DEFAULT_SM_COUNT) -> bool:
+    """Whether WGMMA_MIN_GROUPS_PER_SM gives 17..64 rows of an n-column weight to the warpgroup-MMA
+    sweep (where the weight has the pair layout and the device the kernels)."""
+    return WGMMA_MIN_GROUPS_PER_SM is not None and -(-n // WGMMA_COLUMNS) >= WGMMA_MIN_GROUPS_PER_SM * sm_count
+
+
+def wgmma_takes(n: int) -> bool:
+    """Whether 17..64 rows of an n-column packed weight with the pair layout take the warpgroup-MMA
+    sweep on the current device: the copies worth making (pack_weight(w, pairs=True))."""
+    return (WGMMA_MIN_GROUPS_PER_SM is not None and wgmma_available()
+            and wgmma_wide_enough(n, _sm_count(cupy.cuda.Device().id)))
+
+
 def wgmma_available() -> bool:
     """Whether the current device runs the warpgroup-MMA sweep (sm_90, and the kernel set in use
     has it)."""
@@ -264,7 +309,8 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
     sm_90: the warpgroup-MMA sweep, or not; None to choose from the shape).
 
     ``w`` may also be a :class:`PackedWeight` of the same weight (:func:`pack_weight`): the
-    same bits, the weight read in contiguous runs.
+    same bits, the weight read in contiguous runs. The warpgroup-MMA sweep reads its pair layout,
+    so it runs only where the PackedWeight has one (``pack_weight(w, pairs=True)``).
 
     ``programmatic``: launch as a programmatic dependent of the previous kernel in the
     stream (sm_90 and later): the blocks start while that kernel drains, ask L2 for their
@@ -273,10 +319,11 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
     """
     rows, n, k, ldx, ldy = projection_args("gemm_rows_bf16", x, w, out, rows, GEMM_ROWS_MAX_ROWS)
     packed = isinstance(w, PackedWeight)
-    if not (packed and wgmma_available()):
+    if not (packed and w.pairs is not None and wgmma_available()):
         if wgmma:
-            raise ValueError("gemm_rows_bf16: wgmma=True needs a PackedWeight on an sm_90 device"
-                             f" (packed: {packed}, warpgroup-MMA kernels loaded: {wgmma_available()})")
+            raise ValueError("gemm_rows_bf16: wgmma=True needs a PackedWeight made with pack_weight(w, pairs=True)"
+                             f" on an sm_90 device (packed: {packed}, pair layout: {packed and w.pairs is not None},"
+                             f" warpgroup-MMA kernels loaded: {wgmma_available()})")
         wgmma = False
     plan = launch_plan(n, k, rows, tiles_per_warp, _sm_count(cupy.cuda.Device().id), blocks, serial, wgmma)
     prefetch = prefetch_k_blocks(n, k) if programmatic else 0
@@ -287,7 +334,8 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
         kernel,
         plan.grid,
         plan.block,
-        (x, _i32(ldx), w.data if packed else w, out, _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(prefetch)),
+        (x, _i32(ldx), (w.pairs if kernel.startswith("gemm_rows_wgmma") else w.data) if packed else w, out,
+         _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(prefetch)),
         plan.shared_mem,
         programmatic=programmatic,
         carveout=100 if plan.shared_mem else -1,

@@ -265,17 +265,23 @@ class KdaLayer:
         (True, the default: a copy of each made when this is set, as many bytes again as the
         five projection weights) or the row-major arrays the prefill's cuBLAS reads (False: no
         copy). The same bits either way (tests/test_gpu.py); the packed layout streams in
-        contiguous runs (benchmarks/NOTES.md has the timings). Setting it drops the captured
-        decode graphs."""
+        contiguous runs (benchmarks/NOTES.md has the timings). Where gemm_rows.WGMMA_MIN_GROUPS_PER_SM
+        gives a weight's 17..64-row projections to the warpgroup-MMA sweep on this device, its copy
+        also holds the pair layout that sweep reads (gemm_rows.pack_pairs, as many bytes again).
+        Setting it drops the captured decode graphs."""
         return bool(self._packed)
 
     @packed_decode.setter
     def packed_decode(self, value: bool) -> None:
-        if bool(value) == bool(self._packed):
+        # Which weights also get the pair layout of the warpgroup-MMA sweep follows
+        # gemm_rows.WGMMA_MIN_GROUPS_PER_SM when this is set: setting it again after changing
+        # that rule makes the copies the rule now asks for.
+        wanted = ({name: gemm_rows.wgmma_takes(getattr(self, name).shape[0]) for name in self.DECODE_WEIGHTS}
+                  if value else {})
+        if wanted == {name: packed.pairs is not None for name, packed in self._packed.items()}:
             return
         self._graphs.clear()
-        self._packed = ({name: gemm_rows.pack_weight(getattr(self, name)) for name in self.DECODE_WEIGHTS}
-                        if value else {})
+        self._packed = {name: gemm_rows.pack_weight(getattr(self, name), pairs=pairs) for name, pairs in wanted.items()}
 
     def decode_weight(self, name: str) -> Any:
         """The weight `name` (one of DECODE_WEIGHTS) as the decode-side projections read it: its

@@ -2,8 +2,18 @@
 // bits of gemm_rows.cu's sweeps, several times fewer instructions per weight byte.
 //
 //   y[r, j] = bf16( sum_i x[r, i] * w[j, i] )   for r < rows (1..256), j < n
-// with x [rows, k] (row stride ldx), w in the packed layout of gemm_rows.cuh, y [rows, n] (row
-// stride ldy).
+// with x [rows, k] (row stride ldx), w in the pair layout below, y [rows, n] (row stride ldy).
+//
+// The pair layout (glm_kda/gemm_rows.py, pack_pairs): for the tiles 2 p and 2 p + 1 of 8 columns
+// (a pair), block kb of 32 k, k16 step s and lane 4 g + t, the 16 bytes a lane loads are the A
+// fragment of that step exactly,
+//   pairs[p][kb][s][lane] = { w[16 p + g, k0 + 4 s + 0..1], w[16 p + 8 + g, k0 + 4 s + 0..1],
+//                             w[16 p + g, k0 + 4 s + 2..3], w[16 p + 8 + g, k0 + 4 s + 2..3] }
+// with k0 = 32 kb + 8 t (zeros past n and k): the words interleave_pair forms from two loads of
+// the packed layout, so the products and their slots are the same, and the loaded registers are
+// the wgmma's operand with no move between. (With the packed layout the moves that interleave two
+// loads were placed right behind the loads in the SASS: every step waited for the next step's
+// weights before its own wgmma, one load latency a step.)
 //
 // Geometry: a warpgroup (4 warps) owns 64 weight columns (8 tiles of 8, tiles 2 v and 2 v + 1 for
 // its warp v) and computes them for the N (32 or 64) rows of its row group in one wgmma m64nNk16
@@ -16,7 +26,7 @@
 // function of k alone) is a chain from zero over its blocks of 32 k in ascending order, two k16
 // steps a block, step s taking the products of physical k 8t + 4s + e (logical slot 2t + e) and
 // 8t + 4s + 2 + e (slot 2t + 8 + e) for t = 0..3, e = 0, 1; the range sums are added in ascending
-// range order. The A operand is the weight fragment of gemm_rows' transposed form (interleave_pair:
+// range order. The A operand is the weight fragment of gemm_rows' transposed form (the pair layout holds interleave_pair's words:
 // the same words in the same slots), and x is laid out in shared memory so that the B operand's
 // logical k16 of step s are the same physical k in the same slots: for each row and block of 32 k,
 // the 16 words of its 64 bytes as 4 x 4 (chunk c of 8 k, word q) stored transposed, piece h of step
@@ -55,8 +65,21 @@
 #ifndef GEMM_WGMMA_WARPGROUPS_PER_SM
 #define GEMM_WGMMA_WARPGROUPS_PER_SM 4
 #endif
+// Elements of one (pair, k block) of the pair layout: 2 k16 steps x 32 lanes x 8.
+#define GEMM_WGMMA_PAIR_BLOCK (2 * GEMM_ROWS_PACKED_BLOCK)
 static_assert(GEMM_WGMMA_CHUNK % GEMM_WGMMA_STEP == 0, "a step never spans two stages");
 static_assert(GEMM_WGMMA_STAGES >= 2, "at least one stage in flight");
+
+// load_weight_16B where the address is known to be inside the weight: no predicate and no zeros,
+// so the loaded registers are the asm's outputs and nothing reads them before their first use.
+__device__ __forceinline__ uint4 load_weight_16B_unguarded(const bf16_t* pointer)
+{
+    uint4 value;
+    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(value.x), "=r"(value.y), "=r"(value.z), "=r"(value.w)
+        : "l"(pointer));
+    return value;
+}
 
 // 4 bytes global -> shared, asynchronous; zeros where `valid` is false (nothing is read then).
 __device__ __forceinline__ void copy_word_async(unsigned int destination, const void* source, bool valid)
@@ -164,18 +187,20 @@ __device__ __forceinline__ void gemm_wgmma_stage_x(unsigned int ring, const bf16
     }
 }
 
-// The weight loads of one step (STEP blocks of 32 k from kb_step on) of the warp's two tiles:
-// zeros past the matrix.
-__device__ __forceinline__ void gemm_wgmma_load_step(uint4 (&w_frag)[GEMM_WGMMA_STEP][2], const bf16_t* w_lane,
-                                                     int tile_stride, bool low_valid, bool high_valid, int kb_step,
-                                                     int k_blocks)
+// The weight loads of one step (STEP blocks of 32 k from kb_step on) of the warp's tile pair: the
+// A operands of its two k16 steps a block. Never predicated (a predicated load that gives zeros
+// off the matrix compiles to a load into scratch registers and a select right behind it, which
+// waits for the load): the pointer is clamped into the matrix instead. A block past k is loaded
+// and never multiplied (its wgmma is skipped); a pair past n (w_pair repeats the last pair) only
+// feeds output columns >= n, which are never stored.
+__device__ __forceinline__ void gemm_wgmma_load_step(uint4 (&w_frag)[GEMM_WGMMA_STEP][2], const bf16_t* w_pair,
+                                                     int kb_step, int k_blocks)
 {
 #pragma unroll
     for (int u = 0; u < GEMM_WGMMA_STEP; ++u) {
-        const bool k_valid = kb_step + u < k_blocks;
-        const bf16_t* pointer = w_lane + static_cast<size_t>(kb_step + u) * GEMM_ROWS_PACKED_BLOCK;
-        w_frag[u][0] = load_weight_16B(pointer, low_valid && k_valid);
-        w_frag[u][1] = load_weight_16B(pointer + tile_stride, high_valid && k_valid);
+        const bf16_t* block = w_pair + static_cast<size_t>(min(kb_step + u, k_blocks - 1)) * GEMM_WGMMA_PAIR_BLOCK;
+        w_frag[u][0] = load_weight_16B_unguarded(block);
+        w_frag[u][1] = load_weight_16B_unguarded(block + GEMM_WGMMA_PAIR_BLOCK / 2);
     }
 }
 
@@ -195,13 +220,13 @@ struct GemmWgmmaSums {
 // ahead (into the slot of the stage every warp has just finished).
 template <int N, int THREADS>
 __device__ __forceinline__ void gemm_wgmma_step(GemmWgmmaSums<N>& sums, uint4 (&w_frag)[GEMM_WGMMA_STEP][2],
-                                                uint4 (&w_next)[GEMM_WGMMA_STEP][2], const bf16_t* w_lane,
-                                                int tile_stride, bool low_valid, bool high_valid, int kb_step,
+                                                uint4 (&w_next)[GEMM_WGMMA_STEP][2], const bf16_t* w_pair,
+                                                int kb_step,
                                                 int k_blocks, int k_range, unsigned int ring, const bf16_t* x, int ldx,
                                                 int rows_here, int k)
 {
 #if GEMM_WGMMA_LOADS_FIRST
-    gemm_wgmma_load_step(w_next, w_lane, tile_stride, low_valid, high_valid, kb_step + GEMM_WGMMA_STEP, k_blocks);
+    gemm_wgmma_load_step(w_next, w_pair, kb_step + GEMM_WGMMA_STEP, k_blocks);
 #endif
     if (kb_step % GEMM_WGMMA_CHUNK == 0) {
         const int chunk = kb_step / GEMM_WGMMA_CHUNK;
@@ -217,7 +242,7 @@ __device__ __forceinline__ void gemm_wgmma_step(GemmWgmmaSums<N>& sums, uint4 (&
         copy_commit();  // empty past the matrix: one group per stage keeps the count of copy_wait
     }
 #if !GEMM_WGMMA_LOADS_FIRST
-    gemm_wgmma_load_step(w_next, w_lane, tile_stride, low_valid, high_valid, kb_step + GEMM_WGMMA_STEP, k_blocks);
+    gemm_wgmma_load_step(w_next, w_pair, kb_step + GEMM_WGMMA_STEP, k_blocks);
 #endif
     wgmma_fence();
 #pragma unroll
@@ -248,7 +273,7 @@ __device__ __forceinline__ void gemm_wgmma_step(GemmWgmmaSums<N>& sums, uint4 (&
                                        (kb % GEMM_WGMMA_CHUNK) * gemm_wgmma_block_bytes<N>();
 #pragma unroll
             for (int s = 0; s < 2; ++s) {
-                wgmma_m64nk16(sums.acc, interleave_pair(w_frag[u][0], w_frag[u][1], s),
+                wgmma_m64nk16(sums.acc, w_frag[u][s],
                               wgmma_descriptor(block + s * 2 * N * 16, N * 16, 128));
             }
         }
@@ -278,9 +303,9 @@ __device__ __forceinline__ void gemm_wgmma_sweep(const bf16_t* __restrict__ x, i
     const int k_blocks = gemm_rows_k_blocks(k);
     const int k_split = k_split_for(k);
     const int k_range = (k_blocks + k_split - 1) / k_split;
-    const int n_tiles = (n + GEMM_ROWS_N_TILE - 1) / GEMM_ROWS_N_TILE;
+    const int n_pairs = (n + 2 * GEMM_ROWS_N_TILE - 1) / (2 * GEMM_ROWS_N_TILE);
     const int groups = (n + WG * GEMM_WGMMA_COLUMNS - 1) / (WG * GEMM_WGMMA_COLUMNS);
-    const int tile_stride = k_blocks * GEMM_ROWS_PACKED_BLOCK;
+    const int pair_stride = k_blocks * GEMM_WGMMA_PAIR_BLOCK;
     const int rows_here = row_end - row_begin;
     const bf16_t* x_rows = x + static_cast<size_t>(row_begin) * ldx;
 
@@ -289,8 +314,7 @@ __device__ __forceinline__ void gemm_wgmma_sweep(const bf16_t* __restrict__ x, i
 
     for (int group = blockIdx.x; group < groups; group += gridDim.x) {
         const int tile = (group * WG + warpgroup) * (GEMM_WGMMA_COLUMNS / GEMM_ROWS_N_TILE) + 2 * warp_in_group;
-        const bool low_valid = tile < n_tiles, high_valid = tile + 1 < n_tiles;
-        const bf16_t* w_lane = w + static_cast<size_t>(tile) * tile_stride + 8 * lane;
+        const bf16_t* w_pair = w + static_cast<size_t>(min(tile / 2, n_pairs - 1)) * pair_stride + 8 * lane;
 
         for (int chunk = 0; chunk < GEMM_WGMMA_STAGES - 1; ++chunk) {
             gemm_wgmma_stage_x<N, THREADS>(ring, x_rows, ldx, rows_here, k, k_blocks, chunk);
@@ -300,12 +324,12 @@ __device__ __forceinline__ void gemm_wgmma_sweep(const bf16_t* __restrict__ x, i
         sums.range = 0;
         sums.next_start = 0;
         uint4 w_a[GEMM_WGMMA_STEP][2], w_b[GEMM_WGMMA_STEP][2];
-        gemm_wgmma_load_step(w_a, w_lane, tile_stride, low_valid, high_valid, 0, k_blocks);
+        gemm_wgmma_load_step(w_a, w_pair, 0, k_blocks);
         for (int kb_step = 0; kb_step < k_blocks; kb_step += 2 * GEMM_WGMMA_STEP) {
-            gemm_wgmma_step<N, THREADS>(sums, w_a, w_b, w_lane, tile_stride, low_valid, high_valid, kb_step, k_blocks,
+            gemm_wgmma_step<N, THREADS>(sums, w_a, w_b, w_pair, kb_step, k_blocks,
                                         k_range, ring, x_rows, ldx, rows_here, k);
             if (kb_step + GEMM_WGMMA_STEP < k_blocks) {
-                gemm_wgmma_step<N, THREADS>(sums, w_b, w_a, w_lane, tile_stride, low_valid, high_valid,
+                gemm_wgmma_step<N, THREADS>(sums, w_b, w_a, w_pair,
                                             kb_step + GEMM_WGMMA_STEP, k_blocks, k_range, ring, x_rows, ldx,
                                             rows_here, k);
             }

@@ -511,7 +511,7 @@ def test_wgmma_sweep_gives_the_mma_sync_bits(shape):
     n, k = shape
     rng = np.random.default_rng(SEED + 7 * n + k)
     x = _random_bf16(rng, (max(WGMMA_ROWS), k))
-    packed = pack_weight(_random_bf16(rng, (n, k), scale=k**-0.5))
+    packed = pack_weight(_random_bf16(rng, (n, k), scale=k**-0.5), pairs=True)
     one_row = cp.concatenate([_run(cp.ascontiguousarray(x[r : r + 1]), packed, 1) for r in range(max(WGMMA_ROWS))])
     for rows in WGMMA_ROWS:
         wgmma = _run(x, packed, rows, wgmma=True)
@@ -540,7 +540,7 @@ def test_wgmma_sweep_keeps_the_split_k_order(shape):
     _needs_wgmma()
     n, k = shape
     x, w = _order_sensitive(np.random.default_rng(SEED + n), 64, n, k)
-    packed = pack_weight(w)
+    packed = pack_weight(w, pairs=True)
     one_row = _one_row_calls(x, packed, 64)
     for rows in (24, 40, 64):
         _assert_bits_equal(_run(x, packed, rows, wgmma=True), one_row[:rows],
@@ -550,12 +550,17 @@ def test_wgmma_sweep_keeps_the_split_k_order(shape):
 @pytest.mark.gpu
 @needs_gpu
 def test_wgmma_needs_a_packed_weight():
+    from glm_kda.gemm_rows import pack_weight
+
     _needs_wgmma()
     rng = np.random.default_rng(SEED)
     x = _random_bf16(rng, (40, 128))
     w = _random_bf16(rng, (64, 128))
-    with pytest.raises(ValueError, match="wgmma=True needs a PackedWeight"):
-        _run(x, w, 40, wgmma=True)
+    for weight in (w, pack_weight(w)):  # row-major, or packed without the pair layout
+        with pytest.raises(ValueError, match="wgmma=True needs a PackedWeight made with pack_weight"):
+            _run(x, weight, 40, wgmma=True)
+    # Left to the rule, a packed weight without the pair layout takes the mma.sync sweep.
+    assert _run(x, pack_weight(w), 40, wgmma=None).shape == (40, 64)
 
 
 @pytest.mark.gpu

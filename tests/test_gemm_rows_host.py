@@ -280,6 +280,31 @@ def test_pack_weight_layout():
         assert data[tile, kb, 8 * lane + e] == expected, (tile, kb, lane, e)
 
 
+def test_pack_pairs_layout():
+    """pack_pairs' layout element by element, and as the words interleave_pair forms from two loads
+    of pack_weight's layout (the A fragment the mma.sync sweeps build): zeros past n and k, n and k
+    not multiples of the pair or the block."""
+    from glm_kda.gemm_rows import pack_pairs
+
+    n, k = 21, 72
+    w = (np.arange(n * k, dtype=np.uint16) + 1).reshape(n, k)
+    pairs = pack_pairs(w)
+    assert pairs.shape == (2, 3, 512), pairs.shape
+    for p, kb, s, lane, q, h, e in np.ndindex(2, 3, 2, 32, 2, 2, 2):
+        row, col = 16 * p + 8 * h + lane // 4, 32 * kb + 8 * (lane % 4) + 4 * s + 2 * q + e
+        expected = w[row, col] if row < n and col < k else 0
+        assert pairs[p, kb, 256 * s + 8 * lane + 4 * q + 2 * h + e] == expected, (p, kb, s, lane, q, h, e)
+    packed = pack_weight(w, pairs=True)
+    assert np.array_equal(packed.pairs, pairs)
+    words = packed.data.view(np.uint32).reshape(packed.data.shape[0], 3, 32, 4)  # [tile, kb, lane, word]
+    words = np.concatenate([words, np.zeros_like(words[:1])])  # 3 tiles: the last pair's high tile is zeros
+    pair_words = pairs.view(np.uint32).reshape(2, 3, 2, 32, 4)  # [pair, kb, step, lane, word]
+    for s in (0, 1):
+        low, high = words[0::2], words[1::2]
+        interleaved = np.stack([low[..., 2 * s], high[..., 2 * s], low[..., 2 * s + 1], high[..., 2 * s + 1]], -1)
+        assert np.array_equal(pair_words[:, :, s], interleaved), f"step {s}"
+
+
 @pytest.mark.parametrize("k", [520, 2056], ids=lambda k: f"K{k}")
 def test_split_k_order_is_kept_on_host(gemm_host, k):
     """k ranges whose partial sums make the fp32 total depend on the order it is taken in

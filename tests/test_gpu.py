@@ -491,6 +491,31 @@ def test_packed_decode_weights_give_the_row_major_bits(layers, geometry):
     _assert_same_bits(packed, row_major, geometry, "the packed and the row-major decode weights")
 
 
+@pytest.mark.parametrize("geometry", ["glm", "kimi"])
+def test_wgmma_decode_projections_give_the_mma_sync_bits(layers, geometry, monkeypatch):
+    """gemm_rows.WGMMA_MIN_GROUPS_PER_SM on (the 17..64-row projections of wide weights on Hopper's
+    warpgroup MMA, reading the pair layout the layer's packed copies then hold) writes the bits of
+    the mma.sync sweeps: every stage buffer, the output and both states of a 64-sequence pool step
+    with shuffled slots and of a 5-row decode_k walk."""
+    from glm_kda import gemm_rows
+
+    if not gemm_rows.wgmma_available():
+        pytest.skip("the warpgroup-MMA sweep needs an sm_90 device")
+    _, layer = layers(geometry)
+    previous = gemm_rows.WGMMA_MIN_GROUPS_PER_SM
+
+    def switch(wgmma):
+        monkeypatch.setattr(gemm_rows, "WGMMA_MIN_GROUPS_PER_SM", previous if wgmma is None else 1.0 if wgmma else None)
+        layer.packed_decode = True  # makes (or drops) the pair copies the rule now asks for
+        layer._graphs.clear()
+
+    switch(True)
+    assert layer.decode_weight("qkv_weight").pairs is not None, "the rule on: q|k|v's packed copy has the pair layout"
+    switch(None)
+    wgmma, mma_sync = _decode_paths(layer, count=80, rows=64, walk_rows=5, prefill_rows=0, seed=81, switch=switch)
+    _assert_same_bits(wgmma, mma_sync, geometry, "the warpgroup-MMA and the mma.sync projections")
+
+
 @pytest.mark.parametrize("graphs", [True, False], ids=["graph", "eager"])
 @pytest.mark.parametrize("geometry", ["glm", "kimi"])
 def test_persistent_decode_equals_the_separate_launches(layers, geometry, graphs):
