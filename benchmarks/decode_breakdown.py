@@ -52,7 +52,8 @@ def defaults() -> dict:
     lags in pairs of heads; None: the separate launches), l2_prefetch_max_weight_bytes (None: any
     weight), packed_decode, step_dependents_after (layer.STEP_DEPENDENTS_AFTER), serial_min_groups_per_sm
     (gemm_rows.SERIAL_MIN_GROUPS_PER_SM; None: never the serial sweep), wgmma_min_groups_per_sm
-    (gemm_rows.WGMMA_MIN_GROUPS_PER_SM; None: never the warpgroup-MMA sweep), step_staged_state and
+    (gemm_rows.WGMMA_MIN_GROUPS_PER_SM; None: never the warpgroup-MMA sweep), wgmma_ring
+    (gemm_rows.WGMMA_RING, that sweep's weight ring; 0: registers), step_staged_state and
     step_staged_carveout (layer.STEP_STAGED_STATE, layer.STEP_STAGED_CARVEOUT), step_split_waves
     (layer.STEP_SPLIT_WAVES; None: never a split head), kernel_sources (a folder of
     kernel sources; None: the package's own)."""
@@ -65,7 +66,8 @@ def defaults() -> dict:
         "l2_prefetch_max_weight_bytes": gemm_rows.PREFETCH_MAX_WEIGHT_BYTES, "packed_decode": True,
         "step_dependents_after": layer.STEP_DEPENDENTS_AFTER,
         "serial_min_groups_per_sm": gemm_rows.SERIAL_MIN_GROUPS_PER_SM,
-        "wgmma_min_groups_per_sm": gemm_rows.WGMMA_MIN_GROUPS_PER_SM, "step_staged_state": layer.STEP_STAGED_STATE,
+        "wgmma_min_groups_per_sm": gemm_rows.WGMMA_MIN_GROUPS_PER_SM, "wgmma_ring": gemm_rows.WGMMA_RING,
+        "step_staged_state": layer.STEP_STAGED_STATE,
         "step_staged_carveout": layer.STEP_STAGED_CARVEOUT, "step_split_waves": layer.STEP_SPLIT_WAVES,
         "kernel_sources": None,
     }
@@ -92,6 +94,7 @@ def apply(settings: dict, layer_object) -> None:
     layer.STEP_DEPENDENTS_AFTER = settings["step_dependents_after"]
     gemm_rows.SERIAL_MIN_GROUPS_PER_SM = settings["serial_min_groups_per_sm"]
     gemm_rows.WGMMA_MIN_GROUPS_PER_SM = settings["wgmma_min_groups_per_sm"]
+    gemm_rows.WGMMA_RING = settings["wgmma_ring"]
     layer.STEP_STAGED_STATE = settings["step_staged_state"]
     layer.STEP_STAGED_CARVEOUT = settings["step_staged_carveout"]
     layer.STEP_SPLIT_WAVES = settings["step_split_waves"]

@@ -3,9 +3,11 @@ switches, against the mma.sync sweep gemm_rows_bf16 picks, at 64 rows of the mod
 bits compared with the mma.sync output, time per call (median of the rounds, CUDA events around
 back-to-back launches), one JSON line per (shape, variant).
 
-A variant is STEP,CHUNK,STAGES,WARPGROUPS_PER_SM,WARPGROUPS (GEMM_WGMMA_STEP, _CHUNK, _STAGES,
-_WARPGROUPS_PER_SM, and the warpgroups of a block). The cubins may be built beforehand where NVRTC
-is at hand but no GPU (--build DIR), then timed on the GPU (--cubins DIR):
+A variant is STEP,CHUNK,STAGES,WARPGROUPS_PER_SM,WARPGROUPS[,RING] (GEMM_WGMMA_STEP, _CHUNK, _STAGES,
+_WARPGROUPS_PER_SM, the warpgroups of a block, and the steps of weight a warp keeps in flight
+through shared memory, the kernel's ring_depth: 0, the default, loads it into registers). The
+cubins may be built beforehand where NVRTC is at hand but no GPU (--build DIR), then timed on the
+GPU (--cubins DIR):
 
     PYTHONPATH=. python benchmarks/wgmma_variants.py --build wgv 2,4,3,4,1 4,4,3,2,1 8,8,3,2,1
     PYTHONPATH=. python benchmarks/wgmma_variants.py --cubins wgv
@@ -29,13 +31,13 @@ SWITCHES = ("GEMM_WGMMA_STEP", "GEMM_WGMMA_CHUNK", "GEMM_WGMMA_STAGES", "GEMM_WG
 
 def parse_variant(text: str) -> tuple[int, ...]:
     values = tuple(int(v) for v in text.split(","))
-    if len(values) != 5:
-        raise SystemExit(f"variant {text!r}: expected STEP,CHUNK,STAGES,WARPGROUPS_PER_SM,WARPGROUPS")
-    return values
+    if len(values) not in (5, 6):
+        raise SystemExit(f"variant {text!r}: expected STEP,CHUNK,STAGES,WARPGROUPS_PER_SM,WARPGROUPS[,RING]")
+    return values if len(values) == 6 else values + (0,)
 
 
 def label(variant: tuple[int, ...]) -> str:
-    return "s{}c{}t{}p{}g{}".format(*variant)
+    return "s{}c{}t{}p{}g{}r{}".format(*variant)
 
 
 def build(folder: Path, variants: list[tuple[int, ...]]) -> None:
@@ -48,7 +50,7 @@ def build(folder: Path, variants: list[tuple[int, ...]]) -> None:
             for path in kernels.kernels_dir().iterdir():
                 shutil.copy(path, tmp)
             source = Path(tmp) / "gemm_rows_wgmma.cu"
-            defines = "".join(f"#define {name} {value}\n" for name, value in zip(SWITCHES, variant))
+            defines = "".join(f"#define {name} {value}\n" for name, value in zip(SWITCHES, variant[:4]))
             source.write_text(defines + source.read_text())
             compiled = kernels.compile_file("gemm_rows_wgmma", "sm_90a", tmp)
         (folder / f"{label(variant)}.cubin").write_bytes(compiled.cubin)
@@ -73,7 +75,7 @@ def run(folder: Path) -> None:
     from glm_kda.ops import _i32
     from glm_kda.selftest import copy_bandwidth_gbs
 
-    variants = [tuple(v) for v in json.loads((folder / "variants.json").read_text())]
+    variants = [parse_variant(",".join(map(str, v))) for v in json.loads((folder / "variants.json").read_text())]
     sm_count = cupy.cuda.Device().attributes["MultiProcessorCount"]
     bandwidth = copy_bandwidth_gbs()
     for geometry, name, n, k in SHAPES:
@@ -88,15 +90,15 @@ def run(folder: Path) -> None:
                           "us": round(1e3 * base_ms, 2), "weight_GBs": round(n * k * 2 / base_ms / 1e6, 1),
                           "copy_bandwidth_GBs": round(bandwidth, 1)}))
         for variant in variants:
-            step, chunk, stages, per_sm, groups_per_block = variant
+            step, chunk, stages, per_sm, groups_per_block, ring = variant
             module = cupy.RawModule(path=str(folder / f"{label(variant)}.cubin"))
             function = module.get_function(f"gemm_rows_wgmma_n64_g{groups_per_block}")
-            shared = stages * chunk * 64 * 64
+            shared = stages * chunk * 64 * 64 + groups_per_block * 4 * ring * (step * 1024 + 8)
             function.max_dynamic_shared_size_bytes = shared
             groups = -(-n // (64 * groups_per_block))
             grid = (min(sm_count * (per_sm // groups_per_block), groups), 1)
             out = cupy.full((ROWS, n), 0x7FC1, dtype=cupy.uint16)
-            args = (x, _i32(k), packed.pairs, out, _i32(n), _i32(ROWS), _i32(n), _i32(k), _i32(0))
+            args = (x, _i32(k), packed.pairs, out, _i32(n), _i32(ROWS), _i32(n), _i32(k), _i32(ring))
 
             def launch(function=function, grid=grid, args=args, groups_per_block=groups_per_block, shared=shared):
                 function(grid, (128 * groups_per_block,), args, shared_mem=shared)

@@ -60,7 +60,14 @@ WGMMA_COLUMNS = 64
 WGMMA_CHUNK = 4
 WGMMA_STAGES = 3
 # Warpgroups per SM the entries are compiled for (__launch_bounds__(WG * 128, 4 / WG)).
-WGMMA_WARPGROUPS_PER_SM = 4
+WGMMA_WARPGROUPS_PER_SM = 2
+# Blocks of 32 k a warp's step multiplies (GEMM_WGMMA_STEP), and the steps of weight each warp keeps
+# in flight through a ring of shared memory filled by the bulk copy engine (the kernel's ring_depth;
+# 0: the weight is loaded into registers one step ahead). Each slot holds WGMMA_STEP blocks of the
+# warp's tile pair (1 KB each) and an 8-byte mbarrier.
+WGMMA_STEP = 2
+WGMMA_RING = 0
+WGMMA_SLOT_BYTES = WGMMA_STEP * 2 * N_TILE * K_BLOCK * 2
 # Blocks of 32 k of each weight row that a programmatic launch asks L2 for before it waits
 # (see the kernel; 0: none). benchmarks/decode_breakdown.py compares the choices: on an H200,
 # graph replays interleaved in one process, 16 ran GLM 87.7 / Kimi 37.6 us, 4 89.8 / 37.5,
@@ -162,6 +169,7 @@ class LaunchPlan:
     m_tiles: int
     tiles_per_warp: int
     shared_mem: int = 0
+    ring_depth: int = 0
 
 
 def k_split(k: int) -> int:
@@ -225,7 +233,9 @@ def launch_plan(
                 block=(WGMMA_WARPGROUPS * 128,),
                 m_tiles=m_tiles,
                 tiles_per_warp=2,
-                shared_mem=WGMMA_STAGES * WGMMA_CHUNK * 64 * n_rows,
+                shared_mem=(WGMMA_STAGES * WGMMA_CHUNK * 64 * n_rows
+                            + WGMMA_WARPGROUPS * 4 * WGMMA_RING * (WGMMA_SLOT_BYTES + 8)),
+                ring_depth=WGMMA_RING,
             )
     if tiles_per_warp is not None and tiles_per_warp not in TILES_PER_WARP:
         raise ValueError(f"tiles_per_warp must be one of {TILES_PER_WARP}, got {tiles_per_warp}")
@@ -326,8 +336,9 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
                              f" warpgroup-MMA kernels loaded: {wgmma_available()})")
         wgmma = False
     plan = launch_plan(n, k, rows, tiles_per_warp, _sm_count(cupy.cuda.Device().id), blocks, serial, wgmma)
-    prefetch = prefetch_k_blocks(n, k) if programmatic else 0
     kernel = plan.kernel
+    # The last argument: the L2 request of a programmatic launch, or the warpgroup-MMA sweep's ring.
+    last = plan.ring_depth if kernel.startswith("gemm_rows_wgmma") else prefetch_k_blocks(n, k) if programmatic else 0
     if packed and not kernel.startswith("gemm_rows_wgmma"):
         kernel = kernel.replace("gemm_rows_", "gemm_rows_packed_")
     kernels.launch(
@@ -335,7 +346,7 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
         plan.grid,
         plan.block,
         (x, _i32(ldx), (w.pairs if kernel.startswith("gemm_rows_wgmma") else w.data) if packed else w, out,
-         _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(prefetch)),
+         _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(last)),
         plan.shared_mem,
         programmatic=programmatic,
         carveout=100 if plan.shared_mem else -1,

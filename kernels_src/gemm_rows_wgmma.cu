@@ -63,7 +63,7 @@
 #define GEMM_WGMMA_NO_PROXY_FENCE 0
 #endif
 #ifndef GEMM_WGMMA_WARPGROUPS_PER_SM
-#define GEMM_WGMMA_WARPGROUPS_PER_SM 4
+#define GEMM_WGMMA_WARPGROUPS_PER_SM 2
 #endif
 // Elements of one (pair, k block) of the pair layout: 2 k16 steps x 32 lanes x 8.
 #define GEMM_WGMMA_PAIR_BLOCK (2 * GEMM_ROWS_PACKED_BLOCK)
@@ -204,6 +204,70 @@ __device__ __forceinline__ void gemm_wgmma_load_step(uint4 (&w_frag)[GEMM_WGMMA_
     }
 }
 
+// The weight ring of one warp: `depth` steps of weight it keeps in flight through shared memory,
+// copied by the bulk copy engine on one mbarrier a slot and read into the A registers just before
+// their wgmma (0: no ring, the warp loads its weight into registers one step ahead; the registers
+// hold the same words either way). `data` the shared address of its `depth` slots of STEP (pair,
+// k block) blocks, `barriers` of their mbarriers, `w_warp` the warp's pair in global memory,
+// `step_base` the steps of earlier groups (slot and phase of step j of this group: (step_base + j)
+// % depth and (step_base + j) / depth % 2).
+struct GemmWgmmaWeightRing {
+    int depth;
+    unsigned int data;
+    unsigned int barriers;
+    const bf16_t* w_warp;
+    int step_base;
+};
+
+#define GEMM_WGMMA_SLOT_BYTES (GEMM_WGMMA_STEP * GEMM_WGMMA_PAIR_BLOCK * 2)
+
+// Lane 0: start the copy of step j's blocks (those inside the matrix) into its slot.
+__device__ __forceinline__ void gemm_wgmma_ring_issue(const GemmWgmmaWeightRing& wr, int j, int k_blocks)
+{
+    const int kb = j * GEMM_WGMMA_STEP;
+    if (kb >= k_blocks) {
+        return;
+    }
+    const int slot = (wr.step_base + j) % wr.depth;
+    const unsigned int bytes = min(GEMM_WGMMA_STEP, k_blocks - kb) * GEMM_WGMMA_PAIR_BLOCK * 2;
+    const unsigned int barrier = wr.barriers + 8 * slot;
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(barrier), "r"(bytes) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     wr.data + slot * GEMM_WGMMA_SLOT_BYTES),
+                 "l"(wr.w_warp + static_cast<size_t>(kb) * GEMM_WGMMA_PAIR_BLOCK), "r"(bytes), "r"(barrier)
+                 : "memory");
+}
+
+// Every lane: wait for step j's slot, then read its A fragments (this lane's 16 bytes of each step
+// of each block) into registers.
+__device__ __forceinline__ void gemm_wgmma_ring_read(uint4 (&w_frag)[GEMM_WGMMA_STEP][2], const GemmWgmmaWeightRing& wr,
+                                                     int j, int lane)
+{
+    const int use = wr.step_base + j;
+    const int slot = use % wr.depth;
+    asm volatile(
+        "{\n"
+        ".reg .pred ready;\n"
+        "GEMM_WGMMA_RING_WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 ready, [%0], %1;\n"
+        "@!ready bra GEMM_WGMMA_RING_WAIT;\n"
+        "}\n" ::"r"(wr.barriers + 8 * slot),
+        "r"((use / wr.depth) & 1)
+        : "memory");
+    const unsigned int base = wr.data + slot * GEMM_WGMMA_SLOT_BYTES + 16 * lane;
+#pragma unroll
+    for (int u = 0; u < GEMM_WGMMA_STEP; ++u) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            uint4& v = w_frag[u][h];
+            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                         : "r"(base + (2 * u + h) * GEMM_WGMMA_PAIR_BLOCK)
+                         : "memory");
+        }
+    }
+}
+
 // The per-group state of one warpgroup: the running sum of the finished k ranges, the range being
 // summed, and where the next range starts.
 template <int N>
@@ -223,11 +287,13 @@ __device__ __forceinline__ void gemm_wgmma_step(GemmWgmmaSums<N>& sums, uint4 (&
                                                 uint4 (&w_next)[GEMM_WGMMA_STEP][2], const bf16_t* w_pair,
                                                 int kb_step,
                                                 int k_blocks, int k_range, unsigned int ring, const bf16_t* x, int ldx,
-                                                int rows_here, int k)
+                                                int rows_here, int k, const GemmWgmmaWeightRing& wr)
 {
-#if GEMM_WGMMA_LOADS_FIRST
-    gemm_wgmma_load_step(w_next, w_pair, kb_step + GEMM_WGMMA_STEP, k_blocks);
-#endif
+    if (wr.depth > 0) {
+        gemm_wgmma_ring_read(w_frag, wr, kb_step / GEMM_WGMMA_STEP, threadIdx.x & 31);
+    } else if (GEMM_WGMMA_LOADS_FIRST) {
+        gemm_wgmma_load_step(w_next, w_pair, kb_step + GEMM_WGMMA_STEP, k_blocks);
+    }
     if (kb_step % GEMM_WGMMA_CHUNK == 0) {
         const int chunk = kb_step / GEMM_WGMMA_CHUNK;
         copy_wait<GEMM_WGMMA_STAGES - 2>();
@@ -241,9 +307,9 @@ __device__ __forceinline__ void gemm_wgmma_step(GemmWgmmaSums<N>& sums, uint4 (&
         }
         copy_commit();  // empty past the matrix: one group per stage keeps the count of copy_wait
     }
-#if !GEMM_WGMMA_LOADS_FIRST
-    gemm_wgmma_load_step(w_next, w_pair, kb_step + GEMM_WGMMA_STEP, k_blocks);
-#endif
+    if (wr.depth == 0 && !GEMM_WGMMA_LOADS_FIRST) {
+        gemm_wgmma_load_step(w_next, w_pair, kb_step + GEMM_WGMMA_STEP, k_blocks);
+    }
     wgmma_fence();
 #pragma unroll
     for (int u = 0; u < GEMM_WGMMA_STEP; ++u) {
@@ -286,6 +352,15 @@ __device__ __forceinline__ void gemm_wgmma_step(GemmWgmmaSums<N>& sums, uint4 (&
         wgmma_hold(w_frag[u][0]);
         wgmma_hold(w_frag[u][1]);
     }
+    if (wr.depth > 0) {
+        // Every lane has read the slot (its registers fed the finished wgmma): refill it with the
+        // step `depth` ahead.
+        __syncwarp();
+        if ((threadIdx.x & 31) == 0) {
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            gemm_wgmma_ring_issue(wr, kb_step / GEMM_WGMMA_STEP + wr.depth, k_blocks);
+        }
+    }
 }
 
 // One block's share of the output: rows [row_begin, row_end) (at most N) and the column groups of
@@ -294,7 +369,7 @@ __device__ __forceinline__ void gemm_wgmma_step(GemmWgmmaSums<N>& sums, uint4 (&
 template <int N, int WG>
 __device__ __forceinline__ void gemm_wgmma_sweep(const bf16_t* __restrict__ x, int ldx, const bf16_t* __restrict__ w,
                                                  bf16_t* __restrict__ y, int ldy, int row_begin, int row_end, int n,
-                                                 int k, unsigned int ring)
+                                                 int k, unsigned int ring, int ring_depth)
 {
     constexpr int THREADS = WG * GEMM_WGMMA_WARPGROUP;
     const int lane = threadIdx.x & 31;
@@ -308,13 +383,44 @@ __device__ __forceinline__ void gemm_wgmma_sweep(const bf16_t* __restrict__ x, i
     const int pair_stride = k_blocks * GEMM_WGMMA_PAIR_BLOCK;
     const int rows_here = row_end - row_begin;
     const bf16_t* x_rows = x + static_cast<size_t>(row_begin) * ldx;
+    const int steps = (k_blocks + GEMM_WGMMA_STEP - 1) / GEMM_WGMMA_STEP;  // of one group
 
-    // x (and y) may belong to the previous kernel: nothing below runs before it is done.
-    kda_wait_for_previous_kernel();
+    // After x's ring: each warp's weight slots, then their mbarriers.
+    GemmWgmmaWeightRing wr;
+    wr.depth = ring_depth;
+    wr.data = ring + GEMM_WGMMA_STAGES * GEMM_WGMMA_CHUNK * gemm_wgmma_block_bytes<N>() +
+              warp * ring_depth * GEMM_WGMMA_SLOT_BYTES;
+    wr.barriers = ring + GEMM_WGMMA_STAGES * GEMM_WGMMA_CHUNK * gemm_wgmma_block_bytes<N>() +
+                  WG * 4 * ring_depth * GEMM_WGMMA_SLOT_BYTES + warp * ring_depth * 8;
+    if (ring_depth > 0) {
+        if (lane == 0) {
+            for (int slot = 0; slot < ring_depth; ++slot) {
+                asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(wr.barriers + 8 * slot) : "memory");
+            }
+            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        }
+        __syncwarp();
+    }
+    wr.step_base = 0;
+    bool waited = false;
 
     for (int group = blockIdx.x; group < groups; group += gridDim.x) {
         const int tile = (group * WG + warpgroup) * (GEMM_WGMMA_COLUMNS / GEMM_ROWS_N_TILE) + 2 * warp_in_group;
-        const bf16_t* w_pair = w + static_cast<size_t>(min(tile / 2, n_pairs - 1)) * pair_stride + 8 * lane;
+        const bf16_t* w_warp = w + static_cast<size_t>(min(tile / 2, n_pairs - 1)) * pair_stride;
+        const bf16_t* w_pair = w_warp + 8 * lane;
+        wr.w_warp = w_warp;
+        // The weight is no kernel's output: its first steps start before the wait below.
+        if (ring_depth > 0 && lane == 0) {
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // after the last group's reads
+            for (int j = 0; j < ring_depth && j < steps; ++j) {
+                gemm_wgmma_ring_issue(wr, j, k_blocks);
+            }
+        }
+        if (!waited) {
+            // x (and y) may belong to the previous kernel: nothing below runs before it is done.
+            kda_wait_for_previous_kernel();
+            waited = true;
+        }
 
         for (int chunk = 0; chunk < GEMM_WGMMA_STAGES - 1; ++chunk) {
             gemm_wgmma_stage_x<N, THREADS>(ring, x_rows, ldx, rows_here, k, k_blocks, chunk);
@@ -324,16 +430,19 @@ __device__ __forceinline__ void gemm_wgmma_sweep(const bf16_t* __restrict__ x, i
         sums.range = 0;
         sums.next_start = 0;
         uint4 w_a[GEMM_WGMMA_STEP][2], w_b[GEMM_WGMMA_STEP][2];
-        gemm_wgmma_load_step(w_a, w_pair, 0, k_blocks);
+        if (ring_depth == 0) {
+            gemm_wgmma_load_step(w_a, w_pair, 0, k_blocks);
+        }
         for (int kb_step = 0; kb_step < k_blocks; kb_step += 2 * GEMM_WGMMA_STEP) {
             gemm_wgmma_step<N, THREADS>(sums, w_a, w_b, w_pair, kb_step, k_blocks,
-                                        k_range, ring, x_rows, ldx, rows_here, k);
+                                        k_range, ring, x_rows, ldx, rows_here, k, wr);
             if (kb_step + GEMM_WGMMA_STEP < k_blocks) {
                 gemm_wgmma_step<N, THREADS>(sums, w_b, w_a, w_pair,
                                             kb_step + GEMM_WGMMA_STEP, k_blocks, k_range, ring, x_rows, ldx,
-                                            rows_here, k);
+                                            rows_here, k, wr);
             }
         }
+        wr.step_base += steps;
         // The last range, then the ranges past the matrix (empty: a partial sum of zero, added as
         // gemm_rows_group adds it).
 #pragma unroll
@@ -363,12 +472,17 @@ __device__ __forceinline__ void gemm_wgmma_sweep(const bf16_t* __restrict__ x, i
     }
 }
 
-// Launch: block WG * 128 threads, dynamic shared memory gemm_wgmma_shared_bytes (the ring), grid.y
+// Launch: block WG * 128 threads, dynamic shared memory as below, grid.y
 // = row groups of 64, grid.x any number of blocks (each loops over the groups of 64 WG columns).
-// `prefetch` is accepted and unused. One entry per (N, WG): gemm_rows_wgmma_n<N>_g<WG>.
+// `ring_depth` (the last argument, where the other sweeps take their L2 request): steps of weight a
+// warp keeps in flight through shared memory (GemmWgmmaWeightRing; 0: into registers, one step
+// ahead). Dynamic shared memory: STAGES * CHUNK blocks of x, then 4 WG ring_depth slots of
+// GEMM_WGMMA_SLOT_BYTES and as many 8-byte mbarriers (glm_kda/gemm_rows.py sizes it). One entry
+// per (N, WG): gemm_rows_wgmma_n<N>_g<WG>.
 template <int N, int WG>
 __device__ __forceinline__ void gemm_wgmma_entry(const bf16_t* __restrict__ x, int ldx, const bf16_t* __restrict__ w,
-                                                 bf16_t* __restrict__ y, int ldy, int rows, int n, int k)
+                                                 bf16_t* __restrict__ y, int ldy, int rows, int n, int k,
+                                                 int ring_depth)
 {
     extern __shared__ __align__(128) unsigned char gemm_wgmma_ring[];
     kda_let_next_kernel_launch();
@@ -377,16 +491,17 @@ __device__ __forceinline__ void gemm_wgmma_entry(const bf16_t* __restrict__ x, i
         return;
     }
     const int row_end = min(rows, row_begin + N);
-    gemm_wgmma_sweep<N, WG>(x, ldx, w, y, ldy, row_begin, row_end, n, k, shared_address(gemm_wgmma_ring));
+    gemm_wgmma_sweep<N, WG>(x, ldx, w, y, ldy, row_begin, row_end, n, k, shared_address(gemm_wgmma_ring),
+                            ring_depth);
 }
 
 #define GEMM_WGMMA_ENTRY(N, WG)                                                                   \
     extern "C" __global__ void __launch_bounds__(WG * GEMM_WGMMA_WARPGROUP, GEMM_WGMMA_WARPGROUPS_PER_SM / WG)               \
         gemm_rows_wgmma_n##N##_g##WG(const bf16_t* __restrict__ x, int ldx, const bf16_t* __restrict__ w, \
                                      bf16_t* __restrict__ y, int ldy, int rows, int n, int k,       \
-                                     int /* prefetch */)                                            \
+                                     int ring_depth)                                                \
     {                                                                                               \
-        gemm_wgmma_entry<N, WG>(x, ldx, w, y, ldy, rows, n, k);                                     \
+        gemm_wgmma_entry<N, WG>(x, ldx, w, y, ldy, rows, n, k, ring_depth);                         \
     }
 
 GEMM_WGMMA_ENTRY(32, 1)

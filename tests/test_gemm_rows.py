@@ -206,7 +206,9 @@ def test_launch_plan_takes_the_wgmma_sweep_for_wide_weights(monkeypatch):
     monkeypatch.setattr(gemm_rows, "WGMMA_MIN_GROUPS_PER_SM", 1.0)
     plan = launch_plan(24576, 4096, 64, wgmma=None)
     assert plan.kernel == f"gemm_rows_wgmma_n64_g{gemm_rows.WGMMA_WARPGROUPS}"
-    assert plan.shared_mem == gemm_rows.WGMMA_STAGES * gemm_rows.WGMMA_CHUNK * 64 * 64
+    assert plan.shared_mem == (gemm_rows.WGMMA_STAGES * gemm_rows.WGMMA_CHUNK * 64 * 64
+                               + gemm_rows.WGMMA_WARPGROUPS * 4 * gemm_rows.WGMMA_RING * (gemm_rows.WGMMA_SLOT_BYTES + 8))
+    assert plan.ring_depth == gemm_rows.WGMMA_RING
     assert plan.block == (128 * gemm_rows.WGMMA_WARPGROUPS,)
     assert launch_plan(24576, 4096, 32, wgmma=None).kernel.startswith("gemm_rows_wgmma_n32_")
     assert launch_plan(24576, 4096, 200, wgmma=None).grid[1] == 4
@@ -234,6 +236,8 @@ def test_wgmma_entry_points_match_the_launch_plan():
     assert f"#define GEMM_WGMMA_CHUNK {gemm_rows.WGMMA_CHUNK}" in source
     assert f"#define GEMM_WGMMA_STAGES {gemm_rows.WGMMA_STAGES}" in source
     assert f"#define GEMM_WGMMA_COLUMNS {gemm_rows.WGMMA_COLUMNS}" in source
+    assert f"#define GEMM_WGMMA_STEP {gemm_rows.WGMMA_STEP}" in source
+    assert f"#define GEMM_WGMMA_WARPGROUPS_PER_SM {gemm_rows.WGMMA_WARPGROUPS_PER_SM}" in source
 
 
 def test_launch_plan_blocks_caps_the_grid():
@@ -494,19 +498,25 @@ def _needs_wgmma():
 
 
 WGMMA_ROWS = (17, 24, 32, 33, 40, 64, 65, 100, 256)
+# Weight ring depths of the warpgroup-MMA sweep under test (gemm_rows.WGMMA_RING): registers, and a
+# ring shorter than a group's steps at the small shapes.
+WGMMA_RINGS = (0, 3, 8)
 
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("ring", WGMMA_RINGS, ids=lambda r: f"ring{r}")
 @pytest.mark.parametrize("shape", [(13, 40), (100, 136), (200, 1056), (1000, 1032), (72, 2056)] + GLM_SHAPES
                          + KIMI_SHAPES, ids=_shape_id)
-def test_wgmma_sweep_gives_the_mma_sync_bits(shape):
+def test_wgmma_sweep_gives_the_mma_sync_bits(shape, ring, monkeypatch):
     """The warpgroup-MMA sweep (packed weight, 17..256 rows) writes the bits of the mma.sync sweeps
     and of one-row calls: awkward n and k (k tails, an empty last k range at k = 1056), the model's
-    shapes; any grid; a programmatic launch."""
+    shapes; any grid; a programmatic launch; its weight through registers or a shared-memory ring."""
+    from glm_kda import gemm_rows
     from glm_kda.gemm_rows import gemm_rows_bf16, pack_weight
 
     _needs_wgmma()
+    monkeypatch.setattr(gemm_rows, "WGMMA_RING", ring)
     cp = _cp()
     n, k = shape
     rng = np.random.default_rng(SEED + 7 * n + k)
@@ -531,13 +541,16 @@ def test_wgmma_sweep_gives_the_mma_sync_bits(shape):
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("ring", WGMMA_RINGS, ids=lambda r: f"ring{r}")
 @pytest.mark.parametrize("shape", [GLM_SHAPES[0], GLM_SHAPES[3], KIMI_SHAPES[0], (200, 1056)], ids=_shape_id)
-def test_wgmma_sweep_keeps_the_split_k_order(shape):
+def test_wgmma_sweep_keeps_the_split_k_order(shape, ring, monkeypatch):
     """Order-sensitive data (its fp32 sum over the k ranges depends on the order of the additions):
     the warpgroup-MMA sweep at 24, 40 and 64 rows equals one-row calls bit for bit."""
+    from glm_kda import gemm_rows
     from glm_kda.gemm_rows import pack_weight
 
     _needs_wgmma()
+    monkeypatch.setattr(gemm_rows, "WGMMA_RING", ring)
     n, k = shape
     x, w = _order_sensitive(np.random.default_rng(SEED + n), 64, n, k)
     packed = pack_weight(w, pairs=True)
