@@ -50,17 +50,17 @@ SERIAL_TILES_PER_WARP = 2
 # 17..64 rows a group of a packed weight on an sm_90 device run on Hopper's warpgroup MMA
 # (kernels_src/gemm_rows_wgmma.cu: w as the A operand from registers, x from shared memory, the
 # same bits as the mma.sync sweeps) where the weight has at least WGMMA_MIN_GROUPS_PER_SM groups of
-# 64 columns per SM (None: never). WGMMA_WARPGROUPS warpgroups of a block share x's stages. Off:
-# on an H200 it ran far slower than the mma.sync sweeps (64 rows, GLM q|k|v 163.7 against 97.3 us,
-# Kimi q|k|v 79.3 against 34.3; benchmarks/NOTES.md), so it is opt-in (wgmma=True) until it wins.
+# 64 columns per SM (None: never). WGMMA_WARPGROUPS warpgroups of a block share x's stages. Off: on
+# an H200 GLM's q|k|v at 64 rows runs 90.5 us against mma.sync's 95.6, but in the 64-sequence decode
+# graph the rule on was slower (343 - 359 us against 312; benchmarks/NOTES.md), so it is opt-in.
 WGMMA_MIN_GROUPS_PER_SM: float | None = None
 WGMMA_WARPGROUPS = 1
 WGMMA_COLUMNS = 64
 # Blocks of 32 k of x per stage and stages in a block's ring (GEMM_WGMMA_CHUNK, GEMM_WGMMA_STAGES).
 WGMMA_CHUNK = 4
 WGMMA_STAGES = 3
-# Warpgroups per SM the entries are compiled for (__launch_bounds__(WG * 128, 4 / WG)).
-WGMMA_WARPGROUPS_PER_SM = 2
+# Warpgroups per SM the entries are compiled for (__launch_bounds__(WG * 128, 3 / WG)).
+WGMMA_WARPGROUPS_PER_SM = 3
 # Blocks of 32 k a warp's step multiplies (GEMM_WGMMA_STEP), and the steps of weight each warp keeps
 # in flight through a ring of shared memory filled by the bulk copy engine (the kernel's ring_depth;
 # 0: the weight is loaded into registers one step ahead). Each slot holds WGMMA_STEP blocks of the

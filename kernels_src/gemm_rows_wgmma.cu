@@ -63,7 +63,7 @@
 #define GEMM_WGMMA_NO_PROXY_FENCE 0
 #endif
 #ifndef GEMM_WGMMA_WARPGROUPS_PER_SM
-#define GEMM_WGMMA_WARPGROUPS_PER_SM 2
+#define GEMM_WGMMA_WARPGROUPS_PER_SM 3
 #endif
 // Elements of one (pair, k block) of the pair layout: 2 k16 steps x 32 lanes x 8.
 #define GEMM_WGMMA_PAIR_BLOCK (2 * GEMM_ROWS_PACKED_BLOCK)
@@ -166,24 +166,34 @@ __device__ __host__ constexpr int gemm_wgmma_block_bytes()
 // Copy the x of stage `chunk` (blocks chunk * CHUNK ..) into ring slot chunk % STAGES, by every
 // thread of the block: word q = 4 c + 2 s + h of a row's block (k 8 c + 4 s + 2 h, + 1) goes to
 // [step s][half h][row][word c]. Rows >= rows_here, k >= k and blocks past the matrix are zeros.
+// A thread keeps one word q of the rows row0, row0 + THREADS / 16, ...: the loop is unrolled to
+// constant offsets, a few instructions a 4-byte copy (with the index arithmetic done per copy, the
+// sweep spent about 35 instructions on each and was bound by them).
 template <int N, int THREADS>
 __device__ __forceinline__ void gemm_wgmma_stage_x(unsigned int ring, const bf16_t* x, int ldx, int rows_here, int k,
                                                    int k_blocks, int chunk)
 {
-    constexpr int WORDS = GEMM_WGMMA_CHUNK * 16 * N;
-    const unsigned int slot = ring + (chunk % GEMM_WGMMA_STAGES) * (GEMM_WGMMA_CHUNK * gemm_wgmma_block_bytes<N>());
-#pragma unroll 4
-    for (int index = threadIdx.x; index < WORDS; index += THREADS) {
-        const int block_in_chunk = index / (16 * N);
-        const int row = (index / 16) % N;
-        const int q = index % 16;
-        const int c = q >> 2, s = (q >> 1) & 1, h = q & 1;
-        const int kb = chunk * GEMM_WGMMA_CHUNK + block_in_chunk;
-        const int kk = kb * GEMM_ROWS_K_BLOCK + 8 * c + 4 * s + 2 * h;
-        const bool valid = kb < k_blocks && kk < k && row < rows_here;
-        const unsigned int destination =
-            slot + block_in_chunk * gemm_wgmma_block_bytes<N>() + ((2 * s + h) * N + row) * 16 + 4 * c;
-        copy_word_async(destination, valid ? x + static_cast<size_t>(row) * ldx + kk : x, valid);
+    static_assert(THREADS % 16 == 0 && N % (THREADS / 16) == 0, "whole rows of words a pass");
+    constexpr int ROWS_PER_PASS = THREADS / 16;
+    constexpr int PASSES = N / ROWS_PER_PASS;
+    const int q = threadIdx.x & 15;
+    const int c = q >> 2, s = (q >> 1) & 1, h = q & 1;
+    const int row0 = threadIdx.x >> 4;
+    const unsigned int first = ring + (chunk % GEMM_WGMMA_STAGES) * (GEMM_WGMMA_CHUNK * gemm_wgmma_block_bytes<N>()) +
+                               ((2 * s + h) * N + row0) * 16 + 4 * c;
+    const bf16_t* x_thread = x + static_cast<size_t>(row0) * ldx + 2 * q;  // k 8 c + 4 s + 2 h = 2 q
+#pragma unroll
+    for (int b = 0; b < GEMM_WGMMA_CHUNK; ++b) {
+        const int kb = chunk * GEMM_WGMMA_CHUNK + b;
+        const int kk = kb * GEMM_ROWS_K_BLOCK + 2 * q;
+        const bool k_valid = kb < k_blocks && kk < k;
+#pragma unroll
+        for (int pass = 0; pass < PASSES; ++pass) {
+            const bool valid = k_valid && row0 + pass * ROWS_PER_PASS < rows_here;
+            const bf16_t* source = x_thread + static_cast<size_t>(pass * ROWS_PER_PASS) * ldx + kb * GEMM_ROWS_K_BLOCK;
+            copy_word_async(first + b * gemm_wgmma_block_bytes<N>() + pass * ROWS_PER_PASS * 16, valid ? source : x,
+                            valid);
+        }
     }
 }
 
