@@ -105,10 +105,6 @@ class PackedWeight:
         return packed_shape(self.n, self.k)
 
 
-def packed_shape(self) -> tuple[int, int, int]:
-        return packed_shape(self.n, self.k)
-
-
 def packed_shape(n: int, k: int) -> tuple[int, int, int]:
     """Shape of the packed layout of a [n, k] weight: [ceil(n / 8), ceil(k / 32), 256]."""
     return (-(-n // N_TILE), -(-k // K_BLOCK), N_TILE * K_BLOCK)
@@ -337,15 +333,16 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
         wgmma = False
     plan = launch_plan(n, k, rows, tiles_per_warp, _sm_count(cupy.cuda.Device().id), blocks, serial, wgmma)
     kernel = plan.kernel
+    on_wgmma = kernel.startswith("gemm_rows_wgmma")
     # The last argument: the L2 request of a programmatic launch, or the warpgroup-MMA sweep's ring.
-    last = plan.ring_depth if kernel.startswith("gemm_rows_wgmma") else prefetch_k_blocks(n, k) if programmatic else 0
-    if packed and not kernel.startswith("gemm_rows_wgmma"):
+    last = plan.ring_depth if on_wgmma else prefetch_k_blocks(n, k) if programmatic else 0
+    if packed and not on_wgmma:
         kernel = kernel.replace("gemm_rows_", "gemm_rows_packed_")
     kernels.launch(
         kernel,
         plan.grid,
         plan.block,
-        (x, _i32(ldx), (w.pairs if kernel.startswith("gemm_rows_wgmma") else w.data) if packed else w, out,
+        (x, _i32(ldx), (w.pairs if on_wgmma else w.data) if packed else w, out,
          _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(last)),
         plan.shared_mem,
         programmatic=programmatic,

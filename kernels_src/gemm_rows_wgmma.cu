@@ -26,8 +26,8 @@
 // function of k alone) is a chain from zero over its blocks of 32 k in ascending order, two k16
 // steps a block, step s taking the products of physical k 8t + 4s + e (logical slot 2t + e) and
 // 8t + 4s + 2 + e (slot 2t + 8 + e) for t = 0..3, e = 0, 1; the range sums are added in ascending
-// range order. The A operand is the weight fragment of gemm_rows' transposed form (the pair layout holds interleave_pair's words:
-// the same words in the same slots), and x is laid out in shared memory so that the B operand's
+// range order. The A operand is the weight fragment of gemm_rows' transposed form (the pair layout
+// holds interleave_pair's words: the same words in the same slots), and x is laid out in shared memory so that the B operand's
 // logical k16 of step s are the same physical k in the same slots: for each row and block of 32 k,
 // the 16 words of its 64 bytes as 4 x 4 (chunk c of 8 k, word q) stored transposed, piece h of step
 // s holding word 2 s + h of chunks 0..3. The tensor cores sum a k16 step to the same bits through
@@ -396,12 +396,11 @@ __device__ __forceinline__ void gemm_wgmma_sweep(const bf16_t* __restrict__ x, i
     const int steps = (k_blocks + GEMM_WGMMA_STEP - 1) / GEMM_WGMMA_STEP;  // of one group
 
     // After x's ring: each warp's weight slots, then their mbarriers.
+    const unsigned int weight_ring = ring + GEMM_WGMMA_STAGES * GEMM_WGMMA_CHUNK * gemm_wgmma_block_bytes<N>();
     GemmWgmmaWeightRing wr;
     wr.depth = ring_depth;
-    wr.data = ring + GEMM_WGMMA_STAGES * GEMM_WGMMA_CHUNK * gemm_wgmma_block_bytes<N>() +
-              warp * ring_depth * GEMM_WGMMA_SLOT_BYTES;
-    wr.barriers = ring + GEMM_WGMMA_STAGES * GEMM_WGMMA_CHUNK * gemm_wgmma_block_bytes<N>() +
-                  WG * 4 * ring_depth * GEMM_WGMMA_SLOT_BYTES + warp * ring_depth * 8;
+    wr.data = weight_ring + warp * ring_depth * GEMM_WGMMA_SLOT_BYTES;
+    wr.barriers = weight_ring + WG * 4 * ring_depth * GEMM_WGMMA_SLOT_BYTES + warp * ring_depth * 8;
     if (ring_depth > 0) {
         if (lane == 0) {
             for (int slot = 0; slot < ring_depth; ++slot) {
