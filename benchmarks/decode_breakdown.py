@@ -8,8 +8,8 @@
   * the public call (input copy, replay, output copy) issued back to back, 200 calls between
     two events: what a decode loop that does not synchronise every token pays per call.
 Each geometry runs the VARIANTS below in the same process, each the package's defaults with the
-settings it names changed (see `variant`): the defaults, and batches projected and stepped in one
-launch of each instead of in ranges of heads (layer.OVERLAP_HEAD_RANGES).
+settings it names changed (see `variant`): the defaults, and the decode weights row-major instead
+of gemm_rows' packed layout (layer.packed_decode).
 A variant with the one persistent launch (persistent_lags) times B=1 and verify only: it takes
 one sequence's rows, the batches are the separate launches'. With --against DIR the defaults
 also run with the kernels compiled from the sources in DIR (another version of kernels_src/ with
@@ -39,7 +39,7 @@ def variant(**settings) -> tuple:
     return tuple(sorted(settings.items()))
 
 
-VARIANTS = (variant(), variant(overlap_head_ranges=None))
+VARIANTS = (variant(), variant(packed_decode=False))
 ROUNDS = 5
 VERIFY_K = (4, 16)
 BATCHES = (64, 256)
@@ -55,11 +55,7 @@ def defaults() -> dict:
     (gemm_rows.WGMMA_MIN_GROUPS_PER_SM; None: never the warpgroup-MMA sweep), wgmma_ring
     (gemm_rows.WGMMA_RING, that sweep's weight ring; 0: registers), step_staged_state and
     step_staged_carveout (layer.STEP_STAGED_STATE, layer.STEP_STAGED_CARVEOUT), step_split_waves
-    (layer.STEP_SPLIT_WAVES; None: never a split head), overlap_head_ranges and
-    overlap_min_sequences (layer.OVERLAP_HEAD_RANGES, layer.OVERLAP_MIN_SEQUENCES: a batch projected
-    and stepped in ranges of heads; None: one launch of each), overlap_step_priority and
-    overlap_projection_blocks_per_sm (layer.OVERLAP_STEP_PRIORITY,
-    layer.OVERLAP_PROJECTION_BLOCKS_PER_SM), kernel_sources (a folder of
+    (layer.STEP_SPLIT_WAVES; None: never a split head), kernel_sources (a folder of
     kernel sources; None: the package's own)."""
     from glm_kda import gemm_rows, kernels, layer, persistent
 
@@ -73,9 +69,6 @@ def defaults() -> dict:
         "wgmma_min_groups_per_sm": gemm_rows.WGMMA_MIN_GROUPS_PER_SM, "wgmma_ring": gemm_rows.WGMMA_RING,
         "step_staged_state": layer.STEP_STAGED_STATE,
         "step_staged_carveout": layer.STEP_STAGED_CARVEOUT, "step_split_waves": layer.STEP_SPLIT_WAVES,
-        "overlap_head_ranges": layer.OVERLAP_HEAD_RANGES, "overlap_min_sequences": layer.OVERLAP_MIN_SEQUENCES,
-        "overlap_step_priority": layer.OVERLAP_STEP_PRIORITY,
-        "overlap_projection_blocks_per_sm": layer.OVERLAP_PROJECTION_BLOCKS_PER_SM,
         "kernel_sources": None,
     }
 
@@ -105,10 +98,6 @@ def apply(settings: dict, layer_object) -> None:
     layer.STEP_STAGED_STATE = settings["step_staged_state"]
     layer.STEP_STAGED_CARVEOUT = settings["step_staged_carveout"]
     layer.STEP_SPLIT_WAVES = settings["step_split_waves"]
-    layer.OVERLAP_HEAD_RANGES = settings["overlap_head_ranges"]
-    layer.OVERLAP_MIN_SEQUENCES = settings["overlap_min_sequences"]
-    layer.OVERLAP_STEP_PRIORITY = settings["overlap_step_priority"]
-    layer.OVERLAP_PROJECTION_BLOCKS_PER_SM = settings["overlap_projection_blocks_per_sm"]
     sources = settings["kernel_sources"]
     if sources not in _KERNEL_SETS:
         _KERNEL_SETS[sources] = kernels.KernelSet.get() if sources is None else kernels.KernelSet(sources)

@@ -167,13 +167,6 @@ class LaunchPlan:
     shared_mem: int = 0
     ring_depth: int = 0
 
-    def group_columns(self, k: int) -> int:
-        """Columns that share one segment shift in the kernel: a column group of the split-k
-        sweep (its warps side by side along n), one warp's tiles in the serial sweep."""
-        if "_serial_" in self.kernel:
-            return self.tiles_per_warp * N_TILE
-        return WARPS_PER_BLOCK // k_split(k) * self.tiles_per_warp * N_TILE
-
 
 def k_split(k: int) -> int:
     """Warps that split the k axis of a block; mirrors ``k_split_for`` in the kernel.
@@ -302,7 +295,7 @@ def wgmma_available() -> bool:
 
 def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | None = None,
                    blocks: int | None = None, programmatic: bool = False, serial: bool | None = None,
-                   wgmma: bool | None = None, segments: tuple[int, int, int] | None = None) -> None:
+                   wgmma: bool | None = None) -> None:
     """out[r, :] = bf16(x[r, :] @ w.T) for r < rows (1..256), FP32 accumulation on tensor cores.
 
     Shapes:
@@ -329,19 +322,8 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
     stream (sm_90 and later): the blocks start while that kernel drains, ask L2 for their
     first weight bytes, and wait for it before they read x or write out. For a launch whose
     previous operation in the stream is the kernel that writes x; the bits are the same.
-
-    ``segments`` = (count, length, stride): compute only ``count`` segments of ``length``
-    columns, segment s being columns [s * stride, s * stride + length) of w's rows and of out
-    (say the q, k and v columns of a range of heads, with w and out starting at the range's
-    first column). Each column's bits are those of the launch over every column; length and
-    stride must be multiples of 32, length a multiple of the launch's column group (one block's
-    columns: at most 32 where k >= 1024), and the last segment must lie inside w and out.
     """
     rows, n, k, ldx, ldy = projection_args("gemm_rows_bf16", x, w, out, rows, GEMM_ROWS_MAX_ROWS)
-    seg = seg_stride = 0
-    if segments is not None:
-        n, seg, seg_stride = segment_columns(segments, n)
-        wgmma = False
     packed = isinstance(w, PackedWeight)
     if not (packed and w.pairs is not None and wgmma_available()):
         if wgmma:
@@ -350,9 +332,6 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
                              f" warpgroup-MMA kernels loaded: {wgmma_available()})")
         wgmma = False
     plan = launch_plan(n, k, rows, tiles_per_warp, _sm_count(cupy.cuda.Device().id), blocks, serial, wgmma)
-    if seg and seg % plan.group_columns(k):
-        raise ValueError(f"segments {segments!r}: length {seg} is not a multiple of the {plan.group_columns(k)} "
-                         f"columns of one column group of {plan.kernel} at k = {k}")
     kernel = plan.kernel
     on_wgmma = kernel.startswith("gemm_rows_wgmma")
     # The last argument: the L2 request of a programmatic launch, or the warpgroup-MMA sweep's ring.
@@ -364,28 +343,11 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
         plan.grid,
         plan.block,
         (x, _i32(ldx), (w.pairs if on_wgmma else w.data) if packed else w, out,
-         _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(last)) + (() if on_wgmma else (_i32(seg), _i32(seg_stride))),
+         _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(last)),
         plan.shared_mem,
         programmatic=programmatic,
         carveout=100 if plan.shared_mem else -1,
     )
-
-
-def segment_columns(segments: tuple[int, int, int], n: int) -> tuple[int, int, int]:
-    """(columns computed, seg, seg_stride) of gemm_rows_bf16's ``segments`` = (count, length,
-    stride) over a weight and output of n columns; a bad request is a ValueError that names it."""
-    try:
-        count, length, stride = (int(v) for v in segments)
-    except (TypeError, ValueError):
-        raise ValueError(f"segments must be (count, length, stride), got {segments!r}") from None
-    if count < 1 or length < 1 or stride < length:
-        raise ValueError(f"segments {segments!r}: need count >= 1, length >= 1 and stride >= length")
-    if length % 32 or stride % 32:
-        raise ValueError(f"segments {segments!r}: length and stride must be multiples of 32")
-    if (count - 1) * stride + length > n:
-        raise ValueError(f"segments {segments!r}: the last segment ends at column "
-                         f"{(count - 1) * stride + length}, past the {n} columns of w and out")
-    return count * length, length, stride
 
 
 def prefetch_k_blocks(n: int, k: int) -> int:

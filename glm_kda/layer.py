@@ -71,22 +71,6 @@ STEP_STAGED_CARVEOUT = -1
 # an H200 (benchmarks/decode_breakdown.py, one process, split / one block: GLM B=1 87.4 / 83.4 us,
 # verify K16 2.00x / 1.40x; Kimi 35.1 / 35.1, 2.24x / 1.95x), so off.
 STEP_SPLIT_WAVES: float | None = None
-# Batched decode of at least OVERLAP_MIN_SEQUENCES sequences projects q|k|v and steps the states
-# in OVERLAP_HEAD_RANGES ranges of heads (None or 1: one launch of each): the q, k and v columns of
-# range r come from one projection launch (gemm_rows_bf16's segments) on a second stream, and the
-# fused step of range r starts once they are written, while the projection of range r + 1 runs.
-# The projection of many rows is bound by instruction issue and the step by moving states, so the
-# two share the GPU better than they follow each other. Heads never interact and no column's bits
-# depend on the launch that computes it: every bit is that of the one-launch path (the batch
-# invariance tests compare them).
-OVERLAP_HEAD_RANGES: int | None = 4
-OVERLAP_MIN_SEQUENCES = 16
-# With head ranges: the steps (and o_proj) on a stream of the greatest priority, so that the block
-# scheduler gives a step's blocks the slots the projection's blocks leave (False: the current
-# stream); and the projection of a range launched with at most this many blocks per SM (None: as
-# gemm_rows plans it), leaving the other slots of every SM to the step. Neither changes a bit.
-OVERLAP_STEP_PRIORITY = False
-OVERLAP_PROJECTION_BLOCKS_PER_SM: float | None = None
 # Default of KdaLayer.persistent_decode.
 PERSISTENT_DECODE = False
 # Most rows one batched decode call takes (the workspace and the pool may limit it further).
@@ -253,7 +237,6 @@ class KdaLayer:
         self.scale = 1.0 / math.sqrt(self.config.head_dim)
         self._graphs = DecodeGraphs(self)
         self._side_stream = self._fork_event = self._join_event = None
-        self._overlap_streams: Any = None
         self.chunk_impl = chunk_impl
         # Tensor-core prefill: the bounded prepare forms the forget gate and beta itself (True,
         # the default) or reads them from the gate kernel (False); the same bits either way.
@@ -404,8 +387,7 @@ class KdaLayer:
                 raise TypeError(f"{what}: state.{field} must be a contiguous CuPy float32 array")
 
     # Stages -------------------------------------------------------------------------------
-    def _project_decode(self, x: Any, weight: Any, out: Any, after_kernel: bool = False,
-                        segments: tuple[int, int, int] | None = None, blocks: int | None = None) -> None:
+    def _project_decode(self, x: Any, weight: Any, out: Any, after_kernel: bool = False) -> None:
         """The projection of every decode-side call (decode, decode_k, batched decode, and
         prefill of <= 16 rows). One kernel, applied to groups of DECODE_ROW_GROUP rows, whose
         per-row arithmetic does not depend on the row count: a row's bits are the same in
@@ -418,7 +400,7 @@ class KdaLayer:
         for start in range(0, rows, DECODE_ROW_GROUP):
             stop = min(rows, start + DECODE_ROW_GROUP)
             gemm_rows.gemm_rows_bf16(x[start:stop], weight, out[start:stop], rows=stop - start,
-                                     programmatic=after_kernel or start > 0, segments=segments, blocks=blocks)
+                                     programmatic=after_kernel or start > 0)
 
     def _project(self, x: Any, weight: str, out: Any, wide: bool, after_kernel: bool = False) -> None:
         """x @ the weight named `weight` (one of DECODE_WEIGHTS) into out."""
@@ -487,7 +469,7 @@ class KdaLayer:
             main.wait_event(self._join_event)
 
     def stateful_rows(self, first: int, rows: int, conv_state: Any, recurrent_state: Any, slots: Any = None,
-                      walk: bool = False, head_range: tuple[int, int] | None = None) -> None:
+                      walk: bool = False) -> None:
         """Decode's stateful half for workspace rows first..first+rows-1, updating the states
         in place. Row r uses slot slots[r] of a pool, or (slots None, rows == 1) the single
         state given; walk=True: the rows are consecutive tokens of the single state given,
@@ -497,8 +479,7 @@ class KdaLayer:
         the recurrent step and the gated norm (o_norm_out), so the front end must skip the gate
         and the back end the norm (see :meth:`decode_rows`). Otherwise conv (+ SiLU + L2) then
         one recurrent step, reading the gate the front end formed; q and k arrive normalised and
-        the recurrent step must not normalise them again. head_range (first, count): the fused
-        step of those heads only (the other heads' states and stages untouched)."""
+        the recurrent step must not normalise them again."""
         ws, c = self.workspace, self.config
         sl = slice(first, first + rows)
         if self.fused_decode:
@@ -509,12 +490,10 @@ class KdaLayer:
                 ws.key[sl], ws.value[sl], ws.gate[sl], ws.beta[sl], ws.core[sl], ws.o_norm_out[sl],
                 bounded=c.bounded, lower_bound=c.gate_lower_bound or 0.0, scale=self.scale, l2_eps=c.l2_eps,
                 norm_eps=c.rms_norm_eps, slots=slots, tokens=rows if walk else 1,
-                prefetch_ahead=self._step_prefetch_ahead(head_range), dependents_after=STEP_DEPENDENTS_AFTER,
+                prefetch_ahead=self._step_prefetch_ahead(), dependents_after=STEP_DEPENDENTS_AFTER,
                 staged=STEP_STAGED_STATE, carveout=STEP_STAGED_CARVEOUT,
-                split=self._step_split(1 if walk else rows), head_range=head_range)
+                split=self._step_split(1 if walk else rows))
             return
-        if head_range is not None:
-            raise ValueError("stateful_rows: head_range needs fused_decode")
         if walk:
             raise ValueError("stateful_rows: walk=True needs fused_decode")
         ops.conv_decode_silu_l2_bf16(conv_state, ws.qkv_proj[sl], self.conv_weight, ws.conv_out[sl],
@@ -529,88 +508,12 @@ class KdaLayer:
         resident = _step_resident_blocks(self.qkv_weight.device.id)
         return sequences * self.config.heads * ops.HEAD_SPLIT <= STEP_SPLIT_WAVES * resident
 
-    def _step_prefetch_ahead(self, head_range: tuple[int, int] | None = None) -> int:
-        """Sequences ahead whose state a batched fused step (of the heads of head_range, None:
-        all) asks L2 for (STEP_PREFETCH_WAVES)."""
+    def _step_prefetch_ahead(self) -> int:
+        """Sequences ahead whose state a batched fused step asks L2 for (STEP_PREFETCH_WAVES)."""
         if STEP_PREFETCH_WAVES <= 0:
             return 0
         resident = _step_resident_blocks(self.qkv_weight.device.id)
-        heads = self.config.heads if head_range is None else head_range[1]
-        return max(1, round(STEP_PREFETCH_WAVES * resident / heads))
-
-    def head_ranges(self, rows: int, sequential: bool = False) -> int:
-        """Ranges of heads a decode-side call of `rows` rows projects q|k|v and steps in
-        (OVERLAP_HEAD_RANGES for a batch of at least OVERLAP_MIN_SEQUENCES sequences with the
-        fused step, else 1). The same bits either way."""
-        ranges = OVERLAP_HEAD_RANGES
-        c = self.config
-        if sequential or not self.fused_decode or ranges is None or ranges <= 1 or rows < OVERLAP_MIN_SEQUENCES:
-            return 1
-        if c.heads % ranges or (c.qkv // ranges) % 32:
-            return 1
-        return ranges
-
-    def _overlapped_rows(self, hidden: Any, conv_state: Any, recurrent_state: Any, slots: Any, ranges: int) -> None:
-        """decode_rows for a batch in `ranges` ranges of heads (see OVERLAP_HEAD_RANGES): the
-        low-rank chain on the side stream, the q|k|v projection of each range on a projection
-        stream, and on the current stream the fused step of each range once its columns (and
-        the chain) are done, then o_proj. Eagerly under kernels.timing(): one stream, in order."""
-        import cupy
-
-        ws, c = self.workspace, self.config
-        rows, d = hidden.shape[0], c.head_dim
-        width, heads = c.qkv // ranges, c.heads // ranges
-        main = cupy.cuda.get_current_stream()
-        concurrent = not kernels.TIMER.active
-        if concurrent and (self._overlap_streams is None or len(self._overlap_streams[3]) < ranges + 3):
-            self._overlap_streams = (
-                cupy.cuda.Stream(non_blocking=True, priority=-64), cupy.cuda.Stream(non_blocking=True),
-                cupy.cuda.Stream(non_blocking=True, priority=-64),
-                [cupy.cuda.Event(disable_timing=True) for _ in range(ranges + 3)])
-        side, projection, stepper, events = self._overlap_streams if concurrent else (main, main, main, None)
-        if not OVERLAP_STEP_PRIORITY:
-            stepper = main
-        if concurrent:
-            events[0].record(main)
-            for stream in {side, projection, stepper} - {main}:
-                stream.wait_event(events[0])
-        blocks = None
-        if OVERLAP_PROJECTION_BLOCKS_PER_SM is not None:
-            blocks = max(1, round(OVERLAP_PROJECTION_BLOCKS_PER_SM * gemm_rows._sm_count(self.qkv_weight.device.id)))
-        with _section("front_end"):
-            with side:
-                self._project(hidden, "down_weight", ws.down_proj[:rows], False)
-                self._project(ws.down_proj[:rows, :d], "f_b", ws.forget_proj[:rows], False, after_kernel=True)
-                self._project(ws.down_proj[:rows, d : 2 * d], "g_b", ws.out_gate[:rows], False, after_kernel=True)
-                if concurrent:
-                    events[1].record(side)
-            weight = self.decode_weight("qkv_weight")
-            with projection:
-                for r in range(ranges):
-                    first = r * width
-                    if isinstance(weight, gemm_rows.PackedWeight):
-                        part = gemm_rows.PackedWeight(weight.data[first // gemm_rows.N_TILE :], weight.n - first, weight.k)
-                    else:
-                        part = weight[first:]
-                    self._project_decode(hidden, part, ws.qkv_proj[:rows, first:], segments=(3, width, c.qkv),
-                                         blocks=blocks)
-                    if concurrent:
-                        events[3 + r].record(projection)
-        with stepper:
-            with _section("recurrence"):
-                if concurrent:
-                    stepper.wait_event(events[1])
-                for r in range(ranges):
-                    if concurrent:
-                        stepper.wait_event(events[3 + r])
-                    self.stateful_rows(0, rows, conv_state, recurrent_state, slots=slots,
-                                       head_range=(r * heads, heads))
-            with _section("back_end"):
-                self.back_end(rows, norm=False)
-            if stepper is not main:
-                events[2].record(stepper)
-        if stepper is not main:
-            main.wait_event(events[2])
+        return max(1, round(STEP_PREFETCH_WAVES * resident / self.config.heads))
 
     def decode_rows(self, hidden: Any, conv_state: Any, recurrent_state: Any, *, slots: Any = None,
                     sequential: bool = False, snapshots: Sequence[KdaState] = ()) -> None:
@@ -626,10 +529,6 @@ class KdaLayer:
         if self._persistent_applies(rows, sequential, snapshots):
             with _section("persistent"):
                 persistent.launch(self, hidden, conv_state, recurrent_state, slots)
-            return
-        ranges = self.head_ranges(rows, sequential)
-        if ranges > 1:
-            self._overlapped_rows(hidden, conv_state, recurrent_state, slots, ranges)
             return
         with _section("front_end"):
             self.front_end(hidden, gate=not self.fused_decode)
@@ -856,8 +755,7 @@ class KdaLayer:
         def body(hidden: Any, device_slots: Any) -> None:
             self.decode_rows(hidden, pool.conv, pool.recurrent, slots=device_slots)
 
-        key = ("pool", rows, self.fused_decode, self.persistent_decode, self.head_ranges(rows), pool.conv.data.ptr,
-               pool.recurrent.data.ptr)
+        key = ("pool", rows, self.fused_decode, self.persistent_decode, pool.conv.data.ptr, pool.recurrent.data.ptr)
         self._graphs.run(key, hidden, slots, body)
         return back(copy_of(self.workspace.final_out[:rows]))
 

@@ -502,7 +502,6 @@ def kda_decode_fused_bf16(
     conv_out, query, key, value, gate, beta, core, o_norm_out, *, bounded: bool, lower_bound: float,
     scale: float, l2_eps: float, norm_eps: float, slots=None, tokens: int = 1, prefetch_ahead: int = 0,
     dependents_after: int = 0, staged: bool = False, carveout: int = -1, split: bool = False,
-    head_range: tuple[int, int] | None = None,
 ) -> None:
     """The stateful half of decode in one launch: for each sequence, `tokens` consecutive
     tokens of conv + SiLU + L2, forget gate and beta, one delta-rule step, gated RMSNorm.
@@ -539,15 +538,8 @@ def kda_decode_fused_bf16(
     value columns 32 r .. 32 r + 31 (a quarter of the state each, so four SMs move a head's
     state), every block forming the head's q, k and gate (ignored before sm_90, or with staged).
     It changes no bit.
-
-    head_range: (first, count) steps only heads first .. first + count - 1 (every other head's
-    state and stage outputs are left as they are); None steps every head. Heads never interact,
-    so stepping a batch in ranges gives every bit of one launch over all heads.
     """
     heads = _state_or_pool_heads(state)
-    head_begin, head_count = (0, heads) if head_range is None else head_range
-    if not (0 <= head_begin and 1 <= head_count and head_begin + head_count <= heads):
-        raise ValueError(f"head_range {head_range!r}: need 0 <= first, 1 <= count, first + count <= heads = {heads}")
     qkv = heads * HEAD_DIM
     conv_dim = 3 * qkv
     rows = 1 if qkv_proj.ndim == 1 else qkv_proj.shape[0]
@@ -580,12 +572,12 @@ def kda_decode_fused_bf16(
     name = "kda_decode_fused_staged_bf16" if staged else "kda_decode_fused_split_bf16" if split else "kda_decode_fused_bf16"
     kernels.launch(
         name,
-        (head_count * HEAD_SPLIT if split else head_count, sequences),
+        (heads * HEAD_SPLIT if split else heads, sequences),
         (HEAD_BLOCK,),
         (conv_state, state, slots, qkv_proj, conv_w, forget_proj, dt_bias, a_log, beta_logits, _i32(ld_beta),
          out_gate, norm_w, conv_out, query, key, value, gate, beta, core, o_norm_out, _i32(heads),
          _i32(kernel_size), _i32(tokens), _i32(1 if bounded else 0), _f32(lower_bound if bounded else 0.0), _f32(scale),
-         _f32(l2_eps), _f32(norm_eps), _i32(prefetch_ahead), _i32(dependents_after), _i32(head_begin)),
+         _f32(l2_eps), _f32(norm_eps), _i32(prefetch_ahead), _i32(dependents_after)),
         HEAD_DIM * HEAD_DIM * 4 if staged else 0,
         carveout=carveout if staged else -1,
     )

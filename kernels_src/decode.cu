@@ -28,10 +28,7 @@
 // projection's first weight requests do not queue in front of the state column's loads. A batch
 // of many sequences runs many waves of blocks, each waiting on its own 64 KB state column:
 // the block of sequence s asks L2 for the column of sequence s + prefetch_ahead (a block of a
-// later wave; 0: none), which it never reads itself, so no bit depends on it. `head_begin`:
-// block x steps head head_begin + x, so a launch of grid (n, sequences) steps heads head_begin ..
-// head_begin + n - 1 only (a batch stepped in ranges of heads, each as soon as the projection of
-// its q, k and v columns is done); heads never interact, so no bit depends on the ranges.
+// later wave; 0: none), which it never reads itself, so no bit depends on it.
 //
 // kda_decode_fused_staged_bf16 is the same step with the head's 64 KB state moved by one bulk
 // copy each way through KDA_HEAD_STATE_BYTES of dynamic shared memory (sm_90 and later, the
@@ -66,7 +63,7 @@ __device__ __forceinline__ void kda_decode_fused_block(const KdaStepArgs& args, 
         float *__restrict__ key, float *__restrict__ value, float *__restrict__ gate, float *__restrict__ beta,       \
         float *__restrict__ core, bf16_t *__restrict__ o_norm_out, int heads, int kernel_size, int tokens,            \
         int bounded, float lower_bound, float scale, float l2_eps, float norm_eps, int prefetch_ahead,                \
-        int dependents_after, int head_begin
+        int dependents_after
 #define KDA_DECODE_FUSED_ARGS                                                                                        \
     KdaStepArgs{conv_state, state, slots, qkv_proj, conv_w, forget_proj, dt_bias, a_log, beta_logits,                \
                 ld_beta, out_gate, norm_w, conv_out, query, key, value, gate, beta, core, o_norm_out,                \
@@ -75,14 +72,14 @@ __device__ __forceinline__ void kda_decode_fused_block(const KdaStepArgs& args, 
 
 extern "C" __global__ void __launch_bounds__(KDA_HEAD_BLOCK) kda_decode_fused_bf16(KDA_DECODE_FUSED_PARAMETERS)
 {
-    kda_decode_fused_block<false>(KDA_DECODE_FUSED_ARGS, nullptr, head_begin + blockIdx.x);
+    kda_decode_fused_block<false>(KDA_DECODE_FUSED_ARGS, nullptr, blockIdx.x);
 }
 
 extern "C" __global__ void __launch_bounds__(KDA_HEAD_BLOCK)
 kda_decode_fused_staged_bf16(KDA_DECODE_FUSED_PARAMETERS)
 {
     extern __shared__ __align__(128) float kda_state_stage[];
-    kda_decode_fused_block<true>(KDA_DECODE_FUSED_ARGS, kda_state_stage, head_begin + blockIdx.x);
+    kda_decode_fused_block<true>(KDA_DECODE_FUSED_ARGS, kda_state_stage, blockIdx.x);
 }
 
 // The head split over a cluster of KDA_HEAD_SPLIT blocks (grid: heads * KDA_HEAD_SPLIT along x).
@@ -97,12 +94,11 @@ extern "C" __global__ void __launch_bounds__(KDA_HEAD_BLOCK) KDA_SPLIT_CLUSTER_D
 kda_decode_fused_split_bf16(KDA_DECODE_FUSED_PARAMETERS)
 {
 #if KDA_CLUSTERS
-    kda_decode_fused_block<false, KDA_HEAD_SPLIT>(KDA_DECODE_FUSED_ARGS, nullptr,
-                                                  head_begin + blockIdx.x / KDA_HEAD_SPLIT,
+    kda_decode_fused_block<false, KDA_HEAD_SPLIT>(KDA_DECODE_FUSED_ARGS, nullptr, blockIdx.x / KDA_HEAD_SPLIT,
                                                   blockIdx.x % KDA_HEAD_SPLIT);
 #else
     if (blockIdx.x % KDA_HEAD_SPLIT == 0) {
-        kda_decode_fused_block<false>(KDA_DECODE_FUSED_ARGS, nullptr, head_begin + blockIdx.x / KDA_HEAD_SPLIT);
+        kda_decode_fused_block<false>(KDA_DECODE_FUSED_ARGS, nullptr, blockIdx.x / KDA_HEAD_SPLIT);
     }
 #endif
 }

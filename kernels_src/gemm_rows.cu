@@ -9,13 +9,11 @@
 // extra m-tiles predicated off) and N_TILES and the grid from the shape. Separate entries
 // keep each kernel's code small: one variant in the instruction cache, not all of them.
 // `prefetch` (k blocks per weight row, 0 for none) asks L2 for the first weights before the
-// wait on the previous kernel; like the tiles and the grid it changes no bit. `seg`, `seg_stride`:
-// the column segments of gemm_rows.cuh (gemm_rows_segment_shift; seg 0 for none).
+// wait on the previous kernel; like the tiles and the grid it changes no bit.
 template <int M_TILES, int N_TILES, bool PACKED>
 __device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, int ldx,
                                                 const bf16_t* __restrict__ w, bf16_t* __restrict__ y,
-                                                int ldy, int rows, int n, int k, int prefetch, int seg,
-                                                int seg_stride)
+                                                int ldy, int rows, int n, int k, int prefetch)
 {
     __shared__ float partial[GEMM_ROWS_PARTIAL_FLOATS(M_TILES, N_TILES)];
 
@@ -26,17 +24,15 @@ __device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, in
     }
     const int row_end = min(rows, row_begin + GEMM_ROWS_M_GROUP);
     gemm_rows_sweep<M_TILES, N_TILES, PACKED>(x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split_for(k),
-                                              prefetch, partial, seg, seg_stride);
+                                              prefetch, partial);
 }
 
 #define GEMM_ROWS_ENTRY_OF(NAME, M_TILES, N_TILES, PACKED)                                         \
     extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_MIN_BLOCKS)          \
         NAME(const bf16_t* __restrict__ x, int ldx, const bf16_t* __restrict__ w,                  \
-             bf16_t* __restrict__ y, int ldy, int rows, int n, int k, int prefetch, int seg,       \
-             int seg_stride)                                                                       \
+             bf16_t* __restrict__ y, int ldy, int rows, int n, int k, int prefetch)                \
     {                                                                                              \
-        gemm_rows_entry<M_TILES, N_TILES, PACKED>(x, ldx, w, y, ldy, rows, n, k, prefetch, seg,    \
-                                                  seg_stride);                                     \
+        gemm_rows_entry<M_TILES, N_TILES, PACKED>(x, ldx, w, y, ldy, rows, n, k, prefetch);        \
     }
 // gemm_rows_bf16_m<M>_n<N> reads w in torch Linear layout, gemm_rows_packed_bf16_m<M>_n<N> in the
 // packed layout of gemm_rows.cuh (the same bits).
@@ -64,7 +60,7 @@ GEMM_ROWS_ENTRY(4, 2)
 template <int M_TILES, int N_TILES, bool PACKED>
 __device__ __forceinline__ void gemm_rows_serial_entry(const bf16_t* __restrict__ x, int ldx,
                                                        const bf16_t* __restrict__ w, bf16_t* __restrict__ y,
-                                                       int ldy, int rows, int n, int k, int seg, int seg_stride)
+                                                       int ldy, int rows, int n, int k)
 {
     kda_let_next_kernel_launch();
     const int row_begin = blockIdx.y * GEMM_ROWS_M_GROUP;
@@ -72,8 +68,7 @@ __device__ __forceinline__ void gemm_rows_serial_entry(const bf16_t* __restrict_
         return;
     }
     const int row_end = min(rows, row_begin + GEMM_ROWS_M_GROUP);
-    gemm_rows_serial_sweep<M_TILES, N_TILES, PACKED>(x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split_for(k),
-                                                     seg, seg_stride);
+    gemm_rows_serial_sweep<M_TILES, N_TILES, PACKED>(x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split_for(k));
 }
 
 // Serial blocks per SM the entries are compiled for: 3 (up to 168 registers; the running total
@@ -84,10 +79,9 @@ __device__ __forceinline__ void gemm_rows_serial_entry(const bf16_t* __restrict_
 #define GEMM_ROWS_SERIAL_ENTRY_OF(NAME, M_TILES, N_TILES, PACKED)                                  \
     extern "C" __global__ void __launch_bounds__(GEMM_ROWS_SERIAL_THREADS, GEMM_ROWS_SERIAL_MIN_BLOCKS) \
         NAME(const bf16_t* __restrict__ x, int ldx, const bf16_t* __restrict__ w,                  \
-             bf16_t* __restrict__ y, int ldy, int rows, int n, int k, int /* prefetch */, int seg, \
-             int seg_stride)                                                                       \
+             bf16_t* __restrict__ y, int ldy, int rows, int n, int k, int /* prefetch */)          \
     {                                                                                              \
-        gemm_rows_serial_entry<M_TILES, N_TILES, PACKED>(x, ldx, w, y, ldy, rows, n, k, seg, seg_stride); \
+        gemm_rows_serial_entry<M_TILES, N_TILES, PACKED>(x, ldx, w, y, ldy, rows, n, k);           \
     }
 #define GEMM_ROWS_SERIAL_ENTRY(M_TILES, N_TILES)                                                   \
     GEMM_ROWS_SERIAL_ENTRY_OF(gemm_rows_serial_bf16_m##M_TILES##_n##N_TILES, M_TILES, N_TILES, false) \

@@ -191,30 +191,6 @@ __device__ __forceinline__ int gemm_rows_k_blocks(int k)
 }
 #define GEMM_ROWS_PACKED_BLOCK (GEMM_ROWS_N_TILE * GEMM_ROWS_K_BLOCK)  // elements per (tile, k block)
 
-// Column segments: a launch over n columns may take them as segments of `seg` consecutive columns
-// placed `seg_stride` apart in both w's rows and y's columns (seg 0: the identity), so that one
-// launch covers, say, the q, k and v columns of a range of heads. Logical column c is physical
-// column c + gemm_rows_segment_shift(c, ...). A column group never straddles two segments (the
-// wrapper keeps seg a multiple of the group's columns and both a multiple of 8), so one shift
-// serves a whole group, and no bit of a column depends on where it sits: its k order is a
-// function of k alone.
-__device__ __forceinline__ int gemm_rows_segment_shift(int column, int seg, int seg_stride)
-{
-    return seg > 0 ? (column / seg) * (seg_stride - seg) : 0;
-}
-
-// w moved by `shift` rows (a multiple of 8): a whole number of tiles in the packed layout.
-template <bool PACKED>
-__device__ __forceinline__ const bf16_t* gemm_rows_shifted_weight(const bf16_t* w, int shift, int k)
-{
-    if constexpr (PACKED) {
-        return w + static_cast<size_t>(shift / GEMM_ROWS_N_TILE) * gemm_rows_k_blocks(k) * GEMM_ROWS_PACKED_BLOCK;
-    } else {
-        return w + static_cast<size_t>(shift) * k;
-    }
-}
-
-
 // With more than one m-tile and an even number of tiles per warp the sweep swaps the mma's
 // operands: w as A (two tiles, 16 columns), x as B (8 rows a tile). The products and their k slots
 // are the same, and the tensor cores add them to the same bits whichever operand holds them
@@ -437,7 +413,7 @@ __device__ __forceinline__ int gemm_rows_group_columns(int k_split)
 template <int M_TILES, int N_TILES, int LOADS = GEMM_ROWS_LOADS, int X_FROM = GEMM_X_INPUT, bool PACKED = false>
 __device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const bf16_t* w, bf16_t* y, int ldy,
                                                 int row_begin, int row_end, int n, int k, int k_split, int group,
-                                                float* partial, int seg = 0, int seg_stride = 0)
+                                                float* partial)
 {
     constexpr int FRAGMENTS = M_TILES * N_TILES * 4;  // accumulators per lane
     const int lane = threadIdx.x & 31;
@@ -449,13 +425,10 @@ __device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const 
     gemm_rows_k_range(k, k_split, warp_k, kb_begin, kb_end);
     const int group_columns = gemm_rows_group_columns<N_TILES>(k_split);
     const int warp_column = group * group_columns + warp_n * N_TILES * GEMM_ROWS_N_TILE;
-    // The group's segment: where its weight rows and output columns are.
-    const int shift = gemm_rows_segment_shift(group * group_columns, seg, seg_stride);
 
     float acc[M_TILES][N_TILES][4];
-    gemm_rows_accumulate<M_TILES, N_TILES, LOADS, X_FROM, PACKED>(acc, x, ldx, gemm_rows_shifted_weight<PACKED>(w, shift, k),
-                                                                    n, k, row_begin, row_end, warp_column, kb_begin,
-                                                                    kb_end);
+    gemm_rows_accumulate<M_TILES, N_TILES, LOADS, X_FROM, PACKED>(acc, x, ldx, w, n, k, row_begin, row_end,
+                                                                    warp_column, kb_begin, kb_end);
 #pragma unroll
     for (int m = 0; m < M_TILES; ++m) {
 #pragma unroll
@@ -482,7 +455,7 @@ __device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const 
         row += row_begin;
         column += group * group_columns + out_warp_n * N_TILES * GEMM_ROWS_N_TILE;
         if (row < row_end && column < n) {
-            y[static_cast<size_t>(row) * ldy + column + shift] = f32_to_bf16(sum);
+            y[static_cast<size_t>(row) * ldy + column] = f32_to_bf16(sum);
         }
     }
     // The next column group overwrites `partial`.
@@ -496,7 +469,7 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
                                                 const bf16_t* __restrict__ w,
                                                 bf16_t* __restrict__ y, int ldy, int row_begin,
                                                 int row_end, int n, int k, int k_split, int prefetch,
-                                                float* partial, int seg = 0, int seg_stride = 0)
+                                                float* partial)
 {
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -509,8 +482,7 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
     if (prefetch != 0 && blockIdx.x < column_groups) {
         // L2 lines of the first `prefetch` blocks of this warp's k range, for every weight row
         // of its first column group.
-        const int first_column = blockIdx.x * group_columns + warp_n * N_TILES * GEMM_ROWS_N_TILE;
-        const int first_row = first_column + gemm_rows_segment_shift(blockIdx.x * group_columns, seg, seg_stride);
+        const int first_row = blockIdx.x * group_columns + warp_n * N_TILES * GEMM_ROWS_N_TILE;
         const int kb_last = min(kb_end, kb_begin + prefetch);
         if constexpr (PACKED) {
             // Each tile's blocks [kb_begin, kb_last) are one run of 512-byte pieces.
@@ -518,7 +490,7 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
             const int lines_per_tile = max(kb_last - kb_begin, 0) * (GEMM_ROWS_PACKED_BLOCK * 2 / 128);
             for (int index = lane; index < N_TILES * lines_per_tile; index += 32) {
                 const int tile = first_row / GEMM_ROWS_N_TILE + index / lines_per_tile;
-                if (tile * GEMM_ROWS_N_TILE - first_row + first_column < n) {
+                if (tile * GEMM_ROWS_N_TILE < n) {
                     prefetch_l2(w + static_cast<size_t>(tile) * tile_stride + kb_begin * GEMM_ROWS_PACKED_BLOCK +
                                 64 * (index % lines_per_tile));
                 }
@@ -528,7 +500,7 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
             for (int index = lane; index < N_TILES * GEMM_ROWS_N_TILE * lines_per_row; index += 32) {
                 const int row = first_row + index / lines_per_row;
                 const int k_offset = kb_begin * GEMM_ROWS_K_BLOCK + 64 * (index % lines_per_row);
-                if (row - first_row + first_column < n && k_offset < k) {
+                if (row < n && k_offset < k) {
                     prefetch_l2(w + static_cast<size_t>(row) * k + k_offset);
                 }
             }
@@ -538,8 +510,9 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
     kda_wait_for_previous_kernel();
 
     for (int group = blockIdx.x; group < column_groups; group += gridDim.x) {
-        gemm_rows_group<M_TILES, N_TILES, GEMM_ROWS_LOADS, GEMM_X_INPUT, PACKED>(
-            x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split, group, partial, seg, seg_stride);
+        gemm_rows_group<M_TILES, N_TILES, GEMM_ROWS_LOADS, GEMM_X_INPUT, PACKED>(x, ldx, w, y, ldy, row_begin,
+                                                                                row_end, n, k, k_split, group,
+                                                                                partial);
     }
 }
 
@@ -566,7 +539,7 @@ template <int M_TILES, int N_TILES, bool PACKED = false>
 __device__ __forceinline__ void gemm_rows_serial_sweep(const bf16_t* __restrict__ x, int ldx,
                                                        const bf16_t* __restrict__ w, bf16_t* __restrict__ y,
                                                        int ldy, int row_begin, int row_end, int n, int k,
-                                                       int k_split, int seg = 0, int seg_stride = 0)
+                                                       int k_split)
 {
     constexpr int BLOCK_COLUMNS = GEMM_ROWS_SERIAL_WARPS * N_TILES * GEMM_ROWS_N_TILE;
     const int lane = threadIdx.x & 31;
@@ -583,19 +556,17 @@ __device__ __forceinline__ void gemm_rows_serial_sweep(const bf16_t* __restrict_
         }
         // The accumulators by their flat index, the `fragment` of gemm_rows_fragment_place.
         constexpr int FRAGMENTS = M_TILES * N_TILES * 4;
-        const int shift = gemm_rows_segment_shift(warp_column, seg, seg_stride);
-        const bf16_t* w_warp = gemm_rows_shifted_weight<PACKED>(w, shift, k);
         int kb_begin, kb_end;
         gemm_rows_k_range(k, k_split, 0, kb_begin, kb_end);
         float total[M_TILES][N_TILES][4];
         gemm_rows_accumulate<M_TILES, N_TILES, GEMM_ROWS_SERIAL_LOADS, GEMM_X_INPUT, PACKED>(
-            total, x, ldx, w_warp, n, k, row_begin, row_end, warp_column, kb_begin, kb_end);
+            total, x, ldx, w, n, k, row_begin, row_end, warp_column, kb_begin, kb_end);
         auto& total_flat = reinterpret_cast<float(&)[FRAGMENTS]>(total);
         for (int split = 1; split < k_split; ++split) {
             gemm_rows_k_range(k, k_split, split, kb_begin, kb_end);
             float acc[M_TILES][N_TILES][4];
             gemm_rows_accumulate<M_TILES, N_TILES, GEMM_ROWS_SERIAL_LOADS, GEMM_X_INPUT, PACKED>(
-                acc, x, ldx, w_warp, n, k, row_begin, row_end, warp_column, kb_begin, kb_end);
+                acc, x, ldx, w, n, k, row_begin, row_end, warp_column, kb_begin, kb_end);
             const auto& acc_flat = reinterpret_cast<const float(&)[FRAGMENTS]>(acc);
 #pragma unroll
             for (int fragment = 0; fragment < FRAGMENTS; ++fragment) {
@@ -609,7 +580,7 @@ __device__ __forceinline__ void gemm_rows_serial_sweep(const bf16_t* __restrict_
             row += row_begin;
             column += warp_column;
             if (row < row_end && column < n) {
-                y[static_cast<size_t>(row) * ldy + column + shift] = f32_to_bf16(total_flat[fragment]);
+                y[static_cast<size_t>(row) * ldy + column] = f32_to_bf16(total_flat[fragment]);
             }
         }
     }

@@ -17,7 +17,7 @@ def test_every_variant_changes_known_settings_only():
     resolved = [decode_breakdown.settings_of(v, base) for v in decode_breakdown.VARIANTS]
     assert resolved[0] == base, "the first variant is the package's defaults"
     assert len({tuple(sorted(map(str, r.items()))) for r in resolved}) == len(resolved), "two variants are the same"
-    assert resolved[1]["overlap_head_ranges"] is None
+    assert resolved[1]["packed_decode"] is False
     assert decode_breakdown.parse_variant("packed_decode=False, step_dependents_after=1") == (
         ("packed_decode", False), ("step_dependents_after", 1))
     arguments = ["glm", "--variant", "packed_decode=False", "--against", "dir", "--variant", "fused_decode=False"]

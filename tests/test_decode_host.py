@@ -83,7 +83,7 @@ extern "C" void gated_rmsnorm_sigmoid_bf16(const float*, const bf16_t*, const bf
 #define KDA_DECODE_FUSED_SIGNATURE                                                                              \
     (float*, float*, const int*, const bf16_t*, const bf16_t*, const bf16_t*, const float*, const float*,          \
      const bf16_t*, int, const bf16_t*, const bf16_t*, bf16_t*, float*, float*, float*, float*, float*, float*,      \
-     bf16_t*, int, int, int, int, float, float, float, float, int, int, int)
+     bf16_t*, int, int, int, int, float, float, float, float, int, int)
 extern "C" void kda_decode_fused_bf16 KDA_DECODE_FUSED_SIGNATURE;
 extern "C" void kda_decode_fused_staged_bf16 KDA_DECODE_FUSED_SIGNATURE;
 
@@ -118,7 +118,7 @@ int main(int argc, char** argv)
     const bf16_t* beta_logits = down_proj.data() + 2 * D;
 
     const std::initializer_list<const char*> one_sequence = {"separate", "fused_rows", "fused_walk"};
-    const std::initializer_list<const char*> pool = {"pool_fused", "pool_separate", "alone", "pool_ranges"};
+    const std::initializer_list<const char*> pool = {"pool_fused", "pool_separate", "alone"};
     for (const std::string path : pool_size ? pool : one_sequence) {
         auto conv_state = conv_start, state = state_start;
         std::vector<bf16_t> conv_out(rows * conv_dim, 0x7FA5), o_norm_out(rows * qkv, 0x7FA5);
@@ -126,9 +126,8 @@ int main(int argc, char** argv)
         std::vector<float> beta(rows * heads, std::nanf(""));
         // The fused step over rows first.. : `sequences` sequences (slot_list, or the states given
         // when null) of `tokens` tokens each.
-        // Heads head_begin .. head_begin + head_count - 1 only (head_count < 0: every head).
         auto fused = [&](int first, int sequences, int tokens, const int* slot_list, float* conv, float* states,
-                         int prefetch_ahead = 0, int head_begin = 0, int head_count = -1) {
+                         int prefetch_ahead = 0) {
             // Where the blocks let the next kernel launch (a no-op here): every choice, in turn.
             const int dependents_after = (first + tokens) % 3;
             prefetch_pool = states;
@@ -137,8 +136,7 @@ int main(int argc, char** argv)
             prefetch_heads = heads;
             prefetch_kernel = kernel;
             const auto kernel_entry = staged ? kda_decode_fused_staged_bf16 : kda_decode_fused_bf16;
-            const unsigned grid_x = unsigned(head_count < 0 ? heads : head_count);
-            run_grid(dim3{grid_x, unsigned(sequences), 1}, 128, staged ? STAGED_STATE_BYTES : 0, [&] {
+            run_grid(dim3{unsigned(heads), unsigned(sequences), 1}, 128, staged ? STAGED_STATE_BYTES : 0, [&] {
                 kernel_entry(conv, states, slot_list, qkv_proj.data() + first * conv_dim, conv_w.data(),
                              forget_proj.data() + first * qkv, dt_bias.data(), a_log.data(),
                              beta_logits + first * ld_beta, int(ld_beta), out_gate.data() + first * qkv,
@@ -146,7 +144,7 @@ int main(int argc, char** argv)
                              key.data() + first * qkv, value.data() + first * qkv, gate.data() + first * qkv,
                              beta.data() + first * heads, core.data() + first * qkv,
                              o_norm_out.data() + first * qkv, heads, kernel, tokens, bounded, lower_bound,
-                             scale, l2_eps, norm_eps, prefetch_ahead, dependents_after, head_begin);
+                             scale, l2_eps, norm_eps, prefetch_ahead, dependents_after);
             });
         };
         // The separate kernels over rows first .. first + count - 1, one token of a sequence each.
@@ -177,11 +175,6 @@ int main(int argc, char** argv)
             fused(0, 1, rows, nullptr, conv_state.data(), state.data());
         } else if (path == "pool_fused") {
             fused(0, rows, 1, slots.data(), conv_state.data(), state.data(), PREFETCH_AHEAD);
-        } else if (path == "pool_ranges") {
-            // The heads in two ranges, one launch each: what a batch stepped range by range (as
-            // its q|k|v columns arrive) runs.
-            fused(0, rows, 1, slots.data(), conv_state.data(), state.data(), PREFETCH_AHEAD, 0, 1);
-            fused(0, rows, 1, slots.data(), conv_state.data(), state.data(), PREFETCH_AHEAD, 1, heads - 1);
         } else if (path == "pool_separate") {
             separate(0, rows, slots.data(), conv_state.data(), state.data());
         }
@@ -252,9 +245,9 @@ def _run_binary(binary, folder, inputs, rows, bounded, *extra):
          repr(L2_EPS), repr(NORM_EPS), *map(str, extra)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     pool_size = int(extra[1])
-    # The two pool paths' blocks (pool_fused, pool_ranges) of sequences s < rows - PREFETCH_AHEAD each ask L2 for the state and the
+    # The pool path's blocks of sequences s < rows - PREFETCH_AHEAD each ask L2 for the state and the
     # three conv windows of their head in the slot of sequence s + PREFETCH_AHEAD; nothing else does.
-    prefetches = 2 * 4 * HEADS * max(rows - PREFETCH_AHEAD, 0) if pool_size else 0
+    prefetches = 4 * HEADS * max(rows - PREFETCH_AHEAD, 0) if pool_size else 0
     assert result.stdout.split() == ["misaligned=0", f"prefetches={prefetches}", "bad_prefetches=0"], \
         f"host run: {result.stdout.strip()}"
 
@@ -327,8 +320,8 @@ def test_pool_sequences_equal_each_alone_on_host(decode_host, sequences, staged,
     layout = {**_layout(sequences), "conv_state": (np.float32, (pool_size, conv_dim, KERNEL)),
               "state": (np.float32, (pool_size, HEADS, DIM, DIM))}
     out = {path: {name: np.fromfile(folder / f"{path}.{name}", dtype).reshape(shape) for name, (dtype, shape) in layout.items()}
-           for path in ("pool_fused", "pool_separate", "alone", "pool_ranges")}
-    for path in ("pool_fused", "pool_separate", "pool_ranges"):
+           for path in ("pool_fused", "pool_separate", "alone")}
+    for path in ("pool_fused", "pool_separate"):
         for name in OUTPUTS:
             differ = int(np.count_nonzero(out[path][name].view(np.uint8) != out["alone"][name].view(np.uint8)))
             assert differ == 0, f"B={sequences} {path}: {differ} bytes of {name} differ from each sequence alone"

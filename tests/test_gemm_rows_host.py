@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from glm_kda.gemm_rows import launch_plan, pack_weight, segment_columns
+from glm_kda.gemm_rows import launch_plan, pack_weight
 from glm_kda.reference import rms_ratio, round_bf16
 from host_cuda import (COMMON_DEVICE_HELPERS, HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, bf16_bits, bits_to_f64, build_host_binary,
                        host_kernel_source, order_sensitive_inputs)
@@ -66,20 +66,20 @@ GEMM_MAIN = r"""
 """ + HOST_CUDA_RUNTIME + r"""
 MmaSlot mma_slots[32][32];
 #define DECLARE(M, N) extern "C" void gemm_rows_bf16_m##M##_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, \
-                                                                int, int, int, int, int);
+                                                                int, int, int);
 #define DECLARE_PACKED(M, N) extern "C" void gemm_rows_packed_bf16_m##M##_n##N(const bf16_t*, int, const bf16_t*, \
-                                                                              bf16_t*, int, int, int, int, int, int, int);
+                                                                              bf16_t*, int, int, int, int, int);
 #define DECLARE_BOTH(M, N) DECLARE(M, N) DECLARE_PACKED(M, N)
 DECLARE_BOTH(1, 1) DECLARE_BOTH(1, 2) DECLARE_BOTH(1, 4) DECLARE_BOTH(2, 1) DECLARE_BOTH(2, 2) DECLARE_BOTH(2, 4)
 DECLARE_BOTH(4, 1) DECLARE_BOTH(4, 2)
 #define DECLARE_SERIAL(M, N) \
     extern "C" void gemm_rows_serial_bf16_m##M##_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, \
-                                                       int, int, int, int); \
+                                                       int, int); \
     extern "C" void gemm_rows_packed_serial_bf16_m##M##_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, int, \
-                                                              int, int, int, int, int, int);
+                                                              int, int, int, int);
 DECLARE_SERIAL(4, 2)
 extern "C" void gemv_bf16(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int);
-using Entry = void (*)(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int, int, int, int);
+using Entry = void (*)(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int, int);
 
 int main(int argc, char** argv)
 {
@@ -96,17 +96,13 @@ int main(int argc, char** argv)
     // serial: the serial sweep's entry (threads per block: argv[16]).
     const bool serial = std::atoi(argv[15]) != 0;
     const unsigned threads = std::atoi(argv[16]);
-    // Column segments (seg 0: none) and the column of y where the launch's first column lands.
-    const int seg = std::atoi(argv[17]), seg_stride = std::atoi(argv[18]), y_column = std::atoi(argv[19]);
-    const size_t w_file_elements = std::atol(argv[20]);  // all of w's file (a segmented launch reads past n rows)
     const std::pair<int, int> key{m_tiles, n_tiles};
     const std::pair<std::pair<int, int>, Entry> entries[] = {
         {{1, 1}, gemm_rows_bf16_m1_n1}, {{1, 2}, gemm_rows_bf16_m1_n2}, {{1, 4}, gemm_rows_bf16_m1_n4},
         {{2, 1}, gemm_rows_bf16_m2_n1}, {{2, 2}, gemm_rows_bf16_m2_n2}, {{2, 4}, gemm_rows_bf16_m2_n4},
         {{4, 1}, gemm_rows_bf16_m4_n1}, {{4, 2}, gemm_rows_bf16_m4_n2},
         // m0_n0: gemv_bf16 (no prefetch argument)
-        {{0, 0}, [](const bf16_t* x, int ldx, const bf16_t* w, bf16_t* y, int ldy, int rows, int n, int k, int, int,
-                    int) {
+        {{0, 0}, [](const bf16_t* x, int ldx, const bf16_t* w, bf16_t* y, int ldy, int rows, int n, int k, int) {
              gemv_bf16(x, ldx, w, y, ldy, rows, n, k);
          }}};
     const std::pair<std::pair<int, int>, Entry> packed_entries[] = {
@@ -129,12 +125,11 @@ int main(int argc, char** argv)
     }
     if (!entry) { std::fprintf(stderr, "no entry m%d_n%d\n", m_tiles, n_tiles); return 2; }
     const auto x = load_u16(dir + "/x", size_t(x_rows) * ldx);
-    const auto w = load_u16(dir + "/w", w_file_elements);
+    const auto w = load_u16(dir + "/w", w_elements > 0 ? size_t(w_elements) : size_t(n) * k);
     auto y = load_u16(dir + "/y", size_t(y_rows) * ldy);
     for (int launch = 0; launch < launches; ++launch) {
         run_grid(dim3{grid_x, grid_y, 1}, threads, 0, [&] {
-            entry(x.data() + size_t(launch) * ldx, ldx, w.data(), y.data() + size_t(launch) * ldy + y_column, ldy, rows,
-                  n, k, 0, seg, seg_stride);
+            entry(x.data() + size_t(launch) * ldx, ldx, w.data(), y.data() + size_t(launch) * ldy, ldy, rows, n, k, 0);
         });
     }
     save(dir + "/y.out", y);
@@ -157,19 +152,13 @@ def gemm_host(tmp_path_factory):
 _calls = iter(range(10**9))
 
 
-def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, gemv=False, packed=False, segments=None,
-             first=0, **plan_args):
+def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, gemv=False, packed=False, **plan_args):
     """One launch as gemm_rows_bf16 plans it (132 SMs), on x_buffer[:, :k] (row stride of the
     buffer) into y_buffer[:, :n], or with one_row_launches a one-row launch per row; returns the
     new y_buffer. gemv: ops.gemv_bf16's launch instead (8 columns a block). packed: the packed
-    entry point on gemm_rows.pack_weight(w). segments (count, length, stride): gemm_rows_bf16's
-    column segments, over w's rows and y's columns from column `first` on."""
+    entry point on gemm_rows.pack_weight(w)."""
     n, k = w.shape
     w_file = pack_weight(w.view(np.uint16)).data if packed else w
-    seg = seg_stride = 0
-    if segments is not None:
-        n, seg, seg_stride = segment_columns(segments, n - first)
-        w_file = w_file[first // 8 :] if packed else w_file[first:]
     if gemv:
         m_tiles = n_tiles = 0
         plan = SimpleNamespace(grid=(-(-n // 8), 1), block=(256,), kernel="gemv_bf16")
@@ -186,8 +175,7 @@ def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, gemv=F
          str(1 if one_row_launches else rows), str(n),
          str(k), str(x_buffer.shape[1]), str(y_buffer.shape[1]), str(x_buffer.shape[0]), str(y_buffer.shape[0]),
          str(rows if one_row_launches else 1), str(w_file.size if packed else 0),
-         str(int("_serial_" in plan.kernel)), str(plan.block[0]), str(seg), str(seg_stride), str(first),
-         str(w_file.size)],
+         str(int("_serial_" in plan.kernel)), str(plan.block[0])],
         capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["misaligned=0"], f"host run: {result.stdout.strip()}"
@@ -330,42 +318,3 @@ def test_split_k_order_is_kept_on_host(gemm_host, k):
     for serial in (False, True):
         out = run_host(gemm_host, x, w, rows, np.full((rows, n), POISON, np.uint16), serial=serial)
         _assert_bits_equal(out, one_row, f"K{k} R{rows} serial={serial} vs one-row launches")
-
-
-@pytest.mark.parametrize("packed", [False, True], ids=["row-major", "packed"])
-@pytest.mark.parametrize("rows", [1, 5, 40])
-def test_column_segments_give_the_full_launch_bits_on_host(gemm_host, rows, packed):
-    """q|k|v-like weight of three parts of 128 columns, projected by range of 32 or 64 columns of
-    each part (one launch per range, gemm_rows_bf16's segments): every column's bits are those of
-    the one launch over all columns, and a range writes its columns only."""
-    part, k = 128, 1032  # k_split 8: a column group is one warp's tiles, at most 32 columns
-    n = 3 * part
-    x, w = _inputs(n, k, rows, seed=rows + 17 * packed)
-    whole = run_host(gemm_host, x, w, rows, np.full((rows, n), POISON, np.uint16), packed=packed)
-    for width in (32, 64):
-        out = np.full((rows, n), POISON, np.uint16)
-        for first in range(0, part, width):
-            out = run_host(gemm_host, x, w, rows, out, packed=packed, segments=(3, width, part), first=first)
-            written = np.zeros(n, bool)
-            for p in range(3):
-                written[p * part : p * part + first + width] = True
-            assert (out[:, ~written] == POISON).all(), f"width {width}: a range wrote past its columns"
-        _assert_bits_equal(out, whole, f"rows {rows} width {width} packed {packed}")
-
-
-def test_segment_requests_are_checked():
-    """gemm_rows_bf16's segments: the columns a request computes, and each bad request refused with
-    what is wrong; the columns one segment shift serves (a column group, or a serial warp's tiles)."""
-    assert segment_columns((3, 64, 128), 384) == (192, 64, 128)
-    assert segment_columns((1, 96, 96), 96) == (96, 96, 96)
-    for bad, n, needle in [((3, 64, 128), 300, "past the 300 columns"), ((3, 48, 128), 384, "multiples of 32"),
-                           ((3, 64, 100), 384, "multiples of 32"), ((0, 32, 32), 64, "count >= 1"),
-                           ((2, 64, 32), 128, "stride >= length"), ((3, 64), 384, "count, length, stride")]:
-        with pytest.raises(ValueError, match=needle):
-            segment_columns(bad, n)
-    wide_k = launch_plan(384, 1032, 1)  # k_split 8: one warp along n
-    assert wide_k.group_columns(1032) == wide_k.tiles_per_warp * 8
-    narrow_k = launch_plan(384, 136, 1)  # k_split 1: eight warps along n
-    assert narrow_k.group_columns(136) == 8 * narrow_k.tiles_per_warp * 8
-    serial = launch_plan(24576, 4096, 64, serial=True)
-    assert "_serial_" in serial.kernel and serial.group_columns(4096) == serial.tiles_per_warp * 8

@@ -475,31 +475,6 @@ def test_split_step_gives_the_one_block_bits(layers, geometry, rows, monkeypatch
     _assert_same_bits(split, whole, f"{geometry} B{rows}", "the split heads and one block per head")
 
 
-@pytest.mark.parametrize("packed", [True, False], ids=["packed", "row-major"])
-@pytest.mark.parametrize("ranges", [2, 4, 8])
-@pytest.mark.parametrize("geometry", ["glm", "kimi"])
-def test_head_ranges_give_the_one_launch_bits(layers, geometry, ranges, packed, monkeypatch):
-    """A batch projected and stepped in ranges of heads (layer.OVERLAP_HEAD_RANGES: q|k|v by
-    column segments on a second stream, the fused step of each range as its columns arrive)
-    writes the bits of one launch of each: every stage buffer, the output and both states of a
-    64-sequence pool step with shuffled slots (the 5-row walk takes one launch either way)."""
-    from glm_kda import layer as layer_module
-
-    _, layer = layers(geometry)
-    previous_ranges, previous_packed = layer_module.OVERLAP_HEAD_RANGES, layer.packed_decode
-
-    def switch(split):
-        monkeypatch.setattr(layer_module, "OVERLAP_HEAD_RANGES",
-                            previous_ranges if split is None else ranges if split else None)
-        layer.packed_decode = previous_packed if split is None else packed
-        layer._graphs.clear()
-
-    switch(True)
-    assert layer.head_ranges(64) == ranges and layer.head_ranges(1) == 1 and layer.head_ranges(5, sequential=True) == 1
-    split, whole = _decode_paths(layer, count=80, rows=64, walk_rows=5, prefill_rows=0, seed=83 + ranges, switch=switch)
-    _assert_same_bits(split, whole, f"{geometry} {ranges} ranges", "head ranges and one launch of each")
-
-
 @pytest.mark.parametrize("geometry", ["glm", "kimi"])
 def test_packed_decode_weights_give_the_row_major_bits(layers, geometry):
     """layer.packed_decode (the decode projections read gemm_rows' packed copies of the
