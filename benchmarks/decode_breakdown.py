@@ -55,7 +55,9 @@ def defaults() -> dict:
     (gemm_rows.WGMMA_MIN_GROUPS_PER_SM; None: never the warpgroup-MMA sweep), wgmma_ring
     (gemm_rows.WGMMA_RING, that sweep's weight ring; 0: registers), step_staged_state and
     step_staged_carveout (layer.STEP_STAGED_STATE, layer.STEP_STAGED_CARVEOUT), step_split_waves
-    (layer.STEP_SPLIT_WAVES; None: never a split head), kernel_sources (a folder of
+    (layer.STEP_SPLIT_WAVES; None: never a split head), side_chain_first, side_chain_programmatic
+    and side_stream_priority (layer.SIDE_CHAIN_FIRST, layer.SIDE_CHAIN_PROGRAMMATIC,
+    layer.SIDE_STREAM_PRIORITY: how the low-rank chain runs beside q|k|v), kernel_sources (a folder of
     kernel sources; None: the package's own)."""
     from glm_kda import gemm_rows, kernels, layer, persistent
 
@@ -69,6 +71,8 @@ def defaults() -> dict:
         "wgmma_min_groups_per_sm": gemm_rows.WGMMA_MIN_GROUPS_PER_SM, "wgmma_ring": gemm_rows.WGMMA_RING,
         "step_staged_state": layer.STEP_STAGED_STATE,
         "step_staged_carveout": layer.STEP_STAGED_CARVEOUT, "step_split_waves": layer.STEP_SPLIT_WAVES,
+        "side_chain_first": layer.SIDE_CHAIN_FIRST, "side_chain_programmatic": layer.SIDE_CHAIN_PROGRAMMATIC,
+        "side_stream_priority": layer.SIDE_STREAM_PRIORITY,
         "kernel_sources": None,
     }
 
@@ -98,6 +102,9 @@ def apply(settings: dict, layer_object) -> None:
     layer.STEP_STAGED_STATE = settings["step_staged_state"]
     layer.STEP_STAGED_CARVEOUT = settings["step_staged_carveout"]
     layer.STEP_SPLIT_WAVES = settings["step_split_waves"]
+    layer.SIDE_CHAIN_FIRST = settings["side_chain_first"]
+    layer.SIDE_CHAIN_PROGRAMMATIC = settings["side_chain_programmatic"]
+    layer.SIDE_STREAM_PRIORITY = settings["side_stream_priority"]
     sources = settings["kernel_sources"]
     if sources not in _KERNEL_SETS:
         _KERNEL_SETS[sources] = kernels.KernelSet.get() if sources is None else kernels.KernelSet(sources)

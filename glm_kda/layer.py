@@ -71,6 +71,14 @@ STEP_STAGED_CARVEOUT = -1
 # an H200 (benchmarks/decode_breakdown.py, one process, split / one block: GLM B=1 87.4 / 83.4 us,
 # verify K16 2.00x / 1.40x; Kimi 35.1 / 35.1, 2.24x / 1.95x), so off.
 STEP_SPLIT_WAVES: float | None = None
+# The decode front end's low-rank chain (down_proj -> f_b -> g_b) beside the q|k|v projection:
+# SIDE_CHAIN_FIRST issues it before q|k|v (False: after, so q|k|v's blocks are dispatched first);
+# SIDE_CHAIN_PROGRAMMATIC launches f_b and g_b as programmatic dependents (their blocks become
+# resident early and wait, holding SM slots); SIDE_STREAM_PRIORITY is its stream's priority
+# (lower is more urgent, CUDA clamps it; None: the default). None of them changes a bit.
+SIDE_CHAIN_FIRST = True
+SIDE_CHAIN_PROGRAMMATIC = True
+SIDE_STREAM_PRIORITY: int | None = -64
 # Default of KdaLayer.persistent_decode.
 PERSISTENT_DECODE = False
 # Most rows one batched decode call takes (the workspace and the pool may limit it further).
@@ -237,6 +245,7 @@ class KdaLayer:
         self.scale = 1.0 / math.sqrt(self.config.head_dim)
         self._graphs = DecodeGraphs(self)
         self._side_stream = self._fork_event = self._join_event = None
+        self._side_priority: int | None = None
         self.chunk_impl = chunk_impl
         # Tensor-core prefill: the bounded prepare forms the forget gate and beta itself (True,
         # the default) or reads them from the gate kernel (False); the same bits either way.
@@ -433,14 +442,18 @@ class KdaLayer:
         that join before the conv. The same kernels, the same inputs: no bit changes."""
         ws, c, rows = self.workspace, self.config, hidden.shape[0]
         d = c.head_dim
+        chained = SIDE_CHAIN_PROGRAMMATIC
         with self._beside(not wide and not kernels.TIMER.active) as side:
+            if not SIDE_CHAIN_FIRST:
+                self._project(hidden, "qkv_weight", ws.qkv_proj[:rows], wide)
             with side:
                 self._project(hidden, "down_weight", ws.down_proj[:rows], wide)
-                self._project(ws.down_proj[:rows, :d], "f_b", ws.forget_proj[:rows], wide, after_kernel=True)
+                self._project(ws.down_proj[:rows, :d], "f_b", ws.forget_proj[:rows], wide, after_kernel=chained)
                 if gate:
                     self.gate_beta(rows)
-                self._project(ws.down_proj[:rows, d : 2 * d], "g_b", ws.out_gate[:rows], wide, after_kernel=True)
-            self._project(hidden, "qkv_weight", ws.qkv_proj[:rows], wide)
+                self._project(ws.down_proj[:rows, d : 2 * d], "g_b", ws.out_gate[:rows], wide, after_kernel=chained)
+            if SIDE_CHAIN_FIRST:
+                self._project(hidden, "qkv_weight", ws.qkv_proj[:rows], wide)
 
     @contextlib.contextmanager
     def _beside(self, concurrent: bool):
@@ -454,9 +467,11 @@ class KdaLayer:
         if not concurrent:
             yield main
             return
-        if self._side_stream is None:
+        if self._side_stream is None or self._side_priority != SIDE_STREAM_PRIORITY:
             # Lower is more urgent; CUDA clamps it to the device's greatest priority.
-            self._side_stream = cupy.cuda.Stream(non_blocking=True, priority=-64)
+            options = {} if SIDE_STREAM_PRIORITY is None else {"priority": SIDE_STREAM_PRIORITY}
+            self._side_stream = cupy.cuda.Stream(non_blocking=True, **options)
+            self._side_priority = SIDE_STREAM_PRIORITY
             self._fork_event = cupy.cuda.Event(disable_timing=True)
             self._join_event = cupy.cuda.Event(disable_timing=True)
         side = self._side_stream

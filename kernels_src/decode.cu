@@ -40,6 +40,7 @@ template <bool Staged, int Split = 1>
 __device__ __forceinline__ void kda_decode_fused_block(const KdaStepArgs& args, float* stage, int head, int rank = 0)
 {
     __shared__ KdaStepShared shared;
+    KDA_TRACE_SCOPE(args.o_norm_out);
 
     if (args.dependents_after == 0) {
         kda_let_next_kernel_launch();

@@ -16,6 +16,7 @@ __device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, in
                                                 int ldy, int rows, int n, int k, int prefetch)
 {
     __shared__ float partial[GEMM_ROWS_PARTIAL_FLOATS(M_TILES, N_TILES)];
+    KDA_TRACE_SCOPE(y);
 
     kda_let_next_kernel_launch();
     const int row_begin = blockIdx.y * GEMM_ROWS_M_GROUP;
@@ -62,6 +63,7 @@ __device__ __forceinline__ void gemm_rows_serial_entry(const bf16_t* __restrict_
                                                        const bf16_t* __restrict__ w, bf16_t* __restrict__ y,
                                                        int ldy, int rows, int n, int k)
 {
+    KDA_TRACE_SCOPE(y);
     kda_let_next_kernel_launch();
     const int row_begin = blockIdx.y * GEMM_ROWS_M_GROUP;
     if (row_begin >= rows || blockDim.x != GEMM_ROWS_SERIAL_THREADS) {

@@ -1,0 +1,213 @@
+"""Where a decode step's time goes on the GPU: the block timeline of its captured graph.
+
+The kernels are built a second time with KDA_TRACE defined (kernels_src/kda_common.cuh): thread 0
+of every block of the projections (gemm_rows) and of the fused step then records its SM and the
+GPU's global timer at the block's start, after its wait on the previous kernel (programmatic
+launches) and at its end. The package's own kernels carry none of this. The decode graph of each
+geometry and row count is captured with the traced kernels and replayed; per launch (named by the
+buffer it writes) the line gives, in microseconds from the graph's first block start and as the
+median over the replays: the first block start, the last wait end, the first and last block end,
+and the blocks. `step_us` is the last block end of the graph. The global timer ticks coarsely on
+some GPUs: `timer_tick_ns` is the smallest nonzero step seen between two records of a replay.
+
+    PYTHONPATH=. python benchmarks/timeline.py [glm kimi] [--replays 50] [--rows 1 64] [--set NAME=VALUE ...]
+
+--set changes a setting of glm_kda.layer for the run (say SIDE_CHAIN_PROGRAMMATIC=False; the value
+a Python literal); the line names the settings changed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+# Launches by the workspace buffer they write (the tag of their records).
+LAUNCH_NAMES = (("down_proj", "f_a|g_a|b"), ("forget_proj", "f_b"), ("out_gate", "g_b"), ("qkv_proj", "q|k|v"),
+                ("o_norm_out", "fused step"), ("final_out", "o_proj"))
+TRACED_STEMS = ("gemm_rows", "decode")
+
+
+def write_traced_sources(folder: Path) -> Path:
+    """The package's kernel sources copied into `folder` with KDA_TRACE defined; returns folder."""
+    from glm_kda import kernels
+
+    shutil.copytree(kernels.kernels_dir(), folder, dirs_exist_ok=True)
+    common = folder / "kda_common.cuh"
+    common.write_text("#define KDA_TRACE 1\n" + common.read_text())
+    return folder
+
+
+class TraceBuffers:
+    """The record arrays and counters of the traced modules of a kernel set."""
+
+    RECORDS = 65536
+
+    def __init__(self, kernel_set) -> None:
+        import cupy
+
+        self.counts, self.records = [], []
+        for stem in TRACED_STEMS:
+            module = kernel_set.modules[stem]
+            self.counts.append(cupy.ndarray((1,), cupy.uint32, memptr=module.get_global("kda_trace_count")))
+            self.records.append(cupy.ndarray((self.RECORDS, 4), cupy.uint64,
+                                             memptr=module.get_global("kda_trace_records")))
+
+    def reset(self) -> None:
+        for count in self.counts:
+            count.fill(0)
+
+    def read(self):
+        """Every record written since the last reset: uint64 [n, 4] (tag | sm << 48, start,
+        waited, end)."""
+        import numpy as np
+
+        parts = []
+        for count, records in zip(self.counts, self.records):
+            n = int(count.get()[0])
+            if n > self.RECORDS:
+                raise RuntimeError(f"{n} trace records, more than the {self.RECORDS} the buffer holds")
+            parts.append(records[:n].get())
+        return np.concatenate(parts)
+
+
+def replay_timeline(records, names: dict[int, str]) -> dict:
+    """Per launch name: first start, last wait, first and last end (us from the first start), blocks."""
+    import numpy as np
+
+    tags = records[:, 0] & np.uint64(0xFFFFFFFFFFFF)
+    origin = int(records[:, 1].min())
+    out = {}
+    for tag in np.unique(tags):
+        rows = records[tags == tag]
+        name = names.get(int(tag), hex(int(tag)))
+        waited = rows[:, 2][rows[:, 2] > 0]
+        out[name] = {
+            "start_us": (int(rows[:, 1].min()) - origin) / 1e3,
+            "last_wait_us": (int(waited.max()) - origin) / 1e3 if waited.size else None,
+            "first_end_us": (int(rows[:, 3].min()) - origin) / 1e3,
+            "end_us": (int(rows[:, 3].max()) - origin) / 1e3,
+            "blocks": int(rows.shape[0]),
+        }
+    stamps = np.unique(records[:, 1:].ravel())
+    stamps = stamps[stamps > 0]
+    steps = np.diff(stamps.astype(np.int64))
+    out["_step_us"] = (int(records[:, 3].max()) - origin) / 1e3
+    out["_tick_ns"] = int(steps[steps > 0].min()) if steps.size and (steps > 0).any() else None
+    return out
+
+
+def median_timeline(replays: list[dict]) -> dict:
+    import numpy as np
+
+    names = [name for name in replays[0] if not name.startswith("_")]
+    summary = {}
+    for name in sorted(names, key=lambda n: replays[0][n]["start_us"]):
+        summary[name] = {}
+        for field in ("start_us", "last_wait_us", "first_end_us", "end_us", "blocks"):
+            values = [r[name][field] for r in replays if name in r and r[name][field] is not None]
+            summary[name][field] = round(float(np.median(values)), 2) if values else None
+    return summary
+
+
+def apply_settings(items: list[str]) -> dict:
+    """Set glm_kda.layer's module settings from NAME=VALUE items (values Python literals); an
+    unknown name or a malformed item is an error that names it. Returns what was set."""
+    import ast
+
+    from glm_kda import layer
+
+    changed = {}
+    for item in items:
+        name, equals, value = item.partition("=")
+        name = name.strip()
+        if not equals or not name.isupper() or not hasattr(layer, name):
+            raise SystemExit(f"--set {item!r}: expected NAME=VALUE with NAME a setting of glm_kda.layer")
+        changed[name] = ast.literal_eval(value.strip())
+        setattr(layer, name, changed[name])
+    return changed
+
+
+def table(record: dict) -> str:
+    """The launches of one JSON line as text, one line each (the replies' tail)."""
+    lines = [f"# {record['geometry']} rows {record['rows']} {record.get('settings') or ''}: step {record['step_us']} us, roofline "
+             f"{record['roofline_us']} us, timer tick {record['timer_tick_ns']} ns"]
+    for name, t in record["launches"].items():
+        wait = "" if t["last_wait_us"] is None else f", waits until {t['last_wait_us']}"
+        lines.append(f"#   {name:<11} start {t['start_us']:>7}{wait}, ends {t['first_end_us']} .. {t['end_us']} us"
+                     f" ({t['blocks']:.0f} blocks)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import cupy
+    import numpy as np
+
+    from glm_kda import kernels
+    from glm_kda.layer import KdaLayer, to_device_bf16
+    from glm_kda.selftest import copy_bandwidth_gbs, state_bytes, weight_bytes
+    from glm_kda.state import StatePool
+    from glm_kda.synthetic import synthetic_hidden, write_synthetic_checkpoint
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("geometries", nargs="*", default=["glm", "kimi"])
+    parser.add_argument("--replays", type=int, default=50)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 64], help="sequences per step (1: one state)")
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                        help="a glm_kda.layer setting for the run")
+    args = parser.parse_args(argv)
+    changed = apply_settings(args.set)
+
+    bandwidth = copy_bandwidth_gbs()
+    stream = cupy.cuda.get_current_stream()
+    with tempfile.TemporaryDirectory() as tmp:
+        traced = kernels.KernelSet(write_traced_sources(Path(tmp) / "kernels"))
+        buffers = TraceBuffers(traced)
+        previous = kernels.KernelSet.install(traced)
+        try:
+            for geometry in args.geometries:
+                path = write_synthetic_checkpoint(Path(tmp) / geometry, geometry, num_layers=1)
+                layer = KdaLayer.from_pretrained(path, 0, max_tokens=max(args.rows), progress=False)
+                cfg, ws = layer.config, layer.workspace
+                names = {getattr(ws, buffer).data.ptr: name for buffer, name in LAUNCH_NAMES}
+                hidden = to_device_bf16(synthetic_hidden(max(args.rows), cfg.hidden))
+                for rows in args.rows:
+                    if rows == 1:
+                        state = layer.new_state()
+                        call = lambda: layer.decode(hidden[:1], state)  # noqa: E731
+                    else:
+                        pool = StatePool(cfg, 2 * rows)
+                        slots = cupy.asarray(np.random.default_rng(0).permutation(2 * rows)[:rows].astype(np.int32))
+                        call = lambda: layer.decode(hidden[:rows], pool, slots)  # noqa: E731
+                    for _ in range(3):
+                        call()  # eager, capture, replay
+                    graph = layer._graphs.last_graph
+                    for _ in range(10):
+                        graph.launch(stream)
+                    replays = []
+                    for _ in range(args.replays):
+                        buffers.reset()
+                        graph.launch(stream)
+                        stream.synchronize()
+                        replays.append(replay_timeline(buffers.read(), names))
+                    nbytes = weight_bytes(cfg) + rows * state_bytes(cfg)
+                    step_us = float(np.median([r["_step_us"] for r in replays]))
+                    record = {
+                        "geometry": geometry, "rows": rows, "settings": changed, "replays": args.replays,
+                        "copy_bandwidth_GBs": bandwidth,
+                        "bytes": nbytes, "step_us": round(step_us, 2),
+                        "roofline_us": round(nbytes / 1e3 / bandwidth, 2),
+                        "timer_tick_ns": min(r["_tick_ns"] for r in replays if r["_tick_ns"] is not None),
+                        "launches": median_timeline(replays),
+                    }
+                    print(json.dumps(record), flush=True)
+                    print(table(record), flush=True)
+                layer._graphs.clear()
+        finally:
+            kernels.KernelSet.install(previous)
+
+
+if __name__ == "__main__":
+    main()

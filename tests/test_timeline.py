@@ -1,0 +1,69 @@
+"""benchmarks/timeline.py without a GPU: the traced kernel sources compile for every
+architecture, and a replay's records turn into the per-launch timeline."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import timeline  # noqa: E402
+
+from glm_kda import kernels  # noqa: E402
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_100", "sm_120"])
+def test_traced_kernels_compile(tmp_path, arch):
+    folder = timeline.write_traced_sources(tmp_path / "kernels")
+    assert (folder / "kda_common.cuh").read_text().startswith("#define KDA_TRACE 1\n")
+    for stem in timeline.TRACED_STEMS:
+        try:
+            compiled = kernels.compile_file(stem, arch, folder)
+        except kernels.KernelCompileError as error:
+            if "NVRTC" in str(error) and "not supported" in str(error):
+                pytest.skip(f"this NVRTC has no {arch}: {error}")
+            raise
+        assert compiled.cubin, f"{stem} traced for {arch}: no cubin"
+    # The package's own sources are untouched.
+    assert not (kernels.kernels_dir() / "kda_common.cuh").read_text().startswith("#define KDA_TRACE")
+
+
+def _record(tag: int, sm: int, start: int, waited: int, end: int) -> list[int]:
+    return [tag | (sm << 48), start, waited, end]
+
+
+def test_replay_records_become_a_timeline():
+    qkv, step, out = 0x7F0000001000, 0x7F0000002000, 0x7F0000003000
+    records = np.array([
+        _record(qkv, 0, 1_000, 0, 20_000), _record(qkv, 1, 1_500, 0, 21_000),
+        _record(step, 2, 21_500, 0, 29_000),
+        _record(out, 3, 22_000, 29_500, 33_000), _record(out, 4, 23_000, 29_400, 34_000),
+        _record(0x7F0000009000, 5, 2_000, 0, 3_000),  # a launch with no name
+    ], dtype=np.uint64)
+    got = timeline.replay_timeline(records, {qkv: "q|k|v", step: "fused step", out: "o_proj"})
+    assert got["q|k|v"] == {"start_us": 0.0, "last_wait_us": None, "first_end_us": 19.0, "end_us": 20.0,
+                            "blocks": 2}
+    assert got["o_proj"]["last_wait_us"] == 28.5 and got["o_proj"]["end_us"] == 33.0
+    assert got["fused step"]["start_us"] == 20.5 and got["_step_us"] == 33.0
+    assert "0x7f0000009000" in got and got["_tick_ns"] == 100
+    summary = timeline.median_timeline([got, got])
+    assert list(summary)[:3] == ["q|k|v", "0x7f0000009000", "fused step"]
+    assert summary["o_proj"]["blocks"] == 2
+    text = timeline.table({"geometry": "kimi", "rows": 1, "step_us": 33.0, "roofline_us": 20.0, "timer_tick_ns": 100,
+                           "launches": summary})
+    assert "o_proj" in text and "waits until 28.5" in text
+
+
+def test_settings_are_layer_settings_only(monkeypatch):
+    from glm_kda import layer
+
+    monkeypatch.setattr(layer, "SIDE_CHAIN_FIRST", layer.SIDE_CHAIN_FIRST)
+    assert timeline.apply_settings(["SIDE_CHAIN_FIRST=False"]) == {"SIDE_CHAIN_FIRST": False}
+    assert layer.SIDE_CHAIN_FIRST is False
+    for bad in ("NO_SUCH_SETTING=1", "SIDE_CHAIN_FIRST", "math=1"):
+        with pytest.raises(SystemExit, match="NAME=VALUE"):
+            timeline.apply_settings([bad])
