@@ -72,13 +72,22 @@ STEP_STAGED_CARVEOUT = -1
 # verify K16 2.00x / 1.40x; Kimi 35.1 / 35.1, 2.24x / 1.95x), so off.
 STEP_SPLIT_WAVES: float | None = None
 # The decode front end's low-rank chain (down_proj -> f_b -> g_b) beside the q|k|v projection:
-# SIDE_CHAIN_FIRST issues it before q|k|v (False: after, so q|k|v's blocks are dispatched first);
-# SIDE_CHAIN_PROGRAMMATIC launches f_b and g_b as programmatic dependents (their blocks become
-# resident early and wait, holding SM slots); SIDE_STREAM_PRIORITY is its stream's priority
-# (lower is more urgent, CUDA clamps it; None: the default). None of them changes a bit.
+# SIDE_CHAIN_FIRST issues it before q|k|v (False: after); SIDE_CHAIN_PROGRAMMATIC launches f_b
+# and g_b as programmatic dependents; SIDE_STREAM_PRIORITY is its stream's priority (lower is more
+# urgent, CUDA clamps it; None: the default). QKV_RESERVED_SLOTS: block slots (of
+# gemm_rows.GEMM_ROWS_BLOCKS_PER_SM per SM) that a q|k|v projection of one m-tile (<= 16 rows,
+# whose grid is otherwise every resident slot) leaves to that chain; 0: none. None of them changes
+# a bit. The block timeline (benchmarks/timeline.py) showed why: programmatic f_b and g_b blocks
+# become resident at once and wait, and with q|k|v's grid filling every slot, q|k|v started only
+# when side-chain blocks left (9.7 us into GLM's B=1 step, 4.5 into Kimi's). Plain f_b and g_b
+# and 64 slots left free let it start at 1.8 - 2.0 us. On an H200 (benchmarks/decode_breakdown.py,
+# one process, copy bandwidth 4089 GB/s): GLM B=1 79.6 against 83.3 us (0.874 against 0.835 of
+# the roofline), Kimi 33.9 against 35.8 (0.603 against 0.572); 20 / 40 / 64 / 96 slots in
+# another process: GLM 81.8 / 80.6 / 80.4 / 84.1 us, Kimi 37.0 / 34.8 / 34.1 / 36.8.
 SIDE_CHAIN_FIRST = True
-SIDE_CHAIN_PROGRAMMATIC = True
+SIDE_CHAIN_PROGRAMMATIC = False
 SIDE_STREAM_PRIORITY: int | None = -64
+QKV_RESERVED_SLOTS = 64
 # Default of KdaLayer.persistent_decode.
 PERSISTENT_DECODE = False
 # Most rows one batched decode call takes (the workspace and the pool may limit it further).
@@ -396,7 +405,8 @@ class KdaLayer:
                 raise TypeError(f"{what}: state.{field} must be a contiguous CuPy float32 array")
 
     # Stages -------------------------------------------------------------------------------
-    def _project_decode(self, x: Any, weight: Any, out: Any, after_kernel: bool = False) -> None:
+    def _project_decode(self, x: Any, weight: Any, out: Any, after_kernel: bool = False,
+                        blocks: int | None = None) -> None:
         """The projection of every decode-side call (decode, decode_k, batched decode, and
         prefill of <= 16 rows). One kernel, applied to groups of DECODE_ROW_GROUP rows, whose
         per-row arithmetic does not depend on the row count: a row's bits are the same in
@@ -404,20 +414,29 @@ class KdaLayer:
 
         after_kernel: the previous operation on this stream is the kernel that writes x, so
         the projection may launch as its programmatic dependent (its blocks start and ask L2
-        for their first weights while that kernel drains; the same bits)."""
+        for their first weights while that kernel drains; the same bits). blocks: the most blocks
+        along n (None: as gemm_rows plans; no bit depends on it)."""
         rows = x.shape[0]
         for start in range(0, rows, DECODE_ROW_GROUP):
             stop = min(rows, start + DECODE_ROW_GROUP)
             gemm_rows.gemm_rows_bf16(x[start:stop], weight, out[start:stop], rows=stop - start,
-                                     programmatic=after_kernel or start > 0)
+                                     programmatic=after_kernel or start > 0, blocks=blocks)
 
-    def _project(self, x: Any, weight: str, out: Any, wide: bool, after_kernel: bool = False) -> None:
+    def _project(self, x: Any, weight: str, out: Any, wide: bool, after_kernel: bool = False,
+                 blocks: int | None = None) -> None:
         """x @ the weight named `weight` (one of DECODE_WEIGHTS) into out."""
         if wide:
             # Prefill only: cuBLAS reassociates, which no bit-exact path may see.
             ops.gemm_bf16_cublas(x, getattr(self, weight), out)
         else:
-            self._project_decode(x, self.decode_weight(weight), out, after_kernel)
+            self._project_decode(x, self.decode_weight(weight), out, after_kernel, blocks)
+
+    def _qkv_blocks(self, rows: int) -> int | None:
+        """The q|k|v projection's most blocks (QKV_RESERVED_SLOTS), None for the planned grid."""
+        if QKV_RESERVED_SLOTS <= 0 or rows > gemm_rows.M_TILE:
+            return None
+        slots = gemm_rows._sm_count(self.qkv_weight.device.id) * gemm_rows.GEMM_ROWS_BLOCKS_PER_SM
+        return max(1, slots - QKV_RESERVED_SLOTS)
 
     def gate_source(self, first: int = 0) -> chunk_tc.GateSource:
         """Workspace rows first.. of what the forget gate and beta are formed from."""
@@ -445,7 +464,7 @@ class KdaLayer:
         chained = SIDE_CHAIN_PROGRAMMATIC
         with self._beside(not wide and not kernels.TIMER.active) as side:
             if not SIDE_CHAIN_FIRST:
-                self._project(hidden, "qkv_weight", ws.qkv_proj[:rows], wide)
+                self._project(hidden, "qkv_weight", ws.qkv_proj[:rows], wide, blocks=self._qkv_blocks(rows))
             with side:
                 self._project(hidden, "down_weight", ws.down_proj[:rows], wide)
                 self._project(ws.down_proj[:rows, :d], "f_b", ws.forget_proj[:rows], wide, after_kernel=chained)
@@ -453,7 +472,7 @@ class KdaLayer:
                     self.gate_beta(rows)
                 self._project(ws.down_proj[:rows, d : 2 * d], "g_b", ws.out_gate[:rows], wide, after_kernel=chained)
             if SIDE_CHAIN_FIRST:
-                self._project(hidden, "qkv_weight", ws.qkv_proj[:rows], wide)
+                self._project(hidden, "qkv_weight", ws.qkv_proj[:rows], wide, blocks=self._qkv_blocks(rows))
 
     @contextlib.contextmanager
     def _beside(self, concurrent: bool):

@@ -319,6 +319,19 @@ def test_batched_step_prefetch_distance(monkeypatch, heads, waves, expected):
     assert layer.KdaLayer._step_prefetch_ahead(fake) == expected
 
 
+@pytest.mark.parametrize("rows,reserved,expected", [(1, 64, 200), (16, 64, 200), (17, 64, None), (1, 0, None),
+                                                    (1, 300, 1)])
+def test_qkv_projection_leaves_slots_to_the_side_chain(monkeypatch, rows, reserved, expected):
+    """A q|k|v launch of one m-tile (<= 16 rows) takes the resident slots less QKV_RESERVED_SLOTS
+    (at least one block); wider launches and 0 keep the planned grid (None)."""
+    from glm_kda import gemm_rows, layer
+
+    monkeypatch.setattr(gemm_rows, "_sm_count", lambda device_id: 132)
+    monkeypatch.setattr(layer, "QKV_RESERVED_SLOTS", reserved)
+    fake = SimpleNamespace(qkv_weight=SimpleNamespace(device=SimpleNamespace(id=0)))
+    assert layer.KdaLayer._qkv_blocks(fake, rows) == expected
+
+
 @pytest.mark.parametrize("n,k,expected", [(4096, 8192, 0), (2304, 4096, 16), (8192, 128, 16), (24576, 4096, 0)],
                          ids=["glm_o_proj", "kimi_o_proj", "glm_f_b", "glm_qkv"])
 def test_programmatic_l2_request_only_for_weights_up_to_the_limit(monkeypatch, n, k, expected):
