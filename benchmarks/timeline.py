@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -40,19 +41,26 @@ def write_traced_sources(folder: Path) -> Path:
     return folder
 
 
+def trace_capacity() -> int:
+    """Records the traced kernels' buffer holds (KDA_TRACE_RECORDS of kda_common.cuh)."""
+    from glm_kda import kernels
+
+    text = (kernels.kernels_dir() / "kda_common.cuh").read_text()
+    return int(re.search(r"#define KDA_TRACE_RECORDS (\d+)", text).group(1))
+
+
 class TraceBuffers:
     """The record arrays and counters of the traced modules of a kernel set."""
-
-    RECORDS = 65536
 
     def __init__(self, kernel_set) -> None:
         import cupy
 
+        self.capacity = trace_capacity()
         self.counts, self.records = [], []
         for stem in TRACED_STEMS:
             module = kernel_set.modules[stem]
             self.counts.append(cupy.ndarray((1,), cupy.uint32, memptr=module.get_global("kda_trace_count")))
-            self.records.append(cupy.ndarray((self.RECORDS, 4), cupy.uint64,
+            self.records.append(cupy.ndarray((self.capacity, 4), cupy.uint64,
                                              memptr=module.get_global("kda_trace_records")))
 
     def reset(self) -> None:
@@ -67,8 +75,8 @@ class TraceBuffers:
         parts = []
         for count, records in zip(self.counts, self.records):
             n = int(count.get()[0])
-            if n > self.RECORDS:
-                raise RuntimeError(f"{n} trace records, more than the {self.RECORDS} the buffer holds")
+            if n > self.capacity:
+                raise RuntimeError(f"{n} trace records, more than the {self.capacity} the buffer holds")
             parts.append(records[:n].get())
         return np.concatenate(parts)
 

@@ -462,9 +462,13 @@ class KdaLayer:
         ws, c, rows = self.workspace, self.config, hidden.shape[0]
         d = c.head_dim
         chained = SIDE_CHAIN_PROGRAMMATIC
+
+        def project_qkv() -> None:
+            self._project(hidden, "qkv_weight", ws.qkv_proj[:rows], wide, blocks=self._qkv_blocks(rows))
+
         with self._beside(not wide and not kernels.TIMER.active) as side:
             if not SIDE_CHAIN_FIRST:
-                self._project(hidden, "qkv_weight", ws.qkv_proj[:rows], wide, blocks=self._qkv_blocks(rows))
+                project_qkv()
             with side:
                 self._project(hidden, "down_weight", ws.down_proj[:rows], wide)
                 self._project(ws.down_proj[:rows, :d], "f_b", ws.forget_proj[:rows], wide, after_kernel=chained)
@@ -472,7 +476,7 @@ class KdaLayer:
                     self.gate_beta(rows)
                 self._project(ws.down_proj[:rows, d : 2 * d], "g_b", ws.out_gate[:rows], wide, after_kernel=chained)
             if SIDE_CHAIN_FIRST:
-                self._project(hidden, "qkv_weight", ws.qkv_proj[:rows], wide, blocks=self._qkv_blocks(rows))
+                project_qkv()
 
     @contextlib.contextmanager
     def _beside(self, concurrent: bool):

@@ -28,6 +28,7 @@ def test_traced_kernels_compile(tmp_path, arch):
                 pytest.skip(f"this NVRTC has no {arch}: {error}")
             raise
         assert compiled.cubin, f"{stem} traced for {arch}: no cubin"
+    assert timeline.trace_capacity() == 65536
     # The package's own sources are untouched.
     assert not (kernels.kernels_dir() / "kda_common.cuh").read_text().startswith("#define KDA_TRACE")
 
