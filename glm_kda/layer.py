@@ -88,6 +88,11 @@ SIDE_CHAIN_FIRST = True
 SIDE_CHAIN_PROGRAMMATIC = False
 SIDE_STREAM_PRIORITY: int | None = -64
 QKV_RESERVED_SLOTS = 64
+# The fused step of a call of at most STEP_AFTER_PROJECTION_ROWS rows launches as a programmatic
+# dependent of the q|k|v projection (sm_90 and later): its blocks take the block slots that
+# projection leaves (QKV_RESERVED_SLOTS), load their state column and conv windows while it
+# streams, and wait for it before they read an input. 0: a plain launch after it. No bit changes.
+STEP_AFTER_PROJECTION_ROWS = 0
 # Default of KdaLayer.persistent_decode.
 PERSISTENT_DECODE = False
 # Most rows one batched decode call takes (the workspace and the pool may limit it further).
@@ -507,11 +512,13 @@ class KdaLayer:
             main.wait_event(self._join_event)
 
     def stateful_rows(self, first: int, rows: int, conv_state: Any, recurrent_state: Any, slots: Any = None,
-                      walk: bool = False) -> None:
+                      walk: bool = False, after_projection: bool = False) -> None:
         """Decode's stateful half for workspace rows first..first+rows-1, updating the states
         in place. Row r uses slot slots[r] of a pool, or (slots None, rows == 1) the single
         state given; walk=True: the rows are consecutive tokens of the single state given,
-        walked in one launch (fused_decode only).
+        walked in one launch (fused_decode only). after_projection: the previous kernel of this
+        stream is the q|k|v projection of these rows, so the fused step may launch as its
+        programmatic dependent (STEP_AFTER_PROJECTION_ROWS; the same bits).
 
         With `fused_decode` (the default) one launch forms conv + SiLU + L2, the gate and beta,
         the recurrent step and the gated norm (o_norm_out), so the front end must skip the gate
@@ -530,7 +537,8 @@ class KdaLayer:
                 norm_eps=c.rms_norm_eps, slots=slots, tokens=rows if walk else 1,
                 prefetch_ahead=self._step_prefetch_ahead(), dependents_after=STEP_DEPENDENTS_AFTER,
                 staged=STEP_STAGED_STATE, carveout=STEP_STAGED_CARVEOUT,
-                split=self._step_split(1 if walk else rows))
+                split=self._step_split(1 if walk else rows),
+                programmatic=after_projection and rows <= STEP_AFTER_PROJECTION_ROWS)
             return
         if walk:
             raise ValueError("stateful_rows: walk=True needs fused_decode")
@@ -572,15 +580,15 @@ class KdaLayer:
             self.front_end(hidden, gate=not self.fused_decode)
         with _section("recurrence"):
             if sequential and self.fused_decode and not snapshots:
-                self.stateful_rows(0, rows, conv_state, recurrent_state, walk=True)
+                self.stateful_rows(0, rows, conv_state, recurrent_state, walk=True, after_projection=True)
             elif sequential:
                 for row in range(rows):
-                    self.stateful_rows(row, 1, conv_state, recurrent_state)
+                    self.stateful_rows(row, 1, conv_state, recurrent_state, after_projection=row == 0)
                     if row < len(snapshots):
                         snapshots[row].conv[...] = conv_state
                         snapshots[row].recurrent[...] = recurrent_state
             else:
-                self.stateful_rows(0, rows, conv_state, recurrent_state, slots=slots)
+                self.stateful_rows(0, rows, conv_state, recurrent_state, slots=slots, after_projection=True)
         with _section("back_end"):
             self.back_end(rows, norm=not self.fused_decode)
 
