@@ -596,6 +596,97 @@ def kernel_parameters(args: Sequence[Any]) -> list:
 _PROGRAMMATIC = _ProgrammaticLauncher()
 
 
+# CUstreamCaptureStatus CU_STREAM_CAPTURE_STATUS_ACTIVE and CUstreamUpdateCaptureDependencies_flags
+# CU_STREAM_SET_CAPTURE_DEPENDENCIES (cuda.h).
+_CAPTURE_ACTIVE = 1
+_SET_CAPTURE_DEPENDENCIES = 1
+
+
+class CaptureEdges:
+    """The graph a stream is capturing and the nodes its next launch will depend on, through the
+    driver's capture API (cuStreamGetCaptureInfo, cuStreamUpdateCaptureDependencies,
+    cuGraphAddDependencies). Stream capture gives a launch an edge from every node its stream
+    depends on, and a programmatic launch with more than one such node (after an event join)
+    is captured as a plain one; with these the join's edge can be added to the launch's node
+    afterwards, leaving its one programmatic edge. Every method returns None (or False) where
+    the driver lacks the API, so callers fall back to the plain join."""
+
+    def __init__(self) -> None:
+        self._functions: dict | None = None
+
+    def _driver(self) -> dict:
+        if self._functions is None:
+            functions: dict = {}
+            try:
+                driver = ctypes.CDLL("libcuda.so.1")
+            except OSError:
+                driver = None
+            vp, sz, pp = ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p)
+            # (name, argtypes, whether it takes edge data), newest first.
+            wanted = {
+                "info": (("cuStreamGetCaptureInfo_v3", [vp, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_uint64),
+                                                        pp, ctypes.POINTER(pp), pp, ctypes.POINTER(sz)], True),
+                         ("cuStreamGetCaptureInfo_v2", [vp, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_uint64),
+                                                        pp, ctypes.POINTER(pp), ctypes.POINTER(sz)], False)),
+                "update": (("cuStreamUpdateCaptureDependencies_v2", [vp, pp, vp, sz, ctypes.c_uint], True),
+                           ("cuStreamUpdateCaptureDependencies", [vp, pp, sz, ctypes.c_uint], False)),
+                "add": (("cuGraphAddDependencies_v2", [vp, pp, pp, vp, sz], True),
+                        ("cuGraphAddDependencies", [vp, pp, pp, sz], False)),
+            }
+            for key, choices in wanted.items():
+                for name, argtypes, edge_data in choices:
+                    function = getattr(driver, name, None) if driver is not None else None
+                    if function is not None:
+                        function.restype = ctypes.c_int
+                        function.argtypes = argtypes
+                        functions[key] = (function, edge_data)
+                        break
+            self._functions = functions if len(functions) == len(wanted) else {}
+        return self._functions
+
+    def dependencies(self, stream: Any) -> tuple[int, list[int]] | None:
+        """(graph, [nodes]) of a capturing stream (a cupy Stream): what its next launch depends
+        on; None where it does not capture or the driver cannot say."""
+        functions = self._driver()
+        if not functions:
+            return None
+        function, edge_data = functions["info"]
+        status, ident, graph = ctypes.c_int(0), ctypes.c_uint64(0), ctypes.c_void_p(None)
+        nodes, edges, count = ctypes.POINTER(ctypes.c_void_p)(), ctypes.c_void_p(None), ctypes.c_size_t(0)
+        args = [ctypes.c_void_p(stream.ptr), ctypes.byref(status), ctypes.byref(ident), ctypes.byref(graph),
+                ctypes.byref(nodes)] + ([ctypes.byref(edges)] if edge_data else []) + [ctypes.byref(count)]
+        if function(*args) != 0 or status.value != _CAPTURE_ACTIVE:
+            return None
+        return graph.value, [nodes[i] for i in range(count.value)]
+
+    def set_dependencies(self, stream: Any, nodes: list[int]) -> bool:
+        """Replace what a capturing stream's next launch depends on by `nodes` (plain edges)."""
+        functions = self._driver()
+        if not functions:
+            return False
+        function, edge_data = functions["update"]
+        array = (ctypes.c_void_p * max(1, len(nodes)))(*nodes)
+        args = [ctypes.c_void_p(stream.ptr), array] + ([None] if edge_data else []) + [len(nodes), _SET_CAPTURE_DEPENDENCIES]
+        return function(*args) == 0
+
+    def add_edges(self, graph: int, sources: list[int], targets: list[int]) -> bool:
+        """A plain edge from every node of `sources` to every node of `targets` in `graph`."""
+        functions = self._driver()
+        if not functions:
+            return False
+        function, edge_data = functions["add"]
+        pairs = [(a, b) for a in sources for b in targets]
+        if not pairs:
+            return True
+        from_nodes = (ctypes.c_void_p * len(pairs))(*(a for a, _ in pairs))
+        to_nodes = (ctypes.c_void_p * len(pairs))(*(b for _, b in pairs))
+        args = [ctypes.c_void_p(graph), from_nodes, to_nodes] + ([None] if edge_data else []) + [len(pairs)]
+        return function(*args) == 0
+
+
+CAPTURE_EDGES = CaptureEdges()
+
+
 def launch(
     name: str,
     grid: Sequence[int],

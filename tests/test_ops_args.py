@@ -381,3 +381,56 @@ def test_persistent_decode_arguments_match_the_kernel(monkeypatch):
     with pytest.raises(ValueError, match="1..16 rows"):
         persistent.launch(layer, _bf16(17, 2304), None, None)
     assert len(made) == 1
+
+
+def test_capture_edges_marshal_the_driver_calls():
+    """CaptureEdges reads a capturing stream's graph and dependency nodes, replaces them (the
+    set flag, plain edges) and adds an edge per (source, target) pair, through the driver's
+    signatures as cuda.h declares them (here C callbacks standing in for libcuda)."""
+    import ctypes
+
+    from glm_kda import kernels
+
+    vp, sz, pp = ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p)
+    nodes = (ctypes.c_void_p * 2)(0x100, 0x200)
+    seen = {}
+
+    def info(stream, status, ident, graph, deps, edges, count):
+        seen["info stream"] = stream
+        status[0], graph[0], count[0] = 1, 0x6A, 2
+        deps[0] = ctypes.cast(nodes, pp)
+        return 0
+
+    def update(stream, deps, edge_data, count, flags):
+        seen["update"] = (stream, [deps[i] for i in range(count)], edge_data, flags)
+        return 0
+
+    def add(graph, sources, targets, edge_data, count):
+        seen["add"] = (graph, [(sources[i], targets[i]) for i in range(count)], edge_data)
+        return 0
+
+    callbacks = {
+        "info": ctypes.CFUNCTYPE(ctypes.c_int, vp, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_uint64), pp,
+                                 ctypes.POINTER(pp), pp, ctypes.POINTER(sz))(info),
+        "update": ctypes.CFUNCTYPE(ctypes.c_int, vp, pp, vp, sz, ctypes.c_uint)(update),
+        "add": ctypes.CFUNCTYPE(ctypes.c_int, vp, pp, pp, vp, sz)(add),
+    }
+    edges = kernels.CaptureEdges()
+    edges._functions = {key: (function, True) for key, function in callbacks.items()}
+    stream = SimpleNamespace(ptr=0x5EED)
+    assert edges.dependencies(stream) == (0x6A, [0x100, 0x200]) and seen["info stream"] == 0x5EED
+    assert edges.set_dependencies(stream, [0x300])
+    assert seen["update"] == (0x5EED, [0x300], None, kernels._SET_CAPTURE_DEPENDENCIES)
+    assert edges.add_edges(0x6A, [0x100, 0x200], [0x300])
+    assert seen["add"] == (0x6A, [(0x100, 0x300), (0x200, 0x300)], None)
+
+    def idle(stream, status, ident, graph, deps, edges, count):
+        status[0] = 0  # not capturing
+        return 0
+
+    edges._functions["info"] = (ctypes.CFUNCTYPE(ctypes.c_int, vp, ctypes.POINTER(ctypes.c_int),
+                                                 ctypes.POINTER(ctypes.c_uint64), pp, ctypes.POINTER(pp), pp,
+                                                 ctypes.POINTER(sz))(idle), True)
+    assert edges.dependencies(stream) is None
+    edges._functions = {}  # a driver without the capture API
+    assert edges.dependencies(stream) is None and not edges.set_dependencies(stream, [1]) and not edges.add_edges(1, [1], [2])
