@@ -600,6 +600,16 @@ _PROGRAMMATIC = _ProgrammaticLauncher()
 # CU_STREAM_SET_CAPTURE_DEPENDENCIES (cuda.h).
 _CAPTURE_ACTIVE = 1
 _SET_CAPTURE_DEPENDENCIES = 1
+# CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC and CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC (cuda.h).
+_PORT_PROGRAMMATIC = 1
+_DEPENDENCY_PROGRAMMATIC = 1
+
+
+class _GraphEdgeData(ctypes.Structure):
+    """CUgraphEdgeData (cuda.h): from_port, to_port, type, 5 reserved bytes."""
+
+    _fields_ = [("from_port", ctypes.c_ubyte), ("to_port", ctypes.c_ubyte), ("type", ctypes.c_ubyte),
+                ("reserved", ctypes.c_ubyte * 5)]
 
 
 class CaptureEdges:
@@ -669,18 +679,26 @@ class CaptureEdges:
         args = [ctypes.c_void_p(stream.ptr), array] + ([None] if edge_data else []) + [len(nodes), _SET_CAPTURE_DEPENDENCIES]
         return function(*args) == 0
 
-    def add_edges(self, graph: int, sources: list[int], targets: list[int]) -> bool:
-        """A plain edge from every node of `sources` to every node of `targets` in `graph`."""
+    def add_edges(self, graph: int, sources: list[int], targets: list[int], programmatic: bool = False) -> bool:
+        """An edge from every node of `sources` to every node of `targets` in `graph`: plain, or
+        programmatic (kernel nodes both; the driver must take edge data)."""
         functions = self._driver()
         if not functions:
             return False
         function, edge_data = functions["add"]
+        if programmatic and not edge_data:
+            return False
         pairs = [(a, b) for a in sources for b in targets]
         if not pairs:
             return True
         from_nodes = (ctypes.c_void_p * len(pairs))(*(a for a, _ in pairs))
         to_nodes = (ctypes.c_void_p * len(pairs))(*(b for _, b in pairs))
-        args = [ctypes.c_void_p(graph), from_nodes, to_nodes] + ([None] if edge_data else []) + [len(pairs)]
+        data = None
+        if programmatic:
+            data = (_GraphEdgeData * len(pairs))()
+            for entry in data:
+                entry.from_port, entry.type = _PORT_PROGRAMMATIC, _DEPENDENCY_PROGRAMMATIC
+        args = [ctypes.c_void_p(graph), from_nodes, to_nodes] + ([data] if edge_data else []) + [len(pairs)]
         return function(*args) == 0
 
 

@@ -93,6 +93,9 @@ QKV_RESERVED_SLOTS = 64
 # projection leaves (QKV_RESERVED_SLOTS), load their state column and conv windows while it
 # streams, and wait for it before they read an input. 0: a plain launch after it. No bit changes.
 STEP_AFTER_PROJECTION_ROWS = 0
+# The edge from the low-rank chain's last kernel into such a step: programmatic as well (True) or
+# plain.
+STEP_CHAIN_EDGE_PROGRAMMATIC = False
 # Default of KdaLayer.persistent_decode.
 PERSISTENT_DECODE = False
 # Most rows one batched decode call takes (the workspace and the pool may limit it further).
@@ -535,7 +538,8 @@ class KdaLayer:
             return
         graph, chain = pending
         now = kernels.CAPTURE_EDGES.dependencies(cupy.cuda.get_current_stream())
-        if now is None or now[0] != graph or not kernels.CAPTURE_EDGES.add_edges(graph, chain, now[1]):
+        if now is None or now[0] != graph or not kernels.CAPTURE_EDGES.add_edges(
+                graph, chain, now[1], programmatic=STEP_CHAIN_EDGE_PROGRAMMATIC):
             raise RuntimeError("decode capture: the low-rank chain's edge into the fused step could not be added")
 
     def stateful_rows(self, first: int, rows: int, conv_state: Any, recurrent_state: Any, slots: Any = None,
