@@ -88,14 +88,6 @@ SIDE_CHAIN_FIRST = True
 SIDE_CHAIN_PROGRAMMATIC = False
 SIDE_STREAM_PRIORITY: int | None = -64
 QKV_RESERVED_SLOTS = 64
-# The fused step of a call of at most STEP_AFTER_PROJECTION_ROWS rows launches as a programmatic
-# dependent of the q|k|v projection (sm_90 and later): its blocks take the block slots that
-# projection leaves (QKV_RESERVED_SLOTS), load their state column and conv windows while it
-# streams, and wait for it before they read an input. 0: a plain launch after it. No bit changes.
-STEP_AFTER_PROJECTION_ROWS = 0
-# The edge from the low-rank chain's last kernel into such a step: programmatic as well (True) or
-# plain.
-STEP_CHAIN_EDGE_PROGRAMMATIC = False
 # Default of KdaLayer.persistent_decode.
 PERSISTENT_DECODE = False
 # Most rows one batched decode call takes (the workspace and the pool may limit it further).
@@ -263,9 +255,6 @@ class KdaLayer:
         self._graphs = DecodeGraphs(self)
         self._side_stream = self._fork_event = self._join_event = None
         self._side_priority: int | None = None
-        # (graph, the low-rank chain's last nodes) while a captured join waits to become an edge
-        # into the fused step (see front_end's defer_join); None otherwise.
-        self._deferred_join: tuple[int, list[int]] | None = None
         self.chunk_impl = chunk_impl
         # Tensor-core prefill: the bounded prepare forms the forget gate and beta itself (True,
         # the default) or reads them from the gate kernel (False); the same bits either way.
@@ -462,19 +451,14 @@ class KdaLayer:
         ops.gate_beta_f32(*self.gate_source(first), ws.gate[first:], ws.beta[first:], c.heads, c.head_dim,
                           c.bounded, c.gate_lower_bound or 0.0, tokens=rows)
 
-    def front_end(self, hidden: Any, wide: bool = False, gate: bool = True, defer_join: bool = False) -> None:
+    def front_end(self, hidden: Any, wide: bool = False, gate: bool = True) -> None:
         """Projections, forget gate, beta and output gate of `rows` hidden rows. A prefill
         passes gate=False: its chunk_core forms the gate (see KdaLayer.fused_gate).
 
         On the decode side the low-rank chain (down_proj -> forget_proj -> gate, beta; and
         out_gate) runs on a second, higher-priority stream beside the q|k|v projection, which
         streams most of the weight bytes: in a captured graph the two are parallel branches
-        that join before the conv. The same kernels, the same inputs: no bit changes.
-
-        defer_join (while capturing a graph): the next launch on this stream depends on the
-        q|k|v projection alone, so that it can be captured as that projection's programmatic
-        dependent; the caller must then call resolve_join() right after it, which adds the
-        chain's edge into it."""
+        that join before the conv. The same kernels, the same inputs: no bit changes."""
         ws, c, rows = self.workspace, self.config, hidden.shape[0]
         d = c.head_dim
         chained = SIDE_CHAIN_PROGRAMMATIC
@@ -482,7 +466,7 @@ class KdaLayer:
         def project_qkv() -> None:
             self._project(hidden, "qkv_weight", ws.qkv_proj[:rows], wide, blocks=self._qkv_blocks(rows))
 
-        with self._beside(not wide and not kernels.TIMER.active, defer_join) as side:
+        with self._beside(not wide and not kernels.TIMER.active) as side:
             if not SIDE_CHAIN_FIRST:
                 project_qkv()
             with side:
@@ -495,13 +479,11 @@ class KdaLayer:
                 project_qkv()
 
     @contextlib.contextmanager
-    def _beside(self, concurrent: bool, defer_join: bool = False):
+    def _beside(self, concurrent: bool):
         """Yields the stream for work that may run beside the current stream's next launches:
         a second stream that starts after everything issued so far and that the current
         stream waits for on exit (fork and join), or, when not `concurrent`, the current
-        stream itself. defer_join: in a capture, the current stream's next launch depends on
-        its own last node only, and the join becomes an edge into that launch's node when
-        resolve_join() is called (kernels.CaptureEdges; the plain join where the driver cannot)."""
+        stream itself."""
         import cupy
 
         main = cupy.cuda.get_current_stream()
@@ -521,35 +503,15 @@ class KdaLayer:
         try:
             yield side
         finally:
-            own = kernels.CAPTURE_EDGES.dependencies(main) if defer_join else None
-            chain = kernels.CAPTURE_EDGES.dependencies(side) if own is not None else None
             self._join_event.record(side)
             main.wait_event(self._join_event)
-            if chain is not None and kernels.CAPTURE_EDGES.set_dependencies(main, own[1]):
-                self._deferred_join = chain
-
-    def resolve_join(self) -> None:
-        """Add the edge a deferred join (front_end's defer_join) owes: from the low-rank chain's
-        last node to what the current stream's next launch depends on, the launch made since."""
-        import cupy
-
-        pending, self._deferred_join = self._deferred_join, None
-        if pending is None:
-            return
-        graph, chain = pending
-        now = kernels.CAPTURE_EDGES.dependencies(cupy.cuda.get_current_stream())
-        if now is None or now[0] != graph or not kernels.CAPTURE_EDGES.add_edges(
-                graph, chain, now[1], programmatic=STEP_CHAIN_EDGE_PROGRAMMATIC):
-            raise RuntimeError("decode capture: the low-rank chain's edge into the fused step could not be added")
 
     def stateful_rows(self, first: int, rows: int, conv_state: Any, recurrent_state: Any, slots: Any = None,
-                      walk: bool = False, after_projection: bool = False) -> None:
+                      walk: bool = False) -> None:
         """Decode's stateful half for workspace rows first..first+rows-1, updating the states
         in place. Row r uses slot slots[r] of a pool, or (slots None, rows == 1) the single
         state given; walk=True: the rows are consecutive tokens of the single state given,
-        walked in one launch (fused_decode only). after_projection: the previous kernel of this
-        stream is the q|k|v projection of these rows, so the fused step may launch as its
-        programmatic dependent (STEP_AFTER_PROJECTION_ROWS; the same bits).
+        walked in one launch (fused_decode only).
 
         With `fused_decode` (the default) one launch forms conv + SiLU + L2, the gate and beta,
         the recurrent step and the gated norm (o_norm_out), so the front end must skip the gate
@@ -568,8 +530,7 @@ class KdaLayer:
                 norm_eps=c.rms_norm_eps, slots=slots, tokens=rows if walk else 1,
                 prefetch_ahead=self._step_prefetch_ahead(), dependents_after=STEP_DEPENDENTS_AFTER,
                 staged=STEP_STAGED_STATE, carveout=STEP_STAGED_CARVEOUT,
-                split=self._step_split(1 if walk else rows),
-                programmatic=after_projection and rows <= STEP_AFTER_PROJECTION_ROWS)
+                split=self._step_split(1 if walk else rows))
             return
         if walk:
             raise ValueError("stateful_rows: walk=True needs fused_decode")
@@ -603,28 +564,23 @@ class KdaLayer:
         launch per row, the snapshot copies between them. Otherwise each row is one token of
         its own sequence, row r advancing slot slots[r] of a pool."""
         rows = hidden.shape[0]
-        self._deferred_join = None  # none survives a call that failed
         if self._persistent_applies(rows, sequential, snapshots):
             with _section("persistent"):
                 persistent.launch(self, hidden, conv_state, recurrent_state, slots)
             return
-        first_step_rows = 1 if sequential and (snapshots or not self.fused_decode) else rows
         with _section("front_end"):
-            self.front_end(hidden, gate=not self.fused_decode,
-                           defer_join=self.fused_decode and first_step_rows <= STEP_AFTER_PROJECTION_ROWS)
+            self.front_end(hidden, gate=not self.fused_decode)
         with _section("recurrence"):
             if sequential and self.fused_decode and not snapshots:
-                self.stateful_rows(0, rows, conv_state, recurrent_state, walk=True, after_projection=True)
+                self.stateful_rows(0, rows, conv_state, recurrent_state, walk=True)
             elif sequential:
                 for row in range(rows):
-                    self.stateful_rows(row, 1, conv_state, recurrent_state, after_projection=row == 0)
-                    self.resolve_join()
+                    self.stateful_rows(row, 1, conv_state, recurrent_state)
                     if row < len(snapshots):
                         snapshots[row].conv[...] = conv_state
                         snapshots[row].recurrent[...] = recurrent_state
             else:
-                self.stateful_rows(0, rows, conv_state, recurrent_state, slots=slots, after_projection=True)
-            self.resolve_join()
+                self.stateful_rows(0, rows, conv_state, recurrent_state, slots=slots)
         with _section("back_end"):
             self.back_end(rows, norm=not self.fused_decode)
 

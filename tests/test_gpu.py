@@ -475,26 +475,6 @@ def test_split_step_gives_the_one_block_bits(layers, geometry, rows, monkeypatch
     _assert_same_bits(split, whole, f"{geometry} B{rows}", "the split heads and one block per head")
 
 
-@pytest.mark.parametrize("rows", [1, 3, 64])
-@pytest.mark.parametrize("geometry", ["glm", "kimi"])
-def test_step_after_projection_gives_the_plain_launch_bits(layers, geometry, rows, monkeypatch):
-    """The fused step launched as the q|k|v projection's programmatic dependent (its blocks load
-    their state before they wait for the projection; layer.STEP_AFTER_PROJECTION_ROWS) writes the
-    bits of a plain launch after it: every stage buffer, the output and both states of a pool step
-    of `rows` sequences with shuffled slots and of a 5-row decode_k walk."""
-    from glm_kda import layer as layer_module
-
-    _, layer = layers(geometry)
-    previous = layer_module.STEP_AFTER_PROJECTION_ROWS
-
-    def switch(after):
-        monkeypatch.setattr(layer_module, "STEP_AFTER_PROJECTION_ROWS", previous if after is None else 256 if after else 0)
-        layer._graphs.clear()  # graphs hold the launches they were captured with
-
-    after, plain = _decode_paths(layer, count=80, rows=rows, walk_rows=5, prefill_rows=0, seed=91 + rows, switch=switch)
-    _assert_same_bits(after, plain, f"{geometry} B{rows}", "the programmatic and the plain step launch")
-
-
 @pytest.mark.parametrize("geometry", ["glm", "kimi"])
 def test_packed_decode_weights_give_the_row_major_bits(layers, geometry):
     """layer.packed_decode (the decode projections read gemm_rows' packed copies of the
