@@ -197,6 +197,7 @@ def _sm_count(device_id: int) -> int:
 def launch_plan(
     n: int, k: int, rows: int, tiles_per_warp: int | None = None, sm_count: int = DEFAULT_SM_COUNT,
     blocks: int | None = None, serial: bool | None = None, wgmma: bool | None = False,
+    reserved_slots: int = 0,
 ) -> LaunchPlan:
     """The launch of one call.
 
@@ -209,6 +210,9 @@ def launch_plan(
     (sm_count times the entry's blocks per SM). On an H200 (benchmarks/gemm_rows.py
     --sweep) the cap took the one-row q|k|v projection from 56.0 to 55.1 us (GLM) and from
     25.7 to 22.9 us (Kimi), and made the 64-row one 4 % slower, hence one m-tile only.
+    ``reserved_slots``: of those resident slots, how many such a capped one-m-tile launch leaves
+    to kernels that run beside it (at least one block remains; ignored where ``blocks`` is given
+    or above 16 rows).
     Above 32 rows, ``serial`` (None: by SERIAL_MIN_GROUPS_PER_SM) picks the serial sweep: blocks of
     SERIAL_WARPS warps side by side along n, each warp walking every k range of its columns (where
     it has no entry for the tiles, True keeps the split-k sweep).
@@ -237,6 +241,8 @@ def launch_plan(
         raise ValueError(f"tiles_per_warp must be one of {TILES_PER_WARP}, got {tiles_per_warp}")
     if blocks is not None and blocks < 1:
         raise ValueError(f"blocks must be >= 1, got {blocks}")
+    if reserved_slots < 0:
+        raise ValueError(f"reserved_slots must be >= 0, got {reserved_slots}")
     if serial and m_tiles < 4:
         raise ValueError(f"the serial sweep runs 33..64 rows per group, not {rows}")
     if m_tiles == 4 and serial is not False and tiles_per_warp in (None, SERIAL_TILES_PER_WARP):
@@ -264,7 +270,7 @@ def launch_plan(
     tiles_per_warp = min(tiles_per_warp, widest)
     groups = column_groups(tiles_per_warp)
     if blocks is None:
-        blocks = sm_count * GEMM_ROWS_BLOCKS_PER_SM if m_tiles == 1 else groups
+        blocks = max(1, sm_count * GEMM_ROWS_BLOCKS_PER_SM - reserved_slots) if m_tiles == 1 else groups
     return LaunchPlan(
         kernel=f"gemm_rows_bf16_m{m_tiles}_n{tiles_per_warp}",
         grid=(min(blocks, groups), -(-rows // ROWS_PER_SWEEP)),
@@ -295,7 +301,7 @@ def wgmma_available() -> bool:
 
 def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | None = None,
                    blocks: int | None = None, programmatic: bool = False, serial: bool | None = None,
-                   wgmma: bool | None = None) -> None:
+                   wgmma: bool | None = None, reserved_slots: int = 0) -> None:
     """out[r, :] = bf16(x[r, :] @ w.T) for r < rows (1..256), FP32 accumulation on tensor cores.
 
     Shapes:
@@ -312,7 +318,8 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
     shape) and ``blocks`` (the most blocks along n, None to choose) tune the launch and
     leave every bit unchanged, as does ``serial`` (33..64 rows per group: the serial sweep, or
     not; None to choose from the shape) and ``wgmma`` (17..64 rows per group of a packed weight on
-    sm_90: the warpgroup-MMA sweep, or not; None to choose from the shape).
+    sm_90: the warpgroup-MMA sweep, or not; None to choose from the shape) and ``reserved_slots``
+    (block slots a launch of <= 16 rows leaves free for kernels beside it; see :func:`launch_plan`).
 
     ``w`` may also be a :class:`PackedWeight` of the same weight (:func:`pack_weight`): the
     same bits, the weight read in contiguous runs. The warpgroup-MMA sweep reads its pair layout,
@@ -331,7 +338,8 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
                              f" on an sm_90 device (packed: {packed}, pair layout: {packed and w.pairs is not None},"
                              f" warpgroup-MMA kernels loaded: {wgmma_available()})")
         wgmma = False
-    plan = launch_plan(n, k, rows, tiles_per_warp, _sm_count(cupy.cuda.Device().id), blocks, serial, wgmma)
+    plan = launch_plan(n, k, rows, tiles_per_warp, _sm_count(cupy.cuda.Device().id), blocks, serial, wgmma,
+                       reserved_slots)
     kernel = plan.kernel
     on_wgmma = kernel.startswith("gemm_rows_wgmma")
     # The last argument: the L2 request of a programmatic launch, or the warpgroup-MMA sweep's ring.

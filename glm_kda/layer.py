@@ -406,7 +406,7 @@ class KdaLayer:
 
     # Stages -------------------------------------------------------------------------------
     def _project_decode(self, x: Any, weight: Any, out: Any, after_kernel: bool = False,
-                        blocks: int | None = None) -> None:
+                        reserved_slots: int = 0) -> None:
         """The projection of every decode-side call (decode, decode_k, batched decode, and
         prefill of <= 16 rows). One kernel, applied to groups of DECODE_ROW_GROUP rows, whose
         per-row arithmetic does not depend on the row count: a row's bits are the same in
@@ -414,29 +414,23 @@ class KdaLayer:
 
         after_kernel: the previous operation on this stream is the kernel that writes x, so
         the projection may launch as its programmatic dependent (its blocks start and ask L2
-        for their first weights while that kernel drains; the same bits). blocks: the most blocks
-        along n (None: as gemm_rows plans; no bit depends on it)."""
+        for their first weights while that kernel drains; the same bits). reserved_slots: block
+        slots a launch of <= 16 rows leaves to kernels beside it (gemm_rows.launch_plan; no bit
+        depends on it)."""
         rows = x.shape[0]
         for start in range(0, rows, DECODE_ROW_GROUP):
             stop = min(rows, start + DECODE_ROW_GROUP)
             gemm_rows.gemm_rows_bf16(x[start:stop], weight, out[start:stop], rows=stop - start,
-                                     programmatic=after_kernel or start > 0, blocks=blocks)
+                                     programmatic=after_kernel or start > 0, reserved_slots=reserved_slots)
 
     def _project(self, x: Any, weight: str, out: Any, wide: bool, after_kernel: bool = False,
-                 blocks: int | None = None) -> None:
+                 reserved_slots: int = 0) -> None:
         """x @ the weight named `weight` (one of DECODE_WEIGHTS) into out."""
         if wide:
             # Prefill only: cuBLAS reassociates, which no bit-exact path may see.
             ops.gemm_bf16_cublas(x, getattr(self, weight), out)
         else:
-            self._project_decode(x, self.decode_weight(weight), out, after_kernel, blocks)
-
-    def _qkv_blocks(self, rows: int) -> int | None:
-        """The q|k|v projection's most blocks (QKV_RESERVED_SLOTS), None for the planned grid."""
-        if QKV_RESERVED_SLOTS <= 0 or rows > gemm_rows.M_TILE:
-            return None
-        slots = gemm_rows._sm_count(self.qkv_weight.device.id) * gemm_rows.GEMM_ROWS_BLOCKS_PER_SM
-        return max(1, slots - QKV_RESERVED_SLOTS)
+            self._project_decode(x, self.decode_weight(weight), out, after_kernel, reserved_slots)
 
     def gate_source(self, first: int = 0) -> chunk_tc.GateSource:
         """Workspace rows first.. of what the forget gate and beta are formed from."""
@@ -464,7 +458,7 @@ class KdaLayer:
         chained = SIDE_CHAIN_PROGRAMMATIC
 
         def project_qkv() -> None:
-            self._project(hidden, "qkv_weight", ws.qkv_proj[:rows], wide, blocks=self._qkv_blocks(rows))
+            self._project(hidden, "qkv_weight", ws.qkv_proj[:rows], wide, reserved_slots=QKV_RESERVED_SLOTS)
 
         with self._beside(not wide and not kernels.TIMER.active) as side:
             if not SIDE_CHAIN_FIRST:

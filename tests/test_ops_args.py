@@ -319,17 +319,39 @@ def test_batched_step_prefetch_distance(monkeypatch, heads, waves, expected):
     assert layer.KdaLayer._step_prefetch_ahead(fake) == expected
 
 
-@pytest.mark.parametrize("rows,reserved,expected", [(1, 64, 200), (16, 64, 200), (17, 64, None), (1, 0, None),
+@pytest.mark.parametrize("rows,reserved,expected", [(1, 64, 200), (16, 64, 200), (17, 64, 768), (1, 0, 264),
                                                     (1, 300, 1)])
-def test_qkv_projection_leaves_slots_to_the_side_chain(monkeypatch, rows, reserved, expected):
-    """A q|k|v launch of one m-tile (<= 16 rows) takes the resident slots less QKV_RESERVED_SLOTS
-    (at least one block); wider launches and 0 keep the planned grid (None)."""
-    from glm_kda import gemm_rows, layer
+def test_one_m_tile_launch_leaves_reserved_slots(rows, reserved, expected):
+    """A launch of one m-tile (<= 16 rows) takes the resident slots less reserved_slots (at least
+    one block); wider launches keep their planned grid (GLM's q|k|v: 768 column groups)."""
+    from glm_kda import gemm_rows
 
-    monkeypatch.setattr(gemm_rows, "_sm_count", lambda device_id: 132)
-    monkeypatch.setattr(layer, "QKV_RESERVED_SLOTS", reserved)
-    fake = SimpleNamespace(qkv_weight=SimpleNamespace(device=SimpleNamespace(id=0)))
-    assert layer.KdaLayer._qkv_blocks(fake, rows) == expected
+    plan = gemm_rows.launch_plan(24576, 4096, rows, sm_count=132, reserved_slots=reserved)
+    assert plan.grid[0] == expected
+    with pytest.raises(ValueError, match="reserved_slots"):
+        gemm_rows.launch_plan(24576, 4096, rows, sm_count=132, reserved_slots=-1)
+
+
+def test_qkv_projection_leaves_slots_to_the_side_chain(monkeypatch):
+    """The decode front end passes QKV_RESERVED_SLOTS to the q|k|v projection's launch, and to
+    that launch only (a prefill's wide front end too: gemm_rows ignores it above 16 rows)."""
+    import contextlib
+
+    from glm_kda import layer
+
+    monkeypatch.setattr(layer, "QKV_RESERVED_SLOTS", 40)
+    calls = []
+    fake = SimpleNamespace(
+        config=SimpleNamespace(head_dim=4),
+        workspace=SimpleNamespace(**{name: np.zeros((3, 12)) for name in
+                                     ("qkv_proj", "down_proj", "forget_proj", "out_gate")}),
+        _beside=lambda concurrent: contextlib.nullcontext(contextlib.nullcontext()),
+        _project=lambda x, weight, out, wide, after_kernel=False, reserved_slots=0: calls.append(
+            (weight, reserved_slots)),
+        gate_beta=lambda rows: calls.append(("gate_beta", 0)),
+    )
+    layer.KdaLayer.front_end(fake, np.zeros((3, 8)), gate=False)
+    assert sorted(calls) == [("down_weight", 0), ("f_b", 0), ("g_b", 0), ("qkv_weight", 40)]
 
 
 @pytest.mark.parametrize("n,k,expected", [(4096, 8192, 0), (2304, 4096, 16), (8192, 128, 16), (24576, 4096, 0)],
