@@ -301,7 +301,7 @@ def wgmma_available() -> bool:
 
 def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | None = None,
                    blocks: int | None = None, programmatic: bool = False, serial: bool | None = None,
-                   wgmma: bool | None = None, reserved_slots: int = 0, wait_last: bool = False) -> None:
+                   wgmma: bool | None = None, reserved_slots: int = 0) -> None:
     """out[r, :] = bf16(x[r, :] @ w.T) for r < rows (1..256), FP32 accumulation on tensor cores.
 
     Shapes:
@@ -329,18 +329,10 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
     stream (sm_90 and later): the blocks start while that kernel drains, ask L2 for their
     first weight bytes, and wait for it before they read x or write out. For a launch whose
     previous operation in the stream is the kernel that writes x; the bits are the same.
-    ``wait_last`` (with ``programmatic``): x and out are neither written nor read by that kernel,
-    so the blocks stream at once and wait for it only at their end: the launch completes after it,
-    and a kernel that waits for this one may rely on both (the warpgroup-MMA sweep has no such
-    form: the row-group sweeps run instead).
     """
     rows, n, k, ldx, ldy = projection_args("gemm_rows_bf16", x, w, out, rows, GEMM_ROWS_MAX_ROWS)
     packed = isinstance(w, PackedWeight)
-    if wait_last and not programmatic:
-        raise ValueError("gemm_rows_bf16: wait_last=True is a form of programmatic launch (programmatic=True)")
-    if wait_last and wgmma:
-        raise ValueError("gemm_rows_bf16: the warpgroup-MMA sweep has no wait_last form")
-    if wait_last or not (packed and w.pairs is not None and wgmma_available()):
+    if not (packed and w.pairs is not None and wgmma_available()):
         if wgmma:
             raise ValueError("gemm_rows_bf16: wgmma=True needs a PackedWeight made with pack_weight(w, pairs=True)"
                              f" on an sm_90 device (packed: {packed}, pair layout: {packed and w.pairs is not None},"
@@ -359,7 +351,7 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
         plan.grid,
         plan.block,
         (x, _i32(ldx), (w.pairs if on_wgmma else w.data) if packed else w, out,
-         _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(last)) + (() if on_wgmma else (_i32(wait_last),)),
+         _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(last)),
         plan.shared_mem,
         programmatic=programmatic,
         carveout=100 if plan.shared_mem else -1,

@@ -88,13 +88,6 @@ SIDE_CHAIN_FIRST = True
 SIDE_CHAIN_PROGRAMMATIC = False
 SIDE_STREAM_PRIORITY: int | None = -64
 QKV_RESERVED_SLOTS = 64
-# SIDE_CHAIN_INLINE: the decode front end runs the low-rank chain in its own stream before q|k|v,
-# every launch a programmatic dependent of the one before, f_b and g_b on at most CHAIN_BLOCKS
-# blocks each, q|k|v waiting for the chain only at its end; the fused step then launches as
-# q|k|v's programmatic dependent (KdaLayer._front_end_inline): a captured graph of single edges,
-# in which the step's blocks load their state while q|k|v streams. No bit changes.
-SIDE_CHAIN_INLINE = False
-CHAIN_BLOCKS = 16
 # Default of KdaLayer.persistent_decode.
 PERSISTENT_DECODE = False
 # Most rows one batched decode call takes (the workspace and the pool may limit it further).
@@ -412,7 +405,8 @@ class KdaLayer:
                 raise TypeError(f"{what}: state.{field} must be a contiguous CuPy float32 array")
 
     # Stages -------------------------------------------------------------------------------
-    def _project_decode(self, x: Any, weight: Any, out: Any, after_kernel: bool = False, **launch: Any) -> None:
+    def _project_decode(self, x: Any, weight: Any, out: Any, after_kernel: bool = False,
+                        reserved_slots: int = 0) -> None:
         """The projection of every decode-side call (decode, decode_k, batched decode, and
         prefill of <= 16 rows). One kernel, applied to groups of DECODE_ROW_GROUP rows, whose
         per-row arithmetic does not depend on the row count: a row's bits are the same in
@@ -420,23 +414,23 @@ class KdaLayer:
 
         after_kernel: the previous operation on this stream is the kernel that writes x, so
         the projection may launch as its programmatic dependent (its blocks start and ask L2
-        for their first weights while that kernel drains; the same bits). launch: options of
-        gemm_rows.gemm_rows_bf16 that place the work and change no bit (blocks, reserved_slots,
-        wait_last)."""
+        for their first weights while that kernel drains; the same bits). reserved_slots: block
+        slots a launch of <= 16 rows leaves to kernels beside it (gemm_rows.launch_plan; no bit
+        depends on it)."""
         rows = x.shape[0]
         for start in range(0, rows, DECODE_ROW_GROUP):
             stop = min(rows, start + DECODE_ROW_GROUP)
             gemm_rows.gemm_rows_bf16(x[start:stop], weight, out[start:stop], rows=stop - start,
-                                     programmatic=after_kernel or start > 0, **launch)
+                                     programmatic=after_kernel or start > 0, reserved_slots=reserved_slots)
 
-    def _project(self, x: Any, weight: str, out: Any, wide: bool, after_kernel: bool = False, **launch: Any) -> None:
-        """x @ the weight named `weight` (one of DECODE_WEIGHTS) into out (launch: see
-        _project_decode; a wide projection ignores it)."""
+    def _project(self, x: Any, weight: str, out: Any, wide: bool, after_kernel: bool = False,
+                 reserved_slots: int = 0) -> None:
+        """x @ the weight named `weight` (one of DECODE_WEIGHTS) into out."""
         if wide:
             # Prefill only: cuBLAS reassociates, which no bit-exact path may see.
             ops.gemm_bf16_cublas(x, getattr(self, weight), out)
         else:
-            self._project_decode(x, self.decode_weight(weight), out, after_kernel, **launch)
+            self._project_decode(x, self.decode_weight(weight), out, after_kernel, reserved_slots)
 
     def gate_source(self, first: int = 0) -> chunk_tc.GateSource:
         """Workspace rows first.. of what the forget gate and beta are formed from."""
@@ -458,14 +452,10 @@ class KdaLayer:
         On the decode side the low-rank chain (down_proj -> forget_proj -> gate, beta; and
         out_gate) runs on a second, higher-priority stream beside the q|k|v projection, which
         streams most of the weight bytes: in a captured graph the two are parallel branches
-        that join before the conv. With SIDE_CHAIN_INLINE the chain runs in this stream instead,
-        before q|k|v (see _front_end_inline). The same kernels, the same inputs: no bit changes."""
+        that join before the conv. The same kernels, the same inputs: no bit changes."""
         ws, c, rows = self.workspace, self.config, hidden.shape[0]
         d = c.head_dim
         chained = SIDE_CHAIN_PROGRAMMATIC
-        if self._chain_inline(wide):
-            self._front_end_inline(hidden, gate)
-            return
 
         def project_qkv() -> None:
             self._project(hidden, "qkv_weight", ws.qkv_proj[:rows], wide, reserved_slots=QKV_RESERVED_SLOTS)
@@ -481,37 +471,6 @@ class KdaLayer:
                 self._project(ws.down_proj[:rows, d : 2 * d], "g_b", ws.out_gate[:rows], wide, after_kernel=chained)
             if SIDE_CHAIN_FIRST:
                 project_qkv()
-
-    def _chain_inline(self, wide: bool) -> bool:
-        """Whether the decode front end runs the low-rank chain in line (SIDE_CHAIN_INLINE)."""
-        return SIDE_CHAIN_INLINE and not wide
-
-    def _front_end_inline(self, hidden: Any, gate: bool) -> None:
-        """front_end with the low-rank chain in line: one stream, each launch a programmatic
-        dependent of the one before, so that a captured graph is a chain of single edges and the
-        fused step after it can start early (stateful_rows' after_projection):
-
-            down_proj -> f_b (-> gate, beta) -> g_b -> q|k|v
-
-        f_b and g_b take at most CHAIN_BLOCKS blocks each; q|k|v, which reads none of the chain's
-        outputs, streams from its start and waits for g_b only at its end (gemm_rows' wait_last),
-        so its completion implies the chain's. A launch of <= 16 rows leaves the chain's blocks
-        their slots (its reserved_slots). The same kernels and inputs as front_end: no bit changes."""
-        ws, c, rows = self.workspace, self.config, hidden.shape[0]
-        d = c.head_dim
-        chain = [(hidden, "down_weight", ws.down_proj[:rows], {}),
-                 (ws.down_proj[:rows, :d], "f_b", ws.forget_proj[:rows], {"blocks": CHAIN_BLOCKS}),
-                 (ws.down_proj[:rows, d : 2 * d], "g_b", ws.out_gate[:rows], {"blocks": CHAIN_BLOCKS})]
-        sm_count = gemm_rows._sm_count(self.qkv_weight.device.id)
-        slots = 0  # the chain's blocks (what a one-m-tile q|k|v launch leaves them)
-        for index, (x, name, out, launch) in enumerate(chain):
-            self._project(x, name, out, False, after_kernel=index > 0, **launch)
-            if name == "f_b" and gate:
-                self.gate_beta(rows)
-            n, k = self.decode_weight(name).shape
-            slots += gemm_rows.launch_plan(n, k, min(rows, gemm_rows.M_TILE), sm_count=sm_count, **launch).grid[0]
-        self._project(hidden, "qkv_weight", ws.qkv_proj[:rows], False, after_kernel=True, wait_last=True,
-                      reserved_slots=slots)
 
     @contextlib.contextmanager
     def _beside(self, concurrent: bool):
@@ -542,13 +501,11 @@ class KdaLayer:
             main.wait_event(self._join_event)
 
     def stateful_rows(self, first: int, rows: int, conv_state: Any, recurrent_state: Any, slots: Any = None,
-                      walk: bool = False, after_projection: bool = False) -> None:
+                      walk: bool = False) -> None:
         """Decode's stateful half for workspace rows first..first+rows-1, updating the states
         in place. Row r uses slot slots[r] of a pool, or (slots None, rows == 1) the single
         state given; walk=True: the rows are consecutive tokens of the single state given,
-        walked in one launch (fused_decode only). after_projection: the previous kernel of this
-        stream is the front end's q|k|v projection of these rows, so with SIDE_CHAIN_INLINE the
-        fused step launches as its programmatic dependent (the same bits).
+        walked in one launch (fused_decode only).
 
         With `fused_decode` (the default) one launch forms conv + SiLU + L2, the gate and beta,
         the recurrent step and the gated norm (o_norm_out), so the front end must skip the gate
@@ -567,8 +524,7 @@ class KdaLayer:
                 norm_eps=c.rms_norm_eps, slots=slots, tokens=rows if walk else 1,
                 prefetch_ahead=self._step_prefetch_ahead(), dependents_after=STEP_DEPENDENTS_AFTER,
                 staged=STEP_STAGED_STATE, carveout=STEP_STAGED_CARVEOUT,
-                split=self._step_split(1 if walk else rows),
-                programmatic=after_projection and self._chain_inline(False))
+                split=self._step_split(1 if walk else rows))
             return
         if walk:
             raise ValueError("stateful_rows: walk=True needs fused_decode")
@@ -610,15 +566,15 @@ class KdaLayer:
             self.front_end(hidden, gate=not self.fused_decode)
         with _section("recurrence"):
             if sequential and self.fused_decode and not snapshots:
-                self.stateful_rows(0, rows, conv_state, recurrent_state, walk=True, after_projection=True)
+                self.stateful_rows(0, rows, conv_state, recurrent_state, walk=True)
             elif sequential:
                 for row in range(rows):
-                    self.stateful_rows(row, 1, conv_state, recurrent_state, after_projection=row == 0)
+                    self.stateful_rows(row, 1, conv_state, recurrent_state)
                     if row < len(snapshots):
                         snapshots[row].conv[...] = conv_state
                         snapshots[row].recurrent[...] = recurrent_state
             else:
-                self.stateful_rows(0, rows, conv_state, recurrent_state, slots=slots, after_projection=True)
+                self.stateful_rows(0, rows, conv_state, recurrent_state, slots=slots)
         with _section("back_end"):
             self.back_end(rows, norm=not self.fused_decode)
 

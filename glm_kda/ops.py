@@ -502,7 +502,6 @@ def kda_decode_fused_bf16(
     conv_out, query, key, value, gate, beta, core, o_norm_out, *, bounded: bool, lower_bound: float,
     scale: float, l2_eps: float, norm_eps: float, slots=None, tokens: int = 1, prefetch_ahead: int = 0,
     dependents_after: int = 0, staged: bool = False, carveout: int = -1, split: bool = False,
-    programmatic: bool = False,
 ) -> None:
     """The stateful half of decode in one launch: for each sequence, `tokens` consecutive
     tokens of conv + SiLU + L2, forget gate and beta, one delta-rule step, gated RMSNorm.
@@ -539,12 +538,6 @@ def kda_decode_fused_bf16(
     value columns 32 r .. 32 r + 31 (a quarter of the state each, so four SMs move a head's
     state), every block forming the head's q, k and gate (ignored before sm_90, or with staged).
     It changes no bit.
-
-    programmatic: launch as a programmatic dependent of the previous kernel of the stream (sm_90
-    and later; see kernels.launch), whose completion must imply that every input row is written
-    (the last kernel to write them, or a gemm_rows launch with wait_last after it): the blocks
-    load their state column and conv windows, then wait for that kernel before they read an
-    input. The states, slots and weights must not be written by it. It changes no bit.
     """
     heads = _state_or_pool_heads(state)
     qkv = heads * HEAD_DIM
@@ -587,7 +580,6 @@ def kda_decode_fused_bf16(
          _f32(l2_eps), _f32(norm_eps), _i32(prefetch_ahead), _i32(dependents_after)),
         HEAD_DIM * HEAD_DIM * 4 if staged else 0,
         carveout=carveout if staged else -1,
-        programmatic=programmatic,
     )
 
 

@@ -286,11 +286,6 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
     const float a = expf(p.a_log[head]);
     const float bias = p.dt_bias[channel];
     const float weight = bf16_to_f32(p.norm_w[d]);
-    // Everything above is states, slots and weights; the inputs below (q|k|v and the low-rank
-    // projections) may belong to the kernel before when the step launched as its programmatic
-    // dependent: its blocks then start beside the projection and have their state column in
-    // registers by the time the projection is done. Without the attribute this returns at once.
-    kda_wait_for_previous_kernel();
 
     for (int t = 0; t < p.tokens; ++t) {
         const size_t row = sequence * p.tokens + t;

@@ -469,7 +469,7 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
                                                 const bf16_t* __restrict__ w,
                                                 bf16_t* __restrict__ y, int ldy, int row_begin,
                                                 int row_end, int n, int k, int k_split, int prefetch,
-                                                float* partial, bool wait_last = false)
+                                                float* partial)
 {
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -506,12 +506,8 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
             }
         }
     }
-    // x (and y) may belong to the previous kernel: nothing below runs before it is done. With
-    // wait_last they do not, and the entry's wait at the block's end only makes the launch
-    // complete after that kernel (gemm_rows.cu).
-    if (!wait_last) {
-        kda_wait_for_previous_kernel();
-    }
+    // x (and y) may belong to the previous kernel: nothing below runs before it is done.
+    kda_wait_for_previous_kernel();
 
     for (int group = blockIdx.x; group < column_groups; group += gridDim.x) {
         gemm_rows_group<M_TILES, N_TILES, GEMM_ROWS_LOADS, GEMM_X_INPUT, PACKED>(x, ldx, w, y, ldy, row_begin,
@@ -543,18 +539,15 @@ template <int M_TILES, int N_TILES, bool PACKED = false>
 __device__ __forceinline__ void gemm_rows_serial_sweep(const bf16_t* __restrict__ x, int ldx,
                                                        const bf16_t* __restrict__ w, bf16_t* __restrict__ y,
                                                        int ldy, int row_begin, int row_end, int n, int k,
-                                                       int k_split, bool wait_last = false)
+                                                       int k_split)
 {
     constexpr int BLOCK_COLUMNS = GEMM_ROWS_SERIAL_WARPS * N_TILES * GEMM_ROWS_N_TILE;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int column_groups = (n + BLOCK_COLUMNS - 1) / BLOCK_COLUMNS;
 
-    // x (and y) may belong to the previous kernel: nothing below runs before it is done (with
-    // wait_last they do not: see gemm_rows_sweep).
-    if (!wait_last) {
-        kda_wait_for_previous_kernel();
-    }
+    // x (and y) may belong to the previous kernel: nothing below runs before it is done.
+    kda_wait_for_previous_kernel();
 
     for (int group = blockIdx.x; group < column_groups; group += gridDim.x) {
         const int warp_column = group * BLOCK_COLUMNS + warp * N_TILES * GEMM_ROWS_N_TILE;

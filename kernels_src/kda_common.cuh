@@ -220,15 +220,6 @@ __device__ __forceinline__ void kda_wait_for_previous_kernel()
     KDA_TRACE_WAITED();
 }
 
-// The same wait for a thread that is done with memory and only keeps its block from completing
-// before the previous kernel (gemm_rows' wait_last): no memory clobber, nothing to order.
-__device__ __forceinline__ void kda_complete_after_previous_kernel()
-{
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;");
-#endif
-}
-
 // The shared-memory (state-space) address of a pointer into this block's shared memory, as the
 // asynchronous copies, mbarriers and cluster instructions take it.
 __device__ __forceinline__ unsigned int shared_address(const void* pointer)

@@ -160,7 +160,6 @@ inline void warp_mma(float acc[4], const Slot& mine, Slot (&slots)[32][32], Prod
 // one kernel at a time here, nothing to overlap.
 inline void kda_let_next_kernel_launch() {}
 inline void kda_wait_for_previous_kernel() {}
-inline void kda_complete_after_previous_kernel() {}
 // The bulk copies of a fused step's staged state (decode_step.cuh, PTX on sm_90): thread 0 copies
 // at once, and the group barrier that follows in the kernel publishes the copy.
 #define KDA_STAGED_STATE 1
@@ -268,10 +267,9 @@ def host_kernel_source(stem: str, device_helpers: tuple[str, ...]) -> str:
     return source
 
 
-# The device-only helpers of kda_common.cuh (the first three no-ops before sm_90; their bodies are
+# The device-only helpers of kda_common.cuh (the first two no-ops before sm_90; their bodies are
 # inline PTX or device intrinsics).
-COMMON_DEVICE_HELPERS = ("kda_let_next_kernel_launch", "kda_wait_for_previous_kernel",
-                         "kda_complete_after_previous_kernel", "shared_address")
+COMMON_DEVICE_HELPERS = ("kda_let_next_kernel_launch", "kda_wait_for_previous_kernel", "shared_address")
 # decode_step.cuh's bulk copies of the staged state and its cluster helpers (emulated by
 # HOST_CUDA_HEADER).
 STAGED_STATE_HELPERS = ("kda_stage_state_in", "kda_wait_staged_state", "kda_stage_fence",

@@ -475,30 +475,6 @@ def test_split_step_gives_the_one_block_bits(layers, geometry, rows, monkeypatch
     _assert_same_bits(split, whole, f"{geometry} B{rows}", "the split heads and one block per head")
 
 
-@pytest.mark.parametrize("rows,graphs", [(1, True), (3, True), (3, False), (64, True), (100, True)])
-@pytest.mark.parametrize("geometry", ["glm", "kimi"])
-def test_inline_chain_gives_the_default_bits(layers, geometry, rows, graphs, monkeypatch):
-    """The front end with the low-rank chain in line (layer.SIDE_CHAIN_INLINE: one stream of
-    programmatic launches, q|k|v waiting for the chain at its end, the fused step launched as its
-    programmatic dependent) writes the bits of the default two-stream front end: every stage
-    buffer, the output and both states of a pool step of `rows` sequences with shuffled slots (100:
-    two row groups of projections), of a 5-row decode_k walk and of a 7-token prefill, captured in
-    graphs or launched eagerly."""
-    from glm_kda import layer as layer_module
-
-    _, layer = layers(geometry)
-    previous, previous_graphs = layer_module.SIDE_CHAIN_INLINE, layer.use_graphs
-
-    def switch(inline):
-        monkeypatch.setattr(layer_module, "SIDE_CHAIN_INLINE", previous if inline is None else inline)
-        layer._graphs.clear()  # graphs hold the launches they were captured with
-        layer.use_graphs = previous_graphs if inline is None else graphs
-
-    inline, default = _decode_paths(layer, count=128, rows=rows, walk_rows=5, prefill_rows=7, seed=93 + rows,
-                                    switch=switch)
-    _assert_same_bits(inline, default, f"{geometry} B{rows} graphs={graphs}", "the inline and the two-stream chain")
-
-
 @pytest.mark.parametrize("geometry", ["glm", "kimi"])
 def test_packed_decode_weights_give_the_row_major_bits(layers, geometry):
     """layer.packed_decode (the decode projections read gemm_rows' packed copies of the

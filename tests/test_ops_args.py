@@ -332,60 +332,26 @@ def test_one_m_tile_launch_leaves_reserved_slots(rows, reserved, expected):
         gemm_rows.launch_plan(24576, 4096, rows, sm_count=132, reserved_slots=-1)
 
 
-def _front_end_launches(monkeypatch, inline: bool, rows: int, gate: bool = False) -> list:
-    """(weight, after_kernel, launch options) of every projection a front end issues, in order,
-    on a stand-in layer of GLM's decode weights (132 SMs); gate_beta as ("gate_beta", None, {})."""
-    import contextlib
-
-    from glm_kda import gemm_rows, layer
-
-    monkeypatch.setattr(gemm_rows, "_sm_count", lambda device_id: 132)
-    monkeypatch.setattr(layer, "SIDE_CHAIN_INLINE", inline)
-    shapes = {"down_weight": (320, 4096), "f_b": (8192, 128), "g_b": (8192, 128), "qkv_weight": (24576, 4096)}
-    calls = []
-    fake = SimpleNamespace(
-        config=SimpleNamespace(head_dim=128),
-        workspace=SimpleNamespace(**{name: np.zeros((rows, 8)) for name in
-                                     ("qkv_proj", "down_proj", "forget_proj", "out_gate")}),
-        qkv_weight=SimpleNamespace(device=SimpleNamespace(id=0)),
-        decode_weight=lambda name: SimpleNamespace(shape=shapes[name]),
-        _beside=lambda concurrent: contextlib.nullcontext(contextlib.nullcontext()),
-        _project=lambda x, weight, out, wide, after_kernel=False, **launch: calls.append(
-            (weight, after_kernel, launch)),
-        gate_beta=lambda rows: calls.append(("gate_beta", None, {})),
-    )
-    fake._chain_inline = lambda wide: layer.KdaLayer._chain_inline(fake, wide)
-    fake._front_end_inline = lambda hidden, gate: layer.KdaLayer._front_end_inline(fake, hidden, gate)
-    layer.KdaLayer.front_end(fake, np.zeros((rows, 8)), gate=gate)
-    return calls
-
-
 def test_qkv_projection_leaves_slots_to_the_side_chain(monkeypatch):
     """The decode front end passes QKV_RESERVED_SLOTS to the q|k|v projection's launch, and to
-    that launch only."""
+    that launch only (a prefill's wide front end too: gemm_rows ignores it above 16 rows)."""
+    import contextlib
+
     from glm_kda import layer
 
     monkeypatch.setattr(layer, "QKV_RESERVED_SLOTS", 40)
-    calls = _front_end_launches(monkeypatch, inline=False, rows=1)
-    assert sorted((name, launch.get("reserved_slots", 0)) for name, _, launch in calls) == [
-        ("down_weight", 0), ("f_b", 0), ("g_b", 0), ("qkv_weight", 40)]
-
-
-@pytest.mark.parametrize("rows,gate", [(1, False), (16, True), (64, False)])
-def test_inline_chain_is_one_line_of_programmatic_launches(monkeypatch, rows, gate):
-    """SIDE_CHAIN_INLINE: down_proj (plain), f_b (-> gate_beta), g_b, then q|k|v, each projection
-    after the first a programmatic dependent; f_b and g_b on CHAIN_BLOCKS blocks; q|k|v waits at
-    its end and leaves the chain's blocks their slots (GLM one-m-tile: down 40 + 16 + 16)."""
-    from glm_kda import layer
-
-    calls = _front_end_launches(monkeypatch, inline=True, rows=rows, gate=gate)
-    chain = {"blocks": layer.CHAIN_BLOCKS}
-    expected = [("down_weight", False, {}), ("f_b", True, chain), ("g_b", True, chain),
-                ("qkv_weight", True, {"wait_last": True, "reserved_slots": 40 + 2 * layer.CHAIN_BLOCKS})]
-    if gate:
-        expected.insert(2, ("gate_beta", None, {}))
-    assert calls == expected
-    assert _front_end_launches(monkeypatch, inline=False, rows=rows, gate=gate)[-1][:2] == ("qkv_weight", False)
+    calls = []
+    fake = SimpleNamespace(
+        config=SimpleNamespace(head_dim=4),
+        workspace=SimpleNamespace(**{name: np.zeros((3, 12)) for name in
+                                     ("qkv_proj", "down_proj", "forget_proj", "out_gate")}),
+        _beside=lambda concurrent: contextlib.nullcontext(contextlib.nullcontext()),
+        _project=lambda x, weight, out, wide, after_kernel=False, reserved_slots=0: calls.append(
+            (weight, reserved_slots)),
+        gate_beta=lambda rows: calls.append(("gate_beta", 0)),
+    )
+    layer.KdaLayer.front_end(fake, np.zeros((3, 8)), gate=False)
+    assert sorted(calls) == [("down_weight", 0), ("f_b", 0), ("g_b", 0), ("qkv_weight", 40)]
 
 
 @pytest.mark.parametrize("n,k,expected", [(4096, 8192, 0), (2304, 4096, 16), (8192, 128, 16), (24576, 4096, 0)],

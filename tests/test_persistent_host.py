@@ -51,7 +51,7 @@ MAIN = r"""
 """ + HOST_CUDA_RUNTIME + r"""
 MmaSlot mma_slots[32][32];
 using bf16_t = unsigned short;
-extern "C" void gemm_rows_bf16_m1_n4(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int, int, int);
+extern "C" void gemm_rows_bf16_m1_n4(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int, int);
 extern "C" void kda_decode_fused_bf16(float*, float*, const int*, const bf16_t*, const bf16_t*, const bf16_t*,
                                       const float*, const float*, const bf16_t*, int, const bf16_t*, const bf16_t*,
                                       bf16_t*, float*, float*, float*, float*, float*, float*, bf16_t*, int, int, int,
@@ -108,7 +108,7 @@ int main(int argc, char** argv)
         return b;
     };
     auto gemm = [&](const bf16_t* x, int ldx, const std::vector<bf16_t>& w, bf16_t* y, int ldy, int n, int k) {
-        run_grid(dim3{1, 1, 1}, 256, 0, [&] { gemm_rows_bf16_m1_n4(x, ldx, w.data(), y, ldy, rows, n, k, 0, 0); });
+        run_grid(dim3{1, 1, 1}, 256, 0, [&] { gemm_rows_bf16_m1_n4(x, ldx, w.data(), y, ldy, rows, n, k, 0); });
     };
 
     // The separate launches.
