@@ -26,9 +26,10 @@ kda_recurrent_step_f32(const float* __restrict__ query, const float* __restrict_
                        const int* __restrict__ slots, float* __restrict__ core, int heads,
                        float scale)
 {
-    __shared__ float decay_s[KDA_HEAD_DIM];
-    __shared__ float key_s[KDA_HEAD_DIM];
-    __shared__ float query_s[KDA_HEAD_DIM];
+    // 16-byte aligned: the step reads them as broadcasts of four floats (see KdaStepShared).
+    __shared__ __align__(16) float decay_s[KDA_HEAD_DIM];
+    __shared__ __align__(16) float key_s[KDA_HEAD_DIM];
+    __shared__ __align__(16) float query_s[KDA_HEAD_DIM];
 
     const int head = blockIdx.x;
     const int lane = threadIdx.x;
