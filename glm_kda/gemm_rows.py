@@ -18,7 +18,7 @@ from typing import Any
 import cupy
 
 from glm_kda import kernels
-from glm_kda.ops import _i32, projection_args, require_counters
+from glm_kda.ops import _i32, projection_args
 
 GEMM_ROWS_MAX_ROWS = 256
 # Rows swept together over one read of the weight (blockIdx.y picks the group).
@@ -301,8 +301,7 @@ def wgmma_available() -> bool:
 
 def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | None = None,
                    blocks: int | None = None, programmatic: bool = False, serial: bool | None = None,
-                   wgmma: bool | None = None, reserved_slots: int = 0, inputs_ready: Any = None,
-                   ready_target: int = 0) -> None:
+                   wgmma: bool | None = None, reserved_slots: int = 0) -> None:
     """out[r, :] = bf16(x[r, :] @ w.T) for r < rows (1..256), FP32 accumulation on tensor cores.
 
     Shapes:
@@ -330,22 +329,10 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
     stream (sm_90 and later): the blocks start while that kernel drains, ask L2 for their
     first weight bytes, and wait for it before they read x or write out. For a launch whose
     previous operation in the stream is the kernel that writes x; the bits are the same.
-    ``inputs_ready`` (counters, see :func:`glm_kda.ops.require_counters`) and ``ready_target``: x is
-    the output of the previous kernel, whose blocks count themselves in inputs_ready[0] once their
-    part is written (kda_decode_fused_bf16's outputs_counted): the blocks start on x when the count
-    reaches ready_target instead of when that kernel completes, the launch still completes after it,
-    and its last block sets the counters back to zero. Not with the warpgroup-MMA sweep (the
-    row-group sweeps run instead); the bits are the same.
     """
     rows, n, k, ldx, ldy = projection_args("gemm_rows_bf16", x, w, out, rows, GEMM_ROWS_MAX_ROWS)
     packed = isinstance(w, PackedWeight)
-    if inputs_ready is not None:
-        require_counters("gemm_rows_bf16: inputs_ready", inputs_ready)
-        if ready_target < 1:
-            raise ValueError(f"gemm_rows_bf16: ready_target must be >= 1 with inputs_ready, got {ready_target}")
-        if wgmma:
-            raise ValueError("gemm_rows_bf16: the warpgroup-MMA sweep does not wait on inputs_ready")
-    if inputs_ready is not None or not (packed and w.pairs is not None and wgmma_available()):
+    if not (packed and w.pairs is not None and wgmma_available()):
         if wgmma:
             raise ValueError("gemm_rows_bf16: wgmma=True needs a PackedWeight made with pack_weight(w, pairs=True)"
                              f" on an sm_90 device (packed: {packed}, pair layout: {packed and w.pairs is not None},"
@@ -364,8 +351,7 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
         plan.grid,
         plan.block,
         (x, _i32(ldx), (w.pairs if on_wgmma else w.data) if packed else w, out,
-         _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(last))
-        + (() if on_wgmma else (inputs_ready, _i32(ready_target))),
+         _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(last)),
         plan.shared_mem,
         programmatic=programmatic,
         carveout=100 if plan.shared_mem else -1,

@@ -88,11 +88,6 @@ SIDE_CHAIN_FIRST = True
 SIDE_CHAIN_PROGRAMMATIC = False
 SIDE_STREAM_PRIORITY: int | None = -64
 QKV_RESERVED_SLOTS = 64
-# The output projection after a fused decode step starts when every block of the step has counted
-# its outputs written (kda_decode_fused_bf16's outputs_counted, gemm_rows_bf16's inputs_ready)
-# instead of when the step's launch completes, so it runs while the step's blocks store their
-# states and without the completion's latency; it still completes after the step. No bit changes.
-OUT_PROJ_ON_STEP_COUNT = False
 # Default of KdaLayer.persistent_decode.
 PERSISTENT_DECODE = False
 # Most rows one batched decode call takes (the workspace and the pool may limit it further).
@@ -211,10 +206,6 @@ class KdaWorkspace:
         # Fixed input buffers of the captured decode graphs.
         self.graph_hidden = cupy.zeros((max_tokens, c.hidden), bf16)
         self.graph_slots = cupy.zeros((max_tokens,), np.int32)
-        # The fused decode step's blocks counted as their outputs are written, and the output
-        # projection's blocks past their wait on that count (OUT_PROJ_ON_STEP_COUNT); zero between
-        # calls.
-        self.step_counters = cupy.zeros((2,), np.int32)
 
     @classmethod
     def shared(cls, config: KdaConfig, max_tokens: int) -> "KdaWorkspace":
@@ -415,7 +406,7 @@ class KdaLayer:
 
     # Stages -------------------------------------------------------------------------------
     def _project_decode(self, x: Any, weight: Any, out: Any, after_kernel: bool = False,
-                        reserved_slots: int = 0, inputs_ready: tuple[Any, int] | None = None) -> None:
+                        reserved_slots: int = 0) -> None:
         """The projection of every decode-side call (decode, decode_k, batched decode, and
         prefill of <= 16 rows). One kernel, applied to groups of DECODE_ROW_GROUP rows, whose
         per-row arithmetic does not depend on the row count: a row's bits are the same in
@@ -425,30 +416,21 @@ class KdaLayer:
         the projection may launch as its programmatic dependent (its blocks start and ask L2
         for their first weights while that kernel drains; the same bits). reserved_slots: block
         slots a launch of <= 16 rows leaves to kernels beside it (gemm_rows.launch_plan; no bit
-        depends on it). inputs_ready: (counters, count) that kernel's blocks count themselves in
-        as x is written (OUT_PROJ_ON_STEP_COUNT): the first row group waits on the count
-        (gemm_rows_bf16's inputs_ready), the others, each the programmatic dependent of the one
-        before, as usual."""
+        depends on it)."""
         rows = x.shape[0]
-        counters, count = inputs_ready or (None, 0)
         for start in range(0, rows, DECODE_ROW_GROUP):
             stop = min(rows, start + DECODE_ROW_GROUP)
             gemm_rows.gemm_rows_bf16(x[start:stop], weight, out[start:stop], rows=stop - start,
-                                     programmatic=after_kernel or start > 0, reserved_slots=reserved_slots,
-                                     **({"inputs_ready": counters, "ready_target": count}
-                                        if start == 0 and counters is not None else {}))
+                                     programmatic=after_kernel or start > 0, reserved_slots=reserved_slots)
 
     def _project(self, x: Any, weight: str, out: Any, wide: bool, after_kernel: bool = False,
-                 reserved_slots: int = 0, inputs_ready: tuple[Any, int] | None = None) -> None:
-        """x @ the weight named `weight` (one of DECODE_WEIGHTS) into out (reserved_slots and
-        inputs_ready: see _project_decode; the wide path has neither)."""
-        if wide and inputs_ready is not None:
-            raise ValueError("_project: a wide projection cannot wait on inputs_ready")
+                 reserved_slots: int = 0) -> None:
+        """x @ the weight named `weight` (one of DECODE_WEIGHTS) into out."""
         if wide:
             # Prefill only: cuBLAS reassociates, which no bit-exact path may see.
             ops.gemm_bf16_cublas(x, getattr(self, weight), out)
         else:
-            self._project_decode(x, self.decode_weight(weight), out, after_kernel, reserved_slots, inputs_ready)
+            self._project_decode(x, self.decode_weight(weight), out, after_kernel, reserved_slots)
 
     def gate_source(self, first: int = 0) -> chunk_tc.GateSource:
         """Workspace rows first.. of what the forget gate and beta are formed from."""
@@ -519,13 +501,11 @@ class KdaLayer:
             main.wait_event(self._join_event)
 
     def stateful_rows(self, first: int, rows: int, conv_state: Any, recurrent_state: Any, slots: Any = None,
-                      walk: bool = False, outputs_counted: Any = None) -> int | None:
+                      walk: bool = False) -> None:
         """Decode's stateful half for workspace rows first..first+rows-1, updating the states
         in place. Row r uses slot slots[r] of a pool, or (slots None, rows == 1) the single
         state given; walk=True: the rows are consecutive tokens of the single state given,
-        walked in one launch (fused_decode only). outputs_counted (fused_decode only): the fused
-        step's blocks count their outputs there (see ops.kda_decode_fused_bf16); the o_proj launch
-        that follows must wait on the count, which this returns (None without fused_decode).
+        walked in one launch (fused_decode only).
 
         With `fused_decode` (the default) one launch forms conv + SiLU + L2, the gate and beta,
         the recurrent step and the gated norm (o_norm_out), so the front end must skip the gate
@@ -536,7 +516,7 @@ class KdaLayer:
         sl = slice(first, first + rows)
         if self.fused_decode:
             d = c.head_dim
-            return ops.kda_decode_fused_bf16(
+            ops.kda_decode_fused_bf16(
                 conv_state, recurrent_state, ws.qkv_proj[sl], self.conv_weight, ws.forget_proj[sl], self.dt_bias,
                 self.a_log, ws.down_proj[sl, 2 * d :], ws.out_gate[sl], self.o_norm, ws.conv_out[sl], ws.query[sl],
                 ws.key[sl], ws.value[sl], ws.gate[sl], ws.beta[sl], ws.core[sl], ws.o_norm_out[sl],
@@ -544,16 +524,14 @@ class KdaLayer:
                 norm_eps=c.rms_norm_eps, slots=slots, tokens=rows if walk else 1,
                 prefetch_ahead=self._step_prefetch_ahead(), dependents_after=STEP_DEPENDENTS_AFTER,
                 staged=STEP_STAGED_STATE, carveout=STEP_STAGED_CARVEOUT,
-                split=self._step_split(1 if walk else rows), outputs_counted=outputs_counted)
-        if outputs_counted is not None:
-            raise ValueError("stateful_rows: outputs_counted needs fused_decode")
+                split=self._step_split(1 if walk else rows))
+            return
         if walk:
             raise ValueError("stateful_rows: walk=True needs fused_decode")
         ops.conv_decode_silu_l2_bf16(conv_state, ws.qkv_proj[sl], self.conv_weight, ws.conv_out[sl],
                                      ws.query[sl], ws.key[sl], ws.value[sl], c.heads, c.head_dim, c.l2_eps, slots=slots)
         ops.kda_recurrent_step_f32(ws.query[sl], ws.key[sl], ws.value[sl], ws.gate[sl], ws.beta[sl],
                                    recurrent_state, ws.core[sl], self.scale, slots=slots)
-        return None
 
     def _step_split(self, sequences: int) -> bool:
         """Whether a fused step of `sequences` sequences splits its heads (STEP_SPLIT_WAVES)."""
@@ -586,13 +564,9 @@ class KdaLayer:
             return
         with _section("front_end"):
             self.front_end(hidden, gate=not self.fused_decode)
-        # One fused step launch, then o_proj: with OUT_PROJ_ON_STEP_COUNT o_proj waits on the
-        # step's count of blocks done with their outputs (and sets the counters back to zero).
-        counters = self.workspace.step_counters if OUT_PROJ_ON_STEP_COUNT and self.fused_decode else None
-        counted = None
         with _section("recurrence"):
             if sequential and self.fused_decode and not snapshots:
-                counted = self.stateful_rows(0, rows, conv_state, recurrent_state, walk=True, outputs_counted=counters)
+                self.stateful_rows(0, rows, conv_state, recurrent_state, walk=True)
             elif sequential:
                 for row in range(rows):
                     self.stateful_rows(row, 1, conv_state, recurrent_state)
@@ -600,17 +574,9 @@ class KdaLayer:
                         snapshots[row].conv[...] = conv_state
                         snapshots[row].recurrent[...] = recurrent_state
             else:
-                counted = self.stateful_rows(0, rows, conv_state, recurrent_state, slots=slots,
-                                             outputs_counted=counters)
+                self.stateful_rows(0, rows, conv_state, recurrent_state, slots=slots)
         with _section("back_end"):
-            try:
-                self.back_end(rows, norm=not self.fused_decode,
-                              inputs_ready=None if counters is None or counted is None else (counters, counted))
-            except BaseException:
-                if counters is not None and counted is not None:
-                    with contextlib.suppress(Exception):
-                        counters.fill(0)  # a count no o_proj consumed would release the next one early
-                raise
+            self.back_end(rows, norm=not self.fused_decode)
 
     def _persistent_applies(self, rows: int, sequential: bool, snapshots: Sequence[KdaState]) -> bool:
         """Whether a decode-side call of `rows` rows runs as the one persistent launch: one
@@ -621,17 +587,14 @@ class KdaLayer:
             return False
         return self.config.heads % 2 == 0
 
-    def back_end(self, rows: int, wide: bool = False, norm: bool = True,
-                 inputs_ready: tuple[Any, int] | None = None) -> None:
+    def back_end(self, rows: int, wide: bool = False, norm: bool = True) -> None:
         """Gated RMSNorm of core into o_norm_out (skipped with norm=False: the fused decode
-        step wrote it), then o_proj into final_out. inputs_ready: (counters, count) of the fused
-        step just launched (stateful_rows' outputs_counted and its return), for o_proj to wait on."""
+        step wrote it), then o_proj into final_out."""
         ws, c = self.workspace, self.config
         if norm:
             ops.gated_rmsnorm_sigmoid_bf16(ws.core, ws.out_gate, self.o_norm, ws.o_norm_out, c.heads, c.head_dim,
                                            c.rms_norm_eps, tokens=rows)
-        self._project(ws.o_norm_out[:rows], "o_proj", ws.final_out[:rows], wide, after_kernel=True,
-                      inputs_ready=inputs_ready)
+        self._project(ws.o_norm_out[:rows], "o_proj", ws.final_out[:rows], wide, after_kernel=True)
 
     def prefill_core(self, tokens: int, conv_state: Any, recurrent_state: Any, pad_value: float | None = 0.0,
                      first: int = 0) -> None:

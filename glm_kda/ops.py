@@ -144,16 +144,6 @@ def _token_slices(tokens: int):
         yield start, min(tokens, start + MAX_GRID_Y)
 
 
-def require_counters(name: str, counters) -> None:
-    """A device int32 [2] array: the counters between a kernel that counts its blocks' outputs and
-    the projection that waits on the count (kda_decode_fused_bf16's outputs_counted,
-    gemm_rows_bf16's inputs_ready). Zero when neither launch is in flight."""
-    if not isinstance(counters, cupy.ndarray):
-        raise TypeError(f"{name}: expected a cupy.ndarray, got {type(counters).__name__}")
-    if counters.dtype != numpy.int32 or counters.shape != (2,) or not counters.flags.c_contiguous:
-        raise ValueError(f"{name}: expected a contiguous int32 [2] array, got {counters.dtype} {list(counters.shape)}")
-
-
 def _i32(value) -> numpy.int32:
     return numpy.int32(value)
 
@@ -512,8 +502,7 @@ def kda_decode_fused_bf16(
     conv_out, query, key, value, gate, beta, core, o_norm_out, *, bounded: bool, lower_bound: float,
     scale: float, l2_eps: float, norm_eps: float, slots=None, tokens: int = 1, prefetch_ahead: int = 0,
     dependents_after: int = 0, staged: bool = False, carveout: int = -1, split: bool = False,
-    outputs_counted=None,
-) -> int:
+) -> None:
     """The stateful half of decode in one launch: for each sequence, `tokens` consecutive
     tokens of conv + SiLU + L2, forget gate and beta, one delta-rule step, gated RMSNorm.
 
@@ -549,14 +538,6 @@ def kda_decode_fused_bf16(
     value columns 32 r .. 32 r + 31 (a quarter of the state each, so four SMs move a head's
     state), every block forming the head's q, k and gate (ignored before sm_90, or with staged).
     It changes no bit.
-
-    outputs_counted (None, or counters as :func:`require_counters` checks): every block adds 1 to
-    outputs_counted[0] once its stage outputs are written and visible, before it stores its states,
-    so that an output projection launched after it may start on o_norm_out then
-    (gemm_rows_bf16's inputs_ready with the returned count). Only a launch that such a projection
-    follows may count: the projection sets the counters back to zero. It changes no bit.
-
-    Returns the number of blocks launched (what outputs_counted[0] reaches).
     """
     heads = _state_or_pool_heads(state)
     qkv = heads * HEAD_DIM
@@ -586,24 +567,20 @@ def kda_decode_fused_bf16(
         prefetch_ahead = 0  # the L2 requests take 16-byte aligned ranges; a hint, so none
     if dependents_after not in (0, 1, 2):
         raise ValueError(f"dependents_after must be 0, 1 or 2, got {dependents_after}")
-    if outputs_counted is not None:
-        require_counters("outputs_counted", outputs_counted)
     staged = staged and state.data.ptr % 16 == 0 and bulk_copies_available()
     split = split and not staged and bulk_copies_available()
     name = "kda_decode_fused_staged_bf16" if staged else "kda_decode_fused_split_bf16" if split else "kda_decode_fused_bf16"
-    grid = (heads * HEAD_SPLIT if split else heads, sequences)
     kernels.launch(
         name,
-        grid,
+        (heads * HEAD_SPLIT if split else heads, sequences),
         (HEAD_BLOCK,),
         (conv_state, state, slots, qkv_proj, conv_w, forget_proj, dt_bias, a_log, beta_logits, _i32(ld_beta),
          out_gate, norm_w, conv_out, query, key, value, gate, beta, core, o_norm_out, _i32(heads),
          _i32(kernel_size), _i32(tokens), _i32(1 if bounded else 0), _f32(lower_bound if bounded else 0.0), _f32(scale),
-         _f32(l2_eps), _f32(norm_eps), _i32(prefetch_ahead), _i32(dependents_after), outputs_counted),
+         _f32(l2_eps), _f32(norm_eps), _i32(prefetch_ahead), _i32(dependents_after)),
         HEAD_DIM * HEAD_DIM * 4 if staged else 0,
         carveout=carveout if staged else -1,
     )
-    return grid[0] * grid[1]
 
 
 def bulk_copies_available() -> bool:

@@ -55,6 +55,8 @@
 #define DECODE_PERSISTENT_TILES 4
 #define DECODE_PERSISTENT_OUT_TILES 2
 #define DECODE_PERSISTENT_TASK_INTS 8
+// A wait longer than this many polls (seconds) is a broken schedule: trap instead of hanging.
+#define DECODE_PERSISTENT_MAX_POLLS (1 << 26)
 
 enum DecodeTask {
     TASK_DOWN = 0,
@@ -85,6 +87,25 @@ __device__ __forceinline__ unsigned long long global_timer_ns()
     unsigned long long value;
     asm volatile("mov.u64 %0, %globaltimer;" : "=l"(value));
     return value;
+}
+
+__device__ __forceinline__ int load_acquire(const int* counter)
+{
+    int value;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(value) : "l"(counter) : "memory");
+    return value;
+}
+
+// Thread 0: until counter >= target.
+__device__ __forceinline__ void wait_for_counter(const int* counter, int target)
+{
+    int polls = 0;
+    while (load_acquire(counter) < target) {
+        __nanosleep(64);
+        if (++polls > DECODE_PERSISTENT_MAX_POLLS) {
+            __trap();
+        }
+    }
 }
 
 // Every thread's writes so far, then +1 on each of the three counters `named` names

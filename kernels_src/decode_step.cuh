@@ -136,11 +136,6 @@ struct KdaStepArgs {
     // 0 not here (the caller's business), 1 once the first token's inputs are formed (the state
     // column and the inputs have arrived), 2 after the first token's recurrent step.
     int dependents_after;
-    // Null, or a counter to which every block adds 1 once its outputs (o_norm_out and the other
-    // stage rows) are written and made visible, before it stores its state: the output projection
-    // may then start on them without waiting for the state stores and the launch's completion
-    // (gemm_rows' inputs_ready).
-    int* outputs_counted = nullptr;
 };
 
 // The shared memory of one head group. `state_arrived`: the mbarrier of the staged state copy.
@@ -378,17 +373,6 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
             p.o_norm_out[out_index] = f32_to_bf16(normed);
         }
     }
-
-    if (p.outputs_counted != nullptr) {
-        // Every thread's output writes visible at gpu scope, then one count for the block.
-        __threadfence();
-        group.sync();
-        if (d == 0) {
-            atomicAdd(p.outputs_counted, 1);
-        }
-    }
-    // (The block timeline's second stamp: for the step, when its outputs are out.)
-    KDA_TRACE_WAITED();
 
     // (A split head: every block has read its conv windows before the last token's barrier.)
     if constexpr (staged) {

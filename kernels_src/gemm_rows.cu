@@ -9,14 +9,11 @@
 // extra m-tiles predicated off) and N_TILES and the grid from the shape. Separate entries
 // keep each kernel's code small: one variant in the instruction cache, not all of them.
 // `prefetch` (k blocks per weight row, 0 for none) asks L2 for the first weights before the
-// wait on the previous kernel; like the tiles and the grid it changes no bit. `inputs_ready`
-// (null: none) and `ready_target`: wait for the previous kernel's blocks to count x written
-// instead of for its completion (gemm_rows_wait_inputs); the same bits.
+// wait on the previous kernel; like the tiles and the grid it changes no bit.
 template <int M_TILES, int N_TILES, bool PACKED>
 __device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, int ldx,
                                                 const bf16_t* __restrict__ w, bf16_t* __restrict__ y,
-                                                int ldy, int rows, int n, int k, int prefetch, int* inputs_ready,
-                                                int ready_target)
+                                                int ldy, int rows, int n, int k, int prefetch)
 {
     __shared__ float partial[GEMM_ROWS_PARTIAL_FLOATS(M_TILES, N_TILES)];
     KDA_TRACE_SCOPE(y);
@@ -24,24 +21,19 @@ __device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, in
     kda_let_next_kernel_launch();
     const int row_begin = blockIdx.y * GEMM_ROWS_M_GROUP;
     if (row_begin >= rows || blockDim.x != GEMM_ROWS_THREADS) {
-        gemm_rows_wait_inputs(inputs_ready, ready_target);  // every block counts itself
-        gemm_rows_complete_after_previous_kernel();
         return;
     }
     const int row_end = min(rows, row_begin + GEMM_ROWS_M_GROUP);
     gemm_rows_sweep<M_TILES, N_TILES, PACKED>(x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split_for(k),
-                                              prefetch, partial, inputs_ready, ready_target);
-    gemm_rows_complete_after_previous_kernel();
+                                              prefetch, partial);
 }
 
 #define GEMM_ROWS_ENTRY_OF(NAME, M_TILES, N_TILES, PACKED)                                         \
     extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_MIN_BLOCKS)          \
         NAME(const bf16_t* __restrict__ x, int ldx, const bf16_t* __restrict__ w,                  \
-             bf16_t* __restrict__ y, int ldy, int rows, int n, int k, int prefetch,               \
-             int* __restrict__ inputs_ready, int ready_target)                                     \
+             bf16_t* __restrict__ y, int ldy, int rows, int n, int k, int prefetch)                \
     {                                                                                              \
-        gemm_rows_entry<M_TILES, N_TILES, PACKED>(x, ldx, w, y, ldy, rows, n, k, prefetch, inputs_ready, \
-                                                  ready_target);                                   \
+        gemm_rows_entry<M_TILES, N_TILES, PACKED>(x, ldx, w, y, ldy, rows, n, k, prefetch);        \
     }
 // gemm_rows_bf16_m<M>_n<N> reads w in torch Linear layout, gemm_rows_packed_bf16_m<M>_n<N> in the
 // packed layout of gemm_rows.cuh (the same bits).
@@ -65,26 +57,20 @@ GEMM_ROWS_ENTRY(4, 2)
 // The serial sweep of gemm_rows.cuh (33..64 rows of a wide weight): block GEMM_ROWS_SERIAL_THREADS
 // threads, no shared memory, grid.x any number of blocks (each loops over the column groups of
 // GEMM_ROWS_SERIAL_WARPS * N_TILES tiles), grid.y the row groups of 64. The same bits as the entries
-// above. `prefetch` is accepted and unused: its warps' first weights are those of k range 0 only;
-// `inputs_ready` and `ready_target` as in the entries above.
+// above. `prefetch` is accepted and unused: its warps' first weights are those of k range 0 only.
 template <int M_TILES, int N_TILES, bool PACKED>
 __device__ __forceinline__ void gemm_rows_serial_entry(const bf16_t* __restrict__ x, int ldx,
                                                        const bf16_t* __restrict__ w, bf16_t* __restrict__ y,
-                                                       int ldy, int rows, int n, int k, int* inputs_ready,
-                                                       int ready_target)
+                                                       int ldy, int rows, int n, int k)
 {
     KDA_TRACE_SCOPE(y);
     kda_let_next_kernel_launch();
     const int row_begin = blockIdx.y * GEMM_ROWS_M_GROUP;
     if (row_begin >= rows || blockDim.x != GEMM_ROWS_SERIAL_THREADS) {
-        gemm_rows_wait_inputs(inputs_ready, ready_target);  // every block counts itself
-        gemm_rows_complete_after_previous_kernel();
         return;
     }
     const int row_end = min(rows, row_begin + GEMM_ROWS_M_GROUP);
-    gemm_rows_serial_sweep<M_TILES, N_TILES, PACKED>(x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split_for(k),
-                                                     inputs_ready, ready_target);
-    gemm_rows_complete_after_previous_kernel();
+    gemm_rows_serial_sweep<M_TILES, N_TILES, PACKED>(x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split_for(k));
 }
 
 // Serial blocks per SM the entries are compiled for: 3 (up to 168 registers; the running total
@@ -95,11 +81,9 @@ __device__ __forceinline__ void gemm_rows_serial_entry(const bf16_t* __restrict_
 #define GEMM_ROWS_SERIAL_ENTRY_OF(NAME, M_TILES, N_TILES, PACKED)                                  \
     extern "C" __global__ void __launch_bounds__(GEMM_ROWS_SERIAL_THREADS, GEMM_ROWS_SERIAL_MIN_BLOCKS) \
         NAME(const bf16_t* __restrict__ x, int ldx, const bf16_t* __restrict__ w,                  \
-             bf16_t* __restrict__ y, int ldy, int rows, int n, int k, int /* prefetch */,         \
-             int* __restrict__ inputs_ready, int ready_target)                                     \
+             bf16_t* __restrict__ y, int ldy, int rows, int n, int k, int /* prefetch */)          \
     {                                                                                              \
-        gemm_rows_serial_entry<M_TILES, N_TILES, PACKED>(x, ldx, w, y, ldy, rows, n, k, inputs_ready, \
-                                                         ready_target);                            \
+        gemm_rows_serial_entry<M_TILES, N_TILES, PACKED>(x, ldx, w, y, ldy, rows, n, k);           \
     }
 #define GEMM_ROWS_SERIAL_ENTRY(M_TILES, N_TILES)                                                   \
     GEMM_ROWS_SERIAL_ENTRY_OF(gemm_rows_serial_bf16_m##M_TILES##_n##N_TILES, M_TILES, N_TILES, false) \

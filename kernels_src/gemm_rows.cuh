@@ -462,43 +462,6 @@ __device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const 
     __syncthreads();
 }
 
-// Before a block reads x: the previous kernel done (kda_wait_for_previous_kernel), or, where
-// `inputs_ready` is not null, that kernel's blocks counted in inputs_ready[0] up to
-// `ready_target`, each once its part of x is written and visible (the fused decode step's
-// outputs_counted): the projection starts on x while that kernel's blocks still store what it does
-// not read. Thread 0 waits, then counts its block in inputs_ready[1]; the last block past its wait
-// sets both back to zero for the next launch (no block reads them again, and the previous kernel's
-// blocks have all counted). The entry's gemm_rows_complete_after_previous_kernel at the block's end
-// keeps the launch from completing before that kernel, so that what follows may rely on all of it.
-__device__ __forceinline__ void gemm_rows_wait_inputs(int* inputs_ready, int ready_target)
-{
-    if (inputs_ready != nullptr) {
-        if (threadIdx.x == 0) {
-            wait_for_counter(inputs_ready, ready_target);
-            if (atomicAdd(inputs_ready + 1, 1) == static_cast<int>(gridDim.x * gridDim.y) - 1) {
-                inputs_ready[0] = 0;
-                inputs_ready[1] = 0;
-            }
-        }
-        __syncthreads();
-        KDA_TRACE_WAITED();
-    } else {
-        kda_wait_for_previous_kernel();
-    }
-}
-
-// The end of every block of an entry: thread 0 waits for the previous kernel, which returns at once
-// where the block waited for it already or the launch is not programmatic, and otherwise (x
-// counted by gemm_rows_wait_inputs) keeps the launch from completing before it. One thread and no
-// memory clobber: nothing is held over the sweep for it (a flag or the wait in every thread cost
-// the widest row-major entry 8 - 16 bytes of spill on sm_120).
-__device__ __forceinline__ void gemm_rows_complete_after_previous_kernel()
-{
-    if (threadIdx.x == 0) {
-        kda_complete_after_previous_kernel();
-    }
-}
-
 // One block's share of the output: rows [row_begin, row_end) (at most 64) and the
 // column groups blockIdx.x, blockIdx.x + gridDim.x, ...
 template <int M_TILES, int N_TILES, bool PACKED = false>
@@ -506,8 +469,7 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
                                                 const bf16_t* __restrict__ w,
                                                 bf16_t* __restrict__ y, int ldy, int row_begin,
                                                 int row_end, int n, int k, int k_split, int prefetch,
-                                                float* partial, int* inputs_ready = nullptr,
-                                                int ready_target = 0)
+                                                float* partial)
 {
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -544,9 +506,8 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
             }
         }
     }
-    // x (and y) may belong to the previous kernel: nothing below runs before it is done, or, with
-    // inputs_ready, before its blocks have counted their outputs written (gemm_rows_wait_inputs).
-    gemm_rows_wait_inputs(inputs_ready, ready_target);
+    // x (and y) may belong to the previous kernel: nothing below runs before it is done.
+    kda_wait_for_previous_kernel();
 
     for (int group = blockIdx.x; group < column_groups; group += gridDim.x) {
         gemm_rows_group<M_TILES, N_TILES, GEMM_ROWS_LOADS, GEMM_X_INPUT, PACKED>(x, ldx, w, y, ldy, row_begin,
@@ -578,17 +539,15 @@ template <int M_TILES, int N_TILES, bool PACKED = false>
 __device__ __forceinline__ void gemm_rows_serial_sweep(const bf16_t* __restrict__ x, int ldx,
                                                        const bf16_t* __restrict__ w, bf16_t* __restrict__ y,
                                                        int ldy, int row_begin, int row_end, int n, int k,
-                                                       int k_split, int* inputs_ready = nullptr,
-                                                       int ready_target = 0)
+                                                       int k_split)
 {
     constexpr int BLOCK_COLUMNS = GEMM_ROWS_SERIAL_WARPS * N_TILES * GEMM_ROWS_N_TILE;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int column_groups = (n + BLOCK_COLUMNS - 1) / BLOCK_COLUMNS;
 
-    // x (and y) may belong to the previous kernel: nothing below runs before it is done (or its
-    // count, with inputs_ready).
-    gemm_rows_wait_inputs(inputs_ready, ready_target);
+    // x (and y) may belong to the previous kernel: nothing below runs before it is done.
+    kda_wait_for_previous_kernel();
 
     for (int group = blockIdx.x; group < column_groups; group += gridDim.x) {
         const int warp_column = group * BLOCK_COLUMNS + warp * N_TILES * GEMM_ROWS_N_TILE;

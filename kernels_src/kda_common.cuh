@@ -220,39 +220,6 @@ __device__ __forceinline__ void kda_wait_for_previous_kernel()
     KDA_TRACE_WAITED();
 }
 
-// The same wait for a thread that is done with memory and only keeps its block from completing
-// before the previous kernel: no memory clobber, nothing to order.
-__device__ __forceinline__ void kda_complete_after_previous_kernel()
-{
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;");
-#endif
-}
-
-// Counters between blocks, of one launch or of a launch and its programmatic dependent: read with
-// acquire semantics (gpu scope), and waited on by one thread, which traps instead of hanging when a
-// wait outlasts KDA_MAX_POLLS polls (seconds: a broken schedule, never a slow one).
-#define KDA_MAX_POLLS (1 << 26)
-
-__device__ __forceinline__ int load_acquire(const int* counter)
-{
-    int value;
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(value) : "l"(counter) : "memory");
-    return value;
-}
-
-// Until *counter >= target.
-__device__ __forceinline__ void wait_for_counter(const int* counter, int target)
-{
-    int polls = 0;
-    while (load_acquire(counter) < target) {
-        __nanosleep(64);
-        if (++polls > KDA_MAX_POLLS) {
-            __trap();
-        }
-    }
-}
-
 // The shared-memory (state-space) address of a pointer into this block's shared memory, as the
 // asynchronous copies, mbarriers and cluster instructions take it.
 __device__ __forceinline__ unsigned int shared_address(const void* pointer)

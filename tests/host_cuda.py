@@ -81,7 +81,6 @@ inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); 
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 #define __shared__ static
-#define __align__(n) __attribute__((aligned(n)))
 extern thread_local dim3 threadIdx, blockIdx;
 extern dim3 blockDim, gridDim;
 extern float* emulated_shared;
@@ -161,17 +160,6 @@ inline void warp_mma(float acc[4], const Slot& mine, Slot (&slots)[32][32], Prod
 // one kernel at a time here, nothing to overlap.
 inline void kda_let_next_kernel_launch() {}
 inline void kda_wait_for_previous_kernel() {}
-inline void kda_complete_after_previous_kernel() {}
-// Counters between blocks (kda_common.cuh's load_acquire and what its callers use): the blocks of
-// a host launch run on threads, so these are the C++ atomics.
-inline int load_acquire(const int* counter)
-{
-    return reinterpret_cast<const std::atomic<int>*>(counter)->load(std::memory_order_acquire);
-}
-inline int atomicAdd(int* address, int value) { return reinterpret_cast<std::atomic<int>*>(address)->fetch_add(value); }
-inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-inline void __nanosleep(unsigned) { std::this_thread::yield(); }
-[[noreturn]] inline void __trap() { std::abort(); }
 // The bulk copies of a fused step's staged state (decode_step.cuh, PTX on sm_90): thread 0 copies
 // at once, and the group barrier that follows in the kernel publishes the copy.
 #define KDA_STAGED_STATE 1
@@ -279,10 +267,9 @@ def host_kernel_source(stem: str, device_helpers: tuple[str, ...]) -> str:
     return source
 
 
-# The device-only helpers of kda_common.cuh (the first three no-ops before sm_90; their bodies are
+# The device-only helpers of kda_common.cuh (the first two no-ops before sm_90; their bodies are
 # inline PTX or device intrinsics).
-COMMON_DEVICE_HELPERS = ("kda_let_next_kernel_launch", "kda_wait_for_previous_kernel",
-                         "kda_complete_after_previous_kernel", "load_acquire", "shared_address")
+COMMON_DEVICE_HELPERS = ("kda_let_next_kernel_launch", "kda_wait_for_previous_kernel", "shared_address")
 # decode_step.cuh's bulk copies of the staged state and its cluster helpers (emulated by
 # HOST_CUDA_HEADER).
 STAGED_STATE_HELPERS = ("kda_stage_state_in", "kda_wait_staged_state", "kda_stage_fence",

@@ -83,7 +83,7 @@ extern "C" void gated_rmsnorm_sigmoid_bf16(const float*, const bf16_t*, const bf
 #define KDA_DECODE_FUSED_SIGNATURE                                                                              \
     (float*, float*, const int*, const bf16_t*, const bf16_t*, const bf16_t*, const float*, const float*,          \
      const bf16_t*, int, const bf16_t*, const bf16_t*, bf16_t*, float*, float*, float*, float*, float*, float*,      \
-     bf16_t*, int, int, int, int, float, float, float, float, int, int, int*)
+     bf16_t*, int, int, int, int, float, float, float, float, int, int)
 extern "C" void kda_decode_fused_bf16 KDA_DECODE_FUSED_SIGNATURE;
 extern "C" void kda_decode_fused_staged_bf16 KDA_DECODE_FUSED_SIGNATURE;
 
@@ -136,9 +136,6 @@ int main(int argc, char** argv)
             prefetch_heads = heads;
             prefetch_kernel = kernel;
             const auto kernel_entry = staged ? kda_decode_fused_staged_bf16 : kda_decode_fused_bf16;
-            // Every other launch counts its blocks' outputs (outputs_counted): each block once.
-            int counted = 0;
-            int* counter = (first + tokens) % 2 == 0 ? &counted : nullptr;
             run_grid(dim3{unsigned(heads), unsigned(sequences), 1}, 128, staged ? STAGED_STATE_BYTES : 0, [&] {
                 kernel_entry(conv, states, slot_list, qkv_proj.data() + first * conv_dim, conv_w.data(),
                              forget_proj.data() + first * qkv, dt_bias.data(), a_log.data(),
@@ -147,11 +144,8 @@ int main(int argc, char** argv)
                              key.data() + first * qkv, value.data() + first * qkv, gate.data() + first * qkv,
                              beta.data() + first * heads, core.data() + first * qkv,
                              o_norm_out.data() + first * qkv, heads, kernel, tokens, bounded, lower_bound,
-                             scale, l2_eps, norm_eps, prefetch_ahead, dependents_after, counter);
+                             scale, l2_eps, norm_eps, prefetch_ahead, dependents_after);
             });
-            if (counter != nullptr && counted != heads * sequences) {
-                std::printf("counted=%d of %d blocks\n", counted, heads * sequences);
-            }
         };
         // The separate kernels over rows first .. first + count - 1, one token of a sequence each.
         auto separate = [&](int first, int count, const int* slot_list, float* conv, float* states) {

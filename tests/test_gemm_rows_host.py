@@ -66,20 +66,20 @@ GEMM_MAIN = r"""
 """ + HOST_CUDA_RUNTIME + r"""
 MmaSlot mma_slots[32][32];
 #define DECLARE(M, N) extern "C" void gemm_rows_bf16_m##M##_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, \
-                                                                int, int, int, int*, int);
+                                                                int, int, int);
 #define DECLARE_PACKED(M, N) extern "C" void gemm_rows_packed_bf16_m##M##_n##N(const bf16_t*, int, const bf16_t*, \
-                                                                              bf16_t*, int, int, int, int, int, int*, int);
+                                                                              bf16_t*, int, int, int, int, int);
 #define DECLARE_BOTH(M, N) DECLARE(M, N) DECLARE_PACKED(M, N)
 DECLARE_BOTH(1, 1) DECLARE_BOTH(1, 2) DECLARE_BOTH(1, 4) DECLARE_BOTH(2, 1) DECLARE_BOTH(2, 2) DECLARE_BOTH(2, 4)
 DECLARE_BOTH(4, 1) DECLARE_BOTH(4, 2)
 #define DECLARE_SERIAL(M, N) \
     extern "C" void gemm_rows_serial_bf16_m##M##_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, \
-                                                       int, int, int*, int); \
+                                                       int, int); \
     extern "C" void gemm_rows_packed_serial_bf16_m##M##_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, int, \
-                                                              int, int, int, int, int*, int);
+                                                              int, int, int, int);
 DECLARE_SERIAL(4, 2)
 extern "C" void gemv_bf16(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int);
-using Entry = void (*)(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int, int, int*, int);
+using Entry = void (*)(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int, int);
 
 int main(int argc, char** argv)
 {
@@ -102,8 +102,7 @@ int main(int argc, char** argv)
         {{2, 1}, gemm_rows_bf16_m2_n1}, {{2, 2}, gemm_rows_bf16_m2_n2}, {{2, 4}, gemm_rows_bf16_m2_n4},
         {{4, 1}, gemm_rows_bf16_m4_n1}, {{4, 2}, gemm_rows_bf16_m4_n2},
         // m0_n0: gemv_bf16 (no prefetch argument)
-        {{0, 0}, [](const bf16_t* x, int ldx, const bf16_t* w, bf16_t* y, int ldy, int rows, int n, int k, int, int*,
-                    int) {
+        {{0, 0}, [](const bf16_t* x, int ldx, const bf16_t* w, bf16_t* y, int ldy, int rows, int n, int k, int) {
              gemv_bf16(x, ldx, w, y, ldy, rows, n, k);
          }}};
     const std::pair<std::pair<int, int>, Entry> packed_entries[] = {
@@ -129,18 +128,9 @@ int main(int argc, char** argv)
     const auto w = load_u16(dir + "/w", w_elements > 0 ? size_t(w_elements) : size_t(n) * k);
     auto y = load_u16(dir + "/y", size_t(y_rows) * ldy);
     for (int launch = 0; launch < launches; ++launch) {
-        // Even launches wait on a counter the "previous kernel" has filled (7 of 7), as an output
-        // projection after the fused step does; every block must count itself and the last put
-        // both counters back to zero. Odd ones wait for the previous kernel (no counter).
-        int ready[2] = {7, 0};
-        int* counters = launch % 2 == 0 && !(m_tiles == 0 && n_tiles == 0) ? ready : nullptr;
         run_grid(dim3{grid_x, grid_y, 1}, threads, 0, [&] {
-            entry(x.data() + size_t(launch) * ldx, ldx, w.data(), y.data() + size_t(launch) * ldy, ldy, rows, n, k, 0,
-                  counters, 7);
+            entry(x.data() + size_t(launch) * ldx, ldx, w.data(), y.data() + size_t(launch) * ldy, ldy, rows, n, k, 0);
         });
-        if (ready[0] != (counters ? 0 : 7) || ready[1] != 0) {
-            std::printf("counters=%d,%d\n", ready[0], ready[1]);
-        }
     }
     save(dir + "/y.out", y);
     std::printf("misaligned=%ld\n", misaligned.load());

@@ -475,60 +475,6 @@ def test_split_step_gives_the_one_block_bits(layers, geometry, rows, monkeypatch
     _assert_same_bits(split, whole, f"{geometry} B{rows}", "the split heads and one block per head")
 
 
-@pytest.mark.parametrize("rows,graphs", [(1, True), (3, True), (3, False), (64, True), (100, True)])
-@pytest.mark.parametrize("geometry", ["glm", "kimi"])
-def test_out_proj_on_step_count_gives_the_default_bits(layers, geometry, rows, graphs, monkeypatch):
-    """o_proj waiting on the fused step's count of blocks done with their outputs
-    (layer.OUT_PROJ_ON_STEP_COUNT) writes the bits of o_proj waiting for the step's completion:
-    every stage buffer, the output and both states of a pool step of `rows` sequences with shuffled
-    slots (100: two row groups of o_proj, the first waiting on the count), of a 5-row decode_k walk
-    and of a 7-token prefill, captured in graphs or launched eagerly; the counters are back at zero
-    after each call."""
-    from glm_kda import layer as layer_module
-
-    _, layer = layers(geometry)
-    previous, previous_graphs = layer_module.OUT_PROJ_ON_STEP_COUNT, layer.use_graphs
-    counters = layer.workspace.step_counters
-
-    def switch(on):
-        assert int(_cp().count_nonzero(counters)) == 0, f"counters left at {counters.get().tolist()}"
-        monkeypatch.setattr(layer_module, "OUT_PROJ_ON_STEP_COUNT", previous if on is None else on)
-        layer._graphs.clear()  # graphs hold the launches they were captured with
-        layer.use_graphs = previous_graphs if on is None else graphs
-
-    counted, default = _decode_paths(layer, count=128, rows=rows, walk_rows=5, prefill_rows=7, seed=97 + rows,
-                                     switch=switch)
-    _assert_same_bits(counted, default, f"{geometry} B{rows} graphs={graphs}", "o_proj on the count and after the step")
-
-
-@pytest.mark.parametrize("geometry", ["glm", "kimi"])
-def test_out_proj_on_step_count_over_many_replays(layers, geometry, monkeypatch):
-    """40 decode calls in a row, each a replay of one captured graph whose o_proj waits on the step's
-    count: the outputs and the states of every call equal those of o_proj after the step's
-    completion, and the counters end at zero (each replay's o_proj puts them back for the next)."""
-    from glm_kda import layer as layer_module
-
-    cp = _cp()
-    _, layer = layers(geometry)
-    cfg = layer.config
-    hidden = cp.asarray(synthetic_hidden(40, cfg.hidden, seed=5).view(np.uint16)).view(layer.workspace.final_out.dtype)
-    start = KdaState.random(cfg, seed=6)
-
-    def walk(on: bool):
-        monkeypatch.setattr(layer_module, "OUT_PROJ_ON_STEP_COUNT", on)
-        layer._graphs.clear()
-        state = device_state(layer, start)
-        outputs = cp.stack([layer.decode(hidden[i : i + 1], state)[0] for i in range(40)])
-        cp.cuda.get_current_stream().synchronize()
-        return outputs, state
-
-    (counted, counted_state), (default, default_state) = walk(True), walk(False)
-    _assert_same_bits({"outputs": counted, "conv state": counted_state.conv, "recurrent state": counted_state.recurrent},
-                      {"outputs": default, "conv state": default_state.conv, "recurrent state": default_state.recurrent},
-                      f"{geometry} 40 calls", "o_proj on the count and after the step")
-    assert layer.workspace.step_counters.get().tolist() == [0, 0]
-
-
 @pytest.mark.parametrize("geometry", ["glm", "kimi"])
 def test_packed_decode_weights_give_the_row_major_bits(layers, geometry):
     """layer.packed_decode (the decode projections read gemm_rows' packed copies of the

@@ -179,9 +179,8 @@ def test_fused_decode_grid_and_arguments_match_the_kernel(launches, rows):
     assert re.search(r"kda_decode_fused_bf16\(KDA_DECODE_FUSED_PARAMETERS\)", source)
     signature = re.search(r"#define KDA_DECODE_FUSED_PARAMETERS(.*?)\n#define", source, re.S).group(1)
     assert len(args) == signature.count(",") + 1
-    assert (int(args[-11]), int(args[-10]), int(args[-9])) == (heads, 4, 1)  # heads, kernel_size, tokens
-    assert (int(args[-3]), int(args[-2])) == (0, 0)  # prefetch_ahead, dependents_after
-    assert args[-1] is None  # outputs_counted
+    assert (int(args[-10]), int(args[-9]), int(args[-8])) == (heads, 4, 1)  # heads, kernel_size, tokens
+    assert (int(args[-2]), int(args[-1])) == (0, 0)  # prefetch_ahead, dependents_after
 
 
 @pytest.mark.parametrize("operand,shape,needle", [
@@ -243,7 +242,7 @@ def test_fused_decode_walks_whole_sequences_of_tokens(launches):
     heads = 2
     ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, 6), **_FUSED_SCALARS, tokens=6)
     (name, grid, block, args), = launches
-    assert grid == (heads, 1) and int(args[-9]) == 6
+    assert grid == (heads, 1) and int(args[-8]) == 6
     with pytest.raises(ValueError, match="whole sequences"):
         ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, 6), **_FUSED_SCALARS, tokens=4)
     with pytest.raises(ValueError, match="only 1 state"):
@@ -281,7 +280,7 @@ def test_fused_decode_passes_the_prefetch_distance_and_refuses_a_negative_one(la
     ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, 3, pool=4), **_FUSED_SCALARS, slots=slots,
                               prefetch_ahead=2)
     (_, _, _, args), = launches
-    assert int(args[-3]) == 2
+    assert int(args[-2]) == 2
     with pytest.raises(ValueError, match="prefetch_ahead"):
         ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, 3, pool=4), **_FUSED_SCALARS, slots=slots,
                                   prefetch_ahead=-1)
@@ -291,7 +290,7 @@ def test_fused_decode_passes_the_prefetch_distance_and_refuses_a_negative_one(la
     shifted = aligned((4 * heads * 128 * 128 + 1,), np.float32)[1:].reshape(4, heads, 128, 128)
     operands["state"] = HostStandIn(shifted)
     ops.kda_decode_fused_bf16(**operands, **_FUSED_SCALARS, slots=slots, prefetch_ahead=2)
-    assert int(launches[-1][3][-3]) == 0
+    assert int(launches[-1][3][-2]) == 0
 
 
 def test_fused_decode_passes_where_its_dependents_launch(launches):
@@ -300,7 +299,7 @@ def test_fused_decode_passes_where_its_dependents_launch(launches):
     for where in (0, 1, 2):
         ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, 3, pool=4), **_FUSED_SCALARS, slots=slots,
                                   dependents_after=where)
-        assert int(launches[-1][3][-2]) == where
+        assert int(launches[-1][3][-1]) == where
     with pytest.raises(ValueError, match="dependents_after must be 0, 1 or 2, got 3"):
         ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, 3, pool=4), **_FUSED_SCALARS, slots=slots,
                                   dependents_after=3)
@@ -404,10 +403,3 @@ def test_persistent_decode_arguments_match_the_kernel(monkeypatch):
     with pytest.raises(ValueError, match="1..16 rows"):
         persistent.launch(layer, _bf16(17, 2304), None, None)
     assert len(made) == 1
-
-
-def test_counters_must_be_a_device_int32_pair():
-    """The counters between the fused step and o_proj (ops.require_counters) name the argument
-    when they are not a device int32 [2] array."""
-    with pytest.raises(TypeError, match="outputs_counted: expected a cupy.ndarray, got ndarray"):
-        ops.require_counters("outputs_counted", np.zeros(2, np.int32))
