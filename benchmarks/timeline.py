@@ -3,7 +3,8 @@
 The kernels are built a second time with KDA_TRACE defined (kernels_src/kda_common.cuh): thread 0
 of every block of the projections (gemm_rows) and of the fused step then records its SM and the
 GPU's global timer at the block's start, after its wait on the previous kernel (programmatic
-launches) and at its end. The package's own kernels carry none of this. The decode graph of each
+launches; for the fused step, which has none: once its outputs are written, before it stores its
+states) and at its end. The package's own kernels carry none of this. The decode graph of each
 geometry and row count is captured with the traced kernels and replayed; per launch (named by the
 buffer it writes) the line gives, in microseconds from the graph's first block start and as the
 median over the replays: the first block start, the last wait end, the first and last block end,
@@ -143,7 +144,8 @@ def table(record: dict) -> str:
     lines = [f"# {record['geometry']} rows {record['rows']} {record.get('settings') or ''}: step {record['step_us']} us, roofline "
              f"{record['roofline_us']} us, timer tick {record['timer_tick_ns']} ns"]
     for name, t in record["launches"].items():
-        wait = "" if t["last_wait_us"] is None else f", waits until {t['last_wait_us']}"
+        label = "outputs out by" if name == "fused step" else "waits until"
+        wait = "" if t["last_wait_us"] is None else f", {label} {t['last_wait_us']}"
         lines.append(f"#   {name:<11} start {t['start_us']:>7}{wait}, ends {t['first_end_us']} .. {t['end_us']} us"
                      f" ({t['blocks']:.0f} blocks)")
     return "\n".join(lines)

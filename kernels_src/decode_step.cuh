@@ -374,6 +374,10 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
         }
     }
 
+    // The block timeline's second stamp (benchmarks/timeline.py; nothing without KDA_TRACE): for
+    // the step, when this block's outputs are written, before its state stores.
+    KDA_TRACE_WAITED();
+
     // (A split head: every block has read its conv windows before the last token's barrier.)
     if constexpr (staged) {
         kda_recurrent_store(s, stage + d);

@@ -81,6 +81,8 @@ inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); 
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 #define __shared__ static
+// (A GNU attribute: `static alignas(n)` is not C++.)
+#define __align__(n) __attribute__((aligned(n)))
 extern thread_local dim3 threadIdx, blockIdx;
 extern dim3 blockDim, gridDim;
 extern float* emulated_shared;

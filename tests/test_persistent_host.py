@@ -32,7 +32,6 @@ DIM, KERNEL = 128, 4
 HELPERS = (*GEMM_DEVICE_HELPERS, "prefetch_floats_l2", "global_timer_ns", "load_acquire", *STAGED_STATE_HELPERS)
 
 PERSISTENT_HEADER = GEMM_HEADER + r"""
-#define __align__(n) alignas(n)
 inline void prefetch_floats_l2(const float*, int, int) {}
 inline unsigned long long global_timer_ns() { return 0; }
 inline int load_acquire(const int* counter)
