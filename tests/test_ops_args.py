@@ -334,7 +334,7 @@ def test_one_m_tile_launch_leaves_reserved_slots(rows, reserved, expected):
 
 def test_qkv_projection_leaves_slots_to_the_side_chain(monkeypatch):
     """The decode front end passes QKV_RESERVED_SLOTS to the q|k|v projection's launch, and to
-    that launch only (a prefill's wide front end too: gemm_rows ignores it above 16 rows)."""
+    that launch only (a wide prefill's projections run on cuBLAS, which takes no grid)."""
     import contextlib
 
     from glm_kda import layer
