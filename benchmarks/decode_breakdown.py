@@ -53,8 +53,8 @@ def defaults() -> dict:
     weight), packed_decode, step_dependents_after (layer.STEP_DEPENDENTS_AFTER), serial_min_groups_per_sm
     (gemm_rows.SERIAL_MIN_GROUPS_PER_SM; None: never the serial sweep), wgmma_min_groups_per_sm
     (gemm_rows.WGMMA_MIN_GROUPS_PER_SM; None: never the warpgroup-MMA sweep), wgmma_ring
-    (gemm_rows.WGMMA_RING, that sweep's weight ring; 0: registers), step_staged_from and
-    step_staged_carveout (layer.STEP_STAGED_FROM, layer.STEP_STAGED_CARVEOUT), step_split_waves
+    (gemm_rows.WGMMA_RING, that sweep's weight ring; 0: registers), step_staged_state and
+    step_staged_carveout (layer.STEP_STAGED_STATE, layer.STEP_STAGED_CARVEOUT), step_split_waves
     (layer.STEP_SPLIT_WAVES; None: never a split head), side_chain_first, side_chain_programmatic
     and side_stream_priority (layer.SIDE_CHAIN_FIRST, layer.SIDE_CHAIN_PROGRAMMATIC,
     layer.SIDE_STREAM_PRIORITY: how the low-rank chain runs beside q|k|v), qkv_reserved_slots
@@ -70,7 +70,7 @@ def defaults() -> dict:
         "step_dependents_after": layer.STEP_DEPENDENTS_AFTER,
         "serial_min_groups_per_sm": gemm_rows.SERIAL_MIN_GROUPS_PER_SM,
         "wgmma_min_groups_per_sm": gemm_rows.WGMMA_MIN_GROUPS_PER_SM, "wgmma_ring": gemm_rows.WGMMA_RING,
-        "step_staged_from": layer.STEP_STAGED_FROM,
+        "step_staged_state": layer.STEP_STAGED_STATE,
         "step_staged_carveout": layer.STEP_STAGED_CARVEOUT, "step_split_waves": layer.STEP_SPLIT_WAVES,
         "side_chain_first": layer.SIDE_CHAIN_FIRST, "side_chain_programmatic": layer.SIDE_CHAIN_PROGRAMMATIC,
         "side_stream_priority": layer.SIDE_STREAM_PRIORITY, "qkv_reserved_slots": layer.QKV_RESERVED_SLOTS,
@@ -100,7 +100,7 @@ def apply(settings: dict, layer_object) -> None:
     gemm_rows.SERIAL_MIN_GROUPS_PER_SM = settings["serial_min_groups_per_sm"]
     gemm_rows.WGMMA_MIN_GROUPS_PER_SM = settings["wgmma_min_groups_per_sm"]
     gemm_rows.WGMMA_RING = settings["wgmma_ring"]
-    layer.STEP_STAGED_FROM = settings["step_staged_from"]
+    layer.STEP_STAGED_STATE = settings["step_staged_state"]
     layer.STEP_STAGED_CARVEOUT = settings["step_staged_carveout"]
     layer.STEP_SPLIT_WAVES = settings["step_split_waves"]
     layer.SIDE_CHAIN_FIRST = settings["side_chain_first"]

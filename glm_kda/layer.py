@@ -57,15 +57,13 @@ STEP_RESIDENT_BLOCKS_PER_SM = 2
 # formed, 2 after its recurrent step). On an H200 (benchmarks/decode_breakdown.py, two runs) the
 # three were within the rounds' spread of each other (GLM B=1 83.2 - 84.3 us, Kimi 35.6 - 36.5).
 STEP_DEPENDENTS_AFTER = 0
-# The fused step moves each head's state by one bulk copy each way through shared memory and
-# steps it there (sm_90 and later; kda_decode_fused_bf16's staged) for a launch of at least
-# STEP_STAGED_FROM sequences (None: never; a decode_k walk is one sequence), asking for
-# STEP_STAGED_CARVEOUT percent of shared memory (-1: the driver's choice). The same bits as the
-# per-thread loads. With no state column in registers an SM holds STEP_STAGED_RESIDENT_BLOCKS_PER_SM
-# such blocks (its shared memory's limit) instead of the register file's 2.
-STEP_STAGED_FROM: int | None = None
+# The fused step moves each head's state by one bulk copy each way through shared memory (sm_90
+# and later; kda_decode_fused_bf16's staged), asking for STEP_STAGED_CARVEOUT percent of shared
+# memory (-1: the driver's choice). The same bits as the per-thread loads, but slower on an H200
+# (benchmarks/decode_breakdown.py, one process: GLM B=1 84.0 against 83.6 us, B=64 323.0 against
+# 312.3; Kimi 35.7 / 35.4, 159.5 / 156.2; carveout 100 slower still), so off.
+STEP_STAGED_STATE = False
 STEP_STAGED_CARVEOUT = -1
-STEP_STAGED_RESIDENT_BLOCKS_PER_SM = 3
 # The fused step splits each head over a cluster of ops.HEAD_SPLIT blocks (sm_90 and later;
 # kda_decode_fused_bf16's split) where those blocks fit in STEP_SPLIT_WAVES waves of resident
 # blocks (STEP_RESIDENT_BLOCKS_PER_SM per SM; None: never): one sequence, or a few, whose state
@@ -96,11 +94,9 @@ PERSISTENT_DECODE = False
 MAX_DECODE_ROWS = 256
 
 
-def _step_resident_blocks(device_id: int, staged: bool = False) -> int:
-    """Blocks of the fused step resident at once on a device (STEP_RESIDENT_BLOCKS_PER_SM a SM,
-    STEP_STAGED_RESIDENT_BLOCKS_PER_SM staged)."""
-    per_sm = STEP_STAGED_RESIDENT_BLOCKS_PER_SM if staged else STEP_RESIDENT_BLOCKS_PER_SM
-    return gemm_rows._sm_count(device_id) * per_sm
+def _step_resident_blocks(device_id: int) -> int:
+    """Blocks of the fused step resident at once on a device (STEP_RESIDENT_BLOCKS_PER_SM a SM)."""
+    return gemm_rows._sm_count(device_id) * STEP_RESIDENT_BLOCKS_PER_SM
 
 
 @functools.lru_cache(maxsize=1)
@@ -520,16 +516,15 @@ class KdaLayer:
         sl = slice(first, first + rows)
         if self.fused_decode:
             d = c.head_dim
-            sequences = 1 if walk else rows
-            staged = self._step_staged(sequences)
             ops.kda_decode_fused_bf16(
                 conv_state, recurrent_state, ws.qkv_proj[sl], self.conv_weight, ws.forget_proj[sl], self.dt_bias,
                 self.a_log, ws.down_proj[sl, 2 * d :], ws.out_gate[sl], self.o_norm, ws.conv_out[sl], ws.query[sl],
                 ws.key[sl], ws.value[sl], ws.gate[sl], ws.beta[sl], ws.core[sl], ws.o_norm_out[sl],
                 bounded=c.bounded, lower_bound=c.gate_lower_bound or 0.0, scale=self.scale, l2_eps=c.l2_eps,
                 norm_eps=c.rms_norm_eps, slots=slots, tokens=rows if walk else 1,
-                prefetch_ahead=self._step_prefetch_ahead(staged), dependents_after=STEP_DEPENDENTS_AFTER,
-                staged=staged, carveout=STEP_STAGED_CARVEOUT, split=self._step_split(sequences))
+                prefetch_ahead=self._step_prefetch_ahead(), dependents_after=STEP_DEPENDENTS_AFTER,
+                staged=STEP_STAGED_STATE, carveout=STEP_STAGED_CARVEOUT,
+                split=self._step_split(1 if walk else rows))
             return
         if walk:
             raise ValueError("stateful_rows: walk=True needs fused_decode")
@@ -545,16 +540,11 @@ class KdaLayer:
         resident = _step_resident_blocks(self.qkv_weight.device.id)
         return sequences * self.config.heads * ops.HEAD_SPLIT <= STEP_SPLIT_WAVES * resident
 
-    def _step_staged(self, sequences: int) -> bool:
-        """Whether a fused step of `sequences` sequences steps its states in shared memory
-        (STEP_STAGED_FROM; ops.kda_decode_fused_bf16 falls back to the registers before sm_90)."""
-        return STEP_STAGED_FROM is not None and sequences >= STEP_STAGED_FROM
-
-    def _step_prefetch_ahead(self, staged: bool = False) -> int:
+    def _step_prefetch_ahead(self) -> int:
         """Sequences ahead whose state a batched fused step asks L2 for (STEP_PREFETCH_WAVES)."""
         if STEP_PREFETCH_WAVES <= 0:
             return 0
-        resident = _step_resident_blocks(self.qkv_weight.device.id, staged)
+        resident = _step_resident_blocks(self.qkv_weight.device.id)
         return max(1, round(STEP_PREFETCH_WAVES * resident / self.config.heads))
 
     def decode_rows(self, hidden: Any, conv_state: Any, recurrent_state: Any, *, slots: Any = None,

@@ -27,11 +27,10 @@ __device__ __forceinline__ void prefetch_floats_l2(const float* first, int count
 
 // ---- The head's state through shared memory (sm_90 and later): the whole 64 KB of a head is
 // contiguous, so one thread moves it with one bulk copy each way (the tensor memory accelerator)
-// instead of every thread issuing KDA_HEAD_DIM four-byte loads and stores. The threads step
-// their columns in the stage itself (kda_recurrent_step_shared: the register step's arithmetic
-// in its order, so every bit is the same), holding no column in registers: the blocks an SM
-// holds at once are then limited by the shared memory (3 on sm_90) instead of the register
-// file (2), so a batch of many sequences has more states in flight.
+// instead of every thread issuing KDA_HEAD_DIM four-byte loads and stores, whose issue and
+// queueing were most of the step's time. The values, and so every bit, are those of the
+// register loads: the threads read their columns out of the stage (kda_recurrent_load on the
+// shared copy) and write them back before the copy out.
 #define KDA_HEAD_STATE_BYTES (KDA_HEAD_DIM * KDA_HEAD_DIM * 4)
 #ifndef KDA_STAGED_STATE  // (a host emulation defines it and the copies)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -230,7 +229,7 @@ __device__ __forceinline__ float cluster_gated_rmsnorm_sigmoid(float o, float we
 // threads of `group` (thread d owns channel d of the head). Staged false: each thread loads its
 // state column into registers; true (sm_90 and later; before, the register loads): the head's
 // state moves by bulk copies through `stage`, KDA_HEAD_STATE_BYTES of the group's shared memory
-// (128-byte aligned; the state 16-byte aligned), and is stepped there. Split (KDA_HEAD_SPLIT, sm_90, the group a block
+// (128-byte aligned; the state 16-byte aligned). Split (KDA_HEAD_SPLIT, sm_90, the group a block
 // of a cluster of that many, `rank` its place): the head split over the cluster's blocks, each
 // stepping the columns of its warp `rank`. The same bits every way.
 template <class Sync, bool Staged = false, int Split = 1>
@@ -344,12 +343,11 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
             if (t == 0) {
                 // The barrier above also published the mbarrier's initialisation.
                 kda_wait_staged_state(&shared.state_arrived);
+                kda_recurrent_load(s, stage + d);
             }
         }
         float o = 0.0f;
-        if constexpr (staged) {
-            o = kda_recurrent_step_shared(stage + d, shared.decay, shared.key, shared.query, v, beta_head);
-        } else if constexpr (split) {
+        if constexpr (split) {
             if (owner) {
                 o = kda_recurrent_step(s, shared.decay, shared.key, shared.query, v, beta_head, KdaWarpSync());
             }
@@ -382,6 +380,7 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
 
     // (A split head: every block has read its conv windows before the last token's barrier.)
     if constexpr (staged) {
+        kda_recurrent_store(s, stage + d);
         kda_stage_fence();
         group.sync();
         kda_stage_state_out(stage, head_state, d);

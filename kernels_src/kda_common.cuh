@@ -381,32 +381,6 @@ __device__ __forceinline__ float kda_recurrent_step(float (&s)[KDA_HEAD_DIM], co
     return out;
 }
 
-// kda_recurrent_step on a column kept in shared memory (the staged step: column[i * D] is
-// s[i]) instead of D registers a thread: the same products and sums in the same order, so the
-// same bits. The column is read twice (the decayed values are formed again for the update), and
-// a thread touches its own column only, so no barrier. With no column in registers, the number
-// of blocks an SM holds is set by the shared memory, not the register file.
-__device__ __forceinline__ float kda_recurrent_step_shared(float* column, const float* decay_s, const float* key_s,
-                                                           const float* query_s, float value, float beta)
-{
-    float pred = 0.0f;
-#pragma unroll 32
-    for (int i = 0; i < KDA_HEAD_DIM; ++i) {
-        const float decayed = column[i * KDA_HEAD_DIM] * decay_s[i];
-        pred = fmaf(decayed, key_s[i], pred);
-    }
-    const float delta = beta * (value - pred);
-
-    float out = 0.0f;
-#pragma unroll 32
-    for (int i = 0; i < KDA_HEAD_DIM; ++i) {
-        const float updated = fmaf(key_s[i], delta, column[i * KDA_HEAD_DIM] * decay_s[i]);
-        column[i * KDA_HEAD_DIM] = updated;
-        out = fmaf(updated, query_s[i], out);
-    }
-    return out;
-}
-
 __device__ __forceinline__ void kda_recurrent_store(const float (&s)[KDA_HEAD_DIM], float* state_column)
 {
 #pragma unroll

@@ -431,23 +431,21 @@ def test_fused_decode_equals_the_separate_kernels(layers, geometry):
 
 @pytest.mark.parametrize("geometry", ["glm", "kimi"])
 def test_staged_step_state_gives_the_register_bits(layers, geometry, monkeypatch):
-    """The fused step moving each head's state by bulk copies through shared memory and
-    stepping it there (layer.STEP_STAGED_FROM, sm_90) writes the bits of the per-thread loads
-    and stores: every stage buffer, the output and both states of a 64-sequence pool step with
-    shuffled slots and of a 5-row decode_k walk, with the driver's shared-memory split and the
-    largest one."""
+    """The fused step moving each head's state by bulk copies through shared memory
+    (layer.STEP_STAGED_STATE, sm_90) writes the bits of the per-thread loads and stores: every
+    stage buffer, the output and both states of a 64-sequence pool step with shuffled slots and
+    of a 5-row decode_k walk, with the driver's shared-memory split and the largest one."""
     from glm_kda import layer as layer_module
     from glm_kda.ops import bulk_copies_available
 
     if not bulk_copies_available():
         pytest.skip("the staged step needs bulk copies (sm_90 or later); this device has none")
     _, layer = layers(geometry)
-    previous = layer_module.STEP_STAGED_FROM
     for carveout in (-1, 100):
         monkeypatch.setattr(layer_module, "STEP_STAGED_CARVEOUT", carveout)
 
         def switch(staged):
-            monkeypatch.setattr(layer_module, "STEP_STAGED_FROM", previous if staged is None else 1 if staged else None)
+            monkeypatch.setattr(layer_module, "STEP_STAGED_STATE", True if staged is None else staged)
             layer._graphs.clear()  # graphs hold the kernels they were captured with
 
         staged, direct = _decode_paths(layer, count=80, rows=64, walk_rows=5, prefill_rows=0, seed=67, switch=switch)
