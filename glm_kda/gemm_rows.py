@@ -73,6 +73,11 @@ WGMMA_SLOT_BYTES = WGMMA_STEP * 2 * N_TILE * K_BLOCK * 2
 # graph replays interleaved in one process, 16 ran GLM 87.7 / Kimi 37.6 us, 4 89.8 / 37.5,
 # 0 87.2 / 38.5.
 PREFETCH_K_BLOCKS = 16
+# gemm_rows_bf16(staged=True): a launch of <= 16 rows of a packed weight of at most
+# STAGED_MAX_WEIGHT_BYTES copies each block's weights (at most STAGED_MAX_BYTES) into shared memory
+# before its wait (staged_plan). The staged entries are compiled for 3 blocks per SM.
+STAGED_MAX_BYTES = 64 << 10
+STAGED_MAX_WEIGHT_BYTES: int | None = 32 << 20
 # ... but only for weights of at most this many bytes (None: any). A large weight's request (GLM's
 # o_proj asks for 32 MB at once, beside the step's state) cost GLM 0.5-1.8 us in every run, while
 # Kimi's (its o_proj asks for its whole 19 MB) saved it 0.9-1.5 us.
@@ -280,6 +285,42 @@ def launch_plan(
     )
 
 
+def staged_plan(n: int, k: int, rows: int) -> LaunchPlan | None:
+    """The launch of gemm_rows_staged_bf16 for up to 16 rows of a packed [n, k] weight, or None
+    where it does not apply: one column group a block, the group's weights (every k block of its
+    tiles) copied into STAGED_MAX_BYTES or less of shared memory before the block waits on the
+    previous kernel. The widest tiles (2, else 1) whose group fits; the same bits as any plan."""
+    if rows > M_TILE:
+        return None
+    warps_n = WARPS_PER_BLOCK // k_split(k)
+    tile_bytes = -(-k // K_BLOCK) * K_BLOCK * N_TILE * 2
+    n_tiles = -(-n // N_TILE)
+    for tiles in sorted(kernels.STAGED_TILES_PER_WARP, reverse=True):
+        group_tiles = warps_n * tiles
+        if group_tiles * tile_bytes <= STAGED_MAX_BYTES:
+            return LaunchPlan(
+                kernel=f"gemm_rows_staged_bf16_m1_n{tiles}",
+                grid=(-(-n_tiles // group_tiles), 1),
+                block=(WARPS_PER_BLOCK * 32,),
+                m_tiles=1,
+                tiles_per_warp=tiles,
+                shared_mem=min(group_tiles, n_tiles) * tile_bytes,
+            )
+    return None
+
+
+def staged_applies(w: Any, rows: int) -> bool:
+    """Whether gemm_rows_bf16(staged=True) takes the staged entry for this weight and row count on the
+    current device: a PackedWeight of at most STAGED_MAX_WEIGHT_BYTES, <= 16 rows, a plan whose
+    stage fits, and the bulk copies of sm_90 and later."""
+    if not isinstance(w, PackedWeight) or rows > M_TILE:
+        return False
+    n, k = w.shape
+    if STAGED_MAX_WEIGHT_BYTES is not None and weight_bytes(n, k) > STAGED_MAX_WEIGHT_BYTES:
+        return False
+    return staged_plan(n, k, rows) is not None and int(cupy.cuda.Device().compute_capability) >= 90
+
+
 def wgmma_wide_enough(n: int, sm_count: int = DEFAULT_SM_COUNT) -> bool:
     """Whether WGMMA_MIN_GROUPS_PER_SM gives 17..64 rows of an n-column weight to the warpgroup-MMA
     sweep (where the weight has the pair layout and the device the kernels)."""
@@ -301,7 +342,7 @@ def wgmma_available() -> bool:
 
 def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | None = None,
                    blocks: int | None = None, programmatic: bool = False, serial: bool | None = None,
-                   wgmma: bool | None = None, reserved_slots: int = 0) -> None:
+                   wgmma: bool | None = None, reserved_slots: int = 0, staged: bool = False) -> None:
     """out[r, :] = bf16(x[r, :] @ w.T) for r < rows (1..256), FP32 accumulation on tensor cores.
 
     Shapes:
@@ -319,7 +360,9 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
     leave every bit unchanged, as does ``serial`` (33..64 rows per group: the serial sweep, or
     not; None to choose from the shape) and ``wgmma`` (17..64 rows per group of a packed weight on
     sm_90: the warpgroup-MMA sweep, or not; None to choose from the shape) and ``reserved_slots``
-    (block slots a launch of <= 16 rows leaves free for kernels beside it; see :func:`launch_plan`).
+    (block slots a launch of <= 16 rows leaves free for kernels beside it; see :func:`launch_plan`),
+    and ``staged`` (where :func:`staged_applies`: each block copies its weights into shared memory
+    before it waits on the previous kernel, see :func:`staged_plan`; elsewhere ignored).
 
     ``w`` may also be a :class:`PackedWeight` of the same weight (:func:`pack_weight`): the
     same bits, the weight read in contiguous runs. The warpgroup-MMA sweep reads its pair layout,
@@ -338,6 +381,12 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
                              f" on an sm_90 device (packed: {packed}, pair layout: {packed and w.pairs is not None},"
                              f" warpgroup-MMA kernels loaded: {wgmma_available()})")
         wgmma = False
+    if staged and staged_applies(w, rows):
+        plan = staged_plan(n, k, rows)
+        kernels.launch(plan.kernel, plan.grid, plan.block,
+                       (x, _i32(ldx), w.data, out, _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(0)),
+                       plan.shared_mem, programmatic=programmatic, carveout=100)
+        return
     plan = launch_plan(n, k, rows, tiles_per_warp, _sm_count(cupy.cuda.Device().id), blocks, serial, wgmma,
                        reserved_slots)
     kernel = plan.kernel

@@ -88,6 +88,12 @@ SIDE_CHAIN_FIRST = True
 SIDE_CHAIN_PROGRAMMATIC = False
 SIDE_STREAM_PRIORITY: int | None = -64
 QKV_RESERVED_SLOTS = 64
+# The output projection of <= 16 rows launches gemm_rows_bf16(staged=True) (where
+# gemm_rows.staged_applies: a packed weight of at most gemm_rows.STAGED_MAX_WEIGHT_BYTES on sm_90
+# and later): as the fused step's programmatic dependent, each block copies its weights into
+# shared memory while the step runs, and reads them from there once the step is done. No bit
+# depends on it.
+OUT_PROJ_STAGED = False
 # Default of KdaLayer.persistent_decode.
 PERSISTENT_DECODE = False
 # Most rows one batched decode call takes (the workspace and the pool may limit it further).
@@ -406,7 +412,7 @@ class KdaLayer:
 
     # Stages -------------------------------------------------------------------------------
     def _project_decode(self, x: Any, weight: Any, out: Any, after_kernel: bool = False,
-                        reserved_slots: int = 0) -> None:
+                        reserved_slots: int = 0, staged: bool = False) -> None:
         """The projection of every decode-side call (decode, decode_k, batched decode, and
         prefill of <= 16 rows). One kernel, applied to groups of DECODE_ROW_GROUP rows, whose
         per-row arithmetic does not depend on the row count: a row's bits are the same in
@@ -416,21 +422,23 @@ class KdaLayer:
         the projection may launch as its programmatic dependent (its blocks start and ask L2
         for their first weights while that kernel drains; the same bits). reserved_slots: block
         slots a launch of <= 16 rows leaves to kernels beside it (gemm_rows.launch_plan; no bit
-        depends on it)."""
+        depends on it). staged: gemm_rows_bf16's staged launch where it applies (no bit depends
+        on it either)."""
         rows = x.shape[0]
         for start in range(0, rows, DECODE_ROW_GROUP):
             stop = min(rows, start + DECODE_ROW_GROUP)
             gemm_rows.gemm_rows_bf16(x[start:stop], weight, out[start:stop], rows=stop - start,
-                                     programmatic=after_kernel or start > 0, reserved_slots=reserved_slots)
+                                     programmatic=after_kernel or start > 0, reserved_slots=reserved_slots,
+                                     staged=staged)
 
     def _project(self, x: Any, weight: str, out: Any, wide: bool, after_kernel: bool = False,
-                 reserved_slots: int = 0) -> None:
+                 reserved_slots: int = 0, staged: bool = False) -> None:
         """x @ the weight named `weight` (one of DECODE_WEIGHTS) into out."""
         if wide:
             # Prefill only: cuBLAS reassociates, which no bit-exact path may see.
             ops.gemm_bf16_cublas(x, getattr(self, weight), out)
         else:
-            self._project_decode(x, self.decode_weight(weight), out, after_kernel, reserved_slots)
+            self._project_decode(x, self.decode_weight(weight), out, after_kernel, reserved_slots, staged)
 
     def gate_source(self, first: int = 0) -> chunk_tc.GateSource:
         """Workspace rows first.. of what the forget gate and beta are formed from."""
@@ -594,7 +602,8 @@ class KdaLayer:
         if norm:
             ops.gated_rmsnorm_sigmoid_bf16(ws.core, ws.out_gate, self.o_norm, ws.o_norm_out, c.heads, c.head_dim,
                                            c.rms_norm_eps, tokens=rows)
-        self._project(ws.o_norm_out[:rows], "o_proj", ws.final_out[:rows], wide, after_kernel=True)
+        self._project(ws.o_norm_out[:rows], "o_proj", ws.final_out[:rows], wide, after_kernel=True,
+                      staged=OUT_PROJ_STAGED)
 
     def prefill_core(self, tokens: int, conv_state: Any, recurrent_state: Any, pad_value: float | None = 0.0,
                      first: int = 0) -> None:

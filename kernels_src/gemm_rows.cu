@@ -90,3 +90,55 @@ __device__ __forceinline__ void gemm_rows_serial_entry(const bf16_t* __restrict_
     GEMM_ROWS_SERIAL_ENTRY_OF(gemm_rows_packed_serial_bf16_m##M_TILES##_n##N_TILES, M_TILES, N_TILES, true)
 
 GEMM_ROWS_SERIAL_ENTRY(4, 2)
+
+// gemm_rows_staged_bf16_m1_n<N>: up to 16 rows of a packed weight, one column group a block (grid.x
+// = the column groups, grid.y = 1), its weights moved into dynamic shared memory (the group's
+// tiles, all their k blocks: tiles * k_blocks * 512 bytes) before the wait on the previous kernel.
+// Launched as a programmatic dependent, the weight streams in while that kernel still runs (the
+// fused step of one sequence leaves the memory idle), and once it is done the sweep reads only
+// shared memory and x. The sweep is gemm_rows_group's on the same values in the same order: the
+// same bits as every other entry. `prefetch` is accepted and unused (the copy is the prefetch).
+#define GEMM_ROWS_STAGED_LOADS 4
+template <int N_TILES>
+__device__ __forceinline__ void gemm_rows_staged_entry(const bf16_t* __restrict__ x, int ldx,
+                                                       const bf16_t* __restrict__ w, bf16_t* __restrict__ y,
+                                                       int ldy, int rows, int n, int k)
+{
+    extern __shared__ __align__(128) unsigned char gemm_rows_stage[];
+    __shared__ float partial[GEMM_ROWS_PARTIAL_FLOATS(1, N_TILES)];
+    __shared__ unsigned long long stage_arrived;
+    KDA_TRACE_SCOPE(y);
+
+    kda_let_next_kernel_launch();
+    const int k_split = k_split_for(k);
+    const int group_tiles = gemm_rows_group_columns<N_TILES>(k_split) / GEMM_ROWS_N_TILE;
+    const int tiles = (n + GEMM_ROWS_N_TILE - 1) / GEMM_ROWS_N_TILE;
+    const int first_tile = blockIdx.x * group_tiles;
+    if (rows > GEMM_ROWS_M_TILE || blockIdx.y != 0 || blockDim.x != GEMM_ROWS_THREADS || first_tile >= tiles) {
+        return;
+    }
+    const size_t tile_elements = static_cast<size_t>(gemm_rows_k_blocks(k)) * GEMM_ROWS_PACKED_BLOCK;
+    const int stage_tiles = min(group_tiles, tiles - first_tile);
+    gemm_rows_stage_weights(gemm_rows_stage, w + first_tile * tile_elements,
+                            static_cast<unsigned int>(stage_tiles * tile_elements * sizeof(bf16_t)), &stage_arrived);
+    __syncthreads();
+    // x (and y) may belong to the previous kernel: nothing below runs before it is done.
+    kda_wait_for_previous_kernel();
+    gemm_rows_wait_weights(&stage_arrived);
+    gemm_rows_group<1, N_TILES, GEMM_ROWS_STAGED_LOADS, GEMM_X_INPUT, true, true>(
+        x, ldx, reinterpret_cast<const bf16_t*>(gemm_rows_stage), y, ldy, 0, rows, n, k, k_split, blockIdx.x, partial,
+        first_tile);
+}
+
+// 3 blocks per SM (at most 85 registers): three 64 KB stages fit an SM's shared memory.
+#define GEMM_ROWS_STAGED_MIN_BLOCKS 3
+#define GEMM_ROWS_STAGED_ENTRY(N_TILES)                                                             \
+    extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_STAGED_MIN_BLOCKS)       \
+        gemm_rows_staged_bf16_m1_n##N_TILES(const bf16_t* __restrict__ x, int ldx,                    \
+                                            const bf16_t* __restrict__ w, bf16_t* __restrict__ y, int ldy, \
+                                            int rows, int n, int k, int /* prefetch */)              \
+    {                                                                                               \
+        gemm_rows_staged_entry<N_TILES>(x, ldx, w, y, ldy, rows, n, k);                             \
+    }
+GEMM_ROWS_STAGED_ENTRY(1)
+GEMM_ROWS_STAGED_ENTRY(2)

@@ -92,6 +92,13 @@ __device__ __forceinline__ uint4 load_weight_16B(const bf16_t* pointer, bool val
     return value;
 }
 
+// 16 bytes of w from a block's shared-memory copy of its weights (gemm_rows_staged_bf16_*).
+// Predicated off (zeros) like load_weight_16B.
+__device__ __forceinline__ uint4 load_staged_weight_16B(const bf16_t* pointer, bool valid)
+{
+    return valid ? *reinterpret_cast<const uint4*>(pointer) : uint4{0u, 0u, 0u, 0u};
+}
+
 // Ask L2 for one 128-byte line (no register, no wait).
 __device__ __forceinline__ void prefetch_l2(const void* pointer)
 {
@@ -160,7 +167,7 @@ __device__ __forceinline__ int k_split_for(int k)
 
 // The weight fragments of one step (K_UNROLL blocks of 32 k from block kb_step on, N_TILES
 // tiles): 16 bytes per lane and fragment, zeros past the warp's range or the matrix.
-template <int K_UNROLL, int N_TILES>
+template <int K_UNROLL, int N_TILES, bool W_SHARED = false>
 __device__ __forceinline__ void load_weight_step(uint4 (&w_frag)[K_UNROLL][N_TILES], const bf16_t* w_lane,
                                                  int tile_stride, int block_stride, const bool (&w_valid)[N_TILES],
                                                  int kb_step, int kb_end, int k, int thread_in_group)
@@ -171,8 +178,12 @@ __device__ __forceinline__ void load_weight_step(uint4 (&w_frag)[K_UNROLL][N_TIL
         const bool k_valid = kb_step + u < kb_end && k_offset + 8 * thread_in_group < k;
 #pragma unroll
         for (int j = 0; j < N_TILES; ++j) {
-            w_frag[u][j] = load_weight_16B(w_lane + (j * tile_stride + (kb_step + u) * block_stride),
-                                           w_valid[j] && k_valid);
+            const bf16_t* pointer = w_lane + (j * tile_stride + (kb_step + u) * block_stride);
+            if constexpr (W_SHARED) {
+                w_frag[u][j] = load_staged_weight_16B(pointer, w_valid[j] && k_valid);
+            } else {
+                w_frag[u][j] = load_weight_16B(pointer, w_valid[j] && k_valid);
+            }
         }
     }
 }
@@ -261,11 +272,15 @@ __device__ __forceinline__ void load_x_block(uint4 (&x_frag)[M_TILES][2], const 
 // from warp_column on and the rows [row_begin, row_end) (at most 64): a chain of mma in
 // ascending k blocks, starting from zero. The chain depends on the k range alone, never on
 // LOADS (the weight loads each lane keeps in flight per step), the tiles or the rows.
-template <int M_TILES, int N_TILES, int LOADS = GEMM_ROWS_LOADS, int X_FROM = GEMM_X_INPUT, bool PACKED = false>
+// W_SHARED (packed only): w is a shared-memory copy of the packed tiles w_tile_origin, ...
+template <int M_TILES, int N_TILES, int LOADS = GEMM_ROWS_LOADS, int X_FROM = GEMM_X_INPUT, bool PACKED = false,
+          bool W_SHARED = false>
 __device__ __forceinline__ void gemm_rows_accumulate(float (&acc)[M_TILES][N_TILES][4], const bf16_t* x, int ldx,
                                                      const bf16_t* w, int n, int k, int row_begin, int row_end,
-                                                     int warp_column, int kb_begin, int kb_end, int x_k_origin = 0)
+                                                     int warp_column, int kb_begin, int kb_end, int x_k_origin = 0,
+                                                     int w_tile_origin = 0)
 {
+    static_assert(PACKED || !W_SHARED, "a shared-memory copy of the weight is of the packed layout");
     // Each lane keeps LOADS (m-tile, n-tile, k-block) products per step: with one m-tile that
     // is LOADS weight loads in flight; more m-tiles spend the registers on their x fragments
     // and accumulators instead (LOADS / M_TILES).
@@ -295,7 +310,7 @@ __device__ __forceinline__ void gemm_rows_accumulate(float (&acc)[M_TILES][N_TIL
     if constexpr (PACKED) {
         tile_stride = gemm_rows_k_blocks(k) * GEMM_ROWS_PACKED_BLOCK;
         block_stride = GEMM_ROWS_PACKED_BLOCK;
-        w_lane = w + static_cast<size_t>(warp_column / GEMM_ROWS_N_TILE) * tile_stride + 8 * lane;
+        w_lane = w + static_cast<size_t>(warp_column / GEMM_ROWS_N_TILE - w_tile_origin) * tile_stride + 8 * lane;
     } else {
         tile_stride = GEMM_ROWS_N_TILE * k;
         block_stride = GEMM_ROWS_K_BLOCK;
@@ -321,8 +336,8 @@ __device__ __forceinline__ void gemm_rows_accumulate(float (&acc)[M_TILES][N_TIL
     for (int kb_step = kb_begin; kb_step < kb_end; kb_step += K_UNROLL) {
         // Every weight load of the step first: they are what the kernel waits on.
         uint4 w_frag[K_UNROLL][N_TILES];
-        load_weight_step<K_UNROLL, N_TILES>(w_frag, w_lane, tile_stride, block_stride, w_valid, kb_step, kb_end,
-                                            k, thread_in_group);
+        load_weight_step<K_UNROLL, N_TILES, W_SHARED>(w_frag, w_lane, tile_stride, block_stride, w_valid, kb_step,
+                                                      kb_end, k, thread_in_group);
         // The step's x fragments in the same breath as its weights (rows g and g + 8 of each
         // m-tile; L1 or L2 hits that would otherwise wait behind the weights), where the
         // registers allow: up to 4 (k block, m-tile) pairs per step. Shared-memory x is loaded
@@ -409,11 +424,13 @@ __device__ __forceinline__ int gemm_rows_group_columns(int k_split)
 // One column group of the output, by the block's 8 warps: rows [row_begin, row_end) (at most
 // 64), columns group * group_columns ... Deterministic split-k: partial[warp][fragment][lane],
 // then each output adds its k_split partials in ascending warp_k order. Ends with a barrier
-// (the next group may overwrite `partial`).
-template <int M_TILES, int N_TILES, int LOADS = GEMM_ROWS_LOADS, int X_FROM = GEMM_X_INPUT, bool PACKED = false>
+// (the next group may overwrite `partial`). W_SHARED: w is a shared-memory copy of the packed
+// tiles w_tile_origin, ... (gemm_rows_accumulate).
+template <int M_TILES, int N_TILES, int LOADS = GEMM_ROWS_LOADS, int X_FROM = GEMM_X_INPUT, bool PACKED = false,
+          bool W_SHARED = false>
 __device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const bf16_t* w, bf16_t* y, int ldy,
                                                 int row_begin, int row_end, int n, int k, int k_split, int group,
-                                                float* partial)
+                                                float* partial, int w_tile_origin = 0)
 {
     constexpr int FRAGMENTS = M_TILES * N_TILES * 4;  // accumulators per lane
     const int lane = threadIdx.x & 31;
@@ -427,8 +444,8 @@ __device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const 
     const int warp_column = group * group_columns + warp_n * N_TILES * GEMM_ROWS_N_TILE;
 
     float acc[M_TILES][N_TILES][4];
-    gemm_rows_accumulate<M_TILES, N_TILES, LOADS, X_FROM, PACKED>(acc, x, ldx, w, n, k, row_begin, row_end,
-                                                                    warp_column, kb_begin, kb_end);
+    gemm_rows_accumulate<M_TILES, N_TILES, LOADS, X_FROM, PACKED, W_SHARED>(
+        acc, x, ldx, w, n, k, row_begin, row_end, warp_column, kb_begin, kb_end, 0, w_tile_origin);
 #pragma unroll
     for (int m = 0; m < M_TILES; ++m) {
 #pragma unroll
@@ -584,6 +601,49 @@ __device__ __forceinline__ void gemm_rows_serial_sweep(const bf16_t* __restrict_
             }
         }
     }
+}
+
+// ---- A block's weights in shared memory before its wait (gemm_rows_staged_bf16_*). Thread 0 of
+// the block starts one bulk copy of `bytes` (a multiple of 16; both addresses 16-byte aligned) from
+// `source` into `stage` on sm_90 and later, on the mbarrier `arrived`; before sm_90 every thread
+// copies 16-byte pieces. A barrier of the block must follow before anyone waits (it publishes the
+// mbarrier's initialisation, or the copies).
+__device__ __forceinline__ void gemm_rows_stage_weights(void* stage, const bf16_t* source, unsigned int bytes,
+                                                        unsigned long long* arrived)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (threadIdx.x == 0) {
+        const unsigned int barrier = shared_address(arrived);
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(barrier) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(barrier), "r"(bytes) : "memory");
+        asm volatile(
+            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                shared_address(stage)),
+            "l"(source), "r"(bytes), "r"(barrier)
+            : "memory");
+    }
+#else
+    for (unsigned int offset = 16 * threadIdx.x; offset < bytes; offset += 16 * blockDim.x) {
+        *reinterpret_cast<uint4*>(static_cast<char*>(stage) + offset) =
+            *reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(source) + offset);
+    }
+#endif
+}
+
+// Every thread: wait until the copy of gemm_rows_stage_weights has landed (sm_90 and later).
+__device__ __forceinline__ void gemm_rows_wait_weights(unsigned long long* arrived)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile(
+        "{\n"
+        ".reg .pred arrived;\n"
+        "GEMM_ROWS_WAIT_WEIGHTS:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 arrived, [%0], 0;\n"
+        "@!arrived bra GEMM_ROWS_WAIT_WEIGHTS;\n"
+        "}\n" ::"r"(shared_address(arrived))
+        : "memory");
+#endif
 }
 
 #endif  // GEMM_ROWS_CUH

@@ -490,6 +490,37 @@ def test_packed_weight_gives_the_row_major_bits(shape, rows):
     assert np.array_equal(packed.data.get(), packed_host), f"{_shape_id(shape)}: device and host packing differ"
 
 
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("rows", [1, 3, 16], ids=lambda r: f"R{r}")
+@pytest.mark.parametrize("shape", [(13, 40), (100, 136), (72, 2056), (288, 2304), (4096, 128), (2304, 4096),
+                                   (12288, 2304)], ids=_shape_id)
+def test_staged_weights_give_the_packed_bits(shape, rows):
+    """gemm_rows_bf16(staged=True): each block's packed weights copied into shared memory before
+    its wait, one column group a block. Every output bit of the packed launch, eager and as a
+    programmatic launch right behind the kernel that writes x (three times over, x rewritten)."""
+    from glm_kda.gemm_rows import gemm_rows_bf16, pack_weight, staged_applies
+
+    n, k = shape
+    rng = np.random.default_rng(SEED + 3 * n + rows)
+    x = _random_bf16(rng, (rows, k))
+    w = _random_bf16(rng, (n, k), scale=k**-0.5)
+    packed = pack_weight(w)
+    if not staged_applies(packed, rows):
+        pytest.skip(f"{_shape_id(shape)}-R{rows}: the staged entry needs sm_90 and a stage that fits")
+    expected = _run(x, packed, rows)
+    _assert_bits_equal(_run(x, packed, rows, staged=True), expected, f"{_shape_id(shape)}-R{rows} staged")
+    cp = _cp()
+    source = cp.zeros_like(x)
+    out = cp.full((rows, n), POISON, dtype=cp.uint16)
+    for _ in range(3):
+        out.fill(POISON)
+        source.fill(0)
+        cp.copyto(source, x)
+        gemm_rows_bf16(source, packed, out, rows=rows, programmatic=True, staged=True)
+        _assert_bits_equal(out, expected, f"{_shape_id(shape)}-R{rows} staged, programmatic")
+
+
 def _needs_wgmma():
     from glm_kda.gemm_rows import wgmma_available
 

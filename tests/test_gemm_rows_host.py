@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from glm_kda.gemm_rows import launch_plan, pack_weight
+from glm_kda.gemm_rows import launch_plan, pack_weight, staged_plan
 from glm_kda.reference import rms_ratio, round_bf16
 from host_cuda import (COMMON_DEVICE_HELPERS, HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, bf16_bits, bits_to_f64, build_host_binary,
                        host_kernel_source, order_sensitive_inputs)
@@ -29,7 +29,7 @@ from host_cuda import (COMMON_DEVICE_HELPERS, HOST_CUDA_HEADER, HOST_CUDA_RUNTIM
 RMS_BOUND = 1e-3
 POISON = 0x7FA5
 DEVICE_HELPERS = ("load_weight_16B", "prefetch_l2", "load_activation_16B", "load_produced_16B", "mma_bf16_m16n8k16",
-                  *COMMON_DEVICE_HELPERS)
+                  "gemm_rows_stage_weights", "gemm_rows_wait_weights", *COMMON_DEVICE_HELPERS)
 
 GEMM_HEADER = HOST_CUDA_HEADER + r"""
 using bf16_t = unsigned short;
@@ -45,6 +45,13 @@ inline uint4 load_weight_16B(const bf16_t* pointer, bool valid)
 inline uint4 load_activation_16B(const bf16_t* pointer, bool valid) { return load_weight_16B(pointer, valid); }
 inline uint4 load_produced_16B(const bf16_t* pointer, bool valid) { return load_weight_16B(pointer, valid); }
 inline void prefetch_l2(const void*) {}
+// The staged entries' bulk copy (PTX on sm_90): thread 0 copies at once, and the block barrier that
+// follows in the kernel publishes the copy.
+inline void gemm_rows_stage_weights(void* stage, const bf16_t* source, unsigned int bytes, unsigned long long*)
+{
+    if (threadIdx.x == 0) std::memcpy(stage, source, bytes);
+}
+inline void gemm_rows_wait_weights(unsigned long long*) {}
 inline double bf16_word(unsigned int word, int half)
 {
     return double(__uint_as_float(half ? (word & 0xFFFF0000u) : (word << 16)));
@@ -78,6 +85,9 @@ DECLARE_BOTH(4, 1) DECLARE_BOTH(4, 2)
     extern "C" void gemm_rows_packed_serial_bf16_m##M##_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, int, \
                                                               int, int, int, int);
 DECLARE_SERIAL(4, 2)
+#define DECLARE_STAGED(N) extern "C" void gemm_rows_staged_bf16_m1_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, \
+                                                                       int, int, int, int, int);
+DECLARE_STAGED(1) DECLARE_STAGED(2)
 extern "C" void gemv_bf16(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int);
 using Entry = void (*)(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int, int);
 
@@ -96,6 +106,9 @@ int main(int argc, char** argv)
     // serial: the serial sweep's entry (threads per block: argv[16]).
     const bool serial = std::atoi(argv[15]) != 0;
     const unsigned threads = std::atoi(argv[16]);
+    // staged: the staged entry (the packed weight), with argv[18] bytes of dynamic shared memory.
+    const bool staged = std::atoi(argv[17]) != 0;
+    const size_t shared_bytes = std::atol(argv[18]);
     const std::pair<int, int> key{m_tiles, n_tiles};
     const std::pair<std::pair<int, int>, Entry> entries[] = {
         {{1, 1}, gemm_rows_bf16_m1_n1}, {{1, 2}, gemm_rows_bf16_m1_n2}, {{1, 4}, gemm_rows_bf16_m1_n4},
@@ -113,8 +126,12 @@ int main(int argc, char** argv)
     const std::pair<std::pair<int, int>, Entry> serial_entries[] = {{{4, 2}, gemm_rows_serial_bf16_m4_n2}};
     const std::pair<std::pair<int, int>, Entry> packed_serial_entries[] = {
         {{4, 2}, gemm_rows_packed_serial_bf16_m4_n2}};
+    const std::pair<std::pair<int, int>, Entry> staged_entries[] = {
+        {{1, 1}, gemm_rows_staged_bf16_m1_n1}, {{1, 2}, gemm_rows_staged_bf16_m1_n2}};
     Entry entry = nullptr;
-    if (serial) {
+    if (staged) {
+        for (const auto& [name, function] : staged_entries) if (name == key) entry = function;
+    } else if (serial) {
         for (const auto& [name, function] : w_elements > 0 ? packed_serial_entries : serial_entries) {
             if (name == key) entry = function;
         }
@@ -128,7 +145,7 @@ int main(int argc, char** argv)
     const auto w = load_u16(dir + "/w", w_elements > 0 ? size_t(w_elements) : size_t(n) * k);
     auto y = load_u16(dir + "/y", size_t(y_rows) * ldy);
     for (int launch = 0; launch < launches; ++launch) {
-        run_grid(dim3{grid_x, grid_y, 1}, threads, 0, [&] {
+        run_grid(dim3{grid_x, grid_y, 1}, threads, shared_bytes, [&] {
             entry(x.data() + size_t(launch) * ldx, ldx, w.data(), y.data() + size_t(launch) * ldy, ldy, rows, n, k, 0);
         });
     }
@@ -142,6 +159,10 @@ int main(int argc, char** argv)
 @pytest.fixture(scope="module")
 def gemm_host(tmp_path_factory):
     kernel = '#include "emulation.h"\n' + host_kernel_source("gemm_rows", DEVICE_HELPERS)
+    # The staged entries' dynamic shared memory: the emulated block's.
+    declaration = "extern __shared__ __align__(128) unsigned char gemm_rows_stage[];"
+    assert kernel.count(declaration) == 1, "gemm_rows.cu no longer declares gemm_rows_stage; update the host emulation"
+    kernel = kernel.replace(declaration, "unsigned char* gemm_rows_stage = reinterpret_cast<unsigned char*>(emulated_shared);")
     gemv = '#include "emulation.h"\n' + host_kernel_source("gemv", COMMON_DEVICE_HELPERS)
     return build_host_binary(tmp_path_factory.mktemp("gemm_rows_host"), "gemm_rows_host",
                              {"emulation.h": GEMM_HEADER, "main.cpp": GEMM_MAIN, "kernel.cpp": kernel, "gemv.cpp": gemv})
@@ -152,16 +173,23 @@ def gemm_host(tmp_path_factory):
 _calls = iter(range(10**9))
 
 
-def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, gemv=False, packed=False, **plan_args):
+def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, gemv=False, packed=False, staged=False,
+             **plan_args):
     """One launch as gemm_rows_bf16 plans it (132 SMs), on x_buffer[:, :k] (row stride of the
     buffer) into y_buffer[:, :n], or with one_row_launches a one-row launch per row; returns the
     new y_buffer. gemv: ops.gemv_bf16's launch instead (8 columns a block). packed: the packed
-    entry point on gemm_rows.pack_weight(w)."""
+    entry point on gemm_rows.pack_weight(w). staged: the staged entry as gemm_rows.staged_plan
+    plans it (packed)."""
     n, k = w.shape
+    packed = packed or staged
     w_file = pack_weight(w.view(np.uint16)).data if packed else w
     if gemv:
         m_tiles = n_tiles = 0
         plan = SimpleNamespace(grid=(-(-n // 8), 1), block=(256,), kernel="gemv_bf16")
+    elif staged:
+        plan = staged_plan(n, k, rows, **plan_args)
+        assert plan is not None, f"N{n}-K{k} R{rows}: no staged plan"
+        m_tiles, n_tiles = (int(part[1:]) for part in plan.kernel.split("_")[-2:])
     else:
         plan = launch_plan(n, k, 1 if one_row_launches else rows, **plan_args)
         m_tiles, n_tiles = (int(part[1:]) for part in plan.kernel.split("_")[-2:])
@@ -175,7 +203,8 @@ def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, gemv=F
          str(1 if one_row_launches else rows), str(n),
          str(k), str(x_buffer.shape[1]), str(y_buffer.shape[1]), str(x_buffer.shape[0]), str(y_buffer.shape[0]),
          str(rows if one_row_launches else 1), str(w_file.size if packed else 0),
-         str(int("_serial_" in plan.kernel)), str(plan.block[0])],
+         str(int("_serial_" in plan.kernel)), str(plan.block[0]), str(int(staged)),
+         str(getattr(plan, "shared_mem", 0))],
         capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["misaligned=0"], f"host run: {result.stdout.strip()}"
@@ -318,3 +347,42 @@ def test_split_k_order_is_kept_on_host(gemm_host, k):
     for serial in (False, True):
         out = run_host(gemm_host, x, w, rows, np.full((rows, n), POISON, np.uint16), serial=serial)
         _assert_bits_equal(out, one_row, f"K{k} R{rows} serial={serial} vs one-row launches")
+
+
+@pytest.mark.parametrize("shape,max_bytes", [((40, 128), None), ((100, 136), 24576), ((72, 2056), None), ((13, 40), None)],
+                         ids=lambda v: f"N{v[0]}-K{v[1]}" if isinstance(v, tuple) else f"stage{v}")
+def test_staged_weights_give_the_packed_bits_on_host(gemm_host, shape, max_bytes, monkeypatch):
+    """The staged entries (each block's packed weights copied into shared memory before its wait,
+    one column group a block) write the bits of the packed launch, for 1 .. 16 rows and both tile
+    widths (a stage limit that leaves one tile a warp), and nothing outside rows < rows, columns < n."""
+    from glm_kda import gemm_rows
+
+    n, k = shape
+    if max_bytes is not None:
+        monkeypatch.setattr(gemm_rows, "STAGED_MAX_BYTES", max_bytes)
+    x, w = _inputs(n, k, 16, seed=7 * n + k)
+    for rows in (1, 5, 16):
+        plan = staged_plan(n, k, rows)
+        packed = run_host(gemm_host, x[:rows], w, rows, np.full((rows, n), POISON, np.uint16), packed=True)
+        staged = run_host(gemm_host, x, w, rows, np.full((rows + 2, n + 8), POISON, np.uint16), staged=True)
+        _assert_bits_equal(staged[:rows, :n], packed, f"N{n}-K{k} R{rows} {plan.kernel} grid {plan.grid} staged")
+        untouched = np.ones(staged.shape, dtype=bool)
+        untouched[:rows, :n] = False
+        assert (staged[untouched] == POISON).all(), f"N{n}-K{k} R{rows}: the staged launch wrote outside its outputs"
+        assert (staged[:rows, :n] != POISON).all(), f"N{n}-K{k} R{rows}: the staged launch left outputs unwritten"
+
+
+def test_staged_plan_fits_its_stage():
+    """staged_plan: the widest tiles whose group fits STAGED_MAX_BYTES, one group a block, none above
+    16 rows; a [2304, 4096] weight (the Kimi-Linear output projection) takes one tile a warp."""
+    from glm_kda import gemm_rows
+
+    plan = staged_plan(2304, 4096, 1)
+    assert (plan.kernel, plan.grid, plan.shared_mem) == ("gemm_rows_staged_bf16_m1_n1", (288, 1), 65536), plan
+    plan = staged_plan(2304, 2048, 16)
+    assert (plan.kernel, plan.grid, plan.shared_mem) == ("gemm_rows_staged_bf16_m1_n2", (144, 1), 65536), plan
+    assert staged_plan(2304, 4096, 17) is None
+    assert staged_plan(4096, 8192, 1) is None  # a 128 KB tile
+    small = staged_plan(13, 40, 3)  # k_split 1: 8 warps side by side, one partial tile
+    assert small.grid == (1, 1) and small.shared_mem == 2 * 2 * 32 * 8 * 2, small
+    assert all(p.shared_mem <= gemm_rows.STAGED_MAX_BYTES for p in (plan, small))

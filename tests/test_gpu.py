@@ -476,6 +476,28 @@ def test_split_step_gives_the_one_block_bits(layers, geometry, rows, monkeypatch
 
 
 @pytest.mark.parametrize("geometry", ["glm", "kimi"])
+def test_staged_out_proj_gives_the_plain_bits(layers, geometry, monkeypatch):
+    """The output projection with its weights staged in shared memory while the step runs
+    (layer.OUT_PROJ_STAGED, sm_90, where the weight qualifies: Kimi-Linear's) writes the bits of the
+    plain launch: every stage buffer, the output and both states of a 16-sequence pool step with
+    shuffled slots, of a 5-row decode_k walk and of a 7-token prefill, graphed."""
+    from glm_kda import layer as layer_module
+    from glm_kda.ops import bulk_copies_available
+
+    if not bulk_copies_available():
+        pytest.skip("the staged projection needs bulk copies (sm_90 or later); this device has none")
+    _, layer = layers(geometry)
+    previous = layer_module.OUT_PROJ_STAGED
+
+    def switch(staged):
+        monkeypatch.setattr(layer_module, "OUT_PROJ_STAGED", previous if staged is None else staged)
+        layer._graphs.clear()  # graphs hold the launches they were captured with
+
+    staged, plain = _decode_paths(layer, count=80, rows=16, walk_rows=5, prefill_rows=7, seed=73, switch=switch)
+    _assert_same_bits(staged, plain, geometry, "the staged output projection and the plain one")
+
+
+@pytest.mark.parametrize("geometry", ["glm", "kimi"])
 def test_packed_decode_weights_give_the_row_major_bits(layers, geometry):
     """layer.packed_decode (the decode projections read gemm_rows' packed copies of the
     weights) writes the bits of the row-major weights: every stage buffer, the output and both
