@@ -125,6 +125,7 @@ __device__ __forceinline__ void gemm_rows_staged_entry(const bf16_t* __restrict_
     // x (and y) may belong to the previous kernel: nothing below runs before it is done.
     kda_wait_for_previous_kernel();
     gemm_rows_wait_weights(&stage_arrived);
+    __syncthreads();
     gemm_rows_group<1, N_TILES, GEMM_ROWS_STAGED_LOADS, GEMM_X_INPUT, true, true>(
         x, ldx, reinterpret_cast<const bf16_t*>(gemm_rows_stage), y, ldy, 0, rows, n, k, k_split, blockIdx.x, partial,
         first_tile);

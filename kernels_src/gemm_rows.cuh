@@ -99,6 +99,12 @@ __device__ __forceinline__ uint4 load_staged_weight_16B(const bf16_t* pointer, b
     return valid ? *reinterpret_cast<const uint4*>(pointer) : uint4{0u, 0u, 0u, 0u};
 }
 
+// Ask L1 for one 128-byte line (no register, no wait).
+__device__ __forceinline__ void prefetch_l1(const void* pointer)
+{
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(pointer));
+}
+
 // Ask L2 for one 128-byte line (no register, no wait).
 __device__ __forceinline__ void prefetch_l2(const void* pointer)
 {
@@ -329,6 +335,18 @@ __device__ __forceinline__ void gemm_rows_accumulate(float (&acc)[M_TILES][N_TIL
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 acc[m][j][e] = 0.0f;
+            }
+        }
+    }
+    if constexpr (W_SHARED && X_FROM == GEMM_X_INPUT) {
+        // With the weight in shared memory the steps wait on x alone: ask L1 for the x rows of the
+        // warp's whole k range at once, so that only the first step waits on L2.
+        const int lines_per_row = ((kb_end - kb_begin) * GEMM_ROWS_K_BLOCK * 2 + 127) / 128;
+        const int rows_here = min(row_end - row_begin, M_TILES * GEMM_ROWS_M_TILE);
+        for (int index = lane; index < rows_here * lines_per_row; index += 32) {
+            const int k_offset = kb_begin * GEMM_ROWS_K_BLOCK + 64 * (index % lines_per_row);
+            if (k_offset < k) {
+                prefetch_l1(x + static_cast<size_t>(row_begin + index / lines_per_row) * ldx + k_offset);
             }
         }
     }
@@ -603,15 +621,28 @@ __device__ __forceinline__ void gemm_rows_serial_sweep(const bf16_t* __restrict_
     }
 }
 
-// ---- A block's weights in shared memory before its wait (gemm_rows_staged_bf16_*). Thread 0 of
-// the block starts one bulk copy of `bytes` (a multiple of 16; both addresses 16-byte aligned) from
-// `source` into `stage` on sm_90 and later, on the mbarrier `arrived`; before sm_90 every thread
-// copies 16-byte pieces. A barrier of the block must follow before anyone waits (it publishes the
-// mbarrier's initialisation, or the copies).
+// ---- A block's weights in shared memory before its wait (gemm_rows_staged_bf16_*): `bytes` (a
+// multiple of 16; both addresses 16-byte aligned) from `source` into `stage`. GEMM_ROWS_STAGE_BULK 1:
+// thread 0 starts one bulk copy (the tensor memory accelerator, sm_90 and later) on the mbarrier
+// `arrived`; 0: every thread starts its 16-byte asynchronous copies (cp.async, sm_80 and later),
+// many requests in flight per SM. Before sm_80 every thread copies. Every thread of the block calls
+// gemm_rows_stage_weights, then a block barrier (it publishes the mbarrier's initialisation), then
+// gemm_rows_wait_weights, then a block barrier (it publishes the other threads' copies).
+#ifndef GEMM_ROWS_STAGE_BULK
+#define GEMM_ROWS_STAGE_BULK 0
+#endif
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && GEMM_ROWS_STAGE_BULK
+#define GEMM_ROWS_STAGE_BY 2
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define GEMM_ROWS_STAGE_BY 1
+#else
+#define GEMM_ROWS_STAGE_BY 0
+#endif
+
 __device__ __forceinline__ void gemm_rows_stage_weights(void* stage, const bf16_t* source, unsigned int bytes,
                                                         unsigned long long* arrived)
 {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if GEMM_ROWS_STAGE_BY == 2
     if (threadIdx.x == 0) {
         const unsigned int barrier = shared_address(arrived);
         asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(barrier) : "memory");
@@ -623,6 +654,14 @@ __device__ __forceinline__ void gemm_rows_stage_weights(void* stage, const bf16_
             "l"(source), "r"(bytes), "r"(barrier)
             : "memory");
     }
+#elif GEMM_ROWS_STAGE_BY == 1
+    const unsigned int base = shared_address(stage);
+    for (unsigned int offset = 16 * threadIdx.x; offset < bytes; offset += 16 * blockDim.x) {
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(base + offset),
+                     "l"(reinterpret_cast<const char*>(source) + offset)
+                     : "memory");
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
 #else
     for (unsigned int offset = 16 * threadIdx.x; offset < bytes; offset += 16 * blockDim.x) {
         *reinterpret_cast<uint4*>(static_cast<char*>(stage) + offset) =
@@ -631,10 +670,11 @@ __device__ __forceinline__ void gemm_rows_stage_weights(void* stage, const bf16_
 #endif
 }
 
-// Every thread: wait until the copy of gemm_rows_stage_weights has landed (sm_90 and later).
+// Every thread: wait until its part of gemm_rows_stage_weights' copy has landed (the bulk copy: all
+// of it).
 __device__ __forceinline__ void gemm_rows_wait_weights(unsigned long long* arrived)
 {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if GEMM_ROWS_STAGE_BY == 2
     asm volatile(
         "{\n"
         ".reg .pred arrived;\n"
@@ -643,6 +683,8 @@ __device__ __forceinline__ void gemm_rows_wait_weights(unsigned long long* arriv
         "@!arrived bra GEMM_ROWS_WAIT_WEIGHTS;\n"
         "}\n" ::"r"(shared_address(arrived))
         : "memory");
+#elif GEMM_ROWS_STAGE_BY == 1
+    asm volatile("cp.async.wait_all;" ::: "memory");
 #endif
 }
 

@@ -29,7 +29,7 @@ from host_cuda import (COMMON_DEVICE_HELPERS, HOST_CUDA_HEADER, HOST_CUDA_RUNTIM
 RMS_BOUND = 1e-3
 POISON = 0x7FA5
 DEVICE_HELPERS = ("load_weight_16B", "prefetch_l2", "load_activation_16B", "load_produced_16B", "mma_bf16_m16n8k16",
-                  "gemm_rows_stage_weights", "gemm_rows_wait_weights", *COMMON_DEVICE_HELPERS)
+                  "gemm_rows_stage_weights", "gemm_rows_wait_weights", "prefetch_l1", *COMMON_DEVICE_HELPERS)
 
 GEMM_HEADER = HOST_CUDA_HEADER + r"""
 using bf16_t = unsigned short;
@@ -45,6 +45,7 @@ inline uint4 load_weight_16B(const bf16_t* pointer, bool valid)
 inline uint4 load_activation_16B(const bf16_t* pointer, bool valid) { return load_weight_16B(pointer, valid); }
 inline uint4 load_produced_16B(const bf16_t* pointer, bool valid) { return load_weight_16B(pointer, valid); }
 inline void prefetch_l2(const void*) {}
+inline void prefetch_l1(const void*) {}
 // The staged entries' bulk copy (PTX on sm_90): thread 0 copies at once, and the block barrier that
 // follows in the kernel publishes the copy.
 inline void gemm_rows_stage_weights(void* stage, const bf16_t* source, unsigned int bytes, unsigned long long*)
