@@ -95,6 +95,8 @@ def replay_timeline(records, names: dict[int, str]) -> dict:
         waited = rows[:, 2][rows[:, 2] > 0]
         out[name] = {
             "start_us": (int(rows[:, 1].min()) - origin) / 1e3,
+            "last_start_us": (int(rows[:, 1].max()) - origin) / 1e3,
+            "first_wait_us": (int(waited.min()) - origin) / 1e3 if waited.size else None,
             "last_wait_us": (int(waited.max()) - origin) / 1e3 if waited.size else None,
             "first_end_us": (int(rows[:, 3].min()) - origin) / 1e3,
             "end_us": (int(rows[:, 3].max()) - origin) / 1e3,
@@ -115,7 +117,7 @@ def median_timeline(replays: list[dict]) -> dict:
     summary = {}
     for name in sorted(names, key=lambda n: replays[0][n]["start_us"]):
         summary[name] = {}
-        for field in ("start_us", "last_wait_us", "first_end_us", "end_us", "blocks"):
+        for field in ("start_us", "last_start_us", "first_wait_us", "last_wait_us", "first_end_us", "end_us", "blocks"):
             values = [r[name][field] for r in replays if name in r and r[name][field] is not None]
             summary[name][field] = round(float(np.median(values)), 2) if values else None
     return summary
@@ -144,10 +146,10 @@ def table(record: dict) -> str:
     lines = [f"# {record['geometry']} rows {record['rows']} {record.get('settings') or ''}: step {record['step_us']} us, roofline "
              f"{record['roofline_us']} us, timer tick {record['timer_tick_ns']} ns"]
     for name, t in record["launches"].items():
-        label = "outputs out by" if name == "fused step" else "waits until"
-        wait = "" if t["last_wait_us"] is None else f", {label} {t['last_wait_us']}"
-        lines.append(f"#   {name:<11} start {t['start_us']:>7}{wait}, ends {t['first_end_us']} .. {t['end_us']} us"
-                     f" ({t['blocks']:.0f} blocks)")
+        label = "outputs out" if name == "fused step" else "waits"
+        wait = "" if t["last_wait_us"] is None else f", {label} {t.get('first_wait_us')} .. {t['last_wait_us']}"
+        lines.append(f"#   {name:<11} starts {t['start_us']:>7} .. {t.get('last_start_us')}{wait}, ends {t['first_end_us']}"
+                     f" .. {t['end_us']} us ({t['blocks']:.0f} blocks)")
     return "\n".join(lines)
 
 

@@ -46,9 +46,10 @@ def test_replay_records_become_a_timeline():
         _record(0x7F0000009000, 5, 2_000, 0, 3_000),  # a launch with no name
     ], dtype=np.uint64)
     got = timeline.replay_timeline(records, {qkv: "q|k|v", step: "fused step", out: "o_proj"})
-    assert got["q|k|v"] == {"start_us": 0.0, "last_wait_us": None, "first_end_us": 19.0, "end_us": 20.0,
-                            "blocks": 2}
+    assert got["q|k|v"] == {"start_us": 0.0, "last_start_us": 0.5, "first_wait_us": None, "last_wait_us": None,
+                            "first_end_us": 19.0, "end_us": 20.0, "blocks": 2}
     assert got["o_proj"]["last_wait_us"] == 28.5 and got["o_proj"]["end_us"] == 33.0
+    assert got["o_proj"]["first_wait_us"] == 28.4 and got["o_proj"]["last_start_us"] == 22.0
     assert got["fused step"]["start_us"] == 20.5 and got["_step_us"] == 33.0
     assert "0x7f0000009000" in got and got["_tick_ns"] == 100
     summary = timeline.median_timeline([got, got])
@@ -56,7 +57,7 @@ def test_replay_records_become_a_timeline():
     assert summary["o_proj"]["blocks"] == 2
     text = timeline.table({"geometry": "kimi", "rows": 1, "step_us": 33.0, "roofline_us": 20.0, "timer_tick_ns": 100,
                            "launches": summary})
-    assert "o_proj" in text and "waits until 28.5" in text
+    assert "o_proj      starts    21.0 .. 22.0, waits 28.4 .. 28.5, ends 32.0 .. 33.0 us" in text, text
 
 
 def test_settings_are_layer_settings_only(monkeypatch):
