@@ -92,7 +92,11 @@ QKV_RESERVED_SLOTS = 64
 # gemm_rows.staged_applies: a packed weight of at most gemm_rows.STAGED_MAX_WEIGHT_BYTES on sm_90
 # and later): as the fused step's programmatic dependent, each block copies its weights into
 # shared memory while the step runs, and reads them from there once the step is done. No bit
-# depends on it.
+# depends on it. Off: on an H200 (benchmarks/decode_breakdown.py, copy bandwidth 4168 GB/s) Kimi
+# B=1 34.79 against 34.84 us (33.44 with STEP_DEPENDENTS_AFTER = 1, but verify K16 72.8 against
+# 67.1 us), GLM (whose 67 MB weight does not qualify) unchanged; the block timeline showed the
+# step starting and ending about 1 us later beside the copies, and the projection's blocks still
+# 3.3 - 4.6 us from their wait to their end (against 4.4 - 5.7 reading the weight from memory).
 OUT_PROJ_STAGED = False
 # Default of KdaLayer.persistent_decode.
 PERSISTENT_DECODE = False

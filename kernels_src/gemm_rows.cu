@@ -106,7 +106,6 @@ __device__ __forceinline__ void gemm_rows_staged_entry(const bf16_t* __restrict_
 {
     extern __shared__ __align__(128) unsigned char gemm_rows_stage[];
     __shared__ float partial[GEMM_ROWS_PARTIAL_FLOATS(1, N_TILES)];
-    __shared__ unsigned long long stage_arrived;
     KDA_TRACE_SCOPE(y);
 
     kda_let_next_kernel_launch();
@@ -120,11 +119,10 @@ __device__ __forceinline__ void gemm_rows_staged_entry(const bf16_t* __restrict_
     const size_t tile_elements = static_cast<size_t>(gemm_rows_k_blocks(k)) * GEMM_ROWS_PACKED_BLOCK;
     const int stage_tiles = min(group_tiles, tiles - first_tile);
     gemm_rows_stage_weights(gemm_rows_stage, w + first_tile * tile_elements,
-                            static_cast<unsigned int>(stage_tiles * tile_elements * sizeof(bf16_t)), &stage_arrived);
-    __syncthreads();
+                            static_cast<unsigned int>(stage_tiles * tile_elements * sizeof(bf16_t)));
     // x (and y) may belong to the previous kernel: nothing below runs before it is done.
     kda_wait_for_previous_kernel();
-    gemm_rows_wait_weights(&stage_arrived);
+    gemm_rows_wait_weights();
     __syncthreads();
     gemm_rows_group<1, N_TILES, GEMM_ROWS_STAGED_LOADS, GEMM_X_INPUT, true, true>(
         x, ldx, reinterpret_cast<const bf16_t*>(gemm_rows_stage), y, ldy, 0, rows, n, k, k_split, blockIdx.x, partial,

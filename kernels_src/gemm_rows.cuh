@@ -622,39 +622,14 @@ __device__ __forceinline__ void gemm_rows_serial_sweep(const bf16_t* __restrict_
 }
 
 // ---- A block's weights in shared memory before its wait (gemm_rows_staged_bf16_*): `bytes` (a
-// multiple of 16; both addresses 16-byte aligned) from `source` into `stage`. GEMM_ROWS_STAGE_BULK 1:
-// thread 0 starts one bulk copy (the tensor memory accelerator, sm_90 and later) on the mbarrier
-// `arrived`; 0: every thread starts its 16-byte asynchronous copies (cp.async, sm_80 and later),
-// many requests in flight per SM. Before sm_80 every thread copies. Every thread of the block calls
-// gemm_rows_stage_weights, then a block barrier (it publishes the mbarrier's initialisation), then
-// gemm_rows_wait_weights, then a block barrier (it publishes the other threads' copies).
-#ifndef GEMM_ROWS_STAGE_BULK
-#define GEMM_ROWS_STAGE_BULK 0
-#endif
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && GEMM_ROWS_STAGE_BULK
-#define GEMM_ROWS_STAGE_BY 2
-#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-#define GEMM_ROWS_STAGE_BY 1
-#else
-#define GEMM_ROWS_STAGE_BY 0
-#endif
-
-__device__ __forceinline__ void gemm_rows_stage_weights(void* stage, const bf16_t* source, unsigned int bytes,
-                                                        unsigned long long* arrived)
+// multiple of 16; both addresses 16-byte aligned) from `source` into `stage`, by every thread's
+// 16-byte asynchronous copies (cp.async, sm_80 and later: many requests in flight per SM and no
+// register; before sm_80 plain copies). Every thread of the block calls gemm_rows_stage_weights,
+// later gemm_rows_wait_weights, then a block barrier (it publishes the other threads' copies). One
+// bulk copy a block (the tensor memory accelerator, sm_90) measured the same in the decode graph.
+__device__ __forceinline__ void gemm_rows_stage_weights(void* stage, const bf16_t* source, unsigned int bytes)
 {
-#if GEMM_ROWS_STAGE_BY == 2
-    if (threadIdx.x == 0) {
-        const unsigned int barrier = shared_address(arrived);
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(barrier) : "memory");
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(barrier), "r"(bytes) : "memory");
-        asm volatile(
-            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                shared_address(stage)),
-            "l"(source), "r"(bytes), "r"(barrier)
-            : "memory");
-    }
-#elif GEMM_ROWS_STAGE_BY == 1
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     const unsigned int base = shared_address(stage);
     for (unsigned int offset = 16 * threadIdx.x; offset < bytes; offset += 16 * blockDim.x) {
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(base + offset),
@@ -670,20 +645,10 @@ __device__ __forceinline__ void gemm_rows_stage_weights(void* stage, const bf16_
 #endif
 }
 
-// Every thread: wait until its part of gemm_rows_stage_weights' copy has landed (the bulk copy: all
-// of it).
-__device__ __forceinline__ void gemm_rows_wait_weights(unsigned long long* arrived)
+// Every thread: wait until its own copies of gemm_rows_stage_weights have landed.
+__device__ __forceinline__ void gemm_rows_wait_weights()
 {
-#if GEMM_ROWS_STAGE_BY == 2
-    asm volatile(
-        "{\n"
-        ".reg .pred arrived;\n"
-        "GEMM_ROWS_WAIT_WEIGHTS:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 arrived, [%0], 0;\n"
-        "@!arrived bra GEMM_ROWS_WAIT_WEIGHTS;\n"
-        "}\n" ::"r"(shared_address(arrived))
-        : "memory");
-#elif GEMM_ROWS_STAGE_BY == 1
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm volatile("cp.async.wait_all;" ::: "memory");
 #endif
 }

@@ -46,13 +46,13 @@ inline uint4 load_activation_16B(const bf16_t* pointer, bool valid) { return loa
 inline uint4 load_produced_16B(const bf16_t* pointer, bool valid) { return load_weight_16B(pointer, valid); }
 inline void prefetch_l2(const void*) {}
 inline void prefetch_l1(const void*) {}
-// The staged entries' bulk copy (PTX on sm_90): thread 0 copies at once, and the block barrier that
-// follows in the kernel publishes the copy.
-inline void gemm_rows_stage_weights(void* stage, const bf16_t* source, unsigned int bytes, unsigned long long*)
+// The staged entries' asynchronous copies (PTX on sm_80 and later): thread 0 copies at once, and the
+// block barrier that follows the wait in the kernel publishes the copy.
+inline void gemm_rows_stage_weights(void* stage, const bf16_t* source, unsigned int bytes)
 {
     if (threadIdx.x == 0) std::memcpy(stage, source, bytes);
 }
-inline void gemm_rows_wait_weights(unsigned long long*) {}
+inline void gemm_rows_wait_weights() {}
 inline double bf16_word(unsigned int word, int half)
 {
     return double(__uint_as_float(half ? (word & 0xFFFF0000u) : (word << 16)));
