@@ -88,6 +88,22 @@ def _run(x, w, rows, **kwargs):
     return out
 
 
+def _assert_programmatic_bits(x, w, rows, expected, tag, **kwargs):
+    """Three programmatic launches, each right behind the kernels that write x (rewritten each
+    time), give `expected` bit for bit."""
+    from glm_kda.gemm_rows import gemm_rows_bf16
+
+    cp = _cp()
+    source = cp.zeros_like(x)
+    out = cp.full((rows, w.shape[0]), POISON, dtype=cp.uint16)
+    for _ in range(3):
+        out.fill(POISON)
+        source.fill(0)
+        cp.copyto(source, x)
+        gemm_rows_bf16(source, w, out, rows=rows, programmatic=True, **kwargs)
+        _assert_bits_equal(out, expected, f"{tag}, programmatic")
+
+
 def _one_row_calls(x, w, rows):
     """Row r of the result is a one-row call on a copy of x[r] alone."""
     cp = _cp()
@@ -328,17 +344,7 @@ def test_grid_changes_no_bit(rows):
                 _assert_bits_equal(_run(x, w, rows, tiles_per_warp=tiles, blocks=blocks, serial=serial), default,
                                    f"R{rows} tiles_per_warp={tiles} blocks={blocks} serial={serial}")
     # A programmatic launch (with the L2 prefetch) right behind the kernel that writes x.
-    from glm_kda.gemm_rows import gemm_rows_bf16
-
-    cp = _cp()
-    staged = cp.zeros_like(x)
-    out = cp.full((rows, n), POISON, dtype=cp.uint16)
-    for _ in range(3):
-        out.fill(POISON)
-        staged.fill(0)
-        cp.copyto(staged, x)
-        gemm_rows_bf16(staged, w, out, rows=rows, programmatic=True)
-        _assert_bits_equal(out, default, f"R{rows} programmatic launch")
+    _assert_programmatic_bits(x, w, rows, default, f"R{rows}")
 
 
 def _order_sensitive(rng, rows, n, k):
@@ -499,7 +505,7 @@ def test_staged_weights_give_the_packed_bits(shape, rows):
     """gemm_rows_bf16(staged=True): each block's packed weights copied into shared memory before
     its wait, one column group a block. Every output bit of the packed launch, eager and as a
     programmatic launch right behind the kernel that writes x (three times over, x rewritten)."""
-    from glm_kda.gemm_rows import gemm_rows_bf16, pack_weight, staged_applies
+    from glm_kda.gemm_rows import pack_weight, staged_applies
 
     n, k = shape
     rng = np.random.default_rng(SEED + 3 * n + rows)
@@ -510,15 +516,7 @@ def test_staged_weights_give_the_packed_bits(shape, rows):
         pytest.skip(f"{_shape_id(shape)}-R{rows}: the staged entry needs sm_90 and a stage that fits")
     expected = _run(x, packed, rows)
     _assert_bits_equal(_run(x, packed, rows, staged=True), expected, f"{_shape_id(shape)}-R{rows} staged")
-    cp = _cp()
-    source = cp.zeros_like(x)
-    out = cp.full((rows, n), POISON, dtype=cp.uint16)
-    for _ in range(3):
-        out.fill(POISON)
-        source.fill(0)
-        cp.copyto(source, x)
-        gemm_rows_bf16(source, packed, out, rows=rows, programmatic=True, staged=True)
-        _assert_bits_equal(out, expected, f"{_shape_id(shape)}-R{rows} staged, programmatic")
+    _assert_programmatic_bits(x, packed, rows, expected, f"{_shape_id(shape)}-R{rows} staged", staged=True)
 
 
 def _needs_wgmma():
@@ -544,7 +542,7 @@ def test_wgmma_sweep_gives_the_mma_sync_bits(shape, ring, monkeypatch):
     and of one-row calls: awkward n and k (k tails, an empty last k range at k = 1056), the model's
     shapes; any grid; a programmatic launch; its weight through registers or a shared-memory ring."""
     from glm_kda import gemm_rows
-    from glm_kda.gemm_rows import gemm_rows_bf16, pack_weight
+    from glm_kda.gemm_rows import pack_weight
 
     _needs_wgmma()
     monkeypatch.setattr(gemm_rows, "WGMMA_RING", ring)
@@ -561,13 +559,7 @@ def test_wgmma_sweep_gives_the_mma_sync_bits(shape, ring, monkeypatch):
     for blocks in (1, 3):
         _assert_bits_equal(_run(x, packed, 64, wgmma=True, blocks=blocks), one_row[:64],
                            f"{_shape_id(shape)}-R64 wgmma blocks={blocks}")
-    staged = cp.zeros_like(x)
-    out = cp.full((40, n), POISON, dtype=cp.uint16)
-    for _ in range(3):
-        staged.fill(0)
-        cp.copyto(staged, x)
-        gemm_rows_bf16(staged, packed, out, rows=40, programmatic=True, wgmma=True)
-        _assert_bits_equal(out, one_row[:40], f"{_shape_id(shape)}-R40 wgmma, programmatic")
+    _assert_programmatic_bits(x[:40], packed, 40, one_row[:40], f"{_shape_id(shape)}-R40 wgmma", wgmma=True)
 
 
 @pytest.mark.gpu
