@@ -157,13 +157,18 @@ int main(int argc, char** argv)
 """
 
 
-@pytest.fixture(scope="module")
-def gemm_host(tmp_path_factory):
+def host_gemm_rows_source() -> str:
+    """gemm_rows.cu for the host (host_kernel_source with DEVICE_HELPERS removed), the staged
+    entries' dynamic shared array taken from the emulated block's."""
     kernel = '#include "emulation.h"\n' + host_kernel_source("gemm_rows", DEVICE_HELPERS)
-    # The staged entries' dynamic shared memory: the emulated block's.
     declaration = "extern __shared__ __align__(128) unsigned char gemm_rows_stage[];"
     assert kernel.count(declaration) == 1, "gemm_rows.cu no longer declares gemm_rows_stage; update the host emulation"
-    kernel = kernel.replace(declaration, "unsigned char* gemm_rows_stage = reinterpret_cast<unsigned char*>(emulated_shared);")
+    return kernel.replace(declaration, "unsigned char* gemm_rows_stage = reinterpret_cast<unsigned char*>(emulated_shared);")
+
+
+@pytest.fixture(scope="module")
+def gemm_host(tmp_path_factory):
+    kernel = host_gemm_rows_source()
     gemv = '#include "emulation.h"\n' + host_kernel_source("gemv", COMMON_DEVICE_HELPERS)
     return build_host_binary(tmp_path_factory.mktemp("gemm_rows_host"), "gemm_rows_host",
                              {"emulation.h": GEMM_HEADER, "main.cpp": GEMM_MAIN, "kernel.cpp": kernel, "gemv.cpp": gemv})

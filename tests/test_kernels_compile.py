@@ -63,11 +63,13 @@ def test_kernel_files_match_entry_points():
         declared = re.findall(r'^extern "C" __global__ void(?:\s+__launch_bounds__\([^)]*\))?(?:\s+[A-Z][A-Z0-9_]*)?'
                               r'\s+(\w+)\s*\(', text, re.M)
         # gemm_rows.cu declares its variants through macros: GEMM_ROWS_ENTRY(m-tiles, tiles) and
-        # GEMM_ROWS_SERIAL_ENTRY(m-tiles, tiles), one entry per weight layout.
+        # GEMM_ROWS_SERIAL_ENTRY(m-tiles, tiles), one entry per weight layout, ...
         declared += [f"gemm_rows_{layout}bf16_m{m}_n{n}" for layout in ("", "packed_")
                      for m, n in re.findall(r"^GEMM_ROWS_ENTRY\((\d+), (\d+)\)", text, re.M)]
         declared += [f"gemm_rows_{layout}serial_bf16_m{m}_n{n}" for layout in ("", "packed_")
                      for m, n in re.findall(r"^GEMM_ROWS_SERIAL_ENTRY\((\d+), (\d+)\)", text, re.M)]
+        # ... and GEMM_ROWS_STAGED_ENTRY(tiles), one entry (packed weights, one m-tile).
+        declared += [f"gemm_rows_staged_bf16_m1_n{n}" for n in re.findall(r"^GEMM_ROWS_STAGED_ENTRY\((\d+)\)", text, re.M)]
         # gemm_rows_wgmma.cu declares its entries through GEMM_WGMMA_ENTRY(rows, warpgroups).
         declared += [f"gemm_rows_wgmma_n{rows}_g{groups}"
                      for rows, groups in re.findall(r"^GEMM_WGMMA_ENTRY\((\d+), (\d+)\)", text, re.M)]

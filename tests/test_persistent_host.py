@@ -26,7 +26,7 @@ from glm_kda import persistent
 from host_cuda import (COMMON_DEVICE_HELPERS, HOST_CUDA_RUNTIME, STAGED_STATE_HELPERS, bf16_bits, build_host_binary,
                        host_decode_source, host_kernel_source)
 from test_gemm_rows_host import DEVICE_HELPERS as GEMM_DEVICE_HELPERS
-from test_gemm_rows_host import GEMM_HEADER
+from test_gemm_rows_host import GEMM_HEADER, host_gemm_rows_source
 
 DIM, KERNEL = 128, 4
 HELPERS = (*GEMM_DEVICE_HELPERS, "prefetch_floats_l2", "global_timer_ns", "load_acquire", *STAGED_STATE_HELPERS)
@@ -165,7 +165,7 @@ def persistent_host(tmp_path_factory):
         "emulation.h": PERSISTENT_HEADER,
         "main.cpp": MAIN,
         "persistent.cpp": '#include "emulation.h"\n' + kernel,
-        "gemm_rows.cpp": '#include "emulation.h"\n' + host_kernel_source("gemm_rows", GEMM_DEVICE_HELPERS),
+        "gemm_rows.cpp": host_gemm_rows_source(),
         "decode.cpp": '#include "emulation.h"\n' + host_decode_source(("prefetch_floats_l2", *COMMON_DEVICE_HELPERS)),
     }
     return build_host_binary(tmp_path_factory.mktemp("persistent_host"), "persistent_host", files)
