@@ -73,15 +73,17 @@ WGMMA_SLOT_BYTES = WGMMA_STEP * 2 * N_TILE * K_BLOCK * 2
 # graph replays interleaved in one process, 16 ran GLM 87.7 / Kimi 37.6 us, 4 89.8 / 37.5,
 # 0 87.2 / 38.5.
 PREFETCH_K_BLOCKS = 16
-# gemm_rows_bf16(staged=True): a launch of <= 16 rows of a packed weight of at most
-# STAGED_MAX_WEIGHT_BYTES copies each block's weights (at most STAGED_MAX_BYTES) into shared memory
-# before its wait (staged_plan). The staged entries are compiled for 3 blocks per SM.
-STAGED_MAX_BYTES = 64 << 10
-STAGED_MAX_WEIGHT_BYTES: int | None = 32 << 20
 # ... but only for weights of at most this many bytes (None: any). A large weight's request (GLM's
 # o_proj asks for 32 MB at once, beside the step's state) cost GLM 0.5-1.8 us in every run, while
 # Kimi's (its o_proj asks for its whole 19 MB) saved it 0.9-1.5 us.
 PREFETCH_MAX_WEIGHT_BYTES: int | None = 32 << 20
+# gemm_rows_bf16(staged=True): a launch of <= 16 rows of a packed weight of at most
+# STAGED_MAX_WEIGHT_BYTES copies each block's weights (at most STAGED_MAX_BYTES) into shared memory
+# before its wait (staged_plan). The staged entries are compiled for 3 blocks per SM, so an H200
+# holds 3 x 64 KB x 132 SMs (24.75 MB) of stages at once: a larger weight's last blocks would start
+# only as others leave.
+STAGED_MAX_BYTES = 64 << 10
+STAGED_MAX_WEIGHT_BYTES: int | None = 24 << 20
 
 
 @dataclass(frozen=True)
@@ -312,7 +314,8 @@ def staged_plan(n: int, k: int, rows: int) -> LaunchPlan | None:
 def staged_applies(w: Any, rows: int) -> bool:
     """Whether gemm_rows_bf16(staged=True) takes the staged entry for this weight and row count on the
     current device: a PackedWeight of at most STAGED_MAX_WEIGHT_BYTES, <= 16 rows, a plan whose
-    stage fits, and the bulk copies of sm_90 and later."""
+    stage fits, and sm_90 or later (where a programmatic launch copies while the kernel before it
+    runs)."""
     if not isinstance(w, PackedWeight) or rows > M_TILE:
         return False
     n, k = w.shape
