@@ -147,8 +147,8 @@ def table(record: dict) -> str:
              f"{record['roofline_us']} us, timer tick {record['timer_tick_ns']} ns"]
     for name, t in record["launches"].items():
         label = "outputs out" if name == "fused step" else "waits"
-        wait = "" if t["last_wait_us"] is None else f", {label} {t.get('first_wait_us')} .. {t['last_wait_us']}"
-        lines.append(f"#   {name:<11} starts {t['start_us']:>7} .. {t.get('last_start_us')}{wait}, ends {t['first_end_us']}"
+        wait = "" if t["last_wait_us"] is None else f", {label} {t['first_wait_us']} .. {t['last_wait_us']}"
+        lines.append(f"#   {name:<11} starts {t['start_us']:>7} .. {t['last_start_us']}{wait}, ends {t['first_end_us']}"
                      f" .. {t['end_us']} us ({t['blocks']:.0f} blocks)")
     return "\n".join(lines)
 
