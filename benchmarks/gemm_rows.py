@@ -22,11 +22,16 @@ Every row count runs with the weight row-major and in gemm_rows' packed layout
 CUDA-core GEMV of up to 16 rows) is timed at rows 1 and 16 of every shape.
 
     PYTHONPATH=. python benchmarks/gemm_rows.py [--launches 200] [--sweep] [--against DIR ...]
-        [--rows R ...] [--layout both|row_major|packed] [--no-gemv] [--serial auto|both]
+        [--rows R ...] [--layout both|row_major|packed] [--no-gemv] [--serial auto|both] [--wgmma auto|both]
+        [--bulk WG ...]
 
 --sweep adds one line per tiles_per_warp (1, 2, 4) and grid (one block per column group, or
 only as many blocks as are resident at once) at rows 1, 4, 16 and 64: the choice launch_plan
 makes automatically, measured against the others.
+
+--bulk WG ... (sm_90) also times 17..256 rows of the packed weight on the bulk-copy sweep
+(gemm_rows_bulk: the x tiling and the sweep, two launches) with each of those warpgroups per block
+(0: the choice bulk_plan makes), bits compared like every other line.
 
 --against DIR (repeatable) also times every gemm_rows line with the kernels compiled from the sources in DIR
 (another version of kernels_src/, say the previous commit's: `git archive HEAD~1 kernels_src | tar
@@ -44,8 +49,8 @@ import cupy
 import numpy as np
 
 from glm_kda import kernels, ops
-from glm_kda.gemm_rows import (GEMM_ROWS_BLOCKS_PER_SM, gemm_rows_bf16, launch_plan, pack_weight, wgmma_available,
-                               weight_bytes)
+from glm_kda.gemm_rows import (GEMM_ROWS_BLOCKS_PER_SM, bulk_available, bulk_plan, gemm_rows_bf16, gemm_rows_bulk,
+                               launch_plan, pack_weight, wgmma_available, weight_bytes, x_tiles_size)
 from glm_kda.selftest import copy_bandwidth_gbs
 
 # (geometry, projection, n, k)
@@ -144,7 +149,12 @@ def main() -> None:
     parser.add_argument("--wgmma", choices=("auto", "both"), default="auto",
                         help="17..256 rows of a packed weight: the sweep launch_plan picks, or both the mma.sync "
                              "and the warpgroup-MMA sweep (sm_90)")
+    parser.add_argument("--bulk", type=int, nargs="*", default=[], metavar="WG",
+                        help="17..256 rows: also the bulk-copy sweep with these warpgroups per block (0: bulk_plan's "
+                             "choice; sm_90)")
     args = parser.parse_args()
+    if any(wg not in (0, 1, 2, 3) for wg in args.bulk):
+        parser.error(f"--bulk takes warpgroups 0 (automatic), 1, 2 or 3, got {args.bulk}")
     if any(not 1 <= rows <= 256 for rows in args.rows):
         parser.error(f"--rows must lie in 1..256, got {args.rows}")
     if args.launches < 200:
@@ -186,7 +196,8 @@ def main() -> None:
         if args.layout in ("both", "row_major"):
             layouts["row_major"] = weights
         if args.layout in ("both", "packed"):
-            layouts["packed"] = [pack_weight(w, pairs=args.wgmma == "both") for w in weights]
+            layouts["packed"] = [pack_weight(w, pairs=args.wgmma == "both", tiles=bool(args.bulk)) for w in weights]
+        x_tiles = cupy.empty((x_tiles_size(max(ROWS), k),), cupy.uint16) if args.bulk else None
         for rows in args.rows:
             results = {}
             forms = [(serial, None) for serial in ((False, True) if args.serial == "both" and 16 < rows <= 64
@@ -211,6 +222,18 @@ def main() -> None:
                                layout=layout, **extra)
                         results[layout, sources, plan.kernel] = out[:rows].copy()
                     kernels.KernelSet.install(kernel_sets["package"])
+            for warpgroups in args.bulk if rows > 16 and "packed" in layouts and bulk_available() else ():
+                copies = layouts["packed"]
+                plan = bulk_plan(n, k, rows, sm_count, warpgroups or None)
+
+                def launch(index: int, rows: int = rows, copies=copies, warpgroups=warpgroups) -> None:
+                    gemm_rows_bulk(x[:rows], copies[index], out[:rows], rows=rows, x_tiles=x_tiles,
+                                   warpgroups=warpgroups or None)
+
+                record("gemm_rows_bulk", rows, *_time_launches(launch, len(copies), args.launches),
+                       grid=list(plan.grid), warpgroups=plan.warpgroups, stages=plan.stages, entry=plan.kernel,
+                       layout="tiles", automatic=warpgroups == 0)
+                results["tiles", "package", f"{plan.kernel}/{warpgroups}"] = out[:rows].copy()
             first = next(iter(results))
             reference = results[first]
             for (layout, sources, entry), result in results.items():

@@ -68,6 +68,22 @@ WGMMA_WARPGROUPS_PER_SM = 3
 WGMMA_STEP = 2
 WGMMA_RING = 0
 WGMMA_SLOT_BYTES = WGMMA_STEP * 2 * N_TILE * K_BLOCK * 2
+# 17..64 rows a group of a packed weight that holds the tile layout (pack_weight(w, tiles=True)) on an
+# sm_90 device run on the bulk-copy warpgroup-MMA sweep (kernels_src/gemm_rows_bulk.cu: both operands
+# copied into shared memory as 4 KB tiles, x once a block for BULK_WARPGROUPS groups of 64 columns;
+# the same bits as the mma.sync sweeps) where the weight has at least BULK_MIN_GROUPS_PER_SM groups of
+# 64 columns per SM (None: never).
+BULK_MIN_GROUPS_PER_SM: float | None = 1.0
+# Warpgroups of a bulk block (None: by the shape, see bulk_plan), blocks of 32 k a ring slot holds of
+# each operand (GEMM_BULK_CHUNK), and the most slots a ring has.
+BULK_WARPGROUPS: int | None = None
+BULK_CHUNK = 4
+BULK_MAX_STAGES = 8
+BULK_TILE_BYTES = 64 * K_BLOCK * 2
+# Shared memory an sm_90 block may ask for, and an SM holds (bytes; the driver keeps 1 KB a block).
+BULK_SHARED_PER_BLOCK = 227 << 10
+BULK_SHARED_PER_SM = 228 << 10
+
 # Blocks of 32 k of each weight row that a programmatic launch asks L2 for before it waits
 # (see the kernel; 0: none). benchmarks/decode_breakdown.py compares the choices: on an H200,
 # graph replays interleaved in one process, 16 ran GLM 87.7 / Kimi 37.6 us, 4 89.8 / 37.5,
@@ -95,12 +111,14 @@ class PackedWeight:
     bits of every output, are those of the row-major weight.
 
     ``pairs`` (None unless asked for): the same weight in the pair layout the warpgroup-MMA sweep
-    reads (:func:`pack_pairs`), as many bytes again."""
+    reads (:func:`pack_pairs`), as many bytes again. ``tiles`` (likewise): the tile layout of the
+    bulk-copy sweep (:func:`pack_tiles`)."""
 
     data: Any
     n: int
     k: int
     pairs: Any = None
+    tiles: Any = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -134,17 +152,36 @@ def _padded(w: Any, name: str, rows_multiple: int) -> tuple[Any, int, int, int]:
     return padded, n, k, k_blocks
 
 
-def pack_weight(w: Any, pairs: bool = False) -> PackedWeight:
+def pack_weight(w: Any, pairs: bool = False, tiles: bool = False) -> PackedWeight:
     """The packed layout of a [n, k] BF16 weight (a CuPy or NumPy array; the result lives
     where w does). k must be a multiple of 8, like every weight of gemm_rows_bf16. ``pairs``:
-    also the pair layout of the warpgroup-MMA sweep (:func:`pack_pairs`)."""
+    also the pair layout of the warpgroup-MMA sweep (:func:`pack_pairs`); ``tiles``: also the
+    tile layout of the bulk-copy sweep (:func:`pack_tiles`)."""
     xp = cupy.get_array_module(w)
     padded, n, k, _ = _padded(w, "pack_weight", N_TILE)
     tiles, k_blocks, _ = packed_shape(n, k)
     # [tile, g, kb, t, e] -> [tile, kb, g, t, e]: lane 4 g + t holds row g, k 8 t .. 8 t + 7.
     data = padded.reshape(tiles, N_TILE, k_blocks, 4, 8).transpose(0, 2, 1, 3, 4)
     return PackedWeight(xp.ascontiguousarray(data).reshape(packed_shape(n, k)), n, k,
-                        pack_pairs(w) if pairs else None)
+                        pack_pairs(w) if pairs else None, pack_tiles(w) if tiles else None)
+
+
+def tile_layout(a: Any, name: str) -> Any:
+    """The tile layout (kernels_src/gemm_rows_bulk.cu) of a [m, k] BF16 matrix, shape
+    [ceil(m / 64), ceil(k / 32), 2048]: for the group of rows 64 G .. 64 G + 63 and block kb of 32 k,
+    ``tile[G, kb, 1024 s + 512 h + 8 c + 2 t + e] = a[64 G + c, 32 kb + 8 t + 4 s + 2 h + e]`` (t < 4,
+    e < 2; zeros past m and k): the shared-memory image of the k16 steps s = 0, 1 of the block."""
+    xp = cupy.get_array_module(a)
+    padded, _, _, k_blocks = _padded(a, name, 64)
+    groups = padded.shape[0] // 64
+    # k = 32 kb + 8 t + 4 s + 2 h + e, row = 64 G + c -> [G, kb, s, h, c, t, e].
+    data = padded.reshape(groups, 64, k_blocks, 4, 2, 2, 2).transpose(0, 2, 4, 5, 1, 3, 6)
+    return xp.ascontiguousarray(data).reshape(groups, k_blocks, 64 * K_BLOCK)
+
+
+def pack_tiles(w: Any) -> Any:
+    """The tile layout of a [n, k] BF16 weight for the bulk-copy sweep (:func:`tile_layout`)."""
+    return tile_layout(w, "pack_tiles")
 
 
 def pack_pairs(w: Any) -> Any:
@@ -345,7 +382,8 @@ def wgmma_available() -> bool:
 
 def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | None = None,
                    blocks: int | None = None, programmatic: bool = False, serial: bool | None = None,
-                   wgmma: bool | None = None, reserved_slots: int = 0, staged: bool = False) -> None:
+                   wgmma: bool | None = None, reserved_slots: int = 0, staged: bool = False,
+                   bulk: bool | None = None, x_tiles: Any = None) -> None:
     """out[r, :] = bf16(x[r, :] @ w.T) for r < rows (1..256), FP32 accumulation on tensor cores.
 
     Shapes:
@@ -365,7 +403,10 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
     sm_90: the warpgroup-MMA sweep, or not; None to choose from the shape) and ``reserved_slots``
     (block slots a launch of <= 16 rows leaves free for kernels beside it; see :func:`launch_plan`),
     and ``staged`` (where :func:`staged_applies`: each block copies its weights into shared memory
-    before it waits on the previous kernel, see :func:`staged_plan`; elsewhere ignored).
+    before it waits on the previous kernel, see :func:`staged_plan`; elsewhere ignored), and ``bulk``
+    (more than 16 rows of a PackedWeight holding the tile layout, on sm_90: the bulk-copy sweep,
+    :func:`gemm_rows_bulk`, True always, None where the weight has BULK_MIN_GROUPS_PER_SM groups of
+    64 columns per SM, False never; ``x_tiles`` is then its scratch, None for a new one).
 
     ``w`` may also be a :class:`PackedWeight` of the same weight (:func:`pack_weight`): the
     same bits, the weight read in contiguous runs. The warpgroup-MMA sweep reads its pair layout,
@@ -384,6 +425,15 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
                              f" on an sm_90 device (packed: {packed}, pair layout: {packed and w.pairs is not None},"
                              f" warpgroup-MMA kernels loaded: {wgmma_available()})")
         wgmma = False
+    if rows > M_TILE and bulk is not False:
+        takes = packed and w.tiles is not None and bulk_available()
+        if bulk and not takes:
+            raise ValueError("gemm_rows_bf16: bulk=True needs a PackedWeight made with pack_weight(w, tiles=True) on an"
+                             f" sm_90 device (packed: {packed}, tile layout: {packed and w.tiles is not None},"
+                             f" bulk-copy kernels loaded: {bulk_available()})")
+        if takes and (bulk or bulk_wide_enough(n, _sm_count(cupy.cuda.Device().id))):
+            gemm_rows_bulk(x, w, out, rows, x_tiles=x_tiles, programmatic=programmatic)
+            return
     if staged and staged_applies(w, rows):
         plan = staged_plan(n, k, rows)
         kernels.launch(plan.kernel, plan.grid, plan.block,
@@ -408,6 +458,115 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
         programmatic=programmatic,
         carveout=100 if plan.shared_mem else -1,
     )
+
+
+def bulk_available() -> bool:
+    """Whether the current device runs the bulk-copy sweep (sm_90, and the kernel set in use has it)."""
+    return kernels.KernelSet.get().has("gemm_rows_bulk_g1")
+
+
+def bulk_wide_enough(n: int, sm_count: int = DEFAULT_SM_COUNT) -> bool:
+    """Whether BULK_MIN_GROUPS_PER_SM gives more than 16 rows of an n-column weight to the bulk-copy
+    sweep (where the weight has the tile layout and the device the kernels)."""
+    return BULK_MIN_GROUPS_PER_SM is not None and -(-n // 64) >= BULK_MIN_GROUPS_PER_SM * sm_count
+
+
+def bulk_takes(n: int) -> bool:
+    """Whether more than 16 rows of an n-column packed weight with the tile layout take the bulk-copy
+    sweep on the current device: the copies worth making (pack_weight(w, tiles=True))."""
+    return bulk_available() and bulk_wide_enough(n, _sm_count(cupy.cuda.Device().id))
+
+
+def _bulk_blocks_per_sm(warpgroups: int) -> int:
+    return 2 if warpgroups == 1 else 1
+
+
+def bulk_warpgroups(groups: int, sm_count: int = DEFAULT_SM_COUNT) -> int:
+    """Warpgroups of a bulk block for a weight of `groups` groups of 64 columns: BULK_WARPGROUPS, or
+    the most (3, 2, 1) among those whose busiest SM holds the fewest groups (each super-group of
+    warpgroups groups is one block; one block an SM, two with one warpgroup)."""
+    if BULK_WARPGROUPS is not None:
+        return BULK_WARPGROUPS
+
+    def busiest(warpgroups: int) -> int:
+        per_sm = _bulk_blocks_per_sm(warpgroups)
+        super_groups = -(-groups // warpgroups)
+        return -(-super_groups // (sm_count * per_sm)) * warpgroups * per_sm
+
+    return min((3, 2, 1), key=lambda wg: (busiest(wg), -wg))
+
+
+@dataclass(frozen=True)
+class BulkPlan:
+    """Entry point, grid, block, ring slots and shared memory of one bulk-copy sweep."""
+
+    kernel: str
+    grid: tuple[int, int]
+    block: tuple[int]
+    warpgroups: int
+    stages: int
+    shared_mem: int
+
+
+def bulk_plan(n: int, k: int, rows: int, sm_count: int = DEFAULT_SM_COUNT, warpgroups: int | None = None,
+              blocks: int | None = None, stages: int | None = None) -> BulkPlan:
+    """The launch of gemm_rows_bulk_g<warpgroups> for `rows` rows of a [n, k] weight: grid.y the row
+    groups of 64, grid.x the super-groups of `warpgroups` groups of 64 columns (capped at the blocks
+    resident at once, or `blocks`), and as many ring slots (each x's and every warpgroup's
+    BULK_CHUNK blocks of 32 k) as fit, up to BULK_MAX_STAGES. No choice changes a bit."""
+    groups = -(-n // 64)
+    warpgroups = warpgroups or bulk_warpgroups(groups, sm_count)
+    if warpgroups not in (1, 2, 3):
+        raise ValueError(f"warpgroups must be 1, 2 or 3, got {warpgroups}")
+    per_sm = _bulk_blocks_per_sm(warpgroups)
+    slot = (1 + warpgroups) * BULK_CHUNK * BULK_TILE_BYTES
+    budget = min(BULK_SHARED_PER_BLOCK, BULK_SHARED_PER_SM // per_sm - 1024)
+    if stages is None:
+        stages = min(BULK_MAX_STAGES, budget // (slot + 16))
+    if not 1 <= stages or stages * (slot + 16) > BULK_SHARED_PER_BLOCK:
+        raise ValueError(f"stages must be 1..{BULK_SHARED_PER_BLOCK // (slot + 16)} at {warpgroups} warpgroups, got {stages}")
+    super_groups = -(-groups // warpgroups)
+    grid_x = min(blocks or sm_count * per_sm, super_groups)
+    return BulkPlan(kernel=f"gemm_rows_bulk_g{warpgroups}", grid=(grid_x, -(-rows // ROWS_PER_SWEEP)),
+                    block=(warpgroups * 128 + 32,), warpgroups=warpgroups, stages=stages,
+                    shared_mem=stages * (slot + 16))
+
+
+def x_tiles_size(rows: int, k: int) -> int:
+    """Elements of the tile layout of `rows` rows of x (gemm_rows_bulk's scratch)."""
+    return -(-rows // ROWS_PER_SWEEP) * -(-k // K_BLOCK) * 64 * K_BLOCK
+
+
+def gemm_rows_bulk(x, w: PackedWeight, out, rows: int | None = None, *, x_tiles: Any = None,
+                   warpgroups: int | None = None, blocks: int | None = None, stages: int | None = None,
+                   programmatic: bool = False) -> None:
+    """out[r, :] = bf16(x[r, :] @ w.T) for r < rows (1..256) by the bulk-copy sweep: the bits of
+    :func:`gemm_rows_bf16` (x, w and out as there; w a PackedWeight made with ``tiles=True``).
+
+    Two launches: gemm_rows_tile_x_bf16 lays x out in tiles (into ``x_tiles``, a contiguous BF16
+    array of at least :func:`x_tiles_size` elements; None: a new one), then gemm_rows_bulk_g<WG>
+    sweeps (see :func:`bulk_plan` for ``warpgroups``, ``blocks`` and ``stages``, which change no
+    bit) as its programmatic dependent. ``programmatic``: the first launch is a programmatic
+    dependent of the previous kernel in the stream (the one that writes x)."""
+    rows, n, k, ldx, ldy = projection_args("gemm_rows_bulk", x, w, out, rows, GEMM_ROWS_MAX_ROWS)
+    if not isinstance(w, PackedWeight) or w.tiles is None:
+        raise ValueError("gemm_rows_bulk: w must be a PackedWeight made with pack_weight(w, tiles=True)")
+    if not bulk_available():
+        raise RuntimeError(f"gemm_rows_bulk: the bulk-copy kernels run on sm_90 only; device "
+                           f"{cupy.cuda.Device().id} is sm_{cupy.cuda.Device().compute_capability}")
+    size = x_tiles_size(rows, k)
+    if x_tiles is None:
+        x_tiles = cupy.empty((size,), x.dtype)
+    elif x_tiles.dtype != x.dtype or not x_tiles.flags.c_contiguous or x_tiles.size < size:
+        raise ValueError(f"gemm_rows_bulk: x_tiles must be a contiguous BF16 array of at least {size} elements, "
+                         f"got {x_tiles.dtype} of {x_tiles.size} (contiguous: {x_tiles.flags.c_contiguous})")
+    plan = bulk_plan(n, k, rows, _sm_count(cupy.cuda.Device().id), warpgroups, blocks, stages)
+    threads = size // K_BLOCK  # one per (row group, k block, row of 64): 32 elements each
+    kernels.launch("gemm_rows_tile_x_bf16", (-(-threads // 256),), (256,), (x, _i32(ldx), _i32(rows), _i32(k), x_tiles),
+                   programmatic=programmatic)
+    kernels.launch(plan.kernel, plan.grid, plan.block,
+                   (x_tiles, w.tiles, out, _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(plan.stages)),
+                   plan.shared_mem, programmatic=True, carveout=100)
 
 
 def prefetch_k_blocks(n: int, k: int) -> int:

@@ -213,6 +213,12 @@ class KdaWorkspace:
         self.chunk_decay = cupy.zeros((nchunks, heads, dim), f32)
         self.q_decay_f16, self.k_tail_f16, self.chunk_w_f16, self.attn_f16 = (
             chunk_tc.f16_view(buffer) for buffer in (self.q_decay, self.k_tail, self.chunk_w, self.attn))
+        # x of a decode-side projection in the tile layout of the bulk-copy sweep (gemm_rows_bulk),
+        # for one row group of DECODE_ROW_GROUP rows and the widest k (hidden, or o_proj's heads x dim).
+        # The low-rank chain, which may run beside q|k|v on a second stream, has its own.
+        tile_rows = min(max_tokens, gemm_rows.GEMM_ROWS_MAX_ROWS)
+        self.x_tiles = cupy.zeros((gemm_rows.x_tiles_size(tile_rows, max(c.hidden, c.qkv)),), bf16)
+        self.x_tiles_side = cupy.zeros((gemm_rows.x_tiles_size(tile_rows, max(c.hidden, c.head_dim)),), bf16)
         # Fixed input buffers of the captured decode graphs.
         self.graph_hidden = cupy.zeros((max_tokens, c.hidden), bf16)
         self.graph_slots = cupy.zeros((max_tokens,), np.int32)
@@ -295,21 +301,24 @@ class KdaLayer:
         copy). The same bits either way (tests/test_gpu.py); the packed layout streams in
         contiguous runs (benchmarks/NOTES.md has the timings). Where gemm_rows.WGMMA_MIN_GROUPS_PER_SM
         gives a weight's 17..64-row projections to the warpgroup-MMA sweep on this device, its copy
-        also holds the pair layout that sweep reads (gemm_rows.pack_pairs, as many bytes again).
+        also holds the pair layout that sweep reads (gemm_rows.pack_pairs, as many bytes again);
+        where gemm_rows.BULK_MIN_GROUPS_PER_SM gives them to the bulk-copy sweep, the tile layout
+        (gemm_rows.pack_tiles, likewise).
         Setting it drops the captured decode graphs."""
         return bool(self._packed)
 
     @packed_decode.setter
     def packed_decode(self, value: bool) -> None:
-        # Which weights also get the pair layout of the warpgroup-MMA sweep follows
-        # gemm_rows.WGMMA_MIN_GROUPS_PER_SM when this is set: setting it again after changing
-        # that rule makes the copies the rule now asks for.
-        wanted = ({name: gemm_rows.wgmma_takes(getattr(self, name).shape[0]) for name in self.DECODE_WEIGHTS}
-                  if value else {})
-        if wanted == {name: packed.pairs is not None for name, packed in self._packed.items()}:
+        # Which weights also get the pair layout of the warpgroup-MMA sweep, and the tile layout of
+        # the bulk-copy sweep, follows gemm_rows.WGMMA_MIN_GROUPS_PER_SM and BULK_MIN_GROUPS_PER_SM
+        # when this is set: setting it again after changing a rule makes the copies it now asks for.
+        wanted = ({name: (gemm_rows.wgmma_takes(n), gemm_rows.bulk_takes(n))
+                   for name in self.DECODE_WEIGHTS for n in (getattr(self, name).shape[0],)} if value else {})
+        if wanted == {name: (packed.pairs is not None, packed.tiles is not None) for name, packed in self._packed.items()}:
             return
         self._graphs.clear()
-        self._packed = {name: gemm_rows.pack_weight(getattr(self, name), pairs=pairs) for name, pairs in wanted.items()}
+        self._packed = {name: gemm_rows.pack_weight(getattr(self, name), pairs=pairs, tiles=tiles)
+                        for name, (pairs, tiles) in wanted.items()}
 
     def decode_weight(self, name: str) -> Any:
         """The weight `name` (one of DECODE_WEIGHTS) as the decode-side projections read it: its
@@ -415,8 +424,11 @@ class KdaLayer:
                 raise TypeError(f"{what}: state.{field} must be a contiguous CuPy float32 array")
 
     # Stages -------------------------------------------------------------------------------
+    # The decode weights whose projections run on the low-rank chain's stream (see front_end).
+    SIDE_CHAIN_WEIGHTS = ("down_weight", "f_b", "g_b")
+
     def _project_decode(self, x: Any, weight: Any, out: Any, after_kernel: bool = False,
-                        reserved_slots: int = 0, staged: bool = False) -> None:
+                        reserved_slots: int = 0, staged: bool = False, x_tiles: Any = None) -> None:
         """The projection of every decode-side call (decode, decode_k, batched decode, and
         prefill of <= 16 rows). One kernel, applied to groups of DECODE_ROW_GROUP rows, whose
         per-row arithmetic does not depend on the row count: a row's bits are the same in
@@ -427,13 +439,14 @@ class KdaLayer:
         for their first weights while that kernel drains; the same bits). reserved_slots: block
         slots a launch of <= 16 rows leaves to kernels beside it (gemm_rows.launch_plan; no bit
         depends on it). staged: gemm_rows_bf16's staged launch where it applies (no bit depends
-        on it either)."""
+        on it either). x_tiles: the bulk-copy sweep's scratch (workspace.x_tiles when None)."""
         rows = x.shape[0]
         for start in range(0, rows, DECODE_ROW_GROUP):
             stop = min(rows, start + DECODE_ROW_GROUP)
             gemm_rows.gemm_rows_bf16(x[start:stop], weight, out[start:stop], rows=stop - start,
                                      programmatic=after_kernel or start > 0, reserved_slots=reserved_slots,
-                                     staged=staged)
+                                     staged=staged,
+                                     x_tiles=self.workspace.x_tiles if x_tiles is None else x_tiles)
 
     def _project(self, x: Any, weight: str, out: Any, wide: bool, after_kernel: bool = False,
                  reserved_slots: int = 0, staged: bool = False) -> None:
@@ -442,7 +455,8 @@ class KdaLayer:
             # Prefill only: cuBLAS reassociates, which no bit-exact path may see.
             ops.gemm_bf16_cublas(x, getattr(self, weight), out)
         else:
-            self._project_decode(x, self.decode_weight(weight), out, after_kernel, reserved_slots, staged)
+            x_tiles = self.workspace.x_tiles_side if weight in self.SIDE_CHAIN_WEIGHTS else self.workspace.x_tiles
+            self._project_decode(x, self.decode_weight(weight), out, after_kernel, reserved_slots, staged, x_tiles)
 
     def gate_source(self, first: int = 0) -> chunk_tc.GateSource:
         """Workspace rows first.. of what the forget gate and beta are formed from."""

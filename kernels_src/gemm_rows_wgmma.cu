@@ -41,6 +41,7 @@
 // leading byte offset (between the two k halves) is 16 N and its stride byte offset (between
 // groups of 8 rows) 128 (measured: the other reading gives other numbers, benchmarks/wgmma_forms.py).
 #include "gemm_rows.cuh"
+#include "wgmma.cuh"
 
 #define GEMM_WGMMA_WARPGROUP 128
 // Weight columns of one warpgroup: the 64 rows of wgmma's A operand.
@@ -95,36 +96,6 @@ template <int PENDING>
 __device__ __forceinline__ void copy_wait()
 {
     asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
-}
-
-// Shared-memory descriptor of a K-major operand without swizzle (sm_90 wgmma): start address,
-// leading byte offset (between core matrices along k), stride byte offset (along the rows).
-__device__ __forceinline__ unsigned long long wgmma_descriptor(unsigned int address, unsigned int leading,
-                                                               unsigned int stride)
-{
-    return static_cast<unsigned long long>((address & 0x3FFFF) >> 4) |
-           (static_cast<unsigned long long>(leading >> 4) << 16) |
-           (static_cast<unsigned long long>(stride >> 4) << 32);
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
-
-// Registers an asynchronous wgmma reads or writes: after wgmma_wait_all, this keeps the compiler
-// from moving their other uses across the wait.
-template <int COUNT>
-__device__ __forceinline__ void wgmma_hold(float (&registers)[COUNT])
-{
-#pragma unroll
-    for (int i = 0; i < COUNT; ++i) {
-        asm volatile("" : "+f"(registers[i])::"memory");
-    }
-}
-
-__device__ __forceinline__ void wgmma_hold(uint4& registers)
-{
-    asm volatile("" : "+r"(registers.x), "+r"(registers.y), "+r"(registers.z), "+r"(registers.w)::"memory");
 }
 
 // d[64 x N] += a[64 x 16] b[16 x N]: A from registers (the mma.sync A fragment of each warp's 16

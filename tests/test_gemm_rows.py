@@ -583,6 +583,75 @@ def test_wgmma_sweep_keeps_the_split_k_order(shape, ring, monkeypatch):
                            f"{_shape_id(shape)}-R{rows} wgmma vs one-row calls (order-sensitive data)")
 
 
+def _needs_bulk():
+    from glm_kda.gemm_rows import bulk_available
+
+    if not bulk_available():
+        pytest.skip("the bulk-copy sweep needs an sm_90 device (this one runs the mma.sync sweeps)")
+
+
+def _run_bulk(x, w, rows, **kwargs):
+    from glm_kda.gemm_rows import gemm_rows_bulk
+
+    out = _cp().full((rows, w.shape[0]), POISON, dtype=_cp().uint16)
+    gemm_rows_bulk(x, w, out, rows=rows, **kwargs)
+    return out
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("shape", [(13, 40), (100, 136), (200, 1056), (1000, 1032), (72, 2056)] + GLM_SHAPES
+                         + KIMI_SHAPES, ids=_shape_id)
+def test_bulk_sweep_gives_the_mma_sync_bits(shape):
+    """The bulk-copy sweep (17..256 rows) writes the bits of one-row calls, hence of every sweep:
+    awkward n and k (k tails, an empty last k range at k = 1056), the model's shapes; 1, 2 and 3
+    warpgroups a block, the resident grid or a few blocks (each walking several super-groups), a
+    ring of 1, 2 or the most slots; its tiles of x in a reused buffer; a programmatic launch behind the kernel that writes x."""
+    from glm_kda.gemm_rows import pack_weight, x_tiles_size
+
+    _needs_bulk()
+    cp = _cp()
+    n, k = shape
+    rng = np.random.default_rng(SEED + 11 * n + k)
+    x = _random_bf16(rng, (max(WGMMA_ROWS), k))
+    packed = pack_weight(_random_bf16(rng, (n, k), scale=k**-0.5), tiles=True)
+    one_row = cp.concatenate([_run(cp.ascontiguousarray(x[r : r + 1]), packed, 1) for r in range(max(WGMMA_ROWS))])
+    x_tiles = cp.full((x_tiles_size(max(WGMMA_ROWS), k),), POISON, dtype=cp.uint16)
+    for rows in WGMMA_ROWS:
+        _assert_bits_equal(_run_bulk(x, packed, rows, x_tiles=x_tiles), one_row[:rows],
+                           f"{_shape_id(shape)}-R{rows} bulk vs one-row calls")
+    # (blocks, ring slots); a few blocks alone walk a model shape's weight slowly: 7 there.
+    grids = [(None, 1), (None, 2), (None, None)] + ([(1, 1), (3, 2)] if n * k <= 1 << 22 else [(7, None)])
+    for warpgroups in (1, 2, 3):
+        for blocks, stages in grids:
+            tag = f"{_shape_id(shape)}-R64 bulk warpgroups={warpgroups} blocks={blocks} stages={stages}"
+            _assert_bits_equal(_run_bulk(x, packed, 64, warpgroups=warpgroups, blocks=blocks, stages=stages),
+                               one_row[:64], tag)
+    source = cp.zeros_like(x[:40])
+    for _ in range(3):
+        source.fill(0)
+        cp.copyto(source, x[:40])
+        _assert_bits_equal(_run_bulk(source, packed, 40, programmatic=True), one_row[:40],
+                           f"{_shape_id(shape)}-R40 bulk, programmatic")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("shape", [GLM_SHAPES[0], GLM_SHAPES[3], KIMI_SHAPES[0], (200, 1056)], ids=_shape_id)
+def test_bulk_sweep_keeps_the_split_k_order(shape):
+    """Order-sensitive data: the bulk-copy sweep at 24, 40 and 64 rows equals one-row calls bit for bit."""
+    from glm_kda.gemm_rows import pack_weight
+
+    _needs_bulk()
+    n, k = shape
+    x, w = _order_sensitive(np.random.default_rng(SEED + n), 64, n, k)
+    packed = pack_weight(w, tiles=True)
+    one_row = _one_row_calls(x, packed, 64)
+    for rows in (24, 40, 64):
+        _assert_bits_equal(_run_bulk(x, packed, rows), one_row[:rows],
+                           f"{_shape_id(shape)}-R{rows} bulk vs one-row calls (order-sensitive data)")
+
+
 @pytest.mark.gpu
 @needs_gpu
 def test_wgmma_needs_a_packed_weight():

@@ -540,6 +540,33 @@ def test_wgmma_decode_projections_give_the_mma_sync_bits(layers, geometry, monke
     _assert_same_bits(wgmma, mma_sync, geometry, "the warpgroup-MMA and the mma.sync projections")
 
 
+@pytest.mark.parametrize("geometry", ["glm", "kimi"])
+def test_bulk_decode_projections_give_the_mma_sync_bits(layers, geometry, monkeypatch):
+    """gemm_rows.BULK_MIN_GROUPS_PER_SM on and off (more than 16 rows of the wide weights on the
+    bulk-copy sweep, reading the tile layout the layer's packed copies then hold, or on the mma.sync
+    sweeps) write the same bits: every stage buffer, the output and both states of a 64-sequence
+    pool step with shuffled slots and of a 5-row decode_k walk."""
+    from glm_kda import gemm_rows
+
+    if not gemm_rows.bulk_available():
+        pytest.skip("the bulk-copy sweep needs an sm_90 device")
+    _, layer = layers(geometry)
+    previous = gemm_rows.BULK_MIN_GROUPS_PER_SM
+
+    def switch(bulk):
+        monkeypatch.setattr(gemm_rows, "BULK_MIN_GROUPS_PER_SM", previous if bulk is None else 1.0 if bulk else None)
+        layer.packed_decode = True  # makes (or drops) the tile copies the rule now asks for
+        layer._graphs.clear()
+
+    switch(True)
+    assert layer.decode_weight("qkv_weight").tiles is not None, "the rule on: q|k|v's packed copy has the tile layout"
+    switch(False)
+    assert layer.decode_weight("qkv_weight").tiles is None, "the rule off: no tile copy"
+    switch(None)
+    bulk, mma_sync = _decode_paths(layer, count=80, rows=64, walk_rows=5, prefill_rows=0, seed=83, switch=switch)
+    _assert_same_bits(bulk, mma_sync, geometry, "the bulk-copy and the mma.sync projections")
+
+
 @pytest.mark.parametrize("graphs", [True, False], ids=["graph", "eager"])
 @pytest.mark.parametrize("geometry", ["glm", "kimi"])
 def test_persistent_decode_equals_the_separate_launches(layers, geometry, graphs):

@@ -73,6 +73,8 @@ def test_kernel_files_match_entry_points():
         # gemm_rows_wgmma.cu declares its entries through GEMM_WGMMA_ENTRY(rows, warpgroups).
         declared += [f"gemm_rows_wgmma_n{rows}_g{groups}"
                      for rows, groups in re.findall(r"^GEMM_WGMMA_ENTRY\((\d+), (\d+)\)", text, re.M)]
+        # gemm_rows_bulk.cu declares its sweeps through GEMM_BULK_ENTRY(warpgroups).
+        declared += [f"gemm_rows_bulk_g{groups}" for groups in re.findall(r"^GEMM_BULK_ENTRY\((\d+)\)", text, re.M)]
         # chunk_tc.cu declares its two plain prepares through CHUNK_TC_PREPARE_ENTRY(name, unbounded).
         declared += re.findall(r"^CHUNK_TC_PREPARE_ENTRY\((\w+), \w+\)", text, re.M)
         assert sorted(declared) == sorted(names) and len(set(declared)) == len(declared), \

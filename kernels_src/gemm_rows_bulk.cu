@@ -1,0 +1,317 @@
+// The row projection of 17..64 rows a group on Hopper's warpgroup MMA with both operands in shared
+// memory, filled by the bulk copy engine (sm_90a only): the bits of gemm_rows.cu's sweeps.
+//
+//   y[r, j] = bf16( sum_i x[r, i] * w[j, i] )   for r < rows (1..256), j < n
+//
+// Why another form of the wgmma sweep: in gemm_rows_wgmma.cu every warpgroup copies the whole of x
+// (its row group, every k) into its own ring by 4-byte copies while it streams its 64 weight
+// columns, so x moves through L2 as many times as there are column groups, a word at a time.
+// Here both operands arrive in 4 KB tiles that are already the wgmma's shared-memory image, one
+// bulk copy per tile run, and the WG warpgroups of a block walk k in step, so one copy of x feeds
+// WG groups of 64 columns. One warp of the block does nothing but issue the copies; the
+// warpgroups only wait, multiply and store.
+//
+// Tiles (glm_kda/gemm_rows.py: pack_tiles for the weight, gemm_rows_tile_x_bf16 below for x): for a
+// group of 64 weight columns (or 64 rows of x) and a block kb of 32 k, 2048 elements
+//   tile[s][h][c][8 t + e] = w[64 group + c, 32 kb + 8 t + 4 s + 2 h + e]   (t < 4, e < 2; zeros past n, k)
+// k16 step s of the block reads [s][0..1][64][8]: core matrices of 8 rows x 16 bytes, the two
+// k halves 1024 bytes apart (leading byte offset) and the 8-row groups 128 bytes apart (stride
+// byte offset). Logical k slot 8 h + 2 t + e of step s holds physical k 8 t + 4 s + 2 h + e: the
+// slots of gemm_rows.cuh's fragment trick for both operands (the layout of x in
+// gemm_rows_wgmma.cu's ring, with the weight laid out the same way as the A operand).
+//
+// The bit contract is gemm_rows.cuh's: every output is the sum, in ascending order, of the
+// k_split ranges of k (a function of k alone), each a chain from zero over its blocks of 32 k in
+// ascending order, two k16 steps a block, with the products of each step in the slots above. The
+// ranges are folded exactly as gemm_rows_wgmma.cu folds them, and the GPU tests compare every row
+// count with the mma.sync sweeps bit for bit.
+//
+// A block: WG consumer warpgroups and one copy warp (the last). Its work is the super-groups of WG
+// groups of 64 columns blockIdx.x, blockIdx.x + gridDim.x, ...; for each, k in chunks of
+// GEMM_BULK_CHUNK blocks of 32. Chunk i of the block's walk goes to ring slot i % stages: x's
+// chunk (CHUNK 4 KB tiles) then each warpgroup's weight chunk. The copy warp's lane 0 waits for
+// the slot to be free (its `empty` mbarrier: one arrival per consumer warp), announces the bytes on
+// its `full` mbarrier and starts the copies; the weight copies of the first `stages` chunks go out
+// before the wait on the previous kernel (the weight is no kernel's output), x's after it.
+#include "gemm_rows.cuh"
+#include "wgmma.cuh"
+
+#define GEMM_BULK_WARPGROUP 128
+#define GEMM_BULK_COLUMNS 64
+#define GEMM_BULK_ROWS 64
+// Elements and bytes of one (group of 64, block of 32 k) tile.
+#define GEMM_BULK_TILE_ELEMENTS (GEMM_BULK_COLUMNS * GEMM_ROWS_K_BLOCK)
+#define GEMM_BULK_TILE_BYTES (GEMM_BULK_TILE_ELEMENTS * 2)
+// Blocks of 32 k a ring slot holds of each operand.
+#ifndef GEMM_BULK_CHUNK
+#define GEMM_BULK_CHUNK 4
+#endif
+
+// x [rows, k] (row stride ldx) -> tiles [row group][kb][2048] as described above, zeros past rows
+// and k. One thread per (row group, kb, row of 64): it reads the row's 64 bytes of the block and
+// writes its four 16-byte pieces (s, h). Launch: 256 threads, grid ceil(row_groups * k_blocks * 64
+// / 256); any rows >= 1.
+extern "C" __global__ void __launch_bounds__(256) gemm_rows_tile_x_bf16(const bf16_t* __restrict__ x, int ldx,
+                                                                      int rows, int k, bf16_t* __restrict__ tiles)
+{
+    kda_let_next_kernel_launch();
+    const int k_blocks = gemm_rows_k_blocks(k);
+    const int row_groups = (rows + GEMM_BULK_ROWS - 1) / GEMM_BULK_ROWS;
+    const long long index = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (index >= static_cast<long long>(row_groups) * k_blocks * GEMM_BULK_ROWS) {
+        return;
+    }
+    const int r = static_cast<int>(index % GEMM_BULK_ROWS);
+    const int kb = static_cast<int>((index / GEMM_BULK_ROWS) % k_blocks);
+    const int group = static_cast<int>(index / (static_cast<long long>(GEMM_BULK_ROWS) * k_blocks));
+    const int row = group * GEMM_BULK_ROWS + r;
+    // x may be the previous kernel's output, and the tiles the input of a kernel before it.
+    kda_wait_for_previous_kernel();
+    uint4 chunk[4];
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+        const int kk = kb * GEMM_ROWS_K_BLOCK + 8 * t;
+        chunk[t] = row < rows && kk < k ? *reinterpret_cast<const uint4*>(x + static_cast<size_t>(row) * ldx + kk)
+                                        : uint4{0u, 0u, 0u, 0u};
+    }
+    uint4* out = reinterpret_cast<uint4*>(tiles + (static_cast<size_t>(group) * k_blocks + kb) * GEMM_BULK_TILE_ELEMENTS);
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int q = 2 * s + h;  // word q of chunk t: k 8 t + 2 q, + 1
+            out[(2 * s + h) * GEMM_BULK_ROWS + r] =
+                uint4{word_of(chunk[0], q), word_of(chunk[1], q), word_of(chunk[2], q), word_of(chunk[3], q)};
+        }
+    }
+}
+
+// d[64 x 64] += a[64 x 16] b[16 x 64], both operands by descriptor (K-major). d: 32 floats a
+// thread, fragment 4 i + e at A row 16 warp + g + 8 (e / 2), B row (x row) 8 i + 2 t + e % 2.
+__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], unsigned long long desc_a,
+                                                   unsigned long long desc_b)
+{
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, "
+                 "%8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, "
+                 "%24, %25, %26, %27, %28, %29, %30, %31}, "
+                 "%32, %33, 1, 1, 1, 0, 0;"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "l"(desc_a), "l"(desc_b));
+}
+
+// The descriptor of k16 step s of the tile at shared address `tile`.
+__device__ __forceinline__ unsigned long long gemm_bulk_step_descriptor(unsigned int tile, int s)
+{
+    return wgmma_descriptor(tile + s * (GEMM_BULK_TILE_BYTES / 2), GEMM_BULK_TILE_BYTES / 4, 128);
+}
+
+// The copy warp's lane 0: chunk `chunk` of super-group `super_group` into ring slot `slot`; the
+// weight copies, x's, or both. The slot's full barrier was told the bytes of both by the caller.
+template <int WG>
+__device__ __forceinline__ void gemm_bulk_issue(unsigned int slot_address, unsigned int full, const bf16_t* x_tiles,
+                                                const bf16_t* w_tiles, int row_group, int super_group, int groups,
+                                                int chunk, int k_blocks, bool weights, bool activations)
+{
+    const int kb = chunk * GEMM_BULK_CHUNK;
+    const unsigned int bytes = min(GEMM_BULK_CHUNK, k_blocks - kb) * GEMM_BULK_TILE_BYTES;
+    if (weights) {
+#pragma unroll
+        for (int g = 0; g < WG; ++g) {
+            const int group = super_group * WG + g;
+            if (group < groups) {
+                bulk_copy_to_shared(slot_address + (1 + g) * GEMM_BULK_CHUNK * GEMM_BULK_TILE_BYTES,
+                                    w_tiles + (static_cast<size_t>(group) * k_blocks + kb) * GEMM_BULK_TILE_ELEMENTS,
+                                    bytes, full);
+            }
+        }
+    }
+    if (activations) {
+        bulk_copy_to_shared(slot_address, x_tiles + (static_cast<size_t>(row_group) * k_blocks + kb) * GEMM_BULK_TILE_ELEMENTS,
+                            bytes, full);
+    }
+}
+
+// Bytes one chunk of a super-group brings into its slot: x's and each present group's weights.
+template <int WG>
+__device__ __forceinline__ unsigned int gemm_bulk_chunk_bytes(int super_group, int groups, int chunk, int k_blocks)
+{
+    const int present = min(WG, groups - super_group * WG);
+    return (1 + present) * min(GEMM_BULK_CHUNK, k_blocks - chunk * GEMM_BULK_CHUNK) * GEMM_BULK_TILE_BYTES;
+}
+
+// Launch: block WG * 128 + 32 threads; grid.y = row groups of 64 (x_tiles has as many), grid.x any
+// number of blocks; dynamic shared memory stages * (1 + WG) * CHUNK * 4096 bytes of ring, then 2 *
+// stages mbarriers (16 * stages bytes). x_tiles from gemm_rows_tile_x_bf16 of the same rows and k,
+// w_tiles from pack_tiles. One entry per WG: gemm_rows_bulk_g<WG>.
+template <int WG>
+__device__ __forceinline__ void gemm_bulk_entry(const bf16_t* __restrict__ x_tiles, const bf16_t* __restrict__ w_tiles,
+                                                bf16_t* __restrict__ y, int ldy, int rows, int n, int k, int stages)
+{
+    extern __shared__ __align__(128) unsigned char gemm_bulk_ring[];
+    kda_let_next_kernel_launch();
+    const int row_group = blockIdx.y;
+    const int row_begin = row_group * GEMM_BULK_ROWS;
+    if (row_begin >= rows || blockDim.x != WG * GEMM_BULK_WARPGROUP + 32 || stages < 1) {
+        return;
+    }
+    const int rows_here = min(GEMM_BULK_ROWS, rows - row_begin);
+    const int k_blocks = gemm_rows_k_blocks(k);
+    const int k_split = k_split_for(k);
+    const int k_range = (k_blocks + k_split - 1) / k_split;
+    const int groups = (n + GEMM_BULK_COLUMNS - 1) / GEMM_BULK_COLUMNS;
+    const int super_groups = (groups + WG - 1) / WG;
+    const int chunks = (k_blocks + GEMM_BULK_CHUNK - 1) / GEMM_BULK_CHUNK;
+    const unsigned int slot_bytes = (1 + WG) * GEMM_BULK_CHUNK * GEMM_BULK_TILE_BYTES;
+    const unsigned int ring = shared_address(gemm_bulk_ring);
+    const unsigned int full_barriers = ring + stages * slot_bytes;
+    const unsigned int empty_barriers = full_barriers + 8 * stages;
+    // The warp index read from lane 0: the compiler then knows every branch on it is warp-uniform, and
+    // keeps a range's wgmma in flight together instead of serialising them.
+    const int warp = __shfl_sync(0xffffffffu, threadIdx.x >> 5, 0), lane = threadIdx.x & 31;
+    const int consumer_warps = 4 * WG;
+
+    if (threadIdx.x == 0) {
+        for (int slot = 0; slot < stages; ++slot) {
+            mbarrier_init(full_barriers + 8 * slot, 1);
+            mbarrier_init(empty_barriers + 8 * slot, consumer_warps);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    if (warp == consumer_warps) {
+        // The copy warp.
+        if (lane != 0) {
+            return;
+        }
+        // Chunk i of the walk: (super-group blockIdx.x + (i / chunks) gridDim.x, chunk i % chunks).
+        const int mine = super_groups > static_cast<int>(blockIdx.x)
+                             ? (super_groups - 1 - static_cast<int>(blockIdx.x)) / static_cast<int>(gridDim.x) + 1
+                             : 0;
+        const int total = mine * chunks;
+        const int early = min(stages, total);
+        for (int i = 0; i < early; ++i) {
+            const int super_group = blockIdx.x + (i / chunks) * gridDim.x, chunk = i % chunks;
+            const unsigned int full = full_barriers + 8 * i;
+            mbarrier_expect_bytes(full, gemm_bulk_chunk_bytes<WG>(super_group, groups, chunk, k_blocks));
+            gemm_bulk_issue<WG>(ring + i * slot_bytes, full, x_tiles, w_tiles, row_group, super_group, groups, chunk,
+                                k_blocks, true, false);
+        }
+        // x is the previous kernel's output (gemm_rows_tile_x_bf16): nothing of it before this.
+        kda_wait_for_previous_kernel();
+        for (int i = 0; i < total; ++i) {
+            const int super_group = blockIdx.x + (i / chunks) * gridDim.x, chunk = i % chunks;
+            const int slot = i % stages;
+            const unsigned int full = full_barriers + 8 * slot;
+            if (i >= stages) {
+                // Every consumer warp has finished with use i / stages - 1 of the slot.
+                mbarrier_wait(empty_barriers + 8 * slot, (i / stages - 1) & 1);
+                mbarrier_expect_bytes(full, gemm_bulk_chunk_bytes<WG>(super_group, groups, chunk, k_blocks));
+            }
+            gemm_bulk_issue<WG>(ring + slot * slot_bytes, full, x_tiles, w_tiles, row_group, super_group, groups, chunk,
+                                k_blocks, i >= stages, true);
+        }
+        return;
+    }
+
+    // A consumer warpgroup: 64 columns of each of the block's super-groups. The accumulators are
+    // touched only between ranges (zeroed before, folded after), never between two wgmma of one
+    // range, so the compiler keeps the range's wgmma in flight together.
+    const int warpgroup = warp >> 2, warp_in_group = warp & 3;
+    int i = 0;  // chunks of the block's walk before this super-group's
+    bool waited = false;
+    for (int super_group = blockIdx.x; super_group < super_groups; super_group += gridDim.x, i += chunks) {
+        const int group = super_group * WG + warpgroup;
+        if (group >= groups) {  // warpgroup-uniform: only keep the ring turning
+            for (int chunk = 0; chunk < chunks; ++chunk) {
+                const int slot = (i + chunk) % stages;
+                mbarrier_wait(full_barriers + 8 * slot, ((i + chunk) / stages) & 1);
+                __syncwarp();
+                if (lane == 0) {
+                    mbarrier_arrive(empty_barriers + 8 * slot);
+                }
+            }
+            continue;
+        }
+        float total[32], acc[32];
+        int range = 0;
+        for (int kb_begin = 0; kb_begin < k_blocks; kb_begin += k_range, ++range) {
+            const int kb_end = min(kb_begin + k_range, k_blocks);
+#pragma unroll
+            for (int f = 0; f < 32; ++f) {
+                acc[f] = 0.0f;
+            }
+            wgmma_fence();
+            for (int kb = kb_begin; kb < kb_end; ++kb) {
+                const int walk = i + kb / GEMM_BULK_CHUNK, u = kb % GEMM_BULK_CHUNK;
+                const int slot = walk % stages;
+                if (u == 0) {
+                    mbarrier_wait(full_barriers + 8 * slot, (walk / stages) & 1);
+                }
+                const unsigned int x_tile = ring + slot * slot_bytes + u * GEMM_BULK_TILE_BYTES;
+                const unsigned int w_tile = x_tile + (1 + warpgroup) * GEMM_BULK_CHUNK * GEMM_BULK_TILE_BYTES;
+                wgmma_fence();
+#pragma unroll
+                for (int s = 0; s < 2; ++s) {
+                    wgmma_m64n64k16_ss(acc, gemm_bulk_step_descriptor(w_tile, s), gemm_bulk_step_descriptor(x_tile, s));
+                }
+                if (u == GEMM_BULK_CHUNK - 1 || kb == k_blocks - 1) {
+                    // The chunk's last block: once its wgmma are done, this warp is done with the slot.
+                    wgmma_commit();
+                    wgmma_wait_all();
+                    __syncwarp();
+                    if (lane == 0) {
+                        mbarrier_arrive(empty_barriers + 8 * slot);
+                    }
+                }
+            }
+            wgmma_commit();
+            wgmma_wait_all();
+            wgmma_hold(acc);
+#pragma unroll
+            for (int f = 0; f < 32; ++f) {
+                total[f] = range == 0 ? acc[f] : total[f] + acc[f];
+            }
+        }
+        // The ranges past the matrix (empty: a partial sum of zero, added as gemm_rows_group adds it).
+        for (int r = range; r < k_split; ++r) {
+#pragma unroll
+            for (int f = 0; f < 32; ++f) {
+                total[f] += 0.0f;
+            }
+        }
+        if (!waited) {
+            // y may belong to the previous kernel.
+            kda_wait_for_previous_kernel();
+            waited = true;
+        }
+        const int g = lane >> 2, t = lane & 3;
+        const int column_base = group * GEMM_BULK_COLUMNS + 16 * warp_in_group + g;
+#pragma unroll
+        for (int f = 0; f < 32; ++f) {
+            const int e = f & 3;
+            const int column = column_base + 8 * (e >> 1);
+            const int row = 8 * (f >> 2) + 2 * t + (e & 1);
+            if (row < rows_here && column < n) {
+                y[static_cast<size_t>(row_begin + row) * ldy + column] = f32_to_bf16(total[f]);
+            }
+        }
+    }
+}
+
+#define GEMM_BULK_ENTRY(WG)                                                                               \
+    extern "C" __global__ void __launch_bounds__(WG * GEMM_BULK_WARPGROUP + 32, 1)                         \
+        gemm_rows_bulk_g##WG(const bf16_t* __restrict__ x_tiles, const bf16_t* __restrict__ w_tiles,       \
+                             bf16_t* __restrict__ y, int ldy, int rows, int n, int k, int stages)          \
+    {                                                                                                     \
+        gemm_bulk_entry<WG>(x_tiles, w_tiles, y, ldy, rows, n, k, stages);                                \
+    }
+
+GEMM_BULK_ENTRY(1)
+GEMM_BULK_ENTRY(2)
+GEMM_BULK_ENTRY(3)

@@ -1,0 +1,81 @@
+// Hopper's warpgroup MMA (sm_90a): the pieces every wgmma sweep of the projection shares
+// (gemm_rows_wgmma.cu, gemm_rows_bulk.cu): shared-memory operand descriptors, the fences and waits
+// of the asynchronous MMA, and the mbarrier and bulk-copy steps that feed it.
+#ifndef WGMMA_CUH
+#define WGMMA_CUH
+
+// Shared-memory descriptor of a K-major operand without swizzle (sm_90 wgmma): start address,
+// leading byte offset (between core matrices along k), stride byte offset (along the rows).
+__device__ __forceinline__ unsigned long long wgmma_descriptor(unsigned int address, unsigned int leading,
+                                                               unsigned int stride)
+{
+    return static_cast<unsigned long long>((address & 0x3FFFF) >> 4) |
+           (static_cast<unsigned long long>(leading >> 4) << 16) |
+           (static_cast<unsigned long long>(stride >> 4) << 32);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+
+// Registers an asynchronous wgmma reads or writes: after wgmma_wait_all, this keeps the compiler
+// from moving their other uses across the wait.
+template <int COUNT>
+__device__ __forceinline__ void wgmma_hold(float (&registers)[COUNT])
+{
+#pragma unroll
+    for (int i = 0; i < COUNT; ++i) {
+        asm volatile("" : "+f"(registers[i])::"memory");
+    }
+}
+
+__device__ __forceinline__ void wgmma_hold(uint4& registers)
+{
+    asm volatile("" : "+r"(registers.x), "+r"(registers.y), "+r"(registers.z), "+r"(registers.w)::"memory");
+}
+
+// mbarrier (shared::cta, 8 bytes at `barrier`): initialise to `count` arrivals a phase.
+__device__ __forceinline__ void mbarrier_init(unsigned int barrier, unsigned int count)
+{
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(barrier), "r"(count) : "memory");
+}
+
+// One arrival, announcing `bytes` that asynchronous copies will complete on the barrier.
+__device__ __forceinline__ void mbarrier_expect_bytes(unsigned int barrier, unsigned int bytes)
+{
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(barrier), "r"(bytes) : "memory");
+}
+
+// One arrival.
+__device__ __forceinline__ void mbarrier_arrive(unsigned int barrier)
+{
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(barrier) : "memory");
+}
+
+// Wait until the phase of parity `parity` of the barrier has completed.
+__device__ __forceinline__ void mbarrier_wait(unsigned int barrier, unsigned int parity)
+{
+    unsigned int ready = 0;
+    do {
+        asm volatile(
+            "{\n\t.reg .pred p;\n\t"
+            "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+            "selp.u32 %0, 1, 0, p;\n\t}"
+            : "=r"(ready)
+            : "r"(barrier), "r"(parity)
+            : "memory");
+    } while (!ready);
+}
+
+// `bytes` (a multiple of 16) from global `source` to shared `destination` by the bulk copy engine,
+// completing on `barrier`.
+__device__ __forceinline__ void bulk_copy_to_shared(unsigned int destination, const void* source, unsigned int bytes,
+                                                    unsigned int barrier)
+{
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     destination),
+                 "l"(source), "r"(bytes), "r"(barrier)
+                 : "memory");
+}
+
+#endif  // WGMMA_CUH
