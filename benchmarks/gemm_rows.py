@@ -30,8 +30,9 @@ only as many blocks as are resident at once) at rows 1, 4, 16 and 64: the choice
 makes automatically, measured against the others.
 
 --bulk WG ... (sm_90) also times 17..256 rows of the packed weight on the bulk-copy sweep
-(gemm_rows_bulk: the x tiling and the sweep, two launches) with each of those warpgroups per block
-(0: the choice bulk_plan makes), bits compared like every other line.
+(gemm_rows_bulk: the x tiling and the sweep, two launches, three where it splits by k range) with
+each of those warpgroups per block, whole (0: the warpgroups and the split bulk_plan chooses), bits
+compared like every other line.
 
 --against DIR (repeatable) also times every gemm_rows line with the kernels compiled from the sources in DIR
 (another version of kernels_src/, say the previous commit's: `git archive HEAD~1 kernels_src | tar
@@ -49,7 +50,8 @@ import cupy
 import numpy as np
 
 from glm_kda import kernels, ops
-from glm_kda.gemm_rows import (GEMM_ROWS_BLOCKS_PER_SM, bulk_available, bulk_plan, gemm_rows_bf16, gemm_rows_bulk,
+from glm_kda.gemm_rows import (GEMM_ROWS_BLOCKS_PER_SM, bulk_available, bulk_partial_size, bulk_plan, gemm_rows_bf16,
+                               gemm_rows_bulk,
                                launch_plan, pack_weight, wgmma_available, weight_bytes, x_tiles_size)
 from glm_kda.selftest import copy_bandwidth_gbs
 
@@ -198,6 +200,7 @@ def main() -> None:
         if args.layout in ("both", "packed"):
             layouts["packed"] = [pack_weight(w, pairs=args.wgmma == "both", tiles=bool(args.bulk)) for w in weights]
         x_tiles = cupy.empty((x_tiles_size(max(ROWS), k),), cupy.uint16) if args.bulk else None
+        partial = cupy.empty((bulk_partial_size(n, k, max(ROWS)),), cupy.float32) if args.bulk else None
         for rows in args.rows:
             results = {}
             forms = [(serial, None) for serial in ((False, True) if args.serial == "both" and 16 < rows <= 64
@@ -224,15 +227,16 @@ def main() -> None:
                     kernels.KernelSet.install(kernel_sets["package"])
             for warpgroups in args.bulk if rows > 16 and "packed" in layouts and bulk_available() else ():
                 copies = layouts["packed"]
-                plan = bulk_plan(n, k, rows, sm_count, warpgroups or None)
+                plan = bulk_plan(n, k, rows, sm_count, warpgroups or None, split=None if warpgroups == 0 else False)
 
                 def launch(index: int, rows: int = rows, copies=copies, warpgroups=warpgroups) -> None:
                     gemm_rows_bulk(x[:rows], copies[index], out[:rows], rows=rows, x_tiles=x_tiles,
-                                   warpgroups=warpgroups or None)
+                                   partial=partial, warpgroups=warpgroups or None,
+                                   split=None if warpgroups == 0 else False)
 
                 record("gemm_rows_bulk", rows, *_time_launches(launch, len(copies), args.launches),
                        grid=list(plan.grid), warpgroups=plan.warpgroups, stages=plan.stages, entry=plan.kernel,
-                       layout="tiles", automatic=warpgroups == 0)
+                       split=plan.split, layout="tiles", automatic=warpgroups == 0)
                 results["tiles", "package", f"{plan.kernel}/{warpgroups}"] = out[:rows].copy()
             first = next(iter(results))
             reference = results[first]

@@ -73,7 +73,7 @@ WGMMA_SLOT_BYTES = WGMMA_STEP * 2 * N_TILE * K_BLOCK * 2
 # copied into shared memory as 4 KB tiles, x once a block for BULK_WARPGROUPS groups of 64 columns;
 # the same bits as the mma.sync sweeps) where the weight has at least BULK_MIN_GROUPS_PER_SM groups of
 # 64 columns per SM (None: never).
-BULK_MIN_GROUPS_PER_SM: float | None = 1.0
+BULK_MIN_GROUPS_PER_SM: float | None = 0.25
 # Warpgroups of a bulk block (None: by the shape, see bulk_plan), blocks of 32 k a ring slot holds of
 # each operand (GEMM_BULK_CHUNK), and the most slots a ring has.
 BULK_WARPGROUPS: int | None = None
@@ -383,7 +383,7 @@ def wgmma_available() -> bool:
 def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | None = None,
                    blocks: int | None = None, programmatic: bool = False, serial: bool | None = None,
                    wgmma: bool | None = None, reserved_slots: int = 0, staged: bool = False,
-                   bulk: bool | None = None, x_tiles: Any = None) -> None:
+                   bulk: bool | None = None, x_tiles: Any = None, partial: Any = None) -> None:
     """out[r, :] = bf16(x[r, :] @ w.T) for r < rows (1..256), FP32 accumulation on tensor cores.
 
     Shapes:
@@ -406,7 +406,7 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
     before it waits on the previous kernel, see :func:`staged_plan`; elsewhere ignored), and ``bulk``
     (more than 16 rows of a PackedWeight holding the tile layout, on sm_90: the bulk-copy sweep,
     :func:`gemm_rows_bulk`, True always, None where the weight has BULK_MIN_GROUPS_PER_SM groups of
-    64 columns per SM, False never; ``x_tiles`` is then its scratch, None for a new one).
+    64 columns per SM, False never; ``x_tiles`` and ``partial`` are then its scratch, see there).
 
     ``w`` may also be a :class:`PackedWeight` of the same weight (:func:`pack_weight`): the
     same bits, the weight read in contiguous runs. The warpgroup-MMA sweep reads its pair layout,
@@ -432,7 +432,7 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
                              f" sm_90 device (packed: {packed}, tile layout: {packed and w.tiles is not None},"
                              f" bulk-copy kernels loaded: {bulk_available()})")
         if takes and (bulk or bulk_wide_enough(n, _sm_count(cupy.cuda.Device().id))):
-            gemm_rows_bulk(x, w, out, rows, x_tiles=x_tiles, programmatic=programmatic)
+            gemm_rows_bulk(x, w, out, rows, x_tiles=x_tiles, partial=partial, programmatic=programmatic)
             return
     if staged and staged_applies(w, rows):
         plan = staged_plan(n, k, rows)
@@ -496,9 +496,17 @@ def bulk_warpgroups(groups: int, sm_count: int = DEFAULT_SM_COUNT) -> int:
     return min((3, 2, 1), key=lambda wg: (busiest(wg), -wg))
 
 
+def k_ranges(k: int) -> int:
+    """The k ranges of the summation order that hold blocks of 32 k (k_split's, less any past k)."""
+    k_blocks = -(-k // K_BLOCK)
+    k_range = -(-k_blocks // k_split(k))
+    return -(-k_blocks // k_range)
+
+
 @dataclass(frozen=True)
 class BulkPlan:
-    """Entry point, grid, block, ring slots and shared memory of one bulk-copy sweep."""
+    """Entry point, grid, block, ring slots and shared memory of one bulk-copy sweep; `split`: each
+    task one k range of a super-group, its FP32 partial sums folded by gemm_rows_bulk_fold_bf16."""
 
     kernel: str
     grid: tuple[int, int]
@@ -506,14 +514,17 @@ class BulkPlan:
     warpgroups: int
     stages: int
     shared_mem: int
+    split: bool = False
 
 
 def bulk_plan(n: int, k: int, rows: int, sm_count: int = DEFAULT_SM_COUNT, warpgroups: int | None = None,
-              blocks: int | None = None, stages: int | None = None) -> BulkPlan:
+              blocks: int | None = None, stages: int | None = None, split: bool | None = False) -> BulkPlan:
     """The launch of gemm_rows_bulk_g<warpgroups> for `rows` rows of a [n, k] weight: grid.y the row
-    groups of 64, grid.x the super-groups of `warpgroups` groups of 64 columns (capped at the blocks
-    resident at once, or `blocks`), and as many ring slots (each x's and every warpgroup's
-    BULK_CHUNK blocks of 32 k) as fit, up to BULK_MAX_STAGES. No choice changes a bit."""
+    groups of 64, grid.x the tasks (super-groups of `warpgroups` groups of 64 columns, or with `split`
+    their k ranges one by one) capped at the blocks resident at once, or `blocks`; as many ring slots
+    (each x's and every warpgroup's BULK_CHUNK blocks of 32 k) as fit, up to BULK_MAX_STAGES.
+    split None: where the unsplit tasks of all row groups would keep fewer than half the SMs busy and
+    k has more than one range. No choice changes a bit."""
     groups = -(-n // 64)
     warpgroups = warpgroups or bulk_warpgroups(groups, sm_count)
     if warpgroups not in (1, 2, 3):
@@ -526,10 +537,19 @@ def bulk_plan(n: int, k: int, rows: int, sm_count: int = DEFAULT_SM_COUNT, warpg
     if not 1 <= stages or stages * (slot + 16) > BULK_SHARED_PER_BLOCK:
         raise ValueError(f"stages must be 1..{BULK_SHARED_PER_BLOCK // (slot + 16)} at {warpgroups} warpgroups, got {stages}")
     super_groups = -(-groups // warpgroups)
-    grid_x = min(blocks or sm_count * per_sm, super_groups)
-    return BulkPlan(kernel=f"gemm_rows_bulk_g{warpgroups}", grid=(grid_x, -(-rows // ROWS_PER_SWEEP)),
+    row_groups = -(-rows // ROWS_PER_SWEEP)
+    if split is None:
+        split = super_groups * row_groups < sm_count / 2 and k_ranges(k) > 1
+    tasks = super_groups * (k_ranges(k) if split else 1)
+    grid_x = min(blocks or sm_count * per_sm, tasks)
+    return BulkPlan(kernel=f"gemm_rows_bulk_g{warpgroups}", grid=(grid_x, row_groups),
                     block=(warpgroups * 128 + 32,), warpgroups=warpgroups, stages=stages,
-                    shared_mem=stages * (slot + 16))
+                    shared_mem=stages * (slot + 16), split=bool(split))
+
+
+def bulk_partial_size(n: int, k: int, rows: int) -> int:
+    """FP32 elements of a split bulk-copy sweep's partial sums: every k range of rows x n."""
+    return k_ranges(k) * rows * n
 
 
 def x_tiles_size(rows: int, k: int) -> int:
@@ -539,15 +559,18 @@ def x_tiles_size(rows: int, k: int) -> int:
 
 def gemm_rows_bulk(x, w: PackedWeight, out, rows: int | None = None, *, x_tiles: Any = None,
                    warpgroups: int | None = None, blocks: int | None = None, stages: int | None = None,
-                   programmatic: bool = False) -> None:
+                   split: bool | None = None, partial: Any = None, programmatic: bool = False) -> None:
     """out[r, :] = bf16(x[r, :] @ w.T) for r < rows (1..256) by the bulk-copy sweep: the bits of
     :func:`gemm_rows_bf16` (x, w and out as there; w a PackedWeight made with ``tiles=True``).
 
-    Two launches: gemm_rows_tile_x_bf16 lays x out in tiles (into ``x_tiles``, a contiguous BF16
-    array of at least :func:`x_tiles_size` elements; None: a new one), then gemm_rows_bulk_g<WG>
-    sweeps (see :func:`bulk_plan` for ``warpgroups``, ``blocks`` and ``stages``, which change no
-    bit) as its programmatic dependent. ``programmatic``: the first launch is a programmatic
-    dependent of the previous kernel in the stream (the one that writes x)."""
+    Two or three launches: gemm_rows_tile_x_bf16 lays x out in tiles (into ``x_tiles``, a contiguous
+    BF16 array of at least :func:`x_tiles_size` elements; None: a new one), then gemm_rows_bulk_g<WG>
+    sweeps as its programmatic dependent (see :func:`bulk_plan` for ``warpgroups``, ``blocks``,
+    ``stages`` and ``split``, which change no bit). A split sweep stores each k range's FP32 sums in
+    ``partial`` (a contiguous float32 array of at least :func:`bulk_partial_size` elements; None: a
+    new one) and gemm_rows_bulk_fold_bf16 adds them into out in the sweep's order. With split None a
+    ``partial`` too small (or, given x_tiles, none) keeps the sweep whole. ``programmatic``: the first
+    launch is a programmatic dependent of the previous kernel in the stream (the one that writes x)."""
     rows, n, k, ldx, ldy = projection_args("gemm_rows_bulk", x, w, out, rows, GEMM_ROWS_MAX_ROWS)
     if not isinstance(w, PackedWeight) or w.tiles is None:
         raise ValueError("gemm_rows_bulk: w must be a PackedWeight made with pack_weight(w, tiles=True)")
@@ -560,13 +583,28 @@ def gemm_rows_bulk(x, w: PackedWeight, out, rows: int | None = None, *, x_tiles:
     elif x_tiles.dtype != x.dtype or not x_tiles.flags.c_contiguous or x_tiles.size < size:
         raise ValueError(f"gemm_rows_bulk: x_tiles must be a contiguous BF16 array of at least {size} elements, "
                          f"got {x_tiles.dtype} of {x_tiles.size} (contiguous: {x_tiles.flags.c_contiguous})")
-    plan = bulk_plan(n, k, rows, _sm_count(cupy.cuda.Device().id), warpgroups, blocks, stages)
+    sm_count = _sm_count(cupy.cuda.Device().id)
+    partial_size = bulk_partial_size(n, k, rows)
+    if split is None:
+        scratch_fits = partial is not None and partial.size >= partial_size if x_tiles is not None else True
+        split = None if scratch_fits else False
+    plan = bulk_plan(n, k, rows, sm_count, warpgroups, blocks, stages, split)
+    if plan.split:
+        if partial is None:
+            partial = cupy.empty((partial_size,), cupy.float32)
+        elif partial.dtype != cupy.float32 or not partial.flags.c_contiguous or partial.size < partial_size:
+            raise ValueError(f"gemm_rows_bulk: partial must be a contiguous float32 array of at least {partial_size}"
+                             f" elements, got {partial.dtype} of {partial.size} (contiguous: {partial.flags.c_contiguous})")
     threads = size // K_BLOCK  # one per (row group, k block, row of 64): 32 elements each
     kernels.launch("gemm_rows_tile_x_bf16", (-(-threads // 256),), (256,), (x, _i32(ldx), _i32(rows), _i32(k), x_tiles),
                    programmatic=programmatic)
     kernels.launch(plan.kernel, plan.grid, plan.block,
-                   (x_tiles, w.tiles, out, _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(plan.stages)),
+                   (x_tiles, w.tiles, out, _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(plan.stages),
+                    partial if plan.split else None),
                    plan.shared_mem, programmatic=True, carveout=100)
+    if plan.split:
+        kernels.launch("gemm_rows_bulk_fold_bf16", (-(-(rows * n) // 256),), (256,),
+                       (partial, out, _i32(ldy), _i32(rows), _i32(n), _i32(k)), programmatic=True)
 
 
 def prefetch_k_blocks(n: int, k: int) -> int:

@@ -47,7 +47,8 @@ ENTRY_POINTS: dict[str, tuple[str, ...]] = {
 # device of it; the wrappers fall back to the portable kernels elsewhere (KernelSet.has).
 ARCH_ENTRY_POINTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "gemm_rows_wgmma": ("sm_90a", tuple(f"gemm_rows_wgmma_n{n}_g{g}" for n in (32, 64) for g in (1, 2))),
-    "gemm_rows_bulk": ("sm_90a", ("gemm_rows_tile_x_bf16",) + tuple(f"gemm_rows_bulk_g{g}" for g in (1, 2, 3))),
+    "gemm_rows_bulk": ("sm_90a", ("gemm_rows_tile_x_bf16",) + tuple(f"gemm_rows_bulk_g{g}" for g in (1, 2, 3))
+                       + ("gemm_rows_bulk_fold_bf16",)),
 }
 
 # The kernel source files, one per family (the keys of ENTRY_POINTS and ARCH_ENTRY_POINTS plus ".cu").

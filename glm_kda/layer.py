@@ -219,6 +219,10 @@ class KdaWorkspace:
         tile_rows = min(max_tokens, gemm_rows.GEMM_ROWS_MAX_ROWS)
         self.x_tiles = cupy.zeros((gemm_rows.x_tiles_size(tile_rows, max(c.hidden, c.qkv)),), bf16)
         self.x_tiles_side = cupy.zeros((gemm_rows.x_tiles_size(tile_rows, max(c.hidden, c.head_dim)),), bf16)
+        # The FP32 k-range sums of a split bulk-copy sweep (gemm_rows.bulk_plan): o_proj's at up to 64
+        # rows, where its few column groups are split by k range (a call that finds it too small
+        # runs unsplit, the same bits).
+        self.bulk_partial = cupy.zeros((gemm_rows.bulk_partial_size(c.hidden, c.qkv, min(max_tokens, 64)),), f32)
         # Fixed input buffers of the captured decode graphs.
         self.graph_hidden = cupy.zeros((max_tokens, c.hidden), bf16)
         self.graph_slots = cupy.zeros((max_tokens,), np.int32)
@@ -428,7 +432,8 @@ class KdaLayer:
     SIDE_CHAIN_WEIGHTS = ("down_weight", "f_b", "g_b")
 
     def _project_decode(self, x: Any, weight: Any, out: Any, after_kernel: bool = False,
-                        reserved_slots: int = 0, staged: bool = False, x_tiles: Any = None) -> None:
+                        reserved_slots: int = 0, staged: bool = False, x_tiles: Any = None,
+                        partial: Any = None) -> None:
         """The projection of every decode-side call (decode, decode_k, batched decode, and
         prefill of <= 16 rows). One kernel, applied to groups of DECODE_ROW_GROUP rows, whose
         per-row arithmetic does not depend on the row count: a row's bits are the same in
@@ -439,14 +444,16 @@ class KdaLayer:
         for their first weights while that kernel drains; the same bits). reserved_slots: block
         slots a launch of <= 16 rows leaves to kernels beside it (gemm_rows.launch_plan; no bit
         depends on it). staged: gemm_rows_bf16's staged launch where it applies (no bit depends
-        on it either). x_tiles: the bulk-copy sweep's scratch (workspace.x_tiles when None)."""
+        on it either). x_tiles, partial: the bulk-copy sweep's scratch (workspace.x_tiles when None;
+        without partial it never splits)."""
         rows = x.shape[0]
         for start in range(0, rows, DECODE_ROW_GROUP):
             stop = min(rows, start + DECODE_ROW_GROUP)
             gemm_rows.gemm_rows_bf16(x[start:stop], weight, out[start:stop], rows=stop - start,
                                      programmatic=after_kernel or start > 0, reserved_slots=reserved_slots,
                                      staged=staged,
-                                     x_tiles=self.workspace.x_tiles if x_tiles is None else x_tiles)
+                                     x_tiles=self.workspace.x_tiles if x_tiles is None else x_tiles,
+                                     partial=partial)
 
     def _project(self, x: Any, weight: str, out: Any, wide: bool, after_kernel: bool = False,
                  reserved_slots: int = 0, staged: bool = False) -> None:
@@ -455,8 +462,11 @@ class KdaLayer:
             # Prefill only: cuBLAS reassociates, which no bit-exact path may see.
             ops.gemm_bf16_cublas(x, getattr(self, weight), out)
         else:
-            x_tiles = self.workspace.x_tiles_side if weight in self.SIDE_CHAIN_WEIGHTS else self.workspace.x_tiles
-            self._project_decode(x, self.decode_weight(weight), out, after_kernel, reserved_slots, staged, x_tiles)
+            ws = self.workspace
+            x_tiles, partial = ((ws.x_tiles_side, None) if weight in self.SIDE_CHAIN_WEIGHTS
+                                else (ws.x_tiles, ws.bulk_partial))
+            self._project_decode(x, self.decode_weight(weight), out, after_kernel, reserved_slots, staged, x_tiles,
+                                 partial)
 
     def gate_source(self, first: int = 0) -> chunk_tc.GateSource:
         """Workspace rows first.. of what the forget gate and beta are formed from."""

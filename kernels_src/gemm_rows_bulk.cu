@@ -110,47 +110,87 @@ __device__ __forceinline__ unsigned long long gemm_bulk_step_descriptor(unsigned
     return wgmma_descriptor(tile + s * (GEMM_BULK_TILE_BYTES / 2), GEMM_BULK_TILE_BYTES / 4, 128);
 }
 
-// The copy warp's lane 0: chunk `chunk` of super-group `super_group` into ring slot `slot`; the
-// weight copies, x's, or both. The slot's full barrier was told the bytes of both by the caller.
-template <int WG>
-__device__ __forceinline__ void gemm_bulk_issue(unsigned int slot_address, unsigned int full, const bf16_t* x_tiles,
-                                                const bf16_t* w_tiles, int row_group, int super_group, int groups,
-                                                int chunk, int k_blocks, bool weights, bool activations)
+// The walk of a block, the same for its copy warp and its warpgroups: tasks blockIdx.x,
+// blockIdx.x + gridDim.x, ... of `tasks`; task t is super-group t / parts and, with one part, every
+// k range of it (folded in the registers), or with parts = the ranges that hold k blocks, range
+// t % parts alone (its partial sums stored for gemm_rows_bulk_fold_bf16). A range's blocks of 32 k
+// go in chunks of up to GEMM_BULK_CHUNK from the range's first block.
+struct GemmBulkWalk {
+    int k_blocks, k_range, ranges, parts, tasks;
+};
+
+__device__ __forceinline__ GemmBulkWalk gemm_bulk_walk(int k, int super_groups, bool split)
 {
-    const int kb = chunk * GEMM_BULK_CHUNK;
-    const unsigned int bytes = min(GEMM_BULK_CHUNK, k_blocks - kb) * GEMM_BULK_TILE_BYTES;
-    if (weights) {
-#pragma unroll
-        for (int g = 0; g < WG; ++g) {
-            const int group = super_group * WG + g;
-            if (group < groups) {
-                bulk_copy_to_shared(slot_address + (1 + g) * GEMM_BULK_CHUNK * GEMM_BULK_TILE_BYTES,
-                                    w_tiles + (static_cast<size_t>(group) * k_blocks + kb) * GEMM_BULK_TILE_ELEMENTS,
-                                    bytes, full);
+    GemmBulkWalk walk;
+    walk.k_blocks = gemm_rows_k_blocks(k);
+    const int k_split = k_split_for(k);
+    walk.k_range = (walk.k_blocks + k_split - 1) / k_split;
+    walk.ranges = (walk.k_blocks + walk.k_range - 1) / walk.k_range;  // those that hold blocks
+    walk.parts = split ? walk.ranges : 1;
+    walk.tasks = super_groups * walk.parts;
+    return walk;
+}
+
+// The copy warp's lane 0, over the block's walk: for each chunk i (slot i % stages), before the
+// wait on the previous kernel (`early`) the weight copies of chunks i < stages, after it the rest:
+// the copies of x for every chunk, and both copies for chunks i >= stages once the slot is free.
+template <int WG>
+__device__ __forceinline__ void gemm_bulk_produce(const GemmBulkWalk& walk, bool early, int stages,
+                                                  unsigned int ring, unsigned int slot_bytes,
+                                                  unsigned int full_barriers, unsigned int empty_barriers,
+                                                  const bf16_t* x_tiles, const bf16_t* w_tiles, int row_group,
+                                                  int groups)
+{
+    int i = 0;
+    for (int task = blockIdx.x; task < walk.tasks; task += gridDim.x) {
+        const int super_group = task / walk.parts;
+        const int first_range = walk.parts == 1 ? 0 : task % walk.parts;
+        const int last_range = walk.parts == 1 ? walk.ranges : first_range + 1;
+        const int present = min(WG, groups - super_group * WG);
+        for (int range = first_range; range < last_range; ++range) {
+            const int range_end = min((range + 1) * walk.k_range, walk.k_blocks);
+            for (int kb = range * walk.k_range; kb < range_end; kb += GEMM_BULK_CHUNK, ++i) {
+                if (early && i >= stages) {
+                    return;
+                }
+                const int slot = i % stages;
+                const unsigned int full = full_barriers + 8 * slot;
+                const unsigned int bytes = min(GEMM_BULK_CHUNK, range_end - kb) * GEMM_BULK_TILE_BYTES;
+                const unsigned int slot_address = ring + slot * slot_bytes;
+                const bool weights = early || i >= stages;
+                if (i >= stages) {
+                    // Every consumer warp has finished with use i / stages - 1 of the slot.
+                    mbarrier_wait(empty_barriers + 8 * slot, (i / stages - 1) & 1);
+                }
+                if (weights) {
+                    mbarrier_expect_bytes(full, (1 + present) * bytes);
+                    for (int g = 0; g < present; ++g) {
+                        const int group = super_group * WG + g;
+                        bulk_copy_to_shared(slot_address + (1 + g) * GEMM_BULK_CHUNK * GEMM_BULK_TILE_BYTES,
+                                            w_tiles + (static_cast<size_t>(group) * walk.k_blocks + kb) * GEMM_BULK_TILE_ELEMENTS,
+                                            bytes, full);
+                    }
+                }
+                if (!early) {
+                    bulk_copy_to_shared(slot_address,
+                                        x_tiles + (static_cast<size_t>(row_group) * walk.k_blocks + kb) * GEMM_BULK_TILE_ELEMENTS,
+                                        bytes, full);
+                }
             }
         }
     }
-    if (activations) {
-        bulk_copy_to_shared(slot_address, x_tiles + (static_cast<size_t>(row_group) * k_blocks + kb) * GEMM_BULK_TILE_ELEMENTS,
-                            bytes, full);
-    }
-}
-
-// Bytes one chunk of a super-group brings into its slot: x's and each present group's weights.
-template <int WG>
-__device__ __forceinline__ unsigned int gemm_bulk_chunk_bytes(int super_group, int groups, int chunk, int k_blocks)
-{
-    const int present = min(WG, groups - super_group * WG);
-    return (1 + present) * min(GEMM_BULK_CHUNK, k_blocks - chunk * GEMM_BULK_CHUNK) * GEMM_BULK_TILE_BYTES;
 }
 
 // Launch: block WG * 128 + 32 threads; grid.y = row groups of 64 (x_tiles has as many), grid.x any
 // number of blocks; dynamic shared memory stages * (1 + WG) * CHUNK * 4096 bytes of ring, then 2 *
 // stages mbarriers (16 * stages bytes). x_tiles from gemm_rows_tile_x_bf16 of the same rows and k,
-// w_tiles from pack_tiles. One entry per WG: gemm_rows_bulk_g<WG>.
+// w_tiles from pack_tiles. `partial` null: y = the folded sums in BF16; else each range's sums, FP32,
+// at partial[range][row][column] (row < rows, column < n; gemm_rows_bulk_fold_bf16 folds them),
+// and y is not touched. One entry per WG: gemm_rows_bulk_g<WG>.
 template <int WG>
 __device__ __forceinline__ void gemm_bulk_entry(const bf16_t* __restrict__ x_tiles, const bf16_t* __restrict__ w_tiles,
-                                                bf16_t* __restrict__ y, int ldy, int rows, int n, int k, int stages)
+                                                bf16_t* __restrict__ y, int ldy, int rows, int n, int k, int stages,
+                                                float* __restrict__ partial)
 {
     extern __shared__ __align__(128) unsigned char gemm_bulk_ring[];
     kda_let_next_kernel_launch();
@@ -160,12 +200,9 @@ __device__ __forceinline__ void gemm_bulk_entry(const bf16_t* __restrict__ x_til
         return;
     }
     const int rows_here = min(GEMM_BULK_ROWS, rows - row_begin);
-    const int k_blocks = gemm_rows_k_blocks(k);
     const int k_split = k_split_for(k);
-    const int k_range = (k_blocks + k_split - 1) / k_split;
     const int groups = (n + GEMM_BULK_COLUMNS - 1) / GEMM_BULK_COLUMNS;
-    const int super_groups = (groups + WG - 1) / WG;
-    const int chunks = (k_blocks + GEMM_BULK_CHUNK - 1) / GEMM_BULK_CHUNK;
+    const GemmBulkWalk walk = gemm_bulk_walk(k, (groups + WG - 1) / WG, partial != nullptr);
     const unsigned int slot_bytes = (1 + WG) * GEMM_BULK_CHUNK * GEMM_BULK_TILE_BYTES;
     const unsigned int ring = shared_address(gemm_bulk_ring);
     const unsigned int full_barriers = ring + stages * slot_bytes;
@@ -186,100 +223,95 @@ __device__ __forceinline__ void gemm_bulk_entry(const bf16_t* __restrict__ x_til
 
     if (warp == consumer_warps) {
         // The copy warp.
-        if (lane != 0) {
-            return;
-        }
-        // Chunk i of the walk: (super-group blockIdx.x + (i / chunks) gridDim.x, chunk i % chunks).
-        const int mine = super_groups > static_cast<int>(blockIdx.x)
-                             ? (super_groups - 1 - static_cast<int>(blockIdx.x)) / static_cast<int>(gridDim.x) + 1
-                             : 0;
-        const int total = mine * chunks;
-        const int early = min(stages, total);
-        for (int i = 0; i < early; ++i) {
-            const int super_group = blockIdx.x + (i / chunks) * gridDim.x, chunk = i % chunks;
-            const unsigned int full = full_barriers + 8 * i;
-            mbarrier_expect_bytes(full, gemm_bulk_chunk_bytes<WG>(super_group, groups, chunk, k_blocks));
-            gemm_bulk_issue<WG>(ring + i * slot_bytes, full, x_tiles, w_tiles, row_group, super_group, groups, chunk,
-                                k_blocks, true, false);
-        }
-        // x is the previous kernel's output (gemm_rows_tile_x_bf16): nothing of it before this.
-        kda_wait_for_previous_kernel();
-        for (int i = 0; i < total; ++i) {
-            const int super_group = blockIdx.x + (i / chunks) * gridDim.x, chunk = i % chunks;
-            const int slot = i % stages;
-            const unsigned int full = full_barriers + 8 * slot;
-            if (i >= stages) {
-                // Every consumer warp has finished with use i / stages - 1 of the slot.
-                mbarrier_wait(empty_barriers + 8 * slot, (i / stages - 1) & 1);
-                mbarrier_expect_bytes(full, gemm_bulk_chunk_bytes<WG>(super_group, groups, chunk, k_blocks));
-            }
-            gemm_bulk_issue<WG>(ring + slot * slot_bytes, full, x_tiles, w_tiles, row_group, super_group, groups, chunk,
-                                k_blocks, i >= stages, true);
+        if (lane == 0) {
+            gemm_bulk_produce<WG>(walk, true, stages, ring, slot_bytes, full_barriers, empty_barriers, x_tiles, w_tiles,
+                                  row_group, groups);
+            // x is the previous kernel's output (gemm_rows_tile_x_bf16): nothing of it before this.
+            kda_wait_for_previous_kernel();
+            gemm_bulk_produce<WG>(walk, false, stages, ring, slot_bytes, full_barriers, empty_barriers, x_tiles,
+                                  w_tiles, row_group, groups);
         }
         return;
     }
 
-    // A consumer warpgroup: 64 columns of each of the block's super-groups. The accumulators are
-    // touched only between ranges (zeroed before, folded after), never between two wgmma of one
+    // A consumer warpgroup: 64 columns of each of the block's tasks. The accumulators are touched
+    // only between ranges (zeroed before, folded or stored after), never between two wgmma of one
     // range, so the compiler keeps the range's wgmma in flight together.
     const int warpgroup = warp >> 2, warp_in_group = warp & 3;
-    int i = 0;  // chunks of the block's walk before this super-group's
+    const int g = lane >> 2, t = lane & 3;
+    int i = 0;  // chunk of the block's walk
     bool waited = false;
-    for (int super_group = blockIdx.x; super_group < super_groups; super_group += gridDim.x, i += chunks) {
+    for (int task = blockIdx.x; task < walk.tasks; task += gridDim.x) {
+        const int super_group = task / walk.parts;
+        const int first_range = walk.parts == 1 ? 0 : task % walk.parts;
+        const int last_range = walk.parts == 1 ? walk.ranges : first_range + 1;
         const int group = super_group * WG + warpgroup;
-        if (group >= groups) {  // warpgroup-uniform: only keep the ring turning
-            for (int chunk = 0; chunk < chunks; ++chunk) {
-                const int slot = (i + chunk) % stages;
-                mbarrier_wait(full_barriers + 8 * slot, ((i + chunk) / stages) & 1);
-                __syncwarp();
-                if (lane == 0) {
-                    mbarrier_arrive(empty_barriers + 8 * slot);
-                }
-            }
-            continue;
-        }
+        const bool present = group < groups;  // warpgroup-uniform
+        const int column_base = group * GEMM_BULK_COLUMNS + 16 * warp_in_group + g;
         float total[32], acc[32];
-        int range = 0;
-        for (int kb_begin = 0; kb_begin < k_blocks; kb_begin += k_range, ++range) {
-            const int kb_end = min(kb_begin + k_range, k_blocks);
+        for (int range = first_range; range < last_range; ++range) {
+            const int range_end = min((range + 1) * walk.k_range, walk.k_blocks);
 #pragma unroll
             for (int f = 0; f < 32; ++f) {
                 acc[f] = 0.0f;
             }
             wgmma_fence();
-            for (int kb = kb_begin; kb < kb_end; ++kb) {
-                const int walk = i + kb / GEMM_BULK_CHUNK, u = kb % GEMM_BULK_CHUNK;
-                const int slot = walk % stages;
-                if (u == 0) {
-                    mbarrier_wait(full_barriers + 8 * slot, (walk / stages) & 1);
-                }
-                const unsigned int x_tile = ring + slot * slot_bytes + u * GEMM_BULK_TILE_BYTES;
-                const unsigned int w_tile = x_tile + (1 + warpgroup) * GEMM_BULK_CHUNK * GEMM_BULK_TILE_BYTES;
-                wgmma_fence();
+            for (int kb0 = range * walk.k_range; kb0 < range_end; kb0 += GEMM_BULK_CHUNK, ++i) {
+                const int slot = i % stages;
+                mbarrier_wait(full_barriers + 8 * slot, (i / stages) & 1);
+                if (present) {
+                    const int count = min(GEMM_BULK_CHUNK, range_end - kb0);
+                    for (int u = 0; u < count; ++u) {
+                        const unsigned int x_tile = ring + slot * slot_bytes + u * GEMM_BULK_TILE_BYTES;
+                        const unsigned int w_tile = x_tile + (1 + warpgroup) * GEMM_BULK_CHUNK * GEMM_BULK_TILE_BYTES;
+                        wgmma_fence();
 #pragma unroll
-                for (int s = 0; s < 2; ++s) {
-                    wgmma_m64n64k16_ss(acc, gemm_bulk_step_descriptor(w_tile, s), gemm_bulk_step_descriptor(x_tile, s));
-                }
-                if (u == GEMM_BULK_CHUNK - 1 || kb == k_blocks - 1) {
-                    // The chunk's last block: once its wgmma are done, this warp is done with the slot.
+                        for (int s = 0; s < 2; ++s) {
+                            wgmma_m64n64k16_ss(acc, gemm_bulk_step_descriptor(w_tile, s),
+                                               gemm_bulk_step_descriptor(x_tile, s));
+                        }
+                    }
+                    // Once the chunk's wgmma are done, this warp is done with the slot.
                     wgmma_commit();
                     wgmma_wait_all();
-                    __syncwarp();
-                    if (lane == 0) {
-                        mbarrier_arrive(empty_barriers + 8 * slot);
-                    }
+                }
+                __syncwarp();
+                if (lane == 0) {
+                    mbarrier_arrive(empty_barriers + 8 * slot);
                 }
             }
-            wgmma_commit();
-            wgmma_wait_all();
+            if (!present) {
+                continue;
+            }
             wgmma_hold(acc);
+            if (partial != nullptr) {
+                if (!waited) {
+                    // The partial sums may belong to the previous kernel.
+                    kda_wait_for_previous_kernel();
+                    waited = true;
+                }
+                float* out = partial + static_cast<size_t>(range) * rows * n;
 #pragma unroll
-            for (int f = 0; f < 32; ++f) {
-                total[f] = range == 0 ? acc[f] : total[f] + acc[f];
+                for (int f = 0; f < 32; ++f) {
+                    const int e = f & 3;
+                    const int column = column_base + 8 * (e >> 1);
+                    const int row = 8 * (f >> 2) + 2 * t + (e & 1);
+                    if (row < rows_here && column < n) {
+                        out[static_cast<size_t>(row_begin + row) * n + column] = acc[f];
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int f = 0; f < 32; ++f) {
+                    total[f] = range == 0 ? acc[f] : total[f] + acc[f];
+                }
             }
         }
+        if (!present || partial != nullptr) {
+            continue;
+        }
         // The ranges past the matrix (empty: a partial sum of zero, added as gemm_rows_group adds it).
-        for (int r = range; r < k_split; ++r) {
+        for (int r = walk.ranges; r < k_split; ++r) {
 #pragma unroll
             for (int f = 0; f < 32; ++f) {
                 total[f] += 0.0f;
@@ -290,8 +322,6 @@ __device__ __forceinline__ void gemm_bulk_entry(const bf16_t* __restrict__ x_til
             kda_wait_for_previous_kernel();
             waited = true;
         }
-        const int g = lane >> 2, t = lane & 3;
-        const int column_base = group * GEMM_BULK_COLUMNS + 16 * warp_in_group + g;
 #pragma unroll
         for (int f = 0; f < 32; ++f) {
             const int e = f & 3;
@@ -304,12 +334,43 @@ __device__ __forceinline__ void gemm_bulk_entry(const bf16_t* __restrict__ x_til
     }
 }
 
+// y[row, column] = bf16 of the k ranges' partial sums (partial[range][row][column], FP32, from a
+// split gemm_rows_bulk_g<WG>) folded as the unsplit sweep folds them: range 0, then each next one
+// added in ascending order, then a zero for each range past the matrix. One thread per output;
+// launch 256 threads, grid ceil(rows * n / 256).
+extern "C" __global__ void __launch_bounds__(256) gemm_rows_bulk_fold_bf16(const float* __restrict__ partial,
+                                                                         bf16_t* __restrict__ y, int ldy, int rows,
+                                                                         int n, int k)
+{
+    kda_let_next_kernel_launch();
+    const long long index = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const long long count = static_cast<long long>(rows) * n;
+    if (index >= count) {
+        return;
+    }
+    const int k_blocks = gemm_rows_k_blocks(k);
+    const int k_split = k_split_for(k);
+    const int k_range = (k_blocks + k_split - 1) / k_split;
+    const int ranges = (k_blocks + k_range - 1) / k_range;
+    kda_wait_for_previous_kernel();
+    float total = partial[index];
+    for (int r = 1; r < ranges; ++r) {
+        total = total + partial[r * count + index];
+    }
+    for (int r = ranges; r < k_split; ++r) {
+        total += 0.0f;
+    }
+    const int row = static_cast<int>(index / n), column = static_cast<int>(index % n);
+    y[static_cast<size_t>(row) * ldy + column] = f32_to_bf16(total);
+}
+
 #define GEMM_BULK_ENTRY(WG)                                                                               \
     extern "C" __global__ void __launch_bounds__(WG * GEMM_BULK_WARPGROUP + 32, 1)                         \
         gemm_rows_bulk_g##WG(const bf16_t* __restrict__ x_tiles, const bf16_t* __restrict__ w_tiles,       \
-                             bf16_t* __restrict__ y, int ldy, int rows, int n, int k, int stages)          \
+                             bf16_t* __restrict__ y, int ldy, int rows, int n, int k, int stages,          \
+                             float* __restrict__ partial)                                                 \
     {                                                                                                     \
-        gemm_bulk_entry<WG>(x_tiles, w_tiles, y, ldy, rows, n, k, stages);                                \
+        gemm_bulk_entry<WG>(x_tiles, w_tiles, y, ldy, rows, n, k, stages, partial);                       \
     }
 
 GEMM_BULK_ENTRY(1)

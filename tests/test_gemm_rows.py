@@ -605,8 +605,9 @@ def _run_bulk(x, w, rows, **kwargs):
 def test_bulk_sweep_gives_the_mma_sync_bits(shape):
     """The bulk-copy sweep (17..256 rows) writes the bits of one-row calls, hence of every sweep:
     awkward n and k (k tails, an empty last k range at k = 1056), the model's shapes; 1, 2 and 3
-    warpgroups a block, the resident grid or a few blocks (each walking several super-groups), a
-    ring of 1, 2 or the most slots; its tiles of x in a reused buffer; a programmatic launch behind the kernel that writes x."""
+    warpgroups a block, the resident grid or a few blocks (each walking several tasks), a ring of
+    1, 2 or the most slots, whole or split by k range (the ranges' FP32 sums folded by a second
+    kernel); its tiles of x in a reused buffer; a programmatic launch behind the kernel that writes x."""
     from glm_kda.gemm_rows import pack_weight, x_tiles_size
 
     _needs_bulk()
@@ -624,9 +625,13 @@ def test_bulk_sweep_gives_the_mma_sync_bits(shape):
     grids = [(None, 1), (None, 2), (None, None)] + ([(1, 1), (3, 2)] if n * k <= 1 << 22 else [(7, None)])
     for warpgroups in (1, 2, 3):
         for blocks, stages in grids:
-            tag = f"{_shape_id(shape)}-R64 bulk warpgroups={warpgroups} blocks={blocks} stages={stages}"
-            _assert_bits_equal(_run_bulk(x, packed, 64, warpgroups=warpgroups, blocks=blocks, stages=stages),
-                               one_row[:64], tag)
+            for split in (False, True):
+                tag = f"{_shape_id(shape)}-R64 bulk warpgroups={warpgroups} blocks={blocks} stages={stages} split={split}"
+                _assert_bits_equal(_run_bulk(x, packed, 64, warpgroups=warpgroups, blocks=blocks, stages=stages,
+                                             split=split), one_row[:64], tag)
+    for rows in (17, 100, 256):
+        _assert_bits_equal(_run_bulk(x, packed, rows, split=True), one_row[:rows],
+                           f"{_shape_id(shape)}-R{rows} bulk split")
     source = cp.zeros_like(x[:40])
     for _ in range(3):
         source.fill(0)
@@ -648,8 +653,9 @@ def test_bulk_sweep_keeps_the_split_k_order(shape):
     packed = pack_weight(w, tiles=True)
     one_row = _one_row_calls(x, packed, 64)
     for rows in (24, 40, 64):
-        _assert_bits_equal(_run_bulk(x, packed, rows), one_row[:rows],
-                           f"{_shape_id(shape)}-R{rows} bulk vs one-row calls (order-sensitive data)")
+        for split in (False, True):
+            _assert_bits_equal(_run_bulk(x, packed, rows, split=split), one_row[:rows],
+                               f"{_shape_id(shape)}-R{rows} bulk split={split} vs one-row calls (order-sensitive data)")
 
 
 @pytest.mark.gpu

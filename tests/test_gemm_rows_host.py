@@ -340,6 +340,76 @@ def test_pack_pairs_layout():
         assert np.array_equal(pair_words[:, :, s], interleaved), f"step {s}"
 
 
+def test_tile_layout():
+    """tile_layout element by element (zeros past m and k, m and k not multiples of the group or the
+    block), and slot by slot against pack_pairs: logical slot 8 h + 2 t + e of k16 step s holds the
+    value the mma.sync sweeps' A fragment holds there, for every column."""
+    from glm_kda.gemm_rows import pack_pairs, pack_tiles, tile_layout
+
+    n, k = 70, 72
+    w = (np.arange(n * k, dtype=np.uint16) + 1).reshape(n, k)
+    tiles = tile_layout(w, "test")
+    assert tiles.shape == (2, 3, 2048), tiles.shape
+    for group, kb, s, h, c, t, e in np.ndindex(2, 3, 2, 2, 64, 4, 2):
+        row, col = 64 * group + c, 32 * kb + 8 * t + 4 * s + 2 * h + e
+        expected = w[row, col] if row < n and col < k else 0
+        assert tiles[group, kb, 1024 * s + 512 * h + 8 * c + 2 * t + e] == expected, (group, kb, s, h, c, t, e)
+    assert np.array_equal(pack_tiles(w), tiles)
+    assert np.array_equal(pack_weight(w, tiles=True).tiles, tiles)
+    # pack_pairs: lane 4 g + t of pair p holds rows 16 p + g (words 0, 2) and 16 p + 8 + g (words 1, 3);
+    # words 0, 1 are slots 2 t, 2 t + 1 and words 2, 3 slots 8 + 2 t, 9 + 2 t of its A fragment.
+    pairs = pack_pairs(w)
+    for p, kb, s, g, t, word, e in np.ndindex(pairs.shape[0], 3, 2, 8, 4, 4, 2):
+        row = 16 * p + 8 * (word % 2) + g
+        slot = 8 * (word // 2) + 2 * t + e
+        fragment = pairs[p, kb, 256 * s + 8 * (4 * g + t) + 2 * word + e]
+        h, tt, ee = slot // 8, (slot % 8) // 2, slot % 2
+        if row < 128:
+            assert tiles[row // 64, kb, 1024 * s + 512 * h + 8 * (row % 64) + 2 * tt + ee] == fragment, (p, kb, s, g, t, word, e)
+
+
+def test_bulk_plan_fits_and_chooses():
+    """bulk_plan: the ring and its barriers fit a block's shared memory (two blocks an SM with one
+    warpgroup), a grid of at most the super-groups, the warpgroups that load the busiest SM least,
+    and the kernel source's chunk and tile sizes."""
+    from glm_kda import gemm_rows
+    from glm_kda.gemm_rows import bulk_plan, bulk_warpgroups, x_tiles_size
+    from glm_kda.kernels import kernel_source
+
+    for n, k in ((24576, 4096), (12288, 2304), (4096, 8192), (2304, 4096), (13, 40)):
+        for rows in (17, 64, 65, 256):
+            for warpgroups in (None, 1, 2, 3):
+                plan = bulk_plan(n, k, rows, 132, warpgroups)
+                wg = plan.warpgroups
+                assert plan.kernel == f"gemm_rows_bulk_g{wg}" and plan.block == (128 * wg + 32,)
+                assert plan.grid == (min(132 * (2 if wg == 1 else 1), -(-(-(-n // 64)) // wg)), -(-rows // 64))
+                slot = (1 + wg) * gemm_rows.BULK_CHUNK * gemm_rows.BULK_TILE_BYTES
+                assert plan.shared_mem == plan.stages * (slot + 16) <= gemm_rows.BULK_SHARED_PER_BLOCK
+                assert 1 <= plan.stages <= gemm_rows.BULK_MAX_STAGES
+                if wg == 1:
+                    assert 2 * (plan.shared_mem + 1024) <= gemm_rows.BULK_SHARED_PER_SM
+    # GLM's q|k|v (384 groups): 128 blocks of 3 on 132 SMs; Kimi's (192): 96 blocks of 2.
+    assert bulk_warpgroups(384, 132) == 3 and bulk_warpgroups(192, 132) == 2 and bulk_warpgroups(5, 132) == 2
+    assert x_tiles_size(65, 40) == 2 * 2 * 2048
+    # Split by k range where the whole sweep would keep fewer than half the SMs busy: o_proj at up to
+    # 64 rows (GLM 32 super-groups of 2, Kimi 18), never q|k|v, never a k of one range.
+    assert bulk_plan(4096, 8192, 64, 132, split=None).split and bulk_plan(2304, 4096, 40, 132, split=None).split
+    assert bulk_plan(4096, 8192, 64, 132, split=None).grid == (132, 1)  # 256 tasks of 2 warpgroups
+    assert not bulk_plan(4096, 8192, 256, 132, split=None).split
+    assert not bulk_plan(24576, 4096, 64, 132, split=None).split and not bulk_plan(12288, 2304, 64, 132, split=None).split
+    assert not bulk_plan(4096, 128, 64, 132, split=None).split
+    assert [gemm_rows.k_ranges(k) for k in (128, 1056, 2304, 4096, 8192)] == [1, 7, 8, 8, 8]
+    assert gemm_rows.bulk_partial_size(4096, 8192, 64) == 8 * 64 * 4096
+    with pytest.raises(ValueError, match="warpgroups must be 1, 2 or 3"):
+        bulk_plan(64, 64, 64, 132, 4)
+    with pytest.raises(ValueError, match="stages must be"):
+        bulk_plan(64, 64, 64, 132, 3, stages=9)
+    source = kernel_source("gemm_rows_bulk")
+    assert f"#define GEMM_BULK_CHUNK {gemm_rows.BULK_CHUNK}" in source
+    assert "#define GEMM_BULK_TILE_ELEMENTS (GEMM_BULK_COLUMNS * GEMM_ROWS_K_BLOCK)" in source
+    assert gemm_rows.BULK_TILE_BYTES == 64 * 32 * 2
+
+
 @pytest.mark.parametrize("k", [520, 2056], ids=lambda k: f"K{k}")
 def test_split_k_order_is_kept_on_host(gemm_host, k):
     """k ranges whose partial sums make the fp32 total depend on the order it is taken in

@@ -554,12 +554,14 @@ def test_bulk_decode_projections_give_the_mma_sync_bits(layers, geometry, monkey
     previous = gemm_rows.BULK_MIN_GROUPS_PER_SM
 
     def switch(bulk):
-        monkeypatch.setattr(gemm_rows, "BULK_MIN_GROUPS_PER_SM", previous if bulk is None else 1.0 if bulk else None)
+        # On: every weight of at least 33 column groups (o_proj too, split by k range at 64 rows).
+        monkeypatch.setattr(gemm_rows, "BULK_MIN_GROUPS_PER_SM", previous if bulk is None else 0.25 if bulk else None)
         layer.packed_decode = True  # makes (or drops) the tile copies the rule now asks for
         layer._graphs.clear()
 
     switch(True)
     assert layer.decode_weight("qkv_weight").tiles is not None, "the rule on: q|k|v's packed copy has the tile layout"
+    assert layer.decode_weight("o_proj").tiles is not None, "the rule on: o_proj's packed copy has the tile layout"
     switch(False)
     assert layer.decode_weight("qkv_weight").tiles is None, "the rule off: no tile copy"
     switch(None)
