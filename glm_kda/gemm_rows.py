@@ -159,9 +159,9 @@ def pack_weight(w: Any, pairs: bool = False, tiles: bool = False) -> PackedWeigh
     tile layout of the bulk-copy sweep (:func:`pack_tiles`)."""
     xp = cupy.get_array_module(w)
     padded, n, k, _ = _padded(w, "pack_weight", N_TILE)
-    tiles, k_blocks, _ = packed_shape(n, k)
+    n_tiles, k_blocks, _ = packed_shape(n, k)
     # [tile, g, kb, t, e] -> [tile, kb, g, t, e]: lane 4 g + t holds row g, k 8 t .. 8 t + 7.
-    data = padded.reshape(tiles, N_TILE, k_blocks, 4, 8).transpose(0, 2, 1, 3, 4)
+    data = padded.reshape(n_tiles, N_TILE, k_blocks, 4, 8).transpose(0, 2, 1, 3, 4)
     return PackedWeight(xp.ascontiguousarray(data).reshape(packed_shape(n, k)), n, k,
                         pack_pairs(w) if pairs else None, pack_tiles(w) if tiles else None)
 

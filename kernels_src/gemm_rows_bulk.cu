@@ -51,7 +51,7 @@
 // and k. One thread per (row group, kb, row of 64): it reads the row's 64 bytes of the block and
 // writes its four 16-byte pieces (s, h). Launch: 256 threads, grid ceil(row_groups * k_blocks * 64
 // / 256); any rows >= 1.
-extern "C" __global__ void __launch_bounds__(256) gemm_rows_tile_x_bf16(const bf16_t* __restrict__ x, int ldx,
+extern "C" __global__ void __launch_bounds__(256) gemm_rows_tile_x_bf16(const bf16_t* x, int ldx,
                                                                       int rows, int k, bf16_t* __restrict__ tiles)
 {
     kda_let_next_kernel_launch();
@@ -71,8 +71,9 @@ extern "C" __global__ void __launch_bounds__(256) gemm_rows_tile_x_bf16(const bf
 #pragma unroll
     for (int t = 0; t < 4; ++t) {
         const int kk = kb * GEMM_ROWS_K_BLOCK + 8 * t;
-        chunk[t] = row < rows && kk < k ? *reinterpret_cast<const uint4*>(x + static_cast<size_t>(row) * ldx + kk)
-                                        : uint4{0u, 0u, 0u, 0u};
+        // Coherent loads kept after the wait (load_activation_16B): in a programmatic launch the
+        // previous kernel writes x, and a read-only load may return what was there before.
+        chunk[t] = load_activation_16B(x + static_cast<size_t>(row) * ldx + kk, row < rows && kk < k);
     }
     uint4* out = reinterpret_cast<uint4*>(tiles + (static_cast<size_t>(group) * k_blocks + kb) * GEMM_BULK_TILE_ELEMENTS);
 #pragma unroll
@@ -338,7 +339,7 @@ __device__ __forceinline__ void gemm_bulk_entry(const bf16_t* __restrict__ x_til
 // split gemm_rows_bulk_g<WG>) folded as the unsplit sweep folds them: range 0, then each next one
 // added in ascending order, then a zero for each range past the matrix. One thread per output;
 // launch 256 threads, grid ceil(rows * n / 256).
-extern "C" __global__ void __launch_bounds__(256) gemm_rows_bulk_fold_bf16(const float* __restrict__ partial,
+extern "C" __global__ void __launch_bounds__(256) gemm_rows_bulk_fold_bf16(const float* partial,
                                                                          bf16_t* __restrict__ y, int ldy, int rows,
                                                                          int n, int k)
 {
@@ -353,9 +354,10 @@ extern "C" __global__ void __launch_bounds__(256) gemm_rows_bulk_fold_bf16(const
     const int k_range = (k_blocks + k_split - 1) / k_split;
     const int ranges = (k_blocks + k_range - 1) / k_range;
     kda_wait_for_previous_kernel();
-    float total = partial[index];
+    // From L2 (the previous kernel wrote them while this one may already have started).
+    float total = __ldcg(partial + index);
     for (int r = 1; r < ranges; ++r) {
-        total = total + partial[r * count + index];
+        total = total + __ldcg(partial + r * count + index);
     }
     for (int r = ranges; r < k_split; ++r) {
         total += 0.0f;

@@ -356,6 +356,7 @@ def test_tile_layout():
         assert tiles[group, kb, 1024 * s + 512 * h + 8 * c + 2 * t + e] == expected, (group, kb, s, h, c, t, e)
     assert np.array_equal(pack_tiles(w), tiles)
     assert np.array_equal(pack_weight(w, tiles=True).tiles, tiles)
+    assert pack_weight(w).tiles is None and pack_weight(w, pairs=True).tiles is None
     # pack_pairs: lane 4 g + t of pair p holds rows 16 p + g (words 0, 2) and 16 p + 8 + g (words 1, 3);
     # words 0, 1 are slots 2 t, 2 t + 1 and words 2, 3 slots 8 + 2 t, 9 + 2 t of its A fragment.
     pairs = pack_pairs(w)
