@@ -18,7 +18,8 @@ Launches rotate over enough copies of the weight (at least 4) that together they
 exceed three times the L2 cache, so every launch reads its weight from memory; the
 line says how many copies and whether a single copy alone would fit in L2.
 Every row count runs with the weight row-major and in gemm_rows' packed layout
-(`layout`), and the two outputs must agree bit for bit. For comparison ops.gemv_bf16 (the
+(`layout`), and the two outputs must agree bit for bit; the gemm_rows_bf16 lines are the mma.sync
+(or warpgroup-MMA) sweeps, never the bulk-copy one (--bulk times that). For comparison ops.gemv_bf16 (the
 CUDA-core GEMV of up to 16 rows) is timed at rows 1 and 16 of every shape.
 
     PYTHONPATH=. python benchmarks/gemm_rows.py [--launches 200] [--sweep] [--against DIR ...]
@@ -215,7 +216,8 @@ def main() -> None:
                         continue
 
                     def launch(index: int, rows: int = rows, copies=copies, serial=serial, wgmma=use_wgmma) -> None:
-                        gemm_rows_bf16(x[:rows], copies[index], out[:rows], rows=rows, serial=serial, wgmma=wgmma)
+                        gemm_rows_bf16(x[:rows], copies[index], out[:rows], rows=rows, serial=serial, wgmma=wgmma,
+                                       bulk=False)
 
                     for sources, kernel_set in kernel_sets.items():
                         kernels.KernelSet.install(kernel_set)
@@ -261,7 +263,7 @@ def main() -> None:
                             def launch(index: int, rows: int = rows, tiles: int = tiles, blocks=blocks,
                                        copies=copies) -> None:
                                 gemm_rows_bf16(x[:rows], copies[index], out[:rows], rows=rows,
-                                               tiles_per_warp=tiles, blocks=blocks)
+                                               tiles_per_warp=tiles, blocks=blocks, bulk=False)
 
                             swept = launch_plan(n, k, rows, tiles, sm_count, blocks)
                             record("gemm_rows_bf16", rows, *_time_launches(launch, len(copies), args.launches),

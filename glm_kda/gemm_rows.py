@@ -68,11 +68,14 @@ WGMMA_WARPGROUPS_PER_SM = 3
 WGMMA_STEP = 2
 WGMMA_RING = 0
 WGMMA_SLOT_BYTES = WGMMA_STEP * 2 * N_TILE * K_BLOCK * 2
-# 17..64 rows a group of a packed weight that holds the tile layout (pack_weight(w, tiles=True)) on an
-# sm_90 device run on the bulk-copy warpgroup-MMA sweep (kernels_src/gemm_rows_bulk.cu: both operands
-# copied into shared memory as 4 KB tiles, x once a block for BULK_WARPGROUPS groups of 64 columns;
-# the same bits as the mma.sync sweeps) where the weight has at least BULK_MIN_GROUPS_PER_SM groups of
-# 64 columns per SM (None: never).
+# More than 16 rows a group of a packed weight that holds the tile layout (pack_weight(w, tiles=True))
+# on an sm_90 device run on the bulk-copy warpgroup-MMA sweep (kernels_src/gemm_rows_bulk.cu: both
+# operands copied into shared memory as 4 KB tiles, one copy of x for a block's 1 - 3 groups of 64
+# columns; the same bits as the mma.sync sweeps) where the weight has at least BULK_MIN_GROUPS_PER_SM
+# groups of 64 columns per SM (None: never). 0.25 takes q|k|v, o_proj and the gate up-projections of
+# both geometries, not down_proj. On an H200 (benchmarks/decode_breakdown.py, one process, copy
+# bandwidth 4157 GB/s) 64 sequences ran GLM 268.4 us against 315.2 without it (274.3 with 1.0: q|k|v
+# alone), Kimi 136.8 against 156.7 (141.3); 256 sequences GLM 949 against 1231, Kimi 449 against 539.
 BULK_MIN_GROUPS_PER_SM: float | None = 0.25
 # Warpgroups of a bulk block (None: by the shape, see bulk_plan), blocks of 32 k a ring slot holds of
 # each operand (GEMM_BULK_CHUNK), and the most slots a ring has.
