@@ -527,6 +527,20 @@ def _needs_wgmma():
 
 
 WGMMA_ROWS = (17, 24, 32, 33, 40, 64, 65, 100, 256)
+
+
+def _wide_inputs(shape, seed, **layouts):
+    """x [max(WGMMA_ROWS), k] and a [n, k] weight packed with `layouts` (pack_weight's pairs, tiles),
+    random from `seed`, and one-row calls on each row of x alone (the bits every sweep must give)."""
+    from glm_kda.gemm_rows import pack_weight
+
+    cp = _cp()
+    n, k = shape
+    rng = np.random.default_rng(seed)
+    x = _random_bf16(rng, (max(WGMMA_ROWS), k))
+    packed = pack_weight(_random_bf16(rng, (n, k), scale=k**-0.5), **layouts)
+    one_row = cp.concatenate([_run(cp.ascontiguousarray(x[r : r + 1]), packed, 1) for r in range(max(WGMMA_ROWS))])
+    return x, packed, one_row
 # Weight ring depths of the warpgroup-MMA sweep under test (gemm_rows.WGMMA_RING): registers, and a
 # ring shorter than a group's steps at the small shapes.
 WGMMA_RINGS = (0, 3, 8)
@@ -542,16 +556,10 @@ def test_wgmma_sweep_gives_the_mma_sync_bits(shape, ring, monkeypatch):
     and of one-row calls: awkward n and k (k tails, an empty last k range at k = 1056), the model's
     shapes; any grid; a programmatic launch; its weight through registers or a shared-memory ring."""
     from glm_kda import gemm_rows
-    from glm_kda.gemm_rows import pack_weight
 
     _needs_wgmma()
     monkeypatch.setattr(gemm_rows, "WGMMA_RING", ring)
-    cp = _cp()
-    n, k = shape
-    rng = np.random.default_rng(SEED + 7 * n + k)
-    x = _random_bf16(rng, (max(WGMMA_ROWS), k))
-    packed = pack_weight(_random_bf16(rng, (n, k), scale=k**-0.5), pairs=True)
-    one_row = cp.concatenate([_run(cp.ascontiguousarray(x[r : r + 1]), packed, 1) for r in range(max(WGMMA_ROWS))])
+    x, packed, one_row = _wide_inputs(shape, SEED + 7 * shape[0] + shape[1], pairs=True)
     for rows in WGMMA_ROWS:
         wgmma = _run(x, packed, rows, wgmma=True)
         _assert_bits_equal(wgmma, _run(x, packed, rows, wgmma=False), f"{_shape_id(shape)}-R{rows} wgmma vs mma.sync")
@@ -608,15 +616,12 @@ def test_bulk_sweep_gives_the_mma_sync_bits(shape):
     warpgroups a block, the resident grid or a few blocks (each walking several tasks), a ring of
     1, 2 or the most slots, whole or split by k range (the ranges' FP32 sums folded by a second
     kernel); its tiles of x in a reused buffer; a programmatic launch behind the kernel that writes x."""
-    from glm_kda.gemm_rows import pack_weight, x_tiles_size
+    from glm_kda.gemm_rows import x_tiles_size
 
     _needs_bulk()
     cp = _cp()
     n, k = shape
-    rng = np.random.default_rng(SEED + 11 * n + k)
-    x = _random_bf16(rng, (max(WGMMA_ROWS), k))
-    packed = pack_weight(_random_bf16(rng, (n, k), scale=k**-0.5), tiles=True)
-    one_row = cp.concatenate([_run(cp.ascontiguousarray(x[r : r + 1]), packed, 1) for r in range(max(WGMMA_ROWS))])
+    x, packed, one_row = _wide_inputs(shape, SEED + 11 * n + k, tiles=True)
     x_tiles = cp.full((x_tiles_size(max(WGMMA_ROWS), k),), POISON, dtype=cp.uint16)
     for rows in WGMMA_ROWS:
         _assert_bits_equal(_run_bulk(x, packed, rows, x_tiles=x_tiles), one_row[:rows],

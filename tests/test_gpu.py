@@ -515,6 +515,21 @@ def test_packed_decode_weights_give_the_row_major_bits(layers, geometry):
     _assert_same_bits(packed, row_major, geometry, "the packed and the row-major decode weights")
 
 
+def _rule_switch(layer, monkeypatch, rule: str, on: float):
+    """switch(state) for _decode_paths: gemm_rows.<rule> at `on` (True), None (False) or as it was
+    (None); the layer's packed copies remade for the rule and its graphs dropped."""
+    from glm_kda import gemm_rows
+
+    previous = getattr(gemm_rows, rule)
+
+    def switch(state):
+        monkeypatch.setattr(gemm_rows, rule, previous if state is None else on if state else None)
+        layer.packed_decode = True  # makes (or drops) the copies the rule now asks for
+        layer._graphs.clear()
+
+    return switch
+
+
 @pytest.mark.parametrize("geometry", ["glm", "kimi"])
 def test_wgmma_decode_projections_give_the_mma_sync_bits(layers, geometry, monkeypatch):
     """gemm_rows.WGMMA_MIN_GROUPS_PER_SM on (the 17..64-row projections of wide weights on Hopper's
@@ -526,13 +541,7 @@ def test_wgmma_decode_projections_give_the_mma_sync_bits(layers, geometry, monke
     if not gemm_rows.wgmma_available():
         pytest.skip("the warpgroup-MMA sweep needs an sm_90 device")
     _, layer = layers(geometry)
-    previous = gemm_rows.WGMMA_MIN_GROUPS_PER_SM
-
-    def switch(wgmma):
-        monkeypatch.setattr(gemm_rows, "WGMMA_MIN_GROUPS_PER_SM", previous if wgmma is None else 1.0 if wgmma else None)
-        layer.packed_decode = True  # makes (or drops) the pair copies the rule now asks for
-        layer._graphs.clear()
-
+    switch = _rule_switch(layer, monkeypatch, "WGMMA_MIN_GROUPS_PER_SM", 1.0)
     switch(True)
     assert layer.decode_weight("qkv_weight").pairs is not None, "the rule on: q|k|v's packed copy has the pair layout"
     switch(None)
@@ -551,14 +560,8 @@ def test_bulk_decode_projections_give_the_mma_sync_bits(layers, geometry, monkey
     if not gemm_rows.bulk_available():
         pytest.skip("the bulk-copy sweep needs an sm_90 device")
     _, layer = layers(geometry)
-    previous = gemm_rows.BULK_MIN_GROUPS_PER_SM
-
-    def switch(bulk):
-        # On: every weight of at least 33 column groups (o_proj too, split by k range at 64 rows).
-        monkeypatch.setattr(gemm_rows, "BULK_MIN_GROUPS_PER_SM", previous if bulk is None else 0.25 if bulk else None)
-        layer.packed_decode = True  # makes (or drops) the tile copies the rule now asks for
-        layer._graphs.clear()
-
+    # On: every weight of at least 33 column groups (o_proj too, split by k range at 64 rows).
+    switch = _rule_switch(layer, monkeypatch, "BULK_MIN_GROUPS_PER_SM", 0.25)
     switch(True)
     assert layer.decode_weight("qkv_weight").tiles is not None, "the rule on: q|k|v's packed copy has the tile layout"
     assert layer.decode_weight("o_proj").tiles is not None, "the rule on: o_proj's packed copy has the tile layout"
