@@ -171,6 +171,9 @@ class KdaWorkspace:
     with Tp = max_tokens rounded up to the chunk. The tensor-core path keeps q_decay, k_tail,
     w and attn as FP16 in the first half of the same bytes: q_decay_f16, k_tail_f16,
     chunk_w_f16, attn_f16 are those views, of the FP32 buffers' shapes (see glm_kda.chunk_tc).
+    The bulk-copy projection sweep's scratch (glm_kda.gemm_rows.gemm_rows_bulk): x_tiles and
+    x_tiles_side (x in the tile layout, flat BF16, for the main stream and the low-rank chain's) and
+    bulk_partial (a split sweep's FP32 k-range sums, flat). Graph inputs: graph_hidden, graph_slots.
     """
 
     _shared: dict[tuple, "KdaWorkspace"] = {}
