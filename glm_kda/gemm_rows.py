@@ -571,8 +571,8 @@ def gemm_rows_bulk(x, w: PackedWeight, out, rows: int | None = None, *, x_tiles:
     sweeps as its programmatic dependent (see :func:`bulk_plan` for ``warpgroups``, ``blocks``,
     ``stages`` and ``split``, which change no bit). A split sweep stores each k range's FP32 sums in
     ``partial`` (a contiguous float32 array of at least :func:`bulk_partial_size` elements; None: a
-    new one) and gemm_rows_bulk_fold_bf16 adds them into out in the sweep's order. With split None a
-    ``partial`` too small (or, given x_tiles, none) keeps the sweep whole. ``programmatic``: the first
+    new one where split is True) and gemm_rows_bulk_fold_bf16 adds them into out in the sweep's order.
+    With split None the sweep splits only into a ``partial`` given and large enough. ``programmatic``: the first
     launch is a programmatic dependent of the previous kernel in the stream (the one that writes x)."""
     rows, n, k, ldx, ldy = projection_args("gemm_rows_bulk", x, w, out, rows, GEMM_ROWS_MAX_ROWS)
     if not isinstance(w, PackedWeight) or w.tiles is None:
@@ -588,9 +588,8 @@ def gemm_rows_bulk(x, w: PackedWeight, out, rows: int | None = None, *, x_tiles:
                          f"got {x_tiles.dtype} of {x_tiles.size} (contiguous: {x_tiles.flags.c_contiguous})")
     sm_count = _sm_count(cupy.cuda.Device().id)
     partial_size = bulk_partial_size(n, k, rows)
-    if split is None:
-        scratch_fits = partial is not None and partial.size >= partial_size if x_tiles is not None else True
-        split = None if scratch_fits else False
+    if split is None and (partial is None or partial.size < partial_size):
+        split = False
     plan = bulk_plan(n, k, rows, sm_count, warpgroups, blocks, stages, split)
     if plan.split:
         if partial is None:

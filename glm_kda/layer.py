@@ -447,16 +447,14 @@ class KdaLayer:
         for their first weights while that kernel drains; the same bits). reserved_slots: block
         slots a launch of <= 16 rows leaves to kernels beside it (gemm_rows.launch_plan; no bit
         depends on it). staged: gemm_rows_bf16's staged launch where it applies (no bit depends
-        on it either). x_tiles, partial: the bulk-copy sweep's scratch (workspace.x_tiles when None;
+        on it either). x_tiles, partial: the bulk-copy sweep's scratch (gemm_rows.gemm_rows_bulk;
         without partial it never splits)."""
         rows = x.shape[0]
         for start in range(0, rows, DECODE_ROW_GROUP):
             stop = min(rows, start + DECODE_ROW_GROUP)
             gemm_rows.gemm_rows_bf16(x[start:stop], weight, out[start:stop], rows=stop - start,
                                      programmatic=after_kernel or start > 0, reserved_slots=reserved_slots,
-                                     staged=staged,
-                                     x_tiles=self.workspace.x_tiles if x_tiles is None else x_tiles,
-                                     partial=partial)
+                                     staged=staged, x_tiles=x_tiles, partial=partial)
 
     def _project(self, x: Any, weight: str, out: Any, wide: bool, after_kernel: bool = False,
                  reserved_slots: int = 0, staged: bool = False) -> None:

@@ -26,10 +26,10 @@
 // ranges are folded exactly as gemm_rows_wgmma.cu folds them, and the GPU tests compare every row
 // count with the mma.sync sweeps bit for bit.
 //
-// A block: WG consumer warpgroups and one copy warp (the last). Its work is the super-groups of WG
-// groups of 64 columns blockIdx.x, blockIdx.x + gridDim.x, ...; for each, k in chunks of
-// GEMM_BULK_CHUNK blocks of 32. Chunk i of the block's walk goes to ring slot i % stages: x's
-// chunk (CHUNK 4 KB tiles) then each warpgroup's weight chunk. The copy warp's lane 0 waits for
+// A block: WG consumer warpgroups and one copy warp (the last). Its work is the tasks of
+// GemmBulkWalk below (super-groups of WG groups of 64 columns, whole or one k range at a time),
+// each range's k in chunks of up to GEMM_BULK_CHUNK blocks of 32. Chunk i of the block's walk goes
+// to ring slot i % stages: x's chunk (CHUNK 4 KB tiles) then each warpgroup's weight chunk. The copy warp's lane 0 waits for
 // the slot to be free (its `empty` mbarrier: one arrival per consumer warp), announces the bytes on
 // its `full` mbarrier and starts the copies; the weight copies of the first `stages` chunks go out
 // before the wait on the previous kernel (the weight is no kernel's output), x's after it.

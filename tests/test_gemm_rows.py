@@ -637,12 +637,7 @@ def test_bulk_sweep_gives_the_mma_sync_bits(shape):
     for rows in (17, 100, 256):
         _assert_bits_equal(_run_bulk(x, packed, rows, split=True), one_row[:rows],
                            f"{_shape_id(shape)}-R{rows} bulk split")
-    source = cp.zeros_like(x[:40])
-    for _ in range(3):
-        source.fill(0)
-        cp.copyto(source, x[:40])
-        _assert_bits_equal(_run_bulk(source, packed, 40, programmatic=True), one_row[:40],
-                           f"{_shape_id(shape)}-R40 bulk, programmatic")
+    _assert_programmatic_bits(x[:40], packed, 40, one_row[:40], f"{_shape_id(shape)}-R40 bulk", bulk=True)
 
 
 @pytest.mark.gpu
