@@ -53,7 +53,8 @@ def defaults() -> dict:
     weight), packed_decode, step_dependents_after (layer.STEP_DEPENDENTS_AFTER), serial_min_groups_per_sm
     (gemm_rows.SERIAL_MIN_GROUPS_PER_SM; None: never the serial sweep), wgmma_min_groups_per_sm
     (gemm_rows.WGMMA_MIN_GROUPS_PER_SM; None: never the warpgroup-MMA sweep), bulk_min_groups_per_sm
-    (gemm_rows.BULK_MIN_GROUPS_PER_SM; None: never the bulk-copy sweep), wgmma_ring
+    (gemm_rows.BULK_MIN_GROUPS_PER_SM; None: never the bulk-copy sweep), bulk_row_group_waves
+    (gemm_rows.BULK_ROW_GROUP_WAVES), wgmma_ring
     (gemm_rows.WGMMA_RING, that sweep's weight ring; 0: registers), step_staged_state and
     step_staged_carveout (layer.STEP_STAGED_STATE, layer.STEP_STAGED_CARVEOUT), step_split_waves
     (layer.STEP_SPLIT_WAVES; None: never a split head), side_chain_first, side_chain_programmatic
@@ -72,6 +73,7 @@ def defaults() -> dict:
         "serial_min_groups_per_sm": gemm_rows.SERIAL_MIN_GROUPS_PER_SM,
         "wgmma_min_groups_per_sm": gemm_rows.WGMMA_MIN_GROUPS_PER_SM, "wgmma_ring": gemm_rows.WGMMA_RING,
         "bulk_min_groups_per_sm": gemm_rows.BULK_MIN_GROUPS_PER_SM,
+        "bulk_row_group_waves": gemm_rows.BULK_ROW_GROUP_WAVES,
         "step_staged_state": layer.STEP_STAGED_STATE,
         "step_staged_carveout": layer.STEP_STAGED_CARVEOUT, "step_split_waves": layer.STEP_SPLIT_WAVES,
         "side_chain_first": layer.SIDE_CHAIN_FIRST, "side_chain_programmatic": layer.SIDE_CHAIN_PROGRAMMATIC,
@@ -104,6 +106,7 @@ def apply(settings: dict, layer_object) -> None:
     gemm_rows.WGMMA_MIN_GROUPS_PER_SM = settings["wgmma_min_groups_per_sm"]
     gemm_rows.WGMMA_RING = settings["wgmma_ring"]
     gemm_rows.BULK_MIN_GROUPS_PER_SM = settings["bulk_min_groups_per_sm"]
+    gemm_rows.BULK_ROW_GROUP_WAVES = settings["bulk_row_group_waves"]
     layer.STEP_STAGED_STATE = settings["step_staged_state"]
     layer.STEP_STAGED_CARVEOUT = settings["step_staged_carveout"]
     layer.STEP_SPLIT_WAVES = settings["step_split_waves"]

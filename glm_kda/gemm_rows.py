@@ -83,6 +83,11 @@ BULK_WARPGROUPS: int | None = None
 BULK_CHUNK = 4
 BULK_MAX_STAGES = 8
 BULK_TILE_BYTES = 64 * K_BLOCK * 2
+# Blocks of all row groups of a bulk sweep (grid.x times the row groups) in at most this many waves
+# of resident blocks: the row groups that run at once walk the same columns together, so a weight
+# larger than L2 comes from memory once per wave (None of it changes a bit). On an H200 GLM's q|k|v
+# (201 MB) at 256 rows took 157 us on 66 blocks a row group against 202 us on 128 (4 waves).
+BULK_ROW_GROUP_WAVES = 2
 # Shared memory an sm_90 block may ask for, and an SM holds (bytes; the driver keeps 1 KB a block).
 BULK_SHARED_PER_BLOCK = 227 << 10
 BULK_SHARED_PER_SM = 228 << 10
@@ -356,12 +361,19 @@ def staged_applies(w: Any, rows: int) -> bool:
     current device: a PackedWeight of at most STAGED_MAX_WEIGHT_BYTES, <= 16 rows, a plan whose
     stage fits, and sm_90 or later (where a programmatic launch copies while the kernel before it
     runs)."""
+    return _staged_plan_here(w, rows) is not None
+
+
+def _staged_plan_here(w: Any, rows: int) -> LaunchPlan | None:
+    """staged_plan for this weight and row count where staged_applies, else None."""
     if not isinstance(w, PackedWeight) or rows > M_TILE:
-        return False
+        return None
     n, k = w.shape
     if STAGED_MAX_WEIGHT_BYTES is not None and weight_bytes(n, k) > STAGED_MAX_WEIGHT_BYTES:
-        return False
-    return staged_plan(n, k, rows) is not None and int(cupy.cuda.Device().compute_capability) >= 90
+        return None
+    if int(cupy.cuda.Device().compute_capability) < 90:
+        return None
+    return staged_plan(n, k, rows)
 
 
 def wgmma_wide_enough(n: int, sm_count: int = DEFAULT_SM_COUNT) -> bool:
@@ -437,8 +449,8 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
         if takes and (bulk or bulk_wide_enough(n, _sm_count(cupy.cuda.Device().id))):
             gemm_rows_bulk(x, w, out, rows, x_tiles=x_tiles, partial=partial, programmatic=programmatic)
             return
-    if staged and staged_applies(w, rows):
-        plan = staged_plan(n, k, rows)
+    plan = _staged_plan_here(w, rows) if staged else None
+    if plan is not None:
         kernels.launch(plan.kernel, plan.grid, plan.block,
                        (x, _i32(ldx), w.data, out, _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(0)),
                        plan.shared_mem, programmatic=programmatic, carveout=100)
@@ -484,19 +496,30 @@ def _bulk_blocks_per_sm(warpgroups: int) -> int:
     return 2 if warpgroups == 1 else 1
 
 
-def bulk_warpgroups(groups: int, sm_count: int = DEFAULT_SM_COUNT) -> int:
-    """Warpgroups of a bulk block for a weight of `groups` groups of 64 columns: BULK_WARPGROUPS, or
-    the most (3, 2, 1) among those whose busiest SM holds the fewest groups (each super-group of
-    warpgroups groups is one block; one block an SM, two with one warpgroup)."""
+def bulk_fill_tiles(groups: int, k: int, rows: int, warpgroups: int, split: bool,
+                    sm_count: int = DEFAULT_SM_COUNT) -> int:
+    """The 4 KB tiles the busiest SM copies into shared memory in a bulk-copy sweep of `rows` rows of
+    a weight of `groups` groups of 64 columns: its share of the tasks (every row group's, spread over
+    the SMs) times a task's tiles (x's and each warpgroup's weight over the task's blocks of 32 k).
+    An SM fills its shared memory at a bounded rate, so this is what bulk_warpgroups minimises."""
+    k_blocks = -(-k // K_BLOCK)
+    task_blocks = -(-k_blocks // k_split(k)) if split else k_blocks
+    tasks = -(-groups // warpgroups) * (k_ranges(k) if split else 1) * -(-rows // ROWS_PER_SWEEP)
+    return -(-tasks // sm_count) * (1 + warpgroups) * task_blocks
+
+
+def bulk_warpgroups(groups: int, k: int, rows: int = ROWS_PER_SWEEP, split: bool = False,
+                    sm_count: int = DEFAULT_SM_COUNT) -> int:
+    """Warpgroups of a bulk block for `rows` rows of a weight of `groups` groups of 64 columns and k
+    inputs, whole or split by k range: BULK_WARPGROUPS, or the most (3, 2, 1) among those whose
+    busiest SM copies the fewest tiles (bulk_fill_tiles). On an H200 (a sweep of every choice, one
+    process) that picked the fastest or one within 2 % of it for q|k|v, o_proj and the gate
+    up-projections of both geometries at 64 and 256 rows; the rule it replaced (fewest groups on the
+    busiest SM, x's tiles not counted) gave Kimi's o_proj at 64 rows 2 warpgroups (19.9 us against
+    17.0) and its q|k|v at 256 rows 2 (63.5 us against 52.4)."""
     if BULK_WARPGROUPS is not None:
         return BULK_WARPGROUPS
-
-    def busiest(warpgroups: int) -> int:
-        per_sm = _bulk_blocks_per_sm(warpgroups)
-        super_groups = -(-groups // warpgroups)
-        return -(-super_groups // (sm_count * per_sm)) * warpgroups * per_sm
-
-    return min((3, 2, 1), key=lambda wg: (busiest(wg), -wg))
+    return min((3, 2, 1), key=lambda wg: (bulk_fill_tiles(groups, k, rows, wg, split, sm_count), -wg))
 
 
 def k_ranges(k: int) -> int:
@@ -524,12 +547,18 @@ def bulk_plan(n: int, k: int, rows: int, sm_count: int = DEFAULT_SM_COUNT, warpg
               blocks: int | None = None, stages: int | None = None, split: bool | None = False) -> BulkPlan:
     """The launch of gemm_rows_bulk_g<warpgroups> for `rows` rows of a [n, k] weight: grid.y the row
     groups of 64, grid.x the tasks (super-groups of `warpgroups` groups of 64 columns, or with `split`
-    their k ranges one by one) capped at the blocks resident at once, or `blocks`; as many ring slots
+    their k ranges one by one) capped at BULK_ROW_GROUP_WAVES waves of the blocks resident at once over
+    all row groups (one wave for one row group), or at `blocks`; as many ring slots
     (each x's and every warpgroup's BULK_CHUNK blocks of 32 k) as fit, up to BULK_MAX_STAGES.
-    split None: where the unsplit tasks of all row groups would keep fewer than half the SMs busy and
-    k has more than one range. No choice changes a bit."""
+    warpgroups None: bulk_warpgroups' choice for the sweep, whole or split. split None: where the
+    unsplit tasks of all row groups (at the warpgroups given, or chosen for a whole sweep) would keep
+    fewer than half the SMs busy and k has more than one range. No choice changes a bit."""
     groups = -(-n // 64)
-    warpgroups = warpgroups or bulk_warpgroups(groups, sm_count)
+    row_groups = -(-rows // ROWS_PER_SWEEP)
+    if split is None:
+        whole = warpgroups or bulk_warpgroups(groups, k, rows, False, sm_count)
+        split = -(-groups // whole) * row_groups < sm_count / 2 and k_ranges(k) > 1
+    warpgroups = warpgroups or bulk_warpgroups(groups, k, rows, bool(split), sm_count)
     if warpgroups not in (1, 2, 3):
         raise ValueError(f"warpgroups must be 1, 2 or 3, got {warpgroups}")
     per_sm = _bulk_blocks_per_sm(warpgroups)
@@ -540,11 +569,9 @@ def bulk_plan(n: int, k: int, rows: int, sm_count: int = DEFAULT_SM_COUNT, warpg
     if not 1 <= stages or stages * (slot + 16) > BULK_SHARED_PER_BLOCK:
         raise ValueError(f"stages must be 1..{BULK_SHARED_PER_BLOCK // (slot + 16)} at {warpgroups} warpgroups, got {stages}")
     super_groups = -(-groups // warpgroups)
-    row_groups = -(-rows // ROWS_PER_SWEEP)
-    if split is None:
-        split = super_groups * row_groups < sm_count / 2 and k_ranges(k) > 1
     tasks = super_groups * (k_ranges(k) if split else 1)
-    grid_x = min(blocks or sm_count * per_sm, tasks)
+    resident = sm_count * per_sm
+    grid_x = min(blocks or max(1, resident * min(row_groups, BULK_ROW_GROUP_WAVES) // row_groups), tasks)
     return BulkPlan(kernel=f"gemm_rows_bulk_g{warpgroups}", grid=(grid_x, row_groups),
                     block=(warpgroups * 128 + 32,), warpgroups=warpgroups, stages=stages,
                     shared_mem=stages * (slot + 16), split=bool(split))

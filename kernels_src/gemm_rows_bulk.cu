@@ -182,6 +182,24 @@ __device__ __forceinline__ void gemm_bulk_produce(const GemmBulkWalk& walk, bool
     }
 }
 
+// Stores a warpgroup's 64 x 64 result (thread fragment f: weight column column_base + 8 (e / 2),
+// row 8 (f / 4) + 2 t + e % 2 of the row group, e = f % 4) into out[row_begin + row][column] with
+// row stride ld, rows < rows_here and columns < n only, each value through `convert`.
+template <class T, class Convert>
+__device__ __forceinline__ void gemm_bulk_store(const float (&values)[32], T* out, size_t ld, int row_begin,
+                                                int rows_here, int column_base, int n, int t, Convert convert)
+{
+#pragma unroll
+    for (int f = 0; f < 32; ++f) {
+        const int e = f & 3;
+        const int column = column_base + 8 * (e >> 1);
+        const int row = 8 * (f >> 2) + 2 * t + (e & 1);
+        if (row < rows_here && column < n) {
+            out[static_cast<size_t>(row_begin + row) * ld + column] = convert(values[f]);
+        }
+    }
+}
+
 // Launch: block WG * 128 + 32 threads; grid.y = row groups of 64 (x_tiles has as many), grid.x any
 // number of blocks; dynamic shared memory stages * (1 + WG) * CHUNK * 4096 bytes of ring, then 2 *
 // stages mbarriers (16 * stages bytes). x_tiles from gemm_rows_tile_x_bf16 of the same rows and k,
@@ -291,16 +309,8 @@ __device__ __forceinline__ void gemm_bulk_entry(const bf16_t* __restrict__ x_til
                     kda_wait_for_previous_kernel();
                     waited = true;
                 }
-                float* out = partial + static_cast<size_t>(range) * rows * n;
-#pragma unroll
-                for (int f = 0; f < 32; ++f) {
-                    const int e = f & 3;
-                    const int column = column_base + 8 * (e >> 1);
-                    const int row = 8 * (f >> 2) + 2 * t + (e & 1);
-                    if (row < rows_here && column < n) {
-                        out[static_cast<size_t>(row_begin + row) * n + column] = acc[f];
-                    }
-                }
+                gemm_bulk_store(acc, partial + static_cast<size_t>(range) * rows * n, n, row_begin, rows_here,
+                                column_base, n, t, [](float value) { return value; });
             } else {
 #pragma unroll
                 for (int f = 0; f < 32; ++f) {
@@ -323,15 +333,8 @@ __device__ __forceinline__ void gemm_bulk_entry(const bf16_t* __restrict__ x_til
             kda_wait_for_previous_kernel();
             waited = true;
         }
-#pragma unroll
-        for (int f = 0; f < 32; ++f) {
-            const int e = f & 3;
-            const int column = column_base + 8 * (e >> 1);
-            const int row = 8 * (f >> 2) + 2 * t + (e & 1);
-            if (row < rows_here && column < n) {
-                y[static_cast<size_t>(row_begin + row) * ldy + column] = f32_to_bf16(total[f]);
-            }
-        }
+        gemm_bulk_store(total, y, ldy, row_begin, rows_here, column_base, n, t,
+                        [](float value) { return f32_to_bf16(value); });
     }
 }
 
@@ -349,10 +352,8 @@ extern "C" __global__ void __launch_bounds__(256) gemm_rows_bulk_fold_bf16(const
     if (index >= count) {
         return;
     }
-    const int k_blocks = gemm_rows_k_blocks(k);
+    const int ranges = gemm_bulk_walk(k, 1, false).ranges;
     const int k_split = k_split_for(k);
-    const int k_range = (k_blocks + k_split - 1) / k_split;
-    const int ranges = (k_blocks + k_range - 1) / k_range;
     kda_wait_for_previous_kernel();
     // From L2 (the previous kernel wrote them while this one may already have started).
     float total = __ldcg(partial + index);

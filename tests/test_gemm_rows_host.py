@@ -374,7 +374,7 @@ def test_bulk_plan_fits_and_chooses():
     warpgroup), a grid of at most the super-groups, the warpgroups that load the busiest SM least,
     and the kernel source's chunk and tile sizes."""
     from glm_kda import gemm_rows
-    from glm_kda.gemm_rows import bulk_plan, bulk_warpgroups, x_tiles_size
+    from glm_kda.gemm_rows import bulk_fill_tiles, bulk_plan, bulk_warpgroups, x_tiles_size
     from glm_kda.kernels import kernel_source
 
     for n, k in ((24576, 4096), (12288, 2304), (4096, 8192), (2304, 4096), (13, 40)):
@@ -383,17 +383,34 @@ def test_bulk_plan_fits_and_chooses():
                 plan = bulk_plan(n, k, rows, 132, warpgroups)
                 wg = plan.warpgroups
                 assert plan.kernel == f"gemm_rows_bulk_g{wg}" and plan.block == (128 * wg + 32,)
-                assert plan.grid == (min(132 * (2 if wg == 1 else 1), -(-(-(-n // 64)) // wg)), -(-rows // 64))
+                row_groups = -(-rows // 64)
+                resident = 132 * (2 if wg == 1 else 1)
+                cap = resident * min(row_groups, gemm_rows.BULK_ROW_GROUP_WAVES) // row_groups
+                assert plan.grid == (min(cap, -(-(-(-n // 64)) // wg)), row_groups)
                 slot = (1 + wg) * gemm_rows.BULK_CHUNK * gemm_rows.BULK_TILE_BYTES
                 assert plan.shared_mem == plan.stages * (slot + 16) <= gemm_rows.BULK_SHARED_PER_BLOCK
                 assert 1 <= plan.stages <= gemm_rows.BULK_MAX_STAGES
                 if wg == 1:
                     assert 2 * (plan.shared_mem + 1024) <= gemm_rows.BULK_SHARED_PER_SM
-    # GLM's q|k|v (384 groups): 128 blocks of 3 on 132 SMs; Kimi's (192): 96 blocks of 2.
-    assert bulk_warpgroups(384, 132) == 3 and bulk_warpgroups(192, 132) == 2 and bulk_warpgroups(5, 132) == 2
+    # The warpgroups whose busiest SM copies the fewest 4 KB tiles (x's and the weight's). GLM's q|k|v
+    # (384 groups, 128 blocks of 32 k): 128 blocks of 3, 4 x 128 tiles, against 2 tasks of 3 x 128 at 2
+    # warpgroups; Kimi's (192 groups, 72 blocks): 96 blocks of 2 at 64 rows, 3 warpgroups at 256 rows
+    # (2 tasks of 4 x 72 tiles, against 3 of 3 x 72).
+    assert bulk_fill_tiles(384, 4096, 64, 3, False, 132) == 4 * 128
+    assert bulk_fill_tiles(384, 4096, 64, 2, False, 132) == 2 * 3 * 128
+    assert bulk_warpgroups(384, 4096, 64, False, 132) == 3 and bulk_warpgroups(192, 2304, 64, False, 132) == 2
+    assert bulk_warpgroups(192, 2304, 256, False, 132) == 3 and bulk_warpgroups(5, 4096, 64, False, 132) == 1
+    # Split o_proj at 64 rows, 8 ranges: Kimi's 36 groups of 16-block ranges take 3 warpgroups (96
+    # tasks, one an SM: 4 x 16 tiles, against 2 tasks of 3 x 16 at 2), GLM's 64 groups of 32-block
+    # ranges 2 (256 tasks: 2 of 3 x 32, against 2 of 4 x 32 at 3 and 4 of 2 x 32 at 1).
+    assert bulk_plan(2304, 4096, 64, 132, split=None) == bulk_plan(2304, 4096, 64, 132, 3, split=True)
+    assert bulk_plan(2304, 4096, 64, 132, split=None).grid == (96, 1)
+    # 256 rows of GLM's q|k|v: 4 row groups in 2 waves of 132 blocks, 66 a row group.
+    assert gemm_rows.BULK_ROW_GROUP_WAVES == 2 and bulk_plan(24576, 4096, 256, 132).grid == (66, 4)
+    assert bulk_plan(4096, 8192, 64, 132, split=None).warpgroups == 2
     assert x_tiles_size(65, 40) == 2 * 2 * 2048
     # Split by k range where the whole sweep would keep fewer than half the SMs busy: o_proj at up to
-    # 64 rows (GLM 32 super-groups of 2, Kimi 18), never q|k|v, never a k of one range.
+    # 64 rows (GLM 64 groups, Kimi 36, one warpgroup a block whole), never q|k|v, never a k of one range.
     assert bulk_plan(4096, 8192, 64, 132, split=None).split and bulk_plan(2304, 4096, 40, 132, split=None).split
     assert bulk_plan(4096, 8192, 64, 132, split=None).grid == (132, 1)  # 256 tasks of 2 warpgroups
     assert not bulk_plan(4096, 8192, 256, 132, split=None).split
