@@ -84,10 +84,15 @@ BULK_CHUNK = 4
 BULK_MAX_STAGES = 8
 BULK_TILE_BYTES = 64 * K_BLOCK * 2
 # Blocks of all row groups of a bulk sweep (grid.x times the row groups) in at most this many waves
-# of resident blocks: the row groups that run at once walk the same columns together, so a weight
-# larger than L2 comes from memory once per wave (None of it changes a bit). On an H200 GLM's q|k|v
-# (201 MB) at 256 rows took 157 us on 66 blocks a row group against 202 us on 128 (4 waves).
-BULK_ROW_GROUP_WAVES = 2
+# of resident blocks: the row groups that run at once walk the same columns in step, so a weight comes
+# from memory (or L2) once per wave, and in one wave no block waits for a slot. None of it changes a
+# bit. On an H200 (every choice timed in one process) GLM's q|k|v (201 MB) at 256 rows took 122.6 us
+# on 33 blocks a row group (one wave), 156.9 on 66 (two), 202.0 on 128 (the resident blocks a row
+# group: four); at 192 rows 96.1 on 44 against 152.3 on 128; Kimi's q|k|v at 256 rows 45.2 on 33
+# against 52.8 on 64. In the decode graph (benchmarks/decode_breakdown.py, copy bandwidth 4177 GB/s)
+# 256 sequences took GLM 888.4 us against 924.2 (two waves) and 950.4 (four), Kimi 431.0 against
+# 440.4 and 439.4.
+BULK_ROW_GROUP_WAVES = 1
 # Shared memory an sm_90 block may ask for, and an SM holds (bytes; the driver keeps 1 KB a block).
 BULK_SHARED_PER_BLOCK = 227 << 10
 BULK_SHARED_PER_SM = 228 << 10

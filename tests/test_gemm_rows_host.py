@@ -405,8 +405,11 @@ def test_bulk_plan_fits_and_chooses():
     # ranges 2 (256 tasks: 2 of 3 x 32, against 2 of 4 x 32 at 3 and 4 of 2 x 32 at 1).
     assert bulk_plan(2304, 4096, 64, 132, split=None) == bulk_plan(2304, 4096, 64, 132, 3, split=True)
     assert bulk_plan(2304, 4096, 64, 132, split=None).grid == (96, 1)
-    # 256 rows of GLM's q|k|v: 4 row groups in 2 waves of 132 blocks, 66 a row group.
-    assert gemm_rows.BULK_ROW_GROUP_WAVES == 2 and bulk_plan(24576, 4096, 256, 132).grid == (66, 4)
+    # GLM's q|k|v: 4 row groups (256 rows) in one wave of 132 blocks, 33 a row group; 3 (129 - 192
+    # rows) 44 a row group; o_proj's 32 super-groups of 2 warpgroups fit as they are.
+    assert gemm_rows.BULK_ROW_GROUP_WAVES == 1
+    assert bulk_plan(24576, 4096, 256, 132).grid == (33, 4) and bulk_plan(24576, 4096, 129, 132).grid == (44, 3)
+    assert bulk_plan(4096, 8192, 256, 132).grid == (32, 4)
     assert bulk_plan(4096, 8192, 64, 132, split=None).warpgroups == 2
     assert x_tiles_size(65, 40) == 2 * 2 * 2048
     # Split by k range where the whole sweep would keep fewer than half the SMs busy: o_proj at up to
