@@ -57,8 +57,7 @@ def defaults() -> dict:
     (gemm_rows.BULK_ROW_GROUP_WAVES), wgmma_ring
     (gemm_rows.WGMMA_RING, that sweep's weight ring; 0: registers), step_staged_state and
     step_staged_carveout (layer.STEP_STAGED_STATE, layer.STEP_STAGED_CARVEOUT), step_split_waves
-    (layer.STEP_SPLIT_WAVES; None: never a split head), step_loop_blocks_per_sm
-    (layer.STEP_LOOP_BLOCKS_PER_SM; None: one block per item), side_chain_first, side_chain_programmatic
+    (layer.STEP_SPLIT_WAVES; None: never a split head), side_chain_first, side_chain_programmatic
     and side_stream_priority (layer.SIDE_CHAIN_FIRST, layer.SIDE_CHAIN_PROGRAMMATIC,
     layer.SIDE_STREAM_PRIORITY: how the low-rank chain runs beside q|k|v), qkv_reserved_slots
     (layer.QKV_RESERVED_SLOTS), out_proj_staged (layer.OUT_PROJ_STAGED), kernel_sources (a folder of
@@ -77,7 +76,6 @@ def defaults() -> dict:
         "bulk_row_group_waves": gemm_rows.BULK_ROW_GROUP_WAVES,
         "step_staged_state": layer.STEP_STAGED_STATE,
         "step_staged_carveout": layer.STEP_STAGED_CARVEOUT, "step_split_waves": layer.STEP_SPLIT_WAVES,
-        "step_loop_blocks_per_sm": layer.STEP_LOOP_BLOCKS_PER_SM,
         "side_chain_first": layer.SIDE_CHAIN_FIRST, "side_chain_programmatic": layer.SIDE_CHAIN_PROGRAMMATIC,
         "side_stream_priority": layer.SIDE_STREAM_PRIORITY, "qkv_reserved_slots": layer.QKV_RESERVED_SLOTS,
         "out_proj_staged": layer.OUT_PROJ_STAGED,
@@ -112,7 +110,6 @@ def apply(settings: dict, layer_object) -> None:
     layer.STEP_STAGED_STATE = settings["step_staged_state"]
     layer.STEP_STAGED_CARVEOUT = settings["step_staged_carveout"]
     layer.STEP_SPLIT_WAVES = settings["step_split_waves"]
-    layer.STEP_LOOP_BLOCKS_PER_SM = settings["step_loop_blocks_per_sm"]
     layer.SIDE_CHAIN_FIRST = settings["side_chain_first"]
     layer.SIDE_CHAIN_PROGRAMMATIC = settings["side_chain_programmatic"]
     layer.SIDE_STREAM_PRIORITY = settings["side_stream_priority"]

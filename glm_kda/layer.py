@@ -71,11 +71,6 @@ STEP_STAGED_CARVEOUT = -1
 # an H200 (benchmarks/decode_breakdown.py, one process, split / one block: GLM B=1 87.4 / 83.4 us,
 # verify K16 2.00x / 1.40x; Kimi 35.1 / 35.1, 2.24x / 1.95x), so off.
 STEP_SPLIT_WAVES: float | None = None
-# A batched fused step of more (sequence, head) items than STEP_LOOP_BLOCKS_PER_SM blocks per SM runs
-# on that many persistent blocks (ops.kda_decode_fused_bf16's loop_blocks), each stepping its items
-# in turn with the next item's state coming into shared memory meanwhile (sm_90 and later; None:
-# one block per item). The same bits.
-STEP_LOOP_BLOCKS_PER_SM: int | None = None
 # The decode front end's low-rank chain (down_proj -> f_b -> g_b) beside the q|k|v projection:
 # SIDE_CHAIN_FIRST issues it before q|k|v (False: after); SIDE_CHAIN_PROGRAMMATIC launches f_b
 # and g_b as programmatic dependents; SIDE_STREAM_PRIORITY is its stream's priority (lower is more
@@ -566,7 +561,7 @@ class KdaLayer:
                 norm_eps=c.rms_norm_eps, slots=slots, tokens=rows if walk else 1,
                 prefetch_ahead=self._step_prefetch_ahead(), dependents_after=STEP_DEPENDENTS_AFTER,
                 staged=STEP_STAGED_STATE, carveout=STEP_STAGED_CARVEOUT,
-                split=self._step_split(1 if walk else rows), loop_blocks=self._step_loop_blocks(1 if walk else rows))
+                split=self._step_split(1 if walk else rows))
             return
         if walk:
             raise ValueError("stateful_rows: walk=True needs fused_decode")
@@ -581,13 +576,6 @@ class KdaLayer:
             return False
         resident = _step_resident_blocks(self.qkv_weight.device.id)
         return sequences * self.config.heads * ops.HEAD_SPLIT <= STEP_SPLIT_WAVES * resident
-
-    def _step_loop_blocks(self, sequences: int) -> int:
-        """Persistent blocks of a fused step of `sequences` sequences (STEP_LOOP_BLOCKS_PER_SM; 0: none)."""
-        if STEP_LOOP_BLOCKS_PER_SM is None:
-            return 0
-        blocks = gemm_rows._sm_count(self.qkv_weight.device.id) * STEP_LOOP_BLOCKS_PER_SM
-        return blocks if sequences * self.config.heads > blocks else 0
 
     def _step_prefetch_ahead(self) -> int:
         """Sequences ahead whose state a batched fused step asks L2 for (STEP_PREFETCH_WAVES)."""

@@ -27,9 +27,6 @@ from glm_kda import kernels
 HEAD_DIM = 128  # KDA_HEAD_DIM of kernels_src/kda_common.cuh
 HEAD_BLOCK = 128  # threads of every per-head kernel, one per channel
 HEAD_SPLIT = 4  # KDA_HEAD_SPLIT of kernels_src/decode_step.cuh: blocks of a split head
-# The shared-memory split (percent) kda_decode_fused_bf16(loop_blocks=...) asks for on sm_90 and
-# later: two blocks an SM, each a 64 KB stage and 1.7 KB of vectors (228 KB an SM on Hopper).
-LOOP_CARVEOUT = 60
 TOKENS_PER_BLOCK = 8  # tokens per block of the norm kernel (KDA_TOKENS_PER_BLOCK)
 GATE_TOKENS_PER_BLOCK = 32  # tokens per block of the gate kernel (kernels_src/gate.cu)
 GATE_THREADS = 128
@@ -505,7 +502,6 @@ def kda_decode_fused_bf16(
     conv_out, query, key, value, gate, beta, core, o_norm_out, *, bounded: bool, lower_bound: float,
     scale: float, l2_eps: float, norm_eps: float, slots=None, tokens: int = 1, prefetch_ahead: int = 0,
     dependents_after: int = 0, staged: bool = False, carveout: int = -1, split: bool = False,
-    loop_blocks: int = 0,
 ) -> None:
     """The stateful half of decode in one launch: for each sequence, `tokens` consecutive
     tokens of conv + SiLU + L2, forget gate and beta, one delta-rule step, gated RMSNorm.
@@ -542,12 +538,6 @@ def kda_decode_fused_bf16(
     value columns 32 r .. 32 r + 31 (a quarter of the state each, so four SMs move a head's
     state), every block forming the head's q, k and gate (ignored before sm_90, or with staged).
     It changes no bit.
-
-    loop_blocks: > 0 runs the step on that many persistent blocks (at most one per (sequence,
-    head)), each stepping its items one after the other; on sm_90 and later (a state 16-byte
-    aligned) a block's next state comes into shared memory by one bulk copy while it steps the
-    current one, and the launch asks for ``carveout`` percent of shared memory (-1: LOOP_CARVEOUT,
-    two blocks an SM). Ignored with staged or split. It changes no bit.
     """
     heads = _state_or_pool_heads(state)
     qkv = heads * HEAD_DIM
@@ -577,26 +567,17 @@ def kda_decode_fused_bf16(
         prefetch_ahead = 0  # the L2 requests take 16-byte aligned ranges; a hint, so none
     if dependents_after not in (0, 1, 2):
         raise ValueError(f"dependents_after must be 0, 1 or 2, got {dependents_after}")
-    if loop_blocks < 0:
-        raise ValueError(f"loop_blocks must be >= 0, got {loop_blocks}")
     staged = staged and state.data.ptr % 16 == 0 and bulk_copies_available()
     split = split and not staged and bulk_copies_available()
-    args = (conv_state, state, slots, qkv_proj, conv_w, forget_proj, dt_bias, a_log, beta_logits, _i32(ld_beta),
-            out_gate, norm_w, conv_out, query, key, value, gate, beta, core, o_norm_out, _i32(heads),
-            _i32(kernel_size), _i32(tokens), _i32(1 if bounded else 0), _f32(lower_bound if bounded else 0.0),
-            _f32(scale), _f32(l2_eps), _f32(norm_eps), _i32(prefetch_ahead), _i32(dependents_after))
-    if loop_blocks and not staged and not split and (state.data.ptr % 16 == 0 or not bulk_copies_available()):
-        stage = HEAD_DIM * HEAD_DIM * 4 if bulk_copies_available() else 0
-        kernels.launch("kda_decode_fused_loop_bf16", (min(loop_blocks, heads * sequences), 1), (HEAD_BLOCK,),
-                       (*args, _i32(sequences)), stage,
-                       carveout=(carveout if carveout >= 0 else LOOP_CARVEOUT) if stage else -1)
-        return
     name = "kda_decode_fused_staged_bf16" if staged else "kda_decode_fused_split_bf16" if split else "kda_decode_fused_bf16"
     kernels.launch(
         name,
         (heads * HEAD_SPLIT if split else heads, sequences),
         (HEAD_BLOCK,),
-        args,
+        (conv_state, state, slots, qkv_proj, conv_w, forget_proj, dt_bias, a_log, beta_logits, _i32(ld_beta),
+         out_gate, norm_w, conv_out, query, key, value, gate, beta, core, o_norm_out, _i32(heads),
+         _i32(kernel_size), _i32(tokens), _i32(1 if bounded else 0), _f32(lower_bound if bounded else 0.0), _f32(scale),
+         _f32(l2_eps), _f32(norm_eps), _i32(prefetch_ahead), _i32(dependents_after)),
         HEAD_DIM * HEAD_DIM * 4 if staged else 0,
         carveout=carveout if staged else -1,
     )

@@ -83,50 +83,6 @@ kda_decode_fused_staged_bf16(KDA_DECODE_FUSED_PARAMETERS)
     kda_decode_fused_block<true>(KDA_DECODE_FUSED_ARGS, kda_state_stage, blockIdx.x);
 }
 
-// The batched step on persistent blocks (grid.x any number, grid.y 1): block b steps the (sequence,
-// head) items b, b + gridDim.x, ... of `sequences` x heads (item = sequence * heads + head, the
-// block order of kda_decode_fused_bf16), one after the other. On sm_90 and later the next item's
-// state comes into KDA_HEAD_STATE_BYTES of dynamic shared memory by one bulk copy while the block
-// steps the current one and stores it from its registers, so a block does not wait on its state's
-// memory latency once per item; before sm_90 each item loads its column as the one-block step does.
-// The same device code for every item: the bits of kda_decode_fused_bf16.
-extern "C" __global__ void __launch_bounds__(KDA_HEAD_BLOCK)
-kda_decode_fused_loop_bf16(KDA_DECODE_FUSED_PARAMETERS, int sequences)
-{
-    extern __shared__ __align__(128) float kda_state_stage[];
-    __shared__ KdaStepShared shared;
-    KDA_TRACE_SCOPE(o_norm_out);
-    const KdaStepArgs args = KDA_DECODE_FUSED_ARGS;
-    if (dependents_after == 0) {
-        kda_let_next_kernel_launch();
-    }
-    if (blockDim.x != KDA_HEAD_BLOCK || kernel_size < 1 || kernel_size > CONV_MAX_KERNEL || tokens < 1 ||
-        gridDim.y != 1) {
-        return;
-    }
-    const int d = threadIdx.x;
-    const size_t items = static_cast<size_t>(sequences) * heads;
-    const size_t head_floats = static_cast<size_t>(KDA_HEAD_DIM) * KDA_HEAD_DIM;
-    auto head_state = [&](size_t item) {
-        const size_t sequence = item / heads;
-        const size_t slot = slots != nullptr ? static_cast<size_t>(slots[sequence]) : sequence;
-        return state + (slot * heads + item % heads) * head_floats;
-    };
-    if (blockIdx.x < items) {
-        kda_stage_init(&shared.state_arrived, d);
-        kda_stage_start(kda_state_stage, head_state(blockIdx.x), &shared.state_arrived, d);
-    }
-    int phase = 0;
-    for (size_t item = blockIdx.x; item < items; item += gridDim.x, phase ^= 1) {
-        const size_t next = item + gridDim.x;
-        // The previous item's shared vectors and stage reads are done before this one writes them.
-        KdaBlockSync().sync();
-        kda_decode_head<KdaBlockSync, false, 1, true>(args, static_cast<int>(item % heads), item / heads, sequences,
-                                                       KdaBlockSync(), shared, kda_state_stage, 0,
-                                                       next < items ? head_state(next) : nullptr, phase);
-    }
-}
-
 // The head split over a cluster of KDA_HEAD_SPLIT blocks (grid: heads * KDA_HEAD_SPLIT along x).
 // Before sm_90 there are no clusters: the first block of each KDA_HEAD_SPLIT runs the whole head.
 #if KDA_CLUSTERS

@@ -40,25 +40,16 @@ __device__ __forceinline__ void prefetch_floats_l2(const float* first, int count
 #endif
 #endif
 
-// Thread `d` == 0: initialise `arrived` (one arrival a phase), for kda_stage_start's copies.
-__device__ __forceinline__ void kda_stage_init(unsigned long long* arrived, int d)
-{
-#if KDA_STAGED_STATE
-    if (d == 0) {
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(arrived)) : "memory");
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-#endif
-}
-
-// Thread `d` == 0: start the copy of a head's state (16-byte aligned) into `stage`, completing
-// the current phase of `arrived` when it lands.
-__device__ __forceinline__ void kda_stage_start(float* stage, const float* head_state, unsigned long long* arrived,
-                                                int d)
+// Thread `d` == 0: start the copy of a head's state (16-byte aligned) into `stage`; the group
+// must pass a barrier before anyone waits on `arrived` (kda_wait_staged_state).
+__device__ __forceinline__ void kda_stage_state_in(float* stage, const float* head_state, unsigned long long* arrived,
+                                                   int d)
 {
 #if KDA_STAGED_STATE
     if (d == 0) {
         const unsigned int barrier = shared_address(arrived);
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(barrier) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(barrier),
                      "r"(KDA_HEAD_STATE_BYTES)
                      : "memory");
@@ -71,28 +62,17 @@ __device__ __forceinline__ void kda_stage_start(float* stage, const float* head_
 #endif
 }
 
-// Thread `d` == 0: initialise `arrived` and start the copy of a head's state into `stage`; the
-// group must pass a barrier before anyone waits on `arrived` (kda_wait_staged_state).
-__device__ __forceinline__ void kda_stage_state_in(float* stage, const float* head_state, unsigned long long* arrived,
-                                                   int d)
-{
-    kda_stage_init(arrived, d);
-    kda_stage_start(stage, head_state, arrived, d);
-}
-
-// Every thread: wait until the copy of phase `parity` (0, 1, 0, ... for the copies since the
-// initialisation) has landed.
-__device__ __forceinline__ void kda_wait_staged_state(unsigned long long* arrived, int parity = 0)
+// Every thread: wait until the copy started by kda_stage_state_in has landed.
+__device__ __forceinline__ void kda_wait_staged_state(unsigned long long* arrived)
 {
 #if KDA_STAGED_STATE
     asm volatile(
         "{\n"
         ".reg .pred arrived;\n"
         "KDA_WAIT_STATE:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 arrived, [%0], %1;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 arrived, [%0], 0;\n"
         "@!arrived bra KDA_WAIT_STATE;\n"
-        "}\n" ::"r"(shared_address(arrived)),
-        "r"(parity)
+        "}\n" ::"r"(shared_address(arrived))
         : "memory");
 #endif
 }
@@ -251,20 +231,14 @@ __device__ __forceinline__ float cluster_gated_rmsnorm_sigmoid(float o, float we
 // state moves by bulk copies through `stage`, KDA_HEAD_STATE_BYTES of the group's shared memory
 // (128-byte aligned; the state 16-byte aligned). Split (KDA_HEAD_SPLIT, sm_90, the group a block
 // of a cluster of that many, `rank` its place): the head split over the cluster's blocks, each
-// stepping the columns of its warp `rank`. Prefetched (sm_90 and later; before, the register
-// loads): the caller has started the copy of this head's state into `stage` on
-// shared.state_arrived, phase `phase`; the group reads it from there, and once every thread has
-// read it (after the first token's norm) thread 0 starts the copy of `next_state` (null: none) on
-// the next phase; the state goes back to memory from the registers. The same bits every way.
-template <class Sync, bool Staged = false, int Split = 1, bool Prefetched = false>
+// stepping the columns of its warp `rank`. The same bits every way.
+template <class Sync, bool Staged = false, int Split = 1>
 __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, size_t sequence, size_t sequences,
                                                 Sync group, KdaStepShared& shared, float* stage = nullptr,
-                                                int rank = 0, const float* next_state = nullptr, int phase = 0)
+                                                int rank = 0)
 {
     constexpr bool split = Split > 1;
-    static_assert(!split || (Split == KDA_HEAD_SPLIT && !Staged && !Prefetched),
-                  "a split head has KDA_HEAD_SPLIT blocks, unstaged");
-    static_assert(!(Staged && Prefetched), "a head is staged or prefetched, not both");
+    static_assert(!split || (Split == KDA_HEAD_SPLIT && !Staged), "a split head has KDA_HEAD_SPLIT blocks, unstaged");
     const int d = group.thread();
     // Whether this thread steps value column d and writes channel d's outputs (in a split head,
     // the blocks other than the owner form the same values and drop them).
@@ -282,13 +256,10 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
     // The sequence's state column (64 KB per head, the bulk of the traffic) and conv windows
     // first: in flight while the first token's inputs are formed.
     float* head_state = p.state + (slot * heads + head) * static_cast<size_t>(KDA_HEAD_DIM) * KDA_HEAD_DIM;
-    // Through the stage: copied in here (staged) or by the caller (prefetched).
-    constexpr bool staged = KDA_STAGED_STATE && (Staged || Prefetched);
+    constexpr bool staged = KDA_STAGED_STATE && Staged;
     float s[KDA_HEAD_DIM];
     if constexpr (staged) {
-        if constexpr (!Prefetched) {
-            kda_stage_state_in(stage, head_state, &shared.state_arrived, d);
-        }
+        kda_stage_state_in(stage, head_state, &shared.state_arrived, d);
     } else {
         if (owner) {
             kda_recurrent_load(s, head_state + d);
@@ -371,12 +342,8 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
         if constexpr (staged) {
             if (t == 0) {
                 // The barrier above also published the mbarrier's initialisation.
-                kda_wait_staged_state(&shared.state_arrived, phase);
+                kda_wait_staged_state(&shared.state_arrived);
                 kda_recurrent_load(s, stage + d);
-                if constexpr (Prefetched) {
-                    // Orders these reads before the next copy into the stage (kda_stage_start below).
-                    kda_stage_fence();
-                }
             }
         }
         float o = 0.0f;
@@ -405,13 +372,6 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
             p.core[out_index] = o;
             p.o_norm_out[out_index] = f32_to_bf16(normed);
         }
-        if constexpr (staged && Prefetched) {
-            if (t == 0 && next_state != nullptr) {
-                // Every thread read the stage before the norm's barriers: the next head's state may
-                // come in while this one is stepped and stored.
-                kda_stage_start(stage, next_state, &shared.state_arrived, d);
-            }
-        }
     }
 
     // The block timeline's second stamp (benchmarks/timeline.py; nothing without KDA_TRACE): for
@@ -419,7 +379,7 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
     KDA_TRACE_WAITED();
 
     // (A split head: every block has read its conv windows before the last token's barrier.)
-    if constexpr (staged && !Prefetched) {
+    if constexpr (staged) {
         kda_recurrent_store(s, stage + d);
         kda_stage_fence();
         group.sync();

@@ -40,39 +40,22 @@ OUTPUTS = ("conv_out", "query", "key", "value", "gate", "beta", "core", "o_norm_
 
 # The pool path's fused step asks L2 for the state of the sequence this far ahead.
 PREFETCH_AHEAD = 2
-# Persistent blocks of the loop step's pool runs: fewer than the items, so each block steps several.
-LOOP_BLOCKS = 3
 DEVICE_HELPERS = {"decode": ("prefetch_floats_l2", *COMMON_DEVICE_HELPERS)}
 
 # The L2 requests of the fused step: counted, and checked to name exactly the head of the block
 # (blockIdx.x) in the slot of the sequence PREFETCH_AHEAD after the block's (blockIdx.y): its
-# state, then the conv windows of its q, k and v channels. A loop step's block takes many items, so
-# there (prefetch_by_grid false) the state request must name a head in the slot of a sequence at
-# least PREFETCH_AHEAD in, and the conv requests after it that head and slot.
+# state, then the conv windows of its q, k and v channels.
 DECODE_HEADER = HOST_CUDA_HEADER + r"""
 extern const float* prefetch_pool;
 extern const float* prefetch_conv_pool;
 extern const int* prefetch_slots;
-extern int prefetch_heads, prefetch_kernel, prefetch_sequences;
-extern bool prefetch_by_grid;
+extern int prefetch_heads, prefetch_kernel;
 extern std::atomic<long> prefetches, bad_prefetches;
 inline void prefetch_floats_l2(const float* first, int count, int d)
 {
     if (d != 0) return;
     const long request = prefetches++ % 4;  // a block's four requests come one after the other
-    const long D = 128, K = prefetch_kernel;
-    static long slot = 0, head = 0;
-    if (request == 0 && prefetch_by_grid) {
-        slot = prefetch_slots[blockIdx.y + PREFETCH_AHEAD];
-        head = blockIdx.x;
-    } else if (request == 0) {
-        const long index = (first - prefetch_pool) / (D * D);
-        slot = index / prefetch_heads;
-        head = index % prefetch_heads;
-        bool named = false;
-        for (int s = PREFETCH_AHEAD; s < prefetch_sequences; ++s) named = named || prefetch_slots[s] == slot;
-        if (!named) bad_prefetches++;
-    }
+    const long slot = prefetch_slots[blockIdx.y + PREFETCH_AHEAD], head = blockIdx.x, D = 128, K = prefetch_kernel;
     const long qkv = prefetch_heads * D;
     const float* expected = request == 0
         ? prefetch_pool + (slot * prefetch_heads + head) * D * D
@@ -87,8 +70,7 @@ DECODE_MAIN = r"""
 const float* prefetch_pool;
 const float* prefetch_conv_pool;
 const int* prefetch_slots;
-int prefetch_heads, prefetch_kernel, prefetch_sequences;
-bool prefetch_by_grid = true;
+int prefetch_heads, prefetch_kernel;
 std::atomic<long> prefetches{0}, bad_prefetches{0};
 using bf16_t = unsigned short;
 extern "C" void conv_decode_silu_l2_bf16(float*, const int*, const bf16_t*, const bf16_t*, bf16_t*, float*, float*,
@@ -104,17 +86,12 @@ extern "C" void gated_rmsnorm_sigmoid_bf16(const float*, const bf16_t*, const bf
      bf16_t*, int, int, int, int, float, float, float, float, int, int)
 extern "C" void kda_decode_fused_bf16 KDA_DECODE_FUSED_SIGNATURE;
 extern "C" void kda_decode_fused_staged_bf16 KDA_DECODE_FUSED_SIGNATURE;
-extern "C" void kda_decode_fused_loop_bf16(float*, float*, const int*, const bf16_t*, const bf16_t*, const bf16_t*,
-                                           const float*, const float*, const bf16_t*, int, const bf16_t*,
-                                           const bf16_t*, bf16_t*, float*, float*, float*, float*, float*, float*,
-                                           bf16_t*, int, int, int, int, float, float, float, float, int, int, int);
 
-// argv: dir, rows, heads, K, bounded, lower bound, l2 eps, norm eps, jitter, pool size, mode. Pool
+// argv: dir, rows, heads, K, bounded, lower bound, l2 eps, norm eps, jitter, pool size, staged. Pool
 // size 0: the rows are consecutive tokens of one sequence (paths separate, fused_rows, fused_walk);
 // else sequence s (row s) advances slot slots[s] of a pool of that many (paths pool_fused,
-// pool_separate, and alone: the fused step for each sequence by itself). Mode 1 (staged): the fused
-// paths run kda_decode_fused_staged_bf16 (the state through the block's shared memory); mode 2
-// (loop): pool_fused runs kda_decode_fused_loop_bf16 on LOOP_BLOCKS persistent blocks.
+// pool_separate, and alone: the fused step for each sequence by itself). Staged 1: the fused paths
+// run kda_decode_fused_staged_bf16 (the state through the block's shared memory).
 int main(int argc, char** argv)
 {
     const std::string dir = argv[1];
@@ -123,8 +100,7 @@ int main(int argc, char** argv)
     const float lower_bound = std::atof(argv[6]), l2_eps = std::atof(argv[7]), norm_eps = std::atof(argv[8]);
     jitter = std::atoi(argv[9]);
     const int pool_size = std::atoi(argv[10]);
-    const int mode = std::atoi(argv[11]);
-    const bool staged = mode == 1, loop = mode == 2;
+    const bool staged = std::atoi(argv[11]) != 0;
     const size_t D = 128, qkv = heads * D, conv_dim = 3 * qkv, ld_beta = 2 * D + heads;
     const size_t conv_slot = conv_dim * kernel, state_slot = heads * D * D, slot_count = std::max(pool_size, 1);
     const float scale = 1.0f / std::sqrt(float(D));
@@ -159,21 +135,6 @@ int main(int argc, char** argv)
             prefetch_slots = slot_list;
             prefetch_heads = heads;
             prefetch_kernel = kernel;
-            prefetch_sequences = sequences;
-            prefetch_by_grid = !(loop && slot_list != nullptr);
-            if (loop && slot_list != nullptr) {
-                run_grid(dim3{LOOP_BLOCKS, 1, 1}, 128, STAGED_STATE_BYTES, [&] {
-                    kda_decode_fused_loop_bf16(
-                        conv, states, slot_list, qkv_proj.data() + first * conv_dim, conv_w.data(),
-                        forget_proj.data() + first * qkv, dt_bias.data(), a_log.data(), beta_logits + first * ld_beta,
-                        int(ld_beta), out_gate.data() + first * qkv, norm_w.data(), conv_out.data() + first * conv_dim,
-                        query.data() + first * qkv, key.data() + first * qkv, value.data() + first * qkv,
-                        gate.data() + first * qkv, beta.data() + first * heads, core.data() + first * qkv,
-                        o_norm_out.data() + first * qkv, heads, kernel, tokens, bounded, lower_bound, scale, l2_eps,
-                        norm_eps, prefetch_ahead, dependents_after, sequences);
-                });
-                return;
-            }
             const auto kernel_entry = staged ? kda_decode_fused_staged_bf16 : kda_decode_fused_bf16;
             run_grid(dim3{unsigned(heads), unsigned(sequences), 1}, 128, staged ? STAGED_STATE_BYTES : 0, [&] {
                 kernel_entry(conv, states, slot_list, qkv_proj.data() + first * conv_dim, conv_w.data(),
@@ -234,8 +195,7 @@ int main(int argc, char** argv)
                 bad_prefetches.load());
     return 0;
 }
-""".replace("PREFETCH_AHEAD", str(PREFETCH_AHEAD)).replace("STAGED_STATE_BYTES", str(STAGED_STATE_BYTES)).replace(
-    "LOOP_BLOCKS", str(LOOP_BLOCKS))
+""".replace("PREFETCH_AHEAD", str(PREFETCH_AHEAD)).replace("STAGED_STATE_BYTES", str(STAGED_STATE_BYTES))
 
 
 def _layout(tokens):
@@ -346,20 +306,17 @@ def test_fused_decode_equals_separate_kernels_on_host(decode_host, tokens, jitte
 
 
 @pytest.mark.parametrize("bounded", [True, False], ids=["bounded", "softplus"])
-@pytest.mark.parametrize("sequences,mode", [(1, 0), (5, 0), (33, 0), (5, 1), (2, 2), (5, 2), (33, 2)],
+@pytest.mark.parametrize("sequences,staged", [(1, False), (5, False), (33, False), (5, True)],
                          ids=lambda v: str(v))
-def test_pool_sequences_equal_each_alone_on_host(decode_host, sequences, mode, bounded):
-    """A pool step (mode 0: one block per (sequence, head); 1: the state staged through shared memory;
-    2: LOOP_BLOCKS persistent blocks, each stepping several items with the next state copied in
-    meanwhile) against each sequence stepped alone, bit for bit; the slots not named untouched."""
+def test_pool_sequences_equal_each_alone_on_host(decode_host, sequences, staged, bounded):
     rng = np.random.default_rng(100 + sequences + int(bounded))
     conv_dim, pool_size = 3 * HEADS * DIM, sequences + 3
     inputs = _layer_inputs(rng, sequences)
     inputs["conv_state"] = rng.standard_normal((pool_size, conv_dim, KERNEL)).astype(np.float32)
     inputs["state"] = (0.1 * rng.standard_normal((pool_size, HEADS, DIM, DIM))).astype(np.float32)
     inputs["slots"] = rng.permutation(pool_size)[:sequences].astype(np.int32)
-    folder = decode_host.parent / f"pool-B{sequences}-b{int(bounded)}-{mode}"
-    _run_binary(decode_host, folder, inputs, sequences, bounded, 0, pool_size, mode)
+    folder = decode_host.parent / f"pool-B{sequences}-b{int(bounded)}-{int(staged)}"
+    _run_binary(decode_host, folder, inputs, sequences, bounded, 0, pool_size, int(staged))
     layout = {**_layout(sequences), "conv_state": (np.float32, (pool_size, conv_dim, KERNEL)),
               "state": (np.float32, (pool_size, HEADS, DIM, DIM))}
     out = {path: {name: np.fromfile(folder / f"{path}.{name}", dtype).reshape(shape) for name, (dtype, shape) in layout.items()}

@@ -475,31 +475,6 @@ def test_split_step_gives_the_one_block_bits(layers, geometry, rows, monkeypatch
     _assert_same_bits(split, whole, f"{geometry} B{rows}", "the split heads and one block per head")
 
 
-@pytest.mark.parametrize("per_sm,rows", [(1, 5), (2, 64)])
-@pytest.mark.parametrize("geometry", ["glm", "kimi"])
-def test_loop_step_gives_the_one_block_bits(layers, geometry, per_sm, rows, monkeypatch):
-    """The batched fused step on persistent blocks that step their (sequence, head) items in turn,
-    the next item's state copied into shared memory meanwhile (layer.STEP_LOOP_BLOCKS_PER_SM), writes
-    the bits of one block per item: every stage buffer, the output and both states of a pool step of
-    `rows` sequences with shuffled slots (more items than blocks, so every block steps several), and
-    of a 5-row decode_k walk (one sequence: one block per head either way)."""
-    from glm_kda import gemm_rows
-    from glm_kda import layer as layer_module
-
-    _, layer = layers(geometry)
-    previous = layer_module.STEP_LOOP_BLOCKS_PER_SM
-    blocks = gemm_rows._sm_count(layer.qkv_weight.device.id) * per_sm
-
-    def switch(loop):
-        monkeypatch.setattr(layer_module, "STEP_LOOP_BLOCKS_PER_SM", previous if loop is None else per_sm if loop else None)
-        layer._graphs.clear()  # graphs hold the kernels they were captured with
-        if loop:
-            assert layer._step_loop_blocks(rows) == blocks, f"{rows} sequences do not take the loop step"
-
-    loop, plain = _decode_paths(layer, count=80, rows=rows, walk_rows=5, prefill_rows=0, seed=97 + rows, switch=switch)
-    _assert_same_bits(loop, plain, f"{geometry} B{rows} {per_sm} a SM", "the loop step and one block per item")
-
-
 def test_staged_out_proj_gives_the_plain_bits(layers, monkeypatch):
     """The output projection with its weights staged in shared memory while the step runs
     (layer.OUT_PROJ_STAGED, sm_90, where the weight qualifies: Kimi-Linear's; GLM-5.3-Flash's 67 MB

@@ -183,37 +183,6 @@ def test_fused_decode_grid_and_arguments_match_the_kernel(launches, rows):
     assert (int(args[-2]), int(args[-1])) == (0, 0)  # prefetch_ahead, dependents_after
 
 
-@pytest.mark.parametrize("bulk", [True, False], ids=["sm90", "sm80"])
-def test_fused_decode_loop_launch(launches, monkeypatch, bulk):
-    """loop_blocks: the loop entry on that many blocks (at most one per item), grid.y 1, the
-    fused step's arguments and then the sequences; 0 or staged: the one-block-per-item entries."""
-    import re
-
-    from glm_kda import kernels
-
-    monkeypatch.setattr(ops, "bulk_copies_available", lambda: bulk)
-    heads, rows = 2, 3
-    slots = HostStandIn(np.arange(rows, dtype=np.int32))
-    for loop_blocks, grid in ((4, (4, 1)), (50, (heads * rows, 1))):
-        ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, rows, pool=4), **_FUSED_SCALARS, slots=slots,
-                                  loop_blocks=loop_blocks)
-        name, got_grid, block, args = launches.pop()
-        assert name == "kda_decode_fused_loop_bf16" and got_grid == grid and block == (ops.HEAD_BLOCK,)
-        signature = re.search(r"#define KDA_DECODE_FUSED_PARAMETERS(.*?)\n#define",
-                              (kernels.kernels_dir() / "decode.cu").read_text(), re.S).group(1)
-        assert len(args) == signature.count(",") + 2 and int(args[-1]) == rows
-    ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, rows, pool=4), **_FUSED_SCALARS, slots=slots,
-                              loop_blocks=0)
-    assert launches.pop()[0] == "kda_decode_fused_bf16"
-    ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, rows, pool=4), **_FUSED_SCALARS, slots=slots,
-                              loop_blocks=4, staged=True)
-    # (staged is ignored before sm_90, so the loop runs there.)
-    assert launches.pop()[0] == ("kda_decode_fused_staged_bf16" if bulk else "kda_decode_fused_loop_bf16")
-    with pytest.raises(ValueError, match="loop_blocks"):
-        ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, rows, pool=4), **_FUSED_SCALARS, slots=slots,
-                                  loop_blocks=-1)
-
-
 @pytest.mark.parametrize("operand,shape,needle", [
     ("out_gate", (3, 200), "out_gate"),
     ("a_log", (5,), "a_log"),
