@@ -225,6 +225,30 @@ __device__ __forceinline__ float cluster_gated_rmsnorm_sigmoid(float o, float we
     return o / sqrtf(mean_square + eps) * weight * sigmoid_f32(z);
 }
 
+// One token's inputs of channel `channel` of head `head` (BF16 bits as stored): its q, k and v
+// projections, forget projection, b_proj logit and output gate, all written by earlier kernels.
+struct KdaTokenInputs {
+    bf16_t projected[3];
+    bf16_t forget;
+    bf16_t beta_logit;
+    bf16_t out_gate;
+};
+
+__device__ __forceinline__ KdaTokenInputs kda_load_token_inputs(const KdaStepArgs& p, size_t row, size_t qkv,
+                                                                size_t channel, int head)
+{
+    KdaTokenInputs inputs;
+    const bf16_t* projected = p.qkv_proj + row * 3 * qkv;
+#pragma unroll
+    for (int part = 0; part < 3; ++part) {
+        inputs.projected[part] = projected[part * qkv + channel];
+    }
+    inputs.forget = p.forget_proj[row * qkv + channel];
+    inputs.beta_logit = p.beta_logits[row * p.ld_beta + head];
+    inputs.out_gate = p.out_gate[row * qkv + channel];
+    return inputs;
+}
+
 // Head `head` of sequence `sequence` (of `sequences`), `tokens` tokens, by the KDA_HEAD_BLOCK
 // threads of `group` (thread d owns channel d of the head). Staged false: each thread loads its
 // state column into registers; true (sm_90 and later; before, the register loads): the head's
@@ -243,7 +267,6 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
     // Whether this thread steps value column d and writes channel d's outputs (in a split head,
     // the blocks other than the owner form the same values and drop them).
     const bool owner = !split || (d >> 5) == rank;
-    const size_t slot = p.slots != nullptr ? static_cast<size_t>(p.slots[sequence]) : sequence;
     const int heads = p.heads;
     const int kernel_size = p.kernel_size;
     const size_t qkv = static_cast<size_t>(heads) * KDA_HEAD_DIM;
@@ -253,8 +276,24 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
         cluster_arrive_relaxed();
     }
 
-    // The sequence's state column (64 KB per head, the bulk of the traffic) and conv windows
-    // first: in flight while the first token's inputs are formed.
+    // Every load that does not depend on the slot is issued first, in one go: the first token's
+    // inputs, the conv taps and the head's parameters. Then the slot's state column (64 KB per
+    // head, the bulk of the traffic) and conv windows. So the step waits for the memory about
+    // twice (the slot, then everything), not once per value a later load was queued behind.
+    const size_t ahead = sequence + p.prefetch_ahead;
+    const bool prefetch = p.prefetch_ahead > 0 && ahead < sequences && rank == 0;
+    const size_t slot = p.slots != nullptr ? static_cast<size_t>(p.slots[sequence]) : sequence;
+    const size_t ahead_slot = prefetch && p.slots != nullptr ? static_cast<size_t>(p.slots[ahead]) : ahead;
+    KdaTokenInputs inputs = kda_load_token_inputs(p, sequence * p.tokens, qkv, channel, head);
+    bf16_t taps[3][CONV_MAX_KERNEL];
+#pragma unroll
+    for (int part = 0; part < 3; ++part) {
+        conv_taps_load(taps[part], p.conv_w + (part * qkv + channel) * kernel_size, kernel_size);
+    }
+    const float a_log = p.a_log[head];
+    const float bias = p.dt_bias[channel];
+    const bf16_t norm_weight = p.norm_w[d];
+
     float* head_state = p.state + (slot * heads + head) * static_cast<size_t>(KDA_HEAD_DIM) * KDA_HEAD_DIM;
     constexpr bool staged = KDA_STAGED_STATE && Staged;
     float s[KDA_HEAD_DIM];
@@ -265,12 +304,16 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
             kda_recurrent_load(s, head_state + d);
         }
     }
+    float* conv_slot = p.conv_state + slot * 3 * qkv * kernel_size;
+    float window[3][CONV_MAX_KERNEL];
+#pragma unroll
+    for (int part = 0; part < 3; ++part) {
+        conv_window_load(window[part], conv_slot + (part * qkv + channel) * kernel_size, kernel_size);
+    }
     // A batch runs many waves of blocks, each of which waits on its state column: ask L2 for the
     // head's state of sequence + prefetch_ahead (a block of a later wave) now, so that its loads
     // hit, and for its conv windows (the head's channels of q, k and v: three runs of D K floats).
-    if (p.prefetch_ahead > 0 && sequence + p.prefetch_ahead < sequences && rank == 0) {
-        const size_t ahead = sequence + p.prefetch_ahead;
-        const size_t ahead_slot = p.slots != nullptr ? static_cast<size_t>(p.slots[ahead]) : ahead;
+    if (prefetch) {
         prefetch_floats_l2(p.state + (ahead_slot * heads + head) * static_cast<size_t>(KDA_HEAD_DIM) * KDA_HEAD_DIM,
                            KDA_HEAD_DIM * KDA_HEAD_DIM, d);
         for (int part = 0; part < 3; ++part) {
@@ -279,28 +322,24 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
                                KDA_HEAD_DIM * kernel_size, d);
         }
     }
-    float* conv_slot = p.conv_state + slot * 3 * qkv * kernel_size;
-    float window[3][CONV_MAX_KERNEL];
-#pragma unroll
-    for (int part = 0; part < 3; ++part) {
-        conv_window_load(window[part], conv_slot + (part * qkv + channel) * kernel_size, kernel_size);
-    }
-    const float a = expf(p.a_log[head]);
-    const float bias = p.dt_bias[channel];
-    const float weight = bf16_to_f32(p.norm_w[d]);
+    const float a = expf(a_log);
+    const float weight = bf16_to_f32(norm_weight);
 
     for (int t = 0; t < p.tokens; ++t) {
         const size_t row = sequence * p.tokens + t;
-        const bf16_t* projected = p.qkv_proj + row * 3 * qkv;
         const size_t out_index = row * qkv + channel;
         float conv_input[3];
 #pragma unroll
         for (int part = 0; part < 3; ++part) {
-            conv_input[part] = bf16_to_f32(projected[part * qkv + channel]);
+            conv_input[part] = bf16_to_f32(inputs.projected[part]);
         }
-        const float u = bf16_to_f32(p.forget_proj[out_index]) + bias;
-        const float beta_head = sigmoid_f32(bf16_to_f32(p.beta_logits[row * p.ld_beta + head]));
-        const float z = bf16_to_f32(p.out_gate[out_index]);
+        const float u = bf16_to_f32(inputs.forget) + bias;
+        const float beta_head = sigmoid_f32(bf16_to_f32(inputs.beta_logit));
+        const float z = bf16_to_f32(inputs.out_gate);
+        if (t + 1 < p.tokens) {
+            // The next token's inputs, in flight while this one is stepped.
+            inputs = kda_load_token_inputs(p, row + 1, qkv, channel, head);
+        }
 
         // Conv + SiLU, rounded to BF16 (the conv output stage), then L2 of q and k.
         float rounded[3];
@@ -308,7 +347,7 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
         for (int part = 0; part < 3; ++part) {
             const size_t c = part * qkv + channel;
             conv_window_push(window[part], conv_input[part], kernel_size);
-            const bf16_t out = f32_to_bf16(conv_silu(window[part], p.conv_w + c * kernel_size, kernel_size));
+            const bf16_t out = f32_to_bf16(conv_silu_taps(window[part], taps[part], kernel_size));
             if (owner) {
                 p.conv_out[row * 3 * qkv + c] = out;
             }

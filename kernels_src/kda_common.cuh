@@ -299,10 +299,22 @@ __device__ __forceinline__ void conv_window_store(const float window[CONV_MAX_KE
     }
 }
 
-// silu( sum_j taps[j] * window[j] ), FP32 fma in ascending j. The one place the
-// conv arithmetic is written, so decode and prefill agree bit for bit.
-__device__ __forceinline__ float conv_silu(const float window[CONV_MAX_KERNEL],
-                                           const bf16_t* taps, int kernel_size)
+// The K taps of a channel's conv weight (BF16 bits; slots K.. zero), loaded into registers.
+__device__ __forceinline__ void conv_taps_load(bf16_t taps[CONV_MAX_KERNEL], const bf16_t* stored, int kernel_size)
+{
+#pragma unroll
+    for (int j = 0; j < CONV_MAX_KERNEL; ++j) {
+        taps[j] = 0;
+        if (j < kernel_size) {
+            taps[j] = stored[j];
+        }
+    }
+}
+
+// silu( sum_j taps[j] * window[j] ), FP32 fma in ascending j, the taps already in registers.
+// The one place the conv arithmetic is written, so decode and prefill agree bit for bit.
+__device__ __forceinline__ float conv_silu_taps(const float window[CONV_MAX_KERNEL],
+                                                const bf16_t taps[CONV_MAX_KERNEL], int kernel_size)
 {
     float acc = 0.0f;
 #pragma unroll
@@ -312,6 +324,15 @@ __device__ __forceinline__ float conv_silu(const float window[CONV_MAX_KERNEL],
         }
     }
     return acc / (1.0f + expf(-acc));
+}
+
+// conv_silu_taps with the taps read from memory.
+__device__ __forceinline__ float conv_silu(const float window[CONV_MAX_KERNEL],
+                                           const bf16_t* taps, int kernel_size)
+{
+    bf16_t loaded[CONV_MAX_KERNEL];
+    conv_taps_load(loaded, taps, kernel_size);
+    return conv_silu_taps(window, loaded, kernel_size);
 }
 
 // value / sqrt(sum over the head of value^2 + eps). All KDA_HEAD_BLOCK threads of
