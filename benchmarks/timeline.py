@@ -1,7 +1,8 @@
 """Where a decode step's time goes on the GPU: the block timeline of its captured graph.
 
 The kernels are built a second time with KDA_TRACE defined (kernels_src/kda_common.cuh): thread 0
-of every block of the projections (gemm_rows) and of the fused step then records its SM and the
+of every block of the projections (gemm_rows, and the bulk-copy sweep's three kernels) and of the
+fused step then records its SM and the
 GPU's global timer at the block's start, after its wait on the previous kernel (programmatic
 launches; for the fused step, which has none: once its outputs are written, before it stores its
 states) and at its end. The package's own kernels carry none of this. The decode graph of each
@@ -28,8 +29,22 @@ from pathlib import Path
 
 # Launches by the workspace buffer they write (the tag of their records).
 LAUNCH_NAMES = (("down_proj", "f_a|g_a|b"), ("forget_proj", "f_b"), ("out_gate", "g_b"), ("qkv_proj", "q|k|v"),
-                ("o_norm_out", "fused step"), ("final_out", "o_proj"))
-TRACED_STEMS = ("gemm_rows", "decode")
+                ("o_norm_out", "fused step"), ("final_out", "o_proj"), ("bulk_partial", "split sums"))
+# The bulk-copy sweep's x-tiling launches (gemm_rows_tile_x_bf16), named by their input's address one
+# byte on: (workspace buffer, its column where the input starts in units of head_dim, name).
+TILE_X_NAMES = (("graph_hidden", 0, "x tiles: hidden"), ("o_norm_out", 0, "x tiles: o_proj"),
+                ("down_proj", 0, "x tiles: f_b"), ("down_proj", 1, "x tiles: g_b"))
+# Modules whose kernels record blocks (gemm_rows_bulk only where the device runs it).
+TRACED_STEMS = ("gemm_rows", "decode", "gemm_rows_bulk")
+
+
+def launch_names(workspace, head_dim: int) -> dict[int, str]:
+    """Record tag -> launch name for a workspace (LAUNCH_NAMES and TILE_X_NAMES)."""
+    names = {getattr(workspace, buffer).data.ptr: name for buffer, name in LAUNCH_NAMES}
+    for buffer, column, name in TILE_X_NAMES:
+        array = getattr(workspace, buffer)
+        names[array.data.ptr + column * head_dim * array.itemsize + 1] = name
+    return names
 
 
 def write_traced_sources(folder: Path) -> Path:
@@ -59,7 +74,9 @@ class TraceBuffers:
         self.capacity = trace_capacity()
         self.counts, self.records = [], []
         for stem in TRACED_STEMS:
-            module = kernel_set.modules[stem]
+            module = kernel_set.modules.get(stem)
+            if module is None:
+                continue
             self.counts.append(cupy.ndarray((1,), cupy.uint32, memptr=module.get_global("kda_trace_count")))
             self.records.append(cupy.ndarray((self.capacity, 4), cupy.uint64,
                                              memptr=module.get_global("kda_trace_records")))
@@ -183,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
                 path = write_synthetic_checkpoint(Path(tmp) / geometry, geometry, num_layers=1)
                 layer = KdaLayer.from_pretrained(path, 0, max_tokens=max(args.rows), progress=False)
                 cfg, ws = layer.config, layer.workspace
-                names = {getattr(ws, buffer).data.ptr: name for buffer, name in LAUNCH_NAMES}
+                names = launch_names(ws, cfg.head_dim)
                 hidden = to_device_bf16(synthetic_hidden(max(args.rows), cfg.hidden))
                 for rows in args.rows:
                     if rows == 1:

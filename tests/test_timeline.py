@@ -21,8 +21,11 @@ def test_traced_kernels_compile(tmp_path, arch):
     folder = timeline.write_traced_sources(tmp_path / "kernels")
     assert (folder / "kda_common.cuh").read_text().startswith("#define KDA_TRACE 1\n")
     for stem in timeline.TRACED_STEMS:
+        own = kernels.ARCH_ENTRY_POINTS.get(stem)
+        if own is not None and own[0].rstrip("a") != arch:
+            continue  # a family of one architecture's instructions, traced for that one alone
         try:
-            compiled = kernels.compile_file(stem, arch, folder)
+            compiled = kernels.compile_file(stem, own[0] if own else arch, folder)
         except kernels.KernelCompileError as error:
             if "NVRTC" in str(error) and "not supported" in str(error):
                 pytest.skip(f"this NVRTC has no {arch}: {error}")
