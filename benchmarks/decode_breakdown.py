@@ -60,7 +60,8 @@ def defaults() -> dict:
     (layer.STEP_SPLIT_WAVES; None: never a split head), side_chain_first, side_chain_programmatic
     and side_stream_priority (layer.SIDE_CHAIN_FIRST, layer.SIDE_CHAIN_PROGRAMMATIC,
     layer.SIDE_STREAM_PRIORITY: how the low-rank chain runs beside q|k|v), qkv_reserved_slots
-    (layer.QKV_RESERVED_SLOTS), out_proj_staged (layer.OUT_PROJ_STAGED), kernel_sources (a folder of
+    (layer.QKV_RESERVED_SLOTS), out_proj_staged (layer.OUT_PROJ_STAGED), step_writes_x_tiles
+    (layer.STEP_WRITES_X_TILES), side_chain_bulk (layer.SIDE_CHAIN_BULK), kernel_sources (a folder of
     kernel sources; None: the package's own)."""
     from glm_kda import gemm_rows, kernels, layer, persistent
 
@@ -78,7 +79,8 @@ def defaults() -> dict:
         "step_staged_carveout": layer.STEP_STAGED_CARVEOUT, "step_split_waves": layer.STEP_SPLIT_WAVES,
         "side_chain_first": layer.SIDE_CHAIN_FIRST, "side_chain_programmatic": layer.SIDE_CHAIN_PROGRAMMATIC,
         "side_stream_priority": layer.SIDE_STREAM_PRIORITY, "qkv_reserved_slots": layer.QKV_RESERVED_SLOTS,
-        "out_proj_staged": layer.OUT_PROJ_STAGED,
+        "out_proj_staged": layer.OUT_PROJ_STAGED, "step_writes_x_tiles": layer.STEP_WRITES_X_TILES,
+        "side_chain_bulk": layer.SIDE_CHAIN_BULK,
         "kernel_sources": None,
     }
 
@@ -115,6 +117,8 @@ def apply(settings: dict, layer_object) -> None:
     layer.SIDE_STREAM_PRIORITY = settings["side_stream_priority"]
     layer.QKV_RESERVED_SLOTS = settings["qkv_reserved_slots"]
     layer.OUT_PROJ_STAGED = settings["out_proj_staged"]
+    layer.STEP_WRITES_X_TILES = settings["step_writes_x_tiles"]
+    layer.SIDE_CHAIN_BULK = settings["side_chain_bulk"]
     sources = settings["kernel_sources"]
     if sources not in _KERNEL_SETS:
         _KERNEL_SETS[sources] = kernels.KernelSet.get() if sources is None else kernels.KernelSet(sources)

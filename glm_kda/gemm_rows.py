@@ -403,7 +403,8 @@ def wgmma_available() -> bool:
 def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | None = None,
                    blocks: int | None = None, programmatic: bool = False, serial: bool | None = None,
                    wgmma: bool | None = None, reserved_slots: int = 0, staged: bool = False,
-                   bulk: bool | None = None, x_tiles: Any = None, partial: Any = None) -> None:
+                   bulk: bool | None = None, x_tiles: Any = None, partial: Any = None,
+                   x_tiled: bool = False) -> None:
     """out[r, :] = bf16(x[r, :] @ w.T) for r < rows (1..256), FP32 accumulation on tensor cores.
 
     Shapes:
@@ -426,7 +427,8 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
     before it waits on the previous kernel, see :func:`staged_plan`; elsewhere ignored), and ``bulk``
     (more than 16 rows of a PackedWeight holding the tile layout, on sm_90: the bulk-copy sweep,
     :func:`gemm_rows_bulk`, True always, None where the weight has BULK_MIN_GROUPS_PER_SM groups of
-    64 columns per SM, False never; ``x_tiles`` and ``partial`` are then its scratch, see there).
+    64 columns per SM, False never; ``x_tiles``, ``partial`` and ``x_tiled`` are then its scratch and
+    whether x_tiles already holds x, see there; :func:`bulk_applies` says whether it runs).
 
     ``w`` may also be a :class:`PackedWeight` of the same weight (:func:`pack_weight`): the
     same bits, the weight read in contiguous runs. The warpgroup-MMA sweep reads its pair layout,
@@ -445,15 +447,9 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
                              f" on an sm_90 device (packed: {packed}, pair layout: {packed and w.pairs is not None},"
                              f" warpgroup-MMA kernels loaded: {wgmma_available()})")
         wgmma = False
-    if rows > M_TILE and bulk is not False:
-        takes = packed and w.tiles is not None and bulk_available()
-        if bulk and not takes:
-            raise ValueError("gemm_rows_bf16: bulk=True needs a PackedWeight made with pack_weight(w, tiles=True) on an"
-                             f" sm_90 device (packed: {packed}, tile layout: {packed and w.tiles is not None},"
-                             f" bulk-copy kernels loaded: {bulk_available()})")
-        if takes and (bulk or bulk_wide_enough(n, _sm_count(cupy.cuda.Device().id))):
-            gemm_rows_bulk(x, w, out, rows, x_tiles=x_tiles, partial=partial, programmatic=programmatic)
-            return
+    if bulk_applies(w, rows, bulk):
+        gemm_rows_bulk(x, w, out, rows, x_tiles=x_tiles, partial=partial, programmatic=programmatic, x_tiled=x_tiled)
+        return
     plan = _staged_plan_here(w, rows) if staged else None
     if plan is not None:
         kernels.launch(plan.kernel, plan.grid, plan.block,
@@ -478,6 +474,21 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
         programmatic=programmatic,
         carveout=100 if plan.shared_mem else -1,
     )
+
+
+def bulk_applies(w: Any, rows: int, bulk: bool | None = None) -> bool:
+    """Whether gemm_rows_bf16(x, w, out, rows, bulk=bulk) runs the bulk-copy sweep: more than 16 rows
+    of a PackedWeight holding the tile layout on an sm_90 device, and bulk True, or None with the
+    weight wide enough (bulk_wide_enough). bulk=True where the sweep cannot run is an error."""
+    if rows <= M_TILE or bulk is False:
+        return False
+    packed = isinstance(w, PackedWeight)
+    takes = packed and w.tiles is not None and bulk_available()
+    if bulk and not takes:
+        raise ValueError("gemm_rows_bf16: bulk=True needs a PackedWeight made with pack_weight(w, tiles=True) on an"
+                         f" sm_90 device (packed: {packed}, tile layout: {packed and w.tiles is not None},"
+                         f" bulk-copy kernels loaded: {bulk_available()})")
+    return takes and (bool(bulk) or bulk_wide_enough(w.shape[0], _sm_count(cupy.cuda.Device().id)))
 
 
 def bulk_available() -> bool:
@@ -594,7 +605,8 @@ def x_tiles_size(rows: int, k: int) -> int:
 
 def gemm_rows_bulk(x, w: PackedWeight, out, rows: int | None = None, *, x_tiles: Any = None,
                    warpgroups: int | None = None, blocks: int | None = None, stages: int | None = None,
-                   split: bool | None = None, partial: Any = None, programmatic: bool = False) -> None:
+                   split: bool | None = None, partial: Any = None, programmatic: bool = False,
+                   x_tiled: bool = False) -> None:
     """out[r, :] = bf16(x[r, :] @ w.T) for r < rows (1..256) by the bulk-copy sweep: the bits of
     :func:`gemm_rows_bf16` (x, w and out as there; w a PackedWeight made with ``tiles=True``).
 
@@ -605,7 +617,10 @@ def gemm_rows_bulk(x, w: PackedWeight, out, rows: int | None = None, *, x_tiles:
     ``partial`` (a contiguous float32 array of at least :func:`bulk_partial_size` elements; None: a
     new one where split is True) and gemm_rows_bulk_fold_bf16 adds them into out in the sweep's order.
     With split None the sweep splits only into a ``partial`` given and large enough. ``programmatic``: the first
-    launch is a programmatic dependent of the previous kernel in the stream (the one that writes x)."""
+    launch is a programmatic dependent of the previous kernel in the stream (the one that writes x).
+    ``x_tiled``: x_tiles already holds x's rows in the tile layout (the fused decode step writes it):
+    no tiling launch, the sweep is the first; x is then only checked for its shape. Rows past `rows` of
+    the last row group may hold anything: they feed only outputs that are never stored."""
     rows, n, k, ldx, ldy = projection_args("gemm_rows_bulk", x, w, out, rows, GEMM_ROWS_MAX_ROWS)
     if not isinstance(w, PackedWeight) or w.tiles is None:
         raise ValueError("gemm_rows_bulk: w must be a PackedWeight made with pack_weight(w, tiles=True)")
@@ -614,6 +629,8 @@ def gemm_rows_bulk(x, w: PackedWeight, out, rows: int | None = None, *, x_tiles:
                            f"{cupy.cuda.Device().id} is sm_{cupy.cuda.Device().compute_capability}")
     size = x_tiles_size(rows, k)
     if x_tiles is None:
+        if x_tiled:
+            raise ValueError("gemm_rows_bulk: x_tiled=True needs the x_tiles that hold x")
         x_tiles = cupy.empty((size,), x.dtype)
     elif x_tiles.dtype != x.dtype or not x_tiles.flags.c_contiguous or x_tiles.size < size:
         raise ValueError(f"gemm_rows_bulk: x_tiles must be a contiguous BF16 array of at least {size} elements, "
@@ -629,13 +646,14 @@ def gemm_rows_bulk(x, w: PackedWeight, out, rows: int | None = None, *, x_tiles:
         elif partial.dtype != cupy.float32 or not partial.flags.c_contiguous or partial.size < partial_size:
             raise ValueError(f"gemm_rows_bulk: partial must be a contiguous float32 array of at least {partial_size}"
                              f" elements, got {partial.dtype} of {partial.size} (contiguous: {partial.flags.c_contiguous})")
-    threads = size // K_BLOCK  # one per (row group, k block, row of 64): 32 elements each
-    kernels.launch("gemm_rows_tile_x_bf16", (-(-threads // 256),), (256,), (x, _i32(ldx), _i32(rows), _i32(k), x_tiles),
-                   programmatic=programmatic)
+    if not x_tiled:
+        threads = size // K_BLOCK  # one per (row group, k block, row of 64): 32 elements each
+        kernels.launch("gemm_rows_tile_x_bf16", (-(-threads // 256),), (256,),
+                       (x, _i32(ldx), _i32(rows), _i32(k), x_tiles), programmatic=programmatic)
     kernels.launch(plan.kernel, plan.grid, plan.block,
                    (x_tiles, w.tiles, out, _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(plan.stages),
                     partial if plan.split else None),
-                   plan.shared_mem, programmatic=True, carveout=100)
+                   plan.shared_mem, programmatic=programmatic or not x_tiled, carveout=100)
     if plan.split:
         kernels.launch("gemm_rows_bulk_fold_bf16", (-(-(rows * n) // 256),), (256,),
                        (partial, out, _i32(ldy), _i32(rows), _i32(n), _i32(k)), programmatic=True)

@@ -98,6 +98,18 @@ QKV_RESERVED_SLOTS = 64
 # step starting and ending about 1 us later beside the copies, and the projection's blocks still
 # 3.3 - 4.6 us from their wait to their end (against 4.4 - 5.7 reading the weight from memory).
 OUT_PROJ_STAGED = False
+# Where the output projection of a batch runs on the bulk-copy sweep (gemm_rows.bulk_applies), the
+# fused step writes its input a second time in the sweep's tile layout (kda_decode_fused_bf16's
+# x_tiles), so that the projection needs no tiling launch between the two. No bit depends on it.
+# On an H200 (benchmarks/decode_breakdown.py, one process, copy bandwidth 4118 GB/s) 64 sequences
+# took GLM 251.0 against 252.2 us, Kimi 128.7 against 130.7; the block timeline had put the tiling
+# launch's end 4.8 us after the step's at Kimi.
+STEP_WRITES_X_TILES = True
+# The low-rank chain's projections (down_proj, f_b, g_b) on the bulk-copy sweep where
+# gemm_rows.bulk_applies gives it (None), or never (False). No bit depends on it. Never: in the same
+# run 64 sequences GLM 250.4 us, Kimi 128.7, but 256 sequences GLM 819.3 against 808.3, Kimi 400.1
+# against 394.8.
+SIDE_CHAIN_BULK: bool | None = None
 # Default of KdaLayer.persistent_decode.
 PERSISTENT_DECODE = False
 # Most rows one batched decode call takes (the workspace and the pool may limit it further).
@@ -277,6 +289,8 @@ class KdaLayer:
         self.scale = 1.0 / math.sqrt(self.config.head_dim)
         self._graphs = DecodeGraphs(self)
         self._side_stream = self._fork_event = self._join_event = None
+        # Rows of o_norm_out the last fused step also wrote into workspace.x_tiles (0: none).
+        self._x_tiles_rows = 0
         self._side_priority: int | None = None
         self.chunk_impl = chunk_impl
         # Tensor-core prefill: the bounded prepare forms the forget gate and beta itself (True,
@@ -436,7 +450,7 @@ class KdaLayer:
 
     def _project_decode(self, x: Any, weight: Any, out: Any, after_kernel: bool = False,
                         reserved_slots: int = 0, staged: bool = False, x_tiles: Any = None,
-                        partial: Any = None) -> None:
+                        partial: Any = None, bulk: bool | None = None, x_tiled: bool = False) -> None:
         """The projection of every decode-side call (decode, decode_k, batched decode, and
         prefill of <= 16 rows). One kernel, applied to groups of DECODE_ROW_GROUP rows, whose
         per-row arithmetic does not depend on the row count: a row's bits are the same in
@@ -448,13 +462,16 @@ class KdaLayer:
         slots a launch of <= 16 rows leaves to kernels beside it (gemm_rows.launch_plan; no bit
         depends on it). staged: gemm_rows_bf16's staged launch where it applies (no bit depends
         on it either). x_tiles, partial: the bulk-copy sweep's scratch (gemm_rows.gemm_rows_bulk;
-        without partial it never splits)."""
+        without partial it never splits). bulk: gemm_rows_bf16's choice of that sweep (None: by the
+        weight's width, False: never). x_tiled: x_tiles already holds x in the sweep's layout (the
+        fused step wrote it; one group of rows only)."""
         rows = x.shape[0]
         for start in range(0, rows, DECODE_ROW_GROUP):
             stop = min(rows, start + DECODE_ROW_GROUP)
             gemm_rows.gemm_rows_bf16(x[start:stop], weight, out[start:stop], rows=stop - start,
                                      programmatic=after_kernel or start > 0, reserved_slots=reserved_slots,
-                                     staged=staged, x_tiles=x_tiles, partial=partial)
+                                     staged=staged, bulk=bulk, x_tiles=x_tiles, partial=partial,
+                                     x_tiled=x_tiled and rows <= DECODE_ROW_GROUP)
 
     def _project(self, x: Any, weight: str, out: Any, wide: bool, after_kernel: bool = False,
                  reserved_slots: int = 0, staged: bool = False) -> None:
@@ -464,10 +481,12 @@ class KdaLayer:
             ops.gemm_bf16_cublas(x, getattr(self, weight), out)
         else:
             ws = self.workspace
-            x_tiles, partial = ((ws.x_tiles_side, None) if weight in self.SIDE_CHAIN_WEIGHTS
-                                else (ws.x_tiles, ws.bulk_partial))
+            side = weight in self.SIDE_CHAIN_WEIGHTS
+            x_tiles, partial = (ws.x_tiles_side, None) if side else (ws.x_tiles, ws.bulk_partial)
+            x_tiled = weight == "o_proj" and self._x_tiles_rows == x.shape[0]
+            self._x_tiles_rows = 0
             self._project_decode(x, self.decode_weight(weight), out, after_kernel, reserved_slots, staged, x_tiles,
-                                 partial)
+                                 partial, bulk=SIDE_CHAIN_BULK if side else None, x_tiled=x_tiled)
 
     def gate_source(self, first: int = 0) -> chunk_tc.GateSource:
         """Workspace rows first.. of what the forget gate and beta are formed from."""
@@ -551,8 +570,12 @@ class KdaLayer:
         the recurrent step must not normalise them again."""
         ws, c = self.workspace, self.config
         sl = slice(first, first + rows)
+        self._x_tiles_rows = 0
         if self.fused_decode:
             d = c.head_dim
+            # The output projection's input in its sweep's tile layout, where that sweep will read it.
+            tiles = (STEP_WRITES_X_TILES and first == 0 and not walk and rows <= DECODE_ROW_GROUP
+                     and gemm_rows.bulk_applies(self.decode_weight("o_proj"), rows))
             ops.kda_decode_fused_bf16(
                 conv_state, recurrent_state, ws.qkv_proj[sl], self.conv_weight, ws.forget_proj[sl], self.dt_bias,
                 self.a_log, ws.down_proj[sl, 2 * d :], ws.out_gate[sl], self.o_norm, ws.conv_out[sl], ws.query[sl],
@@ -561,7 +584,8 @@ class KdaLayer:
                 norm_eps=c.rms_norm_eps, slots=slots, tokens=rows if walk else 1,
                 prefetch_ahead=self._step_prefetch_ahead(), dependents_after=STEP_DEPENDENTS_AFTER,
                 staged=STEP_STAGED_STATE, carveout=STEP_STAGED_CARVEOUT,
-                split=self._step_split(1 if walk else rows))
+                split=self._step_split(1 if walk else rows), x_tiles=ws.x_tiles if tiles else None)
+            self._x_tiles_rows = rows if tiles else 0
             return
         if walk:
             raise ValueError("stateful_rows: walk=True needs fused_decode")

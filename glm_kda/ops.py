@@ -501,7 +501,7 @@ def kda_decode_fused_bf16(
     conv_state, state, qkv_proj, conv_w, forget_proj, dt_bias, a_log, beta_logits, out_gate, norm_w,
     conv_out, query, key, value, gate, beta, core, o_norm_out, *, bounded: bool, lower_bound: float,
     scale: float, l2_eps: float, norm_eps: float, slots=None, tokens: int = 1, prefetch_ahead: int = 0,
-    dependents_after: int = 0, staged: bool = False, carveout: int = -1, split: bool = False,
+    dependents_after: int = 0, staged: bool = False, carveout: int = -1, split: bool = False, x_tiles=None,
 ) -> None:
     """The stateful half of decode in one launch: for each sequence, `tokens` consecutive
     tokens of conv + SiLU + L2, forget gate and beta, one delta-rule step, gated RMSNorm.
@@ -533,6 +533,11 @@ def kda_decode_fused_bf16(
     shared memory instead of a load and a store per value and thread (ignored before sm_90 or
     for a state not 16-byte aligned); ``carveout`` is then the shared-memory split it asks for
     (percent, -1 the driver's choice). It changes no bit.
+
+    x_tiles: None, or a contiguous BF16 array of at least gemm_rows.x_tiles_size(rows, H*D) elements
+    that receives o_norm_out's rows again in the tile layout of the bulk-copy projection sweep
+    (gemm_rows.tile_layout; the rows past `rows` of the last group of 64 are not touched): the
+    output projection then reads it with gemm_rows_bulk(x_tiled=True). It changes no bit.
 
     split: on sm_90 and later, run each head on a cluster of HEAD_SPLIT blocks, block r stepping
     value columns 32 r .. 32 r + 31 (a quarter of the state each, so four SMs move a head's
@@ -567,6 +572,13 @@ def kda_decode_fused_bf16(
         prefetch_ahead = 0  # the L2 requests take 16-byte aligned ranges; a hint, so none
     if dependents_after not in (0, 1, 2):
         raise ValueError(f"dependents_after must be 0, 1 or 2, got {dependents_after}")
+    if x_tiles is not None:
+        from glm_kda import gemm_rows
+
+        size = gemm_rows.x_tiles_size(rows, qkv)
+        if x_tiles.dtype != o_norm_out.dtype or not x_tiles.flags.c_contiguous or x_tiles.size < size:
+            raise ValueError(f"x_tiles must be a contiguous BF16 array of at least {size} elements, got "
+                             f"{x_tiles.dtype} of {x_tiles.size} (contiguous: {x_tiles.flags.c_contiguous})")
     staged = staged and state.data.ptr % 16 == 0 and bulk_copies_available()
     split = split and not staged and bulk_copies_available()
     name = "kda_decode_fused_staged_bf16" if staged else "kda_decode_fused_split_bf16" if split else "kda_decode_fused_bf16"
@@ -577,7 +589,7 @@ def kda_decode_fused_bf16(
         (conv_state, state, slots, qkv_proj, conv_w, forget_proj, dt_bias, a_log, beta_logits, _i32(ld_beta),
          out_gate, norm_w, conv_out, query, key, value, gate, beta, core, o_norm_out, _i32(heads),
          _i32(kernel_size), _i32(tokens), _i32(1 if bounded else 0), _f32(lower_bound if bounded else 0.0), _f32(scale),
-         _f32(l2_eps), _f32(norm_eps), _i32(prefetch_ahead), _i32(dependents_after)),
+         _f32(l2_eps), _f32(norm_eps), _i32(prefetch_ahead), _i32(dependents_after), x_tiles),
         HEAD_DIM * HEAD_DIM * 4 if staged else 0,
         carveout=carveout if staged else -1,
     )

@@ -30,6 +30,9 @@
 // the block of sequence s asks L2 for the column of sequence s + prefetch_ahead (a block of a
 // later wave; 0: none), which it never reads itself, so no bit depends on it.
 //
+// x_tiles (null: none) receives o_norm_out a second time, in the tile layout the output
+// projection's bulk-copy sweep reads (bulk_tile_element), so that no launch lays it out there.
+//
 // kda_decode_fused_staged_bf16 is the same step with the head's 64 KB state moved by one bulk
 // copy each way through KDA_HEAD_STATE_BYTES of dynamic shared memory (sm_90 and later, the
 // state 16-byte aligned; before sm_90 it compiles to the register loads): the same bits.
@@ -64,12 +67,12 @@ __device__ __forceinline__ void kda_decode_fused_block(const KdaStepArgs& args, 
         float *__restrict__ key, float *__restrict__ value, float *__restrict__ gate, float *__restrict__ beta,       \
         float *__restrict__ core, bf16_t *__restrict__ o_norm_out, int heads, int kernel_size, int tokens,            \
         int bounded, float lower_bound, float scale, float l2_eps, float norm_eps, int prefetch_ahead,                \
-        int dependents_after
+        int dependents_after, bf16_t *__restrict__ x_tiles
 #define KDA_DECODE_FUSED_ARGS                                                                                        \
     KdaStepArgs{conv_state, state, slots, qkv_proj, conv_w, forget_proj, dt_bias, a_log, beta_logits,                \
                 ld_beta, out_gate, norm_w, conv_out, query, key, value, gate, beta, core, o_norm_out,                \
                 heads, kernel_size, tokens, bounded, lower_bound, scale, l2_eps, norm_eps, prefetch_ahead,           \
-                dependents_after}
+                dependents_after, x_tiles}
 
 extern "C" __global__ void __launch_bounds__(KDA_HEAD_BLOCK) kda_decode_fused_bf16(KDA_DECODE_FUSED_PARAMETERS)
 {

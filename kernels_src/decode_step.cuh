@@ -136,6 +136,10 @@ struct KdaStepArgs {
     // 0 not here (the caller's business), 1 once the first token's inputs are formed (the state
     // column and the inputs have arrived), 2 after the first token's recurrent step.
     int dependents_after;
+    // Null, or o_norm_out a second time in the bulk-copy sweep's tile layout of x (bulk_tile_element,
+    // k = heads * KDA_HEAD_DIM): the output projection's input, so that it needs no tiling launch.
+    // Only the rows written are touched.
+    bf16_t* x_tiles;
 };
 
 // The shared memory of one head group. `state_arrived`: the mbarrier of the staged state copy.
@@ -409,7 +413,11 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
         }
         if (owner) {
             p.core[out_index] = o;
-            p.o_norm_out[out_index] = f32_to_bf16(normed);
+            const bf16_t out = f32_to_bf16(normed);
+            p.o_norm_out[out_index] = out;
+            if (p.x_tiles != nullptr) {
+                p.x_tiles[bulk_tile_element(row, static_cast<int>(channel), static_cast<int>(qkv >> 5))] = out;
+            }
         }
     }
 

@@ -25,6 +25,7 @@ import pytest
 
 from types import SimpleNamespace
 
+from glm_kda.gemm_rows import tile_layout
 from glm_kda.reference import forget_gate, gated_rmsnorm, recurrent_scan, rms_ratio, round_bf16, sigmoid
 from host_cuda import (COMMON_DEVICE_HELPERS, HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, STAGED_STATE_BYTES, bf16_bits,
                        bits_to_f64, build_host_binary, host_decode_source, host_kernel_source)
@@ -83,7 +84,7 @@ extern "C" void gated_rmsnorm_sigmoid_bf16(const float*, const bf16_t*, const bf
 #define KDA_DECODE_FUSED_SIGNATURE                                                                              \
     (float*, float*, const int*, const bf16_t*, const bf16_t*, const bf16_t*, const float*, const float*,          \
      const bf16_t*, int, const bf16_t*, const bf16_t*, bf16_t*, float*, float*, float*, float*, float*, float*,      \
-     bf16_t*, int, int, int, int, float, float, float, float, int, int)
+     bf16_t*, int, int, int, int, float, float, float, float, int, int, bf16_t*)
 extern "C" void kda_decode_fused_bf16 KDA_DECODE_FUSED_SIGNATURE;
 extern "C" void kda_decode_fused_staged_bf16 KDA_DECODE_FUSED_SIGNATURE;
 
@@ -124,10 +125,13 @@ int main(int argc, char** argv)
         std::vector<bf16_t> conv_out(rows * conv_dim, 0x7FA5), o_norm_out(rows * qkv, 0x7FA5);
         std::vector<float> query(rows * qkv, std::nanf("")), key = query, value = query, gate = query, core = query;
         std::vector<float> beta(rows * heads, std::nanf(""));
+        // o_norm_out in the bulk sweep's tile layout, which the pool path writes too (k = qkv).
+        const size_t row_groups = (rows + 63) / 64;
+        std::vector<bf16_t> x_tiles(row_groups * qkv * 64, 0x7FA5);
         // The fused step over rows first.. : `sequences` sequences (slot_list, or the states given
         // when null) of `tokens` tokens each.
         auto fused = [&](int first, int sequences, int tokens, const int* slot_list, float* conv, float* states,
-                         int prefetch_ahead = 0) {
+                         int prefetch_ahead = 0, bf16_t* tiles = nullptr) {
             // Where the blocks let the next kernel launch (a no-op here): every choice, in turn.
             const int dependents_after = (first + tokens) % 3;
             prefetch_pool = states;
@@ -144,7 +148,7 @@ int main(int argc, char** argv)
                              key.data() + first * qkv, value.data() + first * qkv, gate.data() + first * qkv,
                              beta.data() + first * heads, core.data() + first * qkv,
                              o_norm_out.data() + first * qkv, heads, kernel, tokens, bounded, lower_bound,
-                             scale, l2_eps, norm_eps, prefetch_ahead, dependents_after);
+                             scale, l2_eps, norm_eps, prefetch_ahead, dependents_after, tiles);
             });
         };
         // The separate kernels over rows first .. first + count - 1, one token of a sequence each.
@@ -174,7 +178,7 @@ int main(int argc, char** argv)
         if (path == "fused_walk") {
             fused(0, 1, rows, nullptr, conv_state.data(), state.data());
         } else if (path == "pool_fused") {
-            fused(0, rows, 1, slots.data(), conv_state.data(), state.data(), PREFETCH_AHEAD);
+            fused(0, rows, 1, slots.data(), conv_state.data(), state.data(), PREFETCH_AHEAD, x_tiles.data());
         } else if (path == "pool_separate") {
             separate(0, rows, slots.data(), conv_state.data(), state.data());
         }
@@ -190,6 +194,7 @@ int main(int argc, char** argv)
         save_each(dir + "/" + path + ".",
                   {"conv_out", "query", "key", "value", "gate", "beta", "core", "o_norm_out", "conv_state", "state"},
                   conv_out, query, key, value, gate, beta, core, o_norm_out, conv_state, state);
+        save_each(dir + "/" + path + ".", {"x_tiles"}, x_tiles);
     }
     std::printf("misaligned=%ld prefetches=%ld bad_prefetches=%ld\n", misaligned.load(), prefetches.load(),
                 bad_prefetches.load());
@@ -325,6 +330,12 @@ def test_pool_sequences_equal_each_alone_on_host(decode_host, sequences, staged,
         for name in OUTPUTS:
             differ = int(np.count_nonzero(out[path][name].view(np.uint8) != out["alone"][name].view(np.uint8)))
             assert differ == 0, f"B={sequences} {path}: {differ} bytes of {name} differ from each sequence alone"
+    # The pool path also wrote o_norm_out in the bulk sweep's tile layout, its rows and nothing else.
+    tiles = np.fromfile(folder / "pool_fused.x_tiles", np.uint16).reshape(-(-sequences // 64), -1, 2048)
+    expected = tile_layout(out["pool_fused"]["o_norm_out"].reshape(sequences, -1), "o_norm_out")
+    mask = tile_layout(np.ones((sequences, HEADS * DIM), np.uint16), "rows") != 0
+    assert np.array_equal(tiles[mask], expected[mask]), f"B={sequences}: the x tiles are not o_norm_out's tile layout"
+    assert (tiles[~mask] == 0x7FA5).all(), f"B={sequences}: the step wrote x tiles past its rows"
     others = np.setdiff1d(np.arange(pool_size), inputs["slots"])
     assert np.array_equal(out["pool_fused"]["state"][others], inputs["state"][others]), "an unnamed slot changed"
     assert np.array_equal(out["pool_fused"]["conv_state"][others], inputs["conv_state"][others]), "an unnamed slot changed"

@@ -430,6 +430,42 @@ def test_fused_decode_equals_the_separate_kernels(layers, geometry):
 
 
 @pytest.mark.parametrize("geometry", ["glm", "kimi"])
+@pytest.mark.parametrize("rows", [64, 100])
+def test_step_written_x_tiles_give_the_tiling_bits(layers, geometry, rows, monkeypatch):
+    """A batch whose output projection runs on the bulk-copy sweep: the fused step writing o_norm_out
+    a second time in the sweep's tile layout (layer.STEP_WRITES_X_TILES), with no tiling launch, and
+    the low-rank chain off that sweep (layer.SIDE_CHAIN_BULK = False), give every stage buffer, the
+    output and both states of the default launches; the tiles it wrote are o_norm_out's rows."""
+    from glm_kda import gemm_rows
+    from glm_kda import layer as layer_module
+    from glm_kda.state import StatePool
+
+    cp = _cp()
+    _, layer = layers(geometry)
+    if not gemm_rows.bulk_applies(layer.decode_weight("o_proj"), rows):
+        pytest.skip(f"{geometry}: {rows} rows of o_proj do not take the bulk-copy sweep on this device")
+
+    def switch(on):
+        monkeypatch.setattr(layer_module, "STEP_WRITES_X_TILES", on is not False)
+        monkeypatch.setattr(layer_module, "SIDE_CHAIN_BULK", None if on is not False else False)
+
+    written, tiled = _decode_paths(layer, count=rows + 7, rows=rows, walk_rows=3, prefill_rows=0, seed=43, switch=switch)
+    _assert_same_bits(written, tiled, f"{geometry} B={rows}", "step-written tiles and the tiling launch")
+    # The last call above ran with the tiling launch; one more pool step with the step's tiles.
+    ws = layer.workspace
+    qkv = layer.config.heads * layer.config.head_dim
+    pool = StatePool(layer.config, rows)
+    hidden = cp.asarray(synthetic_hidden(rows, layer.config.hidden, seed=44).view(np.uint16)).view(ws.final_out.dtype)
+    ws.x_tiles.fill(0)
+    layer.decode(hidden, pool, cp.arange(rows, dtype=cp.int32))
+    size = gemm_rows.x_tiles_size(rows, qkv)
+    tiles = ws.x_tiles[:size].view(cp.uint16).reshape(-(-rows // 64), -1, 2048)
+    expected = gemm_rows.tile_layout(ws.o_norm_out[:rows].view(cp.uint16), "o_norm_out")
+    differ = int(cp.count_nonzero(tiles != expected))
+    assert differ == 0, f"{geometry} B={rows}: {differ} elements of the step's x tiles differ from o_norm_out's layout"
+
+
+@pytest.mark.parametrize("geometry", ["glm", "kimi"])
 def test_staged_step_state_gives_the_register_bits(layers, geometry, monkeypatch):
     """The fused step moving each head's state by bulk copies through shared memory
     (layer.STEP_STAGED_STATE, sm_90) writes the bits of the per-thread loads and stores: every

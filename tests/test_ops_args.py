@@ -162,6 +162,19 @@ def _fused_decode_operands(heads: int, rows: int, kernel: int = 4, pool: int | N
 _FUSED_SCALARS = dict(bounded=True, lower_bound=-5.0, scale=128**-0.5, l2_eps=1e-6, norm_eps=1e-5)
 
 
+def _fused_parameter(args, name):
+    """The launch argument of the fused step's parameter `name` (decode.cu's KDA_DECODE_FUSED_PARAMETERS)."""
+    import re
+
+    from glm_kda import kernels
+
+    source = (kernels.kernels_dir() / "decode.cu").read_text()
+    signature = re.search(r"#define KDA_DECODE_FUSED_PARAMETERS(.*?)\n#define", source, re.S).group(1)
+    names = [re.findall(r"\w+", parameter)[-1] for parameter in signature.replace("\\", " ").split(",")]
+    assert len(names) == len(args), f"{len(args)} arguments for the {len(names)} parameters {names}"
+    return args[names.index(name)]
+
+
 @pytest.mark.parametrize("rows", [1, 3])
 def test_fused_decode_grid_and_arguments_match_the_kernel(launches, rows):
     """grid (heads, rows), one block per head, and as many arguments as the kernel declares."""
@@ -179,8 +192,9 @@ def test_fused_decode_grid_and_arguments_match_the_kernel(launches, rows):
     assert re.search(r"kda_decode_fused_bf16\(KDA_DECODE_FUSED_PARAMETERS\)", source)
     signature = re.search(r"#define KDA_DECODE_FUSED_PARAMETERS(.*?)\n#define", source, re.S).group(1)
     assert len(args) == signature.count(",") + 1
-    assert (int(args[-10]), int(args[-9]), int(args[-8])) == (heads, 4, 1)  # heads, kernel_size, tokens
-    assert (int(args[-2]), int(args[-1])) == (0, 0)  # prefetch_ahead, dependents_after
+    assert [int(_fused_parameter(args, name)) for name in ("heads", "kernel_size", "tokens")] == [heads, 4, 1]
+    assert [int(_fused_parameter(args, name)) for name in ("prefetch_ahead", "dependents_after")] == [0, 0]
+    assert _fused_parameter(args, "x_tiles") is None
 
 
 @pytest.mark.parametrize("operand,shape,needle", [
@@ -242,7 +256,7 @@ def test_fused_decode_walks_whole_sequences_of_tokens(launches):
     heads = 2
     ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, 6), **_FUSED_SCALARS, tokens=6)
     (name, grid, block, args), = launches
-    assert grid == (heads, 1) and int(args[-8]) == 6
+    assert grid == (heads, 1) and int(_fused_parameter(args, "tokens")) == 6
     with pytest.raises(ValueError, match="whole sequences"):
         ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, 6), **_FUSED_SCALARS, tokens=4)
     with pytest.raises(ValueError, match="only 1 state"):
@@ -280,7 +294,7 @@ def test_fused_decode_passes_the_prefetch_distance_and_refuses_a_negative_one(la
     ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, 3, pool=4), **_FUSED_SCALARS, slots=slots,
                               prefetch_ahead=2)
     (_, _, _, args), = launches
-    assert int(args[-2]) == 2
+    assert int(_fused_parameter(args, "prefetch_ahead")) == 2
     with pytest.raises(ValueError, match="prefetch_ahead"):
         ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, 3, pool=4), **_FUSED_SCALARS, slots=slots,
                                   prefetch_ahead=-1)
@@ -290,7 +304,23 @@ def test_fused_decode_passes_the_prefetch_distance_and_refuses_a_negative_one(la
     shifted = aligned((4 * heads * 128 * 128 + 1,), np.float32)[1:].reshape(4, heads, 128, 128)
     operands["state"] = HostStandIn(shifted)
     ops.kda_decode_fused_bf16(**operands, **_FUSED_SCALARS, slots=slots, prefetch_ahead=2)
-    assert int(launches[-1][3][-2]) == 0
+    assert int(_fused_parameter(launches[-1][3], "prefetch_ahead")) == 0
+
+
+def test_fused_decode_passes_its_x_tiles_and_refuses_a_short_array(launches):
+    """x_tiles (o_norm_out again in the bulk sweep's tile layout) reaches the kernel; an array smaller
+    than gemm_rows.x_tiles_size(rows, H*D) is refused, naming what it must be, before any launch."""
+    from glm_kda import gemm_rows
+
+    heads, rows = 2, 3
+    size = gemm_rows.x_tiles_size(rows, heads * ops.HEAD_DIM)
+    tiles = _bf16(size)
+    ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, rows), **_FUSED_SCALARS, tokens=rows, x_tiles=tiles)
+    assert _fused_parameter(launches[-1][3], "x_tiles") is tiles
+    with pytest.raises(ValueError, match=f"x_tiles must be a contiguous BF16 array of at least {size} elements"):
+        ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, rows), **_FUSED_SCALARS, tokens=rows,
+                                  x_tiles=_bf16(size - 1))
+    assert len(launches) == 1
 
 
 def test_fused_decode_passes_where_its_dependents_launch(launches):
@@ -299,7 +329,7 @@ def test_fused_decode_passes_where_its_dependents_launch(launches):
     for where in (0, 1, 2):
         ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, 3, pool=4), **_FUSED_SCALARS, slots=slots,
                                   dependents_after=where)
-        assert int(launches[-1][3][-1]) == where
+        assert int(_fused_parameter(launches[-1][3], "dependents_after")) == where
     with pytest.raises(ValueError, match="dependents_after must be 0, 1 or 2, got 3"):
         ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, 3, pool=4), **_FUSED_SCALARS, slots=slots,
                                   dependents_after=3)
