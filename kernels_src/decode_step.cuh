@@ -292,7 +292,7 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
     bf16_t taps[3][CONV_MAX_KERNEL];
 #pragma unroll
     for (int part = 0; part < 3; ++part) {
-        conv_taps_load(taps[part], p.conv_w + (part * qkv + channel) * kernel_size, kernel_size);
+        conv_slots_load(taps[part], p.conv_w + (part * qkv + channel) * kernel_size, kernel_size);
     }
     const float a_log = p.a_log[head];
     const float bias = p.dt_bias[channel];

@@ -286,17 +286,25 @@ __device__ __forceinline__ void conv_window_push(float window[CONV_MAX_KERNEL], 
     }
 }
 
-// The window from the K stored inputs of a channel (slots K.. stay zero), and back.
-__device__ __forceinline__ void conv_window_load(float window[CONV_MAX_KERNEL], const float* stored,
-                                                 int kernel_size)
+// The first K of CONV_MAX_KERNEL values from `stored` (slots K.. zero): a conv window's K stored
+// inputs, or a channel's K conv taps.
+template <class T>
+__device__ __forceinline__ void conv_slots_load(T (&slots)[CONV_MAX_KERNEL], const T* stored, int kernel_size)
 {
 #pragma unroll
     for (int j = 0; j < CONV_MAX_KERNEL; ++j) {
-        window[j] = 0.0f;
+        slots[j] = T(0);
         if (j < kernel_size) {
-            window[j] = stored[j];
+            slots[j] = stored[j];
         }
     }
+}
+
+// The window from the K stored inputs of a channel, and back.
+__device__ __forceinline__ void conv_window_load(float (&window)[CONV_MAX_KERNEL], const float* stored,
+                                                 int kernel_size)
+{
+    conv_slots_load(window, stored, kernel_size);
 }
 
 __device__ __forceinline__ void conv_window_store(const float window[CONV_MAX_KERNEL], float* stored,
@@ -306,18 +314,6 @@ __device__ __forceinline__ void conv_window_store(const float window[CONV_MAX_KE
     for (int j = 0; j < CONV_MAX_KERNEL; ++j) {
         if (j < kernel_size) {
             stored[j] = window[j];
-        }
-    }
-}
-
-// The K taps of a channel's conv weight (BF16 bits; slots K.. zero), loaded into registers.
-__device__ __forceinline__ void conv_taps_load(bf16_t taps[CONV_MAX_KERNEL], const bf16_t* stored, int kernel_size)
-{
-#pragma unroll
-    for (int j = 0; j < CONV_MAX_KERNEL; ++j) {
-        taps[j] = 0;
-        if (j < kernel_size) {
-            taps[j] = stored[j];
         }
     }
 }
@@ -342,7 +338,7 @@ __device__ __forceinline__ float conv_silu(const float window[CONV_MAX_KERNEL],
                                            const bf16_t* taps, int kernel_size)
 {
     bf16_t loaded[CONV_MAX_KERNEL];
-    conv_taps_load(loaded, taps, kernel_size);
+    conv_slots_load(loaded, taps, kernel_size);
     return conv_silu_taps(window, loaded, kernel_size);
 }
 
