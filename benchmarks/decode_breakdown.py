@@ -61,8 +61,10 @@ def defaults() -> dict:
     and side_stream_priority (layer.SIDE_CHAIN_FIRST, layer.SIDE_CHAIN_PROGRAMMATIC,
     layer.SIDE_STREAM_PRIORITY: how the low-rank chain runs beside q|k|v), qkv_reserved_slots
     (layer.QKV_RESERVED_SLOTS), out_proj_staged (layer.OUT_PROJ_STAGED), step_writes_x_tiles
-    (layer.STEP_WRITES_X_TILES), side_chain_bulk (layer.SIDE_CHAIN_BULK), kernel_sources (a folder of
-    kernel sources; None: the package's own)."""
+    (layer.STEP_WRITES_X_TILES), side_chain_bulk (layer.SIDE_CHAIN_BULK), gate_branch_min_rows
+    (layer.GATE_BRANCH_MIN_ROWS; None: g_b after f_b on one stream), bulk_stages_by_chunks
+    (gemm_rows.BULK_STAGES_BY_CHUNKS), kernel_sources (a folder of kernel sources; None: the
+    package's own)."""
     from glm_kda import gemm_rows, kernels, layer, persistent
 
     return {
@@ -80,7 +82,8 @@ def defaults() -> dict:
         "side_chain_first": layer.SIDE_CHAIN_FIRST, "side_chain_programmatic": layer.SIDE_CHAIN_PROGRAMMATIC,
         "side_stream_priority": layer.SIDE_STREAM_PRIORITY, "qkv_reserved_slots": layer.QKV_RESERVED_SLOTS,
         "out_proj_staged": layer.OUT_PROJ_STAGED, "step_writes_x_tiles": layer.STEP_WRITES_X_TILES,
-        "side_chain_bulk": layer.SIDE_CHAIN_BULK,
+        "side_chain_bulk": layer.SIDE_CHAIN_BULK, "gate_branch_min_rows": layer.GATE_BRANCH_MIN_ROWS,
+        "bulk_stages_by_chunks": gemm_rows.BULK_STAGES_BY_CHUNKS,
         "kernel_sources": None,
     }
 
@@ -119,6 +122,8 @@ def apply(settings: dict, layer_object) -> None:
     layer.OUT_PROJ_STAGED = settings["out_proj_staged"]
     layer.STEP_WRITES_X_TILES = settings["step_writes_x_tiles"]
     layer.SIDE_CHAIN_BULK = settings["side_chain_bulk"]
+    layer.GATE_BRANCH_MIN_ROWS = settings["gate_branch_min_rows"]
+    gemm_rows.BULK_STAGES_BY_CHUNKS = settings["bulk_stages_by_chunks"]
     sources = settings["kernel_sources"]
     if sources not in _KERNEL_SETS:
         _KERNEL_SETS[sources] = kernels.KernelSet.get() if sources is None else kernels.KernelSet(sources)

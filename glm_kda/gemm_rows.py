@@ -82,6 +82,12 @@ BULK_MIN_GROUPS_PER_SM: float | None = 0.25
 BULK_WARPGROUPS: int | None = None
 BULK_CHUNK = 4
 BULK_MAX_STAGES = 8
+# A ring of no more slots than the chunks its block walks (bulk_block_chunks; False: as many as fit):
+# a sweep of one chunk a block then leaves the shared memory it would not use to the kernels beside it
+# (the gate up-projections at 64 rows: 32 KB, which fits beside q|k|v's 192 KB ring). No bit depends
+# on it. On an H200 (benchmarks/decode_breakdown.py, one process, copy bandwidth 4182 GB/s) 64
+# sequences took Kimi 126.5 us against 127.6 without it, GLM 258.8 against 258.2.
+BULK_STAGES_BY_CHUNKS = True
 BULK_TILE_BYTES = 64 * K_BLOCK * 2
 # Blocks of all row groups of a bulk sweep (grid.x times the row groups) in at most this many waves
 # of resident blocks: the row groups that run at once walk the same columns in step, so a weight comes
@@ -565,7 +571,8 @@ def bulk_plan(n: int, k: int, rows: int, sm_count: int = DEFAULT_SM_COUNT, warpg
     groups of 64, grid.x the tasks (super-groups of `warpgroups` groups of 64 columns, or with `split`
     their k ranges one by one) capped at BULK_ROW_GROUP_WAVES waves of the blocks resident at once over
     all row groups (one wave for one row group), or at `blocks`; as many ring slots
-    (each x's and every warpgroup's BULK_CHUNK blocks of 32 k) as fit, up to BULK_MAX_STAGES.
+    (each x's and every warpgroup's BULK_CHUNK blocks of 32 k) as fit, up to BULK_MAX_STAGES and to
+    the chunks a block walks (bulk_block_chunks).
     warpgroups None: bulk_warpgroups' choice for the sweep, whole or split. split None: where the
     unsplit tasks of all row groups (at the warpgroups given, or chosen for a whole sweep) would keep
     fewer than half the SMs busy and k has more than one range. No choice changes a bit."""
@@ -580,17 +587,31 @@ def bulk_plan(n: int, k: int, rows: int, sm_count: int = DEFAULT_SM_COUNT, warpg
     per_sm = _bulk_blocks_per_sm(warpgroups)
     slot = (1 + warpgroups) * BULK_CHUNK * BULK_TILE_BYTES
     budget = min(BULK_SHARED_PER_BLOCK, BULK_SHARED_PER_SM // per_sm - 1024)
-    if stages is None:
-        stages = min(BULK_MAX_STAGES, budget // (slot + 16))
-    if not 1 <= stages or stages * (slot + 16) > BULK_SHARED_PER_BLOCK:
-        raise ValueError(f"stages must be 1..{BULK_SHARED_PER_BLOCK // (slot + 16)} at {warpgroups} warpgroups, got {stages}")
     super_groups = -(-groups // warpgroups)
     tasks = super_groups * (k_ranges(k) if split else 1)
     resident = sm_count * per_sm
     grid_x = min(blocks or max(1, resident * min(row_groups, BULK_ROW_GROUP_WAVES) // row_groups), tasks)
+    if stages is None:
+        # No more slots than the chunks a block walks: a sweep of one short chunk a block (the gate
+        # up-projections, k = 128) then asks for one slot, and its blocks fit beside a wide sweep's ring.
+        walked = bulk_block_chunks(k, tasks, grid_x, bool(split)) if BULK_STAGES_BY_CHUNKS else BULK_MAX_STAGES
+        stages = max(1, min(BULK_MAX_STAGES, budget // (slot + 16), walked))
+    if not 1 <= stages or stages * (slot + 16) > BULK_SHARED_PER_BLOCK:
+        raise ValueError(f"stages must be 1..{BULK_SHARED_PER_BLOCK // (slot + 16)} at {warpgroups} warpgroups, got {stages}")
     return BulkPlan(kernel=f"gemm_rows_bulk_g{warpgroups}", grid=(grid_x, row_groups),
                     block=(warpgroups * 128 + 32,), warpgroups=warpgroups, stages=stages,
                     shared_mem=stages * (slot + 16), split=bool(split))
+
+
+def bulk_block_chunks(k: int, tasks: int, grid_x: int, split: bool) -> int:
+    """Ring chunks (up to BULK_CHUNK blocks of 32 k of each operand) the busiest block of a bulk-copy
+    sweep walks: its tasks (blockIdx.x, blockIdx.x + grid_x, ...) times a task's chunks, one k range
+    (split) or every range, each range's blocks in chunks from its first."""
+    k_blocks = -(-k // K_BLOCK)
+    k_range = -(-k_blocks // k_split(k))
+    ranges = [min(k_range, k_blocks - start) for start in range(0, k_blocks, k_range)]
+    chunks = [-(-blocks // BULK_CHUNK) for blocks in ranges]
+    return -(-tasks // grid_x) * (max(chunks) if split else sum(chunks))
 
 
 def bulk_partial_size(n: int, k: int, rows: int) -> int:

@@ -110,6 +110,15 @@ STEP_WRITES_X_TILES = True
 # run 64 sequences GLM 250.4 us, Kimi 128.7, but 256 sequences GLM 819.3 against 808.3, Kimi 400.1
 # against 394.8.
 SIDE_CHAIN_BULK: bool | None = None
+# The output gate's up-projection (g_b) on a branch of its own beside f_b, both after down_proj (a
+# third stream that forks from the chain's and joins it), where the rows exceed GATE_BRANCH_MIN_ROWS
+# (None: never). At 64 sequences the chain's three projections ran one after the other and the
+# fused step waited for g_b after q|k|v had ended (the block timeline: Kimi's g_b ended 31.6 us into
+# the step, q|k|v 25.8; with the branch f_b and g_b end with q|k|v). No bit depends on it. On an
+# H200 (benchmarks/decode_breakdown.py, one process, copy bandwidth 4092 GB/s) 64 sequences took Kimi
+# 125.0 us against 128.9 without it, GLM 253.8 against 253.4; 256 sequences Kimi 389.5 against 393.1,
+# GLM 808.9 against 823.8.
+GATE_BRANCH_MIN_ROWS: int | None = 16
 # Default of KdaLayer.persistent_decode.
 PERSISTENT_DECODE = False
 # Most rows one batched decode call takes (the workspace and the pool may limit it further).
@@ -184,8 +193,9 @@ class KdaWorkspace:
     w and attn as FP16 in the first half of the same bytes: q_decay_f16, k_tail_f16,
     chunk_w_f16, attn_f16 are those views, of the FP32 buffers' shapes (see glm_kda.chunk_tc).
     The bulk-copy projection sweep's scratch (glm_kda.gemm_rows.gemm_rows_bulk): x_tiles and
-    x_tiles_side (x in the tile layout, flat BF16, for the main stream and the low-rank chain's) and
-    bulk_partial (a split sweep's FP32 k-range sums, flat). Graph inputs: graph_hidden, graph_slots.
+    x_tiles_side, x_tiles_gate (x in the tile layout, flat BF16, for the main stream, the low-rank
+    chain's and the output gate's branch of it) and bulk_partial (a split sweep's FP32 k-range sums,
+    flat). Graph inputs: graph_hidden, graph_slots.
     """
 
     _shared: dict[tuple, "KdaWorkspace"] = {}
@@ -234,6 +244,7 @@ class KdaWorkspace:
         tile_rows = min(max_tokens, gemm_rows.GEMM_ROWS_MAX_ROWS)
         self.x_tiles = cupy.zeros((gemm_rows.x_tiles_size(tile_rows, max(c.hidden, c.qkv)),), bf16)
         self.x_tiles_side = cupy.zeros((gemm_rows.x_tiles_size(tile_rows, max(c.hidden, c.head_dim)),), bf16)
+        self.x_tiles_gate = cupy.zeros((gemm_rows.x_tiles_size(tile_rows, c.head_dim),), bf16)
         # The FP32 k-range sums of a split bulk-copy sweep (gemm_rows.bulk_plan): o_proj's at up to 64
         # rows, where its few column groups are split by k range (a call that finds it too small
         # runs unsplit, the same bits).
@@ -288,10 +299,10 @@ class KdaLayer:
         self.o_proj = to_device_bf16(bound.o_proj)
         self.scale = 1.0 / math.sqrt(self.config.head_dim)
         self._graphs = DecodeGraphs(self)
-        self._side_stream = self._fork_event = self._join_event = None
+        # The decode front end's extra streams and their fork / join events, by branch (see _beside).
+        self._branches: dict[int, tuple] = {}
         # Rows of o_norm_out the last fused step also wrote into workspace.x_tiles (0: none).
         self._x_tiles_rows = 0
-        self._side_priority: int | None = None
         self.chunk_impl = chunk_impl
         # Tensor-core prefill: the bounded prepare forms the forget gate and beta itself (True,
         # the default) or reads them from the gate kernel (False); the same bits either way.
@@ -474,15 +485,17 @@ class KdaLayer:
                                      x_tiled=x_tiled and rows <= DECODE_ROW_GROUP)
 
     def _project(self, x: Any, weight: str, out: Any, wide: bool, after_kernel: bool = False,
-                 reserved_slots: int = 0, staged: bool = False) -> None:
-        """x @ the weight named `weight` (one of DECODE_WEIGHTS) into out."""
+                 reserved_slots: int = 0, staged: bool = False, x_tiles: Any = None) -> None:
+        """x @ the weight named `weight` (one of DECODE_WEIGHTS) into out. x_tiles: the bulk-copy
+        sweep's tile scratch of a projection on a stream of its own (None: its stream's own)."""
         if wide:
             # Prefill only: cuBLAS reassociates, which no bit-exact path may see.
             ops.gemm_bf16_cublas(x, getattr(self, weight), out)
         else:
             ws = self.workspace
             side = weight in self.SIDE_CHAIN_WEIGHTS
-            x_tiles, partial = (ws.x_tiles_side, None) if side else (ws.x_tiles, ws.bulk_partial)
+            tiles, partial = (ws.x_tiles_side, None) if side else (ws.x_tiles, ws.bulk_partial)
+            x_tiles = tiles if x_tiles is None else x_tiles
             x_tiled = weight == "o_proj" and self._x_tiles_rows == x.shape[0]
             self._x_tiles_rows = 0
             self._project_decode(x, self.decode_weight(weight), out, after_kernel, reserved_slots, staged, x_tiles,
@@ -508,53 +521,67 @@ class KdaLayer:
         On the decode side the low-rank chain (down_proj -> forget_proj -> gate, beta; and
         out_gate) runs on a second, higher-priority stream beside the q|k|v projection, which
         streams most of the weight bytes: in a captured graph the two are parallel branches
-        that join before the conv. The same kernels, the same inputs: no bit changes."""
+        that join before the conv. Above GATE_BRANCH_MIN_ROWS rows out_gate's projection forks
+        from that chain after down_proj onto a third stream, beside forget_proj's. The same
+        kernels, the same inputs: no bit changes."""
         ws, c, rows = self.workspace, self.config, hidden.shape[0]
         d = c.head_dim
         chained = SIDE_CHAIN_PROGRAMMATIC
+        concurrent = not wide and not kernels.TIMER.active
+        branched = concurrent and GATE_BRANCH_MIN_ROWS is not None and rows > GATE_BRANCH_MIN_ROWS
 
         def project_qkv() -> None:
             self._project(hidden, "qkv_weight", ws.qkv_proj[:rows], wide, reserved_slots=QKV_RESERVED_SLOTS)
 
-        with self._beside(not wide and not kernels.TIMER.active) as side:
+        def project_out_gate(after_kernel: bool, x_tiles: Any = None) -> None:
+            self._project(ws.down_proj[:rows, d : 2 * d], "g_b", ws.out_gate[:rows], wide, after_kernel=after_kernel,
+                          x_tiles=x_tiles)
+
+        with self._beside(concurrent) as side:
             if not SIDE_CHAIN_FIRST:
                 project_qkv()
             with side:
                 self._project(hidden, "down_weight", ws.down_proj[:rows], wide)
-                self._project(ws.down_proj[:rows, :d], "f_b", ws.forget_proj[:rows], wide, after_kernel=chained)
-                if gate:
-                    self.gate_beta(rows)
-                self._project(ws.down_proj[:rows, d : 2 * d], "g_b", ws.out_gate[:rows], wide, after_kernel=chained)
+                with self._beside(branched, branch=1) as gate_side:
+                    if branched:
+                        with gate_side:
+                            project_out_gate(False, ws.x_tiles_gate)
+                    self._project(ws.down_proj[:rows, :d], "f_b", ws.forget_proj[:rows], wide, after_kernel=chained)
+                    if gate:
+                        self.gate_beta(rows)
+                    if not branched:
+                        project_out_gate(chained)
             if SIDE_CHAIN_FIRST:
                 project_qkv()
 
     @contextlib.contextmanager
-    def _beside(self, concurrent: bool):
+    def _beside(self, concurrent: bool, branch: int = 0):
         """Yields the stream for work that may run beside the current stream's next launches:
-        a second stream that starts after everything issued so far and that the current
+        stream number `branch` of this layer's extra streams (SIDE_STREAM_PRIORITY), which
+        starts after everything issued so far on the current stream and which the current
         stream waits for on exit (fork and join), or, when not `concurrent`, the current
-        stream itself."""
+        stream itself. A branch must not be the current stream (nest with a higher number)."""
         import cupy
 
         main = cupy.cuda.get_current_stream()
         if not concurrent:
             yield main
             return
-        if self._side_stream is None or self._side_priority != SIDE_STREAM_PRIORITY:
+        known = self._branches.get(branch)
+        if known is None or known[0] != SIDE_STREAM_PRIORITY:
             # Lower is more urgent; CUDA clamps it to the device's greatest priority.
             options = {} if SIDE_STREAM_PRIORITY is None else {"priority": SIDE_STREAM_PRIORITY}
-            self._side_stream = cupy.cuda.Stream(non_blocking=True, **options)
-            self._side_priority = SIDE_STREAM_PRIORITY
-            self._fork_event = cupy.cuda.Event(disable_timing=True)
-            self._join_event = cupy.cuda.Event(disable_timing=True)
-        side = self._side_stream
-        self._fork_event.record(main)
-        side.wait_event(self._fork_event)
+            known = (SIDE_STREAM_PRIORITY, cupy.cuda.Stream(non_blocking=True, **options),
+                     cupy.cuda.Event(disable_timing=True), cupy.cuda.Event(disable_timing=True))
+            self._branches[branch] = known
+        _, side, fork, join = known
+        fork.record(main)
+        side.wait_event(fork)
         try:
             yield side
         finally:
-            self._join_event.record(side)
-            main.wait_event(self._join_event)
+            join.record(side)
+            main.wait_event(join)
 
     def stateful_rows(self, first: int, rows: int, conv_state: Any, recurrent_state: Any, slots: Any = None,
                       walk: bool = False) -> None:

@@ -78,15 +78,12 @@ extern "C" __global__ void __launch_bounds__(256) gemm_rows_tile_x_bf16(const bf
         // previous kernel writes x, and a read-only load may return what was there before.
         chunk[t] = load_activation_16B(x + static_cast<size_t>(row) * ldx + kk, row < rows && kk < k);
     }
-    uint4* out = reinterpret_cast<uint4*>(tiles + (static_cast<size_t>(group) * k_blocks + kb) * GEMM_BULK_TILE_ELEMENTS);
 #pragma unroll
-    for (int s = 0; s < 2; ++s) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int q = 2 * s + h;  // word q of chunk t: k 8 t + 2 q, + 1
-            out[(2 * s + h) * GEMM_BULK_ROWS + r] =
-                uint4{word_of(chunk[0], q), word_of(chunk[1], q), word_of(chunk[2], q), word_of(chunk[3], q)};
-        }
+    for (int q = 0; q < 4; ++q) {
+        // Word q of chunk t holds k 32 kb + 8 t + 2 q, + 1: the 16 bytes from x[row, 32 kb + 2 q] on
+        // in the tile layout (bulk_tile_element, kda_common.cuh: q = 2 s + h).
+        *reinterpret_cast<uint4*>(tiles + bulk_tile_element(row, kb * GEMM_ROWS_K_BLOCK + 2 * q, k_blocks)) =
+            uint4{word_of(chunk[0], q), word_of(chunk[1], q), word_of(chunk[2], q), word_of(chunk[3], q)};
     }
 }
 

@@ -421,6 +421,15 @@ def test_bulk_plan_fits_and_chooses():
     assert not bulk_plan(4096, 128, 64, 132, split=None).split
     assert [gemm_rows.k_ranges(k) for k in (128, 1056, 2304, 4096, 8192)] == [1, 7, 8, 8, 8]
     assert gemm_rows.bulk_partial_size(4096, 8192, 64) == 8 * 64 * 4096
+    # No more ring slots than the chunks a block walks: the gate up-projections (k = 128, one chunk
+    # a task, one task a block at 64 rows) ask for one slot, 32 KB, which fits beside a ring of
+    # 192 KB; Kimi's split o_proj walks 4 chunks a block (3 slots fit), its q|k|v 8 ranges of 3 (4 fit).
+    assert gemm_rows.bulk_block_chunks(128, 64, 64, False) == 1 and gemm_rows.bulk_block_chunks(4096, 96, 96, True) == 4
+    assert gemm_rows.bulk_block_chunks(2304, 96, 96, False) == 8 * 3 and gemm_rows.bulk_block_chunks(1056, 3, 2, False) == 2 * (6 * 2 + 1)
+    assert bulk_plan(4096, 128, 64, 132).stages == 1 and bulk_plan(4096, 128, 64, 132).shared_mem == 32 * 1024 + 16
+    assert 228 * 1024 - (bulk_plan(12288, 2304, 64, 132).shared_mem + 1024) >= bulk_plan(4096, 128, 64, 132).shared_mem + 1024
+    assert bulk_plan(2304, 4096, 64, 132, split=None).stages == 3 and bulk_plan(12288, 2304, 64, 132).stages == 4
+    assert bulk_plan(4096, 128, 64, 132, stages=2).stages == 2
     with pytest.raises(ValueError, match="warpgroups must be 1, 2 or 3"):
         bulk_plan(64, 64, 64, 132, 4)
     with pytest.raises(ValueError, match="stages must be"):

@@ -432,10 +432,12 @@ def test_fused_decode_equals_the_separate_kernels(layers, geometry):
 @pytest.mark.parametrize("geometry", ["glm", "kimi"])
 @pytest.mark.parametrize("rows", [64, 100])
 def test_step_written_x_tiles_give_the_tiling_bits(layers, geometry, rows, monkeypatch):
-    """A batch whose output projection runs on the bulk-copy sweep: the fused step writing o_norm_out
-    a second time in the sweep's tile layout (layer.STEP_WRITES_X_TILES), with no tiling launch, and
-    the low-rank chain off that sweep (layer.SIDE_CHAIN_BULK = False), give every stage buffer, the
-    output and both states of the default launches; the tiles it wrote are o_norm_out's rows."""
+    """A batch whose output projection runs on the bulk-copy sweep: the default launches (the fused
+    step writing o_norm_out a second time in the sweep's tile layout, layer.STEP_WRITES_X_TILES, with
+    no tiling launch; g_b on a branch of its own, layer.GATE_BRANCH_MIN_ROWS; rings of no more slots
+    than a block walks, gemm_rows.BULK_STAGES_BY_CHUNKS) and the other choice of each, with the
+    low-rank chain off that sweep (layer.SIDE_CHAIN_BULK = False), give the same stage buffers,
+    output and states; the tiles the step wrote are o_norm_out's rows."""
     from glm_kda import gemm_rows
     from glm_kda import layer as layer_module
     from glm_kda.state import StatePool
@@ -448,6 +450,8 @@ def test_step_written_x_tiles_give_the_tiling_bits(layers, geometry, rows, monke
     def switch(on):
         monkeypatch.setattr(layer_module, "STEP_WRITES_X_TILES", on is not False)
         monkeypatch.setattr(layer_module, "SIDE_CHAIN_BULK", None if on is not False else False)
+        monkeypatch.setattr(layer_module, "GATE_BRANCH_MIN_ROWS", 16 if on is not False else None)
+        monkeypatch.setattr(gemm_rows, "BULK_STAGES_BY_CHUNKS", on is not False)
 
     written, tiled = _decode_paths(layer, count=rows + 7, rows=rows, walk_rows=3, prefill_rows=0, seed=43, switch=switch)
     _assert_same_bits(written, tiled, f"{geometry} B={rows}", "step-written tiles and the tiling launch")

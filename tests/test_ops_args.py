@@ -370,18 +370,31 @@ def test_qkv_projection_leaves_slots_to_the_side_chain(monkeypatch):
     from glm_kda import layer
 
     monkeypatch.setattr(layer, "QKV_RESERVED_SLOTS", 40)
-    calls = []
+    monkeypatch.setattr(layer, "GATE_BRANCH_MIN_ROWS", 16)
+    calls, forks = [], []
+    gate_tiles = object()
+
+    def beside(concurrent, branch=0):
+        forks.append((branch, concurrent))
+        return contextlib.nullcontext(contextlib.nullcontext())
+
     fake = SimpleNamespace(
         config=SimpleNamespace(head_dim=4),
-        workspace=SimpleNamespace(**{name: np.zeros((3, 12)) for name in
-                                     ("qkv_proj", "down_proj", "forget_proj", "out_gate")}),
-        _beside=lambda concurrent: contextlib.nullcontext(contextlib.nullcontext()),
-        _project=lambda x, weight, out, wide, after_kernel=False, reserved_slots=0: calls.append(
-            (weight, reserved_slots)),
-        gate_beta=lambda rows: calls.append(("gate_beta", 0)),
+        workspace=SimpleNamespace(x_tiles_gate=gate_tiles, **{name: np.zeros((20, 12)) for name in
+                                                              ("qkv_proj", "down_proj", "forget_proj", "out_gate")}),
+        _beside=beside,
+        _project=lambda x, weight, out, wide, after_kernel=False, reserved_slots=0, x_tiles=None: calls.append(
+            (weight, reserved_slots, x_tiles is gate_tiles)),
+        gate_beta=lambda rows: calls.append(("gate_beta", 0, False)),
     )
     layer.KdaLayer.front_end(fake, np.zeros((3, 8)), gate=False)
-    assert sorted(calls) == [("down_weight", 0), ("f_b", 0), ("g_b", 0), ("qkv_weight", 40)]
+    assert sorted(calls) == [("down_weight", 0, False), ("f_b", 0, False), ("g_b", 0, False), ("qkv_weight", 40, False)]
+    # Above GATE_BRANCH_MIN_ROWS rows g_b forks onto branch 1 with its own tile scratch.
+    assert forks == [(0, True), (1, False)]
+    calls.clear(), forks.clear()
+    layer.KdaLayer.front_end(fake, np.zeros((20, 8)), gate=False)
+    assert sorted(calls) == [("down_weight", 0, False), ("f_b", 0, False), ("g_b", 0, True), ("qkv_weight", 40, False)]
+    assert forks == [(0, True), (1, True)]
 
 
 @pytest.mark.parametrize("n,k,expected", [(4096, 8192, 0), (2304, 4096, 16), (8192, 128, 16), (24576, 4096, 0)],
