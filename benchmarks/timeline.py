@@ -14,8 +14,9 @@ some GPUs: `timer_tick_ns` is the smallest nonzero step seen between two records
 
     PYTHONPATH=. python benchmarks/timeline.py [glm kimi] [--replays 50] [--rows 1 64] [--set NAME=VALUE ...]
 
---set changes a setting of glm_kda.layer for the run (say SIDE_CHAIN_PROGRAMMATIC=False; the value
-a Python literal); the line names the settings changed.
+--set changes a setting of glm_kda.layer for the run (say SIDE_CHAIN_PROGRAMMATIC=False), or of
+glm_kda.gemm_rows (gemm_rows.BULK_SPLIT_WARPGROUPS=2; the value a Python literal); the line names
+the settings changed.
 """
 
 from __future__ import annotations
@@ -141,20 +142,24 @@ def median_timeline(replays: list[dict]) -> dict:
 
 
 def apply_settings(items: list[str]) -> dict:
-    """Set glm_kda.layer's module settings from NAME=VALUE items (values Python literals); an
-    unknown name or a malformed item is an error that names it. Returns what was set."""
+    """Set module settings of glm_kda.layer (NAME=VALUE) or glm_kda.gemm_rows (gemm_rows.NAME=VALUE)
+    from the items (values Python literals); an unknown name or a malformed item is an error that
+    names it. Returns what was set."""
     import ast
 
-    from glm_kda import layer
+    from glm_kda import gemm_rows, layer
 
+    modules = {"layer": layer, "gemm_rows": gemm_rows}
     changed = {}
     for item in items:
         name, equals, value = item.partition("=")
-        name = name.strip()
-        if not equals or not name.isupper() or not hasattr(layer, name):
-            raise SystemExit(f"--set {item!r}: expected NAME=VALUE with NAME a setting of glm_kda.layer")
-        changed[name] = ast.literal_eval(value.strip())
-        setattr(layer, name, changed[name])
+        module_name, _, setting = name.strip().rpartition(".")
+        module = modules.get(module_name or "layer")
+        if not equals or not setting.isupper() or module is None or not hasattr(module, setting):
+            raise SystemExit(f"--set {item!r}: expected NAME=VALUE with NAME a setting of glm_kda.layer, or"
+                             " gemm_rows.NAME of glm_kda.gemm_rows")
+        changed[name.strip()] = ast.literal_eval(value.strip())
+        setattr(module, setting, changed[name.strip()])
     return changed
 
 

@@ -80,6 +80,13 @@ BULK_MIN_GROUPS_PER_SM: float | None = 0.25
 # Warpgroups of a bulk block (None: by the shape, see bulk_plan), blocks of 32 k a ring slot holds of
 # each operand (GEMM_BULK_CHUNK), and the most slots a ring has.
 BULK_WARPGROUPS: int | None = None
+# Warpgroups of a split sweep's block (None: as BULK_WARPGROUPS, else by bulk_warpgroups' rule). No
+# bit depends on it. Kimi's o_proj at 64 rows with 2 (144 tasks on 132 blocks, each ring holding a
+# whole task's x and weight, so a one-task block has all of its weight before the step ends): on an H200
+# (benchmarks/decode_breakdown.py, one process, copy bandwidth 4083 GB/s) 64 sequences took 126.8 us
+# against 125.2 with the rule's 3 (1: 127.7); the block timeline showed the 12 blocks of two tasks
+# ending 4 us after the others.
+BULK_SPLIT_WARPGROUPS: int | None = None
 BULK_CHUNK = 4
 BULK_MAX_STAGES = 8
 # A ring of no more slots than the chunks its block walks (bulk_block_chunks; False: as many as fit):
@@ -539,6 +546,8 @@ def bulk_warpgroups(groups: int, k: int, rows: int = ROWS_PER_SWEEP, split: bool
     up-projections of both geometries at 64 and 256 rows; the rule it replaced (fewest groups on the
     busiest SM, x's tiles not counted) gave Kimi's o_proj at 64 rows 2 warpgroups (19.9 us against
     17.0) and its q|k|v at 256 rows 2 (63.5 us against 52.4)."""
+    if split and BULK_SPLIT_WARPGROUPS is not None:
+        return BULK_SPLIT_WARPGROUPS
     if BULK_WARPGROUPS is not None:
         return BULK_WARPGROUPS
     return min((3, 2, 1), key=lambda wg: (bulk_fill_tiles(groups, k, rows, wg, split, sm_count), -wg))

@@ -63,12 +63,15 @@ def test_replay_records_become_a_timeline():
     assert "o_proj      starts    21.0 .. 22.0, waits 28.4 .. 28.5, ends 32.0 .. 33.0 us" in text, text
 
 
-def test_settings_are_layer_settings_only(monkeypatch):
-    from glm_kda import layer
+def test_settings_are_layer_and_gemm_rows_settings_only(monkeypatch):
+    from glm_kda import gemm_rows, layer
 
     monkeypatch.setattr(layer, "SIDE_CHAIN_FIRST", layer.SIDE_CHAIN_FIRST)
+    monkeypatch.setattr(gemm_rows, "BULK_SPLIT_WARPGROUPS", gemm_rows.BULK_SPLIT_WARPGROUPS)
     assert timeline.apply_settings(["SIDE_CHAIN_FIRST=False"]) == {"SIDE_CHAIN_FIRST": False}
     assert layer.SIDE_CHAIN_FIRST is False
-    for bad in ("NO_SUCH_SETTING=1", "SIDE_CHAIN_FIRST", "math=1"):
+    assert timeline.apply_settings(["gemm_rows.BULK_SPLIT_WARPGROUPS=2"]) == {"gemm_rows.BULK_SPLIT_WARPGROUPS": 2}
+    assert gemm_rows.BULK_SPLIT_WARPGROUPS == 2
+    for bad in ("NO_SUCH_SETTING=1", "SIDE_CHAIN_FIRST", "math=1", "os.SEP=1", "gemm_rows.NOPE=1", "layer.lower=1"):
         with pytest.raises(SystemExit, match="NAME=VALUE"):
             timeline.apply_settings([bad])
