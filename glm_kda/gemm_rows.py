@@ -80,6 +80,9 @@ BULK_MIN_GROUPS_PER_SM: float | None = 0.25
 # Warpgroups of a bulk block (None: by the shape, see bulk_plan), blocks of 32 k a ring slot holds of
 # each operand (GEMM_BULK_CHUNK), and the most slots a ring has.
 BULK_WARPGROUPS: int | None = None
+BULK_CHUNK = 4
+BULK_MAX_STAGES = 8
+BULK_TILE_BYTES = 64 * K_BLOCK * 2
 # Warpgroups of a split sweep's block (None: as BULK_WARPGROUPS, else by bulk_warpgroups' rule). No
 # bit depends on it. Kimi's o_proj at 64 rows with 2 (144 tasks on 132 blocks, each ring holding a
 # whole task's x and weight, so a one-task block has all of its weight before the step ends): on an H200
@@ -87,15 +90,13 @@ BULK_WARPGROUPS: int | None = None
 # against 125.2 with the rule's 3 (1: 127.7); the block timeline showed the 12 blocks of two tasks
 # ending 4 us after the others.
 BULK_SPLIT_WARPGROUPS: int | None = None
-BULK_CHUNK = 4
-BULK_MAX_STAGES = 8
 # A ring of no more slots than the chunks its block walks (bulk_block_chunks; False: as many as fit):
 # a sweep of one chunk a block then leaves the shared memory it would not use to the kernels beside it
 # (the gate up-projections at 64 rows: 32 KB, which fits beside q|k|v's 192 KB ring). No bit depends
-# on it. On an H200 (benchmarks/decode_breakdown.py, one process, copy bandwidth 4182 GB/s) 64
-# sequences took Kimi 126.5 us against 127.6 without it, GLM 258.8 against 258.2.
+# on it. On an H200 (benchmarks/decode_breakdown.py, one process, copy bandwidth 4181 GB/s) 64
+# sequences took Kimi 124.1 us against 125.4 without it (126.5 against 127.6 in another process), GLM
+# 253.6 against 252.0.
 BULK_STAGES_BY_CHUNKS = True
-BULK_TILE_BYTES = 64 * K_BLOCK * 2
 # Blocks of all row groups of a bulk sweep (grid.x times the row groups) in at most this many waves
 # of resident blocks: the row groups that run at once walk the same columns in step, so a weight comes
 # from memory (or L2) once per wave, and in one wave no block waits for a slot. None of it changes a

@@ -115,9 +115,9 @@ SIDE_CHAIN_BULK: bool | None = None
 # (None: never). At 64 sequences the chain's three projections ran one after the other and the
 # fused step waited for g_b after q|k|v had ended (the block timeline: Kimi's g_b ended 31.6 us into
 # the step, q|k|v 25.8; with the branch f_b and g_b end with q|k|v). No bit depends on it. On an
-# H200 (benchmarks/decode_breakdown.py, one process, copy bandwidth 4092 GB/s) 64 sequences took Kimi
-# 125.0 us against 128.9 without it, GLM 253.8 against 253.4; 256 sequences Kimi 389.5 against 393.1,
-# GLM 808.9 against 823.8.
+# H200 (benchmarks/decode_breakdown.py, one process, copy bandwidth 4181 GB/s) 64 sequences took Kimi
+# 124.1 us against 128.3 without it, GLM 253.6 against 253.9; 256 sequences Kimi 388.2 against 392.6,
+# GLM 803.0 against 808.9.
 GATE_BRANCH_MIN_ROWS: int | None = 16
 # Default of KdaLayer.persistent_decode.
 PERSISTENT_DECODE = False
