@@ -63,8 +63,8 @@ def defaults() -> dict:
     (layer.QKV_RESERVED_SLOTS), out_proj_staged (layer.OUT_PROJ_STAGED), step_writes_x_tiles
     (layer.STEP_WRITES_X_TILES), side_chain_bulk (layer.SIDE_CHAIN_BULK), gate_branch_min_rows
     (layer.GATE_BRANCH_MIN_ROWS; None: g_b after f_b on one stream), bulk_stages_by_chunks
-    (gemm_rows.BULK_STAGES_BY_CHUNKS), bulk_split_warpgroups (gemm_rows.BULK_SPLIT_WARPGROUPS), kernel_sources (a folder of kernel sources; None: the
-    package's own)."""
+    (gemm_rows.BULK_STAGES_BY_CHUNKS), bulk_split_warpgroups (gemm_rows.BULK_SPLIT_WARPGROUPS),
+    kernel_sources (a folder of kernel sources; None: the package's own)."""
     from glm_kda import gemm_rows, kernels, layer, persistent
 
     return {

@@ -447,10 +447,13 @@ def test_step_written_x_tiles_give_the_tiling_bits(layers, geometry, rows, monke
     if not gemm_rows.bulk_applies(layer.decode_weight("o_proj"), rows):
         pytest.skip(f"{geometry}: {rows} rows of o_proj do not take the bulk-copy sweep on this device")
 
+    branch_rows = layer_module.GATE_BRANCH_MIN_ROWS
+    assert branch_rows is not None and rows > branch_rows, "the defaults put g_b on its own branch here"
+
     def switch(on):
         monkeypatch.setattr(layer_module, "STEP_WRITES_X_TILES", on is not False)
         monkeypatch.setattr(layer_module, "SIDE_CHAIN_BULK", None if on is not False else False)
-        monkeypatch.setattr(layer_module, "GATE_BRANCH_MIN_ROWS", 16 if on is not False else None)
+        monkeypatch.setattr(layer_module, "GATE_BRANCH_MIN_ROWS", branch_rows if on is not False else None)
         monkeypatch.setattr(gemm_rows, "BULK_STAGES_BY_CHUNKS", on is not False)
 
     written, tiled = _decode_paths(layer, count=rows + 7, rows=rows, walk_rows=3, prefill_rows=0, seed=43, switch=switch)
