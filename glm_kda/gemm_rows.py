@@ -634,6 +634,15 @@ def x_tiles_size(rows: int, k: int) -> int:
     return -(-rows // ROWS_PER_SWEEP) * -(-k // K_BLOCK) * 64 * K_BLOCK
 
 
+def check_x_tiles(x_tiles: Any, dtype: Any, rows: int, k: int, what: str) -> None:
+    """Raises ValueError, naming `what`, unless x_tiles is a contiguous array of `dtype` (BF16) with at
+    least x_tiles_size(rows, k) elements: room for `rows` rows of a k-wide x in the tile layout."""
+    size = x_tiles_size(rows, k)
+    if x_tiles.dtype != dtype or not x_tiles.flags.c_contiguous or x_tiles.size < size:
+        raise ValueError(f"{what}: x_tiles must be a contiguous BF16 array of at least {size} elements, "
+                         f"got {x_tiles.dtype} of {x_tiles.size} (contiguous: {x_tiles.flags.c_contiguous})")
+
+
 def gemm_rows_bulk(x, w: PackedWeight, out, rows: int | None = None, *, x_tiles: Any = None,
                    warpgroups: int | None = None, blocks: int | None = None, stages: int | None = None,
                    split: bool | None = None, partial: Any = None, programmatic: bool = False,
@@ -663,9 +672,8 @@ def gemm_rows_bulk(x, w: PackedWeight, out, rows: int | None = None, *, x_tiles:
         if x_tiled:
             raise ValueError("gemm_rows_bulk: x_tiled=True needs the x_tiles that hold x")
         x_tiles = cupy.empty((size,), x.dtype)
-    elif x_tiles.dtype != x.dtype or not x_tiles.flags.c_contiguous or x_tiles.size < size:
-        raise ValueError(f"gemm_rows_bulk: x_tiles must be a contiguous BF16 array of at least {size} elements, "
-                         f"got {x_tiles.dtype} of {x_tiles.size} (contiguous: {x_tiles.flags.c_contiguous})")
+    else:
+        check_x_tiles(x_tiles, x.dtype, rows, k, "gemm_rows_bulk")
     sm_count = _sm_count(cupy.cuda.Device().id)
     partial_size = bulk_partial_size(n, k, rows)
     if split is None and (partial is None or partial.size < partial_size):

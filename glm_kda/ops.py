@@ -575,10 +575,7 @@ def kda_decode_fused_bf16(
     if x_tiles is not None:
         from glm_kda import gemm_rows
 
-        size = gemm_rows.x_tiles_size(rows, qkv)
-        if x_tiles.dtype != o_norm_out.dtype or not x_tiles.flags.c_contiguous or x_tiles.size < size:
-            raise ValueError(f"x_tiles must be a contiguous BF16 array of at least {size} elements, got "
-                             f"{x_tiles.dtype} of {x_tiles.size} (contiguous: {x_tiles.flags.c_contiguous})")
+        gemm_rows.check_x_tiles(x_tiles, o_norm_out.dtype, rows, qkv, "kda_decode_fused_bf16")
     staged = staged and state.data.ptr % 16 == 0 and bulk_copies_available()
     split = split and not staged and bulk_copies_available()
     name = "kda_decode_fused_staged_bf16" if staged else "kda_decode_fused_split_bf16" if split else "kda_decode_fused_bf16"
