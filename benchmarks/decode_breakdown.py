@@ -64,9 +64,7 @@ def defaults() -> dict:
     (layer.STEP_WRITES_X_TILES), side_chain_bulk (layer.SIDE_CHAIN_BULK), gate_branch_min_rows
     (layer.GATE_BRANCH_MIN_ROWS; None: g_b after f_b on one stream), bulk_stages_by_chunks
     (gemm_rows.BULK_STAGES_BY_CHUNKS), bulk_split_warpgroups (gemm_rows.BULK_SPLIT_WARPGROUPS),
-    step_pipeline_min_waves and step_pipeline_prefetch_steps (layer.STEP_PIPELINE_MIN_WAVES, None:
-    never a pipelined step; layer.STEP_PIPELINE_PREFETCH_STEPS), kernel_sources (a folder of kernel
-    sources; None: the package's own)."""
+    kernel_sources (a folder of kernel sources; None: the package's own)."""
     from glm_kda import gemm_rows, kernels, layer, persistent
 
     return {
@@ -86,8 +84,6 @@ def defaults() -> dict:
         "out_proj_staged": layer.OUT_PROJ_STAGED, "step_writes_x_tiles": layer.STEP_WRITES_X_TILES,
         "side_chain_bulk": layer.SIDE_CHAIN_BULK, "gate_branch_min_rows": layer.GATE_BRANCH_MIN_ROWS,
         "bulk_stages_by_chunks": gemm_rows.BULK_STAGES_BY_CHUNKS, "bulk_split_warpgroups": gemm_rows.BULK_SPLIT_WARPGROUPS,
-        "step_pipeline_min_waves": layer.STEP_PIPELINE_MIN_WAVES,
-        "step_pipeline_prefetch_steps": layer.STEP_PIPELINE_PREFETCH_STEPS,
         "kernel_sources": None,
     }
 
@@ -129,8 +125,6 @@ def apply(settings: dict, layer_object) -> None:
     layer.GATE_BRANCH_MIN_ROWS = settings["gate_branch_min_rows"]
     gemm_rows.BULK_STAGES_BY_CHUNKS = settings["bulk_stages_by_chunks"]
     gemm_rows.BULK_SPLIT_WARPGROUPS = settings["bulk_split_warpgroups"]
-    layer.STEP_PIPELINE_MIN_WAVES = settings["step_pipeline_min_waves"]
-    layer.STEP_PIPELINE_PREFETCH_STEPS = settings["step_pipeline_prefetch_steps"]
     sources = settings["kernel_sources"]
     if sources not in _KERNEL_SETS:
         _KERNEL_SETS[sources] = kernels.KernelSet.get() if sources is None else kernels.KernelSet(sources)

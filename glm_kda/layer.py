@@ -71,15 +71,6 @@ STEP_STAGED_CARVEOUT = -1
 # an H200 (benchmarks/decode_breakdown.py, one process, split / one block: GLM B=1 87.4 / 83.4 us,
 # verify K16 2.00x / 1.40x; Kimi 35.1 / 35.1, 2.24x / 1.95x), so off.
 STEP_SPLIT_WAVES: float | None = None
-# A batched fused step whose (head, sequence) blocks would fill more than STEP_PIPELINE_MIN_WAVES
-# waves of resident blocks runs pipelined instead (kda_decode_fused_bf16's pipeline_blocks):
-# resident // heads blocks per head, each stepping its head of every such sequence in turn, the
-# next sequence's state arriving in its shared memory while it steps the present one. None: never.
-# STEP_PIPELINE_PREFETCH_STEPS: such a block asks L2 for the state of the sequence that many steps
-# further along its turn (0: none; the next one is on its way by the bulk copy). No bit depends on
-# either.
-STEP_PIPELINE_MIN_WAVES: float | None = 1.0
-STEP_PIPELINE_PREFETCH_STEPS = 0
 # The decode front end's low-rank chain (down_proj -> f_b -> g_b) beside the q|k|v projection:
 # SIDE_CHAIN_FIRST issues it before q|k|v (False: after); SIDE_CHAIN_PROGRAMMATIC launches f_b
 # and g_b as programmatic dependents; SIDE_STREAM_PRIORITY is its stream's priority (lower is more
@@ -612,17 +603,15 @@ class KdaLayer:
             # The output projection's input in its sweep's tile layout, where that sweep will read it.
             tiles = (STEP_WRITES_X_TILES and first == 0 and not walk and rows <= DECODE_ROW_GROUP
                      and gemm_rows.bulk_applies(self.decode_weight("o_proj"), rows))
-            pipeline_blocks = 0 if walk else self._step_pipeline_blocks(rows)
             ops.kda_decode_fused_bf16(
                 conv_state, recurrent_state, ws.qkv_proj[sl], self.conv_weight, ws.forget_proj[sl], self.dt_bias,
                 self.a_log, ws.down_proj[sl, 2 * d :], ws.out_gate[sl], self.o_norm, ws.conv_out[sl], ws.query[sl],
                 ws.key[sl], ws.value[sl], ws.gate[sl], ws.beta[sl], ws.core[sl], ws.o_norm_out[sl],
                 bounded=c.bounded, lower_bound=c.gate_lower_bound or 0.0, scale=self.scale, l2_eps=c.l2_eps,
                 norm_eps=c.rms_norm_eps, slots=slots, tokens=rows if walk else 1,
-                prefetch_ahead=self._step_prefetch_ahead(pipeline_blocks), dependents_after=STEP_DEPENDENTS_AFTER,
+                prefetch_ahead=self._step_prefetch_ahead(), dependents_after=STEP_DEPENDENTS_AFTER,
                 staged=STEP_STAGED_STATE, carveout=STEP_STAGED_CARVEOUT,
-                split=self._step_split(1 if walk else rows), x_tiles=ws.x_tiles if tiles else None,
-                pipeline_blocks=pipeline_blocks)
+                split=self._step_split(1 if walk else rows), x_tiles=ws.x_tiles if tiles else None)
             self._x_tiles_rows = rows if tiles else 0
             return
         if walk:
@@ -639,20 +628,8 @@ class KdaLayer:
         resident = _step_resident_blocks(self.qkv_weight.device.id)
         return sequences * self.config.heads * ops.HEAD_SPLIT <= STEP_SPLIT_WAVES * resident
 
-    def _step_pipeline_blocks(self, sequences: int) -> int:
-        """Blocks per head of a pipelined fused step of `sequences` sequences (STEP_PIPELINE_MIN_WAVES),
-        or 0: one block per (head, sequence)."""
-        resident = _step_resident_blocks(self.qkv_weight.device.id)
-        if STEP_PIPELINE_MIN_WAVES is None or sequences * self.config.heads <= STEP_PIPELINE_MIN_WAVES * resident:
-            return 0
-        return max(1, resident // self.config.heads)
-
-    def _step_prefetch_ahead(self, pipeline_blocks: int = 0) -> int:
-        """Sequences ahead whose state a batched fused step asks L2 for: STEP_PREFETCH_WAVES of
-        resident blocks, or in a pipelined step (`pipeline_blocks` blocks per head)
-        STEP_PIPELINE_PREFETCH_STEPS steps further along a block's turn."""
-        if pipeline_blocks:
-            return STEP_PIPELINE_PREFETCH_STEPS * pipeline_blocks
+    def _step_prefetch_ahead(self) -> int:
+        """Sequences ahead whose state a batched fused step asks L2 for (STEP_PREFETCH_WAVES)."""
         if STEP_PREFETCH_WAVES <= 0:
             return 0
         resident = _step_resident_blocks(self.qkv_weight.device.id)

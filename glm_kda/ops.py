@@ -502,7 +502,6 @@ def kda_decode_fused_bf16(
     conv_out, query, key, value, gate, beta, core, o_norm_out, *, bounded: bool, lower_bound: float,
     scale: float, l2_eps: float, norm_eps: float, slots=None, tokens: int = 1, prefetch_ahead: int = 0,
     dependents_after: int = 0, staged: bool = False, carveout: int = -1, split: bool = False, x_tiles=None,
-    pipeline_blocks: int = 0,
 ) -> None:
     """The stateful half of decode in one launch: for each sequence, `tokens` consecutive
     tokens of conv + SiLU + L2, forget gate and beta, one delta-rule step, gated RMSNorm.
@@ -544,13 +543,6 @@ def kda_decode_fused_bf16(
     value columns 32 r .. 32 r + 31 (a quarter of the state each, so four SMs move a head's
     state), every block forming the head's q, k and gate (ignored before sm_90, or with staged).
     It changes no bit.
-
-    pipeline_blocks: 0, or on sm_90 and later min(pipeline_blocks, sequences) blocks per head, each
-    stepping its head of every pipeline_blocks-th sequence in turn (kda_decode_fused_pipelined_bf16):
-    while a block steps one sequence, the next one's state (64 KB) is already on its way into its
-    shared memory by a bulk copy. For batches of more sequences than the resident blocks hold at
-    once. Ignored before sm_90, for a state not 16-byte aligned, or with staged or split;
-    prefetch_ahead still counts sequences of the batch. It changes no bit.
     """
     heads = _state_or_pool_heads(state)
     qkv = heads * HEAD_DIM
@@ -584,26 +576,17 @@ def kda_decode_fused_bf16(
         from glm_kda import gemm_rows
 
         gemm_rows.check_x_tiles(x_tiles, o_norm_out.dtype, rows, qkv, "kda_decode_fused_bf16")
-    if pipeline_blocks < 0:
-        raise ValueError(f"pipeline_blocks must be >= 0, got {pipeline_blocks}")
     staged = staged and state.data.ptr % 16 == 0 and bulk_copies_available()
     split = split and not staged and bulk_copies_available()
-    pipelined = (pipeline_blocks > 0 and not (staged or split) and state.data.ptr % 16 == 0
-                 and bulk_copies_available())
-    args = (conv_state, state, slots, qkv_proj, conv_w, forget_proj, dt_bias, a_log, beta_logits, _i32(ld_beta),
-            out_gate, norm_w, conv_out, query, key, value, gate, beta, core, o_norm_out, _i32(heads),
-            _i32(kernel_size), _i32(tokens), _i32(1 if bounded else 0), _f32(lower_bound if bounded else 0.0),
-            _f32(scale), _f32(l2_eps), _f32(norm_eps), _i32(prefetch_ahead), _i32(dependents_after), x_tiles)
-    if pipelined:
-        kernels.launch("kda_decode_fused_pipelined_bf16", (heads, min(pipeline_blocks, sequences)), (HEAD_BLOCK,),
-                       (*args, _i32(sequences)), HEAD_DIM * HEAD_DIM * 4)
-        return
     name = "kda_decode_fused_staged_bf16" if staged else "kda_decode_fused_split_bf16" if split else "kda_decode_fused_bf16"
     kernels.launch(
         name,
         (heads * HEAD_SPLIT if split else heads, sequences),
         (HEAD_BLOCK,),
-        args,
+        (conv_state, state, slots, qkv_proj, conv_w, forget_proj, dt_bias, a_log, beta_logits, _i32(ld_beta),
+         out_gate, norm_w, conv_out, query, key, value, gate, beta, core, o_norm_out, _i32(heads),
+         _i32(kernel_size), _i32(tokens), _i32(1 if bounded else 0), _f32(lower_bound if bounded else 0.0), _f32(scale),
+         _f32(l2_eps), _f32(norm_eps), _i32(prefetch_ahead), _i32(dependents_after), x_tiles),
         HEAD_DIM * HEAD_DIM * 4 if staged else 0,
         carveout=carveout if staged else -1,
     )

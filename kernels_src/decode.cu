@@ -86,55 +86,6 @@ kda_decode_fused_staged_bf16(KDA_DECODE_FUSED_PARAMETERS)
     kda_decode_fused_block<true>(KDA_DECODE_FUSED_ARGS, kda_state_stage, blockIdx.x);
 }
 
-// kda_decode_fused_pipelined_bf16: the same step with grid (heads, blocks) and KDA_HEAD_STATE_BYTES
-// of dynamic shared memory; `sequences` the batch, blocks <= sequences. Block (h, w) steps head h of
-// sequences w, w + blocks, w + 2 blocks, ... in turn. On sm_90 and later each sequence's state
-// column arrives in the block's shared memory by one bulk copy started while the block stepped the
-// sequence before (KdaStepPipeline): a batch's blocks then always have a state on its way in while
-// they step and store another, where one block per (head, sequence) waits for its own column after
-// its launch. Before sm_90 the same loop loads the columns into registers. The same bits either way.
-extern "C" __global__ void __launch_bounds__(KDA_HEAD_BLOCK)
-kda_decode_fused_pipelined_bf16(KDA_DECODE_FUSED_PARAMETERS, int sequences)
-{
-    extern __shared__ __align__(128) float kda_state_stage[];
-    __shared__ KdaStepShared shared;
-    KDA_TRACE_SCOPE(o_norm_out);
-
-    if (dependents_after == 0) {
-        kda_let_next_kernel_launch();
-    }
-    const int head = blockIdx.x;
-    if (head >= heads || blockDim.x != KDA_HEAD_BLOCK || kernel_size < 1 || kernel_size > CONV_MAX_KERNEL ||
-        tokens < 1 || static_cast<int>(blockIdx.y) >= sequences) {
-        return;
-    }
-    const KdaStepArgs args = KDA_DECODE_FUSED_ARGS;
-    const int d = threadIdx.x;
-    const size_t stride = gridDim.y;
-#if KDA_STAGED_STATE
-    const size_t first = blockIdx.y;
-    const size_t first_slot = slots != nullptr ? static_cast<size_t>(slots[first]) : first;
-    kda_stage_barrier_init(&shared.state_arrived, d);
-    kda_stage_copy_in(kda_state_stage,
-                      state + (first_slot * heads + head) * static_cast<size_t>(KDA_HEAD_DIM) * KDA_HEAD_DIM,
-                      &shared.state_arrived, d);
-    // Publishes the mbarrier's initialisation before anyone waits on it.
-    KdaBlockSync().sync();
-    unsigned int parity = 0;
-    for (size_t sequence = first; sequence < static_cast<size_t>(sequences); sequence += stride, parity ^= 1u) {
-        const size_t next = sequence + stride;
-        const KdaStepPipeline pipe{kda_state_stage, parity,
-                                   next < static_cast<size_t>(sequences) ? static_cast<long long>(next) : -1ll};
-        kda_decode_head<KdaBlockSync, false, 1, true>(args, head, sequence, sequences, KdaBlockSync(), shared,
-                                                      nullptr, 0, pipe);
-    }
-#else
-    for (size_t sequence = blockIdx.y; sequence < static_cast<size_t>(sequences); sequence += stride) {
-        kda_decode_head<KdaBlockSync>(args, head, sequence, sequences, KdaBlockSync(), shared);
-    }
-#endif
-}
-
 // The head split over a cluster of KDA_HEAD_SPLIT blocks (grid: heads * KDA_HEAD_SPLIT along x).
 // Before sm_90 there are no clusters: the first block of each KDA_HEAD_SPLIT runs the whole head.
 #if KDA_CLUSTERS

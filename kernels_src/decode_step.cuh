@@ -40,29 +40,16 @@ __device__ __forceinline__ void prefetch_floats_l2(const float* first, int count
 #endif
 #endif
 
-// Thread `d` == 0: make `arrived` the mbarrier of a state stage (one arrival a phase); the group must
-// pass a barrier before anyone waits on it.
-__device__ __forceinline__ void kda_stage_barrier_init(unsigned long long* arrived, int d)
-{
-#if KDA_STAGED_STATE
-    if (d == 0) {
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(arrived)) : "memory");
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-#endif
-}
-
-// Thread `d` == 0: start the copy of a head's state (16-byte aligned) into `stage`, completing the
-// next phase of `arrived` (kda_stage_barrier_init). Nothing may read or write the stage until that
-// phase has completed (kda_wait_staged_state).
-__device__ __forceinline__ void kda_stage_copy_in(float* stage, const float* head_state, unsigned long long* arrived,
-                                                  int d)
+// Thread `d` == 0: start the copy of a head's state (16-byte aligned) into `stage`; the group
+// must pass a barrier before anyone waits on `arrived` (kda_wait_staged_state).
+__device__ __forceinline__ void kda_stage_state_in(float* stage, const float* head_state, unsigned long long* arrived,
+                                                   int d)
 {
 #if KDA_STAGED_STATE
     if (d == 0) {
         const unsigned int barrier = shared_address(arrived);
-        // The group's reads of the stage (a barrier ago) come before the copy's writes.
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(barrier) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(barrier),
                      "r"(KDA_HEAD_STATE_BYTES)
                      : "memory");
@@ -75,27 +62,17 @@ __device__ __forceinline__ void kda_stage_copy_in(float* stage, const float* hea
 #endif
 }
 
-// Thread `d` == 0: the one copy of a stage used once (kda_decode_fused_staged_bf16); the group
-// must pass a barrier before anyone waits on `arrived` (kda_wait_staged_state, parity 0).
-__device__ __forceinline__ void kda_stage_state_in(float* stage, const float* head_state, unsigned long long* arrived,
-                                                   int d)
-{
-    kda_stage_barrier_init(arrived, d);
-    kda_stage_copy_in(stage, head_state, arrived, d);
-}
-
-// Every thread: wait until the phase of `arrived` of parity `parity` (the first phase is 0) has
-// completed, that is until the copy that completes it has landed.
-__device__ __forceinline__ void kda_wait_staged_state(unsigned long long* arrived, unsigned int parity = 0)
+// Every thread: wait until the copy started by kda_stage_state_in has landed.
+__device__ __forceinline__ void kda_wait_staged_state(unsigned long long* arrived)
 {
 #if KDA_STAGED_STATE
     asm volatile(
         "{\n"
         ".reg .pred arrived;\n"
         "KDA_WAIT_STATE:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 arrived, [%0], %1;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 arrived, [%0], 0;\n"
         "@!arrived bra KDA_WAIT_STATE;\n"
-        "}\n" ::"r"(shared_address(arrived)), "r"(parity)
+        "}\n" ::"r"(shared_address(arrived))
         : "memory");
 #endif
 }
@@ -276,33 +253,20 @@ __device__ __forceinline__ KdaTokenInputs kda_load_token_inputs(const KdaStepArg
     return inputs;
 }
 
-// A block's pipeline over the sequences of one head (kda_decode_fused_pipelined_bf16): each
-// sequence's state column arrives in `stage` (KDA_HEAD_STATE_BYTES of shared memory, 128-byte
-// aligned) by a bulk copy started while the block stepped the sequence before, completing phase
-// `parity` of the group's state_arrived mbarrier; once the threads have read it, the copy of
-// sequence `next` (-1: none) starts. The state goes back to memory from the registers.
-struct KdaStepPipeline {
-    float* stage;
-    unsigned int parity;
-    long long next;
-};
-
 // Head `head` of sequence `sequence` (of `sequences`), `tokens` tokens, by the KDA_HEAD_BLOCK
 // threads of `group` (thread d owns channel d of the head). Staged false: each thread loads its
 // state column into registers; true (sm_90 and later; before, the register loads): the head's
 // state moves by bulk copies through `stage`, KDA_HEAD_STATE_BYTES of the group's shared memory
 // (128-byte aligned; the state 16-byte aligned). Split (KDA_HEAD_SPLIT, sm_90, the group a block
 // of a cluster of that many, `rank` its place): the head split over the cluster's blocks, each
-// stepping the columns of its warp `rank`. Pipelined (sm_90 and later): the state column comes from
-// `pipe`'s stage (KdaStepPipeline). The same bits every way.
-template <class Sync, bool Staged = false, int Split = 1, bool Pipelined = false>
+// stepping the columns of its warp `rank`. The same bits every way.
+template <class Sync, bool Staged = false, int Split = 1>
 __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, size_t sequence, size_t sequences,
                                                 Sync group, KdaStepShared& shared, float* stage = nullptr,
-                                                int rank = 0, KdaStepPipeline pipe = {})
+                                                int rank = 0)
 {
     constexpr bool split = Split > 1;
     static_assert(!split || (Split == KDA_HEAD_SPLIT && !Staged), "a split head has KDA_HEAD_SPLIT blocks, unstaged");
-    static_assert(!Pipelined || (!split && !Staged), "a pipeline is its own staging, of whole heads");
     const int d = group.thread();
     // Whether this thread steps value column d and writes channel d's outputs (in a split head,
     // the blocks other than the owner form the same values and drop them).
@@ -324,9 +288,6 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
     const bool prefetch = p.prefetch_ahead > 0 && ahead < sequences && rank == 0;
     const size_t slot = p.slots != nullptr ? static_cast<size_t>(p.slots[sequence]) : sequence;
     const size_t ahead_slot = prefetch && p.slots != nullptr ? static_cast<size_t>(p.slots[ahead]) : ahead;
-    const bool pipe_next = Pipelined && pipe.next >= 0;
-    const size_t next_slot = pipe_next && p.slots != nullptr ? static_cast<size_t>(p.slots[pipe.next])
-                                                           : static_cast<size_t>(pipe.next);
     KdaTokenInputs inputs = kda_load_token_inputs(p, sequence * p.tokens, qkv, channel, head);
     bf16_t taps[3][CONV_MAX_KERNEL];
 #pragma unroll
@@ -342,7 +303,7 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
     float s[KDA_HEAD_DIM];
     if constexpr (staged) {
         kda_stage_state_in(stage, head_state, &shared.state_arrived, d);
-    } else if constexpr (!Pipelined) {
+    } else {
         if (owner) {
             kda_recurrent_load(s, head_state + d);
         }
@@ -352,17 +313,6 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
 #pragma unroll
     for (int part = 0; part < 3; ++part) {
         conv_window_load(window[part], conv_slot + (part * qkv + channel) * kernel_size, kernel_size);
-    }
-    if constexpr (Pipelined) {
-        // The column from the stage; once every thread has it, the next sequence's copy may land there.
-        kda_wait_staged_state(&shared.state_arrived, pipe.parity);
-        kda_recurrent_load(s, pipe.stage + d);
-        group.sync();
-        if (pipe_next) {
-            kda_stage_copy_in(pipe.stage,
-                              p.state + (next_slot * heads + head) * static_cast<size_t>(KDA_HEAD_DIM) * KDA_HEAD_DIM,
-                              &shared.state_arrived, d);
-        }
     }
     // A batch runs many waves of blocks, each of which waits on its state column: ask L2 for the
     // head's state of sequence + prefetch_ahead (a block of a later wave) now, so that its loads

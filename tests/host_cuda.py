@@ -165,12 +165,11 @@ inline void kda_wait_for_previous_kernel() {}
 // The bulk copies of a fused step's staged state (decode_step.cuh, PTX on sm_90): thread 0 copies
 // at once, and the group barrier that follows in the kernel publishes the copy.
 #define KDA_STAGED_STATE 1
-inline void kda_stage_barrier_init(unsigned long long*, int) {}
-inline void kda_stage_copy_in(float* stage, const float* head_state, unsigned long long*, int d)
+inline void kda_stage_state_in(float* stage, const float* head_state, unsigned long long*, int d)
 {
     if (d == 0) std::memcpy(stage, head_state, 128 * 128 * sizeof(float));
 }
-inline void kda_wait_staged_state(unsigned long long*, unsigned int = 0) {}
+inline void kda_wait_staged_state(unsigned long long*) {}
 inline void kda_stage_fence() {}
 inline void kda_stage_state_out(const float* stage, float* head_state, int d)
 {
@@ -275,21 +274,19 @@ def host_kernel_source(stem: str, device_helpers: tuple[str, ...]) -> str:
 COMMON_DEVICE_HELPERS = ("kda_let_next_kernel_launch", "kda_wait_for_previous_kernel", "shared_address")
 # decode_step.cuh's bulk copies of the staged state and its cluster helpers (emulated by
 # HOST_CUDA_HEADER).
-STAGED_STATE_HELPERS = ("kda_stage_barrier_init", "kda_stage_copy_in", "kda_wait_staged_state", "kda_stage_fence",
+STAGED_STATE_HELPERS = ("kda_stage_state_in", "kda_wait_staged_state", "kda_stage_fence",
                         "kda_stage_state_out", "cluster_arrive_relaxed", "cluster_arrive", "cluster_wait",
                         "store_shared_cluster")
-# Bytes of dynamic shared memory kda_decode_fused_staged_bf16 and kda_decode_fused_pipelined_bf16
-# take (one head's state).
+# Bytes of dynamic shared memory kda_decode_fused_staged_bf16 takes (one head's state).
 STAGED_STATE_BYTES = 128 * 128 * 4
 
 
 def host_decode_source(helpers: tuple[str, ...]) -> str:
     """decode.cu for the host (host_kernel_source with `helpers` and the staged-state copies
-    removed), the staged and pipelined entries' dynamic shared array taken from the emulated block's."""
+    removed), the staged entry's dynamic shared array taken from the emulated block's."""
     source = host_kernel_source("decode", (*helpers, *STAGED_STATE_HELPERS))
     declaration = "extern __shared__ __align__(128) float kda_state_stage[];"
-    assert source.count(declaration) == 2, \
-        "decode.cu no longer declares kda_state_stage in its two staged entries; update the host emulation"
+    assert source.count(declaration) == 1, "decode.cu no longer declares kda_state_stage; update the host emulation"
     return source.replace(declaration, "float* kda_state_stage = emulated_shared;")
 
 

@@ -87,19 +87,12 @@ extern "C" void gated_rmsnorm_sigmoid_bf16(const float*, const bf16_t*, const bf
      bf16_t*, int, int, int, int, float, float, float, float, int, int, bf16_t*)
 extern "C" void kda_decode_fused_bf16 KDA_DECODE_FUSED_SIGNATURE;
 extern "C" void kda_decode_fused_staged_bf16 KDA_DECODE_FUSED_SIGNATURE;
-#define KDA_DECODE_FUSED_PIPELINED_SIGNATURE                                                                    \
-    (float*, float*, const int*, const bf16_t*, const bf16_t*, const bf16_t*, const float*, const float*,          \
-     const bf16_t*, int, const bf16_t*, const bf16_t*, bf16_t*, float*, float*, float*, float*, float*, float*,      \
-     bf16_t*, int, int, int, int, float, float, float, float, int, int, bf16_t*, int)
-extern "C" void kda_decode_fused_pipelined_bf16 KDA_DECODE_FUSED_PIPELINED_SIGNATURE;
 
-// argv: dir, rows, heads, K, bounded, lower bound, l2 eps, norm eps, jitter, pool size, staged,
-// pipeline blocks. Pool size 0: the rows are consecutive tokens of one sequence (paths separate,
-// fused_rows, fused_walk); else sequence s (row s) advances slot slots[s] of a pool of that many
-// (paths pool_fused, pool_separate, and alone: the fused step for each sequence by itself). Staged
-// 1: the fused paths run kda_decode_fused_staged_bf16 (the state through the block's shared
-// memory). Pipeline blocks P > 0: pool_fused runs kda_decode_fused_pipelined_bf16 on P blocks per
-// head, without L2 requests (the emulated request checks a block's own sequence, blockIdx.y).
+// argv: dir, rows, heads, K, bounded, lower bound, l2 eps, norm eps, jitter, pool size, staged. Pool
+// size 0: the rows are consecutive tokens of one sequence (paths separate, fused_rows, fused_walk);
+// else sequence s (row s) advances slot slots[s] of a pool of that many (paths pool_fused,
+// pool_separate, and alone: the fused step for each sequence by itself). Staged 1: the fused paths
+// run kda_decode_fused_staged_bf16 (the state through the block's shared memory).
 int main(int argc, char** argv)
 {
     const std::string dir = argv[1];
@@ -109,7 +102,6 @@ int main(int argc, char** argv)
     jitter = std::atoi(argv[9]);
     const int pool_size = std::atoi(argv[10]);
     const bool staged = std::atoi(argv[11]) != 0;
-    const int pipeline_blocks = std::atoi(argv[12]);
     const size_t D = 128, qkv = heads * D, conv_dim = 3 * qkv, ld_beta = 2 * D + heads;
     const size_t conv_slot = conv_dim * kernel, state_slot = heads * D * D, slot_count = std::max(pool_size, 1);
     const float scale = 1.0f / std::sqrt(float(D));
@@ -148,25 +140,16 @@ int main(int argc, char** argv)
             prefetch_heads = heads;
             prefetch_kernel = kernel;
             const auto kernel_entry = staged ? kda_decode_fused_staged_bf16 : kda_decode_fused_bf16;
-            // The launch's arguments, then (pipelined) the batch.
-            auto call = [&](auto entry, auto... batch) {
-                entry(conv, states, slot_list, qkv_proj.data() + first * conv_dim, conv_w.data(),
-                      forget_proj.data() + first * qkv, dt_bias.data(), a_log.data(), beta_logits + first * ld_beta,
-                      int(ld_beta), out_gate.data() + first * qkv, norm_w.data(), conv_out.data() + first * conv_dim,
-                      query.data() + first * qkv, key.data() + first * qkv, value.data() + first * qkv,
-                      gate.data() + first * qkv, beta.data() + first * heads, core.data() + first * qkv,
-                      o_norm_out.data() + first * qkv, heads, kernel, tokens, bounded, lower_bound, scale, l2_eps,
-                      norm_eps, prefetch_ahead, dependents_after, tiles, batch...);
-            };
-            if (pipeline_blocks > 0 && slot_list != nullptr && sequences > 1) {
-                prefetch_ahead = 0;
-                const unsigned blocks = unsigned(std::min(pipeline_blocks, sequences));
-                run_grid(dim3{unsigned(heads), blocks, 1}, 128, STAGED_STATE_BYTES,
-                         [&] { call(kda_decode_fused_pipelined_bf16, sequences); });
-                return;
-            }
-            run_grid(dim3{unsigned(heads), unsigned(sequences), 1}, 128, staged ? STAGED_STATE_BYTES : 0,
-                     [&] { call(kernel_entry); });
+            run_grid(dim3{unsigned(heads), unsigned(sequences), 1}, 128, staged ? STAGED_STATE_BYTES : 0, [&] {
+                kernel_entry(conv, states, slot_list, qkv_proj.data() + first * conv_dim, conv_w.data(),
+                             forget_proj.data() + first * qkv, dt_bias.data(), a_log.data(),
+                             beta_logits + first * ld_beta, int(ld_beta), out_gate.data() + first * qkv,
+                             norm_w.data(), conv_out.data() + first * conv_dim, query.data() + first * qkv,
+                             key.data() + first * qkv, value.data() + first * qkv, gate.data() + first * qkv,
+                             beta.data() + first * heads, core.data() + first * qkv,
+                             o_norm_out.data() + first * qkv, heads, kernel, tokens, bounded, lower_bound,
+                             scale, l2_eps, norm_eps, prefetch_ahead, dependents_after, tiles);
+            });
         };
         // The separate kernels over rows first .. first + count - 1, one token of a sequence each.
         auto separate = [&](int first, int count, const int* slot_list, float* conv, float* states) {
@@ -266,11 +249,10 @@ def _run_binary(binary, folder, inputs, rows, bounded, *extra):
         [str(binary), str(folder), str(rows), str(HEADS), str(KERNEL), str(int(bounded)), repr(LOWER_BOUND),
          repr(L2_EPS), repr(NORM_EPS), *map(str, extra)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
-    pool_size, pipelined = int(extra[1]), int(extra[3]) > 0 and rows > 1
+    pool_size = int(extra[1])
     # The pool path's blocks of sequences s < rows - PREFETCH_AHEAD each ask L2 for the state and the
-    # three conv windows of their head in the slot of sequence s + PREFETCH_AHEAD (the pipelined
-    # step runs without); nothing else does.
-    prefetches = 4 * HEADS * max(rows - PREFETCH_AHEAD, 0) if pool_size and not pipelined else 0
+    # three conv windows of their head in the slot of sequence s + PREFETCH_AHEAD; nothing else does.
+    prefetches = 4 * HEADS * max(rows - PREFETCH_AHEAD, 0) if pool_size else 0
     assert result.stdout.split() == ["misaligned=0", f"prefetches={prefetches}", "bad_prefetches=0"], \
         f"host run: {result.stdout.strip()}"
 
@@ -282,7 +264,7 @@ def run_decode(binary, tokens, bounded, seed, jitter=False, staged=False):
     inputs["conv_state"] = rng.standard_normal((3 * HEADS * DIM, KERNEL)).astype(np.float32)
     inputs["state"] = (0.1 * rng.standard_normal((HEADS, DIM, DIM))).astype(np.float32)
     folder = binary.parent / f"T{tokens}-b{int(bounded)}-{seed}-{int(jitter)}-{int(staged)}"
-    _run_binary(binary, folder, inputs, tokens, bounded, int(jitter), 0, int(staged), 0)
+    _run_binary(binary, folder, inputs, tokens, bounded, int(jitter), 0, int(staged))
     layout = _layout(tokens)
     out = {}
     for path in ("separate", "fused_rows", "fused_walk"):
@@ -329,20 +311,17 @@ def test_fused_decode_equals_separate_kernels_on_host(decode_host, tokens, jitte
 
 
 @pytest.mark.parametrize("bounded", [True, False], ids=["bounded", "softplus"])
-@pytest.mark.parametrize("sequences,staged,pipeline_blocks", [(1, False, 0), (5, False, 0), (33, False, 0),
-                                                               (5, True, 0), (5, False, 2), (33, False, 4),
-                                                               (3, False, 8)], ids=lambda v: str(v))
-def test_pool_sequences_equal_each_alone_on_host(decode_host, sequences, staged, pipeline_blocks, bounded):
-    """A pool's sequences stepped in one launch (staged; or pipelined, pipeline_blocks blocks per
-    head each stepping several sequences in turn) against each sequence stepped alone, bit for bit."""
+@pytest.mark.parametrize("sequences,staged", [(1, False), (5, False), (33, False), (5, True)],
+                         ids=lambda v: str(v))
+def test_pool_sequences_equal_each_alone_on_host(decode_host, sequences, staged, bounded):
     rng = np.random.default_rng(100 + sequences + int(bounded))
     conv_dim, pool_size = 3 * HEADS * DIM, sequences + 3
     inputs = _layer_inputs(rng, sequences)
     inputs["conv_state"] = rng.standard_normal((pool_size, conv_dim, KERNEL)).astype(np.float32)
     inputs["state"] = (0.1 * rng.standard_normal((pool_size, HEADS, DIM, DIM))).astype(np.float32)
     inputs["slots"] = rng.permutation(pool_size)[:sequences].astype(np.int32)
-    folder = decode_host.parent / f"pool-B{sequences}-b{int(bounded)}-{int(staged)}-{pipeline_blocks}"
-    _run_binary(decode_host, folder, inputs, sequences, bounded, 0, pool_size, int(staged), pipeline_blocks)
+    folder = decode_host.parent / f"pool-B{sequences}-b{int(bounded)}-{int(staged)}"
+    _run_binary(decode_host, folder, inputs, sequences, bounded, 0, pool_size, int(staged))
     layout = {**_layout(sequences), "conv_state": (np.float32, (pool_size, conv_dim, KERNEL)),
               "state": (np.float32, (pool_size, HEADS, DIM, DIM))}
     out = {path: {name: np.fromfile(folder / f"{path}.{name}", dtype).reshape(shape) for name, (dtype, shape) in layout.items()}

@@ -496,35 +496,6 @@ def test_staged_step_state_gives_the_register_bits(layers, geometry, monkeypatch
                           "the staged step state and the per-thread loads")
 
 
-@pytest.mark.parametrize("geometry", ["glm", "kimi"])
-@pytest.mark.parametrize("rows,prefetch_steps", [(16, 0), (64, 0), (100, 0), (100, 2)])
-def test_pipelined_step_gives_the_one_block_bits(layers, geometry, rows, prefetch_steps, monkeypatch):
-    """The pipelined fused step (layer.STEP_PIPELINE_MIN_WAVES, sm_90: a few blocks per head, each
-    stepping several sequences in turn with the next state arriving in shared memory) writes the bits
-    of one block per (head, sequence): every stage buffer, the output and both states of a pool step
-    of `rows` sequences with shuffled slots, and of a 5-row decode_k walk (never pipelined), with and
-    without L2 requests further along a block's turn (layer.STEP_PIPELINE_PREFETCH_STEPS)."""
-    from glm_kda import layer as layer_module
-    from glm_kda.ops import bulk_copies_available
-
-    if not bulk_copies_available():
-        pytest.skip("the pipelined step needs bulk copies (sm_90 or later); this device has none")
-    _, layer = layers(geometry)
-    blocks = layer._step_pipeline_blocks(rows)
-    assert 0 < blocks < rows, f"{geometry}: the defaults pipeline {rows} sequences on fewer blocks per head"
-    previous = layer_module.STEP_PIPELINE_MIN_WAVES
-    monkeypatch.setattr(layer_module, "STEP_PIPELINE_PREFETCH_STEPS", prefetch_steps)
-
-    def switch(pipelined):
-        monkeypatch.setattr(layer_module, "STEP_PIPELINE_MIN_WAVES", previous if pipelined is not False else None)
-        layer._graphs.clear()  # graphs hold the launches they were captured with
-
-    pipelined, one_block = _decode_paths(layer, count=rows + 9, rows=rows, walk_rows=5, prefill_rows=0,
-                                         seed=97 + rows, switch=switch)
-    _assert_same_bits(pipelined, one_block, f"{geometry} B={rows} ({blocks} blocks a head)",
-                      "the pipelined step and one block per (head, sequence)")
-
-
 @pytest.mark.parametrize("rows", [1, 3, 64])
 @pytest.mark.parametrize("geometry", ["glm", "kimi"])
 def test_split_step_gives_the_one_block_bits(layers, geometry, rows, monkeypatch):

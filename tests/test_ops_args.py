@@ -336,49 +336,6 @@ def test_fused_decode_passes_where_its_dependents_launch(launches):
     assert len(launches) == 3
 
 
-@pytest.mark.parametrize("blocks,staged,bulk,expected", [
-    (3, False, True, ("kda_decode_fused_pipelined_bf16", 3)), (10, False, True, ("kda_decode_fused_pipelined_bf16", 7)),
-    (3, True, True, ("kda_decode_fused_staged_bf16", 7)), (3, False, False, ("kda_decode_fused_bf16", 7)),
-    (0, False, True, ("kda_decode_fused_bf16", 7))])
-def test_pipelined_step_launch(launches, monkeypatch, blocks, staged, bulk, expected):
-    """pipeline_blocks: grid (heads, min(blocks, sequences)) of kda_decode_fused_pipelined_bf16, the
-    fused step's arguments and then the batch; the staged step, a device without bulk copies and 0
-    keep one block per (head, sequence)."""
-    heads, rows = 2, 7
-    monkeypatch.setattr(ops, "bulk_copies_available", lambda: bulk)
-    slots = HostStandIn(np.arange(rows, dtype=np.int32))
-    ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, rows, pool=8), **_FUSED_SCALARS, slots=slots,
-                              pipeline_blocks=blocks, staged=staged)
-    (name, grid, block, args), = launches
-    assert (name, grid[1]) == expected and grid[0] == heads and block == (ops.HEAD_BLOCK,)
-    fused_args = args[:-1] if name == "kda_decode_fused_pipelined_bf16" else args
-    assert int(_fused_parameter(fused_args, "tokens")) == 1
-    if name == "kda_decode_fused_pipelined_bf16":
-        assert int(args[-1]) == rows
-    with pytest.raises(ValueError, match="pipeline_blocks must be >= 0"):
-        ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, rows, pool=8), **_FUSED_SCALARS, slots=slots,
-                                  pipeline_blocks=-1)
-
-
-@pytest.mark.parametrize("heads,sequences,min_waves,expected", [(32, 8, 1.0, 0), (32, 9, 1.0, 8), (64, 4, 1.0, 0),
-                                                                (64, 5, 1.0, 4), (64, 64, 1.0, 4), (64, 64, None, 0),
-                                                                (32, 64, 8.0, 0), (512, 2, 1.0, 1)])
-def test_pipelined_step_blocks(monkeypatch, heads, sequences, min_waves, expected):
-    """layer.STEP_PIPELINE_MIN_WAVES: a step of more (head, sequence) blocks than that many waves of
-    resident ones (132 SMs x 2) runs on resident // heads blocks per head (at least one); the L2
-    request then reaches STEP_PIPELINE_PREFETCH_STEPS steps along a block's turn."""
-    from glm_kda import gemm_rows, layer
-
-    monkeypatch.setattr(gemm_rows, "_sm_count", lambda device_id: 132)
-    monkeypatch.setattr(layer, "STEP_PIPELINE_MIN_WAVES", min_waves)
-    monkeypatch.setattr(layer, "STEP_PIPELINE_PREFETCH_STEPS", 2)
-    fake = SimpleNamespace(config=SimpleNamespace(heads=heads), qkv_weight=SimpleNamespace(device=SimpleNamespace(id=0)))
-    blocks = layer.KdaLayer._step_pipeline_blocks(fake, sequences)
-    assert blocks == expected
-    if blocks:
-        assert layer.KdaLayer._step_prefetch_ahead(fake, blocks) == 2 * blocks
-
-
 @pytest.mark.parametrize("heads,waves,expected", [(64, 0.25, 1), (32, 0.25, 2), (32, 0.125, 1), (64, 0.5, 2),
                                                   (4, 0.25, 16), (64, 0.0, 0)])
 def test_batched_step_prefetch_distance(monkeypatch, heads, waves, expected):
