@@ -397,6 +397,91 @@ def test_qkv_projection_leaves_slots_to_the_side_chain(monkeypatch):
     assert forks == [(0, True), (1, True)]
 
 
+def test_step_state_prefetch_launch(launches):
+    """ops.prefetch_step_states_l2: one block a sequence, the pools, the slots, the heads, the conv
+    floats of a slot and the priority, as kda_prefetch_step_states declares them; no conv request
+    for a conv pool that is not 16-byte aligned; nothing for a state pool that is not; a bad
+    sequence count is refused before any launch."""
+    import re
+
+    from glm_kda import kernels
+
+    heads, rows = 2, 5
+    operands = _fused_decode_operands(heads, rows, pool=8)
+    slots = HostStandIn(np.arange(rows, dtype=np.int32))
+    ops.prefetch_step_states_l2(operands["conv_state"], operands["state"], 3, slots, keep=True)
+    (name, grid, block, args), = launches
+    source = (kernels.kernels_dir() / "decode.cu").read_text()
+    signature = re.search(r"kda_prefetch_step_states\((.*?)\)\n", source, re.S).group(1)
+    assert name == "kda_prefetch_step_states" and grid == (3,) and block == (ops.HEAD_BLOCK,)
+    assert len(args) == signature.count(",") + 1
+    assert args[0] is operands["state"] and args[1] is operands["conv_state"] and args[2] is slots
+    assert [int(a) for a in args[3:]] == [heads, 3 * heads * 128 * 4, 1]
+    launches.clear()
+    shifted = HostStandIn(aligned((8 * 3 * heads * 128 * 4 + 1,), np.float32)[1:].reshape(8, 3 * heads * 128, 4))
+    ops.prefetch_step_states_l2(shifted, operands["state"], 2, slots)
+    assert [int(a) for a in launches[0][3][3:]] == [heads, 0, 0]
+    launches.clear()
+    shifted_state = HostStandIn(aligned((8 * heads * 128 * 128 + 1,), np.float32)[1:].reshape(8, heads, 128, 128))
+    ops.prefetch_step_states_l2(operands["conv_state"], shifted_state, 2, slots)
+    assert launches == []
+    for bad in (0, 6):
+        with pytest.raises(ValueError):
+            ops.prefetch_step_states_l2(operands["conv_state"], operands["state"], bad, slots)
+    assert launches == []
+
+
+@pytest.mark.parametrize("heads,rows,waves,min_rows,expected", [(32, 64, 1.0, 17, 8), (64, 64, 1.0, 17, 4),
+                                                                (32, 64, 2.0, 17, 16), (32, 16, 1.0, 17, 0),
+                                                                (32, 5, 1.0, 1, 5), (32, 64, None, 17, 0)])
+def test_step_state_prefetch_sequences(monkeypatch, heads, rows, waves, min_rows, expected):
+    """layer.STEP_STATE_PREFETCH_WAVES waves of resident step blocks (132 SMs x 2) in sequences, at
+    most the batch, none below STEP_STATE_PREFETCH_MIN_ROWS rows or without the fused step."""
+    from glm_kda import gemm_rows, layer
+
+    monkeypatch.setattr(gemm_rows, "_sm_count", lambda device_id: 132)
+    monkeypatch.setattr(layer, "STEP_STATE_PREFETCH_WAVES", waves)
+    monkeypatch.setattr(layer, "STEP_STATE_PREFETCH_MIN_ROWS", min_rows)
+    fake = SimpleNamespace(config=SimpleNamespace(heads=heads), fused_decode=True,
+                           qkv_weight=SimpleNamespace(device=SimpleNamespace(id=0)))
+    assert layer.KdaLayer._step_state_prefetch(fake, rows) == expected
+    fake.fused_decode = False
+    assert layer.KdaLayer._step_state_prefetch(fake, rows) == 0
+
+
+def test_pool_step_asks_for_states_beside_the_front_end(monkeypatch):
+    """decode_rows of a pool step forks branch 2 for the state request, before the front end, and
+    joins it before the step; a decode_k walk (sequential) asks for nothing and forks nothing."""
+    import contextlib
+
+    from glm_kda import layer
+
+    events = []
+
+    @contextlib.contextmanager
+    def beside(concurrent, branch=0):
+        events.append(("fork", branch, concurrent))
+        yield contextlib.nullcontext()
+        events.append(("join", branch))
+
+    monkeypatch.setattr(ops, "prefetch_step_states_l2", lambda conv, state, sequences, slots, keep: events.append(
+        ("prefetch", sequences, slots, keep)))
+    fake = SimpleNamespace(
+        fused_decode=True, _persistent_applies=lambda rows, sequential, snapshots: False,
+        _step_state_prefetch=lambda rows: 8, _beside=beside,
+        front_end=lambda hidden, gate: events.append(("front_end",)),
+        stateful_rows=lambda first, rows, conv, state, slots=None, walk=False: events.append(("step", walk)),
+        back_end=lambda rows, norm: events.append(("back_end",)),
+    )
+    slots = object()
+    layer.KdaLayer.decode_rows(fake, np.zeros((64, 8)), "conv", "state", slots=slots)
+    assert events == [("fork", 2, True), ("prefetch", 8, slots, layer.STEP_STATE_PREFETCH_KEEP), ("front_end",),
+                      ("join", 2), ("step", False), ("back_end",)]
+    events.clear()
+    layer.KdaLayer.decode_rows(fake, np.zeros((5, 8)), "conv", "state", sequential=True)
+    assert events == [("fork", 2, False), ("front_end",), ("join", 2), ("step", True), ("back_end",)]
+
+
 @pytest.mark.parametrize("n,k,expected", [(4096, 8192, 0), (2304, 4096, 16), (8192, 128, 16), (24576, 4096, 0)],
                          ids=["glm_o_proj", "kimi_o_proj", "glm_f_b", "glm_qkv"])
 def test_programmatic_l2_request_only_for_weights_up_to_the_limit(monkeypatch, n, k, expected):
