@@ -64,9 +64,7 @@ def defaults() -> dict:
     (layer.STEP_WRITES_X_TILES), side_chain_bulk (layer.SIDE_CHAIN_BULK), gate_branch_min_rows
     (layer.GATE_BRANCH_MIN_ROWS; None: g_b after f_b on one stream), bulk_stages_by_chunks
     (gemm_rows.BULK_STAGES_BY_CHUNKS), bulk_split_warpgroups (gemm_rows.BULK_SPLIT_WARPGROUPS),
-    step_state_prefetch_waves, step_state_prefetch_min_rows and step_state_prefetch_keep
-    (layer.STEP_STATE_PREFETCH_WAVES, None: none; layer.STEP_STATE_PREFETCH_MIN_ROWS;
-    layer.STEP_STATE_PREFETCH_KEEP), kernel_sources (a folder of kernel sources; None: the package's own)."""
+    kernel_sources (a folder of kernel sources; None: the package's own)."""
     from glm_kda import gemm_rows, kernels, layer, persistent
 
     return {
@@ -86,9 +84,6 @@ def defaults() -> dict:
         "out_proj_staged": layer.OUT_PROJ_STAGED, "step_writes_x_tiles": layer.STEP_WRITES_X_TILES,
         "side_chain_bulk": layer.SIDE_CHAIN_BULK, "gate_branch_min_rows": layer.GATE_BRANCH_MIN_ROWS,
         "bulk_stages_by_chunks": gemm_rows.BULK_STAGES_BY_CHUNKS, "bulk_split_warpgroups": gemm_rows.BULK_SPLIT_WARPGROUPS,
-        "step_state_prefetch_waves": layer.STEP_STATE_PREFETCH_WAVES,
-        "step_state_prefetch_min_rows": layer.STEP_STATE_PREFETCH_MIN_ROWS,
-        "step_state_prefetch_keep": layer.STEP_STATE_PREFETCH_KEEP,
         "kernel_sources": None,
     }
 
@@ -130,9 +125,6 @@ def apply(settings: dict, layer_object) -> None:
     layer.GATE_BRANCH_MIN_ROWS = settings["gate_branch_min_rows"]
     gemm_rows.BULK_STAGES_BY_CHUNKS = settings["bulk_stages_by_chunks"]
     gemm_rows.BULK_SPLIT_WARPGROUPS = settings["bulk_split_warpgroups"]
-    layer.STEP_STATE_PREFETCH_WAVES = settings["step_state_prefetch_waves"]
-    layer.STEP_STATE_PREFETCH_MIN_ROWS = settings["step_state_prefetch_min_rows"]
-    layer.STEP_STATE_PREFETCH_KEEP = settings["step_state_prefetch_keep"]
     sources = settings["kernel_sources"]
     if sources not in _KERNEL_SETS:
         _KERNEL_SETS[sources] = kernels.KernelSet.get() if sources is None else kernels.KernelSet(sources)

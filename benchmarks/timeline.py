@@ -215,8 +215,6 @@ def main(argv: list[str] | None = None) -> None:
                         pool = StatePool(cfg, 2 * rows)
                         slots = cupy.asarray(np.random.default_rng(0).permutation(2 * rows)[:rows].astype(np.int32))
                         call = lambda: layer.decode(hidden[:rows], pool, slots)  # noqa: E731
-                        # kda_prefetch_step_states names its records by the pool's state, two bytes on.
-                        names[pool.recurrent.data.ptr + 2] = "state prefetch"
                     for _ in range(3):
                         call()  # eager, capture, replay
                     graph = layer._graphs.last_graph

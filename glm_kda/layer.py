@@ -71,14 +71,6 @@ STEP_STAGED_CARVEOUT = -1
 # an H200 (benchmarks/decode_breakdown.py, one process, split / one block: GLM B=1 87.4 / 83.4 us,
 # verify K16 2.00x / 1.40x; Kimi 35.1 / 35.1, 2.24x / 1.95x), so off.
 STEP_SPLIT_WAVES: float | None = None
-# A pool step of at least STEP_STATE_PREFETCH_MIN_ROWS sequences asks L2, beside its projections
-# (which leave the memory part of its bandwidth), for the recurrent states and conv windows of the
-# sequences its fused step's first STEP_STATE_PREFETCH_WAVES waves of resident blocks read (None:
-# none), with the L2 priority evict_last where STEP_STATE_PREFETCH_KEEP (ops.prefetch_step_states_l2,
-# on a stream of its own). No bit depends on them.
-STEP_STATE_PREFETCH_WAVES: float | None = 1.0
-STEP_STATE_PREFETCH_MIN_ROWS = 17
-STEP_STATE_PREFETCH_KEEP = False
 # The decode front end's low-rank chain (down_proj -> f_b -> g_b) beside the q|k|v projection:
 # SIDE_CHAIN_FIRST issues it before q|k|v (False: after); SIDE_CHAIN_PROGRAMMATIC launches f_b
 # and g_b as programmatic dependents; SIDE_STREAM_PRIORITY is its stream's priority (lower is more
@@ -636,14 +628,6 @@ class KdaLayer:
         resident = _step_resident_blocks(self.qkv_weight.device.id)
         return sequences * self.config.heads * ops.HEAD_SPLIT <= STEP_SPLIT_WAVES * resident
 
-    def _step_state_prefetch(self, sequences: int) -> int:
-        """Sequences of a `sequences`-sequence pool step whose states are asked of L2 beside the
-        projections (STEP_STATE_PREFETCH_WAVES, STEP_STATE_PREFETCH_MIN_ROWS), or 0."""
-        if not self.fused_decode or STEP_STATE_PREFETCH_WAVES is None or sequences < STEP_STATE_PREFETCH_MIN_ROWS:
-            return 0
-        resident = _step_resident_blocks(self.qkv_weight.device.id)
-        return min(sequences, max(1, round(STEP_STATE_PREFETCH_WAVES * resident / self.config.heads)))
-
     def _step_prefetch_ahead(self) -> int:
         """Sequences ahead whose state a batched fused step asks L2 for (STEP_PREFETCH_WAVES)."""
         if STEP_PREFETCH_WAVES <= 0:
@@ -667,13 +651,7 @@ class KdaLayer:
                 persistent.launch(self, hidden, conv_state, recurrent_state, slots)
             return
         with _section("front_end"):
-            early = 0 if sequential else self._step_state_prefetch(rows)
-            with self._beside(early > 0 and not kernels.TIMER.active, branch=2) as prefetch_side:
-                if early:
-                    with prefetch_side:
-                        ops.prefetch_step_states_l2(conv_state, recurrent_state, early, slots,
-                                                    keep=STEP_STATE_PREFETCH_KEEP)
-                self.front_end(hidden, gate=not self.fused_decode)
+            self.front_end(hidden, gate=not self.fused_decode)
         with _section("recurrence"):
             if sequential and self.fused_decode and not snapshots:
                 self.stateful_rows(0, rows, conv_state, recurrent_state, walk=True)

@@ -592,29 +592,6 @@ def kda_decode_fused_bf16(
     )
 
 
-def prefetch_step_states_l2(conv_state, state, sequences: int, slots=None, *, keep: bool = False) -> None:
-    """Ask L2 for the recurrent states (every head) and conv windows of the first `sequences`
-    sequences of a fused step: slots slots[0 .. sequences) of the pools, or states 0 .. when slots
-    is None. conv_state [N, 3*H*D, K] and state [N, H, D, D] FP32 pools (or one state each);
-    keep: with the L2 priority evict_last (sm_90 and later). Reads and writes nothing: launched
-    beside the projections before a batched step, it changes no bit. A state or a conv window run
-    that is not 16-byte aligned is not asked for (the bulk requests take aligned runs)."""
-    heads = _state_or_pool_heads(state)
-    conv_dim = 3 * heads * HEAD_DIM
-    kernel_size = conv_state.shape[-1]
-    _slot_rows("conv_state", conv_state, (conv_dim, kernel_size), sequences, slots)
-    _slot_rows("state", state, (heads, HEAD_DIM, HEAD_DIM), sequences, slots)
-    if sequences < 1:
-        raise ValueError(f"sequences must be >= 1, got {sequences}")
-    if state.data.ptr % 16:
-        return
-    conv_floats = conv_dim * kernel_size
-    if conv_state.data.ptr % 16 or conv_floats % 4:
-        conv_floats = 0
-    kernels.launch("kda_prefetch_step_states", (sequences,), (HEAD_BLOCK,),
-                   (state, conv_state, slots, _i32(heads), _i32(conv_floats), _i32(1 if keep else 0)))
-
-
 def bulk_copies_available() -> bool:
     """Whether the current device has the bulk copies (the tensor memory accelerator) and the
     thread-block clusters of sm_90 and later, which kda_decode_fused_bf16(staged=True) and

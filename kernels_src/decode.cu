@@ -86,29 +86,6 @@ kda_decode_fused_staged_bf16(KDA_DECODE_FUSED_PARAMETERS)
     kda_decode_fused_block<true>(KDA_DECODE_FUSED_ARGS, kda_state_stage, blockIdx.x);
 }
 
-// Asks L2 for what the first blocks of a batched fused step read first: the recurrent state of
-// every head (64 KB each) and the conv windows (conv_floats floats) of slots slots[s] (slot s when
-// slots is null) for s < gridDim.x, one block of KDA_HEAD_BLOCK threads a sequence, thread h asking
-// for head h's state (keep: with the L2 priority evict_last). Launched beside the projections that
-// come before the step, which leave the memory part of its bandwidth. Reads and writes nothing, so
-// no bit depends on it. conv_floats 0: no conv windows.
-extern "C" __global__ void __launch_bounds__(KDA_HEAD_BLOCK)
-kda_prefetch_step_states(const float* state, const float* conv_state, const int* slots, int heads, int conv_floats,
-                         int keep)
-{
-    KDA_TRACE_SCOPE(reinterpret_cast<const char*>(state) + 2);
-    kda_let_next_kernel_launch();
-    const size_t sequence = blockIdx.x;
-    const size_t slot = slots != nullptr ? static_cast<size_t>(slots[sequence]) : sequence;
-    for (int head = threadIdx.x; head < heads; head += blockDim.x) {
-        prefetch_run_l2(state + (slot * heads + head) * static_cast<size_t>(KDA_HEAD_DIM) * KDA_HEAD_DIM,
-                        KDA_HEAD_DIM * KDA_HEAD_DIM, keep != 0);
-    }
-    if (threadIdx.x == blockDim.x - 1 && conv_floats > 0) {
-        prefetch_run_l2(conv_state + slot * conv_floats, conv_floats, keep != 0);
-    }
-}
-
 // The head split over a cluster of KDA_HEAD_SPLIT blocks (grid: heads * KDA_HEAD_SPLIT along x).
 // Before sm_90 there are no clusters: the first block of each KDA_HEAD_SPLIT runs the whole head.
 #if KDA_CLUSTERS

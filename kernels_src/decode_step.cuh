@@ -25,32 +25,6 @@ __device__ __forceinline__ void prefetch_floats_l2(const float* first, int count
 #endif
 }
 
-// One thread: ask L2 for `count` contiguous floats from `first` (16-byte aligned, count a multiple
-// of 4), with the L2 eviction priority evict_last where `keep` holds: one bulk request on sm_90 and
-// later, a 128-byte line per request before (no priority there).
-__device__ __forceinline__ void prefetch_run_l2(const float* first, int count, bool keep)
-{
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    const unsigned int bytes = static_cast<unsigned int>(count * sizeof(float));
-    if (keep) {
-        asm volatile(
-            "{\n"
-            ".reg .b64 policy;\n"
-            "createpolicy.fractional.L2::evict_last.b64 policy, 1.0;\n"
-            "cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, policy;\n"
-            "}\n" ::"l"(first),
-            "r"(bytes)
-            : "memory");
-    } else {
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(first), "r"(bytes) : "memory");
-    }
-#else
-    for (int line = 0; line < (count + 31) / 32; ++line) {
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(first + 32 * line));
-    }
-#endif
-}
-
 // ---- The head's state through shared memory (sm_90 and later): the whole 64 KB of a head is
 // contiguous, so one thread moves it with one bulk copy each way (the tensor memory accelerator)
 // instead of every thread issuing KDA_HEAD_DIM four-byte loads and stores, whose issue and
