@@ -634,13 +634,18 @@ def x_tiles_size(rows: int, k: int) -> int:
     return -(-rows // ROWS_PER_SWEEP) * -(-k // K_BLOCK) * 64 * K_BLOCK
 
 
+def _check_scratch(array: Any, dtype: Any, kind: str, size: int, name: str, what: str) -> None:
+    """Raises ValueError, naming `what` and the scratch `name`, unless `array` is a contiguous array of
+    `dtype` (called `kind` in the message) with at least `size` elements."""
+    if array.dtype != dtype or not array.flags.c_contiguous or array.size < size:
+        raise ValueError(f"{what}: {name} must be a contiguous {kind} array of at least {size} elements, "
+                         f"got {array.dtype} of {array.size} (contiguous: {array.flags.c_contiguous})")
+
+
 def check_x_tiles(x_tiles: Any, dtype: Any, rows: int, k: int, what: str) -> None:
     """Raises ValueError, naming `what`, unless x_tiles is a contiguous array of `dtype` (BF16) with at
     least x_tiles_size(rows, k) elements: room for `rows` rows of a k-wide x in the tile layout."""
-    size = x_tiles_size(rows, k)
-    if x_tiles.dtype != dtype or not x_tiles.flags.c_contiguous or x_tiles.size < size:
-        raise ValueError(f"{what}: x_tiles must be a contiguous BF16 array of at least {size} elements, "
-                         f"got {x_tiles.dtype} of {x_tiles.size} (contiguous: {x_tiles.flags.c_contiguous})")
+    _check_scratch(x_tiles, dtype, "BF16", x_tiles_size(rows, k), "x_tiles", what)
 
 
 def gemm_rows_bulk(x, w: PackedWeight, out, rows: int | None = None, *, x_tiles: Any = None,
@@ -682,9 +687,8 @@ def gemm_rows_bulk(x, w: PackedWeight, out, rows: int | None = None, *, x_tiles:
     if plan.split:
         if partial is None:
             partial = cupy.empty((partial_size,), cupy.float32)
-        elif partial.dtype != cupy.float32 or not partial.flags.c_contiguous or partial.size < partial_size:
-            raise ValueError(f"gemm_rows_bulk: partial must be a contiguous float32 array of at least {partial_size}"
-                             f" elements, got {partial.dtype} of {partial.size} (contiguous: {partial.flags.c_contiguous})")
+        else:
+            _check_scratch(partial, cupy.float32, "float32", partial_size, "partial", "gemm_rows_bulk")
     if not x_tiled:
         threads = size // K_BLOCK  # one per (row group, k block, row of 64): 32 elements each
         kernels.launch("gemm_rows_tile_x_bf16", (-(-threads // 256),), (256,),
