@@ -153,13 +153,14 @@ def apply_settings(items: list[str]) -> dict:
     changed = {}
     for item in items:
         name, equals, value = item.partition("=")
-        module_name, _, setting = name.strip().rpartition(".")
+        name = name.strip()
+        module_name, _, setting = name.rpartition(".")
         module = modules.get(module_name or "layer")
         if not equals or not setting.isupper() or module is None or not hasattr(module, setting):
             raise SystemExit(f"--set {item!r}: expected NAME=VALUE with NAME a setting of glm_kda.layer, or"
                              " gemm_rows.NAME of glm_kda.gemm_rows")
-        changed[name.strip()] = ast.literal_eval(value.strip())
-        setattr(module, setting, changed[name.strip()])
+        changed[name] = ast.literal_eval(value.strip())
+        setattr(module, setting, changed[name])
     return changed
 
 
