@@ -211,3 +211,16 @@ def test_architecture_families_compile_for_their_architecture(stem):
     report = kernels.compile_check(arch)
     assert set(names) <= set(report)
     assert {name for families in kernels.ENTRY_POINTS.values() for name in families} <= set(report)
+
+
+def test_sm_intake_benchmark_compiles():
+    """benchmarks/sm_intake.cu (the bulk-copy, multicast and load intake cases) builds for sm_90a."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import sm_intake
+    finally:
+        sys.path.pop(0)
+    resources = kernels.parse_ptxas_log(sm_intake.compile_kernels().log)
+    assert set(sm_intake.ENTRY_POINTS) <= set(resources), f"entry points missing from the cubin: {sorted(resources)}"
