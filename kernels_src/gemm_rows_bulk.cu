@@ -29,11 +29,10 @@
 // A block: WG consumer warpgroups and one copy warp (the last). Its work is the tasks of
 // GemmBulkWalk below (super-groups of WG groups of 64 columns, whole or one k range at a time),
 // each range's k in chunks of up to GEMM_BULK_CHUNK blocks of 32. Chunk i of the block's walk goes
-// to ring slot i % stages: x's chunk (CHUNK 4 KB tiles) then each warpgroup's weight chunk. The copy
-// warp's lanes 0 .. WG wait for the slot to be free (its `empty` mbarrier: one arrival per consumer
-// warp); lane 0 announces the bytes on its `full` mbarrier and the lanes start the copies, one each;
-// the weight copies of the first `stages` chunks go out before the wait on the previous kernel (the
-// weight is no kernel's output), x's after it.
+// to ring slot i % stages: x's chunk (CHUNK 4 KB tiles) then each warpgroup's weight chunk. The copy warp's lane 0 waits for
+// the slot to be free (its `empty` mbarrier: one arrival per consumer warp), announces the bytes on
+// its `full` mbarrier and starts the copies; the weight copies of the first `stages` chunks go out
+// before the wait on the previous kernel (the weight is no kernel's output), x's after it.
 #include "gemm_rows.cuh"
 #include "wgmma.cuh"
 
@@ -127,21 +126,16 @@ __device__ __forceinline__ GemmBulkWalk gemm_bulk_walk(int k, int super_groups, 
     return walk;
 }
 
-// The copy warp's lanes 0 .. WG, over the block's walk: for each chunk i (slot i % stages), before the
+// The copy warp's lane 0, over the block's walk: for each chunk i (slot i % stages), before the
 // wait on the previous kernel (`early`) the weight copies of chunks i < stages, after it the rest:
 // the copies of x for every chunk, and both copies for chunks i >= stages once the slot is free.
-// Lane 0 announces a slot's bytes and copies x's chunk; lane 1 + g copies warpgroup g's weight chunk.
-// One lane's bulk copies go out one after the other, each about 0.37 us for 16 KB on an H200
-// (benchmarks/sm_intake.py: 44 GB/s for one issuing thread, about 60 for two and 77 for four), so a
-// slot's copies are issued by as many lanes at once.
 template <int WG>
 __device__ __forceinline__ void gemm_bulk_produce(const GemmBulkWalk& walk, bool early, int stages,
                                                   unsigned int ring, unsigned int slot_bytes,
                                                   unsigned int full_barriers, unsigned int empty_barriers,
                                                   const bf16_t* x_tiles, const bf16_t* w_tiles, int row_group,
-                                                  int groups, int lane)
+                                                  int groups)
 {
-    constexpr unsigned int lanes = (1u << (WG + 1)) - 1;
     int i = 0;
     for (int task = blockIdx.x; task < walk.tasks; task += gridDim.x) {
         const int super_group = task / walk.parts;
@@ -163,18 +157,16 @@ __device__ __forceinline__ void gemm_bulk_produce(const GemmBulkWalk& walk, bool
                     // Every consumer warp has finished with use i / stages - 1 of the slot.
                     mbarrier_wait(empty_barriers + 8 * slot, (i / stages - 1) & 1);
                 }
-                if (weights && lane == 0) {
+                if (weights) {
                     mbarrier_expect_bytes(full, (1 + present) * bytes);
+                    for (int g = 0; g < present; ++g) {
+                        const int group = super_group * WG + g;
+                        bulk_copy_to_shared(slot_address + (1 + g) * GEMM_BULK_CHUNK * GEMM_BULK_TILE_BYTES,
+                                            w_tiles + (static_cast<size_t>(group) * walk.k_blocks + kb) * GEMM_BULK_TILE_ELEMENTS,
+                                            bytes, full);
+                    }
                 }
-                // The bytes are announced before any copy of them can complete.
-                __syncwarp(lanes);
-                if (weights && lane >= 1 && lane <= present) {
-                    const int group = super_group * WG + lane - 1;
-                    bulk_copy_to_shared(slot_address + lane * GEMM_BULK_CHUNK * GEMM_BULK_TILE_BYTES,
-                                        w_tiles + (static_cast<size_t>(group) * walk.k_blocks + kb) * GEMM_BULK_TILE_ELEMENTS,
-                                        bytes, full);
-                }
-                if (!early && lane == 0) {
+                if (!early) {
                     bulk_copy_to_shared(slot_address,
                                         x_tiles + (static_cast<size_t>(row_group) * walk.k_blocks + kb) * GEMM_BULK_TILE_ELEMENTS,
                                         bytes, full);
@@ -246,13 +238,13 @@ __device__ __forceinline__ void gemm_bulk_entry(const bf16_t* __restrict__ x_til
 
     if (warp == consumer_warps) {
         // The copy warp.
-        if (lane <= WG) {
+        if (lane == 0) {
             gemm_bulk_produce<WG>(walk, true, stages, ring, slot_bytes, full_barriers, empty_barriers, x_tiles, w_tiles,
-                                  row_group, groups, lane);
+                                  row_group, groups);
             // x is the previous kernel's output (gemm_rows_tile_x_bf16): nothing of it before this.
             kda_wait_for_previous_kernel();
             gemm_bulk_produce<WG>(walk, false, stages, ring, slot_bytes, full_barriers, empty_barriers, x_tiles,
-                                  w_tiles, row_group, groups, lane);
+                                  w_tiles, row_group, groups);
         }
         return;
     }
