@@ -16,21 +16,16 @@ __device__ __forceinline__ unsigned int intake_shared(const void* pointer)
     return static_cast<unsigned int>(__cvta_generic_to_shared(pointer));
 }
 
-extern "C" __global__ void __launch_bounds__(32) intake_bulk(const char* src, unsigned long long region,
-                                                           unsigned long long block_offset, int chunks,
-                                                           int chunk_bytes, int stages)
+// Streams `chunks` chunks of `chunk_bytes` from src + start on (wrapping at `region` bytes) through
+// the ring of `stages` slots at shared address `ring`, slot s completing on the mbarrier at full + 8 s.
+__device__ __forceinline__ void intake_stream(unsigned int ring, unsigned int full, int stages, int chunks,
+                                              int chunk_bytes, const char* src, unsigned long long start,
+                                              unsigned long long region)
 {
-    extern __shared__ __align__(128) unsigned char intake_ring[];
-    if (threadIdx.x != 0) {
-        return;
-    }
-    const unsigned int ring = intake_shared(intake_ring);
-    const unsigned int full = ring + stages * chunk_bytes;
     for (int s = 0; s < stages; ++s) {
         mbarrier_init(full + 8 * s, 1);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    const unsigned long long start = blockIdx.x * block_offset;
     for (int i = 0; i < chunks + stages; ++i) {
         if (i >= stages) {
             const int j = i - stages;
@@ -43,6 +38,18 @@ extern "C" __global__ void __launch_bounds__(32) intake_bulk(const char* src, un
                                 src + (start + static_cast<unsigned long long>(i) * chunk_bytes) % region,
                                 chunk_bytes, full + 8 * slot);
         }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(32) intake_bulk(const char* src, unsigned long long region,
+                                                           unsigned long long block_offset, int chunks,
+                                                           int chunk_bytes, int stages)
+{
+    extern __shared__ __align__(128) unsigned char intake_ring[];
+    if (threadIdx.x == 0) {
+        const unsigned int ring = intake_shared(intake_ring);
+        intake_stream(ring, ring + stages * chunk_bytes, stages, chunks, chunk_bytes, src, blockIdx.x * block_offset,
+                      region);
     }
 }
 
@@ -173,25 +180,9 @@ extern "C" __global__ void __launch_bounds__(256) intake_issuers(const char* src
         return;
     }
     const int r = threadIdx.x / lane_step;
-    const unsigned int ring = intake_shared(intake_ring) + r * stages * chunk_bytes;
-    const unsigned int full = intake_shared(intake_ring) + issuers * stages * chunk_bytes + 8 * r * stages;
-    for (int s = 0; s < stages; ++s) {
-        mbarrier_init(full + 8 * s, 1);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    const unsigned int ring = intake_shared(intake_ring);
     const int mine = chunks / issuers;
-    const unsigned long long start = blockIdx.x * block_offset + static_cast<unsigned long long>(r) * mine * chunk_bytes;
-    for (int i = 0; i < mine + stages; ++i) {
-        if (i >= stages) {
-            const int j = i - stages;
-            mbarrier_wait(full + 8 * (j % stages), (j / stages) & 1);
-        }
-        if (i < mine) {
-            const int slot = i % stages;
-            mbarrier_expect_bytes(full + 8 * slot, chunk_bytes);
-            bulk_copy_to_shared(ring + slot * chunk_bytes,
-                                src + (start + static_cast<unsigned long long>(i) * chunk_bytes) % region,
-                                chunk_bytes, full + 8 * slot);
-        }
-    }
+    intake_stream(ring + r * stages * chunk_bytes, ring + issuers * stages * chunk_bytes + 8 * r * stages, stages, mine,
+                  chunk_bytes, src, blockIdx.x * block_offset + static_cast<unsigned long long>(r) * mine * chunk_bytes,
+                  region);
 }

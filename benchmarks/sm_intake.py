@@ -25,7 +25,7 @@ import cupy
 import numpy as np
 
 from glm_kda import kernels
-from glm_kda.selftest import copy_bandwidth_gbs
+from glm_kda.selftest import copy_bandwidth_gbs, median_ms
 
 HERE = Path(__file__).resolve().parent
 CHUNK = 16 << 10
@@ -51,20 +51,6 @@ def _module() -> cupy.RawModule:
     with tempfile.TemporaryDirectory() as folder:
         _stage(folder)
         return cupy.RawModule(path=str(kernels._cached_cubin("sm_intake", "sm_90a", folder)))
-
-
-def _median_ms(launch, repeats: int = 9, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        launch()
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    times = []
-    for _ in range(repeats):
-        start.record()
-        launch()
-        end.record()
-        end.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, end))
-    return float(np.median(times))
 
 
 def main() -> None:
@@ -109,7 +95,7 @@ def main() -> None:
                 launch = lambda: issuers_kernel((blocks,), (256,), (
                     buffer, np.uint64(region), np.uint64(offset), np.int32(per_block // chunk), np.int32(chunk),
                     np.int32(stages), np.int32(count), np.int32(lane_step)), shared_mem=shared)
-                report("issuers", source, blocks, 1, stages, _median_ms(launch), issuers=count,
+                report("issuers", source, blocks, 1, stages, median_ms(launch, 9, 2), issuers=count,
                        lanes_apart=lane_step, chunk_kb=chunk >> 10)
             if args.issuers_only:
                 continue
@@ -118,7 +104,7 @@ def main() -> None:
                 bulk.max_dynamic_shared_size_bytes = shared
                 launch = lambda: bulk((blocks,), (32,), (buffer, np.uint64(region), np.uint64(offset), np.int32(chunks),
                                                           np.int32(CHUNK), np.int32(stages)), shared_mem=shared)
-                report("bulk", source, blocks, 1, stages, _median_ms(launch))
+                report("bulk", source, blocks, 1, stages, median_ms(launch, 9, 2))
             # Two blocks an SM, each with a ring of 4 slots (shared memory for two, not three).
             stages = 4
             shared = max(stages * CHUNK + 16 * stages, 80 << 10)
@@ -126,7 +112,7 @@ def main() -> None:
             launch = lambda: bulk((2 * blocks,), (32,), (buffer, np.uint64(region), np.uint64(offset),
                                                           np.int32(chunks), np.int32(CHUNK), np.int32(stages)),
                                   shared_mem=shared)
-            report("bulk_2_per_sm", source, 2 * blocks, 2, stages, _median_ms(launch))
+            report("bulk_2_per_sm", source, 2 * blocks, 2, stages, median_ms(launch, 9, 2))
             if blocks % 2 == 0:
                 stages = 8
                 shared = max(stages * CHUNK + 32 * stages, 120 << 10)
@@ -134,13 +120,13 @@ def main() -> None:
                 launch = lambda: multicast((blocks,), (32,), (buffer, np.uint64(region), np.uint64(offset),
                                                                np.int32(chunks), np.int32(CHUNK), np.int32(stages)),
                                            shared_mem=shared)
-                report("multicast", source, blocks, 1, stages, _median_ms(launch))
+                report("multicast", source, blocks, 1, stages, median_ms(launch, 9, 2))
             # Plain loads, one block an SM (shared memory keeps a second one off).
             shared = 120 << 10
             loads.max_dynamic_shared_size_bytes = shared
             launch = lambda: loads((blocks,), (256,), (buffer, np.uint64(region // 16), np.uint64(offset // 16),
                                                         np.int64(per_block // 16), sink), shared_mem=shared)
-            report("loads", source, blocks, 1, 0, _median_ms(launch))
+            report("loads", source, blocks, 1, 0, median_ms(launch, 9, 2))
 
 
 if __name__ == "__main__":
