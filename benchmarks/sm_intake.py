@@ -8,9 +8,11 @@ only a limit the SMs share is relieved by multicast (L2 serves a chunk once for 
 cluster), and only a limit of each SM by spreading a sweep over more SMs. Each case gives the
 bytes every block received over the kernel's time (CUDA events, median of 9 launches after 2),
 per SM and summed; `source` "l2" reads an 8 MB region every block shares (L2 hits after the first
-pass), "dram" a region of its own per block (or per cluster). sm_90 only.
+pass), "dram" a region of its own per block (or per cluster). Mode "issuers" (first for each block
+count; alone with --issuers-only) streams a block's bytes from several threads at once, each with a
+ring of its own, or from one thread in chunks of other sizes. sm_90 only.
 
-    PYTHONPATH=. python benchmarks/sm_intake.py [--blocks 1 8 33 66 132]
+    PYTHONPATH=. python benchmarks/sm_intake.py [--blocks 2 8 32 66 96 132] [--issuers-only]
 """
 
 from __future__ import annotations
