@@ -83,8 +83,6 @@ BULK_WARPGROUPS: int | None = None
 BULK_CHUNK = 4
 BULK_MAX_STAGES = 8
 BULK_TILE_BYTES = 64 * K_BLOCK * 2
-# Consecutive outputs of a row each thread of the split sweep's fold adds (GEMM_BULK_FOLD_OUTPUTS).
-FOLD_OUTPUTS = 4
 # Warpgroups of a split sweep's block (None: as BULK_WARPGROUPS, else by bulk_warpgroups' rule). No
 # bit depends on it. Kimi's o_proj at 64 rows with 2 (144 tasks on 132 blocks, each ring holding a
 # whole task's x and weight, so a one-task block has all of its weight before the step ends): on an H200
@@ -700,8 +698,7 @@ def gemm_rows_bulk(x, w: PackedWeight, out, rows: int | None = None, *, x_tiles:
                     partial if plan.split else None),
                    plan.shared_mem, programmatic=programmatic or not x_tiled, carveout=100)
     if plan.split:
-        # One thread per FOLD_OUTPUTS consecutive outputs of a row (kernels_src/gemm_rows_bulk.cu).
-        kernels.launch("gemm_rows_bulk_fold_bf16", (-(-(rows * -(-n // FOLD_OUTPUTS)) // 256),), (256,),
+        kernels.launch("gemm_rows_bulk_fold_bf16", (-(-(rows * n) // 256),), (256,),
                        (partial, out, _i32(ldy), _i32(rows), _i32(n), _i32(k)), programmatic=True)
 
 

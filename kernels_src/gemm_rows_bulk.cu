@@ -334,67 +334,34 @@ __device__ __forceinline__ void gemm_bulk_entry(const bf16_t* __restrict__ x_til
     }
 }
 
-// Outputs of one row a thread of gemm_rows_bulk_fold_bf16 folds (consecutive columns).
-#define GEMM_BULK_FOLD_OUTPUTS 4
-
 // y[row, column] = bf16 of the k ranges' partial sums (partial[range][row][column], FP32, from a
 // split gemm_rows_bulk_g<WG>) folded as the unsplit sweep folds them: range 0, then each next one
-// added in ascending order, then a zero for each range past the matrix. One thread per
-// GEMM_BULK_FOLD_OUTPUTS consecutive outputs of a row (fewer at its end), their sums read 16 bytes a
-// range where n keeps them aligned; launch 256 threads, grid ceil(rows * ceil(n / 4) / 256).
+// added in ascending order, then a zero for each range past the matrix. One thread per output;
+// launch 256 threads, grid ceil(rows * n / 256).
 extern "C" __global__ void __launch_bounds__(256) gemm_rows_bulk_fold_bf16(const float* partial,
                                                                          bf16_t* __restrict__ y, int ldy, int rows,
                                                                          int n, int k)
 {
     KDA_TRACE_SCOPE(y);
     kda_let_next_kernel_launch();
-    const int per_row = (n + GEMM_BULK_FOLD_OUTPUTS - 1) / GEMM_BULK_FOLD_OUTPUTS;
     const long long index = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-    if (index >= static_cast<long long>(rows) * per_row) {
+    const long long count = static_cast<long long>(rows) * n;
+    if (index >= count) {
         return;
     }
-    const int row = static_cast<int>(index / per_row);
-    const int column = static_cast<int>(index % per_row) * GEMM_BULK_FOLD_OUTPUTS;
-    const int here = min(GEMM_BULK_FOLD_OUTPUTS, n - column);
-    const size_t count = static_cast<size_t>(rows) * n;
-    const float* sums = partial + static_cast<size_t>(row) * n + column;
-    const bool vector = n % GEMM_BULK_FOLD_OUTPUTS == 0 && (reinterpret_cast<size_t>(partial) & 15) == 0;
     const int ranges = gemm_bulk_walk(k, 1, false).ranges;
     const int k_split = k_split_for(k);
     kda_wait_for_previous_kernel();
     // From L2 (the previous kernel wrote them while this one may already have started).
-    float total[GEMM_BULK_FOLD_OUTPUTS];
-    for (int r = 0; r < ranges; ++r) {
-        float range_sums[GEMM_BULK_FOLD_OUTPUTS];
-        if (vector) {
-            const float4 four = __ldcg(reinterpret_cast<const float4*>(sums + r * count));
-            range_sums[0] = four.x;
-            range_sums[1] = four.y;
-            range_sums[2] = four.z;
-            range_sums[3] = four.w;
-        } else {
-#pragma unroll
-            for (int e = 0; e < GEMM_BULK_FOLD_OUTPUTS; ++e) {
-                range_sums[e] = e < here ? __ldcg(sums + r * count + e) : 0.0f;
-            }
-        }
-#pragma unroll
-        for (int e = 0; e < GEMM_BULK_FOLD_OUTPUTS; ++e) {
-            total[e] = r == 0 ? range_sums[e] : total[e] + range_sums[e];
-        }
+    float total = __ldcg(partial + index);
+    for (int r = 1; r < ranges; ++r) {
+        total = total + __ldcg(partial + r * count + index);
     }
     for (int r = ranges; r < k_split; ++r) {
-#pragma unroll
-        for (int e = 0; e < GEMM_BULK_FOLD_OUTPUTS; ++e) {
-            total[e] += 0.0f;
-        }
+        total += 0.0f;
     }
-#pragma unroll
-    for (int e = 0; e < GEMM_BULK_FOLD_OUTPUTS; ++e) {
-        if (e < here) {
-            y[static_cast<size_t>(row) * ldy + column + e] = f32_to_bf16(total[e]);
-        }
-    }
+    const int row = static_cast<int>(index / n), column = static_cast<int>(index % n);
+    y[static_cast<size_t>(row) * ldy + column] = f32_to_bf16(total);
 }
 
 #define GEMM_BULK_ENTRY(WG)                                                                               \
