@@ -98,6 +98,15 @@ QKV_RESERVED_SLOTS = 64
 # step starting and ending about 1 us later beside the copies, and the projection's blocks still
 # 3.3 - 4.6 us from their wait to their end (against 4.4 - 5.7 reading the weight from memory).
 OUT_PROJ_STAGED = False
+# A decode call of one row (one sequence) runs q|k|v and the low-rank chain the other way round:
+# q|k|v on the current stream, followed by ops.signal_inputs_ready, and on the side stream the
+# chain, the fused step (its last kernel's programmatic dependent, waiting on the workspace's
+# inputs_ready words for q|k|v) and o_proj (see KdaLayer._decode_awaiting_projection). The step's
+# node then has one incoming edge and its blocks are resident before q|k|v ends, where a node after
+# the join of two streams started 2.3 - 2.5 us after its last input on an H200. No bit depends on
+# it. A walk of several tokens keeps the joined launches: its o_proj, launched once the first
+# token's inputs are formed instead of at once, made GLM's 16-token verify 4 us slower.
+STEP_AWAITS_PROJECTION = True
 # Where the output projection of a batch runs on the bulk-copy sweep (gemm_rows.bulk_applies), the
 # fused step writes its input a second time in the sweep's tile layout (kda_decode_fused_bf16's
 # x_tiles), so that the projection needs no tiling launch between the two. No bit depends on it.
@@ -249,6 +258,9 @@ class KdaWorkspace:
         # rows, where its few column groups are split by k range (a call that finds it too small
         # runs unsplit, the same bits).
         self.bulk_partial = cupy.zeros((gemm_rows.bulk_partial_size(c.hidden, c.qkv, min(max_tokens, 64)),), f32)
+        # The two words a fused step awaiting another stream's q|k|v polls (ops.kda_decode_fused_bf16's
+        # inputs_ready): zero between calls.
+        self.inputs_ready = cupy.zeros((2,), np.int32)
         # Fixed input buffers of the captured decode graphs.
         self.graph_hidden = cupy.zeros((max_tokens, c.hidden), bf16)
         self.graph_slots = cupy.zeros((max_tokens,), np.int32)
@@ -584,7 +596,7 @@ class KdaLayer:
             main.wait_event(join)
 
     def stateful_rows(self, first: int, rows: int, conv_state: Any, recurrent_state: Any, slots: Any = None,
-                      walk: bool = False) -> None:
+                      walk: bool = False, inputs_ready: Any = None) -> None:
         """Decode's stateful half for workspace rows first..first+rows-1, updating the states
         in place. Row r uses slot slots[r] of a pool, or (slots None, rows == 1) the single
         state given; walk=True: the rows are consecutive tokens of the single state given,
@@ -594,7 +606,8 @@ class KdaLayer:
         the recurrent step and the gated norm (o_norm_out), so the front end must skip the gate
         and the back end the norm (see :meth:`decode_rows`). Otherwise conv (+ SiLU + L2) then
         one recurrent step, reading the gate the front end formed; q and k arrive normalised and
-        the recurrent step must not normalise them again."""
+        the recurrent step must not normalise them again. inputs_ready (fused_decode only): the
+        step awaits q|k|v from another stream (ops.kda_decode_fused_bf16's inputs_ready)."""
         ws, c = self.workspace, self.config
         sl = slice(first, first + rows)
         self._x_tiles_rows = 0
@@ -609,13 +622,15 @@ class KdaLayer:
                 ws.key[sl], ws.value[sl], ws.gate[sl], ws.beta[sl], ws.core[sl], ws.o_norm_out[sl],
                 bounded=c.bounded, lower_bound=c.gate_lower_bound or 0.0, scale=self.scale, l2_eps=c.l2_eps,
                 norm_eps=c.rms_norm_eps, slots=slots, tokens=rows if walk else 1,
-                prefetch_ahead=self._step_prefetch_ahead(), dependents_after=STEP_DEPENDENTS_AFTER,
+                prefetch_ahead=self._step_prefetch_ahead(),
+                dependents_after=STEP_DEPENDENTS_AFTER if inputs_ready is None else max(STEP_DEPENDENTS_AFTER, 1),
                 staged=STEP_STAGED_STATE, carveout=STEP_STAGED_CARVEOUT,
-                split=self._step_split(1 if walk else rows), x_tiles=ws.x_tiles if tiles else None)
+                split=self._step_split(1 if walk else rows), x_tiles=ws.x_tiles if tiles else None,
+                inputs_ready=inputs_ready)
             self._x_tiles_rows = rows if tiles else 0
             return
-        if walk:
-            raise ValueError("stateful_rows: walk=True needs fused_decode")
+        if walk or inputs_ready is not None:
+            raise ValueError("stateful_rows: walk=True and inputs_ready need fused_decode")
         ops.conv_decode_silu_l2_bf16(conv_state, ws.qkv_proj[sl], self.conv_weight, ws.conv_out[sl],
                                      ws.query[sl], ws.key[sl], ws.value[sl], c.heads, c.head_dim, c.l2_eps, slots=slots)
         ops.kda_recurrent_step_f32(ws.query[sl], ws.key[sl], ws.value[sl], ws.gate[sl], ws.beta[sl],
@@ -650,6 +665,9 @@ class KdaLayer:
             with _section("persistent"):
                 persistent.launch(self, hidden, conv_state, recurrent_state, slots)
             return
+        if self._awaits_projection(rows, sequential, snapshots):
+            self._decode_awaiting_projection(hidden, conv_state, recurrent_state, slots, walk=sequential)
+            return
         with _section("front_end"):
             self.front_end(hidden, gate=not self.fused_decode)
         with _section("recurrence"):
@@ -665,6 +683,47 @@ class KdaLayer:
                 self.stateful_rows(0, rows, conv_state, recurrent_state, slots=slots)
         with _section("back_end"):
             self.back_end(rows, norm=not self.fused_decode)
+
+    def _awaits_projection(self, rows: int, sequential: bool, snapshots: Sequence[KdaState]) -> bool:
+        """Whether a decode-side call of `rows` rows runs as _decode_awaiting_projection: one row
+        without snapshots, the fused step of one block per head, concurrent launches (not while
+        timing)."""
+        return (STEP_AWAITS_PROJECTION and self.fused_decode and not snapshots and rows == 1
+                and not self._step_split(1) and not kernels.TIMER.active)
+
+    def _decode_awaiting_projection(self, hidden: Any, conv_state: Any, recurrent_state: Any, slots: Any,
+                                    walk: bool) -> None:
+        """decode_rows of one sequence with the fused step awaiting q|k|v (STEP_AWAITS_PROJECTION):
+        on this stream q|k|v, then ops.signal_inputs_ready; on the side stream (the more urgent one)
+        the low-rank chain, the fused step (the chain's programmatic dependent, awaiting the signal)
+        and o_proj; then the side stream joins this one.
+
+        Every block of q|k|v, of the signal and of the step must be able to be resident at once
+        (the step's blocks wait on their SMs): q|k|v leaves at least a slot per head and one more,
+        and is issued first. The words are set back to zero by the step, or here if a launch fails
+        between the two."""
+        ws, c = self.workspace, self.config
+        rows, d = hidden.shape[0], c.head_dim
+        try:
+            with self._beside(True) as side:
+                self._project(hidden, "qkv_weight", ws.qkv_proj[:rows], False,
+                              reserved_slots=max(QKV_RESERVED_SLOTS, c.heads + 1))
+                ops.signal_inputs_ready(ws.inputs_ready)
+                with side:
+                    self._project(hidden, "down_weight", ws.down_proj[:rows], False)
+                    self._project(ws.down_proj[:rows, :d], "f_b", ws.forget_proj[:rows], False)
+                    self._project(ws.down_proj[:rows, d : 2 * d], "g_b", ws.out_gate[:rows], False)
+                    self.stateful_rows(0, rows, conv_state, recurrent_state, slots=slots, walk=walk,
+                                       inputs_ready=ws.inputs_ready)
+                    self.back_end(rows, norm=False)
+        except BaseException:
+            # After the join: the signal may have been launched without the step that clears it. (A
+            # failed capture leaves nothing launched.)
+            import cupy
+
+            if not cupy.cuda.get_current_stream().is_capturing():
+                ws.inputs_ready.fill(0)
+            raise
 
     def _persistent_applies(self, rows: int, sequential: bool, snapshots: Sequence[KdaState]) -> bool:
         """Whether a decode-side call of `rows` rows runs as the one persistent launch: one

@@ -502,6 +502,7 @@ def kda_decode_fused_bf16(
     conv_out, query, key, value, gate, beta, core, o_norm_out, *, bounded: bool, lower_bound: float,
     scale: float, l2_eps: float, norm_eps: float, slots=None, tokens: int = 1, prefetch_ahead: int = 0,
     dependents_after: int = 0, staged: bool = False, carveout: int = -1, split: bool = False, x_tiles=None,
+    inputs_ready=None,
 ) -> None:
     """The stateful half of decode in one launch: for each sequence, `tokens` consecutive
     tokens of conv + SiLU + L2, forget gate and beta, one delta-rule step, gated RMSNorm.
@@ -543,6 +544,17 @@ def kda_decode_fused_bf16(
     value columns 32 r .. 32 r + 31 (a quarter of the state each, so four SMs move a head's
     state), every block forming the head's q, k and gate (ignored before sm_90, or with staged).
     It changes no bit.
+
+    inputs_ready: None, or a contiguous int32 array of at least 2 elements, both zero, for a step
+    whose qkv_proj is written on another stream that then runs :func:`signal_inputs_ready` on it.
+    The step launches as a programmatic dependent of the kernel before it on this stream (its
+    other inputs' last writer): its blocks load their state column and conv windows, wait for that
+    kernel and for inputs_ready[0] to be set, then read their inputs; the last block past the wait
+    sets both words back to zero. dependents_after must then be 1 or 2: the next kernel of this
+    stream may launch only once every block has its inputs. The caller must leave room for every
+    block of the writer of qkv_proj, of the signal and of this step to be resident at once (the
+    step's blocks wait, holding their SMs; more than about four seconds of waiting traps). It
+    changes no bit.
     """
     heads = _state_or_pool_heads(state)
     qkv = heads * HEAD_DIM
@@ -576,6 +588,11 @@ def kda_decode_fused_bf16(
         from glm_kda import gemm_rows
 
         gemm_rows.check_x_tiles(x_tiles, o_norm_out.dtype, rows, qkv, "kda_decode_fused_bf16")
+    if inputs_ready is not None:
+        _require_inputs_ready(inputs_ready, "kda_decode_fused_bf16")
+        if dependents_after == 0:
+            raise ValueError("kda_decode_fused_bf16: inputs_ready needs dependents_after 1 or 2 (the next kernel "
+                             "must not launch before every block has its inputs)")
     staged = staged and state.data.ptr % 16 == 0 and bulk_copies_available()
     split = split and not staged and bulk_copies_available()
     name = "kda_decode_fused_staged_bf16" if staged else "kda_decode_fused_split_bf16" if split else "kda_decode_fused_bf16"
@@ -586,10 +603,26 @@ def kda_decode_fused_bf16(
         (conv_state, state, slots, qkv_proj, conv_w, forget_proj, dt_bias, a_log, beta_logits, _i32(ld_beta),
          out_gate, norm_w, conv_out, query, key, value, gate, beta, core, o_norm_out, _i32(heads),
          _i32(kernel_size), _i32(tokens), _i32(1 if bounded else 0), _f32(lower_bound if bounded else 0.0), _f32(scale),
-         _f32(l2_eps), _f32(norm_eps), _i32(prefetch_ahead), _i32(dependents_after), x_tiles),
+         _f32(l2_eps), _f32(norm_eps), _i32(prefetch_ahead), _i32(dependents_after), x_tiles, inputs_ready),
         HEAD_DIM * HEAD_DIM * 4 if staged else 0,
         carveout=carveout if staged else -1,
+        programmatic=inputs_ready is not None,
     )
+
+
+def _require_inputs_ready(inputs_ready, what: str) -> None:
+    if inputs_ready.dtype != numpy.int32 or inputs_ready.size < 2 or not inputs_ready.flags.c_contiguous:
+        raise ValueError(f"{what}: inputs_ready must be a contiguous int32 array of at least 2 elements, got "
+                         f"{inputs_ready.dtype} of {inputs_ready.size} (contiguous: {inputs_ready.flags.c_contiguous})")
+
+
+def signal_inputs_ready(inputs_ready) -> None:
+    """inputs_ready[0] = 1 once the kernel before this launch on the current stream has finished
+    (launched as its programmatic dependent: the one block waits resident): the signal a
+    :func:`kda_decode_fused_bf16` launch with ``inputs_ready`` waits for. inputs_ready: a contiguous
+    int32 array of at least 2 elements."""
+    _require_inputs_ready(inputs_ready, "signal_inputs_ready")
+    kernels.launch("kda_signal_inputs_ready", (1,), (32,), (inputs_ready,), programmatic=True)
 
 
 def bulk_copies_available() -> bool:

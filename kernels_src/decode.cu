@@ -67,12 +67,12 @@ __device__ __forceinline__ void kda_decode_fused_block(const KdaStepArgs& args, 
         float *__restrict__ key, float *__restrict__ value, float *__restrict__ gate, float *__restrict__ beta,       \
         float *__restrict__ core, bf16_t *__restrict__ o_norm_out, int heads, int kernel_size, int tokens,            \
         int bounded, float lower_bound, float scale, float l2_eps, float norm_eps, int prefetch_ahead,                \
-        int dependents_after, bf16_t *__restrict__ x_tiles
+        int dependents_after, bf16_t *__restrict__ x_tiles, int *inputs_ready
 #define KDA_DECODE_FUSED_ARGS                                                                                        \
     KdaStepArgs{conv_state, state, slots, qkv_proj, conv_w, forget_proj, dt_bias, a_log, beta_logits,                \
                 ld_beta, out_gate, norm_w, conv_out, query, key, value, gate, beta, core, o_norm_out,                \
                 heads, kernel_size, tokens, bounded, lower_bound, scale, l2_eps, norm_eps, prefetch_ahead,           \
-                dependents_after, x_tiles}
+                dependents_after, x_tiles, inputs_ready}
 
 extern "C" __global__ void __launch_bounds__(KDA_HEAD_BLOCK) kda_decode_fused_bf16(KDA_DECODE_FUSED_PARAMETERS)
 {
@@ -105,4 +105,16 @@ kda_decode_fused_split_bf16(KDA_DECODE_FUSED_PARAMETERS)
         kda_decode_fused_block<false>(KDA_DECODE_FUSED_ARGS, nullptr, blockIdx.x / KDA_HEAD_SPLIT);
     }
 #endif
+}
+
+// Sets inputs_ready[0] to 1 once the kernel before it in the stream has finished and its writes
+// are visible (a programmatic dependent of it: its one block waits resident): the signal a fused
+// step with inputs_ready waits for. Launch: one block of 32 threads.
+extern "C" __global__ void __launch_bounds__(32) kda_signal_inputs_ready(int* inputs_ready)
+{
+    kda_let_next_kernel_launch();
+    kda_wait_for_previous_kernel();
+    if (threadIdx.x == 0) {
+        kda_publish(inputs_ready, 1);
+    }
 }

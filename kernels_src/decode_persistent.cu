@@ -55,8 +55,6 @@
 #define DECODE_PERSISTENT_TILES 4
 #define DECODE_PERSISTENT_OUT_TILES 2
 #define DECODE_PERSISTENT_TASK_INTS 8
-// A wait longer than this many polls (seconds) is a broken schedule: trap instead of hanging.
-#define DECODE_PERSISTENT_MAX_POLLS (1 << 26)
 
 enum DecodeTask {
     TASK_DOWN = 0,
@@ -87,25 +85,6 @@ __device__ __forceinline__ unsigned long long global_timer_ns()
     unsigned long long value;
     asm volatile("mov.u64 %0, %globaltimer;" : "=l"(value));
     return value;
-}
-
-__device__ __forceinline__ int load_acquire(const int* counter)
-{
-    int value;
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(value) : "l"(counter) : "memory");
-    return value;
-}
-
-// Thread 0: until counter >= target.
-__device__ __forceinline__ void wait_for_counter(const int* counter, int target)
-{
-    int polls = 0;
-    while (load_acquire(counter) < target) {
-        __nanosleep(64);
-        if (++polls > DECODE_PERSISTENT_MAX_POLLS) {
-            __trap();
-        }
-    }
 }
 
 // Every thread's writes so far, then +1 on each of the three counters `named` names
@@ -155,7 +134,7 @@ kda_decode_persistent_bf16(int* counters, int counter_count, const int* tasks, i
     const KdaStepArgs step_args{conv_state, state, slots, qkv_proj, conv_w, forget_proj, dt_bias, a_log,
                                 down_proj + 2 * dim, down_dim, out_gate, norm_w, conv_out, query, key, value,
                                 gate, beta, core, o_norm_out, heads, kernel_size, rows, bounded, lower_bound,
-                                scale, l2_eps, norm_eps, 0, 0, nullptr};
+                                scale, l2_eps, norm_eps, 0, 0, nullptr, nullptr};
     const int out_split = k_split_for(qkv);
 
     int next = 0;

@@ -140,7 +140,58 @@ struct KdaStepArgs {
     // k = heads * KDA_HEAD_DIM): the output projection's input, so that it needs no tiling launch.
     // Only the rows written are touched.
     bf16_t* x_tiles;
+    // Null: qkv_proj and the other inputs are written by earlier kernels of the stream. Else the
+    // step is a programmatic dependent of the last kernel of the low-rank chain, and qkv_proj is
+    // written on another stream, after which inputs_ready[0] becomes nonzero
+    // (kda_signal_inputs_ready): the step loads its state column and conv windows, waits for both
+    // (kda_await_inputs), then loads the token's inputs.
+    int* inputs_ready;
 };
+
+// A wait longer than this many polls (seconds) is a broken schedule: trap instead of hanging.
+#define KDA_MAX_POLLS (1 << 26)
+
+__device__ __forceinline__ int load_acquire(const int* counter)
+{
+    int value;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(value) : "l"(counter) : "memory");
+    return value;
+}
+
+// *word = value, released at GPU scope: whatever this thread has seen written before (a finished
+// kernel's outputs) is visible to a thread that reads the value by load_acquire.
+__device__ __forceinline__ void kda_publish(int* word, int value)
+{
+    asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(word), "r"(value) : "memory");
+}
+
+// Thread 0: until counter >= target.
+__device__ __forceinline__ void wait_for_counter(const int* counter, int target)
+{
+    int polls = 0;
+    while (load_acquire(counter) < target) {
+        __nanosleep(64);
+        if (++polls > KDA_MAX_POLLS) {
+            __trap();
+        }
+    }
+}
+
+// Thread `d` of every block of a grid of `blocks`: wait for the previous kernel of the stream and
+// for inputs_ready[0] to become nonzero (thread 0 polls it); the caller then passes the group's
+// barrier. The last block past the wait (counted in inputs_ready[1]) sets both words back to zero,
+// so the next launch waits again: a block counts itself only once it has seen the word set.
+__device__ __forceinline__ void kda_await_inputs(int* inputs_ready, int blocks, int d)
+{
+    kda_wait_for_previous_kernel();
+    if (d == 0) {
+        wait_for_counter(inputs_ready, 1);
+        if (atomicAdd(inputs_ready + 1, 1) == blocks - 1) {
+            inputs_ready[1] = 0;
+            inputs_ready[0] = 0;
+        }
+    }
+}
 
 // The shared memory of one head group. `state_arrived`: the mbarrier of the staged state copy.
 // The head's vectors 16-byte aligned: the recurrent step reads them as broadcasts, four floats a
@@ -238,18 +289,20 @@ struct KdaTokenInputs {
     bf16_t out_gate;
 };
 
+// Coherent: q|k|v and the output gate through L2 only (the step awaiting them, their writers ran
+// beside it, and a read-only load may be served from before their writes).
 __device__ __forceinline__ KdaTokenInputs kda_load_token_inputs(const KdaStepArgs& p, size_t row, size_t qkv,
-                                                                size_t channel, int head)
+                                                                size_t channel, int head, bool coherent = false)
 {
     KdaTokenInputs inputs;
     const bf16_t* projected = p.qkv_proj + row * 3 * qkv;
 #pragma unroll
     for (int part = 0; part < 3; ++part) {
-        inputs.projected[part] = projected[part * qkv + channel];
+        inputs.projected[part] = coherent ? __ldcg(projected + part * qkv + channel) : projected[part * qkv + channel];
     }
     inputs.forget = p.forget_proj[row * qkv + channel];
     inputs.beta_logit = p.beta_logits[row * p.ld_beta + head];
-    inputs.out_gate = p.out_gate[row * qkv + channel];
+    inputs.out_gate = coherent ? __ldcg(p.out_gate + row * qkv + channel) : p.out_gate[row * qkv + channel];
     return inputs;
 }
 
@@ -288,7 +341,12 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
     const bool prefetch = p.prefetch_ahead > 0 && ahead < sequences && rank == 0;
     const size_t slot = p.slots != nullptr ? static_cast<size_t>(p.slots[sequence]) : sequence;
     const size_t ahead_slot = prefetch && p.slots != nullptr ? static_cast<size_t>(p.slots[ahead]) : ahead;
-    KdaTokenInputs inputs = kda_load_token_inputs(p, sequence * p.tokens, qkv, channel, head);
+    // (Awaiting another stream's q|k|v, the inputs come after the state column and conv windows.)
+    const bool awaits = p.inputs_ready != nullptr;
+    KdaTokenInputs inputs;
+    if (!awaits) {
+        inputs = kda_load_token_inputs(p, sequence * p.tokens, qkv, channel, head);
+    }
     bf16_t taps[3][CONV_MAX_KERNEL];
 #pragma unroll
     for (int part = 0; part < 3; ++part) {
@@ -326,6 +384,11 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
                                KDA_HEAD_DIM * kernel_size, d);
         }
     }
+    if (awaits) {
+        kda_await_inputs(p.inputs_ready, static_cast<int>(gridDim.x * gridDim.y), d);
+        group.sync();
+        inputs = kda_load_token_inputs(p, sequence * p.tokens, qkv, channel, head, true);
+    }
     const float a = expf(a_log);
     const float weight = bf16_to_f32(norm_weight);
 
@@ -342,7 +405,7 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
         const float z = bf16_to_f32(inputs.out_gate);
         if (t + 1 < p.tokens) {
             // The next token's inputs, in flight while this one is stepped.
-            inputs = kda_load_token_inputs(p, row + 1, qkv, channel, head);
+            inputs = kda_load_token_inputs(p, row + 1, qkv, channel, head, awaits);
         }
 
         // Conv + SiLU, rounded to BF16 (the conv output stage), then L2 of q and k.

@@ -62,6 +62,7 @@ HOST_CUDA_HEADER = r"""
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <thread>
 using std::max;
@@ -181,6 +182,20 @@ inline void cluster_arrive_relaxed() {}
 inline void cluster_arrive() {}
 inline void cluster_wait() {}
 inline void store_shared_cluster(float* address, int, float value) { *address = value; }
+// Its counters read with acquire and written with release (PTX on the device), and the device
+// intrinsics of a wait on them.
+inline int load_acquire(const int* counter)
+{
+    return reinterpret_cast<const std::atomic<int>*>(counter)->load(std::memory_order_acquire);
+}
+inline void kda_publish(int* word, int value)
+{
+    reinterpret_cast<std::atomic<int>*>(word)->store(value, std::memory_order_release);
+}
+inline int atomicAdd(int* address, int value) { return reinterpret_cast<std::atomic<int>*>(address)->fetch_add(value); }
+inline void __nanosleep(unsigned) { std::this_thread::yield(); }
+template <class T> inline T __ldcg(const T* pointer) { return *pointer; }
+[[noreturn]] inline void __trap() { std::abort(); }
 """
 
 HOST_CUDA_RUNTIME = r"""
@@ -276,7 +291,7 @@ COMMON_DEVICE_HELPERS = ("kda_let_next_kernel_launch", "kda_wait_for_previous_ke
 # HOST_CUDA_HEADER).
 STAGED_STATE_HELPERS = ("kda_stage_state_in", "kda_wait_staged_state", "kda_stage_fence",
                         "kda_stage_state_out", "cluster_arrive_relaxed", "cluster_arrive", "cluster_wait",
-                        "store_shared_cluster")
+                        "store_shared_cluster", "load_acquire", "kda_publish")
 # Bytes of dynamic shared memory kda_decode_fused_staged_bf16 takes (one head's state).
 STAGED_STATE_BYTES = 128 * 128 * 4
 

@@ -84,12 +84,13 @@ extern "C" void gated_rmsnorm_sigmoid_bf16(const float*, const bf16_t*, const bf
 #define KDA_DECODE_FUSED_SIGNATURE                                                                              \
     (float*, float*, const int*, const bf16_t*, const bf16_t*, const bf16_t*, const float*, const float*,          \
      const bf16_t*, int, const bf16_t*, const bf16_t*, bf16_t*, float*, float*, float*, float*, float*, float*,      \
-     bf16_t*, int, int, int, int, float, float, float, float, int, int, bf16_t*)
+     bf16_t*, int, int, int, int, float, float, float, float, int, int, bf16_t*, int*)
 extern "C" void kda_decode_fused_bf16 KDA_DECODE_FUSED_SIGNATURE;
 extern "C" void kda_decode_fused_staged_bf16 KDA_DECODE_FUSED_SIGNATURE;
 
 // argv: dir, rows, heads, K, bounded, lower bound, l2 eps, norm eps, jitter, pool size, staged. Pool
-// size 0: the rows are consecutive tokens of one sequence (paths separate, fused_rows, fused_walk);
+// size 0: the rows are consecutive tokens of one sequence (paths separate, fused_rows, fused_walk and
+// fused_walk_awaiting, the walk awaiting words already set);
 // else sequence s (row s) advances slot slots[s] of a pool of that many (paths pool_fused,
 // pool_separate, and alone: the fused step for each sequence by itself). Staged 1: the fused paths
 // run kda_decode_fused_staged_bf16 (the state through the block's shared memory).
@@ -118,7 +119,8 @@ int main(int argc, char** argv)
     const auto slots = pool_size ? load_as<int>(dir + "/slots", rows) : std::vector<int>();
     const bf16_t* beta_logits = down_proj.data() + 2 * D;
 
-    const std::initializer_list<const char*> one_sequence = {"separate", "fused_rows", "fused_walk"};
+    const std::initializer_list<const char*> one_sequence = {"separate", "fused_rows", "fused_walk",
+                                                             "fused_walk_awaiting"};
     const std::initializer_list<const char*> pool = {"pool_fused", "pool_separate", "alone"};
     for (const std::string path : pool_size ? pool : one_sequence) {
         auto conv_state = conv_start, state = state_start;
@@ -130,8 +132,10 @@ int main(int argc, char** argv)
         std::vector<bf16_t> x_tiles(row_groups * qkv * 64, 0x7FA5);
         // The fused step over rows first.. : `sequences` sequences (slot_list, or the states given
         // when null) of `tokens` tokens each.
+        // ready: the words a step awaiting another stream's q|k|v polls (set here: that stream is done).
+        std::vector<int> ready = {1, 0};
         auto fused = [&](int first, int sequences, int tokens, const int* slot_list, float* conv, float* states,
-                         int prefetch_ahead = 0, bf16_t* tiles = nullptr) {
+                         int prefetch_ahead = 0, bf16_t* tiles = nullptr, int* inputs_ready = nullptr) {
             // Where the blocks let the next kernel launch (a no-op here): every choice, in turn.
             const int dependents_after = (first + tokens) % 3;
             prefetch_pool = states;
@@ -148,7 +152,7 @@ int main(int argc, char** argv)
                              key.data() + first * qkv, value.data() + first * qkv, gate.data() + first * qkv,
                              beta.data() + first * heads, core.data() + first * qkv,
                              o_norm_out.data() + first * qkv, heads, kernel, tokens, bounded, lower_bound,
-                             scale, l2_eps, norm_eps, prefetch_ahead, dependents_after, tiles);
+                             scale, l2_eps, norm_eps, prefetch_ahead, dependents_after, tiles, inputs_ready);
             });
         };
         // The separate kernels over rows first .. first + count - 1, one token of a sequence each.
@@ -177,6 +181,8 @@ int main(int argc, char** argv)
         };
         if (path == "fused_walk") {
             fused(0, 1, rows, nullptr, conv_state.data(), state.data());
+        } else if (path == "fused_walk_awaiting") {
+            fused(0, 1, rows, nullptr, conv_state.data(), state.data(), 0, nullptr, ready.data());
         } else if (path == "pool_fused") {
             fused(0, rows, 1, slots.data(), conv_state.data(), state.data(), PREFETCH_AHEAD, x_tiles.data());
         } else if (path == "pool_separate") {
@@ -194,7 +200,7 @@ int main(int argc, char** argv)
         save_each(dir + "/" + path + ".",
                   {"conv_out", "query", "key", "value", "gate", "beta", "core", "o_norm_out", "conv_state", "state"},
                   conv_out, query, key, value, gate, beta, core, o_norm_out, conv_state, state);
-        save_each(dir + "/" + path + ".", {"x_tiles"}, x_tiles);
+        save_each(dir + "/" + path + ".", {"x_tiles", "ready"}, x_tiles, ready);
     }
     std::printf("misaligned=%ld prefetches=%ld bad_prefetches=%ld\n", misaligned.load(), prefetches.load(),
                 bad_prefetches.load());
@@ -258,7 +264,7 @@ def _run_binary(binary, folder, inputs, rows, bounded, *extra):
 
 
 def run_decode(binary, tokens, bounded, seed, jitter=False, staged=False):
-    """(outputs of the three paths by name, the random inputs)."""
+    """(outputs of the four one-sequence paths by name, the random inputs)."""
     rng = np.random.default_rng(seed)
     inputs = _layer_inputs(rng, tokens)
     inputs["conv_state"] = rng.standard_normal((3 * HEADS * DIM, KERNEL)).astype(np.float32)
@@ -267,9 +273,12 @@ def run_decode(binary, tokens, bounded, seed, jitter=False, staged=False):
     _run_binary(binary, folder, inputs, tokens, bounded, int(jitter), 0, int(staged))
     layout = _layout(tokens)
     out = {}
-    for path in ("separate", "fused_rows", "fused_walk"):
+    for path in ("separate", "fused_rows", "fused_walk", "fused_walk_awaiting"):
         out[path] = {name: np.fromfile(folder / f"{path}.{name}", dtype).reshape(shape)
                      for name, (dtype, shape) in layout.items()}
+    # The awaiting walk found its word set and left both words at zero for the next launch.
+    ready = np.fromfile(folder / "fused_walk_awaiting.ready", np.int32)
+    assert ready.tolist() == [0, 0], f"T={tokens}: the awaited words after the walk are {ready.tolist()}, not [0, 0]"
     return out, inputs
 
 
@@ -281,7 +290,7 @@ def test_fused_decode_equals_separate_kernels_on_host(decode_host, tokens, jitte
     for bit, and the separate kernels against float64."""
     out, inputs = run_decode(decode_host, tokens, bounded, seed=7 * tokens + int(bounded), jitter=jitter, staged=staged)
     separate = out["separate"]
-    for path in ("fused_rows", "fused_walk"):
+    for path in ("fused_rows", "fused_walk", "fused_walk_awaiting"):
         for name in OUTPUTS:
             a, b = out[path][name], separate[name]
             differ = int(np.count_nonzero(a.view(np.uint8) != b.view(np.uint8)))

@@ -679,6 +679,78 @@ def test_persistent_decode_equals_the_separate_launches(layers, geometry, graphs
                              "persistent launch and the separate launches")
 
 
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphed", "eager"])
+@pytest.mark.parametrize("geometry", ["glm", "kimi"])
+def test_step_awaiting_projection_gives_the_joined_bits(layers, geometry, graphs, monkeypatch):
+    """A one-row decode with the fused step awaiting q|k|v from the other stream
+    (layer.STEP_AWAITS_PROJECTION) writes the bits of the two streams joined before the step: every
+    stage buffer, the output and both states over 6 decode steps of a state (graphed: replayed, so
+    the words the step waits on must come back to zero each time) and one row of a pool in a
+    shuffled slot; a 5-row decode_k walk between them keeps the joined launches. The words are zero
+    after every call."""
+    from glm_kda import layer as layer_module
+    from glm_kda import ops
+    from glm_kda.reference import STAGE_ORDER
+    from glm_kda.state import StatePool
+
+    cp = _cp()
+    bound, layer = layers(geometry)
+    cfg = bound.config
+    rows, count = 5, 4
+    bf16 = layer.workspace.final_out.dtype
+    hidden = cp.asarray(synthetic_hidden(6, cfg.hidden, seed=57).view(np.uint16)).view(bf16)
+    start = KdaState.random(cfg, seed=58)
+    rng = np.random.default_rng(59)
+    start_conv = cp.asarray(rng.standard_normal((count,) + cfg.conv_state_shape).astype(np.float32))
+    start_rec = cp.asarray((0.1 * rng.standard_normal((count,) + cfg.recurrent_state_shape)).astype(np.float32))
+    slot = cp.asarray(np.array([3], np.int32))
+    signals = []
+    signal = ops.signal_inputs_ready
+    monkeypatch.setattr(ops, "signal_inputs_ready", lambda ready: (signals.append(1), signal(ready)))
+
+    def words_are_zero(what: str) -> None:
+        words = layer.workspace.inputs_ready.get().tolist()
+        assert words == [0, 0], f"{geometry} {what}: the awaited words are {words} after the call"
+
+    def run(awaits: bool) -> dict:
+        monkeypatch.setattr(layer_module, "STEP_AWAITS_PROJECTION", awaits)
+        layer._graphs.clear()  # graphs hold the launches they were captured with
+        layer.use_graphs = graphs
+        try:
+            results = {}
+            state = device_state(layer, start)
+            for t in range(6):
+                results[f"decode step {t} output"] = layer.decode(hidden[t : t + 1], state)
+                words_are_zero(f"decode step {t}")
+            results.update({f"decode {name}": getattr(layer.workspace, name)[:1].copy() for name in STAGE_ORDER})
+            results.update({"decode conv state": state.conv, "decode recurrent state": state.recurrent})
+            walk = device_state(layer, start)
+            results["decode_k output"] = layer.decode_k(hidden[:rows], walk)
+            words_are_zero("decode_k")
+            results.update({f"decode_k {name}": getattr(layer.workspace, name)[:rows].copy() for name in STAGE_ORDER})
+            results.update({"decode_k conv state": walk.conv, "decode_k recurrent state": walk.recurrent})
+            pool = StatePool(cfg, count)
+            pool.conv[...] = start_conv
+            pool.recurrent[...] = start_rec
+            results["pool output"] = layer.decode(hidden[:1], pool, slot)
+            words_are_zero("pool row")
+            results.update({"pool conv state": pool.conv, "pool recurrent state": pool.recurrent})
+            return results
+        finally:
+            layer.use_graphs = True
+            layer._graphs.clear()
+
+    joined = run(False)
+    assert not signals, "the joined launches signalled"
+    awaiting = run(True)
+    assert signals, "no call took the awaiting launches"
+    assert awaiting.keys() == joined.keys()
+    for what in awaiting:
+        differ = int(cp.count_nonzero(_bits(awaiting[what]) != _bits(joined[what])))
+        assert differ == 0, (f"{geometry} {what}: {differ} of {awaiting[what].size} elements differ between the "
+                             "step awaiting q|k|v and the joined launches")
+
+
 def test_graph_replay_equals_eager_and_recaptures_on_new_pointers(layers):
     cp = _cp()
     bound, layer = layers("kimi")

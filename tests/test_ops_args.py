@@ -323,6 +323,36 @@ def test_fused_decode_passes_its_x_tiles_and_refuses_a_short_array(launches):
     assert len(launches) == 1
 
 
+def test_fused_decode_awaiting_inputs_launches_programmatic_and_checks_its_words(monkeypatch):
+    """inputs_ready (the words a step awaiting another stream's q|k|v polls) reaches the kernel and
+    makes the launch programmatic; a short or non-int32 array, or dependents at once, is refused
+    before any launch. signal_inputs_ready launches one programmatic block of 32 threads on it."""
+    made = []
+    monkeypatch.setattr(ops.kernels, "launch", lambda name, grid, block, args, shared_mem=0, **options:
+                        made.append((name, tuple(grid), tuple(args), options)))
+    heads, rows = 2, 3
+    ready = HostStandIn(np.zeros(2, np.int32))
+    ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, rows), **_FUSED_SCALARS, tokens=rows,
+                              dependents_after=1, inputs_ready=ready)
+    (name, grid, args, options), = made
+    assert _fused_parameter(args, "inputs_ready") is ready and options.get("programmatic") is True
+    ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, rows), **_FUSED_SCALARS, tokens=rows)
+    assert _fused_parameter(made[-1][2], "inputs_ready") is None and not made[-1][3].get("programmatic")
+    for words, needle in ((HostStandIn(np.zeros(1, np.int32)), "at least 2 elements"),
+                          (HostStandIn(np.zeros(2, np.uint32)), "int32")):
+        with pytest.raises(ValueError, match=needle):
+            ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, rows), **_FUSED_SCALARS, tokens=rows,
+                                      dependents_after=1, inputs_ready=words)
+        with pytest.raises(ValueError, match=needle):
+            ops.signal_inputs_ready(words)
+    with pytest.raises(ValueError, match="dependents_after 1 or 2"):
+        ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, rows), **_FUSED_SCALARS, tokens=rows,
+                                  inputs_ready=ready)
+    assert len(made) == 2
+    ops.signal_inputs_ready(ready)
+    assert made[-1] == ("kda_signal_inputs_ready", (1,), (ready,), {"programmatic": True})
+
+
 def test_fused_decode_passes_where_its_dependents_launch(launches):
     heads = 2
     slots = HostStandIn(np.arange(3, dtype=np.int32))

@@ -29,20 +29,12 @@ from test_gemm_rows_host import DEVICE_HELPERS as GEMM_DEVICE_HELPERS
 from test_gemm_rows_host import GEMM_HEADER, host_gemm_rows_source
 
 DIM, KERNEL = 128, 4
-HELPERS = (*GEMM_DEVICE_HELPERS, "prefetch_floats_l2", "global_timer_ns", "load_acquire", *STAGED_STATE_HELPERS)
+HELPERS = (*GEMM_DEVICE_HELPERS, "prefetch_floats_l2", "global_timer_ns", *STAGED_STATE_HELPERS)
 
 PERSISTENT_HEADER = GEMM_HEADER + r"""
 inline void prefetch_floats_l2(const float*, int, int) {}
 inline unsigned long long global_timer_ns() { return 0; }
-inline int load_acquire(const int* counter)
-{
-    return reinterpret_cast<const std::atomic<int>*>(counter)->load(std::memory_order_acquire);
-}
-inline int atomicAdd(int* address, int value) { return reinterpret_cast<std::atomic<int>*>(address)->fetch_add(value); }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-inline void __nanosleep(unsigned) { std::this_thread::yield(); }
-[[noreturn]] inline void __trap() { std::abort(); }
-inline float __ldcg(const float* pointer) { return *pointer; }
 """
 
 MAIN = r"""
@@ -54,7 +46,7 @@ extern "C" void gemm_rows_bf16_m1_n4(const bf16_t*, int, const bf16_t*, bf16_t*,
 extern "C" void kda_decode_fused_bf16(float*, float*, const int*, const bf16_t*, const bf16_t*, const bf16_t*,
                                       const float*, const float*, const bf16_t*, int, const bf16_t*, const bf16_t*,
                                       bf16_t*, float*, float*, float*, float*, float*, float*, bf16_t*, int, int, int,
-                                      int, float, float, float, float, int, int);
+                                      int, float, float, float, float, int, int, bf16_t*, int*);
 extern "C" void kda_decode_persistent_bf16(
     int*, int, const int*, int, int, const bf16_t*, int, const bf16_t*, bf16_t*, int, const bf16_t*, bf16_t*,
     const bf16_t*, bf16_t*, const bf16_t*, bf16_t*, const bf16_t*, float*, bf16_t*, float*, float*, const int*,
@@ -121,7 +113,7 @@ int main(int argc, char** argv)
                               s.forget_proj.data(), dt_bias.data(), a_log.data(), s.down_proj.data() + 2 * D, down_dim,
                               s.out_gate.data(), norm_w.data(), s.conv_out.data(), s.query.data(), s.key.data(),
                               s.value.data(), s.gate.data(), s.beta.data(), s.core.data(), s.o_norm_out.data(), heads,
-                              K, rows, bounded, lower_bound, scale, l2_eps, norm_eps, 0, 0);
+                              K, rows, bounded, lower_bound, scale, l2_eps, norm_eps, 0, 0, nullptr, nullptr);
     });
     gemm(s.o_norm_out.data(), qkv, o_w, s.final_out.data(), hidden, hidden, qkv);
 
