@@ -104,8 +104,15 @@ OUT_PROJ_STAGED = False
 # inputs_ready words for q|k|v) and o_proj (see KdaLayer._decode_awaiting_projection). The step's
 # node then has one incoming edge and its blocks are resident before q|k|v ends, where a node after
 # the join of two streams started 2.3 - 2.5 us after its last input on an H200. No bit depends on
-# it. A walk of several tokens keeps the joined launches: its o_proj, launched once the first
-# token's inputs are formed instead of at once, made GLM's 16-token verify 4 us slower.
+# it. On an H200 (benchmarks/decode_breakdown.py, two processes, copy bandwidth 4099 and 4153 GB/s;
+# in the second two captures of each) GLM B=1 took 79.6 and 79.0 / 81.0 us against 81.2 and 82.0 /
+# 80.5 joined; the block timeline (benchmarks/timeline.py) had the step's outputs out 3.8 us after
+# q|k|v's last block instead of 5.3. Kimi-Linear's chain ends with its q|k|v, so there it changes
+# nothing (32.4 and 32.8 / 32.2 against 32.3 and 32.3 / 32.4). A walk of several tokens keeps the
+# joined launches: its o_proj, launched once the first token's inputs are formed instead of at
+# once, made GLM's 16-token verify 4 us slower. While they wait, the step's blocks hold one block
+# slot per head: several layers decoding at once on streams of their own could fill every slot with
+# waiting steps, and would then stop at the wait's trap (tens of seconds); set this False there.
 STEP_AWAITS_PROJECTION = True
 # Where the output projection of a batch runs on the bulk-copy sweep (gemm_rows.bulk_applies), the
 # fused step writes its input a second time in the sweep's tile layout (kda_decode_fused_bf16's

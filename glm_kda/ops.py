@@ -553,7 +553,7 @@ def kda_decode_fused_bf16(
     sets both words back to zero. dependents_after must then be 1 or 2: the next kernel of this
     stream may launch only once every block has its inputs. The caller must leave room for every
     block of the writer of qkv_proj, of the signal and of this step to be resident at once (the
-    step's blocks wait, holding their SMs; more than about four seconds of waiting traps). It
+    step's blocks wait, holding their SMs; a wait of 2^26 polls, tens of seconds, traps). It
     changes no bit.
     """
     heads = _state_or_pool_heads(state)

@@ -148,7 +148,8 @@ struct KdaStepArgs {
     int* inputs_ready;
 };
 
-// A wait longer than this many polls (seconds) is a broken schedule: trap instead of hanging.
+// A wait longer than this many polls (tens of seconds with their sleeps and round trips) is a broken
+// schedule: trap instead of hanging.
 #define KDA_MAX_POLLS (1 << 26)
 
 __device__ __forceinline__ int load_acquire(const int* counter)
