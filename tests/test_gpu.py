@@ -414,6 +414,44 @@ def _assert_same_bits(ours: dict, theirs: dict, tag: str, between: str) -> None:
         assert differ == 0, f"{tag} {what}: {differ} of {ours[what].size} elements differ between {between}"
 
 
+def _one_sequence_calls(layer, seed: int, after_call=lambda what: None) -> dict:
+    """Every stage buffer, output and state over 6 decode steps of one state, a 5-row decode_k walk
+    and one row of a 4-slot pool in a shuffled slot, from random starts (seed); after_call(what) runs
+    after each call."""
+    from glm_kda.reference import STAGE_ORDER
+    from glm_kda.state import StatePool
+
+    cp = _cp()
+    cfg = layer.config
+    rows, count = 5, 4
+    bf16 = layer.workspace.final_out.dtype
+    hidden = cp.asarray(synthetic_hidden(6, cfg.hidden, seed=seed).view(np.uint16)).view(bf16)
+    start = KdaState.random(cfg, seed=seed + 1)
+    rng = np.random.default_rng(seed + 2)
+    start_conv = cp.asarray(rng.standard_normal((count,) + cfg.conv_state_shape).astype(np.float32))
+    start_rec = cp.asarray((0.1 * rng.standard_normal((count,) + cfg.recurrent_state_shape)).astype(np.float32))
+    slot = cp.asarray(np.array([1 + seed % (count - 1)], np.int32))
+    results = {}
+    state = device_state(layer, start)
+    for t in range(6):
+        results[f"decode step {t} output"] = layer.decode(hidden[t : t + 1], state)
+        after_call(f"decode step {t}")
+    results.update({f"decode {name}": getattr(layer.workspace, name)[:1].copy() for name in STAGE_ORDER})
+    results.update({"decode conv state": state.conv, "decode recurrent state": state.recurrent})
+    walk = device_state(layer, start)
+    results["decode_k output"] = layer.decode_k(hidden[:rows], walk)
+    after_call("decode_k")
+    results.update({f"decode_k {name}": getattr(layer.workspace, name)[:rows].copy() for name in STAGE_ORDER})
+    results.update({"decode_k conv state": walk.conv, "decode_k recurrent state": walk.recurrent})
+    pool = StatePool(cfg, count)
+    pool.conv[...] = start_conv
+    pool.recurrent[...] = start_rec
+    results["pool output"] = layer.decode(hidden[:1], pool, slot)
+    after_call("pool row")
+    results.update({"pool conv state": pool.conv, "pool recurrent state": pool.recurrent})
+    return results
+
+
 @pytest.mark.parametrize("geometry", ["glm", "kimi"])
 def test_fused_decode_equals_the_separate_kernels(layers, geometry):
     """The fused decode step (conv + L2, gate and beta, recurrent step, gated norm in one
@@ -622,61 +660,30 @@ def test_persistent_decode_equals_the_separate_launches(layers, geometry, graphs
     launches write: every stage buffer, the output and both states, over 6 decode steps of a
     state, a 5-row decode_k walk and one row of a pool in a shuffled slot; replayed from a
     graph (the counters reset by the launch itself) and eagerly."""
-    from glm_kda.reference import STAGE_ORDER
-    from glm_kda.state import StatePool
-
-    cp = _cp()
-    bound, layer = layers(geometry)
-    cfg = bound.config
-    rows, count = 5, 4
-    bf16 = layer.workspace.final_out.dtype
-    hidden = cp.asarray(synthetic_hidden(6, cfg.hidden, seed=52).view(np.uint16)).view(bf16)
-    start = KdaState.random(cfg, seed=53)
-    rng = np.random.default_rng(54)
-    start_conv = cp.asarray(rng.standard_normal((count,) + cfg.conv_state_shape).astype(np.float32))
-    start_rec = cp.asarray((0.1 * rng.standard_normal((count,) + cfg.recurrent_state_shape)).astype(np.float32))
-    slot = cp.asarray(np.array([2], np.int32))
-
+    _, layer = layers(geometry)
     previous = layer.persistent_decode
 
     def run(persistent_decode: bool) -> dict:
         layer.persistent_decode = persistent_decode
         layer.use_graphs = graphs
         try:
-            results = {}
-            state = device_state(layer, start)
-            for t in range(6):
-                results[f"decode step {t} output"] = layer.decode(hidden[t : t + 1], state)
-            results.update({f"decode {name}": getattr(layer.workspace, name)[:1].copy() for name in STAGE_ORDER})
-            results.update({"decode conv state": state.conv, "decode recurrent state": state.recurrent})
-            walk = device_state(layer, start)
-            results["decode_k output"] = layer.decode_k(hidden[:rows], walk)
-            results.update({f"decode_k {name}": getattr(layer.workspace, name)[:rows].copy() for name in STAGE_ORDER})
-            results.update({"decode_k conv state": walk.conv, "decode_k recurrent state": walk.recurrent})
-            pool = StatePool(cfg, count)
-            pool.conv[...] = start_conv
-            pool.recurrent[...] = start_rec
-            results["pool output"] = layer.decode(hidden[:1], pool, slot)
-            results.update({"pool conv state": pool.conv, "pool recurrent state": pool.recurrent})
-            return results
+            return _one_sequence_calls(layer, seed=52)
         finally:
             layer.persistent_decode = previous
             layer.use_graphs = True
 
     one, separate = run(True), run(False)
+    cfg, bf16 = layer.config, layer.workspace.final_out.dtype
+    hidden = _cp().asarray(synthetic_hidden(1, cfg.hidden, seed=52).view(np.uint16)).view(bf16)
     layer.persistent_decode = True
     try:
         with kernels.timing() as timer:
-            layer.decode(hidden[:1], device_state(layer, start))
+            layer.decode(hidden, device_state(layer, KdaState.random(cfg, seed=53)))
     finally:
         layer.persistent_decode = previous
     launched = [name for name in timer.summary() if not name.startswith("[")]  # "[section]" totals aside
     assert launched == ["kda_decode_persistent_bf16"], f"launches of a persistent decode: {timer.summary()}"
-    assert one.keys() == separate.keys()
-    for what in one:
-        differ = int(cp.count_nonzero(_bits(one[what]) != _bits(separate[what])))
-        assert differ == 0, (f"{geometry} {what}: {differ} of {one[what].size} elements differ between the "
-                             "persistent launch and the separate launches")
+    _assert_same_bits(one, separate, geometry, "the persistent launch and the separate launches")
 
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphed", "eager"])
@@ -690,20 +697,8 @@ def test_step_awaiting_projection_gives_the_joined_bits(layers, geometry, graphs
     after every call."""
     from glm_kda import layer as layer_module
     from glm_kda import ops
-    from glm_kda.reference import STAGE_ORDER
-    from glm_kda.state import StatePool
 
-    cp = _cp()
-    bound, layer = layers(geometry)
-    cfg = bound.config
-    rows, count = 5, 4
-    bf16 = layer.workspace.final_out.dtype
-    hidden = cp.asarray(synthetic_hidden(6, cfg.hidden, seed=57).view(np.uint16)).view(bf16)
-    start = KdaState.random(cfg, seed=58)
-    rng = np.random.default_rng(59)
-    start_conv = cp.asarray(rng.standard_normal((count,) + cfg.conv_state_shape).astype(np.float32))
-    start_rec = cp.asarray((0.1 * rng.standard_normal((count,) + cfg.recurrent_state_shape)).astype(np.float32))
-    slot = cp.asarray(np.array([3], np.int32))
+    _, layer = layers(geometry)
     signals = []
     signal = ops.signal_inputs_ready
     monkeypatch.setattr(ops, "signal_inputs_ready", lambda ready: (signals.append(1), signal(ready)))
@@ -717,25 +712,7 @@ def test_step_awaiting_projection_gives_the_joined_bits(layers, geometry, graphs
         layer._graphs.clear()  # graphs hold the launches they were captured with
         layer.use_graphs = graphs
         try:
-            results = {}
-            state = device_state(layer, start)
-            for t in range(6):
-                results[f"decode step {t} output"] = layer.decode(hidden[t : t + 1], state)
-                words_are_zero(f"decode step {t}")
-            results.update({f"decode {name}": getattr(layer.workspace, name)[:1].copy() for name in STAGE_ORDER})
-            results.update({"decode conv state": state.conv, "decode recurrent state": state.recurrent})
-            walk = device_state(layer, start)
-            results["decode_k output"] = layer.decode_k(hidden[:rows], walk)
-            words_are_zero("decode_k")
-            results.update({f"decode_k {name}": getattr(layer.workspace, name)[:rows].copy() for name in STAGE_ORDER})
-            results.update({"decode_k conv state": walk.conv, "decode_k recurrent state": walk.recurrent})
-            pool = StatePool(cfg, count)
-            pool.conv[...] = start_conv
-            pool.recurrent[...] = start_rec
-            results["pool output"] = layer.decode(hidden[:1], pool, slot)
-            words_are_zero("pool row")
-            results.update({"pool conv state": pool.conv, "pool recurrent state": pool.recurrent})
-            return results
+            return _one_sequence_calls(layer, seed=57, after_call=words_are_zero)
         finally:
             layer.use_graphs = True
             layer._graphs.clear()
@@ -744,11 +721,7 @@ def test_step_awaiting_projection_gives_the_joined_bits(layers, geometry, graphs
     assert not signals, "the joined launches signalled"
     awaiting = run(True)
     assert signals, "no call took the awaiting launches"
-    assert awaiting.keys() == joined.keys()
-    for what in awaiting:
-        differ = int(cp.count_nonzero(_bits(awaiting[what]) != _bits(joined[what])))
-        assert differ == 0, (f"{geometry} {what}: {differ} of {awaiting[what].size} elements differ between the "
-                             "step awaiting q|k|v and the joined launches")
+    _assert_same_bits(awaiting, joined, geometry, "the step awaiting q|k|v and the joined launches")
 
 
 def test_graph_replay_equals_eager_and_recaptures_on_new_pointers(layers):
