@@ -634,7 +634,7 @@ def x_tiles_size(rows: int, k: int) -> int:
     return -(-rows // ROWS_PER_SWEEP) * -(-k // K_BLOCK) * 64 * K_BLOCK
 
 
-def _check_scratch(array: Any, dtype: Any, kind: str, size: int, name: str, what: str) -> None:
+def check_scratch(array: Any, dtype: Any, kind: str, size: int, name: str, what: str) -> None:
     """Raises ValueError, naming `what` and the scratch `name`, unless `array` is a contiguous array of
     `dtype` (called `kind` in the message) with at least `size` elements."""
     if array.dtype != dtype or not array.flags.c_contiguous or array.size < size:
@@ -645,7 +645,7 @@ def _check_scratch(array: Any, dtype: Any, kind: str, size: int, name: str, what
 def check_x_tiles(x_tiles: Any, dtype: Any, rows: int, k: int, what: str) -> None:
     """Raises ValueError, naming `what`, unless x_tiles is a contiguous array of `dtype` (BF16) with at
     least x_tiles_size(rows, k) elements: room for `rows` rows of a k-wide x in the tile layout."""
-    _check_scratch(x_tiles, dtype, "BF16", x_tiles_size(rows, k), "x_tiles", what)
+    check_scratch(x_tiles, dtype, "BF16", x_tiles_size(rows, k), "x_tiles", what)
 
 
 def gemm_rows_bulk(x, w: PackedWeight, out, rows: int | None = None, *, x_tiles: Any = None,
@@ -688,7 +688,7 @@ def gemm_rows_bulk(x, w: PackedWeight, out, rows: int | None = None, *, x_tiles:
         if partial is None:
             partial = cupy.empty((partial_size,), cupy.float32)
         else:
-            _check_scratch(partial, cupy.float32, "float32", partial_size, "partial", "gemm_rows_bulk")
+            check_scratch(partial, cupy.float32, "float32", partial_size, "partial", "gemm_rows_bulk")
     if not x_tiled:
         threads = size // K_BLOCK  # one per (row group, k block, row of 64): 32 elements each
         kernels.launch("gemm_rows_tile_x_bf16", (-(-threads // 256),), (256,),

@@ -543,35 +543,43 @@ class KdaLayer:
         that join before the conv. Above GATE_BRANCH_MIN_ROWS rows out_gate's projection forks
         from that chain after down_proj onto a third stream, beside forget_proj's. The same
         kernels, the same inputs: no bit changes."""
-        ws, c, rows = self.workspace, self.config, hidden.shape[0]
-        d = c.head_dim
-        chained = SIDE_CHAIN_PROGRAMMATIC
+        ws, rows = self.workspace, hidden.shape[0]
         concurrent = not wide and not kernels.TIMER.active
         branched = concurrent and GATE_BRANCH_MIN_ROWS is not None and rows > GATE_BRANCH_MIN_ROWS
 
         def project_qkv() -> None:
             self._project(hidden, "qkv_weight", ws.qkv_proj[:rows], wide, reserved_slots=QKV_RESERVED_SLOTS)
 
-        def project_out_gate(after_kernel: bool, x_tiles: Any = None) -> None:
-            self._project(ws.down_proj[:rows, d : 2 * d], "g_b", ws.out_gate[:rows], wide, after_kernel=after_kernel,
-                          x_tiles=x_tiles)
-
         with self._beside(concurrent) as side:
             if not SIDE_CHAIN_FIRST:
                 project_qkv()
             with side:
-                self._project(hidden, "down_weight", ws.down_proj[:rows], wide)
-                with self._beside(branched, branch=1) as gate_side:
-                    if branched:
-                        with gate_side:
-                            project_out_gate(False, ws.x_tiles_gate)
-                    self._project(ws.down_proj[:rows, :d], "f_b", ws.forget_proj[:rows], wide, after_kernel=chained)
-                    if gate:
-                        self.gate_beta(rows)
-                    if not branched:
-                        project_out_gate(chained)
+                self._low_rank_chain(hidden, wide, gate, branched)
             if SIDE_CHAIN_FIRST:
                 project_qkv()
+
+    def _low_rank_chain(self, hidden: Any, wide: bool, gate: bool, branched: bool) -> None:
+        """down_proj, forget_proj (then the gate and beta where `gate`) and out_gate of hidden's rows on
+        the current stream; `branched`: out_gate's projection forks after down_proj onto a stream of its
+        own (see front_end). f_b and g_b after their inputs' kernels launch as programmatic dependents
+        where SIDE_CHAIN_PROGRAMMATIC."""
+        ws, rows, d = self.workspace, hidden.shape[0], self.config.head_dim
+        chained = SIDE_CHAIN_PROGRAMMATIC
+
+        def project_out_gate(after_kernel: bool, x_tiles: Any = None) -> None:
+            self._project(ws.down_proj[:rows, d : 2 * d], "g_b", ws.out_gate[:rows], wide, after_kernel=after_kernel,
+                          x_tiles=x_tiles)
+
+        self._project(hidden, "down_weight", ws.down_proj[:rows], wide)
+        with self._beside(branched, branch=1) as gate_side:
+            if branched:
+                with gate_side:
+                    project_out_gate(False, ws.x_tiles_gate)
+            self._project(ws.down_proj[:rows, :d], "f_b", ws.forget_proj[:rows], wide, after_kernel=chained)
+            if gate:
+                self.gate_beta(rows)
+            if not branched:
+                project_out_gate(chained)
 
     @contextlib.contextmanager
     def _beside(self, concurrent: bool, branch: int = 0):
@@ -673,7 +681,7 @@ class KdaLayer:
                 persistent.launch(self, hidden, conv_state, recurrent_state, slots)
             return
         if self._awaits_projection(rows, sequential, snapshots):
-            self._decode_awaiting_projection(hidden, conv_state, recurrent_state, slots, walk=sequential)
+            self._decode_awaiting_projection(hidden, conv_state, recurrent_state, slots)
             return
         with _section("front_end"):
             self.front_end(hidden, gate=not self.fused_decode)
@@ -698,9 +706,8 @@ class KdaLayer:
         return (STEP_AWAITS_PROJECTION and self.fused_decode and not snapshots and rows == 1
                 and not self._step_split(1) and not kernels.TIMER.active)
 
-    def _decode_awaiting_projection(self, hidden: Any, conv_state: Any, recurrent_state: Any, slots: Any,
-                                    walk: bool) -> None:
-        """decode_rows of one sequence with the fused step awaiting q|k|v (STEP_AWAITS_PROJECTION):
+    def _decode_awaiting_projection(self, hidden: Any, conv_state: Any, recurrent_state: Any, slots: Any) -> None:
+        """decode_rows of one row with the fused step awaiting q|k|v (STEP_AWAITS_PROJECTION):
         on this stream q|k|v, then ops.signal_inputs_ready; on the side stream (the more urgent one)
         the low-rank chain, the fused step (the chain's programmatic dependent, awaiting the signal)
         and o_proj; then the side stream joins this one.
@@ -709,20 +716,16 @@ class KdaLayer:
         (the step's blocks wait on their SMs): q|k|v leaves at least a slot per head and one more,
         and is issued first. The words are set back to zero by the step, or here if a launch fails
         between the two."""
-        ws, c = self.workspace, self.config
-        rows, d = hidden.shape[0], c.head_dim
+        ws = self.workspace
         try:
             with self._beside(True) as side:
-                self._project(hidden, "qkv_weight", ws.qkv_proj[:rows], False,
-                              reserved_slots=max(QKV_RESERVED_SLOTS, c.heads + 1))
+                self._project(hidden, "qkv_weight", ws.qkv_proj[:1], False,
+                              reserved_slots=max(QKV_RESERVED_SLOTS, self.config.heads + 1))
                 ops.signal_inputs_ready(ws.inputs_ready)
                 with side:
-                    self._project(hidden, "down_weight", ws.down_proj[:rows], False)
-                    self._project(ws.down_proj[:rows, :d], "f_b", ws.forget_proj[:rows], False)
-                    self._project(ws.down_proj[:rows, d : 2 * d], "g_b", ws.out_gate[:rows], False)
-                    self.stateful_rows(0, rows, conv_state, recurrent_state, slots=slots, walk=walk,
-                                       inputs_ready=ws.inputs_ready)
-                    self.back_end(rows, norm=False)
+                    self._low_rank_chain(hidden, wide=False, gate=False, branched=False)
+                    self.stateful_rows(0, 1, conv_state, recurrent_state, slots=slots, inputs_ready=ws.inputs_ready)
+                    self.back_end(1, norm=False)
         except BaseException:
             # After the join: the signal may have been launched without the step that clears it. (A
             # failed capture leaves nothing launched.)

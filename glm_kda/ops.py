@@ -611,9 +611,9 @@ def kda_decode_fused_bf16(
 
 
 def _require_inputs_ready(inputs_ready, what: str) -> None:
-    if inputs_ready.dtype != numpy.int32 or inputs_ready.size < 2 or not inputs_ready.flags.c_contiguous:
-        raise ValueError(f"{what}: inputs_ready must be a contiguous int32 array of at least 2 elements, got "
-                         f"{inputs_ready.dtype} of {inputs_ready.size} (contiguous: {inputs_ready.flags.c_contiguous})")
+    from glm_kda import gemm_rows
+
+    gemm_rows.check_scratch(inputs_ready, numpy.int32, "int32", 2, "inputs_ready", what)
 
 
 def signal_inputs_ready(inputs_ready) -> None:

@@ -417,6 +417,7 @@ def test_qkv_projection_leaves_slots_to_the_side_chain(monkeypatch):
             (weight, reserved_slots, x_tiles is gate_tiles)),
         gate_beta=lambda rows: calls.append(("gate_beta", 0, False)),
     )
+    fake._low_rank_chain = lambda *args: layer.KdaLayer._low_rank_chain(fake, *args)
     layer.KdaLayer.front_end(fake, np.zeros((3, 8)), gate=False)
     assert sorted(calls) == [("down_weight", 0, False), ("f_b", 0, False), ("g_b", 0, False), ("qkv_weight", 40, False)]
     # Above GATE_BRANCH_MIN_ROWS rows g_b forks onto branch 1 with its own tile scratch.
@@ -425,6 +426,53 @@ def test_qkv_projection_leaves_slots_to_the_side_chain(monkeypatch):
     layer.KdaLayer.front_end(fake, np.zeros((20, 8)), gate=False)
     assert sorted(calls) == [("down_weight", 0, False), ("f_b", 0, False), ("g_b", 0, True), ("qkv_weight", 40, False)]
     assert forks == [(0, True), (1, True)]
+
+
+def test_one_row_awaiting_step_leaves_a_slot_per_head_and_one_more(monkeypatch):
+    """A one-row decode with the step awaiting q|k|v (layer.STEP_AWAITS_PROJECTION) projects q|k|v
+    on the current stream leaving at least heads + 1 block slots, signals after it, and runs the
+    low-rank chain (without the gate launch), the step with the workspace's words and o_proj on the
+    side stream; the words go back to zero when a launch fails."""
+    import contextlib
+
+    from glm_kda import layer
+
+    monkeypatch.setattr(layer, "QKV_RESERVED_SLOTS", 40)
+    events = []
+    side = contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def beside(concurrent, branch=0):
+        events.append(("fork", branch, concurrent))
+        yield side
+        events.append(("join", branch, concurrent))
+
+    words = SimpleNamespace(fill=lambda value: events.append(("words", value)))
+    monkeypatch.setattr(layer.ops, "signal_inputs_ready", lambda ready: events.append(("signal", ready is words)))
+    fake = SimpleNamespace(
+        config=SimpleNamespace(head_dim=4, heads=64),
+        workspace=SimpleNamespace(inputs_ready=words, **{name: np.zeros((20, 12)) for name in
+                                                        ("qkv_proj", "down_proj", "forget_proj", "out_gate")}),
+        _beside=beside,
+        _project=lambda x, weight, out, wide, after_kernel=False, reserved_slots=0, x_tiles=None: events.append(
+            ("project", weight, reserved_slots)),
+        gate_beta=lambda rows: events.append(("gate_beta",)),
+        stateful_rows=lambda first, rows, conv, rec, slots=None, inputs_ready=None: events.append(
+            ("step", rows, inputs_ready is words)),
+        back_end=lambda rows, norm=True: events.append(("back_end", rows, norm)),
+    )
+    fake._low_rank_chain = lambda *args, **options: layer.KdaLayer._low_rank_chain(fake, *args, **options)
+    layer.KdaLayer._decode_awaiting_projection(fake, np.zeros((1, 8)), None, None, None)
+    assert events == [("fork", 0, True), ("project", "qkv_weight", 65), ("signal", True),
+                      ("project", "down_weight", 0), ("fork", 1, False), ("project", "f_b", 0), ("project", "g_b", 0),
+                      ("join", 1, False), ("step", 1, True), ("back_end", 1, False), ("join", 0, True)]
+    events.clear()
+    fake.stateful_rows = lambda *args, **options: (_ for _ in ()).throw(ValueError("bad state"))
+    monkeypatch.setitem(__import__("sys").modules, "cupy", SimpleNamespace(
+        cuda=SimpleNamespace(get_current_stream=lambda: SimpleNamespace(is_capturing=lambda: False))))
+    with pytest.raises(ValueError, match="bad state"):
+        layer.KdaLayer._decode_awaiting_projection(fake, np.zeros((1, 8)), None, None, None)
+    assert events[-1] == ("words", 0)
 
 
 @pytest.mark.parametrize("n,k,expected", [(4096, 8192, 0), (2304, 4096, 16), (8192, 128, 16), (24576, 4096, 0)],
