@@ -64,7 +64,9 @@ def defaults() -> dict:
     (layer.STEP_WRITES_X_TILES), side_chain_bulk (layer.SIDE_CHAIN_BULK), gate_branch_min_rows
     (layer.GATE_BRANCH_MIN_ROWS; None: g_b after f_b on one stream), bulk_stages_by_chunks
     (gemm_rows.BULK_STAGES_BY_CHUNKS), bulk_split_warpgroups (gemm_rows.BULK_SPLIT_WARPGROUPS),
-    step_awaits_projection (layer.STEP_AWAITS_PROJECTION), kernel_sources (a folder of kernel sources;
+    step_awaits_projection (layer.STEP_AWAITS_PROJECTION), gate_up_pair (layer.GATE_UP_PAIR),
+    out_proj_awaits_step (layer.OUT_PROJ_AWAITS_STEP), awaiting_step_dependents_after
+    (layer.AWAITING_STEP_DEPENDENTS_AFTER), kernel_sources (a folder of kernel sources;
     None: the package's own)."""
     from glm_kda import gemm_rows, kernels, layer, persistent
 
@@ -85,7 +87,9 @@ def defaults() -> dict:
         "out_proj_staged": layer.OUT_PROJ_STAGED, "step_writes_x_tiles": layer.STEP_WRITES_X_TILES,
         "side_chain_bulk": layer.SIDE_CHAIN_BULK, "gate_branch_min_rows": layer.GATE_BRANCH_MIN_ROWS,
         "bulk_stages_by_chunks": gemm_rows.BULK_STAGES_BY_CHUNKS, "bulk_split_warpgroups": gemm_rows.BULK_SPLIT_WARPGROUPS,
-        "step_awaits_projection": layer.STEP_AWAITS_PROJECTION, "kernel_sources": None,
+        "step_awaits_projection": layer.STEP_AWAITS_PROJECTION, "gate_up_pair": layer.GATE_UP_PAIR,
+        "out_proj_awaits_step": layer.OUT_PROJ_AWAITS_STEP,
+        "awaiting_step_dependents_after": layer.AWAITING_STEP_DEPENDENTS_AFTER, "kernel_sources": None,
     }
 
 
@@ -127,6 +131,9 @@ def apply(settings: dict, layer_object) -> None:
     gemm_rows.BULK_STAGES_BY_CHUNKS = settings["bulk_stages_by_chunks"]
     gemm_rows.BULK_SPLIT_WARPGROUPS = settings["bulk_split_warpgroups"]
     layer.STEP_AWAITS_PROJECTION = settings["step_awaits_projection"]
+    layer.GATE_UP_PAIR = settings["gate_up_pair"]
+    layer.OUT_PROJ_AWAITS_STEP = settings["out_proj_awaits_step"]
+    layer.AWAITING_STEP_DEPENDENTS_AFTER = settings["awaiting_step_dependents_after"]
     sources = settings["kernel_sources"]
     if sources not in _KERNEL_SETS:
         _KERNEL_SETS[sources] = kernels.KernelSet.get() if sources is None else kernels.KernelSet(sources)

@@ -418,7 +418,7 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
                    blocks: int | None = None, programmatic: bool = False, serial: bool | None = None,
                    wgmma: bool | None = None, reserved_slots: int = 0, staged: bool = False,
                    bulk: bool | None = None, x_tiles: Any = None, partial: Any = None,
-                   x_tiled: bool = False) -> None:
+                   x_tiled: bool = False, ready: Any = None, ready_target: int = 0) -> None:
     """out[r, :] = bf16(x[r, :] @ w.T) for r < rows (1..256), FP32 accumulation on tensor cores.
 
     Shapes:
@@ -452,9 +452,18 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
     stream (sm_90 and later): the blocks start while that kernel drains, ask L2 for their
     first weight bytes, and wait for it before they read x or write out. For a launch whose
     previous operation in the stream is the kernel that writes x; the bits are the same.
+
+    ``ready`` (with ``programmatic``, <= 16 rows of a PackedWeight): a contiguous int32 array of
+    at least 2 elements that the previous kernel counts its blocks' outputs out in (the fused
+    decode step's ``outputs_ready``): the blocks read x once ready[0] reaches ``ready_target``, not
+    once that kernel ends, the last of them sets both words back to zero, and each block ends only
+    after that kernel has. The same bits. Every block of that kernel must be resident when this one
+    launches (it waits on them; see ops.kda_decode_fused_bf16).
     """
     rows, n, k, ldx, ldy = projection_args("gemm_rows_bf16", x, w, out, rows, GEMM_ROWS_MAX_ROWS)
     packed = isinstance(w, PackedWeight)
+    if ready is not None:
+        _check_ready(ready, ready_target, packed, rows, programmatic, staged, bulk)
     if not (packed and w.pairs is not None and wgmma_available()):
         if wgmma:
             raise ValueError("gemm_rows_bf16: wgmma=True needs a PackedWeight made with pack_weight(w, pairs=True)"
@@ -477,17 +486,63 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
     # The last argument: the L2 request of a programmatic launch, or the warpgroup-MMA sweep's ring.
     last = plan.ring_depth if on_wgmma else prefetch_k_blocks(n, k) if programmatic else 0
     if packed and not on_wgmma:
-        kernel = kernel.replace("gemm_rows_", "gemm_rows_packed_")
+        kernel = kernel.replace("gemm_rows_", "gemm_rows_packed_awaiting_" if ready is not None else "gemm_rows_packed_")
+    awaiting = (ready, _i32(ready_target)) if ready is not None else ()
     kernels.launch(
         kernel,
         plan.grid,
         plan.block,
         (x, _i32(ldx), (w.pairs if on_wgmma else w.data) if packed else w, out,
-         _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(last)),
+         _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(last), *awaiting),
         plan.shared_mem,
         programmatic=programmatic,
         carveout=100 if plan.shared_mem else -1,
     )
+
+
+def gemm_rows_pair_bf16(x, w, out, x2, w2, out2, rows: int | None = None, *, programmatic: bool = False,
+                        reserved_slots: int = 0) -> None:
+    """out[r] = bf16(x[r] @ w.T) and out2[r] = bf16(x2[r] @ w2.T) for r < rows (1..16) in one launch:
+    each the bits of :func:`gemm_rows_bf16` alone (its column groups swept by the same device code,
+    the second projection's after the first's). For two small projections of one kernel's outputs
+    (the forget and output gate up-projections of one decode row): one launch and one wait on that
+    kernel instead of two of each.
+
+    Shapes: w and w2 PackedWeights of one shape [n, k]; x, x2 [>= rows, k] and out, out2 [>= rows, n]
+    BF16 with equal row strides (column slices of wider buffers are fine), as gemm_rows_bf16 takes
+    them. ``programmatic`` and ``reserved_slots`` as there (the plan is that of one [2n, k] weight).
+    """
+    rows, n, k, ldx, ldy = projection_args("gemm_rows_pair_bf16", x, w, out, rows, M_TILE)
+    rows2, n2, k2, ldx2, ldy2 = projection_args("gemm_rows_pair_bf16", x2, w2, out2, rows, M_TILE)
+    for name, weight in (("w", w), ("w2", w2)):
+        if not isinstance(weight, PackedWeight):
+            raise ValueError(f"gemm_rows_pair_bf16: {name} must be a PackedWeight (pack_weight), got "
+                             f"{type(weight).__name__}")
+    if (n2, k2, ldx2, ldy2) != (n, k, ldx, ldy):
+        raise ValueError("gemm_rows_pair_bf16: the second projection must have the first's shapes and strides: "
+                         f"(n, k, x stride, out stride) {(n2, k2, ldx2, ldy2)} against {(n, k, ldx, ldy)}")
+    plan = launch_plan(2 * n, k, rows, None, _sm_count(cupy.cuda.Device().id), reserved_slots=reserved_slots)
+    kernels.launch(
+        plan.kernel.replace("gemm_rows_", "gemm_rows_packed_pair_"),
+        plan.grid,
+        plan.block,
+        (x, _i32(ldx), w.data, out, _i32(ldy), _i32(rows), _i32(n), _i32(k),
+         _i32(prefetch_k_blocks(n, k) if programmatic else 0), x2, w2.data, out2),
+        plan.shared_mem,
+        programmatic=programmatic,
+    )
+
+
+def _check_ready(ready: Any, ready_target: int, packed: bool, rows: int, programmatic: bool, staged: bool,
+                 bulk: bool | None) -> None:
+    """The checks of gemm_rows_bf16's ``ready``: ValueError naming what is wrong."""
+    check_scratch(ready, cupy.int32, "int32", 2, "ready", "gemm_rows_bf16")
+    if not (packed and rows <= M_TILE and programmatic and not staged and not bulk):
+        raise ValueError("gemm_rows_bf16: ready needs a programmatic launch of <= 16 rows of a PackedWeight, not "
+                         f"staged or bulk (packed: {packed}, rows: {rows}, programmatic: {programmatic}, staged: "
+                         f"{staged}, bulk: {bulk})")
+    if ready_target < 1:
+        raise ValueError(f"gemm_rows_bf16: ready_target must be >= 1 (the blocks counted), got {ready_target}")
 
 
 def bulk_applies(w: Any, rows: int, bulk: bool | None = None) -> bool:

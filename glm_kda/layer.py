@@ -57,6 +57,9 @@ STEP_RESIDENT_BLOCKS_PER_SM = 2
 # formed, 2 after its recurrent step). On an H200 (benchmarks/decode_breakdown.py, two runs) the
 # three were within the rounds' spread of each other (GLM B=1 83.2 - 84.3 us, Kimi 35.6 - 36.5).
 STEP_DEPENDENTS_AFTER = 0
+# The same for the one-row step awaiting q|k|v (STEP_AWAITS_PROJECTION) where its o_proj awaits the
+# step's count of outputs (OUT_PROJ_AWAITS_STEP); at least 1 where o_proj waits for the step's end.
+AWAITING_STEP_DEPENDENTS_AFTER = 0
 # The fused step moves each head's state by one bulk copy each way through shared memory (sm_90
 # and later; kda_decode_fused_bf16's staged), asking for STEP_STAGED_CARVEOUT percent of shared
 # memory (-1: the driver's choice). The same bits as the per-thread loads, but slower on an H200
@@ -114,6 +117,15 @@ OUT_PROJ_STAGED = False
 # slot per head: several layers decoding at once on streams of their own could fill every slot with
 # waiting steps, and would then stop at the wait's trap (tens of seconds); set this False there.
 STEP_AWAITS_PROJECTION = True
+# Up to 16 rows, the forget and output gate up-projections (f_b, g_b) of the low-rank chain run as one
+# launch (gemm_rows.gemm_rows_pair_bf16) instead of one after the other: one launch and one wait on
+# down_proj fewer on the chain that the fused step waits for. No bit depends on it.
+GATE_UP_PAIR = True
+# Where a decode call's output projection runs on gemm_rows' one-row-group sweep (up to 16 rows of
+# one launch of the fused step), it waits for the step's blocks to count their outputs out
+# (ops.kda_decode_fused_bf16's outputs_ready, gemm_rows_bf16's ready) instead of for the step's end:
+# it reads its input while the step still stores its states. No bit depends on it.
+OUT_PROJ_AWAITS_STEP = True
 # Where the output projection of a batch runs on the bulk-copy sweep (gemm_rows.bulk_applies), the
 # fused step writes its input a second time in the sweep's tile layout (kda_decode_fused_bf16's
 # x_tiles), so that the projection needs no tiling launch between the two. No bit depends on it.
@@ -268,6 +280,9 @@ class KdaWorkspace:
         # The two words a fused step awaiting another stream's q|k|v polls (ops.kda_decode_fused_bf16's
         # inputs_ready): zero between calls.
         self.inputs_ready = cupy.zeros((2,), np.int32)
+        # The two words an output projection awaiting the fused step's outputs polls
+        # (ops.kda_decode_fused_bf16's outputs_ready): zero between calls.
+        self.outputs_ready = cupy.zeros((2,), np.int32)
         # Fixed input buffers of the captured decode graphs.
         self.graph_hidden = cupy.zeros((max_tokens, c.hidden), bf16)
         self.graph_slots = cupy.zeros((max_tokens,), np.int32)
@@ -322,6 +337,8 @@ class KdaLayer:
         self._branches: dict[int, tuple] = {}
         # Rows of o_norm_out the last fused step also wrote into workspace.x_tiles (0: none).
         self._x_tiles_rows = 0
+        # Blocks of the fused step the next o_proj awaits (OUT_PROJ_AWAITS_STEP; 0: none).
+        self._o_proj_ready = 0
         self.chunk_impl = chunk_impl
         # Tensor-core prefill: the bounded prepare forms the forget gate and beta itself (True,
         # the default) or reads them from the gate kernel (False); the same bits either way.
@@ -480,7 +497,8 @@ class KdaLayer:
 
     def _project_decode(self, x: Any, weight: Any, out: Any, after_kernel: bool = False,
                         reserved_slots: int = 0, staged: bool = False, x_tiles: Any = None,
-                        partial: Any = None, bulk: bool | None = None, x_tiled: bool = False) -> None:
+                        partial: Any = None, bulk: bool | None = None, x_tiled: bool = False,
+                        ready_target: int = 0) -> None:
         """The projection of every decode-side call (decode, decode_k, batched decode, and
         prefill of <= 16 rows). One kernel, applied to groups of DECODE_ROW_GROUP rows, whose
         per-row arithmetic does not depend on the row count: a row's bits are the same in
@@ -494,14 +512,18 @@ class KdaLayer:
         on it either). x_tiles, partial: the bulk-copy sweep's scratch (gemm_rows.gemm_rows_bulk;
         without partial it never splits). bulk: gemm_rows_bf16's choice of that sweep (None: by the
         weight's width, False: never). x_tiled: x_tiles already holds x in the sweep's layout (the
-        fused step wrote it; one group of rows only)."""
+        fused step wrote it; one group of rows only). ready_target: the launch awaits that many
+        blocks of the fused step before it counting their outputs out in workspace.outputs_ready
+        (gemm_rows_bf16's ready; one group of <= 16 rows only; 0: none)."""
         rows = x.shape[0]
+        ready = self.workspace.outputs_ready if ready_target else None
         for start in range(0, rows, DECODE_ROW_GROUP):
             stop = min(rows, start + DECODE_ROW_GROUP)
             gemm_rows.gemm_rows_bf16(x[start:stop], weight, out[start:stop], rows=stop - start,
                                      programmatic=after_kernel or start > 0, reserved_slots=reserved_slots,
                                      staged=staged, bulk=bulk, x_tiles=x_tiles, partial=partial,
-                                     x_tiled=x_tiled and rows <= DECODE_ROW_GROUP)
+                                     x_tiled=x_tiled and rows <= DECODE_ROW_GROUP, ready=ready,
+                                     ready_target=ready_target)
 
     def _project(self, x: Any, weight: str, out: Any, wide: bool, after_kernel: bool = False,
                  reserved_slots: int = 0, staged: bool = False, x_tiles: Any = None) -> None:
@@ -516,9 +538,11 @@ class KdaLayer:
             tiles, partial = (ws.x_tiles_side, None) if side else (ws.x_tiles, ws.bulk_partial)
             x_tiles = tiles if x_tiles is None else x_tiles
             x_tiled = weight == "o_proj" and self._x_tiles_rows == x.shape[0]
-            self._x_tiles_rows = 0
+            ready_target = self._o_proj_ready if weight == "o_proj" else 0
+            self._x_tiles_rows = self._o_proj_ready = 0
             self._project_decode(x, self.decode_weight(weight), out, after_kernel, reserved_slots, staged, x_tiles,
-                                 partial, bulk=SIDE_CHAIN_BULK if side else None, x_tiled=x_tiled)
+                                 partial, bulk=SIDE_CHAIN_BULK if side else None, x_tiled=x_tiled,
+                                 ready_target=ready_target)
 
     def gate_source(self, first: int = 0) -> chunk_tc.GateSource:
         """Workspace rows first.. of what the forget gate and beta are formed from."""
@@ -571,6 +595,13 @@ class KdaLayer:
                           x_tiles=x_tiles)
 
         self._project(hidden, "down_weight", ws.down_proj[:rows], wide)
+        if self._gate_up_pair(rows, wide, branched):
+            gemm_rows.gemm_rows_pair_bf16(ws.down_proj[:rows, :d], self.decode_weight("f_b"), ws.forget_proj[:rows],
+                                          ws.down_proj[:rows, d : 2 * d], self.decode_weight("g_b"),
+                                          ws.out_gate[:rows], programmatic=chained)
+            if gate:
+                self.gate_beta(rows)
+            return
         with self._beside(branched, branch=1) as gate_side:
             if branched:
                 with gate_side:
@@ -580,6 +611,20 @@ class KdaLayer:
                 self.gate_beta(rows)
             if not branched:
                 project_out_gate(chained)
+
+    def _gate_up_pair(self, rows: int, wide: bool, branched: bool) -> bool:
+        """Whether the low-rank chain of `rows` rows runs f_b and g_b as one launch (GATE_UP_PAIR: up
+        to 16 rows of packed weights, not branched)."""
+        return (GATE_UP_PAIR and not wide and not branched and rows <= gemm_rows.M_TILE
+                and all(isinstance(self.decode_weight(name), gemm_rows.PackedWeight) for name in ("f_b", "g_b")))
+
+    def _o_proj_awaits_step(self, rows: int) -> bool:
+        """Whether the output projection of a fused step of `rows` rows (one launch, workspace rows
+        0..rows-1) awaits the step's count of outputs (OUT_PROJ_AWAITS_STEP): gemm_rows' sweep of one
+        group of <= 16 rows of a packed weight, not staged."""
+        w = self.decode_weight("o_proj")
+        return (OUT_PROJ_AWAITS_STEP and rows <= gemm_rows.M_TILE and isinstance(w, gemm_rows.PackedWeight)
+                and not (OUT_PROJ_STAGED and gemm_rows.staged_applies(w, rows)))
 
     @contextlib.contextmanager
     def _beside(self, concurrent: bool, branch: int = 0):
@@ -611,7 +656,7 @@ class KdaLayer:
             main.wait_event(join)
 
     def stateful_rows(self, first: int, rows: int, conv_state: Any, recurrent_state: Any, slots: Any = None,
-                      walk: bool = False, inputs_ready: Any = None) -> None:
+                      walk: bool = False, inputs_ready: Any = None, whole: bool = False) -> None:
         """Decode's stateful half for workspace rows first..first+rows-1, updating the states
         in place. Row r uses slot slots[r] of a pool, or (slots None, rows == 1) the single
         state given; walk=True: the rows are consecutive tokens of the single state given,
@@ -622,27 +667,32 @@ class KdaLayer:
         and the back end the norm (see :meth:`decode_rows`). Otherwise conv (+ SiLU + L2) then
         one recurrent step, reading the gate the front end formed; q and k arrive normalised and
         the recurrent step must not normalise them again. inputs_ready (fused_decode only): the
-        step awaits q|k|v from another stream (ops.kda_decode_fused_bf16's inputs_ready)."""
+        step awaits q|k|v from another stream (ops.kda_decode_fused_bf16's inputs_ready). whole:
+        these are all the rows the next back_end projects (first 0), so its o_proj may await the
+        step's count of outputs (OUT_PROJ_AWAITS_STEP)."""
         ws, c = self.workspace, self.config
         sl = slice(first, first + rows)
-        self._x_tiles_rows = 0
+        self._x_tiles_rows = self._o_proj_ready = 0
         if self.fused_decode:
+            counted = whole and first == 0 and self._o_proj_awaits_step(rows)
             d = c.head_dim
             # The output projection's input in its sweep's tile layout, where that sweep will read it.
             tiles = (STEP_WRITES_X_TILES and first == 0 and not walk and rows <= DECODE_ROW_GROUP
                      and gemm_rows.bulk_applies(self.decode_weight("o_proj"), rows))
-            ops.kda_decode_fused_bf16(
+            blocks = ops.kda_decode_fused_bf16(
                 conv_state, recurrent_state, ws.qkv_proj[sl], self.conv_weight, ws.forget_proj[sl], self.dt_bias,
                 self.a_log, ws.down_proj[sl, 2 * d :], ws.out_gate[sl], self.o_norm, ws.conv_out[sl], ws.query[sl],
                 ws.key[sl], ws.value[sl], ws.gate[sl], ws.beta[sl], ws.core[sl], ws.o_norm_out[sl],
                 bounded=c.bounded, lower_bound=c.gate_lower_bound or 0.0, scale=self.scale, l2_eps=c.l2_eps,
                 norm_eps=c.rms_norm_eps, slots=slots, tokens=rows if walk else 1,
                 prefetch_ahead=self._step_prefetch_ahead(),
-                dependents_after=STEP_DEPENDENTS_AFTER if inputs_ready is None else max(STEP_DEPENDENTS_AFTER, 1),
+                dependents_after=(STEP_DEPENDENTS_AFTER if inputs_ready is None else AWAITING_STEP_DEPENDENTS_AFTER
+                                  if counted else max(STEP_DEPENDENTS_AFTER, 1)),
                 staged=STEP_STAGED_STATE, carveout=STEP_STAGED_CARVEOUT,
                 split=self._step_split(1 if walk else rows), x_tiles=ws.x_tiles if tiles else None,
-                inputs_ready=inputs_ready)
+                inputs_ready=inputs_ready, outputs_ready=ws.outputs_ready if counted else None)
             self._x_tiles_rows = rows if tiles else 0
+            self._o_proj_ready = blocks if counted else 0
             return
         if walk or inputs_ready is not None:
             raise ValueError("stateful_rows: walk=True and inputs_ready need fused_decode")
@@ -685,19 +735,35 @@ class KdaLayer:
             return
         with _section("front_end"):
             self.front_end(hidden, gate=not self.fused_decode)
-        with _section("recurrence"):
-            if sequential and self.fused_decode and not snapshots:
-                self.stateful_rows(0, rows, conv_state, recurrent_state, walk=True)
-            elif sequential:
-                for row in range(rows):
-                    self.stateful_rows(row, 1, conv_state, recurrent_state)
-                    if row < len(snapshots):
-                        snapshots[row].conv[...] = conv_state
-                        snapshots[row].recurrent[...] = recurrent_state
-            else:
-                self.stateful_rows(0, rows, conv_state, recurrent_state, slots=slots)
-        with _section("back_end"):
-            self.back_end(rows, norm=not self.fused_decode)
+        with self._outputs_words_cleared_on_error():
+            with _section("recurrence"):
+                if sequential and self.fused_decode and not snapshots:
+                    self.stateful_rows(0, rows, conv_state, recurrent_state, walk=True, whole=True)
+                elif sequential:
+                    for row in range(rows):
+                        self.stateful_rows(row, 1, conv_state, recurrent_state)
+                        if row < len(snapshots):
+                            snapshots[row].conv[...] = conv_state
+                            snapshots[row].recurrent[...] = recurrent_state
+                else:
+                    self.stateful_rows(0, rows, conv_state, recurrent_state, slots=slots, whole=True)
+            with _section("back_end"):
+                self.back_end(rows, norm=not self.fused_decode)
+
+    @contextlib.contextmanager
+    def _outputs_words_cleared_on_error(self):
+        """On an error between a fused step that counts its outputs out and the o_proj that awaits
+        them (eager launches; a failed capture launches nothing): workspace.outputs_ready back to
+        zero, so that no later projection takes the count for its own step's."""
+        try:
+            yield
+        except BaseException:
+            import cupy
+
+            self._o_proj_ready = 0
+            if not cupy.cuda.get_current_stream().is_capturing():
+                self.workspace.outputs_ready.fill(0)
+            raise
 
     def _awaits_projection(self, rows: int, sequential: bool, snapshots: Sequence[KdaState]) -> bool:
         """Whether a decode-side call of `rows` rows runs as _decode_awaiting_projection: one row
@@ -714,8 +780,8 @@ class KdaLayer:
 
         Every block of q|k|v, of the signal and of the step must be able to be resident at once
         (the step's blocks wait on their SMs): q|k|v leaves at least a slot per head and one more,
-        and is issued first. The words are set back to zero by the step, or here if a launch fails
-        between the two."""
+        and is issued first. The words are set back to zero by the step (and by o_proj, those it
+        awaits), or here if a launch fails between the two."""
         ws = self.workspace
         try:
             with self._beside(True) as side:
@@ -724,15 +790,19 @@ class KdaLayer:
                 ops.signal_inputs_ready(ws.inputs_ready)
                 with side:
                     self._low_rank_chain(hidden, wide=False, gate=False, branched=False)
-                    self.stateful_rows(0, 1, conv_state, recurrent_state, slots=slots, inputs_ready=ws.inputs_ready)
+                    self.stateful_rows(0, 1, conv_state, recurrent_state, slots=slots, inputs_ready=ws.inputs_ready,
+                                       whole=True)
                     self.back_end(1, norm=False)
         except BaseException:
-            # After the join: the signal may have been launched without the step that clears it. (A
-            # failed capture leaves nothing launched.)
+            # After the join: the signal may have been launched without the step that clears it, or
+            # the step without the o_proj that clears its count. (A failed capture leaves nothing
+            # launched.)
             import cupy
 
+            self._o_proj_ready = 0
             if not cupy.cuda.get_current_stream().is_capturing():
                 ws.inputs_ready.fill(0)
+                ws.outputs_ready.fill(0)
             raise
 
     def _persistent_applies(self, rows: int, sequential: bool, snapshots: Sequence[KdaState]) -> bool:

@@ -502,8 +502,8 @@ def kda_decode_fused_bf16(
     conv_out, query, key, value, gate, beta, core, o_norm_out, *, bounded: bool, lower_bound: float,
     scale: float, l2_eps: float, norm_eps: float, slots=None, tokens: int = 1, prefetch_ahead: int = 0,
     dependents_after: int = 0, staged: bool = False, carveout: int = -1, split: bool = False, x_tiles=None,
-    inputs_ready=None,
-) -> None:
+    inputs_ready=None, outputs_ready=None,
+) -> int:
     """The stateful half of decode in one launch: for each sequence, `tokens` consecutive
     tokens of conv + SiLU + L2, forget gate and beta, one delta-rule step, gated RMSNorm.
 
@@ -550,11 +550,22 @@ def kda_decode_fused_bf16(
     The step launches as a programmatic dependent of the kernel before it on this stream (its
     other inputs' last writer): its blocks load their state column and conv windows, wait for that
     kernel and for inputs_ready[0] to be set, then read their inputs; the last block past the wait
-    sets both words back to zero. dependents_after must then be 1 or 2: the next kernel of this
-    stream may launch only once every block has its inputs. The caller must leave room for every
+    sets both words back to zero. dependents_after must then be 1 or 2 (the next kernel of this
+    stream may launch only once every block has its inputs), unless that kernel awaits
+    ``outputs_ready`` and may launch at once. The caller must leave room for every
     block of the writer of qkv_proj, of the signal and of this step to be resident at once (the
     step's blocks wait, holding their SMs; a wait of 2^26 polls, tens of seconds, traps). It
     changes no bit.
+
+    outputs_ready: None, or a contiguous int32 array of at least 2 elements, both zero: each block
+    adds 1 to outputs_ready[0] once its outputs are written, before it stores its states. The
+    next kernel of the stream, an output projection launched by ``gemm_rows.gemm_rows_bf16(...,
+    ready=outputs_ready, ready_target=<this launch's blocks>)``, waits for that count instead of for
+    this launch's end and sets the words back to zero. Such a dependent launches only once every
+    block of this launch has started (whatever dependents_after), so the blocks it waits for are
+    all resident. It changes no bit.
+
+    Returns the blocks launched (the count outputs_ready reaches).
     """
     heads = _state_or_pool_heads(state)
     qkv = heads * HEAD_DIM
@@ -590,34 +601,40 @@ def kda_decode_fused_bf16(
         gemm_rows.check_x_tiles(x_tiles, o_norm_out.dtype, rows, qkv, "kda_decode_fused_bf16")
     if inputs_ready is not None:
         _require_inputs_ready(inputs_ready, "kda_decode_fused_bf16")
-        if dependents_after == 0:
-            raise ValueError("kda_decode_fused_bf16: inputs_ready needs dependents_after 1 or 2 (the next kernel "
-                             "must not launch before every block has its inputs)")
+        if dependents_after == 0 and outputs_ready is None:
+            raise ValueError("kda_decode_fused_bf16: inputs_ready needs dependents_after 1 or 2, or outputs_ready (the "
+                             "next kernel must not launch before every block has its inputs, unless it awaits "
+                             "their count of outputs)")
+    if outputs_ready is not None:
+        _require_inputs_ready(outputs_ready, "kda_decode_fused_bf16", "outputs_ready")
     staged = staged and state.data.ptr % 16 == 0 and bulk_copies_available()
     split = split and not staged and bulk_copies_available()
     name = "kda_decode_fused_staged_bf16" if staged else "kda_decode_fused_split_bf16" if split else "kda_decode_fused_bf16"
+    grid = (heads * HEAD_SPLIT if split else heads, sequences)
     kernels.launch(
         name,
-        (heads * HEAD_SPLIT if split else heads, sequences),
+        grid,
         (HEAD_BLOCK,),
         (conv_state, state, slots, qkv_proj, conv_w, forget_proj, dt_bias, a_log, beta_logits, _i32(ld_beta),
          out_gate, norm_w, conv_out, query, key, value, gate, beta, core, o_norm_out, _i32(heads),
          _i32(kernel_size), _i32(tokens), _i32(1 if bounded else 0), _f32(lower_bound if bounded else 0.0), _f32(scale),
-         _f32(l2_eps), _f32(norm_eps), _i32(prefetch_ahead), _i32(dependents_after), x_tiles, inputs_ready),
+         _f32(l2_eps), _f32(norm_eps), _i32(prefetch_ahead), _i32(dependents_after), x_tiles, inputs_ready,
+         outputs_ready),
         HEAD_DIM * HEAD_DIM * 4 if staged else 0,
         carveout=carveout if staged else -1,
         programmatic=inputs_ready is not None,
     )
+    return grid[0] * grid[1]
 
 
-def _require_inputs_ready(inputs_ready, what: str) -> None:
+def _require_inputs_ready(words, what: str, name: str = "inputs_ready") -> None:
     from glm_kda import gemm_rows
 
-    gemm_rows.check_scratch(inputs_ready, numpy.int32, "int32", 2, "inputs_ready", what)
+    gemm_rows.check_scratch(words, numpy.int32, "int32", 2, name, what)
 
 
 def signal_inputs_ready(inputs_ready) -> None:
-    """inputs_ready[0] = 1 once the kernel before this launch on the current stream has finished
+    """inputs_ready[0] += 1 once the kernel before this launch on the current stream has finished
     (launched as its programmatic dependent: the one block waits resident): the signal a
     :func:`kda_decode_fused_bf16` launch with ``inputs_ready`` waits for. inputs_ready: a contiguous
     int32 array of at least 2 elements."""

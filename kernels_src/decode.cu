@@ -33,6 +33,10 @@
 // x_tiles (null: none) receives o_norm_out a second time, in the tile layout the output
 // projection's bulk-copy sweep reads (bulk_tile_element), so that no launch lays it out there.
 //
+// outputs_ready (null: none): each block adds 1 to outputs_ready[0] once its outputs are written,
+// before it stores its states; an output projection launched on gemm_rows' awaiting entry waits
+// for that count instead of for this kernel's end.
+//
 // kda_decode_fused_staged_bf16 is the same step with the head's 64 KB state moved by one bulk
 // copy each way through KDA_HEAD_STATE_BYTES of dynamic shared memory (sm_90 and later, the
 // state 16-byte aligned; before sm_90 it compiles to the register loads): the same bits.
@@ -67,12 +71,12 @@ __device__ __forceinline__ void kda_decode_fused_block(const KdaStepArgs& args, 
         float *__restrict__ key, float *__restrict__ value, float *__restrict__ gate, float *__restrict__ beta,       \
         float *__restrict__ core, bf16_t *__restrict__ o_norm_out, int heads, int kernel_size, int tokens,            \
         int bounded, float lower_bound, float scale, float l2_eps, float norm_eps, int prefetch_ahead,                \
-        int dependents_after, bf16_t *__restrict__ x_tiles, int *inputs_ready
+        int dependents_after, bf16_t *__restrict__ x_tiles, int *inputs_ready, int *outputs_ready
 #define KDA_DECODE_FUSED_ARGS                                                                                        \
     KdaStepArgs{conv_state, state, slots, qkv_proj, conv_w, forget_proj, dt_bias, a_log, beta_logits,                \
                 ld_beta, out_gate, norm_w, conv_out, query, key, value, gate, beta, core, o_norm_out,                \
                 heads, kernel_size, tokens, bounded, lower_bound, scale, l2_eps, norm_eps, prefetch_ahead,           \
-                dependents_after, x_tiles, inputs_ready}
+                dependents_after, x_tiles, inputs_ready, outputs_ready}
 
 extern "C" __global__ void __launch_bounds__(KDA_HEAD_BLOCK) kda_decode_fused_bf16(KDA_DECODE_FUSED_PARAMETERS)
 {
@@ -107,7 +111,7 @@ kda_decode_fused_split_bf16(KDA_DECODE_FUSED_PARAMETERS)
 #endif
 }
 
-// Sets inputs_ready[0] to 1 once the kernel before it in the stream has finished and its writes
+// Adds 1 to inputs_ready[0] once the kernel before it in the stream has finished and its writes
 // are visible (a programmatic dependent of it: its one block waits resident): the signal a fused
 // step with inputs_ready waits for. Launch: one block of 32 threads.
 extern "C" __global__ void __launch_bounds__(32) kda_signal_inputs_ready(int* inputs_ready)
@@ -115,6 +119,6 @@ extern "C" __global__ void __launch_bounds__(32) kda_signal_inputs_ready(int* in
     kda_let_next_kernel_launch();
     kda_wait_for_previous_kernel();
     if (threadIdx.x == 0) {
-        kda_publish(inputs_ready, 1);
+        kda_count_release(inputs_ready);
     }
 }

@@ -146,51 +146,20 @@ struct KdaStepArgs {
     // (kda_signal_inputs_ready): the step loads its state column and conv windows, waits for both
     // (kda_await_inputs), then loads the token's inputs.
     int* inputs_ready;
+    // Null, or the words the next kernel of the stream (the output projection, launched once every
+    // block of this one is resident) waits on instead of this kernel's end: each block adds 1 to
+    // outputs_ready[0] once its outputs are written, before it stores its states.
+    int* outputs_ready;
 };
 
-// A wait longer than this many polls (tens of seconds with their sleeps and round trips) is a broken
-// schedule: trap instead of hanging.
-#define KDA_MAX_POLLS (1 << 26)
-
-__device__ __forceinline__ int load_acquire(const int* counter)
-{
-    int value;
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(value) : "l"(counter) : "memory");
-    return value;
-}
-
-// *word = value, released at GPU scope: whatever this thread has seen written before (a finished
-// kernel's outputs) is visible to a thread that reads the value by load_acquire.
-__device__ __forceinline__ void kda_publish(int* word, int value)
-{
-    asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(word), "r"(value) : "memory");
-}
-
-// Thread 0: until counter >= target.
-__device__ __forceinline__ void wait_for_counter(const int* counter, int target)
-{
-    int polls = 0;
-    while (load_acquire(counter) < target) {
-        __nanosleep(64);
-        if (++polls > KDA_MAX_POLLS) {
-            __trap();
-        }
-    }
-}
-
 // Thread `d` of every block of a grid of `blocks`: wait for the previous kernel of the stream and
-// for inputs_ready[0] to become nonzero (thread 0 polls it); the caller then passes the group's
-// barrier. The last block past the wait (counted in inputs_ready[1]) sets both words back to zero,
-// so the next launch waits again: a block counts itself only once it has seen the word set.
+// for inputs_ready[0] to become nonzero (thread 0 polls it; kda_await_words); the caller then
+// passes the group's barrier.
 __device__ __forceinline__ void kda_await_inputs(int* inputs_ready, int blocks, int d)
 {
     kda_wait_for_previous_kernel();
     if (d == 0) {
-        wait_for_counter(inputs_ready, 1);
-        if (atomicAdd(inputs_ready + 1, 1) == blocks - 1) {
-            inputs_ready[1] = 0;
-            inputs_ready[0] = 0;
-        }
+        kda_await_words(inputs_ready, 1, blocks);
     }
 }
 
@@ -488,6 +457,12 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
     // The block timeline's second stamp (benchmarks/timeline.py; nothing without KDA_TRACE): for
     // the step, when this block's outputs are written, before its state stores.
     KDA_TRACE_WAITED();
+    if (p.outputs_ready != nullptr) {
+        group.sync();  // every thread's outputs are out before thread 0 releases them
+        if (threadIdx.x == 0) {
+            kda_count_release(p.outputs_ready);
+        }
+    }
 
     // (A split head: every block has read its conv windows before the last token's barrier.)
     if constexpr (staged) {

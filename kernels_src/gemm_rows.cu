@@ -10,10 +10,12 @@
 // keep each kernel's code small: one variant in the instruction cache, not all of them.
 // `prefetch` (k blocks per weight row, 0 for none) asks L2 for the first weights before the
 // wait on the previous kernel; like the tiles and the grid it changes no bit.
-template <int M_TILES, int N_TILES, bool PACKED>
+template <int M_TILES, int N_TILES, bool PACKED, int X_FROM = GEMM_X_INPUT>
 __device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, int ldx,
                                                 const bf16_t* __restrict__ w, bf16_t* __restrict__ y,
-                                                int ldy, int rows, int n, int k, int prefetch)
+                                                int ldy, int rows, int n, int k, int prefetch,
+                                                GemmRowsSecond second = {nullptr, nullptr, nullptr},
+                                                GemmRowsAwait awaited = {nullptr, 0})
 {
     __shared__ float partial[GEMM_ROWS_PARTIAL_FLOATS(M_TILES, N_TILES)];
     KDA_TRACE_SCOPE(y);
@@ -24,8 +26,8 @@ __device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, in
         return;
     }
     const int row_end = min(rows, row_begin + GEMM_ROWS_M_GROUP);
-    gemm_rows_sweep<M_TILES, N_TILES, PACKED>(x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split_for(k),
-                                              prefetch, partial);
+    gemm_rows_sweep<M_TILES, N_TILES, PACKED, X_FROM>(x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split_for(k),
+                                                      prefetch, partial, second, awaited);
 }
 
 #define GEMM_ROWS_ENTRY_OF(NAME, M_TILES, N_TILES, PACKED)                                         \
@@ -53,6 +55,40 @@ GEMM_ROWS_ENTRY(2, 2)
 GEMM_ROWS_ENTRY(2, 4)
 GEMM_ROWS_ENTRY(4, 1)
 GEMM_ROWS_ENTRY(4, 2)
+
+// Up to 16 rows of a packed weight, with the launch of gemm_rows_packed_bf16_m1_n<N> (the same
+// bits), in two more forms for one-sequence decode:
+//   gemm_rows_packed_pair_bf16_m1_n<N>: a second projection of the same shapes in the same launch,
+//     y2 = x2 @ w2.T after y = x @ w.T (its column groups after the first's; two small
+//     projections of one input's kernel, one launch and one wait instead of two of each).
+//   gemm_rows_packed_awaiting_bf16_m1_n<N>: launched as a programmatic dependent of a kernel that
+//     counts its blocks' outputs out in ready[0] (the fused decode step's outputs_ready), the
+//     blocks read x (through L2) once ready[0] reaches ready_target, not once that kernel ends;
+//     the last block past the wait sets ready[0..1] back to zero, and each block ends only after
+//     that kernel has.
+#define GEMM_ROWS_DECODE_ENTRIES(N_TILES)                                                          \
+    extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_MIN_BLOCKS)          \
+        gemm_rows_packed_pair_bf16_m1_n##N_TILES(const bf16_t* __restrict__ x, int ldx,              \
+                                                 const bf16_t* __restrict__ w, bf16_t* __restrict__ y, \
+                                                 int ldy, int rows, int n, int k, int prefetch,       \
+                                                 const bf16_t* __restrict__ x2,                       \
+                                                 const bf16_t* __restrict__ w2, bf16_t* __restrict__ y2) \
+    {                                                                                              \
+        gemm_rows_entry<1, N_TILES, true>(x, ldx, w, y, ldy, rows, n, k, prefetch, GemmRowsSecond{x2, w2, y2}); \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_MIN_BLOCKS)          \
+        gemm_rows_packed_awaiting_bf16_m1_n##N_TILES(const bf16_t* __restrict__ x, int ldx,          \
+                                                     const bf16_t* __restrict__ w, bf16_t* __restrict__ y, \
+                                                     int ldy, int rows, int n, int k, int prefetch,   \
+                                                     int* ready, int ready_target)                    \
+    {                                                                                              \
+        gemm_rows_entry<1, N_TILES, true, GEMM_X_PRODUCED>(x, ldx, w, y, ldy, rows, n, k, prefetch,   \
+                                                           GemmRowsSecond{nullptr, nullptr, nullptr}, \
+                                                           GemmRowsAwait{ready, ready_target});       \
+    }
+GEMM_ROWS_DECODE_ENTRIES(1)
+GEMM_ROWS_DECODE_ENTRIES(2)
+GEMM_ROWS_DECODE_ENTRIES(4)
 
 // The serial sweep of gemm_rows.cuh (33..64 rows of a wide weight): block GEMM_ROWS_SERIAL_THREADS
 // threads, no shared memory, grid.x any number of blocks (each loops over the column groups of

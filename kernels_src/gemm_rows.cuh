@@ -497,14 +497,33 @@ __device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const 
     __syncthreads();
 }
 
+// A second projection swept by the same launch (gemm_rows_packed_pair entries): its own x, weight
+// and output, the same shapes, strides and row count as the first. Null w: none.
+struct GemmRowsSecond {
+    const bf16_t* x;
+    const bf16_t* w;
+    bf16_t* y;
+};
+
+// What a sweep's blocks wait on before they read x (gemm_rows_packed_awaiting entries): null
+// words, the previous kernel of the stream; else, that kernel still running on other SMs, until
+// words[0] reaches `target` (its blocks' count of outputs written, kda_await_words).
+struct GemmRowsAwait {
+    int* words;
+    int target;
+};
+
 // One block's share of the output: rows [row_begin, row_end) (at most 64) and the
-// column groups blockIdx.x, blockIdx.x + gridDim.x, ...
-template <int M_TILES, int N_TILES, bool PACKED = false>
+// column groups blockIdx.x, blockIdx.x + gridDim.x, ... With a second projection its column groups
+// follow the first's (groups column_groups .. 2 column_groups - 1 are its groups 0 ..): each
+// group is the one its projection alone would sweep, so the same bits.
+template <int M_TILES, int N_TILES, bool PACKED = false, int X_FROM = GEMM_X_INPUT>
 __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, int ldx,
                                                 const bf16_t* __restrict__ w,
                                                 bf16_t* __restrict__ y, int ldy, int row_begin,
                                                 int row_end, int n, int k, int k_split, int prefetch,
-                                                float* partial)
+                                                float* partial, GemmRowsSecond second = {nullptr, nullptr, nullptr},
+                                                GemmRowsAwait awaited = {nullptr, 0})
 {
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -541,13 +560,35 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
             }
         }
     }
-    // x (and y) may belong to the previous kernel: nothing below runs before it is done.
-    kda_wait_for_previous_kernel();
+    if (awaited.words != nullptr) {
+        // x is written by the kernel before, still running: read it only once its blocks have
+        // counted their outputs out (X_FROM: through L2).
+        if (threadIdx.x == 0) {
+            kda_await_words(awaited.words, awaited.target, static_cast<int>(gridDim.x * gridDim.y));
+        }
+        __syncthreads();
+        KDA_TRACE_WAITED();
+    } else {
+        // x (and y) may belong to the previous kernel: nothing below runs before it is done.
+        kda_wait_for_previous_kernel();
+    }
 
-    for (int group = blockIdx.x; group < column_groups; group += gridDim.x) {
-        gemm_rows_group<M_TILES, N_TILES, GEMM_ROWS_LOADS, GEMM_X_INPUT, PACKED>(x, ldx, w, y, ldy, row_begin,
-                                                                                row_end, n, k, k_split, group,
-                                                                                partial);
+    int group = blockIdx.x;
+    for (; group < column_groups; group += gridDim.x) {
+        gemm_rows_group<M_TILES, N_TILES, GEMM_ROWS_LOADS, X_FROM, PACKED>(x, ldx, w, y, ldy, row_begin, row_end, n, k,
+                                                                          k_split, group, partial);
+    }
+    if (second.w != nullptr) {
+        // (Two loops, not one choosing its pointers: one set live at a time.)
+        for (group -= column_groups; group < column_groups; group += gridDim.x) {
+            gemm_rows_group<M_TILES, N_TILES, GEMM_ROWS_LOADS, X_FROM, PACKED>(
+                second.x, ldx, second.w, second.y, ldy, row_begin, row_end, n, k, k_split, group, partial);
+        }
+    }
+    if (awaited.words != nullptr) {
+        // This launch ends after the kernel before it, as a launch that waited for it does: what
+        // follows in the stream may count on both being done.
+        kda_grid_dependency_wait();
     }
 }
 

@@ -212,12 +212,63 @@ struct KdaTraceScope {
 #define KDA_TRACE_WAITED()
 #endif
 
-__device__ __forceinline__ void kda_wait_for_previous_kernel()
+__device__ __forceinline__ void kda_grid_dependency_wait()
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+}
+
+__device__ __forceinline__ void kda_wait_for_previous_kernel()
+{
+    kda_grid_dependency_wait();
     KDA_TRACE_WAITED();
+}
+
+// ---- Words one kernel waits on while another, running beside it, finishes its part: a count of
+// producers done (each adds 1 with release once its writes are out) and a count of the waiting
+// blocks that have seen it. A wait longer than KDA_MAX_POLLS polls (tens of seconds with their
+// sleeps and round trips) is a broken schedule: trap instead of hanging.
+#define KDA_MAX_POLLS (1 << 26)
+
+__device__ __forceinline__ int load_acquire(const int* counter)
+{
+    int value;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(value) : "l"(counter) : "memory");
+    return value;
+}
+
+// *word += 1, released at GPU scope: whatever this thread has seen written before (a finished
+// kernel's outputs; its block's writes, after a block barrier) is visible to a thread that reads
+// the new count by load_acquire.
+__device__ __forceinline__ void kda_count_release(int* word)
+{
+    asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(word) : "memory");
+}
+
+// Thread 0: until counter >= target.
+__device__ __forceinline__ void wait_for_counter(const int* counter, int target)
+{
+    int polls = 0;
+    while (load_acquire(counter) < target) {
+        __nanosleep(64);
+        if (++polls > KDA_MAX_POLLS) {
+            __trap();
+        }
+    }
+}
+
+// Thread 0 of every block of a grid of `blocks`: until words[0] >= target (the producers' count),
+// then count the block in words[1]; the last block past the wait sets both words back to zero, so
+// the next launch waits again (a block counts itself only once it has seen the producers done).
+// The caller then passes a block barrier before it reads what the producers wrote, through L2.
+__device__ __forceinline__ void kda_await_words(int* words, int target, int blocks)
+{
+    wait_for_counter(words, target);
+    if (atomicAdd(words + 1, 1) == blocks - 1) {
+        words[1] = 0;
+        words[0] = 0;
+    }
 }
 
 // The shared-memory (state-space) address of a pointer into this block's shared memory, as the

@@ -162,7 +162,7 @@ inline void warp_mma(float acc[4], const Slot& mine, Slot (&slots)[32][32], Prod
 // The programmatic-launch helpers of kda_common.cuh (PTX on sm_90, removed from the host build):
 // one kernel at a time here, nothing to overlap.
 inline void kda_let_next_kernel_launch() {}
-inline void kda_wait_for_previous_kernel() {}
+inline void kda_grid_dependency_wait() {}
 // The bulk copies of a fused step's staged state (decode_step.cuh, PTX on sm_90): thread 0 copies
 // at once, and the group barrier that follows in the kernel publishes the copy.
 #define KDA_STAGED_STATE 1
@@ -188,9 +188,9 @@ inline int load_acquire(const int* counter)
 {
     return reinterpret_cast<const std::atomic<int>*>(counter)->load(std::memory_order_acquire);
 }
-inline void kda_publish(int* word, int value)
+inline void kda_count_release(int* word)
 {
-    reinterpret_cast<std::atomic<int>*>(word)->store(value, std::memory_order_release);
+    reinterpret_cast<std::atomic<int>*>(word)->fetch_add(1, std::memory_order_release);
 }
 inline int atomicAdd(int* address, int value) { return reinterpret_cast<std::atomic<int>*>(address)->fetch_add(value); }
 inline void __nanosleep(unsigned) { std::this_thread::yield(); }
@@ -284,14 +284,24 @@ def host_kernel_source(stem: str, device_helpers: tuple[str, ...]) -> str:
     return source
 
 
+def kernel_macro(stem: str, name: str) -> str:
+    """The definition of macro `name` in ``<stem>.cu`` (say the parameter list its entries share), for
+    a host harness to declare those entries with: a declaration written out by hand is not checked
+    against the definition across translation units."""
+    match = re.search(r"^#define " + name + r"\b(?:.*\\\n)*.*$", kernels.kernel_source(stem), re.M)
+    assert match, f"{stem}.cu no longer defines {name}; update the host emulation"
+    return match.group(0) + "\n"
+
+
 # The device-only helpers of kda_common.cuh (the first two no-ops before sm_90; their bodies are
 # inline PTX or device intrinsics).
-COMMON_DEVICE_HELPERS = ("kda_let_next_kernel_launch", "kda_wait_for_previous_kernel", "shared_address")
+COMMON_DEVICE_HELPERS = ("kda_let_next_kernel_launch", "kda_grid_dependency_wait", "shared_address",
+                         "load_acquire", "kda_count_release")
 # decode_step.cuh's bulk copies of the staged state and its cluster helpers (emulated by
 # HOST_CUDA_HEADER).
 STAGED_STATE_HELPERS = ("kda_stage_state_in", "kda_wait_staged_state", "kda_stage_fence",
                         "kda_stage_state_out", "cluster_arrive_relaxed", "cluster_arrive", "cluster_wait",
-                        "store_shared_cluster", "load_acquire", "kda_publish")
+                        "store_shared_cluster")
 # Bytes of dynamic shared memory kda_decode_fused_staged_bf16 takes (one head's state).
 STAGED_STATE_BYTES = 128 * 128 * 4
 

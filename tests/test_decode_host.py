@@ -28,7 +28,7 @@ from types import SimpleNamespace
 from glm_kda.gemm_rows import tile_layout
 from glm_kda.reference import forget_gate, gated_rmsnorm, recurrent_scan, rms_ratio, round_bf16, sigmoid
 from host_cuda import (COMMON_DEVICE_HELPERS, HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, STAGED_STATE_BYTES, bf16_bits,
-                       bits_to_f64, build_host_binary, host_decode_source, host_kernel_source)
+                       bits_to_f64, build_host_binary, host_decode_source, host_kernel_source, kernel_macro)
 
 HEADS = 2
 DIM = 128
@@ -81,12 +81,9 @@ extern "C" void gate_beta_f32(const bf16_t*, const float*, const float*, const b
 extern "C" void kda_recurrent_step_f32(const float*, const float*, const float*, const float*, const float*, float*,
                                        const int*, float*, int, float);
 extern "C" void gated_rmsnorm_sigmoid_bf16(const float*, const bf16_t*, const bf16_t*, bf16_t*, int, int, float, int);
-#define KDA_DECODE_FUSED_SIGNATURE                                                                              \
-    (float*, float*, const int*, const bf16_t*, const bf16_t*, const bf16_t*, const float*, const float*,          \
-     const bf16_t*, int, const bf16_t*, const bf16_t*, bf16_t*, float*, float*, float*, float*, float*, float*,      \
-     bf16_t*, int, int, int, int, float, float, float, float, int, int, bf16_t*, int*)
-extern "C" void kda_decode_fused_bf16 KDA_DECODE_FUSED_SIGNATURE;
-extern "C" void kda_decode_fused_staged_bf16 KDA_DECODE_FUSED_SIGNATURE;
+""" + kernel_macro("decode", "KDA_DECODE_FUSED_PARAMETERS") + r"""
+extern "C" void kda_decode_fused_bf16(KDA_DECODE_FUSED_PARAMETERS);
+extern "C" void kda_decode_fused_staged_bf16(KDA_DECODE_FUSED_PARAMETERS);
 
 // argv: dir, rows, heads, K, bounded, lower bound, l2 eps, norm eps, jitter, pool size, staged. Pool
 // size 0: the rows are consecutive tokens of one sequence (paths separate, fused_rows, fused_walk and
@@ -134,8 +131,11 @@ int main(int argc, char** argv)
         // when null) of `tokens` tokens each.
         // ready: the words a step awaiting another stream's q|k|v polls (set here: that stream is done).
         std::vector<int> ready = {1, 0};
+        // counted: the words a walk's blocks count their outputs out in (for an o_proj awaiting them).
+        std::vector<int> counted = {0, 0};
         auto fused = [&](int first, int sequences, int tokens, const int* slot_list, float* conv, float* states,
-                         int prefetch_ahead = 0, bf16_t* tiles = nullptr, int* inputs_ready = nullptr) {
+                         int prefetch_ahead = 0, bf16_t* tiles = nullptr, int* inputs_ready = nullptr,
+                         int* outputs_ready = nullptr) {
             // Where the blocks let the next kernel launch (a no-op here): every choice, in turn.
             const int dependents_after = (first + tokens) % 3;
             prefetch_pool = states;
@@ -152,7 +152,8 @@ int main(int argc, char** argv)
                              key.data() + first * qkv, value.data() + first * qkv, gate.data() + first * qkv,
                              beta.data() + first * heads, core.data() + first * qkv,
                              o_norm_out.data() + first * qkv, heads, kernel, tokens, bounded, lower_bound,
-                             scale, l2_eps, norm_eps, prefetch_ahead, dependents_after, tiles, inputs_ready);
+                             scale, l2_eps, norm_eps, prefetch_ahead, dependents_after, tiles, inputs_ready,
+                             outputs_ready);
             });
         };
         // The separate kernels over rows first .. first + count - 1, one token of a sequence each.
@@ -182,7 +183,7 @@ int main(int argc, char** argv)
         if (path == "fused_walk") {
             fused(0, 1, rows, nullptr, conv_state.data(), state.data());
         } else if (path == "fused_walk_awaiting") {
-            fused(0, 1, rows, nullptr, conv_state.data(), state.data(), 0, nullptr, ready.data());
+            fused(0, 1, rows, nullptr, conv_state.data(), state.data(), 0, nullptr, ready.data(), counted.data());
         } else if (path == "pool_fused") {
             fused(0, rows, 1, slots.data(), conv_state.data(), state.data(), PREFETCH_AHEAD, x_tiles.data());
         } else if (path == "pool_separate") {
@@ -200,7 +201,7 @@ int main(int argc, char** argv)
         save_each(dir + "/" + path + ".",
                   {"conv_out", "query", "key", "value", "gate", "beta", "core", "o_norm_out", "conv_state", "state"},
                   conv_out, query, key, value, gate, beta, core, o_norm_out, conv_state, state);
-        save_each(dir + "/" + path + ".", {"x_tiles", "ready"}, x_tiles, ready);
+        save_each(dir + "/" + path + ".", {"x_tiles", "ready", "counted"}, x_tiles, ready, counted);
     }
     std::printf("misaligned=%ld prefetches=%ld bad_prefetches=%ld\n", misaligned.load(), prefetches.load(),
                 bad_prefetches.load());
@@ -279,6 +280,9 @@ def run_decode(binary, tokens, bounded, seed, jitter=False, staged=False):
     # The awaiting walk found its word set and left both words at zero for the next launch.
     ready = np.fromfile(folder / "fused_walk_awaiting.ready", np.int32)
     assert ready.tolist() == [0, 0], f"T={tokens}: the awaited words after the walk are {ready.tolist()}, not [0, 0]"
+    counted = np.fromfile(folder / "fused_walk_awaiting.counted", np.int32)
+    assert counted.tolist() == [HEADS, 0], (f"T={tokens}: the walk's count of blocks with their outputs out is "
+                                            f"{counted.tolist()}, not [{HEADS}, 0]")
     return out, inputs
 
 

@@ -91,6 +91,49 @@ DECLARE_SERIAL(4, 2)
 DECLARE_STAGED(1) DECLARE_STAGED(2)
 extern "C" void gemv_bf16(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int);
 using Entry = void (*)(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int, int);
+#define DECLARE_DECODE(N)                                                                                         \
+    extern "C" void gemm_rows_packed_pair_bf16_m1_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, \
+                                                       int, int, const bf16_t*, const bf16_t*, bf16_t*);          \
+    extern "C" void gemm_rows_packed_awaiting_bf16_m1_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, int, int,  \
+                                                           int, int, int, int*, int);
+DECLARE_DECODE(1) DECLARE_DECODE(2) DECLARE_DECODE(4)
+using PairEntry = void (*)(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int, int, const bf16_t*,
+                           const bf16_t*, bf16_t*);
+using AwaitingEntry = void (*)(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int, int, int*, int);
+
+// The one-sequence decode forms of the packed m1 entries (argv[19]): 1 the pair (x2 = x + argv[20]
+// columns, w2 and y2 from their files), 2 awaiting words set to {argv[20], 0} (the count its target).
+int decode_form(const std::string& dir, int form, int form_arg, int n_tiles, unsigned grid_x, unsigned threads,
+                int rows, int n, int k, int ldx, int ldy, int x_rows, int y_rows, long w_elements)
+{
+    const int index = n_tiles == 1 ? 0 : n_tiles == 2 ? 1 : n_tiles == 4 ? 2 : -1;
+    const PairEntry pairs[] = {gemm_rows_packed_pair_bf16_m1_n1, gemm_rows_packed_pair_bf16_m1_n2,
+                               gemm_rows_packed_pair_bf16_m1_n4};
+    const AwaitingEntry awaiting[] = {gemm_rows_packed_awaiting_bf16_m1_n1, gemm_rows_packed_awaiting_bf16_m1_n2,
+                                      gemm_rows_packed_awaiting_bf16_m1_n4};
+    if (index < 0) { std::fprintf(stderr, "no decode entry m1_n%d\n", n_tiles); return 2; }
+    const auto x = load_u16(dir + "/x", size_t(x_rows) * ldx);
+    const auto w = load_u16(dir + "/w", size_t(w_elements));
+    auto y = load_u16(dir + "/y", size_t(y_rows) * ldy);
+    if (form == 1) {
+        const auto w2 = load_u16(dir + "/w2", size_t(w_elements));
+        auto y2 = load_u16(dir + "/y2", size_t(y_rows) * ldy);
+        run_grid(dim3{grid_x, 1, 1}, threads, 0, [&] {
+            pairs[index](x.data(), ldx, w.data(), y.data(), ldy, rows, n, k, 0, x.data() + form_arg, w2.data(),
+                         y2.data());
+        });
+        save(dir + "/y2.out", y2);
+    } else {
+        std::vector<int> words = {form_arg, 0};
+        run_grid(dim3{grid_x, 1, 1}, threads, 0, [&] {
+            awaiting[index](x.data(), ldx, w.data(), y.data(), ldy, rows, n, k, 0, words.data(), form_arg);
+        });
+        save(dir + "/words.out", words);
+    }
+    save(dir + "/y.out", y);
+    std::printf("misaligned=%ld\n", misaligned.load());
+    return 0;
+}
 
 int main(int argc, char** argv)
 {
@@ -110,6 +153,11 @@ int main(int argc, char** argv)
     // staged: the staged entry (the packed weight), with argv[18] bytes of dynamic shared memory.
     const bool staged = std::atoi(argv[17]) != 0;
     const size_t shared_bytes = std::atol(argv[18]);
+    const int form = argc > 19 ? std::atoi(argv[19]) : 0;
+    if (form != 0) {
+        return decode_form(dir, form, std::atoi(argv[20]), n_tiles, grid_x, threads, rows, n, k, ldx, ldy, x_rows,
+                           y_rows, w_elements);
+    }
     const std::pair<int, int> key{m_tiles, n_tiles};
     const std::pair<std::pair<int, int>, Entry> entries[] = {
         {{1, 1}, gemm_rows_bf16_m1_n1}, {{1, 2}, gemm_rows_bf16_m1_n2}, {{1, 4}, gemm_rows_bf16_m1_n4},
@@ -180,14 +228,16 @@ _calls = iter(range(10**9))
 
 
 def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, gemv=False, packed=False, staged=False,
-             **plan_args):
+             form=0, form_arg=0, w2=None, **plan_args):
     """One launch as gemm_rows_bf16 plans it (132 SMs), on x_buffer[:, :k] (row stride of the
     buffer) into y_buffer[:, :n], or with one_row_launches a one-row launch per row; returns the
     new y_buffer. gemv: ops.gemv_bf16's launch instead (8 columns a block). packed: the packed
     entry point on gemm_rows.pack_weight(w). staged: the staged entry as gemm_rows.staged_plan
-    plans it (packed)."""
+    plans it (packed). form 1: gemm_rows_pair_bf16's launch with w2, x2 = x_buffer from column
+    form_arg and y2 a copy of y_buffer; returns (y, y2). form 2: the awaiting entry with its words
+    set to {form_arg, 0} and form_arg its target; returns (y, words after)."""
     n, k = w.shape
-    packed = packed or staged
+    packed = packed or staged or form != 0
     w_file = pack_weight(w.view(np.uint16)).data if packed else w
     if gemv:
         m_tiles = n_tiles = 0
@@ -197,24 +247,32 @@ def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, gemv=F
         assert plan is not None, f"N{n}-K{k} R{rows}: no staged plan"
         m_tiles, n_tiles = (int(part[1:]) for part in plan.kernel.split("_")[-2:])
     else:
-        plan = launch_plan(n, k, 1 if one_row_launches else rows, **plan_args)
+        plan = launch_plan(2 * n if form == 1 else n, k, 1 if one_row_launches else rows, **plan_args)
         m_tiles, n_tiles = (int(part[1:]) for part in plan.kernel.split("_")[-2:])
     folder = binary.parent / f"call{next(_calls)}"
     folder.mkdir()
     x_buffer.tofile(folder / "x")
     w_file.tofile(folder / "w")
     y_buffer.tofile(folder / "y")
+    if form == 1:
+        pack_weight(w2.view(np.uint16)).data.tofile(folder / "w2")
+        y_buffer.tofile(folder / "y2")
     result = subprocess.run(
         [str(binary), str(folder), str(m_tiles), str(n_tiles), str(plan.grid[0]), str(plan.grid[1]),
          str(1 if one_row_launches else rows), str(n),
          str(k), str(x_buffer.shape[1]), str(y_buffer.shape[1]), str(x_buffer.shape[0]), str(y_buffer.shape[0]),
          str(rows if one_row_launches else 1), str(w_file.size if packed else 0),
          str(int("_serial_" in plan.kernel)), str(plan.block[0]), str(int(staged)),
-         str(getattr(plan, "shared_mem", 0))],
+         str(getattr(plan, "shared_mem", 0)), str(form), str(form_arg)],
         capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["misaligned=0"], f"host run: {result.stdout.strip()}"
-    return np.fromfile(folder / "y.out", np.uint16).reshape(y_buffer.shape)
+    y = np.fromfile(folder / "y.out", np.uint16).reshape(y_buffer.shape)
+    if form == 1:
+        return y, np.fromfile(folder / "y2.out", np.uint16).reshape(y_buffer.shape)
+    if form == 2:
+        return y, np.fromfile(folder / "words.out", np.int32)
+    return y
 
 
 def _inputs(n, k, rows, seed):
@@ -300,6 +358,42 @@ def test_packed_weight_gives_the_row_major_bits_on_host(gemm_host, shape):
                               **args)
             _assert_bits_equal(packed, row_major, f"N{n}-K{k} R{rows} tiles={tiles} blocks={blocks} serial={serial} packed")
             assert (packed != POISON).all(), f"N{n}-K{k} R{rows}: the packed launch left outputs unwritten"
+
+
+@pytest.mark.parametrize("shape", [(40, 128), (100, 136), (13, 40)], ids=lambda s: f"N{s[0]}-K{s[1]}")
+def test_pair_launch_gives_each_projection_its_own_bits_on_host(gemm_host, shape):
+    """gemm_rows_pair_bf16's entry: y = x @ w.T and y2 = x2 @ w2.T in one launch (x2 a column range of
+    the same buffer, as down_proj's forget and gate ranges are), each bit-equal to its own packed
+    launch, for every tile width and a small grid."""
+    n, k = shape
+    rng = np.random.default_rng(n + 7 * k)
+    x = bf16_bits(rng.standard_normal((16, 2 * k)))
+    w, w2 = (bf16_bits(rng.standard_normal((n, k)) * k**-0.5) for _ in range(2))
+    for rows in (1, 5, 16):
+        for tiles, blocks in ((None, None), (1, 3), (4, 1), (2, 2)):
+            args = dict(tiles_per_warp=tiles, blocks=blocks)
+            tag = f"N{n}-K{k} R{rows} tiles={tiles} blocks={blocks}"
+            fresh = np.full((rows, n), POISON, np.uint16)
+            y, y2 = run_host(gemm_host, x[:rows], w, rows, fresh, form=1, form_arg=k, w2=w2, **args)
+            _assert_bits_equal(y, run_host(gemm_host, x[:rows, :k], w, rows, fresh, packed=True, **args),
+                               f"{tag}: the first projection of the pair")
+            _assert_bits_equal(y2, run_host(gemm_host, np.ascontiguousarray(x[:rows, k:]), w2, rows, fresh,
+                                            packed=True, **args), f"{tag}: the second projection of the pair")
+            assert (y != POISON).all() and (y2 != POISON).all(), f"{tag}: the pair left outputs unwritten"
+
+
+@pytest.mark.parametrize("rows", [1, 9], ids=lambda r: f"R{r}")
+def test_awaiting_launch_gives_the_packed_bits_and_clears_its_words_on_host(gemm_host, rows):
+    """The awaiting entry (the fused step's count already at its target): the packed entry's bits,
+    and its words back at zero once every block has passed the wait."""
+    n, k = 100, 136
+    x, w = _inputs(n, k, rows, seed=rows)
+    for tiles, blocks in ((None, None), (1, 3)):
+        fresh = np.full((rows, n), POISON, np.uint16)
+        y, words = run_host(gemm_host, x, w, rows, fresh, form=2, form_arg=3, tiles_per_warp=tiles, blocks=blocks)
+        _assert_bits_equal(y, run_host(gemm_host, x, w, rows, fresh, packed=True, tiles_per_warp=tiles,
+                                       blocks=blocks), f"R{rows} tiles={tiles} blocks={blocks} awaiting")
+        assert words.tolist() == [0, 0], f"R{rows} tiles={tiles} blocks={blocks}: words after {words.tolist()}"
 
 
 def test_pack_weight_layout():

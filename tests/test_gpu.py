@@ -690,25 +690,33 @@ def test_persistent_decode_equals_the_separate_launches(layers, geometry, graphs
 @pytest.mark.parametrize("geometry", ["glm", "kimi"])
 def test_step_awaiting_projection_gives_the_joined_bits(layers, geometry, graphs, monkeypatch):
     """A one-row decode with the fused step awaiting q|k|v from the other stream
-    (layer.STEP_AWAITS_PROJECTION) writes the bits of the two streams joined before the step: every
-    stage buffer, the output and both states over 6 decode steps of a state (graphed: replayed, so
-    the words the step waits on must come back to zero each time) and one row of a pool in a
-    shuffled slot; a 5-row decode_k walk between them keeps the joined launches. The words are zero
-    after every call."""
+    (layer.STEP_AWAITS_PROJECTION), f_b and g_b as one launch (GATE_UP_PAIR) and o_proj awaiting the
+    step's count of outputs (OUT_PROJ_AWAITS_STEP) writes the bits of the two streams joined before
+    the step, two up-projections and o_proj after the step's end: every stage buffer, the output and
+    both states over 6 decode steps of a state (graphed: replayed, so the words the step and o_proj
+    wait on must come back to zero each time) and one row of a pool in a shuffled slot; a 5-row
+    decode_k walk between them keeps the joined launches but takes the pair and the awaiting o_proj.
+    The words are zero after every call."""
+    from glm_kda import gemm_rows
     from glm_kda import layer as layer_module
     from glm_kda import ops
 
     _, layer = layers(geometry)
-    signals = []
-    signal = ops.signal_inputs_ready
+    signals, pairs, awaiting_projections = [], [], []
+    signal, pair, project = ops.signal_inputs_ready, gemm_rows.gemm_rows_pair_bf16, gemm_rows.gemm_rows_bf16
     monkeypatch.setattr(ops, "signal_inputs_ready", lambda ready: (signals.append(1), signal(ready)))
+    monkeypatch.setattr(gemm_rows, "gemm_rows_pair_bf16", lambda *a, **o: (pairs.append(1), pair(*a, **o)))
+    monkeypatch.setattr(gemm_rows, "gemm_rows_bf16", lambda *a, **o: (
+        awaiting_projections.append(1) if o.get("ready") is not None else None, project(*a, **o)))
 
     def words_are_zero(what: str) -> None:
-        words = layer.workspace.inputs_ready.get().tolist()
-        assert words == [0, 0], f"{geometry} {what}: the awaited words are {words} after the call"
+        for name in ("inputs_ready", "outputs_ready"):
+            words = getattr(layer.workspace, name).get().tolist()
+            assert words == [0, 0], f"{geometry} {what}: the {name} words are {words} after the call"
 
     def run(awaits: bool) -> dict:
-        monkeypatch.setattr(layer_module, "STEP_AWAITS_PROJECTION", awaits)
+        for setting in ("STEP_AWAITS_PROJECTION", "GATE_UP_PAIR", "OUT_PROJ_AWAITS_STEP"):
+            monkeypatch.setattr(layer_module, setting, awaits)
         layer._graphs.clear()  # graphs hold the launches they were captured with
         layer.use_graphs = graphs
         try:
@@ -718,9 +726,11 @@ def test_step_awaiting_projection_gives_the_joined_bits(layers, geometry, graphs
             layer._graphs.clear()
 
     joined = run(False)
-    assert not signals, "the joined launches signalled"
+    assert not (signals or pairs or awaiting_projections), "the joined launches signalled, paired or awaited"
     awaiting = run(True)
-    assert signals, "no call took the awaiting launches"
+    assert signals and pairs and awaiting_projections, (
+        f"calls taking the awaiting step / the pair / the awaiting o_proj: {len(signals)} / {len(pairs)} / "
+        f"{len(awaiting_projections)}")
     _assert_same_bits(awaiting, joined, geometry, "the step awaiting q|k|v and the joined launches")
 
 

@@ -70,6 +70,9 @@ def test_kernel_files_match_entry_points():
                      for m, n in re.findall(r"^GEMM_ROWS_SERIAL_ENTRY\((\d+), (\d+)\)", text, re.M)]
         # ... and GEMM_ROWS_STAGED_ENTRY(tiles), one entry (packed weights, one m-tile).
         declared += [f"gemm_rows_staged_bf16_m1_n{n}" for n in re.findall(r"^GEMM_ROWS_STAGED_ENTRY\((\d+)\)", text, re.M)]
+        # ... and GEMM_ROWS_DECODE_ENTRIES(tiles), the pair and the awaiting entry (packed, one m-tile).
+        declared += [f"gemm_rows_packed_{form}_bf16_m1_n{n}" for n in
+                     re.findall(r"^GEMM_ROWS_DECODE_ENTRIES\((\d+)\)", text, re.M) for form in ("pair", "awaiting")]
         # gemm_rows_wgmma.cu declares its entries through GEMM_WGMMA_ENTRY(rows, warpgroups).
         declared += [f"gemm_rows_wgmma_n{rows}_g{groups}"
                      for rows, groups in re.findall(r"^GEMM_WGMMA_ENTRY\((\d+), (\d+)\)", text, re.M)]

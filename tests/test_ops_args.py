@@ -416,6 +416,7 @@ def test_qkv_projection_leaves_slots_to_the_side_chain(monkeypatch):
         _project=lambda x, weight, out, wide, after_kernel=False, reserved_slots=0, x_tiles=None: calls.append(
             (weight, reserved_slots, x_tiles is gate_tiles)),
         gate_beta=lambda rows: calls.append(("gate_beta", 0, False)),
+        _gate_up_pair=lambda rows, wide, branched: False,
     )
     fake._low_rank_chain = lambda *args: layer.KdaLayer._low_rank_chain(fake, *args)
     layer.KdaLayer.front_end(fake, np.zeros((3, 8)), gate=False)
@@ -426,6 +427,16 @@ def test_qkv_projection_leaves_slots_to_the_side_chain(monkeypatch):
     layer.KdaLayer.front_end(fake, np.zeros((20, 8)), gate=False)
     assert sorted(calls) == [("down_weight", 0, False), ("f_b", 0, False), ("g_b", 0, True), ("qkv_weight", 40, False)]
     assert forks == [(0, True), (1, True)]
+    # f_b and g_b as one launch (layer.GATE_UP_PAIR): down_proj's two column ranges into their outputs.
+    calls.clear(), forks.clear()
+    pairs = []
+    monkeypatch.setattr(layer.gemm_rows, "gemm_rows_pair_bf16", lambda *args, **options: pairs.append(
+        (args[0].shape, args[1], args[4], args[3].shape, options)))
+    fake._gate_up_pair = lambda rows, wide, branched: True
+    fake.decode_weight = lambda name: name
+    layer.KdaLayer.front_end(fake, np.zeros((3, 8)), gate=False)
+    assert sorted(calls) == [("down_weight", 0, False), ("qkv_weight", 40, False)]
+    assert pairs == [((3, 4), "f_b", "g_b", (3, 4), {"programmatic": layer.SIDE_CHAIN_PROGRAMMATIC})]
 
 
 def test_one_row_awaiting_step_leaves_a_slot_per_head_and_one_more(monkeypatch):
@@ -448,31 +459,43 @@ def test_one_row_awaiting_step_leaves_a_slot_per_head_and_one_more(monkeypatch):
         events.append(("join", branch, concurrent))
 
     words = SimpleNamespace(fill=lambda value: events.append(("words", value)))
+    counts = SimpleNamespace(fill=lambda value: events.append(("counts", value)))
+    monkeypatch.setattr(layer.gemm_rows, "gemm_rows_pair_bf16", lambda *args, **options: events.append(
+        ("pair", args[1], args[4])))
     monkeypatch.setattr(layer.ops, "signal_inputs_ready", lambda ready: events.append(("signal", ready is words)))
     fake = SimpleNamespace(
         config=SimpleNamespace(head_dim=4, heads=64),
-        workspace=SimpleNamespace(inputs_ready=words, **{name: np.zeros((20, 12)) for name in
-                                                        ("qkv_proj", "down_proj", "forget_proj", "out_gate")}),
+        workspace=SimpleNamespace(inputs_ready=words, outputs_ready=counts, **{
+            name: np.zeros((20, 12)) for name in ("qkv_proj", "down_proj", "forget_proj", "out_gate")}),
         _beside=beside,
         _project=lambda x, weight, out, wide, after_kernel=False, reserved_slots=0, x_tiles=None: events.append(
             ("project", weight, reserved_slots)),
         gate_beta=lambda rows: events.append(("gate_beta",)),
-        stateful_rows=lambda first, rows, conv, rec, slots=None, inputs_ready=None: events.append(
-            ("step", rows, inputs_ready is words)),
+        stateful_rows=lambda first, rows, conv, rec, slots=None, inputs_ready=None, whole=False: events.append(
+            ("step", rows, inputs_ready is words, whole)),
         back_end=lambda rows, norm=True: events.append(("back_end", rows, norm)),
+        decode_weight=lambda name: name,
+        _gate_up_pair=lambda rows, wide, branched: pair,
     )
     fake._low_rank_chain = lambda *args, **options: layer.KdaLayer._low_rank_chain(fake, *args, **options)
+    pair = False
     layer.KdaLayer._decode_awaiting_projection(fake, np.zeros((1, 8)), None, None, None)
     assert events == [("fork", 0, True), ("project", "qkv_weight", 65), ("signal", True),
                       ("project", "down_weight", 0), ("fork", 1, False), ("project", "f_b", 0), ("project", "g_b", 0),
-                      ("join", 1, False), ("step", 1, True), ("back_end", 1, False), ("join", 0, True)]
+                      ("join", 1, False), ("step", 1, True, True), ("back_end", 1, False), ("join", 0, True)]
+    events.clear()
+    pair = True
+    layer.KdaLayer._decode_awaiting_projection(fake, np.zeros((1, 8)), None, None, None)
+    assert events == [("fork", 0, True), ("project", "qkv_weight", 65), ("signal", True),
+                      ("project", "down_weight", 0), ("pair", "f_b", "g_b"), ("step", 1, True, True),
+                      ("back_end", 1, False), ("join", 0, True)]
     events.clear()
     fake.stateful_rows = lambda *args, **options: (_ for _ in ()).throw(ValueError("bad state"))
     monkeypatch.setitem(__import__("sys").modules, "cupy", SimpleNamespace(
         cuda=SimpleNamespace(get_current_stream=lambda: SimpleNamespace(is_capturing=lambda: False))))
     with pytest.raises(ValueError, match="bad state"):
         layer.KdaLayer._decode_awaiting_projection(fake, np.zeros((1, 8)), None, None, None)
-    assert events[-1] == ("words", 0)
+    assert events[-2:] == [("words", 0), ("counts", 0)]
 
 
 @pytest.mark.parametrize("n,k,expected", [(4096, 8192, 0), (2304, 4096, 16), (8192, 128, 16), (24576, 4096, 0)],

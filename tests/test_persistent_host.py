@@ -24,7 +24,7 @@ import pytest
 
 from glm_kda import persistent
 from host_cuda import (COMMON_DEVICE_HELPERS, HOST_CUDA_RUNTIME, STAGED_STATE_HELPERS, bf16_bits, build_host_binary,
-                       host_decode_source, host_kernel_source)
+                       host_decode_source, host_kernel_source, kernel_macro)
 from test_gemm_rows_host import DEVICE_HELPERS as GEMM_DEVICE_HELPERS
 from test_gemm_rows_host import GEMM_HEADER, host_gemm_rows_source
 
@@ -43,10 +43,8 @@ MAIN = r"""
 MmaSlot mma_slots[32][32];
 using bf16_t = unsigned short;
 extern "C" void gemm_rows_bf16_m1_n4(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int, int);
-extern "C" void kda_decode_fused_bf16(float*, float*, const int*, const bf16_t*, const bf16_t*, const bf16_t*,
-                                      const float*, const float*, const bf16_t*, int, const bf16_t*, const bf16_t*,
-                                      bf16_t*, float*, float*, float*, float*, float*, float*, bf16_t*, int, int, int,
-                                      int, float, float, float, float, int, int, bf16_t*, int*);
+""" + kernel_macro("decode", "KDA_DECODE_FUSED_PARAMETERS") + r"""
+extern "C" void kda_decode_fused_bf16(KDA_DECODE_FUSED_PARAMETERS);
 extern "C" void kda_decode_persistent_bf16(
     int*, int, const int*, int, int, const bf16_t*, int, const bf16_t*, bf16_t*, int, const bf16_t*, bf16_t*,
     const bf16_t*, bf16_t*, const bf16_t*, bf16_t*, const bf16_t*, float*, bf16_t*, float*, float*, const int*,
@@ -113,7 +111,8 @@ int main(int argc, char** argv)
                               s.forget_proj.data(), dt_bias.data(), a_log.data(), s.down_proj.data() + 2 * D, down_dim,
                               s.out_gate.data(), norm_w.data(), s.conv_out.data(), s.query.data(), s.key.data(),
                               s.value.data(), s.gate.data(), s.beta.data(), s.core.data(), s.o_norm_out.data(), heads,
-                              K, rows, bounded, lower_bound, scale, l2_eps, norm_eps, 0, 0, nullptr, nullptr);
+                              K, rows, bounded, lower_bound, scale, l2_eps, norm_eps, 0, 0, nullptr, nullptr,
+                              nullptr);
     });
     gemm(s.o_norm_out.data(), qkv, o_w, s.final_out.data(), hidden, hidden, qkv);
 
