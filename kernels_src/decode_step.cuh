@@ -152,15 +152,13 @@ struct KdaStepArgs {
     int* outputs_ready;
 };
 
-// Thread `d` of every block of a grid of `blocks`: wait for the previous kernel of the stream and
-// for inputs_ready[0] to become nonzero (thread 0 polls it; kda_await_words); the caller then
-// passes the group's barrier.
-__device__ __forceinline__ void kda_await_inputs(int* inputs_ready, int blocks, int d)
+// Thread `d` of every block: wait for the previous kernel of the stream and for inputs_ready[0] to
+// become nonzero (thread 0 polls it; kda_await_words, whose count it returns there, for
+// kda_clear_words_if_last at the block's end); the caller then passes the group's barrier.
+__device__ __forceinline__ int kda_await_inputs(int* inputs_ready, int d)
 {
     kda_wait_for_previous_kernel();
-    if (d == 0) {
-        kda_await_words(inputs_ready, 1, blocks);
-    }
+    return d == 0 ? kda_await_words(inputs_ready, 1) : 0;
 }
 
 // The shared memory of one head group. `state_arrived`: the mbarrier of the staged state copy.
@@ -354,8 +352,9 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
                                KDA_HEAD_DIM * kernel_size, d);
         }
     }
+    int passed = 0;  // (thread 0 of a block awaiting its inputs: the blocks past the wait before it)
     if (awaits) {
-        kda_await_inputs(p.inputs_ready, static_cast<int>(gridDim.x * gridDim.y), d);
+        passed = kda_await_inputs(p.inputs_ready, d);
         group.sync();
         inputs = kda_load_token_inputs(p, sequence * p.tokens, qkv, channel, head, true);
     }
@@ -480,6 +479,9 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
         for (int part = 0; part < 3; ++part) {
             conv_window_store(window[part], conv_slot + (part * qkv + channel) * kernel_size, kernel_size);
         }
+    }
+    if (awaits && d == 0) {
+        kda_clear_words_if_last(p.inputs_ready, passed, static_cast<int>(gridDim.x * gridDim.y));
     }
 }
 

@@ -560,11 +560,12 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
             }
         }
     }
+    int passed = 0;  // (thread 0 of an awaiting block: the blocks past the wait before it)
     if (awaited.words != nullptr) {
         // x is written by the kernel before, still running: read it only once its blocks have
         // counted their outputs out (X_FROM: through L2).
         if (threadIdx.x == 0) {
-            kda_await_words(awaited.words, awaited.target, static_cast<int>(gridDim.x * gridDim.y));
+            passed = kda_await_words(awaited.words, awaited.target);
         }
         __syncthreads();
         KDA_TRACE_WAITED();
@@ -586,6 +587,9 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
         }
     }
     if (awaited.words != nullptr) {
+        if (threadIdx.x == 0) {
+            kda_clear_words_if_last(awaited.words, passed, static_cast<int>(gridDim.x * gridDim.y));
+        }
         // This launch ends after the kernel before it, as a launch that waited for it does: what
         // follows in the stream may count on both being done.
         kda_grid_dependency_wait();

@@ -258,14 +258,22 @@ __device__ __forceinline__ void wait_for_counter(const int* counter, int target)
     }
 }
 
-// Thread 0 of every block of a grid of `blocks`: until words[0] >= target (the producers' count),
-// then count the block in words[1]; the last block past the wait sets both words back to zero, so
-// the next launch waits again (a block counts itself only once it has seen the producers done).
-// The caller then passes a block barrier before it reads what the producers wrote, through L2.
-__device__ __forceinline__ void kda_await_words(int* words, int target, int blocks)
+// Thread 0 of every block of a grid of `blocks` that waits on the words: kda_await_words until
+// words[0] >= target (the producers' count), then the caller passes a block barrier before it reads
+// what the producers wrote, through L2. The block counts itself in words[1] as it passes
+// (kda_await_words returns the count before it) and, at its end, kda_clear_words_if_last: the last
+// block past the wait sets both words back to zero, so the next launch waits again (a block counts
+// itself only once it has seen the producers done). The count's answer is read only at the block's
+// end, so its round trip is not waited for in between.
+__device__ __forceinline__ int kda_await_words(int* words, int target)
 {
     wait_for_counter(words, target);
-    if (atomicAdd(words + 1, 1) == blocks - 1) {
+    return atomicAdd(words + 1, 1);
+}
+
+__device__ __forceinline__ void kda_clear_words_if_last(int* words, int passed, int blocks)
+{
+    if (passed == blocks - 1) {
         words[1] = 0;
         words[0] = 0;
     }
