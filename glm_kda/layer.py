@@ -59,7 +59,11 @@ STEP_RESIDENT_BLOCKS_PER_SM = 2
 STEP_DEPENDENTS_AFTER = 0
 # The same for the one-row step awaiting q|k|v (STEP_AWAITS_PROJECTION) where its o_proj awaits the
 # step's count of outputs (OUT_PROJ_AWAITS_STEP); at least 1 where o_proj waits for the step's end.
-AWAITING_STEP_DEPENDENTS_AFTER = 0
+# At 0 o_proj's blocks are resident from the step's start and ask L2 for their weight while q|k|v
+# still streams: on an H200 the block timeline (benchmarks/timeline.py) had Kimi's o_proj start at
+# 15.7 us instead of 20.7 but the step's outputs out at 22.3 us instead of 20.6, and
+# benchmarks/decode_breakdown.py (copy bandwidth 4172 GB/s) Kimi B=1 32.12 against 31.52 us at 1.
+AWAITING_STEP_DEPENDENTS_AFTER = 1
 # The fused step moves each head's state by one bulk copy each way through shared memory (sm_90
 # and later; kda_decode_fused_bf16's staged), asking for STEP_STAGED_CARVEOUT percent of shared
 # memory (-1: the driver's choice). The same bits as the per-thread loads, but slower on an H200
@@ -125,6 +129,14 @@ GATE_UP_PAIR = True
 # one launch of the fused step), it waits for the step's blocks to count their outputs out
 # (ops.kda_decode_fused_bf16's outputs_ready, gemm_rows_bf16's ready) instead of for the step's end:
 # it reads its input while the step still stores its states. No bit depends on it.
+# The two together, on an H200 (benchmarks/decode_breakdown.py, two processes, copy bandwidth 4136
+# and 4175 GB/s; the second with two captures of each): Kimi B=1 32.19 and 31.50 / 31.54 us against
+# 32.38 and 32.12 / 32.30 without them; GLM B=1 79.37 and 79.44 / 80.07 against 79.42 and 81.87 /
+# 81.36 (within GLM's spread of 2 us between captures); verify and batches unchanged. The block
+# timeline (benchmarks/timeline.py, Kimi): f_b and g_b end at 17.0 us against 17.9, the step's
+# outputs out at 20.6 - 21.1 against 21.3 - 21.9; o_proj still passes its wait 1 - 3.5 us after the
+# step's blocks stamp their outputs (their release and the poll's round trips through a busy L2, and
+# o_proj's own L2 requests before it), against 3.8 us after the step's end before.
 OUT_PROJ_AWAITS_STEP = True
 # Where the output projection of a batch runs on the bulk-copy sweep (gemm_rows.bulk_applies), the
 # fused step writes its input a second time in the sweep's tile layout (kda_decode_fused_bf16's

@@ -708,3 +708,35 @@ def test_mma_operand_order_gives_the_same_bits():
     report = _benchmark_report("mma_forms.py")
     differing = {name: case["differing_bits"] for name, case in report.items() if isinstance(case, dict)}
     assert differing and not any(differing.values()), f"{report['device']}: outputs that differ by operand order {differing}"
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("rows", [1, 5, 16], ids=lambda r: f"R{r}")
+@pytest.mark.parametrize("shape", [GLM_SHAPES[2], KIMI_SHAPES[2], (100, 136)], ids=_shape_id)
+def test_pair_and_awaiting_launches_give_the_packed_bits(shape, rows):
+    """gemm_rows_pair_bf16 (two projections of two column ranges of one x, as f_b and g_b of
+    down_proj) writes each projection's own bits; the awaiting entry (gemm_rows_bf16(ready=...),
+    its words already at their target, programmatic behind the kernel that writes x) writes the
+    packed launch's bits and sets its words back to zero."""
+    from glm_kda.gemm_rows import gemm_rows_bf16, gemm_rows_pair_bf16, pack_weight
+
+    cp = _cp()
+    n, k = shape
+    rng = np.random.default_rng(SEED + n + rows)
+    x = _random_bf16(rng, (rows, 2 * k + 8))
+    w, w2 = (pack_weight(_random_bf16(rng, (n, k), scale=k**-0.5)) for _ in range(2))
+    first, second = x[:, :k], x[:, k : 2 * k]
+    out, out2 = (cp.full((rows, n), POISON, dtype=cp.uint16) for _ in range(2))
+    gemm_rows_pair_bf16(first, w, out, second, w2, out2, rows=rows)
+    _assert_bits_equal(out, _run(first, w, rows), f"{_shape_id(shape)} R{rows}: the pair's first projection")
+    _assert_bits_equal(out2, _run(second, w2, rows), f"{_shape_id(shape)} R{rows}: the pair's second projection")
+    words = cp.zeros((2,), cp.int32)
+    for target in (1, 7):
+        words[0] = target
+        source = cp.zeros_like(first)
+        cp.copyto(source, first)
+        awaited = cp.full((rows, n), POISON, dtype=cp.uint16)
+        gemm_rows_bf16(source, w, awaited, rows=rows, programmatic=True, ready=words, ready_target=target)
+        _assert_bits_equal(awaited, _run(first, w, rows), f"{_shape_id(shape)} R{rows}: the awaiting launch")
+        assert words.get().tolist() == [0, 0], f"{_shape_id(shape)} R{rows}: words after the awaiting launch"

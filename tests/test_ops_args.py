@@ -353,6 +353,64 @@ def test_fused_decode_awaiting_inputs_launches_programmatic_and_checks_its_words
     assert made[-1] == ("kda_signal_inputs_ready", (1,), (ready,), {"programmatic": True})
 
 
+def test_fused_decode_counts_outputs_into_its_words_and_returns_its_blocks(launches):
+    """outputs_ready (the words an output projection awaiting the step's outputs polls) reaches the
+    kernel, with dependents at once even beside inputs_ready; the call returns the blocks launched
+    (the count the words reach); a short array is refused before any launch."""
+    heads, rows = 2, 3
+    counts, ready = HostStandIn(np.zeros(2, np.int32)), HostStandIn(np.zeros(2, np.int32))
+    blocks = ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, rows), **_FUSED_SCALARS, tokens=rows,
+                                       outputs_ready=counts, inputs_ready=ready)
+    assert blocks == heads and launches[-1][1] == (heads, 1)
+    assert _fused_parameter(launches[-1][3], "outputs_ready") is counts
+    with pytest.raises(ValueError, match="outputs_ready must be a contiguous int32 array of at least 2"):
+        ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, rows), **_FUSED_SCALARS, tokens=rows,
+                                  outputs_ready=HostStandIn(np.zeros(1, np.int32)))
+    assert len(launches) == 1
+
+
+def test_pair_and_awaiting_projections_check_their_operands(monkeypatch):
+    """gemm_rows_pair_bf16 takes two PackedWeights of one shape with equal strides, and launches the
+    pair entry of the [2n, k] plan with the second projection's pointers last; gemm_rows_bf16's ready
+    needs a programmatic launch of <= 16 rows of a PackedWeight and a target of at least 1, and
+    launches the awaiting entry with the words and the target last. Every refusal comes before a launch."""
+    from glm_kda import gemm_rows
+
+    made = []
+    monkeypatch.setattr(gemm_rows.kernels, "launch", lambda name, grid, block, args, shared_mem=0, **options:
+                        made.append((name, tuple(grid), tuple(args))))
+    monkeypatch.setattr(gemm_rows, "_sm_count", lambda device_id: 132)
+    monkeypatch.setattr(gemm_rows.cupy.cuda, "Device", lambda: SimpleNamespace(id=0))
+    n, k = 64, 128
+    import dataclasses
+
+    packed = gemm_rows.pack_weight(np.zeros((n, k), np.uint16))
+    w, w2 = (dataclasses.replace(packed, data=HostStandIn(aligned(packed.data.shape))) for _ in range(2))
+    x = _bf16(3, 2 * k)
+    out, out2 = _bf16(3, n), _bf16(3, n)
+    gemm_rows.gemm_rows_pair_bf16(x[:, :k], w, out, x[:, k:], w2, out2)
+    name, grid, args = made[-1]
+    plan = gemm_rows.launch_plan(2 * n, k, 3, None, 132)
+    assert name == plan.kernel.replace("gemm_rows_", "gemm_rows_packed_pair_") and grid == plan.grid
+    assert args[-3] is not None and args[-2] is w2.data and args[-1] is out2
+    with pytest.raises(ValueError, match="PackedWeight"):
+        gemm_rows.gemm_rows_pair_bf16(x[:, :k], w, out, x[:, k:], _bf16(n, k), out2)
+    with pytest.raises(ValueError, match="the first's shapes and strides"):
+        gemm_rows.gemm_rows_pair_bf16(x[:, :k], w, out, x[:, k:], w2, _bf16(3, n + 8)[:, :n])
+    words = HostStandIn(np.zeros(2, np.int32))
+    gemm_rows.gemm_rows_bf16(x[:, :k], w, out, programmatic=True, ready=words, ready_target=5)
+    name, grid, args = made[-1]
+    assert name.startswith("gemm_rows_packed_awaiting_bf16_m1_") and args[-2] is words and int(args[-1]) == 5
+    launched = len(made)
+    for options, needle in ((dict(programmatic=False, ready_target=5), "programmatic launch"),
+                            (dict(programmatic=True, ready_target=0), "ready_target must be >= 1")):
+        with pytest.raises(ValueError, match=needle):
+            gemm_rows.gemm_rows_bf16(x[:, :k], w, out, ready=words, **options)
+    with pytest.raises(ValueError, match="programmatic launch of <= 16 rows of a PackedWeight"):
+        gemm_rows.gemm_rows_bf16(x[:, :k], _bf16(n, k), out, programmatic=True, ready=words, ready_target=5)
+    assert len(made) == launched
+
+
 def test_fused_decode_passes_where_its_dependents_launch(launches):
     heads = 2
     slots = HostStandIn(np.arange(3, dtype=np.int32))
