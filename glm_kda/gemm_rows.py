@@ -513,7 +513,7 @@ def gemm_rows_pair_bf16(x, w, out, x2, w2, out2, rows: int | None = None, *, pro
     them. ``programmatic`` and ``reserved_slots`` as there (the plan is that of one [2n, k] weight).
     """
     rows, n, k, ldx, ldy = projection_args("gemm_rows_pair_bf16", x, w, out, rows, M_TILE)
-    rows2, n2, k2, ldx2, ldy2 = projection_args("gemm_rows_pair_bf16", x2, w2, out2, rows, M_TILE)
+    _, n2, k2, ldx2, ldy2 = projection_args("gemm_rows_pair_bf16", x2, w2, out2, rows, M_TILE)
     for name, weight in (("w", w), ("w2", w2)):
         if not isinstance(weight, PackedWeight):
             raise ValueError(f"gemm_rows_pair_bf16: {name} must be a PackedWeight (pack_weight), got "

@@ -747,7 +747,7 @@ class KdaLayer:
             return
         with _section("front_end"):
             self.front_end(hidden, gate=not self.fused_decode)
-        with self._outputs_words_cleared_on_error():
+        with self._words_cleared_on_error("outputs_ready"):
             with _section("recurrence"):
                 if sequential and self.fused_decode and not snapshots:
                     self.stateful_rows(0, rows, conv_state, recurrent_state, walk=True, whole=True)
@@ -763,10 +763,12 @@ class KdaLayer:
                 self.back_end(rows, norm=not self.fused_decode)
 
     @contextlib.contextmanager
-    def _outputs_words_cleared_on_error(self):
-        """On an error between a fused step that counts its outputs out and the o_proj that awaits
-        them (eager launches; a failed capture launches nothing): workspace.outputs_ready back to
-        zero, so that no later projection takes the count for its own step's."""
+    def _words_cleared_on_error(self, *names: str):
+        """On an error between a kernel that counts into the workspace's words `names` (inputs_ready:
+        q|k|v's signal; outputs_ready: a fused step counting its outputs out) and the kernel that
+        awaits them and sets them back to zero (eager launches; a failed capture launches nothing):
+        those words back to zero here, on the current stream, so that no later launch takes a count
+        for its own, and no o_proj awaits a step that did not count."""
         try:
             yield
         except BaseException:
@@ -774,7 +776,8 @@ class KdaLayer:
 
             self._o_proj_ready = 0
             if not cupy.cuda.get_current_stream().is_capturing():
-                self.workspace.outputs_ready.fill(0)
+                for name in names:
+                    getattr(self.workspace, name).fill(0)
             raise
 
     def _awaits_projection(self, rows: int, sequential: bool, snapshots: Sequence[KdaState]) -> bool:
@@ -795,7 +798,9 @@ class KdaLayer:
         and is issued first. The words are set back to zero by the step (and by o_proj, those it
         awaits), or here if a launch fails between the two."""
         ws = self.workspace
-        try:
+        # Cleared after the join: the signal may have been launched without the step that clears
+        # it, or the step without the o_proj that clears its count.
+        with self._words_cleared_on_error("inputs_ready", "outputs_ready"):
             with self._beside(True) as side:
                 self._project(hidden, "qkv_weight", ws.qkv_proj[:1], False,
                               reserved_slots=max(QKV_RESERVED_SLOTS, self.config.heads + 1))
@@ -805,17 +810,6 @@ class KdaLayer:
                     self.stateful_rows(0, 1, conv_state, recurrent_state, slots=slots, inputs_ready=ws.inputs_ready,
                                        whole=True)
                     self.back_end(1, norm=False)
-        except BaseException:
-            # After the join: the signal may have been launched without the step that clears it, or
-            # the step without the o_proj that clears its count. (A failed capture leaves nothing
-            # launched.)
-            import cupy
-
-            self._o_proj_ready = 0
-            if not cupy.cuda.get_current_stream().is_capturing():
-                ws.inputs_ready.fill(0)
-                ws.outputs_ready.fill(0)
-            raise
 
     def _persistent_applies(self, rows: int, sequential: bool, snapshots: Sequence[KdaState]) -> bool:
         """Whether a decode-side call of `rows` rows runs as the one persistent launch: one

@@ -600,13 +600,13 @@ def kda_decode_fused_bf16(
 
         gemm_rows.check_x_tiles(x_tiles, o_norm_out.dtype, rows, qkv, "kda_decode_fused_bf16")
     if inputs_ready is not None:
-        _require_inputs_ready(inputs_ready, "kda_decode_fused_bf16")
+        _require_words(inputs_ready, "kda_decode_fused_bf16")
         if dependents_after == 0 and outputs_ready is None:
             raise ValueError("kda_decode_fused_bf16: inputs_ready needs dependents_after 1 or 2, or outputs_ready (the "
                              "next kernel must not launch before every block has its inputs, unless it awaits "
                              "their count of outputs)")
     if outputs_ready is not None:
-        _require_inputs_ready(outputs_ready, "kda_decode_fused_bf16", "outputs_ready")
+        _require_words(outputs_ready, "kda_decode_fused_bf16", "outputs_ready")
     staged = staged and state.data.ptr % 16 == 0 and bulk_copies_available()
     split = split and not staged and bulk_copies_available()
     name = "kda_decode_fused_staged_bf16" if staged else "kda_decode_fused_split_bf16" if split else "kda_decode_fused_bf16"
@@ -627,7 +627,9 @@ def kda_decode_fused_bf16(
     return grid[0] * grid[1]
 
 
-def _require_inputs_ready(words, what: str, name: str = "inputs_ready") -> None:
+def _require_words(words, what: str, name: str = "inputs_ready") -> None:
+    """The check of a pair of awaited words (inputs_ready, outputs_ready): a contiguous int32 array of
+    at least 2 elements, else ValueError naming `what` and `name`."""
     from glm_kda import gemm_rows
 
     gemm_rows.check_scratch(words, numpy.int32, "int32", 2, name, what)
@@ -638,7 +640,7 @@ def signal_inputs_ready(inputs_ready) -> None:
     (launched as its programmatic dependent: the one block waits resident): the signal a
     :func:`kda_decode_fused_bf16` launch with ``inputs_ready`` waits for. inputs_ready: a contiguous
     int32 array of at least 2 elements."""
-    _require_inputs_ready(inputs_ready, "signal_inputs_ready")
+    _require_words(inputs_ready, "signal_inputs_ready")
     kernels.launch("kda_signal_inputs_ready", (1,), (32,), (inputs_ready,), programmatic=True)
 
 

@@ -536,6 +536,7 @@ def test_one_row_awaiting_step_leaves_a_slot_per_head_and_one_more(monkeypatch):
         _gate_up_pair=lambda rows, wide, branched: pair,
     )
     fake._low_rank_chain = lambda *args, **options: layer.KdaLayer._low_rank_chain(fake, *args, **options)
+    fake._words_cleared_on_error = lambda *names: layer.KdaLayer._words_cleared_on_error(fake, *names)
     pair = False
     layer.KdaLayer._decode_awaiting_projection(fake, np.zeros((1, 8)), None, None, None)
     assert events == [("fork", 0, True), ("project", "qkv_weight", 65), ("signal", True),
