@@ -65,7 +65,8 @@ def defaults() -> dict:
     (layer.GATE_BRANCH_MIN_ROWS; None: g_b after f_b on one stream), bulk_stages_by_chunks
     (gemm_rows.BULK_STAGES_BY_CHUNKS), bulk_split_warpgroups (gemm_rows.BULK_SPLIT_WARPGROUPS),
     step_awaits_projection (layer.STEP_AWAITS_PROJECTION), gate_up_pair (layer.GATE_UP_PAIR),
-    out_proj_awaits_step (layer.OUT_PROJ_AWAITS_STEP), awaiting_step_dependents_after
+    out_proj_awaits_step (layer.OUT_PROJ_AWAITS_STEP), out_proj_staged_awaiting
+    (layer.OUT_PROJ_STAGED_AWAITING), awaiting_step_dependents_after
     (layer.AWAITING_STEP_DEPENDENTS_AFTER), kernel_sources (a folder of kernel sources;
     None: the package's own)."""
     from glm_kda import gemm_rows, kernels, layer, persistent
@@ -88,7 +89,7 @@ def defaults() -> dict:
         "side_chain_bulk": layer.SIDE_CHAIN_BULK, "gate_branch_min_rows": layer.GATE_BRANCH_MIN_ROWS,
         "bulk_stages_by_chunks": gemm_rows.BULK_STAGES_BY_CHUNKS, "bulk_split_warpgroups": gemm_rows.BULK_SPLIT_WARPGROUPS,
         "step_awaits_projection": layer.STEP_AWAITS_PROJECTION, "gate_up_pair": layer.GATE_UP_PAIR,
-        "out_proj_awaits_step": layer.OUT_PROJ_AWAITS_STEP,
+        "out_proj_awaits_step": layer.OUT_PROJ_AWAITS_STEP, "out_proj_staged_awaiting": layer.OUT_PROJ_STAGED_AWAITING,
         "awaiting_step_dependents_after": layer.AWAITING_STEP_DEPENDENTS_AFTER, "kernel_sources": None,
     }
 
@@ -133,6 +134,7 @@ def apply(settings: dict, layer_object) -> None:
     layer.STEP_AWAITS_PROJECTION = settings["step_awaits_projection"]
     layer.GATE_UP_PAIR = settings["gate_up_pair"]
     layer.OUT_PROJ_AWAITS_STEP = settings["out_proj_awaits_step"]
+    layer.OUT_PROJ_STAGED_AWAITING = settings["out_proj_staged_awaiting"]
     layer.AWAITING_STEP_DEPENDENTS_AFTER = settings["awaiting_step_dependents_after"]
     sources = settings["kernel_sources"]
     if sources not in _KERNEL_SETS:

@@ -127,6 +127,10 @@ PREFETCH_MAX_WEIGHT_BYTES: int | None = 32 << 20
 # only as others leave.
 STAGED_MAX_BYTES = 64 << 10
 STAGED_MAX_WEIGHT_BYTES: int | None = 24 << 20
+# The staged entries' blocks per SM (GEMM_ROWS_STAGED_MIN_BLOCKS of gemm_rows.cu). An awaiting staged
+# launch (ready=) also holds x's rows in shared memory: staged_plan takes it only where that many
+# blocks still fit an SM (BULK_SHARED_PER_SM, a KB of it the driver's for each block).
+STAGED_BLOCKS_PER_SM = 3
 
 
 @dataclass(frozen=True)
@@ -351,11 +355,15 @@ def launch_plan(
     )
 
 
-def staged_plan(n: int, k: int, rows: int) -> LaunchPlan | None:
+def staged_plan(n: int, k: int, rows: int, awaiting: bool = False) -> LaunchPlan | None:
     """The launch of gemm_rows_staged_bf16 for up to 16 rows of a packed [n, k] weight, or None
     where it does not apply: one column group a block, the group's weights (every k block of its
     tiles) copied into STAGED_MAX_BYTES or less of shared memory before the block waits on the
-    previous kernel. The widest tiles (2, else 1) whose group fits; the same bits as any plan."""
+    previous kernel. The widest tiles (2, else 1) whose group fits; the same bits as any plan.
+
+    ``awaiting``: gemm_rows_staged_awaiting_bf16 (gemm_rows_bf16's ``ready``), whose blocks also copy
+    x's rows into shared memory after the stage (the partial sums later over them): None unless
+    STAGED_BLOCKS_PER_SM such blocks fit an SM."""
     if rows > M_TILE:
         return None
     warps_n = WARPS_PER_BLOCK // k_split(k)
@@ -363,27 +371,35 @@ def staged_plan(n: int, k: int, rows: int) -> LaunchPlan | None:
     n_tiles = -(-n // N_TILE)
     for tiles in sorted(kernels.STAGED_TILES_PER_WARP, reverse=True):
         group_tiles = warps_n * tiles
-        if group_tiles * tile_bytes <= STAGED_MAX_BYTES:
-            return LaunchPlan(
-                kernel=f"gemm_rows_staged_bf16_m1_n{tiles}",
-                grid=(-(-n_tiles // group_tiles), 1),
-                block=(WARPS_PER_BLOCK * 32,),
-                m_tiles=1,
-                tiles_per_warp=tiles,
-                shared_mem=min(group_tiles, n_tiles) * tile_bytes,
-            )
+        if group_tiles * tile_bytes > STAGED_MAX_BYTES:
+            continue
+        shared_mem = min(group_tiles, n_tiles) * tile_bytes
+        if awaiting:
+            partial_bytes = WARPS_PER_BLOCK * tiles * 4 * 32 * 4  # GEMM_ROWS_PARTIAL_FLOATS(1, tiles) floats
+            # A 16-byte zero chunk and x's rows padded to whole k blocks, or the partial sums over them.
+            shared_mem += max(16 + rows * -(-k // K_BLOCK) * K_BLOCK * 2, partial_bytes)
+            if STAGED_BLOCKS_PER_SM * (shared_mem + (1 << 10)) > BULK_SHARED_PER_SM:
+                return None
+        return LaunchPlan(
+            kernel=f"gemm_rows_staged_{'awaiting_' if awaiting else ''}bf16_m1_n{tiles}",
+            grid=(-(-n_tiles // group_tiles), 1),
+            block=(WARPS_PER_BLOCK * 32,),
+            m_tiles=1,
+            tiles_per_warp=tiles,
+            shared_mem=shared_mem,
+        )
     return None
 
 
-def staged_applies(w: Any, rows: int) -> bool:
+def staged_applies(w: Any, rows: int, awaiting: bool = False) -> bool:
     """Whether gemm_rows_bf16(staged=True) takes the staged entry for this weight and row count on the
     current device: a PackedWeight of at most STAGED_MAX_WEIGHT_BYTES, <= 16 rows, a plan whose
     stage fits, and sm_90 or later (where a programmatic launch copies while the kernel before it
-    runs)."""
-    return _staged_plan_here(w, rows) is not None
+    runs). ``awaiting``: the same with ``ready`` (staged_plan's awaiting form, x's rows held too)."""
+    return _staged_plan_here(w, rows, awaiting) is not None
 
 
-def _staged_plan_here(w: Any, rows: int) -> LaunchPlan | None:
+def _staged_plan_here(w: Any, rows: int, awaiting: bool = False) -> LaunchPlan | None:
     """staged_plan for this weight and row count where staged_applies, else None."""
     if not isinstance(w, PackedWeight) or rows > M_TILE:
         return None
@@ -392,7 +408,7 @@ def _staged_plan_here(w: Any, rows: int) -> LaunchPlan | None:
         return None
     if int(cupy.cuda.Device().compute_capability) < 90:
         return None
-    return staged_plan(n, k, rows)
+    return staged_plan(n, k, rows, awaiting)
 
 
 def wgmma_wide_enough(n: int, sm_count: int = DEFAULT_SM_COUNT) -> bool:
@@ -458,12 +474,15 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
     decode step's ``outputs_ready``): the blocks read x once ready[0] reaches ``ready_target``, not
     once that kernel ends, the last of them sets both words back to zero, and each block ends only
     after that kernel has. The same bits. Every block of that kernel must be resident when this one
-    launches (it waits on them; see ops.kda_decode_fused_bf16).
+    launches (it waits on them; see ops.kda_decode_fused_bf16). With ``staged`` it takes the staged
+    entry's awaiting form where ``staged_applies(w, rows, awaiting=True)`` (each block's weights in
+    shared memory before the wait, then x's rows beside them), else the sweep that reads w past the
+    wait.
     """
     rows, n, k, ldx, ldy = projection_args("gemm_rows_bf16", x, w, out, rows, GEMM_ROWS_MAX_ROWS)
     packed = isinstance(w, PackedWeight)
     if ready is not None:
-        _check_ready(ready, ready_target, packed, rows, programmatic, staged, bulk)
+        _check_ready(ready, ready_target, packed, rows, programmatic, bulk)
     if not (packed and w.pairs is not None and wgmma_available()):
         if wgmma:
             raise ValueError("gemm_rows_bf16: wgmma=True needs a PackedWeight made with pack_weight(w, pairs=True)"
@@ -473,10 +492,11 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
     if bulk_applies(w, rows, bulk):
         gemm_rows_bulk(x, w, out, rows, x_tiles=x_tiles, partial=partial, programmatic=programmatic, x_tiled=x_tiled)
         return
-    plan = _staged_plan_here(w, rows) if staged else None
+    awaiting = (ready, _i32(ready_target)) if ready is not None else ()
+    plan = _staged_plan_here(w, rows, ready is not None) if staged else None
     if plan is not None:
         kernels.launch(plan.kernel, plan.grid, plan.block,
-                       (x, _i32(ldx), w.data, out, _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(0)),
+                       (x, _i32(ldx), w.data, out, _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(0), *awaiting),
                        plan.shared_mem, programmatic=programmatic, carveout=100)
         return
     plan = launch_plan(n, k, rows, tiles_per_warp, _sm_count(cupy.cuda.Device().id), blocks, serial, wgmma,
@@ -487,7 +507,6 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
     last = plan.ring_depth if on_wgmma else prefetch_k_blocks(n, k) if programmatic else 0
     if packed and not on_wgmma:
         kernel = kernel.replace("gemm_rows_", "gemm_rows_packed_awaiting_" if ready is not None else "gemm_rows_packed_")
-    awaiting = (ready, _i32(ready_target)) if ready is not None else ()
     kernels.launch(
         kernel,
         plan.grid,
@@ -533,14 +552,13 @@ def gemm_rows_pair_bf16(x, w, out, x2, w2, out2, rows: int | None = None, *, pro
     )
 
 
-def _check_ready(ready: Any, ready_target: int, packed: bool, rows: int, programmatic: bool, staged: bool,
+def _check_ready(ready: Any, ready_target: int, packed: bool, rows: int, programmatic: bool,
                  bulk: bool | None) -> None:
     """The checks of gemm_rows_bf16's ``ready``: ValueError naming what is wrong."""
     check_scratch(ready, cupy.int32, "int32", 2, "ready", "gemm_rows_bf16")
-    if not (packed and rows <= M_TILE and programmatic and not staged and not bulk):
+    if not (packed and rows <= M_TILE and programmatic and not bulk):
         raise ValueError("gemm_rows_bf16: ready needs a programmatic launch of <= 16 rows of a PackedWeight, not "
-                         f"staged or bulk (packed: {packed}, rows: {rows}, programmatic: {programmatic}, staged: "
-                         f"{staged}, bulk: {bulk})")
+                         f"bulk (packed: {packed}, rows: {rows}, programmatic: {programmatic}, bulk: {bulk})")
     if ready_target < 1:
         raise ValueError(f"gemm_rows_bf16: ready_target must be >= 1 (the blocks counted), got {ready_target}")
 

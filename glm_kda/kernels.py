@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-# Tiles per warp of gemm_rows' staged entries (gemm_rows_staged_bf16_m1_n<N>).
+# Tiles per warp of gemm_rows' staged entries (gemm_rows_staged[_awaiting]_bf16_m1_n<N>).
 STAGED_TILES_PER_WARP = (1, 2)
 
 # file stem -> kernel entry points, in the pipeline order of the block.
@@ -30,7 +30,7 @@ ENTRY_POINTS: dict[str, tuple[str, ...]] = {
     "gemm_rows": tuple(f"gemm_rows_{layout}bf16_m{m}_n{n}" for layout in ("", "packed_") for m, n in (
         (1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2)))
     + tuple(f"gemm_rows_{layout}serial_bf16_m{m}_n{n}" for layout in ("", "packed_") for m, n in ((4, 2),))
-    + tuple(f"gemm_rows_staged_bf16_m1_n{n}" for n in STAGED_TILES_PER_WARP)
+    + tuple(f"gemm_rows_staged_{form}bf16_m1_n{n}" for form in ("", "awaiting_") for n in STAGED_TILES_PER_WARP)
     + tuple(f"gemm_rows_packed_{form}_bf16_m1_n{n}" for form in ("pair", "awaiting") for n in (1, 2, 4)),
     "conv": ("conv_decode_silu_l2_bf16", "conv_prefill_silu_l2_bf16"),
     "gate": ("gate_beta_f32",),

@@ -138,6 +138,13 @@ GATE_UP_PAIR = True
 # step's blocks stamp their outputs (their release and the poll's round trips through a busy L2, and
 # o_proj's own L2 requests before it), against 3.8 us after the step's end before.
 OUT_PROJ_AWAITS_STEP = True
+# Where the output projection awaits the step's count of outputs (OUT_PROJ_AWAITS_STEP), it also
+# stages its weight (gemm_rows_bf16(staged=True, ready=...), where gemm_rows.staged_applies(w, rows,
+# awaiting=True): a packed weight of at most gemm_rows.STAGED_MAX_WEIGHT_BYTES, x's rows beside each
+# block's stage): its blocks copy their weights into shared memory while the step runs with the memory
+# otherwise idle, and past the wait they read x once from L2 and nothing else from memory. No bit
+# depends on it.
+OUT_PROJ_STAGED_AWAITING = True
 # Where the output projection of a batch runs on the bulk-copy sweep (gemm_rows.bulk_applies), the
 # fused step writes its input a second time in the sweep's tile layout (kda_decode_fused_bf16's
 # x_tiles), so that the projection needs no tiling launch between the two. No bit depends on it.
@@ -552,6 +559,7 @@ class KdaLayer:
             x_tiled = weight == "o_proj" and self._x_tiles_rows == x.shape[0]
             ready_target = self._o_proj_ready if weight == "o_proj" else 0
             self._x_tiles_rows = self._o_proj_ready = 0
+            staged = staged or bool(ready_target and OUT_PROJ_STAGED_AWAITING)
             self._project_decode(x, self.decode_weight(weight), out, after_kernel, reserved_slots, staged, x_tiles,
                                  partial, bulk=SIDE_CHAIN_BULK if side else None, x_tiled=x_tiled,
                                  ready_target=ready_target)
@@ -633,10 +641,9 @@ class KdaLayer:
     def _o_proj_awaits_step(self, rows: int) -> bool:
         """Whether the output projection of a fused step of `rows` rows (one launch, workspace rows
         0..rows-1) awaits the step's count of outputs (OUT_PROJ_AWAITS_STEP): gemm_rows' sweep of one
-        group of <= 16 rows of a packed weight, not staged."""
+        group of <= 16 rows of a packed weight."""
         w = self.decode_weight("o_proj")
-        return (OUT_PROJ_AWAITS_STEP and rows <= gemm_rows.M_TILE and isinstance(w, gemm_rows.PackedWeight)
-                and not (OUT_PROJ_STAGED and gemm_rows.staged_applies(w, rows)))
+        return OUT_PROJ_AWAITS_STEP and rows <= gemm_rows.M_TILE and isinstance(w, gemm_rows.PackedWeight)
 
     @contextlib.contextmanager
     def _beside(self, concurrent: bool, branch: int = 0):

@@ -134,14 +134,23 @@ GEMM_ROWS_SERIAL_ENTRY(4, 2)
 // fused step of one sequence leaves the memory idle), and once it is done the sweep reads only
 // shared memory and x. The sweep is gemm_rows_group's on the same values in the same order: the
 // same bits as every other entry. `prefetch` is accepted and unused (the copy is the prefetch).
+//
+// gemm_rows_staged_awaiting_bf16_m1_n<N>: the same copy in a launch that awaits the fused step's
+// count of outputs as gemm_rows_packed_awaiting does (ready[0] reaching ready_target; the last
+// block past the wait sets ready[0..1] back to zero, and each block ends only after the step
+// has). Past the wait the block copies x's rows (through L2, one round of loads) into its shared
+// memory after the weights, then sweeps both from there (GEMM_X_STAGED: no step of the sweep waits
+// on L2, and none needs a predicate). Dynamic shared memory: the stage, then max(16 + rows * k_pad * 2
+// bytes, the partial sums) (k_pad: k rounded up to 32): a zero chunk and x's rows, the partial
+// sums written over them once every warp has read them. The same bits.
 #define GEMM_ROWS_STAGED_LOADS 4
-template <int N_TILES>
+template <int N_TILES, bool AWAITING>
 __device__ __forceinline__ void gemm_rows_staged_entry(const bf16_t* __restrict__ x, int ldx,
                                                        const bf16_t* __restrict__ w, bf16_t* __restrict__ y,
-                                                       int ldy, int rows, int n, int k)
+                                                       int ldy, int rows, int n, int k,
+                                                       GemmRowsAwait awaited = {nullptr, 0})
 {
     extern __shared__ __align__(128) unsigned char gemm_rows_stage[];
-    __shared__ float partial[GEMM_ROWS_PARTIAL_FLOATS(1, N_TILES)];
     KDA_TRACE_SCOPE(y);
 
     kda_let_next_kernel_launch();
@@ -149,20 +158,61 @@ __device__ __forceinline__ void gemm_rows_staged_entry(const bf16_t* __restrict_
     const int group_tiles = gemm_rows_group_columns<N_TILES>(k_split) / GEMM_ROWS_N_TILE;
     const int tiles = (n + GEMM_ROWS_N_TILE - 1) / GEMM_ROWS_N_TILE;
     const int first_tile = blockIdx.x * group_tiles;
-    if (rows > GEMM_ROWS_M_TILE || blockIdx.y != 0 || blockDim.x != GEMM_ROWS_THREADS || first_tile >= tiles) {
+    // (Block-uniform. An awaiting block without a group still counts itself past the wait.)
+    const bool sweeps = rows <= GEMM_ROWS_M_TILE && blockIdx.y == 0 && blockDim.x == GEMM_ROWS_THREADS &&
+                        first_tile < tiles;
+    if (!AWAITING && !sweeps) {
         return;
     }
     const size_t tile_elements = static_cast<size_t>(gemm_rows_k_blocks(k)) * GEMM_ROWS_PACKED_BLOCK;
-    const int stage_tiles = min(group_tiles, tiles - first_tile);
-    gemm_rows_stage_weights(gemm_rows_stage, w + first_tile * tile_elements,
-                            static_cast<unsigned int>(stage_tiles * tile_elements * sizeof(bf16_t)));
-    // x (and y) may belong to the previous kernel: nothing below runs before it is done.
-    kda_wait_for_previous_kernel();
-    gemm_rows_wait_weights();
-    __syncthreads();
-    gemm_rows_group<1, N_TILES, GEMM_ROWS_STAGED_LOADS, GEMM_X_INPUT, true, true>(
-        x, ldx, reinterpret_cast<const bf16_t*>(gemm_rows_stage), y, ldy, 0, rows, n, k, k_split, blockIdx.x, partial,
-        first_tile);
+    if (sweeps) {
+        const int stage_tiles = min(group_tiles, tiles - first_tile);
+        gemm_rows_stage_weights(gemm_rows_stage, w + first_tile * tile_elements,
+                                static_cast<unsigned int>(stage_tiles * tile_elements * sizeof(bf16_t)));
+    }
+    const bf16_t* stage = reinterpret_cast<const bf16_t*>(gemm_rows_stage);
+    if constexpr (AWAITING) {
+        int passed = 0;  // (thread 0: the blocks past the wait before it)
+        if (threadIdx.x == 0) {
+            passed = kda_await_words(awaited.words, awaited.target);
+        }
+        __syncthreads();
+        KDA_TRACE_WAITED();
+        if (sweeps) {
+            // A 16-byte zero chunk, then x's rows padded with zeros to whole k blocks (GEMM_X_STAGED).
+            bf16_t* region = reinterpret_cast<bf16_t*>(gemm_rows_stage + min(group_tiles, tiles) * tile_elements *
+                                                                             sizeof(bf16_t));
+            bf16_t* x_copy = region + 8;
+            const int padded_k = gemm_rows_k_blocks(k) * GEMM_ROWS_K_BLOCK;
+            const int vectors = padded_k / 8;  // 16-byte pieces of a row (k % 8 == 0, ldx % 8 == 0)
+            if (threadIdx.x == 0) {
+                *reinterpret_cast<uint4*>(region) = uint4{0u, 0u, 0u, 0u};
+            }
+            for (int index = threadIdx.x; index < rows * vectors; index += GEMM_ROWS_THREADS) {
+                const int row = index / vectors, column = 8 * (index % vectors);
+                *reinterpret_cast<uint4*>(x_copy + static_cast<size_t>(row) * padded_k + column) =
+                    load_produced_16B(x + static_cast<size_t>(row) * ldx + column, column < k);
+            }
+            gemm_rows_wait_weights();
+            __syncthreads();
+            gemm_rows_group<1, N_TILES, GEMM_ROWS_STAGED_LOADS, GEMM_X_STAGED, true, true, true>(
+                x_copy, padded_k, stage, y, ldy, 0, rows, n, k, k_split, blockIdx.x, reinterpret_cast<float*>(region),
+                first_tile);
+        }
+        if (threadIdx.x == 0) {
+            kda_clear_words_if_last(awaited.words, passed, static_cast<int>(gridDim.x * gridDim.y));
+        }
+        // This launch ends after the kernel before it, as a launch that waited for it does.
+        kda_grid_dependency_wait();
+    } else {
+        __shared__ float partial[GEMM_ROWS_PARTIAL_FLOATS(1, N_TILES)];
+        // x (and y) may belong to the previous kernel: nothing below runs before it is done.
+        kda_wait_for_previous_kernel();
+        gemm_rows_wait_weights();
+        __syncthreads();
+        gemm_rows_group<1, N_TILES, GEMM_ROWS_STAGED_LOADS, GEMM_X_INPUT, true, true>(
+            x, ldx, stage, y, ldy, 0, rows, n, k, k_split, blockIdx.x, partial, first_tile);
+    }
 }
 
 // 3 blocks per SM (at most 85 registers): three 64 KB stages fit an SM's shared memory.
@@ -173,7 +223,16 @@ __device__ __forceinline__ void gemm_rows_staged_entry(const bf16_t* __restrict_
                                             const bf16_t* __restrict__ w, bf16_t* __restrict__ y, int ldy, \
                                             int rows, int n, int k, int /* prefetch */)              \
     {                                                                                               \
-        gemm_rows_staged_entry<N_TILES>(x, ldx, w, y, ldy, rows, n, k);                             \
+        gemm_rows_staged_entry<N_TILES, false>(x, ldx, w, y, ldy, rows, n, k);                      \
+    }                                                                                               \
+    extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_STAGED_MIN_BLOCKS)       \
+        gemm_rows_staged_awaiting_bf16_m1_n##N_TILES(const bf16_t* __restrict__ x, int ldx,           \
+                                                     const bf16_t* __restrict__ w, bf16_t* __restrict__ y, \
+                                                     int ldy, int rows, int n, int k, int /* prefetch */, \
+                                                     int* ready, int ready_target)                   \
+    {                                                                                               \
+        gemm_rows_staged_entry<N_TILES, true>(x, ldx, w, y, ldy, rows, n, k,                        \
+                                              GemmRowsAwait{ready, ready_target});                  \
     }
 GEMM_ROWS_STAGED_ENTRY(1)
 GEMM_ROWS_STAGED_ENTRY(2)

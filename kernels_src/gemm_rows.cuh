@@ -246,6 +246,10 @@ __device__ __forceinline__ void gemm_rows_fragment_place(int fragment, int lane,
 #define GEMM_X_INPUT 0
 #define GEMM_X_PRODUCED 1
 #define GEMM_X_SHARED 2
+// Both operands in shared memory, every read in range (gemm_rows_accumulate_staged): x a copy of the
+// rows [row_begin, row_end) padded with zeros to whole k blocks, row stride ldx, with a 16-byte zero
+// chunk at x[-8] (what the lanes of absent rows read), and w a copy of packed tiles.
+#define GEMM_X_STAGED 3
 
 // The x fragments of k block kb (rows g and g + 8 of each m-tile): zeros past the warp's
 // range, the matrix or the rows.
@@ -269,6 +273,75 @@ __device__ __forceinline__ void load_x_block(uint4 (&x_frag)[M_TILES][2], const 
                 x_frag[m][half] = load_produced_16B(pointer, valid);
             } else {
                 x_frag[m][half] = load_activation_16B(pointer, valid);
+            }
+        }
+    }
+}
+
+// gemm_rows_accumulate with both operands in shared memory (X_FROM GEMM_X_STAGED, one m-tile, W_SHARED
+// packed tiles): the same mma on the same operands in the same order, so the same bits, but no
+// read needs a predicate. The packed layout's zeros pad w past k and n (and a warp's tiles past n
+// read the zero chunk), x's copy carries zeros past k, and a lane of a row past row_end reads
+// the zero chunk at x[-8] without moving along k: in the general loop the same operands are zeros
+// by predicate. A step of the chain is then two shared loads of x, one of w a tile and two mma,
+// where the predicated loads of the general loop cost branches and register moves (on an H200
+// Kimi-Linear's one-row o_proj took 3 - 4 us from its shared memory that way).
+template <int N_TILES>
+__device__ __forceinline__ void gemm_rows_accumulate_staged(float (&acc)[1][N_TILES][4], const bf16_t* x, int ldx,
+                                                            const bf16_t* w, int n, int k, int row_begin,
+                                                            int row_end, int warp_column, int kb_begin, int kb_end,
+                                                            int w_tile_origin)
+{
+    const int lane = threadIdx.x & 31;
+    const int group_lane = lane >> 2, thread_in_group = lane & 3;
+    const int tile_stride = gemm_rows_k_blocks(k) * GEMM_ROWS_PACKED_BLOCK, block_stride = GEMM_ROWS_PACKED_BLOCK;
+    const bf16_t* w_lane = w + (warp_column / GEMM_ROWS_N_TILE - w_tile_origin) * tile_stride + 8 * lane;
+#pragma unroll
+    for (int j = 0; j < N_TILES; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            acc[0][j][e] = 0.0f;
+        }
+    }
+    const bf16_t* zeros = x - 8;
+    const bf16_t* x_half[2];
+    int x_step[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int row = row_begin + 8 * half + group_lane;
+        const bool present = row < row_end;
+        x_half[half] = present ? x + static_cast<size_t>(row - row_begin) * ldx + 8 * thread_in_group +
+                                     kb_begin * GEMM_ROWS_K_BLOCK
+                               : zeros;
+        x_step[half] = present ? GEMM_ROWS_K_BLOCK : 0;
+    }
+    const bf16_t* w_tile[N_TILES];
+    int w_step[N_TILES];
+#pragma unroll
+    for (int j = 0; j < N_TILES; ++j) {
+        const bool present = warp_column + GEMM_ROWS_N_TILE * j < n;  // warp-uniform
+        w_tile[j] = present ? w_lane + j * tile_stride + kb_begin * block_stride : zeros;
+        w_step[j] = present ? block_stride : 0;
+    }
+#pragma unroll 4
+    for (int kb = kb_begin; kb < kb_end; ++kb) {
+        const uint4 x_low = *reinterpret_cast<const uint4*>(x_half[0]);
+        const uint4 x_high = *reinterpret_cast<const uint4*>(x_half[1]);
+        uint4 w_frag[N_TILES];
+#pragma unroll
+        for (int j = 0; j < N_TILES; ++j) {
+            w_frag[j] = *reinterpret_cast<const uint4*>(w_tile[j]);
+            w_tile[j] += w_step[j];
+        }
+        x_half[0] += x_step[0];
+        x_half[1] += x_step[1];
+#pragma unroll
+        for (int step = 0; step < 2; ++step) {
+#pragma unroll
+            for (int j = 0; j < N_TILES; ++j) {
+                mma_bf16_m16n8k16(acc[0][j], word_of(x_low, 2 * step), word_of(x_high, 2 * step),
+                                  word_of(x_low, 2 * step + 1), word_of(x_high, 2 * step + 1),
+                                  word_of(w_frag[j], 2 * step), word_of(w_frag[j], 2 * step + 1));
             }
         }
     }
@@ -443,9 +516,11 @@ __device__ __forceinline__ int gemm_rows_group_columns(int k_split)
 // 64), columns group * group_columns ... Deterministic split-k: partial[warp][fragment][lane],
 // then each output adds its k_split partials in ascending warp_k order. Ends with a barrier
 // (the next group may overwrite `partial`). W_SHARED: w is a shared-memory copy of the packed
-// tiles w_tile_origin, ... (gemm_rows_accumulate).
+// tiles w_tile_origin, ... (gemm_rows_accumulate). PARTIAL_OVER_X: `partial` is the shared memory x
+// is read from (X_FROM GEMM_X_SHARED or GEMM_X_STAGED), so a block barrier comes between the sweep and
+// the partials.
 template <int M_TILES, int N_TILES, int LOADS = GEMM_ROWS_LOADS, int X_FROM = GEMM_X_INPUT, bool PACKED = false,
-          bool W_SHARED = false>
+          bool W_SHARED = false, bool PARTIAL_OVER_X = false>
 __device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const bf16_t* w, bf16_t* y, int ldy,
                                                 int row_begin, int row_end, int n, int k, int k_split, int group,
                                                 float* partial, int w_tile_origin = 0)
@@ -462,8 +537,18 @@ __device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const 
     const int warp_column = group * group_columns + warp_n * N_TILES * GEMM_ROWS_N_TILE;
 
     float acc[M_TILES][N_TILES][4];
-    gemm_rows_accumulate<M_TILES, N_TILES, LOADS, X_FROM, PACKED, W_SHARED>(
-        acc, x, ldx, w, n, k, row_begin, row_end, warp_column, kb_begin, kb_end, 0, w_tile_origin);
+    if constexpr (X_FROM == GEMM_X_STAGED) {
+        static_assert(PACKED && W_SHARED && M_TILES == 1, "staged x: one m-tile of a staged packed weight");
+        gemm_rows_accumulate_staged<N_TILES>(acc, x, ldx, w, n, k, row_begin, row_end, warp_column, kb_begin, kb_end,
+                                             w_tile_origin);
+    } else {
+        gemm_rows_accumulate<M_TILES, N_TILES, LOADS, X_FROM, PACKED, W_SHARED>(
+            acc, x, ldx, w, n, k, row_begin, row_end, warp_column, kb_begin, kb_end, 0, w_tile_origin);
+    }
+    if constexpr (PARTIAL_OVER_X) {
+        static_assert(X_FROM == GEMM_X_SHARED || X_FROM == GEMM_X_STAGED, "partial over x: x is in shared memory");
+        __syncthreads();  // every warp has read its x
+    }
 #pragma unroll
     for (int m = 0; m < M_TILES; ++m) {
 #pragma unroll

@@ -740,3 +740,34 @@ def test_pair_and_awaiting_launches_give_the_packed_bits(shape, rows):
         gemm_rows_bf16(source, w, awaited, rows=rows, programmatic=True, ready=words, ready_target=target)
         _assert_bits_equal(awaited, _run(first, w, rows), f"{_shape_id(shape)} R{rows}: the awaiting launch")
         assert words.get().tolist() == [0, 0], f"{_shape_id(shape)} R{rows}: words after the awaiting launch"
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("rows", [1, 2, 16], ids=lambda r: f"R{r}")
+@pytest.mark.parametrize("shape", [KIMI_SHAPES[3], KIMI_SHAPES[2], (100, 136)], ids=_shape_id)
+def test_staged_awaiting_launch_gives_the_packed_bits(shape, rows):
+    """gemm_rows_bf16(staged=True, ready=...): where staged_applies(w, rows, awaiting=True) (the
+    Kimi-Linear o_proj at one row, the smaller shapes at every row count) the staged entry's awaiting
+    form, else the awaiting sweep; either way the packed launch's bits, the words back at zero, and
+    nothing written outside the outputs."""
+    from glm_kda.gemm_rows import gemm_rows_bf16, pack_weight, staged_applies
+
+    cp = _cp()
+    n, k = shape
+    rng = np.random.default_rng(SEED + 3 * n + rows)
+    x = _random_bf16(rng, (rows, k + 8))[:, :k]
+    w = pack_weight(_random_bf16(rng, (n, k), scale=k**-0.5))
+    expected = _run(x, w, rows)
+    words = cp.zeros((2,), cp.int32)
+    tag = f"{_shape_id(shape)} R{rows} staged awaiting={staged_applies(w, rows, awaiting=True)}"
+    for target in (1, 288):
+        words[0] = target
+        out = cp.full((rows + 1, n + 8), POISON, dtype=cp.uint16)
+        gemm_rows_bf16(x, w, out[:rows, :n], rows=rows, programmatic=True, staged=True, ready=words,
+                       ready_target=target)
+        _assert_bits_equal(out[:rows, :n], expected, f"{tag} target {target}")
+        outside = out.copy()
+        outside[:rows, :n] = POISON
+        assert bool((outside == POISON).all()), f"{tag}: written outside the outputs"
+        assert words.get().tolist() == [0, 0], f"{tag}: words after the launch {words.get().tolist()}"

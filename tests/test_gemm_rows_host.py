@@ -87,7 +87,9 @@ DECLARE_BOTH(4, 1) DECLARE_BOTH(4, 2)
                                                               int, int, int, int);
 DECLARE_SERIAL(4, 2)
 #define DECLARE_STAGED(N) extern "C" void gemm_rows_staged_bf16_m1_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, \
-                                                                       int, int, int, int, int);
+                                                                       int, int, int, int, int);              \
+    extern "C" void gemm_rows_staged_awaiting_bf16_m1_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, \
+                                                           int, int, int, int*, int);
 DECLARE_STAGED(1) DECLARE_STAGED(2)
 extern "C" void gemv_bf16(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int);
 using Entry = void (*)(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int, int);
@@ -102,16 +104,23 @@ using PairEntry = void (*)(const bf16_t*, int, const bf16_t*, bf16_t*, int, int,
 using AwaitingEntry = void (*)(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int, int, int*, int);
 
 // The one-sequence decode forms of the packed m1 entries (argv[19]): 1 the pair (x2 = x + argv[20]
-// columns, w2 and y2 from their files), 2 awaiting words set to {argv[20], 0} (the count its target).
+// columns, w2 and y2 from their files), 2 awaiting words set to {argv[20], 0} (the count its target),
+// 3 the staged entry's awaiting form so (with shared_bytes of dynamic shared memory).
 int decode_form(const std::string& dir, int form, int form_arg, int n_tiles, unsigned grid_x, unsigned threads,
-                int rows, int n, int k, int ldx, int ldy, int x_rows, int y_rows, long w_elements)
+                int rows, int n, int k, int ldx, int ldy, int x_rows, int y_rows, long w_elements,
+                size_t shared_bytes)
 {
     const int index = n_tiles == 1 ? 0 : n_tiles == 2 ? 1 : n_tiles == 4 ? 2 : -1;
     const PairEntry pairs[] = {gemm_rows_packed_pair_bf16_m1_n1, gemm_rows_packed_pair_bf16_m1_n2,
                                gemm_rows_packed_pair_bf16_m1_n4};
     const AwaitingEntry awaiting[] = {gemm_rows_packed_awaiting_bf16_m1_n1, gemm_rows_packed_awaiting_bf16_m1_n2,
                                       gemm_rows_packed_awaiting_bf16_m1_n4};
-    if (index < 0) { std::fprintf(stderr, "no decode entry m1_n%d\n", n_tiles); return 2; }
+    const AwaitingEntry staged_awaiting[] = {gemm_rows_staged_awaiting_bf16_m1_n1,
+                                             gemm_rows_staged_awaiting_bf16_m1_n2, nullptr};
+    if (index < 0 || (form == 3 && !staged_awaiting[index])) {
+        std::fprintf(stderr, "no decode entry m1_n%d\n", n_tiles);
+        return 2;
+    }
     const auto x = load_u16(dir + "/x", size_t(x_rows) * ldx);
     const auto w = load_u16(dir + "/w", size_t(w_elements));
     auto y = load_u16(dir + "/y", size_t(y_rows) * ldy);
@@ -125,8 +134,9 @@ int decode_form(const std::string& dir, int form, int form_arg, int n_tiles, uns
         save(dir + "/y2.out", y2);
     } else {
         std::vector<int> words = {form_arg, 0};
-        run_grid(dim3{grid_x, 1, 1}, threads, 0, [&] {
-            awaiting[index](x.data(), ldx, w.data(), y.data(), ldy, rows, n, k, 0, words.data(), form_arg);
+        const AwaitingEntry entry = form == 3 ? staged_awaiting[index] : awaiting[index];
+        run_grid(dim3{grid_x, 1, 1}, threads, form == 3 ? shared_bytes : 0, [&] {
+            entry(x.data(), ldx, w.data(), y.data(), ldy, rows, n, k, 0, words.data(), form_arg);
         });
         save(dir + "/words.out", words);
     }
@@ -156,7 +166,7 @@ int main(int argc, char** argv)
     const int form = argc > 19 ? std::atoi(argv[19]) : 0;
     if (form != 0) {
         return decode_form(dir, form, std::atoi(argv[20]), n_tiles, grid_x, threads, rows, n, k, ldx, ldy, x_rows,
-                           y_rows, w_elements);
+                           y_rows, w_elements, shared_bytes);
     }
     const std::pair<int, int> key{m_tiles, n_tiles};
     const std::pair<std::pair<int, int>, Entry> entries[] = {
@@ -235,15 +245,16 @@ def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, gemv=F
     entry point on gemm_rows.pack_weight(w). staged: the staged entry as gemm_rows.staged_plan
     plans it (packed). form 1: gemm_rows_pair_bf16's launch with w2, x2 = x_buffer from column
     form_arg and y2 a copy of y_buffer; returns (y, y2). form 2: the awaiting entry with its words
-    set to {form_arg, 0} and form_arg its target; returns (y, words after)."""
+    set to {form_arg, 0} and form_arg its target; returns (y, words after). form 3: the same with the
+    staged entry's awaiting form as staged_plan(awaiting=True) plans it."""
     n, k = w.shape
     packed = packed or staged or form != 0
     w_file = pack_weight(w.view(np.uint16)).data if packed else w
     if gemv:
         m_tiles = n_tiles = 0
         plan = SimpleNamespace(grid=(-(-n // 8), 1), block=(256,), kernel="gemv_bf16")
-    elif staged:
-        plan = staged_plan(n, k, rows, **plan_args)
+    elif staged or form == 3:
+        plan = staged_plan(n, k, rows, awaiting=form == 3, **plan_args)
         assert plan is not None, f"N{n}-K{k} R{rows}: no staged plan"
         m_tiles, n_tiles = (int(part[1:]) for part in plan.kernel.split("_")[-2:])
     else:
@@ -270,7 +281,7 @@ def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, gemv=F
     y = np.fromfile(folder / "y.out", np.uint16).reshape(y_buffer.shape)
     if form == 1:
         return y, np.fromfile(folder / "y2.out", np.uint16).reshape(y_buffer.shape)
-    if form == 2:
+    if form in (2, 3):
         return y, np.fromfile(folder / "words.out", np.int32)
     return y
 
@@ -572,6 +583,35 @@ def test_staged_weights_give_the_packed_bits_on_host(gemm_host, shape, max_bytes
         assert (staged[:rows, :n] != POISON).all(), f"N{n}-K{k} R{rows}: the staged launch left outputs unwritten"
 
 
+@pytest.mark.parametrize("shape,max_bytes", [((40, 128), None), ((100, 136), 24576), ((72, 2056), None)],
+                         ids=lambda v: f"N{v[0]}-K{v[1]}" if isinstance(v, tuple) else f"stage{v}")
+def test_staged_awaiting_launch_gives_the_packed_bits_on_host(gemm_host, shape, max_bytes, monkeypatch):
+    """The staged entry's awaiting form (its words already at their target; x's rows copied into shared
+    memory past the wait, the partial sums written over them): the packed launch's bits for 1 .. 16
+    rows and both tile widths (where x's rows fit beside the stage: K2056 to 5 rows), nothing written
+    outside the outputs, the words back at zero."""
+    from glm_kda import gemm_rows
+
+    n, k = shape
+    if max_bytes is not None:
+        monkeypatch.setattr(gemm_rows, "STAGED_MAX_BYTES", max_bytes)
+    x, w = _inputs(n, k, 16, seed=5 * n + k)
+    for rows in (1, 5, 16):
+        plan = staged_plan(n, k, rows, awaiting=True)
+        if plan is None:
+            assert rows * k * 2 > 48 << 10, f"N{n}-K{k} R{rows}: no awaiting staged plan"
+            continue
+        tag = f"N{n}-K{k} R{rows} {plan.kernel} grid {plan.grid}"
+        packed = run_host(gemm_host, x[:rows], w, rows, np.full((rows, n), POISON, np.uint16), packed=True)
+        staged, words = run_host(gemm_host, x, w, rows, np.full((rows + 2, n + 8), POISON, np.uint16), form=3,
+                                 form_arg=plan.grid[0])
+        _assert_bits_equal(staged[:rows, :n], packed, f"{tag} staged awaiting")
+        untouched = np.ones(staged.shape, dtype=bool)
+        untouched[:rows, :n] = False
+        assert (staged[untouched] == POISON).all(), f"{tag}: the launch wrote outside its outputs"
+        assert words.tolist() == [0, 0], f"{tag}: words after {words.tolist()}"
+
+
 def test_staged_plan_fits_its_stage():
     """staged_plan: the widest tiles whose group fits STAGED_MAX_BYTES, one group a block, none above
     16 rows; a [2304, 4096] weight (the Kimi-Linear output projection) takes one tile a warp."""
@@ -586,3 +626,13 @@ def test_staged_plan_fits_its_stage():
     small = staged_plan(13, 40, 3)  # k_split 1: 8 warps side by side, one partial tile
     assert small.grid == (1, 1) and small.shared_mem == 2 * 2 * 32 * 8 * 2, small
     assert all(p.shared_mem <= gemm_rows.STAGED_MAX_BYTES for p in (plan, small))
+    # The awaiting form holds a zero chunk and x's rows padded to whole k blocks (or the partial sums,
+    # if more) beside the stage, 3 blocks an SM.
+    plan = staged_plan(2304, 4096, 1, awaiting=True)
+    assert (plan.kernel, plan.grid, plan.shared_mem) == ("gemm_rows_staged_awaiting_bf16_m1_n1", (288, 1),
+                                                         65536 + 16 + 8192), plan
+    assert staged_plan(2304, 4096, 2, awaiting=True) is None  # 3 x (64 + 16 + 1) KB > 228 KB
+    small = staged_plan(13, 40, 3, awaiting=True)
+    assert small.shared_mem == 2 * 2 * 32 * 8 * 2 + 8 * 2 * 4 * 32 * 4, small  # the partial sums of 2 tiles a warp
+    wide = staged_plan(40, 2056, 5, awaiting=True)  # k 2056: rows padded to 2080
+    assert wide.shared_mem == 65 * 32 * 8 * 2 + 16 + 5 * 2080 * 2, wide  # one tile of 65 k blocks a block

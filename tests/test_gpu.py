@@ -691,12 +691,13 @@ def test_persistent_decode_equals_the_separate_launches(layers, geometry, graphs
 def test_step_awaiting_projection_gives_the_joined_bits(layers, geometry, graphs, monkeypatch):
     """A one-row decode with the fused step awaiting q|k|v from the other stream
     (layer.STEP_AWAITS_PROJECTION), f_b and g_b as one launch (GATE_UP_PAIR) and o_proj awaiting the
-    step's count of outputs (OUT_PROJ_AWAITS_STEP) writes the bits of the two streams joined before
-    the step, two up-projections and o_proj after the step's end: every stage buffer, the output and
-    both states over 6 decode steps of a state (graphed: replayed, so the words the step and o_proj
-    wait on must come back to zero each time) and one row of a pool in a shuffled slot; a 5-row
-    decode_k walk between them keeps the joined launches but takes the pair and the awaiting o_proj.
-    The words are zero after every call."""
+    step's count of outputs (OUT_PROJ_AWAITS_STEP), its weight staged where it qualifies
+    (OUT_PROJ_STAGED_AWAITING: Kimi-Linear's one-row o_proj) writes the bits of the two streams joined
+    before the step, two up-projections and o_proj after the step's end: every stage buffer, the
+    output and both states over 6 decode steps of a state (graphed: replayed, so the words the step
+    and o_proj wait on must come back to zero each time) and one row of a pool in a shuffled slot; a
+    5-row decode_k walk between them keeps the joined launches but takes the pair and the awaiting
+    o_proj. The words are zero after every call."""
     from glm_kda import gemm_rows
     from glm_kda import layer as layer_module
     from glm_kda import ops
@@ -707,7 +708,8 @@ def test_step_awaiting_projection_gives_the_joined_bits(layers, geometry, graphs
     monkeypatch.setattr(ops, "signal_inputs_ready", lambda ready: (signals.append(1), signal(ready)))
     monkeypatch.setattr(gemm_rows, "gemm_rows_pair_bf16", lambda *a, **o: (pairs.append(1), pair(*a, **o)))
     monkeypatch.setattr(gemm_rows, "gemm_rows_bf16", lambda *a, **o: (
-        awaiting_projections.append(1) if o.get("ready") is not None else None, project(*a, **o)))
+        awaiting_projections.append(gemm_rows.staged_applies(a[1], o["rows"], awaiting=True) and o.get("staged"))
+        if o.get("ready") is not None else None, project(*a, **o)))
 
     def words_are_zero(what: str) -> None:
         for name in ("inputs_ready", "outputs_ready"):
@@ -715,7 +717,7 @@ def test_step_awaiting_projection_gives_the_joined_bits(layers, geometry, graphs
             assert words == [0, 0], f"{geometry} {what}: the {name} words are {words} after the call"
 
     def run(awaits: bool) -> dict:
-        for setting in ("STEP_AWAITS_PROJECTION", "GATE_UP_PAIR", "OUT_PROJ_AWAITS_STEP"):
+        for setting in ("STEP_AWAITS_PROJECTION", "GATE_UP_PAIR", "OUT_PROJ_AWAITS_STEP", "OUT_PROJ_STAGED_AWAITING"):
             monkeypatch.setattr(layer_module, setting, awaits)
         layer._graphs.clear()  # graphs hold the launches they were captured with
         layer.use_graphs = graphs
@@ -731,6 +733,10 @@ def test_step_awaiting_projection_gives_the_joined_bits(layers, geometry, graphs
     assert signals and pairs and awaiting_projections, (
         f"calls taking the awaiting step / the pair / the awaiting o_proj: {len(signals)} / {len(pairs)} / "
         f"{len(awaiting_projections)}")
+    # Kimi-Linear's 19 MB o_proj qualifies for the staged form on sm_90 and later; GLM-5.3-Flash's 67 MB not.
+    staged_expected = geometry == "kimi" and int(_cp().cuda.Device().compute_capability) >= 90
+    assert any(awaiting_projections) == staged_expected, (
+        f"{geometry}: awaiting o_proj launches staged {awaiting_projections}, expected some: {staged_expected}")
     _assert_same_bits(awaiting, joined, geometry, "the step awaiting q|k|v and the joined launches")
 
 

@@ -68,8 +68,9 @@ def test_kernel_files_match_entry_points():
                      for m, n in re.findall(r"^GEMM_ROWS_ENTRY\((\d+), (\d+)\)", text, re.M)]
         declared += [f"gemm_rows_{layout}serial_bf16_m{m}_n{n}" for layout in ("", "packed_")
                      for m, n in re.findall(r"^GEMM_ROWS_SERIAL_ENTRY\((\d+), (\d+)\)", text, re.M)]
-        # ... and GEMM_ROWS_STAGED_ENTRY(tiles), one entry (packed weights, one m-tile).
-        declared += [f"gemm_rows_staged_bf16_m1_n{n}" for n in re.findall(r"^GEMM_ROWS_STAGED_ENTRY\((\d+)\)", text, re.M)]
+        # ... and GEMM_ROWS_STAGED_ENTRY(tiles), the staged entry and its awaiting form (packed, one m-tile).
+        declared += [f"gemm_rows_staged_{form}bf16_m1_n{n}" for n in
+                     re.findall(r"^GEMM_ROWS_STAGED_ENTRY\((\d+)\)", text, re.M) for form in ("", "awaiting_")]
         # ... and GEMM_ROWS_DECODE_ENTRIES(tiles), the pair and the awaiting entry (packed, one m-tile).
         declared += [f"gemm_rows_packed_{form}_bf16_m1_n{n}" for n in
                      re.findall(r"^GEMM_ROWS_DECODE_ENTRIES\((\d+)\)", text, re.M) for form in ("pair", "awaiting")]

@@ -411,6 +411,37 @@ def test_pair_and_awaiting_projections_check_their_operands(monkeypatch):
     assert len(made) == launched
 
 
+def test_staged_awaiting_projection_takes_its_entry_where_it_fits(monkeypatch):
+    """gemm_rows_bf16(staged=True, ready=...) launches the staged entry's awaiting form with the words
+    and the target last and shared memory for the stage and x's rows, where staged_plan(awaiting=True)
+    fits on an sm_90 device; before sm_90, or with x's rows too many for 3 blocks an SM, the awaiting
+    sweep instead."""
+    import dataclasses
+
+    from glm_kda import gemm_rows
+
+    made = []
+    monkeypatch.setattr(gemm_rows.kernels, "launch", lambda name, grid, block, args, shared_mem=0, **options:
+                        made.append((name, tuple(grid), tuple(args), shared_mem)))
+    monkeypatch.setattr(gemm_rows, "_sm_count", lambda device_id: 132)
+    n, k = 2304, 4096  # the Kimi-Linear output projection: one 64 KB tile a block
+    packed = gemm_rows.pack_weight(np.zeros((8, 32), np.uint16))
+    w = dataclasses.replace(packed, data=HostStandIn(aligned((n // 8, k // 32, 256))), n=n, k=k)
+    words = HostStandIn(np.zeros(2, np.int32))
+    for capability, rows, expected in (("90", 1, "gemm_rows_staged_awaiting_bf16_m1_n1"),
+                                       ("90", 2, "gemm_rows_packed_awaiting_bf16_m1_n2"),
+                                       ("80", 1, "gemm_rows_packed_awaiting_bf16_m1_n2")):
+        monkeypatch.setattr(gemm_rows.cupy.cuda, "Device",
+                            lambda: SimpleNamespace(id=0, compute_capability=capability))
+        gemm_rows.gemm_rows_bf16(_bf16(rows, k), w, _bf16(rows, n), programmatic=True, staged=True, ready=words,
+                                 ready_target=7)
+        name, grid, args, shared_mem = made[-1]
+        assert name == expected, f"sm_{capability} R{rows}: {name}"
+        assert args[-2] is words and int(args[-1]) == 7, f"sm_{capability} R{rows}: the words and the target last"
+        if "staged" in name:
+            assert grid == (288, 1) and shared_mem == 65536 + 16 + rows * k * 2, (grid, shared_mem)
+
+
 def test_fused_decode_passes_where_its_dependents_launch(launches):
     heads = 2
     slots = HostStandIn(np.arange(3, dtype=np.int32))
