@@ -59,11 +59,14 @@ STEP_RESIDENT_BLOCKS_PER_SM = 2
 STEP_DEPENDENTS_AFTER = 0
 # The same for the one-row step awaiting q|k|v (STEP_AWAITS_PROJECTION) where its o_proj awaits the
 # step's count of outputs (OUT_PROJ_AWAITS_STEP); at least 1 where o_proj waits for the step's end.
-# At 0 o_proj's blocks are resident from the step's start and ask L2 for their weight while q|k|v
-# still streams: on an H200 the block timeline (benchmarks/timeline.py) had Kimi's o_proj start at
-# 15.7 us instead of 20.7 but the step's outputs out at 22.3 us instead of 20.6, and
-# benchmarks/decode_breakdown.py (copy bandwidth 4172 GB/s) Kimi B=1 32.12 against 31.52 us at 1.
-AWAITING_STEP_DEPENDENTS_AFTER = 1
+# 3: once the step's blocks are past their wait for q|k|v, before they read it. On an H200
+# (benchmarks/decode_breakdown.py, one process, copy bandwidth 4024 GB/s; Kimi B=1 with o_proj's
+# weight staged, OUT_PROJ_STAGED_AWAITING) 29.40 us at 3 against 30.31 at 1 and 29.98 at 0: the block
+# timeline (benchmarks/timeline.py) had o_proj's blocks start, and their copies go out, at 19.9 us
+# instead of 21.3 (at 1, once the first token's inputs are formed, about when the outputs are), with
+# the step's outputs out no later (21.4 - 22.1 us); at 0 its blocks are resident from the step's
+# start and their copies queue in front of the step's inputs (outputs out at 22.2 - 22.9 us).
+AWAITING_STEP_DEPENDENTS_AFTER = 3
 # The fused step moves each head's state by one bulk copy each way through shared memory (sm_90
 # and later; kda_decode_fused_bf16's staged), asking for STEP_STAGED_CARVEOUT percent of shared
 # memory (-1: the driver's choice). The same bits as the per-thread loads, but slower on an H200

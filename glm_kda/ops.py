@@ -528,7 +528,8 @@ def kda_decode_fused_bf16(
 
     dependents_after: where the blocks let the next kernel of the stream launch (a programmatic
     dependent such as the output projection): 0 at once, 1 once the first token's inputs are
-    formed, 2 after its recurrent step. It changes no bit.
+    formed, 2 after its recurrent step, 3 (with inputs_ready only) once past the wait for
+    inputs_ready, before the inputs are read. It changes no bit.
 
     staged: on sm_90 and later, move each head's state (64 KB) by one bulk copy each way through
     shared memory instead of a load and a store per value and thread (ignored before sm_90 or
@@ -550,7 +551,7 @@ def kda_decode_fused_bf16(
     The step launches as a programmatic dependent of the kernel before it on this stream (its
     other inputs' last writer): its blocks load their state column and conv windows, wait for that
     kernel and for inputs_ready[0] to be set, then read their inputs; the last block past the wait
-    sets both words back to zero. dependents_after must then be 1 or 2 (the next kernel of this
+    sets both words back to zero. dependents_after must then be 1, 2 or 3 (the next kernel of this
     stream may launch only once every block has its inputs), unless that kernel awaits
     ``outputs_ready`` and may launch at once. The caller must leave room for every
     block of the writer of qkv_proj, of the signal and of this step to be resident at once (the
@@ -593,8 +594,11 @@ def kda_decode_fused_bf16(
         raise ValueError(f"prefetch_ahead must be >= 0, got {prefetch_ahead}")
     if conv_state.data.ptr % 16 or state.data.ptr % 16:
         prefetch_ahead = 0  # the L2 requests take 16-byte aligned ranges; a hint, so none
-    if dependents_after not in (0, 1, 2):
-        raise ValueError(f"dependents_after must be 0, 1 or 2, got {dependents_after}")
+    if dependents_after not in (0, 1, 2, 3):
+        raise ValueError(f"dependents_after must be 0, 1, 2 or 3, got {dependents_after}")
+    if dependents_after == 3 and inputs_ready is None:
+        raise ValueError("kda_decode_fused_bf16: dependents_after 3 (once past the wait for inputs_ready) needs "
+                         "inputs_ready")
     if x_tiles is not None:
         from glm_kda import gemm_rows
 
@@ -602,7 +606,7 @@ def kda_decode_fused_bf16(
     if inputs_ready is not None:
         _require_words(inputs_ready, "kda_decode_fused_bf16")
         if dependents_after == 0 and outputs_ready is None:
-            raise ValueError("kda_decode_fused_bf16: inputs_ready needs dependents_after 1 or 2, or outputs_ready (the "
+            raise ValueError("kda_decode_fused_bf16: inputs_ready needs dependents_after 1, 2 or 3, or outputs_ready (the "
                              "next kernel must not launch before every block has its inputs, unless it awaits "
                              "their count of outputs)")
     if outputs_ready is not None:

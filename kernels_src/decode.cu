@@ -25,7 +25,8 @@
 // on the batch. The block lets the next kernel launch (the output projection, launched as a
 // programmatic dependent, starts while this one runs) at once, or with dependents_after 1 / 2
 // only once the first token's inputs are formed / its recurrent step is done: then that
-// projection's first weight requests do not queue in front of the state column's loads. A batch
+// projection's first weight requests do not queue in front of the state column's loads; 3 (a
+// step awaiting inputs_ready) once past that wait, before it reads the inputs. A batch
 // of many sequences runs many waves of blocks, each waiting on its own 64 KB state column:
 // the block of sequence s asks L2 for the column of sequence s + prefetch_ahead (a block of a
 // later wave; 0: none), which it never reads itself, so no bit depends on it.

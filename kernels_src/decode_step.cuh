@@ -134,7 +134,8 @@ struct KdaStepArgs {
     int prefetch_ahead;
     // Where the step lets the next kernel of its stream launch (kda_let_next_kernel_launch):
     // 0 not here (the caller's business), 1 once the first token's inputs are formed (the state
-    // column and the inputs have arrived), 2 after the first token's recurrent step.
+    // column and the inputs have arrived), 2 after the first token's recurrent step, 3 (with
+    // inputs_ready) once past the wait for the inputs, before they are read.
     int dependents_after;
     // Null, or o_norm_out a second time in the bulk-copy sweep's tile layout of x (bulk_tile_element,
     // k = heads * KDA_HEAD_DIM): the output projection's input, so that it needs no tiling launch.
@@ -356,6 +357,9 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
     if (awaits) {
         passed = kda_await_inputs(p.inputs_ready, d);
         group.sync();
+        if (p.dependents_after == 3) {
+            kda_let_next_kernel_launch();
+        }
         inputs = kda_load_token_inputs(p, sequence * p.tokens, qkv, channel, head, true);
     }
     const float a = expf(a_log);

@@ -285,8 +285,10 @@ __device__ __forceinline__ void load_x_block(uint4 (&x_frag)[M_TILES][2], const 
 // the zero chunk at x[-8] without moving along k: in the general loop the same operands are zeros
 // by predicate. A step of the chain is then two shared loads of x, one of w a tile and two mma,
 // where the predicated loads of the general loop cost branches and register moves (on an H200
-// Kimi-Linear's one-row o_proj took 3 - 4 us from its shared memory that way).
-template <int N_TILES>
+// Kimi-Linear's one-row o_proj took 3 - 4 us from its shared memory that way). HIGH: rows 8 .. 15 of
+// the m-tile hold some row (row_end - row_begin > 8); without, their x is zeros in registers, one
+// shared load a step fewer (the same zero operands).
+template <int N_TILES, bool HIGH>
 __device__ __forceinline__ void gemm_rows_accumulate_staged(float (&acc)[1][N_TILES][4], const bf16_t* x, int ldx,
                                                             const bf16_t* w, int n, int k, int row_begin,
                                                             int row_end, int warp_column, int kb_begin, int kb_end,
@@ -326,7 +328,7 @@ __device__ __forceinline__ void gemm_rows_accumulate_staged(float (&acc)[1][N_TI
 #pragma unroll 4
     for (int kb = kb_begin; kb < kb_end; ++kb) {
         const uint4 x_low = *reinterpret_cast<const uint4*>(x_half[0]);
-        const uint4 x_high = *reinterpret_cast<const uint4*>(x_half[1]);
+        const uint4 x_high = HIGH ? *reinterpret_cast<const uint4*>(x_half[1]) : uint4{0u, 0u, 0u, 0u};
         uint4 w_frag[N_TILES];
 #pragma unroll
         for (int j = 0; j < N_TILES; ++j) {
@@ -539,8 +541,13 @@ __device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const 
     float acc[M_TILES][N_TILES][4];
     if constexpr (X_FROM == GEMM_X_STAGED) {
         static_assert(PACKED && W_SHARED && M_TILES == 1, "staged x: one m-tile of a staged packed weight");
-        gemm_rows_accumulate_staged<N_TILES>(acc, x, ldx, w, n, k, row_begin, row_end, warp_column, kb_begin, kb_end,
-                                             w_tile_origin);
+        if (row_end - row_begin > GEMM_ROWS_M_TILE / 2) {
+            gemm_rows_accumulate_staged<N_TILES, true>(acc, x, ldx, w, n, k, row_begin, row_end, warp_column, kb_begin,
+                                                       kb_end, w_tile_origin);
+        } else {
+            gemm_rows_accumulate_staged<N_TILES, false>(acc, x, ldx, w, n, k, row_begin, row_end, warp_column,
+                                                        kb_begin, kb_end, w_tile_origin);
+        }
     } else {
         gemm_rows_accumulate<M_TILES, N_TILES, LOADS, X_FROM, PACKED, W_SHARED>(
             acc, x, ldx, w, n, k, row_begin, row_end, warp_column, kb_begin, kb_end, 0, w_tile_origin);

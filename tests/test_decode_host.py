@@ -136,8 +136,9 @@ int main(int argc, char** argv)
         auto fused = [&](int first, int sequences, int tokens, const int* slot_list, float* conv, float* states,
                          int prefetch_ahead = 0, bf16_t* tiles = nullptr, int* inputs_ready = nullptr,
                          int* outputs_ready = nullptr) {
-            // Where the blocks let the next kernel launch (a no-op here): every choice, in turn.
-            const int dependents_after = (first + tokens) % 3;
+            // Where the blocks let the next kernel launch (a no-op here): every choice, in turn (3, past
+            // the wait for inputs_ready, with inputs_ready only).
+            const int dependents_after = (first + tokens) % (inputs_ready ? 4 : 3);
             prefetch_pool = states;
             prefetch_conv_pool = conv;
             prefetch_slots = slot_list;

@@ -345,10 +345,18 @@ def test_fused_decode_awaiting_inputs_launches_programmatic_and_checks_its_words
                                       dependents_after=1, inputs_ready=words)
         with pytest.raises(ValueError, match=needle):
             ops.signal_inputs_ready(words)
-    with pytest.raises(ValueError, match="dependents_after 1 or 2"):
+    with pytest.raises(ValueError, match="dependents_after 1, 2 or 3"):
         ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, rows), **_FUSED_SCALARS, tokens=rows,
                                   inputs_ready=ready)
     assert len(made) == 2
+    # Dependents once past the wait for the inputs: with inputs_ready only.
+    ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, rows), **_FUSED_SCALARS, tokens=rows,
+                              dependents_after=3, inputs_ready=ready)
+    assert int(_fused_parameter(made[-1][2], "dependents_after")) == 3
+    with pytest.raises(ValueError, match="dependents_after 3 .* needs inputs_ready"):
+        ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, rows), **_FUSED_SCALARS, tokens=rows,
+                                  dependents_after=3)
+    assert len(made) == 3
     ops.signal_inputs_ready(ready)
     assert made[-1] == ("kda_signal_inputs_ready", (1,), (ready,), {"programmatic": True})
 
@@ -449,9 +457,9 @@ def test_fused_decode_passes_where_its_dependents_launch(launches):
         ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, 3, pool=4), **_FUSED_SCALARS, slots=slots,
                                   dependents_after=where)
         assert int(_fused_parameter(launches[-1][3], "dependents_after")) == where
-    with pytest.raises(ValueError, match="dependents_after must be 0, 1 or 2, got 3"):
+    with pytest.raises(ValueError, match="dependents_after must be 0, 1, 2 or 3, got 4"):
         ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, 3, pool=4), **_FUSED_SCALARS, slots=slots,
-                                  dependents_after=3)
+                                  dependents_after=4)
     assert len(launches) == 3
 
 
