@@ -64,10 +64,11 @@ def defaults() -> dict:
     (layer.STEP_WRITES_X_TILES), side_chain_bulk (layer.SIDE_CHAIN_BULK), gate_branch_min_rows
     (layer.GATE_BRANCH_MIN_ROWS; None: g_b after f_b on one stream), bulk_stages_by_chunks
     (gemm_rows.BULK_STAGES_BY_CHUNKS), bulk_split_warpgroups (gemm_rows.BULK_SPLIT_WARPGROUPS),
-    step_awaits_projection (layer.STEP_AWAITS_PROJECTION), gate_up_pair (layer.GATE_UP_PAIR),
+    step_awaits_projection (layer.STEP_AWAITS_PROJECTION), qkv_counts_inputs (layer.QKV_COUNTS_INPUTS),
+    gate_up_pair (layer.GATE_UP_PAIR),
     out_proj_awaits_step (layer.OUT_PROJ_AWAITS_STEP), out_proj_staged_awaiting
-    (layer.OUT_PROJ_STAGED_AWAITING), awaiting_step_dependents_after
-    (layer.AWAITING_STEP_DEPENDENTS_AFTER), kernel_sources (a folder of kernel sources;
+    (layer.OUT_PROJ_STAGED_AWAITING), awaiting_step_dependents_after and awaiting_unstaged_dependents_after
+    (layer.AWAITING_STEP_DEPENDENTS_AFTER, layer.AWAITING_UNSTAGED_DEPENDENTS_AFTER), kernel_sources (a folder of kernel sources;
     None: the package's own)."""
     from glm_kda import gemm_rows, kernels, layer, persistent
 
@@ -88,9 +89,11 @@ def defaults() -> dict:
         "out_proj_staged": layer.OUT_PROJ_STAGED, "step_writes_x_tiles": layer.STEP_WRITES_X_TILES,
         "side_chain_bulk": layer.SIDE_CHAIN_BULK, "gate_branch_min_rows": layer.GATE_BRANCH_MIN_ROWS,
         "bulk_stages_by_chunks": gemm_rows.BULK_STAGES_BY_CHUNKS, "bulk_split_warpgroups": gemm_rows.BULK_SPLIT_WARPGROUPS,
-        "step_awaits_projection": layer.STEP_AWAITS_PROJECTION, "gate_up_pair": layer.GATE_UP_PAIR,
+        "step_awaits_projection": layer.STEP_AWAITS_PROJECTION, "qkv_counts_inputs": layer.QKV_COUNTS_INPUTS,
+        "gate_up_pair": layer.GATE_UP_PAIR,
         "out_proj_awaits_step": layer.OUT_PROJ_AWAITS_STEP, "out_proj_staged_awaiting": layer.OUT_PROJ_STAGED_AWAITING,
-        "awaiting_step_dependents_after": layer.AWAITING_STEP_DEPENDENTS_AFTER, "kernel_sources": None,
+        "awaiting_step_dependents_after": layer.AWAITING_STEP_DEPENDENTS_AFTER,
+        "awaiting_unstaged_dependents_after": layer.AWAITING_UNSTAGED_DEPENDENTS_AFTER, "kernel_sources": None,
     }
 
 
@@ -132,10 +135,12 @@ def apply(settings: dict, layer_object) -> None:
     gemm_rows.BULK_STAGES_BY_CHUNKS = settings["bulk_stages_by_chunks"]
     gemm_rows.BULK_SPLIT_WARPGROUPS = settings["bulk_split_warpgroups"]
     layer.STEP_AWAITS_PROJECTION = settings["step_awaits_projection"]
+    layer.QKV_COUNTS_INPUTS = settings["qkv_counts_inputs"]
     layer.GATE_UP_PAIR = settings["gate_up_pair"]
     layer.OUT_PROJ_AWAITS_STEP = settings["out_proj_awaits_step"]
     layer.OUT_PROJ_STAGED_AWAITING = settings["out_proj_staged_awaiting"]
     layer.AWAITING_STEP_DEPENDENTS_AFTER = settings["awaiting_step_dependents_after"]
+    layer.AWAITING_UNSTAGED_DEPENDENTS_AFTER = settings["awaiting_unstaged_dependents_after"]
     sources = settings["kernel_sources"]
     if sources not in _KERNEL_SETS:
         _KERNEL_SETS[sources] = kernels.KernelSet.get() if sources is None else kernels.KernelSet(sources)

@@ -367,7 +367,8 @@ def staged_plan(n: int, k: int, rows: int, awaiting: bool = False) -> LaunchPlan
     if rows > M_TILE:
         return None
     warps_n = WARPS_PER_BLOCK // k_split(k)
-    tile_bytes = -(-k // K_BLOCK) * K_BLOCK * N_TILE * 2
+    padded_k = -(-k // K_BLOCK) * K_BLOCK
+    tile_bytes = padded_k * N_TILE * 2
     n_tiles = -(-n // N_TILE)
     for tiles in sorted(kernels.STAGED_TILES_PER_WARP, reverse=True):
         group_tiles = warps_n * tiles
@@ -377,7 +378,7 @@ def staged_plan(n: int, k: int, rows: int, awaiting: bool = False) -> LaunchPlan
         if awaiting:
             partial_bytes = WARPS_PER_BLOCK * tiles * 4 * 32 * 4  # GEMM_ROWS_PARTIAL_FLOATS(1, tiles) floats
             # A 16-byte zero chunk and x's rows padded to whole k blocks, or the partial sums over them.
-            shared_mem += max(16 + rows * -(-k // K_BLOCK) * K_BLOCK * 2, partial_bytes)
+            shared_mem += max(16 + rows * padded_k * 2, partial_bytes)
             if STAGED_BLOCKS_PER_SM * (shared_mem + (1 << 10)) > BULK_SHARED_PER_SM:
                 return None
         return LaunchPlan(
@@ -434,7 +435,8 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
                    blocks: int | None = None, programmatic: bool = False, serial: bool | None = None,
                    wgmma: bool | None = None, reserved_slots: int = 0, staged: bool = False,
                    bulk: bool | None = None, x_tiles: Any = None, partial: Any = None,
-                   x_tiled: bool = False, ready: Any = None, ready_target: int = 0) -> None:
+                   x_tiled: bool = False, ready: Any = None, ready_target: int = 0,
+                   counted: Any = None) -> int:
     """out[r, :] = bf16(x[r, :] @ w.T) for r < rows (1..256), FP32 accumulation on tensor cores.
 
     Shapes:
@@ -478,11 +480,26 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
     entry's awaiting form where ``staged_applies(w, rows, awaiting=True)`` (each block's weights in
     shared memory before the wait, then x's rows beside them), else the sweep that reads w past the
     wait.
+
+    ``counted`` (<= 16 rows of a PackedWeight, without ``ready``): a contiguous int32 array of at least
+    2 elements: each block adds 1 to counted[0] (release, at GPU scope) once its outputs are written,
+    so that a kernel on another stream may read ``out`` once the count reaches the blocks launched
+    (the fused step's ``inputs_ready`` and ``inputs_target``) instead of once this launch ends. It
+    takes neither the staged nor the bulk sweep. The same bits.
+
+    Returns the blocks launched (the count ``counted`` reaches; 0 for the bulk-copy sweep, which never
+    counts).
     """
     rows, n, k, ldx, ldy = projection_args("gemm_rows_bf16", x, w, out, rows, GEMM_ROWS_MAX_ROWS)
     packed = isinstance(w, PackedWeight)
     if ready is not None:
         _check_ready(ready, ready_target, packed, rows, programmatic, bulk)
+    if counted is not None:
+        check_scratch(counted, cupy.int32, "int32", 2, "counted", "gemm_rows_bf16")
+        if not (packed and rows <= M_TILE and ready is None and not bulk):
+            raise ValueError("gemm_rows_bf16: counted needs <= 16 rows of a PackedWeight, without ready or bulk "
+                             f"(packed: {packed}, rows: {rows}, ready: {ready is not None}, bulk: {bulk})")
+        staged = False
     if not (packed and w.pairs is not None and wgmma_available()):
         if wgmma:
             raise ValueError("gemm_rows_bf16: wgmma=True needs a PackedWeight made with pack_weight(w, pairs=True)"
@@ -491,14 +508,15 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
         wgmma = False
     if bulk_applies(w, rows, bulk):
         gemm_rows_bulk(x, w, out, rows, x_tiles=x_tiles, partial=partial, programmatic=programmatic, x_tiled=x_tiled)
-        return
-    awaiting = (ready, _i32(ready_target)) if ready is not None else ()
+        return 0
+    # The words of the awaiting or the counting entry, last.
+    words = (ready, _i32(ready_target)) if ready is not None else (counted,) if counted is not None else ()
     plan = _staged_plan_here(w, rows, ready is not None) if staged else None
     if plan is not None:
         kernels.launch(plan.kernel, plan.grid, plan.block,
-                       (x, _i32(ldx), w.data, out, _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(0), *awaiting),
+                       (x, _i32(ldx), w.data, out, _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(0), *words),
                        plan.shared_mem, programmatic=programmatic, carveout=100)
-        return
+        return plan.grid[0] * plan.grid[1]
     plan = launch_plan(n, k, rows, tiles_per_warp, _sm_count(cupy.cuda.Device().id), blocks, serial, wgmma,
                        reserved_slots)
     kernel = plan.kernel
@@ -506,17 +524,19 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
     # The last argument: the L2 request of a programmatic launch, or the warpgroup-MMA sweep's ring.
     last = plan.ring_depth if on_wgmma else prefetch_k_blocks(n, k) if programmatic else 0
     if packed and not on_wgmma:
-        kernel = kernel.replace("gemm_rows_", "gemm_rows_packed_awaiting_" if ready is not None else "gemm_rows_packed_")
+        form = "awaiting_" if ready is not None else "counting_" if counted is not None else ""
+        kernel = kernel.replace("gemm_rows_", f"gemm_rows_packed_{form}")
     kernels.launch(
         kernel,
         plan.grid,
         plan.block,
         (x, _i32(ldx), (w.pairs if on_wgmma else w.data) if packed else w, out,
-         _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(last), *awaiting),
+         _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(last), *words),
         plan.shared_mem,
         programmatic=programmatic,
         carveout=100 if plan.shared_mem else -1,
     )
+    return plan.grid[0] * plan.grid[1]
 
 
 def gemm_rows_pair_bf16(x, w, out, x2, w2, out2, rows: int | None = None, *, programmatic: bool = False,

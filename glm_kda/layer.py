@@ -66,7 +66,12 @@ STEP_DEPENDENTS_AFTER = 0
 # instead of 21.3 (at 1, once the first token's inputs are formed, about when the outputs are), with
 # the step's outputs out no later (21.4 - 22.1 us); at 0 its blocks are resident from the step's
 # start and their copies queue in front of the step's inputs (outputs out at 22.2 - 22.9 us).
+# AWAITING_UNSTAGED_DEPENDENTS_AFTER: the same where that o_proj does not stage its weight (GLM-5.3-Flash's
+# 67 MB; the staged form's copies are what an early start is for): its blocks, started early, only
+# wait. GLM B=1 (benchmarks/decode_breakdown.py, copy bandwidth 4081 GB/s) 78.40 us at 1 against
+# 79.42 at 3.
 AWAITING_STEP_DEPENDENTS_AFTER = 3
+AWAITING_UNSTAGED_DEPENDENTS_AFTER = 1
 # The fused step moves each head's state by one bulk copy each way through shared memory (sm_90
 # and later; kda_decode_fused_bf16's staged), asking for STEP_STAGED_CARVEOUT percent of shared
 # memory (-1: the driver's choice). The same bits as the per-thread loads, but slower on an H200
@@ -109,8 +114,8 @@ QKV_RESERVED_SLOTS = 64
 # 3.3 - 4.6 us from their wait to their end (against 4.4 - 5.7 reading the weight from memory).
 OUT_PROJ_STAGED = False
 # A decode call of one row (one sequence) runs q|k|v and the low-rank chain the other way round:
-# q|k|v on the current stream, followed by ops.signal_inputs_ready, and on the side stream the
-# chain, the fused step (its last kernel's programmatic dependent, waiting on the workspace's
+# q|k|v on the current stream, counting into the workspace's inputs_ready (QKV_COUNTS_INPUTS), and
+# on the side stream the chain, the fused step (its last kernel's programmatic dependent, waiting on the workspace's
 # inputs_ready words for q|k|v) and o_proj (see KdaLayer._decode_awaiting_projection). The step's
 # node then has one incoming edge and its blocks are resident before q|k|v ends, where a node after
 # the join of two streams started 2.3 - 2.5 us after its last input on an H200. No bit depends on
@@ -124,6 +129,15 @@ OUT_PROJ_STAGED = False
 # slot per head: several layers decoding at once on streams of their own could fill every slot with
 # waiting steps, and would then stop at the wait's trap (tens of seconds); set this False there.
 STEP_AWAITS_PROJECTION = True
+# Where the step awaits q|k|v (STEP_AWAITS_PROJECTION), q|k|v's own blocks count their outputs out
+# in the workspace's inputs_ready (gemm_rows_bf16's counted) and the step awaits their number,
+# instead of a signal launched after q|k|v (ops.signal_inputs_ready), which passes on q|k|v's end
+# only once the whole grid is done and its writes flushed. No bit depends on it. On an H200 the
+# block timeline (benchmarks/timeline.py kimi --rows 1) had the step's outputs out 3.3 - 4.0 us after
+# q|k|v's last block against 3.9 - 4.4 with the signal; the graphs (benchmarks/decode_breakdown.py,
+# three processes, copy bandwidth 4081 - 4147 GB/s) are within their spread: Kimi B=1 28.88 / 29.13 /
+# 29.05 us against 29.24 / 28.97 / 29.06, GLM 78.97 / 79.42 / 78.74 against 78.88 / 78.96 / 80.09.
+QKV_COUNTS_INPUTS = True
 # Up to 16 rows, the forget and output gate up-projections (f_b, g_b) of the low-rank chain run as one
 # launch (gemm_rows.gemm_rows_pair_bf16) instead of one after the other: one launch and one wait on
 # down_proj fewer on the chain that the fused step waits for. No bit depends on it.
@@ -523,7 +537,7 @@ class KdaLayer:
     def _project_decode(self, x: Any, weight: Any, out: Any, after_kernel: bool = False,
                         reserved_slots: int = 0, staged: bool = False, x_tiles: Any = None,
                         partial: Any = None, bulk: bool | None = None, x_tiled: bool = False,
-                        ready_target: int = 0) -> None:
+                        ready_target: int = 0, counted: Any = None) -> int:
         """The projection of every decode-side call (decode, decode_k, batched decode, and
         prefill of <= 16 rows). One kernel, applied to groups of DECODE_ROW_GROUP rows, whose
         per-row arithmetic does not depend on the row count: a row's bits are the same in
@@ -539,24 +553,30 @@ class KdaLayer:
         weight's width, False: never). x_tiled: x_tiles already holds x in the sweep's layout (the
         fused step wrote it; one group of rows only). ready_target: the launch awaits that many
         blocks of the fused step before it counting their outputs out in workspace.outputs_ready
-        (gemm_rows_bf16's ready; one group of <= 16 rows only; 0: none)."""
+        (gemm_rows_bf16's ready; one group of <= 16 rows only; 0: none). counted:
+        gemm_rows_bf16's counted (one group of <= 16 rows only). Returns the blocks of the last
+        launch (those `counted` counts)."""
         rows = x.shape[0]
         ready = self.workspace.outputs_ready if ready_target else None
+        blocks = 0
         for start in range(0, rows, DECODE_ROW_GROUP):
             stop = min(rows, start + DECODE_ROW_GROUP)
-            gemm_rows.gemm_rows_bf16(x[start:stop], weight, out[start:stop], rows=stop - start,
+            blocks = gemm_rows.gemm_rows_bf16(x[start:stop], weight, out[start:stop], rows=stop - start,
                                      programmatic=after_kernel or start > 0, reserved_slots=reserved_slots,
                                      staged=staged, bulk=bulk, x_tiles=x_tiles, partial=partial,
                                      x_tiled=x_tiled and rows <= DECODE_ROW_GROUP, ready=ready,
-                                     ready_target=ready_target)
+                                     ready_target=ready_target, counted=counted)
+        return blocks
 
     def _project(self, x: Any, weight: str, out: Any, wide: bool, after_kernel: bool = False,
-                 reserved_slots: int = 0, staged: bool = False, x_tiles: Any = None) -> None:
+                 reserved_slots: int = 0, staged: bool = False, x_tiles: Any = None, counted: Any = None) -> int:
         """x @ the weight named `weight` (one of DECODE_WEIGHTS) into out. x_tiles: the bulk-copy
-        sweep's tile scratch of a projection on a stream of its own (None: its stream's own)."""
+        sweep's tile scratch of a projection on a stream of its own (None: its stream's own). counted:
+        see _project_decode, whose count of blocks it returns (0 on cuBLAS)."""
         if wide:
             # Prefill only: cuBLAS reassociates, which no bit-exact path may see.
             ops.gemm_bf16_cublas(x, getattr(self, weight), out)
+            return 0
         else:
             ws = self.workspace
             side = weight in self.SIDE_CHAIN_WEIGHTS
@@ -566,9 +586,9 @@ class KdaLayer:
             ready_target = self._o_proj_ready if weight == "o_proj" else 0
             self._x_tiles_rows = self._o_proj_ready = 0
             staged = staged or bool(ready_target and OUT_PROJ_STAGED_AWAITING)
-            self._project_decode(x, self.decode_weight(weight), out, after_kernel, reserved_slots, staged, x_tiles,
-                                 partial, bulk=SIDE_CHAIN_BULK if side else None, x_tiled=x_tiled,
-                                 ready_target=ready_target)
+            return self._project_decode(x, self.decode_weight(weight), out, after_kernel, reserved_slots, staged,
+                                        x_tiles, partial, bulk=SIDE_CHAIN_BULK if side else None, x_tiled=x_tiled,
+                                        ready_target=ready_target, counted=counted)
 
     def gate_source(self, first: int = 0) -> chunk_tc.GateSource:
         """Workspace rows first.. of what the forget gate and beta are formed from."""
@@ -681,7 +701,7 @@ class KdaLayer:
             main.wait_event(join)
 
     def stateful_rows(self, first: int, rows: int, conv_state: Any, recurrent_state: Any, slots: Any = None,
-                      walk: bool = False, inputs_ready: Any = None, whole: bool = False) -> None:
+                      walk: bool = False, inputs_ready: Any = None, whole: bool = False, inputs_target: int = 1) -> None:
         """Decode's stateful half for workspace rows first..first+rows-1, updating the states
         in place. Row r uses slot slots[r] of a pool, or (slots None, rows == 1) the single
         state given; walk=True: the rows are consecutive tokens of the single state given,
@@ -692,7 +712,8 @@ class KdaLayer:
         and the back end the norm (see :meth:`decode_rows`). Otherwise conv (+ SiLU + L2) then
         one recurrent step, reading the gate the front end formed; q and k arrive normalised and
         the recurrent step must not normalise them again. inputs_ready (fused_decode only): the
-        step awaits q|k|v from another stream (ops.kda_decode_fused_bf16's inputs_ready). whole:
+        step awaits q|k|v from another stream (ops.kda_decode_fused_bf16's inputs_ready and
+        inputs_target). whole:
         these are all the rows the next back_end projects (first 0), so its o_proj may await the
         step's count of outputs (OUT_PROJ_AWAITS_STEP)."""
         ws, c = self.workspace, self.config
@@ -700,6 +721,9 @@ class KdaLayer:
         self._x_tiles_rows = self._o_proj_ready = 0
         if self.fused_decode:
             counted = whole and first == 0 and self._o_proj_awaits_step(rows)
+            staged_out = OUT_PROJ_STAGED_AWAITING and gemm_rows.staged_applies(self.decode_weight("o_proj"), rows,
+                                                                              awaiting=True)
+            awaiting_dependents = AWAITING_STEP_DEPENDENTS_AFTER if staged_out else AWAITING_UNSTAGED_DEPENDENTS_AFTER
             d = c.head_dim
             # The output projection's input in its sweep's tile layout, where that sweep will read it.
             tiles = (STEP_WRITES_X_TILES and first == 0 and not walk and rows <= DECODE_ROW_GROUP
@@ -711,11 +735,12 @@ class KdaLayer:
                 bounded=c.bounded, lower_bound=c.gate_lower_bound or 0.0, scale=self.scale, l2_eps=c.l2_eps,
                 norm_eps=c.rms_norm_eps, slots=slots, tokens=rows if walk else 1,
                 prefetch_ahead=self._step_prefetch_ahead(),
-                dependents_after=(STEP_DEPENDENTS_AFTER if inputs_ready is None else AWAITING_STEP_DEPENDENTS_AFTER
+                dependents_after=(STEP_DEPENDENTS_AFTER if inputs_ready is None else awaiting_dependents
                                   if counted else max(STEP_DEPENDENTS_AFTER, 1)),
                 staged=STEP_STAGED_STATE, carveout=STEP_STAGED_CARVEOUT,
                 split=self._step_split(1 if walk else rows), x_tiles=ws.x_tiles if tiles else None,
-                inputs_ready=inputs_ready, outputs_ready=ws.outputs_ready if counted else None)
+                inputs_ready=inputs_ready, inputs_target=inputs_target,
+                outputs_ready=ws.outputs_ready if counted else None)
             self._x_tiles_rows = rows if tiles else 0
             self._o_proj_ready = blocks if counted else 0
             return
@@ -802,9 +827,10 @@ class KdaLayer:
 
     def _decode_awaiting_projection(self, hidden: Any, conv_state: Any, recurrent_state: Any, slots: Any) -> None:
         """decode_rows of one row with the fused step awaiting q|k|v (STEP_AWAITS_PROJECTION):
-        on this stream q|k|v, then ops.signal_inputs_ready; on the side stream (the more urgent one)
-        the low-rank chain, the fused step (the chain's programmatic dependent, awaiting the signal)
-        and o_proj; then the side stream joins this one.
+        on this stream q|k|v, its blocks counting their outputs out (QKV_COUNTS_INPUTS; else
+        ops.signal_inputs_ready after it); on the side stream (the more urgent one) the low-rank
+        chain, the fused step (the chain's programmatic dependent, awaiting that count) and o_proj;
+        then the side stream joins this one.
 
         Every block of q|k|v, of the signal and of the step must be able to be resident at once
         (the step's blocks wait on their SMs): q|k|v leaves at least a slot per head and one more,
@@ -815,13 +841,16 @@ class KdaLayer:
         # it, or the step without the o_proj that clears its count.
         with self._words_cleared_on_error("inputs_ready", "outputs_ready"):
             with self._beside(True) as side:
-                self._project(hidden, "qkv_weight", ws.qkv_proj[:1], False,
-                              reserved_slots=max(QKV_RESERVED_SLOTS, self.config.heads + 1))
-                ops.signal_inputs_ready(ws.inputs_ready)
+                reserved = max(QKV_RESERVED_SLOTS, self.config.heads + 1)
+                counts = QKV_COUNTS_INPUTS and isinstance(self.decode_weight("qkv_weight"), gemm_rows.PackedWeight)
+                blocks = self._project(hidden, "qkv_weight", ws.qkv_proj[:1], False, reserved_slots=reserved,
+                                       counted=ws.inputs_ready if counts else None)
+                if not counts:
+                    ops.signal_inputs_ready(ws.inputs_ready)
                 with side:
                     self._low_rank_chain(hidden, wide=False, gate=False, branched=False)
                     self.stateful_rows(0, 1, conv_state, recurrent_state, slots=slots, inputs_ready=ws.inputs_ready,
-                                       whole=True)
+                                       whole=True, inputs_target=blocks if counts else 1)
                     self.back_end(1, norm=False)
 
     def _persistent_applies(self, rows: int, sequential: bool, snapshots: Sequence[KdaState]) -> bool:

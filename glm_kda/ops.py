@@ -502,7 +502,7 @@ def kda_decode_fused_bf16(
     conv_out, query, key, value, gate, beta, core, o_norm_out, *, bounded: bool, lower_bound: float,
     scale: float, l2_eps: float, norm_eps: float, slots=None, tokens: int = 1, prefetch_ahead: int = 0,
     dependents_after: int = 0, staged: bool = False, carveout: int = -1, split: bool = False, x_tiles=None,
-    inputs_ready=None, outputs_ready=None,
+    inputs_ready=None, inputs_target: int = 1, outputs_ready=None,
 ) -> int:
     """The stateful half of decode in one launch: for each sequence, `tokens` consecutive
     tokens of conv + SiLU + L2, forget gate and beta, one delta-rule step, gated RMSNorm.
@@ -547,10 +547,12 @@ def kda_decode_fused_bf16(
     It changes no bit.
 
     inputs_ready: None, or a contiguous int32 array of at least 2 elements, both zero, for a step
-    whose qkv_proj is written on another stream that then runs :func:`signal_inputs_ready` on it.
+    whose qkv_proj is written on another stream that then counts inputs_ready[0] up to
+    ``inputs_target``: :func:`signal_inputs_ready` after the writer (target 1), or the writer's own
+    blocks (``gemm_rows.gemm_rows_bf16(..., counted=inputs_ready)``, target the blocks it returns).
     The step launches as a programmatic dependent of the kernel before it on this stream (its
     other inputs' last writer): its blocks load their state column and conv windows, wait for that
-    kernel and for inputs_ready[0] to be set, then read their inputs; the last block past the wait
+    kernel and for inputs_ready[0] to reach the target, then read their inputs; the last block past the wait
     sets both words back to zero. dependents_after must then be 1, 2 or 3 (the next kernel of this
     stream may launch only once every block has its inputs), unless that kernel awaits
     ``outputs_ready`` and may launch at once. The caller must leave room for every
@@ -605,6 +607,8 @@ def kda_decode_fused_bf16(
         gemm_rows.check_x_tiles(x_tiles, o_norm_out.dtype, rows, qkv, "kda_decode_fused_bf16")
     if inputs_ready is not None:
         _require_words(inputs_ready, "kda_decode_fused_bf16")
+        if inputs_target < 1:
+            raise ValueError(f"kda_decode_fused_bf16: inputs_target must be >= 1 (the count awaited), got {inputs_target}")
         if dependents_after == 0 and outputs_ready is None:
             raise ValueError("kda_decode_fused_bf16: inputs_ready needs dependents_after 1, 2 or 3, or outputs_ready (the "
                              "next kernel must not launch before every block has its inputs, unless it awaits "
@@ -623,7 +627,7 @@ def kda_decode_fused_bf16(
          out_gate, norm_w, conv_out, query, key, value, gate, beta, core, o_norm_out, _i32(heads),
          _i32(kernel_size), _i32(tokens), _i32(1 if bounded else 0), _f32(lower_bound if bounded else 0.0), _f32(scale),
          _f32(l2_eps), _f32(norm_eps), _i32(prefetch_ahead), _i32(dependents_after), x_tiles, inputs_ready,
-         outputs_ready),
+         _i32(inputs_target), outputs_ready),
         HEAD_DIM * HEAD_DIM * 4 if staged else 0,
         carveout=carveout if staged else -1,
         programmatic=inputs_ready is not None,

@@ -72,12 +72,12 @@ __device__ __forceinline__ void kda_decode_fused_block(const KdaStepArgs& args, 
         float *__restrict__ key, float *__restrict__ value, float *__restrict__ gate, float *__restrict__ beta,       \
         float *__restrict__ core, bf16_t *__restrict__ o_norm_out, int heads, int kernel_size, int tokens,            \
         int bounded, float lower_bound, float scale, float l2_eps, float norm_eps, int prefetch_ahead,                \
-        int dependents_after, bf16_t *__restrict__ x_tiles, int *inputs_ready, int *outputs_ready
+        int dependents_after, bf16_t *__restrict__ x_tiles, int *inputs_ready, int inputs_target, int *outputs_ready
 #define KDA_DECODE_FUSED_ARGS                                                                                        \
     KdaStepArgs{conv_state, state, slots, qkv_proj, conv_w, forget_proj, dt_bias, a_log, beta_logits,                \
                 ld_beta, out_gate, norm_w, conv_out, query, key, value, gate, beta, core, o_norm_out,                \
                 heads, kernel_size, tokens, bounded, lower_bound, scale, l2_eps, norm_eps, prefetch_ahead,           \
-                dependents_after, x_tiles, inputs_ready, outputs_ready}
+                dependents_after, x_tiles, inputs_ready, inputs_target, outputs_ready}
 
 extern "C" __global__ void __launch_bounds__(KDA_HEAD_BLOCK) kda_decode_fused_bf16(KDA_DECODE_FUSED_PARAMETERS)
 {

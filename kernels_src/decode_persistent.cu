@@ -134,7 +134,7 @@ kda_decode_persistent_bf16(int* counters, int counter_count, const int* tasks, i
     const KdaStepArgs step_args{conv_state, state, slots, qkv_proj, conv_w, forget_proj, dt_bias, a_log,
                                 down_proj + 2 * dim, down_dim, out_gate, norm_w, conv_out, query, key, value,
                                 gate, beta, core, o_norm_out, heads, kernel_size, rows, bounded, lower_bound,
-                                scale, l2_eps, norm_eps, 0, 0, nullptr, nullptr, nullptr};
+                                scale, l2_eps, norm_eps, 0, 0, nullptr, nullptr, 1, nullptr};
     const int out_split = k_split_for(qkv);
 
     int next = 0;

@@ -143,10 +143,13 @@ struct KdaStepArgs {
     bf16_t* x_tiles;
     // Null: qkv_proj and the other inputs are written by earlier kernels of the stream. Else the
     // step is a programmatic dependent of the last kernel of the low-rank chain, and qkv_proj is
-    // written on another stream, after which inputs_ready[0] becomes nonzero
-    // (kda_signal_inputs_ready): the step loads its state column and conv windows, waits for both
+    // written on another stream, after which inputs_ready[0] reaches inputs_target
+    // (kda_signal_inputs_ready, or the q|k|v launch's own count): the step loads its state column and conv windows, waits for both
     // (kda_await_inputs), then loads the token's inputs.
     int* inputs_ready;
+    // The count inputs_ready[0] must reach: 1 after kda_signal_inputs_ready, or the blocks of a q|k|v
+    // launch that counts its outputs out itself (gemm_rows_packed_counting).
+    int inputs_target;
     // Null, or the words the next kernel of the stream (the output projection, launched once every
     // block of this one is resident) waits on instead of this kernel's end: each block adds 1 to
     // outputs_ready[0] once its outputs are written, before it stores its states.
@@ -154,12 +157,12 @@ struct KdaStepArgs {
 };
 
 // Thread `d` of every block: wait for the previous kernel of the stream and for inputs_ready[0] to
-// become nonzero (thread 0 polls it; kda_await_words, whose count it returns there, for
+// reach `target` (thread 0 polls it; kda_await_words, whose count it returns there, for
 // kda_clear_words_if_last at the block's end); the caller then passes the group's barrier.
-__device__ __forceinline__ int kda_await_inputs(int* inputs_ready, int d)
+__device__ __forceinline__ int kda_await_inputs(int* inputs_ready, int target, int d)
 {
     kda_wait_for_previous_kernel();
-    return d == 0 ? kda_await_words(inputs_ready, 1) : 0;
+    return d == 0 ? kda_await_words(inputs_ready, target) : 0;
 }
 
 // The shared memory of one head group. `state_arrived`: the mbarrier of the staged state copy.
@@ -355,7 +358,7 @@ __device__ __forceinline__ void kda_decode_head(const KdaStepArgs& p, int head, 
     }
     int passed = 0;  // (thread 0 of a block awaiting its inputs: the blocks past the wait before it)
     if (awaits) {
-        passed = kda_await_inputs(p.inputs_ready, d);
+        passed = kda_await_inputs(p.inputs_ready, p.inputs_target, d);
         group.sync();
         if (p.dependents_after == 3) {
             kda_let_next_kernel_launch();

@@ -15,7 +15,7 @@ __device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, in
                                                 const bf16_t* __restrict__ w, bf16_t* __restrict__ y,
                                                 int ldy, int rows, int n, int k, int prefetch,
                                                 GemmRowsSecond second = {nullptr, nullptr, nullptr},
-                                                GemmRowsAwait awaited = {nullptr, 0})
+                                                GemmRowsAwait awaited = {nullptr, 0}, int* counted = nullptr)
 {
     __shared__ float partial[GEMM_ROWS_PARTIAL_FLOATS(M_TILES, N_TILES)];
     KDA_TRACE_SCOPE(y);
@@ -27,7 +27,7 @@ __device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, in
     }
     const int row_end = min(rows, row_begin + GEMM_ROWS_M_GROUP);
     gemm_rows_sweep<M_TILES, N_TILES, PACKED, X_FROM>(x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split_for(k),
-                                                      prefetch, partial, second, awaited);
+                                                      prefetch, partial, second, awaited, counted);
 }
 
 #define GEMM_ROWS_ENTRY_OF(NAME, M_TILES, N_TILES, PACKED)                                         \
@@ -66,6 +66,9 @@ GEMM_ROWS_ENTRY(4, 2)
 //     blocks read x (through L2) once ready[0] reaches ready_target, not once that kernel ends;
 //     the last block past the wait sets ready[0..1] back to zero, and each block ends only after
 //     that kernel has.
+//   gemm_rows_packed_counting_bf16_m1_n<N>: each block adds 1 to counted[0] (release, at GPU scope)
+//     once its outputs are written: a kernel on another stream that reads y (the fused step of one
+//     sequence, awaiting q|k|v) waits for the count to reach the launch's blocks, not for its end.
 #define GEMM_ROWS_DECODE_ENTRIES(N_TILES)                                                          \
     extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_MIN_BLOCKS)          \
         gemm_rows_packed_pair_bf16_m1_n##N_TILES(const bf16_t* __restrict__ x, int ldx,              \
@@ -85,6 +88,16 @@ GEMM_ROWS_ENTRY(4, 2)
         gemm_rows_entry<1, N_TILES, true, GEMM_X_PRODUCED>(x, ldx, w, y, ldy, rows, n, k, prefetch,   \
                                                            GemmRowsSecond{nullptr, nullptr, nullptr}, \
                                                            GemmRowsAwait{ready, ready_target});       \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_MIN_BLOCKS)          \
+        gemm_rows_packed_counting_bf16_m1_n##N_TILES(const bf16_t* __restrict__ x, int ldx,          \
+                                                     const bf16_t* __restrict__ w, bf16_t* __restrict__ y, \
+                                                     int ldy, int rows, int n, int k, int prefetch,   \
+                                                     int* counted)                                    \
+    {                                                                                              \
+        gemm_rows_entry<1, N_TILES, true>(x, ldx, w, y, ldy, rows, n, k, prefetch,                   \
+                                          GemmRowsSecond{nullptr, nullptr, nullptr},                 \
+                                          GemmRowsAwait{nullptr, 0}, counted);                       \
     }
 GEMM_ROWS_DECODE_ENTRIES(1)
 GEMM_ROWS_DECODE_ENTRIES(2)
@@ -172,12 +185,7 @@ __device__ __forceinline__ void gemm_rows_staged_entry(const bf16_t* __restrict_
     }
     const bf16_t* stage = reinterpret_cast<const bf16_t*>(gemm_rows_stage);
     if constexpr (AWAITING) {
-        int passed = 0;  // (thread 0: the blocks past the wait before it)
-        if (threadIdx.x == 0) {
-            passed = kda_await_words(awaited.words, awaited.target);
-        }
-        __syncthreads();
-        KDA_TRACE_WAITED();
+        const int passed = gemm_rows_await(awaited);
         if (sweeps) {
             // A 16-byte zero chunk, then x's rows padded with zeros to whole k blocks (GEMM_X_STAGED).
             bf16_t* region = reinterpret_cast<bf16_t*>(gemm_rows_stage + min(group_tiles, tiles) * tile_elements *
@@ -199,11 +207,7 @@ __device__ __forceinline__ void gemm_rows_staged_entry(const bf16_t* __restrict_
                 x_copy, padded_k, stage, y, ldy, 0, rows, n, k, k_split, blockIdx.x, reinterpret_cast<float*>(region),
                 first_tile);
         }
-        if (threadIdx.x == 0) {
-            kda_clear_words_if_last(awaited.words, passed, static_cast<int>(gridDim.x * gridDim.y));
-        }
-        // This launch ends after the kernel before it, as a launch that waited for it does.
-        kda_grid_dependency_wait();
+        gemm_rows_end_awaited(awaited, passed);
     } else {
         __shared__ float partial[GEMM_ROWS_PARTIAL_FLOATS(1, N_TILES)];
         // x (and y) may belong to the previous kernel: nothing below runs before it is done.

@@ -605,6 +605,30 @@ struct GemmRowsAwait {
     int target;
 };
 
+// An awaiting block's wait (every thread calls it): thread 0 polls until the words reach their
+// target, the block passes together. Returns, in thread 0, the blocks past the wait before it.
+__device__ __forceinline__ int gemm_rows_await(const GemmRowsAwait& awaited)
+{
+    int passed = 0;
+    if (threadIdx.x == 0) {
+        passed = kda_await_words(awaited.words, awaited.target);
+    }
+    __syncthreads();
+    KDA_TRACE_WAITED();
+    return passed;
+}
+
+// An awaiting block's end (every thread calls it; `passed` from gemm_rows_await): the last block
+// past the wait sets the words back to zero, and the launch ends after the kernel before it, as a
+// launch that waited for it does: what follows in the stream may count on both being done.
+__device__ __forceinline__ void gemm_rows_end_awaited(const GemmRowsAwait& awaited, int passed)
+{
+    if (threadIdx.x == 0) {
+        kda_clear_words_if_last(awaited.words, passed, static_cast<int>(gridDim.x * gridDim.y));
+    }
+    kda_grid_dependency_wait();
+}
+
 // One block's share of the output: rows [row_begin, row_end) (at most 64) and the
 // column groups blockIdx.x, blockIdx.x + gridDim.x, ... With a second projection its column groups
 // follow the first's (groups column_groups .. 2 column_groups - 1 are its groups 0 ..): each
@@ -615,7 +639,7 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
                                                 bf16_t* __restrict__ y, int ldy, int row_begin,
                                                 int row_end, int n, int k, int k_split, int prefetch,
                                                 float* partial, GemmRowsSecond second = {nullptr, nullptr, nullptr},
-                                                GemmRowsAwait awaited = {nullptr, 0})
+                                                GemmRowsAwait awaited = {nullptr, 0}, int* counted = nullptr)
 {
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -656,11 +680,7 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
     if (awaited.words != nullptr) {
         // x is written by the kernel before, still running: read it only once its blocks have
         // counted their outputs out (X_FROM: through L2).
-        if (threadIdx.x == 0) {
-            passed = kda_await_words(awaited.words, awaited.target);
-        }
-        __syncthreads();
-        KDA_TRACE_WAITED();
+        passed = gemm_rows_await(awaited);
     } else {
         // x (and y) may belong to the previous kernel: nothing below runs before it is done.
         kda_wait_for_previous_kernel();
@@ -678,13 +698,16 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
                 second.x, ldx, second.w, second.y, ldy, row_begin, row_end, n, k, k_split, group, partial);
         }
     }
-    if (awaited.words != nullptr) {
+    if (counted != nullptr) {
+        // Every thread's outputs are written before thread 0 counts them out (release: a block
+        // that acquires the count reads them through L2).
+        __syncthreads();
         if (threadIdx.x == 0) {
-            kda_clear_words_if_last(awaited.words, passed, static_cast<int>(gridDim.x * gridDim.y));
+            kda_count_release(counted);
         }
-        // This launch ends after the kernel before it, as a launch that waited for it does: what
-        // follows in the stream may count on both being done.
-        kda_grid_dependency_wait();
+    }
+    if (awaited.words != nullptr) {
+        gemm_rows_end_awaited(awaited, passed);
     }
 }
 

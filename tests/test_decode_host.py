@@ -129,8 +129,10 @@ int main(int argc, char** argv)
         std::vector<bf16_t> x_tiles(row_groups * qkv * 64, 0x7FA5);
         // The fused step over rows first.. : `sequences` sequences (slot_list, or the states given
         // when null) of `tokens` tokens each.
-        // ready: the words a step awaiting another stream's q|k|v polls (set here: that stream is done).
-        std::vector<int> ready = {1, 0};
+        // ready: the words a step awaiting another stream's q|k|v polls (set here: that stream's
+        // READY_TARGET blocks are done).
+        constexpr int READY_TARGET = 7;
+        std::vector<int> ready = {READY_TARGET, 0};
         // counted: the words a walk's blocks count their outputs out in (for an o_proj awaiting them).
         std::vector<int> counted = {0, 0};
         auto fused = [&](int first, int sequences, int tokens, const int* slot_list, float* conv, float* states,
@@ -154,7 +156,7 @@ int main(int argc, char** argv)
                              beta.data() + first * heads, core.data() + first * qkv,
                              o_norm_out.data() + first * qkv, heads, kernel, tokens, bounded, lower_bound,
                              scale, l2_eps, norm_eps, prefetch_ahead, dependents_after, tiles, inputs_ready,
-                             outputs_ready);
+                             READY_TARGET, outputs_ready);
             });
         };
         // The separate kernels over rows first .. first + count - 1, one token of a sequence each.

@@ -697,28 +697,31 @@ def test_step_awaiting_projection_gives_the_joined_bits(layers, geometry, graphs
     output and both states over 6 decode steps of a state (graphed: replayed, so the words the step
     and o_proj wait on must come back to zero each time) and one row of a pool in a shuffled slot; a
     5-row decode_k walk between them keeps the joined launches but takes the pair and the awaiting
-    o_proj. The words are zero after every call."""
+    o_proj. q|k|v counts its own blocks' outputs out for the step (QKV_COUNTS_INPUTS), and in a third
+    run a signal after it does. The words are zero after every call."""
     from glm_kda import gemm_rows
     from glm_kda import layer as layer_module
     from glm_kda import ops
 
     _, layer = layers(geometry)
-    signals, pairs, awaiting_projections = [], [], []
+    signals, pairs, awaiting_projections, counting = [], [], [], []
     signal, pair, project = ops.signal_inputs_ready, gemm_rows.gemm_rows_pair_bf16, gemm_rows.gemm_rows_bf16
     monkeypatch.setattr(ops, "signal_inputs_ready", lambda ready: (signals.append(1), signal(ready)))
     monkeypatch.setattr(gemm_rows, "gemm_rows_pair_bf16", lambda *a, **o: (pairs.append(1), pair(*a, **o)))
     monkeypatch.setattr(gemm_rows, "gemm_rows_bf16", lambda *a, **o: (
         awaiting_projections.append(gemm_rows.staged_applies(a[1], o["rows"], awaiting=True) and o.get("staged"))
-        if o.get("ready") is not None else None, project(*a, **o)))
+        if o.get("ready") is not None else None, counting.append(1) if o.get("counted") is not None else None,
+        project(*a, **o))[-1])
 
     def words_are_zero(what: str) -> None:
         for name in ("inputs_ready", "outputs_ready"):
             words = getattr(layer.workspace, name).get().tolist()
             assert words == [0, 0], f"{geometry} {what}: the {name} words are {words} after the call"
 
-    def run(awaits: bool) -> dict:
+    def run(awaits: bool, counts: bool = True) -> dict:
         for setting in ("STEP_AWAITS_PROJECTION", "GATE_UP_PAIR", "OUT_PROJ_AWAITS_STEP", "OUT_PROJ_STAGED_AWAITING"):
             monkeypatch.setattr(layer_module, setting, awaits)
+        monkeypatch.setattr(layer_module, "QKV_COUNTS_INPUTS", counts)
         layer._graphs.clear()  # graphs hold the launches they were captured with
         layer.use_graphs = graphs
         try:
@@ -728,11 +731,16 @@ def test_step_awaiting_projection_gives_the_joined_bits(layers, geometry, graphs
             layer._graphs.clear()
 
     joined = run(False)
-    assert not (signals or pairs or awaiting_projections), "the joined launches signalled, paired or awaited"
+    assert not (signals or pairs or awaiting_projections or counting), (
+        "the joined launches signalled, counted, paired or awaited")
     awaiting = run(True)
-    assert signals and pairs and awaiting_projections, (
-        f"calls taking the awaiting step / the pair / the awaiting o_proj: {len(signals)} / {len(pairs)} / "
-        f"{len(awaiting_projections)}")
+    assert counting and pairs and awaiting_projections and not signals, (
+        f"calls taking the counting q|k|v / the pair / the awaiting o_proj / the signal: {len(counting)} / "
+        f"{len(pairs)} / {len(awaiting_projections)} / {len(signals)}")
+    counting.clear()
+    signalled = run(True, counts=False)
+    assert signals and not counting, f"the signal form: {len(signals)} signals, {len(counting)} counting launches"
+    _assert_same_bits(signalled, joined, geometry, "the step awaiting q|k|v's signal and the joined launches")
     # Kimi-Linear's 19 MB o_proj qualifies for the staged form on sm_90 and later; GLM-5.3-Flash's 67 MB not.
     staged_expected = geometry == "kimi" and int(_cp().cuda.Device().compute_capability) >= 90
     assert any(awaiting_projections) == staged_expected, (

@@ -336,6 +336,14 @@ def test_fused_decode_awaiting_inputs_launches_programmatic_and_checks_its_words
                               dependents_after=1, inputs_ready=ready)
     (name, grid, args, options), = made
     assert _fused_parameter(args, "inputs_ready") is ready and options.get("programmatic") is True
+    assert int(_fused_parameter(args, "inputs_target")) == 1
+    # The target a q|k|v launch counting its own blocks sets; at least 1.
+    ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, rows), **_FUSED_SCALARS, tokens=rows,
+                              dependents_after=1, inputs_ready=ready, inputs_target=200)
+    assert int(_fused_parameter(made.pop()[2], "inputs_target")) == 200
+    with pytest.raises(ValueError, match="inputs_target must be >= 1"):
+        ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, rows), **_FUSED_SCALARS, tokens=rows,
+                                  dependents_after=1, inputs_ready=ready, inputs_target=0)
     ops.kda_decode_fused_bf16(**_fused_decode_operands(heads, rows), **_FUSED_SCALARS, tokens=rows)
     assert _fused_parameter(made[-1][2], "inputs_ready") is None and not made[-1][3].get("programmatic")
     for words, needle in ((HostStandIn(np.zeros(1, np.int32)), "at least 2 elements"),
@@ -416,6 +424,24 @@ def test_pair_and_awaiting_projections_check_their_operands(monkeypatch):
             gemm_rows.gemm_rows_bf16(x[:, :k], w, out, ready=words, **options)
     with pytest.raises(ValueError, match="programmatic launch of <= 16 rows of a PackedWeight"):
         gemm_rows.gemm_rows_bf16(x[:, :k], _bf16(n, k), out, programmatic=True, ready=words, ready_target=5)
+    assert len(made) == launched
+    # counted: the counting entry of the packed plan, the words last; the blocks returned are the grid's.
+    blocks = gemm_rows.gemm_rows_bf16(x[:, :k], w, out, counted=words, staged=True)
+    name, grid, args = made[-1]
+    plan = gemm_rows.launch_plan(n, k, 3, None, 132)
+    assert name == plan.kernel.replace("gemm_rows_", "gemm_rows_packed_counting_") and grid == plan.grid
+    assert args[-1] is words and blocks == grid[0] * grid[1]
+    launched = len(made)
+    for call, needle in ((lambda: gemm_rows.gemm_rows_bf16(x[:, :k], _bf16(n, k), out, counted=words),
+                          "counted needs <= 16 rows of a PackedWeight"),
+                         (lambda: gemm_rows.gemm_rows_bf16(x[:, :k], w, out, counted=words, programmatic=True,
+                                                           ready=words, ready_target=5), "without ready"),
+                         (lambda: gemm_rows.gemm_rows_bf16(_bf16(20, k), w, _bf16(20, n), counted=words),
+                          "rows: 20"),
+                         (lambda: gemm_rows.gemm_rows_bf16(x[:, :k], w, out, counted=HostStandIn(np.zeros(1, np.int32))),
+                          "counted must be a contiguous int32 array of at least 2")):
+        with pytest.raises(ValueError, match=needle):
+            call()
     assert len(made) == launched
 
 
@@ -565,11 +591,11 @@ def test_one_row_awaiting_step_leaves_a_slot_per_head_and_one_more(monkeypatch):
         workspace=SimpleNamespace(inputs_ready=words, outputs_ready=counts, **{
             name: np.zeros((20, 12)) for name in ("qkv_proj", "down_proj", "forget_proj", "out_gate")}),
         _beside=beside,
-        _project=lambda x, weight, out, wide, after_kernel=False, reserved_slots=0, x_tiles=None: events.append(
-            ("project", weight, reserved_slots)),
+        _project=lambda x, weight, out, wide, after_kernel=False, reserved_slots=0, x_tiles=None, counted=None: (
+            events.append(("project", weight, reserved_slots) + ((counted is words,) if counted else ())), 200)[1],
         gate_beta=lambda rows: events.append(("gate_beta",)),
-        stateful_rows=lambda first, rows, conv, rec, slots=None, inputs_ready=None, whole=False: events.append(
-            ("step", rows, inputs_ready is words, whole)),
+        stateful_rows=lambda first, rows, conv, rec, slots=None, inputs_ready=None, whole=False, inputs_target=1:
+        events.append(("step", rows, inputs_ready is words, whole, inputs_target)),
         back_end=lambda rows, norm=True: events.append(("back_end", rows, norm)),
         decode_weight=lambda name: name,
         _gate_up_pair=lambda rows, wide, branched: pair,
@@ -580,13 +606,25 @@ def test_one_row_awaiting_step_leaves_a_slot_per_head_and_one_more(monkeypatch):
     layer.KdaLayer._decode_awaiting_projection(fake, np.zeros((1, 8)), None, None, None)
     assert events == [("fork", 0, True), ("project", "qkv_weight", 65), ("signal", True),
                       ("project", "down_weight", 0), ("fork", 1, False), ("project", "f_b", 0), ("project", "g_b", 0),
-                      ("join", 1, False), ("step", 1, True, True), ("back_end", 1, False), ("join", 0, True)]
+                      ("join", 1, False), ("step", 1, True, True, 1), ("back_end", 1, False), ("join", 0, True)]
     events.clear()
     pair = True
     layer.KdaLayer._decode_awaiting_projection(fake, np.zeros((1, 8)), None, None, None)
     assert events == [("fork", 0, True), ("project", "qkv_weight", 65), ("signal", True),
-                      ("project", "down_weight", 0), ("pair", "f_b", "g_b"), ("step", 1, True, True),
+                      ("project", "down_weight", 0), ("pair", "f_b", "g_b"), ("step", 1, True, True, 1),
                       ("back_end", 1, False), ("join", 0, True)]
+    events.clear()
+    # A packed q|k|v weight counts its blocks' outputs into the words itself (QKV_COUNTS_INPUTS): no
+    # signal, and the step awaits the blocks that launch returned.
+    monkeypatch.setattr(layer.gemm_rows, "PackedWeight", str)
+    layer.KdaLayer._decode_awaiting_projection(fake, np.zeros((1, 8)), None, None, None)
+    assert events == [("fork", 0, True), ("project", "qkv_weight", 65, True), ("project", "down_weight", 0),
+                      ("pair", "f_b", "g_b"), ("step", 1, True, True, 200), ("back_end", 1, False),
+                      ("join", 0, True)]
+    events.clear()
+    monkeypatch.setattr(layer, "QKV_COUNTS_INPUTS", False)
+    layer.KdaLayer._decode_awaiting_projection(fake, np.zeros((1, 8)), None, None, None)
+    assert events[1:3] == [("project", "qkv_weight", 65), ("signal", True)] and events[5] == ("step", 1, True, True, 1)
     events.clear()
     fake.stateful_rows = lambda *args, **options: (_ for _ in ()).throw(ValueError("bad state"))
     monkeypatch.setitem(__import__("sys").modules, "cupy", SimpleNamespace(

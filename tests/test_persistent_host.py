@@ -112,7 +112,7 @@ int main(int argc, char** argv)
                               s.out_gate.data(), norm_w.data(), s.conv_out.data(), s.query.data(), s.key.data(),
                               s.value.data(), s.gate.data(), s.beta.data(), s.core.data(), s.o_norm_out.data(), heads,
                               K, rows, bounded, lower_bound, scale, l2_eps, norm_eps, 0, 0, nullptr, nullptr,
-                              nullptr);
+                              1, nullptr);
     });
     gemm(s.o_norm_out.data(), qkv, o_w, s.final_out.data(), hidden, hidden, qkv);
 
