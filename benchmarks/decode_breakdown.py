@@ -67,9 +67,10 @@ def defaults() -> dict:
     step_awaits_projection (layer.STEP_AWAITS_PROJECTION), qkv_counts_inputs (layer.QKV_COUNTS_INPUTS),
     gate_up_pair (layer.GATE_UP_PAIR),
     out_proj_awaits_step (layer.OUT_PROJ_AWAITS_STEP), out_proj_staged_awaiting
-    (layer.OUT_PROJ_STAGED_AWAITING), awaiting_step_dependents_after and awaiting_unstaged_dependents_after
-    (layer.AWAITING_STEP_DEPENDENTS_AFTER, layer.AWAITING_UNSTAGED_DEPENDENTS_AFTER), kernel_sources (a folder of kernel sources;
-    None: the package's own)."""
+    (layer.OUT_PROJ_STAGED_AWAITING), awaiting_step_dependents_after and
+    awaiting_unstaged_dependents_after (layer.AWAITING_STEP_DEPENDENTS_AFTER,
+    layer.AWAITING_UNSTAGED_DEPENDENTS_AFTER), kernel_sources (a folder of kernel sources; None: the
+    package's own)."""
     from glm_kda import gemm_rows, kernels, layer, persistent
 
     return {

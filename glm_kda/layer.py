@@ -66,9 +66,9 @@ STEP_DEPENDENTS_AFTER = 0
 # instead of 21.3 (at 1, once the first token's inputs are formed, about when the outputs are), with
 # the step's outputs out no later (21.4 - 22.1 us); at 0 its blocks are resident from the step's
 # start and their copies queue in front of the step's inputs (outputs out at 22.2 - 22.9 us).
-# AWAITING_UNSTAGED_DEPENDENTS_AFTER: the same where that o_proj does not stage its weight (GLM-5.3-Flash's
-# 67 MB; the staged form's copies are what an early start is for): its blocks, started early, only
-# wait. GLM B=1 (benchmarks/decode_breakdown.py, copy bandwidth 4081 GB/s) 78.40 us at 1 against
+# AWAITING_UNSTAGED_DEPENDENTS_AFTER: the same where that o_proj does not stage its weight
+# (GLM-5.3-Flash's 67 MB; the staged form's copies are what an early start is for): its blocks,
+# started early, only wait. GLM B=1 (benchmarks/decode_breakdown.py, copy bandwidth 4081 GB/s) 78.40 us at 1 against
 # 79.42 at 3.
 AWAITING_STEP_DEPENDENTS_AFTER = 3
 AWAITING_UNSTAGED_DEPENDENTS_AFTER = 1
@@ -115,8 +115,8 @@ QKV_RESERVED_SLOTS = 64
 OUT_PROJ_STAGED = False
 # A decode call of one row (one sequence) runs q|k|v and the low-rank chain the other way round:
 # q|k|v on the current stream, counting into the workspace's inputs_ready (QKV_COUNTS_INPUTS), and
-# on the side stream the chain, the fused step (its last kernel's programmatic dependent, waiting on the workspace's
-# inputs_ready words for q|k|v) and o_proj (see KdaLayer._decode_awaiting_projection). The step's
+# on the side stream the chain, the fused step (its last kernel's programmatic dependent, waiting on
+# the workspace's inputs_ready words for q|k|v) and o_proj (see KdaLayer._decode_awaiting_projection). The step's
 # node then has one incoming edge and its blocks are resident before q|k|v ends, where a node after
 # the join of two streams started 2.3 - 2.5 us after its last input on an H200. No bit depends on
 # it. On an H200 (benchmarks/decode_breakdown.py, two processes, copy bandwidth 4099 and 4153 GB/s;
@@ -701,7 +701,8 @@ class KdaLayer:
             main.wait_event(join)
 
     def stateful_rows(self, first: int, rows: int, conv_state: Any, recurrent_state: Any, slots: Any = None,
-                      walk: bool = False, inputs_ready: Any = None, whole: bool = False, inputs_target: int = 1) -> None:
+                      walk: bool = False, inputs_ready: Any = None, whole: bool = False,
+                      inputs_target: int = 1) -> None:
         """Decode's stateful half for workspace rows first..first+rows-1, updating the states
         in place. Row r uses slot slots[r] of a pool, or (slots None, rows == 1) the single
         state given; walk=True: the rows are consecutive tokens of the single state given,
@@ -713,8 +714,7 @@ class KdaLayer:
         one recurrent step, reading the gate the front end formed; q and k arrive normalised and
         the recurrent step must not normalise them again. inputs_ready (fused_decode only): the
         step awaits q|k|v from another stream (ops.kda_decode_fused_bf16's inputs_ready and
-        inputs_target). whole:
-        these are all the rows the next back_end projects (first 0), so its o_proj may await the
+        inputs_target). whole: these are all the rows the next back_end projects (first 0), so its o_proj may await the
         step's count of outputs (OUT_PROJ_AWAITS_STEP)."""
         ws, c = self.workspace, self.config
         sl = slice(first, first + rows)

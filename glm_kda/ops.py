@@ -552,8 +552,8 @@ def kda_decode_fused_bf16(
     blocks (``gemm_rows.gemm_rows_bf16(..., counted=inputs_ready)``, target the blocks it returns).
     The step launches as a programmatic dependent of the kernel before it on this stream (its
     other inputs' last writer): its blocks load their state column and conv windows, wait for that
-    kernel and for inputs_ready[0] to reach the target, then read their inputs; the last block past the wait
-    sets both words back to zero. dependents_after must then be 1, 2 or 3 (the next kernel of this
+    kernel and for inputs_ready[0] to reach the target, then read their inputs; the last block past
+    the wait sets both words back to zero. dependents_after must then be 1, 2 or 3 (the next kernel of this
     stream may launch only once every block has its inputs), unless that kernel awaits
     ``outputs_ready`` and may launch at once. The caller must leave room for every
     block of the writer of qkv_proj, of the signal and of this step to be resident at once (the
@@ -608,7 +608,8 @@ def kda_decode_fused_bf16(
     if inputs_ready is not None:
         _require_words(inputs_ready, "kda_decode_fused_bf16")
         if inputs_target < 1:
-            raise ValueError(f"kda_decode_fused_bf16: inputs_target must be >= 1 (the count awaited), got {inputs_target}")
+            raise ValueError(f"kda_decode_fused_bf16: inputs_target must be >= 1 (the count awaited), got "
+                             f"{inputs_target}")
         if dependents_after == 0 and outputs_ready is None:
             raise ValueError("kda_decode_fused_bf16: inputs_ready needs dependents_after 1, 2 or 3, or outputs_ready (the "
                              "next kernel must not launch before every block has its inputs, unless it awaits "

@@ -144,8 +144,8 @@ struct KdaStepArgs {
     // Null: qkv_proj and the other inputs are written by earlier kernels of the stream. Else the
     // step is a programmatic dependent of the last kernel of the low-rank chain, and qkv_proj is
     // written on another stream, after which inputs_ready[0] reaches inputs_target
-    // (kda_signal_inputs_ready, or the q|k|v launch's own count): the step loads its state column and conv windows, waits for both
-    // (kda_await_inputs), then loads the token's inputs.
+    // (kda_signal_inputs_ready, or the q|k|v launch's own count): the step loads its state column
+    // and conv windows, waits for both (kda_await_inputs), then loads the token's inputs.
     int* inputs_ready;
     // The count inputs_ready[0] must reach: 1 after kda_signal_inputs_ready, or the blocks of a q|k|v
     // launch that counts its outputs out itself (gemm_rows_packed_counting).

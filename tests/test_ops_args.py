@@ -438,7 +438,8 @@ def test_pair_and_awaiting_projections_check_their_operands(monkeypatch):
                                                            ready=words, ready_target=5), "without ready"),
                          (lambda: gemm_rows.gemm_rows_bf16(_bf16(20, k), w, _bf16(20, n), counted=words),
                           "rows: 20"),
-                         (lambda: gemm_rows.gemm_rows_bf16(x[:, :k], w, out, counted=HostStandIn(np.zeros(1, np.int32))),
+                         (lambda: gemm_rows.gemm_rows_bf16(x[:, :k], w, out,
+                                                           counted=HostStandIn(np.zeros(1, np.int32))),
                           "counted must be a contiguous int32 array of at least 2")):
         with pytest.raises(ValueError, match=needle):
             call()
