@@ -68,8 +68,8 @@ STEP_DEPENDENTS_AFTER = 0
 # start and their copies queue in front of the step's inputs (outputs out at 22.2 - 22.9 us).
 # AWAITING_UNSTAGED_DEPENDENTS_AFTER: the same where that o_proj does not stage its weight
 # (GLM-5.3-Flash's 67 MB; the staged form's copies are what an early start is for): its blocks,
-# started early, only wait. GLM B=1 (benchmarks/decode_breakdown.py, copy bandwidth 4081 GB/s) 78.40 us at 1 against
-# 79.42 at 3.
+# started early, only wait. GLM B=1 (benchmarks/decode_breakdown.py, copy bandwidth 4081 GB/s)
+# 78.40 us at 1 against 79.42 at 3.
 AWAITING_STEP_DEPENDENTS_AFTER = 3
 AWAITING_UNSTAGED_DEPENDENTS_AFTER = 1
 # The fused step moves each head's state by one bulk copy each way through shared memory (sm_90
@@ -116,18 +116,19 @@ OUT_PROJ_STAGED = False
 # A decode call of one row (one sequence) runs q|k|v and the low-rank chain the other way round:
 # q|k|v on the current stream, counting into the workspace's inputs_ready (QKV_COUNTS_INPUTS), and
 # on the side stream the chain, the fused step (its last kernel's programmatic dependent, waiting on
-# the workspace's inputs_ready words for q|k|v) and o_proj (see KdaLayer._decode_awaiting_projection). The step's
-# node then has one incoming edge and its blocks are resident before q|k|v ends, where a node after
-# the join of two streams started 2.3 - 2.5 us after its last input on an H200. No bit depends on
-# it. On an H200 (benchmarks/decode_breakdown.py, two processes, copy bandwidth 4099 and 4153 GB/s;
-# in the second two captures of each) GLM B=1 took 79.6 and 79.0 / 81.0 us against 81.2 and 82.0 /
-# 80.5 joined; the block timeline (benchmarks/timeline.py) had the step's outputs out 3.8 us after
-# q|k|v's last block instead of 5.3. Kimi-Linear's chain ends with its q|k|v, so there it changes
-# nothing (32.4 and 32.8 / 32.2 against 32.3 and 32.3 / 32.4). A walk of several tokens keeps the
-# joined launches: its o_proj, launched once the first token's inputs are formed instead of at
-# once, made GLM's 16-token verify 4 us slower. While they wait, the step's blocks hold one block
-# slot per head: several layers decoding at once on streams of their own could fill every slot with
-# waiting steps, and would then stop at the wait's trap (tens of seconds); set this False there.
+# the workspace's inputs_ready words for q|k|v) and o_proj (see
+# KdaLayer._decode_awaiting_projection). The step's node then has one incoming edge and its blocks
+# are resident before q|k|v ends, where a node after the join of two streams started 2.3 - 2.5 us
+# after its last input on an H200. No bit depends on it. On an H200 (benchmarks/decode_breakdown.py,
+# two processes, copy bandwidth 4099 and 4153 GB/s; in the second two captures of each) GLM B=1 took
+# 79.6 and 79.0 / 81.0 us against 81.2 and 82.0 / 80.5 joined; the block timeline
+# (benchmarks/timeline.py) had the step's outputs out 3.8 us after q|k|v's last block instead of
+# 5.3. Kimi-Linear's chain ends with its q|k|v, so there it changes nothing (32.4 and 32.8 / 32.2
+# against 32.3 and 32.3 / 32.4). A walk of several tokens keeps the joined launches: its o_proj,
+# launched once the first token's inputs are formed instead of at once, made GLM's 16-token verify 4
+# us slower. While they wait, the step's blocks hold one block slot per head: several layers
+# decoding at once on streams of their own could fill every slot with waiting steps, and would then
+# stop at the wait's trap (tens of seconds); set this False there.
 STEP_AWAITS_PROJECTION = True
 # Where the step awaits q|k|v (STEP_AWAITS_PROJECTION), q|k|v's own blocks count their outputs out
 # in the workspace's inputs_ready (gemm_rows_bf16's counted) and the step awaits their number,
@@ -714,16 +715,22 @@ class KdaLayer:
         one recurrent step, reading the gate the front end formed; q and k arrive normalised and
         the recurrent step must not normalise them again. inputs_ready (fused_decode only): the
         step awaits q|k|v from another stream (ops.kda_decode_fused_bf16's inputs_ready and
-        inputs_target). whole: these are all the rows the next back_end projects (first 0), so its o_proj may await the
-        step's count of outputs (OUT_PROJ_AWAITS_STEP)."""
+        inputs_target). whole: these are all the rows the next back_end projects (first 0), so its
+        o_proj may await the step's count of outputs (OUT_PROJ_AWAITS_STEP)."""
         ws, c = self.workspace, self.config
         sl = slice(first, first + rows)
         self._x_tiles_rows = self._o_proj_ready = 0
         if self.fused_decode:
             counted = whole and first == 0 and self._o_proj_awaits_step(rows)
-            staged_out = OUT_PROJ_STAGED_AWAITING and gemm_rows.staged_applies(self.decode_weight("o_proj"), rows,
-                                                                              awaiting=True)
-            awaiting_dependents = AWAITING_STEP_DEPENDENTS_AFTER if staged_out else AWAITING_UNSTAGED_DEPENDENTS_AFTER
+            if inputs_ready is None:
+                dependents_after = STEP_DEPENDENTS_AFTER
+            elif not counted:
+                dependents_after = max(STEP_DEPENDENTS_AFTER, 1)
+            elif OUT_PROJ_STAGED_AWAITING and gemm_rows.staged_applies(self.decode_weight("o_proj"), rows,
+                                                                       awaiting=True):
+                dependents_after = AWAITING_STEP_DEPENDENTS_AFTER
+            else:
+                dependents_after = AWAITING_UNSTAGED_DEPENDENTS_AFTER
             d = c.head_dim
             # The output projection's input in its sweep's tile layout, where that sweep will read it.
             tiles = (STEP_WRITES_X_TILES and first == 0 and not walk and rows <= DECODE_ROW_GROUP
@@ -735,8 +742,7 @@ class KdaLayer:
                 bounded=c.bounded, lower_bound=c.gate_lower_bound or 0.0, scale=self.scale, l2_eps=c.l2_eps,
                 norm_eps=c.rms_norm_eps, slots=slots, tokens=rows if walk else 1,
                 prefetch_ahead=self._step_prefetch_ahead(),
-                dependents_after=(STEP_DEPENDENTS_AFTER if inputs_ready is None else awaiting_dependents
-                                  if counted else max(STEP_DEPENDENTS_AFTER, 1)),
+                dependents_after=dependents_after,
                 staged=STEP_STAGED_STATE, carveout=STEP_STAGED_CARVEOUT,
                 split=self._step_split(1 if walk else rows), x_tiles=ws.x_tiles if tiles else None,
                 inputs_ready=inputs_ready, inputs_target=inputs_target,
