@@ -13,6 +13,11 @@ and the blocks. `step_us` is the last block end of the graph. The global timer t
 some GPUs: `timer_tick_ns` is the smallest nonzero step seen between two records of a replay.
 
     PYTHONPATH=. python benchmarks/timeline.py [glm kimi] [--replays 50] [--rows 1 64] [--set NAME=VALUE ...]
+        [--blocks DIR]
+
+--blocks writes, per geometry and row count, DIR/<geometry>_rows<rows>.json: every block of the last
+replay as [launch, SM, start, wait end (null: none), end], in microseconds from the graph's first
+block start.
 
 --set changes a setting of glm_kda.layer for the run (say SIDE_CHAIN_PROGRAMMATIC=False), or of
 glm_kda.gemm_rows (gemm_rows.BULK_SPLIT_WARPGROUPS=2; the value a Python literal); the line names
@@ -128,6 +133,18 @@ def replay_timeline(records, names: dict[int, str]) -> dict:
     return out
 
 
+def replay_blocks(records, names: dict[int, str]) -> list:
+    """Every block of one replay: [launch name, SM, start, wait end or None, end] (us from the first
+    start), ordered by start."""
+    origin = int(records[:, 1].min())
+    blocks = []
+    for tag_sm, start, waited, end in records.tolist():
+        tag = tag_sm & 0xFFFFFFFFFFFF
+        blocks.append([names.get(tag, hex(tag)), tag_sm >> 48, (start - origin) / 1e3,
+                       (waited - origin) / 1e3 if waited else None, (end - origin) / 1e3])
+    return sorted(blocks, key=lambda block: block[2])
+
+
 def median_timeline(replays: list[dict]) -> dict:
     import numpy as np
 
@@ -192,6 +209,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 64], help="sequences per step (1: one state)")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="a glm_kda.layer setting for the run")
+    parser.add_argument("--blocks", type=Path, default=None, metavar="DIR",
+                        help="write every block of the last replay to DIR/<geometry>_rows<rows>.json")
     args = parser.parse_args(argv)
     changed = apply_settings(args.set)
 
@@ -226,7 +245,12 @@ def main(argv: list[str] | None = None) -> None:
                         buffers.reset()
                         graph.launch(stream)
                         stream.synchronize()
-                        replays.append(replay_timeline(buffers.read(), names))
+                        records = buffers.read()
+                        replays.append(replay_timeline(records, names))
+                    if args.blocks is not None:
+                        args.blocks.mkdir(parents=True, exist_ok=True)
+                        (args.blocks / f"{geometry}_rows{rows}.json").write_text(
+                            json.dumps(replay_blocks(records, names)))
                     nbytes = weight_bytes(cfg) + rows * state_bytes(cfg)
                     step_us = float(np.median([r["_step_us"] for r in replays]))
                     record = {

@@ -63,6 +63,17 @@ def test_replay_records_become_a_timeline():
     assert "o_proj      starts    21.0 .. 22.0, waits 28.4 .. 28.5, ends 32.0 .. 33.0 us" in text, text
 
 
+def test_replay_records_become_blocks():
+    qkv, out = 0x7F0000001000, 0x7F0000003000
+    records = np.array([
+        _record(out, 131, 22_000, 29_500, 33_000), _record(qkv, 7, 1_000, 0, 20_000),
+        _record(0x7F0000009000, 5, 2_000, 0, 3_000),
+    ], dtype=np.uint64)
+    got = timeline.replay_blocks(records, {qkv: "q|k|v", out: "o_proj"})
+    assert got == [["q|k|v", 7, 0.0, None, 19.0], ["0x7f0000009000", 5, 1.0, None, 2.0],
+                   ["o_proj", 131, 21.0, 28.5, 32.0]], got
+
+
 def test_settings_are_layer_and_gemm_rows_settings_only(monkeypatch):
     from glm_kda import gemm_rows, layer
 
