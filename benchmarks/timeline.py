@@ -212,6 +212,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--blocks", type=Path, default=None, metavar="DIR",
                         help="write every block of the last replay to DIR/<geometry>_rows<rows>.json")
     args = parser.parse_args(argv)
+    if args.replays < 1:
+        parser.error(f"--replays must be at least 1, got {args.replays}")
     changed = apply_settings(args.set)
 
     bandwidth = copy_bandwidth_gbs()

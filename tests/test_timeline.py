@@ -74,6 +74,11 @@ def test_replay_records_become_blocks():
                    ["o_proj", 131, 21.0, 28.5, 32.0]], got
 
 
+def test_no_replays_is_refused():
+    with pytest.raises(SystemExit):
+        timeline.main(["kimi", "--replays", "0"])
+
+
 def test_settings_are_layer_and_gemm_rows_settings_only(monkeypatch):
     from glm_kda import gemm_rows, layer
 
