@@ -242,7 +242,9 @@ __device__ __forceinline__ void gemm_bulk_entry(const bf16_t* __restrict__ x_til
             gemm_bulk_produce<WG>(walk, true, stages, ring, slot_bytes, full_barriers, empty_barriers, x_tiles, w_tiles,
                                   row_group, groups);
             // x is the previous kernel's output (gemm_rows_tile_x_bf16): nothing of it before this.
-            kda_wait_for_previous_kernel();
+            // (The block timeline's wait stamp is this one, when x may be copied.)
+            kda_grid_dependency_wait();
+            KDA_TRACE_WAITED_HERE();
             gemm_bulk_produce<WG>(walk, false, stages, ring, slot_bytes, full_barriers, empty_barriers, x_tiles,
                                   w_tiles, row_group, groups);
         }
@@ -302,7 +304,7 @@ __device__ __forceinline__ void gemm_bulk_entry(const bf16_t* __restrict__ x_til
             if (partial != nullptr) {
                 if (!waited) {
                     // The partial sums may belong to the previous kernel.
-                    kda_wait_for_previous_kernel();
+                    kda_grid_dependency_wait();
                     waited = true;
                 }
                 gemm_bulk_store(acc, partial + static_cast<size_t>(range) * rows * n, n, row_begin, rows_here,
@@ -326,7 +328,7 @@ __device__ __forceinline__ void gemm_bulk_entry(const bf16_t* __restrict__ x_til
         }
         if (!waited) {
             // y may belong to the previous kernel.
-            kda_wait_for_previous_kernel();
+            kda_grid_dependency_wait();
             waited = true;
         }
         gemm_bulk_store(total, y, ldy, row_begin, rows_here, column_base, n, t,
