@@ -2,10 +2,10 @@
 
 The kernels are built a second time with KDA_TRACE defined (kernels_src/kda_common.cuh): thread 0
 of every block of the projections (gemm_rows, and the bulk-copy sweep's three kernels) and of the
-fused step then records its SM and the
-GPU's global timer at the block's start, after its wait on the previous kernel (programmatic
-launches; for the bulk-copy sweep, its copy warp's wait, past which x's tiles are copied; for the
-fused step: once its outputs are written, before it stores its states) and at its end. The package's own kernels carry none of this. The decode graph of each
+fused step then records its SM and the GPU's global timer at the block's start, after its wait on
+the previous kernel (programmatic launches; for the bulk-copy sweep, its copy warp's wait, past
+which x's tiles are copied; for the fused step: once its outputs are written, before it stores its
+states) and at its end. The package's own kernels carry none of this. The decode graph of each
 geometry and row count is captured with the traced kernels and replayed; per launch (named by the
 buffer it writes) the line gives, in microseconds from the graph's first block start and as the
 median over the replays: the first block start, the last wait end, the first and last block end,
