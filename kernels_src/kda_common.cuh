@@ -159,8 +159,8 @@ __device__ __forceinline__ void kda_let_next_kernel_launch()
 // such a kernel set; the package's own build has none of it). Thread 0 of every block of a traced
 // entry writes one record of four words: the launch's tag (a pointer the launch writes, which names
 // it) with the block's SM in the top 16 bits, and the global timer (ns) at the block's start, after
-// its wait on the previous kernel (0 if it never waited; KDA_TRACE_WAITED_HERE: the one thread's
-// that moves the data waited for) and at its end.
+// its wait on the previous kernel (0 if it never waited; with KDA_TRACE_WAITED_HERE, the wait of the
+// one thread that moves the data waited for) and at its end.
 #ifdef KDA_TRACE
 #define KDA_TRACE_RECORDS 65536
 __device__ unsigned long long kda_trace_records[KDA_TRACE_RECORDS][4];
