@@ -105,16 +105,26 @@ class TraceBuffers:
         return np.concatenate(parts)
 
 
+# A record's first word: the launch's tag in the low 48 bits, the block's SM above (kda_common.cuh).
+TAG_BITS = 48
+TAG_MASK = (1 << TAG_BITS) - 1
+
+
+def launch_name(names: dict[int, str], tag: int) -> str:
+    """The name of the launch a tag (a pointer it writes) stands for, else the tag in hex."""
+    return names.get(tag, hex(tag))
+
+
 def replay_timeline(records, names: dict[int, str]) -> dict:
     """Per launch name: first start, last wait, first and last end (us from the first start), blocks."""
     import numpy as np
 
-    tags = records[:, 0] & np.uint64(0xFFFFFFFFFFFF)
+    tags = records[:, 0] & np.uint64(TAG_MASK)
     origin = int(records[:, 1].min())
     out = {}
     for tag in np.unique(tags):
         rows = records[tags == tag]
-        name = names.get(int(tag), hex(int(tag)))
+        name = launch_name(names, int(tag))
         waited = rows[:, 2][rows[:, 2] > 0]
         out[name] = {
             "start_us": (int(rows[:, 1].min()) - origin) / 1e3,
@@ -139,8 +149,7 @@ def replay_blocks(records, names: dict[int, str]) -> list:
     origin = int(records[:, 1].min())
     blocks = []
     for tag_sm, start, waited, end in records.tolist():
-        tag = tag_sm & 0xFFFFFFFFFFFF
-        blocks.append([names.get(tag, hex(tag)), tag_sm >> 48, (start - origin) / 1e3,
+        blocks.append([launch_name(names, tag_sm & TAG_MASK), tag_sm >> TAG_BITS, (start - origin) / 1e3,
                        (waited - origin) / 1e3 if waited else None, (end - origin) / 1e3])
     return sorted(blocks, key=lambda block: block[2])
 
