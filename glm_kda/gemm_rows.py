@@ -131,6 +131,13 @@ STAGED_MAX_WEIGHT_BYTES: int | None = 24 << 20
 # launch (ready=) also holds x's rows in shared memory: staged_plan takes it only where that many
 # blocks still fit an SM (BULK_SHARED_PER_SM, a KB of it the driver's for each block).
 STAGED_BLOCKS_PER_SM = 3
+# Where an awaiting staged launch (gemm_rows_bf16(staged=True, ready=...)) finds a column group too
+# wide for a stage (GLM-5.3-Flash's o_proj: a tile of 8 columns is 128 KB), it stages the lead of each
+# warp's k range instead (lead_staged_plan; gemm_rows_lead_staged_awaiting_bf16_m1_n<N>): the first
+# k blocks that LEAD_BLOCKS_PER_SM such blocks' shared memory holds, copied while the kernel it awaits
+# runs, the rest read past the wait. No bit depends on it. Off: not yet timed on a GPU.
+LEAD_STAGED_AWAITING = False
+LEAD_BLOCKS_PER_SM = 2
 
 
 @dataclass(frozen=True)
@@ -241,6 +248,7 @@ class LaunchPlan:
     tiles_per_warp: int
     shared_mem: int = 0
     ring_depth: int = 0
+    lead_blocks: int = 0
 
 
 def k_split(k: int) -> int:
@@ -392,11 +400,47 @@ def staged_plan(n: int, k: int, rows: int, awaiting: bool = False) -> LaunchPlan
     return None
 
 
+def lead_staged_plan(n: int, k: int, rows: int, sm_count: int = DEFAULT_SM_COUNT,
+                     lead_blocks: int | None = None, tiles_per_warp: int | None = None) -> LaunchPlan | None:
+    """The launch of gemm_rows_lead_staged_awaiting_bf16 for up to 16 rows of a packed [n, k] weight,
+    or None where no lead fits: the tiles and column groups of the one-row sweep (launch_plan), one
+    group a block, and each block's lead stage the first ``lead_blocks`` k blocks of every warp's k
+    range of each of its tiles, as many as LEAD_BLOCKS_PER_SM blocks' shared memory (each also
+    holding x's rows, or the partial sums over them) allows, at most the whole range, and at most
+    ``lead_blocks`` where given (>= 1). ``tiles_per_warp`` (1, 2, 4; None: launch_plan's) as there.
+    The same bits as any plan."""
+    if lead_blocks is not None and lead_blocks < 1:
+        raise ValueError(f"lead_staged_plan: lead_blocks must be >= 1, got {lead_blocks}")
+    if rows > M_TILE:
+        return None
+    tiles = launch_plan(n, k, rows, tiles_per_warp, sm_count=sm_count).tiles_per_warp
+    split = k_split(k)
+    k_blocks = -(-k // K_BLOCK)
+    group_tiles = WARPS_PER_BLOCK // split * tiles
+    partial_bytes = WARPS_PER_BLOCK * tiles * 4 * 32 * 4  # GEMM_ROWS_PARTIAL_FLOATS(1, tiles) floats
+    x_bytes = max(16 + rows * k_blocks * K_BLOCK * 2, partial_bytes)
+    lead_bytes = WARPS_PER_BLOCK * tiles * K_BLOCK * N_TILE * 2  # one k block of every warp's tiles
+    room = min(BULK_SHARED_PER_SM // LEAD_BLOCKS_PER_SM - (1 << 10), BULK_SHARED_PER_BLOCK) - x_bytes
+    lead = min(room // lead_bytes, -(-k_blocks // split), lead_blocks or k_blocks)
+    if lead < 1:
+        return None
+    return LaunchPlan(
+        kernel=f"gemm_rows_lead_staged_awaiting_bf16_m1_n{tiles}",
+        grid=(-(-(-(-n // N_TILE)) // group_tiles), 1),
+        block=(WARPS_PER_BLOCK * 32,),
+        m_tiles=1,
+        tiles_per_warp=tiles,
+        shared_mem=lead * lead_bytes + x_bytes,
+        lead_blocks=lead,
+    )
+
+
 def staged_applies(w: Any, rows: int, awaiting: bool = False) -> bool:
     """Whether gemm_rows_bf16(staged=True) takes the staged entry for this weight and row count on the
     current device: a PackedWeight of at most STAGED_MAX_WEIGHT_BYTES, <= 16 rows, a plan whose
     stage fits, and sm_90 or later (where a programmatic launch copies while the kernel before it
-    runs). ``awaiting``: the same with ``ready`` (staged_plan's awaiting form, x's rows held too)."""
+    runs). ``awaiting``: the same with ``ready`` (staged_plan's awaiting form, x's rows held too), or,
+    with LEAD_STAGED_AWAITING, where that does not fit, lead_staged_plan's (any weight size)."""
     return _staged_plan_here(w, rows, awaiting) is not None
 
 
@@ -404,12 +448,15 @@ def _staged_plan_here(w: Any, rows: int, awaiting: bool = False) -> LaunchPlan |
     """staged_plan for this weight and row count where staged_applies, else None."""
     if not isinstance(w, PackedWeight) or rows > M_TILE:
         return None
-    n, k = w.shape
-    if STAGED_MAX_WEIGHT_BYTES is not None and weight_bytes(n, k) > STAGED_MAX_WEIGHT_BYTES:
-        return None
     if int(cupy.cuda.Device().compute_capability) < 90:
         return None
-    return staged_plan(n, k, rows, awaiting)
+    n, k = w.shape
+    plan = None
+    if STAGED_MAX_WEIGHT_BYTES is None or weight_bytes(n, k) <= STAGED_MAX_WEIGHT_BYTES:
+        plan = staged_plan(n, k, rows, awaiting)
+    if plan is None and awaiting and LEAD_STAGED_AWAITING:
+        plan = lead_staged_plan(n, k, rows, _sm_count(cupy.cuda.Device().id))
+    return plan
 
 
 def wgmma_wide_enough(n: int, sm_count: int = DEFAULT_SM_COUNT) -> bool:
@@ -513,8 +560,10 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
     words = (ready, _i32(ready_target)) if ready is not None else (counted,) if counted is not None else ()
     plan = _staged_plan_here(w, rows, ready is not None) if staged else None
     if plan is not None:
+        # (The staged entries take no L2 request; the lead entry its lead's k blocks in that place.)
         kernels.launch(plan.kernel, plan.grid, plan.block,
-                       (x, _i32(ldx), w.data, out, _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(0), *words),
+                       (x, _i32(ldx), w.data, out, _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(plan.lead_blocks),
+                        *words),
                        plan.shared_mem, programmatic=programmatic, carveout=100)
         return plan.grid[0] * plan.grid[1]
     plan = launch_plan(n, k, rows, tiles_per_warp, _sm_count(cupy.cuda.Device().id), blocks, serial, wgmma,

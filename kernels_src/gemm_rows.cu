@@ -156,13 +156,21 @@ GEMM_ROWS_SERIAL_ENTRY(4, 2)
 // on L2, and none needs a predicate). Dynamic shared memory: the stage, then max(16 + rows * k_pad * 2
 // bytes, the partial sums) (k_pad: k rounded up to 32): a zero chunk and x's rows, the partial
 // sums written over them once every warp has read them. The same bits.
+//
+// gemm_rows_lead_staged_awaiting_bf16_m1_n<N>: the awaiting form for a weight whose column group does
+// not fit a stage: before the wait each block copies only the lead of its group, the first
+// `lead_blocks` k blocks of every warp's k range of each of its tiles (gemm_rows_stage_lead); past
+// the wait, x's rows as above, then each warp's chain reads those k blocks from the stage and the
+// rest of its range from memory (gemm_rows_group's LEAD; x from shared memory, GEMM_X_SHARED). Dynamic
+// shared memory: 8 warps * N tiles * lead_blocks * 512 bytes, then x's region as above. The same bits.
 #define GEMM_ROWS_STAGED_LOADS 4
-template <int N_TILES, bool AWAITING>
+template <int N_TILES, bool AWAITING, bool LEAD = false>
 __device__ __forceinline__ void gemm_rows_staged_entry(const bf16_t* __restrict__ x, int ldx,
                                                        const bf16_t* __restrict__ w, bf16_t* __restrict__ y,
                                                        int ldy, int rows, int n, int k,
-                                                       GemmRowsAwait awaited = {nullptr, 0})
+                                                       GemmRowsAwait awaited = {nullptr, 0}, int lead_blocks = 0)
 {
+    static_assert(!LEAD || AWAITING, "a lead stage: the awaiting form");
     extern __shared__ __align__(128) unsigned char gemm_rows_stage[];
     KDA_TRACE_SCOPE(y);
 
@@ -179,17 +187,25 @@ __device__ __forceinline__ void gemm_rows_staged_entry(const bf16_t* __restrict_
     }
     const size_t tile_elements = static_cast<size_t>(gemm_rows_k_blocks(k)) * GEMM_ROWS_PACKED_BLOCK;
     if (sweeps) {
-        const int stage_tiles = min(group_tiles, tiles - first_tile);
-        gemm_rows_stage_weights(gemm_rows_stage, w + first_tile * tile_elements,
-                                static_cast<unsigned int>(stage_tiles * tile_elements * sizeof(bf16_t)));
+        if constexpr (LEAD) {
+            gemm_rows_stage_lead<N_TILES>(reinterpret_cast<bf16_t*>(gemm_rows_stage), w, n, k, k_split, blockIdx.x,
+                                          lead_blocks);
+        } else {
+            const int stage_tiles = min(group_tiles, tiles - first_tile);
+            gemm_rows_stage_weights(gemm_rows_stage, w + first_tile * tile_elements,
+                                    static_cast<unsigned int>(stage_tiles * tile_elements * sizeof(bf16_t)));
+        }
     }
     const bf16_t* stage = reinterpret_cast<const bf16_t*>(gemm_rows_stage);
     if constexpr (AWAITING) {
         const int passed = gemm_rows_await(awaited);
         if (sweeps) {
-            // A 16-byte zero chunk, then x's rows padded with zeros to whole k blocks (GEMM_X_STAGED).
-            bf16_t* region = reinterpret_cast<bf16_t*>(gemm_rows_stage + min(group_tiles, tiles) * tile_elements *
-                                                                             sizeof(bf16_t));
+            // A 16-byte zero chunk, then x's rows padded with zeros to whole k blocks (GEMM_X_STAGED), where
+            // the largest stage ends (the same place in every block).
+            const size_t stage_elements =
+                LEAD ? static_cast<size_t>(GEMM_ROWS_WARPS) * N_TILES * lead_blocks * GEMM_ROWS_PACKED_BLOCK
+                     : min(group_tiles, tiles) * tile_elements;
+            bf16_t* region = reinterpret_cast<bf16_t*>(gemm_rows_stage + stage_elements * sizeof(bf16_t));
             bf16_t* x_copy = region + 8;
             const int padded_k = gemm_rows_k_blocks(k) * GEMM_ROWS_K_BLOCK;
             const int vectors = padded_k / 8;  // 16-byte pieces of a row (k % 8 == 0, ldx % 8 == 0)
@@ -203,9 +219,15 @@ __device__ __forceinline__ void gemm_rows_staged_entry(const bf16_t* __restrict_
             }
             gemm_rows_wait_weights();
             __syncthreads();
-            gemm_rows_group<1, N_TILES, GEMM_ROWS_STAGED_LOADS, GEMM_X_STAGED, true, true, true>(
-                x_copy, padded_k, stage, y, ldy, 0, rows, n, k, k_split, blockIdx.x, reinterpret_cast<float*>(region),
-                first_tile);
+            if constexpr (LEAD) {
+                gemm_rows_group<1, N_TILES, GEMM_ROWS_LOADS, GEMM_X_SHARED, true, false, true, true>(
+                    x_copy, padded_k, w, y, ldy, 0, rows, n, k, k_split, blockIdx.x, reinterpret_cast<float*>(region),
+                    0, stage, lead_blocks);
+            } else {
+                gemm_rows_group<1, N_TILES, GEMM_ROWS_STAGED_LOADS, GEMM_X_STAGED, true, true, true>(
+                    x_copy, padded_k, stage, y, ldy, 0, rows, n, k, k_split, blockIdx.x,
+                    reinterpret_cast<float*>(region), first_tile);
+            }
         }
         gemm_rows_end_awaited(awaited, passed);
     } else {
@@ -240,3 +262,19 @@ __device__ __forceinline__ void gemm_rows_staged_entry(const bf16_t* __restrict_
     }
 GEMM_ROWS_STAGED_ENTRY(1)
 GEMM_ROWS_STAGED_ENTRY(2)
+
+// 2 blocks per SM (up to 128 registers, the sweep's): two leads of about 96 KB and x's rows fit an SM.
+#define GEMM_ROWS_LEAD_MIN_BLOCKS 2
+#define GEMM_ROWS_LEAD_STAGED_ENTRY(N_TILES)                                                        \
+    extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_LEAD_MIN_BLOCKS)         \
+        gemm_rows_lead_staged_awaiting_bf16_m1_n##N_TILES(const bf16_t* __restrict__ x, int ldx,      \
+                                                          const bf16_t* __restrict__ w, bf16_t* __restrict__ y, \
+                                                          int ldy, int rows, int n, int k, int lead_blocks, \
+                                                          int* ready, int ready_target)              \
+    {                                                                                               \
+        gemm_rows_staged_entry<N_TILES, true, true>(x, ldx, w, y, ldy, rows, n, k,                   \
+                                                    GemmRowsAwait{ready, ready_target}, lead_blocks); \
+    }
+GEMM_ROWS_LEAD_STAGED_ENTRY(1)
+GEMM_ROWS_LEAD_STAGED_ENTRY(2)
+GEMM_ROWS_LEAD_STAGED_ENTRY(4)

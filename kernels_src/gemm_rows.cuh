@@ -208,6 +208,30 @@ __device__ __forceinline__ int gemm_rows_k_blocks(int k)
 }
 #define GEMM_ROWS_PACKED_BLOCK (GEMM_ROWS_N_TILE * GEMM_ROWS_K_BLOCK)  // elements per (tile, k block)
 
+// Where one lane's weight is: tile j's k block kb at lane + j * tile_stride + kb * block_stride (one
+// pointer, not N_TILES: the registers go to loads in flight), and valid[j] whether tile j's column of
+// this lane (warp_column + 8 j + lane / 4) is inside the matrix's n columns.
+template <int N_TILES>
+struct GemmRowsWeightLane {
+    const bf16_t* lane;
+    int tile_stride;
+    int block_stride;
+    bool valid[N_TILES];
+};
+
+template <int N_TILES>
+__device__ __forceinline__ GemmRowsWeightLane<N_TILES> gemm_rows_weight_at(const bf16_t* lane, int tile_stride,
+                                                                           int block_stride, int n, int warp_column)
+{
+    GemmRowsWeightLane<N_TILES> weight{lane, tile_stride, block_stride, {}};
+    const int group_lane = (threadIdx.x & 31) >> 2;
+#pragma unroll
+    for (int j = 0; j < N_TILES; ++j) {
+        weight.valid[j] = warp_column + GEMM_ROWS_N_TILE * j + group_lane < n;
+    }
+    return weight;
+}
+
 // With more than one m-tile and an even number of tiles per warp the sweep swaps the mma's
 // operands: w as A (two tiles, 16 columns), x as B (8 rows a tile). The products and their k slots
 // are the same, and the tensor cores add them to the same bits whichever operand holds them
@@ -354,12 +378,17 @@ __device__ __forceinline__ void gemm_rows_accumulate_staged(float (&acc)[1][N_TI
 // ascending k blocks, starting from zero. The chain depends on the k range alone, never on
 // LOADS (the weight loads each lane keeps in flight per step), the tiles or the rows.
 // W_SHARED (packed only): w is a shared-memory copy of the packed tiles w_tile_origin, ...
+// FROM_ZERO false: the chain goes on from acc as it is (the k blocks before kb_begin summed into it
+// already, by the same chain), so that one chain may read its k blocks from two places. `given`:
+// the lane's weight as it is there (gemm_rows_weight_at; w and w_tile_origin are then not read), null:
+// in w.
 template <int M_TILES, int N_TILES, int LOADS = GEMM_ROWS_LOADS, int X_FROM = GEMM_X_INPUT, bool PACKED = false,
-          bool W_SHARED = false>
+          bool W_SHARED = false, bool FROM_ZERO = true>
 __device__ __forceinline__ void gemm_rows_accumulate(float (&acc)[M_TILES][N_TILES][4], const bf16_t* x, int ldx,
                                                      const bf16_t* w, int n, int k, int row_begin, int row_end,
                                                      int warp_column, int kb_begin, int kb_end, int x_k_origin = 0,
-                                                     int w_tile_origin = 0)
+                                                     int w_tile_origin = 0,
+                                                     const GemmRowsWeightLane<N_TILES>* given = nullptr)
 {
     static_assert(PACKED || !W_SHARED, "a shared-memory copy of the weight is of the packed layout");
     // Each lane keeps LOADS (m-tile, n-tile, k-block) products per step: with one m-tile that
@@ -388,28 +417,40 @@ __device__ __forceinline__ void gemm_rows_accumulate(float (&acc)[M_TILES][N_TIL
     // pointer, not N_TILES: the registers go to loads in flight).
     const bf16_t* w_lane;
     int tile_stride, block_stride;
-    if constexpr (PACKED) {
-        tile_stride = gemm_rows_k_blocks(k) * GEMM_ROWS_PACKED_BLOCK;
-        block_stride = GEMM_ROWS_PACKED_BLOCK;
-        w_lane = w + static_cast<size_t>(warp_column / GEMM_ROWS_N_TILE - w_tile_origin) * tile_stride + 8 * lane;
-    } else {
-        tile_stride = GEMM_ROWS_N_TILE * k;
-        block_stride = GEMM_ROWS_K_BLOCK;
-        w_lane = w + static_cast<size_t>(warp_column + group_lane) * k + 8 * thread_in_group;
-    }
     bool w_valid[N_TILES];
-#pragma unroll
-    for (int j = 0; j < N_TILES; ++j) {
-        w_valid[j] = warp_column + GEMM_ROWS_N_TILE * j + group_lane < n;
-    }
-
-#pragma unroll
-    for (int m = 0; m < M_TILES; ++m) {
+    if (given != nullptr) {
+        w_lane = given->lane;
+        tile_stride = given->tile_stride;
+        block_stride = given->block_stride;
 #pragma unroll
         for (int j = 0; j < N_TILES; ++j) {
+            w_valid[j] = given->valid[j];
+        }
+    } else {
+        if constexpr (PACKED) {
+            tile_stride = gemm_rows_k_blocks(k) * GEMM_ROWS_PACKED_BLOCK;
+            block_stride = GEMM_ROWS_PACKED_BLOCK;
+            w_lane = w + static_cast<size_t>(warp_column / GEMM_ROWS_N_TILE - w_tile_origin) * tile_stride + 8 * lane;
+        } else {
+            tile_stride = GEMM_ROWS_N_TILE * k;
+            block_stride = GEMM_ROWS_K_BLOCK;
+            w_lane = w + static_cast<size_t>(warp_column + group_lane) * k + 8 * thread_in_group;
+        }
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                acc[m][j][e] = 0.0f;
+        for (int j = 0; j < N_TILES; ++j) {
+            w_valid[j] = warp_column + GEMM_ROWS_N_TILE * j + group_lane < n;
+        }
+    }
+
+    if constexpr (FROM_ZERO) {
+#pragma unroll
+        for (int m = 0; m < M_TILES; ++m) {
+#pragma unroll
+            for (int j = 0; j < N_TILES; ++j) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    acc[m][j][e] = 0.0f;
+                }
             }
         }
     }
@@ -514,18 +555,32 @@ __device__ __forceinline__ int gemm_rows_group_columns(int k_split)
 // Shared-memory floats of gemm_rows_group's partial sums.
 #define GEMM_ROWS_PARTIAL_FLOATS(M_TILES, N_TILES) (GEMM_ROWS_WARPS * (M_TILES) * (N_TILES) * 4 * 32)
 
+// The lead stage of a column group (gemm_rows_group's LEAD): for each warp of the block, in warp order,
+// its N_TILES tiles one after the other, each the first lead_blocks k blocks of the warp's k range
+// (512 elements a k block, as packed). Warp `warp`'s tile 0 begins lead_blocks * 512 * N_TILES elements
+// a warp in; gemm_rows_lead_offset gives that place less kb_begin k blocks (the loop reads block kb at
+// offset + kb * 512), a number that may be negative.
+template <int N_TILES>
+__device__ __forceinline__ long long gemm_rows_lead_offset(int warp, int kb_begin, int lead_blocks)
+{
+    return (static_cast<long long>(warp) * N_TILES * lead_blocks - kb_begin) * GEMM_ROWS_PACKED_BLOCK;
+}
+
 // One column group of the output, by the block's 8 warps: rows [row_begin, row_end) (at most
 // 64), columns group * group_columns ... Deterministic split-k: partial[warp][fragment][lane],
 // then each output adds its k_split partials in ascending warp_k order. Ends with a barrier
 // (the next group may overwrite `partial`). W_SHARED: w is a shared-memory copy of the packed
 // tiles w_tile_origin, ... (gemm_rows_accumulate). PARTIAL_OVER_X: `partial` is the shared memory x
 // is read from (X_FROM GEMM_X_SHARED or GEMM_X_STAGED), so a block barrier comes between the sweep and
-// the partials.
+// the partials. LEAD (packed w in memory, not W_SHARED): the first k blocks of each warp's range come
+// from `lead` instead, the block's shared-memory copy of them (gemm_rows_lead_offset), the rest from
+// w: one chain of mma over the range in the same order, so the same bits.
 template <int M_TILES, int N_TILES, int LOADS = GEMM_ROWS_LOADS, int X_FROM = GEMM_X_INPUT, bool PACKED = false,
-          bool W_SHARED = false, bool PARTIAL_OVER_X = false>
+          bool W_SHARED = false, bool PARTIAL_OVER_X = false, bool LEAD = false>
 __device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const bf16_t* w, bf16_t* y, int ldy,
                                                 int row_begin, int row_end, int n, int k, int k_split, int group,
-                                                float* partial, int w_tile_origin = 0)
+                                                float* partial, int w_tile_origin = 0, const bf16_t* lead = nullptr,
+                                                int lead_blocks = 0)
 {
     constexpr int FRAGMENTS = M_TILES * N_TILES * 4;  // accumulators per lane
     const int lane = threadIdx.x & 31;
@@ -548,6 +603,18 @@ __device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const 
             gemm_rows_accumulate_staged<N_TILES, false>(acc, x, ldx, w, n, k, row_begin, row_end, warp_column,
                                                         kb_begin, kb_end, w_tile_origin);
         }
+    } else if constexpr (LEAD) {
+        static_assert(PACKED && !W_SHARED, "a lead stage of a packed weight read from memory");
+        const int lead_end = kb_begin + min(lead_blocks, kb_end - kb_begin);
+        // Tile j's k block kb (kb_begin <= kb < lead_end) at lead + offset + j * lead_blocks * 512 elements
+        // + (kb - kb_begin) * 512: kb_begin is taken off the lane's place, which the loop adds back.
+        const GemmRowsWeightLane<N_TILES> staged = gemm_rows_weight_at<N_TILES>(
+            lead + gemm_rows_lead_offset<N_TILES>(warp, kb_begin, lead_blocks) + 8 * lane,
+            lead_blocks * GEMM_ROWS_PACKED_BLOCK, GEMM_ROWS_PACKED_BLOCK, n, warp_column);
+        gemm_rows_accumulate<M_TILES, N_TILES, LOADS, X_FROM, true, true>(
+            acc, x, ldx, nullptr, n, k, row_begin, row_end, warp_column, kb_begin, lead_end, 0, 0, &staged);
+        gemm_rows_accumulate<M_TILES, N_TILES, LOADS, X_FROM, true, false, false>(
+            acc, x, ldx, w, n, k, row_begin, row_end, warp_column, lead_end, kb_end, 0, w_tile_origin);
     } else {
         gemm_rows_accumulate<M_TILES, N_TILES, LOADS, X_FROM, PACKED, W_SHARED>(
             acc, x, ldx, w, n, k, row_begin, row_end, warp_column, kb_begin, kb_end, 0, w_tile_origin);
@@ -811,6 +878,34 @@ __device__ __forceinline__ void gemm_rows_wait_weights()
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm volatile("cp.async.wait_all;" ::: "memory");
 #endif
+}
+
+// Every thread of the block: start the copies of column group `group`'s lead stage into `lead` (the
+// first min(lead_blocks, range) k blocks of every warp's range of each of its tiles inside the matrix,
+// from the packed weight w; gemm_rows_stage_weights). Then gemm_rows_wait_weights and a block barrier
+// before the sweep reads them.
+template <int N_TILES>
+__device__ __forceinline__ void gemm_rows_stage_lead(bf16_t* lead, const bf16_t* w, int n, int k, int k_split,
+                                                     int group, int lead_blocks)
+{
+    const int tiles = (n + GEMM_ROWS_N_TILE - 1) / GEMM_ROWS_N_TILE;
+    const int tile_elements = gemm_rows_k_blocks(k) * GEMM_ROWS_PACKED_BLOCK;
+    const int group_columns = gemm_rows_group_columns<N_TILES>(k_split);
+    for (int warp = 0; warp < GEMM_ROWS_WARPS; ++warp) {
+        int kb_begin, kb_end;
+        gemm_rows_k_range(k, k_split, warp % k_split, kb_begin, kb_end);
+        const int blocks = min(lead_blocks, kb_end - kb_begin);
+        const int first_tile = (group * group_columns) / GEMM_ROWS_N_TILE + (warp / k_split) * N_TILES;
+        for (int j = 0; j < N_TILES && blocks > 0; ++j) {
+            if (first_tile + j < tiles) {
+                gemm_rows_stage_weights(
+                    lead + static_cast<size_t>(warp * N_TILES + j) * lead_blocks * GEMM_ROWS_PACKED_BLOCK,
+                    w + static_cast<size_t>(first_tile + j) * tile_elements +
+                        static_cast<size_t>(kb_begin) * GEMM_ROWS_PACKED_BLOCK,
+                    static_cast<unsigned int>(blocks * GEMM_ROWS_PACKED_BLOCK * sizeof(bf16_t)));
+            }
+        }
+    }
 }
 
 #endif  // GEMM_ROWS_CUH

@@ -781,3 +781,46 @@ def test_staged_awaiting_launch_gives_the_packed_bits(shape, rows):
         outside[:rows, :n] = POISON
         assert bool((outside == POISON).all()), f"{tag}: written outside the outputs"
         assert words.get().tolist() == [0, 0], f"{tag}: words after the launch {words.get().tolist()}"
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("rows", [1, 4], ids=lambda r: f"R{r}")
+@pytest.mark.parametrize("shape", [(4096, 8192), (136, 4104), (100, 136)], ids=_shape_id)
+def test_lead_staged_awaiting_launch_gives_the_packed_bits(shape, rows, monkeypatch):
+    """gemm_rows_bf16(staged=True, ready=...) with LEAD_STAGED_AWAITING where the whole stage does not fit
+    (GLM-5.3-Flash's o_proj [4096, 8192], a 4104-deep weight) or the staged plan is turned off
+    (STAGED_MAX_WEIGHT_BYTES 0): the lead-staged entry, each warp's first k blocks copied into shared
+    memory before the wait. The packed launch's bits, the words back at zero, nothing written outside
+    the outputs; and a short lead (one k block) the same."""
+    from glm_kda import gemm_rows
+    from glm_kda.gemm_rows import gemm_rows_bf16, lead_staged_plan, pack_weight
+
+    cp = _cp()
+    n, k = shape
+    rng = np.random.default_rng(SEED + 5 * n + rows)
+    x = _random_bf16(rng, (rows, k + 8))[:, :k]
+    w = pack_weight(_random_bf16(rng, (n, k), scale=k**-0.5))
+    expected = _run(x, w, rows)
+    words = cp.zeros((2,), cp.int32)
+    monkeypatch.setattr(gemm_rows, "LEAD_STAGED_AWAITING", True)
+    monkeypatch.setattr(gemm_rows, "STAGED_MAX_WEIGHT_BYTES", 0)
+    full = lead_staged_plan(n, k, rows)
+    assert full is not None, f"{_shape_id(shape)} R{rows}: no lead-staged plan"
+    for lead in (None, 1):
+        if lead is not None:
+            monkeypatch.setattr(gemm_rows, "lead_staged_plan",
+                                lambda n, k, rows, sm_count, _plan=lead_staged_plan: _plan(n, k, rows, sm_count, 1))
+        plan = gemm_rows._staged_plan_here(w, rows, True)
+        tag = f"{_shape_id(shape)} R{rows} {plan.kernel} lead {plan.lead_blocks}"
+        assert plan.kernel.startswith("gemm_rows_lead_staged_") and plan.lead_blocks == (lead or full.lead_blocks), tag
+        words[0] = 3
+        out = cp.full((rows + 1, n + 8), POISON, dtype=cp.uint16)
+        launched = gemm_rows_bf16(x, w, out[:rows, :n], rows=rows, programmatic=True, staged=True, ready=words,
+                                  ready_target=3)
+        assert launched == plan.grid[0], f"{tag}: {launched} blocks launched, the plan has {plan.grid[0]}"
+        _assert_bits_equal(out[:rows, :n], expected, tag)
+        outside = out.copy()
+        outside[:rows, :n] = POISON
+        assert bool((outside == POISON).all()), f"{tag}: written outside the outputs"
+        assert words.get().tolist() == [0, 0], f"{tag}: words after the launch {words.get().tolist()}"

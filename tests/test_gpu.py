@@ -748,6 +748,42 @@ def test_step_awaiting_projection_gives_the_joined_bits(layers, geometry, graphs
     _assert_same_bits(awaiting, joined, geometry, "the step awaiting q|k|v and the joined launches")
 
 
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphed", "eager"])
+def test_lead_staged_out_proj_gives_the_same_decode_bits(layers, graphs, monkeypatch):
+    """GLM-5.3-Flash's one-row o_proj, awaiting the step's count of outputs, with the lead of each warp's
+    k range staged in shared memory before the wait (gemm_rows.LEAD_STAGED_AWAITING; its 67 MB weight
+    takes no whole stage): every stage buffer, the output and both states over the one-sequence calls
+    equal to the awaiting sweep's, the lead entry launched, the words zero after every call."""
+    from glm_kda import gemm_rows, kernels
+
+    _, layer = layers("glm")
+    launched = []
+    launch = kernels.launch
+    monkeypatch.setattr(kernels, "launch", lambda name, *a, **o: (launched.append(name), launch(name, *a, **o))[-1])
+
+    def words_are_zero(what: str) -> None:
+        for name in ("inputs_ready", "outputs_ready"):
+            words = getattr(layer.workspace, name).get().tolist()
+            assert words == [0, 0], f"glm {what}: the {name} words are {words} after the call"
+
+    def run(lead: bool) -> tuple[dict, list]:
+        monkeypatch.setattr(gemm_rows, "LEAD_STAGED_AWAITING", lead)
+        layer._graphs.clear()  # graphs hold the launches they were captured with
+        layer.use_graphs = graphs
+        launched.clear()
+        try:
+            calls = _one_sequence_calls(layer, seed=59, after_call=words_are_zero)
+            return calls, [name for name in launched if name.startswith("gemm_rows_lead_staged_")]
+        finally:
+            layer.use_graphs = True
+            layer._graphs.clear()
+
+    plain, plain_leads = run(False)
+    lead, leads = run(True)
+    assert not plain_leads and leads, f"lead-staged launches without / with the setting: {plain_leads} / {leads}"
+    _assert_same_bits(lead, plain, "glm", "the lead-staged o_proj and the awaiting sweep")
+
+
 def test_graph_replay_equals_eager_and_recaptures_on_new_pointers(layers):
     cp = _cp()
     bound, layer = layers("kimi")
