@@ -161,7 +161,8 @@ GEMM_ROWS_SERIAL_ENTRY(4, 2)
 // not fit a stage: before the wait each block copies only the lead of its group, the first
 // `lead_blocks` k blocks of every warp's k range of each of its tiles (gemm_rows_stage_lead); past
 // the wait, x's rows as above, then each warp's chain reads those k blocks from the stage and the
-// rest of its range from memory (gemm_rows_group's LEAD; x from shared memory, GEMM_X_SHARED). Dynamic
+// rest of its range from memory (gemm_rows_group's LEAD; x from shared memory, GEMM_X_SHARED), the
+// first step of that rest loaded into registers before the wait as well. Dynamic
 // shared memory: 8 warps * N tiles * lead_blocks * 512 bytes, then x's region as above. The same bits.
 #define GEMM_ROWS_STAGED_LOADS 4
 template <int N_TILES, bool AWAITING, bool LEAD = false>
@@ -197,6 +198,13 @@ __device__ __forceinline__ void gemm_rows_staged_entry(const bf16_t* __restrict_
         }
     }
     const bf16_t* stage = reinterpret_cast<const bf16_t*>(gemm_rows_stage);
+    // (LEAD: the first step past each warp's lead, loaded before the wait; else unused.)
+    uint4 first[LEAD ? gemm_rows_k_unroll<1, N_TILES, GEMM_ROWS_LOADS>() : 1][N_TILES];
+    if constexpr (LEAD) {
+        if (sweeps) {
+            gemm_rows_lead_first_step<N_TILES, GEMM_ROWS_LOADS>(first, w, n, k, k_split, blockIdx.x, lead_blocks);
+        }
+    }
     if constexpr (AWAITING) {
         const int passed = gemm_rows_await(awaited);
         if (sweeps) {
@@ -222,7 +230,7 @@ __device__ __forceinline__ void gemm_rows_staged_entry(const bf16_t* __restrict_
             if constexpr (LEAD) {
                 gemm_rows_group<1, N_TILES, GEMM_ROWS_LOADS, GEMM_X_SHARED, true, false, true, true>(
                     x_copy, padded_k, w, y, ldy, 0, rows, n, k, k_split, blockIdx.x, reinterpret_cast<float*>(region),
-                    0, stage, lead_blocks);
+                    0, stage, lead_blocks, &first[0][0]);
             } else {
                 gemm_rows_group<1, N_TILES, GEMM_ROWS_STAGED_LOADS, GEMM_X_STAGED, true, true, true>(
                     x_copy, padded_k, stage, y, ldy, 0, rows, n, k, k_split, blockIdx.x,

@@ -92,6 +92,16 @@ __device__ __forceinline__ uint4 load_weight_16B(const bf16_t* pointer, bool val
     return value;
 }
 
+// load_weight_16B kept in program order with the code around it (volatile): a load issued ahead of a
+// wait must not be moved past it.
+__device__ __forceinline__ uint4 load_weight_16B_in_order(const bf16_t* pointer, bool valid)
+{
+    uint4 value;
+    asm volatile(GEMM_ROWS_LOAD_16B("ld.global.nc.L1::no_allocate.L2::256B")
+                 : GEMM_ROWS_LOAD_16B_OPERANDS(value, pointer, valid));
+    return value;
+}
+
 // 16 bytes of w from a block's shared-memory copy of its weights (gemm_rows_staged_bf16_*).
 // Predicated off (zeros) like load_weight_16B.
 __device__ __forceinline__ uint4 load_staged_weight_16B(const bf16_t* pointer, bool valid)
@@ -172,8 +182,9 @@ __device__ __forceinline__ int k_split_for(int k)
 }
 
 // The weight fragments of one step (K_UNROLL blocks of 32 k from block kb_step on, N_TILES
-// tiles): 16 bytes per lane and fragment, zeros past the warp's range or the matrix.
-template <int K_UNROLL, int N_TILES, bool W_SHARED = false>
+// tiles): 16 bytes per lane and fragment, zeros past the warp's range or the matrix. IN_ORDER:
+// load_weight_16B_in_order.
+template <int K_UNROLL, int N_TILES, bool W_SHARED = false, bool IN_ORDER = false>
 __device__ __forceinline__ void load_weight_step(uint4 (&w_frag)[K_UNROLL][N_TILES], const bf16_t* w_lane,
                                                  int tile_stride, int block_stride, const bool (&w_valid)[N_TILES],
                                                  int kb_step, int kb_end, int k, int thread_in_group)
@@ -187,6 +198,8 @@ __device__ __forceinline__ void load_weight_step(uint4 (&w_frag)[K_UNROLL][N_TIL
             const bf16_t* pointer = w_lane + (j * tile_stride + (kb_step + u) * block_stride);
             if constexpr (W_SHARED) {
                 w_frag[u][j] = load_staged_weight_16B(pointer, w_valid[j] && k_valid);
+            } else if constexpr (IN_ORDER) {
+                w_frag[u][j] = load_weight_16B_in_order(pointer, w_valid[j] && k_valid);
             } else {
                 w_frag[u][j] = load_weight_16B(pointer, w_valid[j] && k_valid);
             }
@@ -211,6 +224,15 @@ __device__ __forceinline__ int gemm_rows_k_blocks(int k)
 // Where one lane's weight is: tile j's k block kb at lane + j * tile_stride + kb * block_stride (one
 // pointer, not N_TILES: the registers go to loads in flight), and valid[j] whether tile j's column of
 // this lane (warp_column + 8 j + lane / 4) is inside the matrix's n columns.
+// Blocks of 32 k per step of gemm_rows_accumulate: each lane keeps LOADS (m-tile, n-tile, k-block)
+// products per step; with one m-tile that is LOADS weight loads in flight, more m-tiles spend the
+// registers on their x fragments and accumulators instead (LOADS / M_TILES).
+template <int M_TILES, int N_TILES, int LOADS>
+__device__ __forceinline__ constexpr int gemm_rows_k_unroll()
+{
+    return LOADS / (M_TILES * N_TILES);
+}
+
 template <int N_TILES>
 struct GemmRowsWeightLane {
     const bf16_t* lane;
@@ -381,20 +403,19 @@ __device__ __forceinline__ void gemm_rows_accumulate_staged(float (&acc)[1][N_TI
 // FROM_ZERO false: the chain goes on from acc as it is (the k blocks before kb_begin summed into it
 // already, by the same chain), so that one chain may read its k blocks from two places. `given`:
 // the lane's weight as it is there (gemm_rows_weight_at; w and w_tile_origin are then not read), null:
-// in w.
+// in w. FIRST_GIVEN: `first` holds the first step's weight fragments ([K_UNROLL][N_TILES], flat), loaded
+// already from the same places by load_weight_step (the same values, so the same bits).
 template <int M_TILES, int N_TILES, int LOADS = GEMM_ROWS_LOADS, int X_FROM = GEMM_X_INPUT, bool PACKED = false,
-          bool W_SHARED = false, bool FROM_ZERO = true>
+          bool W_SHARED = false, bool FROM_ZERO = true, bool FIRST_GIVEN = false>
 __device__ __forceinline__ void gemm_rows_accumulate(float (&acc)[M_TILES][N_TILES][4], const bf16_t* x, int ldx,
                                                      const bf16_t* w, int n, int k, int row_begin, int row_end,
                                                      int warp_column, int kb_begin, int kb_end, int x_k_origin = 0,
                                                      int w_tile_origin = 0,
-                                                     const GemmRowsWeightLane<N_TILES>* given = nullptr)
+                                                     const GemmRowsWeightLane<N_TILES>* given = nullptr,
+                                                     const uint4* first = nullptr)
 {
     static_assert(PACKED || !W_SHARED, "a shared-memory copy of the weight is of the packed layout");
-    // Each lane keeps LOADS (m-tile, n-tile, k-block) products per step: with one m-tile that
-    // is LOADS weight loads in flight; more m-tiles spend the registers on their x fragments
-    // and accumulators instead (LOADS / M_TILES).
-    constexpr int K_UNROLL = LOADS / (M_TILES * N_TILES);
+    constexpr int K_UNROLL = gemm_rows_k_unroll<M_TILES, N_TILES, LOADS>();
     static_assert(K_UNROLL >= 1, "a step must cover one k block of every (m-tile, n-tile)");
 
     const int lane = threadIdx.x & 31;
@@ -470,8 +491,18 @@ __device__ __forceinline__ void gemm_rows_accumulate(float (&acc)[M_TILES][N_TIL
     for (int kb_step = kb_begin; kb_step < kb_end; kb_step += K_UNROLL) {
         // Every weight load of the step first: they are what the kernel waits on.
         uint4 w_frag[K_UNROLL][N_TILES];
-        load_weight_step<K_UNROLL, N_TILES, W_SHARED>(w_frag, w_lane, tile_stride, block_stride, w_valid, kb_step,
-                                                      kb_end, k, thread_in_group);
+        if (FIRST_GIVEN && kb_step == kb_begin) {
+#pragma unroll
+            for (int u = 0; u < K_UNROLL; ++u) {
+#pragma unroll
+                for (int j = 0; j < N_TILES; ++j) {
+                    w_frag[u][j] = first[u * N_TILES + j];
+                }
+            }
+        } else {
+            load_weight_step<K_UNROLL, N_TILES, W_SHARED>(w_frag, w_lane, tile_stride, block_stride, w_valid,
+                                                          kb_step, kb_end, k, thread_in_group);
+        }
         // The step's x fragments in the same breath as its weights (rows g and g + 8 of each
         // m-tile; L1 or L2 hits that would otherwise wait behind the weights), where the
         // registers allow: up to 4 (k block, m-tile) pairs per step. Shared-memory x is loaded
@@ -574,13 +605,14 @@ __device__ __forceinline__ long long gemm_rows_lead_offset(int warp, int kb_begi
 // is read from (X_FROM GEMM_X_SHARED or GEMM_X_STAGED), so a block barrier comes between the sweep and
 // the partials. LEAD (packed w in memory, not W_SHARED): the first k blocks of each warp's range come
 // from `lead` instead, the block's shared-memory copy of them (gemm_rows_lead_offset), the rest from
-// w: one chain of mma over the range in the same order, so the same bits.
+// w, its first step from `first` (gemm_rows_lead_first_step, loaded already): one chain of mma over
+// the range in the same order, so the same bits.
 template <int M_TILES, int N_TILES, int LOADS = GEMM_ROWS_LOADS, int X_FROM = GEMM_X_INPUT, bool PACKED = false,
           bool W_SHARED = false, bool PARTIAL_OVER_X = false, bool LEAD = false>
 __device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const bf16_t* w, bf16_t* y, int ldy,
                                                 int row_begin, int row_end, int n, int k, int k_split, int group,
                                                 float* partial, int w_tile_origin = 0, const bf16_t* lead = nullptr,
-                                                int lead_blocks = 0)
+                                                int lead_blocks = 0, const uint4* first = nullptr)
 {
     constexpr int FRAGMENTS = M_TILES * N_TILES * 4;  // accumulators per lane
     const int lane = threadIdx.x & 31;
@@ -613,8 +645,8 @@ __device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const 
             lead_blocks * GEMM_ROWS_PACKED_BLOCK, GEMM_ROWS_PACKED_BLOCK, n, warp_column);
         gemm_rows_accumulate<M_TILES, N_TILES, LOADS, X_FROM, true, true>(
             acc, x, ldx, nullptr, n, k, row_begin, row_end, warp_column, kb_begin, lead_end, 0, 0, &staged);
-        gemm_rows_accumulate<M_TILES, N_TILES, LOADS, X_FROM, true, false, false>(
-            acc, x, ldx, w, n, k, row_begin, row_end, warp_column, lead_end, kb_end, 0, w_tile_origin);
+        gemm_rows_accumulate<M_TILES, N_TILES, LOADS, X_FROM, true, false, false, true>(
+            acc, x, ldx, w, n, k, row_begin, row_end, warp_column, lead_end, kb_end, 0, w_tile_origin, nullptr, first);
     } else {
         gemm_rows_accumulate<M_TILES, N_TILES, LOADS, X_FROM, PACKED, W_SHARED>(
             acc, x, ldx, w, n, k, row_begin, row_end, warp_column, kb_begin, kb_end, 0, w_tile_origin);
@@ -906,6 +938,29 @@ __device__ __forceinline__ void gemm_rows_stage_lead(bf16_t* lead, const bf16_t*
             }
         }
     }
+}
+
+// Each warp of the block: the first step of its k range past the lead (k blocks lead_end .. of the
+// range, K_UNROLL = LOADS / N_TILES blocks of its N_TILES tiles of column group `group`, zeros past the
+// range or the matrix), loaded from the packed weight w in program order: issued before a wait that
+// follows, the group's sweep then starts its part in memory from them (gemm_rows_group's LEAD).
+template <int N_TILES, int LOADS>
+__device__ __forceinline__ void gemm_rows_lead_first_step(uint4 (&first)[gemm_rows_k_unroll<1, N_TILES, LOADS>()][N_TILES],
+                                                          const bf16_t* w, int n, int k, int k_split, int group,
+                                                          int lead_blocks)
+{
+    const int warp = threadIdx.x >> 5;
+    int kb_begin, kb_end;
+    gemm_rows_k_range(k, k_split, warp % k_split, kb_begin, kb_end);
+    const int lead_end = kb_begin + min(lead_blocks, kb_end - kb_begin);
+    const int warp_column = group * gemm_rows_group_columns<N_TILES>(k_split) + warp / k_split * N_TILES * GEMM_ROWS_N_TILE;
+    const int tile_stride = gemm_rows_k_blocks(k) * GEMM_ROWS_PACKED_BLOCK;
+    const GemmRowsWeightLane<N_TILES> weight = gemm_rows_weight_at<N_TILES>(
+        w + static_cast<size_t>(warp_column / GEMM_ROWS_N_TILE) * tile_stride + 8 * (threadIdx.x & 31), tile_stride,
+        GEMM_ROWS_PACKED_BLOCK, n, warp_column);
+    load_weight_step<gemm_rows_k_unroll<1, N_TILES, LOADS>(), N_TILES, false, true>(
+        first, weight.lane, weight.tile_stride, weight.block_stride, weight.valid, lead_end, kb_end, k,
+        threadIdx.x & 3);
 }
 
 #endif  // GEMM_ROWS_CUH

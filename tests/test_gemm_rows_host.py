@@ -28,7 +28,7 @@ from host_cuda import (COMMON_DEVICE_HELPERS, HOST_CUDA_HEADER, HOST_CUDA_RUNTIM
 
 RMS_BOUND = 1e-3
 POISON = 0x7FA5
-DEVICE_HELPERS = ("load_weight_16B", "prefetch_l2", "load_activation_16B", "load_produced_16B", "mma_bf16_m16n8k16",
+DEVICE_HELPERS = ("load_weight_16B", "load_weight_16B_in_order", "prefetch_l2", "load_activation_16B", "load_produced_16B", "mma_bf16_m16n8k16",
                   "gemm_rows_stage_weights", "gemm_rows_wait_weights", "prefetch_l1", *COMMON_DEVICE_HELPERS)
 
 GEMM_HEADER = HOST_CUDA_HEADER + r"""
@@ -42,6 +42,7 @@ inline uint4 load_weight_16B(const bf16_t* pointer, bool valid)
     if (valid) std::memcpy(&v, checked_cast<const uint4>(pointer), 16);
     return v;
 }
+inline uint4 load_weight_16B_in_order(const bf16_t* pointer, bool valid) { return load_weight_16B(pointer, valid); }
 inline uint4 load_activation_16B(const bf16_t* pointer, bool valid) { return load_weight_16B(pointer, valid); }
 inline uint4 load_produced_16B(const bf16_t* pointer, bool valid) { return load_weight_16B(pointer, valid); }
 inline void prefetch_l2(const void*) {}
