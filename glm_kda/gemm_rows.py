@@ -525,8 +525,9 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
     after that kernel has. The same bits. Every block of that kernel must be resident when this one
     launches (it waits on them; see ops.kda_decode_fused_bf16). With ``staged`` it takes the staged
     entry's awaiting form where ``staged_applies(w, rows, awaiting=True)`` (each block's weights in
-    shared memory before the wait, then x's rows beside them), else the sweep that reads w past the
-    wait.
+    shared memory before the wait, then x's rows beside them; with LEAD_STAGED_AWAITING, for a weight
+    too wide for that, the lead of each warp's k range: lead_staged_plan), else the sweep that reads w
+    past the wait.
 
     ``counted`` (<= 16 rows of a PackedWeight, without ``ready``): a contiguous int32 array of at least
     2 elements: each block adds 1 to counted[0] (release, at GPU scope) once its outputs are written,

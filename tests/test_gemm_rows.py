@@ -752,6 +752,39 @@ def test_pair_and_awaiting_launches_give_the_packed_bits(shape, rows):
             f"{_shape_id(shape)} R{rows} blocks={blocks}: words {words.get().tolist()} after {launched} blocks")
 
 
+def _awaiting_case(shape, rows, seed):
+    """x [rows, k] (a column slice of a wider buffer), the packed weight, the packed launch's output
+    and a pair of zero words, for a test of the staged awaiting launches."""
+    from glm_kda.gemm_rows import pack_weight
+
+    cp = _cp()
+    n, k = shape
+    rng = np.random.default_rng(seed)
+    x = _random_bf16(rng, (rows, k + 8))[:, :k]
+    w = pack_weight(_random_bf16(rng, (n, k), scale=k**-0.5))
+    return x, w, _run(x, w, rows), cp.zeros((2,), cp.int32)
+
+
+def _staged_awaiting_launch(x, w, rows, words, target, expected, tag) -> int:
+    """gemm_rows_bf16(staged=True, ready=words) with words[0] already at `target`, into a poisoned buffer
+    wider and taller than the outputs: asserts the expected bits, nothing written outside them and
+    the words back at zero; returns the blocks launched."""
+    from glm_kda.gemm_rows import gemm_rows_bf16
+
+    cp = _cp()
+    n = w.shape[0]
+    words[0] = target
+    out = cp.full((rows + 1, n + 8), POISON, dtype=cp.uint16)
+    launched = gemm_rows_bf16(x, w, out[:rows, :n], rows=rows, programmatic=True, staged=True, ready=words,
+                              ready_target=target)
+    _assert_bits_equal(out[:rows, :n], expected, tag)
+    outside = out.copy()
+    outside[:rows, :n] = POISON
+    assert bool((outside == POISON).all()), f"{tag}: written outside the outputs"
+    assert words.get().tolist() == [0, 0], f"{tag}: words after the launch {words.get().tolist()}"
+    return launched
+
+
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("rows", [1, 2, 16], ids=lambda r: f"R{r}")
@@ -761,26 +794,12 @@ def test_staged_awaiting_launch_gives_the_packed_bits(shape, rows):
     Kimi-Linear o_proj at one row, the smaller shapes at every row count) the staged entry's awaiting
     form, else the awaiting sweep; either way the packed launch's bits, the words back at zero, and
     nothing written outside the outputs."""
-    from glm_kda.gemm_rows import gemm_rows_bf16, pack_weight, staged_applies
+    from glm_kda.gemm_rows import staged_applies
 
-    cp = _cp()
-    n, k = shape
-    rng = np.random.default_rng(SEED + 3 * n + rows)
-    x = _random_bf16(rng, (rows, k + 8))[:, :k]
-    w = pack_weight(_random_bf16(rng, (n, k), scale=k**-0.5))
-    expected = _run(x, w, rows)
-    words = cp.zeros((2,), cp.int32)
+    x, w, expected, words = _awaiting_case(shape, rows, SEED + 3 * shape[0] + rows)
     tag = f"{_shape_id(shape)} R{rows} staged awaiting={staged_applies(w, rows, awaiting=True)}"
     for target in (1, 288):
-        words[0] = target
-        out = cp.full((rows + 1, n + 8), POISON, dtype=cp.uint16)
-        gemm_rows_bf16(x, w, out[:rows, :n], rows=rows, programmatic=True, staged=True, ready=words,
-                       ready_target=target)
-        _assert_bits_equal(out[:rows, :n], expected, f"{tag} target {target}")
-        outside = out.copy()
-        outside[:rows, :n] = POISON
-        assert bool((outside == POISON).all()), f"{tag}: written outside the outputs"
-        assert words.get().tolist() == [0, 0], f"{tag}: words after the launch {words.get().tolist()}"
+        _staged_awaiting_launch(x, w, rows, words, target, expected, f"{tag} target {target}")
 
 
 @pytest.mark.gpu
@@ -794,15 +813,10 @@ def test_lead_staged_awaiting_launch_gives_the_packed_bits(shape, rows, monkeypa
     memory before the wait. The packed launch's bits, the words back at zero, nothing written outside
     the outputs; and a short lead (one k block) the same."""
     from glm_kda import gemm_rows
-    from glm_kda.gemm_rows import gemm_rows_bf16, lead_staged_plan, pack_weight
+    from glm_kda.gemm_rows import lead_staged_plan
 
-    cp = _cp()
     n, k = shape
-    rng = np.random.default_rng(SEED + 5 * n + rows)
-    x = _random_bf16(rng, (rows, k + 8))[:, :k]
-    w = pack_weight(_random_bf16(rng, (n, k), scale=k**-0.5))
-    expected = _run(x, w, rows)
-    words = cp.zeros((2,), cp.int32)
+    x, w, expected, words = _awaiting_case(shape, rows, SEED + 5 * n + rows)
     monkeypatch.setattr(gemm_rows, "LEAD_STAGED_AWAITING", True)
     monkeypatch.setattr(gemm_rows, "STAGED_MAX_WEIGHT_BYTES", 0)
     full = lead_staged_plan(n, k, rows)
@@ -814,13 +828,5 @@ def test_lead_staged_awaiting_launch_gives_the_packed_bits(shape, rows, monkeypa
         plan = gemm_rows._staged_plan_here(w, rows, True)
         tag = f"{_shape_id(shape)} R{rows} {plan.kernel} lead {plan.lead_blocks}"
         assert plan.kernel.startswith("gemm_rows_lead_staged_") and plan.lead_blocks == (lead or full.lead_blocks), tag
-        words[0] = 3
-        out = cp.full((rows + 1, n + 8), POISON, dtype=cp.uint16)
-        launched = gemm_rows_bf16(x, w, out[:rows, :n], rows=rows, programmatic=True, staged=True, ready=words,
-                                  ready_target=3)
+        launched = _staged_awaiting_launch(x, w, rows, words, 3, expected, tag)
         assert launched == plan.grid[0], f"{tag}: {launched} blocks launched, the plan has {plan.grid[0]}"
-        _assert_bits_equal(out[:rows, :n], expected, tag)
-        outside = out.copy()
-        outside[:rows, :n] = POISON
-        assert bool((outside == POISON).all()), f"{tag}: written outside the outputs"
-        assert words.get().tolist() == [0, 0], f"{tag}: words after the launch {words.get().tolist()}"
