@@ -656,13 +656,14 @@ def test_staged_awaiting_launch_gives_the_packed_bits_on_host(gemm_host, shape, 
         assert words.tolist() == [0, 0], f"{tag}: words after {words.tolist()}"
 
 
-@pytest.mark.parametrize("shape", [(100, 136), (72, 2056), (136, 4104)], ids=lambda s: f"N{s[0]}-K{s[1]}")
+@pytest.mark.parametrize("shape", [(100, 136), (40, 1056), (72, 2056), (136, 4104)], ids=lambda s: f"N{s[0]}-K{s[1]}")
 def test_lead_staged_launch_gives_the_packed_bits_on_host(gemm_host, shape):
     """The lead-staged awaiting entry (its words already at their target): each warp's first k blocks
     from the block's stage, the rest of its range from memory, x's rows from shared memory. The packed
     launch's bits for 1 .. 16 rows, 1 .. 4 tiles a warp and leads of one k block, a few, and the whole
-    range (warps side by side at K136, a short last range at K2056 and K4104, whose 8-column tile is
-    too wide for the staged entry); nothing written outside the outputs; the words back at zero. The
+    range (warps side by side at K136, a last warp with no k blocks at K1056 (33 blocks in ranges of 5),
+    a short last range at K2056 and K4104, whose 8-column tile is too wide for the staged entry);
+    nothing written outside the outputs; the words back at zero. The
     emulated shared memory starts as NaNs, so a k block read from the stage that was not copied there
     changes bits."""
     n, k = shape
