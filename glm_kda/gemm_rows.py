@@ -277,6 +277,14 @@ def _sm_count(device_id: int) -> int:
     return int(cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device_id))
 
 
+@functools.lru_cache(maxsize=None)
+def _shared_memory(device_id: int) -> tuple[int, int]:
+    """(bytes of shared memory an SM holds, bytes a block may opt in to) on a device."""
+    runtime = cupy.cuda.runtime
+    return (int(runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerMultiprocessor, device_id)),
+            int(runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, device_id)))
+
+
 def launch_plan(
     n: int, k: int, rows: int, tiles_per_warp: int | None = None, sm_count: int = DEFAULT_SM_COUNT,
     blocks: int | None = None, serial: bool | None = None, wgmma: bool | None = False,
@@ -401,14 +409,18 @@ def staged_plan(n: int, k: int, rows: int, awaiting: bool = False) -> LaunchPlan
 
 
 def lead_staged_plan(n: int, k: int, rows: int, sm_count: int = DEFAULT_SM_COUNT,
-                     lead_blocks: int | None = None, tiles_per_warp: int | None = None) -> LaunchPlan | None:
+                     lead_blocks: int | None = None, tiles_per_warp: int | None = None,
+                     shared_per_sm: int = BULK_SHARED_PER_SM,
+                     shared_per_block: int = BULK_SHARED_PER_BLOCK) -> LaunchPlan | None:
     """The launch of gemm_rows_lead_staged_awaiting_bf16 for up to 16 rows of a packed [n, k] weight,
     or None where no lead fits: the tiles and column groups of the one-row sweep (launch_plan), one
     group a block, and each block's lead stage the first ``lead_blocks`` k blocks of every warp's k
     range of each of its tiles, as many as LEAD_BLOCKS_PER_SM blocks' shared memory (each also
     holding x's rows, or the partial sums over them) allows, at most the whole range, and at most
     ``lead_blocks`` where given (>= 1). ``tiles_per_warp`` (1, 2, 4; None: launch_plan's) as there.
-    The same bits as any plan."""
+    ``shared_per_sm`` / ``shared_per_block``: the device's shared memory an SM holds and a block may
+    ask for (an H200's by default; a consumer Blackwell part has about 100 KB). The same bits as any
+    plan."""
     if lead_blocks is not None and lead_blocks < 1:
         raise ValueError(f"lead_staged_plan: lead_blocks must be >= 1, got {lead_blocks}")
     if rows > M_TILE:
@@ -420,7 +432,7 @@ def lead_staged_plan(n: int, k: int, rows: int, sm_count: int = DEFAULT_SM_COUNT
     partial_bytes = WARPS_PER_BLOCK * tiles * 4 * 32 * 4  # GEMM_ROWS_PARTIAL_FLOATS(1, tiles) floats
     x_bytes = max(16 + rows * k_blocks * K_BLOCK * 2, partial_bytes)
     lead_bytes = WARPS_PER_BLOCK * tiles * K_BLOCK * N_TILE * 2  # one k block of every warp's tiles
-    room = min(BULK_SHARED_PER_SM // LEAD_BLOCKS_PER_SM - (1 << 10), BULK_SHARED_PER_BLOCK) - x_bytes
+    room = min(shared_per_sm // LEAD_BLOCKS_PER_SM - (1 << 10), shared_per_block) - x_bytes
     lead = min(room // lead_bytes, -(-k_blocks // split), lead_blocks or k_blocks)
     if lead < 1:
         return None
@@ -455,7 +467,9 @@ def _staged_plan_here(w: Any, rows: int, awaiting: bool = False) -> LaunchPlan |
     if STAGED_MAX_WEIGHT_BYTES is None or weight_bytes(n, k) <= STAGED_MAX_WEIGHT_BYTES:
         plan = staged_plan(n, k, rows, awaiting)
     if plan is None and awaiting and LEAD_STAGED_AWAITING:
-        plan = lead_staged_plan(n, k, rows, _sm_count(cupy.cuda.Device().id))
+        device_id = cupy.cuda.Device().id
+        per_sm, per_block = _shared_memory(device_id)
+        plan = lead_staged_plan(n, k, rows, _sm_count(device_id), shared_per_sm=per_sm, shared_per_block=per_block)
     return plan
 
 

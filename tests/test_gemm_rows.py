@@ -819,12 +819,14 @@ def test_lead_staged_awaiting_launch_gives_the_packed_bits(shape, rows, monkeypa
     x, w, expected, words = _awaiting_case(shape, rows, SEED + 5 * n + rows)
     monkeypatch.setattr(gemm_rows, "LEAD_STAGED_AWAITING", True)
     monkeypatch.setattr(gemm_rows, "STAGED_MAX_WEIGHT_BYTES", 0)
-    full = lead_staged_plan(n, k, rows)
+    per_sm, per_block = gemm_rows._shared_memory(_cp().cuda.Device().id)
+    full = lead_staged_plan(n, k, rows, shared_per_sm=per_sm, shared_per_block=per_block)
     assert full is not None, f"{_shape_id(shape)} R{rows}: no lead-staged plan"
     for lead in (None, 1):
         if lead is not None:
             monkeypatch.setattr(gemm_rows, "lead_staged_plan",
-                                lambda n, k, rows, sm_count, _plan=lead_staged_plan: _plan(n, k, rows, sm_count, 1))
+                                lambda n, k, rows, sm_count, _plan=lead_staged_plan, **shared: _plan(
+                                    n, k, rows, sm_count, 1, **shared))
         plan = gemm_rows._staged_plan_here(w, rows, True)
         tag = f"{_shape_id(shape)} R{rows} {plan.kernel} lead {plan.lead_blocks}"
         assert plan.kernel.startswith("gemm_rows_lead_staged_") and plan.lead_blocks == (lead or full.lead_blocks), tag

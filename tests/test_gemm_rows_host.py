@@ -704,6 +704,9 @@ def test_lead_staged_plan_fills_two_blocks_an_sm():
     assert lead_staged_plan(4096, 8192, 1, lead_blocks=3).lead_blocks == 3
     assert lead_staged_plan(40, 128, 1).lead_blocks == 4  # k_split 1: the whole 4-block range
     assert lead_staged_plan(4096, 8192, 17) is None
+    # A part with about 100 KB of shared memory an SM (sm_120): a third of the lead.
+    small = lead_staged_plan(4096, 8192, 1, shared_per_sm=100 << 10, shared_per_block=99 << 10)
+    assert small.lead_blocks == 4 and 2 * (small.shared_mem + 1024) <= 100 << 10, small
     with pytest.raises(ValueError, match="lead_blocks must be >= 1"):
         lead_staged_plan(4096, 8192, 1, lead_blocks=0)
 
