@@ -371,6 +371,14 @@ def launch_plan(
     )
 
 
+def _x_region_bytes(rows: int, k: int, tiles: int) -> int:
+    """Shared memory an awaiting staged block keeps beside its stage: a 16-byte zero chunk and x's rows
+    padded to whole k blocks, or the partial sums written over them (GEMM_ROWS_PARTIAL_FLOATS(1,
+    tiles) floats), whichever is more."""
+    partial_bytes = WARPS_PER_BLOCK * tiles * 4 * 32 * 4
+    return max(16 + rows * -(-k // K_BLOCK) * K_BLOCK * 2, partial_bytes)
+
+
 def staged_plan(n: int, k: int, rows: int, awaiting: bool = False) -> LaunchPlan | None:
     """The launch of gemm_rows_staged_bf16 for up to 16 rows of a packed [n, k] weight, or None
     where it does not apply: one column group a block, the group's weights (every k block of its
@@ -383,8 +391,7 @@ def staged_plan(n: int, k: int, rows: int, awaiting: bool = False) -> LaunchPlan
     if rows > M_TILE:
         return None
     warps_n = WARPS_PER_BLOCK // k_split(k)
-    padded_k = -(-k // K_BLOCK) * K_BLOCK
-    tile_bytes = padded_k * N_TILE * 2
+    tile_bytes = -(-k // K_BLOCK) * K_BLOCK * N_TILE * 2
     n_tiles = -(-n // N_TILE)
     for tiles in sorted(kernels.STAGED_TILES_PER_WARP, reverse=True):
         group_tiles = warps_n * tiles
@@ -392,9 +399,7 @@ def staged_plan(n: int, k: int, rows: int, awaiting: bool = False) -> LaunchPlan
             continue
         shared_mem = min(group_tiles, n_tiles) * tile_bytes
         if awaiting:
-            partial_bytes = WARPS_PER_BLOCK * tiles * 4 * 32 * 4  # GEMM_ROWS_PARTIAL_FLOATS(1, tiles) floats
-            # A 16-byte zero chunk and x's rows padded to whole k blocks, or the partial sums over them.
-            shared_mem += max(16 + rows * padded_k * 2, partial_bytes)
+            shared_mem += _x_region_bytes(rows, k, tiles)
             if STAGED_BLOCKS_PER_SM * (shared_mem + (1 << 10)) > BULK_SHARED_PER_SM:
                 return None
         return LaunchPlan(
@@ -428,9 +433,9 @@ def lead_staged_plan(n: int, k: int, rows: int, sm_count: int = DEFAULT_SM_COUNT
     tiles = launch_plan(n, k, rows, tiles_per_warp, sm_count=sm_count).tiles_per_warp
     split = k_split(k)
     k_blocks = -(-k // K_BLOCK)
+    n_tiles = -(-n // N_TILE)
     group_tiles = WARPS_PER_BLOCK // split * tiles
-    partial_bytes = WARPS_PER_BLOCK * tiles * 4 * 32 * 4  # GEMM_ROWS_PARTIAL_FLOATS(1, tiles) floats
-    x_bytes = max(16 + rows * k_blocks * K_BLOCK * 2, partial_bytes)
+    x_bytes = _x_region_bytes(rows, k, tiles)
     lead_bytes = WARPS_PER_BLOCK * tiles * K_BLOCK * N_TILE * 2  # one k block of every warp's tiles
     room = min(shared_per_sm // LEAD_BLOCKS_PER_SM - (1 << 10), shared_per_block) - x_bytes
     lead = min(room // lead_bytes, -(-k_blocks // split), lead_blocks or k_blocks)
@@ -438,7 +443,7 @@ def lead_staged_plan(n: int, k: int, rows: int, sm_count: int = DEFAULT_SM_COUNT
         return None
     return LaunchPlan(
         kernel=f"gemm_rows_lead_staged_awaiting_bf16_m1_n{tiles}",
-        grid=(-(-(-(-n // N_TILE)) // group_tiles), 1),
+        grid=(-(-n_tiles // group_tiles), 1),
         block=(WARPS_PER_BLOCK * 32,),
         m_tiles=1,
         tiles_per_warp=tiles,

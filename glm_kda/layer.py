@@ -563,10 +563,10 @@ class KdaLayer:
         for start in range(0, rows, DECODE_ROW_GROUP):
             stop = min(rows, start + DECODE_ROW_GROUP)
             blocks = gemm_rows.gemm_rows_bf16(x[start:stop], weight, out[start:stop], rows=stop - start,
-                                     programmatic=after_kernel or start > 0, reserved_slots=reserved_slots,
-                                     staged=staged, bulk=bulk, x_tiles=x_tiles, partial=partial,
-                                     x_tiled=x_tiled and rows <= DECODE_ROW_GROUP, ready=ready,
-                                     ready_target=ready_target, counted=counted)
+                                              programmatic=after_kernel or start > 0, reserved_slots=reserved_slots,
+                                              staged=staged, bulk=bulk, x_tiles=x_tiles, partial=partial,
+                                              x_tiled=x_tiled and rows <= DECODE_ROW_GROUP, ready=ready,
+                                              ready_target=ready_target, counted=counted)
         return blocks
 
     def _project(self, x: Any, weight: str, out: Any, wide: bool, after_kernel: bool = False,

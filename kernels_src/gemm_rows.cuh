@@ -221,9 +221,6 @@ __device__ __forceinline__ int gemm_rows_k_blocks(int k)
 }
 #define GEMM_ROWS_PACKED_BLOCK (GEMM_ROWS_N_TILE * GEMM_ROWS_K_BLOCK)  // elements per (tile, k block)
 
-// Where one lane's weight is: tile j's k block kb at lane + j * tile_stride + kb * block_stride (one
-// pointer, not N_TILES: the registers go to loads in flight), and valid[j] whether tile j's column of
-// this lane (warp_column + 8 j + lane / 4) is inside the matrix's n columns.
 // Blocks of 32 k per step of gemm_rows_accumulate: each lane keeps LOADS (m-tile, n-tile, k-block)
 // products per step; with one m-tile that is LOADS weight loads in flight, more m-tiles spend the
 // registers on their x fragments and accumulators instead (LOADS / M_TILES).
@@ -233,6 +230,9 @@ __device__ __forceinline__ constexpr int gemm_rows_k_unroll()
     return LOADS / (M_TILES * N_TILES);
 }
 
+// Where one lane's weight is: tile j's k block kb at lane + j * tile_stride + kb * block_stride (one
+// pointer, not N_TILES: the registers go to loads in flight), and valid[j] whether tile j's column of
+// this lane (warp_column + 8 j + lane / 4) is inside the matrix's n columns.
 template <int N_TILES>
 struct GemmRowsWeightLane {
     const bf16_t* lane;
@@ -591,6 +591,13 @@ __device__ __forceinline__ int gemm_rows_group_columns(int k_split)
 // (512 elements a k block, as packed). Warp `warp`'s tile 0 begins lead_blocks * 512 * N_TILES elements
 // a warp in; gemm_rows_lead_offset gives that place less kb_begin k blocks (the loop reads block kb at
 // offset + kb * 512), a number that may be negative.
+// The end of a warp's lead: lead_blocks k blocks into its range [kb_begin, kb_end), or the range's end
+// (an empty range, kb_end <= kb_begin, leads nowhere: its end).
+__device__ __forceinline__ int gemm_rows_lead_end(int kb_begin, int kb_end, int lead_blocks)
+{
+    return kb_begin + min(lead_blocks, kb_end - kb_begin);
+}
+
 template <int N_TILES>
 __device__ __forceinline__ long long gemm_rows_lead_offset(int warp, int kb_begin, int lead_blocks)
 {
@@ -637,7 +644,7 @@ __device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const 
         }
     } else if constexpr (LEAD) {
         static_assert(PACKED && !W_SHARED, "a lead stage of a packed weight read from memory");
-        const int lead_end = kb_begin + min(lead_blocks, kb_end - kb_begin);
+        const int lead_end = gemm_rows_lead_end(kb_begin, kb_end, lead_blocks);
         // Tile j's k block kb (kb_begin <= kb < lead_end) at lead + offset + j * lead_blocks * 512 elements
         // + (kb - kb_begin) * 512: kb_begin is taken off the lane's place, which the loop adds back.
         const GemmRowsWeightLane<N_TILES> staged = gemm_rows_weight_at<N_TILES>(
@@ -926,7 +933,7 @@ __device__ __forceinline__ void gemm_rows_stage_lead(bf16_t* lead, const bf16_t*
     for (int warp = 0; warp < GEMM_ROWS_WARPS; ++warp) {
         int kb_begin, kb_end;
         gemm_rows_k_range(k, k_split, warp % k_split, kb_begin, kb_end);
-        const int blocks = min(lead_blocks, kb_end - kb_begin);
+        const int blocks = gemm_rows_lead_end(kb_begin, kb_end, lead_blocks) - kb_begin;
         const int first_tile = (group * group_columns) / GEMM_ROWS_N_TILE + (warp / k_split) * N_TILES;
         for (int j = 0; j < N_TILES && blocks > 0; ++j) {
             if (first_tile + j < tiles) {
@@ -952,8 +959,9 @@ __device__ __forceinline__ void gemm_rows_lead_first_step(uint4 (&first)[gemm_ro
     const int warp = threadIdx.x >> 5;
     int kb_begin, kb_end;
     gemm_rows_k_range(k, k_split, warp % k_split, kb_begin, kb_end);
-    const int lead_end = kb_begin + min(lead_blocks, kb_end - kb_begin);
+    const int lead_end = gemm_rows_lead_end(kb_begin, kb_end, lead_blocks);
     const int warp_column = group * gemm_rows_group_columns<N_TILES>(k_split) + warp / k_split * N_TILES * GEMM_ROWS_N_TILE;
+    // (gemm_rows_accumulate's place of the lane in a packed w, tile origin 0.)
     const int tile_stride = gemm_rows_k_blocks(k) * GEMM_ROWS_PACKED_BLOCK;
     const GemmRowsWeightLane<N_TILES> weight = gemm_rows_weight_at<N_TILES>(
         w + static_cast<size_t>(warp_column / GEMM_ROWS_N_TILE) * tile_stride + 8 * (threadIdx.x & 31), tile_stride,
