@@ -69,8 +69,8 @@ def defaults() -> dict:
     out_proj_awaits_step (layer.OUT_PROJ_AWAITS_STEP), out_proj_staged_awaiting
     (layer.OUT_PROJ_STAGED_AWAITING), awaiting_step_dependents_after and
     awaiting_unstaged_dependents_after (layer.AWAITING_STEP_DEPENDENTS_AFTER,
-    layer.AWAITING_UNSTAGED_DEPENDENTS_AFTER), lead_staged_awaiting (gemm_rows.LEAD_STAGED_AWAITING),
-    kernel_sources (a folder of kernel sources; None: the package's own)."""
+    layer.AWAITING_UNSTAGED_DEPENDENTS_AFTER), tail_staged_awaiting and tail_blocks (gemm_rows.TAIL_STAGED_AWAITING,
+    gemm_rows.TAIL_BLOCKS), kernel_sources (a folder of kernel sources; None: the package's own)."""
     from glm_kda import gemm_rows, kernels, layer, persistent
 
     return {
@@ -95,7 +95,8 @@ def defaults() -> dict:
         "out_proj_awaits_step": layer.OUT_PROJ_AWAITS_STEP, "out_proj_staged_awaiting": layer.OUT_PROJ_STAGED_AWAITING,
         "awaiting_step_dependents_after": layer.AWAITING_STEP_DEPENDENTS_AFTER,
         "awaiting_unstaged_dependents_after": layer.AWAITING_UNSTAGED_DEPENDENTS_AFTER,
-        "lead_staged_awaiting": gemm_rows.LEAD_STAGED_AWAITING, "kernel_sources": None,
+        "tail_staged_awaiting": gemm_rows.TAIL_STAGED_AWAITING, "tail_blocks": gemm_rows.TAIL_BLOCKS,
+        "kernel_sources": None,
     }
 
 
@@ -143,7 +144,8 @@ def apply(settings: dict, layer_object) -> None:
     layer.OUT_PROJ_STAGED_AWAITING = settings["out_proj_staged_awaiting"]
     layer.AWAITING_STEP_DEPENDENTS_AFTER = settings["awaiting_step_dependents_after"]
     layer.AWAITING_UNSTAGED_DEPENDENTS_AFTER = settings["awaiting_unstaged_dependents_after"]
-    gemm_rows.LEAD_STAGED_AWAITING = settings["lead_staged_awaiting"]
+    gemm_rows.TAIL_STAGED_AWAITING = settings["tail_staged_awaiting"]
+    gemm_rows.TAIL_BLOCKS = settings["tail_blocks"]
     sources = settings["kernel_sources"]
     if sources not in _KERNEL_SETS:
         _KERNEL_SETS[sources] = kernels.KernelSet.get() if sources is None else kernels.KernelSet(sources)

@@ -131,13 +131,21 @@ STAGED_MAX_WEIGHT_BYTES: int | None = 24 << 20
 # launch (ready=) also holds x's rows in shared memory: staged_plan takes it only where that many
 # blocks still fit an SM (BULK_SHARED_PER_SM, a KB of it the driver's for each block).
 STAGED_BLOCKS_PER_SM = 3
-# Where an awaiting staged launch (gemm_rows_bf16(staged=True, ready=...)) finds a column group too
-# wide for a stage (GLM-5.3-Flash's o_proj: a tile of 8 columns is 128 KB), it stages the lead of each
-# warp's k range instead (lead_staged_plan; gemm_rows_lead_staged_awaiting_bf16_m1_n<N>): the first
-# k blocks that LEAD_BLOCKS_PER_SM such blocks' shared memory holds, copied while the kernel it awaits
-# runs, the rest read past the wait. No bit depends on it. Off: not yet timed on a GPU.
-LEAD_STAGED_AWAITING = False
-LEAD_BLOCKS_PER_SM = 2
+# Where an awaiting staged launch (gemm_rows_bf16(staged=True, ready=...)) of at most
+# TAIL_STAGED_MAX_ROWS rows finds a column group too wide for a stage (GLM-5.3-Flash's o_proj: a tile
+# of 8 columns is 128 KB), it stages the tail of each warp's k range instead (tail_staged_plan;
+# gemm_rows_tail_staged_awaiting_bf16_m1_n<N>): the last k blocks that TAIL_BLOCKS_PER_SM such blocks'
+# shared memory holds (at most TAIL_BLOCKS; None: all that fit), copied while the kernel it awaits
+# runs; past the wait each warp sweeps the rest of its range from memory at once and its tail from
+# shared memory last. No bit depends on it. On an H200 (benchmarks/decode_breakdown.py, copy
+# bandwidth 4161 and 4172 GB/s) GLM B=1 78.37 and 78.72 us against 79.27 and 79.10 / 80.43 without;
+# the block timeline's step 75.42 / 75.63 against 76.30 / 76.43. Staging the first k blocks instead
+# (every warp waiting for its copies before it read anything from memory) gained nothing, and 4 or 16
+# rows of a verify took 3 us longer with the tail, hence one row.
+TAIL_STAGED_AWAITING = True
+TAIL_STAGED_MAX_ROWS = 1
+TAIL_BLOCKS_PER_SM = 2
+TAIL_BLOCKS: int | None = None
 
 
 @dataclass(frozen=True)
@@ -248,7 +256,7 @@ class LaunchPlan:
     tiles_per_warp: int
     shared_mem: int = 0
     ring_depth: int = 0
-    lead_blocks: int = 0
+    tail_blocks: int = 0
 
 
 def k_split(k: int) -> int:
@@ -413,21 +421,21 @@ def staged_plan(n: int, k: int, rows: int, awaiting: bool = False) -> LaunchPlan
     return None
 
 
-def lead_staged_plan(n: int, k: int, rows: int, sm_count: int = DEFAULT_SM_COUNT,
-                     lead_blocks: int | None = None, tiles_per_warp: int | None = None,
+def tail_staged_plan(n: int, k: int, rows: int, sm_count: int = DEFAULT_SM_COUNT,
+                     tail_blocks: int | None = None, tiles_per_warp: int | None = None,
                      shared_per_sm: int = BULK_SHARED_PER_SM,
                      shared_per_block: int = BULK_SHARED_PER_BLOCK) -> LaunchPlan | None:
-    """The launch of gemm_rows_lead_staged_awaiting_bf16 for up to 16 rows of a packed [n, k] weight,
-    or None where no lead fits: the tiles and column groups of the one-row sweep (launch_plan), one
-    group a block, and each block's lead stage the first ``lead_blocks`` k blocks of every warp's k
-    range of each of its tiles, as many as LEAD_BLOCKS_PER_SM blocks' shared memory (each also
+    """The launch of gemm_rows_tail_staged_awaiting_bf16 for up to 16 rows of a packed [n, k] weight,
+    or None where no tail fits: the tiles and column groups of the one-row sweep (launch_plan), one
+    group a block, and each block's tail stage the last ``tail_blocks`` k blocks of every warp's k
+    range of each of its tiles, as many as TAIL_BLOCKS_PER_SM blocks' shared memory (each also
     holding x's rows, or the partial sums over them) allows, at most the whole range, and at most
-    ``lead_blocks`` where given (>= 1). ``tiles_per_warp`` (1, 2, 4; None: launch_plan's) as there.
+    ``tail_blocks`` where given (>= 1). ``tiles_per_warp`` (1, 2, 4; None: launch_plan's) as there.
     ``shared_per_sm`` / ``shared_per_block``: the device's shared memory an SM holds and a block may
     ask for (an H200's by default; a consumer Blackwell part has about 100 KB). The same bits as any
     plan."""
-    if lead_blocks is not None and lead_blocks < 1:
-        raise ValueError(f"lead_staged_plan: lead_blocks must be >= 1, got {lead_blocks}")
+    if tail_blocks is not None and tail_blocks < 1:
+        raise ValueError(f"tail_staged_plan: tail_blocks must be >= 1, got {tail_blocks}")
     if rows > M_TILE:
         return None
     tiles = launch_plan(n, k, rows, tiles_per_warp, sm_count=sm_count).tiles_per_warp
@@ -436,19 +444,19 @@ def lead_staged_plan(n: int, k: int, rows: int, sm_count: int = DEFAULT_SM_COUNT
     n_tiles = -(-n // N_TILE)
     group_tiles = WARPS_PER_BLOCK // split * tiles
     x_bytes = _x_region_bytes(rows, k, tiles)
-    lead_bytes = WARPS_PER_BLOCK * tiles * K_BLOCK * N_TILE * 2  # one k block of every warp's tiles
-    room = min(shared_per_sm // LEAD_BLOCKS_PER_SM - (1 << 10), shared_per_block) - x_bytes
-    lead = min(room // lead_bytes, -(-k_blocks // split), lead_blocks or k_blocks)
-    if lead < 1:
+    block_bytes = WARPS_PER_BLOCK * tiles * K_BLOCK * N_TILE * 2  # one k block of every warp's tiles
+    room = min(shared_per_sm // TAIL_BLOCKS_PER_SM - (1 << 10), shared_per_block) - x_bytes
+    tail = min(room // block_bytes, -(-k_blocks // split), tail_blocks or k_blocks)
+    if tail < 1:
         return None
     return LaunchPlan(
-        kernel=f"gemm_rows_lead_staged_awaiting_bf16_m1_n{tiles}",
+        kernel=f"gemm_rows_tail_staged_awaiting_bf16_m1_n{tiles}",
         grid=(-(-n_tiles // group_tiles), 1),
         block=(WARPS_PER_BLOCK * 32,),
         m_tiles=1,
         tiles_per_warp=tiles,
-        shared_mem=lead * lead_bytes + x_bytes,
-        lead_blocks=lead,
+        shared_mem=tail * block_bytes + x_bytes,
+        tail_blocks=tail,
     )
 
 
@@ -457,7 +465,8 @@ def staged_applies(w: Any, rows: int, awaiting: bool = False) -> bool:
     current device: a PackedWeight of at most STAGED_MAX_WEIGHT_BYTES, <= 16 rows, a plan whose
     stage fits, and sm_90 or later (where a programmatic launch copies while the kernel before it
     runs). ``awaiting``: the same with ``ready`` (staged_plan's awaiting form, x's rows held too), or,
-    with LEAD_STAGED_AWAITING, where that does not fit, lead_staged_plan's (any weight size)."""
+    with TAIL_STAGED_AWAITING and at most TAIL_STAGED_MAX_ROWS rows, where that does not fit,
+    tail_staged_plan's (any weight size)."""
     return _staged_plan_here(w, rows, awaiting) is not None
 
 
@@ -471,10 +480,11 @@ def _staged_plan_here(w: Any, rows: int, awaiting: bool = False) -> LaunchPlan |
     plan = None
     if STAGED_MAX_WEIGHT_BYTES is None or weight_bytes(n, k) <= STAGED_MAX_WEIGHT_BYTES:
         plan = staged_plan(n, k, rows, awaiting)
-    if plan is None and awaiting and LEAD_STAGED_AWAITING:
+    if plan is None and awaiting and TAIL_STAGED_AWAITING and rows <= TAIL_STAGED_MAX_ROWS:
         device_id = cupy.cuda.Device().id
         per_sm, per_block = _shared_memory(device_id)
-        plan = lead_staged_plan(n, k, rows, _sm_count(device_id), shared_per_sm=per_sm, shared_per_block=per_block)
+        plan = tail_staged_plan(n, k, rows, _sm_count(device_id), tail_blocks=TAIL_BLOCKS, shared_per_sm=per_sm,
+                                shared_per_block=per_block)
     return plan
 
 
@@ -544,8 +554,8 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
     after that kernel has. The same bits. Every block of that kernel must be resident when this one
     launches (it waits on them; see ops.kda_decode_fused_bf16). With ``staged`` it takes the staged
     entry's awaiting form where ``staged_applies(w, rows, awaiting=True)`` (each block's weights in
-    shared memory before the wait, then x's rows beside them; with LEAD_STAGED_AWAITING, for a weight
-    too wide for that, the lead of each warp's k range: lead_staged_plan), else the sweep that reads w
+    shared memory before the wait, then x's rows beside them; with TAIL_STAGED_AWAITING, for a weight
+    too wide for that, the tail of each warp's k range: tail_staged_plan), else the sweep that reads w
     past the wait.
 
     ``counted`` (<= 16 rows of a PackedWeight, without ``ready``): a contiguous int32 array of at least
@@ -580,9 +590,9 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
     words = (ready, _i32(ready_target)) if ready is not None else (counted,) if counted is not None else ()
     plan = _staged_plan_here(w, rows, ready is not None) if staged else None
     if plan is not None:
-        # (The staged entries take no L2 request; the lead entry its lead's k blocks in that place.)
+        # (The staged entries take no L2 request; the tail entry its tail's k blocks in that place.)
         kernels.launch(plan.kernel, plan.grid, plan.block,
-                       (x, _i32(ldx), w.data, out, _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(plan.lead_blocks),
+                       (x, _i32(ldx), w.data, out, _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(plan.tail_blocks),
                         *words),
                        plan.shared_mem, programmatic=programmatic, carveout=100)
         return plan.grid[0] * plan.grid[1]

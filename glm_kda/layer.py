@@ -164,7 +164,7 @@ OUT_PROJ_AWAITS_STEP = True
 # depends on it. On an H200 (benchmarks/decode_breakdown.py, copy bandwidth 4158 GB/s) Kimi B=1 30.26
 # us against 31.37 without (the step's dependents after its first token's inputs in both); with
 # AWAITING_STEP_DEPENDENTS_AFTER = 3 (4024 GB/s) 29.40 against 31.71. GLM-5.3-Flash's 67 MB weight does
-# not qualify; with gemm_rows.LEAD_STAGED_AWAITING (off) it stages the lead of each warp's k range.
+# not qualify; for one row it stages the tail of each warp's k range (gemm_rows.TAIL_STAGED_AWAITING).
 OUT_PROJ_STAGED_AWAITING = True
 # Where the output projection of a batch runs on the bulk-copy sweep (gemm_rows.bulk_applies), the
 # fused step writes its input a second time in the sweep's tile layout (kda_decode_fused_bf16's

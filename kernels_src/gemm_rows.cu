@@ -157,21 +157,22 @@ GEMM_ROWS_SERIAL_ENTRY(4, 2)
 // bytes, the partial sums) (k_pad: k rounded up to 32): a zero chunk and x's rows, the partial
 // sums written over them once every warp has read them. The same bits.
 //
-// gemm_rows_lead_staged_awaiting_bf16_m1_n<N>: the awaiting form for a weight whose column group does
-// not fit a stage: before the wait each block copies only the lead of its group, the first
-// `lead_blocks` k blocks of every warp's k range of each of its tiles (gemm_rows_stage_lead); past
-// the wait, x's rows as above, then each warp's chain reads those k blocks from the stage and the
-// rest of its range from memory (gemm_rows_group's LEAD; x from shared memory, GEMM_X_SHARED), the
-// first step of that rest loaded into registers before the wait as well. Dynamic
-// shared memory: 8 warps * N tiles * lead_blocks * 512 bytes, then x's region as above. The same bits.
+// gemm_rows_tail_staged_awaiting_bf16_m1_n<N>: the awaiting form for a weight whose column group does
+// not fit a stage: before the wait each warp starts the copies of its part of the group's tail, the
+// last `tail_blocks` k blocks of its k range of each of its tiles (gemm_rows_stage_tail), and loads
+// the first step of its range into registers; past the wait, x's rows as above, then each warp's
+// chain reads the rest of its range from memory at once, from those registers on, and the tail from
+// the stage once its copies have landed (gemm_rows_group's TAIL; x from shared memory,
+// GEMM_X_SHARED). A copy still in flight at the wait holds back nothing but that tail. Dynamic shared
+// memory: 8 warps * N tiles * tail_blocks * 512 bytes, then x's region as above. The same bits.
 #define GEMM_ROWS_STAGED_LOADS 4
-template <int N_TILES, bool AWAITING, bool LEAD = false>
+template <int N_TILES, bool AWAITING, bool TAIL = false>
 __device__ __forceinline__ void gemm_rows_staged_entry(const bf16_t* __restrict__ x, int ldx,
                                                        const bf16_t* __restrict__ w, bf16_t* __restrict__ y,
                                                        int ldy, int rows, int n, int k,
-                                                       GemmRowsAwait awaited = {nullptr, 0}, int lead_blocks = 0)
+                                                       GemmRowsAwait awaited = {nullptr, 0}, int tail_blocks = 0)
 {
-    static_assert(!LEAD || AWAITING, "a lead stage: the awaiting form");
+    static_assert(!TAIL || AWAITING, "a tail stage: the awaiting form");
     extern __shared__ __align__(128) unsigned char gemm_rows_stage[];
     KDA_TRACE_SCOPE(y);
 
@@ -188,21 +189,22 @@ __device__ __forceinline__ void gemm_rows_staged_entry(const bf16_t* __restrict_
     }
     const size_t tile_elements = static_cast<size_t>(gemm_rows_k_blocks(k)) * GEMM_ROWS_PACKED_BLOCK;
     if (sweeps) {
-        if constexpr (LEAD) {
-            gemm_rows_stage_lead<N_TILES>(reinterpret_cast<bf16_t*>(gemm_rows_stage), w, n, k, k_split, blockIdx.x,
-                                          lead_blocks);
+        if constexpr (TAIL) {
+            gemm_rows_stage_tail<N_TILES>(reinterpret_cast<bf16_t*>(gemm_rows_stage), w, n, k, k_split, blockIdx.x,
+                                          tail_blocks);
         } else {
             const int stage_tiles = min(group_tiles, tiles - first_tile);
             gemm_rows_stage_weights(gemm_rows_stage, w + first_tile * tile_elements,
-                                    static_cast<unsigned int>(stage_tiles * tile_elements * sizeof(bf16_t)));
+                                    static_cast<unsigned int>(stage_tiles * tile_elements * sizeof(bf16_t)),
+                                    threadIdx.x, blockDim.x);
         }
     }
     const bf16_t* stage = reinterpret_cast<const bf16_t*>(gemm_rows_stage);
-    // (LEAD: the first step past each warp's lead, loaded before the wait; else unused.)
-    uint4 first[LEAD ? gemm_rows_k_unroll<1, N_TILES, GEMM_ROWS_LOADS>() : 1][N_TILES];
-    if constexpr (LEAD) {
+    // (TAIL: the first step of each warp's range, loaded before the wait; else unused.)
+    uint4 first[TAIL ? gemm_rows_k_unroll<1, N_TILES, GEMM_ROWS_LOADS>() : 1][N_TILES];
+    if constexpr (TAIL) {
         if (sweeps) {
-            gemm_rows_lead_first_step<N_TILES, GEMM_ROWS_LOADS>(first, w, n, k, k_split, blockIdx.x, lead_blocks);
+            gemm_rows_tail_first_step<N_TILES, GEMM_ROWS_LOADS>(first, w, n, k, k_split, blockIdx.x, tail_blocks);
         }
     }
     if constexpr (AWAITING) {
@@ -211,7 +213,7 @@ __device__ __forceinline__ void gemm_rows_staged_entry(const bf16_t* __restrict_
             // A 16-byte zero chunk, then x's rows padded with zeros to whole k blocks (GEMM_X_STAGED), where
             // the largest stage ends (the same place in every block).
             const size_t stage_elements =
-                LEAD ? static_cast<size_t>(GEMM_ROWS_WARPS) * N_TILES * lead_blocks * GEMM_ROWS_PACKED_BLOCK
+                TAIL ? static_cast<size_t>(GEMM_ROWS_WARPS) * N_TILES * tail_blocks * GEMM_ROWS_PACKED_BLOCK
                      : min(group_tiles, tiles) * tile_elements;
             bf16_t* region = reinterpret_cast<bf16_t*>(gemm_rows_stage + stage_elements * sizeof(bf16_t));
             bf16_t* x_copy = region + 8;
@@ -225,12 +227,14 @@ __device__ __forceinline__ void gemm_rows_staged_entry(const bf16_t* __restrict_
                 *reinterpret_cast<uint4*>(x_copy + static_cast<size_t>(row) * padded_k + column) =
                     load_produced_16B(x + static_cast<size_t>(row) * ldx + column, column < k);
             }
-            gemm_rows_wait_weights();
+            if constexpr (!TAIL) {
+                gemm_rows_wait_weights();  // (TAIL: each warp waits for its own copies where it reads them)
+            }
             __syncthreads();
-            if constexpr (LEAD) {
+            if constexpr (TAIL) {
                 gemm_rows_group<1, N_TILES, GEMM_ROWS_LOADS, GEMM_X_SHARED, true, false, true, true>(
                     x_copy, padded_k, w, y, ldy, 0, rows, n, k, k_split, blockIdx.x, reinterpret_cast<float*>(region),
-                    0, stage, lead_blocks, &first[0][0]);
+                    0, stage, tail_blocks, &first[0][0]);
             } else {
                 gemm_rows_group<1, N_TILES, GEMM_ROWS_STAGED_LOADS, GEMM_X_STAGED, true, true, true>(
                     x_copy, padded_k, stage, y, ldy, 0, rows, n, k, k_split, blockIdx.x,
@@ -271,18 +275,18 @@ __device__ __forceinline__ void gemm_rows_staged_entry(const bf16_t* __restrict_
 GEMM_ROWS_STAGED_ENTRY(1)
 GEMM_ROWS_STAGED_ENTRY(2)
 
-// 2 blocks per SM (up to 128 registers, the sweep's): two leads of about 96 KB and x's rows fit an SM.
-#define GEMM_ROWS_LEAD_MIN_BLOCKS 2
-#define GEMM_ROWS_LEAD_STAGED_ENTRY(N_TILES)                                                        \
-    extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_LEAD_MIN_BLOCKS)         \
-        gemm_rows_lead_staged_awaiting_bf16_m1_n##N_TILES(const bf16_t* __restrict__ x, int ldx,      \
+// 2 blocks per SM (up to 128 registers, the sweep's): two tails of about 96 KB and x's rows fit an SM.
+#define GEMM_ROWS_TAIL_MIN_BLOCKS 2
+#define GEMM_ROWS_TAIL_STAGED_ENTRY(N_TILES)                                                        \
+    extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_TAIL_MIN_BLOCKS)         \
+        gemm_rows_tail_staged_awaiting_bf16_m1_n##N_TILES(const bf16_t* __restrict__ x, int ldx,      \
                                                           const bf16_t* __restrict__ w, bf16_t* __restrict__ y, \
-                                                          int ldy, int rows, int n, int k, int lead_blocks, \
+                                                          int ldy, int rows, int n, int k, int tail_blocks, \
                                                           int* ready, int ready_target)              \
     {                                                                                               \
         gemm_rows_staged_entry<N_TILES, true, true>(x, ldx, w, y, ldy, rows, n, k,                   \
-                                                    GemmRowsAwait{ready, ready_target}, lead_blocks); \
+                                                    GemmRowsAwait{ready, ready_target}, tail_blocks); \
     }
-GEMM_ROWS_LEAD_STAGED_ENTRY(1)
-GEMM_ROWS_LEAD_STAGED_ENTRY(2)
-GEMM_ROWS_LEAD_STAGED_ENTRY(4)
+GEMM_ROWS_TAIL_STAGED_ENTRY(1)
+GEMM_ROWS_TAIL_STAGED_ENTRY(2)
+GEMM_ROWS_TAIL_STAGED_ENTRY(4)

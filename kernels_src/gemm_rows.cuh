@@ -586,22 +586,57 @@ __device__ __forceinline__ int gemm_rows_group_columns(int k_split)
 // Shared-memory floats of gemm_rows_group's partial sums.
 #define GEMM_ROWS_PARTIAL_FLOATS(M_TILES, N_TILES) (GEMM_ROWS_WARPS * (M_TILES) * (N_TILES) * 4 * 32)
 
-// The lead stage of a column group (gemm_rows_group's LEAD): for each warp of the block, in warp order,
-// its N_TILES tiles one after the other, each the first lead_blocks k blocks of the warp's k range
-// (512 elements a k block, as packed). Warp `warp`'s tile 0 begins lead_blocks * 512 * N_TILES elements
-// a warp in; gemm_rows_lead_offset gives that place less kb_begin k blocks (the loop reads block kb at
-// offset + kb * 512), a number that may be negative.
-// The end of a warp's lead: lead_blocks k blocks into its range [kb_begin, kb_end), or the range's end
-// (an empty range, kb_end <= kb_begin, leads nowhere: its end).
-__device__ __forceinline__ int gemm_rows_lead_end(int kb_begin, int kb_end, int lead_blocks)
+// ---- A block's weights in shared memory before its wait (gemm_rows_staged_bf16_*): `bytes` (a
+// multiple of 16; both addresses 16-byte aligned) from `source` into `stage`, by the 16-byte
+// asynchronous copies of `threads` threads (`thread` is the caller's place among them; cp.async,
+// sm_80 and later: many requests in flight per SM and no register; before sm_80 plain copies). All
+// of them call gemm_rows_stage_weights, later gemm_rows_wait_weights, then a barrier among them (it
+// publishes the other threads' copies): the block's, or the warp's for a warp's own copy. One bulk
+// copy a block (the tensor memory accelerator, sm_90) measured the same in the decode graph.
+__device__ __forceinline__ void gemm_rows_stage_weights(void* stage, const bf16_t* source, unsigned int bytes,
+                                                        unsigned int thread, unsigned int threads)
 {
-    return kb_begin + min(lead_blocks, kb_end - kb_begin);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const unsigned int base = shared_address(stage);
+    for (unsigned int offset = 16 * thread; offset < bytes; offset += 16 * threads) {
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(base + offset),
+                     "l"(reinterpret_cast<const char*>(source) + offset)
+                     : "memory");
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#else
+    for (unsigned int offset = 16 * thread; offset < bytes; offset += 16 * threads) {
+        *reinterpret_cast<uint4*>(static_cast<char*>(stage) + offset) =
+            *reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(source) + offset);
+    }
+#endif
+}
+
+// Every thread: wait until its own copies of gemm_rows_stage_weights have landed.
+__device__ __forceinline__ void gemm_rows_wait_weights()
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}
+
+// The tail stage of a column group (gemm_rows_group's TAIL): for each warp of the block, in warp order,
+// its N_TILES tiles one after the other, each the last tail_blocks k blocks of the warp's k range
+// (512 elements a k block, as packed). Warp `warp`'s tile 0 begins tail_blocks * 512 * N_TILES elements
+// a warp in; gemm_rows_tail_offset gives that place less tail_begin k blocks (the loop reads block kb
+// at offset + kb * 512), a number that may be negative.
+// The start of a warp's tail: tail_blocks k blocks before the end of its range [kb_begin, kb_end), or
+// the range's start (a range shorter than the tail is all tail; an empty one, kb_end <= kb_begin, has
+// none: both parts are empty).
+__device__ __forceinline__ int gemm_rows_tail_begin(int kb_begin, int kb_end, int tail_blocks)
+{
+    return max(kb_begin, kb_end - tail_blocks);
 }
 
 template <int N_TILES>
-__device__ __forceinline__ long long gemm_rows_lead_offset(int warp, int kb_begin, int lead_blocks)
+__device__ __forceinline__ long long gemm_rows_tail_offset(int warp, int tail_begin, int tail_blocks)
 {
-    return (static_cast<long long>(warp) * N_TILES * lead_blocks - kb_begin) * GEMM_ROWS_PACKED_BLOCK;
+    return (static_cast<long long>(warp) * N_TILES * tail_blocks - tail_begin) * GEMM_ROWS_PACKED_BLOCK;
 }
 
 // One column group of the output, by the block's 8 warps: rows [row_begin, row_end) (at most
@@ -610,16 +645,16 @@ __device__ __forceinline__ long long gemm_rows_lead_offset(int warp, int kb_begi
 // (the next group may overwrite `partial`). W_SHARED: w is a shared-memory copy of the packed
 // tiles w_tile_origin, ... (gemm_rows_accumulate). PARTIAL_OVER_X: `partial` is the shared memory x
 // is read from (X_FROM GEMM_X_SHARED or GEMM_X_STAGED), so a block barrier comes between the sweep and
-// the partials. LEAD (packed w in memory, not W_SHARED): the first k blocks of each warp's range come
-// from `lead` instead, the block's shared-memory copy of them (gemm_rows_lead_offset), the rest from
-// w, its first step from `first` (gemm_rows_lead_first_step, loaded already): one chain of mma over
-// the range in the same order, so the same bits.
+// the partials. TAIL (packed w in memory, not W_SHARED): the last k blocks of each warp's range come
+// from `tail`, the shared-memory copy of them the warp started (gemm_rows_stage_tail, waited for here),
+// the others from w, their first step from `first` (gemm_rows_tail_first_step, loaded already): one
+// chain of mma over the range in the same order, so the same bits.
 template <int M_TILES, int N_TILES, int LOADS = GEMM_ROWS_LOADS, int X_FROM = GEMM_X_INPUT, bool PACKED = false,
-          bool W_SHARED = false, bool PARTIAL_OVER_X = false, bool LEAD = false>
+          bool W_SHARED = false, bool PARTIAL_OVER_X = false, bool TAIL = false>
 __device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const bf16_t* w, bf16_t* y, int ldy,
                                                 int row_begin, int row_end, int n, int k, int k_split, int group,
-                                                float* partial, int w_tile_origin = 0, const bf16_t* lead = nullptr,
-                                                int lead_blocks = 0, const uint4* first = nullptr)
+                                                float* partial, int w_tile_origin = 0, const bf16_t* tail = nullptr,
+                                                int tail_blocks = 0, const uint4* first = nullptr)
 {
     constexpr int FRAGMENTS = M_TILES * N_TILES * 4;  // accumulators per lane
     const int lane = threadIdx.x & 31;
@@ -642,18 +677,22 @@ __device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const 
             gemm_rows_accumulate_staged<N_TILES, false>(acc, x, ldx, w, n, k, row_begin, row_end, warp_column,
                                                         kb_begin, kb_end, w_tile_origin);
         }
-    } else if constexpr (LEAD) {
-        static_assert(PACKED && !W_SHARED, "a lead stage of a packed weight read from memory");
-        const int lead_end = gemm_rows_lead_end(kb_begin, kb_end, lead_blocks);
-        // Tile j's k block kb (kb_begin <= kb < lead_end) at lead + offset + j * lead_blocks * 512 elements
-        // + (kb - kb_begin) * 512: kb_begin is taken off the lane's place, which the loop adds back.
+    } else if constexpr (TAIL) {
+        static_assert(PACKED && !W_SHARED, "a tail stage of a packed weight read from memory");
+        const int tail_begin = gemm_rows_tail_begin(kb_begin, kb_end, tail_blocks);
+        gemm_rows_accumulate<M_TILES, N_TILES, LOADS, X_FROM, true, false, true, true>(
+            acc, x, ldx, w, n, k, row_begin, row_end, warp_column, kb_begin, tail_begin, 0, w_tile_origin, nullptr,
+            first);
+        // The warp's own copies (no other warp's): landed, and each lane's seen by the others.
+        gemm_rows_wait_weights();
+        __syncwarp();
+        // Tile j's k block kb (tail_begin <= kb < kb_end) at tail + offset + j * tail_blocks * 512 elements
+        // + (kb - tail_begin) * 512: tail_begin is taken off the lane's place, which the loop adds back.
         const GemmRowsWeightLane<N_TILES> staged = gemm_rows_weight_at<N_TILES>(
-            lead + gemm_rows_lead_offset<N_TILES>(warp, kb_begin, lead_blocks) + 8 * lane,
-            lead_blocks * GEMM_ROWS_PACKED_BLOCK, GEMM_ROWS_PACKED_BLOCK, n, warp_column);
-        gemm_rows_accumulate<M_TILES, N_TILES, LOADS, X_FROM, true, true>(
-            acc, x, ldx, nullptr, n, k, row_begin, row_end, warp_column, kb_begin, lead_end, 0, 0, &staged);
-        gemm_rows_accumulate<M_TILES, N_TILES, LOADS, X_FROM, true, false, false, true>(
-            acc, x, ldx, w, n, k, row_begin, row_end, warp_column, lead_end, kb_end, 0, w_tile_origin, nullptr, first);
+            tail + gemm_rows_tail_offset<N_TILES>(warp, tail_begin, tail_blocks) + 8 * lane,
+            tail_blocks * GEMM_ROWS_PACKED_BLOCK, GEMM_ROWS_PACKED_BLOCK, n, warp_column);
+        gemm_rows_accumulate<M_TILES, N_TILES, LOADS, X_FROM, true, true, false>(
+            acc, x, ldx, nullptr, n, k, row_begin, row_end, warp_column, tail_begin, kb_end, 0, 0, &staged);
     } else {
         gemm_rows_accumulate<M_TILES, N_TILES, LOADS, X_FROM, PACKED, W_SHARED>(
             acc, x, ldx, w, n, k, row_begin, row_end, warp_column, kb_begin, kb_end, 0, w_tile_origin);
@@ -887,79 +926,47 @@ __device__ __forceinline__ void gemm_rows_serial_sweep(const bf16_t* __restrict_
     }
 }
 
-// ---- A block's weights in shared memory before its wait (gemm_rows_staged_bf16_*): `bytes` (a
-// multiple of 16; both addresses 16-byte aligned) from `source` into `stage`, by every thread's
-// 16-byte asynchronous copies (cp.async, sm_80 and later: many requests in flight per SM and no
-// register; before sm_80 plain copies). Every thread of the block calls gemm_rows_stage_weights,
-// later gemm_rows_wait_weights, then a block barrier (it publishes the other threads' copies). One
-// bulk copy a block (the tensor memory accelerator, sm_90) measured the same in the decode graph.
-__device__ __forceinline__ void gemm_rows_stage_weights(void* stage, const bf16_t* source, unsigned int bytes)
-{
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    const unsigned int base = shared_address(stage);
-    for (unsigned int offset = 16 * threadIdx.x; offset < bytes; offset += 16 * blockDim.x) {
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(base + offset),
-                     "l"(reinterpret_cast<const char*>(source) + offset)
-                     : "memory");
-    }
-    asm volatile("cp.async.commit_group;" ::: "memory");
-#else
-    for (unsigned int offset = 16 * threadIdx.x; offset < bytes; offset += 16 * blockDim.x) {
-        *reinterpret_cast<uint4*>(static_cast<char*>(stage) + offset) =
-            *reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(source) + offset);
-    }
-#endif
-}
-
-// Every thread: wait until its own copies of gemm_rows_stage_weights have landed.
-__device__ __forceinline__ void gemm_rows_wait_weights()
-{
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.wait_all;" ::: "memory");
-#endif
-}
-
-// Every thread of the block: start the copies of column group `group`'s lead stage into `lead` (the
-// first min(lead_blocks, range) k blocks of every warp's range of each of its tiles inside the matrix,
-// from the packed weight w; gemm_rows_stage_weights). Then gemm_rows_wait_weights and a block barrier
-// before the sweep reads them.
+// Each warp of the block: start the copies of its part of column group `group`'s tail stage into `tail`
+// (the last min(tail_blocks, range) k blocks of the warp's k range of each of its tiles inside the
+// matrix, from the packed weight w; gemm_rows_stage_weights by the warp's lanes). gemm_rows_group's
+// TAIL waits for them (gemm_rows_wait_weights, then a warp barrier) only when it reaches them.
 template <int N_TILES>
-__device__ __forceinline__ void gemm_rows_stage_lead(bf16_t* lead, const bf16_t* w, int n, int k, int k_split,
-                                                     int group, int lead_blocks)
+__device__ __forceinline__ void gemm_rows_stage_tail(bf16_t* tail, const bf16_t* w, int n, int k, int k_split,
+                                                     int group, int tail_blocks)
 {
     const int tiles = (n + GEMM_ROWS_N_TILE - 1) / GEMM_ROWS_N_TILE;
     const int tile_elements = gemm_rows_k_blocks(k) * GEMM_ROWS_PACKED_BLOCK;
     const int group_columns = gemm_rows_group_columns<N_TILES>(k_split);
-    for (int warp = 0; warp < GEMM_ROWS_WARPS; ++warp) {
-        int kb_begin, kb_end;
-        gemm_rows_k_range(k, k_split, warp % k_split, kb_begin, kb_end);
-        const int blocks = gemm_rows_lead_end(kb_begin, kb_end, lead_blocks) - kb_begin;
-        const int first_tile = (group * group_columns) / GEMM_ROWS_N_TILE + (warp / k_split) * N_TILES;
-        for (int j = 0; j < N_TILES && blocks > 0; ++j) {
-            if (first_tile + j < tiles) {
-                gemm_rows_stage_weights(
-                    lead + static_cast<size_t>(warp * N_TILES + j) * lead_blocks * GEMM_ROWS_PACKED_BLOCK,
-                    w + static_cast<size_t>(first_tile + j) * tile_elements +
-                        static_cast<size_t>(kb_begin) * GEMM_ROWS_PACKED_BLOCK,
-                    static_cast<unsigned int>(blocks * GEMM_ROWS_PACKED_BLOCK * sizeof(bf16_t)));
-            }
+    const int warp = threadIdx.x >> 5;
+    int kb_begin, kb_end;
+    gemm_rows_k_range(k, k_split, warp % k_split, kb_begin, kb_end);
+    const int tail_begin = gemm_rows_tail_begin(kb_begin, kb_end, tail_blocks);
+    const int blocks = kb_end - tail_begin;
+    const int first_tile = (group * group_columns) / GEMM_ROWS_N_TILE + (warp / k_split) * N_TILES;
+    for (int j = 0; j < N_TILES && blocks > 0; ++j) {
+        if (first_tile + j < tiles) {
+            gemm_rows_stage_weights(
+                tail + static_cast<size_t>(warp * N_TILES + j) * tail_blocks * GEMM_ROWS_PACKED_BLOCK,
+                w + static_cast<size_t>(first_tile + j) * tile_elements +
+                    static_cast<size_t>(tail_begin) * GEMM_ROWS_PACKED_BLOCK,
+                static_cast<unsigned int>(blocks * GEMM_ROWS_PACKED_BLOCK * sizeof(bf16_t)), threadIdx.x & 31, 32);
         }
     }
 }
 
-// Each warp of the block: the first step of its k range past the lead (k blocks lead_end .. of the
-// range, K_UNROLL = LOADS / N_TILES blocks of its N_TILES tiles of column group `group`, zeros past the
-// range or the matrix), loaded from the packed weight w in program order: issued before a wait that
-// follows, the group's sweep then starts its part in memory from them (gemm_rows_group's LEAD).
+// Each warp of the block: the first step of its k range (K_UNROLL = LOADS / N_TILES k blocks of its
+// N_TILES tiles of column group `group`, zeros past the part before the tail or past the matrix),
+// loaded from the packed weight w in program order: issued before a wait that follows, the group's
+// sweep then starts from them (gemm_rows_group's TAIL).
 template <int N_TILES, int LOADS>
-__device__ __forceinline__ void gemm_rows_lead_first_step(uint4 (&first)[gemm_rows_k_unroll<1, N_TILES, LOADS>()][N_TILES],
+__device__ __forceinline__ void gemm_rows_tail_first_step(uint4 (&first)[gemm_rows_k_unroll<1, N_TILES, LOADS>()][N_TILES],
                                                           const bf16_t* w, int n, int k, int k_split, int group,
-                                                          int lead_blocks)
+                                                          int tail_blocks)
 {
     const int warp = threadIdx.x >> 5;
     int kb_begin, kb_end;
     gemm_rows_k_range(k, k_split, warp % k_split, kb_begin, kb_end);
-    const int lead_end = gemm_rows_lead_end(kb_begin, kb_end, lead_blocks);
+    const int tail_begin = gemm_rows_tail_begin(kb_begin, kb_end, tail_blocks);
     const int warp_column = group * gemm_rows_group_columns<N_TILES>(k_split) + warp / k_split * N_TILES * GEMM_ROWS_N_TILE;
     // (gemm_rows_accumulate's place of the lane in a packed w, tile origin 0.)
     const int tile_stride = gemm_rows_k_blocks(k) * GEMM_ROWS_PACKED_BLOCK;
@@ -967,7 +974,7 @@ __device__ __forceinline__ void gemm_rows_lead_first_step(uint4 (&first)[gemm_ro
         w + static_cast<size_t>(warp_column / GEMM_ROWS_N_TILE) * tile_stride + 8 * (threadIdx.x & 31), tile_stride,
         GEMM_ROWS_PACKED_BLOCK, n, warp_column);
     load_weight_step<gemm_rows_k_unroll<1, N_TILES, LOADS>(), N_TILES, false, true>(
-        first, weight.lane, weight.tile_stride, weight.block_stride, weight.valid, lead_end, kb_end, k,
+        first, weight.lane, weight.tile_stride, weight.block_stride, weight.valid, kb_begin, tail_begin, k,
         threadIdx.x & 3);
 }
 

@@ -806,29 +806,27 @@ def test_staged_awaiting_launch_gives_the_packed_bits(shape, rows):
 @needs_gpu
 @pytest.mark.parametrize("rows", [1, 4], ids=lambda r: f"R{r}")
 @pytest.mark.parametrize("shape", [(4096, 8192), (136, 4104), (100, 136)], ids=_shape_id)
-def test_lead_staged_awaiting_launch_gives_the_packed_bits(shape, rows, monkeypatch):
-    """gemm_rows_bf16(staged=True, ready=...) with LEAD_STAGED_AWAITING where the whole stage does not fit
+def test_tail_staged_awaiting_launch_gives_the_packed_bits(shape, rows, monkeypatch):
+    """gemm_rows_bf16(staged=True, ready=...) with TAIL_STAGED_AWAITING where the whole stage does not fit
     (GLM-5.3-Flash's o_proj [4096, 8192], a 4104-deep weight) or the staged plan is turned off
-    (STAGED_MAX_WEIGHT_BYTES 0): the lead-staged entry, each warp's first k blocks copied into shared
-    memory before the wait. The packed launch's bits, the words back at zero, nothing written outside
-    the outputs; and a short lead (one k block) the same."""
+    (STAGED_MAX_WEIGHT_BYTES 0), for 1 and 4 rows (TAIL_STAGED_MAX_ROWS raised): the tail-staged entry,
+    each warp's last k blocks copied into shared memory before the wait. The packed launch's bits, the
+    words back at zero, nothing written outside the outputs; and a short tail (one k block) the same."""
     from glm_kda import gemm_rows
-    from glm_kda.gemm_rows import lead_staged_plan
+    from glm_kda.gemm_rows import tail_staged_plan
 
     n, k = shape
     x, w, expected, words = _awaiting_case(shape, rows, SEED + 5 * n + rows)
-    monkeypatch.setattr(gemm_rows, "LEAD_STAGED_AWAITING", True)
+    monkeypatch.setattr(gemm_rows, "TAIL_STAGED_AWAITING", True)
     monkeypatch.setattr(gemm_rows, "STAGED_MAX_WEIGHT_BYTES", 0)
+    monkeypatch.setattr(gemm_rows, "TAIL_STAGED_MAX_ROWS", 16)
     per_sm, per_block = gemm_rows._shared_memory(_cp().cuda.Device().id)
-    full = lead_staged_plan(n, k, rows, shared_per_sm=per_sm, shared_per_block=per_block)
-    assert full is not None, f"{_shape_id(shape)} R{rows}: no lead-staged plan"
-    for lead in (None, 1):
-        if lead is not None:
-            monkeypatch.setattr(gemm_rows, "lead_staged_plan",
-                                lambda n, k, rows, sm_count, _plan=lead_staged_plan, **shared: _plan(
-                                    n, k, rows, sm_count, 1, **shared))
+    full = tail_staged_plan(n, k, rows, shared_per_sm=per_sm, shared_per_block=per_block)
+    assert full is not None, f"{_shape_id(shape)} R{rows}: no tail-staged plan"
+    for tail in (None, 1):
+        monkeypatch.setattr(gemm_rows, "TAIL_BLOCKS", tail)
         plan = gemm_rows._staged_plan_here(w, rows, True)
-        tag = f"{_shape_id(shape)} R{rows} {plan.kernel} lead {plan.lead_blocks}"
-        assert plan.kernel.startswith("gemm_rows_lead_staged_") and plan.lead_blocks == (lead or full.lead_blocks), tag
+        tag = f"{_shape_id(shape)} R{rows} {plan.kernel} tail {plan.tail_blocks}"
+        assert plan.kernel.startswith("gemm_rows_tail_staged_") and plan.tail_blocks == (tail or full.tail_blocks), tag
         launched = _staged_awaiting_launch(x, w, rows, words, 3, expected, tag)
         assert launched == plan.grid[0], f"{tag}: {launched} blocks launched, the plan has {plan.grid[0]}"

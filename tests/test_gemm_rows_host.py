@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from glm_kda.gemm_rows import launch_plan, lead_staged_plan, pack_weight, staged_plan
+from glm_kda.gemm_rows import launch_plan, tail_staged_plan, pack_weight, staged_plan
 from glm_kda.reference import rms_ratio, round_bf16
 from host_cuda import (COMMON_DEVICE_HELPERS, HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, bf16_bits, bits_to_f64, build_host_binary,
                        host_kernel_source, order_sensitive_inputs)
@@ -47,11 +47,13 @@ inline uint4 load_activation_16B(const bf16_t* pointer, bool valid) { return loa
 inline uint4 load_produced_16B(const bf16_t* pointer, bool valid) { return load_weight_16B(pointer, valid); }
 inline void prefetch_l2(const void*) {}
 inline void prefetch_l1(const void*) {}
-// The staged entries' asynchronous copies (PTX on sm_80 and later): thread 0 copies at once, and the
-// block barrier that follows the wait in the kernel publishes the copy.
-inline void gemm_rows_stage_weights(void* stage, const bf16_t* source, unsigned int bytes)
+// The staged entries' asynchronous copies (PTX on sm_80 and later): the first of the copying threads
+// copies at once (thread 0 of a block's copy, lane 0 of a warp's own), and the barrier that follows
+// the wait in the kernel (the block's or the warp's) publishes the copy.
+inline void gemm_rows_stage_weights(void* stage, const bf16_t* source, unsigned int bytes, unsigned int thread,
+                                    unsigned int)
 {
-    if (threadIdx.x == 0) std::memcpy(stage, source, bytes);
+    if (thread == 0) std::memcpy(stage, source, bytes);
 }
 inline void gemm_rows_wait_weights() {}
 inline double bf16_word(unsigned int word, int half)
@@ -92,9 +94,9 @@ DECLARE_SERIAL(4, 2)
     extern "C" void gemm_rows_staged_awaiting_bf16_m1_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, \
                                                            int, int, int, int*, int);
 DECLARE_STAGED(1) DECLARE_STAGED(2)
-#define DECLARE_LEAD(N) extern "C" void gemm_rows_lead_staged_awaiting_bf16_m1_n##N(const bf16_t*, int, const bf16_t*, \
+#define DECLARE_TAIL(N) extern "C" void gemm_rows_tail_staged_awaiting_bf16_m1_n##N(const bf16_t*, int, const bf16_t*, \
                                                                            bf16_t*, int, int, int, int, int, int*, int);
-DECLARE_LEAD(1) DECLARE_LEAD(2) DECLARE_LEAD(4)
+DECLARE_TAIL(1) DECLARE_TAIL(2) DECLARE_TAIL(4)
 extern "C" void gemv_bf16(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int);
 using Entry = void (*)(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int, int);
 #define DECLARE_DECODE(N)                                                                                         \
@@ -113,11 +115,11 @@ using CountingEntry = void (*)(const bf16_t*, int, const bf16_t*, bf16_t*, int, 
 // The one-sequence decode forms of the packed m1 entries (argv[19]): 1 the pair (x2 = x + argv[20]
 // columns, w2 and y2 from their files), 2 awaiting words set to {argv[20], 0} (the count its target),
 // 3 the staged entry's awaiting form so (with shared_bytes of dynamic shared memory), 4 the counting
-// entry with its words set to {argv[20], 0}, 5 the lead-staged awaiting entry as 3, its lead argv[21]
+// entry with its words set to {argv[20], 0}, 5 the tail-staged awaiting entry as 3, its tail argv[21]
 // k blocks.
 int decode_form(const std::string& dir, int form, int form_arg, int n_tiles, unsigned grid_x, unsigned threads,
                 int rows, int n, int k, int ldx, int ldy, int x_rows, int y_rows, long w_elements,
-                size_t shared_bytes, int lead_blocks)
+                size_t shared_bytes, int tail_blocks)
 {
     const int index = n_tiles == 1 ? 0 : n_tiles == 2 ? 1 : n_tiles == 4 ? 2 : -1;
     const PairEntry pairs[] = {gemm_rows_packed_pair_bf16_m1_n1, gemm_rows_packed_pair_bf16_m1_n2,
@@ -128,9 +130,9 @@ int decode_form(const std::string& dir, int form, int form_arg, int n_tiles, uns
                                              gemm_rows_staged_awaiting_bf16_m1_n2, nullptr};
     const CountingEntry counting[] = {gemm_rows_packed_counting_bf16_m1_n1, gemm_rows_packed_counting_bf16_m1_n2,
                                       gemm_rows_packed_counting_bf16_m1_n4};
-    const AwaitingEntry lead_staged[] = {gemm_rows_lead_staged_awaiting_bf16_m1_n1,
-                                         gemm_rows_lead_staged_awaiting_bf16_m1_n2,
-                                         gemm_rows_lead_staged_awaiting_bf16_m1_n4};
+    const AwaitingEntry tail_staged[] = {gemm_rows_tail_staged_awaiting_bf16_m1_n1,
+                                         gemm_rows_tail_staged_awaiting_bf16_m1_n2,
+                                         gemm_rows_tail_staged_awaiting_bf16_m1_n4};
     if (index < 0 || (form == 3 && !staged_awaiting[index])) {
         std::fprintf(stderr, "no decode entry m1_n%d\n", n_tiles);
         return 2;
@@ -154,9 +156,9 @@ int decode_form(const std::string& dir, int form, int form_arg, int n_tiles, uns
         save(dir + "/words.out", words);
     } else {
         std::vector<int> words = {form_arg, 0};
-        const AwaitingEntry entry = form == 3 ? staged_awaiting[index] : form == 5 ? lead_staged[index] : awaiting[index];
+        const AwaitingEntry entry = form == 3 ? staged_awaiting[index] : form == 5 ? tail_staged[index] : awaiting[index];
         run_grid(dim3{grid_x, 1, 1}, threads, form == 3 || form == 5 ? shared_bytes : 0, [&] {
-            entry(x.data(), ldx, w.data(), y.data(), ldy, rows, n, k, form == 5 ? lead_blocks : 0, words.data(),
+            entry(x.data(), ldx, w.data(), y.data(), ldy, rows, n, k, form == 5 ? tail_blocks : 0, words.data(),
                   form_arg);
         });
         save(dir + "/words.out", words);
@@ -268,8 +270,8 @@ def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, gemv=F
     form_arg and y2 a copy of y_buffer; returns (y, y2). form 2: the awaiting entry with its words
     set to {form_arg, 0} and form_arg its target; returns (y, words after). form 3: the same with the
     staged entry's awaiting form as staged_plan(awaiting=True) plans it. form 4: the counting entry
-    with its words set to {form_arg, 0}; returns (y, words after). form 5: the lead-staged awaiting
-    entry as lead_staged_plan plans it (plan_args its lead_blocks), words as form 2."""
+    with its words set to {form_arg, 0}; returns (y, words after). form 5: the tail-staged awaiting
+    entry as tail_staged_plan plans it (plan_args its tail_blocks), words as form 2."""
     n, k = w.shape
     packed = packed or staged or form != 0
     w_file = pack_weight(w.view(np.uint16)).data if packed else w
@@ -281,8 +283,8 @@ def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, gemv=F
         assert plan is not None, f"N{n}-K{k} R{rows}: no staged plan"
         m_tiles, n_tiles = (int(part[1:]) for part in plan.kernel.split("_")[-2:])
     elif form == 5:
-        plan = lead_staged_plan(n, k, rows, **plan_args)
-        assert plan is not None, f"N{n}-K{k} R{rows}: no lead-staged plan"
+        plan = tail_staged_plan(n, k, rows, **plan_args)
+        assert plan is not None, f"N{n}-K{k} R{rows}: no tail-staged plan"
         m_tiles, n_tiles = (int(part[1:]) for part in plan.kernel.split("_")[-2:])
     else:
         plan = launch_plan(2 * n if form == 1 else n, k, 1 if one_row_launches else rows, **plan_args)
@@ -301,7 +303,7 @@ def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, gemv=F
          str(k), str(x_buffer.shape[1]), str(y_buffer.shape[1]), str(x_buffer.shape[0]), str(y_buffer.shape[0]),
          str(rows if one_row_launches else 1), str(w_file.size if packed else 0),
          str(int("_serial_" in plan.kernel)), str(plan.block[0]), str(int(staged)),
-         str(getattr(plan, "shared_mem", 0)), str(form), str(form_arg), str(getattr(plan, "lead_blocks", 0))],
+         str(getattr(plan, "shared_mem", 0)), str(form), str(form_arg), str(getattr(plan, "tail_blocks", 0))],
         capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["misaligned=0"], f"host run: {result.stdout.strip()}"
@@ -657,58 +659,57 @@ def test_staged_awaiting_launch_gives_the_packed_bits_on_host(gemm_host, shape, 
 
 
 @pytest.mark.parametrize("shape", [(100, 136), (40, 1056), (72, 2056), (136, 4104)], ids=lambda s: f"N{s[0]}-K{s[1]}")
-def test_lead_staged_launch_gives_the_packed_bits_on_host(gemm_host, shape):
-    """The lead-staged awaiting entry (its words already at their target): each warp's first k blocks
-    from the block's stage, the rest of its range from memory, x's rows from shared memory. The packed
-    launch's bits for 1 .. 16 rows, 1 .. 4 tiles a warp and leads of one k block, a few, and the whole
-    range (warps side by side at K136, a last warp with no k blocks at K1056 (33 blocks in ranges of 5),
-    a short last range at K2056 and K4104, whose 8-column tile is too wide for the staged entry);
-    nothing written outside the outputs; the words back at zero. The
-    emulated shared memory starts as NaNs, so a k block read from the stage that was not copied there
-    changes bits."""
+def test_tail_staged_launch_gives_the_packed_bits_on_host(gemm_host, shape):
+    """The tail-staged awaiting entry (its words already at their target): each warp's last k blocks
+    from its copies in the block's stage, the rest of its range from memory, x's rows from shared
+    memory. The packed launch's bits for 1 .. 16 rows, 1 .. 4 tiles a warp and tails of one k block, a
+    few, and the whole range (warps side by side at K136, a last warp with no k blocks at K1056 (33
+    blocks in ranges of 5), a short last range at K2056 and K4104, whose 8-column tile is too wide for
+    the staged entry); nothing written outside the outputs; the words back at zero. The emulated shared
+    memory starts as NaNs, so a k block read from the stage that was not copied there changes bits."""
     n, k = shape
     x, w = _inputs(n, k, 16, seed=11 * n + k)
     for rows in (1, 5, 16):
         packed = run_host(gemm_host, x[:rows], w, rows, np.full((rows, n), POISON, np.uint16), packed=True)
-        for lead, tiles in ((1, None), (4, 2), (None, None), (None, 4)):
-            plan = lead_staged_plan(n, k, rows, lead_blocks=lead, tiles_per_warp=tiles)
+        for tail, tiles in ((1, None), (4, 2), (None, None), (None, 4)):
+            plan = tail_staged_plan(n, k, rows, tail_blocks=tail, tiles_per_warp=tiles)
             if plan is None:
-                assert rows * k * 2 > 96 << 10, f"N{n}-K{k} R{rows}: no lead-staged plan"
+                assert rows * k * 2 > 96 << 10, f"N{n}-K{k} R{rows}: no tail-staged plan"
                 continue
-            tag = f"N{n}-K{k} R{rows} {plan.kernel} grid {plan.grid} lead {plan.lead_blocks}"
+            tag = f"N{n}-K{k} R{rows} {plan.kernel} grid {plan.grid} tail {plan.tail_blocks}"
             staged, words = run_host(gemm_host, x, w, rows, np.full((rows + 2, n + 8), POISON, np.uint16), form=5,
-                                     form_arg=plan.grid[0], lead_blocks=lead, tiles_per_warp=tiles)
-            _assert_bits_equal(staged[:rows, :n], packed, f"{tag}: lead-staged awaiting")
+                                     form_arg=plan.grid[0], tail_blocks=tail, tiles_per_warp=tiles)
+            _assert_bits_equal(staged[:rows, :n], packed, f"{tag}: tail-staged awaiting")
             untouched = np.ones(staged.shape, dtype=bool)
             untouched[:rows, :n] = False
             assert (staged[untouched] == POISON).all(), f"{tag}: the launch wrote outside its outputs"
             assert words.tolist() == [0, 0], f"{tag}: words after {words.tolist()}"
 
 
-def test_lead_staged_plan_fills_two_blocks_an_sm():
-    """lead_staged_plan: the one-row sweep's tiles and groups, one group a block, the longest lead that
-    leaves LEAD_BLOCKS_PER_SM blocks (lead, x's rows or the partial sums, the driver's KB) in an SM's
+def test_tail_staged_plan_fills_two_blocks_an_sm():
+    """tail_staged_plan: the one-row sweep's tiles and groups, one group a block, the longest tail that
+    leaves TAIL_BLOCKS_PER_SM blocks (tail, x's rows or the partial sums, the driver's KB) in an SM's
     shared memory, never past a warp's k range. GLM-5.3-Flash's o_proj [4096, 8192]: 2 tiles a warp,
     256 blocks, 12 of each warp's 32 k blocks (96 KB) beside x's row (16 KB)."""
     from glm_kda import gemm_rows
 
-    plan = lead_staged_plan(4096, 8192, 1)
-    assert (plan.kernel, plan.grid, plan.lead_blocks) == ("gemm_rows_lead_staged_awaiting_bf16_m1_n2", (256, 1),
+    plan = tail_staged_plan(4096, 8192, 1)
+    assert (plan.kernel, plan.grid, plan.tail_blocks) == ("gemm_rows_tail_staged_awaiting_bf16_m1_n2", (256, 1),
                                                           12), plan
     assert plan.shared_mem == 8 * 2 * 12 * 512 + 16 + 8192 * 2, plan
     for rows in (1, 4, 16):
-        plan = lead_staged_plan(4096, 8192, rows)
+        plan = tail_staged_plan(4096, 8192, rows)
         if plan is not None:
-            assert gemm_rows.LEAD_BLOCKS_PER_SM * (plan.shared_mem + 1024) <= gemm_rows.BULK_SHARED_PER_SM, plan
-    assert lead_staged_plan(4096, 8192, 16) is None  # 16 rows of x (256 KB) leave no room for a lead
-    assert lead_staged_plan(4096, 8192, 1, lead_blocks=3).lead_blocks == 3
-    assert lead_staged_plan(40, 128, 1).lead_blocks == 4  # k_split 1: the whole 4-block range
-    assert lead_staged_plan(4096, 8192, 17) is None
-    # A part with about 100 KB of shared memory an SM (sm_120): a third of the lead.
-    small = lead_staged_plan(4096, 8192, 1, shared_per_sm=100 << 10, shared_per_block=99 << 10)
-    assert small.lead_blocks == 4 and 2 * (small.shared_mem + 1024) <= 100 << 10, small
-    with pytest.raises(ValueError, match="lead_blocks must be >= 1"):
-        lead_staged_plan(4096, 8192, 1, lead_blocks=0)
+            assert gemm_rows.TAIL_BLOCKS_PER_SM * (plan.shared_mem + 1024) <= gemm_rows.BULK_SHARED_PER_SM, plan
+    assert tail_staged_plan(4096, 8192, 16) is None  # 16 rows of x (256 KB) leave no room for a tail
+    assert tail_staged_plan(4096, 8192, 1, tail_blocks=3).tail_blocks == 3
+    assert tail_staged_plan(40, 128, 1).tail_blocks == 4  # k_split 1: the whole 4-block range
+    assert tail_staged_plan(4096, 8192, 17) is None
+    # A part with about 100 KB of shared memory an SM (sm_120): a third of the tail.
+    small = tail_staged_plan(4096, 8192, 1, shared_per_sm=100 << 10, shared_per_block=99 << 10)
+    assert small.tail_blocks == 4 and 2 * (small.shared_mem + 1024) <= 100 << 10, small
+    with pytest.raises(ValueError, match="tail_blocks must be >= 1"):
+        tail_staged_plan(4096, 8192, 1, tail_blocks=0)
 
 
 def test_staged_plan_fits_its_stage():

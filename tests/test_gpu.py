@@ -749,11 +749,11 @@ def test_step_awaiting_projection_gives_the_joined_bits(layers, geometry, graphs
 
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphed", "eager"])
-def test_lead_staged_out_proj_gives_the_same_decode_bits(layers, graphs, monkeypatch):
-    """GLM-5.3-Flash's one-row o_proj, awaiting the step's count of outputs, with the lead of each warp's
-    k range staged in shared memory before the wait (gemm_rows.LEAD_STAGED_AWAITING; its 67 MB weight
+def test_tail_staged_out_proj_gives_the_same_decode_bits(layers, graphs, monkeypatch):
+    """GLM-5.3-Flash's one-row o_proj, awaiting the step's count of outputs, with the tail of each warp's
+    k range staged in shared memory before the wait (gemm_rows.TAIL_STAGED_AWAITING; its 67 MB weight
     takes no whole stage): every stage buffer, the output and both states over the one-sequence calls
-    equal to the awaiting sweep's, the lead entry launched, the words zero after every call."""
+    equal to the awaiting sweep's, the tail entry launched, the words zero after every call."""
     from glm_kda import gemm_rows, kernels
 
     _, layer = layers("glm")
@@ -766,22 +766,22 @@ def test_lead_staged_out_proj_gives_the_same_decode_bits(layers, graphs, monkeyp
             words = getattr(layer.workspace, name).get().tolist()
             assert words == [0, 0], f"glm {what}: the {name} words are {words} after the call"
 
-    def run(lead: bool) -> tuple[dict, list]:
-        monkeypatch.setattr(gemm_rows, "LEAD_STAGED_AWAITING", lead)
+    def run(tail: bool) -> tuple[dict, list]:
+        monkeypatch.setattr(gemm_rows, "TAIL_STAGED_AWAITING", tail)
         layer._graphs.clear()  # graphs hold the launches they were captured with
         layer.use_graphs = graphs
         launched.clear()
         try:
             calls = _one_sequence_calls(layer, seed=59, after_call=words_are_zero)
-            return calls, [name for name in launched if name.startswith("gemm_rows_lead_staged_")]
+            return calls, [name for name in launched if name.startswith("gemm_rows_tail_staged_")]
         finally:
             layer.use_graphs = True
             layer._graphs.clear()
 
-    plain, plain_leads = run(False)
-    lead, leads = run(True)
-    assert not plain_leads and leads, f"lead-staged launches without / with the setting: {plain_leads} / {leads}"
-    _assert_same_bits(lead, plain, "glm", "the lead-staged o_proj and the awaiting sweep")
+    plain, plain_tails = run(False)
+    tail, tails = run(True)
+    assert not plain_tails and tails, f"tail-staged launches without / with the setting: {plain_tails} / {tails}"
+    _assert_same_bits(tail, plain, "glm", "the tail-staged o_proj and the awaiting sweep")
 
 
 def test_graph_replay_equals_eager_and_recaptures_on_new_pointers(layers):

@@ -71,9 +71,9 @@ def test_kernel_files_match_entry_points():
         # ... and GEMM_ROWS_STAGED_ENTRY(tiles), the staged entry and its awaiting form (packed, one m-tile).
         declared += [f"gemm_rows_staged_{form}bf16_m1_n{n}" for n in
                      re.findall(r"^GEMM_ROWS_STAGED_ENTRY\((\d+)\)", text, re.M) for form in ("", "awaiting_")]
-        # ... and GEMM_ROWS_LEAD_STAGED_ENTRY(tiles), the lead-staged awaiting entry (packed, one m-tile).
-        declared += [f"gemm_rows_lead_staged_awaiting_bf16_m1_n{n}" for n in
-                     re.findall(r"^GEMM_ROWS_LEAD_STAGED_ENTRY\((\d+)\)", text, re.M)]
+        # ... and GEMM_ROWS_TAIL_STAGED_ENTRY(tiles), the tail-staged awaiting entry (packed, one m-tile).
+        declared += [f"gemm_rows_tail_staged_awaiting_bf16_m1_n{n}" for n in
+                     re.findall(r"^GEMM_ROWS_TAIL_STAGED_ENTRY\((\d+)\)", text, re.M)]
         # ... and GEMM_ROWS_DECODE_ENTRIES(tiles), the pair, the awaiting and the counting entry (packed, one
         # m-tile).
         declared += [f"gemm_rows_packed_{form}_bf16_m1_n{n}" for n in
