@@ -583,6 +583,14 @@ __device__ __forceinline__ int gemm_rows_group_columns(int k_split)
     return GEMM_ROWS_WARPS / k_split * N_TILES * GEMM_ROWS_N_TILE;
 }
 
+// The first column of the calling warp's N_TILES tiles in column group `group`: the group's warps
+// stand side by side along n (warp / k_split), each over k range warp % k_split (gemm_rows_k_range).
+template <int N_TILES>
+__device__ __forceinline__ int gemm_rows_warp_column(int k_split, int group)
+{
+    return group * gemm_rows_group_columns<N_TILES>(k_split) + (threadIdx.x >> 5) / k_split * N_TILES * GEMM_ROWS_N_TILE;
+}
+
 // Shared-memory floats of gemm_rows_group's partial sums.
 #define GEMM_ROWS_PARTIAL_FLOATS(M_TILES, N_TILES) (GEMM_ROWS_WARPS * (M_TILES) * (N_TILES) * 4 * 32)
 
@@ -936,13 +944,12 @@ __device__ __forceinline__ void gemm_rows_stage_tail(bf16_t* tail, const bf16_t*
 {
     const int tiles = (n + GEMM_ROWS_N_TILE - 1) / GEMM_ROWS_N_TILE;
     const int tile_elements = gemm_rows_k_blocks(k) * GEMM_ROWS_PACKED_BLOCK;
-    const int group_columns = gemm_rows_group_columns<N_TILES>(k_split);
     const int warp = threadIdx.x >> 5;
     int kb_begin, kb_end;
     gemm_rows_k_range(k, k_split, warp % k_split, kb_begin, kb_end);
     const int tail_begin = gemm_rows_tail_begin(kb_begin, kb_end, tail_blocks);
     const int blocks = kb_end - tail_begin;
-    const int first_tile = (group * group_columns) / GEMM_ROWS_N_TILE + (warp / k_split) * N_TILES;
+    const int first_tile = gemm_rows_warp_column<N_TILES>(k_split, group) / GEMM_ROWS_N_TILE;
     for (int j = 0; j < N_TILES && blocks > 0; ++j) {
         if (first_tile + j < tiles) {
             gemm_rows_stage_weights(
@@ -967,7 +974,7 @@ __device__ __forceinline__ void gemm_rows_tail_first_step(uint4 (&first)[gemm_ro
     int kb_begin, kb_end;
     gemm_rows_k_range(k, k_split, warp % k_split, kb_begin, kb_end);
     const int tail_begin = gemm_rows_tail_begin(kb_begin, kb_end, tail_blocks);
-    const int warp_column = group * gemm_rows_group_columns<N_TILES>(k_split) + warp / k_split * N_TILES * GEMM_ROWS_N_TILE;
+    const int warp_column = gemm_rows_warp_column<N_TILES>(k_split, group);
     // (gemm_rows_accumulate's place of the lane in a packed w, tile origin 0.)
     const int tile_stride = gemm_rows_k_blocks(k) * GEMM_ROWS_PACKED_BLOCK;
     const GemmRowsWeightLane<N_TILES> weight = gemm_rows_weight_at<N_TILES>(
