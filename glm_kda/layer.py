@@ -191,6 +191,12 @@ GATE_BRANCH_MIN_ROWS: int | None = 16
 PERSISTENT_DECODE = False
 # Most rows one batched decode call takes (the workspace and the pool may limit it further).
 MAX_DECODE_ROWS = 256
+# What a decode-side call accepts as its rows, and its states' element type (compared per call;
+# made once).
+_ROW_DTYPES = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.uint16))
+_F32 = np.dtype(np.float32)
+# cudaMemcpyKind of the copies around a graph replay.
+_HOST_TO_DEVICE, _DEVICE_TO_DEVICE = 1, 3
 
 
 def _step_resident_blocks(device_id: int) -> int:
@@ -373,6 +379,7 @@ class KdaLayer:
         self.o_proj = to_device_bf16(bound.o_proj)
         self.scale = 1.0 / math.sqrt(self.config.head_dim)
         self._graphs = DecodeGraphs(self)
+        self._state_shapes = (tuple(self.config.conv_state_shape), tuple(self.config.recurrent_state_shape))
         # The decode front end's extra streams and their fork / join events, by branch (see _beside).
         self._branches: dict[int, tuple] = {}
         # Rows of o_norm_out the last fused step also wrote into workspace.x_tiles (0: none).
@@ -505,7 +512,7 @@ class KdaLayer:
             back = to_host
         elif not isinstance(hidden, cupy.ndarray):
             raise TypeError(f"{what}: expected a CuPy, NumPy or torch BF16 array, got {type(hidden).__name__}")
-        if hidden.dtype not in (np.dtype(ml_dtypes.bfloat16), np.dtype(np.uint16)):
+        if hidden.dtype not in _ROW_DTYPES:
             raise TypeError(f"{what}: expected BF16 (ml_dtypes.bfloat16), got dtype {hidden.dtype}")
         if hidden.ndim == 1:
             hidden = hidden.reshape(1, -1)
@@ -525,10 +532,11 @@ class KdaLayer:
 
         if not isinstance(state, KdaState):
             raise TypeError(f"{what}: state must be a KdaState (layer.new_state()), got {type(state).__name__}")
-        state.check(self.config, "state")
-        for field in ("conv", "recurrent"):
-            buf = getattr(state, field)
-            if not isinstance(buf, cupy.ndarray) or buf.dtype != np.float32 or not buf.flags.c_contiguous:
+        conv, recurrent = state.conv, state.recurrent
+        if conv.shape != self._state_shapes[0] or recurrent.shape != self._state_shapes[1]:
+            state.check(self.config, "state")  # names the buffer whose shape is wrong
+        for field, buf in (("conv", conv), ("recurrent", recurrent)):
+            if not isinstance(buf, cupy.ndarray) or buf.dtype != _F32 or not buf.flags.c_contiguous:
                 raise TypeError(f"{what}: state.{field} must be a contiguous CuPy float32 array")
 
     # Stages -------------------------------------------------------------------------------
@@ -1047,9 +1055,8 @@ class KdaLayer:
             self.decode_rows(hidden, state.conv, state.recurrent, sequential=True, snapshots=snapshots)
 
         key = ("k", rows, self.fused_decode, self.persistent_decode, state.conv.data.ptr, state.recurrent.data.ptr,
-               tuple((s.conv.data.ptr, s.recurrent.data.ptr) for s in snapshots))
-        self._graphs.run(key, hidden_rows, None, body)
-        return back(copy_of(self.workspace.final_out[:rows]))
+               tuple([(s.conv.data.ptr, s.recurrent.data.ptr) for s in snapshots]) if snapshots else ())
+        return back(self._graphs.run(key, hidden_rows, None, body))
 
     def _decode_pool(self, hidden: Any, pool: StatePool, slots: Any) -> Any:
         import cupy
@@ -1064,14 +1071,14 @@ class KdaLayer:
             if slots.dtype != np.int32 or slots.shape != (rows,):
                 raise ValueError(f"slots: expected a device int32 array of {rows} entries, got {slots.dtype} {list(slots.shape)}")
         else:
-            slots = cupy.asarray(self._host_slots(slots, rows, pool, "decode").astype(np.int32))
+            # Checked here, then uploaded straight into the graph's slot buffer (DecodeGraphs.run).
+            slots = np.ascontiguousarray(self._host_slots(slots, rows, pool, "decode"), np.int32)
 
         def body(hidden: Any, device_slots: Any) -> None:
             self.decode_rows(hidden, pool.conv, pool.recurrent, slots=device_slots)
 
         key = ("pool", rows, self.fused_decode, self.persistent_decode, pool.conv.data.ptr, pool.recurrent.data.ptr)
-        self._graphs.run(key, hidden, slots, body)
-        return back(copy_of(self.workspace.final_out[:rows]))
+        return back(self._graphs.run(key, hidden, slots, body))
 
 
 def copy_into(dst: Any, src: Any) -> None:
@@ -1099,18 +1106,69 @@ def copy_of(src: Any) -> Any:
     return out
 
 
+class GraphIO:
+    """The workspace's fixed buffers that a graphed call of `rows` rows reads and writes, sliced
+    once: its input rows (graph_hidden), slots (graph_slots) and output rows (final_out), with
+    their device pointers and sizes."""
+
+    __slots__ = ("hidden", "slots", "out", "hidden_ptr", "slots_ptr", "out_ptr", "hidden_bytes", "slots_bytes",
+                 "out_bytes")
+
+    def __init__(self, ws: KdaWorkspace, rows: int):
+        self.hidden, self.slots, self.out = ws.graph_hidden[:rows], ws.graph_slots[:rows], ws.final_out[:rows]
+        self.hidden_ptr, self.slots_ptr, self.out_ptr = (a.data.ptr for a in (self.hidden, self.slots, self.out))
+        self.hidden_bytes, self.slots_bytes, self.out_bytes = (a.nbytes for a in (self.hidden, self.slots, self.out))
+
+
+class PinnedUploads:
+    """Small host-to-device copies issued without synchronising: a few pinned host buffers used
+    in turn, each reused only once the copy that last read it has run. (A copy from pageable
+    memory may wait for the stream; one from a freed pinned buffer may read what the next
+    call wrote there.)"""
+
+    def __init__(self, nbytes: int, count: int = 4):
+        import cupy
+
+        self.nbytes = nbytes
+        self.buffers = [cupy.cuda.alloc_pinned_memory(nbytes) for _ in range(count)]
+        self.events = [cupy.cuda.Event(disable_timing=True) for _ in range(count)]
+        self.pending = [False] * count
+        self.turn = 0
+
+    def upload(self, dst_ptr: int, host: np.ndarray, stream: Any) -> None:
+        """Copy C-contiguous `host` (at most nbytes) to device address dst_ptr on `stream`."""
+        import cupy
+
+        if host.nbytes > self.nbytes:
+            raise ValueError(f"PinnedUploads: {host.nbytes} bytes over the {self.nbytes} of a buffer")
+        i = self.turn
+        self.turn = (i + 1) % len(self.buffers)
+        if self.pending[i]:
+            self.events[i].synchronize()
+        buffer = self.buffers[i]
+        np.frombuffer(buffer, np.uint8, host.nbytes)[:] = host.view(np.uint8).reshape(-1)
+        cupy.cuda.runtime.memcpyAsync(dst_ptr, buffer.ptr, host.nbytes, _HOST_TO_DEVICE, stream.ptr)
+        self.events[i].record(stream)
+        self.pending[i] = True
+
+
 class DecodeGraphs:
     """CUDA graphs of the decode-side calls, captured once per shape and state, replayed after.
 
     A call's key holds its kind, its row count and the device pointers it touches besides the
     workspace (state, snapshots, pool). The first call of a key runs eagerly (so every kernel
     is compiled and every wrapper check has passed), the second captures the call on a side
-    stream, and from then on each call is one graph launch plus the copy of its input rows
-    (and slots) into the workspace's fixed input buffers. A new state object, pool or
-    workspace has new pointers and so a new key: it is captured afresh; the oldest graphs are
-    dropped past `capacity`. Slots live in a device buffer, so sequences entering and leaving
-    a pool never cause a recapture. Set `enabled = False` for eager launches; timing
-    (glm_kda.kernels.timing) also runs eagerly.
+    stream, and from then on each call is one graph launch between two copies: its input rows
+    (and slots) into the workspace's fixed input buffers, and the output rows into a new array.
+    A new state object, pool or workspace has new pointers and so a new key: it is captured
+    afresh; the oldest graphs are dropped past `capacity`. Slots live in a device buffer, so
+    sequences entering and leaving a pool never cause a recapture. Set `enabled = False` for
+    eager launches; timing (glm_kda.kernels.timing) also runs eagerly.
+
+    The host's work per replayed call is kept to those copies and the launch (the buffers of
+    each row count are sliced once, see GraphIO), so that a decode loop that does not
+    synchronise each token is bound by the GPU's time, not by Python's
+    (benchmarks/host_cost.py measures both).
     """
 
     def __init__(self, layer: "KdaLayer", capacity: int = 64):
@@ -1121,41 +1179,82 @@ class DecodeGraphs:
         self.seen: set[tuple] = set()
         self.captures = 0
         self.last_graph: Any = None  # the graph of the latest replayed call (benchmarks time it alone)
+        self._io: dict[int, GraphIO] = {}
+        self._io_serial = -1
+        self._uploads: PinnedUploads | None = None
 
-    def run(self, key: tuple, hidden: Any, slots: Any, body) -> None:
+    def io(self, rows: int) -> GraphIO:
+        """The current workspace's GraphIO of `rows` rows."""
+        ws = self.layer.workspace
+        if ws.serial != self._io_serial:
+            self._io, self._io_serial, self._uploads = {}, ws.serial, None
+        io = self._io.get(rows)
+        if io is None:
+            io = self._io[rows] = GraphIO(ws, rows)
+        return io
+
+    def _slots_in(self, io: GraphIO, slots: Any, stream: Any) -> None:
+        """slots (device int32 [rows], or checked host int32 [rows]) into io.slots."""
+        if isinstance(slots, np.ndarray):
+            if self._uploads is None:
+                self._uploads = PinnedUploads(self.layer.workspace.graph_slots.nbytes)
+            self._uploads.upload(io.slots_ptr, slots, stream)
+        else:
+            copy_into(io.slots, slots)
+
+    def run(self, key: tuple, hidden: Any, slots: Any, body) -> Any:
+        """Run body(hidden_rows, device_slots) for the C-contiguous BF16 rows `hidden` [rows,
+        hidden] (as KdaLayer._rows_in returns them) and slots (None; device int32 [rows]; or host
+        int32 [rows], already checked), replaying its graph where there is one. Returns a new
+        CuPy array [rows, hidden] holding final_out's rows."""
         import cupy
 
-        ws = self.layer.workspace
-        if not self.enabled or kernels.TIMER.active:
-            body(hidden, slots)
-            return
-        key = key + (ws.serial,)
         rows = hidden.shape[0]
-        copy_into(ws.graph_hidden[:rows].view(np.uint16), hidden.view(np.uint16))
-        static_slots = None
-        if slots is not None:
-            copy_into(ws.graph_slots[:rows], slots)
-            static_slots = ws.graph_slots[:rows]
-        static_hidden = ws.graph_hidden[:rows]
-        graph = self.graphs.get(key)
-        if graph is None:
-            if key not in self.seen:
-                self.seen.add(key)
-                body(static_hidden, static_slots)
-                return
-            side = cupy.cuda.Stream(non_blocking=True)
-            with side:
-                side.begin_capture()
-                try:
-                    body(static_hidden, static_slots)
-                finally:
-                    graph = side.end_capture()
-            self.captures += 1
-            if len(self.graphs) >= self.capacity:
-                self.graphs.pop(next(iter(self.graphs)))
-            self.graphs[key] = graph
-        self.last_graph = graph
-        graph.launch(cupy.cuda.get_current_stream())
+        io = self.io(rows)
+        stream = cupy.cuda.get_current_stream()
+        if not self.enabled or kernels.TIMER.active:
+            if isinstance(slots, np.ndarray):
+                self._slots_in(io, slots, stream)
+                slots = io.slots
+            body(hidden, slots)
+        else:
+            key = key + (self._io_serial,)
+            cupy.cuda.runtime.memcpyAsync(io.hidden_ptr, hidden.data.ptr, io.hidden_bytes, _DEVICE_TO_DEVICE,
+                                          stream.ptr)
+            static_slots = None
+            if slots is not None:
+                self._slots_in(io, slots, stream)
+                static_slots = io.slots
+            graph = self.graphs.get(key)
+            if graph is None:
+                graph = self._first_calls(key, io.hidden, static_slots, body)
+            if graph is not None:
+                self.last_graph = graph
+                graph.launch(stream)
+        out = cupy.empty(io.out.shape, io.out.dtype)
+        cupy.cuda.runtime.memcpyAsync(out.data.ptr, io.out_ptr, io.out_bytes, _DEVICE_TO_DEVICE, stream.ptr)
+        return out
+
+    def _first_calls(self, key: tuple, hidden: Any, slots: Any, body) -> Any:
+        """A key's first call runs eagerly (None); its second is captured (the graph, to launch)."""
+        import cupy
+
+        if key not in self.seen:
+            self.seen.add(key)
+            body(hidden, slots)
+            return None
+        side = cupy.cuda.Stream(non_blocking=True)
+        with side:
+            side.begin_capture()
+            try:
+                body(hidden, slots)
+            finally:
+                graph = side.end_capture()
+        self.captures += 1
+        if len(self.graphs) >= self.capacity:
+            self.graphs.pop(next(iter(self.graphs)))
+        self.graphs[key] = graph
+        return graph
 
     def clear(self) -> None:
         """Forget every captured graph (the next calls run eagerly once, then recapture)."""

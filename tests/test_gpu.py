@@ -819,6 +819,49 @@ def test_graph_replay_equals_eager_and_recaptures_on_new_pointers(layers):
     assert int(cp.count_nonzero(_bits(other.recurrent) != _bits(eager_after_two))) == 0, "recaptured graph state"
 
 
+@pytest.mark.parametrize("graphs", [True, False], ids=["graph", "eager"])
+def test_host_slots_give_the_device_slots_bits_back_to_back(layers, graphs):
+    """Pool decode with host slots (uploaded through the pinned buffers used in turn) gives
+    every output and state bit of the same calls with device slots, over more back-to-back
+    calls (no synchronisation between them) than there are pinned buffers, each call with
+    other slots."""
+    from glm_kda.layer import PinnedUploads
+    from glm_kda.state import StatePool
+
+    cp = _cp()
+    bound, layer = layers("glm")
+    cfg = bound.config
+    count, batch, calls = 16, 4, 12
+    rng = np.random.default_rng(41)
+    bf16 = layer.workspace.final_out.dtype
+    hidden = cp.asarray(synthetic_hidden(calls * batch, cfg.hidden, seed=42).view(np.uint16)).view(bf16)
+    start_conv = cp.asarray(rng.standard_normal((count,) + cfg.conv_state_shape).astype(np.float32))
+    start_rec = cp.asarray((0.1 * rng.standard_normal((count,) + cfg.recurrent_state_shape)).astype(np.float32))
+    orders = [rng.permutation(count)[:batch] for _ in range(calls)]
+    assert calls > len(PinnedUploads(4).buffers), "the calls must reuse every pinned buffer"
+
+    def run(device: bool):
+        pool = StatePool(cfg, count)
+        pool.conv[...] = start_conv
+        pool.recurrent[...] = start_rec
+        cp.cuda.get_current_stream().synchronize()
+        outs = []
+        for i, order in enumerate(orders):
+            slots = cp.asarray(order.astype(np.int32)) if device else [int(s) for s in order]
+            outs.append(layer.decode(hidden[i * batch : (i + 1) * batch], pool, slots))
+        return cp.stack(outs), pool.conv, pool.recurrent
+
+    layer.use_graphs = graphs
+    try:
+        run(False)  # the first calls of each key run eagerly, the second capture
+        from_host, from_device = run(False), run(True)
+    finally:
+        layer.use_graphs = True
+    for what, a, b in zip(("outputs", "conv states", "recurrent states"), from_host, from_device):
+        differ = int(cp.count_nonzero(_bits(a) != _bits(b)))
+        assert differ == 0, f"{differ} elements of the {what} differ between host and device slots"
+
+
 def test_copy_into_memcpy_and_strided_fallback():
     """The decode calls' input and output copies: a memcpy for contiguous arrays, the
     element-wise copy for strided ones, the same values; a shape or dtype mismatch is refused
