@@ -5,9 +5,10 @@ or host slots, `decode_k(rows, state)`), one JSON line:
   * host_us: wall-clock time per call of 200 calls issued without synchronising, taken on the
     host (perf_counter) before the final synchronisation: the Python and driver work of a call;
   * graph_us: the call's captured graph replayed back to back between two CUDA events: the GPU
-    time of the same work;
+    time of the same work (with copies_in_graph, the call's two copies included);
   * back_to_back_us: the public call itself between two events, 200 calls: the larger of the two
     above, roughly, for a decode loop that does not synchronise every token.
+Each case runs with the copies as graph nodes (layer.GRAPH_COPIES_IN_GRAPH) and beside the graph.
 A call whose host_us is over its graph_us leaves the GPU idle between steps. With --profile, the
 functions that take the host's time in `decode(row, state)` (cProfile, 2000 calls, by own time)
 and the cost of CuPy primitives a call uses, each timed alone.
@@ -88,6 +89,7 @@ def profile_lines(fn, calls: int = 2000, top: int = 25) -> list[str]:
 def bench(geometry: str, directory: Path, profile: bool) -> None:
     import cupy
 
+    from glm_kda import layer as layer_module
     from glm_kda.layer import KdaLayer, to_device_bf16
     from glm_kda.selftest import back_to_back_ms
     from glm_kda.state import StatePool
@@ -106,15 +108,20 @@ def bench(geometry: str, directory: Path, profile: bool) -> None:
         "decode(4 rows, pool, host slots)": lambda: layer.decode(hidden[:4], pool, [0, 1, 2, 3]),
         "decode_k(4 rows, state)": lambda: layer.decode_k(hidden[:4], state),
     }
-    for name, call in cases.items():
-        for _ in range(3):
-            call()
-        graph = layer._graphs.last_graph
-        stream = cupy.cuda.get_current_stream()
-        graph_us = 1e3 * back_to_back_ms(lambda: graph.launch(stream), CALLS)
-        row = {"geometry": geometry, "call": name, "host_us": host_us(call), "graph_us": graph_us,
-               "back_to_back_us": 1e3 * back_to_back_ms(call, CALLS)}
-        print(json.dumps(row), flush=True)
+    for copies_in_graph in (True, False):
+        layer_module.GRAPH_COPIES_IN_GRAPH = copies_in_graph
+        layer._graphs.clear()
+        for name, call in cases.items():
+            for _ in range(3):
+                call()
+            graph = layer._graphs.last_graph
+            stream = cupy.cuda.get_current_stream()
+            graph_us = 1e3 * back_to_back_ms(lambda: graph.launch(stream), CALLS)
+            row = {"geometry": geometry, "call": name, "copies_in_graph": copies_in_graph, "host_us": host_us(call),
+                   "graph_us": graph_us, "back_to_back_us": 1e3 * back_to_back_ms(call, CALLS)}
+            print(json.dumps(row), flush=True)
+    layer_module.GRAPH_COPIES_IN_GRAPH = True
+    layer._graphs.clear()
     if profile:
         layer.decode(hidden[:1], state)
         print(json.dumps({"geometry": geometry, "primitives_us": primitive_costs(layer, hidden[:1])}), flush=True)

@@ -27,13 +27,14 @@ import contextlib
 import functools
 import itertools
 import math
+import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
 import ml_dtypes
 import numpy as np
 
-from . import chunk_tc, gemm_rows, kernels, ops, persistent
+from . import chunk_tc, gemm_rows, graph_copies, kernels, ops, persistent
 from .checkpoint import BoundLayer, bind_layer
 from .config import KdaConfig
 from .device import require_gpu
@@ -195,6 +196,10 @@ MAX_DECODE_ROWS = 256
 # made once).
 _ROW_DTYPES = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.uint16))
 _F32 = np.dtype(np.float32)
+# A graphed decode call's input and output copies as the first and last nodes of its graph,
+# repointed at the call's arrays before each launch (glm_kda.graph_copies), or False: two
+# separate memcpys around the launch. The same bytes either way.
+GRAPH_COPIES_IN_GRAPH = True
 # cudaMemcpyKind of the copies around a graph replay.
 _HOST_TO_DEVICE, _DEVICE_TO_DEVICE = 1, 3
 
@@ -1175,13 +1180,15 @@ class DecodeGraphs:
         self.layer = layer
         self.enabled = True
         self.capacity = capacity
-        self.graphs: dict[tuple, Any] = {}
+        self.graphs: dict[tuple, tuple[Any, graph_copies.GraphCopies | None]] = {}
         self.seen: set[tuple] = set()
         self.captures = 0
         self.last_graph: Any = None  # the graph of the latest replayed call (benchmarks time it alone)
         self._io: dict[int, GraphIO] = {}
         self._io_serial = -1
         self._uploads: PinnedUploads | None = None
+        # The input and output copies as nodes of each graph (glm_kda.graph_copies), else beside it.
+        self.copies_in_graph = GRAPH_COPIES_IN_GRAPH
 
     def io(self, rows: int) -> GraphIO:
         """The current workspace's GraphIO of `rows` rows."""
@@ -1212,54 +1219,97 @@ class DecodeGraphs:
         rows = hidden.shape[0]
         io = self.io(rows)
         stream = cupy.cuda.get_current_stream()
-        if not self.enabled or kernels.TIMER.active:
-            if isinstance(slots, np.ndarray):
-                self._slots_in(io, slots, stream)
-                slots = io.slots
+        graphed = self.enabled and not kernels.TIMER.active
+        if slots is not None and (graphed or isinstance(slots, np.ndarray)):
+            self._slots_in(io, slots, stream)
+            slots = io.slots
+        if not graphed:
             body(hidden, slots)
-        else:
-            key = key + (self._io_serial,)
-            cupy.cuda.runtime.memcpyAsync(io.hidden_ptr, hidden.data.ptr, io.hidden_bytes, _DEVICE_TO_DEVICE,
-                                          stream.ptr)
-            static_slots = None
-            if slots is not None:
-                self._slots_in(io, slots, stream)
-                static_slots = io.slots
-            graph = self.graphs.get(key)
-            if graph is None:
-                graph = self._first_calls(key, io.hidden, static_slots, body)
-            if graph is not None:
-                self.last_graph = graph
+            return self._copy_out(io, stream)
+        key = key + (self._io_serial,)
+        entry = self.graphs.get(key)
+        if entry is None:
+            if key not in self.seen:
+                # The first call of a key runs eagerly.
+                self.seen.add(key)
+                self._copy_in(io, hidden, stream)
+                body(io.hidden, slots)
+                return self._copy_out(io, stream)
+            entry = self._capture(key, io, hidden, slots, body)
+        graph, copies = entry
+        self.last_graph = graph
+        if copies is not None:
+            out = cupy.empty(io.out.shape, io.out.dtype)
+            if copies.point(hidden, out):
                 graph.launch(stream)
+                return out
+            # The driver refused to repoint a copy (memory of another kind than at capture, say):
+            # from now on the copies run beside the graphs.
+            warnings.warn("decode graphs: their copy nodes could not be repointed; the input and output "
+                          "copies run as separate operations from now on", RuntimeWarning, stacklevel=3)
+            self.copies_in_graph = False
+            self.graphs.clear()
+            graph, _ = self._capture(key, io, hidden, slots, body)
+            self.last_graph = graph
+        self._copy_in(io, hidden, stream)
+        graph.launch(stream)
+        return self._copy_out(io, stream)
+
+    @staticmethod
+    def _copy_in(io: GraphIO, hidden: Any, stream: Any) -> None:
+        import cupy
+
+        cupy.cuda.runtime.memcpyAsync(io.hidden_ptr, hidden.data.ptr, io.hidden_bytes, _DEVICE_TO_DEVICE, stream.ptr)
+
+    @staticmethod
+    def _copy_out(io: GraphIO, stream: Any) -> Any:
+        import cupy
+
         out = cupy.empty(io.out.shape, io.out.dtype)
         cupy.cuda.runtime.memcpyAsync(out.data.ptr, io.out_ptr, io.out_bytes, _DEVICE_TO_DEVICE, stream.ptr)
         return out
 
-    def _first_calls(self, key: tuple, hidden: Any, slots: Any, body) -> Any:
-        """A key's first call runs eagerly (None); its second is captured (the graph, to launch)."""
+    def _capture(self, key: tuple, io: GraphIO, hidden: Any, slots: Any, body) -> tuple:
+        """Capture body on a side stream: (graph, GraphCopies or None). With copies_in_graph the
+        graph begins with the input copy and ends with the output copy (capture-time addresses:
+        hidden's and a scratch array's; each launch repoints them first), else it holds the
+        body alone."""
         import cupy
 
-        if key not in self.seen:
-            self.seen.add(key)
-            body(hidden, slots)
-            return None
+        copies_in_graph = self.copies_in_graph and graph_copies.driver() is not None
+        scratch = cupy.empty(io.out.shape, io.out.dtype) if copies_in_graph else None
         side = cupy.cuda.Stream(non_blocking=True)
         with side:
             side.begin_capture()
             try:
-                body(hidden, slots)
+                if copies_in_graph:
+                    self._copy_in(io, hidden, side)
+                body(io.hidden, slots)
+                if copies_in_graph:
+                    cupy.cuda.runtime.memcpyAsync(scratch.data.ptr, io.out_ptr, io.out_bytes, _DEVICE_TO_DEVICE,
+                                                  side.ptr)
             finally:
                 graph = side.end_capture()
         self.captures += 1
+        copies = None
+        if copies_in_graph:
+            copies = graph_copies.GraphCopies.find(graph, io.hidden_ptr, io.out_ptr, (io.hidden_bytes, io.out_bytes))
+            if copies is None:
+                # Not found or not reachable: this graph's copies would keep their capture-time
+                # addresses. Capture again without them, and do so from now on.
+                self.copies_in_graph = False
+                return self._capture(key, io, hidden, slots, body)
         if len(self.graphs) >= self.capacity:
             self.graphs.pop(next(iter(self.graphs)))
-        self.graphs[key] = graph
-        return graph
+        self.graphs[key] = (graph, copies)
+        return graph, copies
 
     def clear(self) -> None:
-        """Forget every captured graph (the next calls run eagerly once, then recapture)."""
+        """Forget every captured graph (the next calls run eagerly once, then recapture with
+        the copies as GRAPH_COPIES_IN_GRAPH now says)."""
         self.graphs.clear()
         self.seen.clear()
+        self.copies_in_graph = GRAPH_COPIES_IN_GRAPH
 
 
 def run_demo_on_gpu(path: Path, hidden: np.ndarray, prompt: int, steps: int) -> dict:

@@ -862,6 +862,59 @@ def test_host_slots_give_the_device_slots_bits_back_to_back(layers, graphs):
         assert differ == 0, f"{differ} elements of the {what} differ between host and device slots"
 
 
+@pytest.mark.parametrize("in_graph", [True, False], ids=["copies_in_graph", "copies_beside"])
+def test_graph_copies_follow_each_calls_arrays(layers, monkeypatch, in_graph):
+    """Graphed decode and decode_k calls issued back to back, each on rows of a new array (new
+    addresses) and each returning a new array, give the eager calls' bits; with the copies as
+    graph nodes, every graph holds them (the driver repointed them per call) and nothing
+    fell back."""
+    import warnings
+
+    from glm_kda import layer as layer_module
+
+    cp = _cp()
+    bound, layer = layers("kimi")
+    cfg = bound.config
+    bf16 = layer.workspace.final_out.dtype
+    rows_of = [1, 1, 4, 1, 4, 4, 1, 1, 4, 1]
+    hidden = [cp.asarray(synthetic_hidden(rows, cfg.hidden, seed=50 + i).view(np.uint16)).view(bf16)
+              for i, rows in enumerate(rows_of)]
+    start = device_state(layer, KdaState.random(cfg, seed=51))
+    state = device_state(layer, KdaState.random(cfg, seed=51))  # one state: the graphs' keys stay
+
+    def run():
+        state.conv[...] = start.conv
+        state.recurrent[...] = start.recurrent
+        cp.cuda.get_current_stream().synchronize()
+        outs = [layer.decode(h, state) if h.shape[0] == 1 else layer.decode_k(h, state) for h in hidden]
+        return outs, KdaState(state.conv.copy(), state.recurrent.copy())
+
+    monkeypatch.setattr(layer_module, "GRAPH_COPIES_IN_GRAPH", in_graph)
+    layer._graphs.clear()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a fallback warns: fail on it
+            run()  # the first call of each key runs eagerly, the second captures
+            graphed, graphed_state = run()
+        graphs = list(layer._graphs.graphs.values())
+        layer.use_graphs = False
+        eager, eager_state = run()
+    finally:
+        layer.use_graphs = True
+        monkeypatch.undo()
+        layer._graphs.clear()
+    assert graphs, "no graph was captured"
+    with_copies = [copies is not None for _, copies in graphs]
+    assert all(with_copies) if in_graph else not any(with_copies), f"copy nodes per graph: {with_copies}"
+    for i, (a, b) in enumerate(zip(graphed, eager)):
+        assert a.data.ptr not in {o.data.ptr for o in graphed[:i]}, f"call {i} returned an earlier call's array"
+        differ = int(cp.count_nonzero(_bits(a) != _bits(b)))
+        assert differ == 0, f"call {i} ({rows_of[i]} rows): {differ} output elements differ from eager"
+    for what in ("conv", "recurrent"):
+        differ = int(cp.count_nonzero(_bits(getattr(graphed_state, what)) != _bits(getattr(eager_state, what))))
+        assert differ == 0, f"{differ} elements of the {what} state differ from eager"
+
+
 def test_copy_into_memcpy_and_strided_fallback():
     """The decode calls' input and output copies: a memcpy for contiguous arrays, the
     element-wise copy for strided ones, the same values; a shape or dtype mismatch is refused
