@@ -1157,6 +1157,21 @@ class PinnedUploads:
         self.pending[i] = True
 
 
+class CapturedGraph:
+    """One captured decode call: its CUDA graph and, where the call's copies are nodes of it,
+    their GraphCopies (which keep the last call's arrays referenced). launch() replays it with
+    the addresses its last call set: what the benchmarks time alone."""
+
+    __slots__ = ("graph", "copies")
+
+    def __init__(self, graph: Any, copies: graph_copies.GraphCopies | None):
+        self.graph = graph
+        self.copies = copies
+
+    def launch(self, stream: Any) -> None:
+        self.graph.launch(stream)
+
+
 class DecodeGraphs:
     """CUDA graphs of the decode-side calls, captured once per shape and state, replayed after.
 
@@ -1180,10 +1195,10 @@ class DecodeGraphs:
         self.layer = layer
         self.enabled = True
         self.capacity = capacity
-        self.graphs: dict[tuple, tuple[Any, graph_copies.GraphCopies | None]] = {}
+        self.graphs: dict[tuple, CapturedGraph] = {}
         self.seen: set[tuple] = set()
         self.captures = 0
-        self.last_graph: Any = None  # the graph of the latest replayed call (benchmarks time it alone)
+        self.last_graph: CapturedGraph | None = None  # the latest replayed call's (benchmarks time it alone)
         self._io: dict[int, GraphIO] = {}
         self._io_serial = -1
         self._uploads: PinnedUploads | None = None
@@ -1236,12 +1251,11 @@ class DecodeGraphs:
                 body(io.hidden, slots)
                 return self._copy_out(io, stream)
             entry = self._capture(key, io, hidden, slots, body)
-        graph, copies = entry
-        self.last_graph = graph
-        if copies is not None:
+        self.last_graph = entry
+        if entry.copies is not None:
             out = cupy.empty(io.out.shape, io.out.dtype)
-            if copies.point(hidden, out):
-                graph.launch(stream)
+            if entry.copies.point(hidden, out):
+                entry.launch(stream)
                 return out
             # The driver refused to repoint a copy (memory of another kind than at capture, say):
             # from now on the copies run beside the graphs.
@@ -1249,10 +1263,9 @@ class DecodeGraphs:
                           "copies run as separate operations from now on", RuntimeWarning, stacklevel=3)
             self.copies_in_graph = False
             self.graphs.clear()
-            graph, _ = self._capture(key, io, hidden, slots, body)
-            self.last_graph = graph
+            entry = self.last_graph = self._capture(key, io, hidden, slots, body)
         self._copy_in(io, hidden, stream)
-        graph.launch(stream)
+        entry.launch(stream)
         return self._copy_out(io, stream)
 
     @staticmethod
@@ -1269,8 +1282,8 @@ class DecodeGraphs:
         cupy.cuda.runtime.memcpyAsync(out.data.ptr, io.out_ptr, io.out_bytes, _DEVICE_TO_DEVICE, stream.ptr)
         return out
 
-    def _capture(self, key: tuple, io: GraphIO, hidden: Any, slots: Any, body) -> tuple:
-        """Capture body on a side stream: (graph, GraphCopies or None). With copies_in_graph the
+    def _capture(self, key: tuple, io: GraphIO, hidden: Any, slots: Any, body) -> CapturedGraph:
+        """Capture body on a side stream and keep it under `key`. With copies_in_graph the
         graph begins with the input copy and ends with the output copy (capture-time addresses:
         hidden's and a scratch array's; each launch repoints them first), else it holds the
         body alone."""
@@ -1290,7 +1303,6 @@ class DecodeGraphs:
                                                   side.ptr)
             finally:
                 graph = side.end_capture()
-        self.captures += 1
         copies = None
         if copies_in_graph:
             copies = graph_copies.GraphCopies.find(graph, io.hidden_ptr, io.out_ptr, (io.hidden_bytes, io.out_bytes))
@@ -1299,10 +1311,11 @@ class DecodeGraphs:
                 # addresses. Capture again without them, and do so from now on.
                 self.copies_in_graph = False
                 return self._capture(key, io, hidden, slots, body)
+        self.captures += 1
         if len(self.graphs) >= self.capacity:
             self.graphs.pop(next(iter(self.graphs)))
-        self.graphs[key] = (graph, copies)
-        return graph, copies
+        entry = self.graphs[key] = CapturedGraph(graph, copies)
+        return entry
 
     def clear(self) -> None:
         """Forget every captured graph (the next calls run eagerly once, then recapture with

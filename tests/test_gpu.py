@@ -904,7 +904,7 @@ def test_graph_copies_follow_each_calls_arrays(layers, monkeypatch, in_graph):
         monkeypatch.undo()
         layer._graphs.clear()
     assert graphs, "no graph was captured"
-    with_copies = [copies is not None for _, copies in graphs]
+    with_copies = [graph.copies is not None for graph in graphs]
     assert all(with_copies) if in_graph else not any(with_copies), f"copy nodes per graph: {with_copies}"
     for i, (a, b) in enumerate(zip(graphed, eager)):
         assert a.data.ptr not in {o.data.ptr for o in graphed[:i]}, f"call {i} returned an earlier call's array"
