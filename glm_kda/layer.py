@@ -1156,6 +1156,13 @@ class PinnedUploads:
         self.events[i].record(stream)
         self.pending[i] = True
 
+    def drain(self) -> None:
+        """Wait for every copy still reading a buffer (before the buffers are let go)."""
+        for event, pending in zip(self.events, self.pending):
+            if pending:
+                event.synchronize()
+        self.pending = [False] * len(self.buffers)
+
 
 class CapturedGraph:
     """One captured decode call: its CUDA graph and, where the call's copies are nodes of it,
@@ -1209,7 +1216,10 @@ class DecodeGraphs:
         """The current workspace's GraphIO of `rows` rows."""
         ws = self.layer.workspace
         if ws.serial != self._io_serial:
-            self._io, self._io_serial, self._uploads = {}, ws.serial, None
+            self._io, self._io_serial = {}, ws.serial
+            if self._uploads is not None and self._uploads.nbytes < ws.graph_slots.nbytes:
+                self._uploads.drain()  # its pinned buffers go back to the pool: no copy may still read them
+                self._uploads = None
         io = self._io.get(rows)
         if io is None:
             io = self._io[rows] = GraphIO(ws, rows)

@@ -173,13 +173,13 @@ class Body:
     current stream), and the slots it saw at each run."""
 
     def __init__(self, graphs: DecodeGraphs):
-        self.ws = graphs.layer.workspace
+        self.layer = graphs.layer
         self.calls = 0
         self.slots_seen: list = []
 
     def __call__(self, hidden, slots) -> None:
         self.calls += 1
-        ws, rows = self.ws, hidden.shape[0]
+        ws, rows = self.layer.workspace, hidden.shape[0]
 
         def kernel():
             ws.final_out._array[:rows] = hidden._array + 1
@@ -280,3 +280,26 @@ def test_oldest_graph_dropped_past_capacity(graphs):
         for seed in range(2):
             call(graphs, body, rows_of(50 + seed, rows))
     assert [key[1] for key in graphs.graphs] == [2, 3], list(graphs.graphs)
+
+
+def test_new_workspace_keeps_or_drains_the_pinned_buffers(graphs):
+    """A workspace of other buffers: GraphIO sliced afresh; the pinned buffers kept where they
+    are large enough, else let go only after every copy still reading them has run."""
+    body = Body(graphs)
+    call(graphs, body, rows_of(60, 2), slots=np.array([1, 2], np.int32))
+    call(graphs, body, rows_of(61, 2), slots=np.array([3, 4], np.int32))
+    first = graphs._uploads
+    ws = graphs.layer.workspace
+    graphs.layer.workspace = types.SimpleNamespace(serial=8, graph_hidden=Array(aligned((16, HIDDEN))),
+                                                   graph_slots=Array(aligned((16,), np.int32)),
+                                                   final_out=Array(aligned((16, HIDDEN))))
+    call(graphs, body, rows_of(62, 2), slots=np.array([5, 6], np.int32))
+    assert graphs._uploads is first and graphs.io(2).hidden_ptr != ws.graph_hidden.data.ptr
+    waits = Device.event_waits
+    graphs.layer.workspace = types.SimpleNamespace(serial=9, graph_hidden=Array(aligned((32, HIDDEN))),
+                                                   graph_slots=Array(aligned((32,), np.int32)),
+                                                   final_out=Array(aligned((32, HIDDEN))))
+    call(graphs, body, rows_of(63, 2), slots=np.array([7, 8], np.int32))
+    assert graphs._uploads is not first and graphs._uploads.nbytes == 128
+    assert Device.event_waits == waits + 3, "the three buffers used were not waited for before they went"
+    assert np.array_equal(body.slots_seen[-1], [7, 8])
