@@ -146,6 +146,13 @@ TAIL_STAGED_AWAITING = True
 TAIL_STAGED_MAX_ROWS = 1
 TAIL_BLOCKS_PER_SM = 2
 TAIL_BLOCKS: int | None = None
+# The counting launch (gemm_rows_bf16(counted=...): one sequence's q|k|v, counted out for the fused
+# step) in its ahead form, gemm_rows_packed_counting_ahead_bf16_m1_n<N>: each warp loads the first step
+# of its block's next column group before the present group's partial sums and barriers, so that a
+# block's loads do not stop between groups (its first group's, before the wait). The same chains and
+# sums, so the same bits. Off until measured on a GPU (ptxas sm_90a: 126 - 128 registers, no spill;
+# before sm_90, where it would spill, the entry is the counting entry's code).
+COUNTING_AHEAD = False
 
 
 @dataclass(frozen=True)
@@ -604,6 +611,8 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
     last = plan.ring_depth if on_wgmma else prefetch_k_blocks(n, k) if programmatic else 0
     if packed and not on_wgmma:
         form = "awaiting_" if ready is not None else "counting_" if counted is not None else ""
+        if counted is not None and COUNTING_AHEAD:
+            form = "counting_ahead_"
         kernel = kernel.replace("gemm_rows_", f"gemm_rows_packed_{form}")
     kernels.launch(
         kernel,

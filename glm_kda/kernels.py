@@ -32,7 +32,7 @@ ENTRY_POINTS: dict[str, tuple[str, ...]] = {
     + tuple(f"gemm_rows_{layout}serial_bf16_m{m}_n{n}" for layout in ("", "packed_") for m, n in ((4, 2),))
     + tuple(f"gemm_rows_staged_{form}bf16_m1_n{n}" for form in ("", "awaiting_") for n in STAGED_TILES_PER_WARP)
     + tuple(f"gemm_rows_tail_staged_awaiting_bf16_m1_n{n}" for n in (1, 2, 4))
-    + tuple(f"gemm_rows_packed_{form}_bf16_m1_n{n}" for form in ("pair", "awaiting", "counting")
+    + tuple(f"gemm_rows_packed_{form}_bf16_m1_n{n}" for form in ("pair", "awaiting", "counting", "counting_ahead")
             for n in (1, 2, 4)),
     "conv": ("conv_decode_silu_l2_bf16", "conv_prefill_silu_l2_bf16"),
     "gate": ("gate_beta_f32",),

@@ -10,7 +10,7 @@
 // keep each kernel's code small: one variant in the instruction cache, not all of them.
 // `prefetch` (k blocks per weight row, 0 for none) asks L2 for the first weights before the
 // wait on the previous kernel; like the tiles and the grid it changes no bit.
-template <int M_TILES, int N_TILES, bool PACKED, int X_FROM = GEMM_X_INPUT>
+template <int M_TILES, int N_TILES, bool PACKED, int X_FROM = GEMM_X_INPUT, bool AHEAD = false>
 __device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, int ldx,
                                                 const bf16_t* __restrict__ w, bf16_t* __restrict__ y,
                                                 int ldy, int rows, int n, int k, int prefetch,
@@ -26,8 +26,9 @@ __device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, in
         return;
     }
     const int row_end = min(rows, row_begin + GEMM_ROWS_M_GROUP);
-    gemm_rows_sweep<M_TILES, N_TILES, PACKED, X_FROM>(x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split_for(k),
-                                                      prefetch, partial, second, awaited, counted);
+    gemm_rows_sweep<M_TILES, N_TILES, PACKED, X_FROM, AHEAD>(x, ldx, w, y, ldy, row_begin, row_end, n, k,
+                                                             k_split_for(k), prefetch, partial, second, awaited,
+                                                             counted);
 }
 
 #define GEMM_ROWS_ENTRY_OF(NAME, M_TILES, N_TILES, PACKED)                                         \
@@ -69,6 +70,16 @@ GEMM_ROWS_ENTRY(4, 2)
 //   gemm_rows_packed_counting_bf16_m1_n<N>: each block adds 1 to counted[0] (release, at GPU scope)
 //     once its outputs are written: a kernel on another stream that reads y (the fused step of one
 //     sequence, awaiting q|k|v) waits for the count to reach the launch's blocks, not for its end.
+//   gemm_rows_packed_counting_ahead_bf16_m1_n<N>: the counting entry whose blocks load the first step
+//     of their next column group before reducing the present one (gemm_rows_sweep's AHEAD), on sm_90
+//     and later; before sm_90, where that form spills, it is the counting entry's code.
+// Whether the ahead entries take their ahead form in this compilation (see above; the host
+// emulation of the tests, without __CUDA_ARCH__, takes it).
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+#define GEMM_ROWS_AHEAD_HERE true
+#else
+#define GEMM_ROWS_AHEAD_HERE false
+#endif
 #define GEMM_ROWS_DECODE_ENTRIES(N_TILES)                                                          \
     extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_MIN_BLOCKS)          \
         gemm_rows_packed_pair_bf16_m1_n##N_TILES(const bf16_t* __restrict__ x, int ldx,              \
@@ -98,6 +109,17 @@ GEMM_ROWS_ENTRY(4, 2)
         gemm_rows_entry<1, N_TILES, true>(x, ldx, w, y, ldy, rows, n, k, prefetch,                   \
                                           GemmRowsSecond{nullptr, nullptr, nullptr},                 \
                                           GemmRowsAwait{nullptr, 0}, counted);                       \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_MIN_BLOCKS)          \
+        gemm_rows_packed_counting_ahead_bf16_m1_n##N_TILES(const bf16_t* __restrict__ x, int ldx,    \
+                                                           const bf16_t* __restrict__ w,            \
+                                                           bf16_t* __restrict__ y, int ldy, int rows, \
+                                                           int n, int k, int prefetch, int* counted) \
+    {                                                                                              \
+        gemm_rows_entry<1, N_TILES, true, GEMM_X_INPUT, GEMM_ROWS_AHEAD_HERE>(x, ldx, w, y, ldy, rows, n, k, \
+                                                                              prefetch,                 \
+                                                              GemmRowsSecond{nullptr, nullptr, nullptr}, \
+                                                              GemmRowsAwait{nullptr, 0}, counted);   \
     }
 GEMM_ROWS_DECODE_ENTRIES(1)
 GEMM_ROWS_DECODE_ENTRIES(2)
@@ -204,7 +226,7 @@ __device__ __forceinline__ void gemm_rows_staged_entry(const bf16_t* __restrict_
     uint4 first[TAIL ? gemm_rows_k_unroll<1, N_TILES, GEMM_ROWS_LOADS>() : 1][N_TILES];
     if constexpr (TAIL) {
         if (sweeps) {
-            gemm_rows_tail_first_step<N_TILES, GEMM_ROWS_LOADS>(first, w, n, k, k_split, blockIdx.x, tail_blocks);
+            gemm_rows_first_step<N_TILES, GEMM_ROWS_LOADS>(first, w, n, k, k_split, blockIdx.x, tail_blocks);
         }
     }
     if constexpr (AWAITING) {

@@ -647,6 +647,30 @@ __device__ __forceinline__ long long gemm_rows_tail_offset(int warp, int tail_be
     return (static_cast<long long>(warp) * N_TILES * tail_blocks - tail_begin) * GEMM_ROWS_PACKED_BLOCK;
 }
 
+// Each warp of the block: the first step of its k range (K_UNROLL = LOADS / N_TILES k blocks of its
+// N_TILES tiles of column group `group`, zeros past the part before the tail, tail_blocks 0: none, or
+// past the matrix), loaded from the packed weight w in program order: issued before a wait or a
+// reduction that follows, the group's sweep then starts from them (gemm_rows_group's TAIL and AHEAD).
+template <int N_TILES, int LOADS>
+__device__ __forceinline__ void gemm_rows_first_step(uint4 (&first)[gemm_rows_k_unroll<1, N_TILES, LOADS>()][N_TILES],
+                                                     const bf16_t* w, int n, int k, int k_split, int group,
+                                                     int tail_blocks)
+{
+    const int warp = threadIdx.x >> 5;
+    int kb_begin, kb_end;
+    gemm_rows_k_range(k, k_split, warp % k_split, kb_begin, kb_end);
+    const int tail_begin = gemm_rows_tail_begin(kb_begin, kb_end, tail_blocks);
+    const int warp_column = gemm_rows_warp_column<N_TILES>(k_split, group);
+    // (gemm_rows_accumulate's place of the lane in a packed w, tile origin 0.)
+    const int tile_stride = gemm_rows_k_blocks(k) * GEMM_ROWS_PACKED_BLOCK;
+    const GemmRowsWeightLane<N_TILES> weight = gemm_rows_weight_at<N_TILES>(
+        w + static_cast<size_t>(warp_column / GEMM_ROWS_N_TILE) * tile_stride + 8 * (threadIdx.x & 31), tile_stride,
+        GEMM_ROWS_PACKED_BLOCK, n, warp_column);
+    load_weight_step<gemm_rows_k_unroll<1, N_TILES, LOADS>(), N_TILES, false, true>(
+        first, weight.lane, weight.tile_stride, weight.block_stride, weight.valid, kb_begin, tail_begin, k,
+        threadIdx.x & 3);
+}
+
 // One column group of the output, by the block's 8 warps: rows [row_begin, row_end) (at most
 // 64), columns group * group_columns ... Deterministic split-k: partial[warp][fragment][lane],
 // then each output adds its k_split partials in ascending warp_k order. Ends with a barrier
@@ -655,14 +679,19 @@ __device__ __forceinline__ long long gemm_rows_tail_offset(int warp, int tail_be
 // is read from (X_FROM GEMM_X_SHARED or GEMM_X_STAGED), so a block barrier comes between the sweep and
 // the partials. TAIL (packed w in memory, not W_SHARED): the last k blocks of each warp's range come
 // from `tail`, the shared-memory copy of them the warp started (gemm_rows_stage_tail, waited for here),
-// the others from w, their first step from `first` (gemm_rows_tail_first_step, loaded already): one
-// chain of mma over the range in the same order, so the same bits.
+// the others from w, their first step from `first` (gemm_rows_first_step, loaded already): one
+// chain of mma over the range in the same order, so the same bits. AHEAD (one m-tile of a packed w in
+// memory): the group's first step is in `ahead` already (gemm_rows_first_step, by the caller or by the
+// group before), and once the group's chains have ended each warp loads the first step of column group
+// `next_group` into it (none where next_group < 0), before the partial sums and their barriers: the
+// block's next loads are in flight while it reduces. The same chains, so the same bits.
 template <int M_TILES, int N_TILES, int LOADS = GEMM_ROWS_LOADS, int X_FROM = GEMM_X_INPUT, bool PACKED = false,
-          bool W_SHARED = false, bool PARTIAL_OVER_X = false, bool TAIL = false>
+          bool W_SHARED = false, bool PARTIAL_OVER_X = false, bool TAIL = false, bool AHEAD = false>
 __device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const bf16_t* w, bf16_t* y, int ldy,
                                                 int row_begin, int row_end, int n, int k, int k_split, int group,
                                                 float* partial, int w_tile_origin = 0, const bf16_t* tail = nullptr,
-                                                int tail_blocks = 0, const uint4* first = nullptr)
+                                                int tail_blocks = 0, const uint4* first = nullptr,
+                                                uint4* ahead = nullptr, int next_group = -1)
 {
     constexpr int FRAGMENTS = M_TILES * N_TILES * 4;  // accumulators per lane
     const int lane = threadIdx.x & 31;
@@ -701,6 +730,15 @@ __device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const 
             tail_blocks * GEMM_ROWS_PACKED_BLOCK, GEMM_ROWS_PACKED_BLOCK, n, warp_column);
         gemm_rows_accumulate<M_TILES, N_TILES, LOADS, X_FROM, true, true, false>(
             acc, x, ldx, nullptr, n, k, row_begin, row_end, warp_column, tail_begin, kb_end, 0, 0, &staged);
+    } else if constexpr (AHEAD) {
+        static_assert(PACKED && !W_SHARED && !TAIL && M_TILES == 1, "ahead: one m-tile of a packed weight in memory");
+        gemm_rows_accumulate<M_TILES, N_TILES, LOADS, X_FROM, true, false, true, true>(
+            acc, x, ldx, w, n, k, row_begin, row_end, warp_column, kb_begin, kb_end, 0, w_tile_origin, nullptr, ahead);
+        if (next_group >= 0) {
+            gemm_rows_first_step<N_TILES, LOADS>(
+                *reinterpret_cast<uint4(*)[gemm_rows_k_unroll<1, N_TILES, LOADS>()][N_TILES]>(ahead), w, n, k, k_split,
+                next_group, 0);
+        }
     } else {
         gemm_rows_accumulate<M_TILES, N_TILES, LOADS, X_FROM, PACKED, W_SHARED>(
             acc, x, ldx, w, n, k, row_begin, row_end, warp_column, kb_begin, kb_end, 0, w_tile_origin);
@@ -785,8 +823,10 @@ __device__ __forceinline__ void gemm_rows_end_awaited(const GemmRowsAwait& await
 // One block's share of the output: rows [row_begin, row_end) (at most 64) and the
 // column groups blockIdx.x, blockIdx.x + gridDim.x, ... With a second projection its column groups
 // follow the first's (groups column_groups .. 2 column_groups - 1 are its groups 0 ..): each
-// group is the one its projection alone would sweep, so the same bits.
-template <int M_TILES, int N_TILES, bool PACKED = false, int X_FROM = GEMM_X_INPUT>
+// group is the one its projection alone would sweep, so the same bits. AHEAD (one m-tile of a packed
+// weight, no second projection): each warp loads its first group's first step before the wait, and
+// each group loads the next one's before its reduction (gemm_rows_group's AHEAD).
+template <int M_TILES, int N_TILES, bool PACKED = false, int X_FROM = GEMM_X_INPUT, bool AHEAD = false>
 __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, int ldx,
                                                 const bf16_t* __restrict__ w,
                                                 bf16_t* __restrict__ y, int ldy, int row_begin,
@@ -829,6 +869,14 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
             }
         }
     }
+    // (AHEAD: the first step of the warp's range in the block's next column group; else unused.)
+    uint4 ahead[AHEAD ? gemm_rows_k_unroll<1, N_TILES, GEMM_ROWS_LOADS>() : 1][N_TILES];
+    if constexpr (AHEAD) {
+        static_assert(PACKED && M_TILES == 1, "ahead: one m-tile of a packed weight");
+        if (blockIdx.x < column_groups) {
+            gemm_rows_first_step<N_TILES, GEMM_ROWS_LOADS>(ahead, w, n, k, k_split, blockIdx.x, 0);
+        }
+    }
     int passed = 0;  // (thread 0 of an awaiting block: the blocks past the wait before it)
     if (awaited.words != nullptr) {
         // x is written by the kernel before, still running: read it only once its blocks have
@@ -841,8 +889,15 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
 
     int group = blockIdx.x;
     for (; group < column_groups; group += gridDim.x) {
-        gemm_rows_group<M_TILES, N_TILES, GEMM_ROWS_LOADS, X_FROM, PACKED>(x, ldx, w, y, ldy, row_begin, row_end, n, k,
-                                                                          k_split, group, partial);
+        if constexpr (AHEAD) {
+            const int next_group = group + static_cast<int>(gridDim.x);
+            gemm_rows_group<M_TILES, N_TILES, GEMM_ROWS_LOADS, X_FROM, PACKED, false, false, false, true>(
+                x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split, group, partial, 0, nullptr, 0, nullptr,
+                &ahead[0][0], next_group < column_groups ? next_group : -1);
+        } else {
+            gemm_rows_group<M_TILES, N_TILES, GEMM_ROWS_LOADS, X_FROM, PACKED>(x, ldx, w, y, ldy, row_begin, row_end,
+                                                                              n, k, k_split, group, partial);
+        }
     }
     if (second.w != nullptr) {
         // (Two loops, not one choosing its pointers: one set live at a time.)
@@ -959,30 +1014,6 @@ __device__ __forceinline__ void gemm_rows_stage_tail(bf16_t* tail, const bf16_t*
                 static_cast<unsigned int>(blocks * GEMM_ROWS_PACKED_BLOCK * sizeof(bf16_t)), threadIdx.x & 31, 32);
         }
     }
-}
-
-// Each warp of the block: the first step of its k range (K_UNROLL = LOADS / N_TILES k blocks of its
-// N_TILES tiles of column group `group`, zeros past the part before the tail or past the matrix),
-// loaded from the packed weight w in program order: issued before a wait that follows, the group's
-// sweep then starts from them (gemm_rows_group's TAIL).
-template <int N_TILES, int LOADS>
-__device__ __forceinline__ void gemm_rows_tail_first_step(uint4 (&first)[gemm_rows_k_unroll<1, N_TILES, LOADS>()][N_TILES],
-                                                          const bf16_t* w, int n, int k, int k_split, int group,
-                                                          int tail_blocks)
-{
-    const int warp = threadIdx.x >> 5;
-    int kb_begin, kb_end;
-    gemm_rows_k_range(k, k_split, warp % k_split, kb_begin, kb_end);
-    const int tail_begin = gemm_rows_tail_begin(kb_begin, kb_end, tail_blocks);
-    const int warp_column = gemm_rows_warp_column<N_TILES>(k_split, group);
-    // (gemm_rows_accumulate's place of the lane in a packed w, tile origin 0.)
-    const int tile_stride = gemm_rows_k_blocks(k) * GEMM_ROWS_PACKED_BLOCK;
-    const GemmRowsWeightLane<N_TILES> weight = gemm_rows_weight_at<N_TILES>(
-        w + static_cast<size_t>(warp_column / GEMM_ROWS_N_TILE) * tile_stride + 8 * (threadIdx.x & 31), tile_stride,
-        GEMM_ROWS_PACKED_BLOCK, n, warp_column);
-    load_weight_step<gemm_rows_k_unroll<1, N_TILES, LOADS>(), N_TILES, false, true>(
-        first, weight.lane, weight.tile_stride, weight.block_stride, weight.valid, kb_begin, tail_begin, k,
-        threadIdx.x & 3);
 }
 
 #endif  // GEMM_ROWS_CUH

@@ -714,12 +714,13 @@ def test_mma_operand_order_gives_the_same_bits():
 @needs_gpu
 @pytest.mark.parametrize("rows", [1, 5, 16], ids=lambda r: f"R{r}")
 @pytest.mark.parametrize("shape", [GLM_SHAPES[2], KIMI_SHAPES[2], (100, 136)], ids=_shape_id)
-def test_pair_and_awaiting_launches_give_the_packed_bits(shape, rows):
+def test_pair_and_awaiting_launches_give_the_packed_bits(shape, rows, monkeypatch):
     """gemm_rows_pair_bf16 (two projections of two column ranges of one x, as f_b and g_b of
     down_proj) writes each projection's own bits; the awaiting entry (gemm_rows_bf16(ready=...),
     its words already at their target, programmatic behind the kernel that writes x) writes the
     packed launch's bits and sets its words back to zero; the counting entry (gemm_rows_bf16(counted=...))
     writes the packed launch's bits and counts its blocks."""
+    from glm_kda import gemm_rows
     from glm_kda.gemm_rows import gemm_rows_bf16, gemm_rows_pair_bf16, pack_weight
 
     cp = _cp()
@@ -741,15 +742,19 @@ def test_pair_and_awaiting_launches_give_the_packed_bits(shape, rows):
         gemm_rows_bf16(source, w, awaited, rows=rows, programmatic=True, ready=words, ready_target=target)
         _assert_bits_equal(awaited, _run(first, w, rows), f"{_shape_id(shape)} R{rows}: the awaiting launch")
         assert words.get().tolist() == [0, 0], f"{_shape_id(shape)} R{rows}: words after the awaiting launch"
-    # The counting entry (q|k|v counting its outputs out for a step on another stream): the packed bits,
-    # its word raised by the blocks it returns, on a single-wave grid and on one looping over its groups.
-    for blocks in (None, 3):
-        words[:] = 0
-        counted = cp.full((rows, n), POISON, dtype=cp.uint16)
-        launched = gemm_rows_bf16(first, w, counted, rows=rows, blocks=blocks, counted=words)
-        _assert_bits_equal(counted, _run(first, w, rows), f"{_shape_id(shape)} R{rows}: the counting launch")
-        assert words.get().tolist() == [launched, 0] and launched >= 1, (
-            f"{_shape_id(shape)} R{rows} blocks={blocks}: words {words.get().tolist()} after {launched} blocks")
+    # The counting entry (q|k|v counting its outputs out for a step on another stream) and its ahead form:
+    # the packed bits, its word raised by the blocks it returns, on a single-wave grid and on one looping
+    # over its groups.
+    for ahead in (False, True):
+        monkeypatch.setattr(gemm_rows, "COUNTING_AHEAD", ahead)
+        for blocks in (None, 3):
+            words[:] = 0
+            counted = cp.full((rows, n), POISON, dtype=cp.uint16)
+            launched = gemm_rows_bf16(first, w, counted, rows=rows, blocks=blocks, counted=words)
+            tag = f"{_shape_id(shape)} R{rows} blocks={blocks} ahead={ahead}"
+            _assert_bits_equal(counted, _run(first, w, rows), f"{tag}: the counting launch")
+            assert words.get().tolist() == [launched, 0] and launched >= 1, (
+                f"{tag}: words {words.get().tolist()} after {launched} blocks")
 
 
 def _awaiting_case(shape, rows, seed):

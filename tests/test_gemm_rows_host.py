@@ -105,7 +105,9 @@ using Entry = void (*)(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int
     extern "C" void gemm_rows_packed_awaiting_bf16_m1_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, int, int,  \
                                                            int, int, int, int*, int);                     \
     extern "C" void gemm_rows_packed_counting_bf16_m1_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, int, int,  \
-                                                           int, int, int, int*);
+                                                           int, int, int, int*);                          \
+    extern "C" void gemm_rows_packed_counting_ahead_bf16_m1_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, int, \
+                                                                 int, int, int, int, int*);
 DECLARE_DECODE(1) DECLARE_DECODE(2) DECLARE_DECODE(4)
 using PairEntry = void (*)(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int, int, const bf16_t*,
                            const bf16_t*, bf16_t*);
@@ -116,7 +118,7 @@ using CountingEntry = void (*)(const bf16_t*, int, const bf16_t*, bf16_t*, int, 
 // columns, w2 and y2 from their files), 2 awaiting words set to {argv[20], 0} (the count its target),
 // 3 the staged entry's awaiting form so (with shared_bytes of dynamic shared memory), 4 the counting
 // entry with its words set to {argv[20], 0}, 5 the tail-staged awaiting entry as 3, its tail argv[21]
-// k blocks.
+// k blocks, 6 the counting entry's ahead form as 4.
 int decode_form(const std::string& dir, int form, int form_arg, int n_tiles, unsigned grid_x, unsigned threads,
                 int rows, int n, int k, int ldx, int ldy, int x_rows, int y_rows, long w_elements,
                 size_t shared_bytes, int tail_blocks)
@@ -130,6 +132,9 @@ int decode_form(const std::string& dir, int form, int form_arg, int n_tiles, uns
                                              gemm_rows_staged_awaiting_bf16_m1_n2, nullptr};
     const CountingEntry counting[] = {gemm_rows_packed_counting_bf16_m1_n1, gemm_rows_packed_counting_bf16_m1_n2,
                                       gemm_rows_packed_counting_bf16_m1_n4};
+    const CountingEntry counting_ahead[] = {gemm_rows_packed_counting_ahead_bf16_m1_n1,
+                                            gemm_rows_packed_counting_ahead_bf16_m1_n2,
+                                            gemm_rows_packed_counting_ahead_bf16_m1_n4};
     const AwaitingEntry tail_staged[] = {gemm_rows_tail_staged_awaiting_bf16_m1_n1,
                                          gemm_rows_tail_staged_awaiting_bf16_m1_n2,
                                          gemm_rows_tail_staged_awaiting_bf16_m1_n4};
@@ -148,10 +153,11 @@ int decode_form(const std::string& dir, int form, int form_arg, int n_tiles, uns
                          y2.data());
         });
         save(dir + "/y2.out", y2);
-    } else if (form == 4) {
+    } else if (form == 4 || form == 6) {
         std::vector<int> words = {form_arg, 0};
+        const CountingEntry entry = form == 6 ? counting_ahead[index] : counting[index];
         run_grid(dim3{grid_x, 1, 1}, threads, 0, [&] {
-            counting[index](x.data(), ldx, w.data(), y.data(), ldy, rows, n, k, 0, words.data());
+            entry(x.data(), ldx, w.data(), y.data(), ldy, rows, n, k, 0, words.data());
         });
         save(dir + "/words.out", words);
     } else {
@@ -271,7 +277,8 @@ def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, gemv=F
     set to {form_arg, 0} and form_arg its target; returns (y, words after). form 3: the same with the
     staged entry's awaiting form as staged_plan(awaiting=True) plans it. form 4: the counting entry
     with its words set to {form_arg, 0}; returns (y, words after). form 5: the tail-staged awaiting
-    entry as tail_staged_plan plans it (plan_args its tail_blocks), words as form 2."""
+    entry as tail_staged_plan plans it (plan_args its tail_blocks), words as form 2. form 6: the
+    counting entry's ahead form, as form 4."""
     n, k = w.shape
     packed = packed or staged or form != 0
     w_file = pack_weight(w.view(np.uint16)).data if packed else w
@@ -310,7 +317,7 @@ def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, gemv=F
     y = np.fromfile(folder / "y.out", np.uint16).reshape(y_buffer.shape)
     if form == 1:
         return y, np.fromfile(folder / "y2.out", np.uint16).reshape(y_buffer.shape)
-    if form in (2, 3, 4, 5):
+    if form in (2, 3, 4, 5, 6):
         return y, np.fromfile(folder / "words.out", np.int32)
     return y
 
@@ -436,17 +443,22 @@ def test_awaiting_launch_gives_the_packed_bits_and_clears_its_words_on_host(gemm
         assert words.tolist() == [0, 0], f"R{rows} tiles={tiles} blocks={blocks}: words after {words.tolist()}"
 
 
+@pytest.mark.parametrize("shape", [(100, 136), (72, 1032)], ids=lambda s: f"N{s[0]}-K{s[1]}")
+@pytest.mark.parametrize("form", [4, 6], ids=["counting", "ahead"])
 @pytest.mark.parametrize("rows", [1, 9], ids=lambda r: f"R{r}")
-def test_counting_launch_gives_the_packed_bits_and_counts_its_blocks_on_host(gemm_host, rows):
+def test_counting_launch_gives_the_packed_bits_and_counts_its_blocks_on_host(gemm_host, rows, form, shape):
     """The counting entry (q|k|v of a one-sequence decode, counting its outputs out for the fused step
-    on another stream): the packed entry's bits, and its word raised by exactly the blocks launched,
-    whatever the tiles and the grid (blocks looping over several column groups count once)."""
-    n, k = 100, 136
+    on another stream) and its ahead form (each block's next column group's first step loaded before
+    the present one's reduction): the packed entry's bits, and its word raised by exactly the blocks
+    launched, whatever the tiles and the grid (blocks looping over several column groups count once,
+    and take each next group's first step ahead). K 1032: ranges of several steps and a k tail."""
+    n, k = shape
     x, w = _inputs(n, k, rows, seed=rows + 20)
     for tiles, blocks in ((None, None), (1, 3), (2, 1)):
         fresh = np.full((rows, n), POISON, np.uint16)
         plan = launch_plan(n, k, rows, tiles_per_warp=tiles, blocks=blocks)
-        y, words = run_host(gemm_host, x, w, rows, fresh, form=4, form_arg=5, tiles_per_warp=tiles, blocks=blocks)
+        y, words = run_host(gemm_host, x, w, rows, fresh, form=form, form_arg=5, tiles_per_warp=tiles,
+                            blocks=blocks)
         _assert_bits_equal(y, run_host(gemm_host, x, w, rows, fresh, packed=True, tiles_per_warp=tiles,
                                        blocks=blocks), f"R{rows} tiles={tiles} blocks={blocks} counting")
         assert words.tolist() == [5 + plan.grid[0] * plan.grid[1], 0], (

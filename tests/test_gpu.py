@@ -786,6 +786,35 @@ def test_tail_staged_out_proj_gives_the_same_decode_bits(layers, graphs, monkeyp
     _assert_same_bits(tail, plain, "glm", "the tail-staged o_proj and the awaiting sweep")
 
 
+@pytest.mark.parametrize("geometry", ["glm", "kimi"])
+def test_counting_ahead_gives_the_same_decode_bits(layers, geometry, monkeypatch):
+    """One sequence's q|k|v in the counting entry's ahead form (gemm_rows.COUNTING_AHEAD: each block
+    loads its next column group's first step before reducing the present one): every stage buffer,
+    the output and both states over the one-sequence calls equal to the counting entry's, the ahead
+    entry launched."""
+    from glm_kda import gemm_rows, kernels
+
+    _, layer = layers(geometry)
+    launched = []
+    launch = kernels.launch
+    monkeypatch.setattr(kernels, "launch", lambda name, *a, **o: (launched.append(name), launch(name, *a, **o))[-1])
+
+    def run(ahead: bool) -> tuple[dict, list]:
+        monkeypatch.setattr(gemm_rows, "COUNTING_AHEAD", ahead)
+        layer._graphs.clear()  # graphs hold the launches they were captured with
+        launched.clear()
+        try:
+            calls = _one_sequence_calls(layer, seed=61)
+            return calls, [name for name in launched if "_counting_ahead_" in name]
+        finally:
+            layer._graphs.clear()
+
+    plain, plain_ahead = run(False)
+    ahead, aheads = run(True)
+    assert not plain_ahead and aheads, f"ahead launches without / with the setting: {plain_ahead} / {aheads}"
+    _assert_same_bits(ahead, plain, geometry, "the counting entry's ahead form and the counting entry")
+
+
 def test_graph_replay_equals_eager_and_recaptures_on_new_pointers(layers):
     cp = _cp()
     bound, layer = layers("kimi")

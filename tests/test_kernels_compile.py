@@ -74,11 +74,11 @@ def test_kernel_files_match_entry_points():
         # ... and GEMM_ROWS_TAIL_STAGED_ENTRY(tiles), the tail-staged awaiting entry (packed, one m-tile).
         declared += [f"gemm_rows_tail_staged_awaiting_bf16_m1_n{n}" for n in
                      re.findall(r"^GEMM_ROWS_TAIL_STAGED_ENTRY\((\d+)\)", text, re.M)]
-        # ... and GEMM_ROWS_DECODE_ENTRIES(tiles), the pair, the awaiting and the counting entry (packed, one
-        # m-tile).
+        # ... and GEMM_ROWS_DECODE_ENTRIES(tiles), the pair, the awaiting and the counting entry and the
+        # counting entry's ahead form (packed, one m-tile).
         declared += [f"gemm_rows_packed_{form}_bf16_m1_n{n}" for n in
                      re.findall(r"^GEMM_ROWS_DECODE_ENTRIES\((\d+)\)", text, re.M)
-                     for form in ("pair", "awaiting", "counting")]
+                     for form in ("pair", "awaiting", "counting", "counting_ahead")]
         # gemm_rows_wgmma.cu declares its entries through GEMM_WGMMA_ENTRY(rows, warpgroups).
         declared += [f"gemm_rows_wgmma_n{rows}_g{groups}"
                      for rows, groups in re.findall(r"^GEMM_WGMMA_ENTRY\((\d+), (\d+)\)", text, re.M)]
