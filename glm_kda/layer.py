@@ -195,7 +195,7 @@ MAX_DECODE_ROWS = 256
 # What a decode-side call accepts as its rows, and its states' element type (compared per call;
 # made once).
 _ROW_DTYPES = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.uint16))
-_F32 = np.dtype(np.float32)
+_F32, _I32 = np.dtype(np.float32), np.dtype(np.int32)
 # A graphed decode call's input and output copies as the first and last nodes of its graph,
 # repointed at the call's arrays before each launch (glm_kda.graph_copies), or False: two
 # separate memcpys around the launch. The same bytes either way.
@@ -1002,13 +1002,12 @@ class KdaLayer:
     def _check_pool(self, pool: StatePool, what: str) -> None:
         import cupy
 
-        c = self.config
-        if pool.conv.shape[1:] != tuple(c.conv_state_shape) or pool.recurrent.shape[1:] != tuple(c.recurrent_state_shape):
-            raise ValueError(f"{what}: the pool's states [{list(pool.conv.shape[1:])}, {list(pool.recurrent.shape[1:])}] "
-                             f"do not fit {c.describe()}")
-        for field in ("conv", "recurrent"):
-            buf = getattr(pool, field)
-            if not isinstance(buf, cupy.ndarray) or buf.dtype != np.float32 or not buf.flags.c_contiguous:
+        conv, recurrent = pool.conv, pool.recurrent
+        if conv.shape[1:] != self._state_shapes[0] or recurrent.shape[1:] != self._state_shapes[1]:
+            raise ValueError(f"{what}: the pool's states [{list(conv.shape[1:])}, {list(recurrent.shape[1:])}] "
+                             f"do not fit {self.config.describe()}")
+        for field, buf in (("conv", conv), ("recurrent", recurrent)):
+            if not isinstance(buf, cupy.ndarray) or buf.dtype != _F32 or not buf.flags.c_contiguous:
                 raise TypeError(f"{what}: pool.{field} must be a contiguous CuPy float32 array")
 
     @staticmethod
@@ -1073,7 +1072,7 @@ class KdaLayer:
         if isinstance(slots, cupy.ndarray):
             # Device slots are not read back (that would synchronise every step): their range
             # and uniqueness are the caller's promise.
-            if slots.dtype != np.int32 or slots.shape != (rows,):
+            if slots.dtype != _I32 or slots.shape != (rows,):
                 raise ValueError(f"slots: expected a device int32 array of {rows} entries, got {slots.dtype} {list(slots.shape)}")
         else:
             # Checked here, then uploaded straight into the graph's slot buffer (DecodeGraphs.run).
@@ -1227,10 +1226,14 @@ class DecodeGraphs:
 
     def _slots_in(self, io: GraphIO, slots: Any, stream: Any) -> None:
         """slots (device int32 [rows], or checked host int32 [rows]) into io.slots."""
+        import cupy
+
         if isinstance(slots, np.ndarray):
             if self._uploads is None:
                 self._uploads = PinnedUploads(self.layer.workspace.graph_slots.nbytes)
             self._uploads.upload(io.slots_ptr, slots, stream)
+        elif slots.flags.c_contiguous:
+            cupy.cuda.runtime.memcpyAsync(io.slots_ptr, slots.data.ptr, io.slots_bytes, _DEVICE_TO_DEVICE, stream.ptr)
         else:
             copy_into(io.slots, slots)
 

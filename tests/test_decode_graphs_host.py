@@ -303,3 +303,16 @@ def test_new_workspace_keeps_or_drains_the_pinned_buffers(graphs):
     assert graphs._uploads is not first and graphs._uploads.nbytes == 128
     assert Device.event_waits == waits + 3, "the three buffers used were not waited for before they went"
     assert np.array_equal(body.slots_seen[-1], [7, 8])
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_device_slots_reach_the_body(graphs, enabled):
+    """Device slots: copied into the graph's slot buffer for a graphed call (the caller's array may be
+    gone or changed by the next replay), handed to the body as they are for an eager one."""
+    graphs.enabled = enabled
+    body = Body(graphs)
+    orders = [Array(aligned((3,), np.int32) + np.int32(i)) for i in range(5)]
+    for i, order in enumerate(orders):
+        call(graphs, body, rows_of(70 + i, 3), slots=order)
+    for i, (seen, order) in enumerate(zip(body.slots_seen, orders)):
+        assert np.array_equal(seen, order._array), f"call {i}: the body saw slots {seen}, the caller gave {order._array}"
