@@ -2,7 +2,7 @@
 # Everything that needs the GPU: the GPU test suite (figures to figures.json; "tests"),
 # compute-sanitizer memcheck over a subset of it and over the prefill conv, racecheck over the chunk (FP32 and
 # tensor-core), recurrent and fused decode (one row and a verify walk) kernels ("sanitize"), then the decode and
-# prefill benchmarks and the import timing ("bench"). Logs and JSON land in ${OUT:-./gpu_check_out}.
+# prefill benchmarks, the host's part of the decode calls and the import timing ("bench"). Logs and JSON land in ${OUT:-./gpu_check_out}.
 # The three parts take about eight, two and five minutes on an H200; run them as separate commands
 # where one command is limited to ten minutes. "block" adds the whole-block timings to "bench".
 # With flash-linear-attention importable (see benchmarks/NOTES.md) both benchmarks add its rows;
@@ -31,6 +31,11 @@ if [ "$part" = sanitize ] || [ "$part" = all ]; then
   timeout 60 compute-sanitizer --tool racecheck --kernel-name kns=kda_chunk_tc --print-limit 20 python -m pytest -q \
     -p no:cacheprovider tests/test_gpu.py -k "prefill_matches_oracle and C64 and T15" 2>&1 \
     | tee "$out/racecheck_tc.log" | tail -4
+  # The decode calls' copies (graph nodes repointed per call, pinned slot uploads) and the counting
+  # entry's ahead form.
+  timeout 150 compute-sanitizer --tool memcheck --print-limit 20 python -m pytest -q -p no:cacheprovider \
+    tests/test_gpu.py tests/test_gemm_rows.py -k "graph_copies or host_slots or counting_ahead or pair_and_awaiting and N100" \
+    2>&1 | tee "$out/memcheck_calls.log" | tail -4
   # The prefill conv has no shared memory (a warp per head): memcheck over its vector loads
   # and stores, against decode steps and in two real prefills.
   timeout 100 compute-sanitizer --tool memcheck --kernel-name kns=conv_prefill_silu_l2_bf16 --print-limit 20 python -m pytest \
@@ -40,7 +45,9 @@ if [ "$part" = sanitize ] || [ "$part" = all ]; then
 fi
 if [ "$part" = bench ] || [ "$part" = all ]; then
   timeout 120 python benchmarks/decode.py 2>&1 | tee "$out/decode.jsonl" | tail -40
-  timeout 120 python benchmarks/decode_breakdown.py 2>&1 | tee "$out/decode_breakdown.jsonl"
+  timeout 150 python benchmarks/decode_breakdown.py --variant graph_copies=False --variant counting_ahead=True 2>&1 \
+    | tee "$out/decode_breakdown.jsonl"
+  timeout 90 python benchmarks/host_cost.py 2>&1 | tee "$out/host_cost.jsonl"
   timeout 150 python benchmarks/prefill.py --tokens 1024 16384 65536 2>&1 | tee "$out/prefill.jsonl"
   if [ "${2:-}" = block ]; then timeout 60 python benchmarks/block.py glm kimi 2>&1 | tee "$out/block.jsonl"; fi
   python -c "import json; from glm_kda.selftest import import_times; print(json.dumps(import_times()))" 2>&1 | tee "$out/import.json"
