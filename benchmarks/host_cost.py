@@ -21,24 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-import time
 from pathlib import Path
 
+from glm_kda.selftest import host_us
+
 CALLS = 200
-
-
-def host_us(fn, calls: int = CALLS) -> float:
-    import cupy
-
-    for _ in range(10):
-        fn()
-    cupy.cuda.get_current_stream().synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    seconds = time.perf_counter() - start
-    cupy.cuda.get_current_stream().synchronize()
-    return 1e6 * seconds / calls
 
 
 def primitive_costs(layer, hidden) -> dict:

@@ -7,7 +7,8 @@ the measured median time. Times are CUDA-event medians over >= 200 calls after w
 each call between its own pair of events and synchronised (so all Python time inside a call
 counts), and, as `back_to_back_us`, the mean over 200 calls issued without synchronising
 between two events: what a decode loop that chains layers pays per call, with
-`back_to_back_roofline_ratio` from it. When flash-linear-attention is importable, its
+`back_to_back_roofline_ratio` from it, and as `host_us` the host's time per call of such a loop
+(perf_counter; above the GPU's time, the loop is bound by Python). When flash-linear-attention is importable, its
 KimiDeltaAttention layer runs the same decode cases (graphed) on the same weights in the
 same process (impl "fla").
 
@@ -22,7 +23,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from .selftest import back_to_back_ms, copy_bandwidth_gbs, median_ms, state_bytes, weight_bytes
+from .selftest import back_to_back_ms, copy_bandwidth_gbs, host_us, median_ms, state_bytes, weight_bytes
 
 
 def bench_geometry(geometry: str, directory: Path, bandwidth: float, repeats: int) -> list[dict]:
@@ -43,6 +44,7 @@ def bench_geometry(geometry: str, directory: Path, bandwidth: float, repeats: in
         ms = median_ms(call, repeats=repeats, warmup=10)
         chained_ms = back_to_back_ms(call, calls=repeats)
         case.update(impl="glm_kda", geometry=geometry, median_us=1e3 * ms, back_to_back_us=1e3 * chained_ms,
+                    host_us=host_us(call, calls=repeats),
                     bytes=nbytes, copy_bandwidth_GBs=bandwidth, roofline_ratio=nbytes / 1e9 / bandwidth / (ms / 1e3),
                     back_to_back_roofline_ratio=nbytes / 1e9 / bandwidth / (chained_ms / 1e3))
         rows.append(case)

@@ -63,6 +63,24 @@ def back_to_back_ms(fn, calls: int = 200, warmup: int = 10) -> float:
     return cupy.cuda.get_elapsed_time(start, end) / calls
 
 
+def host_us(fn, calls: int = 200, warmup: int = 10) -> float:
+    """Host microseconds per call of `calls` calls issued without synchronising (perf_counter, taken
+    before the final synchronisation): the Python and driver work of a call, whatever the GPU does."""
+    import time
+
+    import cupy
+
+    for _ in range(warmup):
+        fn()
+    cupy.cuda.get_current_stream().synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    seconds = time.perf_counter() - start
+    cupy.cuda.get_current_stream().synchronize()
+    return 1e6 * seconds / calls
+
+
 def weight_bytes(config) -> int:
     """Bytes of every weight of the block (BF16, and the FP32 dt_bias and A_log)."""
     c = config
