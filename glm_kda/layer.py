@@ -1288,10 +1288,12 @@ class DecodeGraphs:
         cupy.cuda.runtime.memcpyAsync(io.hidden_ptr, hidden.data.ptr, io.hidden_bytes, _DEVICE_TO_DEVICE, stream.ptr)
 
     @staticmethod
-    def _copy_out(io: GraphIO, stream: Any) -> Any:
+    def _copy_out(io: GraphIO, stream: Any, out: Any = None) -> Any:
+        """final_out's rows into `out` (None: a new array), issued on `stream`; returns it."""
         import cupy
 
-        out = cupy.empty(io.out.shape, io.out.dtype)
+        if out is None:
+            out = cupy.empty(io.out.shape, io.out.dtype)
         cupy.cuda.runtime.memcpyAsync(out.data.ptr, io.out_ptr, io.out_bytes, _DEVICE_TO_DEVICE, stream.ptr)
         return out
 
@@ -1312,8 +1314,7 @@ class DecodeGraphs:
                     self._copy_in(io, hidden, side)
                 body(io.hidden, slots)
                 if copies_in_graph:
-                    cupy.cuda.runtime.memcpyAsync(scratch.data.ptr, io.out_ptr, io.out_bytes, _DEVICE_TO_DEVICE,
-                                                  side.ptr)
+                    self._copy_out(io, side, scratch)
             finally:
                 graph = side.end_capture()
         copies = None
