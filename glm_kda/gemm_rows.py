@@ -18,7 +18,7 @@ from typing import Any
 import cupy
 
 from glm_kda import kernels
-from glm_kda.ops import _i32, projection_args
+from glm_kda.ops import _i32, _require_int32, _row_stride, projection_args
 
 GEMM_ROWS_MAX_ROWS = 256
 # Rows swept together over one read of the weight (blockIdx.y picks the group).
@@ -519,7 +519,7 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
                    wgmma: bool | None = None, reserved_slots: int = 0, staged: bool = False,
                    bulk: bool | None = None, x_tiles: Any = None, partial: Any = None,
                    x_tiled: bool = False, ready: Any = None, ready_target: int = 0,
-                   counted: Any = None) -> int:
+                   counted: Any = None, sums: Any = None) -> int:
     """out[r, :] = bf16(x[r, :] @ w.T) for r < rows (1..256), FP32 accumulation on tensor cores.
 
     Shapes:
@@ -571,11 +571,22 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
     (the fused step's ``inputs_ready`` and ``inputs_target``) instead of once this launch ends. It
     takes neither the staged nor the bulk sweep. The same bits.
 
+    ``sums`` (None: none): FP32 [>= rows, n] with contiguous columns (a column slice is fine),
+    receiving each output's FP32 sum, the value ``out`` holds rounded to BF16 (round to nearest
+    even): the partial output of a tensor-parallel rank, which the ranks add before the one
+    rounding. The plain split-k sweep writes them; it takes neither ``ready`` nor ``counted`` and
+    runs neither the staged, the serial, the warpgroup-MMA nor the bulk sweep (the same bits in
+    ``out`` as those would write).
+
     Returns the blocks launched (the count ``counted`` reaches; 0 for the bulk-copy sweep, which never
     counts).
     """
     rows, n, k, ldx, ldy = projection_args("gemm_rows_bf16", x, w, out, rows, GEMM_ROWS_MAX_ROWS)
     packed = isinstance(w, PackedWeight)
+    sums_args: tuple = ()
+    if sums is not None:
+        sums_args = (sums, _i32(_sums_stride(sums, rows, n, ready, counted, bulk)))
+        staged, serial, wgmma, bulk = False, False, False, False
     if ready is not None:
         _check_ready(ready, ready_target, packed, rows, programmatic, bulk)
     if counted is not None:
@@ -614,12 +625,14 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
         if counted is not None and COUNTING_AHEAD:
             form = "counting_ahead_"
         kernel = kernel.replace("gemm_rows_", f"gemm_rows_packed_{form}")
+    if sums is not None:
+        kernel = kernel.replace("bf16_m", "sums_bf16_m")
     kernels.launch(
         kernel,
         plan.grid,
         plan.block,
         (x, _i32(ldx), (w.pairs if on_wgmma else w.data) if packed else w, out,
-         _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(last), *words),
+         _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(last), *words, *sums_args),
         plan.shared_mem,
         programmatic=programmatic,
         carveout=100 if plan.shared_mem else -1,
@@ -658,6 +671,17 @@ def gemm_rows_pair_bf16(x, w, out, x2, w2, out2, rows: int | None = None, *, pro
         plan.shared_mem,
         programmatic=programmatic,
     )
+
+
+def _sums_stride(sums: Any, rows: int, n: int, ready: Any, counted: Any, bulk: bool | None) -> int:
+    """The checks of gemm_rows_bf16's ``sums`` (TypeError / ValueError naming what is wrong); returns
+    its row stride in elements."""
+    if ready is not None or counted is not None or bulk:
+        raise ValueError("gemm_rows_bf16: sums takes the plain sweep, without ready, counted or bulk=True "
+                         f"(ready: {ready is not None}, counted: {counted is not None}, bulk: {bulk})")
+    stride = _row_stride("sums", sums, "f32", rows, n)
+    _require_int32("sums row stride", stride)
+    return stride
 
 
 def _check_ready(ready: Any, ready_target: int, packed: bool, rows: int, programmatic: bool,

@@ -27,8 +27,8 @@ STAGED_TILES_PER_WARP = (1, 2)
 # file stem -> kernel entry points, in the pipeline order of the block.
 ENTRY_POINTS: dict[str, tuple[str, ...]] = {
     "gemv": ("gemv_bf16",),
-    "gemm_rows": tuple(f"gemm_rows_{layout}bf16_m{m}_n{n}" for layout in ("", "packed_") for m, n in (
-        (1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2)))
+    "gemm_rows": tuple(f"gemm_rows_{layout}bf16_m{m}_n{n}" for layout in ("", "packed_", "sums_", "packed_sums_")
+                       for m, n in ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2)))
     + tuple(f"gemm_rows_{layout}serial_bf16_m{m}_n{n}" for layout in ("", "packed_") for m, n in ((4, 2),))
     + tuple(f"gemm_rows_staged_{form}bf16_m1_n{n}" for form in ("", "awaiting_") for n in STAGED_TILES_PER_WARP)
     + tuple(f"gemm_rows_tail_staged_awaiting_bf16_m1_n{n}" for n in (1, 2, 4))

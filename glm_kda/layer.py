@@ -384,6 +384,7 @@ class KdaLayer:
         self.o_proj = to_device_bf16(bound.o_proj)
         self.scale = 1.0 / math.sqrt(self.config.head_dim)
         self._graphs = DecodeGraphs(self)
+        self._o_proj_sums: Any = None
         self._state_shapes = (tuple(self.config.conv_state_shape), tuple(self.config.recurrent_state_shape))
         # The decode front end's extra streams and their fork / join events, by branch (see _beside).
         self._branches: dict[int, tuple] = {}
@@ -412,6 +413,36 @@ class KdaLayer:
 
     # The weights every decode-side projection reads (the attribute names).
     DECODE_WEIGHTS = ("qkv_weight", "down_weight", "f_b", "g_b", "o_proj")
+
+    @property
+    def o_proj_sums(self) -> Any:
+        """None (the default), or a CuPy float32 [max_tokens, hidden] C-contiguous array on this
+        layer's GPU: every call's o_proj then also writes its FP32 sums there, rows 0..T-1, beside
+        final_out, which still receives them rounded to BF16 (on the decode side the same bits as
+        without). What a tensor-parallel rank hands the all-reduce, so that the ranks' partial
+        outputs are added before the one rounding. On the decode side o_proj then takes gemm_rows'
+        plain sweep (`gemm_rows_bf16(..., sums=...)`): none of the forms that await the fused step,
+        stage the weight, run the bulk sweep or the persistent launch, so it is slower at the same
+        bits. Prefill's cuBLAS writes the FP32 result, rounded into final_out by
+        `ops.round_to_bf16`. Setting it forgets the captured graphs."""
+        return self._o_proj_sums
+
+    @o_proj_sums.setter
+    def o_proj_sums(self, sums: Any) -> None:
+        import cupy
+
+        if sums is not None:
+            shape = (self.workspace.max_tokens, self.config.hidden)
+            if not isinstance(sums, cupy.ndarray) or sums.dtype != _F32:
+                raise TypeError(f"o_proj_sums: expected a CuPy float32 array, got "
+                                f"{type(sums).__name__} {getattr(sums, 'dtype', '')}")
+            if sums.shape != shape or not sums.flags.c_contiguous:
+                raise ValueError(f"o_proj_sums: expected a C-contiguous [{shape[0]}, {shape[1]}] array (max_tokens, "
+                                 f"hidden), got {list(sums.shape)}, C-contiguous: {sums.flags.c_contiguous}")
+            if sums.device.id != self.qkv_weight.device.id:
+                raise ValueError(f"o_proj_sums: on device {sums.device.id}, the layer on {self.qkv_weight.device.id}")
+        self._o_proj_sums = sums
+        self._graphs.clear()
 
     @property
     def packed_decode(self) -> bool:
@@ -551,7 +582,7 @@ class KdaLayer:
     def _project_decode(self, x: Any, weight: Any, out: Any, after_kernel: bool = False,
                         reserved_slots: int = 0, staged: bool = False, x_tiles: Any = None,
                         partial: Any = None, bulk: bool | None = None, x_tiled: bool = False,
-                        ready_target: int = 0, counted: Any = None) -> int:
+                        ready_target: int = 0, counted: Any = None, sums: Any = None) -> int:
         """The projection of every decode-side call (decode, decode_k, batched decode, and
         prefill of <= 16 rows). One kernel, applied to groups of DECODE_ROW_GROUP rows, whose
         per-row arithmetic does not depend on the row count: a row's bits are the same in
@@ -568,8 +599,8 @@ class KdaLayer:
         fused step wrote it; one group of rows only). ready_target: the launch awaits that many
         blocks of the fused step before it counting their outputs out in workspace.outputs_ready
         (gemm_rows_bf16's ready; one group of <= 16 rows only; 0: none). counted:
-        gemm_rows_bf16's counted (one group of <= 16 rows only). Returns the blocks of the last
-        launch (those `counted` counts)."""
+        gemm_rows_bf16's counted (one group of <= 16 rows only). sums: gemm_rows_bf16's sums (FP32
+        [rows, n], the plain sweep). Returns the blocks of the last launch (those `counted` counts)."""
         rows = x.shape[0]
         ready = self.workspace.outputs_ready if ready_target else None
         blocks = 0
@@ -579,7 +610,8 @@ class KdaLayer:
                                               programmatic=after_kernel or start > 0, reserved_slots=reserved_slots,
                                               staged=staged, bulk=bulk, x_tiles=x_tiles, partial=partial,
                                               x_tiled=x_tiled and rows <= DECODE_ROW_GROUP, ready=ready,
-                                              ready_target=ready_target, counted=counted)
+                                              ready_target=ready_target, counted=counted,
+                                              sums=None if sums is None else sums[start:stop])
         return blocks
 
     def _project(self, x: Any, weight: str, out: Any, wide: bool, after_kernel: bool = False,
@@ -681,9 +713,10 @@ class KdaLayer:
     def _o_proj_awaits_step(self, rows: int) -> bool:
         """Whether the output projection of a fused step of `rows` rows (one launch, workspace rows
         0..rows-1) awaits the step's count of outputs (OUT_PROJ_AWAITS_STEP): gemm_rows' sweep of one
-        group of <= 16 rows of a packed weight."""
+        group of <= 16 rows of a packed weight, without o_proj_sums."""
         w = self.decode_weight("o_proj")
-        return OUT_PROJ_AWAITS_STEP and rows <= gemm_rows.M_TILE and isinstance(w, gemm_rows.PackedWeight)
+        return (OUT_PROJ_AWAITS_STEP and rows <= gemm_rows.M_TILE and isinstance(w, gemm_rows.PackedWeight)
+                and self._o_proj_sums is None)
 
     @contextlib.contextmanager
     def _beside(self, concurrent: bool, branch: int = 0):
@@ -747,7 +780,7 @@ class KdaLayer:
             d = c.head_dim
             # The output projection's input in its sweep's tile layout, where that sweep will read it.
             tiles = (STEP_WRITES_X_TILES and first == 0 and not walk and rows <= DECODE_ROW_GROUP
-                     and gemm_rows.bulk_applies(self.decode_weight("o_proj"), rows))
+                     and self._o_proj_sums is None and gemm_rows.bulk_applies(self.decode_weight("o_proj"), rows))
             blocks = ops.kda_decode_fused_bf16(
                 conv_state, recurrent_state, ws.qkv_proj[sl], self.conv_weight, ws.forget_proj[sl], self.dt_bias,
                 self.a_log, ws.down_proj[sl, 2 * d :], ws.out_gate[sl], self.o_norm, ws.conv_out[sl], ws.query[sl],
@@ -875,7 +908,7 @@ class KdaLayer:
     def _persistent_applies(self, rows: int, sequential: bool, snapshots: Sequence[KdaState]) -> bool:
         """Whether a decode-side call of `rows` rows runs as the one persistent launch: one
         sequence (rows consecutive tokens, or one row of a pool), no snapshots, 1..16 rows."""
-        if not (self.persistent_decode and self.fused_decode) or snapshots:
+        if not (self.persistent_decode and self.fused_decode) or snapshots or self._o_proj_sums is not None:
             return False
         if not (sequential or rows == 1) or rows > persistent.MAX_ROWS:
             return False
@@ -883,13 +916,22 @@ class KdaLayer:
 
     def back_end(self, rows: int, wide: bool = False, norm: bool = True) -> None:
         """Gated RMSNorm of core into o_norm_out (skipped with norm=False: the fused decode
-        step wrote it), then o_proj into final_out."""
+        step wrote it), then o_proj into final_out (and its FP32 sums into o_proj_sums, where set)."""
         ws, c = self.workspace, self.config
         if norm:
             ops.gated_rmsnorm_sigmoid_bf16(ws.core, ws.out_gate, self.o_norm, ws.o_norm_out, c.heads, c.head_dim,
                                            c.rms_norm_eps, tokens=rows)
-        self._project(ws.o_norm_out[:rows], "o_proj", ws.final_out[:rows], wide, after_kernel=True,
-                      staged=OUT_PROJ_STAGED)
+        sums = self._o_proj_sums
+        if sums is None:
+            self._project(ws.o_norm_out[:rows], "o_proj", ws.final_out[:rows], wide, after_kernel=True,
+                          staged=OUT_PROJ_STAGED)
+        elif wide:
+            ops.gemm_bf16_cublas(ws.o_norm_out[:rows], self.o_proj, sums[:rows])
+            ops.round_to_bf16(sums[:rows], ws.final_out[:rows])
+        else:
+            self._x_tiles_rows = self._o_proj_ready = 0
+            self._project_decode(ws.o_norm_out[:rows], self.decode_weight("o_proj"), ws.final_out[:rows],
+                                 after_kernel=True, sums=sums[:rows])
 
     def prefill_core(self, tokens: int, conv_state: Any, recurrent_state: Any, pad_value: float | None = 0.0,
                      first: int = 0) -> None:

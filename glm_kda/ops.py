@@ -16,6 +16,7 @@ and the kernels touch only the first ``tokens`` rows.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import cupy
@@ -39,8 +40,9 @@ RECURRENT_COLUMNS = 32
 CHUNK_MAX = 64
 # Largest gridDim.y: kernels with a token grid axis are launched in slices of this.
 MAX_GRID_Y = 65535
-# cudaDataType CUDA_R_16BF (library_types.h); cupy's cublas module does not export it.
+# cudaDataType CUDA_R_16BF and CUDA_R_32F (library_types.h); cupy's cublas module does not export them.
 CUDA_R_16BF = 14
+CUDA_R_32F = 0
 
 _BF16_DTYPES = (numpy.dtype(numpy.uint16), numpy.dtype(ml_dtypes.bfloat16))
 _F32_DTYPE = numpy.dtype(numpy.float32)
@@ -208,7 +210,8 @@ def gemv_bf16(x, w, out, rows: int | None = None) -> None:
 
 
 def gemm_bf16_cublas(x, w, out) -> None:
-    """out[T, n] = bf16(x[T, k] @ w[n, k]^T) through cuBLAS, BF16 in/out, FP32 compute.
+    """out[T, n] = bf16(x[T, k] @ w[n, k]^T) through cuBLAS, BF16 in/out, FP32 compute; a
+    float32 `out` receives the FP32 result unrounded (a tensor-parallel rank's partial output).
 
     For prefill widths (T > 16). Reassociates differently from gemv_bf16, so it is
     never used where decode bits must be reproduced. x and out may be row slices
@@ -229,7 +232,8 @@ def gemm_bf16_cublas(x, w, out) -> None:
     n, k = w.shape
     tokens = x.shape[0]
     ldx = _row_stride("x", x, "bf16", tokens, k)
-    ldo = _row_stride("out", out, "bf16", tokens, n)
+    out_f32 = isinstance(out, cupy.ndarray) and out.dtype == _F32_DTYPE
+    ldo = _row_stride("out", out, "f32" if out_f32 else "bf16", tokens, n)
     if out.shape[0] != tokens:
         raise ValueError(f"out: expected {tokens} rows like x, got {out.shape[0]}")
     if tokens == 0 or n == 0:
@@ -261,13 +265,40 @@ def gemm_bf16_cublas(x, w, out) -> None:
             ldx,  # ldb >= k: B is stored [k, T] with x's row stride
             beta.ctypes.data,
             out.data.ptr,
-            CUDA_R_16BF,
+            CUDA_R_32F if out_f32 else CUDA_R_16BF,
             ldo,  # ldc >= n: C is stored [n, T] with out's row stride
             cublas.CUBLAS_COMPUTE_32F,
             cublas.CUBLAS_GEMM_DEFAULT,
         )
     finally:
         cublas.setPointerMode(handle, pointer_mode)
+
+
+# FP32 -> BF16 bits, round to nearest, ties to even, as ml_dtypes and __float2bfloat16_rn do; NaN stays
+# a quiet NaN and values past the BF16 range round to inf. Plain bit arithmetic needs no cuda_bf16.h.
+BF16_ROUND_SOURCE = r"""
+__device__ __forceinline__ unsigned short kda_float_to_bf16_bits(float value) {
+    unsigned int bits = __float_as_uint(value);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) {
+        return (unsigned short)((bits >> 16) | 0x0040u);
+    }
+    return (unsigned short)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def _round_kernel() -> cupy.ElementwiseKernel:
+    return cupy.ElementwiseKernel("float32 value", "uint16 bits", "bits = kda_float_to_bf16_bits(value)",
+                                  "kda_round_f32_bf16", preamble=BF16_ROUND_SOURCE)
+
+
+def round_to_bf16(values, out) -> None:
+    """out = values rounded to BF16 (nearest even): values FP32 and out BF16 of one shape, each
+    C-contiguous (rows of a wider buffer are fine). What the projections do to their FP32 sums."""
+    _require("values", values, "f32", tuple(values.shape))
+    _require("out", out, "bf16", tuple(values.shape))
+    _round_kernel()(values, out.view(numpy.uint16))
 
 
 # --------------------------------------------------------------------------------------

@@ -12,15 +12,17 @@ tp_size takes heads [r*H/tp, (r+1)*H/tp) and runs an ordinary KdaLayer of H/tp h
     replicated        f_a, g_a (low-rank down projections), o_norm (per head_dim, shared)
     all-reduce        out = sum over ranks of the partial outputs
 
-Numerics of the sum: the rank's partial o_proj output comes out of the layer in BF16 (the
-precision of every projection output); the partials are widened to FP32, summed by NCCL in
-FP32 and rounded once more to BF16 (round to nearest, ties to even). The TP output therefore
-differs from the single-GPU output by a BF16 double rounding, not by FP32 reassociation:
-rms-ratio about 3e-3 between the two, and about 1.5x the single-GPU error against the
-float64 oracle (both measured on a simulation of the real o_proj width). For tp_size = 2
-the FP32 sum is one addition, commutative, so decode_k stays bit-identical to K decodes.
-With more ranks NCCL may order the additions differently for a K-row message than for a
-one-row message, and that promise then rests on NCCL choosing the same algorithm for both.
+Numerics of the sum: each rank's o_proj writes its FP32 sums (KdaLayer.o_proj_sums, the values
+its BF16 output is the rounding of) into the rank's `partial`; NCCL adds the ranks' partials in
+FP32 and the sum is rounded once to BF16 (round to nearest, ties to even). The TP output
+therefore differs from the single-GPU output only by the FP32 reassociation of o_proj's sum
+over channels (each rank sums its own channels, then the ranks' sums are added), which changes
+a BF16 result only where the two FP32 values straddle a rounding boundary. (Rounding each
+partial to BF16 before the sum would add a second rounding: about 3e-3 rms-ratio from the
+single-GPU output, tests/test_tp.py.) For tp_size = 2 the FP32 sum is one addition,
+commutative, so decode_k stays bit-identical to K decodes. With more ranks NCCL may order the
+additions differently for a K-row message than for a one-row message, and that promise then
+rests on NCCL choosing the same algorithm for both.
 
 Layout of this module, in the order a call uses it:
     TensorParallelPlan     which rows/columns/channels/heads rank r owns; shard() and the
@@ -514,41 +516,7 @@ def _read_columns(ckpt: _RangeCheckpoint, file: str, name: str, columns: slice, 
     return copied.view(_NUMPY_DTYPES[entry.dtype])
 
 
-# Running it: FP32 sum of BF16 partials ----------------------------------------------------
-# Widening BF16 is exact (BF16 is the top half of an FP32 bit pattern). Rounding back is to
-# nearest, ties to even, as ml_dtypes and __float2bfloat16_rn do; NaN stays a quiet NaN and
-# values past the BF16 range round to inf. Plain bit arithmetic needs no cuda_bf16.h.
-BF16_CONVERSIONS_SOURCE = r"""
-__device__ __forceinline__ float tp_bf16_bits_to_float(unsigned short bits) {
-    return __uint_as_float(((unsigned int)bits) << 16);
-}
-
-__device__ __forceinline__ unsigned short tp_float_to_bf16_bits(float value) {
-    unsigned int bits = __float_as_uint(value);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) {
-        return (unsigned short)((bits >> 16) | 0x0040u);
-    }
-    return (unsigned short)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-"""
-
-
-@functools.lru_cache(maxsize=1)
-def _conversion_kernels() -> tuple[Any, Any]:
-    """(widen BF16 bits -> FP32, round FP32 -> BF16 bits) elementwise kernels."""
-    import cupy
-
-    widen = cupy.ElementwiseKernel(
-        "uint16 partial_bits", "float32 partial", "partial = tp_bf16_bits_to_float(partial_bits)",
-        "tp_widen_bf16_f32", preamble=BF16_CONVERSIONS_SOURCE,
-    )
-    narrow = cupy.ElementwiseKernel(
-        "float32 summed", "uint16 summed_bits", "summed_bits = tp_float_to_bf16_bits(summed)",
-        "tp_round_f32_bf16", preamble=BF16_CONVERSIONS_SOURCE,
-    )
-    return widen, narrow
-
-
+# Running it: the FP32 sum of the ranks' FP32 partial outputs --------------------------------
 @functools.lru_cache(maxsize=1)
 def _nccl() -> Any:
     """cupy.cuda.nccl, or a clear error when CuPy cannot load the NCCL library (an error
@@ -630,8 +598,9 @@ class TpRankLayer:
     rank returns the same full [rows, hidden] BF16 output. All ranks must make the same calls
     in the same order (each call is a collective).
 
-    Buffers (on this rank's GPU): `partial` FP32 [max_tokens, hidden] (the widened partial
-    output, then the sum), `output` BF16 [max_tokens, hidden] (the rounded sum).
+    Buffers (on this rank's GPU): `partial` FP32 [max_tokens, hidden] (the rank's o_proj sums,
+    its layer's o_proj_sums, then the all-reduced sum), `output` BF16 [max_tokens, hidden] (the
+    rounded sum).
     """
 
     def __init__(self, bound_shard: BoundLayer, plan: TensorParallelPlan, rank: int, comm: Any,
@@ -661,6 +630,7 @@ class TpRankLayer:
         self.decode_rows = min(GEMV_MAX_ROWS, self.max_tokens)
         hidden = self.config.hidden
         self.partial = cupy.zeros((self.max_tokens, hidden), np.float32)
+        self.layer.o_proj_sums = self.partial
         self.output = cupy.zeros((self.max_tokens, hidden), bf16_dtype())
         # Fixed input rows of the captured decode graphs.
         self.graph_hidden = cupy.zeros((GEMV_MAX_ROWS, hidden), bf16_dtype())
@@ -746,11 +716,6 @@ class TpRankLayer:
             stream.wait_event(event)
         runtime.memcpyAsync(target.data.ptr, source.data.ptr, source.nbytes, runtime.memcpyDefault, stream.ptr)
 
-    def _widen(self, rows: int, partial_bf16: Any) -> None:
-        """partial[:rows] = FP32 of this rank's BF16 partial output rows."""
-        widen, _ = _conversion_kernels()
-        widen(partial_bf16[:rows].view(np.uint16), self.partial[:rows])
-
     def _all_reduce(self, rows: int, stream: Any) -> None:
         nccl = _nccl()
         pointer = self.partial.data.ptr
@@ -758,11 +723,12 @@ class TpRankLayer:
 
     def _round(self, rows: int) -> None:
         """output[:rows] = BF16 (nearest even) of the summed FP32 rows."""
-        _, narrow = _conversion_kernels()
-        narrow(self.partial[:rows], self.output[:rows].view(np.uint16))
+        from .ops import round_to_bf16
+
+        round_to_bf16(self.partial[:rows], self.output[:rows])
 
     def _decode_body(self, rows: int, state: KdaState, snapshots: Sequence[KdaState]) -> None:
-        """The decode-side launches on graph_hidden[:rows], then the widening.
+        """The decode-side launches on graph_hidden[:rows] (o_proj's FP32 sums into `partial`).
 
         KdaLayer.decode_rows, what decode_k's graph body runs, so a captured step and an eager
         one produce the same bits. It does not call decode_k because decode_k returns a fresh
@@ -772,7 +738,6 @@ class TpRankLayer:
         layer = self.layer
         layer.decode_rows(self.graph_hidden[:rows], state.conv, state.recurrent, sequential=True,
                           snapshots=snapshots)
-        self._widen(rows, layer.workspace.final_out)
 
 
 def _check_comm(comm: Any, plan: TensorParallelPlan, rank: int, device_id: int) -> None:
@@ -795,7 +760,7 @@ class _RankGroup:
     One thread driving several communicators must put their collectives in one NCCL group
     (groupStart/groupEnd), or the first all-reduce waits forever for the others; a group of
     one rank (one process per GPU) is the same code. Decode-side calls are captured as one
-    CUDA graph per rank and call shape (layer stages, widening, all-reduce, rounding): the
+    CUDA graph per rank and call shape (layer stages, all-reduce, rounding): the
     first call of a shape runs eagerly (compiles, connects NCCL), the second captures every
     rank at once, later ones replay. Prefill always runs eagerly.
     """
@@ -858,8 +823,8 @@ class _RankGroup:
         rows = hidden.shape[0]
         for rank, state in zip(self.ranks, states):
             with cupy.cuda.Device(rank.device_id):
-                partial = rank.layer.prefill(rank._device_rows(hidden, on_host), state, pad_value)
-                rank._widen(rows, partial)
+                # (o_proj's FP32 sums land in rank.partial; the BF16 copy it returns is not needed.)
+                rank.layer.prefill(rank._device_rows(hidden, on_host), state, pad_value)
         self._reduce_and_round(rows)
         return self._result(rows, on_host)
 
@@ -902,8 +867,7 @@ class _RankGroup:
 
         for rank, state, snaps in zip(self.ranks, states, snapshots):
             with cupy.cuda.Device(rank.device_id):
-                partial = rank.layer.decode_k(rank.graph_hidden[:rows], state, snaps)
-                rank._widen(rows, partial)
+                rank.layer.decode_k(rank.graph_hidden[:rows], state, snaps)
         self._reduce_and_round(rows)
 
     def _launch(self, graphs: Sequence[Any]) -> None:

@@ -10,12 +10,13 @@
 // keep each kernel's code small: one variant in the instruction cache, not all of them.
 // `prefetch` (k blocks per weight row, 0 for none) asks L2 for the first weights before the
 // wait on the previous kernel; like the tiles and the grid it changes no bit.
-template <int M_TILES, int N_TILES, bool PACKED, int X_FROM = GEMM_X_INPUT, bool AHEAD = false>
+template <int M_TILES, int N_TILES, bool PACKED, int X_FROM = GEMM_X_INPUT, bool AHEAD = false, bool SUMS = false>
 __device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, int ldx,
                                                 const bf16_t* __restrict__ w, bf16_t* __restrict__ y,
                                                 int ldy, int rows, int n, int k, int prefetch,
                                                 GemmRowsSecond second = {nullptr, nullptr, nullptr},
-                                                GemmRowsAwait awaited = {nullptr, 0}, int* counted = nullptr)
+                                                GemmRowsAwait awaited = {nullptr, 0}, int* counted = nullptr,
+                                                GemmRowsSums sums = {nullptr, 0})
 {
     __shared__ float partial[GEMM_ROWS_PARTIAL_FLOATS(M_TILES, N_TILES)];
     KDA_TRACE_SCOPE(y);
@@ -26,9 +27,9 @@ __device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, in
         return;
     }
     const int row_end = min(rows, row_begin + GEMM_ROWS_M_GROUP);
-    gemm_rows_sweep<M_TILES, N_TILES, PACKED, X_FROM, AHEAD>(x, ldx, w, y, ldy, row_begin, row_end, n, k,
-                                                             k_split_for(k), prefetch, partial, second, awaited,
-                                                             counted);
+    gemm_rows_sweep<M_TILES, N_TILES, PACKED, X_FROM, AHEAD, SUMS>(x, ldx, w, y, ldy, row_begin, row_end, n, k,
+                                                                   k_split_for(k), prefetch, partial, second, awaited,
+                                                                   counted, sums);
 }
 
 #define GEMM_ROWS_ENTRY_OF(NAME, M_TILES, N_TILES, PACKED)                                         \
@@ -38,11 +39,27 @@ __device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, in
     {                                                                                              \
         gemm_rows_entry<M_TILES, N_TILES, PACKED>(x, ldx, w, y, ldy, rows, n, k, prefetch);        \
     }
+// The same launch writing each output's FP32 sum to sums[row * ld_sums + column] as well (the sum that
+// y holds rounded to BF16): a tensor-parallel rank's partial output, which the ranks add up before the
+// one rounding.
+#define GEMM_ROWS_SUMS_ENTRY_OF(NAME, M_TILES, N_TILES, PACKED)                                    \
+    extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_MIN_BLOCKS)          \
+        NAME(const bf16_t* __restrict__ x, int ldx, const bf16_t* __restrict__ w,                  \
+             bf16_t* __restrict__ y, int ldy, int rows, int n, int k, int prefetch,                \
+             float* __restrict__ sums, int ld_sums)                                                \
+    {                                                                                              \
+        gemm_rows_entry<M_TILES, N_TILES, PACKED, GEMM_X_INPUT, false, true>(                      \
+            x, ldx, w, y, ldy, rows, n, k, prefetch, GemmRowsSecond{nullptr, nullptr, nullptr},    \
+            GemmRowsAwait{nullptr, 0}, nullptr, GemmRowsSums{sums, ld_sums});                      \
+    }
 // gemm_rows_bf16_m<M>_n<N> reads w in torch Linear layout, gemm_rows_packed_bf16_m<M>_n<N> in the
-// packed layout of gemm_rows.cuh (the same bits).
+// packed layout of gemm_rows.cuh (the same bits); gemm_rows_sums_bf16_m<M>_n<N> and
+// gemm_rows_packed_sums_bf16_m<M>_n<N> write the FP32 sums too.
 #define GEMM_ROWS_ENTRY(M_TILES, N_TILES)                                                          \
     GEMM_ROWS_ENTRY_OF(gemm_rows_bf16_m##M_TILES##_n##N_TILES, M_TILES, N_TILES, false)            \
-    GEMM_ROWS_ENTRY_OF(gemm_rows_packed_bf16_m##M_TILES##_n##N_TILES, M_TILES, N_TILES, true)
+    GEMM_ROWS_ENTRY_OF(gemm_rows_packed_bf16_m##M_TILES##_n##N_TILES, M_TILES, N_TILES, true)      \
+    GEMM_ROWS_SUMS_ENTRY_OF(gemm_rows_sums_bf16_m##M_TILES##_n##N_TILES, M_TILES, N_TILES, false)  \
+    GEMM_ROWS_SUMS_ENTRY_OF(gemm_rows_packed_sums_bf16_m##M_TILES##_n##N_TILES, M_TILES, N_TILES, true)
 
 // Every variant is compiled for 2 blocks per SM (up to 128 registers per thread; 3 blocks
 // of the narrow variants, at 80, measured no faster on an H200); GEMM_ROWS_BLOCKS_PER_SM in

@@ -671,6 +671,13 @@ __device__ __forceinline__ void gemm_rows_first_step(uint4 (&first)[gemm_rows_k_
         threadIdx.x & 3);
 }
 
+// Where a sweep also writes its FP32 sums (the gemm_rows_sums entries): sums.y[row * sums.ld + column]
+// receives the sum that y[row * ldy + column] holds rounded to BF16. Null y: nowhere.
+struct GemmRowsSums {
+    float* y;
+    int ld;
+};
+
 // One column group of the output, by the block's 8 warps: rows [row_begin, row_end) (at most
 // 64), columns group * group_columns ... Deterministic split-k: partial[warp][fragment][lane],
 // then each output adds its k_split partials in ascending warp_k order. Ends with a barrier
@@ -684,14 +691,17 @@ __device__ __forceinline__ void gemm_rows_first_step(uint4 (&first)[gemm_rows_k_
 // memory): the group's first step is in `ahead` already (gemm_rows_first_step, by the caller or by the
 // group before), and once the group's chains have ended each warp loads the first step of column group
 // `next_group` into it (none where next_group < 0), before the partial sums and their barriers: the
-// block's next loads are in flight while it reduces. The same chains, so the same bits.
+// block's next loads are in flight while it reduces. The same chains, so the same bits. SUMS: each
+// output's FP32 sum also goes to `sums` (GemmRowsSums), beside its BF16 rounding in y.
 template <int M_TILES, int N_TILES, int LOADS = GEMM_ROWS_LOADS, int X_FROM = GEMM_X_INPUT, bool PACKED = false,
-          bool W_SHARED = false, bool PARTIAL_OVER_X = false, bool TAIL = false, bool AHEAD = false>
+          bool W_SHARED = false, bool PARTIAL_OVER_X = false, bool TAIL = false, bool AHEAD = false,
+          bool SUMS = false>
 __device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const bf16_t* w, bf16_t* y, int ldy,
                                                 int row_begin, int row_end, int n, int k, int k_split, int group,
                                                 float* partial, int w_tile_origin = 0, const bf16_t* tail = nullptr,
                                                 int tail_blocks = 0, const uint4* first = nullptr,
-                                                uint4* ahead = nullptr, int next_group = -1)
+                                                uint4* ahead = nullptr, int next_group = -1,
+                                                GemmRowsSums sums = {nullptr, 0})
 {
     constexpr int FRAGMENTS = M_TILES * N_TILES * 4;  // accumulators per lane
     const int lane = threadIdx.x & 31;
@@ -774,6 +784,9 @@ __device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const 
         column += group * group_columns + out_warp_n * N_TILES * GEMM_ROWS_N_TILE;
         if (row < row_end && column < n) {
             y[static_cast<size_t>(row) * ldy + column] = f32_to_bf16(sum);
+            if constexpr (SUMS) {
+                sums.y[static_cast<size_t>(row) * sums.ld + column] = sum;
+            }
         }
     }
     // The next column group overwrites `partial`.
@@ -825,14 +838,17 @@ __device__ __forceinline__ void gemm_rows_end_awaited(const GemmRowsAwait& await
 // follow the first's (groups column_groups .. 2 column_groups - 1 are its groups 0 ..): each
 // group is the one its projection alone would sweep, so the same bits. AHEAD (one m-tile of a packed
 // weight, no second projection): each warp loads its first group's first step before the wait, and
-// each group loads the next one's before its reduction (gemm_rows_group's AHEAD).
-template <int M_TILES, int N_TILES, bool PACKED = false, int X_FROM = GEMM_X_INPUT, bool AHEAD = false>
+// each group loads the next one's before its reduction (gemm_rows_group's AHEAD). SUMS (no second
+// projection): the FP32 sums to `sums` too (gemm_rows_group's SUMS).
+template <int M_TILES, int N_TILES, bool PACKED = false, int X_FROM = GEMM_X_INPUT, bool AHEAD = false,
+          bool SUMS = false>
 __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, int ldx,
                                                 const bf16_t* __restrict__ w,
                                                 bf16_t* __restrict__ y, int ldy, int row_begin,
                                                 int row_end, int n, int k, int k_split, int prefetch,
                                                 float* partial, GemmRowsSecond second = {nullptr, nullptr, nullptr},
-                                                GemmRowsAwait awaited = {nullptr, 0}, int* counted = nullptr)
+                                                GemmRowsAwait awaited = {nullptr, 0}, int* counted = nullptr,
+                                                GemmRowsSums sums = {nullptr, 0})
 {
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -894,6 +910,10 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
             gemm_rows_group<M_TILES, N_TILES, GEMM_ROWS_LOADS, X_FROM, PACKED, false, false, false, true>(
                 x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split, group, partial, 0, nullptr, 0, nullptr,
                 &ahead[0][0], next_group < column_groups ? next_group : -1);
+        } else if constexpr (SUMS) {
+            gemm_rows_group<M_TILES, N_TILES, GEMM_ROWS_LOADS, X_FROM, PACKED, false, false, false, false, true>(
+                x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split, group, partial, 0, nullptr, 0, nullptr, nullptr,
+                -1, sums);
         } else {
             gemm_rows_group<M_TILES, N_TILES, GEMM_ROWS_LOADS, X_FROM, PACKED>(x, ldx, w, y, ldy, row_begin, row_end,
                                                                               n, k, k_split, group, partial);

@@ -474,6 +474,50 @@ def test_model_projection_shapes(shape, rows):
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("rows", [1, 9, 40, 64, 200], ids=lambda r: f"R{r}")
+@pytest.mark.parametrize("shape", [(100, 136), (1000, 1032), (4096, 8192), (2304, 4096)], ids=_shape_id)
+def test_sums_launch_gives_the_bits_and_their_sums(shape, rows):
+    """gemm_rows_bf16(..., sums=...), a tensor-parallel rank's o_proj: out holds the plain launch's
+    bits (row-major and packed weights, a programmatic launch too), the FP32 sums round to them
+    (nearest even), they are the float64 dot products within FP32 accumulation, and nothing of a
+    wider sums buffer outside rows x n is written. The argument checks name the argument."""
+    import ml_dtypes
+
+    from glm_kda.gemm_rows import gemm_rows_bf16, pack_weight
+
+    cp = _cp()
+    n, k = shape
+    rng = np.random.default_rng(SEED + 3 * n + rows)
+    x = _random_bf16(rng, (rows, k))
+    w = _random_bf16(rng, (n, k), scale=k**-0.5)
+    plain = _run(x, w, rows)
+    exact = _bits_to_f64(x) @ _bits_to_f64(w).T
+    packed = pack_weight(w)
+    for weight, programmatic, form in ((w, False, "row-major"), (packed, False, "packed"),
+                                       (packed, True, "packed, programmatic")):
+        tag = f"{_shape_id(shape)}-R{rows} {form}"
+        out = cp.full((rows, n), POISON, cp.uint16)
+        wide = cp.full((rows + 1, n + 8), cp.nan, cp.float32)
+        gemm_rows_bf16(x, weight, out, rows, sums=wide[:, 4 : 4 + n], programmatic=programmatic)
+        _assert_bits_equal(out, plain, f"{tag}: out")
+        sums = wide[:rows, 4 : 4 + n]
+        rounded = cp.asarray(sums.get().astype(ml_dtypes.bfloat16).view(np.uint16))
+        _assert_bits_equal(rounded, plain, f"{tag}: sums rounded to BF16")
+        outside = cp.concatenate([wide[rows:].ravel(), wide[:, :4].ravel(), wide[:, 4 + n :].ravel()])
+        assert bool(cp.isnan(outside).all()), f"{tag}: sums written outside rows x n"
+        error = float(cp.abs(sums - exact).max() / cp.abs(exact).max())
+        assert error < 1e-5, f"{tag}: FP32 sums {error:.2e} (relative to the largest) from the float64 dot products"
+    out = cp.zeros((rows, n), cp.uint16)
+    with pytest.raises(TypeError, match="^sums: expected float32"):
+        gemm_rows_bf16(x, w, out, rows, sums=out)
+    with pytest.raises(ValueError, match=r"^sums: expected shape \[>= " + str(rows)):
+        gemm_rows_bf16(x, w, out, rows, sums=cp.zeros((rows, n - 1), cp.float32))
+    with pytest.raises(ValueError, match="sums takes the plain sweep"):
+        gemm_rows_bf16(x, packed, out, rows, sums=cp.zeros((rows, n), cp.float32), bulk=True)
+
+
+@pytest.mark.gpu
+@needs_gpu
 @pytest.mark.parametrize("rows", [1, 16, 64, 65], ids=lambda r: f"R{r}")
 @pytest.mark.parametrize("shape", [(13, 40), (100, 136), (1000, 1032)] + GLM_SHAPES + KIMI_SHAPES, ids=_shape_id)
 def test_packed_weight_gives_the_row_major_bits(shape, rows):

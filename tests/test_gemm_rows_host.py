@@ -81,8 +81,39 @@ MmaSlot mma_slots[32][32];
 #define DECLARE_PACKED(M, N) extern "C" void gemm_rows_packed_bf16_m##M##_n##N(const bf16_t*, int, const bf16_t*, \
                                                                               bf16_t*, int, int, int, int, int);
 #define DECLARE_BOTH(M, N) DECLARE(M, N) DECLARE_PACKED(M, N)
+#define DECLARE_SUMS(M, N)                                                                                        \
+    extern "C" void gemm_rows_sums_bf16_m##M##_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int, \
+                                                     int, float*, int);                                            \
+    extern "C" void gemm_rows_packed_sums_bf16_m##M##_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, int, int,   \
+                                                            int, int, int, float*, int);
+#define DECLARE_BOTH(M, N) DECLARE(M, N) DECLARE_PACKED(M, N) DECLARE_SUMS(M, N)
 DECLARE_BOTH(1, 1) DECLARE_BOTH(1, 2) DECLARE_BOTH(1, 4) DECLARE_BOTH(2, 1) DECLARE_BOTH(2, 2) DECLARE_BOTH(2, 4)
 DECLARE_BOTH(4, 1) DECLARE_BOTH(4, 2)
+using SumsEntry = void (*)(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int, int, float*, int);
+#define SUMS_ENTRY(M, N) {{M, N}, {gemm_rows_sums_bf16_m##M##_n##N, gemm_rows_packed_sums_bf16_m##M##_n##N}}
+// Form 7: the entries writing the FP32 sums too, into a [y_rows, argv[20]] float buffer of NaN (sums.out).
+int sums_form(const std::string& dir, int ld_sums, int m_tiles, int n_tiles, dim3 grid, unsigned threads, int rows,
+              int n, int k, int ldx, int ldy, int x_rows, int y_rows, long w_elements)
+{
+    const std::pair<std::pair<int, int>, std::pair<SumsEntry, SumsEntry>> entries[] = {
+        SUMS_ENTRY(1, 1), SUMS_ENTRY(1, 2), SUMS_ENTRY(1, 4), SUMS_ENTRY(2, 1), SUMS_ENTRY(2, 2), SUMS_ENTRY(2, 4),
+        SUMS_ENTRY(4, 1), SUMS_ENTRY(4, 2)};
+    SumsEntry entry = nullptr;
+    for (const auto& [name, pair] : entries) {
+        if (name == std::pair<int, int>{m_tiles, n_tiles}) entry = w_elements > 0 ? pair.second : pair.first;
+    }
+    if (!entry) { std::fprintf(stderr, "no sums entry m%d_n%d\n", m_tiles, n_tiles); return 2; }
+    const auto x = load_u16(dir + "/x", size_t(x_rows) * ldx);
+    const auto w = load_u16(dir + "/w", w_elements > 0 ? size_t(w_elements) : size_t(n) * k);
+    auto y = load_u16(dir + "/y", size_t(y_rows) * ldy);
+    std::vector<float> sums(size_t(y_rows) * ld_sums, std::nanf(""));
+    run_grid(grid, threads, 0, [&] {
+        entry(x.data(), ldx, w.data(), y.data(), ldy, rows, n, k, 0, sums.data(), ld_sums);
+    });
+    save_each(dir + "/", {"y.out", "sums.out"}, y, sums);
+    std::printf("misaligned=%ld\n", misaligned.load());
+    return 0;
+}
 #define DECLARE_SERIAL(M, N) \
     extern "C" void gemm_rows_serial_bf16_m##M##_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, \
                                                        int, int); \
@@ -193,6 +224,10 @@ int main(int argc, char** argv)
     const bool staged = std::atoi(argv[17]) != 0;
     const size_t shared_bytes = std::atol(argv[18]);
     const int form = argc > 19 ? std::atoi(argv[19]) : 0;
+    if (form == 7) {
+        return sums_form(dir, std::atoi(argv[20]), m_tiles, n_tiles, dim3{grid_x, grid_y, 1}, threads, rows, n, k, ldx,
+                         ldy, x_rows, y_rows, w_elements);
+    }
     if (form != 0) {
         return decode_form(dir, form, std::atoi(argv[20]), n_tiles, grid_x, threads, rows, n, k, ldx, ldy, x_rows,
                            y_rows, w_elements, shared_bytes, argc > 21 ? std::atoi(argv[21]) : 0);
@@ -278,9 +313,10 @@ def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, gemv=F
     staged entry's awaiting form as staged_plan(awaiting=True) plans it. form 4: the counting entry
     with its words set to {form_arg, 0}; returns (y, words after). form 5: the tail-staged awaiting
     entry as tail_staged_plan plans it (plan_args its tail_blocks), words as form 2. form 6: the
-    counting entry's ahead form, as form 4."""
+    counting entry's ahead form, as form 4. form 7: the entry writing the FP32 sums too (packed or not),
+    into [y_buffer rows, form_arg] floats of NaN; returns (y, sums)."""
     n, k = w.shape
-    packed = packed or staged or form != 0
+    packed = packed or staged or form not in (0, 7)
     w_file = pack_weight(w.view(np.uint16)).data if packed else w
     if gemv:
         m_tiles = n_tiles = 0
@@ -317,6 +353,8 @@ def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, gemv=F
     y = np.fromfile(folder / "y.out", np.uint16).reshape(y_buffer.shape)
     if form == 1:
         return y, np.fromfile(folder / "y2.out", np.uint16).reshape(y_buffer.shape)
+    if form == 7:
+        return y, np.fromfile(folder / "sums.out", np.float32).reshape(y_buffer.shape[0], form_arg)
     if form in (2, 3, 4, 5, 6):
         return y, np.fromfile(folder / "words.out", np.int32)
     return y
@@ -463,6 +501,32 @@ def test_counting_launch_gives_the_packed_bits_and_counts_its_blocks_on_host(gem
                                        blocks=blocks), f"R{rows} tiles={tiles} blocks={blocks} counting")
         assert words.tolist() == [5 + plan.grid[0] * plan.grid[1], 0], (
             f"R{rows} tiles={tiles} blocks={blocks}: words after {words.tolist()}, {plan.grid} blocks")
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["rowmajor", "packed"])
+@pytest.mark.parametrize("rows", [1, 9, 40], ids=lambda r: f"R{r}")
+def test_sums_entries_write_what_out_rounds_on_host(gemm_host, rows, packed):
+    """The entries writing each output's FP32 sum too (a tensor-parallel rank's partial output): out
+    holds the plain entry's bits, the sums round to them (nearest even), they are the float64 dot
+    products within FP32 accumulation, and nothing lands outside rows < R and columns < n of the
+    sums. Every m-tile count (1, 9, 40 rows), tiles and grids, k tails and split-k ranges."""
+    import ml_dtypes
+
+    for n, k in ((100, 136), (72, 1032)):
+        x, w = _inputs(n, k, rows, seed=rows + 31)
+        exact = bits_to_f64(x) @ bits_to_f64(w).T
+        for tiles, blocks in ((None, None), (1, 3), (2, 1)):
+            tag = f"N{n}-K{k} R{rows} tiles={tiles} blocks={blocks}"
+            fresh = np.full((rows + 2, n), POISON, np.uint16)
+            plain = run_host(gemm_host, x, w, rows, fresh, packed=packed, tiles_per_warp=tiles, blocks=blocks)
+            y, sums = run_host(gemm_host, x, w, rows, fresh, packed=packed, form=7, form_arg=n + 3,
+                               tiles_per_warp=tiles, blocks=blocks)
+            _assert_bits_equal(y, plain, f"{tag}: out of the sums entry")
+            rounded = sums[:rows, :n].astype(ml_dtypes.bfloat16).view(np.uint16)
+            _assert_bits_equal(rounded, y[:rows, :n], f"{tag}: sums rounded to BF16")
+            assert np.isnan(sums[rows:]).all() and np.isnan(sums[:, n:]).all(), f"{tag}: sums outside rows x n"
+            error = np.abs(sums[:rows, :n] - exact).max() / np.abs(exact).max()
+            assert error < 1e-5, f"{tag}: FP32 sums {error:.2e} (relative to the largest) from the float64 dot products"
 
 
 def test_pack_weight_layout():

@@ -653,6 +653,65 @@ def test_bulk_decode_projections_give_the_mma_sync_bits(layers, geometry, monkey
     _assert_same_bits(bulk, mma_sync, geometry, "the bulk-copy and the mma.sync projections")
 
 
+@pytest.mark.parametrize("geometry", ["glm", "kimi"])
+def test_o_proj_sums_keep_the_bits_and_round_to_them(layers, geometry):
+    """layer.o_proj_sums (a tensor-parallel rank's FP32 partial output): decode-side calls write the
+    bits they write without it (every stage buffer, output and state of a 64-sequence pool step, a
+    5-row walk and a 9-token prefill), and in every call the sums round (nearest even) to the output
+    it returns: one-row decode (eager, captured, replayed), the walk, the pool step, a 40-token
+    prefill (cuBLAS, FP32 result) within the oracle bound of the plain prefill. A bad buffer is
+    refused naming what is wrong, and the layer keeps its sums unset."""
+    import ml_dtypes
+
+    from glm_kda.state import StatePool
+
+    cp = _cp()
+    _, layer = layers(geometry)
+    cfg = layer.config
+    sums = cp.full((layer.workspace.max_tokens, cfg.hidden), cp.nan, cp.float32)
+
+    def switch(on):
+        layer.o_proj_sums = sums if on else None
+
+    with_sums, plain = _decode_paths(layer, count=80, rows=64, walk_rows=5, prefill_rows=9, seed=91, switch=switch)
+    _assert_same_bits(with_sums, plain, geometry, "o_proj with and without its FP32 sums")
+
+    def rounded(rows):
+        return cp.asarray(sums[:rows].get().astype(ml_dtypes.bfloat16).view(np.uint16))
+
+    bf16 = layer.workspace.final_out.dtype
+    hidden = cp.asarray(synthetic_hidden(64, cfg.hidden, seed=92).view(np.uint16)).view(bf16)
+    state = device_state(layer, KdaState.random(cfg, seed=93))
+    switch(True)
+    try:
+        for t in range(3):  # eager, captured, replayed
+            out = layer.decode(hidden[t : t + 1], state)
+            differ = int(cp.count_nonzero(_bits(out) != rounded(1)))
+            assert differ == 0, f"decode call {t}: {differ} outputs differ from the rounded sums"
+        out = layer.decode_k(hidden[:5], state)
+        assert int(cp.count_nonzero(_bits(out) != rounded(5))) == 0, "decode_k: outputs differ from the rounded sums"
+        pool = StatePool(cfg, 80)
+        out = layer.decode(hidden, pool, cp.arange(64, dtype=cp.int32))
+        assert int(cp.count_nonzero(_bits(out) != rounded(64))) == 0, "pool step: outputs differ from the rounded sums"
+        prompt = cp.asarray(synthetic_hidden(40, cfg.hidden, seed=94).view(np.uint16)).view(bf16)
+        out = layer.prefill(prompt, device_state(layer, KdaState.random(cfg, seed=95)))
+        assert int(cp.count_nonzero(_bits(out) != rounded(40))) == 0, "prefill: outputs differ from the rounded sums"
+    finally:
+        switch(False)
+    reference = layer.prefill(prompt, device_state(layer, KdaState.random(cfg, seed=95)))
+    def widened(x):
+        return (_bits(x).astype(cp.uint32) << 16).view(cp.float32).get()
+
+    ratio = rms_ratio(widened(out), widened(reference))
+    assert ratio <= 1e-3, f"prefill with FP32 sums {ratio:.3e} from the plain prefill (cuBLAS)"
+    for bad, error, match in ((sums.astype(cp.float16), TypeError, "^o_proj_sums: expected a CuPy float32"),
+                              (sums[:-1], ValueError, "^o_proj_sums: expected a C-contiguous"),
+                              (sums[:, ::2], ValueError, "^o_proj_sums: expected a C-contiguous")):
+        with pytest.raises(error, match=match):
+            layer.o_proj_sums = bad
+        assert layer.o_proj_sums is None
+
+
 @pytest.mark.parametrize("graphs", [True, False], ids=["graph", "eager"])
 @pytest.mark.parametrize("geometry", ["glm", "kimi"])
 def test_persistent_decode_equals_the_separate_launches(layers, geometry, graphs):

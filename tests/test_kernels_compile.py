@@ -63,8 +63,9 @@ def test_kernel_files_match_entry_points():
         declared = re.findall(r'^extern "C" __global__ void(?:\s+__launch_bounds__\([^)]*\))?(?:\s+[A-Z][A-Z0-9_]*)?'
                               r'\s+(\w+)\s*\(', text, re.M)
         # gemm_rows.cu declares its variants through macros: GEMM_ROWS_ENTRY(m-tiles, tiles) and
-        # GEMM_ROWS_SERIAL_ENTRY(m-tiles, tiles), one entry per weight layout, ...
-        declared += [f"gemm_rows_{layout}bf16_m{m}_n{n}" for layout in ("", "packed_")
+        # GEMM_ROWS_SERIAL_ENTRY(m-tiles, tiles), one entry per weight layout (the first also in the form
+        # writing the FP32 sums), ...
+        declared += [f"gemm_rows_{layout}bf16_m{m}_n{n}" for layout in ("", "packed_", "sums_", "packed_sums_")
                      for m, n in re.findall(r"^GEMM_ROWS_ENTRY\((\d+), (\d+)\)", text, re.M)]
         declared += [f"gemm_rows_{layout}serial_bf16_m{m}_n{n}" for layout in ("", "packed_")
                      for m, n in re.findall(r"^GEMM_ROWS_SERIAL_ENTRY\((\d+), (\d+)\)", text, re.M)]

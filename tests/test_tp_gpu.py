@@ -2,11 +2,9 @@
 
 What TP=2 must keep:
   * outputs: TP=2 within TP2_BOUND (1e-3) of TP=1, and against the float64 oracle at most
-    E2E_FACTOR times TP=1's own error. Today each rank rounds its o_proj output to BF16
-    before the all-reduce, a second rounding that alone puts TP=2 about 3e-3 from TP=1
-    (tests/test_tp.py::test_double_rounding_floor measures it on the oracle): the two output
-    tests are expected to fail (strict xfail) until o_proj can hand the all-reduce FP32
-    partial sums;
+    E2E_FACTOR times TP=1's own error. Each rank hands the all-reduce its o_proj's FP32 sums
+    (KdaLayer.o_proj_sums), so only FP32 reassociation separates the two; BF16 partials would
+    add a second rounding of about 3e-3 (tests/test_tp.py::test_fp32_partials_round_once);
   * states: every head runs the same kernels on the same inputs as in TP=1, so each rank's
     state equals the TP=1 state's head slice to STATE_BOUND;
   * decode_k (K rows) bit-identical to K decode calls, graphs or not;
@@ -154,16 +152,10 @@ def check_outputs(run, phase, figures):
     )
 
 
-BF16_PARTIALS = pytest.mark.xfail(
-    strict=True, reason="rank o_proj outputs are rounded to BF16 before the all-reduce (needs FP32 partial sums)")
-
-
-@BF16_PARTIALS
 def test_prefill_matches_tp1(runs, figures):
     check_outputs(runs, "prefill", figures)
 
 
-@BF16_PARTIALS
 def test_decode_matches_tp1(runs, figures):
     check_outputs(runs, "decode", figures)
 

@@ -1,0 +1,86 @@
+"""Where KdaLayer.o_proj_sums sends o_proj, on the host: the launches back_end issues are recorded
+(gemm_rows_bf16, cuBLAS and the rounding replaced by recorders), so CPU CI checks the routing the
+GPU tests (tests/test_gpu.py::test_o_proj_sums_keep_the_bits_and_round_to_them, the tensor-parallel
+tests) measure: with sums set, the decode side takes the plain sweep with the sums' rows and no
+form that awaits the fused step's count; prefill gets cuBLAS's FP32 result, rounded into
+final_out; the persistent launch and the step's x tiles are off.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from glm_kda import gemm_rows, layer as layer_module, ops
+from glm_kda.layer import KdaLayer
+
+ROWS, QKV, HIDDEN = 8, 16, 12
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """(a KdaLayer without a device, the list of launches its back end issues)."""
+    calls: list[tuple] = []
+    monkeypatch.setattr(gemm_rows, "gemm_rows_bf16",
+                        lambda x, w, out, rows=None, **kw: calls.append(("gemm_rows", x, w, out, rows, kw)) or 7)
+    monkeypatch.setattr(ops, "gemm_bf16_cublas", lambda x, w, out: calls.append(("cublas", x, w, out)))
+    monkeypatch.setattr(ops, "round_to_bf16", lambda values, out: calls.append(("round", values, out)))
+    layer = object.__new__(KdaLayer)
+    layer.workspace = SimpleNamespace(
+        o_norm_out=np.zeros((ROWS, QKV), np.uint16), final_out=np.zeros((ROWS, HIDDEN), np.uint16),
+        outputs_ready=np.zeros(2, np.int32), x_tiles=np.zeros(64, np.uint16), bulk_partial=np.zeros(64, np.float32))
+    layer.config = SimpleNamespace(heads=2, head_dim=8, rms_norm_eps=1e-6)
+    packed = object.__new__(gemm_rows.PackedWeight)
+    layer.decode_weight = lambda name: packed
+    layer.o_proj = "o_proj row-major"
+    layer.persistent_decode = layer.fused_decode = True
+    layer._o_proj_sums = None
+    layer._x_tiles_rows = layer._o_proj_ready = 0
+    return layer, calls, packed
+
+
+def test_decode_side_o_proj_writes_the_sums_rows_on_the_plain_sweep(recorded):
+    layer, calls, packed = recorded
+    sums = np.full((ROWS, HIDDEN), np.nan, np.float32)
+    layer._o_proj_sums = sums
+    layer._o_proj_ready, layer._x_tiles_rows = 5, 3  # what a step before would have left: ignored with sums
+    layer.back_end(3, norm=False)
+    assert len(calls) == 1, calls
+    kind, x, w, out, rows, kw = calls[0]
+    assert kind == "gemm_rows" and w is packed and rows == 3
+    assert out.base is layer.workspace.final_out and out.shape == (3, HIDDEN)
+    assert kw["sums"].base is sums and kw["sums"].shape == (3, HIDDEN), "the sums' first rows"
+    assert kw["ready"] is None and kw["ready_target"] == 0 and not kw["staged"] and not kw["x_tiled"], kw
+    assert (layer._o_proj_ready, layer._x_tiles_rows) == (0, 0)
+
+
+def test_without_sums_the_output_projection_is_unchanged(recorded, monkeypatch):
+    layer, calls, packed = recorded
+    layer._o_proj_ready = 5
+    layer.back_end(1, norm=False)
+    kind, _, w, out, rows, kw = calls[0]
+    assert kind == "gemm_rows" and kw["sums"] is None and kw["ready_target"] == 5 and kw["ready"] is not None
+
+
+def test_prefill_o_proj_rounds_cublas_fp32_result_into_final_out(recorded):
+    layer, calls, _ = recorded
+    sums = np.full((ROWS, HIDDEN), np.nan, np.float32)
+    layer._o_proj_sums = sums
+    layer.back_end(6, wide=True, norm=False)
+    assert [call[0] for call in calls] == ["cublas", "round"], calls
+    _, x, w, out = calls[0]
+    assert w == "o_proj row-major" and out.base is sums and out.shape == (6, HIDDEN)
+    _, values, rounded = calls[1]
+    assert values.base is sums and values.shape == (6, HIDDEN)
+    assert rounded.base is layer.workspace.final_out and rounded.shape == (6, HIDDEN)
+
+
+def test_sums_turn_off_the_forms_that_await_the_step(recorded, monkeypatch):
+    layer, _, _ = recorded
+    monkeypatch.setattr(layer_module, "OUT_PROJ_AWAITS_STEP", True)
+    assert layer._o_proj_awaits_step(1) and layer._persistent_applies(1, True, [])
+    layer._o_proj_sums = np.zeros((ROWS, HIDDEN), np.float32)
+    assert not layer._o_proj_awaits_step(1), "an o_proj writing sums must not await the step's count"
+    assert not layer._persistent_applies(1, True, []), "the persistent launch writes no sums"
