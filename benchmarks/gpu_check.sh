@@ -4,10 +4,11 @@
 # tensor-core), recurrent and fused decode (one row and a verify walk) kernels ("sanitize"), then the decode and
 # prefill benchmarks, the host's part of the decode calls and the import timing ("bench"). Logs and JSON land in ${OUT:-./gpu_check_out}.
 # The three parts take about eight, two and five minutes on an H200; run them as separate commands
-# where one command is limited to ten minutes. "block" adds the whole-block timings to "bench".
+# where one command is limited to ten minutes. "block" adds the whole-block timings to "bench". "tp" (not
+# part of "all"; two GPUs) runs the tensor-parallel tests, the step timing included.
 # With flash-linear-attention importable (see benchmarks/NOTES.md) both benchmarks add its rows;
 # its first call compiles Triton kernels for a minute or more.
-#   PYTHONPATH=. bash benchmarks/gpu_check.sh [tests|sanitize|bench|all] [block]
+#   PYTHONPATH=. bash benchmarks/gpu_check.sh [tests|sanitize|bench|all|tp] [block]
 set -u -o pipefail
 part=${1:-all}
 out=${OUT:-./gpu_check_out}; mkdir -p "$out"
@@ -51,4 +52,8 @@ if [ "$part" = bench ] || [ "$part" = all ]; then
   timeout 150 python benchmarks/prefill.py --tokens 1024 16384 65536 2>&1 | tee "$out/prefill.jsonl"
   if [ "${2:-}" = block ]; then timeout 60 python benchmarks/block.py glm kimi 2>&1 | tee "$out/block.jsonl"; fi
   python -c "import json; from glm_kda.selftest import import_times; print(json.dumps(import_times()))" 2>&1 | tee "$out/import.json"
+fi
+if [ "$part" = tp ]; then
+  GLM_KDA_FIGURES="$out/figures_tp.json" timeout ${SUITE_TIMEOUT:-560} python -m pytest -q -rfE tests/test_tp_gpu.py \
+    --junitxml="$out/junit_tp.xml" 2>&1 | tee "$out/tp_tests.log" | tail -25
 fi
