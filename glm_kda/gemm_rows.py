@@ -417,15 +417,16 @@ def staged_plan(n: int, k: int, rows: int, awaiting: bool = False) -> LaunchPlan
             shared_mem += _x_region_bytes(rows, k, tiles)
             if STAGED_BLOCKS_PER_SM * (shared_mem + (1 << 10)) > BULK_SHARED_PER_SM:
                 return None
-        return LaunchPlan(
-            kernel=f"gemm_rows_staged_{'awaiting_' if awaiting else ''}bf16_m1_n{tiles}",
-            grid=(-(-n_tiles // group_tiles), 1),
-            block=(WARPS_PER_BLOCK * 32,),
-            m_tiles=1,
-            tiles_per_warp=tiles,
-            shared_mem=shared_mem,
-        )
+        return _group_a_block_plan(f"gemm_rows_staged_{'awaiting_' if awaiting else ''}bf16_m1_n{tiles}", n_tiles,
+                                   group_tiles, tiles, shared_mem)
     return None
+
+
+def _group_a_block_plan(kernel: str, n_tiles: int, group_tiles: int, tiles: int, shared_mem: int,
+                        tail_blocks: int = 0) -> LaunchPlan:
+    """The plan of a one-m-tile staged entry: one column group of `group_tiles` tiles a block."""
+    return LaunchPlan(kernel=kernel, grid=(-(-n_tiles // group_tiles), 1), block=(WARPS_PER_BLOCK * 32,), m_tiles=1,
+                      tiles_per_warp=tiles, shared_mem=shared_mem, tail_blocks=tail_blocks)
 
 
 def tail_staged_plan(n: int, k: int, rows: int, sm_count: int = DEFAULT_SM_COUNT,
@@ -456,15 +457,8 @@ def tail_staged_plan(n: int, k: int, rows: int, sm_count: int = DEFAULT_SM_COUNT
     tail = min(room // block_bytes, -(-k_blocks // split), tail_blocks or k_blocks)
     if tail < 1:
         return None
-    return LaunchPlan(
-        kernel=f"gemm_rows_tail_staged_awaiting_bf16_m1_n{tiles}",
-        grid=(-(-n_tiles // group_tiles), 1),
-        block=(WARPS_PER_BLOCK * 32,),
-        m_tiles=1,
-        tiles_per_warp=tiles,
-        shared_mem=tail * block_bytes + x_bytes,
-        tail_blocks=tail,
-    )
+    return _group_a_block_plan(f"gemm_rows_tail_staged_awaiting_bf16_m1_n{tiles}", n_tiles, group_tiles, tiles,
+                               tail * block_bytes + x_bytes, tail)
 
 
 def staged_applies(w: Any, rows: int, awaiting: bool = False) -> bool:
