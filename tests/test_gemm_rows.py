@@ -505,8 +505,10 @@ def test_sums_launch_gives_the_bits_and_their_sums(shape, rows):
         _assert_bits_equal(rounded, plain, f"{tag}: sums rounded to BF16")
         outside = cp.concatenate([wide[rows:].ravel(), wide[:, :4].ravel(), wide[:, 4 + n :].ravel()])
         assert bool(cp.isnan(outside).all()), f"{tag}: sums written outside rows x n"
+        # FP32 accumulation inside the tensor cores over up to 8192 k (their internal alignment is
+        # not IEEE's): within 1e-4 of the largest output, where a BF16 rounding is about 2e-3.
         error = float(cp.abs(sums - exact).max() / cp.abs(exact).max())
-        assert error < 1e-5, f"{tag}: FP32 sums {error:.2e} (relative to the largest) from the float64 dot products"
+        assert error < 1e-4, f"{tag}: FP32 sums {error:.2e} (relative to the largest) from the float64 dot products"
     out = cp.zeros((rows, n), cp.uint16)
     with pytest.raises(TypeError, match="^sums: expected float32"):
         gemm_rows_bf16(x, w, out, rows, sums=out)
