@@ -32,10 +32,11 @@ if [ "$part" = sanitize ] || [ "$part" = all ]; then
   timeout 60 compute-sanitizer --tool racecheck --kernel-name kns=kda_chunk_tc --print-limit 20 python -m pytest -q \
     -p no:cacheprovider tests/test_gpu.py -k "prefill_matches_oracle and C64 and T15" 2>&1 \
     | tee "$out/racecheck_tc.log" | tail -4
-  # The decode calls' copies (graph nodes repointed per call, pinned slot uploads) and the counting
-  # entry's ahead form.
+  # The decode calls' copies (graph nodes repointed per call, pinned slot uploads), the counting
+  # entry's ahead form and the entries writing o_proj's FP32 sums.
   timeout 150 compute-sanitizer --tool memcheck --print-limit 20 python -m pytest -q -p no:cacheprovider \
-    tests/test_gpu.py tests/test_gemm_rows.py -k "graph_copies or host_slots or counting_ahead or pair_and_awaiting and N100" \
+    tests/test_gpu.py tests/test_gemm_rows.py \
+    -k "graph_copies or host_slots or counting_ahead or pair_and_awaiting and N100 or sums_launch and N100" \
     2>&1 | tee "$out/memcheck_calls.log" | tail -4
   # The prefill conv has no shared memory (a warp per head): memcheck over its vector loads
   # and stores, against decode steps and in two real prefills.
