@@ -38,6 +38,9 @@ if [ "$part" = sanitize ] || [ "$part" = all ]; then
     tests/test_gpu.py tests/test_gemm_rows.py \
     -k "graph_copies or host_slots or counting_ahead or pair_and_awaiting and N100 or sums_launch and N100" \
     2>&1 | tee "$out/memcheck_calls.log" | tail -4
+  # The awaiting and staged o_proj entries writing FP32 sums, through the layer (Kimi: the staged form).
+  timeout 150 compute-sanitizer --tool memcheck --print-limit 20 python -m pytest -q -p no:cacheprovider \
+    tests/test_gpu.py -k "o_proj_sums and kimi" 2>&1 | tee "$out/memcheck_sums.log" | tail -4
   # The prefill conv has no shared memory (a warp per head): memcheck over its vector loads
   # and stores, against decode steps and in two real prefills.
   timeout 100 compute-sanitizer --tool memcheck --kernel-name kns=conv_prefill_silu_l2_bf16 --print-limit 20 python -m pytest \

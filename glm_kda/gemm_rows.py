@@ -568,8 +568,9 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
     ``sums`` (None: none): FP32 [>= rows, n] with contiguous columns (a column slice is fine),
     receiving each output's FP32 sum, the value ``out`` holds rounded to BF16 (round to nearest
     even): the partial output of a tensor-parallel rank, which the ranks add before the one
-    rounding. The plain split-k sweep writes them; it takes neither ``ready`` nor ``counted`` and
-    runs neither the staged, the serial, the warpgroup-MMA nor the bulk sweep (the same bits in
+    rounding. The split-k sweep and its awaiting forms write them (with ``ready``, and ``staged``
+    where the awaiting staged entries apply); not with ``counted``, and never on the serial, the
+    warpgroup-MMA or the bulk sweep, nor the staged entry without ``ready`` (the same bits in
     ``out`` as those would write).
 
     Returns the blocks launched (the count ``counted`` reaches; 0 for the bulk-copy sweep, which never
@@ -579,8 +580,9 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
     packed = isinstance(w, PackedWeight)
     sums_args: tuple = ()
     if sums is not None:
-        sums_args = (sums, _i32(_sums_stride(sums, rows, n, ready, counted, bulk)))
-        staged, serial, wgmma, bulk = False, False, False, False
+        sums_args = (sums, _i32(_sums_stride(sums, rows, n, counted, bulk)))
+        serial, wgmma, bulk = False, False, False
+        staged = staged and ready is not None  # (the staged entries write sums in their awaiting forms)
     if ready is not None:
         _check_ready(ready, ready_target, packed, rows, programmatic, bulk)
     if counted is not None:
@@ -603,9 +605,10 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
     plan = _staged_plan_here(w, rows, ready is not None) if staged else None
     if plan is not None:
         # (The staged entries take no L2 request; the tail entry its tail's k blocks in that place.)
-        kernels.launch(plan.kernel, plan.grid, plan.block,
+        kernel = plan.kernel.replace("bf16_m", "sums_bf16_m") if sums is not None else plan.kernel
+        kernels.launch(kernel, plan.grid, plan.block,
                        (x, _i32(ldx), w.data, out, _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(plan.tail_blocks),
-                        *words),
+                        *words, *sums_args),
                        plan.shared_mem, programmatic=programmatic, carveout=100)
         return plan.grid[0] * plan.grid[1]
     plan = launch_plan(n, k, rows, tiles_per_warp, _sm_count(cupy.cuda.Device().id), blocks, serial, wgmma,
@@ -667,12 +670,12 @@ def gemm_rows_pair_bf16(x, w, out, x2, w2, out2, rows: int | None = None, *, pro
     )
 
 
-def _sums_stride(sums: Any, rows: int, n: int, ready: Any, counted: Any, bulk: bool | None) -> int:
+def _sums_stride(sums: Any, rows: int, n: int, counted: Any, bulk: bool | None) -> int:
     """The checks of gemm_rows_bf16's ``sums`` (TypeError / ValueError naming what is wrong); returns
     its row stride in elements."""
-    if ready is not None or counted is not None or bulk:
-        raise ValueError("gemm_rows_bf16: sums takes the plain sweep, without ready, counted or bulk=True "
-                         f"(ready: {ready is not None}, counted: {counted is not None}, bulk: {bulk})")
+    if counted is not None or bulk:
+        raise ValueError("gemm_rows_bf16: sums takes the split-k sweep or its awaiting forms, without counted "
+                         f"or bulk=True (counted: {counted is not None}, bulk: {bulk})")
     stride = _row_stride("sums", sums, "f32", rows, n)
     _require_int32("sums row stride", stride)
     return stride

@@ -30,10 +30,11 @@ ENTRY_POINTS: dict[str, tuple[str, ...]] = {
     "gemm_rows": tuple(f"gemm_rows_{layout}bf16_m{m}_n{n}" for layout in ("", "packed_", "sums_", "packed_sums_")
                        for m, n in ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2)))
     + tuple(f"gemm_rows_{layout}serial_bf16_m{m}_n{n}" for layout in ("", "packed_") for m, n in ((4, 2),))
-    + tuple(f"gemm_rows_staged_{form}bf16_m1_n{n}" for form in ("", "awaiting_") for n in STAGED_TILES_PER_WARP)
-    + tuple(f"gemm_rows_tail_staged_awaiting_bf16_m1_n{n}" for n in (1, 2, 4))
-    + tuple(f"gemm_rows_packed_{form}_bf16_m1_n{n}" for form in ("pair", "awaiting", "counting", "counting_ahead")
-            for n in (1, 2, 4)),
+    + tuple(f"gemm_rows_staged_{form}bf16_m1_n{n}" for form in ("", "awaiting_", "awaiting_sums_")
+            for n in STAGED_TILES_PER_WARP)
+    + tuple(f"gemm_rows_tail_staged_awaiting_{form}bf16_m1_n{n}" for form in ("", "sums_") for n in (1, 2, 4))
+    + tuple(f"gemm_rows_packed_{form}_bf16_m1_n{n}"
+            for form in ("pair", "awaiting", "awaiting_sums", "counting", "counting_ahead") for n in (1, 2, 4)),
     "conv": ("conv_decode_silu_l2_bf16", "conv_prefill_silu_l2_bf16"),
     "gate": ("gate_beta_f32",),
     "recurrent": ("kda_recurrent_step_f32",),

@@ -420,11 +420,11 @@ class KdaLayer:
         layer's GPU: every call's o_proj then also writes its FP32 sums there, rows 0..T-1, beside
         final_out, which still receives them rounded to BF16 (on the decode side the same bits as
         without). What a tensor-parallel rank hands the all-reduce, so that the ranks' partial
-        outputs are added before the one rounding. On the decode side o_proj then takes gemm_rows'
-        plain sweep (`gemm_rows_bf16(..., sums=...)`): none of the forms that await the fused step,
-        stage the weight, run the bulk sweep or the persistent launch, so it is slower at the same
-        bits. Prefill's cuBLAS writes the FP32 result, rounded into final_out by
-        `ops.round_to_bf16`. Setting it forgets the captured graphs."""
+        outputs are added before the one rounding. On the decode side o_proj keeps its forms of up
+        to 16 rows (awaiting the fused step, staged; `gemm_rows_bf16(..., sums=...)`), but above 16
+        rows it takes the split-k sweep instead of the bulk sweep, and the persistent launch is off.
+        Prefill's cuBLAS writes the FP32 result, rounded into final_out by `ops.round_to_bf16`.
+        Setting it forgets the captured graphs."""
         return self._o_proj_sums
 
     @o_proj_sums.setter
@@ -600,7 +600,7 @@ class KdaLayer:
         blocks of the fused step before it counting their outputs out in workspace.outputs_ready
         (gemm_rows_bf16's ready; one group of <= 16 rows only; 0: none). counted:
         gemm_rows_bf16's counted (one group of <= 16 rows only). sums: gemm_rows_bf16's sums (FP32
-        [rows, n], the plain sweep). Returns the blocks of the last launch (those `counted` counts)."""
+        [rows, n]). Returns the blocks of the last launch (those `counted` counts)."""
         rows = x.shape[0]
         ready = self.workspace.outputs_ready if ready_target else None
         blocks = 0
@@ -615,10 +615,11 @@ class KdaLayer:
         return blocks
 
     def _project(self, x: Any, weight: str, out: Any, wide: bool, after_kernel: bool = False,
-                 reserved_slots: int = 0, staged: bool = False, x_tiles: Any = None, counted: Any = None) -> int:
+                 reserved_slots: int = 0, staged: bool = False, x_tiles: Any = None, counted: Any = None,
+                 sums: Any = None) -> int:
         """x @ the weight named `weight` (one of DECODE_WEIGHTS) into out. x_tiles: the bulk-copy
-        sweep's tile scratch of a projection on a stream of its own (None: its stream's own). counted:
-        see _project_decode, whose count of blocks it returns (0 on cuBLAS)."""
+        sweep's tile scratch of a projection on a stream of its own (None: its stream's own). counted,
+        sums (decode side only): see _project_decode, whose count of blocks it returns (0 on cuBLAS)."""
         if wide:
             # Prefill only: cuBLAS reassociates, which no bit-exact path may see.
             ops.gemm_bf16_cublas(x, getattr(self, weight), out)
@@ -634,7 +635,7 @@ class KdaLayer:
             staged = staged or bool(ready_target and OUT_PROJ_STAGED_AWAITING)
             return self._project_decode(x, self.decode_weight(weight), out, after_kernel, reserved_slots, staged,
                                         x_tiles, partial, bulk=SIDE_CHAIN_BULK if side else None, x_tiled=x_tiled,
-                                        ready_target=ready_target, counted=counted)
+                                        ready_target=ready_target, counted=counted, sums=sums)
 
     def gate_source(self, first: int = 0) -> chunk_tc.GateSource:
         """Workspace rows first.. of what the forget gate and beta are formed from."""
@@ -713,10 +714,9 @@ class KdaLayer:
     def _o_proj_awaits_step(self, rows: int) -> bool:
         """Whether the output projection of a fused step of `rows` rows (one launch, workspace rows
         0..rows-1) awaits the step's count of outputs (OUT_PROJ_AWAITS_STEP): gemm_rows' sweep of one
-        group of <= 16 rows of a packed weight, without o_proj_sums."""
+        group of <= 16 rows of a packed weight."""
         w = self.decode_weight("o_proj")
-        return (OUT_PROJ_AWAITS_STEP and rows <= gemm_rows.M_TILE and isinstance(w, gemm_rows.PackedWeight)
-                and self._o_proj_sums is None)
+        return OUT_PROJ_AWAITS_STEP and rows <= gemm_rows.M_TILE and isinstance(w, gemm_rows.PackedWeight)
 
     @contextlib.contextmanager
     def _beside(self, concurrent: bool, branch: int = 0):
@@ -922,16 +922,12 @@ class KdaLayer:
             ops.gated_rmsnorm_sigmoid_bf16(ws.core, ws.out_gate, self.o_norm, ws.o_norm_out, c.heads, c.head_dim,
                                            c.rms_norm_eps, tokens=rows)
         sums = self._o_proj_sums
-        if sums is None:
-            self._project(ws.o_norm_out[:rows], "o_proj", ws.final_out[:rows], wide, after_kernel=True,
-                          staged=OUT_PROJ_STAGED)
-        elif wide:
+        if sums is not None and wide:
             ops.gemm_bf16_cublas(ws.o_norm_out[:rows], self.o_proj, sums[:rows])
             ops.round_to_bf16(sums[:rows], ws.final_out[:rows])
         else:
-            self._x_tiles_rows = self._o_proj_ready = 0
-            self._project_decode(ws.o_norm_out[:rows], self.decode_weight("o_proj"), ws.final_out[:rows],
-                                 after_kernel=True, sums=sums[:rows])
+            self._project(ws.o_norm_out[:rows], "o_proj", ws.final_out[:rows], wide, after_kernel=True,
+                          staged=OUT_PROJ_STAGED, sums=None if sums is None else sums[:rows])
 
     def prefill_core(self, tokens: int, conv_state: Any, recurrent_state: Any, pad_value: float | None = 0.0,
                      first: int = 0) -> None:

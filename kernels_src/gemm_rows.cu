@@ -87,6 +87,8 @@ GEMM_ROWS_ENTRY(4, 2)
 //   gemm_rows_packed_counting_bf16_m1_n<N>: each block adds 1 to counted[0] (release, at GPU scope)
 //     once its outputs are written: a kernel on another stream that reads y (the fused step of one
 //     sequence, awaiting q|k|v) waits for the count to reach the launch's blocks, not for its end.
+//   gemm_rows_packed_awaiting_sums_bf16_m1_n<N>: the awaiting entry writing the FP32 sums too (sums,
+//     ld_sums after its words), as the gemm_rows_sums entries do.
 //   gemm_rows_packed_counting_ahead_bf16_m1_n<N>: the counting entry whose blocks load the first step
 //     of their next column group before reducing the present one (gemm_rows_sweep's AHEAD), on sm_90
 //     and later; before sm_90, where that form spills, it is the counting entry's code.
@@ -116,6 +118,18 @@ GEMM_ROWS_ENTRY(4, 2)
         gemm_rows_entry<1, N_TILES, true, GEMM_X_PRODUCED>(x, ldx, w, y, ldy, rows, n, k, prefetch,   \
                                                            GemmRowsSecond{nullptr, nullptr, nullptr}, \
                                                            GemmRowsAwait{ready, ready_target});       \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_MIN_BLOCKS)          \
+        gemm_rows_packed_awaiting_sums_bf16_m1_n##N_TILES(const bf16_t* __restrict__ x, int ldx,     \
+                                                          const bf16_t* __restrict__ w,               \
+                                                          bf16_t* __restrict__ y, int ldy, int rows,  \
+                                                          int n, int k, int prefetch, int* ready,     \
+                                                          int ready_target, float* __restrict__ sums, \
+                                                          int ld_sums)                                \
+    {                                                                                              \
+        gemm_rows_entry<1, N_TILES, true, GEMM_X_PRODUCED, false, true>(                            \
+            x, ldx, w, y, ldy, rows, n, k, prefetch, GemmRowsSecond{nullptr, nullptr, nullptr},     \
+            GemmRowsAwait{ready, ready_target}, nullptr, GemmRowsSums{sums, ld_sums});              \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_MIN_BLOCKS)          \
         gemm_rows_packed_counting_bf16_m1_n##N_TILES(const bf16_t* __restrict__ x, int ldx,          \
@@ -204,14 +218,19 @@ GEMM_ROWS_SERIAL_ENTRY(4, 2)
 // the stage once its copies have landed (gemm_rows_group's TAIL; x from shared memory,
 // GEMM_X_SHARED). A copy still in flight at the wait holds back nothing but that tail. Dynamic shared
 // memory: 8 warps * N tiles * tail_blocks * 512 bytes, then x's region as above. The same bits.
+//
+// gemm_rows_staged_awaiting_sums_bf16_m1_n<N> and gemm_rows_tail_staged_awaiting_sums_bf16_m1_n<N>: those
+// two awaiting forms writing the FP32 sums too (sums, ld_sums after the words), as gemm_rows_sums does.
 #define GEMM_ROWS_STAGED_LOADS 4
-template <int N_TILES, bool AWAITING, bool TAIL = false>
+template <int N_TILES, bool AWAITING, bool TAIL = false, bool SUMS = false>
 __device__ __forceinline__ void gemm_rows_staged_entry(const bf16_t* __restrict__ x, int ldx,
                                                        const bf16_t* __restrict__ w, bf16_t* __restrict__ y,
                                                        int ldy, int rows, int n, int k,
-                                                       GemmRowsAwait awaited = {nullptr, 0}, int tail_blocks = 0)
+                                                       GemmRowsAwait awaited = {nullptr, 0}, int tail_blocks = 0,
+                                                       GemmRowsSums sums = {nullptr, 0})
 {
     static_assert(!TAIL || AWAITING, "a tail stage: the awaiting form");
+    static_assert(!SUMS || AWAITING, "sums: the awaiting forms");
     extern __shared__ __align__(128) unsigned char gemm_rows_stage[];
     KDA_TRACE_SCOPE(y);
 
@@ -271,13 +290,14 @@ __device__ __forceinline__ void gemm_rows_staged_entry(const bf16_t* __restrict_
             }
             __syncthreads();
             if constexpr (TAIL) {
-                gemm_rows_group<1, N_TILES, GEMM_ROWS_LOADS, GEMM_X_SHARED, true, false, true, true>(
+                gemm_rows_group<1, N_TILES, GEMM_ROWS_LOADS, GEMM_X_SHARED, true, false, true, true, false, SUMS>(
                     x_copy, padded_k, w, y, ldy, 0, rows, n, k, k_split, blockIdx.x, reinterpret_cast<float*>(region),
-                    0, stage, tail_blocks, &first[0][0]);
+                    0, stage, tail_blocks, &first[0][0], nullptr, -1, sums);
             } else {
-                gemm_rows_group<1, N_TILES, GEMM_ROWS_STAGED_LOADS, GEMM_X_STAGED, true, true, true>(
-                    x_copy, padded_k, stage, y, ldy, 0, rows, n, k, k_split, blockIdx.x,
-                    reinterpret_cast<float*>(region), first_tile);
+                gemm_rows_group<1, N_TILES, GEMM_ROWS_STAGED_LOADS, GEMM_X_STAGED, true, true, true, false, false,
+                                SUMS>(x_copy, padded_k, stage, y, ldy, 0, rows, n, k, k_split, blockIdx.x,
+                                      reinterpret_cast<float*>(region), first_tile, nullptr, 0, nullptr, nullptr, -1,
+                                      sums);
             }
         }
         gemm_rows_end_awaited(awaited, passed);
@@ -310,6 +330,17 @@ __device__ __forceinline__ void gemm_rows_staged_entry(const bf16_t* __restrict_
     {                                                                                               \
         gemm_rows_staged_entry<N_TILES, true>(x, ldx, w, y, ldy, rows, n, k,                        \
                                               GemmRowsAwait{ready, ready_target});                  \
+    }                                                                                               \
+    extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_STAGED_MIN_BLOCKS)       \
+        gemm_rows_staged_awaiting_sums_bf16_m1_n##N_TILES(const bf16_t* __restrict__ x, int ldx,      \
+                                                          const bf16_t* __restrict__ w, bf16_t* __restrict__ y, \
+                                                          int ldy, int rows, int n, int k, int /* prefetch */, \
+                                                          int* ready, int ready_target,              \
+                                                          float* __restrict__ sums, int ld_sums)     \
+    {                                                                                               \
+        gemm_rows_staged_entry<N_TILES, true, false, true>(x, ldx, w, y, ldy, rows, n, k,           \
+                                                           GemmRowsAwait{ready, ready_target}, 0,   \
+                                                           GemmRowsSums{sums, ld_sums});            \
     }
 GEMM_ROWS_STAGED_ENTRY(1)
 GEMM_ROWS_STAGED_ENTRY(2)
@@ -325,6 +356,18 @@ GEMM_ROWS_STAGED_ENTRY(2)
     {                                                                                               \
         gemm_rows_staged_entry<N_TILES, true, true>(x, ldx, w, y, ldy, rows, n, k,                   \
                                                     GemmRowsAwait{ready, ready_target}, tail_blocks); \
+    }                                                                                               \
+    extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_TAIL_MIN_BLOCKS)         \
+        gemm_rows_tail_staged_awaiting_sums_bf16_m1_n##N_TILES(const bf16_t* __restrict__ x, int ldx, \
+                                                               const bf16_t* __restrict__ w,         \
+                                                               bf16_t* __restrict__ y, int ldy, int rows, \
+                                                               int n, int k, int tail_blocks, int* ready, \
+                                                               int ready_target, float* __restrict__ sums, \
+                                                               int ld_sums)                          \
+    {                                                                                               \
+        gemm_rows_staged_entry<N_TILES, true, true, true>(x, ldx, w, y, ldy, rows, n, k,             \
+                                                          GemmRowsAwait{ready, ready_target}, tail_blocks, \
+                                                          GemmRowsSums{sums, ld_sums});             \
     }
 GEMM_ROWS_TAIL_STAGED_ENTRY(1)
 GEMM_ROWS_TAIL_STAGED_ENTRY(2)

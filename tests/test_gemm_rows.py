@@ -514,7 +514,7 @@ def test_sums_launch_gives_the_bits_and_their_sums(shape, rows):
         gemm_rows_bf16(x, w, out, rows, sums=out)
     with pytest.raises(ValueError, match=r"^sums: expected shape \[>= " + str(rows)):
         gemm_rows_bf16(x, w, out, rows, sums=cp.zeros((rows, n - 1), cp.float32))
-    with pytest.raises(ValueError, match="sums takes the plain sweep"):
+    with pytest.raises(ValueError, match="sums takes the split-k sweep"):
         gemm_rows_bf16(x, packed, out, rows, sums=cp.zeros((rows, n), cp.float32), bulk=True)
 
 

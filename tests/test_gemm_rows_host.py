@@ -128,6 +128,16 @@ DECLARE_STAGED(1) DECLARE_STAGED(2)
 #define DECLARE_TAIL(N) extern "C" void gemm_rows_tail_staged_awaiting_bf16_m1_n##N(const bf16_t*, int, const bf16_t*, \
                                                                            bf16_t*, int, int, int, int, int, int*, int);
 DECLARE_TAIL(1) DECLARE_TAIL(2) DECLARE_TAIL(4)
+using AwaitingSumsEntry = void (*)(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int, int, int*, int,
+                                   float*, int);
+#define DECLARE_AWAITING_SUMS(NAME) extern "C" void NAME(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, \
+                                                         int, int, int*, int, float*, int);
+DECLARE_AWAITING_SUMS(gemm_rows_packed_awaiting_sums_bf16_m1_n1) DECLARE_AWAITING_SUMS(gemm_rows_packed_awaiting_sums_bf16_m1_n2)
+DECLARE_AWAITING_SUMS(gemm_rows_packed_awaiting_sums_bf16_m1_n4) DECLARE_AWAITING_SUMS(gemm_rows_staged_awaiting_sums_bf16_m1_n1)
+DECLARE_AWAITING_SUMS(gemm_rows_staged_awaiting_sums_bf16_m1_n2)
+DECLARE_AWAITING_SUMS(gemm_rows_tail_staged_awaiting_sums_bf16_m1_n1)
+DECLARE_AWAITING_SUMS(gemm_rows_tail_staged_awaiting_sums_bf16_m1_n2)
+DECLARE_AWAITING_SUMS(gemm_rows_tail_staged_awaiting_sums_bf16_m1_n4)
 extern "C" void gemv_bf16(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int);
 using Entry = void (*)(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int, int);
 #define DECLARE_DECODE(N)                                                                                         \
@@ -149,10 +159,11 @@ using CountingEntry = void (*)(const bf16_t*, int, const bf16_t*, bf16_t*, int, 
 // columns, w2 and y2 from their files), 2 awaiting words set to {argv[20], 0} (the count its target),
 // 3 the staged entry's awaiting form so (with shared_bytes of dynamic shared memory), 4 the counting
 // entry with its words set to {argv[20], 0}, 5 the tail-staged awaiting entry as 3, its tail argv[21]
-// k blocks, 6 the counting entry's ahead form as 4.
+// k blocks, 6 the counting entry's ahead form as 4. ld_sums > 0 (forms 2, 3 and 5): the form's entry writing
+// the FP32 sums too, into a [y_rows, ld_sums] float buffer of NaN (sums.out).
 int decode_form(const std::string& dir, int form, int form_arg, int n_tiles, unsigned grid_x, unsigned threads,
                 int rows, int n, int k, int ldx, int ldy, int x_rows, int y_rows, long w_elements,
-                size_t shared_bytes, int tail_blocks)
+                size_t shared_bytes, int tail_blocks, int ld_sums)
 {
     const int index = n_tiles == 1 ? 0 : n_tiles == 2 ? 1 : n_tiles == 4 ? 2 : -1;
     const PairEntry pairs[] = {gemm_rows_packed_pair_bf16_m1_n1, gemm_rows_packed_pair_bf16_m1_n2,
@@ -169,6 +180,14 @@ int decode_form(const std::string& dir, int form, int form_arg, int n_tiles, uns
     const AwaitingEntry tail_staged[] = {gemm_rows_tail_staged_awaiting_bf16_m1_n1,
                                          gemm_rows_tail_staged_awaiting_bf16_m1_n2,
                                          gemm_rows_tail_staged_awaiting_bf16_m1_n4};
+    const AwaitingSumsEntry awaiting_sums[] = {gemm_rows_packed_awaiting_sums_bf16_m1_n1,
+                                               gemm_rows_packed_awaiting_sums_bf16_m1_n2,
+                                               gemm_rows_packed_awaiting_sums_bf16_m1_n4};
+    const AwaitingSumsEntry staged_awaiting_sums[] = {gemm_rows_staged_awaiting_sums_bf16_m1_n1,
+                                                      gemm_rows_staged_awaiting_sums_bf16_m1_n2, nullptr};
+    const AwaitingSumsEntry tail_staged_sums[] = {gemm_rows_tail_staged_awaiting_sums_bf16_m1_n1,
+                                                  gemm_rows_tail_staged_awaiting_sums_bf16_m1_n2,
+                                                  gemm_rows_tail_staged_awaiting_sums_bf16_m1_n4};
     if (index < 0 || (form == 3 && !staged_awaiting[index])) {
         std::fprintf(stderr, "no decode entry m1_n%d\n", n_tiles);
         return 2;
@@ -191,6 +210,16 @@ int decode_form(const std::string& dir, int form, int form_arg, int n_tiles, uns
             entry(x.data(), ldx, w.data(), y.data(), ldy, rows, n, k, 0, words.data());
         });
         save(dir + "/words.out", words);
+    } else if (ld_sums > 0) {
+        std::vector<int> words = {form_arg, 0};
+        std::vector<float> sums(size_t(y_rows) * ld_sums, std::nanf(""));
+        const AwaitingSumsEntry entry =
+            form == 3 ? staged_awaiting_sums[index] : form == 5 ? tail_staged_sums[index] : awaiting_sums[index];
+        run_grid(dim3{grid_x, 1, 1}, threads, form == 3 || form == 5 ? shared_bytes : 0, [&] {
+            entry(x.data(), ldx, w.data(), y.data(), ldy, rows, n, k, form == 5 ? tail_blocks : 0, words.data(),
+                  form_arg, sums.data(), ld_sums);
+        });
+        save_each(dir + "/", {"words.out", "sums.out"}, words, sums);
     } else {
         std::vector<int> words = {form_arg, 0};
         const AwaitingEntry entry = form == 3 ? staged_awaiting[index] : form == 5 ? tail_staged[index] : awaiting[index];
@@ -230,7 +259,8 @@ int main(int argc, char** argv)
     }
     if (form != 0) {
         return decode_form(dir, form, std::atoi(argv[20]), n_tiles, grid_x, threads, rows, n, k, ldx, ldy, x_rows,
-                           y_rows, w_elements, shared_bytes, argc > 21 ? std::atoi(argv[21]) : 0);
+                           y_rows, w_elements, shared_bytes, argc > 21 ? std::atoi(argv[21]) : 0,
+                           argc > 22 ? std::atoi(argv[22]) : 0);
     }
     const std::pair<int, int> key{m_tiles, n_tiles};
     const std::pair<std::pair<int, int>, Entry> entries[] = {
@@ -302,7 +332,7 @@ _calls = iter(range(10**9))
 
 
 def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, gemv=False, packed=False, staged=False,
-             form=0, form_arg=0, w2=None, **plan_args):
+             form=0, form_arg=0, w2=None, sums_ld=0, **plan_args):
     """One launch as gemm_rows_bf16 plans it (132 SMs), on x_buffer[:, :k] (row stride of the
     buffer) into y_buffer[:, :n], or with one_row_launches a one-row launch per row; returns the
     new y_buffer. gemv: ops.gemv_bf16's launch instead (8 columns a block). packed: the packed
@@ -314,7 +344,8 @@ def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, gemv=F
     with its words set to {form_arg, 0}; returns (y, words after). form 5: the tail-staged awaiting
     entry as tail_staged_plan plans it (plan_args its tail_blocks), words as form 2. form 6: the
     counting entry's ahead form, as form 4. form 7: the entry writing the FP32 sums too (packed or not),
-    into [y_buffer rows, form_arg] floats of NaN; returns (y, sums)."""
+    into [y_buffer rows, form_arg] floats of NaN; returns (y, sums). sums_ld > 0 with form 2, 3 or 5: that
+    form's entry writing the sums too, into [y_buffer rows, sums_ld] floats of NaN; returns (y, words, sums)."""
     n, k = w.shape
     packed = packed or staged or form not in (0, 7)
     w_file = pack_weight(w.view(np.uint16)).data if packed else w
@@ -346,7 +377,8 @@ def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, gemv=F
          str(k), str(x_buffer.shape[1]), str(y_buffer.shape[1]), str(x_buffer.shape[0]), str(y_buffer.shape[0]),
          str(rows if one_row_launches else 1), str(w_file.size if packed else 0),
          str(int("_serial_" in plan.kernel)), str(plan.block[0]), str(int(staged)),
-         str(getattr(plan, "shared_mem", 0)), str(form), str(form_arg), str(getattr(plan, "tail_blocks", 0))],
+         str(getattr(plan, "shared_mem", 0)), str(form), str(form_arg), str(getattr(plan, "tail_blocks", 0)),
+         str(sums_ld)],
         capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["misaligned=0"], f"host run: {result.stdout.strip()}"
@@ -355,8 +387,11 @@ def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, gemv=F
         return y, np.fromfile(folder / "y2.out", np.uint16).reshape(y_buffer.shape)
     if form == 7:
         return y, np.fromfile(folder / "sums.out", np.float32).reshape(y_buffer.shape[0], form_arg)
+    words = np.fromfile(folder / "words.out", np.int32) if form in (2, 3, 4, 5, 6) else None
+    if sums_ld:
+        return y, words, np.fromfile(folder / "sums.out", np.float32).reshape(y_buffer.shape[0], sums_ld)
     if form in (2, 3, 4, 5, 6):
-        return y, np.fromfile(folder / "words.out", np.int32)
+        return y, words
     return y
 
 
@@ -527,6 +562,35 @@ def test_sums_entries_write_what_out_rounds_on_host(gemm_host, rows, packed):
             assert np.isnan(sums[rows:]).all() and np.isnan(sums[:, n:]).all(), f"{tag}: sums outside rows x n"
             error = np.abs(sums[:rows, :n] - exact).max() / np.abs(exact).max()
             assert error < 1e-5, f"{tag}: FP32 sums {error:.2e} (relative to the largest) from the float64 dot products"
+
+
+@pytest.mark.parametrize("shape", [(40, 128), (72, 1032)], ids=lambda s: f"N{s[0]}-K{s[1]}")
+def test_awaiting_forms_write_their_sums_on_host(gemm_host, shape):
+    """The awaiting entries writing the FP32 sums too (a tensor-parallel rank's one-row o_proj): the
+    packed awaiting (form 2), staged awaiting (3) and tail-staged awaiting (5) entries each give the
+    bits of their plain form, clear their words, and write sums that round to those bits, nothing
+    outside rows < R and columns < n."""
+    import ml_dtypes
+
+    n, k = shape
+    x, w = _inputs(n, k, 16, seed=13 * n + k)
+    for rows, tiles in ((1, None), (5, 4), (16, None)):
+        plans = {2: launch_plan(n, k, rows, tiles), 3: staged_plan(n, k, rows, awaiting=True),
+                 5: tail_staged_plan(n, k, rows, tiles_per_warp=tiles)}
+        for form, plan in plans.items():
+            if plan is None:
+                continue
+            tag = f"N{n}-K{k} R{rows} form {form} {plan.kernel}"
+            extra = {"form": form, "form_arg": plan.grid[0] if form != 2 else 3}
+            if form != 3:
+                extra["tiles_per_warp"] = tiles
+            plain, _ = run_host(gemm_host, x, w, rows, np.full((rows, n), POISON, np.uint16), **extra)
+            y, words, sums = run_host(gemm_host, x, w, rows, np.full((rows, n), POISON, np.uint16), sums_ld=n + 3,
+                                      **extra)
+            _assert_bits_equal(y, plain, f"{tag}: out")
+            assert words.tolist() == [0, 0], f"{tag}: words after {words.tolist()}"
+            _assert_bits_equal(sums[:rows, :n].astype(ml_dtypes.bfloat16).view(np.uint16), y, f"{tag}: rounded sums")
+            assert np.isnan(sums[rows:]).all() and np.isnan(sums[:, n:]).all(), f"{tag}: sums outside rows x n"
 
 
 def test_pack_weight_layout():

@@ -71,15 +71,17 @@ def test_kernel_files_match_entry_points():
                      for m, n in re.findall(r"^GEMM_ROWS_SERIAL_ENTRY\((\d+), (\d+)\)", text, re.M)]
         # ... and GEMM_ROWS_STAGED_ENTRY(tiles), the staged entry and its awaiting form (packed, one m-tile).
         declared += [f"gemm_rows_staged_{form}bf16_m1_n{n}" for n in
-                     re.findall(r"^GEMM_ROWS_STAGED_ENTRY\((\d+)\)", text, re.M) for form in ("", "awaiting_")]
-        # ... and GEMM_ROWS_TAIL_STAGED_ENTRY(tiles), the tail-staged awaiting entry (packed, one m-tile).
-        declared += [f"gemm_rows_tail_staged_awaiting_bf16_m1_n{n}" for n in
-                     re.findall(r"^GEMM_ROWS_TAIL_STAGED_ENTRY\((\d+)\)", text, re.M)]
-        # ... and GEMM_ROWS_DECODE_ENTRIES(tiles), the pair, the awaiting and the counting entry and the
-        # counting entry's ahead form (packed, one m-tile).
+                     re.findall(r"^GEMM_ROWS_STAGED_ENTRY\((\d+)\)", text, re.M)
+                     for form in ("", "awaiting_", "awaiting_sums_")]
+        # ... and GEMM_ROWS_TAIL_STAGED_ENTRY(tiles), the tail-staged awaiting entry (packed, one m-tile),
+        # also writing the sums.
+        declared += [f"gemm_rows_tail_staged_awaiting_{form}bf16_m1_n{n}" for n in
+                     re.findall(r"^GEMM_ROWS_TAIL_STAGED_ENTRY\((\d+)\)", text, re.M) for form in ("", "sums_")]
+        # ... and GEMM_ROWS_DECODE_ENTRIES(tiles), the pair, the awaiting entry (also writing the sums), the
+        # counting entry and the counting entry's ahead form (packed, one m-tile).
         declared += [f"gemm_rows_packed_{form}_bf16_m1_n{n}" for n in
                      re.findall(r"^GEMM_ROWS_DECODE_ENTRIES\((\d+)\)", text, re.M)
-                     for form in ("pair", "awaiting", "counting", "counting_ahead")]
+                     for form in ("pair", "awaiting", "awaiting_sums", "counting", "counting_ahead")]
         # gemm_rows_wgmma.cu declares its entries through GEMM_WGMMA_ENTRY(rows, warpgroups).
         declared += [f"gemm_rows_wgmma_n{rows}_g{groups}"
                      for rows, groups in re.findall(r"^GEMM_WGMMA_ENTRY\((\d+), (\d+)\)", text, re.M)]

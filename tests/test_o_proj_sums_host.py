@@ -1,9 +1,9 @@
 """Where KdaLayer.o_proj_sums sends o_proj, on the host: the launches back_end issues are recorded
 (gemm_rows_bf16, cuBLAS and the rounding replaced by recorders), so CPU CI checks the routing the
 GPU tests (tests/test_gpu.py::test_o_proj_sums_keep_the_bits_and_round_to_them, the tensor-parallel
-tests) measure: with sums set, the decode side takes the plain sweep with the sums' rows and no
-form that awaits the fused step's count; prefill gets cuBLAS's FP32 result, rounded into
-final_out; the persistent launch and the step's x tiles are off.
+tests) measure: with sums set, the decode side passes the sums' rows to gemm_rows_bf16 beside the
+forms it would take anyway (awaiting the fused step's count, staged); prefill gets cuBLAS's FP32
+result, rounded into final_out; the persistent launch is off.
 """
 
 from __future__ import annotations
@@ -41,19 +41,22 @@ def recorded(monkeypatch):
     return layer, calls, packed
 
 
-def test_decode_side_o_proj_writes_the_sums_rows_on_the_plain_sweep(recorded):
+@pytest.mark.parametrize("ready_blocks", [0, 5], ids=["after_the_step", "awaiting_the_step"])
+def test_decode_side_o_proj_writes_the_sums_rows(recorded, ready_blocks, monkeypatch):
     layer, calls, packed = recorded
+    monkeypatch.setattr(layer_module, "OUT_PROJ_STAGED_AWAITING", True)
     sums = np.full((ROWS, HIDDEN), np.nan, np.float32)
     layer._o_proj_sums = sums
-    layer._o_proj_ready, layer._x_tiles_rows = 5, 3  # what a step before would have left: ignored with sums
+    layer._o_proj_ready = ready_blocks  # the blocks of the step before that count their outputs out
     layer.back_end(3, norm=False)
     assert len(calls) == 1, calls
     kind, x, w, out, rows, kw = calls[0]
     assert kind == "gemm_rows" and w is packed and rows == 3
     assert out.base is layer.workspace.final_out and out.shape == (3, HIDDEN)
     assert kw["sums"].base is sums and kw["sums"].shape == (3, HIDDEN), "the sums' first rows"
-    assert kw["ready"] is None and kw["ready_target"] == 0 and not kw["staged"] and not kw["x_tiled"], kw
-    assert (layer._o_proj_ready, layer._x_tiles_rows) == (0, 0)
+    assert kw["ready_target"] == ready_blocks and (kw["ready"] is not None) == bool(ready_blocks), kw
+    assert kw["staged"] == bool(ready_blocks), "the awaiting o_proj keeps its staged forms"
+    assert layer._o_proj_ready == 0
 
 
 def test_without_sums_the_output_projection_is_unchanged(recorded, monkeypatch):
@@ -77,10 +80,10 @@ def test_prefill_o_proj_rounds_cublas_fp32_result_into_final_out(recorded):
     assert rounded.base is layer.workspace.final_out and rounded.shape == (6, HIDDEN)
 
 
-def test_sums_turn_off_the_forms_that_await_the_step(recorded, monkeypatch):
+def test_sums_keep_the_awaiting_o_proj_and_turn_off_the_persistent_launch(recorded, monkeypatch):
     layer, _, _ = recorded
     monkeypatch.setattr(layer_module, "OUT_PROJ_AWAITS_STEP", True)
     assert layer._o_proj_awaits_step(1) and layer._persistent_applies(1, True, [])
     layer._o_proj_sums = np.zeros((ROWS, HIDDEN), np.float32)
-    assert not layer._o_proj_awaits_step(1), "an o_proj writing sums must not await the step's count"
+    assert layer._o_proj_awaits_step(1), "the awaiting o_proj has entries writing sums"
     assert not layer._persistent_applies(1, True, []), "the persistent launch writes no sums"
