@@ -40,7 +40,10 @@ def run_demo(geometry: str = "kimi", prompt: int = 64, steps: int = 32, seed: in
     """Prefill `prompt` synthetic hidden rows, decode `steps` more, compare with the oracle.
 
     Returns a dict with the path taken ("cuda" or "numpy"), timings and the stage table.
+    prompt and steps must be >= 1 (ValueError otherwise, before any file is written).
     """
+    if prompt < 1 or steps < 1:
+        raise ValueError(f"run_demo: prompt and steps must be >= 1, got prompt={prompt}, steps={steps}")
     path = demo_checkpoint(geometry, seed)
     layer = bind_layer(path, 0, progress=False)
     cfg = layer.config
