@@ -136,9 +136,11 @@ class StatePool:
         return KdaState(self.conv[slot], self.recurrent[slot])
 
     def reset(self, *slots: int) -> None:
-        """Zero the given slots (a new sequence starts there)."""
+        """Zero the given slots (a new sequence starts there). Every slot is checked before any is
+        zeroed: a bad one raises IndexError and leaves the pool as it was."""
         for slot in slots:
             self._check_slot(slot)
+        for slot in slots:
             self.conv[slot].fill(0)
             self.recurrent[slot].fill(0)
 
