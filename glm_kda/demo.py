@@ -8,6 +8,7 @@ demo says so.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -21,12 +22,24 @@ from .synthetic import synthetic_hidden, write_synthetic_checkpoint
 
 
 def demo_checkpoint(geometry: str, seed: int = 0) -> Path:
-    """Write (once) and return a synthetic checkpoint directory for `geometry`."""
+    """Write (once) and return a synthetic checkpoint directory for `geometry`, in $GLM_KDA_CACHE
+    (default: the temporary directory's glm_kda_demo). It is written into a scratch directory
+    beside it and renamed into place once complete, so an interrupted write is never taken for a
+    checkpoint by the next run."""
     root = Path(os.environ.get("GLM_KDA_CACHE", Path(tempfile.gettempdir()) / "glm_kda_demo"))
     path = root / f"{geometry}-seed{seed}"
     if not (path / "config.json").exists():
         print(f"writing a synthetic {geometry} checkpoint to {path} ...", flush=True)
-        write_synthetic_checkpoint(path, geometry, seed=seed, num_layers=4, progress=True)
+        root.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=root))
+        try:
+            write_synthetic_checkpoint(scratch, geometry, seed=seed, num_layers=4, progress=True)
+            if not (path / "config.json").exists():  # (else another run has just put its copy there)
+                if path.exists():
+                    shutil.rmtree(path)  # an incomplete directory (no config.json): not a checkpoint
+                os.replace(scratch, path)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
     return path
 
 

@@ -63,6 +63,30 @@ def test_demo_table_is_the_oracle_comparison_of_its_tokens(cache):
         assert got[stage] == expected[stage], f"{stage}: demo {got[stage]:.6e}, recomputed {expected[stage]:.6e}"
 
 
+def test_an_interrupted_checkpoint_write_is_not_taken_for_a_checkpoint(cache, monkeypatch):
+    """The demo's cached checkpoint appears only once complete: a write stopped after config.json
+    (Ctrl-C in the first run) leaves nothing the next run would bind, and the next run writes it."""
+    from glm_kda import demo
+    from glm_kda.checkpoint import bind_layer
+
+    real_write = demo.write_synthetic_checkpoint
+
+    def interrupted(path, geometry, **kwargs):
+        (path / "config.json").write_text("{}")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo, "write_synthetic_checkpoint", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        demo.demo_checkpoint("tiny-glm")
+    assert not (cache / "tiny-glm-seed0").exists(), "an interrupted write left a checkpoint in place"
+    assert list(cache.iterdir()) == [], f"scratch left behind: {list(cache.iterdir())}"
+    (cache / "tiny-glm-seed0").mkdir()  # an empty directory, as an older interrupted run could leave
+    monkeypatch.setattr(demo, "write_synthetic_checkpoint", real_write)
+    path = demo.demo_checkpoint("tiny-glm")
+    assert bind_layer(path, 0, progress=False).config.hidden > 0
+    assert sorted(p.name for p in cache.iterdir()) == ["tiny-glm-seed0"]
+
+
 @pytest.mark.parametrize("flag,value", [("--steps", "0"), ("--prompt", "-3"), ("--steps", "two")])
 def test_demo_refuses_bad_counts_before_any_work(cache, capsys, flag, value):
     with pytest.raises(SystemExit) as exit_info:
