@@ -671,8 +671,9 @@ __device__ __forceinline__ void gemm_rows_first_step(uint4 (&first)[gemm_rows_k_
         threadIdx.x & 3);
 }
 
-// Where a sweep also writes its FP32 sums (the gemm_rows_sums entries): sums.y[row * sums.ld + column]
-// receives the sum that y[row * ldy + column] holds rounded to BF16. Null y: nowhere.
+// Where a sweep also writes its FP32 sums (the entries named *sums*, their SUMS flag set):
+// sums.y[row * sums.ld + column] receives the sum that y[row * ldy + column] holds rounded to BF16.
+// Read only under SUMS, which needs a valid sums.y.
 struct GemmRowsSums {
     float* y;
     int ld;
