@@ -204,6 +204,15 @@ GRAPH_COPIES_IN_GRAPH = True
 _HOST_TO_DEVICE, _DEVICE_TO_DEVICE = 1, 3
 
 
+def _require_f32_buffers(what: str, owner: str, conv: Any, recurrent: Any) -> None:
+    """TypeError naming `owner`.conv or `owner`.recurrent unless it is a contiguous CuPy float32 array."""
+    import cupy
+
+    for field, buf in (("conv", conv), ("recurrent", recurrent)):
+        if not isinstance(buf, cupy.ndarray) or buf.dtype != _F32 or not buf.flags.c_contiguous:
+            raise TypeError(f"{what}: {owner}.{field} must be a contiguous CuPy float32 array")
+
+
 def _step_resident_blocks(device_id: int) -> int:
     """Blocks of the fused step resident at once on a device (STEP_RESIDENT_BLOCKS_PER_SM a SM)."""
     return gemm_rows._sm_count(device_id) * STEP_RESIDENT_BLOCKS_PER_SM
@@ -564,16 +573,12 @@ class KdaLayer:
         return hidden, back
 
     def _check_state(self, state: KdaState, what: str) -> None:
-        import cupy
-
         if not isinstance(state, KdaState):
             raise TypeError(f"{what}: state must be a KdaState (layer.new_state()), got {type(state).__name__}")
         conv, recurrent = state.conv, state.recurrent
         if conv.shape != self._state_shapes[0] or recurrent.shape != self._state_shapes[1]:
             state.check(self.config, "state")  # names the buffer whose shape is wrong
-        for field, buf in (("conv", conv), ("recurrent", recurrent)):
-            if not isinstance(buf, cupy.ndarray) or buf.dtype != _F32 or not buf.flags.c_contiguous:
-                raise TypeError(f"{what}: state.{field} must be a contiguous CuPy float32 array")
+        _require_f32_buffers(what, "state", conv, recurrent)
 
     # Stages -------------------------------------------------------------------------------
     # The decode weights whose projections run on the low-rank chain's stream (see front_end).
@@ -618,11 +623,16 @@ class KdaLayer:
                  reserved_slots: int = 0, staged: bool = False, x_tiles: Any = None, counted: Any = None,
                  sums: Any = None) -> int:
         """x @ the weight named `weight` (one of DECODE_WEIGHTS) into out. x_tiles: the bulk-copy
-        sweep's tile scratch of a projection on a stream of its own (None: its stream's own). counted,
-        sums (decode side only): see _project_decode, whose count of blocks it returns (0 on cuBLAS)."""
+        sweep's tile scratch of a projection on a stream of its own (None: its stream's own). counted
+        (decode side only): see _project_decode, whose count of blocks it returns (0 on cuBLAS). sums:
+        FP32 [rows, n] that also receives the unrounded result (out its BF16 rounding)."""
         if wide:
             # Prefill only: cuBLAS reassociates, which no bit-exact path may see.
-            ops.gemm_bf16_cublas(x, getattr(self, weight), out)
+            if sums is None:
+                ops.gemm_bf16_cublas(x, getattr(self, weight), out)
+            else:
+                ops.gemm_bf16_cublas(x, getattr(self, weight), sums)
+                ops.round_to_bf16(sums, out)
             return 0
         else:
             ws = self.workspace
@@ -922,12 +932,8 @@ class KdaLayer:
             ops.gated_rmsnorm_sigmoid_bf16(ws.core, ws.out_gate, self.o_norm, ws.o_norm_out, c.heads, c.head_dim,
                                            c.rms_norm_eps, tokens=rows)
         sums = self._o_proj_sums
-        if sums is not None and wide:
-            ops.gemm_bf16_cublas(ws.o_norm_out[:rows], self.o_proj, sums[:rows])
-            ops.round_to_bf16(sums[:rows], ws.final_out[:rows])
-        else:
-            self._project(ws.o_norm_out[:rows], "o_proj", ws.final_out[:rows], wide, after_kernel=True,
-                          staged=OUT_PROJ_STAGED, sums=None if sums is None else sums[:rows])
+        self._project(ws.o_norm_out[:rows], "o_proj", ws.final_out[:rows], wide, after_kernel=True,
+                      staged=OUT_PROJ_STAGED, sums=None if sums is None else sums[:rows])
 
     def prefill_core(self, tokens: int, conv_state: Any, recurrent_state: Any, pad_value: float | None = 0.0,
                      first: int = 0) -> None:
@@ -1038,15 +1044,11 @@ class KdaLayer:
         return back(copy_of(ws.final_out[:rows]))
 
     def _check_pool(self, pool: StatePool, what: str) -> None:
-        import cupy
-
         conv, recurrent = pool.conv, pool.recurrent
         if conv.shape[1:] != self._state_shapes[0] or recurrent.shape[1:] != self._state_shapes[1]:
             raise ValueError(f"{what}: the pool's states [{list(conv.shape[1:])}, {list(recurrent.shape[1:])}] "
                              f"do not fit {self.config.describe()}")
-        for field, buf in (("conv", conv), ("recurrent", recurrent)):
-            if not isinstance(buf, cupy.ndarray) or buf.dtype != _F32 or not buf.flags.c_contiguous:
-                raise TypeError(f"{what}: pool.{field} must be a contiguous CuPy float32 array")
+        _require_f32_buffers(what, "pool", conv, recurrent)
 
     @staticmethod
     def _host_slots(slots: Any, count: int, pool: StatePool, what: str) -> np.ndarray:
