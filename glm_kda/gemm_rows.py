@@ -605,35 +605,27 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
     plan = _staged_plan_here(w, rows, ready is not None) if staged else None
     if plan is not None:
         # (The staged entries take no L2 request; the tail entry its tail's k blocks in that place.)
-        kernel = plan.kernel.replace("bf16_m", "sums_bf16_m") if sums is not None else plan.kernel
-        kernels.launch(kernel, plan.grid, plan.block,
-                       (x, _i32(ldx), w.data, out, _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(plan.tail_blocks),
-                        *words, *sums_args),
-                       plan.shared_mem, programmatic=programmatic, carveout=100)
-        return plan.grid[0] * plan.grid[1]
-    plan = launch_plan(n, k, rows, tiles_per_warp, _sm_count(cupy.cuda.Device().id), blocks, serial, wgmma,
-                       reserved_slots)
-    kernel = plan.kernel
-    on_wgmma = kernel.startswith("gemm_rows_wgmma")
-    # The last argument: the L2 request of a programmatic launch, or the warpgroup-MMA sweep's ring.
-    last = plan.ring_depth if on_wgmma else prefetch_k_blocks(n, k) if programmatic else 0
-    if packed and not on_wgmma:
-        form = "awaiting_" if ready is not None else "counting_" if counted is not None else ""
-        if counted is not None and COUNTING_AHEAD:
-            form = "counting_ahead_"
-        kernel = kernel.replace("gemm_rows_", f"gemm_rows_packed_{form}")
+        kernel, last, weight, carveout = plan.kernel, plan.tail_blocks, w.data, 100
+    else:
+        plan = launch_plan(n, k, rows, tiles_per_warp, _sm_count(cupy.cuda.Device().id), blocks, serial, wgmma,
+                           reserved_slots)
+        kernel = plan.kernel
+        on_wgmma = kernel.startswith("gemm_rows_wgmma")
+        # The last argument: the L2 request of a programmatic launch, or the warpgroup-MMA sweep's ring.
+        last = plan.ring_depth if on_wgmma else prefetch_k_blocks(n, k) if programmatic else 0
+        if packed and not on_wgmma:
+            form = "awaiting_" if ready is not None else "counting_" if counted is not None else ""
+            if counted is not None and COUNTING_AHEAD:
+                form = "counting_ahead_"
+            kernel = kernel.replace("gemm_rows_", f"gemm_rows_packed_{form}")
+        weight = (w.pairs if on_wgmma else w.data) if packed else w
+        carveout = 100 if plan.shared_mem else -1
     if sums is not None:
         kernel = kernel.replace("bf16_m", "sums_bf16_m")
-    kernels.launch(
-        kernel,
-        plan.grid,
-        plan.block,
-        (x, _i32(ldx), (w.pairs if on_wgmma else w.data) if packed else w, out,
-         _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(last), *words, *sums_args),
-        plan.shared_mem,
-        programmatic=programmatic,
-        carveout=100 if plan.shared_mem else -1,
-    )
+    kernels.launch(kernel, plan.grid, plan.block,
+                   (x, _i32(ldx), weight, out, _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(last), *words,
+                    *sums_args),
+                   plan.shared_mem, programmatic=programmatic, carveout=carveout)
     return plan.grid[0] * plan.grid[1]
 
 

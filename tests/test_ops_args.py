@@ -477,6 +477,55 @@ def test_staged_awaiting_projection_takes_its_entry_where_it_fits(monkeypatch):
             assert grid == (288, 1) and shared_mem == 65536 + 16 + rows * k * 2, (grid, shared_mem)
 
 
+
+def test_sums_launch_their_entries_with_the_sums_last(monkeypatch):
+    """gemm_rows_bf16(sums=...) launches the sums twin of the entry it would take without them (the
+    split-k sweep, its awaiting form, the staged awaiting entry), every name one the module builds,
+    with the sums and their row stride after the words; the serial sweep gives way to the split-k
+    sweep, and counted, bulk=True or FP32 sums of the wrong shape are refused before any launch."""
+    import dataclasses
+
+    from glm_kda import gemm_rows, kernels
+
+    made = []
+    monkeypatch.setattr(gemm_rows.kernels, "launch", lambda name, grid, block, args, shared_mem=0, **options:
+                        made.append((name, tuple(grid), tuple(args))))
+    monkeypatch.setattr(gemm_rows, "_sm_count", lambda device_id: 132)
+    monkeypatch.setattr(gemm_rows.cupy.cuda, "Device", lambda: SimpleNamespace(id=0, compute_capability="90"))
+    entries = set(kernels.ENTRY_POINTS["gemm_rows"])
+    words = HostStandIn(np.zeros(2, np.int32))
+    n, k = 2304, 4096  # the Kimi-Linear output projection
+    packed = gemm_rows.pack_weight(np.zeros((8, 32), np.uint16))
+    w = dataclasses.replace(packed, data=HostStandIn(aligned((n // 8, k // 32, 256))), n=n, k=k)
+    sums = HostStandIn(aligned((40, n + 64), np.float32))
+    for rows, options, form in ((3, {}, "gemm_rows_packed_sums_bf16_m1_"),
+                                (40, {}, "gemm_rows_packed_sums_bf16_m"),
+                                (2, dict(programmatic=True, ready=words, ready_target=7),
+                                 "gemm_rows_packed_awaiting_sums_bf16_m1_"),
+                                (1, dict(programmatic=True, ready=words, ready_target=7, staged=True),
+                                 "gemm_rows_staged_awaiting_sums_bf16_m1_n1")):
+        gemm_rows.gemm_rows_bf16(_bf16(rows, k), w, _bf16(rows, n), sums=sums[:rows, :n], **options)
+        name, grid, args = made[-1]
+        assert name.startswith(form) and name in entries, f"R{rows} {options}: {name}"
+        assert args[-2] is not None and args[-2].shape == (rows, n) and int(args[-1]) == n + 64, \
+            f"R{rows}: the sums and their row stride last"
+        if "ready" in options:
+            assert args[-4] is words and int(args[-3]) == 7, f"R{rows}: the words before the sums"
+        without = made.pop()
+        gemm_rows.gemm_rows_bf16(_bf16(rows, k), w, _bf16(rows, n), **options)
+        assert made.pop()[0] == name.replace("sums_", ""), f"R{rows}: the sums twin of the entry it would take"
+        assert without[1] == grid
+    launched = len(made)
+    for options, needle in ((dict(counted=words), "without counted or bulk=True"),
+                            (dict(bulk=True), "without counted or bulk=True")):
+        with pytest.raises(ValueError, match=needle):
+            gemm_rows.gemm_rows_bf16(_bf16(3, k), w, _bf16(3, n), sums=sums[:3, :n], **options)
+    with pytest.raises((TypeError, ValueError), match="sums"):
+        gemm_rows.gemm_rows_bf16(_bf16(3, k), w, _bf16(3, n), sums=_bf16(3, n))
+    with pytest.raises((TypeError, ValueError), match="sums"):
+        gemm_rows.gemm_rows_bf16(_bf16(3, k), w, _bf16(3, n), sums=sums[:2, :n])
+    assert len(made) == launched
+
 def test_fused_decode_passes_where_its_dependents_launch(launches):
     heads = 2
     slots = HostStandIn(np.arange(3, dtype=np.int32))
