@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -172,29 +173,26 @@ class KdaConfig:
             raise ConfigError(f"{source}: 'text_config' must be an object")
         model_type = str(cfg.get("model_type", raw.get("model_type", "")))
 
-        def need(mapping: Mapping[str, Any], key: str, where: str) -> Any:
+        def need(mapping: Mapping[str, Any], key: str, where: str, kind: type | None = None) -> Any:
             if key not in mapping:
                 raise ConfigError(f"{source}: missing key '{where}{key}' (no default is assumed)")
-            return mapping[key]
+            return mapping[key] if kind is None else _typed(mapping[key], kind, f"{where}{key}", source)
 
-        hidden = int(need(cfg, "hidden_size", ""))
-        rms_norm_eps = float(need(cfg, "rms_norm_eps", ""))
-        act = cfg.get("hidden_act")
-        if act is not None and act != "silu":
-            raise ConfigError(f"{source}: hidden_act={act!r}; the KDA conv activation is SiLU only")
+        hidden = need(cfg, "hidden_size", "", int)
+        rms_norm_eps = need(cfg, "rms_norm_eps", "", float)
         num_layers = cfg.get("num_hidden_layers")
-        num_layers = int(num_layers) if num_layers is not None else None
+        num_layers = _typed(num_layers, int, "num_hidden_layers", source) if num_layers is not None else None
 
         lac = cfg.get("linear_attn_config")
         if isinstance(lac, Mapping):
             where = "linear_attn_config."
-            heads = int(need(lac, "num_heads", where))
-            head_dim = int(need(lac, "head_dim", where))
-            conv_kernel = int(need(lac, "short_conv_kernel_size", where))
+            heads = need(lac, "num_heads", where, int)
+            head_dim = need(lac, "head_dim", where, int)
+            conv_kernel = need(lac, "short_conv_kernel_size", where, int)
             if "gate_lower_bound" in lac:
-                law, bound = GATE_BOUNDED, float(lac["gate_lower_bound"])
+                law, bound = GATE_BOUNDED, need(lac, "gate_lower_bound", where, float)
             elif "lower_bound" in lac:
-                law, bound = GATE_BOUNDED, float(lac["lower_bound"])
+                law, bound = GATE_BOUNDED, need(lac, "lower_bound", where, float)
             elif "kda_layers" in lac:
                 # Kimi-Linear: the gate is -exp(A_log) * softplus(u), and the config has no bound.
                 law, bound = GATE_SOFTPLUS, None
@@ -205,10 +203,10 @@ class KdaConfig:
                 )
             kda_layers = _kda_layers_from_linear_attn_config(lac, num_layers, source)
         elif "linear_num_heads" in cfg:
-            heads = int(need(cfg, "linear_num_heads", ""))
-            head_dim = int(need(cfg, "linear_head_dim", ""))
-            conv_kernel = int(need(cfg, "linear_conv_kernel_dim", ""))
-            law, bound = GATE_BOUNDED, float(need(cfg, "linear_lower_bound", ""))
+            heads = need(cfg, "linear_num_heads", "", int)
+            head_dim = need(cfg, "linear_head_dim", "", int)
+            conv_kernel = need(cfg, "linear_conv_kernel_dim", "", int)
+            law, bound = GATE_BOUNDED, need(cfg, "linear_lower_bound", "", float)
             kda_layers = _kda_layers_glm(cfg, num_layers)
         else:
             raise ConfigError(
@@ -217,6 +215,10 @@ class KdaConfig:
             )
         if isinstance(lac, Mapping) and "kda_layers" not in lac:
             kda_layers = _kda_layers_glm(cfg, num_layers)
+        # The conv's activation: read, not assumed (a loader that hard-codes SiLU is right only by accident).
+        act = need(cfg, "hidden_act", "")
+        if act != "silu":
+            raise ConfigError(f"{source}: hidden_act={act!r}; the KDA conv activation is SiLU only")
         return cls(
             hidden=hidden,
             heads=heads,
@@ -250,11 +252,29 @@ class KdaConfig:
         return cls.from_file(resolve_file(dir_or_repo_id, "config.json", **hub_kwargs), chunk=chunk)
 
 
+def _typed(value: Any, kind: type, key: str, source: str) -> Any:
+    """value as an int (an integral JSON number) or a float (any finite JSON number), else a
+    ConfigError naming the key and the file: null, a string, a bool or 127.9 for a count are
+    refused, not converted."""
+    if kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{source}: key '{key}' = {value!r} is not a whole number")
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    raise ConfigError(f"{source}: key '{key}' = {value!r} is not a finite number")
+
+
 def _kda_layers_from_linear_attn_config(lac: Mapping[str, Any], num_layers: int | None, source: str) -> tuple[int, ...]:
     """Kimi lists `kda_layers` 1-indexed; we speak 0-based layer indices everywhere."""
     if "kda_layers" not in lac:
         return ()
-    one_based = [int(i) for i in lac["kda_layers"]]
+    listed = lac["kda_layers"]
+    if not isinstance(listed, (list, tuple)):
+        raise ConfigError(f"{source}: linear_attn_config.kda_layers must be a list of layer numbers, got {listed!r}")
+    one_based = [_typed(i, int, "linear_attn_config.kda_layers[]", source) for i in listed]
     if any(i < 1 for i in one_based):
         raise ConfigError(f"{source}: linear_attn_config.kda_layers is 1-indexed, found {min(one_based)}")
     if num_layers is not None and max(one_based, default=0) > num_layers:

@@ -40,18 +40,26 @@ _ATTENTION_STAND_INS = ("q_a_proj.weight", "kv_a_proj_with_mqa.weight")
 _STAND_IN_ROWS = 8
 
 
-def default_kda_layers(num_layers: int) -> tuple[int, ...]:
-    """Both models put a full-attention layer fourth in each group of four (0-based i % 4 == 3)."""
+# Kimi-Linear-48B-A3B's 27-layer stack as published: full attention at layers 4, 8, ..., 24 and 27
+# (1-indexed), the last layer too.
+KIMI_LINEAR_FULL_ATTENTION = (4, 8, 12, 16, 20, 24, 27)
+
+
+def default_kda_layers(num_layers: int, kimi: bool = False) -> tuple[int, ...]:
+    """0-based KDA layers of a synthetic stack: a full-attention layer fourth in each group of four
+    (i % 4 == 3); a Kimi stack of the published 27 layers also ends on one (20 KDA layers)."""
+    if kimi and num_layers == 27:
+        return tuple(i for i in range(num_layers) if i + 1 not in KIMI_LINEAR_FULL_ATTENTION)
     return tuple(i for i in range(num_layers) if i % 4 != 3)
 
 
 def synthetic_config(geometry: str | KdaConfig, num_layers: int | None = None) -> KdaConfig:
     """The KdaConfig of a named synthetic geometry (see GEOMETRIES), or `geometry` itself
-    completed with a layer count (default 4) and KDA layer list (i % 4 != 3) where it has none."""
+    completed with a layer count (default 4) and KDA layer list (default_kda_layers) where it has none."""
     if isinstance(geometry, KdaConfig):
         layers = num_layers if num_layers is not None else geometry.num_layers or 4
         kda_layers = geometry.kda_layers if geometry.kda_layers and geometry.num_layers == layers else (
-            default_kda_layers(layers)
+            default_kda_layers(layers, kimi=not geometry.bounded)
         )
         model_type = geometry.model_type or (GLM_MODEL_TYPE if geometry.bounded else KIMI_MODEL_TYPE)
         return dataclasses.replace(geometry, num_layers=layers, kda_layers=kda_layers, model_type=model_type)
@@ -66,7 +74,8 @@ def synthetic_config(geometry: str | KdaConfig, num_layers: int | None = None) -
         base, model_type = {**KIMI_LINEAR_48B, **_TINY}, KIMI_MODEL_TYPE
     else:
         raise ValueError(f"geometry must be a KdaConfig or one of {', '.join(GEOMETRIES)}; got {geometry!r}")
-    return KdaConfig(**base, num_layers=layers, kda_layers=default_kda_layers(layers), model_type=model_type)
+    kda_layers = default_kda_layers(layers, kimi=model_type == KIMI_MODEL_TYPE)
+    return KdaConfig(**base, num_layers=layers, kda_layers=kda_layers, model_type=model_type)
 
 
 def config_json(config: KdaConfig, form: str | None = None) -> dict:
@@ -243,6 +252,10 @@ def write_synthetic_checkpoint(
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    # A checkpoint written here before in another sharding would otherwise be what binds: the index
+    # is read first. Only the files this writer names go.
+    for stale in (path / INDEX_FILE, path / SINGLE_FILE, *path.glob("model-*-of-*.safetensors")):
+        stale.unlink(missing_ok=True)
     (path / "config.json").write_text(json.dumps(config_json(config, config_form), indent=2) + "\n")
 
     weight_map: dict[str, str] = {}

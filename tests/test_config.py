@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -126,6 +127,56 @@ def test_other_activation_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="hidden_act='gelu'"):
         KdaConfig.from_file(write_config(tmp_path, raw))
 
+
+
+@pytest.mark.parametrize("form", GLM_FORMS)
+def test_missing_activation_is_refused(tmp_path, form):
+    raw = config_json(GLM, form)
+    cfg = raw.get("text_config", raw)
+    del cfg["hidden_act"]
+    with pytest.raises(ConfigError, match="missing key 'hidden_act'"):
+        KdaConfig.from_file(write_config(tmp_path, raw))
+
+
+@pytest.mark.parametrize("key,value,needle", [
+    ("linear_attn_config.num_heads", None, "'linear_attn_config.num_heads' = None is not a whole number"),
+    ("linear_attn_config.head_dim", 127.9, "'linear_attn_config.head_dim' = 127.9 is not a whole number"),
+    ("linear_attn_config.short_conv_kernel_size", "4", "'linear_attn_config.short_conv_kernel_size' = '4'"),
+    ("linear_attn_config.gate_lower_bound", None, "'linear_attn_config.gate_lower_bound' = None is not a finite"),
+    ("rms_norm_eps", "1e-5x", "'rms_norm_eps' = '1e-5x' is not a finite number"),
+    ("rms_norm_eps", True, "'rms_norm_eps' = True"),
+    ("hidden_size", 4096.5, "'hidden_size' = 4096.5"),
+    ("num_hidden_layers", "45", "'num_hidden_layers' = '45'"),
+])
+def test_values_of_the_wrong_type_name_their_key(tmp_path, key, value, needle):
+    """A config value that is not the number it must be (null, a string, a bool, a fraction for a
+    count) is refused with the key and the file named, never converted or cut."""
+    raw = config_json(GLM, "text_config")
+    where = raw.get("text_config", raw)
+    *parents, leaf = key.split(".")
+    for parent in parents:
+        where = where[parent]
+    where[leaf] = value
+    path = write_config(tmp_path, raw)
+    with pytest.raises(ConfigError, match=re.escape(needle)) as caught:
+        KdaConfig.from_file(path)
+    assert str(path) in str(caught.value)
+
+
+def test_whole_floats_are_read_as_counts(tmp_path):
+    raw = config_json(GLM, "text_config")
+    raw.get("text_config", raw)["linear_attn_config"]["num_heads"] = 64.0
+    assert KdaConfig.from_file(write_config(tmp_path, raw)).heads == 64
+
+
+def test_kimi_layer_list_entries_are_whole_numbers(tmp_path):
+    raw = kimi_linear_config()
+    raw["linear_attn_config"]["kda_layers"][2] = "3"
+    with pytest.raises(ConfigError, match=re.escape("'linear_attn_config.kda_layers[]' = '3'")):
+        KdaConfig.from_file(write_config(tmp_path, raw))
+    raw["linear_attn_config"]["kda_layers"] = 20
+    with pytest.raises(ConfigError, match="kda_layers must be a list"):
+        KdaConfig.from_file(write_config(tmp_path, raw))
 
 def test_config_without_kda_geometry_is_refused(tmp_path):
     raw = {"model_type": "llama", "hidden_size": 64, "rms_norm_eps": 1e-5}

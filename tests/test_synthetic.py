@@ -65,6 +65,33 @@ def test_same_seed_same_values_other_seed_other_values(tmp_path):
     assert not np.array_equal(a["model.layers.0.self_attn.q_proj.weight"], c["model.layers.0.self_attn.q_proj.weight"])
 
 
+
+@pytest.mark.parametrize("before,after", [(3, 1), (1, 3), (2, 3)], ids=["sharded_then_one", "one_then_sharded",
+                                                                       "two_then_three"])
+def test_rewriting_a_folder_binds_what_was_written_last(tmp_path, before, after):
+    """A checkpoint written again into the same folder in another sharding leaves none of the first
+    one's files behind (an index left over would be read first and bind the old shards)."""
+    path = tmp_path / "again"
+    write_synthetic_checkpoint(path, "tiny-glm", seed=0, shards=before)
+    write_synthetic_checkpoint(path, "tiny-glm", seed=1, shards=after)
+    fresh = bind_layer(write_synthetic_checkpoint(tmp_path / "fresh", "tiny-glm", seed=1, shards=after), 2,
+                       progress=False)
+    bound = bind_layer(path, 2, progress=False)
+    assert np.array_equal(bound.q_proj, fresh.q_proj), "the folder bound the weights written first"
+    written = {p.name for p in path.iterdir()}
+    expected = ({"model.safetensors"} if after == 1 else {shard_filename(i, after) for i in range(after)} | {INDEX_FILE})
+    assert written == expected | {"config.json"}, written
+
+
+def test_synthetic_kimi_stack_of_27_layers_is_the_published_one():
+    config = synthetic_config("kimi", num_layers=27)
+    full = [i + 1 for i in range(27) if i not in config.kda_layers]
+    assert full == [4, 8, 12, 16, 20, 24, 27] and len(config.kda_layers) == 20
+    assert synthetic_config("tiny-kimi", num_layers=1).kda_layers == (0,)
+    assert synthetic_config("glm", num_layers=27).kda_layers[-1] == 26, "GLM's stack keeps its rule"
+    parsed = KdaConfig.from_dict(config_json(config))
+    assert parsed.kda_layers == config.kda_layers
+
 def test_a_layer_does_not_depend_on_the_others(tmp_path):
     four = bind_layer(write_synthetic_checkpoint(tmp_path / "four", "tiny-glm"), 2, progress=False)
     eight = bind_layer(write_synthetic_checkpoint(tmp_path / "eight", "tiny-glm", num_layers=8, shards=3), 2,
