@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from .checkpoint import bind_layer
+from .config import ConfigError
 from .device import gpu_status
 from .reference import KdaOracle, compare_stages
 from .synthetic import synthetic_hidden, write_synthetic_checkpoint
@@ -63,13 +64,19 @@ def run_demo(geometry: str = "kimi", prompt: int = 64, steps: int = 32, seed: in
     print(f"layer 0 of {path.name}: {cfg.describe()}")
     hidden = synthetic_hidden(prompt + steps, cfg.hidden, seed=seed + 1)
     ok, why = gpu_status()
-    use_gpu = ok and not force_cpu
+    try:
+        cfg.validate()  # the kernels' limits (head_dim 128, ...): the tiny geometries are the oracle's only
+        runs_on_kernels = True
+    except ConfigError as exc:
+        runs_on_kernels, unfit = False, str(exc)
+    use_gpu = ok and not force_cpu and runs_on_kernels
     exact = KdaOracle(layer, "float64")
     if use_gpu:
         print(f"GPU: {why}: running the CUDA kernels")
         result = _run_gpu(path, hidden, prompt, steps)
     else:
-        reason = "--cpu given" if force_cpu else f"no GPU found ({why})"
+        reason = ("--cpu given" if force_cpu else f"no GPU found ({why})" if not ok
+                  else f"the CUDA kernels do not run this geometry ({unfit})")
         print(f"{reason}: running the NumPy reference path (BF16-faithful oracle in place of the kernels)")
         result = _run_oracle(KdaOracle(layer, "bf16"), hidden, prompt, steps)
     t0 = time.perf_counter()

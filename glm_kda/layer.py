@@ -38,7 +38,7 @@ from . import chunk_tc, gemm_rows, graph_copies, kernels, ops, persistent
 from .checkpoint import BoundLayer, bind_layer
 from .config import KdaConfig
 from .device import require_gpu
-from .state import KdaState, StatePool
+from .state import KdaState, StatePool, require_device_buffers, require_one_row
 
 GEMV_MAX_ROWS = ops.GEMV_MAX_ROWS
 # The one projection kernel of every decode-side call is the tensor-core gemm_rows_bf16 (rows
@@ -202,15 +202,6 @@ _F32, _I32 = np.dtype(np.float32), np.dtype(np.int32)
 GRAPH_COPIES_IN_GRAPH = True
 # cudaMemcpyKind of the copies around a graph replay.
 _HOST_TO_DEVICE, _DEVICE_TO_DEVICE = 1, 3
-
-
-def _require_f32_buffers(what: str, owner: str, conv: Any, recurrent: Any) -> None:
-    """TypeError naming `owner`.conv or `owner`.recurrent unless it is a contiguous CuPy float32 array."""
-    import cupy
-
-    for field, buf in (("conv", conv), ("recurrent", recurrent)):
-        if not isinstance(buf, cupy.ndarray) or buf.dtype != _F32 or not buf.flags.c_contiguous:
-            raise TypeError(f"{what}: {owner}.{field} must be a contiguous CuPy float32 array")
 
 
 def _step_resident_blocks(device_id: int) -> int:
@@ -528,10 +519,12 @@ class KdaLayer:
         return cls(bound, max_tokens=max_tokens, workspace=workspace)
 
     def new_state(self) -> KdaState:
-        """Zero state of a new sequence: conv FP32 [conv_dim, K], recurrent FP32 [H, D, D]."""
+        """Zero state of a new sequence on this layer's GPU: conv FP32 [conv_dim, K], recurrent FP32
+        [H, D, D]."""
         import cupy
 
-        return KdaState.zeros(self.config, cupy, np.float32)
+        with cupy.cuda.Device(self.qkv_weight.device.id):
+            return KdaState.zeros(self.config, cupy, np.float32)
 
     # Input checks: everything is checked before the first launch, so a call that fails leaves
     # the state untouched ---------------------------------------------------------------------
@@ -572,13 +565,15 @@ class KdaLayer:
             raise ValueError(f"{what}: hidden is on device {hidden.device.id}, the layer on {self.qkv_weight.device.id}")
         return hidden, back
 
-    def _check_state(self, state: KdaState, what: str) -> None:
+    def _check_state(self, state: KdaState, what: str, name: str = "state") -> None:
+        """The checks of a state the call `what` takes as argument `name`: a KdaState whose buffers
+        fit this layer and its device (every refusal names the call, the argument and the buffer)."""
         if not isinstance(state, KdaState):
-            raise TypeError(f"{what}: state must be a KdaState (layer.new_state()), got {type(state).__name__}")
+            raise TypeError(f"{what}: {name} must be a KdaState (layer.new_state()), got {type(state).__name__}")
         conv, recurrent = state.conv, state.recurrent
         if conv.shape != self._state_shapes[0] or recurrent.shape != self._state_shapes[1]:
-            state.check(self.config, "state")  # names the buffer whose shape is wrong
-        _require_f32_buffers(what, "state", conv, recurrent)
+            state.check(self.config, f"{what}: {name}")  # names the buffer whose shape is wrong
+        require_device_buffers(what, name, conv, recurrent, self.qkv_weight.device.id)
 
     # Stages -------------------------------------------------------------------------------
     # The decode weights whose projections run on the low-rank chain's stream (see front_end).
@@ -1028,6 +1023,7 @@ class KdaLayer:
         bounds = np.asarray(cu_seqlens.get() if hasattr(cu_seqlens, "get") else cu_seqlens)
         if bounds.ndim != 1 or bounds.size < 2 or not np.issubdtype(bounds.dtype, np.integer):
             raise ValueError(f"cu_seqlens: expected [N+1] integers (N >= 1), got {bounds.dtype} {list(bounds.shape)}")
+        bounds = bounds.astype(np.int64)  # (the differences of unsigned bounds would wrap, not go negative)
         lengths = np.diff(bounds)
         if bounds[0] != 0 or bounds[-1] != rows or (lengths < 1).any():
             raise ValueError(f"cu_seqlens: must start at 0, end at the {rows} rows of hidden and strictly increase; "
@@ -1048,7 +1044,7 @@ class KdaLayer:
         if conv.shape[1:] != self._state_shapes[0] or recurrent.shape[1:] != self._state_shapes[1]:
             raise ValueError(f"{what}: the pool's states [{list(conv.shape[1:])}, {list(recurrent.shape[1:])}] "
                              f"do not fit {self.config.describe()}")
-        _require_f32_buffers(what, "pool", conv, recurrent)
+        require_device_buffers(what, "pool", conv, recurrent, self.qkv_weight.device.id)
 
     @staticmethod
     def _host_slots(slots: Any, count: int, pool: StatePool, what: str) -> np.ndarray:
@@ -1064,6 +1060,14 @@ class KdaLayer:
             raise ValueError(f"slots: {host.tolist()} repeats a slot; each sequence must advance its own state")
         return host
 
+    def graph_variant(self) -> tuple:
+        """What a graph captured of this layer's decode-side calls depends on besides the pointers
+        of its states: the step's form (fused_decode, persistent_decode), the weights and settings
+        its launches baked in (the generation of this layer's graphs, advanced wherever those
+        change: packed_decode, o_proj_sums) and the workspace. A driver holding graphs of its own
+        that replay this layer's launches (a tensor-parallel rank group) keys them on it too."""
+        return (self.fused_decode, self.persistent_decode, self._graphs.generation, self.workspace.serial)
+
     def decode(self, hidden: Any, state: KdaState | StatePool, slots: Any = None) -> Any:
         """One token per sequence.
 
@@ -1077,6 +1081,7 @@ class KdaLayer:
             return self._decode_pool(hidden, state, slots)
         if slots is not None:
             raise TypeError("decode: slots only apply to a StatePool")
+        require_one_row("decode", hidden)
         return self.decode_k(hidden, state)
 
     def decode_k(self, hidden_rows: Any, state: KdaState, snapshots: Sequence[KdaState] | None = None) -> Any:
@@ -1093,12 +1098,12 @@ class KdaLayer:
         if len(snapshots) > rows:
             raise ValueError(f"decode_k: {len(snapshots)} snapshots for {rows} rows")
         for i, snap in enumerate(snapshots):
-            self._check_state(snap, f"decode_k snapshots[{i}]")
+            self._check_state(snap, "decode_k", f"snapshots[{i}]")
 
         def body(hidden: Any, _slots: Any) -> None:
             self.decode_rows(hidden, state.conv, state.recurrent, sequential=True, snapshots=snapshots)
 
-        key = ("k", rows, self.fused_decode, self.persistent_decode, state.conv.data.ptr, state.recurrent.data.ptr,
+        key = ("k", rows, *self.graph_variant(), state.conv.data.ptr, state.recurrent.data.ptr,
                tuple([(s.conv.data.ptr, s.recurrent.data.ptr) for s in snapshots]) if snapshots else ())
         return back(self._graphs.run(key, hidden_rows, None, body))
 
@@ -1121,7 +1126,7 @@ class KdaLayer:
         def body(hidden: Any, device_slots: Any) -> None:
             self.decode_rows(hidden, pool.conv, pool.recurrent, slots=device_slots)
 
-        key = ("pool", rows, self.fused_decode, self.persistent_decode, pool.conv.data.ptr, pool.recurrent.data.ptr)
+        key = ("pool", rows, *self.graph_variant(), pool.conv.data.ptr, pool.recurrent.data.ptr)
         return back(self._graphs.run(key, hidden, slots, body))
 
 
@@ -1250,6 +1255,7 @@ class DecodeGraphs:
         self._uploads: PinnedUploads | None = None
         # The input and output copies as nodes of each graph (glm_kda.graph_copies), else beside it.
         self.copies_in_graph = GRAPH_COPIES_IN_GRAPH
+        self.generation = 0  # advanced by clear(): graphs of other drivers holding this layer's launches key on it
 
     def io(self, rows: int) -> GraphIO:
         """The current workspace's GraphIO of `rows` rows."""
@@ -1377,6 +1383,7 @@ class DecodeGraphs:
         self.graphs.clear()
         self.seen.clear()
         self.copies_in_graph = GRAPH_COPIES_IN_GRAPH
+        self.generation += 1
 
 
 def run_demo_on_gpu(path: Path, hidden: np.ndarray, prompt: int, steps: int) -> dict:

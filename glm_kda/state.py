@@ -32,6 +32,31 @@ def array_module(array: Any):
     return cupy.get_array_module(array)
 
 
+def require_device_buffers(what: str, owner: str, conv: Any, recurrent: Any, device_id: int) -> None:
+    """The state buffers a kernel is handed: TypeError naming `owner`.conv or `owner`.recurrent
+    unless it is a contiguous CuPy float32 array; ValueError unless it starts on a 16-byte boundary
+    (the kernels move it in 16-byte vectors) and lives on device `device_id`."""
+    import cupy
+
+    for field, buf in (("conv", conv), ("recurrent", recurrent)):
+        if not isinstance(buf, cupy.ndarray) or buf.dtype != np.float32 or not buf.flags.c_contiguous:
+            raise TypeError(f"{what}: {owner}.{field} must be a contiguous CuPy float32 array")
+        if buf.data.ptr % 16:
+            raise ValueError(f"{what}: {owner}.{field} must start on a 16-byte boundary (address {buf.data.ptr:#x}); "
+                             "the kernels read and write it in 16-byte vectors")
+        if buf.device.id != device_id:
+            raise ValueError(f"{what}: {owner}.{field} is on device {buf.device.id}, the layer runs on device {device_id}")
+
+
+def require_one_row(what: str, hidden: Any) -> None:
+    """ValueError unless `hidden` is one row ([1, width] or [width]): the one token a call on a
+    single state advances it by (K tokens of one sequence are decode_k's; many sequences, a pool's)."""
+    shape = tuple(getattr(hidden, "shape", ()))
+    if len(shape) == 2 and shape[0] != 1:
+        raise ValueError(f"{what}: {shape[0]} rows for one state; a state advances one token a call ([1, hidden] "
+                         "or [hidden]): decode_k walks K tokens of one sequence, a StatePool with slots steps many")
+
+
 @dataclass
 class KdaState:
     """State of one sequence: `conv` [conv_dim, K] and `recurrent` [H, D, D], NumPy or CuPy.

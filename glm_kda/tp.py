@@ -65,7 +65,7 @@ from .checkpoint import (
     resolve_file,
 )
 from .config import KdaConfig
-from .state import KdaState, array_module
+from .state import KdaState, array_module, require_device_buffers, require_one_row
 
 
 class TensorParallelError(ValueError):
@@ -549,17 +549,10 @@ def check_devices(devices: Sequence[int], visible: int) -> list[int]:
 
 
 def _check_state(state: Any, config: KdaConfig, device_id: int, what: str) -> None:
-    import cupy
-
     if not isinstance(state, KdaState):
         raise TypeError(f"{what}: expected a KdaState (new_state()), got {type(state).__name__}")
     state.check(config, what)
-    for name in ("conv", "recurrent"):
-        buf = getattr(state, name)
-        if not isinstance(buf, cupy.ndarray) or buf.dtype != np.float32 or not buf.flags.c_contiguous:
-            raise TypeError(f"{what}.{name} must be a contiguous CuPy float32 array")
-        if buf.device.id != device_id:
-            raise ValueError(f"{what}.{name} is on device {buf.device.id}; this rank runs on device {device_id}")
+    require_device_buffers(what, "state", state.conv, state.recurrent, device_id)
 
 
 def _hidden_rows(hidden: Any, width: int, what: str, max_rows: int) -> tuple[Any, bool]:
@@ -661,6 +654,7 @@ class TpRankLayer:
 
     def decode(self, hidden: Any, state: KdaState) -> Any:
         """One token: hidden [1, hidden] or [hidden]."""
+        require_one_row("decode", hidden)
         return self._group.decode_k(hidden, [state], None)
 
     def decode_k(self, hidden: Any, state: KdaState, snapshots: Sequence[KdaState] | None = None) -> Any:
@@ -846,9 +840,12 @@ class _RankGroup:
         for rank in self.ranks:
             rank._stage_rows(hidden, on_host)
 
+        # Each rank's graph holds its layer's launches: a change there (new packed weights, another
+        # step form, a new workspace) is a new key.
         key = ("k", rows) + tuple(
-            (state.conv.data.ptr, state.recurrent.data.ptr) + tuple((s.conv.data.ptr, s.recurrent.data.ptr) for s in snaps)
-            for state, snaps in zip(states, per_rank)
+            (*rank.layer.graph_variant(), state.conv.data.ptr, state.recurrent.data.ptr)
+            + tuple((s.conv.data.ptr, s.recurrent.data.ptr) for s in snaps)
+            for rank, state, snaps in zip(self.ranks, states, per_rank)
         )
         graphs = None
         if self.use_graphs and not kernels.TIMER.active:
@@ -996,6 +993,7 @@ class TensorParallelBlock:
 
     def decode(self, hidden: Any, states: Sequence[KdaState]) -> Any:
         """One token of one sequence, hidden [1, hidden] or [hidden]."""
+        require_one_row("decode", hidden)
         return self._group.decode_k(hidden, states, None)
 
     def decode_k(self, hidden: Any, states: Sequence[KdaState],

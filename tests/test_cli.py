@@ -35,6 +35,18 @@ def test_demo_runs_the_numpy_path_and_says_so(cache, capsys):
     assert (cache / "tiny-kimi-seed0" / "config.json").exists(), "the synthetic checkpoint was not cached"
 
 
+
+def test_demo_of_a_geometry_the_kernels_do_not_run_takes_the_numpy_path_and_says_why(cache, capsys, monkeypatch):
+    """With a GPU at hand, a tiny geometry (head_dim 16) still runs: on the NumPy path, with the
+    kernels' limit named, not as a traceback from the layer."""
+    from glm_kda import demo
+
+    monkeypatch.setattr(demo, "gpu_status", lambda: (True, "a stand-in GPU"))
+    monkeypatch.setattr(demo, "_run_gpu", lambda *args: pytest.fail("the kernels were asked to run head_dim 16"))
+    assert cli.main(["demo", "--geometry", "tiny-glm", "--prompt", "4", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "the CUDA kernels do not run this geometry (head_dim=16" in out and "(numpy path)" in out, out
+
 def test_demo_table_is_the_oracle_comparison_of_its_tokens(cache):
     """The NumPy path's table is the BF16-faithful oracle (prefill, then one decode call a token) against
     the float64 oracle over all the tokens, recomputed here: every stage's ratio the same."""

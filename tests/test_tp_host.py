@@ -266,6 +266,18 @@ class FakeLayer:
         self.workspace = SimpleNamespace(max_tokens=max_tokens, final_out=on_device(np.zeros((max_tokens, hidden),
                                                                                          np.uint16)))
         self.o_proj_sums = None
+        self.generation = 0
+        self.weight = on_device(np.ones(1, np.float32))
+
+    def graph_variant(self) -> tuple:
+        return (self.generation,)
+
+    def swap_weight(self, scale: float) -> None:
+        """New decode weights, as KdaLayer.packed_decode makes them: the old array freed (here NaN,
+        what a captured launch reading it would show) and the layer's own graphs cleared."""
+        self.weight._a[...] = np.nan
+        self.weight = on_device(np.full(1, scale, np.float32))
+        self.generation += 1
 
     def new_state(self) -> KdaState:
         c = self.config
@@ -273,10 +285,10 @@ class FakeLayer:
                         on_device(np.zeros(c.recurrent_state_shape, np.float32)))
 
     def _issue(self, hidden, state) -> None:
-        rows, sums, final_out = hidden.shape[0], self.o_proj_sums, self.workspace.final_out
+        rows, sums, final_out, weight = hidden.shape[0], self.o_proj_sums, self.workspace.final_out, self.weight
 
-        def kernel():
-            np.asarray(sums)[:rows] = partial_of(np.asarray(hidden), self.rank)
+        def kernel():  # (the weight's pointer baked in, as a captured launch holds it)
+            np.asarray(sums)[:rows] = partial_of(np.asarray(hidden), self.rank) * weight._a[0]
             np.asarray(final_out)[:rows] = 0x7FC1  # NaN bits: a reader of final_out would show it
             np.asarray(state.recurrent).reshape(-1)[0] += rows
 
@@ -321,11 +333,11 @@ def block(monkeypatch):
     return tp.TensorParallelBlock(plan, ranks)
 
 
-def expected_output(hidden: np.ndarray) -> np.ndarray:
+def expected_output(hidden: np.ndarray, scale: float = 1.0) -> np.ndarray:
     """The ranks' FP32 partials summed in FP32 (rank order), rounded once to BF16 (bits)."""
     total = np.zeros(hidden.shape, np.float32)
     for rank in range(2):
-        total = (total + partial_of(hidden, rank)).astype(np.float32)
+        total = (total + partial_of(hidden, rank) * np.float32(scale)).astype(np.float32)
     return total.astype(ml_dtypes.bfloat16).view(np.uint16)
 
 
@@ -360,6 +372,22 @@ def test_decode_output_is_the_rounded_sum_of_the_fp32_partials(block, graphs):
     assert Gpu.groups and all(sorted(group) == [0, 1] for group in Gpu.groups), Gpu.groups
     assert block._group.captures == (2 if graphs else 0), block._group.captures
 
+
+def test_a_rank_layer_changed_under_a_captured_graph_is_captured_again(block):
+    """The group's graphs hold each rank layer's launches: once a layer's decode weights change (its
+    graph_variant moves on), the next call must not replay the graph that reads the old ones."""
+    states = block.new_state()
+    hidden = rows(5, 1, block.config.hidden)
+    for _ in range(3):  # eager, captured, replayed
+        block.decode(on_device(hidden), states)
+    assert block._group.captures == 1
+    for rank in block.ranks:
+        rank.layer.swap_weight(3.0)
+    for call in range(3):
+        got = np.asarray(block.decode(on_device(hidden), states).get()).view(np.uint16)
+        np.testing.assert_array_equal(got, expected_output(hidden, 3.0),
+                                      err_msg=f"call {call} after the swap: the old weights were read")
+    assert block._group.captures == 2, block._group.captures
 
 def test_prefill_output_is_the_rounded_sum_and_host_rows_come_back_on_the_host(block):
     width = block.config.hidden
