@@ -487,7 +487,7 @@ def bind_layer(
     model.safetensors, a sharded checkpoint with model.safetensors.index.json, or (local
     only) any set of *.safetensors. Only this layer's tensors are read; from a hub repo
     only config.json, the index and the shards holding them are downloaded (hub_kwargs go
-    to hf_hub_download).
+    to hf_hub_download). progress: a progress bar over the tensors read.
     """
     if config is None:
         config = KdaConfig.from_file(resolve_file(path_or_repo, CONFIG_FILE, **hub_kwargs))

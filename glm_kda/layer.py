@@ -508,15 +508,23 @@ class KdaLayer:
 
     @classmethod
     def from_pretrained(cls, path_or_repo: str | Path, layer_idx: int, max_tokens: int = 4096, chunk: int = 64,
-                        workspace: KdaWorkspace | None = None, **hub_kwargs: Any) -> "KdaLayer":
-        """Bind layer `layer_idx` of a checkpoint directory or hub repo and upload it."""
+                        workspace: KdaWorkspace | None = None, *, chunk_impl: str = "auto", packed_decode: bool = True,
+                        **hub_kwargs: Any) -> "KdaLayer":
+        """Bind layer `layer_idx` of a checkpoint directory or hub repo (checkpoint.bind_layer; its
+        `progress` and the hub's download options pass through hub_kwargs) and upload it.
+
+        max_tokens: the most rows a call takes (the workspace's size); chunk: the chunked
+        prefill's chunk length (64 for the tensor-core kernels); workspace: one to share with
+        other layers of this geometry (KdaWorkspace.shared); chunk_impl and packed_decode: as
+        the constructor and the properties of those names."""
         require_gpu("KdaLayer.from_pretrained")
         bound = bind_layer(path_or_repo, layer_idx, **hub_kwargs)
         if chunk != bound.config.chunk:
             import dataclasses
 
             bound = dataclasses.replace(bound, config=bound.config.with_chunk(chunk))
-        return cls(bound, max_tokens=max_tokens, workspace=workspace)
+        return cls(bound, max_tokens=max_tokens, workspace=workspace, chunk_impl=chunk_impl,
+                   packed_decode=packed_decode)
 
     def new_state(self) -> KdaState:
         """Zero state of a new sequence on this layer's GPU: conv FP32 [conv_dim, K], recurrent FP32
@@ -987,7 +995,8 @@ class KdaLayer:
 
         Returns the block output [T, hidden] BF16 (a new array). `pad_value` fills the padded
         tail of the last chunk in the q/k/v/gate/beta buffers; the chunk kernels must ignore it
-        (tests poison it with NaN and 1e30).
+        (tests poison it with NaN and 1e30). A packed prefill leaves those rows as they are (they
+        hold the next sequence's rows) and ignores pad_value.
 
         Packed sequences: prefill(hidden [sum T_i, hidden], pool, slots=[N], cu_seqlens=[N+1])
         prefills N sequences of a StatePool at once, sequence i being rows

@@ -9,9 +9,11 @@ reused across layers and its stages compared one by one.
 BF16 arrays may have dtype ``ml_dtypes.bfloat16`` or ``uint16`` (the raw bits);
 both are passed to the kernels as the same pointer.
 
-Arrays with a token axis accept more rows than are used (a workspace sized for
-the longest prompt): ``tokens`` defaults to the first dimension of the main input,
-and the kernels touch only the first ``tokens`` rows.
+Where a wrapper takes ``tokens`` (or ``rows``), arrays with a token axis may hold more
+rows than are used (a workspace sized for the longest prompt): it defaults to the first
+dimension of the main input, and the kernels touch only the first ``tokens`` rows. The
+decode-side wrappers without it (the decode conv, the recurrent and the fused step) take
+exactly [rows, ...]; each docstring gives its shapes.
 """
 
 from __future__ import annotations

@@ -325,7 +325,8 @@ class KdaOracle:
 
         upstream holds at least qkv_proj, down_proj, forget_proj, conv_out, query, key, value,
         gate, beta, core, out_gate, o_norm_out (as a GPU workspace does); `state` is the state
-        the run started from. Returns (stages, state after the run from upstream inputs).
+        the run started from; chunk as in prefill (None: token by token). Returns (stages,
+        state after the run from upstream inputs).
         """
         return self._run(hidden, state, chunk, 0.0, upstream)
 

@@ -7,6 +7,7 @@ numbers carry their own roofline.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -138,22 +139,28 @@ def import_times() -> dict:
     return out
 
 
+def _refused(report: dict, output: str, message: str, error: str) -> int:
+    """Say why the self-test cannot run, record it in the report at `output`, and return 2."""
+    print(message)
+    report["error"] = error
+    Path(output).write_text(json.dumps(report, indent=2))
+    return 2
+
+
 def run_selftest(output: str, quick: bool = False) -> int:
     ok, why = gpu_status()
     report: dict = {"gpu": why, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     if not ok:
-        print(f"selftest needs a CUDA GPU: {why}")
-        report["error"] = why
-        Path(output).write_text(json.dumps(report, indent=2))
-        return 2
+        return _refused(report, output, f"selftest needs a CUDA GPU: {why}", why)
     import cupy
 
     repo_tests = Path(__file__).resolve().parent.parent / "tests"
     if not (repo_tests / "test_gpu.py").exists():
-        print(f"selftest runs the test suite of a checkout; {repo_tests} has none (an installed wheel ships no tests)")
-        report["error"] = "no tests/ beside the package"
-        Path(output).write_text(json.dumps(report, indent=2))
-        return 2
+        return _refused(report, output, f"selftest runs the test suite of a checkout; {repo_tests} has none (an "
+                        "installed wheel ships no tests)", "no tests/ beside the package")
+    if importlib.util.find_spec("pytest") is None:
+        return _refused(report, output, "selftest runs the GPU tests with pytest, which is not installed: "
+                        "pip install -e '.[test]'", "pytest not installed")
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "junit.xml"
         args = [sys.executable, "-m", "pytest", "-q", str(repo_tests / "test_gpu.py"), f"--junitxml={junit}"]

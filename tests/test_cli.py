@@ -141,3 +141,22 @@ def test_gpu_commands_say_they_need_a_gpu(argv, capsys, tmp_path, monkeypatch):
     assert "CUDA GPU" in captured.err + captured.out, captured
     if argv[0] == "selftest":  # its report says why it did not run
         assert "error" in json.loads((tmp_path / "x.json").read_text())
+
+
+def test_selftest_without_pytest_says_how_to_get_it(capsys, tmp_path, monkeypatch):
+    """On a GPU machine with only the package installed (no test extra), the self-test says what is
+    missing and exits 2 before any GPU work, its report naming the reason."""
+    import importlib.util
+    import sys
+    import types
+
+    from glm_kda import selftest
+
+    monkeypatch.setattr(selftest, "gpu_status", lambda: (True, "a stand-in GPU"))
+    monkeypatch.setitem(sys.modules, "cupy", types.ModuleType("cupy"))
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pytest" else found(name, *a))
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["selftest", "--output", "x.json"]) == 2
+    assert "pip install -e '.[test]'" in capsys.readouterr().out
+    assert json.loads((tmp_path / "x.json").read_text())["error"] == "pytest not installed"
