@@ -61,8 +61,12 @@ KERNEL_FILES: tuple[str, ...] = tuple(f"{stem}.cu" for stem in (*ENTRY_POINTS, *
 
 COMMON_HEADER = "kda_common.cuh"
 
-# Precise math on purpose: no --use_fast_math (expf, sqrtf and division stay IEEE).
-COMPILE_OPTIONS: tuple[str, ...] = ("-std=c++17",)
+# Precise math on purpose: no --use_fast_math (expf, sqrtf and division stay IEEE-rounded).
+# Denormal FP32 results flush to zero (-ftz=true): CuPy adds that option to every RawModule it
+# compiles from source, whatever it is given, so it is named here for the cubins NVRTC builds
+# directly (the architecture families, compile_check's report) to be those same binaries, and
+# every sweep of a projection to have the same bits even where a sum is denormal.
+COMPILE_OPTIONS: tuple[str, ...] = ("-std=c++17", "-ftz=true")
 
 # `#include "name.cuh"` of a header in the kernel folder (inlined; any other include is an error
 # for NVRTC, which has no include path).
@@ -141,11 +145,13 @@ class CompiledFile:
     log: str
 
 
-def compile_file(stem: str, arch: str, directory: Path | str | None = None) -> CompiledFile:
+def compile_file(stem: str, arch: str, directory: Path | str | None = None, *, resources: bool = True) -> CompiledFile:
     """Compile ``<stem>.cu`` to a cubin for ``arch`` (e.g. "sm_90") with NVRTC.
 
     Needs the NVRTC library only (the nvidia-cuda-nvrtc-cu12 wheel), no driver.
-    Raises KernelCompileError with the full compiler log on failure.
+    Raises KernelCompileError with the full compiler log on failure. resources=False: the log
+    may lack ptxas' report of each entry's registers (where NVRTC answered from its own cache
+    it is not compiled again to get one).
     """
     from cupy.cuda import nvrtc
 
@@ -164,7 +170,7 @@ def compile_file(stem: str, arch: str, directory: Path | str | None = None) -> C
         cubin = nvrtc.getCUBIN(program)
     finally:
         nvrtc.destroyProgram(program)
-    if not _PTXAS_ENTRY.search(log):
+    if resources and not _PTXAS_ENTRY.search(log):
         log = _ptxas_log_without_cache(source, f"{stem}.cu", options)
     return CompiledFile(stem=stem, arch=arch, cubin=cubin, log=log)
 
@@ -309,6 +315,20 @@ def compile_check(arch: str) -> dict[str, dict[str, int]]:
 # --------------------------------------------------------------------------------------
 
 
+def _private_folder(folder: Path) -> None:
+    """Make `folder` (the default cubin cache, in the shared temporary folder) this user's own, or
+    refuse it: a folder there that another user made, or may write to, could hold a cubin of theirs
+    under the name this process would load."""
+    import os
+    import stat
+
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = folder.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
+        raise RuntimeError(f"the kernel cache folder {folder} is not a folder of this user's that only they may write "
+                           "to; remove it, or name another in GLM_KDA_CUBIN_CACHE")
+
+
 def _cached_cubin(stem: str, arch: str, directory: Path | str | None) -> Path:
     """The cubin of ``<stem>.cu`` for ``arch``, compiled by NVRTC once and kept in a file named by
     the hash of its source and options (CuPy's own cache compiles for the device's portable
@@ -317,14 +337,21 @@ def _cached_cubin(stem: str, arch: str, directory: Path | str | None) -> Path:
     import os
     import tempfile
 
+    from cupy.cuda import nvrtc
+
     source = kernel_source(stem, directory)
-    key = hashlib.sha256("\0".join([source, arch, *COMPILE_OPTIONS]).encode()).hexdigest()[:24]
-    folder = Path(os.environ.get("GLM_KDA_CUBIN_CACHE", Path(tempfile.gettempdir()) / f"glm_kda-{os.getuid()}"))
+    # (The compiler's version too: a cubin of another NVRTC is not this one's.)
+    parts = [source, arch, *COMPILE_OPTIONS, repr(nvrtc.getVersion())]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
+    chosen = os.environ.get("GLM_KDA_CUBIN_CACHE")
+    folder = Path(chosen) if chosen else Path(tempfile.gettempdir()) / f"glm_kda-{os.getuid()}"
+    if not chosen:
+        _private_folder(folder)
     path = folder / f"{stem}-{arch}-{key}.cubin"
     if not path.is_file():
         folder.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.part")
-        partial.write_bytes(compile_file(stem, arch, directory).cubin)
+        partial.write_bytes(compile_file(stem, arch, directory, resources=False).cubin)
         partial.replace(path)
     return path
 

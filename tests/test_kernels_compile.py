@@ -201,8 +201,49 @@ def test_chunk_prepare_smem_fits_h200(chunk):
 
 def test_import_does_not_touch_gpu():
     # Building a KernelSet needs a GPU; importing and describing the kernels does not.
-    assert kernels.COMPILE_OPTIONS == ("-std=c++17",)
     assert not kernels.TIMER.active
+
+
+def test_every_build_names_the_options_cupy_adds():
+    """The portable families load through cupy.RawModule(code=...), which compiles with -ftz=true
+    whatever it is given; the architecture families and compile_check build with NVRTC directly
+    from COMPILE_OPTIONS, which must say the same so that every path runs one kind of binary (and
+    no fast math: expf, sqrtf and division stay IEEE-rounded)."""
+    import inspect
+
+    from cupy.cuda import compiler
+
+    assert "'-ftz=true'" in inspect.getsource(compiler._compile_with_cache_cuda), "CuPy no longer adds -ftz=true"
+    assert kernels.COMPILE_OPTIONS == ("-std=c++17", "-ftz=true")
+
+
+def test_cubin_cache_is_keyed_on_the_compiler_and_kept_private(tmp_path, monkeypatch):
+    """The architecture families' cubins are kept under a key of source, options and NVRTC version
+    (a new compiler builds anew); the default folder in the shared temporary folder is refused
+    unless it is this user's own and not writable by others."""
+    import os
+    import tempfile
+    from types import SimpleNamespace
+
+    from cupy.cuda import nvrtc
+
+    built = []
+    monkeypatch.setattr(kernels, "compile_file",
+                        lambda stem, arch, directory=None, **options: built.append(arch) or SimpleNamespace(cubin=b"cubin"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.delenv("GLM_KDA_CUBIN_CACHE", raising=False)
+    first = kernels._cached_cubin("gemv", "sm_90", None)
+    assert kernels._cached_cubin("gemv", "sm_90", None) == first and len(built) == 1, "the cubin kept was not reused"
+    folder = first.parent
+    assert folder == tmp_path / f"glm_kda-{os.getuid()}" and folder.stat().st_mode & 0o777 == 0o700
+    version = nvrtc.getVersion()
+    monkeypatch.setattr(nvrtc, "getVersion", lambda: (version[0], version[1] + 1))
+    assert kernels._cached_cubin("gemv", "sm_90", None) != first and len(built) == 2, "another NVRTC's cubin was used"
+    folder.chmod(0o777)
+    with pytest.raises(RuntimeError, match="not a folder of this user's"):
+        kernels._cached_cubin("gemv", "sm_90", None)
+    monkeypatch.setenv("GLM_KDA_CUBIN_CACHE", str(folder))  # a folder the user names is theirs to choose
+    assert kernels._cached_cubin("gemv", "sm_90", None).parent == folder
 
 
 @pytest.mark.parametrize("stem", list(kernels.ARCH_ENTRY_POINTS))
