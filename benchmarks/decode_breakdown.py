@@ -1,10 +1,13 @@
 """Where a decode step spends its time, one JSON line per geometry and variant.
 
   * per-kernel GPU time of an eager step (CUDA events around every launch, 20 steps averaged);
-  * the captured graph replayed back to back with no Python in between: the GPU time of one
-    step (median of 5 interleaved rounds of 200 replays), its roofline ratio against the copy
-    bandwidth measured in the same run, the replays of verify K=4 and K=16 (decode_k) over it,
-    and steps of 64 and 256 sequences of a pool (shuffled slots) with their own roofline ratios;
+  * the captured graph replayed back to back with no Python in between, in 5 interleaved rounds of
+    200 replays, each replay between its own pair of events: the GPU time of one step (the median
+    over the 1000 replays, `graph_replay_us`), its roofline ratio against the copy bandwidth
+    measured in the same run, the replays of verify K=4 and K=16 (decode_k) over it, and steps of
+    64 and 256 sequences of a pool (shuffled slots) with their own roofline ratios; beside them,
+    as `*_back_to_back_us`, the median over the rounds of the mean replay of 200 launched between
+    two events alone (the figure of the rounds before per-replay events);
   * the public call (input copy, replay, output copy) issued back to back, 200 calls between
     two events: what a decode loop that does not synchronise every token pays per call.
 Each geometry runs the VARIANTS below in the same process, each the package's defaults with the
@@ -31,6 +34,12 @@ def back_to_back_us(fn, calls: int = 200) -> float:
     from glm_kda.selftest import back_to_back_ms
 
     return 1e3 * back_to_back_ms(fn, calls)
+
+
+def replay_us(fn, calls: int = 200) -> list[float]:
+    from glm_kda.selftest import replay_ms
+
+    return [1e3 * ms for ms in replay_ms(fn, calls)]
 
 
 def variant(**settings) -> tuple:
@@ -228,27 +237,35 @@ def main(geometries: list[str], against: str | None = None, extra: tuple = ()) -
                 captured[one] = (graphs, per_kernel, call_us)
             # The graphs keep what they were captured with: replay them in interleaved rounds,
             # so that drift over the run hits every variant alike.
-            replays = {(one, rows): [] for one in variants for rows in captured[one][0]}
+            replays = {(one, rows): [] for one in variants for rows in captured[one][0]}  # every replay's us
+            rounds = {key: [] for key in replays}  # each round's mean replay, launched between two events alone
             for _ in range(ROUNDS):
                 for one in variants:
                     for rows, graph in captured[one][0].items():
-                        replays[one, rows].append(back_to_back_us(lambda: graph.launch(stream)))
+                        replays[one, rows] += replay_us(lambda: graph.launch(stream))
+                        rounds[one, rows].append(back_to_back_us(lambda: graph.launch(stream)))
             for one in variants:
                 settings = chosen[one]
-                replay_us = float(np.median(replays[one, 1]))
-                verify = {f"K{rows}": round(float(np.median(replays[one, rows])) / replay_us, 3) for rows in VERIFY_K}
+                step_us = float(np.median(replays[one, 1]))
+                verify = {f"K{rows}": round(float(np.median(replays[one, rows])) / step_us, 3) for rows in VERIFY_K}
                 batched = {}
                 for batch in BATCHES if settings["persistent_lags"] is None else ():
+                    batch_bytes = weight_bytes(cfg) + batch * state_bytes(cfg)
                     batch_us = float(np.median(replays[one, f"B{batch}"]))
+                    chained_us = float(np.median(rounds[one, f"B{batch}"]))
                     batched[f"B{batch}_graph_replay_us"] = batch_us
-                    batched[f"B{batch}_roofline_ratio"] = (
-                        (weight_bytes(cfg) + batch * state_bytes(cfg)) / 1e3 / bandwidth / batch_us)
+                    batched[f"B{batch}_roofline_ratio"] = batch_bytes / 1e3 / bandwidth / batch_us
+                    batched[f"B{batch}_back_to_back_us"] = chained_us
+                    batched[f"B{batch}_back_to_back_roofline_ratio"] = batch_bytes / 1e3 / bandwidth / chained_us
+                chained_us = float(np.median(rounds[one, 1]))
                 print(json.dumps({
                     "geometry": geometry, **settings, "kernel_sources": settings["kernel_sources"] or "package",
                     "changed": dict(one), "default": settings == base, "copy_bandwidth_GBs": bandwidth,
-                    "bytes": nbytes, "graph_replay_us": replay_us,
-                    "graph_replay_rounds_us": [round(x, 2) for x in replays[one, 1]],
-                    "graph_replay_roofline_ratio": nbytes / 1e3 / bandwidth / replay_us,
+                    "bytes": nbytes, "graph_replays": len(replays[one, 1]), "graph_replay_us": step_us,
+                    "graph_replay_roofline_ratio": nbytes / 1e3 / bandwidth / step_us,
+                    "graph_replay_back_to_back_us": chained_us,
+                    "graph_replay_back_to_back_roofline_ratio": nbytes / 1e3 / bandwidth / chained_us,
+                    "graph_replay_rounds_us": [round(x, 2) for x in rounds[one, 1]],
                     "verify_replay_over_decode": verify,
                     **batched,
                     "public_call_back_to_back_us": captured[one][2], "eager_per_kernel_us": captured[one][1],

@@ -1,6 +1,6 @@
 """One line per JSON line of benchmarks/decode_breakdown.py: geometry, the variant's changed
-settings, the copy bandwidth, the B=1 graph replay (us and roofline ratio), verify over decode,
-B=64 and B=256 (us and ratio), the public call, and why programmatic launches fell back (if
+settings, the copy bandwidth, the B=1 graph replay (median replay us and roofline ratio, and the
+back-to-back mean where the line has it), verify over decode, B=64 and B=256 (likewise), the public call, and why programmatic launches fell back (if
 they did). Lines that are not JSON pass through.
 
     PYTHONPATH=. python benchmarks/decode_breakdown.py | python benchmarks/summarize_breakdown.py
@@ -13,12 +13,18 @@ import sys
 
 
 def summary(record: dict) -> str:
+    def chained(prefix: str) -> str:
+        # (the mean of replays launched between two events alone, where the line has it)
+        us = record.get(f"{prefix}back_to_back_us")
+        return f" [back to back {us:.2f} us]" if us is not None else ""
+
     batches = " ".join(
-        f"B{b} {record[f'B{b}_graph_replay_us']:.1f} us ({record[f'B{b}_roofline_ratio']:.3f})"
+        f"B{b} {record[f'B{b}_graph_replay_us']:.1f} us ({record[f'B{b}_roofline_ratio']:.3f}){chained(f'B{b}_')}"
         for b in (64, 256) if f"B{b}_graph_replay_us" in record)
     fallback = record.get("programmatic_unavailable")
     return (f"{record['geometry']} {record['changed'] or 'defaults'} | copy {record['copy_bandwidth_GBs']:.0f} GB/s | "
-            f"B1 {record['graph_replay_us']:.2f} us ({record['graph_replay_roofline_ratio']:.3f}) | verify "
+            f"B1 {record['graph_replay_us']:.2f} us ({record['graph_replay_roofline_ratio']:.3f})"
+            f"{chained('graph_replay_')} | verify "
             f"{record['verify_replay_over_decode']} | {batches} | public call {record['public_call_back_to_back_us']:.1f} us"
             + (f" | programmatic launches fell back: {fallback}" if fallback else ""))
 

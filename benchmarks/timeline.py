@@ -12,7 +12,7 @@ median over the replays: the first block start, the last wait end, the first and
 and the blocks. `step_us` is the last block end of the graph. The global timer ticks coarsely on
 some GPUs: `timer_tick_ns` is the smallest nonzero step seen between two records of a replay.
 
-    PYTHONPATH=. python benchmarks/timeline.py [glm kimi] [--replays 50] [--rows 1 64] [--set NAME=VALUE ...]
+    PYTHONPATH=. python benchmarks/timeline.py [glm kimi] [--replays 200] [--rows 1 64] [--set NAME=VALUE ...]
         [--blocks DIR]
 
 --blocks writes, per geometry and row count, DIR/<geometry>_rows<rows>.json: every block of the last
@@ -208,21 +208,19 @@ def main(argv: list[str] | None = None) -> None:
 
     from glm_kda import kernels
     from glm_kda.layer import KdaLayer, to_device_bf16
-    from glm_kda.selftest import copy_bandwidth_gbs, state_bytes, weight_bytes
+    from glm_kda.selftest import MIN_TIMED_CALLS, copy_bandwidth_gbs, count_at_least, state_bytes, weight_bytes
     from glm_kda.state import StatePool
     from glm_kda.synthetic import synthetic_hidden, write_synthetic_checkpoint
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("geometries", nargs="*", default=["glm", "kimi"])
-    parser.add_argument("--replays", type=int, default=50)
+    parser.add_argument("--replays", type=count_at_least(1), default=MIN_TIMED_CALLS)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 64], help="sequences per step (1: one state)")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="a glm_kda.layer setting for the run")
     parser.add_argument("--blocks", type=Path, default=None, metavar="DIR",
                         help="write every block of the last replay to DIR/<geometry>_rows<rows>.json")
     args = parser.parse_args(argv)
-    if args.replays < 1:
-        parser.error(f"--replays must be at least 1, got {args.replays}")
     changed = apply_settings(args.set)
 
     bandwidth = copy_bandwidth_gbs()

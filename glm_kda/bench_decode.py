@@ -23,7 +23,8 @@ import json
 import tempfile
 from pathlib import Path
 
-from .selftest import back_to_back_ms, copy_bandwidth_gbs, host_us, median_ms, state_bytes, weight_bytes
+from .selftest import (MIN_TIMED_CALLS, back_to_back_ms, copy_bandwidth_gbs, count_at_least, host_us, median_ms,
+                       state_bytes, weight_bytes)
 
 
 def bench_geometry(geometry: str, directory: Path, bandwidth: float, repeats: int) -> list[dict]:
@@ -68,7 +69,8 @@ def bench_geometry(geometry: str, directory: Path, bandwidth: float, repeats: in
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--geometry", nargs="+", default=["glm", "kimi"], choices=["glm", "kimi"])
-    parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--repeats", type=count_at_least(MIN_TIMED_CALLS, " (a median over at least that many calls)"),
+                        default=MIN_TIMED_CALLS, help="timed calls per case after warm-up (>= 200)")
     parser.add_argument("--no-fla", dest="fla", action="store_false", help="skip the flash-linear-attention rows")
 
 

@@ -60,6 +60,7 @@ import ml_dtypes
 import numpy as np
 
 from .config import KdaConfig
+from .selftest import MIN_TIMED_CALLS, count_at_least
 
 FLA_DISTRIBUTION = "flash-linear-attention"
 FLA_TESTED_VERSION = "0.6.0"
@@ -580,7 +581,8 @@ def decorate_row(row: dict, geometry: str, config: KdaConfig, bandwidth: float) 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--geometry", nargs="+", default=["glm", "kimi"], choices=["glm", "kimi"])
-    parser.add_argument("--repeats", type=int, default=200, help="decode timings per case")
+    parser.add_argument("--repeats", type=count_at_least(MIN_TIMED_CALLS, " (a median over at least that many calls)"),
+                        default=MIN_TIMED_CALLS, help="decode timings per case after warm-up (>= 200)")
     parser.add_argument("--batches", type=int, nargs="+", default=list(DECODE_BATCHES))
     parser.add_argument("--tokens", type=int, nargs="+", default=list(PREFILL_TOKENS))
     parser.add_argument("--no-ours", dest="ours", action="store_false",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .selftest import count_at_least
+
 
 def _inspect(args: argparse.Namespace) -> int:
     from .checkpoint import CheckpointError, check_layers
@@ -39,17 +41,6 @@ def _inspect(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
-def _positive(text: str) -> int:
-    """An argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -74,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("demo", help="prefill + decode on a synthetic checkpoint, with a stage agreement table")
     p.add_argument("--geometry", default="kimi", choices=["glm", "kimi", "tiny-glm", "tiny-kimi"])
-    p.add_argument("--prompt", type=_positive, default=64, help="prefill tokens, >= 1 (default 64)")
-    p.add_argument("--steps", type=_positive, default=32, help="decode steps, >= 1 (default 32)")
+    p.add_argument("--prompt", type=count_at_least(1), default=64, help="prefill tokens, >= 1 (default 64)")
+    p.add_argument("--steps", type=count_at_least(1), default=32, help="decode steps, >= 1 (default 32)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu", action="store_true", help="run the NumPy path even when a GPU is present")
     p.set_defaults(func=_demo)

@@ -32,6 +32,26 @@ def copy_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 20) -> float:
     return 2 * nbytes / 1e9 / (median_ms(lambda: cupy.copyto(dst, src), repeats) / 1e3)
 
 
+# The fewest calls after warm-up a decode timing's median is taken over.
+MIN_TIMED_CALLS = 200
+
+
+def count_at_least(minimum: int, why: str = ""):
+    """An argparse type: an integer >= minimum; `why`, the reason, is said in a refusal."""
+    import argparse
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}{why}, got {value}")
+        return value
+
+    return parse
+
+
 def median_ms(fn, repeats: int = 50, warmup: int = 5) -> float:
     import cupy
 
@@ -62,6 +82,24 @@ def back_to_back_ms(fn, calls: int = 200, warmup: int = 10) -> float:
     end.record()
     end.synchronize()
     return cupy.cuda.get_elapsed_time(start, end) / calls
+
+
+def replay_ms(fn, calls: int = 200, warmup: int = 10) -> list[float]:
+    """Milliseconds of each of `calls` calls issued back to back, each between its own pair of
+    events, with one synchronisation after the last: while the host stays ahead of the GPU each pair
+    times its call's GPU work as the queue runs it, so their median is a per-call figure without the
+    gaps a synchronisation per call would add."""
+    import cupy
+
+    for _ in range(warmup):
+        fn()
+    events = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(calls)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    events[-1][1].synchronize()
+    return [cupy.cuda.get_elapsed_time(start, end) for start, end in events]
 
 
 def host_us(fn, calls: int = 200, warmup: int = 10) -> float:
@@ -118,7 +156,8 @@ def block_timings(geometry: str, directory: Path, bandwidth: float) -> dict:
         result[f"decode_{mode}_us"] = 1e3 * decode_ms
         result[f"decode_{mode}_roofline_ratio"] = nbytes / 1e9 / bandwidth / (decode_ms / 1e3)
         for k in (4, 16):
-            result[f"decode_k{k}_{mode}_us"] = 1e3 * median_ms(lambda: layer.decode_k(hidden[:k], state), repeats=50)
+            result[f"decode_k{k}_{mode}_us"] = 1e3 * median_ms(lambda: layer.decode_k(hidden[:k], state), repeats=200,
+                                                               warmup=20)
     layer.use_graphs = True
     for tokens in (1024, 4096, 16384):
         ms = median_ms(lambda: layer.prefill(hidden[:tokens], state), repeats=5, warmup=2)

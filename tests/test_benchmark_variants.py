@@ -1,4 +1,5 @@
-"""benchmarks/decode_breakdown.py's variants resolve against the package's settings (no GPU)."""
+"""benchmarks/decode_breakdown.py's variants resolve against the package's settings, and the decode timings' helpers
+and floors (no GPU)."""
 
 from __future__ import annotations
 
@@ -39,3 +40,45 @@ def test_apply_sets_every_setting():
     source = inspect.getsource(decode_breakdown.apply)
     for name in decode_breakdown.defaults():
         assert f'settings["{name}"]' in source, f"apply() ignores the setting {name}"
+
+
+def test_replay_timings_are_one_per_call_between_its_own_events(monkeypatch):
+    """selftest.replay_ms times each call between its own pair of events and synchronises once at
+    the end: one figure per call (here, calls of 1, 2, 3, ... ms on a stand-in clock), none of the
+    warm-up calls among them."""
+    import types
+
+    from glm_kda import selftest
+
+    clock = {"now": 0.0, "synchronised": 0}
+
+    class Event:
+        def record(self):
+            self.at = clock["now"]
+
+        def synchronize(self):
+            clock["synchronised"] += 1
+
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(Event=Event,
+                                                            get_elapsed_time=lambda start, end: end.at - start.at))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    durations = iter(range(1, 1000))
+
+    def call():
+        clock["now"] += next(durations)
+
+    times = selftest.replay_ms(call, calls=200, warmup=3)
+    assert times == [float(ms) for ms in range(4, 204)] and clock["synchronised"] == 1
+
+
+def test_timed_call_counts_below_the_floor_are_refused():
+    import argparse
+
+    from glm_kda import bench_decode, bench_fla
+
+    for module in (bench_decode, bench_fla):
+        parser = argparse.ArgumentParser()
+        module.add_arguments(parser)
+        assert parser.parse_args([]).repeats == 200
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--repeats", "199"])
