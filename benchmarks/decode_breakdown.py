@@ -7,7 +7,10 @@
     measured in the same run, the replays of verify K=4 and K=16 (decode_k) over it, and steps of
     64 and 256 sequences of a pool (shuffled slots) with their own roofline ratios; beside them,
     as `*_back_to_back_us`, the median over the rounds of the mean replay of 200 launched between
-    two events alone (the figure of the rounds before per-replay events);
+    two events alone (the figure of the rounds before per-replay events), and, as
+    `graph_replay_cold_l2_us`, the one-row step with L2 scrubbed before each replay (a Kimi-Linear
+    step moves 84 MB, within a small factor of the H200's L2: what one replay leaves there must not
+    count for the next);
   * the public call (input copy, replay, output copy) issued back to back, 200 calls between
     two events: what a decode loop that does not synchronise every token pays per call.
 Each geometry runs the VARIANTS below in the same process, each the package's defaults with the
@@ -36,10 +39,10 @@ def back_to_back_us(fn, calls: int = 200) -> float:
     return 1e3 * back_to_back_ms(fn, calls)
 
 
-def replay_us(fn, calls: int = 200) -> list[float]:
+def replay_us(fn, calls: int = 200, between=None) -> list[float]:
     from glm_kda.selftest import replay_ms
 
-    return [1e3 * ms for ms in replay_ms(fn, calls)]
+    return [1e3 * ms for ms in replay_ms(fn, calls, between=between)]
 
 
 def variant(**settings) -> tuple:
@@ -192,7 +195,7 @@ def main(geometries: list[str], against: str | None = None, extra: tuple = ()) -
 
     from glm_kda import kernels
     from glm_kda.layer import KdaLayer, to_device_bf16
-    from glm_kda.selftest import copy_bandwidth_gbs, state_bytes, weight_bytes
+    from glm_kda.selftest import copy_bandwidth_gbs, l2_scrub, state_bytes, weight_bytes
     from glm_kda.state import StatePool
     from glm_kda.synthetic import synthetic_hidden, write_synthetic_checkpoint
 
@@ -201,6 +204,7 @@ def main(geometries: list[str], against: str | None = None, extra: tuple = ()) -
     chosen = {v: settings_of(v, base) for v in variants}  # an unknown name fails before any GPU work
     bandwidth = copy_bandwidth_gbs()
     stream = cupy.cuda.get_current_stream()
+    scrub = l2_scrub()
     with tempfile.TemporaryDirectory() as tmp:
         for geometry in geometries:
             path = write_synthetic_checkpoint(Path(tmp) / geometry, geometry, num_layers=1)
@@ -239,11 +243,14 @@ def main(geometries: list[str], against: str | None = None, extra: tuple = ()) -
             # so that drift over the run hits every variant alike.
             replays = {(one, rows): [] for one in variants for rows in captured[one][0]}  # every replay's us
             rounds = {key: [] for key in replays}  # each round's mean replay, launched between two events alone
+            cold = {one: [] for one in variants}  # one-row replays with L2 scrubbed before each
             for _ in range(ROUNDS):
                 for one in variants:
                     for rows, graph in captured[one][0].items():
                         replays[one, rows] += replay_us(lambda: graph.launch(stream))
                         rounds[one, rows].append(back_to_back_us(lambda: graph.launch(stream)))
+                        if rows == 1:
+                            cold[one] += replay_us(lambda: graph.launch(stream), between=scrub)
             for one in variants:
                 settings = chosen[one]
                 step_us = float(np.median(replays[one, 1]))
@@ -257,7 +264,7 @@ def main(geometries: list[str], against: str | None = None, extra: tuple = ()) -
                     batched[f"B{batch}_roofline_ratio"] = batch_bytes / 1e3 / bandwidth / batch_us
                     batched[f"B{batch}_back_to_back_us"] = chained_us
                     batched[f"B{batch}_back_to_back_roofline_ratio"] = batch_bytes / 1e3 / bandwidth / chained_us
-                chained_us = float(np.median(rounds[one, 1]))
+                chained_us, cold_us = float(np.median(rounds[one, 1])), float(np.median(cold[one]))
                 print(json.dumps({
                     "geometry": geometry, **settings, "kernel_sources": settings["kernel_sources"] or "package",
                     "changed": dict(one), "default": settings == base, "copy_bandwidth_GBs": bandwidth,
@@ -266,6 +273,8 @@ def main(geometries: list[str], against: str | None = None, extra: tuple = ()) -
                     "graph_replay_back_to_back_us": chained_us,
                     "graph_replay_back_to_back_roofline_ratio": nbytes / 1e3 / bandwidth / chained_us,
                     "graph_replay_rounds_us": [round(x, 2) for x in rounds[one, 1]],
+                    "graph_replay_cold_l2_us": cold_us,
+                    "graph_replay_cold_l2_roofline_ratio": nbytes / 1e3 / bandwidth / cold_us,
                     "verify_replay_over_decode": verify,
                     **batched,
                     "public_call_back_to_back_us": captured[one][2], "eager_per_kernel_us": captured[one][1],

@@ -84,22 +84,35 @@ def back_to_back_ms(fn, calls: int = 200, warmup: int = 10) -> float:
     return cupy.cuda.get_elapsed_time(start, end) / calls
 
 
-def replay_ms(fn, calls: int = 200, warmup: int = 10) -> list[float]:
+def replay_ms(fn, calls: int = 200, warmup: int = 10, between=None) -> list[float]:
     """Milliseconds of each of `calls` calls issued back to back, each between its own pair of
     events, with one synchronisation after the last: while the host stays ahead of the GPU each pair
     times its call's GPU work as the queue runs it, so their median is a per-call figure without the
-    gaps a synchronisation per call would add."""
+    gaps a synchronisation per call would add. between (None: nothing): issued before each timed
+    call, outside its events (l2_scrub, say)."""
     import cupy
 
     for _ in range(warmup):
         fn()
     events = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(calls)]
     for start, end in events:
+        if between is not None:
+            between()
         start.record()
         fn()
         end.record()
     events[-1][1].synchronize()
     return [cupy.cuda.get_elapsed_time(start, end) for start, end in events]
+
+
+def l2_scrub():
+    """A call that reads a buffer of four times the device's L2 size (a reduction on the current
+    stream), so that nothing a timed call left in L2 is there for the next one."""
+    import cupy
+
+    size = 4 * int(cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["l2CacheSize"])
+    buffer = cupy.ones(size // 4, cupy.float32)
+    return lambda: buffer.sum()
 
 
 def host_us(fn, calls: int = 200, warmup: int = 10) -> float:

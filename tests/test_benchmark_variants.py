@@ -69,6 +69,9 @@ def test_replay_timings_are_one_per_call_between_its_own_events(monkeypatch):
 
     times = selftest.replay_ms(call, calls=200, warmup=3)
     assert times == [float(ms) for ms in range(4, 204)] and clock["synchronised"] == 1
+    scrubs = []
+    times = selftest.replay_ms(call, calls=5, warmup=0, between=lambda: scrubs.append(clock.update(now=clock["now"] + 1e6)))
+    assert times == [float(ms) for ms in range(204, 209)] and len(scrubs) == 5, "the scrub was timed, or not issued"
 
 
 def test_timed_call_counts_below_the_floor_are_refused():
