@@ -50,7 +50,7 @@ if [ "$part" = sanitize ] || [ "$part" = all ]; then
 fi
 if [ "$part" = bench ] || [ "$part" = all ]; then
   timeout 120 python benchmarks/decode.py 2>&1 | tee "$out/decode.jsonl" | tail -40
-  timeout 150 python benchmarks/decode_breakdown.py --variant graph_copies=False --variant counting_ahead=True 2>&1 \
+  timeout 170 python benchmarks/decode_breakdown.py --variant graph_copies=False --variant counting_ahead=True 2>&1 \
     | tee "$out/decode_breakdown.jsonl"
   timeout 90 python benchmarks/host_cost.py 2>&1 | tee "$out/host_cost.jsonl"
   timeout 150 python benchmarks/prefill.py --tokens 1024 16384 65536 2>&1 | tee "$out/prefill.jsonl"
