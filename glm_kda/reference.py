@@ -36,7 +36,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from .config import KdaConfig
-from .state import KdaState, array_module
+from .state import KdaState, array_module, require_one_row
 
 STAGE_ORDER = (
     "qkv_proj",
@@ -344,7 +344,8 @@ class KdaOracle:
         return self._run(hidden, state, chunk, pad_value, None)
 
     def decode(self, hidden_row: Any, state: KdaState | None = None) -> tuple[dict[str, Any], KdaState]:
-        """One token, hidden_row [1, hidden] or [hidden]."""
+        """One token, hidden_row [1, hidden] or [hidden] (K tokens of one sequence: verify)."""
+        require_one_row("decode", hidden_row)
         hidden_row = hidden_row.reshape(1, -1)
         return self.prefill(hidden_row, state)
 

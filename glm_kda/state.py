@@ -54,7 +54,8 @@ def require_one_row(what: str, hidden: Any) -> None:
     shape = tuple(getattr(hidden, "shape", ()))
     if len(shape) == 2 and shape[0] != 1:
         raise ValueError(f"{what}: {shape[0]} rows for one state; a state advances one token a call ([1, hidden] "
-                         "or [hidden]): decode_k walks K tokens of one sequence, a StatePool with slots steps many")
+                         "or [hidden]): K tokens of one sequence are a walk (decode_k; the oracle's verify), many "
+                         "sequences a StatePool with slots")
 
 
 @dataclass

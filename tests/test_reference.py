@@ -232,3 +232,10 @@ def test_fed_stages_of_an_oracle_run_reproduce_it(tiny_layer):
     for name in STAGE_ORDER:
         assert_bits_equal(fed[name], stages[name], f"fed {name}")
     assert_bits_equal(fed_after.recurrent, after.recurrent, "fed recurrent state")
+
+
+def test_oracle_decode_takes_one_token():
+    """KdaOracle.decode of several rows is refused, naming the walk that takes them (verify)."""
+    oracle = object.__new__(KdaOracle)  # (refused before any weight is read)
+    with pytest.raises(ValueError, match="decode: 3 rows for one state.*verify"):
+        oracle.decode(np.zeros((3, 64), np.float32))
