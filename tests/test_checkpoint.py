@@ -106,6 +106,31 @@ def test_bound_arrays_are_the_written_tensors_with_conv_in_q_k_v_order(tiny):
     assert np.array_equal(layer.down_weight, np.concatenate([layer.f_a, layer.g_a, layer.b_proj]))
 
 
+
+# BoundLayer field -> the release tensor it is (the conv taps are checked above, q|k|v fused).
+_WRITTEN_AS = {"q_proj": "q_proj.weight", "k_proj": "k_proj.weight", "v_proj": "v_proj.weight",
+               "f_a": "f_a_proj.weight", "f_b": "f_b_proj.weight", "dt_bias": "dt_bias", "a_log": "A_log",
+               "b_proj": "b_proj.weight", "g_a": "g_a_proj.weight", "g_b": "g_b_proj.weight",
+               "o_norm": "o_norm.weight", "o_proj": "o_proj.weight"}
+
+
+@pytest.mark.parametrize("layout", ["release", "transformers"])
+@pytest.mark.parametrize("geometry", ["tiny-glm", "tiny-kimi"])
+def test_every_bound_array_holds_the_values_written(tmp_path, geometry, layout):
+    """Each of the 12 non-conv arrays a layer binds holds the values of the tensor written under its
+    name, element for element and in order (Kimi's A_log stored [1, 1, H, 1]): a loader that
+    permuted, negated or reversed one (A_log, dt_bias: per head and per channel) binds the wrong
+    layer whatever the layout, which comparing two layouts with each other cannot see."""
+    config = synthetic_config(geometry)
+    layer = bind_layer(write_synthetic_checkpoint(tmp_path, geometry, layout=layout), 1, progress=False)
+    written = kda_layer_tensors(config, 1, seed=0)
+    assert set(_WRITTEN_AS) | {"conv_weight"} == set(layer.ARRAY_FIELDS)
+    for field, name in _WRITTEN_AS.items():
+        got, expected = getattr(layer, field), written[name]
+        assert got.size == expected.size, f"{field}: {got.shape} against the written {expected.shape}"
+        assert np.array_equal(got.reshape(-1).view(np.uint8), np.ascontiguousarray(expected).reshape(-1).view(np.uint8)), \
+            f"{field} is not the tensor {name} as written ({geometry}, {layout} layout)"
+
 @pytest.mark.parametrize("layout", ["release", "transformers"])
 def test_swapped_conv_order_puts_k_taps_first(tmp_path, layout):
     good = bind_layer(write_synthetic_checkpoint(tmp_path / "good", "tiny-glm", layout=layout), 0, progress=False)
