@@ -42,7 +42,7 @@ def sigmoid(x):
 def block_by_the_formulas(layer, hidden: np.ndarray, state: KdaState) -> tuple[dict[str, np.ndarray], KdaState]:
     """Section 3 of the specification, one token at a time, in float64 (no BF16 rounding)."""
     c = layer.config
-    heads, d, kernel = c.heads, c.head_dim, c.conv_kernel
+    heads, d = c.heads, c.head_dim
     w = {name: as_f64(array) for name, array in layer.arrays().items()}
     a_log = w["a_log"].reshape(heads)
     conv = as_f64(state.conv).copy()  # [3*qkv, K], oldest input first
