@@ -76,9 +76,12 @@ def gate_norm_host(tmp_path_factory):
     return build_host_binary(tmp_path_factory.mktemp("gate_norm_host"), "gate_norm_host", files)
 
 
+@pytest.mark.parametrize("core_scale", [1.0, 3e-3], ids=["core", "small_core"])
 @pytest.mark.parametrize("bounded", [True, False], ids=["bounded", "softplus"])
 @pytest.mark.parametrize("tokens", [1, 31, 70], ids=lambda t: f"T{t}")
-def test_gate_and_norm_kernels_on_host(gate_norm_host, tokens, bounded):
+def test_gate_and_norm_kernels_on_host(gate_norm_host, tokens, bounded, core_scale):
+    """core_scale 3e-3: the core's mean square about the norm's eps, so that where the eps sits
+    (or whether it is there) moves o_norm_out by far more than its bound."""
     rng = np.random.default_rng(tokens + int(bounded))
     qkv, rows, ld_beta = HEADS * DIM, tokens + 5, 2 * DIM + HEADS
     real = np.arange(rows) < tokens
@@ -89,11 +92,11 @@ def test_gate_and_norm_kernels_on_host(gate_norm_host, tokens, bounded):
     forget_proj = poisoned_bf16(3.0 * rng.standard_normal((rows, qkv)))
     beta_logits = poisoned_bf16(2.0 * rng.standard_normal((rows, ld_beta)))
     out_gate = poisoned_bf16(rng.standard_normal((rows, qkv)))
-    core = np.where(real[:, None], rng.standard_normal((rows, qkv)), np.nan).astype(np.float32)
+    core = np.where(real[:, None], core_scale * rng.standard_normal((rows, qkv)), np.nan).astype(np.float32)
     dt_bias = rng.standard_normal(qkv).astype(np.float32)
     a_log = rng.uniform(-1.0, 1.0, HEADS).astype(np.float32)
     norm_w = bf16_bits(1.0 + 0.1 * rng.standard_normal(DIM))
-    folder = gate_norm_host.parent / f"T{tokens}-b{int(bounded)}"
+    folder = gate_norm_host.parent / f"T{tokens}-b{int(bounded)}-s{core_scale:g}"
     folder.mkdir(exist_ok=True)
     for name, array in (("forget_proj", forget_proj), ("beta_logits", beta_logits), ("dt_bias", dt_bias), ("a_log", a_log),
                         ("core", core), ("out_gate", out_gate), ("norm_w", norm_w)):
@@ -105,7 +108,7 @@ def test_gate_and_norm_kernels_on_host(gate_norm_host, tokens, bounded):
     gate = np.fromfile(folder / "gate.out", np.float32).reshape(rows, HEADS, DIM)
     beta = np.fromfile(folder / "beta.out", np.float32).reshape(rows, HEADS)
     o_norm_out = np.fromfile(folder / "o_norm_out.out", np.uint16).reshape(rows, qkv)
-    tag = f"T={tokens} {'bounded' if bounded else 'softplus'}"
+    tag = f"T={tokens} {'bounded' if bounded else 'softplus'} core x{core_scale:g}"
     assert (gate[tokens:] == UNTOUCHED).all() and (beta[tokens:] == UNTOUCHED).all(), f"{tag}: gate rows >= T written"
     assert (o_norm_out[tokens:] == POISON_BF16).all(), f"{tag}: norm rows >= T written"
 
