@@ -18,6 +18,8 @@ the device.
 from __future__ import annotations
 
 import subprocess
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -91,8 +93,7 @@ def run_conv(binary, qkv_proj_bits, conv_w_bits, state, jitter=False):
     """(prefill outputs, decode outputs): dicts of conv_out (BF16 bits), query, key, value, state."""
     tokens, conv_dim = qkv_proj_bits.shape
     kernel = conv_w_bits.shape[1]
-    folder = binary.parent / f"T{tokens}-K{kernel}-{int(jitter)}"
-    folder.mkdir(exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix=f"T{tokens}-K{kernel}-{int(jitter)}-", dir=binary.parent))
     qkv_proj_bits.tofile(folder / "qkv_proj")
     conv_w_bits.tofile(folder / "conv_w")
     state.astype(np.float32).tofile(folder / "state")
@@ -109,17 +110,20 @@ def run_conv(binary, qkv_proj_bits, conv_w_bits, state, jitter=False):
     return out["prefill"], out["decode"]
 
 
-@pytest.mark.parametrize("tokens,kernel,jitter", [(1, 4, False), (5, 4, False), (64, 4, False), (70, 4, True),
-                                                  (130, 3, False), (70, 1, False), (9, 2, False)],
+@pytest.mark.parametrize("tokens,kernel,jitter,scale", [(1, 4, False, 1.0), (5, 4, False, 1.0), (64, 4, False, 1.0),
+                                                        (70, 4, True, 1.0), (130, 3, False, 1.0), (70, 1, False, 1.0),
+                                                        (9, 2, False, 1.0), (5, 4, False, 1e-4), (70, 4, True, 1e-4)],
                          ids=lambda v: str(v))
-def test_conv_kernels_on_host(conv_host, tokens, kernel, jitter):
+def test_conv_kernels_on_host(conv_host, tokens, kernel, jitter, scale):
+    """scale 1e-4: the inputs so small that a head's sum of squares of q or k is about the L2 eps,
+    so that where the eps sits moves query and key by far more than their bound."""
     rng = np.random.default_rng(1000 * tokens + kernel)
     conv_dim = 3 * HEADS * DIM
-    qkv_proj = bf16_bits(rng.standard_normal((tokens, conv_dim)) * 2.0)
+    qkv_proj = bf16_bits(rng.standard_normal((tokens, conv_dim)) * 2.0 * scale)
     conv_w = bf16_bits(rng.standard_normal((conv_dim, kernel)) * 0.5)
-    start = rng.standard_normal((conv_dim, kernel)).astype(np.float32)
+    start = (scale * rng.standard_normal((conv_dim, kernel))).astype(np.float32)
     prefill, decode = run_conv(conv_host, qkv_proj, conv_w, start, jitter)
-    tag = f"T={tokens} K={kernel}"
+    tag = f"T={tokens} K={kernel} x{scale:g}"
 
     for name in ("conv_out", "query", "key", "value", "state"):
         a, b = prefill[name], decode[name]
