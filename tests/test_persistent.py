@@ -116,3 +116,26 @@ def test_python_mirrors_the_kernel_constants():
     assert define("COUNTER_TICKET") == persistent.TICKET and define("COUNTER_EXIT") == persistent.EXIT
     for kind, name in enumerate(persistent.KIND_NAMES):
         assert re.search(rf"TASK_{name.upper()} = {kind},", source), name
+
+
+def test_a_wait_short_by_one_signal_is_caught():
+    """Move the last producer a step waits on to just after the step: the step's counter then
+    stands at target - 1 when its ticket comes, which must be refused."""
+    schedule = persistent.build_schedule(2304, 32, 4, 1)
+    tasks = schedule.tasks.copy()
+    step = int(np.flatnonzero(tasks[:, 0] == STEP)[0])
+    counter = tasks[step, 3]
+    producer = max(t for t in range(step) if counter in tasks[t, 5:])
+    order = [t for t in range(len(tasks)) if t != producer]
+    order.insert(order.index(step) + 1, producer)
+    with pytest.raises(AssertionError, match="waits for counter"):
+        persistent.check_schedule(dataclasses.replace(schedule, tasks=tasks[order]))
+
+
+@pytest.mark.parametrize("lags", LAGS, ids=lambda lags: "lag{}_{}".format(*lags))
+@pytest.mark.parametrize("hidden,heads", GEOMETRIES, ids=lambda v: str(v))
+def test_o_proj_tasks_never_precede_the_last_step(hidden, heads, lags):
+    tasks = persistent.build_schedule(hidden, heads, *lags).tasks
+    last_step = np.flatnonzero(tasks[:, 0] == STEP).max()
+    outs = np.flatnonzero((tasks[:, 0] == OUT) & (tasks[:, 3] >= 0))
+    assert (outs > last_step).all(), f"o_proj tickets {outs[outs < last_step].tolist()} before the last step {last_step}"

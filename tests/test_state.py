@@ -72,3 +72,11 @@ def test_exchange_layouts_refuse_wrong_ranks(config):
         KdaState.from_transformers(state.conv[None], state.recurrent)
     with pytest.raises(ValueError, match=r"vLLM conv state must be \[conv_dim, K-1\]"):
         KdaState.from_vllm(state.conv.reshape(-1), state.recurrent)
+
+
+def test_slot_state_is_a_view_of_its_own_slot(config):
+    pool = filled_pool(config)
+    state = pool.state(2)
+    assert (state.conv == 3).all() and (state.recurrent == -3).all(), "state(2) must be slot 2's contents"
+    state.conv[0, 0] = 7.0
+    assert pool.conv[2, 0, 0] == 7.0, "a slot's conv state must be a view into the pool"

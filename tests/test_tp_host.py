@@ -396,3 +396,18 @@ def test_prefill_output_is_the_rounded_sum_and_host_rows_come_back_on_the_host(b
     assert isinstance(out, np.ndarray) and not isinstance(out, Array), type(out)
     np.testing.assert_array_equal(np.asarray(out).view(np.uint16), expected_output(hidden))
     assert len(Gpu.groups) == 1 and sorted(Gpu.groups[0]) == [0, 1]
+
+
+def test_split_state_gives_each_rank_its_slice_and_gather_inverts_it(block):
+    """A full host state split over the ranks: each rank's part on its GPU and holding the plan's
+    slice for its heads; gathering the parts gives the state back."""
+    state = KdaState.random(block.config, seed=11)
+    parts = block.split_state(state)
+    for rank, part in zip(block.ranks, parts):
+        expected = block.plan.state_slice(state, rank.rank)
+        assert part.conv.device_id == rank.device_id == part.recurrent.device_id
+        np.testing.assert_array_equal(part.conv.get(), expected.conv, err_msg=f"rank {rank.rank} conv")
+        np.testing.assert_array_equal(part.recurrent.get(), expected.recurrent, err_msg=f"rank {rank.rank} recurrent")
+    gathered = block.gather_state(parts)
+    np.testing.assert_array_equal(gathered.conv, state.conv)
+    np.testing.assert_array_equal(gathered.recurrent, state.recurrent)
