@@ -608,7 +608,7 @@ def test_kernel_source_on_host_fused_gate(emulator):
 HOST_CASES = [(1, 1, "bounded", "random", False), (17, 2, "strong", "random", False),
               (65, 1, "bounded", "zero", False), (130, 1, "at_bound", "random", False),
               (17, 2, "softplus", "random", True), (65, 1, "softplus", "zero", True),
-              (130, 1, "strong", "random", True)]
+              (130, 1, "strong", "random", True), (65, 1, "at_bound", "random", True)]
 
 
 def _diagonal_forms(tokens, heads, law, state, seed):
@@ -663,6 +663,20 @@ def test_kernel_source_on_host_matches_model(emulator, tokens, heads, law, state
             assert_bits_equal(out[name], clean[name], f"{tag} {name}, NaN pad vs zero pad (jitter)")
         assert_bits_equal(out["core"][:tokens], clean["core"][:tokens], f"{tag} core, NaN pad vs zero pad")
 
+
+def test_unbounded_host_diagonal_just_past_the_range_takes_the_exact_sums(emulator):
+    """Gates of -5.2 (a decay of 78 across a 16-row diagonal block: past chunk_tc.DIAGONAL_RANGE,
+    75, and within FP32's range for the products): the kernel must take the exact sums there, as
+    the model does, so its range test and the model's agree on either side of the bound."""
+    tokens, heads = 17, 1
+    query, key, value, gate, beta, recurrent = make_inputs(tokens, heads, "bounded", "random", seed=SEED + 99)
+    inputs = (query, key, value, np.full_like(gate, -5.2), beta, recurrent)
+    cumulated = np.cumsum(np.minimum(inputs[3], 0).astype(np.float32), axis=0)
+    assert chunk_tc.DIAGONAL_RANGE < cumulated[0, 0, 0] - cumulated[15, 0, 0] < 80
+    out, _ = run_on_host(emulator, inputs, tokens, pad=float("nan"), unbounded=True)
+    scratch = model_chunk_tc_prepare(*inputs[:5], None)
+    for name in ("attn", "w", "u"):
+        assert_close(out[name], scratch[name], FED_BOUND, f"decay 78: {name} vs model")
 
 @pytest.mark.parametrize("tokens", [17, 65], ids=lambda t: f"T{t}")
 def test_kernel_source_on_host_poisoned_pad_and_jitter(emulator, tokens):
