@@ -315,23 +315,26 @@ def host_decode_source(helpers: tuple[str, ...]) -> str:
     return source.replace(declaration, "float* kda_state_stage = emulated_shared;")
 
 
-def build_host_binary(folder: Path, name: str, files: dict[str, str]) -> Path:
+def build_host_binary(folder: Path, name: str, files: dict[str, str], address_sanitizer: bool = False) -> Path:
     """Write `files` into `folder` and compile every .cpp among them into `folder / name`;
-    skips the test where no C++20 compiler is at hand."""
+    skips the test where no C++20 compiler is at hand. address_sanitizer: built with
+    AddressSanitizer, so that a read or write past a buffer the kernel is handed ends the run with
+    the access named (skipped where the compiler cannot)."""
     compiler = shutil.which("g++") or shutil.which("clang++")
     if compiler is None:
         pytest.skip("no C++ compiler for the host emulation")
+    sanitizer = ["-fsanitize=address", "-fno-omit-frame-pointer"] if address_sanitizer else []
     probe = folder / "probe.cpp"
     probe.write_text("#include <barrier>\nint main() { std::barrier<> b(1); b.arrive_and_wait(); }\n")
-    if subprocess.run([compiler, "-std=c++20", "-pthread", "-o", str(folder / "probe"), str(probe)],
+    if subprocess.run([compiler, "-std=c++20", "-pthread", *sanitizer, "-o", str(folder / "probe"), str(probe)],
                       capture_output=True).returncode != 0:
-        pytest.skip(f"{compiler} lacks C++20 <barrier>")
+        pytest.skip(f"{compiler} lacks C++20 <barrier>" + (" or AddressSanitizer" if sanitizer else ""))
     for file_name, text in files.items():
         (folder / file_name).write_text(text)
     binary = folder / name
     result = subprocess.run(
-        [compiler, "-std=c++20", "-O2", "-pthread", "-Wno-unknown-pragmas", "-o", str(binary),
-         *(str(folder / file_name) for file_name in files if file_name.endswith(".cpp"))],
+        [compiler, "-std=c++20", "-O1" if sanitizer else "-O2", "-pthread", "-Wno-unknown-pragmas", *sanitizer,
+         "-o", str(binary), *(str(folder / file_name) for file_name in files if file_name.endswith(".cpp"))],
         capture_output=True, text=True,
     )
     assert result.returncode == 0, f"host build of {name} failed:\n{result.stderr[-4000:]}"

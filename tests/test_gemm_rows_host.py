@@ -318,12 +318,22 @@ def host_gemm_rows_source() -> str:
     return kernel.replace(declaration, "unsigned char* gemm_rows_stage = reinterpret_cast<unsigned char*>(emulated_shared);")
 
 
-@pytest.fixture(scope="module")
-def gemm_host(tmp_path_factory):
+def _gemm_host_files() -> dict[str, str]:
     kernel = host_gemm_rows_source()
     gemv = '#include "emulation.h"\n' + host_kernel_source("gemv", COMMON_DEVICE_HELPERS)
-    return build_host_binary(tmp_path_factory.mktemp("gemm_rows_host"), "gemm_rows_host",
-                             {"emulation.h": GEMM_HEADER, "main.cpp": GEMM_MAIN, "kernel.cpp": kernel, "gemv.cpp": gemv})
+    return {"emulation.h": GEMM_HEADER, "main.cpp": GEMM_MAIN, "kernel.cpp": kernel, "gemv.cpp": gemv}
+
+
+@pytest.fixture(scope="module")
+def gemm_host(tmp_path_factory):
+    return build_host_binary(tmp_path_factory.mktemp("gemm_rows_host"), "gemm_rows_host", _gemm_host_files())
+
+
+@pytest.fixture(scope="module")
+def gemm_host_checked(tmp_path_factory):
+    """The same binary built with AddressSanitizer."""
+    return build_host_binary(tmp_path_factory.mktemp("gemm_rows_host_asan"), "gemm_rows_host", _gemm_host_files(),
+                             address_sanitizer=True)
 
 
 
@@ -447,6 +457,19 @@ def test_strided_x_and_column_slice_out_on_host(gemm_host, rows):
         untouched[:rows, :n] = False
         assert (wide[untouched] == POISON).all(), f"R{rows} serial={serial}: wrote outside columns < {n} / rows < {rows}"
 
+
+@pytest.mark.parametrize("rows,form", [(1, "packed"), (5, "row-major"), (5, "packed"), (17, "packed"),
+                                       (33, "serial")], ids=lambda v: str(v))
+def test_no_access_outside_the_operands_on_host(gemm_host_checked, rows, form):
+    """x, w and out exactly as large as the launch's rows, n and k (no slack a stray access could
+    land in), under AddressSanitizer: a row past `rows` read or written, or a k or n tail read
+    past the end, ends the run naming the access (the bits are the other tests' business)."""
+    n, k = 100, 136
+    x, w = _inputs(n, k, rows, seed=rows)
+    options = {"packed": form != "row-major"}
+    if form == "serial":
+        options["serial"] = True
+    run_host(gemm_host_checked, x, w, rows, np.full((rows, n), POISON, np.uint16), **options)
 
 @pytest.mark.parametrize("shape", [(40, 136), (72, 2056)], ids=lambda s: f"N{s[0]}-K{s[1]}")
 def test_gemv_rows_equal_one_row_launches_on_host(gemm_host, shape):
