@@ -15,6 +15,7 @@ the oracle within a bound, never with a GPU run bit for bit.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -323,6 +324,8 @@ def build_host_binary(folder: Path, name: str, files: dict[str, str], address_sa
     compiler = shutil.which("g++") or shutil.which("clang++")
     if compiler is None:
         pytest.skip("no C++ compiler for the host emulation")
+    # GLM_KDA_HOST_ASAN=1 builds every host binary that way (a run of the host suite under it).
+    address_sanitizer = address_sanitizer or os.environ.get("GLM_KDA_HOST_ASAN") == "1"
     sanitizer = ["-fsanitize=address", "-fno-omit-frame-pointer"] if address_sanitizer else []
     probe = folder / "probe.cpp"
     probe.write_text("#include <barrier>\nint main() { std::barrier<> b(1); b.arrive_and_wait(); }\n")
