@@ -41,7 +41,8 @@ _DRIVER: Any = None
 
 
 def driver() -> Any:
-    """libcuda with the five entry points used here declared, or None where it cannot be loaded."""
+    """libcuda with the five entry points used here declared, or None where it cannot be loaded or
+    lacks one of them."""
     global _DRIVER
     if _DRIVER is None:
         try:
@@ -58,7 +59,10 @@ def driver() -> Any:
             "cuGraphExecMemcpyNodeSetParams": [handle, handle, ctypes.POINTER(Memcpy3D), handle],
         }
         for name, argtypes in signatures.items():
-            function = getattr(lib, name)
+            function = getattr(lib, name, None)
+            if function is None:  # a driver without it: the copies stay beside the graphs
+                _DRIVER = False
+                return None
             function.argtypes = argtypes
             function.restype = ctypes.c_int
         _DRIVER = lib

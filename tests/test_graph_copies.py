@@ -15,3 +15,20 @@ def test_memcpy3d_matches_the_driver_layout():
     got = {name: getattr(Memcpy3D, name).offset for name in expected}
     assert got == expected, f"field offsets {got}, cuda.h has {expected}"
     assert ctypes.sizeof(Memcpy3D) == 200, f"sizeof {ctypes.sizeof(Memcpy3D)}, cuda.h has 200"
+
+
+def test_a_driver_that_cannot_repoint_copies_is_none(monkeypatch):
+    """No libcuda, or one lacking an entry point used here: driver() is None (the copies then run
+    beside the graphs), never an exception out of the first decode call."""
+    from types import SimpleNamespace
+
+    from glm_kda import graph_copies
+
+    def cdll(name):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    for loader in (cdll, lambda name: SimpleNamespace(cuCtxGetCurrent=SimpleNamespace())):
+        monkeypatch.setattr(graph_copies, "_DRIVER", None)
+        monkeypatch.setattr(graph_copies.ctypes, "CDLL", loader)
+        assert graph_copies.driver() is None
+        assert graph_copies.driver() is None, "the answer is kept"
