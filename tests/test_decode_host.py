@@ -100,26 +100,29 @@ int main(int argc, char** argv)
     jitter = std::atoi(argv[9]);
     const int pool_size = std::atoi(argv[10]);
     const bool staged = std::atoi(argv[11]) != 0;
+    // argv[12] (pool only): tokens per sequence, rows = sequences * tokens (a batched verify's walks).
+    const int tokens = argc > 12 ? std::atoi(argv[12]) : 1, sequences = rows / tokens;
     const size_t D = 128, qkv = heads * D, conv_dim = 3 * qkv, ld_beta = 2 * D + heads;
     const size_t conv_slot = conv_dim * kernel, state_slot = heads * D * D, slot_count = std::max(pool_size, 1);
     const float scale = 1.0f / std::sqrt(float(D));
-    const auto qkv_proj = load_u16(dir + "/qkv_proj", rows * conv_dim);
+    auto qkv_proj = load_u16(dir + "/qkv_proj", rows * conv_dim);
     const auto conv_w = load_u16(dir + "/conv_w", conv_dim * kernel);
     const auto forget_proj = load_u16(dir + "/forget_proj", rows * qkv);
     const auto down_proj = load_u16(dir + "/down_proj", rows * ld_beta);  // beta logits at column 2 D
-    const auto out_gate = load_u16(dir + "/out_gate", rows * qkv);
+    auto out_gate = load_u16(dir + "/out_gate", rows * qkv);
     const auto norm_w = load_u16(dir + "/norm_w", D);
     const auto dt_bias = load(dir + "/dt_bias", qkv);
     const auto a_log = load(dir + "/a_log", heads);
     const auto conv_start = load(dir + "/conv_state", slot_count * conv_slot);
     const auto state_start = load(dir + "/state", slot_count * state_slot);
-    const auto slots = pool_size ? load_as<int>(dir + "/slots", rows) : std::vector<int>();
+    const auto slots = pool_size ? load_as<int>(dir + "/slots", sequences) : std::vector<int>();
     const bf16_t* beta_logits = down_proj.data() + 2 * D;
 
     const std::initializer_list<const char*> one_sequence = {"separate", "fused_rows", "fused_walk",
-                                                             "fused_walk_awaiting"};
+                                                             "fused_walk_awaiting", "fused_walk_late"};
     const std::initializer_list<const char*> pool = {"pool_fused", "pool_separate", "alone"};
-    for (const std::string path : pool_size ? pool : one_sequence) {
+    const std::initializer_list<const char*> pool_walk = {"pool_fused", "pool_plain", "alone"};
+    for (const std::string path : pool_size ? (tokens > 1 ? pool_walk : pool) : one_sequence) {
         auto conv_state = conv_start, state = state_start;
         std::vector<bf16_t> conv_out(rows * conv_dim, 0x7FA5), o_norm_out(rows * qkv, 0x7FA5);
         std::vector<float> query(rows * qkv, std::nanf("")), key = query, value = query, gate = query, core = query;
@@ -132,7 +135,7 @@ int main(int argc, char** argv)
         // ready: the words a step awaiting another stream's q|k|v polls (set here: that stream's
         // READY_TARGET blocks are done).
         constexpr int READY_TARGET = 7;
-        std::vector<int> ready = {READY_TARGET, 0};
+        std::vector<int> ready = {path == "fused_walk_late" ? READY_TARGET - 1 : READY_TARGET, 0};
         // counted: the words a walk's blocks count their outputs out in (for an o_proj awaiting them).
         std::vector<int> counted = {0, 0};
         auto fused = [&](int first, int sequences, int tokens, const int* slot_list, float* conv, float* states,
@@ -187,6 +190,24 @@ int main(int argc, char** argv)
             fused(0, 1, rows, nullptr, conv_state.data(), state.data());
         } else if (path == "fused_walk_awaiting") {
             fused(0, 1, rows, nullptr, conv_state.data(), state.data(), 0, nullptr, ready.data(), counted.data());
+        } else if (path == "fused_walk_late") {
+            // q|k|v and the output gate land (and the count reaches its target) only well after the launch.
+            const auto real_qkv = qkv_proj, real_gate = out_gate;
+            std::fill(qkv_proj.begin(), qkv_proj.end(), bf16_t(0x7FA5));
+            std::fill(out_gate.begin(), out_gate.end(), bf16_t(0x7FA5));
+            std::thread producer([&] {
+                std::this_thread::sleep_for(std::chrono::milliseconds(50));
+                std::copy(real_qkv.begin(), real_qkv.end(), qkv_proj.begin());
+                std::copy(real_gate.begin(), real_gate.end(), out_gate.begin());
+                kda_count_release(ready.data());
+            });
+            fused(0, 1, rows, nullptr, conv_state.data(), state.data(), 0, nullptr, ready.data(), counted.data());
+            producer.join();
+        } else if (path == "pool_plain") {
+            fused(0, sequences, tokens, slots.data(), conv_state.data(), state.data(), PREFETCH_AHEAD, x_tiles.data());
+        } else if (path == "pool_fused" && tokens > 1) {
+            fused(0, sequences, tokens, slots.data(), conv_state.data(), state.data(), PREFETCH_AHEAD, x_tiles.data(),
+                  ready.data(), counted.data());
         } else if (path == "pool_fused") {
             fused(0, rows, 1, slots.data(), conv_state.data(), state.data(), PREFETCH_AHEAD, x_tiles.data());
         } else if (path == "pool_separate") {
@@ -197,8 +218,9 @@ int main(int argc, char** argv)
                 fused(t, 1, 1, nullptr, conv_state.data(), state.data());
             } else if (path == "separate") {
                 separate(t, 1, nullptr, conv_state.data(), state.data());
-            } else if (path == "alone") {
-                fused(t, 1, 1, nullptr, conv_state.data() + slots[t] * conv_slot, state.data() + slots[t] * state_slot);
+            } else if (path == "alone" && t % tokens == 0) {
+                fused(t, 1, tokens, nullptr, conv_state.data() + slots[t / tokens] * conv_slot,
+                      state.data() + slots[t / tokens] * state_slot);
             }
         }
         save_each(dir + "/" + path + ".",
@@ -259,10 +281,11 @@ def _run_binary(binary, folder, inputs, rows, bounded, *extra):
         [str(binary), str(folder), str(rows), str(HEADS), str(KERNEL), str(int(bounded)), repr(LOWER_BOUND),
          repr(L2_EPS), repr(NORM_EPS), *map(str, extra)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
-    pool_size = int(extra[1])
+    pool_size, sequences = int(extra[1]), rows // (int(extra[3]) if len(extra) > 3 else 1)
     # The pool path's blocks of sequences s < rows - PREFETCH_AHEAD each ask L2 for the state and the
     # three conv windows of their head in the slot of sequence s + PREFETCH_AHEAD; nothing else does.
-    prefetches = 4 * HEADS * max(rows - PREFETCH_AHEAD, 0) if pool_size else 0
+    prefetches = 4 * HEADS * max(sequences - PREFETCH_AHEAD, 0) if pool_size else 0
+    prefetches *= 2 if sequences < rows else 1  # a pool of walks: the awaiting launch and the plain one
     assert result.stdout.split() == ["misaligned=0", f"prefetches={prefetches}", "bad_prefetches=0"], \
         f"host run: {result.stdout.strip()}"
 
@@ -277,10 +300,12 @@ def run_decode(binary, tokens, bounded, seed, jitter=False, staged=False):
     _run_binary(binary, folder, inputs, tokens, bounded, int(jitter), 0, int(staged))
     layout = _layout(tokens)
     out = {}
-    for path in ("separate", "fused_rows", "fused_walk", "fused_walk_awaiting"):
+    for path in ("separate", "fused_rows", "fused_walk", "fused_walk_awaiting", "fused_walk_late"):
         out[path] = {name: np.fromfile(folder / f"{path}.{name}", dtype).reshape(shape)
                      for name, (dtype, shape) in layout.items()}
     # The awaiting walk found its word set and left both words at zero for the next launch.
+    late = np.fromfile(folder / "fused_walk_late.ready", np.int32)
+    assert late.tolist() == [0, 0], f"T={tokens}: the late walk's words after it are {late.tolist()}, not [0, 0]"
     ready = np.fromfile(folder / "fused_walk_awaiting.ready", np.int32)
     assert ready.tolist() == [0, 0], f"T={tokens}: the awaited words after the walk are {ready.tolist()}, not [0, 0]"
     counted = np.fromfile(folder / "fused_walk_awaiting.counted", np.int32)
@@ -297,7 +322,7 @@ def test_fused_decode_equals_separate_kernels_on_host(decode_host, tokens, jitte
     for bit, and the separate kernels against float64."""
     out, inputs = run_decode(decode_host, tokens, bounded, seed=7 * tokens + int(bounded), jitter=jitter, staged=staged)
     separate = out["separate"]
-    for path in ("fused_rows", "fused_walk", "fused_walk_awaiting"):
+    for path in ("fused_rows", "fused_walk", "fused_walk_awaiting", "fused_walk_late"):
         for name in OUTPUTS:
             a, b = out[path][name], separate[name]
             differ = int(np.count_nonzero(a.view(np.uint8) != b.view(np.uint8)))
@@ -356,3 +381,32 @@ def test_pool_sequences_equal_each_alone_on_host(decode_host, sequences, staged,
     assert np.array_equal(out["pool_fused"]["state"][others], inputs["state"][others]), "an unnamed slot changed"
     assert np.array_equal(out["pool_fused"]["conv_state"][others], inputs["conv_state"][others]), "an unnamed slot changed"
     assert not np.array_equal(out["alone"]["state"][inputs["slots"]], inputs["state"][inputs["slots"]])
+
+
+def test_pool_walks_equal_each_sequence_walking_alone_on_host(decode_host):
+    """A batched verify: 17 sequences of 4 tokens (rows s T .. s T + T - 1, 68 rows: two row groups of
+    x tiles) in one launch, plain and awaiting with outputs_ready: every row, state and x tile as each
+    sequence's walk alone writes it, the awaited words back at zero, one count per block."""
+    sequences, tokens = 17, 4
+    rows, conv_dim, pool_size = sequences * tokens, 3 * HEADS * DIM, sequences + 3
+    rng = np.random.default_rng(300)
+    inputs = _layer_inputs(rng, rows)
+    inputs["conv_state"] = rng.standard_normal((pool_size, conv_dim, KERNEL)).astype(np.float32)
+    inputs["state"] = (0.1 * rng.standard_normal((pool_size, HEADS, DIM, DIM))).astype(np.float32)
+    inputs["slots"] = rng.permutation(pool_size)[:sequences].astype(np.int32)
+    folder = decode_host.parent / "pool-walk"
+    _run_binary(decode_host, folder, inputs, rows, True, 0, pool_size, 0, tokens)
+    layout = {**_layout(rows), "conv_state": (np.float32, (pool_size, conv_dim, KERNEL)),
+              "state": (np.float32, (pool_size, HEADS, DIM, DIM))}
+    out = {path: {name: np.fromfile(folder / f"{path}.{name}", dtype).reshape(shape)
+                  for name, (dtype, shape) in layout.items()} for path in ("pool_fused", "pool_plain", "alone")}
+    mask = tile_layout(np.ones((rows, HEADS * DIM), np.uint16), "rows") != 0
+    for path in ("pool_fused", "pool_plain"):
+        for name in OUTPUTS:
+            differ = int(np.count_nonzero(out[path][name].view(np.uint8) != out["alone"][name].view(np.uint8)))
+            assert differ == 0, f"{path}: {differ} bytes of {name} differ from each sequence walking alone"
+        tiles = np.fromfile(folder / f"{path}.x_tiles", np.uint16).reshape(2, -1, 2048)
+        expected = tile_layout(out[path]["o_norm_out"].reshape(rows, -1), "o_norm_out")
+        assert np.array_equal(tiles[mask], expected[mask]), f"{path}: the x tiles are not o_norm_out's tile layout"
+    assert np.fromfile(folder / "pool_fused.ready", np.int32).tolist() == [0, 0], "awaited words not cleared"
+    assert np.fromfile(folder / "pool_fused.counted", np.int32).tolist() == [HEADS * sequences, 0]

@@ -210,6 +210,21 @@ int decode_form(const std::string& dir, int form, int form_arg, int n_tiles, uns
             entry(x.data(), ldx, w.data(), y.data(), ldy, rows, n, k, 0, words.data());
         });
         save(dir + "/words.out", words);
+    } else if (form == 8) {
+        // Form 2 with x written late: the words one short of their target, x poison until another
+        // thread writes it and counts the last producer in.
+        std::vector<int> words = {form_arg - 1, 0};
+        std::vector<bf16_t> late(x.size(), 0x7FA5);
+        std::thread producer([&] {
+            std::this_thread::sleep_for(std::chrono::milliseconds(50));
+            std::copy(x.begin(), x.end(), late.begin());
+            kda_count_release(words.data());
+        });
+        run_grid(dim3{grid_x, 1, 1}, threads, 0, [&] {
+            awaiting[index](late.data(), ldx, w.data(), y.data(), ldy, rows, n, k, 0, words.data(), form_arg);
+        });
+        producer.join();
+        save(dir + "/words.out", words);
     } else if (ld_sums > 0) {
         std::vector<int> words = {form_arg, 0};
         std::vector<float> sums(size_t(y_rows) * ld_sums, std::nanf(""));
@@ -397,10 +412,10 @@ def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, gemv=F
         return y, np.fromfile(folder / "y2.out", np.uint16).reshape(y_buffer.shape)
     if form == 7:
         return y, np.fromfile(folder / "sums.out", np.float32).reshape(y_buffer.shape[0], form_arg)
-    words = np.fromfile(folder / "words.out", np.int32) if form in (2, 3, 4, 5, 6) else None
+    words = np.fromfile(folder / "words.out", np.int32) if form in (2, 3, 4, 5, 6, 8) else None
     if sums_ld:
         return y, words, np.fromfile(folder / "sums.out", np.float32).reshape(y_buffer.shape[0], sums_ld)
-    if form in (2, 3, 4, 5, 6):
+    if form in (2, 3, 4, 5, 6, 8):
         return y, words
     return y
 
@@ -536,6 +551,20 @@ def test_awaiting_launch_gives_the_packed_bits_and_clears_its_words_on_host(gemm
         y, words = run_host(gemm_host, x, w, rows, fresh, form=2, form_arg=3, tiles_per_warp=tiles, blocks=blocks)
         _assert_bits_equal(y, run_host(gemm_host, x, w, rows, fresh, packed=True, tiles_per_warp=tiles,
                                        blocks=blocks), f"R{rows} tiles={tiles} blocks={blocks} awaiting")
+        assert words.tolist() == [0, 0], f"R{rows} tiles={tiles} blocks={blocks}: words after {words.tolist()}"
+
+
+@pytest.mark.parametrize("rows", [1, 9], ids=lambda r: f"R{r}")
+def test_awaiting_launch_reads_x_only_once_its_count_is_complete_on_host(gemm_host, rows):
+    """The awaiting entry launched with its words one short of the target and x not yet written: a
+    producer thread writes x 50 ms later, then counts in. The packed bits, the words back at zero."""
+    n, k = 100, 136
+    x, w = _inputs(n, k, rows, seed=rows + 40)
+    for tiles, blocks in ((None, None), (1, 3)):
+        fresh = np.full((rows, n), POISON, np.uint16)
+        y, words = run_host(gemm_host, x, w, rows, fresh, form=8, form_arg=3, tiles_per_warp=tiles, blocks=blocks)
+        _assert_bits_equal(y, run_host(gemm_host, x, w, rows, fresh, packed=True, tiles_per_warp=tiles,
+                                       blocks=blocks), f"R{rows} tiles={tiles} blocks={blocks} awaiting a late x")
         assert words.tolist() == [0, 0], f"R{rows} tiles={tiles} blocks={blocks}: words after {words.tolist()}"
 
 

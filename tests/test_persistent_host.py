@@ -17,6 +17,7 @@ GPU bit test.
 
 from __future__ import annotations
 
+import signal
 import subprocess
 
 import numpy as np
@@ -146,8 +147,8 @@ BF16_OUTPUTS = ("down_proj", "qkv_proj", "forget_proj", "out_gate", "conv_out", 
 F32_OUTPUTS = ("query", "key", "value", "gate", "beta", "core", "conv_state", "state")
 
 
-@pytest.fixture(scope="module")
-def persistent_host(tmp_path_factory):
+def _build_persistent(folder, max_polls=None):
+    """The host binary; max_polls: KDA_MAX_POLLS in every translation unit (a short wait traps soon)."""
     kernel = host_kernel_source("decode_persistent", HELPERS)
     declaration = "extern __shared__ __align__(16) bf16_t out_x_shared[];"
     assert declaration in kernel, "decode_persistent.cu no longer declares out_x_shared; update the host emulation"
@@ -159,7 +160,15 @@ def persistent_host(tmp_path_factory):
         "gemm_rows.cpp": host_gemm_rows_source(),
         "decode.cpp": '#include "emulation.h"\n' + host_decode_source(("prefetch_floats_l2", *COMMON_DEVICE_HELPERS)),
     }
-    return build_host_binary(tmp_path_factory.mktemp("persistent_host"), "persistent_host", files)
+    if max_polls is not None:
+        files = {name: text.replace("#define KDA_MAX_POLLS (1 << 26)", f"#define KDA_MAX_POLLS {max_polls}")
+                 for name, text in files.items()}
+    return build_host_binary(folder, "persistent_host", files)
+
+
+@pytest.fixture(scope="module")
+def persistent_host(tmp_path_factory):
+    return _build_persistent(tmp_path_factory.mktemp("persistent_host"))
 
 
 @pytest.mark.parametrize("hidden,heads,rows,grid,bounded", [
@@ -167,6 +176,34 @@ def persistent_host(tmp_path_factory):
 ], ids=lambda v: str(v))
 def test_persistent_launch_equals_the_separate_launches_on_host(persistent_host, tmp_path, hidden, heads, rows, grid,
                                                                 bounded):
+    result = _run(persistent_host, tmp_path, hidden, heads, rows, grid, bounded)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "misaligned=0" in result.stdout, result.stdout
+    for name in BF16_OUTPUTS + F32_OUTPUTS:
+        dtype = np.uint16 if name in BF16_OUTPUTS else np.uint32
+        separate = np.fromfile(tmp_path / f"separate_{name}", dtype)
+        ours = np.fromfile(tmp_path / f"persistent_{name}", dtype)
+        assert separate.size == ours.size > 0, name
+        differ = int((separate != ours).sum())
+        assert differ == 0, f"{name}: {differ} of {ours.size} elements differ between the persistent and separate launches"
+    counters = np.fromfile(tmp_path / "counters", np.int32)
+    assert not counters.any(), f"counters left after the launch: {counters.tolist()}"
+
+
+def test_a_task_waits_for_its_whole_target_on_host(tmp_path_factory, tmp_path):
+    """A table whose first wait asks one signal more than its counter ever gets: the launch must trap
+    (KDA_MAX_POLLS cut to 4096 polls), not run the task once the counter is one short."""
+    binary = _build_persistent(tmp_path_factory.mktemp("persistent_host_polls"), max_polls=4096)
+
+    def one_more(tasks):
+        first = int(np.flatnonzero(tasks[:, 3] >= 0)[0])
+        tasks[first, 4] += 1
+
+    result = _run(binary, tmp_path, 256, 8, 1, 1, True, edit_tasks=one_more)
+    assert result.returncode == -signal.SIGABRT, f"rc {result.returncode}: a task ran before its counter was met"
+
+
+def _run(binary, tmp_path, hidden, heads, rows, grid, bounded, edit_tasks=None):
     rng = np.random.default_rng(hidden + 7 * heads + rows)
     qkv, conv_dim, down_dim = heads * DIM, 3 * heads * DIM, 2 * DIM + heads
     inputs = {
@@ -185,20 +222,12 @@ def test_persistent_launch_equals_the_separate_launches_on_host(persistent_host,
     }
     schedule = persistent.build_schedule(hidden, heads)
     inputs["tasks"] = schedule.tasks.astype(np.int32)
+    if edit_tasks is not None:
+        edit_tasks(inputs["tasks"])
     for name, array in inputs.items():
         np.ascontiguousarray(array).tofile(tmp_path / name)
     result = subprocess.run(
-        [str(persistent_host), str(tmp_path), str(rows), str(hidden), str(heads), str(int(bounded)), "-5.0", str(grid),
+        [str(binary), str(tmp_path), str(rows), str(hidden), str(heads), str(int(bounded)), "-5.0", str(grid),
          str(len(schedule.tasks)), str(schedule.counter_count), str(schedule.out_range_k)],
         capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "misaligned=0" in result.stdout, result.stdout
-    for name in BF16_OUTPUTS + F32_OUTPUTS:
-        dtype = np.uint16 if name in BF16_OUTPUTS else np.uint32
-        separate = np.fromfile(tmp_path / f"separate_{name}", dtype)
-        ours = np.fromfile(tmp_path / f"persistent_{name}", dtype)
-        assert separate.size == ours.size > 0, name
-        differ = int((separate != ours).sum())
-        assert differ == 0, f"{name}: {differ} of {ours.size} elements differ between the persistent and separate launches"
-    counters = np.fromfile(tmp_path / "counters", np.int32)
-    assert not counters.any(), f"counters left after the launch: {counters.tolist()}"
+    return result
