@@ -540,32 +540,23 @@ def test_pair_launch_gives_each_projection_its_own_bits_on_host(gemm_host, shape
             assert (y != POISON).all() and (y2 != POISON).all(), f"{tag}: the pair left outputs unwritten"
 
 
+@pytest.mark.parametrize("late", [False, True], ids=["counted", "late"])
 @pytest.mark.parametrize("rows", [1, 9], ids=lambda r: f"R{r}")
-def test_awaiting_launch_gives_the_packed_bits_and_clears_its_words_on_host(gemm_host, rows):
-    """The awaiting entry (the fused step's count already at its target): the packed entry's bits,
-    and its words back at zero once every block has passed the wait."""
+def test_awaiting_launch_gives_the_packed_bits_and_clears_its_words_on_host(gemm_host, rows, late):
+    """The awaiting entry: the packed entry's bits, and its words back at zero once every block has
+    passed the wait. counted: the fused step's count already at its target; late: the words one
+    short of it and x not yet written at the launch, a producer thread writing x 50 ms later and
+    then counting in (so a wait one short, or none, reads poison)."""
     n, k = 100, 136
-    x, w = _inputs(n, k, rows, seed=rows)
+    x, w = _inputs(n, k, rows, seed=rows + (40 if late else 0))
     for tiles, blocks in ((None, None), (1, 3)):
+        tag = f"R{rows} tiles={tiles} blocks={blocks}" + (" awaiting a late x" if late else " awaiting")
         fresh = np.full((rows, n), POISON, np.uint16)
-        y, words = run_host(gemm_host, x, w, rows, fresh, form=2, form_arg=3, tiles_per_warp=tiles, blocks=blocks)
+        y, words = run_host(gemm_host, x, w, rows, fresh, form=8 if late else 2, form_arg=3, tiles_per_warp=tiles,
+                            blocks=blocks)
         _assert_bits_equal(y, run_host(gemm_host, x, w, rows, fresh, packed=True, tiles_per_warp=tiles,
-                                       blocks=blocks), f"R{rows} tiles={tiles} blocks={blocks} awaiting")
-        assert words.tolist() == [0, 0], f"R{rows} tiles={tiles} blocks={blocks}: words after {words.tolist()}"
-
-
-@pytest.mark.parametrize("rows", [1, 9], ids=lambda r: f"R{r}")
-def test_awaiting_launch_reads_x_only_once_its_count_is_complete_on_host(gemm_host, rows):
-    """The awaiting entry launched with its words one short of the target and x not yet written: a
-    producer thread writes x 50 ms later, then counts in. The packed bits, the words back at zero."""
-    n, k = 100, 136
-    x, w = _inputs(n, k, rows, seed=rows + 40)
-    for tiles, blocks in ((None, None), (1, 3)):
-        fresh = np.full((rows, n), POISON, np.uint16)
-        y, words = run_host(gemm_host, x, w, rows, fresh, form=8, form_arg=3, tiles_per_warp=tiles, blocks=blocks)
-        _assert_bits_equal(y, run_host(gemm_host, x, w, rows, fresh, packed=True, tiles_per_warp=tiles,
-                                       blocks=blocks), f"R{rows} tiles={tiles} blocks={blocks} awaiting a late x")
-        assert words.tolist() == [0, 0], f"R{rows} tiles={tiles} blocks={blocks}: words after {words.tolist()}"
+                                       blocks=blocks), tag)
+        assert words.tolist() == [0, 0], f"{tag}: words after {words.tolist()}"
 
 
 @pytest.mark.parametrize("shape", [(100, 136), (72, 1032)], ids=lambda s: f"N{s[0]}-K{s[1]}")
