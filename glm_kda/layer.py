@@ -38,7 +38,7 @@ from . import chunk_tc, gemm_rows, graph_copies, kernels, ops, persistent
 from .checkpoint import BoundLayer, bind_layer
 from .config import KdaConfig
 from .device import require_gpu
-from .state import KdaState, StatePool, require_device_buffers, require_one_row
+from .state import KdaState, StatePool, require_device_buffers, require_one_row, require_state
 
 GEMV_MAX_ROWS = ops.GEMV_MAX_ROWS
 # The one projection kernel of every decode-side call is the tensor-core gemm_rows_bf16 (rows
@@ -574,14 +574,8 @@ class KdaLayer:
         return hidden, back
 
     def _check_state(self, state: KdaState, what: str, name: str = "state") -> None:
-        """The checks of a state the call `what` takes as argument `name`: a KdaState whose buffers
-        fit this layer and its device (every refusal names the call, the argument and the buffer)."""
-        if not isinstance(state, KdaState):
-            raise TypeError(f"{what}: {name} must be a KdaState (layer.new_state()), got {type(state).__name__}")
-        conv, recurrent = state.conv, state.recurrent
-        if conv.shape != self._state_shapes[0] or recurrent.shape != self._state_shapes[1]:
-            state.check(self.config, f"{what}: {name}")  # names the buffer whose shape is wrong
-        require_device_buffers(what, name, conv, recurrent, self.qkv_weight.device.id)
+        """state.require_state for this layer's geometry and device."""
+        require_state(state, self.config, self.qkv_weight.device.id, what, name, self._state_shapes)
 
     # Stages -------------------------------------------------------------------------------
     # The decode weights whose projections run on the low-rank chain's stream (see front_end).

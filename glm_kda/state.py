@@ -48,6 +48,21 @@ def require_device_buffers(what: str, owner: str, conv: Any, recurrent: Any, dev
             raise ValueError(f"{what}: {owner}.{field} is on device {buf.device.id}, the layer runs on device {device_id}")
 
 
+def require_state(state: Any, config: KdaConfig, device_id: int, what: str, name: str = "state",
+                  shapes: tuple | None = None) -> None:
+    """The checks of a state the call `what` takes as argument `name`, before any launch: a KdaState
+    whose buffers fit `config` (shapes: its (conv, recurrent) shapes, where the caller has them at
+    hand) and are require_device_buffers' arrays on device `device_id`. Every refusal names the
+    call, the argument and the buffer."""
+    if not isinstance(state, KdaState):
+        raise TypeError(f"{what}: {name} must be a KdaState (new_state()), got {type(state).__name__}")
+    if shapes is None:
+        shapes = (tuple(config.conv_state_shape), tuple(config.recurrent_state_shape))
+    if state.conv.shape != shapes[0] or state.recurrent.shape != shapes[1]:
+        state.check(config, f"{what}: {name}")  # names the buffer whose shape is wrong
+    require_device_buffers(what, name, state.conv, state.recurrent, device_id)
+
+
 def require_one_row(what: str, hidden: Any) -> None:
     """ValueError unless `hidden` is one row ([1, width] or [width]): the one token a call on a
     single state advances it by (K tokens of one sequence are decode_k's; many sequences, a pool's)."""

@@ -65,7 +65,7 @@ from .checkpoint import (
     resolve_file,
 )
 from .config import KdaConfig
-from .state import KdaState, array_module, require_device_buffers, require_one_row
+from .state import KdaState, array_module, require_one_row, require_state
 
 
 class TensorParallelError(ValueError):
@@ -548,13 +548,6 @@ def check_devices(devices: Sequence[int], visible: int) -> list[int]:
     return devices
 
 
-def _check_state(state: Any, config: KdaConfig, device_id: int, what: str) -> None:
-    if not isinstance(state, KdaState):
-        raise TypeError(f"{what}: expected a KdaState (new_state()), got {type(state).__name__}")
-    state.check(config, what)
-    require_device_buffers(what, "state", state.conv, state.recurrent, device_id)
-
-
 def _hidden_rows(hidden: Any, width: int, what: str, max_rows: int) -> tuple[Any, bool]:
     """(hidden as [rows, width] BF16, True when it came from the host)."""
     import cupy
@@ -775,7 +768,7 @@ class _RankGroup:
         if len(states) != len(self.ranks):
             raise ValueError(f"{what}: {len(states)} states for {len(self.ranks)} ranks")
         for rank, state in zip(self.ranks, states):
-            _check_state(state, rank.config, rank.device_id, f"{what} state of rank {rank.rank}")
+            require_state(state, rank.config, rank.device_id, f"{what} (rank {rank.rank})")
 
     def _result(self, rows: int, on_host: bool) -> Any:
         """The first rank's output rows: a new device array, or a host array for host input."""
@@ -836,7 +829,7 @@ class _RankGroup:
             if len(snaps) > rows:
                 raise ValueError(f"decode_k: {len(snaps)} snapshots for {rows} rows")
             for i, snap in enumerate(snaps):
-                _check_state(snap, rank.config, rank.device_id, f"decode_k snapshots[{i}] of rank {rank.rank}")
+                require_state(snap, rank.config, rank.device_id, f"decode_k (rank {rank.rank})", f"snapshots[{i}]")
         for rank in self.ranks:
             rank._stage_rows(hidden, on_host)
 

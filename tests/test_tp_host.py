@@ -411,3 +411,17 @@ def test_split_state_gives_each_rank_its_slice_and_gather_inverts_it(block):
     gathered = block.gather_state(parts)
     np.testing.assert_array_equal(gathered.conv, state.conv)
     np.testing.assert_array_equal(gathered.recurrent, state.recurrent)
+
+
+def test_a_rank_state_on_another_gpu_is_refused_naming_the_rank(block):
+    """The rank group checks each rank's state and snapshots with the layer's state checks, before
+    any launch: the refusal names the call, the rank and the argument."""
+    states = block.new_state()
+    hidden = on_device(rows(3, 1, block.config.hidden))
+    wrong = [states[0], KdaState(states[0].conv, states[1].recurrent)]  # rank 1's conv on device 0
+    with pytest.raises(ValueError, match=r"decode_k \(rank 1\): state\.conv is on device 0"):
+        block.decode(hidden, wrong)
+    snapshot = block.new_state()  # the state after row 0, one per rank: rank 1's given rank 0's
+    with pytest.raises(ValueError, match=r"decode_k \(rank 1\): snapshots\[0\]\.conv is on device 0"):
+        block.decode_k(hidden, states, [[snapshot[0], snapshot[0]]])
+    assert not Gpu.queues or not any(Gpu.queues.values()), "a launch was queued before the checks refused"
