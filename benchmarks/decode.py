@@ -7,8 +7,11 @@ import argparse
 import sys
 
 from glm_kda import bench_decode
+from glm_kda.device import exit_unless_gpu
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=bench_decode.__doc__.splitlines()[0])
     bench_decode.add_arguments(parser)
-    sys.exit(bench_decode.run(parser.parse_args()))
+    arguments = parser.parse_args()
+    exit_unless_gpu("the decode benchmark")
+    sys.exit(bench_decode.run(arguments))

@@ -32,6 +32,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from glm_kda.device import exit_unless_gpu
+
 
 def back_to_back_us(fn, calls: int = 200) -> float:
     from glm_kda.selftest import back_to_back_ms
@@ -301,4 +303,5 @@ if __name__ == "__main__":
     extra = []
     while (text := take_option(arguments, "--variant", "name=value[,name=value...]")) is not None:
         extra.append(parse_variant(text))
+    exit_unless_gpu("the decode breakdown")
     main(arguments or ["glm", "kimi"], against, tuple(extra))

@@ -54,6 +54,7 @@ from glm_kda import kernels, ops
 from glm_kda.gemm_rows import (GEMM_ROWS_BLOCKS_PER_SM, bulk_available, bulk_partial_size, bulk_plan, gemm_rows_bf16,
                                gemm_rows_bulk,
                                launch_plan, pack_weight, wgmma_available, weight_bytes, x_tiles_size)
+from glm_kda.device import exit_unless_gpu
 from glm_kda.selftest import copy_bandwidth_gbs
 
 # (geometry, projection, n, k)
@@ -158,6 +159,7 @@ def main() -> None:
     args = parser.parse_args()
     if any(wg not in (0, 1, 2, 3) for wg in args.bulk):
         parser.error(f"--bulk takes warpgroups 0 (automatic), 1, 2 or 3, got {args.bulk}")
+    exit_unless_gpu("the projection benchmark")
     if any(not 1 <= rows <= 256 for rows in args.rows):
         parser.error(f"--rows must lie in 1..256, got {args.rows}")
     if args.launches < 200:

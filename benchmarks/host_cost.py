@@ -23,6 +23,7 @@ import json
 import tempfile
 from pathlib import Path
 
+from glm_kda.device import exit_unless_gpu
 from glm_kda.selftest import host_us
 
 CALLS = 200
@@ -119,14 +120,16 @@ def bench(geometry: str, directory: Path, profile: bool) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("geometry", nargs="*", default=["kimi", "glm"], choices=["glm", "kimi"])
+    # No `choices` here: argparse checks a positional's whole default list (or []) against them.
+    parser.add_argument("geometry", nargs="*", help="glm and / or kimi (default: kimi glm)")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
-    from glm_kda.device import require_gpu
-
-    require_gpu("the host-cost benchmark")
+    unknown = sorted(set(args.geometry) - {"glm", "kimi"})
+    if unknown:
+        parser.error(f"unknown geometry {', '.join(map(repr, unknown))} (choose from 'glm', 'kimi')")
+    exit_unless_gpu("the host-cost benchmark")
     with tempfile.TemporaryDirectory() as tmp:
-        for geometry in args.geometry:
+        for geometry in args.geometry or ["kimi", "glm"]:
             bench(geometry, Path(tmp), args.profile)
     return 0
 

@@ -19,6 +19,8 @@ import json
 import cupy
 import numpy as np
 
+from glm_kda.device import exit_unless_gpu
+
 # The mma.sync m16n8k16 and the BF16 pair of a row, device code benchmarks/wgmma_forms.py shares.
 MMA_HELPERS = r"""
 __device__ __forceinline__ void mma16816(float acc[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
@@ -118,4 +120,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    exit_unless_gpu("the mma forms check")
     main()

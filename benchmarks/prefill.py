@@ -8,8 +8,11 @@ import argparse
 import sys
 
 from glm_kda import bench_prefill
+from glm_kda.device import exit_unless_gpu
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=bench_prefill.__doc__.splitlines()[0])
     bench_prefill.add_arguments(parser)
-    sys.exit(bench_prefill.run(parser.parse_args()))
+    arguments = parser.parse_args()
+    exit_unless_gpu("the prefill benchmark")
+    sys.exit(bench_prefill.run(arguments))

@@ -16,6 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from glm_kda.device import exit_unless_gpu
+
 
 def main(kind: str, geometry: str, tokens: int) -> None:
     import cupy
@@ -55,4 +57,5 @@ def main(kind: str, geometry: str, tokens: int) -> None:
 if __name__ == "__main__":
     if len(sys.argv) < 3 or sys.argv[1] not in ("decode", "prefill"):
         sys.exit(__doc__)
+    exit_unless_gpu("the kernel profile")
     main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 1)

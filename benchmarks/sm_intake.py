@@ -27,6 +27,7 @@ import cupy
 import numpy as np
 
 from glm_kda import kernels
+from glm_kda.device import exit_unless_gpu
 from glm_kda.selftest import copy_bandwidth_gbs, median_ms
 
 HERE = Path(__file__).resolve().parent
@@ -62,6 +63,7 @@ def main() -> None:
     parser.add_argument("--issuers-only", action="store_true",
                         help="only the cases of several issuing threads a block and of other chunk sizes")
     args = parser.parse_args()
+    exit_unless_gpu("the SM intake benchmark")
     properties = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
     sm_count = int(properties["multiProcessorCount"])
     module = _module()

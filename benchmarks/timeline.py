@@ -33,6 +33,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from glm_kda.device import exit_unless_gpu
+
 # Launches by the workspace buffer they write (the tag of their records).
 LAUNCH_NAMES = (("down_proj", "f_a|g_a|b"), ("forget_proj", "f_b"), ("out_gate", "g_b"), ("qkv_proj", "q|k|v"),
                 ("o_norm_out", "fused step"), ("final_out", "o_proj"), ("bulk_partial", "split sums"))
@@ -221,6 +223,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--blocks", type=Path, default=None, metavar="DIR",
                         help="write every block of the last replay to DIR/<geometry>_rows<rows>.json")
     args = parser.parse_args(argv)
+    exit_unless_gpu("the block timeline")
     changed = apply_settings(args.set)
 
     bandwidth = copy_bandwidth_gbs()

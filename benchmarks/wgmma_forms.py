@@ -29,6 +29,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mma_forms import MMA_HELPERS, bf16_bits  # noqa: E402
 
+from glm_kda.device import exit_unless_gpu  # noqa: E402
+
 
 def _wgmma_asm(n: int) -> str:
     """The inline asm of one wgmma m64n<n>k16, A from 4 registers, B by descriptor, D += A B."""
@@ -168,4 +170,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    exit_unless_gpu("the warpgroup-MMA forms check")
     main()
