@@ -32,10 +32,18 @@ __device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, in
                                                                    counted, sums);
 }
 
+// The parameters every entry point of this file starts with: x, w and y with their leading
+// dimensions, the shape, and a ninth int (LAST: prefetch, or the tail form's tail_blocks); then,
+// where an entry has them, the count it awaits and the FP32 sums it writes.
+#define GEMM_ROWS_PARAMETERS(LAST)                                                                 \
+    const bf16_t* __restrict__ x, int ldx, const bf16_t* __restrict__ w, bf16_t* __restrict__ y,  \
+        int ldy, int rows, int n, int k, int LAST
+#define GEMM_ROWS_AWAIT_PARAMETERS int *ready, int ready_target
+#define GEMM_ROWS_SUMS_PARAMETERS float *__restrict__ sums, int ld_sums
+
 #define GEMM_ROWS_ENTRY_OF(NAME, M_TILES, N_TILES, PACKED)                                         \
     extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_MIN_BLOCKS)          \
-        NAME(const bf16_t* __restrict__ x, int ldx, const bf16_t* __restrict__ w,                  \
-             bf16_t* __restrict__ y, int ldy, int rows, int n, int k, int prefetch)                \
+        NAME(GEMM_ROWS_PARAMETERS(prefetch))                                                       \
     {                                                                                              \
         gemm_rows_entry<M_TILES, N_TILES, PACKED>(x, ldx, w, y, ldy, rows, n, k, prefetch);        \
     }
@@ -44,9 +52,7 @@ __device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, in
 // one rounding.
 #define GEMM_ROWS_SUMS_ENTRY_OF(NAME, M_TILES, N_TILES, PACKED)                                    \
     extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_MIN_BLOCKS)          \
-        NAME(const bf16_t* __restrict__ x, int ldx, const bf16_t* __restrict__ w,                  \
-             bf16_t* __restrict__ y, int ldy, int rows, int n, int k, int prefetch,                \
-             float* __restrict__ sums, int ld_sums)                                                \
+        NAME(GEMM_ROWS_PARAMETERS(prefetch), GEMM_ROWS_SUMS_PARAMETERS)                            \
     {                                                                                              \
         gemm_rows_entry<M_TILES, N_TILES, PACKED, GEMM_X_INPUT, false, true>(                      \
             x, ldx, w, y, ldy, rows, n, k, prefetch, GemmRowsSecond{nullptr, nullptr, nullptr},    \
@@ -101,51 +107,38 @@ GEMM_ROWS_ENTRY(4, 2)
 #endif
 #define GEMM_ROWS_DECODE_ENTRIES(N_TILES)                                                          \
     extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_MIN_BLOCKS)          \
-        gemm_rows_packed_pair_bf16_m1_n##N_TILES(const bf16_t* __restrict__ x, int ldx,              \
-                                                 const bf16_t* __restrict__ w, bf16_t* __restrict__ y, \
-                                                 int ldy, int rows, int n, int k, int prefetch,       \
+        gemm_rows_packed_pair_bf16_m1_n##N_TILES(GEMM_ROWS_PARAMETERS(prefetch),                     \
                                                  const bf16_t* __restrict__ x2,                       \
                                                  const bf16_t* __restrict__ w2, bf16_t* __restrict__ y2) \
     {                                                                                              \
         gemm_rows_entry<1, N_TILES, true>(x, ldx, w, y, ldy, rows, n, k, prefetch, GemmRowsSecond{x2, w2, y2}); \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_MIN_BLOCKS)          \
-        gemm_rows_packed_awaiting_bf16_m1_n##N_TILES(const bf16_t* __restrict__ x, int ldx,          \
-                                                     const bf16_t* __restrict__ w, bf16_t* __restrict__ y, \
-                                                     int ldy, int rows, int n, int k, int prefetch,   \
-                                                     int* ready, int ready_target)                    \
+        gemm_rows_packed_awaiting_bf16_m1_n##N_TILES(GEMM_ROWS_PARAMETERS(prefetch),                 \
+                                                     GEMM_ROWS_AWAIT_PARAMETERS)                      \
     {                                                                                              \
         gemm_rows_entry<1, N_TILES, true, GEMM_X_PRODUCED>(x, ldx, w, y, ldy, rows, n, k, prefetch,   \
                                                            GemmRowsSecond{nullptr, nullptr, nullptr}, \
                                                            GemmRowsAwait{ready, ready_target});       \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_MIN_BLOCKS)          \
-        gemm_rows_packed_awaiting_sums_bf16_m1_n##N_TILES(const bf16_t* __restrict__ x, int ldx,     \
-                                                          const bf16_t* __restrict__ w,               \
-                                                          bf16_t* __restrict__ y, int ldy, int rows,  \
-                                                          int n, int k, int prefetch, int* ready,     \
-                                                          int ready_target, float* __restrict__ sums, \
-                                                          int ld_sums)                                \
+        gemm_rows_packed_awaiting_sums_bf16_m1_n##N_TILES(GEMM_ROWS_PARAMETERS(prefetch),            \
+                                                          GEMM_ROWS_AWAIT_PARAMETERS,                 \
+                                                          GEMM_ROWS_SUMS_PARAMETERS)                  \
     {                                                                                              \
         gemm_rows_entry<1, N_TILES, true, GEMM_X_PRODUCED, false, true>(                            \
             x, ldx, w, y, ldy, rows, n, k, prefetch, GemmRowsSecond{nullptr, nullptr, nullptr},     \
             GemmRowsAwait{ready, ready_target}, nullptr, GemmRowsSums{sums, ld_sums});              \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_MIN_BLOCKS)          \
-        gemm_rows_packed_counting_bf16_m1_n##N_TILES(const bf16_t* __restrict__ x, int ldx,          \
-                                                     const bf16_t* __restrict__ w, bf16_t* __restrict__ y, \
-                                                     int ldy, int rows, int n, int k, int prefetch,   \
-                                                     int* counted)                                    \
+        gemm_rows_packed_counting_bf16_m1_n##N_TILES(GEMM_ROWS_PARAMETERS(prefetch), int* counted)   \
     {                                                                                              \
         gemm_rows_entry<1, N_TILES, true>(x, ldx, w, y, ldy, rows, n, k, prefetch,                   \
                                           GemmRowsSecond{nullptr, nullptr, nullptr},                 \
                                           GemmRowsAwait{nullptr, 0}, counted);                       \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_MIN_BLOCKS)          \
-        gemm_rows_packed_counting_ahead_bf16_m1_n##N_TILES(const bf16_t* __restrict__ x, int ldx,    \
-                                                           const bf16_t* __restrict__ w,            \
-                                                           bf16_t* __restrict__ y, int ldy, int rows, \
-                                                           int n, int k, int prefetch, int* counted) \
+        gemm_rows_packed_counting_ahead_bf16_m1_n##N_TILES(GEMM_ROWS_PARAMETERS(prefetch), int* counted) \
     {                                                                                              \
         gemm_rows_entry<1, N_TILES, true, GEMM_X_INPUT, GEMM_ROWS_AHEAD_HERE>(x, ldx, w, y, ldy, rows, n, k, \
                                                                               prefetch,                 \
@@ -182,8 +175,7 @@ __device__ __forceinline__ void gemm_rows_serial_entry(const bf16_t* __restrict_
 #endif
 #define GEMM_ROWS_SERIAL_ENTRY_OF(NAME, M_TILES, N_TILES, PACKED)                                  \
     extern "C" __global__ void __launch_bounds__(GEMM_ROWS_SERIAL_THREADS, GEMM_ROWS_SERIAL_MIN_BLOCKS) \
-        NAME(const bf16_t* __restrict__ x, int ldx, const bf16_t* __restrict__ w,                  \
-             bf16_t* __restrict__ y, int ldy, int rows, int n, int k, int /* prefetch */)          \
+        NAME(GEMM_ROWS_PARAMETERS(/* prefetch */))                                                 \
     {                                                                                              \
         gemm_rows_serial_entry<M_TILES, N_TILES, PACKED>(x, ldx, w, y, ldy, rows, n, k);           \
     }
@@ -316,27 +308,21 @@ __device__ __forceinline__ void gemm_rows_staged_entry(const bf16_t* __restrict_
 #define GEMM_ROWS_STAGED_MIN_BLOCKS 3
 #define GEMM_ROWS_STAGED_ENTRY(N_TILES)                                                             \
     extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_STAGED_MIN_BLOCKS)       \
-        gemm_rows_staged_bf16_m1_n##N_TILES(const bf16_t* __restrict__ x, int ldx,                    \
-                                            const bf16_t* __restrict__ w, bf16_t* __restrict__ y, int ldy, \
-                                            int rows, int n, int k, int /* prefetch */)              \
+        gemm_rows_staged_bf16_m1_n##N_TILES(GEMM_ROWS_PARAMETERS(/* prefetch */))                    \
     {                                                                                               \
         gemm_rows_staged_entry<N_TILES, false>(x, ldx, w, y, ldy, rows, n, k);                      \
     }                                                                                               \
     extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_STAGED_MIN_BLOCKS)       \
-        gemm_rows_staged_awaiting_bf16_m1_n##N_TILES(const bf16_t* __restrict__ x, int ldx,           \
-                                                     const bf16_t* __restrict__ w, bf16_t* __restrict__ y, \
-                                                     int ldy, int rows, int n, int k, int /* prefetch */, \
-                                                     int* ready, int ready_target)                   \
+        gemm_rows_staged_awaiting_bf16_m1_n##N_TILES(GEMM_ROWS_PARAMETERS(/* prefetch */),           \
+                                                     GEMM_ROWS_AWAIT_PARAMETERS)                     \
     {                                                                                               \
         gemm_rows_staged_entry<N_TILES, true>(x, ldx, w, y, ldy, rows, n, k,                        \
                                               GemmRowsAwait{ready, ready_target});                  \
     }                                                                                               \
     extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_STAGED_MIN_BLOCKS)       \
-        gemm_rows_staged_awaiting_sums_bf16_m1_n##N_TILES(const bf16_t* __restrict__ x, int ldx,      \
-                                                          const bf16_t* __restrict__ w, bf16_t* __restrict__ y, \
-                                                          int ldy, int rows, int n, int k, int /* prefetch */, \
-                                                          int* ready, int ready_target,              \
-                                                          float* __restrict__ sums, int ld_sums)     \
+        gemm_rows_staged_awaiting_sums_bf16_m1_n##N_TILES(GEMM_ROWS_PARAMETERS(/* prefetch */),      \
+                                                          GEMM_ROWS_AWAIT_PARAMETERS,                \
+                                                          GEMM_ROWS_SUMS_PARAMETERS)                 \
     {                                                                                               \
         gemm_rows_staged_entry<N_TILES, true, false, true>(x, ldx, w, y, ldy, rows, n, k,           \
                                                            GemmRowsAwait{ready, ready_target}, 0,   \
@@ -349,21 +335,16 @@ GEMM_ROWS_STAGED_ENTRY(2)
 #define GEMM_ROWS_TAIL_MIN_BLOCKS 2
 #define GEMM_ROWS_TAIL_STAGED_ENTRY(N_TILES)                                                        \
     extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_TAIL_MIN_BLOCKS)         \
-        gemm_rows_tail_staged_awaiting_bf16_m1_n##N_TILES(const bf16_t* __restrict__ x, int ldx,      \
-                                                          const bf16_t* __restrict__ w, bf16_t* __restrict__ y, \
-                                                          int ldy, int rows, int n, int k, int tail_blocks, \
-                                                          int* ready, int ready_target)              \
+        gemm_rows_tail_staged_awaiting_bf16_m1_n##N_TILES(GEMM_ROWS_PARAMETERS(tail_blocks),          \
+                                                          GEMM_ROWS_AWAIT_PARAMETERS)                \
     {                                                                                               \
         gemm_rows_staged_entry<N_TILES, true, true>(x, ldx, w, y, ldy, rows, n, k,                   \
                                                     GemmRowsAwait{ready, ready_target}, tail_blocks); \
     }                                                                                               \
     extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_TAIL_MIN_BLOCKS)         \
-        gemm_rows_tail_staged_awaiting_sums_bf16_m1_n##N_TILES(const bf16_t* __restrict__ x, int ldx, \
-                                                               const bf16_t* __restrict__ w,         \
-                                                               bf16_t* __restrict__ y, int ldy, int rows, \
-                                                               int n, int k, int tail_blocks, int* ready, \
-                                                               int ready_target, float* __restrict__ sums, \
-                                                               int ld_sums)                          \
+        gemm_rows_tail_staged_awaiting_sums_bf16_m1_n##N_TILES(GEMM_ROWS_PARAMETERS(tail_blocks),     \
+                                                               GEMM_ROWS_AWAIT_PARAMETERS,           \
+                                                               GEMM_ROWS_SUMS_PARAMETERS)            \
     {                                                                                               \
         gemm_rows_staged_entry<N_TILES, true, true, true>(x, ldx, w, y, ldy, rows, n, k,             \
                                                           GemmRowsAwait{ready, ready_target}, tail_blocks, \
