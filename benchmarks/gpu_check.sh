@@ -5,8 +5,8 @@
 # compute-sanitizer memcheck over a subset of it and over the prefill conv, racecheck over the chunk (FP32 and
 # tensor-core), recurrent and fused decode (one row and a verify walk) kernels ("sanitize"), then the decode and
 # prefill benchmarks, the host's part of the decode calls and the import timing ("bench"). Logs and JSON land in ${OUT:-./gpu_check_out}.
-# The four parts take about six, four, one and one minutes on an H200 (measured: 90 % of tests and
-# compile together in 560 s, chunk_tc and compile in 295 s, sanitize 73 s, bench 66 s); run them as
+# The four parts take about nine, four, one and one minutes on an H200 (measured: tests and 20 of
+# compile's checks in 560 s, chunk_tc and compile in 295 s, sanitize 73 s, bench 66 s); run them as
 # separate commands where one command is limited to ten minutes. "block" adds the whole-block timings to "bench". "tp" (not
 # part of "all"; two GPUs) runs the tensor-parallel tests, the step timing included.
 # With flash-linear-attention importable (see benchmarks/NOTES.md) both benchmarks add its rows;

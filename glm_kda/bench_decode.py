@@ -4,11 +4,15 @@ One JSON line per case. Each carries the device-to-device copy bandwidth measure
 run and the roofline ratio: the fewest bytes the call must move (every weight once; each
 sequence's conv and recurrent state read and written once) over the copy bandwidth, divided by
 the measured median time. Times are CUDA-event medians over >= 200 calls after warm-up,
-each call between its own pair of events and synchronised (so all Python time inside a call
-counts), and, as `back_to_back_us`, the mean over 200 calls issued without synchronising
-between two events: what a decode loop that chains layers pays per call, with
-`back_to_back_roofline_ratio` from it, and as `host_us` the host's time per call of such a loop
-(perf_counter; above the GPU's time, the loop is bound by Python). When flash-linear-attention is importable, its
+each call between its own pair of events and synchronised (`median_us`: the GPU idles while
+Python issues the call, so all Python time inside a call counts); as `queued_median_us` the
+median over as many calls queued back to back, each between its own pair of events and one
+synchronisation after the last (the GPU's time per call while the host keeps ahead of it: the
+per-call median without the idle gap, with `queued_roofline_ratio`); as `back_to_back_us` the mean
+over 200 calls issued without synchronising between two events: what a decode loop that chains
+layers pays per call, with `back_to_back_roofline_ratio` from it; and as `host_us` the host's time
+per call of such a loop (perf_counter; above the GPU's time, the loop is bound by Python, and the
+queued and back-to-back figures are the host's). When flash-linear-attention is importable, its
 KimiDeltaAttention layer runs the same decode cases (graphed) on the same weights in the
 same process (impl "fla").
 
@@ -24,11 +28,12 @@ import tempfile
 from pathlib import Path
 
 from .selftest import (MIN_TIMED_CALLS, back_to_back_ms, copy_bandwidth_gbs, count_at_least, host_us, median_ms,
-                       state_bytes, weight_bytes)
+                       replay_ms, state_bytes, weight_bytes)
 
 
 def bench_geometry(geometry: str, directory: Path, bandwidth: float, repeats: int) -> list[dict]:
     import cupy
+    import numpy as np
 
     from .layer import KdaLayer, to_device_bf16
     from .state import StatePool
@@ -43,11 +48,13 @@ def bench_geometry(geometry: str, directory: Path, bandwidth: float, repeats: in
 
     def record(case: dict, call, nbytes: int) -> None:
         ms = median_ms(call, repeats=repeats, warmup=10)
+        queued_ms = float(np.median(replay_ms(call, calls=repeats)))
         chained_ms = back_to_back_ms(call, calls=repeats)
-        case.update(impl="glm_kda", geometry=geometry, median_us=1e3 * ms, back_to_back_us=1e3 * chained_ms,
-                    host_us=host_us(call, calls=repeats),
-                    bytes=nbytes, copy_bandwidth_GBs=bandwidth, roofline_ratio=nbytes / 1e9 / bandwidth / (ms / 1e3),
-                    back_to_back_roofline_ratio=nbytes / 1e9 / bandwidth / (chained_ms / 1e3))
+        roofline_ms = nbytes / 1e9 / bandwidth * 1e3  # the call's bytes at the copy bandwidth
+        case.update(impl="glm_kda", geometry=geometry, median_us=1e3 * ms, queued_median_us=1e3 * queued_ms,
+                    back_to_back_us=1e3 * chained_ms, host_us=host_us(call, calls=repeats),
+                    bytes=nbytes, copy_bandwidth_GBs=bandwidth, roofline_ratio=roofline_ms / ms,
+                    queued_roofline_ratio=roofline_ms / queued_ms, back_to_back_roofline_ratio=roofline_ms / chained_ms)
         rows.append(case)
         print(json.dumps(case), flush=True)
 

@@ -474,3 +474,41 @@ def test_fla_benchmark_rows(fla_layers):
     for row in decode + prefill:
         assert row["impl"] == "fla" and row["median_us"] > 0, row
 
+
+
+def test_decode_rows_carry_both_medians_and_their_ratios(monkeypatch):
+    """decorate_row gives a row timed both ways the ratio of each, from the same bytes; queued_us
+    times each call between its own events with one synchronisation (a stand-in torch)."""
+    import types
+
+    cfg = KdaConfig(**KIMI_LINEAR_48B)
+    row = bench_fla.decorate_row({"impl": "fla", "case": "decode", "B": 4, "median_us": 100.0,
+                                  "queued_median_us": 50.0}, "kimi", cfg, 4000.0)
+    assert row["queued_roofline_ratio"] == pytest.approx(2 * row["roofline_ratio"])
+    assert "queued_roofline_ratio" not in bench_fla.decorate_row(
+        {"impl": "fla", "case": "decode", "B": 1, "median_us": 10.0}, "kimi", cfg, 4000.0)
+
+    clock = {"now": 0.0, "synchronised": 0}
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+
+        def record(self):
+            self.at = clock["now"]
+
+        def synchronize(self):
+            clock["synchronised"] += 1
+
+        def elapsed_time(self, end):
+            return end.at - self.at
+
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=types.SimpleNamespace(Event=Event)))
+    durations = iter(range(1, 1000))
+
+    def call():
+        clock["now"] += next(durations)
+
+    # Warm-up calls of 1 and 2 ms, then 3 .. 203 ms: median 103 ms.
+    assert bench_fla.queued_us(call, repeats=201, warmup=2) == pytest.approx(103e3)
+    assert clock["synchronised"] == 1
