@@ -8,6 +8,19 @@ import sys
 from .selftest import count_at_least
 
 
+def bench_script(module, what: str, argv: list[str] | None = None) -> int:
+    """A benchmark script's entry (benchmarks/decode.py, benchmarks/prefill.py): `module`'s
+    arguments (its add_arguments), a one-line refusal without a GPU (device.exit_unless_gpu,
+    naming `what`), then module.run; returns its status."""
+    from .device import exit_unless_gpu
+
+    parser = argparse.ArgumentParser(description=module.__doc__.splitlines()[0])
+    module.add_arguments(parser)
+    arguments = parser.parse_args(argv)
+    exit_unless_gpu(what)
+    return module.run(arguments)
+
+
 def _inspect(args: argparse.Namespace) -> int:
     from .checkpoint import CheckpointError, check_layers
     from .config import ConfigError, KdaConfig
