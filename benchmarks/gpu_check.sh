@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything that needs the GPU: the GPU test suite (figures to figures.json; "tests"), every kernel
+# Everything that needs the GPU: the GPU test suite (figures to figures.json, figures.json.partial while it runs; "tests"), every kernel
 # built by NVRTC for each architecture family and checked for its entry points and spills ("compile";
 # CPU CI builds them too, here they also build for the chip present),
 # compute-sanitizer memcheck over a subset of it and over the prefill conv, racecheck over the chunk (FP32 and

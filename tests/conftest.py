@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import pytest
+from figure_log import FigureLog
 from huggingface_hub.errors import EntryNotFoundError
 
 from glm_kda.synthetic import write_synthetic_checkpoint
@@ -51,9 +51,8 @@ def fake_hub(monkeypatch):
 @pytest.fixture(scope="session")
 def figures():
     """A list the GPU tests append their measured ratios to; written as JSON to the path in
-    $GLM_KDA_FIGURES at the end of the session (for reports), otherwise discarded."""
-    rows: list[dict] = []
+    $GLM_KDA_FIGURES at the end of the session (for reports; each row also goes to
+    $GLM_KDA_FIGURES.partial as it is recorded, see FigureLog), otherwise discarded."""
+    rows = FigureLog(os.environ.get("GLM_KDA_FIGURES"))
     yield rows
-    target = os.environ.get("GLM_KDA_FIGURES")
-    if target:
-        Path(target).write_text(json.dumps(rows, indent=1))
+    rows.close()

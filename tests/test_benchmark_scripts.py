@@ -55,3 +55,4 @@ def test_host_cost_refuses_an_unknown_geometry(monkeypatch, capsys):
         runpy.run_path(str(BENCHMARKS / "host_cost.py"), run_name="__main__")
     assert stop.value.code == 2
     assert "unknown geometry 'llama'" in capsys.readouterr().err
+
