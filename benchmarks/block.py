@@ -15,6 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from glm_kda.cli import script_help
 from glm_kda.device import exit_unless_gpu
 from glm_kda.selftest import block_timings, copy_bandwidth_gbs
 
@@ -29,5 +30,6 @@ def main(geometries: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    script_help(__doc__)
     exit_unless_gpu("the whole-block benchmark")
     main(sys.argv[1:] or ["glm", "kimi"])

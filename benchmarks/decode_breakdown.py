@@ -32,6 +32,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from glm_kda.cli import script_help
 from glm_kda.device import exit_unless_gpu
 
 
@@ -298,6 +299,7 @@ def take_option(arguments: list[str], flag: str, needs: str) -> str | None:
 
 
 if __name__ == "__main__":
+    script_help(__doc__)
     arguments = sys.argv[1:]
     against = take_option(arguments, "--against", "a folder of kernel sources")
     extra = []

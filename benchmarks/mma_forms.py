@@ -19,6 +19,7 @@ import json
 import cupy
 import numpy as np
 
+from glm_kda.cli import script_help
 from glm_kda.device import exit_unless_gpu
 
 # The mma.sync m16n8k16 and the BF16 pair of a row, device code benchmarks/wgmma_forms.py shares.
@@ -120,5 +121,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    script_help(__doc__)
     exit_unless_gpu("the mma forms check")
     main()

@@ -10,6 +10,7 @@ import json
 import tempfile
 
 from glm_kda.checkpoint import bind_layer
+from glm_kda.cli import script_help
 from glm_kda.reference import KdaOracle, rms_ratio
 from glm_kda.state import KdaState
 from glm_kda.synthetic import synthetic_hidden, write_synthetic_checkpoint
@@ -36,4 +37,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    script_help(__doc__)
     main()

@@ -16,6 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from glm_kda.cli import script_help
 from glm_kda.device import exit_unless_gpu
 
 
@@ -55,6 +56,7 @@ def main(kind: str, geometry: str, tokens: int) -> None:
 
 
 if __name__ == "__main__":
+    script_help(__doc__)
     if len(sys.argv) < 3 or sys.argv[1] not in ("decode", "prefill"):
         sys.exit(__doc__)
     exit_unless_gpu("the kernel profile")

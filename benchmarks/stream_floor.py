@@ -18,6 +18,7 @@ import cupy
 import numpy as np
 
 from gemm_rows import SHAPES, _time_launches
+from glm_kda.cli import script_help
 from glm_kda.device import exit_unless_gpu
 from glm_kda.selftest import copy_bandwidth_gbs
 
@@ -77,5 +78,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    script_help(__doc__)
     exit_unless_gpu("the stream floor benchmark")
     main()

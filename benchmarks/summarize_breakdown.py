@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import sys
 
+from glm_kda.cli import script_help
+
 
 def summary(record: dict) -> str:
     def chained(prefix: str) -> str:
@@ -44,4 +46,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    script_help(__doc__)
     main()

@@ -29,6 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mma_forms import MMA_HELPERS, bf16_bits  # noqa: E402
 
+from glm_kda.cli import script_help  # noqa: E402
 from glm_kda.device import exit_unless_gpu  # noqa: E402
 
 
@@ -170,5 +171,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    script_help(__doc__)
     exit_unless_gpu("the warpgroup-MMA forms check")
     main()

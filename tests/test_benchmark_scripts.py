@@ -56,3 +56,14 @@ def test_host_cost_refuses_an_unknown_geometry(monkeypatch, capsys):
     assert stop.value.code == 2
     assert "unknown geometry 'llama'" in capsys.readouterr().err
 
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in BENCHMARKS.glob("*.py")))
+def test_every_script_answers_help_without_a_gpu(script, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    monkeypatch.setattr(sys, "argv", [script, "--help"])
+    with pytest.raises(SystemExit) as stop:
+        runpy.run_path(str(BENCHMARKS / script), run_name="__main__")
+    captured = capsys.readouterr()
+    assert stop.value.code in (0, None), f"{script} --help exited with {stop.value.code!r}: {captured.err[-300:]}"
+    assert len(captured.out.strip().splitlines()) >= 2, f"{script} --help printed: {captured.out!r}"
