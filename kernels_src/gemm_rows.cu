@@ -38,8 +38,8 @@ __device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, in
 #define GEMM_ROWS_PARAMETERS(LAST)                                                                 \
     const bf16_t* __restrict__ x, int ldx, const bf16_t* __restrict__ w, bf16_t* __restrict__ y,  \
         int ldy, int rows, int n, int k, int LAST
-#define GEMM_ROWS_AWAIT_PARAMETERS int *ready, int ready_target
-#define GEMM_ROWS_SUMS_PARAMETERS float *__restrict__ sums, int ld_sums
+#define GEMM_ROWS_AWAIT_PARAMETERS int* ready, int ready_target
+#define GEMM_ROWS_SUMS_PARAMETERS float* __restrict__ sums, int ld_sums
 
 #define GEMM_ROWS_ENTRY_OF(NAME, M_TILES, N_TILES, PACKED)                                         \
     extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_MIN_BLOCKS)          \
