@@ -20,7 +20,7 @@ nvidia-smi -L | tee "$out/device.txt"
 python -c "import cupy; print('cupy', cupy.__version__, 'cuda', cupy.cuda.runtime.runtimeGetVersion())" | tee -a "$out/device.txt"
 python -c "from cupy.cuda import nccl; print('nccl', nccl.get_version())" 2>&1 | tail -1 | tee -a "$out/device.txt"
 if [ "$part" = tests ] || [ "$part" = all ]; then
-  GLM_KDA_FIGURES="$out/figures.json" timeout ${SUITE_TIMEOUT:-560} python -m pytest -q -rfE tests/test_gpu.py \
+  GLM_KDA_FIGURES="$out/figures.json" timeout ${SUITE_TIMEOUT:-560} python -m pytest -q -rfE --durations=25 tests/test_gpu.py \
     tests/test_gemm_rows.py tests/test_chunk_tc.py --junitxml="$out/junit.xml" 2>&1 \
     | tee "$out/gpu_tests.log" | tail -25
 fi
