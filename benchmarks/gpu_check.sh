@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Everything that needs the GPU: the GPU test suite (figures to figures.json, figures.json.partial while it runs; "tests"), every kernel
+# Everything that needs the GPU: the GPU test suite (figures to figures.json, figures.json.partial while it runs;
+# each test phase's seconds to durations.txt as it ends, `sort -rn` for the slowest; "tests"), every kernel
 # built by NVRTC for each architecture family and checked for its entry points and spills ("compile";
 # CPU CI builds them too, here they also build for the chip present),
 # compute-sanitizer memcheck over a subset of it and over the prefill conv, racecheck over the chunk (FP32 and
@@ -20,7 +21,7 @@ nvidia-smi -L | tee "$out/device.txt"
 python -c "import cupy; print('cupy', cupy.__version__, 'cuda', cupy.cuda.runtime.runtimeGetVersion())" | tee -a "$out/device.txt"
 python -c "from cupy.cuda import nccl; print('nccl', nccl.get_version())" 2>&1 | tail -1 | tee -a "$out/device.txt"
 if [ "$part" = tests ] || [ "$part" = all ]; then
-  GLM_KDA_FIGURES="$out/figures.json" timeout ${SUITE_TIMEOUT:-560} python -m pytest -q -rfE --durations=25 tests/test_gpu.py \
+  GLM_KDA_FIGURES="$out/figures.json" GLM_KDA_DURATIONS="$out/durations.txt" timeout ${SUITE_TIMEOUT:-560} python -m pytest -q -rfE --durations=25 tests/test_gpu.py \
     tests/test_gemm_rows.py tests/test_chunk_tc.py --junitxml="$out/junit.xml" 2>&1 \
     | tee "$out/gpu_tests.log" | tail -25
 fi

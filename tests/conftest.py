@@ -56,3 +56,13 @@ def figures():
     rows = FigureLog(os.environ.get("GLM_KDA_FIGURES"))
     yield rows
     rows.close()
+
+
+def pytest_runtest_logreport(report):
+    """With $GLM_KDA_DURATIONS set, each test phase's seconds appended to that file as it ends
+    (`<seconds> <phase> <test id>`), so that a run stopped by a time limit still says where its
+    time went (pytest's --durations prints only at the end)."""
+    target = os.environ.get("GLM_KDA_DURATIONS")
+    if target:
+        with open(target, "a") as log:
+            log.write(f"{report.duration:.3f} {report.when} {report.nodeid}\n")
