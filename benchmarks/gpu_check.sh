@@ -60,6 +60,7 @@ if [ "$part" = bench ] || [ "$part" = all ]; then
   timeout 120 python benchmarks/decode.py 2>&1 | tee "$out/decode.jsonl" | tail -40
   timeout 170 python benchmarks/decode_breakdown.py --variant graph_copies=False --variant counting_ahead=True 2>&1 \
     | tee "$out/decode_breakdown.jsonl"
+  python benchmarks/summarize_breakdown.py --targets < "$out/decode_breakdown.jsonl" | tee "$out/decode_targets.txt"
   timeout 90 python benchmarks/host_cost.py 2>&1 | tee "$out/host_cost.jsonl"
   timeout 150 python benchmarks/prefill.py --tokens 1024 16384 65536 2>&1 | tee "$out/prefill.jsonl"
   if [ "${2:-}" = block ]; then timeout 60 python benchmarks/block.py glm kimi 2>&1 | tee "$out/block.jsonl"; fi

@@ -1,9 +1,11 @@
 """One line per JSON line of benchmarks/decode_breakdown.py: geometry, the variant's changed
 settings, the copy bandwidth, the B=1 graph replay (median replay us and roofline ratio, and the
 back-to-back mean where the line has it), verify over decode, B=64 and B=256 (likewise), the public call, and why programmatic launches fell back (if
-they did). Lines that are not JSON pass through.
+they did). Lines that are not JSON pass through. With --targets, each line of the package's defaults is
+followed by the decode targets it is judged against (per-replay median roofline ratio of one
+sequence and of 64, verify over one-token decode), each marked met or NOT MET.
 
-    PYTHONPATH=. python benchmarks/decode_breakdown.py | python benchmarks/summarize_breakdown.py
+    PYTHONPATH=. python benchmarks/decode_breakdown.py | python benchmarks/summarize_breakdown.py [--targets]
 """
 
 from __future__ import annotations
@@ -35,7 +37,35 @@ def summary(record: dict) -> str:
             + (f" | programmatic launches fell back: {fallback}" if fallback else ""))
 
 
+# The decode targets: the least roofline ratio of one sequence's step and of 64 sequences' (per-replay
+# median, graphed), the most a verify of 4 and of 16 tokens may take over one token's step.
+TARGETS = {
+    "glm": {"B1": 0.85, "B64": 0.75, "K4": 1.4, "K16": 2.5},
+    "kimi": {"B1": 0.80, "B64": 0.75, "K4": 1.4, "K16": 2.5},
+}
+
+
+def acceptance(record: dict) -> list[tuple[str, float, str, bool]]:
+    """(item, figure, target, met) of a breakdown line against TARGETS for its geometry."""
+    target = TARGETS[record["geometry"]]
+    verify = record["verify_replay_over_decode"]
+    items = [("B=1 roofline", record["graph_replay_roofline_ratio"], target["B1"], True),
+             ("B=64 roofline", record.get("B64_roofline_ratio"), target["B64"], True),
+             ("verify K4 / B=1", verify.get("K4"), target["K4"], False),
+             ("verify K16 / B=1", verify.get("K16"), target["K16"], False)]
+    return [(name, figure, f"{'>=' if at_least else '<='} {bound}",
+             figure is not None and (figure >= bound if at_least else figure <= bound))
+            for name, figure, bound, at_least in items]
+
+
+def acceptance_line(record: dict) -> str:
+    return f"  {record['geometry']} targets: " + " | ".join(
+        f"{name} {'-' if figure is None else f'{figure:.3f}'} ({target}) {'met' if met else 'NOT MET'}"
+        for name, figure, target, met in acceptance(record))
+
+
 def main() -> None:
+    targets = "--targets" in sys.argv[1:]
     for line in sys.stdin:
         try:
             record = json.loads(line)
@@ -43,6 +73,8 @@ def main() -> None:
             print(line.rstrip()[:300])
             continue
         print(summary(record), flush=True)
+        if targets and record.get("default"):
+            print(acceptance_line(record), flush=True)
 
 
 if __name__ == "__main__":

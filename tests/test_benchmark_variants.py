@@ -85,3 +85,18 @@ def test_timed_call_counts_below_the_floor_are_refused():
         assert parser.parse_args([]).repeats == 200
         with pytest.raises(SystemExit):
             parser.parse_args(["--repeats", "199"])
+
+
+def test_breakdown_targets_mark_what_is_met():
+    """summarize_breakdown's targets on figures of an H200 run (GLM's defaults, Kimi's): each item
+    against its bound, a ratio at least / a verify factor at most."""
+    import summarize_breakdown
+
+    glm = {"geometry": "glm", "graph_replay_roofline_ratio": 0.859, "B64_roofline_ratio": 0.806,
+           "verify_replay_over_decode": {"K4": 1.115, "K16": 1.436}}
+    kimi = {"geometry": "kimi", "graph_replay_roofline_ratio": 0.623, "B64_roofline_ratio": 0.699,
+            "verify_replay_over_decode": {"K4": 1.41, "K16": 2.025}}
+    assert [met for *_, met in summarize_breakdown.acceptance(glm)] == [True, True, True, True]
+    assert [met for *_, met in summarize_breakdown.acceptance(kimi)] == [False, False, False, True]
+    line = summarize_breakdown.acceptance_line({**glm, "B64_roofline_ratio": None})
+    assert "B=64 roofline - (>= 0.75) NOT MET" in line and "B=1 roofline 0.859 (>= 0.85) met" in line
