@@ -5,7 +5,7 @@ they did). Lines that are not JSON pass through. With --targets, each line of th
 followed by the decode targets it is judged against (per-replay median roofline ratio of one
 sequence and of 64, verify over one-token decode), each marked met or NOT MET.
 
-    PYTHONPATH=. python benchmarks/decode_breakdown.py | python benchmarks/summarize_breakdown.py [--targets]
+    PYTHONPATH=. python benchmarks/decode_breakdown.py | PYTHONPATH=. python benchmarks/summarize_breakdown.py [--targets]
 """
 
 from __future__ import annotations
