@@ -60,7 +60,7 @@ import ml_dtypes
 import numpy as np
 
 from .config import KdaConfig
-from .selftest import MIN_TIMED_CALLS, count_at_least
+from .selftest import MIN_TIMED_CALLS, count_at_least, replay_ms
 
 FLA_DISTRIBUTION = "flash-linear-attention"
 FLA_TESTED_VERSION = "0.6.0"
@@ -407,15 +407,9 @@ def queued_us(fn: Callable[[], Any], repeats: int, warmup: int) -> float:
     synchronisation per call leaves in front of each."""
     import torch
 
-    for _ in range(warmup):
-        fn()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    events[-1][1].synchronize()
-    return 1e3 * float(np.median([start.elapsed_time(end) for start, end in events]))
+    times = replay_ms(fn, calls=repeats, warmup=warmup, event=lambda: torch.cuda.Event(enable_timing=True),
+                      elapsed=lambda start, end: start.elapsed_time(end))
+    return 1e3 * float(np.median(times))
 
 
 def capture_graph(fn: Callable[[], Any], warmup: int = 3, hold: Callable[[], Any] | None = None) -> tuple[Any, Any]:

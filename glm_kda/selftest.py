@@ -84,17 +84,20 @@ def back_to_back_ms(fn, calls: int = 200, warmup: int = 10) -> float:
     return cupy.cuda.get_elapsed_time(start, end) / calls
 
 
-def replay_ms(fn, calls: int = 200, warmup: int = 10, between=None) -> list[float]:
+def replay_ms(fn, calls: int = 200, warmup: int = 10, between=None, event=None, elapsed=None) -> list[float]:
     """Milliseconds of each of `calls` calls issued back to back, each between its own pair of
     events, with one synchronisation after the last: while the host stays ahead of the GPU each pair
     times its call's GPU work as the queue runs it, so their median is a per-call figure without the
     gaps a synchronisation per call would add. between (None: nothing): issued before each timed
-    call, outside its events (l2_scrub, say)."""
-    import cupy
+    call, outside its events (l2_scrub, say). event() and elapsed(start, end) (None: CuPy's Event
+    and get_elapsed_time) make and read the events: another library's, for work on its stream."""
+    if event is None or elapsed is None:
+        import cupy
 
+        event, elapsed = event or cupy.cuda.Event, elapsed or cupy.cuda.get_elapsed_time
     for _ in range(warmup):
         fn()
-    events = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(calls)]
+    events = [(event(), event()) for _ in range(calls)]
     for start, end in events:
         if between is not None:
             between()
@@ -102,7 +105,7 @@ def replay_ms(fn, calls: int = 200, warmup: int = 10, between=None) -> list[floa
         fn()
         end.record()
     events[-1][1].synchronize()
-    return [cupy.cuda.get_elapsed_time(start, end) for start, end in events]
+    return [elapsed(start, end) for start, end in events]
 
 
 def l2_scrub():
