@@ -486,6 +486,7 @@ def test_no_access_outside_the_operands_on_host(gemm_host_checked, rows, form):
         options["serial"] = True
     run_host(gemm_host_checked, x, w, rows, np.full((rows, n), POISON, np.uint16), **options)
 
+
 @pytest.mark.parametrize("shape", [(40, 136), (72, 2056)], ids=lambda s: f"N{s[0]}-K{s[1]}")
 def test_gemv_rows_equal_one_row_launches_on_host(gemm_host, shape):
     """ops.gemv_bf16, the CUDA-core GEMV of up to 16 rows that gemm_rows replaced (the scalar
