@@ -123,3 +123,41 @@ extern "C" __global__ void __launch_bounds__(32) kda_signal_inputs_ready(int* in
         kda_count_release(inputs_ready);
     }
 }
+
+// Copies `bytes` bytes from src to dst: a graphed decode call's input rows into the workspace and
+// its output rows out of it, as kernel nodes of the call's graph, which glm_kda/graph_copies.py
+// points at each call's arrays before the launch. Unlike a memcpy node, a kernel node takes part in
+// programmatic launches: the projection after the input copy starts its blocks while the copy runs,
+// and the output copy, launched as the programmatic dependent of the output projection, waits on
+// its SM for that projection's end. 16-byte words where both addresses and the size allow, else
+// 2-byte elements (BF16 rows), else bytes. Launch: any grid of KDA_COPY_THREADS threads.
+#define KDA_COPY_THREADS 256
+
+extern "C" __global__ void __launch_bounds__(KDA_COPY_THREADS)
+kda_graph_copy(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst, long long bytes)
+{
+    kda_let_next_kernel_launch();
+    kda_wait_for_previous_kernel();
+    const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+    const long long first = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const unsigned long long alignment = reinterpret_cast<unsigned long long>(src) |
+                                         reinterpret_cast<unsigned long long>(dst) |
+                                         static_cast<unsigned long long>(bytes);
+    if ((alignment & 15ull) == 0) {
+        const uint4* from = reinterpret_cast<const uint4*>(src);
+        uint4* to = reinterpret_cast<uint4*>(dst);
+        for (long long i = first; i < bytes / 16; i += stride) {
+            to[i] = from[i];
+        }
+    } else if ((alignment & 1ull) == 0) {
+        const unsigned short* from = reinterpret_cast<const unsigned short*>(src);
+        unsigned short* to = reinterpret_cast<unsigned short*>(dst);
+        for (long long i = first; i < bytes / 2; i += stride) {
+            to[i] = from[i];
+        }
+    } else {
+        for (long long i = first; i < bytes; i += stride) {
+            dst[i] = src[i];
+        }
+    }
+}
