@@ -86,8 +86,7 @@ def defaults() -> dict:
     awaiting_unstaged_dependents_after (layer.AWAITING_STEP_DEPENDENTS_AFTER,
     layer.AWAITING_UNSTAGED_DEPENDENTS_AFTER), tail_staged_awaiting and tail_blocks (gemm_rows.TAIL_STAGED_AWAITING,
     gemm_rows.TAIL_BLOCKS), graph_copies (layer.GRAPH_COPIES_IN_GRAPH: the replayed graphs then hold
-    the public call's input and output copies), graph_copy_kernels (layer.GRAPH_COPY_KERNELS: those copies as
-    kernels, q|k|v and the output copy launching as programmatic dependents; else memcpy nodes), counting_ahead (gemm_rows.COUNTING_AHEAD), kernel_sources (a folder of kernel sources; None:
+    the public call's input and output copies), counting_ahead (gemm_rows.COUNTING_AHEAD), kernel_sources (a folder of kernel sources; None:
     the package's own)."""
     from glm_kda import gemm_rows, kernels, layer, persistent
 
@@ -114,8 +113,7 @@ def defaults() -> dict:
         "awaiting_step_dependents_after": layer.AWAITING_STEP_DEPENDENTS_AFTER,
         "awaiting_unstaged_dependents_after": layer.AWAITING_UNSTAGED_DEPENDENTS_AFTER,
         "tail_staged_awaiting": gemm_rows.TAIL_STAGED_AWAITING, "tail_blocks": gemm_rows.TAIL_BLOCKS,
-        "graph_copies": layer.GRAPH_COPIES_IN_GRAPH, "graph_copy_kernels": layer.GRAPH_COPY_KERNELS,
-        "counting_ahead": gemm_rows.COUNTING_AHEAD,
+        "graph_copies": layer.GRAPH_COPIES_IN_GRAPH, "counting_ahead": gemm_rows.COUNTING_AHEAD,
         "kernel_sources": None,
     }
 
@@ -167,7 +165,6 @@ def apply(settings: dict, layer_object) -> None:
     gemm_rows.TAIL_STAGED_AWAITING = settings["tail_staged_awaiting"]
     gemm_rows.TAIL_BLOCKS = settings["tail_blocks"]
     layer.GRAPH_COPIES_IN_GRAPH = settings["graph_copies"]
-    layer.GRAPH_COPY_KERNELS = settings["graph_copy_kernels"]
     gemm_rows.COUNTING_AHEAD = settings["counting_ahead"]
     sources = settings["kernel_sources"]
     if sources not in _KERNEL_SETS:

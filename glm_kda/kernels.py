@@ -39,7 +39,7 @@ ENTRY_POINTS: dict[str, tuple[str, ...]] = {
     "gate": ("gate_beta_f32",),
     "recurrent": ("kda_recurrent_step_f32",),
     "decode": ("kda_decode_fused_bf16", "kda_decode_fused_staged_bf16", "kda_decode_fused_split_bf16",
-               "kda_signal_inputs_ready", "kda_graph_copy"),
+               "kda_signal_inputs_ready"),
     "decode_persistent": ("kda_decode_persistent_bf16",),
     "chunk": ("kda_chunk_prepare_f32", "kda_chunk_scan_f32"),
     "chunk_tc": ("kda_chunk_tc_prepare_f32", "kda_chunk_tc_prepare_gate_f32", "kda_chunk_tc_prepare_unbounded_f32",
@@ -604,18 +604,8 @@ class _ProgrammaticLauncher:
         attribute.value[0] = 1
         config = _LaunchConfig(*(grid + (1,) * (3 - len(grid))), *(block + (1,) * (3 - len(block))), shared_mem,
                                stream, ctypes.pointer(attribute), 1)
-        return self.launch_ex(ctypes.byref(config), cu_function(function), params, None)
-
-
-def cu_function(function: Any) -> int:
-    """The CUfunction handle of a cupy RawKernel (or of a cupy.cuda.function.Function)."""
-    return function.kernel.ptr if hasattr(function, "kernel") else function.ptr
-
-
-def function_handle(name: str) -> int:
-    """The CUfunction of kernel ``name`` in the current KernelSet: what a captured graph's kernel
-    node of it names (glm_kda.graph_copies finds its nodes by it)."""
-    return cu_function(KernelSet.get().function(name))
+        handle = function.kernel.ptr if hasattr(function, "kernel") else function.ptr
+        return self.launch_ex(ctypes.byref(config), handle, params, None)
 
 
 def kernel_parameters(args: Sequence[Any]) -> list:

@@ -200,9 +200,6 @@ _F32, _I32 = np.dtype(np.float32), np.dtype(np.int32)
 # repointed at the call's arrays before each launch (glm_kda.graph_copies), or False: two
 # separate memcpys around the launch. The same bytes either way.
 GRAPH_COPIES_IN_GRAPH = True
-# Those nodes as kernels (ops.graph_copy: q|k|v launches as the input copy's programmatic
-# dependent, the output copy as o_proj's), or False: as memcpy nodes. The same bytes either way.
-GRAPH_COPY_KERNELS = True
 # cudaMemcpyKind of the copies around a graph replay.
 _HOST_TO_DEVICE, _DEVICE_TO_DEVICE = 1, 3
 
@@ -395,11 +392,6 @@ class KdaLayer:
         self._x_tiles_rows = 0
         # Blocks of the fused step the next o_proj awaits (OUT_PROJ_AWAITS_STEP; 0: none).
         self._o_proj_ready = 0
-        # Set by DecodeGraphs while it captures a call with its copies as kernels: the input rows were
-        # copied by a kernel just before (q|k|v launches as its programmatic dependent), and the array
-        # back_end copies final_out's rows into after o_proj (then None again).
-        self._rows_copied_in = False
-        self._graph_output: Any = None
         self.chunk_impl = chunk_impl
         # Tensor-core prefill: the bounded prepare forms the forget gate and beta itself (True,
         # the default) or reads them from the gate kernel (False); the same bits either way.
@@ -680,8 +672,7 @@ class KdaLayer:
         branched = concurrent and GATE_BRANCH_MIN_ROWS is not None and rows > GATE_BRANCH_MIN_ROWS
 
         def project_qkv() -> None:
-            self._project(hidden, "qkv_weight", ws.qkv_proj[:rows], wide, after_kernel=self._rows_copied_in,
-                          reserved_slots=QKV_RESERVED_SLOTS)
+            self._project(hidden, "qkv_weight", ws.qkv_proj[:rows], wide, reserved_slots=QKV_RESERVED_SLOTS)
 
         with self._beside(concurrent) as side:
             if not SIDE_CHAIN_FIRST:
@@ -911,8 +902,8 @@ class KdaLayer:
             with self._beside(True) as side:
                 reserved = max(QKV_RESERVED_SLOTS, self.config.heads + 1)
                 counts = QKV_COUNTS_INPUTS and isinstance(self.decode_weight("qkv_weight"), gemm_rows.PackedWeight)
-                blocks = self._project(hidden, "qkv_weight", ws.qkv_proj[:1], False, after_kernel=self._rows_copied_in,
-                                       reserved_slots=reserved, counted=ws.inputs_ready if counts else None)
+                blocks = self._project(hidden, "qkv_weight", ws.qkv_proj[:1], False, reserved_slots=reserved,
+                                       counted=ws.inputs_ready if counts else None)
                 if not counts:
                     ops.signal_inputs_ready(ws.inputs_ready)
                 with side:
@@ -932,9 +923,7 @@ class KdaLayer:
 
     def back_end(self, rows: int, wide: bool = False, norm: bool = True) -> None:
         """Gated RMSNorm of core into o_norm_out (skipped with norm=False: the fused decode
-        step wrote it), then o_proj into final_out (and its FP32 sums into o_proj_sums, where set).
-        While DecodeGraphs captures a call with its copies as kernels, final_out's rows are then
-        copied into the graph's output array by a programmatic dependent of o_proj."""
+        step wrote it), then o_proj into final_out (and its FP32 sums into o_proj_sums, where set)."""
         ws, c = self.workspace, self.config
         if norm:
             ops.gated_rmsnorm_sigmoid_bf16(ws.core, ws.out_gate, self.o_norm, ws.o_norm_out, c.heads, c.head_dim,
@@ -942,10 +931,6 @@ class KdaLayer:
         sums = self._o_proj_sums
         self._project(ws.o_norm_out[:rows], "o_proj", ws.final_out[:rows], wide, after_kernel=True,
                       staged=OUT_PROJ_STAGED, sums=None if sums is None else sums[:rows])
-        output = self._graph_output
-        if output is not None and output.shape == ws.final_out[:rows].shape:
-            self._graph_output = None
-            ops.graph_copy(ws.final_out[:rows], output, programmatic=True)
 
     def prefill_core(self, tokens: int, conv_state: Any, recurrent_state: Any, pad_value: float | None = 0.0,
                      first: int = 0) -> None:
@@ -1271,10 +1256,8 @@ class DecodeGraphs:
         self._io: dict[int, GraphIO] = {}
         self._io_serial = -1
         self._uploads: PinnedUploads | None = None
-        # The input and output copies as nodes of each graph (glm_kda.graph_copies), else beside it;
-        # those nodes as kernels, else as memcpys.
+        # The input and output copies as nodes of each graph (glm_kda.graph_copies), else beside it.
         self.copies_in_graph = GRAPH_COPIES_IN_GRAPH
-        self.copy_kernels = GRAPH_COPY_KERNELS
         self.generation = 0  # advanced by clear(): graphs of other drivers holding this layer's launches key on it
 
     def io(self, rows: int) -> GraphIO:
@@ -1367,43 +1350,29 @@ class DecodeGraphs:
         """Capture body on a side stream and keep it under `key`. With copies_in_graph the
         graph begins with the input copy and ends with the output copy (capture-time addresses:
         hidden's and a scratch array's; each launch repoints them first), else it holds the
-        body alone. With copy_kernels those copies are kernels (ops.graph_copy): the layer's q|k|v
-        then launches as the input copy's programmatic dependent, and its back_end launches the
-        output copy as o_proj's (else the copy follows the body), else memcpy nodes."""
+        body alone."""
         import cupy
 
         copies_in_graph = self.copies_in_graph and graph_copies.driver() is not None
-        as_kernels = copies_in_graph and self.copy_kernels
         scratch = cupy.empty(io.out.shape, io.out.dtype) if copies_in_graph else None
-        layer = self.layer
         side = cupy.cuda.Stream(non_blocking=True)
         with side:
             side.begin_capture()
             try:
-                if as_kernels:
-                    ops.graph_copy(hidden.view(io.hidden.dtype).reshape(io.hidden.shape), io.hidden)
-                    layer._rows_copied_in, layer._graph_output = True, scratch
-                elif copies_in_graph:
+                if copies_in_graph:
                     self._copy_in(io, hidden, side)
                 body(io.hidden, slots)
-                if as_kernels and layer._graph_output is not None:
-                    ops.graph_copy(io.out, scratch)  # (no back_end took it)
-                elif copies_in_graph and not as_kernels:
+                if copies_in_graph:
                     self._copy_out(io, side, scratch)
             finally:
-                layer._rows_copied_in, layer._graph_output = False, None
                 graph = side.end_capture()
         copies = None
         if copies_in_graph:
-            find = graph_copies.KernelCopies.find if as_kernels else graph_copies.GraphCopies.find
-            copies = find(graph, io.hidden_ptr, io.out_ptr, (io.hidden_bytes, io.out_bytes))
+            copies = graph_copies.GraphCopies.find(graph, io.hidden_ptr, io.out_ptr, (io.hidden_bytes, io.out_bytes))
             if copies is None:
                 # Not found or not reachable: this graph's copies would keep their capture-time
-                # addresses. Capture again with memcpy nodes, or without copies, and do so from now on.
-                if as_kernels:
-                    self.copy_kernels = False
-                else:
-                    self.copies_in_graph = False
+                # addresses. Capture again without them, and do so from now on.
+                self.copies_in_graph = False
                 return self._capture(key, io, hidden, slots, body)
         self.captures += 1
         if len(self.graphs) >= self.capacity:
@@ -1413,11 +1382,10 @@ class DecodeGraphs:
 
     def clear(self) -> None:
         """Forget every captured graph (the next calls run eagerly once, then recapture with
-        the copies as GRAPH_COPIES_IN_GRAPH and GRAPH_COPY_KERNELS now say)."""
+        the copies as GRAPH_COPIES_IN_GRAPH now says)."""
         self.graphs.clear()
         self.seen.clear()
         self.copies_in_graph = GRAPH_COPIES_IN_GRAPH
-        self.copy_kernels = GRAPH_COPY_KERNELS
         self.generation += 1
 
 

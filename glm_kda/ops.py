@@ -686,38 +686,6 @@ def signal_inputs_ready(inputs_ready) -> None:
     kernels.launch("kda_signal_inputs_ready", (1,), (32,), (inputs_ready,), programmatic=True)
 
 
-# Threads of a kda_graph_copy block (KDA_COPY_THREADS of decode.cu), the 16-byte words each thread
-# copies at most before the grid grows, and the most blocks a copy takes.
-GRAPH_COPY_THREADS = 256
-GRAPH_COPY_WORDS_PER_THREAD = 4
-GRAPH_COPY_MAX_BLOCKS = 128
-
-
-def graph_copy_grid(nbytes: int) -> int:
-    """Blocks of a kda_graph_copy launch moving `nbytes` bytes."""
-    words = -(-nbytes // 16)
-    per_block = GRAPH_COPY_THREADS * GRAPH_COPY_WORDS_PER_THREAD
-    return max(1, min(GRAPH_COPY_MAX_BLOCKS, -(-words // per_block)))
-
-
-def graph_copy(src, dst, *, programmatic: bool = False) -> None:
-    """dst[...] = src by a kernel (kda_graph_copy): a graphed decode call's input or output copy as a
-    kernel node of its graph, which glm_kda.graph_copies repoints per call. src, dst: C-contiguous
-    CuPy arrays of one dtype and shape (any alignment). ``programmatic``: launch as the programmatic
-    dependent of the previous kernel on the current stream (the one writing src): the blocks start
-    while it runs and wait for its end. The kernel lets the next one launch at once, so a
-    projection after an input copy may launch as its programmatic dependent."""
-    if src.dtype != dst.dtype or src.shape != dst.shape:
-        raise ValueError(f"graph_copy: {src.dtype} {list(src.shape)} into {dst.dtype} {list(dst.shape)}")
-    for name, array in (("src", src), ("dst", dst)):
-        if not array.flags.c_contiguous:
-            raise ValueError(f"graph_copy: {name} must be C-contiguous (strides {array.strides})")
-    if src.nbytes == 0:
-        return
-    kernels.launch("kda_graph_copy", (graph_copy_grid(src.nbytes),), (GRAPH_COPY_THREADS,),
-                   (src, dst, numpy.int64(src.nbytes)), programmatic=programmatic)
-
-
 def bulk_copies_available() -> bool:
     """Whether the current device has the bulk copies (the tensor memory accelerator) and the
     thread-block clusters of sm_90 and later, which kda_decode_fused_bf16(staged=True) and

@@ -14,7 +14,6 @@ class HostStandIn:
         self._array = array
         self.dtype, self.shape, self.ndim = array.dtype, array.shape, array.ndim
         self.strides, self.itemsize, self.size, self.flags = array.strides, array.itemsize, array.size, array.flags
-        self.nbytes = array.nbytes
         self.data = SimpleNamespace(ptr=array.ctypes.data)
 
     def __getitem__(self, index):

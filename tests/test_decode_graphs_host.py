@@ -1,6 +1,5 @@
 """DecodeGraphs' control flow on the host: which call runs eagerly, which captures, what a replay
-copies where, the in-graph copies as kernels (the layer's back_end taking the output copy) or as
-memcpy nodes and their fallbacks, host slots through the pinned buffers.
+copies where, the fallbacks of the in-graph copies, host slots through the pinned buffers.
 
 A stand-in for the few CuPy calls DecodeGraphs makes (streams that record what is issued while
 they capture, graphs that replay it, memcpyAsync as a host memmove, pinned buffers, events): the
@@ -35,17 +34,10 @@ class Array(HostStandIn):
     def __getitem__(self, index):
         return Array(self._array[index])
 
-    def view(self, dtype):
-        return Array(self._array.view(dtype))
-
-    def reshape(self, shape):
-        return Array(self._array.reshape(shape))
-
 
 class Graph:
     """What a capture recorded: ["copy", dst, src, nbytes] (mutable: the stand-in copies
-    repoint them; a copy kernel's node has a fifth entry, "programmatic" or "plain") and
-    ["kernel", fn] nodes, replayed in order."""
+    repoint them) and ["kernel", fn] nodes, replayed in order."""
 
     def __init__(self):
         self.nodes: list[list] = []
@@ -124,13 +116,6 @@ def memcpy_async(dst: int, src: int, nbytes: int, kind: int, stream_ptr: int) ->
     Device.issue(stream_ptr, ["copy", dst, src, nbytes])
 
 
-def graph_copy(src, dst, *, programmatic: bool = False) -> None:
-    """Stand-in ops.graph_copy: a copy node marked as a kernel's."""
-    assert src.shape == dst.shape and src.dtype == dst.dtype, (src.shape, dst.shape, src.dtype, dst.dtype)
-    Device.issue(Device.current().ptr, ["copy", dst.data.ptr, src.data.ptr, src.nbytes,
-                                        "programmatic" if programmatic else "plain"])
-
-
 def alloc_pinned_memory(nbytes: int) -> Pinned:
     buffer = np.zeros(nbytes, np.uint8).view(Pinned)
     buffer.ptr = buffer.ctypes.data
@@ -172,8 +157,6 @@ def graphs(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy())
     monkeypatch.setattr(graph_copies, "driver", lambda: object())
     monkeypatch.setattr(graph_copies.GraphCopies, "find", Copies.find)
-    monkeypatch.setattr(graph_copies.KernelCopies, "find", Copies.find)
-    monkeypatch.setattr(layer_module.ops, "graph_copy", graph_copy)
     monkeypatch.setattr(Copies, "accept", True)
     Device.streams.clear()
     Device.stack.clear()
@@ -187,31 +170,22 @@ def graphs(monkeypatch):
 
 class Body:
     """A decode body: final_out's rows = the rows it is given + 1 (one "kernel", issued on the
-    current stream), and the slots it saw at each run. With `back_end`, it then takes the graph's
-    output copy as KdaLayer.back_end does (a programmatic copy after its kernel)."""
+    current stream), and the slots it saw at each run."""
 
-    def __init__(self, graphs: DecodeGraphs, back_end: bool = False):
+    def __init__(self, graphs: DecodeGraphs):
         self.layer = graphs.layer
-        self.back_end = back_end
         self.calls = 0
         self.slots_seen: list = []
-        self.copied_in: list[bool] = []
 
     def __call__(self, hidden, slots) -> None:
         self.calls += 1
-        layer = self.layer
-        ws, rows = layer.workspace, hidden.shape[0]
-        self.copied_in.append(getattr(layer, "_rows_copied_in", False))
+        ws, rows = self.layer.workspace, hidden.shape[0]
 
         def kernel():
             ws.final_out._array[:rows] = hidden._array + 1
             self.slots_seen.append(None if slots is None else slots._array.copy())
 
         Device.issue(Device.current().ptr, ["kernel", kernel])
-        output = getattr(layer, "_graph_output", None)
-        if self.back_end and output is not None:
-            layer._graph_output = None
-            graph_copy(ws.final_out[:rows], output, programmatic=True)
 
 
 def rows_of(seed: int, rows: int) -> Array:
@@ -224,50 +198,27 @@ def call(graphs: DecodeGraphs, body: Body, hidden: Array, slots=None, key=("k",)
     return out
 
 
-@pytest.mark.parametrize("form", ["kernels", "kernels, back_end", "memcpy", "beside"])
-def test_first_call_eager_second_captures_then_replays(graphs, monkeypatch, form):
-    in_graph, as_kernels = form != "beside", form.startswith("kernels")
+@pytest.mark.parametrize("in_graph", [True, False])
+def test_first_call_eager_second_captures_then_replays(graphs, monkeypatch, in_graph):
     monkeypatch.setattr(layer_module, "GRAPH_COPIES_IN_GRAPH", in_graph)
-    monkeypatch.setattr(layer_module, "GRAPH_COPY_KERNELS", as_kernels)
     graphs.clear()
-    body = Body(graphs, back_end="back_end" in form)
+    body = Body(graphs)
     hidden = [rows_of(i, 2) for i in range(6)]
     outs = [call(graphs, body, h) for h in hidden]
     assert graphs.captures == 1 and body.calls == 2, (graphs.captures, body.calls)
-    assert body.copied_in == [False, as_kernels], f"the body saw _rows_copied_in {body.copied_in}"
-    assert not graphs.layer._rows_copied_in and graphs.layer._graph_output is None, "capture state left behind"
     (entry,) = graphs.graphs.values()
     assert (entry.copies is not None) == in_graph
     assert entry.graph.launches == 5, "the capturing call and the four after it replay"
     assert len({o.data.ptr for o in outs}) == 6, "each call returns an array of its own"
-    copy_nodes = [n[4:] for n in entry.graph.nodes if n[0] == "copy"]
-    # Kernel copies: the input first (plain), the output after the body's kernel, programmatic where
-    # the body's back_end launched it.
-    expected = {"kernels": [["plain"], ["plain"]], "kernels, back_end": [["plain"], ["programmatic"]],
-                "memcpy": [[], []], "beside": []}[form]
-    assert copy_nodes == expected, f"copy nodes {copy_nodes}, expected {expected}"
-    assert [n[0] for n in entry.graph.nodes] == (["copy", "kernel", "copy"] if in_graph else ["kernel"])
+    copy_nodes = [n for n in entry.graph.nodes if n[0] == "copy"]
+    assert len(copy_nodes) == (2 if in_graph else 0)
     if in_graph:
         assert entry.copies.input_node[2] == hidden[-1].data.ptr, "the graph reads the last call's rows"
         assert entry.copies.output_node[1] == outs[-1].data.ptr, "the graph writes the last call's output"
 
 
-def test_kernel_copies_not_found_capture_again_with_memcpy_nodes(graphs, monkeypatch):
-    monkeypatch.setattr(graph_copies.KernelCopies, "find", lambda *args: None)
-    body = Body(graphs, back_end=True)
-    for i in range(4):
-        call(graphs, body, rows_of(80 + i, 3))
-    (entry,) = graphs.graphs.values()
-    assert entry.copies is not None and graphs.copies_in_graph and not graphs.copy_kernels
-    assert [n[4:] for n in entry.graph.nodes if n[0] == "copy"] == [[], []], "the kept graph holds kernel copies"
-    assert body.copied_in[-1] is False, "the memcpy form's capture told the layer a kernel copied its rows"
-    graphs.clear()
-    assert graphs.copy_kernels, "clear() takes the module's setting again"
-
-
 def test_copies_not_found_capture_again_without_them(graphs, monkeypatch):
     monkeypatch.setattr(graph_copies.GraphCopies, "find", lambda *args: None)
-    monkeypatch.setattr(graph_copies.KernelCopies, "find", lambda *args: None)
     body = Body(graphs)
     for i in range(4):
         call(graphs, body, rows_of(10 + i, 3))

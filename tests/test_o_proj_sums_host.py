@@ -38,7 +38,6 @@ def recorded(monkeypatch):
     layer.persistent_decode = layer.fused_decode = True
     layer._o_proj_sums = None
     layer._x_tiles_rows = layer._o_proj_ready = 0
-    layer._rows_copied_in, layer._graph_output = False, None
     return layer, calls, packed
 
 
@@ -88,25 +87,3 @@ def test_sums_keep_the_awaiting_o_proj_and_turn_off_the_persistent_launch(record
     layer._o_proj_sums = np.zeros((ROWS, HIDDEN), np.float32)
     assert layer._o_proj_awaits_step(1), "the awaiting o_proj has entries writing sums"
     assert not layer._persistent_applies(1, True, []), "the persistent launch writes no sums"
-
-
-def test_graph_output_copy_follows_o_proj_as_its_programmatic_dependent(recorded, monkeypatch):
-    """While DecodeGraphs captures with its copies as kernels (layer._graph_output set), back_end
-    launches the output copy of final_out's rows right after o_proj, programmatic, once; an array of
-    another shape is left for DecodeGraphs to copy after the body."""
-    layer, calls, _ = recorded
-    monkeypatch.setattr(ops, "graph_copy", lambda src, dst, programmatic=False: calls.append(
-        ("graph_copy", src, dst, programmatic)))
-    output = np.zeros((3, HIDDEN), np.uint16)
-    layer._graph_output = output
-    layer.back_end(3, norm=False)
-    assert [call[0] for call in calls] == ["gemm_rows", "graph_copy"], calls
-    _, src, dst, programmatic = calls[1]
-    assert src.base is layer.workspace.final_out and src.shape == (3, HIDDEN) and dst is output and programmatic
-    assert layer._graph_output is None, "the copy was taken"
-    calls.clear()
-    layer.back_end(3, norm=False)
-    assert [call[0] for call in calls] == ["gemm_rows"], "a second back end copied again"
-    layer._graph_output = np.zeros((2, HIDDEN), np.uint16)
-    layer.back_end(3, norm=False)
-    assert [call[0] for call in calls] == ["gemm_rows", "gemm_rows"] and layer._graph_output is not None

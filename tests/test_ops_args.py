@@ -581,17 +581,15 @@ def test_qkv_projection_leaves_slots_to_the_side_chain(monkeypatch):
         forks.append((branch, concurrent))
         return contextlib.nullcontext(contextlib.nullcontext())
 
-    after: list[bool] = []  # q|k|v's after_kernel per call
     fake = SimpleNamespace(
         config=SimpleNamespace(head_dim=4),
         workspace=SimpleNamespace(x_tiles_gate=gate_tiles, **{name: np.zeros((20, 12)) for name in
                                                               ("qkv_proj", "down_proj", "forget_proj", "out_gate")}),
         _beside=beside,
-        _project=lambda x, weight, out, wide, after_kernel=False, reserved_slots=0, x_tiles=None: (calls.append(
-            (weight, reserved_slots, x_tiles is gate_tiles)), weight == "qkv_weight" and after.append(after_kernel)),
+        _project=lambda x, weight, out, wide, after_kernel=False, reserved_slots=0, x_tiles=None: calls.append(
+            (weight, reserved_slots, x_tiles is gate_tiles)),
         gate_beta=lambda rows: calls.append(("gate_beta", 0, False)),
         _gate_up_pair=lambda rows, wide, branched: False,
-        _rows_copied_in=False,
     )
     fake._low_rank_chain = lambda *args: layer.KdaLayer._low_rank_chain(fake, *args)
     layer.KdaLayer.front_end(fake, np.zeros((3, 8)), gate=False)
@@ -602,11 +600,6 @@ def test_qkv_projection_leaves_slots_to_the_side_chain(monkeypatch):
     layer.KdaLayer.front_end(fake, np.zeros((20, 8)), gate=False)
     assert sorted(calls) == [("down_weight", 0, False), ("f_b", 0, False), ("g_b", 0, True), ("qkv_weight", 40, False)]
     assert forks == [(0, True), (1, True)]
-    # Rows a graph's copy kernel has just written: q|k|v launches as its programmatic dependent.
-    fake._rows_copied_in = True
-    layer.KdaLayer.front_end(fake, np.zeros((3, 8)), gate=False)
-    assert after == [False, False, True], f"q|k|v's after_kernel per call: {after}"
-    fake._rows_copied_in = False
     # f_b and g_b as one launch (layer.GATE_UP_PAIR): down_proj's two column ranges into their outputs.
     calls.clear(), forks.clear()
     pairs = []
@@ -649,9 +642,7 @@ def test_one_row_awaiting_step_leaves_a_slot_per_head_and_one_more(monkeypatch):
             name: np.zeros((20, 12)) for name in ("qkv_proj", "down_proj", "forget_proj", "out_gate")}),
         _beside=beside,
         _project=lambda x, weight, out, wide, after_kernel=False, reserved_slots=0, x_tiles=None, counted=None: (
-            events.append(("project", weight, reserved_slots) + ((counted is words,) if counted else ())
-                          + (("after_kernel",) if after_kernel else ())), 200)[1],
-        _rows_copied_in=False,
+            events.append(("project", weight, reserved_slots) + ((counted is words,) if counted else ())), 200)[1],
         gate_beta=lambda rows: events.append(("gate_beta",)),
         stateful_rows=lambda first, rows, conv, rec, slots=None, inputs_ready=None, whole=False, inputs_target=1:
         events.append(("step", rows, inputs_ready is words, whole, inputs_target)),
@@ -684,13 +675,6 @@ def test_one_row_awaiting_step_leaves_a_slot_per_head_and_one_more(monkeypatch):
     monkeypatch.setattr(layer, "QKV_COUNTS_INPUTS", False)
     layer.KdaLayer._decode_awaiting_projection(fake, np.zeros((1, 8)), None, None, None)
     assert events[1:3] == [("project", "qkv_weight", 65), ("signal", True)] and events[5] == ("step", 1, True, True, 1)
-    events.clear()
-    # Rows a graph's copy kernel has just written: q|k|v alone launches as its programmatic dependent.
-    fake._rows_copied_in = True
-    layer.KdaLayer._decode_awaiting_projection(fake, np.zeros((1, 8)), None, None, None)
-    assert [event for event in events if event[0] == "project"] == [
-        ("project", "qkv_weight", 65, "after_kernel"), ("project", "down_weight", 0)], events
-    fake._rows_copied_in = False
     events.clear()
     fake.stateful_rows = lambda *args, **options: (_ for _ in ()).throw(ValueError("bad state"))
     monkeypatch.setitem(__import__("sys").modules, "cupy", SimpleNamespace(
@@ -749,31 +733,3 @@ def test_persistent_decode_arguments_match_the_kernel(monkeypatch):
     with pytest.raises(ValueError, match="1..16 rows"):
         persistent.launch(layer, _bf16(17, 2304), None, None)
     assert len(made) == 1
-
-
-def test_graph_copy_launches_its_bytes_over_a_grid_that_grows_with_them(monkeypatch):
-    """ops.graph_copy: one launch of kda_graph_copy with (src, dst, bytes), a grid of one block up to
-    GRAPH_COPY_WORDS_PER_THREAD 16-byte words a thread and at most GRAPH_COPY_MAX_BLOCKS blocks,
-    programmatic where asked; another shape, dtype or a strided array is refused before any launch;
-    nothing to copy launches nothing."""
-    made = []
-    monkeypatch.setattr(ops.kernels, "launch", lambda name, grid, block, args, shared_mem=0, **options:
-                        made.append((name, tuple(grid), tuple(block), tuple(args), options)))
-    per_block = ops.GRAPH_COPY_THREADS * ops.GRAPH_COPY_WORDS_PER_THREAD * 16
-    for rows, hidden, blocks in ((1, 2304, 1), (1, 4096, 1), (64, 2304, -(-64 * 2304 * 2 // per_block)),
-                                 (256, 4096, ops.GRAPH_COPY_MAX_BLOCKS)):
-        src, dst = HostStandIn(aligned((rows, hidden))), HostStandIn(aligned((rows, hidden)))
-        ops.graph_copy(src, dst, programmatic=rows > 1)
-        name, grid, block, args, options = made.pop()
-        assert (name, grid, block) == ("kda_graph_copy", (blocks,), (ops.GRAPH_COPY_THREADS,)), (rows, hidden, grid)
-        assert args[0] is src and args[1] is dst and int(args[2]) == rows * hidden * 2
-        assert isinstance(args[2], np.int64), "the kernel takes a long long"
-        assert options == {"programmatic": rows > 1}
-    assert ops.graph_copy_grid(1) == 1 and ops.graph_copy_grid(per_block + 1) == 2
-    src = HostStandIn(aligned((2, 8)))
-    for dst, match in ((HostStandIn(aligned((2, 9))), "into"), (HostStandIn(aligned((2, 8), np.float16)), "into"),
-                       (HostStandIn(aligned((2, 16))[:, :8]), "dst must be C-contiguous")):
-        with pytest.raises(ValueError, match=match):
-            ops.graph_copy(src, dst)
-    ops.graph_copy(HostStandIn(aligned((0, 8))), HostStandIn(aligned((0, 8))))
-    assert made == []
