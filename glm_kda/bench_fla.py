@@ -60,7 +60,7 @@ import ml_dtypes
 import numpy as np
 
 from .config import KdaConfig
-from .selftest import MIN_TIMED_CALLS, count_at_least, replay_ms
+from .selftest import MIN_TIMED_CALLS, count_at_least, median_ms, replay_ms
 
 FLA_DISTRIBUTION = "flash-linear-attention"
 FLA_TESTED_VERSION = "0.6.0"
@@ -382,22 +382,18 @@ def fla_decode_steps(layer: Any, hidden: np.ndarray, cache: Any = None) -> tuple
 
 
 # Timing -----------------------------------------------------------------------------------------
-def median_us(fn: Callable[[], Any], repeats: int, warmup: int) -> float:
-    """Median of `repeats` CUDA-event timings of fn() on the current stream, after `warmup` calls."""
+def _torch_events() -> dict:
+    """selftest's event and elapsed arguments for torch's CUDA events (work on torch's stream)."""
     import torch
 
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(repeats):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return 1e3 * float(np.median(times))
+    return {"event": lambda: torch.cuda.Event(enable_timing=True),
+            "elapsed": lambda start, end: start.elapsed_time(end)}
+
+
+def median_us(fn: Callable[[], Any], repeats: int, warmup: int) -> float:
+    """Median of `repeats` CUDA-event timings of fn() on the current stream, each call synchronised,
+    after `warmup` calls (selftest.median_ms with torch's events)."""
+    return 1e3 * median_ms(fn, repeats=repeats, warmup=warmup, **_torch_events())
 
 
 def queued_us(fn: Callable[[], Any], repeats: int, warmup: int) -> float:
@@ -405,11 +401,7 @@ def queued_us(fn: Callable[[], Any], repeats: int, warmup: int) -> float:
     its own pair of CUDA events, one synchronisation after the last (selftest.replay_ms with torch's
     events): while the host stays ahead of the GPU, a per-call figure without the idle gap that a
     synchronisation per call leaves in front of each."""
-    import torch
-
-    times = replay_ms(fn, calls=repeats, warmup=warmup, event=lambda: torch.cuda.Event(enable_timing=True),
-                      elapsed=lambda start, end: start.elapsed_time(end))
-    return 1e3 * float(np.median(times))
+    return 1e3 * float(np.median(replay_ms(fn, calls=repeats, warmup=warmup, **_torch_events())))
 
 
 def capture_graph(fn: Callable[[], Any], warmup: int = 3, hold: Callable[[], Any] | None = None) -> tuple[Any, Any]:

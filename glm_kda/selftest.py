@@ -52,19 +52,29 @@ def count_at_least(minimum: int, why: str = ""):
     return parse
 
 
-def median_ms(fn, repeats: int = 50, warmup: int = 5) -> float:
-    import cupy
+def _events(event, elapsed):
+    """event() and elapsed(start, end), CuPy's Event and get_elapsed_time where either is None."""
+    if event is None or elapsed is None:
+        import cupy
 
+        event, elapsed = event or cupy.cuda.Event, elapsed or cupy.cuda.get_elapsed_time
+    return event, elapsed
+
+
+def median_ms(fn, repeats: int = 50, warmup: int = 5, event=None, elapsed=None) -> float:
+    """Median milliseconds of `repeats` calls of fn(), each between a pair of events and synchronised,
+    after `warmup` calls. event() and elapsed(start, end) as in replay_ms."""
+    event, elapsed = _events(event, elapsed)
     for _ in range(warmup):
         fn()
     times = []
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    start, end = event(), event()
     for _ in range(repeats):
         start.record()
         fn()
         end.record()
         end.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, end))
+        times.append(elapsed(start, end))
     return float(np.median(times))
 
 
@@ -91,10 +101,7 @@ def replay_ms(fn, calls: int = 200, warmup: int = 10, between=None, event=None, 
     gaps a synchronisation per call would add. between (None: nothing): issued before each timed
     call, outside its events (l2_scrub, say). event() and elapsed(start, end) (None: CuPy's Event
     and get_elapsed_time) make and read the events: another library's, for work on its stream."""
-    if event is None or elapsed is None:
-        import cupy
-
-        event, elapsed = event or cupy.cuda.Event, elapsed or cupy.cuda.get_elapsed_time
+    event, elapsed = _events(event, elapsed)
     for _ in range(warmup):
         fn()
     events = [(event(), event()) for _ in range(calls)]

@@ -512,3 +512,6 @@ def test_decode_rows_carry_both_medians_and_their_ratios(monkeypatch):
     # Warm-up calls of 1 and 2 ms, then 3 .. 203 ms: median 103 ms.
     assert bench_fla.queued_us(call, repeats=201, warmup=2) == pytest.approx(103e3)
     assert clock["synchronised"] == 1
+    # median_us: the same stand-in, each call synchronised (warm-up 204 and 205 ms, then 206 .. 210).
+    assert bench_fla.median_us(call, repeats=5, warmup=2) == pytest.approx(208e3)
+    assert clock["synchronised"] == 1 + 5
