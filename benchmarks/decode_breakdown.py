@@ -88,7 +88,9 @@ def defaults() -> dict:
     gemm_rows.TAIL_BLOCKS), graph_copies (layer.GRAPH_COPIES_IN_GRAPH: the replayed graphs then hold
     the public call's input and output copies), counting_ahead (gemm_rows.COUNTING_AHEAD), kernel_sources (a folder of kernel sources; None:
     the package's own)."""
-    from glm_kda import gemm_rows, kernels, layer, persistent
+    from glm_kda.gpu import projection as gemm_rows
+    from glm_kda.gpu import build as kernels
+    from glm_kda.gpu import layer
 
     return {
         "fused_decode": True, "programmatic_launch": kernels.PROGRAMMATIC_LAUNCH,
@@ -130,7 +132,9 @@ _KERNEL_SETS: dict = {}
 
 
 def apply(settings: dict, layer_object) -> None:
-    from glm_kda import gemm_rows, kernels, layer, persistent
+    from glm_kda.gpu import projection as gemm_rows
+    from glm_kda.gpu import build as kernels
+    from glm_kda.gpu import layer
 
     kernels.PROGRAMMATIC_LAUNCH = settings["programmatic_launch"]
     gemm_rows.PREFETCH_K_BLOCKS = settings["l2_prefetch_k_blocks"]
@@ -196,8 +200,8 @@ def main(geometries: list[str], against: str | None = None, extra: tuple = ()) -
     import cupy
     import numpy as np
 
-    from glm_kda import kernels
-    from glm_kda.layer import KdaLayer, to_device_bf16
+    from glm_kda.gpu import build as kernels
+    from glm_kda.gpu.layer import KdaLayer, to_device_bf16
     from glm_kda.selftest import copy_bandwidth_gbs, l2_scrub, state_bytes, weight_bytes
     from glm_kda.state import StatePool
     from glm_kda.synthetic import synthetic_hidden, write_synthetic_checkpoint

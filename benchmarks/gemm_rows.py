@@ -50,8 +50,9 @@ import math
 import cupy
 import numpy as np
 
-from glm_kda import kernels, ops
-from glm_kda.gemm_rows import (GEMM_ROWS_BLOCKS_PER_SM, bulk_available, bulk_partial_size, bulk_plan, gemm_rows_bf16,
+from glm_kda.gpu import build as kernels
+from glm_kda.gpu import ops
+from glm_kda.gpu.projection import (GEMM_ROWS_BLOCKS_PER_SM, bulk_available, bulk_partial_size, bulk_plan, gemm_rows_bf16,
                                gemm_rows_bulk,
                                launch_plan, pack_weight, wgmma_available, weight_bytes, x_tiles_size)
 from glm_kda.device import exit_unless_gpu

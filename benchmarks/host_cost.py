@@ -77,8 +77,8 @@ def profile_lines(fn, calls: int = 2000, top: int = 25) -> list[str]:
 def bench(geometry: str, directory: Path, profile: bool) -> None:
     import cupy
 
-    from glm_kda import layer as layer_module
-    from glm_kda.layer import KdaLayer, to_device_bf16
+    from glm_kda.gpu import layer as layer_module
+    from glm_kda.gpu.layer import KdaLayer, to_device_bf16
     from glm_kda.selftest import back_to_back_ms
     from glm_kda.state import StatePool
     from glm_kda.synthetic import synthetic_hidden, write_synthetic_checkpoint

@@ -26,7 +26,7 @@ def main(kind: str, geometry: str, tokens: int) -> None:
 
     from glm_kda.bench_prefill import geometry_config
     from glm_kda.checkpoint import bind_layer
-    from glm_kda.layer import KdaLayer, KdaWorkspace, to_device_bf16
+    from glm_kda.gpu.layer import KdaLayer, KdaWorkspace, to_device_bf16
     from glm_kda.state import StatePool
     from glm_kda.synthetic import synthetic_hidden, write_synthetic_checkpoint
 

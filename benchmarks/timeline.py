@@ -19,8 +19,8 @@ some GPUs: `timer_tick_ns` is the smallest nonzero step seen between two records
 replay as [launch, SM, start, wait end (null: none), end], in microseconds from the graph's first
 block start.
 
---set changes a setting of glm_kda.layer for the run (say SIDE_CHAIN_PROGRAMMATIC=False), or of
-glm_kda.gemm_rows (gemm_rows.BULK_SPLIT_WARPGROUPS=2; the value a Python literal); the line names
+--set changes a setting of glm_kda.gpu.layer for the run (say SIDE_CHAIN_PROGRAMMATIC=False), or of
+glm_kda.gpu.projection (gemm_rows.BULK_SPLIT_WARPGROUPS=2; the value a Python literal); the line names
 the settings changed.
 """
 
@@ -57,7 +57,7 @@ def launch_names(workspace, head_dim: int) -> dict[int, str]:
 
 def write_traced_sources(folder: Path) -> Path:
     """The package's kernel sources copied into `folder` with KDA_TRACE defined; returns folder."""
-    from glm_kda import kernels
+    from glm_kda.gpu import build as kernels
 
     shutil.copytree(kernels.kernels_dir(), folder, dirs_exist_ok=True)
     common = folder / "kda_common.cuh"
@@ -67,7 +67,7 @@ def write_traced_sources(folder: Path) -> Path:
 
 def trace_capacity() -> int:
     """Records the traced kernels' buffer holds (KDA_TRACE_RECORDS of kda_common.cuh)."""
-    from glm_kda import kernels
+    from glm_kda.gpu import build as kernels
 
     text = (kernels.kernels_dir() / "kda_common.cuh").read_text()
     return int(re.search(r"#define KDA_TRACE_RECORDS (\d+)", text).group(1))
@@ -170,12 +170,13 @@ def median_timeline(replays: list[dict]) -> dict:
 
 
 def apply_settings(items: list[str]) -> dict:
-    """Set module settings of glm_kda.layer (NAME=VALUE) or glm_kda.gemm_rows (gemm_rows.NAME=VALUE)
+    """Set module settings of glm_kda.gpu.layer (NAME=VALUE) or glm_kda.gpu.projection (gemm_rows.NAME=VALUE)
     from the items (values Python literals); an unknown name or a malformed item is an error that
     names it. Returns what was set."""
     import ast
 
-    from glm_kda import gemm_rows, layer
+    from glm_kda.gpu import projection as gemm_rows
+    from glm_kda.gpu import layer
 
     modules = {"layer": layer, "gemm_rows": gemm_rows}
     changed = {}
@@ -185,8 +186,8 @@ def apply_settings(items: list[str]) -> dict:
         module_name, _, setting = name.rpartition(".")
         module = modules.get(module_name or "layer")
         if not equals or not setting.isupper() or module is None or not hasattr(module, setting):
-            raise SystemExit(f"--set {item!r}: expected NAME=VALUE with NAME a setting of glm_kda.layer, or"
-                             " gemm_rows.NAME of glm_kda.gemm_rows")
+            raise SystemExit(f"--set {item!r}: expected NAME=VALUE with NAME a setting of glm_kda.gpu.layer, or"
+                             " gemm_rows.NAME of glm_kda.gpu.projection")
         changed[name] = ast.literal_eval(value.strip())
         setattr(module, setting, changed[name])
     return changed
@@ -208,8 +209,8 @@ def main(argv: list[str] | None = None) -> None:
     import cupy
     import numpy as np
 
-    from glm_kda import kernels
-    from glm_kda.layer import KdaLayer, to_device_bf16
+    from glm_kda.gpu import build as kernels
+    from glm_kda.gpu.layer import KdaLayer, to_device_bf16
     from glm_kda.selftest import MIN_TIMED_CALLS, copy_bandwidth_gbs, count_at_least, state_bytes, weight_bytes
     from glm_kda.state import StatePool
     from glm_kda.synthetic import synthetic_hidden, write_synthetic_checkpoint
@@ -219,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--replays", type=count_at_least(1), default=MIN_TIMED_CALLS)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 64], help="sequences per step (1: one state)")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                        help="a glm_kda.layer setting for the run")
+                        help="a glm_kda.gpu.layer setting for the run")
     parser.add_argument("--blocks", type=Path, default=None, metavar="DIR",
                         help="write every block of the last replay to DIR/<geometry>_rows<rows>.json")
     args = parser.parse_args(argv)

@@ -2,27 +2,33 @@
 
 CPU side (always importable): KdaConfig (config.json), bind_layer (one layer's tensors from a
 checkpoint), KdaOracle (the float64 / BF16-faithful NumPy oracle), KdaState and StatePool.
-GPU side (imported on first use, needs a CUDA device): KdaLayer, KdaWorkspace.
+KdaOptions (how a layer runs). GPU side (imported on first use, needs a CUDA device):
+KdaLayer, KdaWorkspace.
 """
 
 from .checkpoint import BoundLayer, CheckpointError, bind_layer
 from .config import ConfigError, KdaConfig
+from .options import KdaOptions
 from .reference import STAGE_ORDER, KdaOracle, compare_stages, rms_ratio
 from .state import KdaState, StatePool
 
 __version__ = "0.1.0"
 
-_GPU_NAMES = {"KdaLayer", "KdaWorkspace"}
+_GPU_NAMES = {"KdaLayer": "layer", "KdaWorkspace": "workspace"}
 
 
 def __getattr__(name: str):
-    # The GPU layer is imported lazily so that `import glm_kda` never needs a GPU.
+    # The GPU side is imported lazily so that `import glm_kda` never imports CuPy.
     if name in _GPU_NAMES:
-        from . import layer
+        import importlib
 
-        return getattr(layer, name)
+        return getattr(importlib.import_module(f".gpu.{_GPU_NAMES[name]}", __name__), name)
     raise AttributeError(f"module 'glm_kda' has no attribute {name!r}")
 
 
-__all__ = ["BoundLayer", "CheckpointError", "ConfigError", "KdaConfig", "KdaLayer", "KdaOracle", "KdaState",
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+__all__ = ["BoundLayer", "CheckpointError", "ConfigError", "KdaConfig", "KdaLayer", "KdaOptions", "KdaOracle", "KdaState",
            "KdaWorkspace", "STAGE_ORDER", "StatePool", "bind_layer", "compare_stages", "rms_ratio"]

@@ -30,6 +30,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from .config import KdaConfig
+from .files import CheckpointError, _local_dir, resolve_file  # noqa: F401 (re-exported)
 
 LAYOUT_RELEASE = "release"
 LAYOUT_TRANSFORMERS = "transformers"
@@ -45,8 +46,7 @@ F32 = "F32"
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that does not hold the KDA layer the config describes."""
+
 
 
 def layer_prefix(layer_idx: int) -> str:
@@ -60,44 +60,6 @@ def attention_prefix(layer_idx: int) -> str:
 
 
 # Where files come from ------------------------------------------------------------------
-def _local_dir(location: str | Path) -> Path | None:
-    """The local directory `location` names, or None when it is a hub repo id.
-
-    A path that exists is local; so is one that cannot be a repo id ("owner/name").
-    """
-    if isinstance(location, Path):
-        return location
-    text = str(location)
-    path = Path(text).expanduser()
-    if path.exists():
-        return path
-    if text.startswith(("/", ".", "~")) or text.count("/") > 1 or "\\" in text:
-        return path
-    return None
-
-
-def resolve_file(dir_or_repo_id: str | Path, filename: str, **hub_kwargs: Any) -> Path:
-    """The local path of `filename` in a checkpoint directory, or downloaded from a hub repo.
-
-    hub_kwargs go to `huggingface_hub.hf_hub_download` (revision, cache_dir, token,
-    local_files_only, ...); its cache, progress bars and HF_HUB_OFFLINE apply as usual.
-    """
-    local = _local_dir(dir_or_repo_id)
-    if local is not None:
-        if not local.is_dir():
-            raise CheckpointError(f"{local}: no such checkpoint directory")
-        path = local / filename
-        if not path.is_file():
-            raise CheckpointError(f"{local}: no file '{filename}'")
-        return path
-    try:
-        return Path(hf_hub_download(repo_id=str(dir_or_repo_id), filename=filename, **hub_kwargs))
-    except EntryNotFoundError as exc:
-        raise CheckpointError(
-            f"hub repo '{dir_or_repo_id}': no file '{filename}' (or not in the local cache while offline)"
-        ) from exc
-
-
 def read_safetensors_header(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """{tensor name: (dtype, shape)} from a safetensors file's header; no tensor data is read."""
     path = Path(path)

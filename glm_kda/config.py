@@ -247,7 +247,7 @@ class KdaConfig:
     @classmethod
     def from_pretrained(cls, dir_or_repo_id: str | Path, chunk: int = 64, **hub_kwargs: Any) -> "KdaConfig":
         """Read config.json from a checkpoint directory or a hub repo id (downloads only config.json)."""
-        from .checkpoint import resolve_file
+        from .files import resolve_file
 
         return cls.from_file(resolve_file(dir_or_repo_id, "config.json", **hub_kwargs), chunk=chunk)
 

@@ -596,7 +596,10 @@ class TpRankLayer:
         require_gpu("TpRankLayer")
         import cupy
 
-        from .layer import GEMV_MAX_ROWS, KdaLayer, bf16_dtype
+        from .gpu.arrays import bf16_dtype
+        from .gpu.layer import KdaLayer
+        from .gpu.pipeline import DECODE_MAX_ROWS as GEMV_MAX_ROWS
+        from .gpu.workspace import KdaWorkspace
 
         self.plan = plan
         self.rank = plan.check_rank(rank)
@@ -610,6 +613,9 @@ class TpRankLayer:
         self.device_id = cupy.cuda.Device().id
         _check_comm(comm, plan, self.rank, self.device_id)
         self.comm = comm
+        # A workspace of the rank's own: its graphs are captured on the rank's capture stream.
+        if workspace is None:
+            workspace = KdaWorkspace(bound_shard.config, max_tokens)
         self.layer = KdaLayer(bound_shard, max_tokens=max_tokens, workspace=workspace)
         self.config = self.layer.config
         self.max_tokens = self.layer.workspace.max_tokens
@@ -660,7 +666,7 @@ class TpRankLayer:
         """`hidden` on this rank's GPU (the array itself when it is already there)."""
         import cupy
 
-        from .layer import to_device_bf16
+        from .gpu.arrays import to_device_bf16
 
         with cupy.cuda.Device(self.device_id):
             if on_host:
@@ -710,21 +716,22 @@ class TpRankLayer:
 
     def _round(self, rows: int) -> None:
         """output[:rows] = BF16 (nearest even) of the summed FP32 rows."""
-        from .ops import round_to_bf16
+        from .gpu.ops import round_to_bf16
 
         round_to_bf16(self.partial[:rows], self.output[:rows])
 
     def _decode_body(self, rows: int, state: KdaState, snapshots: Sequence[KdaState]) -> None:
         """The decode-side launches on graph_hidden[:rows] (o_proj's FP32 sums into `partial`).
 
-        KdaLayer.decode_rows, what decode_k's graph body runs, so a captured step and an eager
+        KdaLayer._decode_rows, what decode_k's graph body runs, so a captured step and an eager
         one produce the same bits. It does not call decode_k because decode_k returns a fresh
         copy of final_out, and an allocation made during capture would be written by every
         replay after CuPy has reused its memory.
         """
         layer = self.layer
-        layer.decode_rows(self.graph_hidden[:rows], state.conv, state.recurrent, sequential=True,
-                          snapshots=snapshots)
+        with layer._call() as ws:
+            layer._decode_rows(ws, self.graph_hidden[:rows], state.conv, state.recurrent, sequential=True,
+                               snapshots=snapshots)
 
 
 def _check_comm(comm: Any, plan: TensorParallelPlan, rank: int, device_id: int) -> None:
@@ -774,7 +781,7 @@ class _RankGroup:
         """The first rank's output rows: a new device array, or a host array for host input."""
         import cupy
 
-        from .layer import to_host
+        from .gpu.arrays import to_host
 
         first = self.ranks[0]
         with cupy.cuda.Device(first.device_id):
@@ -817,7 +824,7 @@ class _RankGroup:
 
     def decode_k(self, hidden: Any, states: Sequence[KdaState], snapshots: Sequence[Sequence[KdaState]] | None) -> Any:
         """snapshots: None, or per rank the list of states receiving the state after each row."""
-        from . import kernels
+        from .gpu import build
 
         hidden, on_host = _hidden_rows(hidden, self.config.hidden, "decode_k", min(r.decode_rows for r in self.ranks))
         self._check_states(states, "decode_k")
@@ -836,12 +843,12 @@ class _RankGroup:
         # Each rank's graph holds its layer's launches: a change there (new packed weights, another
         # step form, a new workspace) is a new key.
         key = ("k", rows) + tuple(
-            (*rank.layer.graph_variant(), state.conv.data.ptr, state.recurrent.data.ptr)
+            (*rank.layer.graph_key(rank.layer.workspace), state.conv.data.ptr, state.recurrent.data.ptr)
             + tuple((s.conv.data.ptr, s.recurrent.data.ptr) for s in snaps)
             for rank, state, snaps in zip(self.ranks, states, per_rank)
         )
         graphs = None
-        if self.use_graphs and not kernels.TIMER.active:
+        if self.use_graphs and build.current_context().timer is None:
             graphs = self.graphs.get(key)
             if graphs is None and key in self.seen:
                 graphs = self._capture(key, rows, states, per_rank)

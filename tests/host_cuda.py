@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from glm_kda import kernels
+from glm_kda.gpu import build as kernels
 
 
 def bf16_bits(x) -> np.ndarray:

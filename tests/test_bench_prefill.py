@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from glm_kda.bench_prefill import PREFILL_GEOMETRIES, block_flops, core_flops, geometry_config
-from glm_kda.chunk_tc import chunk_tc_supported, prepare_lower_bound
+from glm_kda.gpu.ops.chunk_tc import chunk_tc_supported, prepare_lower_bound
 
 
 def test_geometries_and_which_chunk_kernels_they_take():

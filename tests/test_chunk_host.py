@@ -14,7 +14,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from glm_kda.ops import chunk_count, chunk_prepare_smem_bytes
+from glm_kda.gpu.ops import chunk_count, chunk_prepare_smem_bytes
 from glm_kda.reference import chunk_scan, recurrent_scan, rms_ratio
 from host_cuda import COMMON_DEVICE_HELPERS, HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, build_host_binary, host_kernel_source
 

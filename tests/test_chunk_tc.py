@@ -1,4 +1,4 @@
-"""The tensor-core chunked prefill (glm_kda.chunk_tc, kernels_src/chunk_tc.cu) against its contract.
+"""The tensor-core chunked prefill (glm_kda.gpu.ops.chunk_tc, kernels_src/chunk_tc.cu) against its contract.
 
 Promises, one test each:
   * the float64 model of the blocked algorithm is the chunked delta rule: with its rounding
@@ -43,8 +43,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from glm_kda import chunk_tc, kernels, ops
-from glm_kda.chunk_tc import (
+from glm_kda.gpu.ops import chunk_tc
+from glm_kda.gpu import build as kernels
+from glm_kda.gpu import ops
+from glm_kda import chunk_model
+from glm_kda.chunk_model import (
     PREPARE_SMEM_BYTES,
     SCAN_SMEM_BYTES,
     chunk_count,
@@ -619,7 +622,7 @@ def _diagonal_forms(tokens, heads, law, state, seed):
     padded = np.zeros((nchunks * 64, heads, 128), np.float32)
     padded[:tokens] = gate
     cumgate = np.cumsum(padded.reshape(nchunks, 64, heads, 128), axis=1, dtype=np.float32).transpose(0, 2, 1, 3)
-    return np.stack([chunk_tc.diagonal_in_range(cumgate, i) for i in range(4)], axis=1)
+    return np.stack([chunk_model.diagonal_in_range(cumgate, i) for i in range(4)], axis=1)
 
 
 def test_unbounded_host_cases_reach_both_diagonal_forms():
@@ -665,14 +668,14 @@ def test_kernel_source_on_host_matches_model(emulator, tokens, heads, law, state
 
 
 def test_unbounded_host_diagonal_just_past_the_range_takes_the_exact_sums(emulator):
-    """Gates of -5.2 (a decay of 78 across a 16-row diagonal block: past chunk_tc.DIAGONAL_RANGE,
+    """Gates of -5.2 (a decay of 78 across a 16-row diagonal block: past chunk_model.DIAGONAL_RANGE,
     75, and within FP32's range for the products): the kernel must take the exact sums there, as
     the model does, so its range test and the model's agree on either side of the bound."""
     tokens, heads = 17, 1
     query, key, value, gate, beta, recurrent = make_inputs(tokens, heads, "bounded", "random", seed=SEED + 99)
     inputs = (query, key, value, np.full_like(gate, -5.2), beta, recurrent)
     cumulated = np.cumsum(np.minimum(inputs[3], 0).astype(np.float32), axis=0)
-    assert chunk_tc.DIAGONAL_RANGE < cumulated[0, 0, 0] - cumulated[15, 0, 0] < 80
+    assert chunk_model.DIAGONAL_RANGE < cumulated[0, 0, 0] - cumulated[15, 0, 0] < 80
     out, _ = run_on_host(emulator, inputs, tokens, pad=float("nan"), unbounded=True)
     scratch = model_chunk_tc_prepare(*inputs[:5], None)
     for name in ("attn", "w", "u"):

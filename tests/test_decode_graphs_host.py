@@ -16,8 +16,9 @@ import warnings
 import numpy as np
 import pytest
 
-from glm_kda import graph_copies, layer as layer_module
-from glm_kda.layer import DecodeGraphs, PinnedUploads
+from glm_kda.gpu import graph_copies
+from glm_kda.gpu import layer as layer_module
+from glm_kda.gpu.layer import DecodeGraphs, PinnedUploads
 
 from standins import HostStandIn, aligned
 

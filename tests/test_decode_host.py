@@ -25,7 +25,7 @@ import pytest
 
 from types import SimpleNamespace
 
-from glm_kda.gemm_rows import tile_layout
+from glm_kda.gpu.projection import tile_layout
 from glm_kda.reference import forget_gate, gated_rmsnorm, recurrent_scan, rms_ratio, round_bf16, sigmoid
 from host_cuda import (COMMON_DEVICE_HELPERS, HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, STAGED_STATE_BYTES, bf16_bits,
                        bits_to_f64, build_host_binary, host_decode_source, host_kernel_source, kernel_macro)

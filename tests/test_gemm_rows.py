@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from glm_kda.device import gpu_status
-from glm_kda.gemm_rows import GEMM_ROWS_BLOCKS_PER_SM, GEMM_ROWS_MAX_ROWS, SERIAL_TILES_PER_WARP, k_split, launch_plan
-from glm_kda.kernels import ENTRY_POINTS
+from glm_kda.gpu.projection import GEMM_ROWS_BLOCKS_PER_SM, GEMM_ROWS_MAX_ROWS, SERIAL_TILES_PER_WARP, k_split, launch_plan
+from glm_kda.gpu.build import ENTRY_POINTS
 
 GPU_OK, GPU_WHY = gpu_status()
 needs_gpu = pytest.mark.skipif(not GPU_OK, reason=f"no CUDA GPU: {GPU_WHY}")
@@ -80,7 +80,7 @@ def _assert_close(actual_bits, x_bits, w_bits, tag):
 
 
 def _run(x, w, rows, **kwargs):
-    from glm_kda.gemm_rows import gemm_rows_bf16
+    from glm_kda.gpu.projection import gemm_rows_bf16
 
     cp = _cp()
     out = cp.full((rows, w.shape[0]), POISON, dtype=cp.uint16)
@@ -91,7 +91,7 @@ def _run(x, w, rows, **kwargs):
 def _assert_programmatic_bits(x, w, rows, expected, tag, **kwargs):
     """Three programmatic launches, each right behind the kernels that write x (rewritten each
     time), give `expected` bit for bit."""
-    from glm_kda.gemm_rows import gemm_rows_bf16
+    from glm_kda.gpu.projection import gemm_rows_bf16
 
     cp = _cp()
     source = cp.zeros_like(x)
@@ -194,7 +194,7 @@ def test_launch_plan_rejects_unknown_tiles():
 
 
 def test_launch_plan_takes_the_serial_sweep_for_wide_weights(monkeypatch):
-    from glm_kda import gemm_rows
+    from glm_kda.gpu import projection as gemm_rows
 
     assert launch_plan(24576, 4096, 64).kernel == "gemm_rows_bf16_m4_n2"  # off by default
     monkeypatch.setattr(gemm_rows, "SERIAL_MIN_GROUPS_PER_SM", 2.0)
@@ -213,7 +213,7 @@ def test_launch_plan_takes_the_serial_sweep_for_wide_weights(monkeypatch):
 
 
 def test_launch_plan_takes_the_wgmma_sweep_for_wide_weights(monkeypatch):
-    from glm_kda import gemm_rows
+    from glm_kda.gpu import projection as gemm_rows
 
     # Off by default: the rule never picks it.
     assert gemm_rows.WGMMA_MIN_GROUPS_PER_SM is None
@@ -241,8 +241,8 @@ def test_launch_plan_takes_the_wgmma_sweep_for_wide_weights(monkeypatch):
 
 
 def test_wgmma_entry_points_match_the_launch_plan():
-    from glm_kda import gemm_rows
-    from glm_kda.kernels import ARCH_ENTRY_POINTS, kernel_source
+    from glm_kda.gpu import projection as gemm_rows
+    from glm_kda.gpu.build import ARCH_ENTRY_POINTS, kernel_source
 
     arch, names = ARCH_ENTRY_POINTS["gemm_rows_wgmma"]
     assert arch == "sm_90a"
@@ -262,7 +262,7 @@ def test_launch_plan_blocks_caps_the_grid():
 
 
 def test_every_entry_point_is_in_the_kernel_source():
-    from glm_kda.kernels import kernel_source
+    from glm_kda.gpu.build import kernel_source
 
     source = kernel_source("gemm_rows")
     for name in ENTRY_POINTS["gemm_rows"]:
@@ -361,7 +361,7 @@ def _order_sensitive(rng, rows, n, k):
 def test_split_k_order_kept_by_every_sweep(shape):
     """Order-sensitive data at the model's shapes: 40 and 64 rows through the split-k and the
     serial sweeps (row-major and packed weights) equal one-row calls bit for bit."""
-    from glm_kda.gemm_rows import pack_weight
+    from glm_kda.gpu.projection import pack_weight
 
     n, k = shape
     rows = 64
@@ -379,7 +379,7 @@ def test_split_k_order_kept_by_every_sweep(shape):
 @needs_gpu
 @pytest.mark.parametrize("rows", [1, 5, 16, 33, 130], ids=lambda r: f"R{r}")
 def test_strided_x_and_column_slice_out(rows):
-    from glm_kda.gemm_rows import gemm_rows_bf16
+    from glm_kda.gpu.projection import gemm_rows_bf16
 
     cp = _cp()
     n, k = 136, 264
@@ -407,7 +407,7 @@ def test_strided_x_and_column_slice_out(rows):
 def test_bfloat16_dtype_and_rows_below_x_rows():
     import ml_dtypes
 
-    from glm_kda.gemm_rows import gemm_rows_bf16
+    from glm_kda.gpu.projection import gemm_rows_bf16
 
     cp = _cp()
     try:
@@ -426,7 +426,7 @@ def test_bfloat16_dtype_and_rows_below_x_rows():
 @pytest.mark.gpu
 @needs_gpu
 def test_argument_errors_name_the_argument():
-    from glm_kda.gemm_rows import gemm_rows_bf16
+    from glm_kda.gpu.projection import gemm_rows_bf16
 
     cp = _cp()
     x = cp.zeros((4, 128), cp.uint16)
@@ -483,7 +483,7 @@ def test_sums_launch_gives_the_bits_and_their_sums(shape, rows):
     wider sums buffer outside rows x n is written. The argument checks name the argument."""
     import ml_dtypes
 
-    from glm_kda.gemm_rows import gemm_rows_bf16, pack_weight
+    from glm_kda.gpu.projection import gemm_rows_bf16, pack_weight
 
     cp = _cp()
     n, k = shape
@@ -526,7 +526,7 @@ def test_packed_weight_gives_the_row_major_bits(shape, rows):
     """gemm_rows.pack_weight's layout: every output bit of the row-major launch, for the
     model's shapes and shapes whose n and k need the zero padding; a programmatic launch
     (its L2 request walks the packed runs) too."""
-    from glm_kda.gemm_rows import pack_weight
+    from glm_kda.gpu.projection import pack_weight
 
     n, k = shape
     rng = np.random.default_rng(SEED + n + rows)
@@ -551,7 +551,7 @@ def test_staged_weights_give_the_packed_bits(shape, rows):
     """gemm_rows_bf16(staged=True): each block's packed weights copied into shared memory before
     its wait, one column group a block. Every output bit of the packed launch, eager and as a
     programmatic launch right behind the kernel that writes x (three times over, x rewritten)."""
-    from glm_kda.gemm_rows import pack_weight, staged_applies
+    from glm_kda.gpu.projection import pack_weight, staged_applies
 
     n, k = shape
     rng = np.random.default_rng(SEED + 3 * n + rows)
@@ -566,7 +566,7 @@ def test_staged_weights_give_the_packed_bits(shape, rows):
 
 
 def _needs_wgmma():
-    from glm_kda.gemm_rows import wgmma_available
+    from glm_kda.gpu.projection import wgmma_available
 
     if not wgmma_available():
         pytest.skip("the warpgroup-MMA sweep needs an sm_90 device (this one runs the mma.sync sweeps)")
@@ -578,7 +578,7 @@ WGMMA_ROWS = (17, 24, 32, 33, 40, 64, 65, 100, 256)
 def _wide_inputs(shape, seed, **layouts):
     """x [max(WGMMA_ROWS), k] and a [n, k] weight packed with `layouts` (pack_weight's pairs, tiles),
     random from `seed`, and one-row calls on each row of x alone (the bits every sweep must give)."""
-    from glm_kda.gemm_rows import pack_weight
+    from glm_kda.gpu.projection import pack_weight
 
     cp = _cp()
     n, k = shape
@@ -601,7 +601,7 @@ def test_wgmma_sweep_gives_the_mma_sync_bits(shape, ring, monkeypatch):
     """The warpgroup-MMA sweep (packed weight, 17..256 rows) writes the bits of the mma.sync sweeps
     and of one-row calls: awkward n and k (k tails, an empty last k range at k = 1056), the model's
     shapes; any grid; a programmatic launch; its weight through registers or a shared-memory ring."""
-    from glm_kda import gemm_rows
+    from glm_kda.gpu import projection as gemm_rows
 
     _needs_wgmma()
     monkeypatch.setattr(gemm_rows, "WGMMA_RING", ring)
@@ -623,8 +623,8 @@ def test_wgmma_sweep_gives_the_mma_sync_bits(shape, ring, monkeypatch):
 def test_wgmma_sweep_keeps_the_split_k_order(shape, ring, monkeypatch):
     """Order-sensitive data (its fp32 sum over the k ranges depends on the order of the additions):
     the warpgroup-MMA sweep at 24, 40 and 64 rows equals one-row calls bit for bit."""
-    from glm_kda import gemm_rows
-    from glm_kda.gemm_rows import pack_weight
+    from glm_kda.gpu import projection as gemm_rows
+    from glm_kda.gpu.projection import pack_weight
 
     _needs_wgmma()
     monkeypatch.setattr(gemm_rows, "WGMMA_RING", ring)
@@ -638,14 +638,14 @@ def test_wgmma_sweep_keeps_the_split_k_order(shape, ring, monkeypatch):
 
 
 def _needs_bulk():
-    from glm_kda.gemm_rows import bulk_available
+    from glm_kda.gpu.projection import bulk_available
 
     if not bulk_available():
         pytest.skip("the bulk-copy sweep needs an sm_90 device (this one runs the mma.sync sweeps)")
 
 
 def _run_bulk(x, w, rows, **kwargs):
-    from glm_kda.gemm_rows import gemm_rows_bulk
+    from glm_kda.gpu.projection import gemm_rows_bulk
 
     out = _cp().full((rows, w.shape[0]), POISON, dtype=_cp().uint16)
     gemm_rows_bulk(x, w, out, rows=rows, **kwargs)
@@ -662,7 +662,7 @@ def test_bulk_sweep_gives_the_mma_sync_bits(shape):
     warpgroups a block, the resident grid or a few blocks (each walking several tasks), a ring of
     1, 2 or the most slots, whole or split by k range (the ranges' FP32 sums folded by a second
     kernel); its tiles of x in a reused buffer; a programmatic launch behind the kernel that writes x."""
-    from glm_kda.gemm_rows import x_tiles_size
+    from glm_kda.gpu.projection import x_tiles_size
 
     _needs_bulk()
     cp = _cp()
@@ -691,7 +691,7 @@ def test_bulk_sweep_gives_the_mma_sync_bits(shape):
 @pytest.mark.parametrize("shape", [GLM_SHAPES[0], GLM_SHAPES[3], KIMI_SHAPES[0], (200, 1056)], ids=_shape_id)
 def test_bulk_sweep_keeps_the_split_k_order(shape):
     """Order-sensitive data: the bulk-copy sweep at 24, 40 and 64 rows equals one-row calls bit for bit."""
-    from glm_kda.gemm_rows import pack_weight
+    from glm_kda.gpu.projection import pack_weight
 
     _needs_bulk()
     n, k = shape
@@ -707,7 +707,7 @@ def test_bulk_sweep_keeps_the_split_k_order(shape):
 @pytest.mark.gpu
 @needs_gpu
 def test_wgmma_needs_a_packed_weight():
-    from glm_kda.gemm_rows import pack_weight
+    from glm_kda.gpu.projection import pack_weight
 
     _needs_wgmma()
     rng = np.random.default_rng(SEED)
@@ -766,8 +766,8 @@ def test_pair_and_awaiting_launches_give_the_packed_bits(shape, rows, monkeypatc
     its words already at their target, programmatic behind the kernel that writes x) writes the
     packed launch's bits and sets its words back to zero; the counting entry (gemm_rows_bf16(counted=...))
     writes the packed launch's bits and counts its blocks."""
-    from glm_kda import gemm_rows
-    from glm_kda.gemm_rows import gemm_rows_bf16, gemm_rows_pair_bf16, pack_weight
+    from glm_kda.gpu import projection as gemm_rows
+    from glm_kda.gpu.projection import gemm_rows_bf16, gemm_rows_pair_bf16, pack_weight
 
     cp = _cp()
     n, k = shape
@@ -806,7 +806,7 @@ def test_pair_and_awaiting_launches_give_the_packed_bits(shape, rows, monkeypatc
 def _awaiting_case(shape, rows, seed):
     """x [rows, k] (a column slice of a wider buffer), the packed weight, the packed launch's output
     and a pair of zero words, for a test of the staged awaiting launches."""
-    from glm_kda.gemm_rows import pack_weight
+    from glm_kda.gpu.projection import pack_weight
 
     cp = _cp()
     n, k = shape
@@ -820,7 +820,7 @@ def _staged_awaiting_launch(x, w, rows, words, target, expected, tag) -> int:
     """gemm_rows_bf16(staged=True, ready=words) with words[0] already at `target`, into a poisoned buffer
     wider and taller than the outputs: asserts the expected bits, nothing written outside them and
     the words back at zero; returns the blocks launched."""
-    from glm_kda.gemm_rows import gemm_rows_bf16
+    from glm_kda.gpu.projection import gemm_rows_bf16
 
     cp = _cp()
     n = w.shape[0]
@@ -845,7 +845,7 @@ def test_staged_awaiting_launch_gives_the_packed_bits(shape, rows):
     Kimi-Linear o_proj at one row, the smaller shapes at every row count) the staged entry's awaiting
     form, else the awaiting sweep; either way the packed launch's bits, the words back at zero, and
     nothing written outside the outputs."""
-    from glm_kda.gemm_rows import staged_applies
+    from glm_kda.gpu.projection import staged_applies
 
     x, w, expected, words = _awaiting_case(shape, rows, SEED + 3 * shape[0] + rows)
     tag = f"{_shape_id(shape)} R{rows} staged awaiting={staged_applies(w, rows, awaiting=True)}"
@@ -863,8 +863,8 @@ def test_tail_staged_awaiting_launch_gives_the_packed_bits(shape, rows, monkeypa
     (STAGED_MAX_WEIGHT_BYTES 0), for 1 and 4 rows (TAIL_STAGED_MAX_ROWS raised): the tail-staged entry,
     each warp's last k blocks copied into shared memory before the wait. The packed launch's bits, the
     words back at zero, nothing written outside the outputs; and a short tail (one k block) the same."""
-    from glm_kda import gemm_rows
-    from glm_kda.gemm_rows import tail_staged_plan
+    from glm_kda.gpu import projection as gemm_rows
+    from glm_kda.gpu.projection import tail_staged_plan
 
     n, k = shape
     x, w, expected, words = _awaiting_case(shape, rows, SEED + 5 * n + rows)

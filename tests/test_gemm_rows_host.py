@@ -1,4 +1,4 @@
-"""kernels_src/gemm_rows.cu on the host (tests/host_cuda.py), launched as glm_kda.gemm_rows plans
+"""kernels_src/gemm_rows.cu on the host (tests/host_cuda.py), launched as glm_kda.gpu.projection plans
 it, so CPU CI runs the projection kernel's own indexing, predication, k tails and split-k order;
 and gemv.cu, the CUDA-core reference GEMV of up to 16 rows.
 
@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from glm_kda.gemm_rows import launch_plan, pack_weight, staged_plan, tail_staged_plan
+from glm_kda.gpu.projection import launch_plan, pack_weight, staged_plan, tail_staged_plan
 from glm_kda.reference import rms_ratio, round_bf16
 from host_cuda import (COMMON_DEVICE_HELPERS, HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, bf16_bits, bits_to_f64, build_host_binary,
                        host_kernel_source, order_sensitive_inputs)
@@ -654,7 +654,7 @@ def test_pack_pairs_layout():
     """pack_pairs' layout element by element, and as the words interleave_pair forms from two loads
     of pack_weight's layout (the A fragment the mma.sync sweeps build): zeros past n and k, n and k
     not multiples of the pair or the block."""
-    from glm_kda.gemm_rows import pack_pairs
+    from glm_kda.gpu.projection import pack_pairs
 
     n, k = 21, 72
     w = (np.arange(n * k, dtype=np.uint16) + 1).reshape(n, k)
@@ -679,7 +679,7 @@ def test_tile_layout():
     """tile_layout element by element (zeros past m and k, m and k not multiples of the group or the
     block), and slot by slot against pack_pairs: logical slot 8 h + 2 t + e of k16 step s holds the
     value the mma.sync sweeps' A fragment holds there, for every column."""
-    from glm_kda.gemm_rows import pack_pairs, pack_tiles, tile_layout
+    from glm_kda.gpu.projection import pack_pairs, pack_tiles, tile_layout
 
     n, k = 70, 72
     w = (np.arange(n * k, dtype=np.uint16) + 1).reshape(n, k)
@@ -708,9 +708,9 @@ def test_bulk_plan_fits_and_chooses():
     """bulk_plan: the ring and its barriers fit a block's shared memory (two blocks an SM with one
     warpgroup), a grid of at most the super-groups, the warpgroups that load the busiest SM least,
     and the kernel source's chunk and tile sizes."""
-    from glm_kda import gemm_rows
-    from glm_kda.gemm_rows import bulk_fill_tiles, bulk_plan, bulk_warpgroups, x_tiles_size
-    from glm_kda.kernels import kernel_source
+    from glm_kda.gpu import projection as gemm_rows
+    from glm_kda.gpu.projection import bulk_fill_tiles, bulk_plan, bulk_warpgroups, x_tiles_size
+    from glm_kda.gpu.build import kernel_source
 
     for n, k in ((24576, 4096), (12288, 2304), (4096, 8192), (2304, 4096), (13, 40)):
         for rows in (17, 64, 65, 256):
@@ -780,7 +780,7 @@ def test_split_k_order_is_kept_on_host(gemm_host, k):
     """k ranges whose partial sums make the fp32 total depend on the order it is taken in
     (host_cuda.order_sensitive_inputs): every launch of 17..64 rows, split-k or serial, equals the
     one-row launches."""
-    from glm_kda.gemm_rows import k_split
+    from glm_kda.gpu.projection import k_split
 
     n, rows = 48, 40
     x, w = (bf16_bits(v) for v in order_sensitive_inputs(np.random.default_rng(k), rows, n, k, k_split(k)))
@@ -796,7 +796,7 @@ def test_staged_weights_give_the_packed_bits_on_host(gemm_host, shape, max_bytes
     """The staged entries (each block's packed weights copied into shared memory before its wait,
     one column group a block) write the bits of the packed launch, for 1 .. 16 rows and both tile
     widths (a stage limit that leaves one tile a warp), and nothing outside rows < rows, columns < n."""
-    from glm_kda import gemm_rows
+    from glm_kda.gpu import projection as gemm_rows
 
     n, k = shape
     if max_bytes is not None:
@@ -820,7 +820,7 @@ def test_staged_awaiting_launch_gives_the_packed_bits_on_host(gemm_host, shape, 
     memory past the wait, the partial sums written over them): the packed launch's bits for 1 .. 16
     rows and both tile widths (where x's rows fit beside the stage: K2056 to 5 rows), nothing written
     outside the outputs, the words back at zero."""
-    from glm_kda import gemm_rows
+    from glm_kda.gpu import projection as gemm_rows
 
     n, k = shape
     if max_bytes is not None:
@@ -875,7 +875,7 @@ def test_tail_staged_plan_fills_two_blocks_an_sm():
     leaves TAIL_BLOCKS_PER_SM blocks (tail, x's rows or the partial sums, the driver's KB) in an SM's
     shared memory, never past a warp's k range. GLM-5.3-Flash's o_proj [4096, 8192]: 2 tiles a warp,
     256 blocks, 12 of each warp's 32 k blocks (96 KB) beside x's row (16 KB)."""
-    from glm_kda import gemm_rows
+    from glm_kda.gpu import projection as gemm_rows
 
     plan = tail_staged_plan(4096, 8192, 1)
     assert (plan.kernel, plan.grid, plan.tail_blocks) == ("gemm_rows_tail_staged_awaiting_bf16_m1_n2", (256, 1),
@@ -899,7 +899,7 @@ def test_tail_staged_plan_fills_two_blocks_an_sm():
 def test_staged_plan_fits_its_stage():
     """staged_plan: the widest tiles whose group fits STAGED_MAX_BYTES, one group a block, none above
     16 rows; a [2304, 4096] weight (the Kimi-Linear output projection) takes one tile a warp."""
-    from glm_kda import gemm_rows
+    from glm_kda.gpu import projection as gemm_rows
 
     plan = staged_plan(2304, 4096, 1)
     assert (plan.kernel, plan.grid, plan.shared_mem) == ("gemm_rows_staged_bf16_m1_n1", (288, 1), 65536), plan

@@ -16,7 +16,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from glm_kda import kernels
+from glm_kda.gpu import build as kernels
 from glm_kda.device import gpu_status
 from glm_kda.reference import KdaOracle, compare_stages, rms_ratio
 from glm_kda.state import KdaState
@@ -41,7 +41,7 @@ def _cp():
 def layers(real_checkpoint):
     """(bound, KdaLayer) per geometry and chunk, built once."""
     from glm_kda.checkpoint import bind_layer
-    from glm_kda.layer import KdaLayer, KdaWorkspace
+    from glm_kda.gpu.layer import KdaLayer, KdaWorkspace
 
     built = {}
 
@@ -217,7 +217,7 @@ def test_poisoned_pad_changes_no_bit(layers, tokens, chunk, poison):
 
 def test_conv_taps_in_kqv_order_fail_at_the_conv_stage(layers, tmp_path):
     from glm_kda.checkpoint import bind_layer
-    from glm_kda.layer import KdaLayer
+    from glm_kda.gpu.layer import KdaLayer
 
     bound, _ = layers("kimi")
     faulty_dir = write_synthetic_checkpoint(tmp_path / "kqv", "kimi", num_layers=1, conv_order=("k", "q", "v"))
@@ -267,7 +267,7 @@ def test_torch_tensors_pass_through_dlpack(layers):
 
 
 def test_timing_reports_sections_and_kernels(layers):
-    from glm_kda import kernels
+    from glm_kda.gpu import build as kernels
 
     _, layer = layers("kimi")
     hidden = synthetic_hidden(64, layer.config.hidden)
@@ -299,7 +299,7 @@ def test_prefill_conv_equals_decode_conv_steps(tokens, kernel_size):
     """The prefill conv (a warp per head, 4 channels a lane) and T decode conv steps (a block
     per head) write the same bits: conv output, q, k, v and the carried state, from a random
     carried state; token tiles of 64 rebuild their windows from the tokens before them."""
-    from glm_kda import ops
+    from glm_kda.gpu import ops
     from host_cuda import bf16_bits
 
     cp = _cp()
@@ -476,8 +476,8 @@ def test_step_written_x_tiles_give_the_tiling_bits(layers, geometry, rows, monke
     than a block walks, gemm_rows.BULK_STAGES_BY_CHUNKS) and the other choice of each, with the
     low-rank chain off that sweep (layer.SIDE_CHAIN_BULK = False), give the same stage buffers,
     output and states; the tiles the step wrote are o_norm_out's rows."""
-    from glm_kda import gemm_rows
-    from glm_kda import layer as layer_module
+    from glm_kda.gpu import projection as gemm_rows
+    from glm_kda.gpu import layer as layer_module
     from glm_kda.state import StatePool
 
     cp = _cp()
@@ -516,8 +516,8 @@ def test_staged_step_state_gives_the_register_bits(layers, geometry, monkeypatch
     (layer.STEP_STAGED_STATE, sm_90) writes the bits of the per-thread loads and stores: every
     stage buffer, the output and both states of a 64-sequence pool step with shuffled slots and
     of a 5-row decode_k walk, with the driver's shared-memory split and the largest one."""
-    from glm_kda import layer as layer_module
-    from glm_kda.ops import bulk_copies_available
+    from glm_kda.gpu import layer as layer_module
+    from glm_kda.gpu.ops import bulk_copies_available
 
     if not bulk_copies_available():
         pytest.skip("the staged step needs bulk copies (sm_90 or later); this device has none")
@@ -540,8 +540,8 @@ def test_split_step_gives_the_one_block_bits(layers, geometry, rows, monkeypatch
     """The fused step with each head split over a cluster of blocks (layer.STEP_SPLIT_WAVES, sm_90)
     writes the bits of one block per head: every stage buffer, the output and both states of a
     pool step of `rows` sequences with shuffled slots, and of a 5-row decode_k walk."""
-    from glm_kda import layer as layer_module
-    from glm_kda.ops import bulk_copies_available
+    from glm_kda.gpu import layer as layer_module
+    from glm_kda.gpu.ops import bulk_copies_available
 
     if not bulk_copies_available():
         pytest.skip("the split step needs thread-block clusters (sm_90 or later); this device has none")
@@ -562,9 +562,9 @@ def test_staged_out_proj_gives_the_plain_bits(layers, monkeypatch):
     one does not) writes the bits of the plain launch: every stage buffer, the output and both
     states of a 16-sequence pool step with shuffled slots, of a 5-row decode_k walk and of a
     7-token prefill, graphed."""
-    from glm_kda import layer as layer_module
-    from glm_kda.gemm_rows import staged_applies
-    from glm_kda.ops import bulk_copies_available
+    from glm_kda.gpu import layer as layer_module
+    from glm_kda.gpu.projection import staged_applies
+    from glm_kda.gpu.ops import bulk_copies_available
 
     if not bulk_copies_available():
         pytest.skip("the staged projection needs sm_90 or later; this device is older")
@@ -599,7 +599,7 @@ def test_packed_decode_weights_give_the_row_major_bits(layers, geometry):
 def _rule_switch(layer, monkeypatch, rule: str, on: float):
     """switch(state) for _decode_paths: gemm_rows.<rule> at `on` (True), None (False) or as it was
     (None); the layer's packed copies remade for the rule and its graphs dropped."""
-    from glm_kda import gemm_rows
+    from glm_kda.gpu import projection as gemm_rows
 
     previous = getattr(gemm_rows, rule)
 
@@ -617,7 +617,7 @@ def test_wgmma_decode_projections_give_the_mma_sync_bits(layers, geometry, monke
     warpgroup MMA, reading the pair layout the layer's packed copies then hold) writes the bits of
     the mma.sync sweeps: every stage buffer, the output and both states of a 64-sequence pool step
     with shuffled slots and of a 5-row decode_k walk."""
-    from glm_kda import gemm_rows
+    from glm_kda.gpu import projection as gemm_rows
 
     if not gemm_rows.wgmma_available():
         pytest.skip("the warpgroup-MMA sweep needs an sm_90 device")
@@ -636,7 +636,7 @@ def test_bulk_decode_projections_give_the_mma_sync_bits(layers, geometry, monkey
     bulk-copy sweep, reading the tile layout the layer's packed copies then hold, or on the mma.sync
     sweeps) write the same bits: every stage buffer, the output and both states of a 64-sequence
     pool step with shuffled slots and of a 5-row decode_k walk."""
-    from glm_kda import gemm_rows
+    from glm_kda.gpu import projection as gemm_rows
 
     if not gemm_rows.bulk_available():
         pytest.skip("the bulk-copy sweep needs an sm_90 device")
@@ -758,9 +758,9 @@ def test_step_awaiting_projection_gives_the_joined_bits(layers, geometry, graphs
     5-row decode_k walk between them keeps the joined launches but takes the pair and the awaiting
     o_proj. q|k|v counts its own blocks' outputs out for the step (QKV_COUNTS_INPUTS), and in a third
     run a signal after it does. The words are zero after every call."""
-    from glm_kda import gemm_rows
-    from glm_kda import layer as layer_module
-    from glm_kda import ops
+    from glm_kda.gpu import projection as gemm_rows
+    from glm_kda.gpu import layer as layer_module
+    from glm_kda.gpu import ops
 
     _, layer = layers(geometry)
     signals, pairs, awaiting_projections, counting = [], [], [], []
@@ -815,7 +815,8 @@ def test_tail_staged_out_proj_gives_the_same_decode_bits(layers, graphs, monkeyp
     k range staged in shared memory before the wait (gemm_rows.TAIL_STAGED_AWAITING; its 67 MB weight
     takes no whole stage): every stage buffer, the output and both states over the one-sequence calls
     equal to the awaiting sweep's, the tail entry launched, the words zero after every call."""
-    from glm_kda import gemm_rows, kernels
+    from glm_kda.gpu import projection as gemm_rows
+    from glm_kda.gpu import build as kernels
 
     _, layer = layers("glm")
     launched = []
@@ -851,7 +852,8 @@ def test_counting_ahead_gives_the_same_decode_bits(layers, geometry, monkeypatch
     loads its next column group's first step before reducing the present one): every stage buffer,
     the output and both states over the one-sequence calls equal to the counting entry's, the ahead
     entry launched."""
-    from glm_kda import gemm_rows, kernels
+    from glm_kda.gpu import projection as gemm_rows
+    from glm_kda.gpu import build as kernels
 
     _, layer = layers(geometry)
     launched = []
@@ -913,7 +915,7 @@ def test_host_slots_give_the_device_slots_bits_back_to_back(layers, graphs):
     every output and state bit of the same calls with device slots, over more back-to-back
     calls (no synchronisation between them) than there are pinned buffers, each call with
     other slots."""
-    from glm_kda.layer import PinnedUploads
+    from glm_kda.gpu.layer import PinnedUploads
     from glm_kda.state import StatePool
 
     cp = _cp()
@@ -958,7 +960,7 @@ def test_graph_copies_follow_each_calls_arrays(layers, monkeypatch, in_graph):
     fell back."""
     import warnings
 
-    from glm_kda import layer as layer_module
+    from glm_kda.gpu import layer as layer_module
 
     cp = _cp()
     bound, layer = layers("kimi")
@@ -1007,7 +1009,7 @@ def test_copy_into_memcpy_and_strided_fallback():
     """The decode calls' input and output copies: a memcpy for contiguous arrays, the
     element-wise copy for strided ones, the same values; a shape or dtype mismatch is refused
     before anything is written."""
-    from glm_kda.layer import copy_into, copy_of
+    from glm_kda.gpu.layer import copy_into, copy_of
 
     cp = _cp()
     src = cp.arange(48, dtype=cp.int32).reshape(6, 8)
@@ -1032,8 +1034,8 @@ def test_tensor_core_prefill_path_matches_oracle(layers, geometry, tokens, figur
     """chunk_impl="tensor" (TF32 mma chunk kernels; GLM's bounded law takes the bounded
     prepare, Kimi's softplus law the unbounded one): the same end-to-end bound as the FP32
     path, and its core and state within 1e-3 of the FP32 kernels' on the same inputs."""
-    from glm_kda.chunk_tc import prepare_lower_bound
-    from glm_kda.layer import KdaLayer
+    from glm_kda.gpu.ops.chunk_tc import prepare_lower_bound
+    from glm_kda.gpu.layer import KdaLayer
 
     bound, shared_layer = layers(geometry)
     assert (prepare_lower_bound(bound.config) is None) == (geometry == "kimi")
@@ -1057,7 +1059,7 @@ def test_tensor_core_prefill_path_matches_oracle(layers, geometry, tokens, figur
 
 
 def test_tensor_core_prefill_path_refuses_another_chunk(layers):
-    from glm_kda.layer import KdaLayer
+    from glm_kda.gpu.layer import KdaLayer
 
     bound, reference_layer = layers("kimi", 32)
     assert reference_layer.chunk_impl == "fp32", "chunk 32 has no tensor-core path: auto takes the FP32 kernels"
@@ -1073,7 +1075,7 @@ def test_packed_prefill_equals_solo_prefills(layers, geometry, figures):
     """8 sequences of lengths 1..4096 packed in one call: each sequence's output and states
     (in its own, shuffled slot of a larger pool) within the end-to-end oracle bound, and
     within twice that bound of its solo prefill; the slots not named are left untouched."""
-    from glm_kda.layer import KdaLayer, KdaWorkspace
+    from glm_kda.gpu.layer import KdaLayer, KdaWorkspace
     from glm_kda.state import StatePool
 
     cp = _cp()
@@ -1144,7 +1146,7 @@ def test_tensor_core_prefill_long_sequences(layers, tokens, figures):
     fit beside the workspace). The BF16 block output is not compared with the FP32 path's:
     two roundings of o_norm_out apart, they differ by about a BF16 ulp wherever a rounding
     flips (2.3e-3 measured), which the end-to-end check bounds instead."""
-    from glm_kda.layer import KdaLayer, KdaWorkspace
+    from glm_kda.gpu.layer import KdaLayer, KdaWorkspace
 
     cp = _cp()
     bound, _ = layers("glm")

@@ -1,4 +1,4 @@
-"""The driver structure that glm_kda.graph_copies hands to cuGraphExecMemcpyNodeSetParams.
+"""The driver structure that glm_kda.gpu.graph_copies hands to cuGraphExecMemcpyNodeSetParams.
 
 Offsets and size as cuda.h lays out CUDA_MEMCPY3D on 64-bit Linux (a C program printing
 sizeof and offsetof against CUDA 13.0's cuda.h gave these numbers): a field out of place would
@@ -7,7 +7,7 @@ repoint the wrong address.
 
 import ctypes
 
-from glm_kda.graph_copies import Memcpy3D
+from glm_kda.gpu.graph_copies import Memcpy3D
 
 
 def test_memcpy3d_matches_the_driver_layout():
@@ -22,7 +22,7 @@ def test_a_driver_that_cannot_repoint_copies_is_none(monkeypatch):
     beside the graphs), never an exception out of the first decode call."""
     from types import SimpleNamespace
 
-    from glm_kda import graph_copies
+    from glm_kda.gpu import graph_copies
 
     def cdll(name):
         raise OSError(f"{name}: cannot open shared object file")

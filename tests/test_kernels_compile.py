@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from glm_kda import kernels, ops
+from glm_kda.gpu import build as kernels
+from glm_kda.gpu import ops
 
 # NVRTC 13 serves repeated compiles from the CUDA compute cache and then prints
 # no ptxas report; the switch is read when the library loads, so set it before

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from glm_kda.layer import KdaLayer
+from glm_kda.gpu.layer import KdaLayer
 from glm_kda.state import KdaState, StatePool, require_device_buffers
 from glm_kda.synthetic import synthetic_config
 from standins import HostStandIn, aligned

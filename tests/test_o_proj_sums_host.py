@@ -13,8 +13,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from glm_kda import gemm_rows, layer as layer_module, ops
-from glm_kda.layer import KdaLayer
+from glm_kda.gpu import projection as gemm_rows
+from glm_kda.gpu import layer as layer_module
+from glm_kda.gpu import ops
+from glm_kda.gpu.layer import KdaLayer
 
 ROWS, QKV, HIDDEN = 8, 16, 12
 

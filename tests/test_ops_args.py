@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from glm_kda import ops
+from glm_kda.gpu import ops
 from standins import HostStandIn, aligned
 
 
@@ -125,7 +125,7 @@ def test_gate_and_norm_walk_token_groups(launches, tokens):
 def test_token_group_constants_match_the_kernel_sources():
     import re
 
-    from glm_kda import kernels
+    from glm_kda.gpu import build as kernels
 
     def define(stem, name):
         match = re.search(rf"#define {name} (\d+)", (kernels.kernels_dir() / stem).read_text())
@@ -166,7 +166,7 @@ def _fused_parameter(args, name):
     """The launch argument of the fused step's parameter `name` (decode.cu's KDA_DECODE_FUSED_PARAMETERS)."""
     import re
 
-    from glm_kda import kernels
+    from glm_kda.gpu import build as kernels
 
     source = (kernels.kernels_dir() / "decode.cu").read_text()
     signature = re.search(r"#define KDA_DECODE_FUSED_PARAMETERS(.*?)\n#define", source, re.S).group(1)
@@ -180,7 +180,7 @@ def test_fused_decode_grid_and_arguments_match_the_kernel(launches, rows):
     """grid (heads, rows), one block per head, and as many arguments as the kernel declares."""
     import re
 
-    from glm_kda import kernels
+    from glm_kda.gpu import build as kernels
 
     heads = 2
     slots = HostStandIn(np.arange(rows, dtype=np.int32))
@@ -218,7 +218,7 @@ def test_programmatic_launch_marshals_the_launch_config_and_arguments():
     import ctypes
     from types import SimpleNamespace
 
-    from glm_kda import kernels
+    from glm_kda.gpu import build as kernels
 
     assert ctypes.sizeof(kernels._LaunchAttribute) == 72 and ctypes.sizeof(kernels._LaunchConfig) == 56
     seen = {}
@@ -268,7 +268,7 @@ def test_a_refused_programmatic_launch_falls_back_to_plain_launches(monkeypatch)
     into a plain launch of the same kernel with the same arguments."""
     from types import SimpleNamespace
 
-    from glm_kda import kernels
+    from glm_kda.gpu import build as kernels
 
     plain = []
     function = lambda grid, block, args, shared_mem=0: plain.append((grid, block, args))  # noqa: E731
@@ -310,7 +310,7 @@ def test_fused_decode_passes_the_prefetch_distance_and_refuses_a_negative_one(la
 def test_fused_decode_passes_its_x_tiles_and_refuses_a_short_array(launches):
     """x_tiles (o_norm_out again in the bulk sweep's tile layout) reaches the kernel; an array smaller
     than gemm_rows.x_tiles_size(rows, H*D) is refused, naming what it must be, before any launch."""
-    from glm_kda import gemm_rows
+    from glm_kda.gpu import projection as gemm_rows
 
     heads, rows = 2, 3
     size = gemm_rows.x_tiles_size(rows, heads * ops.HEAD_DIM)
@@ -390,7 +390,7 @@ def test_pair_and_awaiting_projections_check_their_operands(monkeypatch):
     pair entry of the [2n, k] plan with the second projection's pointers last; gemm_rows_bf16's ready
     needs a programmatic launch of <= 16 rows of a PackedWeight and a target of at least 1, and
     launches the awaiting entry with the words and the target last. Every refusal comes before a launch."""
-    from glm_kda import gemm_rows
+    from glm_kda.gpu import projection as gemm_rows
 
     made = []
     monkeypatch.setattr(gemm_rows.kernels, "launch", lambda name, grid, block, args, shared_mem=0, **options:
@@ -453,7 +453,7 @@ def test_staged_awaiting_projection_takes_its_entry_where_it_fits(monkeypatch):
     sweep instead."""
     import dataclasses
 
-    from glm_kda import gemm_rows
+    from glm_kda.gpu import projection as gemm_rows
 
     made = []
     monkeypatch.setattr(gemm_rows.kernels, "launch", lambda name, grid, block, args, shared_mem=0, **options:
@@ -485,7 +485,8 @@ def test_sums_launch_their_entries_with_the_sums_last(monkeypatch):
     sweep, and counted, bulk=True or FP32 sums of the wrong shape are refused before any launch."""
     import dataclasses
 
-    from glm_kda import gemm_rows, kernels
+    from glm_kda.gpu import projection as gemm_rows
+    from glm_kda.gpu import build as kernels
 
     made = []
     monkeypatch.setattr(gemm_rows.kernels, "launch", lambda name, grid, block, args, shared_mem=0, **options:
@@ -544,7 +545,8 @@ def test_fused_decode_passes_where_its_dependents_launch(launches):
 def test_batched_step_prefetch_distance(monkeypatch, heads, waves, expected):
     """layer.STEP_PREFETCH_WAVES in sequences: waves x (132 SMs x 2 resident blocks) / heads,
     rounded, at least one sequence unless switched off."""
-    from glm_kda import gemm_rows, layer
+    from glm_kda.gpu import projection as gemm_rows
+    from glm_kda.gpu import layer
 
     monkeypatch.setattr(gemm_rows, "_sm_count", lambda device_id: 132)
     monkeypatch.setattr(layer, "STEP_PREFETCH_WAVES", waves)
@@ -557,7 +559,7 @@ def test_batched_step_prefetch_distance(monkeypatch, heads, waves, expected):
 def test_one_m_tile_launch_leaves_reserved_slots(rows, reserved, expected):
     """A launch of one m-tile (<= 16 rows) takes the resident slots less reserved_slots (at least
     one block); wider launches keep their planned grid (GLM's q|k|v: 768 column groups)."""
-    from glm_kda import gemm_rows
+    from glm_kda.gpu import projection as gemm_rows
 
     plan = gemm_rows.launch_plan(24576, 4096, rows, sm_count=132, reserved_slots=reserved)
     assert plan.grid[0] == expected
@@ -570,7 +572,7 @@ def test_qkv_projection_leaves_slots_to_the_side_chain(monkeypatch):
     that launch only (a wide prefill's projections run on cuBLAS, which takes no grid)."""
     import contextlib
 
-    from glm_kda import layer
+    from glm_kda.gpu import layer
 
     monkeypatch.setattr(layer, "QKV_RESERVED_SLOTS", 40)
     monkeypatch.setattr(layer, "GATE_BRANCH_MIN_ROWS", 16)
@@ -619,7 +621,7 @@ def test_one_row_awaiting_step_leaves_a_slot_per_head_and_one_more(monkeypatch):
     side stream; the words go back to zero when a launch fails."""
     import contextlib
 
-    from glm_kda import layer
+    from glm_kda.gpu import layer
 
     monkeypatch.setattr(layer, "QKV_RESERVED_SLOTS", 40)
     events = []
@@ -687,7 +689,7 @@ def test_one_row_awaiting_step_leaves_a_slot_per_head_and_one_more(monkeypatch):
 @pytest.mark.parametrize("n,k,expected", [(4096, 8192, 0), (2304, 4096, 16), (8192, 128, 16), (24576, 4096, 0)],
                          ids=["glm_o_proj", "kimi_o_proj", "glm_f_b", "glm_qkv"])
 def test_programmatic_l2_request_only_for_weights_up_to_the_limit(monkeypatch, n, k, expected):
-    from glm_kda import gemm_rows
+    from glm_kda.gpu import projection as gemm_rows
 
     assert gemm_rows.prefetch_k_blocks(n, k) == expected
     monkeypatch.setattr(gemm_rows, "PREFETCH_MAX_WEIGHT_BYTES", None)
@@ -701,7 +703,7 @@ def test_persistent_decode_arguments_match_the_kernel(monkeypatch):
     import re
     import types
 
-    from glm_kda import kernels, persistent
+    from glm_kda.gpu import build as kernels
     from glm_kda.config import KdaConfig
 
     config = KdaConfig(hidden=2304, heads=32, head_dim=128, conv_kernel=4, gate_law="bounded", gate_lower_bound=-5.0,

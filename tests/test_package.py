@@ -8,12 +8,12 @@ import sys
 import pytest
 
 import glm_kda
-from glm_kda import kernels
+from glm_kda.gpu import build as kernels
 from glm_kda.device import NoGpuError, gpu_status
 
 
 def test_import_needs_no_gpu():
-    code = "import glm_kda, glm_kda.layer, glm_kda.kernels, glm_kda.tp; print(glm_kda.__version__)"
+    code = "import glm_kda, glm_kda.gpu.layer, glm_kda.gpu.build, glm_kda.tp; print(glm_kda.__version__)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == glm_kda.__version__

@@ -80,7 +80,8 @@ def test_no_replays_is_refused():
 
 
 def test_settings_are_layer_and_gemm_rows_settings_only(monkeypatch):
-    from glm_kda import gemm_rows, layer
+    from glm_kda.gpu import projection as gemm_rows
+    from glm_kda.gpu import layer
 
     monkeypatch.setattr(layer, "SIDE_CHAIN_FIRST", layer.SIDE_CHAIN_FIRST)
     monkeypatch.setattr(gemm_rows, "BULK_SPLIT_WARPGROUPS", gemm_rows.BULK_SPLIT_WARPGROUPS)

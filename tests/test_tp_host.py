@@ -22,7 +22,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from glm_kda import device as device_module, layer as layer_module, ops, tp
+from glm_kda import device as device_module, tp
+from glm_kda.gpu import layer as layer_module
+from glm_kda.gpu import ops
 from glm_kda.config import KdaConfig
 from glm_kda.state import KdaState
 from glm_kda.synthetic import synthetic_config

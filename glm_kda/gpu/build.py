@@ -14,6 +14,7 @@ with NVRTC alone (no driver, no GPU), which is what the test suite runs.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import ctypes
 import re
 import struct
@@ -26,7 +27,6 @@ STAGED_TILES_PER_WARP = (1, 2)
 
 # file stem -> kernel entry points, in the pipeline order of the block.
 ENTRY_POINTS: dict[str, tuple[str, ...]] = {
-    "gemv": ("gemv_bf16",),
     "gemm_rows": tuple(f"gemm_rows_{layout}bf16_m{m}_n{n}" for layout in ("", "packed_", "sums_", "packed_sums_")
                        for m, n in ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2)))
     + tuple(f"gemm_rows_{layout}serial_bf16_m{m}_n{n}" for layout in ("", "packed_") for m, n in ((4, 2),))
@@ -37,10 +37,8 @@ ENTRY_POINTS: dict[str, tuple[str, ...]] = {
             for form in ("pair", "awaiting", "awaiting_sums", "counting", "counting_ahead") for n in (1, 2, 4)),
     "conv": ("conv_decode_silu_l2_bf16", "conv_prefill_silu_l2_bf16"),
     "gate": ("gate_beta_f32",),
-    "recurrent": ("kda_recurrent_step_f32",),
     "decode": ("kda_decode_fused_bf16", "kda_decode_fused_staged_bf16", "kda_decode_fused_split_bf16",
                "kda_signal_inputs_ready"),
-    "decode_persistent": ("kda_decode_persistent_bf16",),
     "chunk": ("kda_chunk_prepare_f32", "kda_chunk_scan_f32"),
     "chunk_tc": ("kda_chunk_tc_prepare_f32", "kda_chunk_tc_prepare_gate_f32", "kda_chunk_tc_prepare_unbounded_f32",
                  "kda_chunk_tc_scan_f32"),
@@ -51,7 +49,6 @@ ENTRY_POINTS: dict[str, tuple[str, ...]] = {
 # (sm_90a: Hopper's warpgroup MMA). They are compiled for that architecture alone and loaded only on a
 # device of it; the wrappers fall back to the portable kernels elsewhere (KernelSet.has).
 ARCH_ENTRY_POINTS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "gemm_rows_wgmma": ("sm_90a", tuple(f"gemm_rows_wgmma_n{n}_g{g}" for n in (32, 64) for g in (1, 2))),
     "gemm_rows_bulk": ("sm_90a", ("gemm_rows_tile_x_bf16",) + tuple(f"gemm_rows_bulk_g{g}" for g in (1, 2, 3))
                        + ("gemm_rows_bulk_fold_bf16",)),
 }
@@ -483,21 +480,12 @@ class KernelSet:
 
 @dataclass
 class StageTimer:
-    """Per-kernel GPU time, measured with a pair of CUDA events around each launch.
+    """Per-kernel GPU time, measured with a pair of CUDA events around each launch (see
+    :func:`launching`)."""
 
-    Off by default; when off, :func:`launch` pays one attribute check. Use through
-    :func:`timing`.
-    """
-
-    active: bool = False
     _pending: list[tuple[str, Any, Any]] = field(default_factory=list)
     totals_ms: dict[str, float] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)
-
-    def reset(self) -> None:
-        self._pending.clear()
-        self.totals_ms.clear()
-        self.calls.clear()
 
     def record(self, name: str, start: Any, end: Any) -> None:
         self._pending.append((name, start, end))
@@ -508,45 +496,75 @@ class StageTimer:
 
         for name, start, end in self._pending:
             end.synchronize()
-            self.totals_ms[name] = self.totals_ms.get(name, 0.0) + cupy.cuda.get_elapsed_time(
-                start, end
-            )
+            self.totals_ms[name] = self.totals_ms.get(name, 0.0) + cupy.cuda.get_elapsed_time(start, end)
             self.calls[name] = self.calls.get(name, 0) + 1
         self._pending.clear()
 
     def summary(self) -> dict[str, float]:
-        """Total milliseconds per kernel name, largest first (after synchronize)."""
+        """Total milliseconds per kernel or stage name, largest first (after synchronize)."""
         return dict(sorted(self.totals_ms.items(), key=lambda item: -item[1]))
 
     def table(self) -> str:
-        """The summary as aligned text: kernel, calls, total ms."""
+        """The summary as aligned text: name, calls, total ms."""
         rows = [f"{'kernel':32s} {'calls':>7s} {'total ms':>10s}"]
         for name, total in self.summary().items():
             rows.append(f"{name:32s} {self.calls[name]:7d} {total:10.3f}")
         return "\n".join(rows)
 
 
-TIMER = StageTimer()
+@dataclass(frozen=True)
+class LaunchContext:
+    """How the launches of one call are made: set by the layer from its options for the length of
+    a call (:func:`launching`), so that no process-wide setting decides it.
+
+    hopper: programmatic dependent launches and the sm_90a kernel families where the device has
+    them (False: the portable path that sm_80 and sm_120 / sm_121 run). timer: per-launch CUDA
+    events are recorded there (launches then run eagerly, one after another)."""
+
+    hopper: bool = True
+    timer: StageTimer | None = None
+
+
+_CONTEXT: contextvars.ContextVar[LaunchContext] = contextvars.ContextVar("glm_kda_launch_context",
+                                                                         default=LaunchContext())
+
+
+def current_context() -> LaunchContext:
+    """The LaunchContext of the launches being made now."""
+    return _CONTEXT.get()
 
 
 @contextlib.contextmanager
-def timing() -> Iterator[StageTimer]:
-    """Time every launch inside the block: ``with timing() as t: ...`` then
-    ``t.summary()``. The totals are complete once the block has exited."""
-    TIMER.reset()
-    TIMER.active = True
+def launching(context: LaunchContext) -> Iterator[LaunchContext]:
+    """Make the launches inside the block under ``context``."""
+    token = _CONTEXT.set(context)
     try:
-        yield TIMER
+        yield context
     finally:
-        TIMER.active = False
-        TIMER.synchronize()
+        _CONTEXT.reset(token)
 
 
-# Programmatic dependent launch: launch(..., programmatic=True) lets the kernel start while the
-# previous kernel of its stream drains (sm_90 and later, through cuLaunchKernelEx). False turns
-# every such launch back into a plain one (benchmarks compare the two in one process). A captured
-# CUDA graph keeps the launches it was captured with: clear a layer's graphs after a change.
-PROGRAMMATIC_LAUNCH = True
+@contextlib.contextmanager
+def timing(hopper: bool = True) -> Iterator[StageTimer]:
+    """Time every launch inside the block: ``with timing() as t: ...`` then ``t.summary()``.
+    The totals are complete once the block has exited."""
+    timer = StageTimer()
+    try:
+        with launching(LaunchContext(hopper=hopper, timer=timer)):
+            yield timer
+    finally:
+        timer.synchronize()
+
+
+def hopper_enabled() -> bool:
+    """Whether the launches being made may use sm_90 features (the device must have them too)."""
+    return _CONTEXT.get().hopper
+
+
+# --------------------------------------------------------------------------------------
+# Programmatic dependent launch (sm_90 and later, through cuLaunchKernelEx)
+# --------------------------------------------------------------------------------------
+
 # cuLaunchAttributeID CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h).
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
@@ -651,7 +669,7 @@ def launch(
     :mod:`glm_kda.ops` build them. ``programmatic``: a programmatic dependent launch (see
     kda_wait_for_previous_kernel in kda_common.cuh: the kernel must wait before it touches
     anything the previous kernel writes); a plain launch where the device or driver cannot,
-    with PROGRAMMATIC_LAUNCH False, or while timing. ``carveout``: the preferred shared-memory
+    or where the current LaunchContext says so (portable path, timing). ``carveout``: the preferred shared-memory
     split in percent (see :meth:`KernelSet.prefer_shared_carveout`; -1 the driver's choice).
     """
     kernel_set = KernelSet.get()
@@ -661,7 +679,8 @@ def launch(
     kernel_set.prefer_shared_carveout(name, carveout)
     grid = tuple(int(value) for value in grid)
     block = tuple(int(value) for value in block)
-    if programmatic and PROGRAMMATIC_LAUNCH and not TIMER.active and _PROGRAMMATIC.usable(kernel_set.device_id):
+    context = _CONTEXT.get()
+    if programmatic and context.hopper and context.timer is None and _PROGRAMMATIC.usable(kernel_set.device_id):
         import cupy
 
         result = _PROGRAMMATIC.launch(function, grid, block, args, shared_mem, cupy.cuda.get_current_stream().ptr)
@@ -671,13 +690,13 @@ def launch(
         # from now on.
         _PROGRAMMATIC.unavailable = f"cuLaunchKernelEx returned CUresult {result}"
         _PROGRAMMATIC.launch_ex = None
-    if TIMER.active:
+    if context.timer is not None:
         import cupy
 
         start, end = cupy.cuda.Event(), cupy.cuda.Event()
         start.record()
         function(grid, block, tuple(args), shared_mem=shared_mem)
         end.record()
-        TIMER.record(name, start, end)
+        context.timer.record(name, start, end)
     else:
         function(grid, block, tuple(args), shared_mem=shared_mem)

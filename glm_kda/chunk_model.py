@@ -1,51 +1,29 @@
-"""The tensor-core chunked prefill (``kernels_src/chunk_tc.cu``): launch wrappers and a
-float64 NumPy model of its blocked algorithm.
+"""Host side of the tensor-core chunked prefill: its constants, when it applies, and a float64
+model of its blocked algorithm, step by step.
 
-Same inputs and outputs as the FP32 pair ``ops.kda_chunk_prepare_f32`` +
-``ops.kda_chunk_scan_f32`` (which stay the reference path): query, key, value, gate
-[>= T, H, D] FP32, beta [>= T, H] FP32, the carried state [H, D, D] FP32 (K-major, updated
-in place) and core [>= T, H, D] FP32 out. Every matrix product runs on mma.sync TF32 with
-FP32 accumulation; chunk 64, sub-chunks of 16. The scratch the scan reads as mma operands
-(q_decay, k_tail, W, B) is stored as FP16, which holds those TF32 values exactly in its
-normal range (SCRATCH_KINDS). The gate follows the BOUNDED law with lower_bound >= -5
-(:func:`chunk_tc_supported`): the kernel turns the pairwise decays exp(G_t - G_s) into matrix
-products through one reference row per 16-row sub-chunk, and the range of those factors is
-only bounded when every g >= -5 (see the comment above the pair products in the .cu file).
-lower_bound=None takes any gate <= 0 (the softplus law) through
-kda_chunk_tc_prepare_unbounded_f32: the blocks below the diagonal keep the products (both
-factors <= 1 for any gate); a diagonal block keeps them too where the decay across it is
-within the bounded range (DIAGONAL_RANGE), and is formed as exact FP32 sums where it is not.
-The layer takes it for the softplus law (:func:`prepare_lower_bound`).
+The kernels (``kernels_src/chunk/chunk_tc.cu``, launched by :mod:`glm_kda.gpu.ops.chunk_tc`) run
+every matrix product of the chunked delta rule on mma.sync TF32 with FP32 accumulation, chunk 64,
+sub-chunks of 16; the scratch the scan reads as mma operands is stored as FP16, which holds those
+TF32 values exactly in its normal range. The bounded law with lower_bound >= -5 takes the bounded
+prepare, which turns the pairwise decays exp(G_t - G_s) into matrix products through one reference
+row per sub-chunk; any other gate takes the unbounded prepare, which forms a diagonal block whose
+decay leaves that range as exact FP32 sums (docs/maths.md, section 3).
 
-Call sequence (one prefill of T tokens; the scratch is that of ``KdaWorkspace`` with chunk
-64, see :func:`scratch_shapes`)::
-
-    chunk_prefill_tc(query, key, value, gate, beta, state, core, T, lower_bound,
-                     q_decay, k_tail, w, u, attn, chunk_decay)
-
-which is ``kda_chunk_tc_prepare_f32`` (grid (nchunks, H)) then ``kda_chunk_tc_scan_f32``
-(grid (H, D / 32)).
-
-:func:`model_chunk_tc` follows the kernels step by step in float64: the same sub-chunk
-reference rows, the same block order of the triangular inverse, and TF32 rounding
-(:func:`round_tf32`, bit-identical to the kernel's) applied to exactly the operands the
-kernels round, the FP16 storage of the scratch (:func:`round_f16`), and the kernel's FP32
-cumulative gate and exponent arguments. With
+:func:`model_chunk_tc` follows the kernels in float64: the same sub-chunk reference rows, the same
+block order of the triangular inverse, TF32 rounding (:func:`round_tf32`, bit-identical to the
+kernel's) of exactly the operands the kernels round, and FP16 storage of the scratch. With
 ``emulate_rounding=False`` it is the exact blocked algorithm and equals
-:func:`glm_kda.reference.chunk_scan` to float64 rounding. The rest of the kernels' FP32
-arithmetic (expf, products, mma accumulation) is float64 here, so kernel and model differ
-at the FP32 level plus rare TF32 rounding flips of operands.
+:func:`glm_kda.reference.chunk_scan` to float64 rounding.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
-from glm_kda import kernels, ops
-from glm_kda.ops import HEAD_DIM, _check_dtype, _f32, _i32, _require, _require_int32, _require_rows, recurrent_state_heads
-from glm_kda.state import array_module
+from .state import array_module
 
+HEAD_DIM = 128  # the kernels' head dimension
 CHUNK = 64
 SUB_CHUNK = 16
 # The smallest bounded-law lower bound for which the sub-chunk decay factors stay within
@@ -141,165 +119,6 @@ def new_scratch(xp: Any, tokens: int, heads: int, fill: float = 0.0) -> dict[str
     dtypes = {"f16": xp.float16, "f32": xp.float32}
     return {name: xp.full(shape, fill, dtypes[SCRATCH_KINDS[name]])
             for name, shape in scratch_shapes(tokens, heads).items()}
-
-
-def _launch(name: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int) -> None:
-    """kernels.launch with the largest shared-memory carveout: two scan blocks of 93 KB per SM
-    need more than the driver's default split leaves when it is free to favour L1 (the
-    carveout is a hint; a block that cannot run at all is always given enough)."""
-    kernels.launch(name, grid, block, args, shared_mem=shared_mem, carveout=100)
-
-
-def _require_lower_bound(lower_bound: float | None) -> None:
-    if lower_bound is None:  # no lower bound: the unbounded prepare
-        return
-    try:
-        bound = float(lower_bound)
-    except (TypeError, ValueError):
-        bound = math.nan
-    if not MIN_LOWER_BOUND <= bound <= 0.0:
-        raise ValueError(
-            f"lower_bound = {lower_bound!r}: the tensor-core prefill needs the bounded gate law with "
-            f"{MIN_LOWER_BOUND} <= lower_bound <= 0, or lower_bound=None for gates without a bound (the softplus "
-            f"law; a bound below {MIN_LOWER_BOUND} is such a gate)"
-        )
-
-
-def _checked_call_needs_work(lower_bound: float | None, gate_source: Any, tokens: int) -> bool:
-    """The checks every prefill call starts with (the bound, the gate source it allows, tokens);
-    False for zero tokens (nothing to launch)."""
-    _require_lower_bound(lower_bound)
-    if lower_bound is None and gate_source is not None:
-        raise ValueError("gate_source forms the bounded law's gate: it needs a lower_bound")
-    _require_int32("tokens", tokens)
-    return tokens != 0
-
-
-def _require_scratch(q_decay, k_tail, w, u, attn, chunk_decay, tokens: int, heads: int) -> None:
-    nchunks = chunk_count(tokens)
-    padded = nchunks * CHUNK
-    # Every scratch access is a 16-, 8- or 4-byte vector.
-    for name, array in (("q_decay", q_decay), ("k_tail", k_tail), ("w", w), ("u", u)):
-        _require_rows(name, array, SCRATCH_KINDS[name], padded, (heads, HEAD_DIM), aligned=True)
-    _require_rows("attn", attn, SCRATCH_KINDS["attn"], nchunks, (heads, CHUNK, CHUNK), aligned=True)
-    _require_rows("chunk_decay", chunk_decay, "f32", nchunks, (heads, HEAD_DIM), aligned=True)
-
-
-def _heads_of(beta) -> int:
-    _check_dtype("beta", beta, "f32")
-    if beta.ndim != 2:
-        raise ValueError(f"beta: expected [>= T, H], got {list(beta.shape)}")
-    return beta.shape[1]
-
-
-class GateSource(NamedTuple):
-    """What the forget gate and beta are formed from (as ops.gate_beta_f32 takes them):
-    forget_proj [>= T, H*D] BF16, dt_bias [H*D] FP32, a_log [H] FP32, beta_logits [>= T, >= H]
-    BF16 (a column slice of a wider buffer is fine)."""
-
-    forget_proj: Any
-    dt_bias: Any
-    a_log: Any
-    beta_logits: Any
-
-
-def kda_chunk_tc_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, u, attn, chunk_decay,
-                             tokens: int, lower_bound: float | None, scale: float | None = None,
-                             gate_source: GateSource | None = None) -> None:
-    """Intra-chunk work of every chunk (no state): grid (nchunks, H), 256 threads.
-
-    lower_bound: the bounded law's bound (-5 <= lower_bound <= 0), or None for gates with no
-    lower bound (the softplus law): the kda_chunk_tc_prepare_unbounded_f32 entry point, which
-    forms a diagonal 16 x 16 block of A and B whose decay exceeds DIAGONAL_RANGE as exact FP32
-    sums instead of tensor-core products (their factors are only bounded under a bound on the
-    decay; :func:`diagonal_in_range`). Not with `gate_source`.
-
-    query, key, value, gate [>= T, H, D] and beta [>= T, H] FP32, 16-byte aligned; rows >= T
-    are never read. With `gate_source`, gate and beta are OUTPUTS instead: the
-    kda_chunk_tc_prepare_gate_f32 entry point forms them from the projections (the bounded
-    law at lower_bound, bit for bit what ops.gate_beta_f32 writes) and writes their T rows.
-    It measured slower than the gate kernel + this prepare (benchmarks/NOTES.md).
-
-    Writes the scratch of :func:`scratch_shapes`: q_decay = f16(tf32(scale q exp(G))),
-    k_tail = f16(tf32(k exp(G_last - G))) chunk-transposed, w = f16(tf32(W)), u = Uc (FP32),
-    attn = f16(tf32(B)) (zero above the diagonal), chunk_decay = exp(G_last) (FP32); padded
-    rows zero.
-    """
-    if not _checked_call_needs_work(lower_bound, gate_source, tokens):
-        return
-    heads = _heads_of(beta)
-    _require_rows("beta", beta, "f32", tokens, (heads,))
-    for name, array in (("query", query), ("key", key), ("value", value), ("gate", gate)):
-        _require_rows(name, array, "f32", tokens, (heads, HEAD_DIM), aligned=True)
-    _require_scratch(q_decay, k_tail, w, u, attn, chunk_decay, tokens, heads)
-    if scale is None:
-        scale = 1.0 / math.sqrt(HEAD_DIM)
-    args = (query, key, value, gate, beta, q_decay, k_tail, w, u, attn, chunk_decay,
-            _i32(tokens), _i32(heads), _f32(scale), _f32(0.0 if lower_bound is None else lower_bound))
-    name = "kda_chunk_tc_prepare_f32" if lower_bound is not None else "kda_chunk_tc_prepare_unbounded_f32"
-    if gate_source is not None:
-        sources = GateSource(*gate_source)
-        ld_beta = ops.check_gate_sources(*sources, heads, HEAD_DIM, tokens)
-        name, args = "kda_chunk_tc_prepare_gate_f32", (*args, *sources, _i32(ld_beta))
-    _launch(name, (chunk_count(tokens), heads), (PREPARE_THREADS,), args, shared_mem=PREPARE_SMEM_BYTES)
-
-
-def kda_chunk_tc_scan_f32(q_decay, k_tail, w, u, attn, chunk_decay, state, core, tokens: int) -> None:
-    """The inter-chunk scan: grid (H, D / 32), 128 threads; state [H, D, D] FP32 in place,
-    core [>= T, H, D] FP32 written for the T real tokens only. The scratch comes from
-    :func:`kda_chunk_tc_prepare_f32` with the same tokens."""
-    _require_int32("tokens", tokens)
-    if tokens == 0:
-        return
-    heads = recurrent_state_heads(state, aligned=True)
-    _require_scratch(q_decay, k_tail, w, u, attn, chunk_decay, tokens, heads)
-    _require_rows("core", core, "f32", tokens, (heads, HEAD_DIM), aligned=True)
-    _launch(
-        "kda_chunk_tc_scan_f32",
-        (heads, HEAD_DIM // SCAN_COLUMNS),
-        (SCAN_THREADS,),
-        (q_decay, k_tail, w, u, attn, chunk_decay, state, core, _i32(tokens), _i32(heads)),
-        shared_mem=SCAN_SMEM_BYTES,
-    )
-
-
-def chunk_prefill_tc(query, key, value, gate, beta, state, core, tokens: int, lower_bound: float | None,
-                     q_decay, k_tail, w, u, attn, chunk_decay, scale: float | None = None,
-                     gate_source: GateSource | None = None) -> None:
-    """The chunked prefill core on tensor cores: core [>= T, H, D] and the carried state
-    [H, D, D] (in place) from query, key, value, gate [>= T, H, D] and beta [>= T, H].
-
-    Scratch (C-contiguous, 16-byte aligned; :func:`scratch_shapes`, dtypes SCRATCH_KINDS),
-    with Tp = ceil(T / 64) * 64: q_decay, k_tail, w (FP16), u (FP32) [>= Tp, H, D]; attn (FP16)
-    [>= Tp / 64, H, 64, 64]; chunk_decay (FP32) [>= Tp / 64, H, D]. The workspace's
-    q_decay_f16, k_tail_f16, chunk_w_f16, chunk_u, attn_f16 and chunk_decay are exactly these
-    when its chunk is 64.
-
-    lower_bound is the bounded gate law's bound (-5 <= lower_bound <= 0), or None for gates
-    without a lower bound (the unbounded prepare, see :func:`kda_chunk_tc_prepare_f32`); anything
-    else is refused here, before any launch. With `gate_source` (:class:`GateSource`) gate and beta
-    are written from the projections instead of read (see :func:`kda_chunk_tc_prepare_f32`).
-    Every argument is checked before the first launch, so a refused call leaves the state
-    untouched.
-    """
-    if not _checked_call_needs_work(lower_bound, gate_source, tokens):
-        return
-    heads = _heads_of(beta)
-    _check_dtype("state", state, "f32")
-    if tuple(state.shape) != (heads, HEAD_DIM, HEAD_DIM):
-        raise ValueError(f"state: expected [{heads}, {HEAD_DIM}, {HEAD_DIM}] (H from beta), got {list(state.shape)}")
-    _require("state", state, "f32", (heads, HEAD_DIM, HEAD_DIM), aligned=True)
-    _require_rows("core", core, "f32", tokens, (heads, HEAD_DIM), aligned=True)
-    _require_scratch(q_decay, k_tail, w, u, attn, chunk_decay, tokens, heads)
-    # The gate sources are the prepare's alone: it checks them before its launch.
-    kda_chunk_tc_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, u, attn, chunk_decay,
-                             tokens, lower_bound, scale, gate_source)
-    kda_chunk_tc_scan_f32(q_decay, k_tail, w, u, attn, chunk_decay, state, core, tokens)
-
-
-# --------------------------------------------------------------------------------------
-# The float64 model of the blocked algorithm
-# --------------------------------------------------------------------------------------
 
 
 def round_tf32(x: Any) -> Any:

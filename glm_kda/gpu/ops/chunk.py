@@ -1,0 +1,125 @@
+"""The FP32 chunked delta rule (kernels_src/chunk.cu): any chunk length up to 64."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import cupy
+import ml_dtypes
+import numpy
+
+from .. import build as kernels
+from .checks import *  # noqa: F403
+from .checks import _F32_DTYPE, _check_dtype, _f32, _i32, _require, _require_aligned, _require_head_dim, _require_int32, _require_rows, _row_stride, _slot_rows, _state_or_pool_heads, _token_slices  # noqa: F401
+
+CHUNK_MAX = 64  # the largest chunk the kernels' shared memory holds
+
+
+def chunk_prepare_smem_bytes(chunk: int) -> int:
+    """Dynamic shared memory of kda_chunk_prepare_f32: three [C][D + 1] FP32 tiles
+    (k, q, cumulative gate), the [C][C] matrix A and beta [C]."""
+    return 4 * (3 * chunk * (HEAD_DIM + 1) + chunk * chunk + chunk)
+
+
+def chunk_count(tokens: int, chunk: int) -> int:
+    """nchunks = ceil(T / C); the padded length is nchunks * C."""
+    return (tokens + chunk - 1) // chunk
+
+
+def _require_chunk(chunk: int) -> None:
+    if not 1 <= chunk <= CHUNK_MAX:
+        raise ValueError(f"chunk must be 1..{CHUNK_MAX}, got {chunk}")
+
+
+def kda_chunk_prepare_f32(
+    query, key, value, gate, beta, q_decay, k_tail, w, u, attn, chunk_decay, tokens: int, chunk: int, scale: float
+) -> None:
+    """Per-chunk WY preparation (intra-chunk work, no state).
+
+    Inputs query, key, value, gate [>= T, H, D] FP32 and beta [>= T, H] FP32; rows
+    >= T are never read. Outputs q_decay, k_tail, w, u [>= Tp, H, D], attn
+    [nchunks, H, C, C] (the matrix B), chunk_decay [nchunks, H, D], all FP32, with
+    Tp = nchunks * C; padded rows are written as zeros.
+    """
+    _require_chunk(chunk)
+    _require_int32("tokens", tokens)
+    if tokens == 0:
+        return
+    _check_dtype("beta", beta, "f32")
+    if beta.ndim != 2:
+        raise ValueError(f"beta: expected [>= T, H], got {list(beta.shape)}")
+    heads = beta.shape[1]
+    nchunks = chunk_count(tokens, chunk)
+    padded = nchunks * chunk
+    _require_rows("beta", beta, "f32", tokens, (heads,))
+    for name, array in (("query", query), ("key", key), ("value", value), ("gate", gate)):
+        _require_rows(name, array, "f32", tokens, (heads, HEAD_DIM))
+    for name, array in (("q_decay", q_decay), ("k_tail", k_tail), ("w", w), ("u", u)):
+        _require_rows(name, array, "f32", padded, (heads, HEAD_DIM), aligned=True)
+    _require_rows("attn", attn, "f32", nchunks, (heads, chunk, chunk))
+    _require_rows("chunk_decay", chunk_decay, "f32", nchunks, (heads, HEAD_DIM), aligned=True)
+    kernels.launch(
+        "kda_chunk_prepare_f32",
+        (nchunks, heads),
+        (HEAD_BLOCK,),
+        (
+            query,
+            key,
+            value,
+            gate,
+            beta,
+            q_decay,
+            k_tail,
+            w,
+            u,
+            attn,
+            chunk_decay,
+            _i32(tokens),
+            _i32(heads),
+            _i32(chunk),
+            _f32(scale),
+        ),
+        shared_mem=chunk_prepare_smem_bytes(chunk),
+    )
+
+
+def kda_chunk_scan_f32(q_decay, k_tail, w, u, attn, chunk_decay, state, core, tokens: int, chunk: int) -> None:
+    """The inter-chunk scan: state [H, D, D] FP32 (in place) carried over all chunks,
+    core [>= T, H, D] FP32 written for the T real tokens only.
+
+    q_decay, k_tail, w, u [>= Tp, H, D], attn [nchunks, H, C, C] and chunk_decay
+    [nchunks, H, D] come from kda_chunk_prepare_f32 with the same tokens and chunk.
+    """
+    _require_chunk(chunk)
+    _require_int32("tokens", tokens)
+    if tokens == 0:
+        return
+    heads = recurrent_state_heads(state)
+    nchunks = chunk_count(tokens, chunk)
+    padded = nchunks * chunk
+    # q_decay, w, k_tail and chunk_decay rows are read as float4 vectors.
+    for name, array in (("q_decay", q_decay), ("k_tail", k_tail), ("w", w), ("u", u)):
+        _require_rows(name, array, "f32", padded, (heads, HEAD_DIM), aligned=True)
+    _require_rows("attn", attn, "f32", nchunks, (heads, chunk, chunk))
+    _require_rows("chunk_decay", chunk_decay, "f32", nchunks, (heads, HEAD_DIM), aligned=True)
+    _require_rows("core", core, "f32", tokens, (heads, HEAD_DIM))
+    kernels.launch(
+        "kda_chunk_scan_f32",
+        (heads, HEAD_DIM // RECURRENT_COLUMNS),
+        (RECURRENT_COLUMNS,),
+        (
+            q_decay,
+            k_tail,
+            w,
+            u,
+            attn,
+            chunk_decay,
+            state,
+            core,
+            _i32(tokens),
+            _i32(heads),
+            _i32(chunk),
+            _i32(nchunks),
+        ),
+    )

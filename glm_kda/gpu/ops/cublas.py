@@ -1,0 +1,110 @@
+"""The wide projections of a prefill (cuBLAS, BF16 in, FP32 compute) and the FP32 -> BF16 rounding."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import cupy
+import ml_dtypes
+import numpy
+
+from .. import build as kernels
+from .checks import *  # noqa: F403
+from .checks import _F32_DTYPE, _check_dtype, _f32, _i32, _require, _require_aligned, _require_head_dim, _require_int32, _require_rows, _row_stride, _slot_rows, _state_or_pool_heads, _token_slices  # noqa: F401
+
+# cudaDataType CUDA_R_16BF and CUDA_R_32F (library_types.h); cupy's cublas module does not export them.
+CUDA_R_16BF = 14
+CUDA_R_32F = 0
+
+
+def gemm_bf16_cublas(x, w, out) -> None:
+    """out[T, n] = bf16(x[T, k] @ w[n, k]^T) through cuBLAS, BF16 in/out, FP32 compute; a
+    float32 `out` receives the FP32 result unrounded (a tensor-parallel rank's partial output).
+
+    For prefill widths (T > 16). Reassociates differently from gemv_bf16, so it is
+    never used where decode bits must be reproduced. x and out may be row slices
+    or column slices of wider row-major buffers: their row strides are passed.
+
+    cuBLAS is column-major. A row-major [R, C] matrix with row stride ld is the
+    column-major [C, R] matrix with leading dimension ld, so the row-major
+    out = x w^T is computed as the column-major out^T = w^T-op(...) product
+        out^T [n, T] = op_T(W) [n, k] * X [k, T]
+    where W is w read column-major ([k, n], ld = k, transposed by OP_T) and X is
+    x read column-major ([k, T], ld = ldx, OP_N); C = out^T, ldc = ldo.
+    """
+    from cupy.cuda import cublas  # loading cuBLAS needs the library; not at import
+
+    _require("w", w, "bf16", tuple(w.shape))
+    if w.ndim != 2 or x.ndim != 2 or out.ndim != 2:
+        raise ValueError("gemm_bf16_cublas: x [T, k], w [n, k] and out [T, n] must be 2-D")
+    n, k = w.shape
+    tokens = x.shape[0]
+    ldx = _row_stride("x", x, "bf16", tokens, k)
+    out_f32 = isinstance(out, cupy.ndarray) and out.dtype == _F32_DTYPE
+    ldo = _row_stride("out", out, "f32" if out_f32 else "bf16", tokens, n)
+    if out.shape[0] != tokens:
+        raise ValueError(f"out: expected {tokens} rows like x, got {out.shape[0]}")
+    if tokens == 0 or n == 0:
+        return
+    for name, value in (("T", tokens), ("n", n), ("k", k), ("ldx", ldx), ("ldo", ldo)):
+        _require_int32(name, value)
+
+    handle = cupy.cuda.device.get_cublas_handle()
+    cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
+    # Host scalars, FP32 because the compute type is CUBLAS_COMPUTE_32F.
+    alpha = numpy.array(1.0, dtype=numpy.float32)
+    beta = numpy.array(0.0, dtype=numpy.float32)
+    pointer_mode = cublas.getPointerMode(handle)
+    cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+    try:
+        cublas.gemmEx(
+            handle,
+            cublas.CUBLAS_OP_T,  # op(A): W column-major [k, n] -> [n, k]
+            cublas.CUBLAS_OP_N,  # op(B): X column-major [k, T]
+            n,  # m: rows of C = out^T
+            tokens,  # n: columns of C
+            k,  # k: the reduction
+            alpha.ctypes.data,
+            w.data.ptr,
+            CUDA_R_16BF,
+            k,  # lda >= k: A is stored [k, n]
+            x.data.ptr,
+            CUDA_R_16BF,
+            ldx,  # ldb >= k: B is stored [k, T] with x's row stride
+            beta.ctypes.data,
+            out.data.ptr,
+            CUDA_R_32F if out_f32 else CUDA_R_16BF,
+            ldo,  # ldc >= n: C is stored [n, T] with out's row stride
+            cublas.CUBLAS_COMPUTE_32F,
+            cublas.CUBLAS_GEMM_DEFAULT,
+        )
+    finally:
+        cublas.setPointerMode(handle, pointer_mode)
+
+
+# FP32 -> BF16 bits, round to nearest, ties to even, as ml_dtypes and __float2bfloat16_rn do; NaN stays
+# a quiet NaN and values past the BF16 range round to inf. Plain bit arithmetic needs no cuda_bf16.h.
+BF16_ROUND_SOURCE = r"""
+__device__ __forceinline__ unsigned short kda_float_to_bf16_bits(float value) {
+    unsigned int bits = __float_as_uint(value);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) {
+        return (unsigned short)((bits >> 16) | 0x0040u);
+    }
+    return (unsigned short)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def _round_kernel() -> cupy.ElementwiseKernel:
+    return cupy.ElementwiseKernel("float32 value", "uint16 bits", "bits = kda_float_to_bf16_bits(value)",
+                                  "kda_round_f32_bf16", preamble=BF16_ROUND_SOURCE)
+
+
+def round_to_bf16(values, out) -> None:
+    """out = values rounded to BF16 (nearest even): values FP32 and out BF16 of one shape, each
+    C-contiguous (rows of a wider buffer are fine). What the projections do to their FP32 sums."""
+    _require("values", values, "f32", tuple(values.shape))
+    _require("out", out, "bf16", tuple(values.shape))
+    _round_kernel()(values, out.view(numpy.uint16))

@@ -1,0 +1,88 @@
+"""Forget gate and beta of a prefill (kernels_src/gate.cu)."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import cupy
+import ml_dtypes
+import numpy
+
+from .. import build as kernels
+from .checks import *  # noqa: F403
+from .checks import _F32_DTYPE, _check_dtype, _f32, _i32, _require, _require_aligned, _require_head_dim, _require_int32, _require_rows, _row_stride, _slot_rows, _state_or_pool_heads, _token_slices  # noqa: F401
+
+GATE_TOKENS_PER_BLOCK = 32  # tokens per block of the gate kernel
+GATE_THREADS = 128
+
+
+def check_gate_sources(forget_proj, dt_bias, a_log, beta_logits, heads: int, head_dim: int, tokens: int) -> int:
+    """Checks the forget gate's and beta's sources (see :func:`gate_beta_f32`) for `tokens`
+    rows (forget_proj 16-byte aligned: both readers load it in vectors); returns the beta
+    logits' row stride in elements."""
+    qkv = heads * head_dim
+    _require_rows("forget_proj", forget_proj, "bf16", tokens, (qkv,), aligned=True)
+    _check_dtype("dt_bias", dt_bias, "f32")
+    if dt_bias.size != qkv or not dt_bias.flags.c_contiguous:
+        raise ValueError(f"dt_bias: expected {qkv} contiguous values (per channel), got {list(dt_bias.shape)}")
+    _check_dtype("a_log", a_log, "f32")
+    if a_log.size != heads or not a_log.flags.c_contiguous:
+        raise ValueError(f"a_log: expected {heads} contiguous values (per head), got {list(a_log.shape)}")
+    _check_dtype("beta_logits", beta_logits, "bf16")
+    if beta_logits.ndim != 2 or beta_logits.shape[0] < tokens or beta_logits.shape[1] < heads:
+        raise ValueError(f"beta_logits: expected [>= {tokens}, >= {heads}], got {list(beta_logits.shape)}")
+    return _row_stride("beta_logits", beta_logits, "bf16", tokens, beta_logits.shape[1])
+
+
+def gate_beta_f32(
+    forget_proj,
+    dt_bias,
+    a_log,
+    beta_logits,
+    gate,
+    beta,
+    heads: int,
+    head_dim: int,
+    bounded: bool,
+    lower_bound: float,
+    tokens: int | None = None,
+) -> None:
+    """Forget-gate log-decay and beta.
+
+    forget_proj [>= T, H*D] BF16, dt_bias [H*D] FP32 (per channel), a_log [H] FP32
+    (per head; Kimi's [1, 1, H, 1] is accepted), beta_logits [>= T, >= H] BF16 (may
+    be a column slice of a wider buffer), gate [>= T, H, D] FP32, beta [>= T, H]
+    FP32. bounded: gate = lower_bound * sigmoid(exp(A_log) u); else the softplus
+    law (lower_bound ignored).
+    """
+    if tokens is None:
+        tokens = forget_proj.shape[0]
+    if head_dim != HEAD_DIM:
+        raise ValueError(f"head_dim = {head_dim}: the gate kernel is compiled for D = {HEAD_DIM}")
+    ld_beta = check_gate_sources(forget_proj, dt_bias, a_log, beta_logits, heads, head_dim, tokens)
+    _require_aligned("dt_bias", dt_bias)
+    _require_rows("gate", gate, "f32", tokens, (heads, head_dim), aligned=True)
+    _require_rows("beta", beta, "f32", tokens, (heads,))
+    if bounded and not math.isfinite(lower_bound):
+        raise ValueError(f"bounded gate needs a finite lower_bound, got {lower_bound}")
+    for start, end in _token_slices(tokens):
+        kernels.launch(
+            "gate_beta_f32",
+            (heads, -(-(end - start) // GATE_TOKENS_PER_BLOCK)),
+            (GATE_THREADS,),
+            (
+                forget_proj[start:end],
+                dt_bias,
+                a_log,
+                beta_logits[start:end],
+                _i32(ld_beta),
+                gate[start:end],
+                beta[start:end],
+                _i32(heads),
+                _i32(head_dim),
+                _i32(1 if bounded else 0),
+                _f32(lower_bound if bounded else 0.0),
+                _i32(end - start),
+            ),
+        )

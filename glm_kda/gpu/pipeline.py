@@ -1,0 +1,278 @@
+"""The stages of one KdaLayer call, in the block's order (docs/design.md):
+
+    front end   qkv_proj  = hidden @ [W_q; W_k; W_v]^T            (main stream)
+                down_proj = hidden @ [W_fa; W_ga; W_b]^T          (the low-rank chain, on a side
+                forget_proj, out_gate = down_proj @ W_fb^T, W_gb^T  stream beside q|k|v)
+    stateful    decode:  the fused step per row group (conv + SiLU + L2, gate, beta, the
+                         recurrent step, the gated norm), states read once and written once
+                prefill: conv + SiLU + L2 + split, then the chunked delta rule
+    back end    prefill: the gated RMSNorm;  o_proj = o_norm_out @ W_o^T
+
+Every decode-side projection (decode, decode_k, pool decode, prefill of <= 16 rows) runs
+glm_kda.gpu.projection.gemm_rows_bf16, whose per-row arithmetic does not depend on the row
+count or on the other rows: decode_k of K rows is bit-identical to K calls of decode, and a
+sequence's bits do not depend on the batch it is decoded in. Prefill of more than 16 rows runs
+its projections on cuBLAS, which reassociates and is never used by a decode-side call.
+
+The methods here are the private half of KdaLayer (glm_kda.gpu.layer); each takes the
+workspace of the call explicitly, since a call's stream picks its workspace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Sequence
+
+from . import build, ops, projection
+from .ops import chunk_tc
+from .workspace import KdaWorkspace
+from ..chunk_model import prepare_lower_bound
+from ..state import KdaState
+
+# Most rows of a decode-side call and of a prefill whose projections run on gemm_rows_bf16.
+DECODE_MAX_ROWS = 16
+# Rows of one launch of the decode-side projection.
+_ROW_GROUP = projection.GEMM_ROWS_MAX_ROWS
+# Block slots a q|k|v projection of <= 16 rows leaves free, so the low-rank chain beside it starts at once.
+_QKV_RESERVED_SLOTS = 64
+# Above this many rows out_gate's projection forks onto a third stream beside forget_proj's.
+_GATE_BRANCH_MIN_ROWS = 16
+# A batched fused step asks L2 for the states of the blocks this many waves of resident blocks ahead.
+_STEP_PREFETCH_WAVES = 0.25
+# Blocks of the fused step resident per SM (its __launch_bounds__).
+_STEP_RESIDENT_BLOCKS_PER_SM = 2
+# The weights the low-rank chain's projections read (they run on its stream, with its scratch).
+_SIDE_CHAIN_WEIGHTS = ("down_weight", "f_b", "g_b")
+
+
+def _timing() -> bool:
+    return build.current_context().timer is not None
+
+
+@contextlib.contextmanager
+def _section(name: str):
+    """CUDA events around a group of launches while timing; free otherwise."""
+    timer = build.current_context().timer
+    if timer is None:
+        yield
+        return
+    import cupy
+
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    yield
+    end.record()
+    timer.record(f"[{name}]", start, end)
+
+
+class Stages:
+    """The stage methods of KdaLayer (see the module docstring). Expects the layer's weights
+    (qkv_weight, down_weight, f_b, g_b, conv_weight, dt_bias, a_log, o_norm, o_proj), config,
+    scale, _packed, _o_proj_sums and _chunk_impl."""
+
+    # Projections ----------------------------------------------------------------------------
+    def _decode_weight(self, name: str) -> Any:
+        """The weight `name` as the decode-side projections read it: its packed copy, else the array."""
+        return self._packed.get(name) or getattr(self, name)
+
+    def _project(self, ws: KdaWorkspace, x: Any, weight: str, out: Any, wide: bool, *, after_kernel: bool = False,
+                 reserved_slots: int = 0, x_tiles: Any = None, x_tiled: bool = False, ready_target: int = 0,
+                 sums: Any = None) -> None:
+        """out = x @ the weight named `weight`. wide (prefill of > 16 rows): cuBLAS. Otherwise
+        gemm_rows_bf16 over groups of _ROW_GROUP rows. after_kernel: the previous operation on
+        this stream writes x, so the launch may be its programmatic dependent. x_tiled: the fused
+        step already wrote x into ws.x_tiles. ready_target: o_proj awaits that many blocks of the
+        fused step counting their outputs out (ws.outputs_ready). sums: FP32 [rows, n] that also
+        receives the unrounded result."""
+        if wide:
+            if sums is None:
+                ops.gemm_bf16_cublas(x, getattr(self, weight), out)
+            else:
+                ops.gemm_bf16_cublas(x, getattr(self, weight), sums)
+                ops.round_to_bf16(sums, out)
+            return
+        side = weight in _SIDE_CHAIN_WEIGHTS
+        if x_tiles is None:
+            x_tiles = ws.x_tiles_side if side else ws.x_tiles
+        partial = None if side else ws.bulk_partial
+        w = self._decode_weight(weight)
+        rows = x.shape[0]
+        ready = ws.outputs_ready if ready_target else None
+        for start in range(0, rows, _ROW_GROUP):
+            stop = min(rows, start + _ROW_GROUP)
+            projection.gemm_rows_bf16(x[start:stop], w, out[start:stop], rows=stop - start,
+                                      programmatic=after_kernel or start > 0, reserved_slots=reserved_slots,
+                                      staged=bool(ready_target), x_tiles=x_tiles, partial=partial,
+                                      x_tiled=x_tiled and rows <= _ROW_GROUP, ready=ready, ready_target=ready_target,
+                                      sums=None if sums is None else sums[start:stop])
+
+    def _gate_source(self, ws: KdaWorkspace, first: int = 0) -> chunk_tc.GateSource:
+        """Workspace rows first.. of what the forget gate and beta are formed from."""
+        return chunk_tc.GateSource(ws.forget_proj[first:], self.dt_bias, self.a_log,
+                                   ws.down_proj[first:, 2 * self.config.head_dim :])
+
+    def _gate_beta(self, ws: KdaWorkspace, rows: int, first: int = 0) -> None:
+        """Forget gate [rows, H, D] and beta [rows, H] (FP32) of workspace rows first.."""
+        c = self.config
+        ops.gate_beta_f32(*self._gate_source(ws, first), ws.gate[first:], ws.beta[first:], c.heads, c.head_dim,
+                          c.bounded, c.gate_lower_bound or 0.0, tokens=rows)
+
+    def _front_end(self, ws: KdaWorkspace, hidden: Any, wide: bool) -> None:
+        """q|k|v, down_proj, forget_proj and out_gate of hidden's rows. On the decode side the
+        low-rank chain runs on a higher-priority side stream beside q|k|v (which streams most
+        of the bytes); in a captured graph the two are parallel branches joined before the
+        stateful stage. The same kernels and inputs either way: no bit changes."""
+        rows = hidden.shape[0]
+        concurrent = not wide and not _timing()
+        with ws.beside(concurrent) as side:
+            with side:
+                self._low_rank_chain(ws, hidden, wide, branched=concurrent and rows > _GATE_BRANCH_MIN_ROWS)
+            self._project(ws, hidden, "qkv_weight", ws.qkv_proj[:rows], wide, reserved_slots=_QKV_RESERVED_SLOTS)
+
+    def _low_rank_chain(self, ws: KdaWorkspace, hidden: Any, wide: bool, branched: bool) -> None:
+        """down_proj, then forget_proj and out_gate: up to 16 rows of packed weights as one paired
+        launch; `branched`: out_gate's projection on a stream of its own beside forget_proj's."""
+        rows, d = hidden.shape[0], self.config.head_dim
+        self._project(ws, hidden, "down_weight", ws.down_proj[:rows], wide)
+        f_b, g_b = self._decode_weight("f_b"), self._decode_weight("g_b")
+        if (not wide and not branched and rows <= projection.M_TILE
+                and isinstance(f_b, projection.PackedWeight) and isinstance(g_b, projection.PackedWeight)):
+            projection.gemm_rows_pair_bf16(ws.down_proj[:rows, :d], f_b, ws.forget_proj[:rows],
+                                           ws.down_proj[:rows, d : 2 * d], g_b, ws.out_gate[:rows])
+            return
+        with ws.beside(branched, branch=1) as gate_side:
+            if branched:
+                with gate_side:
+                    self._project(ws, ws.down_proj[:rows, d : 2 * d], "g_b", ws.out_gate[:rows], wide,
+                                  x_tiles=ws.x_tiles_gate)
+            self._project(ws, ws.down_proj[:rows, :d], "f_b", ws.forget_proj[:rows], wide)
+            if not branched:
+                self._project(ws, ws.down_proj[:rows, d : 2 * d], "g_b", ws.out_gate[:rows], wide)
+
+    # Decode ---------------------------------------------------------------------------------
+    def _o_proj_awaits_step(self, rows: int) -> bool:
+        """Whether o_proj of a fused step of `rows` rows (one launch) awaits the step's count of
+        outputs instead of its end: one group of <= 16 rows of a packed weight."""
+        return rows <= projection.M_TILE and isinstance(self._decode_weight("o_proj"), projection.PackedWeight)
+
+    def _step_prefetch_ahead(self, device_id: int) -> int:
+        """Sequences ahead whose state a batched fused step asks L2 for."""
+        resident = projection.sm_count(device_id) * _STEP_RESIDENT_BLOCKS_PER_SM
+        return max(1, round(_STEP_PREFETCH_WAVES * resident / self.config.heads))
+
+    def _step(self, ws: KdaWorkspace, first: int, rows: int, conv_state: Any, recurrent_state: Any, *,
+              slots: Any = None, walk: bool = False, whole: bool = False) -> tuple[int, bool]:
+        """The fused decode step for workspace rows first..first+rows-1, states in place: row r
+        advances slot slots[r] of a pool, or (slots None) the single state given; walk: the rows
+        are consecutive tokens of that state, walked in one launch. whole: these are all the rows
+        the back end projects next. Returns (blocks o_proj should await, 0 for none; whether the
+        step also wrote o_norm_out into ws.x_tiles)."""
+        c = self.config
+        sl = slice(first, first + rows)
+        counted = whole and first == 0 and self._o_proj_awaits_step(rows)
+        tiles = (first == 0 and not walk and rows <= _ROW_GROUP and self._o_proj_sums is None
+                 and projection.bulk_applies(self._decode_weight("o_proj"), rows))
+        d = c.head_dim
+        blocks = ops.kda_decode_fused_bf16(
+            conv_state, recurrent_state, ws.qkv_proj[sl], self.conv_weight, ws.forget_proj[sl], self.dt_bias,
+            self.a_log, ws.down_proj[sl, 2 * d :], ws.out_gate[sl], self.o_norm, ws.conv_out[sl], ws.query[sl],
+            ws.key[sl], ws.value[sl], ws.gate[sl], ws.beta[sl], ws.core[sl], ws.o_norm_out[sl],
+            bounded=c.bounded, lower_bound=c.gate_lower_bound or 0.0, scale=self.scale, l2_eps=c.l2_eps,
+            norm_eps=c.rms_norm_eps, slots=slots, tokens=rows if walk else 1,
+            prefetch_ahead=self._step_prefetch_ahead(ws.device_id), dependents_after=0,
+            x_tiles=ws.x_tiles if tiles else None, outputs_ready=ws.outputs_ready if counted else None)
+        return (blocks if counted else 0), tiles
+
+    def _decode_rows(self, ws: KdaWorkspace, hidden: Any, conv_state: Any, recurrent_state: Any, *,
+                     slots: Any = None, sequential: bool = False, snapshots: Sequence[KdaState] = ()) -> None:
+        """Every launch of a decode-side call on hidden [rows, hidden] BF16, output in
+        ws.final_out[:rows]. sequential: the rows are consecutive tokens of ONE sequence
+        (decode_k), snapshots[i] receiving the state after row i: without snapshots one launch
+        walks them all (the state stays in registers), else one launch per row with the copies
+        between. Otherwise row r is one token of the sequence in slot slots[r] of a pool."""
+        rows = hidden.shape[0]
+        with _section("front_end"):
+            self._front_end(ws, hidden, wide=False)
+        ready, tiled = 0, False
+        try:
+            with _section("recurrence"):
+                if sequential and not snapshots:
+                    ready, tiled = self._step(ws, 0, rows, conv_state, recurrent_state, walk=True, whole=True)
+                elif sequential:
+                    for row in range(rows):
+                        self._step(ws, row, 1, conv_state, recurrent_state)
+                        if row < len(snapshots):
+                            snapshots[row].conv[...] = conv_state
+                            snapshots[row].recurrent[...] = recurrent_state
+                else:
+                    ready, tiled = self._step(ws, 0, rows, conv_state, recurrent_state, slots=slots, whole=True)
+            with _section("back_end"):
+                self._back_end(ws, rows, wide=False, norm=False, ready_target=ready, x_tiled=tiled)
+        except BaseException:
+            import cupy
+
+            # A step that counted its outputs without the o_proj that clears the count: clear it
+            # here, so that no later o_proj takes it for its own (a failed capture launched nothing).
+            if ready and not cupy.cuda.get_current_stream().is_capturing():
+                ws.outputs_ready.fill(0)
+            raise
+
+    # Back end and prefill ---------------------------------------------------------------------
+    def _back_end(self, ws: KdaWorkspace, rows: int, wide: bool, norm: bool = True, ready_target: int = 0,
+                  x_tiled: bool = False) -> None:
+        """Gated RMSNorm of core into o_norm_out (norm=False: the fused step wrote it), then
+        o_proj into final_out (and its FP32 sums into o_proj_sums, where set)."""
+        c = self.config
+        if norm:
+            ops.gated_rmsnorm_sigmoid_bf16(ws.core, ws.out_gate, self.o_norm, ws.o_norm_out, c.heads, c.head_dim,
+                                           c.rms_norm_eps, tokens=rows)
+        sums = self._o_proj_sums
+        self._project(ws, ws.o_norm_out[:rows], "o_proj", ws.final_out[:rows], wide, after_kernel=True,
+                      x_tiled=x_tiled, ready_target=ready_target, sums=None if sums is None else sums[:rows])
+
+    def _prefill_core(self, ws: KdaWorkspace, tokens: int, conv_state: Any, recurrent_state: Any,
+                      pad_value: float | None = 0.0, first: int = 0) -> None:
+        """The stateful middle of a prefill of workspace rows first..first+T-1: conv + SiLU + L2 +
+        split in one pass (conv_state [3*qkv, K] FP32 in place), then the gate, beta and the
+        chunked delta rule from the carried recurrent_state [H, D, D] FP32 (in place). The padded
+        tail of the last chunk is filled with `pad_value`, or left as it is with None (packed
+        prefill, where those rows belong to the next sequence); the kernels never read it."""
+        c = self.config
+        rows = slice(first, None)
+        query, key, value, gate, beta = (buf[rows] for buf in (ws.query, ws.key, ws.value, ws.gate, ws.beta))
+        ops.conv_prefill_silu_l2_bf16(conv_state, ws.qkv_proj[rows], self.conv_weight, ws.conv_out[rows], query,
+                                      key, value, c.heads, c.head_dim, c.l2_eps, tokens=tokens)
+        padded = ops.chunk_count(tokens, c.chunk) * c.chunk
+        if pad_value is not None and padded > tokens:
+            for buf in (query, key, value, gate, beta):
+                buf[tokens:padded].fill(pad_value)
+        core = ws.core[rows]
+        if self._chunk_impl == "tensor":
+            # The bounded prepare forms the gate and beta itself; the unbounded one reads the gate kernel's.
+            lower_bound = prepare_lower_bound(c)
+            if lower_bound is None:
+                self._gate_beta(ws, tokens, first)
+            chunk_tc.chunk_prefill_tc(query, key, value, gate, beta, recurrent_state, core, tokens,
+                                      lower_bound, ws.q_decay_f16, ws.k_tail_f16, ws.chunk_w_f16,
+                                      ws.chunk_u, ws.attn_f16, ws.chunk_decay, scale=self.scale,
+                                      gate_source=None if lower_bound is None else self._gate_source(ws, first))
+        else:
+            self._gate_beta(ws, tokens, first)
+            ops.kda_chunk_prepare_f32(query, key, value, gate, beta, ws.q_decay, ws.k_tail, ws.chunk_w, ws.chunk_u,
+                                      ws.attn, ws.chunk_decay, tokens, c.chunk, self.scale)
+            ops.kda_chunk_scan_f32(ws.q_decay, ws.k_tail, ws.chunk_w, ws.chunk_u, ws.attn, ws.chunk_decay,
+                                   recurrent_state, core, tokens, c.chunk)
+
+    def _prefill_rows(self, ws: KdaWorkspace, hidden: Any, runs: Sequence[tuple[int, int, Any, Any]],
+                      pad_value: float | None) -> None:
+        """Every launch of a prefill of hidden [T, hidden]: the projections and the back end over
+        all rows, the stateful middle per run (first row, tokens, conv_state, recurrent_state)."""
+        rows = hidden.shape[0]
+        wide = rows > DECODE_MAX_ROWS
+        with _section("front_end"):
+            self._front_end(ws, hidden, wide)
+        with _section("recurrence"):
+            for first, tokens, conv_state, recurrent_state in runs:
+                self._prefill_core(ws, tokens, conv_state, recurrent_state, pad_value, first)
+        with _section("back_end"):
+            self._back_end(ws, rows, wide)

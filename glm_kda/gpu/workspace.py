@@ -1,0 +1,218 @@
+"""KdaWorkspace: the stage buffers and scratch of the calls of one CUDA stream.
+
+Layers of one geometry share workspaces: a model's 34 layers decoding on one stream need one.
+Calls on different streams must never share scratch (a decode's projections, its fused step and
+the counts its output projection awaits all live here), so a layer takes the workspace of the
+stream it is called on (:meth:`KdaWorkspace.for_stream`): memory grows with the streams actually
+used, not with the layers. A workspace given to a layer explicitly serves every stream; calls on
+different streams are then ordered one after the other through an event (:meth:`KdaWorkspace.use`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+from typing import Any, Iterator
+
+import numpy as np
+
+from ..config import KdaConfig
+from ..chunk_model import f16_view
+from . import projection
+from .arrays import bf16_dtype, to_host
+
+# Priority of the low-rank chain's stream (lower is more urgent; CUDA clamps it to the device's
+# range): the chain is short and the fused step waits for it, while q|k|v streams most bytes.
+_SIDE_STREAM_PRIORITY = -64
+# cudaMemcpyKind of a host-to-device copy.
+_HOST_TO_DEVICE = 1
+
+
+class PinnedUploads:
+    """Small host-to-device copies issued without synchronising: a few pinned host buffers used
+    in turn, each reused only once the copy that last read it has run. (A copy from pageable
+    memory may wait for the stream; one from a freed pinned buffer may read what the next call
+    wrote there.)"""
+
+    def __init__(self, nbytes: int, count: int = 4):
+        import cupy
+
+        self.nbytes = nbytes
+        self.buffers = [cupy.cuda.alloc_pinned_memory(nbytes) for _ in range(count)]
+        self.events = [cupy.cuda.Event(disable_timing=True) for _ in range(count)]
+        self.pending = [False] * count
+        self.turn = 0
+
+    def upload(self, dst_ptr: int, host: np.ndarray, stream: Any) -> None:
+        """Copy C-contiguous `host` (at most nbytes) to device address dst_ptr on `stream`."""
+        import cupy
+
+        if host.nbytes > self.nbytes:
+            raise ValueError(f"PinnedUploads: {host.nbytes} bytes over the {self.nbytes} of a buffer")
+        i = self.turn
+        self.turn = (i + 1) % len(self.buffers)
+        if self.pending[i]:
+            self.events[i].synchronize()
+        buffer = self.buffers[i]
+        np.frombuffer(buffer, np.uint8, host.nbytes)[:] = host.view(np.uint8).reshape(-1)
+        cupy.cuda.runtime.memcpyAsync(dst_ptr, buffer.ptr, host.nbytes, _HOST_TO_DEVICE, stream.ptr)
+        self.events[i].record(stream)
+        self.pending[i] = True
+
+
+class KdaWorkspace:
+    """Scratch sized once for `max_tokens` rows of one geometry, on the current device.
+
+    The stage buffers are public on purpose: they carry the oracle's stage names
+    (glm_kda.reference.STAGE_ORDER), so ``workspace.stages(T)`` lines up with an oracle run.
+
+      qkv_proj [T, 3*qkv] BF16    down_proj [T, 2D+H] BF16    forget_proj, out_gate [T, qkv] BF16
+      conv_out [T, 3*qkv] BF16    query, key, value, gate, core [Tp, H, D] FP32    beta [Tp, H] FP32
+      o_norm_out [T, qkv] BF16    final_out [T, hidden] BF16
+      chunk scratch: q_decay, k_tail, chunk_w, chunk_u [Tp, H, D], attn [Tp/C, H, C, C],
+      chunk_decay [Tp/C, H, D], all FP32
+    with Tp = max_tokens rounded up to the chunk. The tensor-core chunk kernels keep q_decay,
+    k_tail, w and attn as FP16 in the first half of the same bytes (q_decay_f16, k_tail_f16,
+    chunk_w_f16, attn_f16). The bulk-copy projection sweep's scratch: x_tiles, x_tiles_side,
+    x_tiles_gate (x in its tile layout, for the main stream, the low-rank chain's and the output
+    gate's branch) and bulk_partial (FP32 k-range sums). outputs_ready: the count of the fused
+    step's blocks that the output projection awaits (zero between calls). graph_hidden and
+    graph_slots: the fixed inputs of captured decode graphs.
+    """
+
+    _serials = itertools.count()
+    _by_stream: dict[tuple, "KdaWorkspace"] = {}
+    _by_stream_lock = threading.Lock()
+
+    def __init__(self, config: KdaConfig, max_tokens: int):
+        import cupy
+
+        config.validate()
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+        self.config = config
+        self.max_tokens = max_tokens
+        self.device_id = cupy.cuda.Device().id
+        # Unique for the life of the process (unlike id()): part of every decode graph's key.
+        self.serial = next(KdaWorkspace._serials)
+        c = config
+        self.padded_tokens = padded = -(-max_tokens // c.chunk) * c.chunk
+        nchunks = padded // c.chunk
+        bf16, f32 = bf16_dtype(), np.float32
+        heads, dim = c.heads, c.head_dim
+        self.qkv_proj = cupy.zeros((max_tokens, c.conv_dim), bf16)
+        self.down_proj = cupy.zeros((max_tokens, c.down_dim), bf16)
+        # forget_proj and out_gate have the same shape and kind: separate buffers, never aliased.
+        self.forget_proj = cupy.zeros((max_tokens, c.qkv), bf16)
+        self.out_gate = cupy.zeros((max_tokens, c.qkv), bf16)
+        self.conv_out = cupy.zeros((max_tokens, c.conv_dim), bf16)
+        self.query = cupy.zeros((padded, heads, dim), f32)
+        self.key = cupy.zeros((padded, heads, dim), f32)
+        self.value = cupy.zeros((padded, heads, dim), f32)
+        self.gate = cupy.zeros((padded, heads, dim), f32)
+        self.beta = cupy.zeros((padded, heads), f32)
+        self.core = cupy.zeros((padded, heads, dim), f32)
+        self.o_norm_out = cupy.zeros((max_tokens, c.qkv), bf16)
+        self.final_out = cupy.zeros((max_tokens, c.hidden), bf16)
+        self.q_decay = cupy.zeros((padded, heads, dim), f32)
+        self.k_tail = cupy.zeros((padded, heads, dim), f32)
+        self.chunk_w = cupy.zeros((padded, heads, dim), f32)
+        self.chunk_u = cupy.zeros((padded, heads, dim), f32)
+        self.attn = cupy.zeros((nchunks, heads, c.chunk, c.chunk), f32)
+        self.chunk_decay = cupy.zeros((nchunks, heads, dim), f32)
+        self.q_decay_f16, self.k_tail_f16, self.chunk_w_f16, self.attn_f16 = (
+            f16_view(buffer) for buffer in (self.q_decay, self.k_tail, self.chunk_w, self.attn))
+        # One row group of the decode-side projection and the widest k it reads.
+        tile_rows = min(max_tokens, projection.GEMM_ROWS_MAX_ROWS)
+        self.x_tiles = cupy.zeros((projection.x_tiles_size(tile_rows, max(c.hidden, c.qkv)),), bf16)
+        self.x_tiles_side = cupy.zeros((projection.x_tiles_size(tile_rows, max(c.hidden, c.head_dim)),), bf16)
+        self.x_tiles_gate = cupy.zeros((projection.x_tiles_size(tile_rows, c.head_dim),), bf16)
+        # o_proj's k-range sums where its bulk sweep splits (up to 64 rows).
+        self.bulk_partial = cupy.zeros((projection.bulk_partial_size(c.hidden, c.qkv, min(max_tokens, 64)),), f32)
+        self.outputs_ready = cupy.zeros((2,), np.int32)
+        self.graph_hidden = cupy.zeros((max_tokens, c.hidden), bf16)
+        self.graph_slots = cupy.zeros((max_tokens,), np.int32)
+        self.uploads: PinnedUploads | None = None
+        # The extra streams of the decode front end and their fork / join events, by branch.
+        self._branches: dict[int, tuple] = {}
+        # Host-side use: one call at a time; calls from another stream wait for the last one.
+        self._lock = threading.RLock()
+        self._home_stream: int | None = None  # the stream of a for_stream workspace
+        self._last_stream: int | None = None
+        self._last_event: Any = None
+
+    @classmethod
+    def for_stream(cls, config: KdaConfig, max_tokens: int, stream: Any = None) -> "KdaWorkspace":
+        """The workspace of this geometry and size for `stream` (default: the current stream) on
+        the current device, made on its first use."""
+        import cupy
+
+        stream = cupy.cuda.get_current_stream() if stream is None else stream
+        key = (config.hidden, config.heads, config.head_dim, config.conv_kernel, config.chunk, max_tokens,
+               cupy.cuda.Device().id, stream.ptr)
+        with cls._by_stream_lock:
+            workspace = cls._by_stream.get(key)
+            if workspace is None:
+                workspace = cls._by_stream[key] = cls(config, max_tokens)
+                workspace._home_stream = stream.ptr
+        return workspace
+
+    @contextlib.contextmanager
+    def use(self, stream: Any) -> Iterator["KdaWorkspace"]:
+        """Hold this workspace for one call on `stream`: one host thread at a time, and on the GPU
+        after the last call made on another stream."""
+        import cupy
+
+        with self._lock:
+            if stream.ptr == self._home_stream or stream.is_capturing():
+                # Its own stream orders its calls (the common case: no event to record); a capture
+                # (a driver capturing this call into a graph of its own) orders it in that graph.
+                yield self
+                return
+            if self._last_stream is not None and self._last_stream != stream.ptr:
+                stream.wait_event(self._last_event)
+            try:
+                yield self
+            finally:
+                if self._last_event is None:
+                    self._last_event = cupy.cuda.Event(disable_timing=True)
+                self._last_event.record(stream)
+                self._last_stream = stream.ptr
+
+    @contextlib.contextmanager
+    def beside(self, concurrent: bool, branch: int = 0) -> Iterator[Any]:
+        """Yields the stream for work that may run beside the current stream's next launches:
+        extra stream number `branch`, which starts after everything issued so far on the current
+        stream and which the current stream waits for on exit (fork and join), or, when not
+        `concurrent`, the current stream itself. Nest branches with a higher number."""
+        import cupy
+
+        main = cupy.cuda.get_current_stream()
+        if not concurrent:
+            yield main
+            return
+        known = self._branches.get(branch)
+        if known is None:
+            known = self._branches[branch] = (cupy.cuda.Stream(non_blocking=True, priority=_SIDE_STREAM_PRIORITY),
+                                              cupy.cuda.Event(disable_timing=True),
+                                              cupy.cuda.Event(disable_timing=True))
+        side, fork, join = known
+        fork.record(main)
+        side.wait_event(fork)
+        try:
+            yield side
+        finally:
+            join.record(side)
+            main.wait_event(join)
+
+    def stages(self, rows: int) -> dict[str, np.ndarray]:
+        """Host copies of the first `rows` rows of every stage buffer, by oracle stage name."""
+        from ..reference import STAGE_ORDER
+
+        return {name: to_host(getattr(self, name)[:rows]) for name in STAGE_ORDER}
+
+    def nbytes(self) -> int:
+        """Device bytes held by this workspace's buffers."""
+        return sum(value.nbytes for value in vars(self).values() if hasattr(value, "nbytes")
+                   and hasattr(value, "data") and value.base is None)

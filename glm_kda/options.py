@@ -1,0 +1,46 @@
+"""KdaOptions: the choices a user may make about how a KdaLayer runs, in one frozen object.
+
+Every field is part of the key of every CUDA graph a layer captures, so changing the options
+of a layer (``layer.options = dataclasses.replace(layer.options, ...)``) never replays a graph
+captured under other ones. No field changes the mathematics, and none but ``chunk_impl``
+changes a bit of any output or state (docs/maths.md, section 5).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+CHUNK_IMPLS = ("auto", "tensor", "fp32")
+
+
+@dataclass(frozen=True)
+class KdaOptions:
+    """How a KdaLayer runs.
+
+    chunk_impl: the chunked-prefill kernels. "tensor": TF32 tensor-core kernels, chunk 64 (the
+        fast path); "fp32": the FP32 kernels, any chunk up to 64 (the reference path); "auto"
+        (default): "tensor" where the layer's geometry allows it, else "fp32".
+    packed_weights: the decode-side projections read a copy of each projection weight in the
+        tiled layout their kernel streams (default True; costs as many bytes again as the five
+        projection weights). False reads the row-major weights cuBLAS reads: the same bits,
+        slower.
+    graphs: decode, decode_k and pool decode replay CUDA graphs captured on their second call
+        with the same shapes and states (default True). False: eager launches, for debugging and
+        for profilers that do not follow graphs.
+    hopper: use sm_90 features where the device has them: programmatic dependent launches and
+        the bulk-copy projection sweep (default True). False runs the portable path that sm_80
+        and sm_120 / sm_121 (GB10) always take: the same bits, slower on Hopper.
+    """
+
+    chunk_impl: str = "auto"
+    packed_weights: bool = True
+    graphs: bool = True
+    hopper: bool = True
+
+    def __post_init__(self) -> None:
+        if self.chunk_impl not in CHUNK_IMPLS:
+            raise ValueError(f"KdaOptions.chunk_impl must be one of {CHUNK_IMPLS}, got {self.chunk_impl!r}")
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if field.type in ("bool", bool) and not isinstance(value, bool):
+                raise TypeError(f"KdaOptions.{field.name} must be a bool, got {type(value).__name__} {value!r}")

@@ -1,0 +1,36 @@
+// BF16 storage without cuda_bf16.h (so NVRTC needs no CUDA headers): a value as its raw 16 bits,
+// the upper half of the FP32 encoding.
+#ifndef KDA_COMMON_BF16_CUH
+#define KDA_COMMON_BF16_CUH
+
+typedef unsigned short bf16_t;
+
+// Exact: every BF16 value is an FP32 value with 16 zero low bits.
+__device__ __forceinline__ float bf16_to_f32(bf16_t value)
+{
+    return __uint_as_float(static_cast<unsigned int>(value) << 16);
+}
+
+// The low (half 0) or high (half 1) BF16 of a 32-bit word that packs two, as FP32 (exact): what
+// a vector load of BF16 pairs unpacks to.
+__device__ __forceinline__ float bf16_half_to_f32(unsigned int word, int half)
+{
+    return __uint_as_float(half ? (word & 0xFFFF0000u) : (word << 16));
+}
+
+// Round to nearest, ties to even, bit-identical to ml_dtypes' float32 -> bfloat16
+// cast (what the NumPy oracle uses): finite values that round past the largest
+// BF16 become infinity, subnormals are kept (no flush), and every NaN becomes the
+// canonical quiet NaN with the input's sign (0x7FC0 / 0xFFC0; the payload is
+// dropped, as ml_dtypes drops it).
+__device__ __forceinline__ bf16_t f32_to_bf16(float value)
+{
+    const unsigned int bits = __float_as_uint(value);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) {
+        return static_cast<bf16_t>(((bits >> 16) & 0x8000u) | 0x7fc0u);
+    }
+    const unsigned int lsb = (bits >> 16) & 1u;
+    return static_cast<bf16_t>((bits + 0x7fffu + lsb) >> 16);
+}
+
+#endif  // KDA_COMMON_BF16_CUH

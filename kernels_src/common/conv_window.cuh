@@ -1,0 +1,84 @@
+// The causal conv of one channel, one definition for the prefill conv (conv.cu) and the fused
+// decode step, so both agree bit for bit: a window of the last K <= CONV_MAX_KERNEL inputs,
+// oldest in slot 0, kept in registers (compile-time indices only).
+#ifndef KDA_COMMON_CONV_WINDOW_CUH
+#define KDA_COMMON_CONV_WINDOW_CUH
+
+#include "common/bf16.cuh"
+
+#define CONV_MAX_KERNEL 4
+
+// Shift the window left by one and put `input` in slot kernel_size - 1.
+__device__ __forceinline__ void conv_window_push(float window[CONV_MAX_KERNEL], float input,
+                                                 int kernel_size)
+{
+#pragma unroll
+    for (int j = 0; j + 1 < CONV_MAX_KERNEL; ++j) {
+        if (j + 1 < kernel_size) {
+            window[j] = window[j + 1];
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < CONV_MAX_KERNEL; ++j) {
+        if (j == kernel_size - 1) {
+            window[j] = input;
+        }
+    }
+}
+
+// The first K of CONV_MAX_KERNEL values from `stored` (slots K.. zero): a conv window's K stored
+// inputs, or a channel's K conv taps.
+template <class T>
+__device__ __forceinline__ void conv_slots_load(T (&slots)[CONV_MAX_KERNEL], const T* stored, int kernel_size)
+{
+#pragma unroll
+    for (int j = 0; j < CONV_MAX_KERNEL; ++j) {
+        slots[j] = T(0);
+        if (j < kernel_size) {
+            slots[j] = stored[j];
+        }
+    }
+}
+
+// The window from the K stored inputs of a channel, and back.
+__device__ __forceinline__ void conv_window_load(float (&window)[CONV_MAX_KERNEL], const float* stored,
+                                                 int kernel_size)
+{
+    conv_slots_load(window, stored, kernel_size);
+}
+
+__device__ __forceinline__ void conv_window_store(const float window[CONV_MAX_KERNEL], float* stored,
+                                                  int kernel_size)
+{
+#pragma unroll
+    for (int j = 0; j < CONV_MAX_KERNEL; ++j) {
+        if (j < kernel_size) {
+            stored[j] = window[j];
+        }
+    }
+}
+
+// silu( sum_j taps[j] * window[j] ), FP32 fma in ascending j, the taps already in registers.
+__device__ __forceinline__ float conv_silu_taps(const float window[CONV_MAX_KERNEL],
+                                                const bf16_t taps[CONV_MAX_KERNEL], int kernel_size)
+{
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < CONV_MAX_KERNEL; ++j) {
+        if (j < kernel_size) {
+            acc = fmaf(bf16_to_f32(taps[j]), window[j], acc);
+        }
+    }
+    return acc / (1.0f + expf(-acc));
+}
+
+// conv_silu_taps with the taps read from memory.
+__device__ __forceinline__ float conv_silu(const float window[CONV_MAX_KERNEL],
+                                           const bf16_t* taps, int kernel_size)
+{
+    bf16_t loaded[CONV_MAX_KERNEL];
+    conv_slots_load(loaded, taps, kernel_size);
+    return conv_silu_taps(window, loaded, kernel_size);
+}
+
+#endif  // KDA_COMMON_CONV_WINDOW_CUH

@@ -1,0 +1,104 @@
+// The sums over a head's KDA_HEAD_BLOCK threads (thread d: channel d) and the per-head
+// normalisations built on them. Every per-head reduction (decode conv + L2, the gated RMSNorm of
+// decode and prefill) goes through block_sum_f32's one tree, so decode and prefill produce the
+// same bits for the same inputs.
+#ifndef KDA_COMMON_REDUCE_CUH
+#define KDA_COMMON_REDUCE_CUH
+
+#include "common/head.cuh"
+#include "common/math.cuh"
+
+#define KDA_FULL_WARP_MASK 0xffffffffu
+
+// The sum of `value` over a warp, returned to every lane: the fixed xor-shuffle tree of
+// block_sum_f32.
+__device__ __forceinline__ float warp_sum_f32(float value)
+{
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        value += __shfl_xor_sync(KDA_FULL_WARP_MASK, value, offset);
+    }
+    return value;
+}
+
+// Sum of `value` over the block's KDA_HEAD_BLOCK (= 128) threads, returned to every one of them.
+// Deterministic: the xor-shuffle tree inside each warp, then thread 0 adds the four warp sums in
+// warp order. `scratch` is at least 5 floats of shared memory. Every thread must call it (it
+// holds barriers); it may be called again right away.
+__device__ __forceinline__ float block_sum_f32(float value, float* scratch)
+{
+    value = warp_sum_f32(value);
+    const int thread = threadIdx.x;
+    const int warp = thread >> 5;
+    if ((thread & 31) == 0) {
+        scratch[warp] = value;
+    }
+    __syncthreads();
+    if (thread == 0) {
+        float total = scratch[0];
+        total += scratch[1];
+        total += scratch[2];
+        total += scratch[3];
+        scratch[4] = total;
+    }
+    __syncthreads();
+    const float total = scratch[4];
+    // Nobody may overwrite scratch for the next call before every thread read it.
+    __syncthreads();
+    return total;
+}
+
+// block_sum_f32 of two values at once, by the same tree each (so the same bits as two calls),
+// with the barriers of one call. `scratch` is at least 10 floats of shared memory.
+__device__ __forceinline__ void block_sum2_f32(float& a, float& b, float* scratch)
+{
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        a += __shfl_xor_sync(KDA_FULL_WARP_MASK, a, offset);
+        b += __shfl_xor_sync(KDA_FULL_WARP_MASK, b, offset);
+    }
+    const int thread = threadIdx.x;
+    const int warp = thread >> 5;
+    if ((thread & 31) == 0) {
+        scratch[warp] = a;
+        scratch[5 + warp] = b;
+    }
+    __syncthreads();
+    if (thread == 0 || thread == 32) {
+        const float* sums = scratch + (thread == 0 ? 0 : 5);
+        float total = sums[0];
+        total += sums[1];
+        total += sums[2];
+        total += sums[3];
+        scratch[(thread == 0 ? 0 : 5) + 4] = total;
+    }
+    __syncthreads();
+    a = scratch[4];
+    b = scratch[9];
+    // Nobody may overwrite scratch for the next call before every thread read it.
+    __syncthreads();
+}
+
+// q / sqrt(sum over the head of q^2 + eps) and the same of k (channel d of each), with the
+// barriers of one reduction. `scratch` is at least 10 floats.
+__device__ __forceinline__ void l2_normalize_pair(float& q, float& k, float l2_eps, float* scratch)
+{
+    // __fmul_rn: a product the compiler may not fuse into the first shuffle add.
+    float q_squares = __fmul_rn(q, q);
+    float k_squares = __fmul_rn(k, k);
+    block_sum2_f32(q_squares, k_squares, scratch);
+    q = q / sqrtf(q_squares + l2_eps);
+    k = k / sqrtf(k_squares + l2_eps);
+}
+
+// Gated RMSNorm of one channel of a head, the gate a SIGMOID:
+//   o / sqrt(mean over the head of o^2 + eps) * weight * sigmoid(z)
+// Every thread of the block calls it (it reduces across the block).
+__device__ __forceinline__ float gated_rmsnorm_sigmoid(float o, float weight, float z, float eps, float* scratch)
+{
+    // __fmul_rn: a product the compiler may not fuse into the first shuffle add.
+    const float mean_square = block_sum_f32(__fmul_rn(o, o), scratch) / static_cast<float>(KDA_HEAD_DIM);
+    return o / sqrtf(mean_square + eps) * weight * sigmoid_f32(z);
+}
+
+#endif  // KDA_COMMON_REDUCE_CUH
