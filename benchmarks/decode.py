@@ -1,12 +1,24 @@
-"""Decode-side timings (batched decode, verify, graph vs eager): see glm_kda/bench_decode.py.
+"""Decode-side timings (batched decode, verify, graph vs eager): see benchmarks/lib/bench_decode.py.
 
-    PYTHONPATH=. python benchmarks/decode.py [--geometry glm kimi] [--repeats 200]
+One JSON line per case, each with its roofline (bytes moved / copy bandwidth measured in the same run).
+
+    PYTHONPATH=. python benchmarks/decode.py [--geometry glm kimi] [--repeats 200] [--variant hopper=False]
 """
 
+import argparse
 import sys
+from pathlib import Path
 
-from glm_kda import bench_decode
-from glm_kda.cli import bench_script
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from lib import bench_decode  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(bench_script(bench_decode, "the decode benchmark"))
+    from glm_kda.device import exit_unless_gpu
+
+    parser = argparse.ArgumentParser(description=bench_decode.__doc__.splitlines()[0], epilog=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench_decode.add_arguments(parser)
+    arguments = parser.parse_args()
+    exit_unless_gpu("the decode benchmark")
+    sys.exit(bench_decode.run(arguments))

@@ -1,13 +1,26 @@
 """Prefill timings (whole block and KDA core, tensor-core and FP32 chunk kernels, and
-flash-linear-attention in the same run when importable): see glm_kda/bench_prefill.py.
+flash-linear-attention in the same run when importable): see benchmarks/lib/bench_prefill.py.
+
+One JSON line per case; the block lines carry their roofline (bytes moved / copy bandwidth
+measured in the same run) beside Mtok/s and TFLOP/s.
 
     PYTHONPATH=. python benchmarks/prefill.py [--geometry glm kimi-bounded] [--tokens 1024 4096 16384 65536]
 """
 
+import argparse
 import sys
+from pathlib import Path
 
-from glm_kda import bench_prefill
-from glm_kda.cli import bench_script
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from lib import bench_prefill  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(bench_script(bench_prefill, "the prefill benchmark"))
+    from glm_kda.device import exit_unless_gpu
+
+    parser = argparse.ArgumentParser(description=bench_prefill.__doc__.splitlines()[0], epilog=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench_prefill.add_arguments(parser)
+    arguments = parser.parse_args()
+    exit_unless_gpu("the prefill benchmark")
+    sys.exit(bench_prefill.run(arguments))

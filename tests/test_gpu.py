@@ -1,4 +1,4 @@
-"""The CUDA block against the oracle: SPEC section 5 on a GPU.
+"""The CUDA block against the oracle: the numerics contract (docs/maths.md, section 5) on a GPU.
 
 Two levels:
   * each stage against the BF16-faithful oracle fed the SAME upstream stage values (the GPU's
@@ -11,6 +11,7 @@ real-geometry cases fast.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import numpy as np
@@ -19,6 +20,7 @@ import pytest
 from glm_kda.gpu import build as kernels
 from glm_kda.device import gpu_status
 from glm_kda.reference import KdaOracle, compare_stages, rms_ratio
+from glm_kda.options import KdaOptions
 from glm_kda.state import KdaState
 from glm_kda.synthetic import synthetic_hidden, write_synthetic_checkpoint
 
@@ -41,7 +43,8 @@ def _cp():
 def layers(real_checkpoint):
     """(bound, KdaLayer) per geometry and chunk, built once."""
     from glm_kda.checkpoint import bind_layer
-    from glm_kda.gpu.layer import KdaLayer, KdaWorkspace
+    from glm_kda.gpu.layer import KdaLayer
+    from glm_kda.gpu.workspace import KdaWorkspace
 
     built = {}
 
@@ -49,10 +52,31 @@ def layers(real_checkpoint):
         if (geometry, chunk) not in built:
             bound = bind_layer(real_checkpoint(geometry), 0, progress=False)
             bound = dataclasses.replace(bound, config=bound.config.with_chunk(chunk))
-            built[geometry, chunk] = (bound, KdaLayer(bound, workspace=KdaWorkspace.shared(bound.config, 4096)))
+            built[geometry, chunk] = (bound, KdaLayer(bound, max_tokens=4096))
         return built[geometry, chunk]
 
     return get
+
+
+@contextlib.contextmanager
+def _options(layer, **changes):
+    """The layer under its options with `changes`, then back as it was."""
+    previous = layer.options
+    layer.options = dataclasses.replace(previous, **changes)
+    try:
+        yield layer
+    finally:
+        layer.options = previous
+
+
+def _option_switch(layer, field: str):
+    """switch(state) for _decode_paths: options.<field> True, False, or as it was (None)."""
+    previous = layer.options
+
+    def switch(state):
+        layer.options = previous if state is None else dataclasses.replace(previous, **{field: state})
+
+    return switch
 
 
 def device_state(layer, host_state: KdaState | None) -> KdaState:
@@ -272,7 +296,7 @@ def test_timing_reports_sections_and_kernels(layers):
     _, layer = layers("kimi")
     hidden = synthetic_hidden(64, layer.config.hidden)
     state = layer.new_state()
-    with kernels.timing() as timer:
+    with layer.timing() as timer:
         layer.prefill(hidden, state)
         layer.decode(hidden[0], state)
     summary = timer.summary()
@@ -280,49 +304,17 @@ def test_timing_reports_sections_and_kernels(layers):
     for name in ("[front_end]", "[recurrence]", "[back_end]", "gate_beta_f32", "kda_chunk_tc_prepare_unbounded_f32",
                  "kda_chunk_tc_scan_f32", "kda_decode_fused_bf16"):
         assert name in summary and summary[name] > 0, f"{name} missing from timing: {sorted(summary)}"
-    # The decode projections: gemm_rows' packed-weight entry points (layer.packed_decode, the default).
-    prefix = "gemm_rows_packed_bf16_m" if layer.packed_decode else "gemm_rows_bf16_m"
+    # The decode projections: gemm_rows' packed-weight entry points (layer.options.packed_weights, the default).
+    prefix = "gemm_rows_packed_bf16_m" if layer.options.packed_weights else "gemm_rows_bf16_m"
     assert any(name.startswith(prefix) and time > 0 for name, time in summary.items()), \
         f"no {prefix}* entry point in timing: {sorted(summary)}"
-    assert not kernels.TIMER.active
+    assert kernels.current_context().timer is None
 
 
 def _bits(x):
     cp = _cp()
     x = x if isinstance(x, cp.ndarray) else cp.asarray(np.asarray(x).view(np.uint16) if np.asarray(x).dtype.itemsize == 2 else np.asarray(x))
     return x.view(cp.uint16 if x.dtype.itemsize == 2 else cp.uint32)
-
-
-@pytest.mark.parametrize("kernel_size", [4, 3, 1])
-@pytest.mark.parametrize("tokens", [1, 3, 64, 70, 200], ids=lambda t: f"T{t}")
-def test_prefill_conv_equals_decode_conv_steps(tokens, kernel_size):
-    """The prefill conv (a warp per head, 4 channels a lane) and T decode conv steps (a block
-    per head) write the same bits: conv output, q, k, v and the carried state, from a random
-    carried state; token tiles of 64 rebuild their windows from the tokens before them."""
-    from glm_kda.gpu import ops
-    from host_cuda import bf16_bits
-
-    cp = _cp()
-    heads, dim = 4, ops.HEAD_DIM
-    conv_dim = 3 * heads * dim
-    rng = np.random.default_rng(SEED + tokens + kernel_size)
-    qkv_proj = cp.asarray(bf16_bits(rng.standard_normal((tokens, conv_dim)) * 2.0))
-    conv_w = cp.asarray(bf16_bits(rng.standard_normal((conv_dim, kernel_size)) * 0.5))
-    start = cp.asarray(rng.standard_normal((conv_dim, kernel_size)).astype(np.float32))
-
-    def outputs():
-        return (cp.zeros((tokens, conv_dim), cp.uint16), *(cp.zeros((tokens, heads, dim), cp.float32) for _ in range(3)))
-
-    prefill_state, prefill = start.copy(), outputs()
-    ops.conv_prefill_silu_l2_bf16(prefill_state, qkv_proj, conv_w, *prefill, heads, dim, 1e-6)
-    decode_state, decode = start.copy(), outputs()
-    for t in range(tokens):
-        ops.conv_decode_silu_l2_bf16(decode_state, qkv_proj[t : t + 1], conv_w, *(a[t : t + 1] for a in decode),
-                                     heads, dim, 1e-6)
-    for what, a, b in zip(("conv_out", "query", "key", "value", "conv state"), (*prefill, prefill_state),
-                          (*decode, decode_state)):
-        differ = int(cp.count_nonzero(_bits(a) != _bits(b)))
-        assert differ == 0, f"T={tokens} K={kernel_size}: {differ} elements of {what} differ between prefill and decode"
 
 
 @pytest.mark.parametrize("geometry", ["glm", "kimi"])
@@ -453,204 +445,16 @@ def _one_sequence_calls(layer, seed: int, after_call=lambda what: None) -> dict:
 
 
 @pytest.mark.parametrize("geometry", ["glm", "kimi"])
-def test_fused_decode_equals_the_separate_kernels(layers, geometry):
-    """The fused decode step (conv + L2, gate and beta, recurrent step, gated norm in one
-    launch) writes the bits the four separate kernels write: every stage buffer, the output
-    and both states, for a pool batch with shuffled slots and for decode_k's row walk. GLM
-    has the bounded gate law, Kimi the softplus law."""
-    _, layer = layers(geometry)
-
-    def switch(fused):
-        layer.fused_decode = True if fused is None else fused
-
-    fused, separate = _decode_paths(layer, count=8, rows=5, walk_rows=5, prefill_rows=0, seed=41, switch=switch)
-    _assert_same_bits(fused, separate, geometry, "the fused step and the separate kernels")
-
-
-@pytest.mark.parametrize("geometry", ["glm", "kimi"])
-@pytest.mark.parametrize("rows", [64, 100])
-def test_step_written_x_tiles_give_the_tiling_bits(layers, geometry, rows, monkeypatch):
-    """A batch whose output projection runs on the bulk-copy sweep: the default launches (the fused
-    step writing o_norm_out a second time in the sweep's tile layout, layer.STEP_WRITES_X_TILES, with
-    no tiling launch; g_b on a branch of its own, layer.GATE_BRANCH_MIN_ROWS; rings of no more slots
-    than a block walks, gemm_rows.BULK_STAGES_BY_CHUNKS) and the other choice of each, with the
-    low-rank chain off that sweep (layer.SIDE_CHAIN_BULK = False), give the same stage buffers,
-    output and states; the tiles the step wrote are o_norm_out's rows."""
-    from glm_kda.gpu import projection as gemm_rows
-    from glm_kda.gpu import layer as layer_module
-    from glm_kda.state import StatePool
-
-    cp = _cp()
-    _, layer = layers(geometry)
-    if not gemm_rows.bulk_applies(layer.decode_weight("o_proj"), rows):
-        pytest.skip(f"{geometry}: {rows} rows of o_proj do not take the bulk-copy sweep on this device")
-
-    branch_rows = layer_module.GATE_BRANCH_MIN_ROWS
-    assert branch_rows is not None and rows > branch_rows, "the defaults put g_b on its own branch here"
-
-    def switch(on):
-        monkeypatch.setattr(layer_module, "STEP_WRITES_X_TILES", on is not False)
-        monkeypatch.setattr(layer_module, "SIDE_CHAIN_BULK", None if on is not False else False)
-        monkeypatch.setattr(layer_module, "GATE_BRANCH_MIN_ROWS", branch_rows if on is not False else None)
-        monkeypatch.setattr(gemm_rows, "BULK_STAGES_BY_CHUNKS", on is not False)
-
-    written, tiled = _decode_paths(layer, count=rows + 7, rows=rows, walk_rows=3, prefill_rows=0, seed=43, switch=switch)
-    _assert_same_bits(written, tiled, f"{geometry} B={rows}", "step-written tiles and the tiling launch")
-    # The last call above ran with the tiling launch; one more pool step with the step's tiles.
-    ws = layer.workspace
-    qkv = layer.config.heads * layer.config.head_dim
-    pool = StatePool(layer.config, rows)
-    hidden = cp.asarray(synthetic_hidden(rows, layer.config.hidden, seed=44).view(np.uint16)).view(ws.final_out.dtype)
-    ws.x_tiles.fill(0)
-    layer.decode(hidden, pool, cp.arange(rows, dtype=cp.int32))
-    size = gemm_rows.x_tiles_size(rows, qkv)
-    tiles = ws.x_tiles[:size].view(cp.uint16).reshape(-(-rows // 64), -1, 2048)
-    expected = gemm_rows.tile_layout(ws.o_norm_out[:rows].view(cp.uint16), "o_norm_out")
-    differ = int(cp.count_nonzero(tiles != expected))
-    assert differ == 0, f"{geometry} B={rows}: {differ} elements of the step's x tiles differ from o_norm_out's layout"
-
-
-@pytest.mark.parametrize("geometry", ["glm", "kimi"])
-def test_staged_step_state_gives_the_register_bits(layers, geometry, monkeypatch):
-    """The fused step moving each head's state by bulk copies through shared memory
-    (layer.STEP_STAGED_STATE, sm_90) writes the bits of the per-thread loads and stores: every
-    stage buffer, the output and both states of a 64-sequence pool step with shuffled slots and
-    of a 5-row decode_k walk, with the driver's shared-memory split and the largest one."""
-    from glm_kda.gpu import layer as layer_module
-    from glm_kda.gpu.ops import bulk_copies_available
-
-    if not bulk_copies_available():
-        pytest.skip("the staged step needs bulk copies (sm_90 or later); this device has none")
-    _, layer = layers(geometry)
-    for carveout in (-1, 100):
-        monkeypatch.setattr(layer_module, "STEP_STAGED_CARVEOUT", carveout)
-
-        def switch(staged):
-            monkeypatch.setattr(layer_module, "STEP_STAGED_STATE", True if staged is None else staged)
-            layer._graphs.clear()  # graphs hold the kernels they were captured with
-
-        staged, direct = _decode_paths(layer, count=80, rows=64, walk_rows=5, prefill_rows=0, seed=67, switch=switch)
-        _assert_same_bits(staged, direct, f"{geometry} carveout {carveout}",
-                          "the staged step state and the per-thread loads")
-
-
-@pytest.mark.parametrize("rows", [1, 3, 64])
-@pytest.mark.parametrize("geometry", ["glm", "kimi"])
-def test_split_step_gives_the_one_block_bits(layers, geometry, rows, monkeypatch):
-    """The fused step with each head split over a cluster of blocks (layer.STEP_SPLIT_WAVES, sm_90)
-    writes the bits of one block per head: every stage buffer, the output and both states of a
-    pool step of `rows` sequences with shuffled slots, and of a 5-row decode_k walk."""
-    from glm_kda.gpu import layer as layer_module
-    from glm_kda.gpu.ops import bulk_copies_available
-
-    if not bulk_copies_available():
-        pytest.skip("the split step needs thread-block clusters (sm_90 or later); this device has none")
-    _, layer = layers(geometry)
-    previous = layer_module.STEP_SPLIT_WAVES
-
-    def switch(split):
-        monkeypatch.setattr(layer_module, "STEP_SPLIT_WAVES", previous if split is None else 1e9 if split else None)
-        layer._graphs.clear()  # graphs hold the kernels they were captured with
-
-    split, whole = _decode_paths(layer, count=80, rows=rows, walk_rows=5, prefill_rows=0, seed=71 + rows, switch=switch)
-    _assert_same_bits(split, whole, f"{geometry} B{rows}", "the split heads and one block per head")
-
-
-def test_staged_out_proj_gives_the_plain_bits(layers, monkeypatch):
-    """The output projection with its weights staged in shared memory while the step runs
-    (layer.OUT_PROJ_STAGED, sm_90, where the weight qualifies: Kimi-Linear's; GLM-5.3-Flash's 67 MB
-    one does not) writes the bits of the plain launch: every stage buffer, the output and both
-    states of a 16-sequence pool step with shuffled slots, of a 5-row decode_k walk and of a
-    7-token prefill, graphed."""
-    from glm_kda.gpu import layer as layer_module
-    from glm_kda.gpu.projection import staged_applies
-    from glm_kda.gpu.ops import bulk_copies_available
-
-    if not bulk_copies_available():
-        pytest.skip("the staged projection needs sm_90 or later; this device is older")
-    _, layer = layers("kimi")
-    assert staged_applies(layer.decode_weight("o_proj"), 16), "Kimi-Linear's o_proj no longer takes the staged entry"
-    previous = layer_module.OUT_PROJ_STAGED
-
-    def switch(staged):
-        monkeypatch.setattr(layer_module, "OUT_PROJ_STAGED", previous if staged is None else staged)
-        layer._graphs.clear()  # graphs hold the launches they were captured with
-
-    staged, plain = _decode_paths(layer, count=80, rows=16, walk_rows=5, prefill_rows=7, seed=73, switch=switch)
-    _assert_same_bits(staged, plain, "kimi", "the staged output projection and the plain one")
-
-
-@pytest.mark.parametrize("geometry", ["glm", "kimi"])
 def test_packed_decode_weights_give_the_row_major_bits(layers, geometry):
-    """layer.packed_decode (the decode projections read gemm_rows' packed copies of the
+    """layer.options.packed_weights (the decode projections read gemm_rows' packed copies of the
     weights) writes the bits of the row-major weights: every stage buffer, the output and both
     states of a 64-sequence pool step with shuffled slots, of a 5-row decode_k walk and of a
     10-token prefill (which takes the decode projections)."""
     _, layer = layers(geometry)
-    previous = layer.packed_decode
-
-    def switch(packed):
-        layer.packed_decode = previous if packed is None else packed
+    switch = _option_switch(layer, "packed_weights")
 
     packed, row_major = _decode_paths(layer, count=80, rows=64, walk_rows=5, prefill_rows=10, seed=61, switch=switch)
     _assert_same_bits(packed, row_major, geometry, "the packed and the row-major decode weights")
-
-
-def _rule_switch(layer, monkeypatch, rule: str, on: float):
-    """switch(state) for _decode_paths: gemm_rows.<rule> at `on` (True), None (False) or as it was
-    (None); the layer's packed copies remade for the rule and its graphs dropped."""
-    from glm_kda.gpu import projection as gemm_rows
-
-    previous = getattr(gemm_rows, rule)
-
-    def switch(state):
-        monkeypatch.setattr(gemm_rows, rule, previous if state is None else on if state else None)
-        layer.packed_decode = True  # makes (or drops) the copies the rule now asks for
-        layer._graphs.clear()
-
-    return switch
-
-
-@pytest.mark.parametrize("geometry", ["glm", "kimi"])
-def test_wgmma_decode_projections_give_the_mma_sync_bits(layers, geometry, monkeypatch):
-    """gemm_rows.WGMMA_MIN_GROUPS_PER_SM on (the 17..64-row projections of wide weights on Hopper's
-    warpgroup MMA, reading the pair layout the layer's packed copies then hold) writes the bits of
-    the mma.sync sweeps: every stage buffer, the output and both states of a 64-sequence pool step
-    with shuffled slots and of a 5-row decode_k walk."""
-    from glm_kda.gpu import projection as gemm_rows
-
-    if not gemm_rows.wgmma_available():
-        pytest.skip("the warpgroup-MMA sweep needs an sm_90 device")
-    _, layer = layers(geometry)
-    switch = _rule_switch(layer, monkeypatch, "WGMMA_MIN_GROUPS_PER_SM", 1.0)
-    switch(True)
-    assert layer.decode_weight("qkv_weight").pairs is not None, "the rule on: q|k|v's packed copy has the pair layout"
-    switch(None)
-    wgmma, mma_sync = _decode_paths(layer, count=80, rows=64, walk_rows=5, prefill_rows=0, seed=81, switch=switch)
-    _assert_same_bits(wgmma, mma_sync, geometry, "the warpgroup-MMA and the mma.sync projections")
-
-
-@pytest.mark.parametrize("geometry", ["glm", "kimi"])
-def test_bulk_decode_projections_give_the_mma_sync_bits(layers, geometry, monkeypatch):
-    """gemm_rows.BULK_MIN_GROUPS_PER_SM on and off (more than 16 rows of the wide weights on the
-    bulk-copy sweep, reading the tile layout the layer's packed copies then hold, or on the mma.sync
-    sweeps) write the same bits: every stage buffer, the output and both states of a 64-sequence
-    pool step with shuffled slots and of a 5-row decode_k walk."""
-    from glm_kda.gpu import projection as gemm_rows
-
-    if not gemm_rows.bulk_available():
-        pytest.skip("the bulk-copy sweep needs an sm_90 device")
-    _, layer = layers(geometry)
-    # On: every weight of at least 33 column groups (o_proj too, split by k range at 64 rows).
-    switch = _rule_switch(layer, monkeypatch, "BULK_MIN_GROUPS_PER_SM", 0.25)
-    switch(True)
-    assert layer.decode_weight("qkv_weight").tiles is not None, "the rule on: q|k|v's packed copy has the tile layout"
-    assert layer.decode_weight("o_proj").tiles is not None, "the rule on: o_proj's packed copy has the tile layout"
-    switch(False)
-    assert layer.decode_weight("qkv_weight").tiles is None, "the rule off: no tile copy"
-    switch(None)
-    bulk, mma_sync = _decode_paths(layer, count=80, rows=64, walk_rows=5, prefill_rows=0, seed=83, switch=switch)
-    _assert_same_bits(bulk, mma_sync, geometry, "the bulk-copy and the mma.sync projections")
 
 
 @pytest.mark.parametrize("geometry", ["glm", "kimi"])
@@ -712,170 +516,6 @@ def test_o_proj_sums_keep_the_bits_and_round_to_them(layers, geometry):
         assert layer.o_proj_sums is None
 
 
-@pytest.mark.parametrize("graphs", [True, False], ids=["graph", "eager"])
-@pytest.mark.parametrize("geometry", ["glm", "kimi"])
-def test_persistent_decode_equals_the_separate_launches(layers, geometry, graphs):
-    """The one-launch decode (kernels_src/decode_persistent.cu) writes the bits the separate
-    launches write: every stage buffer, the output and both states, over 6 decode steps of a
-    state, a 5-row decode_k walk and one row of a pool in a shuffled slot; replayed from a
-    graph (the counters reset by the launch itself) and eagerly."""
-    _, layer = layers(geometry)
-    previous = layer.persistent_decode
-
-    def run(persistent_decode: bool) -> dict:
-        layer.persistent_decode = persistent_decode
-        layer.use_graphs = graphs
-        try:
-            return _one_sequence_calls(layer, seed=52)
-        finally:
-            layer.persistent_decode = previous
-            layer.use_graphs = True
-
-    one, separate = run(True), run(False)
-    cfg, bf16 = layer.config, layer.workspace.final_out.dtype
-    hidden = _cp().asarray(synthetic_hidden(1, cfg.hidden, seed=52).view(np.uint16)).view(bf16)
-    layer.persistent_decode = True
-    try:
-        with kernels.timing() as timer:
-            layer.decode(hidden, device_state(layer, KdaState.random(cfg, seed=53)))
-    finally:
-        layer.persistent_decode = previous
-    launched = [name for name in timer.summary() if not name.startswith("[")]  # "[section]" totals aside
-    assert launched == ["kda_decode_persistent_bf16"], f"launches of a persistent decode: {timer.summary()}"
-    _assert_same_bits(one, separate, geometry, "the persistent launch and the separate launches")
-
-
-@pytest.mark.parametrize("graphs", [True, False], ids=["graphed", "eager"])
-@pytest.mark.parametrize("geometry", ["glm", "kimi"])
-def test_step_awaiting_projection_gives_the_joined_bits(layers, geometry, graphs, monkeypatch):
-    """A one-row decode with the fused step awaiting q|k|v from the other stream
-    (layer.STEP_AWAITS_PROJECTION), f_b and g_b as one launch (GATE_UP_PAIR) and o_proj awaiting the
-    step's count of outputs (OUT_PROJ_AWAITS_STEP), its weight staged where it qualifies
-    (OUT_PROJ_STAGED_AWAITING: Kimi-Linear's one-row o_proj) writes the bits of the two streams joined
-    before the step, two up-projections and o_proj after the step's end: every stage buffer, the
-    output and both states over 6 decode steps of a state (graphed: replayed, so the words the step
-    and o_proj wait on must come back to zero each time) and one row of a pool in a shuffled slot; a
-    5-row decode_k walk between them keeps the joined launches but takes the pair and the awaiting
-    o_proj. q|k|v counts its own blocks' outputs out for the step (QKV_COUNTS_INPUTS), and in a third
-    run a signal after it does. The words are zero after every call."""
-    from glm_kda.gpu import projection as gemm_rows
-    from glm_kda.gpu import layer as layer_module
-    from glm_kda.gpu import ops
-
-    _, layer = layers(geometry)
-    signals, pairs, awaiting_projections, counting = [], [], [], []
-    signal, pair, project = ops.signal_inputs_ready, gemm_rows.gemm_rows_pair_bf16, gemm_rows.gemm_rows_bf16
-    monkeypatch.setattr(ops, "signal_inputs_ready", lambda ready: (signals.append(1), signal(ready)))
-    monkeypatch.setattr(gemm_rows, "gemm_rows_pair_bf16", lambda *a, **o: (pairs.append(1), pair(*a, **o)))
-    monkeypatch.setattr(gemm_rows, "gemm_rows_bf16", lambda *a, **o: (
-        awaiting_projections.append(gemm_rows.staged_applies(a[1], o["rows"], awaiting=True) and o.get("staged"))
-        if o.get("ready") is not None else None, counting.append(1) if o.get("counted") is not None else None,
-        project(*a, **o))[-1])
-
-    def words_are_zero(what: str) -> None:
-        for name in ("inputs_ready", "outputs_ready"):
-            words = getattr(layer.workspace, name).get().tolist()
-            assert words == [0, 0], f"{geometry} {what}: the {name} words are {words} after the call"
-
-    def run(awaits: bool, counts: bool = True) -> dict:
-        for setting in ("STEP_AWAITS_PROJECTION", "GATE_UP_PAIR", "OUT_PROJ_AWAITS_STEP", "OUT_PROJ_STAGED_AWAITING"):
-            monkeypatch.setattr(layer_module, setting, awaits)
-        monkeypatch.setattr(layer_module, "QKV_COUNTS_INPUTS", counts)
-        layer._graphs.clear()  # graphs hold the launches they were captured with
-        layer.use_graphs = graphs
-        try:
-            return _one_sequence_calls(layer, seed=57, after_call=words_are_zero)
-        finally:
-            layer.use_graphs = True
-            layer._graphs.clear()
-
-    joined = run(False)
-    assert not (signals or pairs or awaiting_projections or counting), (
-        "the joined launches signalled, counted, paired or awaited")
-    awaiting = run(True)
-    assert counting and pairs and awaiting_projections and not signals, (
-        f"calls taking the counting q|k|v / the pair / the awaiting o_proj / the signal: {len(counting)} / "
-        f"{len(pairs)} / {len(awaiting_projections)} / {len(signals)}")
-    counting.clear()
-    signalled = run(True, counts=False)
-    assert signals and not counting, f"the signal form: {len(signals)} signals, {len(counting)} counting launches"
-    _assert_same_bits(signalled, joined, geometry, "the step awaiting q|k|v's signal and the joined launches")
-    # On sm_90 and later Kimi-Linear's 19 MB o_proj takes the staged form; GLM-5.3-Flash's 67 MB its one-row
-    # tail form (gemm_rows.TAIL_STAGED_AWAITING).
-    staged_expected = int(_cp().cuda.Device().compute_capability) >= 90 and (
-        geometry == "kimi" or gemm_rows.TAIL_STAGED_AWAITING)
-    assert any(awaiting_projections) == staged_expected, (
-        f"{geometry}: awaiting o_proj launches staged {awaiting_projections}, expected some: {staged_expected}")
-    _assert_same_bits(awaiting, joined, geometry, "the step awaiting q|k|v and the joined launches")
-
-
-@pytest.mark.parametrize("graphs", [True, False], ids=["graphed", "eager"])
-def test_tail_staged_out_proj_gives_the_same_decode_bits(layers, graphs, monkeypatch):
-    """GLM-5.3-Flash's one-row o_proj, awaiting the step's count of outputs, with the tail of each warp's
-    k range staged in shared memory before the wait (gemm_rows.TAIL_STAGED_AWAITING; its 67 MB weight
-    takes no whole stage): every stage buffer, the output and both states over the one-sequence calls
-    equal to the awaiting sweep's, the tail entry launched, the words zero after every call."""
-    from glm_kda.gpu import projection as gemm_rows
-    from glm_kda.gpu import build as kernels
-
-    _, layer = layers("glm")
-    launched = []
-    launch = kernels.launch
-    monkeypatch.setattr(kernels, "launch", lambda name, *a, **o: (launched.append(name), launch(name, *a, **o))[-1])
-
-    def words_are_zero(what: str) -> None:
-        for name in ("inputs_ready", "outputs_ready"):
-            words = getattr(layer.workspace, name).get().tolist()
-            assert words == [0, 0], f"glm {what}: the {name} words are {words} after the call"
-
-    def run(tail: bool) -> tuple[dict, list]:
-        monkeypatch.setattr(gemm_rows, "TAIL_STAGED_AWAITING", tail)
-        layer._graphs.clear()  # graphs hold the launches they were captured with
-        layer.use_graphs = graphs
-        launched.clear()
-        try:
-            calls = _one_sequence_calls(layer, seed=59, after_call=words_are_zero)
-            return calls, [name for name in launched if name.startswith("gemm_rows_tail_staged_")]
-        finally:
-            layer.use_graphs = True
-            layer._graphs.clear()
-
-    plain, plain_tails = run(False)
-    tail, tails = run(True)
-    assert not plain_tails and tails, f"tail-staged launches without / with the setting: {plain_tails} / {tails}"
-    _assert_same_bits(tail, plain, "glm", "the tail-staged o_proj and the awaiting sweep")
-
-
-@pytest.mark.parametrize("geometry", ["glm", "kimi"])
-def test_counting_ahead_gives_the_same_decode_bits(layers, geometry, monkeypatch):
-    """One sequence's q|k|v in the counting entry's ahead form (gemm_rows.COUNTING_AHEAD: each block
-    loads its next column group's first step before reducing the present one): every stage buffer,
-    the output and both states over the one-sequence calls equal to the counting entry's, the ahead
-    entry launched."""
-    from glm_kda.gpu import projection as gemm_rows
-    from glm_kda.gpu import build as kernels
-
-    _, layer = layers(geometry)
-    launched = []
-    launch = kernels.launch
-    monkeypatch.setattr(kernels, "launch", lambda name, *a, **o: (launched.append(name), launch(name, *a, **o))[-1])
-
-    def run(ahead: bool) -> tuple[dict, list]:
-        monkeypatch.setattr(gemm_rows, "COUNTING_AHEAD", ahead)
-        layer._graphs.clear()  # graphs hold the launches they were captured with
-        launched.clear()
-        try:
-            calls = _one_sequence_calls(layer, seed=61)
-            return calls, [name for name in launched if "_counting_ahead_" in name]
-        finally:
-            layer._graphs.clear()
-
-    plain, plain_ahead = run(False)
-    ahead, aheads = run(True)
-    assert not plain_ahead and aheads, f"ahead launches without / with the setting: {plain_ahead} / {aheads}"
-    _assert_same_bits(ahead, plain, geometry, "the counting entry's ahead form and the counting entry")
-
-
 def test_graph_replay_equals_eager_and_recaptures_on_new_pointers(layers):
     cp = _cp()
     bound, layer = layers("kimi")
@@ -885,27 +525,24 @@ def test_graph_replay_equals_eager_and_recaptures_on_new_pointers(layers):
     graphed, eager = device_state(layer, start), device_state(layer, start)
     # Freed arrays' addresses come back from the pool: a graph captured by an earlier test for the
     # same pointers would be reused (correctly). Start from an empty cache to count captures.
-    layer._graphs.clear()
-    captures = layer._graphs.captures
+    layer.graphs.clear()
+    captures = layer.graphs.captures
     outs_graph, outs_eager = [], []
     for t in range(5):
         outs_graph.append(layer.decode(hidden[t : t + 1], graphed))
-    layer.use_graphs = False
-    try:
+    with _options(layer, graphs=False):
         for t in range(5):
             outs_eager.append(layer.decode(hidden[t : t + 1], eager))
             if t == 1:
                 eager_after_two = eager.recurrent.copy()
-    finally:
-        layer.use_graphs = True
-    assert layer._graphs.captures == captures + 1, "one capture for one (kind, rows, state) key"
+    assert layer.graphs.captures == captures + 1, "one capture for one (kind, rows, state) key"
     for t in range(5):
         assert int(cp.count_nonzero(_bits(outs_graph[t]) != _bits(outs_eager[t]))) == 0, f"step {t} output"
     assert int(cp.count_nonzero(_bits(graphed.recurrent) != _bits(eager.recurrent))) == 0
     other = device_state(layer, start)
     layer.decode(hidden[0:1], other)
     layer.decode(hidden[1:2], other)
-    assert layer._graphs.captures == captures + 2, "a new state (new pointers) is captured afresh"
+    assert layer.graphs.captures == captures + 2, "a new state (new pointers) is captured afresh"
     assert int(cp.count_nonzero(_bits(other.recurrent) != _bits(eager_after_two))) == 0, "recaptured graph state"
 
 
@@ -915,7 +552,7 @@ def test_host_slots_give_the_device_slots_bits_back_to_back(layers, graphs):
     every output and state bit of the same calls with device slots, over more back-to-back
     calls (no synchronisation between them) than there are pinned buffers, each call with
     other slots."""
-    from glm_kda.gpu.layer import PinnedUploads
+    from glm_kda.gpu.workspace import PinnedUploads
     from glm_kda.state import StatePool
 
     cp = _cp()
@@ -941,26 +578,21 @@ def test_host_slots_give_the_device_slots_bits_back_to_back(layers, graphs):
             outs.append(layer.decode(hidden[i * batch : (i + 1) * batch], pool, slots))
         return cp.stack(outs), pool.conv, pool.recurrent
 
-    layer.use_graphs = graphs
-    try:
+    with _options(layer, graphs=graphs):
         run(False)  # the first calls of each key run eagerly, the second capture
         from_host, from_device = run(False), run(True)
-    finally:
-        layer.use_graphs = True
     for what, a, b in zip(("outputs", "conv states", "recurrent states"), from_host, from_device):
         differ = int(cp.count_nonzero(_bits(a) != _bits(b)))
         assert differ == 0, f"{differ} elements of the {what} differ between host and device slots"
 
 
 @pytest.mark.parametrize("in_graph", [True, False], ids=["copies_in_graph", "copies_beside"])
-def test_graph_copies_follow_each_calls_arrays(layers, monkeypatch, in_graph):
+def test_graph_copies_follow_each_calls_arrays(layers, in_graph):
     """Graphed decode and decode_k calls issued back to back, each on rows of a new array (new
     addresses) and each returning a new array, give the eager calls' bits; with the copies as
     graph nodes, every graph holds them (the driver repointed them per call) and nothing
     fell back."""
     import warnings
-
-    from glm_kda.gpu import layer as layer_module
 
     cp = _cp()
     bound, layer = layers("kimi")
@@ -979,20 +611,19 @@ def test_graph_copies_follow_each_calls_arrays(layers, monkeypatch, in_graph):
         outs = [layer.decode(h, state) if h.shape[0] == 1 else layer.decode_k(h, state) for h in hidden]
         return outs, KdaState(state.conv.copy(), state.recurrent.copy())
 
-    monkeypatch.setattr(layer_module, "GRAPH_COPIES_IN_GRAPH", in_graph)
-    layer._graphs.clear()
+    layer.graphs.clear()
+    layer.graphs.copies_in_graph = in_graph  # (False is what a driver that cannot repoint them gets)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # a fallback warns: fail on it
             run()  # the first call of each key runs eagerly, the second captures
             graphed, graphed_state = run()
-        graphs = list(layer._graphs.graphs.values())
-        layer.use_graphs = False
-        eager, eager_state = run()
+        graphs = list(layer.graphs.graphs.values())
+        with _options(layer, graphs=False):
+            eager, eager_state = run()
     finally:
-        layer.use_graphs = True
-        monkeypatch.undo()
-        layer._graphs.clear()
+        layer.graphs.clear()
+        layer.graphs.copies_in_graph = True
     assert graphs, "no graph was captured"
     with_copies = [graph.copies is not None for graph in graphs]
     assert all(with_copies) if in_graph else not any(with_copies), f"copy nodes per graph: {with_copies}"
@@ -1034,13 +665,13 @@ def test_tensor_core_prefill_path_matches_oracle(layers, geometry, tokens, figur
     """chunk_impl="tensor" (TF32 mma chunk kernels; GLM's bounded law takes the bounded
     prepare, Kimi's softplus law the unbounded one): the same end-to-end bound as the FP32
     path, and its core and state within 1e-3 of the FP32 kernels' on the same inputs."""
-    from glm_kda.gpu.ops.chunk_tc import prepare_lower_bound
+    from glm_kda.chunk_model import prepare_lower_bound
     from glm_kda.gpu.layer import KdaLayer
 
     bound, shared_layer = layers(geometry)
     assert (prepare_lower_bound(bound.config) is None) == (geometry == "kimi")
-    layer = KdaLayer(bound, workspace=shared_layer.workspace, chunk_impl="tensor")
-    reference_layer = KdaLayer(bound, workspace=shared_layer.workspace, chunk_impl="fp32")
+    layer = KdaLayer(bound, options=KdaOptions(chunk_impl="tensor"))
+    reference_layer = KdaLayer(bound, options=KdaOptions(chunk_impl="fp32"))
     start = KdaState.random(bound.config, seed=tokens)
     hidden = synthetic_hidden(tokens, bound.config.hidden, seed=SEED + 7 * tokens)
     fp32_state = device_state(reference_layer, start)
@@ -1064,7 +695,7 @@ def test_tensor_core_prefill_path_refuses_another_chunk(layers):
     bound, reference_layer = layers("kimi", 32)
     assert reference_layer.chunk_impl == "fp32", "chunk 32 has no tensor-core path: auto takes the FP32 kernels"
     with pytest.raises(ValueError, match="chunk_impl='tensor'.*chunk=32"):
-        KdaLayer(bound, workspace=reference_layer.workspace, chunk_impl="tensor")
+        KdaLayer(bound, options=KdaOptions(chunk_impl="tensor"))
 
 
 PACKED_LENGTHS = [1, 17, 64, 100, 1000, 3, 4096, 250]
@@ -1075,7 +706,8 @@ def test_packed_prefill_equals_solo_prefills(layers, geometry, figures):
     """8 sequences of lengths 1..4096 packed in one call: each sequence's output and states
     (in its own, shuffled slot of a larger pool) within the end-to-end oracle bound, and
     within twice that bound of its solo prefill; the slots not named are left untouched."""
-    from glm_kda.gpu.layer import KdaLayer, KdaWorkspace
+    from glm_kda.gpu.layer import KdaLayer
+    from glm_kda.gpu.workspace import KdaWorkspace
     from glm_kda.state import StatePool
 
     cp = _cp()
@@ -1146,7 +778,8 @@ def test_tensor_core_prefill_long_sequences(layers, tokens, figures):
     fit beside the workspace). The BF16 block output is not compared with the FP32 path's:
     two roundings of o_norm_out apart, they differ by about a BF16 ulp wherever a rounding
     flips (2.3e-3 measured), which the end-to-end check bounds instead."""
-    from glm_kda.gpu.layer import KdaLayer, KdaWorkspace
+    from glm_kda.gpu.layer import KdaLayer
+    from glm_kda.gpu.workspace import KdaWorkspace
 
     cp = _cp()
     bound, _ = layers("glm")
@@ -1158,7 +791,7 @@ def test_tensor_core_prefill_long_sequences(layers, tokens, figures):
     state = device_state(layer, start)
     out = layer.prefill(hidden, state)
     tensor_core = workspace.core[:tokens].copy()
-    reference = KdaLayer(bound, workspace=workspace, chunk_impl="fp32")
+    reference = KdaLayer(bound, workspace=workspace, options=KdaOptions(chunk_impl="fp32"))
     fp32_state = device_state(reference, start)
     reference.prefill(hidden, fp32_state)
     for what, ours, ref in (("core", tensor_core, workspace.core[:tokens]),
@@ -1172,3 +805,154 @@ def test_tensor_core_prefill_long_sequences(layers, tokens, figures):
     if tokens <= 16384:
         check_end_to_end(bound, hidden, as_float(out), state, start, f"glm tensor-core T{tokens}", figures,
                          oracle_chunk=64)
+
+
+@pytest.mark.parametrize("geometry", ["glm", "kimi"])
+def test_portable_path_gives_the_hopper_bits(layers, geometry):
+    """options.hopper=False (no programmatic launches, no bulk-copy sweep: what sm_80 and
+    sm_120 / sm_121 run) writes the bits of the Hopper path: every stage buffer, the output and
+    both states of a 64-sequence pool step, a 5-row decode_k walk and a 10-token prefill."""
+    _, layer = layers(geometry)
+    hopper, portable = _decode_paths(layer, count=80, rows=64, walk_rows=5, prefill_rows=10, seed=71,
+                                     switch=_option_switch(layer, "hopper"))
+    _assert_same_bits(hopper, portable, geometry, "the Hopper and the portable paths")
+
+
+def test_every_option_is_part_of_the_graph_key(layers):
+    """Changing any KdaOptions field after a capture never replays the old graph: the key
+    differs, and (graphs on) the next calls capture afresh, with the bits of eager calls."""
+    import dataclasses as dc
+
+    cp = _cp()
+    bound, layer = layers("kimi")
+    cfg = bound.config
+    bf16 = layer.workspace.final_out.dtype
+    hidden = cp.asarray(synthetic_hidden(4, cfg.hidden, seed=77).view(np.uint16)).view(bf16)
+    start = KdaState.random(cfg, seed=78)
+    other_values = {"chunk_impl": "fp32", "packed_weights": False, "graphs": False, "hopper": False}
+    assert set(other_values) == {f.name for f in dc.fields(KdaOptions)}, "a new option needs a case here"
+    base = layer.options
+    for field, value in other_values.items():
+        state = device_state(layer, start)
+        layer.graphs.clear()
+        for t in range(3):  # eager, capture, replay
+            layer.decode(hidden[t : t + 1], state)
+        captures = layer.graphs.captures
+        key = layer.graph_key(layer.workspace)
+        with _options(layer, **{field: value}):
+            assert layer.graph_key(layer.workspace) != key, f"options.{field} is not part of the graph key"
+            changed = device_state(layer, start)
+            outs = [layer.decode(hidden[t : t + 1], changed) for t in range(3)]
+            expected = 0 if field == "graphs" else 1
+            assert layer.graphs.captures == captures + expected, f"options.{field}: {layer.graphs.captures - captures} captures"
+        eager = device_state(layer, start)
+        with _options(layer, graphs=False):
+            reference = [layer.decode(hidden[t : t + 1], eager) for t in range(3)]
+        for t in range(3):
+            assert int(cp.count_nonzero(_bits(outs[t]) != _bits(reference[t]))) == 0, f"options.{field} call {t}"
+        assert layer.options == base
+
+
+def _decode_run(layer, hidden, start: KdaState, steps: int):
+    """Outputs of `steps` one-row decodes and a 4-row decode_k from `start`, and the final state."""
+    cp = _cp()
+    state = device_state(layer, start)
+    outs = [layer.decode(hidden[t : t + 1], state) for t in range(steps)]
+    outs.append(layer.decode_k(hidden[steps : steps + 4], state))
+    return cp.concatenate(outs), state
+
+
+@pytest.mark.parametrize("count", [2, 8])
+@pytest.mark.parametrize("geometry", ["glm", "kimi"])
+def test_layers_decoding_at_once_on_their_own_streams(real_checkpoint, geometry, count):
+    """`count` layers built with from_pretrained's defaults, each driven by its own thread on its
+    own CUDA stream, all at once: every output and state bit is that of the same calls made one
+    layer after the other; no crash, no hang."""
+    import threading
+
+    from glm_kda.gpu.layer import KdaLayer
+
+    cp = _cp()
+    path = real_checkpoint(geometry)
+    layers = [KdaLayer.from_pretrained(path, 0, max_tokens=64, progress=False) for _ in range(count)]
+    cfg = layers[0].config
+    bf16 = layers[0].workspace.final_out.dtype
+    steps = 12
+    hidden = [cp.asarray(synthetic_hidden(steps + 4, cfg.hidden, seed=300 + i).view(np.uint16)).view(bf16)
+              for i in range(count)]
+    starts = [KdaState.random(cfg, seed=400 + i) for i in range(count)]
+    alone = []
+    for layer, rows, start in zip(layers, hidden, starts):
+        out, state = _decode_run(layer, rows, start, steps)
+        alone.append((out.copy(), state.conv.copy(), state.recurrent.copy()))
+    cp.cuda.Device().synchronize()
+    results: list = [None] * count
+    errors: list = []
+    barrier = threading.Barrier(count)
+
+    def drive(i: int) -> None:
+        try:
+            stream = cp.cuda.Stream(non_blocking=True)
+            with stream:
+                barrier.wait()
+                for _ in range(2):  # the first round captures, the second replays
+                    out, state = _decode_run(layers[i], hidden[i], starts[i], steps)
+                stream.synchronize()
+            results[i] = (out, state.conv, state.recurrent)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append((i, exc))
+            barrier.abort()
+
+    threads = [threading.Thread(target=drive, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads), f"{geometry}: a layer's decode hung"
+    assert not errors, f"{geometry}: {errors}"
+    for i in range(count):
+        for what, a, b in zip(("outputs", "conv state", "recurrent state"), results[i], alone[i]):
+            differ = int(cp.count_nonzero(_bits(a) != _bits(b)))
+            assert differ == 0, f"{geometry} layer {i} of {count}: {differ} elements of its {what} differ"
+
+
+_HOLD_EVERY_SM = r"""
+extern "C" __global__ void hold_every_sm(long long cycles, int* done) {
+    long long start = clock64();
+    while (clock64() - start < cycles) { }
+    if (threadIdx.x == 0) atomicAdd(done, 1);
+}
+"""
+
+
+@pytest.mark.parametrize("geometry", ["glm", "kimi"])
+def test_decode_beside_a_kernel_holding_every_sm(layers, geometry):
+    """A layer decoding (one row, decode_k, graphed and eager) while another stream runs a long
+    kernel whose blocks fill every SM: the calls finish with the bits of a quiet GPU."""
+    cp = _cp()
+    bound, layer = layers(geometry)
+    cfg = bound.config
+    bf16 = layer.workspace.final_out.dtype
+    hidden = cp.asarray(synthetic_hidden(12, cfg.hidden, seed=88).view(np.uint16)).view(bf16)
+    start = KdaState.random(cfg, seed=89)
+    quiet, quiet_state = _decode_run(layer, hidden, start, 8)
+    quiet, quiet_state = _decode_run(layer, hidden, start, 8)  # captured: the next run replays
+    hog = cp.RawKernel(_HOLD_EVERY_SM, "hold_every_sm")
+    device = cp.cuda.Device()
+    sms = device.attributes["MultiProcessorCount"]
+    threads_per_sm = device.attributes["MaxThreadsPerMultiProcessor"]
+    done = cp.zeros(1, cp.int32)
+    other = cp.cuda.Stream(non_blocking=True)
+    for graphs in (True, False):
+        with _options(layer, graphs=graphs):
+            with other:
+                # 2 s at ~2 GHz; every thread slot of every SM.
+                hog((sms * threads_per_sm // 256,), (256,), (np.int64(4_000_000_000), done))
+            busy, busy_state = _decode_run(layer, hidden, start, 8)
+            cp.cuda.get_current_stream().synchronize()
+        other.synchronize()
+        assert int(done.get()[0]) > 0
+        for what, a, b in (("outputs", busy, quiet), ("recurrent state", busy_state.recurrent, quiet_state.recurrent),
+                           ("conv state", busy_state.conv, quiet_state.conv)):
+            differ = int(cp.count_nonzero(_bits(a) != _bits(b)))
+            assert differ == 0, f"{geometry} graphs={graphs}: {differ} elements of the {what} differ beside the busy GPU"

@@ -16,8 +16,11 @@ queued and back-to-back figures are the host's). When flash-linear-attention is 
 KimiDeltaAttention layer runs the same decode cases (graphed) on the same weights in the
 same process (impl "fla").
 
-    glm-kda bench decode [--geometry glm kimi] [--repeats 200]
-    PYTHONPATH=. python benchmarks/decode.py (the same)
+Graphed and eager are KdaOptions.graphs True and False; --variant NAME=VALUE[,...] (KdaOptions
+fields, repeatable) adds the cases once more with those options (`"options"` in each line names them).
+
+    PYTHONPATH=. python benchmarks/decode.py [--geometry glm kimi] [--repeats 200] [--variant hopper=False]
+    glm-kda bench decode ... (the same, from a source checkout)
 """
 
 from __future__ import annotations
@@ -27,20 +30,24 @@ import json
 import tempfile
 from pathlib import Path
 
-from .selftest import (MIN_TIMED_CALLS, back_to_back_ms, copy_bandwidth_gbs, count_at_least, host_us, median_ms,
-                       replay_ms, state_bytes, weight_bytes)
+from .layers import make_layer, parse_options, with_options
+from .timing import (MIN_TIMED_CALLS, back_to_back_ms, copy_bandwidth_gbs, decode_bytes, host_us, median_ms,
+                     replay_ms, timed_calls)
 
 
-def bench_geometry(geometry: str, directory: Path, bandwidth: float, repeats: int) -> list[dict]:
+def bench_geometry(geometry: str, directory: Path, bandwidth: float, repeats: int,
+                   variants: tuple[dict, ...] = ({},)) -> list[dict]:
+    """The decode cases of one geometry, graphed and eager, for each variant (KdaOptions fields
+    over the defaults; {}: the defaults)."""
     import cupy
     import numpy as np
 
-    from .layer import KdaLayer, to_device_bf16
-    from .state import StatePool
-    from .synthetic import synthetic_hidden, write_synthetic_checkpoint
+    from glm_kda.gpu.arrays import to_device_bf16
+    from glm_kda.state import StatePool
+    from glm_kda.synthetic import synthetic_hidden
 
-    path = write_synthetic_checkpoint(directory / geometry, geometry, num_layers=1)
-    layer = KdaLayer.from_pretrained(path, 0, max_tokens=256, progress=False)
+    layer = make_layer(directory, geometry, 256)
+    defaults = layer.options
     cfg = layer.config
     hidden = to_device_bf16(synthetic_hidden(256, cfg.hidden, seed=3))
     pool = StatePool(cfg, 256)
@@ -51,51 +58,53 @@ def bench_geometry(geometry: str, directory: Path, bandwidth: float, repeats: in
         queued_ms = float(np.median(replay_ms(call, calls=repeats)))
         chained_ms = back_to_back_ms(call, calls=repeats)
         roofline_ms = nbytes / 1e9 / bandwidth * 1e3  # the call's bytes at the copy bandwidth
-        case.update(impl="glm_kda", geometry=geometry, median_us=1e3 * ms, queued_median_us=1e3 * queued_ms,
-                    back_to_back_us=1e3 * chained_ms, host_us=host_us(call, calls=repeats),
+        case.update(impl="glm_kda", geometry=geometry, options=changed, median_us=1e3 * ms,
+                    queued_median_us=1e3 * queued_ms, back_to_back_us=1e3 * chained_ms, host_us=host_us(call, calls=repeats),
                     bytes=nbytes, copy_bandwidth_GBs=bandwidth, roofline_ratio=roofline_ms / ms,
                     queued_roofline_ratio=roofline_ms / queued_ms, back_to_back_roofline_ratio=roofline_ms / chained_ms)
         rows.append(case)
         print(json.dumps(case), flush=True)
 
-    for graph in (True, False):
-        layer.use_graphs = graph
-        state = layer.new_state()
-        record({"case": "decode", "B": 1, "graph": graph, "api": "state"}, lambda: layer.decode(hidden[:1], state),
-               weight_bytes(cfg) + state_bytes(cfg))
-        for batch in (1, 4, 16, 64, 256):
-            slots = cupy.arange(batch, dtype=cupy.int32)
-            record({"case": "decode", "B": batch, "graph": graph, "api": "pool"},
-                   lambda: layer.decode(hidden[:batch], pool, slots), weight_bytes(cfg) + batch * state_bytes(cfg))
-        for k in (2, 4, 8, 16):
-            record({"case": "verify", "K": k, "graph": graph}, lambda: layer.decode_k(hidden[:k], state),
-                   weight_bytes(cfg) + state_bytes(cfg))
-    layer.use_graphs = True
+    for changed in variants:
+        for graph in (True, False):
+            layer.options = defaults
+            with_options(layer, **{**changed, "graphs": graph})
+            state = layer.new_state()
+            record({"case": "decode", "B": 1, "graph": graph, "api": "state"}, lambda: layer.decode(hidden[:1], state),
+                   decode_bytes(cfg))
+            for batch in (1, 4, 16, 64, 256):
+                slots = cupy.arange(batch, dtype=cupy.int32)
+                record({"case": "decode", "B": batch, "graph": graph, "api": "pool"},
+                       lambda: layer.decode(hidden[:batch], pool, slots), decode_bytes(cfg, batch))
+            for k in (2, 4, 8, 16):
+                record({"case": "verify", "K": k, "graph": graph}, lambda: layer.decode_k(hidden[:k], state),
+                       decode_bytes(cfg))
+    layer.options = defaults
     return rows
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--geometry", nargs="+", default=["glm", "kimi"], choices=["glm", "kimi"])
-    parser.add_argument("--repeats", type=count_at_least(MIN_TIMED_CALLS, " (a median over at least that many calls)"),
-                        default=MIN_TIMED_CALLS, help="timed calls per case after warm-up (>= 200)")
+    parser.add_argument("--repeats", type=timed_calls(), default=MIN_TIMED_CALLS,
+                        help="timed calls per case after warm-up (>= 200)")
+    parser.add_argument("--variant", type=parse_options, action="append", default=[], metavar="NAME=VALUE[,...]",
+                        help="also run every case with these KdaOptions fields changed (repeatable)")
     parser.add_argument("--no-fla", dest="fla", action="store_false", help="skip the flash-linear-attention rows")
 
 
 def run(args: argparse.Namespace) -> int:
-    from .device import require_gpu
-
-    require_gpu("the decode benchmark")
     import cupy
 
+    from glm_kda.checkpoint import bind_layer
+
     from .bench_fla import bench_fla_decode, comparison_note, decorate_row
-    from .checkpoint import bind_layer
 
     bandwidth = copy_bandwidth_gbs()
     fla_ok, note = comparison_note(args.fla)
     print(json.dumps({**note, "copy_bandwidth_GBs": bandwidth}), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for geometry in args.geometry:
-            bench_geometry(geometry, Path(tmp), bandwidth, args.repeats)
+            bench_geometry(geometry, Path(tmp), bandwidth, args.repeats, ({}, *args.variant))
             cupy.get_default_memory_pool().free_all_blocks()
             if fla_ok:
                 import torch

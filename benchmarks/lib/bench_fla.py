@@ -1,6 +1,7 @@
 """Same-run comparison with flash-linear-attention (PyPI `flash-linear-attention`, package `fla`).
 
-fla is never a dependency of glm_kda: it is imported inside the functions that need it, and
+fla is never a dependency of glm_kda (nor is this module part of it: it lives in benchmarks/lib/,
+imported by benchmarks/fla_compare.py, decode.py and prefill.py): fla is imported inside the functions that need it, and
 `fla_available()` says why a comparison cannot run. Written against fla 0.6.0 (the KDA ops
 exist since 0.4.0, the bounded gate `lower_bound` / `safe_gate` since 0.4.2; 0.6.0's layer keeps
 its recurrent state V-first). fla 0.6.0 needs torch >= 2.7, triton >= 3.3, einops and
@@ -59,8 +60,9 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import ml_dtypes
 import numpy as np
 
-from .config import KdaConfig
-from .selftest import MIN_TIMED_CALLS, count_at_least, median_ms, replay_ms
+from glm_kda.config import KdaConfig
+
+from .timing import MIN_TIMED_CALLS, decode_bytes, median_ms, replay_ms, roofline, timed_calls
 
 FLA_DISTRIBUTION = "flash-linear-attention"
 FLA_TESTED_VERSION = "0.6.0"
@@ -338,7 +340,7 @@ def new_fla_cache() -> Any:
 def _fla_state(cache: Any) -> Any:
     """The layer cache's state, in our layout: KdaState(conv FP32 [3*qkv, K], recurrent FP32 [H, D_k, D_v])
     for one sequence (batch row 0)."""
-    from .state import KdaState
+    from glm_kda.state import KdaState
 
     layer_state = cache[0]
     conv = np.concatenate([to_host_f32(part[0]) for part in layer_state["conv_state"]], axis=0)
@@ -383,7 +385,8 @@ def fla_decode_steps(layer: Any, hidden: np.ndarray, cache: Any = None) -> tuple
 
 # Timing -----------------------------------------------------------------------------------------
 def _torch_events() -> dict:
-    """selftest's event and elapsed arguments for torch's CUDA events (work on torch's stream)."""
+    """The event and elapsed arguments of timing.median_ms and timing.replay_ms for torch's CUDA
+    events (work on torch's stream)."""
     import torch
 
     return {"event": lambda: torch.cuda.Event(enable_timing=True),
@@ -392,13 +395,13 @@ def _torch_events() -> dict:
 
 def median_us(fn: Callable[[], Any], repeats: int, warmup: int) -> float:
     """Median of `repeats` CUDA-event timings of fn() on the current stream, each call synchronised,
-    after `warmup` calls (selftest.median_ms with torch's events)."""
+    after `warmup` calls (timing.median_ms with torch's events)."""
     return 1e3 * median_ms(fn, repeats=repeats, warmup=warmup, **_torch_events())
 
 
 def queued_us(fn: Callable[[], Any], repeats: int, warmup: int) -> float:
     """Median µs of `repeats` calls of fn() queued back to back on the current stream, each between
-    its own pair of CUDA events, one synchronisation after the last (selftest.replay_ms with torch's
+    its own pair of CUDA events, one synchronisation after the last (timing.replay_ms with torch's
     events): while the host stays ahead of the GPU, a per-call figure without the idle gap that a
     synchronisation per call leaves in front of each."""
     return 1e3 * float(np.median(replay_ms(fn, calls=repeats, warmup=warmup, **_torch_events())))
@@ -425,7 +428,7 @@ def capture_graph(fn: Callable[[], Any], warmup: int = 3, hold: Callable[[], Any
 
 
 def _hidden_rows(config: KdaConfig, rows: int, seed: int = 3) -> Any:
-    from .synthetic import synthetic_hidden
+    from glm_kda.synthetic import synthetic_hidden
 
     return to_torch(synthetic_hidden(rows, config.hidden, seed=seed), "cuda")
 
@@ -550,49 +553,54 @@ def _our_rows(geometry: str, directory: Path, bandwidth: float, repeats: int, to
     """Our block in the same process: bench_decode's decode and verify cases, then prefill."""
     import cupy
 
+    from glm_kda.gpu.arrays import to_device_bf16
+    from glm_kda.synthetic import synthetic_hidden
+
     from .bench_decode import bench_geometry
-    from .checkpoint import bind_layer
-    from .layer import KdaLayer, KdaWorkspace, to_device_bf16
-    from .selftest import median_ms
-    from .synthetic import synthetic_hidden
+    from .layers import make_layer
+    from .timing import prefill_bytes
 
     with contextlib.redirect_stdout(io.StringIO()):
         rows = bench_geometry(geometry, directory, bandwidth, repeats)
     rows = [{"impl": "glm_kda", **row} for row in rows]
     cupy.get_default_memory_pool().free_all_blocks()
     if tokens:
-        bound = bind_layer(directory / geometry, 0, progress=False)
         # A workspace of its own (not the shared one), so its memory goes with the layer.
-        layer = KdaLayer(bound, workspace=KdaWorkspace(bound.config, max(tokens)))
+        layer = make_layer(directory, geometry, max(tokens), own_workspace=True)
         hidden = to_device_bf16(synthetic_hidden(max(tokens), layer.config.hidden, seed=3))
         state = layer.new_state()
         for count in tokens:
             ms = median_ms(lambda: layer.prefill(hidden[:count], state), repeats=5, warmup=2)
+            nbytes = prefill_bytes(layer.config, count)
             rows.append({"impl": "glm_kda", "case": "prefill", "T": count, "median_us": 1e3 * ms,
-                         "Mtok_s": count / (1e3 * ms), "geometry": geometry, "copy_bandwidth_GBs": bandwidth})
+                         "Mtok_s": count / (1e3 * ms), "geometry": geometry, "copy_bandwidth_GBs": bandwidth,
+                         "bytes": nbytes, "roofline_ratio": roofline(nbytes, bandwidth, 1e3 * ms)})
         del layer, hidden, state
         cupy.get_default_memory_pool().free_all_blocks()
     return rows
 
 
 def decorate_row(row: dict, geometry: str, config: KdaConfig, bandwidth: float) -> dict:
-    """geometry, copy bandwidth and, for decode, the roofline of bench_decode (weights once,
-    each sequence's state read and written once, FP32 state as ours)."""
-    from .selftest import state_bytes, weight_bytes
+    """geometry, copy bandwidth and the roofline: for decode, bench_decode's (weights once, each
+    sequence's state read and written once, FP32 state as ours); for prefill, timing.prefill_bytes."""
+    from .timing import prefill_bytes
 
     row.update(geometry=geometry, copy_bandwidth_GBs=bandwidth)
     if row["case"] == "decode":
-        nbytes = weight_bytes(config) + row["B"] * state_bytes(config)
-        row.update(bytes=nbytes, roofline_ratio=nbytes / 1e9 / bandwidth / (row["median_us"] / 1e6))
+        nbytes = decode_bytes(config, row["B"])
+        row.update(bytes=nbytes, roofline_ratio=roofline(nbytes, bandwidth, row["median_us"]))
         if "queued_median_us" in row:
-            row["queued_roofline_ratio"] = nbytes / 1e9 / bandwidth / (row["queued_median_us"] / 1e6)
+            row["queued_roofline_ratio"] = roofline(nbytes, bandwidth, row["queued_median_us"])
+    elif row["case"] == "prefill":
+        nbytes = prefill_bytes(config, row["T"])
+        row.update(bytes=nbytes, roofline_ratio=roofline(nbytes, bandwidth, row["median_us"]))
     return row
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--geometry", nargs="+", default=["glm", "kimi"], choices=["glm", "kimi"])
-    parser.add_argument("--repeats", type=count_at_least(MIN_TIMED_CALLS, " (a median over at least that many calls)"),
-                        default=MIN_TIMED_CALLS, help="decode timings per case after warm-up (>= 200)")
+    parser.add_argument("--repeats", type=timed_calls(), default=MIN_TIMED_CALLS,
+                        help="decode timings per case after warm-up (>= 200)")
     parser.add_argument("--batches", type=int, nargs="+", default=list(DECODE_BATCHES))
     parser.add_argument("--tokens", type=int, nargs="+", default=list(PREFILL_TOKENS))
     parser.add_argument("--no-ours", dest="ours", action="store_false",
@@ -607,9 +615,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     import torch
 
-    from .checkpoint import bind_layer
-    from .selftest import copy_bandwidth_gbs
-    from .synthetic import write_synthetic_checkpoint
+    from glm_kda.checkpoint import bind_layer
+    from glm_kda.synthetic import write_synthetic_checkpoint
+
+    from .timing import copy_bandwidth_gbs
 
     bandwidth = copy_bandwidth_gbs()
     print(json.dumps({"note": why, "copy_bandwidth_GBs": bandwidth}), flush=True)

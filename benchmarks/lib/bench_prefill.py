@@ -1,21 +1,26 @@
 """Prefill timings: the whole block and the KDA core alone, per chunk implementation.
 
 One JSON line per case: geometry, impl ("tensor": the TF32 tensor-core chunk kernels, "fp32":
-the FP32 reference kernels), T, median µs over CUDA events after warm-up, Mtok/s and achieved
-TFLOP/s (the FLOP count of :func:`block_flops` / :func:`core_flops`). "core" is conv output to
-core output: forget gate + beta and the chunked delta rule (what flash-linear-attention's
-chunk_kda computes from the same inputs with its in-kernel gate and beta; its in-kernel L2
-norm is fused into our conv pass, so our "core" leaves it out). "core_conv" adds the conv
-(+ SiLU + L2 + split) pass: projection output to core output.
+the FP32 reference kernels; KdaOptions.chunk_impl), T, median µs over CUDA events after warm-up,
+Mtok/s and achieved TFLOP/s (the FLOP count of :func:`block_flops` / :func:`core_flops`). Block
+lines also carry the copy bandwidth measured in the same run and their roofline ratio (the fewest
+bytes a prefill moves, timing.prefill_bytes, at that bandwidth, over the time: far below 1, the
+prefill is bound by its arithmetic). "core" is conv output to core output: forget gate + beta and
+the chunked delta rule (what flash-linear-attention's chunk_kda computes from the same inputs with
+its in-kernel gate and beta; its in-kernel L2 norm is fused into our conv pass, so our "core"
+leaves it out). "core_conv" adds the conv (+ SiLU + L2 + split) pass: projection output to core
+output. The core lines need the layer's chunk_core / prefill_core entries; where the layer has
+none, a note says so and the block lines and the per-kernel breakdown at T = 16384 remain.
 
 Geometries: "glm" (hidden 4096, 64 heads, bounded gate -5), "kimi" (hidden 2304, 32 heads,
-softplus law: FP32 kernels only) and "kimi-bounded" (Kimi's shapes with the bounded gate -5, the
-law flash-linear-attention's safe-gate chunk path is measured with). When
-flash-linear-attention is importable, its chunk_kda and KimiDeltaAttention layer run on the
-same shapes and weights in the same process (bench_fla.bench_fla_prefill).
+softplus law) and "kimi-bounded" (Kimi's shapes with the bounded gate -5, the law
+flash-linear-attention's safe-gate chunk path is measured with). When flash-linear-attention is
+importable, its chunk_kda and KimiDeltaAttention layer run on the same shapes and weights in the
+same process (bench_fla.bench_fla_prefill).
 
-    glm-kda bench prefill [--geometry glm kimi-bounded] [--tokens 1024 4096 16384 65536]
-    PYTHONPATH=. python benchmarks/prefill.py (the same)
+    PYTHONPATH=. python benchmarks/prefill.py [--geometry glm kimi-bounded] [--tokens 1024 4096 16384 65536]
+        [--variant hopper=False]
+    glm-kda bench prefill ... (the same, from a source checkout)
 """
 
 from __future__ import annotations
@@ -26,7 +31,10 @@ import json
 import tempfile
 from pathlib import Path
 
-from .config import KdaConfig
+from glm_kda.config import KdaConfig
+
+from .layers import make_layer, parse_options, with_options
+from .timing import copy_bandwidth_gbs, median_ms, prefill_bytes, roofline
 
 PREFILL_GEOMETRIES = ("glm", "kimi", "kimi-bounded")
 PREFILL_TOKENS = (1024, 4096, 16384, 65536)
@@ -36,8 +44,8 @@ FP32_MAX_TOKENS = 4096
 
 def geometry_config(geometry: str) -> KdaConfig:
     """The synthetic KdaConfig of a benchmark geometry (see PREFILL_GEOMETRIES)."""
-    from .config import GATE_BOUNDED
-    from .synthetic import synthetic_config
+    from glm_kda.config import GATE_BOUNDED
+    from glm_kda.synthetic import synthetic_config
 
     if geometry == "kimi-bounded":
         return dataclasses.replace(synthetic_config("kimi", 1), gate_law=GATE_BOUNDED, gate_lower_bound=-5.0,
@@ -63,51 +71,53 @@ def block_flops(config: KdaConfig, tokens: int) -> int:
     return projection + core_flops(config, tokens)
 
 
-def bench_geometry(geometry: str, directory: Path, tokens: tuple[int, ...], repeats: int,
-                   gate_kernel: bool = False) -> list[dict]:
+def bench_geometry(geometry: str, directory: Path, tokens: tuple[int, ...], repeats: int, bandwidth: float,
+                   changed: dict | None = None) -> list[dict]:
+    """The prefill cases of one geometry with the KdaOptions fields `changed` over the defaults,
+    for each chunk implementation."""
     import cupy
 
-    from . import chunk_tc, kernels
-    from .checkpoint import bind_layer
-    from .layer import KdaLayer, KdaWorkspace, to_device_bf16
-    from .selftest import median_ms
-    from .synthetic import synthetic_hidden, write_synthetic_checkpoint
+    from glm_kda.gpu.arrays import to_device_bf16
+    from glm_kda.synthetic import synthetic_hidden
 
     config = geometry_config(geometry)
-    path = write_synthetic_checkpoint(directory / geometry, config, num_layers=1)
-    bound = bind_layer(path, 0, progress=False)
-    layer = KdaLayer(bound, workspace=KdaWorkspace(bound.config, max(tokens)))
+    layer = make_layer(directory, config, max(tokens), name=geometry, own_workspace=True)
+    with_options(layer, **(changed or {}))
     hidden = to_device_bf16(synthetic_hidden(max(tokens), config.hidden, seed=3))
-    # "tensor": the default, the prepare forming the gate itself (KdaLayer.fused_gate);
-    # "tensor-gate-kernel": the gate kernel and the plain prepare, with --gate-kernel.
-    # The softplus law's "tensor" is the unbounded prepare fed by the gate kernel.
-    fused = chunk_tc.prepare_lower_bound(config) is not None
-    impls = ["fp32", "tensor"] + (["tensor-gate-kernel"] if gate_kernel and fused else [])
+    core = hasattr(layer, "chunk_core") and hasattr(layer, "prefill_core")
+    if not core:
+        print(json.dumps({"note": f"{geometry}: no core lines (this layer has no chunk_core / prefill_core)"}),
+              flush=True)
     rows = []
-    for impl in impls:
-        layer.chunk_impl = impl.split("-")[0]
-        layer.fused_gate = impl != "tensor-gate-kernel"
+    for impl in ("fp32", "tensor"):
+        with_options(layer, chunk_impl=impl)
         for count in tokens:
             if impl == "fp32" and count > FP32_MAX_TOKENS:
                 continue
             state = layer.new_state()
             reps = repeats if count <= 16384 else max(2, repeats // 2)
-            block_ms = median_ms(lambda: layer.prefill(hidden[:count], state), repeats=reps, warmup=2)
-
-            core_ms = median_ms(lambda: layer.chunk_core(count, state.recurrent), repeats=reps, warmup=2)
-            core_conv_ms = median_ms(lambda: layer.prefill_core(count, state.conv, state.recurrent), repeats=reps,
-                                     warmup=2)
+            cases = [("block", median_ms(lambda: layer.prefill(hidden[:count], state), repeats=reps, warmup=2),
+                      block_flops(config, count))]
+            if core:
+                cases.append(("core", median_ms(lambda: layer.chunk_core(count, state.recurrent), repeats=reps,
+                                                warmup=2), core_flops(config, count)))
+                cases.append(("core_conv", median_ms(lambda: layer.prefill_core(count, state.conv, state.recurrent),
+                                                     repeats=reps, warmup=2), core_flops(config, count)))
             if count == 16384:
-                with kernels.timing() as timer:
+                with layer.timing() as timer:
                     layer.prefill(hidden[:count], state)
                 breakdown = {"impl": f"glm_kda-{impl}", "case": "block_kernels", "geometry": geometry, "T": count,
-                             "total_ms": {name: round(ms, 4) for name, ms in timer.summary().items()}}
+                             "options": changed or {}, "total_ms": {name: round(ms, 4)
+                                                                    for name, ms in timer.summary().items()}}
                 print(json.dumps(breakdown), flush=True)
-            for case, ms, flops in (("block", block_ms, block_flops(config, count)),
-                                    ("core", core_ms, core_flops(config, count)),
-                                    ("core_conv", core_conv_ms, core_flops(config, count))):
+            for case, ms, flops in cases:
                 row = {"impl": f"glm_kda-{impl}", "case": case, "geometry": geometry, "T": count,
-                       "median_us": 1e3 * ms, "Mtok_s": count / (1e3 * ms), "TFLOP_s": flops / 1e9 / ms}
+                       "options": changed or {}, "median_us": 1e3 * ms, "Mtok_s": count / (1e3 * ms),
+                       "TFLOP_s": flops / 1e9 / ms, "copy_bandwidth_GBs": bandwidth}
+                if case == "block":
+                    nbytes = prefill_bytes(config, count)
+                    row.update(bytes=nbytes, roofline_us=nbytes / 1e3 / bandwidth,
+                               roofline_ratio=roofline(nbytes, bandwidth, 1e3 * ms))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     del layer, hidden
@@ -119,8 +129,9 @@ def bench_fla(geometry: str, directory: Path, tokens: tuple[int, ...], repeats: 
     """flash-linear-attention's layer and chunk_kda on the same checkpoint (same run)."""
     import torch
 
+    from glm_kda.checkpoint import bind_layer
+
     from .bench_fla import bench_fla_prefill
-    from .checkpoint import bind_layer
 
     bound = bind_layer(directory / geometry, 0, progress=False)
     rows = []
@@ -138,22 +149,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--geometry", nargs="+", default=list(PREFILL_GEOMETRIES), choices=list(PREFILL_GEOMETRIES))
     parser.add_argument("--tokens", type=int, nargs="+", default=list(PREFILL_TOKENS))
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--variant", type=parse_options, action="append", default=[], metavar="NAME=VALUE[,...]",
+                        help="also run every case with these KdaOptions fields changed (repeatable)")
     parser.add_argument("--no-fla", dest="fla", action="store_false", help="skip the flash-linear-attention rows")
-    parser.add_argument("--gate-kernel", action="store_true",
-                        help="also time the tensor-core path with the gate kernel and the plain prepare")
 
 
 def run(args: argparse.Namespace) -> int:
     from .bench_fla import comparison_note
-    from .device import require_gpu
 
-    require_gpu("the prefill benchmark")
     tokens = tuple(args.tokens)
+    bandwidth = copy_bandwidth_gbs()
     fla_ok, note = comparison_note(args.fla)
-    print(json.dumps(note), flush=True)
+    print(json.dumps({**note, "copy_bandwidth_GBs": bandwidth}), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for geometry in args.geometry:
-            bench_geometry(geometry, Path(tmp), tokens, args.repeats, args.gate_kernel)
+            for changed in ({}, *args.variant):
+                bench_geometry(geometry, Path(tmp), tokens, args.repeats, bandwidth, changed)
             if fla_ok and geometry != "kimi":
                 bench_fla(geometry, Path(tmp), tokens, args.repeats)
     return 0

@@ -59,8 +59,10 @@ def option_fields() -> dict:
 
 def parse_options(text: str) -> dict:
     """name=value[,name=value...] of KdaOptions fields, each value a Python literal (hopper=False,
-    chunk_impl='fp32'; a bare word is taken as a string). An unknown name or a malformed item is a
-    SystemExit naming it and the fields there are."""
+    chunk_impl=fp32; a bare word is taken as a string). An unknown name or a malformed item is an
+    argparse.ArgumentTypeError naming it and the fields there are (argparse prints it; use it as an
+    argument's type)."""
+    import argparse
     import ast
 
     known = option_fields()
@@ -69,7 +71,7 @@ def parse_options(text: str) -> dict:
         name, equals, value = item.partition("=")
         name = name.strip()
         if not equals or name not in known:
-            raise SystemExit(f"{text!r}: expected name=value[,name=value...] with names among the KdaOptions fields "
+            raise argparse.ArgumentTypeError(f"{text!r}: expected name=value[,name=value...] with names among the KdaOptions fields "
                              f"{sorted(known)}")
         try:
             settings[name] = ast.literal_eval(value.strip())
