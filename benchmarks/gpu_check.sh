@@ -5,14 +5,18 @@
 # CPU CI builds them too, here they also build for the chip present),
 # compute-sanitizer memcheck over a subset of it and over the prefill conv, racecheck over the chunk (FP32 and
 # tensor-core), recurrent and fused decode (one row and a verify walk) kernels ("sanitize"), then the decode and
-# prefill benchmarks, the host's part of the decode calls and the import timing ("bench"). Logs and JSON land in ${OUT:-./gpu_check_out}.
+# prefill benchmarks, the decode breakdown (defaults, packed_weights=False and hopper=False) against the decode
+# targets, the host's part of the decode calls and the import timing ("bench"). Logs and JSON land in ${OUT:-./gpu_check_out}.
 # The four parts take about nine, four, one and one minutes on an H200 (measured: tests and 20 of
 # compile's checks in 560 s, chunk_tc and compile in 295 s, sanitize 73 s, bench 66 s); run them as
 # separate commands where one command is limited to ten minutes. "block" adds the whole-block timings to "bench". "tp" (not
-# part of "all"; two GPUs) runs the tensor-parallel tests, the step timing included.
+# part of "all"; two GPUs) runs the tensor-parallel tests, the step timing included. "compare" (not part of "all")
+# runs benchmarks/compare_versions.py against the older checkout in $OLD (say `git worktree add /tmp/old 3d65311`):
+# decode, verify and prefill timings of both, each in its own process, and whether their bits agree.
 # With flash-linear-attention importable (see benchmarks/NOTES.md) both benchmarks add its rows;
 # its first call compiles Triton kernels for a minute or more.
 #   PYTHONPATH=. bash benchmarks/gpu_check.sh [tests|compile|sanitize|bench|all|tp] [block]
+#   OLD=/tmp/old PYTHONPATH=. bash benchmarks/gpu_check.sh compare
 set -u -o pipefail
 part=${1:-all}
 out=${OUT:-./gpu_check_out}; mkdir -p "$out"
@@ -33,18 +37,18 @@ if [ "$part" = sanitize ] || [ "$part" = all ]; then
   timeout 100 compute-sanitizer --tool memcheck --print-limit 20 python -m pytest -q -p no:cacheprovider tests/test_gpu.py \
     -k "kimi and (T17 and C16 or T65 and C64 or poisoned and nan or graph_replay)" 2>&1 | tee "$out/memcheck.log" | tail -4
   timeout 45 compute-sanitizer --tool racecheck --kernel-name kns=kda_ --print-limit 20 python -m pytest -q -p no:cacheprovider \
-    tests/test_gpu.py -k "kimi and T15 and C16 or kimi and decode_stages or kimi and fused_decode" 2>&1 \
+    tests/test_gpu.py -k "kimi and T15 and C16 or kimi and decode_stages or kimi and decode_k_is_bit" 2>&1 \
     | tee "$out/racecheck.log" | tail -4
   # The tensor-core chunk kernels: the bounded prepare (GLM's law) and the unbounded one (Kimi's
   # softplus law); <= 16 rows keeps cuBLAS, which racecheck cannot follow, out of the prefill.
   timeout 60 compute-sanitizer --tool racecheck --kernel-name kns=kda_chunk_tc --print-limit 20 python -m pytest -q \
     -p no:cacheprovider tests/test_gpu.py -k "prefill_matches_oracle and C64 and T15" 2>&1 \
     | tee "$out/racecheck_tc.log" | tail -4
-  # The decode calls' copies (graph nodes repointed per call, pinned slot uploads), the counting
-  # entry's ahead form and the entries writing o_proj's FP32 sums.
+  # The decode calls' copies (graph nodes repointed per call, pinned slot uploads) and the entries
+  # writing o_proj's FP32 sums.
   timeout 150 compute-sanitizer --tool memcheck --print-limit 20 python -m pytest -q -p no:cacheprovider \
     tests/test_gpu.py tests/test_gemm_rows.py \
-    -k "graph_copies or host_slots or counting_ahead or pair_and_awaiting and N100 or sums_launch and N100" \
+    -k "graph_copies or host_slots or pair_and_awaiting and N100 or sums_launch and N100" \
     2>&1 | tee "$out/memcheck_calls.log" | tail -4
   # The awaiting and staged o_proj entries writing FP32 sums, through the layer (Kimi: the staged form).
   timeout 150 compute-sanitizer --tool memcheck --print-limit 20 python -m pytest -q -p no:cacheprovider \
@@ -58,13 +62,16 @@ if [ "$part" = sanitize ] || [ "$part" = all ]; then
 fi
 if [ "$part" = bench ] || [ "$part" = all ]; then
   timeout 120 python benchmarks/decode.py 2>&1 | tee "$out/decode.jsonl" | tail -40
-  timeout 170 python benchmarks/decode_breakdown.py --variant graph_copies=False --variant counting_ahead=True 2>&1 \
-    | tee "$out/decode_breakdown.jsonl"
+  timeout 170 python benchmarks/decode_breakdown.py --variant hopper=False 2>&1 | tee "$out/decode_breakdown.jsonl"
   python benchmarks/summarize_breakdown.py --targets < "$out/decode_breakdown.jsonl" | tee "$out/decode_targets.txt"
   timeout 90 python benchmarks/host_cost.py 2>&1 | tee "$out/host_cost.jsonl"
   timeout 150 python benchmarks/prefill.py --tokens 1024 16384 65536 2>&1 | tee "$out/prefill.jsonl"
   if [ "${2:-}" = block ]; then timeout 60 python benchmarks/block.py glm kimi 2>&1 | tee "$out/block.jsonl"; fi
   python -c "import json; from glm_kda.selftest import import_times; print(json.dumps(import_times()))" 2>&1 | tee "$out/import.json"
+fi
+if [ "$part" = compare ]; then
+  timeout 560 python benchmarks/compare_versions.py --old "${OLD:?OLD=<older checkout> is needed}" 2>&1 \
+    | tee "$out/compare_versions.jsonl"
 fi
 if [ "$part" = tp ]; then
   GLM_KDA_FIGURES="$out/figures_tp.json" timeout ${SUITE_TIMEOUT:-560} python -m pytest -q -rfE tests/test_tp_gpu.py \

@@ -1,9 +1,10 @@
 """One line per JSON line of benchmarks/decode_breakdown.py: geometry, the variant's changed
-settings, the copy bandwidth, the B=1 graph replay (median replay us and roofline ratio, and the
-back-to-back mean where the line has it), verify over decode, B=64 and B=256 (likewise), the public call, and why programmatic launches fell back (if
-they did). Lines that are not JSON pass through. With --targets, each line of the package's defaults is
-followed by the decode targets it is judged against (per-replay median roofline ratio of one
-sequence and of 64, verify over one-token decode), each marked met or NOT MET.
+KdaOptions fields, the copy bandwidth, the B=1 graph replay (median replay us and roofline ratio,
+and the back-to-back mean where the line has it), verify over decode, B=64 and B=256 (likewise),
+the public call, and why programmatic launches fell back (where an older line says so). Lines that
+are not JSON pass through. With --targets, each line of the package's defaults is followed by the
+decode targets it is judged against (per-replay median roofline ratio of one sequence and of 64,
+verify over one-token decode), each marked met or NOT MET.
 
     PYTHONPATH=. python benchmarks/decode_breakdown.py | PYTHONPATH=. python benchmarks/summarize_breakdown.py [--targets]
 """

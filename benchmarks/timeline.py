@@ -1,6 +1,6 @@
 """Where a decode step's time goes on the GPU: the block timeline of its captured graph.
 
-The kernels are built a second time with KDA_TRACE defined (kernels_src/kda_common.cuh): thread 0
+The kernels are built a second time with KDA_TRACE defined (kernels_src/common/trace.cuh): thread 0
 of every block of the projections (gemm_rows, and the bulk-copy sweep's three kernels) and of the
 fused step then records its SM and the GPU's global timer at the block's start, after its wait on
 the previous kernel (programmatic launches; for the bulk-copy sweep, its copy warp's wait, past
@@ -12,16 +12,17 @@ median over the replays: the first block start, the last wait end, the first and
 and the blocks. `step_us` is the last block end of the graph. The global timer ticks coarsely on
 some GPUs: `timer_tick_ns` is the smallest nonzero step seen between two records of a replay.
 
-    PYTHONPATH=. python benchmarks/timeline.py [glm kimi] [--replays 200] [--rows 1 64] [--set NAME=VALUE ...]
-        [--blocks DIR]
+    PYTHONPATH=. python benchmarks/timeline.py [glm kimi] [--replays 200] [--rows 1 64]
+        [--variant NAME=VALUE[,...]] [--blocks DIR]
 
 --blocks writes, per geometry and row count, DIR/<geometry>_rows<rows>.json: every block of the last
 replay as [launch, SM, start, wait end (null: none), end], in microseconds from the graph's first
 block start.
 
---set changes a setting of glm_kda.gpu.layer for the run (say SIDE_CHAIN_PROGRAMMATIC=False), or of
-glm_kda.gpu.projection (gemm_rows.BULK_SPLIT_WARPGROUPS=2; the value a Python literal); the line names
-the settings changed.
+--variant sets KdaOptions fields of the layer for the run (say hopper=False; each value a Python
+literal); the line names them ("options"). Each line also carries the copy bandwidth measured in the
+same run and the step's roofline (its fewest bytes at that bandwidth, `roofline_us`, and
+`roofline_ratio`).
 """
 
 from __future__ import annotations
@@ -30,10 +31,13 @@ import argparse
 import json
 import re
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
-from glm_kda.device import exit_unless_gpu
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from lib.layers import parse_options  # noqa: E402
 
 # Launches by the workspace buffer they write (the tag of their records).
 LAUNCH_NAMES = (("down_proj", "f_a|g_a|b"), ("forget_proj", "f_b"), ("out_gate", "g_b"), ("qkv_proj", "q|k|v"),
@@ -43,15 +47,23 @@ LAUNCH_NAMES = (("down_proj", "f_a|g_a|b"), ("forget_proj", "f_b"), ("out_gate",
 TILE_X_NAMES = (("graph_hidden", 0, "x tiles: hidden"), ("o_norm_out", 0, "x tiles: o_proj"),
                 ("down_proj", 0, "x tiles: f_b"), ("down_proj", 1, "x tiles: g_b"))
 # Modules whose kernels record blocks (gemm_rows_bulk only where the device runs it).
-TRACED_STEMS = ("gemm_rows", "decode", "gemm_rows_bulk")
+TRACED_STEMS = ("projection/gemm_rows", "decode/decode", "projection/gemm_rows_bulk")
+# The header that defines the records (under KDA_TRACE) and their count.
+TRACE_HEADER = "common/trace.cuh"
 
 
 def launch_names(workspace, head_dim: int) -> dict[int, str]:
-    """Record tag -> launch name for a workspace (LAUNCH_NAMES and TILE_X_NAMES)."""
-    names = {getattr(workspace, buffer).data.ptr: name for buffer, name in LAUNCH_NAMES}
+    """Record tag -> launch name for a workspace (LAUNCH_NAMES and TILE_X_NAMES; a buffer the
+    workspace does not have names nothing: its launches keep their tags in hex)."""
+    names = {}
+    for buffer, name in LAUNCH_NAMES:
+        array = getattr(workspace, buffer, None)
+        if array is not None:
+            names[array.data.ptr] = name
     for buffer, column, name in TILE_X_NAMES:
-        array = getattr(workspace, buffer)
-        names[array.data.ptr + column * head_dim * array.itemsize + 1] = name
+        array = getattr(workspace, buffer, None)
+        if array is not None:
+            names[array.data.ptr + column * head_dim * array.itemsize + 1] = name
     return names
 
 
@@ -60,16 +72,16 @@ def write_traced_sources(folder: Path) -> Path:
     from glm_kda.gpu import build as kernels
 
     shutil.copytree(kernels.kernels_dir(), folder, dirs_exist_ok=True)
-    common = folder / "kda_common.cuh"
-    common.write_text("#define KDA_TRACE 1\n" + common.read_text())
+    header = folder / TRACE_HEADER
+    header.write_text("#define KDA_TRACE 1\n" + header.read_text())
     return folder
 
 
 def trace_capacity() -> int:
-    """Records the traced kernels' buffer holds (KDA_TRACE_RECORDS of kda_common.cuh)."""
+    """Records the traced kernels' buffer holds (KDA_TRACE_RECORDS of TRACE_HEADER)."""
     from glm_kda.gpu import build as kernels
 
-    text = (kernels.kernels_dir() / "kda_common.cuh").read_text()
+    text = (kernels.kernels_dir() / TRACE_HEADER).read_text()
     return int(re.search(r"#define KDA_TRACE_RECORDS (\d+)", text).group(1))
 
 
@@ -107,7 +119,7 @@ class TraceBuffers:
         return np.concatenate(parts)
 
 
-# A record's first word: the launch's tag in the low 48 bits, the block's SM above (kda_common.cuh).
+# A record's first word: the launch's tag in the low 48 bits, the block's SM above (common/trace.cuh).
 TAG_BITS = 48
 TAG_MASK = (1 << TAG_BITS) - 1
 
@@ -169,33 +181,9 @@ def median_timeline(replays: list[dict]) -> dict:
     return summary
 
 
-def apply_settings(items: list[str]) -> dict:
-    """Set module settings of glm_kda.gpu.layer (NAME=VALUE) or glm_kda.gpu.projection (gemm_rows.NAME=VALUE)
-    from the items (values Python literals); an unknown name or a malformed item is an error that
-    names it. Returns what was set."""
-    import ast
-
-    from glm_kda.gpu import projection as gemm_rows
-    from glm_kda.gpu import layer
-
-    modules = {"layer": layer, "gemm_rows": gemm_rows}
-    changed = {}
-    for item in items:
-        name, equals, value = item.partition("=")
-        name = name.strip()
-        module_name, _, setting = name.rpartition(".")
-        module = modules.get(module_name or "layer")
-        if not equals or not setting.isupper() or module is None or not hasattr(module, setting):
-            raise SystemExit(f"--set {item!r}: expected NAME=VALUE with NAME a setting of glm_kda.gpu.layer, or"
-                             " gemm_rows.NAME of glm_kda.gpu.projection")
-        changed[name] = ast.literal_eval(value.strip())
-        setattr(module, setting, changed[name])
-    return changed
-
-
 def table(record: dict) -> str:
     """The launches of one JSON line as text, one line each (the replies' tail)."""
-    lines = [f"# {record['geometry']} rows {record['rows']} {record.get('settings') or ''}: step {record['step_us']} us, roofline "
+    lines = [f"# {record['geometry']} rows {record['rows']} {record.get('options') or ''}: step {record['step_us']} us, roofline "
              f"{record['roofline_us']} us, timer tick {record['timer_tick_ns']} ns"]
     for name, t in record["launches"].items():
         label = "outputs out" if name == "fused step" else "waits"
@@ -205,27 +193,42 @@ def table(record: dict) -> str:
     return "\n".join(lines)
 
 
+def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    from lib.timing import MIN_TIMED_CALLS, count_at_least
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("geometries", nargs="*", help="glm and / or kimi (default: both)")
+    parser.add_argument("--replays", type=count_at_least(1), default=MIN_TIMED_CALLS)
+    parser.add_argument("--rows", type=count_at_least(1), nargs="+", default=[1, 64],
+                        help="sequences per step (1: one state)")
+    parser.add_argument("--variant", type=parse_options, action="append", default=[], metavar="NAME=VALUE[,...]",
+                        help="KdaOptions fields of the layer for the run")
+    parser.add_argument("--blocks", type=Path, default=None, metavar="DIR",
+                        help="write every block of the last replay to DIR/<geometry>_rows<rows>.json")
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.geometries) - {"glm", "kimi"})
+    if unknown:
+        parser.error(f"unknown geometry {', '.join(map(repr, unknown))} (choose from 'glm', 'kimi')")
+    args.geometries = args.geometries or ["glm", "kimi"]
+    args.options = {name: value for fields in args.variant for name, value in fields.items()}
+    return args
+
+
 def main(argv: list[str] | None = None) -> None:
+    from glm_kda.device import exit_unless_gpu
+
+    args = parse_arguments(argv)
+    exit_unless_gpu("the block timeline")
     import cupy
     import numpy as np
 
     from glm_kda.gpu import build as kernels
-    from glm_kda.gpu.layer import KdaLayer, to_device_bf16
-    from glm_kda.selftest import MIN_TIMED_CALLS, copy_bandwidth_gbs, count_at_least, state_bytes, weight_bytes
+    from glm_kda.gpu.arrays import to_device_bf16
     from glm_kda.state import StatePool
-    from glm_kda.synthetic import synthetic_hidden, write_synthetic_checkpoint
+    from glm_kda.synthetic import synthetic_hidden
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("geometries", nargs="*", default=["glm", "kimi"])
-    parser.add_argument("--replays", type=count_at_least(1), default=MIN_TIMED_CALLS)
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 64], help="sequences per step (1: one state)")
-    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                        help="a glm_kda.gpu.layer setting for the run")
-    parser.add_argument("--blocks", type=Path, default=None, metavar="DIR",
-                        help="write every block of the last replay to DIR/<geometry>_rows<rows>.json")
-    args = parser.parse_args(argv)
-    exit_unless_gpu("the block timeline")
-    changed = apply_settings(args.set)
+    from lib.layers import last_graph, make_layer, with_options
+    from lib.timing import copy_bandwidth_gbs, decode_bytes, roofline
 
     bandwidth = copy_bandwidth_gbs()
     stream = cupy.cuda.get_current_stream()
@@ -235,8 +238,8 @@ def main(argv: list[str] | None = None) -> None:
         previous = kernels.KernelSet.install(traced)
         try:
             for geometry in args.geometries:
-                path = write_synthetic_checkpoint(Path(tmp) / geometry, geometry, num_layers=1)
-                layer = KdaLayer.from_pretrained(path, 0, max_tokens=max(args.rows), progress=False)
+                layer = make_layer(Path(tmp), geometry, max(args.rows))
+                with_options(layer, **args.options)
                 cfg, ws = layer.config, layer.workspace
                 names = launch_names(ws, cfg.head_dim)
                 hidden = to_device_bf16(synthetic_hidden(max(args.rows), cfg.hidden))
@@ -250,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
                         call = lambda: layer.decode(hidden[:rows], pool, slots)  # noqa: E731
                     for _ in range(3):
                         call()  # eager, capture, replay
-                    graph = layer._graphs.last_graph
+                    graph = last_graph(layer)
                     for _ in range(10):
                         graph.launch(stream)
                     replays = []
@@ -264,19 +267,20 @@ def main(argv: list[str] | None = None) -> None:
                         args.blocks.mkdir(parents=True, exist_ok=True)
                         (args.blocks / f"{geometry}_rows{rows}.json").write_text(
                             json.dumps(replay_blocks(records, names)))
-                    nbytes = weight_bytes(cfg) + rows * state_bytes(cfg)
+                    nbytes = decode_bytes(cfg, rows)
                     step_us = float(np.median([r["_step_us"] for r in replays]))
+                    ticks = [r["_tick_ns"] for r in replays if r["_tick_ns"] is not None]
                     record = {
-                        "geometry": geometry, "rows": rows, "settings": changed, "replays": args.replays,
+                        "geometry": geometry, "rows": rows, "options": args.options, "replays": args.replays,
                         "copy_bandwidth_GBs": bandwidth,
                         "bytes": nbytes, "step_us": round(step_us, 2),
                         "roofline_us": round(nbytes / 1e3 / bandwidth, 2),
-                        "timer_tick_ns": min(r["_tick_ns"] for r in replays if r["_tick_ns"] is not None),
+                        "roofline_ratio": round(roofline(nbytes, bandwidth, step_us), 3),
+                        "timer_tick_ns": min(ticks) if ticks else None,
                         "launches": median_timeline(replays),
                     }
                     print(json.dumps(record), flush=True)
                     print(table(record), flush=True)
-                layer._graphs.clear()
         finally:
             kernels.KernelSet.install(previous)
 

@@ -81,6 +81,23 @@ def prepare_lower_bound(config: Any) -> float | None:
     return None
 
 
+def require_lower_bound(lower_bound: float | None) -> None:
+    """ValueError unless lower_bound is None (no bound: the unbounded prepare) or the bounded law's
+    bound that the tensor-core prefill takes (MIN_LOWER_BOUND <= lower_bound <= 0)."""
+    if lower_bound is None:
+        return
+    try:
+        bound = float(lower_bound)
+    except (TypeError, ValueError):
+        bound = math.nan
+    if not MIN_LOWER_BOUND <= bound <= 0.0:
+        raise ValueError(
+            f"lower_bound = {lower_bound!r}: the tensor-core prefill needs the bounded gate law with "
+            f"{MIN_LOWER_BOUND} <= lower_bound <= 0, or lower_bound=None for gates without a bound (the softplus "
+            f"law; a bound below {MIN_LOWER_BOUND} is such a gate)"
+        )
+
+
 def chunk_count(tokens: int) -> int:
     """nchunks = ceil(T / 64); the padded length is nchunks * 64."""
     return (tokens + CHUNK - 1) // CHUNK
@@ -172,7 +189,7 @@ def model_chunk_tc_prepare(query, key, value, gate, beta, lower_bound: float | N
     wider than DIAGONAL_RANGE as exact sums, see :func:`diagonal_in_range`; the gate only
     capped at 0).
     """
-    _require_lower_bound(lower_bound)
+    require_lower_bound(lower_bound)
     xp = array_module(query)
     rnd = round_tf32 if emulate_rounding else _exact
     # The scratch the scan reads as mma operands is stored FP16 (exact for TF32 values in
@@ -323,9 +340,8 @@ def model_chunk_tc(query, key, value, gate, beta, recurrent, lower_bound: float 
 
 
 __all__ = [
-    "CHUNK", "MIN_LOWER_BOUND", "PREPARE_SMEM_BYTES", "SCAN_SMEM_BYTES", "chunk_count", "chunk_prefill_tc",
-    "chunk_tc_supported", "prepare_lower_bound", "diagonal_in_range", "DIAGONAL_RANGE", "kda_chunk_tc_prepare_f32",
-    "kda_chunk_tc_scan_f32", "model_chunk_tc",
+    "CHUNK", "MIN_LOWER_BOUND", "PREPARE_SMEM_BYTES", "SCAN_SMEM_BYTES", "chunk_count", "chunk_tc_supported",
+    "prepare_lower_bound", "require_lower_bound", "diagonal_in_range", "DIAGONAL_RANGE", "model_chunk_tc",
     "model_chunk_tc_prepare", "model_chunk_tc_scan", "round_tf32", "round_f16", "scratch_shapes", "SCRATCH_KINDS",
-    "f16_view", "new_scratch", "GateSource",
+    "f16_view", "new_scratch",
 ]

@@ -4,21 +4,46 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from .selftest import count_at_least
 
 
-def bench_script(module, what: str, argv: list[str] | None = None) -> int:
-    """A benchmark script's entry (benchmarks/decode.py, benchmarks/prefill.py): `module`'s
-    arguments (its add_arguments), a one-line refusal without a GPU (device.exit_unless_gpu,
-    naming `what`), then module.run; returns its status."""
-    from .device import exit_unless_gpu
+# `glm-kda bench NAME`: the script of a source checkout it runs (the benchmarks are no part of the
+# package: an installed wheel has none).
+BENCH_SCRIPTS = {"decode": "decode.py", "prefill": "prefill.py"}
 
-    parser = argparse.ArgumentParser(description=module.__doc__.splitlines()[0])
-    module.add_arguments(parser)
-    arguments = parser.parse_args(argv)
-    exit_unless_gpu(what)
-    return module.run(arguments)
+
+def benchmarks_dir() -> Path:
+    """benchmarks/ of the source checkout this package was imported from (it may not exist)."""
+    return Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """Run benchmarks/<script> of the checkout in this process, with the arguments after the
+    benchmark's name; its exit status (2 where there is no checkout)."""
+    import runpy
+
+    script = benchmarks_dir() / BENCH_SCRIPTS[args.bench]
+    if not script.is_file():
+        print(f"error: glm-kda bench {args.bench} runs {script.parent.name}/{script.name} of a source checkout, and "
+              f"there is none beside this package ({script.parent} does not hold it): an installed wheel ships "
+              "no benchmarks. Clone the repository and run `python benchmarks/"
+              f"{script.name}` there, or `pip install -e .` from it.", file=sys.stderr)
+        return 2
+    saved = sys.argv
+    sys.argv = [str(script), *args.arguments]
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as stop:
+        code = stop.code
+        if code is None or isinstance(code, int):
+            return code or 0
+        print(code, file=sys.stderr)
+        return 1
+    finally:
+        sys.argv = saved
+    return 0
 
 
 def script_help(doc: str, argv: list[str] | None = None) -> None:
@@ -97,16 +122,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="skip the real-geometry cases")
     p.set_defaults(func=_selftest)
 
-    p = sub.add_parser("bench", help="GPU benchmarks, one JSON line per case")
-    bench = p.add_subparsers(dest="bench", required=True)
-    from . import bench_decode, bench_prefill
-
-    b = bench.add_parser("decode", help="batched decode, verify, graph vs eager, against the copy roofline")
-    bench_decode.add_arguments(b)
-    b.set_defaults(func=bench_decode.run)
-    b = bench.add_parser("prefill", help="whole block and KDA core, tensor-core and FP32 chunk kernels, Mtok/s")
-    bench_prefill.add_arguments(b)
-    b.set_defaults(func=bench_prefill.run)
+    p = sub.add_parser("bench", help="GPU benchmarks of a source checkout (benchmarks/), one JSON line per case",
+                       description="Runs benchmarks/decode.py or benchmarks/prefill.py of the source checkout this "
+                       "package comes from, with the arguments that follow (`glm-kda bench decode -h` lists them). "
+                       "The benchmarks are no part of the installed package: they need a source checkout.")
+    p.add_argument("bench", choices=sorted(BENCH_SCRIPTS),
+                   help="decode: batched decode, verify, graph vs eager, against the copy roofline; prefill: whole "
+                   "block and KDA core, tensor-core and FP32 chunk kernels, Mtok/s")
+    p.add_argument("arguments", nargs=argparse.REMAINDER, help="the benchmark script's own arguments")
+    p.set_defaults(func=_bench)
 
     args = parser.parse_args(argv)
     from .device import NoGpuError

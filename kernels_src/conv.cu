@@ -1,92 +1,25 @@
-// Causal depthwise conv over time + SiLU on the q|k|v projection (conv_dim =
-// 3 * heads * head_dim channels), then the per-head L2 normalisation of q and k.
+// T tokens of a prefill: causal depthwise conv over time + SiLU on the q|k|v projection
+// (conv_dim = 3 * heads * head_dim channels), the BF16 conv output, then the per-head L2
+// normalisation of q and k and the split into FP32 q, k and v.
 //
-// conv_state [conv_dim, K] FP32 keeps the last K conv INPUTS per channel, oldest
-// first. Each token shifts the window left by one (slot 0 falls out unread) and
-// puts the new input in slot K-1, then
+// conv_state [conv_dim, K] FP32 keeps the last K conv INPUTS per channel, oldest first. Each token
+// shifts the window left by one and puts the new input in slot K-1, then
 //   conv_out[c] = bf16( silu( sum_{j=0..K-1} conv_w[c, j] * window[j] ) ).
-// L2 reads the ROUNDED conv output: x / sqrt(sum(x * x) + eps), eps inside the
-// sqrt; v is never normalised.
+// L2 reads the ROUNDED conv output: x / sqrt(sum(x * x) + eps), eps inside the sqrt; v is never
+// normalised. The kernel leaves conv_state as T decode steps would.
 //
-// conv_decode_silu_l2_bf16: one token of each of `rows` sequences. grid (3 * heads,
-//   rows), block head_dim = 128: one block per head of q, k or v, so the L2 sum of a
-//   q/k head is one block reduction and conv + SiLU + L2 fuse into a single launch.
-//   Row r reads and writes the conv state of slot slots[r] (slot r when slots is
-//   null) of a pool of [conv_dim, K] states; the arithmetic of a row does not
-//   depend on the other rows, so a sequence's bits do not depend on the batch.
-// conv_prefill_silu_l2_bf16: T tokens. grid (ceil(3 * heads / 4), ceil(T / 64)), block 128:
-//   a warp holds one head of q, k or v for a tile of 64 tokens, 4 channels a lane, so the
-//   tokens run in parallel (a lane rebuilds its windows from the K - 1 inputs before its
-//   tile), each token is a few vector loads and stores, and the L2 sum of a token's head is a
-//   warp reduction in block_sum_f32's order; conv + SiLU + L2 + split fuse into one pass.
-//   Leaves conv_state as T decode steps would. Per token the arithmetic is decode's (the
-//   same device functions and the same order of the L2 sum), so prefill and decode agree
-//   bit for bit on the conv output and q, k, v.
-//
-// K <= CONV_MAX_KERNEL = 4: the window lives in four registers (the conv_window_* helpers,
-// conv_silu and l2_normalize_head are in kda_common.cuh, shared with the fused decode step).
-#include "kda_common.cuh"
+// Launch: grid (ceil(3 * heads / 4), ceil(T / 64)), block 128 = 4 warps, no shared memory. A warp
+// holds one head of q, k or v for a tile of 64 tokens, 4 channels a lane, so the tokens run in
+// parallel (a lane rebuilds its windows from the K - 1 inputs before its tile), each token is a few
+// vector loads and stores, and the L2 sum of a token's head is a warp reduction in block_sum_f32's
+// order, without a block barrier. The conv of a channel is the fused decode step's
+// (common/conv_window.cuh) and the L2 sum adds in its order, so prefill and decode agree bit for
+// bit on the conv output and q, k, v. K <= CONV_MAX_KERNEL = 4: the windows live in registers.
+#include "common/conv_window.cuh"
+#include "common/reduce.cuh"
 
 // Tokens per block of the prefill conv; at least CONV_MAX_KERNEL (see the kernel).
 #define CONV_PREFILL_TILE 64
-
-// Block b of 3 * heads: heads of q (b < heads), k (b < 2 * heads), then v.
-// Writes query / key (normalised) or value (as is) at [head, d] of `row` outputs.
-__device__ __forceinline__ void split_normalize_head(float conv_value, int block_head, int heads,
-                                                     int head_dim, float l2_eps, float* query,
-                                                     float* key, float* value, float* scratch)
-{
-    const int head = block_head % heads;
-    const int index = head * head_dim + threadIdx.x;
-    // block_head is uniform over the block, so the whole block takes one branch.
-    if (block_head < 2 * heads) {
-        const float normalized = l2_normalize_head(conv_value, l2_eps, scratch);
-        if (block_head < heads) {
-            query[index] = normalized;
-        } else {
-            key[index] = normalized;
-        }
-    } else {
-        value[index] = conv_value;
-    }
-}
-
-extern "C" __global__ void __launch_bounds__(KDA_HEAD_BLOCK)
-conv_decode_silu_l2_bf16(float* __restrict__ conv_state, const int* __restrict__ slots,
-                         const bf16_t* __restrict__ qkv_proj, const bf16_t* __restrict__ conv_w,
-                         bf16_t* __restrict__ conv_out, float* __restrict__ query,
-                         float* __restrict__ key, float* __restrict__ value, int heads,
-                         int head_dim, int kernel_size, float l2_eps)
-{
-    __shared__ float scratch[8];
-    // Uniform over the block: a wrong geometry leaves whole blocks, before any sync.
-    if (head_dim != KDA_HEAD_DIM || blockDim.x != KDA_HEAD_BLOCK || blockIdx.x >= 3 * heads ||
-        kernel_size < 1 || kernel_size > CONV_MAX_KERNEL) {
-        return;
-    }
-    const size_t row = blockIdx.y;
-    const size_t slot = slots != nullptr ? static_cast<size_t>(slots[row]) : row;
-    const size_t qkv = static_cast<size_t>(heads) * head_dim;
-    qkv_proj += row * 3 * qkv;
-    conv_out += row * 3 * qkv;
-    query += row * qkv;
-    key += row * qkv;
-    value += row * qkv;
-    const int channel = blockIdx.x * head_dim + threadIdx.x;
-    float* state = conv_state + (slot * 3 * qkv + channel) * kernel_size;
-
-    float window[CONV_MAX_KERNEL];
-    conv_window_load(window, state, kernel_size);
-    conv_window_push(window, bf16_to_f32(qkv_proj[channel]), kernel_size);
-    const bf16_t rounded =
-        f32_to_bf16(conv_silu(window, conv_w + static_cast<size_t>(channel) * kernel_size,
-                              kernel_size));
-    conv_out[channel] = rounded;
-    conv_window_store(window, state, kernel_size);
-
-    split_normalize_head(bf16_to_f32(rounded), blockIdx.x, heads, head_dim, l2_eps, query, key,
-                         value, scratch);
-}
 
 // The L2 sum of a head's 128 squares held 4 per lane (lane L: channels 4L .. 4L+3) with the
 // additions of block_sum_f32 over 128 threads of one channel each, in the same order: its warp
@@ -134,13 +67,10 @@ __device__ __forceinline__ float conv_carried_input(const float (&old)[CONV_MAX_
 // Tokens a warp loads ahead of their arithmetic.
 #define CONV_PREFILL_AHEAD 4
 
-// T tokens: grid (ceil(3 heads / 4), ceil(T / CONV_PREFILL_TILE)), block 128 = 4 warps. Warp w of
-// block x holds head part p = 4x + w of q, k or v (heads of q, then k, then v) for one tile of
-// tokens, lane L its channels 4L .. 4L+3: each token is one 8-byte load and one 8-byte store of
-// BF16 per lane, one 16-byte store of q, k or v, and for q and k a warp reduction (no block
-// barrier). The conv and SiLU of a channel are decode's (conv_silu), the L2 sum is
-// block_sum_f32's order (warp_head_sum_squares): prefill and decode agree bit for bit.
-// Requires 8-byte aligned qkv_proj and conv_out rows and 16-byte aligned q, k, v rows.
+// Warp w of block x holds head part p = 4x + w of q, k or v (heads of q, then k, then v); lane L
+// its channels 4L .. 4L+3: a token is one 8-byte load and one 8-byte store of BF16 per lane and one
+// 16-byte store of q, k or v. Requires 8-byte aligned qkv_proj and conv_out rows and 16-byte
+// aligned q, k, v rows.
 extern "C" __global__ void __launch_bounds__(KDA_HEAD_BLOCK)
 conv_prefill_silu_l2_bf16(float* __restrict__ conv_state, const bf16_t* __restrict__ qkv_proj,
                           const bf16_t* __restrict__ conv_w, bf16_t* __restrict__ conv_out,

@@ -1,19 +1,21 @@
-// Forget gate (per-channel log-decay) and beta (per-head write strength), FP32.
+// Forget gate (per-channel log-decay) and beta (per-head write strength) of a prefill, FP32.
 //   u = forget_proj[t, c] + dt_bias[c],  c = h * head_dim + d
 //   a = exp(A_log[h])
-//   bounded law:  gate = lower_bound * sigmoid(a * u)
-//   softplus law: gate = -a * softplus(u),  softplus(u) = u for u > 20
+//   bounded law (gate_law KDA_GATE_BOUNDED):   gate = lower_bound * sigmoid(a * u)
+//   softplus law (gate_law KDA_GATE_SOFTPLUS): gate = -a * softplus(u),  softplus(u) = u for u > 20
 //   beta[t, h] = sigmoid(beta_logits[t, h])
-// (kda_forget_gate in kda_common.cuh: the one definition, shared with the tensor-core
-// chunk prepare, so the two agree bit for bit.)
+// (kda_forget_gate in common/math.cuh: the one definition, shared with the fused decode step and
+// the tensor-core chunk prepare, so they agree bit for bit.)
 //
-// Launch: grid (heads, ceil(T / GATE_TOKENS_PER_BLOCK)), block 128 threads for one head of
-// KDA_HEAD_DIM = 128 channels and a group of 32 tokens. Thread 32 r + c owns channels
-// 4c .. 4c + 3 (one 8-byte load of 4 BF16, one 16-byte store of 4 FP32) of the tokens
+// Launch: grid (heads, ceil(T / GATE_TOKENS_PER_BLOCK)), block 128 threads, no shared memory: one
+// head of KDA_HEAD_DIM = 128 channels and a group of 32 tokens a block. Thread 32 r + c owns
+// channels 4c .. 4c + 3 (one 8-byte load of 4 BF16, one 16-byte store of 4 FP32) of the tokens
 // r, r + 4, .., r + 28 of the group; all its loads are issued before the first store. So
 // exp(A_log[h]) is block-uniform and the c = 0 threads write the beta of their tokens. The
 // grouping is only a walk order: an element's arithmetic does not depend on it.
-#include "kda_common.cuh"
+#include "common/bf16.cuh"
+#include "common/head.cuh"
+#include "common/math.cuh"
 
 #define GATE_TOKENS_PER_BLOCK 32
 #define GATE_THREADS 128
@@ -24,7 +26,7 @@ extern "C" __global__ void __launch_bounds__(GATE_THREADS)
 gate_beta_f32(const bf16_t* __restrict__ forget_proj, const float* __restrict__ dt_bias,
               const float* __restrict__ a_log, const bf16_t* __restrict__ beta_logits,
               int ld_beta, float* __restrict__ gate, float* __restrict__ beta, int heads,
-              int head_dim, int bounded, float lower_bound, int tokens)
+              int head_dim, int gate_law, float lower_bound, int tokens)
 {
     const int head = blockIdx.x;
     if (head >= heads || head_dim != KDA_HEAD_DIM || blockDim.x != GATE_THREADS) {
@@ -60,7 +62,7 @@ gate_beta_f32(const bf16_t* __restrict__ forget_proj, const float* __restrict__ 
                                      bf16_to_f32(static_cast<bf16_t>(projected[step].x >> 16)) + bias.y,
                                      bf16_to_f32(static_cast<bf16_t>(projected[step].y & 0xffffu)) + bias.z,
                                      bf16_to_f32(static_cast<bf16_t>(projected[step].y >> 16)) + bias.w);
-        const bool is_bounded = bounded != 0;
+        const bool is_bounded = gate_law != KDA_GATE_SOFTPLUS;
         *reinterpret_cast<float4*>(gate + token * row_stride + channel) =
             make_float4(kda_forget_gate(u.x, a, is_bounded, lower_bound), kda_forget_gate(u.y, a, is_bounded, lower_bound),
                         kda_forget_gate(u.z, a, is_bounded, lower_bound), kda_forget_gate(u.w, a, is_bounded, lower_bound));

@@ -7,6 +7,7 @@ its grid with one std::thread per CUDA thread, so CPU CI runs the kernel source 
                      vector casts, and shims for the intrinsics with no host twin
   HOST_CUDA_RUNTIME  the globals, run_grid (a grid, block after block, x fastest) and file helpers
   host_kernel_source the kernel file with its PTX-only helpers removed
+  kernel_declaration an entry point's declaration, taken from its definition
   build_host_binary  compile with g++ / clang++ (C++20 for <barrier>), or skip the test
 
 Host libm's expf and sqrtf are not the device's, so a host run is compared with itself or with
@@ -160,29 +161,10 @@ inline void warp_mma(float acc[4], const Slot& mine, Slot (&slots)[32][32], Prod
     warp_barriers[warp]->arrive_and_wait();
     for (int e = 0; e < 4; ++e) acc[e] = out[e];
 }
-// The programmatic-launch helpers of kda_common.cuh (PTX on sm_90, removed from the host build):
+// The programmatic-launch helpers of common/sync.cuh (PTX on sm_90, removed from the host build):
 // one kernel at a time here, nothing to overlap.
 inline void kda_let_next_kernel_launch() {}
 inline void kda_grid_dependency_wait() {}
-// The bulk copies of a fused step's staged state (decode_step.cuh, PTX on sm_90): thread 0 copies
-// at once, and the group barrier that follows in the kernel publishes the copy.
-#define KDA_STAGED_STATE 1
-inline void kda_stage_state_in(float* stage, const float* head_state, unsigned long long*, int d)
-{
-    if (d == 0) std::memcpy(stage, head_state, 128 * 128 * sizeof(float));
-}
-inline void kda_wait_staged_state(unsigned long long*) {}
-inline void kda_stage_fence() {}
-inline void kda_stage_state_out(const float* stage, float* head_state, int d)
-{
-    if (d == 0) std::memcpy(head_state, stage, 128 * 128 * sizeof(float));
-}
-// Its cluster helpers (a split head needs blocks that run together; the host runs one block at a
-// time, so only the split entry's one-block fallback runs here).
-inline void cluster_arrive_relaxed() {}
-inline void cluster_arrive() {}
-inline void cluster_wait() {}
-inline void store_shared_cluster(float* address, int, float value) { *address = value; }
 // Its counters read with acquire and written with release (PTX on the device), and the device
 // intrinsics of a wait on them.
 inline int load_acquire(const int* counter)
@@ -266,18 +248,33 @@ static void save_each(const std::string& prefix, std::initializer_list<const cha
 """
 
 
-def host_kernel_source(stem: str, device_helpers: tuple[str, ...]) -> str:
-    """``<stem>.cu`` (header inlined) for the host: the named PTX-only helpers removed (the
-    emulation header defines them), every vector cast alignment-checked, no inline PTX left."""
+# The device-only helpers of common/sync.cuh (the first two no-ops before sm_90; their bodies are
+# inline PTX or device intrinsics), removed wherever it is inlined: HOST_CUDA_HEADER defines them.
+SYNC_DEVICE_HELPERS = ("kda_let_next_kernel_launch", "kda_grid_dependency_wait", "shared_address", "load_acquire",
+                       "kda_count_release")
+
+
+def _remove_helper(source: str, name: str) -> str | None:
+    """`source` without the definition of device helper `name`, or None where it has none."""
+    match = re.search(r"__device__ __forceinline__ (?:\w+ )+" + name + r"\(.*?\n\}\n", source, re.S)
+    return None if match is None else source[: match.start()] + source[match.end() :]
+
+
+def host_kernel_source(stem: str, device_helpers: tuple[str, ...] = ()) -> str:
+    """``<stem>.cu`` (headers inlined) for the host: the named PTX-only helpers and those of
+    common/sync.cuh removed (the emulation header defines them), every vector cast
+    alignment-checked, no inline PTX left."""
     source = kernels.kernel_source(stem)
     # The block timeline's hooks are device code compiled only with KDA_TRACE (benchmarks/timeline.py),
     # never here: keep their empty stand-ins.
     source, traced = re.subn(r"#ifdef KDA_TRACE\n.*?\n#else\n", "#ifndef KDA_TRACE\n", source, flags=re.S)
     assert traced <= 1, f"{stem}.cu: more than one KDA_TRACE block"
     for name in device_helpers:
-        match = re.search(r"__device__ __forceinline__ (?:\w+ )+" + name + r"\(.*?\n\}\n", source, re.S)
-        assert match, f"{stem}.cu no longer defines {name}; update the host emulation"
-        source = source[: match.start()] + source[match.end() :]
+        removed = _remove_helper(source, name)
+        assert removed is not None, f"{stem}.cu no longer defines {name}; update the host emulation"
+        source = removed
+    for name in SYNC_DEVICE_HELPERS:
+        source = _remove_helper(source, name) or source
     for vector in ("float4", "float2", "uint4", "uint2", "unsigned int"):
         source = source.replace(f"reinterpret_cast<const {vector}*>(", f"checked_cast<const {vector}>(")
         source = source.replace(f"reinterpret_cast<{vector}*>(", f"checked_cast<{vector}>(")
@@ -285,35 +282,14 @@ def host_kernel_source(stem: str, device_helpers: tuple[str, ...]) -> str:
     return source
 
 
-def kernel_macro(stem: str, name: str) -> str:
-    """The definition of macro `name` in ``<stem>.cu`` (say the parameter list its entries share), for
-    a host harness to declare those entries with: a declaration written out by hand is not checked
+def kernel_declaration(stem: str, name: str) -> str:
+    """The declaration of entry point `name` of ``<stem>.cu``, its parameters copied from the
+    definition, for a host harness to call it with: a declaration written out by hand is not checked
     against the definition across translation units."""
-    match = re.search(r"^#define " + name + r"\b(?:.*\\\n)*.*$", kernels.kernel_source(stem), re.M)
+    match = re.search(r'^extern "C" __global__ void(?:\s+__launch_bounds__\([^)]*\))?\s+' + name + r"\((.*?)\)\s*\{",
+                      kernels.kernel_source(stem), re.M | re.S)
     assert match, f"{stem}.cu no longer defines {name}; update the host emulation"
-    return match.group(0) + "\n"
-
-
-# The device-only helpers of kda_common.cuh (the first two no-ops before sm_90; their bodies are
-# inline PTX or device intrinsics).
-COMMON_DEVICE_HELPERS = ("kda_let_next_kernel_launch", "kda_grid_dependency_wait", "shared_address",
-                         "load_acquire", "kda_count_release")
-# decode_step.cuh's bulk copies of the staged state and its cluster helpers (emulated by
-# HOST_CUDA_HEADER).
-STAGED_STATE_HELPERS = ("kda_stage_state_in", "kda_wait_staged_state", "kda_stage_fence",
-                        "kda_stage_state_out", "cluster_arrive_relaxed", "cluster_arrive", "cluster_wait",
-                        "store_shared_cluster")
-# Bytes of dynamic shared memory kda_decode_fused_staged_bf16 takes (one head's state).
-STAGED_STATE_BYTES = 128 * 128 * 4
-
-
-def host_decode_source(helpers: tuple[str, ...]) -> str:
-    """decode.cu for the host (host_kernel_source with `helpers` and the staged-state copies
-    removed), the staged entry's dynamic shared array taken from the emulated block's."""
-    source = host_kernel_source("decode", (*helpers, *STAGED_STATE_HELPERS))
-    declaration = "extern __shared__ __align__(128) float kda_state_stage[];"
-    assert source.count(declaration) == 1, "decode.cu no longer declares kda_state_stage; update the host emulation"
-    return source.replace(declaration, "float* kda_state_stage = emulated_shared;")
+    return f'extern "C" void {name}({match.group(1)});\n'
 
 
 def build_host_binary(folder: Path, name: str, files: dict[str, str], address_sanitizer: bool = False) -> Path:

@@ -26,3 +26,11 @@ def aligned(shape, dtype=np.uint16) -> np.ndarray:
     raw = np.zeros(count * np.dtype(dtype).itemsize + 16, np.uint8)
     start = (-raw.ctypes.data) % 16
     return raw[start : start + count * np.dtype(dtype).itemsize].view(dtype).reshape(shape)
+
+
+def use_stand_ins(monkeypatch) -> None:
+    """Make the launch wrappers' checks take HostStandIn for cupy.ndarray (glm_kda.gpu.ops.checks
+    tests every operand with isinstance)."""
+    from glm_kda.gpu.ops import checks
+
+    monkeypatch.setattr(checks, "cupy", SimpleNamespace(ndarray=HostStandIn))

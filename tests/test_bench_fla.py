@@ -20,8 +20,15 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from glm_kda import bench_fla
-from glm_kda.bench_fla import (
+from glm_kda.checkpoint import BoundLayer, bind_layer
+from glm_kda.config import GLM_5_3_FLASH, KIMI_LINEAR_48B, KdaConfig
+from glm_kda.synthetic import synthetic_config, write_synthetic_checkpoint
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from lib import bench_fla  # noqa: E402  (benchmarks/lib: no part of the package)
+from lib.bench_fla import (  # noqa: E402
     FLA_PARAMETERS,
     FlaMappingError,
     assign_parameters,
@@ -29,11 +36,6 @@ from glm_kda.bench_fla import (
     fla_parameter_arrays,
     fla_parameter_shapes,
 )
-from glm_kda.checkpoint import BoundLayer, bind_layer
-from glm_kda.config import GLM_5_3_FLASH, KIMI_LINEAR_48B, KdaConfig
-from glm_kda.synthetic import synthetic_config, write_synthetic_checkpoint
-
-REPO = Path(__file__).resolve().parent.parent
 F32_PARAMETERS = {"A_log", "dt_bias"}
 
 

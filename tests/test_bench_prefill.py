@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
-from glm_kda.bench_prefill import PREFILL_GEOMETRIES, block_flops, core_flops, geometry_config
-from glm_kda.gpu.ops.chunk_tc import chunk_tc_supported, prepare_lower_bound
+from glm_kda.chunk_model import chunk_tc_supported, prepare_lower_bound
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+from lib.bench_prefill import PREFILL_GEOMETRIES, block_flops, core_flops, geometry_config  # noqa: E402
 
 
 def test_geometries_and_which_chunk_kernels_they_take():
@@ -32,7 +38,7 @@ def test_flop_counts_by_hand():
 
 
 def test_comparison_note_says_why_there_are_no_fla_rows():
-    from glm_kda.bench_fla import comparison_note, fla_available
+    from lib.bench_fla import comparison_note, fla_available
 
     assert comparison_note(False) == (False, {"note": "no flash-linear-attention rows: --no-fla"})
     ok, why = fla_available()

@@ -16,7 +16,7 @@ import pytest
 
 from glm_kda.gpu.ops import chunk_count, chunk_prepare_smem_bytes
 from glm_kda.reference import chunk_scan, recurrent_scan, rms_ratio
-from host_cuda import COMMON_DEVICE_HELPERS, HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, build_host_binary, host_kernel_source
+from host_cuda import HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, build_host_binary, host_kernel_source
 
 HEADS = 2
 DIM = 128
@@ -63,7 +63,7 @@ int main(int argc, char** argv)
 
 
 def host_source() -> str:
-    source = host_kernel_source("chunk", COMMON_DEVICE_HELPERS)
+    source = host_kernel_source("chunk/chunk")
     declaration = "extern __shared__ float shared[];"
     assert source.count(declaration) == 1, "the host emulation expects one dynamic shared array"
     return '#include "emulation.h"\n' + source.replace(declaration, "float* shared = emulated_shared;")

@@ -1,4 +1,4 @@
-"""The tensor-core chunked prefill (glm_kda.gpu.ops.chunk_tc, kernels_src/chunk_tc.cu) against its contract.
+"""The tensor-core chunked prefill (glm_kda.gpu.ops.chunk_tc, kernels_src/chunk/chunk_tc.cu) against its contract.
 
 Promises, one test each:
   * the float64 model of the blocked algorithm is the chunked delta rule: with its rounding
@@ -38,7 +38,6 @@ import math
 import os
 import subprocess
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -65,9 +64,9 @@ from glm_kda.chunk_model import (
 from glm_kda.device import gpu_status
 from glm_kda.reference import chunk_scan, rms_ratio
 from glm_kda.synthetic import synthetic_config
-from host_cuda import (COMMON_DEVICE_HELPERS, HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, bf16_bits, build_host_binary,
+from host_cuda import (HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, bf16_bits, build_host_binary,
                        host_kernel_source)
-from standins import HostStandIn, aligned
+from standins import HostStandIn, aligned, use_stand_ins
 
 GPU_OK, GPU_WHY = gpu_status()
 needs_gpu = pytest.mark.skipif(not GPU_OK, reason=f"no CUDA GPU: {GPU_WHY}")
@@ -282,7 +281,7 @@ def _aligned_f32(shape):
 @pytest.fixture
 def launches(monkeypatch):
     """Stand-ins instead of cupy arrays, and the launches recorded instead of run."""
-    monkeypatch.setattr(ops, "cupy", SimpleNamespace(ndarray=HostStandIn))
+    use_stand_ins(monkeypatch)
     recorded = []
     monkeypatch.setattr(chunk_tc, "_launch", lambda name, grid, block, args, shared_mem: recorded.append(
         (name, grid, block, shared_mem)))
@@ -322,7 +321,7 @@ def test_launch_geometry_and_shared_memory(launches, tokens, heads):
     # one block's loads overlap the other's products).
     assert PREPARE_SMEM_BYTES == 104704 and 2 * (PREPARE_SMEM_BYTES + 1024) <= 228 * 1024
     assert SCAN_SMEM_BYTES == 66560 and 2 * (SCAN_SMEM_BYTES + 1024) <= 228 * 1024
-    source = (kernels.kernels_dir() / "chunk_tc.cu").read_text()
+    source = (kernels.kernels_dir() / "chunk/chunk_tc.cu").read_text()
     assert "104,704 B" in source and "66,560 B" in source, "the .cu header states the shared memory"
 
 
@@ -369,9 +368,9 @@ def test_wrapper_names_a_bad_gate_source(launches):
 
 def test_no_spills_on_sm_90():
     os.environ.setdefault("CUDA_CACHE_DISABLE", "1")
-    compiled = kernels.compile_file("chunk_tc", "sm_90")
+    compiled = kernels.compile_file("chunk/chunk_tc", "sm_90")
     resources = kernels.parse_ptxas_log(compiled.log)
-    for name in kernels.ENTRY_POINTS["chunk_tc"]:
+    for name in kernels.ENTRY_POINTS["chunk/chunk_tc"]:
         r = resources[name]
         print(f"{name}: {r}")
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack_frame"] == 0, f"{name} spills: {r}"
@@ -508,13 +507,13 @@ int main(int argc, char** argv)
 
 # The device-only helpers the emulation header replaces (their bodies are inline PTX).
 DEVICE_HELPERS = ("mma_tf32_m16n8k8", "copy_async_16B", "copy_async_commit", "copy_async_wait_all", "f32_to_f16",
-                  "f16_to_f32", *COMMON_DEVICE_HELPERS)
+                  "f16_to_f32")
 
 
 def host_source() -> str:
     """chunk_tc.cu (header inlined) rewritten for the host: the PTX helpers removed, dynamic
     shared memory from the emulator, every vector cast alignment-checked."""
-    source = host_kernel_source("chunk_tc", DEVICE_HELPERS)
+    source = host_kernel_source("chunk/chunk_tc", DEVICE_HELPERS)
     declaration = "extern __shared__ __align__(16) float shared[];"
     assert source.count(declaration) == 2, "the host emulation expects one dynamic shared array per kernel"
     source = source.replace(declaration, "float* shared = emulated_shared;")

@@ -133,7 +133,8 @@ def test_inspect_names_the_missing_config_key(tmp_path, capsys):
 
 
 @pytest.mark.skipif(GPU_OK, reason="a GPU is present: the GPU commands would run")
-@pytest.mark.parametrize("argv", [["bench", "decode"], ["bench", "prefill"], ["selftest", "--output", "x.json"]])
+@pytest.mark.parametrize("argv", [["bench", "decode"], ["bench", "prefill", "--geometry", "glm"],
+                                  ["selftest", "--output", "x.json"]])
 def test_gpu_commands_say_they_need_a_gpu(argv, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert cli.main(argv) == 2
@@ -141,6 +142,34 @@ def test_gpu_commands_say_they_need_a_gpu(argv, capsys, tmp_path, monkeypatch):
     assert "CUDA GPU" in captured.err + captured.out, captured
     if argv[0] == "selftest":  # its report says why it did not run
         assert "error" in json.loads((tmp_path / "x.json").read_text())
+
+
+@pytest.mark.parametrize("name", ["decode", "prefill"])
+def test_bench_runs_the_checkouts_script_with_its_arguments(name, capsys, monkeypatch):
+    """`glm-kda bench NAME ...` is benchmarks/NAME.py of the checkout with the arguments after NAME:
+    its help, its refusals (argparse's status 2), and sys.argv given back afterwards."""
+    import sys
+
+    argv = list(sys.argv)
+    with pytest.raises(SystemExit) as stop:  # (the top-level parser's own -h would also exit 0: not this)
+        cli.main(["bench"])
+    assert stop.value.code == 2
+    capsys.readouterr()
+    assert cli.main(["bench", name, "-h"]) == 0
+    out = capsys.readouterr().out
+    assert f"{name}.py" in out and "--variant" in out and "--geometry" in out, out
+    assert cli.main(["bench", name, "--geometry", "llama"]) == 2
+    assert "invalid choice: 'llama'" in capsys.readouterr().err
+    assert sys.argv == argv
+
+
+def test_bench_without_a_checkout_says_it_needs_one(capsys, monkeypatch, tmp_path):
+    """From an installed wheel there is no benchmarks/ beside the package: the command says that the
+    benchmarks need a source checkout, and exits 2."""
+    monkeypatch.setattr(cli, "benchmarks_dir", lambda: tmp_path / "benchmarks")
+    assert cli.main(["bench", "decode", "--geometry", "glm"]) == 2
+    err = capsys.readouterr().err
+    assert "source checkout" in err and "decode.py" in err and "installed wheel ships no benchmarks" in err, err
 
 
 def test_selftest_without_pytest_says_how_to_get_it(capsys, tmp_path, monkeypatch):

@@ -1,18 +1,17 @@
 """kernels_src/conv.cu on the host (tests/host_cuda.py: a std::thread per CUDA thread, real warp
-shuffles), so CPU CI runs the conv kernels' own source.
+shuffles), so CPU CI runs the conv kernel's own source.
 
 Promises tested:
-  * the prefill kernel (a warp per head of q, k or v, 4 channels a lane, the L2 sum a warp
-    reduction) writes, bit for bit, what T steps of the decode kernel (a block per head, the L2
-    sum a block reduction) write: conv output, q, k, v and the carried conv state, from a random
-    carried state, across token tiles of 64, for kernel sizes 1..4, with scheduling jitter;
+  * the prefill kernel over T tokens (tiles of 64 run in parallel, each rebuilding its windows from
+    the inputs before it) writes, bit for bit, what T one-token launches carrying the state write:
+    conv output, q, k, v and the carried conv state, from a random carried state, across token
+    tiles of 64, for kernel sizes 1..4, with scheduling jitter (tests/test_decode_host.py checks
+    that the fused decode step's conv stage writes these bits too);
   * the conv output is the float64 oracle's (glm_kda.reference.conv_silu) rounded to BF16
     within the stage bound, q and k are the oracle's L2 norm of that output, v is it, and the
     new state is the last K inputs exactly;
   * no vector access is misaligned.
-Host libm's expf is not the device's, so these bits are compared among host runs only; the GPU
-test tests/test_gpu.py::test_prefill_conv_equals_decode_conv_steps checks the same promise on
-the device.
+Host libm's expf is not the device's, so these bits are compared among host runs only.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ import numpy as np
 import pytest
 
 from glm_kda.reference import conv_silu, l2norm_split, rms_ratio, round_bf16
-from host_cuda import (COMMON_DEVICE_HELPERS, HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, bf16_bits, bits_to_f64, build_host_binary,
+from host_cuda import (HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, bf16_bits, bits_to_f64, build_host_binary,
                        host_kernel_source)
 
 HEADS = 2  # 6 heads of q, k or v: the prefill's second block has two warps past the last head
@@ -37,8 +36,6 @@ CONV_MAIN = r"""
 #include "emulation.h"
 """ + HOST_CUDA_RUNTIME + r"""
 using bf16_t = unsigned short;
-extern "C" void conv_decode_silu_l2_bf16(float*, const int*, const bf16_t*, const bf16_t*, bf16_t*, float*, float*,
-                                         float*, int, int, int, float);
 extern "C" void conv_prefill_silu_l2_bf16(float*, const bf16_t*, const bf16_t*, bf16_t*, float*, float*, float*, int,
                                           int, int, int, float);
 
@@ -52,23 +49,18 @@ int main(int argc, char** argv)
     const auto qkv_proj = load_u16(dir + "/qkv_proj", tokens * conv_dim);
     const auto conv_w = load_u16(dir + "/conv_w", conv_dim * kernel);
     const auto start = load(dir + "/state", conv_dim * kernel);
-    for (const char* path : {"prefill", "decode"}) {
+    for (const char* path : {"prefill", "steps"}) {
         auto state = start;
         std::vector<bf16_t> conv_out(tokens * conv_dim, 0x7FA5);
         std::vector<float> query(tokens * qkv, std::nanf("")), key = query, value = query;
-        if (std::string(path) == "prefill") {
-            run_grid(dim3{unsigned((3 * heads + 3) / 4), unsigned((tokens + 63) / 64), 1}, 128, 0, [&] {
-                conv_prefill_silu_l2_bf16(state.data(), qkv_proj.data(), conv_w.data(), conv_out.data(), query.data(),
-                                          key.data(), value.data(), heads, 128, kernel, tokens, eps);
+        // prefill: one launch of every token; steps: one launch a token.
+        const int launches = std::string(path) == "prefill" ? 1 : tokens, count = tokens / launches;
+        for (int t = 0; t < tokens; t += count) {
+            run_grid(dim3{unsigned((3 * heads + 3) / 4), unsigned((count + 63) / 64), 1}, 128, 0, [&] {
+                conv_prefill_silu_l2_bf16(state.data(), qkv_proj.data() + t * conv_dim, conv_w.data(),
+                                          conv_out.data() + t * conv_dim, query.data() + t * qkv, key.data() + t * qkv,
+                                          value.data() + t * qkv, heads, 128, kernel, count, eps);
             });
-        } else {
-            for (int t = 0; t < tokens; ++t) {
-                run_grid(dim3{unsigned(3 * heads), 1, 1}, 128, 0, [&] {
-                    conv_decode_silu_l2_bf16(state.data(), nullptr, qkv_proj.data() + t * conv_dim, conv_w.data(),
-                                             conv_out.data() + t * conv_dim, query.data() + t * qkv,
-                                             key.data() + t * qkv, value.data() + t * qkv, heads, 128, kernel, eps);
-                });
-            }
         }
         save_each(dir + "/" + std::string(path) + ".", {"conv_out", "query", "key", "value", "state"}, conv_out, query,
                   key, value, state);
@@ -80,7 +72,7 @@ int main(int argc, char** argv)
 
 
 def host_source() -> str:
-    return '#include "emulation.h"\n' + host_kernel_source("conv", COMMON_DEVICE_HELPERS)
+    return '#include "emulation.h"\n' + host_kernel_source("conv", ())
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +82,8 @@ def conv_host(tmp_path_factory):
 
 
 def run_conv(binary, qkv_proj_bits, conv_w_bits, state, jitter=False):
-    """(prefill outputs, decode outputs): dicts of conv_out (BF16 bits), query, key, value, state."""
+    """(prefill outputs, one-token launches' outputs): dicts of conv_out (BF16 bits), query, key, value,
+    state."""
     tokens, conv_dim = qkv_proj_bits.shape
     kernel = conv_w_bits.shape[1]
     folder = Path(tempfile.mkdtemp(prefix=f"T{tokens}-K{kernel}-{int(jitter)}-", dir=binary.parent))
@@ -102,12 +95,12 @@ def run_conv(binary, qkv_proj_bits, conv_w_bits, state, jitter=False):
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["misaligned=0"], f"host run: {result.stdout.strip()}"
     out = {}
-    for path in ("prefill", "decode"):
+    for path in ("prefill", "steps"):
         read = lambda name, dtype, shape: np.fromfile(folder / f"{path}.{name}", dtype).reshape(shape)  # noqa: E731
         out[path] = {"conv_out": read("conv_out", np.uint16, (tokens, conv_dim)),
                      **{name: read(name, np.float32, (tokens, HEADS, DIM)) for name in ("query", "key", "value")},
                      "state": read("state", np.float32, (conv_dim, kernel))}
-    return out["prefill"], out["decode"]
+    return out["prefill"], out["steps"]
 
 
 @pytest.mark.parametrize("tokens,kernel,jitter,scale", [(1, 4, False, 1.0), (5, 4, False, 1.0), (64, 4, False, 1.0),
@@ -122,13 +115,13 @@ def test_conv_kernels_on_host(conv_host, tokens, kernel, jitter, scale):
     qkv_proj = bf16_bits(rng.standard_normal((tokens, conv_dim)) * 2.0 * scale)
     conv_w = bf16_bits(rng.standard_normal((conv_dim, kernel)) * 0.5)
     start = (scale * rng.standard_normal((conv_dim, kernel))).astype(np.float32)
-    prefill, decode = run_conv(conv_host, qkv_proj, conv_w, start, jitter)
+    prefill, steps = run_conv(conv_host, qkv_proj, conv_w, start, jitter)
     tag = f"T={tokens} K={kernel} x{scale:g}"
 
     for name in ("conv_out", "query", "key", "value", "state"):
-        a, b = prefill[name], decode[name]
+        a, b = prefill[name], steps[name]
         differ = int(np.count_nonzero(a.view(np.uint8) != b.view(np.uint8)))
-        assert differ == 0, f"{tag}: {differ} bytes of {name} differ between the prefill and the decode kernel"
+        assert differ == 0, f"{tag}: {differ} bytes of {name} differ between one launch and one launch a token"
 
     expected_conv, expected_state = conv_silu(bits_to_f64(qkv_proj), start.astype(np.float64), bits_to_f64(conv_w))
     conv_out = bits_to_f64(prefill["conv_out"])

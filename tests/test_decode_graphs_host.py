@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from glm_kda.gpu import graph_copies
-from glm_kda.gpu import layer as layer_module
-from glm_kda.gpu.layer import DecodeGraphs, PinnedUploads
+from glm_kda.gpu.graphs import DecodeGraphs
+from glm_kda.gpu.workspace import PinnedUploads
 
 from standins import HostStandIn, aligned
 
@@ -163,10 +163,16 @@ def graphs(monkeypatch):
     Device.stack.clear()
     Device.default = Stream()
     Device.event_waits = 0
-    workspace = types.SimpleNamespace(serial=7, graph_hidden=Array(aligned((16, HIDDEN))),
-                                      graph_slots=Array(aligned((16,), np.int32)),
-                                      final_out=Array(aligned((16, HIDDEN))))
-    return DecodeGraphs(types.SimpleNamespace(workspace=workspace))
+    graphs = DecodeGraphs()
+    graphs.workspace = workspace(7, 16)  # (the tests' own: which workspace the next call uses)
+    graphs.graphed = True
+    return graphs
+
+
+def workspace(serial: int, rows: int) -> types.SimpleNamespace:
+    return types.SimpleNamespace(serial=serial, graph_hidden=Array(aligned((rows, HIDDEN))),
+                                 graph_slots=Array(aligned((rows,), np.int32)),
+                                 final_out=Array(aligned((rows, HIDDEN))), uploads=None)
 
 
 class Body:
@@ -174,13 +180,13 @@ class Body:
     current stream), and the slots it saw at each run."""
 
     def __init__(self, graphs: DecodeGraphs):
-        self.layer = graphs.layer
+        self.graphs = graphs
         self.calls = 0
         self.slots_seen: list = []
 
     def __call__(self, hidden, slots) -> None:
         self.calls += 1
-        ws, rows = self.layer.workspace, hidden.shape[0]
+        ws, rows = self.graphs.workspace, hidden.shape[0]
 
         def kernel():
             ws.final_out._array[:rows] = hidden._array + 1
@@ -194,15 +200,15 @@ def rows_of(seed: int, rows: int) -> Array:
 
 
 def call(graphs: DecodeGraphs, body: Body, hidden: Array, slots=None, key=("k",)):
-    out = graphs.run(key + (hidden.shape[0],), hidden, slots, body)
+    ws = graphs.workspace
+    out = graphs.run(key + (hidden.shape[0], ws.serial), ws, hidden, slots, body, graphs.graphed)
     assert np.array_equal(out._array, hidden._array + 1), "the call's output is not its own rows' result"
     return out
 
 
 @pytest.mark.parametrize("in_graph", [True, False])
-def test_first_call_eager_second_captures_then_replays(graphs, monkeypatch, in_graph):
-    monkeypatch.setattr(layer_module, "GRAPH_COPIES_IN_GRAPH", in_graph)
-    graphs.clear()
+def test_first_call_eager_second_captures_then_replays(graphs, in_graph):
+    graphs.copies_in_graph = in_graph
     body = Body(graphs)
     hidden = [rows_of(i, 2) for i in range(6)]
     outs = [call(graphs, body, h) for h in hidden]
@@ -242,12 +248,10 @@ def test_refused_repointing_warns_and_continues_with_copies_beside(graphs, monke
             call(graphs, body, rows_of(23 + i, 1))
     (entry,) = graphs.graphs.values()
     assert entry.copies is None and not graphs.copies_in_graph
-    graphs.clear()
-    assert graphs.copies_in_graph, "clear() takes the module's setting again"
 
 
 def test_eager_calls_read_the_callers_rows(graphs):
-    graphs.enabled = False
+    graphs.graphed = False
     body = Body(graphs)
     for i in range(3):
         call(graphs, body, rows_of(30 + i, 4))
@@ -256,7 +260,7 @@ def test_eager_calls_read_the_callers_rows(graphs):
 
 @pytest.mark.parametrize("enabled", [True, False])
 def test_host_slots_reach_the_body_through_pinned_buffers_used_in_turn(graphs, enabled):
-    graphs.enabled = enabled
+    graphs.graphed = enabled
     body = Body(graphs)
     orders = [np.array([(3 * i + j) % 16 for j in range(4)], np.int32) for i in range(9)]
     for i, order in enumerate(orders):
@@ -264,7 +268,7 @@ def test_host_slots_reach_the_body_through_pinned_buffers_used_in_turn(graphs, e
     assert len(body.slots_seen) == len(orders)
     for i, (seen, order) in enumerate(zip(body.slots_seen, orders)):
         assert np.array_equal(seen, order), f"call {i}: the body saw slots {seen}, the caller gave {order}"
-    buffers = len(graphs._uploads.buffers)
+    buffers = len(graphs.workspace.uploads.buffers)
     assert Device.event_waits == len(orders) - buffers, "each reuse of a pinned buffer waits for its last copy"
 
 
@@ -283,26 +287,19 @@ def test_oldest_graph_dropped_past_capacity(graphs):
     assert [key[1] for key in graphs.graphs] == [2, 3], list(graphs.graphs)
 
 
-def test_new_workspace_keeps_or_drains_the_pinned_buffers(graphs):
-    """A workspace of other buffers: GraphIO sliced afresh; the pinned buffers kept where they
-    are large enough, else let go only after every copy still reading them has run."""
+def test_each_workspace_has_its_own_io_and_pinned_buffers(graphs):
+    """Calls on another workspace (another stream's) slice its own buffers, upload their slots
+    through its own pinned buffers and capture graphs of their own."""
     body = Body(graphs)
+    first_ws = graphs.workspace
     call(graphs, body, rows_of(60, 2), slots=np.array([1, 2], np.int32))
     call(graphs, body, rows_of(61, 2), slots=np.array([3, 4], np.int32))
-    first = graphs._uploads
-    ws = graphs.layer.workspace
-    graphs.layer.workspace = types.SimpleNamespace(serial=8, graph_hidden=Array(aligned((16, HIDDEN))),
-                                                   graph_slots=Array(aligned((16,), np.int32)),
-                                                   final_out=Array(aligned((16, HIDDEN))))
+    graphs.workspace = workspace(8, 32)
     call(graphs, body, rows_of(62, 2), slots=np.array([5, 6], np.int32))
-    assert graphs._uploads is first and graphs.io(2).hidden_ptr != ws.graph_hidden.data.ptr
-    waits = Device.event_waits
-    graphs.layer.workspace = types.SimpleNamespace(serial=9, graph_hidden=Array(aligned((32, HIDDEN))),
-                                                   graph_slots=Array(aligned((32,), np.int32)),
-                                                   final_out=Array(aligned((32, HIDDEN))))
     call(graphs, body, rows_of(63, 2), slots=np.array([7, 8], np.int32))
-    assert graphs._uploads is not first and graphs._uploads.nbytes == 128
-    assert Device.event_waits == waits + 3, "the three buffers used were not waited for before they went"
+    assert graphs.io(graphs.workspace, 2).hidden_ptr != graphs.io(first_ws, 2).hidden_ptr
+    assert graphs.workspace.uploads is not first_ws.uploads and graphs.workspace.uploads.nbytes == 128
+    assert graphs.captures == 2 and len(graphs.graphs) == 2
     assert np.array_equal(body.slots_seen[-1], [7, 8])
 
 
@@ -310,7 +307,7 @@ def test_new_workspace_keeps_or_drains_the_pinned_buffers(graphs):
 def test_device_slots_reach_the_body(graphs, enabled):
     """Device slots: copied into the graph's slot buffer for a graphed call (the caller's array may be
     gone or changed by the next replay), handed to the body as they are for an eager one."""
-    graphs.enabled = enabled
+    graphs.graphed = enabled
     body = Body(graphs)
     orders = [Array(aligned((3,), np.int32) + np.int32(i)) for i in range(5)]
     for i, order in enumerate(orders):

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from glm_kda.reference import forget_gate, gated_rmsnorm, rms_ratio, round_bf16, sigmoid
-from host_cuda import (COMMON_DEVICE_HELPERS, HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, bf16_bits, bits_to_f64, build_host_binary,
+from host_cuda import (HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, bf16_bits, bits_to_f64, build_host_binary,
                        host_kernel_source)
 
 HEADS = 2
@@ -72,7 +72,7 @@ int main(int argc, char** argv)
 def gate_norm_host(tmp_path_factory):
     files = {"emulation.h": HOST_CUDA_HEADER, "main.cpp": GATE_NORM_MAIN}
     for stem in ("gate", "norm"):
-        files[f"{stem}.cpp"] = '#include "emulation.h"\n' + host_kernel_source(stem, COMMON_DEVICE_HELPERS)
+        files[f"{stem}.cpp"] = '#include "emulation.h"\n' + host_kernel_source(stem)
     return build_host_binary(tmp_path_factory.mktemp("gate_norm_host"), "gate_norm_host", files)
 
 

@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 from glm_kda.device import gpu_status
-from glm_kda.gpu.projection import GEMM_ROWS_BLOCKS_PER_SM, GEMM_ROWS_MAX_ROWS, SERIAL_TILES_PER_WARP, k_split, launch_plan
 from glm_kda.gpu.build import ENTRY_POINTS
+from glm_kda.gpu.projection import GEMM_ROWS_BLOCKS_PER_SM, GEMM_ROWS_MAX_ROWS, launch_plan
+from glm_kda.gpu.projection import _k_split as k_split
 
 GPU_OK, GPU_WHY = gpu_status()
 needs_gpu = pytest.mark.skipif(not GPU_OK, reason=f"no CUDA GPU: {GPU_WHY}")
@@ -132,19 +133,14 @@ def test_k_split_depends_on_k_alone(k):
     k_blocks = -(-k // 32)
     assert split == 1 or k_blocks >= 4 * split
     for rows in (1, 16, 17, 64, 65, 256):
-        for n, serial in ((4096, None), (4096, False), (24576, None), (4096, True)):
-            if serial and rows <= 32:
-                continue
-            plan = launch_plan(n, k, rows, serial=serial)
-            is_serial = "_serial_" in plan.kernel
-            assert is_serial == (rows > 32 and bool(serial)), plan
-            assert plan.block == ((128,) if is_serial else (256,))
+        for n in (4096, 24576):
+            plan = launch_plan(n, k, rows)
+            assert plan.block == (256,)
             assert plan.grid[1] == -(-rows // 64)
             assert plan.tiles_per_warp in (1, 2, 4) and (rows <= 32 or plan.tiles_per_warp <= 2)
             assert plan.m_tiles == (1 if rows <= 16 else 2 if rows <= 32 else 4)
-            name = "serial_bf16" if is_serial else "bf16"
-            assert plan.kernel == f"gemm_rows_{name}_m{plan.m_tiles}_n{plan.tiles_per_warp}"
-            assert plan.kernel in ENTRY_POINTS["gemm_rows"]
+            assert plan.kernel == f"gemm_rows_bf16_m{plan.m_tiles}_n{plan.tiles_per_warp}"
+            assert plan.kernel in ENTRY_POINTS["projection/gemm_rows"]
 
 
 @pytest.mark.parametrize("shape", GLM_SHAPES + KIMI_SHAPES, ids=_shape_id)
@@ -154,20 +150,14 @@ def test_launch_plan_covers_every_column(shape):
         for tiles in (None, 1, 2, 4):
             # Uncapped, one block per column group covers every column; by default the grid
             # is capped at the resident blocks and the blocks loop over the groups.
-            whole = launch_plan(n, k, rows, tiles_per_warp=tiles, blocks=10**9, serial=False)
+            whole = launch_plan(n, k, rows, tiles_per_warp=tiles, blocks=10**9)
             assert whole.grid[0] * (8 // k_split(k)) * whole.tiles_per_warp * 8 >= n
             assert (whole.grid[0] - 1) * (8 // k_split(k)) * whole.tiles_per_warp * 8 < n
             assert whole.grid[1] * 64 >= rows
-            plan = launch_plan(n, k, rows, tiles_per_warp=tiles, serial=False)
+            plan = launch_plan(n, k, rows, tiles_per_warp=tiles)
             resident = 132 * GEMM_ROWS_BLOCKS_PER_SM
             assert plan.grid[0] == (min(whole.grid[0], resident) if plan.m_tiles == 1 else whole.grid[0])
             assert plan.grid[1] == whole.grid[1] and plan.kernel == whole.kernel
-            if rows > 32 and tiles in (None, SERIAL_TILES_PER_WARP):
-                serial = launch_plan(n, k, rows, tiles_per_warp=tiles, serial=True)
-                warps = serial.block[0] // 32
-                assert serial.grid[0] * warps * serial.tiles_per_warp * 8 >= n
-                assert (serial.grid[0] - 1) * warps * serial.tiles_per_warp * 8 < n
-                assert serial.grid[1] == whole.grid[1]
 
 
 def test_launch_plan_fills_every_sm_when_it_can():
@@ -187,73 +177,7 @@ def test_launch_plan_rejects_unknown_tiles():
     with pytest.raises(ValueError, match="blocks"):
         launch_plan(64, 128, 1, blocks=0)
     with pytest.raises(ValueError, match="blocks"):
-        launch_plan(64, 128, 40, blocks=0, serial=True)
-    for rows in (16, 32):
-        with pytest.raises(ValueError, match="serial sweep runs 33..64 rows"):
-            launch_plan(64, 128, rows, serial=True)
-
-
-def test_launch_plan_takes_the_serial_sweep_for_wide_weights(monkeypatch):
-    from glm_kda.gpu import projection as gemm_rows
-
-    assert launch_plan(24576, 4096, 64).kernel == "gemm_rows_bf16_m4_n2"  # off by default
-    monkeypatch.setattr(gemm_rows, "SERIAL_MIN_GROUPS_PER_SM", 2.0)
-    # 33..64 rows: GLM's q|k|v (3072 tiles) gives 384 serial blocks of 2 tiles a warp, at least 2
-    # per SM. Kimi's (1536 tiles) would give 192, GLM's o_proj 64: they keep the split-k sweep, as
-    # do 17..32 rows (no serial entry).
-    assert launch_plan(24576, 4096, 64).kernel == "gemm_rows_serial_bf16_m4_n2"
-    assert launch_plan(24576, 4096, 64).grid == (384, 1)
-    assert launch_plan(24576, 4096, 32).kernel == "gemm_rows_bf16_m2_n4"
-    assert launch_plan(12288, 2304, 64).kernel == "gemm_rows_bf16_m4_n2"
-    assert launch_plan(4096, 8192, 64).kernel == "gemm_rows_bf16_m4_n2"
-    assert launch_plan(24576, 4096, 64, serial=False).kernel == "gemm_rows_bf16_m4_n2"
-    assert launch_plan(24576, 4096, 16).kernel == "gemm_rows_bf16_m1_n4"
-    # tiles that have no serial entry keep the split-k sweep
-    assert launch_plan(24576, 4096, 64, tiles_per_warp=1, serial=True).kernel == "gemm_rows_bf16_m4_n1"
-
-
-def test_launch_plan_takes_the_wgmma_sweep_for_wide_weights(monkeypatch):
-    from glm_kda.gpu import projection as gemm_rows
-
-    # Off by default: the rule never picks it.
-    assert gemm_rows.WGMMA_MIN_GROUPS_PER_SM is None
-    assert launch_plan(24576, 4096, 64, wgmma=None).kernel == "gemm_rows_bf16_m4_n2"
-    # The rule once on: 17..64 rows a group of a weight with a group of 64 columns per SM.
-    monkeypatch.setattr(gemm_rows, "WGMMA_MIN_GROUPS_PER_SM", 1.0)
-    plan = launch_plan(24576, 4096, 64, wgmma=None)
-    assert plan.kernel == f"gemm_rows_wgmma_n64_g{gemm_rows.WGMMA_WARPGROUPS}"
-    assert plan.shared_mem == (gemm_rows.WGMMA_STAGES * gemm_rows.WGMMA_CHUNK * 64 * 64
-                               + gemm_rows.WGMMA_WARPGROUPS * 4 * gemm_rows.WGMMA_RING * (gemm_rows.WGMMA_SLOT_BYTES + 8))
-    assert plan.ring_depth == gemm_rows.WGMMA_RING
-    assert plan.block == (128 * gemm_rows.WGMMA_WARPGROUPS,)
-    assert launch_plan(24576, 4096, 32, wgmma=None).kernel.startswith("gemm_rows_wgmma_n32_")
-    assert launch_plan(24576, 4096, 200, wgmma=None).grid[1] == 4
-    assert launch_plan(12288, 2304, 64, wgmma=None).kernel.startswith("gemm_rows_wgmma_n64_")
-    # Too few column groups, one m-tile, or not asked for: the mma.sync sweeps.
-    assert launch_plan(2304, 4096, 64, wgmma=None).kernel == "gemm_rows_bf16_m4_n2"
-    assert launch_plan(24576, 4096, 16, wgmma=None).kernel == "gemm_rows_bf16_m1_n4"
-    assert launch_plan(24576, 4096, 64).kernel == "gemm_rows_bf16_m4_n2"
-    # Forced, any width; the grid never exceeds the groups nor the resident blocks.
-    forced = launch_plan(200, 1056, 40, wgmma=True)
-    assert forced.kernel.startswith("gemm_rows_wgmma_n64_") and forced.grid == (-(-200 // (64 * gemm_rows.WGMMA_WARPGROUPS)), 1)
-    resident = 132 * gemm_rows.WGMMA_WARPGROUPS_PER_SM // gemm_rows.WGMMA_WARPGROUPS
-    assert launch_plan(24576, 4096, 64, wgmma=True, blocks=10**6).grid[0] == min(resident, 384 // gemm_rows.WGMMA_WARPGROUPS)
-
-
-def test_wgmma_entry_points_match_the_launch_plan():
-    from glm_kda.gpu import projection as gemm_rows
-    from glm_kda.gpu.build import ARCH_ENTRY_POINTS, kernel_source
-
-    arch, names = ARCH_ENTRY_POINTS["gemm_rows_wgmma"]
-    assert arch == "sm_90a"
-    for rows in (17, 64):
-        assert launch_plan(24576, 4096, rows, wgmma=True).kernel in names
-    source = kernel_source("gemm_rows_wgmma")
-    assert f"#define GEMM_WGMMA_CHUNK {gemm_rows.WGMMA_CHUNK}" in source
-    assert f"#define GEMM_WGMMA_STAGES {gemm_rows.WGMMA_STAGES}" in source
-    assert f"#define GEMM_WGMMA_COLUMNS {gemm_rows.WGMMA_COLUMNS}" in source
-    assert f"#define GEMM_WGMMA_STEP {gemm_rows.WGMMA_STEP}" in source
-    assert f"#define GEMM_WGMMA_WARPGROUPS_PER_SM {gemm_rows.WGMMA_WARPGROUPS_PER_SM}" in source
+        launch_plan(64, 128, 40, blocks=0)
 
 
 def test_launch_plan_blocks_caps_the_grid():
@@ -264,11 +188,10 @@ def test_launch_plan_blocks_caps_the_grid():
 def test_every_entry_point_is_in_the_kernel_source():
     from glm_kda.gpu.build import kernel_source
 
-    source = kernel_source("gemm_rows")
-    for name in ENTRY_POINTS["gemm_rows"]:
+    source = kernel_source("projection/gemm_rows")
+    for name in ENTRY_POINTS["projection/gemm_rows"]:
         m_tiles, tiles = (int(part[1:]) for part in name.split("_")[-2:])
-        macro = "GEMM_ROWS_SERIAL_ENTRY" if "_serial_" in name else "GEMM_ROWS_ENTRY"
-        assert f"{macro}({m_tiles}, {tiles})" in source, f"gemm_rows.cu has no entry for {name}"
+        assert f"GEMM_ROWS_ENTRY({m_tiles}, {tiles})" in source, f"gemm_rows.cu has no entry for {name}"
     assert f"#define GEMM_ROWS_MIN_BLOCKS {GEMM_ROWS_BLOCKS_PER_SM}" in source
 
 
@@ -340,9 +263,8 @@ def test_grid_changes_no_bit(rows):
     default = _run(x, w, rows)
     for tiles in (1, 2, 4):
         for blocks in (None, 1, 3, 7):
-            for serial in (False, True) if rows > 32 else (None,):
-                _assert_bits_equal(_run(x, w, rows, tiles_per_warp=tiles, blocks=blocks, serial=serial), default,
-                                   f"R{rows} tiles_per_warp={tiles} blocks={blocks} serial={serial}")
+            _assert_bits_equal(_run(x, w, rows, tiles_per_warp=tiles, blocks=blocks), default,
+                               f"R{rows} tiles_per_warp={tiles} blocks={blocks}")
     # A programmatic launch (with the L2 prefetch) right behind the kernel that writes x.
     _assert_programmatic_bits(x, w, rows, default, f"R{rows}")
 
@@ -359,8 +281,8 @@ def _order_sensitive(rng, rows, n, k):
 @needs_gpu
 @pytest.mark.parametrize("shape", [GLM_SHAPES[0], GLM_SHAPES[3], KIMI_SHAPES[0]], ids=_shape_id)
 def test_split_k_order_kept_by_every_sweep(shape):
-    """Order-sensitive data at the model's shapes: 40 and 64 rows through the split-k and the
-    serial sweeps (row-major and packed weights) equal one-row calls bit for bit."""
+    """Order-sensitive data at the model's shapes: 40 and 64 rows through the split-k sweep (row-major
+    and packed weights) equal one-row calls bit for bit."""
     from glm_kda.gpu.projection import pack_weight
 
     n, k = shape
@@ -369,10 +291,9 @@ def test_split_k_order_kept_by_every_sweep(shape):
     one_row = _one_row_calls(x, w, rows)
     packed = pack_weight(w)
     for count in (40, 64):
-        for serial in (False, True):
-            for weight, layout in ((w, "row-major"), (packed, "packed")):
-                _assert_bits_equal(_run(x, weight, count, serial=serial), one_row[:count],
-                                   f"{_shape_id(shape)}-R{count} serial={serial} {layout} vs one-row calls")
+        for weight, layout in ((w, "row-major"), (packed, "packed")):
+            _assert_bits_equal(_run(x, weight, count), one_row[:count],
+                               f"{_shape_id(shape)}-R{count} {layout} vs one-row calls")
 
 
 @pytest.mark.gpu
@@ -542,101 +463,22 @@ def test_packed_weight_gives_the_row_major_bits(shape, rows):
     assert np.array_equal(packed.data.get(), packed_host), f"{_shape_id(shape)}: device and host packing differ"
 
 
-@pytest.mark.gpu
-@needs_gpu
-@pytest.mark.parametrize("rows", [1, 3, 16], ids=lambda r: f"R{r}")
-@pytest.mark.parametrize("shape", [(13, 40), (100, 136), (72, 2056), (288, 2304), (4096, 128), (2304, 4096),
-                                   (12288, 2304)], ids=_shape_id)
-def test_staged_weights_give_the_packed_bits(shape, rows):
-    """gemm_rows_bf16(staged=True): each block's packed weights copied into shared memory before
-    its wait, one column group a block. Every output bit of the packed launch, eager and as a
-    programmatic launch right behind the kernel that writes x (three times over, x rewritten)."""
-    from glm_kda.gpu.projection import pack_weight, staged_applies
-
-    n, k = shape
-    rng = np.random.default_rng(SEED + 3 * n + rows)
-    x = _random_bf16(rng, (rows, k))
-    w = _random_bf16(rng, (n, k), scale=k**-0.5)
-    packed = pack_weight(w)
-    if not staged_applies(packed, rows):
-        pytest.skip(f"{_shape_id(shape)}-R{rows}: the staged entry needs sm_90 and a stage that fits")
-    expected = _run(x, packed, rows)
-    _assert_bits_equal(_run(x, packed, rows, staged=True), expected, f"{_shape_id(shape)}-R{rows} staged")
-    _assert_programmatic_bits(x, packed, rows, expected, f"{_shape_id(shape)}-R{rows} staged", staged=True)
-
-
-def _needs_wgmma():
-    from glm_kda.gpu.projection import wgmma_available
-
-    if not wgmma_available():
-        pytest.skip("the warpgroup-MMA sweep needs an sm_90 device (this one runs the mma.sync sweeps)")
-
-
-WGMMA_ROWS = (17, 24, 32, 33, 40, 64, 65, 100, 256)
+# Row counts of the bulk-copy sweep under test.
+BULK_ROWS = (17, 24, 32, 33, 40, 64, 65, 100, 256)
 
 
 def _wide_inputs(shape, seed, **layouts):
-    """x [max(WGMMA_ROWS), k] and a [n, k] weight packed with `layouts` (pack_weight's pairs, tiles),
+    """x [max(BULK_ROWS), k] and a [n, k] weight packed with `layouts` (pack_weight's tiles),
     random from `seed`, and one-row calls on each row of x alone (the bits every sweep must give)."""
     from glm_kda.gpu.projection import pack_weight
 
     cp = _cp()
     n, k = shape
     rng = np.random.default_rng(seed)
-    x = _random_bf16(rng, (max(WGMMA_ROWS), k))
+    x = _random_bf16(rng, (max(BULK_ROWS), k))
     packed = pack_weight(_random_bf16(rng, (n, k), scale=k**-0.5), **layouts)
-    one_row = cp.concatenate([_run(cp.ascontiguousarray(x[r : r + 1]), packed, 1) for r in range(max(WGMMA_ROWS))])
+    one_row = cp.concatenate([_run(cp.ascontiguousarray(x[r : r + 1]), packed, 1) for r in range(max(BULK_ROWS))])
     return x, packed, one_row
-# Weight ring depths of the warpgroup-MMA sweep under test (gemm_rows.WGMMA_RING): registers, and a
-# ring shorter than a group's steps at the small shapes.
-WGMMA_RINGS = (0, 3, 8)
-
-
-@pytest.mark.gpu
-@needs_gpu
-@pytest.mark.parametrize("ring", WGMMA_RINGS, ids=lambda r: f"ring{r}")
-@pytest.mark.parametrize("shape", [(13, 40), (100, 136), (200, 1056), (1000, 1032), (72, 2056)] + GLM_SHAPES
-                         + KIMI_SHAPES, ids=_shape_id)
-def test_wgmma_sweep_gives_the_mma_sync_bits(shape, ring, monkeypatch):
-    """The warpgroup-MMA sweep (packed weight, 17..256 rows) writes the bits of the mma.sync sweeps
-    and of one-row calls: awkward n and k (k tails, an empty last k range at k = 1056), the model's
-    shapes; any grid; a programmatic launch; its weight through registers or a shared-memory ring."""
-    from glm_kda.gpu import projection as gemm_rows
-
-    _needs_wgmma()
-    monkeypatch.setattr(gemm_rows, "WGMMA_RING", ring)
-    x, packed, one_row = _wide_inputs(shape, SEED + 7 * shape[0] + shape[1], pairs=True)
-    for rows in WGMMA_ROWS:
-        wgmma = _run(x, packed, rows, wgmma=True)
-        _assert_bits_equal(wgmma, _run(x, packed, rows, wgmma=False), f"{_shape_id(shape)}-R{rows} wgmma vs mma.sync")
-        _assert_bits_equal(wgmma, one_row[:rows], f"{_shape_id(shape)}-R{rows} wgmma vs one-row calls")
-    for blocks in (1, 3):
-        _assert_bits_equal(_run(x, packed, 64, wgmma=True, blocks=blocks), one_row[:64],
-                           f"{_shape_id(shape)}-R64 wgmma blocks={blocks}")
-    _assert_programmatic_bits(x[:40], packed, 40, one_row[:40], f"{_shape_id(shape)}-R40 wgmma", wgmma=True)
-
-
-@pytest.mark.gpu
-@needs_gpu
-@pytest.mark.parametrize("ring", WGMMA_RINGS, ids=lambda r: f"ring{r}")
-@pytest.mark.parametrize("shape", [GLM_SHAPES[0], GLM_SHAPES[3], KIMI_SHAPES[0], (200, 1056)], ids=_shape_id)
-def test_wgmma_sweep_keeps_the_split_k_order(shape, ring, monkeypatch):
-    """Order-sensitive data (its fp32 sum over the k ranges depends on the order of the additions):
-    the warpgroup-MMA sweep at 24, 40 and 64 rows equals one-row calls bit for bit."""
-    from glm_kda.gpu import projection as gemm_rows
-    from glm_kda.gpu.projection import pack_weight
-
-    _needs_wgmma()
-    monkeypatch.setattr(gemm_rows, "WGMMA_RING", ring)
-    n, k = shape
-    x, w = _order_sensitive(np.random.default_rng(SEED + n), 64, n, k)
-    packed = pack_weight(w, pairs=True)
-    one_row = _one_row_calls(x, packed, 64)
-    for rows in (24, 40, 64):
-        _assert_bits_equal(_run(x, packed, rows, wgmma=True), one_row[:rows],
-                           f"{_shape_id(shape)}-R{rows} wgmma vs one-row calls (order-sensitive data)")
-
-
 def _needs_bulk():
     from glm_kda.gpu.projection import bulk_available
 
@@ -645,10 +487,10 @@ def _needs_bulk():
 
 
 def _run_bulk(x, w, rows, **kwargs):
-    from glm_kda.gpu.projection import gemm_rows_bulk
+    from glm_kda.gpu.projection import _gemm_rows_bulk
 
     out = _cp().full((rows, w.shape[0]), POISON, dtype=_cp().uint16)
-    gemm_rows_bulk(x, w, out, rows=rows, **kwargs)
+    _gemm_rows_bulk(x, w, out, rows=rows, **kwargs)
     return out
 
 
@@ -668,8 +510,8 @@ def test_bulk_sweep_gives_the_mma_sync_bits(shape):
     cp = _cp()
     n, k = shape
     x, packed, one_row = _wide_inputs(shape, SEED + 11 * n + k, tiles=True)
-    x_tiles = cp.full((x_tiles_size(max(WGMMA_ROWS), k),), POISON, dtype=cp.uint16)
-    for rows in WGMMA_ROWS:
+    x_tiles = cp.full((x_tiles_size(max(BULK_ROWS), k),), POISON, dtype=cp.uint16)
+    for rows in BULK_ROWS:
         _assert_bits_equal(_run_bulk(x, packed, rows, x_tiles=x_tiles), one_row[:rows],
                            f"{_shape_id(shape)}-R{rows} bulk vs one-row calls")
     # (blocks, ring slots); a few blocks alone walk a model shape's weight slowly: 7 there.
@@ -706,67 +548,13 @@ def test_bulk_sweep_keeps_the_split_k_order(shape):
 
 @pytest.mark.gpu
 @needs_gpu
-def test_wgmma_needs_a_packed_weight():
-    from glm_kda.gpu.projection import pack_weight
-
-    _needs_wgmma()
-    rng = np.random.default_rng(SEED)
-    x = _random_bf16(rng, (40, 128))
-    w = _random_bf16(rng, (64, 128))
-    for weight in (w, pack_weight(w)):  # row-major, or packed without the pair layout
-        with pytest.raises(ValueError, match="wgmma=True needs a PackedWeight made with pack_weight"):
-            _run(x, weight, 40, wgmma=True)
-    # Left to the rule, a packed weight without the pair layout takes the mma.sync sweep.
-    assert _run(x, pack_weight(w), 40, wgmma=None).shape == (40, 64)
-
-
-@pytest.mark.gpu
-@needs_gpu
-def test_wgmma_forms_give_the_same_bits():
-    """The warpgroup-MMA sweep relies on wgmma adding a k16 step to the bits mma.sync m16n8k16 gives
-    for the same products in the same slots: benchmarks/wgmma_forms.py measures it."""
-    _needs_wgmma()
-    report = _benchmark_report("wgmma_forms.py")
-    matching = {name: case["differing_bits"] for name, case in report.items()
-                if isinstance(case, dict) and case["wgmma_error"] < 1e-3}
-    assert len(matching) == 9 and not any(matching.values()), f"{report['device']}: {report}"
-
-
-def _benchmark_report(script: str) -> dict:
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent
-    result = subprocess.run([sys.executable, str(root / "benchmarks" / script)], capture_output=True,
-                            text=True, timeout=300, cwd=root)
-    assert result.returncode == 0, result.stderr[-2000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
-
-@pytest.mark.gpu
-@needs_gpu
-def test_mma_operand_order_gives_the_same_bits():
-    """The swapped form of the 2- and 4-m-tile sweeps (w as the mma's A operand) relies on the
-    tensor cores adding the same products in the same k slots to the same bits whichever operand
-    holds them: benchmarks/mma_forms.py measures it over 2.1 million outputs."""
-    report = _benchmark_report("mma_forms.py")
-    differing = {name: case["differing_bits"] for name, case in report.items() if isinstance(case, dict)}
-    assert differing and not any(differing.values()), f"{report['device']}: outputs that differ by operand order {differing}"
-
-
-@pytest.mark.gpu
-@needs_gpu
 @pytest.mark.parametrize("rows", [1, 5, 16], ids=lambda r: f"R{r}")
 @pytest.mark.parametrize("shape", [GLM_SHAPES[2], KIMI_SHAPES[2], (100, 136)], ids=_shape_id)
-def test_pair_and_awaiting_launches_give_the_packed_bits(shape, rows, monkeypatch):
+def test_pair_and_awaiting_launches_give_the_packed_bits(shape, rows):
     """gemm_rows_pair_bf16 (two projections of two column ranges of one x, as f_b and g_b of
     down_proj) writes each projection's own bits; the awaiting entry (gemm_rows_bf16(ready=...),
     its words already at their target, programmatic behind the kernel that writes x) writes the
-    packed launch's bits and sets its words back to zero; the counting entry (gemm_rows_bf16(counted=...))
-    writes the packed launch's bits and counts its blocks."""
-    from glm_kda.gpu import projection as gemm_rows
+    packed launch's bits and sets its words back to zero."""
     from glm_kda.gpu.projection import gemm_rows_bf16, gemm_rows_pair_bf16, pack_weight
 
     cp = _cp()
@@ -788,19 +576,6 @@ def test_pair_and_awaiting_launches_give_the_packed_bits(shape, rows, monkeypatc
         gemm_rows_bf16(source, w, awaited, rows=rows, programmatic=True, ready=words, ready_target=target)
         _assert_bits_equal(awaited, _run(first, w, rows), f"{_shape_id(shape)} R{rows}: the awaiting launch")
         assert words.get().tolist() == [0, 0], f"{_shape_id(shape)} R{rows}: words after the awaiting launch"
-    # The counting entry (q|k|v counting its outputs out for a step on another stream) and its ahead form:
-    # the packed bits, its word raised by the blocks it returns, on a single-wave grid and on one looping
-    # over its groups.
-    for ahead in (False, True):
-        monkeypatch.setattr(gemm_rows, "COUNTING_AHEAD", ahead)
-        for blocks in (None, 3):
-            words[:] = 0
-            counted = cp.full((rows, n), POISON, dtype=cp.uint16)
-            launched = gemm_rows_bf16(first, w, counted, rows=rows, blocks=blocks, counted=words)
-            tag = f"{_shape_id(shape)} R{rows} blocks={blocks} ahead={ahead}"
-            _assert_bits_equal(counted, _run(first, w, rows), f"{tag}: the counting launch")
-            assert words.get().tolist() == [launched, 0] and launched >= 1, (
-                f"{tag}: words {words.get().tolist()} after {launched} blocks")
 
 
 def _awaiting_case(shape, rows, seed):
@@ -841,14 +616,14 @@ def _staged_awaiting_launch(x, w, rows, words, target, expected, tag) -> int:
 @pytest.mark.parametrize("rows", [1, 2, 16], ids=lambda r: f"R{r}")
 @pytest.mark.parametrize("shape", [KIMI_SHAPES[3], KIMI_SHAPES[2], (100, 136)], ids=_shape_id)
 def test_staged_awaiting_launch_gives_the_packed_bits(shape, rows):
-    """gemm_rows_bf16(staged=True, ready=...): where staged_applies(w, rows, awaiting=True) (the
-    Kimi-Linear o_proj at one row, the smaller shapes at every row count) the staged entry's awaiting
-    form, else the awaiting sweep; either way the packed launch's bits, the words back at zero, and
-    nothing written outside the outputs."""
+    """gemm_rows_bf16(staged=True, ready=...): where staged_applies(w, rows) (the Kimi-Linear o_proj
+    at one row, the smaller shapes at every row count) the staged awaiting entry, else the awaiting
+    sweep; either way the packed launch's bits, the words back at zero, and nothing written outside
+    the outputs."""
     from glm_kda.gpu.projection import staged_applies
 
     x, w, expected, words = _awaiting_case(shape, rows, SEED + 3 * shape[0] + rows)
-    tag = f"{_shape_id(shape)} R{rows} staged awaiting={staged_applies(w, rows, awaiting=True)}"
+    tag = f"{_shape_id(shape)} R{rows} staged={staged_applies(w, rows)}"
     for target in (1, 288):
         _staged_awaiting_launch(x, w, rows, words, target, expected, f"{tag} target {target}")
 
@@ -858,25 +633,26 @@ def test_staged_awaiting_launch_gives_the_packed_bits(shape, rows):
 @pytest.mark.parametrize("rows", [1, 4], ids=lambda r: f"R{r}")
 @pytest.mark.parametrize("shape", [(4096, 8192), (136, 4104), (100, 136)], ids=_shape_id)
 def test_tail_staged_awaiting_launch_gives_the_packed_bits(shape, rows, monkeypatch):
-    """gemm_rows_bf16(staged=True, ready=...) with TAIL_STAGED_AWAITING where the whole stage does not fit
-    (GLM-5.3-Flash's o_proj [4096, 8192], a 4104-deep weight) or the staged plan is turned off
-    (STAGED_MAX_WEIGHT_BYTES 0), for 1 and 4 rows (TAIL_STAGED_MAX_ROWS raised): the tail-staged entry,
-    each warp's last k blocks copied into shared memory before the wait. The packed launch's bits, the
-    words back at zero, nothing written outside the outputs; and a short tail (one k block) the same."""
+    """gemm_rows_bf16(staged=True, ready=...) where the whole stage does not fit (GLM-5.3-Flash's
+    o_proj [4096, 8192], a 4104-deep weight) or the staged plan is turned off (_STAGED_MAX_WEIGHT_BYTES
+    0), for 1 and 4 rows (_TAIL_STAGED_MAX_ROWS raised): the tail-staged entry, each warp's last k
+    blocks copied into shared memory before the wait. The packed launch's bits, the words back at
+    zero, nothing written outside the outputs; and a short tail (one k block) the same."""
+    import functools
+
     from glm_kda.gpu import projection as gemm_rows
-    from glm_kda.gpu.projection import tail_staged_plan
 
     n, k = shape
     x, w, expected, words = _awaiting_case(shape, rows, SEED + 5 * n + rows)
-    monkeypatch.setattr(gemm_rows, "TAIL_STAGED_AWAITING", True)
-    monkeypatch.setattr(gemm_rows, "STAGED_MAX_WEIGHT_BYTES", 0)
-    monkeypatch.setattr(gemm_rows, "TAIL_STAGED_MAX_ROWS", 16)
+    monkeypatch.setattr(gemm_rows, "_STAGED_MAX_WEIGHT_BYTES", 0)
+    monkeypatch.setattr(gemm_rows, "_TAIL_STAGED_MAX_ROWS", 16)
     per_sm, per_block = gemm_rows._shared_memory(_cp().cuda.Device().id)
-    full = tail_staged_plan(n, k, rows, shared_per_sm=per_sm, shared_per_block=per_block)
+    full = gemm_rows._tail_staged_plan(n, k, rows, shared_per_sm=per_sm, shared_per_block=per_block)
     assert full is not None, f"{_shape_id(shape)} R{rows}: no tail-staged plan"
+    plan_of = gemm_rows._tail_staged_plan
     for tail in (None, 1):
-        monkeypatch.setattr(gemm_rows, "TAIL_BLOCKS", tail)
-        plan = gemm_rows._staged_plan_here(w, rows, True)
+        monkeypatch.setattr(gemm_rows, "_tail_staged_plan", functools.partial(plan_of, tail_blocks=tail))
+        plan = gemm_rows._staged_plan_here(w, rows)
         tag = f"{_shape_id(shape)} R{rows} {plan.kernel} tail {plan.tail_blocks}"
         assert plan.kernel.startswith("gemm_rows_tail_staged_") and plan.tail_blocks == (tail or full.tail_blocks), tag
         launched = _staged_awaiting_launch(x, w, rows, words, 3, expected, tag)

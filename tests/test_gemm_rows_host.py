@@ -1,6 +1,6 @@
-"""kernels_src/gemm_rows.cu on the host (tests/host_cuda.py), launched as glm_kda.gpu.projection plans
-it, so CPU CI runs the projection kernel's own indexing, predication, k tails and split-k order;
-and gemv.cu, the CUDA-core reference GEMV of up to 16 rows.
+"""kernels_src/projection/gemm_rows.cu on the host (tests/host_cuda.py), launched as
+glm_kda.gpu.projection plans it, so CPU CI runs the projection kernel's own indexing, predication,
+k tails and split-k order.
 
 The BF16 mma.m16n8k16 is emulated as a warp collective from the PTX fragment layout (A: row g
 for registers 0 and 2, g + 8 for 1 and 3, k 2t + 8 (r / 2) + e; B: k 2t + 8 r + e, column g;
@@ -16,20 +16,19 @@ float64 oracle rounded to BF16 within the bound of tests/test_gemm_rows.py.
 from __future__ import annotations
 
 import subprocess
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from glm_kda.gpu.projection import launch_plan, pack_weight, staged_plan, tail_staged_plan
+from glm_kda.gpu.projection import _staged_plan, _tail_staged_plan, launch_plan, pack_weight
 from glm_kda.reference import rms_ratio, round_bf16
-from host_cuda import (COMMON_DEVICE_HELPERS, HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, bf16_bits, bits_to_f64, build_host_binary,
+from host_cuda import (HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, bf16_bits, bits_to_f64, build_host_binary,
                        host_kernel_source, order_sensitive_inputs)
 
 RMS_BOUND = 1e-3
 POISON = 0x7FA5
-DEVICE_HELPERS = ("load_weight_16B", "load_weight_16B_in_order", "prefetch_l2", "load_activation_16B", "load_produced_16B", "mma_bf16_m16n8k16",
-                  "gemm_rows_stage_weights", "gemm_rows_wait_weights", "prefetch_l1", *COMMON_DEVICE_HELPERS)
+DEVICE_HELPERS = ("load_weight_16B", "load_weight_16B_in_order", "prefetch_l2", "load_activation_16B",
+                  "load_produced_16B", "mma_bf16_m16n8k16", "gemm_rows_stage_weights", "gemm_rows_wait_weights")
 
 GEMM_HEADER = HOST_CUDA_HEADER + r"""
 using bf16_t = unsigned short;
@@ -46,7 +45,6 @@ inline uint4 load_weight_16B_in_order(const bf16_t* pointer, bool valid) { retur
 inline uint4 load_activation_16B(const bf16_t* pointer, bool valid) { return load_weight_16B(pointer, valid); }
 inline uint4 load_produced_16B(const bf16_t* pointer, bool valid) { return load_weight_16B(pointer, valid); }
 inline void prefetch_l2(const void*) {}
-inline void prefetch_l1(const void*) {}
 // The staged entries' asynchronous copies (PTX on sm_80 and later): the first of the copying threads
 // copies at once (thread 0 of a block's copy, lane 0 of a warp's own), and the barrier that follows
 // the wait in the kernel (the block's or the warp's) publishes the copy.
@@ -114,16 +112,8 @@ int sums_form(const std::string& dir, int ld_sums, int m_tiles, int n_tiles, dim
     std::printf("misaligned=%ld\n", misaligned.load());
     return 0;
 }
-#define DECLARE_SERIAL(M, N) \
-    extern "C" void gemm_rows_serial_bf16_m##M##_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, \
-                                                       int, int); \
-    extern "C" void gemm_rows_packed_serial_bf16_m##M##_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, int, \
-                                                              int, int, int, int);
-DECLARE_SERIAL(4, 2)
-#define DECLARE_STAGED(N) extern "C" void gemm_rows_staged_bf16_m1_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, \
-                                                                       int, int, int, int, int);              \
-    extern "C" void gemm_rows_staged_awaiting_bf16_m1_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, \
-                                                           int, int, int, int*, int);
+#define DECLARE_STAGED(N) extern "C" void gemm_rows_staged_awaiting_bf16_m1_n##N(const bf16_t*, int, const bf16_t*, \
+                                                                                bf16_t*, int, int, int, int, int, int*, int);
 DECLARE_STAGED(1) DECLARE_STAGED(2)
 #define DECLARE_TAIL(N) extern "C" void gemm_rows_tail_staged_awaiting_bf16_m1_n##N(const bf16_t*, int, const bf16_t*, \
                                                                            bf16_t*, int, int, int, int, int, int*, int);
@@ -138,29 +128,23 @@ DECLARE_AWAITING_SUMS(gemm_rows_staged_awaiting_sums_bf16_m1_n2)
 DECLARE_AWAITING_SUMS(gemm_rows_tail_staged_awaiting_sums_bf16_m1_n1)
 DECLARE_AWAITING_SUMS(gemm_rows_tail_staged_awaiting_sums_bf16_m1_n2)
 DECLARE_AWAITING_SUMS(gemm_rows_tail_staged_awaiting_sums_bf16_m1_n4)
-extern "C" void gemv_bf16(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int);
 using Entry = void (*)(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int, int);
 #define DECLARE_DECODE(N)                                                                                         \
     extern "C" void gemm_rows_packed_pair_bf16_m1_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, \
                                                        int, int, const bf16_t*, const bf16_t*, bf16_t*);          \
     extern "C" void gemm_rows_packed_awaiting_bf16_m1_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, int, int,  \
-                                                           int, int, int, int*, int);                     \
-    extern "C" void gemm_rows_packed_counting_bf16_m1_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, int, int,  \
-                                                           int, int, int, int*);                          \
-    extern "C" void gemm_rows_packed_counting_ahead_bf16_m1_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, int, \
-                                                                 int, int, int, int, int*);
+                                                           int, int, int, int*, int);
 DECLARE_DECODE(1) DECLARE_DECODE(2) DECLARE_DECODE(4)
 using PairEntry = void (*)(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int, int, const bf16_t*,
                            const bf16_t*, bf16_t*);
 using AwaitingEntry = void (*)(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int, int, int*, int);
-using CountingEntry = void (*)(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int, int, int*);
 
-// The one-sequence decode forms of the packed m1 entries (argv[19]): 1 the pair (x2 = x + argv[20]
-// columns, w2 and y2 from their files), 2 awaiting words set to {argv[20], 0} (the count its target),
-// 3 the staged entry's awaiting form so (with shared_bytes of dynamic shared memory), 4 the counting
-// entry with its words set to {argv[20], 0}, 5 the tail-staged awaiting entry as 3, its tail argv[21]
-// k blocks, 6 the counting entry's ahead form as 4. ld_sums > 0 (forms 2, 3 and 5): the form's entry writing
-// the FP32 sums too, into a [y_rows, ld_sums] float buffer of NaN (sums.out).
+// The one-sequence decode forms of the packed m1 entries (argv[17]): 1 the pair (x2 = x + argv[18]
+// columns, w2 and y2 from their files), 2 awaiting words set to {argv[18], 0} (the count its target),
+// 3 the staged awaiting entry so (with shared_bytes of dynamic shared memory), 5 the tail-staged
+// awaiting entry as 3, its tail argv[19] k blocks, 8 form 2 with x written late. ld_sums > 0 (forms
+// 2, 3 and 5): the form's entry writing the FP32 sums too, into a [y_rows, ld_sums] float buffer of
+// NaN (sums.out).
 int decode_form(const std::string& dir, int form, int form_arg, int n_tiles, unsigned grid_x, unsigned threads,
                 int rows, int n, int k, int ldx, int ldy, int x_rows, int y_rows, long w_elements,
                 size_t shared_bytes, int tail_blocks, int ld_sums)
@@ -172,11 +156,6 @@ int decode_form(const std::string& dir, int form, int form_arg, int n_tiles, uns
                                       gemm_rows_packed_awaiting_bf16_m1_n4};
     const AwaitingEntry staged_awaiting[] = {gemm_rows_staged_awaiting_bf16_m1_n1,
                                              gemm_rows_staged_awaiting_bf16_m1_n2, nullptr};
-    const CountingEntry counting[] = {gemm_rows_packed_counting_bf16_m1_n1, gemm_rows_packed_counting_bf16_m1_n2,
-                                      gemm_rows_packed_counting_bf16_m1_n4};
-    const CountingEntry counting_ahead[] = {gemm_rows_packed_counting_ahead_bf16_m1_n1,
-                                            gemm_rows_packed_counting_ahead_bf16_m1_n2,
-                                            gemm_rows_packed_counting_ahead_bf16_m1_n4};
     const AwaitingEntry tail_staged[] = {gemm_rows_tail_staged_awaiting_bf16_m1_n1,
                                          gemm_rows_tail_staged_awaiting_bf16_m1_n2,
                                          gemm_rows_tail_staged_awaiting_bf16_m1_n4};
@@ -203,13 +182,6 @@ int decode_form(const std::string& dir, int form, int form_arg, int n_tiles, uns
                          y2.data());
         });
         save(dir + "/y2.out", y2);
-    } else if (form == 4 || form == 6) {
-        std::vector<int> words = {form_arg, 0};
-        const CountingEntry entry = form == 6 ? counting_ahead[index] : counting[index];
-        run_grid(dim3{grid_x, 1, 1}, threads, 0, [&] {
-            entry(x.data(), ldx, w.data(), y.data(), ldy, rows, n, k, 0, words.data());
-        });
-        save(dir + "/words.out", words);
     } else if (form == 8) {
         // Form 2 with x written late: the words one short of their target, x poison until another
         // thread writes it and counts the last producer in.
@@ -261,52 +233,30 @@ int main(int argc, char** argv)
     const int launches = std::atoi(argv[13]);
     // w_elements > 0: w is in the packed layout (that many elements) and the packed entry runs.
     const long w_elements = std::atol(argv[14]);
-    // serial: the serial sweep's entry (threads per block: argv[16]).
-    const bool serial = std::atoi(argv[15]) != 0;
-    const unsigned threads = std::atoi(argv[16]);
-    // staged: the staged entry (the packed weight), with argv[18] bytes of dynamic shared memory.
-    const bool staged = std::atoi(argv[17]) != 0;
-    const size_t shared_bytes = std::atol(argv[18]);
-    const int form = argc > 19 ? std::atoi(argv[19]) : 0;
+    const unsigned threads = std::atoi(argv[15]);
+    const size_t shared_bytes = std::atol(argv[16]);
+    const int form = std::atoi(argv[17]);
     if (form == 7) {
-        return sums_form(dir, std::atoi(argv[20]), m_tiles, n_tiles, dim3{grid_x, grid_y, 1}, threads, rows, n, k, ldx,
+        return sums_form(dir, std::atoi(argv[18]), m_tiles, n_tiles, dim3{grid_x, grid_y, 1}, threads, rows, n, k, ldx,
                          ldy, x_rows, y_rows, w_elements);
     }
     if (form != 0) {
-        return decode_form(dir, form, std::atoi(argv[20]), n_tiles, grid_x, threads, rows, n, k, ldx, ldy, x_rows,
-                           y_rows, w_elements, shared_bytes, argc > 21 ? std::atoi(argv[21]) : 0,
-                           argc > 22 ? std::atoi(argv[22]) : 0);
+        return decode_form(dir, form, std::atoi(argv[18]), n_tiles, grid_x, threads, rows, n, k, ldx, ldy, x_rows,
+                           y_rows, w_elements, shared_bytes, std::atoi(argv[19]), std::atoi(argv[20]));
     }
     const std::pair<int, int> key{m_tiles, n_tiles};
     const std::pair<std::pair<int, int>, Entry> entries[] = {
         {{1, 1}, gemm_rows_bf16_m1_n1}, {{1, 2}, gemm_rows_bf16_m1_n2}, {{1, 4}, gemm_rows_bf16_m1_n4},
         {{2, 1}, gemm_rows_bf16_m2_n1}, {{2, 2}, gemm_rows_bf16_m2_n2}, {{2, 4}, gemm_rows_bf16_m2_n4},
-        {{4, 1}, gemm_rows_bf16_m4_n1}, {{4, 2}, gemm_rows_bf16_m4_n2},
-        // m0_n0: gemv_bf16 (no prefetch argument)
-        {{0, 0}, [](const bf16_t* x, int ldx, const bf16_t* w, bf16_t* y, int ldy, int rows, int n, int k, int) {
-             gemv_bf16(x, ldx, w, y, ldy, rows, n, k);
-         }}};
+        {{4, 1}, gemm_rows_bf16_m4_n1}, {{4, 2}, gemm_rows_bf16_m4_n2}};
     const std::pair<std::pair<int, int>, Entry> packed_entries[] = {
         {{1, 1}, gemm_rows_packed_bf16_m1_n1}, {{1, 2}, gemm_rows_packed_bf16_m1_n2},
         {{1, 4}, gemm_rows_packed_bf16_m1_n4}, {{2, 1}, gemm_rows_packed_bf16_m2_n1},
         {{2, 2}, gemm_rows_packed_bf16_m2_n2}, {{2, 4}, gemm_rows_packed_bf16_m2_n4},
         {{4, 1}, gemm_rows_packed_bf16_m4_n1}, {{4, 2}, gemm_rows_packed_bf16_m4_n2}};
-    const std::pair<std::pair<int, int>, Entry> serial_entries[] = {{{4, 2}, gemm_rows_serial_bf16_m4_n2}};
-    const std::pair<std::pair<int, int>, Entry> packed_serial_entries[] = {
-        {{4, 2}, gemm_rows_packed_serial_bf16_m4_n2}};
-    const std::pair<std::pair<int, int>, Entry> staged_entries[] = {
-        {{1, 1}, gemm_rows_staged_bf16_m1_n1}, {{1, 2}, gemm_rows_staged_bf16_m1_n2}};
     Entry entry = nullptr;
-    if (staged) {
-        for (const auto& [name, function] : staged_entries) if (name == key) entry = function;
-    } else if (serial) {
-        for (const auto& [name, function] : w_elements > 0 ? packed_serial_entries : serial_entries) {
-            if (name == key) entry = function;
-        }
-    } else if (w_elements > 0) {
-        for (const auto& [name, function] : packed_entries) if (name == key) entry = function;
-    } else {
-        for (const auto& [name, function] : entries) if (name == key) entry = function;
+    for (const auto& [name, function] : w_elements > 0 ? packed_entries : entries) {
+        if (name == key) entry = function;
     }
     if (!entry) { std::fprintf(stderr, "no entry m%d_n%d\n", m_tiles, n_tiles); return 2; }
     const auto x = load_u16(dir + "/x", size_t(x_rows) * ldx);
@@ -327,16 +277,14 @@ int main(int argc, char** argv)
 def host_gemm_rows_source() -> str:
     """gemm_rows.cu for the host (host_kernel_source with DEVICE_HELPERS removed), the staged
     entries' dynamic shared array taken from the emulated block's."""
-    kernel = '#include "emulation.h"\n' + host_kernel_source("gemm_rows", DEVICE_HELPERS)
+    kernel = '#include "emulation.h"\n' + host_kernel_source("projection/gemm_rows", DEVICE_HELPERS)
     declaration = "extern __shared__ __align__(128) unsigned char gemm_rows_stage[];"
     assert kernel.count(declaration) == 1, "gemm_rows.cu no longer declares gemm_rows_stage; update the host emulation"
     return kernel.replace(declaration, "unsigned char* gemm_rows_stage = reinterpret_cast<unsigned char*>(emulated_shared);")
 
 
 def _gemm_host_files() -> dict[str, str]:
-    kernel = host_gemm_rows_source()
-    gemv = '#include "emulation.h"\n' + host_kernel_source("gemv", COMMON_DEVICE_HELPERS)
-    return {"emulation.h": GEMM_HEADER, "main.cpp": GEMM_MAIN, "kernel.cpp": kernel, "gemv.cpp": gemv}
+    return {"emulation.h": GEMM_HEADER, "main.cpp": GEMM_MAIN, "kernel.cpp": host_gemm_rows_source()}
 
 
 @pytest.fixture(scope="module")
@@ -356,38 +304,31 @@ def gemm_host_checked(tmp_path_factory):
 _calls = iter(range(10**9))
 
 
-def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, gemv=False, packed=False, staged=False,
-             form=0, form_arg=0, w2=None, sums_ld=0, **plan_args):
+def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, packed=False, form=0, form_arg=0, w2=None,
+             sums_ld=0, **plan_args):
     """One launch as gemm_rows_bf16 plans it (132 SMs), on x_buffer[:, :k] (row stride of the
     buffer) into y_buffer[:, :n], or with one_row_launches a one-row launch per row; returns the
-    new y_buffer. gemv: ops.gemv_bf16's launch instead (8 columns a block). packed: the packed
-    entry point on gemm_rows.pack_weight(w). staged: the staged entry as gemm_rows.staged_plan
-    plans it (packed). form 1: gemm_rows_pair_bf16's launch with w2, x2 = x_buffer from column
-    form_arg and y2 a copy of y_buffer; returns (y, y2). form 2: the awaiting entry with its words
-    set to {form_arg, 0} and form_arg its target; returns (y, words after). form 3: the same with the
-    staged entry's awaiting form as staged_plan(awaiting=True) plans it. form 4: the counting entry
-    with its words set to {form_arg, 0}; returns (y, words after). form 5: the tail-staged awaiting
-    entry as tail_staged_plan plans it (plan_args its tail_blocks), words as form 2. form 6: the
-    counting entry's ahead form, as form 4. form 7: the entry writing the FP32 sums too (packed or not),
-    into [y_buffer rows, form_arg] floats of NaN; returns (y, sums). sums_ld > 0 with form 2, 3 or 5: that
-    form's entry writing the sums too, into [y_buffer rows, sums_ld] floats of NaN; returns (y, words, sums)."""
+    new y_buffer. packed: the packed entry point on pack_weight(w). form 1: gemm_rows_pair_bf16's
+    launch with w2, x2 = x_buffer from column form_arg and y2 a copy of y_buffer; returns (y, y2).
+    form 2: the awaiting entry with its words set to {form_arg, 0} and form_arg its target; returns
+    (y, words after). form 3: the same with the staged awaiting entry as _staged_plan plans it.
+    form 5: the tail-staged awaiting entry as _tail_staged_plan plans it (plan_args its tail_blocks),
+    words as form 2. form 7: the entry writing the FP32 sums too (packed or not), into [y_buffer rows,
+    form_arg] floats of NaN; returns (y, sums). form 8: form 2 with x written late. sums_ld > 0 with
+    form 2, 3 or 5: that form's entry writing the sums too, into [y_buffer rows, sums_ld] floats of
+    NaN; returns (y, words, sums)."""
     n, k = w.shape
-    packed = packed or staged or form not in (0, 7)
+    packed = packed or form not in (0, 7)
     w_file = pack_weight(w.view(np.uint16)).data if packed else w
-    if gemv:
-        m_tiles = n_tiles = 0
-        plan = SimpleNamespace(grid=(-(-n // 8), 1), block=(256,), kernel="gemv_bf16")
-    elif staged or form == 3:
-        plan = staged_plan(n, k, rows, awaiting=form == 3, **plan_args)
+    if form == 3:
+        plan = _staged_plan(n, k, rows, **plan_args)
         assert plan is not None, f"N{n}-K{k} R{rows}: no staged plan"
-        m_tiles, n_tiles = (int(part[1:]) for part in plan.kernel.split("_")[-2:])
     elif form == 5:
-        plan = tail_staged_plan(n, k, rows, **plan_args)
+        plan = _tail_staged_plan(n, k, rows, **plan_args)
         assert plan is not None, f"N{n}-K{k} R{rows}: no tail-staged plan"
-        m_tiles, n_tiles = (int(part[1:]) for part in plan.kernel.split("_")[-2:])
     else:
         plan = launch_plan(2 * n if form == 1 else n, k, 1 if one_row_launches else rows, **plan_args)
-        m_tiles, n_tiles = (int(part[1:]) for part in plan.kernel.split("_")[-2:])
+    m_tiles, n_tiles = (int(part[1:]) for part in plan.kernel.split("_")[-2:])
     folder = binary.parent / f"call{next(_calls)}"
     folder.mkdir()
     x_buffer.tofile(folder / "x")
@@ -400,10 +341,8 @@ def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, gemv=F
         [str(binary), str(folder), str(m_tiles), str(n_tiles), str(plan.grid[0]), str(plan.grid[1]),
          str(1 if one_row_launches else rows), str(n),
          str(k), str(x_buffer.shape[1]), str(y_buffer.shape[1]), str(x_buffer.shape[0]), str(y_buffer.shape[0]),
-         str(rows if one_row_launches else 1), str(w_file.size if packed else 0),
-         str(int("_serial_" in plan.kernel)), str(plan.block[0]), str(int(staged)),
-         str(getattr(plan, "shared_mem", 0)), str(form), str(form_arg), str(getattr(plan, "tail_blocks", 0)),
-         str(sums_ld)],
+         str(rows if one_row_launches else 1), str(w_file.size if packed else 0), str(plan.block[0]),
+         str(plan.shared_mem), str(form), str(form_arg), str(plan.tail_blocks), str(sums_ld)],
         capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["misaligned=0"], f"host run: {result.stdout.strip()}"
@@ -412,12 +351,12 @@ def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, gemv=F
         return y, np.fromfile(folder / "y2.out", np.uint16).reshape(y_buffer.shape)
     if form == 7:
         return y, np.fromfile(folder / "sums.out", np.float32).reshape(y_buffer.shape[0], form_arg)
-    words = np.fromfile(folder / "words.out", np.int32) if form in (2, 3, 4, 5, 6, 8) else None
+    if form == 0:
+        return y
+    words = np.fromfile(folder / "words.out", np.int32)
     if sums_ld:
         return y, words, np.fromfile(folder / "sums.out", np.float32).reshape(y_buffer.shape[0], sums_ld)
-    if form in (2, 3, 4, 5, 6, 8):
-        return y, words
-    return y
+    return y, words
 
 
 def _inputs(n, k, rows, seed):
@@ -438,9 +377,8 @@ def test_rows_equal_one_row_launches_on_host(gemm_host, shape):
     ratio = rms_ratio(bits_to_f64(one_row), round_bf16(bits_to_f64(x) @ bits_to_f64(w).T))
     assert ratio <= RMS_BOUND, f"N{n}-K{k}: rms-ratio {ratio:.3e} against the float64 oracle (bound {RMS_BOUND:g})"
     for rows in (2, 3, 16, 17, 33, 64, 65):
-        for serial in (None, True) if rows > 32 else (None,):
-            out = run_host(gemm_host, x[:rows], w, rows, np.full((rows, n), POISON, np.uint16), serial=serial)
-            _assert_bits_equal(out, one_row[:rows], f"N{n}-K{k} R{rows} serial={serial} vs one-row launches")
+        out = run_host(gemm_host, x[:rows], w, rows, np.full((rows, n), POISON, np.uint16))
+        _assert_bits_equal(out, one_row[:rows], f"N{n}-K{k} R{rows} vs one-row launches")
 
 
 @pytest.mark.parametrize("rows", [1, 16, 40], ids=lambda r: f"R{r}")
@@ -450,10 +388,9 @@ def test_tiles_and_grid_change_no_bit_on_host(gemm_host, rows):
     default = run_host(gemm_host, x, w, rows, np.full((rows, n), POISON, np.uint16))
     for tiles in (1, 2, 4):
         for blocks in (None, 1, 3):
-            for serial in (False, True) if rows > 32 and tiles > 1 else (None,):
-                out = run_host(gemm_host, x, w, rows, np.full((rows, n), POISON, np.uint16), tiles_per_warp=tiles,
-                               blocks=blocks, serial=serial)
-                _assert_bits_equal(out, default, f"R{rows} tiles_per_warp={tiles} blocks={blocks} serial={serial}")
+            out = run_host(gemm_host, x, w, rows, np.full((rows, n), POISON, np.uint16), tiles_per_warp=tiles,
+                           blocks=blocks)
+            _assert_bits_equal(out, default, f"R{rows} tiles_per_warp={tiles} blocks={blocks}")
 
 
 @pytest.mark.parametrize("rows", [1, 5, 33], ids=lambda r: f"R{r}")
@@ -465,40 +402,22 @@ def test_strided_x_and_column_slice_out_on_host(gemm_host, rows):
     # x: columns 0 .. k of a buffer with row stride k + 40; out: columns 0 .. n of a wider buffer.
     contiguous = run_host(gemm_host, np.ascontiguousarray(x_buffer[:rows, :k]), w, rows,
                           np.full((rows, n), POISON, np.uint16))
-    for serial in (None, True) if rows > 32 else (None,):
-        wide = run_host(gemm_host, x_buffer, w, rows, np.full((rows + 2, n + 40), POISON, np.uint16), serial=serial)
-        _assert_bits_equal(wide[:rows, :n], contiguous, f"R{rows} serial={serial} strided x / sliced out vs contiguous")
-        untouched = np.ones(wide.shape, dtype=bool)
-        untouched[:rows, :n] = False
-        assert (wide[untouched] == POISON).all(), f"R{rows} serial={serial}: wrote outside columns < {n} / rows < {rows}"
+    wide = run_host(gemm_host, x_buffer, w, rows, np.full((rows + 2, n + 40), POISON, np.uint16))
+    _assert_bits_equal(wide[:rows, :n], contiguous, f"R{rows} strided x / sliced out vs contiguous")
+    untouched = np.ones(wide.shape, dtype=bool)
+    untouched[:rows, :n] = False
+    assert (wide[untouched] == POISON).all(), f"R{rows}: wrote outside columns < {n} / rows < {rows}"
 
 
 @pytest.mark.parametrize("rows,form", [(1, "packed"), (5, "row-major"), (5, "packed"), (17, "packed"),
-                                       (33, "serial")], ids=lambda v: str(v))
+                                       (33, "row-major")], ids=lambda v: str(v))
 def test_no_access_outside_the_operands_on_host(gemm_host_checked, rows, form):
     """x, w and out exactly as large as the launch's rows, n and k (no slack a stray access could
     land in), under AddressSanitizer: a row past `rows` read or written, or a k or n tail read
     past the end, ends the run naming the access (the bits are the other tests' business)."""
     n, k = 100, 136
     x, w = _inputs(n, k, rows, seed=rows)
-    options = {"packed": form != "row-major"}
-    if form == "serial":
-        options["serial"] = True
-    run_host(gemm_host_checked, x, w, rows, np.full((rows, n), POISON, np.uint16), **options)
-
-
-@pytest.mark.parametrize("shape", [(40, 136), (72, 2056)], ids=lambda s: f"N{s[0]}-K{s[1]}")
-def test_gemv_rows_equal_one_row_launches_on_host(gemm_host, shape):
-    """ops.gemv_bf16, the CUDA-core GEMV of up to 16 rows that gemm_rows replaced (the scalar
-    reference): rows equal one-row launches bit for bit, and the oracle within the bound."""
-    n, k = shape
-    x, w = _inputs(n, k, 16, seed=3 * n + k)
-    one_row = run_host(gemm_host, x, w, 16, np.full((16, n), POISON, np.uint16), one_row_launches=True, gemv=True)
-    ratio = rms_ratio(bits_to_f64(one_row), round_bf16(bits_to_f64(x) @ bits_to_f64(w).T))
-    assert ratio <= RMS_BOUND, f"gemv N{n}-K{k}: rms-ratio {ratio:.3e} against the float64 oracle (bound {RMS_BOUND:g})"
-    for rows in (2, 7, 16):
-        out = run_host(gemm_host, x[:rows], w, rows, np.full((rows, n), POISON, np.uint16), gemv=True)
-        _assert_bits_equal(out, one_row[:rows], f"gemv N{n}-K{k} R{rows} vs one-row launches")
+    run_host(gemm_host_checked, x, w, rows, np.full((rows, n), POISON, np.uint16), packed=form == "packed")
 
 
 @pytest.mark.parametrize("shape", [(40, 128), (100, 136), (72, 2056), (13, 40)], ids=lambda s: f"N{s[0]}-K{s[1]}")
@@ -508,14 +427,12 @@ def test_packed_weight_gives_the_row_major_bits_on_host(gemm_host, shape):
     n, k = shape
     x, w = _inputs(n, k, 40, seed=5 * n + k)
     for rows in (1, 16, 40):
-        for tiles, blocks, serial in ((None, None, None), (1, 3, None), (4, 1, None), (2, 3, True), (None, None, True)):
-            if serial and rows <= 32:
-                continue
-            args = dict(tiles_per_warp=tiles, blocks=blocks, serial=serial)
+        for tiles, blocks in ((None, None), (1, 3), (4, 1), (2, 3)):
+            args = dict(tiles_per_warp=tiles, blocks=blocks)
             row_major = run_host(gemm_host, x[:rows], w, rows, np.full((rows, n), POISON, np.uint16), **args)
             packed = run_host(gemm_host, x[:rows], w, rows, np.full((rows, n), POISON, np.uint16), packed=True,
                               **args)
-            _assert_bits_equal(packed, row_major, f"N{n}-K{k} R{rows} tiles={tiles} blocks={blocks} serial={serial} packed")
+            _assert_bits_equal(packed, row_major, f"N{n}-K{k} R{rows} tiles={tiles} blocks={blocks} packed")
             assert (packed != POISON).all(), f"N{n}-K{k} R{rows}: the packed launch left outputs unwritten"
 
 
@@ -560,28 +477,6 @@ def test_awaiting_launch_gives_the_packed_bits_and_clears_its_words_on_host(gemm
         assert words.tolist() == [0, 0], f"{tag}: words after {words.tolist()}"
 
 
-@pytest.mark.parametrize("shape", [(100, 136), (72, 1032)], ids=lambda s: f"N{s[0]}-K{s[1]}")
-@pytest.mark.parametrize("form", [4, 6], ids=["counting", "ahead"])
-@pytest.mark.parametrize("rows", [1, 9], ids=lambda r: f"R{r}")
-def test_counting_launch_gives_the_packed_bits_and_counts_its_blocks_on_host(gemm_host, rows, form, shape):
-    """The counting entry (q|k|v of a one-sequence decode, counting its outputs out for the fused step
-    on another stream) and its ahead form (each block's next column group's first step loaded before
-    the present one's reduction): the packed entry's bits, and its word raised by exactly the blocks
-    launched, whatever the tiles and the grid (blocks looping over several column groups count once,
-    and take each next group's first step ahead). K 1032: ranges of several steps and a k tail."""
-    n, k = shape
-    x, w = _inputs(n, k, rows, seed=rows + 20)
-    for tiles, blocks in ((None, None), (1, 3), (2, 1)):
-        fresh = np.full((rows, n), POISON, np.uint16)
-        plan = launch_plan(n, k, rows, tiles_per_warp=tiles, blocks=blocks)
-        y, words = run_host(gemm_host, x, w, rows, fresh, form=form, form_arg=5, tiles_per_warp=tiles,
-                            blocks=blocks)
-        _assert_bits_equal(y, run_host(gemm_host, x, w, rows, fresh, packed=True, tiles_per_warp=tiles,
-                                       blocks=blocks), f"R{rows} tiles={tiles} blocks={blocks} counting")
-        assert words.tolist() == [5 + plan.grid[0] * plan.grid[1], 0], (
-            f"R{rows} tiles={tiles} blocks={blocks}: words after {words.tolist()}, {plan.grid} blocks")
-
-
 @pytest.mark.parametrize("packed", [False, True], ids=["rowmajor", "packed"])
 @pytest.mark.parametrize("rows", [1, 9, 40], ids=lambda r: f"R{r}")
 def test_sums_entries_write_what_out_rounds_on_host(gemm_host, rows, packed):
@@ -619,8 +514,8 @@ def test_awaiting_forms_write_their_sums_on_host(gemm_host, shape):
     n, k = shape
     x, w = _inputs(n, k, 16, seed=13 * n + k)
     for rows, tiles in ((1, None), (5, 4), (16, None)):
-        plans = {2: launch_plan(n, k, rows, tiles), 3: staged_plan(n, k, rows, awaiting=True),
-                 5: tail_staged_plan(n, k, rows, tiles_per_warp=tiles)}
+        plans = {2: launch_plan(n, k, rows, tiles), 3: _staged_plan(n, k, rows),
+                 5: _tail_staged_plan(n, k, rows, tiles_per_warp=tiles)}
         for form, plan in plans.items():
             if plan is None:
                 continue
@@ -650,36 +545,12 @@ def test_pack_weight_layout():
         assert data[tile, kb, 8 * lane + e] == expected, (tile, kb, lane, e)
 
 
-def test_pack_pairs_layout():
-    """pack_pairs' layout element by element, and as the words interleave_pair forms from two loads
-    of pack_weight's layout (the A fragment the mma.sync sweeps build): zeros past n and k, n and k
-    not multiples of the pair or the block."""
-    from glm_kda.gpu.projection import pack_pairs
-
-    n, k = 21, 72
-    w = (np.arange(n * k, dtype=np.uint16) + 1).reshape(n, k)
-    pairs = pack_pairs(w)
-    assert pairs.shape == (2, 3, 512), pairs.shape
-    for p, kb, s, lane, q, h, e in np.ndindex(2, 3, 2, 32, 2, 2, 2):
-        row, col = 16 * p + 8 * h + lane // 4, 32 * kb + 8 * (lane % 4) + 4 * s + 2 * q + e
-        expected = w[row, col] if row < n and col < k else 0
-        assert pairs[p, kb, 256 * s + 8 * lane + 4 * q + 2 * h + e] == expected, (p, kb, s, lane, q, h, e)
-    packed = pack_weight(w, pairs=True)
-    assert np.array_equal(packed.pairs, pairs)
-    words = packed.data.view(np.uint32).reshape(packed.data.shape[0], 3, 32, 4)  # [tile, kb, lane, word]
-    words = np.concatenate([words, np.zeros_like(words[:1])])  # 3 tiles: the last pair's high tile is zeros
-    pair_words = pairs.view(np.uint32).reshape(2, 3, 2, 32, 4)  # [pair, kb, step, lane, word]
-    for s in (0, 1):
-        low, high = words[0::2], words[1::2]
-        interleaved = np.stack([low[..., 2 * s], high[..., 2 * s], low[..., 2 * s + 1], high[..., 2 * s + 1]], -1)
-        assert np.array_equal(pair_words[:, :, s], interleaved), f"step {s}"
-
-
 def test_tile_layout():
     """tile_layout element by element (zeros past m and k, m and k not multiples of the group or the
-    block), and slot by slot against pack_pairs: logical slot 8 h + 2 t + e of k16 step s holds the
-    value the mma.sync sweeps' A fragment holds there, for every column."""
-    from glm_kda.gpu.projection import pack_pairs, pack_tiles, tile_layout
+    block), and slot by slot against the A fragment the mma.sync sweeps form from two loads of
+    pack_weight's layout (gemm_rows.cuh's interleave_pair): logical slot 8 h + 2 t + e of k16 step s
+    holds the value that fragment holds there, for every column."""
+    from glm_kda.gpu.projection import tile_layout
 
     n, k = 70, 72
     w = (np.arange(n * k, dtype=np.uint16) + 1).reshape(n, k)
@@ -689,28 +560,32 @@ def test_tile_layout():
         row, col = 64 * group + c, 32 * kb + 8 * t + 4 * s + 2 * h + e
         expected = w[row, col] if row < n and col < k else 0
         assert tiles[group, kb, 1024 * s + 512 * h + 8 * c + 2 * t + e] == expected, (group, kb, s, h, c, t, e)
-    assert np.array_equal(pack_tiles(w), tiles)
-    assert np.array_equal(pack_weight(w, tiles=True).tiles, tiles)
-    assert pack_weight(w).tiles is None and pack_weight(w, pairs=True).tiles is None
-    # pack_pairs: lane 4 g + t of pair p holds rows 16 p + g (words 0, 2) and 16 p + 8 + g (words 1, 3);
-    # words 0, 1 are slots 2 t, 2 t + 1 and words 2, 3 slots 8 + 2 t, 9 + 2 t of its A fragment.
-    pairs = pack_pairs(w)
-    for p, kb, s, g, t, word, e in np.ndindex(pairs.shape[0], 3, 2, 8, 4, 4, 2):
-        row = 16 * p + 8 * (word % 2) + g
+    packed = pack_weight(w, tiles=True)
+    assert np.array_equal(packed.tiles, tiles) and pack_weight(w).tiles is None
+    # interleave_pair(low, high, s) of tiles 2 p, 2 p + 1: words 2 s, 2 s + 1 of each load, low's rows
+    # g (words 0, 2 of the fragment) and high's g + 8 (words 1, 3); fragment words 0, 1 are slots
+    # 2 t, 2 t + 1 and words 2, 3 slots 8 + 2 t, 9 + 2 t.
+    words = packed.data.view(np.uint32).reshape(packed.data.shape[0], 3, 32, 4)  # [tile, kb, lane, word]
+    for tile, kb, s, g, t, word, e in np.ndindex(words.shape[0], 3, 2, 8, 4, 4, 2):
+        if (word % 2) != tile % 2:
+            continue
+        row = 8 * tile + g
+        value = int(words[tile, kb, 4 * g + t, 2 * s + word // 2]) >> (16 * e) & 0xFFFF  # element e of the word
         slot = 8 * (word // 2) + 2 * t + e
-        fragment = pairs[p, kb, 256 * s + 8 * (4 * g + t) + 2 * word + e]
         h, tt, ee = slot // 8, (slot % 8) // 2, slot % 2
-        if row < 128:
-            assert tiles[row // 64, kb, 1024 * s + 512 * h + 8 * (row % 64) + 2 * tt + ee] == fragment, (p, kb, s, g, t, word, e)
+        assert tiles[row // 64, kb, 1024 * s + 512 * h + 8 * (row % 64) + 2 * tt + ee] == value, (tile, kb, s, g, t, word, e)
 
 
 def test_bulk_plan_fits_and_chooses():
-    """bulk_plan: the ring and its barriers fit a block's shared memory (two blocks an SM with one
-    warpgroup), a grid of at most the super-groups, the warpgroups that load the busiest SM least,
-    and the kernel source's chunk and tile sizes."""
+    """_bulk_plan: the ring and its barriers fit a block's shared memory (two blocks an SM with one
+    warpgroup), a grid of at most the super-groups in one wave of resident blocks, the warpgroups that
+    load the busiest SM least, and the kernel source's chunk and tile sizes."""
     from glm_kda.gpu import projection as gemm_rows
-    from glm_kda.gpu.projection import bulk_fill_tiles, bulk_plan, bulk_warpgroups, x_tiles_size
     from glm_kda.gpu.build import kernel_source
+    from glm_kda.gpu.projection import _bulk_fill_tiles as bulk_fill_tiles
+    from glm_kda.gpu.projection import _bulk_plan as bulk_plan
+    from glm_kda.gpu.projection import _bulk_warpgroups as bulk_warpgroups
+    from glm_kda.gpu.projection import x_tiles_size
 
     for n, k in ((24576, 4096), (12288, 2304), (4096, 8192), (2304, 4096), (13, 40)):
         for rows in (17, 64, 65, 256):
@@ -719,14 +594,13 @@ def test_bulk_plan_fits_and_chooses():
                 wg = plan.warpgroups
                 assert plan.kernel == f"gemm_rows_bulk_g{wg}" and plan.block == (128 * wg + 32,)
                 row_groups = -(-rows // 64)
-                resident = 132 * (2 if wg == 1 else 1)
-                cap = resident * min(row_groups, gemm_rows.BULK_ROW_GROUP_WAVES) // row_groups
+                cap = 132 * (2 if wg == 1 else 1) // row_groups
                 assert plan.grid == (min(cap, -(-(-(-n // 64)) // wg)), row_groups)
-                slot = (1 + wg) * gemm_rows.BULK_CHUNK * gemm_rows.BULK_TILE_BYTES
-                assert plan.shared_mem == plan.stages * (slot + 16) <= gemm_rows.BULK_SHARED_PER_BLOCK
-                assert 1 <= plan.stages <= gemm_rows.BULK_MAX_STAGES
+                slot = (1 + wg) * gemm_rows._BULK_CHUNK * gemm_rows._BULK_TILE_BYTES
+                assert plan.shared_mem == plan.stages * (slot + 16) <= gemm_rows._SHARED_PER_BLOCK
+                assert 1 <= plan.stages <= gemm_rows._BULK_MAX_STAGES
                 if wg == 1:
-                    assert 2 * (plan.shared_mem + 1024) <= gemm_rows.BULK_SHARED_PER_SM
+                    assert 2 * (plan.shared_mem + 1024) <= gemm_rows._SHARED_PER_SM
     # The warpgroups whose busiest SM copies the fewest 4 KB tiles (x's and the weight's). GLM's q|k|v
     # (384 groups, 128 blocks of 32 k): 128 blocks of 3, 4 x 128 tiles, against 2 tasks of 3 x 128 at 2
     # warpgroups; Kimi's (192 groups, 72 blocks): 96 blocks of 2 at 64 rows, 3 warpgroups at 256 rows
@@ -742,7 +616,6 @@ def test_bulk_plan_fits_and_chooses():
     assert bulk_plan(2304, 4096, 64, 132, split=None).grid == (96, 1)
     # GLM's q|k|v: 4 row groups (256 rows) in one wave of 132 blocks, 33 a row group; 3 (129 - 192
     # rows) 44 a row group; o_proj's 32 super-groups of 2 warpgroups fit as they are.
-    assert gemm_rows.BULK_ROW_GROUP_WAVES == 1
     assert bulk_plan(24576, 4096, 256, 132).grid == (33, 4) and bulk_plan(24576, 4096, 129, 132).grid == (44, 3)
     assert bulk_plan(4096, 8192, 256, 132).grid == (32, 4)
     assert bulk_plan(4096, 8192, 64, 132, split=None).warpgroups == 2
@@ -754,13 +627,14 @@ def test_bulk_plan_fits_and_chooses():
     assert not bulk_plan(4096, 8192, 256, 132, split=None).split
     assert not bulk_plan(24576, 4096, 64, 132, split=None).split and not bulk_plan(12288, 2304, 64, 132, split=None).split
     assert not bulk_plan(4096, 128, 64, 132, split=None).split
-    assert [gemm_rows.k_ranges(k) for k in (128, 1056, 2304, 4096, 8192)] == [1, 7, 8, 8, 8]
+    assert [gemm_rows._k_ranges(k) for k in (128, 1056, 2304, 4096, 8192)] == [1, 7, 8, 8, 8]
     assert gemm_rows.bulk_partial_size(4096, 8192, 64) == 8 * 64 * 4096
     # No more ring slots than the chunks a block walks: the gate up-projections (k = 128, one chunk
     # a task, one task a block at 64 rows) ask for one slot, 32 KB, which fits beside a ring of
     # 192 KB; Kimi's split o_proj walks 4 chunks a block (3 slots fit), its q|k|v 8 ranges of 3 (4 fit).
-    assert gemm_rows.bulk_block_chunks(128, 64, 64, False) == 1 and gemm_rows.bulk_block_chunks(4096, 96, 96, True) == 4
-    assert gemm_rows.bulk_block_chunks(2304, 96, 96, False) == 8 * 3 and gemm_rows.bulk_block_chunks(1056, 3, 2, False) == 2 * (6 * 2 + 1)
+    chunks = gemm_rows._bulk_block_chunks
+    assert chunks(128, 64, 64, False) == 1 and chunks(4096, 96, 96, True) == 4
+    assert chunks(2304, 96, 96, False) == 8 * 3 and chunks(1056, 3, 2, False) == 2 * (6 * 2 + 1)
     assert bulk_plan(4096, 128, 64, 132).stages == 1 and bulk_plan(4096, 128, 64, 132).shared_mem == 32 * 1024 + 16
     assert 228 * 1024 - (bulk_plan(12288, 2304, 64, 132).shared_mem + 1024) >= bulk_plan(4096, 128, 64, 132).shared_mem + 1024
     assert bulk_plan(2304, 4096, 64, 132, split=None).stages == 3 and bulk_plan(12288, 2304, 64, 132).stages == 4
@@ -769,48 +643,23 @@ def test_bulk_plan_fits_and_chooses():
         bulk_plan(64, 64, 64, 132, 4)
     with pytest.raises(ValueError, match="stages must be"):
         bulk_plan(64, 64, 64, 132, 3, stages=9)
-    source = kernel_source("gemm_rows_bulk")
-    assert f"#define GEMM_BULK_CHUNK {gemm_rows.BULK_CHUNK}" in source
+    source = kernel_source("projection/gemm_rows_bulk")
+    assert f"#define GEMM_BULK_CHUNK {gemm_rows._BULK_CHUNK}" in source
     assert "#define GEMM_BULK_TILE_ELEMENTS (GEMM_BULK_COLUMNS * GEMM_ROWS_K_BLOCK)" in source
-    assert gemm_rows.BULK_TILE_BYTES == 64 * 32 * 2
+    assert gemm_rows._BULK_TILE_BYTES == 64 * 32 * 2
 
 
 @pytest.mark.parametrize("k", [520, 2056], ids=lambda k: f"K{k}")
 def test_split_k_order_is_kept_on_host(gemm_host, k):
     """k ranges whose partial sums make the fp32 total depend on the order it is taken in
-    (host_cuda.order_sensitive_inputs): every launch of 17..64 rows, split-k or serial, equals the
-    one-row launches."""
-    from glm_kda.gpu.projection import k_split
+    (host_cuda.order_sensitive_inputs): a launch of 17..64 rows equals the one-row launches."""
+    from glm_kda.gpu.projection import _k_split
 
     n, rows = 48, 40
-    x, w = (bf16_bits(v) for v in order_sensitive_inputs(np.random.default_rng(k), rows, n, k, k_split(k)))
+    x, w = (bf16_bits(v) for v in order_sensitive_inputs(np.random.default_rng(k), rows, n, k, _k_split(k)))
     one_row = run_host(gemm_host, x, w, rows, np.full((rows, n), POISON, np.uint16), one_row_launches=True)
-    for serial in (False, True):
-        out = run_host(gemm_host, x, w, rows, np.full((rows, n), POISON, np.uint16), serial=serial)
-        _assert_bits_equal(out, one_row, f"K{k} R{rows} serial={serial} vs one-row launches")
-
-
-@pytest.mark.parametrize("shape,max_bytes", [((40, 128), None), ((100, 136), 24576), ((72, 2056), None), ((13, 40), None)],
-                         ids=lambda v: f"N{v[0]}-K{v[1]}" if isinstance(v, tuple) else f"stage{v}")
-def test_staged_weights_give_the_packed_bits_on_host(gemm_host, shape, max_bytes, monkeypatch):
-    """The staged entries (each block's packed weights copied into shared memory before its wait,
-    one column group a block) write the bits of the packed launch, for 1 .. 16 rows and both tile
-    widths (a stage limit that leaves one tile a warp), and nothing outside rows < rows, columns < n."""
-    from glm_kda.gpu import projection as gemm_rows
-
-    n, k = shape
-    if max_bytes is not None:
-        monkeypatch.setattr(gemm_rows, "STAGED_MAX_BYTES", max_bytes)
-    x, w = _inputs(n, k, 16, seed=7 * n + k)
-    for rows in (1, 5, 16):
-        plan = staged_plan(n, k, rows)
-        packed = run_host(gemm_host, x[:rows], w, rows, np.full((rows, n), POISON, np.uint16), packed=True)
-        staged = run_host(gemm_host, x, w, rows, np.full((rows + 2, n + 8), POISON, np.uint16), staged=True)
-        _assert_bits_equal(staged[:rows, :n], packed, f"N{n}-K{k} R{rows} {plan.kernel} grid {plan.grid} staged")
-        untouched = np.ones(staged.shape, dtype=bool)
-        untouched[:rows, :n] = False
-        assert (staged[untouched] == POISON).all(), f"N{n}-K{k} R{rows}: the staged launch wrote outside its outputs"
-        assert (staged[:rows, :n] != POISON).all(), f"N{n}-K{k} R{rows}: the staged launch left outputs unwritten"
+    out = run_host(gemm_host, x, w, rows, np.full((rows, n), POISON, np.uint16))
+    _assert_bits_equal(out, one_row, f"K{k} R{rows} vs one-row launches")
 
 
 @pytest.mark.parametrize("shape,max_bytes", [((40, 128), None), ((100, 136), 24576), ((72, 2056), None)],
@@ -824,10 +673,10 @@ def test_staged_awaiting_launch_gives_the_packed_bits_on_host(gemm_host, shape, 
 
     n, k = shape
     if max_bytes is not None:
-        monkeypatch.setattr(gemm_rows, "STAGED_MAX_BYTES", max_bytes)
+        monkeypatch.setattr(gemm_rows, "_STAGED_MAX_BYTES", max_bytes)
     x, w = _inputs(n, k, 16, seed=5 * n + k)
     for rows in (1, 5, 16):
-        plan = staged_plan(n, k, rows, awaiting=True)
+        plan = _staged_plan(n, k, rows)
         if plan is None:
             assert rows * k * 2 > 48 << 10, f"N{n}-K{k} R{rows}: no awaiting staged plan"
             continue
@@ -856,7 +705,7 @@ def test_tail_staged_launch_gives_the_packed_bits_on_host(gemm_host, shape):
     for rows in (1, 5, 16):
         packed = run_host(gemm_host, x[:rows], w, rows, np.full((rows, n), POISON, np.uint16), packed=True)
         for tail, tiles in ((1, None), (4, 2), (None, None), (None, 4)):
-            plan = tail_staged_plan(n, k, rows, tail_blocks=tail, tiles_per_warp=tiles)
+            plan = _tail_staged_plan(n, k, rows, tail_blocks=tail, tiles_per_warp=tiles)
             if plan is None:
                 assert rows * k * 2 > 96 << 10, f"N{n}-K{k} R{rows}: no tail-staged plan"
                 continue
@@ -871,52 +720,48 @@ def test_tail_staged_launch_gives_the_packed_bits_on_host(gemm_host, shape):
 
 
 def test_tail_staged_plan_fills_two_blocks_an_sm():
-    """tail_staged_plan: the one-row sweep's tiles and groups, one group a block, the longest tail that
-    leaves TAIL_BLOCKS_PER_SM blocks (tail, x's rows or the partial sums, the driver's KB) in an SM's
-    shared memory, never past a warp's k range. GLM-5.3-Flash's o_proj [4096, 8192]: 2 tiles a warp,
-    256 blocks, 12 of each warp's 32 k blocks (96 KB) beside x's row (16 KB)."""
+    """_tail_staged_plan: the one-row sweep's tiles and groups, one group a block, the longest tail
+    that leaves _TAIL_BLOCKS_PER_SM blocks (tail, x's rows or the partial sums, the driver's KB) in an
+    SM's shared memory, never past a warp's k range. GLM-5.3-Flash's o_proj [4096, 8192]: 2 tiles a
+    warp, 256 blocks, 12 of each warp's 32 k blocks (96 KB) beside x's row (16 KB)."""
     from glm_kda.gpu import projection as gemm_rows
 
-    plan = tail_staged_plan(4096, 8192, 1)
+    plan = _tail_staged_plan(4096, 8192, 1)
     assert (plan.kernel, plan.grid, plan.tail_blocks) == ("gemm_rows_tail_staged_awaiting_bf16_m1_n2", (256, 1),
                                                           12), plan
     assert plan.shared_mem == 8 * 2 * 12 * 512 + 16 + 8192 * 2, plan
     for rows in (1, 4, 16):
-        plan = tail_staged_plan(4096, 8192, rows)
+        plan = _tail_staged_plan(4096, 8192, rows)
         if plan is not None:
-            assert gemm_rows.TAIL_BLOCKS_PER_SM * (plan.shared_mem + 1024) <= gemm_rows.BULK_SHARED_PER_SM, plan
-    assert tail_staged_plan(4096, 8192, 16) is None  # 16 rows of x (256 KB) leave no room for a tail
-    assert tail_staged_plan(4096, 8192, 1, tail_blocks=3).tail_blocks == 3
-    assert tail_staged_plan(40, 128, 1).tail_blocks == 4  # k_split 1: the whole 4-block range
-    assert tail_staged_plan(4096, 8192, 17) is None
+            assert gemm_rows._TAIL_BLOCKS_PER_SM * (plan.shared_mem + 1024) <= gemm_rows._SHARED_PER_SM, plan
+    assert _tail_staged_plan(4096, 8192, 16) is None  # 16 rows of x (256 KB) leave no room for a tail
+    assert _tail_staged_plan(4096, 8192, 1, tail_blocks=3).tail_blocks == 3
+    assert _tail_staged_plan(40, 128, 1).tail_blocks == 4  # k_split 1: the whole 4-block range
+    assert _tail_staged_plan(4096, 8192, 17) is None
     # A part with about 100 KB of shared memory an SM (sm_120): a third of the tail.
-    small = tail_staged_plan(4096, 8192, 1, shared_per_sm=100 << 10, shared_per_block=99 << 10)
+    small = _tail_staged_plan(4096, 8192, 1, shared_per_sm=100 << 10, shared_per_block=99 << 10)
     assert small.tail_blocks == 4 and 2 * (small.shared_mem + 1024) <= 100 << 10, small
     with pytest.raises(ValueError, match="tail_blocks must be >= 1"):
-        tail_staged_plan(4096, 8192, 1, tail_blocks=0)
+        _tail_staged_plan(4096, 8192, 1, tail_blocks=0)
 
 
 def test_staged_plan_fits_its_stage():
-    """staged_plan: the widest tiles whose group fits STAGED_MAX_BYTES, one group a block, none above
-    16 rows; a [2304, 4096] weight (the Kimi-Linear output projection) takes one tile a warp."""
+    """_staged_plan: the widest tiles whose group fits _STAGED_MAX_BYTES, one group a block, none
+    above 16 rows, a zero chunk and x's rows padded to whole k blocks (or the partial sums, if more)
+    beside the stage, 3 blocks an SM. A [2304, 4096] weight (the Kimi-Linear output projection)
+    takes one tile a warp."""
     from glm_kda.gpu import projection as gemm_rows
 
-    plan = staged_plan(2304, 4096, 1)
-    assert (plan.kernel, plan.grid, plan.shared_mem) == ("gemm_rows_staged_bf16_m1_n1", (288, 1), 65536), plan
-    plan = staged_plan(2304, 2048, 16)
-    assert (plan.kernel, plan.grid, plan.shared_mem) == ("gemm_rows_staged_bf16_m1_n2", (144, 1), 65536), plan
-    assert staged_plan(2304, 4096, 17) is None
-    assert staged_plan(4096, 8192, 1) is None  # a 128 KB tile
-    small = staged_plan(13, 40, 3)  # k_split 1: 8 warps side by side, one partial tile
-    assert small.grid == (1, 1) and small.shared_mem == 2 * 2 * 32 * 8 * 2, small
-    assert all(p.shared_mem <= gemm_rows.STAGED_MAX_BYTES for p in (plan, small))
-    # The awaiting form holds a zero chunk and x's rows padded to whole k blocks (or the partial sums,
-    # if more) beside the stage, 3 blocks an SM.
-    plan = staged_plan(2304, 4096, 1, awaiting=True)
+    plan = _staged_plan(2304, 4096, 1)
     assert (plan.kernel, plan.grid, plan.shared_mem) == ("gemm_rows_staged_awaiting_bf16_m1_n1", (288, 1),
                                                          65536 + 16 + 8192), plan
-    assert staged_plan(2304, 4096, 2, awaiting=True) is None  # 3 x (64 + 16 + 1) KB > 228 KB
-    small = staged_plan(13, 40, 3, awaiting=True)
-    assert small.shared_mem == 2 * 2 * 32 * 8 * 2 + 8 * 2 * 4 * 32 * 4, small  # the partial sums of 2 tiles a warp
-    wide = staged_plan(40, 2056, 5, awaiting=True)  # k 2056: rows padded to 2080
+    plan = _staged_plan(2304, 2048, 2)
+    assert (plan.kernel, plan.grid) == ("gemm_rows_staged_awaiting_bf16_m1_n2", (144, 1)), plan
+    assert plan.shared_mem - 16 - 2 * 2048 * 2 <= gemm_rows._STAGED_MAX_BYTES
+    assert _staged_plan(2304, 4096, 17) is None
+    assert _staged_plan(4096, 8192, 1) is None  # a 128 KB tile
+    assert _staged_plan(2304, 4096, 2) is None  # 3 x (64 + 16 + 1) KB > 228 KB
+    small = _staged_plan(13, 40, 3)  # k_split 1: 8 warps side by side, one partial tile
+    assert small.grid == (1, 1) and small.shared_mem == 2 * 2 * 32 * 8 * 2 + 8 * 2 * 4 * 32 * 4, small
+    wide = _staged_plan(40, 2056, 5)  # k 2056: rows padded to 2080
     assert wide.shared_mem == 65 * 32 * 8 * 2 + 16 + 5 * 2080 * 2, wide  # one tile of 65 k blocks a block

@@ -22,12 +22,12 @@ from glm_kda.gpu import ops
 # any test compiles (kernels.compile_file falls back to a child process otherwise).
 os.environ.setdefault("CUDA_CACHE_DISABLE", "1")
 
-ARCHS = ("sm_80", "sm_90", "sm_100", "sm_120")
+ARCHS = ("sm_80", "sm_90", "sm_100", "sm_120", "sm_121")
 
 # The chunk kernels keep a D-float state column (scan) or large unrolled loops in
 # registers and may spill on some architectures; the table reports it. The tensor-core
 # prepare runs two blocks per SM under a 128-register cap (4 to 8 bytes spill on sm_80,
-# sm_100 and sm_120; test_chunk_tc requires none on sm_90). Every other kernel must not spill.
+# sm_100 and sm_120 / sm_121; test_chunk_tc requires none on sm_90). Every other kernel must not spill.
 SPILL_ALLOWED = frozenset({"kda_chunk_prepare_f32", "kda_chunk_scan_f32", "kda_chunk_tc_prepare_f32",
                            "kda_chunk_tc_prepare_gate_f32"})
 
@@ -56,42 +56,43 @@ def _resource_table(compiled, arch: str) -> str:
 
 def test_kernel_files_match_entry_points():
     folder = kernels.kernels_dir()
-    assert sorted(path.name for path in folder.glob("*.cu")) == sorted(kernels.KERNEL_FILES)
+    assert sorted(path.relative_to(folder).as_posix() for path in folder.rglob("*.cu")) == sorted(kernels.KERNEL_FILES)
     families = {**kernels.ENTRY_POINTS, **{stem: names for stem, (_, names) in kernels.ARCH_ENTRY_POINTS.items()}}
     for stem, names in families.items():
         text = (folder / f"{stem}.cu").read_text()
-        # (an entry may carry a macro of attributes after its launch bounds, e.g. cluster dims)
-        declared = re.findall(r'^extern "C" __global__ void(?:\s+__launch_bounds__\([^)]*\))?(?:\s+[A-Z][A-Z0-9_]*)?'
-                              r'\s+(\w+)\s*\(', text, re.M)
-        # gemm_rows.cu declares its variants through macros: GEMM_ROWS_ENTRY(m-tiles, tiles) and
-        # GEMM_ROWS_SERIAL_ENTRY(m-tiles, tiles), one entry per weight layout (the first also in the form
-        # writing the FP32 sums), ...
+        declared = re.findall(r'^extern "C" __global__ void(?:\s+__launch_bounds__\([^)]*\))?\s+(\w+)\s*\(', text, re.M)
+        # gemm_rows.cu declares its variants through macros: GEMM_ROWS_ENTRY(m-tiles, tiles), one entry per
+        # weight layout, each also in the form writing the FP32 sums, ...
         declared += [f"gemm_rows_{layout}bf16_m{m}_n{n}" for layout in ("", "packed_", "sums_", "packed_sums_")
                      for m, n in re.findall(r"^GEMM_ROWS_ENTRY\((\d+), (\d+)\)", text, re.M)]
-        declared += [f"gemm_rows_{layout}serial_bf16_m{m}_n{n}" for layout in ("", "packed_")
-                     for m, n in re.findall(r"^GEMM_ROWS_SERIAL_ENTRY\((\d+), (\d+)\)", text, re.M)]
-        # ... and GEMM_ROWS_STAGED_ENTRY(tiles), the staged entry and its awaiting form (packed, one m-tile).
-        declared += [f"gemm_rows_staged_{form}bf16_m1_n{n}" for n in
-                     re.findall(r"^GEMM_ROWS_STAGED_ENTRY\((\d+)\)", text, re.M)
-                     for form in ("", "awaiting_", "awaiting_sums_")]
-        # ... and GEMM_ROWS_TAIL_STAGED_ENTRY(tiles), the tail-staged awaiting entry (packed, one m-tile),
-        # also writing the sums.
-        declared += [f"gemm_rows_tail_staged_awaiting_{form}bf16_m1_n{n}" for n in
-                     re.findall(r"^GEMM_ROWS_TAIL_STAGED_ENTRY\((\d+)\)", text, re.M) for form in ("", "sums_")]
-        # ... and GEMM_ROWS_DECODE_ENTRIES(tiles), the pair, the awaiting entry (also writing the sums), the
-        # counting entry and the counting entry's ahead form (packed, one m-tile).
+        # ... GEMM_ROWS_STAGED_ENTRY(tiles) and GEMM_ROWS_TAIL_STAGED_ENTRY(tiles), the staged awaiting entries
+        # (packed, one m-tile), also writing the sums ...
+        declared += [f"gemm_rows_{kind}staged_awaiting_{form}bf16_m1_n{n}"
+                     for kind, n in re.findall(r"^GEMM_ROWS_(TAIL_)?STAGED_ENTRY\((\d+)\)", text, re.M)
+                     for form in ("", "sums_")]
+        declared = [name.replace("TAIL_", "tail_") for name in declared]
+        # ... and GEMM_ROWS_DECODE_ENTRIES(tiles), the pair and the awaiting entry (also writing the sums).
         declared += [f"gemm_rows_packed_{form}_bf16_m1_n{n}" for n in
                      re.findall(r"^GEMM_ROWS_DECODE_ENTRIES\((\d+)\)", text, re.M)
-                     for form in ("pair", "awaiting", "awaiting_sums", "counting", "counting_ahead")]
-        # gemm_rows_wgmma.cu declares its entries through GEMM_WGMMA_ENTRY(rows, warpgroups).
-        declared += [f"gemm_rows_wgmma_n{rows}_g{groups}"
-                     for rows, groups in re.findall(r"^GEMM_WGMMA_ENTRY\((\d+), (\d+)\)", text, re.M)]
+                     for form in ("pair", "awaiting", "awaiting_sums")]
         # gemm_rows_bulk.cu declares its sweeps through GEMM_BULK_ENTRY(warpgroups).
         declared += [f"gemm_rows_bulk_g{groups}" for groups in re.findall(r"^GEMM_BULK_ENTRY\((\d+)\)", text, re.M)]
         # chunk_tc.cu declares its two plain prepares through CHUNK_TC_PREPARE_ENTRY(name, unbounded).
         declared += re.findall(r"^CHUNK_TC_PREPARE_ENTRY\((\w+), \w+\)", text, re.M)
         assert sorted(declared) == sorted(names) and len(set(declared)) == len(declared), \
             f"{stem}.cu declares {declared}, ENTRY_POINTS says {names}"
+
+
+def test_every_kernel_file_opens_with_what_it_computes():
+    """Each .cu file starts with a comment (what it computes, its launch geometry and why), and every
+    header it includes is named by its path under kernels_src."""
+    folder = kernels.kernels_dir()
+    for name in kernels.KERNEL_FILES:
+        text = (folder / name).read_text()
+        assert text.startswith("// ") and "Launch" in text.split("#include")[0], f"{name}: no opening comment"
+    for path in folder.rglob("*.cu*"):
+        for header in re.findall(r'^#include "([^"]+)"', path.read_text(), re.M):
+            assert (folder / header).is_file(), f"{path.name} includes {header}, not a path under {folder}"
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -140,7 +141,7 @@ def test_resource_table_report(compiled, tmp_path):
     path = tmp_path / "kernel_resources.txt"
     path.write_text(report + "\n")
     print("\n" + report)
-    assert path.read_text().count("gemv_bf16") == len(ARCHS)
+    assert path.read_text().count("kda_decode_fused_bf16") == len(ARCHS)
 
 
 def test_compile_check_reports_every_entry_point():
@@ -156,33 +157,37 @@ def test_kernel_source_inlines_header_with_line_directives():
     source = kernels.kernel_source("norm")
     folder = kernels.kernels_dir().resolve()
     assert source.startswith(f'#line 1 "{folder / "norm.cu"}"')
-    assert f'#line 1 "{folder / kernels.COMMON_HEADER}"' in source
-    assert '#include "kda_common.cuh"' not in source
+    for header in ("common/reduce.cuh", "common/head.cuh", "common/math.cuh"):
+        assert f'#line 1 "{folder / header}"' in source
+        assert f'#include "{header}"' not in source
+    assert source.count(f'#line 1 "{folder / "common/head.cuh"}"') == 1  # inlined once, at its first include
     assert "block_sum_f32" in source
 
 
 def _write_broken_kernel(folder: Path) -> int:
-    """A kernel file whose error sits after the inlined header; returns its line."""
-    (folder / kernels.COMMON_HEADER).write_text((kernels.kernels_dir() / kernels.COMMON_HEADER).read_text())
+    """A kernel file (in a stage folder) whose error sits after the inlined header; returns its line."""
+    (folder / "common").mkdir()
+    (folder / "stage").mkdir()
+    (folder / kernels.MARKER_HEADER).write_text((kernels.kernels_dir() / kernels.MARKER_HEADER).read_text())
     lines = [
         "// a kernel with a deliberate error",
-        '#include "kda_common.cuh"',
+        f'#include "{kernels.MARKER_HEADER}"',
         "",
         'extern "C" __global__ void broken_f32(float* out)',
         "{",
         "    out[threadIdx.x] = undefined_name;",
         "}",
     ]
-    (folder / "broken.cu").write_text("\n".join(lines) + "\n")
+    (folder / "stage" / "broken.cu").write_text("\n".join(lines) + "\n")
     return lines.index("    out[threadIdx.x] = undefined_name;") + 1
 
 
 def test_compile_error_names_real_file_and_line(tmp_path):
     line = _write_broken_kernel(tmp_path)
     with pytest.raises(kernels.KernelCompileError) as error:
-        kernels.compile_file("broken", "sm_90", directory=tmp_path)
+        kernels.compile_file("stage/broken", "sm_90", directory=tmp_path)
     message = str(error.value)
-    assert f"{(tmp_path / 'broken.cu').resolve()}({line})" in message, message
+    assert f"{(tmp_path / 'stage' / 'broken.cu').resolve()}({line})" in message, message
     assert "undefined_name" in message
 
 
@@ -190,7 +195,13 @@ def test_compile_error_through_kernels_dir(tmp_path, monkeypatch):
     line = _write_broken_kernel(tmp_path)
     monkeypatch.setattr(kernels, "kernels_dir", lambda: tmp_path)
     with pytest.raises(kernels.KernelCompileError, match=rf"broken\.cu\({line}\)"):
-        kernels.compile_file("broken", "sm_80")
+        kernels.compile_file("stage/broken", "sm_80")
+
+
+def test_an_include_outside_the_kernel_folder_is_an_error(tmp_path):
+    (tmp_path / "broken.cu").write_text('#include "common/missing.cuh"\n')
+    with pytest.raises(FileNotFoundError, match="common/missing.cuh"):
+        kernels.kernel_source("broken", tmp_path)
 
 
 @pytest.mark.parametrize("chunk", [1, 16, 32, 64], ids=lambda c: f"C{c}")
@@ -202,7 +213,8 @@ def test_chunk_prepare_smem_fits_h200(chunk):
 
 def test_import_does_not_touch_gpu():
     # Building a KernelSet needs a GPU; importing and describing the kernels does not.
-    assert not kernels.TIMER.active
+    assert not kernels.KernelSet._instances
+    assert kernels.current_context() == kernels.LaunchContext()
 
 
 def test_every_build_names_the_options_cupy_adds():
@@ -233,23 +245,25 @@ def test_cubin_cache_is_keyed_on_the_compiler_and_kept_private(tmp_path, monkeyp
                         lambda stem, arch, directory=None, **options: built.append(arch) or SimpleNamespace(cubin=b"cubin"))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.delenv("GLM_KDA_CUBIN_CACHE", raising=False)
-    first = kernels._cached_cubin("gemv", "sm_90", None)
-    assert kernels._cached_cubin("gemv", "sm_90", None) == first and len(built) == 1, "the cubin kept was not reused"
+    stem = "projection/gemm_rows_bulk"
+    first = kernels._cached_cubin(stem, "sm_90a", None)
+    assert kernels._cached_cubin(stem, "sm_90a", None) == first and len(built) == 1, "the cubin kept was not reused"
+    assert first.name.startswith("projection-gemm_rows_bulk-sm_90a-")  # one file, not a folder per stage
     folder = first.parent
     assert folder == tmp_path / f"glm_kda-{os.getuid()}" and folder.stat().st_mode & 0o777 == 0o700
     version = nvrtc.getVersion()
     monkeypatch.setattr(nvrtc, "getVersion", lambda: (version[0], version[1] + 1))
-    assert kernels._cached_cubin("gemv", "sm_90", None) != first and len(built) == 2, "another NVRTC's cubin was used"
+    assert kernels._cached_cubin(stem, "sm_90a", None) != first and len(built) == 2, "another NVRTC's cubin was used"
     folder.chmod(0o777)
     with pytest.raises(RuntimeError, match="not a folder of this user's"):
-        kernels._cached_cubin("gemv", "sm_90", None)
+        kernels._cached_cubin(stem, "sm_90a", None)
     monkeypatch.setenv("GLM_KDA_CUBIN_CACHE", str(folder))  # a folder the user names is theirs to choose
-    assert kernels._cached_cubin("gemv", "sm_90", None).parent == folder
+    assert kernels._cached_cubin(stem, "sm_90a", None).parent == folder
 
 
 @pytest.mark.parametrize("stem", list(kernels.ARCH_ENTRY_POINTS))
 def test_architecture_families_compile_for_their_architecture(stem):
-    """A family of one architecture's own instructions (gemm_rows_wgmma: sm_90a) compiles for it with
+    """A family of one architecture's own instructions (gemm_rows_bulk: sm_90a) compiles for it with
     every entry point, no spill and code that fits the instruction cache; compile_check of that
     architecture reports it beside the portable families."""
     arch, names = kernels.ARCH_ENTRY_POINTS[stem]
@@ -265,16 +279,3 @@ def test_architecture_families_compile_for_their_architecture(stem):
     report = kernels.compile_check(arch)
     assert set(names) <= set(report)
     assert {name for families in kernels.ENTRY_POINTS.values() for name in families} <= set(report)
-
-
-def test_sm_intake_benchmark_compiles():
-    """benchmarks/sm_intake.cu (the bulk-copy, multicast and load intake cases) builds for sm_90a."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    try:
-        import sm_intake
-    finally:
-        sys.path.pop(0)
-    resources = kernels.parse_ptxas_log(sm_intake.compile_kernels().log)
-    assert set(sm_intake.ENTRY_POINTS) <= set(resources), f"entry points missing from the cubin: {sorted(resources)}"

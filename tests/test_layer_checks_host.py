@@ -49,12 +49,12 @@ def layer(monkeypatch):
     made = object.__new__(KdaLayer)
     made.config = CONFIG
     made._state_shapes = (CONFIG.conv_state_shape, CONFIG.recurrent_state_shape)
-    made.qkv_weight = SimpleNamespace(device=SimpleNamespace(id=0))
-    made.workspace = SimpleNamespace(max_tokens=64)
+    made.device_id = 0
+    made.max_tokens = 64
 
     def no_launch(*args, **kwargs):
         pytest.fail("a launch before the checks refused the call")
-    made.decode_rows = made.front_end = made.prefill_core = made.back_end = no_launch
+    made._call = made._decode_rows = made._prefill_rows = no_launch
     made._rows_in = lambda hidden, what, max_rows: (hidden, lambda out: out)
     return made
 
@@ -105,5 +105,4 @@ def test_decode_of_several_rows_for_one_state_is_refused(layer, rows):
 def test_decreasing_cu_seqlens_are_refused_whatever_their_integer_type(layer, monkeypatch, dtype):
     layer._check_pool = lambda pool, what: None
     with pytest.raises(ValueError, match="strictly increase"):
-        layer._prefill_packed(OnDevice(aligned((8, CONFIG.hidden))), object(), [0, 1],
-                              np.array([0, 5, 3, 8], dtype))
+        layer._packed_runs(8, object(), [0, 1], np.array([0, 5, 3, 8], dtype))

@@ -3,7 +3,7 @@
 GPU tests (tests/test_gpu.py::test_o_proj_sums_keep_the_bits_and_round_to_them, the tensor-parallel
 tests) measure: with sums set, the decode side passes the sums' rows to gemm_rows_bf16 beside the
 forms it would take anyway (awaiting the fused step's count, staged); prefill gets cuBLAS's FP32
-result, rounded into final_out; the persistent launch is off.
+result, rounded into final_out.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from glm_kda.gpu import projection as gemm_rows
-from glm_kda.gpu import layer as layer_module
 from glm_kda.gpu import ops
 from glm_kda.gpu.layer import KdaLayer
 
@@ -30,41 +29,36 @@ def recorded(monkeypatch):
     monkeypatch.setattr(ops, "gemm_bf16_cublas", lambda x, w, out: calls.append(("cublas", x, w, out)))
     monkeypatch.setattr(ops, "round_to_bf16", lambda values, out: calls.append(("round", values, out)))
     layer = object.__new__(KdaLayer)
-    layer.workspace = SimpleNamespace(
+    layer.ws = SimpleNamespace(
         o_norm_out=np.zeros((ROWS, QKV), np.uint16), final_out=np.zeros((ROWS, HIDDEN), np.uint16),
         outputs_ready=np.zeros(2, np.int32), x_tiles=np.zeros(64, np.uint16), bulk_partial=np.zeros(64, np.float32))
     layer.config = SimpleNamespace(heads=2, head_dim=8, rms_norm_eps=1e-6)
     packed = object.__new__(gemm_rows.PackedWeight)
-    layer.decode_weight = lambda name: packed
+    layer._packed = {"o_proj": packed}
     layer.o_proj = "o_proj row-major"
-    layer.persistent_decode = layer.fused_decode = True
     layer._o_proj_sums = None
-    layer._x_tiles_rows = layer._o_proj_ready = 0
     return layer, calls, packed
 
 
 @pytest.mark.parametrize("ready_blocks", [0, 5], ids=["after_the_step", "awaiting_the_step"])
-def test_decode_side_o_proj_writes_the_sums_rows(recorded, ready_blocks, monkeypatch):
+def test_decode_side_o_proj_writes_the_sums_rows(recorded, ready_blocks):
     layer, calls, packed = recorded
-    monkeypatch.setattr(layer_module, "OUT_PROJ_STAGED_AWAITING", True)
     sums = np.full((ROWS, HIDDEN), np.nan, np.float32)
     layer._o_proj_sums = sums
-    layer._o_proj_ready = ready_blocks  # the blocks of the step before that count their outputs out
-    layer.back_end(3, norm=False)
+    # ready_blocks: the blocks of the step before that count their outputs out
+    layer._back_end(layer.ws, 3, wide=False, norm=False, ready_target=ready_blocks)
     assert len(calls) == 1, calls
     kind, x, w, out, rows, kw = calls[0]
     assert kind == "gemm_rows" and w is packed and rows == 3
-    assert out.base is layer.workspace.final_out and out.shape == (3, HIDDEN)
+    assert out.base is layer.ws.final_out and out.shape == (3, HIDDEN)
     assert kw["sums"].base is sums and kw["sums"].shape == (3, HIDDEN), "the sums' first rows"
     assert kw["ready_target"] == ready_blocks and (kw["ready"] is not None) == bool(ready_blocks), kw
     assert kw["staged"] == bool(ready_blocks), "the awaiting o_proj keeps its staged forms"
-    assert layer._o_proj_ready == 0
 
 
-def test_without_sums_the_output_projection_is_unchanged(recorded, monkeypatch):
+def test_without_sums_the_output_projection_is_unchanged(recorded):
     layer, calls, packed = recorded
-    layer._o_proj_ready = 5
-    layer.back_end(1, norm=False)
+    layer._back_end(layer.ws, 1, wide=False, norm=False, ready_target=5)
     kind, _, w, out, rows, kw = calls[0]
     assert kind == "gemm_rows" and kw["sums"] is None and kw["ready_target"] == 5 and kw["ready"] is not None
 
@@ -73,19 +67,10 @@ def test_prefill_o_proj_rounds_cublas_fp32_result_into_final_out(recorded):
     layer, calls, _ = recorded
     sums = np.full((ROWS, HIDDEN), np.nan, np.float32)
     layer._o_proj_sums = sums
-    layer.back_end(6, wide=True, norm=False)
+    layer._back_end(layer.ws, 6, wide=True, norm=False)
     assert [call[0] for call in calls] == ["cublas", "round"], calls
     _, x, w, out = calls[0]
     assert w == "o_proj row-major" and out.base is sums and out.shape == (6, HIDDEN)
     _, values, rounded = calls[1]
     assert values.base is sums and values.shape == (6, HIDDEN)
-    assert rounded.base is layer.workspace.final_out and rounded.shape == (6, HIDDEN)
-
-
-def test_sums_keep_the_awaiting_o_proj_and_turn_off_the_persistent_launch(recorded, monkeypatch):
-    layer, _, _ = recorded
-    monkeypatch.setattr(layer_module, "OUT_PROJ_AWAITS_STEP", True)
-    assert layer._o_proj_awaits_step(1) and layer._persistent_applies(1, True, [])
-    layer._o_proj_sums = np.zeros((ROWS, HIDDEN), np.float32)
-    assert layer._o_proj_awaits_step(1), "the awaiting o_proj has entries writing sums"
-    assert not layer._persistent_applies(1, True, []), "the persistent launch writes no sums"
+    assert rounded.base is layer.ws.final_out and rounded.shape == (6, HIDDEN)

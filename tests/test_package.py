@@ -26,5 +26,6 @@ def test_gpu_entry_points_say_why_they_cannot_run(tmp_path):
 
 
 def test_kernel_sources_are_found():
-    stems = {path.stem for path in kernels.kernels_dir().glob("*.cu")}
+    root = kernels.kernels_dir()
+    stems = {path.relative_to(root).with_suffix("").as_posix() for path in root.rglob("*.cu")}
     assert set(kernels.ENTRY_POINTS) <= stems, f"missing .cu files for {set(kernels.ENTRY_POINTS) - stems}"

@@ -13,13 +13,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import timeline  # noqa: E402
 
-from glm_kda import kernels  # noqa: E402
+from glm_kda.gpu import build as kernels  # noqa: E402
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_100", "sm_120"])
 def test_traced_kernels_compile(tmp_path, arch):
     folder = timeline.write_traced_sources(tmp_path / "kernels")
-    assert (folder / "kda_common.cuh").read_text().startswith("#define KDA_TRACE 1\n")
+    assert (folder / timeline.TRACE_HEADER).read_text().startswith("#define KDA_TRACE 1\n")
     for stem in timeline.TRACED_STEMS:
         own = kernels.ARCH_ENTRY_POINTS.get(stem)
         if own is not None and own[0].rstrip("a") != arch:
@@ -33,7 +33,16 @@ def test_traced_kernels_compile(tmp_path, arch):
         assert compiled.cubin, f"{stem} traced for {arch}: no cubin"
     assert timeline.trace_capacity() == 65536
     # The package's own sources are untouched.
-    assert not (kernels.kernels_dir() / "kda_common.cuh").read_text().startswith("#define KDA_TRACE")
+    assert not (kernels.kernels_dir() / timeline.TRACE_HEADER).read_text().startswith("#define KDA_TRACE")
+
+
+def test_traced_stems_are_kernel_files():
+    """Every module timeline reads records from is a kernel family of the build, and every traced
+    family holds the trace scope (else its launches would be missing from the timeline)."""
+    families = set(kernels.ENTRY_POINTS) | set(kernels.ARCH_ENTRY_POINTS)
+    assert set(timeline.TRACED_STEMS) <= families, sorted(set(timeline.TRACED_STEMS) - families)
+    for stem in timeline.TRACED_STEMS:
+        assert "KDA_TRACE_SCOPE(" in kernels.kernel_source(stem), stem
 
 
 def _record(tag: int, sm: int, start: int, waited: int, end: int) -> list[int]:
@@ -79,16 +88,17 @@ def test_no_replays_is_refused():
         timeline.main(["kimi", "--replays", "0"])
 
 
-def test_settings_are_layer_and_gemm_rows_settings_only(monkeypatch):
-    from glm_kda.gpu import projection as gemm_rows
-    from glm_kda.gpu import layer
-
-    monkeypatch.setattr(layer, "SIDE_CHAIN_FIRST", layer.SIDE_CHAIN_FIRST)
-    monkeypatch.setattr(gemm_rows, "BULK_SPLIT_WARPGROUPS", gemm_rows.BULK_SPLIT_WARPGROUPS)
-    assert timeline.apply_settings(["SIDE_CHAIN_FIRST=False"]) == {"SIDE_CHAIN_FIRST": False}
-    assert layer.SIDE_CHAIN_FIRST is False
-    assert timeline.apply_settings(["gemm_rows.BULK_SPLIT_WARPGROUPS=2"]) == {"gemm_rows.BULK_SPLIT_WARPGROUPS": 2}
-    assert gemm_rows.BULK_SPLIT_WARPGROUPS == 2
-    for bad in ("NO_SUCH_SETTING=1", "SIDE_CHAIN_FIRST", "math=1", "os.SEP=1", "gemm_rows.NOPE=1", "layer.lower=1"):
-        with pytest.raises(SystemExit, match="NAME=VALUE"):
-            timeline.apply_settings([bad])
+def test_variants_are_kda_options_fields_only(capsys):
+    """--variant takes KdaOptions fields (values Python literals); anything else is refused by
+    argparse, naming the fields there are, before any GPU work."""
+    pytest.importorskip("glm_kda.options")
+    args = timeline.parse_arguments(["kimi", "--variant", "hopper=False", "--variant", "packed_weights=False"])
+    assert args.geometries == ["kimi"] and args.options == {"hopper": False, "packed_weights": False}
+    assert timeline.parse_arguments([]).geometries == ["glm", "kimi"]
+    for bad in ("SIDE_CHAIN_FIRST=False", "hopper", "gemm_rows.BULK_SPLIT_WARPGROUPS=2", "nope=1"):
+        with pytest.raises(SystemExit) as stop:
+            timeline.parse_arguments(["--variant", bad])
+        assert stop.value.code == 2
+        assert "KdaOptions fields" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        timeline.parse_arguments(["llama"])

@@ -439,7 +439,7 @@ def test_conversion_source_compiles():
         nvrtc.getVersion()
     except Exception as exc:  # noqa: BLE001 - any failure means no NVRTC here
         pytest.skip(f"NVRTC is not available ({type(exc).__name__}: {exc})")
-    from glm_kda.gpu.ops import BF16_ROUND_SOURCE
+    from glm_kda.gpu.ops.cublas import BF16_ROUND_SOURCE
 
     source = BF16_ROUND_SOURCE + r"""
 extern "C" __global__ void round_check(const float* values, unsigned short* rounded, int count) {

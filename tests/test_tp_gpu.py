@@ -103,7 +103,7 @@ def device_state(state: KdaState) -> KdaState:
 def runs(blocks):
     """Prefill of PREFILL_TOKENS from a carried state, then DECODE_STEPS decode calls, on
     TP=1 and TP=2, plus the float64 oracle (on GPU 0) over the same tokens."""
-    from glm_kda.gpu.layer import to_device_bf16, to_host
+    from glm_kda.gpu.arrays import to_device_bf16, to_host
 
     cp = _cp()
     bound, single, block = blocks
@@ -190,7 +190,7 @@ def fill(states, source):
 def test_decode_k_bit_identical_to_decodes(blocks, runs):
     """K=4 rows in one call equal 4 decode calls, every output and state bit, on the eager
     first call, the capturing second and the replays after (the states keep their pointers)."""
-    from glm_kda.gpu.layer import to_device_bf16
+    from glm_kda.gpu.arrays import to_device_bf16
 
     cp = _cp()
     block = blocks[2]
@@ -227,7 +227,7 @@ def test_decode_k_bit_identical_to_decodes(blocks, runs):
 
 def test_graphs_equal_eager(blocks):
     """Captured decode steps give the bits of eager ones (same stages, same order)."""
-    from glm_kda.gpu.layer import to_device_bf16
+    from glm_kda.gpu.arrays import to_device_bf16
 
     cp = _cp()
     block = blocks[2]
@@ -266,7 +266,7 @@ def test_errors_name_the_culprit(real_checkpoint):
 def test_decode_step_time(blocks, figures):
     """Median decode step, CUDA events on GPU 0 around each call (the TP=2 step ends with
     the all-reduced output on GPU 0, so its events cover both GPUs' work)."""
-    from glm_kda.gpu.layer import to_device_bf16
+    from glm_kda.gpu.arrays import to_device_bf16
 
     cp = _cp()
     _, single, block = blocks

@@ -13,6 +13,8 @@ calls agree.
 
 from __future__ import annotations
 
+import contextlib
+
 import ctypes
 import sys
 import types
@@ -23,7 +25,9 @@ import numpy as np
 import pytest
 
 from glm_kda import device as device_module, tp
+from glm_kda.gpu import arrays as arrays_module
 from glm_kda.gpu import layer as layer_module
+from glm_kda.gpu import workspace as workspace_module
 from glm_kda.gpu import ops
 from glm_kda.config import KdaConfig
 from glm_kda.state import KdaState
@@ -271,11 +275,15 @@ class FakeLayer:
         self.generation = 0
         self.weight = on_device(np.ones(1, np.float32))
 
-    def graph_variant(self) -> tuple:
+    def graph_key(self, ws) -> tuple:
         return (self.generation,)
 
+    @contextlib.contextmanager
+    def _call(self):
+        yield self.workspace
+
     def swap_weight(self, scale: float) -> None:
-        """New decode weights, as KdaLayer.packed_decode makes them: the old array freed (here NaN,
+        """New decode weights, as new KdaLayer.options make them: the old array freed (here NaN,
         what a captured launch reading it would show) and the layer's own graphs cleared."""
         self.weight._a[...] = np.nan
         self.weight = on_device(np.full(1, scale, np.float32))
@@ -296,7 +304,7 @@ class FakeLayer:
 
         Gpu.issue(["kernel", kernel])
 
-    def decode_rows(self, hidden, conv, recurrent, sequential=True, snapshots=()):
+    def _decode_rows(self, ws, hidden, conv, recurrent, sequential=True, snapshots=()):
         self._issue(hidden, KdaState(conv, recurrent))
 
     def decode_k(self, hidden, state, snapshots=()):
@@ -322,7 +330,8 @@ def block(monkeypatch):
     monkeypatch.setattr(tp, "_nccl", lambda: FakeNccl)
     monkeypatch.setattr(device_module, "require_gpu", lambda what: None)
     monkeypatch.setattr(layer_module, "KdaLayer", FakeLayer)
-    monkeypatch.setattr(layer_module, "bf16_dtype", lambda: np.dtype(np.uint16))
+    monkeypatch.setattr(arrays_module, "bf16_dtype", lambda: np.dtype(np.uint16))
+    monkeypatch.setattr(workspace_module, "KdaWorkspace", lambda config, max_tokens: None)
     monkeypatch.setattr(ops, "round_to_bf16", fake_round)
     Gpu.reset((0, 1))
     config: KdaConfig = synthetic_config("tiny-glm")
@@ -377,7 +386,7 @@ def test_decode_output_is_the_rounded_sum_of_the_fp32_partials(block, graphs):
 
 def test_a_rank_layer_changed_under_a_captured_graph_is_captured_again(block):
     """The group's graphs hold each rank layer's launches: once a layer's decode weights change (its
-    graph_variant moves on), the next call must not replay the graph that reads the old ones."""
+    graph_key moves on), the next call must not replay the graph that reads the old ones."""
     states = block.new_state()
     hidden = rows(5, 1, block.config.hidden)
     for _ in range(3):  # eager, captured, replayed

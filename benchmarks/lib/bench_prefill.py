@@ -9,8 +9,10 @@ prefill is bound by its arithmetic). "core" is conv output to core output: forge
 the chunked delta rule (what flash-linear-attention's chunk_kda computes from the same inputs with
 its in-kernel gate and beta; its in-kernel L2 norm is fused into our conv pass, so our "core"
 leaves it out). "core_conv" adds the conv (+ SiLU + L2 + split) pass: projection output to core
-output. The core lines need the layer's chunk_core / prefill_core entries; where the layer has
-none, a note says so and the block lines and the per-kernel breakdown at T = 16384 remain.
+output. Both come from the layer's own timer (layer.timing(): a pair of CUDA events around each
+launch and each stage, the calls eager): "core_conv" is the "[recurrence]" stage of a prefill,
+"core" that less its conv kernel, each the median over as many timed prefills as the block's.
+At T = 16384 a "block_kernels" line gives every kernel's and stage's milliseconds.
 
 Geometries: "glm" (hidden 4096, 64 heads, bounded gate -5), "kimi" (hidden 2304, 32 heads,
 softplus law) and "kimi-bounded" (Kimi's shapes with the bounded gate -5, the law
@@ -40,6 +42,10 @@ PREFILL_GEOMETRIES = ("glm", "kimi", "kimi-bounded")
 PREFILL_TOKENS = (1024, 4096, 16384, 65536)
 # The FP32 reference kernels run ~0.1 Mtok/s: timing them past this many tokens costs seconds.
 FP32_MAX_TOKENS = 4096
+# The layer timer's name of a prefill's stateful middle (conv, gate and beta, chunked delta rule),
+# and of its conv kernel.
+RECURRENCE = "[recurrence]"
+CONV_KERNEL = "conv_prefill_silu_l2_bf16"
 
 
 def geometry_config(geometry: str) -> KdaConfig:
@@ -75,7 +81,7 @@ def bench_geometry(geometry: str, directory: Path, tokens: tuple[int, ...], repe
                    changed: dict | None = None) -> list[dict]:
     """The prefill cases of one geometry with the KdaOptions fields `changed` over the defaults,
     for each chunk implementation."""
-    import cupy
+    import numpy as np
 
     from glm_kda.gpu.arrays import to_device_bf16
     from glm_kda.synthetic import synthetic_hidden
@@ -84,10 +90,6 @@ def bench_geometry(geometry: str, directory: Path, tokens: tuple[int, ...], repe
     layer = make_layer(directory, config, max(tokens), name=geometry, own_workspace=True)
     with_options(layer, **(changed or {}))
     hidden = to_device_bf16(synthetic_hidden(max(tokens), config.hidden, seed=3))
-    core = hasattr(layer, "chunk_core") and hasattr(layer, "prefill_core")
-    if not core:
-        print(json.dumps({"note": f"{geometry}: no core lines (this layer has no chunk_core / prefill_core)"}),
-              flush=True)
     rows = []
     for impl in ("fp32", "tensor"):
         with_options(layer, chunk_impl=impl)
@@ -96,21 +98,22 @@ def bench_geometry(geometry: str, directory: Path, tokens: tuple[int, ...], repe
                 continue
             state = layer.new_state()
             reps = repeats if count <= 16384 else max(2, repeats // 2)
-            cases = [("block", median_ms(lambda: layer.prefill(hidden[:count], state), repeats=reps, warmup=2),
-                      block_flops(config, count))]
-            if core:
-                cases.append(("core", median_ms(lambda: layer.chunk_core(count, state.recurrent), repeats=reps,
-                                                warmup=2), core_flops(config, count)))
-                cases.append(("core_conv", median_ms(lambda: layer.prefill_core(count, state.conv, state.recurrent),
-                                                     repeats=reps, warmup=2), core_flops(config, count)))
-            if count == 16384:
+            block_ms = median_ms(lambda: layer.prefill(hidden[:count], state), repeats=reps, warmup=2)
+            stages = []
+            for _ in range(reps):
                 with layer.timing() as timer:
                     layer.prefill(hidden[:count], state)
+                stages.append(timer.summary())
+            core_conv_ms = float(np.median([timed[RECURRENCE] for timed in stages]))
+            core_ms = float(np.median([timed[RECURRENCE] - timed.get(CONV_KERNEL, 0.0) for timed in stages]))
+            if count == 16384:
                 breakdown = {"impl": f"glm_kda-{impl}", "case": "block_kernels", "geometry": geometry, "T": count,
-                             "options": changed or {}, "total_ms": {name: round(ms, 4)
-                                                                    for name, ms in timer.summary().items()}}
+                             "options": changed or {},
+                             "total_ms": {name: round(ms, 4) for name, ms in stages[-1].items()}}
                 print(json.dumps(breakdown), flush=True)
-            for case, ms, flops in cases:
+            for case, ms, flops in (("block", block_ms, block_flops(config, count)),
+                                    ("core", core_ms, core_flops(config, count)),
+                                    ("core_conv", core_conv_ms, core_flops(config, count))):
                 row = {"impl": f"glm_kda-{impl}", "case": case, "geometry": geometry, "T": count,
                        "options": changed or {}, "median_us": 1e3 * ms, "Mtok_s": count / (1e3 * ms),
                        "TFLOP_s": flops / 1e9 / ms, "copy_bandwidth_GBs": bandwidth}
@@ -120,8 +123,6 @@ def bench_geometry(geometry: str, directory: Path, tokens: tuple[int, ...], repe
                                roofline_ratio=roofline(nbytes, bandwidth, 1e3 * ms))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    del layer, hidden
-    cupy.get_default_memory_pool().free_all_blocks()
     return rows
 
 
@@ -155,6 +156,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import cupy
+
     from .bench_fla import comparison_note
 
     tokens = tuple(args.tokens)
@@ -165,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
         for geometry in args.geometry:
             for changed in ({}, *args.variant):
                 bench_geometry(geometry, Path(tmp), tokens, args.repeats, bandwidth, changed)
+                cupy.get_default_memory_pool().free_all_blocks()  # the layer's own workspace goes
             if fla_ok and geometry != "kimi":
                 bench_fla(geometry, Path(tmp), tokens, args.repeats)
     return 0

@@ -54,10 +54,7 @@ def copy_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 20) -> float:
     src = cupy.empty(nbytes // 4, cupy.float32)
     src.fill(1.0)
     dst = cupy.empty_like(src)
-    ms = median_ms(lambda: cupy.copyto(dst, src), repeats)
-    del src, dst
-    cupy.get_default_memory_pool().free_all_blocks()
-    return 2 * nbytes / 1e9 / (ms / 1e3)
+    return 2 * nbytes / 1e9 / (median_ms(lambda: cupy.copyto(dst, src), repeats) / 1e3)
 
 
 def median_ms(fn, repeats: int = 50, warmup: int = 5, event=None, elapsed=None) -> float:

@@ -1,14 +1,15 @@
 """Loader of the CUDA kernels in ``kernels_src/`` and the one place that launches them.
 
-One ``.cu`` file per kernel family, every kernel ``extern "C"`` with its dtype in
-its name, so CuPy's on-disk cache keys on the source text alone. The shared headers
-(``kda_common.cuh`` and the ``.cuh`` files next to it) are inlined by
-:func:`kernel_source` with ``#line`` directives, so a compiler error names the real
-file and line and NVRTC needs no include path.
+One ``.cu`` file per kernel family, grouped by stage (``projection/``, ``decode/``, ``chunk/``, and
+``conv.cu``, ``gate.cu``, ``norm.cu``), every kernel ``extern "C"`` with its dtype in its name, so
+CuPy's on-disk cache keys on the source text alone. The headers (``common/*.cuh`` and the ``.cuh``
+files beside the kernels) are included by their path under ``kernels_src`` and inlined by
+:func:`kernel_source` with ``#line`` directives, so a compiler error names the real file and line
+and NVRTC needs no include path.
 
-Importing this module does not touch the GPU: :class:`KernelSet` compiles and
-loads the modules the first time it is built, and :func:`compile_check` compiles
-with NVRTC alone (no driver, no GPU), which is what the test suite runs.
+Importing this module does not touch the GPU: :class:`KernelSet` compiles and loads the modules the
+first time it is built, and :func:`compile_check` compiles with NVRTC alone (no driver, no GPU),
+which is what the test suite runs.
 """
 
 from __future__ import annotations
@@ -22,26 +23,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-# Tiles per warp of gemm_rows' staged entries (gemm_rows_staged[_awaiting]_bf16_m1_n<N>).
-STAGED_TILES_PER_WARP = (1, 2)
-
-# file stem -> kernel entry points, in the pipeline order of the block.
+# file stem (its path under kernels_src, less ".cu") -> kernel entry points, in the pipeline order.
 ENTRY_POINTS: dict[str, tuple[str, ...]] = {
-    "gemm_rows": tuple(f"gemm_rows_{layout}bf16_m{m}_n{n}" for layout in ("", "packed_", "sums_", "packed_sums_")
-                       for m, n in ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2)))
-    + tuple(f"gemm_rows_{layout}serial_bf16_m{m}_n{n}" for layout in ("", "packed_") for m, n in ((4, 2),))
-    + tuple(f"gemm_rows_staged_{form}bf16_m1_n{n}" for form in ("", "awaiting_", "awaiting_sums_")
-            for n in STAGED_TILES_PER_WARP)
-    + tuple(f"gemm_rows_tail_staged_awaiting_{form}bf16_m1_n{n}" for form in ("", "sums_") for n in (1, 2, 4))
-    + tuple(f"gemm_rows_packed_{form}_bf16_m1_n{n}"
-            for form in ("pair", "awaiting", "awaiting_sums", "counting", "counting_ahead") for n in (1, 2, 4)),
-    "conv": ("conv_decode_silu_l2_bf16", "conv_prefill_silu_l2_bf16"),
+    "projection/gemm_rows":
+        tuple(f"gemm_rows_{layout}bf16_m{m}_n{n}" for layout in ("", "packed_", "sums_", "packed_sums_")
+              for m, n in ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2)))
+        + tuple(f"gemm_rows_staged_awaiting_{form}bf16_m1_n{n}" for form in ("", "sums_") for n in (1, 2))
+        + tuple(f"gemm_rows_tail_staged_awaiting_{form}bf16_m1_n{n}" for form in ("", "sums_") for n in (1, 2, 4))
+        + tuple(f"gemm_rows_packed_{form}_bf16_m1_n{n}" for form in ("pair", "awaiting", "awaiting_sums")
+                for n in (1, 2, 4)),
+    "conv": ("conv_prefill_silu_l2_bf16",),
     "gate": ("gate_beta_f32",),
-    "decode": ("kda_decode_fused_bf16", "kda_decode_fused_staged_bf16", "kda_decode_fused_split_bf16",
-               "kda_signal_inputs_ready"),
-    "chunk": ("kda_chunk_prepare_f32", "kda_chunk_scan_f32"),
-    "chunk_tc": ("kda_chunk_tc_prepare_f32", "kda_chunk_tc_prepare_gate_f32", "kda_chunk_tc_prepare_unbounded_f32",
-                 "kda_chunk_tc_scan_f32"),
+    "decode/decode": ("kda_decode_fused_bf16",),
+    "chunk/chunk": ("kda_chunk_prepare_f32", "kda_chunk_scan_f32"),
+    "chunk/chunk_tc": ("kda_chunk_tc_prepare_f32", "kda_chunk_tc_prepare_gate_f32",
+                       "kda_chunk_tc_prepare_unbounded_f32", "kda_chunk_tc_scan_f32"),
     "norm": ("gated_rmsnorm_sigmoid_bf16",),
 }
 
@@ -49,14 +45,15 @@ ENTRY_POINTS: dict[str, tuple[str, ...]] = {
 # (sm_90a: Hopper's warpgroup MMA). They are compiled for that architecture alone and loaded only on a
 # device of it; the wrappers fall back to the portable kernels elsewhere (KernelSet.has).
 ARCH_ENTRY_POINTS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "gemm_rows_bulk": ("sm_90a", ("gemm_rows_tile_x_bf16",) + tuple(f"gemm_rows_bulk_g{g}" for g in (1, 2, 3))
-                       + ("gemm_rows_bulk_fold_bf16",)),
+    "projection/gemm_rows_bulk": ("sm_90a", ("gemm_rows_tile_x_bf16",) + tuple(f"gemm_rows_bulk_g{g}" for g in (1, 2, 3))
+                                  + ("gemm_rows_bulk_fold_bf16",)),
 }
 
 # The kernel source files, one per family (the keys of ENTRY_POINTS and ARCH_ENTRY_POINTS plus ".cu").
 KERNEL_FILES: tuple[str, ...] = tuple(f"{stem}.cu" for stem in (*ENTRY_POINTS, *ARCH_ENTRY_POINTS))
 
-COMMON_HEADER = "kda_common.cuh"
+# A header every kernel folder holds: how kernels_dir recognises one.
+MARKER_HEADER = "common/head.cuh"
 
 # Precise math on purpose: no --use_fast_math (expf, sqrtf and division stay IEEE-rounded).
 # Denormal FP32 results flush to zero (-ftz=true): CuPy adds that option to every RawModule it
@@ -65,24 +62,24 @@ COMMON_HEADER = "kda_common.cuh"
 # every sweep of a projection to have the same bits even where a sum is denormal.
 COMPILE_OPTIONS: tuple[str, ...] = ("-std=c++17", "-ftz=true")
 
-# `#include "name.cuh"` of a header in the kernel folder (inlined; any other include is an error
-# for NVRTC, which has no include path).
-_INCLUDE_HEADER = re.compile(r'^[ \t]*#[ \t]*include[ \t]*[<"]([A-Za-z0-9_]+\.cuh)[>"]')
+# `#include "dir/name.cuh"` of a header under the kernel folder (inlined; any other include is an
+# error for NVRTC, which has no include path).
+_INCLUDE_HEADER = re.compile(r'^[ \t]*#[ \t]*include[ \t]*[<"]((?:[A-Za-z0-9_]+/)*[A-Za-z0-9_]+\.cuh)[>"]')
 
 
 def kernels_dir() -> Path:
-    """The folder holding the ``.cu`` sources.
+    """The folder holding the kernel sources (the one with MARKER_HEADER).
 
-    ``<package>/kernels_src`` in an installed wheel, else ``<package>/../kernels_src``
-    in a source checkout.
+    ``<package>/kernels_src`` in an installed wheel, else ``<repository>/kernels_src`` in a
+    source checkout (the package is ``glm_kda``, this module ``glm_kda/gpu/build.py``).
     """
-    package = Path(__file__).resolve().parent
+    package = Path(__file__).resolve().parents[1]
     for candidate in (package / "kernels_src", package.parent / "kernels_src"):
-        if (candidate / COMMON_HEADER).is_file():
+        if (candidate / MARKER_HEADER).is_file():
             return candidate
     raise FileNotFoundError(
         f"kernel sources not found: neither {package / 'kernels_src'} nor "
-        f"{package.parent / 'kernels_src'} holds {COMMON_HEADER}"
+        f"{package.parent / 'kernels_src'} holds {MARKER_HEADER}"
     )
 
 
@@ -94,15 +91,15 @@ def _line_directive(line: int, path: Path) -> str:
 def kernel_source(stem: str, directory: Path | str | None = None) -> str:
     """The text of ``<stem>.cu`` with its headers inlined where they are included.
 
-    A header of the kernel folder (``kda_common.cuh``, ``gemm_rows.cuh``, ...) is inlined at
-    its first include, its own includes likewise, and later includes of it are dropped. Each
-    part starts with a ``#line`` directive naming its real file, and the directive after an
-    inlined header restores the including file's numbering, so compiler messages point at
-    the real file and line.
+    A header (included by its path under the kernel folder, ``"common/bf16.cuh"``) is inlined at
+    its first include, its own includes likewise, and later includes of it are dropped. Each part
+    starts with a ``#line`` directive naming its real file, and the directive after an inlined
+    header restores the including file's numbering, so compiler messages point at the real file
+    and line.
     """
     folder = Path(directory) if directory is not None else kernels_dir()
     parts: list[str] = []
-    inlined: set[str] = set()
+    inlined: set[Path] = set()
 
     def inline(path: Path) -> None:
         parts.append(_line_directive(1, path))
@@ -114,8 +111,8 @@ def kernel_source(stem: str, directory: Path | str | None = None) -> str:
             header = (folder / match.group(1)).resolve()
             if not header.is_file():
                 raise FileNotFoundError(f"{path.name}:{number} includes {match.group(1)}, which is not in {folder}")
-            if header.name not in inlined:
-                inlined.add(header.name)
+            if header not in inlined:
+                inlined.add(header)
                 inline(header)
             parts.append(_line_directive(number + 1, path))
 
@@ -344,7 +341,7 @@ def _cached_cubin(stem: str, arch: str, directory: Path | str | None) -> Path:
     folder = Path(chosen) if chosen else Path(tempfile.gettempdir()) / f"glm_kda-{os.getuid()}"
     if not chosen:
         _private_folder(folder)
-    path = folder / f"{stem}-{arch}-{key}.cubin"
+    path = folder / f"{stem.replace('/', '-')}-{arch}-{key}.cubin"
     if not path.is_file():
         folder.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.part")
@@ -666,8 +663,8 @@ def launch(
 
     ``args`` are cupy arrays (passed as device pointers), None (a null pointer) and
     numpy.int32 / numpy.float32 scalars, in the kernel's parameter order; the wrappers in
-    :mod:`glm_kda.ops` build them. ``programmatic``: a programmatic dependent launch (see
-    kda_wait_for_previous_kernel in kda_common.cuh: the kernel must wait before it touches
+    :mod:`glm_kda.gpu.ops` build them. ``programmatic``: a programmatic dependent launch (see
+    kda_wait_for_previous_kernel in common/sync.cuh: the kernel must wait before it touches
     anything the previous kernel writes); a plain launch where the device or driver cannot,
     or where the current LaunchContext says so (portable path, timing). ``carveout``: the preferred shared-memory
     split in percent (see :meth:`KernelSet.prefer_shared_carveout`; -1 the driver's choice).

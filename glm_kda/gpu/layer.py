@@ -25,7 +25,7 @@ import ml_dtypes
 import numpy as np
 
 from ..checkpoint import BoundLayer, bind_layer
-from ..chunk_model import chunk_tc_supported
+from ..chunk_model import PREPARE_SMEM_BYTES, chunk_tc_supported
 from ..device import require_gpu
 from ..options import KdaOptions
 from ..state import KdaState, StatePool, require_device_buffers, require_one_row, require_state
@@ -38,6 +38,14 @@ from .workspace import KdaWorkspace
 # Most rows of one pool decode call (the workspace and the pool may limit it further).
 MAX_DECODE_ROWS = 256
 _F32, _I32 = np.dtype(np.float32), np.dtype(np.int32)
+
+
+def _opt_in_shared_memory(device_id: int) -> int:
+    """Bytes of shared memory a block of device `device_id` may opt in to."""
+    import cupy
+
+    runtime = cupy.cuda.runtime
+    return runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, device_id)
 
 
 class KdaLayer(Stages):
@@ -120,6 +128,11 @@ class KdaLayer(Stages):
             raise TypeError(f"options: expected a KdaOptions, got {type(options).__name__}")
         chunk_impl = options.chunk_impl
         supported, why = chunk_tc_supported(self.config)
+        shared = _opt_in_shared_memory(self.device_id)
+        if supported and shared < PREPARE_SMEM_BYTES:
+            supported, why = False, (f"this device gives a block {shared} bytes of shared memory, the tensor-core "
+                                     f"prepare needs {PREPARE_SMEM_BYTES} (sm_86, sm_89, sm_120 and sm_121 run the "
+                                     f"FP32 chunk kernels)")
         if chunk_impl == "tensor" and not supported:
             raise ValueError(f"options.chunk_impl='tensor' cannot run this layer: {why}")
         if chunk_impl == "auto":

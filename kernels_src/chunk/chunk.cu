@@ -23,8 +23,9 @@
 // g = 0 by an index test BEFORE any read, so garbage (NaN, 1e30) in the padded
 // rows of the inputs can change no output bit and no bit of the carried state.
 //
+// Launch:
 // kda_chunk_prepare_f32: grid (nchunks, heads), block D = 128, dynamic shared
-//   memory (chunk_prepare_smem_bytes in glm_kda/ops.py). One block per (chunk,
+//   memory (chunk_prepare_smem_bytes in glm_kda/gpu/ops/chunk.py). One block per (chunk,
 //   head) has the whole chunk in shared memory; thread d owns channel d for the
 //   per-channel work (cumulative gate, substitution), and the C*C pair sums of A
 //   and B are spread over the threads, each summing its pair over d in order.
@@ -33,7 +34,7 @@
 //   v and keeps the state column S[:, v] in registers across all chunks (read
 //   once, written once); the chunk's U column lives in shared memory because it
 //   is indexed by a runtime row.
-#include "kda_common.cuh"
+#include "common/head.cuh"
 
 #define CHUNK_MAX 64
 #define SCAN_COLUMNS 32

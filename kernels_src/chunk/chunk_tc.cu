@@ -12,7 +12,7 @@
 //   A[t][s] = sum_d k_t k_s exp(G_t - G_s)  (s < t),   B[t][s] = scale sum_d q_t k_s exp(G_t - G_s)  (s <= t)
 //   T = (I + diag(beta) A)^-1,  W = T diag(beta) (K * exp(G)),  Uc = T diag(beta) V
 //   U = Uc - W S0,  o = (scale Q * exp(G)) S0 + B U,  S = diag(exp(G_{C-1})) S0 + (K * exp(G_{C-1} - G))^T U
-// glm_kda/chunk_tc.py `model_chunk_tc` is a float64 NumPy model of exactly this blocked
+// glm_kda/chunk_model.py `model_chunk_tc` is a float64 NumPy model of exactly this blocked
 // algorithm: the same sub-chunk reference rows, block order and TF32 rounding points.
 //
 // Numerics. Every mma operand is rounded to TF32 (round_tf32 below: nearest, ties away
@@ -32,9 +32,10 @@
 // Two kernels, like chunk.cu: the intra-chunk work is independent per chunk, the scan is
 // sequential over chunks. The prepare has a second entry point,
 // kda_chunk_tc_prepare_gate_f32, that forms the forget gate and beta from the projections
-// in step 1 (and writes them out) instead of reading them; it measured slower than the gate
-// kernel + kda_chunk_tc_prepare_f32 and is opt-in (KdaLayer.fused_gate).
+// in step 1 (and writes them out) instead of reading them (opt-in: the gate kernel +
+// kda_chunk_tc_prepare_f32 is faster).
 //
+// Launch:
 // kda_chunk_tc_prepare_f32: grid (nchunks, heads), 256 threads (8 warps), dynamic shared
 //   memory CHUNK_TC_PREPARE_SMEM_BYTES = 104,704 B (needs the opt-in of sm_80 (163 KB),
 //   sm_90 and sm_100 (227 KB); not sm_86 / sm_89 / sm_120 (99 KB)), at most 128 registers,
@@ -66,14 +67,17 @@
 //
 // Fragment layout (PTX ISA, mma.m16n8k8 .tf32; lane = 4 g + t): A a0 (g, t), a1 (g+8, t),
 // a2 (g, t+4), a3 (g+8, t+4); B b0 (k t, n g), b1 (k t+4, n g); C c0/c1 (g, 2t / 2t+1),
-// c2/c3 (g+8, ...). As in gemm_rows.cu the k axis is permuted the same way for A and B so
+// c2/c3 (g+8, ...). As in projection/gemm_rows.cuh the k axis is permuted the same way for A and B so
 // that a lane reads contiguous k: inside a block of 8 S k (S mma steps), lane t holds
 // physical k 2St .. 2St + 2S - 1 of its rows and of its B column, and step s takes the
 // pair 2s, 2s + 1 as logical k t and t + 4. Every physical k is used once per block. B
 // operands are therefore stored n-major ([n][k], "transposed") in shared memory.
 // Shared-memory rows have a stride of 4 mod 8 floats (132 for D, 68 for C), which makes
 // those 16-byte fragment loads and the accumulator stores bank-conflict free.
-#include "kda_common.cuh"
+#include "common/bf16.cuh"
+#include "common/math.cuh"
+#include "common/reduce.cuh"
+#include "common/sync.cuh"
 
 #define CHUNK_TC 64
 #define CHUNK_TC_SUB 16
@@ -102,7 +106,7 @@
 
 // x rounded to TF32 (10 mantissa bits), to nearest with ties away from zero, as
 // cvt.rna.tf32.f32 rounds; the result is an FP32 value with 13 zero low bits, so the mma
-// sees exactly this value and glm_kda/chunk_tc.py `round_tf32` reproduces it bit for bit.
+// sees exactly this value and glm_kda/chunk_model.py `round_tf32` reproduces it bit for bit.
 // Infinities and NaNs pass unchanged (adding to a NaN's bits could wrap it to -0).
 __device__ __forceinline__ float round_tf32(float x)
 {

@@ -1,21 +1,25 @@
-// Projection GEMM for decode, speculative verify and batched decode, on tensor cores: the
-// entry points. The device code, its layout and its bit contract are in gemm_rows.cuh.
-#include "gemm_rows.cuh"
+// The row projection on tensor cores, y[r, :] = bf16(x[r, :] @ w.T) for r < rows (1..256): every
+// decode-side projection of the block (q|k|v, the low-rank down and gate up-projections, o_proj)
+// multiplies a few token rows by a BF16 weight, a stream of the weight bound by memory. The device
+// code, its layout and its bit contract (one k order per k, whatever the rows, tiles or grid) are in
+// gemm_rows.cuh.
+//
+// Launch: block 256 threads (8 warps); grid.y = ceil(rows / 64), grid.x = any number of blocks (a
+// block loops over the column groups blockIdx.x + i gridDim.x; the staged entries take one group a
+// block, grid.y = 1). One entry point per (M_TILES, N_TILES) and form, so each kernel's code stays
+// small: one variant in the instruction cache, not all of them. The wrapper
+// (glm_kda.gpu.projection) picks M_TILES from the rows (1: <= 16, 2: <= 32, 4: more; a row group
+// with fewer rows leaves the extra m-tiles predicated off) and N_TILES and the grid from the shape.
+// `prefetch` (k blocks per weight row, 0 for none) asks L2 for the first weights before the wait on
+// the previous kernel; like the tiles and the grid it changes no bit.
+#include "projection/gemm_rows.cuh"
 
-// Launch: block 256 threads, no dynamic shared memory; grid.y = ceil(rows / 64), grid.x =
-// any number of blocks (a block loops over the column groups blockIdx.x + i gridDim.x).
-// One entry point per (M_TILES, N_TILES), named gemm_rows_bf16_m<M>_n<N>: the wrapper picks
-// M_TILES from the rows (1: <= 16, 2: <= 32, 4: more; a row group with fewer rows leaves the
-// extra m-tiles predicated off) and N_TILES and the grid from the shape. Separate entries
-// keep each kernel's code small: one variant in the instruction cache, not all of them.
-// `prefetch` (k blocks per weight row, 0 for none) asks L2 for the first weights before the
-// wait on the previous kernel; like the tiles and the grid it changes no bit.
-template <int M_TILES, int N_TILES, bool PACKED, int X_FROM = GEMM_X_INPUT, bool AHEAD = false, bool SUMS = false>
+template <int M_TILES, int N_TILES, bool PACKED, int X_FROM = GEMM_X_INPUT, bool SUMS = false>
 __device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, int ldx,
                                                 const bf16_t* __restrict__ w, bf16_t* __restrict__ y,
                                                 int ldy, int rows, int n, int k, int prefetch,
                                                 GemmRowsSecond second = {nullptr, nullptr, nullptr},
-                                                GemmRowsAwait awaited = {nullptr, 0}, int* counted = nullptr,
+                                                GemmRowsAwait awaited = {nullptr, 0},
                                                 GemmRowsSums sums = {nullptr, 0})
 {
     __shared__ float partial[GEMM_ROWS_PARTIAL_FLOATS(M_TILES, N_TILES)];
@@ -27,9 +31,8 @@ __device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, in
         return;
     }
     const int row_end = min(rows, row_begin + GEMM_ROWS_M_GROUP);
-    gemm_rows_sweep<M_TILES, N_TILES, PACKED, X_FROM, AHEAD, SUMS>(x, ldx, w, y, ldy, row_begin, row_end, n, k,
-                                                                   k_split_for(k), prefetch, partial, second, awaited,
-                                                                   counted, sums);
+    gemm_rows_sweep<M_TILES, N_TILES, PACKED, X_FROM, SUMS>(x, ldx, w, y, ldy, row_begin, row_end, n, k,
+                                                            k_split_for(k), prefetch, partial, second, awaited, sums);
 }
 
 // The parameters every entry point of this file starts with: x, w and y with their leading
@@ -54,9 +57,9 @@ __device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, in
     extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_MIN_BLOCKS)          \
         NAME(GEMM_ROWS_PARAMETERS(prefetch), GEMM_ROWS_SUMS_PARAMETERS)                            \
     {                                                                                              \
-        gemm_rows_entry<M_TILES, N_TILES, PACKED, GEMM_X_INPUT, false, true>(                      \
+        gemm_rows_entry<M_TILES, N_TILES, PACKED, GEMM_X_INPUT, true>(                             \
             x, ldx, w, y, ldy, rows, n, k, prefetch, GemmRowsSecond{nullptr, nullptr, nullptr},    \
-            GemmRowsAwait{nullptr, 0}, nullptr, GemmRowsSums{sums, ld_sums});                      \
+            GemmRowsAwait{nullptr, 0}, GemmRowsSums{sums, ld_sums});                               \
     }
 // gemm_rows_bf16_m<M>_n<N> reads w in torch Linear layout, gemm_rows_packed_bf16_m<M>_n<N> in the
 // packed layout of gemm_rows.cuh (the same bits); gemm_rows_sums_bf16_m<M>_n<N> and
@@ -67,9 +70,8 @@ __device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, in
     GEMM_ROWS_SUMS_ENTRY_OF(gemm_rows_sums_bf16_m##M_TILES##_n##N_TILES, M_TILES, N_TILES, false)  \
     GEMM_ROWS_SUMS_ENTRY_OF(gemm_rows_packed_sums_bf16_m##M_TILES##_n##N_TILES, M_TILES, N_TILES, true)
 
-// Every variant is compiled for 2 blocks per SM (up to 128 registers per thread; 3 blocks
-// of the narrow variants, at 80, measured no faster on an H200); GEMM_ROWS_BLOCKS_PER_SM in
-// glm_kda/gemm_rows.py mirrors it.
+// Every variant is compiled for 2 blocks per SM (up to 128 registers per thread);
+// glm_kda.gpu.projection.GEMM_ROWS_BLOCKS_PER_SM mirrors it.
 #define GEMM_ROWS_MIN_BLOCKS 2
 GEMM_ROWS_ENTRY(1, 1)
 GEMM_ROWS_ENTRY(1, 2)
@@ -81,7 +83,7 @@ GEMM_ROWS_ENTRY(4, 1)
 GEMM_ROWS_ENTRY(4, 2)
 
 // Up to 16 rows of a packed weight, with the launch of gemm_rows_packed_bf16_m1_n<N> (the same
-// bits), in two more forms for one-sequence decode:
+// bits), in more forms for one-sequence decode:
 //   gemm_rows_packed_pair_bf16_m1_n<N>: a second projection of the same shapes in the same launch,
 //     y2 = x2 @ w2.T after y = x @ w.T (its column groups after the first's; two small
 //     projections of one input's kernel, one launch and one wait instead of two of each).
@@ -90,21 +92,8 @@ GEMM_ROWS_ENTRY(4, 2)
 //     blocks read x (through L2) once ready[0] reaches ready_target, not once that kernel ends;
 //     the last block past the wait sets ready[0..1] back to zero, and each block ends only after
 //     that kernel has.
-//   gemm_rows_packed_counting_bf16_m1_n<N>: each block adds 1 to counted[0] (release, at GPU scope)
-//     once its outputs are written: a kernel on another stream that reads y (the fused step of one
-//     sequence, awaiting q|k|v) waits for the count to reach the launch's blocks, not for its end.
 //   gemm_rows_packed_awaiting_sums_bf16_m1_n<N>: the awaiting entry writing the FP32 sums too (sums,
 //     ld_sums after its words), as the gemm_rows_sums entries do.
-//   gemm_rows_packed_counting_ahead_bf16_m1_n<N>: the counting entry whose blocks load the first step
-//     of their next column group before reducing the present one (gemm_rows_sweep's AHEAD), on sm_90
-//     and later; before sm_90, where that form spills, it is the counting entry's code.
-// Whether the ahead entries take their ahead form in this compilation (see above; the host
-// emulation of the tests, without __CUDA_ARCH__, takes it).
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
-#define GEMM_ROWS_AHEAD_HERE true
-#else
-#define GEMM_ROWS_AHEAD_HERE false
-#endif
 #define GEMM_ROWS_DECODE_ENTRIES(N_TILES)                                                          \
     extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_MIN_BLOCKS)          \
         gemm_rows_packed_pair_bf16_m1_n##N_TILES(GEMM_ROWS_PARAMETERS(prefetch),                     \
@@ -126,103 +115,45 @@ GEMM_ROWS_ENTRY(4, 2)
                                                           GEMM_ROWS_AWAIT_PARAMETERS,                 \
                                                           GEMM_ROWS_SUMS_PARAMETERS)                  \
     {                                                                                              \
-        gemm_rows_entry<1, N_TILES, true, GEMM_X_PRODUCED, false, true>(                            \
+        gemm_rows_entry<1, N_TILES, true, GEMM_X_PRODUCED, true>(                                   \
             x, ldx, w, y, ldy, rows, n, k, prefetch, GemmRowsSecond{nullptr, nullptr, nullptr},     \
-            GemmRowsAwait{ready, ready_target}, nullptr, GemmRowsSums{sums, ld_sums});              \
-    }                                                                                              \
-    extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_MIN_BLOCKS)          \
-        gemm_rows_packed_counting_bf16_m1_n##N_TILES(GEMM_ROWS_PARAMETERS(prefetch), int* counted)   \
-    {                                                                                              \
-        gemm_rows_entry<1, N_TILES, true>(x, ldx, w, y, ldy, rows, n, k, prefetch,                   \
-                                          GemmRowsSecond{nullptr, nullptr, nullptr},                 \
-                                          GemmRowsAwait{nullptr, 0}, counted);                       \
-    }                                                                                              \
-    extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_MIN_BLOCKS)          \
-        gemm_rows_packed_counting_ahead_bf16_m1_n##N_TILES(GEMM_ROWS_PARAMETERS(prefetch), int* counted) \
-    {                                                                                              \
-        gemm_rows_entry<1, N_TILES, true, GEMM_X_INPUT, GEMM_ROWS_AHEAD_HERE>(x, ldx, w, y, ldy, rows, n, k, \
-                                                                              prefetch,                 \
-                                                              GemmRowsSecond{nullptr, nullptr, nullptr}, \
-                                                              GemmRowsAwait{nullptr, 0}, counted);   \
+            GemmRowsAwait{ready, ready_target}, GemmRowsSums{sums, ld_sums});                       \
     }
 GEMM_ROWS_DECODE_ENTRIES(1)
 GEMM_ROWS_DECODE_ENTRIES(2)
 GEMM_ROWS_DECODE_ENTRIES(4)
 
-// The serial sweep of gemm_rows.cuh (33..64 rows of a wide weight): block GEMM_ROWS_SERIAL_THREADS
-// threads, no shared memory, grid.x any number of blocks (each loops over the column groups of
-// GEMM_ROWS_SERIAL_WARPS * N_TILES tiles), grid.y the row groups of 64. The same bits as the entries
-// above. `prefetch` is accepted and unused: its warps' first weights are those of k range 0 only.
-template <int M_TILES, int N_TILES, bool PACKED>
-__device__ __forceinline__ void gemm_rows_serial_entry(const bf16_t* __restrict__ x, int ldx,
-                                                       const bf16_t* __restrict__ w, bf16_t* __restrict__ y,
-                                                       int ldy, int rows, int n, int k)
-{
-    KDA_TRACE_SCOPE(y);
-    kda_let_next_kernel_launch();
-    const int row_begin = blockIdx.y * GEMM_ROWS_M_GROUP;
-    if (row_begin >= rows || blockDim.x != GEMM_ROWS_SERIAL_THREADS) {
-        return;
-    }
-    const int row_end = min(rows, row_begin + GEMM_ROWS_M_GROUP);
-    gemm_rows_serial_sweep<M_TILES, N_TILES, PACKED>(x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split_for(k));
-}
-
-// Serial blocks per SM the entries are compiled for: 3 (up to 168 registers; the running total
-// beside the accumulators spills at 128, the bound of 4).
-#ifndef GEMM_ROWS_SERIAL_MIN_BLOCKS
-#define GEMM_ROWS_SERIAL_MIN_BLOCKS 3
-#endif
-#define GEMM_ROWS_SERIAL_ENTRY_OF(NAME, M_TILES, N_TILES, PACKED)                                  \
-    extern "C" __global__ void __launch_bounds__(GEMM_ROWS_SERIAL_THREADS, GEMM_ROWS_SERIAL_MIN_BLOCKS) \
-        NAME(GEMM_ROWS_PARAMETERS(/* prefetch */))                                                 \
-    {                                                                                              \
-        gemm_rows_serial_entry<M_TILES, N_TILES, PACKED>(x, ldx, w, y, ldy, rows, n, k);           \
-    }
-#define GEMM_ROWS_SERIAL_ENTRY(M_TILES, N_TILES)                                                   \
-    GEMM_ROWS_SERIAL_ENTRY_OF(gemm_rows_serial_bf16_m##M_TILES##_n##N_TILES, M_TILES, N_TILES, false) \
-    GEMM_ROWS_SERIAL_ENTRY_OF(gemm_rows_packed_serial_bf16_m##M_TILES##_n##N_TILES, M_TILES, N_TILES, true)
-
-GEMM_ROWS_SERIAL_ENTRY(4, 2)
-
-// gemm_rows_staged_bf16_m1_n<N>: up to 16 rows of a packed weight, one column group a block (grid.x
-// = the column groups, grid.y = 1), its weights moved into dynamic shared memory (the group's
-// tiles, all their k blocks: tiles * k_blocks * 512 bytes) before the wait on the previous kernel.
-// Launched as a programmatic dependent, the weight streams in while that kernel still runs (the
-// fused step of one sequence leaves the memory idle), and once it is done the sweep reads only
-// shared memory and x. The sweep is gemm_rows_group's on the same values in the same order: the
-// same bits as every other entry. `prefetch` is accepted and unused (the copy is the prefetch).
+// The staged forms of the awaiting entry: up to 16 rows of a packed weight, one column group a block
+// (grid.x = the column groups, grid.y = 1), launched as a programmatic dependent of the kernel that
+// counts its outputs out (ready[0] reaching ready_target; the last block past the wait sets ready[0..1]
+// back to zero, and each block ends only after that kernel has). The weight streams into dynamic
+// shared memory while that kernel still runs (the fused step of one sequence leaves the memory
+// idle); `prefetch` is accepted and unused (the copy is the prefetch).
 //
-// gemm_rows_staged_awaiting_bf16_m1_n<N>: the same copy in a launch that awaits the fused step's
-// count of outputs as gemm_rows_packed_awaiting does (ready[0] reaching ready_target; the last
-// block past the wait sets ready[0..1] back to zero, and each block ends only after the step
-// has). Past the wait the block copies x's rows (through L2, one round of loads) into its shared
-// memory after the weights, then sweeps both from there (GEMM_X_STAGED: no step of the sweep waits
-// on L2, and none needs a predicate). Dynamic shared memory: the stage, then max(16 + rows * k_pad * 2
-// bytes, the partial sums) (k_pad: k rounded up to 32): a zero chunk and x's rows, the partial
-// sums written over them once every warp has read them. The same bits.
+// gemm_rows_staged_awaiting_bf16_m1_n<N>: the group's tiles, all their k blocks (tiles * k_blocks *
+// 512 bytes), copied before the wait. Past the wait the block copies x's rows (through L2, one round
+// of loads) into its shared memory after the weights, then sweeps both from there (GEMM_X_STAGED: no
+// step of the sweep waits on L2, and none needs a predicate). Dynamic shared memory: the stage, then
+// max(16 + rows * k_pad * 2 bytes, the partial sums) (k_pad: k rounded up to 32): a zero chunk and
+// x's rows, the partial sums written over them once every warp has read them. The same bits.
 //
-// gemm_rows_tail_staged_awaiting_bf16_m1_n<N>: the awaiting form for a weight whose column group does
-// not fit a stage: before the wait each warp starts the copies of its part of the group's tail, the
-// last `tail_blocks` k blocks of its k range of each of its tiles (gemm_rows_stage_tail), and loads
-// the first step of its range into registers; past the wait, x's rows as above, then each warp's
-// chain reads the rest of its range from memory at once, from those registers on, and the tail from
-// the stage once its copies have landed (gemm_rows_group's TAIL; x from shared memory,
-// GEMM_X_SHARED). A copy still in flight at the wait holds back nothing but that tail. Dynamic shared
-// memory: 8 warps * N tiles * tail_blocks * 512 bytes, then x's region as above. The same bits.
+// gemm_rows_tail_staged_awaiting_bf16_m1_n<N>: for a weight whose column group does not fit a stage:
+// before the wait each warp starts the copies of its part of the group's tail, the last `tail_blocks`
+// k blocks of its k range of each of its tiles (gemm_rows_stage_tail), and loads the first step of its
+// range into registers; past the wait, x's rows as above, then each warp's chain reads the rest of its
+// range from memory at once, from those registers on, and the tail from the stage once its copies
+// have landed (gemm_rows_group's TAIL; x from shared memory, GEMM_X_SHARED). A copy still in flight at
+// the wait holds back nothing but that tail. Dynamic shared memory: 8 warps * N tiles * tail_blocks *
+// 512 bytes, then x's region as above. The same bits.
 //
-// gemm_rows_staged_awaiting_sums_bf16_m1_n<N> and gemm_rows_tail_staged_awaiting_sums_bf16_m1_n<N>: those
-// two awaiting forms writing the FP32 sums too (sums, ld_sums after the words), as gemm_rows_sums does.
-#define GEMM_ROWS_STAGED_LOADS 4
-template <int N_TILES, bool AWAITING, bool TAIL = false, bool SUMS = false>
+// gemm_rows_staged_awaiting_sums_bf16_m1_n<N> and gemm_rows_tail_staged_awaiting_sums_bf16_m1_n<N>:
+// those two writing the FP32 sums too (sums, ld_sums after the words), as gemm_rows_sums does.
+template <int N_TILES, bool TAIL, bool SUMS = false>
 __device__ __forceinline__ void gemm_rows_staged_entry(const bf16_t* __restrict__ x, int ldx,
                                                        const bf16_t* __restrict__ w, bf16_t* __restrict__ y,
-                                                       int ldy, int rows, int n, int k,
-                                                       GemmRowsAwait awaited = {nullptr, 0}, int tail_blocks = 0,
-                                                       GemmRowsSums sums = {nullptr, 0})
+                                                       int ldy, int rows, int n, int k, GemmRowsAwait awaited,
+                                                       int tail_blocks = 0, GemmRowsSums sums = {nullptr, 0})
 {
-    static_assert(!TAIL || AWAITING, "a tail stage: the awaiting form");
-    static_assert(!SUMS || AWAITING, "sums: the awaiting forms");
     extern __shared__ __align__(128) unsigned char gemm_rows_stage[];
     KDA_TRACE_SCOPE(y);
 
@@ -231,12 +162,9 @@ __device__ __forceinline__ void gemm_rows_staged_entry(const bf16_t* __restrict_
     const int group_tiles = gemm_rows_group_columns<N_TILES>(k_split) / GEMM_ROWS_N_TILE;
     const int tiles = (n + GEMM_ROWS_N_TILE - 1) / GEMM_ROWS_N_TILE;
     const int first_tile = blockIdx.x * group_tiles;
-    // (Block-uniform. An awaiting block without a group still counts itself past the wait.)
+    // (Block-uniform. A block without a group still counts itself past the wait.)
     const bool sweeps = rows <= GEMM_ROWS_M_TILE && blockIdx.y == 0 && blockDim.x == GEMM_ROWS_THREADS &&
                         first_tile < tiles;
-    if (!AWAITING && !sweeps) {
-        return;
-    }
     const size_t tile_elements = static_cast<size_t>(gemm_rows_k_blocks(k)) * GEMM_ROWS_PACKED_BLOCK;
     if (sweeps) {
         if constexpr (TAIL) {
@@ -257,76 +185,60 @@ __device__ __forceinline__ void gemm_rows_staged_entry(const bf16_t* __restrict_
             gemm_rows_first_step<N_TILES, GEMM_ROWS_LOADS>(first, w, n, k, k_split, blockIdx.x, tail_blocks);
         }
     }
-    if constexpr (AWAITING) {
-        const int passed = gemm_rows_await(awaited);
-        if (sweeps) {
-            // A 16-byte zero chunk, then x's rows padded with zeros to whole k blocks (GEMM_X_STAGED), where
-            // the largest stage ends (the same place in every block).
-            const size_t stage_elements =
-                TAIL ? static_cast<size_t>(GEMM_ROWS_WARPS) * N_TILES * tail_blocks * GEMM_ROWS_PACKED_BLOCK
-                     : min(group_tiles, tiles) * tile_elements;
-            bf16_t* region = reinterpret_cast<bf16_t*>(gemm_rows_stage + stage_elements * sizeof(bf16_t));
-            bf16_t* x_copy = region + 8;
-            const int padded_k = gemm_rows_k_blocks(k) * GEMM_ROWS_K_BLOCK;
-            const int vectors = padded_k / 8;  // 16-byte pieces of a row (k % 8 == 0, ldx % 8 == 0)
-            if (threadIdx.x == 0) {
-                *reinterpret_cast<uint4*>(region) = uint4{0u, 0u, 0u, 0u};
-            }
-            for (int index = threadIdx.x; index < rows * vectors; index += GEMM_ROWS_THREADS) {
-                const int row = index / vectors, column = 8 * (index % vectors);
-                *reinterpret_cast<uint4*>(x_copy + static_cast<size_t>(row) * padded_k + column) =
-                    load_produced_16B(x + static_cast<size_t>(row) * ldx + column, column < k);
-            }
-            if constexpr (!TAIL) {
-                gemm_rows_wait_weights();  // (TAIL: each warp waits for its own copies where it reads them)
-            }
-            __syncthreads();
-            if constexpr (TAIL) {
-                gemm_rows_group<1, N_TILES, GEMM_ROWS_LOADS, GEMM_X_SHARED, true, false, true, true, false, SUMS>(
-                    x_copy, padded_k, w, y, ldy, 0, rows, n, k, k_split, blockIdx.x, reinterpret_cast<float*>(region),
-                    0, stage, tail_blocks, &first[0][0], nullptr, -1, sums);
-            } else {
-                gemm_rows_group<1, N_TILES, GEMM_ROWS_STAGED_LOADS, GEMM_X_STAGED, true, true, true, false, false,
-                                SUMS>(x_copy, padded_k, stage, y, ldy, 0, rows, n, k, k_split, blockIdx.x,
-                                      reinterpret_cast<float*>(region), first_tile, nullptr, 0, nullptr, nullptr, -1,
-                                      sums);
-            }
+    const int passed = gemm_rows_await(awaited);
+    if (sweeps) {
+        // A 16-byte zero chunk, then x's rows padded with zeros to whole k blocks (GEMM_X_STAGED), where
+        // the largest stage ends (the same place in every block).
+        const size_t stage_elements =
+            TAIL ? static_cast<size_t>(GEMM_ROWS_WARPS) * N_TILES * tail_blocks * GEMM_ROWS_PACKED_BLOCK
+                 : min(group_tiles, tiles) * tile_elements;
+        bf16_t* region = reinterpret_cast<bf16_t*>(gemm_rows_stage + stage_elements * sizeof(bf16_t));
+        bf16_t* x_copy = region + 8;
+        const int padded_k = gemm_rows_k_blocks(k) * GEMM_ROWS_K_BLOCK;
+        const int vectors = padded_k / 8;  // 16-byte pieces of a row (k % 8 == 0, ldx % 8 == 0)
+        if (threadIdx.x == 0) {
+            *reinterpret_cast<uint4*>(region) = uint4{0u, 0u, 0u, 0u};
         }
-        gemm_rows_end_awaited(awaited, passed);
-    } else {
-        __shared__ float partial[GEMM_ROWS_PARTIAL_FLOATS(1, N_TILES)];
-        // x (and y) may belong to the previous kernel: nothing below runs before it is done.
-        kda_wait_for_previous_kernel();
-        gemm_rows_wait_weights();
+        for (int index = threadIdx.x; index < rows * vectors; index += GEMM_ROWS_THREADS) {
+            const int row = index / vectors, column = 8 * (index % vectors);
+            *reinterpret_cast<uint4*>(x_copy + static_cast<size_t>(row) * padded_k + column) =
+                load_produced_16B(x + static_cast<size_t>(row) * ldx + column, column < k);
+        }
+        if constexpr (!TAIL) {
+            gemm_rows_wait_weights();  // (TAIL: each warp waits for its own copies where it reads them)
+        }
         __syncthreads();
-        gemm_rows_group<1, N_TILES, GEMM_ROWS_STAGED_LOADS, GEMM_X_INPUT, true, true>(
-            x, ldx, stage, y, ldy, 0, rows, n, k, k_split, blockIdx.x, partial, first_tile);
+        if constexpr (TAIL) {
+            gemm_rows_group<1, N_TILES, GEMM_ROWS_LOADS, GEMM_X_SHARED, true, false, true, true, SUMS>(
+                x_copy, padded_k, w, y, ldy, 0, rows, n, k, k_split, blockIdx.x, reinterpret_cast<float*>(region), 0,
+                stage, tail_blocks, &first[0][0], sums);
+        } else {
+            gemm_rows_group<1, N_TILES, GEMM_ROWS_LOADS, GEMM_X_STAGED, true, true, true, false, SUMS>(
+                x_copy, padded_k, stage, y, ldy, 0, rows, n, k, k_split, blockIdx.x, reinterpret_cast<float*>(region),
+                first_tile, nullptr, 0, nullptr, sums);
+        }
     }
+    gemm_rows_end_awaited(awaited, passed);
 }
 
 // 3 blocks per SM (at most 85 registers): three 64 KB stages fit an SM's shared memory.
 #define GEMM_ROWS_STAGED_MIN_BLOCKS 3
 #define GEMM_ROWS_STAGED_ENTRY(N_TILES)                                                             \
     extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_STAGED_MIN_BLOCKS)       \
-        gemm_rows_staged_bf16_m1_n##N_TILES(GEMM_ROWS_PARAMETERS(/* prefetch */))                    \
-    {                                                                                               \
-        gemm_rows_staged_entry<N_TILES, false>(x, ldx, w, y, ldy, rows, n, k);                      \
-    }                                                                                               \
-    extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_STAGED_MIN_BLOCKS)       \
         gemm_rows_staged_awaiting_bf16_m1_n##N_TILES(GEMM_ROWS_PARAMETERS(/* prefetch */),           \
                                                      GEMM_ROWS_AWAIT_PARAMETERS)                     \
     {                                                                                               \
-        gemm_rows_staged_entry<N_TILES, true>(x, ldx, w, y, ldy, rows, n, k,                        \
-                                              GemmRowsAwait{ready, ready_target});                  \
+        gemm_rows_staged_entry<N_TILES, false>(x, ldx, w, y, ldy, rows, n, k,                       \
+                                               GemmRowsAwait{ready, ready_target});                 \
     }                                                                                               \
     extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_STAGED_MIN_BLOCKS)       \
         gemm_rows_staged_awaiting_sums_bf16_m1_n##N_TILES(GEMM_ROWS_PARAMETERS(/* prefetch */),      \
                                                           GEMM_ROWS_AWAIT_PARAMETERS,                \
                                                           GEMM_ROWS_SUMS_PARAMETERS)                 \
     {                                                                                               \
-        gemm_rows_staged_entry<N_TILES, true, false, true>(x, ldx, w, y, ldy, rows, n, k,           \
-                                                           GemmRowsAwait{ready, ready_target}, 0,   \
-                                                           GemmRowsSums{sums, ld_sums});            \
+        gemm_rows_staged_entry<N_TILES, false, true>(x, ldx, w, y, ldy, rows, n, k,                 \
+                                                     GemmRowsAwait{ready, ready_target}, 0,         \
+                                                     GemmRowsSums{sums, ld_sums});                  \
     }
 GEMM_ROWS_STAGED_ENTRY(1)
 GEMM_ROWS_STAGED_ENTRY(2)
@@ -338,17 +250,17 @@ GEMM_ROWS_STAGED_ENTRY(2)
         gemm_rows_tail_staged_awaiting_bf16_m1_n##N_TILES(GEMM_ROWS_PARAMETERS(tail_blocks),          \
                                                           GEMM_ROWS_AWAIT_PARAMETERS)                \
     {                                                                                               \
-        gemm_rows_staged_entry<N_TILES, true, true>(x, ldx, w, y, ldy, rows, n, k,                   \
-                                                    GemmRowsAwait{ready, ready_target}, tail_blocks); \
+        gemm_rows_staged_entry<N_TILES, true>(x, ldx, w, y, ldy, rows, n, k,                         \
+                                              GemmRowsAwait{ready, ready_target}, tail_blocks);      \
     }                                                                                               \
     extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_TAIL_MIN_BLOCKS)         \
         gemm_rows_tail_staged_awaiting_sums_bf16_m1_n##N_TILES(GEMM_ROWS_PARAMETERS(tail_blocks),     \
                                                                GEMM_ROWS_AWAIT_PARAMETERS,           \
                                                                GEMM_ROWS_SUMS_PARAMETERS)            \
     {                                                                                               \
-        gemm_rows_staged_entry<N_TILES, true, true, true>(x, ldx, w, y, ldy, rows, n, k,             \
-                                                          GemmRowsAwait{ready, ready_target}, tail_blocks, \
-                                                          GemmRowsSums{sums, ld_sums});             \
+        gemm_rows_staged_entry<N_TILES, true, true>(x, ldx, w, y, ldy, rows, n, k,                   \
+                                                    GemmRowsAwait{ready, ready_target}, tail_blocks, \
+                                                    GemmRowsSums{sums, ld_sums});                   \
     }
 GEMM_ROWS_TAIL_STAGED_ENTRY(1)
 GEMM_ROWS_TAIL_STAGED_ENTRY(2)

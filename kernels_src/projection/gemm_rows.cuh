@@ -1,5 +1,4 @@
-// Device code of the row projection (gemm_rows.cu launches it; the persistent decode kernel
-// runs its column groups as tasks). The layout and the bit contract:
+// Device code of the row projection (gemm_rows.cu launches it): the layout and the bit contract.
 //
 // Projection GEMM for decode, speculative verify and batched decode, on tensor cores:
 //   y[r, j] = bf16( sum_i x[r, i] * w[j, i] )   for r < rows (1..256), j < n
@@ -18,10 +17,6 @@
 //     N_TILES tiles of w;
 //   * blockIdx.y picks a group of 64 rows (4 m-tiles of 16), so up to 64 rows every
 //     weight byte is read exactly once; more rows re-read w once per group.
-// Measured on an H200 and dropped: the transposed form (w as the A operand, 16 output
-// columns and 8 rows per mma, half the mma for a decode row) ran no faster (GLM q|k|v, one
-// row: 56.3 us against 55.1), nor did 16 weight loads per lane and step, nor a software
-// pipeline: the mma count and the loads in flight are not what bounds the stream.
 // The number of tiles per warp only trades x reuse against the number of blocks; it
 // is a template parameter (one entry point per variant, chosen by the wrapper with the
 // grid) and never changes a bit of y.
@@ -34,11 +29,9 @@
 // k_split partial sums are added in shared memory in ascending warp order. Neither
 // the row count, nor the m-tiles, nor the grid enter that order, and there are no
 // atomics. Rows >= rows are never read (their loads are predicated off, zeros fill).
-// Two forms keep that order with other instruction counts: with 2 or 4 m-tiles and an even
-// number of tiles per warp the mma's operands are swapped (w as A, x as B: the same products in
-// the same k slots, and the same bits on the tensor cores, see gemm_rows_transposed), and the
-// serial sweep at the end of this file has one warp walk every k range itself, adding the
-// partials in the order the block's shared memory adds them.
+// With 2 or 4 m-tiles and an even number of tiles per warp the mma's operands are swapped (w as
+// A, x as B: the same products in the same k slots, and the same bits on the tensor cores, see
+// gemm_rows_transposed).
 //
 // Fragment trick: inside a block of 32 k, lane (g = lane / 4, t = lane % 4) loads
 // the 16 contiguous bytes k = 8t .. 8t+7 of one w row (column g of the tile) and of
@@ -59,7 +52,8 @@
 #ifndef GEMM_ROWS_CUH
 #define GEMM_ROWS_CUH
 
-#include "kda_common.cuh"
+#include "common/bf16.cuh"
+#include "common/sync.cuh"
 
 #define GEMM_ROWS_WARPS 8
 #define GEMM_ROWS_THREADS (GEMM_ROWS_WARPS * 32)
@@ -102,17 +96,11 @@ __device__ __forceinline__ uint4 load_weight_16B_in_order(const bf16_t* pointer,
     return value;
 }
 
-// 16 bytes of w from a block's shared-memory copy of its weights (gemm_rows_staged_bf16_*).
+// 16 bytes of w from a block's shared-memory copy of its weights (the staged entries).
 // Predicated off (zeros) like load_weight_16B.
 __device__ __forceinline__ uint4 load_staged_weight_16B(const bf16_t* pointer, bool valid)
 {
     return valid ? *reinterpret_cast<const uint4*>(pointer) : uint4{0u, 0u, 0u, 0u};
-}
-
-// Ask L1 for one 128-byte line (no register, no wait).
-__device__ __forceinline__ void prefetch_l1(const void* pointer)
-{
-    asm volatile("prefetch.global.L1 [%0];" ::"l"(pointer));
 }
 
 // Ask L2 for one 128-byte line (no register, no wait).
@@ -124,9 +112,8 @@ __device__ __forceinline__ void prefetch_l2(const void* pointer)
 // 16 bytes of x, read by every block: cached in L1. Predicated off (zeros) for the
 // padding rows and the k tail, so rows >= `rows` are never read. A coherent load kept in program
 // order (volatile), not the read-only path: in a programmatic launch the kernel before writes x
-// while this one already runs, and a read-only load may be scheduled ahead of the wait (on an
-// H200, with the wait moved into the first k loop, ld.global.nc here read the fused step's output
-// before it was written).
+// while this one already runs, and a read-only load may be scheduled ahead of the wait and read x
+// before it is written.
 __device__ __forceinline__ uint4 load_activation_16B(const bf16_t* pointer, bool valid)
 {
     uint4 value;
@@ -170,7 +157,7 @@ __device__ __forceinline__ void mma_bf16_m16n8k16(float acc[4], unsigned int a0,
 
 // Warps splitting the k axis of a block: the most (up to 8) that leaves each at least
 // 4 blocks of 32 k. A function of k alone, because it fixes every output's summation
-// order. glm_kda/gemm_rows.py mirrors it to size the grid.
+// order. glm_kda.gpu.projection mirrors it to size the grid.
 __device__ __forceinline__ int k_split_for(int k)
 {
     const int k_blocks = (k + GEMM_ROWS_K_BLOCK - 1) / GEMM_ROWS_K_BLOCK;
@@ -214,7 +201,7 @@ __device__ __forceinline__ void load_weight_step(uint4 (&w_frag)[K_UNROLL][N_TIL
 // so a tile's k blocks follow each other: a warp streams its k range of a tile as one run of
 // contiguous bytes instead of 8 rows' 64-byte pieces. The loads fetch the same values (zeros
 // where the row-major layout's predicated loads give zeros), so the bits are the row-major
-// layout's. glm_kda/gemm_rows.py packs.
+// layout's. glm_kda.gpu.projection.pack_weight packs.
 __device__ __forceinline__ int gemm_rows_k_blocks(int k)
 {
     return (k + GEMM_ROWS_K_BLOCK - 1) / GEMM_ROWS_K_BLOCK;
@@ -256,12 +243,9 @@ __device__ __forceinline__ GemmRowsWeightLane<N_TILES> gemm_rows_weight_at(const
 
 // With more than one m-tile and an even number of tiles per warp the sweep swaps the mma's
 // operands: w as A (two tiles, 16 columns), x as B (8 rows a tile). The products and their k slots
-// are the same, and the tensor cores add them to the same bits whichever operand holds them
-// (benchmarks/mma_forms.py: 0 of 2.1 million outputs differ on an H200, wide exponents and
-// cancellation included; the GPU tests compare the row counts bit for bit), while x's B fragment
-// is two words of one load instead of four words of two, which saves the register moves that
-// dominate the 4-m-tile loop. On an H200 (benchmarks/gemm_rows.py, 64 rows, one process): GLM
-// q|k|v 103.7 -> 98.0 us, o_proj 34.8 -> 33.5, Kimi q|k|v 35.9 -> 34.8, o_proj 20.3 -> 19.4.
+// are the same, and the tensor cores add them to the same bits whichever operand holds them (the
+// GPU tests compare the row counts bit for bit), while x's B fragment is two words of one load
+// instead of four words of two, which saves the register moves that dominate the 4-m-tile loop.
 template <int M_TILES, int N_TILES>
 __device__ __forceinline__ constexpr bool gemm_rows_transposed()
 {
@@ -288,14 +272,11 @@ __device__ __forceinline__ void gemm_rows_fragment_place(int fragment, int lane,
 
 // Where x comes from: global memory written before the kernel (read-only path), global memory
 // written earlier in the same kernel (L2), or a shared-memory copy of the rows and of the k
-// range [x_k_origin, ...) a block needs (then x_lane and ldx address that copy).
-#define GEMM_X_INPUT 0
-#define GEMM_X_PRODUCED 1
-#define GEMM_X_SHARED 2
-// Both operands in shared memory, every read in range (gemm_rows_accumulate_staged): x a copy of the
-// rows [row_begin, row_end) padded with zeros to whole k blocks, row stride ldx, with a 16-byte zero
-// chunk at x[-8] (what the lanes of absent rows read), and w a copy of packed tiles.
-#define GEMM_X_STAGED 3
+// range [x_k_origin, ...) a block needs (then x_lane and ldx address that copy); or both operands in
+// shared memory, every read in range (gemm_rows_accumulate_staged): x a copy of the rows [row_begin,
+// row_end) padded with zeros to whole k blocks, row stride ldx, with a 16-byte zero chunk at x[-8]
+// (what the lanes of absent rows read), and w a copy of packed tiles.
+enum GemmXFrom : int { GEMM_X_INPUT = 0, GEMM_X_PRODUCED = 1, GEMM_X_SHARED = 2, GEMM_X_STAGED = 3 };
 
 // The x fragments of k block kb (rows g and g + 8 of each m-tile): zeros past the warp's
 // range, the matrix or the rows.
@@ -330,8 +311,7 @@ __device__ __forceinline__ void load_x_block(uint4 (&x_frag)[M_TILES][2], const 
 // read the zero chunk), x's copy carries zeros past k, and a lane of a row past row_end reads
 // the zero chunk at x[-8] without moving along k: in the general loop the same operands are zeros
 // by predicate. A step of the chain is then two shared loads of x, one of w a tile and two mma,
-// where the predicated loads of the general loop cost branches and register moves (on an H200
-// Kimi-Linear's one-row o_proj took 3 - 4 us from its shared memory that way). HIGH: rows 8 .. 15 of
+// where the predicated loads of the general loop cost branches and register moves. HIGH: rows 8 .. 15 of
 // the m-tile hold some row (row_end - row_begin > 8); without, their x is zeros in registers, one
 // shared load a step fewer (the same zero operands).
 template <int N_TILES, bool HIGH>
@@ -475,19 +455,6 @@ __device__ __forceinline__ void gemm_rows_accumulate(float (&acc)[M_TILES][N_TIL
             }
         }
     }
-    if constexpr (W_SHARED && X_FROM == GEMM_X_INPUT) {
-        // With the weight in shared memory the steps wait on x alone: ask L1 for the x rows of the
-        // warp's whole k range at once, so that only the first step waits on L2.
-        const int lines_per_row = ((kb_end - kb_begin) * GEMM_ROWS_K_BLOCK * 2 + 127) / 128;
-        const int rows_here = min(row_end - row_begin, M_TILES * GEMM_ROWS_M_TILE);
-        for (int index = lane; index < rows_here * lines_per_row; index += 32) {
-            const int k_offset = kb_begin * GEMM_ROWS_K_BLOCK + 64 * (index % lines_per_row);
-            if (k_offset < k) {
-                prefetch_l1(x + static_cast<size_t>(row_begin + index / lines_per_row) * ldx + k_offset);
-            }
-        }
-    }
-
     for (int kb_step = kb_begin; kb_step < kb_end; kb_step += K_UNROLL) {
         // Every weight load of the step first: they are what the kernel waits on.
         uint4 w_frag[K_UNROLL][N_TILES];
@@ -594,13 +561,12 @@ __device__ __forceinline__ int gemm_rows_warp_column(int k_split, int group)
 // Shared-memory floats of gemm_rows_group's partial sums.
 #define GEMM_ROWS_PARTIAL_FLOATS(M_TILES, N_TILES) (GEMM_ROWS_WARPS * (M_TILES) * (N_TILES) * 4 * 32)
 
-// ---- A block's weights in shared memory before its wait (gemm_rows_staged_bf16_*): `bytes` (a
+// ---- A block's weights in shared memory before its wait (the staged entries): `bytes` (a
 // multiple of 16; both addresses 16-byte aligned) from `source` into `stage`, by the 16-byte
 // asynchronous copies of `threads` threads (`thread` is the caller's place among them; cp.async,
 // sm_80 and later: many requests in flight per SM and no register; before sm_80 plain copies). All
 // of them call gemm_rows_stage_weights, later gemm_rows_wait_weights, then a barrier among them (it
-// publishes the other threads' copies): the block's, or the warp's for a warp's own copy. One bulk
-// copy a block (the tensor memory accelerator, sm_90) measured the same in the decode graph.
+// publishes the other threads' copies): the block's, or the warp's for a warp's own copy.
 __device__ __forceinline__ void gemm_rows_stage_weights(void* stage, const bf16_t* source, unsigned int bytes,
                                                         unsigned int thread, unsigned int threads)
 {
@@ -650,7 +616,7 @@ __device__ __forceinline__ long long gemm_rows_tail_offset(int warp, int tail_be
 // Each warp of the block: the first step of its k range (K_UNROLL = LOADS / N_TILES k blocks of its
 // N_TILES tiles of column group `group`, zeros past the part before the tail, tail_blocks 0: none, or
 // past the matrix), loaded from the packed weight w in program order: issued before a wait or a
-// reduction that follows, the group's sweep then starts from them (gemm_rows_group's TAIL and AHEAD).
+// that follows, the group's sweep then starts from them (gemm_rows_group's TAIL).
 template <int N_TILES, int LOADS>
 __device__ __forceinline__ void gemm_rows_first_step(uint4 (&first)[gemm_rows_k_unroll<1, N_TILES, LOADS>()][N_TILES],
                                                      const bf16_t* w, int n, int k, int k_split, int group,
@@ -688,20 +654,14 @@ struct GemmRowsSums {
 // the partials. TAIL (packed w in memory, not W_SHARED): the last k blocks of each warp's range come
 // from `tail`, the shared-memory copy of them the warp started (gemm_rows_stage_tail, waited for here),
 // the others from w, their first step from `first` (gemm_rows_first_step, loaded already): one
-// chain of mma over the range in the same order, so the same bits. AHEAD (one m-tile of a packed w in
-// memory): the group's first step is in `ahead` already (gemm_rows_first_step, by the caller or by the
-// group before), and once the group's chains have ended each warp loads the first step of column group
-// `next_group` into it (none where next_group < 0), before the partial sums and their barriers: the
-// block's next loads are in flight while it reduces. The same chains, so the same bits. SUMS: each
+// chain of mma over the range in the same order, so the same bits. SUMS: each
 // output's FP32 sum also goes to `sums` (GemmRowsSums), beside its BF16 rounding in y.
 template <int M_TILES, int N_TILES, int LOADS = GEMM_ROWS_LOADS, int X_FROM = GEMM_X_INPUT, bool PACKED = false,
-          bool W_SHARED = false, bool PARTIAL_OVER_X = false, bool TAIL = false, bool AHEAD = false,
-          bool SUMS = false>
+          bool W_SHARED = false, bool PARTIAL_OVER_X = false, bool TAIL = false, bool SUMS = false>
 __device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const bf16_t* w, bf16_t* y, int ldy,
                                                 int row_begin, int row_end, int n, int k, int k_split, int group,
                                                 float* partial, int w_tile_origin = 0, const bf16_t* tail = nullptr,
                                                 int tail_blocks = 0, const uint4* first = nullptr,
-                                                uint4* ahead = nullptr, int next_group = -1,
                                                 GemmRowsSums sums = {nullptr, 0})
 {
     constexpr int FRAGMENTS = M_TILES * N_TILES * 4;  // accumulators per lane
@@ -741,15 +701,6 @@ __device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const 
             tail_blocks * GEMM_ROWS_PACKED_BLOCK, GEMM_ROWS_PACKED_BLOCK, n, warp_column);
         gemm_rows_accumulate<M_TILES, N_TILES, LOADS, X_FROM, true, true, false>(
             acc, x, ldx, nullptr, n, k, row_begin, row_end, warp_column, tail_begin, kb_end, 0, 0, &staged);
-    } else if constexpr (AHEAD) {
-        static_assert(PACKED && !W_SHARED && !TAIL && M_TILES == 1, "ahead: one m-tile of a packed weight in memory");
-        gemm_rows_accumulate<M_TILES, N_TILES, LOADS, X_FROM, true, false, true, true>(
-            acc, x, ldx, w, n, k, row_begin, row_end, warp_column, kb_begin, kb_end, 0, w_tile_origin, nullptr, ahead);
-        if (next_group >= 0) {
-            gemm_rows_first_step<N_TILES, LOADS>(
-                *reinterpret_cast<uint4(*)[gemm_rows_k_unroll<1, N_TILES, LOADS>()][N_TILES]>(ahead), w, n, k, k_split,
-                next_group, 0);
-        }
     } else {
         gemm_rows_accumulate<M_TILES, N_TILES, LOADS, X_FROM, PACKED, W_SHARED>(
             acc, x, ldx, w, n, k, row_begin, row_end, warp_column, kb_begin, kb_end, 0, w_tile_origin);
@@ -837,19 +788,15 @@ __device__ __forceinline__ void gemm_rows_end_awaited(const GemmRowsAwait& await
 // One block's share of the output: rows [row_begin, row_end) (at most 64) and the
 // column groups blockIdx.x, blockIdx.x + gridDim.x, ... With a second projection its column groups
 // follow the first's (groups column_groups .. 2 column_groups - 1 are its groups 0 ..): each
-// group is the one its projection alone would sweep, so the same bits. AHEAD (one m-tile of a packed
-// weight, no second projection): each warp loads its first group's first step before the wait, and
-// each group loads the next one's before its reduction (gemm_rows_group's AHEAD). SUMS (no second
-// projection): the FP32 sums to `sums` too (gemm_rows_group's SUMS).
-template <int M_TILES, int N_TILES, bool PACKED = false, int X_FROM = GEMM_X_INPUT, bool AHEAD = false,
-          bool SUMS = false>
+// group is the one its projection alone would sweep, so the same bits. SUMS (no second projection):
+// the FP32 sums to `sums` too (gemm_rows_group's SUMS).
+template <int M_TILES, int N_TILES, bool PACKED = false, int X_FROM = GEMM_X_INPUT, bool SUMS = false>
 __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, int ldx,
                                                 const bf16_t* __restrict__ w,
                                                 bf16_t* __restrict__ y, int ldy, int row_begin,
                                                 int row_end, int n, int k, int k_split, int prefetch,
                                                 float* partial, GemmRowsSecond second = {nullptr, nullptr, nullptr},
-                                                GemmRowsAwait awaited = {nullptr, 0}, int* counted = nullptr,
-                                                GemmRowsSums sums = {nullptr, 0})
+                                                GemmRowsAwait awaited = {nullptr, 0}, GemmRowsSums sums = {nullptr, 0})
 {
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -886,14 +833,6 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
             }
         }
     }
-    // (AHEAD: the first step of the warp's range in the block's next column group; else unused.)
-    uint4 ahead[AHEAD ? gemm_rows_k_unroll<1, N_TILES, GEMM_ROWS_LOADS>() : 1][N_TILES];
-    if constexpr (AHEAD) {
-        static_assert(PACKED && M_TILES == 1, "ahead: one m-tile of a packed weight");
-        if (blockIdx.x < column_groups) {
-            gemm_rows_first_step<N_TILES, GEMM_ROWS_LOADS>(ahead, w, n, k, k_split, blockIdx.x, 0);
-        }
-    }
     int passed = 0;  // (thread 0 of an awaiting block: the blocks past the wait before it)
     if (awaited.words != nullptr) {
         // x is written by the kernel before, still running: read it only once its blocks have
@@ -906,15 +845,9 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
 
     int group = blockIdx.x;
     for (; group < column_groups; group += gridDim.x) {
-        if constexpr (AHEAD) {
-            const int next_group = group + static_cast<int>(gridDim.x);
+        if constexpr (SUMS) {
             gemm_rows_group<M_TILES, N_TILES, GEMM_ROWS_LOADS, X_FROM, PACKED, false, false, false, true>(
-                x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split, group, partial, 0, nullptr, 0, nullptr,
-                &ahead[0][0], next_group < column_groups ? next_group : -1);
-        } else if constexpr (SUMS) {
-            gemm_rows_group<M_TILES, N_TILES, GEMM_ROWS_LOADS, X_FROM, PACKED, false, false, false, false, true>(
-                x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split, group, partial, 0, nullptr, 0, nullptr, nullptr,
-                -1, sums);
+                x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split, group, partial, 0, nullptr, 0, nullptr, sums);
         } else {
             gemm_rows_group<M_TILES, N_TILES, GEMM_ROWS_LOADS, X_FROM, PACKED>(x, ldx, w, y, ldy, row_begin, row_end,
                                                                               n, k, k_split, group, partial);
@@ -927,86 +860,8 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
                 second.x, ldx, second.w, second.y, ldy, row_begin, row_end, n, k, k_split, group, partial);
         }
     }
-    if (counted != nullptr) {
-        // Every thread's outputs are written before thread 0 counts them out (release: a block
-        // that acquires the count reads them through L2).
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            kda_count_release(counted);
-        }
-    }
     if (awaited.words != nullptr) {
         gemm_rows_end_awaited(awaited, passed);
-    }
-}
-
-// The serial sweep: one warp walks all k_split k ranges of its own columns, one after the other,
-// each range a chain of mma from zero, and keeps their running sum in registers:
-//   total = partial_0; total += partial_1; ... total += partial_{k_split - 1}
-// which are the fp32 additions gemm_rows_group makes in shared memory, in the same order, so the
-// bits are gemm_rows_group's. What changes is who reads x: the warps of a block sit side by side
-// along n and walk the same k blocks at about the same time, so x (the 64 rows of a k block)
-// comes from L1 for all but one of them, where split-k warps each read their own k range of x
-// for every column group (at 64 rows four times the weight's bytes from L2). It needs many
-// columns to fill the GPU (a block covers GEMM_ROWS_SERIAL_WARPS * N_TILES tiles), so
-// glm_kda/gemm_rows.py takes it only for wide weights.
-#define GEMM_ROWS_SERIAL_WARPS 4
-// Weight loads per lane and step of the serial sweep, twice the split-k sweep's: its entries run
-// 3 blocks of 4 warps per SM with up to 168 registers, room for two k blocks a step (on an H200,
-// GLM q|k|v at 64 rows: 89.8 us against 94.0 with 8 loads, 97.5 for the split-k sweep).
-#ifndef GEMM_ROWS_SERIAL_LOADS
-#define GEMM_ROWS_SERIAL_LOADS 16
-#endif
-#define GEMM_ROWS_SERIAL_THREADS (GEMM_ROWS_SERIAL_WARPS * 32)
-
-template <int M_TILES, int N_TILES, bool PACKED = false>
-__device__ __forceinline__ void gemm_rows_serial_sweep(const bf16_t* __restrict__ x, int ldx,
-                                                       const bf16_t* __restrict__ w, bf16_t* __restrict__ y,
-                                                       int ldy, int row_begin, int row_end, int n, int k,
-                                                       int k_split)
-{
-    constexpr int BLOCK_COLUMNS = GEMM_ROWS_SERIAL_WARPS * N_TILES * GEMM_ROWS_N_TILE;
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    const int column_groups = (n + BLOCK_COLUMNS - 1) / BLOCK_COLUMNS;
-
-    // x (and y) may belong to the previous kernel: nothing below runs before it is done.
-    kda_wait_for_previous_kernel();
-
-    for (int group = blockIdx.x; group < column_groups; group += gridDim.x) {
-        const int warp_column = group * BLOCK_COLUMNS + warp * N_TILES * GEMM_ROWS_N_TILE;
-        if (warp_column >= n) {
-            continue;  // warp-uniform; the serial sweep has no barrier
-        }
-        // The accumulators by their flat index, the `fragment` of gemm_rows_fragment_place.
-        constexpr int FRAGMENTS = M_TILES * N_TILES * 4;
-        int kb_begin, kb_end;
-        gemm_rows_k_range(k, k_split, 0, kb_begin, kb_end);
-        float total[M_TILES][N_TILES][4];
-        gemm_rows_accumulate<M_TILES, N_TILES, GEMM_ROWS_SERIAL_LOADS, GEMM_X_INPUT, PACKED>(
-            total, x, ldx, w, n, k, row_begin, row_end, warp_column, kb_begin, kb_end);
-        auto& total_flat = reinterpret_cast<float(&)[FRAGMENTS]>(total);
-        for (int split = 1; split < k_split; ++split) {
-            gemm_rows_k_range(k, k_split, split, kb_begin, kb_end);
-            float acc[M_TILES][N_TILES][4];
-            gemm_rows_accumulate<M_TILES, N_TILES, GEMM_ROWS_SERIAL_LOADS, GEMM_X_INPUT, PACKED>(
-                acc, x, ldx, w, n, k, row_begin, row_end, warp_column, kb_begin, kb_end);
-            const auto& acc_flat = reinterpret_cast<const float(&)[FRAGMENTS]>(acc);
-#pragma unroll
-            for (int fragment = 0; fragment < FRAGMENTS; ++fragment) {
-                total_flat[fragment] += acc_flat[fragment];
-            }
-        }
-#pragma unroll
-        for (int fragment = 0; fragment < FRAGMENTS; ++fragment) {
-            int row, column;
-            gemm_rows_fragment_place<M_TILES, N_TILES>(fragment, lane, row, column);
-            row += row_begin;
-            column += warp_column;
-            if (row < row_end && column < n) {
-                y[static_cast<size_t>(row) * ldy + column] = f32_to_bf16(total_flat[fragment]);
-            }
-        }
     }
 }
 

@@ -1,40 +1,39 @@
-// The row projection of 17..64 rows a group on Hopper's warpgroup MMA with both operands in shared
-// memory, filled by the bulk copy engine (sm_90a only): the bits of gemm_rows.cu's sweeps.
+// The row projection of more than 16 rows a group on Hopper's warpgroup MMA with both operands in
+// shared memory, filled by the bulk copy engine (sm_90a only): the bits of gemm_rows.cu's sweeps.
 //
 //   y[r, j] = bf16( sum_i x[r, i] * w[j, i] )   for r < rows (1..256), j < n
 //
-// Why another form of the wgmma sweep: in gemm_rows_wgmma.cu every warpgroup copies the whole of x
-// (its row group, every k) into its own ring by 4-byte copies while it streams its 64 weight
-// columns, so x moves through L2 as many times as there are column groups, a word at a time.
-// Here both operands arrive in 4 KB tiles that are already the wgmma's shared-memory image, one
-// bulk copy per tile run, and the WG warpgroups of a block walk k in step, so one copy of x feeds
-// WG groups of 64 columns. One warp of the block does nothing but issue the copies; the
-// warpgroups only wait, multiply and store.
+// Both operands arrive in 4 KB tiles that are already the wgmma's shared-memory image, one bulk copy
+// per tile run, and the WG warpgroups of a block walk k in step, so one copy of x feeds WG groups of
+// 64 columns. One warp of the block does nothing but issue the copies; the warpgroups only wait,
+// multiply and store.
 //
-// Tiles (glm_kda/gemm_rows.py: pack_tiles for the weight, gemm_rows_tile_x_bf16 below for x): for a
-// group of 64 weight columns (or 64 rows of x) and a block kb of 32 k, 2048 elements
+// Tiles (glm_kda.gpu.projection: pack_tiles for the weight, gemm_rows_tile_x_bf16 below or the fused
+// decode step for x; tile_layout.cuh): for a group of 64 weight columns (or 64 rows of x) and a block
+// kb of 32 k, 2048 elements
 //   tile[s][h][c][8 t + e] = w[64 group + c, 32 kb + 8 t + 4 s + 2 h + e]   (t < 4, e < 2; zeros past n, k)
 // k16 step s of the block reads [s][0..1][64][8]: core matrices of 8 rows x 16 bytes, the two
 // k halves 1024 bytes apart (leading byte offset) and the 8-row groups 128 bytes apart (stride
 // byte offset). Logical k slot 8 h + 2 t + e of step s holds physical k 8 t + 4 s + 2 h + e: the
-// slots of gemm_rows.cuh's fragment trick for both operands (the layout of x in
-// gemm_rows_wgmma.cu's ring, with the weight laid out the same way as the A operand).
+// slots of gemm_rows.cuh's fragment trick for both operands.
 //
 // The bit contract is gemm_rows.cuh's: every output is the sum, in ascending order, of the
 // k_split ranges of k (a function of k alone), each a chain from zero over its blocks of 32 k in
-// ascending order, two k16 steps a block, with the products of each step in the slots above. The
-// ranges are folded exactly as gemm_rows_wgmma.cu folds them, and the GPU tests compare every row
-// count with the mma.sync sweeps bit for bit.
+// ascending order, two k16 steps a block, with the products of each step in the slots above; the
+// GPU tests compare every row count with the mma.sync sweeps bit for bit.
 //
-// A block: WG consumer warpgroups and one copy warp (the last). Its work is the tasks of
-// GemmBulkWalk below (super-groups of WG groups of 64 columns, whole or one k range at a time),
-// each range's k in chunks of up to GEMM_BULK_CHUNK blocks of 32. Chunk i of the block's walk goes
-// to ring slot i % stages: x's chunk (CHUNK 4 KB tiles) then each warpgroup's weight chunk. The copy warp's lane 0 waits for
-// the slot to be free (its `empty` mbarrier: one arrival per consumer warp), announces the bytes on
-// its `full` mbarrier and starts the copies; the weight copies of the first `stages` chunks go out
-// before the wait on the previous kernel (the weight is no kernel's output), x's after it.
-#include "gemm_rows.cuh"
-#include "wgmma.cuh"
+// Launch (gemm_rows_bulk_g<WG>): block WG * 128 + 32 threads, WG consumer warpgroups and one copy
+// warp (the last); grid.y = the row groups of 64, grid.x any number of blocks. A block's work is the
+// tasks of GemmBulkWalk below (super-groups of WG groups of 64 columns, whole or one k range at a
+// time), each range's k in chunks of up to GEMM_BULK_CHUNK blocks of 32. Chunk i of the block's walk
+// goes to ring slot i % stages: x's chunk (CHUNK 4 KB tiles) then each warpgroup's weight chunk. The
+// copy warp's lane 0 waits for the slot to be free (its `empty` mbarrier: one arrival per consumer
+// warp), announces the bytes on its `full` mbarrier and starts the copies; the weight copies of the
+// first `stages` chunks go out before the wait on the previous kernel (the weight is no kernel's
+// output), x's after it.
+#include "projection/gemm_rows.cuh"
+#include "projection/tile_layout.cuh"
+#include "projection/wgmma.cuh"
 
 #define GEMM_BULK_WARPGROUP 128
 #define GEMM_BULK_COLUMNS 64
@@ -42,10 +41,8 @@
 // Elements and bytes of one (group of 64, block of 32 k) tile.
 #define GEMM_BULK_TILE_ELEMENTS (GEMM_BULK_COLUMNS * GEMM_ROWS_K_BLOCK)
 #define GEMM_BULK_TILE_BYTES (GEMM_BULK_TILE_ELEMENTS * 2)
-// Blocks of 32 k a ring slot holds of each operand.
-#ifndef GEMM_BULK_CHUNK
+// Blocks of 32 k a ring slot holds of each operand (glm_kda.gpu.projection._BULK_CHUNK).
 #define GEMM_BULK_CHUNK 4
-#endif
 
 // x [rows, k] (row stride ldx) -> tiles [row group][kb][2048] as described above, zeros past rows
 // and k. One thread per (row group, kb, row of 64): it reads the row's 64 bytes of the block and
@@ -81,7 +78,7 @@ extern "C" __global__ void __launch_bounds__(256) gemm_rows_tile_x_bf16(const bf
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
         // Word q of chunk t holds k 32 kb + 8 t + 2 q, + 1: the 16 bytes from x[row, 32 kb + 2 q] on
-        // in the tile layout (bulk_tile_element, kda_common.cuh: q = 2 s + h).
+        // in the tile layout (bulk_tile_element: q = 2 s + h).
         *reinterpret_cast<uint4*>(tiles + bulk_tile_element(row, kb * GEMM_ROWS_K_BLOCK + 2 * q, k_blocks)) =
             uint4{word_of(chunk[0], q), word_of(chunk[1], q), word_of(chunk[2], q), word_of(chunk[3], q)};
     }

@@ -1,8 +1,8 @@
-// Hopper's warpgroup MMA (sm_90a): the pieces every wgmma sweep of the projection shares
-// (gemm_rows_wgmma.cu, gemm_rows_bulk.cu): shared-memory operand descriptors, the fences and waits
-// of the asynchronous MMA, and the mbarrier and bulk-copy steps that feed it.
-#ifndef WGMMA_CUH
-#define WGMMA_CUH
+// Hopper's warpgroup MMA (sm_90a) for the bulk-copy projection sweep (gemm_rows_bulk.cu):
+// shared-memory operand descriptors, the fences and waits of the asynchronous MMA, and the mbarrier
+// and bulk-copy steps that feed it.
+#ifndef KDA_PROJECTION_WGMMA_CUH
+#define KDA_PROJECTION_WGMMA_CUH
 
 // The 32 FP32 accumulators of a 64 x 64 wgmma (operands %0 .. %31) as the instruction names them,
 // and their read-write operand list: the first operands of every m64n64 wgmma asm.
@@ -39,11 +39,6 @@ __device__ __forceinline__ void wgmma_hold(float (&registers)[COUNT])
     for (int i = 0; i < COUNT; ++i) {
         asm volatile("" : "+f"(registers[i])::"memory");
     }
-}
-
-__device__ __forceinline__ void wgmma_hold(uint4& registers)
-{
-    asm volatile("" : "+r"(registers.x), "+r"(registers.y), "+r"(registers.z), "+r"(registers.w)::"memory");
 }
 
 // mbarrier (shared::cta, 8 bytes at `barrier`): initialise to `count` arrivals a phase.
@@ -90,4 +85,4 @@ __device__ __forceinline__ void bulk_copy_to_shared(unsigned int destination, co
                  : "memory");
 }
 
-#endif  // WGMMA_CUH
+#endif  // KDA_PROJECTION_WGMMA_CUH

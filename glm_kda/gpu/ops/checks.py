@@ -10,18 +10,27 @@ used (a workspace sized for the longest prompt); the kernels touch only the firs
 
 from __future__ import annotations
 
+import math
+
 import cupy
 import ml_dtypes
 import numpy
 
-HEAD_DIM = 128  # KDA_HEAD_DIM of the kernels: one thread per channel of a head
-HEAD_BLOCK = 128  # threads of every per-head kernel, one per channel
+# KDA_HEAD_DIM of the kernels (kernels_src/common/head.cuh): the one head size they are built for.
+HEAD_DIM = 128
+# KDA_HEAD_BLOCK: threads of every per-head kernel, one per channel.
+HEAD_BLOCK = 128
 # Largest gridDim.y: kernels with a token grid axis are launched in slices of this.
 MAX_GRID_Y = 65535
 
+# The dtypes a BF16 operand may have: its raw bits, or ml_dtypes' bfloat16.
 _BF16_DTYPES = (numpy.dtype(numpy.uint16), numpy.dtype(ml_dtypes.bfloat16))
+# The dtype of every FP32 operand.
 _F32_DTYPE = numpy.dtype(numpy.float32)
+# The kernels take their sizes as int32.
 _INT32_MAX = 2**31 - 1
+# CONV_MAX_KERNEL of kernels_src/common/conv_window.cuh: the conv taps its registers hold.
+_CONV_MAX_KERNEL = 4
 
 
 def _check_dtype(name: str, array, kind: str) -> None:
@@ -124,6 +133,34 @@ def _f32(value) -> numpy.float32:
     return numpy.float32(value)
 
 
+def check_scratch(array, dtype, kind: str, size: int, name: str, what: str) -> None:
+    """Raises ValueError, naming `what` and the scratch `name`, unless `array` is a contiguous array of
+    `dtype` (called `kind` in the message) with at least `size` elements."""
+    if array.dtype != dtype or not array.flags.c_contiguous or array.size < size:
+        raise ValueError(f"{what}: {name} must be a contiguous {kind} array of at least {size} elements, "
+                         f"got {array.dtype} of {array.size} (contiguous: {array.flags.c_contiguous})")
+
+
+def conv_kernel_size(conv_state, conv_w, conv_dim: int) -> int:
+    """Check one conv state FP32 [conv_dim, K] and its taps BF16 [conv_dim, K] (or the checkpoint's
+    [conv_dim, 1, K]) and return K."""
+    _check_dtype("conv_state", conv_state, "f32")
+    if conv_state.ndim != 2 or conv_state.shape[0] != conv_dim:
+        raise ValueError(f"conv_state: expected [{conv_dim}, K], got {list(conv_state.shape)}")
+    kernel_size = conv_state.shape[1]
+    if not 1 <= kernel_size <= _CONV_MAX_KERNEL:
+        raise ValueError(f"conv kernel size must be 1..{_CONV_MAX_KERNEL}, got {kernel_size}")
+    _require("conv_state", conv_state, "f32", (conv_dim, kernel_size))
+    _check_dtype("conv_w", conv_w, "bf16")
+    if tuple(conv_w.shape) not in ((conv_dim, kernel_size), (conv_dim, 1, kernel_size)):
+        raise ValueError(
+            f"conv_w: expected [{conv_dim}, {kernel_size}] (conv_state's K), got {list(conv_w.shape)}"
+        )
+    if not conv_w.flags.c_contiguous:
+        raise ValueError("conv_w: must be C-contiguous")
+    return kernel_size
+
+
 def projection_args(kernel: str, x, w, out, rows: int | None, max_rows: int) -> tuple[int, int, int, int, int]:
     """Check the operands of a row projection out[r] = x[r] @ w^T and return (rows, n, k,
     ldx, ldy): w [n, k] contiguous and 16-byte aligned with k % 8 == 0; x [>= rows, k] and out
@@ -135,7 +172,7 @@ def projection_args(kernel: str, x, w, out, rows: int | None, max_rows: int) -> 
         raise ValueError(f"{kernel}: rows must be 1..{max_rows}, got {rows}")
     packed = getattr(w, "packed_shape", None)
     if packed is not None:
-        # A gemm_rows.PackedWeight: its array must still be what packing made.
+        # A projection.PackedWeight: its array must still be what packing made.
         _require("w.data", w.data, "bf16", packed, aligned=True)
         n, k = w.shape
     else:

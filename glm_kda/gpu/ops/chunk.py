@@ -1,19 +1,14 @@
-"""The FP32 chunked delta rule (kernels_src/chunk.cu): any chunk length up to 64."""
+"""The FP32 chunked delta rule (kernels_src/chunk/chunk.cu): any chunk length up to 64."""
 
 from __future__ import annotations
 
-import functools
-import math
+from .. import build
+from .checks import HEAD_BLOCK, HEAD_DIM, _check_dtype, _f32, _i32, _require_int32, _require_rows, recurrent_state_heads
 
-import cupy
-import ml_dtypes
-import numpy
-
-from .. import build as kernels
-from .checks import *  # noqa: F403
-from .checks import _F32_DTYPE, _check_dtype, _f32, _i32, _require, _require_aligned, _require_head_dim, _require_int32, _require_rows, _row_stride, _slot_rows, _state_or_pool_heads, _token_slices  # noqa: F401
-
-CHUNK_MAX = 64  # the largest chunk the kernels' shared memory holds
+# The largest chunk the kernels' shared memory holds (CHUNK_MAX of kernels_src/chunk/chunk.cu).
+_CHUNK_MAX = 64
+# Value columns of the state per block of the scan (SCAN_COLUMNS), one thread each.
+_SCAN_COLUMNS = 32
 
 
 def chunk_prepare_smem_bytes(chunk: int) -> int:
@@ -28,8 +23,8 @@ def chunk_count(tokens: int, chunk: int) -> int:
 
 
 def _require_chunk(chunk: int) -> None:
-    if not 1 <= chunk <= CHUNK_MAX:
-        raise ValueError(f"chunk must be 1..{CHUNK_MAX}, got {chunk}")
+    if not 1 <= chunk <= _CHUNK_MAX:
+        raise ValueError(f"chunk must be 1..{_CHUNK_MAX}, got {chunk}")
 
 
 def kda_chunk_prepare_f32(
@@ -59,7 +54,7 @@ def kda_chunk_prepare_f32(
         _require_rows(name, array, "f32", padded, (heads, HEAD_DIM), aligned=True)
     _require_rows("attn", attn, "f32", nchunks, (heads, chunk, chunk))
     _require_rows("chunk_decay", chunk_decay, "f32", nchunks, (heads, HEAD_DIM), aligned=True)
-    kernels.launch(
+    build.launch(
         "kda_chunk_prepare_f32",
         (nchunks, heads),
         (HEAD_BLOCK,),
@@ -104,10 +99,10 @@ def kda_chunk_scan_f32(q_decay, k_tail, w, u, attn, chunk_decay, state, core, to
     _require_rows("attn", attn, "f32", nchunks, (heads, chunk, chunk))
     _require_rows("chunk_decay", chunk_decay, "f32", nchunks, (heads, HEAD_DIM), aligned=True)
     _require_rows("core", core, "f32", tokens, (heads, HEAD_DIM))
-    kernels.launch(
+    build.launch(
         "kda_chunk_scan_f32",
-        (heads, HEAD_DIM // RECURRENT_COLUMNS),
-        (RECURRENT_COLUMNS,),
+        (heads, HEAD_DIM // _SCAN_COLUMNS),
+        (_SCAN_COLUMNS,),
         (
             q_decay,
             k_tail,

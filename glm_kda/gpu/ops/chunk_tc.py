@@ -7,41 +7,28 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
-from ...chunk_model import (C_STRIDE, CHUNK, D_STRIDE, H_STRIDE, MIN_LOWER_BOUND, PREPARE_SMEM_BYTES, PREPARE_THREADS,
-                            SCAN_COLUMNS, SCAN_SMEM_BYTES, SCAN_THREADS, SCRATCH_KINDS, chunk_count, scratch_shapes)
-from .. import build as kernels
-from . import gate as ops
+from ...chunk_model import (CHUNK, PREPARE_SMEM_BYTES, PREPARE_THREADS, SCAN_COLUMNS, SCAN_SMEM_BYTES, SCAN_THREADS,
+                            SCRATCH_KINDS, chunk_count, require_lower_bound)
+from ...chunk_model import chunk_tc_supported, prepare_lower_bound  # noqa: F401 (the layer's questions, asked here)
+from .. import build
 from .checks import HEAD_DIM, _check_dtype, _f32, _i32, _require, _require_int32, _require_rows, recurrent_state_heads
+from .gate import check_gate_sources
 
 
 def _launch(name: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int) -> None:
-    """kernels.launch with the largest shared-memory carveout: two scan blocks of 93 KB per SM
+    """build.launch with the largest shared-memory carveout: two scan blocks of 93 KB per SM
     need more than the driver's default split leaves when it is free to favour L1 (the
     carveout is a hint; a block that cannot run at all is always given enough)."""
-    kernels.launch(name, grid, block, args, shared_mem=shared_mem, carveout=100)
-
-
-def _require_lower_bound(lower_bound: float | None) -> None:
-    if lower_bound is None:  # no lower bound: the unbounded prepare
-        return
-    try:
-        bound = float(lower_bound)
-    except (TypeError, ValueError):
-        bound = math.nan
-    if not MIN_LOWER_BOUND <= bound <= 0.0:
-        raise ValueError(
-            f"lower_bound = {lower_bound!r}: the tensor-core prefill needs the bounded gate law with "
-            f"{MIN_LOWER_BOUND} <= lower_bound <= 0, or lower_bound=None for gates without a bound (the softplus "
-            f"law; a bound below {MIN_LOWER_BOUND} is such a gate)"
-        )
+    build.launch(name, grid, block, args, shared_mem=shared_mem, carveout=100)
 
 
 def _checked_call_needs_work(lower_bound: float | None, gate_source: Any, tokens: int) -> bool:
     """The checks every prefill call starts with (the bound, the gate source it allows, tokens);
     False for zero tokens (nothing to launch)."""
-    _require_lower_bound(lower_bound)
+    require_lower_bound(lower_bound)
     if lower_bound is None and gate_source is not None:
         raise ValueError("gate_source forms the bounded law's gate: it needs a lower_bound")
     _require_int32("tokens", tokens)
@@ -91,7 +78,6 @@ def kda_chunk_tc_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, 
     are never read. With `gate_source`, gate and beta are OUTPUTS instead: the
     kda_chunk_tc_prepare_gate_f32 entry point forms them from the projections (the bounded
     law at lower_bound, bit for bit what ops.gate_beta_f32 writes) and writes their T rows.
-    It measured slower than the gate kernel + this prepare (benchmarks/NOTES.md).
 
     Writes the scratch of :func:`scratch_shapes`: q_decay = f16(tf32(scale q exp(G))),
     k_tail = f16(tf32(k exp(G_last - G))) chunk-transposed, w = f16(tf32(W)), u = Uc (FP32),
@@ -112,7 +98,7 @@ def kda_chunk_tc_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, 
     name = "kda_chunk_tc_prepare_f32" if lower_bound is not None else "kda_chunk_tc_prepare_unbounded_f32"
     if gate_source is not None:
         sources = GateSource(*gate_source)
-        ld_beta = ops.check_gate_sources(*sources, heads, HEAD_DIM, tokens)
+        ld_beta = check_gate_sources(*sources, heads, HEAD_DIM, tokens)
         name, args = "kda_chunk_tc_prepare_gate_f32", (*args, *sources, _i32(ld_beta))
     _launch(name, (chunk_count(tokens), heads), (PREPARE_THREADS,), args, shared_mem=PREPARE_SMEM_BYTES)
 

@@ -3,27 +3,24 @@
 from __future__ import annotations
 
 import functools
-import math
 
 import cupy
-import ml_dtypes
 import numpy
 
-from .. import build as kernels
-from .checks import *  # noqa: F403
-from .checks import _F32_DTYPE, _check_dtype, _f32, _i32, _require, _require_aligned, _require_head_dim, _require_int32, _require_rows, _row_stride, _slot_rows, _state_or_pool_heads, _token_slices  # noqa: F401
+from .checks import _F32_DTYPE, _require, _require_int32, _row_stride
 
-# cudaDataType CUDA_R_16BF and CUDA_R_32F (library_types.h); cupy's cublas module does not export them.
-CUDA_R_16BF = 14
-CUDA_R_32F = 0
+# cudaDataType CUDA_R_16BF (library_types.h), which cupy's cublas module does not export.
+_CUDA_R_16BF = 14
+# cudaDataType CUDA_R_32F, likewise.
+_CUDA_R_32F = 0
 
 
 def gemm_bf16_cublas(x, w, out) -> None:
     """out[T, n] = bf16(x[T, k] @ w[n, k]^T) through cuBLAS, BF16 in/out, FP32 compute; a
     float32 `out` receives the FP32 result unrounded (a tensor-parallel rank's partial output).
 
-    For prefill widths (T > 16). Reassociates differently from gemv_bf16, so it is
-    never used where decode bits must be reproduced. x and out may be row slices
+    For prefill widths. Reassociates differently from the decode-side projection
+    (glm_kda.gpu.projection), so it is never used where decode bits must be reproduced. x and out may be row slices
     or column slices of wider row-major buffers: their row strides are passed.
 
     cuBLAS is column-major. A row-major [R, C] matrix with row stride ld is the
@@ -67,14 +64,14 @@ def gemm_bf16_cublas(x, w, out) -> None:
             k,  # k: the reduction
             alpha.ctypes.data,
             w.data.ptr,
-            CUDA_R_16BF,
+            _CUDA_R_16BF,
             k,  # lda >= k: A is stored [k, n]
             x.data.ptr,
-            CUDA_R_16BF,
+            _CUDA_R_16BF,
             ldx,  # ldb >= k: B is stored [k, T] with x's row stride
             beta.ctypes.data,
             out.data.ptr,
-            CUDA_R_32F if out_f32 else CUDA_R_16BF,
+            _CUDA_R_32F if out_f32 else _CUDA_R_16BF,
             ldo,  # ldc >= n: C is stored [n, T] with out's row stride
             cublas.CUBLAS_COMPUTE_32F,
             cublas.CUBLAS_GEMM_DEFAULT,
@@ -83,8 +80,7 @@ def gemm_bf16_cublas(x, w, out) -> None:
         cublas.setPointerMode(handle, pointer_mode)
 
 
-# FP32 -> BF16 bits, round to nearest, ties to even, as ml_dtypes and __float2bfloat16_rn do; NaN stays
-# a quiet NaN and values past the BF16 range round to inf. Plain bit arithmetic needs no cuda_bf16.h.
+# FP32 -> BF16 bits as ml_dtypes rounds (nearest even, NaN quiet); public: the TP tests check it.
 BF16_ROUND_SOURCE = r"""
 __device__ __forceinline__ unsigned short kda_float_to_bf16_bits(float value) {
     unsigned int bits = __float_as_uint(value);

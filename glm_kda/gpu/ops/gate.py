@@ -2,19 +2,29 @@
 
 from __future__ import annotations
 
-import functools
 import math
 
-import cupy
-import ml_dtypes
 import numpy
 
-from .. import build as kernels
-from .checks import *  # noqa: F403
-from .checks import _F32_DTYPE, _check_dtype, _f32, _i32, _require, _require_aligned, _require_head_dim, _require_int32, _require_rows, _row_stride, _slot_rows, _state_or_pool_heads, _token_slices  # noqa: F401
+from .. import build
+from .checks import HEAD_DIM, _check_dtype, _f32, _i32, _require_aligned, _require_rows, _row_stride, _token_slices
 
-GATE_TOKENS_PER_BLOCK = 32  # tokens per block of the gate kernel
-GATE_THREADS = 128
+# Tokens per block of the kernel (GATE_TOKENS_PER_BLOCK).
+_TOKENS_PER_BLOCK = 32
+# Threads of a block of the kernel (GATE_THREADS).
+_THREADS = 128
+# gate_law of the softplus law (KDA_GATE_SOFTPLUS of kernels_src/common/math.cuh).
+_GATE_SOFTPLUS = 0
+# gate_law of the bounded law (KDA_GATE_BOUNDED).
+_GATE_BOUNDED = 1
+
+
+def gate_law_args(bounded: bool, lower_bound: float) -> tuple[numpy.int32, numpy.float32]:
+    """The gate_law and lower_bound arguments of a kernel that forms the forget gate: the bounded law
+    (lower_bound * sigmoid(exp(A_log) u); lower_bound must be finite) or the softplus law."""
+    if bounded and not math.isfinite(lower_bound):
+        raise ValueError(f"bounded gate needs a finite lower_bound, got {lower_bound}")
+    return _i32(_GATE_BOUNDED if bounded else _GATE_SOFTPLUS), _f32(lower_bound if bounded else 0.0)
 
 
 def check_gate_sources(forget_proj, dt_bias, a_log, beta_logits, heads: int, head_dim: int, tokens: int) -> int:
@@ -35,19 +45,8 @@ def check_gate_sources(forget_proj, dt_bias, a_log, beta_logits, heads: int, hea
     return _row_stride("beta_logits", beta_logits, "bf16", tokens, beta_logits.shape[1])
 
 
-def gate_beta_f32(
-    forget_proj,
-    dt_bias,
-    a_log,
-    beta_logits,
-    gate,
-    beta,
-    heads: int,
-    head_dim: int,
-    bounded: bool,
-    lower_bound: float,
-    tokens: int | None = None,
-) -> None:
+def gate_beta_f32(forget_proj, dt_bias, a_log, beta_logits, gate, beta, heads: int, head_dim: int, bounded: bool,
+                  lower_bound: float, tokens: int | None = None) -> None:
     """Forget-gate log-decay and beta.
 
     forget_proj [>= T, H*D] BF16, dt_bias [H*D] FP32 (per channel), a_log [H] FP32
@@ -64,25 +63,12 @@ def gate_beta_f32(
     _require_aligned("dt_bias", dt_bias)
     _require_rows("gate", gate, "f32", tokens, (heads, head_dim), aligned=True)
     _require_rows("beta", beta, "f32", tokens, (heads,))
-    if bounded and not math.isfinite(lower_bound):
-        raise ValueError(f"bounded gate needs a finite lower_bound, got {lower_bound}")
+    law = gate_law_args(bounded, lower_bound)
     for start, end in _token_slices(tokens):
-        kernels.launch(
+        build.launch(
             "gate_beta_f32",
-            (heads, -(-(end - start) // GATE_TOKENS_PER_BLOCK)),
-            (GATE_THREADS,),
-            (
-                forget_proj[start:end],
-                dt_bias,
-                a_log,
-                beta_logits[start:end],
-                _i32(ld_beta),
-                gate[start:end],
-                beta[start:end],
-                _i32(heads),
-                _i32(head_dim),
-                _i32(1 if bounded else 0),
-                _f32(lower_bound if bounded else 0.0),
-                _i32(end - start),
-            ),
+            (heads, -(-(end - start) // _TOKENS_PER_BLOCK)),
+            (_THREADS,),
+            (forget_proj[start:end], dt_bias, a_log, beta_logits[start:end], _i32(ld_beta), gate[start:end],
+             beta[start:end], _i32(heads), _i32(head_dim), *law, _i32(end - start)),
         )

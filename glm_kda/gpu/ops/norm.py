@@ -2,18 +2,11 @@
 
 from __future__ import annotations
 
-import functools
-import math
+from .. import build
+from .checks import HEAD_BLOCK, _f32, _i32, _require, _require_head_dim, _require_rows, _token_slices
 
-import cupy
-import ml_dtypes
-import numpy
-
-from .. import build as kernels
-from .checks import *  # noqa: F403
-from .checks import _F32_DTYPE, _check_dtype, _f32, _i32, _require, _require_aligned, _require_head_dim, _require_int32, _require_rows, _row_stride, _slot_rows, _state_or_pool_heads, _token_slices  # noqa: F401
-
-TOKENS_PER_BLOCK = 8  # tokens per block of the norm kernel
+# Tokens per block of the kernel (NORM_TOKENS_PER_BLOCK).
+_TOKENS_PER_BLOCK = 8
 
 
 def gated_rmsnorm_sigmoid_bf16(
@@ -32,9 +25,9 @@ def gated_rmsnorm_sigmoid_bf16(
     _require_rows("o_norm_out", o_norm_out, "bf16", tokens, (heads * head_dim,))
     _require("norm_w", norm_w, "bf16", (head_dim,))
     for start, end in _token_slices(tokens):
-        kernels.launch(
+        build.launch(
             "gated_rmsnorm_sigmoid_bf16",
-            (heads, -(-(end - start) // TOKENS_PER_BLOCK)),
+            (heads, -(-(end - start) // _TOKENS_PER_BLOCK)),
             (HEAD_BLOCK,),
             (core[start:end], out_gate[start:end], norm_w, o_norm_out[start:end], _i32(heads), _i32(head_dim), _f32(eps),
              _i32(end - start)),
