@@ -5,6 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from huggingface_hub import hf_hub_download
+from huggingface_hub.errors import EntryNotFoundError
+
 
 class CheckpointError(ValueError):
     """A checkpoint that does not hold the KDA layer the config describes."""
@@ -40,9 +43,6 @@ def resolve_file(dir_or_repo_id: str | Path, filename: str, **hub_kwargs: Any) -
         if not path.is_file():
             raise CheckpointError(f"{local}: no file '{filename}'")
         return path
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError
-
     try:
         return Path(hf_hub_download(repo_id=str(dir_or_repo_id), filename=filename, **hub_kwargs))
     except EntryNotFoundError as exc:

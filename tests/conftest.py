@@ -30,7 +30,7 @@ def real_checkpoint(tmp_path_factory):
 @pytest.fixture
 def fake_hub(monkeypatch):
     """fake_hub(directory) serves `directory` as a hub repo through a stand-in for
-    glm_kda.checkpoint.hf_hub_download; returns the list of (repo_id, filename, kwargs) requested."""
+    glm_kda's hf_hub_download; returns the list of (repo_id, filename, kwargs) requested."""
 
     def serve(directory: Path) -> list[tuple[str, str, dict]]:
         requests: list[tuple[str, str, dict]] = []
@@ -43,6 +43,7 @@ def fake_hub(monkeypatch):
             return str(path)
 
         monkeypatch.setattr("glm_kda.checkpoint.hf_hub_download", download)
+        monkeypatch.setattr("glm_kda.files.hf_hub_download", download)
         return requests
 
     return serve

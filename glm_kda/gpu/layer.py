@@ -96,6 +96,10 @@ class KdaLayer(Stages):
         self._o_proj_sums: Any = None
         self._state_shapes = (tuple(self.config.conv_state_shape), tuple(self.config.recurrent_state_shape))
         self._packed: dict[str, projection.PackedWeight] = {}
+        # Advanced whenever the options or o_proj's sums change: part of every graph key.
+        self._generation = 0
+        # The last stream a call came from and its workspace (the lookup skipped on a hit).
+        self._stream_workspace: tuple = (None, None)
         self._options = KdaOptions()
         self.options = KdaOptions() if options is None else options
 
@@ -151,6 +155,8 @@ class KdaLayer(Stages):
         self._packed = packed
         self._chunk_impl = chunk_impl
         self._options = options
+        self._context = build.LaunchContext(hopper=options.hopper)
+        self._generation += 1
 
     @property
     def chunk_impl(self) -> str:
@@ -180,6 +186,7 @@ class KdaLayer(Stages):
             if sums.device.id != self.device_id:
                 raise ValueError(f"o_proj_sums: on device {sums.device.id}, the layer on {self.device_id}")
         self._o_proj_sums = sums
+        self._generation += 1
 
     # Workspaces, states, timing -----------------------------------------------------------------
     @property
@@ -211,21 +218,54 @@ class KdaLayer(Stages):
 
     def graph_key(self, ws: KdaWorkspace) -> tuple:
         """What a graph of this layer's decode-side calls depends on besides its states: the
-        options, o_proj's sums buffer and the workspace. A driver holding graphs that replay
-        this layer's launches (a tensor-parallel group) keys them on it too."""
-        sums = self._o_proj_sums
-        return (self._options, None if sums is None else sums.data.ptr, ws.serial)
+        options and o_proj's sums buffer (through the generation both advance when set) and the
+        workspace. A driver holding graphs that replay this layer's launches (a tensor-parallel
+        group) keys them on it too."""
+        return (self._generation, ws.serial)
 
     @contextlib.contextmanager
     def _call(self) -> Iterator[KdaWorkspace]:
         """The workspace of a call on the current stream, held for the call, with its launches
-        made under this layer's options."""
+        made under this layer's options (the decode path inlines the same as _enter / _leave)."""
+        call = self._enter()
+        try:
+            yield call[0]
+        finally:
+            self._leave(call)
+
+    def _enter(self) -> tuple:
+        """Start a call on the current stream: (workspace, stream, launch-context token, previous
+        device or None). Kept lean: a one-row decode's host time is on its critical path."""
         import cupy
 
+        previous = cupy.cuda.runtime.getDevice()
+        if previous != self.device_id:
+            cupy.cuda.runtime.setDevice(self.device_id)
+        else:
+            previous = None
         stream = cupy.cuda.get_current_stream()
-        context = build.LaunchContext(hopper=self._options.hopper, timer=build.current_context().timer)
-        with cupy.cuda.Device(self.device_id), self.workspace.use(stream) as ws, build.launching(context):
-            yield ws
+        cached = self._stream_workspace
+        if self._workspace is not None:
+            ws = self._workspace
+        elif cached[0] == stream.ptr:
+            ws = cached[1]
+        else:
+            ws = KdaWorkspace.for_stream(self.config, self.max_tokens, stream)
+            self._stream_workspace = (stream.ptr, ws)
+        ws.acquire(stream)
+        timer = build.current_context().timer
+        context = self._context if timer is None else build.LaunchContext(self._options.hopper, timer)
+        return ws, stream, build.enter_context(context), previous
+
+    @staticmethod
+    def _leave(call: tuple) -> None:
+        import cupy
+
+        ws, stream, token, previous = call
+        build.exit_context(token)
+        ws.release(stream)
+        if previous is not None:
+            cupy.cuda.runtime.setDevice(previous)
 
     # Calls ----------------------------------------------------------------------------------------
     def prefill(self, hidden: Any, state: KdaState | StatePool, pad_value: float = 0.0, *, slots: Any = None,
@@ -288,13 +328,18 @@ class KdaLayer(Stages):
             raise ValueError(f"decode_k: {len(snapshots)} snapshots for {rows} rows")
         for i, snap in enumerate(snapshots):
             self._check_state(snap, "decode_k", f"snapshots[{i}]")
-        with self._call() as ws:
+        call = self._enter()
+        try:
+            ws = call[0]
+
             def body(hidden: Any, _slots: Any) -> None:
                 self._decode_rows(ws, hidden, state.conv, state.recurrent, sequential=True, snapshots=snapshots)
 
-            key = ("k", rows, *self.graph_key(ws), state.conv.data.ptr, state.recurrent.data.ptr,
+            key = ("k", rows, self._generation, ws.serial, state.conv.data.ptr, state.recurrent.data.ptr,
                    tuple((s.conv.data.ptr, s.recurrent.data.ptr) for s in snapshots))
             return back(self.graphs.run(key, ws, hidden_rows, None, body, self._graphed()))
+        finally:
+            self._leave(call)
 
     def _decode_pool(self, hidden: Any, pool: StatePool, slots: Any) -> Any:
         import cupy
@@ -309,12 +354,17 @@ class KdaLayer(Stages):
                                  f"{list(slots.shape)}")
         else:
             slots = np.ascontiguousarray(self._host_slots(slots, rows, pool, "decode"), np.int32)
-        with self._call() as ws:
+        call = self._enter()
+        try:
+            ws = call[0]
+
             def body(hidden: Any, device_slots: Any) -> None:
                 self._decode_rows(ws, hidden, pool.conv, pool.recurrent, slots=device_slots)
 
-            key = ("pool", rows, *self.graph_key(ws), pool.conv.data.ptr, pool.recurrent.data.ptr)
+            key = ("pool", rows, self._generation, ws.serial, pool.conv.data.ptr, pool.recurrent.data.ptr)
             return back(self.graphs.run(key, ws, hidden, slots, body, self._graphed()))
+        finally:
+            self._leave(call)
 
     def _graphed(self) -> bool:
         return self._options.graphs and build.current_context().timer is None

@@ -5,7 +5,7 @@ Calls on different streams must never share scratch (a decode's projections, its
 the counts its output projection awaits all live here), so a layer takes the workspace of the
 stream it is called on (:meth:`KdaWorkspace.for_stream`): memory grows with the streams actually
 used, not with the layers. A workspace given to a layer explicitly serves every stream; calls on
-different streams are then ordered one after the other through an event (:meth:`KdaWorkspace.use`).
+different streams are then ordered one after the other through an event (:meth:`KdaWorkspace.acquire`).
 """
 
 from __future__ import annotations
@@ -141,6 +141,7 @@ class KdaWorkspace:
         self._home_stream: int | None = None  # the stream of a for_stream workspace
         self._last_stream: int | None = None
         self._last_event: Any = None
+        self._ordered = False
 
     @classmethod
     def for_stream(cls, config: KdaConfig, max_tokens: int, stream: Any = None) -> "KdaWorkspace":
@@ -158,27 +159,31 @@ class KdaWorkspace:
                 workspace._home_stream = stream.ptr
         return workspace
 
-    @contextlib.contextmanager
-    def use(self, stream: Any) -> Iterator["KdaWorkspace"]:
-        """Hold this workspace for one call on `stream`: one host thread at a time, and on the GPU
-        after the last call made on another stream."""
+    def acquire(self, stream: Any) -> None:
+        """Hold this workspace for one call on `stream` (until :meth:`release`): one host thread at a
+        time, and on the GPU after the last call made on another stream."""
+        self._lock.acquire()
+        # Its own stream orders its calls (the common case: no event to record); a capture (a driver
+        # capturing this call into a graph of its own) orders it in that graph.
+        if stream.ptr == self._home_stream or stream.is_capturing():
+            self._ordered = False
+            return
+        self._ordered = True
+        if self._last_stream is not None and self._last_stream != stream.ptr:
+            stream.wait_event(self._last_event)
+
+    def release(self, stream: Any) -> None:
+        """End the hold of :meth:`acquire`."""
         import cupy
 
-        with self._lock:
-            if stream.ptr == self._home_stream or stream.is_capturing():
-                # Its own stream orders its calls (the common case: no event to record); a capture
-                # (a driver capturing this call into a graph of its own) orders it in that graph.
-                yield self
-                return
-            if self._last_stream is not None and self._last_stream != stream.ptr:
-                stream.wait_event(self._last_event)
-            try:
-                yield self
-            finally:
+        try:
+            if self._ordered:
                 if self._last_event is None:
                     self._last_event = cupy.cuda.Event(disable_timing=True)
                 self._last_event.record(stream)
                 self._last_stream = stream.ptr
+        finally:
+            self._lock.release()
 
     @contextlib.contextmanager
     def beside(self, concurrent: bool, branch: int = 0) -> Iterator[Any]:
