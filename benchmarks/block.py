@@ -66,8 +66,8 @@ def main(geometries: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    from glm_kda.cli import script_help
-    from glm_kda.device import exit_unless_gpu
+    from lib.script import script_help
+    from lib.script import exit_unless_gpu
 
     script_help(__doc__)
     unknown = sorted(set(sys.argv[1:]) - set(GEOMETRIES))

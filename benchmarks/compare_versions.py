@@ -199,7 +199,7 @@ def combine(geometry: str, key: str, runs: dict[str, list[list[dict]]]) -> dict:
 
 
 def compare(args) -> int:
-    from glm_kda.device import exit_unless_gpu
+    from lib.script import exit_unless_gpu
 
     exit_unless_gpu("the version comparison")
     versions = {"old": args.old, "new": args.new}

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lib import bench_decode  # noqa: E402
 
 if __name__ == "__main__":
-    from glm_kda.device import exit_unless_gpu
+    from lib.script import exit_unless_gpu
 
     parser = argparse.ArgumentParser(description=bench_decode.__doc__.splitlines()[0], epilog=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

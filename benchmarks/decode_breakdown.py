@@ -176,7 +176,7 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    from glm_kda.device import exit_unless_gpu
+    from lib.script import exit_unless_gpu
 
     arguments = parse_arguments()
     exit_unless_gpu("the decode breakdown")

@@ -165,7 +165,7 @@ def main(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    from glm_kda.device import exit_unless_gpu
+    from lib.script import exit_unless_gpu
 
     arguments = parse_arguments()
     exit_unless_gpu("the projection benchmark")

@@ -115,7 +115,7 @@ def bench(geometry: str, directory: Path, bandwidth: float, profile: bool) -> No
 
 
 def main() -> int:
-    from glm_kda.device import exit_unless_gpu
+    from lib.script import exit_unless_gpu
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

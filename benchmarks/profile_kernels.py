@@ -69,7 +69,7 @@ def main(kind: str, geometry: str, tokens: int, options: dict) -> None:
 
 
 if __name__ == "__main__":
-    from glm_kda.device import exit_unless_gpu
+    from lib.script import exit_unless_gpu
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -80,8 +80,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from glm_kda.cli import script_help
-    from glm_kda.device import exit_unless_gpu
+    from lib.script import script_help
+    from lib.script import exit_unless_gpu
 
     script_help(__doc__)
     exit_unless_gpu("the stream floor benchmark")

@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
-from glm_kda.cli import script_help
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from lib.script import script_help  # noqa: E402
 
 
 def summary(record: dict) -> str:

@@ -46,14 +46,6 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def script_help(doc: str, argv: list[str] | None = None) -> None:
-    """For a script that reads its arguments by hand: with -h or --help among them (sys.argv's
-    when argv is None), print the script's docstring `doc` and exit with status 0."""
-    if {"-h", "--help"} & set(sys.argv[1:] if argv is None else argv):
-        print(doc.strip())
-        raise SystemExit(0)
-
-
 def _inspect(args: argparse.Namespace) -> int:
     from .checkpoint import CheckpointError, check_layers
     from .config import ConfigError, KdaConfig

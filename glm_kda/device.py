@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import sys
 
 
 class NoGpuError(RuntimeError):
@@ -40,14 +39,3 @@ def require_gpu(what: str = "this call") -> None:
     ok, why = gpu_status()
     if not ok:
         raise NoGpuError(f"{what} needs a CUDA GPU: {why}. The NumPy oracle (glm_kda.reference) runs without one.")
-
-
-def exit_unless_gpu(what: str) -> None:
-    """A script's entry after its arguments are parsed: without a usable GPU, print why `what`
-    cannot run here to stderr (as ``error: ...``, the line the ``glm-kda`` commands print) and exit
-    with status 2, instead of failing later inside CUDA with a traceback."""
-    try:
-        require_gpu(what)
-    except NoGpuError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None

@@ -265,10 +265,6 @@ def host_kernel_source(stem: str, device_helpers: tuple[str, ...] = ()) -> str:
     common/sync.cuh removed (the emulation header defines them), every vector cast
     alignment-checked, no inline PTX left."""
     source = kernels.kernel_source(stem)
-    # The block timeline's hooks are device code compiled only with KDA_TRACE (benchmarks/timeline.py),
-    # never here: keep their empty stand-ins.
-    source, traced = re.subn(r"#ifdef KDA_TRACE\n.*?\n#else\n", "#ifndef KDA_TRACE\n", source, flags=re.S)
-    assert traced <= 1, f"{stem}.cu: more than one KDA_TRACE block"
     for name in device_helpers:
         removed = _remove_helper(source, name)
         assert removed is not None, f"{stem}.cu no longer defines {name}; update the host emulation"

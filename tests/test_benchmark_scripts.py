@@ -12,7 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from glm_kda.device import exit_unless_gpu, gpu_status
+from glm_kda.device import gpu_status
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from lib.script import exit_unless_gpu  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 BENCHMARKS = REPO / "benchmarks"
@@ -21,7 +24,7 @@ BENCHMARKS = REPO / "benchmarks"
 GPU_SCRIPTS = {
     "block.py": [], "compare_versions.py": ["--old", str(REPO)], "decode.py": [], "decode_breakdown.py": [],
     "gemm_rows.py": [], "host_cost.py": [], "prefill.py": [], "profile_kernels.py": ["decode", "glm"],
-    "stream_floor.py": [], "timeline.py": [],
+    "stream_floor.py": [],
 }
 # Scripts that run without a GPU here: fla_compare prints a note and exits 0 without fla (or torch,
 # or a GPU); summarize_breakdown reads decode_breakdown's lines.

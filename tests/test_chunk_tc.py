@@ -42,6 +42,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import chunk_tc_model
+import kernel_report
 from glm_kda.gpu.ops import chunk_tc
 from glm_kda.gpu import build as kernels
 from glm_kda.gpu import ops
@@ -52,15 +54,11 @@ from glm_kda.chunk_model import (
     chunk_count,
     chunk_tc_supported,
     prepare_lower_bound,
-    model_chunk_tc,
-    model_chunk_tc_prepare,
-    model_chunk_tc_scan,
     SCRATCH_KINDS,
     new_scratch,
-    round_f16,
-    round_tf32,
     scratch_shapes,
 )
+from chunk_tc_model import model_chunk_tc, model_chunk_tc_prepare, model_chunk_tc_scan, round_tf32
 from glm_kda.device import gpu_status
 from glm_kda.reference import chunk_scan, rms_ratio
 from glm_kda.synthetic import synthetic_config
@@ -368,8 +366,8 @@ def test_wrapper_names_a_bad_gate_source(launches):
 
 def test_no_spills_on_sm_90():
     os.environ.setdefault("CUDA_CACHE_DISABLE", "1")
-    compiled = kernels.compile_file("chunk/chunk_tc", "sm_90")
-    resources = kernels.parse_ptxas_log(compiled.log)
+    compiled = kernel_report.compile_file("chunk/chunk_tc", "sm_90")
+    resources = kernel_report.parse_ptxas_log(compiled.log)
     for name in kernels.ENTRY_POINTS["chunk/chunk_tc"]:
         r = resources[name]
         print(f"{name}: {r}")
@@ -621,7 +619,7 @@ def _diagonal_forms(tokens, heads, law, state, seed):
     padded = np.zeros((nchunks * 64, heads, 128), np.float32)
     padded[:tokens] = gate
     cumgate = np.cumsum(padded.reshape(nchunks, 64, heads, 128), axis=1, dtype=np.float32).transpose(0, 2, 1, 3)
-    return np.stack([chunk_model.diagonal_in_range(cumgate, i) for i in range(4)], axis=1)
+    return np.stack([chunk_tc_model.diagonal_in_range(cumgate, i) for i in range(4)], axis=1)
 
 
 def test_unbounded_host_cases_reach_both_diagonal_forms():

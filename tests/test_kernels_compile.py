@@ -14,12 +14,13 @@ from pathlib import Path
 
 import pytest
 
+import kernel_report
 from glm_kda.gpu import build as kernels
 from glm_kda.gpu import ops
 
 # NVRTC 13 serves repeated compiles from the CUDA compute cache and then prints
 # no ptxas report; the switch is read when the library loads, so set it before
-# any test compiles (kernels.compile_file falls back to a child process otherwise).
+# any test compiles (kernel_report.compile_file falls back to a child process otherwise).
 os.environ.setdefault("CUDA_CACHE_DISABLE", "1")
 
 ARCHS = ("sm_80", "sm_90", "sm_100", "sm_120", "sm_121")
@@ -35,7 +36,7 @@ SPILL_ALLOWED = frozenset({"kda_chunk_prepare_f32", "kda_chunk_scan_f32", "kda_c
 @pytest.fixture(scope="module")
 def compiled() -> dict[tuple[str, str], kernels.CompiledFile]:
     return {
-        (stem, arch): kernels.compile_file(stem, arch)
+        (stem, arch): kernel_report.compile_file(stem, arch)
         for stem in kernels.ENTRY_POINTS
         for arch in ARCHS
     }
@@ -44,7 +45,7 @@ def compiled() -> dict[tuple[str, str], kernels.CompiledFile]:
 def _resource_table(compiled, arch: str) -> str:
     rows = [f"{'kernel':30s} {'regs':>5s} {'spill st':>9s} {'spill ld':>9s} {'stack':>6s} {'smem':>6s}  ({arch})"]
     for stem, names in kernels.ENTRY_POINTS.items():
-        resources = kernels.parse_ptxas_log(compiled[(stem, arch)].log)
+        resources = kernel_report.parse_ptxas_log(compiled[(stem, arch)].log)
         for name in names:
             r = resources[name]
             rows.append(
@@ -99,7 +100,7 @@ def test_every_kernel_file_opens_with_what_it_computes():
 @pytest.mark.parametrize("stem", list(kernels.ENTRY_POINTS))
 def test_entry_points_in_cubin(compiled, stem, arch):
     result = compiled[(stem, arch)]
-    symbols = kernels.cubin_function_symbols(result.cubin)
+    symbols = kernel_report.cubin_function_symbols(result.cubin)
     for name in kernels.ENTRY_POINTS[stem]:
         assert name in symbols or f"'{name}'" in result.log, f"{name} missing from {stem}.cu for {arch}"
 
@@ -109,7 +110,7 @@ def test_no_spills_outside_chunk_kernels(compiled, arch):
     print("\n" + _resource_table(compiled, arch))
     spilling = []
     for stem, names in kernels.ENTRY_POINTS.items():
-        resources = kernels.parse_ptxas_log(compiled[(stem, arch)].log)
+        resources = kernel_report.parse_ptxas_log(compiled[(stem, arch)].log)
         for name in names:
             r = resources[name]
             if name not in SPILL_ALLOWED and max(r["spill_stores"], r["spill_loads"]) > 0:
@@ -127,7 +128,7 @@ CODE_SIZE_LIMIT = 112 * 1024
 def test_code_fits_the_instruction_cache(compiled, arch):
     sizes = {}
     for stem in kernels.ENTRY_POINTS:
-        sizes.update(kernels.cubin_function_sizes(compiled[(stem, arch)].cubin))
+        sizes.update(kernel_report.cubin_function_sizes(compiled[(stem, arch)].cubin))
     for names in kernels.ENTRY_POINTS.values():
         for name in names:
             assert sizes.get(name, 0) > 0, f"{name}: no code size in the {arch} cubin"
@@ -145,7 +146,7 @@ def test_resource_table_report(compiled, tmp_path):
 
 
 def test_compile_check_reports_every_entry_point():
-    report = kernels.compile_check("sm_90")
+    report = kernel_report.compile_check("sm_90")
     expected = {name for names in kernels.ENTRY_POINTS.values() for name in names}
     assert set(report) == expected
     for name, resources in report.items():
@@ -185,7 +186,7 @@ def _write_broken_kernel(folder: Path) -> int:
 def test_compile_error_names_real_file_and_line(tmp_path):
     line = _write_broken_kernel(tmp_path)
     with pytest.raises(kernels.KernelCompileError) as error:
-        kernels.compile_file("stage/broken", "sm_90", directory=tmp_path)
+        kernel_report.compile_file("stage/broken", "sm_90", directory=tmp_path)
     message = str(error.value)
     assert f"{(tmp_path / 'stage' / 'broken.cu').resolve()}({line})" in message, message
     assert "undefined_name" in message
@@ -195,7 +196,7 @@ def test_compile_error_through_kernels_dir(tmp_path, monkeypatch):
     line = _write_broken_kernel(tmp_path)
     monkeypatch.setattr(kernels, "kernels_dir", lambda: tmp_path)
     with pytest.raises(kernels.KernelCompileError, match=rf"broken\.cu\({line}\)"):
-        kernels.compile_file("stage/broken", "sm_80")
+        kernel_report.compile_file("stage/broken", "sm_80")
 
 
 def test_an_include_outside_the_kernel_folder_is_an_error(tmp_path):
@@ -267,15 +268,15 @@ def test_architecture_families_compile_for_their_architecture(stem):
     every entry point, no spill and code that fits the instruction cache; compile_check of that
     architecture reports it beside the portable families."""
     arch, names = kernels.ARCH_ENTRY_POINTS[stem]
-    compiled = kernels.compile_file(stem, arch)
-    symbols = kernels.cubin_function_symbols(compiled.cubin)
-    sizes = kernels.cubin_function_sizes(compiled.cubin)
-    resources = kernels.parse_ptxas_log(compiled.log)
+    compiled = kernel_report.compile_file(stem, arch)
+    symbols = kernel_report.cubin_function_symbols(compiled.cubin)
+    sizes = kernel_report.cubin_function_sizes(compiled.cubin)
+    resources = kernel_report.parse_ptxas_log(compiled.log)
     for name in names:
         assert name in symbols, f"{name} missing from {stem}.cu for {arch}"
         r = resources[name]
         assert max(r["spill_stores"], r["spill_loads"]) == 0, f"{name} spills on {arch}: {r}"
         assert 0 < sizes[name] <= CODE_SIZE_LIMIT, f"{name}: {sizes[name]} bytes of code on {arch}"
-    report = kernels.compile_check(arch)
+    report = kernel_report.compile_check(arch)
     assert set(names) <= set(report)
     assert {name for families in kernels.ENTRY_POINTS.values() for name in families} <= set(report)

@@ -4,7 +4,6 @@
 #ifndef KDA_COMMON_SYNC_CUH
 #define KDA_COMMON_SYNC_CUH
 
-#include "common/trace.cuh"
 
 // Programmatic dependent launch (no-ops before sm_90). A kernel launched with the
 // programmatic-serialization attribute may start while the kernel before it in the stream
@@ -29,7 +28,6 @@ __device__ __forceinline__ void kda_grid_dependency_wait()
 __device__ __forceinline__ void kda_wait_for_previous_kernel()
 {
     kda_grid_dependency_wait();
-    KDA_TRACE_WAITED();
 }
 
 // ---- Words one kernel waits on while another, running beside it, finishes its part: a count of

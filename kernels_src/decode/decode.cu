@@ -56,7 +56,6 @@ kda_decode_fused_bf16(float* __restrict__ conv_state, float* __restrict__ state,
                       int prefetch_ahead, int dependents_after, bf16_t* __restrict__ x_tiles, int* outputs_ready)
 {
     __shared__ KdaStepShared shared;
-    KDA_TRACE_SCOPE(o_norm_out);
     const int head = blockIdx.x;
 
     if (dependents_after == KDA_DEPENDENTS_AT_START) {
@@ -179,9 +178,6 @@ kda_decode_fused_bf16(float* __restrict__ conv_state, float* __restrict__ state,
         }
     }
 
-    // The block timeline's second stamp (benchmarks/timeline.py; nothing without KDA_TRACE): when
-    // this block's outputs are written, before its state stores.
-    KDA_TRACE_WAITED();
     if (outputs_ready != nullptr) {
         __syncthreads();  // every thread's outputs are out before thread 0 releases them
         if (threadIdx.x == 0) {

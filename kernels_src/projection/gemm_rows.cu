@@ -23,7 +23,6 @@ __device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, in
                                                 GemmRowsSums sums = {nullptr, 0})
 {
     __shared__ float partial[GEMM_ROWS_PARTIAL_FLOATS(M_TILES, N_TILES)];
-    KDA_TRACE_SCOPE(y);
 
     kda_let_next_kernel_launch();
     const int row_begin = blockIdx.y * GEMM_ROWS_M_GROUP;
@@ -155,7 +154,6 @@ __device__ __forceinline__ void gemm_rows_staged_entry(const bf16_t* __restrict_
                                                        int tail_blocks = 0, GemmRowsSums sums = {nullptr, 0})
 {
     extern __shared__ __align__(128) unsigned char gemm_rows_stage[];
-    KDA_TRACE_SCOPE(y);
 
     kda_let_next_kernel_launch();
     const int k_split = k_split_for(k);

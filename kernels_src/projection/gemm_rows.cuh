@@ -770,7 +770,6 @@ __device__ __forceinline__ int gemm_rows_await(const GemmRowsAwait& awaited)
         passed = kda_await_words(awaited.words, awaited.target);
     }
     __syncthreads();
-    KDA_TRACE_WAITED();
     return passed;
 }
 

@@ -51,9 +51,6 @@
 extern "C" __global__ void __launch_bounds__(256) gemm_rows_tile_x_bf16(const bf16_t* x, int ldx,
                                                                       int rows, int k, bf16_t* __restrict__ tiles)
 {
-    // The block timeline (benchmarks/timeline.py) names this launch by its input, one byte on: the
-    // tiles are one scratch for every projection, and the input's own address names its producer.
-    KDA_TRACE_SCOPE(reinterpret_cast<const char*>(x) + 1);
     kda_let_next_kernel_launch();
     const int k_blocks = gemm_rows_k_blocks(k);
     const int row_groups = (rows + GEMM_BULK_ROWS - 1) / GEMM_BULK_ROWS;
@@ -204,7 +201,6 @@ __device__ __forceinline__ void gemm_bulk_entry(const bf16_t* __restrict__ x_til
 {
     extern __shared__ __align__(128) unsigned char gemm_bulk_ring[];
     // Named by what it writes: the partial sums of a split sweep, else y.
-    KDA_TRACE_SCOPE(partial != nullptr ? static_cast<const void*>(partial) : static_cast<const void*>(y));
     kda_let_next_kernel_launch();
     const int row_group = blockIdx.y;
     const int row_begin = row_group * GEMM_BULK_ROWS;
@@ -239,9 +235,7 @@ __device__ __forceinline__ void gemm_bulk_entry(const bf16_t* __restrict__ x_til
             gemm_bulk_produce<WG>(walk, true, stages, ring, slot_bytes, full_barriers, empty_barriers, x_tiles, w_tiles,
                                   row_group, groups);
             // x is the previous kernel's output (gemm_rows_tile_x_bf16): nothing of it before this.
-            // (The block timeline's wait stamp is this one, when x may be copied.)
             kda_grid_dependency_wait();
-            KDA_TRACE_WAITED_HERE();
             gemm_bulk_produce<WG>(walk, false, stages, ring, slot_bytes, full_barriers, empty_barriers, x_tiles,
                                   w_tiles, row_group, groups);
         }
@@ -341,7 +335,6 @@ extern "C" __global__ void __launch_bounds__(256) gemm_rows_bulk_fold_bf16(const
                                                                          bf16_t* __restrict__ y, int ldy, int rows,
                                                                          int n, int k)
 {
-    KDA_TRACE_SCOPE(y);
     kda_let_next_kernel_launch();
     const long long index = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
     const long long count = static_cast<long long>(rows) * n;
