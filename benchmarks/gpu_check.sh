@@ -13,7 +13,7 @@
 # part of "all"; two GPUs) runs the tensor-parallel tests, the step timing included. "compare" (not part of "all")
 # runs benchmarks/compare_versions.py against the older checkout in $OLD (say `git worktree add /tmp/old 3d65311`):
 # decode, verify and prefill timings of both, each in its own process, and whether their bits agree.
-# With flash-linear-attention importable (see benchmarks/NOTES.md) both benchmarks add its rows;
+# With flash-linear-attention importable (pip wheels carried to the machine) both benchmarks add its rows;
 # its first call compiles Triton kernels for a minute or more.
 #   PYTHONPATH=. bash benchmarks/gpu_check.sh [tests|compile|sanitize|bench|all|tp] [block]
 #   OLD=/tmp/old PYTHONPATH=. bash benchmarks/gpu_check.sh compare

@@ -12,7 +12,7 @@
 //   A[t][s] = sum_d k_t k_s exp(G_t - G_s)  (s < t),   B[t][s] = scale sum_d q_t k_s exp(G_t - G_s)  (s <= t)
 //   T = (I + diag(beta) A)^-1,  W = T diag(beta) (K * exp(G)),  Uc = T diag(beta) V
 //   U = Uc - W S0,  o = (scale Q * exp(G)) S0 + B U,  S = diag(exp(G_{C-1})) S0 + (K * exp(G_{C-1} - G))^T U
-// glm_kda/chunk_model.py `model_chunk_tc` is a float64 NumPy model of exactly this blocked
+// tests/chunk_tc_model.py `model_chunk_tc` is a float64 NumPy model of exactly this blocked
 // algorithm: the same sub-chunk reference rows, block order and TF32 rounding points.
 //
 // Numerics. Every mma operand is rounded to TF32 (round_tf32 below: nearest, ties away
@@ -32,8 +32,8 @@
 // Two kernels, like chunk.cu: the intra-chunk work is independent per chunk, the scan is
 // sequential over chunks. The prepare has a second entry point,
 // kda_chunk_tc_prepare_gate_f32, that forms the forget gate and beta from the projections
-// in step 1 (and writes them out) instead of reading them (opt-in: the gate kernel +
-// kda_chunk_tc_prepare_f32 is faster).
+// in step 1 (and writes them out) instead of reading them: the layer's bounded prefill takes it,
+// one pass over the gate fewer.
 //
 // Launch:
 // kda_chunk_tc_prepare_f32: grid (nchunks, heads), 256 threads (8 warps), dynamic shared
@@ -106,7 +106,7 @@
 
 // x rounded to TF32 (10 mantissa bits), to nearest with ties away from zero, as
 // cvt.rna.tf32.f32 rounds; the result is an FP32 value with 13 zero low bits, so the mma
-// sees exactly this value and glm_kda/chunk_model.py `round_tf32` reproduces it bit for bit.
+// sees exactly this value and tests/chunk_tc_model.py `round_tf32` reproduces it bit for bit.
 // Infinities and NaNs pass unchanged (adding to a NaN's bits could wrap it to -0).
 __device__ __forceinline__ float round_tf32(float x)
 {

@@ -2,7 +2,7 @@
 
 ``chunk_prefill_tc`` runs ``kda_chunk_tc_prepare_f32`` (grid (nchunks, H)) then
 ``kda_chunk_tc_scan_f32`` (grid (H, D / 32)) on the same inputs and outputs as the FP32 pair of
-:mod:`glm_kda.gpu.ops.chunk`; :mod:`glm_kda.chunk_model` holds the constants and the float64 model.
+:mod:`glm_kda.gpu.ops.chunk`; :mod:`glm_kda.chunk_model` holds the constants.
 """
 
 from __future__ import annotations
