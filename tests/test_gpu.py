@@ -17,7 +17,6 @@ import dataclasses
 import numpy as np
 import pytest
 
-from glm_kda.gpu import build as kernels
 from glm_kda.device import gpu_status
 from glm_kda.reference import KdaOracle, compare_stages, rms_ratio
 from glm_kda.options import KdaOptions
@@ -44,7 +43,6 @@ def layers(real_checkpoint):
     """(bound, KdaLayer) per geometry and chunk, built once."""
     from glm_kda.checkpoint import bind_layer
     from glm_kda.gpu.layer import KdaLayer
-    from glm_kda.gpu.workspace import KdaWorkspace
 
     built = {}
 

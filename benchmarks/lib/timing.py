@@ -10,27 +10,13 @@ versions of the package too. CuPy is imported inside the functions that need it.
 
 from __future__ import annotations
 
-import argparse
 
 import numpy as np
 
+from glm_kda.selftest import count_at_least  # noqa: F401 (the scripts' argparse type, one definition)
+
 # The fewest calls after warm-up a decode timing's median is taken over.
 MIN_TIMED_CALLS = 200
-
-
-def count_at_least(minimum: int, why: str = ""):
-    """An argparse type: an integer >= minimum; `why`, the reason, is said in a refusal."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}{why}, got {value}")
-        return value
-
-    return parse
 
 
 def timed_calls() -> "callable":

@@ -18,7 +18,6 @@ import contextlib
 import contextvars
 import ctypes
 import re
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence

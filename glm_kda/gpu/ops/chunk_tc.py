@@ -12,7 +12,6 @@ from typing import Any, NamedTuple
 
 from ...chunk_model import (CHUNK, PREPARE_SMEM_BYTES, PREPARE_THREADS, SCAN_COLUMNS, SCAN_SMEM_BYTES, SCAN_THREADS,
                             SCRATCH_KINDS, chunk_count, require_lower_bound)
-from ...chunk_model import chunk_tc_supported, prepare_lower_bound  # noqa: F401 (the layer's questions, asked here)
 from .. import build
 from .checks import HEAD_DIM, _check_dtype, _f32, _i32, _require, _require_int32, _require_rows, recurrent_state_heads
 from .gate import check_gate_sources
