@@ -16,6 +16,7 @@ decode loop that does not synchronise each token is bound by the GPU's time, not
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any, Callable
 
 import numpy as np
@@ -47,11 +48,12 @@ class CapturedGraph:
     their GraphCopies. launch() replays it with the addresses its last call set: what the
     benchmarks time alone."""
 
-    __slots__ = ("graph", "copies")
+    __slots__ = ("graph", "copies", "serial")
 
-    def __init__(self, graph: Any, copies: graph_copies.GraphCopies | None):
+    def __init__(self, graph: Any, copies: graph_copies.GraphCopies | None, serial: int):
         self.graph = graph
         self.copies = copies
+        self.serial = serial  # of the workspace whose buffers it reads and writes
 
     def launch(self, stream: Any) -> None:
         self.graph.launch(stream)
@@ -69,6 +71,24 @@ class DecodeGraphs:
         self._io: dict[tuple[int, int], GraphIO] = {}
         # Where the driver cannot repoint a graph's copy nodes, the copies run beside the graphs.
         self.copies_in_graph = True
+        self._followed: set[int] = set()
+
+    def follow(self, ws: KdaWorkspace) -> None:
+        """Forget ws's buffers and graphs once ws itself is gone (its stream was let go)."""
+        if ws.serial not in self._followed:
+            self._followed.add(ws.serial)
+            weakref.finalize(ws, self._forget_workspace, weakref.ref(self), ws.serial)
+
+    @staticmethod
+    def _forget_workspace(graphs_ref: Any, serial: int) -> None:
+        graphs = graphs_ref()
+        if graphs is None:
+            return
+        graphs._followed.discard(serial)
+        for key in [key for key in graphs._io if key[0] == serial]:
+            del graphs._io[key]
+        for key in [key for key, entry in graphs.graphs.items() if entry.serial == serial]:
+            del graphs.graphs[key]
 
     def io(self, ws: KdaWorkspace, rows: int) -> GraphIO:
         """The GraphIO of `rows` rows of workspace `ws`."""
@@ -115,7 +135,7 @@ class DecodeGraphs:
                 self._copy_in(io, hidden, stream)
                 body(io.hidden, slots)
                 return self._copy_out(io, stream)
-            entry = self._capture(key, io, hidden, slots, body)
+            entry = self._capture(key, ws, io, hidden, slots, body)
         self.last_graph = entry
         if entry.copies is not None:
             out = cupy.empty(io.out.shape, io.out.dtype)
@@ -126,7 +146,7 @@ class DecodeGraphs:
                           "copies run as separate operations from now on", RuntimeWarning, stacklevel=3)
             self.copies_in_graph = False
             self.graphs.clear()
-            entry = self.last_graph = self._capture(key, io, hidden, slots, body)
+            entry = self.last_graph = self._capture(key, ws, io, hidden, slots, body)
         self._copy_in(io, hidden, stream)
         entry.launch(stream)
         return self._copy_out(io, stream)
@@ -147,7 +167,7 @@ class DecodeGraphs:
         cupy.cuda.runtime.memcpyAsync(out.data.ptr, io.out_ptr, io.out_bytes, _DEVICE_TO_DEVICE, stream.ptr)
         return out
 
-    def _capture(self, key: tuple, io: GraphIO, hidden: Any, slots: Any, body) -> CapturedGraph:
+    def _capture(self, key: tuple, ws: KdaWorkspace, io: GraphIO, hidden: Any, slots: Any, body) -> CapturedGraph:
         """Capture body on a side stream and keep it under `key`, with the input and output copies
         as its first and last nodes where the driver can repoint them."""
         import cupy
@@ -171,11 +191,11 @@ class DecodeGraphs:
             if copies is None:
                 # Not found or not reachable: capture again without them, and do so from now on.
                 self.copies_in_graph = False
-                return self._capture(key, io, hidden, slots, body)
+                return self._capture(key, ws, io, hidden, slots, body)
         self.captures += 1
         if len(self.graphs) >= self.capacity:
             self.graphs.pop(next(iter(self.graphs)))
-        entry = self.graphs[key] = CapturedGraph(graph, copies)
+        entry = self.graphs[key] = CapturedGraph(graph, copies, ws.serial)
         return entry
 
     def clear(self) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import weakref
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -38,6 +39,11 @@ from .workspace import KdaWorkspace
 # Most rows of one pool decode call (the workspace and the pool may limit it further).
 MAX_DECODE_ROWS = 256
 _F32, _I32 = np.dtype(np.float32), np.dtype(np.int32)
+
+
+def _dead() -> None:
+    """A weak reference whose object is gone."""
+    return None
 
 
 def _opt_in_shared_memory(device_id: int) -> int:
@@ -99,7 +105,7 @@ class KdaLayer(Stages):
         # Advanced whenever the options or o_proj's sums change: part of every graph key.
         self._generation = 0
         # The last stream a call came from and its workspace (the lookup skipped on a hit).
-        self._stream_workspace: tuple = (None, None)
+        self._stream_workspace: tuple = (_dead, _dead)
         self._options = KdaOptions()
         self.options = KdaOptions() if options is None else options
 
@@ -244,14 +250,15 @@ class KdaLayer(Stages):
         else:
             previous = None
         stream = cupy.cuda.get_current_stream()
-        cached = self._stream_workspace
-        if self._workspace is not None:
-            ws = self._workspace
-        elif cached[0] == stream.ptr:
-            ws = cached[1]
-        else:
-            ws = KdaWorkspace.for_stream(self.config, self.max_tokens, stream)
-            self._stream_workspace = (stream.ptr, ws)
+        ws = self._workspace
+        if ws is None:
+            # Weak references: a workspace lives as long as its stream (KdaWorkspace.for_stream).
+            cached_stream, cached_ws = self._stream_workspace
+            ws = cached_ws() if cached_stream() is stream else None
+            if ws is None:
+                ws = KdaWorkspace.for_stream(self.config, self.max_tokens, stream)
+                self._stream_workspace = (weakref.ref(stream), weakref.ref(ws))
+                self.graphs.follow(ws)
         ws.acquire(stream)
         timer = build.current_context().timer
         context = self._context if timer is None else build.LaunchContext(self._options.hopper, timer)

@@ -3,8 +3,8 @@
 Layers of one geometry share workspaces: a model's 34 layers decoding on one stream need one.
 Calls on different streams must never share scratch (a decode's projections, its fused step and
 the counts its output projection awaits all live here), so a layer takes the workspace of the
-stream it is called on (:meth:`KdaWorkspace.for_stream`): memory grows with the streams actually
-used, not with the layers. A workspace given to a layer explicitly serves every stream; calls on
+stream it is called on (:meth:`KdaWorkspace.for_stream`): memory grows with the streams alive
+and in use, not with the layers. A workspace given to a layer explicitly serves every stream; calls on
 different streams are then ordered one after the other through an event (:meth:`KdaWorkspace.acquire`).
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
+import weakref
 from typing import Any, Iterator
 
 import numpy as np
@@ -25,6 +26,9 @@ from .arrays import bf16_dtype, to_host
 # Priority of the low-rank chain's stream (lower is more urgent; CUDA clamps it to the device's
 # range): the chain is short and the fused step waits for it, while q|k|v streams most bytes.
 _SIDE_STREAM_PRIORITY = -64
+# The null, legacy and per-thread default streams (cudaStreamLegacy, cudaStreamPerThread): they
+# live as long as the process, whatever Python object names them.
+_PROCESS_STREAMS = (0, 1, 2)
 # cudaMemcpyKind of a host-to-device copy.
 _HOST_TO_DEVICE = 1
 
@@ -146,7 +150,9 @@ class KdaWorkspace:
     @classmethod
     def for_stream(cls, config: KdaConfig, max_tokens: int, stream: Any = None) -> "KdaWorkspace":
         """The workspace of this geometry and size for `stream` (default: the current stream) on
-        the current device, made on its first use."""
+        the current device, made on its first use and let go when the stream object is (the null
+        stream's lives as long as the process): a loop that makes a stream per request holds one
+        workspace, not one per stream it ever made."""
         import cupy
 
         stream = cupy.cuda.get_current_stream() if stream is None else stream
@@ -157,7 +163,16 @@ class KdaWorkspace:
             if workspace is None:
                 workspace = cls._by_stream[key] = cls(config, max_tokens)
                 workspace._home_stream = stream.ptr
+                if stream.ptr not in _PROCESS_STREAMS:
+                    weakref.finalize(stream, cls._forget, key, workspace.serial)
         return workspace
+
+    @classmethod
+    def _forget(cls, key: tuple, serial: int) -> None:
+        """Drop the workspace of a stream that is gone (unless another took its place since)."""
+        with cls._by_stream_lock:
+            if key in cls._by_stream and cls._by_stream[key].serial == serial:
+                del cls._by_stream[key]
 
     def acquire(self, stream: Any) -> None:
         """Hold this workspace for one call on `stream` (until :meth:`release`): one host thread at a

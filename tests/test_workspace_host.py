@@ -1,0 +1,119 @@
+"""Which workspace a call gets, on the host: one per stream and geometry, shared by the layers of
+that stream, let go with its stream; the decode graphs of a workspace let go with it."""
+
+from __future__ import annotations
+
+import gc
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from glm_kda.gpu import graph_copies
+from glm_kda.gpu.graphs import DecodeGraphs
+from glm_kda.gpu.workspace import KdaWorkspace
+from glm_kda.synthetic import synthetic_config
+
+from test_decode_graphs_host import call, fake_cupy, rows_of, workspace as graph_workspace
+
+CONFIG = synthetic_config("tiny-glm")
+
+
+class Stream:
+    """A stand-in CUDA stream: an address, weakly referable like CuPy's."""
+
+    _next = 16
+
+    def __init__(self, ptr: int | None = None):
+        self.ptr = ptr if ptr is not None else Stream._next
+        Stream._next += 16
+
+
+@pytest.fixture
+def made(monkeypatch):
+    """KdaWorkspace without a device: the constructor records the workspaces it makes."""
+    made: list[KdaWorkspace] = []
+
+    def light_init(self, config, max_tokens):
+        self.config, self.max_tokens = config, max_tokens
+        self.serial = next(KdaWorkspace._serials)
+        self._home_stream = None
+        made.append(self)
+
+    cupy = types.ModuleType("cupy")
+    cupy.cuda = types.SimpleNamespace(Device=lambda: types.SimpleNamespace(id=0), get_current_stream=None)
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setattr(KdaWorkspace, "__init__", light_init)
+    monkeypatch.setattr(KdaWorkspace, "_by_stream", {})
+    return made
+
+
+def test_one_workspace_per_stream_shared_by_layers_of_a_geometry(made):
+    first, second = Stream(), Stream()
+    a = KdaWorkspace.for_stream(CONFIG, 64, first)
+    assert KdaWorkspace.for_stream(CONFIG, 64, first) is a, "a second layer on the same stream shares it"
+    b = KdaWorkspace.for_stream(CONFIG, 64, second)
+    assert b is not a and a._home_stream == first.ptr and b._home_stream == second.ptr
+    assert KdaWorkspace.for_stream(CONFIG, 32, first) is not a, "another size is another workspace"
+    assert len(made) == 3
+
+
+def test_a_stream_per_request_holds_one_workspace_at_a_time(made):
+    """A loop that makes a stream per request: each stream's workspace goes with its stream."""
+    for _ in range(5):
+        stream = Stream()
+        KdaWorkspace.for_stream(CONFIG, 64, stream)
+        del stream
+        gc.collect()
+    assert len(made) == 5 and not KdaWorkspace._by_stream, list(KdaWorkspace._by_stream)
+
+
+def test_the_process_streams_keep_their_workspace(made):
+    for ptr in (0, 1, 2):
+        stream = Stream(ptr)
+        ws = KdaWorkspace.for_stream(CONFIG, 64, stream)
+        del stream
+        gc.collect()
+        assert KdaWorkspace.for_stream(CONFIG, 64, Stream(ptr)) is ws, f"stream {ptr}"
+
+
+def test_graphs_of_a_workspace_go_with_it(monkeypatch):
+    """DecodeGraphs following a workspace: once it is collected, its sliced buffers and its graphs
+    are dropped; another workspace's stay."""
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy())
+    monkeypatch.setattr(graph_copies, "driver", lambda: None)
+    from test_decode_graphs_host import Device, Stream as CaptureStream
+
+    Device.streams.clear()
+    Device.stack.clear()
+    Device.default = CaptureStream()
+
+    class Workspace(types.SimpleNamespace):
+        """A weakly referable stand-in workspace."""
+
+    graphs = DecodeGraphs()
+    graphs.graphed = True
+
+    def body(hidden, slots) -> None:
+        # (A captured CUDA graph holds device addresses, not the workspace object: nor does this.)
+        final_out, rows = graphs.workspace.final_out, hidden.shape[0]
+
+        def kernel():
+            final_out._array[:rows] = hidden._array + 1
+
+        Device.issue(Device.current().ptr, ["kernel", kernel])
+    kept = Workspace(**vars(graph_workspace(1, 8)))
+    for serial, ws in ((1, kept), (2, Workspace(**vars(graph_workspace(2, 8))))):
+        graphs.follow(ws)
+        graphs.workspace = ws
+        for seed in range(3):
+            call(graphs, body, rows_of(seed, 2))
+    assert {entry.serial for entry in graphs.graphs.values()} == {1, 2} and len(graphs._io) == 2
+    graphs.workspace = kept
+    del ws
+    gc.collect()
+    assert {entry.serial for entry in graphs.graphs.values()} == {1}, "the collected workspace's graph stayed"
+    assert list(graphs._io) == [(1, 2)]
+    out = call(graphs, body, rows_of(9, 2))
+    assert np.array_equal(out._array, rows_of(9, 2)._array + 1)
