@@ -5,7 +5,7 @@ shards that hold them are downloaded. Every name, shape and dtype is checked aga
 KdaConfig before any data is read; each error names the layer, the tensor, what was
 expected and what was found.
 
-Two layouts of the same weights exist (SPEC.md section 2), both under the prefix
+Two layouts of the same weights exist (docs/maths.md section 2), both under the prefix
 `model.layers.{i}.self_attn.`:
 
 - "release" (GLM-5.3-Flash, Kimi-Linear as published): separate q/k/v conv taps
@@ -198,7 +198,7 @@ class TensorSpec:
 
 
 def expected_tensors(config: KdaConfig, layout: str) -> tuple[TensorSpec, ...]:
-    """The tensors of one KDA layer in `layout`, in SPEC.md section 2 order."""
+    """The tensors of one KDA layer in `layout`, in the order of docs/maths.md section 2."""
     hidden, heads, head_dim, qkv, kernel = (
         config.hidden, config.heads, config.head_dim, config.qkv, config.conv_kernel
     )

@@ -1,4 +1,4 @@
-"""The NumPy oracle: SPEC section 3, stage by stage, in float64.
+"""The NumPy oracle: the block of docs/maths.md section 3, stage by stage, in float64.
 
 Two precisions:
   "float64"  float64 everywhere, no rounding: the exact result of the block for the given
@@ -252,7 +252,7 @@ WEIGHT_FIELDS = ("qkv_weight", "down_weight", "f_b", "g_b", "conv_weight", "dt_b
 
 
 class KdaOracle:
-    """SPEC section 3 for one bound layer, in float64 or BF16-faithful precision.
+    """The block (docs/maths.md section 3) for one bound layer, in float64 or BF16-faithful precision.
 
     `layer` is a BoundLayer (glm_kda.checkpoint) or any object with the attributes of
     WEIGHT_FIELDS and `config`. Calls never mutate the state they are given: they return

@@ -1,4 +1,4 @@
-"""The checkpoint loader: SPEC.md section 2.
+"""The checkpoint loader: docs/maths.md section 2.
 
 Both layouts of the same weights bind to identical arrays, sharding changes nothing, only
 the layer's shards are fetched from a hub repo, and every malformed checkpoint is refused

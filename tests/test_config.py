@@ -1,4 +1,4 @@
-"""config.json parsing: SPEC.md section 1. Every value is read, a missing key is named."""
+"""config.json parsing: docs/maths.md section 1. Every value is read, a missing key is named."""
 
 from __future__ import annotations
 

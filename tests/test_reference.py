@@ -1,4 +1,4 @@
-"""The float64 oracle keeps the promises of SPEC section 5 that need no GPU."""
+"""The float64 oracle keeps the promises of docs/maths.md section 5 that need no GPU."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ What is compared: fla's `KimiDeltaAttention` layer built with our geometry and O
 (`build_fla_layer`), timed for one-token decode through its cache (captured in a CUDA graph and
 eager) and for prefill, and `chunk_kda` alone on random inputs of the same shapes.
 
-Parameter map (KimiDeltaAttention.named_parameters() <- BoundLayer, SPEC.md section 2):
+Parameter map (KimiDeltaAttention.named_parameters() <- BoundLayer, docs/maths.md section 2):
 
     q_proj.weight, k_proj.weight, v_proj.weight  [qkv, hidden]  <- q_proj, k_proj, v_proj
     q_conv1d.weight, k_conv1d.weight, v_conv1d.weight [qkv, 1, K] <- conv_weight thirds q|k|v
@@ -24,7 +24,7 @@ Parameter map (KimiDeltaAttention.named_parameters() <- BoundLayer, SPEC.md sect
 BF16 everywhere except A_log and dt_bias, which stay FP32 as in the checkpoint (fla creates
 them FP32 and its kernels read them as FP32).
 
-Known differences between fla's layer and SPEC.md section 3 (check_fla_agrees measures them):
+Known differences between fla's layer and docs/maths.md section 3 (check_fla_agrees measures them):
 
 - Gate law: with `lower_bound` set, fla's gate is lower_bound * sigmoid(exp(A_log) * (u + dt_bias)),
   our bounded law; without it, -exp(A_log) * softplus(u + dt_bias), our softplus law.
@@ -102,7 +102,7 @@ FLA_PARAMETERS: tuple[FlaParameter, ...] = (
     FlaParameter("f_proj.0.weight", "f_a", "D,hidden"),
     FlaParameter("f_proj.1.weight", "f_b", "qkv,D"),
     FlaParameter("b_proj.weight", "b_proj", "H,hidden"),
-    # A_log is per HEAD, dt_bias per CHANNEL (SPEC.md section 6): fla's shapes say the same.
+    # A_log is per HEAD, dt_bias per CHANNEL (docs/maths.md section 6): fla's shapes say the same.
     FlaParameter("A_log", "a_log", "H"),
     FlaParameter("dt_bias", "dt_bias", "qkv"),
     FlaParameter("g_proj.0.weight", "g_a", "D,hidden"),
