@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
@@ -74,8 +75,22 @@ def read_safetensors_header(path: str | Path) -> dict[str, tuple[str, tuple[int,
             header = json.loads(handle.read(length))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise CheckpointError(f"{path}: unreadable safetensors header ({exc})") from None
+        size = os.fstat(handle.fileno()).st_size
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: unreadable safetensors header (not a JSON object)")
     header.pop("__metadata__", None)
-    return {name: (info["dtype"], tuple(info["shape"])) for name, info in header.items()}
+    entries = {}
+    for name, info in header.items():
+        try:
+            entries[name] = (str(info["dtype"]), tuple(int(n) for n in info["shape"]))
+            end = int(info["data_offsets"][1])
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise CheckpointError(f"{path}: header entry of '{name}' lacks dtype, shape or data_offsets ({exc})") from None
+        # A shard cut short (an interrupted download) is named here, before any data is read.
+        if 8 + length + end > size:
+            raise CheckpointError(f"{path}: truncated: tensor '{name}' ends at byte {8 + length + end}, "
+                                  f"the file at {size}")
+    return entries
 
 
 class _Checkpoint:
@@ -469,7 +484,12 @@ def bind_layer(
         for file, names in by_file.items():
             with safe_open(str(ckpt.path(file)), framework="numpy") as handle:
                 for name in names:
-                    raw[name[len(prefix):]] = handle.get_tensor(name)
+                    tensor = handle.get_tensor(name)
+                    # Checked once here (a pass over the layer's bytes), so no kernel sees them.
+                    if not np.isfinite(tensor.astype(np.float32, copy=False)).all():
+                        bad = int(np.size(tensor) - np.count_nonzero(np.isfinite(tensor.astype(np.float32))))
+                        raise CheckpointError(f"{ckpt.path(file)}: tensor '{name}' holds {bad} NaN or Inf values")
+                    raw[name[len(prefix):]] = tensor
                     bar.update(1)
 
     if plan.layout == LAYOUT_RELEASE:

@@ -74,10 +74,21 @@ class KdaConfig:
             )
         for name in ("hidden", "heads", "head_dim", "conv_kernel", "chunk"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        if not self.rms_norm_eps > 0:
-            raise ConfigError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
+        for name in ("rms_norm_eps", "l2_eps"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ConfigError(f"{name} must be a finite number > 0, got {value!r}")
+        bound = self.gate_lower_bound
+        if bound is not None and not (isinstance(bound, (int, float)) and math.isfinite(bound) and bound <= 0):
+            # g = bound * sigmoid(...) is a log-decay: a positive bound would grow the state every token.
+            raise ConfigError(f"gate_lower_bound must be a finite number <= 0 (a log-decay), got {bound!r}")
+        if self.num_layers is not None and (not isinstance(self.num_layers, int) or self.num_layers < 1):
+            raise ConfigError(f"num_layers (num_hidden_layers) must be a positive integer, got {self.num_layers!r}")
+        outside = [i for i in self.kda_layers if not 0 <= i < (self.num_layers or i + 1)]
+        if outside:
+            raise ConfigError(f"kda_layers {outside} lie outside the stack of {self.num_layers} layers")
 
     # Derived sizes -------------------------------------------------------------------
     @property
@@ -168,6 +179,8 @@ class KdaConfig:
         legacy `lower_bound`, or Kimi's `kda_layers` without a bound); either nested under
         `text_config`.
         """
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"{source}: expected a JSON object, got a {type(raw).__name__}")
         cfg = raw.get("text_config", raw)
         if not isinstance(cfg, Mapping):
             raise ConfigError(f"{source}: 'text_config' must be an object")
@@ -182,6 +195,8 @@ class KdaConfig:
         rms_norm_eps = need(cfg, "rms_norm_eps", "", float)
         num_layers = cfg.get("num_hidden_layers")
         num_layers = _typed(num_layers, int, "num_hidden_layers", source) if num_layers is not None else None
+        if num_layers is not None and num_layers < 1:
+            raise ConfigError(f"{source}: key 'num_hidden_layers' = {num_layers} is not a positive layer count")
 
         lac = cfg.get("linear_attn_config")
         if isinstance(lac, Mapping):
@@ -207,14 +222,14 @@ class KdaConfig:
             head_dim = need(cfg, "linear_head_dim", "", int)
             conv_kernel = need(cfg, "linear_conv_kernel_dim", "", int)
             law, bound = GATE_BOUNDED, need(cfg, "linear_lower_bound", "", float)
-            kda_layers = _kda_layers_glm(cfg, num_layers)
+            kda_layers = _kda_layers_glm(cfg, num_layers, source)
         else:
             raise ConfigError(
                 f"{source}: no KDA geometry: expected 'linear_attn_config' or 'linear_num_heads' "
                 f"(model_type={model_type!r})"
             )
         if isinstance(lac, Mapping) and "kda_layers" not in lac:
-            kda_layers = _kda_layers_glm(cfg, num_layers)
+            kda_layers = _kda_layers_glm(cfg, num_layers, source)
         # The conv's activation: read, not assumed (a loader that hard-codes SiLU is right only by accident).
         act = need(cfg, "hidden_act", "")
         if act != "silu":
@@ -285,12 +300,20 @@ def _kda_layers_from_linear_attn_config(lac: Mapping[str, Any], num_layers: int 
     return tuple(i - 1 for i in one_based)
 
 
-def _kda_layers_glm(cfg: Mapping[str, Any], num_layers: int | None) -> tuple[int, ...]:
+# The `layer_types` entries that name a KDA layer; every other entry is another kind of layer.
+_KDA_LAYER_TYPES = ("linear_attention", "kda")
+
+
+def _kda_layers_glm(cfg: Mapping[str, Any], num_layers: int | None, source: str) -> tuple[int, ...]:
     """GLM-5.3-Flash: an explicit `layer_types` list when present, else every layer whose
     index % 4 != 3 (the fourth of each group is an MLA/DSA attention layer)."""
     types = cfg.get("layer_types")
-    if isinstance(types, (list, tuple)):
-        return tuple(i for i, kind in enumerate(types) if "linear" in str(kind) or "kda" in str(kind))
+    if types is not None:
+        if not isinstance(types, (list, tuple)) or not all(isinstance(kind, str) for kind in types):
+            raise ConfigError(f"{source}: key 'layer_types' must be a list of layer type names, got {types!r}")
+        if num_layers is not None and len(types) != num_layers:
+            raise ConfigError(f"{source}: key 'layer_types' lists {len(types)} layers, num_hidden_layers is {num_layers}")
+        return tuple(i for i, kind in enumerate(types) if kind in _KDA_LAYER_TYPES)
     if num_layers is None:
         return ()
     return tuple(i for i in range(num_layers) if i % 4 != 3)

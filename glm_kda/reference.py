@@ -33,6 +33,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
+import ml_dtypes
 import numpy as np
 
 from .config import KdaConfig
@@ -248,6 +249,8 @@ def gated_rmsnorm(core: Any, out_gate: Any, norm_weight: Any, eps: float) -> Any
 
 
 # The block ------------------------------------------------------------------------------
+# What the oracle takes as hidden rows.
+_ROW_DTYPES = (np.dtype(np.float64), np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16))
 WEIGHT_FIELDS = ("qkv_weight", "down_weight", "f_b", "g_b", "conv_weight", "dt_bias", "a_log", "o_norm", "o_proj")
 
 
@@ -306,13 +309,27 @@ class KdaOracle:
         out["o_norm_out"] = self.round(gated_rmsnorm(src["core"], src["out_gate"], w["o_norm"], self.config.rms_norm_eps))
         out["final_out"] = self.round(linear(src["o_norm_out"], w["o_proj"]))
 
+    def _rows(self, hidden: Any, what: str) -> Any:
+        """hidden [T, hidden] (BF16, FP32 or FP64 rows, T >= 1) as float64 of module xp, rounded
+        to BF16 by the BF16-faithful oracle (the block's input is BF16); else an error naming it."""
+        dtype = getattr(hidden, "dtype", None)
+        if dtype is None or np.dtype(dtype) not in _ROW_DTYPES:
+            raise TypeError(f"{what}: hidden must be an array of BF16, float32 or float64 rows, got "
+                            f"{type(hidden).__name__} of dtype {dtype}")
+        if hidden.ndim != 2 or hidden.shape[1] != self.config.hidden or hidden.shape[0] < 1:
+            raise ValueError(f"{what}: hidden must be [T >= 1, {self.config.hidden}], got {list(hidden.shape)}")
+        return self.round(_to_float64(hidden, self.xp))
+
     def _run(self, hidden: Any, state: KdaState | None, chunk: int | None, pad_value: float,
-             upstream: Mapping[str, Any] | None) -> tuple[dict[str, Any], KdaState]:
+             upstream: Mapping[str, Any] | None, what: str = "prefill") -> tuple[dict[str, Any], KdaState]:
         xp = self.xp
+        hidden = self._rows(hidden, what)
+        if chunk is not None and (not isinstance(chunk, (int, np.integer)) or isinstance(chunk, bool) or chunk < 1):
+            raise ValueError(f"{what}: chunk must be None (token by token) or an int >= 1, got {chunk!r}")
         start = self._state(state)
         out: dict[str, Any] = {}
         src = out if upstream is None else {name: _to_float64(value, xp) for name, value in upstream.items()}
-        self.front_end(_to_float64(hidden, xp), out, src)
+        self.front_end(hidden, out, src)
         conv = self.conv_stage(out, src, start.conv)
         recurrent = self.scan_stage(out, src, start.recurrent, chunk, pad_value)
         self.back_end(out, src)
@@ -328,7 +345,7 @@ class KdaOracle:
         the run started from; chunk as in prefill (None: token by token). Returns (stages,
         state after the run from upstream inputs).
         """
-        return self._run(hidden, state, chunk, 0.0, upstream)
+        return self._run(hidden, state, chunk, 0.0, upstream, "fed_stages")
 
     def _state(self, state: KdaState | None) -> KdaState:
         xp = self.xp
@@ -346,11 +363,13 @@ class KdaOracle:
     def decode(self, hidden_row: Any, state: KdaState | None = None) -> tuple[dict[str, Any], KdaState]:
         """One token, hidden_row [1, hidden] or [hidden] (K tokens of one sequence: verify)."""
         require_one_row("decode", hidden_row)
-        hidden_row = hidden_row.reshape(1, -1)
-        return self.prefill(hidden_row, state)
+        return self._run(hidden_row.reshape(1, -1), state, None, 0.0, None, "decode")
 
     def verify(self, hidden_rows: Any, state: KdaState | None = None) -> tuple[dict[str, Any], list[KdaState]]:
         """K rows of one sequence walked token by token; returns the state after every row."""
+        if getattr(hidden_rows, "ndim", 0) != 2 or hidden_rows.shape[0] < 1:
+            raise ValueError(f"verify: hidden_rows must be [K >= 1, {self.config.hidden}], got "
+                             f"{list(getattr(hidden_rows, 'shape', []))}")
         stages_rows, states = [], []
         current = state
         for row in range(hidden_rows.shape[0]):

@@ -31,6 +31,8 @@ KIMI_FORMS = ("kimi",)
 
 GLM_MODEL_TYPE = "glm5_next"
 KIMI_MODEL_TYPE = "kimi_linear"
+# The file that marks a directory as this writer's: it rewrites such a directory, and no other.
+SYNTHETIC_MARKER = ".glm_kda_synthetic"
 
 _TINY = dict(hidden=64, heads=2, head_dim=16, conv_kernel=4)
 
@@ -251,7 +253,14 @@ def write_synthetic_checkpoint(
         raise ValueError(f"shards must be in 1..{config.num_layers} (one layer at least per shard), got {shards}")
 
     path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{path}: not a directory")
+    if path.is_dir() and any(path.iterdir()) and not (path / SYNTHETIC_MARKER).is_file():
+        found = sorted(entry.name for entry in path.iterdir())[:5]
+        raise ValueError(f"{path}: holds files this writer did not write ({', '.join(found)}, ...); a synthetic "
+                         f"checkpoint goes into an empty directory or one it wrote before (marked {SYNTHETIC_MARKER})")
     path.mkdir(parents=True, exist_ok=True)
+    (path / SYNTHETIC_MARKER).write_text("written by glm_kda.synthetic.write_synthetic_checkpoint\n")
     # A checkpoint written here before in another sharding would otherwise be what binds: the index
     # is read first. Only the files this writer names go.
     for stale in (path / INDEX_FILE, path / SINGLE_FILE, *path.glob("model-*-of-*.safetensors")):

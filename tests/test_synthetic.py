@@ -12,6 +12,7 @@ from safetensors import safe_open
 from glm_kda.checkpoint import INDEX_FILE, bind_layer, read_safetensors_header
 from glm_kda.config import KdaConfig
 from glm_kda.synthetic import (
+    SYNTHETIC_MARKER,
     config_json,
     kda_layer_tensors,
     shard_filename,
@@ -80,7 +81,22 @@ def test_rewriting_a_folder_binds_what_was_written_last(tmp_path, before, after)
     assert np.array_equal(bound.q_proj, fresh.q_proj), "the folder bound the weights written first"
     written = {p.name for p in path.iterdir()}
     expected = ({"model.safetensors"} if after == 1 else {shard_filename(i, after) for i in range(after)} | {INDEX_FILE})
-    assert written == expected | {"config.json"}, written
+    assert written == expected | {"config.json", SYNTHETIC_MARKER}, written
+
+
+def test_the_writer_refuses_a_directory_it_did_not_write(tmp_path):
+    """A real checkpoint (or anything else) in the directory: refused before a file is touched."""
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "config.json").write_text("{}")
+    (real / "model.safetensors").write_bytes(b"weights")
+    before = {p.name: p.read_bytes() for p in real.iterdir()}
+    with pytest.raises(ValueError, match=r"real: holds files this writer did not write \(config.json, model.safetensors"):
+        write_synthetic_checkpoint(real, "tiny-glm")
+    assert {p.name: p.read_bytes() for p in real.iterdir()} == before, "a refused write changed the directory"
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(ValueError, match="a_file: not a directory"):
+        write_synthetic_checkpoint(tmp_path / "a_file", "tiny-glm")
 
 
 def test_synthetic_kimi_stack_of_27_layers_is_the_published_one():

@@ -1,0 +1,156 @@
+"""Bad inputs on the host side: each is refused with the named exception, a message that names
+the offending key, tensor, file, shape, dtype or value, and nothing changed (files, states)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from glm_kda import cli
+from glm_kda.checkpoint import CheckpointError, bind_layer, check_layers
+from glm_kda.config import ConfigError, KdaConfig
+from glm_kda.reference import KdaOracle
+from glm_kda.state import KdaState
+from glm_kda.synthetic import config_json, synthetic_config, synthetic_hidden, write_synthetic_checkpoint
+
+TINY = synthetic_config("tiny-glm")
+
+
+# Config values -------------------------------------------------------------------------------
+@pytest.mark.parametrize("change,needle", [
+    ({"gate_lower_bound": 2.0}, "gate_lower_bound must be a finite number <= 0"),
+    ({"gate_lower_bound": math.nan}, "gate_lower_bound must be a finite number <= 0 .a log-decay., got nan"),
+    ({"gate_lower_bound": -math.inf}, "gate_lower_bound must be a finite number <= 0 .a log-decay., got -inf"),
+    ({"gate_lower_bound": "-5"}, "gate_lower_bound must be a finite number <= 0 .a log-decay., got '-5'"),
+    ({"rms_norm_eps": math.inf}, "rms_norm_eps must be a finite number > 0, got inf"),
+    ({"rms_norm_eps": math.nan}, "rms_norm_eps must be a finite number > 0, got nan"),
+    ({"rms_norm_eps": 0.0}, "rms_norm_eps must be a finite number > 0"),
+    ({"l2_eps": -1e-6}, "l2_eps must be a finite number > 0"),
+    ({"num_layers": 0}, "num_layers .* must be a positive integer, got 0"),
+    ({"num_layers": -3}, "num_layers .* must be a positive integer, got -3"),
+    ({"kda_layers": (0, 9)}, r"kda_layers \[9\] lie outside the stack of 4 layers"),
+    ({"heads": True}, "heads must be a positive integer, got True"),
+    ({"chunk": 0}, "chunk must be a positive integer, got 0"),
+], ids=lambda v: str(v)[:40])
+def test_a_bad_config_value_is_refused_by_name(change, needle):
+    with pytest.raises(ConfigError, match=needle):
+        dataclasses.replace(TINY, **change)
+
+
+def _raw(**changes) -> dict:
+    raw = config_json(synthetic_config("tiny-glm", num_layers=6), "linear_attn_config")
+    raw.update(changes)
+    return raw
+
+
+@pytest.mark.parametrize("raw,needle", [
+    ([], "expected a JSON object, got a list"),
+    ("text", "expected a JSON object, got a str"),
+    (_raw(num_hidden_layers=0), "'num_hidden_layers' = 0 is not a positive layer count"),
+    (_raw(num_hidden_layers=-3), "'num_hidden_layers' = -3 is not a positive layer count"),
+    (_raw(layer_types=["linear_attention"] * 5), "'layer_types' lists 5 layers, num_hidden_layers is 6"),
+    (_raw(layer_types=["linear_attention"] * 5 + [None]), "'layer_types' must be a list of layer type names"),
+    (_raw(layer_types="linear_attention"), "'layer_types' must be a list of layer type names"),
+], ids=lambda v: str(v)[:30])
+def test_a_bad_config_json_is_refused_naming_the_key(raw, needle):
+    with pytest.raises(ConfigError, match=needle):
+        KdaConfig.from_dict(raw, source="config.json")
+
+
+def test_layer_types_name_kda_layers_exactly():
+    kinds = ["linear_attention", "nonlinear_attention", "full_attention", "kda", "linear_attention_v2", "kda"]
+    assert KdaConfig.from_dict(_raw(layer_types=kinds)).kda_layers == (0, 3, 5)
+
+
+# Checkpoint files ----------------------------------------------------------------------------
+@pytest.fixture
+def checkpoint(tmp_path) -> Path:
+    return write_synthetic_checkpoint(tmp_path / "ckpt", "tiny-glm")
+
+
+def _snapshot(path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+
+
+def test_a_truncated_shard_is_named_by_inspect_and_bind(checkpoint):
+    shard = checkpoint / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-1000])
+    before = _snapshot(checkpoint)
+    for call in (lambda: check_layers(checkpoint), lambda: bind_layer(checkpoint, 0, progress=False)):
+        with pytest.raises(CheckpointError, match=r"model.safetensors: truncated: tensor '.*' ends at byte \d+, the file at"):
+            call()
+    assert _snapshot(checkpoint) == before
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_non_finite_weights_are_refused_at_bind_naming_the_tensor(tmp_path, bad):
+    from safetensors.numpy import load_file, save_file
+
+    path = write_synthetic_checkpoint(tmp_path / "ckpt", "tiny-glm")
+    shard = path / "model.safetensors"
+    tensors = load_file(str(shard))
+    name = "model.layers.0.self_attn.dt_bias"
+    tensors[name] = tensors[name].copy()
+    tensors[name][3] = bad
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}' holds 1 NaN or Inf values"):
+        bind_layer(path, 0, progress=False)
+    bind_layer(path, 1, progress=False)  # the other layers bind
+
+
+def test_inspect_of_a_config_that_is_a_list_prints_one_error_line(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps([]))
+    assert cli.main(["inspect", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "expected a JSON object" in err, err
+
+
+# Oracle inputs -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def oracle():
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        bound = bind_layer(write_synthetic_checkpoint(Path(folder) / "c", "tiny-glm"), 0, progress=False)
+    return KdaOracle(bound, "bf16")
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.int32, np.bool_, np.uint16])
+def test_oracle_rows_of_another_dtype_are_refused(oracle, dtype):
+    rows = np.zeros((3, TINY.hidden), dtype)
+    with pytest.raises(TypeError, match=rf"prefill: hidden must be an array of BF16, float32 or float64 rows, got ndarray of dtype {np.dtype(dtype)}"):
+        oracle.prefill(rows)
+
+
+@pytest.mark.parametrize("shape", [(3, TINY.hidden + 8), (0, TINY.hidden), (2, 3, TINY.hidden)])
+def test_oracle_rows_of_another_shape_are_refused(oracle, shape):
+    with pytest.raises(ValueError, match=re.escape(f"prefill: hidden must be [T >= 1, {TINY.hidden}], got {list(shape)}")):
+        oracle.prefill(np.zeros(shape, np.float32))
+
+
+@pytest.mark.parametrize("chunk", [0, -4, 2.5, True])
+def test_oracle_chunk_must_be_a_positive_int(oracle, chunk):
+    state = KdaState.random(TINY, seed=1)
+    before = (state.conv.copy(), state.recurrent.copy())
+    with pytest.raises(ValueError, match=rf"prefill: chunk must be None \(token by token\) or an int >= 1, got {chunk!r}"):
+        oracle.prefill(synthetic_hidden(3, TINY.hidden), state, chunk=chunk)
+    assert np.array_equal(state.conv, before[0]) and np.array_equal(state.recurrent, before[1])
+
+
+def test_oracle_verify_of_no_rows_is_refused(oracle):
+    with pytest.raises(ValueError, match=r"verify: hidden_rows must be \[K >= 1"):
+        oracle.verify(np.zeros((0, TINY.hidden), ml_dtypes.bfloat16))
+
+
+def test_the_bf16_oracle_rounds_fp32_rows_to_bf16(oracle):
+    rows = np.random.default_rng(5).standard_normal((4, TINY.hidden)).astype(np.float32)
+    from_fp32, _ = oracle.prefill(rows)
+    from_bf16, _ = oracle.prefill(rows.astype(ml_dtypes.bfloat16))
+    assert all(np.array_equal(from_fp32[name], from_bf16[name]) for name in from_bf16)
