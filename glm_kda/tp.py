@@ -494,6 +494,9 @@ def bind_layer_shard(
     finally:
         for handle in handles.values():
             handle.close()
+    for field_name, array in arrays.items():
+        if not np.isfinite(array.astype(np.float32)).all():
+            raise CheckpointError(f"{path_or_repo}: layer {layer_idx} rank {rank}: {field_name} holds NaN or Inf values")
     return BoundLayer(layer_idx=layer_idx, config=rank_config, layout=layer_plan.layout, **arrays)
 
 

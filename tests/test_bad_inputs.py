@@ -103,6 +103,12 @@ def test_non_finite_weights_are_refused_at_bind_naming_the_tensor(tmp_path, bad)
     with pytest.raises(CheckpointError, match=rf"tensor '{name}' holds 1 NaN or Inf values"):
         bind_layer(path, 0, progress=False)
     bind_layer(path, 1, progress=False)  # the other layers bind
+    from glm_kda.tp import bind_layer_shard
+
+    # Channel 3 belongs to rank 0 of two: its shard is refused, rank 1's binds.
+    with pytest.raises(CheckpointError, match="layer 0 rank 0: dt_bias holds NaN or Inf values"):
+        bind_layer_shard(path, 0, 2, 0, progress=False)
+    bind_layer_shard(path, 0, 2, 1, progress=False)
 
 
 def test_inspect_of_a_config_that_is_a_list_prints_one_error_line(tmp_path, capsys):
