@@ -93,7 +93,10 @@ def _selftest(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="glm-kda", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"glm-kda {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("inspect", help="geometry, gate law, KDA layers and a tensor check of a checkpoint")
@@ -125,11 +128,14 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_bench)
 
     args = parser.parse_args(argv)
+    from .checkpoint import CheckpointError
+    from .config import ConfigError
     from .device import NoGpuError
 
     try:
         return args.func(args)
-    except NoGpuError as exc:
+    except (NoGpuError, ConfigError, CheckpointError, OSError) as exc:
+        # Bad input (a path, a file, a config) or no GPU: one line, never a traceback.
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -14,9 +14,10 @@ class CheckpointError(ValueError):
 
 
 def _local_dir(location: str | Path) -> Path | None:
-    """The local directory `location` names, or None when it is a hub repo id.
+    """The local directory `location` names, or None when it is a hub repo id ("owner/name").
 
-    A path that exists is local; so is one that cannot be a repo id ("owner/name").
+    A path that exists is local; so is one that cannot be a repo id, and one whose first part is a
+    folder here.
     """
     if isinstance(location, Path):
         return location
@@ -24,7 +25,11 @@ def _local_dir(location: str | Path) -> Path | None:
     path = Path(text).expanduser()
     if path.exists():
         return path
-    if text.startswith(("/", ".", "~")) or text.count("/") > 1 or "\\" in text:
+    if text.startswith(("/", ".", "~")) or text.count("/") != 1 or "\\" in text:
+        return path
+    # "owner/name" is a hub repo id, unless a folder `owner` is here: then it is a local path
+    # (mistyped, say), never a request to the hub.
+    if path.parent.is_dir():
         return path
     return None
 

@@ -121,11 +121,11 @@ class KdaState:
         return state.conv.astype(ml_dtypes.bfloat16), state.recurrent.astype(np.float32)
 
     @classmethod
-    def from_transformers(cls, conv: Any, recurrent: Any) -> "KdaState":
-        conv = np.asarray(_host(conv))
-        if conv.ndim != 2:
-            raise ValueError(f"transformers conv state must be [conv_dim, K], got shape {list(conv.shape)}")
-        return cls(conv.astype(np.float32), np.asarray(_host(recurrent), dtype=np.float32).copy())
+    def from_transformers(cls, conv: Any, recurrent: Any, config: KdaConfig | None = None) -> "KdaState":
+        """From transformers' (conv [conv_dim, K], recurrent [H, D, D]); checked against each other
+        and, where given, against `config`."""
+        conv, recurrent = _imported("transformers", conv, recurrent, 0, config)
+        return cls(conv, recurrent)
 
     def to_vllm(self) -> tuple[np.ndarray, np.ndarray]:
         """(conv FP32 [conv_dim, K-1], recurrent FP32 [H, D, D]): vLLM keeps the K-1 read slots."""
@@ -133,14 +133,40 @@ class KdaState:
         return np.ascontiguousarray(state.conv[:, 1:]), state.recurrent
 
     @classmethod
-    def from_vllm(cls, conv: Any, recurrent: Any) -> "KdaState":
-        """Slot 0 of ours (never read) is set to zero."""
-        conv = np.asarray(_host(conv), dtype=np.float32)
-        if conv.ndim != 2:
-            raise ValueError(f"vLLM conv state must be [conv_dim, K-1], got shape {list(conv.shape)}")
+    def from_vllm(cls, conv: Any, recurrent: Any, config: KdaConfig | None = None) -> "KdaState":
+        """From vLLM's (conv [conv_dim, K-1], recurrent [H, D, D]); slot 0 of ours (never read) is
+        set to zero. Checked as from_transformers."""
+        conv, recurrent = _imported("vLLM", conv, recurrent, 1, config)
         ours = np.zeros((conv.shape[0], conv.shape[1] + 1), np.float32)
         ours[:, 1:] = conv
-        return cls(ours, np.asarray(_host(recurrent), dtype=np.float32).copy())
+        return cls(ours, recurrent)
+
+
+def _imported(source: str, conv: Any, recurrent: Any, missing_slots: int,
+              config: KdaConfig | None) -> tuple[np.ndarray, np.ndarray]:
+    """Another library's (conv, recurrent) as FP32 host copies: floating point, finite, conv
+    [3 * H * D, K - missing_slots] and recurrent [H, D, D] consistent with each other and, where
+    given, with `config`; else a ValueError / TypeError naming the buffer and what was expected."""
+    conv, recurrent = np.asarray(_host(conv)), np.asarray(_host(recurrent))
+    for name, array in (("conv", conv), ("recurrent", recurrent)):
+        if not (np.issubdtype(array.dtype, np.floating) or array.dtype == ml_dtypes.bfloat16):
+            raise TypeError(f"{source} {name} state must hold floating-point values, got dtype {array.dtype}")
+    if recurrent.ndim != 3 or recurrent.shape[1] != recurrent.shape[2]:
+        raise ValueError(f"{source} recurrent state must be [H, D, D], got shape {list(recurrent.shape)}")
+    heads, dim = recurrent.shape[0], recurrent.shape[1]
+    if conv.ndim != 2 or conv.shape[0] != 3 * heads * dim or conv.shape[1] < 1 - missing_slots:
+        raise ValueError(f"{source} conv state must be [3 * H * D = {3 * heads * dim}, K{' - 1' * missing_slots}] "
+                         f"for the recurrent state's H={heads}, D={dim}, got shape {list(conv.shape)}")
+    if config is not None:
+        expected = (config.conv_state_shape[0], config.conv_kernel - missing_slots)
+        if tuple(conv.shape) != expected or tuple(recurrent.shape) != config.recurrent_state_shape:
+            raise ValueError(f"{source} state [{list(conv.shape)}, {list(recurrent.shape)}] does not fit "
+                             f"{config.describe()}: expected [{list(expected)}, {list(config.recurrent_state_shape)}]")
+    conv, recurrent = conv.astype(np.float32), recurrent.astype(np.float32)
+    for name, array in (("conv", conv), ("recurrent", recurrent)):
+        if not np.isfinite(array).all():
+            raise ValueError(f"{source} {name} state holds NaN or Inf values")
+    return conv, recurrent
 
 
 def _host(array: Any) -> np.ndarray:

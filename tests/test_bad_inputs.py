@@ -160,3 +160,76 @@ def test_the_bf16_oracle_rounds_fp32_rows_to_bf16(oracle):
     from_fp32, _ = oracle.prefill(rows)
     from_bf16, _ = oracle.prefill(rows.astype(ml_dtypes.bfloat16))
     assert all(np.array_equal(from_fp32[name], from_bf16[name]) for name in from_bf16)
+
+
+# State import ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("source", ["transformers", "vllm"])
+@pytest.mark.parametrize("case,error,needle", [
+    ("recurrent 2-D", ValueError, r"recurrent state must be \[H, D, D\], got shape \[2, 128\]"),
+    ("recurrent not square", ValueError, r"recurrent state must be \[H, D, D\], got shape \[2, 128, 64\]"),
+    ("conv channels", ValueError, r"conv state must be \[3 \* H \* D = 768"),
+    ("int conv", TypeError, "conv state must hold floating-point values, got dtype int32"),
+    ("NaN recurrent", ValueError, "recurrent state holds NaN or Inf values"),
+    ("other geometry", ValueError, "does not fit hidden 64, heads 4"),
+])
+def test_state_import_checks_shapes_dtypes_values_and_geometry(source, case, error, needle):
+    config = dataclasses.replace(TINY, heads=4)
+    k = config.conv_kernel - (source == "vllm")
+    conv, recurrent = np.zeros((3 * 2 * 128, k), np.float32), np.zeros((2, 128, 128), np.float32)
+    given = config if case == "other geometry" else None
+    if case == "recurrent 2-D":
+        recurrent = np.zeros((2, 128), np.float32)
+    elif case == "recurrent not square":
+        recurrent = np.zeros((2, 128, 64), np.float32)
+    elif case == "conv channels":
+        conv = np.zeros((100, k), np.float32)
+    elif case == "int conv":
+        conv = conv.astype(np.int32)
+    elif case == "NaN recurrent":
+        recurrent[1, 2, 3] = np.nan
+    importer = KdaState.from_transformers if source == "transformers" else KdaState.from_vllm
+    with pytest.raises(error, match=needle):
+        importer(conv, recurrent, config=given)
+
+
+def test_state_round_trips_through_both_layouts():
+    state = KdaState.random(TINY, seed=3)
+    for export, importer in ((KdaState.to_transformers, KdaState.from_transformers), (KdaState.to_vllm, KdaState.from_vllm)):
+        back = importer(*export(state), config=TINY)
+        assert np.array_equal(back.recurrent, state.recurrent)
+        assert np.array_equal(back.conv[:, 1:], state.conv[:, 1:]), "the slots that are read survive"
+
+
+# Paths and the CLI -----------------------------------------------------------------------------
+def test_a_mistyped_local_path_never_goes_to_the_hub(tmp_path, monkeypatch, fake_hub):
+    requests = fake_hub(tmp_path / "nowhere")
+    (tmp_path / "checkpoints").mkdir()
+    monkeypatch.chdir(tmp_path)
+    for location in ("checkpoints/glm-typo", "typo", "./checkpoints/glm"):
+        with pytest.raises(CheckpointError, match="no such checkpoint directory"):
+            KdaConfig.from_pretrained(location)
+    assert not requests, f"sent to the hub: {requests}"
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["inspect", "/no/such/checkpoint"], "no such checkpoint directory"),
+    (["inspect", "{config_list}"], "expected a JSON object"),
+    (["inspect", "{not_json}"], "not valid JSON"),
+])
+def test_the_cli_answers_bad_input_with_one_error_line(tmp_path, capsys, argv, needle):
+    (tmp_path / "list").mkdir()
+    (tmp_path / "list" / "config.json").write_text("[]")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("{not json")
+    argv = [a.format(config_list=tmp_path / "list", not_json=tmp_path / "bad") for a in argv]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and needle in err, err
+
+
+def test_the_cli_says_its_version(capsys):
+    from glm_kda import __version__
+
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"glm-kda {__version__}"

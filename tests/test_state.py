@@ -68,9 +68,9 @@ def test_check_names_the_buffer(config):
 
 def test_exchange_layouts_refuse_wrong_ranks(config):
     state = KdaState.random(config, seed=3)
-    with pytest.raises(ValueError, match=r"transformers conv state must be \[conv_dim, K\]"):
+    with pytest.raises(ValueError, match=r"transformers conv state must be \[3 \* H \* D = \d+, K\] .* got shape \[1, "):
         KdaState.from_transformers(state.conv[None], state.recurrent)
-    with pytest.raises(ValueError, match=r"vLLM conv state must be \[conv_dim, K-1\]"):
+    with pytest.raises(ValueError, match=r"vLLM conv state must be \[3 \* H \* D = \d+, K - 1\] .* got shape \[\d+\]"):
         KdaState.from_vllm(state.conv.reshape(-1), state.recurrent)
 
 
