@@ -440,6 +440,8 @@ def _drop_conv_axis(taps: np.ndarray, name: str, layer_idx: int) -> np.ndarray:
 
 
 def _check_layer_index(config: KdaConfig, layer_idx: int) -> None:
+    if not isinstance(layer_idx, (int, np.integer)) or isinstance(layer_idx, bool):
+        raise TypeError(f"layer_idx must be an int (0-based), got {type(layer_idx).__name__} {layer_idx!r}")
     if layer_idx < 0 or (config.num_layers is not None and layer_idx >= config.num_layers):
         stack = f"the stack of {config.num_layers} layers" if config.num_layers is not None else "the stack"
         raise CheckpointError(f"layer {layer_idx} is outside {stack}")

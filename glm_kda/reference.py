@@ -265,6 +265,10 @@ class KdaOracle:
     def __init__(self, layer: Any, precision: str = "float64", xp: Any = np, config: KdaConfig | None = None):
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        missing = [name for name in WEIGHT_FIELDS + (() if config is not None else ("config",)) if not hasattr(layer, name)]
+        if missing:
+            raise TypeError(f"KdaOracle: layer must be a BoundLayer (or hold its fields); "
+                            f"{type(layer).__name__} lacks {', '.join(missing)}")
         self.config = config if config is not None else layer.config
         self.precision = precision
         self.xp = xp
@@ -351,6 +355,8 @@ class KdaOracle:
         xp = self.xp
         if state is None:
             return KdaState.zeros(self.config, xp, xp.float64)
+        if not isinstance(state, KdaState):
+            raise TypeError(f"state must be a KdaState (or None for a new sequence), got {type(state).__name__}")
         state.check(self.config)
         return KdaState(_to_float64(state.conv, xp), _to_float64(state.recurrent, xp))
 

@@ -188,6 +188,8 @@ class StatePool:
     def __init__(self, config: KdaConfig, slots: int, xp: Any = None):
         if xp is None:
             import cupy as xp
+        if not isinstance(slots, (int, np.integer)) or isinstance(slots, bool):
+            raise TypeError(f"slots (the pool's size) must be an int, got {type(slots).__name__} {slots!r}")
         if slots < 1:
             raise ValueError(f"a pool needs >= 1 slot, got {slots}")
         self.config = config
@@ -212,5 +214,7 @@ class StatePool:
             self.recurrent[slot].fill(0)
 
     def _check_slot(self, slot: int) -> None:
+        if not isinstance(slot, (int, np.integer)) or isinstance(slot, bool):
+            raise TypeError(f"slot must be an int, got {type(slot).__name__} {slot!r}")
         if not 0 <= int(slot) < len(self):
             raise IndexError(f"slot {slot} outside this pool of {len(self)} slots")

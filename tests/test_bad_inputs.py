@@ -233,3 +233,55 @@ def test_the_cli_says_its_version(capsys):
     with pytest.raises(SystemExit) as done:
         cli.main(["--version"])
     assert done.value.code == 0 and capsys.readouterr().out.strip() == f"glm-kda {__version__}"
+
+
+# Binder, pool and oracle objects ---------------------------------------------------------------
+@pytest.mark.parametrize("layer_idx,error,needle", [
+    (3, CheckpointError, "layer 3 is an attention .* layer, not KDA; KDA layers: 0, 1, 2"),
+    (-1, CheckpointError, "layer -1 is outside the stack of 4 layers"),
+    (4, CheckpointError, "layer 4 is outside the stack of 4 layers"),
+    (1.5, TypeError, "layer_idx must be an int .0-based., got float 1.5"),
+    ("0", TypeError, "layer_idx must be an int .0-based., got str '0'"),
+    (True, TypeError, "layer_idx must be an int .0-based., got bool True"),
+])
+def test_the_binder_names_a_bad_layer_index(checkpoint, layer_idx, error, needle):
+    with pytest.raises(error, match=needle):
+        bind_layer(checkpoint, layer_idx, progress=False)
+
+
+@pytest.mark.parametrize("slots,error,needle", [
+    (0, ValueError, "a pool needs >= 1 slot, got 0"),
+    (-2, ValueError, "a pool needs >= 1 slot, got -2"),
+    (2.5, TypeError, r"slots \(the pool's size\) must be an int, got float 2.5"),
+])
+def test_a_pool_of_a_bad_size_is_refused(slots, error, needle):
+    from glm_kda.state import StatePool
+
+    with pytest.raises(error, match=needle):
+        StatePool(TINY, slots, np)
+
+
+@pytest.mark.parametrize("slot,error,needle", [
+    (3, IndexError, "slot 3 outside this pool of 3 slots"),
+    (-1, IndexError, "slot -1 outside this pool of 3 slots"),
+    (1.5, TypeError, "slot must be an int, got float 1.5"),
+    ("1", TypeError, "slot must be an int, got str '1'"),
+])
+@pytest.mark.parametrize("use", ["state", "reset"])
+def test_a_bad_slot_is_refused_and_the_pool_unchanged(slot, error, needle, use):
+    from glm_kda.state import StatePool
+
+    pool = StatePool(TINY, 3, np)
+    pool.recurrent[...] = 1.0
+    with pytest.raises(error, match=needle):
+        pool.state(slot) if use == "state" else pool.reset(0, slot)
+    assert (pool.recurrent == 1.0).all(), "a refused reset zeroed a slot"
+
+
+def test_the_oracle_names_what_it_was_given(oracle):
+    with pytest.raises(TypeError, match="state must be a KdaState .or None for a new sequence., got tuple"):
+        oracle.prefill(np.zeros((2, TINY.hidden), np.float32), (1, 2))
+    with pytest.raises(TypeError, match="KdaOracle: layer must be a BoundLayer .* object lacks qkv_weight, down_weight"):
+        KdaOracle(object())
+    with pytest.raises(ValueError, match=r"precision must be one of \('float64', 'bf16'\), got 'fp16'"):
+        KdaOracle(object(), "fp16")
