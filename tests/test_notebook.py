@@ -38,3 +38,13 @@ def test_every_import_in_the_notebook_resolves():
         imported = importlib.import_module(module)
         for name in (n.strip() for n in names.split(",")):
             assert hasattr(imported, name), f"notebook: from {module} import {name}: no such name"
+
+
+def test_the_committed_notebook_shows_its_plots():
+    """The notebook is committed with the outputs of a CPU run: its plots are there to read."""
+    import json
+
+    cells = json.loads(NOTEBOOK.read_text())["cells"]
+    images = sum("image/png" in output.get("data", {}) for cell in cells if cell["cell_type"] == "code"
+                 for output in cell.get("outputs", []))
+    assert images >= 3, f"{images} plots in the committed outputs"
