@@ -105,15 +105,18 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_inspect)
 
     p = sub.add_parser("demo", help="prefill + decode on a synthetic checkpoint, with a stage agreement table")
-    p.add_argument("--geometry", default="kimi", choices=["glm", "kimi", "tiny-glm", "tiny-kimi"])
+    p.add_argument("--geometry", default="kimi", choices=["glm", "kimi", "tiny-glm", "tiny-kimi"],
+                   help="the synthetic layer's geometry: GLM-5.3-Flash's or Kimi-Linear's, or a tiny one of each law "
+                   "(a second on a CPU; default kimi)")
     p.add_argument("--prompt", type=count_at_least(1), default=64, help="prefill tokens, >= 1 (default 64)")
     p.add_argument("--steps", type=count_at_least(1), default=32, help="decode steps, >= 1 (default 32)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights and rows (default 0)")
     p.add_argument("--cpu", action="store_true", help="run the NumPy path even when a GPU is present")
     p.set_defaults(func=_demo)
 
     p = sub.add_parser("selftest", help="GPU machines: run the GPU tests and a few timings, write a JSON report")
-    p.add_argument("--output", default="glm_kda_selftest.json")
+    p.add_argument("--output", default="glm_kda_selftest.json", help="where the JSON report goes, written once "
+                   "complete (default glm_kda_selftest.json)")
     p.add_argument("--quick", action="store_true", help="skip the real-geometry cases")
     p.set_defaults(func=_selftest)
 

@@ -70,11 +70,9 @@ def import_times() -> dict:
     return out
 
 
-def _refused(report: dict, output: str, message: str, error: str) -> int:
-    """Say why the self-test cannot run, record it in the report at `output`, and return 2."""
-    print(message)
-    report["error"] = error
-    Path(output).write_text(json.dumps(report, indent=2))
+def _refused(message: str) -> int:
+    """Say why the self-test cannot run (one `error:` line, no report file) and return 2."""
+    print(f"error: {message}", file=sys.stderr)
     return 2
 
 
@@ -82,14 +80,13 @@ def run_selftest(output: str, quick: bool = False) -> int:
     ok, why = gpu_status()
     report: dict = {"gpu": why, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     if not ok:
-        return _refused(report, output, f"selftest needs a CUDA GPU: {why}", why)
+        return _refused(f"selftest needs a CUDA GPU: {why}")
     repo_tests = CHECKOUT / "tests"
     if not (repo_tests / "test_gpu.py").exists():
-        return _refused(report, output, f"selftest runs the test suite of a checkout; {repo_tests} has none (an "
-                        "installed wheel ships no tests)", "no tests/ beside the package")
+        return _refused(f"selftest runs the test suite of a checkout; {repo_tests} has none (an installed wheel "
+                        "ships no tests)")
     if importlib.util.find_spec("pytest") is None:
-        return _refused(report, output, "selftest runs the GPU tests with pytest, which is not installed: "
-                        "pip install -e '.[test]'", "pytest not installed")
+        return _refused("selftest runs the GPU tests with pytest, which is not installed: pip install -e '.[test]'")
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "junit.xml"
         args = [sys.executable, "-m", "pytest", "-q", str(repo_tests / "test_gpu.py"), f"--junitxml={junit}"]
@@ -108,6 +105,9 @@ def run_selftest(output: str, quick: bool = False) -> int:
     else:
         report["timings"] = {"note": f"no timings: {script} is not here (benchmarks need a source checkout)"}
     report["import"] = import_times()
-    Path(output).write_text(json.dumps(report, indent=2))
+    # Written whole or not at all: a self-test stopped part way leaves no file behind.
+    partial = Path(output).with_name(Path(output).name + ".partial")
+    partial.write_text(json.dumps(report, indent=2))
+    partial.replace(output)
     print(json.dumps(report, indent=2))
     return 0 if rc == 0 else 1
