@@ -118,6 +118,9 @@ def describe(root: Path) -> dict:
 def run_version(root: Path, geometry: str, checkpoint: Path, hidden: Path, bits: Path | None, args,
                 work: Path) -> list[dict]:
     """This script's measuring side in a subprocess with PYTHONPATH=root; its JSON rows."""
+    # (Here, not at the top: the measuring side runs this script under the other version's package.)
+    from glm_kda.selftest import json_lines
+
     command = [sys.executable, str(HERE), "--measure", "--geometry", geometry, "--checkpoint", str(checkpoint),
                "--hidden", str(hidden), "--repeats", str(args.repeats), "--package", str(root)]
     if bits is not None:
@@ -129,12 +132,7 @@ def run_version(root: Path, geometry: str, checkpoint: Path, hidden: Path, bits:
     except subprocess.TimeoutExpired as exc:
         raise SystemExit(f"{root} {geometry}: the measuring process ran past {args.timeout} s; "
                          f"its output: {str(exc.stdout or '')[-2000:]}") from None
-    rows = []
-    for line in done.stdout.splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
+    rows = json_lines(done.stdout)
     if done.returncode != 0:
         raise SystemExit(f"{root} {geometry}: the measuring process failed ({done.returncode}):\n"
                          f"{(done.stdout + done.stderr)[-3000:]}")

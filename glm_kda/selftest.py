@@ -40,19 +40,24 @@ def count_at_least(minimum: int, why: str = ""):
     return parse
 
 
+def json_lines(text: str) -> list:
+    """The lines of `text` that are JSON values, parsed (a script's one JSON line per case)."""
+    rows = []
+    for line in text.splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
 def block_timings(geometries: list[str], script: Path | None = None) -> dict:
     """The JSON lines of benchmarks/block.py for `geometries`, run in a subprocess: {"rows": [...]}
     and, where it failed, "returncode" and the tail of its output."""
     script = script or CHECKOUT / "benchmarks" / "block.py"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(CHECKOUT), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, str(script), *geometries], capture_output=True, text=True, env=env)
-    rows = []
-    for line in done.stdout.splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    out: dict = {"rows": rows}
+    out: dict = {"rows": json_lines(done.stdout)}
     if done.returncode != 0:
         out.update(returncode=done.returncode, output_tail=(done.stdout + done.stderr)[-2000:])
     return out
