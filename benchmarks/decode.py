@@ -5,7 +5,6 @@ One JSON line per case, each with its roofline (bytes moved / copy bandwidth mea
     PYTHONPATH=. python benchmarks/decode.py [--geometry glm kimi] [--repeats 200] [--variant hopper=False]
 """
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -14,11 +13,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lib import bench_decode  # noqa: E402
 
 if __name__ == "__main__":
-    from lib.script import exit_unless_gpu
+    from lib.script import bench_main
 
-    parser = argparse.ArgumentParser(description=bench_decode.__doc__.splitlines()[0], epilog=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    bench_decode.add_arguments(parser)
-    arguments = parser.parse_args()
-    exit_unless_gpu("the decode benchmark")
-    sys.exit(bench_decode.run(arguments))
+    bench_main(bench_decode, __doc__, "the decode benchmark")

@@ -7,7 +7,6 @@ measured in the same run) beside Mtok/s and TFLOP/s.
     PYTHONPATH=. python benchmarks/prefill.py [--geometry glm kimi-bounded] [--tokens 1024 4096 16384 65536]
 """
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -16,11 +15,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lib import bench_prefill  # noqa: E402
 
 if __name__ == "__main__":
-    from lib.script import exit_unless_gpu
+    from lib.script import bench_main
 
-    parser = argparse.ArgumentParser(description=bench_prefill.__doc__.splitlines()[0], epilog=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    bench_prefill.add_arguments(parser)
-    arguments = parser.parse_args()
-    exit_unless_gpu("the prefill benchmark")
-    sys.exit(bench_prefill.run(arguments))
+    bench_main(bench_prefill, __doc__, "the prefill benchmark")

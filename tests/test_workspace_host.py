@@ -117,3 +117,47 @@ def test_graphs_of_a_workspace_go_with_it(monkeypatch):
     assert list(graphs._io) == [(1, 2)]
     out = call(graphs, body, rows_of(9, 2))
     assert np.array_equal(out._array, rows_of(9, 2)._array + 1)
+
+
+def test_a_shared_workspace_orders_calls_of_other_streams(made, monkeypatch):
+    """An explicit workspace used from two streams: a call on the other stream waits for the last
+    call's event; calls on its home stream, or inside a capture, record nothing."""
+    import threading
+
+    events = []
+
+    class Event:
+        def __init__(self, disable_timing=False):
+            events.append(self)
+            self.recorded_on = []
+
+        def record(self, stream):
+            self.recorded_on.append(stream.ptr)
+
+    sys.modules["cupy"].cuda.Event = Event
+
+    class CallStream(Stream):
+        def __init__(self, capturing=False):
+            super().__init__()
+            self.capturing, self.waited = capturing, []
+
+        def is_capturing(self):
+            return self.capturing
+
+        def wait_event(self, event):
+            self.waited.append(event)
+
+    home, first, second, capture = CallStream(), CallStream(), CallStream(), CallStream(capturing=True)
+    ws = KdaWorkspace.for_stream(CONFIG, 64, home)
+    ws._lock, ws._last_stream, ws._last_event = threading.RLock(), None, None
+    for stream in (home, capture):
+        ordered = ws.acquire(stream)
+        ws.release(stream, ordered)
+        assert not ordered and not events
+    ordered = ws.acquire(first)
+    ws.release(first, ordered)
+    assert ordered and not first.waited and events[0].recorded_on == [first.ptr]
+    ordered = ws.acquire(second)
+    ws.release(second, ordered)
+    assert second.waited == [events[0]], "the other stream's call did not wait for the last one"
+    assert ws._lock.acquire(blocking=False), "the hold was not released"

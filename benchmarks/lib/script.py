@@ -23,3 +23,16 @@ def exit_unless_gpu(what: str) -> None:
     except NoGpuError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def bench_main(bench, script_doc: str, what: str) -> None:
+    """The entry of a script over a lib.bench_* module: its arguments (bench.add_arguments; -h works
+    without a GPU), then, on a GPU, bench.run, whose status the process exits with."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=bench.__doc__.splitlines()[0], epilog=script_doc,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.add_arguments(parser)
+    arguments = parser.parse_args()
+    exit_unless_gpu(what)
+    sys.exit(bench.run(arguments))

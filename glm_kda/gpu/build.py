@@ -8,7 +8,7 @@ files beside the kernels) are included by their path under ``kernels_src`` and i
 and NVRTC needs no include path.
 
 Importing this module does not touch the GPU: :class:`KernelSet` compiles and loads the modules the
-first time it is built, and :func:`compile_check` compiles with NVRTC alone (no driver, no GPU),
+first time it is built, and :func:`compile_file` compiles with NVRTC alone (no driver, no GPU),
 which is what the test suite runs.
 """
 
@@ -57,7 +57,7 @@ MARKER_HEADER = "common/head.cuh"
 # Precise math on purpose: no --use_fast_math (expf, sqrtf and division stay IEEE-rounded).
 # Denormal FP32 results flush to zero (-ftz=true): CuPy adds that option to every RawModule it
 # compiles from source, whatever it is given, so it is named here for the cubins NVRTC builds
-# directly (the architecture families, compile_check's report) to be those same binaries, and
+# directly (the architecture families, compile_file) to be those same binaries, and
 # every sweep of a projection to have the same bits even where a sum is denormal.
 COMPILE_OPTIONS: tuple[str, ...] = ("-std=c++17", "-ftz=true")
 
@@ -395,11 +395,11 @@ def current_context() -> LaunchContext:
 @contextlib.contextmanager
 def launching(context: LaunchContext) -> Iterator[LaunchContext]:
     """Make the launches inside the block under ``context``."""
-    token = _CONTEXT.set(context)
+    token = enter_context(context)
     try:
         yield context
     finally:
-        _CONTEXT.reset(token)
+        exit_context(token)
 
 
 @contextlib.contextmanager

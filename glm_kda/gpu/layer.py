@@ -240,8 +240,8 @@ class KdaLayer(Stages):
             self._leave(call)
 
     def _enter(self) -> tuple:
-        """Start a call on the current stream: (workspace, stream, launch-context token, previous
-        device or None). Kept lean: a one-row decode's host time is on its critical path."""
+        """Start a call on the current stream: (workspace, stream, whether it is ordered against other
+        streams, launch-context token, previous device or None). Kept lean: a one-row decode's host time is on its critical path."""
         import cupy
 
         previous = cupy.cuda.runtime.getDevice()
@@ -259,18 +259,18 @@ class KdaLayer(Stages):
                 ws = KdaWorkspace.for_stream(self.config, self.max_tokens, stream)
                 self._stream_workspace = (weakref.ref(stream), weakref.ref(ws))
                 self.graphs.follow(ws)
-        ws.acquire(stream)
+        ordered = ws.acquire(stream)
         timer = build.current_context().timer
         context = self._context if timer is None else build.LaunchContext(self._options.hopper, timer)
-        return ws, stream, build.enter_context(context), previous
+        return ws, stream, ordered, build.enter_context(context), previous
 
     @staticmethod
     def _leave(call: tuple) -> None:
         import cupy
 
-        ws, stream, token, previous = call
+        ws, stream, ordered, token, previous = call
         build.exit_context(token)
-        ws.release(stream)
+        ws.release(stream, ordered)
         if previous is not None:
             cupy.cuda.runtime.setDevice(previous)
 

@@ -145,7 +145,6 @@ class KdaWorkspace:
         self._home_stream: int | None = None  # the stream of a for_stream workspace
         self._last_stream: int | None = None
         self._last_event: Any = None
-        self._ordered = False
 
     @classmethod
     def for_stream(cls, config: KdaConfig, max_tokens: int, stream: Any = None) -> "KdaWorkspace":
@@ -174,25 +173,25 @@ class KdaWorkspace:
             if key in cls._by_stream and cls._by_stream[key].serial == serial:
                 del cls._by_stream[key]
 
-    def acquire(self, stream: Any) -> None:
+    def acquire(self, stream: Any) -> bool:
         """Hold this workspace for one call on `stream` (until :meth:`release`): one host thread at a
-        time, and on the GPU after the last call made on another stream."""
+        time, and on the GPU after the last call made on another stream. Returns whether the call is
+        ordered against other streams (what release is to be told)."""
         self._lock.acquire()
         # Its own stream orders its calls (the common case: no event to record); a capture (a driver
         # capturing this call into a graph of its own) orders it in that graph.
         if stream.ptr == self._home_stream or stream.is_capturing():
-            self._ordered = False
-            return
-        self._ordered = True
+            return False
         if self._last_stream is not None and self._last_stream != stream.ptr:
             stream.wait_event(self._last_event)
+        return True
 
-    def release(self, stream: Any) -> None:
-        """End the hold of :meth:`acquire`."""
+    def release(self, stream: Any, ordered: bool) -> None:
+        """End the hold of :meth:`acquire` (`ordered`: what it returned)."""
         import cupy
 
         try:
-            if self._ordered:
+            if ordered:
                 if self._last_event is None:
                     self._last_event = cupy.cuda.Event(disable_timing=True)
                 self._last_event.record(stream)
@@ -231,8 +230,3 @@ class KdaWorkspace:
         from ..reference import STAGE_ORDER
 
         return {name: to_host(getattr(self, name)[:rows]) for name in STAGE_ORDER}
-
-    def nbytes(self) -> int:
-        """Device bytes held by this workspace's buffers."""
-        return sum(value.nbytes for value in vars(self).values() if hasattr(value, "nbytes")
-                   and hasattr(value, "data") and value.base is None)
