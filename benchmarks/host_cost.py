@@ -89,8 +89,9 @@ def bench(geometry: str, directory: Path, bandwidth: float, profile: bool) -> No
     device_slots = cupy.arange(4, dtype=cupy.int32)
     cases = {
         "decode(row, state)": (lambda: layer.decode(hidden[:1], state), 1),
-        "decode(1 row, pool, device slots)": (lambda: layer.decode(hidden[:1], pool, device_slots[:1]), 1),
-        "decode(4 rows, pool, device slots)": (lambda: layer.decode(hidden[:4], pool, device_slots), 4),
+        "decode(1 row, pool, device slots)": (lambda: layer.decode(hidden[:1], pool, device_slots[:1], check_slots=False), 1),
+        "decode(4 rows, pool, device slots)": (lambda: layer.decode(hidden[:4], pool, device_slots, check_slots=False), 4),
+        "decode(4 rows, pool, device slots, checked)": (lambda: layer.decode(hidden[:4], pool, device_slots), 4),
         "decode(4 rows, pool, host slots)": (lambda: layer.decode(hidden[:4], pool, [0, 1, 2, 3]), 4),
         "decode_k(4 rows, state)": (lambda: layer.decode_k(hidden[:4], state), 1),
     }

@@ -30,12 +30,18 @@ class KdaOptions:
     hopper: use sm_90 features where the device has them: programmatic dependent launches and
         the bulk-copy projection sweep (default True). False runs the portable path that sm_80
         and sm_120 / sm_121 (GB10) always take: the same bits, slower on Hopper.
+    check_finite: every call checks its input rows before the first launch (a NaN or Inf row
+        raises FloatingPointError, the state untouched) and its output after the last (raises,
+        the state advanced); default False. Each check reads one flag back, so the call waits
+        for the GPU: a one-row decode costs about one host-device round trip more (README,
+        "Input checks").
     """
 
     chunk_impl: str = "auto"
     packed_weights: bool = True
     graphs: bool = True
     hopper: bool = True
+    check_finite: bool = False
 
     def __post_init__(self) -> None:
         if self.chunk_impl not in CHUNK_IMPLS:

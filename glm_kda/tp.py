@@ -555,13 +555,14 @@ def _hidden_rows(hidden: Any, width: int, what: str, max_rows: int) -> tuple[Any
     """(hidden as [rows, width] BF16, True when it came from the host)."""
     import cupy
 
+    from .gpu.arrays import require_bf16
+
     if isinstance(hidden, np.ndarray):
         if hidden.dtype != ml_dtypes.bfloat16:
             raise TypeError(f"{what}: expected a BF16 array (ml_dtypes.bfloat16), got dtype {hidden.dtype}")
         on_host = True
     elif isinstance(hidden, cupy.ndarray):
-        if hidden.dtype not in (np.dtype(ml_dtypes.bfloat16), np.dtype(np.uint16)):
-            raise TypeError(f"{what}: expected BF16 (ml_dtypes.bfloat16 or uint16 bits), got dtype {hidden.dtype}")
+        require_bf16(hidden, what)
         on_host = False
     else:
         raise TypeError(f"{what}: expected a NumPy or CuPy BF16 array, got {type(hidden).__name__}")

@@ -1,7 +1,9 @@
-"""Shared fixtures: real-geometry synthetic checkpoints (written once per session) and a fake hub."""
+"""Shared fixtures: real-geometry synthetic checkpoints (written once per session) and a fake hub;
+the --portable switch that runs the GPU tests on the path without Hopper-only features."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -10,6 +12,40 @@ from figure_log import FigureLog
 from huggingface_hub.errors import EntryNotFoundError
 
 from glm_kda.synthetic import write_synthetic_checkpoint
+
+
+def pytest_addoption(parser):
+    parser.addoption("--portable", action="store_true",
+                     help="run every test with KdaOptions(hopper=False) as the default and kernel launches made "
+                          "without Hopper-only features: the path sm_80 and sm_120 / sm_121 take")
+
+
+@pytest.fixture(autouse=True)
+def portable_path(request, monkeypatch):
+    """Under --portable: KdaOptions() defaults to hopper=False and launches made outside a layer
+    call (the kernel-level tests) run under a LaunchContext with hopper=False. Tests that set
+    hopper themselves keep their setting."""
+    if not request.config.getoption("--portable"):
+        yield False
+        return
+    from glm_kda.options import KdaOptions
+
+    names = [f.name for f in dataclasses.fields(KdaOptions)]
+    defaults = list(KdaOptions.__init__.__defaults__)
+    defaults[names.index("hopper")] = False
+    monkeypatch.setattr(KdaOptions.__init__, "__defaults__", tuple(defaults))
+    assert KdaOptions().hopper is False
+    try:
+        from glm_kda.gpu import build
+    except ImportError:  # no CuPy: nothing launches
+        yield True
+        return
+    with build.launching(build.LaunchContext(hopper=False)):
+        yield True
+
+
+def pytest_report_header(config):
+    return "launch path: portable (hopper=False)" if config.getoption("--portable") else None
 
 
 @pytest.fixture(scope="session")
@@ -61,9 +97,9 @@ def figures():
 
 def pytest_runtest_logreport(report):
     """With $GLM_KDA_DURATIONS set, each test phase's seconds appended to that file as it ends
-    (`<seconds> <phase> <test id>`), so that a run stopped by a time limit still says where its
+    (`<seconds> <phase> <outcome> <test id>`), so that a run stopped by a time limit still says where its
     time went (pytest's --durations prints only at the end)."""
     target = os.environ.get("GLM_KDA_DURATIONS")
     if target:
         with open(target, "a") as log:
-            log.write(f"{report.duration:.3f} {report.when} {report.nodeid}\n")
+            log.write(f"{report.duration:.3f} {report.when} {report.outcome} {report.nodeid}\n")

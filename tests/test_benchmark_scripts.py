@@ -28,7 +28,7 @@ GPU_SCRIPTS = {
 }
 # Scripts that run without a GPU here: fla_compare prints a note and exits 0 without fla (or torch,
 # or a GPU); summarize_breakdown reads decode_breakdown's lines.
-WITHOUT_GPU = {"fla_compare.py", "summarize_breakdown.py"}
+WITHOUT_GPU = {"fla_compare.py", "sanitizer_report.py", "summarize_breakdown.py"}
 
 
 def test_every_gpu_script_is_listed():
@@ -193,3 +193,36 @@ def test_compare_versions_finds_either_layer_api(api, tmp_path):
     name, where, module = done.stdout.split()
     assert name == api and where == str(package.resolve())
     assert module == ("glm_kda.layer" if api == "old" else "glm_kda.gpu.layer")
+
+
+_SANITIZER_LOG = """========= COMPUTE-SANITIZER
+========= Invalid __global__ read of size 4 bytes
+=========     at kda_chunk_scan_f32+0x1a0
+=========     by thread (0,0,0) in block (0,0,0)
+=========
+========= Uninitialized __global__ memory read of size 4 bytes
+=========     at void cublasLt::splitKreduce_kernel<32, 16, int, float>(cublasSplitKParams<float>)+0x460
+=========     by thread (1,0,0) in block (0,0,0)
+=========
+========= Error: Race reported between Write access at gemm_rows_packed_pair_bf16_m1_n2+0x80
+=========     and Read access at gemm_rows_packed_pair_bf16_m1_n2+0x90 [16 hazards]
+========= ERROR SUMMARY: 3 errors
+"""
+
+
+def test_sanitizer_report_sorts_ours_from_the_libraries(tmp_path):
+    """Reports naming one of our entry points count as ours, a library kernel's do not; the
+    tool's own total is read and compared with the reports printed."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import sanitizer_report
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    log = tmp_path / "memcheck.log"
+    log.write_text(_SANITIZER_LOG)
+    row = sanitizer_report.summarize(log, sanitizer_report.our_kernels())
+    assert row["tool_total"] == 3 and row["printed"] == 3 and row["all_printed"]
+    assert row["our_kernels"] == {"kda_chunk_scan_f32": 1, "gemm_rows_packed_pair_bf16_m1_n2": 1}, row
+    assert list(row["library_kernels"]) == ["void cublasLt::splitKreduce_kernel<32, 16, int, float>(cublasSplitKParams<float>)"]
+    log.write_text(_SANITIZER_LOG.replace("3 errors", "900 errors"))
+    assert not sanitizer_report.summarize(log, sanitizer_report.our_kernels())["all_printed"]

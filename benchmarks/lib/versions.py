@@ -13,6 +13,7 @@ calls by default. Nothing here imports glm_kda at module level.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,7 +136,9 @@ def measure(checkpoint: Path, hidden_file: Path, out_dir: Path | None, repeats: 
             if sequences > 1:
                 pool = StatePool(cfg, POOL_SLOTS)
                 slots = cupy.asarray(np.random.default_rng(0).permutation(POOL_SLOTS)[:sequences].astype(np.int32))
-                call = lambda x: layer.decode(x, pool, slots)  # noqa: E731
+                # check_slots=False where the layer has it: the device-slot path without the read-back.
+                unchecked = {"check_slots": False} if "check_slots" in inspect.signature(layer.decode).parameters else {}
+                call = lambda x: layer.decode(x, pool, slots, **unchecked)  # noqa: E731
                 finals = lambda: (pool.conv[slots], pool.recurrent[slots])  # noqa: E731
             else:
                 state = layer.new_state()

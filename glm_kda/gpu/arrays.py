@@ -8,8 +8,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-# What a decode-side call accepts as its rows (ml_dtypes BF16, or the raw bits as uint16).
-ROW_DTYPES = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.uint16))
+_BF16, _U16 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.uint16)
 
 
 @functools.lru_cache(maxsize=1)
@@ -22,6 +21,14 @@ def bf16_dtype() -> Any:
         return np.dtype(ml_dtypes.bfloat16)
     except Exception:
         return np.dtype(np.uint16)
+
+
+def require_bf16(array: Any, what: str, name: str = "hidden") -> None:
+    """TypeError unless `array` holds BF16: ml_dtypes.bfloat16, or uint16 bits where this CuPy
+    has no BF16 dtype (uint16 is otherwise refused: it may hold integers)."""
+    if array.dtype != _BF16 and not (array.dtype == _U16 == bf16_dtype()):
+        hint = " (BF16 bits held as uint16: .view(ml_dtypes.bfloat16))" if array.dtype == _U16 else ""
+        raise TypeError(f"{what}: {name} must be BF16 (ml_dtypes.bfloat16), got dtype {array.dtype}{hint}")
 
 
 def to_device_bf16(array: np.ndarray) -> Any:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import weakref
 from pathlib import Path
@@ -31,7 +32,7 @@ from ..device import require_gpu
 from ..options import KdaOptions
 from ..state import KdaState, StatePool, require_device_buffers, require_one_row, require_state
 from . import build, projection
-from .arrays import ROW_DTYPES, bf16_dtype, copy_of, to_device_bf16, to_device_f32, to_host
+from .arrays import bf16_dtype, copy_of, require_bf16, to_device_bf16, to_device_f32, to_host
 from .graphs import DecodeGraphs
 from .pipeline import DECODE_MAX_ROWS, Stages
 from .workspace import KdaWorkspace
@@ -39,6 +40,8 @@ from .workspace import KdaWorkspace
 # Most rows of one pool decode call (the workspace and the pool may limit it further).
 MAX_DECODE_ROWS = 256
 _F32, _I32 = np.dtype(np.float32), np.dtype(np.int32)
+# BF16 bits whose exponent is all ones: Inf or NaN.
+_BF16_EXPONENT = 0x7F80
 
 
 def _dead() -> None:
@@ -300,21 +303,25 @@ class KdaLayer(Stages):
             self._check_state(state, "prefill")
             runs = [(0, hidden.shape[0], state.conv, state.recurrent)]
             pad = float(pad_value)
+        self._check_rows_finite(hidden, "prefill")
         with self._call() as ws:
             self._prefill_rows(ws, hidden, runs, pad)
-            return back(copy_of(ws.final_out[: hidden.shape[0]]))
+            return back(self._checked_output(copy_of(ws.final_out[: hidden.shape[0]]), "prefill"))
 
-    def decode(self, hidden: Any, state: KdaState | StatePool, slots: Any = None) -> Any:
+    def decode(self, hidden: Any, state: KdaState | StatePool, slots: Any = None, *, check_slots: bool = True) -> Any:
         """One token per sequence. Returns [rows, hidden] BF16.
 
         decode(hidden_row [1, hidden] or [hidden], state): one sequence, state in place.
         decode(hidden [B, hidden], pool, slots): B sequences of a StatePool advance one token
-        each, weights read once for all B; slots [B] (host ints, or a device int32 array whose
-        range and distinctness are the caller's promise: reading them back would synchronise)
-        names each row's slot. A sequence's bits do not depend on B or on the other rows.
+        each, weights read once for all B; slots [B] (host ints, or a device int32 array) names
+        each row's slot. A sequence's bits do not depend on B or on the other rows.
+
+        Slots are checked before the first launch: in the pool, none twice. A device array is
+        read back for that, which waits for the GPU; check_slots=False skips the read (the
+        unchecked fast path: a slot out of range then writes outside the pool).
         """
         if isinstance(state, StatePool):
-            return self._decode_pool(hidden, state, slots)
+            return self._decode_pool(hidden, state, slots, check_slots)
         if slots is not None:
             raise TypeError("decode: slots only apply to a StatePool")
         require_one_row("decode", hidden)
@@ -335,6 +342,7 @@ class KdaLayer(Stages):
             raise ValueError(f"decode_k: {len(snapshots)} snapshots for {rows} rows")
         for i, snap in enumerate(snapshots):
             self._check_state(snap, "decode_k", f"snapshots[{i}]")
+        self._check_rows_finite(hidden_rows, "decode_k")
         call = self._enter()
         try:
             ws = call[0]
@@ -344,11 +352,12 @@ class KdaLayer(Stages):
 
             key = ("k", rows, self._generation, ws.serial, state.conv.data.ptr, state.recurrent.data.ptr,
                    tuple((s.conv.data.ptr, s.recurrent.data.ptr) for s in snapshots))
-            return back(self.graphs.run(key, ws, hidden_rows, None, body, self._graphed()))
+            return back(self._checked_output(self.graphs.run(key, ws, hidden_rows, None, body, self._graphed()),
+                                             "decode_k"))
         finally:
             self._leave(call)
 
-    def _decode_pool(self, hidden: Any, pool: StatePool, slots: Any) -> Any:
+    def _decode_pool(self, hidden: Any, pool: StatePool, slots: Any, check_slots: bool) -> Any:
         import cupy
 
         max_rows = min(MAX_DECODE_ROWS, self.max_tokens, len(pool))
@@ -356,11 +365,16 @@ class KdaLayer(Stages):
         rows = hidden.shape[0]
         self._check_pool(pool, "decode")
         if isinstance(slots, cupy.ndarray):
-            if slots.dtype != _I32 or slots.shape != (rows,):
-                raise ValueError(f"slots: expected a device int32 array of {rows} entries, got {slots.dtype} "
-                                 f"{list(slots.shape)}")
+            if slots.dtype != _I32 or slots.shape != (rows,) or not slots.flags.c_contiguous:
+                raise ValueError(f"slots: expected a C-contiguous device int32 array of {rows} entries, got "
+                                 f"{slots.dtype} {list(slots.shape)}")
+            if slots.device.id != self.device_id:
+                raise ValueError(f"slots: on device {slots.device.id}, the layer on {self.device_id}")
+            if check_slots:
+                self._host_slots(slots, rows, pool, "decode")
         else:
             slots = np.ascontiguousarray(self._host_slots(slots, rows, pool, "decode"), np.int32)
+        self._check_rows_finite(hidden, "decode")
         call = self._enter()
         try:
             ws = call[0]
@@ -369,9 +383,26 @@ class KdaLayer(Stages):
                 self._decode_rows(ws, hidden, pool.conv, pool.recurrent, slots=device_slots)
 
             key = ("pool", rows, self._generation, ws.serial, pool.conv.data.ptr, pool.recurrent.data.ptr)
-            return back(self.graphs.run(key, ws, hidden, slots, body, self._graphed()))
+            return back(self._checked_output(self.graphs.run(key, ws, hidden, slots, body, self._graphed()), "decode"))
         finally:
             self._leave(call)
+
+    def _check_rows_finite(self, rows: Any, what: str) -> None:
+        """With options.check_finite: refuse rows holding NaN or Inf (reads one flag back)."""
+        if self._options.check_finite:
+            bad = _non_finite_rows(rows)
+            if bad:
+                raise FloatingPointError(f"{what}: hidden rows {bad} hold NaN or Inf (options.check_finite); "
+                                         "no state changed")
+
+    def _checked_output(self, out: Any, what: str) -> Any:
+        """With options.check_finite: out, or FloatingPointError if it holds NaN or Inf."""
+        if self._options.check_finite:
+            bad = _non_finite_rows(out)
+            if bad:
+                raise FloatingPointError(f"{what}: output rows {bad} hold NaN or Inf (options.check_finite); "
+                                         "the state has advanced")
+        return out
 
     def _graphed(self) -> bool:
         return self._options.graphs and build.current_context().timer is None
@@ -401,8 +432,7 @@ class KdaLayer(Stages):
             back = to_host
         elif not isinstance(hidden, cupy.ndarray):
             raise TypeError(f"{what}: expected a CuPy, NumPy or torch BF16 array, got {type(hidden).__name__}")
-        if hidden.dtype not in ROW_DTYPES:
-            raise TypeError(f"{what}: expected BF16 (ml_dtypes.bfloat16), got dtype {hidden.dtype}")
+        require_bf16(hidden, what)
         if hidden.ndim == 1:
             hidden = hidden.reshape(1, -1)
         if hidden.ndim != 2 or hidden.shape[1] != self.config.hidden:
@@ -457,3 +487,24 @@ class KdaLayer(Stages):
         if len(set(host.tolist())) != count:
             raise ValueError(f"slots: {host.tolist()} repeats a slot; each sequence must advance its own state")
         return host
+
+
+@functools.lru_cache(maxsize=None)
+def _count_non_finite() -> Any:
+    """A CuPy reduction counting the BF16 elements (as uint16 bits) that are NaN or Inf."""
+    import cupy
+
+    return cupy.ReductionKernel("uint16 x", "int32 n", f"(x & {_BF16_EXPONENT}) == {_BF16_EXPONENT}", "a + b",
+                                "n = a", "0", "glm_kda_count_non_finite_bf16")
+
+
+def _non_finite_rows(rows: Any) -> list[int]:
+    """Indices of the rows of a BF16 CuPy array [rows, n] holding NaN or Inf: one reduction and
+    one value read back; the rows are found only when there are any."""
+    import cupy
+
+    bits = rows.view(cupy.uint16)
+    if int(_count_non_finite()(bits)) == 0:
+        return []
+    bad = (cupy.bitwise_and(bits, _BF16_EXPONENT) == _BF16_EXPONENT).any(axis=1)
+    return cupy.flatnonzero(bad).get().tolist()
