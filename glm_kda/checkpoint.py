@@ -128,9 +128,10 @@ class _Checkpoint:
         if index is not None:
             self.index_name = INDEX_FILE
             try:
-                weight_map = json.loads(index.read_text()).get("weight_map")
+                raw = json.loads(index.read_text())
             except json.JSONDecodeError as exc:
                 raise CheckpointError(f"{self} {INDEX_FILE}: not valid JSON ({exc})") from None
+            weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
             if not isinstance(weight_map, dict):
                 raise CheckpointError(f"{self} {INDEX_FILE}: no 'weight_map' object")
             return {str(name): str(file) for name, file in weight_map.items()}

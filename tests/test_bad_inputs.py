@@ -285,3 +285,108 @@ def test_the_oracle_names_what_it_was_given(oracle):
         KdaOracle(object())
     with pytest.raises(ValueError, match=r"precision must be one of \('float64', 'bf16'\), got 'fp16'"):
         KdaOracle(object(), "fp16")
+
+
+# Checkpoint files, one fault each: bind_layer refuses naming the file, tensor or key; inspect's
+# header check (check_layers) reports the same fault without reading data; no file changes ------
+_ATTN = "model.layers.0.self_attn."
+
+
+def _retensor(path: Path, change) -> None:
+    from safetensors.numpy import load_file, save_file
+
+    shard = path / "model.safetensors"
+    tensors = load_file(str(shard))
+    change(tensors)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+
+
+def _set(name: str, make):
+    return lambda path: _retensor(path, lambda t: t.__setitem__(_ATTN + name, make(t[_ATTN + name])))
+
+
+def _config_without(key: str):
+    def change(path: Path) -> None:
+        raw = json.loads((path / "config.json").read_text())
+        raw.pop(key)
+        (path / "config.json").write_text(json.dumps(raw))
+    return change
+
+
+def _write(name: str, data: bytes):
+    return lambda path: (path / name).write_bytes(data)
+
+
+def _index(weight_map) -> callable:
+    def change(path: Path) -> None:
+        (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return change
+
+
+FILE_FAULTS = {
+    "dt_bias in float16": (_set("dt_bias", lambda a: a.astype(np.float16)), CheckpointError,
+                           "tensor 'model.layers.0.self_attn.dt_bias' has wrong dtype: expected F32, found F16", True),
+    "A_log as int32": (_set("A_log", lambda a: a.astype(np.int32)), CheckpointError,
+                       "'model.layers.0.self_attn.A_log' has wrong dtype: expected F32, found I32", True),
+    "dt_bias one short": (_set("dt_bias", lambda a: a[:-1].copy()), CheckpointError,
+                          "'model.layers.0.self_attn.dt_bias' has wrong shape: expected [32], found [31]", True),
+    "o_proj transposed": (_set("o_proj.weight", lambda a: a.T.copy()), CheckpointError,
+                          "'model.layers.0.self_attn.o_proj.weight' has wrong shape", True),
+    "dt_bias missing": (lambda p: _retensor(p, lambda t: t.pop(_ATTN + "dt_bias")), CheckpointError,
+                        "missing tensor 'model.layers.0.self_attn.dt_bias' (expected [32] F32", True),
+    "no config.json": (lambda p: (p / "config.json").unlink(), CheckpointError, "no file 'config.json'", False),
+    "config.json not JSON": (_write("config.json", b"{"), ConfigError, "config.json: not valid JSON", False),
+    "config.json without hidden_size": (_config_without("hidden_size"), ConfigError, "missing key 'hidden_size'", False),
+    "a shard's header not JSON": (_write("model.safetensors", b"\x10" + bytes(7) + b"not json at all!"), CheckpointError,
+                                  "model.safetensors: unreadable safetensors header", False),
+    "a shard of three bytes": (_write("model.safetensors", b"abc"), CheckpointError,
+                               "model.safetensors: not a safetensors file (shorter than its 8-byte header length)", False),
+    "a shard's header length past its end": (_write("model.safetensors", (1 << 40).to_bytes(8, "little")), CheckpointError,
+                                             "model.safetensors: not a safetensors file (header length", False),
+    "no shard at all": (lambda p: (p / "model.safetensors").unlink(), CheckpointError, "no safetensors files", False),
+    "index not JSON": (_write("model.safetensors.index.json", b"[oops"), CheckpointError,
+                       "model.safetensors.index.json: not valid JSON", False),
+    "index without weight_map": (_write("model.safetensors.index.json", b"{}"), CheckpointError,
+                                 "model.safetensors.index.json: no 'weight_map' object", False),
+    "index that is a list": (_write("model.safetensors.index.json", b"[]"), CheckpointError,
+                             "model.safetensors.index.json: no 'weight_map' object", False),
+    "index naming a missing shard": (_index({_ATTN + "dt_bias": "model-00009.safetensors"}), CheckpointError,
+                                     "names shard 'model-00009.safetensors', which is not in", True),
+}
+
+
+@pytest.mark.parametrize("fault", list(FILE_FAULTS))
+def test_a_faulty_checkpoint_file_is_named_and_left_as_it_was(checkpoint, fault):
+    change, error, needle, header_check_reports = FILE_FAULTS[fault]
+    change(checkpoint)
+    before = _snapshot(checkpoint)
+    with pytest.raises(error) as info:
+        bind_layer(checkpoint, 0, progress=False)
+    assert needle in str(info.value), f"{fault}: {info.value}"
+    if header_check_reports:
+        report = {layer: (ok, message) for layer, ok, message in check_layers(checkpoint)}
+        assert report[0][0] is False and needle in report[0][1], f"{fault}: inspect's header check says {report[0]}"
+    else:
+        with pytest.raises(error, match=re.escape(needle)):
+            check_layers(checkpoint)
+    assert _snapshot(checkpoint) == before, f"{fault}: a refused bind changed a file"
+
+
+# The CLI's arguments: argparse's own refusals exit 2 with a usage line and one error line ------
+@pytest.mark.parametrize("argv,needle", [
+    (["demo", "--steps", "0"], "argument --steps: expected an integer >= 1, got 0"),
+    (["demo", "--prompt", "-5"], "argument --prompt: expected an integer >= 1, got -5"),
+    (["demo", "--prompt", "many"], "argument --prompt: expected an integer >= 1, got 'many'"),
+    (["demo", "--geometry", "gpt"], "argument --geometry: invalid choice: 'gpt'"),
+    (["demo", "--seed", "x"], "argument --seed: invalid int value: 'x'"),
+    (["inspect"], "the following arguments are required: path"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+    (["bench", "nonesuch"], "argument bench: invalid choice: 'nonesuch'"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_bad_cli_arguments_exit_2_naming_the_argument(argv, needle, capsys):
+    with pytest.raises(SystemExit) as done:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert done.value.code == 2 and len(errors) == 1 and needle in errors[0], err
+    assert "Traceback" not in err
