@@ -211,6 +211,19 @@ def test_a_mistyped_local_path_never_goes_to_the_hub(tmp_path, monkeypatch, fake
     assert not requests, f"sent to the hub: {requests}"
 
 
+def test_offline_a_repo_missing_from_the_cache_fails_at_once(tmp_path, monkeypatch):
+    import time
+
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    start = time.perf_counter()
+    with pytest.raises(CheckpointError, match="hub repo 'someorg/no-such-repo': no file 'config.json' .or not in the local cache while offline"):
+        KdaConfig.from_pretrained("someorg/no-such-repo", cache_dir=str(tmp_path))
+    assert time.perf_counter() - start < 5, "offline, nothing should wait on the network"
+    assert not any(tmp_path.iterdir()), "a refused lookup wrote into the cache"
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["inspect", "/no/such/checkpoint"], "no such checkpoint directory"),
     (["inspect", "{config_list}"], "expected a JSON object"),
