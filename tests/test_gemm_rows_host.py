@@ -275,11 +275,13 @@ int main(int argc, char** argv)
 
 
 def host_gemm_rows_source() -> str:
-    """gemm_rows.cu for the host (host_kernel_source with DEVICE_HELPERS removed), the staged
-    entries' dynamic shared array taken from the emulated block's."""
-    kernel = '#include "emulation.h"\n' + host_kernel_source("projection/gemm_rows", DEVICE_HELPERS)
+    """gemm_rows.cu and gemm_rows_decode.cu, one translation unit for the host (host_kernel_source
+    with DEVICE_HELPERS removed), the staged entries' dynamic shared array taken from the emulated
+    block's."""
+    kernel = '#include "emulation.h"\n' + "".join(host_kernel_source(stem, DEVICE_HELPERS) for stem in
+                                                  ("projection/gemm_rows", "projection/gemm_rows_decode"))
     declaration = "extern __shared__ __align__(128) unsigned char gemm_rows_stage[];"
-    assert kernel.count(declaration) == 1, "gemm_rows.cu no longer declares gemm_rows_stage; update the host emulation"
+    assert kernel.count(declaration) == 1, "gemm_rows_decode.cu no longer declares gemm_rows_stage; update the host emulation"
     return kernel.replace(declaration, "unsigned char* gemm_rows_stage = reinterpret_cast<unsigned char*>(emulated_shared);")
 
 

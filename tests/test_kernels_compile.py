@@ -280,3 +280,57 @@ def test_architecture_families_compile_for_their_architecture(stem):
     report = kernel_report.compile_check(arch)
     assert set(names) <= set(report)
     assert {name for families in kernels.ENTRY_POINTS.values() for name in families} <= set(report)
+
+
+def test_kernel_set_builds_every_file_at_once_on_the_layer_device(monkeypatch, tmp_path):
+    """KernelSet compiles its files in worker threads, each under the device the set is for (a
+    new thread's CuPy device is 0), every file once, and still names every missing entry point."""
+    import threading
+    from types import SimpleNamespace
+
+    import cupy
+
+    current = threading.local()
+    built: list[tuple[str, int, str]] = []
+
+    class Device:
+        def __init__(self, device_id=None):
+            self.id = getattr(current, "id", 0) if device_id is None else device_id
+            self.compute_capability = "90"
+
+        def __enter__(self):
+            self.previous, current.id = getattr(current, "id", 0), self.id
+            return self
+
+        def __exit__(self, *exc):
+            current.id = self.previous
+
+    class Module:
+        def __init__(self, code=None, options=None, path=None):
+            self.text = code if code is not None else Path(path).name
+            self.compiled = path is not None
+
+        def compile(self):
+            built.append((self.text.splitlines()[0], Device().id, threading.current_thread().name))
+            self.compiled = True
+
+        def get_function(self, name):
+            assert self.compiled, "an entry point was resolved before its file compiled"
+            if name == "gemm_rows_bulk_g2":
+                raise NotFound(name)
+            return SimpleNamespace(name=name)
+
+    class NotFound(Exception):
+        pass
+
+    monkeypatch.setattr(cupy.cuda.driver, "CUDADriverError", NotFound)
+    monkeypatch.setattr(cupy.cuda, "Device", Device)
+    monkeypatch.setattr(cupy, "RawModule", Module)
+    monkeypatch.setattr(kernels, "_cached_cubin", lambda stem, arch, directory: tmp_path / f"{stem.replace('/', '-')}.cubin")
+    with Device(3):
+        with pytest.raises(RuntimeError, match=r"not found: projection/gemm_rows_bulk.cu:gemm_rows_bulk_g2$"):
+            kernels.KernelSet()
+    assert len(built) == len(kernels.ENTRY_POINTS), built
+    assert {device for _, device, _ in built} == {3}, f"a file compiled on another device: {built}"
+    if kernels._COMPILE_THREADS > 1:
+        assert all(thread != threading.main_thread().name for _, _, thread in built)

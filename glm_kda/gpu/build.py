@@ -14,8 +14,10 @@ which is what the test suite runs.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import contextvars
+import os
 import ctypes
 import re
 from dataclasses import dataclass, field
@@ -26,8 +28,9 @@ from typing import Any, Iterator, Sequence
 ENTRY_POINTS: dict[str, tuple[str, ...]] = {
     "projection/gemm_rows":
         tuple(f"gemm_rows_{layout}bf16_m{m}_n{n}" for layout in ("", "packed_", "sums_", "packed_sums_")
-              for m, n in ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2)))
-        + tuple(f"gemm_rows_staged_awaiting_{form}bf16_m1_n{n}" for form in ("", "sums_") for n in (1, 2))
+              for m, n in ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2))),
+    "projection/gemm_rows_decode":
+        tuple(f"gemm_rows_staged_awaiting_{form}bf16_m1_n{n}" for form in ("", "sums_") for n in (1, 2))
         + tuple(f"gemm_rows_tail_staged_awaiting_{form}bf16_m1_n{n}" for form in ("", "sums_") for n in (1, 2, 4))
         + tuple(f"gemm_rows_packed_{form}_bf16_m1_n{n}" for form in ("pair", "awaiting", "awaiting_sums")
                 for n in (1, 2, 4)),
@@ -50,6 +53,9 @@ ARCH_ENTRY_POINTS: dict[str, tuple[str, tuple[str, ...]]] = {
 
 # The kernel source files, one per family (the keys of ENTRY_POINTS and ARCH_ENTRY_POINTS plus ".cu").
 KERNEL_FILES: tuple[str, ...] = tuple(f"{stem}.cu" for stem in (*ENTRY_POINTS, *ARCH_ENTRY_POINTS))
+
+# Threads compiling kernel files at once (NVRTC compiles one file on one core).
+_COMPILE_THREADS = max(1, min(8, os.cpu_count() or 1))
 
 # A header every kernel folder holds: how kernels_dir recognises one.
 MARKER_HEADER = "common/head.cuh"
@@ -174,7 +180,6 @@ def _private_folder(folder: Path) -> None:
     """Make `folder` (the default cubin cache, in the shared temporary folder) this user's own, or
     refuse it: a folder there that another user made, or may write to, could hold a cubin of theirs
     under the name this process would load."""
-    import os
     import stat
 
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -189,7 +194,6 @@ def _cached_cubin(stem: str, arch: str, directory: Path | str | None) -> Path:
     the hash of its source and options (CuPy's own cache compiles for the device's portable
     architecture only, not for an "a" architecture)."""
     import hashlib
-    import os
     import tempfile
 
     from cupy.cuda import nvrtc
@@ -232,17 +236,28 @@ class KernelSet:
         # Largest dynamic shared memory each kernel has been opted in to.
         self._dynamic_shared_limit: dict[str, int] = {}
         self._carveout: dict[str, int] = {}
-        missing: list[str] = []
-        for stem, names in ENTRY_POINTS.items():
-            module = cupy.RawModule(code=kernel_source(stem, directory), options=COMPILE_OPTIONS)
-            missing += self._add_module(stem, module, names)
         device_arch = f"sm_{cupy.cuda.Device().compute_capability}a"
         folder = Path(directory) if directory is not None else kernels_dir()
-        for stem, (arch, names) in ARCH_ENTRY_POINTS.items():
-            # Another version of the sources may predate the family: its set runs the portable kernels.
-            if arch != device_arch or not (folder / f"{stem}.cu").is_file():
-                continue
-            module = cupy.RawModule(path=str(_cached_cubin(stem, arch, directory)))
+        # (stem, entry points, architecture of its own cubin or None for CuPy's portable build).
+        families = [(stem, names, None) for stem, names in ENTRY_POINTS.items()]
+        # Another version of the sources may predate an architecture's family: its set runs the portable kernels.
+        families += [(stem, names, arch) for stem, (arch, names) in ARCH_ENTRY_POINTS.items()
+                     if arch == device_arch and (folder / f"{stem}.cu").is_file()]
+
+        def load(family: tuple) -> Any:
+            stem, _, arch = family
+            with cupy.cuda.Device(self.device_id):  # (a worker thread starts on device 0)
+                if arch is not None:
+                    return cupy.RawModule(path=str(_cached_cubin(stem, arch, directory)))
+                module = cupy.RawModule(code=kernel_source(stem, directory), options=COMPILE_OPTIONS)
+                module.compile()  # now, in this thread: NVRTC runs without the GIL
+                return module
+
+        # One file per thread: a cold start costs the slowest file's compile, not the sum.
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(families), _COMPILE_THREADS)) as pool:
+            modules = list(pool.map(load, families))
+        missing: list[str] = []
+        for (stem, names, _), module in zip(families, modules):
             missing += self._add_module(stem, module, names)
         if missing:
             raise RuntimeError(f"kernel entry points not found: {', '.join(missing)}")

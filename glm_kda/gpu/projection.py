@@ -26,7 +26,7 @@ from .ops.checks import _i32, _require_int32, _row_stride, check_scratch, projec
 GEMM_ROWS_MAX_ROWS = 256
 # Rows of an mma tile: up to this many rows take the one-m-tile (decode) entries.
 M_TILE = 16
-# Blocks per SM every split-k entry is compiled for (GEMM_ROWS_MIN_BLOCKS of gemm_rows.cu).
+# Blocks per SM every split-k entry is compiled for (GEMM_ROWS_MIN_BLOCKS of gemm_rows.cuh).
 GEMM_ROWS_BLOCKS_PER_SM = 2
 
 # Rows swept together over one read of the weight (GEMM_ROWS_M_GROUP; blockIdx.y picks the group).

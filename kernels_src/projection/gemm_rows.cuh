@@ -1,4 +1,4 @@
-// Device code of the row projection (gemm_rows.cu launches it): the layout and the bit contract.
+// Device code of the row projection (gemm_rows.cu and gemm_rows_decode.cu launch it): the layout and the bit contract.
 //
 // Projection GEMM for decode, speculative verify and batched decode, on tensor cores:
 //   y[r, j] = bf16( sum_i x[r, i] * w[j, i] )   for r < rows (1..256), j < n
@@ -890,5 +890,39 @@ __device__ __forceinline__ void gemm_rows_stage_tail(bf16_t* tail, const bf16_t*
         }
     }
 }
+
+// The body every gemm_rows entry point runs (gemm_rows.cu, gemm_rows_decode.cu).
+template <int M_TILES, int N_TILES, bool PACKED, int X_FROM = GEMM_X_INPUT, bool SUMS = false>
+__device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, int ldx,
+                                                const bf16_t* __restrict__ w, bf16_t* __restrict__ y,
+                                                int ldy, int rows, int n, int k, int prefetch,
+                                                GemmRowsSecond second = {nullptr, nullptr, nullptr},
+                                                GemmRowsAwait awaited = {nullptr, 0},
+                                                GemmRowsSums sums = {nullptr, 0})
+{
+    __shared__ float partial[GEMM_ROWS_PARTIAL_FLOATS(M_TILES, N_TILES)];
+
+    kda_let_next_kernel_launch();
+    const int row_begin = blockIdx.y * GEMM_ROWS_M_GROUP;
+    if (row_begin >= rows || blockDim.x != GEMM_ROWS_THREADS) {
+        return;
+    }
+    const int row_end = min(rows, row_begin + GEMM_ROWS_M_GROUP);
+    gemm_rows_sweep<M_TILES, N_TILES, PACKED, X_FROM, SUMS>(x, ldx, w, y, ldy, row_begin, row_end, n, k,
+                                                            k_split_for(k), prefetch, partial, second, awaited, sums);
+}
+
+// The parameters every gemm_rows entry point starts with: x, w and y with their leading
+// dimensions, the shape, and a ninth int (LAST: prefetch, or the tail form's tail_blocks); then,
+// where an entry has them, the count it awaits and the FP32 sums it writes.
+#define GEMM_ROWS_PARAMETERS(LAST)                                                                 \
+    const bf16_t* __restrict__ x, int ldx, const bf16_t* __restrict__ w, bf16_t* __restrict__ y,  \
+        int ldy, int rows, int n, int k, int LAST
+#define GEMM_ROWS_AWAIT_PARAMETERS int* ready, int ready_target
+#define GEMM_ROWS_SUMS_PARAMETERS float* __restrict__ sums, int ld_sums
+
+// Every variant is compiled for 2 blocks per SM (up to 128 registers per thread);
+// glm_kda.gpu.projection.GEMM_ROWS_BLOCKS_PER_SM mirrors it.
+#define GEMM_ROWS_MIN_BLOCKS 2
 
 #endif  // GEMM_ROWS_CUH
