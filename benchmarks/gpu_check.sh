@@ -55,7 +55,7 @@ if [ "$part" = sanitize ] || [ "$part" = all ]; then
     tests/test_gpu.py -k "o_proj_sums and kimi" 2>&1 | tee "$out/memcheck_sums.log" | tail -4
   # The prefill conv has no shared memory (a warp per head): memcheck over its vector loads
   # and stores, against decode steps and in two real prefills.
-  timeout 100 compute-sanitizer --tool memcheck --kernel-name kns=conv_prefill_silu_l2_bf16 --print-limit 20 python -m pytest \
+  timeout 100 compute-sanitizer --tool memcheck --kernel-name kns=kda_conv_prefill_silu_l2_bf16 --print-limit 20 python -m pytest \
     -q -p no:cacheprovider tests/test_gpu.py \
     -k "prefill_conv_equals or (prefill_matches_oracle and kimi and T65-C64) or (prefill_matches_oracle and glm and T1000-C64)" \
     2>&1 | tee "$out/memcheck_conv.log" | tail -4

@@ -72,7 +72,7 @@ __device__ __forceinline__ float conv_carried_input(const float (&old)[CONV_MAX_
 // 16-byte store of q, k or v. Requires 8-byte aligned qkv_proj and conv_out rows and 16-byte
 // aligned q, k, v rows.
 extern "C" __global__ void __launch_bounds__(KDA_HEAD_BLOCK)
-conv_prefill_silu_l2_bf16(float* __restrict__ conv_state, const bf16_t* __restrict__ qkv_proj,
+kda_conv_prefill_silu_l2_bf16(float* __restrict__ conv_state, const bf16_t* __restrict__ qkv_proj,
                           const bf16_t* __restrict__ conv_w, bf16_t* __restrict__ conv_out,
                           float* __restrict__ query, float* __restrict__ key,
                           float* __restrict__ value, int heads, int head_dim, int kernel_size,

@@ -23,7 +23,7 @@
 #define GATE_STEPS (GATE_TOKENS_PER_BLOCK / GATE_ROWS)
 
 extern "C" __global__ void __launch_bounds__(GATE_THREADS)
-gate_beta_f32(const bf16_t* __restrict__ forget_proj, const float* __restrict__ dt_bias,
+kda_gate_beta_f32(const bf16_t* __restrict__ forget_proj, const float* __restrict__ dt_bias,
               const float* __restrict__ a_log, const bf16_t* __restrict__ beta_logits,
               int ld_beta, float* __restrict__ gate, float* __restrict__ beta, int heads,
               int head_dim, int gate_law, float lower_bound, int tokens)

@@ -15,7 +15,7 @@
 #define NORM_TOKENS_PER_BLOCK 8
 
 extern "C" __global__ void __launch_bounds__(KDA_HEAD_BLOCK)
-gated_rmsnorm_sigmoid_bf16(const float* __restrict__ core, const bf16_t* __restrict__ out_gate,
+kda_gated_rmsnorm_sigmoid_bf16(const float* __restrict__ core, const bf16_t* __restrict__ out_gate,
                            const bf16_t* __restrict__ norm_w, bf16_t* __restrict__ o_norm_out,
                            int heads, int head_dim, float eps, int tokens)
 {

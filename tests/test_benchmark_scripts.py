@@ -204,8 +204,8 @@ _SANITIZER_LOG = """========= COMPUTE-SANITIZER
 =========     at void cublasLt::splitKreduce_kernel<32, 16, int, float>(cublasSplitKParams<float>)+0x460
 =========     by thread (1,0,0) in block (0,0,0)
 =========
-========= Error: Race reported between Write access at gemm_rows_packed_pair_bf16_m1_n2+0x80
-=========     and Read access at gemm_rows_packed_pair_bf16_m1_n2+0x90 [16 hazards]
+========= Error: Race reported between Write access at kda_gemm_rows_packed_pair_bf16_m1_n2+0x80
+=========     and Read access at kda_gemm_rows_packed_pair_bf16_m1_n2+0x90 [16 hazards]
 ========= ERROR SUMMARY: 3 errors
 """
 
@@ -222,7 +222,7 @@ def test_sanitizer_report_sorts_ours_from_the_libraries(tmp_path):
     log.write_text(_SANITIZER_LOG)
     row = sanitizer_report.summarize(log, sanitizer_report.our_kernels())
     assert row["tool_total"] == 3 and row["printed"] == 3 and row["all_printed"]
-    assert row["our_kernels"] == {"kda_chunk_scan_f32": 1, "gemm_rows_packed_pair_bf16_m1_n2": 1}, row
+    assert row["our_kernels"] == {"kda_chunk_scan_f32": 1, "kda_gemm_rows_packed_pair_bf16_m1_n2": 1}, row
     assert list(row["library_kernels"]) == ["void cublasLt::splitKreduce_kernel<32, 16, int, float>(cublasSplitKParams<float>)"]
     log.write_text(_SANITIZER_LOG.replace("3 errors", "900 errors"))
     assert not sanitizer_report.summarize(log, sanitizer_report.our_kernels())["all_printed"]

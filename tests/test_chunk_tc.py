@@ -889,7 +889,7 @@ def test_gpu_throughput_report(geometry, figures):
 @needs_gpu
 @pytest.mark.parametrize("tokens", [1, 65, 1000], ids=lambda t: f"T{t}")
 def test_gpu_fused_gate_equals_the_gate_kernel(tokens):
-    # The prepare forming gate and beta from the projections writes the bits gate_beta_f32
+    # The prepare forming gate and beta from the projections writes the bits kda_gate_beta_f32
     # writes, only for the T real rows, and the chunk results equal those of the unfused
     # prepare fed the gate kernel's output.
     import ml_dtypes
@@ -905,7 +905,7 @@ def test_gpu_fused_gate_equals_the_gate_kernel(tokens):
     a_log = cp.asarray((0.5 * rng.standard_normal(heads)).astype(np.float32))
     device, start, _ = _device_inputs(tokens, heads, seed=SEED + 9)
     gate_ref, beta_ref = cp.full((padded, heads, 128), np.nan, cp.float32), cp.full((padded, heads), np.nan, cp.float32)
-    ops.gate_beta_f32(forget_proj, dt_bias, a_log, beta_logits, gate_ref, beta_ref, heads, 128, True, LOWER_BOUND,
+    ops.kda_gate_beta_f32(forget_proj, dt_bias, a_log, beta_logits, gate_ref, beta_ref, heads, 128, True, LOWER_BOUND,
                       tokens=tokens)
     query, key, value = device[:3]
     gate_out, beta_out = cp.full_like(gate_ref, 7.0), cp.full_like(beta_ref, 7.0)

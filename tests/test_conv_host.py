@@ -36,7 +36,7 @@ CONV_MAIN = r"""
 #include "emulation.h"
 """ + HOST_CUDA_RUNTIME + r"""
 using bf16_t = unsigned short;
-extern "C" void conv_prefill_silu_l2_bf16(float*, const bf16_t*, const bf16_t*, bf16_t*, float*, float*, float*, int,
+extern "C" void kda_conv_prefill_silu_l2_bf16(float*, const bf16_t*, const bf16_t*, bf16_t*, float*, float*, float*, int,
                                           int, int, int, float);
 
 int main(int argc, char** argv)
@@ -57,7 +57,7 @@ int main(int argc, char** argv)
         const int launches = std::string(path) == "prefill" ? 1 : tokens, count = tokens / launches;
         for (int t = 0; t < tokens; t += count) {
             run_grid(dim3{unsigned((3 * heads + 3) / 4), unsigned((count + 63) / 64), 1}, 128, 0, [&] {
-                conv_prefill_silu_l2_bf16(state.data(), qkv_proj.data() + t * conv_dim, conv_w.data(),
+                kda_conv_prefill_silu_l2_bf16(state.data(), qkv_proj.data() + t * conv_dim, conv_w.data(),
                                           conv_out.data() + t * conv_dim, query.data() + t * qkv, key.data() + t * qkv,
                                           value.data() + t * qkv, heads, 128, kernel, count, eps);
             });

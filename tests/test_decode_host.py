@@ -96,7 +96,7 @@ int prefetch_heads, prefetch_kernel;
 std::atomic<long> prefetches{0}, bad_prefetches{0};
 using bf16_t = unsigned short;
 """ + "".join(kernel_declaration(stem, name) for stem, name in (
-    ("conv", "conv_prefill_silu_l2_bf16"), ("gate", "gate_beta_f32"), ("norm", "gated_rmsnorm_sigmoid_bf16"),
+    ("conv", "kda_conv_prefill_silu_l2_bf16"), ("gate", "kda_gate_beta_f32"), ("norm", "kda_gated_rmsnorm_sigmoid_bf16"),
     ("decode/decode", "kda_decode_fused_bf16"))) + r"""
 extern "C" void host_recurrent_step(const float*, const float*, const float*, const float*, const float*, float*,
                                     float*, float);
@@ -177,11 +177,11 @@ int main(int argc, char** argv)
         } else if (path == "stages") {
             // The prefill kernels over the rows, the recurrence a token at a time, the norm of the walk's core.
             run_grid(dim3{unsigned((3 * heads + 3) / 4), unsigned((rows + 63) / 64), 1}, 128, 0, [&] {
-                conv_prefill_silu_l2_bf16(conv_state.data(), qkv_proj.data(), conv_w.data(), conv_out.data(),
+                kda_conv_prefill_silu_l2_bf16(conv_state.data(), qkv_proj.data(), conv_w.data(), conv_out.data(),
                                           query.data(), key.data(), value.data(), heads, 128, kernel, rows, l2_eps);
             });
             run_grid(dim3{unsigned(heads), unsigned((rows + 31) / 32), 1}, 128, 0, [&] {
-                gate_beta_f32(forget_proj.data(), dt_bias.data(), a_log.data(), beta_logits, int(ld_beta), gate.data(),
+                kda_gate_beta_f32(forget_proj.data(), dt_bias.data(), a_log.data(), beta_logits, int(ld_beta), gate.data(),
                               beta.data(), heads, 128, bounded, lower_bound, rows);
             });
             for (int t = 0; t < rows; ++t) {
@@ -192,7 +192,7 @@ int main(int argc, char** argv)
                 });
             }
             run_grid(dim3{unsigned(heads), unsigned((rows + 7) / 8), 1}, 128, 0, [&] {
-                gated_rmsnorm_sigmoid_bf16(walk_core.data(), out_gate.data(), norm_w.data(), o_norm_out.data(), heads,
+                kda_gated_rmsnorm_sigmoid_bf16(walk_core.data(), out_gate.data(), norm_w.data(), o_norm_out.data(), heads,
                                            128, norm_eps, rows);
             });
         } else if (path == "pool_plain") {

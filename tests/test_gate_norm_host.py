@@ -32,9 +32,9 @@ GATE_NORM_MAIN = r"""
 #include "emulation.h"
 """ + HOST_CUDA_RUNTIME + r"""
 using bf16_t = unsigned short;
-extern "C" void gate_beta_f32(const bf16_t*, const float*, const float*, const bf16_t*, int, float*, float*, int, int,
+extern "C" void kda_gate_beta_f32(const bf16_t*, const float*, const float*, const bf16_t*, int, float*, float*, int, int,
                               int, float, int);
-extern "C" void gated_rmsnorm_sigmoid_bf16(const float*, const bf16_t*, const bf16_t*, bf16_t*, int, int, float, int);
+extern "C" void kda_gated_rmsnorm_sigmoid_bf16(const float*, const bf16_t*, const bf16_t*, bf16_t*, int, int, float, int);
 
 int main(int argc, char** argv)
 {
@@ -54,11 +54,11 @@ int main(int argc, char** argv)
     std::vector<bf16_t> o_norm_out(rows * qkv, 0x7FA5);
     run_grid(dim3{unsigned(heads), unsigned((tokens + 31) / 32), 1}, 128, 0, [&] {
         // The logits are columns 2 D .. of each row, as the layer reads them from down_proj.
-        gate_beta_f32(forget_proj.data(), dt_bias.data(), a_log.data(), beta_logits.data() + 2 * 128, ld_beta, gate.data(),
+        kda_gate_beta_f32(forget_proj.data(), dt_bias.data(), a_log.data(), beta_logits.data() + 2 * 128, ld_beta, gate.data(),
                       beta.data(), heads, 128, bounded, lower_bound, tokens);
     });
     run_grid(dim3{unsigned(heads), unsigned((tokens + 7) / 8), 1}, 128, 0, [&] {
-        gated_rmsnorm_sigmoid_bf16(core.data(), out_gate.data(), norm_w.data(), o_norm_out.data(), heads, 128, eps,
+        kda_gated_rmsnorm_sigmoid_bf16(core.data(), out_gate.data(), norm_w.data(), o_norm_out.data(), heads, 128, eps,
                                    tokens);
     });
     save_each(dir + "/", {"gate.out", "beta.out", "o_norm_out.out"}, gate, beta, o_norm_out);

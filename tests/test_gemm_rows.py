@@ -139,7 +139,7 @@ def test_k_split_depends_on_k_alone(k):
             assert plan.grid[1] == -(-rows // 64)
             assert plan.tiles_per_warp in (1, 2, 4) and (rows <= 32 or plan.tiles_per_warp <= 2)
             assert plan.m_tiles == (1 if rows <= 16 else 2 if rows <= 32 else 4)
-            assert plan.kernel == f"gemm_rows_bf16_m{plan.m_tiles}_n{plan.tiles_per_warp}"
+            assert plan.kernel == f"kda_gemm_rows_bf16_m{plan.m_tiles}_n{plan.tiles_per_warp}"
             assert plan.kernel in ENTRY_POINTS["projection/gemm_rows"]
 
 

@@ -74,21 +74,21 @@ GEMM_MAIN = r"""
 #include "emulation.h"
 """ + HOST_CUDA_RUNTIME + r"""
 MmaSlot mma_slots[32][32];
-#define DECLARE(M, N) extern "C" void gemm_rows_bf16_m##M##_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, \
+#define DECLARE(M, N) extern "C" void kda_gemm_rows_bf16_m##M##_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, \
                                                                 int, int, int);
-#define DECLARE_PACKED(M, N) extern "C" void gemm_rows_packed_bf16_m##M##_n##N(const bf16_t*, int, const bf16_t*, \
+#define DECLARE_PACKED(M, N) extern "C" void kda_gemm_rows_packed_bf16_m##M##_n##N(const bf16_t*, int, const bf16_t*, \
                                                                               bf16_t*, int, int, int, int, int);
 #define DECLARE_BOTH(M, N) DECLARE(M, N) DECLARE_PACKED(M, N)
 #define DECLARE_SUMS(M, N)                                                                                        \
-    extern "C" void gemm_rows_sums_bf16_m##M##_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int, \
+    extern "C" void kda_gemm_rows_sums_bf16_m##M##_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int, \
                                                      int, float*, int);                                            \
-    extern "C" void gemm_rows_packed_sums_bf16_m##M##_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, int, int,   \
+    extern "C" void kda_gemm_rows_packed_sums_bf16_m##M##_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, int, int,   \
                                                             int, int, int, float*, int);
 #define DECLARE_BOTH(M, N) DECLARE(M, N) DECLARE_PACKED(M, N) DECLARE_SUMS(M, N)
 DECLARE_BOTH(1, 1) DECLARE_BOTH(1, 2) DECLARE_BOTH(1, 4) DECLARE_BOTH(2, 1) DECLARE_BOTH(2, 2) DECLARE_BOTH(2, 4)
 DECLARE_BOTH(4, 1) DECLARE_BOTH(4, 2)
 using SumsEntry = void (*)(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int, int, float*, int);
-#define SUMS_ENTRY(M, N) {{M, N}, {gemm_rows_sums_bf16_m##M##_n##N, gemm_rows_packed_sums_bf16_m##M##_n##N}}
+#define SUMS_ENTRY(M, N) {{M, N}, {kda_gemm_rows_sums_bf16_m##M##_n##N, kda_gemm_rows_packed_sums_bf16_m##M##_n##N}}
 // Form 7: the entries writing the FP32 sums too, into a [y_rows, argv[20]] float buffer of NaN (sums.out).
 int sums_form(const std::string& dir, int ld_sums, int m_tiles, int n_tiles, dim3 grid, unsigned threads, int rows,
               int n, int k, int ldx, int ldy, int x_rows, int y_rows, long w_elements)
@@ -112,27 +112,27 @@ int sums_form(const std::string& dir, int ld_sums, int m_tiles, int n_tiles, dim
     std::printf("misaligned=%ld\n", misaligned.load());
     return 0;
 }
-#define DECLARE_STAGED(N) extern "C" void gemm_rows_staged_awaiting_bf16_m1_n##N(const bf16_t*, int, const bf16_t*, \
+#define DECLARE_STAGED(N) extern "C" void kda_gemm_rows_staged_awaiting_bf16_m1_n##N(const bf16_t*, int, const bf16_t*, \
                                                                                 bf16_t*, int, int, int, int, int, int*, int);
 DECLARE_STAGED(1) DECLARE_STAGED(2)
-#define DECLARE_TAIL(N) extern "C" void gemm_rows_tail_staged_awaiting_bf16_m1_n##N(const bf16_t*, int, const bf16_t*, \
+#define DECLARE_TAIL(N) extern "C" void kda_gemm_rows_tail_staged_awaiting_bf16_m1_n##N(const bf16_t*, int, const bf16_t*, \
                                                                            bf16_t*, int, int, int, int, int, int*, int);
 DECLARE_TAIL(1) DECLARE_TAIL(2) DECLARE_TAIL(4)
 using AwaitingSumsEntry = void (*)(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int, int, int*, int,
                                    float*, int);
 #define DECLARE_AWAITING_SUMS(NAME) extern "C" void NAME(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, \
                                                          int, int, int*, int, float*, int);
-DECLARE_AWAITING_SUMS(gemm_rows_packed_awaiting_sums_bf16_m1_n1) DECLARE_AWAITING_SUMS(gemm_rows_packed_awaiting_sums_bf16_m1_n2)
-DECLARE_AWAITING_SUMS(gemm_rows_packed_awaiting_sums_bf16_m1_n4) DECLARE_AWAITING_SUMS(gemm_rows_staged_awaiting_sums_bf16_m1_n1)
-DECLARE_AWAITING_SUMS(gemm_rows_staged_awaiting_sums_bf16_m1_n2)
-DECLARE_AWAITING_SUMS(gemm_rows_tail_staged_awaiting_sums_bf16_m1_n1)
-DECLARE_AWAITING_SUMS(gemm_rows_tail_staged_awaiting_sums_bf16_m1_n2)
-DECLARE_AWAITING_SUMS(gemm_rows_tail_staged_awaiting_sums_bf16_m1_n4)
+DECLARE_AWAITING_SUMS(kda_gemm_rows_packed_awaiting_sums_bf16_m1_n1) DECLARE_AWAITING_SUMS(kda_gemm_rows_packed_awaiting_sums_bf16_m1_n2)
+DECLARE_AWAITING_SUMS(kda_gemm_rows_packed_awaiting_sums_bf16_m1_n4) DECLARE_AWAITING_SUMS(kda_gemm_rows_staged_awaiting_sums_bf16_m1_n1)
+DECLARE_AWAITING_SUMS(kda_gemm_rows_staged_awaiting_sums_bf16_m1_n2)
+DECLARE_AWAITING_SUMS(kda_gemm_rows_tail_staged_awaiting_sums_bf16_m1_n1)
+DECLARE_AWAITING_SUMS(kda_gemm_rows_tail_staged_awaiting_sums_bf16_m1_n2)
+DECLARE_AWAITING_SUMS(kda_gemm_rows_tail_staged_awaiting_sums_bf16_m1_n4)
 using Entry = void (*)(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int, int);
 #define DECLARE_DECODE(N)                                                                                         \
-    extern "C" void gemm_rows_packed_pair_bf16_m1_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, \
+    extern "C" void kda_gemm_rows_packed_pair_bf16_m1_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, \
                                                        int, int, const bf16_t*, const bf16_t*, bf16_t*);          \
-    extern "C" void gemm_rows_packed_awaiting_bf16_m1_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, int, int,  \
+    extern "C" void kda_gemm_rows_packed_awaiting_bf16_m1_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, int, int,  \
                                                            int, int, int, int*, int);
 DECLARE_DECODE(1) DECLARE_DECODE(2) DECLARE_DECODE(4)
 using PairEntry = void (*)(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int, int, const bf16_t*,
@@ -150,23 +150,23 @@ int decode_form(const std::string& dir, int form, int form_arg, int n_tiles, uns
                 size_t shared_bytes, int tail_blocks, int ld_sums)
 {
     const int index = n_tiles == 1 ? 0 : n_tiles == 2 ? 1 : n_tiles == 4 ? 2 : -1;
-    const PairEntry pairs[] = {gemm_rows_packed_pair_bf16_m1_n1, gemm_rows_packed_pair_bf16_m1_n2,
-                               gemm_rows_packed_pair_bf16_m1_n4};
-    const AwaitingEntry awaiting[] = {gemm_rows_packed_awaiting_bf16_m1_n1, gemm_rows_packed_awaiting_bf16_m1_n2,
-                                      gemm_rows_packed_awaiting_bf16_m1_n4};
-    const AwaitingEntry staged_awaiting[] = {gemm_rows_staged_awaiting_bf16_m1_n1,
-                                             gemm_rows_staged_awaiting_bf16_m1_n2, nullptr};
-    const AwaitingEntry tail_staged[] = {gemm_rows_tail_staged_awaiting_bf16_m1_n1,
-                                         gemm_rows_tail_staged_awaiting_bf16_m1_n2,
-                                         gemm_rows_tail_staged_awaiting_bf16_m1_n4};
-    const AwaitingSumsEntry awaiting_sums[] = {gemm_rows_packed_awaiting_sums_bf16_m1_n1,
-                                               gemm_rows_packed_awaiting_sums_bf16_m1_n2,
-                                               gemm_rows_packed_awaiting_sums_bf16_m1_n4};
-    const AwaitingSumsEntry staged_awaiting_sums[] = {gemm_rows_staged_awaiting_sums_bf16_m1_n1,
-                                                      gemm_rows_staged_awaiting_sums_bf16_m1_n2, nullptr};
-    const AwaitingSumsEntry tail_staged_sums[] = {gemm_rows_tail_staged_awaiting_sums_bf16_m1_n1,
-                                                  gemm_rows_tail_staged_awaiting_sums_bf16_m1_n2,
-                                                  gemm_rows_tail_staged_awaiting_sums_bf16_m1_n4};
+    const PairEntry pairs[] = {kda_gemm_rows_packed_pair_bf16_m1_n1, kda_gemm_rows_packed_pair_bf16_m1_n2,
+                               kda_gemm_rows_packed_pair_bf16_m1_n4};
+    const AwaitingEntry awaiting[] = {kda_gemm_rows_packed_awaiting_bf16_m1_n1, kda_gemm_rows_packed_awaiting_bf16_m1_n2,
+                                      kda_gemm_rows_packed_awaiting_bf16_m1_n4};
+    const AwaitingEntry staged_awaiting[] = {kda_gemm_rows_staged_awaiting_bf16_m1_n1,
+                                             kda_gemm_rows_staged_awaiting_bf16_m1_n2, nullptr};
+    const AwaitingEntry tail_staged[] = {kda_gemm_rows_tail_staged_awaiting_bf16_m1_n1,
+                                         kda_gemm_rows_tail_staged_awaiting_bf16_m1_n2,
+                                         kda_gemm_rows_tail_staged_awaiting_bf16_m1_n4};
+    const AwaitingSumsEntry awaiting_sums[] = {kda_gemm_rows_packed_awaiting_sums_bf16_m1_n1,
+                                               kda_gemm_rows_packed_awaiting_sums_bf16_m1_n2,
+                                               kda_gemm_rows_packed_awaiting_sums_bf16_m1_n4};
+    const AwaitingSumsEntry staged_awaiting_sums[] = {kda_gemm_rows_staged_awaiting_sums_bf16_m1_n1,
+                                                      kda_gemm_rows_staged_awaiting_sums_bf16_m1_n2, nullptr};
+    const AwaitingSumsEntry tail_staged_sums[] = {kda_gemm_rows_tail_staged_awaiting_sums_bf16_m1_n1,
+                                                  kda_gemm_rows_tail_staged_awaiting_sums_bf16_m1_n2,
+                                                  kda_gemm_rows_tail_staged_awaiting_sums_bf16_m1_n4};
     if (index < 0 || (form == 3 && !staged_awaiting[index])) {
         std::fprintf(stderr, "no decode entry m1_n%d\n", n_tiles);
         return 2;
@@ -246,14 +246,14 @@ int main(int argc, char** argv)
     }
     const std::pair<int, int> key{m_tiles, n_tiles};
     const std::pair<std::pair<int, int>, Entry> entries[] = {
-        {{1, 1}, gemm_rows_bf16_m1_n1}, {{1, 2}, gemm_rows_bf16_m1_n2}, {{1, 4}, gemm_rows_bf16_m1_n4},
-        {{2, 1}, gemm_rows_bf16_m2_n1}, {{2, 2}, gemm_rows_bf16_m2_n2}, {{2, 4}, gemm_rows_bf16_m2_n4},
-        {{4, 1}, gemm_rows_bf16_m4_n1}, {{4, 2}, gemm_rows_bf16_m4_n2}};
+        {{1, 1}, kda_gemm_rows_bf16_m1_n1}, {{1, 2}, kda_gemm_rows_bf16_m1_n2}, {{1, 4}, kda_gemm_rows_bf16_m1_n4},
+        {{2, 1}, kda_gemm_rows_bf16_m2_n1}, {{2, 2}, kda_gemm_rows_bf16_m2_n2}, {{2, 4}, kda_gemm_rows_bf16_m2_n4},
+        {{4, 1}, kda_gemm_rows_bf16_m4_n1}, {{4, 2}, kda_gemm_rows_bf16_m4_n2}};
     const std::pair<std::pair<int, int>, Entry> packed_entries[] = {
-        {{1, 1}, gemm_rows_packed_bf16_m1_n1}, {{1, 2}, gemm_rows_packed_bf16_m1_n2},
-        {{1, 4}, gemm_rows_packed_bf16_m1_n4}, {{2, 1}, gemm_rows_packed_bf16_m2_n1},
-        {{2, 2}, gemm_rows_packed_bf16_m2_n2}, {{2, 4}, gemm_rows_packed_bf16_m2_n4},
-        {{4, 1}, gemm_rows_packed_bf16_m4_n1}, {{4, 2}, gemm_rows_packed_bf16_m4_n2}};
+        {{1, 1}, kda_gemm_rows_packed_bf16_m1_n1}, {{1, 2}, kda_gemm_rows_packed_bf16_m1_n2},
+        {{1, 4}, kda_gemm_rows_packed_bf16_m1_n4}, {{2, 1}, kda_gemm_rows_packed_bf16_m2_n1},
+        {{2, 2}, kda_gemm_rows_packed_bf16_m2_n2}, {{2, 4}, kda_gemm_rows_packed_bf16_m2_n4},
+        {{4, 1}, kda_gemm_rows_packed_bf16_m4_n1}, {{4, 2}, kda_gemm_rows_packed_bf16_m4_n2}};
     Entry entry = nullptr;
     for (const auto& [name, function] : w_elements > 0 ? packed_entries : entries) {
         if (name == key) entry = function;
@@ -594,7 +594,7 @@ def test_bulk_plan_fits_and_chooses():
             for warpgroups in (None, 1, 2, 3):
                 plan = bulk_plan(n, k, rows, 132, warpgroups)
                 wg = plan.warpgroups
-                assert plan.kernel == f"gemm_rows_bulk_g{wg}" and plan.block == (128 * wg + 32,)
+                assert plan.kernel == f"kda_gemm_rows_bulk_g{wg}" and plan.block == (128 * wg + 32,)
                 row_groups = -(-rows // 64)
                 cap = 132 * (2 if wg == 1 else 1) // row_groups
                 assert plan.grid == (min(cap, -(-(-(-n // 64)) // wg)), row_groups)
@@ -729,7 +729,7 @@ def test_tail_staged_plan_fills_two_blocks_an_sm():
     from glm_kda.gpu import projection as gemm_rows
 
     plan = _tail_staged_plan(4096, 8192, 1)
-    assert (plan.kernel, plan.grid, plan.tail_blocks) == ("gemm_rows_tail_staged_awaiting_bf16_m1_n2", (256, 1),
+    assert (plan.kernel, plan.grid, plan.tail_blocks) == ("kda_gemm_rows_tail_staged_awaiting_bf16_m1_n2", (256, 1),
                                                           12), plan
     assert plan.shared_mem == 8 * 2 * 12 * 512 + 16 + 8192 * 2, plan
     for rows in (1, 4, 16):
@@ -755,10 +755,10 @@ def test_staged_plan_fits_its_stage():
     from glm_kda.gpu import projection as gemm_rows
 
     plan = _staged_plan(2304, 4096, 1)
-    assert (plan.kernel, plan.grid, plan.shared_mem) == ("gemm_rows_staged_awaiting_bf16_m1_n1", (288, 1),
+    assert (plan.kernel, plan.grid, plan.shared_mem) == ("kda_gemm_rows_staged_awaiting_bf16_m1_n1", (288, 1),
                                                          65536 + 16 + 8192), plan
     plan = _staged_plan(2304, 2048, 2)
-    assert (plan.kernel, plan.grid) == ("gemm_rows_staged_awaiting_bf16_m1_n2", (144, 1)), plan
+    assert (plan.kernel, plan.grid) == ("kda_gemm_rows_staged_awaiting_bf16_m1_n2", (144, 1)), plan
     assert plan.shared_mem - 16 - 2 * 2048 * 2 <= gemm_rows._STAGED_MAX_BYTES
     assert _staged_plan(2304, 4096, 17) is None
     assert _staged_plan(4096, 8192, 1) is None  # a 128 KB tile

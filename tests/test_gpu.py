@@ -299,11 +299,11 @@ def test_timing_reports_sections_and_kernels(layers):
         layer.decode(hidden[0], state)
     summary = timer.summary()
     # Kimi's softplus law: the gate kernel, then the unbounded tensor-core prepare and the scan.
-    for name in ("[front_end]", "[recurrence]", "[back_end]", "gate_beta_f32", "kda_chunk_tc_prepare_unbounded_f32",
+    for name in ("[front_end]", "[recurrence]", "[back_end]", "kda_gate_beta_f32", "kda_chunk_tc_prepare_unbounded_f32",
                  "kda_chunk_tc_scan_f32", "kda_decode_fused_bf16"):
         assert name in summary and summary[name] > 0, f"{name} missing from timing: {sorted(summary)}"
     # The decode projections: gemm_rows' packed-weight entry points (layer.options.packed_weights, the default).
-    prefix = "gemm_rows_packed_bf16_m" if layer.options.packed_weights else "gemm_rows_bf16_m"
+    prefix = "kda_gemm_rows_packed_bf16_m" if layer.options.packed_weights else "gemm_rows_bf16_m"
     assert any(name.startswith(prefix) and time > 0 for name, time in summary.items()), \
         f"no {prefix}* entry point in timing: {sorted(summary)}"
     assert kernels.current_context().timer is None

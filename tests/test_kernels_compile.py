@@ -64,20 +64,20 @@ def test_kernel_files_match_entry_points():
         declared = re.findall(r'^extern "C" __global__ void(?:\s+__launch_bounds__\([^)]*\))?\s+(\w+)\s*\(', text, re.M)
         # gemm_rows.cu declares its variants through macros: GEMM_ROWS_ENTRY(m-tiles, tiles), one entry per
         # weight layout, each also in the form writing the FP32 sums, ...
-        declared += [f"gemm_rows_{layout}bf16_m{m}_n{n}" for layout in ("", "packed_", "sums_", "packed_sums_")
+        declared += [f"kda_gemm_rows_{layout}bf16_m{m}_n{n}" for layout in ("", "packed_", "sums_", "packed_sums_")
                      for m, n in re.findall(r"^GEMM_ROWS_ENTRY\((\d+), (\d+)\)", text, re.M)]
         # ... GEMM_ROWS_STAGED_ENTRY(tiles) and GEMM_ROWS_TAIL_STAGED_ENTRY(tiles), the staged awaiting entries
         # (packed, one m-tile), also writing the sums ...
-        declared += [f"gemm_rows_{kind}staged_awaiting_{form}bf16_m1_n{n}"
+        declared += [f"kda_gemm_rows_{kind}staged_awaiting_{form}bf16_m1_n{n}"
                      for kind, n in re.findall(r"^GEMM_ROWS_(TAIL_)?STAGED_ENTRY\((\d+)\)", text, re.M)
                      for form in ("", "sums_")]
         declared = [name.replace("TAIL_", "tail_") for name in declared]
         # ... and GEMM_ROWS_DECODE_ENTRIES(tiles), the pair and the awaiting entry (also writing the sums).
-        declared += [f"gemm_rows_packed_{form}_bf16_m1_n{n}" for n in
+        declared += [f"kda_gemm_rows_packed_{form}_bf16_m1_n{n}" for n in
                      re.findall(r"^GEMM_ROWS_DECODE_ENTRIES\((\d+)\)", text, re.M)
                      for form in ("pair", "awaiting", "awaiting_sums")]
         # gemm_rows_bulk.cu declares its sweeps through GEMM_BULK_ENTRY(warpgroups).
-        declared += [f"gemm_rows_bulk_g{groups}" for groups in re.findall(r"^GEMM_BULK_ENTRY\((\d+)\)", text, re.M)]
+        declared += [f"kda_gemm_rows_bulk_g{groups}" for groups in re.findall(r"^GEMM_BULK_ENTRY\((\d+)\)", text, re.M)]
         # chunk_tc.cu declares its two plain prepares through CHUNK_TC_PREPARE_ENTRY(name, unbounded).
         declared += re.findall(r"^CHUNK_TC_PREPARE_ENTRY\((\w+), \w+\)", text, re.M)
         assert sorted(declared) == sorted(names) and len(set(declared)) == len(declared), \
@@ -316,7 +316,7 @@ def test_kernel_set_builds_every_file_at_once_on_the_layer_device(monkeypatch, t
 
         def get_function(self, name):
             assert self.compiled, "an entry point was resolved before its file compiled"
-            if name == "gemm_rows_bulk_g2":
+            if name == "kda_gemm_rows_bulk_g2":
                 raise NotFound(name)
             return SimpleNamespace(name=name)
 
@@ -328,7 +328,7 @@ def test_kernel_set_builds_every_file_at_once_on_the_layer_device(monkeypatch, t
     monkeypatch.setattr(cupy, "RawModule", Module)
     monkeypatch.setattr(kernels, "_cached_cubin", lambda stem, arch, directory: tmp_path / f"{stem.replace('/', '-')}.cubin")
     with Device(3):
-        with pytest.raises(RuntimeError, match=r"not found: projection/gemm_rows_bulk.cu:gemm_rows_bulk_g2$"):
+        with pytest.raises(RuntimeError, match=r"not found: projection/gemm_rows_bulk.cu:kda_gemm_rows_bulk_g2$"):
             kernels.KernelSet()
     assert len(built) == len(kernels.ENTRY_POINTS), built
     assert {device for _, device, _ in built} == {3}, f"a file compiled on another device: {built}"

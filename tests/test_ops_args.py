@@ -86,11 +86,11 @@ def _bf16(*shape):
 def test_prefill_conv_grid_is_head_groups_by_token_tiles(launches, tokens):
     heads, dim, kernel = 2, ops.HEAD_DIM, 4
     conv_dim = 3 * heads * dim
-    ops.conv_prefill_silu_l2_bf16(_f32(conv_dim, kernel), _bf16(tokens, conv_dim), _bf16(conv_dim, kernel),
+    ops.kda_conv_prefill_silu_l2_bf16(_f32(conv_dim, kernel), _bf16(tokens, conv_dim), _bf16(conv_dim, kernel),
                                   _bf16(tokens, conv_dim), _f32(tokens, heads, dim), _f32(tokens, heads, dim),
                                   _f32(tokens, heads, dim), heads, dim, 1e-6, tokens=tokens)
     (name, grid, block, args), = launches
-    assert name == "conv_prefill_silu_l2_bf16"
+    assert name == "kda_conv_prefill_silu_l2_bf16"
     # One warp per head of q, k or v: 4 heads per block of 128 threads.
     assert grid == (-(-3 * heads // 4), -(-tokens // 64)) and block == (128,)
     assert int(args[-2]) == tokens
@@ -100,7 +100,7 @@ def test_prefill_conv_names_a_short_output(launches):
     heads, dim = 2, ops.HEAD_DIM
     conv_dim = 3 * heads * dim
     with pytest.raises(ValueError, match="key"):
-        ops.conv_prefill_silu_l2_bf16(_f32(conv_dim, 4), _bf16(10, conv_dim), _bf16(conv_dim, 4), _bf16(10, conv_dim),
+        ops.kda_conv_prefill_silu_l2_bf16(_f32(conv_dim, 4), _bf16(10, conv_dim), _bf16(conv_dim, 4), _bf16(10, conv_dim),
                                       _f32(10, heads, dim), _f32(9, heads, dim), _f32(10, heads, dim), heads, dim, 1e-6,
                                       tokens=10)
     assert not launches
@@ -112,12 +112,12 @@ def test_gate_and_norm_walk_token_groups(launches, tokens):
     is told its slice's token count (the kernels stop there)."""
     heads, dim = 1, ops.HEAD_DIM
     qkv = heads * dim
-    ops.gate_beta_f32(_bf16(tokens, qkv), _f32(qkv), _f32(heads), _bf16(tokens, 2 * dim + heads)[:, 2 * dim:],
+    ops.kda_gate_beta_f32(_bf16(tokens, qkv), _f32(qkv), _f32(heads), _bf16(tokens, 2 * dim + heads)[:, 2 * dim:],
                       _f32(tokens, heads, dim), _f32(tokens, heads), heads, dim, True, -5.0, tokens=tokens)
-    ops.gated_rmsnorm_sigmoid_bf16(_f32(tokens, heads, dim), _bf16(tokens, qkv), _bf16(dim), _bf16(tokens, qkv),
+    ops.kda_gated_rmsnorm_sigmoid_bf16(_f32(tokens, heads, dim), _bf16(tokens, qkv), _bf16(dim), _bf16(tokens, qkv),
                                    heads, dim, 1e-5, tokens=tokens)
     slices = [min(ops.MAX_GRID_Y, tokens - start) for start in range(0, tokens, ops.MAX_GRID_Y)]
-    for kernel, per_block in (("gate_beta_f32", 32), ("gated_rmsnorm_sigmoid_bf16", 8)):
+    for kernel, per_block in (("kda_gate_beta_f32", 32), ("kda_gated_rmsnorm_sigmoid_bf16", 8)):
         made = [launch for launch in launches if launch[0] == kernel]
         assert [launch[1] for launch in made] == [(heads, -(-count // per_block)) for count in slices]
         assert [int(launch[3][-1]) for launch in made] == slices
@@ -157,7 +157,7 @@ def test_constants_match_the_kernel_sources():
 
 def test_gate_refuses_another_head_dim(launches):
     with pytest.raises(ValueError, match="head_dim = 64"):
-        ops.gate_beta_f32(_bf16(4, 128), _f32(128), _f32(2), _bf16(4, 130)[:, 128:], _f32(4, 2, 64), _f32(4, 2), 2, 64,
+        ops.kda_gate_beta_f32(_bf16(4, 128), _f32(128), _f32(2), _bf16(4, 130)[:, 128:], _f32(4, 2, 64), _f32(4, 2), 2, 64,
                           True, -5.0, tokens=4)
     assert not launches
 
@@ -387,7 +387,7 @@ def test_pair_and_awaiting_projections_check_their_operands(monkeypatch):
     words = HostStandIn(np.zeros(2, np.int32))
     gemm_rows.gemm_rows_bf16(x[:, :k], w, out, programmatic=True, ready=words, ready_target=5)
     name, grid, args = made[-1]
-    assert name.startswith("gemm_rows_packed_awaiting_bf16_m1_") and args[-2] is words and int(args[-1]) == 5
+    assert name.startswith("kda_gemm_rows_packed_awaiting_bf16_m1_") and args[-2] is words and int(args[-1]) == 5
     launched = len(made)
     for options, needle in ((dict(programmatic=False, ready_target=5), "programmatic launch"),
                             (dict(programmatic=True, ready_target=0), "ready_target must be >= 1")):
@@ -424,9 +424,9 @@ def test_staged_awaiting_projection_takes_its_entry_where_it_fits(monkeypatch):
     packed = gemm_rows.pack_weight(np.zeros((8, 32), np.uint16))
     w = dataclasses.replace(packed, data=HostStandIn(aligned((n // 8, k // 32, 256))), n=n, k=k)
     words = HostStandIn(np.zeros(2, np.int32))
-    for capability, rows, expected in (("90", 1, "gemm_rows_staged_awaiting_bf16_m1_n1"),
-                                       ("90", 2, "gemm_rows_packed_awaiting_bf16_m1_n2"),
-                                       ("80", 1, "gemm_rows_packed_awaiting_bf16_m1_n2")):
+    for capability, rows, expected in (("90", 1, "kda_gemm_rows_staged_awaiting_bf16_m1_n1"),
+                                       ("90", 2, "kda_gemm_rows_packed_awaiting_bf16_m1_n2"),
+                                       ("80", 1, "kda_gemm_rows_packed_awaiting_bf16_m1_n2")):
         monkeypatch.setattr(gemm_rows.cupy.cuda, "Device",
                             lambda: SimpleNamespace(id=0, compute_capability=capability))
         gemm_rows.gemm_rows_bf16(_bf16(rows, k), w, _bf16(rows, n), programmatic=True, staged=True, ready=words,
@@ -441,7 +441,7 @@ def test_staged_awaiting_projection_takes_its_entry_where_it_fits(monkeypatch):
         assert not gemm_rows.staged_applies(w, 1)
         gemm_rows.gemm_rows_bf16(_bf16(1, k), w, _bf16(1, n), programmatic=True, staged=True, ready=words,
                                  ready_target=7)
-    assert made[-1][0] == "gemm_rows_packed_awaiting_bf16_m1_n2" and gemm_rows.staged_applies(w, 1)
+    assert made[-1][0] == "kda_gemm_rows_packed_awaiting_bf16_m1_n2" and gemm_rows.staged_applies(w, 1)
 
 
 def test_the_portable_path_has_no_bulk_sweep(monkeypatch):
@@ -480,12 +480,12 @@ def test_sums_launch_their_entries_with_the_sums_last(monkeypatch):
     packed = gemm_rows.pack_weight(np.zeros((8, 32), np.uint16))
     w = dataclasses.replace(packed, data=HostStandIn(aligned((n // 8, k // 32, 256))), n=n, k=k)
     sums = HostStandIn(aligned((40, n + 64), np.float32))
-    for rows, options, form in ((3, {}, "gemm_rows_packed_sums_bf16_m1_"),
-                                (40, {}, "gemm_rows_packed_sums_bf16_m"),
+    for rows, options, form in ((3, {}, "kda_gemm_rows_packed_sums_bf16_m1_"),
+                                (40, {}, "kda_gemm_rows_packed_sums_bf16_m"),
                                 (2, dict(programmatic=True, ready=words, ready_target=7),
-                                 "gemm_rows_packed_awaiting_sums_bf16_m1_"),
+                                 "kda_gemm_rows_packed_awaiting_sums_bf16_m1_"),
                                 (1, dict(programmatic=True, ready=words, ready_target=7, staged=True),
-                                 "gemm_rows_staged_awaiting_sums_bf16_m1_n1")):
+                                 "kda_gemm_rows_staged_awaiting_sums_bf16_m1_n1")):
         gemm_rows.gemm_rows_bf16(_bf16(rows, k), w, _bf16(rows, n), sums=sums[:rows, :n], **options)
         name, grid, args = made[-1]
         assert name.startswith(form) and name in entries, f"R{rows} {options}: {name}"

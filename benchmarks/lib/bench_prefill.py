@@ -45,7 +45,7 @@ FP32_MAX_TOKENS = 4096
 # The layer timer's name of a prefill's stateful middle (conv, gate and beta, chunked delta rule),
 # and of its conv kernel.
 RECURRENCE = "[recurrence]"
-CONV_KERNEL = "conv_prefill_silu_l2_bf16"
+CONV_KERNEL = "kda_conv_prefill_silu_l2_bf16"
 
 
 def geometry_config(geometry: str) -> KdaConfig:

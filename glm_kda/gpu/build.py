@@ -27,28 +27,28 @@ from typing import Any, Iterator, Sequence
 # file stem (its path under kernels_src, less ".cu") -> kernel entry points, in the pipeline order.
 ENTRY_POINTS: dict[str, tuple[str, ...]] = {
     "projection/gemm_rows":
-        tuple(f"gemm_rows_{layout}bf16_m{m}_n{n}" for layout in ("", "packed_", "sums_", "packed_sums_")
+        tuple(f"kda_gemm_rows_{layout}bf16_m{m}_n{n}" for layout in ("", "packed_", "sums_", "packed_sums_")
               for m, n in ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2))),
     "projection/gemm_rows_decode":
-        tuple(f"gemm_rows_staged_awaiting_{form}bf16_m1_n{n}" for form in ("", "sums_") for n in (1, 2))
-        + tuple(f"gemm_rows_tail_staged_awaiting_{form}bf16_m1_n{n}" for form in ("", "sums_") for n in (1, 2, 4))
-        + tuple(f"gemm_rows_packed_{form}_bf16_m1_n{n}" for form in ("pair", "awaiting", "awaiting_sums")
+        tuple(f"kda_gemm_rows_staged_awaiting_{form}bf16_m1_n{n}" for form in ("", "sums_") for n in (1, 2))
+        + tuple(f"kda_gemm_rows_tail_staged_awaiting_{form}bf16_m1_n{n}" for form in ("", "sums_") for n in (1, 2, 4))
+        + tuple(f"kda_gemm_rows_packed_{form}_bf16_m1_n{n}" for form in ("pair", "awaiting", "awaiting_sums")
                 for n in (1, 2, 4)),
-    "conv": ("conv_prefill_silu_l2_bf16",),
-    "gate": ("gate_beta_f32",),
+    "conv": ("kda_conv_prefill_silu_l2_bf16",),
+    "gate": ("kda_gate_beta_f32",),
     "decode/decode": ("kda_decode_fused_bf16",),
     "chunk/chunk": ("kda_chunk_prepare_f32", "kda_chunk_scan_f32"),
     "chunk/chunk_tc": ("kda_chunk_tc_prepare_f32", "kda_chunk_tc_prepare_gate_f32",
                        "kda_chunk_tc_prepare_unbounded_f32", "kda_chunk_tc_scan_f32"),
-    "norm": ("gated_rmsnorm_sigmoid_bf16",),
+    "norm": ("kda_gated_rmsnorm_sigmoid_bf16",),
 }
 
 # file stem -> (architecture, entry points): families that use one architecture's own instructions
 # (sm_90a: Hopper's warpgroup MMA). They are compiled for that architecture alone and loaded only on a
 # device of it; the wrappers fall back to the portable kernels elsewhere (KernelSet.has).
 ARCH_ENTRY_POINTS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "projection/gemm_rows_bulk": ("sm_90a", ("gemm_rows_tile_x_bf16",) + tuple(f"gemm_rows_bulk_g{g}" for g in (1, 2, 3))
-                                  + ("gemm_rows_bulk_fold_bf16",)),
+    "projection/gemm_rows_bulk": ("sm_90a", ("kda_gemm_rows_tile_x_bf16",) + tuple(f"kda_gemm_rows_bulk_g{g}" for g in (1, 2, 3))
+                                  + ("kda_gemm_rows_bulk_fold_bf16",)),
 }
 
 # The kernel source files, one per family (the keys of ENTRY_POINTS and ARCH_ENTRY_POINTS plus ".cu").

@@ -303,7 +303,7 @@ class KdaLayer(Stages):
             self._check_state(state, "prefill")
             runs = [(0, hidden.shape[0], state.conv, state.recurrent)]
             pad = float(pad_value)
-        self._check_rows_finite(hidden, "prefill")
+        self._check_finite(hidden, "prefill")
         with self._call() as ws:
             self._prefill_rows(ws, hidden, runs, pad)
             return back(self._checked_output(copy_of(ws.final_out[: hidden.shape[0]]), "prefill"))
@@ -342,7 +342,7 @@ class KdaLayer(Stages):
             raise ValueError(f"decode_k: {len(snapshots)} snapshots for {rows} rows")
         for i, snap in enumerate(snapshots):
             self._check_state(snap, "decode_k", f"snapshots[{i}]")
-        self._check_rows_finite(hidden_rows, "decode_k")
+        self._check_finite(hidden_rows, "decode_k")
         call = self._enter()
         try:
             ws = call[0]
@@ -374,7 +374,7 @@ class KdaLayer(Stages):
                 self._host_slots(slots, rows, pool, "decode")
         else:
             slots = np.ascontiguousarray(self._host_slots(slots, rows, pool, "decode"), np.int32)
-        self._check_rows_finite(hidden, "decode")
+        self._check_finite(hidden, "decode")
         call = self._enter()
         try:
             ws = call[0]
@@ -387,21 +387,16 @@ class KdaLayer(Stages):
         finally:
             self._leave(call)
 
-    def _check_rows_finite(self, rows: Any, what: str) -> None:
-        """With options.check_finite: refuse rows holding NaN or Inf (reads one flag back)."""
+    def _check_finite(self, rows: Any, what: str, name: str = "hidden", after: str = "no state changed") -> None:
+        """With options.check_finite: FloatingPointError naming the rows [n, hidden] BF16 that hold
+        NaN or Inf (reads one count back)."""
         if self._options.check_finite:
             bad = _non_finite_rows(rows)
             if bad:
-                raise FloatingPointError(f"{what}: hidden rows {bad} hold NaN or Inf (options.check_finite); "
-                                         "no state changed")
+                raise FloatingPointError(f"{what}: {name} rows {bad} hold NaN or Inf (options.check_finite); {after}")
 
     def _checked_output(self, out: Any, what: str) -> Any:
-        """With options.check_finite: out, or FloatingPointError if it holds NaN or Inf."""
-        if self._options.check_finite:
-            bad = _non_finite_rows(out)
-            if bad:
-                raise FloatingPointError(f"{what}: output rows {bad} hold NaN or Inf (options.check_finite); "
-                                         "the state has advanced")
+        self._check_finite(out, what, "output", "the state has advanced")
         return out
 
     def _graphed(self) -> bool:

@@ -114,7 +114,7 @@ class Stages:
     def _gate_beta(self, ws: KdaWorkspace, rows: int, first: int = 0) -> None:
         """Forget gate [rows, H, D] and beta [rows, H] (FP32) of workspace rows first.."""
         c = self.config
-        ops.gate_beta_f32(*self._gate_source(ws, first), ws.gate[first:], ws.beta[first:], c.heads, c.head_dim,
+        ops.kda_gate_beta_f32(*self._gate_source(ws, first), ws.gate[first:], ws.beta[first:], c.heads, c.head_dim,
                           c.bounded, c.gate_lower_bound or 0.0, tokens=rows)
 
     def _front_end(self, ws: KdaWorkspace, hidden: Any, wide: bool) -> None:
@@ -224,7 +224,7 @@ class Stages:
         o_proj into final_out (and its FP32 sums into o_proj_sums, where set)."""
         c = self.config
         if norm:
-            ops.gated_rmsnorm_sigmoid_bf16(ws.core, ws.out_gate, self.o_norm, ws.o_norm_out, c.heads, c.head_dim,
+            ops.kda_gated_rmsnorm_sigmoid_bf16(ws.core, ws.out_gate, self.o_norm, ws.o_norm_out, c.heads, c.head_dim,
                                            c.rms_norm_eps, tokens=rows)
         sums = self._o_proj_sums
         self._project(ws, ws.o_norm_out[:rows], "o_proj", ws.final_out[:rows], wide, after_kernel=True,
@@ -240,7 +240,7 @@ class Stages:
         c = self.config
         rows = slice(first, None)
         query, key, value, gate, beta = (buf[rows] for buf in (ws.query, ws.key, ws.value, ws.gate, ws.beta))
-        ops.conv_prefill_silu_l2_bf16(conv_state, ws.qkv_proj[rows], self.conv_weight, ws.conv_out[rows], query,
+        ops.kda_conv_prefill_silu_l2_bf16(conv_state, ws.qkv_proj[rows], self.conv_weight, ws.conv_out[rows], query,
                                       key, value, c.heads, c.head_dim, c.l2_eps, tokens=tokens)
         padded = ops.chunk_count(tokens, c.chunk) * c.chunk
         if pad_value is not None and padded > tokens:

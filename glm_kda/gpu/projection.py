@@ -216,7 +216,7 @@ def launch_plan(n: int, k: int, rows: int, tiles_per_warp: int | None = None, sm
     groups = column_groups(tiles_per_warp)
     if blocks is None:
         blocks = max(1, sm_count * GEMM_ROWS_BLOCKS_PER_SM - reserved_slots) if m_tiles == 1 else groups
-    return LaunchPlan(kernel=f"gemm_rows_bf16_m{m_tiles}_n{tiles_per_warp}",
+    return LaunchPlan(kernel=f"kda_gemm_rows_bf16_m{m_tiles}_n{tiles_per_warp}",
                       grid=(min(blocks, groups), -(-rows // _ROWS_PER_SWEEP)), block=(_WARPS_PER_BLOCK * 32,),
                       m_tiles=m_tiles, tiles_per_warp=tiles_per_warp)
 
@@ -237,7 +237,7 @@ def _group_a_block_plan(kernel: str, n_tiles: int, group_tiles: int, tiles: int,
 
 
 def _staged_plan(n: int, k: int, rows: int) -> LaunchPlan | None:
-    """The launch of gemm_rows_staged_awaiting_bf16 for up to 16 rows of a packed [n, k] weight, or
+    """The launch of kda_gemm_rows_staged_awaiting_bf16 for up to 16 rows of a packed [n, k] weight, or
     None where it does not apply: one column group a block, the group's weights (every k block of
     its tiles) copied into _STAGED_MAX_BYTES or less of shared memory before the block waits, x's
     rows after them (the partial sums later over them), _STAGED_BLOCKS_PER_SM such blocks to an SM.
@@ -254,7 +254,7 @@ def _staged_plan(n: int, k: int, rows: int) -> LaunchPlan | None:
         shared_mem = min(group_tiles, n_tiles) * tile_bytes + _x_region_bytes(rows, k, tiles)
         if _STAGED_BLOCKS_PER_SM * (shared_mem + (1 << 10)) > _SHARED_PER_SM:
             return None
-        return _group_a_block_plan(f"gemm_rows_staged_awaiting_bf16_m1_n{tiles}", n_tiles, group_tiles, tiles,
+        return _group_a_block_plan(f"kda_gemm_rows_staged_awaiting_bf16_m1_n{tiles}", n_tiles, group_tiles, tiles,
                                    shared_mem)
     return None
 
@@ -262,7 +262,7 @@ def _staged_plan(n: int, k: int, rows: int) -> LaunchPlan | None:
 def _tail_staged_plan(n: int, k: int, rows: int, sm_count: int = _DEFAULT_SM_COUNT, tail_blocks: int | None = None,
                       tiles_per_warp: int | None = None, shared_per_sm: int = _SHARED_PER_SM,
                       shared_per_block: int = _SHARED_PER_BLOCK) -> LaunchPlan | None:
-    """The launch of gemm_rows_tail_staged_awaiting_bf16 for up to 16 rows of a packed [n, k] weight,
+    """The launch of kda_gemm_rows_tail_staged_awaiting_bf16 for up to 16 rows of a packed [n, k] weight,
     or None where no tail fits: the tiles and column groups of the one-row sweep (launch_plan), one
     group a block, and each block's tail stage the last ``tail_blocks`` k blocks of every warp's k
     range of each of its tiles, as many as _TAIL_BLOCKS_PER_SM blocks' shared memory (each also
@@ -284,7 +284,7 @@ def _tail_staged_plan(n: int, k: int, rows: int, sm_count: int = _DEFAULT_SM_COU
     tail = min(room // block_bytes, -(-k_blocks // split), tail_blocks or k_blocks)
     if tail < 1:
         return None
-    return _group_a_block_plan(f"gemm_rows_tail_staged_awaiting_bf16_m1_n{tiles}", -(-n // _N_TILE), group_tiles,
+    return _group_a_block_plan(f"kda_gemm_rows_tail_staged_awaiting_bf16_m1_n{tiles}", -(-n // _N_TILE), group_tiles,
                                tiles, tail * block_bytes + x_bytes, tail)
 
 
@@ -437,7 +437,7 @@ def gemm_rows_pair_bf16(x, w, out, x2, w2, out2, rows: int | None = None, *, pro
 def bulk_available() -> bool:
     """Whether the launches being made run the bulk-copy sweep: they may use sm_90 features
     (build.hopper_enabled) and the kernel set in use has the sweep (an sm_90 device)."""
-    return build.hopper_enabled() and build.KernelSet.get().has("gemm_rows_bulk_g1")
+    return build.hopper_enabled() and build.KernelSet.get().has("kda_gemm_rows_bulk_g1")
 
 
 def _bulk_wide_enough(n: int, sm_count: int) -> bool:
@@ -503,7 +503,7 @@ def _bulk_block_chunks(k: int, tasks: int, grid_x: int, split: bool) -> int:
 @dataclass(frozen=True)
 class BulkPlan:
     """Entry point, grid, block, ring slots and shared memory of one bulk-copy sweep; `split`: each
-    task one k range of a super-group, its FP32 partial sums folded by gemm_rows_bulk_fold_bf16."""
+    task one k range of a super-group, its FP32 partial sums folded by kda_gemm_rows_bulk_fold_bf16."""
 
     kernel: str
     grid: tuple[int, int]
@@ -516,7 +516,7 @@ class BulkPlan:
 
 def _bulk_plan(n: int, k: int, rows: int, sm_count: int = _DEFAULT_SM_COUNT, warpgroups: int | None = None,
                blocks: int | None = None, stages: int | None = None, split: bool | None = False) -> BulkPlan:
-    """The launch of gemm_rows_bulk_g<warpgroups> for `rows` rows of a [n, k] weight: grid.y the row
+    """The launch of kda_gemm_rows_bulk_g<warpgroups> for `rows` rows of a [n, k] weight: grid.y the row
     groups of 64, grid.x the tasks (super-groups of `warpgroups` groups of 64 columns, or with `split`
     their k ranges one by one) capped at one wave of the blocks resident at once over all row groups
     (the row groups that run at once walk the same columns in step, so the weight is read once a
@@ -543,7 +543,7 @@ def _bulk_plan(n: int, k: int, rows: int, sm_count: int = _DEFAULT_SM_COUNT, war
         stages = max(1, min(_BULK_MAX_STAGES, budget // (slot + 16), walked))
     if not 1 <= stages or stages * (slot + 16) > _SHARED_PER_BLOCK:
         raise ValueError(f"stages must be 1..{_SHARED_PER_BLOCK // (slot + 16)} at {warpgroups} warpgroups, got {stages}")
-    return BulkPlan(kernel=f"gemm_rows_bulk_g{warpgroups}", grid=(grid_x, row_groups),
+    return BulkPlan(kernel=f"kda_gemm_rows_bulk_g{warpgroups}", grid=(grid_x, row_groups),
                     block=(warpgroups * 128 + 32,), warpgroups=warpgroups, stages=stages,
                     shared_mem=stages * (slot + 16), split=bool(split))
 
@@ -569,10 +569,10 @@ def _gemm_rows_bulk(x, w: PackedWeight, out, rows: int | None = None, *, x_tiles
                     split: bool | None = None, partial: Any = None, programmatic: bool = False,
                     x_tiled: bool = False) -> None:
     """gemm_rows_bf16's bulk-copy sweep (the same operands and bits; w a PackedWeight made with
-    ``tiles=True``). Two or three launches: gemm_rows_tile_x_bf16 lays x out in tiles (into
-    ``x_tiles``; none with ``x_tiled``), then gemm_rows_bulk_g<WG> sweeps as its programmatic
+    ``tiles=True``). Two or three launches: kda_gemm_rows_tile_x_bf16 lays x out in tiles (into
+    ``x_tiles``; none with ``x_tiled``), then kda_gemm_rows_bulk_g<WG> sweeps as its programmatic
     dependent (``warpgroups``, ``blocks``, ``stages`` and ``split`` as _bulk_plan takes them); a split
-    sweep stores each k range's FP32 sums in ``partial`` and gemm_rows_bulk_fold_bf16 adds them into
+    sweep stores each k range's FP32 sums in ``partial`` and kda_gemm_rows_bulk_fold_bf16 adds them into
     out in the sweep's order. With split None the sweep splits only into a ``partial`` given and large
     enough. Rows past `rows` of the last row group may hold anything: they feed only outputs that
     are never stored."""
@@ -600,12 +600,12 @@ def _gemm_rows_bulk(x, w: PackedWeight, out, rows: int | None = None, *, x_tiles
             check_scratch(partial, cupy.float32, "float32", partial_size, "partial", "gemm_rows_bulk")
     if not x_tiled:
         threads = size // _K_BLOCK  # one per (row group, k block, row of 64): 32 elements each
-        build.launch("gemm_rows_tile_x_bf16", (-(-threads // 256),), (256,),
+        build.launch("kda_gemm_rows_tile_x_bf16", (-(-threads // 256),), (256,),
                      (x, _i32(ldx), _i32(rows), _i32(k), x_tiles), programmatic=programmatic)
     build.launch(plan.kernel, plan.grid, plan.block,
                  (x_tiles, w.tiles, out, _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(plan.stages),
                   partial if plan.split else None),
                  plan.shared_mem, programmatic=programmatic or not x_tiled, carveout=100)
     if plan.split:
-        build.launch("gemm_rows_bulk_fold_bf16", (-(-(rows * n) // 256),), (256,),
+        build.launch("kda_gemm_rows_bulk_fold_bf16", (-(-(rows * n) // 256),), (256,),
                      (partial, out, _i32(ldy), _i32(rows), _i32(n), _i32(k)), programmatic=True)

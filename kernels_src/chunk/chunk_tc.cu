@@ -450,7 +450,7 @@ __device__ __forceinline__ void diagonal_blocks_exact(const float* key_s, const 
 // The prepare, in two entry points below. FUSED_GATE false: gate_in [T, H, D] and beta_in
 // [T, H] are inputs. FUSED_GATE true: gate_out and beta_out (the stage buffers) are formed
 // here from forget_proj [T, H*D] BF16 + dt_bias [H*D] and A_log [H] (kda_forget_gate, bounded
-// law: the bits of gate_beta_f32) and from the BF16 beta logits (row stride ld_beta), for
+// law: the bits of kda_gate_beta_f32) and from the BF16 beta logits (row stride ld_beta), for
 // the real rows of the chunk only, saving the gate kernel's pass over memory.
 template <bool FUSED_GATE, bool UNBOUNDED = false>
 __device__ __forceinline__ void chunk_tc_prepare(

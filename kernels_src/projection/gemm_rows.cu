@@ -31,14 +31,14 @@
             x, ldx, w, y, ldy, rows, n, k, prefetch, GemmRowsSecond{nullptr, nullptr, nullptr},    \
             GemmRowsAwait{nullptr, 0}, GemmRowsSums{sums, ld_sums});                               \
     }
-// gemm_rows_bf16_m<M>_n<N> reads w in torch Linear layout, gemm_rows_packed_bf16_m<M>_n<N> in the
-// packed layout of gemm_rows.cuh (the same bits); gemm_rows_sums_bf16_m<M>_n<N> and
-// gemm_rows_packed_sums_bf16_m<M>_n<N> write the FP32 sums too.
+// kda_gemm_rows_bf16_m<M>_n<N> reads w in torch Linear layout, kda_gemm_rows_packed_bf16_m<M>_n<N> in the
+// packed layout of gemm_rows.cuh (the same bits); kda_gemm_rows_sums_bf16_m<M>_n<N> and
+// kda_gemm_rows_packed_sums_bf16_m<M>_n<N> write the FP32 sums too.
 #define GEMM_ROWS_ENTRY(M_TILES, N_TILES)                                                          \
-    GEMM_ROWS_ENTRY_OF(gemm_rows_bf16_m##M_TILES##_n##N_TILES, M_TILES, N_TILES, false)            \
-    GEMM_ROWS_ENTRY_OF(gemm_rows_packed_bf16_m##M_TILES##_n##N_TILES, M_TILES, N_TILES, true)      \
-    GEMM_ROWS_SUMS_ENTRY_OF(gemm_rows_sums_bf16_m##M_TILES##_n##N_TILES, M_TILES, N_TILES, false)  \
-    GEMM_ROWS_SUMS_ENTRY_OF(gemm_rows_packed_sums_bf16_m##M_TILES##_n##N_TILES, M_TILES, N_TILES, true)
+    GEMM_ROWS_ENTRY_OF(kda_gemm_rows_bf16_m##M_TILES##_n##N_TILES, M_TILES, N_TILES, false)            \
+    GEMM_ROWS_ENTRY_OF(kda_gemm_rows_packed_bf16_m##M_TILES##_n##N_TILES, M_TILES, N_TILES, true)      \
+    GEMM_ROWS_SUMS_ENTRY_OF(kda_gemm_rows_sums_bf16_m##M_TILES##_n##N_TILES, M_TILES, N_TILES, false)  \
+    GEMM_ROWS_SUMS_ENTRY_OF(kda_gemm_rows_packed_sums_bf16_m##M_TILES##_n##N_TILES, M_TILES, N_TILES, true)
 
 GEMM_ROWS_ENTRY(1, 1)
 GEMM_ROWS_ENTRY(1, 2)

@@ -745,7 +745,7 @@ __device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const 
     __syncthreads();
 }
 
-// A second projection swept by the same launch (gemm_rows_packed_pair entries): its own x, weight
+// A second projection swept by the same launch (kda_gemm_rows_packed_pair entries): its own x, weight
 // and output, the same shapes, strides and row count as the first. Null w: none.
 struct GemmRowsSecond {
     const bf16_t* x;
@@ -753,7 +753,7 @@ struct GemmRowsSecond {
     bf16_t* y;
 };
 
-// What a sweep's blocks wait on before they read x (gemm_rows_packed_awaiting entries): null
+// What a sweep's blocks wait on before they read x (kda_gemm_rows_packed_awaiting entries): null
 // words, the previous kernel of the stream; else, that kernel still running on other SMs, until
 // words[0] reaches `target` (its blocks' count of outputs written, kda_await_words).
 struct GemmRowsAwait {

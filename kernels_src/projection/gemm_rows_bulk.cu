@@ -8,7 +8,7 @@
 // 64 columns. One warp of the block does nothing but issue the copies; the warpgroups only wait,
 // multiply and store.
 //
-// Tiles (glm_kda.gpu.projection: pack_tiles for the weight, gemm_rows_tile_x_bf16 below or the fused
+// Tiles (glm_kda.gpu.projection: pack_tiles for the weight, kda_gemm_rows_tile_x_bf16 below or the fused
 // decode step for x; tile_layout.cuh): for a group of 64 weight columns (or 64 rows of x) and a block
 // kb of 32 k, 2048 elements
 //   tile[s][h][c][8 t + e] = w[64 group + c, 32 kb + 8 t + 4 s + 2 h + e]   (t < 4, e < 2; zeros past n, k)
@@ -22,7 +22,7 @@
 // ascending order, two k16 steps a block, with the products of each step in the slots above; the
 // GPU tests compare every row count with the mma.sync sweeps bit for bit.
 //
-// Launch (gemm_rows_bulk_g<WG>): block WG * 128 + 32 threads, WG consumer warpgroups and one copy
+// Launch (kda_gemm_rows_bulk_g<WG>): block WG * 128 + 32 threads, WG consumer warpgroups and one copy
 // warp (the last); grid.y = the row groups of 64, grid.x any number of blocks. A block's work is the
 // tasks of GemmBulkWalk below (super-groups of WG groups of 64 columns, whole or one k range at a
 // time), each range's k in chunks of up to GEMM_BULK_CHUNK blocks of 32. Chunk i of the block's walk
@@ -48,7 +48,7 @@
 // and k. One thread per (row group, kb, row of 64): it reads the row's 64 bytes of the block and
 // writes its four 16-byte pieces (s, h). Launch: 256 threads, grid ceil(row_groups * k_blocks * 64
 // / 256); any rows >= 1.
-extern "C" __global__ void __launch_bounds__(256) gemm_rows_tile_x_bf16(const bf16_t* x, int ldx,
+extern "C" __global__ void __launch_bounds__(256) kda_gemm_rows_tile_x_bf16(const bf16_t* x, int ldx,
                                                                       int rows, int k, bf16_t* __restrict__ tiles)
 {
     kda_let_next_kernel_launch();
@@ -102,7 +102,7 @@ __device__ __forceinline__ unsigned long long gemm_bulk_step_descriptor(unsigned
 // The walk of a block, the same for its copy warp and its warpgroups: tasks blockIdx.x,
 // blockIdx.x + gridDim.x, ... of `tasks`; task t is super-group t / parts and, with one part, every
 // k range of it (folded in the registers), or with parts = the ranges that hold k blocks, range
-// t % parts alone (its partial sums stored for gemm_rows_bulk_fold_bf16). A range's blocks of 32 k
+// t % parts alone (its partial sums stored for kda_gemm_rows_bulk_fold_bf16). A range's blocks of 32 k
 // go in chunks of up to GEMM_BULK_CHUNK from the range's first block.
 struct GemmBulkWalk {
     int k_blocks, k_range, ranges, parts, tasks;
@@ -190,10 +190,10 @@ __device__ __forceinline__ void gemm_bulk_store(const float (&values)[32], T* ou
 
 // Launch: block WG * 128 + 32 threads; grid.y = row groups of 64 (x_tiles has as many), grid.x any
 // number of blocks; dynamic shared memory stages * (1 + WG) * CHUNK * 4096 bytes of ring, then 2 *
-// stages mbarriers (16 * stages bytes). x_tiles from gemm_rows_tile_x_bf16 of the same rows and k,
+// stages mbarriers (16 * stages bytes). x_tiles from kda_gemm_rows_tile_x_bf16 of the same rows and k,
 // w_tiles from pack_tiles. `partial` null: y = the folded sums in BF16; else each range's sums, FP32,
-// at partial[range][row][column] (row < rows, column < n; gemm_rows_bulk_fold_bf16 folds them),
-// and y is not touched. One entry per WG: gemm_rows_bulk_g<WG>.
+// at partial[range][row][column] (row < rows, column < n; kda_gemm_rows_bulk_fold_bf16 folds them),
+// and y is not touched. One entry per WG: kda_gemm_rows_bulk_g<WG>.
 template <int WG>
 __device__ __forceinline__ void gemm_bulk_entry(const bf16_t* __restrict__ x_tiles, const bf16_t* __restrict__ w_tiles,
                                                 bf16_t* __restrict__ y, int ldy, int rows, int n, int k, int stages,
@@ -234,7 +234,7 @@ __device__ __forceinline__ void gemm_bulk_entry(const bf16_t* __restrict__ x_til
         if (lane == 0) {
             gemm_bulk_produce<WG>(walk, true, stages, ring, slot_bytes, full_barriers, empty_barriers, x_tiles, w_tiles,
                                   row_group, groups);
-            // x is the previous kernel's output (gemm_rows_tile_x_bf16): nothing of it before this.
+            // x is the previous kernel's output (kda_gemm_rows_tile_x_bf16): nothing of it before this.
             kda_grid_dependency_wait();
             gemm_bulk_produce<WG>(walk, false, stages, ring, slot_bytes, full_barriers, empty_barriers, x_tiles,
                                   w_tiles, row_group, groups);
@@ -328,10 +328,10 @@ __device__ __forceinline__ void gemm_bulk_entry(const bf16_t* __restrict__ x_til
 }
 
 // y[row, column] = bf16 of the k ranges' partial sums (partial[range][row][column], FP32, from a
-// split gemm_rows_bulk_g<WG>) folded as the unsplit sweep folds them: range 0, then each next one
+// split kda_gemm_rows_bulk_g<WG>) folded as the unsplit sweep folds them: range 0, then each next one
 // added in ascending order, then a zero for each range past the matrix. One thread per output;
 // launch 256 threads, grid ceil(rows * n / 256).
-extern "C" __global__ void __launch_bounds__(256) gemm_rows_bulk_fold_bf16(const float* partial,
+extern "C" __global__ void __launch_bounds__(256) kda_gemm_rows_bulk_fold_bf16(const float* partial,
                                                                          bf16_t* __restrict__ y, int ldy, int rows,
                                                                          int n, int k)
 {
@@ -358,7 +358,7 @@ extern "C" __global__ void __launch_bounds__(256) gemm_rows_bulk_fold_bf16(const
 
 #define GEMM_BULK_ENTRY(WG)                                                                               \
     extern "C" __global__ void __launch_bounds__(WG * GEMM_BULK_WARPGROUP + 32, 1)                         \
-        gemm_rows_bulk_g##WG(const bf16_t* __restrict__ x_tiles, const bf16_t* __restrict__ w_tiles,       \
+        kda_gemm_rows_bulk_g##WG(const bf16_t* __restrict__ x_tiles, const bf16_t* __restrict__ w_tiles,       \
                              bf16_t* __restrict__ y, int ldy, int rows, int n, int k, int stages,          \
                              float* __restrict__ partial)                                                 \
     {                                                                                                     \

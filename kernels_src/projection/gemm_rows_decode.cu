@@ -4,28 +4,28 @@
 // bit contract as gemm_rows.cu; the device code is in gemm_rows.cuh.
 #include "projection/gemm_rows.cuh"
 
-// Up to 16 rows of a packed weight, with the launch of gemm_rows_packed_bf16_m1_n<N> (the same
+// Up to 16 rows of a packed weight, with the launch of kda_gemm_rows_packed_bf16_m1_n<N> (the same
 // bits), in more forms for one-sequence decode:
-//   gemm_rows_packed_pair_bf16_m1_n<N>: a second projection of the same shapes in the same launch,
+//   kda_gemm_rows_packed_pair_bf16_m1_n<N>: a second projection of the same shapes in the same launch,
 //     y2 = x2 @ w2.T after y = x @ w.T (its column groups after the first's; two small
 //     projections of one input's kernel, one launch and one wait instead of two of each).
-//   gemm_rows_packed_awaiting_bf16_m1_n<N>: launched as a programmatic dependent of a kernel that
+//   kda_gemm_rows_packed_awaiting_bf16_m1_n<N>: launched as a programmatic dependent of a kernel that
 //     counts its blocks' outputs out in ready[0] (the fused decode step's outputs_ready), the
 //     blocks read x (through L2) once ready[0] reaches ready_target, not once that kernel ends;
 //     the last block past the wait sets ready[0..1] back to zero, and each block ends only after
 //     that kernel has.
-//   gemm_rows_packed_awaiting_sums_bf16_m1_n<N>: the awaiting entry writing the FP32 sums too (sums,
+//   kda_gemm_rows_packed_awaiting_sums_bf16_m1_n<N>: the awaiting entry writing the FP32 sums too (sums,
 //     ld_sums after its words), as the gemm_rows_sums entries do.
 #define GEMM_ROWS_DECODE_ENTRIES(N_TILES)                                                          \
     extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_MIN_BLOCKS)          \
-        gemm_rows_packed_pair_bf16_m1_n##N_TILES(GEMM_ROWS_PARAMETERS(prefetch),                     \
+        kda_gemm_rows_packed_pair_bf16_m1_n##N_TILES(GEMM_ROWS_PARAMETERS(prefetch),                     \
                                                  const bf16_t* __restrict__ x2,                       \
                                                  const bf16_t* __restrict__ w2, bf16_t* __restrict__ y2) \
     {                                                                                              \
         gemm_rows_entry<1, N_TILES, true>(x, ldx, w, y, ldy, rows, n, k, prefetch, GemmRowsSecond{x2, w2, y2}); \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_MIN_BLOCKS)          \
-        gemm_rows_packed_awaiting_bf16_m1_n##N_TILES(GEMM_ROWS_PARAMETERS(prefetch),                 \
+        kda_gemm_rows_packed_awaiting_bf16_m1_n##N_TILES(GEMM_ROWS_PARAMETERS(prefetch),                 \
                                                      GEMM_ROWS_AWAIT_PARAMETERS)                      \
     {                                                                                              \
         gemm_rows_entry<1, N_TILES, true, GEMM_X_PRODUCED>(x, ldx, w, y, ldy, rows, n, k, prefetch,   \
@@ -33,7 +33,7 @@
                                                            GemmRowsAwait{ready, ready_target});       \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_MIN_BLOCKS)          \
-        gemm_rows_packed_awaiting_sums_bf16_m1_n##N_TILES(GEMM_ROWS_PARAMETERS(prefetch),            \
+        kda_gemm_rows_packed_awaiting_sums_bf16_m1_n##N_TILES(GEMM_ROWS_PARAMETERS(prefetch),            \
                                                           GEMM_ROWS_AWAIT_PARAMETERS,                 \
                                                           GEMM_ROWS_SUMS_PARAMETERS)                  \
     {                                                                                              \
@@ -52,14 +52,14 @@ GEMM_ROWS_DECODE_ENTRIES(4)
 // shared memory while that kernel still runs (the fused step of one sequence leaves the memory
 // idle); `prefetch` is accepted and unused (the copy is the prefetch).
 //
-// gemm_rows_staged_awaiting_bf16_m1_n<N>: the group's tiles, all their k blocks (tiles * k_blocks *
+// kda_gemm_rows_staged_awaiting_bf16_m1_n<N>: the group's tiles, all their k blocks (tiles * k_blocks *
 // 512 bytes), copied before the wait. Past the wait the block copies x's rows (through L2, one round
 // of loads) into its shared memory after the weights, then sweeps both from there (GEMM_X_STAGED: no
 // step of the sweep waits on L2, and none needs a predicate). Dynamic shared memory: the stage, then
 // max(16 + rows * k_pad * 2 bytes, the partial sums) (k_pad: k rounded up to 32): a zero chunk and
 // x's rows, the partial sums written over them once every warp has read them. The same bits.
 //
-// gemm_rows_tail_staged_awaiting_bf16_m1_n<N>: for a weight whose column group does not fit a stage:
+// kda_gemm_rows_tail_staged_awaiting_bf16_m1_n<N>: for a weight whose column group does not fit a stage:
 // before the wait each warp starts the copies of its part of the group's tail, the last `tail_blocks`
 // k blocks of its k range of each of its tiles (gemm_rows_stage_tail), and loads the first step of its
 // range into registers; past the wait, x's rows as above, then each warp's chain reads the rest of its
@@ -68,7 +68,7 @@ GEMM_ROWS_DECODE_ENTRIES(4)
 // the wait holds back nothing but that tail. Dynamic shared memory: 8 warps * N tiles * tail_blocks *
 // 512 bytes, then x's region as above. The same bits.
 //
-// gemm_rows_staged_awaiting_sums_bf16_m1_n<N> and gemm_rows_tail_staged_awaiting_sums_bf16_m1_n<N>:
+// kda_gemm_rows_staged_awaiting_sums_bf16_m1_n<N> and kda_gemm_rows_tail_staged_awaiting_sums_bf16_m1_n<N>:
 // those two writing the FP32 sums too (sums, ld_sums after the words), as gemm_rows_sums does.
 template <int N_TILES, bool TAIL, bool SUMS = false>
 __device__ __forceinline__ void gemm_rows_staged_entry(const bf16_t* __restrict__ x, int ldx,
@@ -146,14 +146,14 @@ __device__ __forceinline__ void gemm_rows_staged_entry(const bf16_t* __restrict_
 #define GEMM_ROWS_STAGED_MIN_BLOCKS 3
 #define GEMM_ROWS_STAGED_ENTRY(N_TILES)                                                             \
     extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_STAGED_MIN_BLOCKS)       \
-        gemm_rows_staged_awaiting_bf16_m1_n##N_TILES(GEMM_ROWS_PARAMETERS(/* prefetch */),           \
+        kda_gemm_rows_staged_awaiting_bf16_m1_n##N_TILES(GEMM_ROWS_PARAMETERS(/* prefetch */),           \
                                                      GEMM_ROWS_AWAIT_PARAMETERS)                     \
     {                                                                                               \
         gemm_rows_staged_entry<N_TILES, false>(x, ldx, w, y, ldy, rows, n, k,                       \
                                                GemmRowsAwait{ready, ready_target});                 \
     }                                                                                               \
     extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_STAGED_MIN_BLOCKS)       \
-        gemm_rows_staged_awaiting_sums_bf16_m1_n##N_TILES(GEMM_ROWS_PARAMETERS(/* prefetch */),      \
+        kda_gemm_rows_staged_awaiting_sums_bf16_m1_n##N_TILES(GEMM_ROWS_PARAMETERS(/* prefetch */),      \
                                                           GEMM_ROWS_AWAIT_PARAMETERS,                \
                                                           GEMM_ROWS_SUMS_PARAMETERS)                 \
     {                                                                                               \
@@ -168,14 +168,14 @@ GEMM_ROWS_STAGED_ENTRY(2)
 #define GEMM_ROWS_TAIL_MIN_BLOCKS 2
 #define GEMM_ROWS_TAIL_STAGED_ENTRY(N_TILES)                                                        \
     extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_TAIL_MIN_BLOCKS)         \
-        gemm_rows_tail_staged_awaiting_bf16_m1_n##N_TILES(GEMM_ROWS_PARAMETERS(tail_blocks),          \
+        kda_gemm_rows_tail_staged_awaiting_bf16_m1_n##N_TILES(GEMM_ROWS_PARAMETERS(tail_blocks),          \
                                                           GEMM_ROWS_AWAIT_PARAMETERS)                \
     {                                                                                               \
         gemm_rows_staged_entry<N_TILES, true>(x, ldx, w, y, ldy, rows, n, k,                         \
                                               GemmRowsAwait{ready, ready_target}, tail_blocks);      \
     }                                                                                               \
     extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_TAIL_MIN_BLOCKS)         \
-        gemm_rows_tail_staged_awaiting_sums_bf16_m1_n##N_TILES(GEMM_ROWS_PARAMETERS(tail_blocks),     \
+        kda_gemm_rows_tail_staged_awaiting_sums_bf16_m1_n##N_TILES(GEMM_ROWS_PARAMETERS(tail_blocks),     \
                                                                GEMM_ROWS_AWAIT_PARAMETERS,           \
                                                                GEMM_ROWS_SUMS_PARAMETERS)            \
     {                                                                                               \

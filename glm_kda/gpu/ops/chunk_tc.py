@@ -52,7 +52,7 @@ def _heads_of(beta) -> int:
 
 
 class GateSource(NamedTuple):
-    """What the forget gate and beta are formed from (as ops.gate_beta_f32 takes them):
+    """What the forget gate and beta are formed from (as ops.kda_gate_beta_f32 takes them):
     forget_proj [>= T, H*D] BF16, dt_bias [H*D] FP32, a_log [H] FP32, beta_logits [>= T, >= H]
     BF16 (a column slice of a wider buffer is fine)."""
 
@@ -76,7 +76,7 @@ def kda_chunk_tc_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, 
     query, key, value, gate [>= T, H, D] and beta [>= T, H] FP32, 16-byte aligned; rows >= T
     are never read. With `gate_source`, gate and beta are OUTPUTS instead: the
     kda_chunk_tc_prepare_gate_f32 entry point forms them from the projections (the bounded
-    law at lower_bound, bit for bit what ops.gate_beta_f32 writes) and writes their T rows.
+    law at lower_bound, bit for bit what ops.kda_gate_beta_f32 writes) and writes their T rows.
 
     Writes the scratch of :func:`scratch_shapes`: q_decay = f16(tf32(scale q exp(G))),
     k_tail = f16(tf32(k exp(G_last - G))) chunk-transposed, w = f16(tf32(W)), u = Uc (FP32),

@@ -11,7 +11,7 @@ _TILE = 64
 _HEADS_PER_BLOCK = 4
 
 
-def conv_prefill_silu_l2_bf16(
+def kda_conv_prefill_silu_l2_bf16(
     conv_state, qkv_proj, conv_w, conv_out, query, key, value, heads: int, head_dim: int, l2_eps: float,
     tokens: int | None = None,
 ) -> None:
@@ -36,7 +36,7 @@ def conv_prefill_silu_l2_bf16(
     if tokens == 0:
         return
     build.launch(
-        "conv_prefill_silu_l2_bf16",
+        "kda_conv_prefill_silu_l2_bf16",
         (-(-3 * heads // _HEADS_PER_BLOCK), -(-tokens // _TILE)),
         (HEAD_BLOCK,),
         (conv_state, qkv_proj, conv_w, conv_out, query, key, value, _i32(heads), _i32(head_dim),

@@ -27,8 +27,8 @@ def kda_decode_fused_bf16(
     """The stateful half of decode in one launch: for each sequence, `tokens` consecutive
     tokens of conv + SiLU + L2, forget gate and beta, one delta-rule step, gated RMSNorm.
 
-    Each stage is the device function the prefill kernels use (conv_prefill_silu_l2_bf16,
-    gate_beta_f32, gated_rmsnorm_sigmoid_bf16), so a stage's bits are theirs, and every stage's
+    Each stage is the device function the prefill kernels use (kda_conv_prefill_silu_l2_bf16,
+    kda_gate_beta_f32, kda_gated_rmsnorm_sigmoid_bf16), so a stage's bits are theirs, and every stage's
     output is written. rows = sequences * tokens: rows s * tokens .. s * tokens + tokens - 1 are
     sequence s's tokens in order (tokens > 1 is a speculative verify's walk: the states stay in
     registers from the first token to the last).

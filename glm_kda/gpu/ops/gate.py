@@ -28,7 +28,7 @@ def gate_law_args(bounded: bool, lower_bound: float) -> tuple[numpy.int32, numpy
 
 
 def check_gate_sources(forget_proj, dt_bias, a_log, beta_logits, heads: int, head_dim: int, tokens: int) -> int:
-    """Checks the forget gate's and beta's sources (see :func:`gate_beta_f32`) for `tokens`
+    """Checks the forget gate's and beta's sources (see :func:`kda_gate_beta_f32`) for `tokens`
     rows (forget_proj 16-byte aligned: both readers load it in vectors); returns the beta
     logits' row stride in elements."""
     qkv = heads * head_dim
@@ -45,7 +45,7 @@ def check_gate_sources(forget_proj, dt_bias, a_log, beta_logits, heads: int, hea
     return _row_stride("beta_logits", beta_logits, "bf16", tokens, beta_logits.shape[1])
 
 
-def gate_beta_f32(forget_proj, dt_bias, a_log, beta_logits, gate, beta, heads: int, head_dim: int, bounded: bool,
+def kda_gate_beta_f32(forget_proj, dt_bias, a_log, beta_logits, gate, beta, heads: int, head_dim: int, bounded: bool,
                   lower_bound: float, tokens: int | None = None) -> None:
     """Forget-gate log-decay and beta.
 
@@ -66,7 +66,7 @@ def gate_beta_f32(forget_proj, dt_bias, a_log, beta_logits, gate, beta, heads: i
     law = gate_law_args(bounded, lower_bound)
     for start, end in _token_slices(tokens):
         build.launch(
-            "gate_beta_f32",
+            "kda_gate_beta_f32",
             (heads, -(-(end - start) // _TOKENS_PER_BLOCK)),
             (_THREADS,),
             (forget_proj[start:end], dt_bias, a_log, beta_logits[start:end], _i32(ld_beta), gate[start:end],

@@ -9,7 +9,7 @@ from .checks import HEAD_BLOCK, _f32, _i32, _require, _require_head_dim, _requir
 _TOKENS_PER_BLOCK = 8
 
 
-def gated_rmsnorm_sigmoid_bf16(
+def kda_gated_rmsnorm_sigmoid_bf16(
     core, out_gate, norm_w, o_norm_out, heads: int, head_dim: int, eps: float, tokens: int | None = None
 ) -> None:
     """o_norm_out = bf16(core / sqrt(mean(core^2) + eps) * norm_w * sigmoid(out_gate)) per head.
@@ -26,7 +26,7 @@ def gated_rmsnorm_sigmoid_bf16(
     _require("norm_w", norm_w, "bf16", (head_dim,))
     for start, end in _token_slices(tokens):
         build.launch(
-            "gated_rmsnorm_sigmoid_bf16",
+            "kda_gated_rmsnorm_sigmoid_bf16",
             (heads, -(-(end - start) // _TOKENS_PER_BLOCK)),
             (HEAD_BLOCK,),
             (core[start:end], out_gate[start:end], norm_w, o_norm_out[start:end], _i32(heads), _i32(head_dim), _f32(eps),
