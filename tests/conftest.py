@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from pathlib import Path
 
 import pytest
 from figure_log import FigureLog
 from huggingface_hub.errors import EntryNotFoundError
 
+from glm_kda.device import gpu_status
 from glm_kda.synthetic import write_synthetic_checkpoint
+
+GPU_PRESENT = gpu_status()[0]
 
 
 def pytest_addoption(parser):
@@ -42,6 +46,18 @@ def portable_path(request, monkeypatch):
         return
     with build.launching(build.LaunchContext(hopper=False)):
         yield True
+
+
+@pytest.fixture(autouse=True)
+def release_gpu_memory():
+    """After each test, CuPy's pool hands its unused blocks back to the driver: a test's
+    buffers (a long prefill's workspace, the float64 oracle's stages) do not stay held for the
+    rest of the run, so that several test processes (the sanitizers side by side) fit one GPU."""
+    yield
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and GPU_PRESENT:
+        cupy.get_default_memory_pool().free_all_blocks()
+        cupy.get_default_pinned_memory_pool().free_all_blocks()
 
 
 def pytest_report_header(config):
