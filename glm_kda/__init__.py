@@ -3,7 +3,7 @@
 CPU side (always importable): KdaConfig (config.json), bind_layer (one layer's tensors from a
 checkpoint), KdaOracle (the float64 / BF16-faithful NumPy oracle), KdaState and StatePool.
 KdaOptions (how a layer runs). GPU side (imported on first use, needs a CUDA device):
-KdaLayer, KdaWorkspace.
+KdaLayer, KdaStack (every KDA layer of a checkpoint), KdaWorkspace.
 """
 
 from .checkpoint import BoundLayer, CheckpointError, bind_layer
@@ -14,7 +14,7 @@ from .state import KdaState, StatePool
 
 __version__ = "0.1.0"
 
-_GPU_NAMES = {"KdaLayer": "layer", "KdaWorkspace": "workspace"}
+_GPU_NAMES = {"KdaLayer": "layer", "KdaStack": "stack", "KdaWorkspace": "workspace"}
 
 
 def __getattr__(name: str):
@@ -30,5 +30,5 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
 
-__all__ = ["BoundLayer", "CheckpointError", "ConfigError", "KdaConfig", "KdaLayer", "KdaOptions", "KdaOracle", "KdaState",
+__all__ = ["BoundLayer", "CheckpointError", "ConfigError", "KdaConfig", "KdaLayer", "KdaOptions", "KdaOracle", "KdaStack", "KdaState",
            "KdaWorkspace", "STAGE_ORDER", "StatePool", "bind_layer", "compare_stages", "rms_ratio"]

@@ -1,0 +1,188 @@
+"""KdaStack: the KDA layers of a checkpoint on one GPU, sharing one workspace.
+
+    stack = KdaStack.from_pretrained(path_or_repo)                    # layers="all": every KDA layer
+    states = stack.new_states()                                        # one KdaState per layer
+    out = stack.prefill(hidden[T, hidden], states)                     # BF16 [T, hidden]
+    out = stack.decode(hidden[1, hidden], states)                      # one token through every layer
+    out = stack.decode_k(hidden[K, hidden], states)                    # K tokens of one sequence
+    out = stack.decode(hidden[B, hidden], stack.new_pools(n), slots)   # B sequences, one pool per layer
+    out = stack.decode(row, states, between=lambda i, out: ...)       # the caller's code between layers
+
+Each layer's output is the next layer's input, or what ``between(i, out)`` returns for it (i the
+position in the stack, out a CuPy BF16 [rows, hidden] array; return the same shape and dtype): a
+residual, a norm, the rest of a model's layer (not called after the last layer; an array it returns
+that the next layer refuses fails that layer's call, the earlier layers advanced). Every call is its
+layers' calls one after the other,
+so the bits are those of calling ``stack.layers[i]`` by hand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+from tqdm.auto import tqdm
+
+from ..checkpoint import bind_layer
+from ..config import KdaConfig
+from ..device import require_gpu
+from ..options import KdaOptions
+from ..state import KdaState, StatePool
+from .layer import MAX_DECODE_ROWS, KdaLayer
+from .pipeline import DECODE_MAX_ROWS
+from .workspace import KdaWorkspace
+
+Between = Callable[[int, Any], Any]
+
+
+def chosen_layers(config: KdaConfig, layers: str | Sequence[int]) -> tuple[int, ...]:
+    """The checkpoint layer indices `layers` names: "all" (every KDA layer, in order) or a list of
+    KDA layer indices, each once."""
+    if isinstance(layers, str):
+        if layers != "all":
+            raise ValueError(f"layers must be 'all' or a list of KDA layer indices, got {layers!r}")
+        return tuple(config.kda_layers)
+    chosen = tuple(layers)
+    if not chosen or not all(isinstance(i, int) and not isinstance(i, bool) for i in chosen):
+        raise TypeError(f"layers must be 'all' or a non-empty list of int layer indices, got {layers!r}")
+    if len(set(chosen)) != len(chosen):
+        raise ValueError(f"layers {list(chosen)} names a layer twice")
+    other = [i for i in chosen if i not in config.kda_layers]
+    if other:
+        raise ValueError(f"layers {other} are not KDA layers of this checkpoint; its KDA layers: "
+                         f"{', '.join(map(str, config.kda_layers))}")
+    return chosen
+
+
+class KdaStack:
+    """KDA layers of one geometry run one after the other, sharing one workspace (see the module
+    docstring). layers: the KdaLayer objects, in order; build with :meth:`from_pretrained`."""
+
+    def __init__(self, layers: Sequence[KdaLayer]):
+        self.layers = list(layers)
+        if not self.layers or not all(isinstance(layer, KdaLayer) for layer in self.layers):
+            raise TypeError("KdaStack: layers must be a non-empty list of KdaLayer")
+        first = self.layers[0]
+        for i, layer in enumerate(self.layers[1:], 1):
+            if layer.config.describe() != first.config.describe() or layer.device_id != first.device_id:
+                raise ValueError(f"KdaStack: layer {i} ({layer.config.describe()}, device {layer.device_id}) is not "
+                                 f"of layer 0's geometry and device ({first.config.describe()}, device {first.device_id})")
+        self.config = first.config
+        self.layer_indices = tuple(layer.layer_idx for layer in self.layers)
+
+    @classmethod
+    def from_pretrained(cls, path_or_repo: str | Path, layers: str | Sequence[int] = "all", max_tokens: int = 4096,
+                        chunk: int = 64, options: KdaOptions | None = None, progress: bool = True,
+                        **hub_kwargs: Any) -> "KdaStack":
+        """Bind the KDA layers `layers` ("all", or a list of KDA layer indices) of a checkpoint
+        directory or hub repo, with one workspace for max_tokens rows. chunk and options as
+        KdaLayer.from_pretrained; hub_kwargs pass to glm_kda.bind_layer."""
+        require_gpu("KdaStack.from_pretrained")
+        config = KdaConfig.from_pretrained(path_or_repo, chunk=chunk, **hub_kwargs)
+        indices = chosen_layers(config, layers)
+        workspace = KdaWorkspace(config, max_tokens)
+        built = []
+        for idx in tqdm(indices, desc="KDA layers", unit="layer", disable=not progress):
+            bound = bind_layer(path_or_repo, idx, progress=False, **hub_kwargs)
+            if bound.config.chunk != chunk:
+                bound = dataclasses.replace(bound, config=bound.config.with_chunk(chunk))
+            built.append(KdaLayer(bound, workspace=workspace, options=options))
+        return cls(built)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __iter__(self) -> Iterator[KdaLayer]:
+        return iter(self.layers)
+
+    @property
+    def options(self) -> KdaOptions:
+        """The layers' KdaOptions; setting it sets every layer's."""
+        return self.layers[0].options
+
+    @options.setter
+    def options(self, options: KdaOptions) -> None:
+        for layer in self.layers:
+            layer.options = options
+
+    def new_states(self) -> list[KdaState]:
+        """One zero KdaState per layer, on the stack's device."""
+        return [layer.new_state() for layer in self.layers]
+
+    def new_pools(self, slots: int) -> list[StatePool]:
+        """One StatePool of `slots` zero states per layer, on the stack's device."""
+        import cupy
+
+        with cupy.cuda.Device(self.layers[0].device_id):
+            return [StatePool(self.config, slots) for _ in self.layers]
+
+    # Calls ---------------------------------------------------------------------------------------
+    def prefill(self, hidden: Any, states: Sequence[KdaState] | Sequence[StatePool], pad_value: float = 0.0, *,
+                slots: Any = None, cu_seqlens: Sequence[int] | None = None, between: Between | None = None) -> Any:
+        """KdaLayer.prefill through every layer: hidden [T, hidden] BF16 with one KdaState per layer,
+        or packed sequences with one StatePool per layer (slots, cu_seqlens as KdaLayer.prefill).
+        Returns [T, hidden] BF16."""
+        self._check_states(states, "prefill")
+        return self._run(hidden, "prefill", self.layers[0].max_tokens, between,
+                         lambda layer, x, state: layer.prefill(x, state, pad_value, slots=slots, cu_seqlens=cu_seqlens),
+                         states)
+
+    def decode(self, hidden: Any, states: Sequence[KdaState] | Sequence[StatePool], slots: Any = None, *,
+               check_slots: bool = True, between: Between | None = None) -> Any:
+        """KdaLayer.decode through every layer: one row with one KdaState per layer, or B rows with
+        one StatePool per layer and their slots [B] (checked once, before the first layer).
+        Returns [rows, hidden] BF16."""
+        pooled = self._check_states(states, "decode")
+        if pooled and slots is not None and check_slots:
+            self.layers[0]._host_slots(slots, len(slots), states[0], "decode")
+        max_rows = min(MAX_DECODE_ROWS, len(states[0]), self.layers[0].max_tokens) if pooled else 1
+        return self._run(hidden, "decode", max_rows, between,
+                         lambda layer, x, state: layer.decode(x, state, slots, check_slots=False) if pooled
+                         else layer.decode(x, state), states)
+
+    def decode_k(self, hidden_rows: Any, states: Sequence[KdaState],
+                 snapshots: Sequence[Sequence[KdaState]] | None = None, *, between: Between | None = None) -> Any:
+        """KdaLayer.decode_k through every layer: K rows (1..16) of one sequence, one KdaState per
+        layer; snapshots, if given, one list per layer (as KdaLayer.decode_k). Returns [K, hidden]."""
+        if self._check_states(states, "decode_k"):
+            raise TypeError("decode_k: states must be KdaStates (one sequence), not StatePools")
+        if snapshots is not None:
+            if len(snapshots) != len(self.layers):
+                raise ValueError(f"decode_k: {len(snapshots)} snapshot lists for {len(self.layers)} layers")
+            rows = hidden_rows.shape[0] if len(getattr(hidden_rows, "shape", ())) == 2 else 1
+            for i, (layer, taken) in enumerate(zip(self.layers, snapshots)):
+                if len(taken) > rows:
+                    raise ValueError(f"decode_k: snapshots[{i}] holds {len(taken)} states for {rows} rows")
+                for j, snap in enumerate(taken):
+                    layer._check_state(snap, "decode_k", f"snapshots[{i}][{j}]")
+        per_layer = iter(snapshots if snapshots is not None else [None] * len(self.layers))
+        return self._run(hidden_rows, "decode_k", min(DECODE_MAX_ROWS, self.layers[0].max_tokens), between,
+                         lambda layer, x, state: layer.decode_k(x, state, next(per_layer)), states)
+
+    # ----------------------------------------------------------------------------------------------
+    def _check_states(self, states: Sequence[Any], what: str) -> bool:
+        """Every layer's state (or pool) checked before the first layer runs; True for pools."""
+        if isinstance(states, (KdaState, StatePool)) or len(states) != len(self.layers):
+            count = "one" if isinstance(states, (KdaState, StatePool)) else len(states)
+            raise ValueError(f"{what}: expected one state (or one StatePool) per layer ({len(self.layers)}), "
+                             f"got {count}")
+        pools = isinstance(states[0], StatePool)
+        for i, (layer, state) in enumerate(zip(self.layers, states)):
+            if pools:
+                if not isinstance(state, StatePool):
+                    raise TypeError(f"{what}: states[{i}] must be a StatePool, got {type(state).__name__}")
+                layer._check_pool(state, what)
+            else:
+                layer._check_state(state, what, f"states[{i}]")
+        return pools
+
+    def _run(self, hidden: Any, what: str, max_rows: int, between: Between | None,
+             call: Callable[[KdaLayer, Any, Any], Any], states: Sequence[Any]) -> Any:
+        x, back = self.layers[0]._rows_in(hidden, what, max_rows)
+        last = len(self.layers) - 1
+        for i, (layer, state) in enumerate(zip(self.layers, states)):
+            x = call(layer, x, state)
+            if between is not None and i < last:
+                x = between(i, x)
+        return back(x)
