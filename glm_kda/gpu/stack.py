@@ -7,6 +7,7 @@
     out = stack.decode_k(hidden[K, hidden], states)                    # K tokens of one sequence
     out = stack.decode(hidden[B, hidden], stack.new_pools(n), slots)   # B sequences, one pool per layer
     out = stack.decode(row, states, between=lambda i, out: ...)       # the caller's code between layers
+    with stack.timing() as timer: ...                                  # per-kernel GPU time, every layer
 
 Each layer's output is the next layer's input, or what ``between(i, out)`` returns for it (i the
 position in the stack, out a CuPy BF16 [rows, hidden] array; return the same shape and dtype): a
@@ -18,6 +19,7 @@ so the bits are those of calling ``stack.layers[i]`` by hand.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -105,6 +107,13 @@ class KdaStack:
     def options(self, options: KdaOptions) -> None:
         for layer in self.layers:
             layer.options = options
+
+    @contextlib.contextmanager
+    def timing(self) -> Iterator[Any]:
+        """Time every launch of the calls inside the block, all layers together (they run eagerly):
+        ``with stack.timing() as timer: ...`` then ``timer.table()`` (as KdaLayer.timing)."""
+        with self.layers[0].timing() as timer:
+            yield timer
 
     def new_states(self) -> list[KdaState]:
         """One zero KdaState per layer, on the stack's device."""
