@@ -22,9 +22,9 @@ BENCHMARKS = REPO / "benchmarks"
 
 # script -> the arguments of a run (none: its defaults).
 GPU_SCRIPTS = {
-    "block.py": [], "compare_versions.py": ["--old", str(REPO)], "decode.py": [], "decode_breakdown.py": [],
+    "block.py": [], "cold_start.py": [], "compare_versions.py": ["--old", str(REPO)], "decode.py": [], "decode_breakdown.py": [],
     "gemm_rows.py": [], "host_cost.py": [], "prefill.py": [], "profile_kernels.py": ["decode", "glm"],
-    "stream_floor.py": [],
+    "stack.py": [], "stream_floor.py": [],
 }
 # Scripts that run without a GPU here: fla_compare prints a note and exits 0 without fla (or torch,
 # or a GPU); summarize_breakdown reads decode_breakdown's lines.

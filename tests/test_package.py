@@ -29,3 +29,19 @@ def test_kernel_sources_are_found():
     root = kernels.kernels_dir()
     stems = {path.relative_to(root).with_suffix("").as_posix() for path in root.rglob("*.cu")}
     assert set(kernels.ENTRY_POINTS) <= stems, f"missing .cu files for {set(kernels.ENTRY_POINTS) - stems}"
+
+
+def test_the_public_names_show_in_dir_and_carry_docstrings():
+    """What tab completion offers: every name of __all__, the lazily imported GPU classes included,
+    each with a docstring, and every public method of the GPU classes too."""
+    names = dir(glm_kda)
+    assert set(glm_kda.__all__) <= set(names)
+    assert {"KdaLayer", "KdaStack", "KdaWorkspace", "KdaOptions"} <= set(names)
+    for name in glm_kda.__all__:
+        item = getattr(glm_kda, name)
+        if callable(item):
+            assert (item.__doc__ or "").strip(), f"glm_kda.{name} has no docstring"
+    for cls in (glm_kda.KdaLayer, glm_kda.KdaStack):
+        undocumented = [m for m, f in vars(cls).items() if not m.startswith("_") and callable(getattr(f, "__func__", f))
+                        and not (getattr(f, "__doc__", None) or "").strip()]
+        assert not undocumented, f"{cls.__name__}: public methods without a docstring: {undocumented}"

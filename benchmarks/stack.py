@@ -1,0 +1,102 @@
+"""Decode through a whole KDA stack, one sequence, a loop that waits for each token: the time per
+token of KdaStack.decode against the sum of the same layers called one by one (each waited for),
+with the copy-bandwidth roofline per layer measured in the same run.
+
+The stack has as many KDA layers as the model (GLM-5.3-Flash: 34 of 45 layers; Kimi-Linear-48B:
+20 of 27; glm_kda.synthetic.default_kda_layers), each its own copy of one synthetic layer's weights,
+all sharing one workspace. One JSON line per geometry.
+
+    PYTHONPATH=. python benchmarks/stack.py [--geometry glm kimi] [--layers N] [--tokens 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from lib.script import exit_unless_gpu  # noqa: E402
+from lib.timing import copy_bandwidth_gbs, decode_bytes  # noqa: E402
+
+# The model's layer count per geometry (KDA layers follow glm_kda.synthetic.default_kda_layers).
+MODEL_LAYERS = {"glm": (45, False), "kimi": (27, True)}
+
+
+def waited_us(call, rows, warmup: int = 8) -> float:
+    """Median microseconds of call(row) for each row, each waited for (events around it, then a
+    synchronisation): what a generation loop that reads each token back sees, host time included."""
+    import cupy
+
+    for row in rows[:warmup]:
+        call(row)
+    cupy.cuda.get_current_stream().synchronize()
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    times = []
+    for row in rows[warmup:]:
+        start.record()
+        call(row)
+        end.record()
+        end.synchronize()
+        times.append(1e3 * cupy.cuda.get_elapsed_time(start, end))
+    return float(np.median(times))
+
+
+def run_geometry(geometry: str, layers: int | None, tokens: int, folder: Path, bandwidth: float) -> dict:
+    import cupy
+
+    from glm_kda import KdaLayer, KdaStack
+    from glm_kda.checkpoint import bind_layer
+    from glm_kda.gpu.workspace import KdaWorkspace
+    from glm_kda.synthetic import default_kda_layers, synthetic_hidden, write_synthetic_checkpoint
+
+    total, kimi = MODEL_LAYERS[geometry]
+    count = layers or len(default_kda_layers(total, kimi=kimi))
+    path = write_synthetic_checkpoint(folder / geometry, geometry, num_layers=1)
+    bound = bind_layer(path, 0, progress=False)
+    workspace = KdaWorkspace(bound.config, 16)
+    stack = KdaStack([KdaLayer(bound, workspace=workspace) for _ in range(count)])
+    bf16 = workspace.final_out.dtype
+    rows = cupy.asarray(synthetic_hidden(tokens, bound.config.hidden, seed=5).view(np.uint16)).view(bf16)
+    rows = [rows[t : t + 1] for t in range(tokens)]
+
+    states = stack.new_states()
+    stack_us = waited_us(lambda row: stack.decode(row, states), rows)
+    single = []
+    for layer in stack.layers:
+        state = layer.new_state()
+        single.append(waited_us(lambda row, layer=layer, state=state: layer.decode(row, state), rows[: tokens // 4]))
+    layer_bytes = decode_bytes(bound.config)
+    roofline_us = layer_bytes / 1e9 / bandwidth * 1e6
+    return {"case": "stack_decode", "geometry": geometry, "layers": count, "tokens": tokens,
+            "stack_us_per_token": stack_us, "sum_of_single_layer_us": float(np.sum(single)),
+            "stack_over_sum": stack_us / float(np.sum(single)),
+            "layer_bytes": layer_bytes, "copy_bandwidth_GBs": bandwidth,
+            "roofline_ratio_per_layer": roofline_us * count / stack_us,
+            "single_layer_roofline_ratio_median": roofline_us / float(np.median(single))}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--geometry", nargs="+", default=["glm", "kimi"], choices=sorted(MODEL_LAYERS))
+    parser.add_argument("--layers", type=int, default=None, help="KDA layers in the stack (default: the model's)")
+    parser.add_argument("--tokens", type=int, default=200, help="tokens decoded per measurement (>= 40)")
+    args = parser.parse_args()
+    if args.tokens < 40:
+        parser.error(f"--tokens must be >= 40, got {args.tokens}")
+    exit_unless_gpu("the stack benchmark")
+    bandwidth = copy_bandwidth_gbs()
+    with tempfile.TemporaryDirectory(prefix="glm_kda_stack_") as folder:
+        for geometry in args.geometry:
+            print(json.dumps(run_geometry(geometry, args.layers, args.tokens, Path(folder), bandwidth)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
