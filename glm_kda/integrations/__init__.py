@@ -1,0 +1,1 @@
+"""Bridges to the libraries people already run the block in (optional extras)."""
