@@ -15,7 +15,10 @@
 # decode, verify and prefill timings of both, each in its own process, and whether their bits agree.
 # With flash-linear-attention importable (pip wheels carried to the machine) both benchmarks add its rows;
 # its first call compiles Triton kernels for a minute or more.
-#   PYTHONPATH=. bash benchmarks/gpu_check.sh [tests|compile|sanitize|bench|all|tp] [block]
+# "first_use" times a cold and a warm from_pretrained in new processes and decode through a whole stack.
+# PORTABLE=1 runs the tests with --portable (the path without Hopper-only features). The transformers
+# integration's tests skip unless torch and transformers are importable (carry transformers' wheel).
+#   PYTHONPATH=. bash benchmarks/gpu_check.sh [tests|compile|sanitize|first_use|bench|all|tp] [block]
 #   OLD=/tmp/old PYTHONPATH=. bash benchmarks/gpu_check.sh compare
 set -u -o pipefail
 part=${1:-all}
@@ -26,7 +29,8 @@ python -c "import cupy; print('cupy', cupy.__version__, 'cuda', cupy.cuda.runtim
 python -c "from cupy.cuda import nccl; print('nccl', nccl.get_version())" 2>&1 | tail -1 | tee -a "$out/device.txt"
 if [ "$part" = tests ] || [ "$part" = all ]; then
   GLM_KDA_FIGURES="$out/figures.json" GLM_KDA_DURATIONS="$out/durations.txt" timeout ${SUITE_TIMEOUT:-560} python -m pytest -q -rfE --durations=25 tests/test_gpu.py \
-    tests/test_gemm_rows.py tests/test_chunk_tc.py --junitxml="$out/junit.xml" 2>&1 \
+    tests/test_bad_calls_gpu.py tests/test_determinism_gpu.py tests/test_stack_gpu.py tests/test_transformers_integration.py \
+    tests/test_gemm_rows.py tests/test_chunk_tc.py ${PORTABLE:+--portable} --junitxml="$out/junit.xml" 2>&1 \
     | tee "$out/gpu_tests.log" | tail -25
 fi
 if [ "$part" = compile ] || [ "$part" = all ]; then
@@ -45,6 +49,10 @@ if [ "$part" = sanitize ] || [ "$part" = all ]; then
   done
   wait
   python benchmarks/sanitizer_report.py "$out"/{memcheck,racecheck,synccheck,initcheck}.log | tee "$out/sanitizers.json"
+fi
+if [ "$part" = first_use ] || [ "$part" = all ]; then
+  timeout 300 python benchmarks/cold_start.py 2>&1 | tee "$out/cold_start.jsonl"
+  timeout 240 python benchmarks/stack.py 2>&1 | tee "$out/stack.jsonl"
 fi
 if [ "$part" = bench ] || [ "$part" = all ]; then
   timeout 120 python benchmarks/decode.py 2>&1 | tee "$out/decode.jsonl" | tail -40
