@@ -191,3 +191,19 @@ def test_check_finite_refuses_a_non_finite_output_after_the_call(kit):
     with pytest.raises(FloatingPointError, match="output rows .* hold NaN or Inf .* the state has advanced"):
         _nan_checked(kit, lambda: kit.layer.decode(kit.rows[:1], state))
     assert not cp.array_equal(state.conv, kit.state.conv), "the call ran: the conv window moved"
+
+
+def test_workspace_bytes_count_each_buffer_once(kit):
+    """KdaWorkspace.nbytes: every buffer once (the FP16 views of four FP32 buffers not again),
+    from the shapes the workspace documents."""
+    from glm_kda.gpu.workspace import KdaWorkspace
+
+    cfg = kit.cfg
+    ws = KdaWorkspace(cfg, 128)
+    rows, heads, dim = 128, cfg.heads, cfg.head_dim
+    vectors = 9 * rows * heads * dim * 4 + rows * heads * 4  # q, k, v, gate, core, q_decay, k_tail, W, U; beta
+    rows_bf16 = rows * (2 * cfg.conv_dim + cfg.down_dim + 3 * cfg.qkv + 2 * cfg.hidden) * 2
+    chunks = (rows // cfg.chunk) * heads * (cfg.chunk * cfg.chunk + dim) * 4  # attn, chunk_decay
+    small = sum(a.nbytes for a in (ws.x_tiles, ws.x_tiles_side, ws.x_tiles_gate, ws.bulk_partial, ws.outputs_ready,
+                                   ws.graph_slots))
+    assert ws.nbytes == vectors + rows_bf16 + chunks + small, (ws.nbytes, vectors + rows_bf16 + chunks + small)

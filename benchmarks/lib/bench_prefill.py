@@ -89,6 +89,8 @@ def bench_geometry(geometry: str, directory: Path, tokens: tuple[int, ...], repe
     config = geometry_config(geometry)
     layer = make_layer(directory, config, max(tokens), name=geometry, own_workspace=True)
     with_options(layer, **(changed or {}))
+    print(json.dumps({"case": "workspace", "geometry": geometry, "max_tokens": max(tokens),
+                      "bytes": layer.workspace.nbytes}), flush=True)
     hidden = to_device_bf16(synthetic_hidden(max(tokens), config.hidden, seed=3))
     rows = []
     for impl in ("fp32", "tensor"):

@@ -146,6 +146,18 @@ class KdaWorkspace:
         self._last_stream: int | None = None
         self._last_event: Any = None
 
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of this workspace's buffers (a view counted with the buffer it views)."""
+        import cupy
+
+        owned = {}
+        for value in vars(self).values():
+            if isinstance(value, cupy.ndarray):
+                base = value if value.base is None else value.base
+                owned[base.data.ptr] = base.nbytes
+        return sum(owned.values())
+
     @classmethod
     def for_stream(cls, config: KdaConfig, max_tokens: int, stream: Any = None) -> "KdaWorkspace":
         """The workspace of this geometry and size for `stream` (default: the current stream) on
