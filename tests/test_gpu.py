@@ -119,8 +119,12 @@ def as_float(x):
     return np.asarray(x, dtype=np.float32)
 
 
-@pytest.mark.parametrize("chunk", [16, 32, 64], ids=lambda c: f"C{c}")
-@pytest.mark.parametrize("tokens", TOKENS, ids=lambda t: f"T{t}")
+# Every chunk length over every token count, but the longest input only at the default chunk: its
+# float64 oracle is most of the suite's time, and chunks 16 and 32 meet many chunks at T=1000 already.
+PREFILL_CASES = [(t, c) for t in TOKENS for c in (16, 32, 64) if t < 4096 or c == 64]
+
+
+@pytest.mark.parametrize("tokens,chunk", PREFILL_CASES, ids=[f"T{t}-C{c}" for t, c in PREFILL_CASES])
 @pytest.mark.parametrize("geometry", ["glm", "kimi"])
 def test_prefill_matches_oracle(layers, geometry, tokens, chunk, figures):
     bound, layer = layers(geometry, chunk)
