@@ -96,6 +96,8 @@ def test_the_stack_gives_the_bits_of_its_layers_called_one_by_one(stack_checkpoi
                      through_layers(lambda layer, x, s: layer.decode(x, s), hidden[t], theirs, between)]
         outs += [stack.decode_k(hidden[104:107], mine, between=between),
                  through_layers(lambda layer, x, s: layer.decode_k(x, s), hidden[104:107], theirs, between)]
+        if between is None:
+            assert stack.graphs.captures >= 1, "decode through the stack never replayed one graph"
         for k in range(0, len(outs), 2):
             assert np.array_equal(_bits(outs[k]), _bits(outs[k + 1])), f"between={between}: call {k // 2} differs"
         for i in range(3):

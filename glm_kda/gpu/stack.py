@@ -9,6 +9,9 @@
     out = stack.decode(row, states, between=lambda i, out: ...)       # the caller's code between layers
     with stack.timing() as timer: ...                                  # per-kernel GPU time, every layer
 
+Without ``between``, a decode or decode_k through the stack is one CUDA graph a call (captured on
+the second call with the same states, as a layer's own calls are): no host work between layers.
+
 Each layer's output is the next layer's input, or what ``between(i, out)`` returns for it (i the
 position in the stack, out a CuPy BF16 [rows, hidden] array; return the same shape and dtype): a
 residual, a norm, the rest of a model's layer (not called after the last layer; an array it returns
@@ -24,6 +27,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from ..checkpoint import bind_layer
@@ -31,6 +35,8 @@ from ..config import KdaConfig
 from ..device import require_gpu
 from ..options import KdaOptions
 from ..state import KdaState, StatePool
+from .arrays import copy_into
+from .graphs import DecodeGraphs
 from .layer import MAX_DECODE_ROWS, KdaLayer
 from .pipeline import DECODE_MAX_ROWS
 from .workspace import KdaWorkspace
@@ -72,6 +78,10 @@ class KdaStack:
                                  f"of layer 0's geometry and device ({first.config.describe()}, device {first.device_id})")
         self.config = first.config
         self.layer_indices = tuple(layer.layer_idx for layer in self.layers)
+        # One graph a token through every layer, where the layers share one workspace.
+        self.graphs = DecodeGraphs()
+        shared = first._workspace
+        self._one_graph = shared is not None and all(layer._workspace is shared for layer in self.layers)
 
     @classmethod
     def from_pretrained(cls, path_or_repo: str | Path, layers: str | Sequence[int] = "all", max_tokens: int = 4096,
@@ -146,6 +156,8 @@ class KdaStack:
         if pooled and slots is not None and check_slots:
             self.layers[0]._host_slots(slots, len(slots), states[0], "decode")
         max_rows = min(MAX_DECODE_ROWS, len(states[0]), self.layers[0].max_tokens) if pooled else 1
+        if between is None and self._one_graph:
+            return self._through_one_graph(hidden, "decode", max_rows, states, slots if pooled else None, pooled)
         return self._run(hidden, "decode", max_rows, between,
                          lambda layer, x, state: layer.decode(x, state, slots, check_slots=False) if pooled
                          else layer.decode(x, state), states)
@@ -165,8 +177,11 @@ class KdaStack:
                     raise ValueError(f"decode_k: snapshots[{i}] holds {len(taken)} states for {rows} rows")
                 for j, snap in enumerate(taken):
                     layer._check_state(snap, "decode_k", f"snapshots[{i}][{j}]")
+        max_rows = min(DECODE_MAX_ROWS, self.layers[0].max_tokens)
+        if between is None and snapshots is None and self._one_graph:
+            return self._through_one_graph(hidden_rows, "decode_k", max_rows, states, None, False)
         per_layer = iter(snapshots if snapshots is not None else [None] * len(self.layers))
-        return self._run(hidden_rows, "decode_k", min(DECODE_MAX_ROWS, self.layers[0].max_tokens), between,
+        return self._run(hidden_rows, "decode_k", max_rows, between,
                          lambda layer, x, state: layer.decode_k(x, state, next(per_layer)), states)
 
     # ----------------------------------------------------------------------------------------------
@@ -185,6 +200,46 @@ class KdaStack:
             else:
                 layer._check_state(state, what, f"states[{i}]")
         return pools
+
+    def _through_one_graph(self, hidden: Any, what: str, max_rows: int, states: Sequence[Any], slots: Any,
+                           pooled: bool) -> Any:
+        """A decode-side call through every layer as one graph (replayed from the second call of a
+        key, as a layer's own calls are): each layer's launches, its output copied into the next
+        layer's input rows. The bits are the layers' own: the same launches in the same order."""
+        import cupy
+
+        first = self.layers[0]
+        x, back = first._rows_in(hidden, what, max_rows)
+        rows = x.shape[0]
+        if pooled:
+            if isinstance(slots, cupy.ndarray):
+                if slots.dtype != np.int32 or slots.shape != (rows,) or not slots.flags.c_contiguous:
+                    raise ValueError(f"slots: expected a C-contiguous device int32 array of {rows} entries, got "
+                                     f"{slots.dtype} {list(slots.shape)}")
+            else:
+                slots = np.ascontiguousarray(first._host_slots(slots, rows, states[0], what), np.int32)
+        first._check_finite(x, what)
+        call = first._enter()
+        try:
+            ws = call[0]
+            self.graphs.follow(ws)
+            last = len(self.layers) - 1
+
+            def body(rows_in: Any, device_slots: Any) -> None:
+                for i, (layer, state) in enumerate(zip(self.layers, states)):
+                    if pooled:
+                        layer._decode_rows(ws, rows_in, state.conv, state.recurrent, slots=device_slots)
+                    else:
+                        layer._decode_rows(ws, rows_in, state.conv, state.recurrent, sequential=True)
+                    if i < last:
+                        rows_in = ws.graph_hidden[:rows]
+                        copy_into(rows_in, ws.final_out[:rows])
+
+            key = ("stack", pooled, rows, tuple(layer._generation for layer in self.layers), ws.serial,
+                   tuple((state.conv.data.ptr, state.recurrent.data.ptr) for state in states))
+            return back(first._checked_output(self.graphs.run(key, ws, x, slots, body, first._graphed()), what))
+        finally:
+            first._leave(call)
 
     def _run(self, hidden: Any, what: str, max_rows: int, between: Between | None,
              call: Callable[[KdaLayer, Any, Any], Any], states: Sequence[Any]) -> Any:
