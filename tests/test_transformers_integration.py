@@ -101,7 +101,8 @@ def test_logits_of_prefill_and_decode_hold_the_contract(model):
         ours_state, theirs = cache.get_recurrent_state(layer), ref_cache.get_recurrent_state(layer)
         assert ours_state.shape == theirs.shape and ours_state.dtype == torch.float32
         state_ratio = _rms_ratio(ours_state, theirs)
-        assert state_ratio < 0.05, f"layer {layer}: recurrent state rms-ratio {state_ratio:.3e} against float32"
+        # BF16 rows and projections put it near 5e-3 (measured 5.1e-3 .. 6.3e-3 on the CPU path).
+        assert state_ratio < 0.02, f"layer {layer}: recurrent state rms-ratio {state_ratio:.3e} against float32"
         assert cache.get_conv_state(layer).shape == ref_cache.get_conv_state(layer).shape
     assert int(cache.get_seq_length()) == int(ref_cache.get_seq_length()) == 264
 
