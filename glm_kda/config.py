@@ -102,11 +102,6 @@ class KdaConfig:
         return 3 * self.qkv
 
     @property
-    def qk_channels(self) -> int:
-        """2 * H * D: only q and k are L2-normalised, v never."""
-        return 2 * self.qkv
-
-    @property
     def down_dim(self) -> int:
         """Width of the fused down projection f_a | g_a | b_proj: 2*D + H."""
         return 2 * self.head_dim + self.heads
@@ -128,9 +123,6 @@ class KdaConfig:
     def with_chunk(self, chunk: int) -> "KdaConfig":
         """The same block with another prefill chunk length."""
         return dataclasses.replace(self, chunk=chunk)
-
-    def is_kda_layer(self, layer_idx: int) -> bool:
-        return layer_idx in self.kda_layers
 
     def validate(self) -> "KdaConfig":
         """Check the limits the CUDA kernels impose; each error names the limit's reason.

@@ -30,10 +30,6 @@ def gpu_status() -> tuple[bool, str]:
         return False, f"the CUDA device cannot be queried ({type(exc).__name__}: {exc})"
 
 
-def gpu_available() -> bool:
-    return gpu_status()[0]
-
-
 def require_gpu(what: str = "this call") -> None:
     """Raise NoGpuError saying why `what` cannot run here."""
     ok, why = gpu_status()
