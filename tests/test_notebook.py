@@ -59,3 +59,23 @@ def test_the_committed_notebook_shows_its_plots(name):
     images = sum("image/png" in output.get("data", {}) for cell in cells if cell["cell_type"] == "code"
                  for output in cell.get("outputs", []))
     assert images >= NOTEBOOKS[name][1], f"{name}: {images} plots in the committed outputs"
+
+
+def test_the_notebooks_extra_installs_what_the_notebooks_import():
+    """Every third-party module a notebook imports comes with the package or its notebooks extra."""
+    import json
+    import re
+    import sys
+
+    tomllib = pytest.importorskip("tomllib", reason="tomllib comes with Python 3.11")
+    project = tomllib.loads((FOLDER.parent / "pyproject.toml").read_text())["project"]
+    names = project["dependencies"] + project["optional-dependencies"]["notebooks"]
+    installed = {re.split(r"[<>=!~ \[]", name)[0].lower().replace("-", "_") for name in names}
+    distribution = {"cupy": "cupy_cuda12x"}  # module -> distribution, where they differ
+    for name in NOTEBOOKS:
+        cells = json.loads((FOLDER / name).read_text())["cells"]
+        source = "\n".join("".join(cell["source"]) for cell in cells if cell["cell_type"] == "code")
+        modules = set(re.findall(r"^\s*(?:import|from) (\w+)", source, flags=re.M))
+        third_party = {m for m in modules if m not in sys.stdlib_module_names and m != "glm_kda"}
+        missing = sorted(m for m in third_party if distribution.get(m, m).lower() not in installed)
+        assert not missing, f"{name} imports {missing}, which neither the package nor its notebooks extra installs"
