@@ -152,9 +152,9 @@ class Copies:
         return Copies.accept
 
 
-@pytest.fixture
-def graphs(monkeypatch):
-    """A DecodeGraphs over a stand-in workspace of 16 rows, CuPy replaced by the stand-in."""
+def use_stand_in_cupy(monkeypatch) -> None:
+    """CuPy, the graph copies' driver and their node search replaced by the stand-ins; a fresh
+    stand-in device with its default stream."""
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy())
     monkeypatch.setattr(graph_copies, "driver", lambda: object())
     monkeypatch.setattr(graph_copies.GraphCopies, "find", Copies.find)
@@ -163,6 +163,12 @@ def graphs(monkeypatch):
     Device.stack.clear()
     Device.default = Stream()
     Device.event_waits = 0
+
+
+@pytest.fixture
+def graphs(monkeypatch):
+    """A DecodeGraphs over a stand-in workspace of 16 rows, CuPy replaced by the stand-in."""
+    use_stand_in_cupy(monkeypatch)
     graphs = DecodeGraphs()
     graphs.workspace = workspace(7, 16)  # (the tests' own: which workspace the next call uses)
     graphs.graphed = True

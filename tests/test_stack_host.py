@@ -6,13 +6,11 @@ updates; CuPy is the stand-in of test_decode_graphs_host.py."""
 
 from __future__ import annotations
 
-import sys
 import types
 
 import numpy as np
 import pytest
 
-from glm_kda.gpu import graph_copies
 from glm_kda.gpu import stack as stack_module
 from glm_kda.gpu.layer import KdaLayer
 from glm_kda.gpu.stack import KdaStack
@@ -20,7 +18,7 @@ from glm_kda.state import KdaState
 from glm_kda.synthetic import synthetic_config
 
 from standins import aligned
-from test_decode_graphs_host import Array, Copies, Device, Stream, fake_cupy, rows_of, workspace
+from test_decode_graphs_host import Array, Device, memcpy_async, rows_of, use_stand_in_cupy, workspace
 
 
 class StandInLayer(KdaLayer):
@@ -76,21 +74,13 @@ def _workspace(serial: int) -> Workspace:
 
 
 def _device_copy(dst, src):
-    from test_decode_graphs_host import memcpy_async
-
     memcpy_async(dst.data.ptr, src.data.ptr, src._array.nbytes, 3, Device.current().ptr)
 
 
 @pytest.fixture
 def stack(monkeypatch):
-    monkeypatch.setitem(sys.modules, "cupy", fake_cupy())
-    monkeypatch.setattr(graph_copies, "driver", lambda: object())
-    monkeypatch.setattr(graph_copies.GraphCopies, "find", Copies.find)
-    monkeypatch.setattr(Copies, "accept", True)
+    use_stand_in_cupy(monkeypatch)
     monkeypatch.setattr(stack_module, "copy_into", _device_copy)
-    Device.streams.clear()
-    Device.stack.clear()
-    Device.default = Stream()
     ws = _workspace(3)
     return KdaStack([StandInLayer(i, ws, synthetic_config("tiny-kimi")) for i in range(3)])
 
