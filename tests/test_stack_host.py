@@ -125,3 +125,10 @@ def test_a_stack_of_layers_with_their_own_workspaces_calls_them_one_by_one(monke
     separate = KdaStack(layers)
     out = separate.decode(rows_of(3, 1), _states(2))
     assert np.array_equal(out._array, rows_of(3, 1)._array + 3) and separate.graphs.captures == 0
+
+
+def test_two_rows_for_one_state_each_are_refused_before_any_launch(stack):
+    states = _states()
+    with pytest.raises(ValueError, match="decode: 2 rows for one state"):
+        stack.decode(rows_of(1, 2), states)
+    assert all(int(s.recurrent._array[0, 0]) == 0 for s in states) and stack.graphs.captures == 0

@@ -34,7 +34,7 @@ from ..checkpoint import bind_layer
 from ..config import KdaConfig
 from ..device import require_gpu
 from ..options import KdaOptions
-from ..state import KdaState, StatePool
+from ..state import KdaState, StatePool, require_one_row
 from .arrays import copy_into
 from .graphs import DecodeGraphs
 from .layer import MAX_DECODE_ROWS, KdaLayer
@@ -153,6 +153,8 @@ class KdaStack:
         one StatePool per layer and their slots [B] (checked once, before the first layer).
         Returns [rows, hidden] BF16."""
         pooled = self._check_states(states, "decode")
+        if not pooled:
+            require_one_row("decode", hidden)
         if pooled and slots is not None and check_slots:
             self.layers[0]._host_slots(slots, len(slots), states[0], "decode")
         max_rows = min(MAX_DECODE_ROWS, len(states[0]), self.layers[0].max_tokens) if pooled else 1
