@@ -11,7 +11,7 @@ from glm_kda.chunk_model import chunk_tc_supported, prepare_lower_bound
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-from lib.bench_prefill import PREFILL_GEOMETRIES, block_flops, core_flops, geometry_config  # noqa: E402
+from lib.bench_prefill import PREFILL_GEOMETRIES, block_flops, core_flops, geometry_config, kernel_bytes  # noqa: E402
 
 
 def test_geometries_and_which_chunk_kernels_they_take():
@@ -44,3 +44,24 @@ def test_comparison_note_says_why_there_are_no_fla_rows():
     ok, why = fla_available()
     wanted_ok, note = comparison_note(True)
     assert wanted_ok == ok and why in note["note"]
+
+
+def test_kernel_bytes_by_hand_and_by_gate_law():
+    """The bytes each prefill kernel must move: the kernels of the geometry's gate law, each an entry
+    point, and the conv's and the norm's counts worked by hand at Kimi-Linear geometry."""
+    from glm_kda.gpu.build import ENTRY_POINTS
+
+    entries = {name for names in ENTRY_POINTS.values() for name in names}
+    tokens = 1000
+    for geometry in PREFILL_GEOMETRIES:
+        moved = kernel_bytes(geometry_config(geometry), tokens)
+        assert set(moved) <= entries, f"{geometry}: {set(moved) - entries} are not entry points"
+        bounded = prepare_lower_bound(geometry_config(geometry)) is not None
+        assert ("kda_chunk_tc_prepare_gate_f32" in moved) == bounded
+        assert ("kda_gate_beta_f32" in moved) == (not bounded)
+    moved = kernel_bytes(geometry_config("kimi"), tokens)
+    qkv = 32 * 128
+    # qkv_proj in and conv_out out (BF16 [T, 3*qkv] each), q, k and v out (FP32 [T, qkv] each)
+    assert moved["kda_conv_prefill_silu_l2_bf16"] == 2 * (tokens * 3 * qkv * 2) + 3 * tokens * qkv * 4
+    # core in (FP32), out_gate in and o_norm_out out (BF16)
+    assert moved["kda_gated_rmsnorm_sigmoid_bf16"] == tokens * qkv * 4 + 2 * tokens * qkv * 2
