@@ -21,6 +21,8 @@ E2E_FACTOR = 1.5
 def _model(kind: str, dtype=torch.float32):
     """A random four-layer model (KDA layers 0, 1, 2, then attention), hidden 512, 4 KDA heads of 128."""
     if kind == "kimi":
+        if not hasattr(transformers, "KimiLinearConfig"):
+            pytest.skip(f"transformers {transformers.__version__} has no Kimi-Linear model")
         config = transformers.KimiLinearConfig(
             vocab_size=256, hidden_size=512, intermediate_size=512, moe_intermediate_size=256, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=4, num_experts=4, num_experts_per_token=2,
@@ -29,6 +31,8 @@ def _model(kind: str, dtype=torch.float32):
                                 "kda_layers": [1, 2, 3], "full_attn_layers": [4]})
         make = transformers.KimiLinearForCausalLM
     else:
+        if not hasattr(transformers, "Glm5NextConfig"):
+            pytest.skip(f"transformers {transformers.__version__} has no GLM-5.3-Flash model (glm5_next)")
         text = dict(vocab_size=256, hidden_size=512, intermediate_size=512, moe_intermediate_size=256,
                     num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
                     num_experts_per_tok=2, kv_lora_rank=64, q_lora_rank=128, v_head_dim=64, qk_nope_head_dim=64,
