@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch", reason="the transformers integration needs 
 transformers = pytest.importorskip("transformers", minversion="5.17",
                                    reason="the transformers integration needs transformers >= 5.17 (an optional extra)")
 
-from glm_kda.integrations.transformers import use_glm_kda  # noqa: E402
+from glm_kda.integrations.transformers import _cached_states, use_glm_kda  # noqa: E402
 
 E2E_FACTOR = 1.5
 
@@ -102,12 +102,12 @@ def test_logits_of_prefill_and_decode_hold_the_contract(model):
     assert ratio <= E2E_FACTOR * floor, (f"{kind}: logits rms-ratio {ratio:.3e} against float32; bound {E2E_FACTOR}x "
                                         f"transformers' own BF16 run's {floor:.3e}")
     for layer in range(3):  # the states left in the cache: transformers' layout and length
-        ours_state, theirs = cache.get_recurrent_state(layer), ref_cache.get_recurrent_state(layer)
+        (our_conv, ours_state), (their_conv, theirs) = _cached_states(cache, layer), _cached_states(ref_cache, layer)
         assert ours_state.shape == theirs.shape and ours_state.dtype == torch.float32
         state_ratio = _rms_ratio(ours_state, theirs)
         # BF16 rows and projections put it near 5e-3 (measured 5.1e-3 .. 6.3e-3 on the CPU path).
         assert state_ratio < 0.02, f"layer {layer}: recurrent state rms-ratio {state_ratio:.3e} against float32"
-        assert cache.get_conv_state(layer).shape == ref_cache.get_conv_state(layer).shape
+        assert our_conv.shape == their_conv.shape
     assert int(cache.get_seq_length()) == int(ref_cache.get_seq_length()) == 264
 
 

@@ -140,6 +140,18 @@ class _LayerBackend:
                     torch.from_dlpack(pool.recurrent).clone())
 
 
+def _cached_states(cache: Any, layer_idx: int) -> tuple[Any, Any]:
+    """(conv [B, C, K], recurrent [B, H, D, D]) a cache holds for a layer, or (None, None) before its
+    first update: through get_conv_state / get_recurrent_state where the cache has them
+    (transformers >= 5.25), else through has_previous_state and the layer's state lists (5.17)."""
+    if hasattr(cache, "get_conv_state"):
+        return cache.get_conv_state(layer_idx), cache.get_recurrent_state(layer_idx)
+    if not cache.has_previous_state(layer_idx):
+        return None, None
+    layer = cache.layers[layer_idx]
+    return layer.conv_states[0], layer.recurrent_states[0]
+
+
 def _kda_block_class():
     import torch
 
@@ -154,17 +166,16 @@ def _kda_block_class():
             self.layer_idx = layer_idx
             self.conv_kernel = conv_kernel
 
-        def forward(self, hidden_states: Any, cache: Any = None, attention_mask: Any = None, **kwargs: Any) -> Any:
-            if cache is not None and cache.is_recording_past(self.layer_idx):
+        def forward(self, hidden_states: Any, cache: Any = None, attention_mask: Any = None, *,
+                    cache_params: Any = None, **kwargs: Any) -> Any:
+            cache = cache if cache is not None else cache_params  # (cache_params: transformers 5.17's name)
+            if cache is not None and getattr(cache.layers[self.layer_idx], "record_past", False):
                 raise NotImplementedError("glm_kda's KDA blocks do not record past states (cache.crop / assisted "
                                           "decoding); restore the original blocks for that")
             dtype = hidden_states.dtype
             if attention_mask is not None:  # padding rows count as zeros, as in the original block
                 hidden_states = hidden_states * attention_mask[:, :, None].to(dtype)
-            conv = recurrent = None
-            if cache is not None:
-                conv = cache.get_conv_state(self.layer_idx)
-                recurrent = cache.get_recurrent_state(self.layer_idx)
+            conv, recurrent = (None, None) if cache is None else _cached_states(cache, self.layer_idx)
             out, conv_inputs, _, new_recurrent = self.backend.run(hidden_states.to(torch.bfloat16), conv, recurrent)
             if cache is not None:
                 # The cache's own bookkeeping: the last K conv inputs kept, the length advanced by T.
