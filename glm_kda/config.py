@@ -189,10 +189,18 @@ class KdaConfig:
         num_layers = _typed(num_layers, int, "num_hidden_layers", source) if num_layers is not None else None
         if num_layers is not None and num_layers < 1:
             raise ConfigError(f"{source}: key 'num_hidden_layers' = {num_layers} is not a positive layer count")
+        if num_layers is not None and num_layers > _MAX_LAYERS:
+            raise ConfigError(f"{source}: key 'num_hidden_layers' = {num_layers} is not a plausible layer count "
+                              f"(more than {_MAX_LAYERS})")
 
         lac = cfg.get("linear_attn_config")
+        # The config.json key each checked field came from, to name it when its value is refused.
+        keys = {"hidden": "hidden_size", "rms_norm_eps": "rms_norm_eps"}
         if isinstance(lac, Mapping):
             where = "linear_attn_config."
+            keys.update(heads=where + "num_heads", head_dim=where + "head_dim",
+                        conv_kernel=where + "short_conv_kernel_size",
+                        gate_lower_bound=where + ("gate_lower_bound" if "gate_lower_bound" in lac else "lower_bound"))
             heads = need(lac, "num_heads", where, int)
             head_dim = need(lac, "head_dim", where, int)
             conv_kernel = need(lac, "short_conv_kernel_size", where, int)
@@ -210,6 +218,8 @@ class KdaConfig:
                 )
             kda_layers = _kda_layers_from_linear_attn_config(lac, num_layers, source)
         elif "linear_num_heads" in cfg:
+            keys.update(heads="linear_num_heads", head_dim="linear_head_dim", conv_kernel="linear_conv_kernel_dim",
+                        gate_lower_bound="linear_lower_bound")
             heads = need(cfg, "linear_num_heads", "", int)
             head_dim = need(cfg, "linear_head_dim", "", int)
             conv_kernel = need(cfg, "linear_conv_kernel_dim", "", int)
@@ -226,19 +236,14 @@ class KdaConfig:
         act = need(cfg, "hidden_act", "")
         if act != "silu":
             raise ConfigError(f"{source}: hidden_act={act!r}; the KDA conv activation is SiLU only")
-        return cls(
-            hidden=hidden,
-            heads=heads,
-            head_dim=head_dim,
-            conv_kernel=conv_kernel,
-            gate_law=law,
-            gate_lower_bound=bound,
-            rms_norm_eps=rms_norm_eps,
-            chunk=chunk,
-            num_layers=num_layers,
-            kda_layers=kda_layers,
-            model_type=model_type,
-        )
+        try:
+            return cls(hidden=hidden, heads=heads, head_dim=head_dim, conv_kernel=conv_kernel, gate_law=law,
+                       gate_lower_bound=bound, rms_norm_eps=rms_norm_eps, chunk=chunk, num_layers=num_layers,
+                       kda_layers=kda_layers, model_type=model_type)
+        except ConfigError as exc:  # a field's check: name the key of the file it came from
+            field = str(exc).split(" ", 1)[0]
+            named = f"key '{keys[field]}': " if field in keys else ""
+            raise ConfigError(f"{source}: {named}{exc}") from None
 
     @classmethod
     def from_file(cls, path: str | Path, chunk: int = 64) -> "KdaConfig":
@@ -291,6 +296,9 @@ def _kda_layers_from_linear_attn_config(lac: Mapping[str, Any], num_layers: int 
         )
     return tuple(i - 1 for i in one_based)
 
+
+# More layers than any model has: a larger count is a corrupt file (and would build lists that large).
+_MAX_LAYERS = 100_000
 
 # The `layer_types` entries that name a KDA layer; every other entry is another kind of layer.
 _KDA_LAYER_TYPES = ("linear_attention", "kda")

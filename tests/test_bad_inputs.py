@@ -44,6 +44,13 @@ def test_a_bad_config_value_is_refused_by_name(change, needle):
         dataclasses.replace(TINY, **change)
 
 
+def _lac(**changes) -> dict:
+    """A Kimi-form config.json (linear_attn_config) with `changes` made inside linear_attn_config."""
+    raw = config_json(synthetic_config("tiny-glm", num_layers=6), "linear_attn_config")
+    raw["linear_attn_config"].update(changes)
+    return raw
+
+
 def _raw(**changes) -> dict:
     raw = config_json(synthetic_config("tiny-glm", num_layers=6), "linear_attn_config")
     raw.update(changes)
@@ -58,6 +65,12 @@ def _raw(**changes) -> dict:
     (_raw(layer_types=["linear_attention"] * 5), "'layer_types' lists 5 layers, num_hidden_layers is 6"),
     (_raw(layer_types=["linear_attention"] * 5 + [None]), "'layer_types' must be a list of layer type names"),
     (_raw(layer_types="linear_attention"), "'layer_types' must be a list of layer type names"),
+    (_raw(num_hidden_layers=10**9), "'num_hidden_layers' = 1000000000 is not a plausible layer count"),
+    (_raw(hidden_size=0), "key 'hidden_size': hidden must be a positive integer, got 0"),
+    (_raw(rms_norm_eps=-1e-5), "key 'rms_norm_eps': rms_norm_eps must be a finite number > 0"),
+    (_lac(num_heads=-2), "key 'linear_attn_config.num_heads': heads must be a positive integer, got -2"),
+    (_lac(short_conv_kernel_size=0), "key 'linear_attn_config.short_conv_kernel_size': conv_kernel must be"),
+    (_lac(gate_lower_bound=2.5), "key 'linear_attn_config.gate_lower_bound': gate_lower_bound must be a finite"),
 ], ids=lambda v: str(v)[:30])
 def test_a_bad_config_json_is_refused_naming_the_key(raw, needle):
     with pytest.raises(ConfigError, match=needle):
