@@ -405,6 +405,8 @@ def rms_ratio(actual: Any, reference: Any) -> float:
     """rms(actual - reference) / rms(reference); NaN anywhere gives NaN, a zero reference
     gives rms(actual) (0 when both are zero)."""
     a, r = _as_float64(actual), _as_float64(reference)
+    if a.size != r.size:
+        raise ValueError(f"rms_ratio: {list(a.shape)} against a reference of {list(r.shape)}: not the same elements")
     if a.shape != r.shape:
         a = a.reshape(r.shape)
     err = math.sqrt(float(np.mean((a - r) ** 2))) if a.size else 0.0
@@ -456,6 +458,9 @@ class StageTable:
 def compare_stages(actual: Mapping[str, Any], reference: Mapping[str, Any], stages: Iterable[str] | None = None) -> StageTable:
     """Table of rms-ratio and max-abs for every stage present in both dicts (pipeline order)."""
     names = list(stages) if stages is not None else [s for s in STAGE_ORDER if s in actual and s in reference]
+    if not names:
+        raise ValueError(f"compare_stages: no stage in both: {sorted(actual)} against {sorted(reference)} "
+                         f"(stage names: {', '.join(STAGE_ORDER)})")
     rows = []
     for name in names:
         a, r = _as_float64(actual[name]), _as_float64(reference[name])

@@ -63,6 +63,12 @@ def require_state(state: Any, config: KdaConfig, device_id: int, what: str, name
     require_device_buffers(what, name, state.conv, state.recurrent, device_id)
 
 
+def _require_config(config: Any, what: str) -> None:
+    if not isinstance(config, KdaConfig):
+        raise TypeError(f"{what}: config must be a KdaConfig (glm_kda.KdaConfig.from_pretrained), "
+                        f"got {type(config).__name__}")
+
+
 def require_one_row(what: str, hidden: Any) -> None:
     """ValueError unless `hidden` is one row ([1, width] or [width]): the one token a call on a
     single state advances it by (K tokens of one sequence are decode_k's; many sequences, a pool's)."""
@@ -86,6 +92,7 @@ class KdaState:
     @classmethod
     def zeros(cls, config: KdaConfig, xp: Any = np, dtype: Any = np.float32) -> "KdaState":
         """A new sequence: zero history, zero recurrent state."""
+        _require_config(config, "KdaState.zeros")
         return cls(xp.zeros(config.conv_state_shape, dtype), xp.zeros(config.recurrent_state_shape, dtype))
 
     @classmethod
@@ -108,11 +115,15 @@ class KdaState:
         return KdaState(_host(self.conv), _host(self.recurrent))
 
     def check(self, config: KdaConfig, name: str = "state") -> None:
-        """Raise ValueError naming the buffer whose shape does not fit `config`."""
+        """Raise ValueError naming the buffer whose shape does not fit `config`, TypeError naming one
+        that does not hold floating-point values."""
         for field, expected in (("conv", config.conv_state_shape), ("recurrent", config.recurrent_state_shape)):
-            got = tuple(getattr(self, field).shape)
+            buffer = getattr(self, field)
+            got = tuple(buffer.shape)
             if got != tuple(expected):
                 raise ValueError(f"{name}.{field} has shape {list(got)}, expected {list(expected)} for {config.describe()}")
+            if np.dtype(buffer.dtype).kind != "f":
+                raise TypeError(f"{name}.{field} must hold floating-point values, got dtype {buffer.dtype}")
 
     # Exchange layouts ------------------------------------------------------------------
     def to_transformers(self) -> tuple[np.ndarray, np.ndarray]:

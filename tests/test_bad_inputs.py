@@ -416,3 +416,19 @@ def test_bad_cli_arguments_exit_2_naming_the_argument(argv, needle, capsys):
     errors = [line for line in err.splitlines() if "error:" in line]
     assert done.value.code == 2 and len(errors) == 1 and needle in errors[0], err
     assert "Traceback" not in err
+
+
+# Found by a fuzz of the oracle's surface: each named, none an obscure numpy or attribute error --
+@pytest.mark.parametrize("call,error,needle", [
+    (lambda o: o.prefill(np.zeros((2, TINY.hidden), np.float32),
+                         KdaState(np.zeros(TINY.conv_state_shape, np.int32), np.zeros(TINY.recurrent_state_shape, np.int32))),
+     TypeError, "state.conv must hold floating-point values, got dtype int32"),
+    (lambda o: KdaState.zeros("glm"), TypeError, "KdaState.zeros: config must be a KdaConfig .* got str"),
+    (lambda o: __import__("glm_kda").compare_stages({"a": np.zeros(3)}, {"b": np.zeros(3)}), ValueError,
+     r"compare_stages: no stage in both: \['a'\] against \['b'\]"),
+    (lambda o: __import__("glm_kda").rms_ratio(np.zeros(3), np.zeros(4)), ValueError,
+     r"rms_ratio: \[3\] against a reference of \[4\]: not the same elements"),
+], ids=["int state", "zeros of a str", "no common stage", "rms_ratio sizes"])
+def test_the_oracles_helpers_name_what_they_were_given(oracle, call, error, needle):
+    with pytest.raises(error, match=needle):
+        call(oracle)
