@@ -471,6 +471,9 @@ def bind_layer(
     """
     if config is None:
         config = KdaConfig.from_file(resolve_file(path_or_repo, CONFIG_FILE, **hub_kwargs))
+    elif not isinstance(config, KdaConfig):
+        raise TypeError(f"bind_layer: config must be a KdaConfig or None (read from config.json), got "
+                        f"{type(config).__name__}")
     _check_layer_index(config, layer_idx)
     ckpt = _Checkpoint(path_or_repo, hub_kwargs)
     plan = _plan_layer(ckpt, config, layer_idx)

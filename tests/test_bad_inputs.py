@@ -275,6 +275,11 @@ def test_the_binder_names_a_bad_layer_index(checkpoint, layer_idx, error, needle
         bind_layer(checkpoint, layer_idx, progress=False)
 
 
+def test_the_binder_names_a_config_of_another_type(checkpoint):
+    with pytest.raises(TypeError, match="bind_layer: config must be a KdaConfig or None .read from config.json., got str"):
+        bind_layer(checkpoint, 0, config="tiny-glm", progress=False)
+
+
 @pytest.mark.parametrize("slots,error,needle", [
     (0, ValueError, "a pool needs >= 1 slot, got 0"),
     (-2, ValueError, "a pool needs >= 1 slot, got -2"),
