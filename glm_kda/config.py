@@ -28,7 +28,12 @@ MAX_CHUNK = 64
 
 
 class ConfigError(ValueError):
-    """A config.json that does not describe a KDA block we can run."""
+    """A config.json that does not describe a KDA block we can run. field: the KdaConfig field a
+    value check refused (None for other errors), so that a reader can name its key in the file."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -75,15 +80,16 @@ class KdaConfig:
         for name in ("hidden", "heads", "head_dim", "conv_kernel", "chunk"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}", name)
         for name in ("rms_norm_eps", "l2_eps"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ConfigError(f"{name} must be a finite number > 0, got {value!r}")
+                raise ConfigError(f"{name} must be a finite number > 0, got {value!r}", name)
         bound = self.gate_lower_bound
         if bound is not None and not (isinstance(bound, (int, float)) and math.isfinite(bound) and bound <= 0):
             # g = bound * sigmoid(...) is a log-decay: a positive bound would grow the state every token.
-            raise ConfigError(f"gate_lower_bound must be a finite number <= 0 (a log-decay), got {bound!r}")
+            raise ConfigError(f"gate_lower_bound must be a finite number <= 0 (a log-decay), got {bound!r}",
+                              "gate_lower_bound")
         if self.num_layers is not None and (not isinstance(self.num_layers, int) or self.num_layers < 1):
             raise ConfigError(f"num_layers (num_hidden_layers) must be a positive integer, got {self.num_layers!r}")
         outside = [i for i in self.kda_layers if not 0 <= i < (self.num_layers or i + 1)]
@@ -241,8 +247,7 @@ class KdaConfig:
                        gate_lower_bound=bound, rms_norm_eps=rms_norm_eps, chunk=chunk, num_layers=num_layers,
                        kda_layers=kda_layers, model_type=model_type)
         except ConfigError as exc:  # a field's check: name the key of the file it came from
-            field = str(exc).split(" ", 1)[0]
-            named = f"key '{keys[field]}': " if field in keys else ""
+            named = f"key '{keys[exc.field]}': " if exc.field in keys else ""
             raise ConfigError(f"{source}: {named}{exc}") from None
 
     @classmethod
