@@ -358,22 +358,11 @@ class KdaLayer(Stages):
             self._leave(call)
 
     def _decode_pool(self, hidden: Any, pool: StatePool, slots: Any, check_slots: bool) -> Any:
-        import cupy
-
         max_rows = min(MAX_DECODE_ROWS, self.max_tokens, len(pool))
         hidden, back = self._rows_in(hidden, "decode", max_rows)
         rows = hidden.shape[0]
         self._check_pool(pool, "decode")
-        if isinstance(slots, cupy.ndarray):
-            if slots.dtype != _I32 or slots.shape != (rows,) or not slots.flags.c_contiguous:
-                raise ValueError(f"slots: expected a C-contiguous device int32 array of {rows} entries, got "
-                                 f"{slots.dtype} {list(slots.shape)}")
-            if slots.device.id != self.device_id:
-                raise ValueError(f"slots: on device {slots.device.id}, the layer on {self.device_id}")
-            if check_slots:
-                self._host_slots(slots, rows, pool, "decode")
-        else:
-            slots = np.ascontiguousarray(self._host_slots(slots, rows, pool, "decode"), np.int32)
+        slots = self._slots_in(slots, rows, pool, "decode", check_slots)
         self._check_finite(hidden, "decode")
         call = self._enter()
         try:
@@ -468,6 +457,22 @@ class KdaLayer(Stages):
         host_slots = self._host_slots(slots, len(lengths), pool, "prefill")
         return [(first, tokens, pool.conv[slot], pool.recurrent[slot])
                 for first, tokens, slot in zip(bounds[:-1].tolist(), lengths.tolist(), host_slots.tolist())]
+
+    def _slots_in(self, slots: Any, rows: int, pool: StatePool, what: str, check_slots: bool) -> Any:
+        """The slots of a pool call of `rows` rows, checked: a device int32 array (read back and
+        checked unless check_slots is False) as it is, host ints as a checked int32 array."""
+        import cupy
+
+        if not isinstance(slots, cupy.ndarray):
+            return np.ascontiguousarray(self._host_slots(slots, rows, pool, what), np.int32)
+        if slots.dtype != _I32 or slots.shape != (rows,) or not slots.flags.c_contiguous:
+            raise ValueError(f"slots: expected a C-contiguous device int32 array of {rows} entries, got "
+                             f"{slots.dtype} {list(slots.shape)}")
+        if slots.device.id != self.device_id:
+            raise ValueError(f"slots: on device {slots.device.id}, the layer on {self.device_id}")
+        if check_slots:
+            self._host_slots(slots, rows, pool, what)
+        return slots
 
     @staticmethod
     def _host_slots(slots: Any, count: int, pool: StatePool, what: str) -> np.ndarray:

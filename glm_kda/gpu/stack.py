@@ -27,7 +27,6 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-import numpy as np
 from tqdm.auto import tqdm
 
 from ..checkpoint import bind_layer
@@ -155,11 +154,12 @@ class KdaStack:
         pooled = self._check_states(states, "decode")
         if not pooled:
             require_one_row("decode", hidden)
-        if pooled and slots is not None and check_slots:
-            self.layers[0]._host_slots(slots, len(slots), states[0], "decode")
         max_rows = min(MAX_DECODE_ROWS, len(states[0]), self.layers[0].max_tokens) if pooled else 1
         if between is None and self._one_graph:
-            return self._through_one_graph(hidden, "decode", max_rows, states, slots if pooled else None, pooled)
+            return self._through_one_graph(hidden, "decode", max_rows, states, slots if pooled else None, pooled,
+                                           check_slots)
+        if pooled and slots is not None and check_slots:  # once here: the layers below are told not to
+            self.layers[0]._host_slots(slots, len(slots), states[0], "decode")
         return self._run(hidden, "decode", max_rows, between,
                          lambda layer, x, state: layer.decode(x, state, slots, check_slots=False) if pooled
                          else layer.decode(x, state), states)
@@ -181,7 +181,7 @@ class KdaStack:
                     layer._check_state(snap, "decode_k", f"snapshots[{i}][{j}]")
         max_rows = min(DECODE_MAX_ROWS, self.layers[0].max_tokens)
         if between is None and snapshots is None and self._one_graph:
-            return self._through_one_graph(hidden_rows, "decode_k", max_rows, states, None, False)
+            return self._through_one_graph(hidden_rows, "decode_k", max_rows, states, None, False, False)
         per_layer = iter(snapshots if snapshots is not None else [None] * len(self.layers))
         return self._run(hidden_rows, "decode_k", max_rows, between,
                          lambda layer, x, state: layer.decode_k(x, state, next(per_layer)), states)
@@ -204,22 +204,15 @@ class KdaStack:
         return pools
 
     def _through_one_graph(self, hidden: Any, what: str, max_rows: int, states: Sequence[Any], slots: Any,
-                           pooled: bool) -> Any:
+                           pooled: bool, check_slots: bool) -> Any:
         """A decode-side call through every layer as one graph (replayed from the second call of a
         key, as a layer's own calls are): each layer's launches, its output copied into the next
         layer's input rows. The bits are the layers' own: the same launches in the same order."""
-        import cupy
-
         first = self.layers[0]
         x, back = first._rows_in(hidden, what, max_rows)
         rows = x.shape[0]
         if pooled:
-            if isinstance(slots, cupy.ndarray):
-                if slots.dtype != np.int32 or slots.shape != (rows,) or not slots.flags.c_contiguous:
-                    raise ValueError(f"slots: expected a C-contiguous device int32 array of {rows} entries, got "
-                                     f"{slots.dtype} {list(slots.shape)}")
-            else:
-                slots = np.ascontiguousarray(first._host_slots(slots, rows, states[0], what), np.int32)
+            slots = first._slots_in(slots, rows, states[0], what, check_slots)
         first._check_finite(x, what)
         call = first._enter()
         try:
