@@ -22,29 +22,17 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from lib.script import exit_unless_gpu  # noqa: E402
-from lib.timing import copy_bandwidth_gbs, decode_bytes  # noqa: E402
+from lib.timing import copy_bandwidth_gbs, decode_bytes, median_ms  # noqa: E402
 
 # The model's layer count per geometry (KDA layers follow glm_kda.synthetic.default_kda_layers).
 MODEL_LAYERS = {"glm": (45, False), "kimi": (27, True)}
 
 
 def waited_us(call, rows, warmup: int = 8) -> float:
-    """Median microseconds of call(row) for each row, each waited for (events around it, then a
-    synchronisation): what a generation loop that reads each token back sees, host time included."""
-    import cupy
-
-    for row in rows[:warmup]:
-        call(row)
-    cupy.cuda.get_current_stream().synchronize()
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    times = []
-    for row in rows[warmup:]:
-        start.record()
-        call(row)
-        end.record()
-        end.synchronize()
-        times.append(1e3 * cupy.cuda.get_elapsed_time(start, end))
-    return float(np.median(times))
+    """Median microseconds of call(row) for each row, each waited for (median_ms: events around it,
+    then a synchronisation): what a generation loop that reads each token back sees, host time included."""
+    row = iter(rows)
+    return 1e3 * median_ms(lambda: call(next(row)), repeats=len(rows) - warmup, warmup=warmup)
 
 
 def run_geometry(geometry: str, layers: int | None, tokens: int, folder: Path, bandwidth: float) -> dict:
