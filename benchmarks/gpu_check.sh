@@ -16,7 +16,8 @@
 # With flash-linear-attention importable (pip wheels carried to the machine) both benchmarks add its rows;
 # its first call compiles Triton kernels for a minute or more.
 # "first_use" times a cold and a warm from_pretrained in new processes and decode through a whole stack.
-# PORTABLE=1 runs the tests with --portable (the path without Hopper-only features). The transformers
+# PORTABLE=1 runs the tests with --portable (the path without Hopper-only features); MARKERS selects tests
+# by marker (say MARKERS="not slow"). The transformers
 # integration's tests skip unless torch and transformers are importable (carry transformers' wheel).
 #   PYTHONPATH=. bash benchmarks/gpu_check.sh [tests|compile|sanitize|first_use|bench|all|tp] [block]
 #   OLD=/tmp/old PYTHONPATH=. bash benchmarks/gpu_check.sh compare
@@ -30,7 +31,7 @@ python -c "from cupy.cuda import nccl; print('nccl', nccl.get_version())" 2>&1 |
 if [ "$part" = tests ] || [ "$part" = all ]; then
   GLM_KDA_FIGURES="$out/figures.json" GLM_KDA_DURATIONS="$out/durations.txt" timeout ${SUITE_TIMEOUT:-560} python -m pytest -q -rfE --durations=25 tests/test_gpu.py \
     tests/test_bad_calls_gpu.py tests/test_determinism_gpu.py tests/test_stack_gpu.py tests/test_transformers_integration.py \
-    tests/test_gemm_rows.py tests/test_chunk_tc.py ${PORTABLE:+--portable} --junitxml="$out/junit.xml" 2>&1 \
+    tests/test_gemm_rows.py tests/test_chunk_tc.py ${PORTABLE:+--portable} ${MARKERS:+-m "$MARKERS"} --junitxml="$out/junit.xml" 2>&1 \
     | tee "$out/gpu_tests.log" | tail -25
 fi
 if [ "$part" = compile ] || [ "$part" = all ]; then
