@@ -45,7 +45,7 @@ if [ "$part" = sanitize ] || [ "$part" = all ]; then
   # are then sorted by kernel name, so that nothing of ours could hide among a library's.
   for tool in memcheck racecheck synccheck initcheck; do
     timeout ${SANITIZE_TIMEOUT:-540} compute-sanitizer --tool $tool --kernel-name kns=kda_ --print-limit 5000 \
-      python -m pytest -q -p no:cacheprovider -m "not slow" tests/test_gpu.py tests/test_bad_calls_gpu.py \
+      python -m pytest -q -p no:cacheprovider -m "not slow" tests/test_gpu.py tests/test_bad_calls_gpu.py tests/test_stack_gpu.py \
       > "$out/$tool.log" 2>&1 &
   done
   wait

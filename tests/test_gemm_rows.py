@@ -654,6 +654,6 @@ def test_tail_staged_awaiting_launch_gives_the_packed_bits(shape, rows, monkeypa
         monkeypatch.setattr(gemm_rows, "_tail_staged_plan", functools.partial(plan_of, tail_blocks=tail))
         plan = gemm_rows._staged_plan_here(w, rows)
         tag = f"{_shape_id(shape)} R{rows} {plan.kernel} tail {plan.tail_blocks}"
-        assert plan.kernel.startswith("gemm_rows_tail_staged_") and plan.tail_blocks == (tail or full.tail_blocks), tag
+        assert plan.kernel.startswith("kda_gemm_rows_tail_staged_") and plan.tail_blocks == (tail or full.tail_blocks), tag
         launched = _staged_awaiting_launch(x, w, rows, words, 3, expected, tag)
         assert launched == plan.grid[0], f"{tag}: {launched} blocks launched, the plan has {plan.grid[0]}"

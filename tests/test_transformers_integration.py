@@ -19,7 +19,8 @@ E2E_FACTOR = 1.5
 
 
 def _model(kind: str, dtype=torch.float32):
-    """A random four-layer model (KDA layers 0, 1, 2, then attention), hidden 512, 4 KDA heads of 128."""
+    """A random four-layer model (KDA layers 0, 1, 2, then attention), hidden 512, 8 KDA heads of 128
+    (the low-rank projections' 2·128 + 8 rows: a multiple of 8, as the GEMV kernels need)."""
     if kind == "kimi":
         if not hasattr(transformers, "KimiLinearConfig"):
             pytest.skip(f"transformers {transformers.__version__} has no Kimi-Linear model")
@@ -27,7 +28,7 @@ def _model(kind: str, dtype=torch.float32):
             vocab_size=256, hidden_size=512, intermediate_size=512, moe_intermediate_size=256, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=4, num_experts=4, num_experts_per_token=2,
             pad_token_id=0, bos_token_id=1, eos_token_id=2,
-            linear_attn_config={"head_dim": 128, "num_heads": 4, "short_conv_kernel_size": 4,
+            linear_attn_config={"head_dim": 128, "num_heads": 8, "short_conv_kernel_size": 4,
                                 "kda_layers": [1, 2, 3], "full_attn_layers": [4]})
         make = transformers.KimiLinearForCausalLM
     else:
@@ -36,7 +37,7 @@ def _model(kind: str, dtype=torch.float32):
         text = dict(vocab_size=256, hidden_size=512, intermediate_size=512, moe_intermediate_size=256,
                     num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
                     num_experts_per_tok=2, kv_lora_rank=64, q_lora_rank=128, v_head_dim=64, qk_nope_head_dim=64,
-                    index_topk=16, index_head_dim=32, index_n_heads=2, linear_head_dim=128, linear_num_heads=4,
+                    index_topk=16, index_head_dim=32, index_n_heads=2, linear_head_dim=128, linear_num_heads=8,
                     pad_token_id=0, bos_token_id=1, eos_token_id=2)
         vision = dict(hidden_size=64, depth=1, num_heads=2, out_hidden_size=512, intermediate_size=64)
         config = transformers.Glm5NextConfig(text_config=text, vision_config=vision)
