@@ -29,7 +29,8 @@ def array_module(array: Any):
         return np
     import cupy
 
-    return cupy.get_array_module(array)
+    # (Not cupy.get_array_module: its first call imports cupyx.scipy, about 0.4 s.)
+    return cupy if isinstance(array, cupy.ndarray) else np
 
 
 def require_device_buffers(what: str, owner: str, conv: Any, recurrent: Any, device_id: int) -> None:

@@ -60,6 +60,7 @@ from .checkpoint import (
     _Checkpoint,
     _check_layer_index,
     _plan_layer,
+    all_finite,
     attention_prefix,
     expected_tensors,
     resolve_file,
@@ -495,7 +496,7 @@ def bind_layer_shard(
         for handle in handles.values():
             handle.close()
     for field_name, array in arrays.items():
-        if not np.isfinite(array.astype(np.float32)).all():
+        if not all_finite(array):
             raise CheckpointError(f"{path_or_repo}: layer {layer_idx} rank {rank}: {field_name} holds NaN or Inf values")
     return BoundLayer(layer_idx=layer_idx, config=rank_config, layout=layer_plan.layout, **arrays)
 

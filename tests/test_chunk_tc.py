@@ -319,8 +319,8 @@ def test_launch_geometry_and_shared_memory(launches, tokens, heads):
     # one block's loads overlap the other's products).
     assert PREPARE_SMEM_BYTES == 104704 and 2 * (PREPARE_SMEM_BYTES + 1024) <= 228 * 1024
     assert SCAN_SMEM_BYTES == 66560 and 2 * (SCAN_SMEM_BYTES + 1024) <= 228 * 1024
-    source = (kernels.kernels_dir() / "chunk/chunk_tc.cu").read_text()
-    assert "104,704 B" in source and "66,560 B" in source, "the .cu header states the shared memory"
+    source = (kernels.kernels_dir() / "chunk/chunk_tc.cuh").read_text()
+    assert "104,704 B" in source and "66,560 B" in source, "chunk_tc.cuh states the shared memory"
 
 
 def test_unbounded_launches_its_prepare_and_refuses_the_fused_gate(launches):
@@ -366,9 +366,10 @@ def test_wrapper_names_a_bad_gate_source(launches):
 
 def test_no_spills_on_sm_90():
     os.environ.setdefault("CUDA_CACHE_DISABLE", "1")
-    compiled = kernel_report.compile_file("chunk/chunk_tc", "sm_90")
-    resources = kernel_report.parse_ptxas_log(compiled.log)
-    for name in kernels.ENTRY_POINTS["chunk/chunk_tc"]:
+    resources = {}
+    for stem in ("chunk/chunk_tc", "chunk/chunk_tc_gate"):
+        resources.update(kernel_report.parse_ptxas_log(kernel_report.compile_file(stem, "sm_90").log))
+    for name in kernels.ENTRY_POINTS["chunk/chunk_tc"] + kernels.ENTRY_POINTS["chunk/chunk_tc_gate"]:
         r = resources[name]
         print(f"{name}: {r}")
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack_frame"] == 0, f"{name} spills: {r}"
@@ -509,9 +510,10 @@ DEVICE_HELPERS = ("mma_tf32_m16n8k8", "copy_async_16B", "copy_async_commit", "co
 
 
 def host_source() -> str:
-    """chunk_tc.cu (header inlined) rewritten for the host: the PTX helpers removed, dynamic
-    shared memory from the emulator, every vector cast alignment-checked."""
-    source = host_kernel_source("chunk/chunk_tc", DEVICE_HELPERS)
+    """chunk_tc.cu (header inlined) and chunk_tc_gate.cu's entry rewritten for the host: the PTX
+    helpers removed, dynamic shared memory from the emulator, every vector cast alignment-checked."""
+    gate_file = (kernels.kernels_dir() / "chunk/chunk_tc_gate.cu").read_text()
+    source = host_kernel_source("chunk/chunk_tc", DEVICE_HELPERS) + gate_file.replace('#include "chunk/chunk_tc.cuh"', "")
     declaration = "extern __shared__ __align__(16) float shared[];"
     assert source.count(declaration) == 2, "the host emulation expects one dynamic shared array per kernel"
     source = source.replace(declaration, "float* shared = emulated_shared;")

@@ -275,13 +275,14 @@ int main(int argc, char** argv)
 
 
 def host_gemm_rows_source() -> str:
-    """gemm_rows.cu and gemm_rows_decode.cu, one translation unit for the host (host_kernel_source
-    with DEVICE_HELPERS removed), the staged entries' dynamic shared array taken from the emulated
-    block's."""
-    kernel = '#include "emulation.h"\n' + "".join(host_kernel_source(stem, DEVICE_HELPERS) for stem in
-                                                  ("projection/gemm_rows", "projection/gemm_rows_decode"))
+    """The row projection's files (gemm_rows.cu, its sums, decode and staged forms), one translation
+    unit for the host (host_kernel_source with DEVICE_HELPERS removed), the staged entries' dynamic
+    shared array taken from the emulated block's."""
+    kernel = '#include "emulation.h"\n' + "".join(
+        host_kernel_source(stem, DEVICE_HELPERS) for stem in
+        ("projection/gemm_rows", "projection/gemm_rows_sums", "projection/gemm_rows_decode", "projection/gemm_rows_staged"))
     declaration = "extern __shared__ __align__(128) unsigned char gemm_rows_stage[];"
-    assert kernel.count(declaration) == 1, "gemm_rows_decode.cu no longer declares gemm_rows_stage; update the host emulation"
+    assert kernel.count(declaration) == 1, "gemm_rows_staged.cu no longer declares gemm_rows_stage; update the host emulation"
     return kernel.replace(declaration, "unsigned char* gemm_rows_stage = reinterpret_cast<unsigned char*>(emulated_shared);")
 
 

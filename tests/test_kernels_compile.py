@@ -63,9 +63,11 @@ def test_kernel_files_match_entry_points():
         text = (folder / f"{stem}.cu").read_text()
         declared = re.findall(r'^extern "C" __global__ void(?:\s+__launch_bounds__\([^)]*\))?\s+(\w+)\s*\(', text, re.M)
         # gemm_rows.cu declares its variants through macros: GEMM_ROWS_ENTRY(m-tiles, tiles), one entry per
-        # weight layout, each also in the form writing the FP32 sums, ...
-        declared += [f"kda_gemm_rows_{layout}bf16_m{m}_n{n}" for layout in ("", "packed_", "sums_", "packed_sums_")
+        # weight layout, gemm_rows_sums.cu GEMM_ROWS_SUMS_ENTRY(m-tiles, tiles), their forms writing the sums, ...
+        declared += [f"kda_gemm_rows_{layout}bf16_m{m}_n{n}" for layout in ("", "packed_")
                      for m, n in re.findall(r"^GEMM_ROWS_ENTRY\((\d+), (\d+)\)", text, re.M)]
+        declared += [f"kda_gemm_rows_{layout}bf16_m{m}_n{n}" for layout in ("sums_", "packed_sums_")
+                     for m, n in re.findall(r"^GEMM_ROWS_SUMS_ENTRY\((\d+), (\d+)\)", text, re.M)]
         # ... GEMM_ROWS_STAGED_ENTRY(tiles) and GEMM_ROWS_TAIL_STAGED_ENTRY(tiles), the staged awaiting entries
         # (packed, one m-tile), also writing the sums ...
         declared += [f"kda_gemm_rows_{kind}staged_awaiting_{form}bf16_m1_n{n}"

@@ -35,7 +35,7 @@ def to_device_bf16(array: np.ndarray) -> Any:
     """A host array rounded to BF16 (nearest even) on the current GPU, as a CuPy array."""
     import cupy
 
-    host = np.ascontiguousarray(np.asarray(array).astype(ml_dtypes.bfloat16))
+    host = np.ascontiguousarray(np.asarray(array, dtype=ml_dtypes.bfloat16))
     return cupy.asarray(host.view(np.uint16)).view(bf16_dtype())
 
 

@@ -27,19 +27,23 @@ from typing import Any, Iterator, Sequence
 # file stem (its path under kernels_src, less ".cu") -> kernel entry points, in the pipeline order.
 ENTRY_POINTS: dict[str, tuple[str, ...]] = {
     "projection/gemm_rows":
-        tuple(f"kda_gemm_rows_{layout}bf16_m{m}_n{n}" for layout in ("", "packed_", "sums_", "packed_sums_")
+        tuple(f"kda_gemm_rows_{layout}bf16_m{m}_n{n}" for layout in ("", "packed_")
+              for m, n in ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2))),
+    "projection/gemm_rows_sums":
+        tuple(f"kda_gemm_rows_{layout}bf16_m{m}_n{n}" for layout in ("sums_", "packed_sums_")
               for m, n in ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2))),
     "projection/gemm_rows_decode":
+        tuple(f"kda_gemm_rows_packed_{form}_bf16_m1_n{n}" for form in ("pair", "awaiting", "awaiting_sums")
+              for n in (1, 2, 4)),
+    "projection/gemm_rows_staged":
         tuple(f"kda_gemm_rows_staged_awaiting_{form}bf16_m1_n{n}" for form in ("", "sums_") for n in (1, 2))
-        + tuple(f"kda_gemm_rows_tail_staged_awaiting_{form}bf16_m1_n{n}" for form in ("", "sums_") for n in (1, 2, 4))
-        + tuple(f"kda_gemm_rows_packed_{form}_bf16_m1_n{n}" for form in ("pair", "awaiting", "awaiting_sums")
-                for n in (1, 2, 4)),
+        + tuple(f"kda_gemm_rows_tail_staged_awaiting_{form}bf16_m1_n{n}" for form in ("", "sums_") for n in (1, 2, 4)),
     "conv": ("kda_conv_prefill_silu_l2_bf16",),
     "gate": ("kda_gate_beta_f32",),
     "decode/decode": ("kda_decode_fused_bf16",),
     "chunk/chunk": ("kda_chunk_prepare_f32", "kda_chunk_scan_f32"),
-    "chunk/chunk_tc": ("kda_chunk_tc_prepare_f32", "kda_chunk_tc_prepare_gate_f32",
-                       "kda_chunk_tc_prepare_unbounded_f32", "kda_chunk_tc_scan_f32"),
+    "chunk/chunk_tc": ("kda_chunk_tc_prepare_f32", "kda_chunk_tc_prepare_unbounded_f32", "kda_chunk_tc_scan_f32"),
+    "chunk/chunk_tc_gate": ("kda_chunk_tc_prepare_gate_f32",),
     "norm": ("kda_gated_rmsnorm_sigmoid_bf16",),
 }
 
@@ -54,8 +58,9 @@ ARCH_ENTRY_POINTS: dict[str, tuple[str, tuple[str, ...]]] = {
 # The kernel source files, one per family (the keys of ENTRY_POINTS and ARCH_ENTRY_POINTS plus ".cu").
 KERNEL_FILES: tuple[str, ...] = tuple(f"{stem}.cu" for stem in (*ENTRY_POINTS, *ARCH_ENTRY_POINTS))
 
-# Threads compiling kernel files at once (NVRTC compiles one file on one core).
-_COMPILE_THREADS = max(1, min(8, os.cpu_count() or 1))
+# Threads compiling kernel files at once (NVRTC compiles one file on one core): every file at once
+# where the cores allow (the slowest file sets a cold start's time).
+_COMPILE_THREADS = max(1, min(16, os.cpu_count() or 1))
 
 # A header every kernel folder holds: how kernels_dir recognises one.
 MARKER_HEADER = "common/head.cuh"
@@ -253,7 +258,9 @@ class KernelSet:
                 module.compile()  # now, in this thread: NVRTC runs without the GIL
                 return module
 
-        # One file per thread: a cold start costs the slowest file's compile, not the sum.
+        # One file per thread, the longest sources first: a cold start costs the slowest file's
+        # compile, not the sum.
+        families.sort(key=lambda family: -len(kernel_source(family[0], directory)))
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(families), _COMPILE_THREADS)) as pool:
             modules = list(pool.map(load, families))
         missing: list[str] = []

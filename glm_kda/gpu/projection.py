@@ -19,6 +19,7 @@ from typing import Any
 
 import cupy
 
+from ..state import array_module
 from . import build
 from .ops.checks import _i32, _require_int32, _row_stride, check_scratch, projection_args
 
@@ -99,7 +100,7 @@ class PackedWeight:
 def _padded(w: Any, name: str, rows_multiple: int) -> tuple[Any, int, int, int]:
     """w checked ([n, k] BF16, k % 8 == 0) and padded by zeros to n a multiple of rows_multiple and
     k of _K_BLOCK: (padded, n, k, k_blocks)."""
-    xp = cupy.get_array_module(w)
+    xp = array_module(w)
     if w.ndim != 2 or w.shape[0] < 1 or w.shape[1] < 1:
         raise ValueError(f"{name}: w must be [n, k] with n, k >= 1, got {list(w.shape)}")
     if w.dtype.itemsize != 2:
@@ -117,7 +118,7 @@ def pack_weight(w: Any, tiles: bool = False) -> PackedWeight:
     """The packed layout of a [n, k] BF16 weight (a CuPy or NumPy array; the result lives where w
     does). k must be a multiple of 8, like every weight of gemm_rows_bf16. ``tiles``: also the tile
     layout of the bulk-copy sweep (:func:`tile_layout`)."""
-    xp = cupy.get_array_module(w)
+    xp = array_module(w)
     padded, n, k, k_blocks = _padded(w, "pack_weight", _N_TILE)
     # [tile, g, kb, t, e] -> [tile, kb, g, t, e]: lane 4 g + t holds row g, k 8 t .. 8 t + 7.
     n_tiles = padded.shape[0] // _N_TILE
@@ -131,7 +132,7 @@ def tile_layout(a: Any, name: str) -> Any:
     [ceil(m / 64), ceil(k / 32), 2048]: for the group of rows 64 G .. 64 G + 63 and block kb of 32 k,
     ``tile[G, kb, 1024 s + 512 h + 8 c + 2 t + e] = a[64 G + c, 32 kb + 8 t + 4 s + 2 h + e]`` (t < 4,
     e < 2; zeros past m and k): the shared-memory image of the k16 steps s = 0, 1 of the block."""
-    xp = cupy.get_array_module(a)
+    xp = array_module(a)
     padded, _, _, k_blocks = _padded(a, name, 64)
     groups = padded.shape[0] // 64
     # k = 32 kb + 8 t + 4 s + 2 h + e, row = 64 G + c -> [G, kb, s, h, c, t, e].

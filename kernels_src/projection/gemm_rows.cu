@@ -20,25 +20,12 @@
     {                                                                                              \
         gemm_rows_entry<M_TILES, N_TILES, PACKED>(x, ldx, w, y, ldy, rows, n, k, prefetch);        \
     }
-// The same launch writing each output's FP32 sum to sums[row * ld_sums + column] as well (the sum that
-// y holds rounded to BF16): a tensor-parallel rank's partial output, which the ranks add up before the
-// one rounding.
-#define GEMM_ROWS_SUMS_ENTRY_OF(NAME, M_TILES, N_TILES, PACKED)                                    \
-    extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_MIN_BLOCKS)          \
-        NAME(GEMM_ROWS_PARAMETERS(prefetch), GEMM_ROWS_SUMS_PARAMETERS)                            \
-    {                                                                                              \
-        gemm_rows_entry<M_TILES, N_TILES, PACKED, GEMM_X_INPUT, true>(                             \
-            x, ldx, w, y, ldy, rows, n, k, prefetch, GemmRowsSecond{nullptr, nullptr, nullptr},    \
-            GemmRowsAwait{nullptr, 0}, GemmRowsSums{sums, ld_sums});                               \
-    }
 // kda_gemm_rows_bf16_m<M>_n<N> reads w in torch Linear layout, kda_gemm_rows_packed_bf16_m<M>_n<N> in the
-// packed layout of gemm_rows.cuh (the same bits); kda_gemm_rows_sums_bf16_m<M>_n<N> and
-// kda_gemm_rows_packed_sums_bf16_m<M>_n<N> write the FP32 sums too.
+// packed layout of gemm_rows.cuh (the same bits); gemm_rows_sums.cu has the forms that write the FP32
+// sums too (a file of their own: the two files compile side by side).
 #define GEMM_ROWS_ENTRY(M_TILES, N_TILES)                                                          \
     GEMM_ROWS_ENTRY_OF(kda_gemm_rows_bf16_m##M_TILES##_n##N_TILES, M_TILES, N_TILES, false)            \
-    GEMM_ROWS_ENTRY_OF(kda_gemm_rows_packed_bf16_m##M_TILES##_n##N_TILES, M_TILES, N_TILES, true)      \
-    GEMM_ROWS_SUMS_ENTRY_OF(kda_gemm_rows_sums_bf16_m##M_TILES##_n##N_TILES, M_TILES, N_TILES, false)  \
-    GEMM_ROWS_SUMS_ENTRY_OF(kda_gemm_rows_packed_sums_bf16_m##M_TILES##_n##N_TILES, M_TILES, N_TILES, true)
+    GEMM_ROWS_ENTRY_OF(kda_gemm_rows_packed_bf16_m##M_TILES##_n##N_TILES, M_TILES, N_TILES, true)
 
 GEMM_ROWS_ENTRY(1, 1)
 GEMM_ROWS_ENTRY(1, 2)

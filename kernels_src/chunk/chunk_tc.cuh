@@ -1,0 +1,939 @@
+// Chunked (WY) prefill of the KDA delta rule on tensor cores: the same mathematics,
+// inputs and outputs as kda_chunk_prepare_f32 + kda_chunk_scan_f32 (chunk.cu, the FP32
+// reference path), with every matrix product on mma.sync m16n8k8 TF32 -> FP32.
+// Chunk C = 64 rows, split into 4 sub-chunks of 16; D = KDA_HEAD_DIM = 128. The bounded
+// gate law (g >= lower_bound >= -5, see the range argument in the pair products); the
+// kda_chunk_tc_prepare_unbounded_f32 entry takes any gate <= 0 (the softplus law): a diagonal
+// 16 x 16 block of A and B whose decay exceeds the bounded range is formed as exact FP32 sums
+// (diagonal_blocks_exact), every other block as in the bounded prepare.
+//
+// Per chunk and head (t, s rows of the chunk, G_t = sum_{r<=t} g_r per channel, S0 the
+// state [D_k, D_v] at the chunk start), exactly as chunk.cu:
+//   A[t][s] = sum_d k_t k_s exp(G_t - G_s)  (s < t),   B[t][s] = scale sum_d q_t k_s exp(G_t - G_s)  (s <= t)
+//   T = (I + diag(beta) A)^-1,  W = T diag(beta) (K * exp(G)),  Uc = T diag(beta) V
+//   U = Uc - W S0,  o = (scale Q * exp(G)) S0 + B U,  S = diag(exp(G_{C-1})) S0 + (K * exp(G_{C-1} - G))^T U
+// tests/chunk_tc_model.py `model_chunk_tc` is a float64 NumPy model of exactly this blocked
+// algorithm: the same sub-chunk reference rows, block order and TF32 rounding points.
+//
+// Numerics. Every mma operand is rounded to TF32 (round_tf32 below: nearest, ties away
+// from zero, 10 mantissa bits) before the product; products and sums are FP32 (mma
+// accumulates in FP32) and the state stays FP32 in registers and in global memory; only
+// its per-chunk operand copy is TF32. Expected error, measured on the model against the
+// float64 oracle (random and correlated unit keys, strong and weak decay, T up to
+// 16384): rms-ratio 3e-4 .. 7e-4 for core and final state, flat in T (the delta rule
+// corrects the state every chunk, so the rounding does not accumulate). BF16 operands
+// (8 significant bits against 11) measure 2e-3 .. 4e-3 in the same model, above the 1e-3
+// budget; TF32 mma has half BF16's rate, which these latency-bound kernels do not feel.
+//
+// Padding: rows t >= T of the last chunk are zero BY INDEX at the loads (q = k = v = 0,
+// g = 0, beta = 0): the padded input rows are never read, so NaN or 1e30 there changes
+// no output bit and no state bit. Padded rows of the scratch are written as zeros.
+//
+// Two kernels, like chunk.cu: the intra-chunk work is independent per chunk, the scan is
+// sequential over chunks. The prepare has a second entry point,
+// kda_chunk_tc_prepare_gate_f32, that forms the forget gate and beta from the projections
+// in step 1 (and writes them out) instead of reading them: the layer's bounded prefill takes it,
+// one pass over the gate fewer.
+//
+// Launch:
+// kda_chunk_tc_prepare_f32: grid (nchunks, heads), 256 threads (8 warps), dynamic shared
+//   memory CHUNK_TC_PREPARE_SMEM_BYTES = 104,704 B (needs the opt-in of sm_80 (163 KB),
+//   sm_90 and sm_100 (227 KB); not sm_86 / sm_89 / sm_120 (99 KB)), at most 128 registers,
+//   so two blocks share an SM and one's loads overlap the other's products. One block per
+//   (chunk, head):
+//     1. load k, g (masked, gate clamped to [lower_bound, 0]), cumulative gate G; write
+//        q_decay (q read from global memory, never staged), k_tail (transposed per chunk)
+//        and chunk_decay elementwise;
+//     2. the 10 blocks (i >= j) of 16x16 of A and B, one warp per block pair (A and B
+//        share the key operand); L = diag(beta) A kept in shared memory, B to global;
+//     3. T = (I + L)^-1 blockwise: the four 16x16 diagonal blocks by FP32 forward
+//        substitution, then T_ij = -T_ii sum_{j<=k<i} L_ik T_kj on mma in three waves
+//        (i - j = 1, 2, 3);
+//     4. W = T (beta K exp(G)) and Uc = T (beta V): 64x64 @ 64x128 on mma, 4 warps each.
+// kda_chunk_tc_scan_f32: grid (heads, D / 32), 128 threads (4 warps), dynamic shared
+//   memory CHUNK_TC_SCAN_SMEM_BYTES = 66,560 B, so two blocks fit one SM of sm_80 /
+//   sm_90 / sm_100 / sm_120 and GLM's 64 heads x 4 value tiles (256 blocks) run in one wave
+//   on an H200's 132 SMs; Kimi's 32 heads give 128 blocks. The scan is bound by the L2
+//   traffic of the operands every value tile of a head reads (W, q_decay, k_tail, B: FP16,
+//   see f32_to_f16 below). A block owns the state columns
+//   [32 y, 32 y + 32) of one head, FP32 in registers as mma accumulators (warp w: rows
+//   32 w .. 32 w + 31), and walks the chunks:
+//     phase A (warp w: chunk rows 16 w .. 16 w + 15): U = Uc - W S0 and o = q_decay S0,
+//       W and q_decay staged in shared memory by cp.async one phase ahead;
+//     phase B: o += B U (core out), S = diag(decay) S + k_tail^T U, attn / k_tail / Uc
+//       fragments loaded into registers at the chunk start.
+//   Two barriers per chunk; the value columns are independent, no atomics anywhere, so
+//   every bit is a function of the inputs alone.
+//
+// Fragment layout (PTX ISA, mma.m16n8k8 .tf32; lane = 4 g + t): A a0 (g, t), a1 (g+8, t),
+// a2 (g, t+4), a3 (g+8, t+4); B b0 (k t, n g), b1 (k t+4, n g); C c0/c1 (g, 2t / 2t+1),
+// c2/c3 (g+8, ...). As in projection/gemm_rows.cuh the k axis is permuted the same way for A and B so
+// that a lane reads contiguous k: inside a block of 8 S k (S mma steps), lane t holds
+// physical k 2St .. 2St + 2S - 1 of its rows and of its B column, and step s takes the
+// pair 2s, 2s + 1 as logical k t and t + 4. Every physical k is used once per block. B
+// operands are therefore stored n-major ([n][k], "transposed") in shared memory.
+// Shared-memory rows have a stride of 4 mod 8 floats (132 for D, 68 for C), which makes
+// those 16-byte fragment loads and the accumulator stores bank-conflict free.
+#include "common/bf16.cuh"
+#include "common/math.cuh"
+#include "common/reduce.cuh"
+#include "common/sync.cuh"
+
+#define CHUNK_TC 64
+#define CHUNK_TC_SUB 16
+#define CHUNK_TC_SUBS (CHUNK_TC / CHUNK_TC_SUB)
+// Smallest lower bound of the bounded gate law the exponent range argument allows.
+#define CHUNK_TC_MIN_LOWER_BOUND (-5.0f)
+#define CHUNK_TC_PREPARE_THREADS 256
+#define CHUNK_TC_PREPARE_WARPS (CHUNK_TC_PREPARE_THREADS / 32)
+#define CHUNK_TC_SCAN_COLUMNS 32
+#define CHUNK_TC_SCAN_THREADS 128
+// Row strides (floats) of the shared tiles: [*][D] and [*][C].
+#define CHUNK_TC_D_STRIDE (KDA_HEAD_DIM + 4)
+#define CHUNK_TC_C_STRIDE (CHUNK_TC + 4)
+// Row stride (halves) of the scan's FP16 [C][D] tiles: 320 bytes, 64 mod 128, so the
+// 16-byte fragment loads of a quarter warp (rows g, g + 1; 64 bytes each) hit 32 banks.
+#define CHUNK_TC_H_STRIDE (KDA_HEAD_DIM + 32)
+// The prepare kernel's shared memory is four units, reused between phases; a unit holds a
+// [C][D_STRIDE] tile (8448 floats) or a [D][C_STRIDE] tile (8704 floats).
+#define CHUNK_TC_UNIT (KDA_HEAD_DIM * CHUNK_TC_C_STRIDE)
+#define CHUNK_TC_PREPARE_SMEM_BYTES (4 * (3 * CHUNK_TC_UNIT + CHUNK_TC))
+// float4 loads per thread to cover one [C][D] tile.
+#define CHUNK_TC_TILE_LOADS (CHUNK_TC * KDA_HEAD_DIM / 4 / CHUNK_TC_PREPARE_THREADS)
+#define CHUNK_TC_SCAN_SMEM_BYTES                                                              \
+    (2 * 2 * CHUNK_TC * CHUNK_TC_H_STRIDE +                                                   \
+     4 * (CHUNK_TC_SCAN_COLUMNS * CHUNK_TC_D_STRIDE + CHUNK_TC_SCAN_COLUMNS * CHUNK_TC_C_STRIDE))
+
+// x rounded to TF32 (10 mantissa bits), to nearest with ties away from zero, as
+// cvt.rna.tf32.f32 rounds; the result is an FP32 value with 13 zero low bits, so the mma
+// sees exactly this value and tests/chunk_tc_model.py `round_tf32` reproduces it bit for bit.
+// Infinities and NaNs pass unchanged (adding to a NaN's bits could wrap it to -0).
+__device__ __forceinline__ float round_tf32(float x)
+{
+    const unsigned int bits = __float_as_uint(x);
+    if ((bits & 0x7f800000u) == 0x7f800000u) {
+        return x;
+    }
+    return __uint_as_float((bits + 0x1000u) & 0xffffe000u);
+}
+
+// FP16 storage for the scratch the scan reads as mma operands (q_decay, k_tail, W, B): a
+// TF32 value has 11 significant bits, as FP16 has, so one inside FP16's normal range
+// [6.1e-5, 65504] converts exactly and the scan multiplies the very TF32 values the FP32
+// scratch held; below that range FP16 keeps a subnormal (absolute error <= 3e-8 on a term of
+// that size, which the rms measure does not see). It halves the scan's traffic, which is
+// what bounds it. The range holds for these operands: |q_decay| <= scale, |k_tail| <= 1,
+// |B| <= scale (unit q and k, decays <= 1), and W = T diag(beta) K exp(G) is of order |T|,
+// the inverse of a unit-triangular matrix whose entries are key dot products (measured
+// |W| <= 0.3); a value beyond 65504 would become inf, and the output NaN, not wrong numbers.
+// The raw 16 bits, so that no header is needed.
+typedef unsigned short f16_t;
+
+__device__ __forceinline__ f16_t f32_to_f16(float x)
+{
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return h;
+}
+
+__device__ __forceinline__ float f16_to_f32(f16_t h)
+{
+    float x;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(x) : "h"(h));
+    return x;
+}
+
+__device__ __forceinline__ unsigned int pack_f16x2(float low, float high)
+{
+    return static_cast<unsigned int>(f32_to_f16(low)) | (static_cast<unsigned int>(f32_to_f16(high)) << 16);
+}
+
+// Eight FP16 values from 16-byte aligned memory (shared or global), as floats.
+__device__ __forceinline__ void load8_f16(float out[8], const f16_t* pointer)
+{
+    const uint4 value = *reinterpret_cast<const uint4*>(pointer);
+    const unsigned int words[4] = {value.x, value.y, value.z, value.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        out[2 * e] = f16_to_f32(static_cast<f16_t>(words[e] & 0xffffu));
+        out[2 * e + 1] = f16_to_f32(static_cast<f16_t>(words[e] >> 16));
+    }
+}
+
+// acc[16 x 8] += A[16 x 8] B[8 x 8], TF32 operands (already rounded), FP32 accumulate.
+__device__ __forceinline__ void mma_tf32_m16n8k8(float acc[4], float a0, float a1, float a2,
+                                                 float a3, float b0, float b1)
+{
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+        : "r"(__float_as_uint(a0)), "r"(__float_as_uint(a1)), "r"(__float_as_uint(a2)),
+          "r"(__float_as_uint(a3)), "r"(__float_as_uint(b0)), "r"(__float_as_uint(b1)));
+}
+
+// One permuted k block of 8 STEPS: a_low / a_high are the lane's 2 STEPS values of rows g
+// and g + 8, b its 2 STEPS values of column g (see the fragment layout above).
+template <int STEPS>
+__device__ __forceinline__ void mma_k_block(float acc[4], const float* a_low, const float* a_high,
+                                            const float* b)
+{
+#pragma unroll
+    for (int step = 0; step < STEPS; ++step) {
+        mma_tf32_m16n8k8(acc, a_low[2 * step], a_high[2 * step], a_low[2 * step + 1],
+                         a_high[2 * step + 1], b[2 * step], b[2 * step + 1]);
+    }
+}
+
+// Eight floats from 16-byte aligned memory (shared or global).
+__device__ __forceinline__ void load8(float out[8], const float* pointer)
+{
+    const float4 low = *reinterpret_cast<const float4*>(pointer);
+    const float4 high = *reinterpret_cast<const float4*>(pointer + 4);
+    out[0] = low.x;
+    out[1] = low.y;
+    out[2] = low.z;
+    out[3] = low.w;
+    out[4] = high.x;
+    out[5] = high.y;
+    out[6] = high.z;
+    out[7] = high.w;
+}
+
+__device__ __forceinline__ void load4(float out[4], const float* pointer)
+{
+    const float4 value = *reinterpret_cast<const float4*>(pointer);
+    out[0] = value.x;
+    out[1] = value.y;
+    out[2] = value.z;
+    out[3] = value.w;
+}
+
+__device__ __forceinline__ void round8_tf32(float values[8])
+{
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        values[e] = round_tf32(values[e]);
+    }
+}
+
+// The bounded law gives lower_bound <= g <= 0; the clamp makes the exponent range argument
+// hold whatever the buffer holds, and is the identity on every gate the law produces. A
+// NaN passes through (both comparisons are false), as it would in the FP32 path.
+__device__ __forceinline__ float clamp_gate(float g, float lower_bound)
+{
+    return g < lower_bound ? lower_bound : (g > 0.0f ? 0.0f : g);
+}
+
+// 16 bytes global -> shared, asynchronous (L2 only: the tile is read once per block).
+__device__ __forceinline__ void copy_async_16B(void* shared_destination, const void* source)
+{
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_address(shared_destination)), "l"(source)
+                 : "memory");
+}
+
+__device__ __forceinline__ void copy_async_commit()
+{
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+__device__ __forceinline__ void copy_async_wait_all()
+{
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+}
+
+// T_ij = -T_ii sum_{j<=k<i} L_ik T_kj for one 16x16 block below the diagonal (one warp).
+// lower_s holds L = diag(beta) A, inverse_s holds T; both [C][C_STRIDE]. Every block the
+// sum reads is closer to the diagonal than (i, j) and so complete in an earlier wave. The
+// sum X is parked in block (i, j) of inverse_s to be reread as a B operand.
+__device__ __forceinline__ void inverse_block_below_diagonal(const float* lower_s, float* inverse_s,
+                                                             int i, int j, int lane)
+{
+    const int group_lane = lane >> 2;
+    const int thread_in_group = lane & 3;
+    // This lane's A rows (block row i), its 4 k of a 16-k block, its B / C column.
+    const float* lower_low =
+        lower_s + (CHUNK_TC_SUB * i + group_lane) * CHUNK_TC_C_STRIDE + 4 * thread_in_group;
+    const float* lower_high = lower_low + 8 * CHUNK_TC_C_STRIDE;
+    const float* inverse_low = inverse_s + (lower_low - lower_s);
+    const float* inverse_high = inverse_s + (lower_high - lower_s);
+    float* block = inverse_s + CHUNK_TC_SUB * i * CHUNK_TC_C_STRIDE + CHUNK_TC_SUB * j;
+    // C element e of n-tile n sits at block[accumulator_at + 8 n + c_offset(e)].
+    const int accumulator_at = group_lane * CHUNK_TC_C_STRIDE + 2 * thread_in_group;
+
+    float sum[2][4] = {};
+    for (int k = j; k < i; ++k) {
+        float a_low[4];
+        float a_high[4];
+        load4(a_low, lower_low + CHUNK_TC_SUB * k);
+        load4(a_high, lower_high + CHUNK_TC_SUB * k);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            a_low[e] = round_tf32(a_low[e]);
+            a_high[e] = round_tf32(a_high[e]);
+        }
+        const float* inverse_kj = inverse_s + (CHUNK_TC_SUB * k + 4 * thread_in_group) * CHUNK_TC_C_STRIDE +
+                                  CHUNK_TC_SUB * j + group_lane;
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+            float b[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                b[e] = round_tf32(inverse_kj[e * CHUNK_TC_C_STRIDE + 8 * n]);
+            }
+            mma_k_block<2>(sum[n], a_low, a_high, b);
+        }
+    }
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            block[accumulator_at + (e >> 1) * 8 * CHUNK_TC_C_STRIDE + 8 * n + (e & 1)] = sum[n][e];
+        }
+    }
+    __syncwarp();
+    float x[2][4];
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            x[n][e] = round_tf32(block[(4 * thread_in_group + e) * CHUNK_TC_C_STRIDE + 8 * n + group_lane]);
+        }
+    }
+    // Every lane holds its X fragment before block (i, j) is overwritten with T_ij.
+    __syncwarp();
+    float a_low[4];
+    float a_high[4];
+    load4(a_low, inverse_low + CHUNK_TC_SUB * i);
+    load4(a_high, inverse_high + CHUNK_TC_SUB * i);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        a_low[e] = round_tf32(a_low[e]);
+        a_high[e] = round_tf32(a_high[e]);
+    }
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+        float product[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        mma_k_block<2>(product, a_low, a_high, x[n]);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            block[accumulator_at + (e >> 1) * 8 * CHUNK_TC_C_STRIDE + 8 * n + (e & 1)] = -product[e];
+        }
+    }
+}
+
+// Eight q values of chunk row t (channels at column .. column + 7 of the row), zero for a
+// padding row (t >= valid: never read).
+__device__ __forceinline__ void load_query_row8(float out[8], const float* __restrict__ query, int first, int t,
+                                                int valid, size_t row_stride, size_t column)
+{
+    if (t < valid) {
+        load8(out, query + static_cast<size_t>(first + t) * row_stride + column);
+    } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            out[e] = 0.0f;
+        }
+    }
+}
+
+// Transposing pass over a [C][D_STRIDE] tile: each lane takes 4 channels d .. d+3 of one
+// row t, a warp covers 16 rows x 8 channels per step, so the [D][C_STRIDE] (and global
+// [D][C]) stores of a warp hit 32 distinct banks / two 64-byte segments.
+#define CHUNK_TC_TRANSPOSE_STEPS ((CHUNK_TC / 16) * (KDA_HEAD_DIM / 8))
+// Steps per warp of one transposing pass over the tile.
+#define CHUNK_TC_TRANSPOSE_PASSES (CHUNK_TC_TRANSPOSE_STEPS / CHUNK_TC_PREPARE_WARPS)
+
+// Row t and first channel d of this lane's 4 channels in step `step` of a transposing pass:
+// step & 3 picks the 16-row quarter, step >> 2 the 8 channels, lane & 15 the row in it and
+// lane >> 4 the half of the 8 channels. The one definition of the pass's coordinates.
+__device__ __forceinline__ void transpose_slot(int step, int lane, int& t, int& d)
+{
+    t = (step & 3) * 16 + (lane & 15);
+    d = (step >> 2) * 8 + (lane >> 4) * 4;
+}
+
+// The largest decay across a diagonal block (G_r - G_s, r its first row, s its last, in any
+// channel) for which the unbounded prepare still forms the block by the reference-row
+// products: the factors exp(G_r - G_s) stay below exp(75) = 3.7e32 and exp(G_t - G_r) above
+// exp(-75), the range a bound of -5 gives the bounded prepare (the argument above the pair
+// products). Wider blocks take the exact sums.
+#define CHUNK_TC_DIAGONAL_RANGE (-CHUNK_TC_MIN_LOWER_BOUND * (CHUNK_TC_SUB - 1))
+
+// Whether diagonal block i is within CHUNK_TC_DIAGONAL_RANGE in every channel, by one warp
+// (warp-uniform; a NaN counts as out of range). G never increases along the chunk (every
+// gate is capped at 0), so the first and last rows of the block bound every pair in it.
+__device__ __forceinline__ bool diagonal_in_range(const float* cumgate_s, int i, int lane)
+{
+    float first_row[4];
+    float last_row[4];
+    load4(first_row, cumgate_s + CHUNK_TC_SUB * i * CHUNK_TC_D_STRIDE + 4 * lane);
+    load4(last_row, cumgate_s + (CHUNK_TC_SUB * i + CHUNK_TC_SUB - 1) * CHUNK_TC_D_STRIDE + 4 * lane);
+    bool in_range = true;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        in_range = in_range && first_row[e] - last_row[e] <= CHUNK_TC_DIAGONAL_RANGE;
+    }
+    return __all_sync(KDA_FULL_WARP_MASK, in_range);
+}
+
+// Pairs s <= t of one 16 x 16 diagonal block.
+#define CHUNK_TC_SUB_PAIRS (CHUNK_TC_SUB * (CHUNK_TC_SUB + 1) / 2)
+
+// The diagonal blocks i with exact[i] set, of A and B, without the reference-row products
+// (whose factor exp(G_r - G_s) for s after r is unbounded without a lower bound on g), by every
+// thread of the block: task k is the pair (t, s), s <= t, number k % 136 of diagonal block k / 136 in
+// row-major order of its lower triangle (the lanes of a warp mostly share t, and their rows s
+// hit distinct banks), an FP32 sum over d in ascending order of k_t (k_s exp(G_t - G_s)) and
+// q_t (k_s exp(G_t - G_s)), every factor <= 1. Writes L = diag(beta) A (s < t) and
+// tf32(scale B) (s <= t), and zeros above the diagonal, as the product path does. q rows past
+// `valid` are zero by index.
+__device__ __forceinline__ void diagonal_blocks_exact(const float* key_s, const float* cumgate_s, const float* beta_s,
+                                                      float* lower_s, f16_t* attn_block, const float* query, int first,
+                                                      int valid, size_t row_stride, size_t head_offset, float scale,
+                                                      const int* exact, int thread)
+{
+    for (int task = thread; task < CHUNK_TC_SUBS * CHUNK_TC_SUB_PAIRS; task += CHUNK_TC_PREPARE_THREADS) {
+        const int i = task / CHUNK_TC_SUB_PAIRS;
+        if (!exact[i]) {
+            continue;
+        }
+        const int pair = task - i * CHUNK_TC_SUB_PAIRS;
+        int row = 0;
+        while ((row + 1) * (row + 2) / 2 <= pair) {
+            ++row;
+        }
+        const int t = CHUNK_TC_SUB * i + row;
+        const int s = CHUNK_TC_SUB * i + pair - row * (row + 1) / 2;
+        const float* key_t = key_s + t * CHUNK_TC_D_STRIDE;
+        const float* key_src = key_s + s * CHUNK_TC_D_STRIDE;
+        const float* gate_t = cumgate_s + t * CHUNK_TC_D_STRIDE;
+        const float* gate_src = cumgate_s + s * CHUNK_TC_D_STRIDE;
+        const float* query_t = query + static_cast<size_t>(first + t) * row_stride + head_offset;
+        const bool real = t < valid;
+        float kk = 0.0f;
+        float qk = 0.0f;
+#pragma unroll 2
+        for (int d = 0; d < KDA_HEAD_DIM; d += 4) {
+            float key_row[4];
+            float key_source[4];
+            float gate_row[4];
+            float gate_source[4];
+            float query_row[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            load4(key_row, key_t + d);
+            load4(key_source, key_src + d);
+            load4(gate_row, gate_t + d);
+            load4(gate_source, gate_src + d);
+            if (real) {
+                load4(query_row, query_t + d);
+            }
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float decayed = key_source[e] * expf(gate_row[e] - gate_source[e]);
+                kk = fmaf(key_row[e], decayed, kk);
+                qk = fmaf(query_row[e], decayed, qk);
+            }
+        }
+        lower_s[t * CHUNK_TC_C_STRIDE + s] = s < t ? beta_s[t] * kk : 0.0f;
+        attn_block[t * CHUNK_TC + s] = f32_to_f16(round_tf32(scale * qk));
+    }
+    for (int index = thread; index < CHUNK_TC_SUBS * CHUNK_TC_SUB * CHUNK_TC_SUB; index += CHUNK_TC_PREPARE_THREADS) {
+        const int base = CHUNK_TC_SUB * (index / (CHUNK_TC_SUB * CHUNK_TC_SUB));
+        const int t = base + (index / CHUNK_TC_SUB) % CHUNK_TC_SUB;
+        const int s = base + index % CHUNK_TC_SUB;
+        if (s > t && exact[base / CHUNK_TC_SUB]) {
+            lower_s[t * CHUNK_TC_C_STRIDE + s] = 0.0f;
+            attn_block[t * CHUNK_TC + s] = f32_to_f16(0.0f);
+        }
+    }
+}
+
+// The prepare, in two entry points below. FUSED_GATE false: gate_in [T, H, D] and beta_in
+// [T, H] are inputs. FUSED_GATE true: gate_out and beta_out (the stage buffers) are formed
+// here from forget_proj [T, H*D] BF16 + dt_bias [H*D] and A_log [H] (kda_forget_gate, bounded
+// law: the bits of kda_gate_beta_f32) and from the BF16 beta logits (row stride ld_beta), for
+// the real rows of the chunk only, saving the gate kernel's pass over memory.
+template <bool FUSED_GATE, bool UNBOUNDED = false>
+__device__ __forceinline__ void chunk_tc_prepare(
+    const float* __restrict__ query, const float* __restrict__ key, const float* __restrict__ value,
+    const float* __restrict__ gate_in, const float* __restrict__ beta_in, float* __restrict__ gate_out,
+    float* __restrict__ beta_out, f16_t* __restrict__ q_decay, f16_t* __restrict__ k_tail_t,
+    f16_t* __restrict__ w, float* __restrict__ u, f16_t* __restrict__ attn, float* __restrict__ chunk_decay,
+    int tokens, int heads, float scale, float lower_bound, const bf16_t* __restrict__ forget_proj,
+    const float* __restrict__ dt_bias, const float* __restrict__ a_log, const bf16_t* __restrict__ beta_logits,
+    int ld_beta)
+{
+    // Three units of CHUNK_TC_UNIT floats, then beta [C] (104,704 B: two blocks per SM of
+    // sm_80 / sm_90 / sm_100). q is never staged: it is an elementwise input of q_decay and
+    // the A operand of the B blocks, read from global memory (L2) where it is used.
+    //   unit 0: key_s [C][D_STRIDE]        k;  from phase 3: value_t_s [D][C_STRIDE] tf32(beta v)^T
+    //   unit 1: cumgate_s [C][D_STRIDE]    G;  from phase 3: key_beta_t_s [D][C_STRIDE] tf32(beta k exp(G))^T
+    //   unit 2: lower_s [C][C_STRIDE]      L = diag(beta) A, then inverse_s [C][C_STRIDE] T
+    extern __shared__ __align__(16) float shared[];
+    float* key_s = shared;
+    float* cumgate_s = shared + CHUNK_TC_UNIT;
+    float* lower_s = shared + 2 * CHUNK_TC_UNIT;
+    float* inverse_s = lower_s + CHUNK_TC * CHUNK_TC_C_STRIDE;
+    float* beta_s = shared + 3 * CHUNK_TC_UNIT;
+    float* value_t_s = key_s;
+    float* key_beta_t_s = cumgate_s;
+    // UNBOUNDED: which diagonal blocks take the exact sums (set by their warps in phase 2).
+    __shared__ int exact_s[CHUNK_TC_SUBS];
+
+    const int chunk_index = blockIdx.x;
+    const int head = blockIdx.y;
+    const int thread = threadIdx.x;
+    const int lane = thread & 31;
+    const int warp = thread >> 5;
+    const int group_lane = lane >> 2;
+    const int thread_in_group = lane & 3;
+    // The lane's first k inside a permuted 32-k block (see the fragment layout above).
+    const int lane_k = 8 * thread_in_group;
+    static_assert(!(FUSED_GATE && UNBOUNDED), "the fused gate forms the bounded law");
+    if (blockDim.x != CHUNK_TC_PREPARE_THREADS || tokens < 1 || head >= heads ||
+        chunk_index >= (tokens + CHUNK_TC - 1) / CHUNK_TC ||
+        !(UNBOUNDED || (lower_bound >= CHUNK_TC_MIN_LOWER_BOUND && lower_bound <= 0.0f))) {
+        return;
+    }
+    // UNBOUNDED: any gate <= 0 (the softplus law); the clamp only caps g at 0.
+    const float clamp_bound = UNBOUNDED ? -__uint_as_float(0x7f800000u) : lower_bound;
+    const int first = chunk_index * CHUNK_TC;
+    // Rows of this chunk that are real tokens; rows valid..C-1 are padding.
+    const int valid = min(CHUNK_TC, tokens - first);
+    const size_t row_stride = static_cast<size_t>(heads) * KDA_HEAD_DIM;
+    const size_t head_offset = static_cast<size_t>(head) * KDA_HEAD_DIM;
+    const size_t chunk_head = static_cast<size_t>(chunk_index) * heads + head;
+
+    // 1. Load k and g (padding rows zero by index, never read): every load of the thread is
+    // issued before the first store, then the cumulative gate and the elementwise outputs.
+    {
+        // The gate tile goes to shared memory clamped to [lower_bound, 0]; the key tile after
+        // the branch. This thread's 4 channels are the same in every load (index & 31 is
+        // thread & 31), so its rows are t = thread / 32 + 8 l.
+        float4 key_value[CHUNK_TC_TILE_LOADS];
+        const int channel = (thread & 31) * 4;
+        if (FUSED_GATE) {
+            uint2 projected[CHUNK_TC_TILE_LOADS];
+#pragma unroll
+            for (int l = 0; l < CHUNK_TC_TILE_LOADS; ++l) {
+                const int t = (thread + l * CHUNK_TC_PREPARE_THREADS) >> 5;
+                key_value[l] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                projected[l].x = 0u;
+                projected[l].y = 0u;
+                if (t < valid) {
+                    const size_t at = static_cast<size_t>(first + t) * row_stride + head_offset + channel;
+                    key_value[l] = *reinterpret_cast<const float4*>(key + at);
+                    projected[l] = *reinterpret_cast<const uint2*>(forget_proj + at);
+                }
+            }
+            const float a = expf(a_log[head]);
+            float bias[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                bias[e] = dt_bias[head_offset + channel + e];
+            }
+#pragma unroll
+            for (int l = 0; l < CHUNK_TC_TILE_LOADS; ++l) {
+                const int t = (thread + l * CHUNK_TC_PREPARE_THREADS) >> 5;
+                const unsigned int words[2] = {projected[l].x, projected[l].y};
+                float g[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const bf16_t bits = static_cast<bf16_t>(e & 1 ? words[e >> 1] >> 16 : words[e >> 1] & 0xffffu);
+                    g[e] = kda_forget_gate(bf16_to_f32(bits) + bias[e], a, true, lower_bound);
+                }
+                float4 clamped = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                if (t < valid) {
+                    *reinterpret_cast<float4*>(gate_out + static_cast<size_t>(first + t) * row_stride + head_offset +
+                                               channel) = make_float4(g[0], g[1], g[2], g[3]);
+                    clamped = make_float4(clamp_gate(g[0], lower_bound), clamp_gate(g[1], lower_bound),
+                                          clamp_gate(g[2], lower_bound), clamp_gate(g[3], lower_bound));
+                }
+                *reinterpret_cast<float4*>(cumgate_s + t * CHUNK_TC_D_STRIDE + channel) = clamped;
+            }
+        } else {
+            float4 gate_value[CHUNK_TC_TILE_LOADS];
+#pragma unroll
+            for (int l = 0; l < CHUNK_TC_TILE_LOADS; ++l) {
+                const int t = (thread + l * CHUNK_TC_PREPARE_THREADS) >> 5;
+                key_value[l] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                gate_value[l] = key_value[l];
+                if (t < valid) {
+                    const size_t at = static_cast<size_t>(first + t) * row_stride + head_offset + channel;
+                    key_value[l] = *reinterpret_cast<const float4*>(key + at);
+                    gate_value[l] = *reinterpret_cast<const float4*>(gate_in + at);
+                }
+            }
+#pragma unroll
+            for (int l = 0; l < CHUNK_TC_TILE_LOADS; ++l) {
+                const int t = (thread + l * CHUNK_TC_PREPARE_THREADS) >> 5;
+                float4 clamped = gate_value[l];
+                clamped.x = clamp_gate(clamped.x, clamp_bound);
+                clamped.y = clamp_gate(clamped.y, clamp_bound);
+                clamped.z = clamp_gate(clamped.z, clamp_bound);
+                clamped.w = clamp_gate(clamped.w, clamp_bound);
+                *reinterpret_cast<float4*>(cumgate_s + t * CHUNK_TC_D_STRIDE + channel) = clamped;
+            }
+        }
+#pragma unroll
+        for (int l = 0; l < CHUNK_TC_TILE_LOADS; ++l) {
+            const int t = (thread + l * CHUNK_TC_PREPARE_THREADS) >> 5;
+            *reinterpret_cast<float4*>(key_s + t * CHUNK_TC_D_STRIDE + channel) = key_value[l];
+        }
+    }
+    if (thread < CHUNK_TC) {
+        float beta_t = 0.0f;
+        if (thread < valid) {
+            const size_t token = static_cast<size_t>(first + thread);
+            if (FUSED_GATE) {
+                beta_t = sigmoid_f32(bf16_to_f32(beta_logits[token * ld_beta + head]));
+                beta_out[token * heads + head] = beta_t;
+            } else {
+                beta_t = beta_in[token * heads + head];
+            }
+        }
+        beta_s[thread] = beta_t;
+    }
+    __syncthreads();
+
+    if (thread < KDA_HEAD_DIM) {
+        // Channel d: G_t = G_{t-1} + g_t in row order (the padded rows add zero).
+        float running = 0.0f;
+        for (int t = 0; t < CHUNK_TC; ++t) {
+            running += cumgate_s[t * CHUNK_TC_D_STRIDE + thread];
+            cumgate_s[t * CHUNK_TC_D_STRIDE + thread] = running;
+        }
+        chunk_decay[chunk_head * KDA_HEAD_DIM + thread] = expf(running);
+    }
+    __syncthreads();
+
+    // q_decay = tf32(scale q exp(G)), row-major like the inputs (q straight from global
+    // memory, all loads of the thread first).
+    {
+        float4 query_value[CHUNK_TC_TILE_LOADS];
+#pragma unroll
+        for (int l = 0; l < CHUNK_TC_TILE_LOADS; ++l) {
+            const int index = thread + l * CHUNK_TC_PREPARE_THREADS;
+            const int t = index >> 5;
+            const int d = (index & 31) * 4;
+            query_value[l] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (t < valid) {
+                query_value[l] = *reinterpret_cast<const float4*>(
+                    query + static_cast<size_t>(first + t) * row_stride + head_offset + d);
+            }
+        }
+#pragma unroll
+        for (int l = 0; l < CHUNK_TC_TILE_LOADS; ++l) {
+            const int index = thread + l * CHUNK_TC_PREPARE_THREADS;
+            const int t = index >> 5;
+            const int d = (index & 31) * 4;
+            const float4 cumgate = *reinterpret_cast<const float4*>(cumgate_s + t * CHUNK_TC_D_STRIDE + d);
+            float4 out;
+            out.x = round_tf32(scale * query_value[l].x * expf(cumgate.x));
+            out.y = round_tf32(scale * query_value[l].y * expf(cumgate.y));
+            out.z = round_tf32(scale * query_value[l].z * expf(cumgate.z));
+            out.w = round_tf32(scale * query_value[l].w * expf(cumgate.w));
+            const size_t at = static_cast<size_t>(first + t) * row_stride + head_offset + d;
+            uint2 packed;
+            packed.x = pack_f16x2(out.x, out.y);
+            packed.y = pack_f16x2(out.z, out.w);
+            *reinterpret_cast<uint2*>(q_decay + at) = packed;
+        }
+    }
+    // k_tail_t[chunk][head][d][s] = tf32(k_s exp(G_{C-1} - G_s)): transposed, the scan's A
+    // operand of k_tail^T U.
+    {
+        f16_t* tail_block = k_tail_t + chunk_head * KDA_HEAD_DIM * CHUNK_TC;
+        const float* cumgate_last = cumgate_s + (CHUNK_TC - 1) * CHUNK_TC_D_STRIDE;
+        for (int step = warp; step < CHUNK_TC_TRANSPOSE_STEPS; step += CHUNK_TC_PREPARE_WARPS) {
+            int t, d;
+            transpose_slot(step, lane, t, d);
+            float key_value[4];
+            float cumgate[4];
+            float last[4];
+            load4(key_value, key_s + t * CHUNK_TC_D_STRIDE + d);
+            load4(cumgate, cumgate_s + t * CHUNK_TC_D_STRIDE + d);
+            load4(last, cumgate_last + d);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                tail_block[(d + e) * CHUNK_TC + t] = f32_to_f16(round_tf32(key_value[e] * expf(last[e] - cumgate[e])));
+            }
+        }
+    }
+    // B above the diagonal blocks is zero: the scan reads whole 32-column halves of a row.
+    f16_t* attn_block = attn + chunk_head * CHUNK_TC * CHUNK_TC;
+    for (int index = thread; index < CHUNK_TC * CHUNK_TC / 4; index += CHUNK_TC_PREPARE_THREADS) {
+        const int t = index >> 4;
+        const int s = (index & 15) * 4;
+        if (s >= (t / CHUNK_TC_SUB + 1) * CHUNK_TC_SUB) {
+            uint2 zeros;
+            zeros.x = 0u;
+            zeros.y = 0u;
+            *reinterpret_cast<uint2*>(attn_block + t * CHUNK_TC + s) = zeros;
+        }
+    }
+
+    // 2. Blocks (i, j), j <= i, of A and B, one warp per block pair.
+    //
+    // Range argument, where it bites: exp(G_t - G_s) is never formed from exp(G_t) and
+    // exp(-G_s) over the chunk (G reaches -5 * 64 = -320, exp(320) overflows). Instead
+    // each row block i has a reference row r = 16 i, and
+    //   A[t][s] = sum_d (k_t exp(G_t - G_r)) (k_s exp(G_r - G_s)).
+    // For t in sub-chunk i: G_t - G_r in [-75, 0] (15 gates >= -5), so the first factor is
+    // in [exp(-75), 1] = [2.7e-33, 1], a normal FP32 / TF32 number. For s in an earlier
+    // sub-chunk, G_r - G_s <= 0: the second factor is <= 1 (it underflows, or is flushed
+    // as a denormal, only where the true term is below 1e-38 anyway). For s in sub-chunk
+    // i, G_r - G_s is in [0, 75]: the factor is <= exp(75) = 3.7e32 < 3.4e38 (FP32 and
+    // TF32 share the 8-bit exponent). So every operand is finite,
+    // products of a pair s <= t are <= 1 in size, and the entries s > t of a diagonal
+    // block (discarded below) stay below 128 * 3.7e32. This needs g >= -5 on every token:
+    // the bounded law with lower_bound >= -5 (the clamp in the load enforces it). Without a
+    // bound (the unbounded prepare) the blocks below the diagonal still hold (the second
+    // factor is <= 1 for any gate <= 0) and each diagonal block checks its own range
+    // (diagonal_in_range), taking exact sums beyond it.
+    for (int pair = warp; pair < CHUNK_TC_SUBS * (CHUNK_TC_SUBS + 1) / 2; pair += CHUNK_TC_PREPARE_WARPS) {
+        const int i = (pair >= 1) + (pair >= 3) + (pair >= 6);
+        const int j = pair - i * (i + 1) / 2;
+        if (UNBOUNDED && i == j) {
+            // Within the bounded range the products below serve; else the exact sums after
+            // the loop (warp-uniform either way).
+            const bool exact = !diagonal_in_range(cumgate_s, i, lane);
+            if (lane == 0) {
+                exact_s[i] = exact;
+            }
+            if (exact) {
+                continue;
+            }
+        }
+        const int reference = CHUNK_TC_SUB * i;
+        const int row_low = CHUNK_TC_SUB * i + group_lane;
+        const int row_high = row_low + 8;
+        float acc_kk[2][4] = {};
+        float acc_qk[2][4] = {};
+#pragma unroll 1
+        for (int kb = 0; kb < KDA_HEAD_DIM / 32; ++kb) {
+            const int d = 32 * kb + lane_k;
+            float reference_gate[8];
+            load8(reference_gate, cumgate_s + reference * CHUNK_TC_D_STRIDE + d);
+            float key_low[8];
+            float key_high[8];
+            float query_low[8];
+            float query_high[8];
+            {
+                float cumgate[8];
+                load8(cumgate, cumgate_s + row_low * CHUNK_TC_D_STRIDE + d);
+                load8(key_low, key_s + row_low * CHUNK_TC_D_STRIDE + d);
+                load_query_row8(query_low, query, first, row_low, valid, row_stride, head_offset + d);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    const float factor = expf(cumgate[e] - reference_gate[e]);
+                    key_low[e] = round_tf32(key_low[e] * factor);
+                    query_low[e] = round_tf32(query_low[e] * factor);
+                }
+                load8(cumgate, cumgate_s + row_high * CHUNK_TC_D_STRIDE + d);
+                load8(key_high, key_s + row_high * CHUNK_TC_D_STRIDE + d);
+                load_query_row8(query_high, query, first, row_high, valid, row_stride, head_offset + d);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    const float factor = expf(cumgate[e] - reference_gate[e]);
+                    key_high[e] = round_tf32(key_high[e] * factor);
+                    query_high[e] = round_tf32(query_high[e] * factor);
+                }
+            }
+#pragma unroll
+            for (int n = 0; n < 2; ++n) {
+                const int source = CHUNK_TC_SUB * j + 8 * n + group_lane;
+                float key_source[8];
+                float cumgate[8];
+                load8(key_source, key_s + source * CHUNK_TC_D_STRIDE + d);
+                load8(cumgate, cumgate_s + source * CHUNK_TC_D_STRIDE + d);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    key_source[e] = round_tf32(key_source[e] * expf(reference_gate[e] - cumgate[e]));
+                }
+                mma_k_block<4>(acc_kk[n], key_low, key_high, key_source);
+                mma_k_block<4>(acc_qk[n], query_low, query_high, key_source);
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int t = row_low + 8 * (e >> 1);
+                const int s = CHUNK_TC_SUB * j + 8 * n + 2 * thread_in_group + (e & 1);
+                // A is strictly lower triangular, B keeps its diagonal.
+                lower_s[t * CHUNK_TC_C_STRIDE + s] = s < t ? beta_s[t] * acc_kk[n][e] : 0.0f;
+                attn_block[t * CHUNK_TC + s] = f32_to_f16(s <= t ? round_tf32(scale * acc_qk[n][e]) : 0.0f);
+            }
+        }
+    }
+    __syncthreads();
+    if (UNBOUNDED && (exact_s[0] | exact_s[1] | exact_s[2] | exact_s[3])) {  // block-uniform
+        diagonal_blocks_exact(key_s, cumgate_s, beta_s, lower_s, attn_block, query, first, valid, row_stride,
+                              head_offset, scale, exact_s, thread);
+        __syncthreads();
+    }
+
+    // v rows for value_t_s (phase 3), loaded now so that the diagonal
+    // inverse blocks hide their latency.
+    float value_rows[CHUNK_TC_TRANSPOSE_PASSES][4];
+#pragma unroll
+    for (int pass = 0; pass < CHUNK_TC_TRANSPOSE_PASSES; ++pass) {
+        const int step = warp + pass * CHUNK_TC_PREPARE_WARPS;
+        int t, d;
+        transpose_slot(step, lane, t, d);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            value_rows[pass][e] = 0.0f;
+        }
+        if (t < valid) {
+            load4(value_rows[pass], value + static_cast<size_t>(first + t) * row_stride + head_offset + d);
+        }
+    }
+
+    // 3. T = (I + L)^-1. Diagonal blocks: FP32 forward substitution, warp i for block i,
+    // lane c < 16 computing column c (lanes 16..31 mirror lanes 0..15 and do not write).
+    if (warp < CHUNK_TC_SUBS) {
+        const int base = CHUNK_TC_SUB * warp;
+        const int column = lane & 15;
+        float x[CHUNK_TC_SUB];
+#pragma unroll
+        for (int r = 0; r < CHUNK_TC_SUB; ++r) {
+            float sum = 0.0f;
+#pragma unroll
+            for (int k = 0; k < r; ++k) {
+                sum = fmaf(lower_s[(base + r) * CHUNK_TC_C_STRIDE + base + k], x[k], sum);
+            }
+            x[r] = r < column ? 0.0f : (r == column ? 1.0f : -sum);
+        }
+        if (lane < CHUNK_TC_SUB) {
+#pragma unroll
+            for (int r = 0; r < CHUNK_TC_SUB; ++r) {
+                inverse_s[(base + r) * CHUNK_TC_C_STRIDE + base + column] = x[r];
+            }
+        }
+    } else {
+        // T is zero above the diagonal blocks (phase 4 reads whole 32-column halves).
+        for (int index = thread - 32 * CHUNK_TC_SUBS; index < CHUNK_TC * CHUNK_TC / 4;
+             index += CHUNK_TC_PREPARE_THREADS - 32 * CHUNK_TC_SUBS) {
+            const int t = index >> 4;
+            const int s = (index & 15) * 4;
+            if (s >= (t / CHUNK_TC_SUB + 1) * CHUNK_TC_SUB) {
+                *reinterpret_cast<float4*>(inverse_s + t * CHUNK_TC_C_STRIDE + s) =
+                    make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            }
+        }
+    }
+    // key_beta_t_s = tf32(beta k exp(G))^T over the cumulative-gate tile: every thread holds
+    // its values before the barrier, so no G is overwritten while another warp reads it.
+    {
+        float key_beta[CHUNK_TC_TRANSPOSE_PASSES][4];
+#pragma unroll
+        for (int pass = 0; pass < CHUNK_TC_TRANSPOSE_PASSES; ++pass) {
+            const int step = warp + pass * CHUNK_TC_PREPARE_WARPS;
+            int t, d;
+            transpose_slot(step, lane, t, d);
+            float key_value[4];
+            float cumgate[4];
+            load4(key_value, key_s + t * CHUNK_TC_D_STRIDE + d);
+            load4(cumgate, cumgate_s + t * CHUNK_TC_D_STRIDE + d);
+            const float beta_t = beta_s[t];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                key_beta[pass][e] = round_tf32(beta_t * key_value[e] * expf(cumgate[e]));
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int pass = 0; pass < CHUNK_TC_TRANSPOSE_PASSES; ++pass) {
+            const int step = warp + pass * CHUNK_TC_PREPARE_WARPS;
+            int t, d;
+            transpose_slot(step, lane, t, d);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                key_beta_t_s[(d + e) * CHUNK_TC_C_STRIDE + t] = key_beta[pass][e];
+            }
+        }
+    }
+    __syncthreads();
+
+    // Off-diagonal blocks, in waves of equal distance from the diagonal. The loop stays
+    // rolled (as do the k blocks of phase 2): unrolled, the prepare's code outgrew the SM's
+    // instruction cache and its warps stalled on instruction fetch.
+#pragma unroll 1
+    for (int distance = 1; distance < CHUNK_TC_SUBS; ++distance) {
+        if (warp < CHUNK_TC_SUBS - distance) {
+            inverse_block_below_diagonal(lower_s, inverse_s, warp + distance, warp, lane);
+        }
+        if (distance == 1) {
+            // value_t_s = tf32(beta v)^T over the dead key tile (last read before the barrier).
+#pragma unroll
+            for (int pass = 0; pass < CHUNK_TC_TRANSPOSE_PASSES; ++pass) {
+                const int step = warp + pass * CHUNK_TC_PREPARE_WARPS;
+                int t, d;
+                transpose_slot(step, lane, t, d);
+                const float beta_t = beta_s[t];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    value_t_s[(d + e) * CHUNK_TC_C_STRIDE + t] = round_tf32(beta_t * value_rows[pass][e]);
+                }
+            }
+        }
+        __syncthreads();
+    }
+
+    // 4. W = T key_beta (warps 0-3) and Uc = T value_beta (warps 4-7), each warp 32
+    // channels of all 64 rows. T is lower triangular: rows < 32 skip the tokens >= 32.
+    {
+        const bool is_value = warp >= 4;
+        const float* operand_t = is_value ? value_t_s : key_beta_t_s;
+        const int d_base = 32 * (warp & 3);
+        float acc[4][4][4] = {};
+#pragma unroll
+        for (int kb = 0; kb < CHUNK_TC / 32; ++kb) {
+            float b[4][8];
+#pragma unroll
+            for (int n = 0; n < 4; ++n) {
+                load8(b[n], operand_t + (d_base + 8 * n + group_lane) * CHUNK_TC_C_STRIDE + 32 * kb + lane_k);
+            }
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {
+                if (kb == 1 && m < 2) {
+                    continue;
+                }
+                float a_low[8];
+                float a_high[8];
+                load8(a_low, inverse_s + (16 * m + group_lane) * CHUNK_TC_C_STRIDE + 32 * kb + lane_k);
+                load8(a_high, inverse_s + (16 * m + group_lane + 8) * CHUNK_TC_C_STRIDE + 32 * kb + lane_k);
+                round8_tf32(a_low);
+                round8_tf32(a_high);
+#pragma unroll
+                for (int n = 0; n < 4; ++n) {
+                    mma_k_block<4>(acc[m][n], a_low, a_high, b[n]);
+                }
+            }
+        }
+        // W is an mma operand of the scan (TF32 values stored as FP16); Uc only initialises U
+        // (FP32). Padding rows store zeros (a select, not a branch: the code stays small).
+        const size_t lane_at = static_cast<size_t>(first + group_lane) * row_stride + head_offset + d_base +
+                               2 * thread_in_group;
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int t = 16 * m + group_lane + 8 * half;
+                const size_t row_at = lane_at + static_cast<size_t>(16 * m + 8 * half) * row_stride;
+#pragma unroll
+                for (int n = 0; n < 4; ++n) {
+                    const float low = t < valid ? acc[m][n][2 * half] : 0.0f;
+                    const float high = t < valid ? acc[m][n][2 * half + 1] : 0.0f;
+                    if (is_value) {
+                        *reinterpret_cast<float2*>(u + row_at + 8 * n) = make_float2(low, high);
+                    } else {
+                        *reinterpret_cast<unsigned int*>(w + row_at + 8 * n) =
+                            pack_f16x2(round_tf32(low), round_tf32(high));
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,27 @@
+// The row projection of gemm_rows.cu writing each output's FP32 sum to sums[row * ld_sums + column]
+// as well (the sum that y holds rounded to BF16): a tensor-parallel rank's partial output, which the
+// ranks add up before the one rounding. kda_gemm_rows_sums_bf16_m<M>_n<N> reads w in torch Linear
+// layout, kda_gemm_rows_packed_sums_bf16_m<M>_n<N> packed. Launch, bits and parameters: those of
+// gemm_rows.cu's entries, then sums and ld_sums.
+#include "projection/gemm_rows.cuh"
+
+#define GEMM_ROWS_SUMS_ENTRY_OF(NAME, M_TILES, N_TILES, PACKED)                                    \
+    extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_MIN_BLOCKS)          \
+        NAME(GEMM_ROWS_PARAMETERS(prefetch), GEMM_ROWS_SUMS_PARAMETERS)                            \
+    {                                                                                              \
+        gemm_rows_entry<M_TILES, N_TILES, PACKED, GEMM_X_INPUT, true>(                             \
+            x, ldx, w, y, ldy, rows, n, k, prefetch, GemmRowsSecond{nullptr, nullptr, nullptr},    \
+            GemmRowsAwait{nullptr, 0}, GemmRowsSums{sums, ld_sums});                               \
+    }
+#define GEMM_ROWS_SUMS_ENTRY(M_TILES, N_TILES)                                                     \
+    GEMM_ROWS_SUMS_ENTRY_OF(kda_gemm_rows_sums_bf16_m##M_TILES##_n##N_TILES, M_TILES, N_TILES, false)  \
+    GEMM_ROWS_SUMS_ENTRY_OF(kda_gemm_rows_packed_sums_bf16_m##M_TILES##_n##N_TILES, M_TILES, N_TILES, true)
+
+GEMM_ROWS_SUMS_ENTRY(1, 1)
+GEMM_ROWS_SUMS_ENTRY(1, 2)
+GEMM_ROWS_SUMS_ENTRY(1, 4)
+GEMM_ROWS_SUMS_ENTRY(2, 1)
+GEMM_ROWS_SUMS_ENTRY(2, 2)
+GEMM_ROWS_SUMS_ENTRY(2, 4)
+GEMM_ROWS_SUMS_ENTRY(4, 1)
+GEMM_ROWS_SUMS_ENTRY(4, 2)
