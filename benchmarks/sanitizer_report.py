@@ -20,6 +20,8 @@ from glm_kda.gpu.build import ARCH_ENTRY_POINTS, ENTRY_POINTS
 _PREFIX = "========= "
 _LOCATION = re.compile(r"\bat (?:0x[0-9a-f]+ in )?(.+?)\+0x[0-9a-f]+")
 _TOTAL = re.compile(r"(?:ERROR SUMMARY: (\d+) error|RACECHECK SUMMARY: (\d+) hazard)")
+# pytest's closing line ("12 passed, 1 skipped in 3.2s"): a run whose tests failed checked less.
+_PYTEST = re.compile(r"^=*\s*(\d+ (?:passed|failed|error).*) in [\d.]+s")
 
 
 def our_kernels() -> set[str]:
@@ -29,8 +31,10 @@ def our_kernels() -> set[str]:
 
 def summarize(log: Path, ours: set[str]) -> dict:
     reports: list[list[str]] = []
-    total = None
+    total, tests = None, None
     for line in log.read_text(errors="replace").splitlines():
+        if _PYTEST.match(line):
+            tests = _PYTEST.match(line).group(1)
         if not line.startswith(_PREFIX):
             continue
         body = line[len(_PREFIX):]
@@ -46,7 +50,7 @@ def summarize(log: Path, ours: set[str]) -> dict:
         found = [m.group(1) for text in report for m in [_LOCATION.search(text)] if m]
         kernels[found[0] if found else "(no kernel named)"] += 1
     mine = {k: n for k, n in kernels.items() if k.split("<")[0].split("(")[0].strip() in ours}
-    return {"log": log.name, "tool_total": total, "printed": len(reports), "all_printed": total is not None
+    return {"log": log.name, "tests": tests, "tool_total": total, "printed": len(reports), "all_printed": total is not None
             and len(reports) >= total, "ours": sum(mine.values()), "our_kernels": mine,
             "library_kernels": {k: n for k, n in kernels.items() if k not in mine}}
 
@@ -54,9 +58,10 @@ def summarize(log: Path, ours: set[str]) -> dict:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("logs", nargs="+", type=Path, help="compute-sanitizer output, one file per run")
+    parser.add_argument("--folder", type=Path, default=Path("."), help="where the logs are (default: here)")
     args = parser.parse_args(argv)
     ours = our_kernels()
-    rows = [summarize(p, ours) for p in args.logs]
+    rows = [summarize(args.folder / p, ours) for p in args.logs]
     print(json.dumps(rows, indent=1))
     return 1 if any(r["ours"] for r in rows) else 0
 

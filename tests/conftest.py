@@ -22,6 +22,32 @@ def pytest_addoption(parser):
     parser.addoption("--portable", action="store_true",
                      help="run every test with KdaOptions(hopper=False) as the default and kernel launches made "
                           "without Hopper-only features: the path sm_80 and sm_120 / sm_121 take")
+    parser.addoption("--zeroed-cublas-workspace", action="store_true",
+                     help="give cuBLAS a workspace filled with zeros (for compute-sanitizer's initcheck, which "
+                          "otherwise reports cuBLAS's own split-K reduce reading workspace bytes nothing wrote)")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def zeroed_cublas_workspace(request):
+    """Under --zeroed-cublas-workspace: CuPy's cuBLAS handle of device 0 works in a zero-filled
+    buffer (a memset, so initcheck counts every byte as written) instead of the uninitialised one
+    cuBLAS allocates itself. Changes no result of ours: only where cuBLAS keeps its partial sums."""
+    if not request.config.getoption("--zeroed-cublas-workspace"):
+        yield None
+        return
+    import ctypes
+
+    import cupy
+    from cuda.pathfinder import load_nvidia_dynamic_lib
+
+    size = 64 << 20
+    workspace = cupy.zeros(size, cupy.uint8)
+    cupy.cuda.Device().synchronize()
+    library = ctypes.CDLL(load_nvidia_dynamic_lib("cublas").abs_path)  # the copy CuPy loaded
+    status = library.cublasSetWorkspace_v2(ctypes.c_void_p(cupy.cuda.device.get_cublas_handle()),
+                                           ctypes.c_void_p(workspace.data.ptr), ctypes.c_size_t(size))
+    assert status == 0, f"cublasSetWorkspace_v2 returned status {status}"
+    yield workspace
 
 
 @pytest.fixture(autouse=True)
