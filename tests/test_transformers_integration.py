@@ -145,6 +145,24 @@ def test_restore_puts_the_original_blocks_back(model):
     assert [type(layer.self_attn).__name__ for layer in _layers(model)] == before
 
 
+def test_a_block_that_cannot_be_replaced_leaves_the_model_as_it_was(monkeypatch):
+    import glm_kda.integrations.transformers as integration
+
+    model = _model("kimi")
+    before = [type(layer.self_attn).__name__ for layer in _layers(model)]
+    bind = integration.bound_from_module
+
+    def fail_on_the_second(module, config, layer_idx):
+        if layer_idx == 1:
+            raise ValueError("a weight of layer 1 is bad")
+        return bind(module, config, layer_idx)
+
+    monkeypatch.setattr(integration, "bound_from_module", fail_on_the_second)
+    with pytest.raises(ValueError, match="layer 1 is bad"):
+        use_glm_kda(model)
+    assert [type(layer.self_attn).__name__ for layer in _layers(model)] == before
+
+
 def test_a_model_without_kda_blocks_is_refused():
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
                                       num_attention_heads=2, num_key_value_heads=2)

@@ -223,12 +223,16 @@ def use_glm_kda(model: Any, max_tokens: int = 4096, options: Any = None) -> Repl
         with cupy.cuda.Device(device.index or 0):
             workspace = KdaWorkspace(config, max_tokens)
     replacement = Replacement(model)
-    for name, module in found:
-        parent_name, _, attribute = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        bound = bound_from_module(module, config, module.layer_idx)
-        backend = (_LayerBackend(bound, device.index or 0, workspace, options) if device.type == "cuda"
-                   else _OracleBackend(bound))
-        setattr(parent, attribute, block_class(module, backend, module.layer_idx, config.conv_kernel))
-        replacement.swapped.append((parent, attribute, module))
+    try:
+        for name, module in found:
+            parent_name, _, attribute = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            bound = bound_from_module(module, config, module.layer_idx)
+            backend = (_LayerBackend(bound, device.index or 0, workspace, options) if device.type == "cuda"
+                       else _OracleBackend(bound))
+            setattr(parent, attribute, block_class(module, backend, module.layer_idx, config.conv_kernel))
+            replacement.swapped.append((parent, attribute, module))
+    except BaseException:
+        replacement.restore()  # all or nothing: a block that cannot be replaced leaves the model as it was
+        raise
     return replacement
