@@ -59,15 +59,17 @@ def test_kernel_files_match_entry_points():
     folder = kernels.kernels_dir()
     assert sorted(path.relative_to(folder).as_posix() for path in folder.rglob("*.cu")) == sorted(kernels.KERNEL_FILES)
     families = {**kernels.ENTRY_POINTS, **{stem: names for stem, (_, names) in kernels.ARCH_ENTRY_POINTS.items()}}
+    tilings_define = re.search(r"#define GEMM_ROWS_TILINGS\(ENTRY\)(.*?)\n\n", (folder / "projection/gemm_rows.cuh").read_text(), re.S)
+    tilings = re.findall(r"ENTRY\((\d+), (\d+)\)", tilings_define.group(1))
     for stem, names in families.items():
         text = (folder / f"{stem}.cu").read_text()
         declared = re.findall(r'^extern "C" __global__ void(?:\s+__launch_bounds__\([^)]*\))?\s+(\w+)\s*\(', text, re.M)
-        # gemm_rows.cu declares its variants through macros: GEMM_ROWS_ENTRY(m-tiles, tiles), one entry per
-        # weight layout, gemm_rows_sums.cu GEMM_ROWS_SUMS_ENTRY(m-tiles, tiles), their forms writing the sums, ...
-        declared += [f"kda_gemm_rows_{layout}bf16_m{m}_n{n}" for layout in ("", "packed_")
-                     for m, n in re.findall(r"^GEMM_ROWS_ENTRY\((\d+), (\d+)\)", text, re.M)]
-        declared += [f"kda_gemm_rows_{layout}bf16_m{m}_n{n}" for layout in ("sums_", "packed_sums_")
-                     for m, n in re.findall(r"^GEMM_ROWS_SUMS_ENTRY\((\d+), (\d+)\)", text, re.M)]
+        # gemm_rows.cu declares its variants through macros: GEMM_ROWS_ENTRY(m-tiles, tiles) over every pair of
+        # GEMM_ROWS_TILINGS (gemm_rows.cuh), one entry per weight layout, gemm_rows_sums.cu GEMM_ROWS_SUMS_ENTRY,
+        # their forms writing the sums, ...
+        for entry, layouts in (("GEMM_ROWS_ENTRY", ("", "packed_")), ("GEMM_ROWS_SUMS_ENTRY", ("sums_", "packed_sums_"))):
+            if re.search(rf"^GEMM_ROWS_TILINGS\({entry}\)", text, re.M):
+                declared += [f"kda_gemm_rows_{layout}bf16_m{m}_n{n}" for layout in layouts for m, n in tilings]
         # ... GEMM_ROWS_STAGED_ENTRY(tiles) and GEMM_ROWS_TAIL_STAGED_ENTRY(tiles), the staged awaiting entries
         # (packed, one m-tile), also writing the sums ...
         declared += [f"kda_gemm_rows_{kind}staged_awaiting_{form}bf16_m1_n{n}"

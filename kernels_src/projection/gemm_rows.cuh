@@ -925,4 +925,9 @@ __device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, in
 // glm_kda.gpu.projection.GEMM_ROWS_BLOCKS_PER_SM mirrors it.
 #define GEMM_ROWS_MIN_BLOCKS 2
 
+// The (M_TILES, N_TILES) pairs of the general entries (gemm_rows.cu, gemm_rows_sums.cu): every form
+// has one entry point per pair, ENTRY(M_TILES, N_TILES). glm_kda.gpu.build.ENTRY_POINTS lists them.
+#define GEMM_ROWS_TILINGS(ENTRY)                                                                   \
+    ENTRY(1, 1) ENTRY(1, 2) ENTRY(1, 4) ENTRY(2, 1) ENTRY(2, 2) ENTRY(2, 4) ENTRY(4, 1) ENTRY(4, 2)
+
 #endif  // GEMM_ROWS_CUH
