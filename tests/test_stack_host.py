@@ -11,14 +11,13 @@ import types
 import numpy as np
 import pytest
 
-from glm_kda.gpu import stack as stack_module
 from glm_kda.gpu.layer import KdaLayer
 from glm_kda.gpu.stack import KdaStack
 from glm_kda.state import KdaState
 from glm_kda.synthetic import synthetic_config
 
 from standins import aligned
-from test_decode_graphs_host import Array, Device, memcpy_async, rows_of, use_stand_in_cupy, workspace
+from test_decode_graphs_host import Array, Device, rows_of, use_stand_in_cupy, workspace
 
 
 class StandInLayer(KdaLayer):
@@ -73,14 +72,9 @@ def _workspace(serial: int) -> Workspace:
     return Workspace(**vars(workspace(serial, 16)))
 
 
-def _device_copy(dst, src):
-    memcpy_async(dst.data.ptr, src.data.ptr, src._array.nbytes, 3, Device.current().ptr)
-
-
 @pytest.fixture
 def stack(monkeypatch):
     use_stand_in_cupy(monkeypatch)
-    monkeypatch.setattr(stack_module, "copy_into", _device_copy)
     ws = _workspace(3)
     return KdaStack([StandInLayer(i, ws, synthetic_config("tiny-kimi")) for i in range(3)])
 

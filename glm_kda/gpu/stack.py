@@ -34,7 +34,6 @@ from ..config import KdaConfig
 from ..device import require_gpu
 from ..options import KdaOptions
 from ..state import KdaState, StatePool, require_one_row
-from .arrays import copy_into
 from .graphs import DecodeGraphs
 from .layer import MAX_DECODE_ROWS, KdaLayer
 from .pipeline import DECODE_MAX_ROWS
@@ -206,8 +205,8 @@ class KdaStack:
     def _through_one_graph(self, hidden: Any, what: str, max_rows: int, states: Sequence[Any], slots: Any,
                            pooled: bool, check_slots: bool) -> Any:
         """A decode-side call through every layer as one graph (replayed from the second call of a
-        key, as a layer's own calls are): each layer's launches, its output copied into the next
-        layer's input rows. The bits are the layers' own: the same launches in the same order."""
+        key, as a layer's own calls are): each layer's launches, reading the previous layer's output
+        rows in place. The bits are the layers' own: the same launches on the same values."""
         first = self.layers[0]
         x, back = first._rows_in(hidden, what, max_rows)
         rows = x.shape[0]
@@ -218,7 +217,6 @@ class KdaStack:
         try:
             ws = call[0]
             self.graphs.follow(ws)
-            last = len(self.layers) - 1
 
             def body(rows_in: Any, device_slots: Any) -> None:
                 for i, (layer, state) in enumerate(zip(self.layers, states)):
@@ -226,9 +224,10 @@ class KdaStack:
                         layer._decode_rows(ws, rows_in, state.conv, state.recurrent, slots=device_slots)
                     else:
                         layer._decode_rows(ws, rows_in, state.conv, state.recurrent, sequential=True)
-                    if i < last:
-                        rows_in = ws.graph_hidden[:rows]
-                        copy_into(rows_in, ws.final_out[:rows])
+                    # The next layer reads this one's output where it lies. Its o_proj writes final_out
+                    # only after the fused step, which starts once every reader of the input (q|k|v and
+                    # the low-rank chain) has finished, so no copy is needed between the layers.
+                    rows_in = ws.final_out[:rows]
 
             key = ("stack", pooled, rows, tuple(layer._generation for layer in self.layers), ws.serial,
                    tuple((state.conv.data.ptr, state.recurrent.data.ptr) for state in states))
