@@ -1,6 +1,7 @@
 """Host side of the tensor-core chunked prefill: its constants and when it applies.
 
-The kernels (``kernels_src/chunk/chunk_tc.cu``, launched by :mod:`glm_kda.gpu.ops.chunk_tc`) run
+The kernels (``kernels_src/chunk/chunk_tc.cu`` and ``chunk_tc_gate.cu``, device code in
+``chunk_tc.cuh``, launched by :mod:`glm_kda.gpu.ops.chunk_tc`) run
 every matrix product of the chunked delta rule on mma.sync TF32 with FP32 accumulation, chunk 64,
 sub-chunks of 16; the scratch the scan reads as mma operands is stored as FP16, which holds those
 TF32 values exactly in its normal range. The bounded law with lower_bound >= -5 takes the bounded
@@ -22,7 +23,7 @@ HEAD_DIM = 128  # the kernels' head dimension
 CHUNK = 64
 SUB_CHUNK = 16
 # The smallest bounded-law lower bound for which the sub-chunk decay factors stay within
-# FP32 range: exp(5 * 15) = 3.7e32 (the argument is in kernels_src/chunk_tc.cu).
+# FP32 range: exp(5 * 15) = 3.7e32 (the argument is in kernels_src/chunk/chunk_tc.cuh).
 MIN_LOWER_BOUND = -5.0
 # The widest decay across a 16-row diagonal block that the unbounded prepare still forms by
 # the reference-row products (the bounded law's range, 15 gates of at least -5); wider blocks
@@ -40,7 +41,7 @@ H_STRIDE = HEAD_DIM + 32
 # W and q_decay FP16 [C][D + 32], the TF32 state copy [32][D + 4], U^T [32][C + 4]: 66,560 bytes.
 SCAN_SMEM_BYTES = 2 * 2 * CHUNK * H_STRIDE + 4 * (SCAN_COLUMNS * D_STRIDE + SCAN_COLUMNS * C_STRIDE)
 # The scratch the scan reads as mma operands is FP16 (TF32 values, which FP16 holds exactly
-# in its normal range: kernels_src/chunk_tc.cu); U and the chunk decay stay FP32.
+# in its normal range: kernels_src/chunk/chunk_tc.cuh); U and the chunk decay stay FP32.
 SCRATCH_KINDS = {"q_decay": "f16", "k_tail": "f16", "w": "f16", "u": "f32", "attn": "f16", "chunk_decay": "f32"}
 
 

@@ -1,4 +1,4 @@
-"""Launch wrappers of the tensor-core chunked prefill (``kernels_src/chunk/chunk_tc.cu``).
+"""Launch wrappers of the tensor-core chunked prefill (``kernels_src/chunk/chunk_tc.cu``, ``chunk_tc_gate.cu``).
 
 ``chunk_prefill_tc`` runs ``kda_chunk_tc_prepare_f32`` (grid (nchunks, H)) then
 ``kda_chunk_tc_scan_f32`` (grid (H, D / 32)) on the same inputs and outputs as the FP32 pair of
