@@ -33,8 +33,9 @@ def summarize(log: Path, ours: set[str]) -> dict:
     reports: list[list[str]] = []
     total, tests = None, None
     for line in log.read_text(errors="replace").splitlines():
-        if _PYTEST.match(line):
-            tests = _PYTEST.match(line).group(1)
+        closing = _PYTEST.match(line)
+        if closing:
+            tests = closing.group(1)
         if not line.startswith(_PREFIX):
             continue
         body = line[len(_PREFIX):]

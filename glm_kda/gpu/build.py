@@ -24,14 +24,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+# (m-tiles, n-tiles) of the row projection's general entries: GEMM_ROWS_TILINGS in gemm_rows.cuh.
+_GEMM_ROWS_TILINGS = ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2))
+
 # file stem (its path under kernels_src, less ".cu") -> kernel entry points, in the pipeline order.
 ENTRY_POINTS: dict[str, tuple[str, ...]] = {
     "projection/gemm_rows":
-        tuple(f"kda_gemm_rows_{layout}bf16_m{m}_n{n}" for layout in ("", "packed_")
-              for m, n in ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2))),
+        tuple(f"kda_gemm_rows_{layout}bf16_m{m}_n{n}" for layout in ("", "packed_") for m, n in _GEMM_ROWS_TILINGS),
     "projection/gemm_rows_sums":
         tuple(f"kda_gemm_rows_{layout}bf16_m{m}_n{n}" for layout in ("sums_", "packed_sums_")
-              for m, n in ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2))),
+              for m, n in _GEMM_ROWS_TILINGS),
     "projection/gemm_rows_decode":
         tuple(f"kda_gemm_rows_packed_{form}_bf16_m1_n{n}" for form in ("pair", "awaiting", "awaiting_sums")
               for n in (1, 2, 4)),
@@ -249,18 +251,20 @@ class KernelSet:
         families += [(stem, names, arch) for stem, (arch, names) in ARCH_ENTRY_POINTS.items()
                      if arch == device_arch and (folder / f"{stem}.cu").is_file()]
 
+        sources = {stem: kernel_source(stem, directory) for stem, _, _ in families}
+
         def load(family: tuple) -> Any:
             stem, _, arch = family
             with cupy.cuda.Device(self.device_id):  # (a worker thread starts on device 0)
                 if arch is not None:
                     return cupy.RawModule(path=str(_cached_cubin(stem, arch, directory)))
-                module = cupy.RawModule(code=kernel_source(stem, directory), options=COMPILE_OPTIONS)
+                module = cupy.RawModule(code=sources[stem], options=COMPILE_OPTIONS)
                 module.compile()  # now, in this thread: NVRTC runs without the GIL
                 return module
 
         # One file per thread, the longest sources first: a cold start costs the slowest file's
         # compile, not the sum.
-        families.sort(key=lambda family: -len(kernel_source(family[0], directory)))
+        families.sort(key=lambda family: -len(sources[family[0]]))
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(families), _COMPILE_THREADS)) as pool:
             modules = list(pool.map(load, families))
         missing: list[str] = []
