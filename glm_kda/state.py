@@ -29,7 +29,7 @@ def array_module(array: Any):
         return np
     import cupy
 
-    # (Not cupy.get_array_module: its first call imports cupyx.scipy, about 0.4 s.)
+    # (Not cupy.get_array_module: its first call imports all of cupyx.scipy, a cost on every first use.)
     return cupy if isinstance(array, cupy.ndarray) else np
 
 
