@@ -42,8 +42,9 @@ if [ "$part" = compile ] || [ "$part" = all ]; then
 fi
 if [ "$part" = sanitize ] || [ "$part" = all ]; then
   # The tools over the GPU suite but its two long-sequence cases (the same kernels at 16384 and 65536
-  # tokens), two at a time (four processes and their instrumentation do not fit one GPU's memory);
-  # TOOLS picks some. memcheck, racecheck and synccheck instrument our kernels alone (every entry
+  # tokens). TOOLS picks some; each tool's tests are dealt round-robin into SHARDS processes, and
+  # the processes of two tools run at once (more do not fit one GPU's memory with their
+  # instrumentation). memcheck, racecheck and synccheck instrument our kernels alone (every entry
   # point starts with kda_; cuBLAS and CuPy run unchecked at full speed). initcheck instruments every
   # kernel: under a kernel filter the writes of the kernels left out (CuPy's copies that pack a
   # weight) go unseen, and ours reading them are reported as reading uninitialised memory. cuBLAS
@@ -51,16 +52,26 @@ if [ "$part" = sanitize ] || [ "$part" = all ]; then
   # wrote bury everything else. The reports are sorted by kernel name, so that nothing of ours
   # could hide among a library's.
   tools=(${TOOLS:-memcheck synccheck racecheck initcheck})
+  shards=${SHARDS:-2}
+  suite=(tests/test_gpu.py tests/test_bad_calls_gpu.py tests/test_stack_gpu.py)
+  # (The tests beside a kernel that holds every SM for seconds go last: under a tool they are the slowest.)
+  python -m pytest -q --collect-only -p no:cacheprovider -m "not slow" "${suite[@]}" 2>/dev/null | grep '::' \
+    | awk '/holding_every_sm/ { last = last $0 "\n"; next } { print } END { printf "%s", last }' > "$out/sanitize_tests.txt"
+  for ((s = 0; s < shards; s++)); do awk -v n="$shards" -v s="$s" '(NR - 1) % n == s' "$out/sanitize_tests.txt" > "$out/shard.$s.txt"; done
+  logs=()
   for ((i = 0; i < ${#tools[@]}; i += 2)); do
     for tool in "${tools[@]:i:2}"; do
       if [ "$tool" = initcheck ]; then scope=(); extra=(--zeroed-cublas-workspace); else scope=(--kernel-name kns=kda_); extra=(); fi
-      timeout ${SANITIZE_TIMEOUT:-540} compute-sanitizer --tool "$tool" "${scope[@]}" --print-limit 100000 \
-        --show-backtrace no python -m pytest -q -p no:cacheprovider -m "not slow" tests/test_gpu.py \
-        tests/test_bad_calls_gpu.py tests/test_stack_gpu.py "${extra[@]}" > "$out/$tool.log" 2>&1 &
+      for ((s = 0; s < shards; s++)); do
+        mapfile -t ids < "$out/shard.$s.txt"
+        logs+=("$tool.$s.log")
+        timeout ${SANITIZE_TIMEOUT:-540} compute-sanitizer --tool "$tool" "${scope[@]}" --print-limit 100000 \
+          --show-backtrace no python -m pytest -q -p no:cacheprovider "${ids[@]}" "${extra[@]}" > "$out/$tool.$s.log" 2>&1 &
+      done
     done
     wait
   done
-  python benchmarks/sanitizer_report.py "${tools[@]/%/.log}" --folder "$out" | tee "$out/sanitizers.json"
+  python benchmarks/sanitizer_report.py "${logs[@]}" --folder "$out" | tee "$out/sanitizers.json"
 fi
 if [ "$part" = first_use ] || [ "$part" = all ]; then
   timeout 300 python benchmarks/cold_start.py 2>&1 | tee "$out/cold_start.jsonl"
