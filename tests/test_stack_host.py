@@ -50,8 +50,10 @@ class StandInLayer(KdaLayer):
     def _graphed(self):
         return True
 
-    def _decode_rows(self, ws, hidden, conv_state, recurrent_state, *, slots=None, sequential=False, snapshots=()):
+    def _decode_rows(self, ws, hidden, conv_state, recurrent_state, *, slots=None, sequential=False, snapshots=(),
+                     after_kernel=False):
         rows, add = hidden.shape[0], self.position + 1
+        self.after_kernel = after_kernel
 
         def kernel():
             ws.final_out._array[:rows] = hidden._array + add
@@ -89,6 +91,8 @@ def test_a_decode_through_the_stack_is_one_graph_after_the_first_call(stack):
     for t, out in enumerate(outs):  # rows + 1 + 2 + 3
         assert np.array_equal(out._array, rows_of(10 * t, 1)._array + 6), f"call {t}: {out._array}"
     assert stack.graphs.captures == 1, "one capture for one key, replays after"
+    # Every layer but the first launches q|k|v as the programmatic dependent of the layer before.
+    assert [layer.after_kernel for layer in stack.layers] == [False, True, True]
     assert all(int(s.recurrent._array[0, 0]) == 4 for s in states), "each layer's state advanced once a call"
     other = _states()
     stack.decode(rows_of(1, 1), other)

@@ -117,17 +117,21 @@ class Stages:
         ops.kda_gate_beta_f32(*self._gate_source(ws, first), ws.gate[first:], ws.beta[first:], c.heads, c.head_dim,
                           c.bounded, c.gate_lower_bound or 0.0, tokens=rows)
 
-    def _front_end(self, ws: KdaWorkspace, hidden: Any, wide: bool) -> None:
+    def _front_end(self, ws: KdaWorkspace, hidden: Any, wide: bool, after_kernel: bool = False) -> None:
         """q|k|v, down_proj, forget_proj and out_gate of hidden's rows. On the decode side the
         low-rank chain runs on a higher-priority side stream beside q|k|v (which streams most
         of the bytes); in a captured graph the two are parallel branches joined before the
-        stateful stage. The same kernels and inputs either way: no bit changes."""
+        stateful stage. The same kernels and inputs either way: no bit changes. after_kernel:
+        hidden is the previous kernel's output on this stream (a stack's previous layer), so
+        q|k|v may launch as its programmatic dependent: its blocks wait in place for that
+        kernel's tail, and ask L2 for their first weights meanwhile where the weight allows."""
         rows = hidden.shape[0]
         concurrent = not wide and not _timing()
         with ws.beside(concurrent) as side:
             with side:
                 self._low_rank_chain(ws, hidden, wide, branched=concurrent and rows > _GATE_BRANCH_MIN_ROWS)
-            self._project(ws, hidden, "qkv_weight", ws.qkv_proj[:rows], wide, reserved_slots=_QKV_RESERVED_SLOTS)
+            self._project(ws, hidden, "qkv_weight", ws.qkv_proj[:rows], wide, after_kernel=after_kernel,
+                          reserved_slots=_QKV_RESERVED_SLOTS)
 
     def _low_rank_chain(self, ws: KdaWorkspace, hidden: Any, wide: bool, branched: bool) -> None:
         """down_proj, then forget_proj and out_gate: up to 16 rows of packed weights as one paired
@@ -184,15 +188,17 @@ class Stages:
         return (blocks if counted else 0), tiles
 
     def _decode_rows(self, ws: KdaWorkspace, hidden: Any, conv_state: Any, recurrent_state: Any, *,
-                     slots: Any = None, sequential: bool = False, snapshots: Sequence[KdaState] = ()) -> None:
+                     slots: Any = None, sequential: bool = False, snapshots: Sequence[KdaState] = (),
+                     after_kernel: bool = False) -> None:
         """Every launch of a decode-side call on hidden [rows, hidden] BF16, output in
         ws.final_out[:rows]. sequential: the rows are consecutive tokens of ONE sequence
         (decode_k), snapshots[i] receiving the state after row i: without snapshots one launch
         walks them all (the state stays in registers), else one launch per row with the copies
-        between. Otherwise row r is one token of the sequence in slot slots[r] of a pool."""
+        between. Otherwise row r is one token of the sequence in slot slots[r] of a pool.
+        after_kernel: as _front_end."""
         rows = hidden.shape[0]
         with _section("front_end"):
-            self._front_end(ws, hidden, wide=False)
+            self._front_end(ws, hidden, wide=False, after_kernel=after_kernel)
         ready, tiled = 0, False
         try:
             with _section("recurrence"):

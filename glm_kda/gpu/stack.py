@@ -220,10 +220,13 @@ class KdaStack:
 
             def body(rows_in: Any, device_slots: Any) -> None:
                 for i, (layer, state) in enumerate(zip(self.layers, states)):
+                    # From the second layer on, q|k|v launches while the previous layer's o_proj runs.
                     if pooled:
-                        layer._decode_rows(ws, rows_in, state.conv, state.recurrent, slots=device_slots)
+                        layer._decode_rows(ws, rows_in, state.conv, state.recurrent, slots=device_slots,
+                                           after_kernel=i > 0)
                     else:
-                        layer._decode_rows(ws, rows_in, state.conv, state.recurrent, sequential=True)
+                        layer._decode_rows(ws, rows_in, state.conv, state.recurrent, sequential=True,
+                                           after_kernel=i > 0)
                     # The next layer reads this one's output where it lies. Its o_proj writes final_out
                     # only after the fused step, which starts once every reader of the input (q|k|v and
                     # the low-rank chain) has finished, so no copy is needed between the layers.
