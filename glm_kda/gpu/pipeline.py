@@ -43,6 +43,9 @@ _STEP_PREFETCH_WAVES = 0.25
 _STEP_RESIDENT_BLOCKS_PER_SM = 2
 # The weights the low-rank chain's projections read (they run on its stream, with its scratch).
 _SIDE_CHAIN_WEIGHTS = ("down_weight", "f_b", "g_b")
+# Bytes of the next layer's q|k|v weight a stack's decode asks L2 for while this layer's fused step
+# runs: about what the memory moves in the step's time, well inside L2 beside o_proj's stream.
+_NEXT_LAYER_PREFETCH_BYTES = 16 << 20
 
 
 def _timing() -> bool:
@@ -189,31 +192,38 @@ class Stages:
 
     def _decode_rows(self, ws: KdaWorkspace, hidden: Any, conv_state: Any, recurrent_state: Any, *,
                      slots: Any = None, sequential: bool = False, snapshots: Sequence[KdaState] = (),
-                     after_kernel: bool = False) -> None:
+                     after_kernel: bool = False, prefetch_next: Any = None) -> None:
         """Every launch of a decode-side call on hidden [rows, hidden] BF16, output in
         ws.final_out[:rows]. sequential: the rows are consecutive tokens of ONE sequence
         (decode_k), snapshots[i] receiving the state after row i: without snapshots one launch
         walks them all (the state stays in registers), else one launch per row with the copies
         between. Otherwise row r is one token of the sequence in slot slots[r] of a pool.
-        after_kernel: as _front_end."""
+        after_kernel: as _front_end. prefetch_next: the weight the next kernel after this call will
+        stream (a stack's next layer's q|k|v), whose first bytes L2 is asked for beside the step."""
         rows = hidden.shape[0]
         with _section("front_end"):
             self._front_end(ws, hidden, wide=False, after_kernel=after_kernel)
+        prefetching = prefetch_next is not None and not _timing()
         ready, tiled = 0, False
         try:
-            with _section("recurrence"):
-                if sequential and not snapshots:
-                    ready, tiled = self._step(ws, 0, rows, conv_state, recurrent_state, walk=True, whole=True)
-                elif sequential:
-                    for row in range(rows):
-                        self._step(ws, row, 1, conv_state, recurrent_state)
-                        if row < len(snapshots):
-                            snapshots[row].conv[...] = conv_state
-                            snapshots[row].recurrent[...] = recurrent_state
-                else:
-                    ready, tiled = self._step(ws, 0, rows, conv_state, recurrent_state, slots=slots, whole=True)
-            with _section("back_end"):
-                self._back_end(ws, rows, wide=False, norm=False, ready_target=ready, x_tiled=tiled)
+            # Forked once the front end is done, so the prefetch runs beside the step; joined at the end.
+            with ws.beside(prefetching, branch=2) as side:
+                if prefetching:
+                    with side:
+                        projection.prefetch_l2(prefetch_next, _NEXT_LAYER_PREFETCH_BYTES)
+                with _section("recurrence"):
+                    if sequential and not snapshots:
+                        ready, tiled = self._step(ws, 0, rows, conv_state, recurrent_state, walk=True, whole=True)
+                    elif sequential:
+                        for row in range(rows):
+                            self._step(ws, row, 1, conv_state, recurrent_state)
+                            if row < len(snapshots):
+                                snapshots[row].conv[...] = conv_state
+                                snapshots[row].recurrent[...] = recurrent_state
+                    else:
+                        ready, tiled = self._step(ws, 0, rows, conv_state, recurrent_state, slots=slots, whole=True)
+                with _section("back_end"):
+                    self._back_end(ws, rows, wide=False, norm=False, ready_target=ready, x_tiled=tiled)
         except BaseException:
             import cupy
 
