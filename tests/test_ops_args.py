@@ -541,24 +541,3 @@ def test_programmatic_l2_request_only_for_weights_up_to_the_limit(n, k, expected
 
     assert gemm_rows._prefetch_k_blocks(n, k, True) == expected
     assert gemm_rows._prefetch_k_blocks(n, k, False) == 0
-
-
-def test_prefetch_asks_l2_for_the_first_bytes_of_a_weight(monkeypatch):
-    from glm_kda.gpu import projection
-
-    made = []
-    monkeypatch.setattr(build, "launch", lambda name, grid, block, args, shared_mem=0, **options:
-                        made.append((name, tuple(grid), tuple(block), int(args[1]), args[0])))
-    monkeypatch.setattr(projection, "sm_count", lambda device_id: 132)
-    monkeypatch.setattr(projection.cupy.cuda, "Device", lambda: SimpleNamespace(id=0))
-    w = HostStandIn(aligned((1024, 4096)))  # 8 MiB of BF16
-    packed = projection.PackedWeight(w, 1024, 4096)
-    projection.prefetch_l2(w, 16 << 20)  # more than the weight holds: all of it, in 65,536 lines
-    projection.prefetch_l2(packed, 1 << 20)  # a PackedWeight: its packed bytes
-    projection.prefetch_l2(w, 0)
-    monkeypatch.setattr(projection, "sm_count", lambda device_id: 2)
-    projection.prefetch_l2(w, 8 << 20)  # the grid stays within 4 blocks an SM
-    assert [entry[:4] for entry in made] == [("kda_prefetch_l2", (256,), (256,), 8 << 20),
-                                             ("kda_prefetch_l2", (32,), (256,), 1 << 20),
-                                             ("kda_prefetch_l2", (8,), (256,), 8 << 20)]
-    assert made[1][4] is w

@@ -50,19 +50,14 @@ class StandInLayer(KdaLayer):
     def _graphed(self):
         return True
 
-    def _decode_rows(self, ws, hidden, conv_state, recurrent_state, *, slots=None, sequential=False, snapshots=(),
-                     after_kernel=False, prefetch_next=None):
+    def _decode_rows(self, ws, hidden, conv_state, recurrent_state, *, slots=None, sequential=False, snapshots=()):
         rows, add = hidden.shape[0], self.position + 1
-        self.after_kernel, self.prefetch_next = after_kernel, prefetch_next
 
         def kernel():
             ws.final_out._array[:rows] = hidden._array + add
             recurrent_state._array += 1
 
         Device.issue(Device.current().ptr, ["kernel", kernel])
-
-    def _decode_weight(self, name):
-        return f"{name} of layer {self.position}"
 
     def decode(self, hidden, state, slots=None, *, check_slots=True):  # the layer-by-layer path, eager
         self._decode_rows(self._workspace, hidden, state.conv, state.recurrent)
@@ -94,10 +89,6 @@ def test_a_decode_through_the_stack_is_one_graph_after_the_first_call(stack):
     for t, out in enumerate(outs):  # rows + 1 + 2 + 3
         assert np.array_equal(out._array, rows_of(10 * t, 1)._array + 6), f"call {t}: {out._array}"
     assert stack.graphs.captures == 1, "one capture for one key, replays after"
-    # Every layer but the first launches q|k|v as the programmatic dependent of the layer before.
-    assert [layer.after_kernel for layer in stack.layers] == [False, True, True]
-    # ... and asks L2 for the next layer's first q|k|v weights beside its step.
-    assert [layer.prefetch_next for layer in stack.layers] == ["qkv_weight of layer 1", "qkv_weight of layer 2", None]
     assert all(int(s.recurrent._array[0, 0]) == 4 for s in states), "each layer's state advanced once a call"
     other = _states()
     stack.decode(rows_of(1, 1), other)

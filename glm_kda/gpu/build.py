@@ -40,7 +40,6 @@ ENTRY_POINTS: dict[str, tuple[str, ...]] = {
     "projection/gemm_rows_staged":
         tuple(f"kda_gemm_rows_staged_awaiting_{form}bf16_m1_n{n}" for form in ("", "sums_") for n in (1, 2))
         + tuple(f"kda_gemm_rows_tail_staged_awaiting_{form}bf16_m1_n{n}" for form in ("", "sums_") for n in (1, 2, 4)),
-    "projection/prefetch": ("kda_prefetch_l2",),
     "conv": ("kda_conv_prefill_silu_l2_bf16",),
     "gate": ("kda_gate_beta_f32",),
     "decode/decode": ("kda_decode_fused_bf16",),

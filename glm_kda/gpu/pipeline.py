@@ -43,9 +43,6 @@ _STEP_PREFETCH_WAVES = 0.25
 _STEP_RESIDENT_BLOCKS_PER_SM = 2
 # The weights the low-rank chain's projections read (they run on its stream, with its scratch).
 _SIDE_CHAIN_WEIGHTS = ("down_weight", "f_b", "g_b")
-# Bytes of the next layer's q|k|v weight a stack's decode asks L2 for while this layer's fused step
-# runs: about what the memory moves in the step's time, well inside L2 beside o_proj's stream.
-_NEXT_LAYER_PREFETCH_BYTES = 16 << 20
 
 
 def _timing() -> bool:
@@ -120,21 +117,17 @@ class Stages:
         ops.kda_gate_beta_f32(*self._gate_source(ws, first), ws.gate[first:], ws.beta[first:], c.heads, c.head_dim,
                           c.bounded, c.gate_lower_bound or 0.0, tokens=rows)
 
-    def _front_end(self, ws: KdaWorkspace, hidden: Any, wide: bool, after_kernel: bool = False) -> None:
+    def _front_end(self, ws: KdaWorkspace, hidden: Any, wide: bool) -> None:
         """q|k|v, down_proj, forget_proj and out_gate of hidden's rows. On the decode side the
         low-rank chain runs on a higher-priority side stream beside q|k|v (which streams most
         of the bytes); in a captured graph the two are parallel branches joined before the
-        stateful stage. The same kernels and inputs either way: no bit changes. after_kernel:
-        hidden is the previous kernel's output on this stream (a stack's previous layer), so
-        q|k|v may launch as its programmatic dependent: its blocks wait in place for that
-        kernel's tail, and ask L2 for their first weights meanwhile where the weight allows."""
+        stateful stage. The same kernels and inputs either way: no bit changes."""
         rows = hidden.shape[0]
         concurrent = not wide and not _timing()
         with ws.beside(concurrent) as side:
             with side:
                 self._low_rank_chain(ws, hidden, wide, branched=concurrent and rows > _GATE_BRANCH_MIN_ROWS)
-            self._project(ws, hidden, "qkv_weight", ws.qkv_proj[:rows], wide, after_kernel=after_kernel,
-                          reserved_slots=_QKV_RESERVED_SLOTS)
+            self._project(ws, hidden, "qkv_weight", ws.qkv_proj[:rows], wide, reserved_slots=_QKV_RESERVED_SLOTS)
 
     def _low_rank_chain(self, ws: KdaWorkspace, hidden: Any, wide: bool, branched: bool) -> None:
         """down_proj, then forget_proj and out_gate: up to 16 rows of packed weights as one paired
@@ -191,39 +184,30 @@ class Stages:
         return (blocks if counted else 0), tiles
 
     def _decode_rows(self, ws: KdaWorkspace, hidden: Any, conv_state: Any, recurrent_state: Any, *,
-                     slots: Any = None, sequential: bool = False, snapshots: Sequence[KdaState] = (),
-                     after_kernel: bool = False, prefetch_next: Any = None) -> None:
+                     slots: Any = None, sequential: bool = False, snapshots: Sequence[KdaState] = ()) -> None:
         """Every launch of a decode-side call on hidden [rows, hidden] BF16, output in
         ws.final_out[:rows]. sequential: the rows are consecutive tokens of ONE sequence
         (decode_k), snapshots[i] receiving the state after row i: without snapshots one launch
         walks them all (the state stays in registers), else one launch per row with the copies
-        between. Otherwise row r is one token of the sequence in slot slots[r] of a pool.
-        after_kernel: as _front_end. prefetch_next: the weight the next kernel after this call will
-        stream (a stack's next layer's q|k|v), whose first bytes L2 is asked for beside the step."""
+        between. Otherwise row r is one token of the sequence in slot slots[r] of a pool."""
         rows = hidden.shape[0]
         with _section("front_end"):
-            self._front_end(ws, hidden, wide=False, after_kernel=after_kernel)
-        prefetching = prefetch_next is not None and not _timing()
+            self._front_end(ws, hidden, wide=False)
         ready, tiled = 0, False
         try:
-            # Forked once the front end is done, so the prefetch runs beside the step; joined at the end.
-            with ws.beside(prefetching, branch=2) as side:
-                if prefetching:
-                    with side:
-                        projection.prefetch_l2(prefetch_next, _NEXT_LAYER_PREFETCH_BYTES)
-                with _section("recurrence"):
-                    if sequential and not snapshots:
-                        ready, tiled = self._step(ws, 0, rows, conv_state, recurrent_state, walk=True, whole=True)
-                    elif sequential:
-                        for row in range(rows):
-                            self._step(ws, row, 1, conv_state, recurrent_state)
-                            if row < len(snapshots):
-                                snapshots[row].conv[...] = conv_state
-                                snapshots[row].recurrent[...] = recurrent_state
-                    else:
-                        ready, tiled = self._step(ws, 0, rows, conv_state, recurrent_state, slots=slots, whole=True)
-                with _section("back_end"):
-                    self._back_end(ws, rows, wide=False, norm=False, ready_target=ready, x_tiled=tiled)
+            with _section("recurrence"):
+                if sequential and not snapshots:
+                    ready, tiled = self._step(ws, 0, rows, conv_state, recurrent_state, walk=True, whole=True)
+                elif sequential:
+                    for row in range(rows):
+                        self._step(ws, row, 1, conv_state, recurrent_state)
+                        if row < len(snapshots):
+                            snapshots[row].conv[...] = conv_state
+                            snapshots[row].recurrent[...] = recurrent_state
+                else:
+                    ready, tiled = self._step(ws, 0, rows, conv_state, recurrent_state, slots=slots, whole=True)
+            with _section("back_end"):
+                self._back_end(ws, rows, wide=False, norm=False, ready_target=ready, x_tiled=tiled)
         except BaseException:
             import cupy
 

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import cupy
-import numpy as np
 
 from ..state import array_module
 from . import build
@@ -407,19 +406,6 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
                  (x, _i32(ldx), weight, out, _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(last), *words, *sums_args),
                  plan.shared_mem, programmatic=programmatic, carveout=carveout)
     return plan.grid[0] * plan.grid[1]
-
-
-def prefetch_l2(w: Any, nbytes: int) -> None:
-    """Ask L2 for the first nbytes of a weight's bytes (a PackedWeight's packed data, or a BF16
-    array) on the current stream: kernels_src/projection/prefetch.cu. Reads nothing into
-    registers and writes nothing: it changes no bit, only where the next reads of those bytes
-    find them."""
-    data = w.data if isinstance(w, PackedWeight) else w
-    nbytes = min(int(nbytes), int(data.size) * int(data.itemsize))
-    if nbytes > 0:
-        lines = -(-nbytes // 128)
-        build.launch("kda_prefetch_l2", (min(-(-lines // 256), 4 * sm_count(cupy.cuda.Device().id)),), (256,),
-                     (data, np.int64(nbytes)))
 
 
 def gemm_rows_pair_bf16(x, w, out, x2, w2, out2, rows: int | None = None, *, programmatic: bool = False,

@@ -218,18 +218,12 @@ class KdaStack:
             ws = call[0]
             self.graphs.follow(ws)
 
-            # Each layer's step runs beside an L2 request for the next layer's first q|k|v weights.
-            upcoming = [layer._decode_weight("qkv_weight") for layer in self.layers[1:]] + [None]
-
             def body(rows_in: Any, device_slots: Any) -> None:
                 for i, (layer, state) in enumerate(zip(self.layers, states)):
-                    # From the second layer on, q|k|v launches while the previous layer's o_proj runs.
                     if pooled:
-                        layer._decode_rows(ws, rows_in, state.conv, state.recurrent, slots=device_slots,
-                                           after_kernel=i > 0, prefetch_next=upcoming[i])
+                        layer._decode_rows(ws, rows_in, state.conv, state.recurrent, slots=device_slots)
                     else:
-                        layer._decode_rows(ws, rows_in, state.conv, state.recurrent, sequential=True,
-                                           after_kernel=i > 0, prefetch_next=upcoming[i])
+                        layer._decode_rows(ws, rows_in, state.conv, state.recurrent, sequential=True)
                     # The next layer reads this one's output where it lies. Its o_proj writes final_out
                     # only after the fused step, which starts once every reader of the input (q|k|v and
                     # the low-rank chain) has finished, so no copy is needed between the layers.
