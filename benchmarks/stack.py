@@ -1,12 +1,14 @@
 """Decode through a whole KDA stack, one sequence, a loop that waits for each token: the time per
 token of KdaStack.decode against the sum of the same layers called one by one (each waited for),
-with the copy-bandwidth roofline per layer measured in the same run.
+with the copy-bandwidth roofline per layer measured in the same run. The stack is timed in rounds,
+each next to a copy-bandwidth measurement of its own, so that a drift of the GPU's clocks moves both
+sides of a round's roofline ratio; the median round is reported with the spread of the rounds.
 
 The stack has as many KDA layers as the model (GLM-5.3-Flash: 34 of 45 layers; Kimi-Linear-48B:
 20 of 27; glm_kda.synthetic.default_kda_layers), each its own copy of one synthetic layer's weights,
 all sharing one workspace. One JSON line per geometry.
 
-    PYTHONPATH=. python benchmarks/stack.py [--geometry glm kimi] [--layers N] [--tokens 200]
+    PYTHONPATH=. python benchmarks/stack.py [--geometry glm kimi] [--layers N] [--tokens 200] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def waited_us(call, rows, warmup: int = 8) -> float:
     return 1e3 * median_ms(lambda: call(next(row)), repeats=len(rows) - warmup, warmup=warmup)
 
 
-def run_geometry(geometry: str, layers: int | None, tokens: int, folder: Path, bandwidth: float) -> dict:
+def run_geometry(geometry: str, layers: int | None, tokens: int, rounds: int, folder: Path) -> dict:
     import cupy
 
     from glm_kda import KdaLayer, KdaStack
@@ -53,19 +55,28 @@ def run_geometry(geometry: str, layers: int | None, tokens: int, folder: Path, b
     rows = cupy.asarray(synthetic_hidden(tokens, bound.config.hidden, seed=5).view(np.uint16)).view(bf16)
     rows = [rows[t : t + 1] for t in range(tokens)]
 
+    layer_bytes = decode_bytes(bound.config)
     states = stack.new_states()
-    stack_us = waited_us(lambda row: stack.decode(row, states), rows)
+    per_round = []  # (copy GB/s, stack us per token)
+    for _ in range(rounds):
+        bandwidth = copy_bandwidth_gbs()
+        per_round.append((bandwidth, waited_us(lambda row: stack.decode(row, states), rows)))
+    ratios = [layer_bytes / 1e3 / bandwidth * count / stack_us for bandwidth, stack_us in per_round]
+    middle = int(np.argsort(ratios)[len(ratios) // 2])
+    bandwidth, stack_us = per_round[middle]
     single = []
     for layer in stack.layers:
         state = layer.new_state()
         single.append(waited_us(lambda row, layer=layer, state=state: layer.decode(row, state), rows[: tokens // 4]))
-    layer_bytes = decode_bytes(bound.config)
-    roofline_us = layer_bytes / 1e9 / bandwidth * 1e6
+    roofline_us = layer_bytes / 1e3 / bandwidth
     return {"case": "stack_decode", "geometry": geometry, "layers": count, "tokens": tokens,
             "stack_us_per_token": stack_us, "sum_of_single_layer_us": float(np.sum(single)),
             "stack_over_sum": stack_us / float(np.sum(single)),
             "layer_bytes": layer_bytes, "copy_bandwidth_GBs": bandwidth,
-            "roofline_ratio_per_layer": roofline_us * count / stack_us,
+            "roofline_ratio_per_layer": ratios[middle],
+            "rounds": [{"copy_bandwidth_GBs": b, "stack_us_per_token": t, "roofline_ratio_per_layer": r}
+                       for (b, t), r in zip(per_round, ratios)],
+            "roofline_ratio_spread": [min(ratios), max(ratios)],
             "single_layer_roofline_ratio_median": roofline_us / float(np.median(single))}
 
 
@@ -75,14 +86,16 @@ def main() -> int:
     parser.add_argument("--geometry", nargs="+", default=["glm", "kimi"], choices=sorted(MODEL_LAYERS))
     parser.add_argument("--layers", type=int, default=None, help="KDA layers in the stack (default: the model's)")
     parser.add_argument("--tokens", type=int, default=200, help="tokens decoded per measurement (>= 40)")
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds of the stack, each with its copy bandwidth")
     args = parser.parse_args()
     if args.tokens < 40:
         parser.error(f"--tokens must be >= 40, got {args.tokens}")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
     exit_unless_gpu("the stack benchmark")
-    bandwidth = copy_bandwidth_gbs()
     with tempfile.TemporaryDirectory(prefix="glm_kda_stack_") as folder:
         for geometry in args.geometry:
-            print(json.dumps(run_geometry(geometry, args.layers, args.tokens, Path(folder), bandwidth)), flush=True)
+            print(json.dumps(run_geometry(geometry, args.layers, args.tokens, args.rounds, Path(folder))), flush=True)
     return 0
 
 
