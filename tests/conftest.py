@@ -22,6 +22,10 @@ def pytest_addoption(parser):
     parser.addoption("--portable", action="store_true",
                      help="run every test with KdaOptions(hopper=False) as the default and kernel launches made "
                           "without Hopper-only features: the path sm_80 and sm_120 / sm_121 take")
+    parser.addoption("--gemm-without-cublas", action="store_true",
+                     help="run the prefill's wide projections on a plain tiled kernel of the test suite's instead "
+                          "of cuBLAS (for compute-sanitizer's racecheck, which stops with an internal error at "
+                          "the first cuBLAS kernel when it instruments ours alone)")
     parser.addoption("--zeroed-cublas-workspace", action="store_true",
                      help="give cuBLAS a workspace filled with zeros (for compute-sanitizer's initcheck, which "
                           "otherwise reports cuBLAS's own split-K reduce reading workspace bytes nothing wrote)")
@@ -48,6 +52,25 @@ def zeroed_cublas_workspace(request):
                                            ctypes.c_void_p(workspace.data.ptr), ctypes.c_size_t(size))
     assert status == 0, f"cublasSetWorkspace_v2 returned status {status}"
     yield workspace
+
+
+@pytest.fixture(autouse=True, scope="session")
+def gemm_without_cublas(request):
+    """Under --gemm-without-cublas: glm_kda.gpu.ops.gemm_bf16_cublas (the prefill's projections of
+    more than 16 rows) runs tests/tiled_gemm.py's kernel instead, on the same shapes and row strides.
+    Its sums reassociate as cuBLAS's do (another order, FP32), so the tests' bounds hold; a test of
+    cuBLAS's own bits would not."""
+    if not request.config.getoption("--gemm-without-cublas"):
+        yield None
+        return
+    from tiled_gemm import tiled_gemm_bf16
+
+    from glm_kda.gpu import ops
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(ops, "gemm_bf16_cublas", tiled_gemm_bf16)
+    yield tiled_gemm_bf16
+    patch.undo()
 
 
 @pytest.fixture(autouse=True)

@@ -959,3 +959,37 @@ def test_decode_beside_a_kernel_holding_every_sm(layers, geometry):
                            ("conv state", busy_state.conv, quiet_state.conv)):
             differ = int(cp.count_nonzero(_bits(a) != _bits(b)))
             assert differ == 0, f"{geometry} graphs={graphs}: {differ} elements of the {what} differ beside the busy GPU"
+
+
+@pytest.mark.parametrize("tokens,n,k", [(37, 100, 136), (17, 384, 2304)], ids=lambda v: str(v))
+def test_the_tiled_gemm_that_stands_in_for_cublas_matches_it(tokens, n, k, request):
+    """tests/tiled_gemm.py (what --gemm-without-cublas runs in place of cuBLAS) against
+    glm_kda.gpu.ops.cublas.gemm_bf16_cublas on the same strided x: its FP32 outputs agree with
+    cuBLAS's within FP32 reassociation (rms ratio <= 1e-5), its BF16 outputs are its FP32 outputs
+    rounded to nearest even, bit for bit, and nothing is written outside out's columns."""
+    import ml_dtypes
+
+    if request.config.getoption("--gemm-without-cublas"):
+        pytest.skip("compares against cuBLAS, which --gemm-without-cublas keeps out of this run")
+
+    cp = _cp()
+    from tiled_gemm import tiled_gemm_bf16
+
+    from glm_kda.gpu.ops import cublas
+
+    rng = np.random.default_rng(tokens + n)
+    x = cp.asarray(rng.standard_normal((tokens, k + 24)).astype(ml_dtypes.bfloat16).view(np.uint16))[:, 8 : 8 + k]
+    w = cp.asarray((rng.standard_normal((n, k)) / np.sqrt(k)).astype(ml_dtypes.bfloat16).view(np.uint16))
+    sums = {}
+    for name, gemm in (("cublas", cublas.gemm_bf16_cublas), ("tiled", tiled_gemm_bf16)):
+        out32 = cp.full((tokens, n), np.nan, cp.float32)
+        out16 = cp.full((tokens, n + 8), 0x7FA5, cp.uint16)
+        gemm(x, w, out32)
+        gemm(x, w, out16[:, :n])
+        assert bool((out16[:, n:] == 0x7FA5).all()), f"{name}: wrote outside out's columns"
+        sums[name] = (cp.asnumpy(out32), cp.asnumpy(out16[:, :n]))
+    ratio = rms_ratio(sums["tiled"][0], sums["cublas"][0])
+    assert ratio <= 1e-5, f"FP32 outputs: rms ratio {ratio:.3e} against cuBLAS (bound 1e-5)"
+    rounded = sums["tiled"][0].astype(ml_dtypes.bfloat16).view(np.uint16)
+    differ = int(np.count_nonzero(sums["tiled"][1] != rounded))
+    assert differ == 0, f"BF16 outputs: {differ} of {rounded.size} are not the FP32 outputs rounded"
