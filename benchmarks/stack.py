@@ -56,19 +56,23 @@ def run_geometry(geometry: str, layers: int | None, tokens: int, rounds: int, fo
     rows = [rows[t : t + 1] for t in range(tokens)]
 
     layer_bytes = decode_bytes(bound.config)
+
+    def roofline_us(bandwidth: float) -> float:
+        """A layer's bytes at `bandwidth` GB/s, in us."""
+        return layer_bytes / 1e3 / bandwidth
+
     states = stack.new_states()
     per_round = []  # (copy GB/s, stack us per token)
     for _ in range(rounds):
         bandwidth = copy_bandwidth_gbs()
         per_round.append((bandwidth, waited_us(lambda row: stack.decode(row, states), rows)))
-    ratios = [layer_bytes / 1e3 / bandwidth * count / stack_us for bandwidth, stack_us in per_round]
+    ratios = [roofline_us(bandwidth) * count / stack_us for bandwidth, stack_us in per_round]
     middle = int(np.argsort(ratios)[len(ratios) // 2])
     bandwidth, stack_us = per_round[middle]
     single = []
     for layer in stack.layers:
         state = layer.new_state()
         single.append(waited_us(lambda row, layer=layer, state=state: layer.decode(row, state), rows[: tokens // 4]))
-    roofline_us = layer_bytes / 1e3 / bandwidth
     return {"case": "stack_decode", "geometry": geometry, "layers": count, "tokens": tokens,
             "stack_us_per_token": stack_us, "sum_of_single_layer_us": float(np.sum(single)),
             "stack_over_sum": stack_us / float(np.sum(single)),
@@ -77,7 +81,7 @@ def run_geometry(geometry: str, layers: int | None, tokens: int, rounds: int, fo
             "rounds": [{"copy_bandwidth_GBs": b, "stack_us_per_token": t, "roofline_ratio_per_layer": r}
                        for (b, t), r in zip(per_round, ratios)],
             "roofline_ratio_spread": [min(ratios), max(ratios)],
-            "single_layer_roofline_ratio_median": roofline_us / float(np.median(single))}
+            "single_layer_roofline_ratio_median": roofline_us(bandwidth) / float(np.median(single))}
 
 
 def main() -> int:

@@ -219,7 +219,7 @@ class KdaStack:
             self.graphs.follow(ws)
 
             def body(rows_in: Any, device_slots: Any) -> None:
-                for i, (layer, state) in enumerate(zip(self.layers, states)):
+                for layer, state in zip(self.layers, states):
                     if pooled:
                         layer._decode_rows(ws, rows_in, state.conv, state.recurrent, slots=device_slots)
                     else:
