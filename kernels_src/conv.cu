@@ -1,6 +1,6 @@
 // T tokens of a prefill: causal depthwise conv over time + SiLU on the q|k|v projection
-// (conv_dim = 3 * heads * head_dim channels), the BF16 conv output, then the per-head L2
-// normalisation of q and k and the split into FP32 q, k and v.
+// (conv_dim = 3 * heads * head_dim channels), the BF16 conv output, then (unless query is null)
+// the per-head L2 normalisation of q and k and the split into FP32 q, k and v.
 //
 // conv_state [conv_dim, K] FP32 keeps the last K conv INPUTS per channel, oldest first. Each token
 // shifts the window left by one and puts the new input in slot K-1, then
@@ -20,38 +20,6 @@
 
 // Tokens per block of the prefill conv; at least CONV_MAX_KERNEL (see the kernel).
 #define CONV_PREFILL_TILE 64
-
-// The L2 sum of a head's 128 squares held 4 per lane (lane L: channels 4L .. 4L+3) with the
-// additions of block_sum_f32 over 128 threads of one channel each, in the same order: its warp
-// w (channels 32w ..) is lanes 8w .. 8w+7 here, its xor steps 16, 8 and 4 are xor steps 4, 2 and
-// 1 between lanes, its steps 2 and 1 the pairs of a lane's own registers, and the four warp sums
-// are added in warp order. So q and k come out bit for bit as in decode.
-__device__ __forceinline__ float warp_head_sum_squares(const float (&v)[4])
-{
-    float s[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        s[i] = __fmul_rn(v[i], v[i]);
-    }
-#pragma unroll
-    for (int offset = 4; offset > 0; offset >>= 1) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            s[i] += __shfl_xor_sync(KDA_FULL_WARP_MASK, s[i], offset);
-        }
-    }
-    float pair[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        pair[i] = s[i] + s[i ^ 2];
-    }
-    const float warp_sum = pair[0] + pair[1];
-    float total = __shfl_sync(KDA_FULL_WARP_MASK, warp_sum, 0);
-    total += __shfl_sync(KDA_FULL_WARP_MASK, warp_sum, 8);
-    total += __shfl_sync(KDA_FULL_WARP_MASK, warp_sum, 16);
-    total += __shfl_sync(KDA_FULL_WARP_MASK, warp_sum, 24);
-    return total;
-}
 
 // old[slot] for the one slot < CONV_MAX_KERNEL equal to `slot` (selects, no indexed load).
 __device__ __forceinline__ float conv_carried_input(const float (&old)[CONV_MAX_KERNEL], int slot)
@@ -92,8 +60,12 @@ kda_conv_prefill_silu_l2_bf16(float* __restrict__ conv_state, const bf16_t* __re
     const int first = blockIdx.y * CONV_PREFILL_TILE;
     const int last = min(first + CONV_PREFILL_TILE, tokens);
     float* state = conv_state + static_cast<size_t>(channel) * kernel_size;  // 4 K floats
+    // Null query: the conv output and the state alone (the tensor-core prepare reads the conv output).
+    const bool split = query != nullptr;
     float* outputs = part < heads ? query : part < 2 * heads ? key : value;
-    outputs += static_cast<size_t>(head) * KDA_HEAD_DIM + 4 * lane;
+    if (split) {
+        outputs += static_cast<size_t>(head) * KDA_HEAD_DIM + 4 * lane;
+    }
 
     // Tile 0 reads the carried state (the conv inputs of tokens -K .. -1) before anything is
     // written; only tile 0 reaches t < 0 (a tile is >= K long).
@@ -160,12 +132,14 @@ kda_conv_prefill_silu_l2_bf16(float* __restrict__ conv_state, const bf16_t* __re
             }
             *reinterpret_cast<uint2*>(conv_out + static_cast<size_t>(t) * conv_dim + channel) =
                 make_uint2(bits[0] | (bits[1] << 16), bits[2] | (bits[3] << 16));
-            float4 result = make_float4(rounded[0], rounded[1], rounded[2], rounded[3]);
-            if (normalize) {  // warp-uniform
-                const float norm = sqrtf(warp_head_sum_squares(rounded) + l2_eps);
-                result = make_float4(rounded[0] / norm, rounded[1] / norm, rounded[2] / norm, rounded[3] / norm);
+            if (split) {  // uniform
+                float4 result = make_float4(rounded[0], rounded[1], rounded[2], rounded[3]);
+                if (normalize) {  // warp-uniform
+                    const float norm = sqrtf(warp_head_sum_squares(rounded) + l2_eps);
+                    result = make_float4(rounded[0] / norm, rounded[1] / norm, rounded[2] / norm, rounded[3] / norm);
+                }
+                *reinterpret_cast<float4*>(outputs + static_cast<size_t>(t) * qkv) = result;
             }
-            *reinterpret_cast<float4*>(outputs + static_cast<size_t>(t) * qkv) = result;
         }
     }
 

@@ -1,7 +1,8 @@
 // The tensor-core chunked prefill's kernels: the prepare of each chunk (bounded and unbounded gate
 // laws, gate and beta read from the workspace) and the scan across chunks. Launch geometry, the
 // algorithm, shared memory and numerics are in chunk_tc.cuh; chunk_tc_gate.cu has the prepare that
-// forms the gate itself (a file of its own so that the two compile side by side).
+// forms the gate itself and chunk_tc_conv.cu the prepares reading the conv output (files of their own
+// so that they compile side by side).
 #include "chunk/chunk_tc.cuh"
 
 // The prepare reading gate and beta, for the bounded law (NAME kda_chunk_tc_prepare_f32,
@@ -17,9 +18,10 @@
              f16_t* __restrict__ w, float* __restrict__ u, f16_t* __restrict__ attn,                \
              float* __restrict__ chunk_decay, int tokens, int heads, float scale, float lower_bound) \
     {                                                                                               \
-        chunk_tc_prepare<false, UNBOUNDED>(query, key, value, gate, beta, nullptr, nullptr, q_decay, k_tail_t, w, \
-                                           u, attn, chunk_decay, tokens, heads, scale, lower_bound, nullptr,   \
-                                           nullptr, nullptr, nullptr, 0);                                     \
+        chunk_tc_prepare<false, UNBOUNDED>(ChunkRowsF32{query, key, value, 0.0f},                        \
+                                           gate, beta, nullptr, nullptr, q_decay, k_tail_t, w, u, attn,      \
+                                           chunk_decay, tokens, heads, scale, lower_bound, nullptr, nullptr, \
+                                           nullptr, nullptr, 0);                                              \
     }
 CHUNK_TC_PREPARE_ENTRY(kda_chunk_tc_prepare_f32, false)
 

@@ -15,7 +15,7 @@ kda_chunk_tc_prepare_gate_f32(const float* __restrict__ query, const float* __re
                               const float* __restrict__ dt_bias, const float* __restrict__ a_log,
                               const bf16_t* __restrict__ beta_logits, int ld_beta)
 {
-    chunk_tc_prepare<true>(query, key, value, nullptr, nullptr, gate, beta, q_decay, k_tail_t, w, u, attn,
-                           chunk_decay, tokens, heads, scale, lower_bound, forget_proj, dt_bias, a_log,
-                           beta_logits, ld_beta);
+    chunk_tc_prepare<true>(ChunkRowsF32{query, key, value, 0.0f}, nullptr,
+                           nullptr, gate, beta, q_decay, k_tail_t, w, u, attn, chunk_decay, tokens, heads, scale,
+                           lower_bound, forget_proj, dt_bias, a_log, beta_logits, ld_beta);
 }

@@ -101,4 +101,37 @@ __device__ __forceinline__ float gated_rmsnorm_sigmoid(float o, float weight, fl
     return o / sqrtf(mean_square + eps) * weight * sigmoid_f32(z);
 }
 
+// The L2 sum of a head's 128 squares held 4 per lane (lane L: channels 4L .. 4L+3) with the
+// additions of block_sum_f32 over 128 threads of one channel each, in the same order: its warp
+// w (channels 32w ..) is lanes 8w .. 8w+7 here, its xor steps 16, 8 and 4 are xor steps 4, 2 and
+// 1 between lanes, its steps 2 and 1 the pairs of a lane's own registers, and the four warp sums
+// are added in warp order. So q and k come out bit for bit as in decode (conv.cu), and the
+// tensor-core chunk prepare that normalises them from the conv output agrees with both.
+__device__ __forceinline__ float warp_head_sum_squares(const float (&v)[4])
+{
+    float s[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        s[i] = __fmul_rn(v[i], v[i]);
+    }
+#pragma unroll
+    for (int offset = 4; offset > 0; offset >>= 1) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            s[i] += __shfl_xor_sync(KDA_FULL_WARP_MASK, s[i], offset);
+        }
+    }
+    float pair[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        pair[i] = s[i] + s[i ^ 2];
+    }
+    const float warp_sum = pair[0] + pair[1];
+    float total = __shfl_sync(KDA_FULL_WARP_MASK, warp_sum, 0);
+    total += __shfl_sync(KDA_FULL_WARP_MASK, warp_sum, 8);
+    total += __shfl_sync(KDA_FULL_WARP_MASK, warp_sum, 16);
+    total += __shfl_sync(KDA_FULL_WARP_MASK, warp_sum, 24);
+    return total;
+}
+
 #endif  // KDA_COMMON_REDUCE_CUH

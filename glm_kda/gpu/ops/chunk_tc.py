@@ -62,9 +62,18 @@ class GateSource(NamedTuple):
     beta_logits: Any
 
 
+class ConvRows(NamedTuple):
+    """q, k and v as the conv output holds them: conv_out [>= T, 3 H D] BF16 (16-byte aligned rows,
+    q, k and v side by side), q and k L2-normalised by the prepare with l2_eps, bit for bit as
+    ops.kda_conv_prefill_silu_l2_bf16 splits them (so the same outputs as from that split)."""
+
+    conv_out: Any
+    l2_eps: float
+
+
 def kda_chunk_tc_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, u, attn, chunk_decay,
                              tokens: int, lower_bound: float | None, scale: float | None = None,
-                             gate_source: GateSource | None = None) -> None:
+                             gate_source: GateSource | None = None, conv: ConvRows | None = None) -> None:
     """Intra-chunk work of every chunk (no state): grid (nchunks, H), 256 threads.
 
     lower_bound: the bounded law's bound (-5 <= lower_bound <= 0), or None for gates with no
@@ -74,7 +83,9 @@ def kda_chunk_tc_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, 
     decay; :func:`diagonal_in_range`). Not with `gate_source`.
 
     query, key, value, gate [>= T, H, D] and beta [>= T, H] FP32, 16-byte aligned; rows >= T
-    are never read. With `gate_source`, gate and beta are OUTPUTS instead: the
+    are never read; with `conv` (:class:`ConvRows`) query, key and value are None and the
+    prepare reads them from the conv output (the *_conv_f32 entry points). With `gate_source`,
+    gate and beta are OUTPUTS instead: the
     kda_chunk_tc_prepare_gate_f32 entry point forms them from the projections (the bounded
     law at lower_bound, bit for bit what ops.kda_gate_beta_f32 writes) and writes their T rows.
 
@@ -87,19 +98,39 @@ def kda_chunk_tc_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, 
         return
     heads = _heads_of(beta)
     _require_rows("beta", beta, "f32", tokens, (heads,))
-    for name, array in (("query", query), ("key", key), ("value", value), ("gate", gate)):
-        _require_rows(name, array, "f32", tokens, (heads, HEAD_DIM), aligned=True)
+    rows = _qkv_rows(query, key, value, conv, tokens, heads)
+    _require_rows("gate", gate, "f32", tokens, (heads, HEAD_DIM), aligned=True)
     _require_scratch(q_decay, k_tail, w, u, attn, chunk_decay, tokens, heads)
     if scale is None:
         scale = 1.0 / math.sqrt(HEAD_DIM)
-    args = (query, key, value, gate, beta, q_decay, k_tail, w, u, attn, chunk_decay,
+    args = (*rows, gate, beta, q_decay, k_tail, w, u, attn, chunk_decay,
             _i32(tokens), _i32(heads), _f32(scale), _f32(0.0 if lower_bound is None else lower_bound))
     name = "kda_chunk_tc_prepare_f32" if lower_bound is not None else "kda_chunk_tc_prepare_unbounded_f32"
     if gate_source is not None:
         sources = GateSource(*gate_source)
         ld_beta = check_gate_sources(*sources, heads, HEAD_DIM, tokens)
         name, args = "kda_chunk_tc_prepare_gate_f32", (*args, *sources, _i32(ld_beta))
+    if conv is not None:
+        name = name.replace("_f32", "_conv_f32")
     _launch(name, (chunk_count(tokens), heads), (PREPARE_THREADS,), args, shared_mem=PREPARE_SMEM_BYTES)
+
+
+def _qkv_rows(query, key, value, conv: ConvRows | None, tokens: int, heads: int) -> tuple:
+    """The prepare's first arguments, checked: query, key, value [>= T, H, D] FP32, or with `conv`
+    (they None) the conv output [>= T, 3 H D] BF16 and l2_eps."""
+    names = ("query", "key", "value")
+    if conv is None:
+        for name, array in zip(names, (query, key, value)):
+            _require_rows(name, array, "f32", tokens, (heads, HEAD_DIM), aligned=True)
+        return query, key, value
+    given = [name for name, array in zip(names, (query, key, value)) if array is not None]
+    if given:
+        raise ValueError(f"conv: the prepare reads q, k and v from the conv output; {', '.join(given)} must be None")
+    conv_out, l2_eps = ConvRows(*conv)
+    _require_rows("conv_out", conv_out, "bf16", tokens, (3 * heads * HEAD_DIM,), aligned=True)
+    if not math.isfinite(l2_eps) or l2_eps < 0:
+        raise ValueError(f"conv: l2_eps must be finite and >= 0, got {l2_eps}")
+    return conv_out, _f32(l2_eps)
 
 
 def kda_chunk_tc_scan_f32(q_decay, k_tail, w, u, attn, chunk_decay, state, core, tokens: int) -> None:
@@ -123,7 +154,7 @@ def kda_chunk_tc_scan_f32(q_decay, k_tail, w, u, attn, chunk_decay, state, core,
 
 def chunk_prefill_tc(query, key, value, gate, beta, state, core, tokens: int, lower_bound: float | None,
                      q_decay, k_tail, w, u, attn, chunk_decay, scale: float | None = None,
-                     gate_source: GateSource | None = None) -> None:
+                     gate_source: GateSource | None = None, conv: ConvRows | None = None) -> None:
     """The chunked prefill core on tensor cores: core [>= T, H, D] and the carried state
     [H, D, D] (in place) from query, key, value, gate [>= T, H, D] and beta [>= T, H].
 
@@ -136,7 +167,8 @@ def chunk_prefill_tc(query, key, value, gate, beta, state, core, tokens: int, lo
     lower_bound is the bounded gate law's bound (-5 <= lower_bound <= 0), or None for gates
     without a lower bound (the unbounded prepare, see :func:`kda_chunk_tc_prepare_f32`); anything
     else is refused here, before any launch. With `gate_source` (:class:`GateSource`) gate and beta
-    are written from the projections instead of read (see :func:`kda_chunk_tc_prepare_f32`).
+    are written from the projections instead of read (see :func:`kda_chunk_tc_prepare_f32`). With
+    `conv` (:class:`ConvRows`; query, key and value None) q, k and v come from the conv output.
     Every argument is checked before the first launch, so a refused call leaves the state
     untouched.
     """
@@ -151,5 +183,5 @@ def chunk_prefill_tc(query, key, value, gate, beta, state, core, tokens: int, lo
     _require_scratch(q_decay, k_tail, w, u, attn, chunk_decay, tokens, heads)
     # The gate sources are the prepare's alone: it checks them before its launch.
     kda_chunk_tc_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, u, attn, chunk_decay,
-                             tokens, lower_bound, scale, gate_source)
+                             tokens, lower_bound, scale, gate_source, conv)
     kda_chunk_tc_scan_f32(q_decay, k_tail, w, u, attn, chunk_decay, state, core, tokens)
