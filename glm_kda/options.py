@@ -30,6 +30,11 @@ class KdaOptions:
     hopper: use sm_90 features where the device has them: programmatic dependent launches and
         the bulk-copy projection sweep (default True). False runs the portable path that sm_80
         and sm_120 / sm_121 (GB10) always take: the same bits, slower on Hopper.
+    stage_buffers: a prefill writes every FP32 stage buffer (default True). False: where the
+        tensor-core chunk kernels run, the conv pass writes no FP32 q, k and v (ws.query, ws.key,
+        ws.value keep what they held) and the chunk prepare reads them from the BF16 conv output
+        instead, normalising q and k as the conv pass does: the same output and state bits, less
+        memory traffic. The FP32 chunk kernels always read the FP32 split.
     check_finite: every call checks its input rows before the first launch (a NaN or Inf row
         raises FloatingPointError, the state untouched) and its output after the last (raises,
         the state advanced); default False. Each check reads one flag back, so the call waits
@@ -41,6 +46,7 @@ class KdaOptions:
     packed_weights: bool = True
     graphs: bool = True
     hopper: bool = True
+    stage_buffers: bool = True
     check_finite: bool = False
 
     def __post_init__(self) -> None:
