@@ -852,6 +852,38 @@ def test_prefill_without_stage_buffers_gives_the_same_bits(layers, geometry, tok
         assert differ == 0, f"{geometry} T{tokens}: {differ} elements of {name} differ without the stage buffers"
 
 
+@pytest.mark.parametrize("geometry", ["glm", "kimi"])
+def test_packed_prefill_without_stage_buffers_gives_the_same_bits(layers, geometry):
+    """A packed prefill (lengths 1, 17, 64, 100, 3 in shuffled slots, each sequence's rows at an
+    offset of the workspace) with options.stage_buffers False: the output and every slot's states
+    bit for bit those of the same call with the stage buffers."""
+    from glm_kda.state import StatePool
+
+    cp = _cp()
+    bound, layer = layers(geometry)
+    if layer.chunk_impl != "tensor":
+        pytest.skip(f"the {layer.chunk_impl} chunk kernels always read the FP32 split")
+    cfg = bound.config
+    lengths = [1, 17, 64, 100, 3]
+    bounds = np.concatenate([[0], np.cumsum(lengths)])
+    hidden = synthetic_hidden(int(bounds[-1]), cfg.hidden, seed=SEED + 9)
+    slots = np.random.default_rng(9).permutation(8)[: len(lengths)]
+    runs = {}
+    for recorded in (True, False):
+        pool = StatePool(cfg, 8)
+        for slot in range(8):
+            start = KdaState.random(cfg, seed=90 + slot)
+            pool.conv[slot] = cp.asarray(start.conv)
+            pool.recurrent[slot] = cp.asarray(start.recurrent)
+        with _options(layer, stage_buffers=recorded):
+            out = layer.prefill(hidden, pool, slots=slots, cu_seqlens=bounds)
+        runs[recorded] = {"output": cp.asarray(out), "conv states": pool.conv.copy(),
+                          "recurrent states": pool.recurrent.copy()}
+    for name, a in runs[False].items():
+        differ = int(cp.count_nonzero(_bits(a) != _bits(runs[True][name])))
+        assert differ == 0, f"{geometry} packed: {differ} elements of the {name} differ without the stage buffers"
+
+
 def test_every_option_is_part_of_the_graph_key(layers):
     """Changing any KdaOptions field after a capture never replays the old graph: the key
     differs, and (graphs on) the next calls capture afresh, with the bits of eager calls."""
