@@ -18,11 +18,11 @@ Two layouts of the same weights exist (docs/maths.md section 2), both under the 
 from __future__ import annotations
 
 import difflib
+import functools
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, BinaryIO, Callable, Iterable, NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -48,9 +48,6 @@ F32 = "F32"
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 
-
-
-
 def layer_prefix(layer_idx: int) -> str:
     """Every tensor of layer i starts with this (attention, MLP and norms alike)."""
     return f"model.layers.{layer_idx}."
@@ -62,42 +59,67 @@ def attention_prefix(layer_idx: int) -> str:
 
 
 # Where files come from ------------------------------------------------------------------
-def read_safetensors_header(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """{tensor name: (dtype, shape)} from a safetensors file's header; no tensor data is read."""
+class TensorEntry(NamedTuple):
+    """One tensor of a safetensors header: dtype, shape and its bytes [begin, end) in the file
+    (None for a header fetched from the hub without the file)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int | None = None
+    end: int | None = None
+
+
+def _read_at(handle: BinaryIO, offset: int, length: int) -> bytes:
+    handle.seek(offset)
+    return handle.read(length)
+
+
+def read_safetensors_entries(path: str | Path, read: Callable[[int, int], Any] | None = None) -> dict[str, TensorEntry]:
+    """{tensor name: TensorEntry} from a safetensors file's header; no tensor data is read.
+
+    The file is an 8-byte little-endian header length, the header JSON, then the data; each
+    tensor's `data_offsets` count from the start of the data. read(offset, length) returns the
+    file's bytes there (default: a plain read of the file).
+    """
     path = Path(path)
-    with open(path, "rb") as handle:
-        prefix = handle.read(8)
-        if len(prefix) < 8:
-            raise CheckpointError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
-        length = int.from_bytes(prefix, "little")
-        if length > _MAX_HEADER_BYTES:
-            raise CheckpointError(f"{path}: not a safetensors file (header length {length})")
-        try:
-            header = json.loads(handle.read(length))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise CheckpointError(f"{path}: unreadable safetensors header ({exc})") from None
-        size = os.fstat(handle.fileno()).st_size
+    if read is None:
+        with open(path, "rb") as handle:
+            return read_safetensors_entries(path, functools.partial(_read_at, handle))
+    size = path.stat().st_size
+    if size < 8:
+        raise CheckpointError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
+    length = int.from_bytes(bytes(read(0, 8)), "little")
+    if length > _MAX_HEADER_BYTES or 8 + length > size:
+        raise CheckpointError(f"{path}: not a safetensors file (header length {length})")
+    try:
+        header = json.loads(bytes(read(8, length)))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: unreadable safetensors header ({exc})") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: unreadable safetensors header (not a JSON object)")
     header.pop("__metadata__", None)
     entries = {}
     for name, info in header.items():
         try:
-            entries[name] = (str(info["dtype"]), tuple(int(n) for n in info["shape"]))
-            end = int(info["data_offsets"][1])
-        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            begin, end = (8 + length + int(n) for n in info["data_offsets"])
+            entries[name] = TensorEntry(str(info["dtype"]), tuple(int(n) for n in info["shape"]), begin, end)
+        except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{path}: header entry of '{name}' lacks dtype, shape or data_offsets ({exc})") from None
         # A shard cut short (an interrupted download) is named here, before any data is read.
-        if 8 + length + end > size:
-            raise CheckpointError(f"{path}: truncated: tensor '{name}' ends at byte {8 + length + end}, "
-                                  f"the file at {size}")
+        if end > size:
+            raise CheckpointError(f"{path}: truncated: tensor '{name}' ends at byte {end}, the file at {size}")
     return entries
+
+
+def read_safetensors_header(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{tensor name: (dtype, shape)} from a safetensors file's header; no tensor data is read."""
+    return {name: (entry.dtype, entry.shape) for name, entry in read_safetensors_entries(path).items()}
 
 
 class _Checkpoint:
     """The safetensors files of a local directory or a hub repo, opened on demand.
 
-    weight_map() says which file holds each tensor; header(file) gives dtypes and shapes;
+    weight_map() says which file holds each tensor; header(file) gives its TensorEntry's;
     path(file) gives the local file to read data from. For a hub repo, path() downloads,
     and header() downloads too unless headers_only, which reads headers remotely instead.
     """
@@ -109,7 +131,7 @@ class _Checkpoint:
         self.headers_only = headers_only
         self.index_name: str | None = None
         self._weight_map: dict[str, str] | None = None
-        self._headers: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = {}
+        self._headers: dict[str, dict[str, TensorEntry]] = {}
         self._downloaded: dict[str, Path] = {}
         if self.local is not None and not self.local.is_dir():
             raise CheckpointError(f"{self.local}: no such checkpoint directory")
@@ -175,7 +197,7 @@ class _Checkpoint:
         )
         for file, file_metadata in metadata.files_metadata.items():
             self._headers[file] = {
-                name: (info.dtype, tuple(info.shape)) for name, info in file_metadata.tensors.items()
+                name: TensorEntry(info.dtype, tuple(info.shape)) for name, info in file_metadata.tensors.items()
             }
         self.index_name = INDEX_FILE if metadata.sharded else None
         return dict(metadata.weight_map)
@@ -192,63 +214,63 @@ class _Checkpoint:
             self._downloaded[filename] = resolve_file(self.location, filename, **self.hub_kwargs)
         return self._downloaded[filename]
 
-    def header(self, filename: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    def header(self, filename: str) -> dict[str, TensorEntry]:
         if filename not in self._headers:
             if self.local is None and self.headers_only:
                 self.weight_map()
                 if filename not in self._headers:
                     raise CheckpointError(f"{self}: no header for shard '{filename}'")
             else:
-                self._headers[filename] = read_safetensors_header(self.path(filename))
+                self._headers[filename] = self.read_entries(self.path(filename))
         return self._headers[filename]
+
+    def read_entries(self, path: Path) -> dict[str, TensorEntry]:
+        return read_safetensors_entries(path)
 
 
 # What one layer must hold -----------------------------------------------------------------
 @dataclass(frozen=True)
 class TensorSpec:
-    """One tensor a KDA layer must hold: name under `model.layers.{i}.self_attn.`,
-    accepted shapes (the first is the canonical one) and dtype."""
+    """One tensor a KDA layer must hold: name under `model.layers.{i}.self_attn.`, accepted
+    shapes (the first is the canonical one), dtype, and the BoundLayer field it goes into."""
 
     name: str
     shapes: tuple[tuple[int, ...], ...]
     dtype: str
+    field: str
 
 
 def expected_tensors(config: KdaConfig, layout: str) -> tuple[TensorSpec, ...]:
-    """The tensors of one KDA layer in `layout`, in the order of docs/maths.md section 2."""
+    """The tensors of one KDA layer in `layout`, in the order of docs/maths.md section 2 (and of
+    BoundLayer's fields)."""
     hidden, heads, head_dim, qkv, kernel = (
         config.hidden, config.heads, config.head_dim, config.qkv, config.conv_kernel
     )
-    # A_log is per HEAD: [H] on GLM, [1, 1, H, 1] on Kimi (broadcast over [B, T, H, D]).
-    a_log_shapes = ((heads,), (1, 1, heads, 1))
-    projections = (
-        TensorSpec("q_proj.weight", ((qkv, hidden),), BF16),
-        TensorSpec("k_proj.weight", ((qkv, hidden),), BF16),
-        TensorSpec("v_proj.weight", ((qkv, hidden),), BF16),
-    )
-    outputs = (
-        TensorSpec("b_proj.weight", ((heads, hidden),), BF16),
-        TensorSpec("g_a_proj.weight", ((head_dim, hidden),), BF16),
-        TensorSpec("g_b_proj.weight", ((qkv, head_dim),), BF16),
-        TensorSpec("o_norm.weight", ((head_dim,),), BF16),
-        TensorSpec("o_proj.weight", ((hidden, qkv),), BF16),
-    )
     if layout == LAYOUT_RELEASE:
-        conv = tuple(TensorSpec(f"{part}_conv1d.weight", ((qkv, 1, kernel),), BF16) for part in "qkv")
-        gate_prefix = ""
+        conv = tuple(TensorSpec(f"{part}_conv1d.weight", ((qkv, 1, kernel),), BF16, "conv_weight") for part in "qkv")
+        gate = ""
     elif layout == LAYOUT_TRANSFORMERS:
-        conv = (TensorSpec("conv1d.weight", ((3 * qkv, 1, kernel),), BF16),)
-        gate_prefix = "forget_gate."
+        conv = (TensorSpec("conv1d.weight", ((3 * qkv, 1, kernel),), BF16, "conv_weight"),)
+        gate = "forget_gate."
     else:
         raise ValueError(f"layout must be {LAYOUT_RELEASE!r} or {LAYOUT_TRANSFORMERS!r}, got {layout!r}")
-    forget_gate = (
-        TensorSpec(f"{gate_prefix}f_a_proj.weight", ((head_dim, hidden),), BF16),
-        TensorSpec(f"{gate_prefix}f_b_proj.weight", ((qkv, head_dim),), BF16),
+    return (
+        TensorSpec("q_proj.weight", ((qkv, hidden),), BF16, "q_proj"),
+        TensorSpec("k_proj.weight", ((qkv, hidden),), BF16, "k_proj"),
+        TensorSpec("v_proj.weight", ((qkv, hidden),), BF16, "v_proj"),
+        *conv,
+        TensorSpec(f"{gate}f_a_proj.weight", ((head_dim, hidden),), BF16, "f_a"),
+        TensorSpec(f"{gate}f_b_proj.weight", ((qkv, head_dim),), BF16, "f_b"),
         # dt_bias is per CHANNEL (H*D), A_log per HEAD: mixing them up is the classic bug.
-        TensorSpec(f"{gate_prefix}dt_bias", ((qkv,),), F32),
-        TensorSpec(f"{gate_prefix}A_log", a_log_shapes, F32),
+        TensorSpec(f"{gate}dt_bias", ((qkv,),), F32, "dt_bias"),
+        # A_log: [H] on GLM, [1, 1, H, 1] on Kimi (broadcast over [B, T, H, D]).
+        TensorSpec(f"{gate}A_log", ((heads,), (1, 1, heads, 1)), F32, "a_log"),
+        TensorSpec("b_proj.weight", ((heads, hidden),), BF16, "b_proj"),
+        TensorSpec("g_a_proj.weight", ((head_dim, hidden),), BF16, "g_a"),
+        TensorSpec("g_b_proj.weight", ((qkv, head_dim),), BF16, "g_b"),
+        TensorSpec("o_norm.weight", ((head_dim,),), BF16, "o_norm"),
+        TensorSpec("o_proj.weight", ((hidden, qkv),), BF16, "o_proj"),
     )
-    return projections + conv + forget_gate + outputs
 
 
 _RELEASE_MARKERS = frozenset(
@@ -358,7 +380,7 @@ def _plan_layer(ckpt: _Checkpoint, config: KdaConfig, layer_idx: int) -> _LayerP
         if name not in header:
             problems.append(f"{where}: tensor '{name}' is mapped to '{file}', whose header lacks it")
             continue
-        dtype, shape = header[name]
+        dtype, shape = header[name][:2]
         if shape not in spec.shapes:
             problems.append(
                 f"{where}: tensor '{name}' has wrong shape: expected {_fmt_shapes(spec.shapes)}, "
@@ -431,14 +453,16 @@ class BoundLayer:
         """The 13 weight arrays by field name."""
         return {name: getattr(self, name) for name in self.ARRAY_FIELDS}
 
-
-def _drop_conv_axis(taps: np.ndarray, name: str, layer_idx: int) -> np.ndarray:
-    """[C, 1, K] -> [C, K]: the size-1 middle axis of torch's depthwise Conv1d, dropped once."""
-    if taps.ndim != 3 or taps.shape[1] != 1:
-        raise CheckpointError(
-            f"layer {layer_idx}: tensor '{name}' must be [channels, 1, K], found {_fmt_shape(taps.shape)}"
-        )
-    return taps.reshape(taps.shape[0], taps.shape[2])
+    @staticmethod
+    def shapes(config: KdaConfig) -> dict[str, tuple[int, ...]]:
+        """The shape of every array field for `config` (the table above), by field name."""
+        c = config
+        return {
+            "q_proj": (c.qkv, c.hidden), "k_proj": (c.qkv, c.hidden), "v_proj": (c.qkv, c.hidden),
+            "conv_weight": (c.conv_dim, c.conv_kernel), "f_a": (c.head_dim, c.hidden), "f_b": (c.qkv, c.head_dim),
+            "dt_bias": (c.qkv,), "a_log": (c.heads,), "b_proj": (c.heads, c.hidden), "g_a": (c.head_dim, c.hidden),
+            "g_b": (c.qkv, c.head_dim), "o_norm": (c.head_dim,), "o_proj": (c.hidden, c.qkv),
+        }
 
 
 def _check_layer_index(config: KdaConfig, layer_idx: int) -> None:
@@ -509,35 +533,18 @@ def bind_layer(
                     raw[name[len(prefix):]] = tensor
                     bar.update(1)
 
-    if plan.layout == LAYOUT_RELEASE:
-        # The fused conv is q|k|v in exactly that order (the order of the qkv GEMM output).
-        conv = np.concatenate(
-            [_drop_conv_axis(raw[f"{part}_conv1d.weight"], prefix + f"{part}_conv1d.weight", layer_idx)
-             for part in "qkv"],
-            axis=0,
-        )
-        gate = ""
-    else:
-        conv = _drop_conv_axis(raw["conv1d.weight"], prefix + "conv1d.weight", layer_idx)
-        gate = "forget_gate."
-    return BoundLayer(
-        layer_idx=layer_idx,
-        config=config,
-        layout=plan.layout,
-        q_proj=raw["q_proj.weight"],
-        k_proj=raw["k_proj.weight"],
-        v_proj=raw["v_proj.weight"],
-        conv_weight=np.ascontiguousarray(conv),
-        f_a=raw[f"{gate}f_a_proj.weight"],
-        f_b=raw[f"{gate}f_b_proj.weight"],
-        dt_bias=raw[f"{gate}dt_bias"],
-        a_log=raw[f"{gate}A_log"].reshape(config.heads),
-        b_proj=raw["b_proj.weight"],
-        g_a=raw["g_a_proj.weight"],
-        g_b=raw["g_b_proj.weight"],
-        o_norm=raw["o_norm.weight"],
-        o_proj=raw["o_proj.weight"],
-    )
+    # A field stored as several tensors (release conv taps: q, k, v) is their rows in that order.
+    parts: dict[str, list[np.ndarray]] = {}
+    for spec in expected_tensors(config, plan.layout):
+        parts.setdefault(spec.field, []).append(raw[spec.name])
+    shapes = BoundLayer.shapes(config)
+    arrays = {field: _join_rows(pieces).reshape(shapes[field]) for field, pieces in parts.items()}
+    return BoundLayer(layer_idx=layer_idx, config=config, layout=plan.layout, **arrays)
+
+
+def _join_rows(pieces: list[np.ndarray]) -> np.ndarray:
+    """The pieces' rows one after another (the one piece itself, uncopied)."""
+    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
 
 def check_layers(

@@ -1,35 +1,17 @@
 """Tensor parallelism for one KDA block: H heads split over tp_size GPUs, one all-reduce.
 
-Every head of the block is independent from the conv to the gated RMSNorm, so rank r of
-tp_size takes heads [r*H/tp, (r+1)*H/tp) and runs an ordinary KdaLayer of H/tp heads:
+Every head is independent from the conv to the gated RMSNorm, so rank r of tp_size takes heads
+[r*H/tp, (r+1)*H/tp) and runs an ordinary KdaLayer of H/tp heads on the full (replicated) input
+rows: its rows of q/k/v_proj, f_b, g_b, b_proj, dt_bias and A_log, its conv taps (three row ranges
+of the fused [3*qkv, K] conv, one each for q, k and v) and its COLUMNS of o_proj; f_a, g_a and
+o_norm are replicated. Each rank's o_proj writes its FP32 sums (KdaLayer.o_proj_sums); NCCL adds
+the ranks' sums in FP32 and the total is rounded once to BF16, so the output differs from the
+single-GPU output only by the FP32 reassociation of o_proj's sum over channels (docs/design.md,
+"Tensor parallel": why not BF16 partials, and when decode_k stays bit-identical to K decodes).
 
-    replicated input  hidden [T, hidden] on every rank
-    per rank          q/k/v_proj, f_b, g_b rows of its heads (channels c = h*D + d)
-                      conv taps of ITS q, k and v channels: three row ranges of the fused
-                          [3*qkv, K] conv, not one slice (q|k|v are laid out one after another)
-                      dt_bias channels, A_log heads, b_proj rows of its heads
-                      o_proj COLUMNS of its channels: its partial output [T, hidden]
-    replicated        f_a, g_a (low-rank down projections), o_norm (per head_dim, shared)
-    all-reduce        out = sum over ranks of the partial outputs
-
-Numerics of the sum: each rank's o_proj writes its FP32 sums (KdaLayer.o_proj_sums, the values
-its BF16 output is the rounding of) into the rank's `partial`; NCCL adds the ranks' partials in
-FP32 and the sum is rounded once to BF16 (round to nearest, ties to even). The TP output
-therefore differs from the single-GPU output only by the FP32 reassociation of o_proj's sum
-over channels (each rank sums its own channels, then the ranks' sums are added), which changes
-a BF16 result only where the two FP32 values straddle a rounding boundary. (Rounding each
-partial to BF16 before the sum would add a second rounding: about 3e-3 rms-ratio from the
-single-GPU output, tests/test_tp.py.) For tp_size = 2 the FP32 sum is one addition,
-commutative, so decode_k stays bit-identical to K decodes. With more ranks NCCL may order the
-additions differently for a K-row message than for a one-row message, and that promise then
-rests on NCCL choosing the same algorithm for both.
-
-Layout of this module, in the order a call uses it:
-    TensorParallelPlan     which rows/columns/channels/heads rank r owns; shard() and the
-                           state split/gather, all on the host, no GPU
-    bind_layer_shard       reads only rank r's byte ranges of a safetensors checkpoint
-    TpRankLayer            one rank on its GPU (one process per GPU, NCCL communicator given)
-    TensorParallelBlock    every rank from one process (notebooks), NCCL group calls
+TensorParallelPlan splits weights and states on the host; bind_layer_shard reads only a rank's
+byte ranges of a safetensors checkpoint; TpRankLayer is one rank on its GPU (one process per GPU,
+NCCL communicator given); TensorParallelBlock drives every rank from one process (notebooks).
 """
 
 from __future__ import annotations
@@ -37,10 +19,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
 import math
 import mmap
-import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,18 +31,20 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .checkpoint import (
-    _MAX_HEADER_BYTES,
     BF16,
     CONFIG_FILE,
     F32,
     BoundLayer,
     CheckpointError,
+    TensorEntry,
     _Checkpoint,
     _check_layer_index,
+    _join_rows,
     _plan_layer,
     all_finite,
     attention_prefix,
     expected_tensors,
+    read_safetensors_entries,
     resolve_file,
 )
 from .config import KdaConfig
@@ -133,40 +115,33 @@ class TensorParallelPlan:
         self.check_rank(rank)
         return dataclasses.replace(self.config, heads=self.heads_per_rank)
 
+    def rows(self, name: str, rank: int) -> tuple[slice, ...]:
+        """Rank r's rows of BoundLayer array `name`: its channels, heads, q/k/v conv rows, or
+        every row of a replicated one (f_a, g_a, o_norm); for o_proj, its columns."""
+        if name == "conv_weight":
+            return self.conv_channel_slices(rank)
+        if name in ("a_log", "b_proj"):
+            return (self.head_slice(rank),)
+        if name in ("f_a", "g_a", "o_norm"):
+            self.check_rank(rank)
+            return (slice(0, self.config.head_dim),)
+        return (self.channel_slice(rank),)
+
     # Weights ------------------------------------------------------------------------------
     def shard(self, bound: BoundLayer, rank: int) -> BoundLayer:
-        """Rank r's weights cut from an already bound full layer (host copies, contiguous)."""
+        """Rank r's weights cut from an already bound full layer (host copies, contiguous, so the
+        shard does not keep the full layer alive)."""
         rank = self.check_rank(rank)
         if bound.config != self.config:
             raise TensorParallelError(
                 f"layer {bound.layer_idx} was bound with a config that differs from the plan's in "
                 f"{_config_differences(bound.config, self.config)}"
             )
-        heads, channels = self.head_slice(rank), self.channel_slice(rank)
-
-        def rows(array: np.ndarray, part: slice) -> np.ndarray:
-            return array[part].copy()  # a copy, so the shard does not keep the full layer alive
-
-        conv = np.concatenate([bound.conv_weight[part] for part in self.conv_channel_slices(rank)], axis=0)
-        return BoundLayer(
-            layer_idx=bound.layer_idx,
-            config=self.rank_config(rank),
-            layout=bound.layout,
-            q_proj=rows(bound.q_proj, channels),
-            k_proj=rows(bound.k_proj, channels),
-            v_proj=rows(bound.v_proj, channels),
-            conv_weight=np.ascontiguousarray(conv),
-            f_a=bound.f_a.copy(),
-            f_b=rows(bound.f_b, channels),
-            dt_bias=rows(bound.dt_bias, channels),
-            a_log=rows(bound.a_log.reshape(-1), heads),
-            b_proj=rows(bound.b_proj, heads),
-            g_a=bound.g_a.copy(),
-            g_b=rows(bound.g_b, channels),
-            o_norm=bound.o_norm.copy(),
-            # o_proj [hidden, qkv] is split by its INPUT columns; the ranks' outputs are summed.
-            o_proj=np.ascontiguousarray(bound.o_proj[:, channels]),
-        )
+        arrays = {name: np.concatenate([array[rows] for rows in self.rows(name, rank)])
+                  for name, array in bound.arrays().items() if name != "o_proj"}
+        # o_proj [hidden, qkv] is split by its INPUT columns; the ranks' outputs are summed.
+        arrays["o_proj"] = np.ascontiguousarray(bound.o_proj[:, self.channel_slice(rank)])
+        return BoundLayer(layer_idx=bound.layer_idx, config=self.rank_config(rank), layout=bound.layout, **arrays)
 
     # State --------------------------------------------------------------------------------
     def state_slice(self, state: KdaState, rank: int) -> KdaState:
@@ -210,22 +185,6 @@ def _config_differences(actual: KdaConfig, expected: KdaConfig) -> str:
 
 
 # Reading only one rank's bytes ------------------------------------------------------------
-# BoundLayer field -> its tensor's name without the layout's sub-module prefix; the layout's
-# full names come from glm_kda.checkpoint.expected_tensors.
-_FIELD_TENSORS = {
-    "q_proj": "q_proj.weight",
-    "k_proj": "k_proj.weight",
-    "v_proj": "v_proj.weight",
-    "f_a": "f_a_proj.weight",
-    "f_b": "f_b_proj.weight",
-    "dt_bias": "dt_bias",
-    "a_log": "A_log",
-    "b_proj": "b_proj.weight",
-    "g_a": "g_a_proj.weight",
-    "g_b": "g_b_proj.weight",
-    "o_norm": "o_norm.weight",
-    "o_proj": "o_proj.weight",
-}
 _NUMPY_DTYPES = {BF16: np.dtype(ml_dtypes.bfloat16), F32: np.dtype("<f4")}
 
 
@@ -249,20 +208,9 @@ class ShardReadStats:
     reads: list[tuple[str, int, int]] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class _TensorEntry:
-    """One tensor of a safetensors header: dtype, shape and its bytes [begin, end) in the file."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    begin: int
-    end: int
-
-
-def _read_exactly(handle: BinaryIO, path: Path, offset: int, length: int, stats: ShardReadStats,
-                  out: np.ndarray | None = None) -> memoryview | np.ndarray:
-    """`length` bytes at `offset`, into `out` (a uint8 array) when given."""
-    buffer = out if out is not None else np.empty(length, np.uint8)
+def _read_exactly(handle: BinaryIO, path: Path, offset: int, length: int, stats: ShardReadStats) -> np.ndarray:
+    """`length` bytes at `offset`, as a uint8 array."""
+    buffer = np.empty(length, np.uint8)
     handle.seek(offset)
     view = memoryview(buffer).cast("B")
     got = 0
@@ -278,143 +226,28 @@ def _read_exactly(handle: BinaryIO, path: Path, offset: int, length: int, stats:
     return buffer
 
 
-def read_safetensors_entries(path: str | Path, stats: ShardReadStats | None = None) -> dict[str, _TensorEntry]:
-    """{tensor name: (dtype, shape, absolute byte range)} from a safetensors header.
-
-    The layout is an 8-byte little-endian header length, the header JSON, then the data;
-    each tensor's `data_offsets` count from the start of the data.
-    """
-    path = Path(path)
-    stats = stats if stats is not None else ShardReadStats()
-    with _open_binary(path) as handle:
-        prefix = bytes(_read_exactly(handle, path, 0, 8, stats)) if _file_size(handle) >= 8 else b""
-        if len(prefix) < 8:
-            raise CheckpointError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
-        length = int.from_bytes(prefix, "little")
-        if length > _MAX_HEADER_BYTES or 8 + length > _file_size(handle):
-            raise CheckpointError(f"{path}: not a safetensors file (header length {length})")
-        raw = bytes(_read_exactly(handle, path, 8, length, stats))
-    try:
-        header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: unreadable safetensors header ({exc})") from None
-    header.pop("__metadata__", None)
-    data_start = 8 + length
-    entries = {}
-    for name, info in header.items():
-        try:
-            begin, end = (int(v) for v in info["data_offsets"])
-            entries[name] = _TensorEntry(str(info["dtype"]), tuple(int(n) for n in info["shape"]),
-                                         data_start + begin, data_start + end)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"{path}: header entry of '{name}' lacks dtype, shape or data_offsets ({exc})") from None
-    return entries
-
-
-def _file_size(handle: BinaryIO) -> int:
-    return os.fstat(handle.fileno()).st_size
-
-
 class _RangeCheckpoint(_Checkpoint):
-    """A checkpoint whose headers keep the byte range of every tensor.
-
-    header() answers as glm_kda.checkpoint expects ({name: (dtype, shape)}), so the layer is
-    checked by the same code and with the same messages as bind_layer.
-    """
+    """A checkpoint whose headers are read through _open_binary, into `stats`; the layer is
+    checked by the same code and with the same messages as bind_layer."""
 
     def __init__(self, location: str | Path, hub_kwargs: dict[str, Any], stats: ShardReadStats):
         super().__init__(location, hub_kwargs)
         self.stats = stats
-        self._entries: dict[str, dict[str, _TensorEntry]] = {}
 
-    def entries(self, filename: str) -> dict[str, _TensorEntry]:
-        if filename not in self._entries:
-            self._entries[filename] = read_safetensors_entries(self.path(filename), self.stats)
-        return self._entries[filename]
-
-    def header(self, filename: str) -> dict[str, tuple[str, tuple[int, ...]]]:
-        return {name: (entry.dtype, entry.shape) for name, entry in self.entries(filename).items()}
+    def read_entries(self, path: Path) -> dict[str, TensorEntry]:
+        with _open_binary(path) as handle:
+            return read_safetensors_entries(path, functools.partial(_read_exactly, handle, path, stats=self.stats))
 
 
-@dataclass(frozen=True)
-class _RowRange:
-    """Rows [start, stop) of a tensor viewed as [rows, row_elements] (row-major)."""
-
-    name: str
-    rows: int
-    start: int
-    stop: int
-
-
-def _layout_names(config: KdaConfig, layout: str) -> tuple[dict[str, str], list[str]]:
-    """(BoundLayer field -> full relative tensor name, conv tensor names in q, k, v order)."""
-    names = [spec.name for spec in expected_tensors(config, layout)]
-    fields = {}
-    for field_name, base in _FIELD_TENSORS.items():
-        matches = [n for n in names if n == base or n.endswith("." + base)]
-        assert len(matches) == 1, f"{layout} layout: {base} is named {matches}"
-        fields[field_name] = matches[0]
-    # Release: q_conv1d, k_conv1d, v_conv1d (in that order); transformers: the fused conv1d.
-    conv = [n for n in names if n.endswith("conv1d.weight")]
-    return fields, conv
-
-
-def _rank_row_ranges(plan: TensorParallelPlan, rank: int, layout: str) -> dict[str, list[_RowRange]]:
-    """What rank r reads of every BoundLayer field except o_proj (a column slice), as row
-    ranges of the stored tensors. Per-head and per-channel vectors are rows of one element."""
-    c = plan.config
-    fields, conv = _layout_names(c, layout)
-    heads, channels = plan.head_slice(rank), plan.channel_slice(rank)
-
-    def part(field_name: str, rows: int, span: slice | None = None) -> list[_RowRange]:
-        span = span if span is not None else slice(0, rows)
-        return [_RowRange(fields[field_name], rows, span.start, span.stop)]
-
-    ranges = {
-        "q_proj": part("q_proj", c.qkv, channels),
-        "k_proj": part("k_proj", c.qkv, channels),
-        "v_proj": part("v_proj", c.qkv, channels),
-        "f_a": part("f_a", c.head_dim),
-        "f_b": part("f_b", c.qkv, channels),
-        "dt_bias": part("dt_bias", c.qkv, channels),
-        # A_log is [H] or [1, 1, H, 1]: either way H elements in head order.
-        "a_log": part("a_log", c.heads, heads),
-        "b_proj": part("b_proj", c.heads, heads),
-        "g_a": part("g_a", c.head_dim),
-        "g_b": part("g_b", c.qkv, channels),
-        "o_norm": part("o_norm", c.head_dim),
-    }
-    if len(conv) == 3:
-        ranges["conv_weight"] = [_RowRange(name, c.qkv, channels.start, channels.stop) for name in conv]
-    else:
-        ranges["conv_weight"] = [_RowRange(conv[0], c.conv_dim, s.start, s.stop) for s in plan.conv_channel_slices(rank)]
-    return ranges
-
-
-def _rank_shapes(config: KdaConfig) -> dict[str, tuple[int, ...]]:
-    """BoundLayer field shapes of a (rank) config; see BoundLayer's docstring."""
-    c = config
-    return {
-        "q_proj": (c.qkv, c.hidden), "k_proj": (c.qkv, c.hidden), "v_proj": (c.qkv, c.hidden),
-        "conv_weight": (c.conv_dim, c.conv_kernel), "f_a": (c.head_dim, c.hidden), "f_b": (c.qkv, c.head_dim),
-        "dt_bias": (c.qkv,), "a_log": (c.heads,), "b_proj": (c.heads, c.hidden), "g_a": (c.head_dim, c.hidden),
-        "g_b": (c.qkv, c.head_dim), "o_norm": (c.head_dim,), "o_proj": (c.hidden, c.qkv),
-    }
-
-
-def _entry_for(ckpt: _RangeCheckpoint, file: str, name: str) -> _TensorEntry:
+def _entry_for(ckpt: _RangeCheckpoint, file: str, name: str) -> TensorEntry:
     """The header entry of `name`, its byte count checked against dtype and shape."""
-    entry = ckpt.entries(file)[name]
-    itemsize = _NUMPY_DTYPES[entry.dtype].itemsize
-    need = math.prod(entry.shape) * itemsize
+    entry = ckpt.header(file)[name]
+    need = math.prod(entry.shape) * _NUMPY_DTYPES[entry.dtype].itemsize
     if entry.end - entry.begin != need:
         raise CheckpointError(
             f"{file}: tensor '{name}' has data_offsets spanning {entry.end - entry.begin} bytes, "
             f"but {entry.dtype} {list(entry.shape)} needs {need}"
         )
-    size = ckpt.path(file).stat().st_size
-    if entry.end > size:
-        raise CheckpointError(f"{file}: truncated: tensor '{name}' ends at byte {entry.end}, the file at {size}")
     return entry
 
 
@@ -463,51 +296,44 @@ def bind_layer_shard(
         raise CheckpointError("\n".join(layer_plan.problems))
 
     prefix = attention_prefix(layer_idx)
-    row_ranges = _rank_row_ranges(plan, rank, layer_plan.layout)
-    fields, _ = _layout_names(config, layer_plan.layout)
-    rank_config = plan.rank_config(rank)
-    shapes = _rank_shapes(rank_config)
-    arrays: dict[str, np.ndarray] = {}
-    handles: dict[str, BinaryIO] = {}
-    try:
-        with tqdm(total=len(shapes), desc=f"layer {layer_idx} rank {rank}/{tp_size}", unit="tensor",
-                  disable=None if progress else True, leave=False) as bar:
-            for field_name, ranges in row_ranges.items():
-                pieces = []
-                for piece in ranges:
-                    full = prefix + piece.name
-                    file = layer_plan.files[full]
-                    entry = _entry_for(ckpt, file, full)
-                    dtype = _NUMPY_DTYPES[entry.dtype]
-                    row_bytes = (entry.end - entry.begin) // piece.rows
-                    if file not in handles:
-                        handles[file] = _open_binary(ckpt.path(file))
-                    length = (piece.stop - piece.start) * row_bytes
-                    data = _read_exactly(handles[file], ckpt.path(file), entry.begin + piece.start * row_bytes,
-                                         length, stats)
-                    pieces.append(data.view(dtype))
-                joined = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
-                arrays[field_name] = joined.reshape(shapes[field_name])
-                bar.update(1)
-            arrays["o_proj"] = _read_columns(ckpt, layer_plan.files[prefix + fields["o_proj"]],
-                                             prefix + fields["o_proj"], plan.channel_slice(rank), stats)
+    specs = expected_tensors(config, layer_plan.layout)
+    full_shapes = BoundLayer.shapes(config)
+    parts: dict[str, list[np.ndarray]] = {}
+    with contextlib.ExitStack() as files, tqdm(total=len(specs), desc=f"layer {layer_idx} rank {rank}/{tp_size}",
+                                                unit="tensor", disable=None if progress else True, leave=False) as bar:
+        handles: dict[str, BinaryIO] = {}
+        for spec in specs:
+            name = prefix + spec.name
+            file = layer_plan.files[name]
+            path = ckpt.path(file)
+            entry = _entry_for(ckpt, file, name)
+            if spec.field == "o_proj":
+                parts["o_proj"] = [_read_columns(path, entry, plan.channel_slice(rank), stats)]
+            else:
+                if file not in handles:
+                    handles[file] = files.enter_context(_open_binary(path))
+                dtype = _NUMPY_DTYPES[entry.dtype]
+                row_bytes = dtype.itemsize * math.prod(full_shapes[spec.field][1:])
+                # A release conv tensor holds the taps of q, k or v alone: the rank's channels of it.
+                slices = (plan.channel_slice(rank),) if spec.name.endswith("_conv1d.weight") else plan.rows(spec.field, rank)
+                for rows in slices:
+                    data = _read_exactly(handles[file], path, entry.begin + rows.start * row_bytes,
+                                         (rows.stop - rows.start) * row_bytes, stats)
+                    parts.setdefault(spec.field, []).append(data.view(dtype))
             bar.update(1)
-    finally:
-        for handle in handles.values():
-            handle.close()
+    rank_shapes = BoundLayer.shapes(plan.rank_config(rank))
+    arrays = {name: _join_rows(pieces).reshape(rank_shapes[name]) for name, pieces in parts.items()}
     for field_name, array in arrays.items():
         if not all_finite(array):
             raise CheckpointError(f"{path_or_repo}: layer {layer_idx} rank {rank}: {field_name} holds NaN or Inf values")
-    return BoundLayer(layer_idx=layer_idx, config=rank_config, layout=layer_plan.layout, **arrays)
+    return BoundLayer(layer_idx=layer_idx, config=plan.rank_config(rank), layout=layer_plan.layout, **arrays)
 
 
-def _read_columns(ckpt: _RangeCheckpoint, file: str, name: str, columns: slice, stats: ShardReadStats) -> np.ndarray:
+def _read_columns(path: Path, entry: TensorEntry, columns: slice, stats: ShardReadStats) -> np.ndarray:
     """Columns `columns` of a 2-D tensor, copied out of a read-only memory map of it: the OS
     reads only the pages the strided copy touches."""
-    entry = _entry_for(ckpt, file, name)
     rows, width = entry.shape
     itemsize = _NUMPY_DTYPES[entry.dtype].itemsize
-    path = ckpt.path(file)
     mapped = np.memmap(path, dtype=np.dtype(f"<u{itemsize}"), mode="r", offset=entry.begin, shape=(rows, width))
     try:
         # np.array copies even when the slice is contiguous (tp_size 1), so nothing keeps the map.
@@ -662,8 +488,8 @@ class TpRankLayer:
         return self._group.decode_k(hidden, [state], None)
 
     def decode_k(self, hidden: Any, state: KdaState, snapshots: Sequence[KdaState] | None = None) -> Any:
-        """K rows (1..16) of one sequence, bit-identical to K decode calls (see module
-        docstring for tp_size > 2). snapshots[i] receives the state after row i."""
+        """K rows (1..16) of one sequence, bit-identical to K decode calls (for tp_size
+        > 2, see docs/design.md). snapshots[i] receives the state after row i."""
         return self._group.decode_k(hidden, [state], None if snapshots is None else [list(snapshots)])
 
     # Pieces the groups put together -------------------------------------------------------
