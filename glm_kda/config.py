@@ -192,28 +192,22 @@ class KdaConfig:
         hidden = need(cfg, "hidden_size", "", int)
         rms_norm_eps = need(cfg, "rms_norm_eps", "", float)
         num_layers = cfg.get("num_hidden_layers")
-        num_layers = _typed(num_layers, int, "num_hidden_layers", source) if num_layers is not None else None
-        if num_layers is not None and num_layers < 1:
-            raise ConfigError(f"{source}: key 'num_hidden_layers' = {num_layers} is not a positive layer count")
-        if num_layers is not None and num_layers > _MAX_LAYERS:
-            raise ConfigError(f"{source}: key 'num_hidden_layers' = {num_layers} is not a plausible layer count "
-                              f"(more than {_MAX_LAYERS})")
+        if num_layers is not None:
+            num_layers = _typed(num_layers, int, "num_hidden_layers", source)
+            if num_layers < 1:
+                raise ConfigError(f"{source}: key 'num_hidden_layers' = {num_layers} is not a positive layer count")
+            if num_layers > _MAX_LAYERS:
+                raise ConfigError(f"{source}: key 'num_hidden_layers' = {num_layers} is not a plausible layer count "
+                                  f"(more than {_MAX_LAYERS})")
 
         lac = cfg.get("linear_attn_config")
-        # The config.json key each checked field came from, to name it when its value is refused.
-        keys = {"hidden": "hidden_size", "rms_norm_eps": "rms_norm_eps"}
         if isinstance(lac, Mapping):
             where = "linear_attn_config."
-            keys.update(heads=where + "num_heads", head_dim=where + "head_dim",
-                        conv_kernel=where + "short_conv_kernel_size",
-                        gate_lower_bound=where + ("gate_lower_bound" if "gate_lower_bound" in lac else "lower_bound"))
-            heads = need(lac, "num_heads", where, int)
-            head_dim = need(lac, "head_dim", where, int)
-            conv_kernel = need(lac, "short_conv_kernel_size", where, int)
-            if "gate_lower_bound" in lac:
-                law, bound = GATE_BOUNDED, need(lac, "gate_lower_bound", where, float)
-            elif "lower_bound" in lac:
-                law, bound = GATE_BOUNDED, need(lac, "lower_bound", where, float)
+            names = ("num_heads", "head_dim", "short_conv_kernel_size")
+            bound_key = "lower_bound" if "lower_bound" in lac and "gate_lower_bound" not in lac else "gate_lower_bound"
+            heads, head_dim, conv_kernel = (need(lac, name, where, int) for name in names)
+            if bound_key in lac:
+                law, bound = GATE_BOUNDED, need(lac, bound_key, where, float)
             elif "kda_layers" in lac:
                 # Kimi-Linear: the gate is -exp(A_log) * softplus(u), and the config has no bound.
                 law, bound = GATE_SOFTPLUS, None
@@ -222,22 +216,23 @@ class KdaConfig:
                     f"{source}: missing key '{where}gate_lower_bound' (or legacy '{where}lower_bound'); "
                     f"a config without a bound must list '{where}kda_layers' (Kimi-Linear softplus law)"
                 )
-            kda_layers = _kda_layers_from_linear_attn_config(lac, num_layers, source)
+            kda_layers = (_kda_layers_kimi(lac["kda_layers"], num_layers, source) if "kda_layers" in lac
+                          else _kda_layers_glm(cfg, num_layers, source))
         elif "linear_num_heads" in cfg:
-            keys.update(heads="linear_num_heads", head_dim="linear_head_dim", conv_kernel="linear_conv_kernel_dim",
-                        gate_lower_bound="linear_lower_bound")
-            heads = need(cfg, "linear_num_heads", "", int)
-            head_dim = need(cfg, "linear_head_dim", "", int)
-            conv_kernel = need(cfg, "linear_conv_kernel_dim", "", int)
-            law, bound = GATE_BOUNDED, need(cfg, "linear_lower_bound", "", float)
+            where = ""
+            names = ("linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim")
+            bound_key = "linear_lower_bound"
+            heads, head_dim, conv_kernel = (need(cfg, name, where, int) for name in names)
+            law, bound = GATE_BOUNDED, need(cfg, bound_key, "", float)
             kda_layers = _kda_layers_glm(cfg, num_layers, source)
         else:
             raise ConfigError(
                 f"{source}: no KDA geometry: expected 'linear_attn_config' or 'linear_num_heads' "
                 f"(model_type={model_type!r})"
             )
-        if isinstance(lac, Mapping) and "kda_layers" not in lac:
-            kda_layers = _kda_layers_glm(cfg, num_layers, source)
+        # The config.json key each checked field came from, to name it when its value is refused.
+        keys = {"hidden": "hidden_size", "rms_norm_eps": "rms_norm_eps", "gate_lower_bound": where + bound_key,
+                **{name: where + key for name, key in zip(("heads", "head_dim", "conv_kernel"), names)}}
         # The conv's activation: read, not assumed (a loader that hard-codes SiLU is right only by accident).
         act = need(cfg, "hidden_act", "")
         if act != "silu":
@@ -284,11 +279,8 @@ def _typed(value: Any, kind: type, key: str, source: str) -> Any:
     raise ConfigError(f"{source}: key '{key}' = {value!r} is not a finite number")
 
 
-def _kda_layers_from_linear_attn_config(lac: Mapping[str, Any], num_layers: int | None, source: str) -> tuple[int, ...]:
-    """Kimi lists `kda_layers` 1-indexed; we speak 0-based layer indices everywhere."""
-    if "kda_layers" not in lac:
-        return ()
-    listed = lac["kda_layers"]
+def _kda_layers_kimi(listed: Any, num_layers: int | None, source: str) -> tuple[int, ...]:
+    """Kimi lists `linear_attn_config.kda_layers` 1-indexed; we speak 0-based layer indices everywhere."""
     if not isinstance(listed, (list, tuple)):
         raise ConfigError(f"{source}: linear_attn_config.kda_layers must be a list of layer numbers, got {listed!r}")
     one_based = [_typed(i, int, "linear_attn_config.kda_layers[]", source) for i in listed]

@@ -39,21 +39,8 @@ import numpy as np
 from .config import KdaConfig
 from .state import KdaState, array_module, require_one_row
 
-STAGE_ORDER = (
-    "qkv_proj",
-    "down_proj",
-    "forget_proj",
-    "out_gate",
-    "conv_out",
-    "query",
-    "key",
-    "value",
-    "gate",
-    "beta",
-    "core",
-    "o_norm_out",
-    "final_out",
-)
+STAGE_ORDER = ("qkv_proj", "down_proj", "forget_proj", "out_gate", "conv_out", "query", "key", "value", "gate",
+               "beta", "core", "o_norm_out", "final_out")
 
 PRECISIONS = ("float64", "bf16")
 
@@ -80,10 +67,6 @@ def round_bf16(x: Any) -> Any:
     out = rounded.view(xp.float32).astype(xp.float64)
     # NaN stays NaN; +-inf and values that overflow BF16 come out as +-inf from the bit arithmetic.
     return xp.where(xp.isnan(x), x, out)
-
-
-def _identity(x: Any) -> Any:
-    return x
 
 
 # Stages ---------------------------------------------------------------------------------
@@ -272,7 +255,7 @@ class KdaOracle:
         self.config = config if config is not None else layer.config
         self.precision = precision
         self.xp = xp
-        self.round = round_bf16 if precision == "bf16" else _identity
+        self.round = round_bf16 if precision == "bf16" else (lambda x: x)
         self.weights = {name: xp.asarray(np.asarray(getattr(layer, name), dtype=np.float64)) for name in WEIGHT_FIELDS}
 
     # Stage groups, mirroring the GPU front end, stateful part and back end. Each writes its
@@ -387,24 +370,20 @@ class KdaOracle:
         return merged, states
 
 
-def _to_float64(x: Any, xp: Any) -> Any:
-    """Any host (BF16 included) or device array as a float64 array of module xp."""
+def _to_float64(x: Any, xp: Any = np) -> Any:
+    """Any host (BF16 included) or device array as a float64 array of module xp (default NumPy)."""
     if isinstance(x, np.ndarray):
         return xp.asarray(x.astype(np.float64))
+    if xp is np and hasattr(x, "get"):
+        x = x.get()
     return xp.asarray(x).astype(xp.float64)
 
 
 # Comparison -----------------------------------------------------------------------------
-def _as_float64(x: Any) -> np.ndarray:
-    if hasattr(x, "get") and not isinstance(x, np.ndarray):
-        x = x.get()
-    return np.asarray(x).astype(np.float64)
-
-
 def rms_ratio(actual: Any, reference: Any) -> float:
     """rms(actual - reference) / rms(reference); NaN anywhere gives NaN, a zero reference
     gives rms(actual) (0 when both are zero)."""
-    a, r = _as_float64(actual), _as_float64(reference)
+    a, r = _to_float64(actual), _to_float64(reference)
     if a.size != r.size:
         raise ValueError(f"rms_ratio: {list(a.shape)} against a reference of {list(r.shape)}: not the same elements")
     if a.shape != r.shape:
@@ -447,10 +426,8 @@ class StageTable:
         return None
 
     def __str__(self) -> str:
-        lines = [f"{'stage':<12} {'rms-ratio':>11} {'max-abs':>11}  shape"]
-        for row in self.rows:
-            lines.append(f"{row.stage:<12} {row.rms_ratio:>11.3e} {row.max_abs:>11.3e}  {list(row.shape)}")
-        return "\n".join(lines)
+        lines = [f"{row.stage:<12} {row.rms_ratio:>11.3e} {row.max_abs:>11.3e}  {list(row.shape)}" for row in self.rows]
+        return "\n".join([f"{'stage':<12} {'rms-ratio':>11} {'max-abs':>11}  shape", *lines])
 
     __repr__ = __str__
 
@@ -463,7 +440,7 @@ def compare_stages(actual: Mapping[str, Any], reference: Mapping[str, Any], stag
                          f"(stage names: {', '.join(STAGE_ORDER)})")
     rows = []
     for name in names:
-        a, r = _as_float64(actual[name]), _as_float64(reference[name])
+        a, r = _to_float64(actual[name]), _to_float64(reference[name])
         a = a.reshape(r.shape) if a.size == r.size else a
         if a.shape != r.shape:
             raise ValueError(f"stage {name!r}: shapes differ, {list(a.shape)} vs reference {list(r.shape)}")
