@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from .checkpoint import bind_layer
 from .config import ConfigError
@@ -46,12 +47,6 @@ def demo_checkpoint(geometry: str, seed: int = 0) -> Path:
     return path
 
 
-def _tqdm(iterable, **kwargs):
-    from tqdm.auto import tqdm
-
-    return tqdm(iterable, **kwargs)
-
-
 def run_demo(geometry: str = "kimi", prompt: int = 64, steps: int = 32, seed: int = 0, force_cpu: bool = False) -> dict:
     """Prefill `prompt` synthetic hidden rows, decode `steps` more, compare with the oracle.
 
@@ -80,14 +75,14 @@ def run_demo(geometry: str = "kimi", prompt: int = 64, steps: int = 32, seed: in
         reason = ("--cpu given" if force_cpu else f"no GPU found ({why})" if not ok
                   else f"the CUDA kernels do not run this geometry ({unfit})")
         print(f"{reason}: running the NumPy reference path (BF16-faithful oracle in place of the kernels)")
-        result = _run_oracle(KdaOracle(layer, "bf16"), hidden, prompt, steps)
-    t0 = time.perf_counter()
-    ref_stages, ref_state = exact.prefill(hidden[:prompt], None)
-    ref_decode = _decode_loop(exact, hidden[prompt:], ref_state, progress=False)
-    ref_stages = {k: np.concatenate([ref_stages[k], ref_decode[k]]) for k in ref_stages}
+        faithful = KdaOracle(layer, "bf16")
+        stages, prefill_s, decode_s = _oracle_run(faithful, hidden, prompt, chunk=cfg.chunk, progress=True)
+        result = {"path": "numpy", "stages": stages, "prefill_ms": 1e3 * prefill_s,
+                  "decode_ms_per_token": 1e3 * decode_s / steps}
+    ref_stages, prefill_s, decode_s = _oracle_run(exact, hidden, prompt)
     table = compare_stages(result["stages"], ref_stages)
     print(f"\nagreement with the float64 oracle over {prompt} prefill + {steps} decode tokens "
-          f"(oracle took {time.perf_counter() - t0:.1f} s):")
+          f"(oracle took {prefill_s + decode_s:.1f} s):")
     print(table)
     print("  rms-ratio: rms(ours - float64) / rms(float64) over every element of the stage; max-abs: the largest\n"
           "  |ours - float64|. BF16 rounding alone puts a rounded stage near 2^-9 = 2e-3.")
@@ -112,42 +107,31 @@ def _verdict(table, layer, hidden: np.ndarray, prompt: int, exact_out: np.ndarra
     if not on_gpu:
         return (f"verdict: final_out {ours:.2e} from float64: the BF16-faithful oracle's own error, the floor the "
                 f"CUDA kernels are held to (at most {_E2E_FACTOR}x of it)")
-    faithful = KdaOracle(layer, "bf16")
-    stages, state = faithful.prefill(hidden[:prompt], None)
-    decoded = _decode_loop(faithful, hidden[prompt:], state, progress=False)
-    floor = rms_ratio(np.concatenate([stages["final_out"], decoded["final_out"]]), exact_out)
+    stages, _, _ = _oracle_run(KdaOracle(layer, "bf16"), hidden, prompt)
+    floor = rms_ratio(stages["final_out"], exact_out)
     bound = _E2E_FACTOR * floor
     return (f"verdict: {'PASS' if ours <= bound else 'FAIL'}: final_out {ours:.2e} from float64, bound "
             f"{bound:.2e} ({_E2E_FACTOR}x the BF16-faithful oracle's {floor:.2e})")
 
 
-def _decode_loop(oracle: KdaOracle, rows: np.ndarray, state, progress: bool = True) -> dict:
-    outs = []
-    for i in _tqdm(range(rows.shape[0]), desc="decode", disable=not progress, leave=False):
-        stages, state = oracle.decode(rows[i : i + 1], state)
-        outs.append(stages)
-    return {k: np.concatenate([o[k] for o in outs]) for k in outs[0]}
-
-
-def _run_oracle(oracle: KdaOracle, hidden: np.ndarray, prompt: int, steps: int) -> dict:
+def _oracle_run(oracle: KdaOracle, hidden: np.ndarray, prompt: int, chunk: int | None = None,
+                progress: bool = False) -> tuple[dict, float, float]:
+    """(stages, prefill seconds, decode seconds) of a prefill of hidden[:prompt], then a decode of
+    every following row."""
     t0 = time.perf_counter()
-    stages, state = oracle.prefill(hidden[:prompt], None, chunk=oracle.config.chunk)
+    stages, state = oracle.prefill(hidden[:prompt], None, chunk=chunk)
     t1 = time.perf_counter()
-    decoded = _decode_loop(oracle, hidden[prompt:], state)
-    t2 = time.perf_counter()
-    merged = {k: np.concatenate([stages[k], decoded[k]]) for k in stages}
-    return {"path": "numpy", "stages": merged, "prefill_ms": 1e3 * (t1 - t0),
-            "decode_ms_per_token": 1e3 * (t2 - t1) / max(steps, 1)}
+    decoded = []
+    for row in tqdm(hidden[prompt:], desc="decode", disable=not progress, leave=False):
+        step, state = oracle.decode(row, state)
+        decoded.append(step)
+    merged = {k: np.concatenate([stages[k]] + [d[k] for d in decoded]) for k in stages}
+    return merged, t1 - t0, time.perf_counter() - t1
 
 
 def _run_gpu(path: Path, hidden: np.ndarray, prompt: int, steps: int) -> dict:
-    return _run_on_gpu(path, hidden, prompt, steps)
-
-
-def _run_on_gpu(path: Path, hidden: np.ndarray, prompt: int, steps: int) -> dict:
     """The demo's GPU half: prefill, then a decode loop; stage buffers gathered per call."""
     import cupy
-    from tqdm.auto import tqdm
 
     from .gpu.arrays import to_device_bf16
     from .gpu.layer import KdaLayer
@@ -179,4 +163,4 @@ def _run_on_gpu(path: Path, hidden: np.ndarray, prompt: int, steps: int) -> dict
         total_ms += cupy.cuda.get_elapsed_time(start, end)
         decoded.append(layer.workspace.stages(1))
     merged = {k: np.concatenate([stages[k]] + [d[k] for d in decoded]) for k in stages}
-    return {"path": "cuda", "stages": merged, "prefill_ms": prefill_ms, "decode_ms_per_token": total_ms / max(steps, 1)}
+    return {"path": "cuda", "stages": merged, "prefill_ms": prefill_ms, "decode_ms_per_token": total_ms / steps}

@@ -74,7 +74,7 @@ class TensorParallelPlan:
         if config.heads % tp_size:
             raise TensorParallelError(
                 f"tp_size={tp_size} does not divide heads={config.heads}: every rank takes whole "
-                f"heads, so tp_size must be one of {_divisors(config.heads)}"
+                f"heads, so tp_size must be one of {[d for d in range(1, config.heads + 1) if config.heads % d == 0]}"
             )
         self.config = config
         self.tp_size = tp_size
@@ -171,10 +171,6 @@ class TensorParallelPlan:
         )
         recurrent = np.concatenate([part.recurrent for part in parts], axis=0)
         return KdaState(conv, recurrent)
-
-
-def _divisors(value: int) -> list[int]:
-    return [d for d in range(1, value + 1) if value % d == 0]
 
 
 def _config_differences(actual: KdaConfig, expected: KdaConfig) -> str:
@@ -314,8 +310,9 @@ def bind_layer_shard(
                     handles[file] = files.enter_context(_open_binary(path))
                 dtype = _NUMPY_DTYPES[entry.dtype]
                 row_bytes = dtype.itemsize * math.prod(full_shapes[spec.field][1:])
-                # A release conv tensor holds the taps of q, k or v alone: the rank's channels of it.
-                slices = (plan.channel_slice(rank),) if spec.name.endswith("_conv1d.weight") else plan.rows(spec.field, rank)
+                slices = plan.rows(spec.field, rank)
+                if spec.name.endswith("_conv1d.weight"):  # release layout: the taps of q, k or v alone
+                    slices = (plan.channel_slice(rank),)
                 for rows in slices:
                     data = _read_exactly(handles[file], path, entry.begin + rows.start * row_bytes,
                                          (rows.stop - rows.start) * row_bytes, stats)
@@ -335,11 +332,8 @@ def _read_columns(path: Path, entry: TensorEntry, columns: slice, stats: ShardRe
     rows, width = entry.shape
     itemsize = _NUMPY_DTYPES[entry.dtype].itemsize
     mapped = np.memmap(path, dtype=np.dtype(f"<u{itemsize}"), mode="r", offset=entry.begin, shape=(rows, width))
-    try:
-        # np.array copies even when the slice is contiguous (tp_size 1), so nothing keeps the map.
-        copied = np.array(mapped[:, columns], copy=True, subok=False)
-    finally:
-        del mapped
+    # np.array copies even when the slice is contiguous (tp_size 1), so nothing keeps the map.
+    copied = np.array(mapped[:, columns], copy=True, subok=False)
     stats.bytes_mapped += mmap.PAGESIZE * _touched_pages(
         entry.begin, width * itemsize, rows, columns.start * itemsize, columns.stop * itemsize
     )
@@ -530,12 +524,10 @@ class TpRankLayer:
         source_device = source.device.id
         if source_device != self.device_id:
             # Another GPU's stream writes `source`: wait for it before the peer copy.
-            event = self._ready_events.get(source_device)
-            if event is None:
-                with cupy.cuda.Device(source_device):
-                    event = cupy.cuda.Event(disable_timing=True)
-                self._ready_events[source_device] = event
             with cupy.cuda.Device(source_device):
+                if source_device not in self._ready_events:
+                    self._ready_events[source_device] = cupy.cuda.Event(disable_timing=True)
+                event = self._ready_events[source_device]
                 event.record(cupy.cuda.get_current_stream())
             stream.wait_event(event)
         runtime.memcpyAsync(target.data.ptr, source.data.ptr, source.nbytes, runtime.memcpyDefault, stream.ptr)
