@@ -64,12 +64,6 @@ def require_state(state: Any, config: KdaConfig, device_id: int, what: str, name
     require_device_buffers(what, name, state.conv, state.recurrent, device_id)
 
 
-def _require_config(config: Any, what: str) -> None:
-    if not isinstance(config, KdaConfig):
-        raise TypeError(f"{what}: config must be a KdaConfig (glm_kda.KdaConfig.from_pretrained), "
-                        f"got {type(config).__name__}")
-
-
 def require_one_row(what: str, hidden: Any) -> None:
     """ValueError unless `hidden` is one row ([1, width] or [width]): the one token a call on a
     single state advances it by (K tokens of one sequence are decode_k's; many sequences, a pool's)."""
@@ -93,7 +87,9 @@ class KdaState:
     @classmethod
     def zeros(cls, config: KdaConfig, xp: Any = np, dtype: Any = np.float32) -> "KdaState":
         """A new sequence: zero history, zero recurrent state."""
-        _require_config(config, "KdaState.zeros")
+        if not isinstance(config, KdaConfig):
+            raise TypeError(f"KdaState.zeros: config must be a KdaConfig (glm_kda.KdaConfig.from_pretrained), "
+                            f"got {type(config).__name__}")
         return cls(xp.zeros(config.conv_state_shape, dtype), xp.zeros(config.recurrent_state_shape, dtype))
 
     @classmethod

@@ -25,7 +25,6 @@ from .config import GLM_5_3_FLASH, KIMI_LINEAR_48B, KdaConfig
 
 BFLOAT16 = ml_dtypes.bfloat16
 
-GEOMETRIES = ("glm", "kimi", "tiny-glm", "tiny-kimi")
 GLM_FORMS = ("flat", "linear_attn_config", "legacy", "text_config")
 KIMI_FORMS = ("kimi",)
 
@@ -35,6 +34,14 @@ KIMI_MODEL_TYPE = "kimi_linear"
 SYNTHETIC_MARKER = ".glm_kda_synthetic"
 
 _TINY = dict(hidden=64, heads=2, head_dim=16, conv_kernel=4)
+# Each named geometry: its KdaConfig fields and model_type.
+_NAMED = {
+    "glm": (GLM_5_3_FLASH, GLM_MODEL_TYPE),
+    "kimi": (KIMI_LINEAR_48B, KIMI_MODEL_TYPE),
+    "tiny-glm": ({**GLM_5_3_FLASH, **_TINY}, GLM_MODEL_TYPE),
+    "tiny-kimi": ({**KIMI_LINEAR_48B, **_TINY}, KIMI_MODEL_TYPE),
+}
+GEOMETRIES = tuple(_NAMED)
 
 # Small stand-ins so a synthetic stack has non-KDA tensors where a real one does:
 # MLA/DSA attention in every fourth layer, an MLP in every layer.
@@ -65,17 +72,10 @@ def synthetic_config(geometry: str | KdaConfig, num_layers: int | None = None) -
         )
         model_type = geometry.model_type or (GLM_MODEL_TYPE if geometry.bounded else KIMI_MODEL_TYPE)
         return dataclasses.replace(geometry, num_layers=layers, kda_layers=kda_layers, model_type=model_type)
-    layers = 4 if num_layers is None else num_layers
-    if geometry == "glm":
-        base, model_type = GLM_5_3_FLASH, GLM_MODEL_TYPE
-    elif geometry == "kimi":
-        base, model_type = KIMI_LINEAR_48B, KIMI_MODEL_TYPE
-    elif geometry == "tiny-glm":
-        base, model_type = {**GLM_5_3_FLASH, **_TINY}, GLM_MODEL_TYPE
-    elif geometry == "tiny-kimi":
-        base, model_type = {**KIMI_LINEAR_48B, **_TINY}, KIMI_MODEL_TYPE
-    else:
+    if not isinstance(geometry, str) or geometry not in _NAMED:
         raise ValueError(f"geometry must be a KdaConfig or one of {', '.join(GEOMETRIES)}; got {geometry!r}")
+    layers = 4 if num_layers is None else num_layers
+    base, model_type = _NAMED[geometry]
     kda_layers = default_kda_layers(layers, kimi=model_type == KIMI_MODEL_TYPE)
     return KdaConfig(**base, num_layers=layers, kda_layers=kda_layers, model_type=model_type)
 
@@ -199,12 +199,9 @@ def _layer_tensors(
     if layer_idx in config.kda_layers:
         tensors = kda_layer_tensors(config, layer_idx, seed)
         # Written slot q holds the taps of conv_order[0], and so on: ("q", "k", "v") is correct.
-        taps = [tensors[f"{part}_conv1d.weight"] for part in conv_order]
-        for part in "qkv":
-            del tensors[f"{part}_conv1d.weight"]
+        taps = [tensors.pop(f"{part}_conv1d.weight") for part in conv_order]
         if layout == LAYOUT_RELEASE:
-            for part, tap in zip("qkv", taps):
-                tensors[f"{part}_conv1d.weight"] = tap
+            tensors.update({f"{part}_conv1d.weight": tap for part, tap in zip("qkv", taps)})
         else:
             tensors["conv1d.weight"] = np.concatenate(taps, axis=0)
             for name in ("f_a_proj.weight", "f_b_proj.weight", "dt_bias", "A_log"):
