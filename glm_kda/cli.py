@@ -47,14 +47,11 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from .checkpoint import CheckpointError, check_layers
+    """The config and a header check of every KDA layer (a bad path, config or shard: main's error line)."""
+    from .checkpoint import check_layers
     from .config import ConfigError, KdaConfig
 
-    try:
-        config = KdaConfig.from_pretrained(args.path)
-    except (ConfigError, CheckpointError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    config = KdaConfig.from_pretrained(args.path)
     print(f"{args.path}: model_type {config.model_type or '?'}")
     print(f"  geometry: {config.describe()}")
     layers = ", ".join(str(i) for i in config.kda_layers) or "unknown (config lists none)"
@@ -66,11 +63,7 @@ def _inspect(args: argparse.Namespace) -> int:
         print(f"  CUDA kernels: NOT supported: {exc}")
     if args.no_tensors:
         return 0
-    try:
-        results = check_layers(args.path, config)
-    except CheckpointError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    results = check_layers(args.path, config)
     bad = 0
     for layer_idx, ok, message in results:
         bad += not ok
