@@ -37,7 +37,6 @@ from .files import CheckpointError, _local_dir, resolve_file  # noqa: F401 (re-e
 LAYOUT_RELEASE = "release"
 LAYOUT_TRANSFORMERS = "transformers"
 
-CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -505,7 +504,7 @@ def bind_layer(
     to hf_hub_download). progress: a progress bar over the tensors read.
     """
     if config is None:
-        config = KdaConfig.from_file(resolve_file(path_or_repo, CONFIG_FILE, **hub_kwargs))
+        config = KdaConfig.from_pretrained(path_or_repo, **hub_kwargs)
     elif not isinstance(config, KdaConfig):
         raise TypeError(f"bind_layer: config must be a KdaConfig or None (read from config.json), got "
                         f"{type(config).__name__}")
@@ -557,7 +556,7 @@ def check_layers(
     config does not say, every layer that holds KDA tensors.
     """
     if config is None:
-        config = KdaConfig.from_file(resolve_file(path_or_repo, CONFIG_FILE, **hub_kwargs))
+        config = KdaConfig.from_pretrained(path_or_repo, **hub_kwargs)
     ckpt = _Checkpoint(path_or_repo, hub_kwargs, headers_only=True)
     layers = list(config.kda_layers)
     if not layers:

@@ -32,7 +32,6 @@ from tqdm.auto import tqdm
 
 from .checkpoint import (
     BF16,
-    CONFIG_FILE,
     F32,
     BoundLayer,
     CheckpointError,
@@ -45,7 +44,6 @@ from .checkpoint import (
     attention_prefix,
     expected_tensors,
     read_safetensors_entries,
-    resolve_file,
 )
 from .config import KdaConfig
 from .state import KdaState, array_module, require_one_row, require_state
@@ -281,7 +279,7 @@ def bind_layer_shard(
     `stats`, if given, receives what was read.
     """
     if config is None:
-        config = KdaConfig.from_file(resolve_file(path_or_repo, CONFIG_FILE, **hub_kwargs))
+        config = KdaConfig.from_pretrained(path_or_repo, **hub_kwargs)
     plan = TensorParallelPlan(config, tp_size)
     rank = plan.check_rank(rank)
     _check_layer_index(config, layer_idx)
@@ -647,6 +645,8 @@ class _RankGroup:
 
     def decode_k(self, hidden: Any, states: Sequence[KdaState], snapshots: Sequence[Sequence[KdaState]] | None) -> Any:
         """snapshots: None, or per rank the list of states receiving the state after each row."""
+        import cupy
+
         from .gpu import build
 
         hidden, on_host = _hidden_rows(hidden, self.config.hidden, "decode_k", min(r.decode_rows for r in self.ranks))
@@ -677,25 +677,15 @@ class _RankGroup:
                 graphs = self._capture(key, rows, states, per_rank)
             self.seen.add(key)
         if graphs is None:
-            self._decode_eager(rows, states, per_rank)
+            for rank, state, snaps in zip(self.ranks, states, per_rank):
+                with cupy.cuda.Device(rank.device_id):
+                    rank.layer.decode_k(rank.graph_hidden[:rows], state, snaps)
+            self._reduce_and_round(rows)
         else:
-            self._launch(graphs)
+            for rank, graph in zip(self.ranks, graphs):
+                with cupy.cuda.Device(rank.device_id):
+                    graph.launch(cupy.cuda.get_current_stream())
         return self._result(rows, on_host)
-
-    def _decode_eager(self, rows: int, states: Sequence[KdaState], snapshots: Sequence[Sequence[KdaState]]) -> None:
-        import cupy
-
-        for rank, state, snaps in zip(self.ranks, states, snapshots):
-            with cupy.cuda.Device(rank.device_id):
-                rank.layer.decode_k(rank.graph_hidden[:rows], state, snaps)
-        self._reduce_and_round(rows)
-
-    def _launch(self, graphs: Sequence[Any]) -> None:
-        import cupy
-
-        for rank, graph in zip(self.ranks, graphs):
-            with cupy.cuda.Device(rank.device_id):
-                graph.launch(cupy.cuda.get_current_stream())
 
     def _capture(self, key: tuple, rows: int, states: Sequence[KdaState],
                  snapshots: Sequence[Sequence[KdaState]]) -> list[Any] | None:
@@ -770,7 +760,7 @@ class TensorParallelBlock:
         import cupy
 
         devices = check_devices(devices, cupy.cuda.runtime.getDeviceCount())
-        config = KdaConfig.from_file(resolve_file(path_or_repo, CONFIG_FILE, **hub_kwargs), chunk=chunk)
+        config = KdaConfig.from_pretrained(path_or_repo, chunk=chunk, **hub_kwargs)
         plan = TensorParallelPlan(config, len(devices))
         plan.rank_config(0).validate()  # the kernels' limits, before anything is read or uploaded
         nccl = _nccl()
