@@ -233,18 +233,6 @@ class _RangeCheckpoint(_Checkpoint):
             return read_safetensors_entries(path, functools.partial(_read_exactly, handle, path, stats=self.stats))
 
 
-def _entry_for(ckpt: _RangeCheckpoint, file: str, name: str) -> TensorEntry:
-    """The header entry of `name`, its byte count checked against dtype and shape."""
-    entry = ckpt.header(file)[name]
-    need = math.prod(entry.shape) * _NUMPY_DTYPES[entry.dtype].itemsize
-    if entry.end - entry.begin != need:
-        raise CheckpointError(
-            f"{file}: tensor '{name}' has data_offsets spanning {entry.end - entry.begin} bytes, "
-            f"but {entry.dtype} {list(entry.shape)} needs {need}"
-        )
-    return entry
-
-
 def _touched_pages(begin: int, row_bytes: int, rows: int, first_byte: int, stop_byte: int) -> int:
     """Pages a copy of bytes [first_byte, stop_byte) of every row touches (rows row_bytes
     apart, from `begin`): the union of each row's page interval."""
@@ -293,28 +281,30 @@ def bind_layer_shard(
     specs = expected_tensors(config, layer_plan.layout)
     full_shapes = BoundLayer.shapes(config)
     parts: dict[str, list[np.ndarray]] = {}
-    with contextlib.ExitStack() as files, tqdm(total=len(specs), desc=f"layer {layer_idx} rank {rank}/{tp_size}",
-                                                unit="tensor", disable=None if progress else True, leave=False) as bar:
-        handles: dict[str, BinaryIO] = {}
+    with tqdm(total=len(specs), desc=f"layer {layer_idx} rank {rank}/{tp_size}", unit="tensor",
+              disable=None if progress else True, leave=False) as bar:
         for spec in specs:
             name = prefix + spec.name
             file = layer_plan.files[name]
             path = ckpt.path(file)
-            entry = _entry_for(ckpt, file, name)
+            entry = ckpt.header(file)[name]
+            dtype = _NUMPY_DTYPES[entry.dtype]
+            size = math.prod(entry.shape) * dtype.itemsize
+            if entry.end - entry.begin != size:
+                raise CheckpointError(f"{file}: tensor '{name}' has data_offsets spanning {entry.end - entry.begin} "
+                                      f"bytes, but {entry.dtype} {list(entry.shape)} needs {size}")
             if spec.field == "o_proj":
                 parts["o_proj"] = [_read_columns(path, entry, plan.channel_slice(rank), stats)]
             else:
-                if file not in handles:
-                    handles[file] = files.enter_context(_open_binary(path))
-                dtype = _NUMPY_DTYPES[entry.dtype]
                 row_bytes = dtype.itemsize * math.prod(full_shapes[spec.field][1:])
                 slices = plan.rows(spec.field, rank)
                 if spec.name.endswith("_conv1d.weight"):  # release layout: the taps of q, k or v alone
                     slices = (plan.channel_slice(rank),)
-                for rows in slices:
-                    data = _read_exactly(handles[file], path, entry.begin + rows.start * row_bytes,
-                                         (rows.stop - rows.start) * row_bytes, stats)
-                    parts.setdefault(spec.field, []).append(data.view(dtype))
+                with _open_binary(path) as handle:
+                    for rows in slices:
+                        data = _read_exactly(handle, path, entry.begin + rows.start * row_bytes,
+                                             (rows.stop - rows.start) * row_bytes, stats)
+                        parts.setdefault(spec.field, []).append(data.view(dtype))
             bar.update(1)
     rank_shapes = BoundLayer.shapes(plan.rank_config(rank))
     arrays = {name: _join_rows(pieces).reshape(rank_shapes[name]) for name, pieces in parts.items()}
