@@ -386,9 +386,7 @@ def _plan_layer(ckpt: _Checkpoint, config: KdaConfig, layer_idx: int) -> _LayerP
                 f"found {_fmt_shape(shape)}"
             )
         if dtype != spec.dtype:
-            problems.append(
-                f"{where}: tensor '{name}' has wrong dtype: expected {spec.dtype}, found {dtype}"
-            )
+            problems.append(f"{where}: tensor '{name}' has wrong dtype: expected {spec.dtype}, found {dtype}")
         files[name] = file
     return _LayerPlan(layout, files, tuple(problems))
 
@@ -487,14 +485,8 @@ def all_finite(tensor: np.ndarray) -> bool:
     return bool(np.isfinite(tensor).all())
 
 
-def bind_layer(
-    path_or_repo: str | Path,
-    layer_idx: int,
-    config: KdaConfig | None = None,
-    *,
-    progress: bool = True,
-    **hub_kwargs: Any,
-) -> BoundLayer:
+def bind_layer(path_or_repo: str | Path, layer_idx: int, config: KdaConfig | None = None, *, progress: bool = True,
+               **hub_kwargs: Any) -> BoundLayer:
     """Read and check KDA layer `layer_idx` of a checkpoint directory or hub repo id.
 
     The config is read from the checkpoint's config.json unless given. Files: a single
@@ -546,9 +538,8 @@ def _join_rows(pieces: list[np.ndarray]) -> np.ndarray:
     return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
 
-def check_layers(
-    path_or_repo: str | Path, config: KdaConfig | None = None, **hub_kwargs: Any
-) -> list[tuple[int, bool, str]]:
+def check_layers(path_or_repo: str | Path, config: KdaConfig | None = None,
+                 **hub_kwargs: Any) -> list[tuple[int, bool, str]]:
     """[(layer_idx, ok, message)] for every KDA layer, from the safetensors headers only.
 
     No tensor data is read. For a hub repo the headers are fetched remotely (only

@@ -152,16 +152,8 @@ def recurrent_scan(query: Any, key: Any, value: Any, gate: Any, beta: Any, recur
     return core, state
 
 
-def chunk_scan(
-    query: Any,
-    key: Any,
-    value: Any,
-    gate: Any,
-    beta: Any,
-    recurrent: Any,
-    chunk: int,
-    pad_value: float = 0.0,
-) -> tuple[Any, Any]:
+def chunk_scan(query: Any, key: Any, value: Any, gate: Any, beta: Any, recurrent: Any, chunk: int,
+               pad_value: float = 0.0) -> tuple[Any, Any]:
     """The same recurrence evaluated chunk-wise (WY form), with a padded last chunk.
 
     The inputs are padded to a multiple of `chunk` with `pad_value` (tests poison it with NaN

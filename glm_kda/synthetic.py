@@ -190,9 +190,8 @@ def kda_layer_tensors(config: KdaConfig, layer_idx: int, seed: int = 0) -> dict[
     }
 
 
-def _layer_tensors(
-    config: KdaConfig, layer_idx: int, seed: int, layout: str, conv_order: Sequence[str]
-) -> dict[str, np.ndarray]:
+def _layer_tensors(config: KdaConfig, layer_idx: int, seed: int, layout: str,
+                   conv_order: Sequence[str]) -> dict[str, np.ndarray]:
     """Every tensor of layer `layer_idx` by full name, in `layout`."""
     out: dict[str, np.ndarray] = {}
     attn = attention_prefix(layer_idx)
@@ -220,18 +219,10 @@ def shard_filename(shard: int, shards: int) -> str:
     return f"model-{shard + 1:05d}-of-{shards:05d}.safetensors"
 
 
-def write_synthetic_checkpoint(
-    path: str | Path,
-    geometry: str | KdaConfig,
-    *,
-    layout: str = LAYOUT_RELEASE,
-    num_layers: int | None = None,
-    seed: int = 0,
-    shards: int = 1,
-    config_form: str | None = None,
-    conv_order: Sequence[str] = ("q", "k", "v"),
-    progress: bool = False,
-) -> Path:
+def write_synthetic_checkpoint(path: str | Path, geometry: str | KdaConfig, *, layout: str = LAYOUT_RELEASE,
+                               num_layers: int | None = None, seed: int = 0, shards: int = 1,
+                               config_form: str | None = None, conv_order: Sequence[str] = ("q", "k", "v"),
+                               progress: bool = False) -> Path:
     """Write config.json and the safetensors of a synthetic checkpoint into directory `path`.
 
     geometry: "glm", "kimi", "tiny-glm", "tiny-kimi" or a KdaConfig (its gate law picks the

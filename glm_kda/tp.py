@@ -55,14 +55,10 @@ class TensorParallelError(ValueError):
 
 # The plan ---------------------------------------------------------------------------------
 class TensorParallelPlan:
-    """Which part of one KDA block rank r of `tp_size` owns (see the module docstring).
-
-    Ranges are Python slices over the full block's axes:
-        head_slice(r)            heads              [H]
-        channel_slice(r)         channels of q, k or v, of f_b, g_b, dt_bias, o_proj's input
-                                                    [qkv]
-        conv_channel_slices(r)   its q, k and v rows of the fused conv input / conv state
-                                                    three slices of [3*qkv]
+    """Which part of one KDA block rank r of `tp_size` owns (see the module docstring), as Python
+    slices over the full block's axes: head_slice(r) of the heads [H]; channel_slice(r) of the
+    channels [qkv] of q, k or v, f_b, g_b, dt_bias and o_proj's input; conv_channel_slices(r), its
+    q, k and v rows of the fused conv and conv state [3*qkv]; rows(name, r), of any BoundLayer array.
     """
 
     def __init__(self, config: KdaConfig, tp_size: int):
@@ -244,17 +240,8 @@ def _touched_pages(begin: int, row_bytes: int, rows: int, first_byte: int, stop_
     return int(np.maximum(0, last - np.maximum(first, previous_last + 1) + 1).sum())
 
 
-def bind_layer_shard(
-    path_or_repo: str | Path,
-    layer_idx: int,
-    tp_size: int,
-    rank: int,
-    config: KdaConfig | None = None,
-    *,
-    progress: bool = True,
-    stats: ShardReadStats | None = None,
-    **hub_kwargs: Any,
-) -> BoundLayer:
+def bind_layer_shard(path_or_repo: str | Path, layer_idx: int, tp_size: int, rank: int, config: KdaConfig | None = None,
+                     *, progress: bool = True, stats: ShardReadStats | None = None, **hub_kwargs: Any) -> BoundLayer:
     """Rank `rank` of `tp_size`'s weights of KDA layer `layer_idx`, reading only its bytes.
 
     Equal, bit for bit, to `TensorParallelPlan(config, tp_size).shard(bind_layer(...), rank)`.
@@ -701,11 +688,9 @@ class _RankGroup:
                 capturing.pop(0)
         except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager launches
             for rank in capturing:
-                with cupy.cuda.Device(rank.device_id):
-                    try:
-                        rank.capture_stream.end_capture()
-                    except Exception:  # noqa: BLE001 - the capture is being abandoned anyway
-                        pass
+                # (Any error here is moot: the capture is being abandoned anyway.)
+                with cupy.cuda.Device(rank.device_id), contextlib.suppress(Exception):
+                    rank.capture_stream.end_capture()
             self.use_graphs = False
             warnings.warn(f"tensor-parallel decode continues without CUDA graphs: capture failed ({exc})",
                           RuntimeWarning, stacklevel=3)
