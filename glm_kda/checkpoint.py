@@ -506,28 +506,21 @@ def bind_layer(path_or_repo: str | Path, layer_idx: int, config: KdaConfig | Non
     if plan.problems:
         raise CheckpointError("\n".join(plan.problems))
 
-    prefix = attention_prefix(layer_idx)
-    by_file: dict[str, list[str]] = {}
-    for name, file in plan.files.items():
-        by_file.setdefault(file, []).append(name)
-    raw: dict[str, np.ndarray] = {}
-    with tqdm(total=len(plan.files), desc=f"layer {layer_idx}", unit="tensor",
-              disable=None if progress else True, leave=False) as bar:
-        for file, names in by_file.items():
-            with safe_open(str(ckpt.path(file)), framework="numpy") as handle:
-                for name in names:
-                    tensor = handle.get_tensor(name)
-                    # Checked once here (a pass over the layer's bytes), so no kernel sees them.
-                    if not all_finite(tensor):
-                        bad = int(np.size(tensor) - np.count_nonzero(np.isfinite(tensor.astype(np.float32))))
-                        raise CheckpointError(f"{ckpt.path(file)}: tensor '{name}' holds {bad} NaN or Inf values")
-                    raw[name[len(prefix):]] = tensor
-                    bar.update(1)
-
     # A field stored as several tensors (release conv taps: q, k, v) is their rows in that order.
     parts: dict[str, list[np.ndarray]] = {}
-    for spec in expected_tensors(config, plan.layout):
-        parts.setdefault(spec.field, []).append(raw[spec.name])
+    with tqdm(total=len(plan.files), desc=f"layer {layer_idx}", unit="tensor",
+              disable=None if progress else True, leave=False) as bar:
+        for spec in expected_tensors(config, plan.layout):
+            name = attention_prefix(layer_idx) + spec.name
+            path = ckpt.path(plan.files[name])
+            with safe_open(str(path), framework="numpy") as handle:
+                tensor = handle.get_tensor(name)
+            # Checked once here (a pass over the layer's bytes), so no kernel sees them.
+            if not all_finite(tensor):
+                bad = int(np.size(tensor) - np.count_nonzero(np.isfinite(tensor.astype(np.float32))))
+                raise CheckpointError(f"{path}: tensor '{name}' holds {bad} NaN or Inf values")
+            parts.setdefault(spec.field, []).append(tensor)
+            bar.update(1)
     shapes = BoundLayer.shapes(config)
     arrays = {field: _join_rows(pieces).reshape(shapes[field]) for field, pieces in parts.items()}
     return BoundLayer(layer_idx=layer_idx, config=config, layout=plan.layout, **arrays)
