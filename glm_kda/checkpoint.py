@@ -5,14 +5,10 @@ shards that hold them are downloaded. Every name, shape and dtype is checked aga
 KdaConfig before any data is read; each error names the layer, the tensor, what was
 expected and what was found.
 
-Two layouts of the same weights exist (docs/maths.md section 2), both under the prefix
-`model.layers.{i}.self_attn.`:
-
-- "release" (GLM-5.3-Flash, Kimi-Linear as published): separate q/k/v conv taps
-  `q_conv1d.weight`, `k_conv1d.weight`, `v_conv1d.weight` and forget-gate tensors
-  `f_a_proj.weight`, `f_b_proj.weight`, `dt_bias`, `A_log` directly under the prefix.
-- "transformers" (`save_pretrained`): one fused `conv1d.weight` [3*qkv, 1, K] in q, k, v
-  order, and the forget-gate tensors under `forget_gate.`.
+Two layouts of the same weights bind (docs/maths.md section 2): "release" (GLM-5.3-Flash and
+Kimi-Linear as published: separate q/k/v conv taps, the forget-gate tensors directly under
+`model.layers.{i}.self_attn.`) and "transformers" (`save_pretrained`: one fused `conv1d.weight`
+[3*qkv, 1, K] in q, k, v order, the forget-gate tensors under `forget_gate.`).
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """Host side of the tensor-core chunked prefill: its constants and when it applies.
 
 The kernels (``kernels_src/chunk/chunk_tc.cu`` and ``chunk_tc_gate.cu``, device code in
-``chunk_tc.cuh``, launched by :mod:`glm_kda.gpu.ops.chunk_tc`) run
-every matrix product of the chunked delta rule on mma.sync TF32 with FP32 accumulation, chunk 64,
-sub-chunks of 16; the scratch the scan reads as mma operands is stored as FP16, which holds those
-TF32 values exactly in its normal range. The bounded law with lower_bound >= -5 takes the bounded
-prepare, which turns the pairwise decays exp(G_t - G_s) into matrix products through one reference
-row per sub-chunk; any other gate takes the unbounded prepare, which forms a diagonal block whose
-decay leaves that range as exact FP32 sums (docs/maths.md, section 3).
-
-The tests hold a float64 model of the kernels' blocked algorithm (tests/chunk_tc_model.py).
+``chunk_tc.cuh``, launched by :mod:`glm_kda.gpu.ops.chunk_tc`) and their bounded and unbounded
+prepares are described in docs/design.md; tests/chunk_tc_model.py holds a float64 model of their
+blocked algorithm.
 """
 
 from __future__ import annotations

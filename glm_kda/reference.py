@@ -1,12 +1,9 @@
 """The NumPy oracle: the block of docs/maths.md section 3, stage by stage, in float64.
 
-Two precisions:
-  "float64"  float64 everywhere, no rounding: the exact result of the block for the given
-             BF16 inputs and weights.
-  "bf16"     float64 arithmetic, rounded to BF16 exactly where the block rounds: every
-             projection output (qkv_proj, down_proj, forget_proj, out_gate, final_out), the conv
-             output and the gated-norm output. The recurrence and gates stay unrounded, as the
-             block keeps them in FP32.
+Two precisions: "float64" rounds nowhere (the exact result of the block for the given BF16 inputs
+and weights); "bf16" rounds to BF16 exactly where the block rounds: every projection output
+(qkv_proj, down_proj, forget_proj, out_gate, final_out), the conv output and the gated-norm output.
+The recurrence and gates stay unrounded, as the block keeps them in FP32.
 
 Each stage is a module-level function whose name matches the kernel in kernels_src/ and the
 stage buffer of the GPU workspace. They accept NumPy or CuPy arrays (`xp` follows the input),

@@ -1,15 +1,10 @@
-"""The per-sequence state a KDA block carries, in our layout, and its exchange layouts.
+"""The per-sequence state a KDA block carries, and its exchange layouts (docs/maths.md, section 4).
 
-Our layout (the GPU kernels and the oracle share it):
-  conv       FP32 [conv_dim, K]   the last K conv INPUTS (pre-conv q|k|v) per channel, oldest
-                                  first. A step shifts left, then writes the new input in slot K-1
-                                  and convolves all K slots, so the slot 0 held BEFORE the shift
-                                  is never read.
-  recurrent  FP32 [H, D_k, D_v]   K-major: row k is multiplied by exp(g[k]).
-
-transformers (5.17) keeps the last K inputs too, in BF16: ours == transformers up to dtype.
-vLLM keeps only the K-1 inputs that are ever read: ours[:, 1:] == vllm[:, :].
-The recurrent state is FP32 [H, D_k, D_v] in all three.
+Our layout, shared by the GPU kernels and the oracle: conv FP32 [conv_dim, K], the last K conv
+INPUTS (pre-conv q|k|v) per channel, oldest first (a step shifts left and writes slot K-1, so the
+slot 0 held before the shift is never read); recurrent FP32 [H, D_k, D_v], K-major (row k is
+multiplied by exp(g[k])). transformers keeps the same conv slots in BF16; vLLM keeps only the K-1
+that are read: ours[:, 1:] == vllm[:, :].
 """
 
 from __future__ import annotations
