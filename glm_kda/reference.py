@@ -349,13 +349,11 @@ class KdaOracle:
             raise ValueError(f"verify: hidden_rows must be [K >= 1, {self.config.hidden}], got "
                              f"{list(getattr(hidden_rows, 'shape', []))}")
         stages_rows, states = [], []
-        current = state
         for row in range(hidden_rows.shape[0]):
-            stages, current = self.decode(hidden_rows[row : row + 1], current)
+            stages, state = self.decode(hidden_rows[row : row + 1], state)
             stages_rows.append(stages)
-            states.append(current)
-        xp = self.xp
-        merged = {name: xp.concatenate([s[name] for s in stages_rows], axis=0) for name in stages_rows[0]}
+            states.append(state)
+        merged = {name: self.xp.concatenate([s[name] for s in stages_rows], axis=0) for name in stages_rows[0]}
         return merged, states
 
 

@@ -67,10 +67,9 @@ def import_times() -> dict:
     """Seconds to import and build every kernel in a fresh process: first (cache may be cold)
     and second (warm CuPy kernel cache)."""
     code = "import time; t=time.perf_counter(); import glm_kda.gpu.build as k; k.KernelSet.get(); print(time.perf_counter()-t)"
-    env = dict(os.environ)
     out = {}
     for name in ("first", "second"):
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
         out[f"{name}_import_and_build_s"] = float(done.stdout.strip().splitlines()[-1])
     return out
 
