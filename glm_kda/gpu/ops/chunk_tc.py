@@ -13,7 +13,8 @@ from typing import Any, NamedTuple
 from ...chunk_model import (CHUNK, PREPARE_SMEM_BYTES, PREPARE_THREADS, SCAN_COLUMNS, SCAN_SMEM_BYTES, SCAN_THREADS,
                             SCRATCH_KINDS, chunk_count, require_lower_bound)
 from .. import build
-from .checks import HEAD_DIM, _check_dtype, _f32, _i32, _require, _require_int32, _require_rows, recurrent_state_heads
+from .checks import (HEAD_DIM, _check_dtype, _f32, _i32, _require, _require_int32, _require_rows, beta_heads,
+                     recurrent_state_heads)
 from .gate import check_gate_sources
 
 
@@ -42,13 +43,6 @@ def _require_scratch(q_decay, k_tail, w, u, attn, chunk_decay, tokens: int, head
         _require_rows(name, array, SCRATCH_KINDS[name], padded, (heads, HEAD_DIM), aligned=True)
     _require_rows("attn", attn, SCRATCH_KINDS["attn"], nchunks, (heads, CHUNK, CHUNK), aligned=True)
     _require_rows("chunk_decay", chunk_decay, "f32", nchunks, (heads, HEAD_DIM), aligned=True)
-
-
-def _heads_of(beta) -> int:
-    _check_dtype("beta", beta, "f32")
-    if beta.ndim != 2:
-        raise ValueError(f"beta: expected [>= T, H], got {list(beta.shape)}")
-    return beta.shape[1]
 
 
 class GateSource(NamedTuple):
@@ -96,7 +90,7 @@ def kda_chunk_tc_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, 
     """
     if not _checked_call_needs_work(lower_bound, gate_source, tokens):
         return
-    heads = _heads_of(beta)
+    heads = beta_heads(beta)
     _require_rows("beta", beta, "f32", tokens, (heads,))
     rows = _qkv_rows(query, key, value, conv, tokens, heads)
     _require_rows("gate", gate, "f32", tokens, (heads, HEAD_DIM), aligned=True)
@@ -174,7 +168,7 @@ def chunk_prefill_tc(query, key, value, gate, beta, state, core, tokens: int, lo
     """
     if not _checked_call_needs_work(lower_bound, gate_source, tokens):
         return
-    heads = _heads_of(beta)
+    heads = beta_heads(beta)
     _check_dtype("state", state, "f32")
     if tuple(state.shape) != (heads, HEAD_DIM, HEAD_DIM):
         raise ValueError(f"state: expected [{heads}, {HEAD_DIM}, {HEAD_DIM}] (H from beta), got {list(state.shape)}")

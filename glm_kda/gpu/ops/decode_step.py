@@ -98,9 +98,7 @@ def kda_decode_fused_bf16(
     if outputs_ready is not None:
         check_scratch(outputs_ready, numpy.int32, "int32", 2, "outputs_ready", "kda_decode_fused_bf16")
     build.launch(
-        "kda_decode_fused_bf16",
-        (heads, sequences),
-        (HEAD_BLOCK,),
+        "kda_decode_fused_bf16", (heads, sequences), (HEAD_BLOCK,),
         (conv_state, recurrent_state, slots, qkv_proj, conv_w, forget_proj, dt_bias, a_log, beta_logits,
          _i32(ld_beta), out_gate, o_norm_w, conv_out, query, key, value, gate, beta, core, o_norm_out, _i32(heads),
          _i32(kernel_size), _i32(tokens), *law, _f32(scale), _f32(l2_eps), _f32(norm_eps), _i32(prefetch_ahead),

@@ -46,7 +46,7 @@ def check_gate_sources(forget_proj, dt_bias, a_log, beta_logits, heads: int, hea
 
 
 def kda_gate_beta_f32(forget_proj, dt_bias, a_log, beta_logits, gate, beta, heads: int, head_dim: int, bounded: bool,
-                  lower_bound: float, tokens: int | None = None) -> None:
+                      lower_bound: float, tokens: int | None = None) -> None:
     """Forget-gate log-decay and beta.
 
     forget_proj [>= T, H*D] BF16, dt_bias [H*D] FP32 (per channel), a_log [H] FP32
@@ -65,10 +65,6 @@ def kda_gate_beta_f32(forget_proj, dt_bias, a_log, beta_logits, gate, beta, head
     _require_rows("beta", beta, "f32", tokens, (heads,))
     law = gate_law_args(bounded, lower_bound)
     for start, end in _token_slices(tokens):
-        build.launch(
-            "kda_gate_beta_f32",
-            (heads, -(-(end - start) // _TOKENS_PER_BLOCK)),
-            (_THREADS,),
-            (forget_proj[start:end], dt_bias, a_log, beta_logits[start:end], _i32(ld_beta), gate[start:end],
-             beta[start:end], _i32(heads), _i32(head_dim), *law, _i32(end - start)),
-        )
+        build.launch("kda_gate_beta_f32", (heads, -(-(end - start) // _TOKENS_PER_BLOCK)), (_THREADS,),
+                     (forget_proj[start:end], dt_bias, a_log, beta_logits[start:end], _i32(ld_beta), gate[start:end],
+                      beta[start:end], _i32(heads), _i32(head_dim), *law, _i32(end - start)))
