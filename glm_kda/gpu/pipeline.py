@@ -56,13 +56,8 @@ def _section(name: str):
     if timer is None:
         yield
         return
-    import cupy
-
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    start.record()
-    yield
-    end.record()
-    timer.record(f"[{name}]", start, end)
+    with timer.span(f"[{name}]"):
+        yield
 
 
 class Stages:
