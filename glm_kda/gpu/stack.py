@@ -213,27 +213,21 @@ class KdaStack:
         if pooled:
             slots = first._slots_in(slots, rows, states[0], what, check_slots)
         first._check_finite(x, what)
-        call = first._enter()
-        try:
-            ws = call[0]
-            self.graphs.follow(ws)
 
-            def body(rows_in: Any, device_slots: Any) -> None:
-                for layer, state in zip(self.layers, states):
-                    if pooled:
-                        layer._decode_rows(ws, rows_in, state.conv, state.recurrent, slots=device_slots)
-                    else:
-                        layer._decode_rows(ws, rows_in, state.conv, state.recurrent, sequential=True)
-                    # The next layer reads this one's output where it lies. Its o_proj writes final_out
-                    # only after the fused step, which starts once every reader of the input (q|k|v and
-                    # the low-rank chain) has finished, so no copy is needed between the layers.
-                    rows_in = ws.final_out[:rows]
+        def body(ws: KdaWorkspace, rows_in: Any, device_slots: Any) -> None:
+            for layer, state in zip(self.layers, states):
+                if pooled:
+                    layer._decode_rows(ws, rows_in, state.conv, state.recurrent, slots=device_slots)
+                else:
+                    layer._decode_rows(ws, rows_in, state.conv, state.recurrent, sequential=True)
+                # The next layer reads this one's output where it lies. Its o_proj writes final_out
+                # only after the fused step, which starts once every reader of the input (q|k|v and
+                # the low-rank chain) has finished, so no copy is needed between the layers.
+                rows_in = ws.final_out[:rows]
 
-            key = ("stack", pooled, rows, tuple(layer._generation for layer in self.layers), ws.serial,
-                   tuple((state.conv.data.ptr, state.recurrent.data.ptr) for state in states))
-            return back(first._checked_output(self.graphs.run(key, ws, x, slots, body, first._graphed()), what))
-        finally:
-            first._leave(call)
+        key = ("stack", pooled, rows, tuple(layer._generation for layer in self.layers),
+               tuple((state.conv.data.ptr, state.recurrent.data.ptr) for state in states))
+        return back(first._replay(self.graphs, key, x, slots, what, body))
 
     def _run(self, hidden: Any, what: str, max_rows: int, between: Between | None,
              call: Callable[[KdaLayer, Any, Any], Any], states: Sequence[Any]) -> Any:
