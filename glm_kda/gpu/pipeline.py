@@ -45,18 +45,11 @@ _STEP_RESIDENT_BLOCKS_PER_SM = 2
 _SIDE_CHAIN_WEIGHTS = ("down_weight", "f_b", "g_b")
 
 
-def _timing() -> bool:
-    return build.current_context().timer is not None
-
-
 @contextlib.contextmanager
 def _section(name: str):
     """CUDA events around a group of launches while timing; free otherwise."""
     timer = build.current_context().timer
-    if timer is None:
-        yield
-        return
-    with timer.span(f"[{name}]"):
+    with contextlib.nullcontext() if timer is None else timer.span(f"[{name}]"):
         yield
 
 
@@ -80,10 +73,8 @@ class Stages:
         fused step counting their outputs out (ws.outputs_ready). sums: FP32 [rows, n] that also
         receives the unrounded result."""
         if wide:
-            if sums is None:
-                ops.gemm_bf16_cublas(x, getattr(self, weight), out)
-            else:
-                ops.gemm_bf16_cublas(x, getattr(self, weight), sums)
+            ops.gemm_bf16_cublas(x, getattr(self, weight), out if sums is None else sums)
+            if sums is not None:
                 ops.round_to_bf16(sums, out)
             return
         side = weight in _SIDE_CHAIN_WEIGHTS
@@ -118,7 +109,7 @@ class Stages:
         of the bytes); in a captured graph the two are parallel branches joined before the
         stateful stage. The same kernels and inputs either way: no bit changes."""
         rows = hidden.shape[0]
-        concurrent = not wide and not _timing()
+        concurrent = not wide and build.current_context().timer is None
         with ws.beside(concurrent) as side:
             with side:
                 self._low_rank_chain(ws, hidden, wide, branched=concurrent and rows > _GATE_BRANCH_MIN_ROWS)
