@@ -9,13 +9,10 @@
     back end    prefill: the gated RMSNorm;  o_proj = o_norm_out @ W_o^T
 
 Every decode-side projection (decode, decode_k, pool decode, prefill of <= 16 rows) runs
-glm_kda.gpu.projection.gemm_rows_bf16, whose per-row arithmetic does not depend on the row
-count or on the other rows: decode_k of K rows is bit-identical to K calls of decode, and a
-sequence's bits do not depend on the batch it is decoded in. Prefill of more than 16 rows runs
-its projections on cuBLAS, which reassociates and is never used by a decode-side call.
-
-The methods here are the private half of KdaLayer (glm_kda.gpu.layer); each takes the
-workspace of the call explicitly, since a call's stream picks its workspace.
+projection.gemm_rows_bf16, whose per-row arithmetic depends on neither the row count nor the other
+rows: decode_k of K rows is bit-identical to K decodes, and a sequence's bits do not depend on its
+batch. Prefill of more than 16 rows projects on cuBLAS, which reassociates. The methods here are
+the private half of KdaLayer; each takes the call's workspace (its stream picks it) explicitly.
 """
 
 from __future__ import annotations
@@ -66,12 +63,11 @@ class Stages:
     def _project(self, ws: KdaWorkspace, x: Any, weight: str, out: Any, wide: bool, *, after_kernel: bool = False,
                  reserved_slots: int = 0, x_tiles: Any = None, x_tiled: bool = False, ready_target: int = 0,
                  sums: Any = None) -> None:
-        """out = x @ the weight named `weight`. wide (prefill of > 16 rows): cuBLAS. Otherwise
-        gemm_rows_bf16 over groups of _ROW_GROUP rows. after_kernel: the previous operation on
-        this stream writes x, so the launch may be its programmatic dependent. x_tiled: the fused
-        step already wrote x into ws.x_tiles. ready_target: o_proj awaits that many blocks of the
-        fused step counting their outputs out (ws.outputs_ready). sums: FP32 [rows, n] that also
-        receives the unrounded result."""
+        """out = x @ the weight named `weight`: cuBLAS where wide (prefill of > 16 rows), else
+        gemm_rows_bf16 over groups of _ROW_GROUP rows. after_kernel: the previous operation on this
+        stream writes x (a programmatic dependent launch). x_tiled: the fused step wrote x into
+        ws.x_tiles. ready_target: o_proj awaits that many blocks of the fused step counting their
+        outputs (ws.outputs_ready). sums: FP32 [rows, n] that also receives the unrounded result."""
         if wide:
             ops.gemm_bf16_cublas(x, getattr(self, weight), out if sums is None else sums)
             if sums is not None:

@@ -10,14 +10,11 @@
     with stack.timing() as timer: ...                                  # per-kernel GPU time, every layer
 
 Without ``between``, a decode or decode_k through the stack is one CUDA graph a call (captured on
-the second call with the same states, as a layer's own calls are): no host work between layers.
-
-Each layer's output is the next layer's input, or what ``between(i, out)`` returns for it (i the
-position in the stack, out a CuPy BF16 [rows, hidden] array; return the same shape and dtype): a
-residual, a norm, the rest of a model's layer (not called after the last layer; an array it returns
-that the next layer refuses fails that layer's call, the earlier layers advanced). Every call is its
-layers' calls one after the other,
-so the bits are those of calling ``stack.layers[i]`` by hand.
+the second call with the same states): no host work between layers. Each layer's output is the next
+layer's input, or what ``between(i, out)`` returns for it (i the position in the stack, out a CuPy
+BF16 [rows, hidden] array; return the same shape and dtype; not called after the last layer; an
+array the next layer refuses fails that layer's call, the earlier layers advanced). The bits are
+those of calling ``stack.layers[i]`` one after the other by hand.
 """
 
 from __future__ import annotations

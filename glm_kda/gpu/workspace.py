@@ -1,11 +1,11 @@
-"""KdaWorkspace: the stage buffers and scratch of the calls of one CUDA stream.
+"""KdaWorkspace: the stage buffers and scratch of the calls of one CUDA stream (docs/design.md,
+"Workspaces").
 
-Layers of one geometry share workspaces: a model's 34 layers decoding on one stream need one.
 Calls on different streams must never share scratch (a decode's projections, its fused step and
 the counts its output projection awaits all live here), so a layer takes the workspace of the
-stream it is called on (:meth:`KdaWorkspace.for_stream`): memory grows with the streams alive
-and in use, not with the layers. A workspace given to a layer explicitly serves every stream; calls on
-different streams are then ordered one after the other through an event (:meth:`KdaWorkspace.acquire`).
+stream it is called on (:meth:`KdaWorkspace.for_stream`), shared by every layer of its geometry.
+A workspace given to a layer explicitly serves every stream, its calls ordered through an event
+(:meth:`KdaWorkspace.acquire`).
 """
 
 from __future__ import annotations

@@ -70,18 +70,16 @@ def kda_chunk_tc_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, 
                              gate_source: GateSource | None = None, conv: ConvRows | None = None) -> None:
     """Intra-chunk work of every chunk (no state): grid (nchunks, H), 256 threads.
 
-    lower_bound: the bounded law's bound (-5 <= lower_bound <= 0), or None for gates with no
-    lower bound (the softplus law): the kda_chunk_tc_prepare_unbounded_f32 entry point, which
-    forms a diagonal 16 x 16 block of A and B whose decay exceeds DIAGONAL_RANGE as exact FP32
-    sums instead of tensor-core products (their factors are only bounded under a bound on the
-    decay; :func:`diagonal_in_range`). Not with `gate_source`.
+    lower_bound: the bounded law's bound (-5 <= lower_bound <= 0), or None for gates with no lower
+    bound (the softplus law): kda_chunk_tc_prepare_unbounded_f32, which forms a diagonal 16 x 16
+    block of A and B whose decay exceeds DIAGONAL_RANGE as exact FP32 sums instead of tensor-core
+    products (their factors are bounded only under a bound on the decay; :func:`diagonal_in_range`).
 
-    query, key, value, gate [>= T, H, D] and beta [>= T, H] FP32, 16-byte aligned; rows >= T
-    are never read; with `conv` (:class:`ConvRows`) query, key and value are None and the
-    prepare reads them from the conv output (the *_conv_f32 entry points). With `gate_source`,
-    gate and beta are OUTPUTS instead: the
-    kda_chunk_tc_prepare_gate_f32 entry point forms them from the projections (the bounded
-    law at lower_bound, bit for bit what ops.kda_gate_beta_f32 writes) and writes their T rows.
+    query, key, value, gate [>= T, H, D] and beta [>= T, H] FP32, 16-byte aligned; rows >= T are
+    never read. With `conv` (:class:`ConvRows`) query, key and value are None and the *_conv_f32
+    entry points read them from the conv output. With `gate_source` (needs a lower_bound) gate and
+    beta are OUTPUTS: kda_chunk_tc_prepare_gate_f32 forms their T rows from the projections, bit for
+    bit what ops.kda_gate_beta_f32 writes.
 
     Writes the scratch of :func:`scratch_shapes`: q_decay = f16(tf32(scale q exp(G))),
     k_tail = f16(tf32(k exp(G_last - G))) chunk-transposed, w = f16(tf32(W)), u = Uc (FP32),
@@ -152,19 +150,14 @@ def chunk_prefill_tc(query, key, value, gate, beta, state, core, tokens: int, lo
     """The chunked prefill core on tensor cores: core [>= T, H, D] and the carried state
     [H, D, D] (in place) from query, key, value, gate [>= T, H, D] and beta [>= T, H].
 
-    Scratch (C-contiguous, 16-byte aligned; :func:`scratch_shapes`, dtypes SCRATCH_KINDS),
-    with Tp = ceil(T / 64) * 64: q_decay, k_tail, w (FP16), u (FP32) [>= Tp, H, D]; attn (FP16)
-    [>= Tp / 64, H, 64, 64]; chunk_decay (FP32) [>= Tp / 64, H, D]. The workspace's
-    q_decay_f16, k_tail_f16, chunk_w_f16, chunk_u, attn_f16 and chunk_decay are exactly these
-    when its chunk is 64.
+    Scratch (C-contiguous, 16-byte aligned; :func:`scratch_shapes`, dtypes SCRATCH_KINDS), with
+    Tp = ceil(T / 64) * 64: q_decay, k_tail, w (FP16), u (FP32) [>= Tp, H, D]; attn (FP16)
+    [>= Tp / 64, H, 64, 64]; chunk_decay (FP32) [>= Tp / 64, H, D]: the workspace's q_decay_f16,
+    k_tail_f16, chunk_w_f16, chunk_u, attn_f16 and chunk_decay where its chunk is 64.
 
-    lower_bound is the bounded gate law's bound (-5 <= lower_bound <= 0), or None for gates
-    without a lower bound (the unbounded prepare, see :func:`kda_chunk_tc_prepare_f32`); anything
-    else is refused here, before any launch. With `gate_source` (:class:`GateSource`) gate and beta
-    are written from the projections instead of read (see :func:`kda_chunk_tc_prepare_f32`). With
-    `conv` (:class:`ConvRows`; query, key and value None) q, k and v come from the conv output.
-    Every argument is checked before the first launch, so a refused call leaves the state
-    untouched.
+    lower_bound, `gate_source` (:class:`GateSource`) and `conv` (:class:`ConvRows`) as
+    :func:`kda_chunk_tc_prepare_f32` takes them. Every argument is checked before the first launch,
+    so a refused call leaves the state untouched.
     """
     if not _checked_call_needs_work(lower_bound, gate_source, tokens):
         return
