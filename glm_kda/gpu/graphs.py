@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -36,17 +36,14 @@ class GraphIO:
         self.hidden_bytes, self.slots_bytes, self.out_bytes = (a.nbytes for a in (self.hidden, self.slots, self.out))
 
 
-class CapturedGraph:
+class CapturedGraph(NamedTuple):
     """One captured decode call: its CUDA graph and, where the call's copies are nodes of it,
     their GraphCopies. launch() replays it with the addresses its last call set: what the
     benchmarks time alone."""
 
-    __slots__ = ("graph", "copies", "serial")
-
-    def __init__(self, graph: Any, copies: graph_copies.GraphCopies | None, serial: int):
-        self.graph = graph
-        self.copies = copies
-        self.serial = serial  # of the workspace whose buffers it reads and writes
+    graph: Any
+    copies: graph_copies.GraphCopies | None
+    serial: int  # of the workspace whose buffers it reads and writes
 
     def launch(self, stream: Any) -> None:
         self.graph.launch(stream)

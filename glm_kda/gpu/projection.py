@@ -293,9 +293,8 @@ def _staged_plan_here(w: Any, rows: int) -> LaunchPlan | None:
     launches that may use sm_90 features on an sm_90 or later device (a programmatic launch copies
     while the kernel before it runs); the whole column group is staged where the weight has at most
     _STAGED_MAX_WEIGHT_BYTES, else for one row the tail of each warp's k range (any weight size)."""
-    if not isinstance(w, PackedWeight) or rows > M_TILE or not build.hopper_enabled():
-        return None
-    if int(cupy.cuda.Device().compute_capability) < 90:
+    if (not isinstance(w, PackedWeight) or rows > M_TILE or not build.hopper_enabled()
+            or int(cupy.cuda.Device().compute_capability) < 90):
         return None
     n, k = w.shape
     plan = _staged_plan(n, k, rows) if 2 * n * k <= _STAGED_MAX_WEIGHT_BYTES else None
@@ -430,15 +429,15 @@ def bulk_available() -> bool:
     return build.hopper_enabled() and build.KernelSet.get().has("kda_gemm_rows_bulk_g1")
 
 
-def _bulk_wide_enough(n: int, sm_count: int) -> bool:
-    """Whether more than 16 rows of an n-column weight are worth the bulk-copy sweep."""
-    return -(-n // 64) >= _BULK_MIN_GROUPS_PER_SM * sm_count
+def _bulk_wide_enough(n: int) -> bool:
+    """Whether more than 16 rows of an n-column weight are worth the bulk-copy sweep on the current device."""
+    return -(-n // 64) >= _BULK_MIN_GROUPS_PER_SM * sm_count(cupy.cuda.Device().id)
 
 
 def bulk_takes(n: int) -> bool:
     """Whether more than 16 rows of an n-column packed weight with the tile layout take the bulk-copy
     sweep on the current device: the copies worth making (pack_weight(w, tiles=True))."""
-    return bulk_available() and _bulk_wide_enough(n, sm_count(cupy.cuda.Device().id))
+    return bulk_available() and _bulk_wide_enough(n)
 
 
 def bulk_applies(w: Any, rows: int, bulk: bool | None = None) -> bool:
@@ -453,7 +452,7 @@ def bulk_applies(w: Any, rows: int, bulk: bool | None = None) -> bool:
         raise ValueError("gemm_rows_bf16: bulk=True needs a PackedWeight made with pack_weight(w, tiles=True) on an"
                          f" sm_90 device (packed: {packed}, tile layout: {packed and w.tiles is not None},"
                          f" bulk-copy kernels in use: {bulk_available()})")
-    return takes and (bool(bulk) or _bulk_wide_enough(w.shape[0], sm_count(cupy.cuda.Device().id)))
+    return takes and (bool(bulk) or _bulk_wide_enough(w.shape[0]))
 
 
 def _k_ranges(k: int) -> int:
