@@ -49,14 +49,6 @@ def _dead() -> None:
     return None
 
 
-def _opt_in_shared_memory(device_id: int) -> int:
-    """Bytes of shared memory a block of device `device_id` may opt in to."""
-    import cupy
-
-    runtime = cupy.cuda.runtime
-    return runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, device_id)
-
-
 class KdaLayer(Stages):
     """One KDA block bound to the GPU. Calls take and return BF16 [rows, hidden] arrays (CuPy;
     NumPy is uploaded and the result comes back to the host; torch CUDA tensors pass through
@@ -141,7 +133,7 @@ class KdaLayer(Stages):
             raise TypeError(f"options: expected a KdaOptions, got {type(options).__name__}")
         chunk_impl = options.chunk_impl
         supported, why = chunk_tc_supported(self.config)
-        shared = _opt_in_shared_memory(self.device_id)
+        shared = projection.shared_memory(self.device_id)[1]
         if supported and shared < PREPARE_SMEM_BYTES:
             supported, why = False, (f"this device gives a block {shared} bytes of shared memory, the tensor-core "
                                      f"prepare needs {PREPARE_SMEM_BYTES} (sm_86, sm_89, sm_120 and sm_121 run the "

@@ -174,7 +174,7 @@ def sm_count(device_id: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _shared_memory(device_id: int) -> tuple[int, int]:
+def shared_memory(device_id: int) -> tuple[int, int]:
     """(bytes of shared memory an SM holds, bytes a block may opt in to) on a device."""
     runtime = cupy.cuda.runtime
     return (int(runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerMultiprocessor, device_id)),
@@ -300,7 +300,7 @@ def _staged_plan_here(w: Any, rows: int) -> LaunchPlan | None:
     plan = _staged_plan(n, k, rows) if 2 * n * k <= _STAGED_MAX_WEIGHT_BYTES else None
     if plan is None and rows <= _TAIL_STAGED_MAX_ROWS:
         device_id = cupy.cuda.Device().id
-        per_sm, per_block = _shared_memory(device_id)
+        per_sm, per_block = shared_memory(device_id)
         plan = _tail_staged_plan(n, k, rows, sm_count(device_id), shared_per_sm=per_sm, shared_per_block=per_block)
     return plan
 

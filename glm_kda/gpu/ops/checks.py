@@ -23,10 +23,12 @@ HEAD_BLOCK = 128
 # Largest gridDim.y: kernels with a token grid axis are launched in slices of this.
 MAX_GRID_Y = 65535
 
-# The dtypes a BF16 operand may have: its raw bits, or ml_dtypes' bfloat16.
-_BF16_DTYPES = (numpy.dtype(numpy.uint16), numpy.dtype(ml_dtypes.bfloat16))
 # The dtype of every FP32 operand.
 _F32_DTYPE = numpy.dtype(numpy.float32)
+# kind -> (the dtypes an operand of that kind may have, their name): BF16 as its raw bits or as
+# ml_dtypes' bfloat16.
+_KINDS = {"bf16": ((numpy.dtype(numpy.uint16), numpy.dtype(ml_dtypes.bfloat16)), "BF16 (bfloat16 or uint16 bits)"),
+          "f16": ((numpy.dtype(numpy.float16),), "float16"), "f32": ((_F32_DTYPE,), "float32")}
 # The kernels take their sizes as int32.
 _INT32_MAX = 2**31 - 1
 # CONV_MAX_KERNEL of kernels_src/common/conv_window.cuh: the conv taps its registers hold.
@@ -36,14 +38,9 @@ _CONV_MAX_KERNEL = 4
 def _check_dtype(name: str, array, kind: str) -> None:
     if not isinstance(array, cupy.ndarray):
         raise TypeError(f"{name}: expected a cupy.ndarray, got {type(array).__name__}")
-    if kind == "bf16":
-        if array.dtype not in _BF16_DTYPES:
-            raise TypeError(f"{name}: expected BF16 (bfloat16 or uint16 bits), got {array.dtype}")
-    elif kind == "f16":
-        if array.dtype != numpy.dtype(numpy.float16):
-            raise TypeError(f"{name}: expected float16, got {array.dtype}")
-    elif array.dtype != _F32_DTYPE:
-        raise TypeError(f"{name}: expected float32, got {array.dtype}")
+    dtypes, expected = _KINDS[kind]
+    if array.dtype not in dtypes:
+        raise TypeError(f"{name}: expected {expected}, got {array.dtype}")
 
 
 def _strip_leading_ones(shape) -> tuple[int, ...]:
