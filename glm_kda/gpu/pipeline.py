@@ -132,16 +132,6 @@ class Stages:
                 self._project(ws, ws.down_proj[:rows, d : 2 * d], "g_b", ws.out_gate[:rows], wide)
 
     # Decode ---------------------------------------------------------------------------------
-    def _o_proj_awaits_step(self, rows: int) -> bool:
-        """Whether o_proj of a fused step of `rows` rows (one launch) awaits the step's count of
-        outputs instead of its end: one group of <= 16 rows of a packed weight."""
-        return rows <= projection.M_TILE and isinstance(self._decode_weight("o_proj"), projection.PackedWeight)
-
-    def _step_prefetch_ahead(self, device_id: int) -> int:
-        """Sequences ahead whose state a batched fused step asks L2 for."""
-        resident = projection.sm_count(device_id) * _STEP_RESIDENT_BLOCKS_PER_SM
-        return max(1, round(_STEP_PREFETCH_WAVES * resident / self.config.heads))
-
     def _step(self, ws: KdaWorkspace, first: int, rows: int, conv_state: Any, recurrent_state: Any, *,
               slots: Any = None, walk: bool = False, whole: bool = False) -> tuple[int, bool]:
         """The fused decode step for workspace rows first..first+rows-1, states in place: row r
@@ -149,19 +139,23 @@ class Stages:
         are consecutive tokens of that state, walked in one launch. whole: these are all the rows
         the back end projects next. Returns (blocks o_proj should await, 0 for none; whether the
         step also wrote o_norm_out into ws.x_tiles)."""
-        c = self.config
+        c, d = self.config, self.config.head_dim
         sl = slice(first, first + rows)
-        counted = whole and first == 0 and self._o_proj_awaits_step(rows)
+        o_proj = self._decode_weight("o_proj")
+        # o_proj of one group of <= 16 rows of a packed weight awaits the step's count of outputs, not its end.
+        counted = whole and first == 0 and rows <= projection.M_TILE and isinstance(o_proj, projection.PackedWeight)
         tiles = (first == 0 and not walk and rows <= _ROW_GROUP and self._o_proj_sums is None
-                 and projection.bulk_applies(self._decode_weight("o_proj"), rows))
-        d = c.head_dim
+                 and projection.bulk_applies(o_proj, rows))
+        # The sequences ahead whose states a batched step asks L2 for.
+        resident = projection.sm_count(ws.device_id) * _STEP_RESIDENT_BLOCKS_PER_SM
+        prefetch_ahead = max(1, round(_STEP_PREFETCH_WAVES * resident / c.heads))
         blocks = ops.kda_decode_fused_bf16(
             conv_state, recurrent_state, ws.qkv_proj[sl], self.conv_weight, ws.forget_proj[sl], self.dt_bias,
             self.a_log, ws.down_proj[sl, 2 * d :], ws.out_gate[sl], self.o_norm, ws.conv_out[sl], ws.query[sl],
             ws.key[sl], ws.value[sl], ws.gate[sl], ws.beta[sl], ws.core[sl], ws.o_norm_out[sl],
             bounded=c.bounded, lower_bound=c.gate_lower_bound or 0.0, scale=self.scale, l2_eps=c.l2_eps,
             norm_eps=c.rms_norm_eps, slots=slots, tokens=rows if walk else 1,
-            prefetch_ahead=self._step_prefetch_ahead(ws.device_id), dependents_after=0,
+            prefetch_ahead=prefetch_ahead, dependents_after=0,
             x_tiles=ws.x_tiles if tiles else None, outputs_ready=ws.outputs_ready if counted else None)
         return (blocks if counted else 0), tiles
 
