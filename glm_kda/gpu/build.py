@@ -97,13 +97,10 @@ def _line_directive(line: int, path: Path) -> str:
 
 
 def kernel_source(stem: str, directory: Path | str | None = None) -> str:
-    """The text of ``<stem>.cu`` with its headers inlined where they are included.
-
-    A header (included by its path under the kernel folder, ``"common/bf16.cuh"``) is inlined at
-    its first include, its own includes likewise, and later includes of it are dropped. Each part
-    starts with a ``#line`` directive naming its real file, and the directive after an inlined
-    header restores the including file's numbering, so compiler messages point at the real file
-    and line.
+    """The text of ``<stem>.cu`` with its headers (included by their path under the kernel folder,
+    ``"common/bf16.cuh"``) inlined at their first include, recursively; later includes are dropped.
+    ``#line`` directives before each part and after each inlined header keep every line's real file
+    and number for the compiler's messages.
     """
     folder = Path(directory) if directory is not None else kernels_dir()
     parts: list[str] = []
@@ -212,13 +209,11 @@ def _cached_cubin(stem: str, arch: str, directory: Path | str | None) -> Path:
 
 
 class KernelSet:
-    """Every entry point of ENTRY_POINTS, compiled and loaded on one device.
-
-    Construction compiles one ``cupy.RawModule`` per file (CuPy caches the cubin on
-    disk) and resolves every entry point; a missing one is a hard error listing all
-    missing names, never a silent fallback. Use :meth:`get` for the cached instance
-    of the current device. ``directory``: the folder of the sources (default
-    :func:`kernels_dir`); see :meth:`install`.
+    """Every entry point of ENTRY_POINTS (and of the ARCH_ENTRY_POINTS of the device's architecture),
+    compiled and loaded on one device: one module per file (cubins cached on disk), every entry point
+    resolved; a missing one is an error listing all missing names, never a silent fallback. Use
+    :meth:`get` for the cached instance of the current device. ``directory``: the folder of the
+    sources (default :func:`kernels_dir`); see :meth:`install`.
     """
 
     _instances: dict[int, "KernelSet"] = {}

@@ -398,11 +398,10 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
 
 def gemm_rows_pair_bf16(x, w, out, x2, w2, out2, rows: int | None = None, *, programmatic: bool = False,
                         reserved_slots: int = 0) -> None:
-    """out[r] = bf16(x[r] @ w.T) and out2[r] = bf16(x2[r] @ w2.T) for r < rows (1..16) in one launch:
-    each the bits of :func:`gemm_rows_bf16` alone (its column groups swept by the same device code,
-    the second projection's after the first's). For two small projections of one kernel's outputs
-    (the forget and output gate up-projections of one decode row): one launch and one wait on that
-    kernel instead of two of each.
+    """out[r] = bf16(x[r] @ w.T) and out2[r] = bf16(x2[r] @ w2.T) for r < rows (1..16) in one launch,
+    each the bits of :func:`gemm_rows_bf16` alone (the same device code sweeps the second projection's
+    column groups after the first's): for two small projections of one kernel's outputs (the gate
+    up-projections of a decode row), one launch and one wait on that kernel instead of two of each.
 
     Shapes: w and w2 PackedWeights of one shape [n, k]; x, x2 [>= rows, k] and out, out2 [>= rows, n]
     BF16 with equal row strides (column slices of wider buffers are fine), as gemm_rows_bf16 takes
