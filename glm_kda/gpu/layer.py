@@ -236,7 +236,8 @@ class KdaLayer(Stages):
 
     def _enter(self) -> tuple:
         """Start a call on the current stream: (workspace, stream, whether it is ordered against other
-        streams, launch-context token, previous device or None). Kept lean: a one-row decode's host time is on its critical path."""
+        streams, launch-context token, previous device or None). Kept lean: a one-row decode's host
+        time is on its critical path."""
         import cupy
 
         previous = cupy.cuda.runtime.getDevice()

@@ -111,9 +111,10 @@ class KdaWorkspace:
         self.forget_proj, self.out_gate, self.o_norm_out = (cupy.zeros((max_tokens, c.qkv), bf16) for _ in range(3))
         self.conv_out = cupy.zeros((max_tokens, c.conv_dim), bf16)
         self.final_out = cupy.zeros((max_tokens, c.hidden), bf16)
-        self.query, self.key, self.value, self.gate, self.core = (cupy.zeros((padded, heads, dim), f32) for _ in range(5))
+        per_head = (padded, heads, dim)
+        self.query, self.key, self.value, self.gate, self.core = (cupy.zeros(per_head, f32) for _ in range(5))
         self.beta = cupy.zeros((padded, heads), f32)
-        self.q_decay, self.k_tail, self.chunk_w, self.chunk_u = (cupy.zeros((padded, heads, dim), f32) for _ in range(4))
+        self.q_decay, self.k_tail, self.chunk_w, self.chunk_u = (cupy.zeros(per_head, f32) for _ in range(4))
         self.attn = cupy.zeros((nchunks, heads, c.chunk, c.chunk), f32)
         self.chunk_decay = cupy.zeros((nchunks, heads, dim), f32)
         self.q_decay_f16, self.k_tail_f16, self.chunk_w_f16, self.attn_f16 = (
