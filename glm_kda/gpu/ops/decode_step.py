@@ -69,8 +69,7 @@ def kda_decode_fused_bf16(
     _require("qkv_proj", qkv_proj, "bf16", (rows, conv_dim))
     _require("conv_out", conv_out, "bf16", (rows, conv_dim))
     ld_beta = check_gate_sources(forget_proj, dt_bias, a_log, beta_logits, heads, HEAD_DIM, rows)
-    _require("forget_proj", forget_proj, "bf16", (rows, qkv))
-    for name, array in (("out_gate", out_gate), ("o_norm_out", o_norm_out)):
+    for name, array in (("forget_proj", forget_proj), ("out_gate", out_gate), ("o_norm_out", o_norm_out)):
         _require(name, array, "bf16", (rows, qkv))
     _require("norm_w", o_norm_w, "bf16", (HEAD_DIM,))
     for name, array in (("query", query), ("key", key), ("value", value), ("gate", gate), ("core", core)):

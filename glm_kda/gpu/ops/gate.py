@@ -33,12 +33,10 @@ def check_gate_sources(forget_proj, dt_bias, a_log, beta_logits, heads: int, hea
     logits' row stride in elements."""
     qkv = heads * head_dim
     _require_rows("forget_proj", forget_proj, "bf16", tokens, (qkv,), aligned=True)
-    _check_dtype("dt_bias", dt_bias, "f32")
-    if dt_bias.size != qkv or not dt_bias.flags.c_contiguous:
-        raise ValueError(f"dt_bias: expected {qkv} contiguous values (per channel), got {list(dt_bias.shape)}")
-    _check_dtype("a_log", a_log, "f32")
-    if a_log.size != heads or not a_log.flags.c_contiguous:
-        raise ValueError(f"a_log: expected {heads} contiguous values (per head), got {list(a_log.shape)}")
+    for name, array, size, per in (("dt_bias", dt_bias, qkv, "channel"), ("a_log", a_log, heads, "head")):
+        _check_dtype(name, array, "f32")
+        if array.size != size or not array.flags.c_contiguous:
+            raise ValueError(f"{name}: expected {size} contiguous values (per {per}), got {list(array.shape)}")
     _check_dtype("beta_logits", beta_logits, "bf16")
     if beta_logits.ndim != 2 or beta_logits.shape[0] < tokens or beta_logits.shape[1] < heads:
         raise ValueError(f"beta_logits: expected [>= {tokens}, >= {heads}], got {list(beta_logits.shape)}")
