@@ -20,13 +20,11 @@ those of calling ``stack.layers[i]`` one after the other by hand.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from tqdm.auto import tqdm
 
-from ..checkpoint import bind_layer
 from ..config import KdaConfig
 from ..device import require_gpu
 from ..options import KdaOptions
@@ -89,13 +87,9 @@ class KdaStack:
         config = KdaConfig.from_pretrained(path_or_repo, chunk=chunk, **hub_kwargs)
         indices = chosen_layers(config, layers)
         workspace = KdaWorkspace(config, max_tokens)
-        built = []
-        for idx in tqdm(indices, desc="KDA layers", unit="layer", disable=not progress):
-            bound = bind_layer(path_or_repo, idx, progress=False, **hub_kwargs)
-            if bound.config.chunk != chunk:
-                bound = dataclasses.replace(bound, config=bound.config.with_chunk(chunk))
-            built.append(KdaLayer(bound, workspace=workspace, options=options))
-        return cls(built)
+        return cls([KdaLayer.from_pretrained(path_or_repo, idx, chunk=chunk, workspace=workspace, options=options,
+                                             progress=False, **hub_kwargs)
+                    for idx in tqdm(indices, desc="KDA layers", unit="layer", disable=not progress)])
 
     def __len__(self) -> int:
         return len(self.layers)
