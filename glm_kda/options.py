@@ -17,29 +17,26 @@ CHUNK_IMPLS = ("auto", "tensor", "fp32")
 class KdaOptions:
     """How a KdaLayer runs.
 
-    chunk_impl: the chunked-prefill kernels. "tensor": TF32 tensor-core kernels, chunk 64 (the
-        fast path); "fp32": the FP32 kernels, any chunk up to 64 (the reference path); "auto"
-        (default): "tensor" where the layer's geometry allows it, else "fp32".
-    packed_weights: the decode-side projections read a copy of each projection weight in the
-        tiled layout their kernel streams (default True; costs as many bytes again as the five
-        projection weights). False reads the row-major weights cuBLAS reads: the same bits,
-        slower.
-    graphs: decode, decode_k and pool decode replay CUDA graphs captured on their second call
-        with the same shapes and states (default True). False: eager launches, for debugging and
-        for profilers that do not follow graphs.
-    hopper: use sm_90 features where the device has them: programmatic dependent launches and
-        the bulk-copy projection sweep (default True). False runs the portable path that sm_80
-        and sm_120 / sm_121 (GB10) always take: the same bits, slower on Hopper.
-    stage_buffers: a prefill writes every FP32 stage buffer (default True). False: where the
-        tensor-core chunk kernels run, the conv pass writes no FP32 q, k and v (ws.query, ws.key,
-        ws.value keep what they held) and the chunk prepare reads them from the BF16 conv output
-        instead, normalising q and k as the conv pass does: the same output and state bits, less
-        memory traffic. The FP32 chunk kernels always read the FP32 split.
-    check_finite: every call checks its input rows before the first launch (a NaN or Inf row
-        raises FloatingPointError, the state untouched) and its output after the last (raises,
-        the state advanced); default False. Each check reads one flag back, so the call waits
-        for the GPU: a one-row decode costs about one host-device round trip more (README,
-        "Input checks").
+    chunk_impl: the chunked-prefill kernels. "tensor": TF32 tensor-core kernels, chunk 64 (the fast
+        path); "fp32": FP32 kernels, any chunk up to 64 (the reference path); "auto" (default):
+        "tensor" where the layer's geometry and device allow it, else "fp32".
+    packed_weights: the decode-side projections read a copy of each projection weight in the tiled
+        layout their kernel streams (default True; as many bytes again as the five projection
+        weights). False reads the row-major weights: the same bits, slower.
+    graphs: decode, decode_k and pool decode replay CUDA graphs captured on their second call with
+        the same shapes and states (default True). False: eager launches, for debugging and for
+        profilers that do not follow graphs.
+    hopper: programmatic dependent launches and the bulk-copy projection sweep where the device
+        has sm_90 features (default True). False: the portable path that sm_80 and sm_120 / sm_121
+        (GB10) always take, the same bits, slower on Hopper.
+    stage_buffers: a prefill writes every FP32 stage buffer (default True). False: with the
+        tensor-core chunk kernels, the conv pass writes no FP32 q, k and v (ws.query, ws.key,
+        ws.value keep what they held) and the chunk prepare reads them from the BF16 conv output,
+        normalising q and k as the conv pass does: the same output and state bits, less traffic.
+    check_finite: every call checks its input rows before the first launch (a NaN or Inf row raises
+        FloatingPointError, the state untouched) and its output after the last (raises, the state
+        advanced); default False. Each check reads one flag back: the call waits for the GPU
+        (README, "Input checks").
     """
 
     chunk_impl: str = "auto"

@@ -648,7 +648,7 @@ def test_tail_staged_awaiting_launch_gives_the_packed_bits(shape, rows, monkeypa
     x, w, expected, words = _awaiting_case(shape, rows, SEED + 5 * n + rows)
     monkeypatch.setattr(gemm_rows, "_STAGED_MAX_WEIGHT_BYTES", 0)
     monkeypatch.setattr(gemm_rows, "_TAIL_STAGED_MAX_ROWS", 16)
-    per_sm, per_block = gemm_rows._shared_memory(_cp().cuda.Device().id)
+    per_sm, per_block = gemm_rows.shared_memory(_cp().cuda.Device().id)
     full = gemm_rows._tail_staged_plan(n, k, rows, shared_per_sm=per_sm, shared_per_block=per_block)
     assert full is not None, f"{_shape_id(shape)} R{rows}: no tail-staged plan"
     plan_of = gemm_rows._tail_staged_plan

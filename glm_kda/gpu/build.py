@@ -1,15 +1,12 @@
 """Loader of the CUDA kernels in ``kernels_src/`` and the one place that launches them.
 
-One ``.cu`` file per kernel family, grouped by stage (``projection/``, ``decode/``, ``chunk/``, and
-``conv.cu``, ``gate.cu``, ``norm.cu``), every kernel ``extern "C"`` with its dtype in its name, so
-CuPy's on-disk cache keys on the source text alone. The headers (``common/*.cuh`` and the ``.cuh``
-files beside the kernels) are included by their path under ``kernels_src`` and inlined by
-:func:`kernel_source` with ``#line`` directives, so a compiler error names the real file and line
-and NVRTC needs no include path.
+One ``.cu`` file per kernel family, grouped by stage, every kernel ``extern "C"`` with its dtype in
+its name, so CuPy's on-disk cache keys on the source text alone. Headers are included by their path
+under ``kernels_src`` and inlined by :func:`kernel_source` with ``#line`` directives: NVRTC needs no
+include path and a compiler error names the real file and line.
 
-Importing this module does not touch the GPU: :class:`KernelSet` compiles and loads the modules the
-first time it is built, and :func:`compile_file` compiles with NVRTC alone (no driver, no GPU),
-which is what the test suite runs.
+Importing this module does not touch the GPU: :class:`KernelSet` compiles and loads the modules
+when first built; :func:`compile_file` needs NVRTC alone (no driver, no GPU), as the tests run it.
 """
 
 from __future__ import annotations
@@ -70,11 +67,9 @@ _COMPILE_THREADS = max(1, min(16, os.cpu_count() or 1))
 # A header every kernel folder holds: how kernels_dir recognises one.
 MARKER_HEADER = "common/head.cuh"
 
-# Precise math on purpose: no --use_fast_math (expf, sqrtf and division stay IEEE-rounded).
-# Denormal FP32 results flush to zero (-ftz=true): CuPy adds that option to every RawModule it
-# compiles from source, whatever it is given, so it is named here for the cubins NVRTC builds
-# directly (the architecture families, compile_file) to be those same binaries, and
-# every sweep of a projection to have the same bits even where a sum is denormal.
+# Precise math on purpose: no --use_fast_math (expf, sqrtf and division stay IEEE-rounded). -ftz=true:
+# CuPy adds it to every RawModule it compiles from source, so the cubins NVRTC builds directly (the
+# architecture families, compile_file) name it too, for every projection sweep to give the same bits.
 COMPILE_OPTIONS: tuple[str, ...] = ("-std=c++17", "-ftz=true")
 
 # `#include "dir/name.cuh"` of a header under the kernel folder (inlined; any other include is an
@@ -92,10 +87,8 @@ def kernels_dir() -> Path:
     for candidate in (package / "kernels_src", package.parent / "kernels_src"):
         if (candidate / MARKER_HEADER).is_file():
             return candidate
-    raise FileNotFoundError(
-        f"kernel sources not found: neither {package / 'kernels_src'} nor "
-        f"{package.parent / 'kernels_src'} holds {MARKER_HEADER}"
-    )
+    raise FileNotFoundError(f"kernel sources not found: neither {package / 'kernels_src'} nor "
+                            f"{package.parent / 'kernels_src'} holds {MARKER_HEADER}")
 
 
 def _line_directive(line: int, path: Path) -> str:
@@ -104,13 +97,10 @@ def _line_directive(line: int, path: Path) -> str:
 
 
 def kernel_source(stem: str, directory: Path | str | None = None) -> str:
-    """The text of ``<stem>.cu`` with its headers inlined where they are included.
-
-    A header (included by its path under the kernel folder, ``"common/bf16.cuh"``) is inlined at
-    its first include, its own includes likewise, and later includes of it are dropped. Each part
-    starts with a ``#line`` directive naming its real file, and the directive after an inlined
-    header restores the including file's numbering, so compiler messages point at the real file
-    and line.
+    """The text of ``<stem>.cu`` with its headers (included by their path under the kernel folder,
+    ``"common/bf16.cuh"``) inlined at their first include, recursively; later includes are dropped.
+    ``#line`` directives before each part and after each inlined header keep every line's real file
+    and number for the compiler's messages.
     """
     folder = Path(directory) if directory is not None else kernels_dir()
     parts: list[str] = []
@@ -135,9 +125,7 @@ def kernel_source(stem: str, directory: Path | str | None = None) -> str:
     return "\n".join(parts) + "\n"
 
 
-# --------------------------------------------------------------------------------------
-# Compilation without a GPU (NVRTC only)
-# --------------------------------------------------------------------------------------
+# Compilation without a GPU (NVRTC only) -----------------------------------------------------------
 
 
 class KernelCompileError(RuntimeError):
@@ -171,19 +159,14 @@ def compile_file(stem: str, arch: str, directory: Path | str | None = None) -> C
             nvrtc.compileProgram(program, options)
         except nvrtc.NVRTCError as error:
             log = nvrtc.getProgramLog(program).rstrip("\x00")
-            raise KernelCompileError(
-                f"NVRTC failed to compile {stem}.cu for {arch} ({error}):\n{log}"
-            ) from None
+            raise KernelCompileError(f"NVRTC failed to compile {stem}.cu for {arch} ({error}):\n{log}") from None
         log = nvrtc.getProgramLog(program).rstrip("\x00")
-        cubin = nvrtc.getCUBIN(program)
+        return CompiledFile(stem=stem, arch=arch, cubin=nvrtc.getCUBIN(program), log=log)
     finally:
         nvrtc.destroyProgram(program)
-    return CompiledFile(stem=stem, arch=arch, cubin=cubin, log=log)
 
 
-# --------------------------------------------------------------------------------------
-# Loading on a GPU
-# --------------------------------------------------------------------------------------
+# Loading on a GPU ---------------------------------------------------------------------------------
 
 
 def _private_folder(folder: Path) -> None:
@@ -226,13 +209,11 @@ def _cached_cubin(stem: str, arch: str, directory: Path | str | None) -> Path:
 
 
 class KernelSet:
-    """Every entry point of ENTRY_POINTS, compiled and loaded on one device.
-
-    Construction compiles one ``cupy.RawModule`` per file (CuPy caches the cubin on
-    disk) and resolves every entry point; a missing one is a hard error listing all
-    missing names, never a silent fallback. Use :meth:`get` for the cached instance
-    of the current device. ``directory``: the folder of the sources (default
-    :func:`kernels_dir`); see :meth:`install`.
+    """Every entry point of ENTRY_POINTS (and of the ARCH_ENTRY_POINTS of the device's architecture),
+    compiled and loaded on one device: one module per file (cubins cached on disk), every entry point
+    resolved; a missing one is an error listing all missing names, never a silent fallback. Use
+    :meth:`get` for the cached instance of the current device. ``directory``: the folder of the
+    sources (default :func:`kernels_dir`); see :meth:`install`.
     """
 
     _instances: dict[int, "KernelSet"] = {}
@@ -272,22 +253,14 @@ class KernelSet:
             modules = list(pool.map(load, families))
         missing: list[str] = []
         for (stem, names, _), module in zip(families, modules):
-            missing += self._add_module(stem, module, names)
+            self.modules[stem] = module
+            for name in names:
+                try:
+                    self.functions[name] = module.get_function(name)
+                except cupy.cuda.driver.CUDADriverError:
+                    missing.append(f"{stem}.cu:{name}")
         if missing:
             raise RuntimeError(f"kernel entry points not found: {', '.join(missing)}")
-
-    def _add_module(self, stem: str, module: Any, names: Sequence[str]) -> list[str]:
-        """Keep ``module`` (of ``<stem>.cu``) and resolve its entry points; returns those missing."""
-        import cupy
-
-        self.modules[stem] = module
-        missing = []
-        for name in names:
-            try:
-                self.functions[name] = module.get_function(name)
-            except cupy.cuda.driver.CUDADriverError:
-                missing.append(f"{stem}.cu:{name}")
-        return missing
 
     @classmethod
     def get(cls) -> "KernelSet":
@@ -297,8 +270,7 @@ class KernelSet:
         device_id = cupy.cuda.Device().id
         instance = cls._instances.get(device_id)
         if instance is None:
-            instance = cls()
-            cls._instances[device_id] = instance
+            instance = cls._instances[device_id] = cls()
         return instance
 
     @classmethod
@@ -338,14 +310,10 @@ class KernelSet:
         import cupy
 
         runtime = cupy.cuda.runtime
-        device_limit = runtime.deviceGetAttribute(
-            runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, self.device_id
-        )
+        device_limit = runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, self.device_id)
         if shared_mem > device_limit:
-            raise ValueError(
-                f"{name} needs {shared_mem} bytes of shared memory per block; this device "
-                f"allows {device_limit} (use a smaller chunk)"
-            )
+            raise ValueError(f"{name} needs {shared_mem} bytes of shared memory per block; this device allows "
+                             f"{device_limit} (use a smaller chunk)")
         self.function(name).max_dynamic_shared_size_bytes = shared_mem
         self._dynamic_shared_limit[name] = shared_mem
 
@@ -360,9 +328,7 @@ class KernelSet:
         self._carveout[name] = percent
 
 
-# --------------------------------------------------------------------------------------
-# Timing and the launch point
-# --------------------------------------------------------------------------------------
+# Timing and the launch point ----------------------------------------------------------------------
 
 
 @dataclass
@@ -376,6 +342,17 @@ class StageTimer:
 
     def record(self, name: str, start: Any, end: Any) -> None:
         self._pending.append((name, start, end))
+
+    @contextlib.contextmanager
+    def span(self, name: str) -> Iterator[None]:
+        """Record the launches inside the block under ``name`` (nothing where the block raises)."""
+        import cupy
+
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        yield
+        end.record()
+        self.record(name, start, end)
 
     def synchronize(self) -> None:
         """Wait for the recorded launches and fold their times into the totals."""
@@ -458,9 +435,7 @@ def hopper_enabled() -> bool:
     return _CONTEXT.get().hopper
 
 
-# --------------------------------------------------------------------------------------
-# Programmatic dependent launch (sm_90 and later, through cuLaunchKernelEx)
-# --------------------------------------------------------------------------------------
+# Programmatic dependent launch (sm_90 and later, through cuLaunchKernelEx) ------------------------
 
 # cuLaunchAttributeID CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h).
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6
@@ -528,18 +503,15 @@ def kernel_parameters(args: Sequence[Any]) -> list:
     pointers, None as a null pointer, numpy int32 / int64 / float32 scalars as themselves."""
     import numpy
 
+    scalars = {numpy.int32: ctypes.c_int32, numpy.int64: ctypes.c_int64, numpy.float32: ctypes.c_float}
     values: list = []
     for index, arg in enumerate(args):
         if arg is None:
             values.append(ctypes.c_void_p(None))
         elif hasattr(arg, "data") and hasattr(arg.data, "ptr"):
             values.append(ctypes.c_void_p(arg.data.ptr))
-        elif isinstance(arg, numpy.int32):
-            values.append(ctypes.c_int32(int(arg)))
-        elif isinstance(arg, numpy.int64):
-            values.append(ctypes.c_int64(int(arg)))
-        elif isinstance(arg, numpy.float32):
-            values.append(ctypes.c_float(float(arg)))
+        elif type(arg) in scalars:
+            values.append(scalars[type(arg)](arg.item()))
         else:
             raise TypeError(f"kernel argument {index}: unsupported type {type(arg).__name__} "
                             "(a device array, None, or a numpy int32 / int64 / float32)")
@@ -549,25 +521,17 @@ def kernel_parameters(args: Sequence[Any]) -> list:
 _PROGRAMMATIC = _ProgrammaticLauncher()
 
 
-def launch(
-    name: str,
-    grid: Sequence[int],
-    block: Sequence[int],
-    args: Sequence[Any],
-    shared_mem: int = 0,
-    *,
-    programmatic: bool = False,
-    carveout: int = -1,
-) -> None:
+def launch(name: str, grid: Sequence[int], block: Sequence[int], args: Sequence[Any], shared_mem: int = 0, *,
+           programmatic: bool = False, carveout: int = -1) -> None:
     """Launch kernel ``name`` on the current stream.
 
-    ``args`` are cupy arrays (passed as device pointers), None (a null pointer) and
-    numpy.int32 / numpy.float32 scalars, in the kernel's parameter order; the wrappers in
-    :mod:`glm_kda.gpu.ops` build them. ``programmatic``: a programmatic dependent launch (see
-    kda_wait_for_previous_kernel in common/sync.cuh: the kernel must wait before it touches
-    anything the previous kernel writes); a plain launch where the device or driver cannot,
-    or where the current LaunchContext says so (portable path, timing). ``carveout``: the preferred shared-memory
-    split in percent (see :meth:`KernelSet.prefer_shared_carveout`; -1 the driver's choice).
+    ``args`` are cupy arrays (passed as device pointers), None (a null pointer) and numpy.int32 /
+    numpy.float32 scalars, in the kernel's parameter order; the wrappers in :mod:`glm_kda.gpu.ops`
+    build them. ``programmatic``: a programmatic dependent launch (see kda_wait_for_previous_kernel
+    in common/sync.cuh: the kernel must wait before it touches anything the previous kernel writes);
+    a plain launch where the device or driver cannot, or where the current LaunchContext says so
+    (portable path, timing). ``carveout``: the preferred shared-memory split in percent (see
+    :meth:`KernelSet.prefer_shared_carveout`; -1 the driver's choice).
     """
     kernel_set = KernelSet.get()
     function = kernel_set.function(name)
@@ -583,17 +547,11 @@ def launch(
         result = _PROGRAMMATIC.launch(function, grid, block, args, shared_mem, cupy.cuda.get_current_stream().ptr)
         if result == 0:
             return
-        # Refused (an older driver, a capture mode that cannot hold the edge): plain launches
-        # from now on.
+        # Refused (an older driver, a capture mode that cannot hold the edge): plain launches from now on.
         _PROGRAMMATIC.unavailable = f"cuLaunchKernelEx returned CUresult {result}"
         _PROGRAMMATIC.launch_ex = None
-    if context.timer is not None:
-        import cupy
-
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
+    if context.timer is None:
         function(grid, block, tuple(args), shared_mem=shared_mem)
-        end.record()
-        context.timer.record(name, start, end)
     else:
-        function(grid, block, tuple(args), shared_mem=shared_mem)
+        with context.timer.span(name):
+            function(grid, block, tuple(args), shared_mem=shared_mem)

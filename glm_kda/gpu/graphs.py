@@ -1,23 +1,16 @@
-"""CUDA graphs of the decode-side calls: captured once per key, replayed after.
-
-A call's key holds its kind, its row count, the device pointers it touches besides the
-workspace (state, snapshots, pool), the workspace and the layer's options. The first call of a
-key runs eagerly (so every kernel is compiled and every wrapper check has passed), the second
-captures the call on a side stream, and from then on each call is one graph launch: its input
-copy (rows into the workspace's fixed input buffer) and output copy (final_out's rows into a
-new array) are memcpy nodes of the graph, repointed at the call's arrays before each launch
-(glm_kda.gpu.graph_copies). Slots live in a device buffer, so sequences entering and leaving a
-pool never cause a recapture. The oldest graphs are dropped past `capacity`.
-
-The host's work per replayed call is kept to repointing the copies and the launch, so that a
-decode loop that does not synchronise each token is bound by the GPU's time, not by Python's.
+"""CUDA graphs of the decode-side calls (docs/design.md, "CUDA graphs"): the first call of a key runs
+eagerly, the second captures it on a side stream, later ones replay it, the input and output copies
+being memcpy nodes repointed at the call's arrays (glm_kda.gpu.graph_copies). Slots live in a
+device buffer, so sequences entering and leaving a pool never cause a recapture. The host's work
+per replay is kept to repointing and one launch: a decode loop that does not synchronise each
+token runs at the GPU's pace.
 """
 
 from __future__ import annotations
 
 import warnings
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -43,17 +36,14 @@ class GraphIO:
         self.hidden_bytes, self.slots_bytes, self.out_bytes = (a.nbytes for a in (self.hidden, self.slots, self.out))
 
 
-class CapturedGraph:
+class CapturedGraph(NamedTuple):
     """One captured decode call: its CUDA graph and, where the call's copies are nodes of it,
     their GraphCopies. launch() replays it with the addresses its last call set: what the
     benchmarks time alone."""
 
-    __slots__ = ("graph", "copies", "serial")
-
-    def __init__(self, graph: Any, copies: graph_copies.GraphCopies | None, serial: int):
-        self.graph = graph
-        self.copies = copies
-        self.serial = serial  # of the workspace whose buffers it reads and writes
+    graph: Any
+    copies: graph_copies.GraphCopies | None
+    serial: int  # of the workspace whose buffers it reads and writes
 
     def launch(self, stream: Any) -> None:
         self.graph.launch(stream)

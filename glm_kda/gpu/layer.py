@@ -21,7 +21,7 @@ import functools
 import math
 import weakref
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -47,14 +47,6 @@ _BF16_EXPONENT = 0x7F80
 def _dead() -> None:
     """A weak reference whose object is gone."""
     return None
-
-
-def _opt_in_shared_memory(device_id: int) -> int:
-    """Bytes of shared memory a block of device `device_id` may opt in to."""
-    import cupy
-
-    runtime = cupy.cuda.runtime
-    return runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, device_id)
 
 
 class KdaLayer(Stages):
@@ -141,7 +133,7 @@ class KdaLayer(Stages):
             raise TypeError(f"options: expected a KdaOptions, got {type(options).__name__}")
         chunk_impl = options.chunk_impl
         supported, why = chunk_tc_supported(self.config)
-        shared = _opt_in_shared_memory(self.device_id)
+        shared = projection.shared_memory(self.device_id)[1]
         if supported and shared < PREPARE_SMEM_BYTES:
             supported, why = False, (f"this device gives a block {shared} bytes of shared memory, the tensor-core "
                                      f"prepare needs {PREPARE_SMEM_BYTES} (sm_86, sm_89, sm_120 and sm_121 run the "
@@ -244,7 +236,8 @@ class KdaLayer(Stages):
 
     def _enter(self) -> tuple:
         """Start a call on the current stream: (workspace, stream, whether it is ordered against other
-        streams, launch-context token, previous device or None). Kept lean: a one-row decode's host time is on its critical path."""
+        streams, launch-context token, previous device or None). Kept lean: a one-row decode's host
+        time is on its critical path."""
         import cupy
 
         previous = cupy.cuda.runtime.getDevice()
@@ -261,7 +254,6 @@ class KdaLayer(Stages):
             if ws is None:
                 ws = KdaWorkspace.for_stream(self.config, self.max_tokens, stream)
                 self._stream_workspace = (weakref.ref(stream), weakref.ref(ws))
-                self.graphs.follow(ws)
         ordered = ws.acquire(stream)
         timer = build.current_context().timer
         context = self._context if timer is None else build.LaunchContext(self._options.hopper, timer)
@@ -343,19 +335,13 @@ class KdaLayer(Stages):
         for i, snap in enumerate(snapshots):
             self._check_state(snap, "decode_k", f"snapshots[{i}]")
         self._check_finite(hidden_rows, "decode_k")
-        call = self._enter()
-        try:
-            ws = call[0]
 
-            def body(hidden: Any, _slots: Any) -> None:
-                self._decode_rows(ws, hidden, state.conv, state.recurrent, sequential=True, snapshots=snapshots)
+        def body(ws: KdaWorkspace, rows_in: Any, _slots: Any) -> None:
+            self._decode_rows(ws, rows_in, state.conv, state.recurrent, sequential=True, snapshots=snapshots)
 
-            key = ("k", rows, self._generation, ws.serial, state.conv.data.ptr, state.recurrent.data.ptr,
-                   tuple((s.conv.data.ptr, s.recurrent.data.ptr) for s in snapshots))
-            return back(self._checked_output(self.graphs.run(key, ws, hidden_rows, None, body, self._graphed()),
-                                             "decode_k"))
-        finally:
-            self._leave(call)
+        key = ("k", rows, self._generation, state.conv.data.ptr, state.recurrent.data.ptr,
+               tuple((s.conv.data.ptr, s.recurrent.data.ptr) for s in snapshots))
+        return back(self._replay(self.graphs, key, hidden_rows, None, "decode_k", body))
 
     def _decode_pool(self, hidden: Any, pool: StatePool, slots: Any, check_slots: bool) -> Any:
         max_rows = min(MAX_DECODE_ROWS, self.max_tokens, len(pool))
@@ -364,15 +350,24 @@ class KdaLayer(Stages):
         self._check_pool(pool, "decode")
         slots = self._slots_in(slots, rows, pool, "decode", check_slots)
         self._check_finite(hidden, "decode")
+
+        def body(ws: KdaWorkspace, rows_in: Any, device_slots: Any) -> None:
+            self._decode_rows(ws, rows_in, pool.conv, pool.recurrent, slots=device_slots)
+
+        key = ("pool", rows, self._generation, pool.conv.data.ptr, pool.recurrent.data.ptr)
+        return back(self._replay(self.graphs, key, hidden, slots, "decode", body))
+
+    def _replay(self, graphs: DecodeGraphs, key: tuple, hidden: Any, slots: Any, what: str,
+                body: Callable[[KdaWorkspace, Any, Any], None]) -> Any:
+        """body(ws, hidden_rows, device_slots) on the workspace of a call on the current stream, through
+        `graphs` (replayed under `key` and the workspace where options.graphs allow); returns a new
+        CuPy array of final_out's rows, checked as options.check_finite asks."""
         call = self._enter()
         try:
             ws = call[0]
-
-            def body(hidden: Any, device_slots: Any) -> None:
-                self._decode_rows(ws, hidden, pool.conv, pool.recurrent, slots=device_slots)
-
-            key = ("pool", rows, self._generation, ws.serial, pool.conv.data.ptr, pool.recurrent.data.ptr)
-            return back(self._checked_output(self.graphs.run(key, ws, hidden, slots, body, self._graphed()), "decode"))
+            graphs.follow(ws)
+            out = graphs.run((*key, ws.serial), ws, hidden, slots, functools.partial(body, ws), self._graphed())
+            return self._checked_output(out, what)
         finally:
             self._leave(call)
 

@@ -9,13 +9,10 @@
     back end    prefill: the gated RMSNorm;  o_proj = o_norm_out @ W_o^T
 
 Every decode-side projection (decode, decode_k, pool decode, prefill of <= 16 rows) runs
-glm_kda.gpu.projection.gemm_rows_bf16, whose per-row arithmetic does not depend on the row
-count or on the other rows: decode_k of K rows is bit-identical to K calls of decode, and a
-sequence's bits do not depend on the batch it is decoded in. Prefill of more than 16 rows runs
-its projections on cuBLAS, which reassociates and is never used by a decode-side call.
-
-The methods here are the private half of KdaLayer (glm_kda.gpu.layer); each takes the
-workspace of the call explicitly, since a call's stream picks its workspace.
+projection.gemm_rows_bf16, whose per-row arithmetic depends on neither the row count nor the other
+rows: decode_k of K rows is bit-identical to K decodes, and a sequence's bits do not depend on its
+batch. Prefill of more than 16 rows projects on cuBLAS, which reassociates. The methods here are
+the private half of KdaLayer; each takes the call's workspace (its stream picks it) explicitly.
 """
 
 from __future__ import annotations
@@ -45,24 +42,12 @@ _STEP_RESIDENT_BLOCKS_PER_SM = 2
 _SIDE_CHAIN_WEIGHTS = ("down_weight", "f_b", "g_b")
 
 
-def _timing() -> bool:
-    return build.current_context().timer is not None
-
-
 @contextlib.contextmanager
 def _section(name: str):
     """CUDA events around a group of launches while timing; free otherwise."""
     timer = build.current_context().timer
-    if timer is None:
+    with contextlib.nullcontext() if timer is None else timer.span(f"[{name}]"):
         yield
-        return
-    import cupy
-
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    start.record()
-    yield
-    end.record()
-    timer.record(f"[{name}]", start, end)
 
 
 class Stages:
@@ -78,17 +63,14 @@ class Stages:
     def _project(self, ws: KdaWorkspace, x: Any, weight: str, out: Any, wide: bool, *, after_kernel: bool = False,
                  reserved_slots: int = 0, x_tiles: Any = None, x_tiled: bool = False, ready_target: int = 0,
                  sums: Any = None) -> None:
-        """out = x @ the weight named `weight`. wide (prefill of > 16 rows): cuBLAS. Otherwise
-        gemm_rows_bf16 over groups of _ROW_GROUP rows. after_kernel: the previous operation on
-        this stream writes x, so the launch may be its programmatic dependent. x_tiled: the fused
-        step already wrote x into ws.x_tiles. ready_target: o_proj awaits that many blocks of the
-        fused step counting their outputs out (ws.outputs_ready). sums: FP32 [rows, n] that also
-        receives the unrounded result."""
+        """out = x @ the weight named `weight`: cuBLAS where wide (prefill of > 16 rows), else
+        gemm_rows_bf16 over groups of _ROW_GROUP rows. after_kernel: the previous operation on this
+        stream writes x (a programmatic dependent launch). x_tiled: the fused step wrote x into
+        ws.x_tiles. ready_target: o_proj awaits that many blocks of the fused step counting their
+        outputs (ws.outputs_ready). sums: FP32 [rows, n] that also receives the unrounded result."""
         if wide:
-            if sums is None:
-                ops.gemm_bf16_cublas(x, getattr(self, weight), out)
-            else:
-                ops.gemm_bf16_cublas(x, getattr(self, weight), sums)
+            ops.gemm_bf16_cublas(x, getattr(self, weight), out if sums is None else sums)
+            if sums is not None:
                 ops.round_to_bf16(sums, out)
             return
         side = weight in _SIDE_CHAIN_WEIGHTS
@@ -123,7 +105,7 @@ class Stages:
         of the bytes); in a captured graph the two are parallel branches joined before the
         stateful stage. The same kernels and inputs either way: no bit changes."""
         rows = hidden.shape[0]
-        concurrent = not wide and not _timing()
+        concurrent = not wide and build.current_context().timer is None
         with ws.beside(concurrent) as side:
             with side:
                 self._low_rank_chain(ws, hidden, wide, branched=concurrent and rows > _GATE_BRANCH_MIN_ROWS)
@@ -150,16 +132,6 @@ class Stages:
                 self._project(ws, ws.down_proj[:rows, d : 2 * d], "g_b", ws.out_gate[:rows], wide)
 
     # Decode ---------------------------------------------------------------------------------
-    def _o_proj_awaits_step(self, rows: int) -> bool:
-        """Whether o_proj of a fused step of `rows` rows (one launch) awaits the step's count of
-        outputs instead of its end: one group of <= 16 rows of a packed weight."""
-        return rows <= projection.M_TILE and isinstance(self._decode_weight("o_proj"), projection.PackedWeight)
-
-    def _step_prefetch_ahead(self, device_id: int) -> int:
-        """Sequences ahead whose state a batched fused step asks L2 for."""
-        resident = projection.sm_count(device_id) * _STEP_RESIDENT_BLOCKS_PER_SM
-        return max(1, round(_STEP_PREFETCH_WAVES * resident / self.config.heads))
-
     def _step(self, ws: KdaWorkspace, first: int, rows: int, conv_state: Any, recurrent_state: Any, *,
               slots: Any = None, walk: bool = False, whole: bool = False) -> tuple[int, bool]:
         """The fused decode step for workspace rows first..first+rows-1, states in place: row r
@@ -167,19 +139,23 @@ class Stages:
         are consecutive tokens of that state, walked in one launch. whole: these are all the rows
         the back end projects next. Returns (blocks o_proj should await, 0 for none; whether the
         step also wrote o_norm_out into ws.x_tiles)."""
-        c = self.config
+        c, d = self.config, self.config.head_dim
         sl = slice(first, first + rows)
-        counted = whole and first == 0 and self._o_proj_awaits_step(rows)
+        o_proj = self._decode_weight("o_proj")
+        # o_proj of one group of <= 16 rows of a packed weight awaits the step's count of outputs, not its end.
+        counted = whole and first == 0 and rows <= projection.M_TILE and isinstance(o_proj, projection.PackedWeight)
         tiles = (first == 0 and not walk and rows <= _ROW_GROUP and self._o_proj_sums is None
-                 and projection.bulk_applies(self._decode_weight("o_proj"), rows))
-        d = c.head_dim
+                 and projection.bulk_applies(o_proj, rows))
+        # The sequences ahead whose states a batched step asks L2 for.
+        resident = projection.sm_count(ws.device_id) * _STEP_RESIDENT_BLOCKS_PER_SM
+        prefetch_ahead = max(1, round(_STEP_PREFETCH_WAVES * resident / c.heads))
         blocks = ops.kda_decode_fused_bf16(
             conv_state, recurrent_state, ws.qkv_proj[sl], self.conv_weight, ws.forget_proj[sl], self.dt_bias,
             self.a_log, ws.down_proj[sl, 2 * d :], ws.out_gate[sl], self.o_norm, ws.conv_out[sl], ws.query[sl],
             ws.key[sl], ws.value[sl], ws.gate[sl], ws.beta[sl], ws.core[sl], ws.o_norm_out[sl],
             bounded=c.bounded, lower_bound=c.gate_lower_bound or 0.0, scale=self.scale, l2_eps=c.l2_eps,
             norm_eps=c.rms_norm_eps, slots=slots, tokens=rows if walk else 1,
-            prefetch_ahead=self._step_prefetch_ahead(ws.device_id), dependents_after=0,
+            prefetch_ahead=prefetch_ahead, dependents_after=0,
             x_tiles=ws.x_tiles if tiles else None, outputs_ready=ws.outputs_ready if counted else None)
         return (blocks if counted else 0), tiles
 

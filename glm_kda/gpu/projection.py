@@ -174,7 +174,7 @@ def sm_count(device_id: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _shared_memory(device_id: int) -> tuple[int, int]:
+def shared_memory(device_id: int) -> tuple[int, int]:
     """(bytes of shared memory an SM holds, bytes a block may opt in to) on a device."""
     runtime = cupy.cuda.runtime
     return (int(runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerMultiprocessor, device_id)),
@@ -183,18 +183,15 @@ def _shared_memory(device_id: int) -> tuple[int, int]:
 
 def launch_plan(n: int, k: int, rows: int, tiles_per_warp: int | None = None, sm_count: int = _DEFAULT_SM_COUNT,
                 blocks: int | None = None, reserved_slots: int = 0) -> LaunchPlan:
-    """The split-k launch of one call.
+    """The split-k launch of one call: grid.y the row groups of 64, grid.x `blocks` column groups of
+    (8 / k_split) warps times ``tiles_per_warp`` tiles of 8 columns at a time (a block loops over the
+    groups blockIdx.x, blockIdx.x + grid.x, ...); 1 m-tile of 16 rows up to 16 rows, 2 up to 32, else 4.
 
-    grid.y = row groups of 64; grid.x = `blocks` column groups of (8 / k_split) warps times
-    ``tiles_per_warp`` tiles of 8 columns at a time (a block loops over the groups blockIdx.x,
-    blockIdx.x + grid.x, ...). m-tiles of 16 rows a block sweeps: 1 up to 16 rows, 2 up to 32, else
-    4. Wider tiles reuse each x fragment more and cut the number of blocks. Left as None the tiles
-    are the widest (4, 2, else 1; at most 2 with 4 m-tiles, their register budget) that still give
-    every SM a block, and grid.x is the number of groups, capped with one m-tile at the blocks
-    resident at once (sm_count times GEMM_ROWS_BLOCKS_PER_SM). ``reserved_slots``: of those resident
-    slots, how many such a capped one-m-tile launch leaves to kernels that run beside it (at least
-    one block remains; ignored where ``blocks`` is given or above 16 rows). Any choice gives the
-    same bits: it moves work between blocks, never changes the k order.
+    Left as None the tiles are the widest (4, 2, else 1; at most 2 with 4 m-tiles, their register
+    budget) that still give every SM a block (wider tiles reuse each x fragment more), and grid.x is
+    the number of groups, capped with one m-tile at the blocks resident at once (sm_count times
+    GEMM_ROWS_BLOCKS_PER_SM) less ``reserved_slots`` left to kernels beside it (at least one block;
+    ignored where ``blocks`` is given or above 16 rows). No choice changes the k order, so no bit.
     """
     if tiles_per_warp is not None and tiles_per_warp not in _TILES_PER_WARP:
         raise ValueError(f"tiles_per_warp must be one of {_TILES_PER_WARP}, got {tiles_per_warp}")
@@ -223,9 +220,8 @@ def launch_plan(n: int, k: int, rows: int, tiles_per_warp: int | None = None, sm
 
 
 def _x_region_bytes(rows: int, k: int, tiles: int) -> int:
-    """Shared memory a staged block keeps beside its stage: a 16-byte zero chunk and x's rows padded
-    to whole k blocks, or the partial sums written over them (GEMM_ROWS_PARTIAL_FLOATS(1, tiles)
-    floats), whichever is more."""
+    """Shared memory a staged block keeps beside its stage: a 16-byte zero chunk and x's rows padded to
+    whole k blocks, or the partial sums written over them (GEMM_ROWS_PARTIAL_FLOATS(1, tiles)), the more."""
     partial_bytes = _WARPS_PER_BLOCK * tiles * 4 * 32 * 4
     return max(16 + rows * -(-k // _K_BLOCK) * _K_BLOCK * 2, partial_bytes)
 
@@ -239,10 +235,9 @@ def _group_a_block_plan(kernel: str, n_tiles: int, group_tiles: int, tiles: int,
 
 def _staged_plan(n: int, k: int, rows: int) -> LaunchPlan | None:
     """The launch of kda_gemm_rows_staged_awaiting_bf16 for up to 16 rows of a packed [n, k] weight, or
-    None where it does not apply: one column group a block, the group's weights (every k block of
-    its tiles) copied into _STAGED_MAX_BYTES or less of shared memory before the block waits, x's
-    rows after them (the partial sums later over them), _STAGED_BLOCKS_PER_SM such blocks to an SM.
-    The widest tiles (2, else 1) whose group fits; the same bits as any plan."""
+    None where it does not apply: one column group a block, its weights (every k block of its tiles)
+    copied into at most _STAGED_MAX_BYTES of shared memory before the block waits, x's rows after
+    them, _STAGED_BLOCKS_PER_SM blocks an SM; the widest tiles (2, else 1) whose group fits."""
     if rows > M_TILE:
         return None
     warps_n = _WARPS_PER_BLOCK // _k_split(k)
@@ -264,13 +259,11 @@ def _tail_staged_plan(n: int, k: int, rows: int, sm_count: int = _DEFAULT_SM_COU
                       tiles_per_warp: int | None = None, shared_per_sm: int = _SHARED_PER_SM,
                       shared_per_block: int = _SHARED_PER_BLOCK) -> LaunchPlan | None:
     """The launch of kda_gemm_rows_tail_staged_awaiting_bf16 for up to 16 rows of a packed [n, k] weight,
-    or None where no tail fits: the tiles and column groups of the one-row sweep (launch_plan), one
-    group a block, and each block's tail stage the last ``tail_blocks`` k blocks of every warp's k
-    range of each of its tiles, as many as _TAIL_BLOCKS_PER_SM blocks' shared memory (each also
-    holding x's rows, or the partial sums over them) allows, at most the whole range, and at most
-    ``tail_blocks`` where given (>= 1). ``tiles_per_warp`` (1, 2, 4; None: launch_plan's) as there.
-    ``shared_per_sm`` / ``shared_per_block``: the device's shared memory an SM holds and a block may
-    ask for. The same bits as any plan."""
+    or None where no tail fits: the tiles and column groups of the one-row sweep (launch_plan,
+    ``tiles_per_warp`` as there), one group a block, each block's tail stage the last k blocks of every
+    warp's k range of its tiles: as many as the shared memory of _TAIL_BLOCKS_PER_SM blocks (each also
+    holding x's rows) allows, at most the whole range and at most ``tail_blocks`` (>= 1) where given.
+    ``shared_per_sm`` / ``shared_per_block``: what an SM holds and a block may ask for."""
     if tail_blocks is not None and tail_blocks < 1:
         raise ValueError(f"tail_staged_plan: tail_blocks must be >= 1, got {tail_blocks}")
     if rows > M_TILE:
@@ -290,25 +283,24 @@ def _tail_staged_plan(n: int, k: int, rows: int, sm_count: int = _DEFAULT_SM_COU
 
 
 def staged_applies(w: Any, rows: int) -> bool:
-    """Whether gemm_rows_bf16(staged=True, ready=...) takes a staged entry for this weight and row
-    count on the current device: a PackedWeight, <= 16 rows, launches that may use sm_90 features on
-    an sm_90 or later device (a programmatic launch copies while the kernel before it runs), and a
-    plan whose stage fits: the whole column group where the weight has at most
-    _STAGED_MAX_WEIGHT_BYTES, else for one row the tail of each warp's k range (any weight size)."""
+    """Whether gemm_rows_bf16(staged=True, ready=...) takes a staged entry for this weight and row count
+    on the current device (see _staged_plan_here)."""
     return _staged_plan_here(w, rows) is not None
 
 
 def _staged_plan_here(w: Any, rows: int) -> LaunchPlan | None:
-    """The staged plan for this weight and row count where staged_applies, else None."""
-    if not isinstance(w, PackedWeight) or rows > M_TILE or not build.hopper_enabled():
-        return None
-    if int(cupy.cuda.Device().compute_capability) < 90:
+    """The staged plan on the current device, or None: it needs a PackedWeight, <= 16 rows, and
+    launches that may use sm_90 features on an sm_90 or later device (a programmatic launch copies
+    while the kernel before it runs); the whole column group is staged where the weight has at most
+    _STAGED_MAX_WEIGHT_BYTES, else for one row the tail of each warp's k range (any weight size)."""
+    if (not isinstance(w, PackedWeight) or rows > M_TILE or not build.hopper_enabled()
+            or int(cupy.cuda.Device().compute_capability) < 90):
         return None
     n, k = w.shape
     plan = _staged_plan(n, k, rows) if 2 * n * k <= _STAGED_MAX_WEIGHT_BYTES else None
     if plan is None and rows <= _TAIL_STAGED_MAX_ROWS:
         device_id = cupy.cuda.Device().id
-        per_sm, per_block = _shared_memory(device_id)
+        per_sm, per_block = shared_memory(device_id)
         plan = _tail_staged_plan(n, k, rows, sm_count(device_id), shared_per_sm=per_sm, shared_per_block=per_block)
     return plan
 
@@ -333,39 +325,35 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
         out  [>= rows, n] BF16, columns contiguous; may be a column slice of a wider
              buffer: only columns < n of rows < rows are written
 
-    Bit contract: out[r] depends only on x[r] and w. For every rows in 1..256 it is, bit for bit,
-    what a one-row call on x[r] alone writes: padding rows are zeros that are never read, and the k
-    summation order is a function of k alone (see kernels_src/projection/gemm_rows.cuh). None of
-    these changes a bit:
+    Bit contract: out[r] depends only on x[r] and w: for every rows in 1..256 it is, bit for bit,
+    what a one-row call on x[r] alone writes (padding rows are zeros never read; the k summation
+    order is a function of k alone, see kernels_src/projection/gemm_rows.cuh). None of these
+    changes a bit:
         tiles_per_warp, blocks, reserved_slots  the split-k launch (:func:`launch_plan`)
-        staged     with ``ready`` where :func:`staged_applies`: each block copies its weights (or
-                   the tail of each warp's k range) into shared memory before its wait; elsewhere
-                   ignored
-        bulk       more than 16 rows of a PackedWeight holding the tile layout on an sm_90 device
-                   (:func:`bulk_available`): the bulk-copy sweep, True always, None where the weight
-                   is wide enough (:func:`bulk_applies`), False never; ``x_tiles`` (a contiguous BF16
-                   array of at least :func:`x_tiles_size` elements; None: a new one), ``partial`` (a
-                   contiguous float32 array of at least :func:`bulk_partial_size` elements, where a
-                   sweep of few column groups splits the k ranges over more blocks; None: no split)
-                   are its scratch, and ``x_tiled`` says x_tiles already holds x's rows (the fused
-                   decode step writes them): no tiling launch.
+        staged     with ``ready`` where :func:`staged_applies`: each block copies its weights (or the
+                   tail of each warp's k range) into shared memory before its wait; else ignored
+        bulk       more than 16 rows of a PackedWeight holding the tile layout where
+                   :func:`bulk_available`: the bulk-copy sweep, True always, None where the weight is
+                   wide enough (:func:`bulk_applies`), False never. Its scratch: ``x_tiles``
+                   (contiguous BF16, at least :func:`x_tiles_size` elements; None: a new one) and
+                   ``partial`` (contiguous float32, at least :func:`bulk_partial_size`, where a sweep
+                   of few column groups splits the k ranges over more blocks; None: no split);
+                   ``x_tiled``: x_tiles already holds x's rows (the fused decode step wrote them).
 
-    ``programmatic``: launch as a programmatic dependent of the previous kernel in the stream
-    (sm_90 and later): the blocks start while that kernel drains, ask L2 for their first weight
-    bytes, and wait for it before they read x or write out. For a launch whose previous operation in
-    the stream is the kernel that writes x.
+    ``programmatic``: a programmatic dependent of the previous kernel in the stream, the one that
+    writes x (sm_90 and later): the blocks start while it drains, ask L2 for their first weight
+    bytes, and wait for it before they read x or write out.
 
     ``ready`` (with ``programmatic``, <= 16 rows of a PackedWeight): a contiguous int32 array of at
-    least 2 elements that the previous kernel counts its blocks' outputs out in (the fused decode
-    step's ``outputs_ready``): the blocks read x once ready[0] reaches ``ready_target``, not once that
-    kernel ends, the last of them sets both words back to zero, and each block ends only after that
-    kernel has. Every block of that kernel must be resident when this one launches (it waits on
-    them; see ops.kda_decode_fused_bf16).
+    least 2 elements in which the previous kernel counts its blocks' outputs (the fused decode step's
+    ``outputs_ready``): the blocks read x once ready[0] reaches ``ready_target``, the last of them sets
+    both words back to zero, and each ends only after that kernel has. Every block of that kernel
+    must be resident when this one launches (see ops.kda_decode_fused_bf16).
 
     ``sums`` (None: none): FP32 [>= rows, n] with contiguous columns (a column slice is fine),
-    receiving each output's FP32 sum, the value ``out`` holds rounded to BF16 (round to nearest
-    even): the partial output of a tensor-parallel rank, which the ranks add before the one
-    rounding. Not with bulk=True (the bulk sweep writes none; None then means False).
+    receiving each output's FP32 sum, which ``out`` holds rounded to BF16 (nearest even): a
+    tensor-parallel rank's partial output, added over the ranks before the one rounding. Not with
+    bulk=True (the bulk sweep writes none; None then means False).
 
     Returns the blocks launched (0 for the bulk-copy sweep).
     """
@@ -410,11 +398,10 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
 
 def gemm_rows_pair_bf16(x, w, out, x2, w2, out2, rows: int | None = None, *, programmatic: bool = False,
                         reserved_slots: int = 0) -> None:
-    """out[r] = bf16(x[r] @ w.T) and out2[r] = bf16(x2[r] @ w2.T) for r < rows (1..16) in one launch:
-    each the bits of :func:`gemm_rows_bf16` alone (its column groups swept by the same device code,
-    the second projection's after the first's). For two small projections of one kernel's outputs
-    (the forget and output gate up-projections of one decode row): one launch and one wait on that
-    kernel instead of two of each.
+    """out[r] = bf16(x[r] @ w.T) and out2[r] = bf16(x2[r] @ w2.T) for r < rows (1..16) in one launch,
+    each the bits of :func:`gemm_rows_bf16` alone (the same device code sweeps the second projection's
+    column groups after the first's): for two small projections of one kernel's outputs (the gate
+    up-projections of a decode row), one launch and one wait on that kernel instead of two of each.
 
     Shapes: w and w2 PackedWeights of one shape [n, k]; x, x2 [>= rows, k] and out, out2 [>= rows, n]
     BF16 with equal row strides (column slices of wider buffers are fine), as gemm_rows_bf16 takes
@@ -431,8 +418,8 @@ def gemm_rows_pair_bf16(x, w, out, x2, w2, out2, rows: int | None = None, *, pro
                          f"(n, k, x stride, out stride) {(n2, k2, ldx2, ldy2)} against {(n, k, ldx, ldy)}")
     plan = launch_plan(2 * n, k, rows, None, sm_count(cupy.cuda.Device().id), reserved_slots=reserved_slots)
     build.launch(plan.kernel.replace("gemm_rows_", "gemm_rows_packed_pair_"), plan.grid, plan.block,
-                 (x, _i32(ldx), w.data, out, _i32(ldy), _i32(rows), _i32(n), _i32(k), _i32(_prefetch_k_blocks(n, k, programmatic)), x2, w2.data,
-                  out2), programmatic=programmatic)
+                 (x, _i32(ldx), w.data, out, _i32(ldy), _i32(rows), _i32(n), _i32(k),
+                  _i32(_prefetch_k_blocks(n, k, programmatic)), x2, w2.data, out2), programmatic=programmatic)
 
 
 def bulk_available() -> bool:
@@ -441,15 +428,15 @@ def bulk_available() -> bool:
     return build.hopper_enabled() and build.KernelSet.get().has("kda_gemm_rows_bulk_g1")
 
 
-def _bulk_wide_enough(n: int, sm_count: int) -> bool:
-    """Whether more than 16 rows of an n-column weight are worth the bulk-copy sweep."""
-    return -(-n // 64) >= _BULK_MIN_GROUPS_PER_SM * sm_count
+def _bulk_wide_enough(n: int) -> bool:
+    """Whether more than 16 rows of an n-column weight are worth the bulk-copy sweep on the current device."""
+    return -(-n // 64) >= _BULK_MIN_GROUPS_PER_SM * sm_count(cupy.cuda.Device().id)
 
 
 def bulk_takes(n: int) -> bool:
     """Whether more than 16 rows of an n-column packed weight with the tile layout take the bulk-copy
     sweep on the current device: the copies worth making (pack_weight(w, tiles=True))."""
-    return bulk_available() and _bulk_wide_enough(n, sm_count(cupy.cuda.Device().id))
+    return bulk_available() and _bulk_wide_enough(n)
 
 
 def bulk_applies(w: Any, rows: int, bulk: bool | None = None) -> bool:
@@ -464,7 +451,7 @@ def bulk_applies(w: Any, rows: int, bulk: bool | None = None) -> bool:
         raise ValueError("gemm_rows_bf16: bulk=True needs a PackedWeight made with pack_weight(w, tiles=True) on an"
                          f" sm_90 device (packed: {packed}, tile layout: {packed and w.tiles is not None},"
                          f" bulk-copy kernels in use: {bulk_available()})")
-    return takes and (bool(bulk) or _bulk_wide_enough(w.shape[0], sm_count(cupy.cuda.Device().id)))
+    return takes and (bool(bulk) or _bulk_wide_enough(w.shape[0]))
 
 
 def _k_ranges(k: int) -> int:

@@ -10,26 +10,21 @@
     with stack.timing() as timer: ...                                  # per-kernel GPU time, every layer
 
 Without ``between``, a decode or decode_k through the stack is one CUDA graph a call (captured on
-the second call with the same states, as a layer's own calls are): no host work between layers.
-
-Each layer's output is the next layer's input, or what ``between(i, out)`` returns for it (i the
-position in the stack, out a CuPy BF16 [rows, hidden] array; return the same shape and dtype): a
-residual, a norm, the rest of a model's layer (not called after the last layer; an array it returns
-that the next layer refuses fails that layer's call, the earlier layers advanced). Every call is its
-layers' calls one after the other,
-so the bits are those of calling ``stack.layers[i]`` by hand.
+the second call with the same states): no host work between layers. Each layer's output is the next
+layer's input, or what ``between(i, out)`` returns for it (i the position in the stack, out a CuPy
+BF16 [rows, hidden] array; return the same shape and dtype; not called after the last layer; an
+array the next layer refuses fails that layer's call, the earlier layers advanced). The bits are
+those of calling ``stack.layers[i]`` one after the other by hand.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from tqdm.auto import tqdm
 
-from ..checkpoint import bind_layer
 from ..config import KdaConfig
 from ..device import require_gpu
 from ..options import KdaOptions
@@ -92,13 +87,9 @@ class KdaStack:
         config = KdaConfig.from_pretrained(path_or_repo, chunk=chunk, **hub_kwargs)
         indices = chosen_layers(config, layers)
         workspace = KdaWorkspace(config, max_tokens)
-        built = []
-        for idx in tqdm(indices, desc="KDA layers", unit="layer", disable=not progress):
-            bound = bind_layer(path_or_repo, idx, progress=False, **hub_kwargs)
-            if bound.config.chunk != chunk:
-                bound = dataclasses.replace(bound, config=bound.config.with_chunk(chunk))
-            built.append(KdaLayer(bound, workspace=workspace, options=options))
-        return cls(built)
+        return cls([KdaLayer.from_pretrained(path_or_repo, idx, chunk=chunk, workspace=workspace, options=options,
+                                             progress=False, **hub_kwargs)
+                    for idx in tqdm(indices, desc="KDA layers", unit="layer", disable=not progress)])
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -213,27 +204,21 @@ class KdaStack:
         if pooled:
             slots = first._slots_in(slots, rows, states[0], what, check_slots)
         first._check_finite(x, what)
-        call = first._enter()
-        try:
-            ws = call[0]
-            self.graphs.follow(ws)
 
-            def body(rows_in: Any, device_slots: Any) -> None:
-                for layer, state in zip(self.layers, states):
-                    if pooled:
-                        layer._decode_rows(ws, rows_in, state.conv, state.recurrent, slots=device_slots)
-                    else:
-                        layer._decode_rows(ws, rows_in, state.conv, state.recurrent, sequential=True)
-                    # The next layer reads this one's output where it lies. Its o_proj writes final_out
-                    # only after the fused step, which starts once every reader of the input (q|k|v and
-                    # the low-rank chain) has finished, so no copy is needed between the layers.
-                    rows_in = ws.final_out[:rows]
+        def body(ws: KdaWorkspace, rows_in: Any, device_slots: Any) -> None:
+            for layer, state in zip(self.layers, states):
+                if pooled:
+                    layer._decode_rows(ws, rows_in, state.conv, state.recurrent, slots=device_slots)
+                else:
+                    layer._decode_rows(ws, rows_in, state.conv, state.recurrent, sequential=True)
+                # The next layer reads this one's output where it lies. Its o_proj writes final_out
+                # only after the fused step, which starts once every reader of the input (q|k|v and
+                # the low-rank chain) has finished, so no copy is needed between the layers.
+                rows_in = ws.final_out[:rows]
 
-            key = ("stack", pooled, rows, tuple(layer._generation for layer in self.layers), ws.serial,
-                   tuple((state.conv.data.ptr, state.recurrent.data.ptr) for state in states))
-            return back(first._checked_output(self.graphs.run(key, ws, x, slots, body, first._graphed()), what))
-        finally:
-            first._leave(call)
+        key = ("stack", pooled, rows, tuple(layer._generation for layer in self.layers),
+               tuple((state.conv.data.ptr, state.recurrent.data.ptr) for state in states))
+        return back(first._replay(self.graphs, key, x, slots, what, body))
 
     def _run(self, hidden: Any, what: str, max_rows: int, between: Between | None,
              call: Callable[[KdaLayer, Any, Any], Any], states: Sequence[Any]) -> Any:

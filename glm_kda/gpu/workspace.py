@@ -1,11 +1,11 @@
-"""KdaWorkspace: the stage buffers and scratch of the calls of one CUDA stream.
+"""KdaWorkspace: the stage buffers and scratch of the calls of one CUDA stream (docs/design.md,
+"Workspaces").
 
-Layers of one geometry share workspaces: a model's 34 layers decoding on one stream need one.
 Calls on different streams must never share scratch (a decode's projections, its fused step and
 the counts its output projection awaits all live here), so a layer takes the workspace of the
-stream it is called on (:meth:`KdaWorkspace.for_stream`): memory grows with the streams alive
-and in use, not with the layers. A workspace given to a layer explicitly serves every stream; calls on
-different streams are then ordered one after the other through an event (:meth:`KdaWorkspace.acquire`).
+stream it is called on (:meth:`KdaWorkspace.for_stream`), shared by every layer of its geometry.
+A workspace given to a layer explicitly serves every stream, its calls ordered through an event
+(:meth:`KdaWorkspace.acquire`).
 """
 
 from __future__ import annotations
@@ -108,21 +108,13 @@ class KdaWorkspace:
         self.qkv_proj = cupy.zeros((max_tokens, c.conv_dim), bf16)
         self.down_proj = cupy.zeros((max_tokens, c.down_dim), bf16)
         # forget_proj and out_gate have the same shape and kind: separate buffers, never aliased.
-        self.forget_proj = cupy.zeros((max_tokens, c.qkv), bf16)
-        self.out_gate = cupy.zeros((max_tokens, c.qkv), bf16)
+        self.forget_proj, self.out_gate, self.o_norm_out = (cupy.zeros((max_tokens, c.qkv), bf16) for _ in range(3))
         self.conv_out = cupy.zeros((max_tokens, c.conv_dim), bf16)
-        self.query = cupy.zeros((padded, heads, dim), f32)
-        self.key = cupy.zeros((padded, heads, dim), f32)
-        self.value = cupy.zeros((padded, heads, dim), f32)
-        self.gate = cupy.zeros((padded, heads, dim), f32)
-        self.beta = cupy.zeros((padded, heads), f32)
-        self.core = cupy.zeros((padded, heads, dim), f32)
-        self.o_norm_out = cupy.zeros((max_tokens, c.qkv), bf16)
         self.final_out = cupy.zeros((max_tokens, c.hidden), bf16)
-        self.q_decay = cupy.zeros((padded, heads, dim), f32)
-        self.k_tail = cupy.zeros((padded, heads, dim), f32)
-        self.chunk_w = cupy.zeros((padded, heads, dim), f32)
-        self.chunk_u = cupy.zeros((padded, heads, dim), f32)
+        per_head = (padded, heads, dim)
+        self.query, self.key, self.value, self.gate, self.core = (cupy.zeros(per_head, f32) for _ in range(5))
+        self.beta = cupy.zeros((padded, heads), f32)
+        self.q_decay, self.k_tail, self.chunk_w, self.chunk_u = (cupy.zeros(per_head, f32) for _ in range(4))
         self.attn = cupy.zeros((nchunks, heads, c.chunk, c.chunk), f32)
         self.chunk_decay = cupy.zeros((nchunks, heads, dim), f32)
         self.q_decay_f16, self.k_tail_f16, self.chunk_w_f16, self.attn_f16 = (

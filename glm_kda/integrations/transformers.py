@@ -5,15 +5,12 @@
     model(...); model.generate(...)  # unchanged
     swap.restore()                   # the original modules back
 
-A model on a CUDA device runs the CUDA kernels (one KdaLayer per block, every block sharing one
-workspace); a model on the CPU runs the BF16-faithful NumPy oracle, slowly, for checking. The blocks
-keep their states in the model's own cache (transformers' linear-attention cache layers: the conv
-state in the model's dtype [B, 3·H·D, K], the recurrent state FP32 [B, H, D, D]), read before each
-call and written after it through the cache's own update methods, so lengths, beam reordering and
-everything else that reads the cache see what the original blocks would have left there.
-
-Rows are rounded to BF16 on the way in (the numerics contract, docs/maths.md) and the output comes
-back in the model's dtype. Needs torch and transformers >= 5.17 (`pip install glm-kda[transformers]`).
+A model on a CUDA device runs the CUDA kernels (one KdaLayer per block, all sharing one workspace),
+one on the CPU the BF16-faithful NumPy oracle. The states stay in the model's own cache (the conv
+state in the model's dtype [B, 3·H·D, K], the recurrent state FP32 [B, H, D, D]), written through the
+cache's own update methods (docs/design.md, "The transformers integration"). Rows are rounded to BF16
+on the way in (docs/maths.md); the output comes back in the model's dtype. Needs torch and
+transformers >= 5.17 (`pip install glm-kda[transformers]`).
 """
 
 from __future__ import annotations

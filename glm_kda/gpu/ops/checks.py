@@ -23,10 +23,12 @@ HEAD_BLOCK = 128
 # Largest gridDim.y: kernels with a token grid axis are launched in slices of this.
 MAX_GRID_Y = 65535
 
-# The dtypes a BF16 operand may have: its raw bits, or ml_dtypes' bfloat16.
-_BF16_DTYPES = (numpy.dtype(numpy.uint16), numpy.dtype(ml_dtypes.bfloat16))
 # The dtype of every FP32 operand.
 _F32_DTYPE = numpy.dtype(numpy.float32)
+# kind -> (the dtypes an operand of that kind may have, their name): BF16 as its raw bits or as
+# ml_dtypes' bfloat16.
+_KINDS = {"bf16": ((numpy.dtype(numpy.uint16), numpy.dtype(ml_dtypes.bfloat16)), "BF16 (bfloat16 or uint16 bits)"),
+          "f16": ((numpy.dtype(numpy.float16),), "float16"), "f32": ((_F32_DTYPE,), "float32")}
 # The kernels take their sizes as int32.
 _INT32_MAX = 2**31 - 1
 # CONV_MAX_KERNEL of kernels_src/common/conv_window.cuh: the conv taps its registers hold.
@@ -36,14 +38,9 @@ _CONV_MAX_KERNEL = 4
 def _check_dtype(name: str, array, kind: str) -> None:
     if not isinstance(array, cupy.ndarray):
         raise TypeError(f"{name}: expected a cupy.ndarray, got {type(array).__name__}")
-    if kind == "bf16":
-        if array.dtype not in _BF16_DTYPES:
-            raise TypeError(f"{name}: expected BF16 (bfloat16 or uint16 bits), got {array.dtype}")
-    elif kind == "f16":
-        if array.dtype != numpy.dtype(numpy.float16):
-            raise TypeError(f"{name}: expected float16, got {array.dtype}")
-    elif array.dtype != _F32_DTYPE:
-        raise TypeError(f"{name}: expected float32, got {array.dtype}")
+    dtypes, expected = _KINDS[kind]
+    if array.dtype not in dtypes:
+        raise TypeError(f"{name}: expected {expected}, got {array.dtype}")
 
 
 def _strip_leading_ones(shape) -> tuple[int, ...]:
@@ -53,36 +50,28 @@ def _strip_leading_ones(shape) -> tuple[int, ...]:
     return shape
 
 
+def _require_dense(name: str, array, aligned: bool) -> None:
+    if not array.flags.c_contiguous:
+        raise ValueError(f"{name}: must be C-contiguous")
+    if aligned:
+        _require_aligned(name, array)
+
+
 def _require(name: str, array, kind: str, shape: tuple[int, ...], *, aligned: bool = False) -> None:
     """A contiguous array of exactly `shape` (leading axes of size 1 ignored)."""
     _check_dtype(name, array, kind)
     if _strip_leading_ones(array.shape) != _strip_leading_ones(shape):
         raise ValueError(f"{name}: expected shape {list(shape)}, got {list(array.shape)}")
-    if not array.flags.c_contiguous:
-        raise ValueError(f"{name}: must be C-contiguous")
-    if aligned:
-        _require_aligned(name, array)
+    _require_dense(name, array, aligned)
 
 
-def _require_rows(
-    name: str, array, kind: str, rows: int, row_shape: tuple[int, ...], *, aligned: bool = False
-) -> None:
+def _require_rows(name: str, array, kind: str, rows: int, row_shape: tuple[int, ...], *, aligned: bool = False) -> None:
     """A contiguous [>= rows, *row_shape] array; the row may also be flattened."""
     _check_dtype(name, array, kind)
-    row_elements = math.prod(row_shape)
-    if (
-        array.ndim < 2
-        or array.shape[0] < rows
-        or math.prod(array.shape[1:]) != row_elements
-    ):
-        raise ValueError(
-            f"{name}: expected shape [>= {rows}, {', '.join(map(str, row_shape))}], "
-            f"got {list(array.shape)}"
-        )
-    if not array.flags.c_contiguous:
-        raise ValueError(f"{name}: must be C-contiguous")
-    if aligned:
-        _require_aligned(name, array)
+    if array.ndim < 2 or array.shape[0] < rows or math.prod(array.shape[1:]) != math.prod(row_shape):
+        shape = ", ".join(map(str, row_shape))
+        raise ValueError(f"{name}: expected shape [>= {rows}, {shape}], got {list(array.shape)}")
+    _require_dense(name, array, aligned)
 
 
 def _row_stride(name: str, array, kind: str, rows: int, columns: int) -> int:
@@ -125,12 +114,8 @@ def _token_slices(tokens: int):
         yield start, min(tokens, start + MAX_GRID_Y)
 
 
-def _i32(value) -> numpy.int32:
-    return numpy.int32(value)
-
-
-def _f32(value) -> numpy.float32:
-    return numpy.float32(value)
+# The kernels' int and float scalars.
+_i32, _f32 = numpy.int32, numpy.float32
 
 
 def check_scratch(array, dtype, kind: str, size: int, name: str, what: str) -> None:
@@ -153,11 +138,8 @@ def conv_kernel_size(conv_state, conv_w, conv_dim: int) -> int:
     _require("conv_state", conv_state, "f32", (conv_dim, kernel_size))
     _check_dtype("conv_w", conv_w, "bf16")
     if tuple(conv_w.shape) not in ((conv_dim, kernel_size), (conv_dim, 1, kernel_size)):
-        raise ValueError(
-            f"conv_w: expected [{conv_dim}, {kernel_size}] (conv_state's K), got {list(conv_w.shape)}"
-        )
-    if not conv_w.flags.c_contiguous:
-        raise ValueError("conv_w: must be C-contiguous")
+        raise ValueError(f"conv_w: expected [{conv_dim}, {kernel_size}] (conv_state's K), got {list(conv_w.shape)}")
+    _require_dense("conv_w", conv_w, False)
     return kernel_size
 
 
@@ -203,6 +185,14 @@ def recurrent_state_heads(state, *, aligned: bool = False) -> int:
     return heads
 
 
+def beta_heads(beta) -> int:
+    """H of beta FP32 [>= T, H] (its rows are checked by the caller)."""
+    _check_dtype("beta", beta, "f32")
+    if beta.ndim != 2:
+        raise ValueError(f"beta: expected [>= T, H], got {list(beta.shape)}")
+    return beta.shape[1]
+
+
 def _state_or_pool_heads(state) -> int:
     """H of a recurrent state FP32 [H, D, D] or a pool of them [N, H, D, D] (the dtype and
     rank checked here, the rest by _slot_rows)."""
@@ -217,9 +207,9 @@ def _slot_rows(name: str, state, per_state: tuple[int, ...], rows: int, slots) -
     their `slots` (a device int32 [rows] array, or None: row r uses state r)."""
     _check_dtype(name, state, "f32")
     if tuple(state.shape[-len(per_state):]) != per_state or state.ndim not in (len(per_state), len(per_state) + 1):
-        raise ValueError(f"{name}: expected [{', '.join(map(str, per_state))}] or [N, ...] of it, got {list(state.shape)}")
-    if not state.flags.c_contiguous:
-        raise ValueError(f"{name} must be C-contiguous")
+        shape = ", ".join(map(str, per_state))
+        raise ValueError(f"{name}: expected [{shape}] or [N, ...] of it, got {list(state.shape)}")
+    _require_dense(name, state, False)
     count = 1 if state.ndim == len(per_state) else state.shape[0]
     if slots is None:
         if rows > count:

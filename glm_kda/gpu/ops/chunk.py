@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .. import build
-from .checks import HEAD_BLOCK, HEAD_DIM, _check_dtype, _f32, _i32, _require_int32, _require_rows, recurrent_state_heads
+from .checks import HEAD_BLOCK, HEAD_DIM, _f32, _i32, _require_int32, _require_rows, beta_heads, recurrent_state_heads
 
 # The largest chunk the kernels' shared memory holds (CHUNK_MAX of kernels_src/chunk/chunk.cu).
 _CHUNK_MAX = 64
@@ -27,9 +27,18 @@ def _require_chunk(chunk: int) -> None:
         raise ValueError(f"chunk must be 1..{_CHUNK_MAX}, got {chunk}")
 
 
-def kda_chunk_prepare_f32(
-    query, key, value, gate, beta, q_decay, k_tail, w, u, attn, chunk_decay, tokens: int, chunk: int, scale: float
-) -> None:
+def _require_scratch(q_decay, k_tail, w, u, attn, chunk_decay, tokens: int, chunk: int, heads: int) -> None:
+    """The scratch of :func:`kda_chunk_prepare_f32` (q_decay, w, k_tail and chunk_decay rows are read as
+    float4 vectors)."""
+    nchunks = chunk_count(tokens, chunk)
+    for name, array in (("q_decay", q_decay), ("k_tail", k_tail), ("w", w), ("u", u)):
+        _require_rows(name, array, "f32", nchunks * chunk, (heads, HEAD_DIM), aligned=True)
+    _require_rows("attn", attn, "f32", nchunks, (heads, chunk, chunk))
+    _require_rows("chunk_decay", chunk_decay, "f32", nchunks, (heads, HEAD_DIM), aligned=True)
+
+
+def kda_chunk_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, u, attn, chunk_decay, tokens: int,
+                          chunk: int, scale: float) -> None:
     """Per-chunk WY preparation (intra-chunk work, no state).
 
     Inputs query, key, value, gate [>= T, H, D] FP32 and beta [>= T, H] FP32; rows
@@ -41,42 +50,15 @@ def kda_chunk_prepare_f32(
     _require_int32("tokens", tokens)
     if tokens == 0:
         return
-    _check_dtype("beta", beta, "f32")
-    if beta.ndim != 2:
-        raise ValueError(f"beta: expected [>= T, H], got {list(beta.shape)}")
-    heads = beta.shape[1]
-    nchunks = chunk_count(tokens, chunk)
-    padded = nchunks * chunk
+    heads = beta_heads(beta)
     _require_rows("beta", beta, "f32", tokens, (heads,))
     for name, array in (("query", query), ("key", key), ("value", value), ("gate", gate)):
         _require_rows(name, array, "f32", tokens, (heads, HEAD_DIM))
-    for name, array in (("q_decay", q_decay), ("k_tail", k_tail), ("w", w), ("u", u)):
-        _require_rows(name, array, "f32", padded, (heads, HEAD_DIM), aligned=True)
-    _require_rows("attn", attn, "f32", nchunks, (heads, chunk, chunk))
-    _require_rows("chunk_decay", chunk_decay, "f32", nchunks, (heads, HEAD_DIM), aligned=True)
-    build.launch(
-        "kda_chunk_prepare_f32",
-        (nchunks, heads),
-        (HEAD_BLOCK,),
-        (
-            query,
-            key,
-            value,
-            gate,
-            beta,
-            q_decay,
-            k_tail,
-            w,
-            u,
-            attn,
-            chunk_decay,
-            _i32(tokens),
-            _i32(heads),
-            _i32(chunk),
-            _f32(scale),
-        ),
-        shared_mem=chunk_prepare_smem_bytes(chunk),
-    )
+    _require_scratch(q_decay, k_tail, w, u, attn, chunk_decay, tokens, chunk, heads)
+    build.launch("kda_chunk_prepare_f32", (chunk_count(tokens, chunk), heads), (HEAD_BLOCK,),
+                 (query, key, value, gate, beta, q_decay, k_tail, w, u, attn, chunk_decay, _i32(tokens), _i32(heads),
+                  _i32(chunk), _f32(scale)),
+                 shared_mem=chunk_prepare_smem_bytes(chunk))
 
 
 def kda_chunk_scan_f32(q_decay, k_tail, w, u, attn, chunk_decay, state, core, tokens: int, chunk: int) -> None:
@@ -91,30 +73,8 @@ def kda_chunk_scan_f32(q_decay, k_tail, w, u, attn, chunk_decay, state, core, to
     if tokens == 0:
         return
     heads = recurrent_state_heads(state)
-    nchunks = chunk_count(tokens, chunk)
-    padded = nchunks * chunk
-    # q_decay, w, k_tail and chunk_decay rows are read as float4 vectors.
-    for name, array in (("q_decay", q_decay), ("k_tail", k_tail), ("w", w), ("u", u)):
-        _require_rows(name, array, "f32", padded, (heads, HEAD_DIM), aligned=True)
-    _require_rows("attn", attn, "f32", nchunks, (heads, chunk, chunk))
-    _require_rows("chunk_decay", chunk_decay, "f32", nchunks, (heads, HEAD_DIM), aligned=True)
+    _require_scratch(q_decay, k_tail, w, u, attn, chunk_decay, tokens, chunk, heads)
     _require_rows("core", core, "f32", tokens, (heads, HEAD_DIM))
-    build.launch(
-        "kda_chunk_scan_f32",
-        (heads, HEAD_DIM // _SCAN_COLUMNS),
-        (_SCAN_COLUMNS,),
-        (
-            q_decay,
-            k_tail,
-            w,
-            u,
-            attn,
-            chunk_decay,
-            state,
-            core,
-            _i32(tokens),
-            _i32(heads),
-            _i32(chunk),
-            _i32(nchunks),
-        ),
-    )
+    build.launch("kda_chunk_scan_f32", (heads, HEAD_DIM // _SCAN_COLUMNS), (_SCAN_COLUMNS,),
+                 (q_decay, k_tail, w, u, attn, chunk_decay, state, core, _i32(tokens), _i32(heads), _i32(chunk),
+                  _i32(chunk_count(tokens, chunk))))

@@ -13,7 +13,8 @@ from typing import Any, NamedTuple
 from ...chunk_model import (CHUNK, PREPARE_SMEM_BYTES, PREPARE_THREADS, SCAN_COLUMNS, SCAN_SMEM_BYTES, SCAN_THREADS,
                             SCRATCH_KINDS, chunk_count, require_lower_bound)
 from .. import build
-from .checks import HEAD_DIM, _check_dtype, _f32, _i32, _require, _require_int32, _require_rows, recurrent_state_heads
+from .checks import (HEAD_DIM, _check_dtype, _f32, _i32, _require, _require_int32, _require_rows, beta_heads,
+                     recurrent_state_heads)
 from .gate import check_gate_sources
 
 
@@ -44,13 +45,6 @@ def _require_scratch(q_decay, k_tail, w, u, attn, chunk_decay, tokens: int, head
     _require_rows("chunk_decay", chunk_decay, "f32", nchunks, (heads, HEAD_DIM), aligned=True)
 
 
-def _heads_of(beta) -> int:
-    _check_dtype("beta", beta, "f32")
-    if beta.ndim != 2:
-        raise ValueError(f"beta: expected [>= T, H], got {list(beta.shape)}")
-    return beta.shape[1]
-
-
 class GateSource(NamedTuple):
     """What the forget gate and beta are formed from (as ops.kda_gate_beta_f32 takes them):
     forget_proj [>= T, H*D] BF16, dt_bias [H*D] FP32, a_log [H] FP32, beta_logits [>= T, >= H]
@@ -76,18 +70,16 @@ def kda_chunk_tc_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, 
                              gate_source: GateSource | None = None, conv: ConvRows | None = None) -> None:
     """Intra-chunk work of every chunk (no state): grid (nchunks, H), 256 threads.
 
-    lower_bound: the bounded law's bound (-5 <= lower_bound <= 0), or None for gates with no
-    lower bound (the softplus law): the kda_chunk_tc_prepare_unbounded_f32 entry point, which
-    forms a diagonal 16 x 16 block of A and B whose decay exceeds DIAGONAL_RANGE as exact FP32
-    sums instead of tensor-core products (their factors are only bounded under a bound on the
-    decay; :func:`diagonal_in_range`). Not with `gate_source`.
+    lower_bound: the bounded law's bound (-5 <= lower_bound <= 0), or None for gates with no lower
+    bound (the softplus law): kda_chunk_tc_prepare_unbounded_f32, which forms a diagonal 16 x 16
+    block of A and B whose decay exceeds DIAGONAL_RANGE as exact FP32 sums instead of tensor-core
+    products (their factors are bounded only under a bound on the decay; :func:`diagonal_in_range`).
 
-    query, key, value, gate [>= T, H, D] and beta [>= T, H] FP32, 16-byte aligned; rows >= T
-    are never read; with `conv` (:class:`ConvRows`) query, key and value are None and the
-    prepare reads them from the conv output (the *_conv_f32 entry points). With `gate_source`,
-    gate and beta are OUTPUTS instead: the
-    kda_chunk_tc_prepare_gate_f32 entry point forms them from the projections (the bounded
-    law at lower_bound, bit for bit what ops.kda_gate_beta_f32 writes) and writes their T rows.
+    query, key, value, gate [>= T, H, D] and beta [>= T, H] FP32, 16-byte aligned; rows >= T are
+    never read. With `conv` (:class:`ConvRows`) query, key and value are None and the *_conv_f32
+    entry points read them from the conv output. With `gate_source` (needs a lower_bound) gate and
+    beta are OUTPUTS: kda_chunk_tc_prepare_gate_f32 forms their T rows from the projections, bit for
+    bit what ops.kda_gate_beta_f32 writes.
 
     Writes the scratch of :func:`scratch_shapes`: q_decay = f16(tf32(scale q exp(G))),
     k_tail = f16(tf32(k exp(G_last - G))) chunk-transposed, w = f16(tf32(W)), u = Uc (FP32),
@@ -96,7 +88,7 @@ def kda_chunk_tc_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, 
     """
     if not _checked_call_needs_work(lower_bound, gate_source, tokens):
         return
-    heads = _heads_of(beta)
+    heads = beta_heads(beta)
     _require_rows("beta", beta, "f32", tokens, (heads,))
     rows = _qkv_rows(query, key, value, conv, tokens, heads)
     _require_rows("gate", gate, "f32", tokens, (heads, HEAD_DIM), aligned=True)
@@ -158,23 +150,18 @@ def chunk_prefill_tc(query, key, value, gate, beta, state, core, tokens: int, lo
     """The chunked prefill core on tensor cores: core [>= T, H, D] and the carried state
     [H, D, D] (in place) from query, key, value, gate [>= T, H, D] and beta [>= T, H].
 
-    Scratch (C-contiguous, 16-byte aligned; :func:`scratch_shapes`, dtypes SCRATCH_KINDS),
-    with Tp = ceil(T / 64) * 64: q_decay, k_tail, w (FP16), u (FP32) [>= Tp, H, D]; attn (FP16)
-    [>= Tp / 64, H, 64, 64]; chunk_decay (FP32) [>= Tp / 64, H, D]. The workspace's
-    q_decay_f16, k_tail_f16, chunk_w_f16, chunk_u, attn_f16 and chunk_decay are exactly these
-    when its chunk is 64.
+    Scratch (C-contiguous, 16-byte aligned; :func:`scratch_shapes`, dtypes SCRATCH_KINDS), with
+    Tp = ceil(T / 64) * 64: q_decay, k_tail, w (FP16), u (FP32) [>= Tp, H, D]; attn (FP16)
+    [>= Tp / 64, H, 64, 64]; chunk_decay (FP32) [>= Tp / 64, H, D]: the workspace's q_decay_f16,
+    k_tail_f16, chunk_w_f16, chunk_u, attn_f16 and chunk_decay where its chunk is 64.
 
-    lower_bound is the bounded gate law's bound (-5 <= lower_bound <= 0), or None for gates
-    without a lower bound (the unbounded prepare, see :func:`kda_chunk_tc_prepare_f32`); anything
-    else is refused here, before any launch. With `gate_source` (:class:`GateSource`) gate and beta
-    are written from the projections instead of read (see :func:`kda_chunk_tc_prepare_f32`). With
-    `conv` (:class:`ConvRows`; query, key and value None) q, k and v come from the conv output.
-    Every argument is checked before the first launch, so a refused call leaves the state
-    untouched.
+    lower_bound, `gate_source` (:class:`GateSource`) and `conv` (:class:`ConvRows`) as
+    :func:`kda_chunk_tc_prepare_f32` takes them. Every argument is checked before the first launch,
+    so a refused call leaves the state untouched.
     """
     if not _checked_call_needs_work(lower_bound, gate_source, tokens):
         return
-    heads = _heads_of(beta)
+    heads = beta_heads(beta)
     _check_dtype("state", state, "f32")
     if tuple(state.shape) != (heads, HEAD_DIM, HEAD_DIM):
         raise ValueError(f"state: expected [{heads}, {HEAD_DIM}, {HEAD_DIM}] (H from beta), got {list(state.shape)}")

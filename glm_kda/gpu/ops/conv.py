@@ -11,10 +11,8 @@ _TILE = 64
 _HEADS_PER_BLOCK = 4
 
 
-def kda_conv_prefill_silu_l2_bf16(
-    conv_state, qkv_proj, conv_w, conv_out, query, key, value, heads: int, head_dim: int, l2_eps: float,
-    tokens: int | None = None,
-) -> None:
+def kda_conv_prefill_silu_l2_bf16(conv_state, qkv_proj, conv_w, conv_out, query, key, value, heads: int, head_dim: int,
+                                  l2_eps: float, tokens: int | None = None) -> None:
     """T tokens of conv + SiLU + L2 + split in one pass, leaving conv_state as T decode steps would.
 
     conv_state [conv_dim, K] FP32 (in place), qkv_proj [>= T, conv_dim] BF16, conv_w
@@ -43,10 +41,7 @@ def kda_conv_prefill_silu_l2_bf16(
     _require_int32("tokens", tokens)
     if tokens == 0:
         return
-    build.launch(
-        "kda_conv_prefill_silu_l2_bf16",
-        (-(-3 * heads // _HEADS_PER_BLOCK), -(-tokens // _TILE)),
-        (HEAD_BLOCK,),
-        (conv_state, qkv_proj, conv_w, conv_out, query, key, value, _i32(heads), _i32(head_dim),
-         _i32(kernel_size), _i32(tokens), _f32(l2_eps)),
-    )
+    grid = (-(-3 * heads // _HEADS_PER_BLOCK), -(-tokens // _TILE))
+    build.launch("kda_conv_prefill_silu_l2_bf16", grid, (HEAD_BLOCK,),
+                 (conv_state, qkv_proj, conv_w, conv_out, query, key, value, _i32(heads), _i32(head_dim),
+                  _i32(kernel_size), _i32(tokens), _f32(l2_eps)))

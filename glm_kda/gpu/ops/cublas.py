@@ -20,15 +20,11 @@ def gemm_bf16_cublas(x, w, out) -> None:
     float32 `out` receives the FP32 result unrounded (a tensor-parallel rank's partial output).
 
     For prefill widths. Reassociates differently from the decode-side projection
-    (glm_kda.gpu.projection), so it is never used where decode bits must be reproduced. x and out may be row slices
-    or column slices of wider row-major buffers: their row strides are passed.
+    (glm_kda.gpu.projection), so it is never used where decode bits must be reproduced. x and out may
+    be row slices or column slices of wider row-major buffers: their row strides are passed.
 
-    cuBLAS is column-major. A row-major [R, C] matrix with row stride ld is the
-    column-major [C, R] matrix with leading dimension ld, so the row-major
-    out = x w^T is computed as the column-major out^T = w^T-op(...) product
-        out^T [n, T] = op_T(W) [n, k] * X [k, T]
-    where W is w read column-major ([k, n], ld = k, transposed by OP_T) and X is
-    x read column-major ([k, T], ld = ldx, OP_N); C = out^T, ldc = ldo.
+    cuBLAS is column-major: a row-major [R, C] matrix with row stride ld is the column-major [C, R]
+    matrix with leading dimension ld, so out = x w^T is computed as out^T [n, T] = op_T(W) [n, k] X [k, T].
     """
     from cupy.cuda import cublas  # loading cuBLAS needs the library; not at import
 
@@ -55,27 +51,12 @@ def gemm_bf16_cublas(x, w, out) -> None:
     pointer_mode = cublas.getPointerMode(handle)
     cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
     try:
-        cublas.gemmEx(
-            handle,
-            cublas.CUBLAS_OP_T,  # op(A): W column-major [k, n] -> [n, k]
-            cublas.CUBLAS_OP_N,  # op(B): X column-major [k, T]
-            n,  # m: rows of C = out^T
-            tokens,  # n: columns of C
-            k,  # k: the reduction
-            alpha.ctypes.data,
-            w.data.ptr,
-            _CUDA_R_16BF,
-            k,  # lda >= k: A is stored [k, n]
-            x.data.ptr,
-            _CUDA_R_16BF,
-            ldx,  # ldb >= k: B is stored [k, T] with x's row stride
-            beta.ctypes.data,
-            out.data.ptr,
-            _CUDA_R_32F if out_f32 else _CUDA_R_16BF,
-            ldo,  # ldc >= n: C is stored [n, T] with out's row stride
-            cublas.CUBLAS_COMPUTE_32F,
-            cublas.CUBLAS_GEMM_DEFAULT,
-        )
+        # A = W stored [k, n] (lda = k), B = X stored [k, T] (ldb = ldx), C = out^T stored [n, T] (ldc = ldo).
+        cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n, tokens, k, alpha.ctypes.data,
+                      w.data.ptr, _CUDA_R_16BF, k,
+                      x.data.ptr, _CUDA_R_16BF, ldx, beta.ctypes.data,
+                      out.data.ptr, _CUDA_R_32F if out_f32 else _CUDA_R_16BF, ldo,
+                      cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
     finally:
         cublas.setPointerMode(handle, pointer_mode)
 

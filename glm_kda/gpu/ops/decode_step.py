@@ -10,12 +10,9 @@ from .checks import (HEAD_BLOCK, HEAD_DIM, _f32, _i32, _require, _slot_rows, _st
                      conv_kernel_size)
 from .gate import check_gate_sources, gate_law_args
 
-# dependents_after values (KdaDependentsAfter of decode.cu): the next kernel launches at once,
-_DEPENDENTS_AT_START = 0
-# once the first token's inputs are formed,
-_DEPENDENTS_AFTER_INPUTS = 1
-# or after the first token's recurrent step.
-_DEPENDENTS_AFTER_STEP = 2
+# dependents_after (KdaDependentsAfter of decode.cu): the next kernel launches at once, once the first
+# token's inputs are formed, or after its recurrent step.
+_DEPENDENTS_AT_START, _DEPENDENTS_AFTER_INPUTS, _DEPENDENTS_AFTER_STEP = 0, 1, 2
 
 
 def kda_decode_fused_bf16(
@@ -24,14 +21,11 @@ def kda_decode_fused_bf16(
     scale: float, l2_eps: float, norm_eps: float, slots=None, tokens: int = 1, prefetch_ahead: int = 0,
     dependents_after: int = 0, x_tiles=None, outputs_ready=None,
 ) -> int:
-    """The stateful half of decode in one launch: for each sequence, `tokens` consecutive
-    tokens of conv + SiLU + L2, forget gate and beta, one delta-rule step, gated RMSNorm.
-
-    Each stage is the device function the prefill kernels use (kda_conv_prefill_silu_l2_bf16,
-    kda_gate_beta_f32, kda_gated_rmsnorm_sigmoid_bf16), so a stage's bits are theirs, and every stage's
-    output is written. rows = sequences * tokens: rows s * tokens .. s * tokens + tokens - 1 are
-    sequence s's tokens in order (tokens > 1 is a speculative verify's walk: the states stay in
-    registers from the first token to the last).
+    """The stateful half of decode in one launch: for each sequence, `tokens` consecutive tokens of
+    conv + SiLU + L2, forget gate and beta, one delta-rule step, gated RMSNorm. Each stage is the
+    device function of the prefill kernel of that stage, so its bits are theirs; every stage's output
+    is written. rows = sequences * tokens, sequence s's tokens in order from row s * tokens (tokens > 1
+    is a speculative verify's walk: the states stay in registers from the first token to the last).
 
     States, in place: conv_state [3*H*D, K] FP32 and recurrent_state [H, D, D] FP32 (one
     sequence), or pools [N, 3*H*D, K] and [N, H, D, D]; sequence s uses slot slots[s] (device int32)
@@ -48,19 +42,17 @@ def kda_decode_fused_bf16(
         dependents_after  where the blocks let the next kernel of the stream (a programmatic
                           dependent such as the output projection) launch: 0 at once, 1 once the
                           first token's inputs are formed, 2 after its recurrent step
-        x_tiles           None, or a contiguous BF16 array of at least
-                          projection.x_tiles_size(rows, H*D) elements that receives o_norm_out's rows
-                          again in the tile layout of the bulk-copy projection sweep
-                          (projection.tile_layout; rows past `rows` of the last group of 64 are not
-                          touched), which the output projection then reads with x_tiled=True
+        x_tiles           None, or a contiguous BF16 array of at least projection.x_tiles_size(rows,
+                          H*D) elements receiving o_norm_out's rows again in the bulk-copy sweep's
+                          tile layout (projection.tile_layout; the rest of the last group of 64 rows
+                          untouched), for the output projection to read with x_tiled=True
         outputs_ready     None, or a contiguous int32 array of at least 2 elements, both zero: each
                           block adds 1 to outputs_ready[0] once its outputs are written, before it
-                          stores its states; the next kernel of the stream, an output projection
-                          launched by projection.gemm_rows_bf16(..., ready=outputs_ready,
-                          ready_target=<this launch's blocks>), waits for that count instead of
-                          this launch's end and sets the words back to zero. Such a dependent
-                          launches only once every block of this launch has started, so the blocks
-                          it waits for are all resident.
+                          stores its states; the output projection launched next by
+                          projection.gemm_rows_bf16(..., ready=outputs_ready, ready_target=<this
+                          launch's blocks>) waits for that count instead of this launch's end and
+                          zeroes the words. It launches only once every block of this one has
+                          started, so the blocks it waits for are all resident.
 
     Returns the blocks launched (the count outputs_ready reaches).
     """
@@ -77,8 +69,7 @@ def kda_decode_fused_bf16(
     _require("qkv_proj", qkv_proj, "bf16", (rows, conv_dim))
     _require("conv_out", conv_out, "bf16", (rows, conv_dim))
     ld_beta = check_gate_sources(forget_proj, dt_bias, a_log, beta_logits, heads, HEAD_DIM, rows)
-    _require("forget_proj", forget_proj, "bf16", (rows, qkv))
-    for name, array in (("out_gate", out_gate), ("o_norm_out", o_norm_out)):
+    for name, array in (("forget_proj", forget_proj), ("out_gate", out_gate), ("o_norm_out", o_norm_out)):
         _require(name, array, "bf16", (rows, qkv))
     _require("norm_w", o_norm_w, "bf16", (HEAD_DIM,))
     for name, array in (("query", query), ("key", key), ("value", value), ("gate", gate), ("core", core)):
@@ -98,9 +89,7 @@ def kda_decode_fused_bf16(
     if outputs_ready is not None:
         check_scratch(outputs_ready, numpy.int32, "int32", 2, "outputs_ready", "kda_decode_fused_bf16")
     build.launch(
-        "kda_decode_fused_bf16",
-        (heads, sequences),
-        (HEAD_BLOCK,),
+        "kda_decode_fused_bf16", (heads, sequences), (HEAD_BLOCK,),
         (conv_state, recurrent_state, slots, qkv_proj, conv_w, forget_proj, dt_bias, a_log, beta_logits,
          _i32(ld_beta), out_gate, o_norm_w, conv_out, query, key, value, gate, beta, core, o_norm_out, _i32(heads),
          _i32(kernel_size), _i32(tokens), *law, _f32(scale), _f32(l2_eps), _f32(norm_eps), _i32(prefetch_ahead),

@@ -33,12 +33,10 @@ def check_gate_sources(forget_proj, dt_bias, a_log, beta_logits, heads: int, hea
     logits' row stride in elements."""
     qkv = heads * head_dim
     _require_rows("forget_proj", forget_proj, "bf16", tokens, (qkv,), aligned=True)
-    _check_dtype("dt_bias", dt_bias, "f32")
-    if dt_bias.size != qkv or not dt_bias.flags.c_contiguous:
-        raise ValueError(f"dt_bias: expected {qkv} contiguous values (per channel), got {list(dt_bias.shape)}")
-    _check_dtype("a_log", a_log, "f32")
-    if a_log.size != heads or not a_log.flags.c_contiguous:
-        raise ValueError(f"a_log: expected {heads} contiguous values (per head), got {list(a_log.shape)}")
+    for name, array, size, per in (("dt_bias", dt_bias, qkv, "channel"), ("a_log", a_log, heads, "head")):
+        _check_dtype(name, array, "f32")
+        if array.size != size or not array.flags.c_contiguous:
+            raise ValueError(f"{name}: expected {size} contiguous values (per {per}), got {list(array.shape)}")
     _check_dtype("beta_logits", beta_logits, "bf16")
     if beta_logits.ndim != 2 or beta_logits.shape[0] < tokens or beta_logits.shape[1] < heads:
         raise ValueError(f"beta_logits: expected [>= {tokens}, >= {heads}], got {list(beta_logits.shape)}")
@@ -46,7 +44,7 @@ def check_gate_sources(forget_proj, dt_bias, a_log, beta_logits, heads: int, hea
 
 
 def kda_gate_beta_f32(forget_proj, dt_bias, a_log, beta_logits, gate, beta, heads: int, head_dim: int, bounded: bool,
-                  lower_bound: float, tokens: int | None = None) -> None:
+                      lower_bound: float, tokens: int | None = None) -> None:
     """Forget-gate log-decay and beta.
 
     forget_proj [>= T, H*D] BF16, dt_bias [H*D] FP32 (per channel), a_log [H] FP32
@@ -65,10 +63,6 @@ def kda_gate_beta_f32(forget_proj, dt_bias, a_log, beta_logits, gate, beta, head
     _require_rows("beta", beta, "f32", tokens, (heads,))
     law = gate_law_args(bounded, lower_bound)
     for start, end in _token_slices(tokens):
-        build.launch(
-            "kda_gate_beta_f32",
-            (heads, -(-(end - start) // _TOKENS_PER_BLOCK)),
-            (_THREADS,),
-            (forget_proj[start:end], dt_bias, a_log, beta_logits[start:end], _i32(ld_beta), gate[start:end],
-             beta[start:end], _i32(heads), _i32(head_dim), *law, _i32(end - start)),
-        )
+        build.launch("kda_gate_beta_f32", (heads, -(-(end - start) // _TOKENS_PER_BLOCK)), (_THREADS,),
+                     (forget_proj[start:end], dt_bias, a_log, beta_logits[start:end], _i32(ld_beta), gate[start:end],
+                      beta[start:end], _i32(heads), _i32(head_dim), *law, _i32(end - start)))

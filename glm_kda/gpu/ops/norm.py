@@ -9,9 +9,8 @@ from .checks import HEAD_BLOCK, _f32, _i32, _require, _require_head_dim, _requir
 _TOKENS_PER_BLOCK = 8
 
 
-def kda_gated_rmsnorm_sigmoid_bf16(
-    core, out_gate, norm_w, o_norm_out, heads: int, head_dim: int, eps: float, tokens: int | None = None
-) -> None:
+def kda_gated_rmsnorm_sigmoid_bf16(core, out_gate, norm_w, o_norm_out, heads: int, head_dim: int, eps: float,
+                                   tokens: int | None = None) -> None:
     """o_norm_out = bf16(core / sqrt(mean(core^2) + eps) * norm_w * sigmoid(out_gate)) per head.
 
     core [>= T, H, D] FP32, out_gate [>= T, H*D] BF16, norm_w [D] BF16,
@@ -25,10 +24,6 @@ def kda_gated_rmsnorm_sigmoid_bf16(
     _require_rows("o_norm_out", o_norm_out, "bf16", tokens, (heads * head_dim,))
     _require("norm_w", norm_w, "bf16", (head_dim,))
     for start, end in _token_slices(tokens):
-        build.launch(
-            "kda_gated_rmsnorm_sigmoid_bf16",
-            (heads, -(-(end - start) // _TOKENS_PER_BLOCK)),
-            (HEAD_BLOCK,),
-            (core[start:end], out_gate[start:end], norm_w, o_norm_out[start:end], _i32(heads), _i32(head_dim), _f32(eps),
-             _i32(end - start)),
-        )
+        build.launch("kda_gated_rmsnorm_sigmoid_bf16", (heads, -(-(end - start) // _TOKENS_PER_BLOCK)), (HEAD_BLOCK,),
+                     (core[start:end], out_gate[start:end], norm_w, o_norm_out[start:end], _i32(heads), _i32(head_dim),
+                      _f32(eps), _i32(end - start)))
