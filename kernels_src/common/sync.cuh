@@ -8,7 +8,7 @@
 // Programmatic dependent launch (no-ops before sm_90). A kernel launched with the
 // programmatic-serialization attribute may start while the kernel before it in the stream
 // still runs, once every block of that one has called kda_let_next_kernel_launch (or
-// exited); kda_wait_for_previous_kernel then returns when the previous kernel has finished
+// exited); kda_grid_dependency_wait then returns when the previous kernel has finished
 // and its writes are visible. Without the attribute the wait returns at once. Whatever a
 // kernel reads or writes that the previous kernel may touch must come after the wait.
 __device__ __forceinline__ void kda_let_next_kernel_launch()
@@ -23,11 +23,6 @@ __device__ __forceinline__ void kda_grid_dependency_wait()
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-}
-
-__device__ __forceinline__ void kda_wait_for_previous_kernel()
-{
-    kda_grid_dependency_wait();
 }
 
 // ---- Words one kernel waits on while another, running beside it, finishes its part: a count of

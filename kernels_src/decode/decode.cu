@@ -98,7 +98,7 @@ kda_decode_fused_bf16(float* __restrict__ conv_state, float* __restrict__ state,
     float window[3][CONV_MAX_KERNEL];
 #pragma unroll
     for (int part = 0; part < 3; ++part) {
-        conv_window_load(window[part], conv_slot + (part * qkv + channel) * kernel_size, kernel_size);
+        conv_slots_load(window[part], conv_slot + (part * qkv + channel) * kernel_size, kernel_size);
     }
     // Ask L2 for the head's state of sequence + prefetch_ahead (a block of a later wave) now, so
     // that its loads hit, and for its conv windows (the head's channels of q, k and v: three runs

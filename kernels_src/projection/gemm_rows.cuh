@@ -134,14 +134,6 @@ __device__ __forceinline__ unsigned int word_of(const uint4& v, int index)
     return index == 0 ? v.x : index == 1 ? v.y : index == 2 ? v.z : v.w;
 }
 
-// The A fragment of step `step` (0, 1) of two tiles' weight loads (w as the A operand, tile
-// `low` its rows g, `high` its rows g + 8): words 2 step and 2 step + 1 of each, interleaved.
-__device__ __forceinline__ uint4 interleave_pair(const uint4& low, const uint4& high, int step)
-{
-    return uint4{word_of(low, 2 * step), word_of(high, 2 * step), word_of(low, 2 * step + 1),
-                 word_of(high, 2 * step + 1)};
-}
-
 // acc[16 x 8] += A[16 x 16] * B[16 x 8], FP32 accumulate (fragment layout of the PTX
 // ISA: a0/a2 rows g, a1/a3 rows g+8; b0 k 2t.., b1 k 2t+8..; acc[0..1] row g,
 // acc[2..3] row g+8, columns 2t, 2t+1).
@@ -155,12 +147,27 @@ __device__ __forceinline__ void mma_bf16_m16n8k16(float acc[4], unsigned int a0,
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// k16 step `step` (0, 1) of one 32-k block (the fragment trick above): the A fragment from the loads
+// of its rows g (`low`) and g + 8 (`high`), the B fragment from the load of its column g, words
+// 2 step and 2 step + 1 of each.
+__device__ __forceinline__ void mma_bf16_step(float acc[4], const uint4& low, const uint4& high, const uint4& b,
+                                              int step)
+{
+    mma_bf16_m16n8k16(acc, word_of(low, 2 * step), word_of(high, 2 * step), word_of(low, 2 * step + 1),
+                      word_of(high, 2 * step + 1), word_of(b, 2 * step), word_of(b, 2 * step + 1));
+}
+
 // Warps splitting the k axis of a block: the most (up to 8) that leaves each at least
 // 4 blocks of 32 k. A function of k alone, because it fixes every output's summation
 // order. glm_kda.gpu.projection mirrors it to size the grid.
+__device__ __forceinline__ int gemm_rows_k_blocks(int k)
+{
+    return (k + GEMM_ROWS_K_BLOCK - 1) / GEMM_ROWS_K_BLOCK;
+}
+
 __device__ __forceinline__ int k_split_for(int k)
 {
-    const int k_blocks = (k + GEMM_ROWS_K_BLOCK - 1) / GEMM_ROWS_K_BLOCK;
+    const int k_blocks = gemm_rows_k_blocks(k);
     int split = GEMM_ROWS_WARPS;
     while (split > 1 && k_blocks < 4 * split) {
         split >>= 1;
@@ -202,10 +209,6 @@ __device__ __forceinline__ void load_weight_step(uint4 (&w_frag)[K_UNROLL][N_TIL
 // contiguous bytes instead of 8 rows' 64-byte pieces. The loads fetch the same values (zeros
 // where the row-major layout's predicated loads give zeros), so the bits are the row-major
 // layout's. glm_kda.gpu.projection.pack_weight packs.
-__device__ __forceinline__ int gemm_rows_k_blocks(int k)
-{
-    return (k + GEMM_ROWS_K_BLOCK - 1) / GEMM_ROWS_K_BLOCK;
-}
 #define GEMM_ROWS_PACKED_BLOCK (GEMM_ROWS_N_TILE * GEMM_ROWS_K_BLOCK)  // elements per (tile, k block)
 
 // Blocks of 32 k per step of gemm_rows_accumulate: each lane keeps LOADS (m-tile, n-tile, k-block)
@@ -367,9 +370,7 @@ __device__ __forceinline__ void gemm_rows_accumulate_staged(float (&acc)[1][N_TI
         for (int step = 0; step < 2; ++step) {
 #pragma unroll
             for (int j = 0; j < N_TILES; ++j) {
-                mma_bf16_m16n8k16(acc[0][j], word_of(x_low, 2 * step), word_of(x_high, 2 * step),
-                                  word_of(x_low, 2 * step + 1), word_of(x_high, 2 * step + 1),
-                                  word_of(w_frag[j], 2 * step), word_of(w_frag[j], 2 * step + 1));
+                mma_bf16_step(acc[0][j], x_low, x_high, w_frag[j], step);
             }
         }
     }
@@ -501,30 +502,21 @@ __device__ __forceinline__ void gemm_rows_accumulate(float (&acc)[M_TILES][N_TIL
                     for (int step = 0; step < 2; ++step) {
 #pragma unroll
                         for (int p = 0; p < N_TILES / 2; ++p) {
-                            const uint4 a = interleave_pair(w_frag[u][2 * p], w_frag[u][2 * p + 1], step);
 #pragma unroll
                             for (int h = 0; h < 2 * M_TILES; ++h) {
-                                const uint4& x_rows = x_frag[xu][h >> 1][h & 1];
-                                mma_bf16_m16n8k16(acc_t[p][h], a.x, a.y, a.z, a.w, word_of(x_rows, 2 * step),
-                                                  word_of(x_rows, 2 * step + 1));
+                                mma_bf16_step(acc_t[p][h], w_frag[u][2 * p], w_frag[u][2 * p + 1],
+                                              x_frag[xu][h >> 1][h & 1], step);
                             }
                         }
                     }
                 } else {
 #pragma unroll
                     for (int m = 0; m < M_TILES; ++m) {
-                        const uint4& x_low = x_frag[xu][m][0];
-                        const uint4& x_high = x_frag[xu][m][1];
 #pragma unroll
                         for (int step = 0; step < 2; ++step) {
 #pragma unroll
                             for (int j = 0; j < N_TILES; ++j) {
-                                mma_bf16_m16n8k16(acc[m][j], word_of(x_low, 2 * step),
-                                                  word_of(x_high, 2 * step),
-                                                  word_of(x_low, 2 * step + 1),
-                                                  word_of(x_high, 2 * step + 1),
-                                                  word_of(w_frag[u][j], 2 * step),
-                                                  word_of(w_frag[u][j], 2 * step + 1));
+                                mma_bf16_step(acc[m][j], x_frag[xu][m][0], x_frag[xu][m][1], w_frag[u][j], step);
                             }
                         }
                     }
@@ -537,7 +529,7 @@ __device__ __forceinline__ void gemm_rows_accumulate(float (&acc)[M_TILES][N_TIL
 // The k range of split part `warp_k` of `k_split`: k blocks [kb_begin, kb_end).
 __device__ __forceinline__ void gemm_rows_k_range(int k, int k_split, int warp_k, int& kb_begin, int& kb_end)
 {
-    const int k_blocks = (k + GEMM_ROWS_K_BLOCK - 1) / GEMM_ROWS_K_BLOCK;
+    const int k_blocks = gemm_rows_k_blocks(k);
     const int k_range = (k_blocks + k_split - 1) / k_split;
     kb_begin = warp_k * k_range;
     kb_end = min(kb_begin + k_range, k_blocks);
@@ -839,18 +831,13 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
         passed = gemm_rows_await(awaited);
     } else {
         // x (and y) may belong to the previous kernel: nothing below runs before it is done.
-        kda_wait_for_previous_kernel();
+        kda_grid_dependency_wait();
     }
 
     int group = blockIdx.x;
     for (; group < column_groups; group += gridDim.x) {
-        if constexpr (SUMS) {
-            gemm_rows_group<M_TILES, N_TILES, GEMM_ROWS_LOADS, X_FROM, PACKED, false, false, false, true>(
-                x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split, group, partial, 0, nullptr, 0, nullptr, sums);
-        } else {
-            gemm_rows_group<M_TILES, N_TILES, GEMM_ROWS_LOADS, X_FROM, PACKED>(x, ldx, w, y, ldy, row_begin, row_end,
-                                                                              n, k, k_split, group, partial);
-        }
+        gemm_rows_group<M_TILES, N_TILES, GEMM_ROWS_LOADS, X_FROM, PACKED, false, false, false, SUMS>(
+            x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split, group, partial, 0, nullptr, 0, nullptr, sums);
     }
     if (second.w != nullptr) {
         // (Two loops, not one choosing its pointers: one set live at a time.)

@@ -63,7 +63,7 @@ extern "C" __global__ void __launch_bounds__(256) kda_gemm_rows_tile_x_bf16(cons
     const int group = static_cast<int>(index / (static_cast<long long>(GEMM_BULK_ROWS) * k_blocks));
     const int row = group * GEMM_BULK_ROWS + r;
     // x may be the previous kernel's output, and the tiles the input of a kernel before it.
-    kda_wait_for_previous_kernel();
+    kda_grid_dependency_wait();
     uint4 chunk[4];
 #pragma unroll
     for (int t = 0; t < 4; ++t) {
@@ -343,7 +343,7 @@ extern "C" __global__ void __launch_bounds__(256) kda_gemm_rows_bulk_fold_bf16(c
     }
     const int ranges = gemm_bulk_walk(k, 1, false).ranges;
     const int k_split = k_split_for(k);
-    kda_wait_for_previous_kernel();
+    kda_grid_dependency_wait();
     // From L2 (the previous kernel wrote them while this one may already have started).
     float total = __ldcg(partial + index);
     for (int r = 1; r < ranges; ++r) {
