@@ -1,79 +1,61 @@
-// Chunked (WY) prefill of the KDA delta rule on tensor cores: the same mathematics,
-// inputs and outputs as kda_chunk_prepare_f32 + kda_chunk_scan_f32 (chunk.cu, the FP32
-// reference path), with every matrix product on mma.sync m16n8k8 TF32 -> FP32.
-// Chunk C = 64 rows, split into 4 sub-chunks of 16; D = KDA_HEAD_DIM = 128. The bounded
-// gate law (g >= lower_bound >= -5, see the range argument in the pair products); the
-// kda_chunk_tc_prepare_unbounded_f32 entry takes any gate <= 0 (the softplus law): a diagonal
-// 16 x 16 block of A and B whose decay exceeds the bounded range is formed as exact FP32 sums
-// (diagonal_blocks_exact), every other block as in the bounded prepare.
-//
-// Per chunk and head (t, s rows of the chunk, G_t = sum_{r<=t} g_r per channel, S0 the
-// state [D_k, D_v] at the chunk start), exactly as chunk.cu:
+// Chunked (WY) prefill of the KDA delta rule on tensor cores: the mathematics, inputs and outputs of
+// kda_chunk_prepare_f32 + kda_chunk_scan_f32 (chunk.cu, the FP32 reference path), every matrix
+// product on mma.sync m16n8k8 TF32 -> FP32. Chunk C = 64 rows in 4 sub-chunks of 16; D =
+// KDA_HEAD_DIM = 128. Per chunk and head (G_t = sum_{r<=t} g_r per channel, S0 the state at the
+// chunk start; docs/maths.md, the chunked form):
 //   A[t][s] = sum_d k_t k_s exp(G_t - G_s)  (s < t),   B[t][s] = scale sum_d q_t k_s exp(G_t - G_s)  (s <= t)
 //   T = (I + diag(beta) A)^-1,  W = T diag(beta) (K * exp(G)),  Uc = T diag(beta) V
 //   U = Uc - W S0,  o = (scale Q * exp(G)) S0 + B U,  S = diag(exp(G_{C-1})) S0 + (K * exp(G_{C-1} - G))^T U
-// tests/chunk_tc_model.py `model_chunk_tc` is a float64 NumPy model of exactly this blocked
-// algorithm: the same sub-chunk reference rows, block order and TF32 rounding points.
+// tests/chunk_tc_model.py `model_chunk_tc` is a float64 model of exactly this blocked algorithm: the
+// same sub-chunk reference rows, block order and TF32 rounding points.
 //
-// Numerics. Every mma operand is rounded to TF32 (round_tf32 below: nearest, ties away
-// from zero, 10 mantissa bits) before the product; products and sums are FP32 (mma
-// accumulates in FP32) and the state stays FP32 in registers and in global memory; only
-// its per-chunk operand copy is TF32. Expected error, measured on the model against the
-// float64 oracle (random and correlated unit keys, strong and weak decay, T up to
-// 16384): rms-ratio 3e-4 .. 7e-4 for core and final state, flat in T (the delta rule
-// corrects the state every chunk, so the rounding does not accumulate). BF16 operands
-// (8 significant bits against 11) measure 2e-3 .. 4e-3 in the same model, above the 1e-3
-// budget; TF32 mma has half BF16's rate, which these latency-bound kernels do not feel.
+// Gate laws: the bounded law (g >= lower_bound >= -5: the range argument before the pair products);
+// the unbounded prepares take any gate <= 0 (the softplus law) and form a diagonal 16 x 16 block of A
+// and B whose decay exceeds the bounded range as exact FP32 sums (diagonal_blocks_exact). The
+// fused-gate prepare forms the forget gate and beta from the projections in step 1 (and writes them
+// out) instead of reading them: one pass over the gate fewer.
 //
-// Padding: rows t >= T of the last chunk are zero BY INDEX at the loads (q = k = v = 0,
-// g = 0, beta = 0): the padded input rows are never read, so NaN or 1e30 there changes
-// no output bit and no state bit. Padded rows of the scratch are written as zeros.
+// Numerics: every mma operand is rounded to TF32 (round_tf32) before the product; products, sums and
+// the state are FP32, only the state's per-chunk operand copy is TF32. The delta rule corrects the
+// state every chunk, so the rounding does not accumulate over T; BF16 operands (8 significant bits
+// against 11) miss the 1e-3 budget (docs/maths.md has the measured errors), and TF32's half rate
+// is not felt by these latency-bound kernels.
 //
-// Two kernels, like chunk.cu: the intra-chunk work is independent per chunk, the scan is
-// sequential over chunks. The prepare has a second entry point,
-// kda_chunk_tc_prepare_gate_f32, that forms the forget gate and beta from the projections
-// in step 1 (and writes them out) instead of reading them: the layer's bounded prefill takes it,
-// one pass over the gate fewer.
+// Padding: rows t >= T of the last chunk are zero BY INDEX at the loads (q = k = v = 0, g = 0,
+// beta = 0): the padded input rows are never read, so NaN or 1e30 there changes no output bit and
+// no state bit. Padded rows of the scratch are written as zeros.
 //
 // Launch:
-// kda_chunk_tc_prepare_f32: grid (nchunks, heads), 256 threads (8 warps), dynamic shared
-//   memory CHUNK_TC_PREPARE_SMEM_BYTES = 104,704 B (needs the opt-in of sm_80 (163 KB),
-//   sm_90 and sm_100 (227 KB); not sm_86 / sm_89 / sm_120 (99 KB)), at most 128 registers,
-//   so two blocks share an SM and one's loads overlap the other's products. One block per
-//   (chunk, head):
-//     1. load k, g (masked, gate clamped to [lower_bound, 0]), cumulative gate G; write
-//        q_decay (q read from global memory, never staged), k_tail (transposed per chunk)
-//        and chunk_decay elementwise;
-//     2. the 10 blocks (i >= j) of 16x16 of A and B, one warp per block pair (A and B
-//        share the key operand); L = diag(beta) A kept in shared memory, B to global;
-//     3. T = (I + L)^-1 blockwise: the four 16x16 diagonal blocks by FP32 forward
-//        substitution, then T_ij = -T_ii sum_{j<=k<i} L_ik T_kj on mma in three waves
-//        (i - j = 1, 2, 3);
+// kda_chunk_tc_prepare_f32 and its forms: grid (nchunks, heads), 256 threads (8 warps), dynamic
+//   shared memory CHUNK_TC_PREPARE_SMEM_BYTES = 104,704 B (the opt-in of sm_80 (163 KB), sm_90 and
+//   sm_100 (227 KB); not sm_86 / sm_89 / sm_120 (99 KB)), at most 128 registers, so two blocks
+//   share an SM and one's loads overlap the other's products. One block per (chunk, head):
+//     1. load k and g (gate clamped to [lower_bound, 0]), cumulative gate G; write q_decay (q read
+//        from global memory, never staged), k_tail (transposed per chunk) and chunk_decay;
+//     2. the 10 blocks (i >= j) of 16x16 of A and B, one warp per block pair (A and B share the
+//        key operand); L = diag(beta) A kept in shared memory, B to global;
+//     3. T = (I + L)^-1 blockwise: the four diagonal blocks by FP32 forward substitution, then
+//        T_ij = -T_ii sum_{j<=k<i} L_ik T_kj on mma in three waves (i - j = 1, 2, 3);
 //     4. W = T (beta K exp(G)) and Uc = T (beta V): 64x64 @ 64x128 on mma, 4 warps each.
-// kda_chunk_tc_scan_f32: grid (heads, D / 32), 128 threads (4 warps), dynamic shared
-//   memory CHUNK_TC_SCAN_SMEM_BYTES = 66,560 B, so two blocks fit one SM of sm_80 /
-//   sm_90 / sm_100 / sm_120 and GLM's 64 heads x 4 value tiles (256 blocks) run in one wave
-//   on an H200's 132 SMs; Kimi's 32 heads give 128 blocks. The scan is bound by the L2
-//   traffic of the operands every value tile of a head reads (W, q_decay, k_tail, B: FP16,
-//   see f32_to_f16 below). A block owns the state columns
-//   [32 y, 32 y + 32) of one head, FP32 in registers as mma accumulators (warp w: rows
-//   32 w .. 32 w + 31), and walks the chunks:
-//     phase A (warp w: chunk rows 16 w .. 16 w + 15): U = Uc - W S0 and o = q_decay S0,
-//       W and q_decay staged in shared memory by cp.async one phase ahead;
-//     phase B: o += B U (core out), S = diag(decay) S + k_tail^T U, attn / k_tail / Uc
-//       fragments loaded into registers at the chunk start.
-//   Two barriers per chunk; the value columns are independent, no atomics anywhere, so
-//   every bit is a function of the inputs alone.
+// kda_chunk_tc_scan_f32: grid (heads, D / 32), 128 threads (4 warps), dynamic shared memory
+//   CHUNK_TC_SCAN_SMEM_BYTES = 66,560 B, so two blocks fit an SM of sm_80 / sm_90 / sm_100 / sm_120
+//   and GLM's 64 heads x 4 value tiles (256 blocks) run in one wave on an H200's 132 SMs. The scan
+//   is bound by the L2 traffic of the operands every value tile of a head reads (W, q_decay,
+//   k_tail, B: FP16, see f32_to_f16). A block owns the state columns [32 y, 32 y + 32) of one head,
+//   FP32 in registers as mma accumulators (warp w: rows 32 w .. 32 w + 31), and walks the chunks:
+//     phase A (warp w: chunk rows 16 w .. 16 w + 15): U = Uc - W S0 and o = q_decay S0, W and
+//       q_decay staged in shared memory by cp.async one phase ahead;
+//     phase B: o += B U (core out), S = diag(decay) S + k_tail^T U, its operands loaded into
+//       registers at the chunk start.
+//   Two barriers per chunk and no atomics: every bit is a function of the inputs alone.
 //
-// Fragment layout (PTX ISA, mma.m16n8k8 .tf32; lane = 4 g + t): A a0 (g, t), a1 (g+8, t),
-// a2 (g, t+4), a3 (g+8, t+4); B b0 (k t, n g), b1 (k t+4, n g); C c0/c1 (g, 2t / 2t+1),
-// c2/c3 (g+8, ...). As in projection/gemm_rows.cuh the k axis is permuted the same way for A and B so
-// that a lane reads contiguous k: inside a block of 8 S k (S mma steps), lane t holds
-// physical k 2St .. 2St + 2S - 1 of its rows and of its B column, and step s takes the
-// pair 2s, 2s + 1 as logical k t and t + 4. Every physical k is used once per block. B
-// operands are therefore stored n-major ([n][k], "transposed") in shared memory.
-// Shared-memory rows have a stride of 4 mod 8 floats (132 for D, 68 for C), which makes
-// those 16-byte fragment loads and the accumulator stores bank-conflict free.
+// Fragment layout (PTX, mma.m16n8k8 .tf32; lane = 4 g + t): A a0 (g, t), a1 (g+8, t), a2 (g, t+4),
+// a3 (g+8, t+4); B b0 (k t, n g), b1 (k t+4, n g); C c0/c1 (g, 2t / 2t+1), c2/c3 (g+8, ...). As in
+// projection/gemm_rows.cuh the k axis is permuted the same way for A and B so that a lane reads
+// contiguous k: inside a block of 8 S k (S mma steps), lane t holds physical k 2St .. 2St + 2S - 1
+// of its rows and of its B column, and step s takes the pair 2s, 2s + 1 as logical k t and t + 4.
+// So B operands are stored n-major ([n][k]) in shared memory, in rows of a stride of 4 mod 8 floats
+// (132 for D, 68 for C): the 16-byte fragment loads and the accumulator stores are conflict free.
 #include "common/bf16.cuh"
 #include "common/math.cuh"
 #include "common/reduce.cuh"
@@ -94,8 +76,8 @@
 // Row stride (halves) of the scan's FP16 [C][D] tiles: 320 bytes, 64 mod 128, so the
 // 16-byte fragment loads of a quarter warp (rows g, g + 1; 64 bytes each) hit 32 banks.
 #define CHUNK_TC_H_STRIDE (KDA_HEAD_DIM + 32)
-// The prepare kernel's shared memory is four units, reused between phases; a unit holds a
-// [C][D_STRIDE] tile (8448 floats) or a [D][C_STRIDE] tile (8704 floats).
+// The prepare's shared memory: units reused between phases, each a [C][D_STRIDE] tile (8448 floats)
+// or a [D][C_STRIDE] tile (8704 floats), then beta.
 #define CHUNK_TC_UNIT (KDA_HEAD_DIM * CHUNK_TC_C_STRIDE)
 #define CHUNK_TC_PREPARE_SMEM_BYTES (4 * (3 * CHUNK_TC_UNIT + CHUNK_TC))
 // float4 loads per thread to cover one [C][D] tile.
@@ -104,10 +86,10 @@
     (2 * 2 * CHUNK_TC * CHUNK_TC_H_STRIDE +                                                   \
      4 * (CHUNK_TC_SCAN_COLUMNS * CHUNK_TC_D_STRIDE + CHUNK_TC_SCAN_COLUMNS * CHUNK_TC_C_STRIDE))
 
-// x rounded to TF32 (10 mantissa bits), to nearest with ties away from zero, as
-// cvt.rna.tf32.f32 rounds; the result is an FP32 value with 13 zero low bits, so the mma
-// sees exactly this value and tests/chunk_tc_model.py `round_tf32` reproduces it bit for bit.
-// Infinities and NaNs pass unchanged (adding to a NaN's bits could wrap it to -0).
+// x rounded to TF32 (10 mantissa bits), to nearest with ties away from zero, as cvt.rna.tf32.f32
+// rounds: an FP32 value with 13 zero low bits, so the mma sees exactly this value and
+// tests/chunk_tc_model.py `round_tf32` reproduces it. Infinities and NaNs pass unchanged (adding to
+// a NaN's bits could wrap it to -0).
 __device__ __forceinline__ float round_tf32(float x)
 {
     const unsigned int bits = __float_as_uint(x);
@@ -117,16 +99,13 @@ __device__ __forceinline__ float round_tf32(float x)
     return __uint_as_float((bits + 0x1000u) & 0xffffe000u);
 }
 
-// FP16 storage for the scratch the scan reads as mma operands (q_decay, k_tail, W, B): a
-// TF32 value has 11 significant bits, as FP16 has, so one inside FP16's normal range
-// [6.1e-5, 65504] converts exactly and the scan multiplies the very TF32 values the FP32
-// scratch held; below that range FP16 keeps a subnormal (absolute error <= 3e-8 on a term of
-// that size, which the rms measure does not see). It halves the scan's traffic, which is
-// what bounds it. The range holds for these operands: |q_decay| <= scale, |k_tail| <= 1,
-// |B| <= scale (unit q and k, decays <= 1), and W = T diag(beta) K exp(G) is of order |T|,
-// the inverse of a unit-triangular matrix whose entries are key dot products (measured
-// |W| <= 0.3); a value beyond 65504 would become inf, and the output NaN, not wrong numbers.
-// The raw 16 bits, so that no header is needed.
+// FP16 storage (raw bits: no header needed) for the scratch the scan reads as mma operands (q_decay,
+// k_tail, W, B), which halves the traffic that bounds the scan: a TF32 value has FP16's 11
+// significant bits, so one in FP16's normal range [6.1e-5, 65504] converts exactly; below it FP16
+// keeps a subnormal (absolute error <= 3e-8). The range holds: |q_decay| <= scale, |k_tail| <= 1,
+// |B| <= scale (unit q and k, decays <= 1), and W = T diag(beta) K exp(G) is of order |T|, the
+// inverse of a unit-triangular matrix of key dot products (docs/maths.md); a value beyond 65504
+// would become inf, and the output NaN, not wrong numbers.
 typedef unsigned short f16_t;
 
 __device__ __forceinline__ f16_t f32_to_f16(float x)
@@ -171,8 +150,8 @@ __device__ __forceinline__ void mma_tf32_m16n8k8(float acc[4], float a0, float a
           "r"(__float_as_uint(a3)), "r"(__float_as_uint(b0)), "r"(__float_as_uint(b1)));
 }
 
-// One permuted k block of 8 STEPS: a_low / a_high are the lane's 2 STEPS values of rows g
-// and g + 8, b its 2 STEPS values of column g (see the fragment layout above).
+// One permuted k block of 8 STEPS: a_low / a_high are the lane's 2 STEPS values of rows g and g + 8,
+// b its 2 STEPS values of column g (the fragment layout above).
 template <int STEPS>
 __device__ __forceinline__ void mma_k_block(float acc[4], const float* a_low, const float* a_high,
                                             const float* b)
@@ -184,21 +163,7 @@ __device__ __forceinline__ void mma_k_block(float acc[4], const float* a_low, co
     }
 }
 
-// Eight floats from 16-byte aligned memory (shared or global).
-__device__ __forceinline__ void load8(float out[8], const float* pointer)
-{
-    const float4 low = *reinterpret_cast<const float4*>(pointer);
-    const float4 high = *reinterpret_cast<const float4*>(pointer + 4);
-    out[0] = low.x;
-    out[1] = low.y;
-    out[2] = low.z;
-    out[3] = low.w;
-    out[4] = high.x;
-    out[5] = high.y;
-    out[6] = high.z;
-    out[7] = high.w;
-}
-
+// Four (eight) floats from 16-byte aligned memory (shared or global).
 __device__ __forceinline__ void load4(float out[4], const float* pointer)
 {
     const float4 value = *reinterpret_cast<const float4*>(pointer);
@@ -208,21 +173,27 @@ __device__ __forceinline__ void load4(float out[4], const float* pointer)
     out[3] = value.w;
 }
 
-__device__ __forceinline__ void round8_tf32(float values[8])
+__device__ __forceinline__ void load8(float out[8], const float* pointer)
+{
+    load4(out, pointer);
+    load4(out + 4, pointer + 4);
+}
+
+template <int N>
+__device__ __forceinline__ void round_tf32_all(float (&values)[N])
 {
 #pragma unroll
-    for (int e = 0; e < 8; ++e) {
+    for (int e = 0; e < N; ++e) {
         values[e] = round_tf32(values[e]);
     }
 }
 
-// Where the prepare reads q, k and v (`which` 0, 1, 2) of a token; row_stride is H D, the prepare's.
+// Where the prepare reads q, k and v (`which` 0, 1, 2) of a token, each access at `at` = token *
+// row_stride + column (row_stride H D: the offset in the FP32 rows):
 //   ChunkRowsF32: the FP32 rows [T, H, D] the conv kernel split them into.
-// Each access takes at = token * row_stride + column, the offset of the FP32 rows.
-//   ChunkRowsConv: the BF16 conv output [T, 3 H D] itself (q, k, v side by side in a row, 16-byte
-//     aligned rows); q and k are normalised here as the conv kernel does it (row_norm4:
-//     warp_head_sum_squares, sqrtf; then the same division), so the prepare forms the very values
-//     ChunkRowsF32 reads from that kernel's split, bit for bit, without the FP32 pass.
+//   ChunkRowsConv: the BF16 conv output [T, 3 H D] itself (16-byte aligned rows); q and k are
+//     normalised here as the conv kernel does it (row_norm4, then the same division), so the
+//     prepare forms the very values ChunkRowsF32 reads, bit for bit, without the FP32 pass.
 struct ChunkRowsF32 {
     static constexpr bool NORMALISES = false;
     const float* __restrict__ query;
@@ -230,17 +201,15 @@ struct ChunkRowsF32 {
     const float* __restrict__ value;
     float l2_eps;  // (not read)
 
-    // Where `at` = token * row_stride + column of a [T, H, D] row-major tensor lies for q, k or v.
     __device__ __forceinline__ const float* row(int which, int, size_t at, size_t) const
     {
         return (which == 0 ? query : which == 1 ? key : value) + at;
     }
-    // Four values at `pointer` (16-byte aligned).
     static __device__ __forceinline__ float4 load4_at(const float* pointer)
     {
         return *reinterpret_cast<const float4*>(pointer);
     }
-    // Four (eight) values from `at` (column a multiple of 4 (8)).
+    // Four (eight) values from `at`, column a multiple of 4 (8).
     __device__ __forceinline__ float4 load4(int which, int token, size_t at, size_t row_stride) const
     {
         return load4_at(row(which, token, at, row_stride));
@@ -282,17 +251,16 @@ struct ChunkRowsConv {
     }
 };
 
-// sqrt(sum of the row's squares + eps), the divisor of a row of q or k held as the conv kernel holds it
-// (lane L: channels 4L .. 4L + 3; x those four); every lane of the warp calls it.
+// sqrt(sum of the row's squares + eps), the divisor of a row of q or k held as the conv kernel holds
+// it (lane L: channels 4L .. 4L + 3, x); every lane of the warp calls it.
 __device__ __forceinline__ float row_norm4(const float4& x, float l2_eps)
 {
     const float v[4] = {x.x, x.y, x.z, x.w};
     return sqrtf(warp_head_sum_squares(v) + l2_eps);
 }
 
-// The bounded law gives lower_bound <= g <= 0; the clamp makes the exponent range argument
-// hold whatever the buffer holds, and is the identity on every gate the law produces. A
-// NaN passes through (both comparisons are false), as it would in the FP32 path.
+// The bounded law gives lower_bound <= g <= 0; the clamp makes the exponent range argument hold
+// whatever the buffer holds. A NaN passes through (both comparisons are false), as in the FP32 path.
 __device__ __forceinline__ float clamp_gate(float g, float lower_bound)
 {
     return g < lower_bound ? lower_bound : (g > 0.0f ? 0.0f : g);
@@ -315,10 +283,22 @@ __device__ __forceinline__ void copy_async_wait_all()
     asm volatile("cp.async.wait_group 0;" ::: "memory");
 }
 
-// T_ij = -T_ii sum_{j<=k<i} L_ik T_kj for one 16x16 block below the diagonal (one warp).
-// lower_s holds L = diag(beta) A, inverse_s holds T; both [C][C_STRIDE]. Every block the
-// sum reads is closer to the diagonal than (i, j) and so complete in an earlier wave. The
-// sum X is parked in block (i, j) of inverse_s to be reread as a B operand.
+// The A fragment rows g and g + 8 of a 16-k block (the lane's 4 k of each), rounded to TF32.
+__device__ __forceinline__ void load4_pair_tf32(float a_low[4], float a_high[4], const float* low, const float* high)
+{
+    load4(a_low, low);
+    load4(a_high, high);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        a_low[e] = round_tf32(a_low[e]);
+        a_high[e] = round_tf32(a_high[e]);
+    }
+}
+
+// T_ij = -T_ii sum_{j<=k<i} L_ik T_kj for one 16x16 block below the diagonal (one warp). lower_s
+// holds L = diag(beta) A, inverse_s T, both [C][C_STRIDE]. Every block the sum reads is closer to the
+// diagonal, so complete in an earlier wave. The sum X is parked in block (i, j) of inverse_s to be
+// reread as a B operand.
 __device__ __forceinline__ void inverse_block_below_diagonal(const float* lower_s, float* inverse_s,
                                                              int i, int j, int lane)
 {
@@ -338,13 +318,7 @@ __device__ __forceinline__ void inverse_block_below_diagonal(const float* lower_
     for (int k = j; k < i; ++k) {
         float a_low[4];
         float a_high[4];
-        load4(a_low, lower_low + CHUNK_TC_SUB * k);
-        load4(a_high, lower_high + CHUNK_TC_SUB * k);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            a_low[e] = round_tf32(a_low[e]);
-            a_high[e] = round_tf32(a_high[e]);
-        }
+        load4_pair_tf32(a_low, a_high, lower_low + CHUNK_TC_SUB * k, lower_high + CHUNK_TC_SUB * k);
         const float* inverse_kj = inverse_s + (CHUNK_TC_SUB * k + 4 * thread_in_group) * CHUNK_TC_C_STRIDE +
                                   CHUNK_TC_SUB * j + group_lane;
 #pragma unroll
@@ -377,13 +351,7 @@ __device__ __forceinline__ void inverse_block_below_diagonal(const float* lower_
     __syncwarp();
     float a_low[4];
     float a_high[4];
-    load4(a_low, inverse_low + CHUNK_TC_SUB * i);
-    load4(a_high, inverse_high + CHUNK_TC_SUB * i);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-        a_low[e] = round_tf32(a_low[e]);
-        a_high[e] = round_tf32(a_high[e]);
-    }
+    load4_pair_tf32(a_low, a_high, inverse_low + CHUNK_TC_SUB * i, inverse_high + CHUNK_TC_SUB * i);
 #pragma unroll
     for (int n = 0; n < 2; ++n) {
         float product[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -395,8 +363,8 @@ __device__ __forceinline__ void inverse_block_below_diagonal(const float* lower_
     }
 }
 
-// Eight q values of chunk row t (channels at column .. column + 7 of the row), zero for a
-// padding row (t >= valid: never read); divided by the row's norm where Rows normalises.
+// Eight q values of chunk row t (channels column .. column + 7), zero for a padding row (never
+// read); divided by the row's norm where Rows normalises.
 template <class Rows>
 __device__ __forceinline__ void load_query_row8(float out[8], const Rows rows, const float* query_norm_s, int first,
                                                 int t, int valid, size_t row_stride, size_t column)
@@ -417,32 +385,29 @@ __device__ __forceinline__ void load_query_row8(float out[8], const Rows rows, c
     }
 }
 
-// Transposing pass over a [C][D_STRIDE] tile: each lane takes 4 channels d .. d+3 of one
-// row t, a warp covers 16 rows x 8 channels per step, so the [D][C_STRIDE] (and global
-// [D][C]) stores of a warp hit 32 distinct banks / two 64-byte segments.
+// Transposing pass over a [C][D_STRIDE] tile: each lane takes 4 channels d .. d+3 of one row t, a
+// warp covers 16 rows x 8 channels per step, so the [D][C_STRIDE] (and global [D][C]) stores of a
+// warp hit 32 distinct banks / two 64-byte segments. PASSES: the steps of one warp.
 #define CHUNK_TC_TRANSPOSE_STEPS ((CHUNK_TC / 16) * (KDA_HEAD_DIM / 8))
-// Steps per warp of one transposing pass over the tile.
 #define CHUNK_TC_TRANSPOSE_PASSES (CHUNK_TC_TRANSPOSE_STEPS / CHUNK_TC_PREPARE_WARPS)
 
-// Row t and first channel d of this lane's 4 channels in step `step` of a transposing pass:
-// step & 3 picks the 16-row quarter, step >> 2 the 8 channels, lane & 15 the row in it and
-// lane >> 4 the half of the 8 channels. The one definition of the pass's coordinates.
+// Row t and first channel d of this lane's 4 channels in step `step` of a transposing pass: step & 3
+// picks the 16-row quarter, step >> 2 the 8 channels, lane & 15 the row and lane >> 4 the half.
 __device__ __forceinline__ void transpose_slot(int step, int lane, int& t, int& d)
 {
     t = (step & 3) * 16 + (lane & 15);
     d = (step >> 2) * 8 + (lane >> 4) * 4;
 }
 
-// The largest decay across a diagonal block (G_r - G_s, r its first row, s its last, in any
-// channel) for which the unbounded prepare still forms the block by the reference-row
-// products: the factors exp(G_r - G_s) stay below exp(75) = 3.7e32 and exp(G_t - G_r) above
-// exp(-75), the range a bound of -5 gives the bounded prepare (the argument above the pair
+// The largest decay across a diagonal block (G_r - G_s, r its first row, s its last, in any channel)
+// for which the unbounded prepare still forms the block by the reference-row products: the range a
+// bound of -5 gives the bounded prepare (factors within exp(+-75), the argument before the pair
 // products). Wider blocks take the exact sums.
 #define CHUNK_TC_DIAGONAL_RANGE (-CHUNK_TC_MIN_LOWER_BOUND * (CHUNK_TC_SUB - 1))
 
-// Whether diagonal block i is within CHUNK_TC_DIAGONAL_RANGE in every channel, by one warp
-// (warp-uniform; a NaN counts as out of range). G never increases along the chunk (every
-// gate is capped at 0), so the first and last rows of the block bound every pair in it.
+// Whether diagonal block i is within CHUNK_TC_DIAGONAL_RANGE in every channel, by one warp (uniform;
+// a NaN counts as out of range). G never increases along the chunk (every gate is capped at 0), so
+// the first and last rows of the block bound every pair in it.
 __device__ __forceinline__ bool diagonal_in_range(const float* cumgate_s, int i, int lane)
 {
     float first_row[4];
@@ -460,14 +425,12 @@ __device__ __forceinline__ bool diagonal_in_range(const float* cumgate_s, int i,
 // Pairs s <= t of one 16 x 16 diagonal block.
 #define CHUNK_TC_SUB_PAIRS (CHUNK_TC_SUB * (CHUNK_TC_SUB + 1) / 2)
 
-// The diagonal blocks i with exact[i] set, of A and B, without the reference-row products
-// (whose factor exp(G_r - G_s) for s after r is unbounded without a lower bound on g), by every
-// thread of the block: task k is the pair (t, s), s <= t, number k % 136 of diagonal block k / 136 in
-// row-major order of its lower triangle (the lanes of a warp mostly share t, and their rows s
-// hit distinct banks), an FP32 sum over d in ascending order of k_t (k_s exp(G_t - G_s)) and
-// q_t (k_s exp(G_t - G_s)), every factor <= 1. Writes L = diag(beta) A (s < t) and
-// tf32(scale B) (s <= t), and zeros above the diagonal, as the product path does. q rows past
-// `valid` are zero by index.
+// The diagonal blocks i with exact[i] set, of A and B, without the reference-row products (whose
+// factor exp(G_r - G_s) is unbounded without a lower bound on g), by every thread of the block: task
+// k is pair number k % 136 (s <= t, row-major in the lower triangle: the lanes of a warp mostly share
+// t, their rows s hit distinct banks) of diagonal block k / 136, an FP32 sum over ascending d of
+// k_t (k_s exp(G_t - G_s)) and q_t (k_s exp(G_t - G_s)), every factor <= 1. Writes L = diag(beta) A
+// (s < t), tf32(scale B) (s <= t) and zeros above the diagonal, as the product path does.
 template <class Rows>
 __device__ __forceinline__ void diagonal_blocks_exact(const float* key_s, const float* cumgate_s, const float* beta_s,
                                                       float* lower_s, f16_t* attn_block, const Rows rows,
@@ -540,11 +503,10 @@ __device__ __forceinline__ void diagonal_blocks_exact(const float* key_s, const 
     }
 }
 
-// The prepare, in two entry points below. FUSED_GATE false: gate_in [T, H, D] and beta_in
-// [T, H] are inputs. FUSED_GATE true: gate_out and beta_out (the stage buffers) are formed
-// here from forget_proj [T, H*D] BF16 + dt_bias [H*D] and A_log [H] (kda_forget_gate, bounded
-// law: the bits of kda_gate_beta_f32) and from the BF16 beta logits (row stride ld_beta), for
-// the real rows of the chunk only, saving the gate kernel's pass over memory.
+// The prepare of every entry point. FUSED_GATE false: gate_in [T, H, D] and beta_in [T, H] are
+// inputs. FUSED_GATE true: gate_out and beta_out are formed here, for the real rows, from
+// forget_proj [T, H*D] BF16 + dt_bias [H*D] and A_log [H] (kda_forget_gate, bounded law: the bits of
+// kda_gate_beta_f32) and from the BF16 beta logits (row stride ld_beta).
 template <bool FUSED_GATE, bool UNBOUNDED = false, class Rows = ChunkRowsF32>
 __device__ __forceinline__ void chunk_tc_prepare(
     const Rows rows, const float* __restrict__ gate_in, const float* __restrict__ beta_in, float* __restrict__ gate_out,
@@ -611,8 +573,7 @@ __device__ __forceinline__ void chunk_tc_prepare(
             for (int l = 0; l < CHUNK_TC_TILE_LOADS; ++l) {
                 const int t = (thread + l * CHUNK_TC_PREPARE_THREADS) >> 5;
                 key_value[l] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                projected[l].x = 0u;
-                projected[l].y = 0u;
+                projected[l] = make_uint2(0u, 0u);
                 if (t < valid) {
                     const size_t at = static_cast<size_t>(first + t) * row_stride + head_offset + channel;
                     key_value[l] = rows.load4(1, first + t, at, row_stride);
@@ -799,10 +760,7 @@ __device__ __forceinline__ void chunk_tc_prepare(
         const int t = index >> 4;
         const int s = (index & 15) * 4;
         if (s >= (t / CHUNK_TC_SUB + 1) * CHUNK_TC_SUB) {
-            uint2 zeros;
-            zeros.x = 0u;
-            zeros.y = 0u;
-            *reinterpret_cast<uint2*>(attn_block + t * CHUNK_TC + s) = zeros;
+            *reinterpret_cast<uint2*>(attn_block + t * CHUNK_TC + s) = make_uint2(0u, 0u);
         }
     }
 
@@ -1043,8 +1001,8 @@ __device__ __forceinline__ void chunk_tc_prepare(
                 float a_high[8];
                 load8(a_low, inverse_s + (16 * m + group_lane) * CHUNK_TC_C_STRIDE + 32 * kb + lane_k);
                 load8(a_high, inverse_s + (16 * m + group_lane + 8) * CHUNK_TC_C_STRIDE + 32 * kb + lane_k);
-                round8_tf32(a_low);
-                round8_tf32(a_high);
+                round_tf32_all(a_low);
+                round_tf32_all(a_high);
 #pragma unroll
                 for (int n = 0; n < 4; ++n) {
                     mma_k_block<4>(acc[m][n], a_low, a_high, b[n]);
