@@ -516,9 +516,8 @@ __device__ __forceinline__ void chunk_tc_prepare(
     const float* __restrict__ dt_bias, const float* __restrict__ a_log, const bf16_t* __restrict__ beta_logits,
     int ld_beta)
 {
-    // Three units of CHUNK_TC_UNIT floats, then beta [C] (104,704 B: two blocks per SM of
-    // sm_80 / sm_90 / sm_100). q is never staged: it is an elementwise input of q_decay and
-    // the A operand of the B blocks, read from global memory (L2) where it is used.
+    // Three units, then beta [C]. q is never staged: an elementwise input of q_decay and the A operand
+    // of the B blocks, it is read from global memory (L2) where it is used.
     //   unit 0: key_s [C][D_STRIDE]        k;  from phase 3: value_t_s [D][C_STRIDE] tf32(beta v)^T
     //   unit 1: cumgate_s [C][D_STRIDE]    G;  from phase 3: key_beta_t_s [D][C_STRIDE] tf32(beta k exp(G))^T
     //   unit 2: lower_s [C][C_STRIDE]      L = diag(beta) A, then inverse_s [C][C_STRIDE] T
@@ -530,7 +529,7 @@ __device__ __forceinline__ void chunk_tc_prepare(
     float* beta_s = shared + 3 * CHUNK_TC_UNIT;
     float* value_t_s = key_s;
     float* key_beta_t_s = cumgate_s;
-    // UNBOUNDED: which diagonal blocks take the exact sums (set by their warps in phase 2).
+    // UNBOUNDED: which diagonal blocks take the exact sums (set in phase 2).
     __shared__ int exact_s[CHUNK_TC_SUBS];
     // Rows::NORMALISES: the divisor of each q row (its norm), for the reads of q after the first.
     __shared__ float query_norm_s[Rows::NORMALISES ? CHUNK_TC : 1];
@@ -559,12 +558,11 @@ __device__ __forceinline__ void chunk_tc_prepare(
     const size_t head_offset = static_cast<size_t>(head) * KDA_HEAD_DIM;
     const size_t chunk_head = static_cast<size_t>(chunk_index) * heads + head;
 
-    // 1. Load k and g (padding rows zero by index, never read): every load of the thread is
-    // issued before the first store, then the cumulative gate and the elementwise outputs.
+    // 1. Load k and g (padding rows zero by index): every load of the thread before the first store,
+    // then the cumulative gate and the elementwise outputs.
     {
-        // The gate tile goes to shared memory clamped to [lower_bound, 0]; the key tile after
-        // the branch. This thread's 4 channels are the same in every load (index & 31 is
-        // thread & 31), so its rows are t = thread / 32 + 8 l.
+        // The gate tile goes to shared memory clamped to [lower_bound, 0], the key tile after the
+        // branch. This thread's 4 channels are the same in every load, its rows t = thread / 32 + 8 l.
         float4 key_value[CHUNK_TC_TILE_LOADS];
         const int channel = (thread & 31) * 4;
         if (FUSED_GATE) {
@@ -651,9 +649,9 @@ __device__ __forceinline__ void chunk_tc_prepare(
     __syncthreads();
 
     if constexpr (Rows::NORMALISES) {
-        // Rows::NORMALISES: each warp normalises its rows of k in key_s and finds the divisor of its rows
-        // of q (read from the conv output again where q is used), one row a step: a rolled loop keeps
-        // the reduction's code once (the instruction cache), and the barrier below serves it too.
+        // Each warp normalises its rows of k in key_s and finds the divisor of its rows of q (read
+        // again where q is used), a row a step: rolled, the reduction's code is there once (the
+        // instruction cache), and the barrier below serves it too.
         const int channel = 4 * lane;
 #pragma unroll 1
         for (int t = warp; t < valid; t += CHUNK_TC_PREPARE_WARPS) {
@@ -680,9 +678,9 @@ __device__ __forceinline__ void chunk_tc_prepare(
     __syncthreads();
 
     if constexpr (Rows::NORMALISES) {
-        // q_decay = tf32(scale q exp(G)) from the conv output: a row a warp and step, two steps
-        // unrolled (the divisions, copied into the FP32 form's unrolled loops, would overflow the
-        // instruction cache; tests/test_kernels_compile.py). The arithmetic is the FP32 form's.
+        // q_decay = tf32(scale q exp(G)), the FP32 form's arithmetic, a row a warp and step, two steps
+        // unrolled: the divisions in the FP32 form's unrolled loops would overflow the instruction
+        // cache (tests/test_kernels_compile.py).
 #pragma unroll 2
         for (int t = warp; t < CHUNK_TC; t += CHUNK_TC_PREPARE_WARPS) {
             const int d = 4 * lane;
@@ -702,8 +700,7 @@ __device__ __forceinline__ void chunk_tc_prepare(
             *reinterpret_cast<uint2*>(q_decay + at) = packed;
         }
     } else {
-        // q_decay = tf32(scale q exp(G)), row-major like the inputs (q straight from global
-        // memory, all loads of the thread first).
+        // q_decay = tf32(scale q exp(G)), row-major like the inputs, all loads of the thread first.
         float4 query_value[CHUNK_TC_TILE_LOADS];
 #pragma unroll
         for (int l = 0; l < CHUNK_TC_TILE_LOADS; ++l) {
@@ -734,8 +731,7 @@ __device__ __forceinline__ void chunk_tc_prepare(
             *reinterpret_cast<uint2*>(q_decay + at) = packed;
         }
     }
-    // k_tail_t[chunk][head][d][s] = tf32(k_s exp(G_{C-1} - G_s)): transposed, the scan's A
-    // operand of k_tail^T U.
+    // k_tail_t[chunk][head][d][s] = tf32(k_s exp(G_{C-1} - G_s)), transposed: the scan's A operand.
     {
         f16_t* tail_block = k_tail_t + chunk_head * KDA_HEAD_DIM * CHUNK_TC;
         const float* cumgate_last = cumgate_s + (CHUNK_TC - 1) * CHUNK_TC_D_STRIDE;
@@ -764,30 +760,17 @@ __device__ __forceinline__ void chunk_tc_prepare(
         }
     }
 
-    // 2. Blocks (i, j), j <= i, of A and B, one warp per block pair.
-    //
-    // Range argument, where it bites: exp(G_t - G_s) is never formed from exp(G_t) and
-    // exp(-G_s) over the chunk (G reaches -5 * 64 = -320, exp(320) overflows). Instead
-    // each row block i has a reference row r = 16 i, and
-    //   A[t][s] = sum_d (k_t exp(G_t - G_r)) (k_s exp(G_r - G_s)).
-    // For t in sub-chunk i: G_t - G_r in [-75, 0] (15 gates >= -5), so the first factor is
-    // in [exp(-75), 1] = [2.7e-33, 1], a normal FP32 / TF32 number. For s in an earlier
-    // sub-chunk, G_r - G_s <= 0: the second factor is <= 1 (it underflows, or is flushed
-    // as a denormal, only where the true term is below 1e-38 anyway). For s in sub-chunk
-    // i, G_r - G_s is in [0, 75]: the factor is <= exp(75) = 3.7e32 < 3.4e38 (FP32 and
-    // TF32 share the 8-bit exponent). So every operand is finite,
-    // products of a pair s <= t are <= 1 in size, and the entries s > t of a diagonal
-    // block (discarded below) stay below 128 * 3.7e32. This needs g >= -5 on every token:
-    // the bounded law with lower_bound >= -5 (the clamp in the load enforces it). Without a
-    // bound (the unbounded prepare) the blocks below the diagonal still hold (the second
-    // factor is <= 1 for any gate <= 0) and each diagonal block checks its own range
-    // (diagonal_in_range), taking exact sums beyond it.
+    // 2. Blocks (i, j), j <= i, of A and B, one warp per block pair. exp(G_t - G_s) is never formed
+    // as exp(G_t) exp(-G_s) (G reaches -320 in a chunk): row block i has a reference row r = 16 i,
+    //   A[t][s] = sum_d (k_t exp(G_t - G_r)) (k_s exp(G_r - G_s)),
+    // and with every g >= -5 (the clamp) both factors are finite FP32 / TF32 numbers: the range
+    // argument of docs/maths.md. Unbounded, the blocks below the diagonal still hold (the second
+    // factor is <= 1) and each diagonal block checks its own range, taking exact sums beyond it.
     for (int pair = warp; pair < CHUNK_TC_SUBS * (CHUNK_TC_SUBS + 1) / 2; pair += CHUNK_TC_PREPARE_WARPS) {
         const int i = (pair >= 1) + (pair >= 3) + (pair >= 6);
         const int j = pair - i * (i + 1) / 2;
         if (UNBOUNDED && i == j) {
-            // Within the bounded range the products below serve; else the exact sums after
-            // the loop (warp-uniform either way).
+            // Beyond the bounded range: the exact sums after the loop (warp-uniform).
             const bool exact = !diagonal_in_range(cumgate_s, i, lane);
             if (lane == 0) {
                 exact_s[i] = exact;
@@ -865,8 +848,7 @@ __device__ __forceinline__ void chunk_tc_prepare(
         __syncthreads();
     }
 
-    // v rows for value_t_s (phase 3), loaded now so that the diagonal
-    // inverse blocks hide their latency.
+    // v rows for value_t_s (phase 3), loaded now so that the diagonal inverse blocks hide their latency.
     float value_rows[CHUNK_TC_TRANSPOSE_PASSES][4];
 #pragma unroll
     for (int pass = 0; pass < CHUNK_TC_TRANSPOSE_PASSES; ++pass) {
@@ -887,8 +869,8 @@ __device__ __forceinline__ void chunk_tc_prepare(
         }
     }
 
-    // 3. T = (I + L)^-1. Diagonal blocks: FP32 forward substitution, warp i for block i,
-    // lane c < 16 computing column c (lanes 16..31 mirror lanes 0..15 and do not write).
+    // 3. T = (I + L)^-1. Diagonal blocks: FP32 forward substitution, warp i for block i, lane c < 16
+    // computing column c (lanes 16..31 mirror lanes 0..15 and do not write).
     if (warp < CHUNK_TC_SUBS) {
         const int base = CHUNK_TC_SUB * warp;
         const int column = lane & 15;
@@ -920,8 +902,8 @@ __device__ __forceinline__ void chunk_tc_prepare(
             }
         }
     }
-    // key_beta_t_s = tf32(beta k exp(G))^T over the cumulative-gate tile: every thread holds
-    // its values before the barrier, so no G is overwritten while another warp reads it.
+    // key_beta_t_s = tf32(beta k exp(G))^T over the cumulative-gate tile: every thread holds its
+    // values before the barrier, so no G is overwritten while another warp reads it.
     {
         float key_beta[CHUNK_TC_TRANSPOSE_PASSES][4];
 #pragma unroll
@@ -953,9 +935,8 @@ __device__ __forceinline__ void chunk_tc_prepare(
     }
     __syncthreads();
 
-    // Off-diagonal blocks, in waves of equal distance from the diagonal. The loop stays
-    // rolled (as do the k blocks of phase 2): unrolled, the prepare's code outgrew the SM's
-    // instruction cache and its warps stalled on instruction fetch.
+    // Off-diagonal blocks, in waves of equal distance from the diagonal. Rolled (as are the k blocks
+    // of phase 2): unrolled, the code outgrew the instruction cache and the warps stalled on fetch.
 #pragma unroll 1
     for (int distance = 1; distance < CHUNK_TC_SUBS; ++distance) {
         if (warp < CHUNK_TC_SUBS - distance) {
@@ -978,8 +959,8 @@ __device__ __forceinline__ void chunk_tc_prepare(
         __syncthreads();
     }
 
-    // 4. W = T key_beta (warps 0-3) and Uc = T value_beta (warps 4-7), each warp 32
-    // channels of all 64 rows. T is lower triangular: rows < 32 skip the tokens >= 32.
+    // 4. W = T key_beta (warps 0-3) and Uc = T value_beta (warps 4-7), each warp 32 channels of all
+    // 64 rows. T is lower triangular: rows < 32 skip the tokens >= 32.
     {
         const bool is_value = warp >= 4;
         const float* operand_t = is_value ? value_t_s : key_beta_t_s;
@@ -1009,8 +990,8 @@ __device__ __forceinline__ void chunk_tc_prepare(
                 }
             }
         }
-        // W is an mma operand of the scan (TF32 values stored as FP16); Uc only initialises U
-        // (FP32). Padding rows store zeros (a select, not a branch: the code stays small).
+        // W is an mma operand of the scan (TF32 values as FP16); Uc only initialises U (FP32). Padding
+        // rows store zeros (a select, not a branch: the code stays small).
         const size_t lane_at = static_cast<size_t>(first + group_lane) * row_stride + head_offset + d_base +
                                2 * thread_in_group;
 #pragma unroll
@@ -1035,10 +1016,9 @@ __device__ __forceinline__ void chunk_tc_prepare(
     }
 }
 
-// The prepare reading gate and beta and q, k, v from the BF16 conv output [T, 3 H D] (ChunkRowsConv:
-// q and k normalised here with l2_eps, bit for bit the conv kernel's split), for the bounded law or
-// (UNBOUNDED) gates without a lower bound: chunk_tc_conv.cu and chunk_tc_conv_unbounded.cu, one entry
-// each so that they compile side by side. Outputs and launch as kda_chunk_tc_prepare_f32's.
+// The prepare reading gate and beta, and q, k, v from the BF16 conv output [T, 3 H D] (ChunkRowsConv),
+// for the bounded law or (UNBOUNDED) any gate <= 0: chunk_tc_conv.cu and chunk_tc_conv_unbounded.cu,
+// an entry a file so that they compile side by side. Outputs and launch as kda_chunk_tc_prepare_f32's.
 #define CHUNK_TC_PREPARE_CONV_ENTRY(NAME, UNBOUNDED)                                                          \
     extern "C" __global__ void __launch_bounds__(CHUNK_TC_PREPARE_THREADS, 2)                                 \
         NAME(const bf16_t* __restrict__ conv_out, float l2_eps, const float* __restrict__ gate,               \
