@@ -188,12 +188,12 @@ __device__ __forceinline__ void load_weight_step(uint4 (&w_frag)[K_UNROLL][N_TIL
 // the row-major layout's values (zeros where its predicated loads give zeros): the same bits.
 #define GEMM_ROWS_PACKED_BLOCK (GEMM_ROWS_N_TILE * GEMM_ROWS_K_BLOCK)  // elements per (tile, k block)
 
-// Blocks of 32 k per step of gemm_rows_accumulate: LOADS (m-tile, n-tile, k block) products a lane;
-// with more m-tiles the registers go to their x fragments and accumulators instead of loads.
-template <int M_TILES, int N_TILES, int LOADS>
+// Blocks of 32 k per step of gemm_rows_accumulate: GEMM_ROWS_LOADS (m-tile, n-tile, k block) products
+// a lane; with more m-tiles the registers go to their x fragments and accumulators instead of loads.
+template <int M_TILES, int N_TILES>
 __device__ __forceinline__ constexpr int gemm_rows_k_unroll()
 {
-    return LOADS / (M_TILES * N_TILES);
+    return GEMM_ROWS_LOADS / (M_TILES * N_TILES);
 }
 
 // Where one lane's weight is: tile j's k block kb at lane + j * tile_stride + kb * block_stride (one
@@ -340,14 +340,14 @@ __device__ __forceinline__ void gemm_rows_accumulate_staged(float (&acc)[1][N_TI
 
 // One warp's accumulators over its k blocks [kb_begin, kb_end) for N_TILES tiles of 8 columns from
 // warp_column on and the rows [row_begin, row_end) (at most 64): a chain of mma in ascending k blocks,
-// which depends on the k range alone, never on LOADS, the tiles or the rows. W_SHARED (packed only): w
-// is a shared-memory copy of the packed tiles w_tile_origin, ... FROM_ZERO false: the chain goes on
-// from acc (the blocks before kb_begin summed by the same chain), so that one chain may read its k
-// blocks from two places. `given`: the lane's weight (gemm_rows_weight_at; w and w_tile_origin unread).
-// FIRST_GIVEN: `first` holds the first step's weight fragments ([K_UNROLL][N_TILES], flat), loaded
-// already by load_weight_step from the same places (the same values, so the same bits).
-template <int M_TILES, int N_TILES, int LOADS = GEMM_ROWS_LOADS, int X_FROM = GEMM_X_INPUT, bool PACKED = false,
-          bool W_SHARED = false, bool FROM_ZERO = true, bool FIRST_GIVEN = false>
+// which depends on the k range alone, never on the loads a step, the tiles or the rows. W_SHARED
+// (packed only): w is a shared-memory copy of the packed tiles w_tile_origin, ... FROM_ZERO false: the
+// chain goes on from acc (the blocks before kb_begin summed by the same chain), so that one chain may
+// read its k blocks from two places. `given`: the lane's weight (gemm_rows_weight_at; w and
+// w_tile_origin unread). FIRST_GIVEN: `first` holds the first step's weight fragments ([K_UNROLL]
+// [N_TILES], flat), loaded already by load_weight_step from the same places (so the same bits).
+template <int M_TILES, int N_TILES, int X_FROM = GEMM_X_INPUT, bool PACKED = false, bool W_SHARED = false,
+          bool FROM_ZERO = true, bool FIRST_GIVEN = false>
 __device__ __forceinline__ void gemm_rows_accumulate(float (&acc)[M_TILES][N_TILES][4], const bf16_t* x, int ldx,
                                                      const bf16_t* w, int n, int k, int row_begin, int row_end,
                                                      int warp_column, int kb_begin, int kb_end, int w_tile_origin = 0,
@@ -355,7 +355,7 @@ __device__ __forceinline__ void gemm_rows_accumulate(float (&acc)[M_TILES][N_TIL
                                                      const uint4* first = nullptr)
 {
     static_assert(PACKED || !W_SHARED, "a shared-memory copy of the weight is of the packed layout");
-    constexpr int K_UNROLL = gemm_rows_k_unroll<M_TILES, N_TILES, LOADS>();
+    constexpr int K_UNROLL = gemm_rows_k_unroll<M_TILES, N_TILES>();
     static_assert(K_UNROLL >= 1, "a step must cover one k block of every (m-tile, n-tile)");
 
     const int lane = threadIdx.x & 31;
@@ -547,8 +547,8 @@ __device__ __forceinline__ long long gemm_rows_tail_offset(int warp, int tail_be
 // Each warp of the block: the first step of its k range in column group `group` (zeros past the part
 // before the tail or past the matrix), loaded from the packed w in program order, so that it can be
 // issued before a wait; gemm_rows_group's TAIL then starts from it.
-template <int N_TILES, int LOADS>
-__device__ __forceinline__ void gemm_rows_first_step(uint4 (&first)[gemm_rows_k_unroll<1, N_TILES, LOADS>()][N_TILES],
+template <int N_TILES>
+__device__ __forceinline__ void gemm_rows_first_step(uint4 (&first)[gemm_rows_k_unroll<1, N_TILES>()][N_TILES],
                                                      const bf16_t* w, int n, int k, int k_split, int group,
                                                      int tail_blocks)
 {
@@ -562,7 +562,7 @@ __device__ __forceinline__ void gemm_rows_first_step(uint4 (&first)[gemm_rows_k_
     const GemmRowsWeightLane<N_TILES> weight = gemm_rows_weight_at<N_TILES>(
         w + static_cast<size_t>(warp_column / GEMM_ROWS_N_TILE) * tile_stride + 8 * (threadIdx.x & 31), tile_stride,
         GEMM_ROWS_PACKED_BLOCK, n, warp_column);
-    load_weight_step<gemm_rows_k_unroll<1, N_TILES, LOADS>(), N_TILES, false, true>(
+    load_weight_step<gemm_rows_k_unroll<1, N_TILES>(), N_TILES, false, true>(
         first, weight.lane, weight.tile_stride, weight.block_stride, weight.valid, kb_begin, tail_begin, k,
         threadIdx.x & 3);
 }
@@ -577,14 +577,14 @@ struct GemmRowsSums {
 // One column group of the output, by the block's 8 warps: rows [row_begin, row_end) (at most 64),
 // columns group * group_columns ... Deterministic split-k: partial[warp][fragment][lane], then each
 // output adds its k_split partials in ascending warp_k order. Ends with a barrier (the next group
-// may overwrite `partial`). W_SHARED: as gemm_rows_accumulate's. PARTIAL_OVER_X: `partial` is the
-// shared memory x is read from, so a block barrier comes before the partials. TAIL (packed w in
-// memory): the last k blocks of each warp's range come from `tail`, the copy the warp started
-// (gemm_rows_stage_tail, waited for here), the others from w, their first step from `first`
-// (gemm_rows_first_step): one chain over the range in the same order, so the same bits. SUMS: each
-// output's FP32 sum also goes to `sums`.
-template <int M_TILES, int N_TILES, int LOADS = GEMM_ROWS_LOADS, int X_FROM = GEMM_X_INPUT, bool PACKED = false,
-          bool W_SHARED = false, bool PARTIAL_OVER_X = false, bool TAIL = false, bool SUMS = false>
+// may overwrite `partial`). GEMM_X_STAGED: w is a shared-memory copy of the packed tiles
+// w_tile_origin, ... (gemm_rows_accumulate_staged). With x in shared memory `partial` is that memory,
+// so a block barrier comes before the partials. TAIL (packed w): the last k blocks of each warp's
+// range come from `tail`, the copy the warp started (gemm_rows_stage_tail, waited for here), the
+// others from w, their first step from `first` (gemm_rows_first_step): one chain over the range in the
+// same order, so the same bits. SUMS: each output's FP32 sum also goes to `sums`.
+template <int M_TILES, int N_TILES, int X_FROM = GEMM_X_INPUT, bool PACKED = false, bool TAIL = false,
+          bool SUMS = false>
 __device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const bf16_t* w, bf16_t* y, int ldy,
                                                 int row_begin, int row_end, int n, int k, int k_split, int group,
                                                 float* partial, int w_tile_origin = 0, const bf16_t* tail = nullptr,
@@ -604,7 +604,7 @@ __device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const 
 
     float acc[M_TILES][N_TILES][4];
     if constexpr (X_FROM == GEMM_X_STAGED) {
-        static_assert(PACKED && W_SHARED && M_TILES == 1, "staged x: one m-tile of a staged packed weight");
+        static_assert(PACKED && M_TILES == 1, "staged x: one m-tile of a staged packed weight");
         if (row_end - row_begin > GEMM_ROWS_M_TILE / 2) {
             gemm_rows_accumulate_staged<N_TILES, true>(acc, x, ldx, w, n, k, row_begin, row_end, warp_column, kb_begin,
                                                        kb_end, w_tile_origin);
@@ -613,9 +613,9 @@ __device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const 
                                                         kb_begin, kb_end, w_tile_origin);
         }
     } else if constexpr (TAIL) {
-        static_assert(PACKED && !W_SHARED, "a tail stage of a packed weight read from memory");
+        static_assert(PACKED, "a tail stage of a packed weight");
         const int tail_begin = gemm_rows_tail_begin(kb_begin, kb_end, tail_blocks);
-        gemm_rows_accumulate<M_TILES, N_TILES, LOADS, X_FROM, true, false, true, true>(
+        gemm_rows_accumulate<M_TILES, N_TILES, X_FROM, true, false, true, true>(
             acc, x, ldx, w, n, k, row_begin, row_end, warp_column, kb_begin, tail_begin, w_tile_origin, nullptr, first);
         // The warp's own copies (no other warp's): landed, and each lane's seen by the others.
         gemm_rows_wait_weights();
@@ -623,15 +623,14 @@ __device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const 
         const GemmRowsWeightLane<N_TILES> staged = gemm_rows_weight_at<N_TILES>(
             tail + gemm_rows_tail_offset<N_TILES>(warp, tail_begin, tail_blocks) + 8 * lane,
             tail_blocks * GEMM_ROWS_PACKED_BLOCK, GEMM_ROWS_PACKED_BLOCK, n, warp_column);
-        gemm_rows_accumulate<M_TILES, N_TILES, LOADS, X_FROM, true, true, false>(
+        gemm_rows_accumulate<M_TILES, N_TILES, X_FROM, true, true, false>(
             acc, x, ldx, nullptr, n, k, row_begin, row_end, warp_column, tail_begin, kb_end, 0, &staged);
     } else {
-        gemm_rows_accumulate<M_TILES, N_TILES, LOADS, X_FROM, PACKED, W_SHARED>(
+        gemm_rows_accumulate<M_TILES, N_TILES, X_FROM, PACKED>(
             acc, x, ldx, w, n, k, row_begin, row_end, warp_column, kb_begin, kb_end, w_tile_origin);
     }
-    if constexpr (PARTIAL_OVER_X) {
-        static_assert(X_FROM == GEMM_X_SHARED || X_FROM == GEMM_X_STAGED, "partial over x: x is in shared memory");
-        __syncthreads();  // every warp has read its x
+    if constexpr (X_FROM == GEMM_X_SHARED || X_FROM == GEMM_X_STAGED) {
+        __syncthreads();  // every warp has read its x before `partial` overwrites it
     }
 #pragma unroll
     for (int fragment = 0; fragment < FRAGMENTS; ++fragment) {
@@ -794,13 +793,13 @@ __device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, in
 
     int group = blockIdx.x;
     for (; group < column_groups; group += gridDim.x) {
-        gemm_rows_group<M_TILES, N_TILES, GEMM_ROWS_LOADS, X_FROM, PACKED, false, false, false, SUMS>(
+        gemm_rows_group<M_TILES, N_TILES, X_FROM, PACKED, false, SUMS>(
             x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split, group, partial, 0, nullptr, 0, nullptr, sums);
     }
     if (second.w != nullptr) {
         // (Two loops, not one choosing its pointers: one set live at a time.)
         for (group -= column_groups; group < column_groups; group += gridDim.x) {
-            gemm_rows_group<M_TILES, N_TILES, GEMM_ROWS_LOADS, X_FROM, PACKED>(
+            gemm_rows_group<M_TILES, N_TILES, X_FROM, PACKED>(
                 second.x, ldx, second.w, second.y, ldy, row_begin, row_end, n, k, k_split, group, partial);
         }
     }

@@ -54,10 +54,10 @@ __device__ __forceinline__ void gemm_rows_staged_entry(const bf16_t* __restrict_
     }
     const bf16_t* stage = reinterpret_cast<const bf16_t*>(gemm_rows_stage);
     // (TAIL: the first step of each warp's range, loaded before the wait; else unused.)
-    uint4 first[TAIL ? gemm_rows_k_unroll<1, N_TILES, GEMM_ROWS_LOADS>() : 1][N_TILES];
+    uint4 first[TAIL ? gemm_rows_k_unroll<1, N_TILES>() : 1][N_TILES];
     if constexpr (TAIL) {
         if (sweeps) {
-            gemm_rows_first_step<N_TILES, GEMM_ROWS_LOADS>(first, w, n, k, k_split, blockIdx.x, tail_blocks);
+            gemm_rows_first_step<N_TILES>(first, w, n, k, k_split, blockIdx.x, tail_blocks);
         }
     }
     const int passed = gemm_rows_await(awaited);
@@ -84,11 +84,11 @@ __device__ __forceinline__ void gemm_rows_staged_entry(const bf16_t* __restrict_
         }
         __syncthreads();
         if constexpr (TAIL) {
-            gemm_rows_group<1, N_TILES, GEMM_ROWS_LOADS, GEMM_X_SHARED, true, false, true, true, SUMS>(
+            gemm_rows_group<1, N_TILES, GEMM_X_SHARED, true, true, SUMS>(
                 x_copy, padded_k, w, y, ldy, 0, rows, n, k, k_split, blockIdx.x, reinterpret_cast<float*>(region), 0,
                 stage, tail_blocks, &first[0][0], sums);
         } else {
-            gemm_rows_group<1, N_TILES, GEMM_ROWS_LOADS, GEMM_X_STAGED, true, true, true, false, SUMS>(
+            gemm_rows_group<1, N_TILES, GEMM_X_STAGED, true, false, SUMS>(
                 x_copy, padded_k, stage, y, ldy, 0, rows, n, k, k_split, blockIdx.x, reinterpret_cast<float*>(region),
                 first_tile, nullptr, 0, nullptr, sums);
         }
