@@ -29,25 +29,15 @@
 // kda_chunk_tc_prepare_f32 and its forms: grid (nchunks, heads), 256 threads (8 warps), dynamic
 //   shared memory CHUNK_TC_PREPARE_SMEM_BYTES = 104,704 B (the opt-in of sm_80 (163 KB), sm_90 and
 //   sm_100 (227 KB); not sm_86 / sm_89 / sm_120 (99 KB)), at most 128 registers, so two blocks
-//   share an SM and one's loads overlap the other's products. One block per (chunk, head):
-//     1. load k and g (gate clamped to [lower_bound, 0]), cumulative gate G; write q_decay (q read
-//        from global memory, never staged), k_tail (transposed per chunk) and chunk_decay;
-//     2. the 10 blocks (i >= j) of 16x16 of A and B, one warp per block pair (A and B share the
-//        key operand); L = diag(beta) A kept in shared memory, B to global;
-//     3. T = (I + L)^-1 blockwise: the four diagonal blocks by FP32 forward substitution, then
-//        T_ij = -T_ii sum_{j<=k<i} L_ik T_kj on mma in three waves (i - j = 1, 2, 3);
-//     4. W = T (beta K exp(G)) and Uc = T (beta V): 64x64 @ 64x128 on mma, 4 warps each.
+//   share an SM and one's loads overlap the other's products. A block per (chunk, head), in the
+//   four steps of chunk_tc_prepare.
 // kda_chunk_tc_scan_f32: grid (heads, D / 32), 128 threads (4 warps), dynamic shared memory
 //   CHUNK_TC_SCAN_SMEM_BYTES = 66,560 B, so two blocks fit an SM of sm_80 / sm_90 / sm_100 / sm_120
-//   and GLM's 64 heads x 4 value tiles (256 blocks) run in one wave on an H200's 132 SMs. The scan
-//   is bound by the L2 traffic of the operands every value tile of a head reads (W, q_decay,
-//   k_tail, B: FP16, see f32_to_f16). A block owns the state columns [32 y, 32 y + 32) of one head,
-//   FP32 in registers as mma accumulators (warp w: rows 32 w .. 32 w + 31), and walks the chunks:
-//     phase A (warp w: chunk rows 16 w .. 16 w + 15): U = Uc - W S0 and o = q_decay S0, W and
-//       q_decay staged in shared memory by cp.async one phase ahead;
-//     phase B: o += B U (core out), S = diag(decay) S + k_tail^T U, its operands loaded into
-//       registers at the chunk start.
-//   Two barriers per chunk and no atomics: every bit is a function of the inputs alone.
+//   and GLM's 64 heads x 4 value tiles (256 blocks) run in one wave on an H200's 132 SMs. It is
+//   bound by the L2 traffic of the operands every value tile of a head reads (W, q_decay, k_tail, B:
+//   FP16, see f32_to_f16). A block owns the state columns [32 y, 32 y + 32) of one head, FP32 in
+//   registers as mma accumulators, and walks the chunks in two phases, two barriers a chunk and no
+//   atomics: every bit is a function of the inputs alone.
 //
 // Fragment layout (PTX, mma.m16n8k8 .tf32; lane = 4 g + t): A a0 (g, t), a1 (g+8, t), a2 (g, t+4),
 // a3 (g+8, t+4); B b0 (k t, n g), b1 (k t+4, n g); C c0/c1 (g, 2t / 2t+1), c2/c3 (g+8, ...). As in
@@ -558,8 +548,8 @@ __device__ __forceinline__ void chunk_tc_prepare(
     const size_t head_offset = static_cast<size_t>(head) * KDA_HEAD_DIM;
     const size_t chunk_head = static_cast<size_t>(chunk_index) * heads + head;
 
-    // 1. Load k and g (padding rows zero by index): every load of the thread before the first store,
-    // then the cumulative gate and the elementwise outputs.
+    // 1. Load k and g (padding rows zero by index): every load of the thread before the first store;
+    // then the cumulative gate G and the elementwise outputs q_decay, k_tail and chunk_decay.
     {
         // The gate tile goes to shared memory clamped to [lower_bound, 0], the key tile after the
         // branch. This thread's 4 channels are the same in every load, its rows t = thread / 32 + 8 l.
@@ -760,7 +750,8 @@ __device__ __forceinline__ void chunk_tc_prepare(
         }
     }
 
-    // 2. Blocks (i, j), j <= i, of A and B, one warp per block pair. exp(G_t - G_s) is never formed
+    // 2. Blocks (i, j), j <= i, of A and B, one warp per block pair (they share the key operand); L =
+    // diag(beta) A stays in shared memory, B goes to global memory. exp(G_t - G_s) is never formed
     // as exp(G_t) exp(-G_s) (G reaches -320 in a chunk): row block i has a reference row r = 16 i,
     //   A[t][s] = sum_d (k_t exp(G_t - G_r)) (k_s exp(G_r - G_s)),
     // and with every g >= -5 (the clamp) both factors are finite FP32 / TF32 numbers: the range
