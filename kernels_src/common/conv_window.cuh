@@ -1,6 +1,6 @@
-// The causal conv of one channel, one definition for the prefill conv (conv.cu) and the fused
-// decode step, so both agree bit for bit: a window of the last K <= CONV_MAX_KERNEL inputs,
-// oldest in slot 0, kept in registers (compile-time indices only).
+// The causal conv of one channel, one definition for the prefill conv (conv.cu) and the fused decode
+// step, so both agree bit for bit: a window of the last K <= CONV_MAX_KERNEL inputs, oldest in slot 0,
+// kept in registers (compile-time indices only).
 #ifndef KDA_COMMON_CONV_WINDOW_CUH
 #define KDA_COMMON_CONV_WINDOW_CUH
 
