@@ -4,24 +4,8 @@
 // reading the conv output) have files of their own so that they compile side by side.
 #include "chunk/chunk_tc.cuh"
 
-// The prepare reading gate and beta, for the bounded law or (UNBOUNDED, lower_bound not read) any
-// gate <= 0.
-#define CHUNK_TC_PREPARE_ENTRY(NAME, UNBOUNDED)                                                     \
-    extern "C" __global__ void __launch_bounds__(CHUNK_TC_PREPARE_THREADS, 2)                       \
-        NAME(const float* __restrict__ query, const float* __restrict__ key,                        \
-             const float* __restrict__ value, const float* __restrict__ gate,                       \
-             const float* __restrict__ beta, f16_t* __restrict__ q_decay, f16_t* __restrict__ k_tail_t, \
-             f16_t* __restrict__ w, float* __restrict__ u, f16_t* __restrict__ attn,                \
-             float* __restrict__ chunk_decay, int tokens, int heads, float scale, float lower_bound) \
-    {                                                                                               \
-        chunk_tc_prepare<false, UNBOUNDED>(ChunkRowsF32{query, key, value, 0.0f},                        \
-                                           gate, beta, nullptr, nullptr, q_decay, k_tail_t, w, u, attn,      \
-                                           chunk_decay, tokens, heads, scale, lower_bound, nullptr, nullptr, \
-                                           nullptr, nullptr, 0);                                              \
-    }
-CHUNK_TC_PREPARE_ENTRY(kda_chunk_tc_prepare_f32, false)
-
-CHUNK_TC_PREPARE_ENTRY(kda_chunk_tc_prepare_unbounded_f32, true)
+CHUNK_TC_PREPARE_ENTRY(kda_chunk_tc_prepare_f32, false, F32)
+CHUNK_TC_PREPARE_ENTRY(kda_chunk_tc_prepare_unbounded_f32, true, F32)
 
 // The scan's W and q_decay tiles of chunk `chunk_index` into shared memory, asynchronously (a warp
 // copies a 512-byte row an instruction).

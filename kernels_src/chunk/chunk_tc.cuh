@@ -189,7 +189,6 @@ struct ChunkRowsF32 {
     const float* __restrict__ query;
     const float* __restrict__ key;
     const float* __restrict__ value;
-    float l2_eps;  // (not read)
 
     __device__ __forceinline__ const float* row(int which, int, size_t at, size_t) const
     {
@@ -1007,18 +1006,37 @@ __device__ __forceinline__ void chunk_tc_prepare(
     }
 }
 
-// The prepare reading gate and beta, and q, k, v from the BF16 conv output [T, 3 H D] (ChunkRowsConv),
-// for the bounded law or (UNBOUNDED) any gate <= 0: chunk_tc_conv.cu and chunk_tc_conv_unbounded.cu,
-// an entry a file so that they compile side by side. Outputs and launch as kda_chunk_tc_prepare_f32's.
-#define CHUNK_TC_PREPARE_CONV_ENTRY(NAME, UNBOUNDED)                                                          \
-    extern "C" __global__ void __launch_bounds__(CHUNK_TC_PREPARE_THREADS, 2)                                 \
-        NAME(const bf16_t* __restrict__ conv_out, float l2_eps, const float* __restrict__ gate,               \
-             const float* __restrict__ beta, f16_t* __restrict__ q_decay, f16_t* __restrict__ k_tail_t,       \
-             f16_t* __restrict__ w, float* __restrict__ u, f16_t* __restrict__ attn,                          \
-             float* __restrict__ chunk_decay, int tokens, int heads, float scale, float lower_bound)           \
-    {                                                                                                         \
-        chunk_tc_prepare<false, UNBOUNDED, ChunkRowsConv>(ChunkRowsConv{conv_out, l2_eps},                   \
-                                                          gate, beta, nullptr, nullptr, q_decay, k_tail_t, w, \
-                                                          u, attn, chunk_decay, tokens, heads, scale,         \
-                                                          lower_bound, nullptr, nullptr, nullptr, nullptr, 0); \
+// The prepare's entry points, one a file so that they compile side by side. ROWS: where q, k and v
+// come from, and the parameters the entry starts with: F32 (query, key, value: ChunkRowsF32) or CONV
+// (conv_out, l2_eps: ChunkRowsConv). CHUNK_TC_PREPARE_ENTRY reads gate and beta, for the bounded law
+// or (UNBOUNDED, lower_bound not read) any gate <= 0; CHUNK_TC_PREPARE_GATE_ENTRY forms them from the
+// projections (forget_proj, dt_bias, a_log, beta_logits, ld_beta after lower_bound) and writes them.
+#define CHUNK_TC_ROWS_F32_PARAMETERS \
+    const float* __restrict__ query, const float* __restrict__ key, const float* __restrict__ value
+#define CHUNK_TC_ROWS_F32 ChunkRowsF32{query, key, value}
+#define CHUNK_TC_ROWS_CONV_PARAMETERS const bf16_t* __restrict__ conv_out, float l2_eps
+#define CHUNK_TC_ROWS_CONV ChunkRowsConv{conv_out, l2_eps}
+#define CHUNK_TC_PREPARE_ENTRY(NAME, UNBOUNDED, ROWS)                                                      \
+    extern "C" __global__ void __launch_bounds__(CHUNK_TC_PREPARE_THREADS, 2)                              \
+        NAME(CHUNK_TC_ROWS_##ROWS##_PARAMETERS, const float* __restrict__ gate, const float* __restrict__ beta, \
+             f16_t* __restrict__ q_decay, f16_t* __restrict__ k_tail_t, f16_t* __restrict__ w,            \
+             float* __restrict__ u, f16_t* __restrict__ attn, float* __restrict__ chunk_decay, int tokens, \
+             int heads, float scale, float lower_bound)                                                   \
+    {                                                                                                      \
+        chunk_tc_prepare<false, UNBOUNDED>(CHUNK_TC_ROWS_##ROWS, gate, beta, nullptr, nullptr, q_decay,   \
+                                           k_tail_t, w, u, attn, chunk_decay, tokens, heads, scale,       \
+                                           lower_bound, nullptr, nullptr, nullptr, nullptr, 0);           \
+    }
+#define CHUNK_TC_PREPARE_GATE_ENTRY(NAME, ROWS)                                                            \
+    extern "C" __global__ void __launch_bounds__(CHUNK_TC_PREPARE_THREADS, 2)                              \
+        NAME(CHUNK_TC_ROWS_##ROWS##_PARAMETERS, float* __restrict__ gate, float* __restrict__ beta,        \
+             f16_t* __restrict__ q_decay, f16_t* __restrict__ k_tail_t, f16_t* __restrict__ w,            \
+             float* __restrict__ u, f16_t* __restrict__ attn, float* __restrict__ chunk_decay, int tokens, \
+             int heads, float scale, float lower_bound, const bf16_t* __restrict__ forget_proj,            \
+             const float* __restrict__ dt_bias, const float* __restrict__ a_log,                          \
+             const bf16_t* __restrict__ beta_logits, int ld_beta)                                         \
+    {                                                                                                      \
+        chunk_tc_prepare<true>(CHUNK_TC_ROWS_##ROWS, nullptr, nullptr, gate, beta, q_decay, k_tail_t, w, u, \
+                               attn, chunk_decay, tokens, heads, scale, lower_bound, forget_proj, dt_bias,  \
+                               a_log, beta_logits, ld_beta);                                               \
     }
