@@ -1,29 +1,22 @@
 // Chunked (WY) prefill of the KDA delta rule on tensor cores: the mathematics, inputs and outputs of
-// kda_chunk_prepare_f32 + kda_chunk_scan_f32 (chunk.cu, the FP32 reference path), every matrix
-// product on mma.sync m16n8k8 TF32 -> FP32. Chunk C = 64 rows in 4 sub-chunks of 16; D =
-// KDA_HEAD_DIM = 128. Per chunk and head (G_t = sum_{r<=t} g_r per channel, S0 the state at the
-// chunk start; docs/maths.md, the chunked form):
-//   A[t][s] = sum_d k_t k_s exp(G_t - G_s)  (s < t),   B[t][s] = scale sum_d q_t k_s exp(G_t - G_s)  (s <= t)
-//   T = (I + diag(beta) A)^-1,  W = T diag(beta) (K * exp(G)),  Uc = T diag(beta) V
-//   U = Uc - W S0,  o = (scale Q * exp(G)) S0 + B U,  S = diag(exp(G_{C-1})) S0 + (K * exp(G_{C-1} - G))^T U
+// kda_chunk_prepare_f32 + kda_chunk_scan_f32 (chunk.cu, the FP32 reference path: its comment and
+// docs/maths.md give A, B, T = (I + diag(beta) A)^-1, W, Uc, U and the state update), every matrix
+// product on mma.sync m16n8k8 TF32 -> FP32. Chunk C = 64 rows in 4 sub-chunks of 16; D = 128.
 // tests/chunk_tc_model.py `model_chunk_tc` is a float64 model of exactly this blocked algorithm: the
 // same sub-chunk reference rows, block order and TF32 rounding points.
 //
 // Gate laws: the bounded law (g >= lower_bound >= -5: the range argument before the pair products);
-// the unbounded prepares take any gate <= 0 (the softplus law) and form a diagonal 16 x 16 block of A
-// and B whose decay exceeds the bounded range as exact FP32 sums (diagonal_blocks_exact). The
-// fused-gate prepare forms the forget gate and beta from the projections in step 1 (and writes them
-// out) instead of reading them: one pass over the gate fewer.
+// the unbounded prepares take any gate <= 0 and form a diagonal 16 x 16 block of A and B whose decay
+// exceeds the bounded range as exact FP32 sums. The fused-gate prepare forms the forget gate and beta
+// from the projections (and writes them out) instead of reading them: one pass over the gate fewer.
 //
 // Numerics: every mma operand is rounded to TF32 (round_tf32) before the product; products, sums and
-// the state are FP32, only the state's per-chunk operand copy is TF32. The delta rule corrects the
-// state every chunk, so the rounding does not accumulate over T; BF16 operands (8 significant bits
-// against 11) miss the 1e-3 budget (docs/maths.md has the measured errors), and TF32's half rate
-// is not felt by these latency-bound kernels.
+// the state are FP32. BF16 operands (8 significant bits against 11) miss the 1e-3 budget
+// (docs/maths.md has the measured errors); TF32's half rate is not felt by these latency-bound kernels.
 //
-// Padding: rows t >= T of the last chunk are zero BY INDEX at the loads (q = k = v = 0, g = 0,
-// beta = 0): the padded input rows are never read, so NaN or 1e30 there changes no output bit and
-// no state bit. Padded rows of the scratch are written as zeros.
+// Padding: rows t >= T of the last chunk are zero BY INDEX at the loads (q = k = v = 0, g = 0, beta =
+// 0): the padded input rows are never read, so NaN or 1e30 there changes no output or state bit.
+// Padded rows of the scratch are written as zeros.
 //
 // Launch:
 // kda_chunk_tc_prepare_f32 and its forms: grid (nchunks, heads), 256 threads (8 warps), dynamic
@@ -41,11 +34,11 @@
 //
 // Fragment layout (PTX, mma.m16n8k8 .tf32; lane = 4 g + t): A a0 (g, t), a1 (g+8, t), a2 (g, t+4),
 // a3 (g+8, t+4); B b0 (k t, n g), b1 (k t+4, n g); C c0/c1 (g, 2t / 2t+1), c2/c3 (g+8, ...). As in
-// projection/gemm_rows.cuh the k axis is permuted the same way for A and B so that a lane reads
-// contiguous k: inside a block of 8 S k (S mma steps), lane t holds physical k 2St .. 2St + 2S - 1
-// of its rows and of its B column, and step s takes the pair 2s, 2s + 1 as logical k t and t + 4.
-// So B operands are stored n-major ([n][k]) in shared memory, in rows of a stride of 4 mod 8 floats
-// (132 for D, 68 for C): the 16-byte fragment loads and the accumulator stores are conflict free.
+// projection/gemm_rows.cuh, k is permuted the same way for A and B so that a lane reads contiguous k:
+// in a block of 8 S k (S mma steps), lane t holds physical k 2St .. 2St + 2S - 1 of its rows and of
+// its B column, and step s takes the pair 2s, 2s + 1 as logical k t and t + 4. So B operands are
+// stored n-major ([n][k]) in shared memory, rows a stride of 4 mod 8 floats apart (132 for D, 68 for
+// C): the 16-byte fragment loads and the accumulator stores are conflict free.
 #include "common/bf16.cuh"
 #include "common/math.cuh"
 #include "common/reduce.cuh"

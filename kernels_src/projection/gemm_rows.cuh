@@ -1,14 +1,10 @@
 // Device code of the row projection (the gemm_rows*.cu entries run it), on mma.sync m16n8k16:
 //   y[r, j] = bf16( sum_i x[r, i] * w[j, i] )   for r < rows (1..256), j < n
 // x [rows, k] (row stride ldx), w [n, k] (torch Linear layout, or packed: below), y [rows, n] (row
-// stride ldy: y may be a column slice of a wider buffer).
-//
-// Up to 64 rows the sweep is bound by streaming w once, so the layout serves that stream: k_split of
-// a block's 8 warps split k into contiguous ranges, the others stand side by side along n; a warp owns
-// N_TILES tiles of 8 columns and issues every weight load of a step (8 loads of 16 bytes a lane with
-// one m-tile, 8 / M_TILES with more) before its first mma; each x fragment (x is small, read through
-// L1 and L2) feeds N_TILES tiles; blockIdx.y picks 64 rows, so up to 64 rows each weight byte is read
-// once. The tiles per warp only trade x reuse against blocks (an entry point per variant): no bit.
+// stride ldy: y may be a column slice of a wider buffer). Up to 64 rows it is bound by streaming w
+// once (docs/design.md, the row projection kernel): k_split of a block's 8 warps split k into
+// contiguous ranges, the others stand side by side along n; a warp owns N_TILES tiles of 8 columns and
+// issues every weight load of a step before its first mma; blockIdx.y picks 64 rows.
 //
 // Bit contract: row r's bits depend neither on `rows` nor on the other rows. An mma output depends on
 // its own row of A and column of B only, so the zero rows padding a 16-row tile and the m-tiling leave
@@ -20,10 +16,6 @@
 // bytes k = 8t .. 8t+7 of one w row (column g of the tile) and of x rows g and g+8. mma step s (0, 1)
 // takes words 2s and 2s+1 of those loads: the standard fragment layout with k permuted the same way
 // for A and B (logical k 2t+e <-> physical 8t+4s+e, 2t+8+e <-> 8t+4s+2+e), every k once a block.
-//
-// Programmatic dependent launch (sm_90 on): a block lets the next kernel start at once, and waits for
-// the one before only after asking L2 for the first `prefetch` blocks of 32 k of its weight rows (the
-// weight is no kernel's output, x is). Without the attribute the wait returns at once.
 //
 // Requires k % 8 == 0, ldx % 8 == 0 and 16-byte aligned x and w (the wrapper checks): every load is
 // one 16-byte vector of 8 BF16; a k that is not a multiple of 32 is padded with zeros in both operands.
@@ -117,9 +109,8 @@ __device__ __forceinline__ void mma_bf16_m16n8k16(float acc[4], unsigned int a0,
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// k16 step `step` (0, 1) of one 32-k block (the fragment trick above): the A fragment from the loads
-// of its rows g (`low`) and g + 8 (`high`), the B fragment from the load of its column g, words
-// 2 step and 2 step + 1 of each.
+// k16 step `step` (0, 1) of a 32-k block (the fragment trick): A from the loads of its rows g (`low`)
+// and g + 8 (`high`), B from the load of its column g, words 2 step and 2 step + 1 of each.
 __device__ __forceinline__ void mma_bf16_step(float acc[4], const uint4& low, const uint4& high, const uint4& b,
                                               int step)
 {
@@ -143,9 +134,8 @@ __device__ __forceinline__ int gemm_rows_k_blocks(int k)
     return (k + GEMM_ROWS_K_BLOCK - 1) / GEMM_ROWS_K_BLOCK;
 }
 
-// Warps splitting the k axis of a block: the most (up to 8) that leaves each at least 4 blocks of
-// 32 k. A function of k alone, because it fixes every output's summation order
-// (glm_kda.gpu.projection mirrors it to size the grid).
+// Warps splitting the k axis of a block: the most (up to 8) that leaves each at least 4 blocks of 32
+// k. A function of k alone: it fixes every output's summation order (glm_kda.gpu.projection mirrors it).
 __device__ __forceinline__ int k_split_for(int k)
 {
     const int k_blocks = gemm_rows_k_blocks(k);
@@ -181,11 +171,9 @@ __device__ __forceinline__ void load_weight_step(uint4 (&w_frag)[K_UNROLL][N_TIL
     }
 }
 
-// The packed weight layout (glm_kda.gpu.projection.pack_weight): the 512 bytes one warp-wide load of
-// a tile and a k block reads, in lane order, n padded to a multiple of 8 and k of 32 by zeros,
+// The packed weight layout (pack_weight, docs/design.md), n padded to a multiple of 8 and k of 32:
 //   packed[tile][kb][lane][e] = w[8 tile + lane / 4, 32 kb + 8 (lane % 4) + e]
-// so a warp streams its k range of a tile as one run, not 8 rows' 64-byte pieces. The loads fetch
-// the row-major layout's values (zeros where its predicated loads give zeros): the same bits.
+// The loads fetch the row-major layout's values (zeros where its predicated loads give zeros).
 #define GEMM_ROWS_PACKED_BLOCK (GEMM_ROWS_N_TILE * GEMM_ROWS_K_BLOCK)  // elements per (tile, k block)
 
 // Blocks of 32 k per step of gemm_rows_accumulate: GEMM_ROWS_LOADS (m-tile, n-tile, k block) products
@@ -220,10 +208,9 @@ __device__ __forceinline__ GemmRowsWeightLane<N_TILES> gemm_rows_weight_at(const
     return weight;
 }
 
-// With more than one m-tile and an even number of tiles per warp the sweep swaps the mma's operands:
-// w as A (two tiles), x as B (8 rows a tile). The products and their k slots are the same, and so are
-// the bits (the GPU tests compare the row counts), while x's B fragment is two words of one load, not
-// four words of two: that saves the register moves that dominate the 4-m-tile loop.
+// With more than one m-tile and an even number of tiles per warp the mma's operands swap: w as A (two
+// tiles), x as B (8 rows a tile). The products, their k slots and the bits are the same (the GPU tests
+// compare the row counts); x's B fragment is two words of one load, which saves register moves.
 template <int M_TILES, int N_TILES>
 __device__ __forceinline__ constexpr bool gemm_rows_transposed()
 {
@@ -279,12 +266,11 @@ __device__ __forceinline__ void load_x_block(uint4 (&x_frag)[M_TILES][2], const 
     }
 }
 
-// gemm_rows_accumulate with both operands in shared memory (GEMM_X_STAGED, one m-tile, packed tiles):
-// the same mma on the same operands in the same order, so the same bits, but no read needs a
-// predicate, whose branches and register moves the general loop pays: the packed zeros pad w past k
-// and n (a warp's tiles past n read the zero chunk), x's copy has zeros past k, and a lane of a row
-// past row_end reads the zero chunk at x[-8] without moving along k. HIGH: rows 8 .. 15 of the m-tile
-// hold some row; without, their x is zeros in registers (one shared load a step fewer).
+// gemm_rows_accumulate with both operands in shared memory (GEMM_X_STAGED, one m-tile): the same mma
+// on the same operands in the same order, but no read needs a predicate (branches, register moves):
+// the packed zeros pad w past k and n (tiles past n read the zero chunk), x's copy has zeros past k,
+// and a lane of a row past row_end reads the zero chunk at x[-8]. HIGH: rows 8 .. 15 of the m-tile
+// hold some row; without, their x is zeros in registers (a shared load a step fewer).
 template <int N_TILES, bool HIGH>
 __device__ __forceinline__ void gemm_rows_accumulate_staged(float (&acc)[1][N_TILES][4], const bf16_t* x, int ldx,
                                                             const bf16_t* w, int n, int k, int row_begin,
@@ -339,13 +325,11 @@ __device__ __forceinline__ void gemm_rows_accumulate_staged(float (&acc)[1][N_TI
 }
 
 // One warp's accumulators over its k blocks [kb_begin, kb_end) for N_TILES tiles of 8 columns from
-// warp_column on and the rows [row_begin, row_end) (at most 64): a chain of mma in ascending k blocks,
-// which depends on the k range alone, never on the loads a step, the tiles or the rows. W_SHARED
-// (packed only): w is a shared-memory copy of the packed tiles w_tile_origin, ... FROM_ZERO false: the
-// chain goes on from acc (the blocks before kb_begin summed by the same chain), so that one chain may
-// read its k blocks from two places. `given`: the lane's weight (gemm_rows_weight_at; w and
-// w_tile_origin unread). FIRST_GIVEN: `first` holds the first step's weight fragments ([K_UNROLL]
-// [N_TILES], flat), loaded already by load_weight_step from the same places (so the same bits).
+// warp_column on and the rows [row_begin, row_end) (at most 64): a chain of mma in ascending k blocks.
+// W_SHARED: w is a shared-memory copy of the packed tiles w_tile_origin, ... FROM_ZERO false: the
+// chain goes on from acc, so that one chain may read its k blocks from two places. `given`: the lane's
+// weight (gemm_rows_weight_at; w unread). FIRST_GIVEN: `first` holds the first step's weight fragments
+// ([K_UNROLL][N_TILES], flat), loaded already by load_weight_step from the same places.
 template <int M_TILES, int N_TILES, int X_FROM = GEMM_X_INPUT, bool PACKED = false, bool W_SHARED = false,
           bool FROM_ZERO = true, bool FIRST_GIVEN = false>
 __device__ __forceinline__ void gemm_rows_accumulate(float (&acc)[M_TILES][N_TILES][4], const bf16_t* x, int ldx,
@@ -496,10 +480,9 @@ __device__ __forceinline__ int gemm_rows_warp_column(int k_split, int group)
 #define GEMM_ROWS_PARTIAL_FLOATS(M_TILES, N_TILES) (GEMM_ROWS_WARPS * (M_TILES) * (N_TILES) * 4 * 32)
 
 // ---- Weights in shared memory before the wait (the staged entries): `bytes` (a multiple of 16, both
-// addresses 16-byte aligned) from `source` into `stage` by the 16-byte cp.async of `threads` threads
-// (`thread` the caller's place; many requests in flight and no register; plain copies before sm_80).
-// All of them call this, later gemm_rows_wait_weights, then a barrier among them (the block's, or the
-// warp's for its own copy) that publishes the others' copies.
+// addresses 16-byte aligned) from `source` into `stage` by the cp.async of `threads` threads (many
+// requests in flight, no register; plain copies before sm_80). All of them call this, later
+// gemm_rows_wait_weights, then a barrier among them (the block's, or the warp's for its own copy).
 __device__ __forceinline__ void gemm_rows_stage_weights(void* stage, const bf16_t* source, unsigned int bytes,
                                                         unsigned int thread, unsigned int threads)
 {
@@ -527,10 +510,9 @@ __device__ __forceinline__ void gemm_rows_wait_weights()
 #endif
 }
 
-// The tail stage of a column group (gemm_rows_group's TAIL): for each warp in order, its N_TILES tiles
-// one after the other, each the last tail_blocks k blocks of the warp's range (512 elements a block,
-// as packed). A warp's tail starts tail_blocks blocks before the end of its range [kb_begin, kb_end),
-// or at its start (a shorter range is all tail; an empty one has none).
+// The tail stage of a column group (gemm_rows_group's TAIL): for each warp in order, its N_TILES tiles,
+// each the last tail_blocks k blocks of the warp's range (512 elements a block, as packed). A shorter
+// range is all tail; an empty one has none.
 __device__ __forceinline__ int gemm_rows_tail_begin(int kb_begin, int kb_end, int tail_blocks)
 {
     return max(kb_begin, kb_end - tail_blocks);
@@ -576,13 +558,12 @@ struct GemmRowsSums {
 
 // One column group of the output, by the block's 8 warps: rows [row_begin, row_end) (at most 64),
 // columns group * group_columns ... Deterministic split-k: partial[warp][fragment][lane], then each
-// output adds its k_split partials in ascending warp_k order. Ends with a barrier (the next group
-// may overwrite `partial`). GEMM_X_STAGED: w is a shared-memory copy of the packed tiles
-// w_tile_origin, ... (gemm_rows_accumulate_staged). With x in shared memory `partial` is that memory,
-// so a block barrier comes before the partials. TAIL (packed w): the last k blocks of each warp's
-// range come from `tail`, the copy the warp started (gemm_rows_stage_tail, waited for here), the
-// others from w, their first step from `first` (gemm_rows_first_step): one chain over the range in the
-// same order, so the same bits. SUMS: each output's FP32 sum also goes to `sums`.
+// output adds its k_split partials in ascending warp_k order. Ends with a barrier (the next group may
+// overwrite `partial`). GEMM_X_STAGED: w is a shared-memory copy of the packed tiles w_tile_origin, ...
+// With x in shared memory, `partial` overwrites it. TAIL (packed w): the last k blocks of each warp's
+// range come from `tail`, the copy the warp started (gemm_rows_stage_tail), the others from w, their
+// first step from `first` (gemm_rows_first_step): one chain in the same order. SUMS: each output's
+// FP32 sum also goes to `sums`.
 template <int M_TILES, int N_TILES, int X_FROM = GEMM_X_INPUT, bool PACKED = false, bool TAIL = false,
           bool SUMS = false>
 __device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const bf16_t* w, bf16_t* y, int ldy,
@@ -727,9 +708,9 @@ __device__ __forceinline__ void gemm_rows_stage_tail(bf16_t* tail, const bf16_t*
 
 // The body of every mma.sync entry point but the staged ones: one block's share of the output, rows
 // [row_begin, row_end) (64 a blockIdx.y) and the column groups blockIdx.x, blockIdx.x + gridDim.x, ...
-// With a second projection its column groups follow the first's (groups column_groups .. 2
-// column_groups - 1 are its groups 0 ..): each the group its projection alone would sweep, so the
-// same bits. SUMS (no second projection): the FP32 sums to `sums` too.
+// A second projection's column groups follow the first's, each the group it alone would sweep.
+// `prefetch`: L2 requests for the first blocks of 32 k of the weight before the wait on the kernel
+// before (the weight is no kernel's output, x is).
 template <int M_TILES, int N_TILES, bool PACKED, int X_FROM = GEMM_X_INPUT, bool SUMS = false>
 __device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, int ldx,
                                                 const bf16_t* __restrict__ w, bf16_t* __restrict__ y,
