@@ -1,29 +1,19 @@
-// The staged decode forms of the row projection (gemm_rows_decode.cu has the other awaiting entries;
-// a file of its own so that the two compile side by side). Launch: below; bit contract as gemm_rows.cu;
-// the device code is in gemm_rows.cuh.
+// The staged forms of the awaiting entry (gemm_rows_decode.cu; docs/design.md, the output projection):
+// up to 16 rows of a packed weight, the same bits, the weight streamed into dynamic shared memory while
+// the awaited kernel still runs (`prefetch` unused: the copy is the prefetch). Launch: 256 threads,
+// grid.x = the column groups (one a block), grid.y = 1.
+//   kda_gemm_rows_staged_awaiting_bf16_m1_n<N>: the group's tiles, all their k blocks, copied before
+//     the wait; past it x's rows beside them (through L2), then both swept from shared memory
+//     (GEMM_X_STAGED). Dynamic shared memory: the stage, then max(16 + rows * k_pad * 2 bytes, the
+//     partial sums) (k_pad: k rounded up to 32): a zero chunk and x's rows, the partial sums over them.
+//   kda_gemm_rows_tail_staged_awaiting_bf16_m1_n<N>, for a column group that does not fit a stage: each
+//     warp starts the copies of its tail (gemm_rows_stage_tail) and loads the first step of its range
+//     before the wait; past it, x's rows as above, the rest of its range from memory at once and the
+//     tail last (GEMM_X_SHARED, TAIL): a copy still in flight at the wait holds back only the tail.
+//     Dynamic shared memory: 8 warps * N tiles * tail_blocks * 512 bytes, then x's region as above.
+//   Their *_sums_* forms write the FP32 sums too (sums, ld_sums after the words).
 #include "projection/gemm_rows.cuh"
 
-// The staged forms of the awaiting entry: up to 16 rows of a packed weight, one column group a block
-// (grid.x = the column groups, grid.y = 1), launched as a programmatic dependent of the kernel that
-// counts its outputs out (as kda_gemm_rows_packed_awaiting_bf16_m1_n<N>). The weight streams into
-// dynamic shared memory while that kernel still runs (the fused step of one sequence leaves the memory
-// idle); `prefetch` is accepted and unused (the copy is the prefetch). The same bits as the packed entry.
-//
-// kda_gemm_rows_staged_awaiting_bf16_m1_n<N>: the group's tiles, all their k blocks, copied before the
-// wait. Past it the block copies x's rows (through L2, one round of loads) after the weights, then
-// sweeps both from shared memory (GEMM_X_STAGED: no step waits on L2, none needs a predicate). Dynamic
-// shared memory: the stage, then max(16 + rows * k_pad * 2 bytes, the partial sums) (k_pad: k rounded
-// up to 32): a zero chunk and x's rows, the partial sums written over them once every warp read them.
-//
-// kda_gemm_rows_tail_staged_awaiting_bf16_m1_n<N>, for a column group that does not fit a stage: before
-// the wait each warp starts the copies of its part of the group's tail (gemm_rows_stage_tail) and loads
-// the first step of its range into registers; past it, x's rows as above, then each warp's chain reads
-// the rest of its range from memory at once, from those registers on, and the tail from the stage once
-// its copies have landed (gemm_rows_group's TAIL, GEMM_X_SHARED): a copy still in flight at the wait
-// holds back nothing but the tail. Dynamic shared memory: 8 warps * N tiles * tail_blocks * 512 bytes,
-// then x's region as above.
-//
-// Their *_sums_* forms write the FP32 sums too (sums, ld_sums after the words), as gemm_rows_sums does.
 template <int N_TILES, bool TAIL, bool SUMS = false>
 __device__ __forceinline__ void gemm_rows_staged_entry(const bf16_t* __restrict__ x, int ldx,
                                                        const bf16_t* __restrict__ w, bf16_t* __restrict__ y,
