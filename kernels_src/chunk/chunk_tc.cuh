@@ -601,12 +601,10 @@ __device__ __forceinline__ void chunk_tc_prepare(
 #pragma unroll
             for (int l = 0; l < CHUNK_TC_TILE_LOADS; ++l) {
                 const int t = (thread + l * CHUNK_TC_PREPARE_THREADS) >> 5;
-                float4 clamped = gate_value[l];
-                clamped.x = clamp_gate(clamped.x, clamp_bound);
-                clamped.y = clamp_gate(clamped.y, clamp_bound);
-                clamped.z = clamp_gate(clamped.z, clamp_bound);
-                clamped.w = clamp_gate(clamped.w, clamp_bound);
-                *reinterpret_cast<float4*>(cumgate_s + t * CHUNK_TC_D_STRIDE + channel) = clamped;
+                const float4 g = gate_value[l];
+                *reinterpret_cast<float4*>(cumgate_s + t * CHUNK_TC_D_STRIDE + channel) =
+                    make_float4(clamp_gate(g.x, clamp_bound), clamp_gate(g.y, clamp_bound), clamp_gate(g.z, clamp_bound),
+                                clamp_gate(g.w, clamp_bound));
             }
         }
 #pragma unroll
