@@ -481,12 +481,11 @@ __device__ __forceinline__ int gemm_rows_warp_column(int k_split, int group)
 
 // ---- Weights in shared memory before the wait (the staged entries): `bytes` (a multiple of 16, both
 // addresses 16-byte aligned) from `source` into `stage` by the cp.async of `threads` threads (many
-// requests in flight, no register; plain copies before sm_80). All of them call this, later
-// gemm_rows_wait_weights, then a barrier among them (the block's, or the warp's for its own copy).
+// requests in flight, no register). All of them call this, later gemm_rows_wait_weights, then a
+// barrier among them (the block's, or the warp's for its own copy).
 __device__ __forceinline__ void gemm_rows_stage_weights(void* stage, const bf16_t* source, unsigned int bytes,
                                                         unsigned int thread, unsigned int threads)
 {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     const unsigned int base = shared_address(stage);
     for (unsigned int offset = 16 * thread; offset < bytes; offset += 16 * threads) {
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(base + offset),
@@ -494,20 +493,12 @@ __device__ __forceinline__ void gemm_rows_stage_weights(void* stage, const bf16_
                      : "memory");
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
-#else
-    for (unsigned int offset = 16 * thread; offset < bytes; offset += 16 * threads) {
-        *reinterpret_cast<uint4*>(static_cast<char*>(stage) + offset) =
-            *reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(source) + offset);
-    }
-#endif
 }
 
 // Every thread: wait until its own copies of gemm_rows_stage_weights have landed.
 __device__ __forceinline__ void gemm_rows_wait_weights()
 {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm volatile("cp.async.wait_all;" ::: "memory");
-#endif
 }
 
 // The tail stage of a column group (gemm_rows_group's TAIL): for each warp in order, its N_TILES tiles,
