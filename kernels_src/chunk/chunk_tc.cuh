@@ -603,8 +603,8 @@ __device__ __forceinline__ void chunk_tc_prepare(
                 const int t = (thread + l * CHUNK_TC_PREPARE_THREADS) >> 5;
                 const float4 g = gate_value[l];
                 *reinterpret_cast<float4*>(cumgate_s + t * CHUNK_TC_D_STRIDE + channel) =
-                    make_float4(clamp_gate(g.x, clamp_bound), clamp_gate(g.y, clamp_bound), clamp_gate(g.z, clamp_bound),
-                                clamp_gate(g.w, clamp_bound));
+                    make_float4(clamp_gate(g.x, clamp_bound), clamp_gate(g.y, clamp_bound),
+                                clamp_gate(g.z, clamp_bound), clamp_gate(g.w, clamp_bound));
             }
         }
 #pragma unroll

@@ -63,8 +63,8 @@ __device__ __forceinline__ uint4 load_weight_16B_in_order(const bf16_t* pointer,
     return value;
 }
 
-// 16 bytes of w from a block's shared-memory copy of its weights (the staged entries).
-__device__ __forceinline__ uint4 load_staged_weight_16B(const bf16_t* pointer, bool valid)
+// 16 bytes of a block's shared-memory copy of its weights or of x (the staged entries).
+__device__ __forceinline__ uint4 load_shared_16B(const bf16_t* pointer, bool valid)
 {
     return valid ? *reinterpret_cast<const uint4*>(pointer) : uint4{0u, 0u, 0u, 0u};
 }
@@ -161,7 +161,7 @@ __device__ __forceinline__ void load_weight_step(uint4 (&w_frag)[K_UNROLL][N_TIL
         for (int j = 0; j < N_TILES; ++j) {
             const bf16_t* pointer = w_lane + (j * tile_stride + (kb_step + u) * block_stride);
             if constexpr (W_SHARED) {
-                w_frag[u][j] = load_staged_weight_16B(pointer, w_valid[j] && k_valid);
+                w_frag[u][j] = load_shared_16B(pointer, w_valid[j] && k_valid);
             } else if constexpr (IN_ORDER) {
                 w_frag[u][j] = load_weight_16B_in_order(pointer, w_valid[j] && k_valid);
             } else {
@@ -256,7 +256,7 @@ __device__ __forceinline__ void load_x_block(uint4 (&x_frag)[M_TILES][2], const 
             const bf16_t* pointer = x_lane + static_cast<size_t>(GEMM_ROWS_M_TILE * m + 8 * half) * ldx + k_offset;
             const bool valid = x_valid[m][half] && k_valid;
             if constexpr (X_FROM == GEMM_X_SHARED) {
-                x_frag[m][half] = valid ? *reinterpret_cast<const uint4*>(pointer) : uint4{0u, 0u, 0u, 0u};
+                x_frag[m][half] = load_shared_16B(pointer, valid);
             } else if constexpr (X_FROM == GEMM_X_PRODUCED) {
                 x_frag[m][half] = load_produced_16B(pointer, valid);
             } else {
