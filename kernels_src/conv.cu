@@ -1,6 +1,6 @@
-// T tokens of a prefill: causal depthwise conv over time + SiLU on the q|k|v projection
-// (conv_dim = 3 * heads * head_dim channels), the BF16 conv output, then (unless query is null)
-// the per-head L2 normalisation of q and k and the split into FP32 q, k and v.
+// T tokens of a prefill: causal depthwise conv over time + SiLU on the q|k|v projection (conv_dim =
+// 3 * heads * head_dim channels), the BF16 conv output, then (unless query is null) the per-head L2
+// normalisation of q and k and the split into FP32 q, k and v.
 //
 // conv_state [conv_dim, K] FP32 keeps the last K conv INPUTS per channel, oldest first. Each token
 // shifts the window left by one and puts the new input in slot K-1, then
@@ -10,11 +10,10 @@
 //
 // Launch: grid (ceil(3 * heads / 4), ceil(T / 64)), block 128 = 4 warps, no shared memory. A warp
 // holds one head of q, k or v for a tile of 64 tokens, 4 channels a lane, so the tokens run in
-// parallel (a lane rebuilds its windows from the K - 1 inputs before its tile), each token is a few
-// vector loads and stores, and the L2 sum of a token's head is a warp reduction in block_sum_f32's
-// order, without a block barrier. The conv of a channel is the fused decode step's
-// (common/conv_window.cuh) and the L2 sum adds in its order, so prefill and decode agree bit for
-// bit on the conv output and q, k, v. K <= CONV_MAX_KERNEL = 4: the windows live in registers.
+// parallel (a lane rebuilds its windows from the K - 1 inputs before its tile) and the L2 sum of a
+// token's head is a warp reduction, without a block barrier. The conv of a channel is the fused decode
+// step's (common/conv_window.cuh) and the L2 sum adds in its order, so prefill and decode agree bit
+// for bit on the conv output and q, k, v. K <= CONV_MAX_KERNEL = 4: the windows live in registers.
 #include "common/conv_window.cuh"
 #include "common/reduce.cuh"
 

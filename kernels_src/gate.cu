@@ -1,18 +1,15 @@
-// Forget gate (per-channel log-decay) and beta (per-head write strength) of a prefill, FP32.
-//   u = forget_proj[t, c] + dt_bias[c],  c = h * head_dim + d
-//   a = exp(A_log[h])
+// Forget gate (per-channel log-decay) and beta (per-head write strength) of a prefill, FP32:
+//   u = forget_proj[t, c] + dt_bias[c],  c = h * head_dim + d,  a = exp(A_log[h])
 //   bounded law (gate_law KDA_GATE_BOUNDED):   gate = lower_bound * sigmoid(a * u)
 //   softplus law (gate_law KDA_GATE_SOFTPLUS): gate = -a * softplus(u),  softplus(u) = u for u > 20
 //   beta[t, h] = sigmoid(beta_logits[t, h])
-// (kda_forget_gate in common/math.cuh: the one definition, shared with the fused decode step and
-// the tensor-core chunk prepare, so they agree bit for bit.)
+// (kda_forget_gate, common/math.cuh: the one definition, so the kernels that form it agree bit for bit.)
 //
-// Launch: grid (heads, ceil(T / GATE_TOKENS_PER_BLOCK)), block 128 threads, no shared memory: one
-// head of KDA_HEAD_DIM = 128 channels and a group of 32 tokens a block. Thread 32 r + c owns
-// channels 4c .. 4c + 3 (one 8-byte load of 4 BF16, one 16-byte store of 4 FP32) of the tokens
-// r, r + 4, .., r + 28 of the group; all its loads are issued before the first store. So
-// exp(A_log[h]) is block-uniform and the c = 0 threads write the beta of their tokens. The
-// grouping is only a walk order: an element's arithmetic does not depend on it.
+// Launch: grid (heads, ceil(T / GATE_TOKENS_PER_BLOCK)), block 128 threads, no shared memory: one head
+// and a group of 32 tokens a block. Thread 32 r + c owns channels 4c .. 4c + 3 (an 8-byte load of 4
+// BF16, a 16-byte store of 4 FP32) of the tokens r, r + 4, .., r + 28 of the group, all its loads
+// issued before the first store; the c = 0 threads write the beta of their tokens. The grouping is
+// only a walk order: an element's arithmetic does not depend on it.
 #include "common/bf16.cuh"
 #include "common/head.cuh"
 #include "common/math.cuh"
@@ -36,9 +33,8 @@ kda_gate_beta_f32(const bf16_t* __restrict__ forget_proj, const float* __restric
     const int d = 4 * (threadIdx.x % (KDA_HEAD_DIM / 4));
     const size_t channel = static_cast<size_t>(head) * KDA_HEAD_DIM + d;
     const size_t row_stride = static_cast<size_t>(heads) * KDA_HEAD_DIM;
-    // dt_bias is per CHANNEL ([heads * head_dim]), A_log is per HEAD ([heads]).
-    // Indexing A_log by channel (or dt_bias by head) reads valid memory and gives a
-    // plausible-looking gate: the highest-risk line of the block.
+    // dt_bias is per CHANNEL ([heads * head_dim]), A_log per HEAD ([heads]): swapped, they read valid
+    // memory and give a plausible-looking gate, the highest-risk line of the block.
     const float4 bias = *reinterpret_cast<const float4*>(dt_bias + channel);
     const float a = expf(a_log[head]);
     const int first = blockIdx.y * GATE_TOKENS_PER_BLOCK + row;

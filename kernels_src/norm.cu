@@ -1,14 +1,12 @@
 // Gated RMSNorm per head of a prefill's KDA core output, FP32 arithmetic, BF16 result:
 //   y[t, h, d] = o / sqrt(mean_d(o * o) + eps) * norm_w[d] * sigmoid(out_gate[t, h, d])
-// The gate activation is SIGMOID. The common gated RMSNorm applies SiLU to the
-// gate instead and has the same shapes, dtypes and launch geometry, so swapping
-// the two is silent.
+// The gate is a SIGMOID: the common gated RMSNorm's SiLU has the same shapes, so a swap is silent.
 //
 // Launch: grid (heads, ceil(T / NORM_TOKENS_PER_BLOCK)), block head_dim = 128, no dynamic shared
-// memory: one block per head and group of 8 tokens, one thread per channel, so the mean over the
-// head is one block reduction per token (gated_rmsnorm_sigmoid, the fused decode step's). The
-// group's loads are issued before its first reduction (enough rows to amortise a block's start at
-// prefill widths); an element's arithmetic does not depend on the grouping.
+// memory: a block per head and group of 8 tokens, a thread per channel, so the mean over the head is
+// one block reduction per token (gated_rmsnorm_sigmoid, the fused decode step's). The group's loads
+// are issued before its first reduction (enough rows to amortise a block's start at prefill widths);
+// an element's arithmetic does not depend on the grouping.
 #include "common/bf16.cuh"
 #include "common/reduce.cuh"
 

@@ -551,7 +551,7 @@ def test_pack_weight_layout():
 def test_tile_layout():
     """tile_layout element by element (zeros past m and k, m and k not multiples of the group or the
     block), and slot by slot against the A fragment the mma.sync sweeps form from two loads of
-    pack_weight's layout (gemm_rows.cuh's interleave_pair): logical slot 8 h + 2 t + e of k16 step s
+    pack_weight's layout (gemm_rows.cuh's mma_bf16_step): logical slot 8 h + 2 t + e of k16 step s
     holds the value that fragment holds there, for every column."""
     from glm_kda.gpu.projection import tile_layout
 
@@ -565,7 +565,7 @@ def test_tile_layout():
         assert tiles[group, kb, 1024 * s + 512 * h + 8 * c + 2 * t + e] == expected, (group, kb, s, h, c, t, e)
     packed = pack_weight(w, tiles=True)
     assert np.array_equal(packed.tiles, tiles) and pack_weight(w).tiles is None
-    # interleave_pair(low, high, s) of tiles 2 p, 2 p + 1: words 2 s, 2 s + 1 of each load, low's rows
+    # mma_bf16_step's A fragment (low, high, s) of tiles 2 p, 2 p + 1: words 2 s, 2 s + 1 of each load, low's rows
     # g (words 0, 2 of the fragment) and high's g + 8 (words 1, 3); fragment words 0, 1 are slots
     # 2 t, 2 t + 1 and words 2, 3 slots 8 + 2 t, 9 + 2 t.
     words = packed.data.view(np.uint32).reshape(packed.data.shape[0], 3, 32, 4)  # [tile, kb, lane, word]

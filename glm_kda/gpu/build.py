@@ -527,7 +527,7 @@ def launch(name: str, grid: Sequence[int], block: Sequence[int], args: Sequence[
 
     ``args`` are cupy arrays (passed as device pointers), None (a null pointer) and numpy.int32 /
     numpy.float32 scalars, in the kernel's parameter order; the wrappers in :mod:`glm_kda.gpu.ops`
-    build them. ``programmatic``: a programmatic dependent launch (see kda_wait_for_previous_kernel
+    build them. ``programmatic``: a programmatic dependent launch (see kda_grid_dependency_wait
     in common/sync.cuh: the kernel must wait before it touches anything the previous kernel writes);
     a plain launch where the device or driver cannot, or where the current LaunchContext says so
     (portable path, timing). ``carveout``: the preferred shared-memory split in percent (see

@@ -1,39 +1,27 @@
-// Chunked (WY) prefill of the KDA delta rule over T tokens, FP32. Chunk size C
-// (1..64), nchunks = ceil(T / C), Tp = nchunks * C; D = KDA_HEAD_DIM.
-//
-// Per chunk and head, with rows t, s in 0..C-1, G_t[d] = sum_{r<=t} g_r[d] (the
-// cumulative log-decay inside the chunk) and S0 the state at the chunk start:
-//   A[t][s]  = sum_d k_t[d] k_s[d] exp(G_t[d] - G_s[d])            s < t
-//   B[t][s]  = scale * sum_d q_t[d] k_s[d] exp(G_t[d] - G_s[d])    s <= t
-//   W_t      = beta_t * (k_t * exp(G_t) - sum_{s<t} A[t][s] W_s)   forward substitution
-//   Uc_t     = beta_t * (v_t            - sum_{s<t} A[t][s] Uc_s)
-//   q_decay_t = scale * q_t * exp(G_t),  k_tail_s = k_s * exp(G_{C-1} - G_s),
-//   chunk_decay = exp(G_{C-1})
+// Chunked (WY) prefill of the KDA delta rule over T tokens, FP32: the reference path, any chunk
+// size C (1..64), nchunks = ceil(T / C), D = KDA_HEAD_DIM. Per chunk and head (rows t, s in 0..C-1,
+// G_t = sum_{r<=t} g_r per channel, S0 the state at the chunk start; docs/maths.md, the chunked form):
+//   A[t][s]  = sum_d k_t k_s exp(G_t - G_s)  (s < t),   B[t][s] = scale sum_d q_t k_s exp(G_t - G_s)  (s <= t)
+//   W_t      = beta_t (k_t exp(G_t) - sum_{s<t} A[t][s] W_s),   Uc_t = beta_t (v_t - sum_{s<t} A[t][s] Uc_s)
+//   q_decay_t = scale q_t exp(G_t),  k_tail_s = k_s exp(G_{C-1} - G_s),  chunk_decay = exp(G_{C-1})
 // and the scan, chunk after chunk:
-//   U_t   = Uc_t - W_t^T S0
-//   o_t   = q_decay_t^T S0 + sum_{s<=t} B[t][s] U_s
-//   S_new = diag(chunk_decay) S0 + sum_s k_tail_s U_s^T
-// which equals token-by-token decode in exact arithmetic (not bit for bit).
+//   U_t = Uc_t - W_t^T S0,  o_t = q_decay_t^T S0 + sum_{s<=t} B[t][s] U_s,
+//   S = diag(chunk_decay) S0 + sum_s k_tail_s U_s^T
+// Only differences G_t - G_s with s <= t are exponentiated: they are <= 0 (g <= 0), so the factors
+// stay in [0, 1], where exp(G_t) exp(-G_s) would overflow on long strongly-decaying chunks.
 //
-// Only exponent DIFFERENCES G_t - G_s with s <= t are ever exponentiated. The
-// gate is a log-decay (g <= 0), so they are <= 0 and the factors stay in [0, 1];
-// exp(G_t) * exp(-G_s) would overflow on long strongly-decaying chunks.
-//
-// Padding: rows t >= T of the last chunk are treated as k = v = q = 0, beta = 0,
-// g = 0 by an index test BEFORE any read, so garbage (NaN, 1e30) in the padded
-// rows of the inputs can change no output bit and no bit of the carried state.
+// Padding: rows t >= T of the last chunk are k = v = q = 0, beta = 0, g = 0 by an index test BEFORE
+// any read, so garbage (NaN, 1e30) in the padded input rows changes no output or state bit.
 //
 // Launch:
-// kda_chunk_prepare_f32: grid (nchunks, heads), block D = 128, dynamic shared
-//   memory (chunk_prepare_smem_bytes in glm_kda/gpu/ops/chunk.py). One block per (chunk,
-//   head) has the whole chunk in shared memory; thread d owns channel d for the
-//   per-channel work (cumulative gate, substitution), and the C*C pair sums of A
-//   and B are spread over the threads, each summing its pair over d in order.
-//   The substitution is independent per channel, so it needs no synchronisation.
-// kda_chunk_scan_f32: grid (heads, D / 32), block 32. A thread owns value column
-//   v and keeps the state column S[:, v] in registers across all chunks (read
-//   once, written once); the chunk's U column lives in shared memory because it
-//   is indexed by a runtime row.
+// kda_chunk_prepare_f32: grid (nchunks, heads), block D = 128, dynamic shared memory
+//   (glm_kda/gpu/ops/chunk.py chunk_prepare_smem_bytes). A block per (chunk, head) holds the chunk in
+//   shared memory; thread d owns channel d for the per-channel work (cumulative gate, substitution:
+//   independent per channel, so without synchronisation), and the C*C pair sums of A and B are
+//   spread over the threads, each summing its pair over d in order.
+// kda_chunk_scan_f32: grid (heads, D / 32), block 32. A thread owns value column v and keeps the state
+//   column S[:, v] in registers across all chunks (read once, written once); the chunk's U column
+//   lives in shared memory because it is indexed by a runtime row.
 #include "common/head.cuh"
 
 #define CHUNK_MAX 64
@@ -51,8 +39,8 @@ kda_chunk_prepare_f32(const float* __restrict__ query, const float* __restrict__
                       int heads, int chunk, float scale)
 {
     // Layout, chunk_prepare_smem_bytes(chunk) bytes in all:
-    //   key_s     [chunk][CHUNK_TILE_STRIDE]  k, then Uc once the pair sums are done
-    //   query_s   [chunk][CHUNK_TILE_STRIDE]  q, then W once the pair sums are done
+    //   key_s     [chunk][CHUNK_TILE_STRIDE]  k, then Uc (after the pair sums)
+    //   query_s   [chunk][CHUNK_TILE_STRIDE]  q, then W
     //   cumgate_s [chunk][CHUNK_TILE_STRIDE]  G
     //   pair_s    [chunk][chunk]              A (zero on and above the diagonal)
     //   beta_s    [chunk]
@@ -132,9 +120,8 @@ kda_chunk_prepare_f32(const float* __restrict__ query, const float* __restrict__
     }
     __syncthreads();
 
-    // Forward substitution, independent per channel d: thread d reads only
-    // column d of W / Uc, which it wrote itself, so no synchronisation is needed.
-    // Row t of query_s / key_s is overwritten by W_t / Uc_t once q_t / k_t is read.
+    // Forward substitution, independent per channel: thread d reads only column d of W / Uc, which it
+    // wrote itself. Row t of query_s / key_s is overwritten by W_t / Uc_t once q_t / k_t is read.
     for (int t = 0; t < chunk; ++t) {
         const size_t index = static_cast<size_t>(first + t) * row_stride + head_offset + d;
         if (t >= valid) {

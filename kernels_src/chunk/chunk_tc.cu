@@ -1,34 +1,14 @@
 // The tensor-core chunked prefill's kernels: the prepare of each chunk (bounded and unbounded gate
 // laws, gate and beta read from the workspace) and the scan across chunks. Launch geometry, the
-// algorithm, shared memory and numerics are in chunk_tc.cuh; chunk_tc_gate.cu has the prepare that
-// forms the gate itself and chunk_tc_conv.cu the prepares reading the conv output (files of their own
-// so that they compile side by side).
+// algorithm, shared memory and numerics are in chunk_tc.cuh; the other prepares (forming the gate,
+// reading the conv output) have files of their own so that they compile side by side.
 #include "chunk/chunk_tc.cuh"
 
-// The prepare reading gate and beta, for the bounded law (NAME kda_chunk_tc_prepare_f32,
-// UNBOUNDED false) or for gates without a lower bound, the softplus law (NAME
-// kda_chunk_tc_prepare_unbounded_f32, UNBOUNDED true: the blocks below the diagonal keep the
-// products, both factors <= 1 for any gate <= 0, and a diagonal block wider than the bounded
-// range is formed exactly instead, diagonal_blocks_exact; lower_bound is not read).
-#define CHUNK_TC_PREPARE_ENTRY(NAME, UNBOUNDED)                                                     \
-    extern "C" __global__ void __launch_bounds__(CHUNK_TC_PREPARE_THREADS, 2)                       \
-        NAME(const float* __restrict__ query, const float* __restrict__ key,                        \
-             const float* __restrict__ value, const float* __restrict__ gate,                       \
-             const float* __restrict__ beta, f16_t* __restrict__ q_decay, f16_t* __restrict__ k_tail_t, \
-             f16_t* __restrict__ w, float* __restrict__ u, f16_t* __restrict__ attn,                \
-             float* __restrict__ chunk_decay, int tokens, int heads, float scale, float lower_bound) \
-    {                                                                                               \
-        chunk_tc_prepare<false, UNBOUNDED>(ChunkRowsF32{query, key, value, 0.0f},                        \
-                                           gate, beta, nullptr, nullptr, q_decay, k_tail_t, w, u, attn,      \
-                                           chunk_decay, tokens, heads, scale, lower_bound, nullptr, nullptr, \
-                                           nullptr, nullptr, 0);                                              \
-    }
-CHUNK_TC_PREPARE_ENTRY(kda_chunk_tc_prepare_f32, false)
+CHUNK_TC_PREPARE_ENTRY(kda_chunk_tc_prepare_f32, false, F32)
+CHUNK_TC_PREPARE_ENTRY(kda_chunk_tc_prepare_unbounded_f32, true, F32)
 
-CHUNK_TC_PREPARE_ENTRY(kda_chunk_tc_prepare_unbounded_f32, true)
-
-// The scan's W and q_decay tiles of chunk `chunk_index` into shared memory, asynchronously
-// (one warp copies one 512-byte row per instruction).
+// The scan's W and q_decay tiles of chunk `chunk_index` into shared memory, asynchronously (a warp
+// copies a 512-byte row an instruction).
 __device__ __forceinline__ void copy_chunk_rows_async(f16_t* w_s, f16_t* q_s, const f16_t* w,
                                                       const f16_t* q_decay, int chunk_index,
                                                       size_t row_stride, size_t head_offset)
@@ -106,9 +86,9 @@ kda_chunk_tc_scan_f32(const f16_t* __restrict__ q_decay, const f16_t* __restrict
         const int valid = min(CHUNK_TC, tokens - first);
         const size_t chunk_head = static_cast<size_t>(chunk_index) * heads + head;
 
-        // Phase B's operands, loaded now so that phase A hides their latency: B rows
-        // row_low (+8) (all 64 columns: the blocks above the diagonal are zero), k_tail^T
-        // rows state_row + 16 m (+8), and the decay of those rows.
+        // Phase B's operands, loaded now so that phase A hides their latency: B rows row_low (+8) (all
+        // 64 columns: the blocks above the diagonal are zero), k_tail^T rows state_row + 16 m (+8),
+        // and the decay of those rows.
         float attn_low[2][8];
         float attn_high[2][8];
         const f16_t* attn_block = attn + chunk_head * CHUNK_TC * CHUNK_TC;
@@ -176,8 +156,7 @@ kda_chunk_tc_scan_f32(const f16_t* __restrict__ q_decay, const f16_t* __restrict
                 mma_k_block<4>(out_acc[n], q_low, q_high, b);
             }
         }
-        // Padded rows: U = 0 by index (they are 0 - 0 already; this keeps it independent
-        // of the scratch contents).
+        // Padded rows: U = 0 by index (0 - 0 already; so it does not depend on the scratch contents).
 #pragma unroll
         for (int n = 0; n < 4; ++n) {
 #pragma unroll

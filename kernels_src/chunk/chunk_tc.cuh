@@ -1,79 +1,44 @@
-// Chunked (WY) prefill of the KDA delta rule on tensor cores: the same mathematics,
-// inputs and outputs as kda_chunk_prepare_f32 + kda_chunk_scan_f32 (chunk.cu, the FP32
-// reference path), with every matrix product on mma.sync m16n8k8 TF32 -> FP32.
-// Chunk C = 64 rows, split into 4 sub-chunks of 16; D = KDA_HEAD_DIM = 128. The bounded
-// gate law (g >= lower_bound >= -5, see the range argument in the pair products); the
-// kda_chunk_tc_prepare_unbounded_f32 entry takes any gate <= 0 (the softplus law): a diagonal
-// 16 x 16 block of A and B whose decay exceeds the bounded range is formed as exact FP32 sums
-// (diagonal_blocks_exact), every other block as in the bounded prepare.
+// Chunked (WY) prefill of the KDA delta rule on tensor cores: the mathematics, inputs and outputs of
+// kda_chunk_prepare_f32 + kda_chunk_scan_f32 (chunk.cu, the FP32 reference path: its comment and
+// docs/maths.md give A, B, T = (I + diag(beta) A)^-1, W, Uc, U and the state update), every matrix
+// product on mma.sync m16n8k8 TF32 -> FP32. Chunk C = 64 rows in 4 sub-chunks of 16; D = 128.
+// tests/chunk_tc_model.py `model_chunk_tc` is a float64 model of exactly this blocked algorithm: the
+// same sub-chunk reference rows, block order and TF32 rounding points.
 //
-// Per chunk and head (t, s rows of the chunk, G_t = sum_{r<=t} g_r per channel, S0 the
-// state [D_k, D_v] at the chunk start), exactly as chunk.cu:
-//   A[t][s] = sum_d k_t k_s exp(G_t - G_s)  (s < t),   B[t][s] = scale sum_d q_t k_s exp(G_t - G_s)  (s <= t)
-//   T = (I + diag(beta) A)^-1,  W = T diag(beta) (K * exp(G)),  Uc = T diag(beta) V
-//   U = Uc - W S0,  o = (scale Q * exp(G)) S0 + B U,  S = diag(exp(G_{C-1})) S0 + (K * exp(G_{C-1} - G))^T U
-// tests/chunk_tc_model.py `model_chunk_tc` is a float64 NumPy model of exactly this blocked
-// algorithm: the same sub-chunk reference rows, block order and TF32 rounding points.
+// Gate laws: the bounded law (g >= lower_bound >= -5: the range argument before the pair products);
+// the unbounded prepares take any gate <= 0 and form a diagonal 16 x 16 block of A and B whose decay
+// exceeds the bounded range as exact FP32 sums. The fused-gate prepare forms the forget gate and beta
+// from the projections (and writes them out) instead of reading them: one pass over the gate fewer.
 //
-// Numerics. Every mma operand is rounded to TF32 (round_tf32 below: nearest, ties away
-// from zero, 10 mantissa bits) before the product; products and sums are FP32 (mma
-// accumulates in FP32) and the state stays FP32 in registers and in global memory; only
-// its per-chunk operand copy is TF32. Expected error, measured on the model against the
-// float64 oracle (random and correlated unit keys, strong and weak decay, T up to
-// 16384): rms-ratio 3e-4 .. 7e-4 for core and final state, flat in T (the delta rule
-// corrects the state every chunk, so the rounding does not accumulate). BF16 operands
-// (8 significant bits against 11) measure 2e-3 .. 4e-3 in the same model, above the 1e-3
-// budget; TF32 mma has half BF16's rate, which these latency-bound kernels do not feel.
+// Numerics: every mma operand is rounded to TF32 (round_tf32) before the product; products, sums and
+// the state are FP32. BF16 operands (8 significant bits against 11) miss the 1e-3 budget
+// (docs/maths.md has the measured errors); TF32's half rate is not felt by these latency-bound kernels.
 //
-// Padding: rows t >= T of the last chunk are zero BY INDEX at the loads (q = k = v = 0,
-// g = 0, beta = 0): the padded input rows are never read, so NaN or 1e30 there changes
-// no output bit and no state bit. Padded rows of the scratch are written as zeros.
-//
-// Two kernels, like chunk.cu: the intra-chunk work is independent per chunk, the scan is
-// sequential over chunks. The prepare has a second entry point,
-// kda_chunk_tc_prepare_gate_f32, that forms the forget gate and beta from the projections
-// in step 1 (and writes them out) instead of reading them: the layer's bounded prefill takes it,
-// one pass over the gate fewer.
+// Padding: rows t >= T of the last chunk are zero BY INDEX at the loads (q = k = v = 0, g = 0, beta =
+// 0): the padded input rows are never read, so NaN or 1e30 there changes no output or state bit.
+// Padded rows of the scratch are written as zeros.
 //
 // Launch:
-// kda_chunk_tc_prepare_f32: grid (nchunks, heads), 256 threads (8 warps), dynamic shared
-//   memory CHUNK_TC_PREPARE_SMEM_BYTES = 104,704 B (needs the opt-in of sm_80 (163 KB),
-//   sm_90 and sm_100 (227 KB); not sm_86 / sm_89 / sm_120 (99 KB)), at most 128 registers,
-//   so two blocks share an SM and one's loads overlap the other's products. One block per
-//   (chunk, head):
-//     1. load k, g (masked, gate clamped to [lower_bound, 0]), cumulative gate G; write
-//        q_decay (q read from global memory, never staged), k_tail (transposed per chunk)
-//        and chunk_decay elementwise;
-//     2. the 10 blocks (i >= j) of 16x16 of A and B, one warp per block pair (A and B
-//        share the key operand); L = diag(beta) A kept in shared memory, B to global;
-//     3. T = (I + L)^-1 blockwise: the four 16x16 diagonal blocks by FP32 forward
-//        substitution, then T_ij = -T_ii sum_{j<=k<i} L_ik T_kj on mma in three waves
-//        (i - j = 1, 2, 3);
-//     4. W = T (beta K exp(G)) and Uc = T (beta V): 64x64 @ 64x128 on mma, 4 warps each.
-// kda_chunk_tc_scan_f32: grid (heads, D / 32), 128 threads (4 warps), dynamic shared
-//   memory CHUNK_TC_SCAN_SMEM_BYTES = 66,560 B, so two blocks fit one SM of sm_80 /
-//   sm_90 / sm_100 / sm_120 and GLM's 64 heads x 4 value tiles (256 blocks) run in one wave
-//   on an H200's 132 SMs; Kimi's 32 heads give 128 blocks. The scan is bound by the L2
-//   traffic of the operands every value tile of a head reads (W, q_decay, k_tail, B: FP16,
-//   see f32_to_f16 below). A block owns the state columns
-//   [32 y, 32 y + 32) of one head, FP32 in registers as mma accumulators (warp w: rows
-//   32 w .. 32 w + 31), and walks the chunks:
-//     phase A (warp w: chunk rows 16 w .. 16 w + 15): U = Uc - W S0 and o = q_decay S0,
-//       W and q_decay staged in shared memory by cp.async one phase ahead;
-//     phase B: o += B U (core out), S = diag(decay) S + k_tail^T U, attn / k_tail / Uc
-//       fragments loaded into registers at the chunk start.
-//   Two barriers per chunk; the value columns are independent, no atomics anywhere, so
-//   every bit is a function of the inputs alone.
+// kda_chunk_tc_prepare_f32 and its forms: grid (nchunks, heads), 256 threads (8 warps), dynamic
+//   shared memory CHUNK_TC_PREPARE_SMEM_BYTES = 104,704 B (the opt-in of sm_80 (163 KB), sm_90 and
+//   sm_100 (227 KB); not sm_86 / sm_89 / sm_120 (99 KB)), at most 128 registers, so two blocks
+//   share an SM and one's loads overlap the other's products. A block per (chunk, head), in the
+//   four steps of chunk_tc_prepare.
+// kda_chunk_tc_scan_f32: grid (heads, D / 32), 128 threads (4 warps), dynamic shared memory
+//   CHUNK_TC_SCAN_SMEM_BYTES = 66,560 B, so two blocks fit an SM of sm_80 / sm_90 / sm_100 / sm_120
+//   and GLM's 64 heads x 4 value tiles (256 blocks) run in one wave on an H200's 132 SMs. It is
+//   bound by the L2 traffic of the operands every value tile of a head reads (W, q_decay, k_tail, B:
+//   FP16, see f32_to_f16). A block owns the state columns [32 y, 32 y + 32) of one head, FP32 in
+//   registers as mma accumulators, and walks the chunks in two phases, two barriers a chunk and no
+//   atomics: every bit is a function of the inputs alone.
 //
-// Fragment layout (PTX ISA, mma.m16n8k8 .tf32; lane = 4 g + t): A a0 (g, t), a1 (g+8, t),
-// a2 (g, t+4), a3 (g+8, t+4); B b0 (k t, n g), b1 (k t+4, n g); C c0/c1 (g, 2t / 2t+1),
-// c2/c3 (g+8, ...). As in projection/gemm_rows.cuh the k axis is permuted the same way for A and B so
-// that a lane reads contiguous k: inside a block of 8 S k (S mma steps), lane t holds
-// physical k 2St .. 2St + 2S - 1 of its rows and of its B column, and step s takes the
-// pair 2s, 2s + 1 as logical k t and t + 4. Every physical k is used once per block. B
-// operands are therefore stored n-major ([n][k], "transposed") in shared memory.
-// Shared-memory rows have a stride of 4 mod 8 floats (132 for D, 68 for C), which makes
-// those 16-byte fragment loads and the accumulator stores bank-conflict free.
+// Fragment layout (PTX, mma.m16n8k8 .tf32; lane = 4 g + t): A a0 (g, t), a1 (g+8, t), a2 (g, t+4),
+// a3 (g+8, t+4); B b0 (k t, n g), b1 (k t+4, n g); C c0/c1 (g, 2t / 2t+1), c2/c3 (g+8, ...). As in
+// projection/gemm_rows.cuh, k is permuted the same way for A and B so that a lane reads contiguous k:
+// in a block of 8 S k (S mma steps), lane t holds physical k 2St .. 2St + 2S - 1 of its rows and of
+// its B column, and step s takes the pair 2s, 2s + 1 as logical k t and t + 4. So B operands are
+// stored n-major ([n][k]) in shared memory, rows a stride of 4 mod 8 floats apart (132 for D, 68 for
+// C): the 16-byte fragment loads and the accumulator stores are conflict free.
 #include "common/bf16.cuh"
 #include "common/math.cuh"
 #include "common/reduce.cuh"
@@ -94,8 +59,8 @@
 // Row stride (halves) of the scan's FP16 [C][D] tiles: 320 bytes, 64 mod 128, so the
 // 16-byte fragment loads of a quarter warp (rows g, g + 1; 64 bytes each) hit 32 banks.
 #define CHUNK_TC_H_STRIDE (KDA_HEAD_DIM + 32)
-// The prepare kernel's shared memory is four units, reused between phases; a unit holds a
-// [C][D_STRIDE] tile (8448 floats) or a [D][C_STRIDE] tile (8704 floats).
+// The prepare's shared memory: units reused between phases, each a [C][D_STRIDE] tile (8448 floats)
+// or a [D][C_STRIDE] tile (8704 floats), then beta.
 #define CHUNK_TC_UNIT (KDA_HEAD_DIM * CHUNK_TC_C_STRIDE)
 #define CHUNK_TC_PREPARE_SMEM_BYTES (4 * (3 * CHUNK_TC_UNIT + CHUNK_TC))
 // float4 loads per thread to cover one [C][D] tile.
@@ -104,10 +69,10 @@
     (2 * 2 * CHUNK_TC * CHUNK_TC_H_STRIDE +                                                   \
      4 * (CHUNK_TC_SCAN_COLUMNS * CHUNK_TC_D_STRIDE + CHUNK_TC_SCAN_COLUMNS * CHUNK_TC_C_STRIDE))
 
-// x rounded to TF32 (10 mantissa bits), to nearest with ties away from zero, as
-// cvt.rna.tf32.f32 rounds; the result is an FP32 value with 13 zero low bits, so the mma
-// sees exactly this value and tests/chunk_tc_model.py `round_tf32` reproduces it bit for bit.
-// Infinities and NaNs pass unchanged (adding to a NaN's bits could wrap it to -0).
+// x rounded to TF32 (10 mantissa bits), to nearest with ties away from zero, as cvt.rna.tf32.f32
+// rounds: an FP32 value with 13 zero low bits, so the mma sees exactly this value and
+// tests/chunk_tc_model.py `round_tf32` reproduces it. Infinities and NaNs pass unchanged (adding to
+// a NaN's bits could wrap it to -0).
 __device__ __forceinline__ float round_tf32(float x)
 {
     const unsigned int bits = __float_as_uint(x);
@@ -117,16 +82,13 @@ __device__ __forceinline__ float round_tf32(float x)
     return __uint_as_float((bits + 0x1000u) & 0xffffe000u);
 }
 
-// FP16 storage for the scratch the scan reads as mma operands (q_decay, k_tail, W, B): a
-// TF32 value has 11 significant bits, as FP16 has, so one inside FP16's normal range
-// [6.1e-5, 65504] converts exactly and the scan multiplies the very TF32 values the FP32
-// scratch held; below that range FP16 keeps a subnormal (absolute error <= 3e-8 on a term of
-// that size, which the rms measure does not see). It halves the scan's traffic, which is
-// what bounds it. The range holds for these operands: |q_decay| <= scale, |k_tail| <= 1,
-// |B| <= scale (unit q and k, decays <= 1), and W = T diag(beta) K exp(G) is of order |T|,
-// the inverse of a unit-triangular matrix whose entries are key dot products (measured
-// |W| <= 0.3); a value beyond 65504 would become inf, and the output NaN, not wrong numbers.
-// The raw 16 bits, so that no header is needed.
+// FP16 storage (raw bits: no header needed) for the scratch the scan reads as mma operands (q_decay,
+// k_tail, W, B), which halves the traffic that bounds the scan: a TF32 value has FP16's 11
+// significant bits, so one in FP16's normal range [6.1e-5, 65504] converts exactly; below it FP16
+// keeps a subnormal (absolute error <= 3e-8). The range holds: |q_decay| <= scale, |k_tail| <= 1,
+// |B| <= scale (unit q and k, decays <= 1), and W = T diag(beta) K exp(G) is of order |T|, the
+// inverse of a unit-triangular matrix of key dot products (docs/maths.md); a value beyond 65504
+// would become inf, and the output NaN, not wrong numbers.
 typedef unsigned short f16_t;
 
 __device__ __forceinline__ f16_t f32_to_f16(float x)
@@ -171,8 +133,8 @@ __device__ __forceinline__ void mma_tf32_m16n8k8(float acc[4], float a0, float a
           "r"(__float_as_uint(a3)), "r"(__float_as_uint(b0)), "r"(__float_as_uint(b1)));
 }
 
-// One permuted k block of 8 STEPS: a_low / a_high are the lane's 2 STEPS values of rows g
-// and g + 8, b its 2 STEPS values of column g (see the fragment layout above).
+// One permuted k block of 8 STEPS: a_low / a_high are the lane's 2 STEPS values of rows g and g + 8,
+// b its 2 STEPS values of column g (the fragment layout above).
 template <int STEPS>
 __device__ __forceinline__ void mma_k_block(float acc[4], const float* a_low, const float* a_high,
                                             const float* b)
@@ -184,21 +146,7 @@ __device__ __forceinline__ void mma_k_block(float acc[4], const float* a_low, co
     }
 }
 
-// Eight floats from 16-byte aligned memory (shared or global).
-__device__ __forceinline__ void load8(float out[8], const float* pointer)
-{
-    const float4 low = *reinterpret_cast<const float4*>(pointer);
-    const float4 high = *reinterpret_cast<const float4*>(pointer + 4);
-    out[0] = low.x;
-    out[1] = low.y;
-    out[2] = low.z;
-    out[3] = low.w;
-    out[4] = high.x;
-    out[5] = high.y;
-    out[6] = high.z;
-    out[7] = high.w;
-}
-
+// Four (eight) floats from 16-byte aligned memory (shared or global).
 __device__ __forceinline__ void load4(float out[4], const float* pointer)
 {
     const float4 value = *reinterpret_cast<const float4*>(pointer);
@@ -208,39 +156,42 @@ __device__ __forceinline__ void load4(float out[4], const float* pointer)
     out[3] = value.w;
 }
 
-__device__ __forceinline__ void round8_tf32(float values[8])
+__device__ __forceinline__ void load8(float out[8], const float* pointer)
+{
+    load4(out, pointer);
+    load4(out + 4, pointer + 4);
+}
+
+template <int N>
+__device__ __forceinline__ void round_tf32_all(float (&values)[N])
 {
 #pragma unroll
-    for (int e = 0; e < 8; ++e) {
+    for (int e = 0; e < N; ++e) {
         values[e] = round_tf32(values[e]);
     }
 }
 
-// Where the prepare reads q, k and v (`which` 0, 1, 2) of a token; row_stride is H D, the prepare's.
+// Where the prepare reads q, k and v (`which` 0, 1, 2) of a token, each access at `at` = token *
+// row_stride + column (row_stride H D: the offset in the FP32 rows):
 //   ChunkRowsF32: the FP32 rows [T, H, D] the conv kernel split them into.
-// Each access takes at = token * row_stride + column, the offset of the FP32 rows.
-//   ChunkRowsConv: the BF16 conv output [T, 3 H D] itself (q, k, v side by side in a row, 16-byte
-//     aligned rows); q and k are normalised here as the conv kernel does it (row_norm4:
-//     warp_head_sum_squares, sqrtf; then the same division), so the prepare forms the very values
-//     ChunkRowsF32 reads from that kernel's split, bit for bit, without the FP32 pass.
+//   ChunkRowsConv: the BF16 conv output [T, 3 H D] itself (16-byte aligned rows); q and k are
+//     normalised here as the conv kernel does it (row_norm4, then the same division), so the
+//     prepare forms the very values ChunkRowsF32 reads, bit for bit, without the FP32 pass.
 struct ChunkRowsF32 {
     static constexpr bool NORMALISES = false;
     const float* __restrict__ query;
     const float* __restrict__ key;
     const float* __restrict__ value;
-    float l2_eps;  // (not read)
 
-    // Where `at` = token * row_stride + column of a [T, H, D] row-major tensor lies for q, k or v.
     __device__ __forceinline__ const float* row(int which, int, size_t at, size_t) const
     {
         return (which == 0 ? query : which == 1 ? key : value) + at;
     }
-    // Four values at `pointer` (16-byte aligned).
     static __device__ __forceinline__ float4 load4_at(const float* pointer)
     {
         return *reinterpret_cast<const float4*>(pointer);
     }
-    // Four (eight) values from `at` (column a multiple of 4 (8)).
+    // Four (eight) values from `at`, column a multiple of 4 (8).
     __device__ __forceinline__ float4 load4(int which, int token, size_t at, size_t row_stride) const
     {
         return load4_at(row(which, token, at, row_stride));
@@ -282,17 +233,16 @@ struct ChunkRowsConv {
     }
 };
 
-// sqrt(sum of the row's squares + eps), the divisor of a row of q or k held as the conv kernel holds it
-// (lane L: channels 4L .. 4L + 3; x those four); every lane of the warp calls it.
+// sqrt(sum of the row's squares + eps), the divisor of a row of q or k held as the conv kernel holds
+// it (lane L: channels 4L .. 4L + 3, x); every lane of the warp calls it.
 __device__ __forceinline__ float row_norm4(const float4& x, float l2_eps)
 {
     const float v[4] = {x.x, x.y, x.z, x.w};
     return sqrtf(warp_head_sum_squares(v) + l2_eps);
 }
 
-// The bounded law gives lower_bound <= g <= 0; the clamp makes the exponent range argument
-// hold whatever the buffer holds, and is the identity on every gate the law produces. A
-// NaN passes through (both comparisons are false), as it would in the FP32 path.
+// The bounded law gives lower_bound <= g <= 0; the clamp makes the exponent range argument hold
+// whatever the buffer holds. A NaN passes through (both comparisons are false), as in the FP32 path.
 __device__ __forceinline__ float clamp_gate(float g, float lower_bound)
 {
     return g < lower_bound ? lower_bound : (g > 0.0f ? 0.0f : g);
@@ -315,10 +265,22 @@ __device__ __forceinline__ void copy_async_wait_all()
     asm volatile("cp.async.wait_group 0;" ::: "memory");
 }
 
-// T_ij = -T_ii sum_{j<=k<i} L_ik T_kj for one 16x16 block below the diagonal (one warp).
-// lower_s holds L = diag(beta) A, inverse_s holds T; both [C][C_STRIDE]. Every block the
-// sum reads is closer to the diagonal than (i, j) and so complete in an earlier wave. The
-// sum X is parked in block (i, j) of inverse_s to be reread as a B operand.
+// The A fragment rows g and g + 8 of a 16-k block (the lane's 4 k of each), rounded to TF32.
+__device__ __forceinline__ void load4_pair_tf32(float a_low[4], float a_high[4], const float* low, const float* high)
+{
+    load4(a_low, low);
+    load4(a_high, high);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        a_low[e] = round_tf32(a_low[e]);
+        a_high[e] = round_tf32(a_high[e]);
+    }
+}
+
+// T_ij = -T_ii sum_{j<=k<i} L_ik T_kj for one 16x16 block below the diagonal (one warp). lower_s
+// holds L = diag(beta) A, inverse_s T, both [C][C_STRIDE]. Every block the sum reads is closer to the
+// diagonal, so complete in an earlier wave. The sum X is parked in block (i, j) of inverse_s to be
+// reread as a B operand.
 __device__ __forceinline__ void inverse_block_below_diagonal(const float* lower_s, float* inverse_s,
                                                              int i, int j, int lane)
 {
@@ -338,13 +300,7 @@ __device__ __forceinline__ void inverse_block_below_diagonal(const float* lower_
     for (int k = j; k < i; ++k) {
         float a_low[4];
         float a_high[4];
-        load4(a_low, lower_low + CHUNK_TC_SUB * k);
-        load4(a_high, lower_high + CHUNK_TC_SUB * k);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            a_low[e] = round_tf32(a_low[e]);
-            a_high[e] = round_tf32(a_high[e]);
-        }
+        load4_pair_tf32(a_low, a_high, lower_low + CHUNK_TC_SUB * k, lower_high + CHUNK_TC_SUB * k);
         const float* inverse_kj = inverse_s + (CHUNK_TC_SUB * k + 4 * thread_in_group) * CHUNK_TC_C_STRIDE +
                                   CHUNK_TC_SUB * j + group_lane;
 #pragma unroll
@@ -377,13 +333,7 @@ __device__ __forceinline__ void inverse_block_below_diagonal(const float* lower_
     __syncwarp();
     float a_low[4];
     float a_high[4];
-    load4(a_low, inverse_low + CHUNK_TC_SUB * i);
-    load4(a_high, inverse_high + CHUNK_TC_SUB * i);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-        a_low[e] = round_tf32(a_low[e]);
-        a_high[e] = round_tf32(a_high[e]);
-    }
+    load4_pair_tf32(a_low, a_high, inverse_low + CHUNK_TC_SUB * i, inverse_high + CHUNK_TC_SUB * i);
 #pragma unroll
     for (int n = 0; n < 2; ++n) {
         float product[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -395,8 +345,8 @@ __device__ __forceinline__ void inverse_block_below_diagonal(const float* lower_
     }
 }
 
-// Eight q values of chunk row t (channels at column .. column + 7 of the row), zero for a
-// padding row (t >= valid: never read); divided by the row's norm where Rows normalises.
+// Eight q values of chunk row t (channels column .. column + 7), zero for a padding row (never
+// read); divided by the row's norm where Rows normalises.
 template <class Rows>
 __device__ __forceinline__ void load_query_row8(float out[8], const Rows rows, const float* query_norm_s, int first,
                                                 int t, int valid, size_t row_stride, size_t column)
@@ -417,32 +367,29 @@ __device__ __forceinline__ void load_query_row8(float out[8], const Rows rows, c
     }
 }
 
-// Transposing pass over a [C][D_STRIDE] tile: each lane takes 4 channels d .. d+3 of one
-// row t, a warp covers 16 rows x 8 channels per step, so the [D][C_STRIDE] (and global
-// [D][C]) stores of a warp hit 32 distinct banks / two 64-byte segments.
+// Transposing pass over a [C][D_STRIDE] tile: each lane takes 4 channels d .. d+3 of one row t, a
+// warp covers 16 rows x 8 channels per step, so the [D][C_STRIDE] (and global [D][C]) stores of a
+// warp hit 32 distinct banks / two 64-byte segments. PASSES: the steps of one warp.
 #define CHUNK_TC_TRANSPOSE_STEPS ((CHUNK_TC / 16) * (KDA_HEAD_DIM / 8))
-// Steps per warp of one transposing pass over the tile.
 #define CHUNK_TC_TRANSPOSE_PASSES (CHUNK_TC_TRANSPOSE_STEPS / CHUNK_TC_PREPARE_WARPS)
 
-// Row t and first channel d of this lane's 4 channels in step `step` of a transposing pass:
-// step & 3 picks the 16-row quarter, step >> 2 the 8 channels, lane & 15 the row in it and
-// lane >> 4 the half of the 8 channels. The one definition of the pass's coordinates.
+// Row t and first channel d of this lane's 4 channels in step `step` of a transposing pass: step & 3
+// picks the 16-row quarter, step >> 2 the 8 channels, lane & 15 the row and lane >> 4 the half.
 __device__ __forceinline__ void transpose_slot(int step, int lane, int& t, int& d)
 {
     t = (step & 3) * 16 + (lane & 15);
     d = (step >> 2) * 8 + (lane >> 4) * 4;
 }
 
-// The largest decay across a diagonal block (G_r - G_s, r its first row, s its last, in any
-// channel) for which the unbounded prepare still forms the block by the reference-row
-// products: the factors exp(G_r - G_s) stay below exp(75) = 3.7e32 and exp(G_t - G_r) above
-// exp(-75), the range a bound of -5 gives the bounded prepare (the argument above the pair
+// The largest decay across a diagonal block (G_r - G_s, r its first row, s its last, in any channel)
+// for which the unbounded prepare still forms the block by the reference-row products: the range a
+// bound of -5 gives the bounded prepare (factors within exp(+-75), the argument before the pair
 // products). Wider blocks take the exact sums.
 #define CHUNK_TC_DIAGONAL_RANGE (-CHUNK_TC_MIN_LOWER_BOUND * (CHUNK_TC_SUB - 1))
 
-// Whether diagonal block i is within CHUNK_TC_DIAGONAL_RANGE in every channel, by one warp
-// (warp-uniform; a NaN counts as out of range). G never increases along the chunk (every
-// gate is capped at 0), so the first and last rows of the block bound every pair in it.
+// Whether diagonal block i is within CHUNK_TC_DIAGONAL_RANGE in every channel, by one warp (uniform;
+// a NaN counts as out of range). G never increases along the chunk (every gate is capped at 0), so
+// the first and last rows of the block bound every pair in it.
 __device__ __forceinline__ bool diagonal_in_range(const float* cumgate_s, int i, int lane)
 {
     float first_row[4];
@@ -460,14 +407,12 @@ __device__ __forceinline__ bool diagonal_in_range(const float* cumgate_s, int i,
 // Pairs s <= t of one 16 x 16 diagonal block.
 #define CHUNK_TC_SUB_PAIRS (CHUNK_TC_SUB * (CHUNK_TC_SUB + 1) / 2)
 
-// The diagonal blocks i with exact[i] set, of A and B, without the reference-row products
-// (whose factor exp(G_r - G_s) for s after r is unbounded without a lower bound on g), by every
-// thread of the block: task k is the pair (t, s), s <= t, number k % 136 of diagonal block k / 136 in
-// row-major order of its lower triangle (the lanes of a warp mostly share t, and their rows s
-// hit distinct banks), an FP32 sum over d in ascending order of k_t (k_s exp(G_t - G_s)) and
-// q_t (k_s exp(G_t - G_s)), every factor <= 1. Writes L = diag(beta) A (s < t) and
-// tf32(scale B) (s <= t), and zeros above the diagonal, as the product path does. q rows past
-// `valid` are zero by index.
+// The diagonal blocks i with exact[i] set, of A and B, without the reference-row products (whose
+// factor exp(G_r - G_s) is unbounded without a lower bound on g), by every thread of the block: task
+// k is pair number k % 136 (s <= t, row-major in the lower triangle: the lanes of a warp mostly share
+// t, their rows s hit distinct banks) of diagonal block k / 136, an FP32 sum over ascending d of
+// k_t (k_s exp(G_t - G_s)) and q_t (k_s exp(G_t - G_s)), every factor <= 1. Writes L = diag(beta) A
+// (s < t), tf32(scale B) (s <= t) and zeros above the diagonal, as the product path does.
 template <class Rows>
 __device__ __forceinline__ void diagonal_blocks_exact(const float* key_s, const float* cumgate_s, const float* beta_s,
                                                       float* lower_s, f16_t* attn_block, const Rows rows,
@@ -540,11 +485,10 @@ __device__ __forceinline__ void diagonal_blocks_exact(const float* key_s, const 
     }
 }
 
-// The prepare, in two entry points below. FUSED_GATE false: gate_in [T, H, D] and beta_in
-// [T, H] are inputs. FUSED_GATE true: gate_out and beta_out (the stage buffers) are formed
-// here from forget_proj [T, H*D] BF16 + dt_bias [H*D] and A_log [H] (kda_forget_gate, bounded
-// law: the bits of kda_gate_beta_f32) and from the BF16 beta logits (row stride ld_beta), for
-// the real rows of the chunk only, saving the gate kernel's pass over memory.
+// The prepare of every entry point. FUSED_GATE false: gate_in [T, H, D] and beta_in [T, H] are
+// inputs. FUSED_GATE true: gate_out and beta_out are formed here, for the real rows, from
+// forget_proj [T, H*D] BF16 + dt_bias [H*D] and A_log [H] (kda_forget_gate, bounded law: the bits of
+// kda_gate_beta_f32) and from the BF16 beta logits (row stride ld_beta).
 template <bool FUSED_GATE, bool UNBOUNDED = false, class Rows = ChunkRowsF32>
 __device__ __forceinline__ void chunk_tc_prepare(
     const Rows rows, const float* __restrict__ gate_in, const float* __restrict__ beta_in, float* __restrict__ gate_out,
@@ -554,9 +498,8 @@ __device__ __forceinline__ void chunk_tc_prepare(
     const float* __restrict__ dt_bias, const float* __restrict__ a_log, const bf16_t* __restrict__ beta_logits,
     int ld_beta)
 {
-    // Three units of CHUNK_TC_UNIT floats, then beta [C] (104,704 B: two blocks per SM of
-    // sm_80 / sm_90 / sm_100). q is never staged: it is an elementwise input of q_decay and
-    // the A operand of the B blocks, read from global memory (L2) where it is used.
+    // Three units, then beta [C]. q is never staged: an elementwise input of q_decay and the A operand
+    // of the B blocks, it is read from global memory (L2) where it is used.
     //   unit 0: key_s [C][D_STRIDE]        k;  from phase 3: value_t_s [D][C_STRIDE] tf32(beta v)^T
     //   unit 1: cumgate_s [C][D_STRIDE]    G;  from phase 3: key_beta_t_s [D][C_STRIDE] tf32(beta k exp(G))^T
     //   unit 2: lower_s [C][C_STRIDE]      L = diag(beta) A, then inverse_s [C][C_STRIDE] T
@@ -568,7 +511,7 @@ __device__ __forceinline__ void chunk_tc_prepare(
     float* beta_s = shared + 3 * CHUNK_TC_UNIT;
     float* value_t_s = key_s;
     float* key_beta_t_s = cumgate_s;
-    // UNBOUNDED: which diagonal blocks take the exact sums (set by their warps in phase 2).
+    // UNBOUNDED: which diagonal blocks take the exact sums (set in phase 2).
     __shared__ int exact_s[CHUNK_TC_SUBS];
     // Rows::NORMALISES: the divisor of each q row (its norm), for the reads of q after the first.
     __shared__ float query_norm_s[Rows::NORMALISES ? CHUNK_TC : 1];
@@ -597,12 +540,11 @@ __device__ __forceinline__ void chunk_tc_prepare(
     const size_t head_offset = static_cast<size_t>(head) * KDA_HEAD_DIM;
     const size_t chunk_head = static_cast<size_t>(chunk_index) * heads + head;
 
-    // 1. Load k and g (padding rows zero by index, never read): every load of the thread is
-    // issued before the first store, then the cumulative gate and the elementwise outputs.
+    // 1. Load k and g (padding rows zero by index): every load of the thread before the first store;
+    // then the cumulative gate G and the elementwise outputs q_decay, k_tail and chunk_decay.
     {
-        // The gate tile goes to shared memory clamped to [lower_bound, 0]; the key tile after
-        // the branch. This thread's 4 channels are the same in every load (index & 31 is
-        // thread & 31), so its rows are t = thread / 32 + 8 l.
+        // The gate tile goes to shared memory clamped to [lower_bound, 0], the key tile after the
+        // branch. This thread's 4 channels are the same in every load, its rows t = thread / 32 + 8 l.
         float4 key_value[CHUNK_TC_TILE_LOADS];
         const int channel = (thread & 31) * 4;
         if (FUSED_GATE) {
@@ -611,8 +553,7 @@ __device__ __forceinline__ void chunk_tc_prepare(
             for (int l = 0; l < CHUNK_TC_TILE_LOADS; ++l) {
                 const int t = (thread + l * CHUNK_TC_PREPARE_THREADS) >> 5;
                 key_value[l] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                projected[l].x = 0u;
-                projected[l].y = 0u;
+                projected[l] = make_uint2(0u, 0u);
                 if (t < valid) {
                     const size_t at = static_cast<size_t>(first + t) * row_stride + head_offset + channel;
                     key_value[l] = rows.load4(1, first + t, at, row_stride);
@@ -660,12 +601,10 @@ __device__ __forceinline__ void chunk_tc_prepare(
 #pragma unroll
             for (int l = 0; l < CHUNK_TC_TILE_LOADS; ++l) {
                 const int t = (thread + l * CHUNK_TC_PREPARE_THREADS) >> 5;
-                float4 clamped = gate_value[l];
-                clamped.x = clamp_gate(clamped.x, clamp_bound);
-                clamped.y = clamp_gate(clamped.y, clamp_bound);
-                clamped.z = clamp_gate(clamped.z, clamp_bound);
-                clamped.w = clamp_gate(clamped.w, clamp_bound);
-                *reinterpret_cast<float4*>(cumgate_s + t * CHUNK_TC_D_STRIDE + channel) = clamped;
+                const float4 g = gate_value[l];
+                *reinterpret_cast<float4*>(cumgate_s + t * CHUNK_TC_D_STRIDE + channel) =
+                    make_float4(clamp_gate(g.x, clamp_bound), clamp_gate(g.y, clamp_bound),
+                                clamp_gate(g.z, clamp_bound), clamp_gate(g.w, clamp_bound));
             }
         }
 #pragma unroll
@@ -690,9 +629,9 @@ __device__ __forceinline__ void chunk_tc_prepare(
     __syncthreads();
 
     if constexpr (Rows::NORMALISES) {
-        // Rows::NORMALISES: each warp normalises its rows of k in key_s and finds the divisor of its rows
-        // of q (read from the conv output again where q is used), one row a step: a rolled loop keeps
-        // the reduction's code once (the instruction cache), and the barrier below serves it too.
+        // Each warp normalises its rows of k in key_s and finds the divisor of its rows of q (read
+        // again where q is used), a row a step: rolled, the reduction's code is there once (the
+        // instruction cache), and the barrier below serves it too.
         const int channel = 4 * lane;
 #pragma unroll 1
         for (int t = warp; t < valid; t += CHUNK_TC_PREPARE_WARPS) {
@@ -719,9 +658,9 @@ __device__ __forceinline__ void chunk_tc_prepare(
     __syncthreads();
 
     if constexpr (Rows::NORMALISES) {
-        // q_decay = tf32(scale q exp(G)) from the conv output: a row a warp and step, two steps
-        // unrolled (the divisions, copied into the FP32 form's unrolled loops, would overflow the
-        // instruction cache; tests/test_kernels_compile.py). The arithmetic is the FP32 form's.
+        // q_decay = tf32(scale q exp(G)), the FP32 form's arithmetic, a row a warp and step, two steps
+        // unrolled: the divisions in the FP32 form's unrolled loops would overflow the instruction
+        // cache (tests/test_kernels_compile.py).
 #pragma unroll 2
         for (int t = warp; t < CHUNK_TC; t += CHUNK_TC_PREPARE_WARPS) {
             const int d = 4 * lane;
@@ -741,8 +680,7 @@ __device__ __forceinline__ void chunk_tc_prepare(
             *reinterpret_cast<uint2*>(q_decay + at) = packed;
         }
     } else {
-        // q_decay = tf32(scale q exp(G)), row-major like the inputs (q straight from global
-        // memory, all loads of the thread first).
+        // q_decay = tf32(scale q exp(G)), row-major like the inputs, all loads of the thread first.
         float4 query_value[CHUNK_TC_TILE_LOADS];
 #pragma unroll
         for (int l = 0; l < CHUNK_TC_TILE_LOADS; ++l) {
@@ -773,8 +711,7 @@ __device__ __forceinline__ void chunk_tc_prepare(
             *reinterpret_cast<uint2*>(q_decay + at) = packed;
         }
     }
-    // k_tail_t[chunk][head][d][s] = tf32(k_s exp(G_{C-1} - G_s)): transposed, the scan's A
-    // operand of k_tail^T U.
+    // k_tail_t[chunk][head][d][s] = tf32(k_s exp(G_{C-1} - G_s)), transposed: the scan's A operand.
     {
         f16_t* tail_block = k_tail_t + chunk_head * KDA_HEAD_DIM * CHUNK_TC;
         const float* cumgate_last = cumgate_s + (CHUNK_TC - 1) * CHUNK_TC_D_STRIDE;
@@ -799,37 +736,22 @@ __device__ __forceinline__ void chunk_tc_prepare(
         const int t = index >> 4;
         const int s = (index & 15) * 4;
         if (s >= (t / CHUNK_TC_SUB + 1) * CHUNK_TC_SUB) {
-            uint2 zeros;
-            zeros.x = 0u;
-            zeros.y = 0u;
-            *reinterpret_cast<uint2*>(attn_block + t * CHUNK_TC + s) = zeros;
+            *reinterpret_cast<uint2*>(attn_block + t * CHUNK_TC + s) = make_uint2(0u, 0u);
         }
     }
 
-    // 2. Blocks (i, j), j <= i, of A and B, one warp per block pair.
-    //
-    // Range argument, where it bites: exp(G_t - G_s) is never formed from exp(G_t) and
-    // exp(-G_s) over the chunk (G reaches -5 * 64 = -320, exp(320) overflows). Instead
-    // each row block i has a reference row r = 16 i, and
-    //   A[t][s] = sum_d (k_t exp(G_t - G_r)) (k_s exp(G_r - G_s)).
-    // For t in sub-chunk i: G_t - G_r in [-75, 0] (15 gates >= -5), so the first factor is
-    // in [exp(-75), 1] = [2.7e-33, 1], a normal FP32 / TF32 number. For s in an earlier
-    // sub-chunk, G_r - G_s <= 0: the second factor is <= 1 (it underflows, or is flushed
-    // as a denormal, only where the true term is below 1e-38 anyway). For s in sub-chunk
-    // i, G_r - G_s is in [0, 75]: the factor is <= exp(75) = 3.7e32 < 3.4e38 (FP32 and
-    // TF32 share the 8-bit exponent). So every operand is finite,
-    // products of a pair s <= t are <= 1 in size, and the entries s > t of a diagonal
-    // block (discarded below) stay below 128 * 3.7e32. This needs g >= -5 on every token:
-    // the bounded law with lower_bound >= -5 (the clamp in the load enforces it). Without a
-    // bound (the unbounded prepare) the blocks below the diagonal still hold (the second
-    // factor is <= 1 for any gate <= 0) and each diagonal block checks its own range
-    // (diagonal_in_range), taking exact sums beyond it.
+    // 2. Blocks (i, j), j <= i, of A and B, one warp per block pair (they share the key operand); L =
+    // diag(beta) A stays in shared memory, B goes to global memory. exp(G_t - G_s) is never formed
+    // as exp(G_t) exp(-G_s) (G reaches -320 in a chunk): row block i has a reference row r = 16 i,
+    //   A[t][s] = sum_d (k_t exp(G_t - G_r)) (k_s exp(G_r - G_s)),
+    // and with every g >= -5 (the clamp) both factors are finite FP32 / TF32 numbers: the range
+    // argument of docs/maths.md. Unbounded, the blocks below the diagonal still hold (the second
+    // factor is <= 1) and each diagonal block checks its own range, taking exact sums beyond it.
     for (int pair = warp; pair < CHUNK_TC_SUBS * (CHUNK_TC_SUBS + 1) / 2; pair += CHUNK_TC_PREPARE_WARPS) {
         const int i = (pair >= 1) + (pair >= 3) + (pair >= 6);
         const int j = pair - i * (i + 1) / 2;
         if (UNBOUNDED && i == j) {
-            // Within the bounded range the products below serve; else the exact sums after
-            // the loop (warp-uniform either way).
+            // Beyond the bounded range: the exact sums after the loop (warp-uniform).
             const bool exact = !diagonal_in_range(cumgate_s, i, lane);
             if (lane == 0) {
                 exact_s[i] = exact;
@@ -907,8 +829,7 @@ __device__ __forceinline__ void chunk_tc_prepare(
         __syncthreads();
     }
 
-    // v rows for value_t_s (phase 3), loaded now so that the diagonal
-    // inverse blocks hide their latency.
+    // v rows for value_t_s (phase 3), loaded now so that the diagonal inverse blocks hide their latency.
     float value_rows[CHUNK_TC_TRANSPOSE_PASSES][4];
 #pragma unroll
     for (int pass = 0; pass < CHUNK_TC_TRANSPOSE_PASSES; ++pass) {
@@ -929,8 +850,8 @@ __device__ __forceinline__ void chunk_tc_prepare(
         }
     }
 
-    // 3. T = (I + L)^-1. Diagonal blocks: FP32 forward substitution, warp i for block i,
-    // lane c < 16 computing column c (lanes 16..31 mirror lanes 0..15 and do not write).
+    // 3. T = (I + L)^-1. Diagonal blocks: FP32 forward substitution, warp i for block i, lane c < 16
+    // computing column c (lanes 16..31 mirror lanes 0..15 and do not write).
     if (warp < CHUNK_TC_SUBS) {
         const int base = CHUNK_TC_SUB * warp;
         const int column = lane & 15;
@@ -962,8 +883,8 @@ __device__ __forceinline__ void chunk_tc_prepare(
             }
         }
     }
-    // key_beta_t_s = tf32(beta k exp(G))^T over the cumulative-gate tile: every thread holds
-    // its values before the barrier, so no G is overwritten while another warp reads it.
+    // key_beta_t_s = tf32(beta k exp(G))^T over the cumulative-gate tile: every thread holds its
+    // values before the barrier, so no G is overwritten while another warp reads it.
     {
         float key_beta[CHUNK_TC_TRANSPOSE_PASSES][4];
 #pragma unroll
@@ -995,9 +916,8 @@ __device__ __forceinline__ void chunk_tc_prepare(
     }
     __syncthreads();
 
-    // Off-diagonal blocks, in waves of equal distance from the diagonal. The loop stays
-    // rolled (as do the k blocks of phase 2): unrolled, the prepare's code outgrew the SM's
-    // instruction cache and its warps stalled on instruction fetch.
+    // Off-diagonal blocks, in waves of equal distance from the diagonal. Rolled (as are the k blocks
+    // of phase 2): unrolled, the code outgrew the instruction cache and the warps stalled on fetch.
 #pragma unroll 1
     for (int distance = 1; distance < CHUNK_TC_SUBS; ++distance) {
         if (warp < CHUNK_TC_SUBS - distance) {
@@ -1020,8 +940,8 @@ __device__ __forceinline__ void chunk_tc_prepare(
         __syncthreads();
     }
 
-    // 4. W = T key_beta (warps 0-3) and Uc = T value_beta (warps 4-7), each warp 32
-    // channels of all 64 rows. T is lower triangular: rows < 32 skip the tokens >= 32.
+    // 4. W = T key_beta (warps 0-3) and Uc = T value_beta (warps 4-7), each warp 32 channels of all
+    // 64 rows. T is lower triangular: rows < 32 skip the tokens >= 32.
     {
         const bool is_value = warp >= 4;
         const float* operand_t = is_value ? value_t_s : key_beta_t_s;
@@ -1043,16 +963,16 @@ __device__ __forceinline__ void chunk_tc_prepare(
                 float a_high[8];
                 load8(a_low, inverse_s + (16 * m + group_lane) * CHUNK_TC_C_STRIDE + 32 * kb + lane_k);
                 load8(a_high, inverse_s + (16 * m + group_lane + 8) * CHUNK_TC_C_STRIDE + 32 * kb + lane_k);
-                round8_tf32(a_low);
-                round8_tf32(a_high);
+                round_tf32_all(a_low);
+                round_tf32_all(a_high);
 #pragma unroll
                 for (int n = 0; n < 4; ++n) {
                     mma_k_block<4>(acc[m][n], a_low, a_high, b[n]);
                 }
             }
         }
-        // W is an mma operand of the scan (TF32 values stored as FP16); Uc only initialises U
-        // (FP32). Padding rows store zeros (a select, not a branch: the code stays small).
+        // W is an mma operand of the scan (TF32 values as FP16); Uc only initialises U (FP32). Padding
+        // rows store zeros (a select, not a branch: the code stays small).
         const size_t lane_at = static_cast<size_t>(first + group_lane) * row_stride + head_offset + d_base +
                                2 * thread_in_group;
 #pragma unroll
@@ -1077,19 +997,37 @@ __device__ __forceinline__ void chunk_tc_prepare(
     }
 }
 
-// The prepare reading gate and beta and q, k, v from the BF16 conv output [T, 3 H D] (ChunkRowsConv:
-// q and k normalised here with l2_eps, bit for bit the conv kernel's split), for the bounded law or
-// (UNBOUNDED) gates without a lower bound: chunk_tc_conv.cu and chunk_tc_conv_unbounded.cu, one entry
-// each so that they compile side by side. Outputs and launch as kda_chunk_tc_prepare_f32's.
-#define CHUNK_TC_PREPARE_CONV_ENTRY(NAME, UNBOUNDED)                                                          \
-    extern "C" __global__ void __launch_bounds__(CHUNK_TC_PREPARE_THREADS, 2)                                 \
-        NAME(const bf16_t* __restrict__ conv_out, float l2_eps, const float* __restrict__ gate,               \
-             const float* __restrict__ beta, f16_t* __restrict__ q_decay, f16_t* __restrict__ k_tail_t,       \
-             f16_t* __restrict__ w, float* __restrict__ u, f16_t* __restrict__ attn,                          \
-             float* __restrict__ chunk_decay, int tokens, int heads, float scale, float lower_bound)           \
-    {                                                                                                         \
-        chunk_tc_prepare<false, UNBOUNDED, ChunkRowsConv>(ChunkRowsConv{conv_out, l2_eps},                   \
-                                                          gate, beta, nullptr, nullptr, q_decay, k_tail_t, w, \
-                                                          u, attn, chunk_decay, tokens, heads, scale,         \
-                                                          lower_bound, nullptr, nullptr, nullptr, nullptr, 0); \
+// The prepare's entry points, one a file so that they compile side by side. ROWS: where q, k and v
+// come from, and the parameters the entry starts with: F32 (query, key, value: ChunkRowsF32) or CONV
+// (conv_out, l2_eps: ChunkRowsConv). CHUNK_TC_PREPARE_ENTRY reads gate and beta, for the bounded law
+// or (UNBOUNDED, lower_bound not read) any gate <= 0; CHUNK_TC_PREPARE_GATE_ENTRY forms them from the
+// projections (forget_proj, dt_bias, a_log, beta_logits, ld_beta after lower_bound) and writes them.
+#define CHUNK_TC_ROWS_F32_PARAMETERS \
+    const float* __restrict__ query, const float* __restrict__ key, const float* __restrict__ value
+#define CHUNK_TC_ROWS_F32 ChunkRowsF32{query, key, value}
+#define CHUNK_TC_ROWS_CONV_PARAMETERS const bf16_t* __restrict__ conv_out, float l2_eps
+#define CHUNK_TC_ROWS_CONV ChunkRowsConv{conv_out, l2_eps}
+#define CHUNK_TC_PREPARE_ENTRY(NAME, UNBOUNDED, ROWS)                                                      \
+    extern "C" __global__ void __launch_bounds__(CHUNK_TC_PREPARE_THREADS, 2)                              \
+        NAME(CHUNK_TC_ROWS_##ROWS##_PARAMETERS, const float* __restrict__ gate, const float* __restrict__ beta, \
+             f16_t* __restrict__ q_decay, f16_t* __restrict__ k_tail_t, f16_t* __restrict__ w,            \
+             float* __restrict__ u, f16_t* __restrict__ attn, float* __restrict__ chunk_decay, int tokens, \
+             int heads, float scale, float lower_bound)                                                   \
+    {                                                                                                      \
+        chunk_tc_prepare<false, UNBOUNDED>(CHUNK_TC_ROWS_##ROWS, gate, beta, nullptr, nullptr, q_decay,   \
+                                           k_tail_t, w, u, attn, chunk_decay, tokens, heads, scale,       \
+                                           lower_bound, nullptr, nullptr, nullptr, nullptr, 0);           \
+    }
+#define CHUNK_TC_PREPARE_GATE_ENTRY(NAME, ROWS)                                                            \
+    extern "C" __global__ void __launch_bounds__(CHUNK_TC_PREPARE_THREADS, 2)                              \
+        NAME(CHUNK_TC_ROWS_##ROWS##_PARAMETERS, float* __restrict__ gate, float* __restrict__ beta,        \
+             f16_t* __restrict__ q_decay, f16_t* __restrict__ k_tail_t, f16_t* __restrict__ w,            \
+             float* __restrict__ u, f16_t* __restrict__ attn, float* __restrict__ chunk_decay, int tokens, \
+             int heads, float scale, float lower_bound, const bf16_t* __restrict__ forget_proj,            \
+             const float* __restrict__ dt_bias, const float* __restrict__ a_log,                          \
+             const bf16_t* __restrict__ beta_logits, int ld_beta)                                         \
+    {                                                                                                      \
+        chunk_tc_prepare<true>(CHUNK_TC_ROWS_##ROWS, nullptr, nullptr, gate, beta, q_decay, k_tail_t, w, u, \
+                               attn, chunk_decay, tokens, heads, scale, lower_bound, forget_proj, dt_bias,  \
+                               a_log, beta_logits, ld_beta);                                               \
     }

@@ -11,18 +11,16 @@ __device__ __forceinline__ float bf16_to_f32(bf16_t value)
     return __uint_as_float(static_cast<unsigned int>(value) << 16);
 }
 
-// The low (half 0) or high (half 1) BF16 of a 32-bit word that packs two, as FP32 (exact): what
-// a vector load of BF16 pairs unpacks to.
+// The low (half 0) or high (half 1) BF16 of a 32-bit word that packs two, as FP32 (exact).
 __device__ __forceinline__ float bf16_half_to_f32(unsigned int word, int half)
 {
     return __uint_as_float(half ? (word & 0xFFFF0000u) : (word << 16));
 }
 
-// Round to nearest, ties to even, bit-identical to ml_dtypes' float32 -> bfloat16
-// cast (what the NumPy oracle uses): finite values that round past the largest
-// BF16 become infinity, subnormals are kept (no flush), and every NaN becomes the
-// canonical quiet NaN with the input's sign (0x7FC0 / 0xFFC0; the payload is
-// dropped, as ml_dtypes drops it).
+// Round to nearest, ties to even, bit-identical to ml_dtypes' float32 -> bfloat16 cast (the NumPy
+// oracle's): finite values that round past the largest BF16 become infinity, subnormals are kept,
+// and every NaN becomes the canonical quiet NaN with the input's sign (0x7FC0 / 0xFFC0; the payload
+// is dropped, as ml_dtypes drops it).
 __device__ __forceinline__ bf16_t f32_to_bf16(float value)
 {
     const unsigned int bits = __float_as_uint(value);

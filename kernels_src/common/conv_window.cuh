@@ -1,6 +1,6 @@
-// The causal conv of one channel, one definition for the prefill conv (conv.cu) and the fused
-// decode step, so both agree bit for bit: a window of the last K <= CONV_MAX_KERNEL inputs,
-// oldest in slot 0, kept in registers (compile-time indices only).
+// The causal conv of one channel, one definition for the prefill conv (conv.cu) and the fused decode
+// step, so both agree bit for bit: a window of the last K <= CONV_MAX_KERNEL inputs, oldest in slot 0,
+// kept in registers (compile-time indices only).
 #ifndef KDA_COMMON_CONV_WINDOW_CUH
 #define KDA_COMMON_CONV_WINDOW_CUH
 
@@ -40,13 +40,7 @@ __device__ __forceinline__ void conv_slots_load(T (&slots)[CONV_MAX_KERNEL], con
     }
 }
 
-// The window from the K stored inputs of a channel, and back.
-__device__ __forceinline__ void conv_window_load(float (&window)[CONV_MAX_KERNEL], const float* stored,
-                                                 int kernel_size)
-{
-    conv_slots_load(window, stored, kernel_size);
-}
-
+// The window back to the K stored inputs of a channel (conv_slots_load reads them).
 __device__ __forceinline__ void conv_window_store(const float window[CONV_MAX_KERNEL], float* stored,
                                                   int kernel_size)
 {

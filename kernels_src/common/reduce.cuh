@@ -1,7 +1,7 @@
 // The sums over a head's KDA_HEAD_BLOCK threads (thread d: channel d) and the per-head
-// normalisations built on them. Every per-head reduction (decode conv + L2, the gated RMSNorm of
-// decode and prefill) goes through block_sum_f32's one tree, so decode and prefill produce the
-// same bits for the same inputs.
+// normalisations built on them. Every per-head reduction (decode's L2, the gated RMSNorm of decode
+// and prefill, the prefill conv's L2) adds in block_sum_f32's one order, so decode and prefill
+// produce the same bits for the same inputs.
 #ifndef KDA_COMMON_REDUCE_CUH
 #define KDA_COMMON_REDUCE_CUH
 
@@ -10,24 +10,26 @@
 
 #define KDA_FULL_WARP_MASK 0xffffffffu
 
-// The sum of `value` over a warp, returned to every lane: the fixed xor-shuffle tree of
-// block_sum_f32.
-__device__ __forceinline__ float warp_sum_f32(float value)
+// The four warp sums of a block, added in warp order.
+__device__ __forceinline__ float sum_of_warps(const float* sums)
+{
+    float total = sums[0];
+    total += sums[1];
+    total += sums[2];
+    total += sums[3];
+    return total;
+}
+
+// Sum of `value` over the block's KDA_HEAD_BLOCK (= 128) threads, returned to every one of them.
+// Deterministic: the fixed xor-shuffle tree inside each warp, then thread 0 adds the four warp sums
+// in warp order. `scratch` is at least 5 floats of shared memory. Every thread must call it (it
+// holds barriers); it may be called again right away.
+__device__ __forceinline__ float block_sum_f32(float value, float* scratch)
 {
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) {
         value += __shfl_xor_sync(KDA_FULL_WARP_MASK, value, offset);
     }
-    return value;
-}
-
-// Sum of `value` over the block's KDA_HEAD_BLOCK (= 128) threads, returned to every one of them.
-// Deterministic: the xor-shuffle tree inside each warp, then thread 0 adds the four warp sums in
-// warp order. `scratch` is at least 5 floats of shared memory. Every thread must call it (it
-// holds barriers); it may be called again right away.
-__device__ __forceinline__ float block_sum_f32(float value, float* scratch)
-{
-    value = warp_sum_f32(value);
     const int thread = threadIdx.x;
     const int warp = thread >> 5;
     if ((thread & 31) == 0) {
@@ -35,11 +37,7 @@ __device__ __forceinline__ float block_sum_f32(float value, float* scratch)
     }
     __syncthreads();
     if (thread == 0) {
-        float total = scratch[0];
-        total += scratch[1];
-        total += scratch[2];
-        total += scratch[3];
-        scratch[4] = total;
+        scratch[4] = sum_of_warps(scratch);
     }
     __syncthreads();
     const float total = scratch[4];
@@ -65,12 +63,7 @@ __device__ __forceinline__ void block_sum2_f32(float& a, float& b, float* scratc
     }
     __syncthreads();
     if (thread == 0 || thread == 32) {
-        const float* sums = scratch + (thread == 0 ? 0 : 5);
-        float total = sums[0];
-        total += sums[1];
-        total += sums[2];
-        total += sums[3];
-        scratch[(thread == 0 ? 0 : 5) + 4] = total;
+        scratch[(thread == 0 ? 0 : 5) + 4] = sum_of_warps(scratch + (thread == 0 ? 0 : 5));
     }
     __syncthreads();
     a = scratch[4];
@@ -101,12 +94,11 @@ __device__ __forceinline__ float gated_rmsnorm_sigmoid(float o, float weight, fl
     return o / sqrtf(mean_square + eps) * weight * sigmoid_f32(z);
 }
 
-// The L2 sum of a head's 128 squares held 4 per lane (lane L: channels 4L .. 4L+3) with the
-// additions of block_sum_f32 over 128 threads of one channel each, in the same order: its warp
-// w (channels 32w ..) is lanes 8w .. 8w+7 here, its xor steps 16, 8 and 4 are xor steps 4, 2 and
-// 1 between lanes, its steps 2 and 1 the pairs of a lane's own registers, and the four warp sums
-// are added in warp order. So q and k come out bit for bit as in decode (conv.cu), and the
-// tensor-core chunk prepare that normalises them from the conv output agrees with both.
+// The L2 sum of a head's 128 squares held 4 per lane (lane L: channels 4L .. 4L+3) with the additions
+// of block_sum_f32 over 128 threads of one channel each, in the same order: its warp w is lanes 8w ..
+// 8w+7 here, its xor steps 16, 8 and 4 are xor steps 4, 2 and 1 between lanes, its steps 2 and 1 the
+// pairs of a lane's own registers. So the prefill conv's q and k are decode's bit for bit, and so are
+// those the tensor-core chunk prepare normalises from the conv output.
 __device__ __forceinline__ float warp_head_sum_squares(const float (&v)[4])
 {
     float s[4];

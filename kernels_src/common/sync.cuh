@@ -4,13 +4,12 @@
 #ifndef KDA_COMMON_SYNC_CUH
 #define KDA_COMMON_SYNC_CUH
 
-
 // Programmatic dependent launch (no-ops before sm_90). A kernel launched with the
-// programmatic-serialization attribute may start while the kernel before it in the stream
-// still runs, once every block of that one has called kda_let_next_kernel_launch (or
-// exited); kda_wait_for_previous_kernel then returns when the previous kernel has finished
-// and its writes are visible. Without the attribute the wait returns at once. Whatever a
-// kernel reads or writes that the previous kernel may touch must come after the wait.
+// programmatic-serialization attribute may start while the kernel before it in the stream still
+// runs, once every block of that one has called kda_let_next_kernel_launch (or exited);
+// kda_grid_dependency_wait then returns when the previous kernel has finished and its writes are
+// visible (at once without the attribute). Whatever a kernel reads or writes that the previous
+// kernel may touch must come after the wait.
 __device__ __forceinline__ void kda_let_next_kernel_launch()
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -25,15 +24,10 @@ __device__ __forceinline__ void kda_grid_dependency_wait()
 #endif
 }
 
-__device__ __forceinline__ void kda_wait_for_previous_kernel()
-{
-    kda_grid_dependency_wait();
-}
-
 // ---- Words one kernel waits on while another, running beside it, finishes its part: a count of
 // producers done (each adds 1 with release once its writes are out) and a count of the waiting
-// blocks that have seen it. A wait longer than KDA_MAX_POLLS polls (tens of seconds with their
-// sleeps and round trips) is a broken schedule: trap instead of hanging.
+// blocks that have seen it. A wait past KDA_MAX_POLLS polls (tens of seconds) is a broken schedule:
+// trap instead of hanging.
 #define KDA_MAX_POLLS (1 << 26)
 
 __device__ __forceinline__ int load_acquire(const int* counter)
@@ -63,12 +57,11 @@ __device__ __forceinline__ void wait_for_counter(const int* counter, int target)
 }
 
 // Thread 0 of every block of a grid of `blocks` that waits on the words: kda_await_words until
-// words[0] >= target (the producers' count), then the caller passes a block barrier before it reads
-// what the producers wrote, through L2. The block counts itself in words[1] as it passes
-// (kda_await_words returns the count before it) and, at its end, kda_clear_words_if_last: the last
-// block past the wait sets both words back to zero, so the next launch waits again (a block counts
-// itself only once it has seen the producers done). The count's answer is read only at the block's
-// end, so its round trip is not waited for in between.
+// words[0] >= target (the producers' count), then a block barrier before the block reads what the
+// producers wrote, through L2. The block counts itself in words[1] as it passes (the count before
+// it is returned, and read only at the block's end, so its round trip is not waited for) and, at its
+// end, kda_clear_words_if_last: the last block past the wait sets both words back to zero, so the
+// next launch waits again.
 __device__ __forceinline__ int kda_await_words(int* words, int target)
 {
     wait_for_counter(words, target);

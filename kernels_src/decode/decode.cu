@@ -1,34 +1,25 @@
-// The stateful half of decode in one launch: for each of `sequences` sequences, `tokens`
-// consecutive tokens (rows s * tokens .. s * tokens + tokens - 1 of the per-token buffers),
-// and every head h, token after token:
-//   conv + SiLU of the head's q, k and v channels (rounded to BF16), L2 of q and k,
-//   forget gate and beta (from forget_proj, dt_bias, A_log and the b_proj logits),
-//   one delta-rule step of the head's FP32 state,
-//   gated RMSNorm (sigmoid gate) of the core output, BF16 result.
-// Each stage is the device function the prefill kernels use (common/conv_window.cuh,
-// common/math.cuh, common/reduce.cuh), with the same reductions, so a stage's bits are the
-// prefill's. One launch saves the round trips of q, k, v, the gate and the core output through
-// memory between stages, and a walk of several tokens (the rows of a speculative verify) keeps
-// the conv windows and the state column in registers from the first token to the last: the
-// states are read once and written once. Every stage buffer is still written.
+// The stateful half of decode in one launch (docs/design.md, the fused decode step): for each of
+// `sequences` sequences, `tokens` consecutive tokens (rows s * tokens .. s * tokens + tokens - 1 of the
+// per-token buffers), and every head h, token after token: conv + SiLU of the head's q, k and v
+// channels (rounded to BF16), L2 of q and k, forget gate and beta, one delta-rule step of the head's
+// FP32 state, gated RMSNorm (sigmoid gate) of the core output. Each stage is the device function the
+// prefill kernels use, with the same reductions, so a stage's bits are the prefill's; every stage
+// buffer is still written. The conv windows and the state column stay in registers from the first
+// token to the last.
 //
-// Launch: grid (heads, sequences), block KDA_HEAD_BLOCK = 128, no dynamic shared memory; thread
-// d owns channel d of the head: conv channels h D + d of q, k and v, and value column d of the
-// state. One block holds a whole head, because the L2 sums of q and k and the norm's mean reduce
-// over the head, and because the conv window of a channel must be read before it is written.
-// Sequence s advances slot slots[s] of a pool (slot s when slots is null); sequences never
+// Launch: grid (heads, sequences), block KDA_HEAD_BLOCK = 128, no dynamic shared memory; thread d owns
+// conv channels h D + d of q, k and v and value column d of the state. One block holds a whole head:
+// the L2 sums and the norm's mean reduce over it, and a conv window must be read before it is
+// written. Sequence s advances slot slots[s] of a pool (slot s when slots is null); sequences never
 // interact, so a sequence's bits do not depend on the batch.
 //
-// The next kernel of the stream (the output projection, a programmatic dependent) may launch at
-// once, after the first token's inputs are formed or after its recurrent step (dependents_after,
-// KdaDependentsAfter): later, its first weight requests do not queue in front of the state
-// column's loads. A batch runs many waves of blocks, each waiting on its own 64 KB state column:
-// the block of sequence s asks L2 for the column of sequence s + prefetch_ahead (0: none), which
-// it never reads itself. x_tiles (null: none) receives o_norm_out a second time, in the tile
-// layout the output projection's bulk-copy sweep reads. outputs_ready (null: none): each block
-// adds 1 to outputs_ready[0] once its outputs are written, before it stores its states; the
-// awaiting output projection waits for that count instead of this kernel's end. None of these
-// changes a bit.
+// None of these changes a bit: the next kernel of the stream (o_proj, a programmatic dependent) may
+// launch at once, after the first token's inputs or after its recurrent step (dependents_after;
+// later, its first weight requests do not queue in front of the state column's loads); the block of
+// sequence s asks L2 for the state of sequence s + prefetch_ahead (0: none), which it never reads;
+// x_tiles (null: none) receives o_norm_out a second time, in the bulk sweep's tile layout;
+// outputs_ready (null: none): each block adds 1 to outputs_ready[0] once its outputs are written,
+// before it stores its states, and the awaiting o_proj waits for that count, not this kernel's end.
 #include "common/conv_window.cuh"
 #include "common/reduce.cuh"
 #include "common/sync.cuh"
@@ -71,10 +62,9 @@ kda_decode_fused_bf16(float* __restrict__ conv_state, float* __restrict__ state,
     const size_t qkv = static_cast<size_t>(heads) * KDA_HEAD_DIM;
     const size_t channel = static_cast<size_t>(head) * KDA_HEAD_DIM + d;  // within q, k or v
 
-    // Every load that does not depend on the slot is issued first, in one go: the first token's
-    // inputs, the conv taps and the head's parameters. Then the slot's state column (64 KB per
-    // head, the bulk of the traffic) and conv windows. So the step waits for the memory about
-    // twice (the slot, then everything), not once per value a later load was queued behind.
+    // Every load that does not depend on the slot first (the first token's inputs, the conv taps, the
+    // head's parameters), then the slot's state column (64 KB a head) and conv windows: the step
+    // waits for the memory about twice, not once per value a later load was queued behind.
     const size_t ahead = sequence + prefetch_ahead;
     const bool prefetch = prefetch_ahead > 0 && ahead < sequences;
     const size_t slot = slots != nullptr ? static_cast<size_t>(slots[sequence]) : sequence;
@@ -98,11 +88,10 @@ kda_decode_fused_bf16(float* __restrict__ conv_state, float* __restrict__ state,
     float window[3][CONV_MAX_KERNEL];
 #pragma unroll
     for (int part = 0; part < 3; ++part) {
-        conv_window_load(window[part], conv_slot + (part * qkv + channel) * kernel_size, kernel_size);
+        conv_slots_load(window[part], conv_slot + (part * qkv + channel) * kernel_size, kernel_size);
     }
-    // Ask L2 for the head's state of sequence + prefetch_ahead (a block of a later wave) now, so
-    // that its loads hit, and for its conv windows (the head's channels of q, k and v: three runs
-    // of D K floats).
+    // L2 requests for the head's state and conv windows (three runs of D K floats) of sequence +
+    // prefetch_ahead, a block of a later wave, so that its loads hit.
     if (prefetch) {
         prefetch_floats_l2(state + (ahead_slot * heads + head) * static_cast<size_t>(KDA_HEAD_DIM) * KDA_HEAD_DIM,
                            KDA_HEAD_DIM * KDA_HEAD_DIM, d);

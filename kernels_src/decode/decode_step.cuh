@@ -1,15 +1,13 @@
-// The pieces of the fused decode step (decode.cu): the delta-rule step of one value column of a
-// head's state held in registers, one token's inputs of a channel, and the L2 request for a later
-// sequence's state.
+// The pieces of the fused decode step (decode.cu): the delta-rule step of one value column of a head's
+// state held in registers, one token's inputs of a channel, and the L2 request for a later state.
 #ifndef KDA_DECODE_STEP_CUH
 #define KDA_DECODE_STEP_CUH
 
 #include "common/bf16.cuh"
 #include "common/head.cuh"
 
-// Ask L2 for `count` contiguous floats from `first` (16-byte aligned, count a multiple of 4),
-// thread d of the block's KDA_HEAD_BLOCK taking part: one bulk request (thread 0) on sm_90 and
-// later, a 128-byte line per thread and request before.
+// Ask L2 for `count` contiguous floats from `first` (16-byte aligned, count a multiple of 4), thread d
+// of the block taking part: one bulk request (thread 0) on sm_90 and later, else a line a request.
 __device__ __forceinline__ void prefetch_floats_l2(const float* first, int count, int d)
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -25,16 +23,13 @@ __device__ __forceinline__ void prefetch_floats_l2(const float* first, int count
 #endif
 }
 
-// Delta-rule steps of one value column of a head's state S [D_k, D_v] (K-major, row i at
-// state_column + i * KDA_HEAD_DIM), FP32, kept in registers between a load and a store so
-// that the step can issue the loads before it has formed the gate and walk several tokens:
-//   kda_recurrent_load:   s = the column, as stored
+// Delta-rule steps of one value column of a head's state S [D_k, D_v] (K-major, row i at state_column
+// + i * KDA_HEAD_DIM), FP32, kept in registers between a load and a store, so that the loads go out
+// before the gate is formed and several tokens are walked:
 //   kda_recurrent_step:   s *= exp(gate);  pred = s . k;  s += k (beta (v - pred));
 //                         returns out = s . (q scale), read after the update
-//   kda_recurrent_store:  the column = s
-// decay_s, key_s, query_s (exp(gate), k, q * scale) are the head's vectors in shared
-// memory, read as broadcasts. Every thread of the block must call the step (it holds a
-// barrier).
+// decay_s, key_s, query_s (exp(gate), k, q * scale) are the head's vectors in shared memory, read as
+// broadcasts. Every thread of the block must call the step (it holds a barrier).
 __device__ __forceinline__ void kda_recurrent_load(float (&s)[KDA_HEAD_DIM], const float* state_column)
 {
 #pragma unroll
@@ -54,9 +49,8 @@ __device__ __forceinline__ float kda_recurrent_step(float (&s)[KDA_HEAD_DIM], co
         pred = fmaf(s[i], key_s[i], pred);
     }
     const float delta = beta * (value - pred);
-    // A barrier is a shared-memory fence: it stops the compiler from keeping the D key
-    // values of the first pass in registers for the second, which with the D state values
-    // would exceed the 255-register budget and spill.
+    // A barrier is a shared-memory fence: it stops the compiler from keeping the D key values of the
+    // first pass in registers for the second, which with the D state values would spill.
     __syncthreads();
 
     float out = 0.0f;
@@ -76,8 +70,8 @@ __device__ __forceinline__ void kda_recurrent_store(const float (&s)[KDA_HEAD_DI
     }
 }
 
-// The step's shared memory: the reductions' scratch and the head's vectors, 16-byte aligned (the
-// recurrent step reads them as broadcasts, four floats a load instead of two).
+// The step's shared memory: the reductions' scratch and the head's vectors, 16-byte aligned (read as
+// broadcasts, four floats a load).
 struct KdaStepShared {
     float scratch[10];
     __align__(16) float decay[KDA_HEAD_DIM];
@@ -85,8 +79,8 @@ struct KdaStepShared {
     __align__(16) float query[KDA_HEAD_DIM];
 };
 
-// One token's inputs of channel `channel` of head `head` (BF16 bits as stored): its q, k and v
-// projections, forget projection, b_proj logit and output gate, all written by earlier kernels.
+// One token's inputs of channel `channel` of head `head` (BF16 bits): its q, k and v projections,
+// forget projection, b_proj logit and output gate.
 struct KdaTokenInputs {
     bf16_t projected[3];
     bf16_t forget;

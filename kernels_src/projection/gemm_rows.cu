@@ -1,17 +1,14 @@
 // The row projection on tensor cores, y[r, :] = bf16(x[r, :] @ w.T) for r < rows (1..256): every
-// decode-side projection of the block (q|k|v, the low-rank down and gate up-projections, o_proj)
-// multiplies a few token rows by a BF16 weight, a stream of the weight bound by memory. The device
-// code, its layout and its bit contract (one k order per k, whatever the rows, tiles or grid) are in
+// decode-side projection of the block, a stream of the weight bound by memory. The device code, its
+// layout and its bit contract (one k order per k, whatever the rows, tiles or grid) are in
 // gemm_rows.cuh.
 //
-// Launch: block 256 threads (8 warps); grid.y = ceil(rows / 64), grid.x = any number of blocks (a
-// block loops over the column groups blockIdx.x + i gridDim.x; the staged entries take one group a
-// block, grid.y = 1). One entry point per (M_TILES, N_TILES) and form, so each kernel's code stays
-// small: one variant in the instruction cache, not all of them. The wrapper
-// (glm_kda.gpu.projection) picks M_TILES from the rows (1: <= 16, 2: <= 32, 4: more; a row group
-// with fewer rows leaves the extra m-tiles predicated off) and N_TILES and the grid from the shape.
-// `prefetch` (k blocks per weight row, 0 for none) asks L2 for the first weights before the wait on
-// the previous kernel; like the tiles and the grid it changes no bit.
+// Launch: block 256 threads (8 warps); grid.y = ceil(rows / 64), grid.x = any number of blocks (a block
+// loops over the column groups blockIdx.x + i gridDim.x). One entry point per (M_TILES, N_TILES) and
+// form, so that one variant's code is in the instruction cache, not all of them: the wrapper picks
+// M_TILES from the rows (1: <= 16, 2: <= 32, 4: more) and N_TILES and the grid from the shape.
+// `prefetch`: k blocks per weight row asked of L2 before the wait on the previous kernel (0: none).
+// None of these changes a bit.
 #include "projection/gemm_rows.cuh"
 
 #define GEMM_ROWS_ENTRY_OF(NAME, M_TILES, N_TILES, PACKED)                                         \

@@ -1,54 +1,24 @@
-// Device code of the row projection (gemm_rows.cu and gemm_rows_decode.cu launch it): the layout and the bit contract.
-//
-// Projection GEMM for decode, speculative verify and batched decode, on tensor cores:
+// Device code of the row projection (the gemm_rows*.cu entries run it), on mma.sync m16n8k16:
 //   y[r, j] = bf16( sum_i x[r, i] * w[j, i] )   for r < rows (1..256), j < n
-// with x [rows, k] (row stride ldx), w [n, k] (torch Linear layout, contiguous) and
-// y [rows, n] (row stride ldy, so y may be a column slice of a wider buffer).
+// x [rows, k] (row stride ldx), w [n, k] (torch Linear layout, or packed: below), y [rows, n] (row
+// stride ldy: y may be a column slice of a wider buffer). Up to 64 rows it is bound by streaming w
+// once (docs/design.md, the row projection kernel): k_split of a block's 8 warps split k into
+// contiguous ranges, the others stand side by side along n; a warp owns N_TILES tiles of 8 columns and
+// issues every weight load of a step before its first mma; blockIdx.y picks 64 rows.
 //
-// Up to 64 rows the kernel is bound by streaming w once from memory, so the layout
-// serves that stream:
-//   * a block is 8 warps; `k_split` of them split the k axis of the block's columns
-//     into contiguous ranges, the other 8 / k_split sit side by side along n;
-//   * a warp owns `N_TILES` tiles of 8 columns and loops over its k range in steps of
-//     K_UNROLL blocks of 32 k, issuing all N_TILES * K_UNROLL 16-byte weight loads of
-//     a step before the first mma: 8 per lane (128 bytes in flight) with one m-tile,
-//     8 / M_TILES with more, whose x fragments and accumulators take the registers;
-//   * x is small (it is read through L1 and L2) and each fragment of it feeds
-//     N_TILES tiles of w;
-//   * blockIdx.y picks a group of 64 rows (4 m-tiles of 16), so up to 64 rows every
-//     weight byte is read exactly once; more rows re-read w once per group.
-// The number of tiles per warp only trades x reuse against the number of blocks; it
-// is a template parameter (one entry point per variant, chosen by the wrapper with the
-// grid) and never changes a bit of y.
+// Bit contract: row r's bits depend neither on `rows` nor on the other rows. An mma output depends on
+// its own row of A and column of B only, so the zero rows padding a 16-row tile and the m-tiling leave
+// a row alone, and the order of the sum depends on k only: each warp chains its k range in ascending
+// blocks of 32 (two k16 steps each), and the k_split partial sums are added in shared memory in
+// ascending warp order, without atomics. Rows >= rows are never read (predicated off, zeros fill).
 //
-// Bit contract: row r's bits do not depend on `rows` or on the other rows' values.
-// mma.sync m16n8k16 computes each output element from its own row of A and column of
-// B, so zero rows padding the 16-row tile and any m-tiling leave a row alone. What
-// fixes the sum is the k order, which depends on k only: each warp accumulates its
-// k range in ascending blocks of 32 (two k16 steps each) in a chain of mma, and the
-// k_split partial sums are added in shared memory in ascending warp order. Neither
-// the row count, nor the m-tiles, nor the grid enter that order, and there are no
-// atomics. Rows >= rows are never read (their loads are predicated off, zeros fill).
-// With 2 or 4 m-tiles and an even number of tiles per warp the mma's operands are swapped (w as
-// A, x as B: the same products in the same k slots, and the same bits on the tensor cores, see
-// gemm_rows_transposed).
+// Fragment trick: inside a block of 32 k, lane (g = lane / 4, t = lane % 4) loads the 16 contiguous
+// bytes k = 8t .. 8t+7 of one w row (column g of the tile) and of x rows g and g+8. mma step s (0, 1)
+// takes words 2s and 2s+1 of those loads: the standard fragment layout with k permuted the same way
+// for A and B (logical k 2t+e <-> physical 8t+4s+e, 2t+8+e <-> 8t+4s+2+e), every k once a block.
 //
-// Fragment trick: inside a block of 32 k, lane (g = lane / 4, t = lane % 4) loads
-// the 16 contiguous bytes k = 8t .. 8t+7 of one w row (column g of the tile) and of
-// x rows g and g+8. mma step s (0, 1) takes words 2s and 2s+1 of those loads, which
-// is the standard fragment layout with k permuted the same way for A and B: logical
-// k 2t+e <-> physical 8t+4s+e and logical 2t+8+e <-> physical 8t+4s+2+e. Steps 0 and
-// 1 together cover all 32 k of the block exactly once, for every row and column.
-//
-// Programmatic dependent launch (sm_90 and later): a block lets the next kernel of its
-// stream start as soon as it runs, and waits for the kernel before it only after it has
-// asked L2 for the first `prefetch` blocks of 32 k of each of its weight rows: the weight never
-// depends on an earlier kernel, x does. Launched without the attribute (or before sm_90)
-// the wait returns at once and the prefetch only warms L2.
-//
-// Requires k % 8 == 0, ldx % 8 == 0 and 16-byte aligned x and w (checked by the
-// Python wrapper): every load is one 16-byte vector of 8 BF16; a k that is not a
-// multiple of 32 is padded with zeros in both operands.
+// Requires k % 8 == 0, ldx % 8 == 0 and 16-byte aligned x and w (the wrapper checks): every load is
+// one 16-byte vector of 8 BF16; a k that is not a multiple of 32 is padded with zeros in both operands.
 #ifndef GEMM_ROWS_CUH
 #define GEMM_ROWS_CUH
 
@@ -62,13 +32,11 @@
 #define GEMM_ROWS_N_TILE 8
 // Rows per blockIdx.y: 4 m-tiles swept together over one read of w.
 #define GEMM_ROWS_M_GROUP 64
-// Weight loads per lane and step with one m-tile (8 / M_TILES with more) in the launches
-// of gemm_rows.cu (2 blocks per SM); a kernel of one block per SM may keep more in flight.
+// Weight loads per lane and step with one m-tile (8 / M_TILES with more), for 2 blocks per SM.
 #define GEMM_ROWS_LOADS 8
 
-// The PTX of the predicated 16-byte loads below: zeros, then the load LOAD (the opcode with the
-// cache qualifiers of its kind) where `valid` holds. Operands:
-// GEMM_ROWS_LOAD_16B_OPERANDS(value, pointer, valid).
+// The PTX of the predicated 16-byte loads below: zeros, then LOAD (the opcode with its cache
+// qualifiers) where `valid` holds; operands GEMM_ROWS_LOAD_16B_OPERANDS(value, pointer, valid).
 #define GEMM_ROWS_LOAD_16B(LOAD)                                                                  \
     "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %5, 0;\n\t"                                             \
     "mov.b32 %0, 0;\n\tmov.b32 %1, 0;\n\tmov.b32 %2, 0;\n\tmov.b32 %3, 0;\n\t"                    \
@@ -76,8 +44,8 @@
 #define GEMM_ROWS_LOAD_16B_OPERANDS(value, pointer, valid)                                          \
     "=r"(value.x), "=r"(value.y), "=r"(value.z), "=r"(value.w) : "l"(pointer), "r"(static_cast<int>(valid))
 
-// 16 bytes of w, streamed once: no L1 allocation, 256-byte L2 prefetch (a warp's
-// next loads continue the same rows). Predicated off (zeros) outside the matrix.
+// 16 bytes of w, streamed once: no L1 allocation, 256-byte L2 prefetch (a warp's next loads
+// continue the same rows). Zeros where not `valid`, as for every load below.
 __device__ __forceinline__ uint4 load_weight_16B(const bf16_t* pointer, bool valid)
 {
     uint4 value;
@@ -86,8 +54,7 @@ __device__ __forceinline__ uint4 load_weight_16B(const bf16_t* pointer, bool val
     return value;
 }
 
-// load_weight_16B kept in program order with the code around it (volatile): a load issued ahead of a
-// wait must not be moved past it.
+// load_weight_16B kept in program order (volatile): a load issued ahead of a wait must stay there.
 __device__ __forceinline__ uint4 load_weight_16B_in_order(const bf16_t* pointer, bool valid)
 {
     uint4 value;
@@ -96,9 +63,8 @@ __device__ __forceinline__ uint4 load_weight_16B_in_order(const bf16_t* pointer,
     return value;
 }
 
-// 16 bytes of w from a block's shared-memory copy of its weights (the staged entries).
-// Predicated off (zeros) like load_weight_16B.
-__device__ __forceinline__ uint4 load_staged_weight_16B(const bf16_t* pointer, bool valid)
+// 16 bytes of a block's shared-memory copy of its weights or of x (the staged entries).
+__device__ __forceinline__ uint4 load_shared_16B(const bf16_t* pointer, bool valid)
 {
     return valid ? *reinterpret_cast<const uint4*>(pointer) : uint4{0u, 0u, 0u, 0u};
 }
@@ -109,11 +75,9 @@ __device__ __forceinline__ void prefetch_l2(const void* pointer)
     asm volatile("prefetch.global.L2 [%0];" ::"l"(pointer));
 }
 
-// 16 bytes of x, read by every block: cached in L1. Predicated off (zeros) for the
-// padding rows and the k tail, so rows >= `rows` are never read. A coherent load kept in program
-// order (volatile), not the read-only path: in a programmatic launch the kernel before writes x
-// while this one already runs, and a read-only load may be scheduled ahead of the wait and read x
-// before it is written.
+// 16 bytes of x, read by every block: cached in L1. A coherent load kept in program order
+// (volatile), not the read-only path: in a programmatic launch the kernel before writes x while
+// this one already runs, and a read-only load may be scheduled ahead of the wait.
 __device__ __forceinline__ uint4 load_activation_16B(const bf16_t* pointer, bool valid)
 {
     uint4 value;
@@ -121,9 +85,8 @@ __device__ __forceinline__ uint4 load_activation_16B(const bf16_t* pointer, bool
     return value;
 }
 
-// 16 bytes of x that an earlier part of the same kernel wrote (another block's output):
-// read from L2 (.cg), never through the non-coherent read-only path or a stale L1 line.
-// Predicated off (zeros) like load_activation_16B.
+// 16 bytes of x that a kernel still running wrote: from L2 (.cg), never through the read-only path
+// or a stale L1 line.
 __device__ __forceinline__ uint4 load_produced_16B(const bf16_t* pointer, bool valid)
 {
     return valid ? __ldcg(reinterpret_cast<const uint4*>(pointer)) : uint4{0u, 0u, 0u, 0u};
@@ -134,17 +97,8 @@ __device__ __forceinline__ unsigned int word_of(const uint4& v, int index)
     return index == 0 ? v.x : index == 1 ? v.y : index == 2 ? v.z : v.w;
 }
 
-// The A fragment of step `step` (0, 1) of two tiles' weight loads (w as the A operand, tile
-// `low` its rows g, `high` its rows g + 8): words 2 step and 2 step + 1 of each, interleaved.
-__device__ __forceinline__ uint4 interleave_pair(const uint4& low, const uint4& high, int step)
-{
-    return uint4{word_of(low, 2 * step), word_of(high, 2 * step), word_of(low, 2 * step + 1),
-                 word_of(high, 2 * step + 1)};
-}
-
-// acc[16 x 8] += A[16 x 16] * B[16 x 8], FP32 accumulate (fragment layout of the PTX
-// ISA: a0/a2 rows g, a1/a3 rows g+8; b0 k 2t.., b1 k 2t+8..; acc[0..1] row g,
-// acc[2..3] row g+8, columns 2t, 2t+1).
+// acc[16 x 8] += A[16 x 16] * B[16 x 8], FP32 accumulate (PTX fragments: a0/a2 rows g, a1/a3 rows
+// g+8; b0 k 2t.., b1 k 2t+8..; acc[0..1] row g, acc[2..3] row g+8, columns 2t, 2t+1).
 __device__ __forceinline__ void mma_bf16_m16n8k16(float acc[4], unsigned int a0, unsigned int a1,
                                                   unsigned int a2, unsigned int a3,
                                                   unsigned int b0, unsigned int b1)
@@ -155,12 +109,36 @@ __device__ __forceinline__ void mma_bf16_m16n8k16(float acc[4], unsigned int a0,
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Warps splitting the k axis of a block: the most (up to 8) that leaves each at least
-// 4 blocks of 32 k. A function of k alone, because it fixes every output's summation
-// order. glm_kda.gpu.projection mirrors it to size the grid.
+// k16 step `step` (0, 1) of a 32-k block (the fragment trick): A from the loads of its rows g (`low`)
+// and g + 8 (`high`), B from the load of its column g, words 2 step and 2 step + 1 of each.
+__device__ __forceinline__ void mma_bf16_step(float acc[4], const uint4& low, const uint4& high, const uint4& b,
+                                              int step)
+{
+    mma_bf16_m16n8k16(acc, word_of(low, 2 * step), word_of(high, 2 * step), word_of(low, 2 * step + 1),
+                      word_of(high, 2 * step + 1), word_of(b, 2 * step), word_of(b, 2 * step + 1));
+}
+
+// Every float of `values` (an array of any shape) set to zero.
+template <class Floats>
+__device__ __forceinline__ void zero_floats(Floats& values)
+{
+    float* flat = reinterpret_cast<float*>(&values);
+#pragma unroll
+    for (int i = 0; i < static_cast<int>(sizeof(Floats) / sizeof(float)); ++i) {
+        flat[i] = 0.0f;
+    }
+}
+
+__device__ __forceinline__ int gemm_rows_k_blocks(int k)
+{
+    return (k + GEMM_ROWS_K_BLOCK - 1) / GEMM_ROWS_K_BLOCK;
+}
+
+// Warps splitting the k axis of a block: the most (up to 8) that leaves each at least 4 blocks of 32
+// k. A function of k alone: it fixes every output's summation order (glm_kda.gpu.projection mirrors it).
 __device__ __forceinline__ int k_split_for(int k)
 {
-    const int k_blocks = (k + GEMM_ROWS_K_BLOCK - 1) / GEMM_ROWS_K_BLOCK;
+    const int k_blocks = gemm_rows_k_blocks(k);
     int split = GEMM_ROWS_WARPS;
     while (split > 1 && k_blocks < 4 * split) {
         split >>= 1;
@@ -168,9 +146,8 @@ __device__ __forceinline__ int k_split_for(int k)
     return split;
 }
 
-// The weight fragments of one step (K_UNROLL blocks of 32 k from block kb_step on, N_TILES
-// tiles): 16 bytes per lane and fragment, zeros past the warp's range or the matrix. IN_ORDER:
-// load_weight_16B_in_order.
+// The weight fragments of one step (K_UNROLL blocks of 32 k from block kb_step on, N_TILES tiles),
+// zeros past the warp's range or the matrix. IN_ORDER: load_weight_16B_in_order.
 template <int K_UNROLL, int N_TILES, bool W_SHARED = false, bool IN_ORDER = false>
 __device__ __forceinline__ void load_weight_step(uint4 (&w_frag)[K_UNROLL][N_TILES], const bf16_t* w_lane,
                                                  int tile_stride, int block_stride, const bool (&w_valid)[N_TILES],
@@ -184,7 +161,7 @@ __device__ __forceinline__ void load_weight_step(uint4 (&w_frag)[K_UNROLL][N_TIL
         for (int j = 0; j < N_TILES; ++j) {
             const bf16_t* pointer = w_lane + (j * tile_stride + (kb_step + u) * block_stride);
             if constexpr (W_SHARED) {
-                w_frag[u][j] = load_staged_weight_16B(pointer, w_valid[j] && k_valid);
+                w_frag[u][j] = load_shared_16B(pointer, w_valid[j] && k_valid);
             } else if constexpr (IN_ORDER) {
                 w_frag[u][j] = load_weight_16B_in_order(pointer, w_valid[j] && k_valid);
             } else {
@@ -194,32 +171,22 @@ __device__ __forceinline__ void load_weight_step(uint4 (&w_frag)[K_UNROLL][N_TIL
     }
 }
 
-// The packed weight layout (GEMM_ROWS_PACKED): the 512 bytes one warp-wide load of a tile and a
-// k block reads, in lane order. For a [n, k] weight with n padded to a multiple of 8 and k to a
-// multiple of 32 by zeros,
+// The packed weight layout (pack_weight, docs/design.md), n padded to a multiple of 8 and k of 32:
 //   packed[tile][kb][lane][e] = w[8 tile + lane / 4, 32 kb + 8 (lane % 4) + e]
-// so a tile's k blocks follow each other: a warp streams its k range of a tile as one run of
-// contiguous bytes instead of 8 rows' 64-byte pieces. The loads fetch the same values (zeros
-// where the row-major layout's predicated loads give zeros), so the bits are the row-major
-// layout's. glm_kda.gpu.projection.pack_weight packs.
-__device__ __forceinline__ int gemm_rows_k_blocks(int k)
-{
-    return (k + GEMM_ROWS_K_BLOCK - 1) / GEMM_ROWS_K_BLOCK;
-}
+// The loads fetch the row-major layout's values (zeros where its predicated loads give zeros).
 #define GEMM_ROWS_PACKED_BLOCK (GEMM_ROWS_N_TILE * GEMM_ROWS_K_BLOCK)  // elements per (tile, k block)
 
-// Blocks of 32 k per step of gemm_rows_accumulate: each lane keeps LOADS (m-tile, n-tile, k-block)
-// products per step; with one m-tile that is LOADS weight loads in flight, more m-tiles spend the
-// registers on their x fragments and accumulators instead (LOADS / M_TILES).
-template <int M_TILES, int N_TILES, int LOADS>
+// Blocks of 32 k per step of gemm_rows_accumulate: GEMM_ROWS_LOADS (m-tile, n-tile, k block) products
+// a lane; with more m-tiles the registers go to their x fragments and accumulators instead of loads.
+template <int M_TILES, int N_TILES>
 __device__ __forceinline__ constexpr int gemm_rows_k_unroll()
 {
-    return LOADS / (M_TILES * N_TILES);
+    return GEMM_ROWS_LOADS / (M_TILES * N_TILES);
 }
 
 // Where one lane's weight is: tile j's k block kb at lane + j * tile_stride + kb * block_stride (one
-// pointer, not N_TILES: the registers go to loads in flight), and valid[j] whether tile j's column of
-// this lane (warp_column + 8 j + lane / 4) is inside the matrix's n columns.
+// pointer, not N_TILES: the registers go to loads in flight); valid[j]: tile j's column of this lane
+// (warp_column + 8 j + lane / 4) is inside the matrix.
 template <int N_TILES>
 struct GemmRowsWeightLane {
     const bf16_t* lane;
@@ -241,20 +208,17 @@ __device__ __forceinline__ GemmRowsWeightLane<N_TILES> gemm_rows_weight_at(const
     return weight;
 }
 
-// With more than one m-tile and an even number of tiles per warp the sweep swaps the mma's
-// operands: w as A (two tiles, 16 columns), x as B (8 rows a tile). The products and their k slots
-// are the same, and the tensor cores add them to the same bits whichever operand holds them (the
-// GPU tests compare the row counts bit for bit), while x's B fragment is two words of one load
-// instead of four words of two, which saves the register moves that dominate the 4-m-tile loop.
+// With more than one m-tile and an even number of tiles per warp the mma's operands swap: w as A (two
+// tiles), x as B (8 rows a tile). The products, their k slots and the bits are the same (the GPU tests
+// compare the row counts); x's B fragment is two words of one load, which saves register moves.
 template <int M_TILES, int N_TILES>
 __device__ __forceinline__ constexpr bool gemm_rows_transposed()
 {
     return M_TILES > 1 && N_TILES % 2 == 0;
 }
 
-// Where accumulator `fragment` (the flat index of acc[M_TILES][N_TILES][4]) of lane `lane` lands:
-// its row among the warp's rows and its column among the warp's N_TILES * 8. In the transposed form
-// acc holds [N_TILES / 2][2 M_TILES][4]: pair p of tiles by row tile h of 8.
+// The row and column (among the warp's) of accumulator `fragment` (flat index of
+// acc[M_TILES][N_TILES][4]) of `lane`; transposed, acc is [N_TILES / 2][2 M_TILES][4] (tile pair, 8 rows).
 template <int M_TILES, int N_TILES>
 __device__ __forceinline__ void gemm_rows_fragment_place(int fragment, int lane, int& row, int& column)
 {
@@ -270,20 +234,18 @@ __device__ __forceinline__ void gemm_rows_fragment_place(int fragment, int lane,
     }
 }
 
-// Where x comes from: global memory written before the kernel (read-only path), global memory
-// written earlier in the same kernel (L2), or a shared-memory copy of the rows and of the k
-// range [x_k_origin, ...) a block needs (then x_lane and ldx address that copy); or both operands in
-// shared memory, every read in range (gemm_rows_accumulate_staged): x a copy of the rows [row_begin,
-// row_end) padded with zeros to whole k blocks, row stride ldx, with a 16-byte zero chunk at x[-8]
-// (what the lanes of absent rows read), and w a copy of packed tiles.
+// Where x comes from: global memory written before the kernel, global memory a kernel still running
+// writes (L2), a shared-memory copy of the rows (x and ldx address it), or both operands in shared
+// memory (gemm_rows_accumulate_staged: x the rows [row_begin, row_end) padded with zeros to whole k
+// blocks, with a 16-byte zero chunk at x[-8], which the lanes of absent rows read; w packed tiles).
 enum GemmXFrom : int { GEMM_X_INPUT = 0, GEMM_X_PRODUCED = 1, GEMM_X_SHARED = 2, GEMM_X_STAGED = 3 };
 
-// The x fragments of k block kb (rows g and g + 8 of each m-tile): zeros past the warp's
-// range, the matrix or the rows.
+// The x fragments of k block kb (rows g and g + 8 of each m-tile): zeros past the warp's range, the
+// matrix or the rows.
 template <int M_TILES, int X_FROM = GEMM_X_INPUT>
 __device__ __forceinline__ void load_x_block(uint4 (&x_frag)[M_TILES][2], const bf16_t* x_lane, int ldx,
                                              const bool (&x_valid)[M_TILES][2], int kb, int kb_end, int k,
-                                             int thread_in_group, int x_k_origin)
+                                             int thread_in_group)
 {
     const int k_offset = kb * GEMM_ROWS_K_BLOCK;
     const bool k_valid = kb < kb_end && k_offset + 8 * thread_in_group < k;
@@ -291,11 +253,10 @@ __device__ __forceinline__ void load_x_block(uint4 (&x_frag)[M_TILES][2], const 
     for (int m = 0; m < M_TILES; ++m) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            const bf16_t* pointer =
-                x_lane + static_cast<size_t>(GEMM_ROWS_M_TILE * m + 8 * half) * ldx + (k_offset - x_k_origin);
+            const bf16_t* pointer = x_lane + static_cast<size_t>(GEMM_ROWS_M_TILE * m + 8 * half) * ldx + k_offset;
             const bool valid = x_valid[m][half] && k_valid;
             if constexpr (X_FROM == GEMM_X_SHARED) {
-                x_frag[m][half] = valid ? *reinterpret_cast<const uint4*>(pointer) : uint4{0u, 0u, 0u, 0u};
+                x_frag[m][half] = load_shared_16B(pointer, valid);
             } else if constexpr (X_FROM == GEMM_X_PRODUCED) {
                 x_frag[m][half] = load_produced_16B(pointer, valid);
             } else {
@@ -305,15 +266,11 @@ __device__ __forceinline__ void load_x_block(uint4 (&x_frag)[M_TILES][2], const 
     }
 }
 
-// gemm_rows_accumulate with both operands in shared memory (X_FROM GEMM_X_STAGED, one m-tile, W_SHARED
-// packed tiles): the same mma on the same operands in the same order, so the same bits, but no
-// read needs a predicate. The packed layout's zeros pad w past k and n (and a warp's tiles past n
-// read the zero chunk), x's copy carries zeros past k, and a lane of a row past row_end reads
-// the zero chunk at x[-8] without moving along k: in the general loop the same operands are zeros
-// by predicate. A step of the chain is then two shared loads of x, one of w a tile and two mma,
-// where the predicated loads of the general loop cost branches and register moves. HIGH: rows 8 .. 15 of
-// the m-tile hold some row (row_end - row_begin > 8); without, their x is zeros in registers, one
-// shared load a step fewer (the same zero operands).
+// gemm_rows_accumulate with both operands in shared memory (GEMM_X_STAGED, one m-tile): the same mma
+// on the same operands in the same order, but no read needs a predicate (branches, register moves):
+// the packed zeros pad w past k and n (tiles past n read the zero chunk), x's copy has zeros past k,
+// and a lane of a row past row_end reads the zero chunk at x[-8]. HIGH: rows 8 .. 15 of the m-tile
+// hold some row; without, their x is zeros in registers (a shared load a step fewer).
 template <int N_TILES, bool HIGH>
 __device__ __forceinline__ void gemm_rows_accumulate_staged(float (&acc)[1][N_TILES][4], const bf16_t* x, int ldx,
                                                             const bf16_t* w, int n, int k, int row_begin,
@@ -324,13 +281,7 @@ __device__ __forceinline__ void gemm_rows_accumulate_staged(float (&acc)[1][N_TI
     const int group_lane = lane >> 2, thread_in_group = lane & 3;
     const int tile_stride = gemm_rows_k_blocks(k) * GEMM_ROWS_PACKED_BLOCK, block_stride = GEMM_ROWS_PACKED_BLOCK;
     const bf16_t* w_lane = w + (warp_column / GEMM_ROWS_N_TILE - w_tile_origin) * tile_stride + 8 * lane;
-#pragma unroll
-    for (int j = 0; j < N_TILES; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            acc[0][j][e] = 0.0f;
-        }
-    }
+    zero_floats(acc);
     const bf16_t* zeros = x - 8;
     const bf16_t* x_half[2];
     int x_step[2];
@@ -367,35 +318,28 @@ __device__ __forceinline__ void gemm_rows_accumulate_staged(float (&acc)[1][N_TI
         for (int step = 0; step < 2; ++step) {
 #pragma unroll
             for (int j = 0; j < N_TILES; ++j) {
-                mma_bf16_m16n8k16(acc[0][j], word_of(x_low, 2 * step), word_of(x_high, 2 * step),
-                                  word_of(x_low, 2 * step + 1), word_of(x_high, 2 * step + 1),
-                                  word_of(w_frag[j], 2 * step), word_of(w_frag[j], 2 * step + 1));
+                mma_bf16_step(acc[0][j], x_low, x_high, w_frag[j], step);
             }
         }
     }
 }
 
-// One warp's accumulators over its k blocks [kb_begin, kb_end) for N_TILES tiles of 8 columns
-// from warp_column on and the rows [row_begin, row_end) (at most 64): a chain of mma in
-// ascending k blocks, starting from zero. The chain depends on the k range alone, never on
-// LOADS (the weight loads each lane keeps in flight per step), the tiles or the rows.
-// W_SHARED (packed only): w is a shared-memory copy of the packed tiles w_tile_origin, ...
-// FROM_ZERO false: the chain goes on from acc as it is (the k blocks before kb_begin summed into it
-// already, by the same chain), so that one chain may read its k blocks from two places. `given`:
-// the lane's weight as it is there (gemm_rows_weight_at; w and w_tile_origin are then not read), null:
-// in w. FIRST_GIVEN: `first` holds the first step's weight fragments ([K_UNROLL][N_TILES], flat), loaded
-// already from the same places by load_weight_step (the same values, so the same bits).
-template <int M_TILES, int N_TILES, int LOADS = GEMM_ROWS_LOADS, int X_FROM = GEMM_X_INPUT, bool PACKED = false,
-          bool W_SHARED = false, bool FROM_ZERO = true, bool FIRST_GIVEN = false>
+// One warp's accumulators over its k blocks [kb_begin, kb_end) for N_TILES tiles of 8 columns from
+// warp_column on and the rows [row_begin, row_end) (at most 64): a chain of mma in ascending k blocks.
+// W_SHARED: w is a shared-memory copy of the packed tiles w_tile_origin, ... FROM_ZERO false: the
+// chain goes on from acc, so that one chain may read its k blocks from two places. `given`: the lane's
+// weight (gemm_rows_weight_at; w unread). FIRST_GIVEN: `first` holds the first step's weight fragments
+// ([K_UNROLL][N_TILES], flat), loaded already by load_weight_step from the same places.
+template <int M_TILES, int N_TILES, int X_FROM = GEMM_X_INPUT, bool PACKED = false, bool W_SHARED = false,
+          bool FROM_ZERO = true, bool FIRST_GIVEN = false>
 __device__ __forceinline__ void gemm_rows_accumulate(float (&acc)[M_TILES][N_TILES][4], const bf16_t* x, int ldx,
                                                      const bf16_t* w, int n, int k, int row_begin, int row_end,
-                                                     int warp_column, int kb_begin, int kb_end, int x_k_origin = 0,
-                                                     int w_tile_origin = 0,
+                                                     int warp_column, int kb_begin, int kb_end, int w_tile_origin = 0,
                                                      const GemmRowsWeightLane<N_TILES>* given = nullptr,
                                                      const uint4* first = nullptr)
 {
     static_assert(PACKED || !W_SHARED, "a shared-memory copy of the weight is of the packed layout");
-    constexpr int K_UNROLL = gemm_rows_k_unroll<M_TILES, N_TILES, LOADS>();
+    constexpr int K_UNROLL = gemm_rows_k_unroll<M_TILES, N_TILES>();
     static_assert(K_UNROLL >= 1, "a step must cover one k block of every (m-tile, n-tile)");
 
     const int lane = threadIdx.x & 31;
@@ -403,8 +347,7 @@ __device__ __forceinline__ void gemm_rows_accumulate(float (&acc)[M_TILES][N_TIL
     const int thread_in_group = lane & 3;  // t: which 8 k of a 32-k block
 
     // This lane's x rows: row_begin + 16 m + g (half 0) and + 8 (half 1).
-    const bf16_t* x_lane =
-        x + static_cast<size_t>(row_begin + group_lane) * ldx + 8 * thread_in_group;
+    const bf16_t* x_lane = x + static_cast<size_t>(row_begin + group_lane) * ldx + 8 * thread_in_group;
     bool x_valid[M_TILES][2];
 #pragma unroll
     for (int m = 0; m < M_TILES; ++m) {
@@ -414,8 +357,7 @@ __device__ __forceinline__ void gemm_rows_accumulate(float (&acc)[M_TILES][N_TIL
         }
     }
 
-    // Tile j's k block kb of this lane is w_lane + j * tile_stride + kb * block_stride (one
-    // pointer, not N_TILES: the registers go to loads in flight).
+    // (GemmRowsWeightLane's fields.)
     const bf16_t* w_lane;
     int tile_stride, block_stride;
     bool w_valid[N_TILES];
@@ -444,36 +386,22 @@ __device__ __forceinline__ void gemm_rows_accumulate(float (&acc)[M_TILES][N_TIL
     }
 
     if constexpr (FROM_ZERO) {
-#pragma unroll
-        for (int m = 0; m < M_TILES; ++m) {
-#pragma unroll
-            for (int j = 0; j < N_TILES; ++j) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    acc[m][j][e] = 0.0f;
-                }
-            }
-        }
+        zero_floats(acc);
     }
     for (int kb_step = kb_begin; kb_step < kb_end; kb_step += K_UNROLL) {
         // Every weight load of the step first: they are what the kernel waits on.
         uint4 w_frag[K_UNROLL][N_TILES];
         if (FIRST_GIVEN && kb_step == kb_begin) {
 #pragma unroll
-            for (int u = 0; u < K_UNROLL; ++u) {
-#pragma unroll
-                for (int j = 0; j < N_TILES; ++j) {
-                    w_frag[u][j] = first[u * N_TILES + j];
-                }
+            for (int i = 0; i < K_UNROLL * N_TILES; ++i) {
+                (&w_frag[0][0])[i] = first[i];
             }
         } else {
             load_weight_step<K_UNROLL, N_TILES, W_SHARED>(w_frag, w_lane, tile_stride, block_stride, w_valid,
                                                           kb_step, kb_end, k, thread_in_group);
         }
-        // The step's x fragments in the same breath as its weights (rows g and g + 8 of each
-        // m-tile; L1 or L2 hits that would otherwise wait behind the weights), where the
-        // registers allow: up to 4 (k block, m-tile) pairs per step. Shared-memory x is loaded
-        // where it is used.
+        // The step's x fragments with its weights (L1 or L2 hits that would otherwise wait behind
+        // them), where the registers allow: up to 4 (k block, m-tile) pairs. Shared x where it is used.
         constexpr bool X_AHEAD = X_FROM != GEMM_X_SHARED && K_UNROLL * M_TILES <= 4;
         constexpr int X_STEPS = X_AHEAD ? K_UNROLL : 1;
         uint4 x_frag[X_STEPS][M_TILES][2];
@@ -481,17 +409,16 @@ __device__ __forceinline__ void gemm_rows_accumulate(float (&acc)[M_TILES][N_TIL
 #pragma unroll
             for (int u = 0; u < K_UNROLL; ++u) {
                 load_x_block<M_TILES, X_FROM>(x_frag[u], x_lane, ldx, x_valid, kb_step + u, kb_end, k,
-                                              thread_in_group, x_k_origin);
+                                              thread_in_group);
             }
         }
 #pragma unroll
         for (int u = 0; u < K_UNROLL; ++u) {
-            // Warp-uniform: the blocks past the warp's range add nothing, so the
-            // mma chain is exactly the range's blocks whatever K_UNROLL is.
+            // Warp-uniform: the chain is exactly the range's blocks whatever K_UNROLL is.
             if (kb_step + u < kb_end) {
                 if constexpr (!X_AHEAD) {
                     load_x_block<M_TILES, X_FROM>(x_frag[0], x_lane, ldx, x_valid, kb_step + u, kb_end, k,
-                                                  thread_in_group, x_k_origin);
+                                                  thread_in_group);
                 }
                 const int xu = X_AHEAD ? u : 0;
                 if constexpr (gemm_rows_transposed<M_TILES, N_TILES>()) {
@@ -501,30 +428,21 @@ __device__ __forceinline__ void gemm_rows_accumulate(float (&acc)[M_TILES][N_TIL
                     for (int step = 0; step < 2; ++step) {
 #pragma unroll
                         for (int p = 0; p < N_TILES / 2; ++p) {
-                            const uint4 a = interleave_pair(w_frag[u][2 * p], w_frag[u][2 * p + 1], step);
 #pragma unroll
                             for (int h = 0; h < 2 * M_TILES; ++h) {
-                                const uint4& x_rows = x_frag[xu][h >> 1][h & 1];
-                                mma_bf16_m16n8k16(acc_t[p][h], a.x, a.y, a.z, a.w, word_of(x_rows, 2 * step),
-                                                  word_of(x_rows, 2 * step + 1));
+                                mma_bf16_step(acc_t[p][h], w_frag[u][2 * p], w_frag[u][2 * p + 1],
+                                              x_frag[xu][h >> 1][h & 1], step);
                             }
                         }
                     }
                 } else {
 #pragma unroll
                     for (int m = 0; m < M_TILES; ++m) {
-                        const uint4& x_low = x_frag[xu][m][0];
-                        const uint4& x_high = x_frag[xu][m][1];
 #pragma unroll
                         for (int step = 0; step < 2; ++step) {
 #pragma unroll
                             for (int j = 0; j < N_TILES; ++j) {
-                                mma_bf16_m16n8k16(acc[m][j], word_of(x_low, 2 * step),
-                                                  word_of(x_high, 2 * step),
-                                                  word_of(x_low, 2 * step + 1),
-                                                  word_of(x_high, 2 * step + 1),
-                                                  word_of(w_frag[u][j], 2 * step),
-                                                  word_of(w_frag[u][j], 2 * step + 1));
+                                mma_bf16_step(acc[m][j], x_frag[xu][m][0], x_frag[xu][m][1], w_frag[u][j], step);
                             }
                         }
                     }
@@ -537,7 +455,7 @@ __device__ __forceinline__ void gemm_rows_accumulate(float (&acc)[M_TILES][N_TIL
 // The k range of split part `warp_k` of `k_split`: k blocks [kb_begin, kb_end).
 __device__ __forceinline__ void gemm_rows_k_range(int k, int k_split, int warp_k, int& kb_begin, int& kb_end)
 {
-    const int k_blocks = (k + GEMM_ROWS_K_BLOCK - 1) / GEMM_ROWS_K_BLOCK;
+    const int k_blocks = gemm_rows_k_blocks(k);
     const int k_range = (k_blocks + k_split - 1) / k_split;
     kb_begin = warp_k * k_range;
     kb_end = min(kb_begin + k_range, k_blocks);
@@ -550,8 +468,8 @@ __device__ __forceinline__ int gemm_rows_group_columns(int k_split)
     return GEMM_ROWS_WARPS / k_split * N_TILES * GEMM_ROWS_N_TILE;
 }
 
-// The first column of the calling warp's N_TILES tiles in column group `group`: the group's warps
-// stand side by side along n (warp / k_split), each over k range warp % k_split (gemm_rows_k_range).
+// The first column of the calling warp's tiles in column group `group` (warp / k_split along n, its k
+// range warp % k_split).
 template <int N_TILES>
 __device__ __forceinline__ int gemm_rows_warp_column(int k_split, int group)
 {
@@ -561,16 +479,13 @@ __device__ __forceinline__ int gemm_rows_warp_column(int k_split, int group)
 // Shared-memory floats of gemm_rows_group's partial sums.
 #define GEMM_ROWS_PARTIAL_FLOATS(M_TILES, N_TILES) (GEMM_ROWS_WARPS * (M_TILES) * (N_TILES) * 4 * 32)
 
-// ---- A block's weights in shared memory before its wait (the staged entries): `bytes` (a
-// multiple of 16; both addresses 16-byte aligned) from `source` into `stage`, by the 16-byte
-// asynchronous copies of `threads` threads (`thread` is the caller's place among them; cp.async,
-// sm_80 and later: many requests in flight per SM and no register; before sm_80 plain copies). All
-// of them call gemm_rows_stage_weights, later gemm_rows_wait_weights, then a barrier among them (it
-// publishes the other threads' copies): the block's, or the warp's for a warp's own copy.
+// ---- Weights in shared memory before the wait (the staged entries): `bytes` (a multiple of 16, both
+// addresses 16-byte aligned) from `source` into `stage` by the cp.async of `threads` threads (many
+// requests in flight, no register). All of them call this, later gemm_rows_wait_weights, then a
+// barrier among them (the block's, or the warp's for its own copy).
 __device__ __forceinline__ void gemm_rows_stage_weights(void* stage, const bf16_t* source, unsigned int bytes,
                                                         unsigned int thread, unsigned int threads)
 {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     const unsigned int base = shared_address(stage);
     for (unsigned int offset = 16 * thread; offset < bytes; offset += 16 * threads) {
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(base + offset),
@@ -578,47 +493,35 @@ __device__ __forceinline__ void gemm_rows_stage_weights(void* stage, const bf16_
                      : "memory");
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
-#else
-    for (unsigned int offset = 16 * thread; offset < bytes; offset += 16 * threads) {
-        *reinterpret_cast<uint4*>(static_cast<char*>(stage) + offset) =
-            *reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(source) + offset);
-    }
-#endif
 }
 
 // Every thread: wait until its own copies of gemm_rows_stage_weights have landed.
 __device__ __forceinline__ void gemm_rows_wait_weights()
 {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm volatile("cp.async.wait_all;" ::: "memory");
-#endif
 }
 
-// The tail stage of a column group (gemm_rows_group's TAIL): for each warp of the block, in warp order,
-// its N_TILES tiles one after the other, each the last tail_blocks k blocks of the warp's k range
-// (512 elements a k block, as packed). Warp `warp`'s tile 0 begins tail_blocks * 512 * N_TILES elements
-// a warp in; gemm_rows_tail_offset gives that place less tail_begin k blocks (the loop reads block kb
-// at offset + kb * 512), a number that may be negative.
-// The start of a warp's tail: tail_blocks k blocks before the end of its range [kb_begin, kb_end), or
-// the range's start (a range shorter than the tail is all tail; an empty one, kb_end <= kb_begin, has
-// none: both parts are empty).
+// The tail stage of a column group (gemm_rows_group's TAIL): for each warp in order, its N_TILES tiles,
+// each the last tail_blocks k blocks of the warp's range (512 elements a block, as packed). A shorter
+// range is all tail; an empty one has none.
 __device__ __forceinline__ int gemm_rows_tail_begin(int kb_begin, int kb_end, int tail_blocks)
 {
     return max(kb_begin, kb_end - tail_blocks);
 }
 
+// Where a warp's tail starts, less tail_begin k blocks (perhaps negative; the loop reads block kb at
+// this place + kb * 512 elements).
 template <int N_TILES>
 __device__ __forceinline__ long long gemm_rows_tail_offset(int warp, int tail_begin, int tail_blocks)
 {
     return (static_cast<long long>(warp) * N_TILES * tail_blocks - tail_begin) * GEMM_ROWS_PACKED_BLOCK;
 }
 
-// Each warp of the block: the first step of its k range (K_UNROLL = LOADS / N_TILES k blocks of its
-// N_TILES tiles of column group `group`, zeros past the part before the tail, tail_blocks 0: none, or
-// past the matrix), loaded from the packed weight w in program order: issued before a wait or a
-// that follows, the group's sweep then starts from them (gemm_rows_group's TAIL).
-template <int N_TILES, int LOADS>
-__device__ __forceinline__ void gemm_rows_first_step(uint4 (&first)[gemm_rows_k_unroll<1, N_TILES, LOADS>()][N_TILES],
+// Each warp of the block: the first step of its k range in column group `group` (zeros past the part
+// before the tail or past the matrix), loaded from the packed w in program order, so that it can be
+// issued before a wait; gemm_rows_group's TAIL then starts from it.
+template <int N_TILES>
+__device__ __forceinline__ void gemm_rows_first_step(uint4 (&first)[gemm_rows_k_unroll<1, N_TILES>()][N_TILES],
                                                      const bf16_t* w, int n, int k, int k_split, int group,
                                                      int tail_blocks)
 {
@@ -632,32 +535,28 @@ __device__ __forceinline__ void gemm_rows_first_step(uint4 (&first)[gemm_rows_k_
     const GemmRowsWeightLane<N_TILES> weight = gemm_rows_weight_at<N_TILES>(
         w + static_cast<size_t>(warp_column / GEMM_ROWS_N_TILE) * tile_stride + 8 * (threadIdx.x & 31), tile_stride,
         GEMM_ROWS_PACKED_BLOCK, n, warp_column);
-    load_weight_step<gemm_rows_k_unroll<1, N_TILES, LOADS>(), N_TILES, false, true>(
+    load_weight_step<gemm_rows_k_unroll<1, N_TILES>(), N_TILES, false, true>(
         first, weight.lane, weight.tile_stride, weight.block_stride, weight.valid, kb_begin, tail_begin, k,
         threadIdx.x & 3);
 }
 
-// Where a sweep also writes its FP32 sums (the entries named *sums*, their SUMS flag set):
-// sums.y[row * sums.ld + column] receives the sum that y[row * ldy + column] holds rounded to BF16.
-// Read only under SUMS, which needs a valid sums.y.
+// Where a sweep also writes its FP32 sums (the *sums* entries, SUMS set): sums.y[row * sums.ld +
+// column] receives the sum that y[row * ldy + column] holds rounded to BF16.
 struct GemmRowsSums {
     float* y;
     int ld;
 };
 
-// One column group of the output, by the block's 8 warps: rows [row_begin, row_end) (at most
-// 64), columns group * group_columns ... Deterministic split-k: partial[warp][fragment][lane],
-// then each output adds its k_split partials in ascending warp_k order. Ends with a barrier
-// (the next group may overwrite `partial`). W_SHARED: w is a shared-memory copy of the packed
-// tiles w_tile_origin, ... (gemm_rows_accumulate). PARTIAL_OVER_X: `partial` is the shared memory x
-// is read from (X_FROM GEMM_X_SHARED or GEMM_X_STAGED), so a block barrier comes between the sweep and
-// the partials. TAIL (packed w in memory, not W_SHARED): the last k blocks of each warp's range come
-// from `tail`, the shared-memory copy of them the warp started (gemm_rows_stage_tail, waited for here),
-// the others from w, their first step from `first` (gemm_rows_first_step, loaded already): one
-// chain of mma over the range in the same order, so the same bits. SUMS: each
-// output's FP32 sum also goes to `sums` (GemmRowsSums), beside its BF16 rounding in y.
-template <int M_TILES, int N_TILES, int LOADS = GEMM_ROWS_LOADS, int X_FROM = GEMM_X_INPUT, bool PACKED = false,
-          bool W_SHARED = false, bool PARTIAL_OVER_X = false, bool TAIL = false, bool SUMS = false>
+// One column group of the output, by the block's 8 warps: rows [row_begin, row_end) (at most 64),
+// columns group * group_columns ... Deterministic split-k: partial[warp][fragment][lane], then each
+// output adds its k_split partials in ascending warp_k order. Ends with a barrier (the next group may
+// overwrite `partial`). GEMM_X_STAGED: w is a shared-memory copy of the packed tiles w_tile_origin, ...
+// With x in shared memory, `partial` overwrites it. TAIL (packed w): the last k blocks of each warp's
+// range come from `tail`, the copy the warp started (gemm_rows_stage_tail), the others from w, their
+// first step from `first` (gemm_rows_first_step): one chain in the same order. SUMS: each output's
+// FP32 sum also goes to `sums`.
+template <int M_TILES, int N_TILES, int X_FROM = GEMM_X_INPUT, bool PACKED = false, bool TAIL = false,
+          bool SUMS = false>
 __device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const bf16_t* w, bf16_t* y, int ldy,
                                                 int row_begin, int row_end, int n, int k, int k_split, int group,
                                                 float* partial, int w_tile_origin = 0, const bf16_t* tail = nullptr,
@@ -677,7 +576,7 @@ __device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const 
 
     float acc[M_TILES][N_TILES][4];
     if constexpr (X_FROM == GEMM_X_STAGED) {
-        static_assert(PACKED && W_SHARED && M_TILES == 1, "staged x: one m-tile of a staged packed weight");
+        static_assert(PACKED && M_TILES == 1, "staged x: one m-tile of a staged packed weight");
         if (row_end - row_begin > GEMM_ROWS_M_TILE / 2) {
             gemm_rows_accumulate_staged<N_TILES, true>(acc, x, ldx, w, n, k, row_begin, row_end, warp_column, kb_begin,
                                                        kb_end, w_tile_origin);
@@ -686,39 +585,28 @@ __device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const 
                                                         kb_begin, kb_end, w_tile_origin);
         }
     } else if constexpr (TAIL) {
-        static_assert(PACKED && !W_SHARED, "a tail stage of a packed weight read from memory");
+        static_assert(PACKED, "a tail stage of a packed weight");
         const int tail_begin = gemm_rows_tail_begin(kb_begin, kb_end, tail_blocks);
-        gemm_rows_accumulate<M_TILES, N_TILES, LOADS, X_FROM, true, false, true, true>(
-            acc, x, ldx, w, n, k, row_begin, row_end, warp_column, kb_begin, tail_begin, 0, w_tile_origin, nullptr,
-            first);
+        gemm_rows_accumulate<M_TILES, N_TILES, X_FROM, true, false, true, true>(
+            acc, x, ldx, w, n, k, row_begin, row_end, warp_column, kb_begin, tail_begin, w_tile_origin, nullptr, first);
         // The warp's own copies (no other warp's): landed, and each lane's seen by the others.
         gemm_rows_wait_weights();
         __syncwarp();
-        // Tile j's k block kb (tail_begin <= kb < kb_end) at tail + offset + j * tail_blocks * 512 elements
-        // + (kb - tail_begin) * 512: tail_begin is taken off the lane's place, which the loop adds back.
         const GemmRowsWeightLane<N_TILES> staged = gemm_rows_weight_at<N_TILES>(
             tail + gemm_rows_tail_offset<N_TILES>(warp, tail_begin, tail_blocks) + 8 * lane,
             tail_blocks * GEMM_ROWS_PACKED_BLOCK, GEMM_ROWS_PACKED_BLOCK, n, warp_column);
-        gemm_rows_accumulate<M_TILES, N_TILES, LOADS, X_FROM, true, true, false>(
-            acc, x, ldx, nullptr, n, k, row_begin, row_end, warp_column, tail_begin, kb_end, 0, 0, &staged);
+        gemm_rows_accumulate<M_TILES, N_TILES, X_FROM, true, true, false>(
+            acc, x, ldx, nullptr, n, k, row_begin, row_end, warp_column, tail_begin, kb_end, 0, &staged);
     } else {
-        gemm_rows_accumulate<M_TILES, N_TILES, LOADS, X_FROM, PACKED, W_SHARED>(
-            acc, x, ldx, w, n, k, row_begin, row_end, warp_column, kb_begin, kb_end, 0, w_tile_origin);
+        gemm_rows_accumulate<M_TILES, N_TILES, X_FROM, PACKED>(
+            acc, x, ldx, w, n, k, row_begin, row_end, warp_column, kb_begin, kb_end, w_tile_origin);
     }
-    if constexpr (PARTIAL_OVER_X) {
-        static_assert(X_FROM == GEMM_X_SHARED || X_FROM == GEMM_X_STAGED, "partial over x: x is in shared memory");
-        __syncthreads();  // every warp has read its x
+    if constexpr (X_FROM == GEMM_X_SHARED || X_FROM == GEMM_X_STAGED) {
+        __syncthreads();  // every warp has read its x before `partial` overwrites it
     }
 #pragma unroll
-    for (int m = 0; m < M_TILES; ++m) {
-#pragma unroll
-        for (int j = 0; j < N_TILES; ++j) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int fragment = (m * N_TILES + j) * 4 + e;
-                partial[(warp * FRAGMENTS + fragment) * 32 + lane] = acc[m][j][e];
-            }
-        }
+    for (int fragment = 0; fragment < FRAGMENTS; ++fragment) {
+        partial[(warp * FRAGMENTS + fragment) * 32 + lane] = (&acc[0][0][0])[fragment];
     }
     __syncthreads();
     for (int output = threadIdx.x; output < warps_n * FRAGMENTS * 32; output += GEMM_ROWS_THREADS) {
@@ -745,24 +633,23 @@ __device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const 
     __syncthreads();
 }
 
-// A second projection swept by the same launch (kda_gemm_rows_packed_pair entries): its own x, weight
-// and output, the same shapes, strides and row count as the first. Null w: none.
+// A second projection swept by the same launch (the pair entries): its own x, weight and output, the
+// first's shapes, strides and rows. Null w: none.
 struct GemmRowsSecond {
     const bf16_t* x;
     const bf16_t* w;
     bf16_t* y;
 };
 
-// What a sweep's blocks wait on before they read x (kda_gemm_rows_packed_awaiting entries): null
-// words, the previous kernel of the stream; else, that kernel still running on other SMs, until
-// words[0] reaches `target` (its blocks' count of outputs written, kda_await_words).
+// What a sweep's blocks wait on before they read x: null words, the previous kernel of the stream;
+// else (the awaiting entries) words[0] reaching `target`, the count of outputs that kernel, still
+// running, has written (kda_await_words).
 struct GemmRowsAwait {
     int* words;
     int target;
 };
 
-// An awaiting block's wait (every thread calls it): thread 0 polls until the words reach their
-// target, the block passes together. Returns, in thread 0, the blocks past the wait before it.
+// An awaiting block's wait (every thread calls it); returns, in thread 0, the blocks past it before.
 __device__ __forceinline__ int gemm_rows_await(const GemmRowsAwait& awaited)
 {
     int passed = 0;
@@ -773,9 +660,9 @@ __device__ __forceinline__ int gemm_rows_await(const GemmRowsAwait& awaited)
     return passed;
 }
 
-// An awaiting block's end (every thread calls it; `passed` from gemm_rows_await): the last block
-// past the wait sets the words back to zero, and the launch ends after the kernel before it, as a
-// launch that waited for it does: what follows in the stream may count on both being done.
+// An awaiting block's end (every thread calls it): the last block past the wait sets the words back
+// to zero, and the launch ends after the kernel before it, as a launch that waited for it does, so
+// that what follows in the stream may count on both being done.
 __device__ __forceinline__ void gemm_rows_end_awaited(const GemmRowsAwait& awaited, int passed)
 {
     if (threadIdx.x == 0) {
@@ -784,19 +671,54 @@ __device__ __forceinline__ void gemm_rows_end_awaited(const GemmRowsAwait& await
     kda_grid_dependency_wait();
 }
 
-// One block's share of the output: rows [row_begin, row_end) (at most 64) and the
-// column groups blockIdx.x, blockIdx.x + gridDim.x, ... With a second projection its column groups
-// follow the first's (groups column_groups .. 2 column_groups - 1 are its groups 0 ..): each
-// group is the one its projection alone would sweep, so the same bits. SUMS (no second projection):
-// the FP32 sums to `sums` too (gemm_rows_group's SUMS).
-template <int M_TILES, int N_TILES, bool PACKED = false, int X_FROM = GEMM_X_INPUT, bool SUMS = false>
-__device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, int ldx,
-                                                const bf16_t* __restrict__ w,
-                                                bf16_t* __restrict__ y, int ldy, int row_begin,
-                                                int row_end, int n, int k, int k_split, int prefetch,
-                                                float* partial, GemmRowsSecond second = {nullptr, nullptr, nullptr},
-                                                GemmRowsAwait awaited = {nullptr, 0}, GemmRowsSums sums = {nullptr, 0})
+// Each warp of the block: start the copies of its part of column group `group`'s tail stage into `tail`
+// (its tiles inside the matrix, from the packed w, by its lanes); gemm_rows_group's TAIL waits for
+// them only when it reaches them.
+template <int N_TILES>
+__device__ __forceinline__ void gemm_rows_stage_tail(bf16_t* tail, const bf16_t* w, int n, int k, int k_split,
+                                                     int group, int tail_blocks)
 {
+    const int tiles = (n + GEMM_ROWS_N_TILE - 1) / GEMM_ROWS_N_TILE;
+    const int tile_elements = gemm_rows_k_blocks(k) * GEMM_ROWS_PACKED_BLOCK;
+    const int warp = threadIdx.x >> 5;
+    int kb_begin, kb_end;
+    gemm_rows_k_range(k, k_split, warp % k_split, kb_begin, kb_end);
+    const int tail_begin = gemm_rows_tail_begin(kb_begin, kb_end, tail_blocks);
+    const int blocks = kb_end - tail_begin;
+    const int first_tile = gemm_rows_warp_column<N_TILES>(k_split, group) / GEMM_ROWS_N_TILE;
+    for (int j = 0; j < N_TILES && blocks > 0; ++j) {
+        if (first_tile + j < tiles) {
+            gemm_rows_stage_weights(
+                tail + static_cast<size_t>(warp * N_TILES + j) * tail_blocks * GEMM_ROWS_PACKED_BLOCK,
+                w + static_cast<size_t>(first_tile + j) * tile_elements +
+                    static_cast<size_t>(tail_begin) * GEMM_ROWS_PACKED_BLOCK,
+                static_cast<unsigned int>(blocks * GEMM_ROWS_PACKED_BLOCK * sizeof(bf16_t)), threadIdx.x & 31, 32);
+        }
+    }
+}
+
+// The body of every mma.sync entry point but the staged ones: one block's share of the output, rows
+// [row_begin, row_end) (64 a blockIdx.y) and the column groups blockIdx.x, blockIdx.x + gridDim.x, ...
+// A second projection's column groups follow the first's, each the group it alone would sweep.
+// `prefetch`: L2 requests for the first blocks of 32 k of the weight before the wait on the kernel
+// before (the weight is no kernel's output, x is).
+template <int M_TILES, int N_TILES, bool PACKED, int X_FROM = GEMM_X_INPUT, bool SUMS = false>
+__device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, int ldx,
+                                                const bf16_t* __restrict__ w, bf16_t* __restrict__ y,
+                                                int ldy, int rows, int n, int k, int prefetch,
+                                                GemmRowsSecond second = {nullptr, nullptr, nullptr},
+                                                GemmRowsAwait awaited = {nullptr, 0},
+                                                GemmRowsSums sums = {nullptr, 0})
+{
+    __shared__ float partial[GEMM_ROWS_PARTIAL_FLOATS(M_TILES, N_TILES)];
+
+    kda_let_next_kernel_launch();
+    const int row_begin = blockIdx.y * GEMM_ROWS_M_GROUP;
+    if (row_begin >= rows || blockDim.x != GEMM_ROWS_THREADS) {
+        return;
+    }
+    const int row_end = min(rows, row_begin + GEMM_ROWS_M_GROUP);
+    const int k_split = k_split_for(k);
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int warp_n = warp / k_split;
@@ -832,30 +754,24 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
             }
         }
     }
-    int passed = 0;  // (thread 0 of an awaiting block: the blocks past the wait before it)
+    // x (and y) may belong to the kernel before: nothing below runs before it is done, or (awaiting)
+    // before it has counted its outputs out (read through L2, X_FROM).
+    int passed = 0;
     if (awaited.words != nullptr) {
-        // x is written by the kernel before, still running: read it only once its blocks have
-        // counted their outputs out (X_FROM: through L2).
         passed = gemm_rows_await(awaited);
     } else {
-        // x (and y) may belong to the previous kernel: nothing below runs before it is done.
-        kda_wait_for_previous_kernel();
+        kda_grid_dependency_wait();
     }
 
     int group = blockIdx.x;
     for (; group < column_groups; group += gridDim.x) {
-        if constexpr (SUMS) {
-            gemm_rows_group<M_TILES, N_TILES, GEMM_ROWS_LOADS, X_FROM, PACKED, false, false, false, true>(
-                x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split, group, partial, 0, nullptr, 0, nullptr, sums);
-        } else {
-            gemm_rows_group<M_TILES, N_TILES, GEMM_ROWS_LOADS, X_FROM, PACKED>(x, ldx, w, y, ldy, row_begin, row_end,
-                                                                              n, k, k_split, group, partial);
-        }
+        gemm_rows_group<M_TILES, N_TILES, X_FROM, PACKED, false, SUMS>(
+            x, ldx, w, y, ldy, row_begin, row_end, n, k, k_split, group, partial, 0, nullptr, 0, nullptr, sums);
     }
     if (second.w != nullptr) {
         // (Two loops, not one choosing its pointers: one set live at a time.)
         for (group -= column_groups; group < column_groups; group += gridDim.x) {
-            gemm_rows_group<M_TILES, N_TILES, GEMM_ROWS_LOADS, X_FROM, PACKED>(
+            gemm_rows_group<M_TILES, N_TILES, X_FROM, PACKED>(
                 second.x, ldx, second.w, second.y, ldy, row_begin, row_end, n, k, k_split, group, partial);
         }
     }
@@ -864,57 +780,8 @@ __device__ __forceinline__ void gemm_rows_sweep(const bf16_t* __restrict__ x, in
     }
 }
 
-// Each warp of the block: start the copies of its part of column group `group`'s tail stage into `tail`
-// (the last min(tail_blocks, range) k blocks of the warp's k range of each of its tiles inside the
-// matrix, from the packed weight w; gemm_rows_stage_weights by the warp's lanes). gemm_rows_group's
-// TAIL waits for them (gemm_rows_wait_weights, then a warp barrier) only when it reaches them.
-template <int N_TILES>
-__device__ __forceinline__ void gemm_rows_stage_tail(bf16_t* tail, const bf16_t* w, int n, int k, int k_split,
-                                                     int group, int tail_blocks)
-{
-    const int tiles = (n + GEMM_ROWS_N_TILE - 1) / GEMM_ROWS_N_TILE;
-    const int tile_elements = gemm_rows_k_blocks(k) * GEMM_ROWS_PACKED_BLOCK;
-    const int warp = threadIdx.x >> 5;
-    int kb_begin, kb_end;
-    gemm_rows_k_range(k, k_split, warp % k_split, kb_begin, kb_end);
-    const int tail_begin = gemm_rows_tail_begin(kb_begin, kb_end, tail_blocks);
-    const int blocks = kb_end - tail_begin;
-    const int first_tile = gemm_rows_warp_column<N_TILES>(k_split, group) / GEMM_ROWS_N_TILE;
-    for (int j = 0; j < N_TILES && blocks > 0; ++j) {
-        if (first_tile + j < tiles) {
-            gemm_rows_stage_weights(
-                tail + static_cast<size_t>(warp * N_TILES + j) * tail_blocks * GEMM_ROWS_PACKED_BLOCK,
-                w + static_cast<size_t>(first_tile + j) * tile_elements +
-                    static_cast<size_t>(tail_begin) * GEMM_ROWS_PACKED_BLOCK,
-                static_cast<unsigned int>(blocks * GEMM_ROWS_PACKED_BLOCK * sizeof(bf16_t)), threadIdx.x & 31, 32);
-        }
-    }
-}
-
-// The body every gemm_rows entry point runs (gemm_rows.cu, gemm_rows_decode.cu).
-template <int M_TILES, int N_TILES, bool PACKED, int X_FROM = GEMM_X_INPUT, bool SUMS = false>
-__device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, int ldx,
-                                                const bf16_t* __restrict__ w, bf16_t* __restrict__ y,
-                                                int ldy, int rows, int n, int k, int prefetch,
-                                                GemmRowsSecond second = {nullptr, nullptr, nullptr},
-                                                GemmRowsAwait awaited = {nullptr, 0},
-                                                GemmRowsSums sums = {nullptr, 0})
-{
-    __shared__ float partial[GEMM_ROWS_PARTIAL_FLOATS(M_TILES, N_TILES)];
-
-    kda_let_next_kernel_launch();
-    const int row_begin = blockIdx.y * GEMM_ROWS_M_GROUP;
-    if (row_begin >= rows || blockDim.x != GEMM_ROWS_THREADS) {
-        return;
-    }
-    const int row_end = min(rows, row_begin + GEMM_ROWS_M_GROUP);
-    gemm_rows_sweep<M_TILES, N_TILES, PACKED, X_FROM, SUMS>(x, ldx, w, y, ldy, row_begin, row_end, n, k,
-                                                            k_split_for(k), prefetch, partial, second, awaited, sums);
-}
-
-// The parameters every gemm_rows entry point starts with: x, w and y with their leading
-// dimensions, the shape, and a ninth int (LAST: prefetch, or the tail form's tail_blocks); then,
-// where an entry has them, the count it awaits and the FP32 sums it writes.
+// The parameters every gemm_rows entry point starts with (LAST: prefetch, or the tail form's
+// tail_blocks); then, where an entry has them, the count it awaits and the FP32 sums it writes.
 #define GEMM_ROWS_PARAMETERS(LAST)                                                                 \
     const bf16_t* __restrict__ x, int ldx, const bf16_t* __restrict__ w, bf16_t* __restrict__ y,  \
         int ldy, int rows, int n, int k, int LAST
@@ -925,8 +792,8 @@ __device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, in
 // glm_kda.gpu.projection.GEMM_ROWS_BLOCKS_PER_SM mirrors it.
 #define GEMM_ROWS_MIN_BLOCKS 2
 
-// The (M_TILES, N_TILES) pairs of the general entries (gemm_rows.cu, gemm_rows_sums.cu): every form
-// has one entry point per pair, ENTRY(M_TILES, N_TILES). glm_kda.gpu.build.ENTRY_POINTS lists them.
+// The (M_TILES, N_TILES) pairs of the general entries (gemm_rows.cu, gemm_rows_sums.cu), one entry
+// point a pair and form (glm_kda.gpu.build.ENTRY_POINTS lists them).
 #define GEMM_ROWS_TILINGS(ENTRY)                                                                   \
     ENTRY(1, 1) ENTRY(1, 2) ENTRY(1, 4) ENTRY(2, 1) ENTRY(2, 2) ENTRY(2, 4) ENTRY(4, 1) ENTRY(4, 2)
 

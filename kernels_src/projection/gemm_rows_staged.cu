@@ -1,33 +1,19 @@
-// The staged decode forms of the row projection (gemm_rows_decode.cu has the other awaiting entries;
-// a file of its own so that the two compile side by side). Launch: below; bit contract as gemm_rows.cu;
-// the device code is in gemm_rows.cuh.
+// The staged forms of the awaiting entry (gemm_rows_decode.cu; docs/design.md, the output projection):
+// up to 16 rows of a packed weight, the same bits, the weight streamed into dynamic shared memory while
+// the awaited kernel still runs (`prefetch` unused: the copy is the prefetch). Launch: 256 threads,
+// grid.x = the column groups (one a block), grid.y = 1.
+//   kda_gemm_rows_staged_awaiting_bf16_m1_n<N>: the group's tiles, all their k blocks, copied before
+//     the wait; past it x's rows beside them (through L2), then both swept from shared memory
+//     (GEMM_X_STAGED). Dynamic shared memory: the stage, then max(16 + rows * k_pad * 2 bytes, the
+//     partial sums) (k_pad: k rounded up to 32): a zero chunk and x's rows, the partial sums over them.
+//   kda_gemm_rows_tail_staged_awaiting_bf16_m1_n<N>, for a column group that does not fit a stage: each
+//     warp starts the copies of its tail (gemm_rows_stage_tail) and loads the first step of its range
+//     before the wait; past it, x's rows as above, the rest of its range from memory at once and the
+//     tail last (GEMM_X_SHARED, TAIL): a copy still in flight at the wait holds back only the tail.
+//     Dynamic shared memory: 8 warps * N tiles * tail_blocks * 512 bytes, then x's region as above.
+//   Their *_sums_* forms write the FP32 sums too (sums, ld_sums after the words).
 #include "projection/gemm_rows.cuh"
 
-// The staged forms of the awaiting entry: up to 16 rows of a packed weight, one column group a block
-// (grid.x = the column groups, grid.y = 1), launched as a programmatic dependent of the kernel that
-// counts its outputs out (ready[0] reaching ready_target; the last block past the wait sets ready[0..1]
-// back to zero, and each block ends only after that kernel has). The weight streams into dynamic
-// shared memory while that kernel still runs (the fused step of one sequence leaves the memory
-// idle); `prefetch` is accepted and unused (the copy is the prefetch).
-//
-// kda_gemm_rows_staged_awaiting_bf16_m1_n<N>: the group's tiles, all their k blocks (tiles * k_blocks *
-// 512 bytes), copied before the wait. Past the wait the block copies x's rows (through L2, one round
-// of loads) into its shared memory after the weights, then sweeps both from there (GEMM_X_STAGED: no
-// step of the sweep waits on L2, and none needs a predicate). Dynamic shared memory: the stage, then
-// max(16 + rows * k_pad * 2 bytes, the partial sums) (k_pad: k rounded up to 32): a zero chunk and
-// x's rows, the partial sums written over them once every warp has read them. The same bits.
-//
-// kda_gemm_rows_tail_staged_awaiting_bf16_m1_n<N>: for a weight whose column group does not fit a stage:
-// before the wait each warp starts the copies of its part of the group's tail, the last `tail_blocks`
-// k blocks of its k range of each of its tiles (gemm_rows_stage_tail), and loads the first step of its
-// range into registers; past the wait, x's rows as above, then each warp's chain reads the rest of its
-// range from memory at once, from those registers on, and the tail from the stage once its copies
-// have landed (gemm_rows_group's TAIL; x from shared memory, GEMM_X_SHARED). A copy still in flight at
-// the wait holds back nothing but that tail. Dynamic shared memory: 8 warps * N tiles * tail_blocks *
-// 512 bytes, then x's region as above. The same bits.
-//
-// kda_gemm_rows_staged_awaiting_sums_bf16_m1_n<N> and kda_gemm_rows_tail_staged_awaiting_sums_bf16_m1_n<N>:
-// those two writing the FP32 sums too (sums, ld_sums after the words), as gemm_rows_sums does.
 template <int N_TILES, bool TAIL, bool SUMS = false>
 __device__ __forceinline__ void gemm_rows_staged_entry(const bf16_t* __restrict__ x, int ldx,
                                                        const bf16_t* __restrict__ w, bf16_t* __restrict__ y,
@@ -58,10 +44,10 @@ __device__ __forceinline__ void gemm_rows_staged_entry(const bf16_t* __restrict_
     }
     const bf16_t* stage = reinterpret_cast<const bf16_t*>(gemm_rows_stage);
     // (TAIL: the first step of each warp's range, loaded before the wait; else unused.)
-    uint4 first[TAIL ? gemm_rows_k_unroll<1, N_TILES, GEMM_ROWS_LOADS>() : 1][N_TILES];
+    uint4 first[TAIL ? gemm_rows_k_unroll<1, N_TILES>() : 1][N_TILES];
     if constexpr (TAIL) {
         if (sweeps) {
-            gemm_rows_first_step<N_TILES, GEMM_ROWS_LOADS>(first, w, n, k, k_split, blockIdx.x, tail_blocks);
+            gemm_rows_first_step<N_TILES>(first, w, n, k, k_split, blockIdx.x, tail_blocks);
         }
     }
     const int passed = gemm_rows_await(awaited);
@@ -88,11 +74,11 @@ __device__ __forceinline__ void gemm_rows_staged_entry(const bf16_t* __restrict_
         }
         __syncthreads();
         if constexpr (TAIL) {
-            gemm_rows_group<1, N_TILES, GEMM_ROWS_LOADS, GEMM_X_SHARED, true, false, true, true, SUMS>(
+            gemm_rows_group<1, N_TILES, GEMM_X_SHARED, true, true, SUMS>(
                 x_copy, padded_k, w, y, ldy, 0, rows, n, k, k_split, blockIdx.x, reinterpret_cast<float*>(region), 0,
                 stage, tail_blocks, &first[0][0], sums);
         } else {
-            gemm_rows_group<1, N_TILES, GEMM_ROWS_LOADS, GEMM_X_STAGED, true, true, true, false, SUMS>(
+            gemm_rows_group<1, N_TILES, GEMM_X_STAGED, true, false, SUMS>(
                 x_copy, padded_k, stage, y, ldy, 0, rows, n, k, k_split, blockIdx.x, reinterpret_cast<float*>(region),
                 first_tile, nullptr, 0, nullptr, sums);
         }
@@ -100,47 +86,37 @@ __device__ __forceinline__ void gemm_rows_staged_entry(const bf16_t* __restrict_
     gemm_rows_end_awaited(awaited, passed);
 }
 
+// The entries of a form, writing y alone or the FP32 sums too. LAST: the name of the ninth int
+// parameter (unnamed where unused), TAIL_BLOCKS what the form passes for tail_blocks.
+#define GEMM_ROWS_STAGED_FORM(FORM, MIN_BLOCKS, TAIL, LAST, TAIL_BLOCKS, N_TILES)                          \
+    extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, MIN_BLOCKS)                             \
+        kda_gemm_rows_##FORM##_awaiting_bf16_m1_n##N_TILES(GEMM_ROWS_PARAMETERS(LAST),                      \
+                                                           GEMM_ROWS_AWAIT_PARAMETERS)                      \
+    {                                                                                                      \
+        gemm_rows_staged_entry<N_TILES, TAIL>(x, ldx, w, y, ldy, rows, n, k, GemmRowsAwait{ready, ready_target}, \
+                                              TAIL_BLOCKS);                                                \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, MIN_BLOCKS)                             \
+        kda_gemm_rows_##FORM##_awaiting_sums_bf16_m1_n##N_TILES(GEMM_ROWS_PARAMETERS(LAST),                 \
+                                                                GEMM_ROWS_AWAIT_PARAMETERS,                 \
+                                                                GEMM_ROWS_SUMS_PARAMETERS)                  \
+    {                                                                                                      \
+        gemm_rows_staged_entry<N_TILES, TAIL, true>(x, ldx, w, y, ldy, rows, n, k,                          \
+                                                    GemmRowsAwait{ready, ready_target}, TAIL_BLOCKS,        \
+                                                    GemmRowsSums{sums, ld_sums});                           \
+    }
+
 // 3 blocks per SM (at most 85 registers): three 64 KB stages fit an SM's shared memory.
 #define GEMM_ROWS_STAGED_MIN_BLOCKS 3
-#define GEMM_ROWS_STAGED_ENTRY(N_TILES)                                                             \
-    extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_STAGED_MIN_BLOCKS)       \
-        kda_gemm_rows_staged_awaiting_bf16_m1_n##N_TILES(GEMM_ROWS_PARAMETERS(/* prefetch */),           \
-                                                     GEMM_ROWS_AWAIT_PARAMETERS)                     \
-    {                                                                                               \
-        gemm_rows_staged_entry<N_TILES, false>(x, ldx, w, y, ldy, rows, n, k,                       \
-                                               GemmRowsAwait{ready, ready_target});                 \
-    }                                                                                               \
-    extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_STAGED_MIN_BLOCKS)       \
-        kda_gemm_rows_staged_awaiting_sums_bf16_m1_n##N_TILES(GEMM_ROWS_PARAMETERS(/* prefetch */),      \
-                                                          GEMM_ROWS_AWAIT_PARAMETERS,                \
-                                                          GEMM_ROWS_SUMS_PARAMETERS)                 \
-    {                                                                                               \
-        gemm_rows_staged_entry<N_TILES, false, true>(x, ldx, w, y, ldy, rows, n, k,                 \
-                                                     GemmRowsAwait{ready, ready_target}, 0,         \
-                                                     GemmRowsSums{sums, ld_sums});                  \
-    }
+#define GEMM_ROWS_STAGED_ENTRY(N_TILES) \
+    GEMM_ROWS_STAGED_FORM(staged, GEMM_ROWS_STAGED_MIN_BLOCKS, false, /* prefetch */, 0, N_TILES)
 GEMM_ROWS_STAGED_ENTRY(1)
 GEMM_ROWS_STAGED_ENTRY(2)
 
 // 2 blocks per SM (up to 128 registers, the sweep's): two tails of about 96 KB and x's rows fit an SM.
 #define GEMM_ROWS_TAIL_MIN_BLOCKS 2
-#define GEMM_ROWS_TAIL_STAGED_ENTRY(N_TILES)                                                        \
-    extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_TAIL_MIN_BLOCKS)         \
-        kda_gemm_rows_tail_staged_awaiting_bf16_m1_n##N_TILES(GEMM_ROWS_PARAMETERS(tail_blocks),          \
-                                                          GEMM_ROWS_AWAIT_PARAMETERS)                \
-    {                                                                                               \
-        gemm_rows_staged_entry<N_TILES, true>(x, ldx, w, y, ldy, rows, n, k,                         \
-                                              GemmRowsAwait{ready, ready_target}, tail_blocks);      \
-    }                                                                                               \
-    extern "C" __global__ void __launch_bounds__(GEMM_ROWS_THREADS, GEMM_ROWS_TAIL_MIN_BLOCKS)         \
-        kda_gemm_rows_tail_staged_awaiting_sums_bf16_m1_n##N_TILES(GEMM_ROWS_PARAMETERS(tail_blocks),     \
-                                                               GEMM_ROWS_AWAIT_PARAMETERS,           \
-                                                               GEMM_ROWS_SUMS_PARAMETERS)            \
-    {                                                                                               \
-        gemm_rows_staged_entry<N_TILES, true, true>(x, ldx, w, y, ldy, rows, n, k,                   \
-                                                    GemmRowsAwait{ready, ready_target}, tail_blocks, \
-                                                    GemmRowsSums{sums, ld_sums});                   \
-    }
+#define GEMM_ROWS_TAIL_STAGED_ENTRY(N_TILES) \
+    GEMM_ROWS_STAGED_FORM(tail_staged, GEMM_ROWS_TAIL_MIN_BLOCKS, true, tail_blocks, tail_blocks, N_TILES)
 GEMM_ROWS_TAIL_STAGED_ENTRY(1)
 GEMM_ROWS_TAIL_STAGED_ENTRY(2)
 GEMM_ROWS_TAIL_STAGED_ENTRY(4)
