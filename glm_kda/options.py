@@ -29,10 +29,6 @@ class KdaOptions:
     hopper: programmatic dependent launches and the bulk-copy projection sweep where the device
         has sm_90 features (default True). False: the portable path that sm_80 and sm_120 / sm_121
         (GB10) always take, the same bits, slower on Hopper.
-    stage_buffers: a prefill writes every FP32 stage buffer (default True). False: with the
-        tensor-core chunk kernels, the conv pass writes no FP32 q, k and v (ws.query, ws.key,
-        ws.value keep what they held) and the chunk prepare reads them from the BF16 conv output,
-        normalising q and k as the conv pass does: the same output and state bits, less traffic.
     check_finite: every call checks its input rows before the first launch (a NaN or Inf row raises
         FloatingPointError, the state untouched) and its output after the last (raises, the state
         advanced); default False. Each check reads one flag back: the call waits for the GPU
@@ -43,7 +39,6 @@ class KdaOptions:
     packed_weights: bool = True
     graphs: bool = True
     hopper: bool = True
-    stage_buffers: bool = True
     check_finite: bool = False
 
     def __post_init__(self) -> None:

@@ -1,6 +1,6 @@
 // T tokens of a prefill: causal depthwise conv over time + SiLU on the q|k|v projection (conv_dim =
-// 3 * heads * head_dim channels), the BF16 conv output, then (unless query is null) the per-head L2
-// normalisation of q and k and the split into FP32 q, k and v.
+// 3 * heads * head_dim channels), the BF16 conv output, then the per-head L2 normalisation
+// of q and k and the split into FP32 q, k and v.
 //
 // conv_state [conv_dim, K] FP32 keeps the last K conv INPUTS per channel, oldest first. Each token
 // shifts the window left by one and puts the new input in slot K-1, then
@@ -59,12 +59,8 @@ kda_conv_prefill_silu_l2_bf16(float* __restrict__ conv_state, const bf16_t* __re
     const int first = blockIdx.y * CONV_PREFILL_TILE;
     const int last = min(first + CONV_PREFILL_TILE, tokens);
     float* state = conv_state + static_cast<size_t>(channel) * kernel_size;  // 4 K floats
-    // Null query: the conv output and the state alone (the tensor-core prepare reads the conv output).
-    const bool split = query != nullptr;
     float* outputs = part < heads ? query : part < 2 * heads ? key : value;
-    if (split) {
-        outputs += static_cast<size_t>(head) * KDA_HEAD_DIM + 4 * lane;
-    }
+    outputs += static_cast<size_t>(head) * KDA_HEAD_DIM + 4 * lane;
 
     // Tile 0 reads the carried state (the conv inputs of tokens -K .. -1) before anything is
     // written; only tile 0 reaches t < 0 (a tile is >= K long).
@@ -131,14 +127,12 @@ kda_conv_prefill_silu_l2_bf16(float* __restrict__ conv_state, const bf16_t* __re
             }
             *reinterpret_cast<uint2*>(conv_out + static_cast<size_t>(t) * conv_dim + channel) =
                 make_uint2(bits[0] | (bits[1] << 16), bits[2] | (bits[3] << 16));
-            if (split) {  // uniform
-                float4 result = make_float4(rounded[0], rounded[1], rounded[2], rounded[3]);
-                if (normalize) {  // warp-uniform
-                    const float norm = sqrtf(warp_head_sum_squares(rounded) + l2_eps);
-                    result = make_float4(rounded[0] / norm, rounded[1] / norm, rounded[2] / norm, rounded[3] / norm);
-                }
-                *reinterpret_cast<float4*>(outputs + static_cast<size_t>(t) * qkv) = result;
+            float4 result = make_float4(rounded[0], rounded[1], rounded[2], rounded[3]);
+            if (normalize) {  // warp-uniform
+                const float norm = sqrtf(warp_head_sum_squares(rounded) + l2_eps);
+                result = make_float4(rounded[0] / norm, rounded[1] / norm, rounded[2] / norm, rounded[3] / norm);
             }
+            *reinterpret_cast<float4*>(outputs + static_cast<size_t>(t) * qkv) = result;
         }
     }
 

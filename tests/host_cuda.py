@@ -52,27 +52,6 @@ def order_sensitive_inputs(rng, rows: int, n: int, k: int, k_split: int) -> tupl
     return x, w
 
 
-def conv_split(conv_rows, heads, l2_eps):
-    """q, k, v [T, H, D] FP32 from conv output rows [T, 3 H D] (BF16 bits), as the conv kernel
-    splits and normalises them: each head row's squares summed in warp_head_sum_squares' order
-    (common/reduce.cuh: lane L holds channels 4L .. 4L + 3; xor steps 4, 2, 1 between lanes; a
-    lane's pairs (0, 2) and (1, 3); lanes 0, 8, 16, 24 in order), all in FP32, the same bits."""
-    import ml_dtypes
-
-    x = np.asarray(conv_rows).view(ml_dtypes.bfloat16).astype(np.float32).reshape(len(conv_rows), 3, heads, 128)
-    lane = np.arange(32)
-
-    def normalise(rows):
-        s = rows.reshape(-1, 32, 4) * rows.reshape(-1, 32, 4)
-        for offset in (4, 2, 1):
-            s = s + s[:, lane ^ offset, :]
-        warp = (s[..., 0] + s[..., 2]) + (s[..., 1] + s[..., 3])
-        total = ((warp[:, 0] + warp[:, 8]) + warp[:, 16]) + warp[:, 24]
-        return (rows.reshape(-1, 128) / np.sqrt(total + np.float32(l2_eps))[:, None]).reshape(rows.shape)
-
-    return normalise(x[:, 0]), normalise(x[:, 1]), x[:, 2].copy()
-
-
 def bits_to_f64(bits) -> np.ndarray:
     """BF16 bits (uint16) as float64, exactly."""
     return (np.asarray(bits).astype(np.uint32) << 16).view(np.float32).astype(np.float64)

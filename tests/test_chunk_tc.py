@@ -62,7 +62,7 @@ from chunk_tc_model import model_chunk_tc, model_chunk_tc_prepare, model_chunk_t
 from glm_kda.device import gpu_status
 from glm_kda.reference import chunk_scan, rms_ratio
 from glm_kda.synthetic import synthetic_config
-from host_cuda import (HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, bf16_bits, build_host_binary, conv_split,
+from host_cuda import (HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, bf16_bits, build_host_binary,
                        host_kernel_source)
 from standins import HostStandIn, aligned, use_stand_ins
 
@@ -364,41 +364,12 @@ def test_wrapper_names_a_bad_gate_source(launches):
     assert [launch[0] for launch in launches] == ["kda_chunk_tc_prepare_gate_f32", "kda_chunk_tc_scan_f32"]
 
 
-def test_conv_rows_launch_the_conv_prepares_and_are_checked(launches):
-    """With ConvRows (query, key and value None) each prepare takes its *_conv_f32 entry point; a
-    query, key or value given beside it, a conv output of the wrong width and a bad l2_eps are
-    refused by name before any launch."""
-    inputs, beta, state, core, scratch = _call_arguments(65, 2)
-    gate = inputs[3]
-    conv = chunk_tc.ConvRows(HostStandIn(aligned((65, 3 * 2 * 128), np.uint16)), 1e-6)
-    source = chunk_tc.GateSource(HostStandIn(aligned((65, 256), np.uint16)), _aligned_f32((256,)), _aligned_f32((2,)),
-                                 HostStandIn(aligned((65, 2), np.uint16)))
-    for bound, gate_source, name in ((LOWER_BOUND, None, "kda_chunk_tc_prepare_conv_f32"),
-                                     (None, None, "kda_chunk_tc_prepare_unbounded_conv_f32"),
-                                     (LOWER_BOUND, source, "kda_chunk_tc_prepare_gate_conv_f32")):
-        chunk_tc.chunk_prefill_tc(None, None, None, gate, beta, state, core, 65, bound, *scratch,
-                                  gate_source=gate_source, conv=conv)
-        assert [launch[0] for launch in launches] == [name, "kda_chunk_tc_scan_f32"]
-        launches.clear()
-    for args, options, needle in (
-            ((inputs[0], None, None), {"conv": conv}, "query must be None"),
-            ((None, None, None), {"conv": conv._replace(conv_out=HostStandIn(aligned((65, 512), np.uint16)))},
-             "conv_out"),
-            ((None, None, None), {"conv": conv._replace(l2_eps=float("nan"))}, "l2_eps"),
-            ((None, None, None), {}, "query")):
-        with pytest.raises((TypeError, ValueError), match=needle):
-            chunk_tc.chunk_prefill_tc(*args, gate, beta, state, core, 65, LOWER_BOUND, *scratch, **options)
-    assert launches == []
-
-
 def test_no_spills_on_sm_90():
     os.environ.setdefault("CUDA_CACHE_DISABLE", "1")
     resources = {}
-    stems = ("chunk/chunk_tc", "chunk/chunk_tc_gate", "chunk/chunk_tc_conv", "chunk/chunk_tc_conv_unbounded",
-             "chunk/chunk_tc_gate_conv")
-    for stem in stems:
+    for stem in ("chunk/chunk_tc", "chunk/chunk_tc_gate"):
         resources.update(kernel_report.parse_ptxas_log(kernel_report.compile_file(stem, "sm_90").log))
-    for name in (name for stem in stems for name in kernels.ENTRY_POINTS[stem]):
+    for name in kernels.ENTRY_POINTS["chunk/chunk_tc"] + kernels.ENTRY_POINTS["chunk/chunk_tc_gate"]:
         r = resources[name]
         print(f"{name}: {r}")
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack_frame"] == 0, f"{name} spills: {r}"
@@ -462,14 +433,6 @@ extern "C" void kda_chunk_tc_prepare_unbounded_f32(const float*, const float*, c
     const float*, f16_t*, f16_t*, f16_t*, float*, f16_t*, float*, int, int, float, float);
 extern "C" void kda_chunk_tc_scan_f32(const f16_t*, const f16_t*, const f16_t*, const float*, const f16_t*,
     const float*, float*, float*, int, int);
-using ConvPrepare = void (*)(const bf16_t*, float, const float*, const float*, f16_t*, f16_t*, f16_t*, float*, f16_t*,
-    float*, int, int, float, float);
-extern "C" void kda_chunk_tc_prepare_conv_f32(const bf16_t*, float, const float*, const float*, f16_t*, f16_t*,
-    f16_t*, float*, f16_t*, float*, int, int, float, float);
-extern "C" void kda_chunk_tc_prepare_unbounded_conv_f32(const bf16_t*, float, const float*, const float*, f16_t*,
-    f16_t*, f16_t*, float*, f16_t*, float*, int, int, float, float);
-extern "C" void kda_chunk_tc_prepare_gate_conv_f32(const bf16_t*, float, float*, float*, f16_t*, f16_t*, f16_t*,
-    float*, f16_t*, float*, int, int, float, float, const bf16_t*, const float*, const float*, const bf16_t*, int);
 
 static void save(const std::string& path, const std::vector<f16_t>& v)
 {
@@ -500,13 +463,6 @@ int main(int argc, char** argv)
     // prepare for gates without a lower bound.
     const bool fused = argc > 9 && std::string(argv[9]) == "fused";
     const bool unbounded = argc > 9 && std::string(argv[9]) == "unbounded";
-    // argv[10] > 0: the prepare's conv entry point, q, k and v from the BF16 conv output [rows, 3 H D]
-    // (file conv_out) with that l2_eps, instead of the FP32 query, key and value.
-    const float l2_eps = argc > 10 ? std::atof(argv[10]) : 0.0f;
-    std::vector<unsigned short> conv_out;
-    if (l2_eps > 0.0f) {
-        conv_out = load_u16(dir + "/conv_out", rows * 3 * heads * D);
-    }
     const int ld_beta = heads + 3;
     std::vector<unsigned short> forget_proj, beta_logits;
     std::vector<float> dt_bias, a_log;
@@ -519,17 +475,7 @@ int main(int argc, char** argv)
         std::fill(beta.begin(), beta.end(), 7.0f);
     }
     run_grid(dim3{unsigned(nchunks), unsigned(heads), 1}, 256, std::atoi(argv[7]), [&] {
-        if (l2_eps > 0.0f && fused) {
-            kda_chunk_tc_prepare_gate_conv_f32(conv_out.data(), l2_eps, gate.data(), beta.data(), q_decay.data(),
-                                               k_tail.data(), w.data(), u.data(), attn.data(), chunk_decay.data(),
-                                               tokens, heads, 1.0f / std::sqrt(128.0f), lower_bound,
-                                               forget_proj.data(), dt_bias.data(), a_log.data(), beta_logits.data(),
-                                               ld_beta);
-        } else if (l2_eps > 0.0f) {
-            const ConvPrepare prepare = unbounded ? kda_chunk_tc_prepare_unbounded_conv_f32 : kda_chunk_tc_prepare_conv_f32;
-            prepare(conv_out.data(), l2_eps, gate.data(), beta.data(), q_decay.data(), k_tail.data(), w.data(),
-                    u.data(), attn.data(), chunk_decay.data(), tokens, heads, 1.0f / std::sqrt(128.0f), lower_bound);
-        } else if (fused) {
+        if (fused) {
             kda_chunk_tc_prepare_gate_f32(query.data(), key.data(), value.data(), gate.data(), beta.data(),
                                           q_decay.data(), k_tail.data(), w.data(), u.data(), attn.data(),
                                           chunk_decay.data(), tokens, heads, 1.0f / std::sqrt(128.0f), lower_bound,
@@ -564,13 +510,10 @@ DEVICE_HELPERS = ("mma_tf32_m16n8k8", "copy_async_16B", "copy_async_commit", "co
 
 
 def host_source() -> str:
-    """chunk_tc.cu (header inlined) and the entries of chunk_tc_gate.cu and the conv prepares'
-    files rewritten for the host: the PTX helpers removed, dynamic shared memory from the emulator,
-    every vector cast alignment-checked."""
-    source = host_kernel_source("chunk/chunk_tc", DEVICE_HELPERS)
-    for stem in ("chunk_tc_gate", "chunk_tc_conv", "chunk_tc_conv_unbounded", "chunk_tc_gate_conv"):
-        entries = (kernels.kernels_dir() / f"chunk/{stem}.cu").read_text().replace('#include "chunk/chunk_tc.cuh"', "")
-        source += entries
+    """chunk_tc.cu (header inlined) and chunk_tc_gate.cu's entry rewritten for the host: the PTX
+    helpers removed, dynamic shared memory from the emulator, every vector cast alignment-checked."""
+    gate_file = (kernels.kernels_dir() / "chunk/chunk_tc_gate.cu").read_text()
+    source = host_kernel_source("chunk/chunk_tc", DEVICE_HELPERS) + gate_file.replace('#include "chunk/chunk_tc.cuh"', "")
     declaration = "extern __shared__ __align__(16) float shared[];"
     assert source.count(declaration) == 2, "the host emulation expects one dynamic shared array per kernel"
     source = source.replace(declaration, "float* shared = emulated_shared;")
@@ -588,27 +531,22 @@ def host_rows(tokens):
     return chunk_count(tokens) * 64 + 3
 
 
-def run_on_host(binary, inputs, tokens, pad, jitter=False, gate_source=None, unbounded=False, conv=None):
+def run_on_host(binary, inputs, tokens, pad, jitter=False, gate_source=None, unbounded=False):
     """The two kernels on the host emulator; input rows T.. are filled with `pad`. With
     gate_source (forget_proj [rows, H*D] and beta_logits [rows, H + 3] as BF16 bits, dt_bias,
     a_log), the fused-gate prepare runs and "gate" / "beta" are its outputs; unbounded: the
-    prepare for gates without a lower bound. conv (conv_out [rows, 3 H D] BF16 bits, l2_eps > 0):
-    the prepare's conv entry point reads q, k and v from conv_out (query, key and value unread)."""
+    prepare for gates without a lower bound."""
     query, key, value, gate, beta, recurrent = inputs
     heads = query.shape[1]
     nchunks = chunk_count(tokens)
     rows = host_rows(tokens)
-    folder = Path(binary).parent / (f"T{tokens}-H{heads}-{pad}-{int(jitter)}-{int(gate_source is not None)}-"
-                                    f"{int(unbounded)}-{int(conv is not None)}")
+    folder = Path(binary).parent / f"T{tokens}-H{heads}-{pad}-{int(jitter)}-{int(gate_source is not None)}-{int(unbounded)}"
     folder.mkdir(exist_ok=True)
     for name, x in (("query", query), ("key", key), ("value", value), ("gate", gate), ("beta", beta)):
         full = np.full((rows,) + x.shape[1:], pad, np.float32)
         full[:tokens] = x
         full.tofile(folder / name)
     recurrent.astype(np.float32).tofile(folder / "state")
-    if conv is not None:
-        assert conv[1] > 0, "the emulator takes l2_eps > 0 as the sign of a conv run"
-        np.ascontiguousarray(conv[0], np.uint16).tofile(folder / "conv_out")
     if gate_source is not None:
         forget_proj, beta_logits, dt_bias, a_log = gate_source
         np.ascontiguousarray(forget_proj, np.uint16).tofile(folder / "forget_proj")
@@ -618,8 +556,7 @@ def run_on_host(binary, inputs, tokens, pad, jitter=False, gate_source=None, unb
     result = subprocess.run(
         [str(binary), str(folder), str(tokens), str(rows), str(heads), str(LOWER_BOUND), str(int(jitter)),
          str(PREPARE_SMEM_BYTES), str(SCAN_SMEM_BYTES),
-         "fused" if gate_source is not None else "unbounded" if unbounded else "plain",
-         str(0.0 if conv is None else conv[1])],
+         "fused" if gate_source is not None else "unbounded" if unbounded else "plain"],
         capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr
@@ -666,57 +603,6 @@ def test_kernel_source_on_host_fused_gate(emulator):
     for name in (*SCRATCH, "state"):
         assert_bits_equal(fused[name], plain[name], f"host {name}, fused vs plain prepare")
     assert_bits_equal(fused["core"][:tokens], plain["core"][:tokens], "host core, fused vs plain prepare")
-
-
-@pytest.mark.parametrize("mode", ["plain", "unbounded", "fused"])
-def test_kernel_source_on_host_conv_prepare_gives_the_split_bits(emulator, mode):
-    """The prepares reading the BF16 conv output [T, 3 H D] (q and k normalised in the kernel)
-    against the same prepares reading the FP32 q, k and v split from it as the conv kernel splits
-    it (conv_split): every scratch, core and state bit equal (and the fused prepare's gate and
-    beta), the conv output's pad rows NaN and the FP32 rows all NaN in the conv run (neither
-    read). Zero rows of q and k, and rows small enough that eps weighs in their norms (dropping eps
-    from conv_split fails this test). The order of each sum of squares is not seen here: every
-    use of q and k rounds to TF32 before it reaches an output, which hides a last-bit change of a
-    norm. It holds by construction (the prepare calls the conv kernel's own warp_head_sum_squares
-    on the same lane layout), and tests/test_conv_host.py checks conv_split against the conv
-    kernel's q and k bit for bit. unbounded: softplus gates
-    whose first diagonal block takes the exact sums (test_unbounded_host_cases_reach_both_diagonal_forms)."""
-    l2_eps = 1e-6
-    tokens, heads = (17, 2) if mode == "unbounded" else (70, 2)
-    seed = SEED + 17 + 31 if mode == "unbounded" else SEED + 23
-    inputs = make_inputs(tokens, heads, "softplus" if mode == "unbounded" else "bounded", "random", seed=seed)
-    rng = np.random.default_rng(seed)
-    rows = host_rows(tokens)
-    conv_out = np.full((rows, 3 * heads * 128), 0x7FC0, np.uint16)  # BF16 NaN in the pad rows
-    # q and k log-uniform in size over [e^-5, e^5] (a wide range inside a row).
-    size = np.exp(rng.uniform(-5.0, 5.0, (tokens, 2 * heads * 128))) * rng.choice([-1.0, 1.0], (tokens, 2 * heads * 128))
-    conv_out[:tokens] = bf16_bits(np.concatenate([size, rng.standard_normal((tokens, heads * 128))], axis=1))
-    conv_out[3, :128] = 0  # token 3's q of head 0
-    conv_out[5, heads * 128 + 128 : heads * 128 + 256] = 0  # token 5's k of head 1
-    for start in (0, heads * 128):  # token 7's q and k of head 0: small enough that eps weighs in
-        conv_out[7, start : start + 128] = bf16_bits(1e-4 * rng.standard_normal(128))
-    q, k, v = conv_split(conv_out[:tokens], heads, l2_eps)
-    assert rms_ratio(q[3, 0], np.zeros(128)) == 0 and np.isfinite(q).all() and np.isfinite(k).all()
-    gate_source = None
-    if mode == "fused":
-        forget_proj = np.full((rows, heads * 128), 0x7FC0, np.uint16)
-        forget_proj[:tokens] = bf16_bits(2.0 * rng.standard_normal((tokens, heads * 128)))
-        beta_logits = np.full((rows, heads + 3), 0x7FC0, np.uint16)
-        beta_logits[:tokens] = bf16_bits(rng.standard_normal((tokens, heads + 3)))
-        gate_source = (forget_proj, beta_logits, rng.standard_normal(heads * 128).astype(np.float32),
-                       (0.5 * rng.standard_normal(heads)).astype(np.float32))
-    unbounded = mode == "unbounded"
-    split, _ = run_on_host(emulator, (q, k, v, *inputs[3:]), tokens, pad=float("nan"), unbounded=unbounded,
-                           gate_source=gate_source)
-    unread = np.full_like(q, np.nan)
-    fused, counters = run_on_host(emulator, (unread, unread, unread, *inputs[3:]), tokens, pad=float("nan"),
-                                  unbounded=unbounded, gate_source=gate_source, conv=(conv_out, l2_eps))
-    assert counters["misaligned"] == 0, f"{mode}: {counters['misaligned']} misaligned vector accesses"
-    names = (*SCRATCH, "state") + (("gate", "beta") if mode == "fused" else ())
-    for name in names:
-        assert_bits_equal(fused[name], split[name], f"host {mode} {name}, conv output vs split rows")
-    assert_bits_equal(fused["core"][:tokens], split["core"][:tokens], f"host {mode} core, conv output vs split rows")
-    assert np.isfinite(fused["core"][:tokens]).all(), f"host {mode}: core not finite"
 
 
 # (tokens, heads, law, state, unbounded): the last three run the prepare for gates without a

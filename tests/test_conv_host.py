@@ -25,7 +25,7 @@ import pytest
 
 from glm_kda.reference import conv_silu, l2norm_split, rms_ratio, round_bf16
 from host_cuda import (HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, bf16_bits, bits_to_f64, build_host_binary,
-                       conv_split, host_kernel_source)
+                       host_kernel_source)
 
 HEADS = 2  # 6 heads of q, k or v: the prefill's second block has two warps past the last head
 DIM = 128
@@ -65,16 +65,6 @@ int main(int argc, char** argv)
         save_each(dir + "/" + std::string(path) + ".", {"conv_out", "query", "key", "value", "state"}, conv_out, query,
                   key, value, state);
     }
-    {
-        // unsplit: one launch with null query, key and value (the conv output and the state alone).
-        auto state = start;
-        std::vector<bf16_t> conv_out(tokens * conv_dim, 0x7FA5);
-        run_grid(dim3{unsigned((3 * heads + 3) / 4), unsigned((tokens + 63) / 64), 1}, 128, 0, [&] {
-            kda_conv_prefill_silu_l2_bf16(state.data(), qkv_proj.data(), conv_w.data(), conv_out.data(), nullptr,
-                                          nullptr, nullptr, heads, 128, kernel, tokens, eps);
-        });
-        save_each(dir + "/unsplit.", {"conv_out", "state"}, conv_out, state);
-    }
     std::printf("misaligned=%ld\n", misaligned.load());
     return 0;
 }
@@ -92,8 +82,8 @@ def conv_host(tmp_path_factory):
 
 
 def run_conv(binary, qkv_proj_bits, conv_w_bits, state, jitter=False):
-    """(prefill outputs, one-token launches' outputs, a prefill without the split's): dicts of
-    conv_out (BF16 bits), query, key, value (not the last), state."""
+    """(prefill outputs, one-token launches' outputs): dicts of conv_out (BF16 bits), query, key, value,
+    state."""
     tokens, conv_dim = qkv_proj_bits.shape
     kernel = conv_w_bits.shape[1]
     folder = Path(tempfile.mkdtemp(prefix=f"T{tokens}-K{kernel}-{int(jitter)}-", dir=binary.parent))
@@ -104,14 +94,13 @@ def run_conv(binary, qkv_proj_bits, conv_w_bits, state, jitter=False):
                              repr(L2_EPS)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["misaligned=0"], f"host run: {result.stdout.strip()}"
-    out = {"unsplit": {"conv_out": np.fromfile(folder / "unsplit.conv_out", np.uint16).reshape(tokens, conv_dim),
-                       "state": np.fromfile(folder / "unsplit.state", np.float32).reshape(conv_dim, kernel)}}
+    out = {}
     for path in ("prefill", "steps"):
         read = lambda name, dtype, shape: np.fromfile(folder / f"{path}.{name}", dtype).reshape(shape)  # noqa: E731
         out[path] = {"conv_out": read("conv_out", np.uint16, (tokens, conv_dim)),
                      **{name: read(name, np.float32, (tokens, HEADS, DIM)) for name in ("query", "key", "value")},
                      "state": read("state", np.float32, (conv_dim, kernel))}
-    return out["prefill"], out["steps"], out["unsplit"]
+    return out["prefill"], out["steps"]
 
 
 @pytest.mark.parametrize("tokens,kernel,jitter,scale", [(1, 4, False, 1.0), (5, 4, False, 1.0), (64, 4, False, 1.0),
@@ -126,16 +115,8 @@ def test_conv_kernels_on_host(conv_host, tokens, kernel, jitter, scale):
     qkv_proj = bf16_bits(rng.standard_normal((tokens, conv_dim)) * 2.0 * scale)
     conv_w = bf16_bits(rng.standard_normal((conv_dim, kernel)) * 0.5)
     start = (scale * rng.standard_normal((conv_dim, kernel))).astype(np.float32)
-    prefill, steps, unsplit = run_conv(conv_host, qkv_proj, conv_w, start, jitter)
+    prefill, steps = run_conv(conv_host, qkv_proj, conv_w, start, jitter)
     tag = f"T={tokens} K={kernel} x{scale:g}"
-    for name in ("conv_out", "state"):
-        differ = int(np.count_nonzero(unsplit[name].view(np.uint8) != prefill[name].view(np.uint8)))
-        assert differ == 0, f"{tag}: {differ} bytes of {name} differ without the split (null query, key, value)"
-    # The split as the tensor-core prepare forms it from the conv output (host_cuda.conv_split, the
-    # order of warp_head_sum_squares): the kernel's q, k and v bit for bit.
-    for name, expected in zip(("query", "key", "value"), conv_split(prefill["conv_out"], HEADS, L2_EPS)):
-        differ = int(np.count_nonzero(prefill[name].view(np.uint32) != expected.view(np.uint32)))
-        assert differ == 0, f"{tag}: {differ} elements of {name} differ from conv_split of the kernel's conv_out"
 
     for name in ("conv_out", "query", "key", "value", "state"):
         a, b = prefill[name], steps[name]

@@ -820,70 +820,6 @@ def test_portable_path_gives_the_hopper_bits(layers, geometry):
     _assert_same_bits(hopper, portable, geometry, "the Hopper and the portable paths")
 
 
-@pytest.mark.parametrize("geometry", ["glm", "kimi"])
-@pytest.mark.parametrize("tokens", [17, 130, 1000], ids=lambda t: f"T{t}")
-def test_prefill_without_stage_buffers_gives_the_same_bits(layers, geometry, tokens):
-    """options.stage_buffers False (the tensor-core prepare reading q, k and v from the conv output):
-    the output, both states and the conv output, gate, beta and core stage buffers are bit for bit
-    the recorded prefill's, and the FP32 q, k and v buffers keep what they held (poisoned here)."""
-    cp = _cp()
-    bound, layer = layers(geometry)
-    if layer.chunk_impl != "tensor":
-        pytest.skip(f"the {layer.chunk_impl} chunk kernels always read the FP32 split")
-    cfg = bound.config
-    bf16 = layer.workspace.final_out.dtype
-    hidden = cp.asarray(synthetic_hidden(tokens, cfg.hidden, seed=tokens + 5).view(np.uint16)).view(bf16)
-    start = KdaState.random(cfg, seed=tokens + 6)
-    ws = layer.workspace
-    runs = {}
-    for recorded in (True, False):
-        for buf in (ws.query, ws.key, ws.value):
-            buf.fill(np.float32(1234.5))
-        state = device_state(layer, start)
-        with _options(layer, stage_buffers=recorded):
-            out = layer.prefill(hidden, state).copy()
-        runs[recorded] = {"output": out, "recurrent state": state.recurrent.copy(), "conv state": state.conv.copy(),
-                          **{name: getattr(ws, name)[:tokens].copy() for name in ("conv_out", "gate", "beta", "core")}}
-        if not recorded:
-            for name in ("query", "key", "value"):
-                assert bool((getattr(ws, name) == np.float32(1234.5)).all()), f"{geometry} T{tokens}: ws.{name} written"
-    for name, a in runs[False].items():
-        differ = int(cp.count_nonzero(_bits(a) != _bits(runs[True][name])))
-        assert differ == 0, f"{geometry} T{tokens}: {differ} elements of {name} differ without the stage buffers"
-
-
-@pytest.mark.parametrize("geometry", ["glm", "kimi"])
-def test_packed_prefill_without_stage_buffers_gives_the_same_bits(layers, geometry):
-    """A packed prefill (lengths 1, 17, 64, 100, 3 in shuffled slots, each sequence's rows at an
-    offset of the workspace) with options.stage_buffers False: the output and every slot's states
-    bit for bit those of the same call with the stage buffers."""
-    from glm_kda.state import StatePool
-
-    cp = _cp()
-    bound, layer = layers(geometry)
-    if layer.chunk_impl != "tensor":
-        pytest.skip(f"the {layer.chunk_impl} chunk kernels always read the FP32 split")
-    cfg = bound.config
-    lengths = [1, 17, 64, 100, 3]
-    bounds = np.concatenate([[0], np.cumsum(lengths)])
-    hidden = synthetic_hidden(int(bounds[-1]), cfg.hidden, seed=SEED + 9)
-    slots = np.random.default_rng(9).permutation(8)[: len(lengths)]
-    runs = {}
-    for recorded in (True, False):
-        pool = StatePool(cfg, 8)
-        for slot in range(8):
-            start = KdaState.random(cfg, seed=90 + slot)
-            pool.conv[slot] = cp.asarray(start.conv)
-            pool.recurrent[slot] = cp.asarray(start.recurrent)
-        with _options(layer, stage_buffers=recorded):
-            out = layer.prefill(hidden, pool, slots=slots, cu_seqlens=bounds)
-        runs[recorded] = {"output": cp.asarray(out), "conv states": pool.conv.copy(),
-                          "recurrent states": pool.recurrent.copy()}
-    for name, a in runs[False].items():
-        differ = int(cp.count_nonzero(_bits(a) != _bits(runs[True][name])))
-        assert differ == 0, f"{geometry} packed: {differ} elements of the {name} differ without the stage buffers"
-
-
 def test_every_option_is_part_of_the_graph_key(layers):
     """Changing any KdaOptions field after a capture never replays the old graph: the key
     differs, and (graphs on) the next calls capture afresh, with the bits of eager calls."""
@@ -896,7 +832,7 @@ def test_every_option_is_part_of_the_graph_key(layers):
     hidden = cp.asarray(synthetic_hidden(4, cfg.hidden, seed=77).view(np.uint16)).view(bf16)
     start = KdaState.random(cfg, seed=78)
     base = layer.options
-    flags = ("packed_weights", "graphs", "hopper", "stage_buffers", "check_finite")
+    flags = ("packed_weights", "graphs", "hopper", "check_finite")
     other_values = {"chunk_impl": "fp32", **{f: not getattr(base, f) for f in flags}}
     assert set(other_values) == {f.name for f in dc.fields(KdaOptions)}, "a new option needs a case here"
     for field, value in other_values.items():

@@ -106,21 +106,6 @@ def test_prefill_conv_names_a_short_output(launches):
     assert not launches
 
 
-def test_prefill_conv_without_the_split(launches):
-    """query, key and value all None: the launch passes three null pointers (the kernel then writes
-    the conv output and the state alone); some None and some given is refused, naming each."""
-    heads, dim = 2, ops.HEAD_DIM
-    conv_dim = 3 * heads * dim
-    operands = (_f32(conv_dim, 4), _bf16(10, conv_dim), _bf16(conv_dim, 4), _bf16(10, conv_dim))
-    ops.kda_conv_prefill_silu_l2_bf16(*operands, None, None, None, heads, dim, 1e-6, tokens=10)
-    (name, grid, block, args), = launches
-    assert args[4:7] == (None, None, None)
-    with pytest.raises(ValueError, match="query given, key None, value given"):
-        ops.kda_conv_prefill_silu_l2_bf16(*operands, _f32(10, heads, dim), None, _f32(10, heads, dim), heads, dim, 1e-6,
-                                          tokens=10)
-    assert len(launches) == 1
-
-
 @pytest.mark.parametrize("tokens", [1, 7, 8, 9, ops.MAX_GRID_Y + 5], ids=lambda t: f"T{t}")
 def test_gate_and_norm_walk_token_groups(launches, tokens):
     """grid.y = ceil(T / tokens per block) per slice of at most MAX_GRID_Y tokens; each launch

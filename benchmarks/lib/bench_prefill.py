@@ -48,13 +48,11 @@ RECURRENCE = "[recurrence]"
 CONV_KERNEL = "kda_conv_prefill_silu_l2_bf16"
 
 
-def kernel_bytes(config: KdaConfig, tokens: int, stage_buffers: bool = True) -> dict[str, int]:
+def kernel_bytes(config: KdaConfig, tokens: int) -> dict[str, int]:
     """The bytes each of our prefill kernels of the tensor-core path must move for `tokens` rows:
     every buffer it reads or writes once, as its arguments say (ops and gpu.pipeline._prefill_core);
     the conv weights and state, dt_bias, A_log and the recurrent state, under 1 % of any, left out.
-    The cuBLAS projections are bound by arithmetic, not counted here. stage_buffers False
-    (KdaOptions.stage_buffers): the conv pass writes no FP32 q, k, v and the prepare (its *_conv_f32
-    entry point) reads the BF16 conv output instead."""
+    The cuBLAS projections are bound by arithmetic, not counted here."""
     from glm_kda.chunk_model import prepare_lower_bound
 
     t, qkv, heads = tokens, config.qkv, config.heads
@@ -64,22 +62,17 @@ def kernel_bytes(config: KdaConfig, tokens: int, stage_buffers: bool = True) -> 
     attn_f16, chunk_decay = chunks * heads * 64 * 64 * 2, chunks * qkv * 4
     # q_decay, k_tail, W (FP16), U (FP32), attn (FP16), the chunk decay: the prepare's writes, the scan's reads.
     prepared = 3 * f16_rows + f32_rows + attn_f16 + chunk_decay
-    # q, k and v as the prepare reads them: the FP32 split, or the BF16 conv output.
-    qkv_in = 3 * f32_rows if stage_buffers else 3 * bf16_rows
     moved = {
-        # qkv_proj in; conv_out (BF16) and, with the stage buffers, q, k, v (FP32) out.
-        "kda_conv_prefill_silu_l2_bf16": 3 * bf16_rows + bf16_rows * 3 + (3 * f32_rows if stage_buffers else 0),
+        # qkv_proj in; conv_out (BF16) and q, k, v (FP32) out.
+        "kda_conv_prefill_silu_l2_bf16": 3 * bf16_rows + bf16_rows * 3 + 3 * f32_rows,
         "kda_chunk_tc_scan_f32": prepared + f32_rows,  # core out
         "kda_gated_rmsnorm_sigmoid_bf16": f32_rows + 2 * bf16_rows,  # core, out_gate in; o_norm_out out
     }
     if prepare_lower_bound(config) is None:  # the softplus law: the gate kernel, then the unbounded prepare
         moved["kda_gate_beta_f32"] = bf16_rows + beta_logits + f32_rows + beta_f32
-        moved["kda_chunk_tc_prepare_unbounded_f32"] = qkv_in + f32_rows + beta_f32 + prepared
+        moved["kda_chunk_tc_prepare_unbounded_f32"] = 3 * f32_rows + f32_rows + beta_f32 + prepared
     else:  # the bounded prepare forms the gate and beta from the projections and writes them out
-        moved["kda_chunk_tc_prepare_gate_f32"] = qkv_in + bf16_rows + beta_logits + f32_rows + beta_f32 + prepared
-    if not stage_buffers:
-        moved = {name.replace("prepare_unbounded_f32", "prepare_unbounded_conv_f32")
-                 .replace("prepare_gate_f32", "prepare_gate_conv_f32"): nbytes for name, nbytes in moved.items()}
+        moved["kda_chunk_tc_prepare_gate_f32"] = 3 * f32_rows + bf16_rows + beta_logits + f32_rows + beta_f32 + prepared
     return moved
 
 
@@ -148,7 +141,7 @@ def bench_geometry(geometry: str, directory: Path, tokens: tuple[int, ...], repe
                              "options": changed or {},
                              "total_ms": {name: round(ms, 4) for name, ms in stages[-1].items()}}
                 if impl == "tensor":  # each kernel's bytes and its share of the copy bandwidth, same run
-                    moved = kernel_bytes(config, count, layer.options.stage_buffers)
+                    moved = kernel_bytes(config, count)
                     breakdown.update(bytes=moved, copy_bandwidth_GBs=bandwidth,
                                      copy_fraction={name: nbytes / 1e6 / stages[-1][name] / bandwidth
                                                     for name, nbytes in moved.items() if stages[-1].get(name)})

@@ -53,7 +53,7 @@ def _section(name: str):
 class Stages:
     """The stage methods of KdaLayer (see the module docstring). Expects the layer's weights
     (qkv_weight, down_weight, f_b, g_b, conv_weight, dt_bias, a_log, o_norm, o_proj), config,
-    scale, _packed, _o_proj_sums, _chunk_impl and _options."""
+    scale, _packed, _o_proj_sums and _chunk_impl."""
 
     # Projections ----------------------------------------------------------------------------
     def _decode_weight(self, name: str) -> Any:
@@ -209,35 +209,29 @@ class Stages:
     def _prefill_core(self, ws: KdaWorkspace, tokens: int, conv_state: Any, recurrent_state: Any,
                       pad_value: float | None = 0.0, first: int = 0) -> None:
         """The stateful middle of a prefill of workspace rows first..first+T-1: conv + SiLU + L2 +
-        split in one pass (conv_state [3*qkv, K] FP32 in place; no FP32 split where options.stage_buffers
-        is off and the tensor-core prepare reads the conv output), then the gate, beta and the
+        split in one pass (conv_state [3*qkv, K] FP32 in place), then the gate, beta and the
         chunked delta rule from the carried recurrent_state [H, D, D] FP32 (in place). The padded
         tail of the last chunk is filled with `pad_value`, or left as it is with None (packed
         prefill, where those rows belong to the next sequence); the kernels never read it."""
         c = self.config
         rows = slice(first, None)
         query, key, value, gate, beta = (buf[rows] for buf in (ws.query, ws.key, ws.value, ws.gate, ws.beta))
-        # Without the stage buffers the tensor-core prepare reads q, k and v from the conv output: no FP32 split.
-        split = self._options.stage_buffers or self._chunk_impl != "tensor"
-        qkv = (query, key, value) if split else (None, None, None)
-        ops.kda_conv_prefill_silu_l2_bf16(conv_state, ws.qkv_proj[rows], self.conv_weight, ws.conv_out[rows], *qkv,
-                                          c.heads, c.head_dim, c.l2_eps, tokens=tokens)
+        ops.kda_conv_prefill_silu_l2_bf16(conv_state, ws.qkv_proj[rows], self.conv_weight, ws.conv_out[rows], query,
+                                      key, value, c.heads, c.head_dim, c.l2_eps, tokens=tokens)
         padded = ops.chunk_count(tokens, c.chunk) * c.chunk
         if pad_value is not None and padded > tokens:
-            for buf in (*qkv, gate, beta):
-                if buf is not None:
-                    buf[tokens:padded].fill(pad_value)
+            for buf in (query, key, value, gate, beta):
+                buf[tokens:padded].fill(pad_value)
         core = ws.core[rows]
         if self._chunk_impl == "tensor":
             # The bounded prepare forms the gate and beta itself; the unbounded one reads the gate kernel's.
             lower_bound = prepare_lower_bound(c)
             if lower_bound is None:
                 self._gate_beta(ws, tokens, first)
-            chunk_tc.chunk_prefill_tc(*qkv, gate, beta, recurrent_state, core, tokens,
+            chunk_tc.chunk_prefill_tc(query, key, value, gate, beta, recurrent_state, core, tokens,
                                       lower_bound, ws.q_decay_f16, ws.k_tail_f16, ws.chunk_w_f16,
                                       ws.chunk_u, ws.attn_f16, ws.chunk_decay, scale=self.scale,
-                                      gate_source=None if lower_bound is None else self._gate_source(ws, first),
-                                      conv=None if split else chunk_tc.ConvRows(ws.conv_out[rows], c.l2_eps))
+                                      gate_source=None if lower_bound is None else self._gate_source(ws, first))
         else:
             self._gate_beta(ws, tokens, first)
             ops.kda_chunk_prepare_f32(query, key, value, gate, beta, ws.q_decay, ws.k_tail, ws.chunk_w, ws.chunk_u,

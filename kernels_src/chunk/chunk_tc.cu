@@ -1,11 +1,11 @@
 // The tensor-core chunked prefill's kernels: the prepare of each chunk (bounded and unbounded gate
 // laws, gate and beta read from the workspace) and the scan across chunks. Launch geometry, the
-// algorithm, shared memory and numerics are in chunk_tc.cuh; the other prepares (forming the gate,
-// reading the conv output) have files of their own so that they compile side by side.
+// algorithm, shared memory and numerics are in chunk_tc.cuh; the prepare that forms the gate has
+// a file of its own so that they compile side by side.
 #include "chunk/chunk_tc.cuh"
 
-CHUNK_TC_PREPARE_ENTRY(kda_chunk_tc_prepare_f32, false, F32)
-CHUNK_TC_PREPARE_ENTRY(kda_chunk_tc_prepare_unbounded_f32, true, F32)
+CHUNK_TC_PREPARE_ENTRY(kda_chunk_tc_prepare_f32, false)
+CHUNK_TC_PREPARE_ENTRY(kda_chunk_tc_prepare_unbounded_f32, true)
 
 // The scan's W and q_decay tiles of chunk `chunk_index` into shared memory, asynchronously (a warp
 // copies a 512-byte row an instruction).

@@ -171,75 +171,27 @@ __device__ __forceinline__ void round_tf32_all(float (&values)[N])
     }
 }
 
-// Where the prepare reads q, k and v (`which` 0, 1, 2) of a token, each access at `at` = token *
-// row_stride + column (row_stride H D: the offset in the FP32 rows):
-//   ChunkRowsF32: the FP32 rows [T, H, D] the conv kernel split them into.
-//   ChunkRowsConv: the BF16 conv output [T, 3 H D] itself (16-byte aligned rows); q and k are
-//     normalised here as the conv kernel does it (row_norm4, then the same division), so the
-//     prepare forms the very values ChunkRowsF32 reads, bit for bit, without the FP32 pass.
+// Where the prepare reads q, k and v (`which` 0, 1, 2) of a token: the FP32 rows [T, H, D] the conv
+// kernel split them into, each access at `at` = token * row_stride + column (row_stride H D).
 struct ChunkRowsF32 {
-    static constexpr bool NORMALISES = false;
     const float* __restrict__ query;
     const float* __restrict__ key;
     const float* __restrict__ value;
 
-    __device__ __forceinline__ const float* row(int which, int, size_t at, size_t) const
+    __device__ __forceinline__ const float* row(int which, size_t at) const
     {
         return (which == 0 ? query : which == 1 ? key : value) + at;
     }
-    static __device__ __forceinline__ float4 load4_at(const float* pointer)
-    {
-        return *reinterpret_cast<const float4*>(pointer);
-    }
     // Four (eight) values from `at`, column a multiple of 4 (8).
-    __device__ __forceinline__ float4 load4(int which, int token, size_t at, size_t row_stride) const
+    __device__ __forceinline__ float4 load4(int which, size_t at) const
     {
-        return load4_at(row(which, token, at, row_stride));
+        return *reinterpret_cast<const float4*>(row(which, at));
     }
-    __device__ __forceinline__ void load8(float out[8], int which, int token, size_t at, size_t row_stride) const
+    __device__ __forceinline__ void load8(float out[8], int which, size_t at) const
     {
-        ::load8(out, row(which, token, at, row_stride));
-    }
-};
-
-struct ChunkRowsConv {
-    static constexpr bool NORMALISES = true;
-    const bf16_t* __restrict__ conv;
-    float l2_eps;
-
-    // Row `token` of the conv output is 3 row_stride wide: q, k, v from which * row_stride on.
-    __device__ __forceinline__ const bf16_t* row(int which, int token, size_t at, size_t row_stride) const
-    {
-        return conv + at + (2 * static_cast<size_t>(token) + which) * row_stride;
-    }
-    static __device__ __forceinline__ float4 load4_at(const bf16_t* pointer)
-    {
-        const uint2 words = *reinterpret_cast<const uint2*>(pointer);
-        return make_float4(bf16_half_to_f32(words.x, 0), bf16_half_to_f32(words.x, 1), bf16_half_to_f32(words.y, 0),
-                           bf16_half_to_f32(words.y, 1));
-    }
-    __device__ __forceinline__ float4 load4(int which, int token, size_t at, size_t row_stride) const
-    {
-        return load4_at(row(which, token, at, row_stride));
-    }
-    __device__ __forceinline__ void load8(float out[8], int which, int token, size_t at, size_t row_stride) const
-    {
-        const uint4 words = *reinterpret_cast<const uint4*>(row(which, token, at, row_stride));
-        const unsigned int word[4] = {words.x, words.y, words.z, words.w};
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            out[e] = bf16_half_to_f32(word[e >> 1], e & 1);
-        }
+        ::load8(out, row(which, at));
     }
 };
-
-// sqrt(sum of the row's squares + eps), the divisor of a row of q or k held as the conv kernel holds
-// it (lane L: channels 4L .. 4L + 3, x); every lane of the warp calls it.
-__device__ __forceinline__ float row_norm4(const float4& x, float l2_eps)
-{
-    const float v[4] = {x.x, x.y, x.z, x.w};
-    return sqrtf(warp_head_sum_squares(v) + l2_eps);
-}
 
 // The bounded law gives lower_bound <= g <= 0; the clamp makes the exponent range argument hold
 // whatever the buffer holds. A NaN passes through (both comparisons are false), as in the FP32 path.
@@ -346,19 +298,12 @@ __device__ __forceinline__ void inverse_block_below_diagonal(const float* lower_
 }
 
 // Eight q values of chunk row t (channels column .. column + 7), zero for a padding row (never
-// read); divided by the row's norm where Rows normalises.
-template <class Rows>
-__device__ __forceinline__ void load_query_row8(float out[8], const Rows rows, const float* query_norm_s, int first,
-                                                int t, int valid, size_t row_stride, size_t column)
+// read).
+__device__ __forceinline__ void load_query_row8(float out[8], const ChunkRowsF32 rows, int first, int t, int valid,
+                                                size_t row_stride, size_t column)
 {
     if (t < valid) {
-        rows.load8(out, 0, first + t, static_cast<size_t>(first + t) * row_stride + column, row_stride);
-        if constexpr (Rows::NORMALISES) {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                out[e] = out[e] / query_norm_s[t];
-            }
-        }
+        rows.load8(out, 0, static_cast<size_t>(first + t) * row_stride + column);
     } else {
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
@@ -413,12 +358,10 @@ __device__ __forceinline__ bool diagonal_in_range(const float* cumgate_s, int i,
 // t, their rows s hit distinct banks) of diagonal block k / 136, an FP32 sum over ascending d of
 // k_t (k_s exp(G_t - G_s)) and q_t (k_s exp(G_t - G_s)), every factor <= 1. Writes L = diag(beta) A
 // (s < t), tf32(scale B) (s <= t) and zeros above the diagonal, as the product path does.
-template <class Rows>
 __device__ __forceinline__ void diagonal_blocks_exact(const float* key_s, const float* cumgate_s, const float* beta_s,
-                                                      float* lower_s, f16_t* attn_block, const Rows rows,
-                                                      const float* query_norm_s, int first, int valid,
-                                                      size_t row_stride, size_t head_offset, float scale,
-                                                      const int* exact, int thread)
+                                                      float* lower_s, f16_t* attn_block, const ChunkRowsF32 rows,
+                                                      int first, int valid, size_t row_stride, size_t head_offset,
+                                                      float scale, const int* exact, int thread)
 {
     for (int task = thread; task < CHUNK_TC_SUBS * CHUNK_TC_SUB_PAIRS; task += CHUNK_TC_PREPARE_THREADS) {
         const int i = task / CHUNK_TC_SUB_PAIRS;
@@ -436,8 +379,7 @@ __device__ __forceinline__ void diagonal_blocks_exact(const float* key_s, const 
         const float* key_src = key_s + s * CHUNK_TC_D_STRIDE;
         const float* gate_t = cumgate_s + t * CHUNK_TC_D_STRIDE;
         const float* gate_src = cumgate_s + s * CHUNK_TC_D_STRIDE;
-        const auto* query_t = rows.row(0, first + t, static_cast<size_t>(first + t) * row_stride + head_offset,
-                                       row_stride);
+        const float* query_t = rows.row(0, static_cast<size_t>(first + t) * row_stride + head_offset);
         const bool real = t < valid;
         float kk = 0.0f;
         float qk = 0.0f;
@@ -453,16 +395,7 @@ __device__ __forceinline__ void diagonal_blocks_exact(const float* key_s, const 
             load4(gate_row, gate_t + d);
             load4(gate_source, gate_src + d);
             if (real) {
-                if constexpr (Rows::NORMALISES) {
-                    const float4 q = Rows::load4_at(query_t + d);
-                    const float norm = query_norm_s[t];
-                    query_row[0] = q.x / norm;
-                    query_row[1] = q.y / norm;
-                    query_row[2] = q.z / norm;
-                    query_row[3] = q.w / norm;
-                } else {
-                    load4(query_row, query_t + d);
-                }
+                load4(query_row, query_t + d);
             }
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
@@ -489,9 +422,9 @@ __device__ __forceinline__ void diagonal_blocks_exact(const float* key_s, const 
 // inputs. FUSED_GATE true: gate_out and beta_out are formed here, for the real rows, from
 // forget_proj [T, H*D] BF16 + dt_bias [H*D] and A_log [H] (kda_forget_gate, bounded law: the bits of
 // kda_gate_beta_f32) and from the BF16 beta logits (row stride ld_beta).
-template <bool FUSED_GATE, bool UNBOUNDED = false, class Rows = ChunkRowsF32>
+template <bool FUSED_GATE, bool UNBOUNDED = false>
 __device__ __forceinline__ void chunk_tc_prepare(
-    const Rows rows, const float* __restrict__ gate_in, const float* __restrict__ beta_in, float* __restrict__ gate_out,
+    const ChunkRowsF32 rows, const float* __restrict__ gate_in, const float* __restrict__ beta_in, float* __restrict__ gate_out,
     float* __restrict__ beta_out, f16_t* __restrict__ q_decay, f16_t* __restrict__ k_tail_t,
     f16_t* __restrict__ w, float* __restrict__ u, f16_t* __restrict__ attn, float* __restrict__ chunk_decay,
     int tokens, int heads, float scale, float lower_bound, const bf16_t* __restrict__ forget_proj,
@@ -513,8 +446,6 @@ __device__ __forceinline__ void chunk_tc_prepare(
     float* key_beta_t_s = cumgate_s;
     // UNBOUNDED: which diagonal blocks take the exact sums (set in phase 2).
     __shared__ int exact_s[CHUNK_TC_SUBS];
-    // Rows::NORMALISES: the divisor of each q row (its norm), for the reads of q after the first.
-    __shared__ float query_norm_s[Rows::NORMALISES ? CHUNK_TC : 1];
 
     const int chunk_index = blockIdx.x;
     const int head = blockIdx.y;
@@ -556,7 +487,7 @@ __device__ __forceinline__ void chunk_tc_prepare(
                 projected[l] = make_uint2(0u, 0u);
                 if (t < valid) {
                     const size_t at = static_cast<size_t>(first + t) * row_stride + head_offset + channel;
-                    key_value[l] = rows.load4(1, first + t, at, row_stride);
+                    key_value[l] = rows.load4(1, at);
                     projected[l] = *reinterpret_cast<const uint2*>(forget_proj + at);
                 }
             }
@@ -594,7 +525,7 @@ __device__ __forceinline__ void chunk_tc_prepare(
                 gate_value[l] = key_value[l];
                 if (t < valid) {
                     const size_t at = static_cast<size_t>(first + t) * row_stride + head_offset + channel;
-                    key_value[l] = rows.load4(1, first + t, at, row_stride);
+                    key_value[l] = rows.load4(1, at);
                     gate_value[l] = *reinterpret_cast<const float4*>(gate_in + at);
                 }
             }
@@ -628,24 +559,6 @@ __device__ __forceinline__ void chunk_tc_prepare(
     }
     __syncthreads();
 
-    if constexpr (Rows::NORMALISES) {
-        // Each warp normalises its rows of k in key_s and finds the divisor of its rows of q (read
-        // again where q is used), a row a step: rolled, the reduction's code is there once (the
-        // instruction cache), and the barrier below serves it too.
-        const int channel = 4 * lane;
-#pragma unroll 1
-        for (int t = warp; t < valid; t += CHUNK_TC_PREPARE_WARPS) {
-            float4* key_row = reinterpret_cast<float4*>(key_s + t * CHUNK_TC_D_STRIDE + channel);
-            float4 k = *key_row;
-            const float key_norm = row_norm4(k, rows.l2_eps);
-            *key_row = make_float4(k.x / key_norm, k.y / key_norm, k.z / key_norm, k.w / key_norm);
-            const size_t at = static_cast<size_t>(first + t) * row_stride + head_offset + channel;
-            const float query_norm = row_norm4(rows.load4(0, first + t, at, row_stride), rows.l2_eps);
-            if (lane == 0) {
-                query_norm_s[t] = query_norm;
-            }
-        }
-    }
     if (thread < KDA_HEAD_DIM) {
         // Channel d: G_t = G_{t-1} + g_t in row order (the padded rows add zero).
         float running = 0.0f;
@@ -657,30 +570,8 @@ __device__ __forceinline__ void chunk_tc_prepare(
     }
     __syncthreads();
 
-    if constexpr (Rows::NORMALISES) {
-        // q_decay = tf32(scale q exp(G)), the FP32 form's arithmetic, a row a warp and step, two steps
-        // unrolled: the divisions in the FP32 form's unrolled loops would overflow the instruction
-        // cache (tests/test_kernels_compile.py).
-#pragma unroll 2
-        for (int t = warp; t < CHUNK_TC; t += CHUNK_TC_PREPARE_WARPS) {
-            const int d = 4 * lane;
-            const size_t at = static_cast<size_t>(first + t) * row_stride + head_offset + d;
-            float4 query_value = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if (t < valid) {
-                const float norm = query_norm_s[t];
-                const float4 raw = rows.load4(0, first + t, at, row_stride);
-                query_value = make_float4(raw.x / norm, raw.y / norm, raw.z / norm, raw.w / norm);
-            }
-            const float4 cumgate = *reinterpret_cast<const float4*>(cumgate_s + t * CHUNK_TC_D_STRIDE + d);
-            uint2 packed;
-            packed.x = pack_f16x2(round_tf32(scale * query_value.x * expf(cumgate.x)),
-                                  round_tf32(scale * query_value.y * expf(cumgate.y)));
-            packed.y = pack_f16x2(round_tf32(scale * query_value.z * expf(cumgate.z)),
-                                  round_tf32(scale * query_value.w * expf(cumgate.w)));
-            *reinterpret_cast<uint2*>(q_decay + at) = packed;
-        }
-    } else {
-        // q_decay = tf32(scale q exp(G)), row-major like the inputs, all loads of the thread first.
+    // q_decay = tf32(scale q exp(G)), row-major like the inputs, all loads of the thread first.
+    {
         float4 query_value[CHUNK_TC_TILE_LOADS];
 #pragma unroll
         for (int l = 0; l < CHUNK_TC_TILE_LOADS; ++l) {
@@ -778,7 +669,7 @@ __device__ __forceinline__ void chunk_tc_prepare(
                 float cumgate[8];
                 load8(cumgate, cumgate_s + row_low * CHUNK_TC_D_STRIDE + d);
                 load8(key_low, key_s + row_low * CHUNK_TC_D_STRIDE + d);
-                load_query_row8(query_low, rows, query_norm_s, first, row_low, valid, row_stride, head_offset + d);
+                load_query_row8(query_low, rows, first, row_low, valid, row_stride, head_offset + d);
 #pragma unroll
                 for (int e = 0; e < 8; ++e) {
                     const float factor = expf(cumgate[e] - reference_gate[e]);
@@ -787,7 +678,7 @@ __device__ __forceinline__ void chunk_tc_prepare(
                 }
                 load8(cumgate, cumgate_s + row_high * CHUNK_TC_D_STRIDE + d);
                 load8(key_high, key_s + row_high * CHUNK_TC_D_STRIDE + d);
-                load_query_row8(query_high, rows, query_norm_s, first, row_high, valid, row_stride, head_offset + d);
+                load_query_row8(query_high, rows, first, row_high, valid, row_stride, head_offset + d);
 #pragma unroll
                 for (int e = 0; e < 8; ++e) {
                     const float factor = expf(cumgate[e] - reference_gate[e]);
@@ -824,7 +715,7 @@ __device__ __forceinline__ void chunk_tc_prepare(
     }
     __syncthreads();
     if (UNBOUNDED && (exact_s[0] | exact_s[1] | exact_s[2] | exact_s[3])) {  // block-uniform
-        diagonal_blocks_exact(key_s, cumgate_s, beta_s, lower_s, attn_block, rows, query_norm_s, first, valid,
+        diagonal_blocks_exact(key_s, cumgate_s, beta_s, lower_s, attn_block, rows, first, valid,
                               row_stride, head_offset, scale, exact_s, thread);
         __syncthreads();
     }
@@ -842,7 +733,7 @@ __device__ __forceinline__ void chunk_tc_prepare(
         }
         if (t < valid) {
             const size_t at = static_cast<size_t>(first + t) * row_stride + head_offset + d;
-            const float4 v = rows.load4(2, first + t, at, row_stride);
+            const float4 v = rows.load4(2, at);
             value_rows[pass][0] = v.x;
             value_rows[pass][1] = v.y;
             value_rows[pass][2] = v.z;
@@ -997,37 +888,32 @@ __device__ __forceinline__ void chunk_tc_prepare(
     }
 }
 
-// The prepare's entry points, one a file so that they compile side by side. ROWS: where q, k and v
-// come from, and the parameters the entry starts with: F32 (query, key, value: ChunkRowsF32) or CONV
-// (conv_out, l2_eps: ChunkRowsConv). CHUNK_TC_PREPARE_ENTRY reads gate and beta, for the bounded law
-// or (UNBOUNDED, lower_bound not read) any gate <= 0; CHUNK_TC_PREPARE_GATE_ENTRY forms them from the
-// projections (forget_proj, dt_bias, a_log, beta_logits, ld_beta after lower_bound) and writes them.
-#define CHUNK_TC_ROWS_F32_PARAMETERS \
-    const float* __restrict__ query, const float* __restrict__ key, const float* __restrict__ value
-#define CHUNK_TC_ROWS_F32 ChunkRowsF32{query, key, value}
-#define CHUNK_TC_ROWS_CONV_PARAMETERS const bf16_t* __restrict__ conv_out, float l2_eps
-#define CHUNK_TC_ROWS_CONV ChunkRowsConv{conv_out, l2_eps}
-#define CHUNK_TC_PREPARE_ENTRY(NAME, UNBOUNDED, ROWS)                                                      \
+// The prepare's entry points, one a file so that they compile side by side. CHUNK_TC_PREPARE_ENTRY
+// reads gate and beta, for the bounded law or (UNBOUNDED, lower_bound not read) any gate <= 0;
+// CHUNK_TC_PREPARE_GATE_ENTRY forms them from the projections (forget_proj, dt_bias, a_log,
+// beta_logits, ld_beta after lower_bound) and writes them.
+#define CHUNK_TC_PREPARE_ENTRY(NAME, UNBOUNDED)                                                        \
     extern "C" __global__ void __launch_bounds__(CHUNK_TC_PREPARE_THREADS, 2)                              \
-        NAME(CHUNK_TC_ROWS_##ROWS##_PARAMETERS, const float* __restrict__ gate, const float* __restrict__ beta, \
-             f16_t* __restrict__ q_decay, f16_t* __restrict__ k_tail_t, f16_t* __restrict__ w,            \
-             float* __restrict__ u, f16_t* __restrict__ attn, float* __restrict__ chunk_decay, int tokens, \
-             int heads, float scale, float lower_bound)                                                   \
+        NAME(const float* __restrict__ query, const float* __restrict__ key, const float* __restrict__ value, \
+             const float* __restrict__ gate, const float* __restrict__ beta, f16_t* __restrict__ q_decay,  \
+             f16_t* __restrict__ k_tail_t, f16_t* __restrict__ w, float* __restrict__ u,                  \
+             f16_t* __restrict__ attn, float* __restrict__ chunk_decay, int tokens, int heads, float scale, \
+             float lower_bound)                                                                           \
     {                                                                                                      \
-        chunk_tc_prepare<false, UNBOUNDED>(CHUNK_TC_ROWS_##ROWS, gate, beta, nullptr, nullptr, q_decay,   \
-                                           k_tail_t, w, u, attn, chunk_decay, tokens, heads, scale,       \
-                                           lower_bound, nullptr, nullptr, nullptr, nullptr, 0);           \
+        chunk_tc_prepare<false, UNBOUNDED>(ChunkRowsF32{query, key, value}, gate, beta, nullptr, nullptr,  \
+                                           q_decay, k_tail_t, w, u, attn, chunk_decay, tokens, heads,     \
+                                           scale, lower_bound, nullptr, nullptr, nullptr, nullptr, 0);    \
     }
-#define CHUNK_TC_PREPARE_GATE_ENTRY(NAME, ROWS)                                                            \
+#define CHUNK_TC_PREPARE_GATE_ENTRY(NAME)                                                                  \
     extern "C" __global__ void __launch_bounds__(CHUNK_TC_PREPARE_THREADS, 2)                              \
-        NAME(CHUNK_TC_ROWS_##ROWS##_PARAMETERS, float* __restrict__ gate, float* __restrict__ beta,        \
-             f16_t* __restrict__ q_decay, f16_t* __restrict__ k_tail_t, f16_t* __restrict__ w,            \
-             float* __restrict__ u, f16_t* __restrict__ attn, float* __restrict__ chunk_decay, int tokens, \
-             int heads, float scale, float lower_bound, const bf16_t* __restrict__ forget_proj,            \
-             const float* __restrict__ dt_bias, const float* __restrict__ a_log,                          \
-             const bf16_t* __restrict__ beta_logits, int ld_beta)                                         \
+        NAME(const float* __restrict__ query, const float* __restrict__ key, const float* __restrict__ value, \
+             float* __restrict__ gate, float* __restrict__ beta, f16_t* __restrict__ q_decay,              \
+             f16_t* __restrict__ k_tail_t, f16_t* __restrict__ w, float* __restrict__ u,                  \
+             f16_t* __restrict__ attn, float* __restrict__ chunk_decay, int tokens, int heads, float scale, \
+             float lower_bound, const bf16_t* __restrict__ forget_proj, const float* __restrict__ dt_bias, \
+             const float* __restrict__ a_log, const bf16_t* __restrict__ beta_logits, int ld_beta)        \
     {                                                                                                      \
-        chunk_tc_prepare<true>(CHUNK_TC_ROWS_##ROWS, nullptr, nullptr, gate, beta, q_decay, k_tail_t, w, u, \
-                               attn, chunk_decay, tokens, heads, scale, lower_bound, forget_proj, dt_bias,  \
-                               a_log, beta_logits, ld_beta);                                               \
+        chunk_tc_prepare<true>(ChunkRowsF32{query, key, value}, nullptr, nullptr, gate, beta, q_decay,     \
+                               k_tail_t, w, u, attn, chunk_decay, tokens, heads, scale, lower_bound,       \
+                               forget_proj, dt_bias, a_log, beta_logits, ld_beta);                         \
     }

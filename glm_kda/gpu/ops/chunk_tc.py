@@ -56,18 +56,9 @@ class GateSource(NamedTuple):
     beta_logits: Any
 
 
-class ConvRows(NamedTuple):
-    """q, k and v as the conv output holds them: conv_out [>= T, 3 H D] BF16 (16-byte aligned rows,
-    q, k and v side by side), q and k L2-normalised by the prepare with l2_eps, bit for bit as
-    ops.kda_conv_prefill_silu_l2_bf16 splits them (so the same outputs as from that split)."""
-
-    conv_out: Any
-    l2_eps: float
-
-
 def kda_chunk_tc_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, u, attn, chunk_decay,
                              tokens: int, lower_bound: float | None, scale: float | None = None,
-                             gate_source: GateSource | None = None, conv: ConvRows | None = None) -> None:
+                             gate_source: GateSource | None = None) -> None:
     """Intra-chunk work of every chunk (no state): grid (nchunks, H), 256 threads.
 
     lower_bound: the bounded law's bound (-5 <= lower_bound <= 0), or None for gates with no lower
@@ -76,9 +67,7 @@ def kda_chunk_tc_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, 
     products (their factors are bounded only under a bound on the decay; :func:`diagonal_in_range`).
 
     query, key, value, gate [>= T, H, D] and beta [>= T, H] FP32, 16-byte aligned; rows >= T are
-    never read. With `conv` (:class:`ConvRows`) query, key and value are None and the *_conv_f32
-    entry points read them from the conv output. With `gate_source` (needs a lower_bound) gate and
-    beta are OUTPUTS: kda_chunk_tc_prepare_gate_f32 forms their T rows from the projections, bit for
+    never read. With `gate_source` (needs a lower_bound) gate and beta are OUTPUTS: kda_chunk_tc_prepare_gate_f32 forms their T rows from the projections, bit for
     bit what ops.kda_gate_beta_f32 writes.
 
     Writes the scratch of :func:`scratch_shapes`: q_decay = f16(tf32(scale q exp(G))),
@@ -90,39 +79,19 @@ def kda_chunk_tc_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, 
         return
     heads = beta_heads(beta)
     _require_rows("beta", beta, "f32", tokens, (heads,))
-    rows = _qkv_rows(query, key, value, conv, tokens, heads)
-    _require_rows("gate", gate, "f32", tokens, (heads, HEAD_DIM), aligned=True)
+    for name, array in (("query", query), ("key", key), ("value", value), ("gate", gate)):
+        _require_rows(name, array, "f32", tokens, (heads, HEAD_DIM), aligned=True)
     _require_scratch(q_decay, k_tail, w, u, attn, chunk_decay, tokens, heads)
     if scale is None:
         scale = 1.0 / math.sqrt(HEAD_DIM)
-    args = (*rows, gate, beta, q_decay, k_tail, w, u, attn, chunk_decay,
+    args = (query, key, value, gate, beta, q_decay, k_tail, w, u, attn, chunk_decay,
             _i32(tokens), _i32(heads), _f32(scale), _f32(0.0 if lower_bound is None else lower_bound))
     name = "kda_chunk_tc_prepare_f32" if lower_bound is not None else "kda_chunk_tc_prepare_unbounded_f32"
     if gate_source is not None:
         sources = GateSource(*gate_source)
         ld_beta = check_gate_sources(*sources, heads, HEAD_DIM, tokens)
         name, args = "kda_chunk_tc_prepare_gate_f32", (*args, *sources, _i32(ld_beta))
-    if conv is not None:
-        name = name.replace("_f32", "_conv_f32")
     _launch(name, (chunk_count(tokens), heads), (PREPARE_THREADS,), args, shared_mem=PREPARE_SMEM_BYTES)
-
-
-def _qkv_rows(query, key, value, conv: ConvRows | None, tokens: int, heads: int) -> tuple:
-    """The prepare's first arguments, checked: query, key, value [>= T, H, D] FP32, or with `conv`
-    (they None) the conv output [>= T, 3 H D] BF16 and l2_eps."""
-    names = ("query", "key", "value")
-    if conv is None:
-        for name, array in zip(names, (query, key, value)):
-            _require_rows(name, array, "f32", tokens, (heads, HEAD_DIM), aligned=True)
-        return query, key, value
-    given = [name for name, array in zip(names, (query, key, value)) if array is not None]
-    if given:
-        raise ValueError(f"conv: the prepare reads q, k and v from the conv output; {', '.join(given)} must be None")
-    conv_out, l2_eps = ConvRows(*conv)
-    _require_rows("conv_out", conv_out, "bf16", tokens, (3 * heads * HEAD_DIM,), aligned=True)
-    if not math.isfinite(l2_eps) or l2_eps < 0:
-        raise ValueError(f"conv: l2_eps must be finite and >= 0, got {l2_eps}")
-    return conv_out, _f32(l2_eps)
 
 
 def kda_chunk_tc_scan_f32(q_decay, k_tail, w, u, attn, chunk_decay, state, core, tokens: int) -> None:
@@ -146,7 +115,7 @@ def kda_chunk_tc_scan_f32(q_decay, k_tail, w, u, attn, chunk_decay, state, core,
 
 def chunk_prefill_tc(query, key, value, gate, beta, state, core, tokens: int, lower_bound: float | None,
                      q_decay, k_tail, w, u, attn, chunk_decay, scale: float | None = None,
-                     gate_source: GateSource | None = None, conv: ConvRows | None = None) -> None:
+                     gate_source: GateSource | None = None) -> None:
     """The chunked prefill core on tensor cores: core [>= T, H, D] and the carried state
     [H, D, D] (in place) from query, key, value, gate [>= T, H, D] and beta [>= T, H].
 
@@ -155,8 +124,8 @@ def chunk_prefill_tc(query, key, value, gate, beta, state, core, tokens: int, lo
     [>= Tp / 64, H, 64, 64]; chunk_decay (FP32) [>= Tp / 64, H, D]: the workspace's q_decay_f16,
     k_tail_f16, chunk_w_f16, chunk_u, attn_f16 and chunk_decay where its chunk is 64.
 
-    lower_bound, `gate_source` (:class:`GateSource`) and `conv` (:class:`ConvRows`) as
-    :func:`kda_chunk_tc_prepare_f32` takes them. Every argument is checked before the first launch,
+    lower_bound and `gate_source` (:class:`GateSource`) as :func:`kda_chunk_tc_prepare_f32` takes
+    them. Every argument is checked before the first launch,
     so a refused call leaves the state untouched.
     """
     if not _checked_call_needs_work(lower_bound, gate_source, tokens):
@@ -170,5 +139,5 @@ def chunk_prefill_tc(query, key, value, gate, beta, state, core, tokens: int, lo
     _require_scratch(q_decay, k_tail, w, u, attn, chunk_decay, tokens, heads)
     # The gate sources are the prepare's alone: it checks them before its launch.
     kda_chunk_tc_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, u, attn, chunk_decay,
-                             tokens, lower_bound, scale, gate_source, conv)
+                             tokens, lower_bound, scale, gate_source)
     kda_chunk_tc_scan_f32(q_decay, k_tail, w, u, attn, chunk_decay, state, core, tokens)

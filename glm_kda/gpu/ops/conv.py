@@ -18,10 +18,8 @@ def kda_conv_prefill_silu_l2_bf16(conv_state, qkv_proj, conv_w, conv_out, query,
     conv_state [conv_dim, K] FP32 (in place), qkv_proj [>= T, conv_dim] BF16, conv_w
     [conv_dim, K] BF16; writes conv_out [>= T, conv_dim] BF16 and query, key (L2-normalised
     per head), value [>= T, H, D] FP32, conv_dim = 3 * H * D; qkv_proj, conv_out, query, key
-    and value 16-byte aligned (vector loads and stores). query, key and value all None: the conv
-    output and the state alone (the tensor-core prepare's conv entry points read the conv output,
-    ops.chunk_tc.ConvRows). Grid (ceil(3H / 4), ceil(T / 64)), one warp per head of q, k or v and
-    tile of tokens.
+    and value 16-byte aligned (vector loads and stores). Grid (ceil(3H / 4), ceil(T / 64)),
+    one warp per head of q, k or v and tile of tokens.
     """
     _require_head_dim(head_dim)
     conv_dim = 3 * heads * head_dim
@@ -30,14 +28,8 @@ def kda_conv_prefill_silu_l2_bf16(conv_state, qkv_proj, conv_w, conv_out, query,
         tokens = qkv_proj.shape[0]
     _require_rows("qkv_proj", qkv_proj, "bf16", tokens, (conv_dim,), aligned=True)
     _require_rows("conv_out", conv_out, "bf16", tokens, (conv_dim,), aligned=True)
-    split = (query, key, value)
-    if any(array is None for array in split) and not all(array is None for array in split):
-        raise ValueError("kda_conv_prefill_silu_l2_bf16: query, key and value are given together or not at all, got "
-                         + ", ".join(f"{name} {'None' if array is None else 'given'}"
-                                     for name, array in zip(("query", "key", "value"), split)))
-    for name, array in zip(("query", "key", "value"), split):
-        if array is not None:
-            _require_rows(name, array, "f32", tokens, (heads, head_dim), aligned=True)
+    for name, array in (("query", query), ("key", key), ("value", value)):
+        _require_rows(name, array, "f32", tokens, (heads, head_dim), aligned=True)
     _require_int32("tokens", tokens)
     if tokens == 0:
         return
