@@ -13,8 +13,8 @@
 # part of "all"; two GPUs) runs the tensor-parallel tests, the step timing included. "compare" (not part of "all")
 # runs benchmarks/compare_versions.py against the older checkout in $OLD (say `git worktree add /tmp/old 3d65311`):
 # decode, verify and prefill timings of both, each in its own process, and whether their bits agree.
-# With flash-linear-attention importable (benchmarks/carry_fla.sh builds build/fla to carry: PYTHONPATH=.:build/fla) both benchmarks add its rows;
-# its first call compiles Triton kernels for a minute or more.
+# With flash-linear-attention importable (benchmarks/carry_fla.sh builds build/fla to carry, then
+# PYTHONPATH=.:build/fla) both benchmarks add its rows; its first call compiles Triton kernels for a minute or more.
 # "first_use" times a cold and a warm from_pretrained in new processes and decode through a whole stack.
 # PORTABLE=1 runs the tests with --portable (the path without Hopper-only features); MARKERS selects tests
 # by marker (say MARKERS="not slow"). The transformers
