@@ -1,12 +1,7 @@
 """Loader of the CUDA kernels in ``kernels_src/`` and the one place that launches them.
 
-One ``.cu`` file per kernel family, grouped by stage, every kernel ``extern "C"`` with its dtype in
-its name, so CuPy's on-disk cache keys on the source text alone. Headers are included by their path
-under ``kernels_src`` and inlined by :func:`kernel_source` with ``#line`` directives: NVRTC needs no
-include path and a compiler error names the real file and line.
-
-Importing this module does not touch the GPU: :class:`KernelSet` compiles and loads the modules
-when first built; :func:`compile_file` needs NVRTC alone (no driver, no GPU), as the tests run it.
+Importing this module does not touch the GPU: :class:`KernelSet` compiles and loads the modules when first
+built; :func:`compile_file` needs NVRTC alone. How the sources are laid out: docs/design.md, "Kernel files".
 """
 
 from __future__ import annotations
