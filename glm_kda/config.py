@@ -1,8 +1,7 @@
 """Geometry and numeric settings of one KDA block, read from a checkpoint's config.json.
 
-Every value that changes the numbers is READ from the checkpoint. A missing key is an
-error that names the key and the file: two popular loaders read the wrong lower-bound key
-and are right on GLM-5.3-Flash only because their fallback happens to equal the real value.
+Every value that changes the numbers is READ from the checkpoint; a missing key is an error naming the key
+and the file (docs/maths.md, sections 1 and 6).
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
-"""The stages of one KdaLayer call, in the block's order (docs/design.md):
+"""The stages of one KdaLayer call, in the block's order: the private half of KdaLayer.
 
-    front end   qkv_proj  = hidden @ [W_q; W_k; W_v]^T            (main stream)
-                down_proj = hidden @ [W_fa; W_ga; W_b]^T          (the low-rank chain, on a side
-                forget_proj, out_gate = down_proj @ W_fb^T, W_gb^T  stream beside q|k|v)
-    stateful    decode:  the fused step per row group (conv + SiLU + L2, gate, beta, the
-                         recurrent step, the gated norm), states read once and written once
-                prefill: conv + SiLU + L2 + split, then the chunked delta rule
-    back end    prefill: the gated RMSNorm;  o_proj = o_norm_out @ W_o^T
-
-Every decode-side projection (decode, decode_k, pool decode, prefill of <= 16 rows) runs
-projection.gemm_rows_bf16, whose per-row arithmetic depends on neither the row count nor the other
-rows: decode_k of K rows is bit-identical to K decodes, and a sequence's bits do not depend on its
-batch. Prefill of more than 16 rows projects on cuBLAS, which reassociates. The methods here are
-the private half of KdaLayer; each takes the call's workspace (its stream picks it) explicitly.
+Front end (projections), stateful part (the fused decode step, or prefill's conv pass and chunked delta rule)
+and back end (prefill's gated RMSNorm, o_proj); how each is scheduled and why decode-side projections never
+use cuBLAS: docs/design.md. Each method takes the call's workspace (its stream picks it) explicitly.
 """
 
 from __future__ import annotations

@@ -1,11 +1,5 @@
-"""KdaWorkspace: the stage buffers and scratch of the calls of one CUDA stream (docs/design.md,
-"Workspaces").
-
-Calls on different streams must never share scratch (a decode's projections, its fused step and
-the counts its output projection awaits all live here), so a layer takes the workspace of the
-stream it is called on (:meth:`KdaWorkspace.for_stream`), shared by every layer of its geometry.
-A workspace given to a layer explicitly serves every stream, its calls ordered through an event
-(:meth:`KdaWorkspace.acquire`).
+"""KdaWorkspace: the stage buffers and scratch of the calls of one CUDA stream; why one a stream, shared by the
+layers of a geometry: docs/design.md, "Workspaces".
 """
 
 from __future__ import annotations
