@@ -41,7 +41,7 @@ def _section(name: str):
 
 
 class Stages:
-    """The stage methods of KdaLayer (see the module docstring). Expects the layer's weights
+    """The stage methods of KdaLayer. Expects the layer's weights
     (qkv_weight, down_weight, f_b, g_b, conv_weight, dt_bias, a_log, o_norm, o_proj), config,
     scale, _packed, _o_proj_sums and _chunk_impl."""
 
@@ -90,10 +90,8 @@ class Stages:
                           c.bounded, c.gate_lower_bound or 0.0, tokens=rows)
 
     def _front_end(self, ws: KdaWorkspace, hidden: Any, wide: bool) -> None:
-        """q|k|v, down_proj, forget_proj and out_gate of hidden's rows. On the decode side the
-        low-rank chain runs on a higher-priority side stream beside q|k|v (which streams most
-        of the bytes); in a captured graph the two are parallel branches joined before the
-        stateful stage. The same kernels and inputs either way: no bit changes."""
+        """q|k|v, down_proj, forget_proj and out_gate of hidden's rows; on the decode side the low-rank
+        chain runs on a side stream (docs/design.md, "Decode front end"). No bit depends on the streams."""
         rows = hidden.shape[0]
         concurrent = not wide and build.current_context().timer is None
         with ws.beside(concurrent) as side:
