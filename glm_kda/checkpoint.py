@@ -1,14 +1,8 @@
 """Read one KDA layer's weights from a safetensors checkpoint (local directory or hub repo).
 
-Only the tensors of the requested layer are read, lazily, and for a hub repo only the
-shards that hold them are downloaded. Every name, shape and dtype is checked against the
-KdaConfig before any data is read; each error names the layer, the tensor, what was
-expected and what was found.
-
-Two layouts of the same weights bind (docs/maths.md section 2): "release" (GLM-5.3-Flash and
-Kimi-Linear as published: separate q/k/v conv taps, the forget-gate tensors directly under
-`model.layers.{i}.self_attn.`) and "transformers" (`save_pretrained`: one fused `conv1d.weight`
-[3*qkv, 1, K] in q, k, v order, the forget-gate tensors under `forget_gate.`).
+Only the requested layer's tensors are read, and for a hub repo only the shards holding them are downloaded.
+Every name, shape and dtype is checked against the KdaConfig before any data is read. The "release" and
+"transformers" layouts bind to the same arrays (docs/maths.md, section 2).
 """
 
 from __future__ import annotations
