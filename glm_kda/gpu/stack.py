@@ -211,9 +211,7 @@ class KdaStack:
                     layer._decode_rows(ws, rows_in, state.conv, state.recurrent, slots=device_slots)
                 else:
                     layer._decode_rows(ws, rows_in, state.conv, state.recurrent, sequential=True)
-                # The next layer reads this one's output where it lies. Its o_proj writes final_out
-                # only after the fused step, which starts once every reader of the input (q|k|v and
-                # the low-rank chain) has finished, so no copy is needed between the layers.
+                # The next layer reads this one's output in place (safe: docs/design.md, "Python modules").
                 rows_in = ws.final_out[:rows]
 
         key = ("stack", pooled, rows, tuple(layer._generation for layer in self.layers),
