@@ -68,12 +68,9 @@ _BULK_TILE_BYTES = 64 * _K_BLOCK * 2
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A [n, k] BF16 weight in the packed layout of kernels_src/projection/gemm_rows.cuh, made by
-    :func:`pack_weight`: ``data[tile, kb, 8 * lane + e] = w[8 tile + lane // 4, 32 kb + 8 (lane % 4) + e]``
-    (zeros past n and k), shape [ceil(n / 8), ceil(k / 32), 256]. A warp of the projection reads
-    each tile's k range as one run of contiguous bytes; the values it loads, and so the bits of
-    every output, are those of the row-major weight. ``tiles`` (None unless asked for): the same
-    weight in the tile layout of the bulk-copy sweep (:func:`tile_layout`), as many bytes again."""
+    """A [n, k] BF16 weight in the packed layout (docs/design.md, "The row projection kernel"), made by
+    :func:`pack_weight`: ``data`` [ceil(n / 8), ceil(k / 32), 256] BF16, zeros past n and k. ``tiles`` (None
+    unless asked for): the same weight in the tile layout of the bulk-copy sweep (:func:`tile_layout`)."""
 
     data: Any
     n: int
@@ -301,30 +298,23 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
     what a one-row call on x[r] alone writes (docs/design.md, "The row projection kernel"). None of
     these changes a bit:
         tiles_per_warp, blocks, reserved_slots  the split-k launch (:func:`launch_plan`)
-        staged     with ``ready`` where :func:`staged_applies`: each block copies its weights (or the
-                   tail of each warp's k range) into shared memory before its wait; else ignored
-        bulk       more than 16 rows of a PackedWeight holding the tile layout where
-                   :func:`bulk_available`: the bulk-copy sweep, True always, None where the weight is
-                   wide enough (:func:`bulk_applies`), False never. Its scratch: ``x_tiles``
-                   (contiguous BF16, at least :func:`x_tiles_size` elements; None: a new one) and
-                   ``partial`` (contiguous float32, at least :func:`bulk_partial_size`, where a sweep
-                   of few column groups splits the k ranges over more blocks; None: no split);
-                   ``x_tiled``: x_tiles already holds x's rows (the fused decode step wrote them).
+        staged     with ``ready`` where :func:`staged_applies`: weights staged in shared memory before the wait
+        bulk       more than 16 rows of a PackedWeight holding the tile layout where :func:`bulk_available`:
+                   the bulk-copy sweep, True always, None where :func:`bulk_applies`, False never. Its
+                   scratch: ``x_tiles`` (contiguous BF16, at least :func:`x_tiles_size` elements; None: a
+                   new one), ``partial`` (contiguous float32, at least :func:`bulk_partial_size`; None: no
+                   k split); ``x_tiled``: x_tiles already holds x's rows (the fused decode step wrote them).
 
-    ``programmatic``: a programmatic dependent of the previous kernel in the stream, the one that
-    writes x (sm_90 and later): the blocks start while it drains, ask L2 for their first weight
-    bytes, and wait for it before they read x or write out.
+    ``programmatic``: a programmatic dependent of the previous kernel in the stream, the one that writes x
+    (sm_90 and later): the blocks start while it drains and wait for it before they read x or write out.
 
-    ``ready`` (with ``programmatic``, <= 16 rows of a PackedWeight): a contiguous int32 array of at
-    least 2 elements in which the previous kernel counts its blocks' outputs (the fused decode step's
-    ``outputs_ready``): the blocks read x once ready[0] reaches ``ready_target``, the last of them sets
-    both words back to zero, and each ends only after that kernel has. Every block of that kernel
-    must be resident when this one launches (see ops.kda_decode_fused_bf16).
+    ``ready`` (with ``programmatic``, <= 16 rows of a PackedWeight): a contiguous int32 array of at least 2
+    elements in which the previous kernel counts its blocks' outputs (the fused step's ``outputs_ready``):
+    the blocks read x once ready[0] reaches ``ready_target`` and the last sets both words back to zero.
+    Every block of that kernel must be resident when this one launches.
 
-    ``sums`` (None: none): FP32 [>= rows, n] with contiguous columns (a column slice is fine),
-    receiving each output's FP32 sum, which ``out`` holds rounded to BF16 (nearest even): a
-    tensor-parallel rank's partial output, added over the ranks before the one rounding. Not with
-    bulk=True (the bulk sweep writes none; None then means False).
+    ``sums`` (None: none): FP32 [>= rows, n], contiguous columns, receiving each output's FP32 sum (``out``
+    holds it rounded to BF16, nearest even): a tensor-parallel rank's partial output. Not with bulk=True.
 
     Returns the blocks launched (0 for the bulk-copy sweep).
     """
@@ -370,9 +360,7 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
 def gemm_rows_pair_bf16(x, w, out, x2, w2, out2, rows: int | None = None, *, programmatic: bool = False,
                         reserved_slots: int = 0) -> None:
     """out[r] = bf16(x[r] @ w.T) and out2[r] = bf16(x2[r] @ w2.T) for r < rows (1..16) in one launch,
-    each the bits of :func:`gemm_rows_bf16` alone (the same device code sweeps the second projection's
-    column groups after the first's): for two small projections of one kernel's outputs (the gate
-    up-projections of a decode row), one launch and one wait on that kernel instead of two of each.
+    each the bits of :func:`gemm_rows_bf16` alone (docs/design.md, "Decode front end").
 
     Shapes: w and w2 PackedWeights of one shape [n, k]; x, x2 [>= rows, k] and out, out2 [>= rows, n]
     BF16 with equal row strides (column slices of wider buffers are fine), as gemm_rows_bf16 takes
