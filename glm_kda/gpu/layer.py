@@ -275,15 +275,13 @@ class KdaLayer(Stages):
         """Chunked prefill of hidden [T, hidden] BF16 from the carried `state` (updated in place).
         Returns the block output [T, hidden] BF16 (a new array).
 
-        pad_value fills the padded tail of the last chunk in the q/k/v/gate/beta buffers; the
-        chunk kernels never read it (tests poison it with NaN and 1e30).
+        pad_value fills the padded tail of the last chunk; the chunk kernels never read it.
 
         Packed sequences: prefill(hidden [sum T_i, hidden], pool, slots=[N], cu_seqlens=[N+1])
-        prefills N sequences of a StatePool at once, sequence i being rows
-        cu_seqlens[i]..cu_seqlens[i+1]-1 (host ints, 0 first, strictly increasing) and advancing
-        slot slots[i] (distinct). Everything is checked before the first launch. Each sequence
-        equals its own prefill within the oracle bounds (not bit for bit: a short sequence's
-        projections alone take the decode-side kernel).
+        prefills N sequences of a StatePool at once, sequence i being rows cu_seqlens[i]..cu_seqlens[i+1]-1
+        (host ints, 0 first, strictly increasing) and advancing slot slots[i] (distinct), everything checked
+        before the first launch. Each sequence equals its own prefill within the oracle bounds, not bit for
+        bit (docs/design.md, "Prefill").
         """
         hidden, back = self._rows_in(hidden, "prefill", self.max_tokens)
         if isinstance(state, StatePool):
