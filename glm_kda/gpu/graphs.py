@@ -46,7 +46,7 @@ class CapturedGraph(NamedTuple):
 
 
 class DecodeGraphs:
-    """The captured decode graphs of one layer (see the module docstring)."""
+    """The captured decode graphs of one layer (docs/design.md, "CUDA graphs")."""
 
     def __init__(self, capacity: int = 64):
         self.capacity = capacity
