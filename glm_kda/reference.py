@@ -3,19 +3,8 @@
 The two precisions ("float64", "bf16") are the exact and BF16-faithful oracles of docs/maths.md section 5.
 Each stage function takes NumPy or CuPy arrays (`xp` follows the input), so the oracle can also run on a GPU.
 
-Stage dictionaries use these names, in pipeline order (STAGE_ORDER):
-  qkv_proj    [T, 3*qkv]   q|k|v projections (conv input)
-  down_proj   [T, 2*D+H]   f_a | g_a | b_proj of the hidden row
-  forget_proj [T, qkv]     f_b(f_a x): forget-gate pre-activation (before dt_bias)
-  out_gate    [T, qkv]     g_b(g_a x): output gate pre-sigmoid
-  conv_out    [T, 3*qkv]   silu(causal conv), BF16, before L2
-  query, key  [T, H, D]    L2-normalised q and k
-  value       [T, H, D]    v (never normalised)
-  gate        [T, H, D]    log-decay g
-  beta        [T, H]       sigmoid(b_proj x)
-  core        [T, H, D]    delta-rule output o
-  o_norm_out  [T, qkv]     sigmoid-gated RMSNorm of core
-  final_out   [T, hidden]  o_proj
+Stage dictionaries use the names of STAGE_ORDER, in pipeline order, with the shapes of docs/maths.md
+section 5, "Stages".
 """
 
 from __future__ import annotations

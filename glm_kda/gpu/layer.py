@@ -1,16 +1,7 @@
-"""KdaLayer: one KDA block bound to the GPU. The public surface of the GPU side.
+"""KdaLayer: one KDA block bound to the GPU, the public surface of the GPU side (README, "API").
 
-    layer = KdaLayer.from_pretrained(path_or_repo, layer_idx)       # options=KdaOptions(...)
-    state = layer.new_state()                                        # conv [3*qkv, K], recurrent [H, D, D] FP32
-    out = layer.prefill(hidden[T, hidden], state)                    # BF16 [T, hidden]
-    out = layer.decode(hidden[1, hidden], state)                     # one token
-    out = layer.decode_k(hidden[K, hidden], state, snapshots)        # K tokens of one sequence (verify)
-    out = layer.decode(hidden[B, hidden], pool, slots)               # B sequences of a StatePool
-    layer.workspace.stages(rows)                                     # every stage buffer, by oracle name
-    with layer.timing() as timer: ...                                # per-kernel GPU time
-
-The stages themselves are private (glm_kda.gpu.pipeline). docs/design.md explains how decode
-and prefill are built; docs/maths.md the numerics they promise.
+The stages themselves are private (glm_kda.gpu.pipeline). docs/design.md explains how decode and prefill are
+built; docs/maths.md the numerics they promise.
 """
 
 from __future__ import annotations
