@@ -86,13 +86,9 @@ def chunk_count(tokens: int) -> int:
 
 
 def scratch_shapes(tokens: int, heads: int) -> dict[str, tuple[int, ...]]:
-    """Shapes of the scratch buffers of one call (any larger first dimension is fine); their
-    dtypes are SCRATCH_KINDS: q_decay, k_tail, w, attn FP16, u and chunk_decay FP32.
-
-    Shapes as the chunk scratch of ``KdaWorkspace`` at chunk 64: q_decay, k_tail, w
-    (workspace ``chunk_w_f16``), u (``chunk_u``) [Tp, H, D]; attn [nchunks, H, 64, 64];
-    chunk_decay [nchunks, H, D]. k_tail holds the same number of elements as [Tp, H, D] but
-    in the chunk-transposed order [nchunks, H, D, 64].
+    """Shapes of the scratch buffers of one call (any larger first dimension is fine; dtypes SCRATCH_KINDS):
+    q_decay, k_tail, w, u [Tp, H, D]; attn [nchunks, H, 64, 64]; chunk_decay [nchunks, H, D]. k_tail holds
+    [Tp, H, D] elements in the chunk-transposed order [nchunks, H, D, 64].
     """
     nchunks = chunk_count(tokens)
     padded = nchunks * CHUNK

@@ -168,14 +168,8 @@ class KdaConfig:
     # Reading config.json ---------------------------------------------------------------
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], source: str = "config.json", chunk: int = 64) -> "KdaConfig":
-        """Build from a parsed config.json (GLM-5.3-Flash or Kimi-Linear form).
-
-        Accepted forms: flat GLM keys (`linear_num_heads`, `linear_head_dim`,
-        `linear_conv_kernel_dim`, `linear_lower_bound`); a `linear_attn_config` dict
-        (`num_heads`, `head_dim`, `short_conv_kernel_size`, and `gate_lower_bound` or the
-        legacy `lower_bound`, or Kimi's `kda_layers` without a bound); either nested under
-        `text_config`.
-        """
+        """Build from a parsed config.json in any of the GLM-5.3-Flash or Kimi-Linear forms of
+        docs/maths.md section 1 (flat GLM keys or `linear_attn_config`, either under `text_config`)."""
         if not isinstance(raw, Mapping):
             raise ConfigError(f"{source}: expected a JSON object, got a {type(raw).__name__}")
         cfg = raw.get("text_config", raw)

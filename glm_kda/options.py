@@ -1,9 +1,7 @@
 """KdaOptions: the choices a user may make about how a KdaLayer runs, in one frozen object.
 
-Every field is part of the key of every CUDA graph a layer captures, so changing the options
-of a layer (``layer.options = dataclasses.replace(layer.options, ...)``) never replays a graph
-captured under other ones. No field changes the mathematics, and none but ``chunk_impl``
-changes a bit of any output or state (docs/maths.md, section 5).
+Every field is part of every graph key, so new options (``layer.options = dataclasses.replace(...)``)
+never replay a graph captured under others. None but ``chunk_impl`` changes a bit of any output or state.
 """
 
 from __future__ import annotations

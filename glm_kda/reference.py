@@ -56,9 +56,8 @@ def linear(x: Any, weight: Any) -> Any:
 def conv_silu(qkv_proj: Any, conv_state: Any, conv_weight: Any) -> tuple[Any, Any]:
     """Causal depthwise conv over time then SiLU, continuing from `conv_state`.
 
-    qkv_proj [T, C], conv_state [C, K] (last K inputs, oldest first), conv_weight [C, K].
-    c[t, ch] = silu(sum_j w[ch, j] * m[ch, t - (K-1) + j]); history before t = 0 comes from the
-    state. Returns (pre-rounding conv output [T, C], new state [C, K] = the last K inputs).
+    qkv_proj [T, C], conv_state [C, K] (last K inputs, oldest first), conv_weight [C, K] (docs/maths.md
+    section 3, step 2). Returns (pre-rounding conv output [T, C], new state [C, K] = the last K inputs).
     """
     xp = array_module(qkv_proj)
     tokens = qkv_proj.shape[0]

@@ -116,10 +116,8 @@ def chunk_prefill_tc(query, key, value, gate, beta, state, core, tokens: int, lo
     """The chunked prefill core on tensor cores: core [>= T, H, D] and the carried state
     [H, D, D] (in place) from query, key, value, gate [>= T, H, D] and beta [>= T, H].
 
-    Scratch (C-contiguous, 16-byte aligned; :func:`scratch_shapes`, dtypes SCRATCH_KINDS), with
-    Tp = ceil(T / 64) * 64: q_decay, k_tail, w (FP16), u (FP32) [>= Tp, H, D]; attn (FP16)
-    [>= Tp / 64, H, 64, 64]; chunk_decay (FP32) [>= Tp / 64, H, D]: the workspace's q_decay_f16,
-    k_tail_f16, chunk_w_f16, chunk_u, attn_f16 and chunk_decay where its chunk is 64.
+    Scratch (C-contiguous, 16-byte aligned) of :func:`glm_kda.chunk_model.scratch_shapes` and SCRATCH_KINDS:
+    the workspace's q_decay_f16, k_tail_f16, chunk_w_f16, chunk_u, attn_f16 and chunk_decay at chunk 64.
 
     lower_bound and `gate_source` (:class:`GateSource`) as :func:`kda_chunk_tc_prepare_f32` takes
     them. Every argument is checked before the first launch, so a refused call leaves the state untouched.
