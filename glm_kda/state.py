@@ -179,11 +179,8 @@ def _host(array: Any) -> np.ndarray:
 
 
 class StatePool:
-    """States of N sequences in two arrays, addressed by slot:
-    conv [N, conv_dim, K] and recurrent [N, H, D, D], FP32 (CuPy by default).
-
-    Batched decode reads the slot of each row from a device int32 array, so sequences come
-    and go (reset a slot, reuse it) without re-capturing a CUDA graph.
+    """States of N sequences in two arrays, addressed by slot: conv [N, conv_dim, K] and recurrent
+    [N, H, D, D], FP32 (CuPy by default). Sequences come and go (reset a slot, reuse it) without a recapture.
     """
 
     def __init__(self, config: KdaConfig, slots: int, xp: Any = None):

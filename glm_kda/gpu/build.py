@@ -201,11 +201,9 @@ def _cached_cubin(stem: str, arch: str, directory: Path | str | None) -> Path:
 
 
 class KernelSet:
-    """Every entry point of ENTRY_POINTS (and of the ARCH_ENTRY_POINTS of the device's architecture),
-    compiled and loaded on one device: one module per file (cubins cached on disk), every entry point
-    resolved; a missing one is an error listing all missing names, never a silent fallback. Use
-    :meth:`get` for the cached instance of the current device. ``directory``: the folder of the
-    sources (default :func:`kernels_dir`); see :meth:`install`.
+    """Every entry point of ENTRY_POINTS (and ARCH_ENTRY_POINTS of the device's architecture) compiled
+    and loaded on one device, one module per file; a missing entry point is an error naming all missing
+    ones. :meth:`get` gives the current device's instance. ``directory``: the sources (:func:`kernels_dir`).
     """
 
     _instances: dict[int, "KernelSet"] = {}
@@ -370,12 +368,10 @@ class StageTimer:
 
 @dataclass(frozen=True)
 class LaunchContext:
-    """How the launches of one call are made: set by the layer from its options for the length of
-    a call (:func:`launching`), so that no process-wide setting decides it.
+    """How the launches of one call are made, set by the layer from its options for the call (:func:`launching`).
 
-    hopper: programmatic dependent launches and the sm_90a kernel families where the device has
-    them (False: the portable path that sm_80 and sm_120 / sm_121 run). timer: per-launch CUDA
-    events are recorded there (launches then run eagerly, one after another)."""
+    hopper: programmatic dependent launches and the sm_90a kernel families where the device has them
+    (False: the portable path). timer: per-launch CUDA events are recorded there (launches run eagerly)."""
 
     hopper: bool = True
     timer: StageTimer | None = None

@@ -21,11 +21,10 @@ def kda_decode_fused_bf16(
     scale: float, l2_eps: float, norm_eps: float, slots=None, tokens: int = 1, prefetch_ahead: int = 0,
     dependents_after: int = 0, x_tiles=None, outputs_ready=None,
 ) -> int:
-    """The stateful half of decode in one launch: for each sequence, `tokens` consecutive tokens of
-    conv + SiLU + L2, forget gate and beta, one delta-rule step, gated RMSNorm. Each stage is the
-    device function of the prefill kernel of that stage, so its bits are theirs; every stage's output
-    is written. rows = sequences * tokens, sequence s's tokens in order from row s * tokens (tokens > 1
-    is a speculative verify's walk: the states stay in registers from the first token to the last).
+    """The stateful half of decode in one launch (docs/design.md, "The fused decode step"): for each
+    sequence, `tokens` consecutive tokens of conv + SiLU + L2, forget gate and beta, one delta-rule step,
+    gated RMSNorm, every stage's output written. rows = sequences * tokens, sequence s's tokens in order
+    from row s * tokens.
 
     States, in place: conv_state [3*H*D, K] FP32 and recurrent_state [H, D, D] FP32 (one
     sequence), or pools [N, 3*H*D, K] and [N, H, D, D]; sequence s uses slot slots[s] (device int32)
