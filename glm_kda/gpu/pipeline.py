@@ -53,11 +53,9 @@ class Stages:
     def _project(self, ws: KdaWorkspace, x: Any, weight: str, out: Any, wide: bool, *, after_kernel: bool = False,
                  reserved_slots: int = 0, x_tiles: Any = None, x_tiled: bool = False, ready_target: int = 0,
                  sums: Any = None) -> None:
-        """out = x @ the weight named `weight`: cuBLAS where wide (prefill of > 16 rows), else
-        gemm_rows_bf16 over groups of _ROW_GROUP rows. after_kernel: the previous operation on this
-        stream writes x (a programmatic dependent launch). x_tiled: the fused step wrote x into
-        ws.x_tiles. ready_target: o_proj awaits that many blocks of the fused step counting their
-        outputs (ws.outputs_ready). sums: FP32 [rows, n] that also receives the unrounded result."""
+        """out = x @ the weight named `weight`: cuBLAS where wide, else gemm_rows_bf16 by row groups.
+        after_kernel: a programmatic dependent of the kernel writing x; x_tiled, ready_target and sums as
+        gemm_rows_bf16's x_tiled, ready (ws.outputs_ready) and sums."""
         if wide:
             ops.gemm_bf16_cublas(x, getattr(self, weight), out if sums is None else sums)
             if sums is not None:
@@ -149,11 +147,9 @@ class Stages:
 
     def _decode_rows(self, ws: KdaWorkspace, hidden: Any, conv_state: Any, recurrent_state: Any, *,
                      slots: Any = None, sequential: bool = False, snapshots: Sequence[KdaState] = ()) -> None:
-        """Every launch of a decode-side call on hidden [rows, hidden] BF16, output in
-        ws.final_out[:rows]. sequential: the rows are consecutive tokens of ONE sequence
-        (decode_k), snapshots[i] receiving the state after row i: without snapshots one launch
-        walks them all (the state stays in registers), else one launch per row with the copies
-        between. Otherwise row r is one token of the sequence in slot slots[r] of a pool."""
+        """Every launch of a decode-side call on hidden [rows, hidden] BF16, output in ws.final_out[:rows].
+        sequential: the rows are consecutive tokens of ONE sequence (decode_k), snapshots[i] receiving the
+        state after row i; otherwise row r is one token of the sequence in slot slots[r] of a pool."""
         rows = hidden.shape[0]
         with _section("front_end"):
             self._front_end(ws, hidden, wide=False)
@@ -196,11 +192,9 @@ class Stages:
 
     def _prefill_core(self, ws: KdaWorkspace, tokens: int, conv_state: Any, recurrent_state: Any,
                       pad_value: float | None = 0.0, first: int = 0) -> None:
-        """The stateful middle of a prefill of workspace rows first..first+T-1: conv + SiLU + L2 +
-        split in one pass (conv_state [3*qkv, K] FP32 in place), then the gate, beta and the
-        chunked delta rule from the carried recurrent_state [H, D, D] FP32 (in place). The padded
-        tail of the last chunk is filled with `pad_value`, or left as it is with None (packed
-        prefill, where those rows belong to the next sequence); the kernels never read it."""
+        """The stateful middle of a prefill of workspace rows first..first+T-1: the conv pass, gate, beta and
+        chunked delta rule, conv_state [3*qkv, K] and recurrent_state [H, D, D] FP32 in place. The padded tail
+        is filled with `pad_value`, or with None left as it is (packed prefill: the next sequence's rows)."""
         c = self.config
         rows = slice(first, None)
         query, key, value, gate, beta = (buf[rows] for buf in (ws.query, ws.key, ws.value, ws.gate, ws.beta))
