@@ -106,12 +106,8 @@ def read_safetensors_header(path: str | Path) -> dict[str, tuple[str, tuple[int,
 
 
 class _Checkpoint:
-    """The safetensors files of a local directory or a hub repo, opened on demand.
-
-    weight_map() says which file holds each tensor; header(file) gives its TensorEntry's;
-    path(file) gives the local file to read data from. For a hub repo, path() downloads,
-    and header() downloads too unless headers_only, which reads headers remotely instead.
-    """
+    """The safetensors files of a local directory or a hub repo, opened on demand: weight_map(),
+    header(file), path(file) (a download for a hub repo; header() reads remotely with headers_only)."""
 
     def __init__(self, location: str | Path, hub_kwargs: dict[str, Any], *, headers_only: bool = False):
         self.location = location
