@@ -52,16 +52,13 @@ ARCH_ENTRY_POINTS: dict[str, tuple[str, tuple[str, ...]]] = {
 # The kernel source files, one per family (the keys of ENTRY_POINTS and ARCH_ENTRY_POINTS plus ".cu").
 KERNEL_FILES: tuple[str, ...] = tuple(f"{stem}.cu" for stem in (*ENTRY_POINTS, *ARCH_ENTRY_POINTS))
 
-# Threads compiling kernel files at once (NVRTC compiles one file on one core): every file at once
-# where the cores allow (the slowest file sets a cold start's time).
+# Threads compiling kernel files at once: every file at once where the cores allow (docs/design.md, "Kernel files").
 _COMPILE_THREADS = max(1, min(16, os.cpu_count() or 1))
 
 # A header every kernel folder holds: how kernels_dir recognises one.
 MARKER_HEADER = "common/head.cuh"
 
-# Precise math on purpose: no --use_fast_math (expf, sqrtf and division stay IEEE-rounded). -ftz=true:
-# CuPy adds it to every RawModule it compiles from source, so the cubins NVRTC builds directly (the
-# architecture families, compile_file) name it too, for every projection sweep to give the same bits.
+# Precise math, and -ftz=true as in CuPy's own builds (docs/design.md, "Kernel files").
 COMPILE_OPTIONS: tuple[str, ...] = ("-std=c++17", "-ftz=true")
 
 # `#include "dir/name.cuh"` of a header under the kernel folder (inlined; any other include is an
@@ -236,8 +233,7 @@ class KernelSet:
                 module.compile()  # now, in this thread: NVRTC runs without the GIL
                 return module
 
-        # One file per thread, the longest sources first: a cold start costs the slowest file's
-        # compile, not the sum.
+        # The longest sources first (docs/design.md, "Kernel files").
         families.sort(key=lambda family: -len(sources[family[0]]))
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(families), _COMPILE_THREADS)) as pool:
             modules = list(pool.map(load, families))
