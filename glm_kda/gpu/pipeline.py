@@ -18,7 +18,6 @@ from ..state import KdaState
 
 # Most rows of a decode-side call and of a prefill whose projections run on gemm_rows_bf16.
 DECODE_MAX_ROWS = 16
-# Rows of one launch of the decode-side projection.
 _ROW_GROUP = projection.GEMM_ROWS_MAX_ROWS
 # Block slots a q|k|v projection of <= 16 rows leaves free, so the low-rank chain beside it starts at once.
 _QKV_RESERVED_SLOTS = 64

@@ -21,7 +21,6 @@ HEAD_BLOCK = 128
 # Largest gridDim.y: kernels with a token grid axis are launched in slices of this.
 MAX_GRID_Y = 65535
 
-# The dtype of every FP32 operand.
 _F32_DTYPE = numpy.dtype(numpy.float32)
 # kind -> (the dtypes an operand of that kind may have, their name): BF16 as its raw bits or as
 # ml_dtypes' bfloat16.
