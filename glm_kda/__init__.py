@@ -1,9 +1,7 @@
 """glm_kda: the KDA (Kimi Delta Attention) block of GLM-5.3-Flash and Kimi-Linear.
 
-CPU side (always importable): KdaConfig (config.json), bind_layer (one layer's tensors from a
-checkpoint), KdaOracle (the float64 / BF16-faithful NumPy oracle), KdaState and StatePool.
-KdaOptions (how a layer runs). GPU side (imported on first use, needs a CUDA device):
-KdaLayer, KdaStack (every KDA layer of a checkpoint), KdaWorkspace.
+CPU side (always importable): KdaConfig, bind_layer, KdaOracle, KdaState, StatePool and KdaOptions.
+GPU side (imported on first use, needs a CUDA device): KdaLayer, KdaStack, KdaWorkspace (README, "API").
 """
 
 from .checkpoint import BoundLayer, CheckpointError, bind_layer

@@ -1,14 +1,8 @@
 """Read one KDA layer's weights from a safetensors checkpoint (local directory or hub repo).
 
-Only the tensors of the requested layer are read, lazily, and for a hub repo only the
-shards that hold them are downloaded. Every name, shape and dtype is checked against the
-KdaConfig before any data is read; each error names the layer, the tensor, what was
-expected and what was found.
-
-Two layouts of the same weights bind (docs/maths.md section 2): "release" (GLM-5.3-Flash and
-Kimi-Linear as published: separate q/k/v conv taps, the forget-gate tensors directly under
-`model.layers.{i}.self_attn.`) and "transformers" (`save_pretrained`: one fused `conv1d.weight`
-[3*qkv, 1, K] in q, k, v order, the forget-gate tensors under `forget_gate.`).
+Only the requested layer's tensors are read, and for a hub repo only the shards holding them are downloaded.
+Every name, shape and dtype is checked against the KdaConfig before any data is read. The "release" and
+"transformers" layouts bind to the same arrays (docs/maths.md, section 2).
 """
 
 from __future__ import annotations
@@ -112,12 +106,8 @@ def read_safetensors_header(path: str | Path) -> dict[str, tuple[str, tuple[int,
 
 
 class _Checkpoint:
-    """The safetensors files of a local directory or a hub repo, opened on demand.
-
-    weight_map() says which file holds each tensor; header(file) gives its TensorEntry's;
-    path(file) gives the local file to read data from. For a hub repo, path() downloads,
-    and header() downloads too unless headers_only, which reads headers remotely instead.
-    """
+    """The safetensors files of a local directory or a hub repo, opened on demand: weight_map(),
+    header(file), path(file) (a download for a hub repo; header() reads remotely with headers_only)."""
 
     def __init__(self, location: str | Path, hub_kwargs: dict[str, Any], *, headers_only: bool = False):
         self.location = location

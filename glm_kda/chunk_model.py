@@ -1,9 +1,7 @@
 """Host side of the tensor-core chunked prefill: its constants and when it applies.
 
-The kernels (``kernels_src/chunk/chunk_tc.cu`` and ``chunk_tc_gate.cu``, device code in
-``chunk_tc.cuh``, launched by :mod:`glm_kda.gpu.ops.chunk_tc`) and their bounded and unbounded
-prepares are described in docs/design.md; tests/chunk_tc_model.py holds a float64 model of their
-blocked algorithm.
+The kernels and their bounded and unbounded prepares: docs/design.md, "Prefill"; tests/chunk_tc_model.py
+holds a float64 model of their blocked algorithm.
 """
 
 from __future__ import annotations
@@ -19,9 +17,8 @@ SUB_CHUNK = 16
 # The smallest bounded-law lower bound for which the sub-chunk decay factors stay within
 # FP32 range: exp(5 * 15) = 3.7e32 (the argument is in kernels_src/chunk/chunk_tc.cuh).
 MIN_LOWER_BOUND = -5.0
-# The widest decay across a 16-row diagonal block that the unbounded prepare still forms by
-# the reference-row products (the bounded law's range, 15 gates of at least -5); wider blocks
-# take exact FP32 sums (CHUNK_TC_DIAGONAL_RANGE in the .cu file).
+# The widest decay across a diagonal block that the unbounded prepare forms by the reference-row products
+# (CHUNK_TC_DIAGONAL_RANGE; docs/maths.md, "The chunked (WY) form").
 DIAGONAL_RANGE = -MIN_LOWER_BOUND * (SUB_CHUNK - 1)
 PREPARE_THREADS = 256
 SCAN_THREADS = 128
@@ -40,14 +37,9 @@ SCRATCH_KINDS = {"q_decay": "f16", "k_tail": "f16", "w": "f16", "u": "f32", "att
 
 
 def chunk_tc_supported(config: Any) -> tuple[bool, str]:
-    """(usable, reason): whether the tensor-core prefill applies to this KdaConfig.
-
-    Needs D = 128 and chunk 64 (the workspace's chunk scratch is sized by config.chunk and
-    reused as is). The bounded law with -5 <= lower_bound <= 0 takes the bounded prepare;
-    any other gate (the softplus law, or a bounded law below -5) takes the unbounded one
-    (:func:`prepare_lower_bound`). Otherwise the layer keeps the FP32 path. Device
-    requirement (checked at launch): 104,704 bytes of opt-in shared memory per block (sm_80,
-    sm_90, sm_100; not sm_86 / sm_89 / sm_120).
+    """(usable, reason): whether the tensor-core prefill applies to this KdaConfig: D = 128 and chunk 64
+    (any gate law: :func:`prepare_lower_bound` picks the prepare). The device must also grant
+    PREPARE_SMEM_BYTES of shared memory a block (docs/design.md, "GPUs without Hopper features").
     """
     if config.head_dim != HEAD_DIM:
         return False, f"head_dim={config.head_dim}: the kernels are compiled for D = {HEAD_DIM}"
@@ -94,13 +86,9 @@ def chunk_count(tokens: int) -> int:
 
 
 def scratch_shapes(tokens: int, heads: int) -> dict[str, tuple[int, ...]]:
-    """Shapes of the scratch buffers of one call (any larger first dimension is fine); their
-    dtypes are SCRATCH_KINDS: q_decay, k_tail, w, attn FP16, u and chunk_decay FP32.
-
-    Shapes as the chunk scratch of ``KdaWorkspace`` at chunk 64: q_decay, k_tail, w
-    (workspace ``chunk_w_f16``), u (``chunk_u``) [Tp, H, D]; attn [nchunks, H, 64, 64];
-    chunk_decay [nchunks, H, D]. k_tail holds the same number of elements as [Tp, H, D] but
-    in the chunk-transposed order [nchunks, H, D, 64].
+    """Shapes of the scratch buffers of one call (any larger first dimension is fine; dtypes SCRATCH_KINDS):
+    q_decay, k_tail, w, u [Tp, H, D]; attn [nchunks, H, 64, 64]; chunk_decay [nchunks, H, D]. k_tail holds
+    [Tp, H, D] elements in the chunk-transposed order [nchunks, H, D, 64].
     """
     nchunks = chunk_count(tokens)
     padded = nchunks * CHUNK

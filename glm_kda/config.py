@@ -1,8 +1,7 @@
 """Geometry and numeric settings of one KDA block, read from a checkpoint's config.json.
 
-Every value that changes the numbers is READ from the checkpoint. A missing key is an
-error that names the key and the file: two popular loaders read the wrong lower-bound key
-and are right on GLM-5.3-Flash only because their fallback happens to equal the real value.
+Every value that changes the numbers is READ from the checkpoint; a missing key is an error naming the key
+and the file (docs/maths.md, sections 1 and 6).
 """
 
 from __future__ import annotations
@@ -169,14 +168,8 @@ class KdaConfig:
     # Reading config.json ---------------------------------------------------------------
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], source: str = "config.json", chunk: int = 64) -> "KdaConfig":
-        """Build from a parsed config.json (GLM-5.3-Flash or Kimi-Linear form).
-
-        Accepted forms: flat GLM keys (`linear_num_heads`, `linear_head_dim`,
-        `linear_conv_kernel_dim`, `linear_lower_bound`); a `linear_attn_config` dict
-        (`num_heads`, `head_dim`, `short_conv_kernel_size`, and `gate_lower_bound` or the
-        legacy `lower_bound`, or Kimi's `kda_layers` without a bound); either nested under
-        `text_config`.
-        """
+        """Build from a parsed config.json in any of the GLM-5.3-Flash or Kimi-Linear forms of
+        docs/maths.md section 1 (flat GLM keys or `linear_attn_config`, either under `text_config`)."""
         if not isinstance(raw, Mapping):
             raise ConfigError(f"{source}: expected a JSON object, got a {type(raw).__name__}")
         cfg = raw.get("text_config", raw)

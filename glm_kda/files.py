@@ -14,11 +14,7 @@ class CheckpointError(ValueError):
 
 
 def _local_dir(location: str | Path) -> Path | None:
-    """The local directory `location` names, or None when it is a hub repo id ("owner/name").
-
-    A path that exists is local; so is one that cannot be a repo id, and one whose first part is a
-    folder here.
-    """
+    """The local directory `location` names, or None when it is a hub repo id ("owner/name")."""
     if isinstance(location, Path):
         return location
     text = str(location)

@@ -1,9 +1,7 @@
 """KdaOptions: the choices a user may make about how a KdaLayer runs, in one frozen object.
 
-Every field is part of the key of every CUDA graph a layer captures, so changing the options
-of a layer (``layer.options = dataclasses.replace(layer.options, ...)``) never replays a graph
-captured under other ones. No field changes the mathematics, and none but ``chunk_impl``
-changes a bit of any output or state (docs/maths.md, section 5).
+Every field is part of every graph key, so new options (``layer.options = dataclasses.replace(...)``)
+never replay a graph captured under others. None but ``chunk_impl`` changes a bit of any output or state.
 """
 
 from __future__ import annotations
@@ -20,15 +18,12 @@ class KdaOptions:
     chunk_impl: the chunked-prefill kernels. "tensor": TF32 tensor-core kernels, chunk 64 (the fast
         path); "fp32": FP32 kernels, any chunk up to 64 (the reference path); "auto" (default):
         "tensor" where the layer's geometry and device allow it, else "fp32".
-    packed_weights: the decode-side projections read a copy of each projection weight in the tiled
-        layout their kernel streams (default True; as many bytes again as the five projection
-        weights). False reads the row-major weights: the same bits, slower.
-    graphs: decode, decode_k and pool decode replay CUDA graphs captured on their second call with
-        the same shapes and states (default True). False: eager launches, for debugging and for
-        profilers that do not follow graphs.
-    hopper: programmatic dependent launches and the bulk-copy projection sweep where the device
-        has sm_90 features (default True). False: the portable path that sm_80 and sm_120 / sm_121
-        (GB10) always take, the same bits, slower on Hopper.
+    packed_weights: the decode-side projections read packed copies of the projection weights (default
+        True; as many bytes again). False reads the row-major weights: the same bits, slower.
+    graphs: decode, decode_k and pool decode replay CUDA graphs captured on their second call with the
+        same shapes and states (default True). False: eager launches (debugging, profilers).
+    hopper: programmatic dependent launches and the bulk-copy projection sweep where the device has
+        sm_90 features (default True). False: the portable path, the same bits, slower on Hopper.
     check_finite: every call checks its input rows before the first launch (a NaN or Inf row raises
         FloatingPointError, the state untouched) and its output after the last (raises, the state
         advanced); default False. Each check reads one flag back: the call waits for the GPU

@@ -1,27 +1,10 @@
 """The NumPy oracle: the block of docs/maths.md section 3, stage by stage, in float64.
 
-Two precisions: "float64" rounds nowhere (the exact result of the block for the given BF16 inputs
-and weights); "bf16" rounds to BF16 exactly where the block rounds: every projection output
-(qkv_proj, down_proj, forget_proj, out_gate, final_out), the conv output and the gated-norm output.
-The recurrence and gates stay unrounded, as the block keeps them in FP32.
+The two precisions ("float64", "bf16") are the exact and BF16-faithful oracles of docs/maths.md section 5.
+Each stage function takes NumPy or CuPy arrays (`xp` follows the input), so the oracle can also run on a GPU.
 
-Each stage is a module-level function whose name matches the kernel in kernels_src/ and the
-stage buffer of the GPU workspace. They accept NumPy or CuPy arrays (`xp` follows the input),
-so the same oracle can run in float64 on a GPU when the CPU is too slow for real geometries.
-
-Stage dictionaries use these names, in pipeline order (STAGE_ORDER):
-  qkv_proj    [T, 3*qkv]   q|k|v projections (conv input)
-  down_proj   [T, 2*D+H]   f_a | g_a | b_proj of the hidden row
-  forget_proj [T, qkv]     f_b(f_a x): forget-gate pre-activation (before dt_bias)
-  out_gate    [T, qkv]     g_b(g_a x): output gate pre-sigmoid
-  conv_out    [T, 3*qkv]   silu(causal conv), BF16, before L2
-  query, key  [T, H, D]    L2-normalised q and k
-  value       [T, H, D]    v (never normalised)
-  gate        [T, H, D]    log-decay g
-  beta        [T, H]       sigmoid(b_proj x)
-  core        [T, H, D]    delta-rule output o
-  o_norm_out  [T, qkv]     sigmoid-gated RMSNorm of core
-  final_out   [T, hidden]  o_proj
+Stage dictionaries use the names of STAGE_ORDER, in pipeline order, with the shapes of docs/maths.md
+section 5, "Stages".
 """
 
 from __future__ import annotations
@@ -46,9 +29,7 @@ PRECISIONS = ("float64", "bf16")
 def round_bf16(x: Any) -> Any:
     """Round float64 values to the nearest BF16 (ties to even), returned as float64.
 
-    Rounds ONCE: the float64 -> float32 step rounds to odd (truncate, then set the last bit if
-    anything was dropped), which makes the following float32 -> BF16 round-to-nearest-even
-    exact; a plain float64 -> float32 -> BF16 chain would double-round about 1 case in 2^16.
+    Rounds once, through float32 rounded to odd (docs/maths.md section 5, "Rounding to BF16").
     """
     xp = array_module(x)
     x = xp.asarray(x, dtype=xp.float64)
@@ -75,9 +56,8 @@ def linear(x: Any, weight: Any) -> Any:
 def conv_silu(qkv_proj: Any, conv_state: Any, conv_weight: Any) -> tuple[Any, Any]:
     """Causal depthwise conv over time then SiLU, continuing from `conv_state`.
 
-    qkv_proj [T, C], conv_state [C, K] (last K inputs, oldest first), conv_weight [C, K].
-    c[t, ch] = silu(sum_j w[ch, j] * m[ch, t - (K-1) + j]); history before t = 0 comes from the
-    state. Returns (pre-rounding conv output [T, C], new state [C, K] = the last K inputs).
+    qkv_proj [T, C], conv_state [C, K] (last K inputs, oldest first), conv_weight [C, K] (docs/maths.md
+    section 3, step 2). Returns (pre-rounding conv output [T, C], new state [C, K] = the last K inputs).
     """
     xp = array_module(qkv_proj)
     tokens = qkv_proj.shape[0]
@@ -108,12 +88,7 @@ def l2norm_split(conv_out: Any, heads: int, head_dim: int, l2_eps: float) -> tup
 
 def forget_gate(forget_proj: Any, dt_bias: Any, a_log: Any, config: KdaConfig) -> Any:
     """Log-decay g [T, H, D] from forget_proj [T, qkv], dt_bias [qkv] (per CHANNEL) and
-    A_log [H] (per HEAD).
-
-    bounded:  g = lower_bound * sigmoid(exp(A_log[h]) * u)
-    softplus: g = -exp(A_log[h]) * softplus(u), softplus(u) = u for u > 20
-    with u = forget_proj + dt_bias.
-    """
+    A_log [H] (per HEAD), by the config's law (docs/maths.md section 3, step 4)."""
     xp = array_module(forget_proj)
     tokens = forget_proj.shape[0]
     u = (forget_proj + dt_bias[None, :]).reshape(tokens, config.heads, config.head_dim)
@@ -130,11 +105,9 @@ def sigmoid(x: Any) -> Any:
 
 
 def recurrent_scan(query: Any, key: Any, value: Any, gate: Any, beta: Any, recurrent: Any) -> tuple[Any, Any]:
-    """The delta rule token by token (the decode form).
+    """The delta rule token by token (docs/maths.md section 3, step 6), the decode form.
 
-    query/key/value/gate [T, H, D], beta [T, H], recurrent [H, D_k, D_v]. Per token:
-    S = S * exp(g)[:, None]; pred = S^T k; S = S + k (beta (v - pred))^T; o = S^T (q / sqrt(D)).
-    Returns (core [T, H, D], new state).
+    query/key/value/gate [T, H, D], beta [T, H], recurrent [H, D_k, D_v]. Returns (core [T, H, D], new state).
     """
     xp = array_module(query)
     scale = 1.0 / math.sqrt(query.shape[-1])
@@ -151,19 +124,10 @@ def recurrent_scan(query: Any, key: Any, value: Any, gate: Any, beta: Any, recur
 
 def chunk_scan(query: Any, key: Any, value: Any, gate: Any, beta: Any, recurrent: Any, chunk: int,
                pad_value: float = 0.0) -> tuple[Any, Any]:
-    """The same recurrence evaluated chunk-wise (WY form), with a padded last chunk.
+    """The same recurrence chunk-wise (docs/maths.md, "The chunked (WY) form"), with a padded last chunk.
 
-    The inputs are padded to a multiple of `chunk` with `pad_value` (tests poison it with NaN
-    or 1e30), and the padding is then masked BY INDEX before any arithmetic, as the kernels do:
-    a padded row acts as q = k = v = 0, g = 0, beta = 0 and leaves outputs and state untouched.
-
-    Within a chunk (rows t, s; G = cumulative g from the chunk start; S0 the carried state):
-      A[t,s] = sum_d k_t k_s exp(G_t - G_s)               (s < t)
-      (I + diag(beta) A) W = diag(beta) (K * exp(G)),  (I + diag(beta) A) Uc = diag(beta) V
-      U = Uc - W S0
-      o_t = (q_t exp(G_t) / sqrt(D))^T S0 + sum_{s<=t} (q_t . k_s exp(G_t - G_s)) / sqrt(D) U_s
-      S   = exp(G_last) * S0 + sum_s (k_s exp(G_last - G_s)) U_s^T
-    Exponents are formed as differences, never as exp(G_t) * exp(-G_s), which overflows.
+    The inputs are padded to a multiple of `chunk` with `pad_value` and the padding is masked BY INDEX
+    before any arithmetic, as the kernels do: a padded row leaves outputs and state untouched.
     Returns (core [T, H, D], new state).
     """
     xp = array_module(query)
@@ -210,9 +174,7 @@ def chunk_scan(query: Any, key: Any, value: Any, gate: Any, beta: Any, recurrent
 def gated_rmsnorm(core: Any, out_gate: Any, norm_weight: Any, eps: float) -> Any:
     """Per head: y = o / sqrt(mean(o*o) + eps) * w * sigmoid(z). core [T, H, D], out_gate [T, qkv].
 
-    The gate activation is SIGMOID. The common gated RMSNorm applies SiLU and has the same
-    shapes and dtypes, which is why this is a separate, named stage.
-    """
+    The gate is a SIGMOID, not the common SiLU (docs/maths.md section 6)."""
     xp = array_module(core)
     tokens, heads, head_dim = core.shape
     z = out_gate.reshape(tokens, heads, head_dim)
@@ -316,10 +278,8 @@ class KdaOracle:
         """Every stage recomputed from the UPSTREAM stage values given (typically a kernel's
         workspace), so each stage can be judged on its own, free of upstream rounding flips.
 
-        upstream holds at least qkv_proj, down_proj, forget_proj, conv_out, query, key, value,
-        gate, beta, core, out_gate, o_norm_out (as a GPU workspace does); `state` is the state
-        the run started from; chunk as in prefill (None: token by token). Returns (stages,
-        state after the run from upstream inputs).
+        upstream holds every stage but final_out (as a GPU workspace does); `state`: the starting state;
+        chunk as in prefill. Returns (stages, state after the run from upstream inputs).
         """
         return self._run(hidden, state, chunk, 0.0, upstream, "fed_stages")
 

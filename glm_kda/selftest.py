@@ -1,10 +1,8 @@
 """`glm-kda selftest`: on a GPU machine, run the GPU tests and a few timings; write a JSON report.
 
-It runs from a source checkout (an installed wheel ships neither tests/ nor benchmarks/): the GPU
-tests with pytest, then the whole-block timings of ``benchmarks/block.py`` in a subprocess (its
-JSON lines carry the device-to-device copy bandwidth measured in the same run, so the numbers
-carry their own roofline), then the import and kernel-build time. The package imports nothing
-from benchmarks/: the script is run by path.
+It runs from a source checkout: the GPU tests with pytest, the whole-block timings of
+``benchmarks/block.py`` (run by path, in a subprocess; its JSON lines carry the copy bandwidth measured
+in the same run), then the import and kernel-build time.
 """
 
 from __future__ import annotations

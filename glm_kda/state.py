@@ -1,10 +1,8 @@
-"""The per-sequence state a KDA block carries, and its exchange layouts (docs/maths.md, section 4).
+"""The per-sequence state a KDA block carries, and its exchange layouts with transformers and vLLM.
 
-Our layout, shared by the GPU kernels and the oracle: conv FP32 [conv_dim, K], the last K conv
-INPUTS (pre-conv q|k|v) per channel, oldest first (a step shifts left and writes slot K-1, so the
-slot 0 held before the shift is never read); recurrent FP32 [H, D_k, D_v], K-major (row k is
-multiplied by exp(g[k])). transformers keeps the same conv slots in BF16; vLLM keeps only the K-1
-that are read: ours[:, 1:] == vllm[:, :].
+Our layout, shared by the GPU kernels and the oracle: conv FP32 [conv_dim, K], the last K conv INPUTS per
+channel, oldest first; recurrent FP32 [H, D_k, D_v], K-major. Why, and how the others differ: docs/maths.md,
+section 4.
 """
 
 from __future__ import annotations
@@ -181,11 +179,8 @@ def _host(array: Any) -> np.ndarray:
 
 
 class StatePool:
-    """States of N sequences in two arrays, addressed by slot:
-    conv [N, conv_dim, K] and recurrent [N, H, D, D], FP32 (CuPy by default).
-
-    Batched decode reads the slot of each row from a device int32 array, so sequences come
-    and go (reset a slot, reuse it) without re-capturing a CUDA graph.
+    """States of N sequences in two arrays, addressed by slot: conv [N, conv_dim, K] and recurrent
+    [N, H, D, D], FP32 (CuPy by default). Sequences come and go (reset a slot, reuse it) without a recapture.
     """
 
     def __init__(self, config: KdaConfig, slots: int, xp: Any = None):

@@ -1,10 +1,8 @@
 """Synthetic checkpoints with the real tensor names, shapes, dtypes and realistic scales.
 
-They stand in for GLM-5.3-Flash and Kimi-Linear wherever the real weights are not at hand:
-the loader, the oracle and the kernels cannot tell the difference in kind, only in values.
-Every tensor is drawn from its own generator keyed by (seed, layer, release tensor name),
-so a layer's values do not depend on the other layers, the layout or the sharding: the
-same seed gives the same arrays whichever way they are written.
+They stand in for GLM-5.3-Flash and Kimi-Linear wherever the real weights are not at hand. Each tensor
+is drawn from its own generator keyed by (seed, layer, release tensor name), so the same seed gives the
+same arrays whatever the other layers, the layout or the sharding.
 """
 
 from __future__ import annotations

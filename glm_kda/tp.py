@@ -1,17 +1,9 @@
 """Tensor parallelism for one KDA block: H heads split over tp_size GPUs, one all-reduce.
 
-Every head is independent from the conv to the gated RMSNorm, so rank r of tp_size takes heads
-[r*H/tp, (r+1)*H/tp) and runs an ordinary KdaLayer of H/tp heads on the full (replicated) input
-rows: its rows of q/k/v_proj, f_b, g_b, b_proj, dt_bias and A_log, its conv taps (three row ranges
-of the fused [3*qkv, K] conv, one each for q, k and v) and its COLUMNS of o_proj; f_a, g_a and
-o_norm are replicated. Each rank's o_proj writes its FP32 sums (KdaLayer.o_proj_sums); NCCL adds
-the ranks' sums in FP32 and the total is rounded once to BF16, so the output differs from the
-single-GPU output only by the FP32 reassociation of o_proj's sum over channels (docs/design.md,
-"Tensor parallel": why not BF16 partials, and when decode_k stays bit-identical to K decodes).
-
-TensorParallelPlan splits weights and states on the host; bind_layer_shard reads only a rank's
-byte ranges of a safetensors checkpoint; TpRankLayer is one rank on its GPU (one process per GPU,
-NCCL communicator given); TensorParallelBlock drives every rank from one process (notebooks).
+TensorParallelPlan splits weights and states on the host; bind_layer_shard reads only a rank's byte ranges of a
+safetensors checkpoint; TpRankLayer is one rank on its GPU (one process per GPU, NCCL communicator given);
+TensorParallelBlock drives every rank from one process (notebooks). Why the ranks add FP32 sums and round once,
+and when decode_k stays bit-identical to K decodes: docs/design.md, "Tensor parallel".
 """
 
 from __future__ import annotations
@@ -55,7 +47,7 @@ class TensorParallelError(ValueError):
 
 # The plan ---------------------------------------------------------------------------------
 class TensorParallelPlan:
-    """Which part of one KDA block rank r of `tp_size` owns (see the module docstring), as Python
+    """Which part of one KDA block rank r of `tp_size` owns (docs/design.md, "Tensor parallel"), as
     slices over the full block's axes: head_slice(r) of the heads [H]; channel_slice(r) of the
     channels [qkv] of q, k or v, f_b, g_b, dt_bias and o_proj's input; conv_channel_slices(r), its
     q, k and v rows of the fused conv and conv state [3*qkv]; rows(name, r), of any BoundLayer array.
@@ -244,14 +236,10 @@ def bind_layer_shard(path_or_repo: str | Path, layer_idx: int, tp_size: int, ran
                      *, progress: bool = True, stats: ShardReadStats | None = None, **hub_kwargs: Any) -> BoundLayer:
     """Rank `rank` of `tp_size`'s weights of KDA layer `layer_idx`, reading only its bytes.
 
-    Equal, bit for bit, to `TensorParallelPlan(config, tp_size).shard(bind_layer(...), rank)`.
-    Names, shapes and dtypes are checked from the headers by glm_kda.checkpoint (same
-    messages as bind_layer) before any data is read. Row slices (the rank's rows of q/k/v,
-    f_b, g_b, b_proj, conv taps, dt_bias, A_log; replicated f_a, g_a, o_norm in full) are
-    read with seek + read; o_proj's column slice is copied out of a memory map of the tensor,
-    so only the pages holding its columns are read. For a hub repo the shards holding the
-    layer are downloaded whole (the hub serves files), then read the same way.
-    `stats`, if given, receives what was read.
+    Equal, bit for bit, to `TensorParallelPlan(config, tp_size).shard(bind_layer(...), rank)`, with
+    bind_layer's checks and messages, made from the headers before any data is read. Row slices are read
+    with seek + read, o_proj's columns out of a memory map (only the pages holding them are read). A hub
+    repo's shards holding the layer are downloaded whole first. `stats`, if given, receives what was read.
     """
     if config is None:
         config = KdaConfig.from_pretrained(path_or_repo, **hub_kwargs)
@@ -377,16 +365,11 @@ class TpRankLayer:
     """Rank `rank` of a tensor-parallel KDA block, on the current CUDA device.
 
     For launchers that run one process per GPU: build `comm` as
-    `cupy.cuda.nccl.NcclCommunicator(tp_size, unique_id, rank)` from one
-    `cupy.cuda.nccl.get_unique_id()` shared by all processes, then construct this inside
-    `with cupy.cuda.Device(d):`. Every call takes the FULL hidden rows (replicated on every
-    rank), runs the rank's KdaLayer of H/tp heads and all-reduces the output in FP32, so every
-    rank returns the same full [rows, hidden] BF16 output. All ranks must make the same calls
-    in the same order (each call is a collective).
-
-    Buffers (on this rank's GPU): `partial` FP32 [max_tokens, hidden] (the rank's o_proj sums,
-    its layer's o_proj_sums, then the all-reduced sum), `output` BF16 [max_tokens, hidden] (the
-    rounded sum).
+    `cupy.cuda.nccl.NcclCommunicator(tp_size, unique_id, rank)` from one `get_unique_id()` shared by
+    all processes, inside `with cupy.cuda.Device(d):`. Every call takes the FULL hidden rows and returns
+    the same full [rows, hidden] BF16 output on every rank; all ranks must make the same calls in the
+    same order (each call is a collective). Buffers: `partial` FP32 [max_tokens, hidden] (the rank's
+    o_proj sums, then the all-reduced sum), `output` BF16 [max_tokens, hidden] (the rounded sum).
     """
 
     def __init__(self, bound_shard: BoundLayer, plan: TensorParallelPlan, rank: int, comm: Any,
@@ -519,13 +502,8 @@ class TpRankLayer:
         round_to_bf16(self.partial[:rows], self.output[:rows])
 
     def _decode_body(self, rows: int, state: KdaState, snapshots: Sequence[KdaState]) -> None:
-        """The decode-side launches on graph_hidden[:rows] (o_proj's FP32 sums into `partial`).
-
-        KdaLayer._decode_rows, what decode_k's graph body runs, so a captured step and an eager
-        one produce the same bits. It does not call decode_k because decode_k returns a fresh
-        copy of final_out, and an allocation made during capture would be written by every
-        replay after CuPy has reused its memory.
-        """
+        """decode_k's launches on graph_hidden[:rows], without its fresh output copy: an allocation made
+        during capture would be written by every replay after CuPy has reused its memory."""
         layer = self.layer
         with layer._call() as ws:
             layer._decode_rows(ws, self.graph_hidden[:rows], state.conv, state.recurrent, sequential=True,
@@ -547,15 +525,8 @@ def _check_comm(comm: Any, plan: TensorParallelPlan, rank: int, device_id: int) 
 
 
 class _RankGroup:
-    """Ranks whose calls are issued together from one thread.
-
-    One thread driving several communicators must put their collectives in one NCCL group
-    (groupStart/groupEnd), or the first all-reduce waits forever for the others; a group of
-    one rank (one process per GPU) is the same code. Decode-side calls are captured as one
-    CUDA graph per rank and call shape (layer stages, all-reduce, rounding): the
-    first call of a shape runs eagerly (compiles, connects NCCL), the second captures every
-    rank at once, later ones replay. Prefill always runs eagerly.
-    """
+    """Ranks whose calls are issued together from one thread, their all-reduces in one NCCL group
+    (docs/design.md, "Tensor parallel")."""
 
     def __init__(self, ranks: Sequence[TpRankLayer], capacity: int = 64):
         self.ranks = list(ranks)

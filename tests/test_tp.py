@@ -46,7 +46,7 @@ SEED = 4321
 HEADS = 4
 EXACT = 1e-12
 # The ranks' FP32 o_proj sums added in FP32 and rounded once differ from the single-GPU rounding
-# only by FP32 reassociation (module docstring of glm_kda.tp); BF16 partials would add a second
+# only by FP32 reassociation (docs/design.md, "Tensor parallel"); BF16 partials would add a second
 # rounding, about 3e-3, over the GPU test's bound (TP2_BOUND of tests/test_tp_gpu.py).
 FP32_PARTIALS_BOUND = 1e-4
 TP2_BOUND = 1e-3

@@ -1,12 +1,7 @@
 """Loader of the CUDA kernels in ``kernels_src/`` and the one place that launches them.
 
-One ``.cu`` file per kernel family, grouped by stage, every kernel ``extern "C"`` with its dtype in
-its name, so CuPy's on-disk cache keys on the source text alone. Headers are included by their path
-under ``kernels_src`` and inlined by :func:`kernel_source` with ``#line`` directives: NVRTC needs no
-include path and a compiler error names the real file and line.
-
-Importing this module does not touch the GPU: :class:`KernelSet` compiles and loads the modules
-when first built; :func:`compile_file` needs NVRTC alone (no driver, no GPU), as the tests run it.
+Importing this module does not touch the GPU: :class:`KernelSet` compiles and loads the modules when first
+built; :func:`compile_file` needs NVRTC alone. How the sources are laid out: docs/design.md, "Kernel files".
 """
 
 from __future__ import annotations
@@ -57,16 +52,13 @@ ARCH_ENTRY_POINTS: dict[str, tuple[str, tuple[str, ...]]] = {
 # The kernel source files, one per family (the keys of ENTRY_POINTS and ARCH_ENTRY_POINTS plus ".cu").
 KERNEL_FILES: tuple[str, ...] = tuple(f"{stem}.cu" for stem in (*ENTRY_POINTS, *ARCH_ENTRY_POINTS))
 
-# Threads compiling kernel files at once (NVRTC compiles one file on one core): every file at once
-# where the cores allow (the slowest file sets a cold start's time).
+# Threads compiling kernel files at once: every file at once where the cores allow (docs/design.md, "Kernel files").
 _COMPILE_THREADS = max(1, min(16, os.cpu_count() or 1))
 
 # A header every kernel folder holds: how kernels_dir recognises one.
 MARKER_HEADER = "common/head.cuh"
 
-# Precise math on purpose: no --use_fast_math (expf, sqrtf and division stay IEEE-rounded). -ftz=true:
-# CuPy adds it to every RawModule it compiles from source, so the cubins NVRTC builds directly (the
-# architecture families, compile_file) name it too, for every projection sweep to give the same bits.
+# Precise math, and -ftz=true as in CuPy's own builds (docs/design.md, "Kernel files").
 COMPILE_OPTIONS: tuple[str, ...] = ("-std=c++17", "-ftz=true")
 
 # `#include "dir/name.cuh"` of a header under the kernel folder (inlined; any other include is an
@@ -206,11 +198,9 @@ def _cached_cubin(stem: str, arch: str, directory: Path | str | None) -> Path:
 
 
 class KernelSet:
-    """Every entry point of ENTRY_POINTS (and of the ARCH_ENTRY_POINTS of the device's architecture),
-    compiled and loaded on one device: one module per file (cubins cached on disk), every entry point
-    resolved; a missing one is an error listing all missing names, never a silent fallback. Use
-    :meth:`get` for the cached instance of the current device. ``directory``: the folder of the
-    sources (default :func:`kernels_dir`); see :meth:`install`.
+    """Every entry point of ENTRY_POINTS (and ARCH_ENTRY_POINTS of the device's architecture) compiled
+    and loaded on one device, one module per file; a missing entry point is an error naming all missing
+    ones. :meth:`get` gives the current device's instance. ``directory``: the sources (:func:`kernels_dir`).
     """
 
     _instances: dict[int, "KernelSet"] = {}
@@ -243,8 +233,7 @@ class KernelSet:
                 module.compile()  # now, in this thread: NVRTC runs without the GIL
                 return module
 
-        # One file per thread, the longest sources first: a cold start costs the slowest file's
-        # compile, not the sum.
+        # The longest sources first (docs/design.md, "Kernel files").
         families.sort(key=lambda family: -len(sources[family[0]]))
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(families), _COMPILE_THREADS)) as pool:
             modules = list(pool.map(load, families))
@@ -375,12 +364,10 @@ class StageTimer:
 
 @dataclass(frozen=True)
 class LaunchContext:
-    """How the launches of one call are made: set by the layer from its options for the length of
-    a call (:func:`launching`), so that no process-wide setting decides it.
+    """How the launches of one call are made, set by the layer from its options for the call (:func:`launching`).
 
-    hopper: programmatic dependent launches and the sm_90a kernel families where the device has
-    them (False: the portable path that sm_80 and sm_120 / sm_121 run). timer: per-launch CUDA
-    events are recorded there (launches then run eagerly, one after another)."""
+    hopper: programmatic dependent launches and the sm_90a kernel families where the device has them
+    (False: the portable path). timer: per-launch CUDA events are recorded there (launches run eagerly)."""
 
     hopper: bool = True
     timer: StageTimer | None = None

@@ -1,11 +1,6 @@
-"""The input and output copies of a graphed decode call as nodes of its graph, repointed per call.
-
-A replayed decode call copies the caller's rows into the workspace's fixed input buffer and the
-output rows into a new array. As separate stream operations the two copies cost two memcpy calls and
-two launches around the graph; as its first and last nodes, each call only points them at its own
-arrays (cuGraphExecMemcpyNodeSetParams: it changes the launches that follow, not those already
-queued) and launches once. The driver is reached through ctypes (libcuda); anything missing or
-refused there makes `GraphCopies.find` return None, and the caller keeps the separate copies.
+"""The input and output copies of a graphed decode call as nodes of its graph, repointed per call
+(docs/design.md, "CUDA graphs"). The driver is reached through ctypes (libcuda); anything missing or refused
+there makes `GraphCopies.find` return None, and the caller keeps the separate copies.
 """
 
 from __future__ import annotations

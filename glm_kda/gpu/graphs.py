@@ -1,9 +1,5 @@
-"""CUDA graphs of the decode-side calls (docs/design.md, "CUDA graphs"): the first call of a key runs
-eagerly, the second captures it on a side stream, later ones replay it, the input and output copies
-being memcpy nodes repointed at the call's arrays (glm_kda.gpu.graph_copies). Slots live in a
-device buffer, so sequences entering and leaving a pool never cause a recapture. The host's work
-per replay is kept to repointing and one launch: a decode loop that does not synchronise each
-token runs at the GPU's pace.
+"""CUDA graphs of the decode-side calls: eager first call, capture on the second, replay after
+(docs/design.md, "CUDA graphs").
 """
 
 from __future__ import annotations
@@ -50,7 +46,7 @@ class CapturedGraph(NamedTuple):
 
 
 class DecodeGraphs:
-    """The captured decode graphs of one layer (see the module docstring)."""
+    """The captured decode graphs of one layer (docs/design.md, "CUDA graphs")."""
 
     def __init__(self, capacity: int = 64):
         self.capacity = capacity

@@ -1,16 +1,7 @@
-"""KdaLayer: one KDA block bound to the GPU. The public surface of the GPU side.
+"""KdaLayer: one KDA block bound to the GPU, the public surface of the GPU side (README, "API").
 
-    layer = KdaLayer.from_pretrained(path_or_repo, layer_idx)       # options=KdaOptions(...)
-    state = layer.new_state()                                        # conv [3*qkv, K], recurrent [H, D, D] FP32
-    out = layer.prefill(hidden[T, hidden], state)                    # BF16 [T, hidden]
-    out = layer.decode(hidden[1, hidden], state)                     # one token
-    out = layer.decode_k(hidden[K, hidden], state, snapshots)        # K tokens of one sequence (verify)
-    out = layer.decode(hidden[B, hidden], pool, slots)               # B sequences of a StatePool
-    layer.workspace.stages(rows)                                     # every stage buffer, by oracle name
-    with layer.timing() as timer: ...                                # per-kernel GPU time
-
-The stages themselves are private (glm_kda.gpu.pipeline). docs/design.md explains how decode
-and prefill are built; docs/maths.md the numerics they promise.
+The stages themselves are private (glm_kda.gpu.pipeline). docs/design.md explains how decode and prefill are
+built; docs/maths.md the numerics they promise.
 """
 
 from __future__ import annotations
@@ -275,15 +266,13 @@ class KdaLayer(Stages):
         """Chunked prefill of hidden [T, hidden] BF16 from the carried `state` (updated in place).
         Returns the block output [T, hidden] BF16 (a new array).
 
-        pad_value fills the padded tail of the last chunk in the q/k/v/gate/beta buffers; the
-        chunk kernels never read it (tests poison it with NaN and 1e30).
+        pad_value fills the padded tail of the last chunk; the chunk kernels never read it.
 
         Packed sequences: prefill(hidden [sum T_i, hidden], pool, slots=[N], cu_seqlens=[N+1])
-        prefills N sequences of a StatePool at once, sequence i being rows
-        cu_seqlens[i]..cu_seqlens[i+1]-1 (host ints, 0 first, strictly increasing) and advancing
-        slot slots[i] (distinct). Everything is checked before the first launch. Each sequence
-        equals its own prefill within the oracle bounds (not bit for bit: a short sequence's
-        projections alone take the decode-side kernel).
+        prefills N sequences of a StatePool at once, sequence i being rows cu_seqlens[i]..cu_seqlens[i+1]-1
+        (host ints, 0 first, strictly increasing) and advancing slot slots[i] (distinct), everything checked
+        before the first launch. Each sequence equals its own prefill within the oracle bounds, not bit for
+        bit (docs/design.md, "Prefill").
         """
         hidden, back = self._rows_in(hidden, "prefill", self.max_tokens)
         if isinstance(state, StatePool):

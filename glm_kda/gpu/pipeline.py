@@ -1,18 +1,8 @@
-"""The stages of one KdaLayer call, in the block's order (docs/design.md):
+"""The stages of one KdaLayer call, in the block's order: the private half of KdaLayer.
 
-    front end   qkv_proj  = hidden @ [W_q; W_k; W_v]^T            (main stream)
-                down_proj = hidden @ [W_fa; W_ga; W_b]^T          (the low-rank chain, on a side
-                forget_proj, out_gate = down_proj @ W_fb^T, W_gb^T  stream beside q|k|v)
-    stateful    decode:  the fused step per row group (conv + SiLU + L2, gate, beta, the
-                         recurrent step, the gated norm), states read once and written once
-                prefill: conv + SiLU + L2 + split, then the chunked delta rule
-    back end    prefill: the gated RMSNorm;  o_proj = o_norm_out @ W_o^T
-
-Every decode-side projection (decode, decode_k, pool decode, prefill of <= 16 rows) runs
-projection.gemm_rows_bf16, whose per-row arithmetic depends on neither the row count nor the other
-rows: decode_k of K rows is bit-identical to K decodes, and a sequence's bits do not depend on its
-batch. Prefill of more than 16 rows projects on cuBLAS, which reassociates. The methods here are
-the private half of KdaLayer; each takes the call's workspace (its stream picks it) explicitly.
+Front end (projections), stateful part (the fused decode step, or prefill's conv pass and chunked delta rule)
+and back end (prefill's gated RMSNorm, o_proj); how each is scheduled and why decode-side projections never
+use cuBLAS: docs/design.md. Each method takes the call's workspace (its stream picks it) explicitly.
 """
 
 from __future__ import annotations
@@ -28,7 +18,6 @@ from ..state import KdaState
 
 # Most rows of a decode-side call and of a prefill whose projections run on gemm_rows_bf16.
 DECODE_MAX_ROWS = 16
-# Rows of one launch of the decode-side projection.
 _ROW_GROUP = projection.GEMM_ROWS_MAX_ROWS
 # Block slots a q|k|v projection of <= 16 rows leaves free, so the low-rank chain beside it starts at once.
 _QKV_RESERVED_SLOTS = 64
@@ -51,7 +40,7 @@ def _section(name: str):
 
 
 class Stages:
-    """The stage methods of KdaLayer (see the module docstring). Expects the layer's weights
+    """The stage methods of KdaLayer. Expects the layer's weights
     (qkv_weight, down_weight, f_b, g_b, conv_weight, dt_bias, a_log, o_norm, o_proj), config,
     scale, _packed, _o_proj_sums and _chunk_impl."""
 
@@ -63,11 +52,9 @@ class Stages:
     def _project(self, ws: KdaWorkspace, x: Any, weight: str, out: Any, wide: bool, *, after_kernel: bool = False,
                  reserved_slots: int = 0, x_tiles: Any = None, x_tiled: bool = False, ready_target: int = 0,
                  sums: Any = None) -> None:
-        """out = x @ the weight named `weight`: cuBLAS where wide (prefill of > 16 rows), else
-        gemm_rows_bf16 over groups of _ROW_GROUP rows. after_kernel: the previous operation on this
-        stream writes x (a programmatic dependent launch). x_tiled: the fused step wrote x into
-        ws.x_tiles. ready_target: o_proj awaits that many blocks of the fused step counting their
-        outputs (ws.outputs_ready). sums: FP32 [rows, n] that also receives the unrounded result."""
+        """out = x @ the weight named `weight`: cuBLAS where wide, else gemm_rows_bf16 by row groups.
+        after_kernel: a programmatic dependent of the kernel writing x; x_tiled, ready_target and sums as
+        gemm_rows_bf16's x_tiled, ready (ws.outputs_ready) and sums."""
         if wide:
             ops.gemm_bf16_cublas(x, getattr(self, weight), out if sums is None else sums)
             if sums is not None:
@@ -100,10 +87,8 @@ class Stages:
                           c.bounded, c.gate_lower_bound or 0.0, tokens=rows)
 
     def _front_end(self, ws: KdaWorkspace, hidden: Any, wide: bool) -> None:
-        """q|k|v, down_proj, forget_proj and out_gate of hidden's rows. On the decode side the
-        low-rank chain runs on a higher-priority side stream beside q|k|v (which streams most
-        of the bytes); in a captured graph the two are parallel branches joined before the
-        stateful stage. The same kernels and inputs either way: no bit changes."""
+        """q|k|v, down_proj, forget_proj and out_gate of hidden's rows; on the decode side the low-rank
+        chain runs on a side stream (docs/design.md, "Decode front end"). No bit depends on the streams."""
         rows = hidden.shape[0]
         concurrent = not wide and build.current_context().timer is None
         with ws.beside(concurrent) as side:
@@ -161,11 +146,9 @@ class Stages:
 
     def _decode_rows(self, ws: KdaWorkspace, hidden: Any, conv_state: Any, recurrent_state: Any, *,
                      slots: Any = None, sequential: bool = False, snapshots: Sequence[KdaState] = ()) -> None:
-        """Every launch of a decode-side call on hidden [rows, hidden] BF16, output in
-        ws.final_out[:rows]. sequential: the rows are consecutive tokens of ONE sequence
-        (decode_k), snapshots[i] receiving the state after row i: without snapshots one launch
-        walks them all (the state stays in registers), else one launch per row with the copies
-        between. Otherwise row r is one token of the sequence in slot slots[r] of a pool."""
+        """Every launch of a decode-side call on hidden [rows, hidden] BF16, output in ws.final_out[:rows].
+        sequential: the rows are consecutive tokens of ONE sequence (decode_k), snapshots[i] receiving the
+        state after row i; otherwise row r is one token of the sequence in slot slots[r] of a pool."""
         rows = hidden.shape[0]
         with _section("front_end"):
             self._front_end(ws, hidden, wide=False)
@@ -208,11 +191,9 @@ class Stages:
 
     def _prefill_core(self, ws: KdaWorkspace, tokens: int, conv_state: Any, recurrent_state: Any,
                       pad_value: float | None = 0.0, first: int = 0) -> None:
-        """The stateful middle of a prefill of workspace rows first..first+T-1: conv + SiLU + L2 +
-        split in one pass (conv_state [3*qkv, K] FP32 in place), then the gate, beta and the
-        chunked delta rule from the carried recurrent_state [H, D, D] FP32 (in place). The padded
-        tail of the last chunk is filled with `pad_value`, or left as it is with None (packed
-        prefill, where those rows belong to the next sequence); the kernels never read it."""
+        """The stateful middle of a prefill of workspace rows first..first+T-1: the conv pass, gate, beta and
+        chunked delta rule, conv_state [3*qkv, K] and recurrent_state [H, D, D] FP32 in place. The padded tail
+        is filled with `pad_value`, or with None left as it is (packed prefill: the next sequence's rows)."""
         c = self.config
         rows = slice(first, None)
         query, key, value, gate, beta = (buf[rows] for buf in (ws.query, ws.key, ws.value, ws.gate, ws.beta))

@@ -1,14 +1,8 @@
 """The decode-side projection (``kernels_src/projection/``): 1..256 token rows times a BF16 weight.
 
-The decode, speculative-verify and batched-decode projections of the block (``qkv_proj``,
-``down_proj``, the gate up-projections, ``o_proj``) multiply a few token rows by a BF16 weight in
-torch Linear layout. Up to 64 rows that is bound by reading the weight once: the split-k sweep of
-``gemm_rows.cu`` streams it (row-major or in the packed layout of :func:`pack_weight`), and on an
-sm_90 device more than 16 rows of a wide enough weight run on the bulk-copy warpgroup-MMA sweep of
-``gemm_rows_bulk.cu`` (the tile layout, ``pack_weight(w, tiles=True)``). Every sweep adds the same
-products in the same k order, so every plan gives the same bits.
-
-The oracle of this stage is :func:`glm_kda.reference.linear` rounded to BF16.
+Launch planning and wrappers of the split-k row sweep, its staged forms and the sm_90 bulk-copy sweep; every
+plan adds the same products in the same k order, so every plan gives the same bits (docs/design.md, "The row
+projection kernel"). The oracle of this stage is :func:`glm_kda.reference.linear` rounded to BF16.
 """
 
 from __future__ import annotations
@@ -74,12 +68,9 @@ _BULK_TILE_BYTES = 64 * _K_BLOCK * 2
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A [n, k] BF16 weight in the packed layout of kernels_src/projection/gemm_rows.cuh, made by
-    :func:`pack_weight`: ``data[tile, kb, 8 * lane + e] = w[8 tile + lane // 4, 32 kb + 8 (lane % 4) + e]``
-    (zeros past n and k), shape [ceil(n / 8), ceil(k / 32), 256]. A warp of the projection reads
-    each tile's k range as one run of contiguous bytes; the values it loads, and so the bits of
-    every output, are those of the row-major weight. ``tiles`` (None unless asked for): the same
-    weight in the tile layout of the bulk-copy sweep (:func:`tile_layout`), as many bytes again."""
+    """A [n, k] BF16 weight in the packed layout (docs/design.md, "The row projection kernel"), made by
+    :func:`pack_weight`: ``data`` [ceil(n / 8), ceil(k / 32), 256] BF16, zeros past n and k. ``tiles`` (None
+    unless asked for): the same weight in the tile layout of the bulk-copy sweep (:func:`tile_layout`)."""
 
     data: Any
     n: int
@@ -155,11 +146,7 @@ class LaunchPlan:
 
 
 def _k_split(k: int) -> int:
-    """Warps that split the k axis of a block; mirrors ``k_split_for`` in the kernel.
-
-    The most (up to 8) that leaves each warp at least 4 blocks of 32 k. It depends on k alone: it
-    fixes the summation order of every output, so it must never depend on the row count.
-    """
+    """Warps that split k (``k_split_for`` in the kernel): a function of k alone, as it fixes the summation order."""
     k_blocks = -(-k // _K_BLOCK)
     split = _WARPS_PER_BLOCK
     while split > 1 and k_blocks < 4 * split:
@@ -183,15 +170,9 @@ def shared_memory(device_id: int) -> tuple[int, int]:
 
 def launch_plan(n: int, k: int, rows: int, tiles_per_warp: int | None = None, sm_count: int = _DEFAULT_SM_COUNT,
                 blocks: int | None = None, reserved_slots: int = 0) -> LaunchPlan:
-    """The split-k launch of one call: grid.y the row groups of 64, grid.x `blocks` column groups of
-    (8 / k_split) warps times ``tiles_per_warp`` tiles of 8 columns at a time (a block loops over the
-    groups blockIdx.x, blockIdx.x + grid.x, ...); 1 m-tile of 16 rows up to 16 rows, 2 up to 32, else 4.
-
-    Left as None the tiles are the widest (4, 2, else 1; at most 2 with 4 m-tiles, their register
-    budget) that still give every SM a block (wider tiles reuse each x fragment more), and grid.x is
-    the number of groups, capped with one m-tile at the blocks resident at once (sm_count times
-    GEMM_ROWS_BLOCKS_PER_SM) less ``reserved_slots`` left to kernels beside it (at least one block;
-    ignored where ``blocks`` is given or above 16 rows). No choice changes the k order, so no bit.
+    """The split-k launch of one call of `rows` rows of a [n, k] weight (docs/design.md, "The row projection
+    kernel", launch plan). ``tiles_per_warp`` (1, 2, 4) and ``blocks`` (grid.x) None: the widest tiles that give
+    every SM a block, and up to 16 rows the blocks resident at once less ``reserved_slots``. Changes no bit.
     """
     if tiles_per_warp is not None and tiles_per_warp not in _TILES_PER_WARP:
         raise ValueError(f"tiles_per_warp must be one of {_TILES_PER_WARP}, got {tiles_per_warp}")
@@ -220,8 +201,7 @@ def launch_plan(n: int, k: int, rows: int, tiles_per_warp: int | None = None, sm
 
 
 def _x_region_bytes(rows: int, k: int, tiles: int) -> int:
-    """Shared memory a staged block keeps beside its stage: a 16-byte zero chunk and x's rows padded to
-    whole k blocks, or the partial sums written over them (GEMM_ROWS_PARTIAL_FLOATS(1, tiles)), the more."""
+    """Shared memory beside a staged block's stage: x's rows (and a zero chunk) or the partial sums, the more."""
     partial_bytes = _WARPS_PER_BLOCK * tiles * 4 * 32 * 4
     return max(16 + rows * -(-k // _K_BLOCK) * _K_BLOCK * 2, partial_bytes)
 
@@ -234,10 +214,7 @@ def _group_a_block_plan(kernel: str, n_tiles: int, group_tiles: int, tiles: int,
 
 
 def _staged_plan(n: int, k: int, rows: int) -> LaunchPlan | None:
-    """The launch of kda_gemm_rows_staged_awaiting_bf16 for up to 16 rows of a packed [n, k] weight, or
-    None where it does not apply: one column group a block, its weights (every k block of its tiles)
-    copied into at most _STAGED_MAX_BYTES of shared memory before the block waits, x's rows after
-    them, _STAGED_BLOCKS_PER_SM blocks an SM; the widest tiles (2, else 1) whose group fits."""
+    """The whole-group staged launch for up to 16 rows of a packed [n, k] weight, or None where no group fits."""
     if rows > M_TILE:
         return None
     warps_n = _WARPS_PER_BLOCK // _k_split(k)
@@ -258,12 +235,8 @@ def _staged_plan(n: int, k: int, rows: int) -> LaunchPlan | None:
 def _tail_staged_plan(n: int, k: int, rows: int, sm_count: int = _DEFAULT_SM_COUNT, tail_blocks: int | None = None,
                       tiles_per_warp: int | None = None, shared_per_sm: int = _SHARED_PER_SM,
                       shared_per_block: int = _SHARED_PER_BLOCK) -> LaunchPlan | None:
-    """The launch of kda_gemm_rows_tail_staged_awaiting_bf16 for up to 16 rows of a packed [n, k] weight,
-    or None where no tail fits: the tiles and column groups of the one-row sweep (launch_plan,
-    ``tiles_per_warp`` as there), one group a block, each block's tail stage the last k blocks of every
-    warp's k range of its tiles: as many as the shared memory of _TAIL_BLOCKS_PER_SM blocks (each also
-    holding x's rows) allows, at most the whole range and at most ``tail_blocks`` (>= 1) where given.
-    ``shared_per_sm`` / ``shared_per_block``: what an SM holds and a block may ask for."""
+    """The tail-staged launch for up to 16 rows of a packed [n, k] weight (as many k blocks of each warp's
+    range as the shared memory allows, at most ``tail_blocks``), or None where no tail fits."""
     if tail_blocks is not None and tail_blocks < 1:
         raise ValueError(f"tail_staged_plan: tail_blocks must be >= 1, got {tail_blocks}")
     if rows > M_TILE:
@@ -289,10 +262,7 @@ def staged_applies(w: Any, rows: int) -> bool:
 
 
 def _staged_plan_here(w: Any, rows: int) -> LaunchPlan | None:
-    """The staged plan on the current device, or None: it needs a PackedWeight, <= 16 rows, and
-    launches that may use sm_90 features on an sm_90 or later device (a programmatic launch copies
-    while the kernel before it runs); the whole column group is staged where the weight has at most
-    _STAGED_MAX_WEIGHT_BYTES, else for one row the tail of each warp's k range (any weight size)."""
+    """The staged plan on the current device (sm_90 features on), whole groups or else a tail, or None."""
     if (not isinstance(w, PackedWeight) or rows > M_TILE or not build.hopper_enabled()
             or int(cupy.cuda.Device().compute_capability) < 90):
         return None
@@ -306,8 +276,7 @@ def _staged_plan_here(w: Any, rows: int) -> LaunchPlan | None:
 
 
 def _prefetch_k_blocks(n: int, k: int, programmatic: bool) -> int:
-    """Blocks of 32 k per weight row a launch over a [n, k] BF16 weight asks L2 for before its wait
-    (programmatic launches only). Changes no bit."""
+    """Blocks of 32 k per weight row a programmatic launch asks L2 for before its wait."""
     return _PREFETCH_K_BLOCKS if programmatic and 2 * n * k <= _PREFETCH_MAX_WEIGHT_BYTES else 0
 
 
@@ -326,34 +295,26 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
              buffer: only columns < n of rows < rows are written
 
     Bit contract: out[r] depends only on x[r] and w: for every rows in 1..256 it is, bit for bit,
-    what a one-row call on x[r] alone writes (padding rows are zeros never read; the k summation
-    order is a function of k alone, see kernels_src/projection/gemm_rows.cuh). None of these
-    changes a bit:
+    what a one-row call on x[r] alone writes (docs/design.md, "The row projection kernel"). None of
+    these changes a bit:
         tiles_per_warp, blocks, reserved_slots  the split-k launch (:func:`launch_plan`)
-        staged     with ``ready`` where :func:`staged_applies`: each block copies its weights (or the
-                   tail of each warp's k range) into shared memory before its wait; else ignored
-        bulk       more than 16 rows of a PackedWeight holding the tile layout where
-                   :func:`bulk_available`: the bulk-copy sweep, True always, None where the weight is
-                   wide enough (:func:`bulk_applies`), False never. Its scratch: ``x_tiles``
-                   (contiguous BF16, at least :func:`x_tiles_size` elements; None: a new one) and
-                   ``partial`` (contiguous float32, at least :func:`bulk_partial_size`, where a sweep
-                   of few column groups splits the k ranges over more blocks; None: no split);
-                   ``x_tiled``: x_tiles already holds x's rows (the fused decode step wrote them).
+        staged     with ``ready`` where :func:`staged_applies`: weights staged in shared memory before the wait
+        bulk       more than 16 rows of a PackedWeight holding the tile layout where :func:`bulk_available`:
+                   the bulk-copy sweep, True always, None where :func:`bulk_applies`, False never. Its
+                   scratch: ``x_tiles`` (contiguous BF16, at least :func:`x_tiles_size` elements; None: a
+                   new one), ``partial`` (contiguous float32, at least :func:`bulk_partial_size`; None: no
+                   k split); ``x_tiled``: x_tiles already holds x's rows (the fused decode step wrote them).
 
-    ``programmatic``: a programmatic dependent of the previous kernel in the stream, the one that
-    writes x (sm_90 and later): the blocks start while it drains, ask L2 for their first weight
-    bytes, and wait for it before they read x or write out.
+    ``programmatic``: a programmatic dependent of the previous kernel in the stream, the one that writes x
+    (sm_90 and later): the blocks start while it drains and wait for it before they read x or write out.
 
-    ``ready`` (with ``programmatic``, <= 16 rows of a PackedWeight): a contiguous int32 array of at
-    least 2 elements in which the previous kernel counts its blocks' outputs (the fused decode step's
-    ``outputs_ready``): the blocks read x once ready[0] reaches ``ready_target``, the last of them sets
-    both words back to zero, and each ends only after that kernel has. Every block of that kernel
-    must be resident when this one launches (see ops.kda_decode_fused_bf16).
+    ``ready`` (with ``programmatic``, <= 16 rows of a PackedWeight): a contiguous int32 array of at least 2
+    elements in which the previous kernel counts its blocks' outputs (the fused step's ``outputs_ready``):
+    the blocks read x once ready[0] reaches ``ready_target`` and the last sets both words back to zero.
+    Every block of that kernel must be resident when this one launches.
 
-    ``sums`` (None: none): FP32 [>= rows, n] with contiguous columns (a column slice is fine),
-    receiving each output's FP32 sum, which ``out`` holds rounded to BF16 (nearest even): a
-    tensor-parallel rank's partial output, added over the ranks before the one rounding. Not with
-    bulk=True (the bulk sweep writes none; None then means False).
+    ``sums`` (None: none): FP32 [>= rows, n], contiguous columns, receiving each output's FP32 sum (``out``
+    holds it rounded to BF16, nearest even): a tensor-parallel rank's partial output. Not with bulk=True.
 
     Returns the blocks launched (0 for the bulk-copy sweep).
     """
@@ -399,9 +360,7 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
 def gemm_rows_pair_bf16(x, w, out, x2, w2, out2, rows: int | None = None, *, programmatic: bool = False,
                         reserved_slots: int = 0) -> None:
     """out[r] = bf16(x[r] @ w.T) and out2[r] = bf16(x2[r] @ w2.T) for r < rows (1..16) in one launch,
-    each the bits of :func:`gemm_rows_bf16` alone (the same device code sweeps the second projection's
-    column groups after the first's): for two small projections of one kernel's outputs (the gate
-    up-projections of a decode row), one launch and one wait on that kernel instead of two of each.
+    each the bits of :func:`gemm_rows_bf16` alone (docs/design.md, "Decode front end").
 
     Shapes: w and w2 PackedWeights of one shape [n, k]; x, x2 [>= rows, k] and out, out2 [>= rows, n]
     BF16 with equal row strides (column slices of wider buffers are fine), as gemm_rows_bf16 takes
@@ -462,10 +421,7 @@ def _k_ranges(k: int) -> int:
 
 
 def _bulk_fill_tiles(groups: int, k: int, rows: int, warpgroups: int, split: bool, sm_count: int) -> int:
-    """The 4 KB tiles the busiest SM copies into shared memory in a bulk-copy sweep of `rows` rows of
-    a weight of `groups` groups of 64 columns: its share of the tasks (every row group's, spread over
-    the SMs) times a task's tiles (x's and each warpgroup's weight over the task's blocks of 32 k).
-    An SM fills its shared memory at a bounded rate, so this is what _bulk_warpgroups minimises."""
+    """The 4 KB tiles the busiest SM copies in a bulk sweep of `rows` rows of `groups` groups of 64 columns."""
     k_blocks = -(-k // _K_BLOCK)
     task_blocks = -(-k_blocks // _k_split(k)) if split else k_blocks
     tasks = -(-groups // warpgroups) * (_k_ranges(k) if split else 1) * -(-rows // _ROWS_PER_SWEEP)
@@ -473,15 +429,12 @@ def _bulk_fill_tiles(groups: int, k: int, rows: int, warpgroups: int, split: boo
 
 
 def _bulk_warpgroups(groups: int, k: int, rows: int, split: bool, sm_count: int) -> int:
-    """Warpgroups of a bulk block: the most (3, 2, 1) among those whose busiest SM copies the fewest
-    tiles (_bulk_fill_tiles)."""
+    """Warpgroups of a bulk block: the most among those whose busiest SM copies the fewest tiles."""
     return min((3, 2, 1), key=lambda wg: (_bulk_fill_tiles(groups, k, rows, wg, split, sm_count), -wg))
 
 
 def _bulk_block_chunks(k: int, tasks: int, grid_x: int, split: bool) -> int:
-    """Ring chunks (up to _BULK_CHUNK blocks of 32 k of each operand) the busiest block of a bulk-copy
-    sweep walks: its tasks (blockIdx.x, blockIdx.x + grid_x, ...) times a task's chunks, one k range
-    (split) or every range, each range's blocks in chunks from its first."""
+    """Ring chunks the busiest block of a bulk sweep walks: its tasks times a task's chunks."""
     k_blocks = -(-k // _K_BLOCK)
     k_range = -(-k_blocks // _k_split(k))
     chunks = [-(-min(k_range, k_blocks - start) // _BULK_CHUNK) for start in range(0, k_blocks, k_range)]
@@ -504,15 +457,8 @@ class BulkPlan:
 
 def _bulk_plan(n: int, k: int, rows: int, sm_count: int = _DEFAULT_SM_COUNT, warpgroups: int | None = None,
                blocks: int | None = None, stages: int | None = None, split: bool | None = False) -> BulkPlan:
-    """The launch of kda_gemm_rows_bulk_g<warpgroups> for `rows` rows of a [n, k] weight: grid.y the row
-    groups of 64, grid.x the tasks (super-groups of `warpgroups` groups of 64 columns, or with `split`
-    their k ranges one by one) capped at one wave of the blocks resident at once over all row groups
-    (the row groups that run at once walk the same columns in step, so the weight is read once a
-    wave), or at `blocks`; as many ring slots (each x's and every warpgroup's _BULK_CHUNK blocks of
-    32 k) as fit, up to _BULK_MAX_STAGES and to the chunks a block walks (a sweep of one short chunk
-    a block leaves the shared memory it would not use to the kernels beside it).
-    warpgroups None: _bulk_warpgroups' choice. split None: where the unsplit tasks of all row groups
-    would keep fewer than half the SMs busy and k has more than one range. No choice changes a bit."""
+    """The bulk-copy launch for `rows` rows of a [n, k] weight (docs/design.md, "The row projection kernel", bulk
+    sweep); None arguments are chosen, split where unsplit tasks keep fewer than half the SMs busy. Changes no bit."""
     groups = -(-n // 64)
     row_groups = -(-rows // _ROWS_PER_SWEEP)
     if split is None:
@@ -556,14 +502,8 @@ def _gemm_rows_bulk(x, w: PackedWeight, out, rows: int | None = None, *, x_tiles
                     warpgroups: int | None = None, blocks: int | None = None, stages: int | None = None,
                     split: bool | None = None, partial: Any = None, programmatic: bool = False,
                     x_tiled: bool = False) -> None:
-    """gemm_rows_bf16's bulk-copy sweep (the same operands and bits; w a PackedWeight made with
-    ``tiles=True``). Two or three launches: kda_gemm_rows_tile_x_bf16 lays x out in tiles (into
-    ``x_tiles``; none with ``x_tiled``), then kda_gemm_rows_bulk_g<WG> sweeps as its programmatic
-    dependent (``warpgroups``, ``blocks``, ``stages`` and ``split`` as _bulk_plan takes them); a split
-    sweep stores each k range's FP32 sums in ``partial`` and kda_gemm_rows_bulk_fold_bf16 adds them into
-    out in the sweep's order. With split None the sweep splits only into a ``partial`` given and large
-    enough. Rows past `rows` of the last row group may hold anything: they feed only outputs that
-    are never stored."""
+    """gemm_rows_bf16's bulk-copy sweep (same bits): x laid out in tiles (unless ``x_tiled``), the sweep, and
+    for a split sweep the fold of ``partial``'s k-range sums; split None splits only into a large enough partial."""
     rows, n, k, ldx, ldy = projection_args("gemm_rows_bulk", x, w, out, rows, GEMM_ROWS_MAX_ROWS)
     if not isinstance(w, PackedWeight) or w.tiles is None:
         raise ValueError("gemm_rows_bulk: w must be a PackedWeight made with pack_weight(w, tiles=True)")

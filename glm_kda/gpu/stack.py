@@ -1,20 +1,7 @@
-"""KdaStack: the KDA layers of a checkpoint on one GPU, sharing one workspace.
+"""KdaStack: the KDA layers of a checkpoint on one GPU, sharing one workspace (README, "API").
 
-    stack = KdaStack.from_pretrained(path_or_repo)                    # layers="all": every KDA layer
-    states = stack.new_states()                                        # one KdaState per layer
-    out = stack.prefill(hidden[T, hidden], states)                     # BF16 [T, hidden]
-    out = stack.decode(hidden[1, hidden], states)                      # one token through every layer
-    out = stack.decode_k(hidden[K, hidden], states)                    # K tokens of one sequence
-    out = stack.decode(hidden[B, hidden], stack.new_pools(n), slots)   # B sequences, one pool per layer
-    out = stack.decode(row, states, between=lambda i, out: ...)       # the caller's code between layers
-    with stack.timing() as timer: ...                                  # per-kernel GPU time, every layer
-
-Without ``between``, a decode or decode_k through the stack is one CUDA graph a call (captured on
-the second call with the same states): no host work between layers. Each layer's output is the next
-layer's input, or what ``between(i, out)`` returns for it (i the position in the stack, out a CuPy
-BF16 [rows, hidden] array; return the same shape and dtype; not called after the last layer; an
-array the next layer refuses fails that layer's call, the earlier layers advanced). The bits are
-those of calling ``stack.layers[i]`` one after the other by hand.
+Without ``between``, a decode or decode_k through the stack is one CUDA graph a call: no host work between
+layers. The bits are those of calling ``stack.layers[i]`` one after the other by hand.
 """
 
 from __future__ import annotations
@@ -57,8 +44,13 @@ def chosen_layers(config: KdaConfig, layers: str | Sequence[int]) -> tuple[int, 
 
 
 class KdaStack:
-    """KDA layers of one geometry run one after the other, sharing one workspace (see the module
-    docstring). layers: the KdaLayer objects, in order; build with :meth:`from_pretrained`."""
+    """KDA layers of one geometry run one after the other, sharing one workspace. layers: the KdaLayer
+    objects, in order; build with :meth:`from_pretrained`.
+
+    Each layer's output is the next layer's input, or what ``between(i, out)`` returns for it (i the position
+    in the stack, out a CuPy BF16 [rows, hidden] array; return the same shape and dtype; not called after the
+    last layer; an array the next layer refuses fails that layer's call, the earlier layers advanced).
+    """
 
     def __init__(self, layers: Sequence[KdaLayer]):
         self.layers = list(layers)
@@ -211,9 +203,7 @@ class KdaStack:
                     layer._decode_rows(ws, rows_in, state.conv, state.recurrent, slots=device_slots)
                 else:
                     layer._decode_rows(ws, rows_in, state.conv, state.recurrent, sequential=True)
-                # The next layer reads this one's output where it lies. Its o_proj writes final_out
-                # only after the fused step, which starts once every reader of the input (q|k|v and
-                # the low-rank chain) has finished, so no copy is needed between the layers.
+                # The next layer reads this one's output in place (safe: docs/design.md, "Python modules").
                 rows_in = ws.final_out[:rows]
 
         key = ("stack", pooled, rows, tuple(layer._generation for layer in self.layers),

@@ -1,11 +1,5 @@
-"""KdaWorkspace: the stage buffers and scratch of the calls of one CUDA stream (docs/design.md,
-"Workspaces").
-
-Calls on different streams must never share scratch (a decode's projections, its fused step and
-the counts its output projection awaits all live here), so a layer takes the workspace of the
-stream it is called on (:meth:`KdaWorkspace.for_stream`), shared by every layer of its geometry.
-A workspace given to a layer explicitly serves every stream, its calls ordered through an event
-(:meth:`KdaWorkspace.acquire`).
+"""KdaWorkspace: the stage buffers and scratch of the calls of one CUDA stream; why one a stream, shared by the
+layers of a geometry: docs/design.md, "Workspaces".
 """
 
 from __future__ import annotations
@@ -76,13 +70,10 @@ class KdaWorkspace:
       o_norm_out [T, qkv] BF16    final_out [T, hidden] BF16
       chunk scratch: q_decay, k_tail, chunk_w, chunk_u [Tp, H, D], attn [Tp/C, H, C, C],
       chunk_decay [Tp/C, H, D], all FP32
-    with Tp = max_tokens rounded up to the chunk. The tensor-core chunk kernels keep q_decay,
-    k_tail, w and attn as FP16 in the first half of the same bytes (q_decay_f16, k_tail_f16,
-    chunk_w_f16, attn_f16). The bulk-copy projection sweep's scratch: x_tiles, x_tiles_side,
-    x_tiles_gate (x in its tile layout, for the main stream, the low-rank chain's and the output
-    gate's branch) and bulk_partial (FP32 k-range sums). outputs_ready: the count of the fused
-    step's blocks that the output projection awaits (zero between calls). graph_hidden and
-    graph_slots: the fixed inputs of captured decode graphs.
+    with Tp = max_tokens rounded up to the chunk. The tensor-core chunk kernels keep q_decay, k_tail, w and
+    attn as FP16 in the first half of the same bytes (q_decay_f16, k_tail_f16, chunk_w_f16, attn_f16). The
+    rest (docs/design.md, "Workspaces"): the bulk sweep's x_tiles, x_tiles_side, x_tiles_gate and
+    bulk_partial, the outputs_ready count (zero between calls), graph_hidden and graph_slots.
     """
 
     _serials = itertools.count()

@@ -1,16 +1,8 @@
-"""Run the KDA blocks of a transformers GLM-5.3-Flash or Kimi-Linear model on glm_kda.
+"""Run the KDA blocks of a transformers GLM-5.3-Flash or Kimi-Linear model on glm_kda (README, "API").
 
-    from glm_kda.integrations.transformers import use_glm_kda
-    swap = use_glm_kda(model)        # every KDA self_attn replaced by a KdaBlock
-    model(...); model.generate(...)  # unchanged
-    swap.restore()                   # the original modules back
-
-A model on a CUDA device runs the CUDA kernels (one KdaLayer per block, all sharing one workspace),
-one on the CPU the BF16-faithful NumPy oracle. The states stay in the model's own cache (the conv
-state in the model's dtype [B, 3·H·D, K], the recurrent state FP32 [B, H, D, D]), written through the
-cache's own update methods (docs/design.md, "The transformers integration"). Rows are rounded to BF16
-on the way in (docs/maths.md); the output comes back in the model's dtype. Needs torch and
-transformers >= 5.17 (`pip install glm-kda[transformers]`).
+A model on a CUDA device runs the CUDA kernels, one on the CPU the BF16-faithful NumPy oracle; the states stay
+in the model's own cache (docs/design.md, "The transformers integration"). Needs torch and transformers >= 5.17
+(`pip install glm-kda[transformers]`).
 """
 
 from __future__ import annotations

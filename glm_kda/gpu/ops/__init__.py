@@ -1,16 +1,5 @@
-"""One thin launch wrapper per kernel family, named after the kernel it launches.
-
-    cublas       the wide prefill projections (cuBLAS) and FP32 -> BF16 rounding
-    conv         conv + SiLU + L2 + split of a prefill
-    gate         forget gate and beta of a prefill
-    decode_step  the fused decode step (conv, gate, beta, recurrent step, gated norm)
-    chunk        the FP32 chunked delta rule (any chunk length)
-    chunk_tc     the tensor-core chunked delta rule (chunk 64)
-    norm         the sigmoid-gated RMSNorm of a prefill
-
-The projection kernel of every decode-side call lives in :mod:`glm_kda.gpu.projection` with
-its launch planning.
-"""
+"""One thin launch wrapper per kernel family, named after the kernel it launches (each module's docstring says
+which); the decode-side projection lives in :mod:`glm_kda.gpu.projection` with its launch planning."""
 
 from .checks import HEAD_DIM, MAX_GRID_Y, projection_args, recurrent_state_heads
 from .chunk import chunk_count, chunk_prepare_smem_bytes, kda_chunk_prepare_f32, kda_chunk_scan_f32

@@ -1,11 +1,9 @@
 """What every launch wrapper checks, and the constants the kernels share.
 
-Each wrapper takes CuPy arrays, checks dtype, shape, contiguity and alignment against what
-its kernel assumes, and hands ints as numpy.int32 and floats as numpy.float32 to
-:func:`glm_kda.gpu.build.launch`. Nothing allocates: outputs are caller-owned buffers.
-BF16 arrays may have dtype ``ml_dtypes.bfloat16`` or ``uint16`` (the raw bits). Where a
-wrapper takes ``tokens`` (or ``rows``), arrays with a token axis may hold more rows than are
-used (a workspace sized for the longest prompt); the kernels touch only the first ``tokens``.
+Each wrapper checks its CuPy arrays' dtype, shape, contiguity and alignment against what its kernel
+assumes, and allocates nothing (outputs are caller-owned). BF16 arrays may have dtype ``ml_dtypes.bfloat16``
+or ``uint16`` (the raw bits). Arrays with a token axis may hold more rows than the ``tokens`` (or ``rows``)
+used; the kernels touch only those.
 """
 
 from __future__ import annotations
@@ -23,7 +21,6 @@ HEAD_BLOCK = 128
 # Largest gridDim.y: kernels with a token grid axis are launched in slices of this.
 MAX_GRID_Y = 65535
 
-# The dtype of every FP32 operand.
 _F32_DTYPE = numpy.dtype(numpy.float32)
 # kind -> (the dtypes an operand of that kind may have, their name): BF16 as its raw bits or as
 # ml_dtypes' bfloat16.

@@ -19,9 +19,8 @@ from .gate import check_gate_sources
 
 
 def _launch(name: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int) -> None:
-    """build.launch with the largest shared-memory carveout: two scan blocks of 93 KB per SM
-    need more than the driver's default split leaves when it is free to favour L1 (the
-    carveout is a hint; a block that cannot run at all is always given enough)."""
+    """build.launch with the largest shared-memory carveout: two scan blocks of 93 KB per SM need more
+    than the driver's default split leaves when it is free to favour L1."""
     build.launch(name, grid, block, args, shared_mem=shared_mem, carveout=100)
 
 
@@ -62,13 +61,11 @@ def kda_chunk_tc_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, 
     """Intra-chunk work of every chunk (no state): grid (nchunks, H), 256 threads.
 
     lower_bound: the bounded law's bound (-5 <= lower_bound <= 0), or None for gates with no lower
-    bound (the softplus law): kda_chunk_tc_prepare_unbounded_f32, which forms a diagonal 16 x 16
-    block of A and B whose decay exceeds DIAGONAL_RANGE as exact FP32 sums instead of tensor-core
-    products (their factors are bounded only under a bound on the decay; :func:`diagonal_in_range`).
+    bound: the unbounded prepare (docs/design.md, "Prefill"; docs/maths.md, "The chunked (WY) form").
 
     query, key, value, gate [>= T, H, D] and beta [>= T, H] FP32, 16-byte aligned; rows >= T are
-    never read. With `gate_source` (needs a lower_bound) gate and beta are OUTPUTS: kda_chunk_tc_prepare_gate_f32 forms their T rows from the projections, bit for
-    bit what ops.kda_gate_beta_f32 writes.
+    never read. With `gate_source` (needs a lower_bound) gate and beta are OUTPUTS, their T rows
+    formed from the projections bit for bit as ops.kda_gate_beta_f32 writes them.
 
     Writes the scratch of :func:`scratch_shapes`: q_decay = f16(tf32(scale q exp(G))),
     k_tail = f16(tf32(k exp(G_last - G))) chunk-transposed, w = f16(tf32(W)), u = Uc (FP32),
@@ -119,14 +116,11 @@ def chunk_prefill_tc(query, key, value, gate, beta, state, core, tokens: int, lo
     """The chunked prefill core on tensor cores: core [>= T, H, D] and the carried state
     [H, D, D] (in place) from query, key, value, gate [>= T, H, D] and beta [>= T, H].
 
-    Scratch (C-contiguous, 16-byte aligned; :func:`scratch_shapes`, dtypes SCRATCH_KINDS), with
-    Tp = ceil(T / 64) * 64: q_decay, k_tail, w (FP16), u (FP32) [>= Tp, H, D]; attn (FP16)
-    [>= Tp / 64, H, 64, 64]; chunk_decay (FP32) [>= Tp / 64, H, D]: the workspace's q_decay_f16,
-    k_tail_f16, chunk_w_f16, chunk_u, attn_f16 and chunk_decay where its chunk is 64.
+    Scratch (C-contiguous, 16-byte aligned) of :func:`glm_kda.chunk_model.scratch_shapes` and SCRATCH_KINDS:
+    the workspace's q_decay_f16, k_tail_f16, chunk_w_f16, chunk_u, attn_f16 and chunk_decay at chunk 64.
 
     lower_bound and `gate_source` (:class:`GateSource`) as :func:`kda_chunk_tc_prepare_f32` takes
-    them. Every argument is checked before the first launch,
-    so a refused call leaves the state untouched.
+    them. Every argument is checked before the first launch, so a refused call leaves the state untouched.
     """
     if not _checked_call_needs_work(lower_bound, gate_source, tokens):
         return

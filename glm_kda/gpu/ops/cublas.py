@@ -19,12 +19,8 @@ def gemm_bf16_cublas(x, w, out) -> None:
     """out[T, n] = bf16(x[T, k] @ w[n, k]^T) through cuBLAS, BF16 in/out, FP32 compute; a
     float32 `out` receives the FP32 result unrounded (a tensor-parallel rank's partial output).
 
-    For prefill widths. Reassociates differently from the decode-side projection
-    (glm_kda.gpu.projection), so it is never used where decode bits must be reproduced. x and out may
-    be row slices or column slices of wider row-major buffers: their row strides are passed.
-
-    cuBLAS is column-major: a row-major [R, C] matrix with row stride ld is the column-major [C, R]
-    matrix with leading dimension ld, so out = x w^T is computed as out^T [n, T] = op_T(W) [n, k] X [k, T].
+    For prefill widths: it reassociates, so it is never used where decode bits must be reproduced. x and
+    out may be row slices or column slices of wider row-major buffers: their row strides are passed.
     """
     from cupy.cuda import cublas  # loading cuBLAS needs the library; not at import
 
@@ -51,7 +47,8 @@ def gemm_bf16_cublas(x, w, out) -> None:
     pointer_mode = cublas.getPointerMode(handle)
     cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
     try:
-        # A = W stored [k, n] (lda = k), B = X stored [k, T] (ldb = ldx), C = out^T stored [n, T] (ldc = ldo).
+        # cuBLAS is column-major, so out = x w^T runs as out^T [n, T] = op_T(W) X: A = W stored [k, n] (lda = k),
+        # B = X stored [k, T] (ldb = ldx), C = out^T stored [n, T] (ldc = ldo).
         cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n, tokens, k, alpha.ctypes.data,
                       w.data.ptr, _CUDA_R_16BF, k,
                       x.data.ptr, _CUDA_R_16BF, ldx, beta.ctypes.data,

@@ -21,11 +21,10 @@ def kda_decode_fused_bf16(
     scale: float, l2_eps: float, norm_eps: float, slots=None, tokens: int = 1, prefetch_ahead: int = 0,
     dependents_after: int = 0, x_tiles=None, outputs_ready=None,
 ) -> int:
-    """The stateful half of decode in one launch: for each sequence, `tokens` consecutive tokens of
-    conv + SiLU + L2, forget gate and beta, one delta-rule step, gated RMSNorm. Each stage is the
-    device function of the prefill kernel of that stage, so its bits are theirs; every stage's output
-    is written. rows = sequences * tokens, sequence s's tokens in order from row s * tokens (tokens > 1
-    is a speculative verify's walk: the states stay in registers from the first token to the last).
+    """The stateful half of decode in one launch (docs/design.md, "The fused decode step"): for each
+    sequence, `tokens` consecutive tokens of conv + SiLU + L2, forget gate and beta, one delta-rule step,
+    gated RMSNorm, every stage's output written. rows = sequences * tokens, sequence s's tokens in order
+    from row s * tokens.
 
     States, in place: conv_state [3*H*D, K] FP32 and recurrent_state [H, D, D] FP32 (one
     sequence), or pools [N, 3*H*D, K] and [N, H, D, D]; sequence s uses slot slots[s] (device int32)
@@ -36,23 +35,15 @@ def kda_decode_fused_bf16(
     Stage outputs: conv_out [rows, 3*H*D] BF16; query, key (L2-normalised), value, gate,
     core [rows, H, D] FP32; beta [rows, H] FP32; o_norm_out [rows, H*D] BF16.
 
-    None of these changes a bit:
-        prefetch_ahead    the block of sequence s asks L2 for the states of sequence s +
-                          prefetch_ahead (0: none), a block of a later wave
-        dependents_after  where the blocks let the next kernel of the stream (a programmatic
-                          dependent such as the output projection) launch: 0 at once, 1 once the
-                          first token's inputs are formed, 2 after its recurrent step
-        x_tiles           None, or a contiguous BF16 array of at least projection.x_tiles_size(rows,
-                          H*D) elements receiving o_norm_out's rows again in the bulk-copy sweep's
-                          tile layout (projection.tile_layout; the rest of the last group of 64 rows
-                          untouched), for the output projection to read with x_tiled=True
-        outputs_ready     None, or a contiguous int32 array of at least 2 elements, both zero: each
-                          block adds 1 to outputs_ready[0] once its outputs are written, before it
-                          stores its states; the output projection launched next by
-                          projection.gemm_rows_bf16(..., ready=outputs_ready, ready_target=<this
-                          launch's blocks>) waits for that count instead of this launch's end and
-                          zeroes the words. It launches only once every block of this one has
-                          started, so the blocks it waits for are all resident.
+    None of these changes a bit (docs/design.md, "The fused decode step" and "Output projection"):
+        prefetch_ahead    the block of sequence s asks L2 for the states of sequence s + prefetch_ahead (0: none)
+        dependents_after  when the next kernel of the stream may launch: 0 at once, 1 once the first
+                          token's inputs are formed, 2 after its recurrent step
+        x_tiles           None, or contiguous BF16 of at least projection.x_tiles_size(rows, H*D) elements:
+                          o_norm_out's rows again in the bulk sweep's tile layout, for an o_proj with x_tiled=True
+        outputs_ready     None, or contiguous int32 of at least 2 elements, both zero: each block adds 1 to
+                          outputs_ready[0] once its outputs are written, before it stores its states, for
+                          projection.gemm_rows_bf16(..., ready=outputs_ready, ready_target=<blocks launched>)
 
     Returns the blocks launched (the count outputs_ready reaches).
     """
