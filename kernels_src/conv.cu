@@ -1,19 +1,7 @@
-// T tokens of a prefill: causal depthwise conv over time + SiLU on the q|k|v projection (conv_dim =
-// 3 * heads * head_dim channels), the BF16 conv output, then the per-head L2 normalisation
-// of q and k and the split into FP32 q, k and v.
-//
-// conv_state [conv_dim, K] FP32 keeps the last K conv INPUTS per channel, oldest first. Each token
-// shifts the window left by one and puts the new input in slot K-1, then
-//   conv_out[c] = bf16( silu( sum_{j=0..K-1} conv_w[c, j] * window[j] ) ).
-// L2 reads the ROUNDED conv output: x / sqrt(sum(x * x) + eps), eps inside the sqrt; v is never
-// normalised. The kernel leaves conv_state as T decode steps would.
-//
-// Launch: grid (ceil(3 * heads / 4), ceil(T / 64)), block 128 = 4 warps, no shared memory. A warp
-// holds one head of q, k or v for a tile of 64 tokens, 4 channels a lane, so the tokens run in
-// parallel (a lane rebuilds its windows from the K - 1 inputs before its tile) and the L2 sum of a
-// token's head is a warp reduction, without a block barrier. The conv of a channel is the fused decode
-// step's (common/conv_window.cuh) and the L2 sum adds in its order, so prefill and decode agree bit
-// for bit on the conv output and q, k, v. K <= CONV_MAX_KERNEL = 4: the windows live in registers.
+// The prefill conv pass: causal depthwise conv + SiLU (BF16 output), per-head L2 of q and k, split into
+// FP32 q, k, v; conv_state [3 H D, K] FP32 left as T decode steps leave it, with decode's bits.
+// Launch: grid (ceil(3 * heads / 4), ceil(T / 64)), 128 threads, no shared memory; a warp holds one head
+// of q, k or v for 64 tokens, 4 channels a lane (docs/kernels.md, 'Prefill conv').
 #include "common/conv_window.cuh"
 #include "common/reduce.cuh"
 
@@ -34,10 +22,8 @@ __device__ __forceinline__ float conv_carried_input(const float (&old)[CONV_MAX_
 // Tokens a warp loads ahead of their arithmetic.
 #define CONV_PREFILL_AHEAD 4
 
-// Warp w of block x holds head part p = 4x + w of q, k or v (heads of q, then k, then v); lane L
-// its channels 4L .. 4L+3: a token is one 8-byte load and one 8-byte store of BF16 per lane and one
-// 16-byte store of q, k or v. Requires 8-byte aligned qkv_proj and conv_out rows and 16-byte
-// aligned q, k, v rows.
+// qkv_proj, conv_out [T, 3 H D] BF16 (8-byte aligned rows), conv_w [3 H D, K] BF16, query, key, value
+// [T, H D] FP32 (16-byte aligned rows). Warp w of block x holds head part 4x + w of q, then k, then v.
 extern "C" __global__ void __launch_bounds__(KDA_HEAD_BLOCK)
 kda_conv_prefill_silu_l2_bf16(float* __restrict__ conv_state, const bf16_t* __restrict__ qkv_proj,
                           const bf16_t* __restrict__ conv_w, bf16_t* __restrict__ conv_out,
@@ -62,8 +48,7 @@ kda_conv_prefill_silu_l2_bf16(float* __restrict__ conv_state, const bf16_t* __re
     float* outputs = part < heads ? query : part < 2 * heads ? key : value;
     outputs += static_cast<size_t>(head) * KDA_HEAD_DIM + 4 * lane;
 
-    // Tile 0 reads the carried state (the conv inputs of tokens -K .. -1) before anything is
-    // written; only tile 0 reaches t < 0 (a tile is >= K long).
+    // Only tile 0 reaches t < 0 (a tile is >= K long): it reads the carried state before any write.
     float old_state[4][CONV_MAX_KERNEL] = {};
     if (blockIdx.y == 0) {
 #pragma unroll
@@ -79,8 +64,7 @@ kda_conv_prefill_silu_l2_bf16(float* __restrict__ conv_state, const bf16_t* __re
     auto load_inputs = [&](int t) -> uint2 {
         return *reinterpret_cast<const uint2*>(qkv_proj + static_cast<size_t>(t) * conv_dim + channel);
     };
-    // Conv input of channel c of token t: the loaded word for t >= 0, else the carried state
-    // (slot K + t holds token t).
+    // Conv input of token t: the loaded word for t >= 0, else the carried state (slot K + t).
     auto input = [&](const uint2& packed, int t, int c) -> float {
         if (t >= 0) {
             return bf16_half_to_f32(c < 2 ? packed.x : packed.y, c & 1);
@@ -136,8 +120,7 @@ kda_conv_prefill_silu_l2_bf16(float* __restrict__ conv_state, const bf16_t* __re
         }
     }
 
-    // Tile 0 alone writes the new state (the last K inputs), so no block reads a slot that
-    // another has already overwritten; its old values are in registers by now.
+    // Tile 0 alone writes the new state, so no block reads a slot another has overwritten.
     if (blockIdx.y == 0) {
 #pragma unroll
         for (int j = 0; j < CONV_MAX_KERNEL; ++j) {

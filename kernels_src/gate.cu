@@ -1,15 +1,7 @@
-// Forget gate (per-channel log-decay) and beta (per-head write strength) of a prefill, FP32:
-//   u = forget_proj[t, c] + dt_bias[c],  c = h * head_dim + d,  a = exp(A_log[h])
-//   bounded law (gate_law KDA_GATE_BOUNDED):   gate = lower_bound * sigmoid(a * u)
-//   softplus law (gate_law KDA_GATE_SOFTPLUS): gate = -a * softplus(u),  softplus(u) = u for u > 20
-//   beta[t, h] = sigmoid(beta_logits[t, h])
-// (kda_forget_gate, common/math.cuh: the one definition, so the kernels that form it agree bit for bit.)
-//
-// Launch: grid (heads, ceil(T / GATE_TOKENS_PER_BLOCK)), block 128 threads, no shared memory: one head
-// and a group of 32 tokens a block. Thread 32 r + c owns channels 4c .. 4c + 3 (an 8-byte load of 4
-// BF16, a 16-byte store of 4 FP32) of the tokens r, r + 4, .., r + 28 of the group, all its loads
-// issued before the first store; the c = 0 threads write the beta of their tokens. The grouping is
-// only a walk order: an element's arithmetic does not depend on it.
+// Forget gate (per-channel log-decay) and beta of a prefill, FP32, by the bounded or softplus law
+// (docs/maths.md, section 3; kda_forget_gate of common/math.cuh, the one definition).
+// Launch: grid (heads, ceil(T / 32)), 128 threads, no shared memory: a head and 32 tokens a block
+// (docs/kernels.md, 'Forget gate and beta').
 #include "common/bf16.cuh"
 #include "common/head.cuh"
 #include "common/math.cuh"
@@ -19,6 +11,8 @@
 #define GATE_ROWS (GATE_THREADS / (KDA_HEAD_DIM / 4))
 #define GATE_STEPS (GATE_TOKENS_PER_BLOCK / GATE_ROWS)
 
+// forget_proj [T, H D] BF16, dt_bias [H D] and a_log [H] FP32, beta_logits [T, ld_beta] BF16 ->
+// gate [T, H D] and beta [T, H] FP32.
 extern "C" __global__ void __launch_bounds__(GATE_THREADS)
 kda_gate_beta_f32(const bf16_t* __restrict__ forget_proj, const float* __restrict__ dt_bias,
               const float* __restrict__ a_log, const bf16_t* __restrict__ beta_logits,

@@ -1,17 +1,13 @@
-// Gated RMSNorm per head of a prefill's KDA core output, FP32 arithmetic, BF16 result:
+// Gated RMSNorm per head of a prefill's core output, FP32 arithmetic, BF16 result, the gate a SIGMOID:
 //   y[t, h, d] = o / sqrt(mean_d(o * o) + eps) * norm_w[d] * sigmoid(out_gate[t, h, d])
-// The gate is a SIGMOID: the common gated RMSNorm's SiLU has the same shapes, so a swap is silent.
-//
-// Launch: grid (heads, ceil(T / NORM_TOKENS_PER_BLOCK)), block head_dim = 128, no dynamic shared
-// memory: a block per head and group of 8 tokens, a thread per channel, so the mean over the head is
-// one block reduction per token (gated_rmsnorm_sigmoid, the fused decode step's). The group's loads
-// are issued before its first reduction (enough rows to amortise a block's start at prefill widths);
-// an element's arithmetic does not depend on the grouping.
+// Launch: grid (heads, ceil(T / 8)), 128 threads, no dynamic shared memory: a thread a channel, one
+// block reduction a token (the fused decode step's).
 #include "common/bf16.cuh"
 #include "common/reduce.cuh"
 
 #define NORM_TOKENS_PER_BLOCK 8
 
+// core [T, H, D] FP32, out_gate [T, H D] BF16, norm_w [D] BF16 -> o_norm_out [T, H D] BF16.
 extern "C" __global__ void __launch_bounds__(KDA_HEAD_BLOCK)
 kda_gated_rmsnorm_sigmoid_bf16(const float* __restrict__ core, const bf16_t* __restrict__ out_gate,
                            const bf16_t* __restrict__ norm_w, bf16_t* __restrict__ o_norm_out,

@@ -1,33 +1,13 @@
-// Chunked (WY) prefill of the KDA delta rule over T tokens, FP32: the reference path, any chunk
-// size C (1..64), nchunks = ceil(T / C), D = KDA_HEAD_DIM. Per chunk and head (rows t, s in 0..C-1,
-// G_t = sum_{r<=t} g_r per channel, S0 the state at the chunk start; docs/maths.md, the chunked form):
-//   A[t][s]  = sum_d k_t k_s exp(G_t - G_s)  (s < t),   B[t][s] = scale sum_d q_t k_s exp(G_t - G_s)  (s <= t)
-//   W_t      = beta_t (k_t exp(G_t) - sum_{s<t} A[t][s] W_s),   Uc_t = beta_t (v_t - sum_{s<t} A[t][s] Uc_s)
-//   q_decay_t = scale q_t exp(G_t),  k_tail_s = k_s exp(G_{C-1} - G_s),  chunk_decay = exp(G_{C-1})
-// and the scan, chunk after chunk:
-//   U_t = Uc_t - W_t^T S0,  o_t = q_decay_t^T S0 + sum_{s<=t} B[t][s] U_s,
-//   S = diag(chunk_decay) S0 + sum_s k_tail_s U_s^T
-// Only differences G_t - G_s with s <= t are exponentiated: they are <= 0 (g <= 0), so the factors
-// stay in [0, 1], where exp(G_t) exp(-G_s) would overflow on long strongly-decaying chunks.
-//
-// Padding: rows t >= T of the last chunk are k = v = q = 0, beta = 0, g = 0 by an index test BEFORE
-// any read, so garbage (NaN, 1e30) in the padded input rows changes no output or state bit.
-//
-// Launch:
-// kda_chunk_prepare_f32: grid (nchunks, heads), block D = 128, dynamic shared memory
-//   (glm_kda/gpu/ops/chunk.py chunk_prepare_smem_bytes). A block per (chunk, head) holds the chunk in
-//   shared memory; thread d owns channel d for the per-channel work (cumulative gate, substitution:
-//   independent per channel, so without synchronisation), and the C*C pair sums of A and B are
-//   spread over the threads, each summing its pair over d in order.
-// kda_chunk_scan_f32: grid (heads, D / 32), block 32. A thread owns value column v and keeps the state
-//   column S[:, v] in registers across all chunks (read once, written once); the chunk's U column
-//   lives in shared memory because it is indexed by a runtime row.
+// Chunked (WY) prefill of the KDA delta rule in FP32, any chunk of 1..64 tokens: the reference path.
+// kda_chunk_prepare_f32 forms each chunk's A, B, W, Uc and decays, kda_chunk_scan_f32 walks the chunks
+// (docs/maths.md, the chunked form). Only G_t - G_s with s <= t is exponentiated, so nothing overflows.
+// Padded rows of the last chunk are zero by index before any read.
+// Launch, shared-memory map and the scan's equations: docs/kernels.md, 'FP32 chunk kernels'.
 #include "common/head.cuh"
 
 #define CHUNK_MAX 64
 #define SCAN_COLUMNS 32
-// Row stride of the [C][D] shared tiles: one float of padding so that threads
-// reading the same channel of different rows hit different banks.
+// Row stride of the [C][D] shared tiles, padded so that one channel of different rows hits different banks.
 #define CHUNK_TILE_STRIDE (KDA_HEAD_DIM + 1)
 
 extern "C" __global__ void __launch_bounds__(KDA_HEAD_BLOCK)
@@ -38,12 +18,7 @@ kda_chunk_prepare_f32(const float* __restrict__ query, const float* __restrict__
                       float* __restrict__ attn, float* __restrict__ chunk_decay, int tokens,
                       int heads, int chunk, float scale)
 {
-    // Layout, chunk_prepare_smem_bytes(chunk) bytes in all:
-    //   key_s     [chunk][CHUNK_TILE_STRIDE]  k, then Uc (after the pair sums)
-    //   query_s   [chunk][CHUNK_TILE_STRIDE]  q, then W
-    //   cumgate_s [chunk][CHUNK_TILE_STRIDE]  G
-    //   pair_s    [chunk][chunk]              A (zero on and above the diagonal)
-    //   beta_s    [chunk]
+    // key_s (k, then Uc), query_s (q, then W), cumgate_s (G), pair_s (A), beta_s: docs/kernels.md.
     extern __shared__ float shared[];
 
     const int chunk_index = blockIdx.x;

@@ -1,14 +1,11 @@
-// The tensor-core chunked prefill's kernels: the prepare of each chunk (bounded and unbounded gate
-// laws, gate and beta read from the workspace) and the scan across chunks. Launch geometry, the
-// algorithm, shared memory and numerics are in chunk_tc.cuh; the prepare that forms the gate has
-// a file of its own so that they compile side by side.
+// The tensor-core chunked prefill's kernels: the prepare (bounded and unbounded gate laws, gate and
+// beta read) and the scan across chunks. Launch, shared memory and numerics: chunk_tc.cuh.
 #include "chunk/chunk_tc.cuh"
 
 CHUNK_TC_PREPARE_ENTRY(kda_chunk_tc_prepare_f32, false)
 CHUNK_TC_PREPARE_ENTRY(kda_chunk_tc_prepare_unbounded_f32, true)
 
-// The scan's W and q_decay tiles of chunk `chunk_index` into shared memory, asynchronously (a warp
-// copies a 512-byte row an instruction).
+// The scan's W and q_decay tiles of chunk `chunk_index` into shared memory, asynchronously.
 __device__ __forceinline__ void copy_chunk_rows_async(f16_t* w_s, f16_t* q_s, const f16_t* w,
                                                       const f16_t* q_decay, int chunk_index,
                                                       size_t row_stride, size_t head_offset)
@@ -30,9 +27,7 @@ kda_chunk_tc_scan_f32(const f16_t* __restrict__ q_decay, const f16_t* __restrict
                       const f16_t* __restrict__ attn, const float* __restrict__ chunk_decay,
                       float* __restrict__ state, float* __restrict__ core, int tokens, int heads)
 {
-    // w_s, q_s [C][H_STRIDE] FP16: this chunk's W and q_decay (TF32 values from the prepare).
-    // state_t_s [32][D_STRIDE]: tf32(S0)^T of the block's columns, the B operand of phase A.
-    // u_t_s [32][C_STRIDE]: tf32(U)^T, the B operand of phase B.
+    // w_s, q_s: the chunk's W, q_decay; state_t_s: tf32(S0)^T; u_t_s: tf32(U)^T (docs/kernels.md).
     extern __shared__ __align__(16) float shared[];
     f16_t* w_s = reinterpret_cast<f16_t*>(shared);
     f16_t* q_s = w_s + CHUNK_TC * CHUNK_TC_H_STRIDE;
@@ -44,7 +39,6 @@ kda_chunk_tc_scan_f32(const f16_t* __restrict__ q_decay, const f16_t* __restrict
     const int warp = threadIdx.x >> 5;
     const int group_lane = lane >> 2;
     const int thread_in_group = lane & 3;
-    // The lane's first k inside a permuted 32-k block (see the fragment layout above).
     const int lane_k = 8 * thread_in_group;
     if (blockDim.x != CHUNK_TC_SCAN_THREADS || blockIdx.y >= KDA_HEAD_DIM / CHUNK_TC_SCAN_COLUMNS ||
         head >= heads || tokens < 1) {
@@ -58,8 +52,7 @@ kda_chunk_tc_scan_f32(const f16_t* __restrict__ q_decay, const f16_t* __restrict
     const int row_low = 16 * warp + group_lane;
     const int state_row = 32 * warp + group_lane;
 
-    // S[state_row + 16 m + 8 half][column_base + 8 n + 2 thread_in_group + (0, 1)]
-    //   = state_acc[m][n][2 half + (0, 1)]: FP32, the accumulator layout of k_tail^T U.
+    // The block's state columns, FP32, in the accumulator layout of k_tail^T U.
     float* state_head = state + head_offset * KDA_HEAD_DIM;
     float state_acc[2][4][4];
 #pragma unroll
@@ -86,9 +79,7 @@ kda_chunk_tc_scan_f32(const f16_t* __restrict__ q_decay, const f16_t* __restrict
         const int valid = min(CHUNK_TC, tokens - first);
         const size_t chunk_head = static_cast<size_t>(chunk_index) * heads + head;
 
-        // Phase B's operands, loaded now so that phase A hides their latency: B rows row_low (+8) (all
-        // 64 columns: the blocks above the diagonal are zero), k_tail^T rows state_row + 16 m (+8),
-        // and the decay of those rows.
+        // Phase B's operands (B, k_tail^T and the rows' decay), loaded now so that phase A hides their latency.
         float attn_low[2][8];
         float attn_high[2][8];
         const f16_t* attn_block = attn + chunk_head * CHUNK_TC * CHUNK_TC;

@@ -1,44 +1,8 @@
-// Chunked (WY) prefill of the KDA delta rule on tensor cores: the mathematics, inputs and outputs of
-// kda_chunk_prepare_f32 + kda_chunk_scan_f32 (chunk.cu, the FP32 reference path: its comment and
-// docs/maths.md give A, B, T = (I + diag(beta) A)^-1, W, Uc, U and the state update), every matrix
-// product on mma.sync m16n8k8 TF32 -> FP32. Chunk C = 64 rows in 4 sub-chunks of 16; D = 128.
-// tests/chunk_tc_model.py `model_chunk_tc` is a float64 model of exactly this blocked algorithm: the
-// same sub-chunk reference rows, block order and TF32 rounding points.
-//
-// Gate laws: the bounded law (g >= lower_bound >= -5: the range argument before the pair products);
-// the unbounded prepares take any gate <= 0 and form a diagonal 16 x 16 block of A and B whose decay
-// exceeds the bounded range as exact FP32 sums. The fused-gate prepare forms the forget gate and beta
-// from the projections (and writes them out) instead of reading them: one pass over the gate fewer.
-//
-// Numerics: every mma operand is rounded to TF32 (round_tf32) before the product; products, sums and
-// the state are FP32. BF16 operands (8 significant bits against 11) miss the 1e-3 budget
-// (docs/maths.md has the measured errors); TF32's half rate is not felt by these latency-bound kernels.
-//
-// Padding: rows t >= T of the last chunk are zero BY INDEX at the loads (q = k = v = 0, g = 0, beta =
-// 0): the padded input rows are never read, so NaN or 1e30 there changes no output or state bit.
-// Padded rows of the scratch are written as zeros.
-//
-// Launch:
-// kda_chunk_tc_prepare_f32 and its forms: grid (nchunks, heads), 256 threads (8 warps), dynamic
-//   shared memory CHUNK_TC_PREPARE_SMEM_BYTES = 104,704 B (the opt-in of sm_80 (163 KB), sm_90 and
-//   sm_100 (227 KB); not sm_86 / sm_89 / sm_120 (99 KB)), at most 128 registers, so two blocks
-//   share an SM and one's loads overlap the other's products. A block per (chunk, head), in the
-//   four steps of chunk_tc_prepare.
-// kda_chunk_tc_scan_f32: grid (heads, D / 32), 128 threads (4 warps), dynamic shared memory
-//   CHUNK_TC_SCAN_SMEM_BYTES = 66,560 B, so two blocks fit an SM of sm_80 / sm_90 / sm_100 / sm_120
-//   and GLM's 64 heads x 4 value tiles (256 blocks) run in one wave on an H200's 132 SMs. It is
-//   bound by the L2 traffic of the operands every value tile of a head reads (W, q_decay, k_tail, B:
-//   FP16, see f32_to_f16). A block owns the state columns [32 y, 32 y + 32) of one head, FP32 in
-//   registers as mma accumulators, and walks the chunks in two phases, two barriers a chunk and no
-//   atomics: every bit is a function of the inputs alone.
-//
-// Fragment layout (PTX, mma.m16n8k8 .tf32; lane = 4 g + t): A a0 (g, t), a1 (g+8, t), a2 (g, t+4),
-// a3 (g+8, t+4); B b0 (k t, n g), b1 (k t+4, n g); C c0/c1 (g, 2t / 2t+1), c2/c3 (g+8, ...). As in
-// projection/gemm_rows.cuh, k is permuted the same way for A and B so that a lane reads contiguous k:
-// in a block of 8 S k (S mma steps), lane t holds physical k 2St .. 2St + 2S - 1 of its rows and of
-// its B column, and step s takes the pair 2s, 2s + 1 as logical k t and t + 4. So B operands are
-// stored n-major ([n][k]) in shared memory, rows a stride of 4 mod 8 floats apart (132 for D, 68 for
-// C): the 16-byte fragment loads and the accumulator stores are conflict free.
+// Chunked (WY) prefill of the KDA delta rule on tensor cores (mma.sync m16n8k8, TF32 operands, FP32
+// accumulation): the algorithm of chunk.cu in 16 x 16 blocks, C = 64, D = 128; tests/chunk_tc_model.py
+// models it exactly. Numerics, padding, fragment layout, shared-memory maps and phases: docs/kernels.md,
+// 'Tensor-core chunk kernels'. Launch: the prepare (nchunks, heads) x 256 threads, 104,704 B of
+// dynamic shared memory; the scan (heads, D / 32) x 128 threads, 66,560 B.
 #include "common/bf16.cuh"
 #include "common/math.cuh"
 #include "common/reduce.cuh"
@@ -56,11 +20,9 @@
 // Row strides (floats) of the shared tiles: [*][D] and [*][C].
 #define CHUNK_TC_D_STRIDE (KDA_HEAD_DIM + 4)
 #define CHUNK_TC_C_STRIDE (CHUNK_TC + 4)
-// Row stride (halves) of the scan's FP16 [C][D] tiles: 320 bytes, 64 mod 128, so the
-// 16-byte fragment loads of a quarter warp (rows g, g + 1; 64 bytes each) hit 32 banks.
+// Row stride (halves) of the scan's FP16 [C][D] tiles: 64 mod 128 bytes, conflict-free fragment loads.
 #define CHUNK_TC_H_STRIDE (KDA_HEAD_DIM + 32)
-// The prepare's shared memory: units reused between phases, each a [C][D_STRIDE] tile (8448 floats)
-// or a [D][C_STRIDE] tile (8704 floats), then beta.
+// The prepare's shared memory: three units reused between phases, then beta.
 #define CHUNK_TC_UNIT (KDA_HEAD_DIM * CHUNK_TC_C_STRIDE)
 #define CHUNK_TC_PREPARE_SMEM_BYTES (4 * (3 * CHUNK_TC_UNIT + CHUNK_TC))
 // float4 loads per thread to cover one [C][D] tile.
@@ -69,10 +31,7 @@
     (2 * 2 * CHUNK_TC * CHUNK_TC_H_STRIDE +                                                   \
      4 * (CHUNK_TC_SCAN_COLUMNS * CHUNK_TC_D_STRIDE + CHUNK_TC_SCAN_COLUMNS * CHUNK_TC_C_STRIDE))
 
-// x rounded to TF32 (10 mantissa bits), to nearest with ties away from zero, as cvt.rna.tf32.f32
-// rounds: an FP32 value with 13 zero low bits, so the mma sees exactly this value and
-// tests/chunk_tc_model.py `round_tf32` reproduces it. Infinities and NaNs pass unchanged (adding to
-// a NaN's bits could wrap it to -0).
+// x rounded to TF32 as cvt.rna.tf32.f32 rounds, so that the mma sees exactly the model's round_tf32.
 __device__ __forceinline__ float round_tf32(float x)
 {
     const unsigned int bits = __float_as_uint(x);
@@ -82,13 +41,7 @@ __device__ __forceinline__ float round_tf32(float x)
     return __uint_as_float((bits + 0x1000u) & 0xffffe000u);
 }
 
-// FP16 storage (raw bits: no header needed) for the scratch the scan reads as mma operands (q_decay,
-// k_tail, W, B), which halves the traffic that bounds the scan: a TF32 value has FP16's 11
-// significant bits, so one in FP16's normal range [6.1e-5, 65504] converts exactly; below it FP16
-// keeps a subnormal (absolute error <= 3e-8). The range holds: |q_decay| <= scale, |k_tail| <= 1,
-// |B| <= scale (unit q and k, decays <= 1), and W = T diag(beta) K exp(G) is of order |T|, the
-// inverse of a unit-triangular matrix of key dot products (docs/maths.md); a value beyond 65504
-// would become inf, and the output NaN, not wrong numbers.
+// FP16 (raw bits) for the scan's operands: half the traffic, exact for TF32 values (docs/kernels.md).
 typedef unsigned short f16_t;
 
 __device__ __forceinline__ f16_t f32_to_f16(float x)
@@ -110,7 +63,6 @@ __device__ __forceinline__ unsigned int pack_f16x2(float low, float high)
     return static_cast<unsigned int>(f32_to_f16(low)) | (static_cast<unsigned int>(f32_to_f16(high)) << 16);
 }
 
-// Eight FP16 values from 16-byte aligned memory (shared or global), as floats.
 __device__ __forceinline__ void load8_f16(float out[8], const f16_t* pointer)
 {
     const uint4 value = *reinterpret_cast<const uint4*>(pointer);
@@ -133,8 +85,7 @@ __device__ __forceinline__ void mma_tf32_m16n8k8(float acc[4], float a0, float a
           "r"(__float_as_uint(a3)), "r"(__float_as_uint(b0)), "r"(__float_as_uint(b1)));
 }
 
-// One permuted k block of 8 STEPS: a_low / a_high are the lane's 2 STEPS values of rows g and g + 8,
-// b its 2 STEPS values of column g (the fragment layout above).
+// One permuted k block of 8 STEPS (docs/kernels.md): a_low / a_high rows g and g + 8, b column g.
 template <int STEPS>
 __device__ __forceinline__ void mma_k_block(float acc[4], const float* a_low, const float* a_high,
                                             const float* b)
@@ -146,7 +97,6 @@ __device__ __forceinline__ void mma_k_block(float acc[4], const float* a_low, co
     }
 }
 
-// Four (eight) floats from 16-byte aligned memory (shared or global).
 __device__ __forceinline__ void load4(float out[4], const float* pointer)
 {
     const float4 value = *reinterpret_cast<const float4*>(pointer);
@@ -171,8 +121,7 @@ __device__ __forceinline__ void round_tf32_all(float (&values)[N])
     }
 }
 
-// Where the prepare reads q, k and v (`which` 0, 1, 2) of a token: the FP32 rows [T, H, D] the conv
-// kernel split them into, each access at `at` = token * row_stride + column (row_stride H D).
+// The FP32 rows [T, H, D] of q, k and v (`which` 0, 1, 2) from the conv kernel; `at` = token * H D + column.
 struct ChunkRowsF32 {
     const float* __restrict__ query;
     const float* __restrict__ key;
@@ -182,7 +131,6 @@ struct ChunkRowsF32 {
     {
         return (which == 0 ? query : which == 1 ? key : value) + at;
     }
-    // Four (eight) values from `at`, column a multiple of 4 (8).
     __device__ __forceinline__ float4 load4(int which, size_t at) const
     {
         return *reinterpret_cast<const float4*>(row(which, at));
@@ -193,8 +141,7 @@ struct ChunkRowsF32 {
     }
 };
 
-// The bounded law gives lower_bound <= g <= 0; the clamp makes the exponent range argument hold
-// whatever the buffer holds. A NaN passes through (both comparisons are false), as in the FP32 path.
+// The clamp makes the exponent range argument hold whatever the buffer holds; a NaN passes through.
 __device__ __forceinline__ float clamp_gate(float g, float lower_bound)
 {
     return g < lower_bound ? lower_bound : (g > 0.0f ? 0.0f : g);
@@ -229,10 +176,7 @@ __device__ __forceinline__ void load4_pair_tf32(float a_low[4], float a_high[4],
     }
 }
 
-// T_ij = -T_ii sum_{j<=k<i} L_ik T_kj for one 16x16 block below the diagonal (one warp). lower_s
-// holds L = diag(beta) A, inverse_s T, both [C][C_STRIDE]. Every block the sum reads is closer to the
-// diagonal, so complete in an earlier wave. The sum X is parked in block (i, j) of inverse_s to be
-// reread as a B operand.
+// T_ij = -T_ii sum_{j<=k<i} L_ik T_kj for one 16x16 block below the diagonal, by one warp.
 __device__ __forceinline__ void inverse_block_below_diagonal(const float* lower_s, float* inverse_s,
                                                              int i, int j, int lane)
 {
@@ -297,8 +241,7 @@ __device__ __forceinline__ void inverse_block_below_diagonal(const float* lower_
     }
 }
 
-// Eight q values of chunk row t (channels column .. column + 7), zero for a padding row (never
-// read).
+// Eight q values of chunk row t (channels column .. column + 7), zero for a padding row (never read).
 __device__ __forceinline__ void load_query_row8(float out[8], const ChunkRowsF32 rows, int first, int t, int valid,
                                                 size_t row_stride, size_t column)
 {
@@ -312,29 +255,21 @@ __device__ __forceinline__ void load_query_row8(float out[8], const ChunkRowsF32
     }
 }
 
-// Transposing pass over a [C][D_STRIDE] tile: each lane takes 4 channels d .. d+3 of one row t, a
-// warp covers 16 rows x 8 channels per step, so the [D][C_STRIDE] (and global [D][C]) stores of a
-// warp hit 32 distinct banks / two 64-byte segments. PASSES: the steps of one warp.
+// Transposing passes over a [C][D_STRIDE] tile, conflict free (docs/kernels.md). PASSES: a warp's steps.
 #define CHUNK_TC_TRANSPOSE_STEPS ((CHUNK_TC / 16) * (KDA_HEAD_DIM / 8))
 #define CHUNK_TC_TRANSPOSE_PASSES (CHUNK_TC_TRANSPOSE_STEPS / CHUNK_TC_PREPARE_WARPS)
 
-// Row t and first channel d of this lane's 4 channels in step `step` of a transposing pass: step & 3
-// picks the 16-row quarter, step >> 2 the 8 channels, lane & 15 the row and lane >> 4 the half.
+// Row t and first channel d of this lane's 4 channels in step `step` of a transposing pass.
 __device__ __forceinline__ void transpose_slot(int step, int lane, int& t, int& d)
 {
     t = (step & 3) * 16 + (lane & 15);
     d = (step >> 2) * 8 + (lane >> 4) * 4;
 }
 
-// The largest decay across a diagonal block (G_r - G_s, r its first row, s its last, in any channel)
-// for which the unbounded prepare still forms the block by the reference-row products: the range a
-// bound of -5 gives the bounded prepare (factors within exp(+-75), the argument before the pair
-// products). Wider blocks take the exact sums.
+// The widest decay across a diagonal block that the reference-row products take: that of a bound of -5.
 #define CHUNK_TC_DIAGONAL_RANGE (-CHUNK_TC_MIN_LOWER_BOUND * (CHUNK_TC_SUB - 1))
 
-// Whether diagonal block i is within CHUNK_TC_DIAGONAL_RANGE in every channel, by one warp (uniform;
-// a NaN counts as out of range). G never increases along the chunk (every gate is capped at 0), so
-// the first and last rows of the block bound every pair in it.
+// Whether diagonal block i is within CHUNK_TC_DIAGONAL_RANGE in every channel (warp-uniform; NaN: no).
 __device__ __forceinline__ bool diagonal_in_range(const float* cumgate_s, int i, int lane)
 {
     float first_row[4];
@@ -352,12 +287,7 @@ __device__ __forceinline__ bool diagonal_in_range(const float* cumgate_s, int i,
 // Pairs s <= t of one 16 x 16 diagonal block.
 #define CHUNK_TC_SUB_PAIRS (CHUNK_TC_SUB * (CHUNK_TC_SUB + 1) / 2)
 
-// The diagonal blocks i with exact[i] set, of A and B, without the reference-row products (whose
-// factor exp(G_r - G_s) is unbounded without a lower bound on g), by every thread of the block: task
-// k is pair number k % 136 (s <= t, row-major in the lower triangle: the lanes of a warp mostly share
-// t, their rows s hit distinct banks) of diagonal block k / 136, an FP32 sum over ascending d of
-// k_t (k_s exp(G_t - G_s)) and q_t (k_s exp(G_t - G_s)), every factor <= 1. Writes L = diag(beta) A
-// (s < t), tf32(scale B) (s <= t) and zeros above the diagonal, as the product path does.
+// The diagonal blocks i with exact[i] set, of A and B, as exact FP32 sums by every thread (docs/kernels.md).
 __device__ __forceinline__ void diagonal_blocks_exact(const float* key_s, const float* cumgate_s, const float* beta_s,
                                                       float* lower_s, f16_t* attn_block, const ChunkRowsF32 rows,
                                                       int first, int valid, size_t row_stride, size_t head_offset,
@@ -418,10 +348,9 @@ __device__ __forceinline__ void diagonal_blocks_exact(const float* key_s, const 
     }
 }
 
-// The prepare of every entry point. FUSED_GATE false: gate_in [T, H, D] and beta_in [T, H] are
-// inputs. FUSED_GATE true: gate_out and beta_out are formed here, for the real rows, from
-// forget_proj [T, H*D] BF16 + dt_bias [H*D] and A_log [H] (kda_forget_gate, bounded law: the bits of
-// kda_gate_beta_f32) and from the BF16 beta logits (row stride ld_beta).
+// The prepare of every entry point. FUSED_GATE false: gate_in [T, H, D] and beta_in [T, H] are inputs.
+// FUSED_GATE true: gate_out and beta_out are formed (bounded law, gate.cu's bits) from forget_proj
+// [T, H*D] BF16, dt_bias [H*D], A_log [H] and the BF16 beta logits (row stride ld_beta).
 template <bool FUSED_GATE, bool UNBOUNDED = false>
 __device__ __forceinline__ void chunk_tc_prepare(
     const ChunkRowsF32 rows, const float* __restrict__ gate_in, const float* __restrict__ beta_in, float* __restrict__ gate_out,
@@ -431,11 +360,7 @@ __device__ __forceinline__ void chunk_tc_prepare(
     const float* __restrict__ dt_bias, const float* __restrict__ a_log, const bf16_t* __restrict__ beta_logits,
     int ld_beta)
 {
-    // Three units, then beta [C]. q is never staged: an elementwise input of q_decay and the A operand
-    // of the B blocks, it is read from global memory (L2) where it is used.
-    //   unit 0: key_s [C][D_STRIDE]        k;  from phase 3: value_t_s [D][C_STRIDE] tf32(beta v)^T
-    //   unit 1: cumgate_s [C][D_STRIDE]    G;  from phase 3: key_beta_t_s [D][C_STRIDE] tf32(beta k exp(G))^T
-    //   unit 2: lower_s [C][C_STRIDE]      L = diag(beta) A, then inverse_s [C][C_STRIDE] T
+    // Shared-memory map and phases: docs/kernels.md, 'Tensor-core prepare'.
     extern __shared__ __align__(16) float shared[];
     float* key_s = shared;
     float* cumgate_s = shared + CHUNK_TC_UNIT;
@@ -454,7 +379,6 @@ __device__ __forceinline__ void chunk_tc_prepare(
     const int warp = thread >> 5;
     const int group_lane = lane >> 2;
     const int thread_in_group = lane & 3;
-    // The lane's first k inside a permuted 32-k block (see the fragment layout above).
     const int lane_k = 8 * thread_in_group;
     static_assert(!(FUSED_GATE && UNBOUNDED), "the fused gate forms the bounded law");
     if (blockDim.x != CHUNK_TC_PREPARE_THREADS || tokens < 1 || head >= heads ||
@@ -471,11 +395,8 @@ __device__ __forceinline__ void chunk_tc_prepare(
     const size_t head_offset = static_cast<size_t>(head) * KDA_HEAD_DIM;
     const size_t chunk_head = static_cast<size_t>(chunk_index) * heads + head;
 
-    // 1. Load k and g (padding rows zero by index): every load of the thread before the first store;
-    // then the cumulative gate G and the elementwise outputs q_decay, k_tail and chunk_decay.
+    // 1. k and g (padding rows zero by index, every load before the first store), G, elementwise outputs.
     {
-        // The gate tile goes to shared memory clamped to [lower_bound, 0], the key tile after the
-        // branch. This thread's 4 channels are the same in every load, its rows t = thread / 32 + 8 l.
         float4 key_value[CHUNK_TC_TILE_LOADS];
         const int channel = (thread & 31) * 4;
         if (FUSED_GATE) {
@@ -631,13 +552,7 @@ __device__ __forceinline__ void chunk_tc_prepare(
         }
     }
 
-    // 2. Blocks (i, j), j <= i, of A and B, one warp per block pair (they share the key operand); L =
-    // diag(beta) A stays in shared memory, B goes to global memory. exp(G_t - G_s) is never formed
-    // as exp(G_t) exp(-G_s) (G reaches -320 in a chunk): row block i has a reference row r = 16 i,
-    //   A[t][s] = sum_d (k_t exp(G_t - G_r)) (k_s exp(G_r - G_s)),
-    // and with every g >= -5 (the clamp) both factors are finite FP32 / TF32 numbers: the range
-    // argument of docs/maths.md. Unbounded, the blocks below the diagonal still hold (the second
-    // factor is <= 1) and each diagonal block checks its own range, taking exact sums beyond it.
+    // 2. Blocks (i, j), j <= i, of A and B, through the reference row r = 16 i (docs/maths.md, chunked form).
     for (int pair = warp; pair < CHUNK_TC_SUBS * (CHUNK_TC_SUBS + 1) / 2; pair += CHUNK_TC_PREPARE_WARPS) {
         const int i = (pair >= 1) + (pair >= 3) + (pair >= 6);
         const int j = pair - i * (i + 1) / 2;
@@ -741,8 +656,7 @@ __device__ __forceinline__ void chunk_tc_prepare(
         }
     }
 
-    // 3. T = (I + L)^-1. Diagonal blocks: FP32 forward substitution, warp i for block i, lane c < 16
-    // computing column c (lanes 16..31 mirror lanes 0..15 and do not write).
+    // 3. T = (I + L)^-1. Diagonal blocks: FP32 forward substitution, warp i block i, lane c < 16 column c.
     if (warp < CHUNK_TC_SUBS) {
         const int base = CHUNK_TC_SUB * warp;
         const int column = lane & 15;
@@ -774,8 +688,7 @@ __device__ __forceinline__ void chunk_tc_prepare(
             }
         }
     }
-    // key_beta_t_s = tf32(beta k exp(G))^T over the cumulative-gate tile: every thread holds its
-    // values before the barrier, so no G is overwritten while another warp reads it.
+    // key_beta_t_s = tf32(beta k exp(G))^T over the G tile, held in registers across the barrier.
     {
         float key_beta[CHUNK_TC_TRANSPOSE_PASSES][4];
 #pragma unroll
@@ -807,8 +720,7 @@ __device__ __forceinline__ void chunk_tc_prepare(
     }
     __syncthreads();
 
-    // Off-diagonal blocks, in waves of equal distance from the diagonal. Rolled (as are the k blocks
-    // of phase 2): unrolled, the code outgrew the instruction cache and the warps stalled on fetch.
+    // Off-diagonal blocks in waves by distance from the diagonal; rolled, to fit the instruction cache.
 #pragma unroll 1
     for (int distance = 1; distance < CHUNK_TC_SUBS; ++distance) {
         if (warp < CHUNK_TC_SUBS - distance) {
@@ -831,8 +743,7 @@ __device__ __forceinline__ void chunk_tc_prepare(
         __syncthreads();
     }
 
-    // 4. W = T key_beta (warps 0-3) and Uc = T value_beta (warps 4-7), each warp 32 channels of all
-    // 64 rows. T is lower triangular: rows < 32 skip the tokens >= 32.
+    // 4. W = T key_beta (warps 0-3) and Uc = T value_beta (warps 4-7); rows < 32 skip the tokens >= 32.
     {
         const bool is_value = warp >= 4;
         const float* operand_t = is_value ? value_t_s : key_beta_t_s;
@@ -862,8 +773,7 @@ __device__ __forceinline__ void chunk_tc_prepare(
                 }
             }
         }
-        // W is an mma operand of the scan (TF32 values as FP16); Uc only initialises U (FP32). Padding
-        // rows store zeros (a select, not a branch: the code stays small).
+        // W as FP16 (the scan's mma operand), Uc as FP32. Padding rows store zeros by a select.
         const size_t lane_at = static_cast<size_t>(first + group_lane) * row_stride + head_offset + d_base +
                                2 * thread_in_group;
 #pragma unroll
@@ -888,10 +798,8 @@ __device__ __forceinline__ void chunk_tc_prepare(
     }
 }
 
-// The prepare's entry points, one a file so that they compile side by side. CHUNK_TC_PREPARE_ENTRY
-// reads gate and beta, for the bounded law or (UNBOUNDED, lower_bound not read) any gate <= 0;
-// CHUNK_TC_PREPARE_GATE_ENTRY forms them from the projections (forget_proj, dt_bias, a_log,
-// beta_logits, ld_beta after lower_bound) and writes them.
+// The prepare's entry points, one a file. CHUNK_TC_PREPARE_ENTRY reads gate and beta (UNBOUNDED: any gate
+// <= 0, lower_bound unread); CHUNK_TC_PREPARE_GATE_ENTRY forms and writes them (chunk_tc_prepare's contract).
 #define CHUNK_TC_PREPARE_ENTRY(NAME, UNBOUNDED)                                                        \
     extern "C" __global__ void __launch_bounds__(CHUNK_TC_PREPARE_THREADS, 2)                              \
         NAME(const float* __restrict__ query, const float* __restrict__ key, const float* __restrict__ value, \

@@ -18,9 +18,7 @@ __device__ __forceinline__ float bf16_half_to_f32(unsigned int word, int half)
 }
 
 // Round to nearest, ties to even, bit-identical to ml_dtypes' float32 -> bfloat16 cast (the NumPy
-// oracle's): finite values that round past the largest BF16 become infinity, subnormals are kept,
-// and every NaN becomes the canonical quiet NaN with the input's sign (0x7FC0 / 0xFFC0; the payload
-// is dropped, as ml_dtypes drops it).
+// oracle's), overflow to infinity, subnormals kept, every NaN the canonical quiet NaN of its sign.
 __device__ __forceinline__ bf16_t f32_to_bf16(float value)
 {
     const unsigned int bits = __float_as_uint(value);

@@ -26,8 +26,7 @@ __device__ __forceinline__ void conv_window_push(float window[CONV_MAX_KERNEL], 
     }
 }
 
-// The first K of CONV_MAX_KERNEL values from `stored` (slots K.. zero): a conv window's K stored
-// inputs, or a channel's K conv taps.
+// The first K of CONV_MAX_KERNEL values from `stored` (slots K.. zero): stored inputs or conv taps.
 template <class T>
 __device__ __forceinline__ void conv_slots_load(T (&slots)[CONV_MAX_KERNEL], const T* stored, int kernel_size)
 {

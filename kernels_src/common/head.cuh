@@ -2,8 +2,7 @@
 #ifndef KDA_COMMON_HEAD_CUH
 #define KDA_COMMON_HEAD_CUH
 
-// Head dimension D. The decode step and the chunk scans keep a state column of D floats in
-// registers, so D must be a compile-time constant.
+// Head dimension D, a compile-time constant: state columns of D floats are kept in registers.
 #define KDA_HEAD_DIM 128
 
 // Threads per block of every per-head kernel (one thread per channel of a head).

@@ -1,7 +1,5 @@
-// The sums over a head's KDA_HEAD_BLOCK threads (thread d: channel d) and the per-head
-// normalisations built on them. Every per-head reduction (decode's L2, the gated RMSNorm of decode
-// and prefill, the prefill conv's L2) adds in block_sum_f32's one order, so decode and prefill
-// produce the same bits for the same inputs.
+// The sums over a head's KDA_HEAD_BLOCK threads (thread d: channel d) and the per-head normalisations built
+// on them, all in block_sum_f32's one order, so that decode and prefill produce the same bits.
 #ifndef KDA_COMMON_REDUCE_CUH
 #define KDA_COMMON_REDUCE_CUH
 
@@ -20,10 +18,8 @@ __device__ __forceinline__ float sum_of_warps(const float* sums)
     return total;
 }
 
-// Sum of `value` over the block's KDA_HEAD_BLOCK (= 128) threads, returned to every one of them.
-// Deterministic: the fixed xor-shuffle tree inside each warp, then thread 0 adds the four warp sums
-// in warp order. `scratch` is at least 5 floats of shared memory. Every thread must call it (it
-// holds barriers); it may be called again right away.
+// Sum of `value` over the block's 128 threads, returned to every one of them: a fixed xor-shuffle tree in
+// each warp, then the warp sums in warp order. `scratch`: at least 5 floats; every thread must call it.
 __device__ __forceinline__ float block_sum_f32(float value, float* scratch)
 {
 #pragma unroll
@@ -46,8 +42,7 @@ __device__ __forceinline__ float block_sum_f32(float value, float* scratch)
     return total;
 }
 
-// block_sum_f32 of two values at once, by the same tree each (so the same bits as two calls),
-// with the barriers of one call. `scratch` is at least 10 floats of shared memory.
+// block_sum_f32 of two values, the bits of two calls with the barriers of one; scratch of 10 floats.
 __device__ __forceinline__ void block_sum2_f32(float& a, float& b, float* scratch)
 {
 #pragma unroll
@@ -72,8 +67,7 @@ __device__ __forceinline__ void block_sum2_f32(float& a, float& b, float* scratc
     __syncthreads();
 }
 
-// q / sqrt(sum over the head of q^2 + eps) and the same of k (channel d of each), with the
-// barriers of one reduction. `scratch` is at least 10 floats.
+// q / sqrt(sum over the head of q^2 + eps) and the same of k, one reduction's barriers; 10 floats scratch.
 __device__ __forceinline__ void l2_normalize_pair(float& q, float& k, float l2_eps, float* scratch)
 {
     // __fmul_rn: a product the compiler may not fuse into the first shuffle add.
@@ -84,9 +78,7 @@ __device__ __forceinline__ void l2_normalize_pair(float& q, float& k, float l2_e
     k = k / sqrtf(k_squares + l2_eps);
 }
 
-// Gated RMSNorm of one channel of a head, the gate a SIGMOID:
-//   o / sqrt(mean over the head of o^2 + eps) * weight * sigmoid(z)
-// Every thread of the block calls it (it reduces across the block).
+// Gated RMSNorm of one channel of a head, the gate a SIGMOID (docs/maths.md, section 3); every thread calls it.
 __device__ __forceinline__ float gated_rmsnorm_sigmoid(float o, float weight, float z, float eps, float* scratch)
 {
     // __fmul_rn: a product the compiler may not fuse into the first shuffle add.
@@ -94,11 +86,8 @@ __device__ __forceinline__ float gated_rmsnorm_sigmoid(float o, float weight, fl
     return o / sqrtf(mean_square + eps) * weight * sigmoid_f32(z);
 }
 
-// The L2 sum of a head's 128 squares held 4 per lane (lane L: channels 4L .. 4L+3) with the additions
-// of block_sum_f32 over 128 threads of one channel each, in the same order: its warp w is lanes 8w ..
-// 8w+7 here, its xor steps 16, 8 and 4 are xor steps 4, 2 and 1 between lanes, its steps 2 and 1 the
-// pairs of a lane's own registers. So the prefill conv's q and k are decode's bit for bit, and so are
-// those the tensor-core chunk prepare normalises from the conv output.
+// The L2 sum of a head's 128 squares held 4 per lane (lane L: channels 4L .. 4L+3) with block_sum_f32's
+// additions in its order, so that the prefill conv's q and k are decode's (docs/kernels.md, 'Shared pieces').
 __device__ __forceinline__ float warp_head_sum_squares(const float (&v)[4])
 {
     float s[4];

@@ -1,15 +1,10 @@
-// Waits between kernels: the programmatic dependent launch (sm_90 and later) and the counters a
-// kernel polls while the one it waits for still runs beside it; and the shared-memory addresses
-// that the asynchronous copies and mbarriers take.
+// Waits between kernels: the programmatic dependent launch (sm_90 and later) and the counters a kernel
+// polls while the one it waits for still runs beside it; and the shared-memory addresses of cp.async.
 #ifndef KDA_COMMON_SYNC_CUH
 #define KDA_COMMON_SYNC_CUH
 
-// Programmatic dependent launch (no-ops before sm_90). A kernel launched with the
-// programmatic-serialization attribute may start while the kernel before it in the stream still
-// runs, once every block of that one has called kda_let_next_kernel_launch (or exited);
-// kda_grid_dependency_wait then returns when the previous kernel has finished and its writes are
-// visible (at once without the attribute). Whatever a kernel reads or writes that the previous
-// kernel may touch must come after the wait.
+// Programmatic dependent launch (no-ops before sm_90): whatever a kernel reads or writes that the previous
+// kernel may touch must come after kda_grid_dependency_wait (docs/kernels.md, 'Shared pieces').
 __device__ __forceinline__ void kda_let_next_kernel_launch()
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -24,10 +19,8 @@ __device__ __forceinline__ void kda_grid_dependency_wait()
 #endif
 }
 
-// ---- Words one kernel waits on while another, running beside it, finishes its part: a count of
-// producers done (each adds 1 with release once its writes are out) and a count of the waiting
-// blocks that have seen it. A wait past KDA_MAX_POLLS polls (tens of seconds) is a broken schedule:
-// trap instead of hanging.
+// Words one kernel waits on while another, running beside it, finishes its part: a count of producers
+// done and a count of the waiting blocks that have seen it. A wait past KDA_MAX_POLLS polls traps.
 #define KDA_MAX_POLLS (1 << 26)
 
 __device__ __forceinline__ int load_acquire(const int* counter)
@@ -56,12 +49,9 @@ __device__ __forceinline__ void wait_for_counter(const int* counter, int target)
     }
 }
 
-// Thread 0 of every block of a grid of `blocks` that waits on the words: kda_await_words until
-// words[0] >= target (the producers' count), then a block barrier before the block reads what the
-// producers wrote, through L2. The block counts itself in words[1] as it passes (the count before
-// it is returned, and read only at the block's end, so its round trip is not waited for) and, at its
-// end, kda_clear_words_if_last: the last block past the wait sets both words back to zero, so the
-// next launch waits again.
+// Thread 0 of every waiting block: kda_await_words until words[0] >= target, then the block counts itself
+// in words[1] (the count before it is returned, for kda_clear_words_if_last at the block's end: the last
+// block past the wait sets both words back to zero, so that the next launch waits again).
 __device__ __forceinline__ int kda_await_words(int* words, int target)
 {
     wait_for_counter(words, target);

@@ -1,25 +1,7 @@
-// The stateful half of decode in one launch (docs/design.md, the fused decode step): for each of
-// `sequences` sequences, `tokens` consecutive tokens (rows s * tokens .. s * tokens + tokens - 1 of the
-// per-token buffers), and every head h, token after token: conv + SiLU of the head's q, k and v
-// channels (rounded to BF16), L2 of q and k, forget gate and beta, one delta-rule step of the head's
-// FP32 state, gated RMSNorm (sigmoid gate) of the core output. Each stage is the device function the
-// prefill kernels use, with the same reductions, so a stage's bits are the prefill's; every stage
-// buffer is still written. The conv windows and the state column stay in registers from the first
-// token to the last.
-//
-// Launch: grid (heads, sequences), block KDA_HEAD_BLOCK = 128, no dynamic shared memory; thread d owns
-// conv channels h D + d of q, k and v and value column d of the state. One block holds a whole head:
-// the L2 sums and the norm's mean reduce over it, and a conv window must be read before it is
-// written. Sequence s advances slot slots[s] of a pool (slot s when slots is null); sequences never
-// interact, so a sequence's bits do not depend on the batch.
-//
-// None of these changes a bit: the next kernel of the stream (o_proj, a programmatic dependent) may
-// launch at once, after the first token's inputs or after its recurrent step (dependents_after;
-// later, its first weight requests do not queue in front of the state column's loads); the block of
-// sequence s asks L2 for the state of sequence s + prefetch_ahead (0: none), which it never reads;
-// x_tiles (null: none) receives o_norm_out a second time, in the bulk sweep's tile layout;
-// outputs_ready (null: none): each block adds 1 to outputs_ready[0] once its outputs are written,
-// before it stores its states, and the awaiting o_proj waits for that count, not this kernel's end.
+// The stateful half of decode in one launch (docs/design.md): for each sequence, `tokens` consecutive tokens
+// and each head, conv + SiLU, L2, gate, beta, delta-rule step and gated RMSNorm, each with prefill's bits.
+// Launch: grid (heads, sequences), 128 threads, no dynamic shared memory; thread d owns channel d of the
+// head's q, k, v and value column d of the state. Options: docs/kernels.md, 'Fused decode step'.
 #include "common/conv_window.cuh"
 #include "common/reduce.cuh"
 #include "common/sync.cuh"
@@ -62,9 +44,8 @@ kda_decode_fused_bf16(float* __restrict__ conv_state, float* __restrict__ state,
     const size_t qkv = static_cast<size_t>(heads) * KDA_HEAD_DIM;
     const size_t channel = static_cast<size_t>(head) * KDA_HEAD_DIM + d;  // within q, k or v
 
-    // Every load that does not depend on the slot first (the first token's inputs, the conv taps, the
-    // head's parameters), then the slot's state column (64 KB a head) and conv windows: the step
-    // waits for the memory about twice, not once per value a later load was queued behind.
+    // Every load that does not depend on the slot first, then the slot's state column and conv windows:
+    // the step waits for memory about twice, not once a value.
     const size_t ahead = sequence + prefetch_ahead;
     const bool prefetch = prefetch_ahead > 0 && ahead < sequences;
     const size_t slot = slots != nullptr ? static_cast<size_t>(slots[sequence]) : sequence;
@@ -90,8 +71,7 @@ kda_decode_fused_bf16(float* __restrict__ conv_state, float* __restrict__ state,
     for (int part = 0; part < 3; ++part) {
         conv_slots_load(window[part], conv_slot + (part * qkv + channel) * kernel_size, kernel_size);
     }
-    // L2 requests for the head's state and conv windows (three runs of D K floats) of sequence +
-    // prefetch_ahead, a block of a later wave, so that its loads hit.
+    // L2 requests for the state and conv windows of sequence + prefetch_ahead, a block of a later wave.
     if (prefetch) {
         prefetch_floats_l2(state + (ahead_slot * heads + head) * static_cast<size_t>(KDA_HEAD_DIM) * KDA_HEAD_DIM,
                            KDA_HEAD_DIM * KDA_HEAD_DIM, d);
@@ -144,8 +124,7 @@ kda_decode_fused_bf16(float* __restrict__ conv_state, float* __restrict__ state,
         if (d == 0) {
             beta[row * heads + head] = beta_head;
         }
-        // The previous token's step has read the vectors (the norm's reductions since hold
-        // barriers), so they may be replaced.
+        // The previous token's step has read the vectors (barriers since), so they may be replaced.
         shared.decay[d] = expf(g);
         shared.key[d] = k;
         shared.query[d] = q * scale;

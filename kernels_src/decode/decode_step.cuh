@@ -6,8 +6,7 @@
 #include "common/bf16.cuh"
 #include "common/head.cuh"
 
-// Ask L2 for `count` contiguous floats from `first` (16-byte aligned, count a multiple of 4), thread d
-// of the block taking part: one bulk request (thread 0) on sm_90 and later, else a line a request.
+// Ask L2 for `count` floats from `first` (16-byte aligned, count a multiple of 4), thread d taking part.
 __device__ __forceinline__ void prefetch_floats_l2(const float* first, int count, int d)
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -23,13 +22,9 @@ __device__ __forceinline__ void prefetch_floats_l2(const float* first, int count
 #endif
 }
 
-// Delta-rule steps of one value column of a head's state S [D_k, D_v] (K-major, row i at state_column
-// + i * KDA_HEAD_DIM), FP32, kept in registers between a load and a store, so that the loads go out
-// before the gate is formed and several tokens are walked:
-//   kda_recurrent_step:   s *= exp(gate);  pred = s . k;  s += k (beta (v - pred));
-//                         returns out = s . (q scale), read after the update
-// decay_s, key_s, query_s (exp(gate), k, q * scale) are the head's vectors in shared memory, read as
-// broadcasts. Every thread of the block must call the step (it holds a barrier).
+// Delta-rule steps of one value column of a head's FP32 state S [D_k, D_v] (row i at state_column +
+// i * KDA_HEAD_DIM), kept in registers from a load to a store across the tokens (docs/kernels.md).
+// decay_s, key_s, query_s: exp(gate), k, q * scale in shared memory. Every thread must call the step.
 __device__ __forceinline__ void kda_recurrent_load(float (&s)[KDA_HEAD_DIM], const float* state_column)
 {
 #pragma unroll
@@ -49,8 +44,7 @@ __device__ __forceinline__ float kda_recurrent_step(float (&s)[KDA_HEAD_DIM], co
         pred = fmaf(s[i], key_s[i], pred);
     }
     const float delta = beta * (value - pred);
-    // A barrier is a shared-memory fence: it stops the compiler from keeping the D key values of the
-    // first pass in registers for the second, which with the D state values would spill.
+    // A barrier is a shared-memory fence: without it the key values stay in registers and spill.
     __syncthreads();
 
     float out = 0.0f;
@@ -70,8 +64,7 @@ __device__ __forceinline__ void kda_recurrent_store(const float (&s)[KDA_HEAD_DI
     }
 }
 
-// The step's shared memory: the reductions' scratch and the head's vectors, 16-byte aligned (read as
-// broadcasts, four floats a load).
+// The step's shared memory: the reductions' scratch and the head's vectors (16-byte broadcast loads).
 struct KdaStepShared {
     float scratch[10];
     __align__(16) float decay[KDA_HEAD_DIM];
@@ -79,8 +72,7 @@ struct KdaStepShared {
     __align__(16) float query[KDA_HEAD_DIM];
 };
 
-// One token's inputs of channel `channel` of head `head` (BF16 bits): its q, k and v projections,
-// forget projection, b_proj logit and output gate.
+// One token's inputs (BF16 bits) of channel `channel` of head `head`.
 struct KdaTokenInputs {
     bf16_t projected[3];
     bf16_t forget;

@@ -1,24 +1,8 @@
 // Device code of the row projection (the gemm_rows*.cu entries run it), on mma.sync m16n8k16:
 //   y[r, j] = bf16( sum_i x[r, i] * w[j, i] )   for r < rows (1..256), j < n
-// x [rows, k] (row stride ldx), w [n, k] (torch Linear layout, or packed: below), y [rows, n] (row
-// stride ldy: y may be a column slice of a wider buffer). Up to 64 rows it is bound by streaming w
-// once (docs/design.md, the row projection kernel): k_split of a block's 8 warps split k into
-// contiguous ranges, the others stand side by side along n; a warp owns N_TILES tiles of 8 columns and
-// issues every weight load of a step before its first mma; blockIdx.y picks 64 rows.
-//
-// Bit contract: row r's bits depend neither on `rows` nor on the other rows. An mma output depends on
-// its own row of A and column of B only, so the zero rows padding a 16-row tile and the m-tiling leave
-// a row alone, and the order of the sum depends on k only: each warp chains its k range in ascending
-// blocks of 32 (two k16 steps each), and the k_split partial sums are added in shared memory in
-// ascending warp order, without atomics. Rows >= rows are never read (predicated off, zeros fill).
-//
-// Fragment trick: inside a block of 32 k, lane (g = lane / 4, t = lane % 4) loads the 16 contiguous
-// bytes k = 8t .. 8t+7 of one w row (column g of the tile) and of x rows g and g+8. mma step s (0, 1)
-// takes words 2s and 2s+1 of those loads: the standard fragment layout with k permuted the same way
-// for A and B (logical k 2t+e <-> physical 8t+4s+e, 2t+8+e <-> 8t+4s+2+e), every k once a block.
-//
-// Requires k % 8 == 0, ldx % 8 == 0 and 16-byte aligned x and w (the wrapper checks): every load is
-// one 16-byte vector of 8 BF16; a k that is not a multiple of 32 is padded with zeros in both operands.
+// x [rows, k] (row stride ldx), w [n, k] (torch Linear layout, or packed), y [rows, n] (row stride ldy).
+// A row's bits depend on k alone, never on the rows or the launch. Requires k % 8 == 0, ldx % 8 == 0 and
+// 16-byte aligned x and w. Bit contract, fragment trick and forms: docs/kernels.md, 'Row projection'.
 #ifndef GEMM_ROWS_CUH
 #define GEMM_ROWS_CUH
 
@@ -35,8 +19,7 @@
 // Weight loads per lane and step with one m-tile (8 / M_TILES with more), for 2 blocks per SM.
 #define GEMM_ROWS_LOADS 8
 
-// The PTX of the predicated 16-byte loads below: zeros, then LOAD (the opcode with its cache
-// qualifiers) where `valid` holds; operands GEMM_ROWS_LOAD_16B_OPERANDS(value, pointer, valid).
+// The PTX of the predicated 16-byte loads below: zeros, then LOAD (opcode and cache qualifiers) where valid.
 #define GEMM_ROWS_LOAD_16B(LOAD)                                                                  \
     "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %5, 0;\n\t"                                             \
     "mov.b32 %0, 0;\n\tmov.b32 %1, 0;\n\tmov.b32 %2, 0;\n\tmov.b32 %3, 0;\n\t"                    \
@@ -44,8 +27,7 @@
 #define GEMM_ROWS_LOAD_16B_OPERANDS(value, pointer, valid)                                          \
     "=r"(value.x), "=r"(value.y), "=r"(value.z), "=r"(value.w) : "l"(pointer), "r"(static_cast<int>(valid))
 
-// 16 bytes of w, streamed once: no L1 allocation, 256-byte L2 prefetch (a warp's next loads
-// continue the same rows). Zeros where not `valid`, as for every load below.
+// 16 bytes of w, streamed once. Zeros where not `valid`, as for every load below.
 __device__ __forceinline__ uint4 load_weight_16B(const bf16_t* pointer, bool valid)
 {
     uint4 value;
@@ -75,9 +57,8 @@ __device__ __forceinline__ void prefetch_l2(const void* pointer)
     asm volatile("prefetch.global.L2 [%0];" ::"l"(pointer));
 }
 
-// 16 bytes of x, read by every block: cached in L1. A coherent load kept in program order
-// (volatile), not the read-only path: in a programmatic launch the kernel before writes x while
-// this one already runs, and a read-only load may be scheduled ahead of the wait.
+// 16 bytes of x, read by every block: cached in L1. Coherent and in program order, since a read-only
+// load may be scheduled ahead of a programmatic launch's wait.
 __device__ __forceinline__ uint4 load_activation_16B(const bf16_t* pointer, bool valid)
 {
     uint4 value;
@@ -85,8 +66,7 @@ __device__ __forceinline__ uint4 load_activation_16B(const bf16_t* pointer, bool
     return value;
 }
 
-// 16 bytes of x that a kernel still running wrote: from L2 (.cg), never through the read-only path
-// or a stale L1 line.
+// 16 bytes of x that a kernel still running wrote: from L2, never a stale L1 line.
 __device__ __forceinline__ uint4 load_produced_16B(const bf16_t* pointer, bool valid)
 {
     return valid ? __ldcg(reinterpret_cast<const uint4*>(pointer)) : uint4{0u, 0u, 0u, 0u};
@@ -97,8 +77,7 @@ __device__ __forceinline__ unsigned int word_of(const uint4& v, int index)
     return index == 0 ? v.x : index == 1 ? v.y : index == 2 ? v.z : v.w;
 }
 
-// acc[16 x 8] += A[16 x 16] * B[16 x 8], FP32 accumulate (PTX fragments: a0/a2 rows g, a1/a3 rows
-// g+8; b0 k 2t.., b1 k 2t+8..; acc[0..1] row g, acc[2..3] row g+8, columns 2t, 2t+1).
+// acc[16 x 8] += A[16 x 16] * B[16 x 8], FP32 accumulate, in PTX's fragment layout.
 __device__ __forceinline__ void mma_bf16_m16n8k16(float acc[4], unsigned int a0, unsigned int a1,
                                                   unsigned int a2, unsigned int a3,
                                                   unsigned int b0, unsigned int b1)
@@ -109,8 +88,7 @@ __device__ __forceinline__ void mma_bf16_m16n8k16(float acc[4], unsigned int a0,
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// k16 step `step` (0, 1) of a 32-k block (the fragment trick): A from the loads of its rows g (`low`)
-// and g + 8 (`high`), B from the load of its column g, words 2 step and 2 step + 1 of each.
+// k16 step `step` (0, 1) of a 32-k block by the fragment trick: words 2 step, 2 step + 1 of each load.
 __device__ __forceinline__ void mma_bf16_step(float acc[4], const uint4& low, const uint4& high, const uint4& b,
                                               int step)
 {
@@ -118,7 +96,6 @@ __device__ __forceinline__ void mma_bf16_step(float acc[4], const uint4& low, co
                       word_of(high, 2 * step + 1), word_of(b, 2 * step), word_of(b, 2 * step + 1));
 }
 
-// Every float of `values` (an array of any shape) set to zero.
 template <class Floats>
 __device__ __forceinline__ void zero_floats(Floats& values)
 {
@@ -134,8 +111,8 @@ __device__ __forceinline__ int gemm_rows_k_blocks(int k)
     return (k + GEMM_ROWS_K_BLOCK - 1) / GEMM_ROWS_K_BLOCK;
 }
 
-// Warps splitting the k axis of a block: the most (up to 8) that leaves each at least 4 blocks of 32
-// k. A function of k alone: it fixes every output's summation order (glm_kda.gpu.projection mirrors it).
+// Warps splitting the k axis of a block: a function of k alone, since it fixes every output's summation
+// order (glm_kda.gpu.projection mirrors it).
 __device__ __forceinline__ int k_split_for(int k)
 {
     const int k_blocks = gemm_rows_k_blocks(k);
@@ -146,8 +123,7 @@ __device__ __forceinline__ int k_split_for(int k)
     return split;
 }
 
-// The weight fragments of one step (K_UNROLL blocks of 32 k from block kb_step on, N_TILES tiles),
-// zeros past the warp's range or the matrix. IN_ORDER: load_weight_16B_in_order.
+// The weight fragments of one step (K_UNROLL k blocks from kb_step on), zeros past the range or matrix.
 template <int K_UNROLL, int N_TILES, bool W_SHARED = false, bool IN_ORDER = false>
 __device__ __forceinline__ void load_weight_step(uint4 (&w_frag)[K_UNROLL][N_TILES], const bf16_t* w_lane,
                                                  int tile_stride, int block_stride, const bool (&w_valid)[N_TILES],
@@ -171,13 +147,10 @@ __device__ __forceinline__ void load_weight_step(uint4 (&w_frag)[K_UNROLL][N_TIL
     }
 }
 
-// The packed weight layout (pack_weight, docs/design.md), n padded to a multiple of 8 and k of 32:
-//   packed[tile][kb][lane][e] = w[8 tile + lane / 4, 32 kb + 8 (lane % 4) + e]
-// The loads fetch the row-major layout's values (zeros where its predicated loads give zeros).
+// The packed weight layout: packed[tile][kb][lane][e] = w[8 tile + lane / 4, 32 kb + 8 (lane % 4) + e].
 #define GEMM_ROWS_PACKED_BLOCK (GEMM_ROWS_N_TILE * GEMM_ROWS_K_BLOCK)  // elements per (tile, k block)
 
-// Blocks of 32 k per step of gemm_rows_accumulate: GEMM_ROWS_LOADS (m-tile, n-tile, k block) products
-// a lane; with more m-tiles the registers go to their x fragments and accumulators instead of loads.
+// Blocks of 32 k per step of gemm_rows_accumulate: GEMM_ROWS_LOADS (m-tile, n-tile, k block) products a lane.
 template <int M_TILES, int N_TILES>
 __device__ __forceinline__ constexpr int gemm_rows_k_unroll()
 {
@@ -185,8 +158,7 @@ __device__ __forceinline__ constexpr int gemm_rows_k_unroll()
 }
 
 // Where one lane's weight is: tile j's k block kb at lane + j * tile_stride + kb * block_stride (one
-// pointer, not N_TILES: the registers go to loads in flight); valid[j]: tile j's column of this lane
-// (warp_column + 8 j + lane / 4) is inside the matrix.
+// pointer, so that the registers go to loads in flight).
 template <int N_TILES>
 struct GemmRowsWeightLane {
     const bf16_t* lane;
@@ -208,17 +180,15 @@ __device__ __forceinline__ GemmRowsWeightLane<N_TILES> gemm_rows_weight_at(const
     return weight;
 }
 
-// With more than one m-tile and an even number of tiles per warp the mma's operands swap: w as A (two
-// tiles), x as B (8 rows a tile). The products, their k slots and the bits are the same (the GPU tests
-// compare the row counts); x's B fragment is two words of one load, which saves register moves.
+// With more than one m-tile and an even number of tiles a warp the operands swap (w as A, x as B): the
+// same products and bits, fewer register moves.
 template <int M_TILES, int N_TILES>
 __device__ __forceinline__ constexpr bool gemm_rows_transposed()
 {
     return M_TILES > 1 && N_TILES % 2 == 0;
 }
 
-// The row and column (among the warp's) of accumulator `fragment` (flat index of
-// acc[M_TILES][N_TILES][4]) of `lane`; transposed, acc is [N_TILES / 2][2 M_TILES][4] (tile pair, 8 rows).
+// The row and column (among the warp's) of accumulator `fragment` (flat index) of `lane`.
 template <int M_TILES, int N_TILES>
 __device__ __forceinline__ void gemm_rows_fragment_place(int fragment, int lane, int& row, int& column)
 {
@@ -234,14 +204,10 @@ __device__ __forceinline__ void gemm_rows_fragment_place(int fragment, int lane,
     }
 }
 
-// Where x comes from: global memory written before the kernel, global memory a kernel still running
-// writes (L2), a shared-memory copy of the rows (x and ldx address it), or both operands in shared
-// memory (gemm_rows_accumulate_staged: x the rows [row_begin, row_end) padded with zeros to whole k
-// blocks, with a 16-byte zero chunk at x[-8], which the lanes of absent rows read; w packed tiles).
+// Where x comes from: memory written before, memory a running kernel writes, shared memory, staged.
 enum GemmXFrom : int { GEMM_X_INPUT = 0, GEMM_X_PRODUCED = 1, GEMM_X_SHARED = 2, GEMM_X_STAGED = 3 };
 
-// The x fragments of k block kb (rows g and g + 8 of each m-tile): zeros past the warp's range, the
-// matrix or the rows.
+// The x fragments of k block kb (rows g and g + 8 of each m-tile), zeros past the range, matrix or rows.
 template <int M_TILES, int X_FROM = GEMM_X_INPUT>
 __device__ __forceinline__ void load_x_block(uint4 (&x_frag)[M_TILES][2], const bf16_t* x_lane, int ldx,
                                              const bool (&x_valid)[M_TILES][2], int kb, int kb_end, int k,
@@ -266,11 +232,8 @@ __device__ __forceinline__ void load_x_block(uint4 (&x_frag)[M_TILES][2], const 
     }
 }
 
-// gemm_rows_accumulate with both operands in shared memory (GEMM_X_STAGED, one m-tile): the same mma
-// on the same operands in the same order, but no read needs a predicate (branches, register moves):
-// the packed zeros pad w past k and n (tiles past n read the zero chunk), x's copy has zeros past k,
-// and a lane of a row past row_end reads the zero chunk at x[-8]. HIGH: rows 8 .. 15 of the m-tile
-// hold some row; without, their x is zeros in registers (a shared load a step fewer).
+// gemm_rows_accumulate with both operands in shared memory, zero padding in place of predicates (the
+// same mma in the same order). HIGH: rows 8 .. 15 of the m-tile hold some row.
 template <int N_TILES, bool HIGH>
 __device__ __forceinline__ void gemm_rows_accumulate_staged(float (&acc)[1][N_TILES][4], const bf16_t* x, int ldx,
                                                             const bf16_t* w, int n, int k, int row_begin,
@@ -324,12 +287,9 @@ __device__ __forceinline__ void gemm_rows_accumulate_staged(float (&acc)[1][N_TI
     }
 }
 
-// One warp's accumulators over its k blocks [kb_begin, kb_end) for N_TILES tiles of 8 columns from
-// warp_column on and the rows [row_begin, row_end) (at most 64): a chain of mma in ascending k blocks.
-// W_SHARED: w is a shared-memory copy of the packed tiles w_tile_origin, ... FROM_ZERO false: the
-// chain goes on from acc, so that one chain may read its k blocks from two places. `given`: the lane's
-// weight (gemm_rows_weight_at; w unread). FIRST_GIVEN: `first` holds the first step's weight fragments
-// ([K_UNROLL][N_TILES], flat), loaded already by load_weight_step from the same places.
+// One warp's chain of mma over its k blocks [kb_begin, kb_end), ascending, for N_TILES tiles from
+// warp_column on and rows [row_begin, row_end). W_SHARED: w is a shared copy of the packed tiles from
+// w_tile_origin. FROM_ZERO false: go on from acc. `given`, FIRST_GIVEN: weight place, first step loaded.
 template <int M_TILES, int N_TILES, int X_FROM = GEMM_X_INPUT, bool PACKED = false, bool W_SHARED = false,
           bool FROM_ZERO = true, bool FIRST_GIVEN = false>
 __device__ __forceinline__ void gemm_rows_accumulate(float (&acc)[M_TILES][N_TILES][4], const bf16_t* x, int ldx,
@@ -357,7 +317,6 @@ __device__ __forceinline__ void gemm_rows_accumulate(float (&acc)[M_TILES][N_TIL
         }
     }
 
-    // (GemmRowsWeightLane's fields.)
     const bf16_t* w_lane;
     int tile_stride, block_stride;
     bool w_valid[N_TILES];
@@ -400,8 +359,7 @@ __device__ __forceinline__ void gemm_rows_accumulate(float (&acc)[M_TILES][N_TIL
             load_weight_step<K_UNROLL, N_TILES, W_SHARED>(w_frag, w_lane, tile_stride, block_stride, w_valid,
                                                           kb_step, kb_end, k, thread_in_group);
         }
-        // The step's x fragments with its weights (L1 or L2 hits that would otherwise wait behind
-        // them), where the registers allow: up to 4 (k block, m-tile) pairs. Shared x where it is used.
+        // The step's x fragments with its weights (hits that would otherwise wait behind them), up to 4.
         constexpr bool X_AHEAD = X_FROM != GEMM_X_SHARED && K_UNROLL * M_TILES <= 4;
         constexpr int X_STEPS = X_AHEAD ? K_UNROLL : 1;
         uint4 x_frag[X_STEPS][M_TILES][2];
@@ -468,8 +426,7 @@ __device__ __forceinline__ int gemm_rows_group_columns(int k_split)
     return GEMM_ROWS_WARPS / k_split * N_TILES * GEMM_ROWS_N_TILE;
 }
 
-// The first column of the calling warp's tiles in column group `group` (warp / k_split along n, its k
-// range warp % k_split).
+// The first column of the calling warp's tiles in column group `group` (its k range: warp % k_split).
 template <int N_TILES>
 __device__ __forceinline__ int gemm_rows_warp_column(int k_split, int group)
 {
@@ -479,10 +436,8 @@ __device__ __forceinline__ int gemm_rows_warp_column(int k_split, int group)
 // Shared-memory floats of gemm_rows_group's partial sums.
 #define GEMM_ROWS_PARTIAL_FLOATS(M_TILES, N_TILES) (GEMM_ROWS_WARPS * (M_TILES) * (N_TILES) * 4 * 32)
 
-// ---- Weights in shared memory before the wait (the staged entries): `bytes` (a multiple of 16, both
-// addresses 16-byte aligned) from `source` into `stage` by the cp.async of `threads` threads (many
-// requests in flight, no register). All of them call this, later gemm_rows_wait_weights, then a
-// barrier among them (the block's, or the warp's for its own copy).
+// `bytes` (a multiple of 16, aligned) into shared memory by `threads` threads, who all call this, then
+// gemm_rows_wait_weights and a barrier among them.
 __device__ __forceinline__ void gemm_rows_stage_weights(void* stage, const bf16_t* source, unsigned int bytes,
                                                         unsigned int thread, unsigned int threads)
 {
@@ -501,25 +456,20 @@ __device__ __forceinline__ void gemm_rows_wait_weights()
     asm volatile("cp.async.wait_all;" ::: "memory");
 }
 
-// The tail stage of a column group (gemm_rows_group's TAIL): for each warp in order, its N_TILES tiles,
-// each the last tail_blocks k blocks of the warp's range (512 elements a block, as packed). A shorter
-// range is all tail; an empty one has none.
+// The tail stage: for each warp in order, its N_TILES tiles' last tail_blocks k blocks of its range.
 __device__ __forceinline__ int gemm_rows_tail_begin(int kb_begin, int kb_end, int tail_blocks)
 {
     return max(kb_begin, kb_end - tail_blocks);
 }
 
-// Where a warp's tail starts, less tail_begin k blocks (perhaps negative; the loop reads block kb at
-// this place + kb * 512 elements).
+// Where a warp's tail starts, less tail_begin k blocks (perhaps negative).
 template <int N_TILES>
 __device__ __forceinline__ long long gemm_rows_tail_offset(int warp, int tail_begin, int tail_blocks)
 {
     return (static_cast<long long>(warp) * N_TILES * tail_blocks - tail_begin) * GEMM_ROWS_PACKED_BLOCK;
 }
 
-// Each warp of the block: the first step of its k range in column group `group` (zeros past the part
-// before the tail or past the matrix), loaded from the packed w in program order, so that it can be
-// issued before a wait; gemm_rows_group's TAIL then starts from it.
+// Each warp: the first step of its k range in column group `group`, in program order (before a wait).
 template <int N_TILES>
 __device__ __forceinline__ void gemm_rows_first_step(uint4 (&first)[gemm_rows_k_unroll<1, N_TILES>()][N_TILES],
                                                      const bf16_t* w, int n, int k, int k_split, int group,
@@ -530,7 +480,6 @@ __device__ __forceinline__ void gemm_rows_first_step(uint4 (&first)[gemm_rows_k_
     gemm_rows_k_range(k, k_split, warp % k_split, kb_begin, kb_end);
     const int tail_begin = gemm_rows_tail_begin(kb_begin, kb_end, tail_blocks);
     const int warp_column = gemm_rows_warp_column<N_TILES>(k_split, group);
-    // (gemm_rows_accumulate's place of the lane in a packed w, tile origin 0.)
     const int tile_stride = gemm_rows_k_blocks(k) * GEMM_ROWS_PACKED_BLOCK;
     const GemmRowsWeightLane<N_TILES> weight = gemm_rows_weight_at<N_TILES>(
         w + static_cast<size_t>(warp_column / GEMM_ROWS_N_TILE) * tile_stride + 8 * (threadIdx.x & 31), tile_stride,
@@ -540,21 +489,15 @@ __device__ __forceinline__ void gemm_rows_first_step(uint4 (&first)[gemm_rows_k_
         threadIdx.x & 3);
 }
 
-// Where a sweep also writes its FP32 sums (the *sums* entries, SUMS set): sums.y[row * sums.ld +
-// column] receives the sum that y[row * ldy + column] holds rounded to BF16.
+// Where a sweep also writes its FP32 sums: sums.y[row * sums.ld + column], unrounded y.
 struct GemmRowsSums {
     float* y;
     int ld;
 };
 
-// One column group of the output, by the block's 8 warps: rows [row_begin, row_end) (at most 64),
-// columns group * group_columns ... Deterministic split-k: partial[warp][fragment][lane], then each
-// output adds its k_split partials in ascending warp_k order. Ends with a barrier (the next group may
-// overwrite `partial`). GEMM_X_STAGED: w is a shared-memory copy of the packed tiles w_tile_origin, ...
-// With x in shared memory, `partial` overwrites it. TAIL (packed w): the last k blocks of each warp's
-// range come from `tail`, the copy the warp started (gemm_rows_stage_tail), the others from w, their
-// first step from `first` (gemm_rows_first_step): one chain in the same order. SUMS: each output's
-// FP32 sum also goes to `sums`.
+// One column group of the output by the block's 8 warps, split-k partials added in ascending warp order;
+// ends with a barrier. GEMM_X_STAGED: w a shared copy from w_tile_origin, `partial` overwriting x. TAIL:
+// each warp's last k blocks from `tail`, its first step from `first`. SUMS: FP32 sums too.
 template <int M_TILES, int N_TILES, int X_FROM = GEMM_X_INPUT, bool PACKED = false, bool TAIL = false,
           bool SUMS = false>
 __device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const bf16_t* w, bf16_t* y, int ldy,
@@ -633,17 +576,15 @@ __device__ __forceinline__ void gemm_rows_group(const bf16_t* x, int ldx, const 
     __syncthreads();
 }
 
-// A second projection swept by the same launch (the pair entries): its own x, weight and output, the
-// first's shapes, strides and rows. Null w: none.
+// A second projection swept by the same launch (the pair entries), of the first's shapes. Null w: none.
 struct GemmRowsSecond {
     const bf16_t* x;
     const bf16_t* w;
     bf16_t* y;
 };
 
-// What a sweep's blocks wait on before they read x: null words, the previous kernel of the stream;
-// else (the awaiting entries) words[0] reaching `target`, the count of outputs that kernel, still
-// running, has written (kda_await_words).
+// What a sweep's blocks wait on before they read x: null words, the previous kernel's end; else words[0]
+// reaching `target`, the count of outputs that kernel, still running, has written.
 struct GemmRowsAwait {
     int* words;
     int target;
@@ -660,9 +601,7 @@ __device__ __forceinline__ int gemm_rows_await(const GemmRowsAwait& awaited)
     return passed;
 }
 
-// An awaiting block's end (every thread calls it): the last block past the wait sets the words back
-// to zero, and the launch ends after the kernel before it, as a launch that waited for it does, so
-// that what follows in the stream may count on both being done.
+// An awaiting block's end: the words cleared, and the launch ends after the kernel before it ends.
 __device__ __forceinline__ void gemm_rows_end_awaited(const GemmRowsAwait& awaited, int passed)
 {
     if (threadIdx.x == 0) {
@@ -671,9 +610,7 @@ __device__ __forceinline__ void gemm_rows_end_awaited(const GemmRowsAwait& await
     kda_grid_dependency_wait();
 }
 
-// Each warp of the block: start the copies of its part of column group `group`'s tail stage into `tail`
-// (its tiles inside the matrix, from the packed w, by its lanes); gemm_rows_group's TAIL waits for
-// them only when it reaches them.
+// Each warp: start the copies of its part of column group `group`'s tail stage into `tail`.
 template <int N_TILES>
 __device__ __forceinline__ void gemm_rows_stage_tail(bf16_t* tail, const bf16_t* w, int n, int k, int k_split,
                                                      int group, int tail_blocks)
@@ -697,11 +634,8 @@ __device__ __forceinline__ void gemm_rows_stage_tail(bf16_t* tail, const bf16_t*
     }
 }
 
-// The body of every mma.sync entry point but the staged ones: one block's share of the output, rows
-// [row_begin, row_end) (64 a blockIdx.y) and the column groups blockIdx.x, blockIdx.x + gridDim.x, ...
-// A second projection's column groups follow the first's, each the group it alone would sweep.
-// `prefetch`: L2 requests for the first blocks of 32 k of the weight before the wait on the kernel
-// before (the weight is no kernel's output, x is).
+// The body of every mma.sync entry point but the staged ones. `prefetch`: k blocks of the weight asked of
+// L2 before the wait (the weight is no kernel's output).
 template <int M_TILES, int N_TILES, bool PACKED, int X_FROM = GEMM_X_INPUT, bool SUMS = false>
 __device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, int ldx,
                                                 const bf16_t* __restrict__ w, bf16_t* __restrict__ y,
@@ -728,8 +662,7 @@ __device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, in
     const int column_groups = (n + group_columns - 1) / group_columns;
 
     if (prefetch != 0 && blockIdx.x < column_groups) {
-        // L2 lines of the first `prefetch` blocks of this warp's k range, for every weight row
-        // of its first column group.
+        // The first `prefetch` blocks of this warp's k range, for every weight row of its first group.
         const int first_row = blockIdx.x * group_columns + warp_n * N_TILES * GEMM_ROWS_N_TILE;
         const int kb_last = min(kb_end, kb_begin + prefetch);
         if constexpr (PACKED) {
@@ -754,8 +687,7 @@ __device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, in
             }
         }
     }
-    // x (and y) may belong to the kernel before: nothing below runs before it is done, or (awaiting)
-    // before it has counted its outputs out (read through L2, X_FROM).
+    // x (and y) may belong to the kernel before: nothing below runs before it is done or has counted out.
     int passed = 0;
     if (awaited.words != nullptr) {
         passed = gemm_rows_await(awaited);
@@ -788,12 +720,10 @@ __device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, in
 #define GEMM_ROWS_AWAIT_PARAMETERS int* ready, int ready_target
 #define GEMM_ROWS_SUMS_PARAMETERS float* __restrict__ sums, int ld_sums
 
-// Every variant is compiled for 2 blocks per SM (up to 128 registers per thread);
-// glm_kda.gpu.projection.GEMM_ROWS_BLOCKS_PER_SM mirrors it.
+// 2 blocks per SM (up to 128 registers); glm_kda.gpu.projection.GEMM_ROWS_BLOCKS_PER_SM mirrors it.
 #define GEMM_ROWS_MIN_BLOCKS 2
 
-// The (M_TILES, N_TILES) pairs of the general entries (gemm_rows.cu, gemm_rows_sums.cu), one entry
-// point a pair and form (glm_kda.gpu.build.ENTRY_POINTS lists them).
+// The (M_TILES, N_TILES) pairs of the general entries (glm_kda.gpu.build.ENTRY_POINTS lists them).
 #define GEMM_ROWS_TILINGS(ENTRY)                                                                   \
     ENTRY(1, 1) ENTRY(1, 2) ENTRY(1, 4) ENTRY(2, 1) ENTRY(2, 2) ENTRY(2, 4) ENTRY(4, 1) ENTRY(4, 2)
 

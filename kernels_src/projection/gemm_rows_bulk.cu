@@ -1,27 +1,7 @@
-// The row projection of more than 16 rows a group on Hopper's warpgroup MMA (sm_90a only), both
-// operands in shared memory, filled by the bulk copy engine: the bits of gemm_rows.cu's sweeps,
-//   y[r, j] = bf16( sum_i x[r, i] * w[j, i] )   for r < rows (1..256), j < n.
-// The operands arrive as 4 KB tiles that are already the wgmma's shared-memory image, one bulk copy a
-// tile run, and the WG warpgroups of a block walk k in step, so one copy of x feeds WG groups of 64
-// columns; one warp of the block only issues the copies.
-//
-// Tiles (tile_layout.cuh; glm_kda.gpu.projection.pack_tiles for the weight, kda_gemm_rows_tile_x_bf16
-// below or the fused decode step for x): for a group of 64 weight columns (or rows of x) and a block
-// kb of 32 k, 2048 elements
-//   tile[s][h][c][8 t + e] = w[64 group + c, 32 kb + 8 t + 4 s + 2 h + e]   (t < 4, e < 2; zeros past n, k)
-// k16 step s reads [s][0..1][64][8]: core matrices of 8 rows x 16 bytes, the two k halves 1024 bytes
-// apart (leading byte offset), the 8-row groups 128 bytes apart (stride byte offset). Logical k slot
-// 8 h + 2 t + e of step s holds physical k 8 t + 4 s + 2 h + e: gemm_rows.cuh's fragment trick for
-// both operands. With its k ranges, each a chain from zero in ascending blocks of 32, folded in
-// ascending order, the bits are its (the GPU tests compare every row count).
-//
-// Launch (kda_gemm_rows_bulk_g<WG>): block WG * 128 + 32 threads, WG consumer warpgroups and one copy
-// warp (the last); grid.y = the row groups of 64, grid.x any number of blocks. A block's tasks
-// (GemmBulkWalk) go through each k range in chunks of up to GEMM_BULK_CHUNK blocks of 32; chunk i
-// takes ring slot i % stages: x's chunk, then each warpgroup's weight chunk. The copy warp's lane 0
-// waits for the slot to be free (its `empty` mbarrier: an arrival per consumer warp), announces the
-// bytes on its `full` mbarrier and starts the copies; the weight copies of the first `stages` chunks
-// go out before the wait on the previous kernel (the weight is no kernel's output), x's after it.
+// The row projection of more than 16 rows on Hopper's warpgroup MMA (sm_90a), gemm_rows.cu's bits: both
+// operands come by bulk copy as the wgmma's shared-memory image; one copy of x feeds every warpgroup.
+// Launch (kda_gemm_rows_bulk_g<WG>): WG * 128 + 32 threads (WG consumer warpgroups, then one copy warp),
+// grid.y the row groups of 64. Tile layout, ring and walk: docs/kernels.md, 'Bulk-copy sweep'.
 #include "projection/gemm_rows.cuh"
 #include "projection/tile_layout.cuh"
 #include "projection/wgmma.cuh"
@@ -35,9 +15,8 @@
 // Blocks of 32 k a ring slot holds of each operand (glm_kda.gpu.projection._BULK_CHUNK).
 #define GEMM_BULK_CHUNK 4
 
-// x [rows, k] (row stride ldx) -> tiles [row group][kb][2048], zeros past rows and k. A thread per
-// (row group, kb, row of 64) reads the row's 64 bytes of the block and writes its four 16-byte pieces
-// (s, h). Launch: 256 threads, grid ceil(row_groups * k_blocks * 64 / 256).
+// x [rows, k] BF16 (row stride ldx) -> tiles [row group][kb][2048], zeros past rows and k; a thread per
+// (row group, kb, row of 64). Launch: 256 threads, grid ceil(row_groups * k_blocks * 64 / 256).
 extern "C" __global__ void __launch_bounds__(256) kda_gemm_rows_tile_x_bf16(const bf16_t* x, int ldx,
                                                                       int rows, int k, bf16_t* __restrict__ tiles)
 {
@@ -63,15 +42,13 @@ extern "C" __global__ void __launch_bounds__(256) kda_gemm_rows_tile_x_bf16(cons
     }
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-        // Word q of chunk t holds k 32 kb + 8 t + 2 q, + 1: the tile layout's 16 bytes from
-        // x[row, 32 kb + 2 q] on (q = 2 s + h).
+        // Word q of chunk t holds k 32 kb + 8 t + 2 q, + 1 (q = 2 s + h).
         *reinterpret_cast<uint4*>(tiles + bulk_tile_element(row, kb * GEMM_ROWS_K_BLOCK + 2 * q, k_blocks)) =
             uint4{word_of(chunk[0], q), word_of(chunk[1], q), word_of(chunk[2], q), word_of(chunk[3], q)};
     }
 }
 
-// d[64 x 64] += a[64 x 16] b[16 x 64], both operands by descriptor (K-major). d: 32 floats a
-// thread, fragment 4 i + e at A row 16 warp + g + 8 (e / 2), B row (x row) 8 i + 2 t + e % 2.
+// d[64 x 64] += a[64 x 16] b[16 x 64], both operands by descriptor (K-major); d: 32 floats a thread.
 __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], unsigned long long desc_a,
                                                    unsigned long long desc_b)
 {
@@ -88,10 +65,7 @@ __device__ __forceinline__ unsigned long long gemm_bulk_step_descriptor(unsigned
     return wgmma_descriptor(tile + s * (GEMM_BULK_TILE_BYTES / 2), GEMM_BULK_TILE_BYTES / 4, 128);
 }
 
-// The walk of a block, the same for its copy warp and its warpgroups: tasks blockIdx.x, blockIdx.x +
-// gridDim.x, ... of `tasks`. Task t is super-group t / parts and, with one part, every k range of it
-// (folded in the registers), or with parts = the ranges that hold k blocks, range t % parts alone (its
-// partial sums stored for kda_gemm_rows_bulk_fold_bf16).
+// The walk of a block, the same for its copy warp and its warpgroups (docs/kernels.md, 'Bulk-copy sweep').
 struct GemmBulkWalk {
     int k_blocks, k_range, ranges, parts, tasks;
 };
@@ -109,8 +83,7 @@ __device__ __forceinline__ GemmBulkWalk gemm_bulk_walk(int k, int super_groups, 
 }
 
 // The copy warp's lane 0 over the block's walk: before the wait on the previous kernel (`early`) the
-// weight copies of chunks i < stages; after it the copies of x for every chunk, and both copies for
-// chunks i >= stages once the slot is free.
+// weight copies of chunks i < stages; after it the rest, each once its slot is free.
 template <int WG>
 __device__ __forceinline__ void gemm_bulk_produce(const GemmBulkWalk& walk, bool early, int stages,
                                                   unsigned int ring, unsigned int slot_bytes,
@@ -158,9 +131,8 @@ __device__ __forceinline__ void gemm_bulk_produce(const GemmBulkWalk& walk, bool
     }
 }
 
-// A warpgroup's 64 x 64 result (fragment f: weight column column_base + 8 (e / 2), row 8 (f / 4) +
-// 2 t + e % 2 of the row group, e = f % 4) into out[row_begin + row][column] (row stride ld), rows <
-// rows_here and columns < n only, each value through `convert`.
+// A warpgroup's 64 x 64 result into out[row_begin + row][column] (row stride ld), rows < rows_here and
+// columns < n only, each value through `convert`.
 template <class T, class Convert>
 __device__ __forceinline__ void gemm_bulk_store(const float (&values)[32], T* out, size_t ld, int row_begin,
                                                 int rows_here, int column_base, int n, int t, Convert convert)
@@ -176,11 +148,9 @@ __device__ __forceinline__ void gemm_bulk_store(const float (&values)[32], T* ou
     }
 }
 
-// The body of kda_gemm_rows_bulk_g<WG>. Dynamic shared memory: stages * (1 + WG) * CHUNK * 4096 bytes
-// of ring, then 2 * stages mbarriers (16 * stages bytes). x_tiles from kda_gemm_rows_tile_x_bf16 of the
-// same rows and k, w_tiles from pack_tiles. `partial` null: y = the folded sums in BF16; else each
-// range's FP32 sums at partial[range][row][column] (row < rows, column < n; for
-// kda_gemm_rows_bulk_fold_bf16), and y is not touched.
+// The body of kda_gemm_rows_bulk_g<WG>: stages * (1 + WG) * CHUNK * 4096 bytes of ring, then 2 * stages
+// mbarriers. x_tiles and w_tiles in the tile layout. `partial` null: y = the folded sums in BF16; else
+// each range's FP32 sums go to partial[range][row][column] (for the fold) and y is not touched.
 template <int WG>
 __device__ __forceinline__ void gemm_bulk_entry(const bf16_t* __restrict__ x_tiles, const bf16_t* __restrict__ w_tiles,
                                                 bf16_t* __restrict__ y, int ldy, int rows, int n, int k, int stages,
@@ -201,8 +171,8 @@ __device__ __forceinline__ void gemm_bulk_entry(const bf16_t* __restrict__ x_til
     const unsigned int ring = shared_address(gemm_bulk_ring);
     const unsigned int full_barriers = ring + stages * slot_bytes;
     const unsigned int empty_barriers = full_barriers + 8 * stages;
-    // The warp index read from lane 0: the compiler then knows every branch on it is warp-uniform,
-    // and keeps a range's wgmma in flight together instead of serialising them.
+    // Read from lane 0, so that the compiler knows every branch on it is warp-uniform and keeps a range's
+    // wgmma in flight together.
     const int warp = __shfl_sync(0xffffffffu, threadIdx.x >> 5, 0), lane = threadIdx.x & 31;
     const int consumer_warps = 4 * WG;
 
@@ -216,7 +186,6 @@ __device__ __forceinline__ void gemm_bulk_entry(const bf16_t* __restrict__ x_til
     __syncthreads();
 
     if (warp == consumer_warps) {
-        // The copy warp.
         if (lane == 0) {
             gemm_bulk_produce<WG>(walk, true, stages, ring, slot_bytes, full_barriers, empty_barriers, x_tiles, w_tiles,
                                   row_group, groups);
@@ -228,8 +197,7 @@ __device__ __forceinline__ void gemm_bulk_entry(const bf16_t* __restrict__ x_til
         return;
     }
 
-    // A consumer warpgroup: 64 columns of each of the block's tasks. The accumulators are touched only
-    // between ranges, never between two wgmma of one range, which so stay in flight together.
+    // A consumer warpgroup: 64 columns of each task; accumulators touched only between ranges.
     const int warpgroup = warp >> 2, warp_in_group = warp & 3;
     const int g = lane >> 2, t = lane & 3;
     int i = 0;  // chunk of the block's walk
@@ -312,10 +280,8 @@ __device__ __forceinline__ void gemm_bulk_entry(const bf16_t* __restrict__ x_til
     }
 }
 
-// y[row, column] = bf16 of the k ranges' FP32 partial sums (partial[range][row][column], from a split
-// kda_gemm_rows_bulk_g<WG>) folded as the unsplit sweep folds them: range 0, then each next one in
-// ascending order, then a zero for each range past the matrix. Launch: 256 threads, a thread an
-// output, grid ceil(rows * n / 256).
+// y[row, column] = bf16 of the k ranges' FP32 partial sums (partial[range][row][column]) folded in the
+// unsplit sweep's order. Launch: 256 threads, a thread an output, grid ceil(rows * n / 256).
 extern "C" __global__ void __launch_bounds__(256) kda_gemm_rows_bulk_fold_bf16(const float* partial,
                                                                          bf16_t* __restrict__ y, int ldy, int rows,
                                                                          int n, int k)

@@ -1,17 +1,6 @@
-// The staged forms of the awaiting entry (gemm_rows_decode.cu; docs/design.md, the output projection):
-// up to 16 rows of a packed weight, the same bits, the weight streamed into dynamic shared memory while
-// the awaited kernel still runs (`prefetch` unused: the copy is the prefetch). Launch: 256 threads,
-// grid.x = the column groups (one a block), grid.y = 1.
-//   kda_gemm_rows_staged_awaiting_bf16_m1_n<N>: the group's tiles, all their k blocks, copied before
-//     the wait; past it x's rows beside them (through L2), then both swept from shared memory
-//     (GEMM_X_STAGED). Dynamic shared memory: the stage, then max(16 + rows * k_pad * 2 bytes, the
-//     partial sums) (k_pad: k rounded up to 32): a zero chunk and x's rows, the partial sums over them.
-//   kda_gemm_rows_tail_staged_awaiting_bf16_m1_n<N>, for a column group that does not fit a stage: each
-//     warp starts the copies of its tail (gemm_rows_stage_tail) and loads the first step of its range
-//     before the wait; past it, x's rows as above, the rest of its range from memory at once and the
-//     tail last (GEMM_X_SHARED, TAIL): a copy still in flight at the wait holds back only the tail.
-//     Dynamic shared memory: 8 warps * N tiles * tail_blocks * 512 bytes, then x's region as above.
-//   Their *_sums_* forms write the FP32 sums too (sums, ld_sums after the words).
+// The awaiting entries of gemm_rows_decode.cu that stage their weight in shared memory while the awaited
+// kernel runs, same bits: the staged form copies its column group whole, the tail form each warp's last k
+// blocks. Launch: 256 threads, grid (column groups, 1); shared memory: docs/kernels.md, 'Row projection'.
 #include "projection/gemm_rows.cuh"
 
 template <int N_TILES, bool TAIL, bool SUMS = false>
@@ -52,8 +41,7 @@ __device__ __forceinline__ void gemm_rows_staged_entry(const bf16_t* __restrict_
     }
     const int passed = gemm_rows_await(awaited);
     if (sweeps) {
-        // A 16-byte zero chunk, then x's rows padded with zeros to whole k blocks (GEMM_X_STAGED), where
-        // the largest stage ends (the same place in every block).
+        // A 16-byte zero chunk, then x's rows padded to whole k blocks, where the largest stage ends.
         const size_t stage_elements =
             TAIL ? static_cast<size_t>(GEMM_ROWS_WARPS) * N_TILES * tail_blocks * GEMM_ROWS_PACKED_BLOCK
                  : min(group_tiles, tiles) * tile_elements;

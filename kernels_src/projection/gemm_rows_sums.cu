@@ -1,8 +1,6 @@
-// The row projection of gemm_rows.cu writing each output's FP32 sum to sums[row * ld_sums + column]
-// as well (the sum that y holds rounded to BF16): a tensor-parallel rank's partial output, which the
-// ranks add up before the one rounding. kda_gemm_rows_sums_bf16_m<M>_n<N> reads w in torch Linear
-// layout, kda_gemm_rows_packed_sums_bf16_m<M>_n<N> packed. Launch, bits and parameters: those of
-// gemm_rows.cu's entries, then sums and ld_sums.
+// The row projection of gemm_rows.cu also writing each output's FP32 sum to sums[row * ld_sums + column]:
+// a tensor-parallel rank's partial output. w row-major (kda_gemm_rows_sums_bf16_m<M>_n<N>) or packed
+// (kda_gemm_rows_packed_sums_bf16_m<M>_n<N>). Launch and parameters: gemm_rows.cu's, then sums, ld_sums.
 #include "projection/gemm_rows.cuh"
 
 #define GEMM_ROWS_SUMS_ENTRY_OF(NAME, M_TILES, N_TILES, PACKED)                                    \

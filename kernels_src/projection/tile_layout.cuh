@@ -1,9 +1,5 @@
-// The tile layout in which the bulk-copy projection sweep (gemm_rows_bulk.cu) reads its x, and
-// which the fused decode step writes its output in for the output projection
-// (glm_kda.gpu.projection.tile_layout): for the group of rows 64 G .. 64 G + 63 and block kb of 32
-// columns,
-//   tile[G][kb][s][h][r][8 t + e] = x[64 G + r, 32 kb + 8 t + 4 s + 2 h + e]   (t < 4, e < 2)
-// in tiles of 2048 elements.
+// The tile layout of x for the bulk-copy sweep (gemm_rows_bulk.cu), which the fused decode step also
+// writes: tile[G][kb][s][h][r][8 t + e] = x[64 G + r, 32 kb + 8 t + 4 s + 2 h + e] (t < 4, e < 2).
 #ifndef KDA_PROJECTION_TILE_LAYOUT_CUH
 #define KDA_PROJECTION_TILE_LAYOUT_CUH
 

@@ -1,6 +1,5 @@
-// Hopper's warpgroup MMA (sm_90a) for the bulk-copy projection sweep (gemm_rows_bulk.cu):
-// shared-memory operand descriptors, the fences and waits of the asynchronous MMA, and the mbarrier
-// and bulk-copy steps that feed it.
+// Hopper's warpgroup MMA (sm_90a) for the bulk-copy sweep (gemm_rows_bulk.cu): operand descriptors, the
+// fences and waits of the asynchronous MMA, and the mbarrier and bulk-copy steps that feed it.
 #ifndef KDA_PROJECTION_WGMMA_CUH
 #define KDA_PROJECTION_WGMMA_CUH
 
