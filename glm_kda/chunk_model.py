@@ -15,7 +15,7 @@ HEAD_DIM = 128  # the kernels' head dimension
 CHUNK = 64
 SUB_CHUNK = 16
 # The smallest bounded-law lower bound for which the sub-chunk decay factors stay within
-# FP32 range: exp(5 * 15) = 3.7e32 (the argument is in kernels_src/chunk/chunk_tc.cuh).
+# FP32 range: exp(5 * 15) = 3.7e32 (the argument: docs/maths.md, "The chunked (WY) form").
 MIN_LOWER_BOUND = -5.0
 # The widest decay across a diagonal block that the unbounded prepare forms by the reference-row products
 # (CHUNK_TC_DIAGONAL_RANGE; docs/maths.md, "The chunked (WY) form").
@@ -32,7 +32,7 @@ H_STRIDE = HEAD_DIM + 32
 # W and q_decay FP16 [C][D + 32], the TF32 state copy [32][D + 4], U^T [32][C + 4]: 66,560 bytes.
 SCAN_SMEM_BYTES = 2 * 2 * CHUNK * H_STRIDE + 4 * (SCAN_COLUMNS * D_STRIDE + SCAN_COLUMNS * C_STRIDE)
 # The scratch the scan reads as mma operands is FP16 (TF32 values, which FP16 holds exactly
-# in its normal range: kernels_src/chunk/chunk_tc.cuh); U and the chunk decay stay FP32.
+# in its normal range: docs/kernels.md, "FP16 scratch"); U and the chunk decay stay FP32.
 SCRATCH_KINDS = {"q_decay": "f16", "k_tail": "f16", "w": "f16", "u": "f32", "attn": "f16", "chunk_decay": "f32"}
 
 
