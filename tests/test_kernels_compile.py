@@ -59,7 +59,7 @@ def test_kernel_files_match_entry_points():
     folder = kernels.kernels_dir()
     assert sorted(path.relative_to(folder).as_posix() for path in folder.rglob("*.cu")) == sorted(kernels.KERNEL_FILES)
     families = {**kernels.ENTRY_POINTS, **{stem: names for stem, (_, names) in kernels.ARCH_ENTRY_POINTS.items()}}
-    tilings_define = re.search(r"#define GEMM_ROWS_TILINGS\(ENTRY\)(.*?)\n\n", (folder / "projection/gemm_rows.cuh").read_text(), re.S)
+    tilings_define = re.search(r"#define GEMM_ROWS_TILINGS\(ENTRY\)(.*?)(?:\n\n|\Z)", (folder / "projection/gemm_rows.cuh").read_text(), re.S)
     tilings = re.findall(r"ENTRY\((\d+), (\d+)\)", tilings_define.group(1))
     for stem, names in families.items():
         text = (folder / f"{stem}.cu").read_text()

@@ -1,7 +1,6 @@
 // BF16 storage without cuda_bf16.h (so NVRTC needs no CUDA headers): a value as its raw 16 bits,
 // the upper half of the FP32 encoding.
-#ifndef KDA_COMMON_BF16_CUH
-#define KDA_COMMON_BF16_CUH
+#pragma once
 
 typedef unsigned short bf16_t;
 
@@ -28,5 +27,3 @@ __device__ __forceinline__ bf16_t f32_to_bf16(float value)
     const unsigned int lsb = (bits >> 16) & 1u;
     return static_cast<bf16_t>((bits + 0x7fffu + lsb) >> 16);
 }
-
-#endif  // KDA_COMMON_BF16_CUH

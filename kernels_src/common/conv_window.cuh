@@ -1,8 +1,7 @@
 // The causal conv of one channel, one definition for the prefill conv (conv.cu) and the fused decode
 // step, so both agree bit for bit: a window of the last K <= CONV_MAX_KERNEL inputs, oldest in slot 0,
 // kept in registers (compile-time indices only).
-#ifndef KDA_COMMON_CONV_WINDOW_CUH
-#define KDA_COMMON_CONV_WINDOW_CUH
+#pragma once
 
 #include "common/bf16.cuh"
 
@@ -73,5 +72,3 @@ __device__ __forceinline__ float conv_silu(const float window[CONV_MAX_KERNEL],
     conv_slots_load(loaded, taps, kernel_size);
     return conv_silu_taps(window, loaded, kernel_size);
 }
-
-#endif  // KDA_COMMON_CONV_WINDOW_CUH

@@ -1,7 +1,6 @@
 // Scalar activations shared by the kernels, one definition each so every kernel that forms a
 // value forms the same bits.
-#ifndef KDA_COMMON_MATH_CUH
-#define KDA_COMMON_MATH_CUH
+#pragma once
 
 __device__ __forceinline__ float sigmoid_f32(float x)
 {
@@ -28,5 +27,3 @@ __device__ __forceinline__ float kda_forget_gate(float u, float a, bool bounded,
     const float softplus = (u > KDA_SOFTPLUS_THRESHOLD) ? u : log1pf(expf(u));
     return -a * softplus;
 }
-
-#endif  // KDA_COMMON_MATH_CUH

@@ -1,7 +1,6 @@
 // The sums over a head's KDA_HEAD_BLOCK threads (thread d: channel d) and the per-head normalisations built
 // on them, all in block_sum_f32's one order, so that decode and prefill produce the same bits.
-#ifndef KDA_COMMON_REDUCE_CUH
-#define KDA_COMMON_REDUCE_CUH
+#pragma once
 
 #include "common/head.cuh"
 #include "common/math.cuh"
@@ -114,5 +113,3 @@ __device__ __forceinline__ float warp_head_sum_squares(const float (&v)[4])
     total += __shfl_sync(KDA_FULL_WARP_MASK, warp_sum, 24);
     return total;
 }
-
-#endif  // KDA_COMMON_REDUCE_CUH

@@ -1,7 +1,6 @@
 // Waits between kernels: the programmatic dependent launch (sm_90 and later) and the counters a kernel
 // polls while the one it waits for still runs beside it; and the shared-memory addresses of cp.async.
-#ifndef KDA_COMMON_SYNC_CUH
-#define KDA_COMMON_SYNC_CUH
+#pragma once
 
 // Programmatic dependent launch (no-ops before sm_90): whatever a kernel reads or writes that the previous
 // kernel may touch must come after kda_grid_dependency_wait (docs/kernels.md, 'Shared pieces').
@@ -72,5 +71,3 @@ __device__ __forceinline__ unsigned int shared_address(const void* pointer)
 {
     return static_cast<unsigned int>(__cvta_generic_to_shared(pointer));
 }
-
-#endif  // KDA_COMMON_SYNC_CUH

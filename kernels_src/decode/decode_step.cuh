@@ -1,7 +1,6 @@
 // The pieces of the fused decode step (decode.cu): the delta-rule step of one value column of a head's
 // state held in registers, one token's inputs of a channel, and the L2 request for a later state.
-#ifndef KDA_DECODE_STEP_CUH
-#define KDA_DECODE_STEP_CUH
+#pragma once
 
 #include "common/bf16.cuh"
 #include "common/head.cuh"
@@ -96,5 +95,3 @@ __device__ __forceinline__ KdaTokenInputs kda_load_token_inputs(const bf16_t* qk
     inputs.out_gate = out_gate[row * qkv + channel];
     return inputs;
 }
-
-#endif  // KDA_DECODE_STEP_CUH

@@ -3,8 +3,7 @@
 // x [rows, k] (row stride ldx), w [n, k] (torch Linear layout, or packed), y [rows, n] (row stride ldy).
 // A row's bits depend on k alone, never on the rows or the launch. Requires k % 8 == 0, ldx % 8 == 0 and
 // 16-byte aligned x and w. Bit contract, fragment trick and forms: docs/kernels.md, 'Row projection'.
-#ifndef GEMM_ROWS_CUH
-#define GEMM_ROWS_CUH
+#pragma once
 
 #include "common/bf16.cuh"
 #include "common/sync.cuh"
@@ -726,5 +725,3 @@ __device__ __forceinline__ void gemm_rows_entry(const bf16_t* __restrict__ x, in
 // The (M_TILES, N_TILES) pairs of the general entries (glm_kda.gpu.build.ENTRY_POINTS lists them).
 #define GEMM_ROWS_TILINGS(ENTRY)                                                                   \
     ENTRY(1, 1) ENTRY(1, 2) ENTRY(1, 4) ENTRY(2, 1) ENTRY(2, 2) ENTRY(2, 4) ENTRY(4, 1) ENTRY(4, 2)
-
-#endif  // GEMM_ROWS_CUH

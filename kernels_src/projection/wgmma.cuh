@@ -1,7 +1,6 @@
 // Hopper's warpgroup MMA (sm_90a) for the bulk-copy sweep (gemm_rows_bulk.cu): operand descriptors, the
 // fences and waits of the asynchronous MMA, and the mbarrier and bulk-copy steps that feed it.
-#ifndef KDA_PROJECTION_WGMMA_CUH
-#define KDA_PROJECTION_WGMMA_CUH
+#pragma once
 
 // The 32 FP32 accumulators of a 64 x 64 wgmma (operands %0 .. %31) as the instruction names them,
 // and their read-write operand list: the first operands of every m64n64 wgmma asm.
@@ -83,5 +82,3 @@ __device__ __forceinline__ void bulk_copy_to_shared(unsigned int destination, co
                  "l"(source), "r"(bytes), "r"(barrier)
                  : "memory");
 }
-
-#endif  // KDA_PROJECTION_WGMMA_CUH
