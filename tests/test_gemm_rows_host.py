@@ -274,20 +274,23 @@ int main(int argc, char** argv)
 """
 
 
-def host_gemm_rows_source() -> str:
-    """The row projection's files (gemm_rows.cu, its sums, decode and staged forms), one translation
-    unit for the host (host_kernel_source with DEVICE_HELPERS removed), the staged entries' dynamic
-    shared array taken from the emulated block's."""
-    kernel = '#include "emulation.h"\n' + "".join(
-        host_kernel_source(stem, DEVICE_HELPERS) for stem in
-        ("projection/gemm_rows", "projection/gemm_rows_sums", "projection/gemm_rows_decode", "projection/gemm_rows_staged"))
+def host_gemm_rows_sources() -> dict[str, str]:
+    """The row projection's files (gemm_rows.cu, its sums, decode and staged forms) for the host, one
+    translation unit each as NVRTC compiles them (host_kernel_source with DEVICE_HELPERS removed), the
+    staged entries' dynamic shared array taken from the emulated block's."""
+    stems = ("gemm_rows", "gemm_rows_sums", "gemm_rows_decode", "gemm_rows_staged")
+    units = {f"{stem}.cpp": '#include "emulation.h"\n' + host_kernel_source(f"projection/{stem}", DEVICE_HELPERS)
+             for stem in stems}
     declaration = "extern __shared__ __align__(128) unsigned char gemm_rows_stage[];"
-    assert kernel.count(declaration) == 1, "gemm_rows_staged.cu no longer declares gemm_rows_stage; update the host emulation"
-    return kernel.replace(declaration, "unsigned char* gemm_rows_stage = reinterpret_cast<unsigned char*>(emulated_shared);")
+    assert [name for name, unit in units.items() if declaration in unit] == ["gemm_rows_staged.cpp"], \
+        "gemm_rows_staged.cu no longer declares gemm_rows_stage alone; update the host emulation"
+    units["gemm_rows_staged.cpp"] = units["gemm_rows_staged.cpp"].replace(
+        declaration, "unsigned char* gemm_rows_stage = reinterpret_cast<unsigned char*>(emulated_shared);")
+    return units
 
 
 def _gemm_host_files() -> dict[str, str]:
-    return {"emulation.h": GEMM_HEADER, "main.cpp": GEMM_MAIN, "kernel.cpp": host_gemm_rows_source()}
+    return {"emulation.h": GEMM_HEADER, "main.cpp": GEMM_MAIN, **host_gemm_rows_sources()}
 
 
 @pytest.fixture(scope="module")
