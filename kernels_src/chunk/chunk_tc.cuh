@@ -121,26 +121,6 @@ __device__ __forceinline__ void round_tf32_all(float (&values)[N])
     }
 }
 
-// The FP32 rows [T, H, D] of q, k and v (`which` 0, 1, 2) from the conv kernel; `at` = token * H D + column.
-struct ChunkRowsF32 {
-    const float* __restrict__ query;
-    const float* __restrict__ key;
-    const float* __restrict__ value;
-
-    __device__ __forceinline__ const float* row(int which, size_t at) const
-    {
-        return (which == 0 ? query : which == 1 ? key : value) + at;
-    }
-    __device__ __forceinline__ float4 load4(int which, size_t at) const
-    {
-        return *reinterpret_cast<const float4*>(row(which, at));
-    }
-    __device__ __forceinline__ void load8(float out[8], int which, size_t at) const
-    {
-        ::load8(out, row(which, at));
-    }
-};
-
 // The clamp makes the exponent range argument hold whatever the buffer holds; a NaN passes through.
 __device__ __forceinline__ float clamp_gate(float g, float lower_bound)
 {
@@ -242,11 +222,11 @@ __device__ __forceinline__ void inverse_block_below_diagonal(const float* lower_
 }
 
 // Eight q values of chunk row t (channels column .. column + 7), zero for a padding row (never read).
-__device__ __forceinline__ void load_query_row8(float out[8], const ChunkRowsF32 rows, int first, int t, int valid,
-                                                size_t row_stride, size_t column)
+__device__ __forceinline__ void load_query_row8(float out[8], const float* __restrict__ query, int first, int t,
+                                                int valid, size_t row_stride, size_t column)
 {
     if (t < valid) {
-        rows.load8(out, 0, static_cast<size_t>(first + t) * row_stride + column);
+        load8(out, query + static_cast<size_t>(first + t) * row_stride + column);
     } else {
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
@@ -289,7 +269,7 @@ __device__ __forceinline__ bool diagonal_in_range(const float* cumgate_s, int i,
 
 // The diagonal blocks i with exact[i] set, of A and B, as exact FP32 sums by every thread (docs/kernels.md).
 __device__ __forceinline__ void diagonal_blocks_exact(const float* key_s, const float* cumgate_s, const float* beta_s,
-                                                      float* lower_s, f16_t* attn_block, const ChunkRowsF32 rows,
+                                                      float* lower_s, f16_t* attn_block, const float* query,
                                                       int first, int valid, size_t row_stride, size_t head_offset,
                                                       float scale, const int* exact, int thread)
 {
@@ -309,7 +289,7 @@ __device__ __forceinline__ void diagonal_blocks_exact(const float* key_s, const 
         const float* key_src = key_s + s * CHUNK_TC_D_STRIDE;
         const float* gate_t = cumgate_s + t * CHUNK_TC_D_STRIDE;
         const float* gate_src = cumgate_s + s * CHUNK_TC_D_STRIDE;
-        const float* query_t = rows.row(0, static_cast<size_t>(first + t) * row_stride + head_offset);
+        const float* query_t = query + static_cast<size_t>(first + t) * row_stride + head_offset;
         const bool real = t < valid;
         float kk = 0.0f;
         float qk = 0.0f;
@@ -353,7 +333,8 @@ __device__ __forceinline__ void diagonal_blocks_exact(const float* key_s, const 
 // [T, H*D] BF16, dt_bias [H*D], A_log [H] and the BF16 beta logits (row stride ld_beta).
 template <bool FUSED_GATE, bool UNBOUNDED = false>
 __device__ __forceinline__ void chunk_tc_prepare(
-    const ChunkRowsF32 rows, const float* __restrict__ gate_in, const float* __restrict__ beta_in, float* __restrict__ gate_out,
+    const float* __restrict__ query, const float* __restrict__ key, const float* __restrict__ value,
+    const float* __restrict__ gate_in, const float* __restrict__ beta_in, float* __restrict__ gate_out,
     float* __restrict__ beta_out, f16_t* __restrict__ q_decay, f16_t* __restrict__ k_tail_t,
     f16_t* __restrict__ w, float* __restrict__ u, f16_t* __restrict__ attn, float* __restrict__ chunk_decay,
     int tokens, int heads, float scale, float lower_bound, const bf16_t* __restrict__ forget_proj,
@@ -408,7 +389,7 @@ __device__ __forceinline__ void chunk_tc_prepare(
                 projected[l] = make_uint2(0u, 0u);
                 if (t < valid) {
                     const size_t at = static_cast<size_t>(first + t) * row_stride + head_offset + channel;
-                    key_value[l] = rows.load4(1, at);
+                    key_value[l] = *reinterpret_cast<const float4*>(key + at);
                     projected[l] = *reinterpret_cast<const uint2*>(forget_proj + at);
                 }
             }
@@ -446,7 +427,7 @@ __device__ __forceinline__ void chunk_tc_prepare(
                 gate_value[l] = key_value[l];
                 if (t < valid) {
                     const size_t at = static_cast<size_t>(first + t) * row_stride + head_offset + channel;
-                    key_value[l] = rows.load4(1, at);
+                    key_value[l] = *reinterpret_cast<const float4*>(key + at);
                     gate_value[l] = *reinterpret_cast<const float4*>(gate_in + at);
                 }
             }
@@ -502,7 +483,7 @@ __device__ __forceinline__ void chunk_tc_prepare(
             query_value[l] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             if (t < valid) {
                 query_value[l] = *reinterpret_cast<const float4*>(
-                    rows.query + static_cast<size_t>(first + t) * row_stride + head_offset + d);
+                    query + static_cast<size_t>(first + t) * row_stride + head_offset + d);
             }
         }
 #pragma unroll
@@ -584,7 +565,7 @@ __device__ __forceinline__ void chunk_tc_prepare(
                 float cumgate[8];
                 load8(cumgate, cumgate_s + row_low * CHUNK_TC_D_STRIDE + d);
                 load8(key_low, key_s + row_low * CHUNK_TC_D_STRIDE + d);
-                load_query_row8(query_low, rows, first, row_low, valid, row_stride, head_offset + d);
+                load_query_row8(query_low, query, first, row_low, valid, row_stride, head_offset + d);
 #pragma unroll
                 for (int e = 0; e < 8; ++e) {
                     const float factor = expf(cumgate[e] - reference_gate[e]);
@@ -593,7 +574,7 @@ __device__ __forceinline__ void chunk_tc_prepare(
                 }
                 load8(cumgate, cumgate_s + row_high * CHUNK_TC_D_STRIDE + d);
                 load8(key_high, key_s + row_high * CHUNK_TC_D_STRIDE + d);
-                load_query_row8(query_high, rows, first, row_high, valid, row_stride, head_offset + d);
+                load_query_row8(query_high, query, first, row_high, valid, row_stride, head_offset + d);
 #pragma unroll
                 for (int e = 0; e < 8; ++e) {
                     const float factor = expf(cumgate[e] - reference_gate[e]);
@@ -630,7 +611,7 @@ __device__ __forceinline__ void chunk_tc_prepare(
     }
     __syncthreads();
     if (UNBOUNDED && (exact_s[0] | exact_s[1] | exact_s[2] | exact_s[3])) {  // block-uniform
-        diagonal_blocks_exact(key_s, cumgate_s, beta_s, lower_s, attn_block, rows, first, valid,
+        diagonal_blocks_exact(key_s, cumgate_s, beta_s, lower_s, attn_block, query, first, valid,
                               row_stride, head_offset, scale, exact_s, thread);
         __syncthreads();
     }
@@ -648,7 +629,7 @@ __device__ __forceinline__ void chunk_tc_prepare(
         }
         if (t < valid) {
             const size_t at = static_cast<size_t>(first + t) * row_stride + head_offset + d;
-            const float4 v = rows.load4(2, at);
+            const float4 v = *reinterpret_cast<const float4*>(value + at);
             value_rows[pass][0] = v.x;
             value_rows[pass][1] = v.y;
             value_rows[pass][2] = v.z;
@@ -808,7 +789,7 @@ __device__ __forceinline__ void chunk_tc_prepare(
              f16_t* __restrict__ attn, float* __restrict__ chunk_decay, int tokens, int heads, float scale, \
              float lower_bound)                                                                           \
     {                                                                                                      \
-        chunk_tc_prepare<false, UNBOUNDED>(ChunkRowsF32{query, key, value}, gate, beta, nullptr, nullptr,  \
+        chunk_tc_prepare<false, UNBOUNDED>(query, key, value, gate, beta, nullptr, nullptr,  \
                                            q_decay, k_tail_t, w, u, attn, chunk_decay, tokens, heads,     \
                                            scale, lower_bound, nullptr, nullptr, nullptr, nullptr, 0);    \
     }
@@ -821,7 +802,7 @@ __device__ __forceinline__ void chunk_tc_prepare(
              float lower_bound, const bf16_t* __restrict__ forget_proj, const float* __restrict__ dt_bias, \
              const float* __restrict__ a_log, const bf16_t* __restrict__ beta_logits, int ld_beta)        \
     {                                                                                                      \
-        chunk_tc_prepare<true>(ChunkRowsF32{query, key, value}, nullptr, nullptr, gate, beta, q_decay,     \
+        chunk_tc_prepare<true>(query, key, value, nullptr, nullptr, gate, beta, q_decay,     \
                                k_tail_t, w, u, attn, chunk_decay, tokens, heads, scale, lower_bound,       \
                                forget_proj, dt_bias, a_log, beta_logits, ld_beta);                         \
     }
