@@ -7,6 +7,7 @@ Every name, shape and dtype is checked against the KdaConfig before any data is 
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import json
@@ -365,7 +366,7 @@ def _plan_layer(ckpt: _Checkpoint, config: KdaConfig, layer_idx: int) -> _LayerP
         if name not in header:
             problems.append(f"{where}: tensor '{name}' is mapped to '{file}', whose header lacks it")
             continue
-        dtype, shape = header[name][:2]
+        dtype, shape = header[name].dtype, header[name].shape
         if shape not in spec.shapes:
             problems.append(
                 f"{where}: tensor '{name}' has wrong shape: expected {_fmt_shapes(spec.shapes)}, "
@@ -494,13 +495,15 @@ def bind_layer(path_or_repo: str | Path, layer_idx: int, config: KdaConfig | Non
 
     # A field stored as several tensors (release conv taps: q, k, v) is their rows in that order.
     parts: dict[str, list[np.ndarray]] = {}
+    handles: dict[Path, Any] = {}  # one open handle per shard, its header parsed once
     with tqdm(total=len(plan.files), desc=f"layer {layer_idx}", unit="tensor",
-              disable=None if progress else True, leave=False) as bar:
+              disable=None if progress else True, leave=False) as bar, contextlib.ExitStack() as opened:
         for spec in expected_tensors(config, plan.layout):
             name = attention_prefix(layer_idx) + spec.name
             path = ckpt.path(plan.files[name])
-            with safe_open(str(path), framework="numpy") as handle:
-                tensor = handle.get_tensor(name)
+            if path not in handles:
+                handles[path] = opened.enter_context(safe_open(str(path), framework="numpy"))
+            tensor = handles[path].get_tensor(name)
             # Checked once here (a pass over the layer's bytes), so no kernel sees them.
             if not all_finite(tensor):
                 bad = int(np.size(tensor) - np.count_nonzero(np.isfinite(tensor.astype(np.float32))))
