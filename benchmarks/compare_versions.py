@@ -100,13 +100,15 @@ def write_inputs(directory: Path, geometry: str) -> tuple[Path, Path]:
 
 
 def describe(root: Path) -> dict:
-    """The checkout: its folder and, where git knows it, its commit and whether it has changes."""
+    """The checkout: its folder and, where it is the root of a git work tree, its commit and whether it
+    has changes (a folder unpacked inside another checkout, say by git archive, has no commit of its own)."""
     out = {"dir": str(root)}
     try:
-        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, timeout=20)
-        if commit.returncode == 0:
-            out["commit"] = commit.stdout.strip()
+        found = subprocess.run(["git", "-C", str(root), "rev-parse", "--show-toplevel", "--short", "HEAD"],
+                               capture_output=True, text=True, timeout=20)
+        top, _, commit = found.stdout.strip().partition("\n")
+        if found.returncode == 0 and Path(top).resolve() == root.resolve():
+            out["commit"] = commit
             status = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "glm_kda", "kernels_src"],
                                     capture_output=True, text=True, timeout=20)
             out["changed_files"] = len(status.stdout.splitlines())
