@@ -58,7 +58,8 @@ if [ "$part" = sanitize ] || [ "$part" = all ]; then
   shards=${SHARDS:-2}
   suite=(tests/test_gpu.py tests/test_bad_calls_gpu.py tests/test_stack_gpu.py)
   # (The tests beside a kernel that holds every SM for seconds go last: under a tool they are the slowest.)
-  # (TESTS=<file of test ids> runs those instead, say the ones a run cut short did not reach.)
+  # (TESTS=<file of test ids> runs those instead, say the ones a run cut short did not reach: -v names
+  # each test that passed in the logs.)
   if [ -n "${TESTS:-}" ]; then grep '::' "$TESTS" > "$out/sanitize_tests.txt"; else
   python -m pytest -q --collect-only -p no:cacheprovider -m "not slow" "${suite[@]}" 2>/dev/null | grep '::' \
     | awk '/holding_every_sm/ { last = last $0 "\n"; next } { print } END { printf "%s", last }' > "$out/sanitize_tests.txt"
@@ -74,7 +75,7 @@ if [ "$part" = sanitize ] || [ "$part" = all ]; then
         mapfile -t ids < "$out/shard.$s.txt"
         logs+=("$tool.$s.log")
         timeout ${SANITIZE_TIMEOUT:-540} compute-sanitizer --tool "$tool" "${scope[@]}" --print-limit 100000 \
-          --show-backtrace no python -m pytest -q -p no:cacheprovider "${ids[@]}" "${extra[@]}" > "$out/$tool.$s.log" 2>&1 &
+          --show-backtrace no python -m pytest -v -p no:cacheprovider "${ids[@]}" "${extra[@]}" > "$out/$tool.$s.log" 2>&1 &
       done
     done
     wait

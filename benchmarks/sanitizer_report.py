@@ -22,6 +22,9 @@ _LOCATION = re.compile(r"\bat (?:0x[0-9a-f]+ in )?(.+?)\+0x[0-9a-f]+")
 _TOTAL = re.compile(r"(?:ERROR SUMMARY: (\d+) error|RACECHECK SUMMARY: (\d+) hazard)")
 # pytest's closing line ("12 passed, 1 skipped in 3.2s"): a run whose tests failed checked less.
 _PYTEST = re.compile(r"^=*\s*(\d+ (?:passed|failed|error).*) in [\d.]+s")
+_PASSED = re.compile(r"::.* PASSED\s*(\[\s*\d+%\])?$")  # pytest -v: one line a test
+# The tool's word that the process under it ended badly (crashed, killed, or pytest failed): not a report.
+_ENDED = ("Error: process didn't terminate successfully", "Target application returned an error")
 
 
 def our_kernels() -> set[str]:
@@ -31,16 +34,19 @@ def our_kernels() -> set[str]:
 
 def summarize(log: Path, ours: set[str]) -> dict:
     reports: list[list[str]] = []
-    total, tests = None, None
+    total, tests, passed, ended_badly = None, None, 0, False
     for line in log.read_text(errors="replace").splitlines():
         closing = _PYTEST.match(line)
         if closing:
             tests = closing.group(1)
+        passed += bool(_PASSED.search(line))
         if not line.startswith(_PREFIX):
             continue
         body = line[len(_PREFIX):]
         match = _TOTAL.search(body)
-        if match:
+        if body in _ENDED:
+            ended_badly = True
+        elif match:
             total = (total or 0) + int(match.group(1) or match.group(2))
         elif body and not body.startswith(" ") and body != "COMPUTE-SANITIZER":
             reports.append([body])
@@ -51,7 +57,7 @@ def summarize(log: Path, ours: set[str]) -> dict:
         found = [m.group(1) for text in report for m in [_LOCATION.search(text)] if m]
         kernels[found[0] if found else "(no kernel named)"] += 1
     mine = {k: n for k, n in kernels.items() if k.split("<")[0].split("(")[0].strip() in ours}
-    return {"log": log.name, "tests": tests, "tool_total": total, "printed": len(reports), "all_printed": total is not None
+    return {"log": log.name, "tests": tests, "passed_tests": passed, "ended_badly": ended_badly, "tool_total": total, "printed": len(reports), "all_printed": total is not None
             and len(reports) >= total, "ours": sum(mine.values()), "our_kernels": mine,
             "library_kernels": {k: n for k, n in kernels.items() if k not in mine}}
 

@@ -226,3 +226,21 @@ def test_sanitizer_report_sorts_ours_from_the_libraries(tmp_path):
     assert list(row["library_kernels"]) == ["void cublasLt::splitKreduce_kernel<32, 16, int, float>(cublasSplitKParams<float>)"]
     log.write_text(_SANITIZER_LOG.replace("3 errors", "900 errors"))
     assert not sanitizer_report.summarize(log, sanitizer_report.our_kernels())["all_printed"]
+
+
+def test_sanitizer_report_counts_passed_tests_and_a_process_that_ended_badly(tmp_path):
+    """pytest -v's PASSED lines are counted; the tool's word that the process ended badly is a flag,
+    not a report of a kernel."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import sanitizer_report
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    log = tmp_path / "racecheck.log"
+    log.write_text("========= COMPUTE-SANITIZER\ntests/a.py::t[x] PASSED [ 50%]\ntests/a.py::u PASSED      [100%]\n"
+                   "tests/a.py::v FAILED [100%]\n========= Error: process didn't terminate successfully\n"
+                   "========= Target application returned an error\n"
+                   "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\n")
+    row = sanitizer_report.summarize(log, sanitizer_report.our_kernels())
+    assert row["passed_tests"] == 2 and row["ended_badly"], row
+    assert row["printed"] == 0 and row["library_kernels"] == {} and row["tool_total"] == 0, row
