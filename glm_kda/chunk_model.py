@@ -56,8 +56,8 @@ def chunk_tc_supported(config: Any) -> tuple[bool, str]:
 
 def prepare_lower_bound(config: Any) -> float | None:
     """The lower_bound a tensor-core prefill of this KdaConfig passes: the bounded law's
-    bound where -5 <= bound <= 0 (the bounded prepare, which may also form the gate itself),
-    else None (the unbounded prepare, fed by the gate kernel: any gate <= 0)."""
+    bound where -5 <= bound <= 0 (the bounded prepare), else None (the unbounded prepare: any gate
+    <= 0). Either may form the gate itself, the unbounded one by the softplus law only."""
     if config.bounded and MIN_LOWER_BOUND <= config.gate_lower_bound <= 0.0:
         return float(config.gate_lower_bound)
     return None

@@ -82,6 +82,7 @@ inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); 
 #define __global__
 #define __device__
 #define __forceinline__ inline
+#define __noinline__
 #define __launch_bounds__(...)
 #define __shared__ static
 // (A GNU attribute: `static alignas(n)` is not C++.)

@@ -58,7 +58,8 @@ def test_kernel_bytes_by_hand_and_by_gate_law():
         assert set(moved) <= entries, f"{geometry}: {set(moved) - entries} are not entry points"
         bounded = prepare_lower_bound(geometry_config(geometry)) is not None
         assert ("kda_chunk_tc_prepare_gate_f32" in moved) == bounded
-        assert ("kda_gate_beta_f32" in moved) == (not bounded)
+        assert ("kda_chunk_tc_prepare_unbounded_gate_f32" in moved) == (not bounded)
+        assert "kda_gate_beta_f32" not in moved, f"{geometry}: every prepare here forms the gate itself"
     moved = kernel_bytes(geometry_config("kimi"), tokens)
     qkv = 32 * 128
     # qkv_proj in and conv_out out (BF16 [T, 3*qkv] each), q, k and v out (FP32 [T, qkv] each)

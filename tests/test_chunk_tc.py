@@ -323,7 +323,7 @@ def test_launch_geometry_and_shared_memory(launches, tokens, heads):
     assert "104,704 B" in source and "66,560 B" in source, "chunk_tc.cuh states the shared memory"
 
 
-def test_unbounded_launches_its_prepare_and_refuses_the_fused_gate(launches):
+def test_unbounded_launches_its_prepare_and_its_fused_gate_form(launches):
     inputs, beta, state, core, scratch = _call_arguments(65, 2)
     chunk_tc.chunk_prefill_tc(*inputs, beta, state, core, 65, None, *scratch)
     assert launches == [
@@ -333,9 +333,8 @@ def test_unbounded_launches_its_prepare_and_refuses_the_fused_gate(launches):
     launches.clear()
     source = chunk_tc.GateSource(HostStandIn(aligned((65, 256), np.uint16)), _aligned_f32((256,)), _aligned_f32((2,)),
                                  HostStandIn(aligned((65, 2), np.uint16)))
-    with pytest.raises(ValueError, match="gate_source"):
-        chunk_tc.chunk_prefill_tc(*inputs, beta, state, core, 65, None, *scratch, gate_source=source)
-    assert launches == []
+    chunk_tc.chunk_prefill_tc(*inputs, beta, state, core, 65, None, *scratch, gate_source=source)
+    assert [launch[0] for launch in launches] == ["kda_chunk_tc_prepare_unbounded_gate_f32", "kda_chunk_tc_scan_f32"]
 
 
 def test_wrapper_names_a_bad_scratch_buffer(launches):
@@ -367,9 +366,10 @@ def test_wrapper_names_a_bad_gate_source(launches):
 def test_no_spills_on_sm_90():
     os.environ.setdefault("CUDA_CACHE_DISABLE", "1")
     resources = {}
-    for stem in ("chunk/chunk_tc", "chunk/chunk_tc_gate"):
+    for stem in ("chunk/chunk_tc", "chunk/chunk_tc_gate", "chunk/chunk_tc_gate_unbounded"):
         resources.update(kernel_report.parse_ptxas_log(kernel_report.compile_file(stem, "sm_90").log))
-    for name in kernels.ENTRY_POINTS["chunk/chunk_tc"] + kernels.ENTRY_POINTS["chunk/chunk_tc_gate"]:
+    for name in (kernels.ENTRY_POINTS["chunk/chunk_tc"] + kernels.ENTRY_POINTS["chunk/chunk_tc_gate"]
+                 + kernels.ENTRY_POINTS["chunk/chunk_tc_gate_unbounded"]):
         r = resources[name]
         print(f"{name}: {r}")
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack_frame"] == 0, f"{name} spills: {r}"
@@ -429,6 +429,9 @@ using bf16_t = unsigned short;
 extern "C" void kda_chunk_tc_prepare_gate_f32(const float*, const float*, const float*, float*, float*,
     f16_t*, f16_t*, f16_t*, float*, f16_t*, float*, int, int, float, float, const bf16_t*, const float*,
     const float*, const bf16_t*, int);
+extern "C" void kda_chunk_tc_prepare_unbounded_gate_f32(const float*, const float*, const float*, float*, float*,
+    f16_t*, f16_t*, f16_t*, float*, f16_t*, float*, int, int, float, float, const bf16_t*, const float*,
+    const float*, const bf16_t*, int);
 extern "C" void kda_chunk_tc_prepare_unbounded_f32(const float*, const float*, const float*, const float*,
     const float*, f16_t*, f16_t*, f16_t*, float*, f16_t*, float*, int, int, float, float);
 extern "C" void kda_chunk_tc_scan_f32(const f16_t*, const f16_t*, const f16_t*, const float*, const f16_t*,
@@ -459,10 +462,11 @@ int main(int argc, char** argv)
     auto u = poisoned(padded * heads * D), chunk_decay = poisoned(nchunks * heads * D);
     auto core = std::vector<float>(rows * heads * D, 12345.0f);
     // "fused": the prepare forms gate and beta from forget_proj, dt_bias, a_log and the beta
-    // logits (row stride heads + 3) and writes them over buffers of 7.0. "unbounded": the
-    // prepare for gates without a lower bound.
-    const bool fused = argc > 9 && std::string(argv[9]) == "fused";
-    const bool unbounded = argc > 9 && std::string(argv[9]) == "unbounded";
+    // logits (row stride heads + 3) and writes them over buffers of 7.0 ("fused_unbounded": by the
+    // softplus law). "unbounded": the prepare for gates without a lower bound.
+    const std::string mode = argc > 9 ? argv[9] : "plain";
+    const bool fused = mode == "fused" || mode == "fused_unbounded";
+    const bool unbounded = mode == "unbounded" || mode == "fused_unbounded";
     const int ld_beta = heads + 3;
     std::vector<unsigned short> forget_proj, beta_logits;
     std::vector<float> dt_bias, a_log;
@@ -476,11 +480,10 @@ int main(int argc, char** argv)
     }
     run_grid(dim3{unsigned(nchunks), unsigned(heads), 1}, 256, std::atoi(argv[7]), [&] {
         if (fused) {
-            kda_chunk_tc_prepare_gate_f32(query.data(), key.data(), value.data(), gate.data(), beta.data(),
-                                          q_decay.data(), k_tail.data(), w.data(), u.data(), attn.data(),
-                                          chunk_decay.data(), tokens, heads, 1.0f / std::sqrt(128.0f), lower_bound,
-                                          forget_proj.data(), dt_bias.data(), a_log.data(), beta_logits.data(),
-                                          ld_beta);
+            (unbounded ? kda_chunk_tc_prepare_unbounded_gate_f32 : kda_chunk_tc_prepare_gate_f32)(
+                query.data(), key.data(), value.data(), gate.data(), beta.data(), q_decay.data(), k_tail.data(),
+                w.data(), u.data(), attn.data(), chunk_decay.data(), tokens, heads, 1.0f / std::sqrt(128.0f),
+                lower_bound, forget_proj.data(), dt_bias.data(), a_log.data(), beta_logits.data(), ld_beta);
         } else {
             (unbounded ? kda_chunk_tc_prepare_unbounded_f32 : kda_chunk_tc_prepare_f32)(
                 query.data(), key.data(), value.data(), gate.data(), beta.data(), q_decay.data(), k_tail.data(),
@@ -510,10 +513,11 @@ DEVICE_HELPERS = ("mma_tf32_m16n8k8", "copy_async_16B", "copy_async_commit", "co
 
 
 def host_source() -> str:
-    """chunk_tc.cu (header inlined) and chunk_tc_gate.cu's entry rewritten for the host: the PTX
-    helpers removed, dynamic shared memory from the emulator, every vector cast alignment-checked."""
-    gate_file = (kernels.kernels_dir() / "chunk/chunk_tc_gate.cu").read_text()
-    source = host_kernel_source("chunk/chunk_tc", DEVICE_HELPERS) + gate_file.replace('#include "chunk/chunk_tc.cuh"', "")
+    """chunk_tc.cu (header inlined) and the entries of chunk_tc_gate*.cu rewritten for the host: the
+    PTX helpers removed, dynamic shared memory from the emulator, every vector cast alignment-checked."""
+    source = host_kernel_source("chunk/chunk_tc", DEVICE_HELPERS)
+    for stem in ("chunk_tc_gate", "chunk_tc_gate_unbounded"):
+        source += (kernels.kernels_dir() / f"chunk/{stem}.cu").read_text().replace('#include "chunk/chunk_tc.cuh"', "")
     declaration = "extern __shared__ __align__(16) float shared[];"
     assert source.count(declaration) == 2, "the host emulation expects one dynamic shared array per kernel"
     source = source.replace(declaration, "float* shared = emulated_shared;")
@@ -535,7 +539,7 @@ def run_on_host(binary, inputs, tokens, pad, jitter=False, gate_source=None, unb
     """The two kernels on the host emulator; input rows T.. are filled with `pad`. With
     gate_source (forget_proj [rows, H*D] and beta_logits [rows, H + 3] as BF16 bits, dt_bias,
     a_log), the fused-gate prepare runs and "gate" / "beta" are its outputs; unbounded: the
-    prepare for gates without a lower bound."""
+    prepare for gates without a lower bound (with gate_source: forming the softplus law's)."""
     query, key, value, gate, beta, recurrent = inputs
     heads = query.shape[1]
     nchunks = chunk_count(tokens)
@@ -553,10 +557,10 @@ def run_on_host(binary, inputs, tokens, pad, jitter=False, gate_source=None, unb
         np.ascontiguousarray(beta_logits, np.uint16).tofile(folder / "beta_logits")
         np.asarray(dt_bias, np.float32).tofile(folder / "dt_bias")
         np.asarray(a_log, np.float32).tofile(folder / "a_log")
+    mode = "_".join(part for part, on in (("fused", gate_source is not None), ("unbounded", unbounded)) if on)
     result = subprocess.run(
         [str(binary), str(folder), str(tokens), str(rows), str(heads), str(LOWER_BOUND), str(int(jitter)),
-         str(PREPARE_SMEM_BYTES), str(SCAN_SMEM_BYTES),
-         "fused" if gate_source is not None else "unbounded" if unbounded else "plain"],
+         str(PREPARE_SMEM_BYTES), str(SCAN_SMEM_BYTES), mode or "plain"],
         capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr
@@ -567,10 +571,12 @@ def run_on_host(binary, inputs, tokens, pad, jitter=False, gate_source=None, unb
     return out, {name: int(value) for name, value in counters.items()}
 
 
-def test_kernel_source_on_host_fused_gate(emulator):
-    # The fused-gate entry point: gate and beta from the projections for the real rows only
-    # (the pad rows of the sources are NaN and must not leak), and, fed those gate and beta,
-    # the plain prepare gives the same scratch, core and state bits.
+@pytest.mark.parametrize("law", ["bounded", "softplus"])
+def test_kernel_source_on_host_fused_gate(emulator, law):
+    # The fused-gate entry points (the bounded prepare's, the unbounded prepare's by the softplus
+    # law): gate and beta from the projections for the real rows only (the pad rows of the sources
+    # are NaN and must not leak), and, fed those gate and beta, the same prepare reading them gives
+    # the same scratch, core and state bits.
     import ml_dtypes
 
     tokens, heads = 70, 2
@@ -584,14 +590,18 @@ def test_kernel_source_on_host_fused_gate(emulator):
     beta_logits[:tokens] = bf16_bits(rng.standard_normal((tokens, heads + 3)))
     dt_bias = rng.standard_normal(heads * 128).astype(np.float32)
     a_log = (0.5 * rng.standard_normal(heads)).astype(np.float32)
+    unbounded = law == "softplus"
     fused, counters = run_on_host(emulator, inputs, tokens, pad=float("nan"),
-                                  gate_source=(forget_proj, beta_logits, dt_bias, a_log))
+                                  gate_source=(forget_proj, beta_logits, dt_bias, a_log), unbounded=unbounded)
     assert counters["misaligned"] == 0, f"fused host run: {counters['misaligned']} misaligned vector accesses"
     # The law in float32 (the host's expf may differ from NumPy's by an ulp).
     projected = forget_proj[:tokens].view(ml_dtypes.bfloat16).astype(np.float32).reshape(tokens, heads, 128)
     u = projected + dt_bias.reshape(heads, 128)
     a = np.exp(a_log).astype(np.float32)[None, :, None]
-    expected_gate = np.float32(LOWER_BOUND) / (np.float32(1.0) + np.exp(-(a * u)))
+    if unbounded:
+        expected_gate = -a * np.where(u > np.float32(20.0), u, np.log1p(np.exp(u)))
+    else:
+        expected_gate = np.float32(LOWER_BOUND) / (np.float32(1.0) + np.exp(-(a * u)))
     logits = beta_logits[:tokens, :heads].view(ml_dtypes.bfloat16).astype(np.float32)
     expected_beta = np.float32(1.0) / (np.float32(1.0) + np.exp(-logits))
     assert_close(fused["gate"][:tokens], expected_gate, 1e-6, "host fused gate vs the law")
@@ -599,7 +609,7 @@ def test_kernel_source_on_host_fused_gate(emulator):
     assert (fused["gate"][tokens:] == 7.0).all() and (fused["beta"][tokens:] == 7.0).all(), \
         "the fused prepare wrote gate or beta rows >= T"
     fed = (*inputs[:3], fused["gate"][:tokens], fused["beta"][:tokens], inputs[5])
-    plain, _ = run_on_host(emulator, fed, tokens, pad=float("nan"))
+    plain, _ = run_on_host(emulator, fed, tokens, pad=float("nan"), unbounded=unbounded)
     for name in (*SCRATCH, "state"):
         assert_bits_equal(fused[name], plain[name], f"host {name}, fused vs plain prepare")
     assert_bits_equal(fused["core"][:tokens], plain["core"][:tokens], "host core, fused vs plain prepare")
@@ -889,11 +899,12 @@ def test_gpu_throughput_report(geometry, figures):
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("law", ["bounded", "softplus"])
 @pytest.mark.parametrize("tokens", [1, 65, 1000], ids=lambda t: f"T{t}")
-def test_gpu_fused_gate_equals_the_gate_kernel(tokens):
-    # The prepare forming gate and beta from the projections writes the bits kda_gate_beta_f32
-    # writes, only for the T real rows, and the chunk results equal those of the unfused
-    # prepare fed the gate kernel's output.
+def test_gpu_fused_gate_equals_the_gate_kernel(tokens, law):
+    # The prepare forming gate and beta from the projections (the bounded prepare's, the unbounded
+    # prepare's by the softplus law) writes the bits kda_gate_beta_f32 writes, only for the T real
+    # rows, and the chunk results equal those of the same prepare fed the gate kernel's output.
     import ml_dtypes
 
     cp = _cp()
@@ -907,20 +918,22 @@ def test_gpu_fused_gate_equals_the_gate_kernel(tokens):
     a_log = cp.asarray((0.5 * rng.standard_normal(heads)).astype(np.float32))
     device, start, _ = _device_inputs(tokens, heads, seed=SEED + 9)
     gate_ref, beta_ref = cp.full((padded, heads, 128), np.nan, cp.float32), cp.full((padded, heads), np.nan, cp.float32)
-    ops.kda_gate_beta_f32(forget_proj, dt_bias, a_log, beta_logits, gate_ref, beta_ref, heads, 128, True, LOWER_BOUND,
-                      tokens=tokens)
+    bounded = law == "bounded"
+    bound = LOWER_BOUND if bounded else None
+    ops.kda_gate_beta_f32(forget_proj, dt_bias, a_log, beta_logits, gate_ref, beta_ref, heads, 128, bounded,
+                          LOWER_BOUND if bounded else 0.0, tokens=tokens)
     query, key, value = device[:3]
     gate_out, beta_out = cp.full_like(gate_ref, 7.0), cp.full_like(beta_ref, 7.0)
     fused_state, fused_core, fused_scratch = start.copy(), cp.zeros_like(query), _scratch(tokens, heads)
-    chunk_tc.chunk_prefill_tc(query, key, value, gate_out, beta_out, fused_state, fused_core, tokens, LOWER_BOUND,
+    chunk_tc.chunk_prefill_tc(query, key, value, gate_out, beta_out, fused_state, fused_core, tokens, bound,
                               *fused_scratch.values(),
                               gate_source=chunk_tc.GateSource(forget_proj, dt_bias, a_log, beta_logits))
-    assert_bits_equal(gate_out[:tokens], gate_ref[:tokens], f"T{tokens} fused gate")
+    assert_bits_equal(gate_out[:tokens], gate_ref[:tokens], f"T{tokens} {law} fused gate")
     assert_bits_equal(beta_out[:tokens], beta_ref[:tokens], f"T{tokens} fused beta")
     assert bool((gate_out[tokens:] == 7.0).all()) and bool((beta_out[tokens:] == 7.0).all()), \
         f"T{tokens}: the fused prepare wrote gate or beta rows >= T"
     plain_state, plain_core, plain_scratch = start.copy(), cp.zeros_like(query), _scratch(tokens, heads)
-    chunk_tc.chunk_prefill_tc(query, key, value, gate_ref, beta_ref, plain_state, plain_core, tokens, LOWER_BOUND,
+    chunk_tc.chunk_prefill_tc(query, key, value, gate_ref, beta_ref, plain_state, plain_core, tokens, bound,
                               *plain_scratch.values())
     assert_bits_equal(fused_core[:tokens], plain_core[:tokens], f"T{tokens} core, fused vs unfused gate")
     assert_bits_equal(fused_state, plain_state, f"T{tokens} state, fused vs unfused gate")

@@ -302,8 +302,9 @@ def test_timing_reports_sections_and_kernels(layers):
         layer.prefill(hidden, state)
         layer.decode(hidden[0], state)
     summary = timer.summary()
-    # Kimi's softplus law: the gate kernel, then the unbounded tensor-core prepare and the scan.
-    for name in ("[front_end]", "[recurrence]", "[back_end]", "kda_gate_beta_f32", "kda_chunk_tc_prepare_unbounded_f32",
+    # Kimi's softplus law: the unbounded tensor-core prepare forming the gate itself, then the scan.
+    assert "kda_gate_beta_f32" not in summary, f"the gate kernel ran beside the gate-forming prepare: {sorted(summary)}"
+    for name in ("[front_end]", "[recurrence]", "[back_end]", "kda_chunk_tc_prepare_unbounded_gate_f32",
                  "kda_chunk_tc_scan_f32", "kda_decode_fused_bf16"):
         assert name in summary and summary[name] > 0, f"{name} missing from timing: {sorted(summary)}"
     # The decode projections: gemm_rows' packed-weight entry points (layer.options.packed_weights, the default).

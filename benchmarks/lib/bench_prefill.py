@@ -68,11 +68,17 @@ def kernel_bytes(config: KdaConfig, tokens: int) -> dict[str, int]:
         "kda_chunk_tc_scan_f32": prepared + f32_rows,  # core out
         "kda_gated_rmsnorm_sigmoid_bf16": f32_rows + 2 * bf16_rows,  # core, out_gate in; o_norm_out out
     }
-    if prepare_lower_bound(config) is None:  # the softplus law: the gate kernel, then the unbounded prepare
+    # The prepare forms the gate and beta from the projections and writes them out (the bounded prepare,
+    # or the unbounded one by the softplus law); a bound the bounded prepare does not take: the gate kernel,
+    # then the unbounded prepare reading its output.
+    forming = 3 * f32_rows + bf16_rows + beta_logits + f32_rows + beta_f32 + prepared
+    if prepare_lower_bound(config) is not None:
+        moved["kda_chunk_tc_prepare_gate_f32"] = forming
+    elif not config.bounded:
+        moved["kda_chunk_tc_prepare_unbounded_gate_f32"] = forming
+    else:
         moved["kda_gate_beta_f32"] = bf16_rows + beta_logits + f32_rows + beta_f32
         moved["kda_chunk_tc_prepare_unbounded_f32"] = 3 * f32_rows + f32_rows + beta_f32 + prepared
-    else:  # the bounded prepare forms the gate and beta from the projections and writes them out
-        moved["kda_chunk_tc_prepare_gate_f32"] = 3 * f32_rows + bf16_rows + beta_logits + f32_rows + beta_f32 + prepared
     return moved
 
 

@@ -38,6 +38,7 @@ ENTRY_POINTS: dict[str, tuple[str, ...]] = {
     "chunk/chunk": ("kda_chunk_prepare_f32", "kda_chunk_scan_f32"),
     "chunk/chunk_tc": ("kda_chunk_tc_prepare_f32", "kda_chunk_tc_prepare_unbounded_f32", "kda_chunk_tc_scan_f32"),
     "chunk/chunk_tc_gate": ("kda_chunk_tc_prepare_gate_f32",),
+    "chunk/chunk_tc_gate_unbounded": ("kda_chunk_tc_prepare_unbounded_gate_f32",),
     "norm": ("kda_gated_rmsnorm_sigmoid_bf16",),
 }
 

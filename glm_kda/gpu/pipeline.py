@@ -205,14 +205,16 @@ class Stages:
                 buf[tokens:padded].fill(pad_value)
         core = ws.core[rows]
         if self._chunk_impl == "tensor":
-            # The bounded prepare forms the gate and beta itself; the unbounded one reads the gate kernel's.
+            # The prepare forms the gate and beta itself, but for a bounded law whose bound the bounded
+            # prepare does not take: the unbounded prepare then reads the gate kernel's.
             lower_bound = prepare_lower_bound(c)
-            if lower_bound is None:
+            fused = lower_bound is not None or not c.bounded
+            if not fused:
                 self._gate_beta(ws, tokens, first)
             chunk_tc.chunk_prefill_tc(query, key, value, gate, beta, recurrent_state, core, tokens,
                                       lower_bound, ws.q_decay_f16, ws.k_tail_f16, ws.chunk_w_f16,
                                       ws.chunk_u, ws.attn_f16, ws.chunk_decay, scale=self.scale,
-                                      gate_source=None if lower_bound is None else self._gate_source(ws, first))
+                                      gate_source=self._gate_source(ws, first) if fused else None)
         else:
             self._gate_beta(ws, tokens, first)
             ops.kda_chunk_prepare_f32(query, key, value, gate, beta, ws.q_decay, ws.k_tail, ws.chunk_w, ws.chunk_u,

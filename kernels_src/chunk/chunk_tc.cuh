@@ -121,6 +121,13 @@ __device__ __forceinline__ void round_tf32_all(float (&values)[N])
     }
 }
 
+// The softplus law's gate (kda_forget_gate), called rather than inlined: its log1pf and expf, inlined
+// 32 times a thread, would push the gate-forming unbounded prepare past the instruction cache.
+__device__ __noinline__ float softplus_gate(float u, float a)
+{
+    return kda_forget_gate(u, a, false, 0.0f);
+}
+
 // The clamp makes the exponent range argument hold whatever the buffer holds; a NaN passes through.
 __device__ __forceinline__ float clamp_gate(float g, float lower_bound)
 {
@@ -329,8 +336,9 @@ __device__ __forceinline__ void diagonal_blocks_exact(const float* key_s, const 
 }
 
 // The prepare of every entry point. FUSED_GATE false: gate_in [T, H, D] and beta_in [T, H] are inputs.
-// FUSED_GATE true: gate_out and beta_out are formed (bounded law, gate.cu's bits) from forget_proj
-// [T, H*D] BF16, dt_bias [H*D], A_log [H] and the BF16 beta logits (row stride ld_beta).
+// FUSED_GATE true: gate_out and beta_out are formed (the bounded law, or UNBOUNDED the softplus law;
+// gate.cu's bits) from forget_proj [T, H*D] BF16, dt_bias [H*D], A_log [H] and the BF16 beta logits
+// (row stride ld_beta).
 template <bool FUSED_GATE, bool UNBOUNDED = false>
 __device__ __forceinline__ void chunk_tc_prepare(
     const float* __restrict__ query, const float* __restrict__ key, const float* __restrict__ value,
@@ -361,7 +369,6 @@ __device__ __forceinline__ void chunk_tc_prepare(
     const int group_lane = lane >> 2;
     const int thread_in_group = lane & 3;
     const int lane_k = 8 * thread_in_group;
-    static_assert(!(FUSED_GATE && UNBOUNDED), "the fused gate forms the bounded law");
     if (blockDim.x != CHUNK_TC_PREPARE_THREADS || tokens < 1 || head >= heads ||
         chunk_index >= (tokens + CHUNK_TC - 1) / CHUNK_TC ||
         !(UNBOUNDED || (lower_bound >= CHUNK_TC_MIN_LOWER_BOUND && lower_bound <= 0.0f))) {
@@ -407,14 +414,15 @@ __device__ __forceinline__ void chunk_tc_prepare(
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const bf16_t bits = static_cast<bf16_t>(e & 1 ? words[e >> 1] >> 16 : words[e >> 1] & 0xffffu);
-                    g[e] = kda_forget_gate(bf16_to_f32(bits) + bias[e], a, true, lower_bound);
+                    const float u = bf16_to_f32(bits) + bias[e];
+                    g[e] = UNBOUNDED ? softplus_gate(u, a) : kda_forget_gate(u, a, true, lower_bound);
                 }
                 float4 clamped = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
                 if (t < valid) {
                     *reinterpret_cast<float4*>(gate_out + static_cast<size_t>(first + t) * row_stride + head_offset +
                                                channel) = make_float4(g[0], g[1], g[2], g[3]);
-                    clamped = make_float4(clamp_gate(g[0], lower_bound), clamp_gate(g[1], lower_bound),
-                                          clamp_gate(g[2], lower_bound), clamp_gate(g[3], lower_bound));
+                    clamped = make_float4(clamp_gate(g[0], clamp_bound), clamp_gate(g[1], clamp_bound),
+                                          clamp_gate(g[2], clamp_bound), clamp_gate(g[3], clamp_bound));
                 }
                 *reinterpret_cast<float4*>(cumgate_s + t * CHUNK_TC_D_STRIDE + channel) = clamped;
             }
@@ -779,8 +787,9 @@ __device__ __forceinline__ void chunk_tc_prepare(
     }
 }
 
-// The prepare's entry points, one a file. CHUNK_TC_PREPARE_ENTRY reads gate and beta (UNBOUNDED: any gate
-// <= 0, lower_bound unread); CHUNK_TC_PREPARE_GATE_ENTRY forms and writes them (chunk_tc_prepare's contract).
+// The prepare's entry points, one a file. CHUNK_TC_PREPARE_ENTRY reads gate and beta,
+// CHUNK_TC_PREPARE_GATE_ENTRY forms and writes them (chunk_tc_prepare's contract); UNBOUNDED: any gate
+// <= 0 (the softplus law), lower_bound unread.
 #define CHUNK_TC_PREPARE_ENTRY(NAME, UNBOUNDED)                                                        \
     extern "C" __global__ void __launch_bounds__(CHUNK_TC_PREPARE_THREADS, 2)                              \
         NAME(const float* __restrict__ query, const float* __restrict__ key, const float* __restrict__ value, \
@@ -793,7 +802,7 @@ __device__ __forceinline__ void chunk_tc_prepare(
                                            q_decay, k_tail_t, w, u, attn, chunk_decay, tokens, heads,     \
                                            scale, lower_bound, nullptr, nullptr, nullptr, nullptr, 0);    \
     }
-#define CHUNK_TC_PREPARE_GATE_ENTRY(NAME)                                                                  \
+#define CHUNK_TC_PREPARE_GATE_ENTRY(NAME, UNBOUNDED)                                                       \
     extern "C" __global__ void __launch_bounds__(CHUNK_TC_PREPARE_THREADS, 2)                              \
         NAME(const float* __restrict__ query, const float* __restrict__ key, const float* __restrict__ value, \
              float* __restrict__ gate, float* __restrict__ beta, f16_t* __restrict__ q_decay,              \
@@ -802,7 +811,7 @@ __device__ __forceinline__ void chunk_tc_prepare(
              float lower_bound, const bf16_t* __restrict__ forget_proj, const float* __restrict__ dt_bias, \
              const float* __restrict__ a_log, const bf16_t* __restrict__ beta_logits, int ld_beta)        \
     {                                                                                                      \
-        chunk_tc_prepare<true>(query, key, value, nullptr, nullptr, gate, beta, q_decay,     \
-                               k_tail_t, w, u, attn, chunk_decay, tokens, heads, scale, lower_bound,       \
-                               forget_proj, dt_bias, a_log, beta_logits, ld_beta);                         \
+        chunk_tc_prepare<true, UNBOUNDED>(query, key, value, nullptr, nullptr, gate, beta, q_decay, k_tail_t, \
+                                          w, u, attn, chunk_decay, tokens, heads, scale, lower_bound,      \
+                                          forget_proj, dt_bias, a_log, beta_logits, ld_beta);              \
     }

@@ -3,4 +3,4 @@
 // outputs; the bounded gate law. Launch, algorithm and numerics: chunk_tc.cuh.
 #include "chunk/chunk_tc.cuh"
 
-CHUNK_TC_PREPARE_GATE_ENTRY(kda_chunk_tc_prepare_gate_f32)
+CHUNK_TC_PREPARE_GATE_ENTRY(kda_chunk_tc_prepare_gate_f32, false)

@@ -24,12 +24,10 @@ def _launch(name: str, grid: tuple[int, ...], block: tuple[int, ...], args: tupl
     build.launch(name, grid, block, args, shared_mem=shared_mem, carveout=100)
 
 
-def _checked_call_needs_work(lower_bound: float | None, gate_source: Any, tokens: int) -> bool:
-    """The checks every prefill call starts with (the bound, the gate source it allows, tokens);
-    False for zero tokens (nothing to launch)."""
+def _checked_call_needs_work(lower_bound: float | None, tokens: int) -> bool:
+    """The checks every prefill call starts with (the bound, tokens); False for zero tokens (nothing
+    to launch)."""
     require_lower_bound(lower_bound)
-    if lower_bound is None and gate_source is not None:
-        raise ValueError("gate_source forms the bounded law's gate: it needs a lower_bound")
     _require_int32("tokens", tokens)
     return tokens != 0
 
@@ -64,15 +62,16 @@ def kda_chunk_tc_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, 
     bound: the unbounded prepare (docs/design.md, "Prefill"; docs/maths.md, "The chunked (WY) form").
 
     query, key, value, gate [>= T, H, D] and beta [>= T, H] FP32, 16-byte aligned; rows >= T are
-    never read. With `gate_source` (needs a lower_bound) gate and beta are OUTPUTS, their T rows
-    formed from the projections bit for bit as ops.kda_gate_beta_f32 writes them.
+    never read. With `gate_source` gate and beta are OUTPUTS, their T rows formed from the
+    projections bit for bit as ops.kda_gate_beta_f32 writes them: by the bounded law, or (lower_bound
+    None) by the softplus law.
 
     Writes the scratch of :func:`scratch_shapes`: q_decay = f16(tf32(scale q exp(G))),
     k_tail = f16(tf32(k exp(G_last - G))) chunk-transposed, w = f16(tf32(W)), u = Uc (FP32),
     attn = f16(tf32(B)) (zero above the diagonal), chunk_decay = exp(G_last) (FP32); padded
     rows zero.
     """
-    if not _checked_call_needs_work(lower_bound, gate_source, tokens):
+    if not _checked_call_needs_work(lower_bound, tokens):
         return
     heads = beta_heads(beta)
     _require_rows("beta", beta, "f32", tokens, (heads,))
@@ -87,7 +86,8 @@ def kda_chunk_tc_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, 
     if gate_source is not None:
         sources = GateSource(*gate_source)
         ld_beta = check_gate_sources(*sources, heads, HEAD_DIM, tokens)
-        name, args = "kda_chunk_tc_prepare_gate_f32", (*args, *sources, _i32(ld_beta))
+        name = "kda_chunk_tc_prepare_gate_f32" if lower_bound is not None else "kda_chunk_tc_prepare_unbounded_gate_f32"
+        args = (*args, *sources, _i32(ld_beta))
     _launch(name, (chunk_count(tokens), heads), (PREPARE_THREADS,), args, shared_mem=PREPARE_SMEM_BYTES)
 
 
@@ -122,7 +122,7 @@ def chunk_prefill_tc(query, key, value, gate, beta, state, core, tokens: int, lo
     lower_bound and `gate_source` (:class:`GateSource`) as :func:`kda_chunk_tc_prepare_f32` takes
     them. Every argument is checked before the first launch, so a refused call leaves the state untouched.
     """
-    if not _checked_call_needs_work(lower_bound, gate_source, tokens):
+    if not _checked_call_needs_work(lower_bound, tokens):
         return
     heads = beta_heads(beta)
     _check_dtype("state", state, "f32")
