@@ -68,9 +68,9 @@ if [ "$part" = sanitize ] || [ "$part" = all ]; then
   logs=()
   for ((i = 0; i < ${#tools[@]}; i += 2)); do
     for tool in "${tools[@]:i:2}"; do
-      scope=(--kernel-name kns=kda_); extra=()
-      if [ "$tool" = initcheck ]; then scope=(); extra=(--zeroed-cublas-workspace); fi
-      if [ "$tool" = racecheck ]; then extra=(--gemm-without-cublas); fi
+      scope=(--kernel-name kns=kda_); extra=(--hang-seconds 1800)
+      if [ "$tool" = initcheck ]; then scope=(); extra+=(--zeroed-cublas-workspace); fi
+      if [ "$tool" = racecheck ]; then extra+=(--gemm-without-cublas); fi
       for ((s = 0; s < shards; s++)); do
         mapfile -t ids < "$out/shard.$s.txt"
         logs+=("$tool.$s.log")

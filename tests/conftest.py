@@ -29,6 +29,15 @@ def pytest_addoption(parser):
     parser.addoption("--zeroed-cublas-workspace", action="store_true",
                      help="give cuBLAS a workspace filled with zeros (for compute-sanitizer's initcheck, which "
                           "otherwise reports cuBLAS's own split-K reduce reading workspace bytes nothing wrote)")
+    parser.addoption("--hang-seconds", type=float, default=120.0,
+                     help="how long a test waits for its threads before it calls their work hung (raise it under "
+                          "compute-sanitizer, which slows our kernels about a hundredfold)")
+
+
+@pytest.fixture
+def hang_seconds(request) -> float:
+    """--hang-seconds: how long a test's threads may take before the test reports a hang."""
+    return request.config.getoption("--hang-seconds")
 
 
 @pytest.fixture(autouse=True, scope="session")

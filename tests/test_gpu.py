@@ -868,7 +868,7 @@ def _decode_run(layer, hidden, start: KdaState, steps: int):
 
 @pytest.mark.parametrize("count", [2, 8])
 @pytest.mark.parametrize("geometry", ["glm", "kimi"])
-def test_layers_decoding_at_once_on_their_own_streams(real_checkpoint, geometry, count):
+def test_layers_decoding_at_once_on_their_own_streams(real_checkpoint, geometry, count, hang_seconds):
     """`count` layers built with from_pretrained's defaults, each driven by its own thread on its
     own CUDA stream, all at once: every output and state bit is that of the same calls made one
     layer after the other; no crash, no hang."""
@@ -911,8 +911,8 @@ def test_layers_decoding_at_once_on_their_own_streams(real_checkpoint, geometry,
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(timeout=120)
-    assert not any(thread.is_alive() for thread in threads), f"{geometry}: a layer's decode hung"
+        thread.join(timeout=hang_seconds)
+    assert not any(thread.is_alive() for thread in threads), f"{geometry}: a layer's decode hung ({hang_seconds} s)"
     assert not errors, f"{geometry}: {errors}"
     for i in range(count):
         for what, a, b in zip(("outputs", "conv state", "recurrent state"), results[i], alone[i]):
