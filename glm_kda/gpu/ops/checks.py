@@ -182,6 +182,20 @@ def recurrent_state_heads(state, *, aligned: bool = False) -> int:
     return heads
 
 
+def require_chunk_scratch(q_decay, k_tail, w, u, attn, chunk_decay, tokens: int, chunk: int, heads: int, *,
+                          kinds: dict[str, str] | None = None, attn_aligned: bool = False) -> None:
+    """The chunk kernels' scratch for T tokens in chunks of `chunk`: q_decay, k_tail, w, u [>= Tp, H, D],
+    attn [>= Tp / chunk, H, chunk, chunk], chunk_decay [>= Tp / chunk, H, D], Tp = T rounded up to the chunk.
+    kinds: each buffer's dtype kind (default "f32"); every buffer but attn (unless attn_aligned) is read as
+    16-byte vectors."""
+    kinds = kinds or {}
+    nchunks = -(-tokens // chunk)
+    for name, array in (("q_decay", q_decay), ("k_tail", k_tail), ("w", w), ("u", u)):
+        _require_rows(name, array, kinds.get(name, "f32"), nchunks * chunk, (heads, HEAD_DIM), aligned=True)
+    _require_rows("attn", attn, kinds.get("attn", "f32"), nchunks, (heads, chunk, chunk), aligned=attn_aligned)
+    _require_rows("chunk_decay", chunk_decay, "f32", nchunks, (heads, HEAD_DIM), aligned=True)
+
+
 def beta_heads(beta) -> int:
     """H of beta FP32 [>= T, H] (its rows are checked by the caller)."""
     _check_dtype("beta", beta, "f32")

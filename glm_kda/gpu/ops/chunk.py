@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from .. import build
-from .checks import HEAD_BLOCK, HEAD_DIM, _f32, _i32, _require_int32, _require_rows, beta_heads, recurrent_state_heads
+from .checks import (HEAD_BLOCK, HEAD_DIM, _f32, _i32, _require_int32, _require_rows, beta_heads,
+                     recurrent_state_heads, require_chunk_scratch)
 
 # The largest chunk the kernels' shared memory holds (CHUNK_MAX of kernels_src/chunk/chunk.cu).
 _CHUNK_MAX = 64
@@ -27,16 +28,6 @@ def _require_chunk(chunk: int) -> None:
         raise ValueError(f"chunk must be 1..{_CHUNK_MAX}, got {chunk}")
 
 
-def _require_scratch(q_decay, k_tail, w, u, attn, chunk_decay, tokens: int, chunk: int, heads: int) -> None:
-    """The scratch of :func:`kda_chunk_prepare_f32` (q_decay, w, k_tail and chunk_decay rows are read as
-    float4 vectors)."""
-    nchunks = chunk_count(tokens, chunk)
-    for name, array in (("q_decay", q_decay), ("k_tail", k_tail), ("w", w), ("u", u)):
-        _require_rows(name, array, "f32", nchunks * chunk, (heads, HEAD_DIM), aligned=True)
-    _require_rows("attn", attn, "f32", nchunks, (heads, chunk, chunk))
-    _require_rows("chunk_decay", chunk_decay, "f32", nchunks, (heads, HEAD_DIM), aligned=True)
-
-
 def kda_chunk_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, u, attn, chunk_decay, tokens: int,
                           chunk: int, scale: float) -> None:
     """Per-chunk WY preparation (intra-chunk work, no state).
@@ -54,7 +45,7 @@ def kda_chunk_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, u, 
     _require_rows("beta", beta, "f32", tokens, (heads,))
     for name, array in (("query", query), ("key", key), ("value", value), ("gate", gate)):
         _require_rows(name, array, "f32", tokens, (heads, HEAD_DIM))
-    _require_scratch(q_decay, k_tail, w, u, attn, chunk_decay, tokens, chunk, heads)
+    require_chunk_scratch(q_decay, k_tail, w, u, attn, chunk_decay, tokens, chunk, heads)
     build.launch("kda_chunk_prepare_f32", (chunk_count(tokens, chunk), heads), (HEAD_BLOCK,),
                  (query, key, value, gate, beta, q_decay, k_tail, w, u, attn, chunk_decay, _i32(tokens), _i32(heads),
                   _i32(chunk), _f32(scale)),
@@ -73,7 +64,7 @@ def kda_chunk_scan_f32(q_decay, k_tail, w, u, attn, chunk_decay, state, core, to
     if tokens == 0:
         return
     heads = recurrent_state_heads(state)
-    _require_scratch(q_decay, k_tail, w, u, attn, chunk_decay, tokens, chunk, heads)
+    require_chunk_scratch(q_decay, k_tail, w, u, attn, chunk_decay, tokens, chunk, heads)
     _require_rows("core", core, "f32", tokens, (heads, HEAD_DIM))
     build.launch("kda_chunk_scan_f32", (heads, HEAD_DIM // _SCAN_COLUMNS), (_SCAN_COLUMNS,),
                  (q_decay, k_tail, w, u, attn, chunk_decay, state, core, _i32(tokens), _i32(heads), _i32(chunk),

@@ -14,7 +14,7 @@ from ...chunk_model import (CHUNK, PREPARE_SMEM_BYTES, PREPARE_THREADS, SCAN_COL
                             SCRATCH_KINDS, chunk_count, require_lower_bound)
 from .. import build
 from .checks import (HEAD_DIM, _check_dtype, _f32, _i32, _require, _require_int32, _require_rows, beta_heads,
-                     recurrent_state_heads)
+                     recurrent_state_heads, require_chunk_scratch)
 from .gate import check_gate_sources
 
 
@@ -33,13 +33,9 @@ def _checked_call_needs_work(lower_bound: float | None, tokens: int) -> bool:
 
 
 def _require_scratch(q_decay, k_tail, w, u, attn, chunk_decay, tokens: int, heads: int) -> None:
-    nchunks = chunk_count(tokens)
-    padded = nchunks * CHUNK
-    # Every scratch access is a 16-, 8- or 4-byte vector.
-    for name, array in (("q_decay", q_decay), ("k_tail", k_tail), ("w", w), ("u", u)):
-        _require_rows(name, array, SCRATCH_KINDS[name], padded, (heads, HEAD_DIM), aligned=True)
-    _require_rows("attn", attn, SCRATCH_KINDS["attn"], nchunks, (heads, CHUNK, CHUNK), aligned=True)
-    _require_rows("chunk_decay", chunk_decay, "f32", nchunks, (heads, HEAD_DIM), aligned=True)
+    # Every scratch access is a 16-, 8- or 4-byte vector, attn's included.
+    require_chunk_scratch(q_decay, k_tail, w, u, attn, chunk_decay, tokens, CHUNK, heads, kinds=SCRATCH_KINDS,
+                          attn_aligned=True)
 
 
 class GateSource(NamedTuple):
