@@ -57,8 +57,9 @@ def summarize(log: Path, ours: set[str]) -> dict:
         found = [m.group(1) for text in report for m in [_LOCATION.search(text)] if m]
         kernels[found[0] if found else "(no kernel named)"] += 1
     mine = {k: n for k, n in kernels.items() if k.split("<")[0].split("(")[0].strip() in ours}
-    return {"log": log.name, "tests": tests, "passed_tests": passed, "ended_badly": ended_badly, "tool_total": total, "printed": len(reports), "all_printed": total is not None
-            and len(reports) >= total, "ours": sum(mine.values()), "our_kernels": mine,
+    return {"log": log.name, "tests": tests, "passed_tests": passed, "ended_badly": ended_badly, "tool_total": total,
+            "printed": len(reports), "all_printed": total is not None and len(reports) >= total,
+            "ours": sum(mine.values()), "our_kernels": mine,
             "library_kernels": {k: n for k, n in kernels.items() if k not in mine}}
 
 
