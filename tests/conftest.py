@@ -171,9 +171,14 @@ def figures():
 
 def pytest_runtest_logreport(report):
     """With $GLM_KDA_DURATIONS set, each test phase's seconds appended to that file as it ends
-    (`<seconds> <phase> <outcome> <test id>`), so that a run stopped by a time limit still says where its
-    time went (pytest's --durations prints only at the end)."""
+    (`<seconds> <phase> <outcome> <test id>`), and under a failed phase a line `  why: <message>`, so that a
+    run stopped by a time limit still says where its time went and why a test failed (pytest's --durations
+    and -rfE print only at the end)."""
     target = os.environ.get("GLM_KDA_DURATIONS")
     if target:
         with open(target, "a") as log:
             log.write(f"{report.duration:.3f} {report.when} {report.outcome} {report.nodeid}\n")
+            if report.failed:
+                crash = getattr(report.longrepr, "reprcrash", None)
+                why = crash.message if crash is not None else str(report.longrepr)
+                log.write(f"  why: {' | '.join(why.splitlines())[:2000]}\n")
