@@ -17,6 +17,7 @@
 # With flash-linear-attention importable (benchmarks/carry_fla.sh builds build/fla to carry, then
 # PYTHONPATH=.:build/fla) both benchmarks add its rows; its first call compiles Triton kernels for a minute or more.
 # "first_use" times a cold and a warm from_pretrained in new processes and decode through a whole stack.
+# PER_TEST=1 runs each sanitized test in a process of its own (TESTS=<file of ids> picks them).
 # PORTABLE=1 runs the tests with --portable (the path without Hopper-only features); MARKERS selects tests
 # by marker (say MARKERS="not slow"). The transformers
 # integration's tests skip unless torch and transformers are importable (carry transformers' wheel).
@@ -65,22 +66,41 @@ if [ "$part" = sanitize ] || [ "$part" = all ]; then
   python -m pytest -q --collect-only -p no:cacheprovider -m "not slow" "${suite[@]}" 2>/dev/null | grep '::' \
     | awk '/holding_every_sm/ { last = last $0 "\n"; next } { print } END { printf "%s", last }' > "$out/sanitize_tests.txt"
   fi
-  for ((s = 0; s < shards; s++)); do awk -v n="$shards" -v s="$s" '(NR - 1) % n == s' "$out/sanitize_tests.txt" > "$out/shard.$s.txt"; done
+  # PER_TEST=1: one process per test instead, $SHARDS at once over every tool, all stopped at the common
+  # deadline: a crash or the limit then costs one test, and each log names it (the suite's heaviest
+  # tests under racecheck; the GPU is busy throughout, so more processes at once finish no more).
+  deadline=$(($(date +%s) + ${SANITIZE_TIMEOUT:-540}))
+  sanitize_one() {  # tool, log, then the pytest arguments
+    local tool=$1 log=$2 left=$((deadline - $(date +%s))); shift 2
+    [ "$left" -gt 10 ] || { echo "not started: the deadline was near" > "$out/$log"; return; }
+    local scope=(--kernel-name kns=kda_) extra=(--hang-seconds 1800)
+    if [ "$tool" = initcheck ]; then scope=(); extra+=(--zeroed-cublas-workspace); fi
+    if [ "$tool" = racecheck ]; then extra+=(--gemm-without-cublas); fi
+    timeout "$left" compute-sanitizer --tool "$tool" "${scope[@]}" --print-limit 100000 --show-backtrace no \
+      python -m pytest -v -p no:cacheprovider "$@" "${extra[@]}" > "$out/$log" 2>&1
+  }
   logs=()
-  for ((i = 0; i < ${#tools[@]}; i += 2)); do
-    for tool in "${tools[@]:i:2}"; do
-      scope=(--kernel-name kns=kda_); extra=(--hang-seconds 1800)
-      if [ "$tool" = initcheck ]; then scope=(); extra+=(--zeroed-cublas-workspace); fi
-      if [ "$tool" = racecheck ]; then extra+=(--gemm-without-cublas); fi
-      for ((s = 0; s < shards; s++)); do
-        mapfile -t ids < "$out/shard.$s.txt"
-        logs+=("$tool.$s.log")
-        timeout ${SANITIZE_TIMEOUT:-540} compute-sanitizer --tool "$tool" "${scope[@]}" --print-limit 100000 \
-          --show-backtrace no python -m pytest -v -p no:cacheprovider "${ids[@]}" "${extra[@]}" > "$out/$tool.$s.log" 2>&1 &
+  if [ -n "${PER_TEST:-}" ]; then
+    mapfile -t ids < "$out/sanitize_tests.txt"
+    for tool in "${tools[@]}"; do
+      for ((i = 0; i < ${#ids[@]}; i++)); do logs+=("$tool.test$i.log"); printf '%s\0%s\0%s\0' "$tool" "$tool.test$i.log" "${ids[i]}"; done
+    done > "$out/sanitize_queue"
+    export -f sanitize_one; export out deadline
+    xargs -0 -n 3 -P "$shards" bash -c 'sanitize_one "$@"' _ < "$out/sanitize_queue"
+  else
+    for ((s = 0; s < shards; s++)); do awk -v n="$shards" -v s="$s" '(NR - 1) % n == s' "$out/sanitize_tests.txt" > "$out/shard.$s.txt"; done
+    for ((i = 0; i < ${#tools[@]}; i += 2)); do
+      deadline=$(($(date +%s) + ${SANITIZE_TIMEOUT:-540}))
+      for tool in "${tools[@]:i:2}"; do
+        for ((s = 0; s < shards; s++)); do
+          mapfile -t ids < "$out/shard.$s.txt"
+          logs+=("$tool.$s.log")
+          sanitize_one "$tool" "$tool.$s.log" "${ids[@]}" &
+        done
       done
+      wait
     done
-    wait
-  done
+  fi
   python benchmarks/sanitizer_report.py "${logs[@]}" --folder "$out" | tee "$out/sanitizers.json"
 fi
 if [ "$part" = first_use ] || [ "$part" = all ]; then
