@@ -947,6 +947,9 @@ def test_decode_beside_a_kernel_holding_every_sm(layers, geometry):
     threads_per_sm = device.attributes["MaxThreadsPerMultiProcessor"]
     done = cp.zeros(1, cp.int32)
     other = cp.cuda.Stream(non_blocking=True)
+    # `other` does not wait for this stream: were the quiet runs and the zeroing of `done` still queued,
+    # the long kernel could take every SM first, count, and then see its count zeroed behind it.
+    cp.cuda.get_current_stream().synchronize()
     for graphs in (True, False):
         with _options(layer, graphs=graphs):
             with other:
@@ -955,7 +958,8 @@ def test_decode_beside_a_kernel_holding_every_sm(layers, geometry):
             busy, busy_state = _decode_run(layer, hidden, start, 8)
             cp.cuda.get_current_stream().synchronize()
         other.synchronize()
-        assert int(done.get()[0]) > 0
+        held = int(done.get()[0])
+        assert held > 0, f"{geometry} graphs={graphs}: the long kernel's blocks did not count themselves ({held})"
         for what, a, b in (("outputs", busy, quiet), ("recurrent state", busy_state.recurrent, quiet_state.recurrent),
                            ("conv state", busy_state.conv, quiet_state.conv)):
             differ = int(cp.count_nonzero(_bits(a) != _bits(b)))
