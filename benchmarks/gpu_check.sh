@@ -79,6 +79,11 @@ if [ "$part" = sanitize ] || [ "$part" = all ]; then
     timeout "$left" compute-sanitizer --tool "$tool" "${scope[@]}" --print-limit 100000 --show-backtrace no \
       python -m pytest -v -p no:cacheprovider "$@" "${extra[@]}" > "$out/$log" 2>&1
   }
+  # GPU and host memory every 10 s: a process the tool ran out of memory shows here, where its log ends
+  # with no more than "process didn't terminate successfully".
+  (while sleep 10; do echo "$(date +%T) gpu $(nvidia-smi --query-gpu=utilization.gpu,memory.used \
+    --format=csv,noheader) host_used_mb $(free -m | awk '/^Mem:/ { print $3 }')"; done) > "$out/sanitize_memory.txt" &
+  sampler=$!
   logs=()
   if [ -n "${PER_TEST:-}" ]; then
     mapfile -t ids < "$out/sanitize_tests.txt"
@@ -101,6 +106,7 @@ if [ "$part" = sanitize ] || [ "$part" = all ]; then
       wait
     done
   fi
+  kill "$sampler"
   python benchmarks/sanitizer_report.py "${logs[@]}" --folder "$out" | tee "$out/sanitizers.json"
 fi
 if [ "$part" = first_use ] || [ "$part" = all ]; then
