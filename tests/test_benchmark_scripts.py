@@ -16,6 +16,7 @@ from glm_kda.device import gpu_status
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from lib.script import exit_unless_gpu  # noqa: E402
+import sanitizer_report  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 BENCHMARKS = REPO / "benchmarks"
@@ -213,11 +214,6 @@ _SANITIZER_LOG = """========= COMPUTE-SANITIZER
 def test_sanitizer_report_sorts_ours_from_the_libraries(tmp_path):
     """Reports naming one of our entry points count as ours, a library kernel's do not; the
     tool's own total is read and compared with the reports printed."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import sanitizer_report
-    finally:
-        sys.path.remove(str(BENCHMARKS))
     log = tmp_path / "memcheck.log"
     log.write_text(_SANITIZER_LOG)
     row = sanitizer_report.summarize(log, sanitizer_report.our_kernels())
@@ -231,11 +227,6 @@ def test_sanitizer_report_sorts_ours_from_the_libraries(tmp_path):
 def test_sanitizer_report_counts_passed_tests_and_a_process_that_ended_badly(tmp_path):
     """pytest -v's PASSED lines are counted; the tool's word that the process ended badly is a flag,
     not a report of a kernel."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import sanitizer_report
-    finally:
-        sys.path.remove(str(BENCHMARKS))
     log = tmp_path / "racecheck.log"
     log.write_text("========= COMPUTE-SANITIZER\ntests/a.py::t[x] PASSED [ 50%]\ntests/a.py::u PASSED      [100%]\n"
                    "tests/a.py::v FAILED [100%]\n========= Error: process didn't terminate successfully\n"
