@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Builds build/fla: flash-linear-attention and what it imports that the GPU machine lacks (fla-core,
 # einops, transformers, tokenizers, regex for CPython 3.12), as plain folders to put on PYTHONPATH
-# there. It fits the device tool's carry limit: transformers keeps only its `auto` models (fla's own
-# models import nothing else of it) and does not enforce its pinned versions of the machine's
-# libraries. Needs PyPI (or a wheel mirror) on this machine; about 30 MB.
+# there. To stay small (about 30 MB), transformers keeps only its `auto` models (fla's own models
+# import nothing else of it) and does not enforce its pinned versions of the machine's libraries.
+# Needs PyPI (or a wheel mirror) on this machine.
 #   bash benchmarks/carry_fla.sh [FLA_VERSION]    then, on the GPU machine:
 #   PYTHONPATH=.:build/fla python benchmarks/prefill.py --tokens 1024 4096 16384 65536
 set -euo pipefail

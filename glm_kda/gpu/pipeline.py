@@ -198,7 +198,7 @@ class Stages:
         rows = slice(first, None)
         query, key, value, gate, beta = (buf[rows] for buf in (ws.query, ws.key, ws.value, ws.gate, ws.beta))
         ops.kda_conv_prefill_silu_l2_bf16(conv_state, ws.qkv_proj[rows], self.conv_weight, ws.conv_out[rows], query,
-                                      key, value, c.heads, c.head_dim, c.l2_eps, tokens=tokens)
+                                          key, value, c.heads, c.head_dim, c.l2_eps, tokens=tokens)
         padded = ops.chunk_count(tokens, c.chunk) * c.chunk
         if pad_value is not None and padded > tokens:
             for buf in (query, key, value, gate, beta):
