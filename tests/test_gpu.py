@@ -947,10 +947,11 @@ def test_decode_beside_a_kernel_holding_every_sm(layers, geometry):
     threads_per_sm = device.attributes["MaxThreadsPerMultiProcessor"]
     done = cp.zeros(1, cp.int32)
     other = cp.cuda.Stream(non_blocking=True)
-    # `other` does not wait for this stream: were the quiet runs and the zeroing of `done` still queued,
-    # the long kernel could take every SM first, count, and then see its count zeroed behind it.
-    cp.cuda.get_current_stream().synchronize()
     for graphs in (True, False):
+        done.fill(0)
+        # `other` does not wait for this stream: were the quiet runs and the zeroing of `done` still queued,
+        # the long kernel could take every SM first, count, and then see its count zeroed behind it.
+        cp.cuda.get_current_stream().synchronize()
         with _options(layer, graphs=graphs):
             with other:
                 # 2 s at ~2 GHz; every thread slot of every SM.
