@@ -493,10 +493,11 @@ def test_sums_launch_their_entries_with_the_sums_last(monkeypatch):
             f"R{rows}: the sums and their row stride last"
         if "ready" in options:
             assert args[-4] is words and int(args[-3]) == 7, f"R{rows}: the words before the sums"
-        without = made.pop()
+        made.pop()
         gemm_rows.gemm_rows_bf16(_bf16(rows, k), w, _bf16(rows, n), **options)
-        assert made.pop()[0] == name.replace("sums_", ""), f"R{rows}: the sums twin of the entry it would take"
-        assert without[1] == grid
+        plain_name, plain_grid, _ = made.pop()
+        assert plain_name == name.replace("sums_", ""), f"R{rows}: the sums twin of the entry it would take"
+        assert plain_grid == grid, f"R{rows}: the plain launch's grid {plain_grid} against the sums' {grid}"
     launched = len(made)
     with pytest.raises(ValueError, match="not bulk=True"):
         gemm_rows.gemm_rows_bf16(_bf16(3, k), w, _bf16(3, n), sums=sums[:3, :n], bulk=True)

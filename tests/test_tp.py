@@ -12,10 +12,12 @@ import dataclasses
 import json
 import math
 import mmap
+import subprocess
 
 import ml_dtypes
 import numpy as np
 import pytest
+from host_cuda import HOST_CUDA_HEADER, build_host_binary
 
 from glm_kda import tp
 from glm_kda.checkpoint import (
@@ -406,9 +408,26 @@ def test_reader_rejects_inconsistent_offsets(tmp_path):
 
 
 # The BF16 conversions of the all-reduce ------------------------------------------------------
-def test_round_to_nearest_even_formula():
-    """The bit formula of ops.BF16_ROUND_SOURCE (kda_float_to_bf16_bits) equals ml_dtypes' FP32 -> BF16
-    rounding."""
+_ROUND_HOST_MAIN = r"""
+#include <cstdio>
+#include <vector>
+int main(int argc, char** argv) {
+    std::FILE* in = std::fopen(argv[1], "rb");
+    std::vector<float> values(std::atoi(argv[3]));
+    if (std::fread(values.data(), 4, values.size(), in) != values.size()) return 1;
+    std::vector<unsigned short> bits(values.size());
+    for (size_t i = 0; i < values.size(); ++i) bits[i] = kda_float_to_bf16_bits(values[i]);
+    std::FILE* out = std::fopen(argv[2], "wb");
+    return std::fwrite(bits.data(), 2, bits.size(), out) == bits.size() ? 0 : 1;
+}
+"""
+
+
+def test_round_to_nearest_even_formula(tmp_path):
+    """ops.BF16_ROUND_SOURCE's kda_float_to_bf16_bits, compiled for the host, equals ml_dtypes' FP32 -> BF16
+    rounding (nearest even; a NaN stays a NaN)."""
+    from glm_kda.gpu.ops.cublas import BF16_ROUND_SOURCE
+
     rng = np.random.default_rng(SEED)
     values = np.concatenate([
         rng.standard_normal(20000).astype(np.float32) * np.float32(10.0) ** rng.integers(-40, 38, 20000).astype(np.float32),
@@ -419,16 +438,18 @@ def test_round_to_nearest_even_formula():
     ties = (rng.integers(0, 2**15, 2000, dtype=np.uint32) << 17 | 0x8000).astype(np.uint32)
     ties = np.concatenate([ties, ties | np.uint32(0x10000)]).view(np.float32)
     values = np.concatenate([values, ties[np.isfinite(ties)]])
-    bits = values.view(np.uint32)
-    nan = (bits & 0x7FFFFFFF) > 0x7F800000
-    ours = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-    ours[nan] = ((bits[nan] >> 16) | 0x40).astype(np.uint16)
+    binary = build_host_binary(tmp_path, "round", {"round.cpp": HOST_CUDA_HEADER.replace("#pragma once", "")
+                                                   + BF16_ROUND_SOURCE + _ROUND_HOST_MAIN})
+    values.tofile(tmp_path / "values.bin")
+    subprocess.run([str(binary), str(tmp_path / "values.bin"), str(tmp_path / "bits.bin"), str(values.size)], check=True)
+    ours = np.fromfile(tmp_path / "bits.bin", np.uint16)
+    assert ours.size == values.size
+    nan = np.isnan(values)
     reference = values.astype(ml_dtypes.bfloat16).view(np.uint16)
-    finite = ~nan
-    np.testing.assert_array_equal(ours[finite], reference[finite])
-    assert np.isnan(ours[nan].view(ml_dtypes.bfloat16).astype(np.float32)).all()
-    widened = (ours.astype(np.uint32) << 16).view(np.float32)
-    np.testing.assert_array_equal(widened[finite], reference[finite].view(ml_dtypes.bfloat16).astype(np.float32))
+    wrong = np.flatnonzero(ours[~nan] != reference[~nan])
+    assert wrong.size == 0, (f"{wrong.size} finite values round differently, first "
+                             f"{values[~nan][wrong[0]]!r}: {ours[~nan][wrong[0]]:#06x} against {reference[~nan][wrong[0]]:#06x}")
+    assert np.isnan(ours[nan].view(ml_dtypes.bfloat16).astype(np.float32)).all(), "a NaN did not stay a NaN"
 
 
 def test_conversion_source_compiles():
