@@ -331,5 +331,6 @@ def test_check_layers_on_a_hub_repo_uses_remote_headers(tmp_path, fake_hub, monk
     monkeypatch.setattr(checkpoint, "get_safetensors_metadata", lambda repo_id, **kwargs: SimpleNamespace(
         sharded=True, weight_map=index["weight_map"], files_metadata=files))
     requests = fake_hub(local)
-    assert all(ok for _, ok, _ in check_layers("org/synthetic-glm"))
+    checked = [(index, ok) for index, ok, _ in check_layers("org/synthetic-glm")]
+    assert checked == [(index, True) for index in KdaConfig.from_pretrained(local).kda_layers], checked
     assert [filename for _, filename, _ in requests] == ["config.json"]

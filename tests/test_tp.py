@@ -17,7 +17,6 @@ import subprocess
 import ml_dtypes
 import numpy as np
 import pytest
-from host_cuda import HOST_CUDA_HEADER, build_host_binary
 
 from glm_kda import tp
 from glm_kda.checkpoint import (
@@ -43,6 +42,7 @@ from glm_kda.tp import (
     bind_layer_shard,
     check_devices,
 )
+from host_cuda import HOST_CUDA_HEADER, build_host_binary
 
 SEED = 4321
 HEADS = 4
