@@ -72,7 +72,8 @@ def parse_ptxas_log(log: str) -> dict[str, dict[str, int]]:
     """Per entry function: registers, spill_stores, spill_loads, stack_frame, shared.
 
     ``shared`` is the static shared memory in bytes (dynamic shared memory is a
-    launch parameter and does not appear in the log).
+    launch parameter and does not appear in the log). ``stack_frame`` stays -1 where
+    ptxas's frame and spill line was not found, so that a changed log format shows.
     """
     resources: dict[str, dict[str, int]] = {}
     current: str | None = None
@@ -82,7 +83,7 @@ def parse_ptxas_log(log: str) -> dict[str, dict[str, int]]:
             current = match.group(1)
             resources.setdefault(
                 current,
-                {"registers": 0, "spill_stores": 0, "spill_loads": 0, "stack_frame": 0, "shared": 0},
+                {"registers": 0, "spill_stores": 0, "spill_loads": 0, "stack_frame": -1, "shared": 0},
             )
             continue
         if current is None:
@@ -154,6 +155,6 @@ def compile_check(arch: str) -> dict[str, dict[str, int]]:
         for name in names:
             report[name] = resources.get(
                 name,
-                {"registers": 0, "spill_stores": 0, "spill_loads": 0, "stack_frame": 0, "shared": 0},
+                {"registers": 0, "spill_stores": 0, "spill_loads": 0, "stack_frame": -1, "shared": 0},
             )
     return report

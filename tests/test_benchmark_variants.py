@@ -16,19 +16,19 @@ import decode_breakdown  # noqa: E402
 from lib import timing  # noqa: E402
 
 from glm_kda.config import GLM_5_3_FLASH, KIMI_LINEAR_48B, KdaConfig  # noqa: E402
+from glm_kda.options import KdaOptions  # noqa: E402
 
 
 def test_every_variant_changes_kda_options_fields_only():
-    options = pytest.importorskip("glm_kda.options")
     from lib.layers import option_fields, parse_options
 
     base = option_fields()
-    assert base == {f: getattr(options.KdaOptions(), f) for f in base}, "the defaults are KdaOptions()'s"
+    assert base == {f: getattr(KdaOptions(), f) for f in base}, "the defaults are KdaOptions()'s"
     resolved = [decode_breakdown.settings_of(v, base) for v in decode_breakdown.VARIANTS]
     assert resolved[0] == base, "the first variant is the package's defaults"
     assert resolved[1]["packed_weights"] is False
     for settings in resolved:
-        options.KdaOptions(**settings)  # each one a valid KdaOptions
+        KdaOptions(**settings)  # each one a valid KdaOptions
     assert parse_options("packed_weights=False, hopper=False") == {"packed_weights": False, "hopper": False}
     assert parse_options("chunk_impl=fp32") == {"chunk_impl": "fp32"}
     assert parse_options("chunk_impl='tensor'") == {"chunk_impl": "tensor"}
@@ -43,7 +43,6 @@ def test_every_variant_changes_kda_options_fields_only():
 
 
 def test_breakdown_arguments(capsys):
-    pytest.importorskip("glm_kda.options")
     args = decode_breakdown.parse_arguments(["glm", "--variant", "hopper=False", "--variant", "graphs=False"])
     assert args.geometry == ["glm"] and args.variant == [{"hopper": False}, {"graphs": False}]
     assert decode_breakdown.parse_arguments([]).geometry == ["glm", "kimi"]
