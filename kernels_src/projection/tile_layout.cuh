@@ -1,5 +1,5 @@
 // The tile layout of x for the bulk-copy sweep (gemm_rows_bulk.cu), which the fused decode step also
-// writes: tile[G][kb][s][h][r][8 t + e] = x[64 G + r, 32 kb + 8 t + 4 s + 2 h + e] (t < 4, e < 2).
+// writes: tile[G][kb][s][h][r][2 t + e] = x[64 G + r, 32 kb + 8 t + 4 s + 2 h + e] (t < 4, e < 2).
 #pragma once
 
 // The element index of x[row, column] for k_blocks blocks of 32 a row.
