@@ -812,13 +812,42 @@ def test_tensor_core_prefill_long_sequences(layers, tokens, figures):
 
 @pytest.mark.parametrize("geometry", ["glm", "kimi"])
 def test_portable_path_gives_the_hopper_bits(layers, geometry):
-    """options.hopper=False (no programmatic launches, no bulk-copy sweep: what sm_80 and
-    sm_120 / sm_121 run) writes the bits of the Hopper path: every stage buffer, the output and
-    both states of a 64-sequence pool step, a 5-row decode_k walk and a 10-token prefill."""
+    """options.hopper=False (no programmatic launches, no bulk-copy sweep: what sm_80 runs)
+    writes the bits of the Hopper path: every stage buffer, the output and both states of a
+    64-sequence pool step, a 5-row decode_k walk and a 10-token prefill."""
     _, layer = layers(geometry)
     hopper, portable = _decode_paths(layer, count=80, rows=64, walk_rows=5, prefill_rows=10, seed=71,
                                      switch=_option_switch(layer, "hopper"))
     _assert_same_bits(hopper, portable, geometry, "the Hopper and the portable paths")
+
+
+@pytest.mark.parametrize("geometry", ["glm", "kimi"])
+def test_the_path_without_the_bulk_sweep_gives_the_hopper_bits(layers, geometry, monkeypatch):
+    """Programmatic launches and the staged o_proj with the mma.sync sweep at every row count (no
+    sm_90a bulk-copy family: what sm_100, sm_120 and sm_121 run) write the bits of the Hopper path,
+    as test_portable_path_gives_the_hopper_bits compares them; the Hopper run took the bulk sweep."""
+    from glm_kda.gpu import projection
+
+    if not projection.bulk_available():
+        pytest.skip("the bulk-copy sweep is not in use here (not an sm_90 device, or --portable)")
+    _, layer = layers(geometry)
+    available, bulk = projection.bulk_available, projection._gemm_rows_bulk
+    launches, marks = [], []
+
+    def counted_bulk(*args, **kwargs):
+        launches.append(1)
+        return bulk(*args, **kwargs)
+
+    def switch(state):  # True, None, False, None: the bulk launches of each run lie between its marks
+        marks.append(len(launches))
+        monkeypatch.setattr(projection, "bulk_available", (lambda: False) if state is False else available)
+
+    monkeypatch.setattr(projection, "_gemm_rows_bulk", counted_bulk)
+    with _options(layer, graphs=False):  # (a graph captured without the sweep would outlive the test)
+        hopper, without = _decode_paths(layer, count=80, rows=64, walk_rows=5, prefill_rows=10, seed=73,
+                                        switch=switch)
+    assert marks[1] > marks[0] and marks[3] == marks[2], f"bulk launches per run: {marks}"
+    _assert_same_bits(hopper, without, geometry, "the Hopper path and the one without the bulk sweep")
 
 
 def test_every_option_is_part_of_the_graph_key(layers):
