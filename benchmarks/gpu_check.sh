@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU: the GPU test suite (figures to figures.json, figures.json.partial while it runs;
 # each test phase's seconds, and a failure's message, to durations.txt as it ends, `sort -rn` for the slowest;
-# "tests"), every kernel
-# built by NVRTC for each architecture family and checked for its entry points and spills ("compile";
+# "tests"), every kernel built by NVRTC for each architecture family and checked for its entry points and spills ("compile";
 # CPU CI builds them too, here they also build for the chip present),
 # compute-sanitizer's memcheck, racecheck, synccheck and initcheck over the GPU suite, our kernels alone
 # ("sanitize"), then the decode and

@@ -68,6 +68,11 @@ _PTXAS_REGISTERS = re.compile(r"Used (\d+) registers")
 _PTXAS_SHARED = re.compile(r"(\d+) bytes smem")
 
 
+def _unparsed() -> dict[str, int]:
+    """The resources of a function whose ptxas lines are not (yet) read: stack_frame -1 marks it."""
+    return {"registers": 0, "spill_stores": 0, "spill_loads": 0, "stack_frame": -1, "shared": 0}
+
+
 def parse_ptxas_log(log: str) -> dict[str, dict[str, int]]:
     """Per entry function: registers, spill_stores, spill_loads, stack_frame, shared.
 
@@ -81,10 +86,7 @@ def parse_ptxas_log(log: str) -> dict[str, dict[str, int]]:
         match = _PTXAS_ENTRY.search(line) or _PTXAS_PROPERTIES.search(line)
         if match:
             current = match.group(1)
-            resources.setdefault(
-                current,
-                {"registers": 0, "spill_stores": 0, "spill_loads": 0, "stack_frame": -1, "shared": 0},
-            )
+            resources.setdefault(current, _unparsed())
             continue
         if current is None:
             continue
@@ -153,8 +155,5 @@ def compile_check(arch: str) -> dict[str, dict[str, int]]:
                 f"{stem}.cu compiled for {arch} lacks entry points {missing}:\n{compiled.log}"
             )
         for name in names:
-            report[name] = resources.get(
-                name,
-                {"registers": 0, "spill_stores": 0, "spill_loads": 0, "stack_frame": -1, "shared": 0},
-            )
+            report[name] = resources.get(name) or _unparsed()
     return report

@@ -222,7 +222,7 @@ def test_decode_k_bit_identical_to_decodes(blocks, runs):
         host_out = block.decode_k(hidden, separate)
         assert isinstance(host_out, np.ndarray)
         assert_bits_equal(host_out, out_k, f"round {round_}: host input")
-    assert block._group.use_graphs, "graph capture failed and was switched off (see the warning)"
+    assert block.use_graphs, "graph capture failed and was switched off (see the warning)"
 
 
 def test_graphs_equal_eager(blocks):
@@ -242,7 +242,7 @@ def test_graphs_equal_eager(blocks):
         fill(states, start)
         outs = [block.decode(device_hidden[t : t + 1], states) for t in range(8)]
         results[use_graphs] = (cp.concatenate(outs), [s.to_numpy() for s in states])
-    assert block._group.use_graphs, "graph capture failed and was switched off: eager was compared with eager"
+    assert block.use_graphs, "graph capture failed and was switched off: eager was compared with eager"
     block.use_graphs = True
     assert_bits_equal(results[True][0], results[False][0], "outputs, graphs vs eager")
     for rank, (a, b) in enumerate(zip(results[True][1], results[False][1])):
