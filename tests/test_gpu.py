@@ -266,7 +266,7 @@ def test_bad_calls_raise_before_any_launch(layers):
     cases = {
         "dtype float32": (lambda: layer.prefill(good.astype(np.float32), state), "BF16"),
         "wrong width": (lambda: layer.prefill(synthetic_hidden(4, cfg.hidden + 8), state), str(cfg.hidden)),
-        "too many rows": (lambda: layer.prefill(synthetic_hidden(layer.workspace.max_tokens + 1, cfg.hidden), state), "rows"),
+        "too many rows": (lambda: layer.prefill(synthetic_hidden(layer.max_tokens + 1, cfg.hidden), state), "rows"),
         "decode_k 17 rows": (lambda: layer.decode_k(synthetic_hidden(17, cfg.hidden), state), "1..16"),
         "non-contiguous": (lambda: layer.prefill(cp.asarray(synthetic_hidden(8, cfg.hidden).view(np.uint16))[::2].view(layer.workspace.final_out.dtype), state), "contiguous"),
         "other geometry state": (lambda: layer.decode(good[0], KdaState.zeros(dataclasses.replace(cfg, heads=cfg.heads // 2), cp)), "state.conv"),
@@ -475,7 +475,7 @@ def test_o_proj_sums_keep_the_bits_and_round_to_them(layers, geometry):
     cp = _cp()
     _, layer = layers(geometry)
     cfg = layer.config
-    sums = cp.full((layer.workspace.max_tokens, cfg.hidden), cp.nan, cp.float32)
+    sums = cp.full((layer.max_tokens, cfg.hidden), cp.nan, cp.float32)
 
     def switch(on):
         layer.o_proj_sums = sums if on else None
@@ -704,11 +704,13 @@ def test_tensor_core_prefill_path_refuses_another_chunk(layers):
 PACKED_LENGTHS = [1, 17, 64, 100, 1000, 3, 4096, 250]
 
 
+@pytest.mark.parametrize("segment", [None, 1024], ids=["one_pass", "segments_of_1024"])
 @pytest.mark.parametrize("geometry", ["glm", "kimi"])
-def test_packed_prefill_equals_solo_prefills(layers, geometry, figures):
+def test_packed_prefill_equals_solo_prefills(layers, geometry, segment, figures):
     """8 sequences of lengths 1..4096 packed in one call: each sequence's output and states
     (in its own, shuffled slot of a larger pool) within the end-to-end oracle bound, and
-    within twice that bound of its solo prefill; the slots not named are left untouched."""
+    within twice that bound of its solo prefill; the slots not named are left untouched. With
+    `segment`, through a workspace of that many rows: the sequences cross segments."""
     from glm_kda.gpu.layer import KdaLayer
     from glm_kda.gpu.workspace import KdaWorkspace
     from glm_kda.state import StatePool
@@ -718,7 +720,7 @@ def test_packed_prefill_equals_solo_prefills(layers, geometry, figures):
     cfg = bound.config
     rng = np.random.default_rng(31)
     total = sum(PACKED_LENGTHS)
-    layer = KdaLayer(bound, workspace=KdaWorkspace(cfg, total))
+    layer = KdaLayer(bound, max_tokens=total, workspace=KdaWorkspace(cfg, segment or total))
     bounds = np.concatenate([[0], np.cumsum(PACKED_LENGTHS)])
     hidden = synthetic_hidden(total, cfg.hidden, seed=SEED + 5)
     pool = StatePool(cfg, 12)
@@ -747,6 +749,31 @@ def test_packed_prefill_equals_solo_prefills(layers, geometry, figures):
     for slot in sorted(set(range(len(pool))) - set(slots.tolist())):
         assert np.array_equal(pool.conv[slot].get(), starts[slot].conv), f"slot {slot} not named but its conv state changed"
         assert np.array_equal(pool.recurrent[slot].get(), starts[slot].recurrent), f"slot {slot}: recurrent state changed"
+
+
+@pytest.mark.parametrize("geometry", ["glm", "kimi"])
+def test_prefill_in_segments_gives_the_bits_of_one_pass(layers, geometry):
+    """A prefill longer than its workspace (1000 rows through 256: segments of 256, 256, 256 and 232)
+    writes the bits of one pass through a workspace that holds them: output, conv and recurrent state,
+    from a random state; a layer's shared workspace holds min(max_tokens, PREFILL_SEGMENT) rows; a
+    workspace too small for a pool decode of the layer is refused by name."""
+    from glm_kda.gpu.layer import KdaLayer
+    from glm_kda.gpu.workspace import PREFILL_SEGMENT, KdaWorkspace
+
+    bound, _ = layers(geometry)
+    cfg, tokens = bound.config, 1000
+    hidden = synthetic_hidden(tokens, cfg.hidden, seed=SEED + 13)
+    start = KdaState.random(cfg, seed=17)
+    runs = {}
+    for rows in (tokens, 256):
+        layer = KdaLayer(bound, max_tokens=tokens, workspace=KdaWorkspace(cfg, rows))
+        state = device_state(layer, start)
+        out = layer.prefill(hidden, state)
+        runs[rows] = {"output": out, "conv state": state.conv, "recurrent state": state.recurrent}
+    _assert_same_bits(runs[256], runs[tokens], geometry, "segments of 256 rows and one pass")
+    assert KdaLayer(bound, max_tokens=4 * PREFILL_SEGMENT).workspace.max_tokens == PREFILL_SEGMENT
+    with pytest.raises(ValueError, match="workspace: 100 rows, under the 256"):
+        KdaLayer(bound, max_tokens=tokens, workspace=KdaWorkspace(cfg, 100))
 
 
 def test_packed_prefill_refuses_bad_lengths_and_slots_before_any_launch(layers):

@@ -112,19 +112,20 @@ def block_flops(config: KdaConfig, tokens: int) -> int:
 
 
 def bench_geometry(geometry: str, directory: Path, tokens: tuple[int, ...], repeats: int, bandwidth: float,
-                   changed: dict | None = None) -> list[dict]:
+                   changed: dict | None = None, whole: bool = False) -> list[dict]:
     """The prefill cases of one geometry with the KdaOptions fields `changed` over the defaults,
-    for each chunk implementation."""
+    for each chunk implementation; whole: through a workspace of the longest T's rows (every
+    prefill in one pass), not the shared workspace's rows."""
     import numpy as np
 
     from glm_kda.gpu.arrays import to_device_bf16
     from glm_kda.synthetic import synthetic_hidden
 
     config = geometry_config(geometry)
-    layer = make_layer(directory, config, max(tokens), name=geometry, own_workspace=True)
+    layer = make_layer(directory, config, max(tokens), name=geometry, own_workspace=True, whole=whole)
     with_options(layer, **(changed or {}))
     print(json.dumps({"case": "workspace", "geometry": geometry, "max_tokens": max(tokens),
-                      "bytes": layer.workspace.nbytes}), flush=True)
+                      "rows": layer.workspace.max_tokens, "bytes": layer.workspace.nbytes}), flush=True)
     hidden = to_device_bf16(synthetic_hidden(max(tokens), config.hidden, seed=3))
     rows = []
     for impl in ("fp32", "tensor"):
@@ -145,6 +146,7 @@ def bench_geometry(geometry: str, directory: Path, tokens: tuple[int, ...], repe
             if count == 16384:
                 breakdown = {"impl": f"glm_kda-{impl}", "case": "block_kernels", "geometry": geometry, "T": count,
                              "options": changed or {},
+                             "workspace_rows": layer.workspace.max_tokens,
                              "total_ms": {name: round(ms, 4) for name, ms in stages[-1].items()}}
                 if impl == "tensor":  # each kernel's bytes and its share of the copy bandwidth, same run
                     moved = kernel_bytes(config, count)
@@ -156,7 +158,8 @@ def bench_geometry(geometry: str, directory: Path, tokens: tuple[int, ...], repe
                                     ("core", core_ms, core_flops(config, count)),
                                     ("core_conv", core_conv_ms, core_flops(config, count))):
                 row = {"impl": f"glm_kda-{impl}", "case": case, "geometry": geometry, "T": count,
-                       "options": changed or {}, "median_us": 1e3 * ms, "Mtok_s": count / (1e3 * ms),
+                       "options": changed or {}, "workspace_rows": layer.workspace.max_tokens,
+                       "median_us": 1e3 * ms, "Mtok_s": count / (1e3 * ms),
                        "TFLOP_s": flops / 1e9 / ms, "copy_bandwidth_GBs": bandwidth}
                 if case == "block":
                     nbytes = prefill_bytes(config, count)
@@ -194,6 +197,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variant", type=parse_options, action="append", default=[], metavar="NAME=VALUE[,...]",
                         help="also run every case with these KdaOptions fields changed (repeatable)")
     parser.add_argument("--no-fla", dest="fla", action="store_false", help="skip the flash-linear-attention rows")
+    parser.add_argument("--whole", action="store_true",
+                        help="also run every case through a workspace of the longest T (one pass, no segments)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -208,8 +213,9 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for geometry in args.geometry:
             for changed in ({}, *args.variant):
-                bench_geometry(geometry, Path(tmp), tokens, args.repeats, bandwidth, changed)
-                cupy.get_default_memory_pool().free_all_blocks()  # the layer's own workspace goes
+                for whole in (False, True) if args.whole else (False,):
+                    bench_geometry(geometry, Path(tmp), tokens, args.repeats, bandwidth, changed, whole)
+                    cupy.get_default_memory_pool().free_all_blocks()  # the layer's own workspace goes
             if fla_ok and geometry != "kimi":
                 bench_fla(geometry, Path(tmp), tokens, args.repeats)
     return 0

@@ -23,10 +23,10 @@ from ..device import require_gpu
 from ..options import KdaOptions
 from ..state import KdaState, StatePool, require_device_buffers, require_one_row, require_state
 from . import build, projection
-from .arrays import bf16_dtype, copy_of, require_bf16, to_device_bf16, to_device_f32, to_host
+from .arrays import bf16_dtype, require_bf16, to_device_bf16, to_device_f32, to_host
 from .graphs import DecodeGraphs
 from .pipeline import DECODE_MAX_ROWS, Stages
-from .workspace import KdaWorkspace
+from .workspace import PREFILL_SEGMENT, KdaWorkspace
 
 # Most rows of one pool decode call (the workspace and the pool may limit it further).
 MAX_DECODE_ROWS = 256
@@ -45,22 +45,28 @@ class KdaLayer(Stages):
     NumPy is uploaded and the result comes back to the host; torch CUDA tensors pass through
     DLPack without copies). States are FP32 and updated in place.
 
-    bound: one layer's tensors (glm_kda.bind_layer). max_tokens: the most rows a call takes.
-    workspace: None (default) takes the shared workspace of the stream each call runs on (one
-    per stream and geometry, see glm_kda.gpu.workspace); a workspace given here serves every
-    call, ordered one after the other across streams. options: KdaOptions (default KdaOptions()).
+    bound: one layer's tensors (glm_kda.bind_layer). max_tokens: the most rows a call takes
+    (default: the rows of `workspace`, else 4096). workspace: None (default) takes the shared
+    workspace of the stream each call runs on (one per stream and geometry, see
+    glm_kda.gpu.workspace), of min(max_tokens, PREFILL_SEGMENT) rows; a workspace given here serves
+    every call, ordered one after the other across streams, and holds at least
+    min(max_tokens, MAX_DECODE_ROWS) rows. A prefill longer than the workspace runs in segments of its
+    rows, the state carried from one to the next: the stage buffers then hold the last segment's
+    (docs/design.md, "Prefill in segments"). options: KdaOptions (default KdaOptions()).
     """
 
     # The weights every decode-side projection reads (attribute names).
     DECODE_WEIGHTS = ("qkv_weight", "down_weight", "f_b", "g_b", "o_proj")
 
-    def __init__(self, bound: BoundLayer, max_tokens: int = 4096, workspace: KdaWorkspace | None = None,
+    def __init__(self, bound: BoundLayer, max_tokens: int | None = None, workspace: KdaWorkspace | None = None,
                  options: KdaOptions | None = None):
         require_gpu("KdaLayer")
         import cupy
 
         self.config = bound.config.validate()
         self.layer_idx = bound.layer_idx
+        if max_tokens is None:
+            max_tokens = 4096 if workspace is None else workspace.max_tokens
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
         if workspace is not None:
@@ -69,8 +75,13 @@ class KdaLayer(Stages):
                       if getattr(workspace.config, f) != getattr(self.config, f)]
             if differ:
                 raise ValueError(f"workspace: sized for another geometry: {', '.join(differ)} (workspace vs layer)")
-            max_tokens = workspace.max_tokens
+            if workspace.max_tokens < min(max_tokens, MAX_DECODE_ROWS):
+                raise ValueError(f"workspace: {workspace.max_tokens} rows, under the "
+                                 f"{min(max_tokens, MAX_DECODE_ROWS)} a pool decode of this layer may take "
+                                 f"(max_tokens={max_tokens})")
         self.max_tokens = max_tokens
+        # The rows of the shared workspaces this layer takes (a given workspace has its own).
+        self._shared_rows = min(max_tokens, PREFILL_SEGMENT)
         self._workspace = workspace
         self.device_id = cupy.cuda.Device().id
         build.KernelSet.get()  # compile and resolve every entry point now, not mid-call
@@ -96,13 +107,13 @@ class KdaLayer(Stages):
         self.options = KdaOptions() if options is None else options
 
     @classmethod
-    def from_pretrained(cls, path_or_repo: str | Path, layer_idx: int, max_tokens: int = 4096, chunk: int = 64,
+    def from_pretrained(cls, path_or_repo: str | Path, layer_idx: int, max_tokens: int | None = None, chunk: int = 64,
                         workspace: KdaWorkspace | None = None, options: KdaOptions | None = None,
                         **hub_kwargs: Any) -> "KdaLayer":
         """Bind layer `layer_idx` of a checkpoint directory or hub repo and upload it.
 
-        max_tokens: the most rows a call takes; chunk: the chunked prefill's chunk length (64
-        for the tensor-core kernels); workspace, options: as the constructor. hub_kwargs pass to
+        max_tokens, workspace, options: as the constructor; chunk: the chunked prefill's chunk
+        length (64 for the tensor-core kernels). hub_kwargs pass to
         glm_kda.bind_layer (progress, revision, cache_dir, ...)."""
         require_gpu("KdaLayer.from_pretrained")
         bound = bind_layer(path_or_repo, layer_idx, **hub_kwargs)
@@ -190,7 +201,7 @@ class KdaLayer(Stages):
         import cupy
 
         with cupy.cuda.Device(self.device_id):
-            return KdaWorkspace.for_stream(self.config, self.max_tokens)
+            return KdaWorkspace.for_stream(self.config, self._shared_rows)
 
     def new_state(self) -> KdaState:
         """Zero state of a new sequence on this layer's GPU: conv FP32 [conv_dim, K], recurrent
@@ -243,7 +254,7 @@ class KdaLayer(Stages):
             cached_stream, cached_ws = self._stream_workspace
             ws = cached_ws() if cached_stream() is stream else None
             if ws is None:
-                ws = KdaWorkspace.for_stream(self.config, self.max_tokens, stream)
+                ws = KdaWorkspace.for_stream(self.config, self._shared_rows, stream)
                 self._stream_workspace = (weakref.ref(stream), weakref.ref(ws))
         ordered = ws.acquire(stream)
         timer = build.current_context().timer
@@ -286,8 +297,7 @@ class KdaLayer(Stages):
             pad = float(pad_value)
         self._check_finite(hidden, "prefill")
         with self._call() as ws:
-            self._prefill_rows(ws, hidden, runs, pad)
-            return back(self._checked_output(copy_of(ws.final_out[: hidden.shape[0]]), "prefill"))
+            return back(self._checked_output(self._prefill_rows(ws, hidden, runs, pad), "prefill"))
 
     def decode(self, hidden: Any, state: KdaState | StatePool, slots: Any = None, *, check_slots: bool = True) -> Any:
         """One token per sequence. Returns [rows, hidden] BF16.

@@ -11,6 +11,7 @@ import contextlib
 from typing import Any, Sequence
 
 from . import build, ops, projection
+from .arrays import copy_into
 from .ops import chunk_tc
 from .workspace import KdaWorkspace
 from ..chunk_model import prepare_lower_bound
@@ -178,16 +179,16 @@ class Stages:
 
     # Back end and prefill ---------------------------------------------------------------------
     def _back_end(self, ws: KdaWorkspace, rows: int, wide: bool, norm: bool = True, ready_target: int = 0,
-                  x_tiled: bool = False) -> None:
+                  x_tiled: bool = False, first: int = 0) -> None:
         """Gated RMSNorm of core into o_norm_out (norm=False: the fused step wrote it), then
-        o_proj into final_out (and its FP32 sums into o_proj_sums, where set)."""
+        o_proj into final_out (and its FP32 sums into o_proj_sums rows first.., where set)."""
         c = self.config
         if norm:
             ops.kda_gated_rmsnorm_sigmoid_bf16(ws.core, ws.out_gate, self.o_norm, ws.o_norm_out, c.heads, c.head_dim,
                                            c.rms_norm_eps, tokens=rows)
-        sums = self._o_proj_sums
+        sums = None if self._o_proj_sums is None else self._o_proj_sums[first : first + rows]
         self._project(ws, ws.o_norm_out[:rows], "o_proj", ws.final_out[:rows], wide, after_kernel=True,
-                      x_tiled=x_tiled, ready_target=ready_target, sums=None if sums is None else sums[:rows])
+                      x_tiled=x_tiled, ready_target=ready_target, sums=sums)
 
     def _prefill_core(self, ws: KdaWorkspace, tokens: int, conv_state: Any, recurrent_state: Any,
                       pad_value: float | None = 0.0, first: int = 0) -> None:
@@ -223,15 +224,30 @@ class Stages:
                                    recurrent_state, core, tokens, c.chunk)
 
     def _prefill_rows(self, ws: KdaWorkspace, hidden: Any, runs: Sequence[tuple[int, int, Any, Any]],
-                      pad_value: float | None) -> None:
-        """Every launch of a prefill of hidden [T, hidden]: the projections and the back end over
-        all rows, the stateful middle per run (first row, tokens, conv_state, recurrent_state)."""
-        rows = hidden.shape[0]
-        wide = rows > DECODE_MAX_ROWS
-        with _section("front_end"):
-            self._front_end(ws, hidden, wide)
-        with _section("recurrence"):
-            for first, tokens, conv_state, recurrent_state in runs:
-                self._prefill_core(ws, tokens, conv_state, recurrent_state, pad_value, first)
-        with _section("back_end"):
-            self._back_end(ws, rows, wide)
+                      pad_value: float | None) -> Any:
+        """Every launch of a prefill of hidden [T, hidden] BF16; returns the output [T, hidden] BF16 (a new
+        array). The rows go through in segments of the workspace's rows (one where T fits), each through
+        the projections, the stateful middle of each run's rows in it (first row, tokens, conv_state,
+        recurrent_state: a run across segments carries its state to the next) and the back end. Segments
+        are whole chunks: a sequence prefilled alone is chunked as in one pass (docs/design.md, "Prefill in
+        segments")."""
+        import cupy
+
+        total = hidden.shape[0]
+        wide = total > DECODE_MAX_ROWS
+        # (A workspace that does not hold T holds at least MAX_DECODE_ROWS rows: whole chunks remain.)
+        segment = total if total <= ws.max_tokens else ws.max_tokens // self.config.chunk * self.config.chunk
+        out = cupy.empty((total, self.config.hidden), hidden.dtype)
+        for start in range(0, total, segment):
+            stop = min(total, start + segment)
+            with _section("front_end"):
+                self._front_end(ws, hidden[start:stop], wide)
+            with _section("recurrence"):
+                for first, tokens, conv_state, recurrent_state in runs:
+                    begin, end = max(first, start), min(first + tokens, stop)
+                    if begin < end:
+                        self._prefill_core(ws, end - begin, conv_state, recurrent_state, pad_value, begin - start)
+            with _section("back_end"):
+                self._back_end(ws, stop - start, wide, first=start)
+            copy_into(out[start:stop], ws.final_out[: stop - start])
+        return out

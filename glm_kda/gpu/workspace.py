@@ -25,6 +25,9 @@ _SIDE_STREAM_PRIORITY = -64
 _PROCESS_STREAMS = (0, 1, 2)
 # cudaMemcpyKind of a host-to-device copy.
 _HOST_TO_DEVICE = 1
+# The most rows of a layer's shared workspace: a longer prefill runs in segments of this many rows, in
+# the time of one pass, with a quarter of the memory at 16384 rows (docs/design.md, "Prefill in segments").
+PREFILL_SEGMENT = 4096
 
 
 class PinnedUploads:
