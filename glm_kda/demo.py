@@ -135,11 +135,12 @@ def _run_gpu(path: Path, hidden: np.ndarray, prompt: int, steps: int) -> dict:
 
     from .gpu.arrays import to_device_bf16
     from .gpu.layer import KdaLayer
+    from .options import KdaOptions
 
     print("loading the layer and its kernels (the first run on a machine compiles them with NVRTC, a few "
           "seconds; later runs read them from the cache) ...", flush=True)
     start_time = time.perf_counter()
-    layer = KdaLayer.from_pretrained(path, 0, max_tokens=max(prompt, 16))
+    layer = KdaLayer.from_pretrained(path, 0, max_tokens=max(prompt, 16), options=KdaOptions(stage_buffers=True))
     print(f"ready in {time.perf_counter() - start_time:.1f} s")
     state = layer.new_state()
     device_hidden = to_device_bf16(hidden)

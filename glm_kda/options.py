@@ -28,6 +28,11 @@ class KdaOptions:
         FloatingPointError, the state untouched) and its output after the last (raises, the state
         advanced); default False. Each check reads one flag back: the call waits for the GPU
         (README, "Input checks").
+    stage_buffers: a prefill writes every stage buffer over all its rows, for workspace.stages(T):
+        the layer's shared workspace then holds max_tokens rows. False (default): a prefill writes
+        only what a later kernel reads (not conv_out, nor the gate formed in the tensor-core
+        prepare) and runs in segments of 4096 rows through a shared workspace of that many; the
+        same bits, less time and memory (docs/design.md, "Prefill in segments").
     """
 
     chunk_impl: str = "auto"
@@ -35,6 +40,7 @@ class KdaOptions:
     graphs: bool = True
     hopper: bool = True
     check_finite: bool = False
+    stage_buffers: bool = False
 
     def __post_init__(self) -> None:
         if self.chunk_impl not in CHUNK_IMPLS:

@@ -22,8 +22,8 @@ __device__ __forceinline__ float conv_carried_input(const float (&old)[CONV_MAX_
 // Tokens a warp loads ahead of their arithmetic.
 #define CONV_PREFILL_AHEAD 4
 
-// qkv_proj, conv_out [T, 3 H D] BF16 (8-byte aligned rows), conv_w [3 H D, K] BF16, query, key, value
-// [T, H D] FP32 (16-byte aligned rows). Warp w of block x holds head part 4x + w of q, then k, then v.
+// qkv_proj, conv_out [T, 3 H D] BF16 (8-byte aligned rows; conv_out may be null: not written), conv_w
+// [3 H D, K] BF16, query, key, value [T, H D] FP32 (16-byte aligned rows). Warp w of block x holds head part 4x + w of q, then k, then v.
 extern "C" __global__ void __launch_bounds__(KDA_HEAD_BLOCK)
 kda_conv_prefill_silu_l2_bf16(float* __restrict__ conv_state, const bf16_t* __restrict__ qkv_proj,
                           const bf16_t* __restrict__ conv_w, bf16_t* __restrict__ conv_out,
@@ -109,8 +109,10 @@ kda_conv_prefill_silu_l2_bf16(float* __restrict__ conv_state, const bf16_t* __re
                 bits[c] = out;
                 rounded[c] = bf16_to_f32(out);
             }
-            *reinterpret_cast<uint2*>(conv_out + static_cast<size_t>(t) * conv_dim + channel) =
-                make_uint2(bits[0] | (bits[1] << 16), bits[2] | (bits[3] << 16));
+            if (conv_out != nullptr) {  // a stage buffer no later kernel reads: written on request
+                *reinterpret_cast<uint2*>(conv_out + static_cast<size_t>(t) * conv_dim + channel) =
+                    make_uint2(bits[0] | (bits[1] << 16), bits[2] | (bits[3] << 16));
+            }
             float4 result = make_float4(rounded[0], rounded[1], rounded[2], rounded[3]);
             if (normalize) {  // warp-uniform
                 const float norm = sqrtf(warp_head_sum_squares(rounded) + l2_eps);

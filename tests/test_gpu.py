@@ -40,7 +40,7 @@ def _cp():
 
 @pytest.fixture(scope="module")
 def layers(real_checkpoint):
-    """(bound, KdaLayer) per geometry and chunk, built once."""
+    """(bound, KdaLayer) per geometry and chunk, built once, recording every stage buffer."""
     from glm_kda.checkpoint import bind_layer
     from glm_kda.gpu.layer import KdaLayer
 
@@ -50,7 +50,7 @@ def layers(real_checkpoint):
         if (geometry, chunk) not in built:
             bound = bind_layer(real_checkpoint(geometry), 0, progress=False)
             bound = dataclasses.replace(bound, config=bound.config.with_chunk(chunk))
-            built[geometry, chunk] = (bound, KdaLayer(bound, max_tokens=4096))
+            built[geometry, chunk] = (bound, KdaLayer(bound, max_tokens=4096, options=KdaOptions(stage_buffers=True)))
         return built[geometry, chunk]
 
     return get
@@ -247,7 +247,7 @@ def test_conv_taps_in_kqv_order_fail_at_the_conv_stage(layers, tmp_path):
 
     bound, _ = layers("kimi")
     faulty_dir = write_synthetic_checkpoint(tmp_path / "kqv", "kimi", num_layers=1, conv_order=("k", "q", "v"))
-    faulty = KdaLayer(bind_layer(faulty_dir, 0, progress=False))
+    faulty = KdaLayer(bind_layer(faulty_dir, 0, progress=False), options=KdaOptions(stage_buffers=True))
     hidden = synthetic_hidden(40, bound.config.hidden, seed=3)
     faulty.prefill(hidden, faulty.new_state())
     gpu = faulty.workspace.stages(40)
@@ -753,10 +753,11 @@ def test_packed_prefill_equals_solo_prefills(layers, geometry, segment, figures)
 
 @pytest.mark.parametrize("geometry", ["glm", "kimi"])
 def test_prefill_in_segments_gives_the_bits_of_one_pass(layers, geometry):
-    """A prefill longer than its workspace (1000 rows through 256: segments of 256, 256, 256 and 232)
-    writes the bits of one pass through a workspace that holds them: output, conv and recurrent state,
-    from a random state; a layer's shared workspace holds min(max_tokens, PREFILL_SEGMENT) rows; a
-    workspace too small for a pool decode of the layer is refused by name."""
+    """A prefill recording every stage buffer, one that writes only what its kernels read, and one
+    longer than its workspace (1000 rows through 256: segments of 256, 256, 256 and 232) write the
+    same bits: output, conv and recurrent state, from a random state. workspace.stages refuses what
+    the last two leave unrecorded; a layer's shared workspace holds min(max_tokens, PREFILL_SEGMENT)
+    rows, max_tokens when it records; a workspace too small for a pool decode is refused by name."""
     from glm_kda.gpu.layer import KdaLayer
     from glm_kda.gpu.workspace import PREFILL_SEGMENT, KdaWorkspace
 
@@ -765,13 +766,24 @@ def test_prefill_in_segments_gives_the_bits_of_one_pass(layers, geometry):
     hidden = synthetic_hidden(tokens, cfg.hidden, seed=SEED + 13)
     start = KdaState.random(cfg, seed=17)
     runs = {}
-    for rows in (tokens, 256):
-        layer = KdaLayer(bound, max_tokens=tokens, workspace=KdaWorkspace(cfg, rows))
+    for rows, record, refusal in ((tokens, True, None), (tokens, False, "stage_buffers=False"),
+                                  (256, False, "segments of 256 rows")):
+        layer = KdaLayer(bound, max_tokens=tokens, workspace=KdaWorkspace(cfg, rows),
+                         options=KdaOptions(stage_buffers=record))
         state = device_state(layer, start)
         out = layer.prefill(hidden, state)
-        runs[rows] = {"output": out, "conv state": state.conv, "recurrent state": state.recurrent}
-    _assert_same_bits(runs[256], runs[tokens], geometry, "segments of 256 rows and one pass")
-    assert KdaLayer(bound, max_tokens=4 * PREFILL_SEGMENT).workspace.max_tokens == PREFILL_SEGMENT
+        runs[rows, record] = {"output": out, "conv state": state.conv, "recurrent state": state.recurrent}
+        if refusal is None:
+            assert layer.workspace.stages(tokens)["conv_out"].shape == (tokens, cfg.conv_dim)
+        else:
+            with pytest.raises(ValueError, match=refusal):
+                layer.workspace.stages(1)
+    _assert_same_bits(runs[tokens, False], runs[tokens, True], geometry, "a prefill recording its stages and one not")
+    _assert_same_bits(runs[256, False], runs[tokens, True], geometry, "segments of 256 rows and one pass")
+    long = PREFILL_SEGMENT + 64
+    with _cp().cuda.Stream():  # (the shared workspaces of a stream go with it)
+        assert KdaLayer(bound, max_tokens=long).workspace.max_tokens == PREFILL_SEGMENT
+        assert KdaLayer(bound, max_tokens=long, options=KdaOptions(stage_buffers=True)).workspace.max_tokens == long
     with pytest.raises(ValueError, match="workspace: 100 rows, under the 256"):
         KdaLayer(bound, max_tokens=tokens, workspace=KdaWorkspace(cfg, 100))
 
@@ -889,7 +901,7 @@ def test_every_option_is_part_of_the_graph_key(layers):
     hidden = cp.asarray(synthetic_hidden(4, cfg.hidden, seed=77).view(np.uint16)).view(bf16)
     start = KdaState.random(cfg, seed=78)
     base = layer.options
-    flags = ("packed_weights", "graphs", "hopper", "check_finite")
+    flags = ("packed_weights", "graphs", "hopper", "check_finite", "stage_buffers")
     other_values = {"chunk_impl": "fp32", **{f: not getattr(base, f) for f in flags}}
     assert set(other_values) == {f.name for f in dc.fields(KdaOptions)}, "a new option needs a case here"
     for field, value in other_values.items():

@@ -48,11 +48,12 @@ RECURRENCE = "[recurrence]"
 CONV_KERNEL = "kda_conv_prefill_silu_l2_bf16"
 
 
-def kernel_bytes(config: KdaConfig, tokens: int) -> dict[str, int]:
+def kernel_bytes(config: KdaConfig, tokens: int, record: bool = False) -> dict[str, int]:
     """The bytes each of our prefill kernels of the tensor-core path must move for `tokens` rows:
     every buffer it reads or writes once, as its arguments say (ops and gpu.pipeline._prefill_core);
     the conv weights and state, dt_bias, A_log and the recurrent state, under 1 % of any, left out.
-    The cuBLAS projections are bound by arithmetic, not counted here."""
+    record: the stage buffers no kernel reads written too (KdaOptions.stage_buffers). The cuBLAS
+    projections are bound by arithmetic, not counted here."""
     from glm_kda.chunk_model import prepare_lower_bound
 
     t, qkv, heads = tokens, config.qkv, config.heads
@@ -63,15 +64,15 @@ def kernel_bytes(config: KdaConfig, tokens: int) -> dict[str, int]:
     # q_decay, k_tail, W (FP16), U (FP32), attn (FP16), the chunk decay: the prepare's writes, the scan's reads.
     prepared = 3 * f16_rows + f32_rows + attn_f16 + chunk_decay
     moved = {
-        # qkv_proj in; conv_out (BF16) and q, k, v (FP32) out.
-        "kda_conv_prefill_silu_l2_bf16": 3 * bf16_rows + bf16_rows * 3 + 3 * f32_rows,
+        # qkv_proj in; conv_out (BF16, recorded) and q, k, v (FP32) out.
+        "kda_conv_prefill_silu_l2_bf16": 3 * bf16_rows + 3 * bf16_rows * record + 3 * f32_rows,
         "kda_chunk_tc_scan_f32": prepared + f32_rows,  # core out
         "kda_gated_rmsnorm_sigmoid_bf16": f32_rows + 2 * bf16_rows,  # core, out_gate in; o_norm_out out
     }
     # The prepare forms the gate and beta from the projections and writes them out (the bounded prepare,
     # or the unbounded one by the softplus law); a bound the bounded prepare does not take: the gate kernel,
     # then the unbounded prepare reading its output.
-    forming = 3 * f32_rows + bf16_rows + beta_logits + f32_rows + beta_f32 + prepared
+    forming = 3 * f32_rows + bf16_rows + beta_logits + f32_rows * record + beta_f32 + prepared
     if prepare_lower_bound(config) is not None:
         moved["kda_chunk_tc_prepare_gate_f32"] = forming
     elif not config.bounded:
@@ -149,7 +150,7 @@ def bench_geometry(geometry: str, directory: Path, tokens: tuple[int, ...], repe
                              "workspace_rows": layer.workspace.max_tokens,
                              "total_ms": {name: round(ms, 4) for name, ms in stages[-1].items()}}
                 if impl == "tensor":  # each kernel's bytes and its share of the copy bandwidth, same run
-                    moved = kernel_bytes(config, count)
+                    moved = kernel_bytes(config, count, layer.options.stage_buffers)
                     breakdown.update(bytes=moved, copy_bandwidth_GBs=bandwidth,
                                      copy_fraction={name: nbytes / 1e6 / stages[-1][name] / bandwidth
                                                     for name, nbytes in moved.items() if stages[-1].get(name)})

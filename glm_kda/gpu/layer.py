@@ -48,10 +48,10 @@ class KdaLayer(Stages):
     bound: one layer's tensors (glm_kda.bind_layer). max_tokens: the most rows a call takes
     (default: the rows of `workspace`, else 4096). workspace: None (default) takes the shared
     workspace of the stream each call runs on (one per stream and geometry, see
-    glm_kda.gpu.workspace), of min(max_tokens, PREFILL_SEGMENT) rows; a workspace given here serves
-    every call, ordered one after the other across streams, and holds at least
-    min(max_tokens, MAX_DECODE_ROWS) rows. A prefill longer than the workspace runs in segments of its
-    rows, the state carried from one to the next: the stage buffers then hold the last segment's
+    glm_kda.gpu.workspace), of min(max_tokens, PREFILL_SEGMENT) rows (max_tokens with
+    options.stage_buffers); a workspace given here serves every call, ordered one after the other
+    across streams, and holds at least min(max_tokens, MAX_DECODE_ROWS) rows. A prefill longer than
+    the workspace runs in segments of its rows, the state carried from one to the next
     (docs/design.md, "Prefill in segments"). options: KdaOptions (default KdaOptions()).
     """
 
@@ -80,8 +80,6 @@ class KdaLayer(Stages):
                                  f"{min(max_tokens, MAX_DECODE_ROWS)} a pool decode of this layer may take "
                                  f"(max_tokens={max_tokens})")
         self.max_tokens = max_tokens
-        # The rows of the shared workspaces this layer takes (a given workspace has its own).
-        self._shared_rows = min(max_tokens, PREFILL_SEGMENT)
         self._workspace = workspace
         self.device_id = cupy.cuda.Device().id
         build.KernelSet.get()  # compile and resolve every entry point now, not mid-call
@@ -158,6 +156,10 @@ class KdaLayer(Stages):
         self._packed = packed
         self._chunk_impl = chunk_impl
         self._options = options
+        # The rows of the shared workspaces this layer takes (a given workspace has its own); the
+        # cached one may have other rows.
+        self._shared_rows = self.max_tokens if options.stage_buffers else min(self.max_tokens, PREFILL_SEGMENT)
+        self._stream_workspace = (_dead, _dead)
         self._context = build.LaunchContext(hopper=options.hopper)
         self._generation += 1
 
@@ -366,6 +368,7 @@ class KdaLayer(Stages):
             ws = call[0]
             graphs.follow(ws)
             out = graphs.run((*key, ws.serial), ws, hidden, slots, functools.partial(body, ws), self._graphed())
+            ws.unrecorded = None  # a decode-side call writes every stage buffer of its rows
             return self._checked_output(out, what)
         finally:
             self._leave(call)

@@ -194,12 +194,15 @@ class Stages:
                       pad_value: float | None = 0.0, first: int = 0) -> None:
         """The stateful middle of a prefill of workspace rows first..first+T-1: the conv pass, gate, beta and
         chunked delta rule, conv_state [3*qkv, K] and recurrent_state [H, D, D] FP32 in place. The padded tail
-        is filled with `pad_value`, or with None left as it is (packed prefill: the next sequence's rows)."""
+        is filled with `pad_value`, or with None left as it is (packed prefill: the next sequence's rows).
+        conv_out, and the gate the tensor-core prepare forms, only with options.stage_buffers."""
         c = self.config
         rows = slice(first, None)
+        record = self._options.stage_buffers
         query, key, value, gate, beta = (buf[rows] for buf in (ws.query, ws.key, ws.value, ws.gate, ws.beta))
-        ops.kda_conv_prefill_silu_l2_bf16(conv_state, ws.qkv_proj[rows], self.conv_weight, ws.conv_out[rows], query,
-                                          key, value, c.heads, c.head_dim, c.l2_eps, tokens=tokens)
+        ops.kda_conv_prefill_silu_l2_bf16(conv_state, ws.qkv_proj[rows], self.conv_weight,
+                                          ws.conv_out[rows] if record else None, query, key, value, c.heads,
+                                          c.head_dim, c.l2_eps, tokens=tokens)
         padded = ops.chunk_count(tokens, c.chunk) * c.chunk
         if pad_value is not None and padded > tokens:
             for buf in (query, key, value, gate, beta):
@@ -212,9 +215,9 @@ class Stages:
             fused = lower_bound is not None or not c.bounded
             if not fused:
                 self._gate_beta(ws, tokens, first)
-            chunk_tc.chunk_prefill_tc(query, key, value, gate, beta, recurrent_state, core, tokens,
-                                      lower_bound, ws.q_decay_f16, ws.k_tail_f16, ws.chunk_w_f16,
-                                      ws.chunk_u, ws.attn_f16, ws.chunk_decay, scale=self.scale,
+            chunk_tc.chunk_prefill_tc(query, key, value, gate if record or not fused else None, beta,
+                                      recurrent_state, core, tokens, lower_bound, ws.q_decay_f16, ws.k_tail_f16,
+                                      ws.chunk_w_f16, ws.chunk_u, ws.attn_f16, ws.chunk_decay, scale=self.scale,
                                       gate_source=self._gate_source(ws, first) if fused else None)
         else:
             self._gate_beta(ws, tokens, first)
@@ -237,6 +240,9 @@ class Stages:
         wide = total > DECODE_MAX_ROWS
         # (A workspace that does not hold T holds at least MAX_DECODE_ROWS rows: whole chunks remain.)
         segment = total if total <= ws.max_tokens else ws.max_tokens // self.config.chunk * self.config.chunk
+        ws.unrecorded = (f"the last prefill ran in segments of {segment} rows" if segment < total
+                         else None if self._options.stage_buffers
+                         else "the last prefill wrote only what its kernels read (KdaOptions.stage_buffers=False)")
         out = cupy.empty((total, self.config.hidden), hidden.dtype)
         for start in range(0, total, segment):
             stop = min(total, start + segment)

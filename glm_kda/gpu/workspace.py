@@ -25,8 +25,8 @@ _SIDE_STREAM_PRIORITY = -64
 _PROCESS_STREAMS = (0, 1, 2)
 # cudaMemcpyKind of a host-to-device copy.
 _HOST_TO_DEVICE = 1
-# The most rows of a layer's shared workspace: a longer prefill runs in segments of this many rows, in
-# the time of one pass, with a quarter of the memory at 16384 rows (docs/design.md, "Prefill in segments").
+# The most rows of a layer's shared workspace where the stage buffers are not recorded: a longer prefill
+# runs in segments of this many rows, a quarter of the memory at 16384 (docs/design.md, "Prefill in segments").
 PREFILL_SEGMENT = 4096
 
 
@@ -124,6 +124,8 @@ class KdaWorkspace:
         self.graph_hidden = cupy.zeros((max_tokens, c.hidden), bf16)
         self.graph_slots = cupy.zeros((max_tokens,), np.int32)
         self.uploads: PinnedUploads | None = None
+        # Why the stage buffers do not hold the last call's stages (None: they do).
+        self.unrecorded: str | None = None
         # The extra streams of the decode front end and their fork / join events, by branch.
         self._branches: dict[int, tuple] = {}
         # Host-side use: one call at a time; calls from another stream wait for the last one.
@@ -224,7 +226,15 @@ class KdaWorkspace:
             main.wait_event(join)
 
     def stages(self, rows: int) -> dict[str, np.ndarray]:
-        """Host copies of the first `rows` rows of every stage buffer, by oracle stage name."""
+        """Host copies of the first `rows` rows of every stage buffer, by oracle stage name: the
+        stages of the last call on this workspace ([rows, ...] as each buffer, BF16 or FP32).
+        Raises ValueError where the buffers do not hold them: a prefill under
+        KdaOptions(stage_buffers=False), or one longer than this workspace."""
         from ..reference import STAGE_ORDER
 
+        if self.unrecorded is not None:
+            raise ValueError(f"stages: {self.unrecorded}; a layer under KdaOptions(stage_buffers=True) with a "
+                             f"workspace of the call's rows records every stage")
+        if not 1 <= rows <= self.max_tokens:
+            raise ValueError(f"stages: rows {rows} outside 1..{self.max_tokens} (the workspace's rows)")
         return {name: to_host(getattr(self, name)[:rows]) for name in STAGE_ORDER}

@@ -338,7 +338,7 @@ __device__ __forceinline__ void diagonal_blocks_exact(const float* key_s, const 
 // The prepare of every entry point. FUSED_GATE false: gate_in [T, H, D] and beta_in [T, H] are inputs.
 // FUSED_GATE true: gate_out and beta_out are formed (the bounded law, or UNBOUNDED the softplus law;
 // gate.cu's bits) from forget_proj [T, H*D] BF16, dt_bias [H*D], A_log [H] and the BF16 beta logits
-// (row stride ld_beta).
+// (row stride ld_beta); gate_out may be null (not written).
 template <bool FUSED_GATE, bool UNBOUNDED = false>
 __device__ __forceinline__ void chunk_tc_prepare(
     const float* __restrict__ query, const float* __restrict__ key, const float* __restrict__ value,
@@ -419,8 +419,10 @@ __device__ __forceinline__ void chunk_tc_prepare(
                 }
                 float4 clamped = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
                 if (t < valid) {
-                    *reinterpret_cast<float4*>(gate_out + static_cast<size_t>(first + t) * row_stride + head_offset +
-                                               channel) = make_float4(g[0], g[1], g[2], g[3]);
+                    if (gate_out != nullptr) {  // a stage buffer no later kernel reads: written on request
+                        *reinterpret_cast<float4*>(gate_out + static_cast<size_t>(first + t) * row_stride +
+                                                   head_offset + channel) = make_float4(g[0], g[1], g[2], g[3]);
+                    }
                     clamped = make_float4(clamp_gate(g[0], clamp_bound), clamp_gate(g[1], clamp_bound),
                                           clamp_gate(g[2], clamp_bound), clamp_gate(g[3], clamp_bound));
                 }
