@@ -23,7 +23,8 @@ __device__ __forceinline__ float conv_carried_input(const float (&old)[CONV_MAX_
 #define CONV_PREFILL_AHEAD 4
 
 // qkv_proj, conv_out [T, 3 H D] BF16 (8-byte aligned rows; conv_out may be null: not written), conv_w
-// [3 H D, K] BF16, query, key, value [T, H D] FP32 (16-byte aligned rows). Warp w of block x holds head part 4x + w of q, then k, then v.
+// [3 H D, K] BF16, query, key, value [T, H D] FP32 (16-byte aligned rows). Warp w of block x holds
+// head part 4x + w of q, then k, then v.
 extern "C" __global__ void __launch_bounds__(KDA_HEAD_BLOCK)
 kda_conv_prefill_silu_l2_bf16(float* __restrict__ conv_state, const bf16_t* __restrict__ qkv_proj,
                           const bf16_t* __restrict__ conv_w, bf16_t* __restrict__ conv_out,
