@@ -752,14 +752,22 @@ def test_packed_prefill_equals_solo_prefills(layers, geometry, segment, figures)
 
 
 @pytest.mark.parametrize("geometry", ["glm", "kimi"])
-def test_prefill_in_segments_gives_the_bits_of_one_pass(layers, geometry):
+def test_prefill_in_segments_gives_the_bits_of_one_pass(layers, geometry, monkeypatch):
     """A prefill recording every stage buffer, one that writes only what its kernels read, and one
     longer than its workspace (1000 rows through 256: segments of 256, 256, 256 and 232) write the
-    same bits: output, conv and recurrent state, from a random state. workspace.stages refuses what
-    the last two leave unrecorded; a layer's shared workspace holds min(max_tokens, PREFILL_SEGMENT)
-    rows, max_tokens when it records; a workspace too small for a pool decode is refused by name."""
+    same bits: output, conv and recurrent state, from a random state. The projections run on
+    tests/tiled_gemm.py's kernel, whose sums do not depend on the row count: cuBLAS may choose
+    another algorithm for 256 rows than for 1000 (it did, at GLM geometry on an H100).
+    workspace.stages refuses what the last two leave unrecorded; a layer's shared workspace holds
+    min(max_tokens, PREFILL_SEGMENT) rows, max_tokens when it records; a workspace too small for a
+    pool decode is refused by name."""
+    from tiled_gemm import tiled_gemm_bf16
+
+    from glm_kda.gpu import ops
     from glm_kda.gpu.layer import KdaLayer
     from glm_kda.gpu.workspace import PREFILL_SEGMENT, KdaWorkspace
+
+    monkeypatch.setattr(ops, "gemm_bf16_cublas", tiled_gemm_bf16)
 
     bound, _ = layers(geometry)
     cfg, tokens = bound.config, 1000
