@@ -28,11 +28,10 @@ class KdaOptions:
         FloatingPointError, the state untouched) and its output after the last (raises, the state
         advanced); default False. Each check reads one flag back: the call waits for the GPU
         (README, "Input checks").
-    stage_buffers: a prefill writes every stage buffer over all its rows, for workspace.stages(T):
-        the layer's shared workspace then holds max_tokens rows. False (default): a prefill writes
-        only what a later kernel reads (not conv_out, nor the gate formed in the tensor-core
-        prepare) and runs in segments of 4096 rows through a shared workspace of that many; the
-        same bits, less time and memory (docs/design.md, "Prefill in segments").
+    stage_buffers: a prefill writes every stage buffer, for workspace.stages(T). False (default): it
+        writes only what a later kernel reads (not conv_out, nor the gate the tensor-core prepare
+        forms), the same output and state bits in less time (docs/design.md, "Prefill stage
+        buffers").
     """
 
     chunk_impl: str = "auto"

@@ -758,17 +758,15 @@ def test_prefill_in_segments_gives_the_bits_of_one_pass(layers, geometry, monkey
     same bits: output, conv and recurrent state, from a random state. The projections run on
     tests/tiled_gemm.py's kernel, whose sums do not depend on the row count: cuBLAS may choose
     another algorithm for 256 rows than for 1000 (it did, at GLM geometry on an H100).
-    workspace.stages refuses what the last two leave unrecorded; a layer's shared workspace holds
-    min(max_tokens, PREFILL_SEGMENT) rows, max_tokens when it records; a workspace too small for a
-    pool decode is refused by name."""
+    workspace.stages refuses what the last two leave unrecorded; a workspace too small for a pool
+    decode of the layer is refused by name."""
     from tiled_gemm import tiled_gemm_bf16
 
     from glm_kda.gpu import ops
     from glm_kda.gpu.layer import KdaLayer
-    from glm_kda.gpu.workspace import PREFILL_SEGMENT, KdaWorkspace
+    from glm_kda.gpu.workspace import KdaWorkspace
 
     monkeypatch.setattr(ops, "gemm_bf16_cublas", tiled_gemm_bf16)
-
     bound, _ = layers(geometry)
     cfg, tokens = bound.config, 1000
     hidden = synthetic_hidden(tokens, cfg.hidden, seed=SEED + 13)
@@ -788,10 +786,6 @@ def test_prefill_in_segments_gives_the_bits_of_one_pass(layers, geometry, monkey
                 layer.workspace.stages(1)
     _assert_same_bits(runs[tokens, False], runs[tokens, True], geometry, "a prefill recording its stages and one not")
     _assert_same_bits(runs[256, False], runs[tokens, True], geometry, "segments of 256 rows and one pass")
-    long = PREFILL_SEGMENT + 64
-    with _cp().cuda.Stream():  # (the shared workspaces of a stream go with it)
-        assert KdaLayer(bound, max_tokens=long).workspace.max_tokens == PREFILL_SEGMENT
-        assert KdaLayer(bound, max_tokens=long, options=KdaOptions(stage_buffers=True)).workspace.max_tokens == long
     with pytest.raises(ValueError, match="workspace: 100 rows, under the 256"):
         KdaLayer(bound, max_tokens=tokens, workspace=KdaWorkspace(cfg, 100))
 

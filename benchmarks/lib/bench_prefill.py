@@ -113,17 +113,17 @@ def block_flops(config: KdaConfig, tokens: int) -> int:
 
 
 def bench_geometry(geometry: str, directory: Path, tokens: tuple[int, ...], repeats: int, bandwidth: float,
-                   changed: dict | None = None, whole: bool = False) -> list[dict]:
+                   changed: dict | None = None, rows: int | None = None) -> list[dict]:
     """The prefill cases of one geometry with the KdaOptions fields `changed` over the defaults,
-    for each chunk implementation; whole: through a workspace of the longest T's rows (every
-    prefill in one pass), not the shared workspace's rows."""
+    for each chunk implementation, through a workspace of the longest T's rows or of `rows` (longer
+    prefills in segments)."""
     import numpy as np
 
     from glm_kda.gpu.arrays import to_device_bf16
     from glm_kda.synthetic import synthetic_hidden
 
     config = geometry_config(geometry)
-    layer = make_layer(directory, config, max(tokens), name=geometry, own_workspace=True, whole=whole)
+    layer = make_layer(directory, config, max(tokens), name=geometry, own_workspace=True, workspace_rows=rows)
     with_options(layer, **(changed or {}))
     print(json.dumps({"case": "workspace", "geometry": geometry, "max_tokens": max(tokens),
                       "rows": layer.workspace.max_tokens, "bytes": layer.workspace.nbytes}), flush=True)
@@ -198,8 +198,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variant", type=parse_options, action="append", default=[], metavar="NAME=VALUE[,...]",
                         help="also run every case with these KdaOptions fields changed (repeatable)")
     parser.add_argument("--no-fla", dest="fla", action="store_false", help="skip the flash-linear-attention rows")
-    parser.add_argument("--whole", action="store_true",
-                        help="also run every case through a workspace of the longest T (one pass, no segments)")
+    parser.add_argument("--segments", type=int, metavar="ROWS",
+                        help="also run every case through a workspace of ROWS rows (longer prefills in segments)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -214,8 +214,8 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for geometry in args.geometry:
             for changed in ({}, *args.variant):
-                for whole in (False, True) if args.whole else (False,):
-                    bench_geometry(geometry, Path(tmp), tokens, args.repeats, bandwidth, changed, whole)
+                for rows in (None, args.segments) if args.segments else (None,):
+                    bench_geometry(geometry, Path(tmp), tokens, args.repeats, bandwidth, changed, rows)
                     cupy.get_default_memory_pool().free_all_blocks()  # the layer's own workspace goes
             if fla_ok and geometry != "kimi":
                 bench_fla(geometry, Path(tmp), tokens, args.repeats)

@@ -23,21 +23,19 @@ def write_checkpoint(directory: Path, geometry, name: str | None = None) -> Path
 
 
 def make_layer(directory: Path, geometry, max_tokens: int, name: str | None = None, own_workspace: bool = False,
-               options=None, whole: bool = False):
+               options=None, workspace_rows: int | None = None):
     """KdaLayer of layer 0 of the synthetic checkpoint of `geometry` in `directory` (written if
     needed). own_workspace: a KdaWorkspace of its own instead of the shared one, so that its memory
-    goes with the layer: of the shared one's rows, or (whole) of max_tokens rows, every prefill in
-    one pass."""
+    goes with the layer, of `workspace_rows` rows (default max_tokens; fewer: prefills in segments)."""
     from glm_kda.config import KdaConfig
     from glm_kda.gpu.layer import KdaLayer
 
     path = write_checkpoint(directory, geometry, name)
     workspace = None
     if own_workspace:
-        from glm_kda.gpu.workspace import PREFILL_SEGMENT, KdaWorkspace
+        from glm_kda.gpu.workspace import KdaWorkspace
 
-        rows = max_tokens if whole else min(max_tokens, PREFILL_SEGMENT)
-        workspace = KdaWorkspace(KdaConfig.from_pretrained(path, chunk=64), rows)
+        workspace = KdaWorkspace(KdaConfig.from_pretrained(path, chunk=64), workspace_rows or max_tokens)
     return KdaLayer.from_pretrained(path, 0, max_tokens=max_tokens, chunk=64, workspace=workspace, options=options,
                                     progress=False)
 

@@ -26,7 +26,7 @@ from . import build, projection
 from .arrays import bf16_dtype, require_bf16, to_device_bf16, to_device_f32, to_host
 from .graphs import DecodeGraphs
 from .pipeline import DECODE_MAX_ROWS, Stages
-from .workspace import PREFILL_SEGMENT, KdaWorkspace
+from .workspace import KdaWorkspace
 
 # Most rows of one pool decode call (the workspace and the pool may limit it further).
 MAX_DECODE_ROWS = 256
@@ -48,10 +48,9 @@ class KdaLayer(Stages):
     bound: one layer's tensors (glm_kda.bind_layer). max_tokens: the most rows a call takes
     (default: the rows of `workspace`, else 4096). workspace: None (default) takes the shared
     workspace of the stream each call runs on (one per stream and geometry, see
-    glm_kda.gpu.workspace), of min(max_tokens, PREFILL_SEGMENT) rows (max_tokens with
-    options.stage_buffers); a workspace given here serves every call, ordered one after the other
-    across streams, and holds at least min(max_tokens, MAX_DECODE_ROWS) rows. A prefill longer than
-    the workspace runs in segments of its rows, the state carried from one to the next
+    glm_kda.gpu.workspace) of max_tokens rows; a workspace given here serves every call, ordered one
+    after the other across streams, and holds at least min(max_tokens, MAX_DECODE_ROWS) rows: a
+    prefill longer than it runs in segments of its rows, the state carried from one to the next
     (docs/design.md, "Prefill in segments"). options: KdaOptions (default KdaOptions()).
     """
 
@@ -156,10 +155,6 @@ class KdaLayer(Stages):
         self._packed = packed
         self._chunk_impl = chunk_impl
         self._options = options
-        # The rows of the shared workspaces this layer takes (a given workspace has its own); the
-        # cached one may have other rows.
-        self._shared_rows = self.max_tokens if options.stage_buffers else min(self.max_tokens, PREFILL_SEGMENT)
-        self._stream_workspace = (_dead, _dead)
         self._context = build.LaunchContext(hopper=options.hopper)
         self._generation += 1
 
@@ -203,7 +198,7 @@ class KdaLayer(Stages):
         import cupy
 
         with cupy.cuda.Device(self.device_id):
-            return KdaWorkspace.for_stream(self.config, self._shared_rows)
+            return KdaWorkspace.for_stream(self.config, self.max_tokens)
 
     def new_state(self) -> KdaState:
         """Zero state of a new sequence on this layer's GPU: conv FP32 [conv_dim, K], recurrent
@@ -256,7 +251,7 @@ class KdaLayer(Stages):
             cached_stream, cached_ws = self._stream_workspace
             ws = cached_ws() if cached_stream() is stream else None
             if ws is None:
-                ws = KdaWorkspace.for_stream(self.config, self._shared_rows, stream)
+                ws = KdaWorkspace.for_stream(self.config, self.max_tokens, stream)
                 self._stream_workspace = (weakref.ref(stream), weakref.ref(ws))
         ordered = ws.acquire(stream)
         timer = build.current_context().timer

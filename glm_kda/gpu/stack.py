@@ -19,7 +19,7 @@ from ..state import KdaState, StatePool, require_one_row
 from .graphs import DecodeGraphs
 from .layer import MAX_DECODE_ROWS, KdaLayer
 from .pipeline import DECODE_MAX_ROWS
-from .workspace import PREFILL_SEGMENT, KdaWorkspace
+from .workspace import KdaWorkspace
 
 Between = Callable[[int, Any], Any]
 
@@ -73,15 +73,13 @@ class KdaStack:
                         chunk: int = 64, options: KdaOptions | None = None, progress: bool = True,
                         **hub_kwargs: Any) -> "KdaStack":
         """Bind the KDA layers `layers` ("all", or a list of KDA layer indices) of a checkpoint
-        directory or hub repo, sharing one workspace of the rows a layer's shared workspace would have
-        (calls take max_tokens rows). chunk and options as KdaLayer.from_pretrained; hub_kwargs pass to
-        glm_kda.bind_layer."""
+        directory or hub repo, with one workspace for max_tokens rows. chunk and options as
+        KdaLayer.from_pretrained; hub_kwargs pass to glm_kda.bind_layer."""
         require_gpu("KdaStack.from_pretrained")
         config = KdaConfig.from_pretrained(path_or_repo, chunk=chunk, **hub_kwargs)
         indices = chosen_layers(config, layers)
-        record = options is not None and options.stage_buffers
-        workspace = KdaWorkspace(config, max_tokens if record else min(max_tokens, PREFILL_SEGMENT))
-        return cls([KdaLayer.from_pretrained(path_or_repo, idx, max_tokens, chunk, workspace, options,
+        workspace = KdaWorkspace(config, max_tokens)
+        return cls([KdaLayer.from_pretrained(path_or_repo, idx, chunk=chunk, workspace=workspace, options=options,
                                              progress=False, **hub_kwargs)
                     for idx in tqdm(indices, desc="KDA layers", unit="layer", disable=not progress)])
 

@@ -25,9 +25,6 @@ _SIDE_STREAM_PRIORITY = -64
 _PROCESS_STREAMS = (0, 1, 2)
 # cudaMemcpyKind of a host-to-device copy.
 _HOST_TO_DEVICE = 1
-# The most rows of a layer's shared workspace where the stage buffers are not recorded: a longer prefill
-# runs in segments of this many rows, a quarter of the memory at 16384 (docs/design.md, "Prefill in segments").
-PREFILL_SEGMENT = 4096
 
 
 class PinnedUploads:
@@ -229,7 +226,7 @@ class KdaWorkspace:
         """Host copies of the first `rows` rows of every stage buffer, by oracle stage name: the
         stages of the last call on this workspace ([rows, ...] as each buffer, BF16 or FP32).
         Raises ValueError where the buffers do not hold them: a prefill under
-        KdaOptions(stage_buffers=False), or one longer than this workspace."""
+        KdaOptions(stage_buffers=False), or one longer than this workspace (run in segments)."""
         from ..reference import STAGE_ORDER
 
         if self.unrecorded is not None:
