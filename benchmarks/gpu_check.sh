@@ -19,7 +19,7 @@
 # PER_TEST=1 runs each sanitized test in a process of its own (TESTS=<file of ids> picks them).
 # PORTABLE=1 runs the tests with --portable (the path without Hopper-only features); MARKERS selects tests
 # by marker (say MARKERS="not slow"). The transformers
-# integration's tests skip unless torch and transformers are importable (carry transformers' wheel).
+# integration's tests skip unless torch and transformers are importable (carry build/fla, PYTHONPATH=.:build/fla).
 #   PYTHONPATH=. bash benchmarks/gpu_check.sh [tests|compile|sanitize|first_use|bench|all|tp] [block]
 #   OLD=/tmp/old PYTHONPATH=. bash benchmarks/gpu_check.sh compare
 set -u -o pipefail
