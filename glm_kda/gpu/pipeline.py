@@ -240,9 +240,12 @@ class Stages:
         wide = total > DECODE_MAX_ROWS
         # (A workspace that does not hold T holds at least MAX_DECODE_ROWS rows: whole chunks remain.)
         segment = total if total <= ws.max_tokens else ws.max_tokens // self.config.chunk * self.config.chunk
-        ws.unrecorded = (f"the last prefill ran in segments of {segment} rows" if segment < total
-                         else None if self._options.stage_buffers
-                         else "the last prefill wrote only what its kernels read (KdaOptions.stage_buffers=False)")
+        if segment < total:
+            ws.unrecorded = f"the last prefill ran in segments of {segment} rows"
+        elif not self._options.stage_buffers:
+            ws.unrecorded = "the last prefill wrote only what its kernels read (KdaOptions.stage_buffers=False)"
+        else:
+            ws.unrecorded = None
         out = cupy.empty((total, self.config.hidden), hidden.dtype)
         for start in range(0, total, segment):
             stop = min(total, start + segment)
