@@ -113,17 +113,18 @@ def block_flops(config: KdaConfig, tokens: int) -> int:
 
 
 def bench_geometry(geometry: str, directory: Path, tokens: tuple[int, ...], repeats: int, bandwidth: float,
-                   changed: dict | None = None, rows: int | None = None) -> list[dict]:
+                   changed: dict | None = None, workspace_rows: int | None = None) -> list[dict]:
     """The prefill cases of one geometry with the KdaOptions fields `changed` over the defaults,
-    for each chunk implementation, through a workspace of the longest T's rows or of `rows` (longer
-    prefills in segments)."""
+    for each chunk implementation, through a workspace of the longest T's rows or of `workspace_rows`
+    (longer prefills in segments)."""
     import numpy as np
 
     from glm_kda.gpu.arrays import to_device_bf16
     from glm_kda.synthetic import synthetic_hidden
 
     config = geometry_config(geometry)
-    layer = make_layer(directory, config, max(tokens), name=geometry, own_workspace=True, workspace_rows=rows)
+    layer = make_layer(directory, config, max(tokens), name=geometry, own_workspace=True,
+                       workspace_rows=workspace_rows)
     with_options(layer, **(changed or {}))
     print(json.dumps({"case": "workspace", "geometry": geometry, "max_tokens": max(tokens),
                       "rows": layer.workspace.max_tokens, "bytes": layer.workspace.nbytes}), flush=True)
@@ -214,8 +215,8 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for geometry in args.geometry:
             for changed in ({}, *args.variant):
-                for rows in (None, args.segments) if args.segments else (None,):
-                    bench_geometry(geometry, Path(tmp), tokens, args.repeats, bandwidth, changed, rows)
+                for workspace_rows in (None, args.segments) if args.segments else (None,):
+                    bench_geometry(geometry, Path(tmp), tokens, args.repeats, bandwidth, changed, workspace_rows)
                     cupy.get_default_memory_pool().free_all_blocks()  # the layer's own workspace goes
             if fla_ok and geometry != "kimi":
                 bench_fla(geometry, Path(tmp), tokens, args.repeats)
