@@ -517,17 +517,19 @@ def bench_fla_prefill(
     a_log = to_torch(np.asarray(bound.a_log, np.float32), "cuda")
     dt_bias = to_torch(np.asarray(bound.dt_bias, np.float32), "cuda")
     generator = torch.Generator(device="cuda").manual_seed(seed)
-    for count in tokens:
-        with torch.inference_mode():
-            us = _time_chunk_kda(chunk_kda, config, count, a_log, dt_bias, generator, repeats)
-        torch.cuda.empty_cache()
-        yield {"impl": "fla", "case": "chunk_kda", "T": count, "median_us": us, "Mtok_s": count / us, "gate": gate}
+    for case, norm in (("chunk_kda", None), ("chunk_kda_norm", layer.o_norm)):
+        for count in tokens:
+            with torch.inference_mode():
+                us = _time_chunk_kda(chunk_kda, config, count, a_log, dt_bias, generator, repeats, norm)
+            torch.cuda.empty_cache()
+            yield {"impl": "fla", "case": case, "T": count, "median_us": us, "Mtok_s": count / us, "gate": gate}
 
 
 def _time_chunk_kda(chunk_kda: Callable, config: KdaConfig, tokens: int, a_log: Any, dt_bias: Any,
-                    generator: Any, repeats: int) -> float:
+                    generator: Any, repeats: int, norm: Callable | None = None) -> float:
     """Median µs of chunk_kda on random q, k, v [1, T, H, D], raw gate [1, T, H, D] and beta
-    logits [1, T, H] (BF16), from a zero FP32 state, final state written."""
+    logits [1, T, H] (BF16), from a zero FP32 state, final state written; with `norm` (the layer's
+    gated RMSNorm module) also that norm of its output and a random output gate [1, T, H, D]."""
     import torch
 
     heads, dim = config.heads, config.head_dim
@@ -538,12 +540,14 @@ def _time_chunk_kda(chunk_kda: Callable, config: KdaConfig, tokens: int, a_log: 
     q, k, v, g = (draw(1, tokens, heads, dim) for _ in range(4))
     beta = draw(1, tokens, heads)
     initial = torch.zeros(1, heads, dim, dim, device="cuda", dtype=torch.float32)
+    out_gate = draw(1, tokens, heads, dim) if norm is not None else None
 
     def run() -> Any:
-        return chunk_kda(q=q, k=k, v=v, g=g, beta=beta, A_log=a_log, dt_bias=dt_bias,
-                         initial_state=initial, output_final_state=True,
-                         use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                         use_beta_sigmoid_in_kernel=True, **_gate_kwargs(config))
+        out = chunk_kda(q=q, k=k, v=v, g=g, beta=beta, A_log=a_log, dt_bias=dt_bias,
+                        initial_state=initial, output_final_state=True,
+                        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                        use_beta_sigmoid_in_kernel=True, **_gate_kwargs(config))
+        return out if norm is None else norm(out[0], out_gate)
 
     return median_us(run, repeats, warmup=2)
 

@@ -8,10 +8,12 @@ bytes a prefill moves, timing.prefill_bytes, at that bandwidth, over the time: f
 prefill is bound by its arithmetic). "core" is conv output to core output: forget gate + beta and
 the chunked delta rule (what flash-linear-attention's chunk_kda computes from the same inputs with
 its in-kernel gate and beta; its in-kernel L2 norm is fused into our conv pass, so our "core"
-leaves it out). "core_conv" adds the conv (+ SiLU + L2 + split) pass: projection output to core
-output. Both come from the layer's own timer (layer.timing(): a pair of CUDA events around each
-launch and each stage, the calls eager): "core_conv" is the "[recurrence]" stage of a prefill,
-"core" that less its conv kernel, each the median over as many timed prefills as the block's.
+leaves it out). "core_norm" is conv output to o_proj input, "core" and the gated RMSNorm kernel
+(against chunk_kda followed by fla's own gated norm). "core_conv" adds the conv (+ SiLU + L2 +
+split) pass to "core": projection output to core output. They come from the layer's own timer
+(layer.timing(): a pair of CUDA events around each launch and each stage, the calls eager):
+"core_conv" is the "[recurrence]" stage of a prefill, "core" that less its conv kernel,
+"core_norm" that plus the norm kernel, each the median over as many timed prefills as the block's.
 At T = 16384 a "block_kernels" line gives every kernel's and stage's milliseconds.
 
 Geometries: "glm" (hidden 4096, 64 heads, bounded gate -5), "kimi" (hidden 2304, 32 heads,
@@ -46,6 +48,8 @@ FP32_MAX_TOKENS = 4096
 # and of its conv kernel.
 RECURRENCE = "[recurrence]"
 CONV_KERNEL = "kda_conv_prefill_silu_l2_bf16"
+# The gated RMSNorm kernel of the back end.
+NORM_KERNEL = "kda_gated_rmsnorm_sigmoid_bf16"
 
 
 def kernel_bytes(config: KdaConfig, tokens: int, record: bool = False) -> dict[str, int]:
@@ -145,6 +149,9 @@ def bench_geometry(geometry: str, directory: Path, tokens: tuple[int, ...], repe
                 stages.append(timer.summary())
             core_conv_ms = float(np.median([timed[RECURRENCE] for timed in stages]))
             core_ms = float(np.median([timed[RECURRENCE] - timed.get(CONV_KERNEL, 0.0) for timed in stages]))
+            # conv output to o_proj input: core and the gated RMSNorm
+            core_norm_ms = float(np.median([timed[RECURRENCE] - timed.get(CONV_KERNEL, 0.0) + timed.get(NORM_KERNEL, 0.0)
+                                            for timed in stages]))
             if count == 16384:
                 breakdown = {"impl": f"glm_kda-{impl}", "case": "block_kernels", "geometry": geometry, "T": count,
                              "options": changed or {},
@@ -158,6 +165,7 @@ def bench_geometry(geometry: str, directory: Path, tokens: tuple[int, ...], repe
                 print(json.dumps(breakdown), flush=True)
             for case, ms, flops in (("block", block_ms, block_flops(config, count)),
                                     ("core", core_ms, core_flops(config, count)),
+                                    ("core_norm", core_norm_ms, core_flops(config, count)),
                                     ("core_conv", core_conv_ms, core_flops(config, count))):
                 row = {"impl": f"glm_kda-{impl}", "case": case, "geometry": geometry, "T": count,
                        "options": changed or {}, "workspace_rows": layer.workspace.max_tokens,
@@ -172,6 +180,10 @@ def bench_geometry(geometry: str, directory: Path, tokens: tuple[int, ...], repe
     return rows
 
 
+# fla's cases as ours: its layer is the block, chunk_kda the core, chunk_kda and the layer's gated norm core_norm.
+_FLA_CASES = {"prefill": "block", "chunk_kda": "core", "chunk_kda_norm": "core_norm"}
+
+
 def bench_fla(geometry: str, directory: Path, tokens: tuple[int, ...], repeats: int) -> list[dict]:
     """flash-linear-attention's layer and chunk_kda on the same checkpoint (same run)."""
     import torch
@@ -184,7 +196,7 @@ def bench_fla(geometry: str, directory: Path, tokens: tuple[int, ...], repeats: 
     rows = []
     for row in bench_fla_prefill(bound, tokens, repeats=repeats):
         flops = (block_flops if row["case"] == "prefill" else core_flops)(bound.config, row["T"])
-        row.update(geometry=geometry, case="block" if row["case"] == "prefill" else "core",
+        row.update(geometry=geometry, case=_FLA_CASES[row["case"]],
                    fla_case=row["case"], TFLOP_s=flops / 1e6 / row["median_us"])
         rows.append(row)
         print(json.dumps(row), flush=True)
