@@ -148,10 +148,10 @@ def bench_geometry(geometry: str, directory: Path, tokens: tuple[int, ...], repe
                     layer.prefill(hidden[:count], state)
                 stages.append(timer.summary())
             core_conv_ms = float(np.median([timed[RECURRENCE] for timed in stages]))
-            core_ms = float(np.median([timed[RECURRENCE] - timed.get(CONV_KERNEL, 0.0) for timed in stages]))
+            cores = [timed[RECURRENCE] - timed.get(CONV_KERNEL, 0.0) for timed in stages]
+            core_ms = float(np.median(cores))
             # conv output to o_proj input: core and the gated RMSNorm
-            core_norm_ms = float(np.median([timed[RECURRENCE] - timed.get(CONV_KERNEL, 0.0) + timed.get(NORM_KERNEL, 0.0)
-                                            for timed in stages]))
+            core_norm_ms = float(np.median([core + timed.get(NORM_KERNEL, 0.0) for core, timed in zip(cores, stages)]))
             if count == 16384:
                 breakdown = {"impl": f"glm_kda-{impl}", "case": "block_kernels", "geometry": geometry, "T": count,
                              "options": changed or {},
