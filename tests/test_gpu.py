@@ -704,13 +704,15 @@ def test_tensor_core_prefill_path_refuses_another_chunk(layers):
 PACKED_LENGTHS = [1, 17, 64, 100, 1000, 3, 4096, 250]
 
 
-@pytest.mark.parametrize("segment", [None, 1024], ids=["one_pass", "segments_of_1024"])
+@pytest.mark.parametrize("segment", [None, "windows", 1024], ids=["one_pass", "windows", "segments_of_1024"])
 @pytest.mark.parametrize("geometry", ["glm", "kimi"])
 def test_packed_prefill_equals_solo_prefills(layers, geometry, segment, figures):
     """8 sequences of lengths 1..4096 packed in one call: each sequence's output and states
     (in its own, shuffled slot of a larger pool) within the end-to-end oracle bound, and
-    within twice that bound of its solo prefill; the slots not named are left untouched. With
-    `segment`, through a workspace of that many rows: the sequences cross segments."""
+    within twice that bound of its solo prefill; the slots not named are left untouched. One
+    pass: through a workspace holding every row; "windows": through a lean workspace of every row,
+    whose middle runs in windows of MIDDLE_ROWS; a number: through a workspace of that many rows,
+    the sequences crossing segments."""
     from glm_kda.gpu.layer import KdaLayer
     from glm_kda.gpu.workspace import KdaWorkspace
     from glm_kda.state import StatePool
@@ -720,7 +722,10 @@ def test_packed_prefill_equals_solo_prefills(layers, geometry, segment, figures)
     cfg = bound.config
     rng = np.random.default_rng(31)
     total = sum(PACKED_LENGTHS)
-    layer = KdaLayer(bound, max_tokens=total, workspace=KdaWorkspace(cfg, segment or total))
+    rows = segment if isinstance(segment, int) else total
+    workspace = KdaWorkspace(cfg, rows, stage_buffers=segment is None)
+    assert (workspace.middle_rows < total) == (segment is not None)
+    layer = KdaLayer(bound, max_tokens=total, workspace=workspace)
     bounds = np.concatenate([[0], np.cumsum(PACKED_LENGTHS)])
     hidden = synthetic_hidden(total, cfg.hidden, seed=SEED + 5)
     pool = StatePool(cfg, 12)
@@ -753,39 +758,58 @@ def test_packed_prefill_equals_solo_prefills(layers, geometry, segment, figures)
 
 @pytest.mark.parametrize("geometry", ["glm", "kimi"])
 def test_prefill_in_segments_gives_the_bits_of_one_pass(layers, geometry, monkeypatch):
-    """A prefill recording every stage buffer, one that writes only what its kernels read, and one
-    longer than its workspace (1000 rows through 256: segments of 256, 256, 256 and 232) write the
-    same bits: output, conv and recurrent state, from a random state. The projections run on
-    tests/tiled_gemm.py's kernel, whose sums do not depend on the row count: cuBLAS may choose
-    another algorithm for 256 rows than for 1000 (it did, at GLM geometry on an H100).
-    workspace.stages refuses what the last two leave unrecorded; a workspace too small for a pool
-    decode of the layer is refused by name."""
+    """A prefill recording every stage buffer, one that writes only what its kernels read, one longer
+    than its workspace (1000 rows through 256: segments of 256, 256, 256 and 232), and one whose
+    middle runs in windows of 256 rows of a lean workspace (MIDDLE_ROWS set to 256 here; recording or
+    not) write the same bits: output, conv and recurrent state, from a random state. So do a packed
+    prefill through segments of 256 rows and one through windows of 256 rows (both split the runs at
+    the same rows). The projections run on tests/tiled_gemm.py's kernel, whose sums do not depend on
+    the row count: cuBLAS may choose another algorithm for 256 rows than for 1000 (it did, at GLM
+    geometry on an H100). workspace.stages refuses what the last three leave unrecorded; a workspace
+    too small for a pool decode of the layer is refused by name."""
     from tiled_gemm import tiled_gemm_bf16
 
-    from glm_kda.gpu import ops
+    from glm_kda.gpu import ops, workspace as workspaces
     from glm_kda.gpu.layer import KdaLayer
     from glm_kda.gpu.workspace import KdaWorkspace
+    from glm_kda.state import StatePool
 
     monkeypatch.setattr(ops, "gemm_bf16_cublas", tiled_gemm_bf16)
     bound, _ = layers(geometry)
     cfg, tokens = bound.config, 1000
     hidden = synthetic_hidden(tokens, cfg.hidden, seed=SEED + 13)
     start = KdaState.random(cfg, seed=17)
+    full = KdaWorkspace(cfg, tokens, stage_buffers=True)
+    monkeypatch.setattr(workspaces, "MIDDLE_ROWS", 256)
+    windowed = KdaWorkspace(cfg, tokens)
+    assert windowed.middle_rows == 256 and full.middle_rows == 1024
+    cases = {"one pass, recorded": (full, True, None), "one pass": (full, False, "stage_buffers=False"),
+             "segments": (KdaWorkspace(cfg, 256, stage_buffers=True), False, "segments of 256 rows"),
+             "windows": (windowed, False, "stage_buffers=False"),
+             "windows, recording": (windowed, True, "windows of 256 rows")}
     runs = {}
-    for rows, record, refusal in ((tokens, True, None), (tokens, False, "stage_buffers=False"),
-                                  (256, False, "segments of 256 rows")):
-        layer = KdaLayer(bound, max_tokens=tokens, workspace=KdaWorkspace(cfg, rows),
-                         options=KdaOptions(stage_buffers=record))
+    for case, (workspace, record, refusal) in cases.items():
+        layer = KdaLayer(bound, max_tokens=tokens, workspace=workspace, options=KdaOptions(stage_buffers=record))
         state = device_state(layer, start)
         out = layer.prefill(hidden, state)
-        runs[rows, record] = {"output": out, "conv state": state.conv, "recurrent state": state.recurrent}
+        runs[case] = {"output": out, "conv state": state.conv, "recurrent state": state.recurrent}
         if refusal is None:
             assert layer.workspace.stages(tokens)["conv_out"].shape == (tokens, cfg.conv_dim)
         else:
             with pytest.raises(ValueError, match=refusal):
                 layer.workspace.stages(1)
-    _assert_same_bits(runs[tokens, False], runs[tokens, True], geometry, "a prefill recording its stages and one not")
-    _assert_same_bits(runs[256, False], runs[tokens, True], geometry, "segments of 256 rows and one pass")
+    for case in list(cases)[1:]:
+        _assert_same_bits(runs[case], runs["one pass, recorded"], geometry, f"{case} and one recorded pass")
+    bounds, slots = [0, 100, 317, 700, 1000], [2, 0, 3, 1]
+    packed = {}
+    for case in ("segments", "windows"):
+        layer = KdaLayer(bound, max_tokens=tokens, workspace=cases[case][0])
+        pool = StatePool(cfg, 4)
+        for slot in range(4):
+            pool.conv[slot], pool.recurrent[slot] = (_cp().asarray(x) for x in (start.conv, start.recurrent))
+        out = layer.prefill(hidden, pool, slots=slots, cu_seqlens=bounds)
+        packed[case] = {"output": out, "conv states": pool.conv, "recurrent states": pool.recurrent}
+    _assert_same_bits(packed["windows"], packed["segments"], geometry, "packed through windows and through segments")
     with pytest.raises(ValueError, match="workspace: 100 rows, under the 256"):
         KdaLayer(bound, max_tokens=tokens, workspace=KdaWorkspace(cfg, 100))
 
@@ -821,19 +845,31 @@ def test_tensor_core_prefill_long_sequences(layers, tokens, figures):
     bound against the float64 oracle (at 65536 the oracle's float64 stage buffers would not
     fit beside the workspace). The BF16 block output is not compared with the FP32 path's:
     two roundings of o_norm_out apart, they differ by about a BF16 ulp wherever a rounding
-    flips (2.3e-3 measured), which the end-to-end check bounds instead."""
+    flips (2.3e-3 measured), which the end-to-end check bounds instead. A lean workspace, whose
+    middle runs in windows of MIDDLE_ROWS, gives the output and state bits of the one pass through
+    a workspace holding every row (whose core the comparison reads)."""
     from glm_kda.gpu.layer import KdaLayer
     from glm_kda.gpu.workspace import KdaWorkspace
 
     cp = _cp()
     bound, _ = layers("glm")
-    workspace = KdaWorkspace(bound.config, tokens)
-    layer = KdaLayer(bound, workspace=workspace)
-    assert layer.chunk_impl == "tensor"
     start = KdaState.random(bound.config, seed=tokens)
     hidden = synthetic_hidden(tokens, bound.config.hidden, seed=SEED + 11)
+    lean = KdaLayer(bound, workspace=KdaWorkspace(bound.config, tokens))
+    assert lean.workspace.middle_rows < tokens
+    lean_state = device_state(lean, start)
+    lean_run = {"output": lean.prefill(hidden, lean_state), "conv state": lean_state.conv,
+                "recurrent state": lean_state.recurrent}
+    del lean
+    cp.get_default_memory_pool().free_all_blocks()
+    workspace = KdaWorkspace(bound.config, tokens, stage_buffers=True)
+    layer = KdaLayer(bound, workspace=workspace)
+    assert layer.chunk_impl == "tensor"
     state = device_state(layer, start)
     out = layer.prefill(hidden, state)
+    _assert_same_bits(lean_run, {"output": out, "conv state": state.conv, "recurrent state": state.recurrent},
+                      f"glm T{tokens}", "windows of a lean workspace and one pass")
+    del lean_run
     tensor_core = workspace.core[:tokens].copy()
     reference = KdaLayer(bound, workspace=workspace, options=KdaOptions(chunk_impl="fp32"))
     fp32_state = device_state(reference, start)

@@ -46,7 +46,7 @@ def test_decode_side_o_proj_writes_the_sums_rows(recorded, ready_blocks):
     sums = np.full((ROWS, HIDDEN), np.nan, np.float32)
     layer._o_proj_sums = sums
     # ready_blocks: the blocks of the step before that count their outputs out
-    layer._back_end(layer.ws, 3, wide=False, norm=False, ready_target=ready_blocks)
+    layer._back_end(layer.ws, 3, wide=False, ready_target=ready_blocks)
     assert len(calls) == 1, calls
     kind, x, w, out, rows, kw = calls[0]
     assert kind == "gemm_rows" and w is packed and rows == 3
@@ -58,7 +58,7 @@ def test_decode_side_o_proj_writes_the_sums_rows(recorded, ready_blocks):
 
 def test_without_sums_the_output_projection_is_unchanged(recorded):
     layer, calls, packed = recorded
-    layer._back_end(layer.ws, 1, wide=False, norm=False, ready_target=5)
+    layer._back_end(layer.ws, 1, wide=False, ready_target=5)
     kind, _, w, out, rows, kw = calls[0]
     assert kind == "gemm_rows" and kw["sums"] is None and kw["ready_target"] == 5 and kw["ready"] is not None
 
@@ -67,7 +67,7 @@ def test_prefill_o_proj_rounds_cublas_fp32_result_into_final_out(recorded):
     layer, calls, _ = recorded
     sums = np.full((ROWS, HIDDEN), np.nan, np.float32)
     layer._o_proj_sums = sums
-    layer._back_end(layer.ws, 6, wide=True, norm=False)
+    layer._back_end(layer.ws, 6, wide=True)
     assert [call[0] for call in calls] == ["cublas", "round"], calls
     _, x, w, out = calls[0]
     assert w == "o_proj row-major" and out.base is sums and out.shape == (6, HIDDEN)

@@ -35,8 +35,8 @@ def made(monkeypatch):
     """KdaWorkspace without a device: the constructor records the workspaces it makes."""
     made: list[KdaWorkspace] = []
 
-    def light_init(self, config, max_tokens):
-        self.config, self.max_tokens = config, max_tokens
+    def light_init(self, config, max_tokens, stage_buffers=False):
+        self.config, self.max_tokens, self.stage_buffers = config, max_tokens, stage_buffers
         self.serial = next(KdaWorkspace._serials)
         self._home_stream = None
         made.append(self)
@@ -56,7 +56,70 @@ def test_one_workspace_per_stream_shared_by_layers_of_a_geometry(made):
     b = KdaWorkspace.for_stream(CONFIG, 64, second)
     assert b is not a and a._home_stream == first.ptr and b._home_stream == second.ptr
     assert KdaWorkspace.for_stream(CONFIG, 32, first) is not a, "another size is another workspace"
-    assert len(made) == 3
+    recording = KdaWorkspace.for_stream(CONFIG, 64, first, stage_buffers=True)
+    assert recording is not a and recording.stage_buffers and not a.stage_buffers, "another kind is another workspace"
+    assert len(made) == 4
+
+
+class ShapeOnly:
+    """A device array that has a shape, a dtype and an address but no memory: the workspace's buffer
+    list at the models' sizes, on the host."""
+
+    _next_ptr = 256
+
+    def __init__(self, shape, dtype, base=None):
+        self.shape, self.dtype, self.base = tuple(shape), np.dtype(dtype), base
+        self.size = int(np.prod(self.shape))
+        self.nbytes = self.size * self.dtype.itemsize
+        self.data = types.SimpleNamespace(ptr=ShapeOnly._next_ptr)
+        ShapeOnly._next_ptr += 256
+
+    def reshape(self, *shape):
+        shape = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape
+        return ShapeOnly((self.size,) if shape == (-1,) else shape, self.dtype, self.base or self)
+
+    def __getitem__(self, key):
+        assert self.shape == (self.size,) and key.start is None and key.step is None, key
+        return ShapeOnly((key.stop,), self.dtype, self.base or self)
+
+    def view(self, dtype):
+        return ShapeOnly((self.nbytes // np.dtype(dtype).itemsize,), dtype, self.base or self)
+
+
+def shape_only_workspace(monkeypatch, config, max_tokens, stage_buffers):
+    cupy = types.ModuleType("cupy")
+    cupy.ndarray, cupy.float16 = ShapeOnly, np.float16
+    cupy.zeros = lambda shape, dtype: ShapeOnly(shape if isinstance(shape, tuple) else (shape,), dtype)
+    cupy.cuda = types.SimpleNamespace(Device=lambda: types.SimpleNamespace(id=0))
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setattr("glm_kda.gpu.workspace.bf16_dtype", lambda: np.dtype(np.uint16))
+    return KdaWorkspace(config, max_tokens, stage_buffers)
+
+
+# KdaWorkspace.nbytes at GLM-5.3-Flash geometry and 16384 rows, read on a GPU before the middle's windows,
+# when every buffer held every row (docs/performance.md, "Workspace size").
+FULL_GLM_16384_BYTES = 7_822_508_040
+
+
+def test_the_lean_workspace_is_under_half_of_one_holding_every_row(monkeypatch):
+    """The middle's buffers hold MIDDLE_ROWS rows unless stage_buffers: at GLM-5.3-Flash geometry and 16384
+    rows, the workspace is under half the bytes of one holding every row. The recording workspace's bytes are
+    what a GPU measured for the buffer list before the windows."""
+    from glm_kda.gpu.workspace import MIDDLE_ROWS
+
+    glm = synthetic_config("glm", 1)
+    full = shape_only_workspace(monkeypatch, glm, 16384, True)
+    lean = shape_only_workspace(monkeypatch, glm, 16384, False)
+    assert full.nbytes == FULL_GLM_16384_BYTES, f"recording workspace {full.nbytes:,} bytes"
+    assert (full.middle_rows, lean.middle_rows) == (16384, MIDDLE_ROWS)
+    assert lean.query.shape[0] == lean.core.shape[0] == lean.conv_out.shape[0] == MIDDLE_ROWS
+    assert lean.qkv_proj.shape[0] == lean.o_norm_out.shape[0] == lean.final_out.shape[0] == 16384
+    assert lean.nbytes <= full.nbytes / 2, f"lean {lean.nbytes:,} of {full.nbytes:,} bytes"
+    # A workspace that MIDDLE_ROWS covers is the same either way; windows are whole chunks.
+    small = [shape_only_workspace(monkeypatch, synthetic_config("kimi", 1), 1000, flag) for flag in (False, True)]
+    assert small[0].nbytes == small[1].nbytes and small[0].middle_rows == 1024
+    odd = shape_only_workspace(monkeypatch, glm.with_chunk(48), 16384, False)
+    assert odd.middle_rows == MIDDLE_ROWS // 48 * 48 and odd.attn.shape[0] == odd.middle_rows // 48
 
 
 def test_a_stream_per_request_holds_one_workspace_at_a_time(made):

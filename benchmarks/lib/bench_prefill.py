@@ -126,12 +126,14 @@ def bench_geometry(geometry: str, directory: Path, tokens: tuple[int, ...], repe
     from glm_kda.gpu.arrays import to_device_bf16
     from glm_kda.synthetic import synthetic_hidden
 
+    from glm_kda.options import KdaOptions
+
     config = geometry_config(geometry)
     layer = make_layer(directory, config, max(tokens), name=geometry, own_workspace=True,
-                       workspace_rows=workspace_rows)
-    with_options(layer, **(changed or {}))
+                       workspace_rows=workspace_rows, options=KdaOptions(**(changed or {})))
     print(json.dumps({"case": "workspace", "geometry": geometry, "max_tokens": max(tokens),
-                      "rows": layer.workspace.max_tokens, "bytes": layer.workspace.nbytes}), flush=True)
+                      "rows": layer.workspace.max_tokens, "middle_rows": layer.workspace.middle_rows,
+                      "bytes": layer.workspace.nbytes}), flush=True)
     hidden = to_device_bf16(synthetic_hidden(max(tokens), config.hidden, seed=3))
     rows = []
     for impl in ("fp32", "tensor"):

@@ -26,7 +26,8 @@ def make_layer(directory: Path, geometry, max_tokens: int, name: str | None = No
                options=None, workspace_rows: int | None = None):
     """KdaLayer of layer 0 of the synthetic checkpoint of `geometry` in `directory` (written if
     needed). own_workspace: a KdaWorkspace of its own instead of the shared one, so that its memory
-    goes with the layer, of `workspace_rows` rows (default max_tokens; fewer: prefills in segments)."""
+    goes with the layer, of `workspace_rows` rows (default max_tokens; fewer: prefills in segments),
+    of the kind options.stage_buffers asks for."""
     from glm_kda.config import KdaConfig
     from glm_kda.gpu.layer import KdaLayer
 
@@ -35,7 +36,8 @@ def make_layer(directory: Path, geometry, max_tokens: int, name: str | None = No
     if own_workspace:
         from glm_kda.gpu.workspace import KdaWorkspace
 
-        workspace = KdaWorkspace(KdaConfig.from_pretrained(path, chunk=64), workspace_rows or max_tokens)
+        workspace = KdaWorkspace(KdaConfig.from_pretrained(path, chunk=64), workspace_rows or max_tokens,
+                                 stage_buffers=options is not None and options.stage_buffers)
     return KdaLayer.from_pretrained(path, 0, max_tokens=max_tokens, chunk=64, workspace=workspace, options=options,
                                     progress=False)
 

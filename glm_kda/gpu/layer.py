@@ -47,11 +47,12 @@ class KdaLayer(Stages):
 
     bound: one layer's tensors (glm_kda.bind_layer). max_tokens: the most rows a call takes
     (default: the rows of `workspace`, else 4096). workspace: None (default) takes the shared
-    workspace of the stream each call runs on (one per stream and geometry, see
-    glm_kda.gpu.workspace) of max_tokens rows; a workspace given here serves every call, ordered one
-    after the other across streams, and holds at least min(max_tokens, MAX_DECODE_ROWS) rows: a
-    prefill longer than it runs in segments of its rows, the state carried from one to the next
-    (docs/design.md, "Prefill in segments"). options: KdaOptions (default KdaOptions()).
+    workspace of the stream each call runs on (one per stream, geometry and
+    options.stage_buffers, see glm_kda.gpu.workspace) of max_tokens rows; a workspace given here
+    serves every call, ordered one after the other across streams, and holds at least
+    min(max_tokens, MAX_DECODE_ROWS) rows: a prefill longer than it runs in segments of its rows,
+    the state carried from one to the next (docs/design.md, "Prefill in segments"). options:
+    KdaOptions (default KdaOptions()).
     """
 
     # The weights every decode-side projection reads (attribute names).
@@ -155,6 +156,8 @@ class KdaLayer(Stages):
         self._packed = packed
         self._chunk_impl = chunk_impl
         self._options = options
+        # stage_buffers picks the kind of the shared workspaces: look the stream's up again.
+        self._stream_workspace = (_dead, _dead)
         self._context = build.LaunchContext(hopper=options.hopper)
         self._generation += 1
 
@@ -198,7 +201,7 @@ class KdaLayer(Stages):
         import cupy
 
         with cupy.cuda.Device(self.device_id):
-            return KdaWorkspace.for_stream(self.config, self.max_tokens)
+            return KdaWorkspace.for_stream(self.config, self.max_tokens, stage_buffers=self._options.stage_buffers)
 
     def new_state(self) -> KdaState:
         """Zero state of a new sequence on this layer's GPU: conv FP32 [conv_dim, K], recurrent
@@ -251,7 +254,7 @@ class KdaLayer(Stages):
             cached_stream, cached_ws = self._stream_workspace
             ws = cached_ws() if cached_stream() is stream else None
             if ws is None:
-                ws = KdaWorkspace.for_stream(self.config, self.max_tokens, stream)
+                ws = KdaWorkspace.for_stream(self.config, self.max_tokens, stream, self._options.stage_buffers)
                 self._stream_workspace = (weakref.ref(stream), weakref.ref(ws))
         ordered = ws.acquire(stream)
         timer = build.current_context().timer

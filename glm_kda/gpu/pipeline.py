@@ -81,11 +81,12 @@ class Stages:
         return chunk_tc.GateSource(ws.forget_proj[first:], self.dt_bias, self.a_log,
                                    ws.down_proj[first:, 2 * self.config.head_dim :])
 
-    def _gate_beta(self, ws: KdaWorkspace, rows: int, first: int = 0) -> None:
-        """Forget gate [rows, H, D] and beta [rows, H] (FP32) of workspace rows first.."""
+    def _gate_beta(self, ws: KdaWorkspace, rows: int, first: int = 0, middle_first: int = 0) -> None:
+        """Forget gate [rows, H, D] and beta [rows, H] (FP32) of workspace rows first.., into the middle's
+        rows middle_first.."""
         c = self.config
-        ops.kda_gate_beta_f32(*self._gate_source(ws, first), ws.gate[first:], ws.beta[first:], c.heads, c.head_dim,
-                          c.bounded, c.gate_lower_bound or 0.0, tokens=rows)
+        ops.kda_gate_beta_f32(*self._gate_source(ws, first), ws.gate[middle_first:], ws.beta[middle_first:], c.heads,
+                              c.head_dim, c.bounded, c.gate_lower_bound or 0.0, tokens=rows)
 
     def _front_end(self, ws: KdaWorkspace, hidden: Any, wide: bool) -> None:
         """q|k|v, down_proj, forget_proj and out_gate of hidden's rows; on the decode side the low-rank
@@ -167,7 +168,7 @@ class Stages:
                 else:
                     ready, tiled = self._step(ws, 0, rows, conv_state, recurrent_state, slots=slots, whole=True)
             with _section("back_end"):
-                self._back_end(ws, rows, wide=False, norm=False, ready_target=ready, x_tiled=tiled)
+                self._back_end(ws, rows, wide=False, ready_target=ready, x_tiled=tiled)
         except BaseException:
             import cupy
 
@@ -178,49 +179,53 @@ class Stages:
             raise
 
     # Back end and prefill ---------------------------------------------------------------------
-    def _back_end(self, ws: KdaWorkspace, rows: int, wide: bool, norm: bool = True, ready_target: int = 0,
-                  x_tiled: bool = False, first: int = 0) -> None:
-        """Gated RMSNorm of core into o_norm_out (norm=False: the fused step wrote it), then
-        o_proj into final_out (and its FP32 sums into o_proj_sums rows first.., where set)."""
-        c = self.config
-        if norm:
-            ops.kda_gated_rmsnorm_sigmoid_bf16(ws.core, ws.out_gate, self.o_norm, ws.o_norm_out, c.heads, c.head_dim,
-                                           c.rms_norm_eps, tokens=rows)
+    def _back_end(self, ws: KdaWorkspace, rows: int, wide: bool, ready_target: int = 0, x_tiled: bool = False,
+                  first: int = 0) -> None:
+        """o_proj of o_norm_out's first `rows` rows into final_out (and its FP32 sums into o_proj_sums rows
+        first.., where set)."""
         sums = None if self._o_proj_sums is None else self._o_proj_sums[first : first + rows]
         self._project(ws, ws.o_norm_out[:rows], "o_proj", ws.final_out[:rows], wide, after_kernel=True,
                       x_tiled=x_tiled, ready_target=ready_target, sums=sums)
 
-    def _prefill_core(self, ws: KdaWorkspace, tokens: int, conv_state: Any, recurrent_state: Any,
-                      pad_value: float | None = 0.0, first: int = 0) -> None:
-        """The stateful middle of a prefill of workspace rows first..first+T-1: the conv pass, gate, beta and
-        chunked delta rule, conv_state [3*qkv, K] and recurrent_state [H, D, D] FP32 in place. The padded tail
-        is filled with `pad_value`, or with None left as it is (packed prefill: the next sequence's rows).
-        conv_out, and the gate the tensor-core prepare forms, only with options.stage_buffers."""
+    def _norm(self, ws: KdaWorkspace, rows: int, first: int) -> None:
+        """Gated RMSNorm of core's first `rows` rows (one window of a prefill's middle) into o_norm_out
+        rows first.."""
         c = self.config
-        rows = slice(first, None)
+        ops.kda_gated_rmsnorm_sigmoid_bf16(ws.core, ws.out_gate[first:], self.o_norm, ws.o_norm_out[first:], c.heads,
+                                           c.head_dim, c.rms_norm_eps, tokens=rows)
+
+    def _prefill_core(self, ws: KdaWorkspace, tokens: int, conv_state: Any, recurrent_state: Any,
+                      pad_value: float | None, first: int, middle_first: int) -> None:
+        """The stateful middle of a prefill of T = `tokens` projection rows first.. of the workspace, into the
+        middle's rows middle_first..: the conv pass, gate, beta and chunked delta rule, conv_state
+        [3*qkv, K] and recurrent_state [H, D, D] FP32 in place. The padded tail is filled with `pad_value`,
+        or with None left as it is (packed prefill: the next sequence's rows). conv_out, and the gate the
+        tensor-core prepare forms, only with options.stage_buffers."""
+        c = self.config
+        rows, middle = slice(first, None), slice(middle_first, None)
         record = self._options.stage_buffers
-        query, key, value, gate, beta = (buf[rows] for buf in (ws.query, ws.key, ws.value, ws.gate, ws.beta))
+        query, key, value, gate, beta = (buf[middle] for buf in (ws.query, ws.key, ws.value, ws.gate, ws.beta))
         ops.kda_conv_prefill_silu_l2_bf16(conv_state, ws.qkv_proj[rows], self.conv_weight,
-                                          ws.conv_out[rows] if record else None, query, key, value, c.heads,
+                                          ws.conv_out[middle] if record else None, query, key, value, c.heads,
                                           c.head_dim, c.l2_eps, tokens=tokens)
         padded = ops.chunk_count(tokens, c.chunk) * c.chunk
         if pad_value is not None and padded > tokens:
             for buf in (query, key, value, gate, beta):
                 buf[tokens:padded].fill(pad_value)
-        core = ws.core[rows]
+        core = ws.core[middle]
         if self._chunk_impl == "tensor":
             # The prepare forms the gate and beta itself, but for a bounded law whose bound the bounded
             # prepare does not take: the unbounded prepare then reads the gate kernel's.
             lower_bound = prepare_lower_bound(c)
             fused = lower_bound is not None or not c.bounded
             if not fused:
-                self._gate_beta(ws, tokens, first)
+                self._gate_beta(ws, tokens, first, middle_first)
             chunk_tc.chunk_prefill_tc(query, key, value, gate if record or not fused else None, beta,
                                       recurrent_state, core, tokens, lower_bound, ws.q_decay_f16, ws.k_tail_f16,
                                       ws.chunk_w_f16, ws.chunk_u, ws.attn_f16, ws.chunk_decay, scale=self.scale,
                                       gate_source=self._gate_source(ws, first) if fused else None)
         else:
-            self._gate_beta(ws, tokens, first)
+            self._gate_beta(ws, tokens, first, middle_first)
             ops.kda_chunk_prepare_f32(query, key, value, gate, beta, ws.q_decay, ws.k_tail, ws.chunk_w, ws.chunk_u,
                                       ws.attn, ws.chunk_decay, tokens, c.chunk, self.scale)
             ops.kda_chunk_scan_f32(ws.q_decay, ws.k_tail, ws.chunk_w, ws.chunk_u, ws.attn, ws.chunk_decay,
@@ -230,20 +235,25 @@ class Stages:
                       pad_value: float | None) -> Any:
         """Every launch of a prefill of hidden [T, hidden] BF16; returns the output [T, hidden] BF16 (a new
         array). The rows go through in segments of the workspace's rows (one where T fits), each through
-        the projections, the stateful middle of each run's rows in it (first row, tokens, conv_state,
-        recurrent_state: a run across segments carries its state to the next) and the back end. Segments
-        are whole chunks: a sequence prefilled alone is chunked as in one pass (docs/design.md, "Prefill in
-        segments")."""
+        the projections, then its middle in windows of ws.middle_rows rows (the stateful part of each run's
+        rows in the window, then the window's gated RMSNorm), then o_proj. A run (first row, tokens,
+        conv_state, recurrent_state) across segments or windows carries its state to the next. Segments and
+        windows are whole chunks: a sequence prefilled alone is chunked as in one pass (docs/design.md,
+        "Prefill in segments")."""
         import cupy
 
         total = hidden.shape[0]
         wide = total > DECODE_MAX_ROWS
         # (A workspace that does not hold T holds at least MAX_DECODE_ROWS rows: whole chunks remain.)
         segment = total if total <= ws.max_tokens else ws.max_tokens // self.config.chunk * self.config.chunk
+        window = ws.middle_rows
         if segment < total:
             ws.unrecorded = f"the last prefill ran in segments of {segment} rows"
         elif not self._options.stage_buffers:
             ws.unrecorded = "the last prefill wrote only what its kernels read (KdaOptions.stage_buffers=False)"
+        elif window < total:
+            ws.unrecorded = (f"the last prefill ran its middle in windows of {window} rows (a workspace made with "
+                             f"stage_buffers=False)")
         else:
             ws.unrecorded = None
         out = cupy.empty((total, self.config.hidden), hidden.dtype)
@@ -251,11 +261,16 @@ class Stages:
             stop = min(total, start + segment)
             with _section("front_end"):
                 self._front_end(ws, hidden[start:stop], wide)
-            with _section("recurrence"):
-                for first, tokens, conv_state, recurrent_state in runs:
-                    begin, end = max(first, start), min(first + tokens, stop)
-                    if begin < end:
-                        self._prefill_core(ws, end - begin, conv_state, recurrent_state, pad_value, begin - start)
+            for low in range(start, stop, window):
+                high = min(stop, low + window)
+                with _section("recurrence"):
+                    for first, tokens, conv_state, recurrent_state in runs:
+                        begin, end = max(first, low), min(first + tokens, high)
+                        if begin < end:
+                            self._prefill_core(ws, end - begin, conv_state, recurrent_state, pad_value,
+                                               begin - start, begin - low)
+                with _section("back_end"):
+                    self._norm(ws, high - low, low - start)
             with _section("back_end"):
                 self._back_end(ws, stop - start, wide, first=start)
             copy_into(out[start:stop], ws.final_out[: stop - start])

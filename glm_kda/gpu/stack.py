@@ -73,12 +73,13 @@ class KdaStack:
                         chunk: int = 64, options: KdaOptions | None = None, progress: bool = True,
                         **hub_kwargs: Any) -> "KdaStack":
         """Bind the KDA layers `layers` ("all", or a list of KDA layer indices) of a checkpoint
-        directory or hub repo, with one workspace for max_tokens rows. chunk and options as
-        KdaLayer.from_pretrained; hub_kwargs pass to glm_kda.bind_layer."""
+        directory or hub repo, with one workspace for max_tokens rows (of every stage buffer where
+        options.stage_buffers). chunk and options as KdaLayer.from_pretrained; hub_kwargs pass to
+        glm_kda.bind_layer."""
         require_gpu("KdaStack.from_pretrained")
         config = KdaConfig.from_pretrained(path_or_repo, chunk=chunk, **hub_kwargs)
         indices = chosen_layers(config, layers)
-        workspace = KdaWorkspace(config, max_tokens)
+        workspace = KdaWorkspace(config, max_tokens, stage_buffers=options is not None and options.stage_buffers)
         return cls([KdaLayer.from_pretrained(path_or_repo, idx, chunk=chunk, workspace=workspace, options=options,
                                              progress=False, **hub_kwargs)
                     for idx in tqdm(indices, desc="KDA layers", unit="layer", disable=not progress)])

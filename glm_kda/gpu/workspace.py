@@ -25,6 +25,11 @@ _SIDE_STREAM_PRIORITY = -64
 _PROCESS_STREAMS = (0, 1, 2)
 # cudaMemcpyKind of a host-to-device copy.
 _HOST_TO_DEVICE = 1
+# Rows of a lean workspace's per-token FP32 buffers, conv_out and chunk scratch (whole chunks of it): a
+# longer prefill runs its middle in windows of these rows. Enough rows for the middle's kernels to fill
+# the GPU; few enough that the workspace of a GLM-5.3-Flash layer of 16384 rows is under half the size
+# of one whose every buffer holds every row (docs/design.md, "Workspaces").
+MIDDLE_ROWS = 4096
 
 
 class PinnedUploads:
@@ -66,11 +71,16 @@ class KdaWorkspace:
     (glm_kda.reference.STAGE_ORDER), so ``workspace.stages(T)`` lines up with an oracle run.
 
       qkv_proj [T, 3*qkv] BF16    down_proj [T, 2D+H] BF16    forget_proj, out_gate [T, qkv] BF16
-      conv_out [T, 3*qkv] BF16    query, key, value, gate, core [Tp, H, D] FP32    beta [Tp, H] FP32
+      conv_out [M, 3*qkv] BF16    query, key, value, gate, core [M, H, D] FP32    beta [M, H] FP32
       o_norm_out [T, qkv] BF16    final_out [T, hidden] BF16
-      chunk scratch: q_decay, k_tail, chunk_w, chunk_u [Tp, H, D], attn [Tp/C, H, C, C],
-      chunk_decay [Tp/C, H, D], all FP32
-    with Tp = max_tokens rounded up to the chunk. The tensor-core chunk kernels keep q_decay, k_tail, w and
+      chunk scratch: q_decay, k_tail, chunk_w, chunk_u [M, H, D], attn [M/C, H, C, C],
+      chunk_decay [M/C, H, D], all FP32
+    with T = max_tokens and M = ``middle_rows``: T rounded up to the chunk where `stage_buffers`,
+    else at most MIDDLE_ROWS (whole chunks). A prefill of more than M rows runs its middle (conv pass,
+    chunked delta rule, gated RMSNorm) in windows of M rows, the state carried from one to the next,
+    with the bits of one pass; its stage buffers then hold the last window only. So a layer under
+    KdaOptions(stage_buffers=True) takes a workspace made with stage_buffers=True, whose buffers hold
+    every row (2.3x the bytes at GLM-5.3-Flash geometry and 16384 rows). The tensor-core chunk kernels keep q_decay, k_tail, w and
     attn as FP16 in the first half of the same bytes (q_decay_f16, k_tail_f16, chunk_w_f16, attn_f16). The
     rest (docs/design.md, "Workspaces"): the bulk sweep's x_tiles, x_tiles_side, x_tiles_gate and
     bulk_partial, the outputs_ready count (zero between calls), graph_hidden and graph_slots.
@@ -80,31 +90,35 @@ class KdaWorkspace:
     _by_stream: dict[tuple, "KdaWorkspace"] = {}
     _by_stream_lock = threading.Lock()
 
-    def __init__(self, config: KdaConfig, max_tokens: int):
+    def __init__(self, config: KdaConfig, max_tokens: int, stage_buffers: bool = False):
         import cupy
 
         config.validate()
-        if not isinstance(max_tokens, int) or max_tokens < 1:
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+        if not isinstance(stage_buffers, bool):
+            raise TypeError(f"stage_buffers must be a bool, got {type(stage_buffers).__name__} {stage_buffers!r}")
         self.config = config
         self.max_tokens = max_tokens
+        self.stage_buffers = stage_buffers
         self.device_id = cupy.cuda.Device().id
         # Unique for the life of the process (unlike id()): part of every decode graph's key.
         self.serial = next(KdaWorkspace._serials)
         c = config
         self.padded_tokens = padded = -(-max_tokens // c.chunk) * c.chunk
-        nchunks = padded // c.chunk
+        self.middle_rows = middle = padded if stage_buffers else min(padded, MIDDLE_ROWS // c.chunk * c.chunk)
+        nchunks = middle // c.chunk
         bf16, f32 = bf16_dtype(), np.float32
         heads, dim = c.heads, c.head_dim
         self.qkv_proj = cupy.zeros((max_tokens, c.conv_dim), bf16)
         self.down_proj = cupy.zeros((max_tokens, c.down_dim), bf16)
         # forget_proj and out_gate have the same shape and kind: separate buffers, never aliased.
         self.forget_proj, self.out_gate, self.o_norm_out = (cupy.zeros((max_tokens, c.qkv), bf16) for _ in range(3))
-        self.conv_out = cupy.zeros((max_tokens, c.conv_dim), bf16)
+        self.conv_out = cupy.zeros((min(max_tokens, middle), c.conv_dim), bf16)
         self.final_out = cupy.zeros((max_tokens, c.hidden), bf16)
-        per_head = (padded, heads, dim)
+        per_head = (middle, heads, dim)
         self.query, self.key, self.value, self.gate, self.core = (cupy.zeros(per_head, f32) for _ in range(5))
-        self.beta = cupy.zeros((padded, heads), f32)
+        self.beta = cupy.zeros((middle, heads), f32)
         self.q_decay, self.k_tail, self.chunk_w, self.chunk_u = (cupy.zeros(per_head, f32) for _ in range(4))
         self.attn = cupy.zeros((nchunks, heads, c.chunk, c.chunk), f32)
         self.chunk_decay = cupy.zeros((nchunks, heads, dim), f32)
@@ -144,20 +158,21 @@ class KdaWorkspace:
         return sum(owned.values())
 
     @classmethod
-    def for_stream(cls, config: KdaConfig, max_tokens: int, stream: Any = None) -> "KdaWorkspace":
-        """The workspace of this geometry and size for `stream` (default: the current stream) on
-        the current device, made on its first use and let go when the stream object is (the null
-        stream's lives as long as the process): a loop that makes a stream per request holds one
-        workspace, not one per stream it ever made."""
+    def for_stream(cls, config: KdaConfig, max_tokens: int, stream: Any = None,
+                   stage_buffers: bool = False) -> "KdaWorkspace":
+        """The workspace of this geometry, size and kind (`stage_buffers`, as the constructor) for
+        `stream` (default: the current stream) on the current device, made on its first use and let
+        go when the stream object is (the null stream's lives as long as the process): a loop that
+        makes a stream per request holds one workspace, not one per stream it ever made."""
         import cupy
 
         stream = cupy.cuda.get_current_stream() if stream is None else stream
         key = (config.hidden, config.heads, config.head_dim, config.conv_kernel, config.chunk, max_tokens,
-               cupy.cuda.Device().id, stream.ptr)
+               stage_buffers, cupy.cuda.Device().id, stream.ptr)
         with cls._by_stream_lock:
             workspace = cls._by_stream.get(key)
             if workspace is None:
-                workspace = cls._by_stream[key] = cls(config, max_tokens)
+                workspace = cls._by_stream[key] = cls(config, max_tokens, stage_buffers)
                 workspace._home_stream = stream.ptr
                 if stream.ptr not in _PROCESS_STREAMS:
                     weakref.finalize(stream, cls._forget, key, workspace.serial)
@@ -226,12 +241,14 @@ class KdaWorkspace:
         """Host copies of the first `rows` rows of every stage buffer, by oracle stage name: the
         stages of the last call on this workspace ([rows, ...] as each buffer, BF16 or FP32).
         Raises ValueError where the buffers do not hold them: a prefill under
-        KdaOptions(stage_buffers=False), or one longer than this workspace (run in segments)."""
+        KdaOptions(stage_buffers=False), one longer than this workspace (run in segments), or one
+        longer than its middle_rows (its middle run in windows)."""
         from ..reference import STAGE_ORDER
 
         if self.unrecorded is not None:
-            raise ValueError(f"stages: {self.unrecorded}; a layer under KdaOptions(stage_buffers=True) with a "
-                             f"workspace of the call's rows records every stage")
-        if not 1 <= rows <= self.max_tokens:
-            raise ValueError(f"stages: rows {rows} outside 1..{self.max_tokens} (the workspace's rows)")
+            raise ValueError(f"stages: {self.unrecorded}; a layer under KdaOptions(stage_buffers=True), on a "
+                             f"workspace made with stage_buffers=True of the call's rows, records every stage")
+        held = min(self.max_tokens, self.middle_rows)
+        if not 1 <= rows <= held:
+            raise ValueError(f"stages: rows {rows} outside 1..{held} (the rows every stage buffer holds)")
         return {name: to_host(getattr(self, name)[:rows]) for name in STAGE_ORDER}
