@@ -31,10 +31,6 @@ PREPARE_SMEM_BYTES = 4 * (3 * HEAD_DIM * C_STRIDE + CHUNK)
 H_STRIDE = HEAD_DIM + 32
 # W and q_decay FP16 [C][D + 32], the TF32 state copy [32][D + 4], U^T [32][C + 4]: 66,560 bytes.
 SCAN_SMEM_BYTES = 2 * 2 * CHUNK * H_STRIDE + 4 * (SCAN_COLUMNS * D_STRIDE + SCAN_COLUMNS * C_STRIDE)
-# The scan with the norm adds each chunk row's partial sum of squares, double-buffered: 67,072 bytes.
-SCAN_NORM_SMEM_BYTES = SCAN_SMEM_BYTES + 4 * 2 * CHUNK
-# The blocks of a head in the scan with the norm's cluster (its __cluster_dims__).
-SCAN_CLUSTER = HEAD_DIM // SCAN_COLUMNS
 # The scratch the scan reads as mma operands is FP16 (TF32 values, which FP16 holds exactly
 # in its normal range: docs/kernels.md, "FP16 scratch"); U and the chunk decay stay FP32.
 SCRATCH_KINDS = {"q_decay": "f16", "k_tail": "f16", "w": "f16", "u": "f32", "attn": "f16", "chunk_decay": "f32"}

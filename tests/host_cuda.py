@@ -3,13 +3,9 @@ its grid with one std::thread per CUDA thread, so CPU CI runs the kernel source 
 
   HOST_CUDA_HEADER   types, bit casts, __syncthreads / __syncwarp (std::barrier), warp votes and
                      shuffles (a slot per lane and two warp barriers), static __shared__ arrays
-                     (function statics: blocks outside a cluster run one after the other), thread
-                     block clusters (a split cluster barrier and reads of another block's shared
-                     memory), alignment-checked vector casts, and shims for the intrinsics with no
-                     host twin; a block's own state (its shared memory, barriers, shuffle and mma
-                     slots) hangs off the thread-local block_context
-  HOST_CUDA_RUNTIME  the globals, run_grid (a grid, block after block, x fastest; a cluster's blocks
-                     at once) and file helpers
+                     (function statics: the blocks run one after the other), alignment-checked
+                     vector casts, and shims for the intrinsics with no host twin
+  HOST_CUDA_RUNTIME  the globals, run_grid (a grid, block after block, x fastest) and file helpers
   host_kernel_source the kernel file with its PTX-only helpers removed
   kernel_declaration an entry point's declaration, taken from its definition
   build_host_binary  compile with g++ / clang++ (C++20 for <barrier>), or skip the test
@@ -70,7 +66,6 @@ HOST_CUDA_HEADER = r"""
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <optional>
 #include <thread>
 using std::max;
 using std::min;
@@ -89,30 +84,16 @@ inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); 
 #define __forceinline__ inline
 #define __noinline__
 #define __launch_bounds__(...)
-#define __cluster_dims__(...)
 #define __shared__ static
 // (A GNU attribute: `static alignas(n)` is not C++.)
 #define __align__(n) __attribute__((aligned(n)))
 extern thread_local dim3 threadIdx, blockIdx;
 extern dim3 blockDim, gridDim;
-// One block's own state. The blocks of a cluster run at once: each thread finds its block's here.
-struct BlockContext {
-    float* shared;
-    std::barrier<>* block;
-    std::barrier<>* warps[32];
-    unsigned int shuffle[32][32];
-    // warp_mma's slots: 32 lanes of at most 64 bytes a warp.
-    alignas(16) unsigned char mma[32][32 * 64];
-    // The cluster: its barrier, its blocks' shared memory by rank.
-    std::barrier<>* cluster;
-    float* const* cluster_shared;
-};
-extern thread_local BlockContext* block_context;
-#define emulated_shared (block_context->shared)
-#define block_barrier (block_context->block)
-#define warp_barriers (block_context->warps)
-#define shuffle_slots (block_context->shuffle)
+extern float* emulated_shared;
+extern std::barrier<>* block_barrier;
+extern std::barrier<>* warp_barriers[32];
 extern std::atomic<long> misaligned;
+extern unsigned int shuffle_slots[32][32];
 extern int jitter;
 inline void maybe_sleep()
 {
@@ -164,12 +145,10 @@ inline float __fmul_rn(float a, float b) { return a * b; }
 // lane forms its 4 outputs (rows g, g + 8; columns 2t, 2t + 1) as acc + the sum over k < K of
 // product(the warp's slots, row, column, k) in float64, ascending k, and the warp meets again.
 template <int K, class Slot, class Product>
-inline void warp_mma(float acc[4], const Slot& mine, Product product)
+inline void warp_mma(float acc[4], const Slot& mine, Slot (&slots)[32][32], Product product)
 {
-    static_assert(sizeof(Slot) <= 64, "an mma slot of at most 64 bytes");
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    Slot* slots = reinterpret_cast<Slot*>(block_context->mma[warp]);
-    slots[lane] = mine;
+    slots[warp][lane] = mine;
     maybe_sleep();
     warp_barriers[warp]->arrive_and_wait();
     const int g = lane >> 2, t = lane & 3;
@@ -177,7 +156,7 @@ inline void warp_mma(float acc[4], const Slot& mine, Product product)
     for (int e = 0; e < 4; ++e) {
         const int row = g + 8 * (e >> 1), col = 2 * t + (e & 1);
         double sum = acc[e];
-        for (int k = 0; k < K; ++k) sum += product(slots, row, col, k);
+        for (int k = 0; k < K; ++k) sum += product(slots[warp], row, col, k);
         out[e] = float(sum);
     }
     warp_barriers[warp]->arrive_and_wait();
@@ -201,19 +180,6 @@ inline int atomicAdd(int* address, int value) { return reinterpret_cast<std::ato
 inline void __nanosleep(unsigned) { std::this_thread::yield(); }
 template <class T> inline T __ldcg(const T* pointer) { return *pointer; }
 [[noreturn]] inline void __trap() { std::abort(); }
-// The cluster helpers of common/sync.cuh: the split barrier (a thread's arrival token kept until its wait)
-// and a float at this block's shared-memory offset of `pointer` in block `rank`'s.
-extern thread_local std::optional<std::barrier<>::arrival_token> cluster_arrival;
-inline void kda_cluster_arrive() { maybe_sleep(); cluster_arrival.emplace(block_context->cluster->arrive()); }
-inline void kda_cluster_wait()
-{
-    block_context->cluster->wait(std::move(*cluster_arrival));
-    cluster_arrival.reset();
-}
-inline float kda_cluster_load(const float* pointer, unsigned int rank)
-{
-    return block_context->cluster_shared[rank][pointer - block_context->shared];
-}
 """
 
 HOST_CUDA_RUNTIME = r"""
@@ -225,52 +191,32 @@ HOST_CUDA_RUNTIME = r"""
 #include <vector>
 thread_local dim3 threadIdx, blockIdx;
 dim3 blockDim, gridDim;
-thread_local BlockContext* block_context;
-thread_local std::optional<std::barrier<>::arrival_token> cluster_arrival;
+float* emulated_shared;
+std::barrier<>* block_barrier;
+std::barrier<>* warp_barriers[32];
 std::atomic<long> misaligned{0};
+unsigned int shuffle_slots[32][32];
 int jitter = 0;
 
-// The grid, block after block (x fastest); with cluster_y > 1, clusters of cluster_y blocks along y
-// (grid.y a multiple of it), the blocks of one cluster at once.
-template <class F> void run_grid(dim3 grid, int threads, size_t shared_bytes, F kernel, unsigned cluster_y = 1)
+template <class F> void run_grid(dim3 grid, int threads, size_t shared_bytes, F kernel)
 {
     gridDim = grid;
     blockDim = dim3{unsigned(threads), 1, 1};
-    if (grid.y % cluster_y) { std::fprintf(stderr, "grid.y %u is not a multiple of the cluster\n", grid.y); std::exit(2); }
-    std::vector<std::vector<float>> shared(cluster_y, std::vector<float>(shared_bytes / 4 + 4));
-    std::vector<float*> bases(cluster_y);
-    std::vector<std::unique_ptr<BlockContext>> contexts;
-    for (unsigned rank = 0; rank < cluster_y; ++rank) contexts.emplace_back(new BlockContext());
-    for (unsigned index = 0; index < grid.x * (grid.y / cluster_y) * grid.z; ++index) {
-        const unsigned x = index % grid.x, y0 = index / grid.x % (grid.y / cluster_y) * cluster_y;
-        const unsigned z = index / (grid.x * (grid.y / cluster_y));
-        std::barrier<> cluster(threads * cluster_y);
-        std::vector<std::unique_ptr<std::barrier<>>> barriers;
-        for (unsigned rank = 0; rank < cluster_y; ++rank) {
-            BlockContext& context = *contexts[rank];
-            std::fill(shared[rank].begin(), shared[rank].end(), std::nanf(""));  // a read before a write shows
-            bases[rank] = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(shared[rank].data()) + 15) & ~uintptr_t(15));
-            context.shared = bases[rank];
-            barriers.emplace_back(new std::barrier<>(threads));
-            context.block = barriers.back().get();
-            for (int w = 0; w < threads / 32; ++w) {
-                barriers.emplace_back(new std::barrier<>(32));
-                context.warps[w] = barriers.back().get();
-            }
-            context.cluster = &cluster;
-            context.cluster_shared = bases.data();
+    std::vector<float> shared(shared_bytes / 4 + 4);
+    for (unsigned index = 0; index < grid.x * grid.y * grid.z; ++index) {
+        const unsigned x = index % grid.x, y = index / grid.x % grid.y, z = index / (grid.x * grid.y);
+        std::fill(shared.begin(), shared.end(), std::nanf(""));  // a read before a write shows
+        emulated_shared = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(shared.data()) + 15) & ~uintptr_t(15));
+        std::barrier<> block(threads);
+        block_barrier = &block;
+        std::vector<std::unique_ptr<std::barrier<>>> warps;
+        for (int w = 0; w < threads / 32; ++w) {
+            warps.emplace_back(new std::barrier<>(32));
+            warp_barriers[w] = warps.back().get();
         }
         std::vector<std::thread> pool;
-        for (unsigned rank = 0; rank < cluster_y; ++rank) {
-            for (int t = 0; t < threads; ++t) {
-                BlockContext* context = contexts[rank].get();
-                pool.emplace_back([=] {
-                    threadIdx = dim3{unsigned(t), 0, 0};
-                    blockIdx = dim3{x, y0 + rank, z};
-                    block_context = context;
-                    kernel();
-                });
-            }
+        for (int t = 0; t < threads; ++t) {
+            pool.emplace_back([=] { threadIdx = dim3{unsigned(t), 0, 0}; blockIdx = dim3{x, y, z}; kernel(); });
         }
         for (auto& thread : pool) thread.join();
     }
@@ -306,7 +252,7 @@ static void save_each(const std::string& prefix, std::initializer_list<const cha
 # The device-only helpers of common/sync.cuh (the first two no-ops before sm_90; their bodies are
 # inline PTX or device intrinsics), removed wherever it is inlined: HOST_CUDA_HEADER defines them.
 SYNC_DEVICE_HELPERS = ("kda_let_next_kernel_launch", "kda_grid_dependency_wait", "shared_address", "load_acquire",
-                       "kda_count_release", "kda_cluster_arrive", "kda_cluster_wait", "kda_cluster_load")
+                       "kda_count_release")
 
 
 def _remove_helper(source: str, name: str) -> str | None:
@@ -337,7 +283,7 @@ def kernel_declaration(stem: str, name: str) -> str:
     """The declaration of entry point `name` of ``<stem>.cu``, its parameters copied from the
     definition, for a host harness to call it with: a declaration written out by hand is not checked
     against the definition across translation units."""
-    match = re.search(r'^extern "C" __global__ void(?:\s+__cluster_dims__\([^)]*\))?(?:\s+__launch_bounds__\([^)]*\))?\s+' + name + r"\((.*?)\)\s*\{",
+    match = re.search(r'^extern "C" __global__ void(?:\s+__launch_bounds__\([^)]*\))?\s+' + name + r"\((.*?)\)\s*\{",
                       kernels.kernel_source(stem), re.M | re.S)
     assert match, f"{stem}.cu no longer defines {name}; update the host emulation"
     return f'extern "C" void {name}({match.group(1)});\n'

@@ -50,7 +50,6 @@ from glm_kda.gpu import ops
 from glm_kda import chunk_model
 from glm_kda.chunk_model import (
     PREPARE_SMEM_BYTES,
-    SCAN_NORM_SMEM_BYTES,
     SCAN_SMEM_BYTES,
     chunk_count,
     chunk_tc_supported,
@@ -391,10 +390,11 @@ def test_no_spills_on_sm_90():
 EMULATION_HEADER = HOST_CUDA_HEADER + r"""
 extern std::atomic<long> not_tf32, mma_count;
 struct WarpSlot { float a[4], b[2]; };
+extern WarpSlot warp_slots[32][32];
 inline void mma_tf32_m16n8k8(float acc[4], float a0, float a1, float a2, float a3, float b0, float b1)
 {
     for (float x : {a0, a1, a2, a3, b0, b1}) if (__float_as_uint(x) & 0x1fffu) not_tf32++;
-    warp_mma<8>(acc, WarpSlot{{a0, a1, a2, a3}, {b0, b1}}, [](const WarpSlot* slot, int row, int col, int k) {
+    warp_mma<8>(acc, WarpSlot{{a0, a1, a2, a3}, {b0, b1}}, warp_slots, [](const WarpSlot* slot, int row, int col, int k) {
         return double(slot[4 * (row % 8) + k % 4].a[row / 8 + 2 * (k / 4)]) * double(slot[4 * col + k % 4].b[k / 4]);
     });
     if ((threadIdx.x & 31) == 0) mma_count++;
@@ -422,6 +422,7 @@ EMULATION_MAIN = r"""
 #include "emulation.h"
 """ + HOST_CUDA_RUNTIME + r"""
 std::atomic<long> not_tf32{0}, mma_count{0};
+WarpSlot warp_slots[32][32];
 using f16_t = unsigned short;
 extern "C" void kda_chunk_tc_prepare_f32(const float*, const float*, const float*, const float*, const float*,
     f16_t*, f16_t*, f16_t*, float*, f16_t*, float*, int, int, float, float);
@@ -436,10 +437,6 @@ extern "C" void kda_chunk_tc_prepare_unbounded_f32(const float*, const float*, c
     const float*, f16_t*, f16_t*, f16_t*, float*, f16_t*, float*, int, int, float, float);
 extern "C" void kda_chunk_tc_scan_f32(const f16_t*, const f16_t*, const f16_t*, const float*, const f16_t*,
     const float*, float*, float*, int, int);
-extern "C" void kda_chunk_tc_scan_norm_bf16(const f16_t*, const f16_t*, const f16_t*, const float*, const f16_t*,
-    const float*, float*, float*, const bf16_t*, const bf16_t*, bf16_t*, int, int, float);
-extern "C" void kda_gated_rmsnorm_sigmoid_bf16(const float*, const bf16_t*, const bf16_t*, bf16_t*, int, int, float, int);
-extern "C" void host_scan_row_sums(const float* matrix, float* sums);
 
 static void save(const std::string& path, const std::vector<f16_t>& v)
 {
@@ -448,22 +445,8 @@ static void save(const std::string& path, const std::vector<f16_t>& v)
     save(path, widened);
 }
 
-// "--row-sums DIR ROWS": scan_row_sums_of_squares over matrix [ROWS][32] (ROWS a multiple of 16), a warp
-// a 16 rows, the values in the accumulator layout; sums [ROWS] out.
-static int row_sums_main(const std::string& dir, int rows)
-{
-    const auto matrix = load(dir + "/matrix", size_t(rows) * 32);
-    std::vector<float> sums(rows, std::nanf(""));
-    run_grid(dim3{unsigned(rows / 16), 1, 1}, 32, 0, [&] { host_scan_row_sums(matrix.data(), sums.data()); });
-    save(dir + "/sums.out", sums);
-    return 0;
-}
-
 int main(int argc, char** argv)
 {
-    if (std::string(argv[1]) == "--row-sums") {
-        return row_sums_main(argv[2], std::atoi(argv[3]));
-    }
     const std::string dir = argv[1];
     const int tokens = std::atoi(argv[2]), rows = std::atoi(argv[3]), heads = std::atoi(argv[4]);
     const float lower_bound = std::atof(argv[5]);
@@ -509,31 +492,10 @@ int main(int argc, char** argv)
                 lower_bound);
         }
     });
-    // norm "core" / "nocore": the scan with the gated RMSNorm too (a cluster of a head's four blocks, from the
-    // same state, writing the core or not) and norm.cu's kernel on the plain scan's core.
-    const std::string norm = argc > 10 ? argv[10] : "none";
-    std::vector<float> state_norm = state, core_norm(rows * heads * D, 12345.0f);
-    std::vector<bf16_t> out_gate, norm_w, o_norm_out(rows * heads * D, 0x7FA5), o_norm_ref(rows * heads * D, 0x7FA5);
     run_grid(dim3{unsigned(heads), 4, 1}, 128, std::atoi(argv[8]), [&] {
         kda_chunk_tc_scan_f32(q_decay.data(), k_tail.data(), w.data(), u.data(), attn.data(), chunk_decay.data(),
                               state.data(), core.data(), tokens, heads);
     });
-    if (norm != "none") {
-        const float eps = std::atof(argv[12]);
-        out_gate = load_u16(dir + "/out_gate", rows * heads * D);
-        norm_w = load_u16(dir + "/norm_w", D);
-        run_grid(dim3{unsigned(heads), 4, 1}, 128, std::atoi(argv[11]), [&] {
-            kda_chunk_tc_scan_norm_bf16(q_decay.data(), k_tail.data(), w.data(), u.data(), attn.data(),
-                                        chunk_decay.data(), state_norm.data(), norm == "core" ? core_norm.data() : nullptr,
-                                        out_gate.data(), norm_w.data(), o_norm_out.data(), tokens, heads, eps);
-        }, 4);
-        run_grid(dim3{unsigned(heads), unsigned((tokens + 7) / 8), 1}, 128, 0, [&] {
-            kda_gated_rmsnorm_sigmoid_bf16(core.data(), out_gate.data(), norm_w.data(), o_norm_ref.data(), heads, 128,
-                                           eps, tokens);
-        });
-        save_each(dir + "/", {"state_norm.out", "core_norm.out", "o_norm_out.out", "o_norm_ref.out"}, state_norm,
-                  core_norm, o_norm_out, o_norm_ref);
-    }
     for (auto [name, data] : {std::pair{"q_decay", &q_decay}, {"k_tail", &k_tail}, {"w", &w}, {"attn", &attn}}) {
         save(dir + "/" + name + ".out", *data);
     }
@@ -551,49 +513,22 @@ DEVICE_HELPERS = ("mma_tf32_m16n8k8", "copy_async_16B", "copy_async_commit", "co
                   "f16_to_f32")
 
 
-# One warp's scan_row_sums_of_squares over rows 16 blockIdx.x .. of a [rows][32] matrix, the values in the
-# accumulator layout (rows g, g + 8; columns 8 n + 2 t + b; lane 4 g + t).
-HOST_ROW_SUMS = r"""
-extern "C" void host_scan_row_sums(const float* matrix, float* sums)
-{
-    const int g = threadIdx.x >> 2, t = threadIdx.x & 3, base = 16 * blockIdx.x;
-    float out_acc[4][4];
-    for (int n = 0; n < 4; ++n) {
-        for (int e = 0; e < 4; ++e) {
-            out_acc[n][e] = matrix[size_t(base + g + 8 * (e >> 1)) * 32 + 8 * n + 2 * t + (e & 1)];
-        }
-    }
-    float row[2];
-    scan_row_sums_of_squares(out_acc, row);
-    if (t == 0) {
-        sums[base + g] = row[0];
-        sums[base + g + 8] = row[1];
-    }
-}
-"""
-
-
 def host_source() -> str:
-    """chunk_tc.cu (headers inlined) and the entries of chunk_tc_gate*.cu and chunk_tc_scan_norm.cu rewritten
-    for the host: the PTX helpers removed, dynamic shared memory from the emulator, every vector cast
-    alignment-checked."""
+    """chunk_tc.cu (header inlined) and the entries of chunk_tc_gate*.cu rewritten for the host: the
+    PTX helpers removed, dynamic shared memory from the emulator, every vector cast alignment-checked."""
     source = host_kernel_source("chunk/chunk_tc", DEVICE_HELPERS)
-    for stem, header in (("chunk_tc_gate", "chunk_tc"), ("chunk_tc_gate_unbounded", "chunk_tc"),
-                         ("chunk_tc_scan_norm", "chunk_tc_scan")):
-        text = (kernels.kernels_dir() / f"chunk/{stem}.cu").read_text()
-        assert f'#include "chunk/{header}.cuh"' in text, f"{stem}.cu no longer includes {header}.cuh"
-        source += text.replace(f'#include "chunk/{header}.cuh"', "")
+    for stem in ("chunk_tc_gate", "chunk_tc_gate_unbounded"):
+        source += (kernels.kernels_dir() / f"chunk/{stem}.cu").read_text().replace('#include "chunk/chunk_tc.cuh"', "")
     declaration = "extern __shared__ __align__(16) float shared[];"
     assert source.count(declaration) == 2, "the host emulation expects one dynamic shared array per kernel"
     source = source.replace(declaration, "float* shared = emulated_shared;")
-    return '#include "emulation.h"\n' + source + HOST_ROW_SUMS
+    return '#include "emulation.h"\n' + source
 
 
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory):
     return build_host_binary(tmp_path_factory.mktemp("chunk_tc_host"), "chunk_tc_host",
-                             {"emulation.h": EMULATION_HEADER, "main.cpp": EMULATION_MAIN, "kernel.cpp": host_source(),
-                              "norm.cpp": '#include "emulation.h"\n' + host_kernel_source("norm")})
+                             {"emulation.h": EMULATION_HEADER, "main.cpp": EMULATION_MAIN, "kernel.cpp": host_source()})
 
 
 def host_rows(tokens):
@@ -601,15 +536,11 @@ def host_rows(tokens):
     return chunk_count(tokens) * 64 + 3
 
 
-def run_on_host(binary, inputs, tokens, pad, jitter=False, gate_source=None, unbounded=False, norm=None):
+def run_on_host(binary, inputs, tokens, pad, jitter=False, gate_source=None, unbounded=False):
     """The two kernels on the host emulator; input rows T.. are filled with `pad`. With
     gate_source (forget_proj [rows, H*D] and beta_logits [rows, H + 3] as BF16 bits, dt_bias,
     a_log), the fused-gate prepare runs and "gate" / "beta" are its outputs; unbounded: the
-    prepare for gates without a lower bound (with gate_source: forming the softplus law's).
-    With norm (out_gate [rows, H*D] and norm_w [D] as BF16 bits, eps, whether the core is written),
-    the scan with the norm runs too, from the same state: "o_norm_out", "core_norm" (12345 where
-    not written) and "state_norm" are its outputs, "o_norm_ref" norm.cu's on the plain scan's core
-    (both BF16 bits; 0x7FA5 where not written)."""
+    prepare for gates without a lower bound (with gate_source: forming the softplus law's)."""
     query, key, value, gate, beta, recurrent = inputs
     heads = query.shape[1]
     nchunks = chunk_count(tokens)
@@ -628,15 +559,9 @@ def run_on_host(binary, inputs, tokens, pad, jitter=False, gate_source=None, unb
         np.asarray(dt_bias, np.float32).tofile(folder / "dt_bias")
         np.asarray(a_log, np.float32).tofile(folder / "a_log")
     mode = "_".join(part for part, on in (("fused", gate_source is not None), ("unbounded", unbounded)) if on)
-    norm_args = ["none"]
-    if norm is not None:
-        out_gate, norm_w, eps, write_core = norm
-        np.ascontiguousarray(out_gate, np.uint16).tofile(folder / "out_gate")
-        np.ascontiguousarray(norm_w, np.uint16).tofile(folder / "norm_w")
-        norm_args = ["core" if write_core else "nocore", str(SCAN_NORM_SMEM_BYTES), repr(float(eps))]
     result = subprocess.run(
         [str(binary), str(folder), str(tokens), str(rows), str(heads), str(LOWER_BOUND), str(int(jitter)),
-         str(PREPARE_SMEM_BYTES), str(SCAN_SMEM_BYTES), mode or "plain", *norm_args],
+         str(PREPARE_SMEM_BYTES), str(SCAN_SMEM_BYTES), mode or "plain"],
         capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr
@@ -644,11 +569,6 @@ def run_on_host(binary, inputs, tokens, pad, jitter=False, gate_source=None, unb
     shapes = {**scratch_shapes(tokens, heads), "k_tail": (nchunks, heads, 128, 64),
               "core": (rows, heads, 128), "state": (heads, 128, 128), "gate": (rows, heads, 128), "beta": (rows, heads)}
     out = {name: np.fromfile(folder / f"{name}.out", np.float32).reshape(shape) for name, shape in shapes.items()}
-    if norm is not None:
-        out.update(state_norm=np.fromfile(folder / "state_norm.out", np.float32).reshape(shapes["state"]),
-                   core_norm=np.fromfile(folder / "core_norm.out", np.float32).reshape(shapes["core"]),
-                   **{name: np.fromfile(folder / f"{name}.out", np.uint16).reshape(rows, heads * 128)
-                      for name in ("o_norm_out", "o_norm_ref")})
     return out, {name: int(value) for name, value in counters.items()}
 
 
@@ -694,71 +614,6 @@ def test_kernel_source_on_host_fused_gate(emulator, law):
     for name in (*SCRATCH, "state"):
         assert_bits_equal(fused[name], plain[name], f"host {name}, fused vs plain prepare")
     assert_bits_equal(fused["core"][:tokens], plain["core"][:tokens], "host core, fused vs plain prepare")
-
-
-def block_sum_order_f32(squares):
-    """norm.cu's block_sum_f32 over each row of squares [rows, 32] (one warp's channels) in float32, in its
-    order: lane 0's xor tree, channel c with c ^ 16, then ^ 8, ^ 4, ^ 2, ^ 1."""
-    x = squares.astype(np.float32)
-    while x.shape[1] > 1:
-        x = x[:, : x.shape[1] // 2] + x[:, x.shape[1] // 2 :]
-    return x[:, 0]
-
-
-def test_kernel_source_on_host_scan_row_sums_take_the_norm_kernels_order(emulator):
-    """The scan with the norm's sums of squares over its 32 columns (scan_row_sums_of_squares, values in
-    the mma accumulator layout) are norm.cu's block_sum_f32 over the same channels bit for bit. The rows
-    mix values of 2^10 with small ones, so that another order of the additions shows in the FP32 sum."""
-    rng = np.random.default_rng(SEED + 3)
-    rows = 64
-    matrix = rng.standard_normal((rows, 32)).astype(np.float32)
-    big = rng.random((rows, 32)) < 0.15
-    matrix[big] *= np.float32(1024.0)
-    folder = Path(emulator).parent / "row_sums"
-    folder.mkdir(exist_ok=True)
-    matrix.tofile(folder / "matrix")
-    result = subprocess.run([str(emulator), "--row-sums", str(folder), str(rows)], capture_output=True, text=True,
-                            timeout=120)
-    assert result.returncode == 0, result.stderr
-    sums = np.fromfile(folder / "sums.out", np.float32)
-    expected = block_sum_order_f32(matrix * matrix)
-    differ = int(np.count_nonzero(sums.view(np.uint32) != expected.view(np.uint32)))
-    assert differ == 0, f"{differ} of {rows} row sums differ from block_sum_f32's order"
-    # The data tells orders apart: the plain left-to-right sum differs in most rows.
-    plain = np.cumsum(matrix * matrix, axis=1, dtype=np.float32)[:, -1]
-    assert np.count_nonzero(plain.view(np.uint32) != expected.view(np.uint32)) > rows // 4
-
-
-@pytest.mark.parametrize("write_core", [True, False], ids=["core", "no_core"])
-@pytest.mark.parametrize("tokens,heads", [(70, 2), (130, 3)], ids=lambda v: str(v))
-def test_kernel_source_on_host_scan_with_the_norm_gives_the_norm_kernels_bits(emulator, tokens, heads, write_core):
-    """The scan with the gated RMSNorm (the head's four blocks a cluster, exchanging row sums through
-    each other's shared memory, threads jittered) gives the plain scan's state and core bits (core only
-    where asked) and norm.cu's o_norm_out bits on that core, its own sum of squares in norm.cu's order;
-    rows >= T untouched. The core's rows carry a few huge values among small ones, so that the order of
-    the sums of squares shows in their FP32 bits."""
-    rows = host_rows(tokens)
-    query, key, value, gate, beta, recurrent = make_inputs(tokens, heads, seed=SEED + tokens + 5)
-    rng = np.random.default_rng(SEED + tokens)
-    # Values of one head channel of every row 256x larger: that channel's square dominates its row's sum.
-    value = value.copy()
-    value[:, :, 16 * (tokens % 8)] *= 256.0
-    out_gate = np.full((rows, heads * 128), 0x7FA5, np.uint16)
-    out_gate[:tokens] = bf16_bits(rng.standard_normal((tokens, heads * 128)))
-    norm_w = bf16_bits(1.0 + 0.1 * rng.standard_normal(128))
-    out, counters = run_on_host(emulator, (query, key, value, gate, beta, recurrent), tokens, pad=float("nan"),
-                                jitter=True, norm=(out_gate, norm_w, 1e-5, write_core))
-    tag = f"host T{tokens}-H{heads} scan with the norm"
-    assert counters["misaligned"] == 0, f"{tag}: {counters['misaligned']} misaligned vector accesses"
-    assert_bits_equal(out["state_norm"], out["state"], f"{tag}: state vs the plain scan")
-    if write_core:
-        assert_bits_equal(out["core_norm"][:tokens], out["core"][:tokens], f"{tag}: core vs the plain scan")
-    assert (out["core_norm"] == 12345.0).all() if not write_core else (out["core_norm"][tokens:] == 12345.0).all(), \
-        f"{tag}: core rows written that were not asked for"
-    assert (out["o_norm_ref"][:tokens] != 0x7FA5).all(), f"{tag}: norm.cu left rows < T unwritten"
-    differ = int(np.count_nonzero(out["o_norm_out"][:tokens] != out["o_norm_ref"][:tokens]))
-    assert differ == 0, f"{tag}: {differ} of {tokens * heads * 128} o_norm_out elements differ from norm.cu's"
-    assert (out["o_norm_out"][tokens:] == 0x7FA5).all(), f"{tag}: o_norm_out rows >= T were written"
 
 
 # (tokens, heads, law, state, unbounded): the last three run the prepare for gates without a
@@ -1083,42 +938,3 @@ def test_gpu_fused_gate_equals_the_gate_kernel(tokens, law):
                               *plain_scratch.values())
     assert_bits_equal(fused_core[:tokens], plain_core[:tokens], f"T{tokens} core, fused vs unfused gate")
     assert_bits_equal(fused_state, plain_state, f"T{tokens} state, fused vs unfused gate")
-
-
-@needs_gpu
-@pytest.mark.parametrize("heads", [64, 32], ids=["glm_heads", "kimi_heads"])
-@pytest.mark.parametrize("tokens", [1, 65, 1000, 4100], ids=lambda t: f"T{t}")
-def test_gpu_scan_with_the_norm_gives_the_norm_kernels_bits(tokens, heads):
-    """kda_chunk_tc_scan_norm_bf16 (a cluster of the head's four blocks) writes o_norm_out with the bits
-    of kda_gated_rmsnorm_sigmoid_bf16 on the plain scan's core, the plain scan's state and, where asked,
-    its core; rows >= T of o_norm_out untouched. Skips where the device or options do not run it."""
-    import ml_dtypes
-
-    cp = _cp()
-    if not chunk_tc.scan_norm_available():
-        pytest.skip("the scan with the norm runs on sm_90 devices with the Hopper path (this is not one, or "
-                    "--portable)")
-    rng = np.random.default_rng(SEED + tokens)
-    device, start, _ = _device_inputs(tokens, heads, seed=SEED + tokens + 1)
-    padded, qkv = chunk_count(tokens) * 64, heads * 128
-    out_gate = cp.asarray(rng.standard_normal((padded, qkv)).astype(ml_dtypes.bfloat16).view(np.uint16))
-    norm_w = cp.asarray((1.0 + 0.1 * rng.standard_normal(128)).astype(ml_dtypes.bfloat16).view(np.uint16))
-    eps = 1e-5
-    plain_state = start.copy()
-    plain_core, _ = _run_tc(device, plain_state, tokens)
-    reference = cp.full((padded, qkv), 0x7FA5, cp.uint16)
-    ops.kda_gated_rmsnorm_sigmoid_bf16(plain_core, out_gate, norm_w, reference, heads, 128, eps, tokens=tokens)
-    for write_core in (True, False):
-        state, core = start.copy(), cp.full(device[0].shape, 12345.0, cp.float32)
-        o_norm_out = cp.full((padded, qkv), 0x7FA5, cp.uint16)
-        chunk_tc.chunk_prefill_tc(*device, state, core if write_core else None, tokens, LOWER_BOUND,
-                                  *_scratch(tokens, heads).values(),
-                                  norm=chunk_tc.NormTarget(out_gate, norm_w, o_norm_out, eps))
-        tag = f"T{tokens} H{heads} scan with the norm{'' if write_core else ', no core'}"
-        assert_bits_equal(o_norm_out[:tokens], reference[:tokens], f"{tag}: o_norm_out vs the norm kernel")
-        assert bool((o_norm_out[tokens:] == 0x7FA5).all()), f"{tag}: o_norm_out rows >= T were written"
-        assert_bits_equal(state, plain_state, f"{tag}: state vs the plain scan")
-        if write_core:
-            assert_bits_equal(core[:tokens], plain_core[:tokens], f"{tag}: core vs the plain scan")
-        else:
-            assert bool((core == 12345.0).all()), f"{tag}: the core was written"

@@ -33,6 +33,7 @@ DEVICE_HELPERS = ("load_weight_16B", "load_weight_16B_in_order", "prefetch_l2", 
 GEMM_HEADER = HOST_CUDA_HEADER + r"""
 using bf16_t = unsigned short;
 struct MmaSlot { unsigned int a[4], b[2]; };
+extern MmaSlot mma_slots[32][32];
 // Predicated 16-byte loads: zeros when not valid (the source is then not read).
 inline uint4 load_weight_16B(const bf16_t* pointer, bool valid)
 {
@@ -62,7 +63,7 @@ inline void mma_bf16_m16n8k16(float acc[4], unsigned int a0, unsigned int a1, un
 {
     // k = 2 t' + 8 half + h: register (row / 8) + 2 half of lane 4 (row % 8) + t' for A, register
     // half of lane 4 col + t' for B, element h of the register.
-    warp_mma<16>(acc, MmaSlot{{a0, a1, a2, a3}, {b0, b1}}, [](const MmaSlot* slot, int row, int col, int k) {
+    warp_mma<16>(acc, MmaSlot{{a0, a1, a2, a3}, {b0, b1}}, mma_slots, [](const MmaSlot* slot, int row, int col, int k) {
         const int tk = (k % 8) / 2, half = k / 8, h = k % 2;
         return bf16_word(slot[4 * (row % 8) + tk].a[row / 8 + 2 * half], h) * bf16_word(slot[4 * col + tk].b[half], h);
     });
@@ -72,6 +73,7 @@ inline void mma_bf16_m16n8k16(float acc[4], unsigned int a0, unsigned int a1, un
 GEMM_MAIN = r"""
 #include "emulation.h"
 """ + HOST_CUDA_RUNTIME + r"""
+MmaSlot mma_slots[32][32];
 #define DECLARE(M, N) extern "C" void kda_gemm_rows_bf16_m##M##_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, \
                                                                 int, int, int);
 #define DECLARE_PACKED(M, N) extern "C" void kda_gemm_rows_packed_bf16_m##M##_n##N(const bf16_t*, int, const bf16_t*, \

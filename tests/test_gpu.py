@@ -673,9 +673,8 @@ def test_tensor_core_prefill_path_matches_oracle(layers, geometry, tokens, figur
 
     bound, shared_layer = layers(geometry)
     assert (prepare_lower_bound(bound.config) is None) == (geometry == "kimi")
-    # (stage_buffers: the core is then written beside o_norm_out by the scan with the norm.)
-    layer = KdaLayer(bound, options=KdaOptions(chunk_impl="tensor", stage_buffers=True))
-    reference_layer = KdaLayer(bound, options=KdaOptions(chunk_impl="fp32", stage_buffers=True))
+    layer = KdaLayer(bound, options=KdaOptions(chunk_impl="tensor"))
+    reference_layer = KdaLayer(bound, options=KdaOptions(chunk_impl="fp32"))
     start = KdaState.random(bound.config, seed=tokens)
     hidden = synthetic_hidden(tokens, bound.config.hidden, seed=SEED + 7 * tokens)
     fp32_state = device_state(reference_layer, start)
@@ -848,8 +847,7 @@ def test_tensor_core_prefill_long_sequences(layers, tokens, figures):
     two roundings of o_norm_out apart, they differ by about a BF16 ulp wherever a rounding
     flips (2.3e-3 measured), which the end-to-end check bounds instead. A lean workspace, whose
     middle runs in windows of MIDDLE_ROWS, gives the output and state bits of the one pass through
-    a workspace holding every row, under stage_buffers (so that the scan writes the core the
-    comparison reads)."""
+    a workspace holding every row (whose core the comparison reads)."""
     from glm_kda.gpu.layer import KdaLayer
     from glm_kda.gpu.workspace import KdaWorkspace
 
@@ -865,7 +863,7 @@ def test_tensor_core_prefill_long_sequences(layers, tokens, figures):
     del lean
     cp.get_default_memory_pool().free_all_blocks()
     workspace = KdaWorkspace(bound.config, tokens, stage_buffers=True)
-    layer = KdaLayer(bound, workspace=workspace, options=KdaOptions(stage_buffers=True))
+    layer = KdaLayer(bound, workspace=workspace)
     assert layer.chunk_impl == "tensor"
     state = device_state(layer, start)
     out = layer.prefill(hidden, state)
@@ -873,7 +871,7 @@ def test_tensor_core_prefill_long_sequences(layers, tokens, figures):
                       f"glm T{tokens}", "windows of a lean workspace and one pass")
     del lean_run
     tensor_core = workspace.core[:tokens].copy()
-    reference = KdaLayer(bound, workspace=workspace, options=KdaOptions(chunk_impl="fp32", stage_buffers=True))
+    reference = KdaLayer(bound, workspace=workspace, options=KdaOptions(chunk_impl="fp32"))
     fp32_state = device_state(reference, start)
     reference.prefill(hidden, fp32_state)
     for what, ours, ref in (("core", tensor_core, workspace.core[:tokens]),

@@ -63,7 +63,7 @@ def test_kernel_files_match_entry_points():
     tilings = re.findall(r"ENTRY\((\d+), (\d+)\)", tilings_define.group(1))
     for stem, names in families.items():
         text = (folder / f"{stem}.cu").read_text()
-        declared = re.findall(r'^extern "C" __global__ void(?:\s+__cluster_dims__\([^)]*\))?(?:\s+__launch_bounds__\([^)]*\))?\s+(\w+)\s*\(', text, re.M)
+        declared = re.findall(r'^extern "C" __global__ void(?:\s+__launch_bounds__\([^)]*\))?\s+(\w+)\s*\(', text, re.M)
         # gemm_rows.cu declares its variants through macros: GEMM_ROWS_ENTRY(m-tiles, tiles) over every pair of
         # GEMM_ROWS_TILINGS (gemm_rows.cuh), one entry per weight layout, gemm_rows_sums.cu GEMM_ROWS_SUMS_ENTRY,
         # their forms writing the sums, ...

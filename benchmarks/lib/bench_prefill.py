@@ -9,8 +9,7 @@ prefill is bound by its arithmetic). "core" is conv output to core output: forge
 the chunked delta rule (what flash-linear-attention's chunk_kda computes from the same inputs with
 its in-kernel gate and beta; its in-kernel L2 norm is fused into our conv pass, so our "core"
 leaves it out). "core_norm" is conv output to o_proj input, "core" and the gated RMSNorm kernel
-(against chunk_kda followed by fla's own gated norm). Where the scan applies the norm (sm_90, the
-Hopper path) there is no norm kernel to leave out: "core" is then "core_norm". "core_conv" adds the conv (+ SiLU + L2 +
+(against chunk_kda followed by fla's own gated norm). "core_conv" adds the conv (+ SiLU + L2 +
 split) pass to "core": projection output to core output. They come from the layer's own timer
 (layer.timing(): a pair of CUDA events around each launch and each stage, the calls eager):
 "core_conv" is the "[recurrence]" stage of a prefill, "core" that less its conv kernel,
@@ -49,18 +48,16 @@ FP32_MAX_TOKENS = 4096
 # and of its conv kernel.
 RECURRENCE = "[recurrence]"
 CONV_KERNEL = "kda_conv_prefill_silu_l2_bf16"
-# The gated RMSNorm kernel of the back end, and the scan that applies the norm itself.
+# The gated RMSNorm kernel of the back end.
 NORM_KERNEL = "kda_gated_rmsnorm_sigmoid_bf16"
-SCAN_NORM_KERNEL = "kda_chunk_tc_scan_norm_bf16"
 
 
-def kernel_bytes(config: KdaConfig, tokens: int, record: bool = False, norm_in_scan: bool = False) -> dict[str, int]:
+def kernel_bytes(config: KdaConfig, tokens: int, record: bool = False) -> dict[str, int]:
     """The bytes each of our prefill kernels of the tensor-core path must move for `tokens` rows:
     every buffer it reads or writes once, as its arguments say (ops and gpu.pipeline._prefill_core);
-    the conv weights and state, dt_bias, A_log, the norm weight and the recurrent state, under 1 % of
-    any, left out. record: the stage buffers no kernel reads written too (KdaOptions.stage_buffers).
-    norm_in_scan: the scan applies the gated RMSNorm (sm_90, the Hopper path) instead of the norm
-    kernel after it. The cuBLAS projections are bound by arithmetic, not counted here."""
+    the conv weights and state, dt_bias, A_log and the recurrent state, under 1 % of any, left out.
+    record: the stage buffers no kernel reads written too (KdaOptions.stage_buffers). The cuBLAS
+    projections are bound by arithmetic, not counted here."""
     from glm_kda.chunk_model import prepare_lower_bound
 
     t, qkv, heads = tokens, config.qkv, config.heads
@@ -73,12 +70,9 @@ def kernel_bytes(config: KdaConfig, tokens: int, record: bool = False, norm_in_s
     moved = {
         # qkv_proj in; conv_out (BF16, recorded) and q, k, v (FP32) out.
         "kda_conv_prefill_silu_l2_bf16": 3 * bf16_rows + 3 * bf16_rows * record + 3 * f32_rows,
+        "kda_chunk_tc_scan_f32": prepared + f32_rows,  # core out
+        "kda_gated_rmsnorm_sigmoid_bf16": f32_rows + 2 * bf16_rows,  # core, out_gate in; o_norm_out out
     }
-    if norm_in_scan:  # out_gate in, o_norm_out out; core out only where recorded
-        moved["kda_chunk_tc_scan_norm_bf16"] = prepared + 2 * bf16_rows + f32_rows * record
-    else:
-        moved["kda_chunk_tc_scan_f32"] = prepared + f32_rows  # core out
-        moved["kda_gated_rmsnorm_sigmoid_bf16"] = f32_rows + 2 * bf16_rows  # core, out_gate in; o_norm_out out
     # The prepare forms the gate and beta from the projections and writes them out (the bounded prepare,
     # or the unbounded one by the softplus law); a bound the bounded prepare does not take: the gate kernel,
     # then the unbounded prepare reading its output.
@@ -166,8 +160,7 @@ def bench_geometry(geometry: str, directory: Path, tokens: tuple[int, ...], repe
                              "workspace_rows": layer.workspace.max_tokens,
                              "total_ms": {name: round(ms, 4) for name, ms in stages[-1].items()}}
                 if impl == "tensor":  # each kernel's bytes and its share of the copy bandwidth, same run
-                    moved = kernel_bytes(config, count, layer.options.stage_buffers,
-                                         norm_in_scan=SCAN_NORM_KERNEL in stages[-1])
+                    moved = kernel_bytes(config, count, layer.options.stage_buffers)
                     breakdown.update(bytes=moved, copy_bandwidth_GBs=bandwidth,
                                      copy_fraction={name: nbytes / 1e6 / stages[-1][name] / bandwidth
                                                     for name, nbytes in moved.items() if stages[-1].get(name)})

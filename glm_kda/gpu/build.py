@@ -48,8 +48,6 @@ ENTRY_POINTS: dict[str, tuple[str, ...]] = {
 ARCH_ENTRY_POINTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "projection/gemm_rows_bulk": ("sm_90a", ("kda_gemm_rows_tile_x_bf16",) + tuple(f"kda_gemm_rows_bulk_g{g}" for g in (1, 2, 3))
                                   + ("kda_gemm_rows_bulk_fold_bf16",)),
-    # (Thread block clusters are sm_90's; the scan is built with the Hopper family it runs beside.)
-    "chunk/chunk_tc_scan_norm": ("sm_90a", ("kda_chunk_tc_scan_norm_bf16",)),
 }
 
 # The kernel source files, one per family (the keys of ENTRY_POINTS and ARCH_ENTRY_POINTS plus ".cu").

@@ -195,13 +195,12 @@ class Stages:
                                            c.head_dim, c.rms_norm_eps, tokens=rows)
 
     def _prefill_core(self, ws: KdaWorkspace, tokens: int, conv_state: Any, recurrent_state: Any,
-                      pad_value: float | None, first: int, middle_first: int, norm_in_scan: bool) -> None:
+                      pad_value: float | None, first: int, middle_first: int) -> None:
         """The stateful middle of a prefill of T = `tokens` projection rows first.. of the workspace, into the
         middle's rows middle_first..: the conv pass, gate, beta and chunked delta rule, conv_state
         [3*qkv, K] and recurrent_state [H, D, D] FP32 in place. The padded tail is filled with `pad_value`,
         or with None left as it is (packed prefill: the next sequence's rows). conv_out, and the gate the
-        tensor-core prepare forms, only with options.stage_buffers. norm_in_scan: the tensor-core scan
-        also writes o_norm_out's rows first.. (the core then only with options.stage_buffers)."""
+        tensor-core prepare forms, only with options.stage_buffers."""
         c = self.config
         rows, middle = slice(first, None), slice(middle_first, None)
         record = self._options.stage_buffers
@@ -215,10 +214,6 @@ class Stages:
                 buf[tokens:padded].fill(pad_value)
         core = ws.core[middle]
         if self._chunk_impl == "tensor":
-            norm = None
-            if norm_in_scan:
-                norm = chunk_tc.NormTarget(ws.out_gate[rows], self.o_norm, ws.o_norm_out[rows], c.rms_norm_eps)
-                core = core if record else None
             # The prepare forms the gate and beta itself, but for a bounded law whose bound the bounded
             # prepare does not take: the unbounded prepare then reads the gate kernel's.
             lower_bound = prepare_lower_bound(c)
@@ -228,7 +223,7 @@ class Stages:
             chunk_tc.chunk_prefill_tc(query, key, value, gate if record or not fused else None, beta,
                                       recurrent_state, core, tokens, lower_bound, ws.q_decay_f16, ws.k_tail_f16,
                                       ws.chunk_w_f16, ws.chunk_u, ws.attn_f16, ws.chunk_decay, scale=self.scale,
-                                      gate_source=self._gate_source(ws, first) if fused else None, norm=norm)
+                                      gate_source=self._gate_source(ws, first) if fused else None)
         else:
             self._gate_beta(ws, tokens, first, middle_first)
             ops.kda_chunk_prepare_f32(query, key, value, gate, beta, ws.q_decay, ws.k_tail, ws.chunk_w, ws.chunk_u,
@@ -241,8 +236,7 @@ class Stages:
         """Every launch of a prefill of hidden [T, hidden] BF16; returns the output [T, hidden] BF16 (a new
         array). The rows go through in segments of the workspace's rows (one where T fits), each through
         the projections, then its middle in windows of ws.middle_rows rows (the stateful part of each run's
-        rows in the window, then the window's gated RMSNorm, unless the tensor-core scan applied it), then
-        o_proj. A run (first row, tokens, conv_state, recurrent_state) across segments or windows carries
+        rows in the window, then the window's gated RMSNorm), then o_proj. A run (first row, tokens, conv_state, recurrent_state) across segments or windows carries
         its state to the next. Segments and windows are whole chunks: a sequence prefilled alone is chunked
         as in one pass (docs/design.md, "The middle in windows", "Prefill in segments")."""
         import cupy
@@ -252,7 +246,6 @@ class Stages:
         # (A workspace that does not hold T holds at least MAX_DECODE_ROWS rows: whole chunks remain.)
         segment = total if total <= ws.max_tokens else ws.max_tokens // self.config.chunk * self.config.chunk
         window = ws.middle_rows
-        norm_in_scan = self._chunk_impl == "tensor" and chunk_tc.scan_norm_available()
         if segment < total:
             ws.unrecorded = f"the last prefill ran in segments of {segment} rows"
         elif not self._options.stage_buffers:
@@ -274,10 +267,9 @@ class Stages:
                         begin, end = max(first, low), min(first + tokens, high)
                         if begin < end:
                             self._prefill_core(ws, end - begin, conv_state, recurrent_state, pad_value,
-                                               begin - start, begin - low, norm_in_scan)
-                if not norm_in_scan:
-                    with _section("back_end"):
-                        self._norm(ws, high - low, low - start)
+                                               begin - start, begin - low)
+                with _section("back_end"):
+                    self._norm(ws, high - low, low - start)
             with _section("back_end"):
                 self._back_end(ws, stop - start, wide, first=start)
             copy_into(out[start:stop], ws.final_out[: stop - start])

@@ -71,39 +71,3 @@ __device__ __forceinline__ unsigned int shared_address(const void* pointer)
 {
     return static_cast<unsigned int>(__cvta_generic_to_shared(pointer));
 }
-
-// Thread block clusters (sm_90 and later; only kernels built for sm_90a call these, the bodies elsewhere
-// trap): the split cluster barrier, every thread of every block of the cluster arriving then waiting
-// (the writes before the arrival seen after the wait), and a float read from the shared memory of block
-// `rank` of the cluster at the offset `pointer` has in this block's.
-__device__ __forceinline__ void kda_cluster_arrive()
-{
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-#else
-    __trap();
-#endif
-}
-
-__device__ __forceinline__ void kda_cluster_wait()
-{
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-#else
-    __trap();
-#endif
-}
-
-__device__ __forceinline__ float kda_cluster_load(const float* pointer, unsigned int rank)
-{
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    unsigned int remote;
-    float value;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(shared_address(pointer)), "r"(rank));
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(value) : "r"(remote) : "memory");
-    return value;
-#else
-    __trap();
-    return 0.0f;
-#endif
-}

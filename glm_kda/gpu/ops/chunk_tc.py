@@ -2,9 +2,7 @@
 
 ``chunk_prefill_tc`` runs ``kda_chunk_tc_prepare_f32`` (grid (nchunks, H)) then
 ``kda_chunk_tc_scan_f32`` (grid (H, D / 32)) on the same inputs and outputs as the FP32 pair of
-:mod:`glm_kda.gpu.ops.chunk`, or, given a :class:`NormTarget`, ``kda_chunk_tc_scan_norm_bf16``
-(``chunk_tc_scan_norm.cu``, sm_90a), which also applies the gated RMSNorm; :mod:`glm_kda.chunk_model`
-holds the constants.
+:mod:`glm_kda.gpu.ops.chunk`; :mod:`glm_kda.chunk_model` holds the constants.
 """
 
 from __future__ import annotations
@@ -12,8 +10,8 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
-from ...chunk_model import (CHUNK, PREPARE_SMEM_BYTES, PREPARE_THREADS, SCAN_COLUMNS, SCAN_NORM_SMEM_BYTES,
-                            SCAN_SMEM_BYTES, SCAN_THREADS, SCRATCH_KINDS, chunk_count, require_lower_bound)
+from ...chunk_model import (CHUNK, PREPARE_SMEM_BYTES, PREPARE_THREADS, SCAN_COLUMNS, SCAN_SMEM_BYTES, SCAN_THREADS,
+                            SCRATCH_KINDS, chunk_count, require_lower_bound)
 from .. import build
 from .checks import (HEAD_DIM, _check_dtype, _f32, _i32, _require, _require_int32, _require_rows, beta_heads,
                      recurrent_state_heads, require_chunk_scratch)
@@ -38,37 +36,6 @@ def _require_scratch(q_decay, k_tail, w, u, attn, chunk_decay, tokens: int, head
     # Every scratch access is a 16-, 8- or 4-byte vector, attn's included.
     require_chunk_scratch(q_decay, k_tail, w, u, attn, chunk_decay, tokens, CHUNK, heads, kinds=SCRATCH_KINDS,
                           attn_aligned=True)
-
-
-# The scan that applies the gated RMSNorm (an sm_90a family: loaded on sm_90 devices alone).
-SCAN_NORM_KERNEL = "kda_chunk_tc_scan_norm_bf16"
-
-
-def scan_norm_available() -> bool:
-    """Whether the launches being made may run the scan with the norm: they may use sm_90 features
-    (build.hopper_enabled) and the kernel set in use has it (an sm_90 device)."""
-    return build.hopper_enabled() and build.KernelSet.get().has(SCAN_NORM_KERNEL)
-
-
-class NormTarget(NamedTuple):
-    """The gated RMSNorm the scan with the norm applies to its core rows (as
-    ops.kda_gated_rmsnorm_sigmoid_bf16 takes it): out_gate [>= T, H*D] BF16, norm_w [D] BF16,
-    o_norm_out [>= T, H*D] BF16 (written), eps."""
-
-    out_gate: Any
-    norm_w: Any
-    o_norm_out: Any
-    eps: float
-
-
-def _require_norm_target(norm: NormTarget, tokens: int, heads: int) -> None:
-    """The norm's buffers for T rows, and a device and launch context that run the scan with the norm."""
-    if not scan_norm_available():
-        raise RuntimeError(f"{SCAN_NORM_KERNEL} runs on sm_90 devices with options.hopper; check "
-                           f"scan_norm_available() first")
-    _require_rows("out_gate", norm.out_gate, "bf16", tokens, (heads * HEAD_DIM,), aligned=True)
-    _require_rows("o_norm_out", norm.o_norm_out, "bf16", tokens, (heads * HEAD_DIM,), aligned=True)
-    _require("norm_w", norm.norm_w, "bf16", (HEAD_DIM,))
 
 
 class GateSource(NamedTuple):
@@ -123,37 +90,28 @@ def kda_chunk_tc_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, 
     _launch(name, (chunk_count(tokens), heads), (PREPARE_THREADS,), args, shared_mem=PREPARE_SMEM_BYTES)
 
 
-def kda_chunk_tc_scan_f32(q_decay, k_tail, w, u, attn, chunk_decay, state, core, tokens: int,
-                          norm: NormTarget | None = None) -> None:
+def kda_chunk_tc_scan_f32(q_decay, k_tail, w, u, attn, chunk_decay, state, core, tokens: int) -> None:
     """The inter-chunk scan: grid (H, D / 32), 128 threads; state [H, D, D] FP32 in place,
     core [>= T, H, D] FP32 written for the T real tokens only. The scratch comes from
-    :func:`kda_chunk_tc_prepare_f32` with the same tokens.
-
-    With `norm` (where :func:`scan_norm_available`): the scan with the norm, clusters of the head's
-    four blocks, which also writes norm.o_norm_out's T rows with the bits
-    ops.kda_gated_rmsnorm_sigmoid_bf16 writes from the same core; core may then be None (not
-    written)."""
+    :func:`kda_chunk_tc_prepare_f32` with the same tokens."""
     _require_int32("tokens", tokens)
     if tokens == 0:
         return
     heads = recurrent_state_heads(state, aligned=True)
     _require_scratch(q_decay, k_tail, w, u, attn, chunk_decay, tokens, heads)
-    if core is not None or norm is None:
-        _require_rows("core", core, "f32", tokens, (heads, HEAD_DIM), aligned=True)
-    scratch = (q_decay, k_tail, w, u, attn, chunk_decay, state, core)
-    if norm is None:
-        _launch("kda_chunk_tc_scan_f32", (heads, HEAD_DIM // SCAN_COLUMNS), (SCAN_THREADS,),
-                (*scratch, _i32(tokens), _i32(heads)), shared_mem=SCAN_SMEM_BYTES)
-        return
-    _require_norm_target(norm, tokens, heads)
-    _launch(SCAN_NORM_KERNEL, (heads, HEAD_DIM // SCAN_COLUMNS), (SCAN_THREADS,),
-            (*scratch, norm.out_gate, norm.norm_w, norm.o_norm_out, _i32(tokens), _i32(heads), _f32(norm.eps)),
-            shared_mem=SCAN_NORM_SMEM_BYTES)
+    _require_rows("core", core, "f32", tokens, (heads, HEAD_DIM), aligned=True)
+    _launch(
+        "kda_chunk_tc_scan_f32",
+        (heads, HEAD_DIM // SCAN_COLUMNS),
+        (SCAN_THREADS,),
+        (q_decay, k_tail, w, u, attn, chunk_decay, state, core, _i32(tokens), _i32(heads)),
+        shared_mem=SCAN_SMEM_BYTES,
+    )
 
 
 def chunk_prefill_tc(query, key, value, gate, beta, state, core, tokens: int, lower_bound: float | None,
                      q_decay, k_tail, w, u, attn, chunk_decay, scale: float | None = None,
-                     gate_source: GateSource | None = None, norm: NormTarget | None = None) -> None:
+                     gate_source: GateSource | None = None) -> None:
     """The chunked prefill core on tensor cores: core [>= T, H, D] and the carried state
     [H, D, D] (in place) from query, key, value, gate [>= T, H, D] and beta [>= T, H].
 
@@ -161,8 +119,7 @@ def chunk_prefill_tc(query, key, value, gate, beta, state, core, tokens: int, lo
     the workspace's q_decay_f16, k_tail_f16, chunk_w_f16, chunk_u, attn_f16 and chunk_decay at chunk 64.
 
     lower_bound and `gate_source` (:class:`GateSource`) as :func:`kda_chunk_tc_prepare_f32` takes
-    them; `norm` (:class:`NormTarget`, core then optional) as :func:`kda_chunk_tc_scan_f32` takes it.
-    Every argument is checked before the first launch, so a refused call leaves the state untouched.
+    them. Every argument is checked before the first launch, so a refused call leaves the state untouched.
     """
     if not _checked_call_needs_work(lower_bound, tokens):
         return
@@ -171,12 +128,9 @@ def chunk_prefill_tc(query, key, value, gate, beta, state, core, tokens: int, lo
     if tuple(state.shape) != (heads, HEAD_DIM, HEAD_DIM):
         raise ValueError(f"state: expected [{heads}, {HEAD_DIM}, {HEAD_DIM}] (H from beta), got {list(state.shape)}")
     _require("state", state, "f32", (heads, HEAD_DIM, HEAD_DIM), aligned=True)
-    if core is not None or norm is None:
-        _require_rows("core", core, "f32", tokens, (heads, HEAD_DIM), aligned=True)
-    if norm is not None:
-        _require_norm_target(norm, tokens, heads)
+    _require_rows("core", core, "f32", tokens, (heads, HEAD_DIM), aligned=True)
     _require_scratch(q_decay, k_tail, w, u, attn, chunk_decay, tokens, heads)
     # The gate sources are the prepare's alone: it checks them before its launch.
     kda_chunk_tc_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, u, attn, chunk_decay,
                              tokens, lower_bound, scale, gate_source)
-    kda_chunk_tc_scan_f32(q_decay, k_tail, w, u, attn, chunk_decay, state, core, tokens, norm)
+    kda_chunk_tc_scan_f32(q_decay, k_tail, w, u, attn, chunk_decay, state, core, tokens)
