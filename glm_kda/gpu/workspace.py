@@ -28,7 +28,7 @@ _HOST_TO_DEVICE = 1
 # Rows of a lean workspace's per-token FP32 buffers, conv_out and chunk scratch (whole chunks of it): a
 # longer prefill runs its middle in windows of these rows. Enough rows for the middle's kernels to fill
 # the GPU; few enough that the workspace of a GLM-5.3-Flash layer of 16384 rows is under half the size
-# of one whose every buffer holds every row (docs/design.md, "Workspaces").
+# of one whose every buffer holds every row (docs/design.md, "The middle in windows").
 MIDDLE_ROWS = 4096
 
 
@@ -80,8 +80,9 @@ class KdaWorkspace:
     chunked delta rule, gated RMSNorm) in windows of M rows, the state carried from one to the next,
     with the bits of one pass; its stage buffers then hold the last window only. So a layer under
     KdaOptions(stage_buffers=True) takes a workspace made with stage_buffers=True, whose buffers hold
-    every row (2.3x the bytes at GLM-5.3-Flash geometry and 16384 rows). The tensor-core chunk kernels keep q_decay, k_tail, w and
-    attn as FP16 in the first half of the same bytes (q_decay_f16, k_tail_f16, chunk_w_f16, attn_f16). The
+    every row (2.3x the bytes at GLM-5.3-Flash geometry and 16384 rows). The tensor-core chunk
+    kernels keep q_decay, k_tail, w and attn as FP16 in the first half of the same bytes
+    (q_decay_f16, k_tail_f16, chunk_w_f16, attn_f16). The
     rest (docs/design.md, "Workspaces"): the bulk sweep's x_tiles, x_tiles_side, x_tiles_gate and
     bulk_partial, the outputs_ready count (zero between calls), graph_hidden and graph_slots.
     """
