@@ -124,9 +124,8 @@ def bench_geometry(geometry: str, directory: Path, tokens: tuple[int, ...], repe
     import numpy as np
 
     from glm_kda.gpu.arrays import to_device_bf16
-    from glm_kda.synthetic import synthetic_hidden
-
     from glm_kda.options import KdaOptions
+    from glm_kda.synthetic import synthetic_hidden
 
     config = geometry_config(geometry)
     layer = make_layer(directory, config, max(tokens), name=geometry, own_workspace=True,

@@ -236,9 +236,10 @@ class Stages:
         """Every launch of a prefill of hidden [T, hidden] BF16; returns the output [T, hidden] BF16 (a new
         array). The rows go through in segments of the workspace's rows (one where T fits), each through
         the projections, then its middle in windows of ws.middle_rows rows (the stateful part of each run's
-        rows in the window, then the window's gated RMSNorm), then o_proj. A run (first row, tokens, conv_state, recurrent_state) across segments or windows carries
-        its state to the next. Segments and windows are whole chunks: a sequence prefilled alone is chunked
-        as in one pass (docs/design.md, "The middle in windows", "Prefill in segments")."""
+        rows in the window, then the window's gated RMSNorm), then o_proj. A run (first row, tokens,
+        conv_state, recurrent_state) across segments or windows carries its state to the next. Segments
+        and windows are whole chunks: a sequence prefilled alone is chunked as in one pass (docs/design.md,
+        "The middle in windows", "Prefill in segments")."""
         import cupy
 
         total = hidden.shape[0]
