@@ -75,6 +75,23 @@ class _OracleBackend:
         return as_torch(outs), as_torch(inputs), as_torch(convs), as_torch(states)
 
 
+class _StreamHandle:
+    """A raw cudaStream_t under the CUDA stream protocol, which cupy.cuda.Stream.from_external takes."""
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.handle)
+
+
+def cupy_stream(handle: int) -> Any:
+    """The CuPy stream of the raw cudaStream_t `handle` (say torch's current stream), not owned by CuPy."""
+    import cupy
+
+    return cupy.cuda.Stream.from_external(_StreamHandle(handle))
+
+
 class _LayerBackend:
     """One block on the CUDA kernels: the batch's sequences as the slots of a StatePool, prefilled
     packed and decoded in one call, on torch's current stream."""
@@ -98,7 +115,7 @@ class _LayerBackend:
         from ..state import StatePool
 
         batch, tokens = hidden.shape[:2]
-        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(self.device_index).cuda_stream)
+        stream = cupy_stream(torch.cuda.current_stream(self.device_index).cuda_stream)
         with cupy.cuda.Device(self.device_index), stream:
             pool = self._pools.get(batch)
             if pool is None:
