@@ -1,7 +1,5 @@
-// The prefill conv pass: causal depthwise conv + SiLU (BF16 output), per-head inverse L2 norms of q and k,
-// and the split into FP32 q, k, v (x * inv_norm, x * inv_norm, x); conv_state [3 H D, K] FP32 left as T
-// decode steps leave it, with decode's bits. The BF16 output and the inverse norms are what the
-// gate-forming chunk prepares read.
+// The prefill conv pass: causal depthwise conv + SiLU (BF16 output), per-head L2 of q and k, split into
+// FP32 q, k, v; conv_state [3 H D, K] FP32 left as T decode steps leave it, with decode's bits.
 // Launch: grid (ceil(3 * heads / 4), ceil(T / 64)), 128 threads, no shared memory; a warp holds one head
 // of q, k or v for 64 tokens, 4 channels a lane (docs/kernels.md, 'Prefill conv').
 #include "common/conv_window.cuh"
@@ -24,15 +22,13 @@ __device__ __forceinline__ float conv_carried_input(const float (&old)[CONV_MAX_
 // Tokens a warp loads ahead of their arithmetic.
 #define CONV_PREFILL_AHEAD 4
 
-// qkv_proj, conv_out [T, 3 H D] BF16 (8-byte aligned rows), conv_w [3 H D, K] BF16, inv_norms [T, 2, H]
-// FP32 (1 / sqrt(sum of squares + l2_eps) of each head of q, then of k), query, key, value [T, H D] FP32
-// (16-byte aligned rows). conv_out, inv_norms and query, key, value (the three together) may each be null:
-// not written.
-// Warp w of block x holds head part 4x + w of q, then k, then v.
+// qkv_proj, conv_out [T, 3 H D] BF16 (8-byte aligned rows; conv_out may be null: not written), conv_w
+// [3 H D, K] BF16, query, key, value [T, H D] FP32 (16-byte aligned rows). Warp w of block x holds
+// head part 4x + w of q, then k, then v.
 extern "C" __global__ void __launch_bounds__(KDA_HEAD_BLOCK)
 kda_conv_prefill_silu_l2_bf16(float* __restrict__ conv_state, const bf16_t* __restrict__ qkv_proj,
                           const bf16_t* __restrict__ conv_w, bf16_t* __restrict__ conv_out,
-                          float* __restrict__ inv_norms, float* __restrict__ query, float* __restrict__ key,
+                          float* __restrict__ query, float* __restrict__ key,
                           float* __restrict__ value, int heads, int head_dim, int kernel_size,
                           int tokens, float l2_eps)
 {
@@ -51,9 +47,7 @@ kda_conv_prefill_silu_l2_bf16(float* __restrict__ conv_state, const bf16_t* __re
     const int last = min(first + CONV_PREFILL_TILE, tokens);
     float* state = conv_state + static_cast<size_t>(channel) * kernel_size;  // 4 K floats
     float* outputs = part < heads ? query : part < 2 * heads ? key : value;
-    if (outputs != nullptr) {
-        outputs += static_cast<size_t>(head) * KDA_HEAD_DIM + 4 * lane;
-    }
+    outputs += static_cast<size_t>(head) * KDA_HEAD_DIM + 4 * lane;
 
     // Only tile 0 reaches t < 0 (a tile is >= K long): it reads the carried state before any write.
     float old_state[4][CONV_MAX_KERNEL] = {};
@@ -116,22 +110,16 @@ kda_conv_prefill_silu_l2_bf16(float* __restrict__ conv_state, const bf16_t* __re
                 bits[c] = out;
                 rounded[c] = bf16_to_f32(out);
             }
-            if (conv_out != nullptr) {
+            if (conv_out != nullptr) {  // a stage buffer no later kernel reads: written on request
                 *reinterpret_cast<uint2*>(conv_out + static_cast<size_t>(t) * conv_dim + channel) =
                     make_uint2(bits[0] | (bits[1] << 16), bits[2] | (bits[3] << 16));
             }
             float4 result = make_float4(rounded[0], rounded[1], rounded[2], rounded[3]);
             if (normalize) {  // warp-uniform
-                const float inv_norm = l2_inverse_norm(warp_head_sum_squares(rounded), l2_eps);
-                if (inv_norms != nullptr && lane == 0) {
-                    inv_norms[static_cast<size_t>(t) * 2 * heads + part] = inv_norm;
-                }
-                result = make_float4(rounded[0] * inv_norm, rounded[1] * inv_norm, rounded[2] * inv_norm,
-                                     rounded[3] * inv_norm);
+                const float norm = sqrtf(warp_head_sum_squares(rounded) + l2_eps);
+                result = make_float4(rounded[0] / norm, rounded[1] / norm, rounded[2] / norm, rounded[3] / norm);
             }
-            if (outputs != nullptr) {
-                *reinterpret_cast<float4*>(outputs + static_cast<size_t>(t) * qkv) = result;
-            }
+            *reinterpret_cast<float4*>(outputs + static_cast<size_t>(t) * qkv) = result;
         }
     }
 

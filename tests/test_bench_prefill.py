@@ -62,15 +62,11 @@ def test_kernel_bytes_by_hand_and_by_gate_law():
         assert "kda_gate_beta_f32" not in moved, f"{geometry}: every prepare here forms the gate itself"
     moved, recorded = (kernel_bytes(geometry_config("kimi"), tokens, record) for record in (False, True))
     qkv = 32 * 128
-    # qkv_proj in and conv_out out (BF16 [T, 3*qkv]), the inverse norms out (FP32 [T, 2, 32]); recorded, q, k and
-    # v out too (FP32 [T, qkv] each)
-    conv = tokens * 3 * qkv * 2
-    assert moved["kda_conv_prefill_silu_l2_bf16"] == 2 * conv + tokens * 2 * 32 * 4
-    assert recorded["kda_conv_prefill_silu_l2_bf16"] == moved["kda_conv_prefill_silu_l2_bf16"] + 3 * tokens * qkv * 4
-    # the prepare reads conv_out and the inverse norms; recorded, it also writes the gate it forms (FP32 [T, qkv])
+    # qkv_proj in (BF16 [T, 3*qkv]), q, k and v out (FP32 [T, qkv] each); recorded, conv_out out (as qkv_proj)
+    assert moved["kda_conv_prefill_silu_l2_bf16"] == tokens * 3 * qkv * 2 + 3 * tokens * qkv * 4
+    assert recorded["kda_conv_prefill_silu_l2_bf16"] == moved["kda_conv_prefill_silu_l2_bf16"] + tokens * 3 * qkv * 2
+    # recorded, the prepare also writes the gate it forms (FP32 [T, qkv])
     gated = "kda_chunk_tc_prepare_unbounded_gate_f32"
-    assert moved[gated] - moved["kda_chunk_tc_scan_f32"] + tokens * qkv * 4 == (
-        conv + tokens * 2 * 32 * 4 + tokens * qkv * 2 + tokens * 32 * 2 + tokens * 32 * 4)
     assert recorded[gated] == moved[gated] + tokens * qkv * 4
     # core in (FP32), out_gate in and o_norm_out out (BF16)
     assert moved["kda_gated_rmsnorm_sigmoid_bf16"] == tokens * qkv * 4 + 2 * tokens * qkv * 2

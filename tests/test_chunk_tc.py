@@ -333,41 +333,8 @@ def test_unbounded_launches_its_prepare_and_its_fused_gate_form(launches):
     launches.clear()
     source = chunk_tc.GateSource(HostStandIn(aligned((65, 256), np.uint16)), _aligned_f32((256,)), _aligned_f32((2,)),
                                  HostStandIn(aligned((65, 2), np.uint16)))
-    chunk_tc.chunk_prefill_tc(None, None, None, inputs[3], beta, state, core, 65, None, *scratch, gate_source=source,
-                              conv_rows=_conv_rows(65, 2))
+    chunk_tc.chunk_prefill_tc(*inputs, beta, state, core, 65, None, *scratch, gate_source=source)
     assert [launch[0] for launch in launches] == ["kda_chunk_tc_prepare_unbounded_gate_f32", "kda_chunk_tc_scan_f32"]
-
-
-def _conv_rows(tokens, heads):
-    return chunk_tc.ConvRows(HostStandIn(aligned((tokens, 3 * heads * 128), np.uint16)), _aligned_f32((tokens, 2, heads)))
-
-
-def _gate_source(tokens, heads):
-    return chunk_tc.GateSource(HostStandIn(aligned((tokens, heads * 128), np.uint16)), _aligned_f32((heads * 128,)),
-                               _aligned_f32((heads,)), HostStandIn(aligned((tokens, heads), np.uint16)))
-
-
-def test_wrapper_pairs_the_gate_forming_prepare_with_the_conv_rows(launches):
-    """A prepare that forms the gate reads q, k and v from the conv output and inverse norms, one that
-    takes the gate reads FP32 rows: any other pairing, and a bad conv_out or inv_norms, is refused by name before
-    a launch."""
-    inputs, beta, state, core, scratch = _call_arguments(65, 2)
-    gate_source, conv_rows = _gate_source(65, 2), _conv_rows(65, 2)
-    for qkv, kwargs in (((None,) * 3, dict(gate_source=gate_source)),
-                        (inputs[:3], dict(gate_source=gate_source, conv_rows=conv_rows)),
-                        (inputs[:3], dict(conv_rows=conv_rows)),
-                        ((None,) * 3, dict(conv_rows=conv_rows)),
-                        ((inputs[0], None, inputs[2]), {})):
-        with pytest.raises(ValueError, match="conv_rows|query, key and value"):
-            chunk_tc.chunk_prefill_tc(*qkv, inputs[3], beta, state, core, 65, LOWER_BOUND, *scratch, **kwargs)
-    for name, bad in (("conv_out", chunk_tc.ConvRows(HostStandIn(aligned((65, 2 * 256), np.uint16)), conv_rows.inv_norms)),
-                      ("conv_out", chunk_tc.ConvRows(_aligned_f32((65, 3 * 256)), conv_rows.inv_norms)),
-                      ("inv_norms", chunk_tc.ConvRows(conv_rows.conv_out, _aligned_f32((64, 2, 2)))),
-                      ("inv_norms", chunk_tc.ConvRows(conv_rows.conv_out, _aligned_f32((65, 2))))):
-        with pytest.raises((TypeError, ValueError), match=name):
-            chunk_tc.chunk_prefill_tc(None, None, None, None, beta, state, core, 65, LOWER_BOUND, *scratch,
-                                      gate_source=gate_source, conv_rows=bad)
-    assert launches == []
 
 
 def test_wrapper_names_a_bad_scratch_buffer(launches):
@@ -389,11 +356,10 @@ def test_wrapper_names_a_bad_gate_source(launches):
                       ("a_log", _aligned_f32((256,))), ("beta_logits", HostStandIn(aligned((64, 2), np.uint16)))):
         source = chunk_tc.GateSource(**{**good, name: bad})
         with pytest.raises((TypeError, ValueError), match=name):
-            chunk_tc.chunk_prefill_tc(None, None, None, None, beta, state, core, 65, LOWER_BOUND, *scratch,
-                                      gate_source=source, conv_rows=_conv_rows(65, 2))
+            chunk_tc.chunk_prefill_tc(*inputs, beta, state, core, 65, LOWER_BOUND, *scratch, gate_source=source)
     assert launches == []
-    chunk_tc.chunk_prefill_tc(None, None, None, None, beta, state, core, 65, LOWER_BOUND, *scratch,
-                              gate_source=chunk_tc.GateSource(**good), conv_rows=_conv_rows(65, 2))
+    chunk_tc.chunk_prefill_tc(*inputs, beta, state, core, 65, LOWER_BOUND, *scratch,
+                              gate_source=chunk_tc.GateSource(**good))
     assert [launch[0] for launch in launches] == ["kda_chunk_tc_prepare_gate_f32", "kda_chunk_tc_scan_f32"]
 
 
@@ -461,10 +427,10 @@ using f16_t = unsigned short;
 extern "C" void kda_chunk_tc_prepare_f32(const float*, const float*, const float*, const float*, const float*,
     f16_t*, f16_t*, f16_t*, float*, f16_t*, float*, int, int, float, float);
 using bf16_t = unsigned short;
-extern "C" void kda_chunk_tc_prepare_gate_f32(const bf16_t*, const float*, float*, float*,
+extern "C" void kda_chunk_tc_prepare_gate_f32(const float*, const float*, const float*, float*, float*,
     f16_t*, f16_t*, f16_t*, float*, f16_t*, float*, int, int, float, float, const bf16_t*, const float*,
     const float*, const bf16_t*, int);
-extern "C" void kda_chunk_tc_prepare_unbounded_gate_f32(const bf16_t*, const float*, float*, float*,
+extern "C" void kda_chunk_tc_prepare_unbounded_gate_f32(const float*, const float*, const float*, float*, float*,
     f16_t*, f16_t*, f16_t*, float*, f16_t*, float*, int, int, float, float, const bf16_t*, const float*,
     const float*, const bf16_t*, int);
 extern "C" void kda_chunk_tc_prepare_unbounded_f32(const float*, const float*, const float*, const float*,
@@ -498,17 +464,14 @@ int main(int argc, char** argv)
     auto core = std::vector<float>(rows * heads * D, 12345.0f);
     // "fused": the prepare forms gate and beta from forget_proj, dt_bias, a_log and the beta
     // logits (row stride heads + 3) and writes them over buffers of 7.0 ("fused_unbounded": by the
-    // softplus law), reading q, k and v from conv_out and inv_norms. "unbounded": the prepare for gates
-    // without a lower bound.
+    // softplus law). "unbounded": the prepare for gates without a lower bound.
     const std::string mode = argc > 9 ? argv[9] : "plain";
     const bool fused = mode == "fused" || mode == "fused_unbounded";
     const bool unbounded = mode == "unbounded" || mode == "fused_unbounded";
     const int ld_beta = heads + 3;
-    std::vector<unsigned short> forget_proj, beta_logits, conv_out;
-    std::vector<float> dt_bias, a_log, inv_norms;
+    std::vector<unsigned short> forget_proj, beta_logits;
+    std::vector<float> dt_bias, a_log;
     if (fused) {
-        conv_out = load_u16(dir + "/conv_out", rows * 3 * heads * D);
-        inv_norms = load(dir + "/inv_norms", rows * 2 * heads);
         forget_proj = load_u16(dir + "/forget_proj", rows * heads * D);
         beta_logits = load_u16(dir + "/beta_logits", rows * ld_beta);
         dt_bias = load(dir + "/dt_bias", heads * D);
@@ -519,7 +482,7 @@ int main(int argc, char** argv)
     run_grid(dim3{unsigned(nchunks), unsigned(heads), 1}, 256, std::atoi(argv[7]), [&] {
         if (fused) {
             (unbounded ? kda_chunk_tc_prepare_unbounded_gate_f32 : kda_chunk_tc_prepare_gate_f32)(
-                conv_out.data(), inv_norms.data(), gate.data(), beta.data(), q_decay.data(), k_tail.data(),
+                query.data(), key.data(), value.data(), gate.data(), beta.data(), q_decay.data(), k_tail.data(),
                 w.data(), u.data(), attn.data(), chunk_decay.data(), tokens, heads, 1.0f / std::sqrt(128.0f),
                 lower_bound, forget_proj.data(), dt_bias.data(), a_log.data(), beta_logits.data(), ld_beta);
         } else {
@@ -573,13 +536,11 @@ def host_rows(tokens):
     return chunk_count(tokens) * 64 + 3
 
 
-def run_on_host(binary, inputs, tokens, pad, jitter=False, gate_source=None, unbounded=False, conv_rows=None):
+def run_on_host(binary, inputs, tokens, pad, jitter=False, gate_source=None, unbounded=False):
     """The two kernels on the host emulator; input rows T.. are filled with `pad`. With
     gate_source (forget_proj [rows, H*D] and beta_logits [rows, H + 3] as BF16 bits, dt_bias,
-    a_log), the fused-gate prepare runs, reading q, k and v from conv_rows (conv_out [rows, 3*H*D]
-    as BF16 bits, inv_norms [rows, 2, H]) rather than inputs, and "gate" / "beta" are its outputs;
-    unbounded: the prepare for gates without a lower bound (with gate_source: forming the softplus
-    law's)."""
+    a_log), the fused-gate prepare runs and "gate" / "beta" are its outputs; unbounded: the
+    prepare for gates without a lower bound (with gate_source: forming the softplus law's)."""
     query, key, value, gate, beta, recurrent = inputs
     heads = query.shape[1]
     nchunks = chunk_count(tokens)
@@ -592,9 +553,6 @@ def run_on_host(binary, inputs, tokens, pad, jitter=False, gate_source=None, unb
         full.tofile(folder / name)
     recurrent.astype(np.float32).tofile(folder / "state")
     if gate_source is not None:
-        conv_out, inv_norms = conv_rows
-        np.ascontiguousarray(conv_out, np.uint16).tofile(folder / "conv_out")
-        np.ascontiguousarray(inv_norms, np.float32).tofile(folder / "inv_norms")
         forget_proj, beta_logits, dt_bias, a_log = gate_source
         np.ascontiguousarray(forget_proj, np.uint16).tofile(folder / "forget_proj")
         np.ascontiguousarray(beta_logits, np.uint16).tofile(folder / "beta_logits")
@@ -614,49 +572,28 @@ def run_on_host(binary, inputs, tokens, pad, jitter=False, gate_source=None, unb
     return out, {name: int(value) for name, value in counters.items()}
 
 
-def conv_rows_and_split(tokens, heads, rows, rng):
-    """(conv_out [rows, 3*H*D] BF16 bits, inv_norms [rows, 2, H] FP32, query, key, value [T, H, D] FP32):
-    a random conv output, NaN in the pad rows, 1 / the L2 norms of its q and k heads (FP32 sums) and the
-    FP32 rows they give, q = conv_out's q times its inverse norm (the conv pass's bits)."""
-    import ml_dtypes
-
-    conv_out = np.full((rows, 3 * heads * 128), 0x7FC0, np.uint16)
-    conv_out[:tokens] = bf16_bits(rng.standard_normal((tokens, 3 * heads * 128)))
-    split = conv_out[:tokens].view(ml_dtypes.bfloat16).astype(np.float32).reshape(tokens, 3, heads, 128)
-    inv_norms = np.full((rows, 2, heads), np.nan, np.float32)
-    squares = (split[:, :2] * split[:, :2]).sum(-1, dtype=np.float32)
-    inv_norms[:tokens] = np.float32(1.0) / np.sqrt(squares + np.float32(1e-6))
-    query, key = (split[:, i] * inv_norms[:tokens, i, :, None] for i in range(2))
-    return conv_out, inv_norms, query, key, split[:, 2]
-
-
 @pytest.mark.parametrize("law", ["bounded", "softplus"])
 def test_kernel_source_on_host_fused_gate(emulator, law):
     # The fused-gate entry points (the bounded prepare's, the unbounded prepare's by the softplus
     # law): gate and beta from the projections for the real rows only (the pad rows of the sources
-    # are NaN and must not leak), q, k and v from the conv output and inverse norms; and, fed those gate and
-    # beta and the FP32 rows the conv pass would write, the prepare reading them gives the same
-    # scratch, core and state bits.
+    # are NaN and must not leak), and, fed those gate and beta, the same prepare reading them gives
+    # the same scratch, core and state bits.
     import ml_dtypes
 
     tokens, heads = 70, 2
     rows = host_rows(tokens)
     inputs = make_inputs(tokens, heads, seed=SEED + 11)
     rng = np.random.default_rng(SEED + 11)
-    conv_out, inv_norms, *split = conv_rows_and_split(tokens, heads, rows, rng)
-    inputs = (*split, *inputs[3:])
 
     forget_proj = np.full((rows, heads * 128), 0x7FC0, np.uint16)  # BF16 NaN in the pad rows
     forget_proj[:tokens] = bf16_bits(2.0 * rng.standard_normal((tokens, heads * 128)))
     beta_logits = np.full((rows, heads + 3), 0x7FC0, np.uint16)
     beta_logits[:tokens] = bf16_bits(rng.standard_normal((tokens, heads + 3)))
     dt_bias = rng.standard_normal(heads * 128).astype(np.float32)
+    a_log = (0.5 * rng.standard_normal(heads)).astype(np.float32)
     unbounded = law == "softplus"
-    # Softplus law: head 0's gates wide enough that diagonal blocks take the exact sums (which read q too).
-    a_log = np.array([1.6, -0.5], np.float32) if unbounded else (0.5 * rng.standard_normal(heads)).astype(np.float32)
     fused, counters = run_on_host(emulator, inputs, tokens, pad=float("nan"),
-                                  gate_source=(forget_proj, beta_logits, dt_bias, a_log), unbounded=unbounded,
-                                  conv_rows=(conv_out, inv_norms))
+                                  gate_source=(forget_proj, beta_logits, dt_bias, a_log), unbounded=unbounded)
     assert counters["misaligned"] == 0, f"fused host run: {counters['misaligned']} misaligned vector accesses"
     # The law in float32 (the host's expf may differ from NumPy's by an ulp).
     projected = forget_proj[:tokens].view(ml_dtypes.bfloat16).astype(np.float32).reshape(tokens, heads, 128)
@@ -672,12 +609,6 @@ def test_kernel_source_on_host_fused_gate(emulator, law):
     assert_close(fused["beta"][:tokens], expected_beta, 1e-6, "host fused beta vs sigmoid")
     assert (fused["gate"][tokens:] == 7.0).all() and (fused["beta"][tokens:] == 7.0).all(), \
         "the fused prepare wrote gate or beta rows >= T"
-    if unbounded:
-        padded = np.zeros((chunk_count(tokens) * 64, heads, 128), np.float32)
-        padded[:tokens] = fused["gate"][:tokens]
-        cumgate = np.cumsum(padded.reshape(-1, 64, heads, 128), axis=1, dtype=np.float32).transpose(0, 2, 1, 3)
-        forms = np.stack([chunk_tc_model.diagonal_in_range(cumgate, i) for i in range(4)])
-        assert forms.any() and not forms.all(), f"softplus case reaches one diagonal form only: {forms.tolist()}"
     fed = (*inputs[:3], fused["gate"][:tokens], fused["beta"][:tokens], inputs[5])
     plain, _ = run_on_host(emulator, fed, tokens, pad=float("nan"), unbounded=unbounded)
     for name in (*SCRATCH, "state"):
@@ -974,8 +905,7 @@ def test_gpu_throughput_report(geometry, figures):
 def test_gpu_fused_gate_equals_the_gate_kernel(tokens, law):
     # The prepare forming gate and beta from the projections (the bounded prepare's, the unbounded
     # prepare's by the softplus law) writes the bits kda_gate_beta_f32 writes, only for the T real
-    # rows; reading q, k and v from the conv pass's BF16 output and inverse norms, its chunk results equal
-    # those of the prepare fed the gate kernel's output and the conv pass's FP32 q, k and v.
+    # rows, and the chunk results equal those of the same prepare fed the gate kernel's output.
     import ml_dtypes
 
     cp = _cp()
@@ -988,25 +918,17 @@ def test_gpu_fused_gate_equals_the_gate_kernel(tokens, law):
     dt_bias = cp.asarray(rng.standard_normal(qkv).astype(np.float32))
     a_log = cp.asarray((0.5 * rng.standard_normal(heads)).astype(np.float32))
     device, start, _ = _device_inputs(tokens, heads, seed=SEED + 9)
-    conv_dim = 3 * qkv
-    qkv_proj = cp.asarray(rng.standard_normal((padded, conv_dim)).astype(ml_dtypes.bfloat16).view(np.uint16))
-    conv_w = cp.asarray((0.5 * rng.standard_normal((conv_dim, 4))).astype(ml_dtypes.bfloat16).view(np.uint16))
-    conv_out, inv_norms = cp.zeros((padded, conv_dim), cp.uint16), cp.zeros((padded, 2, heads), cp.float32)
-    query, key, value = (cp.zeros((padded, heads, 128), cp.float32) for _ in range(3))
-    ops.kda_conv_prefill_silu_l2_bf16(cp.zeros((conv_dim, 4), cp.float32), qkv_proj, conv_w,
-                                      conv_out, query, key, value, heads, 128, 1e-6, tokens=tokens,
-                                      inv_norms=inv_norms)
     gate_ref, beta_ref = cp.full((padded, heads, 128), np.nan, cp.float32), cp.full((padded, heads), np.nan, cp.float32)
     bounded = law == "bounded"
     bound = LOWER_BOUND if bounded else None
     ops.kda_gate_beta_f32(forget_proj, dt_bias, a_log, beta_logits, gate_ref, beta_ref, heads, 128, bounded,
                           LOWER_BOUND if bounded else 0.0, tokens=tokens)
+    query, key, value = device[:3]
     gate_out, beta_out = cp.full_like(gate_ref, 7.0), cp.full_like(beta_ref, 7.0)
     fused_state, fused_core, fused_scratch = start.copy(), cp.zeros_like(query), _scratch(tokens, heads)
-    chunk_tc.chunk_prefill_tc(None, None, None, gate_out, beta_out, fused_state, fused_core, tokens, bound,
+    chunk_tc.chunk_prefill_tc(query, key, value, gate_out, beta_out, fused_state, fused_core, tokens, bound,
                               *fused_scratch.values(),
-                              gate_source=chunk_tc.GateSource(forget_proj, dt_bias, a_log, beta_logits),
-                              conv_rows=chunk_tc.ConvRows(conv_out, inv_norms))
+                              gate_source=chunk_tc.GateSource(forget_proj, dt_bias, a_log, beta_logits))
     assert_bits_equal(gate_out[:tokens], gate_ref[:tokens], f"T{tokens} {law} fused gate")
     assert_bits_equal(beta_out[:tokens], beta_ref[:tokens], f"T{tokens} fused beta")
     assert bool((gate_out[tokens:] == 7.0).all()) and bool((beta_out[tokens:] == 7.0).all()), \

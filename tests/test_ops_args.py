@@ -96,30 +96,6 @@ def test_prefill_conv_grid_is_head_groups_by_token_tiles(launches, tokens):
     assert int(args[-2]) == tokens
 
 
-def test_prefill_conv_writes_what_is_given_and_names_a_bad_choice(launches):
-    """conv_out, inv_norms and the FP32 rows (the three together) may each be left out; inv_norms' shape and kind
-    and a partial set of FP32 rows are refused by name, as is a call that writes nothing."""
-    heads, dim = 2, ops.HEAD_DIM
-    conv_dim = 3 * heads * dim
-    common = (_f32(conv_dim, 4), _bf16(10, conv_dim), _bf16(conv_dim, 4))
-    rows = [_f32(10, heads, dim) for _ in range(3)]
-    ops.kda_conv_prefill_silu_l2_bf16(*common, _bf16(10, conv_dim), None, None, None, heads, dim, 1e-6, tokens=10,
-                                      inv_norms=_f32(10, 2, heads))
-    (_, _, _, args), = launches
-    assert args[4] is not None and args[5:8] == (None, None, None), "inv_norms then query, key, value in kernel order"
-    launches.clear()
-    for bad_rows, norms, match in (((rows[0], None, rows[2]), None, "key"),
-                                   ((None, None, None), _f32(9, 2, heads), "inv_norms"),
-                                   ((None, None, None), _bf16(10, 2, heads), "inv_norms"),
-                                   ((None, None, None), _f32(10, 3, heads), "inv_norms")):
-        with pytest.raises((TypeError, ValueError), match=match):
-            ops.kda_conv_prefill_silu_l2_bf16(*common, _bf16(10, conv_dim), *bad_rows, heads, dim, 1e-6, tokens=10,
-                                              inv_norms=norms)
-    with pytest.raises(ValueError, match="nothing to write"):
-        ops.kda_conv_prefill_silu_l2_bf16(*common, None, None, None, None, heads, dim, 1e-6, tokens=10)
-    assert not launches
-
-
 def test_prefill_conv_names_a_short_output(launches):
     heads, dim = 2, ops.HEAD_DIM
     conv_dim = 3 * heads * dim

@@ -199,43 +199,31 @@ class Stages:
         """The stateful middle of a prefill of T = `tokens` projection rows first.. of the workspace, into the
         middle's rows middle_first..: the conv pass, gate, beta and chunked delta rule, conv_state
         [3*qkv, K] and recurrent_state [H, D, D] FP32 in place. The padded tail is filled with `pad_value`,
-        or with None left as it is (packed prefill: the next sequence's rows). The stage buffers no kernel
-        reads (conv_out or FP32 q, k, v, as the prepare reads the other; the gate a prepare forms) only with
-        options.stage_buffers."""
+        or with None left as it is (packed prefill: the next sequence's rows). conv_out, and the gate the
+        tensor-core prepare forms, only with options.stage_buffers."""
         c = self.config
         rows, middle = slice(first, None), slice(middle_first, None)
         record = self._options.stage_buffers
-        tensor = self._chunk_impl == "tensor"
-        # The tensor-core prepare forms the gate and beta itself, but for a bounded law whose bound the
-        # bounded prepare does not take: the unbounded prepare then reads the gate kernel's.
-        lower_bound = prepare_lower_bound(c)
-        fused = tensor and (lower_bound is not None or not c.bounded)
-        # A prepare that forms the gate reads conv_out and the inverse L2 norms (half the bytes of FP32 q, k, v);
-        # the FP32 rows are written for the other prepares, or as stage buffers on request.
-        split = record or not fused
         query, key, value, gate, beta = (buf[middle] for buf in (ws.query, ws.key, ws.value, ws.gate, ws.beta))
-        conv_rows = chunk_tc.ConvRows(ws.conv_out[middle], ws.l2_inv_norms[middle])
         ops.kda_conv_prefill_silu_l2_bf16(conv_state, ws.qkv_proj[rows], self.conv_weight,
-                                          conv_rows.conv_out if record or fused else None,
-                                          *((query, key, value) if split else (None, None, None)), c.heads,
-                                          c.head_dim, c.l2_eps, tokens=tokens,
-                                          inv_norms=conv_rows.inv_norms if fused else None)
+                                          ws.conv_out[middle] if record else None, query, key, value, c.heads,
+                                          c.head_dim, c.l2_eps, tokens=tokens)
         padded = ops.chunk_count(tokens, c.chunk) * c.chunk
         if pad_value is not None and padded > tokens:
-            for buf in (query, key, value, gate, beta) if split else (gate, beta):
+            for buf in (query, key, value, gate, beta):
                 buf[tokens:padded].fill(pad_value)
         core = ws.core[middle]
-        if tensor:
+        if self._chunk_impl == "tensor":
+            # The prepare forms the gate and beta itself, but for a bounded law whose bound the bounded
+            # prepare does not take: the unbounded prepare then reads the gate kernel's.
+            lower_bound = prepare_lower_bound(c)
+            fused = lower_bound is not None or not c.bounded
             if not fused:
                 self._gate_beta(ws, tokens, first, middle_first)
-                chunk_tc.chunk_prefill_tc(query, key, value, gate, beta, recurrent_state, core, tokens, lower_bound,
-                                          ws.q_decay_f16, ws.k_tail_f16, ws.chunk_w_f16, ws.chunk_u, ws.attn_f16,
-                                          ws.chunk_decay, scale=self.scale)
-            else:
-                chunk_tc.chunk_prefill_tc(None, None, None, gate if record else None, beta, recurrent_state, core,
-                                          tokens, lower_bound, ws.q_decay_f16, ws.k_tail_f16, ws.chunk_w_f16,
-                                          ws.chunk_u, ws.attn_f16, ws.chunk_decay, scale=self.scale,
-                                          gate_source=self._gate_source(ws, first), conv_rows=conv_rows)
+            chunk_tc.chunk_prefill_tc(query, key, value, gate if record or not fused else None, beta,
+                                      recurrent_state, core, tokens, lower_bound, ws.q_decay_f16, ws.k_tail_f16,
+                                      ws.chunk_w_f16, ws.chunk_u, ws.attn_f16, ws.chunk_decay, scale=self.scale,
+                                      gate_source=self._gate_source(ws, first) if fused else None)
         else:
             self._gate_beta(ws, tokens, first, middle_first)
             ops.kda_chunk_prepare_f32(query, key, value, gate, beta, ws.q_decay, ws.k_tail, ws.chunk_w, ws.chunk_u,

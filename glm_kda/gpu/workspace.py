@@ -72,8 +72,6 @@ class KdaWorkspace:
 
       qkv_proj [T, 3*qkv] BF16    down_proj [T, 2D+H] BF16    forget_proj, out_gate [T, qkv] BF16
       conv_out [M, 3*qkv] BF16    query, key, value, gate, core [M, H, D] FP32    beta [M, H] FP32
-      l2_inv_norms [M, 2, H] FP32 (1 / the L2 norm of each head of q, then of k: the prefill's prepare scales
-        conv_out's q and k by them)
       o_norm_out [T, qkv] BF16    final_out [T, hidden] BF16
       chunk scratch: q_decay, k_tail, chunk_w, chunk_u [M, H, D], attn [M/C, H, C, C],
       chunk_decay [M/C, H, D], all FP32
@@ -122,7 +120,6 @@ class KdaWorkspace:
         per_head = (middle, heads, dim)
         self.query, self.key, self.value, self.gate, self.core = (cupy.zeros(per_head, f32) for _ in range(5))
         self.beta = cupy.zeros((middle, heads), f32)
-        self.l2_inv_norms = cupy.zeros((middle, 2, heads), f32)
         self.q_decay, self.k_tail, self.chunk_w, self.chunk_u = (cupy.zeros(per_head, f32) for _ in range(4))
         self.attn = cupy.zeros((nchunks, heads, c.chunk, c.chunk), f32)
         self.chunk_decay = cupy.zeros((nchunks, heads, dim), f32)

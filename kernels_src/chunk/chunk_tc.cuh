@@ -228,88 +228,12 @@ __device__ __forceinline__ void inverse_block_below_diagonal(const float* lower_
     }
 }
 
-// Where the prepare reads q, k and v (QKV_QUERY, QKV_KEY, QKV_VALUE), as FP32 values.
-#define QKV_QUERY 0
-#define QKV_KEY 1
-#define QKV_VALUE 2
-
-// FP32 rows [T, H, D] of q, k and v: the prepares that read the gate.
-struct ChunkRowsF32 {
-    const float* __restrict__ query;
-    const float* __restrict__ key;
-    const float* __restrict__ value;
-    int heads;
-
-    // The rows of one chunk (tokens first..) and head; in-chunk offsets fit 32 bits.
-    struct Chunk {
-        const float* rows[3];
-        int stride;
-
-        // Channels d .. d + 3 of chunk row t.
-        __device__ __forceinline__ float4 load4(int which, int t, int d) const
-        {
-            return *reinterpret_cast<const float4*>(rows[which] + t * stride + d);
-        }
-    };
-
-    __device__ __forceinline__ Chunk chunk(int first, int head) const
-    {
-        const size_t at = (static_cast<size_t>(first) * heads + head) * KDA_HEAD_DIM;
-        return Chunk{{query + at, key + at, value + at}, heads * KDA_HEAD_DIM};
-    }
-};
-
-// The conv pass's BF16 output [T, 3 H D] (q | k | v) and the inverse L2 norms [T, 2, H] of q and k it
-// scaled them by: q and k are x * inv_norm and v is x, the FP32 values the conv pass writes as rows
-// (conv.cu), so either source gives the same bits. The prepares that form the gate read this: half the
-// bytes of FP32 rows.
-struct ChunkRowsConv {
-    const bf16_t* __restrict__ conv;
-    const float* __restrict__ inv_norms;
-    int heads;
-
-    struct Chunk {
-        const bf16_t* conv;
-        const float* inv_norms;
-        int heads;
-
-        __device__ __forceinline__ float4 load4(int which, int t, int d) const
-        {
-            const uint2 packed =
-                *reinterpret_cast<const uint2*>(conv + (t * 3 + which) * heads * KDA_HEAD_DIM + d);
-            float4 x = make_float4(bf16_half_to_f32(packed.x, 0), bf16_half_to_f32(packed.x, 1),
-                                   bf16_half_to_f32(packed.y, 0), bf16_half_to_f32(packed.y, 1));
-            if (which != QKV_VALUE) {
-                const float inv_norm = inv_norms[(t * 2 + which) * heads];
-                x = make_float4(x.x * inv_norm, x.y * inv_norm, x.z * inv_norm, x.w * inv_norm);
-            }
-            return x;
-        }
-    };
-
-    __device__ __forceinline__ Chunk chunk(int first, int head) const
-    {
-        return Chunk{conv + (static_cast<size_t>(first) * 3 * heads + head) * KDA_HEAD_DIM,
-                     inv_norms + static_cast<size_t>(first) * 2 * heads + head, heads};
-    }
-};
-
-// float4 as four floats.
-__device__ __forceinline__ void unpack4(float out[4], float4 value)
-{
-    out[0] = value.x;
-    out[1] = value.y;
-    out[2] = value.z;
-    out[3] = value.w;
-}
-
-// Eight q values of chunk row t (channels d .. d + 7), zero for a padding row (never read).
-template <class Chunk>
-__device__ __forceinline__ void load_query_row8(float out[8], const Chunk& rows, int t, int valid, int d)
+// Eight q values of chunk row t (channels column .. column + 7), zero for a padding row (never read).
+__device__ __forceinline__ void load_query_row8(float out[8], const float* __restrict__ query, int first, int t,
+                                                int valid, size_t row_stride, size_t column)
 {
     if (t < valid) {
-        unpack4(out, rows.load4(QKV_QUERY, t, d));
-        unpack4(out + 4, rows.load4(QKV_QUERY, t, d + 4));
+        load8(out, query + static_cast<size_t>(first + t) * row_stride + column);
     } else {
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
@@ -351,9 +275,9 @@ __device__ __forceinline__ bool diagonal_in_range(const float* cumgate_s, int i,
 #define CHUNK_TC_SUB_PAIRS (CHUNK_TC_SUB * (CHUNK_TC_SUB + 1) / 2)
 
 // The diagonal blocks i with exact[i] set, of A and B, as exact FP32 sums by every thread (docs/kernels.md).
-template <class Chunk>
 __device__ __forceinline__ void diagonal_blocks_exact(const float* key_s, const float* cumgate_s, const float* beta_s,
-                                                      float* lower_s, f16_t* attn_block, const Chunk& rows, int valid,
+                                                      float* lower_s, f16_t* attn_block, const float* query,
+                                                      int first, int valid, size_t row_stride, size_t head_offset,
                                                       float scale, const int* exact, int thread)
 {
     for (int task = thread; task < CHUNK_TC_SUBS * CHUNK_TC_SUB_PAIRS; task += CHUNK_TC_PREPARE_THREADS) {
@@ -372,10 +296,11 @@ __device__ __forceinline__ void diagonal_blocks_exact(const float* key_s, const 
         const float* key_src = key_s + s * CHUNK_TC_D_STRIDE;
         const float* gate_t = cumgate_s + t * CHUNK_TC_D_STRIDE;
         const float* gate_src = cumgate_s + s * CHUNK_TC_D_STRIDE;
+        const float* query_t = query + static_cast<size_t>(first + t) * row_stride + head_offset;
         const bool real = t < valid;
         float kk = 0.0f;
         float qk = 0.0f;
-#pragma unroll 1
+#pragma unroll 2
         for (int d = 0; d < KDA_HEAD_DIM; d += 4) {
             float key_row[4];
             float key_source[4];
@@ -387,7 +312,7 @@ __device__ __forceinline__ void diagonal_blocks_exact(const float* key_s, const 
             load4(gate_row, gate_t + d);
             load4(gate_source, gate_src + d);
             if (real) {
-                unpack4(query_row, rows.load4(QKV_QUERY, t, d));
+                load4(query_row, query_t + d);
             }
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
@@ -410,13 +335,14 @@ __device__ __forceinline__ void diagonal_blocks_exact(const float* key_s, const 
     }
 }
 
-// The prepare of every entry point: q, k and v from `rows` (ChunkRowsF32 or ChunkRowsConv). FUSED_GATE
-// false: gate_in [T, H, D] and beta_in [T, H] are inputs. FUSED_GATE true: gate_out and beta_out are
-// formed (the bounded law, or UNBOUNDED the softplus law; gate.cu's bits) from forget_proj [T, H*D] BF16,
-// dt_bias [H*D], A_log [H] and the BF16 beta logits (row stride ld_beta); gate_out may be null (not written).
-template <bool FUSED_GATE, bool UNBOUNDED, class Rows>
+// The prepare of every entry point. FUSED_GATE false: gate_in [T, H, D] and beta_in [T, H] are inputs.
+// FUSED_GATE true: gate_out and beta_out are formed (the bounded law, or UNBOUNDED the softplus law;
+// gate.cu's bits) from forget_proj [T, H*D] BF16, dt_bias [H*D], A_log [H] and the BF16 beta logits
+// (row stride ld_beta); gate_out may be null (not written).
+template <bool FUSED_GATE, bool UNBOUNDED = false>
 __device__ __forceinline__ void chunk_tc_prepare(
-    const Rows& all_rows, const float* __restrict__ gate_in, const float* __restrict__ beta_in, float* __restrict__ gate_out,
+    const float* __restrict__ query, const float* __restrict__ key, const float* __restrict__ value,
+    const float* __restrict__ gate_in, const float* __restrict__ beta_in, float* __restrict__ gate_out,
     float* __restrict__ beta_out, f16_t* __restrict__ q_decay, f16_t* __restrict__ k_tail_t,
     f16_t* __restrict__ w, float* __restrict__ u, f16_t* __restrict__ attn, float* __restrict__ chunk_decay,
     int tokens, int heads, float scale, float lower_bound, const bf16_t* __restrict__ forget_proj,
@@ -456,7 +382,6 @@ __device__ __forceinline__ void chunk_tc_prepare(
     const size_t row_stride = static_cast<size_t>(heads) * KDA_HEAD_DIM;
     const size_t head_offset = static_cast<size_t>(head) * KDA_HEAD_DIM;
     const size_t chunk_head = static_cast<size_t>(chunk_index) * heads + head;
-    const typename Rows::Chunk rows = all_rows.chunk(first, head);
 
     // 1. k and g (padding rows zero by index, every load before the first store), G, elementwise outputs.
     {
@@ -471,7 +396,7 @@ __device__ __forceinline__ void chunk_tc_prepare(
                 projected[l] = make_uint2(0u, 0u);
                 if (t < valid) {
                     const size_t at = static_cast<size_t>(first + t) * row_stride + head_offset + channel;
-                    key_value[l] = rows.load4(QKV_KEY, t, channel);
+                    key_value[l] = *reinterpret_cast<const float4*>(key + at);
                     projected[l] = *reinterpret_cast<const uint2*>(forget_proj + at);
                 }
             }
@@ -512,7 +437,7 @@ __device__ __forceinline__ void chunk_tc_prepare(
                 gate_value[l] = key_value[l];
                 if (t < valid) {
                     const size_t at = static_cast<size_t>(first + t) * row_stride + head_offset + channel;
-                    key_value[l] = rows.load4(QKV_KEY, t, channel);
+                    key_value[l] = *reinterpret_cast<const float4*>(key + at);
                     gate_value[l] = *reinterpret_cast<const float4*>(gate_in + at);
                 }
             }
@@ -567,7 +492,8 @@ __device__ __forceinline__ void chunk_tc_prepare(
             const int d = (index & 31) * 4;
             query_value[l] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             if (t < valid) {
-                query_value[l] = rows.load4(QKV_QUERY, t, d);
+                query_value[l] = *reinterpret_cast<const float4*>(
+                    query + static_cast<size_t>(first + t) * row_stride + head_offset + d);
             }
         }
 #pragma unroll
@@ -649,7 +575,7 @@ __device__ __forceinline__ void chunk_tc_prepare(
                 float cumgate[8];
                 load8(cumgate, cumgate_s + row_low * CHUNK_TC_D_STRIDE + d);
                 load8(key_low, key_s + row_low * CHUNK_TC_D_STRIDE + d);
-                load_query_row8(query_low, rows, row_low, valid, d);
+                load_query_row8(query_low, query, first, row_low, valid, row_stride, head_offset + d);
 #pragma unroll
                 for (int e = 0; e < 8; ++e) {
                     const float factor = expf(cumgate[e] - reference_gate[e]);
@@ -658,7 +584,7 @@ __device__ __forceinline__ void chunk_tc_prepare(
                 }
                 load8(cumgate, cumgate_s + row_high * CHUNK_TC_D_STRIDE + d);
                 load8(key_high, key_s + row_high * CHUNK_TC_D_STRIDE + d);
-                load_query_row8(query_high, rows, row_high, valid, d);
+                load_query_row8(query_high, query, first, row_high, valid, row_stride, head_offset + d);
 #pragma unroll
                 for (int e = 0; e < 8; ++e) {
                     const float factor = expf(cumgate[e] - reference_gate[e]);
@@ -695,7 +621,8 @@ __device__ __forceinline__ void chunk_tc_prepare(
     }
     __syncthreads();
     if (UNBOUNDED && (exact_s[0] | exact_s[1] | exact_s[2] | exact_s[3])) {  // block-uniform
-        diagonal_blocks_exact(key_s, cumgate_s, beta_s, lower_s, attn_block, rows, valid, scale, exact_s, thread);
+        diagonal_blocks_exact(key_s, cumgate_s, beta_s, lower_s, attn_block, query, first, valid,
+                              row_stride, head_offset, scale, exact_s, thread);
         __syncthreads();
     }
 
@@ -711,7 +638,12 @@ __device__ __forceinline__ void chunk_tc_prepare(
             value_rows[pass][e] = 0.0f;
         }
         if (t < valid) {
-            unpack4(value_rows[pass], rows.load4(QKV_VALUE, t, d));
+            const size_t at = static_cast<size_t>(first + t) * row_stride + head_offset + d;
+            const float4 v = *reinterpret_cast<const float4*>(value + at);
+            value_rows[pass][0] = v.x;
+            value_rows[pass][1] = v.y;
+            value_rows[pass][2] = v.z;
+            value_rows[pass][3] = v.w;
         }
     }
 
@@ -857,10 +789,9 @@ __device__ __forceinline__ void chunk_tc_prepare(
     }
 }
 
-// The prepare's entry points, one a file. CHUNK_TC_PREPARE_ENTRY reads gate and beta and FP32 q, k, v;
-// CHUNK_TC_PREPARE_GATE_ENTRY forms and writes gate and beta (chunk_tc_prepare's contract) and reads q, k
-// and v from the conv pass's BF16 output and inverse norms (ChunkRowsConv); UNBOUNDED: any gate <= 0 (the softplus
-// law), lower_bound unread.
+// The prepare's entry points, one a file. CHUNK_TC_PREPARE_ENTRY reads gate and beta,
+// CHUNK_TC_PREPARE_GATE_ENTRY forms and writes them (chunk_tc_prepare's contract); UNBOUNDED: any gate
+// <= 0 (the softplus law), lower_bound unread.
 #define CHUNK_TC_PREPARE_ENTRY(NAME, UNBOUNDED)                                                        \
     extern "C" __global__ void __launch_bounds__(CHUNK_TC_PREPARE_THREADS, 2)                              \
         NAME(const float* __restrict__ query, const float* __restrict__ key, const float* __restrict__ value, \
@@ -869,20 +800,20 @@ __device__ __forceinline__ void chunk_tc_prepare(
              f16_t* __restrict__ attn, float* __restrict__ chunk_decay, int tokens, int heads, float scale, \
              float lower_bound)                                                                           \
     {                                                                                                      \
-        chunk_tc_prepare<false, UNBOUNDED>(ChunkRowsF32{query, key, value, heads}, gate, beta, nullptr,    \
-                                           nullptr, q_decay, k_tail_t, w, u, attn, chunk_decay, tokens,    \
-                                           heads, scale, lower_bound, nullptr, nullptr, nullptr, nullptr, 0); \
+        chunk_tc_prepare<false, UNBOUNDED>(query, key, value, gate, beta, nullptr, nullptr,  \
+                                           q_decay, k_tail_t, w, u, attn, chunk_decay, tokens, heads,     \
+                                           scale, lower_bound, nullptr, nullptr, nullptr, nullptr, 0);    \
     }
 #define CHUNK_TC_PREPARE_GATE_ENTRY(NAME, UNBOUNDED)                                                       \
     extern "C" __global__ void __launch_bounds__(CHUNK_TC_PREPARE_THREADS, 2)                              \
-        NAME(const bf16_t* __restrict__ conv_out, const float* __restrict__ inv_norms,                     \
+        NAME(const float* __restrict__ query, const float* __restrict__ key, const float* __restrict__ value, \
              float* __restrict__ gate, float* __restrict__ beta, f16_t* __restrict__ q_decay,              \
              f16_t* __restrict__ k_tail_t, f16_t* __restrict__ w, float* __restrict__ u,                  \
              f16_t* __restrict__ attn, float* __restrict__ chunk_decay, int tokens, int heads, float scale, \
              float lower_bound, const bf16_t* __restrict__ forget_proj, const float* __restrict__ dt_bias, \
              const float* __restrict__ a_log, const bf16_t* __restrict__ beta_logits, int ld_beta)        \
     {                                                                                                      \
-        chunk_tc_prepare<true, UNBOUNDED>(ChunkRowsConv{conv_out, inv_norms, heads}, nullptr, nullptr, gate, beta, \
-                                          q_decay, k_tail_t, w, u, attn, chunk_decay, tokens, heads, scale, \
-                                          lower_bound, forget_proj, dt_bias, a_log, beta_logits, ld_beta); \
+        chunk_tc_prepare<true, UNBOUNDED>(query, key, value, nullptr, nullptr, gate, beta, q_decay, k_tail_t, \
+                                          w, u, attn, chunk_decay, tokens, heads, scale, lower_bound,      \
+                                          forget_proj, dt_bias, a_log, beta_logits, ld_beta);              \
     }

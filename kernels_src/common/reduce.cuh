@@ -66,23 +66,15 @@ __device__ __forceinline__ void block_sum2_f32(float& a, float& b, float* scratc
     __syncthreads();
 }
 
-// The L2 normalisation's factor of a head whose squares sum to sum_squares: 1 / sqrt(sum + eps), the eps
-// inside the root. Every kernel scales q and k by it (one division a head, not one a channel), so the
-// prefill's FP32 q and k, the chunk prepare reading the conv output and these factors, and decode agree.
-__device__ __forceinline__ float l2_inverse_norm(float sum_squares, float l2_eps)
-{
-    return 1.0f / sqrtf(sum_squares + l2_eps);
-}
-
-// q * l2_inverse_norm(sum over the head of q^2) and the same of k, one reduction's barriers; 10 floats scratch.
+// q / sqrt(sum over the head of q^2 + eps) and the same of k, one reduction's barriers; 10 floats scratch.
 __device__ __forceinline__ void l2_normalize_pair(float& q, float& k, float l2_eps, float* scratch)
 {
     // __fmul_rn: a product the compiler may not fuse into the first shuffle add.
     float q_squares = __fmul_rn(q, q);
     float k_squares = __fmul_rn(k, k);
     block_sum2_f32(q_squares, k_squares, scratch);
-    q *= l2_inverse_norm(q_squares, l2_eps);
-    k *= l2_inverse_norm(k_squares, l2_eps);
+    q = q / sqrtf(q_squares + l2_eps);
+    k = k / sqrtf(k_squares + l2_eps);
 }
 
 // Gated RMSNorm of one channel of a head, the gate a SIGMOID (docs/maths.md, section 3); every thread calls it.

@@ -49,38 +49,9 @@ class GateSource(NamedTuple):
     beta_logits: Any
 
 
-class ConvRows(NamedTuple):
-    """q, k and v as the conv pass (ops.kda_conv_prefill_silu_l2_bf16) leaves them for the prepares that
-    form the gate: conv_out [>= T, 3*H*D] BF16 (q | k | v of a row) and inv_norms [>= T, 2, H] FP32 (1 / the
-    L2 norm of each head of q, then of k). q = conv_out's q times its inv_norm, k likewise, v as it is: the
-    FP32 values the conv pass writes as query, key and value, bit for bit, from half their bytes."""
-
-    conv_out: Any
-    inv_norms: Any
-
-
-def _check_conv_rows(rows: ConvRows, tokens: int, heads: int) -> None:
-    _require_rows("conv_out", rows.conv_out, "bf16", tokens, (3 * heads * HEAD_DIM,), aligned=True)
-    _require_rows("inv_norms", rows.inv_norms, "f32", tokens, (2, heads))
-
-
-def _check_sources(query, key, value, gate_source, conv_rows) -> None:
-    """The prepares that form the gate read q, k and v from conv_rows; those that take it, from query, key
-    and value: ValueError for any other pairing."""
-    given = [name for name, array in (("query", query), ("key", key), ("value", value)) if array is not None]
-    if gate_source is not None:
-        if conv_rows is None or given:
-            raise ValueError(f"kda_chunk_tc_prepare_f32: with gate_source the prepare reads q, k and v from "
-                             f"conv_rows (ConvRows), with query, key and value None; got conv_rows "
-                             f"{'None' if conv_rows is None else 'set'} and {', '.join(given) or 'no'} FP32 rows")
-    elif conv_rows is not None or len(given) != 3:
-        raise ValueError("kda_chunk_tc_prepare_f32: without gate_source the prepare reads FP32 query, key and "
-                         "value (conv_rows only with gate_source)")
-
-
 def kda_chunk_tc_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, u, attn, chunk_decay,
                              tokens: int, lower_bound: float | None, scale: float | None = None,
-                             gate_source: GateSource | None = None, conv_rows: ConvRows | None = None) -> None:
+                             gate_source: GateSource | None = None) -> None:
     """Intra-chunk work of every chunk (no state): grid (nchunks, H), 256 threads.
 
     lower_bound: the bounded law's bound (-5 <= lower_bound <= 0), or None for gates with no lower
@@ -89,8 +60,7 @@ def kda_chunk_tc_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, 
     query, key, value, gate [>= T, H, D] and beta [>= T, H] FP32, 16-byte aligned; rows >= T are
     never read. With `gate_source` gate and beta are OUTPUTS, their T rows formed from the
     projections bit for bit as ops.kda_gate_beta_f32 writes them: by the bounded law, or (lower_bound
-    None) by the softplus law; gate may then be None (not written). Such a prepare reads q, k and v
-    from `conv_rows` (:class:`ConvRows`), query, key and value None.
+    None) by the softplus law; gate may then be None (not written).
 
     Writes the scratch of :func:`scratch_shapes`: q_decay = f16(tf32(scale q exp(G))),
     k_tail = f16(tf32(k exp(G_last - G))) chunk-transposed, w = f16(tf32(W)), u = Uc (FP32),
@@ -103,25 +73,20 @@ def kda_chunk_tc_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, 
     _require_rows("beta", beta, "f32", tokens, (heads,))
     if gate is None and gate_source is None:
         raise ValueError("kda_chunk_tc_prepare_f32: gate is an input (no gate_source), got None")
-    _check_sources(query, key, value, gate_source, conv_rows)
     for name, array in (("query", query), ("key", key), ("value", value), ("gate", gate)):
         if array is not None:
             _require_rows(name, array, "f32", tokens, (heads, HEAD_DIM), aligned=True)
-    if conv_rows is not None:
-        conv_rows = ConvRows(*conv_rows)
-        _check_conv_rows(conv_rows, tokens, heads)
     _require_scratch(q_decay, k_tail, w, u, attn, chunk_decay, tokens, heads)
     if scale is None:
         scale = 1.0 / math.sqrt(HEAD_DIM)
-    outputs = (q_decay, k_tail, w, u, attn, chunk_decay, _i32(tokens), _i32(heads), _f32(scale),
-               _f32(0.0 if lower_bound is None else lower_bound))
-    args = (query, key, value, gate, beta, *outputs)
+    args = (query, key, value, gate, beta, q_decay, k_tail, w, u, attn, chunk_decay,
+            _i32(tokens), _i32(heads), _f32(scale), _f32(0.0 if lower_bound is None else lower_bound))
     name = "kda_chunk_tc_prepare_f32" if lower_bound is not None else "kda_chunk_tc_prepare_unbounded_f32"
     if gate_source is not None:
         sources = GateSource(*gate_source)
         ld_beta = check_gate_sources(*sources, heads, HEAD_DIM, tokens)
         name = "kda_chunk_tc_prepare_gate_f32" if lower_bound is not None else "kda_chunk_tc_prepare_unbounded_gate_f32"
-        args = (*conv_rows, gate, beta, *outputs, *sources, _i32(ld_beta))
+        args = (*args, *sources, _i32(ld_beta))
     _launch(name, (chunk_count(tokens), heads), (PREPARE_THREADS,), args, shared_mem=PREPARE_SMEM_BYTES)
 
 
@@ -146,15 +111,15 @@ def kda_chunk_tc_scan_f32(q_decay, k_tail, w, u, attn, chunk_decay, state, core,
 
 def chunk_prefill_tc(query, key, value, gate, beta, state, core, tokens: int, lower_bound: float | None,
                      q_decay, k_tail, w, u, attn, chunk_decay, scale: float | None = None,
-                     gate_source: GateSource | None = None, conv_rows: ConvRows | None = None) -> None:
+                     gate_source: GateSource | None = None) -> None:
     """The chunked prefill core on tensor cores: core [>= T, H, D] and the carried state
     [H, D, D] (in place) from query, key, value, gate [>= T, H, D] and beta [>= T, H].
 
     Scratch (C-contiguous, 16-byte aligned) of :func:`glm_kda.chunk_model.scratch_shapes` and SCRATCH_KINDS:
     the workspace's q_decay_f16, k_tail_f16, chunk_w_f16, chunk_u, attn_f16 and chunk_decay at chunk 64.
 
-    lower_bound, `gate_source` (:class:`GateSource`) and `conv_rows` (:class:`ConvRows`, in place of
-    query, key and value with gate_source) as :func:`kda_chunk_tc_prepare_f32` takes them. Every argument is checked before the first launch, so a refused call leaves the state untouched.
+    lower_bound and `gate_source` (:class:`GateSource`) as :func:`kda_chunk_tc_prepare_f32` takes
+    them. Every argument is checked before the first launch, so a refused call leaves the state untouched.
     """
     if not _checked_call_needs_work(lower_bound, tokens):
         return
@@ -167,5 +132,5 @@ def chunk_prefill_tc(query, key, value, gate, beta, state, core, tokens: int, lo
     _require_scratch(q_decay, k_tail, w, u, attn, chunk_decay, tokens, heads)
     # The gate sources are the prepare's alone: it checks them before its launch.
     kda_chunk_tc_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, u, attn, chunk_decay,
-                             tokens, lower_bound, scale, gate_source, conv_rows)
+                             tokens, lower_bound, scale, gate_source)
     kda_chunk_tc_scan_f32(q_decay, k_tail, w, u, attn, chunk_decay, state, core, tokens)
