@@ -102,24 +102,25 @@ FULL_GLM_16384_BYTES = 7_822_508_040
 
 
 def test_the_lean_workspace_is_under_half_of_one_holding_every_row(monkeypatch):
-    """The middle's buffers hold MIDDLE_ROWS rows unless stage_buffers: at GLM-5.3-Flash geometry and 16384
-    rows, the workspace is under half the bytes of one holding every row. The recording workspace's bytes are
-    what a GPU measured for the buffer list before the windows."""
-    from glm_kda.gpu.workspace import MIDDLE_ROWS
-
-    glm = synthetic_config("glm", 1)
+    """The middle's buffers hold MIDDLE_ELEMENTS / (H * D) rows unless stage_buffers (4096 at GLM-5.3-Flash
+    geometry, 8192 at Kimi-Linear's): at GLM-5.3-Flash geometry and 16384 rows, the workspace is under half
+    the bytes of one holding every row; Kimi-Linear's middle buffers take the bytes of GLM-5.3-Flash's. The
+    recording workspace's bytes are what a GPU measured for the buffer list before the windows."""
+    glm, kimi = synthetic_config("glm", 1), synthetic_config("kimi", 1)
     full = shape_only_workspace(monkeypatch, glm, 16384, True)
     lean = shape_only_workspace(monkeypatch, glm, 16384, False)
     assert full.nbytes == FULL_GLM_16384_BYTES, f"recording workspace {full.nbytes:,} bytes"
-    assert (full.middle_rows, lean.middle_rows) == (16384, MIDDLE_ROWS)
-    assert lean.query.shape[0] == lean.core.shape[0] == lean.conv_out.shape[0] == MIDDLE_ROWS
+    assert (full.middle_rows, lean.middle_rows) == (16384, 4096)
+    assert lean.query.shape[0] == lean.core.shape[0] == lean.conv_out.shape[0] == 4096
     assert lean.qkv_proj.shape[0] == lean.o_norm_out.shape[0] == lean.final_out.shape[0] == 16384
-    assert lean.nbytes <= full.nbytes / 2, f"lean {lean.nbytes:,} of {full.nbytes:,} bytes"
-    # A workspace that MIDDLE_ROWS covers is the same either way; windows are whole chunks.
-    small = [shape_only_workspace(monkeypatch, synthetic_config("kimi", 1), 1000, flag) for flag in (False, True)]
+    assert lean.nbytes <= FULL_GLM_16384_BYTES / 2, f"lean {lean.nbytes:,} of {FULL_GLM_16384_BYTES:,} bytes"
+    kimi_lean = shape_only_workspace(monkeypatch, kimi, 16384, False)
+    assert kimi_lean.middle_rows == 8192 and kimi_lean.core.nbytes == lean.core.nbytes
+    # A workspace that its middle covers is the same either way; windows are whole chunks.
+    small = [shape_only_workspace(monkeypatch, kimi, 1000, flag) for flag in (False, True)]
     assert small[0].nbytes == small[1].nbytes and small[0].middle_rows == 1024
     odd = shape_only_workspace(monkeypatch, glm.with_chunk(48), 16384, False)
-    assert odd.middle_rows == MIDDLE_ROWS // 48 * 48 and odd.attn.shape[0] == odd.middle_rows // 48
+    assert odd.middle_rows == 4096 // 48 * 48 and odd.attn.shape[0] == odd.middle_rows // 48
 
 
 def test_a_stream_per_request_holds_one_workspace_at_a_time(made):

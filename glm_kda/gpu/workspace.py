@@ -25,11 +25,13 @@ _SIDE_STREAM_PRIORITY = -64
 _PROCESS_STREAMS = (0, 1, 2)
 # cudaMemcpyKind of a host-to-device copy.
 _HOST_TO_DEVICE = 1
-# Rows of a lean workspace's per-token FP32 buffers, conv_out and chunk scratch (whole chunks of it): a
-# longer prefill runs its middle in windows of these rows. Enough rows for the middle's kernels to fill
-# the GPU; few enough that the workspace of a GLM-5.3-Flash layer of 16384 rows is under half the size
-# of one whose every buffer holds every row (docs/design.md, "The middle in windows").
-MIDDLE_ROWS = 4096
+# Elements of a lean workspace's per-token FP32 buffers [M, H, D] (and, alike, its conv_out and chunk
+# scratch): M = this over H * D, whole chunks, 4096 rows at GLM-5.3-Flash geometry and 8192 at
+# Kimi-Linear's; a longer prefill runs its middle in windows of M rows. Enough rows for the middle's
+# kernels to fill the GPU, and fewer windows where heads are fewer; few enough that the workspace of a
+# GLM-5.3-Flash layer of 16384 rows is under half the size of one whose every buffer holds every row
+# (docs/design.md, "The middle in windows").
+MIDDLE_ELEMENTS = 4096 * 64 * 128
 
 
 class PinnedUploads:
@@ -76,7 +78,7 @@ class KdaWorkspace:
       chunk scratch: q_decay, k_tail, chunk_w, chunk_u [M, H, D], attn [M/C, H, C, C],
       chunk_decay [M/C, H, D], all FP32
     with T = max_tokens and M = ``middle_rows``: T rounded up to the chunk where `stage_buffers`,
-    else at most MIDDLE_ROWS (whole chunks). A prefill of more than M rows runs its middle (conv pass,
+    else at most MIDDLE_ELEMENTS / (H * D) (whole chunks). A prefill of more than M rows runs its middle (conv pass,
     chunked delta rule, gated RMSNorm) in windows of M rows, the state carried from one to the next,
     with the bits of one pass; its stage buffers then hold the last window only. So a layer under
     KdaOptions(stage_buffers=True) takes a workspace made with stage_buffers=True, whose buffers hold
@@ -107,7 +109,8 @@ class KdaWorkspace:
         self.serial = next(KdaWorkspace._serials)
         c = config
         self.padded_tokens = padded = -(-max_tokens // c.chunk) * c.chunk
-        self.middle_rows = middle = padded if stage_buffers else min(padded, MIDDLE_ROWS // c.chunk * c.chunk)
+        window = max(c.chunk, MIDDLE_ELEMENTS // c.qkv // c.chunk * c.chunk)
+        self.middle_rows = middle = padded if stage_buffers else min(padded, window)
         nchunks = middle // c.chunk
         bf16, f32 = bf16_dtype(), np.float32
         heads, dim = c.heads, c.head_dim
