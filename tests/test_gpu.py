@@ -711,8 +711,8 @@ def test_packed_prefill_equals_solo_prefills(layers, geometry, segment, figures)
     (in its own, shuffled slot of a larger pool) within the end-to-end oracle bound, and
     within twice that bound of its solo prefill; the slots not named are left untouched. One
     pass: through a workspace holding every row; "windows": through a lean workspace of every row,
-    whose middle runs in windows of the lean workspace's middle_rows; a number: through a workspace of that many rows,
-    the sequences crossing segments."""
+    whose middle runs in windows of the lean workspace's middle_rows; a number: through a workspace of
+    that many rows, the sequences crossing segments."""
     from glm_kda.gpu.layer import KdaLayer
     from glm_kda.gpu.workspace import KdaWorkspace
     from glm_kda.state import StatePool
@@ -760,8 +760,8 @@ def test_packed_prefill_equals_solo_prefills(layers, geometry, segment, figures)
 def test_prefill_in_segments_gives_the_bits_of_one_pass(layers, geometry, monkeypatch):
     """A prefill recording every stage buffer, one that writes only what its kernels read, one longer
     than its workspace (1000 rows through 256: segments of 256, 256, 256 and 232), and one whose
-    middle runs in windows of 256 rows of a lean workspace (MIDDLE_ELEMENTS set to 256 rows here; recording or
-    not) write the same bits: output, conv and recurrent state, from a random state. So do a packed
+    middle runs in windows of 256 rows of a lean workspace (MIDDLE_ELEMENTS set to 256 rows here;
+    recording or not) write the same bits: output, conv and recurrent state, from a random state. So do a packed
     prefill through segments of 256 rows and one through windows of 256 rows (both split the runs at
     the same rows). The projections run on tests/tiled_gemm.py's kernel, whose sums do not depend on
     the row count: cuBLAS may choose another algorithm for 256 rows than for 1000 (it did, at GLM
@@ -846,8 +846,8 @@ def test_tensor_core_prefill_long_sequences(layers, tokens, figures):
     fit beside the workspace). The BF16 block output is not compared with the FP32 path's:
     two roundings of o_norm_out apart, they differ by about a BF16 ulp wherever a rounding
     flips (2.3e-3 measured), which the end-to-end check bounds instead. A lean workspace, whose
-    middle runs in windows of the lean workspace's middle_rows, gives the output and state bits of the one pass through
-    a workspace holding every row (whose core the comparison reads)."""
+    middle runs in windows of the lean workspace's middle_rows, gives the output and state bits of the
+    one pass through a workspace holding every row (whose core the comparison reads)."""
     from glm_kda.gpu.layer import KdaLayer
     from glm_kda.gpu.workspace import KdaWorkspace
 

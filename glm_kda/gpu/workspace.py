@@ -78,9 +78,9 @@ class KdaWorkspace:
       chunk scratch: q_decay, k_tail, chunk_w, chunk_u [M, H, D], attn [M/C, H, C, C],
       chunk_decay [M/C, H, D], all FP32
     with T = max_tokens and M = ``middle_rows``: T rounded up to the chunk where `stage_buffers`,
-    else at most MIDDLE_ELEMENTS / (H * D) (whole chunks). A prefill of more than M rows runs its middle (conv pass,
-    chunked delta rule, gated RMSNorm) in windows of M rows, the state carried from one to the next,
-    with the bits of one pass; its stage buffers then hold the last window only. So a layer under
+    else at most MIDDLE_ELEMENTS / (H * D) (whole chunks). A prefill of more than M rows runs its
+    middle (conv pass, chunked delta rule, gated RMSNorm) in windows of M rows, the state carried from
+    one to the next, with the bits of one pass; its stage buffers then hold the last window only. So a layer under
     KdaOptions(stage_buffers=True) takes a workspace made with stage_buffers=True, whose buffers hold
     every row (2.3x the bytes at GLM-5.3-Flash geometry and 16384 rows). The tensor-core chunk
     kernels keep q_decay, k_tail, w and attn as FP16 in the first half of the same bytes
