@@ -761,8 +761,8 @@ def test_prefill_in_segments_gives_the_bits_of_one_pass(layers, geometry, monkey
     """A prefill recording every stage buffer, one that writes only what its kernels read, one longer
     than its workspace (1000 rows through 256: segments of 256, 256, 256 and 232), and one whose
     middle runs in windows of 256 rows of a lean workspace (MIDDLE_ELEMENTS set to 256 rows here;
-    recording or not) write the same bits: output, conv and recurrent state, from a random state. So do a packed
-    prefill through segments of 256 rows and one through windows of 256 rows (both split the runs at
+    recording or not) write the same bits: output, conv and recurrent state, from a random state. So do a
+    packed prefill through segments of 256 rows and one through windows of 256 rows (both split the runs at
     the same rows). The projections run on tests/tiled_gemm.py's kernel, whose sums do not depend on
     the row count: cuBLAS may choose another algorithm for 256 rows than for 1000 (it did, at GLM
     geometry on an H100). workspace.stages refuses what the last three leave unrecorded; a workspace

@@ -80,9 +80,9 @@ class KdaWorkspace:
     with T = max_tokens and M = ``middle_rows``: T rounded up to the chunk where `stage_buffers`,
     else at most MIDDLE_ELEMENTS / (H * D) (whole chunks). A prefill of more than M rows runs its
     middle (conv pass, chunked delta rule, gated RMSNorm) in windows of M rows, the state carried from
-    one to the next, with the bits of one pass; its stage buffers then hold the last window only. So a layer under
-    KdaOptions(stage_buffers=True) takes a workspace made with stage_buffers=True, whose buffers hold
-    every row (2.3x the bytes at GLM-5.3-Flash geometry and 16384 rows). The tensor-core chunk
+    one to the next, with the bits of one pass; its stage buffers then hold the last window only. So a
+    layer under KdaOptions(stage_buffers=True) takes a workspace made with stage_buffers=True, whose
+    buffers hold every row (2.3x the bytes at GLM-5.3-Flash geometry and 16384 rows). The tensor-core chunk
     kernels keep q_decay, k_tail, w and attn as FP16 in the first half of the same bytes
     (q_decay_f16, k_tail_f16, chunk_w_f16, attn_f16). The rest (docs/design.md, "Workspaces"): the
     bulk sweep's x_tiles, x_tiles_side, x_tiles_gate and bulk_partial, the outputs_ready count (zero
