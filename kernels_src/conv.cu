@@ -8,72 +8,45 @@
 // Tokens per block of the prefill conv; at least CONV_MAX_KERNEL (see the kernel).
 #define CONV_PREFILL_TILE 64
 
-// old[slot] for the one slot < CONV_MAX_KERNEL equal to `slot` (selects, no indexed load).
-__device__ __forceinline__ float conv_carried_input(const float (&old)[CONV_MAX_KERNEL], int slot)
-{
-    float carried = 0.0f;
-#pragma unroll
-    for (int j = 0; j < CONV_MAX_KERNEL; ++j) {
-        carried = j == slot ? old[j] : carried;
-    }
-    return carried;
-}
-
 // Tokens a warp loads ahead of their arithmetic.
-#define CONV_PREFILL_AHEAD 4
+#define CONV_PREFILL_AHEAD 2
 
-// qkv_proj, conv_out [T, 3 H D] BF16 (8-byte aligned rows; conv_out may be null: not written), conv_w
-// [3 H D, K] BF16, query, key, value [T, H D] FP32 (16-byte aligned rows). Warp w of block x holds
-// head part 4x + w of q, then k, then v.
-extern "C" __global__ void __launch_bounds__(KDA_HEAD_BLOCK)
-kda_conv_prefill_silu_l2_bf16(float* __restrict__ conv_state, const bf16_t* __restrict__ qkv_proj,
-                          const bf16_t* __restrict__ conv_w, bf16_t* __restrict__ conv_out,
-                          float* __restrict__ query, float* __restrict__ key,
-                          float* __restrict__ value, int heads, int head_dim, int kernel_size,
-                          int tokens, float l2_eps)
+// Resident blocks an SM the register budget is cut for (64 registers a thread on sm_90).
+#define CONV_PREFILL_BLOCKS_PER_SM 7
+
+// One warp's tile (see the kernel below); kernel_size is FIXED_K where that is > 0, so that the window
+// shifts and the tap loop unroll without a branch, else the run-time argument.
+template <int FIXED_K>
+__device__ __forceinline__ void conv_prefill_tile(float* __restrict__ conv_state, const bf16_t* __restrict__ qkv_proj,
+                                                  const bf16_t* __restrict__ conv_w, bf16_t* __restrict__ conv_out,
+                                                  float* __restrict__ outputs, int part, int heads, int run_time_k,
+                                                  int tokens, float l2_eps)
 {
-    const int part = blockIdx.x * (KDA_HEAD_BLOCK / 32) + (threadIdx.x >> 5);
-    // Uniform over the warp (there is no block barrier): a wrong geometry leaves whole warps.
-    if (head_dim != KDA_HEAD_DIM || blockDim.x != KDA_HEAD_BLOCK || part >= 3 * heads ||
-        kernel_size < 1 || kernel_size > CONV_MAX_KERNEL) {
-        return;
-    }
+    const int kernel_size = FIXED_K > 0 ? FIXED_K : run_time_k;
     const int lane = threadIdx.x & 31;
-    const size_t qkv = static_cast<size_t>(heads) * head_dim;
+    const size_t qkv = static_cast<size_t>(heads) * KDA_HEAD_DIM;
     const size_t conv_dim = 3 * qkv;
     const int channel = part * KDA_HEAD_DIM + 4 * lane;  // the first of this lane's four
-    const int head = part % heads;
     const int first = blockIdx.y * CONV_PREFILL_TILE;
     const int last = min(first + CONV_PREFILL_TILE, tokens);
     float* state = conv_state + static_cast<size_t>(channel) * kernel_size;  // 4 K floats
-    float* outputs = part < heads ? query : part < 2 * heads ? key : value;
-    outputs += static_cast<size_t>(head) * KDA_HEAD_DIM + 4 * lane;
+    const bool normalize = part < 2 * heads;
 
-    // Only tile 0 reaches t < 0 (a tile is >= K long): it reads the carried state before any write.
-    float old_state[4][CONV_MAX_KERNEL] = {};
-    if (blockIdx.y == 0) {
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-#pragma unroll
-            for (int j = 0; j < CONV_MAX_KERNEL; ++j) {
-                if (j < kernel_size) {
-                    old_state[c][j] = state[c * kernel_size + j];
-                }
-            }
-        }
-    }
     auto load_inputs = [&](int t) -> uint2 {
         return *reinterpret_cast<const uint2*>(qkv_proj + static_cast<size_t>(t) * conv_dim + channel);
     };
-    // Conv input of token t: the loaded word for t >= 0, else the carried state (slot K + t).
-    auto input = [&](const uint2& packed, int t, int c) -> float {
-        if (t >= 0) {
-            return bf16_half_to_f32(c < 2 ? packed.x : packed.y, c & 1);
-        }
-        return conv_carried_input(old_state[c], kernel_size + t);
+    auto unpack = [](const uint2& packed, int c) -> float {
+        return bf16_half_to_f32(c < 2 ? packed.x : packed.y, c & 1);
     };
+    // The taps once, in registers: the loop below reads no weight.
+    float taps[4][CONV_MAX_KERNEL];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+        conv_taps_f32(taps[c], conv_w + static_cast<size_t>(channel + c) * kernel_size, kernel_size);
+    }
 
-    // The windows before token `first` hold its K predecessors, oldest in slot 0.
+    // The windows before token `first` hold its K predecessors, oldest in slot 0. Only tile 0 reaches
+    // t < 0 (a tile is >= K long): the carried state's slot K + t, read before tile 0 writes any.
     float window[4][CONV_MAX_KERNEL] = {};
 #pragma unroll
     for (int j = 0; j < CONV_MAX_KERNEL; ++j) {
@@ -82,11 +55,10 @@ kda_conv_prefill_silu_l2_bf16(float* __restrict__ conv_state, const bf16_t* __re
             const uint2 packed = t >= 0 ? load_inputs(t) : make_uint2(0u, 0u);
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
-                window[c][j] = input(packed, t, c);
+                window[c][j] = t >= 0 ? unpack(packed, c) : state[c * kernel_size + kernel_size + t];
             }
         }
     }
-    const bool normalize = part < 2 * heads;
     for (int t0 = first; t0 < last; t0 += CONV_PREFILL_AHEAD) {
         uint2 packed[CONV_PREFILL_AHEAD];
 #pragma unroll
@@ -103,10 +75,8 @@ kda_conv_prefill_silu_l2_bf16(float* __restrict__ conv_state, const bf16_t* __re
             unsigned int bits[4];
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
-                conv_window_push(window[c], input(packed[u], t, c), kernel_size);
-                const bf16_t out =
-                    f32_to_bf16(conv_silu(window[c], conv_w + static_cast<size_t>(channel + c) * kernel_size,
-                                          kernel_size));
+                conv_window_push(window[c], unpack(packed[u], c), kernel_size);
+                const bf16_t out = f32_to_bf16(conv_silu_f32_taps(window[c], taps[c], kernel_size));
                 bits[c] = out;
                 rounded[c] = bf16_to_f32(out);
             }
@@ -123,7 +93,8 @@ kda_conv_prefill_silu_l2_bf16(float* __restrict__ conv_state, const bf16_t* __re
         }
     }
 
-    // Tile 0 alone writes the new state, so no block reads a slot another has overwritten.
+    // Tile 0 alone writes the new state, so no block reads a slot another has overwritten. Where
+    // T < K, slot j takes the old slot T + j, which is above j: not yet rewritten.
     if (blockIdx.y == 0) {
 #pragma unroll
         for (int j = 0; j < CONV_MAX_KERNEL; ++j) {
@@ -132,9 +103,37 @@ kda_conv_prefill_silu_l2_bf16(float* __restrict__ conv_state, const bf16_t* __re
                 const uint2 packed = t >= 0 ? load_inputs(t) : make_uint2(0u, 0u);
 #pragma unroll
                 for (int c = 0; c < 4; ++c) {
-                    state[c * kernel_size + j] = input(packed, t, c);
+                    state[c * kernel_size + j] = t >= 0 ? unpack(packed, c) : state[c * kernel_size + kernel_size + t];
                 }
             }
         }
+    }
+}
+
+// qkv_proj, conv_out [T, 3 H D] BF16 (8-byte aligned rows; conv_out may be null: not written), conv_w
+// [3 H D, K] BF16, query, key, value [T, H D] FP32 (16-byte aligned rows). Warp w of block x holds
+// head part 4x + w of q, then k, then v. The register cap buys occupancy, the loads in flight of
+// more warps; with two tokens ahead it needs no spill on any architecture (docs/performance.md).
+extern "C" __global__ void __launch_bounds__(KDA_HEAD_BLOCK, CONV_PREFILL_BLOCKS_PER_SM)
+kda_conv_prefill_silu_l2_bf16(float* __restrict__ conv_state, const bf16_t* __restrict__ qkv_proj,
+                          const bf16_t* __restrict__ conv_w, bf16_t* __restrict__ conv_out,
+                          float* __restrict__ query, float* __restrict__ key,
+                          float* __restrict__ value, int heads, int head_dim, int kernel_size,
+                          int tokens, float l2_eps)
+{
+    const int part = blockIdx.x * (KDA_HEAD_BLOCK / 32) + (threadIdx.x >> 5);
+    // Uniform over the warp (there is no block barrier): a wrong geometry leaves whole warps.
+    if (head_dim != KDA_HEAD_DIM || blockDim.x != KDA_HEAD_BLOCK || part >= 3 * heads ||
+        kernel_size < 1 || kernel_size > CONV_MAX_KERNEL) {
+        return;
+    }
+    float* outputs = part < heads ? query : part < 2 * heads ? key : value;
+    outputs += static_cast<size_t>(part % heads) * KDA_HEAD_DIM + 4 * (threadIdx.x & 31);
+    // Both models' K is CONV_MAX_KERNEL: its own copy of the loop; any other K takes the general one.
+    if (kernel_size == CONV_MAX_KERNEL) {
+        conv_prefill_tile<CONV_MAX_KERNEL>(conv_state, qkv_proj, conv_w, conv_out, outputs, part, heads, kernel_size,
+                                           tokens, l2_eps);
+    } else {
+        conv_prefill_tile<0>(conv_state, qkv_proj, conv_w, conv_out, outputs, part, heads, kernel_size, tokens, l2_eps);
     }
 }

@@ -191,7 +191,7 @@ int main(int argc, char** argv)
                                         core.data() + t * qkv, scale);
                 });
             }
-            run_grid(dim3{unsigned(heads), unsigned((rows + 7) / 8), 1}, 128, 0, [&] {
+            run_grid(dim3{unsigned((heads + 3) / 4), unsigned((rows + 3) / 4), 1}, 128, 0, [&] {
                 kda_gated_rmsnorm_sigmoid_bf16(walk_core.data(), out_gate.data(), norm_w.data(), o_norm_out.data(), heads,
                                            128, norm_eps, rows);
             });

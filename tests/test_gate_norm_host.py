@@ -57,7 +57,7 @@ int main(int argc, char** argv)
         kda_gate_beta_f32(forget_proj.data(), dt_bias.data(), a_log.data(), beta_logits.data() + 2 * 128, ld_beta, gate.data(),
                       beta.data(), heads, 128, bounded, lower_bound, tokens);
     });
-    run_grid(dim3{unsigned(heads), unsigned((tokens + 7) / 8), 1}, 128, 0, [&] {
+    run_grid(dim3{unsigned((heads + 3) / 4), unsigned((tokens + 3) / 4), 1}, 128, 0, [&] {
         kda_gated_rmsnorm_sigmoid_bf16(core.data(), out_gate.data(), norm_w.data(), o_norm_out.data(), heads, 128, eps,
                                    tokens);
     });

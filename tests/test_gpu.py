@@ -706,13 +706,14 @@ PACKED_LENGTHS = [1, 17, 64, 100, 1000, 3, 4096, 250]
 
 @pytest.mark.parametrize("segment", [None, "windows", 1024], ids=["one_pass", "windows", "segments_of_1024"])
 @pytest.mark.parametrize("geometry", ["glm", "kimi"])
-def test_packed_prefill_equals_solo_prefills(layers, geometry, segment, figures):
+def test_packed_prefill_equals_solo_prefills(layers, geometry, segment, figures, monkeypatch):
     """8 sequences of lengths 1..4096 packed in one call: each sequence's output and states
     (in its own, shuffled slot of a larger pool) within the end-to-end oracle bound, and
     within twice that bound of its solo prefill; the slots not named are left untouched. One
     pass: through a workspace holding every row; "windows": through a lean workspace of every row,
-    whose middle runs in windows of the lean workspace's middle_rows; a number: through a workspace of
-    that many rows, the sequences crossing segments."""
+    whose middle runs in windows of 4096 rows (at either geometry, so that the sequences cross
+    windows); a number: through a workspace of that many rows, the sequences crossing segments."""
+    from glm_kda.gpu import workspace as workspaces
     from glm_kda.gpu.layer import KdaLayer
     from glm_kda.gpu.workspace import KdaWorkspace
     from glm_kda.state import StatePool
@@ -723,6 +724,7 @@ def test_packed_prefill_equals_solo_prefills(layers, geometry, segment, figures)
     rng = np.random.default_rng(31)
     total = sum(PACKED_LENGTHS)
     rows = segment if isinstance(segment, int) else total
+    monkeypatch.setattr(workspaces, "MIDDLE_ELEMENTS", 4096 * cfg.qkv)
     workspace = KdaWorkspace(cfg, rows, stage_buffers=segment is None)
     assert (workspace.middle_rows < total) == (segment is not None)
     layer = KdaLayer(bound, max_tokens=total, workspace=workspace)

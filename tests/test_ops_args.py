@@ -106,20 +106,20 @@ def test_prefill_conv_names_a_short_output(launches):
     assert not launches
 
 
-@pytest.mark.parametrize("tokens", [1, 7, 8, 9, ops.MAX_GRID_Y + 5], ids=lambda t: f"T{t}")
+@pytest.mark.parametrize("tokens", [1, 3, 4, 5, 7, 8, 9, ops.MAX_GRID_Y + 5], ids=lambda t: f"T{t}")
 def test_gate_and_norm_walk_token_groups(launches, tokens):
     """grid.y = ceil(T / tokens per block) per slice of at most MAX_GRID_Y tokens; each launch
-    is told its slice's token count (the kernels stop there)."""
-    heads, dim = 1, ops.HEAD_DIM
+    is told its slice's token count (the kernels stop there); the norm's grid.x = ceil(H / 4)."""
+    heads, dim = 5, ops.HEAD_DIM
     qkv = heads * dim
     ops.kda_gate_beta_f32(_bf16(tokens, qkv), _f32(qkv), _f32(heads), _bf16(tokens, 2 * dim + heads)[:, 2 * dim:],
                       _f32(tokens, heads, dim), _f32(tokens, heads), heads, dim, True, -5.0, tokens=tokens)
     ops.kda_gated_rmsnorm_sigmoid_bf16(_f32(tokens, heads, dim), _bf16(tokens, qkv), _bf16(dim), _bf16(tokens, qkv),
                                    heads, dim, 1e-5, tokens=tokens)
     slices = [min(ops.MAX_GRID_Y, tokens - start) for start in range(0, tokens, ops.MAX_GRID_Y)]
-    for kernel, per_block in (("kda_gate_beta_f32", 32), ("kda_gated_rmsnorm_sigmoid_bf16", 8)):
+    for kernel, head_blocks, per_block in (("kda_gate_beta_f32", heads, 32), ("kda_gated_rmsnorm_sigmoid_bf16", 2, 4)):
         made = [launch for launch in launches if launch[0] == kernel]
-        assert [launch[1] for launch in made] == [(heads, -(-count // per_block)) for count in slices]
+        assert [launch[1] for launch in made] == [(head_blocks, -(-count // per_block)) for count in slices]
         assert [int(launch[3][-1]) for launch in made] == slices
 
 

@@ -50,25 +50,39 @@ __device__ __forceinline__ void conv_window_store(const float window[CONV_MAX_KE
     }
 }
 
-// silu( sum_j taps[j] * window[j] ), FP32 fma in ascending j, the taps already in registers.
-__device__ __forceinline__ float conv_silu_taps(const float window[CONV_MAX_KERNEL],
-                                                const bf16_t taps[CONV_MAX_KERNEL], int kernel_size)
+// silu( sum_j taps[j] * window[j] ), FP32 fma in ascending j, the taps (BF16 values) already FP32 in registers.
+__device__ __forceinline__ float conv_silu_f32_taps(const float window[CONV_MAX_KERNEL],
+                                                    const float taps[CONV_MAX_KERNEL], int kernel_size)
 {
     float acc = 0.0f;
 #pragma unroll
     for (int j = 0; j < CONV_MAX_KERNEL; ++j) {
         if (j < kernel_size) {
-            acc = fmaf(bf16_to_f32(taps[j]), window[j], acc);
+            acc = fmaf(taps[j], window[j], acc);
         }
     }
     return acc / (1.0f + expf(-acc));
 }
 
-// conv_silu_taps with the taps read from memory.
-__device__ __forceinline__ float conv_silu(const float window[CONV_MAX_KERNEL],
-                                           const bf16_t* taps, int kernel_size)
+// The BF16 taps of a channel widened to FP32 (exact), slots K.. zero.
+__device__ __forceinline__ void conv_taps_f32(float (&taps)[CONV_MAX_KERNEL], const bf16_t* stored, int kernel_size)
 {
     bf16_t loaded[CONV_MAX_KERNEL];
-    conv_slots_load(loaded, taps, kernel_size);
-    return conv_silu_taps(window, loaded, kernel_size);
+    conv_slots_load(loaded, stored, kernel_size);
+#pragma unroll
+    for (int j = 0; j < CONV_MAX_KERNEL; ++j) {
+        taps[j] = bf16_to_f32(loaded[j]);
+    }
+}
+
+// conv_silu_f32_taps with BF16 taps in registers.
+__device__ __forceinline__ float conv_silu_taps(const float window[CONV_MAX_KERNEL],
+                                                const bf16_t taps[CONV_MAX_KERNEL], int kernel_size)
+{
+    float wide[CONV_MAX_KERNEL];
+#pragma unroll
+    for (int j = 0; j < CONV_MAX_KERNEL; ++j) {
+        wide[j] = bf16_to_f32(taps[j]);
+    }
+    return conv_silu_f32_taps(window, wide, kernel_size);
 }

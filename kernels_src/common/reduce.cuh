@@ -77,16 +77,25 @@ __device__ __forceinline__ void l2_normalize_pair(float& q, float& k, float l2_e
     k = k / sqrtf(k_squares + l2_eps);
 }
 
-// Gated RMSNorm of one channel of a head, the gate a SIGMOID (docs/maths.md, section 3); every thread calls it.
-__device__ __forceinline__ float gated_rmsnorm_sigmoid(float o, float weight, float z, float eps, float* scratch)
+// Gated RMSNorm of one channel of a head, the gate a SIGMOID (docs/maths.md, section 3), given the sum
+// over the head of o * o (block_sum_f32's bits).
+__device__ __forceinline__ float gated_rmsnorm_sigmoid_of_sum(float o, float sum_squares, float weight, float z,
+                                                              float eps)
 {
-    // __fmul_rn: a product the compiler may not fuse into the first shuffle add.
-    const float mean_square = block_sum_f32(__fmul_rn(o, o), scratch) / static_cast<float>(KDA_HEAD_DIM);
+    const float mean_square = sum_squares / static_cast<float>(KDA_HEAD_DIM);
     return o / sqrtf(mean_square + eps) * weight * sigmoid_f32(z);
 }
 
+// gated_rmsnorm_sigmoid_of_sum of a channel a thread; every thread calls it.
+__device__ __forceinline__ float gated_rmsnorm_sigmoid(float o, float weight, float z, float eps, float* scratch)
+{
+    // __fmul_rn: a product the compiler may not fuse into the first shuffle add.
+    return gated_rmsnorm_sigmoid_of_sum(o, block_sum_f32(__fmul_rn(o, o), scratch), weight, z, eps);
+}
+
 // The L2 sum of a head's 128 squares held 4 per lane (lane L: channels 4L .. 4L+3) with block_sum_f32's
-// additions in its order, so that the prefill conv's q and k are decode's (docs/kernels.md, 'Shared pieces').
+// additions in its order, so that the prefill conv's q and k and the prefill norm's sums are decode's
+// (docs/kernels.md, 'Shared pieces').
 __device__ __forceinline__ float warp_head_sum_squares(const float (&v)[4])
 {
     float s[4];
