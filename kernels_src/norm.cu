@@ -8,6 +8,10 @@
 
 #define NORM_TOKENS_PER_BLOCK 4
 
+// Heads per block: one per warp.
+#define NORM_HEADS_PER_BLOCK 4
+static_assert(NORM_HEADS_PER_BLOCK * 32 == KDA_HEAD_BLOCK, "a warp per head");
+
 // core [T, H, D] FP32 (16-byte aligned rows), out_gate [T, H D] BF16, norm_w [D] BF16 (8-byte aligned
 // rows) -> o_norm_out [T, H D] BF16 (8-byte aligned rows).
 extern "C" __global__ void __launch_bounds__(KDA_HEAD_BLOCK)
@@ -15,7 +19,7 @@ kda_gated_rmsnorm_sigmoid_bf16(const float* __restrict__ core, const bf16_t* __r
                            const bf16_t* __restrict__ norm_w, bf16_t* __restrict__ o_norm_out,
                            int heads, int head_dim, float eps, int tokens)
 {
-    const int head = blockIdx.x * (KDA_HEAD_BLOCK / 32) + (threadIdx.x >> 5);
+    const int head = blockIdx.x * NORM_HEADS_PER_BLOCK + (threadIdx.x >> 5);
     // Uniform over the warp (there is no block barrier): a wrong geometry leaves whole warps.
     if (head_dim != KDA_HEAD_DIM || blockDim.x != KDA_HEAD_BLOCK || head >= heads) {
         return;

@@ -141,7 +141,8 @@ def test_constants_match_the_kernel_sources():
 
     assert (gate._TOKENS_PER_BLOCK, gate._THREADS) == (define("gate.cu", "GATE_TOKENS_PER_BLOCK"),
                                                        define("gate.cu", "GATE_THREADS"))
-    assert norm._TOKENS_PER_BLOCK == define("norm.cu", "NORM_TOKENS_PER_BLOCK")
+    assert (norm._TOKENS_PER_BLOCK, norm._HEADS_PER_BLOCK) == (define("norm.cu", "NORM_TOKENS_PER_BLOCK"),
+                                                              define("norm.cu", "NORM_HEADS_PER_BLOCK"))
     assert conv._TILE == define("conv.cu", "CONV_PREFILL_TILE")
     assert checks._CONV_MAX_KERNEL == define("common/conv_window.cuh", "CONV_MAX_KERNEL")
     assert (checks.HEAD_DIM, checks.HEAD_BLOCK) == (define("common/head.cuh", "KDA_HEAD_DIM"),

@@ -7,7 +7,7 @@ from .checks import HEAD_BLOCK, _f32, _i32, _require, _require_head_dim, _requir
 
 # Tokens per block of the kernel (NORM_TOKENS_PER_BLOCK).
 _TOKENS_PER_BLOCK = 4
-# Heads per block: one per warp of its HEAD_BLOCK threads.
+# Heads per block (NORM_HEADS_PER_BLOCK): one per warp of its HEAD_BLOCK threads.
 _HEADS_PER_BLOCK = 4
 
 

@@ -1,0 +1,152 @@
+"""The prefill's streaming kernels of two kernel folders side by side: bits and times, one JSON line each.
+
+    PYTHONPATH=. python benchmarks/kernel_versions.py --old DIR [--new DIR] [--geometry glm kimi]
+        [--tokens 4096 16384] [--repeats 30]
+
+DIR is a `kernels_src` folder of another version (say `git archive <rev> kernels_src | tar -x -C
+/tmp/old`, then --old /tmp/old/kernels_src); --new defaults to this checkout's. Each version's
+conv pass (`kda_conv_prefill_silu_l2_bf16`, kernel size 4) and gated RMSNorm
+(`kda_gated_rmsnorm_sigmoid_bf16`) is built by NVRTC from its own folder and run on the same random
+inputs, with the grid its folder's source names (the tokens a block from its `#define`). A line
+gives each version's median milliseconds over --repeats launches (CUDA events, after warm-up),
+`ratio` new / old (below 1: the new one is faster), each one's share of the copy bandwidth measured
+in the same run for the bytes the kernel must move, and `same_bits`: whether every output byte
+(and the conv state) agrees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from lib.timing import copy_bandwidth_gbs, median_ms  # noqa: E402
+
+# (heads, head_dim) of the two models' KDA blocks.
+_GEOMETRIES = {"glm": (64, 128), "kimi": (32, 128)}
+# Both models' conv kernel size.
+_CONV_KERNEL = 4
+_L2_EPS = 1e-6
+_NORM_EPS = 1e-5
+
+
+def _define(source: str, name: str) -> int:
+    match = re.search(rf"#define {name} (\d+)", source)
+    if match is None:
+        raise SystemExit(f"the kernel source no longer defines {name}")
+    return int(match.group(1))
+
+
+def _function(folder: str, stem: str, entry: str):
+    """(the entry point of <folder>/<stem>.cu built by NVRTC, that file's inlined source)."""
+    import cupy
+
+    from glm_kda.gpu.build import COMPILE_OPTIONS, kernel_source
+
+    source = kernel_source(stem, folder)
+    module = cupy.RawModule(code=source, options=COMPILE_OPTIONS)
+    return module.get_function(entry), source
+
+
+def _random_bf16(rng, shape, scale: float = 1.0):
+    """BF16 bits (uint16) of normal samples, rounded to nearest even."""
+    import cupy
+
+    bits = (rng.standard_normal(shape, dtype=cupy.float32) * scale).view(cupy.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(cupy.uint16)
+
+
+def _conv_case(folder: str, heads: int, dim: int, tokens: int, inputs: dict):
+    """(launch(), outputs()) of one folder's conv pass on `inputs`."""
+    import cupy
+
+    function, source = _function(folder, "conv", "kda_conv_prefill_silu_l2_bf16")
+    qkv = heads * dim
+    state = inputs["state"].copy()
+    q, k, v = (cupy.empty((tokens, qkv), cupy.float32) for _ in range(3))
+    grid = (-(-3 * heads // 4), -(-tokens // _define(source, "CONV_PREFILL_TILE")))
+
+    def launch():
+        function(grid, (128,), (state, inputs["qkv"], inputs["conv_w"], np.uint64(0), q, k, v, np.int32(heads),
+                                np.int32(dim), np.int32(_CONV_KERNEL), np.int32(tokens), np.float32(_L2_EPS)))
+
+    def outputs():
+        state[...] = inputs["state"]
+        launch()
+        return [array.copy() for array in (state, q, k, v)]
+
+    return launch, outputs
+
+
+def _norm_case(folder: str, heads: int, dim: int, tokens: int, inputs: dict):
+    import cupy
+
+    function, source = _function(folder, "norm", "kda_gated_rmsnorm_sigmoid_bf16")
+    out = cupy.empty((tokens, heads * dim), cupy.uint16)
+    # Older folders launch a block per head (no NORM_HEADS_PER_BLOCK).
+    heads_per_block = _define(source, "NORM_HEADS_PER_BLOCK") if "NORM_HEADS_PER_BLOCK" in source else 1
+    grid = (-(-heads // heads_per_block), -(-tokens // _define(source, "NORM_TOKENS_PER_BLOCK")))
+
+    def launch():
+        function(grid, (128,), (inputs["core"], inputs["gate"], inputs["norm_w"], out, np.int32(heads), np.int32(dim),
+                                np.float32(_NORM_EPS), np.int32(tokens)))
+
+    def outputs():
+        launch()
+        return [out.copy()]
+
+    return launch, outputs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--old", required=True, help="the other version's kernels_src folder")
+    parser.add_argument("--new", default=None, help="this version's kernels_src folder (default: this checkout's)")
+    parser.add_argument("--geometry", nargs="+", default=list(_GEOMETRIES), choices=list(_GEOMETRIES))
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--repeats", type=int, default=30)
+    args = parser.parse_args()
+    from lib.script import exit_unless_gpu
+
+    exit_unless_gpu("the kernel versions benchmark")
+    import cupy
+
+    from glm_kda.gpu.build import kernels_dir
+
+    new = args.new or str(kernels_dir())
+    bandwidth = copy_bandwidth_gbs()
+    print(json.dumps({"copy_bandwidth_GBs": bandwidth, "old": args.old, "new": new}), flush=True)
+    rng = cupy.random.default_rng(0)
+    for geometry in args.geometry:
+        heads, dim = _GEOMETRIES[geometry]
+        qkv = heads * dim
+        for tokens in args.tokens:
+            conv_inputs = {"qkv": _random_bf16(rng, (tokens, 3 * qkv)), "conv_w": _random_bf16(rng, (3 * qkv, _CONV_KERNEL), 0.5),
+                           "state": rng.standard_normal((3 * qkv, _CONV_KERNEL), dtype=cupy.float32)}
+            norm_inputs = {"core": rng.standard_normal((tokens, heads, dim), dtype=cupy.float32),
+                           "gate": _random_bf16(rng, (tokens, qkv)), "norm_w": _random_bf16(rng, (dim,), 0.3)}
+            cases = (("kda_conv_prefill_silu_l2_bf16", _conv_case, conv_inputs, tokens * 3 * qkv * (2 + 4)),
+                     ("kda_gated_rmsnorm_sigmoid_bf16", _norm_case, norm_inputs, tokens * qkv * (4 + 2 + 2)))
+            for kernel, case, inputs, moved in cases:
+                row = {"kernel": kernel, "geometry": geometry, "T": tokens, "bytes": moved}
+                results = {}
+                for name, folder in (("old", args.old), ("new", new)):
+                    launch, outputs = case(folder, heads, dim, tokens, inputs)
+                    results[name] = outputs()
+                    ms = median_ms(launch, args.repeats)
+                    row[f"{name}_ms"] = ms
+                    row[f"{name}_copy_fraction"] = moved / (ms * 1e-3) / 1e9 / bandwidth
+                row["ratio"] = row["new_ms"] / row["old_ms"]
+                row["same_bits"] = all(bool(cupy.array_equal(a.view(cupy.uint8), b.view(cupy.uint8)))
+                                       for a, b in zip(results["old"], results["new"]))
+                print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
