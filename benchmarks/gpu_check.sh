@@ -12,7 +12,8 @@
 # separate commands where one command is limited to ten minutes. "block" adds the whole-block timings to "bench". "tp" (not
 # part of "all"; two GPUs) runs the tensor-parallel tests, the step timing included. "compare" (not part of "all")
 # runs benchmarks/compare_versions.py against the older checkout in $OLD (say `git worktree add /tmp/old 3d65311`):
-# decode, verify and prefill timings of both, each in its own process, and whether their bits agree.
+# decode, verify and prefill timings of both, each in its own process, and whether their bits agree; then
+# benchmarks/kernel_versions.py, the prefill's conv pass and gated norm of both kernel folders.
 # With flash-linear-attention importable (benchmarks/carry_fla.sh builds build/fla to carry, then
 # PYTHONPATH=.:build/fla) both benchmarks add its rows; its first call compiles Triton kernels for a minute or more.
 # "first_use" times a cold and a warm from_pretrained in new processes and decode through a whole stack.
@@ -124,6 +125,7 @@ fi
 if [ "$part" = compare ]; then
   timeout 560 python benchmarks/compare_versions.py --old "${OLD:?OLD=<older checkout> is needed}" 2>&1 \
     | tee "$out/compare_versions.jsonl"
+  timeout 120 python benchmarks/kernel_versions.py --old "$OLD/kernels_src" 2>&1 | tee "$out/kernel_versions.jsonl"
 fi
 if [ "$part" = tp ]; then
   GLM_KDA_FIGURES="$out/figures_tp.json" timeout ${SUITE_TIMEOUT:-560} python -m pytest -q -rfE tests/test_tp_gpu.py \

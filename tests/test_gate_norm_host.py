@@ -1,4 +1,4 @@
-"""kernels_src/gate.cu and norm.cu over many tokens (the prefill launches: 32 and 8 tokens a
+"""kernels_src/gate.cu and norm.cu over many tokens (the prefill launches: 32 and 4 tokens a
 block) on the host (tests/host_cuda.py).
 
 Promises tested, for T not a multiple of the block's tokens: the gate (both laws; dt_bias per
