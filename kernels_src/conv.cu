@@ -38,6 +38,15 @@ __device__ __forceinline__ void conv_prefill_tile(float* __restrict__ conv_state
     auto unpack = [](const uint2& packed, int c) -> float {
         return bf16_half_to_f32(c < 2 ? packed.x : packed.y, c & 1);
     };
+    // The conv inputs of token t in the lane's four channels: loaded for t >= 0, else the carried
+    // state's slot K + t (only tile 0 asks for t < 0; a tile is >= K long).
+    auto inputs_at = [&](int t, float (&inputs)[4]) {
+        const uint2 packed = t >= 0 ? load_inputs(t) : make_uint2(0u, 0u);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            inputs[c] = t >= 0 ? unpack(packed, c) : state[c * kernel_size + kernel_size + t];
+        }
+    };
     // The taps once, in registers: the loop below reads no weight.
     float taps[4][CONV_MAX_KERNEL];
 #pragma unroll
@@ -45,17 +54,17 @@ __device__ __forceinline__ void conv_prefill_tile(float* __restrict__ conv_state
         conv_taps_f32(taps[c], conv_w + static_cast<size_t>(channel + c) * kernel_size, kernel_size);
     }
 
-    // The windows before token `first` hold its K predecessors, oldest in slot 0. Only tile 0 reaches
-    // t < 0 (a tile is >= K long): the carried state's slot K + t, read before tile 0 writes any.
+    // The windows before token `first` hold its K predecessors, oldest in slot 0 (tile 0 reads the
+    // carried state before it writes any).
     float window[4][CONV_MAX_KERNEL] = {};
 #pragma unroll
     for (int j = 0; j < CONV_MAX_KERNEL; ++j) {
         if (j < kernel_size) {
-            const int t = first - kernel_size + j;
-            const uint2 packed = t >= 0 ? load_inputs(t) : make_uint2(0u, 0u);
+            float inputs[4];
+            inputs_at(first - kernel_size + j, inputs);
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
-                window[c][j] = t >= 0 ? unpack(packed, c) : state[c * kernel_size + kernel_size + t];
+                window[c][j] = inputs[c];
             }
         }
     }
@@ -99,11 +108,11 @@ __device__ __forceinline__ void conv_prefill_tile(float* __restrict__ conv_state
 #pragma unroll
         for (int j = 0; j < CONV_MAX_KERNEL; ++j) {
             if (j < kernel_size) {
-                const int t = tokens - kernel_size + j;
-                const uint2 packed = t >= 0 ? load_inputs(t) : make_uint2(0u, 0u);
+                float inputs[4];
+                inputs_at(tokens - kernel_size + j, inputs);
 #pragma unroll
                 for (int c = 0; c < 4; ++c) {
-                    state[c * kernel_size + j] = t >= 0 ? unpack(packed, c) : state[c * kernel_size + kernel_size + t];
+                    state[c * kernel_size + j] = inputs[c];
                 }
             }
         }
