@@ -5,13 +5,14 @@
 
 DIR is a `kernels_src` folder of another version (say `git archive <rev> kernels_src | tar -x -C
 /tmp/old`, then --old /tmp/old/kernels_src); --new defaults to this checkout's. Each version's
-conv pass (`kda_conv_prefill_silu_l2_bf16`, kernel size 4) and gated RMSNorm
-(`kda_gated_rmsnorm_sigmoid_bf16`) is built by NVRTC from its own folder and run on the same random
-inputs, with the grid its folder's source names (the tokens a block from its `#define`). A line
-gives each version's median milliseconds over --repeats launches (CUDA events, after warm-up),
-`ratio` new / old (below 1: the new one is faster), each one's share of the copy bandwidth measured
-in the same run for the bytes the kernel must move, and `same_bits`: whether every output byte
-(and the conv state) agrees.
+conv pass (`kda_conv_prefill_silu_l2_bf16`) and gated RMSNorm (`kda_gated_rmsnorm_sigmoid_bf16`) is
+built by NVRTC from its own folder and run on the same random inputs at the model's geometry
+(`synthetic_config`: heads, conv kernel size, the two eps), with the grid its folder's source names
+(the tokens a block from its `#define`). A line gives each version's median milliseconds over
+--repeats launches (CUDA events, after warm-up), `ratio` new / old (below 1: the new one is faster),
+each one's share of the copy bandwidth measured in the same run for the bytes the kernel must move
+(lib/bench_prefill.kernel_bytes), and `same_bits`: whether every output byte (and the conv state)
+agrees.
 """
 
 from __future__ import annotations
@@ -26,14 +27,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from lib.bench_prefill import kernel_bytes  # noqa: E402
 from lib.timing import copy_bandwidth_gbs, median_ms  # noqa: E402
 
-# (heads, head_dim) of the two models' KDA blocks.
-_GEOMETRIES = {"glm": (64, 128), "kimi": (32, 128)}
-# Both models' conv kernel size.
-_CONV_KERNEL = 4
-_L2_EPS = 1e-6
-_NORM_EPS = 1e-5
+# The models whose geometry (glm_kda.synthetic.synthetic_config) the kernels run at.
+_GEOMETRIES = ("glm", "kimi")
 
 
 def _define(source: str, name: str) -> int:
@@ -55,26 +53,30 @@ def _function(folder: str, stem: str, entry: str):
 
 
 def _random_bf16(rng, shape, scale: float = 1.0):
-    """BF16 bits (uint16) of normal samples, rounded to nearest even."""
+    """Normal samples times `scale`, rounded to BF16 on the GPU as the projections round."""
     import cupy
 
-    bits = (rng.standard_normal(shape, dtype=cupy.float32) * scale).view(cupy.uint32)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(cupy.uint16)
+    from glm_kda.gpu.arrays import bf16_dtype
+    from glm_kda.gpu.ops import round_to_bf16
+
+    out = cupy.empty(shape, bf16_dtype())
+    round_to_bf16(rng.standard_normal(shape, dtype=cupy.float32) * scale, out)
+    return out
 
 
-def _conv_case(folder: str, heads: int, dim: int, tokens: int, inputs: dict):
+def _conv_case(folder: str, config, tokens: int, inputs: dict):
     """(launch(), outputs()) of one folder's conv pass on `inputs`."""
     import cupy
 
     function, source = _function(folder, "conv", "kda_conv_prefill_silu_l2_bf16")
-    qkv = heads * dim
+    heads, dim, qkv = config.heads, config.head_dim, config.qkv
     state = inputs["state"].copy()
     q, k, v = (cupy.empty((tokens, qkv), cupy.float32) for _ in range(3))
     grid = (-(-3 * heads // 4), -(-tokens // _define(source, "CONV_PREFILL_TILE")))
 
     def launch():
         function(grid, (128,), (state, inputs["qkv"], inputs["conv_w"], np.uint64(0), q, k, v, np.int32(heads),
-                                np.int32(dim), np.int32(_CONV_KERNEL), np.int32(tokens), np.float32(_L2_EPS)))
+                                np.int32(dim), np.int32(config.conv_kernel), np.int32(tokens), np.float32(config.l2_eps)))
 
     def outputs():
         state[...] = inputs["state"]
@@ -84,18 +86,20 @@ def _conv_case(folder: str, heads: int, dim: int, tokens: int, inputs: dict):
     return launch, outputs
 
 
-def _norm_case(folder: str, heads: int, dim: int, tokens: int, inputs: dict):
+def _norm_case(folder: str, config, tokens: int, inputs: dict):
+    """(launch(), outputs()) of one folder's gated norm on `inputs`."""
     import cupy
 
     function, source = _function(folder, "norm", "kda_gated_rmsnorm_sigmoid_bf16")
-    out = cupy.empty((tokens, heads * dim), cupy.uint16)
+    heads, dim = config.heads, config.head_dim
+    out = cupy.empty((tokens, config.qkv), cupy.uint16)
     # Older folders launch a block per head (no NORM_HEADS_PER_BLOCK).
     heads_per_block = _define(source, "NORM_HEADS_PER_BLOCK") if "NORM_HEADS_PER_BLOCK" in source else 1
     grid = (-(-heads // heads_per_block), -(-tokens // _define(source, "NORM_TOKENS_PER_BLOCK")))
 
     def launch():
         function(grid, (128,), (inputs["core"], inputs["gate"], inputs["norm_w"], out, np.int32(heads), np.int32(dim),
-                                np.float32(_NORM_EPS), np.int32(tokens)))
+                                np.float32(config.rms_norm_eps), np.int32(tokens)))
 
     def outputs():
         launch()
@@ -108,7 +112,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--old", required=True, help="the other version's kernels_src folder")
     parser.add_argument("--new", default=None, help="this version's kernels_src folder (default: this checkout's)")
-    parser.add_argument("--geometry", nargs="+", default=list(_GEOMETRIES), choices=list(_GEOMETRIES))
+    parser.add_argument("--geometry", nargs="+", default=list(_GEOMETRIES), choices=_GEOMETRIES)
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()
@@ -118,26 +122,28 @@ def main() -> None:
     import cupy
 
     from glm_kda.gpu.build import kernels_dir
+    from glm_kda.synthetic import synthetic_config
 
     new = args.new or str(kernels_dir())
     bandwidth = copy_bandwidth_gbs()
     print(json.dumps({"copy_bandwidth_GBs": bandwidth, "old": args.old, "new": new}), flush=True)
     rng = cupy.random.default_rng(0)
     for geometry in args.geometry:
-        heads, dim = _GEOMETRIES[geometry]
-        qkv = heads * dim
+        config = synthetic_config(geometry, 1)
+        qkv, kernel_size = config.qkv, config.conv_kernel
         for tokens in args.tokens:
-            conv_inputs = {"qkv": _random_bf16(rng, (tokens, 3 * qkv)), "conv_w": _random_bf16(rng, (3 * qkv, _CONV_KERNEL), 0.5),
-                           "state": rng.standard_normal((3 * qkv, _CONV_KERNEL), dtype=cupy.float32)}
-            norm_inputs = {"core": rng.standard_normal((tokens, heads, dim), dtype=cupy.float32),
-                           "gate": _random_bf16(rng, (tokens, qkv)), "norm_w": _random_bf16(rng, (dim,), 0.3)}
-            cases = (("kda_conv_prefill_silu_l2_bf16", _conv_case, conv_inputs, tokens * 3 * qkv * (2 + 4)),
-                     ("kda_gated_rmsnorm_sigmoid_bf16", _norm_case, norm_inputs, tokens * qkv * (4 + 2 + 2)))
-            for kernel, case, inputs, moved in cases:
+            conv_inputs = {"qkv": _random_bf16(rng, (tokens, 3 * qkv)), "conv_w": _random_bf16(rng, (3 * qkv, kernel_size), 0.5),
+                           "state": rng.standard_normal((3 * qkv, kernel_size), dtype=cupy.float32)}
+            norm_inputs = {"core": rng.standard_normal((tokens, config.heads, config.head_dim), dtype=cupy.float32),
+                           "gate": _random_bf16(rng, (tokens, qkv)), "norm_w": _random_bf16(rng, (config.head_dim,), 0.3)}
+            cases = (("kda_conv_prefill_silu_l2_bf16", _conv_case, conv_inputs),
+                     ("kda_gated_rmsnorm_sigmoid_bf16", _norm_case, norm_inputs))
+            for kernel, case, inputs in cases:
+                moved = kernel_bytes(config, tokens)[kernel]
                 row = {"kernel": kernel, "geometry": geometry, "T": tokens, "bytes": moved}
                 results = {}
                 for name, folder in (("old", args.old), ("new", new)):
-                    launch, outputs = case(folder, heads, dim, tokens, inputs)
+                    launch, outputs = case(folder, config, tokens, inputs)
                     results[name] = outputs()
                     ms = median_ms(launch, args.repeats)
                     row[f"{name}_ms"] = ms
