@@ -1,14 +1,15 @@
-"""The prefill's streaming kernels of two kernel folders side by side: bits and times, one JSON line each.
+"""The prefill's kernels of two kernel folders side by side: bits and times, one JSON line each.
 
     PYTHONPATH=. python benchmarks/kernel_versions.py --old DIR [--new DIR] [--geometry glm kimi]
         [--tokens 4096 16384] [--repeats 30]
 
 DIR is a `kernels_src` folder of another version (say `git archive <rev> kernels_src | tar -x -C
 /tmp/old`, then --old /tmp/old/kernels_src); --new defaults to this checkout's. Each version's
-conv pass (`kda_conv_prefill_silu_l2_bf16`) and gated RMSNorm (`kda_gated_rmsnorm_sigmoid_bf16`) is
-built by NVRTC from its own folder and run on the same random inputs at the model's geometry
-(`synthetic_config`: heads, conv kernel size, the two eps), with the grid its folder's source names
-(the tokens a block from its `#define`). A line gives each version's median milliseconds over
+conv pass (`kda_conv_prefill_silu_l2_bf16`), gated RMSNorm (`kda_gated_rmsnorm_sigmoid_bf16`), tensor-core
+chunk prepare forming the gate (the model's gate law) and chunk scan is built by NVRTC from its own
+folder and run on the same random inputs at the model's geometry (`synthetic_config`: heads, conv
+kernel size, gate law, the two eps), with the grid and shared memory its folder's source names (the
+tokens a block, the bytes, from its `#define`s). A line gives each version's median milliseconds over
 --repeats launches (CUDA events, after warm-up), `ratio` new / old (below 1: the new one is faster),
 each one's share of the copy bandwidth measured in the same run for the bytes the kernel must move
 (lib/bench_prefill.kernel_bytes), and `same_bits`: whether every output byte (and the conv state)
@@ -39,6 +40,19 @@ def _define(source: str, name: str) -> int:
     if match is None:
         raise SystemExit(f"the kernel source no longer defines {name}")
     return int(match.group(1))
+
+
+def _defined_bytes(source: str, name: str) -> int:
+    """The value of the arithmetic macro `name` of `source`, the macros it names expanded."""
+    defines = dict(re.findall(r"^#define (\w+) ((?:.*\\\n)*.*)$", source, flags=re.MULTILINE))
+
+    def value(macro: str) -> int:
+        text = defines[macro].replace("\\\n", " ")
+        return int(eval(re.sub(r"[A-Za-z_]\w*", lambda m: str(value(m.group(0))), text), {"__builtins__": {}}))
+
+    if name not in defines:
+        raise SystemExit(f"the kernel source no longer defines {name}")
+    return value(name)
 
 
 def _function(folder: str, stem: str, entry: str):
@@ -108,6 +122,93 @@ def _norm_case(folder: str, config, tokens: int, inputs: dict):
     return launch, outputs
 
 
+def _chunk_inputs(rng, config, tokens: int) -> dict:
+    """Random inputs of the chunk kernels: unit-norm q and k per head, the gate's projections, a state."""
+    import cupy
+
+    heads, dim = config.heads, config.head_dim
+
+    def unit(x):
+        return x / cupy.sqrt((x * x).sum(axis=-1, keepdims=True))
+
+    return {"q": unit(rng.standard_normal((tokens, heads, dim), dtype=cupy.float32)),
+            "k": unit(rng.standard_normal((tokens, heads, dim), dtype=cupy.float32)),
+            "v": rng.standard_normal((tokens, heads, dim), dtype=cupy.float32),
+            "forget_proj": _random_bf16(rng, (tokens, heads * dim)),
+            "dt_bias": rng.standard_normal(heads * dim, dtype=cupy.float32) * 0.5,
+            "a_log": rng.standard_normal(heads, dtype=cupy.float32) * 0.5,
+            "beta_logits": _random_bf16(rng, (tokens, heads)),
+            "state": rng.standard_normal((heads, dim, dim), dtype=cupy.float32) * 0.1}
+
+
+def _prepare_entry(config) -> str:
+    """The gate-forming prepare of the model's gate law (a bounded law outside the bounded prepare's
+    range does not form its gate: not one of the geometries here)."""
+    from glm_kda.chunk_model import prepare_lower_bound
+
+    if prepare_lower_bound(config) is not None:
+        return "kda_chunk_tc_prepare_gate_f32"
+    if config.bounded:
+        raise SystemExit("a bounded gate law below the bounded prepare's range has no gate-forming prepare")
+    return "kda_chunk_tc_prepare_unbounded_gate_f32"
+
+
+def _prepare_case(folder: str, config, tokens: int, inputs: dict):
+    """(launch(), outputs()) of one folder's tensor-core prepare that forms the gate, on `inputs`; its
+    outputs stay in inputs["scratch"] for the scan."""
+    import cupy
+
+    from glm_kda.chunk_model import chunk_count, new_scratch, prepare_lower_bound
+
+    lower_bound = prepare_lower_bound(config)
+    entry = _prepare_entry(config)
+    function, source = _function(folder, "chunk/chunk_tc_gate" + ("" if lower_bound is not None else "_unbounded"), entry)
+    shared = _defined_bytes(source, "CHUNK_TC_PREPARE_SMEM_BYTES")
+    function.max_dynamic_shared_size_bytes = shared
+    heads = config.heads
+    scratch = new_scratch(cupy, tokens, heads, float("nan"))
+    beta = cupy.empty((tokens, heads), cupy.float32)
+    inputs["scratch"] = scratch
+
+    def launch():
+        function((chunk_count(tokens), heads), (256,),
+                 (inputs["q"], inputs["k"], inputs["v"], np.uint64(0), beta, scratch["q_decay"], scratch["k_tail"],
+                  scratch["w"], scratch["u"], scratch["attn"], scratch["chunk_decay"], np.int32(tokens), np.int32(heads),
+                  np.float32(config.head_dim ** -0.5), np.float32(lower_bound or 0.0), inputs["forget_proj"],
+                  inputs["dt_bias"], inputs["a_log"], inputs["beta_logits"], np.int32(heads)), shared_mem=shared)
+
+    def outputs():
+        launch()
+        return [beta.copy(), *(array.copy() for array in scratch.values())]
+
+    return launch, outputs
+
+
+def _scan_case(folder: str, config, tokens: int, inputs: dict):
+    """(launch(), outputs()) of one folder's tensor-core scan on the prepare's outputs in inputs["scratch"]."""
+    import cupy
+
+    function, source = _function(folder, "chunk/chunk_tc", "kda_chunk_tc_scan_f32")
+    shared = _defined_bytes(source, "CHUNK_TC_SCAN_SMEM_BYTES")
+    function.max_dynamic_shared_size_bytes = shared
+    heads, dim = config.heads, config.head_dim
+    scratch, state = inputs["scratch"], inputs["state"].copy()
+    core = cupy.empty((tokens, heads, dim), cupy.float32)
+    columns = _define(source, "CHUNK_TC_SCAN_COLUMNS")
+
+    def launch():
+        function((heads, dim // columns), (_define(source, "CHUNK_TC_SCAN_THREADS"),),
+                 (scratch["q_decay"], scratch["k_tail"], scratch["w"], scratch["u"], scratch["attn"],
+                  scratch["chunk_decay"], state, core, np.int32(tokens), np.int32(heads)), shared_mem=shared)
+
+    def outputs():
+        state[...] = inputs["state"]
+        launch()
+        return [core.copy(), state.copy()]
+
+    return launch, outputs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--old", required=True, help="the other version's kernels_src folder")
@@ -136,8 +237,11 @@ def main() -> None:
                            "state": rng.standard_normal((3 * qkv, kernel_size), dtype=cupy.float32)}
             norm_inputs = {"core": rng.standard_normal((tokens, config.heads, config.head_dim), dtype=cupy.float32),
                            "gate": _random_bf16(rng, (tokens, qkv)), "norm_w": _random_bf16(rng, (config.head_dim,), 0.3)}
+            chunk_inputs = _chunk_inputs(rng, config, tokens)
             cases = (("kda_conv_prefill_silu_l2_bf16", _conv_case, conv_inputs),
-                     ("kda_gated_rmsnorm_sigmoid_bf16", _norm_case, norm_inputs))
+                     ("kda_gated_rmsnorm_sigmoid_bf16", _norm_case, norm_inputs),
+                     (_prepare_entry(config), _prepare_case, chunk_inputs),
+                     ("kda_chunk_tc_scan_f32", _scan_case, chunk_inputs))
             for kernel, case, inputs in cases:
                 moved = kernel_bytes(config, tokens)[kernel]
                 row = {"kernel": kernel, "geometry": geometry, "T": tokens, "bytes": moved}

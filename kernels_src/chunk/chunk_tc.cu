@@ -21,6 +21,22 @@ __device__ __forceinline__ void copy_chunk_rows_async(f16_t* w_s, f16_t* q_s, co
     copy_async_commit();
 }
 
+// This lane's Uc of chunk `chunk_index`: rows row_low and row_low + 8, 2 columns from `column` + 8 n.
+__device__ __forceinline__ void load_chunk_uc(float uc[4][4], const float* u, int chunk_index, int row_low,
+                                              size_t row_stride, size_t column)
+{
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const float2 pair_value = *reinterpret_cast<const float2*>(
+                u + static_cast<size_t>(chunk_index * CHUNK_TC + row_low + 8 * half) * row_stride + column + 8 * n);
+            uc[n][2 * half] = pair_value.x;
+            uc[n][2 * half + 1] = pair_value.y;
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(CHUNK_TC_SCAN_THREADS, 2)
 kda_chunk_tc_scan_f32(const f16_t* __restrict__ q_decay, const f16_t* __restrict__ k_tail_t,
                       const f16_t* __restrict__ w, const float* __restrict__ u,
@@ -73,11 +89,28 @@ kda_chunk_tc_scan_f32(const f16_t* __restrict__ q_decay, const f16_t* __restrict
         }
     }
     copy_chunk_rows_async(w_s, q_s, w, q_decay, 0, row_stride, head_offset);
+    const size_t uc_column = head_offset + column_base + 2 * thread_in_group;
+    float u_ahead[4][4];
+    load_chunk_uc(u_ahead, u, 0, row_low, row_stride, uc_column);
 
     for (int chunk_index = 0; chunk_index < nchunks; ++chunk_index) {
         const int first = chunk_index * CHUNK_TC;
         const int valid = min(CHUNK_TC, tokens - first);
         const size_t chunk_head = static_cast<size_t>(chunk_index) * heads + head;
+
+        // U = Uc - W S0 accumulates onto Uc (mma with -W; TF32 negation is exact); the next chunk's Uc is
+        // loaded now, a chunk before phase A starts from it.
+        float u_acc[4][4];
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                u_acc[n][e] = u_ahead[n][e];
+            }
+        }
+        if (chunk_index + 1 < nchunks) {
+            load_chunk_uc(u_ahead, u, chunk_index + 1, row_low, row_stride, uc_column);
+        }
 
         // Phase B's operands (B, k_tail^T and the rows' decay), loaded now so that phase A hides their latency.
         float attn_low[2][8];
@@ -104,19 +137,6 @@ kda_chunk_tc_scan_f32(const f16_t* __restrict__ q_decay, const f16_t* __restrict
         for (int m = 0; m < 2; ++m) {
             decay[m][0] = chunk_decay[chunk_head * KDA_HEAD_DIM + state_row + 16 * m];
             decay[m][1] = chunk_decay[chunk_head * KDA_HEAD_DIM + state_row + 16 * m + 8];
-        }
-        // U = Uc - W S0 accumulates onto Uc (mma with -W; TF32 negation is exact).
-        float u_acc[4][4];
-#pragma unroll
-        for (int n = 0; n < 4; ++n) {
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const float2 pair_value = *reinterpret_cast<const float2*>(
-                    u + static_cast<size_t>(first + row_low + 8 * half) * row_stride + head_offset +
-                    column_base + 8 * n + 2 * thread_in_group);
-                u_acc[n][2 * half] = pair_value.x;
-                u_acc[n][2 * half + 1] = pair_value.y;
-            }
         }
 
         copy_async_wait_all();

@@ -15,6 +15,8 @@
 #define CHUNK_TC_MIN_LOWER_BOUND (-5.0f)
 #define CHUNK_TC_PREPARE_THREADS 256
 #define CHUNK_TC_PREPARE_WARPS (CHUNK_TC_PREPARE_THREADS / 32)
+// Rows of the cumulative gate whose loads a thread issues before adding them.
+#define CHUNK_TC_CUMSUM_BATCH 16
 #define CHUNK_TC_SCAN_COLUMNS 32
 #define CHUNK_TC_SCAN_THREADS 128
 // Row strides (floats) of the shared tiles: [*][D] and [*][C].
@@ -472,11 +474,22 @@ __device__ __forceinline__ void chunk_tc_prepare(
     __syncthreads();
 
     if (thread < KDA_HEAD_DIM) {
-        // Channel d: G_t = G_{t-1} + g_t in row order (the padded rows add zero).
+        // Channel d: G_t = G_{t-1} + g_t in row order (the padded rows add zero), a batch of rows'
+        // loads in flight before its additions.
         float running = 0.0f;
-        for (int t = 0; t < CHUNK_TC; ++t) {
-            running += cumgate_s[t * CHUNK_TC_D_STRIDE + thread];
-            cumgate_s[t * CHUNK_TC_D_STRIDE + thread] = running;
+        float* column = cumgate_s + thread;
+#pragma unroll
+        for (int base = 0; base < CHUNK_TC; base += CHUNK_TC_CUMSUM_BATCH) {
+            float g[CHUNK_TC_CUMSUM_BATCH];
+#pragma unroll
+            for (int r = 0; r < CHUNK_TC_CUMSUM_BATCH; ++r) {
+                g[r] = column[(base + r) * CHUNK_TC_D_STRIDE];
+            }
+#pragma unroll
+            for (int r = 0; r < CHUNK_TC_CUMSUM_BATCH; ++r) {
+                running += g[r];
+                column[(base + r) * CHUNK_TC_D_STRIDE] = running;
+            }
         }
         chunk_decay[chunk_head * KDA_HEAD_DIM + thread] = expf(running);
     }
