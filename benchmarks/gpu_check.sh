@@ -13,7 +13,7 @@
 # part of "all"; two GPUs) runs the tensor-parallel tests, the step timing included. "compare" (not part of "all")
 # runs benchmarks/compare_versions.py against the older checkout in $OLD (say `git worktree add /tmp/old 3d65311`):
 # decode, verify and prefill timings of both, each in its own process, and whether their bits agree; then
-# benchmarks/kernel_versions.py, the prefill's conv pass and gated norm of both kernel folders.
+# benchmarks/kernel_versions.py, the prefill's conv pass, gated norm, chunk prepare and scan of both kernel folders.
 # With flash-linear-attention importable (benchmarks/carry_fla.sh builds build/fla to carry, then
 # PYTHONPATH=.:build/fla) both benchmarks add its rows; its first call compiles Triton kernels for a minute or more.
 # "first_use" times a cold and a warm from_pretrained in new processes and decode through a whole stack.
