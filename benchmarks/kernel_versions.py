@@ -55,12 +55,6 @@ def _defined_bytes(source: str, name: str) -> int:
     return value(name)
 
 
-def _opt_in(function, shared: int) -> None:
-    """`shared` bytes of dynamic shared memory and the largest carveout, as the package launches its chunk kernels."""
-    function.max_dynamic_shared_size_bytes = shared
-    function.preferred_shared_memory_carveout = 100
-
-
 def _function(folder: str, stem: str, entry: str):
     """(the entry point of <folder>/<stem>.cu built by NVRTC, that file's inlined source)."""
     import cupy
@@ -170,7 +164,7 @@ def _prepare_case(folder: str, config, tokens: int, inputs: dict):
     entry = _prepare_entry(config)
     function, source = _function(folder, "chunk/chunk_tc_gate" + ("" if lower_bound is not None else "_unbounded"), entry)
     shared = _defined_bytes(source, "CHUNK_TC_PREPARE_SMEM_BYTES")
-    _opt_in(function, shared)
+    function.max_dynamic_shared_size_bytes = shared
     heads = config.heads
     scratch = new_scratch(cupy, tokens, heads, float("nan"))
     beta = cupy.empty((tokens, heads), cupy.float32)
@@ -194,19 +188,13 @@ def _scan_case(folder: str, config, tokens: int, inputs: dict):
     """(launch(), outputs()) of one folder's tensor-core scan on the prepare's outputs in inputs["scratch"]."""
     import cupy
 
-    from glm_kda.chunk_model import SCAN_NARROW_COLUMNS, scan_columns
-    from glm_kda.gpu.build import kernel_source, sm_count
-
-    heads, dim = config.heads, config.head_dim
-    # The entry this checkout's choice takes, where the folder has it (older ones have 32 columns alone).
-    narrow = ("CHUNK_TC_SCAN_NARROW_COLUMNS" in kernel_source("chunk/chunk_tc", folder)
-              and scan_columns(heads, sm_count(cupy.cuda.Device().id)) == SCAN_NARROW_COLUMNS)
-    function, source = _function(folder, "chunk/chunk_tc", "kda_chunk_tc_scan_narrow_f32" if narrow else "kda_chunk_tc_scan_f32")
+    function, source = _function(folder, "chunk/chunk_tc", "kda_chunk_tc_scan_f32")
     shared = _defined_bytes(source, "CHUNK_TC_SCAN_SMEM_BYTES")
-    _opt_in(function, shared)
+    function.max_dynamic_shared_size_bytes = shared
+    heads, dim = config.heads, config.head_dim
     scratch, state = inputs["scratch"], inputs["state"].copy()
     core = cupy.empty((tokens, heads, dim), cupy.float32)
-    columns = _define(source, "CHUNK_TC_SCAN_NARROW_COLUMNS" if narrow else "CHUNK_TC_SCAN_COLUMNS")
+    columns = _define(source, "CHUNK_TC_SCAN_COLUMNS")
 
     def launch():
         function((heads, dim // columns), (_define(source, "CHUNK_TC_SCAN_THREADS"),),

@@ -23,10 +23,6 @@ DIAGONAL_RANGE = -MIN_LOWER_BOUND * (SUB_CHUNK - 1)
 PREPARE_THREADS = 256
 SCAN_THREADS = 128
 SCAN_COLUMNS = 32
-# Value columns a block of the narrow scan owns (kda_chunk_tc_scan_narrow_f32): twice the blocks.
-SCAN_NARROW_COLUMNS = 16
-# Scan blocks an SM holds (their __launch_bounds__ and shared memory).
-SCAN_BLOCKS_PER_SM = 2
 D_STRIDE = HEAD_DIM + 4
 C_STRIDE = CHUNK + 4
 # Three reusable units of a [D][C + 4] tile, plus beta [C]: 104,704 bytes, two blocks per SM.
@@ -87,15 +83,6 @@ def require_lower_bound(lower_bound: float | None) -> None:
 def chunk_count(tokens: int) -> int:
     """nchunks = ceil(T / 64); the padded length is nchunks * 64."""
     return (tokens + CHUNK - 1) // CHUNK
-
-
-def scan_columns(heads: int, sm_count: int) -> int:
-    """Value columns a block of the tensor-core scan owns: SCAN_NARROW_COLUMNS where the heads' blocks of
-    that many fit one wave of SCAN_BLOCKS_PER_SM blocks an SM, else SCAN_COLUMNS. A block walks every
-    chunk in turn and its chain is bound by its latencies, so a second block on an SM costs it little
-    and the narrow blocks halve each chain's work (docs/kernels.md, "Tensor-core scan")."""
-    narrow_blocks = heads * (HEAD_DIM // SCAN_NARROW_COLUMNS)
-    return SCAN_NARROW_COLUMNS if narrow_blocks <= SCAN_BLOCKS_PER_SM * sm_count else SCAN_COLUMNS
 
 
 def scratch_shapes(tokens: int, heads: int) -> dict[str, tuple[int, ...]]:

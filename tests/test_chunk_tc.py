@@ -283,7 +283,6 @@ def launches(monkeypatch):
     recorded = []
     monkeypatch.setattr(chunk_tc, "_launch", lambda name, grid, block, args, shared_mem: recorded.append(
         (name, grid, block, shared_mem)))
-    monkeypatch.setattr(chunk_tc, "_sm_count", lambda: H100_SMS)
     return recorded
 
 
@@ -306,23 +305,14 @@ def test_wrapper_refuses_other_bounds_before_any_launch(launches, bound):
     assert launches == []
 
 
-H100_SMS = 132
-# heads -> the scan's entry and its blocks a head on an H100's 132 SMs: 16 columns a block (8 blocks a
-# head) up to 33 heads, whose 264 blocks fill one wave of two an SM; 32 columns (4 blocks) from 34.
-SCAN_FORMS = {64: ("kda_chunk_tc_scan_f32", 4), 34: ("kda_chunk_tc_scan_f32", 4),
-              33: ("kda_chunk_tc_scan_narrow_f32", 8), 32: ("kda_chunk_tc_scan_narrow_f32", 8),
-              1: ("kda_chunk_tc_scan_narrow_f32", 8)}
-
-
-@pytest.mark.parametrize("tokens,heads", [(1, 64), (65, 34), (65, 33), (65, 32), (4096, 1)], ids=lambda v: str(v))
+@pytest.mark.parametrize("tokens,heads", [(1, 64), (65, 32), (4096, 1)], ids=lambda v: str(v))
 def test_launch_geometry_and_shared_memory(launches, tokens, heads):
     inputs, beta, state, core, scratch = _call_arguments(tokens, heads)
     chunk_tc.chunk_prefill_tc(*inputs, beta, state, core, tokens, LOWER_BOUND, *scratch)
     nchunks = chunk_count(tokens)
-    scan, blocks = SCAN_FORMS[heads]
     assert launches == [
         ("kda_chunk_tc_prepare_f32", (nchunks, heads), (256,), PREPARE_SMEM_BYTES),
-        (scan, (heads, blocks), (128,), SCAN_SMEM_BYTES),
+        ("kda_chunk_tc_scan_f32", (heads, 4), (128,), SCAN_SMEM_BYTES),
     ]
     # sm_90 / sm_100: 227 KB per block, 228 KB per SM with 1 KB reserved per block. Both
     # kernels must fit twice (the scan: GLM's 256 blocks in one wave on 132 SMs; the prepare:
@@ -338,14 +328,13 @@ def test_unbounded_launches_its_prepare_and_its_fused_gate_form(launches):
     chunk_tc.chunk_prefill_tc(*inputs, beta, state, core, 65, None, *scratch)
     assert launches == [
         ("kda_chunk_tc_prepare_unbounded_f32", (2, 2), (256,), PREPARE_SMEM_BYTES),
-        ("kda_chunk_tc_scan_narrow_f32", (2, 8), (128,), SCAN_SMEM_BYTES),
+        ("kda_chunk_tc_scan_f32", (2, 4), (128,), SCAN_SMEM_BYTES),
     ]
     launches.clear()
     source = chunk_tc.GateSource(HostStandIn(aligned((65, 256), np.uint16)), _aligned_f32((256,)), _aligned_f32((2,)),
                                  HostStandIn(aligned((65, 2), np.uint16)))
     chunk_tc.chunk_prefill_tc(*inputs, beta, state, core, 65, None, *scratch, gate_source=source)
-    assert [launch[0] for launch in launches] == ["kda_chunk_tc_prepare_unbounded_gate_f32",
-                                                  "kda_chunk_tc_scan_narrow_f32"]
+    assert [launch[0] for launch in launches] == ["kda_chunk_tc_prepare_unbounded_gate_f32", "kda_chunk_tc_scan_f32"]
 
 
 def test_wrapper_names_a_bad_scratch_buffer(launches):
@@ -371,7 +360,7 @@ def test_wrapper_names_a_bad_gate_source(launches):
     assert launches == []
     chunk_tc.chunk_prefill_tc(*inputs, beta, state, core, 65, LOWER_BOUND, *scratch,
                               gate_source=chunk_tc.GateSource(**good))
-    assert [launch[0] for launch in launches] == ["kda_chunk_tc_prepare_gate_f32", "kda_chunk_tc_scan_narrow_f32"]
+    assert [launch[0] for launch in launches] == ["kda_chunk_tc_prepare_gate_f32", "kda_chunk_tc_scan_f32"]
 
 
 def test_no_spills_on_sm_90():
@@ -448,8 +437,6 @@ extern "C" void kda_chunk_tc_prepare_unbounded_f32(const float*, const float*, c
     const float*, f16_t*, f16_t*, f16_t*, float*, f16_t*, float*, int, int, float, float);
 extern "C" void kda_chunk_tc_scan_f32(const f16_t*, const f16_t*, const f16_t*, const float*, const f16_t*,
     const float*, float*, float*, int, int);
-extern "C" void kda_chunk_tc_scan_narrow_f32(const f16_t*, const f16_t*, const f16_t*, const float*, const f16_t*,
-    const float*, float*, float*, int, int);
 
 static void save(const std::string& path, const std::vector<f16_t>& v)
 {
@@ -505,11 +492,9 @@ int main(int argc, char** argv)
                 lower_bound);
         }
     });
-    // "narrow": the scan's entry of 16 columns a block (8 blocks a head) instead of 32 (4).
-    const bool narrow = argc > 10 && std::string(argv[10]) == "narrow";
-    run_grid(dim3{unsigned(heads), narrow ? 8u : 4u, 1}, 128, std::atoi(argv[8]), [&] {
-        (narrow ? kda_chunk_tc_scan_narrow_f32 : kda_chunk_tc_scan_f32)(q_decay.data(), k_tail.data(), w.data(),
-            u.data(), attn.data(), chunk_decay.data(), state.data(), core.data(), tokens, heads);
+    run_grid(dim3{unsigned(heads), 4, 1}, 128, std::atoi(argv[8]), [&] {
+        kda_chunk_tc_scan_f32(q_decay.data(), k_tail.data(), w.data(), u.data(), attn.data(), chunk_decay.data(),
+                              state.data(), core.data(), tokens, heads);
     });
     for (auto [name, data] : {std::pair{"q_decay", &q_decay}, {"k_tail", &k_tail}, {"w", &w}, {"attn", &attn}}) {
         save(dir + "/" + name + ".out", *data);
@@ -551,18 +536,16 @@ def host_rows(tokens):
     return chunk_count(tokens) * 64 + 3
 
 
-def run_on_host(binary, inputs, tokens, pad, jitter=False, gate_source=None, unbounded=False, narrow=False):
+def run_on_host(binary, inputs, tokens, pad, jitter=False, gate_source=None, unbounded=False):
     """The two kernels on the host emulator; input rows T.. are filled with `pad`. With
     gate_source (forget_proj [rows, H*D] and beta_logits [rows, H + 3] as BF16 bits, dt_bias,
     a_log), the fused-gate prepare runs and "gate" / "beta" are its outputs; unbounded: the
-    prepare for gates without a lower bound (with gate_source: forming the softplus law's);
-    narrow: the scan's entry of 16 columns a block."""
+    prepare for gates without a lower bound (with gate_source: forming the softplus law's)."""
     query, key, value, gate, beta, recurrent = inputs
     heads = query.shape[1]
     nchunks = chunk_count(tokens)
     rows = host_rows(tokens)
-    folder = Path(binary).parent / (f"T{tokens}-H{heads}-{pad}-{int(jitter)}-{int(gate_source is not None)}-"
-                                    f"{int(unbounded)}-{int(narrow)}")
+    folder = Path(binary).parent / f"T{tokens}-H{heads}-{pad}-{int(jitter)}-{int(gate_source is not None)}-{int(unbounded)}"
     folder.mkdir(exist_ok=True)
     for name, x in (("query", query), ("key", key), ("value", value), ("gate", gate), ("beta", beta)):
         full = np.full((rows,) + x.shape[1:], pad, np.float32)
@@ -578,7 +561,7 @@ def run_on_host(binary, inputs, tokens, pad, jitter=False, gate_source=None, unb
     mode = "_".join(part for part, on in (("fused", gate_source is not None), ("unbounded", unbounded)) if on)
     result = subprocess.run(
         [str(binary), str(folder), str(tokens), str(rows), str(heads), str(LOWER_BOUND), str(int(jitter)),
-         str(PREPARE_SMEM_BYTES), str(SCAN_SMEM_BYTES), mode or "plain", "narrow" if narrow else "wide"],
+         str(PREPARE_SMEM_BYTES), str(SCAN_SMEM_BYTES), mode or "plain"],
         capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr
@@ -692,19 +675,6 @@ def test_kernel_source_on_host_matches_model(emulator, tokens, heads, law, state
         for name in (*SCRATCH, "state"):
             assert_bits_equal(out[name], clean[name], f"{tag} {name}, NaN pad vs zero pad (jitter)")
         assert_bits_equal(out["core"][:tokens], clean["core"][:tokens], f"{tag} core, NaN pad vs zero pad")
-
-
-@pytest.mark.parametrize("tokens,heads", [(17, 2), (130, 1)], ids=lambda v: str(v))
-def test_narrow_scan_on_host_gives_the_wide_scans_bits(emulator, tokens, heads):
-    # A value column's recurrence involves no other column, and the narrow entry sums in the wide
-    # one's order: the same core and state, bit for bit (jittered threads).
-    inputs = make_inputs(tokens, heads, "bounded", "random", seed=SEED + tokens + 7)
-    wide, _ = run_on_host(emulator, inputs, tokens, pad=float("nan"))
-    narrow, counters = run_on_host(emulator, inputs, tokens, pad=float("nan"), jitter=True, narrow=True)
-    assert counters["misaligned"] == 0, f"T{tokens}: {counters['misaligned']} misaligned vector accesses"
-    assert_bits_equal(narrow["core"][:tokens], wide["core"][:tokens], f"T{tokens} core, narrow vs wide scan")
-    assert_bits_equal(narrow["state"], wide["state"], f"T{tokens} state, narrow vs wide scan")
-    assert (narrow["core"][tokens:] == 12345.0).all(), f"T{tokens}: the narrow scan wrote core rows >= T"
 
 
 def test_unbounded_host_diagonal_just_past_the_range_takes_the_exact_sums(emulator):
@@ -866,24 +836,6 @@ def test_gpu_carried_state_across_calls(geometry):
     assert_close(split_state, ref_state, TC_BOUND, f"{geometry} split state vs oracle")
     assert_close(split_state, whole_state, TC_BOUND, f"{geometry} split state vs one call")
     assert_close(split_core, whole_core[:1000], TC_BOUND, f"{geometry} split core vs one call")
-
-
-@pytest.mark.gpu
-@needs_gpu
-@pytest.mark.parametrize("tokens", [17, 1000], ids=lambda t: f"T{t}")
-@pytest.mark.parametrize("heads", [64, 32])
-def test_gpu_narrow_scan_gives_the_wide_scans_bits(heads, tokens, monkeypatch):
-    # The scan's two entries (16 or 32 value columns a block), each forced by the SM count the
-    # choice sees, on the same scratch: the same core and state, bit for bit.
-    device, start, _ = _device_inputs(tokens, heads, seed=SEED + 5)
-    results = {}
-    for form, sms in (("wide", 0), ("narrow", 10**6)):
-        monkeypatch.setattr(chunk_tc, "_sm_count", lambda sms=sms: sms)
-        state = start.copy()
-        core, _ = _run_tc(device, state, tokens)
-        results[form] = (core, state)
-    assert_bits_equal(results["narrow"][0], results["wide"][0], f"H{heads} T{tokens} core, narrow vs wide scan")
-    assert_bits_equal(results["narrow"][1], results["wide"][1], f"H{heads} T{tokens} state, narrow vs wide scan")
 
 
 @pytest.mark.gpu

@@ -134,7 +134,7 @@ class Stages:
         tiles = (first == 0 and not walk and rows <= _ROW_GROUP and self._o_proj_sums is None
                  and projection.bulk_applies(o_proj, rows))
         # The sequences ahead whose states a batched step asks L2 for.
-        resident = build.sm_count(ws.device_id) * _STEP_RESIDENT_BLOCKS_PER_SM
+        resident = projection.sm_count(ws.device_id) * _STEP_RESIDENT_BLOCKS_PER_SM
         prefetch_ahead = max(1, round(_STEP_PREFETCH_WAVES * resident / c.heads))
         blocks = ops.kda_decode_fused_bf16(
             conv_state, recurrent_state, ws.qkv_proj[sl], self.conv_weight, ws.forget_proj[sl], self.dt_bias,

@@ -22,12 +22,11 @@ __device__ __forceinline__ void copy_chunk_rows_async(f16_t* w_s, f16_t* q_s, co
 }
 
 // This lane's Uc of chunk `chunk_index`: rows row_low and row_low + 8, 2 columns from `column` + 8 n.
-template <int TILES>
-__device__ __forceinline__ void load_chunk_uc(float uc[TILES][4], const float* u, int chunk_index, int row_low,
+__device__ __forceinline__ void load_chunk_uc(float uc[4][4], const float* u, int chunk_index, int row_low,
                                               size_t row_stride, size_t column)
 {
 #pragma unroll
-    for (int n = 0; n < TILES; ++n) {
+    for (int n = 0; n < 4; ++n) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const float2 pair_value = *reinterpret_cast<const float2*>(
@@ -38,21 +37,18 @@ __device__ __forceinline__ void load_chunk_uc(float uc[TILES][4], const float* u
     }
 }
 
-// The scan of every entry point: a block owns COLUMNS value columns (TILES mma tiles of 8) of one head.
-template <int COLUMNS>
-__device__ __forceinline__ void chunk_tc_scan(const f16_t* __restrict__ q_decay, const f16_t* __restrict__ k_tail_t,
-                                              const f16_t* __restrict__ w, const float* __restrict__ u,
-                                              const f16_t* __restrict__ attn, const float* __restrict__ chunk_decay,
-                                              float* __restrict__ state, float* __restrict__ core, int tokens,
-                                              int heads)
+extern "C" __global__ void __launch_bounds__(CHUNK_TC_SCAN_THREADS, 2)
+kda_chunk_tc_scan_f32(const f16_t* __restrict__ q_decay, const f16_t* __restrict__ k_tail_t,
+                      const f16_t* __restrict__ w, const float* __restrict__ u,
+                      const f16_t* __restrict__ attn, const float* __restrict__ chunk_decay,
+                      float* __restrict__ state, float* __restrict__ core, int tokens, int heads)
 {
-    constexpr int TILES = COLUMNS / 8;
     // w_s, q_s: the chunk's W, q_decay; state_t_s: tf32(S0)^T; u_t_s: tf32(U)^T (docs/kernels.md).
     extern __shared__ __align__(16) float shared[];
     f16_t* w_s = reinterpret_cast<f16_t*>(shared);
     f16_t* q_s = w_s + CHUNK_TC * CHUNK_TC_H_STRIDE;
     float* state_t_s = shared + CHUNK_TC * CHUNK_TC_H_STRIDE;
-    float* u_t_s = state_t_s + COLUMNS * CHUNK_TC_D_STRIDE;
+    float* u_t_s = state_t_s + CHUNK_TC_SCAN_COLUMNS * CHUNK_TC_D_STRIDE;
 
     const int head = blockIdx.x;
     const int lane = threadIdx.x & 31;
@@ -60,12 +56,12 @@ __device__ __forceinline__ void chunk_tc_scan(const f16_t* __restrict__ q_decay,
     const int group_lane = lane >> 2;
     const int thread_in_group = lane & 3;
     const int lane_k = 8 * thread_in_group;
-    if (blockDim.x != CHUNK_TC_SCAN_THREADS || blockIdx.y >= KDA_HEAD_DIM / COLUMNS ||
+    if (blockDim.x != CHUNK_TC_SCAN_THREADS || blockIdx.y >= KDA_HEAD_DIM / CHUNK_TC_SCAN_COLUMNS ||
         head >= heads || tokens < 1) {
         return;
     }
     const int nchunks = (tokens + CHUNK_TC - 1) / CHUNK_TC;
-    const int column_base = blockIdx.y * COLUMNS;
+    const int column_base = blockIdx.y * CHUNK_TC_SCAN_COLUMNS;
     const size_t row_stride = static_cast<size_t>(heads) * KDA_HEAD_DIM;
     const size_t head_offset = static_cast<size_t>(head) * KDA_HEAD_DIM;
     // Phase A rows of this warp (chunk rows) and state rows it owns (key channels).
@@ -74,11 +70,11 @@ __device__ __forceinline__ void chunk_tc_scan(const f16_t* __restrict__ q_decay,
 
     // The block's state columns, FP32, in the accumulator layout of k_tail^T U.
     float* state_head = state + head_offset * KDA_HEAD_DIM;
-    float state_acc[2][TILES][4];
+    float state_acc[2][4][4];
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
 #pragma unroll
-        for (int n = 0; n < TILES; ++n) {
+        for (int n = 0; n < 4; ++n) {
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const int row = state_row + 16 * m + 8 * half;
@@ -94,8 +90,8 @@ __device__ __forceinline__ void chunk_tc_scan(const f16_t* __restrict__ q_decay,
     }
     copy_chunk_rows_async(w_s, q_s, w, q_decay, 0, row_stride, head_offset);
     const size_t uc_column = head_offset + column_base + 2 * thread_in_group;
-    float u_ahead[TILES][4];
-    load_chunk_uc<TILES>(u_ahead, u, 0, row_low, row_stride, uc_column);
+    float u_ahead[4][4];
+    load_chunk_uc(u_ahead, u, 0, row_low, row_stride, uc_column);
 
     for (int chunk_index = 0; chunk_index < nchunks; ++chunk_index) {
         const int first = chunk_index * CHUNK_TC;
@@ -104,16 +100,16 @@ __device__ __forceinline__ void chunk_tc_scan(const f16_t* __restrict__ q_decay,
 
         // U = Uc - W S0 accumulates onto Uc (mma with -W; TF32 negation is exact); the next chunk's Uc is
         // loaded now, a chunk before phase A starts from it.
-        float u_acc[TILES][4];
+        float u_acc[4][4];
 #pragma unroll
-        for (int n = 0; n < TILES; ++n) {
+        for (int n = 0; n < 4; ++n) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 u_acc[n][e] = u_ahead[n][e];
             }
         }
         if (chunk_index + 1 < nchunks) {
-            load_chunk_uc<TILES>(u_ahead, u, chunk_index + 1, row_low, row_stride, uc_column);
+            load_chunk_uc(u_ahead, u, chunk_index + 1, row_low, row_stride, uc_column);
         }
 
         // Phase B's operands (B, k_tail^T and the rows' decay), loaded now so that phase A hides their latency.
@@ -147,7 +143,7 @@ __device__ __forceinline__ void chunk_tc_scan(const f16_t* __restrict__ q_decay,
         __syncthreads();
 
         // Phase A: U = Uc - W S0, o = q_decay S0 (rows row_low, row_low + 8).
-        float out_acc[TILES][4] = {};
+        float out_acc[4][4] = {};
 #pragma unroll
         for (int kb = 0; kb < KDA_HEAD_DIM / 32; ++kb) {
             float w_low[8];
@@ -164,7 +160,7 @@ __device__ __forceinline__ void chunk_tc_scan(const f16_t* __restrict__ q_decay,
                 w_high[e] = -w_high[e];
             }
 #pragma unroll
-            for (int n = 0; n < TILES; ++n) {
+            for (int n = 0; n < 4; ++n) {
                 float b[8];
                 load8(b, state_t_s + (8 * n + group_lane) * CHUNK_TC_D_STRIDE + 32 * kb + lane_k);
                 mma_k_block<4>(u_acc[n], w_low, w_high, b);
@@ -173,7 +169,7 @@ __device__ __forceinline__ void chunk_tc_scan(const f16_t* __restrict__ q_decay,
         }
         // Padded rows: U = 0 by index (0 - 0 already; so it does not depend on the scratch contents).
 #pragma unroll
-        for (int n = 0; n < TILES; ++n) {
+        for (int n = 0; n < 4; ++n) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int t = row_low + 8 * (e >> 1);
@@ -191,14 +187,14 @@ __device__ __forceinline__ void chunk_tc_scan(const f16_t* __restrict__ q_decay,
 #pragma unroll
         for (int kb = 0; kb < 2; ++kb) {
 #pragma unroll
-            for (int n = 0; n < TILES; ++n) {
+            for (int n = 0; n < 4; ++n) {
                 float b[8];
                 load8(b, u_t_s + (8 * n + group_lane) * CHUNK_TC_C_STRIDE + 32 * kb + lane_k);
                 mma_k_block<4>(out_acc[n], attn_low[kb], attn_high[kb], b);
             }
         }
 #pragma unroll
-        for (int n = 0; n < TILES; ++n) {
+        for (int n = 0; n < 4; ++n) {
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const int t = row_low + 8 * half;
@@ -212,7 +208,7 @@ __device__ __forceinline__ void chunk_tc_scan(const f16_t* __restrict__ q_decay,
 #pragma unroll
         for (int m = 0; m < 2; ++m) {
 #pragma unroll
-            for (int n = 0; n < TILES; ++n) {
+            for (int n = 0; n < 4; ++n) {
                 state_acc[m][n][0] *= decay[m][0];
                 state_acc[m][n][1] *= decay[m][0];
                 state_acc[m][n][2] *= decay[m][1];
@@ -222,7 +218,7 @@ __device__ __forceinline__ void chunk_tc_scan(const f16_t* __restrict__ q_decay,
 #pragma unroll
         for (int kb = 0; kb < 2; ++kb) {
 #pragma unroll
-            for (int n = 0; n < TILES; ++n) {
+            for (int n = 0; n < 4; ++n) {
                 float b[8];
                 load8(b, u_t_s + (8 * n + group_lane) * CHUNK_TC_C_STRIDE + 32 * kb + lane_k);
 #pragma unroll
@@ -235,7 +231,7 @@ __device__ __forceinline__ void chunk_tc_scan(const f16_t* __restrict__ q_decay,
 #pragma unroll
         for (int m = 0; m < 2; ++m) {
 #pragma unroll
-            for (int n = 0; n < TILES; ++n) {
+            for (int n = 0; n < 4; ++n) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int row = state_row + 16 * m + 8 * (e >> 1);
@@ -249,7 +245,7 @@ __device__ __forceinline__ void chunk_tc_scan(const f16_t* __restrict__ q_decay,
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
 #pragma unroll
-        for (int n = 0; n < TILES; ++n) {
+        for (int n = 0; n < 4; ++n) {
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const int row = state_row + 16 * m + 8 * half;
@@ -259,27 +255,4 @@ __device__ __forceinline__ void chunk_tc_scan(const f16_t* __restrict__ q_decay,
             }
         }
     }
-}
-
-// Grid (heads, D / 32): a head's four blocks of 32 columns (GLM-5.3-Flash's 64 heads: 256 blocks, one
-// wave of two blocks an SM on an H100 or H200).
-extern "C" __global__ void __launch_bounds__(CHUNK_TC_SCAN_THREADS, 2)
-kda_chunk_tc_scan_f32(const f16_t* __restrict__ q_decay, const f16_t* __restrict__ k_tail_t,
-                      const f16_t* __restrict__ w, const float* __restrict__ u,
-                      const f16_t* __restrict__ attn, const float* __restrict__ chunk_decay,
-                      float* __restrict__ state, float* __restrict__ core, int tokens, int heads)
-{
-    chunk_tc_scan<CHUNK_TC_SCAN_COLUMNS>(q_decay, k_tail_t, w, u, attn, chunk_decay, state, core, tokens, heads);
-}
-
-// Grid (heads, D / 16), for fewer heads than SMs a head's eight blocks of 16 columns (Kimi-Linear's 32
-// heads: 256 blocks, where 128 would leave one block an SM, its chain of chunks alone).
-extern "C" __global__ void __launch_bounds__(CHUNK_TC_SCAN_THREADS, 2)
-kda_chunk_tc_scan_narrow_f32(const f16_t* __restrict__ q_decay, const f16_t* __restrict__ k_tail_t,
-                             const f16_t* __restrict__ w, const float* __restrict__ u,
-                             const f16_t* __restrict__ attn, const float* __restrict__ chunk_decay,
-                             float* __restrict__ state, float* __restrict__ core, int tokens, int heads)
-{
-    chunk_tc_scan<CHUNK_TC_SCAN_NARROW_COLUMNS>(q_decay, k_tail_t, w, u, attn, chunk_decay, state, core, tokens,
-                                                heads);
 }

@@ -18,7 +18,6 @@
 // Rows of the cumulative gate whose loads a thread issues before adding them.
 #define CHUNK_TC_CUMSUM_BATCH 16
 #define CHUNK_TC_SCAN_COLUMNS 32
-#define CHUNK_TC_SCAN_NARROW_COLUMNS 16
 #define CHUNK_TC_SCAN_THREADS 128
 // Row strides (floats) of the shared tiles: [*][D] and [*][C].
 #define CHUNK_TC_D_STRIDE (KDA_HEAD_DIM + 4)
