@@ -55,6 +55,12 @@ def _defined_bytes(source: str, name: str) -> int:
     return value(name)
 
 
+def _opt_in(function, shared: int) -> None:
+    """`shared` bytes of dynamic shared memory and the largest carveout, as the package launches its chunk kernels."""
+    function.max_dynamic_shared_size_bytes = shared
+    function.preferred_shared_memory_carveout = 100
+
+
 def _function(folder: str, stem: str, entry: str):
     """(the entry point of <folder>/<stem>.cu built by NVRTC, that file's inlined source)."""
     import cupy
@@ -164,7 +170,7 @@ def _prepare_case(folder: str, config, tokens: int, inputs: dict):
     entry = _prepare_entry(config)
     function, source = _function(folder, "chunk/chunk_tc_gate" + ("" if lower_bound is not None else "_unbounded"), entry)
     shared = _defined_bytes(source, "CHUNK_TC_PREPARE_SMEM_BYTES")
-    function.max_dynamic_shared_size_bytes = shared
+    _opt_in(function, shared)
     heads = config.heads
     scratch = new_scratch(cupy, tokens, heads, float("nan"))
     beta = cupy.empty((tokens, heads), cupy.float32)
@@ -190,7 +196,7 @@ def _scan_case(folder: str, config, tokens: int, inputs: dict):
 
     function, source = _function(folder, "chunk/chunk_tc", "kda_chunk_tc_scan_f32")
     shared = _defined_bytes(source, "CHUNK_TC_SCAN_SMEM_BYTES")
-    function.max_dynamic_shared_size_bytes = shared
+    _opt_in(function, shared)
     heads, dim = config.heads, config.head_dim
     scratch, state = inputs["scratch"], inputs["state"].copy()
     core = cupy.empty((tokens, heads, dim), cupy.float32)
