@@ -119,6 +119,7 @@ if [ "$part" = bench ] || [ "$part" = all ]; then
   python benchmarks/summarize_breakdown.py --targets < "$out/decode_breakdown.jsonl" | tee "$out/decode_targets.txt"
   timeout 90 python benchmarks/host_cost.py 2>&1 | tee "$out/host_cost.jsonl"
   timeout 150 python benchmarks/prefill.py --tokens 1024 16384 65536 2>&1 | tee "$out/prefill.jsonl"
+  timeout 90 python benchmarks/projections.py 2>&1 | tee "$out/projections.jsonl"
   if [ "${2:-}" = block ]; then timeout 60 python benchmarks/block.py glm kimi 2>&1 | tee "$out/block.jsonl"; fi
   python -c "import json; from glm_kda.selftest import import_times; print(json.dumps(import_times()))" 2>&1 | tee "$out/import.json"
 fi

@@ -25,7 +25,7 @@ BENCHMARKS = REPO / "benchmarks"
 GPU_SCRIPTS = {
     "block.py": [], "cold_start.py": [], "compare_versions.py": ["--old", str(REPO)], "decode.py": [], "decode_breakdown.py": [],
     "gemm_rows.py": [], "host_cost.py": [], "kernel_versions.py": ["--old", str(REPO / "kernels_src")], "prefill.py": [], "profile_kernels.py": ["decode", "glm"],
-    "stack.py": [], "stream_floor.py": [],
+    "projections.py": [], "stack.py": [], "stream_floor.py": [],
 }
 # Scripts that run without a GPU here: fla_compare prints a note and exits 0 without fla (or torch,
 # or a GPU); summarize_breakdown reads decode_breakdown's lines.
