@@ -191,7 +191,8 @@ def _prepare_case(folder: str, config, tokens: int, inputs: dict):
 
 
 def _scan_case(folder: str, config, tokens: int, inputs: dict):
-    """(launch(), outputs()) of one folder's tensor-core scan on the prepare's outputs in inputs["scratch"]."""
+    """(launch(), outputs()) of one folder's tensor-core scan on the prepare's outputs in inputs["scratch"]
+    (the last prepare run's, the new version's: both versions' scans read the same scratch)."""
     import cupy
 
     function, source = _function(folder, "chunk/chunk_tc", "kda_chunk_tc_scan_f32")
