@@ -56,7 +56,8 @@ def _defined_bytes(source: str, name: str) -> int:
 
 
 def _opt_in(function, shared: int) -> None:
-    """`shared` bytes of dynamic shared memory and the largest carveout, as the package launches its chunk kernels."""
+    """`shared` bytes of dynamic shared memory and the largest carveout, as the package launches its chunk
+    kernels."""
     function.max_dynamic_shared_size_bytes = shared
     function.preferred_shared_memory_carveout = 100
 
@@ -168,7 +169,8 @@ def _prepare_case(folder: str, config, tokens: int, inputs: dict):
 
     lower_bound = prepare_lower_bound(config)
     entry = _prepare_entry(config)
-    function, source = _function(folder, "chunk/chunk_tc_gate" + ("" if lower_bound is not None else "_unbounded"), entry)
+    stem = "chunk/chunk_tc_gate" if lower_bound is not None else "chunk/chunk_tc_gate_unbounded"
+    function, source = _function(folder, stem, entry)
     shared = _defined_bytes(source, "CHUNK_TC_PREPARE_SMEM_BYTES")
     _opt_in(function, shared)
     heads = config.heads
@@ -179,9 +181,10 @@ def _prepare_case(folder: str, config, tokens: int, inputs: dict):
     def launch():
         function((chunk_count(tokens), heads), (256,),
                  (inputs["q"], inputs["k"], inputs["v"], np.uint64(0), beta, scratch["q_decay"], scratch["k_tail"],
-                  scratch["w"], scratch["u"], scratch["attn"], scratch["chunk_decay"], np.int32(tokens), np.int32(heads),
-                  np.float32(config.head_dim ** -0.5), np.float32(lower_bound or 0.0), inputs["forget_proj"],
-                  inputs["dt_bias"], inputs["a_log"], inputs["beta_logits"], np.int32(heads)), shared_mem=shared)
+                  scratch["w"], scratch["u"], scratch["attn"], scratch["chunk_decay"], np.int32(tokens),
+                  np.int32(heads), np.float32(config.head_dim ** -0.5), np.float32(lower_bound or 0.0),
+                  inputs["forget_proj"], inputs["dt_bias"], inputs["a_log"], inputs["beta_logits"], np.int32(heads)),
+                 shared_mem=shared)
 
     def outputs():
         launch()
