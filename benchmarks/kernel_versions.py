@@ -36,14 +36,7 @@ _GEOMETRIES = ("glm", "kimi")
 
 
 def _define(source: str, name: str) -> int:
-    match = re.search(rf"#define {name} (\d+)", source)
-    if match is None:
-        raise SystemExit(f"the kernel source no longer defines {name}")
-    return int(match.group(1))
-
-
-def _defined_bytes(source: str, name: str) -> int:
-    """The value of the arithmetic macro `name` of `source`, the macros it names expanded."""
+    """The integer value of macro `name` of `source`: a literal, or arithmetic on other macros (expanded)."""
     defines = dict(re.findall(r"^#define (\w+) ((?:.*\\\n)*.*)$", source, flags=re.MULTILINE))
 
     def value(macro: str) -> int:
@@ -171,15 +164,16 @@ def _prepare_case(folder: str, config, tokens: int, inputs: dict):
     entry = _prepare_entry(config)
     stem = "chunk/chunk_tc_gate" if lower_bound is not None else "chunk/chunk_tc_gate_unbounded"
     function, source = _function(folder, stem, entry)
-    shared = _defined_bytes(source, "CHUNK_TC_PREPARE_SMEM_BYTES")
+    shared = _define(source, "CHUNK_TC_PREPARE_SMEM_BYTES")
     _opt_in(function, shared)
     heads = config.heads
     scratch = new_scratch(cupy, tokens, heads, float("nan"))
     beta = cupy.empty((tokens, heads), cupy.float32)
     inputs["scratch"] = scratch
+    grid, block = (chunk_count(tokens), heads), (_define(source, "CHUNK_TC_PREPARE_THREADS"),)
 
     def launch():
-        function((chunk_count(tokens), heads), (256,),
+        function(grid, block,
                  (inputs["q"], inputs["k"], inputs["v"], np.uint64(0), beta, scratch["q_decay"], scratch["k_tail"],
                   scratch["w"], scratch["u"], scratch["attn"], scratch["chunk_decay"], np.int32(tokens),
                   np.int32(heads), np.float32(config.head_dim ** -0.5), np.float32(lower_bound or 0.0),
@@ -199,15 +193,15 @@ def _scan_case(folder: str, config, tokens: int, inputs: dict):
     import cupy
 
     function, source = _function(folder, "chunk/chunk_tc", "kda_chunk_tc_scan_f32")
-    shared = _defined_bytes(source, "CHUNK_TC_SCAN_SMEM_BYTES")
+    shared = _define(source, "CHUNK_TC_SCAN_SMEM_BYTES")
     _opt_in(function, shared)
     heads, dim = config.heads, config.head_dim
     scratch, state = inputs["scratch"], inputs["state"].copy()
     core = cupy.empty((tokens, heads, dim), cupy.float32)
-    columns = _define(source, "CHUNK_TC_SCAN_COLUMNS")
+    grid, block = (heads, dim // _define(source, "CHUNK_TC_SCAN_COLUMNS")), (_define(source, "CHUNK_TC_SCAN_THREADS"),)
 
     def launch():
-        function((heads, dim // columns), (_define(source, "CHUNK_TC_SCAN_THREADS"),),
+        function(grid, block,
                  (scratch["q_decay"], scratch["k_tail"], scratch["w"], scratch["u"], scratch["attn"],
                   scratch["chunk_decay"], state, core, np.int32(tokens), np.int32(heads)), shared_mem=shared)
 
