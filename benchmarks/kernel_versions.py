@@ -13,8 +13,7 @@ tokens a block, the bytes, from its `#define`s). A line gives each version's med
 --repeats launches (CUDA events, after warm-up), `ratio` new / old (below 1: the new one is faster),
 each one's share of the copy bandwidth measured in the same run for the bytes the kernel must move
 (lib/bench_prefill.kernel_bytes), and `same_bits`: whether every output byte (and the conv state)
-agrees. Both folders' kernels must take this checkout's arguments (the conv pass writing BF16 rows and
-L2 factors, the prepare reading them).
+agrees.
 """
 
 from __future__ import annotations
@@ -86,20 +85,17 @@ def _conv_case(folder: str, config, tokens: int, inputs: dict):
     function, source = _function(folder, "conv", "kda_conv_prefill_silu_l2_bf16")
     heads, dim, qkv = config.heads, config.head_dim, config.qkv
     state = inputs["state"].copy()
-    conv_out = cupy.empty((tokens, 3 * qkv), cupy.uint16)
-    factors = cupy.empty((tokens, 2, heads), cupy.float32)
+    q, k, v = (cupy.empty((tokens, qkv), cupy.float32) for _ in range(3))
     grid = (-(-3 * heads // 4), -(-tokens // _define(source, "CONV_PREFILL_TILE")))
 
     def launch():
-        # The tensor-core prefill's launch: BF16 rows and factors, no FP32 q, k, v.
-        function(grid, (128,), (state, inputs["qkv"], inputs["conv_w"], conv_out, factors, np.uint64(0), np.uint64(0),
-                                np.uint64(0), np.int32(heads), np.int32(dim), np.int32(config.conv_kernel),
-                                np.int32(tokens), np.float32(config.l2_eps)))
+        function(grid, (128,), (state, inputs["qkv"], inputs["conv_w"], np.uint64(0), q, k, v, np.int32(heads),
+                                np.int32(dim), np.int32(config.conv_kernel), np.int32(tokens), np.float32(config.l2_eps)))
 
     def outputs():
         state[...] = inputs["state"]
         launch()
-        return [array.copy() for array in (state, conv_out, factors)]
+        return [array.copy() for array in (state, q, k, v)]
 
     return launch, outputs
 
@@ -127,15 +123,17 @@ def _norm_case(folder: str, config, tokens: int, inputs: dict):
 
 
 def _chunk_inputs(rng, config, tokens: int) -> dict:
-    """Random inputs of the chunk kernels: the conv pass's BF16 rows and the L2 factors of their q and k
-    heads, the gate's projections, a state."""
+    """Random inputs of the chunk kernels: unit-norm q and k per head, the gate's projections, a state."""
     import cupy
 
     heads, dim = config.heads, config.head_dim
-    rows = _random_bf16(rng, (tokens, 3, heads, dim))
-    values = (rows.view(cupy.uint16).astype(cupy.uint32) << 16).view(cupy.float32)[:, :2]
-    return {"conv_rows": rows.reshape(tokens, 3 * heads * dim),
-            "factors": (1.0 / cupy.sqrt((values * values).sum(axis=-1) + config.l2_eps)).astype(cupy.float32),
+
+    def unit(x):
+        return x / cupy.sqrt((x * x).sum(axis=-1, keepdims=True))
+
+    return {"q": unit(rng.standard_normal((tokens, heads, dim), dtype=cupy.float32)),
+            "k": unit(rng.standard_normal((tokens, heads, dim), dtype=cupy.float32)),
+            "v": rng.standard_normal((tokens, heads, dim), dtype=cupy.float32),
             "forget_proj": _random_bf16(rng, (tokens, heads * dim)),
             "dt_bias": rng.standard_normal(heads * dim, dtype=cupy.float32) * 0.5,
             "a_log": rng.standard_normal(heads, dtype=cupy.float32) * 0.5,
@@ -176,7 +174,7 @@ def _prepare_case(folder: str, config, tokens: int, inputs: dict):
 
     def launch():
         function(grid, block,
-                 (inputs["conv_rows"], inputs["factors"], np.uint64(0), beta, scratch["q_decay"], scratch["k_tail"],
+                 (inputs["q"], inputs["k"], inputs["v"], np.uint64(0), beta, scratch["q_decay"], scratch["k_tail"],
                   scratch["w"], scratch["u"], scratch["attn"], scratch["chunk_decay"], np.int32(tokens),
                   np.int32(heads), np.float32(config.head_dim ** -0.5), np.float32(lower_bound or 0.0),
                   inputs["forget_proj"], inputs["dt_bias"], inputs["a_log"], inputs["beta_logits"], np.int32(heads)),

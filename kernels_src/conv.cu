@@ -1,7 +1,5 @@
-// The prefill conv pass: causal depthwise conv + SiLU (BF16 output) and the factors that L2-normalise each
-// head of q and k, which the tensor-core prepare applies as it reads the BF16 rows; on request also the
-// split FP32 q, k, v (q and k normalised); conv_state [3 H D, K] FP32 left as T decode steps leave it,
-// with decode's bits.
+// The prefill conv pass: causal depthwise conv + SiLU (BF16 output), per-head L2 of q and k, split into
+// FP32 q, k, v; conv_state [3 H D, K] FP32 left as T decode steps leave it, with decode's bits.
 // Launch: grid (ceil(3 * heads / 4), ceil(T / 64)), 128 threads, no shared memory; a warp holds one head
 // of q, k or v for 64 tokens, 4 channels a lane (docs/kernels.md, 'Prefill conv').
 #include "common/conv_window.cuh"
@@ -21,8 +19,7 @@
 template <int FIXED_K>
 __device__ __forceinline__ void conv_prefill_tile(float* __restrict__ conv_state, const bf16_t* __restrict__ qkv_proj,
                                                   const bf16_t* __restrict__ conv_w, bf16_t* __restrict__ conv_out,
-                                                  float* __restrict__ inverse_norms, float* __restrict__ outputs,
-                                                  int part, int heads, int run_time_k,
+                                                  float* __restrict__ outputs, int part, int heads, int run_time_k,
                                                   int tokens, float l2_eps)
 {
     const int kernel_size = FIXED_K > 0 ? FIXED_K : run_time_k;
@@ -38,14 +35,16 @@ __device__ __forceinline__ void conv_prefill_tile(float* __restrict__ conv_state
     auto load_inputs = [&](int t) -> uint2 {
         return *reinterpret_cast<const uint2*>(qkv_proj + static_cast<size_t>(t) * conv_dim + channel);
     };
+    auto unpack = [](const uint2& packed, int c) -> float {
+        return bf16_half_to_f32(c < 2 ? packed.x : packed.y, c & 1);
+    };
     // The conv inputs of token t in the lane's four channels: loaded for t >= 0, else the carried
     // state's slot K + t (only tile 0 asks for t < 0; a tile is >= K long).
     auto inputs_at = [&](int t, float (&inputs)[4]) {
-        float loaded[4];
-        bf16x4_to_f32(loaded, t >= 0 ? load_inputs(t) : make_uint2(0u, 0u));
+        const uint2 packed = t >= 0 ? load_inputs(t) : make_uint2(0u, 0u);
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
-            inputs[c] = t >= 0 ? loaded[c] : state[c * kernel_size + kernel_size + t];
+            inputs[c] = t >= 0 ? unpack(packed, c) : state[c * kernel_size + kernel_size + t];
         }
     };
     // The taps once, in registers: the loop below reads no weight.
@@ -81,35 +80,25 @@ __device__ __forceinline__ void conv_prefill_tile(float* __restrict__ conv_state
             if (t >= last) {
                 break;
             }
-            float inputs[4];
-            bf16x4_to_f32(inputs, packed[u]);
             float rounded[4];
             unsigned int bits[4];
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
-                conv_window_push(window[c], inputs[c], kernel_size);
+                conv_window_push(window[c], unpack(packed[u], c), kernel_size);
                 const bf16_t out = f32_to_bf16(conv_silu_f32_taps(window[c], taps[c], kernel_size));
                 bits[c] = out;
                 rounded[c] = bf16_to_f32(out);
             }
-            if (conv_out != nullptr) {
+            if (conv_out != nullptr) {  // a stage buffer no later kernel reads: written on request
                 *reinterpret_cast<uint2*>(conv_out + static_cast<size_t>(t) * conv_dim + channel) =
                     make_uint2(bits[0] | (bits[1] << 16), bits[2] | (bits[3] << 16));
             }
+            float4 result = make_float4(rounded[0], rounded[1], rounded[2], rounded[3]);
             if (normalize) {  // warp-uniform
-                const float inverse = l2_inverse_norm(warp_head_sum_squares(rounded), l2_eps);
-                if (inverse_norms != nullptr && lane == 0) {
-                    inverse_norms[static_cast<size_t>(t) * 2 * heads + part] = inverse;
-                }
-#pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    rounded[c] = rounded[c] * inverse;
-                }
+                const float norm = sqrtf(warp_head_sum_squares(rounded) + l2_eps);
+                result = make_float4(rounded[0] / norm, rounded[1] / norm, rounded[2] / norm, rounded[3] / norm);
             }
-            if (outputs != nullptr) {  // stage buffers (and the FP32 chunk path's inputs): written on request
-                *reinterpret_cast<float4*>(outputs + static_cast<size_t>(t) * qkv) =
-                    make_float4(rounded[0], rounded[1], rounded[2], rounded[3]);
-            }
+            *reinterpret_cast<float4*>(outputs + static_cast<size_t>(t) * qkv) = result;
         }
     }
 
@@ -130,16 +119,14 @@ __device__ __forceinline__ void conv_prefill_tile(float* __restrict__ conv_state
     }
 }
 
-// qkv_proj, conv_out [T, 3 H D] BF16 (8-byte aligned rows), conv_w [3 H D, K] BF16, inverse_norms [T, 2, H]
-// FP32: l2_inverse_norm of each head of q (index 0) and k (index 1), query, key, value [T, H D] FP32
-// (16-byte aligned rows). conv_out, inverse_norms and the FP32 trio (all three or none) may each be null: not
-// written. Warp w of block x holds head part 4x + w of q, then k, then v. The register cap buys
-// occupancy, the loads in flight of more warps; with two tokens ahead it needs no spill on any
-// architecture (docs/performance.md).
+// qkv_proj, conv_out [T, 3 H D] BF16 (8-byte aligned rows; conv_out may be null: not written), conv_w
+// [3 H D, K] BF16, query, key, value [T, H D] FP32 (16-byte aligned rows). Warp w of block x holds
+// head part 4x + w of q, then k, then v. The register cap buys occupancy, the loads in flight of
+// more warps; with two tokens ahead it needs no spill on any architecture (docs/performance.md).
 extern "C" __global__ void __launch_bounds__(KDA_HEAD_BLOCK, CONV_PREFILL_BLOCKS_PER_SM)
 kda_conv_prefill_silu_l2_bf16(float* __restrict__ conv_state, const bf16_t* __restrict__ qkv_proj,
                           const bf16_t* __restrict__ conv_w, bf16_t* __restrict__ conv_out,
-                          float* __restrict__ inverse_norms, float* __restrict__ query, float* __restrict__ key,
+                          float* __restrict__ query, float* __restrict__ key,
                           float* __restrict__ value, int heads, int head_dim, int kernel_size,
                           int tokens, float l2_eps)
 {
@@ -150,15 +137,12 @@ kda_conv_prefill_silu_l2_bf16(float* __restrict__ conv_state, const bf16_t* __re
         return;
     }
     float* outputs = part < heads ? query : part < 2 * heads ? key : value;
-    if (outputs != nullptr) {
-        outputs += static_cast<size_t>(part % heads) * KDA_HEAD_DIM + 4 * (threadIdx.x & 31);
-    }
+    outputs += static_cast<size_t>(part % heads) * KDA_HEAD_DIM + 4 * (threadIdx.x & 31);
     // Both models' K is CONV_MAX_KERNEL: its own copy of the loop; any other K takes the general one.
     if (kernel_size == CONV_MAX_KERNEL) {
-        conv_prefill_tile<CONV_MAX_KERNEL>(conv_state, qkv_proj, conv_w, conv_out, inverse_norms, outputs, part, heads,
-                                           kernel_size, tokens, l2_eps);
+        conv_prefill_tile<CONV_MAX_KERNEL>(conv_state, qkv_proj, conv_w, conv_out, outputs, part, heads, kernel_size,
+                                           tokens, l2_eps);
     } else {
-        conv_prefill_tile<0>(conv_state, qkv_proj, conv_w, conv_out, inverse_norms, outputs, part, heads, kernel_size,
-                             tokens, l2_eps);
+        conv_prefill_tile<0>(conv_state, qkv_proj, conv_w, conv_out, outputs, part, heads, kernel_size, tokens, l2_eps);
     }
 }

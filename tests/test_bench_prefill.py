@@ -61,11 +61,10 @@ def test_kernel_bytes_by_hand_and_by_gate_law():
         assert ("kda_chunk_tc_prepare_unbounded_gate_f32" in moved) == (not bounded)
         assert "kda_gate_beta_f32" not in moved, f"{geometry}: every prepare here forms the gate itself"
     moved, recorded = (kernel_bytes(geometry_config("kimi"), tokens, record) for record in (False, True))
-    qkv, heads = 32 * 128, 32
-    # qkv_proj in and conv_out out (BF16 [T, 3*qkv]), the norms out (FP32 [T, 2, H]); recorded, q, k and v
-    # out too (FP32 [T, qkv] each)
-    assert moved["kda_conv_prefill_silu_l2_bf16"] == 2 * tokens * 3 * qkv * 2 + tokens * 2 * heads * 4
-    assert recorded["kda_conv_prefill_silu_l2_bf16"] == moved["kda_conv_prefill_silu_l2_bf16"] + 3 * tokens * qkv * 4
+    qkv = 32 * 128
+    # qkv_proj in (BF16 [T, 3*qkv]), q, k and v out (FP32 [T, qkv] each); recorded, conv_out out (as qkv_proj)
+    assert moved["kda_conv_prefill_silu_l2_bf16"] == tokens * 3 * qkv * 2 + 3 * tokens * qkv * 4
+    assert recorded["kda_conv_prefill_silu_l2_bf16"] == moved["kda_conv_prefill_silu_l2_bf16"] + tokens * 3 * qkv * 2
     # recorded, the prepare also writes the gate it forms (FP32 [T, qkv])
     gated = "kda_chunk_tc_prepare_unbounded_gate_f32"
     assert recorded[gated] == moved[gated] + tokens * qkv * 4

@@ -38,14 +38,12 @@ import math
 import os
 import subprocess
 from pathlib import Path
-from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
 
 import chunk_tc_model
 import kernel_report
-from glm_kda.gpu.arrays import bf16_dtype
 from glm_kda.gpu.ops import chunk_tc
 from glm_kda.gpu import build as kernels
 from glm_kda.gpu import ops
@@ -103,55 +101,39 @@ def assert_bits_equal(a, b, what):
     assert differ == 0, f"{what}: {differ} elements differ in their bits"
 
 
-class Inputs(tuple):
-    """(query, key, value, gate, beta, recurrent state) and, as attribute `conv`, the form the kernels read
-    q, k and v in: the conv pass's rows [T, 3 H D] (BF16 bits, q | k | v) and L2 factors [T, 2, H] FP32,
-    query and key being rows * factors in float32 (the conv pass's product) and value the rows."""
-
-    conv: tuple
-
-
-def with_gate(inputs, gate, beta):
-    """`inputs` with another gate and beta (the same q, k, v and their conv form)."""
-    changed = Inputs((*inputs[:3], gate, beta, inputs[5]))
-    changed.conv = inputs.conv
-    return changed
-
-
 def make_inputs(tokens, heads, law="bounded", state="random", seed=SEED, xp=np, dtype=np.float64):
-    """Inputs: q, k, v as the conv pass forms them from BF16 rows (q and k times their heads' L2 factors,
-    1 / sqrt(sum of squares + 1e-6)), gate, beta, recurrent state. Laws: "bounded" (the GLM law with lower bound -5 on random
-    pre-activations), "strong" (g in [-5, -4.85] on every token: the strongest decay the bound
-    allows), "at_bound" (g = -5 exactly), "softplus" (the Kimi law -exp(A_log) softplus(u), no lower
-    bound: A_log per head in [-0.5, 2], so gates reach -40 and below)."""
-    rng = np.random.default_rng(seed)
+    """query, key (unit rows), value, gate, beta, recurrent state. Laws: "bounded" (the GLM
+    law with lower bound -5 on random pre-activations), "strong" (g in [-5, -4.85] on every
+    token: the strongest decay the bound allows), "at_bound" (g = -5 exactly), "softplus" (the
+    Kimi law -exp(A_log) softplus(u), no lower bound: A_log per head in [-0.5, 2], so gates
+    reach -40 and below)."""
+    rng = np.random.default_rng(seed) if xp is np else xp.random.default_rng(seed)
 
     def normal(*shape):
-        return rng.standard_normal(shape)
+        return rng.standard_normal(shape, dtype=np.float32 if xp is not np else np.float64)
 
-    rows = bf16_bits(normal(tokens, 3, heads, 128))
-    conv = (rows.astype(np.uint32) << 16).view(np.float32)
-    factors = np.float32(1.0) / np.sqrt((conv[:, :2] * conv[:, :2]).sum(-1, dtype=np.float32) + np.float32(1e-6))
-    query, key, value = conv[:, 0] * factors[:, 0, :, None], conv[:, 1] * factors[:, 1, :, None], conv[:, 2]
+    def unit(x):
+        return x / xp.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)
+
+    query = unit(normal(tokens, heads, 128))
+    key = unit(normal(tokens, heads, 128))
+    value = normal(tokens, heads, 128)
     if law == "bounded":
-        gate = LOWER_BOUND / (1.0 + np.exp(-(2.0 * normal(tokens, heads, 128) - 3.0)))
+        gate = LOWER_BOUND / (1.0 + xp.exp(-(2.0 * normal(tokens, heads, 128) - 3.0)))
     elif law == "strong":
         gate = LOWER_BOUND * (0.97 + 0.03 * rng.random((tokens, heads, 128)))
     elif law == "at_bound":
-        gate = np.full((tokens, heads, 128), LOWER_BOUND)
+        gate = xp.full((tokens, heads, 128), LOWER_BOUND)
     elif law == "softplus":
-        a = np.exp(-0.5 + 2.5 * rng.random((1, heads, 1)))
+        a = xp.exp(-0.5 + 2.5 * rng.random((1, heads, 1)))
         u = 2.0 * normal(tokens, heads, 128)
-        gate = -a * np.where(u > 20.0, u, np.log1p(np.exp(np.minimum(u, 20.0))))
+        gate = -a * xp.where(u > 20.0, u, xp.log1p(xp.exp(xp.minimum(u, 20.0))))
     else:
         raise ValueError(law)
-    beta = 1.0 / (1.0 + np.exp(-normal(tokens, heads)))
-    recurrent = 0.1 * normal(heads, 128, 128) if state == "random" else np.zeros((heads, 128, 128))
+    beta = 1.0 / (1.0 + xp.exp(-normal(tokens, heads)))
+    recurrent = 0.1 * normal(heads, 128, 128) if state == "random" else xp.zeros((heads, 128, 128))
     # The values the kernels see are FP32; the models and the oracle get the same values.
-    inputs = Inputs(xp.asarray(np.asarray(x, dtype=np.float32).astype(dtype))
-                    for x in (query, key, value, gate, beta, recurrent))
-    inputs.conv = (xp.asarray(rows.reshape(tokens, 3 * heads * 128)), xp.asarray(factors))
-    return inputs
+    return tuple(xp.asarray(x, dtype=np.float32).astype(dtype) for x in (query, key, value, gate, beta, recurrent))
 
 
 # --------------------------------------------------------------------------------------
@@ -305,9 +287,7 @@ def launches(monkeypatch):
 
 
 def _call_arguments(tokens, heads):
-    """(conv rows, norms, gate), beta, state, core, scratch: stand-ins of chunk_prefill_tc's arguments."""
-    inputs = [HostStandIn(aligned((tokens, 3 * heads * 128), np.uint16)), _aligned_f32((tokens, 2, heads)),
-              _aligned_f32((tokens, heads, 128))]
+    inputs = [_aligned_f32((tokens, heads, 128)) for _ in range(4)]
     beta = _aligned_f32((tokens, heads))
     state = _aligned_f32((heads, 128, 128))
     core = _aligned_f32((tokens, heads, 128))
@@ -444,16 +424,16 @@ EMULATION_MAIN = r"""
 std::atomic<long> not_tf32{0}, mma_count{0};
 WarpSlot warp_slots[32][32];
 using f16_t = unsigned short;
-using bf16_t = unsigned short;
-extern "C" void kda_chunk_tc_prepare_f32(const bf16_t*, const float*, const float*, const float*,
+extern "C" void kda_chunk_tc_prepare_f32(const float*, const float*, const float*, const float*, const float*,
     f16_t*, f16_t*, f16_t*, float*, f16_t*, float*, int, int, float, float);
-extern "C" void kda_chunk_tc_prepare_gate_f32(const bf16_t*, const float*, float*, float*,
+using bf16_t = unsigned short;
+extern "C" void kda_chunk_tc_prepare_gate_f32(const float*, const float*, const float*, float*, float*,
     f16_t*, f16_t*, f16_t*, float*, f16_t*, float*, int, int, float, float, const bf16_t*, const float*,
     const float*, const bf16_t*, int);
-extern "C" void kda_chunk_tc_prepare_unbounded_gate_f32(const bf16_t*, const float*, float*, float*,
+extern "C" void kda_chunk_tc_prepare_unbounded_gate_f32(const float*, const float*, const float*, float*, float*,
     f16_t*, f16_t*, f16_t*, float*, f16_t*, float*, int, int, float, float, const bf16_t*, const float*,
     const float*, const bf16_t*, int);
-extern "C" void kda_chunk_tc_prepare_unbounded_f32(const bf16_t*, const float*, const float*,
+extern "C" void kda_chunk_tc_prepare_unbounded_f32(const float*, const float*, const float*, const float*,
     const float*, f16_t*, f16_t*, f16_t*, float*, f16_t*, float*, int, int, float, float);
 extern "C" void kda_chunk_tc_scan_f32(const f16_t*, const f16_t*, const f16_t*, const float*, const f16_t*,
     const float*, float*, float*, int, int);
@@ -473,8 +453,7 @@ int main(int argc, char** argv)
     jitter = std::atoi(argv[6]);
     const size_t D = 128, C = 64, nchunks = (tokens + C - 1) / C, padded = nchunks * C;
     auto in = [&](const char* name, size_t per_row) { return load(dir + "/" + name, rows * heads * per_row); };
-    const auto conv_rows = load_u16(dir + "/conv_rows", rows * heads * 3 * D);
-    auto norms = in("inverse_norms", 2), gate = in("gate", D), beta = in("beta", 1);
+    auto query = in("query", D), key = in("key", D), value = in("value", D), gate = in("gate", D), beta = in("beta", 1);
     auto state = load(dir + "/state", heads * D * D);
     // Scratch starts as NaN: an element the prepare does not write shows.
     auto poisoned = [](size_t count) { return std::vector<float>(count, std::nanf("")); };
@@ -503,12 +482,12 @@ int main(int argc, char** argv)
     run_grid(dim3{unsigned(nchunks), unsigned(heads), 1}, 256, std::atoi(argv[7]), [&] {
         if (fused) {
             (unbounded ? kda_chunk_tc_prepare_unbounded_gate_f32 : kda_chunk_tc_prepare_gate_f32)(
-                conv_rows.data(), norms.data(), gate.data(), beta.data(), q_decay.data(), k_tail.data(),
+                query.data(), key.data(), value.data(), gate.data(), beta.data(), q_decay.data(), k_tail.data(),
                 w.data(), u.data(), attn.data(), chunk_decay.data(), tokens, heads, 1.0f / std::sqrt(128.0f),
                 lower_bound, forget_proj.data(), dt_bias.data(), a_log.data(), beta_logits.data(), ld_beta);
         } else {
             (unbounded ? kda_chunk_tc_prepare_unbounded_f32 : kda_chunk_tc_prepare_f32)(
-                conv_rows.data(), norms.data(), gate.data(), beta.data(), q_decay.data(), k_tail.data(),
+                query.data(), key.data(), value.data(), gate.data(), beta.data(), q_decay.data(), k_tail.data(),
                 w.data(), u.data(), attn.data(), chunk_decay.data(), tokens, heads, 1.0f / std::sqrt(128.0f),
                 lower_bound);
         }
@@ -558,8 +537,7 @@ def host_rows(tokens):
 
 
 def run_on_host(binary, inputs, tokens, pad, jitter=False, gate_source=None, unbounded=False):
-    """The two kernels on the host emulator on `inputs` (make_inputs' Inputs: q, k, v in their conv form);
-    input rows T.. are filled with `pad`. With
+    """The two kernels on the host emulator; input rows T.. are filled with `pad`. With
     gate_source (forget_proj [rows, H*D] and beta_logits [rows, H + 3] as BF16 bits, dt_bias,
     a_log), the fused-gate prepare runs and "gate" / "beta" are its outputs; unbounded: the
     prepare for gates without a lower bound (with gate_source: forming the softplus law's)."""
@@ -569,11 +547,7 @@ def run_on_host(binary, inputs, tokens, pad, jitter=False, gate_source=None, unb
     rows = host_rows(tokens)
     folder = Path(binary).parent / f"T{tokens}-H{heads}-{pad}-{int(jitter)}-{int(gate_source is not None)}-{int(unbounded)}"
     folder.mkdir(exist_ok=True)
-    conv_rows, inverse_norms = inputs.conv
-    padded_rows = np.full((rows, conv_rows.shape[1]), bf16_bits(pad), np.uint16)
-    padded_rows[:tokens] = conv_rows
-    padded_rows.tofile(folder / "conv_rows")
-    for name, x in (("inverse_norms", inverse_norms), ("gate", gate), ("beta", beta)):
+    for name, x in (("query", query), ("key", key), ("value", value), ("gate", gate), ("beta", beta)):
         full = np.full((rows,) + x.shape[1:], pad, np.float32)
         full[:tokens] = x
         full.tofile(folder / name)
@@ -635,7 +609,7 @@ def test_kernel_source_on_host_fused_gate(emulator, law):
     assert_close(fused["beta"][:tokens], expected_beta, 1e-6, "host fused beta vs sigmoid")
     assert (fused["gate"][tokens:] == 7.0).all() and (fused["beta"][tokens:] == 7.0).all(), \
         "the fused prepare wrote gate or beta rows >= T"
-    fed = with_gate(inputs, fused["gate"][:tokens], fused["beta"][:tokens])
+    fed = (*inputs[:3], fused["gate"][:tokens], fused["beta"][:tokens], inputs[5])
     plain, _ = run_on_host(emulator, fed, tokens, pad=float("nan"), unbounded=unbounded)
     for name in (*SCRATCH, "state"):
         assert_bits_equal(fused[name], plain[name], f"host {name}, fused vs plain prepare")
@@ -708,8 +682,8 @@ def test_unbounded_host_diagonal_just_past_the_range_takes_the_exact_sums(emulat
     75, and within FP32's range for the products): the kernel must take the exact sums there, as
     the model does, so its range test and the model's agree on either side of the bound."""
     tokens, heads = 17, 1
-    inputs = make_inputs(tokens, heads, "bounded", "random", seed=SEED + 99)
-    inputs = with_gate(inputs, np.full_like(inputs[3], -5.2), inputs[4])
+    query, key, value, gate, beta, recurrent = make_inputs(tokens, heads, "bounded", "random", seed=SEED + 99)
+    inputs = (query, key, value, np.full_like(gate, -5.2), beta, recurrent)
     cumulated = np.cumsum(np.minimum(inputs[3], 0).astype(np.float32), axis=0)
     assert chunk_model.DIAGONAL_RANGE < cumulated[0, 0, 0] - cumulated[15, 0, 0] < 80
     out, _ = run_on_host(emulator, inputs, tokens, pad=float("nan"), unbounded=True)
@@ -741,45 +715,18 @@ def _cp():
     return cupy
 
 
-class DeviceInputs(NamedTuple):
-    """The inputs of both prefill paths on the GPU, rows padded to the chunk (the workspace layout): the
-    tensor-core path's conv_rows and inverse_norms, the FP32 path's query, key and value, and both paths' gate
-    and beta."""
-
-    conv_rows: Any
-    inverse_norms: Any
-    query: Any
-    key: Any
-    value: Any
-    gate: Any
-    beta: Any
-
-    def tensor_core(self):
-        """chunk_prefill_tc's first four arguments."""
-        return self.conv_rows, self.inverse_norms, self.gate, self.beta
-
-    def fp32(self):
-        """kda_chunk_prepare_f32's first five arguments."""
-        return self.query, self.key, self.value, self.gate, self.beta
-
-    def rows(self, first, stop=None):
-        """Copies of rows first..stop of every input."""
-        return DeviceInputs(*(x[first:stop].copy() for x in self))
-
-
 def _device_inputs(tokens, heads, law="bounded", seed=SEED, pad=0.0):
-    """DeviceInputs padded to the chunk with `pad` (conv_rows with pad rounded to BF16), the device
-    recurrent state, and float64 copies of make_inputs' six for the oracle."""
+    """FP32 device inputs in buffers padded to the chunk with `pad` (the workspace layout),
+    and float64 copies of the first T rows for the oracle."""
     cp = _cp()
-    inputs = make_inputs(tokens, heads, law, "random", seed=seed)
+    inputs = make_inputs(tokens, heads, law, "random", seed=seed, xp=cp, dtype=np.float32)
     padded = chunk_count(tokens) * 64
     device = []
-    for x in (*inputs.conv, *inputs[:5]):
-        full = np.full((padded,) + x.shape[1:], bf16_bits(pad) if x.dtype == np.uint16 else pad, x.dtype)
+    for x in inputs[:5]:
+        full = cp.full((padded,) + x.shape[1:], pad, cp.float32)
         full[:tokens] = x
-        device.append(cp.asarray(full.astype(np.float32) if x.dtype == np.float64 else full))
-    device[0] = device[0].view(bf16_dtype())
-    return DeviceInputs(*device), cp.asarray(inputs[5], dtype=cp.float32), [cp.asarray(x) for x in inputs]
+        device.append(full)
+    return device, inputs[5].copy(), [x.astype(cp.float64) for x in inputs]
 
 
 def _scratch(tokens, heads):
@@ -796,8 +743,8 @@ def _scratch_f32(tokens, heads):
 def _run_tc(device, state, tokens, lower_bound=LOWER_BOUND):
     cp = _cp()
     scratch = _scratch(tokens, state.shape[0])
-    core = cp.full(device.query.shape, 12345.0, cp.float32)
-    chunk_tc.chunk_prefill_tc(*device.tensor_core(), state, core, tokens, lower_bound, *scratch.values())
+    core = cp.full(device[0].shape, 12345.0, cp.float32)
+    chunk_tc.chunk_prefill_tc(*device, state, core, tokens, lower_bound, *scratch.values())
     return core, scratch
 
 
@@ -805,8 +752,8 @@ def _run_fp32(device, state, tokens):
     cp = _cp()
     heads = state.shape[0]
     scratch = _scratch_f32(tokens, heads)
-    core = cp.zeros(device.query.shape, cp.float32)
-    ops.kda_chunk_prepare_f32(*device.fp32(), *scratch.values(), tokens, 64, 1.0 / math.sqrt(128))
+    core = cp.zeros(device[0].shape, cp.float32)
+    ops.kda_chunk_prepare_f32(*device, *scratch.values(), tokens, 64, 1.0 / math.sqrt(128))
     ops.kda_chunk_scan_f32(*scratch.values(), state, core, tokens, 64)
     return core
 
@@ -879,7 +826,8 @@ def test_gpu_carried_state_across_calls(geometry):
     whole_state = start.copy()
     whole_core, _ = _run_tc(device, whole_state, 1000)
     split_state = start.copy()
-    first, second = device.rows(0, 300), device.rows(300)
+    first = [x[:300].copy() for x in device]
+    second = [x[300:].copy() for x in device]
     core_a, _ = _run_tc(first, split_state, 300)
     core_b, _ = _run_tc(second, split_state, 700)
     split_core = cp.concatenate([core_a[:300], core_b[:700]])
@@ -909,9 +857,9 @@ def test_gpu_refusal_leaves_the_state_untouched():
     device, start, _ = _device_inputs(65, 32, seed=SEED + 4)
     state = start.copy()
     scratch = _scratch(65, 32)
-    core = _cp().zeros(device.query.shape, np.float32)
+    core = _cp().zeros(device[0].shape, np.float32)
     with pytest.raises(ValueError, match="lower_bound"):
-        chunk_tc.chunk_prefill_tc(*device.tensor_core(), state, core, 65, -6.0, *scratch.values())
+        chunk_tc.chunk_prefill_tc(*device, state, core, 65, -6.0, *scratch.values())
     assert_bits_equal(state, start, "state after a refused call")
 
 
@@ -924,14 +872,14 @@ def test_gpu_throughput_report(geometry, figures):
     cp = _cp()
     heads, tokens = GEOMETRY_HEADS[geometry], 4096
     device, start, _ = _device_inputs(tokens, heads, seed=SEED + 5)
-    state, core = start.copy(), cp.zeros(device.query.shape, cp.float32)
+    state, core = start.copy(), cp.zeros(device[0].shape, cp.float32)
     scratch, scratch_f32 = _scratch(tokens, heads), _scratch_f32(tokens, heads)
 
     def tensor_core():
-        chunk_tc.chunk_prefill_tc(*device.tensor_core(), state, core, tokens, LOWER_BOUND, *scratch.values())
+        chunk_tc.chunk_prefill_tc(*device, state, core, tokens, LOWER_BOUND, *scratch.values())
 
     def fp32():
-        ops.kda_chunk_prepare_f32(*device.fp32(), *scratch_f32.values(), tokens, 64, 1.0 / math.sqrt(128))
+        ops.kda_chunk_prepare_f32(*device, *scratch_f32.values(), tokens, 64, 1.0 / math.sqrt(128))
         ops.kda_chunk_scan_f32(*scratch_f32.values(), state, core, tokens, 64)
 
     timings = {}
@@ -975,17 +923,18 @@ def test_gpu_fused_gate_equals_the_gate_kernel(tokens, law):
     bound = LOWER_BOUND if bounded else None
     ops.kda_gate_beta_f32(forget_proj, dt_bias, a_log, beta_logits, gate_ref, beta_ref, heads, 128, bounded,
                           LOWER_BOUND if bounded else 0.0, tokens=tokens)
+    query, key, value = device[:3]
     gate_out, beta_out = cp.full_like(gate_ref, 7.0), cp.full_like(beta_ref, 7.0)
-    fused_state, fused_core, fused_scratch = start.copy(), cp.zeros_like(device.query), _scratch(tokens, heads)
-    chunk_tc.chunk_prefill_tc(device.conv_rows, device.inverse_norms, gate_out, beta_out, fused_state, fused_core, tokens, bound,
+    fused_state, fused_core, fused_scratch = start.copy(), cp.zeros_like(query), _scratch(tokens, heads)
+    chunk_tc.chunk_prefill_tc(query, key, value, gate_out, beta_out, fused_state, fused_core, tokens, bound,
                               *fused_scratch.values(),
                               gate_source=chunk_tc.GateSource(forget_proj, dt_bias, a_log, beta_logits))
     assert_bits_equal(gate_out[:tokens], gate_ref[:tokens], f"T{tokens} {law} fused gate")
     assert_bits_equal(beta_out[:tokens], beta_ref[:tokens], f"T{tokens} fused beta")
     assert bool((gate_out[tokens:] == 7.0).all()) and bool((beta_out[tokens:] == 7.0).all()), \
         f"T{tokens}: the fused prepare wrote gate or beta rows >= T"
-    plain_state, plain_core, plain_scratch = start.copy(), cp.zeros_like(device.query), _scratch(tokens, heads)
-    chunk_tc.chunk_prefill_tc(device.conv_rows, device.inverse_norms, gate_ref, beta_ref, plain_state, plain_core, tokens, bound,
+    plain_state, plain_core, plain_scratch = start.copy(), cp.zeros_like(query), _scratch(tokens, heads)
+    chunk_tc.chunk_prefill_tc(query, key, value, gate_ref, beta_ref, plain_state, plain_core, tokens, bound,
                               *plain_scratch.values())
     assert_bits_equal(fused_core[:tokens], plain_core[:tokens], f"T{tokens} core, fused vs unfused gate")
     assert_bits_equal(fused_state, plain_state, f"T{tokens} state, fused vs unfused gate")

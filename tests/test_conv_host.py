@@ -4,15 +4,11 @@ shuffles), so CPU CI runs the conv kernel's own source.
 Promises tested:
   * the prefill kernel over T tokens (tiles of 64 run in parallel, each rebuilding its windows from
     the inputs before it) writes, bit for bit, what T one-token launches carrying the state write:
-    conv output, the L2 factors of q and k, q, k, v and the carried conv state, from a random carried
-    state, across token tiles of 64, for kernel sizes 1..4, with scheduling jitter
-    (tests/test_decode_host.py checks that the fused decode step's conv stage writes these bits too);
-  * a launch without the FP32 q, k, v (the tensor-core prefill's) writes the same conv output, factors
-    and state;
-  * q and k are the conv output times the factors, bit for bit as a float32 product gives them: what
-    the tensor-core prepare computes from the conv output and the factors;
+    conv output, q, k, v and the carried conv state, from a random carried state, across token
+    tiles of 64, for kernel sizes 1..4, with scheduling jitter (tests/test_decode_host.py checks
+    that the fused decode step's conv stage writes these bits too);
   * the conv output is the float64 oracle's (glm_kda.reference.conv_silu) rounded to BF16
-    within the stage bound, the factors are 1 / the oracle's L2 norms of that output, q and k its L2 norm of that output, v is it, and the
+    within the stage bound, q and k are the oracle's L2 norm of that output, v is it, and the
     new state is the last K inputs exactly;
   * no vector access is misaligned.
 Host libm's expf is not the device's, so these bits are compared among host runs only.
@@ -40,8 +36,8 @@ CONV_MAIN = r"""
 #include "emulation.h"
 """ + HOST_CUDA_RUNTIME + r"""
 using bf16_t = unsigned short;
-extern "C" void kda_conv_prefill_silu_l2_bf16(float*, const bf16_t*, const bf16_t*, bf16_t*, float*, float*, float*,
-                                              float*, int, int, int, int, float);
+extern "C" void kda_conv_prefill_silu_l2_bf16(float*, const bf16_t*, const bf16_t*, bf16_t*, float*, float*, float*, int,
+                                          int, int, int, float);
 
 int main(int argc, char** argv)
 {
@@ -53,25 +49,21 @@ int main(int argc, char** argv)
     const auto qkv_proj = load_u16(dir + "/qkv_proj", tokens * conv_dim);
     const auto conv_w = load_u16(dir + "/conv_w", conv_dim * kernel);
     const auto start = load(dir + "/state", conv_dim * kernel);
-    for (const std::string path : {"prefill", "steps", "lean"}) {
+    for (const char* path : {"prefill", "steps"}) {
         auto state = start;
         std::vector<bf16_t> conv_out(tokens * conv_dim, 0x7FA5);
-        std::vector<float> inverse_norms(tokens * 2 * heads, std::nanf("")), query(tokens * qkv, std::nanf("")), key = query,
-                                                                     value = query;
-        // prefill: one launch of every token; steps: one launch a token; lean: one launch, no FP32 q, k, v.
-        const int launches = path == "steps" ? tokens : 1, count = tokens / launches;
-        const bool lean = path == "lean";
+        std::vector<float> query(tokens * qkv, std::nanf("")), key = query, value = query;
+        // prefill: one launch of every token; steps: one launch a token.
+        const int launches = std::string(path) == "prefill" ? 1 : tokens, count = tokens / launches;
         for (int t = 0; t < tokens; t += count) {
             run_grid(dim3{unsigned((3 * heads + 3) / 4), unsigned((count + 63) / 64), 1}, 128, 0, [&] {
                 kda_conv_prefill_silu_l2_bf16(state.data(), qkv_proj.data() + t * conv_dim, conv_w.data(),
-                                              conv_out.data() + t * conv_dim, inverse_norms.data() + t * 2 * heads,
-                                              lean ? nullptr : query.data() + t * qkv,
-                                              lean ? nullptr : key.data() + t * qkv,
-                                              lean ? nullptr : value.data() + t * qkv, heads, 128, kernel, count, eps);
+                                          conv_out.data() + t * conv_dim, query.data() + t * qkv, key.data() + t * qkv,
+                                          value.data() + t * qkv, heads, 128, kernel, count, eps);
             });
         }
-        save_each(dir + "/" + path + ".", {"conv_out", "inverse_norms", "query", "key", "value", "state"}, conv_out, inverse_norms,
-                  query, key, value, state);
+        save_each(dir + "/" + std::string(path) + ".", {"conv_out", "query", "key", "value", "state"}, conv_out, query,
+                  key, value, state);
     }
     std::printf("misaligned=%ld\n", misaligned.load());
     return 0;
@@ -90,8 +82,8 @@ def conv_host(tmp_path_factory):
 
 
 def run_conv(binary, qkv_proj_bits, conv_w_bits, state, jitter=False):
-    """(prefill outputs, one-token launches' outputs, a prefill's outputs without the FP32 q, k, v): dicts
-    of conv_out (BF16 bits), inverse_norms, query, key, value, state."""
+    """(prefill outputs, one-token launches' outputs): dicts of conv_out (BF16 bits), query, key, value,
+    state."""
     tokens, conv_dim = qkv_proj_bits.shape
     kernel = conv_w_bits.shape[1]
     folder = Path(tempfile.mkdtemp(prefix=f"T{tokens}-K{kernel}-{int(jitter)}-", dir=binary.parent))
@@ -103,13 +95,12 @@ def run_conv(binary, qkv_proj_bits, conv_w_bits, state, jitter=False):
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["misaligned=0"], f"host run: {result.stdout.strip()}"
     out = {}
-    for path in ("prefill", "steps", "lean"):
+    for path in ("prefill", "steps"):
         read = lambda name, dtype, shape: np.fromfile(folder / f"{path}.{name}", dtype).reshape(shape)  # noqa: E731
         out[path] = {"conv_out": read("conv_out", np.uint16, (tokens, conv_dim)),
-                     "inverse_norms": read("inverse_norms", np.float32, (tokens, 2, HEADS)),
                      **{name: read(name, np.float32, (tokens, HEADS, DIM)) for name in ("query", "key", "value")},
                      "state": read("state", np.float32, (conv_dim, kernel))}
-    return out["prefill"], out["steps"], out["lean"]
+    return out["prefill"], out["steps"]
 
 
 @pytest.mark.parametrize("tokens,kernel,jitter,scale", [(1, 4, False, 1.0), (5, 4, False, 1.0), (64, 4, False, 1.0),
@@ -124,32 +115,19 @@ def test_conv_kernels_on_host(conv_host, tokens, kernel, jitter, scale):
     qkv_proj = bf16_bits(rng.standard_normal((tokens, conv_dim)) * 2.0 * scale)
     conv_w = bf16_bits(rng.standard_normal((conv_dim, kernel)) * 0.5)
     start = (scale * rng.standard_normal((conv_dim, kernel))).astype(np.float32)
-    prefill, steps, lean = run_conv(conv_host, qkv_proj, conv_w, start, jitter)
+    prefill, steps = run_conv(conv_host, qkv_proj, conv_w, start, jitter)
     tag = f"T={tokens} K={kernel} x{scale:g}"
 
-    for name in ("conv_out", "inverse_norms", "query", "key", "value", "state"):
+    for name in ("conv_out", "query", "key", "value", "state"):
         a, b = prefill[name], steps[name]
         differ = int(np.count_nonzero(a.view(np.uint8) != b.view(np.uint8)))
         assert differ == 0, f"{tag}: {differ} bytes of {name} differ between one launch and one launch a token"
-    for name in ("conv_out", "inverse_norms", "state"):
-        differ = int(np.count_nonzero(prefill[name].view(np.uint8) != lean[name].view(np.uint8)))
-        assert differ == 0, f"{tag}: {differ} bytes of {name} differ without the FP32 q, k, v"
-    assert np.isnan(lean["query"]).all(), f"{tag}: a launch without the FP32 q, k, v wrote some"
-    rows = bits_to_f64(prefill["conv_out"]).astype(np.float32).reshape(tokens, 3, HEADS, DIM)
-    for part, name in ((0, "query"), (1, "key")):
-        product = rows[:, part] * prefill["inverse_norms"][:, part, :, None]
-        differ = int(np.count_nonzero(product.view(np.uint32) != prefill[name].view(np.uint32)))
-        assert differ == 0, f"{tag}: {differ} values of {name} are not conv_out * inverse norm in float32"
 
     expected_conv, expected_state = conv_silu(bits_to_f64(qkv_proj), start.astype(np.float64), bits_to_f64(conv_w))
     conv_out = bits_to_f64(prefill["conv_out"])
     ratio = rms_ratio(conv_out, round_bf16(expected_conv))
     assert ratio <= STAGE_BOUND, f"{tag}: conv_out rms-ratio {ratio:.3e} against the float64 oracle (bound {STAGE_BOUND:g})"
     q, k, v = l2norm_split(conv_out, HEADS, DIM, L2_EPS)
-    heads_of = conv_out.reshape(tokens, 3, HEADS, DIM)[:, :2]
-    expected = 1.0 / np.sqrt((heads_of * heads_of).sum(axis=-1) + L2_EPS)
-    ratio = rms_ratio(prefill["inverse_norms"].astype(np.float64), expected)
-    assert ratio <= 1e-6, f"{tag}: inverse_norms rms-ratio {ratio:.3e} against the oracle's of the kernel's conv_out"
     for name, expected in (("query", q), ("key", k)):
         ratio = rms_ratio(prefill[name].astype(np.float64), expected)
         assert ratio <= 1e-6, f"{tag}: {name} rms-ratio {ratio:.3e} against the oracle's L2 norm of the kernel's conv_out"

@@ -87,8 +87,8 @@ def test_prefill_conv_grid_is_head_groups_by_token_tiles(launches, tokens):
     heads, dim, kernel = 2, ops.HEAD_DIM, 4
     conv_dim = 3 * heads * dim
     ops.kda_conv_prefill_silu_l2_bf16(_f32(conv_dim, kernel), _bf16(tokens, conv_dim), _bf16(conv_dim, kernel),
-                                      _bf16(tokens, conv_dim), _f32(tokens, 2, heads), _f32(tokens, heads, dim),
-                                      _f32(tokens, heads, dim), _f32(tokens, heads, dim), heads, dim, 1e-6, tokens=tokens)
+                                  _bf16(tokens, conv_dim), _f32(tokens, heads, dim), _f32(tokens, heads, dim),
+                                  _f32(tokens, heads, dim), heads, dim, 1e-6, tokens=tokens)
     (name, grid, block, args), = launches
     assert name == "kda_conv_prefill_silu_l2_bf16"
     # One warp per head of q, k or v: 4 heads per block of 128 threads.
@@ -101,25 +101,9 @@ def test_prefill_conv_names_a_short_output(launches):
     conv_dim = 3 * heads * dim
     with pytest.raises(ValueError, match="key"):
         ops.kda_conv_prefill_silu_l2_bf16(_f32(conv_dim, 4), _bf16(10, conv_dim), _bf16(conv_dim, 4), _bf16(10, conv_dim),
-                                          _f32(10, 2, heads), _f32(10, heads, dim), _f32(9, heads, dim),
-                                          _f32(10, heads, dim), heads, dim, 1e-6, tokens=10)
-    with pytest.raises(ValueError, match="inverse_norms"):
-        ops.kda_conv_prefill_silu_l2_bf16(_f32(conv_dim, 4), _bf16(10, conv_dim), _bf16(conv_dim, 4), _bf16(10, conv_dim),
-                                          _f32(10, 2, heads + 1), None, None, None, heads, dim, 1e-6, tokens=10)
+                                      _f32(10, heads, dim), _f32(9, heads, dim), _f32(10, heads, dim), heads, dim, 1e-6,
+                                      tokens=10)
     assert not launches
-
-
-def test_prefill_conv_takes_the_fp32_trio_whole_or_not_at_all(launches):
-    heads, dim = 2, ops.HEAD_DIM
-    conv_dim = 3 * heads * dim
-    with pytest.raises(ValueError, match="all three or none, got only query, value"):
-        ops.kda_conv_prefill_silu_l2_bf16(_f32(conv_dim, 4), _bf16(10, conv_dim), _bf16(conv_dim, 4), _bf16(10, conv_dim),
-                                          _f32(10, 2, heads), _f32(10, heads, dim), None, _f32(10, heads, dim),
-                                          heads, dim, 1e-6, tokens=10)
-    assert not launches
-    ops.kda_conv_prefill_silu_l2_bf16(_f32(conv_dim, 4), _bf16(10, conv_dim), _bf16(conv_dim, 4), _bf16(10, conv_dim),
-                                      _f32(10, 2, heads), None, None, None, heads, dim, 1e-6, tokens=10)
-    assert [launch[0] for launch in launches] == ["kda_conv_prefill_silu_l2_bf16"]
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 4, 5, 7, 8, 9, ops.MAX_GRID_Y + 5], ids=lambda t: f"T{t}")

@@ -109,8 +109,7 @@ def test_the_lean_workspace_is_under_half_of_one_holding_every_row(monkeypatch):
     glm, kimi = synthetic_config("glm", 1), synthetic_config("kimi", 1)
     full = shape_only_workspace(monkeypatch, glm, 16384, True)
     lean = shape_only_workspace(monkeypatch, glm, 16384, False)
-    # The one buffer added since: the conv pass's L2 factors (FP32 [T, 2, H]).
-    assert full.nbytes == FULL_GLM_16384_BYTES + full.inverse_norms.nbytes, f"recording workspace {full.nbytes:,} bytes"
+    assert full.nbytes == FULL_GLM_16384_BYTES, f"recording workspace {full.nbytes:,} bytes"
     assert (full.middle_rows, lean.middle_rows) == (16384, 4096)
     assert lean.query.shape[0] == lean.core.shape[0] == lean.conv_out.shape[0] == 4096
     assert lean.qkv_proj.shape[0] == lean.o_norm_out.shape[0] == lean.final_out.shape[0] == 16384

@@ -39,12 +39,6 @@ def to_device_bf16(array: np.ndarray) -> Any:
     return cupy.asarray(host.view(np.uint16)).view(bf16_dtype())
 
 
-def fill_bf16(array: Any, value: float) -> None:
-    """Every element of a BF16 CuPy array (either of bf16_dtype()'s kinds) set to `value` rounded to BF16."""
-    bits = np.asarray(value, dtype=np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
-    array.view(np.uint16).fill(int(bits))
-
-
 def to_device_f32(array: np.ndarray) -> Any:
     """A host array as FP32 on the current GPU."""
     import cupy

@@ -11,7 +11,7 @@ import contextlib
 from typing import Any, Sequence
 
 from . import build, ops, projection
-from .arrays import copy_into, fill_bf16
+from .arrays import copy_into
 from .ops import chunk_tc
 from .workspace import KdaWorkspace
 from ..chunk_model import prepare_lower_bound
@@ -200,33 +200,27 @@ class Stages:
         middle's rows middle_first..: the conv pass, gate, beta and chunked delta rule, conv_state
         [3*qkv, K] and recurrent_state [H, D, D] FP32 in place. The padded tail is filled with `pad_value`,
         or with None left as it is (packed prefill: the next sequence's rows). conv_out, and the gate the
-        tensor-core prepare forms, only with options.stage_buffers. The tensor-core path reads q, k and v
-        as the conv pass's BF16 rows and L2 norms; the FP32 q, k and v are written for the FP32 path and
-        under options.stage_buffers."""
+        tensor-core prepare forms, only with options.stage_buffers."""
         c = self.config
         rows, middle = slice(first, None), slice(middle_first, None)
         record = self._options.stage_buffers
-        tensor = self._chunk_impl == "tensor"
         query, key, value, gate, beta = (buf[middle] for buf in (ws.query, ws.key, ws.value, ws.gate, ws.beta))
-        conv_rows, inverse_norms = ws.conv_out[middle], ws.inverse_norms[middle]
-        trio = (query, key, value) if record or not tensor else (None, None, None)
         ops.kda_conv_prefill_silu_l2_bf16(conv_state, ws.qkv_proj[rows], self.conv_weight,
-                                          conv_rows if record or tensor else None, inverse_norms if tensor else None,
-                                          *trio, c.heads, c.head_dim, c.l2_eps, tokens=tokens)
+                                          ws.conv_out[middle] if record else None, query, key, value, c.heads,
+                                          c.head_dim, c.l2_eps, tokens=tokens)
         padded = ops.chunk_count(tokens, c.chunk) * c.chunk
         if pad_value is not None and padded > tokens:
-            for buf in (query, key, value, gate, beta, inverse_norms):
+            for buf in (query, key, value, gate, beta):
                 buf[tokens:padded].fill(pad_value)
-            fill_bf16(conv_rows[tokens:padded], pad_value)
         core = ws.core[middle]
-        if tensor:
+        if self._chunk_impl == "tensor":
             # The prepare forms the gate and beta itself, but for a bounded law whose bound the bounded
             # prepare does not take: the unbounded prepare then reads the gate kernel's.
             lower_bound = prepare_lower_bound(c)
             fused = lower_bound is not None or not c.bounded
             if not fused:
                 self._gate_beta(ws, tokens, first, middle_first)
-            chunk_tc.chunk_prefill_tc(conv_rows, inverse_norms, gate if record or not fused else None, beta,
+            chunk_tc.chunk_prefill_tc(query, key, value, gate if record or not fused else None, beta,
                                       recurrent_state, core, tokens, lower_bound, ws.q_decay_f16, ws.k_tail_f16,
                                       ws.chunk_w_f16, ws.chunk_u, ws.attn_f16, ws.chunk_decay, scale=self.scale,
                                       gate_source=self._gate_source(ws, first) if fused else None)

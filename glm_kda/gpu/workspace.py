@@ -73,8 +73,7 @@ class KdaWorkspace:
     (glm_kda.reference.STAGE_ORDER), so ``workspace.stages(T)`` lines up with an oracle run.
 
       qkv_proj [T, 3*qkv] BF16    down_proj [T, 2D+H] BF16    forget_proj, out_gate [T, qkv] BF16
-      conv_out [M, 3*qkv] BF16    inverse_norms [M, 2, H] FP32 (the L2 factors of q's and k's heads)
-      query, key, value, gate, core [M, H, D] FP32    beta [M, H] FP32
+      conv_out [M, 3*qkv] BF16    query, key, value, gate, core [M, H, D] FP32    beta [M, H] FP32
       o_norm_out [T, qkv] BF16    final_out [T, hidden] BF16
       chunk scratch: q_decay, k_tail, chunk_w, chunk_u [M, H, D], attn [M/C, H, C, C],
       chunk_decay [M/C, H, D], all FP32
@@ -120,7 +119,6 @@ class KdaWorkspace:
         # forget_proj and out_gate have the same shape and kind: separate buffers, never aliased.
         self.forget_proj, self.out_gate, self.o_norm_out = (cupy.zeros((max_tokens, c.qkv), bf16) for _ in range(3))
         self.conv_out = cupy.zeros((min(max_tokens, middle), c.conv_dim), bf16)
-        self.inverse_norms = cupy.zeros((middle, 2, heads), f32)
         self.final_out = cupy.zeros((max_tokens, c.hidden), bf16)
         per_head = (middle, heads, dim)
         self.query, self.key, self.value, self.gate, self.core = (cupy.zeros(per_head, f32) for _ in range(5))

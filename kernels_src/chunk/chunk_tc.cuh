@@ -230,51 +230,12 @@ __device__ __forceinline__ void inverse_block_below_diagonal(const float* lower_
     }
 }
 
-// The prepare's q, k and v are the conv pass's outputs (conv.cu): its BF16 rows conv_rows [T, 3 H D]
-// (q | k | v) and inverse_norms [T, 2, H], the l2_inverse_norm of each head of q and of k. A chunk's view
-// of them: q and k are the rows times the head's factor, the conv pass's own product, so that they are the
-// FP32 q and k it writes on request, bit for bit.
-struct ConvRows {
-    const bf16_t* rows;    // this head's first q channel in the chunk's first token row
-    const float* factors;  // this head's q factor of that row
-    int stride;            // 3 H D: one token row (rows per chunk times it stays far below 2^31)
-    int heads;
-
-    // Channels d .. d + N - 1 of part `part` (0 q, 1 k, 2 v) of chunk row t.
-    template <int N>
-    __device__ __forceinline__ void load(float (&out)[N], int part, int t, int d) const
-    {
-        static_assert(N == 4 || N == 8, "4 or 8 channels");
-        const bf16_t* at = rows + t * stride + part * (stride / 3) + d;
-        if (N == 8) {
-            const uint4 packed = *reinterpret_cast<const uint4*>(at);
-            bf16x4_to_f32(out, make_uint2(packed.x, packed.y));
-            bf16x4_to_f32(out + 4, make_uint2(packed.z, packed.w));
-        } else {
-            bf16x4_to_f32(out, *reinterpret_cast<const uint2*>(at));
-        }
-        if (part < 2) {
-            const float factor = factors[t * 2 * heads + part * heads];
-#pragma unroll
-            for (int e = 0; e < N; ++e) {
-                out[e] = out[e] * factor;
-            }
-        }
-    }
-
-    __device__ __forceinline__ float4 load4(int part, int t, int d) const
-    {
-        float out[4];
-        load(out, part, t, d);
-        return make_float4(out[0], out[1], out[2], out[3]);
-    }
-};
-
-// Eight q values of chunk row t (channels d .. d + 7), zero for a padding row (never read).
-__device__ __forceinline__ void load_query_row8(float (&out)[8], const ConvRows& conv, int t, int valid, int d)
+// Eight q values of chunk row t (channels column .. column + 7), zero for a padding row (never read).
+__device__ __forceinline__ void load_query_row8(float out[8], const float* __restrict__ query, int first, int t,
+                                                int valid, size_t row_stride, size_t column)
 {
     if (t < valid) {
-        conv.load(out, 0, t, d);
+        load8(out, query + static_cast<size_t>(first + t) * row_stride + column);
     } else {
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
@@ -317,8 +278,9 @@ __device__ __forceinline__ bool diagonal_in_range(const float* cumgate_s, int i,
 
 // The diagonal blocks i with exact[i] set, of A and B, as exact FP32 sums by every thread (docs/kernels.md).
 __device__ __forceinline__ void diagonal_blocks_exact(const float* key_s, const float* cumgate_s, const float* beta_s,
-                                                      float* lower_s, f16_t* attn_block, const ConvRows& conv,
-                                                      int valid, float scale, const int* exact, int thread)
+                                                      float* lower_s, f16_t* attn_block, const float* query,
+                                                      int first, int valid, size_t row_stride, size_t head_offset,
+                                                      float scale, const int* exact, int thread)
 {
     for (int task = thread; task < CHUNK_TC_SUBS * CHUNK_TC_SUB_PAIRS; task += CHUNK_TC_PREPARE_THREADS) {
         const int i = task / CHUNK_TC_SUB_PAIRS;
@@ -336,6 +298,7 @@ __device__ __forceinline__ void diagonal_blocks_exact(const float* key_s, const 
         const float* key_src = key_s + s * CHUNK_TC_D_STRIDE;
         const float* gate_t = cumgate_s + t * CHUNK_TC_D_STRIDE;
         const float* gate_src = cumgate_s + s * CHUNK_TC_D_STRIDE;
+        const float* query_t = query + static_cast<size_t>(first + t) * row_stride + head_offset;
         const bool real = t < valid;
         float kk = 0.0f;
         float qk = 0.0f;
@@ -351,7 +314,7 @@ __device__ __forceinline__ void diagonal_blocks_exact(const float* key_s, const 
             load4(gate_row, gate_t + d);
             load4(gate_source, gate_src + d);
             if (real) {
-                conv.load(query_row, 0, t, d);
+                load4(query_row, query_t + d);
             }
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
@@ -374,15 +337,14 @@ __device__ __forceinline__ void diagonal_blocks_exact(const float* key_s, const 
     }
 }
 
-// The prepare of every entry point: q, k and v from the conv pass's conv_rows and inverse_norms (ConvRows).
-// FUSED_GATE false: gate_in [T, H, D] and beta_in [T, H] are inputs.
+// The prepare of every entry point. FUSED_GATE false: gate_in [T, H, D] and beta_in [T, H] are inputs.
 // FUSED_GATE true: gate_out and beta_out are formed (the bounded law, or UNBOUNDED the softplus law;
 // gate.cu's bits) from forget_proj [T, H*D] BF16, dt_bias [H*D], A_log [H] and the BF16 beta logits
 // (row stride ld_beta); gate_out may be null (not written).
 template <bool FUSED_GATE, bool UNBOUNDED = false>
 __device__ __forceinline__ void chunk_tc_prepare(
-    const bf16_t* __restrict__ conv_rows, const float* __restrict__ inverse_norms, const float* __restrict__ gate_in,
-    const float* __restrict__ beta_in, float* __restrict__ gate_out,
+    const float* __restrict__ query, const float* __restrict__ key, const float* __restrict__ value,
+    const float* __restrict__ gate_in, const float* __restrict__ beta_in, float* __restrict__ gate_out,
     float* __restrict__ beta_out, f16_t* __restrict__ q_decay, f16_t* __restrict__ k_tail_t,
     f16_t* __restrict__ w, float* __restrict__ u, f16_t* __restrict__ attn, float* __restrict__ chunk_decay,
     int tokens, int heads, float scale, float lower_bound, const bf16_t* __restrict__ forget_proj,
@@ -422,9 +384,6 @@ __device__ __forceinline__ void chunk_tc_prepare(
     const size_t row_stride = static_cast<size_t>(heads) * KDA_HEAD_DIM;
     const size_t head_offset = static_cast<size_t>(head) * KDA_HEAD_DIM;
     const size_t chunk_head = static_cast<size_t>(chunk_index) * heads + head;
-    const ConvRows conv{conv_rows + static_cast<size_t>(first) * 3 * row_stride + head_offset,
-                        inverse_norms + static_cast<size_t>(first) * 2 * heads + head, static_cast<int>(3 * row_stride),
-                        heads};
 
     // 1. k and g (padding rows zero by index, every load before the first store), G, elementwise outputs.
     {
@@ -439,7 +398,7 @@ __device__ __forceinline__ void chunk_tc_prepare(
                 projected[l] = make_uint2(0u, 0u);
                 if (t < valid) {
                     const size_t at = static_cast<size_t>(first + t) * row_stride + head_offset + channel;
-                    key_value[l] = conv.load4(1, t, channel);
+                    key_value[l] = *reinterpret_cast<const float4*>(key + at);
                     projected[l] = *reinterpret_cast<const uint2*>(forget_proj + at);
                 }
             }
@@ -480,7 +439,7 @@ __device__ __forceinline__ void chunk_tc_prepare(
                 gate_value[l] = key_value[l];
                 if (t < valid) {
                     const size_t at = static_cast<size_t>(first + t) * row_stride + head_offset + channel;
-                    key_value[l] = conv.load4(1, t, channel);
+                    key_value[l] = *reinterpret_cast<const float4*>(key + at);
                     gate_value[l] = *reinterpret_cast<const float4*>(gate_in + at);
                 }
             }
@@ -519,8 +478,7 @@ __device__ __forceinline__ void chunk_tc_prepare(
         // loads in flight before its additions.
         float running = 0.0f;
         float* column = cumgate_s + thread;
-        // Rolled: the batches are the parallelism; unrolling them costs instruction cache.
-#pragma unroll 1
+#pragma unroll
         for (int base = 0; base < CHUNK_TC; base += CHUNK_TC_CUMSUM_BATCH) {
             float g[CHUNK_TC_CUMSUM_BATCH];
 #pragma unroll
@@ -547,7 +505,8 @@ __device__ __forceinline__ void chunk_tc_prepare(
             const int d = (index & 31) * 4;
             query_value[l] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             if (t < valid) {
-                query_value[l] = conv.load4(0, t, d);
+                query_value[l] = *reinterpret_cast<const float4*>(
+                    query + static_cast<size_t>(first + t) * row_stride + head_offset + d);
             }
         }
 #pragma unroll
@@ -629,7 +588,7 @@ __device__ __forceinline__ void chunk_tc_prepare(
                 float cumgate[8];
                 load8(cumgate, cumgate_s + row_low * CHUNK_TC_D_STRIDE + d);
                 load8(key_low, key_s + row_low * CHUNK_TC_D_STRIDE + d);
-                load_query_row8(query_low, conv, row_low, valid, d);
+                load_query_row8(query_low, query, first, row_low, valid, row_stride, head_offset + d);
 #pragma unroll
                 for (int e = 0; e < 8; ++e) {
                     const float factor = expf(cumgate[e] - reference_gate[e]);
@@ -638,7 +597,7 @@ __device__ __forceinline__ void chunk_tc_prepare(
                 }
                 load8(cumgate, cumgate_s + row_high * CHUNK_TC_D_STRIDE + d);
                 load8(key_high, key_s + row_high * CHUNK_TC_D_STRIDE + d);
-                load_query_row8(query_high, conv, row_high, valid, d);
+                load_query_row8(query_high, query, first, row_high, valid, row_stride, head_offset + d);
 #pragma unroll
                 for (int e = 0; e < 8; ++e) {
                     const float factor = expf(cumgate[e] - reference_gate[e]);
@@ -675,7 +634,8 @@ __device__ __forceinline__ void chunk_tc_prepare(
     }
     __syncthreads();
     if (UNBOUNDED && (exact_s[0] | exact_s[1] | exact_s[2] | exact_s[3])) {  // block-uniform
-        diagonal_blocks_exact(key_s, cumgate_s, beta_s, lower_s, attn_block, conv, valid, scale, exact_s, thread);
+        diagonal_blocks_exact(key_s, cumgate_s, beta_s, lower_s, attn_block, query, first, valid,
+                              row_stride, head_offset, scale, exact_s, thread);
         __syncthreads();
     }
 
@@ -691,7 +651,12 @@ __device__ __forceinline__ void chunk_tc_prepare(
             value_rows[pass][e] = 0.0f;
         }
         if (t < valid) {
-            conv.load(value_rows[pass], 2, t, d);
+            const size_t at = static_cast<size_t>(first + t) * row_stride + head_offset + d;
+            const float4 v = *reinterpret_cast<const float4*>(value + at);
+            value_rows[pass][0] = v.x;
+            value_rows[pass][1] = v.y;
+            value_rows[pass][2] = v.z;
+            value_rows[pass][3] = v.w;
         }
     }
 
@@ -842,26 +807,26 @@ __device__ __forceinline__ void chunk_tc_prepare(
 // <= 0 (the softplus law), lower_bound unread.
 #define CHUNK_TC_PREPARE_ENTRY(NAME, UNBOUNDED)                                                        \
     extern "C" __global__ void __launch_bounds__(CHUNK_TC_PREPARE_THREADS, 2)                              \
-        NAME(const bf16_t* __restrict__ conv_rows, const float* __restrict__ inverse_norms,                    \
+        NAME(const float* __restrict__ query, const float* __restrict__ key, const float* __restrict__ value, \
              const float* __restrict__ gate, const float* __restrict__ beta, f16_t* __restrict__ q_decay,  \
              f16_t* __restrict__ k_tail_t, f16_t* __restrict__ w, float* __restrict__ u,                  \
              f16_t* __restrict__ attn, float* __restrict__ chunk_decay, int tokens, int heads, float scale, \
              float lower_bound)                                                                           \
     {                                                                                                      \
-        chunk_tc_prepare<false, UNBOUNDED>(conv_rows, inverse_norms, gate, beta, nullptr, nullptr,               \
+        chunk_tc_prepare<false, UNBOUNDED>(query, key, value, gate, beta, nullptr, nullptr,  \
                                            q_decay, k_tail_t, w, u, attn, chunk_decay, tokens, heads,     \
                                            scale, lower_bound, nullptr, nullptr, nullptr, nullptr, 0);    \
     }
 #define CHUNK_TC_PREPARE_GATE_ENTRY(NAME, UNBOUNDED)                                                       \
     extern "C" __global__ void __launch_bounds__(CHUNK_TC_PREPARE_THREADS, 2)                              \
-        NAME(const bf16_t* __restrict__ conv_rows, const float* __restrict__ inverse_norms,                    \
+        NAME(const float* __restrict__ query, const float* __restrict__ key, const float* __restrict__ value, \
              float* __restrict__ gate, float* __restrict__ beta, f16_t* __restrict__ q_decay,              \
              f16_t* __restrict__ k_tail_t, f16_t* __restrict__ w, float* __restrict__ u,                  \
              f16_t* __restrict__ attn, float* __restrict__ chunk_decay, int tokens, int heads, float scale, \
              float lower_bound, const bf16_t* __restrict__ forget_proj, const float* __restrict__ dt_bias, \
              const float* __restrict__ a_log, const bf16_t* __restrict__ beta_logits, int ld_beta)        \
     {                                                                                                      \
-        chunk_tc_prepare<true, UNBOUNDED>(conv_rows, inverse_norms, nullptr, nullptr, gate, beta, q_decay, k_tail_t, \
+        chunk_tc_prepare<true, UNBOUNDED>(query, key, value, nullptr, nullptr, gate, beta, q_decay, k_tail_t, \
                                           w, u, attn, chunk_decay, tokens, heads, scale, lower_bound,      \
                                           forget_proj, dt_bias, a_log, beta_logits, ld_beta);              \
     }

@@ -27,12 +27,3 @@ __device__ __forceinline__ bf16_t f32_to_bf16(float value)
     const unsigned int lsb = (bits >> 16) & 1u;
     return static_cast<bf16_t>((bits + 0x7fffu + lsb) >> 16);
 }
-
-// Four BF16 values packed in two 32-bit words (element c in word c / 2, half c % 2), as FP32 (exact).
-__device__ __forceinline__ void bf16x4_to_f32(float out[4], const uint2& packed)
-{
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-        out[c] = bf16_half_to_f32(c < 2 ? packed.x : packed.y, c & 1);
-    }
-}

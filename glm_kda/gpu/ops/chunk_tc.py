@@ -1,9 +1,8 @@
 """Launch wrappers of the tensor-core chunked prefill (``kernels_src/chunk/chunk_tc.cu``, ``chunk_tc_gate.cu``).
 
 ``chunk_prefill_tc`` runs ``kda_chunk_tc_prepare_f32`` (grid (nchunks, H)) then
-``kda_chunk_tc_scan_f32`` (grid (H, D / 32)): the outputs of the FP32 pair of :mod:`glm_kda.gpu.ops.chunk`,
-with q, k and v read as the conv pass leaves them (BF16 rows and the L2 factors of q and k, not the
-FP32 trio); :mod:`glm_kda.chunk_model` holds the constants.
+``kda_chunk_tc_scan_f32`` (grid (H, D / 32)) on the same inputs and outputs as the FP32 pair of
+:mod:`glm_kda.gpu.ops.chunk`; :mod:`glm_kda.chunk_model` holds the constants.
 """
 
 from __future__ import annotations
@@ -50,12 +49,7 @@ class GateSource(NamedTuple):
     beta_logits: Any
 
 
-def _require_conv_rows(conv_rows, inverse_norms, tokens: int, heads: int) -> None:
-    _require_rows("conv_rows", conv_rows, "bf16", tokens, (3 * heads * HEAD_DIM,), aligned=True)
-    _require_rows("inverse_norms", inverse_norms, "f32", tokens, (2, heads))
-
-
-def kda_chunk_tc_prepare_f32(conv_rows, inverse_norms, gate, beta, q_decay, k_tail, w, u, attn, chunk_decay,
+def kda_chunk_tc_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, u, attn, chunk_decay,
                              tokens: int, lower_bound: float | None, scale: float | None = None,
                              gate_source: GateSource | None = None) -> None:
     """Intra-chunk work of every chunk (no state): grid (nchunks, H), 256 threads.
@@ -63,13 +57,10 @@ def kda_chunk_tc_prepare_f32(conv_rows, inverse_norms, gate, beta, q_decay, k_ta
     lower_bound: the bounded law's bound (-5 <= lower_bound <= 0), or None for gates with no lower
     bound: the unbounded prepare (docs/design.md, "Prefill"; docs/maths.md, "The chunked (WY) form").
 
-    conv_rows [>= T, 3 H D] BF16 (16-byte aligned) and inverse_norms [>= T, 2, H] FP32, as the conv pass
-    (ops.kda_conv_prefill_silu_l2_bf16) writes them: q = conv_rows[:, :HD] * inverse_norms[:, 0] per head,
-    k = conv_rows[:, HD:2HD] * inverse_norms[:, 1], v = conv_rows[:, 2HD:], each bit for bit the conv pass's
-    FP32 q, k, v. gate [>= T, H, D] and beta [>= T, H] FP32, 16-byte aligned. Rows >= T are never
-    read. With `gate_source` gate and beta are OUTPUTS, their T rows formed from the projections bit
-    for bit as ops.kda_gate_beta_f32 writes them: by the bounded law, or (lower_bound None) by the
-    softplus law; gate may then be None (not written).
+    query, key, value, gate [>= T, H, D] and beta [>= T, H] FP32, 16-byte aligned; rows >= T are
+    never read. With `gate_source` gate and beta are OUTPUTS, their T rows formed from the
+    projections bit for bit as ops.kda_gate_beta_f32 writes them: by the bounded law, or (lower_bound
+    None) by the softplus law; gate may then be None (not written).
 
     Writes the scratch of :func:`scratch_shapes`: q_decay = f16(tf32(scale q exp(G))),
     k_tail = f16(tf32(k exp(G_last - G))) chunk-transposed, w = f16(tf32(W)), u = Uc (FP32),
@@ -82,13 +73,13 @@ def kda_chunk_tc_prepare_f32(conv_rows, inverse_norms, gate, beta, q_decay, k_ta
     _require_rows("beta", beta, "f32", tokens, (heads,))
     if gate is None and gate_source is None:
         raise ValueError("kda_chunk_tc_prepare_f32: gate is an input (no gate_source), got None")
-    _require_conv_rows(conv_rows, inverse_norms, tokens, heads)
-    if gate is not None:
-        _require_rows("gate", gate, "f32", tokens, (heads, HEAD_DIM), aligned=True)
+    for name, array in (("query", query), ("key", key), ("value", value), ("gate", gate)):
+        if array is not None:
+            _require_rows(name, array, "f32", tokens, (heads, HEAD_DIM), aligned=True)
     _require_scratch(q_decay, k_tail, w, u, attn, chunk_decay, tokens, heads)
     if scale is None:
         scale = 1.0 / math.sqrt(HEAD_DIM)
-    args = (conv_rows, inverse_norms, gate, beta, q_decay, k_tail, w, u, attn, chunk_decay,
+    args = (query, key, value, gate, beta, q_decay, k_tail, w, u, attn, chunk_decay,
             _i32(tokens), _i32(heads), _f32(scale), _f32(0.0 if lower_bound is None else lower_bound))
     name = "kda_chunk_tc_prepare_f32" if lower_bound is not None else "kda_chunk_tc_prepare_unbounded_f32"
     if gate_source is not None:
@@ -118,12 +109,11 @@ def kda_chunk_tc_scan_f32(q_decay, k_tail, w, u, attn, chunk_decay, state, core,
     )
 
 
-def chunk_prefill_tc(conv_rows, inverse_norms, gate, beta, state, core, tokens: int, lower_bound: float | None,
+def chunk_prefill_tc(query, key, value, gate, beta, state, core, tokens: int, lower_bound: float | None,
                      q_decay, k_tail, w, u, attn, chunk_decay, scale: float | None = None,
                      gate_source: GateSource | None = None) -> None:
     """The chunked prefill core on tensor cores: core [>= T, H, D] and the carried state
-    [H, D, D] (in place) from the conv pass's conv_rows [>= T, 3 H D] BF16 and inverse_norms [>= T, 2, H]
-    (as :func:`kda_chunk_tc_prepare_f32` reads them), gate [>= T, H, D] and beta [>= T, H].
+    [H, D, D] (in place) from query, key, value, gate [>= T, H, D] and beta [>= T, H].
 
     Scratch (C-contiguous, 16-byte aligned) of :func:`glm_kda.chunk_model.scratch_shapes` and SCRATCH_KINDS:
     the workspace's q_decay_f16, k_tail_f16, chunk_w_f16, chunk_u, attn_f16 and chunk_decay at chunk 64.
@@ -139,9 +129,8 @@ def chunk_prefill_tc(conv_rows, inverse_norms, gate, beta, state, core, tokens: 
         raise ValueError(f"state: expected [{heads}, {HEAD_DIM}, {HEAD_DIM}] (H from beta), got {list(state.shape)}")
     _require("state", state, "f32", (heads, HEAD_DIM, HEAD_DIM), aligned=True)
     _require_rows("core", core, "f32", tokens, (heads, HEAD_DIM), aligned=True)
-    _require_conv_rows(conv_rows, inverse_norms, tokens, heads)
     _require_scratch(q_decay, k_tail, w, u, attn, chunk_decay, tokens, heads)
     # The gate sources are the prepare's alone: it checks them before its launch.
-    kda_chunk_tc_prepare_f32(conv_rows, inverse_norms, gate, beta, q_decay, k_tail, w, u, attn, chunk_decay,
+    kda_chunk_tc_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, u, attn, chunk_decay,
                              tokens, lower_bound, scale, gate_source)
     kda_chunk_tc_scan_f32(q_decay, k_tail, w, u, attn, chunk_decay, state, core, tokens)

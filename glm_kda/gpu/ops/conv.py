@@ -1,4 +1,4 @@
-"""Conv + SiLU + L2 of a prefill (kernels_src/conv.cu)."""
+"""Conv + SiLU + L2 + split of a prefill (kernels_src/conv.cu)."""
 
 from __future__ import annotations
 
@@ -11,19 +11,15 @@ _TILE = 64
 _HEADS_PER_BLOCK = 4
 
 
-def kda_conv_prefill_silu_l2_bf16(conv_state, qkv_proj, conv_w, conv_out, inverse_norms, query, key, value, heads: int,
-                                  head_dim: int, l2_eps: float, tokens: int | None = None) -> None:
-    """T tokens of conv + SiLU + L2 in one pass, leaving conv_state as T decode steps would.
+def kda_conv_prefill_silu_l2_bf16(conv_state, qkv_proj, conv_w, conv_out, query, key, value, heads: int, head_dim: int,
+                                  l2_eps: float, tokens: int | None = None) -> None:
+    """T tokens of conv + SiLU + L2 + split in one pass, leaving conv_state as T decode steps would.
 
-    conv_state [conv_dim, K] FP32 (in place), qkv_proj [>= T, conv_dim] BF16, conv_w [conv_dim, K]
-    BF16, conv_dim = 3 * H * D. Writes, each where not None:
-      conv_out [>= T, conv_dim] BF16: the SiLU output, q | k | v per row;
-      inverse_norms [>= T, 2, H] FP32: 1 / sqrt(sum of squares + l2_eps) of each head of q ([:, 0]) and
-        k ([:, 1]), the factor the kernels L2-normalise by;
-      query, key (the rows times those factors), value [>= T, H, D] FP32: all three or none.
-    The tensor-core prefill reads conv_out and inverse_norms; the FP32 trio is for the FP32 chunk path and
-    the stage buffers. qkv_proj, conv_out, query, key and value 16-byte aligned (vector loads and
-    stores). Grid (ceil(3H / 4), ceil(T / 64)), one warp per head of q, k or v and tile of tokens.
+    conv_state [conv_dim, K] FP32 (in place), qkv_proj [>= T, conv_dim] BF16, conv_w
+    [conv_dim, K] BF16; writes conv_out [>= T, conv_dim] BF16 (None: not written) and query, key
+    (L2-normalised per head), value [>= T, H, D] FP32, conv_dim = 3 * H * D; qkv_proj, conv_out,
+    query, key and value 16-byte aligned (vector loads and stores). Grid (ceil(3H / 4), ceil(T / 64)),
+    one warp per head of q, k or v and tile of tokens.
     """
     _require_head_dim(head_dim)
     conv_dim = 3 * heads * head_dim
@@ -33,19 +29,12 @@ def kda_conv_prefill_silu_l2_bf16(conv_state, qkv_proj, conv_w, conv_out, invers
     _require_rows("qkv_proj", qkv_proj, "bf16", tokens, (conv_dim,), aligned=True)
     if conv_out is not None:
         _require_rows("conv_out", conv_out, "bf16", tokens, (conv_dim,), aligned=True)
-    if inverse_norms is not None:
-        _require_rows("inverse_norms", inverse_norms, "f32", tokens, (2, heads))
-    trio = (("query", query), ("key", key), ("value", value))
-    given = [name for name, array in trio if array is not None]
-    if given and len(given) != 3:
-        raise ValueError(f"query, key and value: all three or none, got only {', '.join(given)}")
-    for name, array in trio:
-        if array is not None:
-            _require_rows(name, array, "f32", tokens, (heads, head_dim), aligned=True)
+    for name, array in (("query", query), ("key", key), ("value", value)):
+        _require_rows(name, array, "f32", tokens, (heads, head_dim), aligned=True)
     _require_int32("tokens", tokens)
     if tokens == 0:
         return
     grid = (-(-3 * heads // _HEADS_PER_BLOCK), -(-tokens // _TILE))
     build.launch("kda_conv_prefill_silu_l2_bf16", grid, (HEAD_BLOCK,),
-                 (conv_state, qkv_proj, conv_w, conv_out, inverse_norms, query, key, value, _i32(heads), _i32(head_dim),
+                 (conv_state, qkv_proj, conv_w, conv_out, query, key, value, _i32(heads), _i32(head_dim),
                   _i32(kernel_size), _i32(tokens), _f32(l2_eps)))
