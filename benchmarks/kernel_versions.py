@@ -29,6 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from lib.bench_prefill import kernel_bytes  # noqa: E402
+from lib.launches import random_bf16  # noqa: E402
 from lib.timing import copy_bandwidth_gbs, median_ms  # noqa: E402
 
 # The models whose geometry (glm_kda.synthetic.synthetic_config) the kernels run at.
@@ -64,18 +65,6 @@ def _function(folder: str, stem: str, entry: str):
     source = kernel_source(stem, folder)
     module = cupy.RawModule(code=source, options=COMPILE_OPTIONS)
     return module.get_function(entry), source
-
-
-def _random_bf16(rng, shape, scale: float = 1.0):
-    """Normal samples times `scale`, rounded to BF16 on the GPU as the projections round."""
-    import cupy
-
-    from glm_kda.gpu.arrays import bf16_dtype
-    from glm_kda.gpu.ops import round_to_bf16
-
-    out = cupy.empty(shape, bf16_dtype())
-    round_to_bf16(rng.standard_normal(shape, dtype=cupy.float32) * scale, out)
-    return out
 
 
 def _conv_case(folder: str, config, tokens: int, inputs: dict):
@@ -134,10 +123,10 @@ def _chunk_inputs(rng, config, tokens: int) -> dict:
     return {"q": unit(rng.standard_normal((tokens, heads, dim), dtype=cupy.float32)),
             "k": unit(rng.standard_normal((tokens, heads, dim), dtype=cupy.float32)),
             "v": rng.standard_normal((tokens, heads, dim), dtype=cupy.float32),
-            "forget_proj": _random_bf16(rng, (tokens, heads * dim)),
+            "forget_proj": random_bf16(rng, (tokens, heads * dim)),
             "dt_bias": rng.standard_normal(heads * dim, dtype=cupy.float32) * 0.5,
             "a_log": rng.standard_normal(heads, dtype=cupy.float32) * 0.5,
-            "beta_logits": _random_bf16(rng, (tokens, heads)),
+            "beta_logits": random_bf16(rng, (tokens, heads)),
             "state": rng.standard_normal((heads, dim, dim), dtype=cupy.float32) * 0.1}
 
 
@@ -159,10 +148,11 @@ def _prepare_case(folder: str, config, tokens: int, inputs: dict):
     import cupy
 
     from glm_kda.chunk_model import chunk_count, new_scratch, prepare_lower_bound
+    from glm_kda.gpu.build import ENTRY_POINTS
 
     lower_bound = prepare_lower_bound(config)
     entry = _prepare_entry(config)
-    stem = "chunk/chunk_tc_gate" if lower_bound is not None else "chunk/chunk_tc_gate_unbounded"
+    stem = next(stem for stem, entries in ENTRY_POINTS.items() if entry in entries)
     function, source = _function(folder, stem, entry)
     shared = _define(source, "CHUNK_TC_PREPARE_SMEM_BYTES")
     _opt_in(function, shared)
@@ -237,10 +227,11 @@ def main() -> None:
         config = synthetic_config(geometry, 1)
         qkv, kernel_size = config.qkv, config.conv_kernel
         for tokens in args.tokens:
-            conv_inputs = {"qkv": _random_bf16(rng, (tokens, 3 * qkv)), "conv_w": _random_bf16(rng, (3 * qkv, kernel_size), 0.5),
+            conv_inputs = {"qkv": random_bf16(rng, (tokens, 3 * qkv)),
+                           "conv_w": random_bf16(rng, (3 * qkv, kernel_size), 0.5),
                            "state": rng.standard_normal((3 * qkv, kernel_size), dtype=cupy.float32)}
             norm_inputs = {"core": rng.standard_normal((tokens, config.heads, config.head_dim), dtype=cupy.float32),
-                           "gate": _random_bf16(rng, (tokens, qkv)), "norm_w": _random_bf16(rng, (config.head_dim,), 0.3)}
+                           "gate": random_bf16(rng, (tokens, qkv)), "norm_w": random_bf16(rng, (config.head_dim,), 0.3)}
             chunk_inputs = _chunk_inputs(rng, config, tokens)
             cases = (("kda_conv_prefill_silu_l2_bf16", _conv_case, conv_inputs),
                      ("kda_gated_rmsnorm_sigmoid_bf16", _norm_case, norm_inputs),

@@ -1,5 +1,6 @@
 """Timing single kernel launches with the host's launch overhead kept out (benchmarks/gemm_rows.py,
-benchmarks/stream_floor.py), and the decode-side projection shapes they time."""
+benchmarks/stream_floor.py), the decode-side projection shapes they time, and random BF16 inputs
+(benchmarks/kernel_versions.py, benchmarks/projections.py)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,19 @@ _SPIN_SOURCE = r"""extern "C" __global__ void spin(long long cycles)
     }
 }"""
 _spin_kernel = None
+
+
+def random_bf16(rng, shape, scale: float = 1.0):
+    """Normal samples of a CuPy generator times `scale`, rounded to BF16 on the GPU as the projections
+    round (glm_kda.gpu.arrays.bf16_dtype)."""
+    import cupy
+
+    from glm_kda.gpu.arrays import bf16_dtype
+    from glm_kda.gpu.ops import round_to_bf16
+
+    out = cupy.empty(shape, bf16_dtype())
+    round_to_bf16(rng.standard_normal(shape, dtype=cupy.float32) * scale, out)
+    return out
 
 
 def spin() -> None:
