@@ -76,8 +76,15 @@ def model_chunk_tc_prepare(query, key, value, gate, beta, lower_bound: float | N
     # would otherwise flip many TF32 roundings between kernel and model.
     gate_dtype = xp.float32 if emulate_rounding else xp.float64
 
-    def exp_of_difference(a, b):
-        return xp.exp((a.astype(gate_dtype) - b.astype(gate_dtype)).astype(xp.float64))
+    def exp_factor(x):
+        # The kernel's e^x of a factor it rounds to TF32 (exp_tf32_factor): ex2 of the FP32 product
+        # x log2(e), whose rounding (3e-6 relative at e^75) would otherwise flip TF32 roundings too.
+        if not emulate_rounding:
+            return xp.exp(x)
+        return xp.exp2((xp.asarray(x, xp.float32) * xp.float32(math.log2(math.e))).astype(xp.float64))
+
+    def difference(a, b):
+        return (a.astype(gate_dtype) - b.astype(gate_dtype)).astype(xp.float64)
 
     tokens, heads, dim = query.shape
     if scale is None:
@@ -108,8 +115,8 @@ def model_chunk_tc_prepare(query, key, value, gate, beta, lower_bound: float | N
     last = cumgate[:, :, -1:, :]
 
     # 1. Elementwise outputs.
-    q_decay = stored(scale * q * xp.exp(cumgate))
-    k_tail = stored(k * exp_of_difference(last, cumgate))
+    q_decay = stored(scale * q * exp_factor(cumgate))
+    k_tail = stored(k * exp_factor(difference(last, cumgate)))
     chunk_decay = xp.exp(last[:, :, 0, :])
 
     # 2. A and B by row block i, reference row 16 i (range argument in the .cu file).
@@ -119,22 +126,22 @@ def model_chunk_tc_prepare(query, key, value, gate, beta, lower_bound: float | N
         rows = slice(SUB_CHUNK * i, SUB_CHUNK * (i + 1))
         columns = slice(0, SUB_CHUNK * (i + 1))
         reference = cumgate[:, :, SUB_CHUNK * i : SUB_CHUNK * i + 1, :]
-        factor = exp_of_difference(cumgate[:, :, rows], reference)
+        factor = exp_factor(difference(cumgate[:, :, rows], reference))
         key_row = rnd(k[:, :, rows] * factor)
         query_row = rnd(q[:, :, rows] * factor)
-        source_exponent = (reference.astype(gate_dtype) - cumgate[:, :, columns].astype(gate_dtype)).astype(xp.float64)
+        source_exponent = difference(reference, cumgate[:, :, columns])
         if lower_bound is None:
             # Only a diagonal block wider than DIAGONAL_RANGE reaches the cap (the earlier
             # columns' exponents are <= 0), and its products are replaced below.
             source_exponent = xp.minimum(source_exponent, DIAGONAL_RANGE)
-        key_source = rnd(k[:, :, columns] * xp.exp(source_exponent))
+        key_source = rnd(k[:, :, columns] * exp_factor(source_exponent))
         pair_kk[:, :, rows, columns] = key_row @ xp.swapaxes(key_source, -1, -2)
         pair_qk[:, :, rows, columns] = query_row @ xp.swapaxes(key_source, -1, -2)
         if lower_bound is None:
             # The unbounded prepare's diagonal block where its decay exceeds DIAGONAL_RANGE:
             # sum_d x_t k_s exp(G_t - G_s) with no TF32 operands.
             in_range = diagonal_in_range(cumgate, i)[..., None, None]
-            decayed = k[:, :, None, rows] * exp_of_difference(cumgate[:, :, rows, None], cumgate[:, :, None, rows])
+            decayed = k[:, :, None, rows] * xp.exp(difference(cumgate[:, :, rows, None], cumgate[:, :, None, rows]))
             for pair, x in ((pair_kk, k), (pair_qk, q)):
                 pair[:, :, rows, rows] = xp.where(in_range, pair[:, :, rows, rows], (x[:, :, rows, None] * decayed).sum(-1))
     position = xp.arange(CHUNK)
@@ -157,7 +164,7 @@ def model_chunk_tc_prepare(query, key, value, gate, beta, lower_bound: float | N
             _blocks(inverse, i, j)[...] = -(rnd(_blocks(inverse, i, i)) @ rnd(total))
 
     # 4. W and Uc.
-    key_beta = rnd(b[..., None] * k * xp.exp(cumgate))
+    key_beta = rnd(b[..., None] * k * exp_factor(cumgate))
     value_beta = rnd(b[..., None] * v)
     w = stored(rnd(inverse) @ key_beta)
     u = rnd(inverse) @ value_beta

@@ -141,6 +141,8 @@ template <class T, class P> T* checked_cast(P* p)
 inline float __fdividef(float a, float b) { return a / b; }
 // The correctly rounded product (the host build does not contract into fma: ISO C++, no -ffast-math).
 inline float __fmul_rn(float a, float b) { return a * b; }
+// __expf: ex2.approx of x log2(e) (within 2 ulp of the exact exp2 of that FP32 product).
+inline float __expf(float x) { return std::exp2(x * 1.44269504f); }
 // A warp-collective mma: each lane leaves its fragments in slots[warp][lane], the warp meets, each
 // lane forms its 4 outputs (rows g, g + 8; columns 2t, 2t + 1) as acc + the sum over k < K of
 // product(the warp's slots, row, column, k) in float64, ascending k, and the warp meets again.
