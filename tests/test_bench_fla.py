@@ -472,7 +472,7 @@ def test_fla_benchmark_rows(fla_layers):
     decode = list(bench_fla.bench_fla_decode(bound, batches=(1, 3), repeats=5, layer=layer))
     assert [(row["B"], row["graph"]) for row in decode] == [(1, True), (3, True), (1, False), (3, False)]
     prefill = list(bench_fla.bench_fla_prefill(bound, tokens=(100,), repeats=2, layer=layer))
-    assert [row["case"] for row in prefill] == ["prefill", "chunk_kda"]
+    assert [row["case"] for row in prefill] == ["prefill", "chunk_kda", "chunk_kda_norm"]
     for row in decode + prefill:
         assert row["impl"] == "fla" and row["median_us"] > 0, row
 
@@ -517,3 +517,46 @@ def test_decode_rows_carry_both_medians_and_their_ratios(monkeypatch):
     # median_us: the same stand-in, each call synchronised (warm-up 204 and 205 ms, then 206 .. 210).
     assert bench_fla.median_us(call, repeats=5, warmup=2) == pytest.approx(208e3)
     assert clock["synchronised"] == 1 + 5
+
+
+def test_kernel_ms_counts_each_kernels_self_time_once(monkeypatch):
+    """kernel_ms sums the profiler's self device time by name (an operator's device time is its
+    kernels', so it must not count twice), in ms, largest first, after the warm-up calls (a stand-in
+    torch and profiler; older torch names the field self_cuda_time_total)."""
+    import types
+
+    calls = {"n": 0, "synchronised": 0}
+
+    def entry(key, self_micros, old_name=False):
+        field = "self_cuda_time_total" if old_name else "self_device_time_total"
+        return types.SimpleNamespace(key=key, **{field: self_micros})
+
+    entries = [entry("aten::mm", 0.0), entry("ampere_bf16_gemm", 1500.0), entry("chunk_kda_fwd", 700.0),
+               entry("ampere_bf16_gemm", 500.0), entry("Memcpy DtoD", 20.0, old_name=True), entry("x" * 200, 1.0)]
+
+    class Profile:
+        def __init__(self, activities):
+            assert activities == ["cuda"]
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def key_averages(self):
+            return entries
+
+    torch = types.SimpleNamespace(cuda=types.SimpleNamespace(synchronize=lambda: calls.__setitem__(
+        "synchronised", calls["synchronised"] + 1)))
+    profiler = types.SimpleNamespace(ProfilerActivity=types.SimpleNamespace(CUDA="cuda"), profile=Profile)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setitem(sys.modules, "torch.profiler", profiler)
+
+    def call():
+        calls["n"] += 1
+
+    totals = bench_fla.kernel_ms(call, warmup=2)
+    assert calls == {"n": 3, "synchronised": 2}
+    assert list(totals) == ["ampere_bf16_gemm", "chunk_kda_fwd", "Memcpy DtoD", "x" * 96]
+    assert totals["ampere_bf16_gemm"] == pytest.approx(2.0) and totals["Memcpy DtoD"] == pytest.approx(0.02)

@@ -73,6 +73,8 @@ FLA_SAFE_GATE_RANGE = (-5.0, 0.0)
 
 DECODE_BATCHES = (1, 4, 16, 64, 256)
 PREFILL_TOKENS = (1024, 4096, 16384, 65536)
+# The prefill length whose layer call is also broken down by kernel (bench_prefill's block_kernels too).
+KERNEL_BREAKDOWN_TOKENS = 16384
 
 
 # The parameter map ----------------------------------------------------------------------------
@@ -407,6 +409,31 @@ def queued_us(fn: Callable[[], Any], repeats: int, warmup: int) -> float:
     return 1e3 * float(np.median(replay_ms(fn, calls=repeats, warmup=warmup, **_torch_events())))
 
 
+def kernel_ms(fn: Callable[[], Any], warmup: int = 2) -> dict[str, float]:
+    """Milliseconds of GPU time of each kernel (and copy) one call of fn() launches, by name, from
+    torch.profiler's device activity (after `warmup` calls); names cut to 96 characters, largest
+    first."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+        fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for entry in profiler.key_averages():
+        # Self time: a host operator's device time is its kernels', counted once, at the kernels.
+        # torch >= 2.4 names it self_device_time_total, self_cuda_time_total before.
+        micros = getattr(entry, "self_device_time_total", None)
+        micros = getattr(entry, "self_cuda_time_total", 0.0) if micros is None else micros
+        if micros > 0:
+            name = entry.key[:96]
+            totals[name] = totals.get(name, 0.0) + micros / 1e3
+    return dict(sorted(totals.items(), key=lambda item: -item[1]))
+
+
 def capture_graph(fn: Callable[[], Any], warmup: int = 3, hold: Callable[[], Any] | None = None) -> tuple[Any, Any]:
     """fn captured in a torch.cuda.CUDAGraph after warm-up calls on a side stream (Triton
     compiles and autotunes there, never inside the capture). Returns (graph, held): `held` is
@@ -495,7 +522,10 @@ def bench_fla_prefill(
     cache, as a real prefill does), then chunk_kda alone on random q, k, v, raw gate and beta
     logits of the layer's shapes with our A_log and dt_bias and the layer's gate law (fused
     L2 norm, gate and beta sigmoid, final state written). Yields
-    {"impl": "fla", "case": "prefill" | "chunk_kda", "T", "median_us", "Mtok_s", "gate"}.
+    {"impl": "fla", "case": "prefill" | "chunk_kda" | "chunk_kda_norm", "T", "median_us", "Mtok_s",
+    "gate"}; at T = KERNEL_BREAKDOWN_TOKENS the prefill and chunk_kda_norm rows are each followed by a
+    "<case>_kernels" row: that call's GPU milliseconds by kernel ("kernel_ms", torch.profiler) and their
+    sum, to tell the layer's chunk_kda from chunk_kda alone.
     """
     import torch
     from fla.ops.kda import chunk_kda
@@ -511,8 +541,13 @@ def bench_fla_prefill(
         x = hidden[:, :count]
         with torch.inference_mode():
             us = median_us(lambda: layer(x, past_key_values=new_fla_cache(), use_cache=True), repeats, warmup=2)
+            kernels = (kernel_ms(lambda: layer(x, past_key_values=new_fla_cache(), use_cache=True))
+                       if count == KERNEL_BREAKDOWN_TOKENS else None)
         torch.cuda.empty_cache()
         yield {"impl": "fla", "case": "prefill", "T": count, "median_us": us, "Mtok_s": count / us, "gate": gate}
+        if kernels is not None:
+            yield {"impl": "fla", "case": "prefill_kernels", "T": count, "kernel_ms": kernels,
+                   "kernel_total_ms": sum(kernels.values()), "gate": gate}
 
     a_log = to_torch(np.asarray(bound.a_log, np.float32), "cuda")
     dt_bias = to_torch(np.asarray(bound.dt_bias, np.float32), "cuda")
@@ -520,16 +555,22 @@ def bench_fla_prefill(
     for case, norm in (("chunk_kda", None), ("chunk_kda_norm", layer.o_norm)):
         for count in tokens:
             with torch.inference_mode():
-                us = _time_chunk_kda(chunk_kda, config, count, a_log, dt_bias, generator, repeats, norm)
+                run = _chunk_kda_call(chunk_kda, config, count, a_log, dt_bias, generator, norm)
+                us = median_us(run, repeats, warmup=2)
+                kernels = kernel_ms(run) if count == KERNEL_BREAKDOWN_TOKENS and norm is not None else None
+                del run
             torch.cuda.empty_cache()
             yield {"impl": "fla", "case": case, "T": count, "median_us": us, "Mtok_s": count / us, "gate": gate}
+            if kernels is not None:
+                yield {"impl": "fla", "case": f"{case}_kernels", "T": count, "kernel_ms": kernels,
+                       "kernel_total_ms": sum(kernels.values()), "gate": gate}
 
 
-def _time_chunk_kda(chunk_kda: Callable, config: KdaConfig, tokens: int, a_log: Any, dt_bias: Any,
-                    generator: Any, repeats: int, norm: Callable | None = None) -> float:
-    """Median µs of chunk_kda on random q, k, v [1, T, H, D], raw gate [1, T, H, D] and beta
-    logits [1, T, H] (BF16), from a zero FP32 state, final state written; with `norm` (the layer's
-    gated RMSNorm module) also that norm of its output and a random output gate [1, T, H, D]."""
+def _chunk_kda_call(chunk_kda: Callable, config: KdaConfig, tokens: int, a_log: Any, dt_bias: Any,
+                    generator: Any, norm: Callable | None = None) -> Callable[[], Any]:
+    """A call of chunk_kda on random q, k, v [1, T, H, D], raw gate [1, T, H, D] and beta logits
+    [1, T, H] (BF16), from a zero FP32 state, final state written; with `norm` (the layer's gated
+    RMSNorm module) also that norm of its output and a random output gate [1, T, H, D]."""
     import torch
 
     heads, dim = config.heads, config.head_dim
@@ -549,7 +590,7 @@ def _time_chunk_kda(chunk_kda: Callable, config: KdaConfig, tokens: int, a_log: 
                         use_beta_sigmoid_in_kernel=True, **_gate_kwargs(config))
         return out if norm is None else norm(out[0], out_gate)
 
-    return median_us(run, repeats, warmup=2)
+    return run
 
 
 # The runner -------------------------------------------------------------------------------------

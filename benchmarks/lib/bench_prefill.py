@@ -20,7 +20,8 @@ Geometries: "glm" (hidden 4096, 64 heads, bounded gate -5), "kimi" (hidden 2304,
 softplus law) and "kimi-bounded" (Kimi's shapes with the bounded gate -5, the law
 flash-linear-attention's safe-gate chunk path is measured with). When flash-linear-attention is
 importable, its chunk_kda and KimiDeltaAttention layer run on the same shapes and weights in the
-same process (bench_fla.bench_fla_prefill).
+same process (bench_fla.bench_fla_prefill); at T = 16384 "prefill_kernels" and "chunk_kda_norm_kernels"
+lines give the GPU milliseconds by kernel (torch.profiler) of its layer and of chunk_kda with the norm.
 
     PYTHONPATH=. python benchmarks/prefill.py [--geometry glm kimi-bounded] [--tokens 1024 4096 16384 65536]
         [--variant hopper=False]
@@ -196,6 +197,10 @@ def bench_fla(geometry: str, directory: Path, tokens: tuple[int, ...], repeats: 
     bound = bind_layer(directory / geometry, 0, progress=False)
     rows = []
     for row in bench_fla_prefill(bound, tokens, repeats=repeats):
+        if row["case"].endswith("_kernels"):  # a call of fla's by kernel: no case of ours to set it beside
+            row.update(geometry=geometry)
+            print(json.dumps(row), flush=True)
+            continue
         flops = (block_flops if row["case"] == "prefill" else core_flops)(bound.config, row["T"])
         row.update(geometry=geometry, case=_FLA_CASES[row["case"]],
                    fla_case=row["case"], TFLOP_s=flops / 1e6 / row["median_us"])
