@@ -569,8 +569,9 @@ def bench_fla_prefill(
 def _chunk_kda_call(chunk_kda: Callable, config: KdaConfig, tokens: int, a_log: Any, dt_bias: Any,
                     generator: Any, norm: Callable | None = None) -> Callable[[], Any]:
     """A call of chunk_kda on random q, k, v [1, T, H, D], raw gate [1, T, H, D] and beta logits
-    [1, T, H] (BF16), from a zero FP32 state, final state written; with `norm` (the layer's gated
-    RMSNorm module) also that norm of its output and a random output gate [1, T, H, D]."""
+    [1, T, H] (BF16), from a zero FP32 state, final state written, the state V-first as fla's layer
+    keeps it (state_v_first, the arguments its layer passes); with `norm` (the layer's gated RMSNorm
+    module) also that norm of its output and a random output gate [1, T, H, D]."""
     import torch
 
     heads, dim = config.heads, config.head_dim
@@ -585,7 +586,7 @@ def _chunk_kda_call(chunk_kda: Callable, config: KdaConfig, tokens: int, a_log: 
 
     def run() -> Any:
         out = chunk_kda(q=q, k=k, v=v, g=g, beta=beta, A_log=a_log, dt_bias=dt_bias,
-                        initial_state=initial, output_final_state=True,
+                        initial_state=initial, output_final_state=True, state_v_first=True,
                         use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                         use_beta_sigmoid_in_kernel=True, **_gate_kwargs(config))
         return out if norm is None else norm(out[0], out_gate)
