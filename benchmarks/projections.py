@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from lib.launches import random_bf16  # noqa: E402
-from lib.timing import median_ms  # noqa: E402
+from lib.timing import median_ms, torch_events  # noqa: E402
 
 _GEOMETRIES = ("glm", "kimi")
 
@@ -45,12 +45,7 @@ def _torch_ms(tokens: int, k: int, n: int, repeats: int) -> float | None:
         return None
     x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-
-    def event():
-        return torch.cuda.Event(enable_timing=True)
-
-    return median_ms(lambda: torch.nn.functional.linear(x, w), repeats, event=event,
-                     elapsed=lambda start, end: start.elapsed_time(end))
+    return median_ms(lambda: torch.nn.functional.linear(x, w), repeats, **torch_events())
 
 
 def main() -> None:

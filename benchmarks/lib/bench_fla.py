@@ -62,7 +62,7 @@ import numpy as np
 
 from glm_kda.config import KdaConfig
 
-from .timing import MIN_TIMED_CALLS, decode_bytes, median_ms, replay_ms, roofline, timed_calls
+from .timing import MIN_TIMED_CALLS, decode_bytes, median_ms, replay_ms, roofline, timed_calls, torch_events
 
 FLA_DISTRIBUTION = "flash-linear-attention"
 FLA_TESTED_VERSION = "0.6.0"
@@ -386,19 +386,10 @@ def fla_decode_steps(layer: Any, hidden: np.ndarray, cache: Any = None) -> tuple
 
 
 # Timing -----------------------------------------------------------------------------------------
-def _torch_events() -> dict:
-    """The event and elapsed arguments of timing.median_ms and timing.replay_ms for torch's CUDA
-    events (work on torch's stream)."""
-    import torch
-
-    return {"event": lambda: torch.cuda.Event(enable_timing=True),
-            "elapsed": lambda start, end: start.elapsed_time(end)}
-
-
 def median_us(fn: Callable[[], Any], repeats: int, warmup: int) -> float:
     """Median of `repeats` CUDA-event timings of fn() on the current stream, each call synchronised,
     after `warmup` calls (timing.median_ms with torch's events)."""
-    return 1e3 * median_ms(fn, repeats=repeats, warmup=warmup, **_torch_events())
+    return 1e3 * median_ms(fn, repeats=repeats, warmup=warmup, **torch_events())
 
 
 def queued_us(fn: Callable[[], Any], repeats: int, warmup: int) -> float:
@@ -406,7 +397,7 @@ def queued_us(fn: Callable[[], Any], repeats: int, warmup: int) -> float:
     its own pair of CUDA events, one synchronisation after the last (timing.replay_ms with torch's
     events): while the host stays ahead of the GPU, a per-call figure without the idle gap that a
     synchronisation per call leaves in front of each."""
-    return 1e3 * float(np.median(replay_ms(fn, calls=repeats, warmup=warmup, **_torch_events())))
+    return 1e3 * float(np.median(replay_ms(fn, calls=repeats, warmup=warmup, **torch_events())))
 
 
 def kernel_ms(fn: Callable[[], Any], warmup: int = 2) -> dict[str, float]:
@@ -540,9 +531,11 @@ def bench_fla_prefill(
     for count in tokens:
         x = hidden[:, :count]
         with torch.inference_mode():
-            us = median_us(lambda: layer(x, past_key_values=new_fla_cache(), use_cache=True), repeats, warmup=2)
-            kernels = (kernel_ms(lambda: layer(x, past_key_values=new_fla_cache(), use_cache=True))
-                       if count == KERNEL_BREAKDOWN_TOKENS else None)
+            def prefill(x=x):
+                return layer(x, past_key_values=new_fla_cache(), use_cache=True)
+
+            us = median_us(prefill, repeats, warmup=2)
+            kernels = kernel_ms(prefill) if count == KERNEL_BREAKDOWN_TOKENS else None
         torch.cuda.empty_cache()
         yield {"impl": "fla", "case": "prefill", "T": count, "median_us": us, "Mtok_s": count / us, "gate": gate}
         if kernels is not None:

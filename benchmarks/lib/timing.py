@@ -33,6 +33,15 @@ def _events(event, elapsed):
     return event, elapsed
 
 
+def torch_events() -> dict:
+    """The event and elapsed arguments of median_ms and replay_ms for torch's CUDA events (work on
+    torch's stream)."""
+    import torch
+
+    return {"event": lambda: torch.cuda.Event(enable_timing=True),
+            "elapsed": lambda start, end: start.elapsed_time(end)}
+
+
 def copy_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 20) -> float:
     """Device-to-device copy: (read + write) bytes / median time, GB/s."""
     import cupy
