@@ -281,14 +281,6 @@ __device__ __forceinline__ bool diagonal_in_range(const float* cumgate_s, int i,
     return __all_sync(KDA_FULL_WARP_MASK, in_range);
 }
 
-// The prepare's phase 2, a nibble a warp (warp 0 lowest): the block row i of the warp's tiles, its first
-// tile (2 j + n) in that row, and how many: rows 0..3 hold 2, 4, 6, 8 tiles, cut 2 | 2 2 | 3 3 | 3 3 2.
-#define CHUNK_TC_TILES_ROW 0x33322110u
-#define CHUNK_TC_TILES_FIRST 0x63030200u
-#define CHUNK_TC_TILES_COUNT 0x23333222u
-#define CHUNK_TC_MAX_TILES 3
-static_assert(CHUNK_TC_PREPARE_WARPS == 8 && CHUNK_TC_SUBS == 4, "phase 2's tile table is for 8 warps and 4 blocks");
-
 // Pairs s <= t of one 16 x 16 diagonal block.
 #define CHUNK_TC_SUB_PAIRS (CHUNK_TC_SUB * (CHUNK_TC_SUB + 1) / 2)
 
@@ -574,25 +566,24 @@ __device__ __forceinline__ void chunk_tc_prepare(
     }
 
     // 2. Blocks (i, j), j <= i, of A and B, through the reference row r = 16 i (docs/maths.md, chunked form).
-    // Their 20 tiles of 16 x 8 (block (i, j)'s columns 8 n..8 n + 7: tile 2 j + n of row i) go to the
-    // warps a block row at a time, at most three a warp (CHUNK_TC_TILES_*): a warp forms its row side (k
-    // and q times their decay from the reference row) once for all its tiles.
-    {
-        const int i = (CHUNK_TC_TILES_ROW >> (4 * warp)) & 0xf;
-        const int first_tile = (CHUNK_TC_TILES_FIRST >> (4 * warp)) & 0xf;
-        const int tiles = (CHUNK_TC_TILES_COUNT >> (4 * warp)) & 0xf;
-        // UNBOUNDED: diagonal block i beyond the bounded range takes the exact sums after the loop.
-        const bool exact_diagonal = UNBOUNDED && !diagonal_in_range(cumgate_s, i, lane);
-        if (UNBOUNDED && first_tile == 0 && lane == 0) {
-            exact_s[i] = exact_diagonal;
+    for (int pair = warp; pair < CHUNK_TC_SUBS * (CHUNK_TC_SUBS + 1) / 2; pair += CHUNK_TC_PREPARE_WARPS) {
+        const int i = (pair >= 1) + (pair >= 3) + (pair >= 6);
+        const int j = pair - i * (i + 1) / 2;
+        if (UNBOUNDED && i == j) {
+            // Beyond the bounded range: the exact sums after the loop (warp-uniform).
+            const bool exact = !diagonal_in_range(cumgate_s, i, lane);
+            if (lane == 0) {
+                exact_s[i] = exact;
+            }
+            if (exact) {
+                continue;
+            }
         }
         const int reference = CHUNK_TC_SUB * i;
         const int row_low = CHUNK_TC_SUB * i + group_lane;
         const int row_high = row_low + 8;
-        float acc_kk[CHUNK_TC_MAX_TILES][4] = {};
-        float acc_qk[CHUNK_TC_MAX_TILES][4] = {};
-        // Half a permuted 32-k block (two of its four mma steps) a pass: the row side and the three
-        // tiles' accumulators fit the 128 registers without a spill.
+        float acc_kk[2][4] = {};
+        float acc_qk[2][4] = {};
 #pragma unroll 1
         for (int kb = 0; kb < KDA_HEAD_DIM / 32; ++kb) {
             const int d = 32 * kb + lane_k;
@@ -624,12 +615,8 @@ __device__ __forceinline__ void chunk_tc_prepare(
                 }
             }
 #pragma unroll
-            for (int c = 0; c < CHUNK_TC_MAX_TILES; ++c) {
-                const int j = (first_tile + c) >> 1;
-                if (c >= tiles || (j == i && exact_diagonal)) {  // warp-uniform
-                    continue;
-                }
-                const int source = CHUNK_TC_SUB * j + 8 * ((first_tile + c) & 1) + group_lane;
+            for (int n = 0; n < 2; ++n) {
+                const int source = CHUNK_TC_SUB * j + 8 * n + group_lane;
                 float key_source[8];
                 float cumgate[8];
                 load8(key_source, key_s + source * CHUNK_TC_D_STRIDE + d);
@@ -638,23 +625,19 @@ __device__ __forceinline__ void chunk_tc_prepare(
                 for (int e = 0; e < 8; ++e) {
                     key_source[e] = round_tf32(key_source[e] * exp_tf32_factor(reference_gate[e] - cumgate[e]));
                 }
-                mma_k_block<4>(acc_kk[c], key_low, key_high, key_source);
-                mma_k_block<4>(acc_qk[c], query_low, query_high, key_source);
+                mma_k_block<4>(acc_kk[n], key_low, key_high, key_source);
+                mma_k_block<4>(acc_qk[n], query_low, query_high, key_source);
             }
         }
 #pragma unroll
-        for (int c = 0; c < CHUNK_TC_MAX_TILES; ++c) {
-            const int j = (first_tile + c) >> 1;
-            if (c >= tiles || (j == i && exact_diagonal)) {
-                continue;
-            }
+        for (int n = 0; n < 2; ++n) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int t = row_low + 8 * (e >> 1);
-                const int s = CHUNK_TC_SUB * j + 8 * ((first_tile + c) & 1) + 2 * thread_in_group + (e & 1);
+                const int s = CHUNK_TC_SUB * j + 8 * n + 2 * thread_in_group + (e & 1);
                 // A is strictly lower triangular, B keeps its diagonal.
-                lower_s[t * CHUNK_TC_C_STRIDE + s] = s < t ? beta_s[t] * acc_kk[c][e] : 0.0f;
-                attn_block[t * CHUNK_TC + s] = f32_to_f16(s <= t ? round_tf32(scale * acc_qk[c][e]) : 0.0f);
+                lower_s[t * CHUNK_TC_C_STRIDE + s] = s < t ? beta_s[t] * acc_kk[n][e] : 0.0f;
+                attn_block[t * CHUNK_TC + s] = f32_to_f16(s <= t ? round_tf32(scale * acc_qk[n][e]) : 0.0f);
             }
         }
     }
@@ -779,29 +762,27 @@ __device__ __forceinline__ void chunk_tc_prepare(
         const float* operand_t = is_value ? value_t_s : key_beta_t_s;
         const int d_base = 32 * (warp & 3);
         float acc[4][4][4] = {};
-        // Half a permuted 32-k block (two of its four mma steps) a pass, the products in the same order:
-        // the 64 accumulators and a pass's operands fit the 128 registers without a spill.
 #pragma unroll
-        for (int half_block = 0; half_block < CHUNK_TC / 16; ++half_block) {
-            const int kb = half_block >> 1;
-            const int k = 32 * kb + lane_k + 4 * (half_block & 1);
-            float b[4][4];
+        for (int kb = 0; kb < CHUNK_TC / 32; ++kb) {
+            float b[4][8];
 #pragma unroll
             for (int n = 0; n < 4; ++n) {
-                load4(b[n], operand_t + (d_base + 8 * n + group_lane) * CHUNK_TC_C_STRIDE + k);
+                load8(b[n], operand_t + (d_base + 8 * n + group_lane) * CHUNK_TC_C_STRIDE + 32 * kb + lane_k);
             }
 #pragma unroll
             for (int m = 0; m < 4; ++m) {
                 if (kb == 1 && m < 2) {
                     continue;
                 }
-                float a_low[4];
-                float a_high[4];
-                load4_pair_tf32(a_low, a_high, inverse_s + (16 * m + group_lane) * CHUNK_TC_C_STRIDE + k,
-                                inverse_s + (16 * m + group_lane + 8) * CHUNK_TC_C_STRIDE + k);
+                float a_low[8];
+                float a_high[8];
+                load8(a_low, inverse_s + (16 * m + group_lane) * CHUNK_TC_C_STRIDE + 32 * kb + lane_k);
+                load8(a_high, inverse_s + (16 * m + group_lane + 8) * CHUNK_TC_C_STRIDE + 32 * kb + lane_k);
+                round_tf32_all(a_low);
+                round_tf32_all(a_high);
 #pragma unroll
                 for (int n = 0; n < 4; ++n) {
-                    mma_k_block<2>(acc[m][n], a_low, a_high, b[n]);
+                    mma_k_block<4>(acc[m][n], a_low, a_high, b[n]);
                 }
             }
         }
