@@ -21,7 +21,9 @@ softplus law) and "kimi-bounded" (Kimi's shapes with the bounded gate -5, the la
 flash-linear-attention's safe-gate chunk path is measured with). When flash-linear-attention is
 importable, its chunk_kda and KimiDeltaAttention layer run on the same shapes and weights in the
 same process (bench_fla.bench_fla_prefill); at T = 16384 "prefill_kernels" and "chunk_kda_norm_kernels"
-lines give the GPU milliseconds by kernel (torch.profiler) of its layer and of chunk_kda with the norm.
+lines give the GPU milliseconds by kernel (torch.profiler) of its layer and of chunk_kda with the norm,
+and a "middle_kernels" line sets our middle's kernels (conv pass to gated norm) beside the kernels of
+fla's layer that are not cuBLAS's, kernel time against kernel time (:func:`middle_against_fla`).
 
     PYTHONPATH=. python benchmarks/prefill.py [--geometry glm kimi-bounded] [--tokens 1024 4096 16384 65536]
         [--variant hopper=False]
@@ -33,6 +35,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import tempfile
 from pathlib import Path
 
@@ -51,6 +54,8 @@ RECURRENCE = "[recurrence]"
 CONV_KERNEL = "kda_conv_prefill_silu_l2_bf16"
 # The gated RMSNorm kernel of the back end.
 NORM_KERNEL = "kda_gated_rmsnorm_sigmoid_bf16"
+# cuBLAS's kernels by name (Hopper's nvjet, the older gemm / xmma / cutlass kernels): the projections.
+_GEMM_KERNEL = re.compile(r"nvjet|gemm|xmma|cutlass", re.IGNORECASE)
 
 
 def kernel_bytes(config: KdaConfig, tokens: int, record: bool = False) -> dict[str, int]:
@@ -165,6 +170,7 @@ def bench_geometry(geometry: str, directory: Path, tokens: tuple[int, ...], repe
                                      copy_fraction={name: nbytes / 1e6 / stages[-1][name] / bandwidth
                                                     for name, nbytes in moved.items() if stages[-1].get(name)})
                 print(json.dumps(breakdown), flush=True)
+                rows.append(breakdown)
             for case, ms, flops in (("block", block_ms, block_flops(config, count)),
                                     ("core", core_ms, core_flops(config, count)),
                                     ("core_norm", core_norm_ms, core_flops(config, count)),
@@ -180,6 +186,32 @@ def bench_geometry(geometry: str, directory: Path, tokens: tuple[int, ...], repe
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     return rows
+
+
+def middle_against_fla(rows: list[dict]) -> dict | None:
+    """Our prefill's middle against fla's layer at the T both broke down by kernel, from one run's rows:
+    the sum of our kda_ kernels in the tensor-core path's default "block_kernels" line (conv pass,
+    prepare, scan, gated norm: everything but the cuBLAS projections) against the sum of the kernels
+    of fla's "prefill_kernels" line that are not cuBLAS's (its conv, l2norm, gate, chunk kernels, norm
+    and fills); "ratio" is fla's over ours (above 1: ours is faster). "fla_gpu_busy" is fla's kernel sum
+    over its median call: well under 1, its calls waited on the host's launches, and a block ratio of
+    that run measures the host. None when either breakdown is missing."""
+    # The first such line: the default options through the layer's own workspace (run() times that first).
+    ours = next((row for row in rows if row.get("case") == "block_kernels" and row.get("impl") == "glm_kda-tensor"
+                 and not row.get("options")), None)
+    fla = next((row for row in rows if row.get("case") == "prefill_kernels" and ours and row["T"] == ours["T"]), None)
+    if fla is None:
+        return None
+    fla_block = next((row for row in rows if row.get("impl") == "fla" and row.get("fla_case") == "prefill"
+                      and row["T"] == fla["T"]), None)
+    ours_ms = sum(ms for name, ms in ours["total_ms"].items() if name.startswith("kda_"))
+    gemm_ms = sum(ms for name, ms in fla["kernel_ms"].items() if _GEMM_KERNEL.search(name))
+    fla_ms = fla["kernel_total_ms"] - gemm_ms
+    row = {"impl": "comparison", "case": "middle_kernels", "geometry": ours["geometry"], "T": ours["T"],
+           "ours_ms": ours_ms, "fla_ms": fla_ms, "ratio": fla_ms / ours_ms, "fla_gemm_ms": gemm_ms}
+    if fla_block is not None:
+        row["fla_gpu_busy"] = fla["kernel_total_ms"] / (fla_block["median_us"] / 1e3)
+    return row
 
 
 # fla's cases as ours: its layer is the block, chunk_kda the core, chunk_kda and the layer's gated norm core_norm.
@@ -199,6 +231,7 @@ def bench_fla(geometry: str, directory: Path, tokens: tuple[int, ...], repeats: 
     for row in bench_fla_prefill(bound, tokens, repeats=repeats):
         if row["case"].endswith("_kernels"):  # a call of fla's by kernel: no case of ours to set it beside
             row.update(geometry=geometry)
+            rows.append(row)
             print(json.dumps(row), flush=True)
             continue
         flops = (block_flops if row["case"] == "prefill" else core_flops)(bound.config, row["T"])
@@ -232,10 +265,14 @@ def run(args: argparse.Namespace) -> int:
     print(json.dumps({**note, "copy_bandwidth_GBs": bandwidth}), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for geometry in args.geometry:
+            rows = []
             for changed in ({}, *args.variant):
                 for workspace_rows in (None, args.segments) if args.segments else (None,):
-                    bench_geometry(geometry, Path(tmp), tokens, args.repeats, bandwidth, changed, workspace_rows)
+                    rows += bench_geometry(geometry, Path(tmp), tokens, args.repeats, bandwidth, changed,
+                                           workspace_rows)
                     cupy.get_default_memory_pool().free_all_blocks()  # the layer's own workspace goes
             if fla_ok and geometry != "kimi":
-                bench_fla(geometry, Path(tmp), tokens, args.repeats)
+                middle = middle_against_fla(rows + bench_fla(geometry, Path(tmp), tokens, args.repeats))
+                if middle is not None:
+                    print(json.dumps(middle), flush=True)
     return 0
