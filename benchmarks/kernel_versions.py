@@ -179,24 +179,16 @@ def _prepare_case(folder: str, config, tokens: int, inputs: dict):
 
 def _scan_case(folder: str, config, tokens: int, inputs: dict):
     """(launch(), outputs()) of one folder's tensor-core scan on the prepare's outputs in inputs["scratch"]
-    (the last prepare run's, the new version's: both versions' scans read the same scratch): the entry the
-    package would launch, its eight-warp one for few heads where the folder has it."""
+    (the last prepare run's, the new version's: both versions' scans read the same scratch)."""
     import cupy
 
-    from glm_kda.chunk_model import SCAN_THREADS, scan_threads
-    from glm_kda.gpu.build import kernel_source, sm_count
-
-    heads, dim = config.heads, config.head_dim
-    lone = ("kda_chunk_tc_scan_lone_f32" in kernel_source("chunk/chunk_tc", folder)
-            and scan_threads(heads, sm_count(cupy.cuda.Device().id)) != SCAN_THREADS)
-    entry = "kda_chunk_tc_scan_lone_f32" if lone else "kda_chunk_tc_scan_f32"
-    function, source = _function(folder, "chunk/chunk_tc", entry)
+    function, source = _function(folder, "chunk/chunk_tc", "kda_chunk_tc_scan_f32")
     shared = _define(source, "CHUNK_TC_SCAN_SMEM_BYTES")
     _opt_in(function, shared)
+    heads, dim = config.heads, config.head_dim
     scratch, state = inputs["scratch"], inputs["state"].copy()
     core = cupy.empty((tokens, heads, dim), cupy.float32)
-    threads = _define(source, "CHUNK_TC_SCAN_LONE_THREADS" if lone else "CHUNK_TC_SCAN_THREADS")
-    grid, block = (heads, dim // _define(source, "CHUNK_TC_SCAN_COLUMNS")), (threads,)
+    grid, block = (heads, dim // _define(source, "CHUNK_TC_SCAN_COLUMNS")), (_define(source, "CHUNK_TC_SCAN_THREADS"),)
 
     def launch():
         function(grid, block,

@@ -22,8 +22,6 @@ MIN_LOWER_BOUND = -5.0
 DIAGONAL_RANGE = -MIN_LOWER_BOUND * (SUB_CHUNK - 1)
 PREPARE_THREADS = 256
 SCAN_THREADS = 128
-# The scan's entry where every block has an SM to itself (kda_chunk_tc_scan_lone_f32): eight warps.
-SCAN_LONE_THREADS = 256
 SCAN_COLUMNS = 32
 D_STRIDE = HEAD_DIM + 4
 C_STRIDE = CHUNK + 4
@@ -85,13 +83,6 @@ def require_lower_bound(lower_bound: float | None) -> None:
 def chunk_count(tokens: int) -> int:
     """nchunks = ceil(T / 64); the padded length is nchunks * 64."""
     return (tokens + CHUNK - 1) // CHUNK
-
-
-def scan_threads(heads: int, sm_count: int) -> int:
-    """Threads a block of the tensor-core scan runs: SCAN_LONE_THREADS where the heads' blocks (D / 32 a
-    head) are at most the SMs, so that each has an SM to itself, else SCAN_THREADS (two blocks an SM). A
-    block's chain of chunks is bound by its latencies; alone on an SM it runs with twice the warps."""
-    return SCAN_LONE_THREADS if heads * (HEAD_DIM // SCAN_COLUMNS) <= sm_count else SCAN_THREADS
 
 
 def scratch_shapes(tokens: int, heads: int) -> dict[str, tuple[int, ...]]:

@@ -283,7 +283,6 @@ def launches(monkeypatch):
     recorded = []
     monkeypatch.setattr(chunk_tc, "_launch", lambda name, grid, block, args, shared_mem: recorded.append(
         (name, grid, block, shared_mem)))
-    monkeypatch.setattr(chunk_tc, "_sm_count", lambda: H100_SMS)
     return recorded
 
 
@@ -306,23 +305,14 @@ def test_wrapper_refuses_other_bounds_before_any_launch(launches, bound):
     assert launches == []
 
 
-H100_SMS = 132
-# heads -> the scan's entry and its threads on an H100's 132 SMs: up to 33 heads (132 blocks of 32 value
-# columns) each block has an SM to itself and runs eight warps; from 34 heads two blocks share an SM.
-SCAN_FORMS = {64: ("kda_chunk_tc_scan_f32", 128), 34: ("kda_chunk_tc_scan_f32", 128),
-              33: ("kda_chunk_tc_scan_lone_f32", 256), 32: ("kda_chunk_tc_scan_lone_f32", 256),
-              1: ("kda_chunk_tc_scan_lone_f32", 256)}
-
-
-@pytest.mark.parametrize("tokens,heads", [(1, 64), (65, 34), (65, 33), (65, 32), (4096, 1)], ids=lambda v: str(v))
+@pytest.mark.parametrize("tokens,heads", [(1, 64), (65, 32), (4096, 1)], ids=lambda v: str(v))
 def test_launch_geometry_and_shared_memory(launches, tokens, heads):
     inputs, beta, state, core, scratch = _call_arguments(tokens, heads)
     chunk_tc.chunk_prefill_tc(*inputs, beta, state, core, tokens, LOWER_BOUND, *scratch)
     nchunks = chunk_count(tokens)
-    scan, threads = SCAN_FORMS[heads]
     assert launches == [
         ("kda_chunk_tc_prepare_f32", (nchunks, heads), (256,), PREPARE_SMEM_BYTES),
-        (scan, (heads, 4), (threads,), SCAN_SMEM_BYTES),
+        ("kda_chunk_tc_scan_f32", (heads, 4), (128,), SCAN_SMEM_BYTES),
     ]
     # sm_90 / sm_100: 227 KB per block, 228 KB per SM with 1 KB reserved per block. Both
     # kernels must fit twice (the scan: GLM's 256 blocks in one wave on 132 SMs; the prepare:
@@ -338,14 +328,13 @@ def test_unbounded_launches_its_prepare_and_its_fused_gate_form(launches):
     chunk_tc.chunk_prefill_tc(*inputs, beta, state, core, 65, None, *scratch)
     assert launches == [
         ("kda_chunk_tc_prepare_unbounded_f32", (2, 2), (256,), PREPARE_SMEM_BYTES),
-        ("kda_chunk_tc_scan_lone_f32", (2, 4), (256,), SCAN_SMEM_BYTES),
+        ("kda_chunk_tc_scan_f32", (2, 4), (128,), SCAN_SMEM_BYTES),
     ]
     launches.clear()
     source = chunk_tc.GateSource(HostStandIn(aligned((65, 256), np.uint16)), _aligned_f32((256,)), _aligned_f32((2,)),
                                  HostStandIn(aligned((65, 2), np.uint16)))
     chunk_tc.chunk_prefill_tc(*inputs, beta, state, core, 65, None, *scratch, gate_source=source)
-    assert [launch[0] for launch in launches] == ["kda_chunk_tc_prepare_unbounded_gate_f32",
-                                                  "kda_chunk_tc_scan_lone_f32"]
+    assert [launch[0] for launch in launches] == ["kda_chunk_tc_prepare_unbounded_gate_f32", "kda_chunk_tc_scan_f32"]
 
 
 def test_wrapper_names_a_bad_scratch_buffer(launches):
@@ -371,7 +360,7 @@ def test_wrapper_names_a_bad_gate_source(launches):
     assert launches == []
     chunk_tc.chunk_prefill_tc(*inputs, beta, state, core, 65, LOWER_BOUND, *scratch,
                               gate_source=chunk_tc.GateSource(**good))
-    assert [launch[0] for launch in launches] == ["kda_chunk_tc_prepare_gate_f32", "kda_chunk_tc_scan_lone_f32"]
+    assert [launch[0] for launch in launches] == ["kda_chunk_tc_prepare_gate_f32", "kda_chunk_tc_scan_f32"]
 
 
 def test_no_spills_on_sm_90():
@@ -448,8 +437,6 @@ extern "C" void kda_chunk_tc_prepare_unbounded_f32(const float*, const float*, c
     const float*, f16_t*, f16_t*, f16_t*, float*, f16_t*, float*, int, int, float, float);
 extern "C" void kda_chunk_tc_scan_f32(const f16_t*, const f16_t*, const f16_t*, const float*, const f16_t*,
     const float*, float*, float*, int, int);
-extern "C" void kda_chunk_tc_scan_lone_f32(const f16_t*, const f16_t*, const f16_t*, const float*, const f16_t*,
-    const float*, float*, float*, int, int);
 
 static void save(const std::string& path, const std::vector<f16_t>& v)
 {
@@ -505,11 +492,9 @@ int main(int argc, char** argv)
                 lower_bound);
         }
     });
-    // "lone": the scan's entry of eight warps a block (for few heads) instead of four.
-    const bool lone = argc > 10 && std::string(argv[10]) == "lone";
-    run_grid(dim3{unsigned(heads), 4, 1}, lone ? 256 : 128, std::atoi(argv[8]), [&] {
-        (lone ? kda_chunk_tc_scan_lone_f32 : kda_chunk_tc_scan_f32)(q_decay.data(), k_tail.data(), w.data(),
-            u.data(), attn.data(), chunk_decay.data(), state.data(), core.data(), tokens, heads);
+    run_grid(dim3{unsigned(heads), 4, 1}, 128, std::atoi(argv[8]), [&] {
+        kda_chunk_tc_scan_f32(q_decay.data(), k_tail.data(), w.data(), u.data(), attn.data(), chunk_decay.data(),
+                              state.data(), core.data(), tokens, heads);
     });
     for (auto [name, data] : {std::pair{"q_decay", &q_decay}, {"k_tail", &k_tail}, {"w", &w}, {"attn", &attn}}) {
         save(dir + "/" + name + ".out", *data);
@@ -551,18 +536,16 @@ def host_rows(tokens):
     return chunk_count(tokens) * 64 + 3
 
 
-def run_on_host(binary, inputs, tokens, pad, jitter=False, gate_source=None, unbounded=False, lone=False):
+def run_on_host(binary, inputs, tokens, pad, jitter=False, gate_source=None, unbounded=False):
     """The two kernels on the host emulator; input rows T.. are filled with `pad`. With
     gate_source (forget_proj [rows, H*D] and beta_logits [rows, H + 3] as BF16 bits, dt_bias,
     a_log), the fused-gate prepare runs and "gate" / "beta" are its outputs; unbounded: the
-    prepare for gates without a lower bound (with gate_source: forming the softplus law's); lone: the scan's
-    entry of eight warps a block."""
+    prepare for gates without a lower bound (with gate_source: forming the softplus law's)."""
     query, key, value, gate, beta, recurrent = inputs
     heads = query.shape[1]
     nchunks = chunk_count(tokens)
     rows = host_rows(tokens)
-    folder = Path(binary).parent / (f"T{tokens}-H{heads}-{pad}-{int(jitter)}-{int(gate_source is not None)}-"
-                                    f"{int(unbounded)}-{int(lone)}")
+    folder = Path(binary).parent / f"T{tokens}-H{heads}-{pad}-{int(jitter)}-{int(gate_source is not None)}-{int(unbounded)}"
     folder.mkdir(exist_ok=True)
     for name, x in (("query", query), ("key", key), ("value", value), ("gate", gate), ("beta", beta)):
         full = np.full((rows,) + x.shape[1:], pad, np.float32)
@@ -578,7 +561,7 @@ def run_on_host(binary, inputs, tokens, pad, jitter=False, gate_source=None, unb
     mode = "_".join(part for part, on in (("fused", gate_source is not None), ("unbounded", unbounded)) if on)
     result = subprocess.run(
         [str(binary), str(folder), str(tokens), str(rows), str(heads), str(LOWER_BOUND), str(int(jitter)),
-         str(PREPARE_SMEM_BYTES), str(SCAN_SMEM_BYTES), mode or "plain", "lone" if lone else "shared"],
+         str(PREPARE_SMEM_BYTES), str(SCAN_SMEM_BYTES), mode or "plain"],
         capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr
@@ -692,19 +675,6 @@ def test_kernel_source_on_host_matches_model(emulator, tokens, heads, law, state
         for name in (*SCRATCH, "state"):
             assert_bits_equal(out[name], clean[name], f"{tag} {name}, NaN pad vs zero pad (jitter)")
         assert_bits_equal(out["core"][:tokens], clean["core"][:tokens], f"{tag} core, NaN pad vs zero pad")
-
-
-@pytest.mark.parametrize("tokens,heads", [(17, 2), (130, 1)], ids=lambda v: str(v))
-def test_lone_scan_on_host_gives_the_four_warp_scans_bits(emulator, tokens, heads):
-    # The eight-warp entry splits the same products over twice the warps, each accumulator taking them in
-    # the same order: the same core and state, bit for bit (jittered threads).
-    inputs = make_inputs(tokens, heads, "bounded", "random", seed=SEED + tokens + 7)
-    four, _ = run_on_host(emulator, inputs, tokens, pad=float("nan"))
-    eight, counters = run_on_host(emulator, inputs, tokens, pad=float("nan"), jitter=True, lone=True)
-    assert counters["misaligned"] == 0, f"T{tokens}: {counters['misaligned']} misaligned vector accesses"
-    assert_bits_equal(eight["core"][:tokens], four["core"][:tokens], f"T{tokens} core, eight vs four warps")
-    assert_bits_equal(eight["state"], four["state"], f"T{tokens} state, eight vs four warps")
-    assert (eight["core"][tokens:] == 12345.0).all(), f"T{tokens}: the eight-warp scan wrote core rows >= T"
 
 
 def test_unbounded_host_diagonal_just_past_the_range_takes_the_exact_sums(emulator):
@@ -879,22 +849,6 @@ def test_gpu_runs_are_bit_identical():
         results.append((core, state))
     assert_bits_equal(results[1][0], results[0][0], "core of a repeated run")
     assert_bits_equal(results[1][1], results[0][1], "state of a repeated run")
-
-
-@pytest.mark.gpu
-@needs_gpu
-@pytest.mark.parametrize("tokens,heads", [(1, 2), (65, 32), (1000, 33)], ids=lambda v: str(v))
-def test_gpu_lone_scan_gives_the_four_warp_scans_bits(tokens, heads, monkeypatch):
-    # The entry for few heads (eight warps a block) against the four-warp one on the same scratch.
-    device, start, _ = _device_inputs(tokens, heads, seed=SEED + 11)
-    runs = {}
-    for name, sms in (("four warps", 1), ("eight warps", 10_000)):
-        monkeypatch.setattr(chunk_tc, "_sm_count", lambda sms=sms: sms)
-        state = start.copy()
-        core, _ = _run_tc(device, state, tokens)
-        runs[name] = (core, state)
-    assert_bits_equal(runs["eight warps"][0][:tokens], runs["four warps"][0][:tokens], f"T{tokens} H{heads} core")
-    assert_bits_equal(runs["eight warps"][1], runs["four warps"][1], f"T{tokens} H{heads} state")
 
 
 @pytest.mark.gpu

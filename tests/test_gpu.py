@@ -305,11 +305,8 @@ def test_timing_reports_sections_and_kernels(layers):
     # Kimi's softplus law: the unbounded tensor-core prepare forming the gate itself, then the scan.
     assert "kda_gate_beta_f32" not in summary, f"the gate kernel ran beside the gate-forming prepare: {sorted(summary)}"
     for name in ("[front_end]", "[recurrence]", "[back_end]", "kda_chunk_tc_prepare_unbounded_gate_f32",
-                 "kda_decode_fused_bf16"):
+                 "kda_chunk_tc_scan_f32", "kda_decode_fused_bf16"):
         assert name in summary and summary[name] > 0, f"{name} missing from timing: {sorted(summary)}"
-    # The scan: the four-warp entry, or the eight-warp one where every block has an SM to itself.
-    assert any(name.startswith("kda_chunk_tc_scan") and time > 0 for name, time in summary.items()), \
-        f"no tensor-core scan in timing: {sorted(summary)}"
     # The decode projections: gemm_rows' packed-weight entry points (layer.options.packed_weights, the default).
     prefix = "kda_gemm_rows_packed_bf16_m" if layer.options.packed_weights else "gemm_rows_bf16_m"
     assert any(name.startswith(prefix) and time > 0 for name, time in summary.items()), \

@@ -77,7 +77,6 @@ def kernel_bytes(config: KdaConfig, tokens: int, record: bool = False) -> dict[s
         # qkv_proj in; conv_out (BF16, recorded) and q, k, v (FP32) out.
         "kda_conv_prefill_silu_l2_bf16": 3 * bf16_rows + 3 * bf16_rows * record + 3 * f32_rows,
         "kda_chunk_tc_scan_f32": prepared + f32_rows,  # core out
-        "kda_chunk_tc_scan_lone_f32": prepared + f32_rows,  # the same scan, eight warps a block
         "kda_gated_rmsnorm_sigmoid_bf16": f32_rows + 2 * bf16_rows,  # core, out_gate in; o_norm_out out
     }
     # The prepare forms the gate and beta from the projections and writes them out (the bounded prepare,

@@ -9,7 +9,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import contextvars
-import functools
 import os
 import ctypes
 import re
@@ -37,8 +36,7 @@ ENTRY_POINTS: dict[str, tuple[str, ...]] = {
     "gate": ("kda_gate_beta_f32",),
     "decode/decode": ("kda_decode_fused_bf16",),
     "chunk/chunk": ("kda_chunk_prepare_f32", "kda_chunk_scan_f32"),
-    "chunk/chunk_tc": ("kda_chunk_tc_prepare_f32", "kda_chunk_tc_prepare_unbounded_f32", "kda_chunk_tc_scan_f32",
-                       "kda_chunk_tc_scan_lone_f32"),
+    "chunk/chunk_tc": ("kda_chunk_tc_prepare_f32", "kda_chunk_tc_prepare_unbounded_f32", "kda_chunk_tc_scan_f32"),
     "chunk/chunk_tc_gate": ("kda_chunk_tc_prepare_gate_f32",),
     "chunk/chunk_tc_gate_unbounded": ("kda_chunk_tc_prepare_unbounded_gate_f32",),
     "norm": ("kda_gated_rmsnorm_sigmoid_bf16",),
@@ -483,14 +481,6 @@ class _ProgrammaticLauncher:
                                stream, ctypes.pointer(attribute), 1)
         handle = function.kernel.ptr if hasattr(function, "kernel") else function.ptr
         return self.launch_ex(ctypes.byref(config), handle, params, None)
-
-
-@functools.lru_cache(maxsize=None)
-def sm_count(device_id: int) -> int:
-    """The SMs of CUDA device `device_id`."""
-    import cupy
-
-    return int(cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device_id))
 
 
 def kernel_parameters(args: Sequence[Any]) -> list:

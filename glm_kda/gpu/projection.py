@@ -15,7 +15,6 @@ import cupy
 
 from ..state import array_module
 from . import build
-from .build import sm_count
 from .ops.checks import _i32, _require_int32, _row_stride, check_scratch, projection_args
 
 # Rows of one launch: the workspaces' row groups are sized by it.
@@ -153,6 +152,12 @@ def _k_split(k: int) -> int:
     while split > 1 and k_blocks < 4 * split:
         split //= 2
     return split
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device_id: int) -> int:
+    """The SMs of CUDA device `device_id`."""
+    return int(cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device_id))
 
 
 @functools.lru_cache(maxsize=None)

@@ -6,12 +6,11 @@ CHUNK_TC_PREPARE_ENTRY(kda_chunk_tc_prepare_f32, false)
 CHUNK_TC_PREPARE_ENTRY(kda_chunk_tc_prepare_unbounded_f32, true)
 
 // The scan's W and q_decay tiles of chunk `chunk_index` into shared memory, asynchronously.
-template <int WARPS>
 __device__ __forceinline__ void copy_chunk_rows_async(f16_t* w_s, f16_t* q_s, const f16_t* w,
                                                       const f16_t* q_decay, int chunk_index,
                                                       size_t row_stride, size_t head_offset)
 {
-    for (int index = threadIdx.x; index < 2 * CHUNK_TC * KDA_HEAD_DIM / 8; index += 32 * WARPS) {
+    for (int index = threadIdx.x; index < 2 * CHUNK_TC * KDA_HEAD_DIM / 8; index += CHUNK_TC_SCAN_THREADS) {
         const int matrix = index / (CHUNK_TC * KDA_HEAD_DIM / 8);
         const int rest = index - matrix * (CHUNK_TC * KDA_HEAD_DIM / 8);
         const int t = rest >> 4;
@@ -23,12 +22,11 @@ __device__ __forceinline__ void copy_chunk_rows_async(f16_t* w_s, f16_t* q_s, co
 }
 
 // This lane's Uc of chunk `chunk_index`: rows row_low and row_low + 8, 2 columns from `column` + 8 n.
-template <int TILES>
-__device__ __forceinline__ void load_chunk_uc(float uc[TILES][4], const float* u, int chunk_index, int row_low,
+__device__ __forceinline__ void load_chunk_uc(float uc[4][4], const float* u, int chunk_index, int row_low,
                                               size_t row_stride, size_t column)
 {
 #pragma unroll
-    for (int n = 0; n < TILES; ++n) {
+    for (int n = 0; n < 4; ++n) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const float2 pair_value = *reinterpret_cast<const float2*>(
@@ -39,19 +37,12 @@ __device__ __forceinline__ void load_chunk_uc(float uc[TILES][4], const float* u
     }
 }
 
-// The scan of the block's 32 value columns of one head, WARPS (4 or 8) warps. Warp w takes chunk rows
-// 16 (w % 4) .. + 15 and TILES of the 4 value tiles (8 columns) in phase A and B's products, and the M_TILES x 16
-// state rows from 16 M_TILES w in the state update, across all 4 tiles. Every accumulator takes the same
-// products in the same order whatever WARPS is: the same bits.
-template <int WARPS>
-__device__ __forceinline__ void chunk_tc_scan(const f16_t* __restrict__ q_decay, const f16_t* __restrict__ k_tail_t,
-                                              const f16_t* __restrict__ w, const float* __restrict__ u,
-                                              const f16_t* __restrict__ attn, const float* __restrict__ chunk_decay,
-                                              float* __restrict__ state, float* __restrict__ core, int tokens,
-                                              int heads)
+extern "C" __global__ void __launch_bounds__(CHUNK_TC_SCAN_THREADS, 2)
+kda_chunk_tc_scan_f32(const f16_t* __restrict__ q_decay, const f16_t* __restrict__ k_tail_t,
+                      const f16_t* __restrict__ w, const float* __restrict__ u,
+                      const f16_t* __restrict__ attn, const float* __restrict__ chunk_decay,
+                      float* __restrict__ state, float* __restrict__ core, int tokens, int heads)
 {
-    constexpr int TILES = 4 * 4 / WARPS;
-    constexpr int M_TILES = KDA_HEAD_DIM / 16 / WARPS;
     // w_s, q_s: the chunk's W, q_decay; state_t_s: tf32(S0)^T; u_t_s: tf32(U)^T (docs/kernels.md).
     extern __shared__ __align__(16) float shared[];
     f16_t* w_s = reinterpret_cast<f16_t*>(shared);
@@ -65,7 +56,7 @@ __device__ __forceinline__ void chunk_tc_scan(const f16_t* __restrict__ q_decay,
     const int group_lane = lane >> 2;
     const int thread_in_group = lane & 3;
     const int lane_k = 8 * thread_in_group;
-    if (blockDim.x != 32 * WARPS || blockIdx.y >= KDA_HEAD_DIM / CHUNK_TC_SCAN_COLUMNS ||
+    if (blockDim.x != CHUNK_TC_SCAN_THREADS || blockIdx.y >= KDA_HEAD_DIM / CHUNK_TC_SCAN_COLUMNS ||
         head >= heads || tokens < 1) {
         return;
     }
@@ -73,17 +64,15 @@ __device__ __forceinline__ void chunk_tc_scan(const f16_t* __restrict__ q_decay,
     const int column_base = blockIdx.y * CHUNK_TC_SCAN_COLUMNS;
     const size_t row_stride = static_cast<size_t>(heads) * KDA_HEAD_DIM;
     const size_t head_offset = static_cast<size_t>(head) * KDA_HEAD_DIM;
-    // Phase A rows of this warp (chunk rows), its first value tile, and the state rows it owns (key channels).
-    // (Four warps: warp < 4 in a block of 128 threads, written so that the compiler knows it.)
-    const int row_low = 16 * (WARPS == 4 ? warp : warp & 3) + group_lane;
-    const int tile_base = WARPS == 4 ? 0 : TILES * (warp >> 2);
-    const int state_row = 16 * M_TILES * warp + group_lane;
+    // Phase A rows of this warp (chunk rows) and state rows it owns (key channels).
+    const int row_low = 16 * warp + group_lane;
+    const int state_row = 32 * warp + group_lane;
 
-    // The warp's state rows of the block's columns, FP32, in the accumulator layout of k_tail^T U.
+    // The block's state columns, FP32, in the accumulator layout of k_tail^T U.
     float* state_head = state + head_offset * KDA_HEAD_DIM;
-    float state_acc[M_TILES][4][4];
+    float state_acc[2][4][4];
 #pragma unroll
-    for (int m = 0; m < M_TILES; ++m) {
+    for (int m = 0; m < 2; ++m) {
 #pragma unroll
         for (int n = 0; n < 4; ++n) {
 #pragma unroll
@@ -99,10 +88,10 @@ __device__ __forceinline__ void chunk_tc_scan(const f16_t* __restrict__ q_decay,
             }
         }
     }
-    copy_chunk_rows_async<WARPS>(w_s, q_s, w, q_decay, 0, row_stride, head_offset);
-    const size_t uc_column = head_offset + column_base + 8 * tile_base + 2 * thread_in_group;
-    float u_ahead[TILES][4];
-    load_chunk_uc<TILES>(u_ahead, u, 0, row_low, row_stride, uc_column);
+    copy_chunk_rows_async(w_s, q_s, w, q_decay, 0, row_stride, head_offset);
+    const size_t uc_column = head_offset + column_base + 2 * thread_in_group;
+    float u_ahead[4][4];
+    load_chunk_uc(u_ahead, u, 0, row_low, row_stride, uc_column);
 
     for (int chunk_index = 0; chunk_index < nchunks; ++chunk_index) {
         const int first = chunk_index * CHUNK_TC;
@@ -111,16 +100,16 @@ __device__ __forceinline__ void chunk_tc_scan(const f16_t* __restrict__ q_decay,
 
         // U = Uc - W S0 accumulates onto Uc (mma with -W; TF32 negation is exact); the next chunk's Uc is
         // loaded now, a chunk before phase A starts from it.
-        float u_acc[TILES][4];
+        float u_acc[4][4];
 #pragma unroll
-        for (int n = 0; n < TILES; ++n) {
+        for (int n = 0; n < 4; ++n) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 u_acc[n][e] = u_ahead[n][e];
             }
         }
         if (chunk_index + 1 < nchunks) {
-            load_chunk_uc<TILES>(u_ahead, u, chunk_index + 1, row_low, row_stride, uc_column);
+            load_chunk_uc(u_ahead, u, chunk_index + 1, row_low, row_stride, uc_column);
         }
 
         // Phase B's operands (B, k_tail^T and the rows' decay), loaded now so that phase A hides their latency.
@@ -132,20 +121,20 @@ __device__ __forceinline__ void chunk_tc_scan(const f16_t* __restrict__ q_decay,
             load8_f16(attn_low[kb], attn_block + row_low * CHUNK_TC + 32 * kb + lane_k);
             load8_f16(attn_high[kb], attn_block + (row_low + 8) * CHUNK_TC + 32 * kb + lane_k);
         }
-        float tail_low[M_TILES][2][8];
-        float tail_high[M_TILES][2][8];
+        float tail_low[2][2][8];
+        float tail_high[2][2][8];
         const f16_t* tail_block = k_tail_t + chunk_head * KDA_HEAD_DIM * CHUNK_TC;
 #pragma unroll
-        for (int m = 0; m < M_TILES; ++m) {
+        for (int m = 0; m < 2; ++m) {
 #pragma unroll
             for (int kb = 0; kb < 2; ++kb) {
                 load8_f16(tail_low[m][kb], tail_block + (state_row + 16 * m) * CHUNK_TC + 32 * kb + lane_k);
                 load8_f16(tail_high[m][kb], tail_block + (state_row + 16 * m + 8) * CHUNK_TC + 32 * kb + lane_k);
             }
         }
-        float decay[M_TILES][2];
+        float decay[2][2];
 #pragma unroll
-        for (int m = 0; m < M_TILES; ++m) {
+        for (int m = 0; m < 2; ++m) {
             decay[m][0] = chunk_decay[chunk_head * KDA_HEAD_DIM + state_row + 16 * m];
             decay[m][1] = chunk_decay[chunk_head * KDA_HEAD_DIM + state_row + 16 * m + 8];
         }
@@ -154,7 +143,7 @@ __device__ __forceinline__ void chunk_tc_scan(const f16_t* __restrict__ q_decay,
         __syncthreads();
 
         // Phase A: U = Uc - W S0, o = q_decay S0 (rows row_low, row_low + 8).
-        float out_acc[TILES][4] = {};
+        float out_acc[4][4] = {};
 #pragma unroll
         for (int kb = 0; kb < KDA_HEAD_DIM / 32; ++kb) {
             float w_low[8];
@@ -171,53 +160,53 @@ __device__ __forceinline__ void chunk_tc_scan(const f16_t* __restrict__ q_decay,
                 w_high[e] = -w_high[e];
             }
 #pragma unroll
-            for (int n = 0; n < TILES; ++n) {
+            for (int n = 0; n < 4; ++n) {
                 float b[8];
-                load8(b, state_t_s + (8 * (tile_base + n) + group_lane) * CHUNK_TC_D_STRIDE + 32 * kb + lane_k);
+                load8(b, state_t_s + (8 * n + group_lane) * CHUNK_TC_D_STRIDE + 32 * kb + lane_k);
                 mma_k_block<4>(u_acc[n], w_low, w_high, b);
                 mma_k_block<4>(out_acc[n], q_low, q_high, b);
             }
         }
         // Padded rows: U = 0 by index (0 - 0 already; so it does not depend on the scratch contents).
 #pragma unroll
-        for (int n = 0; n < TILES; ++n) {
+        for (int n = 0; n < 4; ++n) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int t = row_low + 8 * (e >> 1);
-                const int column = 8 * (tile_base + n) + 2 * thread_in_group + (e & 1);
+                const int column = 8 * n + 2 * thread_in_group + (e & 1);
                 u_t_s[column * CHUNK_TC_C_STRIDE + t] = t < valid ? round_tf32(u_acc[n][e]) : 0.0f;
             }
         }
         // U complete; every warp is done with w_s / q_s / state_t_s of this chunk.
         __syncthreads();
         if (chunk_index + 1 < nchunks) {
-            copy_chunk_rows_async<WARPS>(w_s, q_s, w, q_decay, chunk_index + 1, row_stride, head_offset);
+            copy_chunk_rows_async(w_s, q_s, w, q_decay, chunk_index + 1, row_stride, head_offset);
         }
 
         // Phase B: o += B U, then the state update.
 #pragma unroll
         for (int kb = 0; kb < 2; ++kb) {
 #pragma unroll
-            for (int n = 0; n < TILES; ++n) {
+            for (int n = 0; n < 4; ++n) {
                 float b[8];
-                load8(b, u_t_s + (8 * (tile_base + n) + group_lane) * CHUNK_TC_C_STRIDE + 32 * kb + lane_k);
+                load8(b, u_t_s + (8 * n + group_lane) * CHUNK_TC_C_STRIDE + 32 * kb + lane_k);
                 mma_k_block<4>(out_acc[n], attn_low[kb], attn_high[kb], b);
             }
         }
 #pragma unroll
-        for (int n = 0; n < TILES; ++n) {
+        for (int n = 0; n < 4; ++n) {
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const int t = row_low + 8 * half;
                 if (t < valid) {
-                    *reinterpret_cast<float2*>(core + static_cast<size_t>(first + t) * row_stride + head_offset +
-                                               column_base + 8 * (tile_base + n) + 2 * thread_in_group) =
+                    *reinterpret_cast<float2*>(core + static_cast<size_t>(first + t) * row_stride +
+                                               head_offset + column_base + 8 * n + 2 * thread_in_group) =
                         make_float2(out_acc[n][2 * half], out_acc[n][2 * half + 1]);
                 }
             }
         }
 #pragma unroll
-        for (int m = 0; m < M_TILES; ++m) {
+        for (int m = 0; m < 2; ++m) {
 #pragma unroll
             for (int n = 0; n < 4; ++n) {
                 state_acc[m][n][0] *= decay[m][0];
@@ -233,14 +222,14 @@ __device__ __forceinline__ void chunk_tc_scan(const f16_t* __restrict__ q_decay,
                 float b[8];
                 load8(b, u_t_s + (8 * n + group_lane) * CHUNK_TC_C_STRIDE + 32 * kb + lane_k);
 #pragma unroll
-                for (int m = 0; m < M_TILES; ++m) {
+                for (int m = 0; m < 2; ++m) {
                     mma_k_block<4>(state_acc[m][n], tail_low[m][kb], tail_high[m][kb], b);
                 }
             }
         }
         // The next chunk's S0 operand (nobody reads state_t_s until the next barrier).
 #pragma unroll
-        for (int m = 0; m < M_TILES; ++m) {
+        for (int m = 0; m < 2; ++m) {
 #pragma unroll
             for (int n = 0; n < 4; ++n) {
 #pragma unroll
@@ -254,7 +243,7 @@ __device__ __forceinline__ void chunk_tc_scan(const f16_t* __restrict__ q_decay,
     }
 
 #pragma unroll
-    for (int m = 0; m < M_TILES; ++m) {
+    for (int m = 0; m < 2; ++m) {
 #pragma unroll
         for (int n = 0; n < 4; ++n) {
 #pragma unroll
@@ -266,25 +255,4 @@ __device__ __forceinline__ void chunk_tc_scan(const f16_t* __restrict__ q_decay,
             }
         }
     }
-}
-
-extern "C" __global__ void __launch_bounds__(CHUNK_TC_SCAN_THREADS, 2)
-kda_chunk_tc_scan_f32(const f16_t* __restrict__ q_decay, const f16_t* __restrict__ k_tail_t,
-                      const f16_t* __restrict__ w, const float* __restrict__ u,
-                      const f16_t* __restrict__ attn, const float* __restrict__ chunk_decay,
-                      float* __restrict__ state, float* __restrict__ core, int tokens, int heads)
-{
-    chunk_tc_scan<CHUNK_TC_SCAN_THREADS / 32>(q_decay, k_tail_t, w, u, attn, chunk_decay, state, core, tokens, heads);
-}
-
-// Where a head's 4 blocks leave SMs idle (every block of the call resident at once, one an SM): twice the
-// warps on the same columns, so that an SM's one chain of chunks has two warps a scheduler.
-extern "C" __global__ void __launch_bounds__(CHUNK_TC_SCAN_LONE_THREADS, 1)
-kda_chunk_tc_scan_lone_f32(const f16_t* __restrict__ q_decay, const f16_t* __restrict__ k_tail_t,
-                           const f16_t* __restrict__ w, const float* __restrict__ u,
-                           const f16_t* __restrict__ attn, const float* __restrict__ chunk_decay,
-                           float* __restrict__ state, float* __restrict__ core, int tokens, int heads)
-{
-    chunk_tc_scan<CHUNK_TC_SCAN_LONE_THREADS / 32>(q_decay, k_tail_t, w, u, attn, chunk_decay, state, core, tokens,
-                                                   heads);
 }

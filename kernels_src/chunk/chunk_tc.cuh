@@ -2,7 +2,7 @@
 // accumulation): the algorithm of chunk.cu in 16 x 16 blocks, C = 64, D = 128; tests/chunk_tc_model.py
 // models it exactly. Numerics, padding, fragment layout, shared-memory maps and phases: docs/kernels.md,
 // 'Tensor-core chunk kernels'. Launch: the prepare (nchunks, heads) x 256 threads, 104,704 B of
-// dynamic shared memory; the scan (heads, D / 32) x 128 threads (256 for few heads), 66,560 B.
+// dynamic shared memory; the scan (heads, D / 32) x 128 threads, 66,560 B.
 #include "common/bf16.cuh"
 #include "common/math.cuh"
 #include "common/reduce.cuh"
@@ -19,8 +19,6 @@
 #define CHUNK_TC_CUMSUM_BATCH 16
 #define CHUNK_TC_SCAN_COLUMNS 32
 #define CHUNK_TC_SCAN_THREADS 128
-// The scan's entry for few heads (kda_chunk_tc_scan_lone_f32, one block an SM): eight warps.
-#define CHUNK_TC_SCAN_LONE_THREADS 256
 // Row strides (floats) of the shared tiles: [*][D] and [*][C].
 #define CHUNK_TC_D_STRIDE (KDA_HEAD_DIM + 4)
 #define CHUNK_TC_C_STRIDE (CHUNK_TC + 4)

@@ -1,9 +1,8 @@
 """Launch wrappers of the tensor-core chunked prefill (``kernels_src/chunk/chunk_tc.cu``, ``chunk_tc_gate.cu``).
 
 ``chunk_prefill_tc`` runs ``kda_chunk_tc_prepare_f32`` (grid (nchunks, H)) then
-``kda_chunk_tc_scan_f32`` (grid (H, D / 32); ``kda_chunk_tc_scan_lone_f32`` for few heads) on the same
-inputs and outputs as the FP32 pair of :mod:`glm_kda.gpu.ops.chunk`; :mod:`glm_kda.chunk_model` holds the
-constants.
+``kda_chunk_tc_scan_f32`` (grid (H, D / 32)) on the same inputs and outputs as the FP32 pair of
+:mod:`glm_kda.gpu.ops.chunk`; :mod:`glm_kda.chunk_model` holds the constants.
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ import math
 from typing import Any, NamedTuple
 
 from ...chunk_model import (CHUNK, PREPARE_SMEM_BYTES, PREPARE_THREADS, SCAN_COLUMNS, SCAN_SMEM_BYTES, SCAN_THREADS,
-                            SCRATCH_KINDS, chunk_count, require_lower_bound, scan_threads)
+                            SCRATCH_KINDS, chunk_count, require_lower_bound)
 from .. import build
 from .checks import (HEAD_DIM, _check_dtype, _f32, _i32, _require, _require_int32, _require_rows, beta_heads,
                      recurrent_state_heads, require_chunk_scratch)
@@ -23,13 +22,6 @@ def _launch(name: str, grid: tuple[int, ...], block: tuple[int, ...], args: tupl
     """build.launch with the largest shared-memory carveout: two scan blocks of 93 KB per SM need more
     than the driver's default split leaves when it is free to favour L1."""
     build.launch(name, grid, block, args, shared_mem=shared_mem, carveout=100)
-
-
-def _sm_count() -> int:
-    """The SMs of the current device (what the scan's block size is chosen for)."""
-    import cupy
-
-    return build.sm_count(cupy.cuda.Device().id)
 
 
 def _checked_call_needs_work(lower_bound: float | None, tokens: int) -> bool:
@@ -99,8 +91,7 @@ def kda_chunk_tc_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, 
 
 
 def kda_chunk_tc_scan_f32(q_decay, k_tail, w, u, attn, chunk_decay, state, core, tokens: int) -> None:
-    """The inter-chunk scan: grid (H, D / 32), 128 threads, or 256 (``kda_chunk_tc_scan_lone_f32``, the same
-    bits) where the H * D / 32 blocks have an SM each (chunk_model.scan_threads); state [H, D, D] FP32 in place,
+    """The inter-chunk scan: grid (H, D / 32), 128 threads; state [H, D, D] FP32 in place,
     core [>= T, H, D] FP32 written for the T real tokens only. The scratch comes from
     :func:`kda_chunk_tc_prepare_f32` with the same tokens."""
     _require_int32("tokens", tokens)
@@ -109,11 +100,10 @@ def kda_chunk_tc_scan_f32(q_decay, k_tail, w, u, attn, chunk_decay, state, core,
     heads = recurrent_state_heads(state, aligned=True)
     _require_scratch(q_decay, k_tail, w, u, attn, chunk_decay, tokens, heads)
     _require_rows("core", core, "f32", tokens, (heads, HEAD_DIM), aligned=True)
-    threads = scan_threads(heads, _sm_count())
     _launch(
-        "kda_chunk_tc_scan_f32" if threads == SCAN_THREADS else "kda_chunk_tc_scan_lone_f32",
+        "kda_chunk_tc_scan_f32",
         (heads, HEAD_DIM // SCAN_COLUMNS),
-        (threads,),
+        (SCAN_THREADS,),
         (q_decay, k_tail, w, u, attn, chunk_decay, state, core, _i32(tokens), _i32(heads)),
         shared_mem=SCAN_SMEM_BYTES,
     )
