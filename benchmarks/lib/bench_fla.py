@@ -539,8 +539,7 @@ def bench_fla_prefill(
         torch.cuda.empty_cache()
         yield {"impl": "fla", "case": "prefill", "T": count, "median_us": us, "Mtok_s": count / us, "gate": gate}
         if kernels is not None:
-            yield {"impl": "fla", "case": "prefill_kernels", "T": count, "kernel_ms": kernels,
-                   "kernel_total_ms": sum(kernels.values()), "gate": gate}
+            yield _kernels_row("prefill", count, kernels, gate)
 
     a_log = to_torch(np.asarray(bound.a_log, np.float32), "cuda")
     dt_bias = to_torch(np.asarray(bound.dt_bias, np.float32), "cuda")
@@ -555,8 +554,13 @@ def bench_fla_prefill(
             torch.cuda.empty_cache()
             yield {"impl": "fla", "case": case, "T": count, "median_us": us, "Mtok_s": count / us, "gate": gate}
             if kernels is not None:
-                yield {"impl": "fla", "case": f"{case}_kernels", "T": count, "kernel_ms": kernels,
-                       "kernel_total_ms": sum(kernels.values()), "gate": gate}
+                yield _kernels_row(case, count, kernels, gate)
+
+
+def _kernels_row(case: str, tokens: int, kernels: dict[str, float], gate: str) -> dict:
+    """The "<case>_kernels" row of one call's kernel_ms breakdown, with their sum."""
+    return {"impl": "fla", "case": f"{case}_kernels", "T": tokens, "kernel_ms": kernels,
+            "kernel_total_ms": sum(kernels.values()), "gate": gate}
 
 
 def _chunk_kda_call(chunk_kda: Callable, config: KdaConfig, tokens: int, a_log: Any, dt_bias: Any,
