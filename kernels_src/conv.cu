@@ -8,11 +8,11 @@
 // Tokens per block of the prefill conv; at least CONV_MAX_KERNEL (see the kernel).
 #define CONV_PREFILL_TILE 64
 
-// Tokens a warp loads ahead of their arithmetic.
-#define CONV_PREFILL_AHEAD 2
+// Tokens a warp works as one group; the next group's loads are in flight meanwhile.
+#define CONV_PREFILL_AHEAD 4
 
-// Resident blocks an SM the register budget is cut for (64 registers a thread on sm_90).
-#define CONV_PREFILL_BLOCKS_PER_SM 7
+// Resident blocks an SM the register budget is cut for (80 registers a thread, no spill).
+#define CONV_PREFILL_BLOCKS_PER_SM 6
 
 // One warp's tile (see the kernel below); kernel_size is FIXED_K where that is > 0, so that the window
 // shifts and the tap loop unroll without a branch, else the run-time argument.
@@ -68,11 +68,19 @@ __device__ __forceinline__ void conv_prefill_tile(float* __restrict__ conv_state
             }
         }
     }
+    // The kernel waits on its loads more than on DRAM: the next group's loads go out before the
+    // present group's arithmetic (docs/performance.md, "The conv pass's loads a group ahead").
+    uint2 packed[CONV_PREFILL_AHEAD];
+#pragma unroll
+    for (int u = 0; u < CONV_PREFILL_AHEAD; ++u) {
+        packed[u] = first + u < last ? load_inputs(first + u) : make_uint2(0u, 0u);
+    }
     for (int t0 = first; t0 < last; t0 += CONV_PREFILL_AHEAD) {
-        uint2 packed[CONV_PREFILL_AHEAD];
+        uint2 next[CONV_PREFILL_AHEAD];
 #pragma unroll
         for (int u = 0; u < CONV_PREFILL_AHEAD; ++u) {
-            packed[u] = t0 + u < last ? load_inputs(t0 + u) : make_uint2(0u, 0u);
+            const int t = t0 + CONV_PREFILL_AHEAD + u;
+            next[u] = t < last ? load_inputs(t) : make_uint2(0u, 0u);
         }
 #pragma unroll
         for (int u = 0; u < CONV_PREFILL_AHEAD; ++u) {
@@ -100,6 +108,10 @@ __device__ __forceinline__ void conv_prefill_tile(float* __restrict__ conv_state
             }
             *reinterpret_cast<float4*>(outputs + static_cast<size_t>(t) * qkv) = result;
         }
+#pragma unroll
+        for (int u = 0; u < CONV_PREFILL_AHEAD; ++u) {
+            packed[u] = next[u];
+        }
     }
 
     // Tile 0 alone writes the new state, so no block reads a slot another has overwritten. Where
@@ -121,8 +133,8 @@ __device__ __forceinline__ void conv_prefill_tile(float* __restrict__ conv_state
 
 // qkv_proj, conv_out [T, 3 H D] BF16 (8-byte aligned rows; conv_out may be null: not written), conv_w
 // [3 H D, K] BF16, query, key, value [T, H D] FP32 (16-byte aligned rows). Warp w of block x holds
-// head part 4x + w of q, then k, then v. The register cap buys occupancy, the loads in flight of
-// more warps; with two tokens ahead it needs no spill on any architecture (docs/performance.md).
+// head part 4x + w of q, then k, then v. The register cap keeps six blocks an SM beside the two
+// groups of loads a warp holds; it needs no spill on any architecture (docs/performance.md).
 extern "C" __global__ void __launch_bounds__(KDA_HEAD_BLOCK, CONV_PREFILL_BLOCKS_PER_SM)
 kda_conv_prefill_silu_l2_bf16(float* __restrict__ conv_state, const bf16_t* __restrict__ qkv_proj,
                           const bf16_t* __restrict__ conv_w, bf16_t* __restrict__ conv_out,
