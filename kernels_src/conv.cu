@@ -68,8 +68,8 @@ __device__ __forceinline__ void conv_prefill_tile(float* __restrict__ conv_state
             }
         }
     }
-    // The kernel waits on its loads more than on DRAM: the next group's loads go out before the
-    // present group's arithmetic (docs/performance.md, "The conv pass's loads a group ahead").
+    // A group's arithmetic would otherwise wait for its own loads in full: the next group's loads go
+    // out before the present group's arithmetic (docs/performance.md, "The conv pass's loads a group ahead").
     uint2 packed[CONV_PREFILL_AHEAD];
 #pragma unroll
     for (int u = 0; u < CONV_PREFILL_AHEAD; ++u) {
