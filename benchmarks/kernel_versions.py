@@ -67,41 +67,24 @@ def _function(folder: str, stem: str, entry: str):
     return module.get_function(entry), source
 
 
-def _widened(bf16):
-    """FP32 of a BF16 CuPy array (exact)."""
-    import cupy
-
-    return (bf16.view(cupy.uint16).astype(cupy.uint32) << 16).view(cupy.float32)
-
-
 def _conv_case(folder: str, config, tokens: int, inputs: dict):
-    """(launch(), outputs()) of one folder's conv pass on `inputs`, as the tensor-core path runs it: a folder
-    whose conv pass takes `conv_out_first` writes v as conv_out's BF16 third, an older one as FP32."""
+    """(launch(), outputs()) of one folder's conv pass on `inputs`."""
     import cupy
-
-    from glm_kda.gpu.arrays import bf16_dtype
 
     function, source = _function(folder, "conv", "kda_conv_prefill_silu_l2_bf16")
     heads, dim, qkv = config.heads, config.head_dim, config.qkv
     state = inputs["state"].copy()
     q, k, v = (cupy.empty((tokens, qkv), cupy.float32) for _ in range(3))
-    sizes = (np.int32(heads), np.int32(dim), np.int32(config.conv_kernel), np.int32(tokens), np.float32(config.l2_eps))
-    if "conv_out_first" in source:
-        conv_out = cupy.empty((tokens, 3 * qkv), bf16_dtype())
-        args = (state, inputs["qkv"], inputs["conv_w"], conv_out, q, k, np.uint64(0), np.int32(2 * qkv), *sizes)
-        v_out = lambda: _widened(conv_out[:, 2 * qkv :])  # noqa: E731
-    else:
-        args = (state, inputs["qkv"], inputs["conv_w"], np.uint64(0), q, k, v, *sizes)
-        v_out = v.copy
     grid = (-(-3 * heads // 4), -(-tokens // _define(source, "CONV_PREFILL_TILE")))
 
     def launch():
-        function(grid, (128,), args)
+        function(grid, (128,), (state, inputs["qkv"], inputs["conv_w"], np.uint64(0), q, k, v, np.int32(heads),
+                                np.int32(dim), np.int32(config.conv_kernel), np.int32(tokens), np.float32(config.l2_eps)))
 
     def outputs():
         state[...] = inputs["state"]
         launch()
-        return [state.copy(), q.copy(), k.copy(), v_out()]
+        return [array.copy() for array in (state, q, k, v)]
 
     return launch, outputs
 
@@ -129,8 +112,7 @@ def _norm_case(folder: str, config, tokens: int, inputs: dict):
 
 
 def _chunk_inputs(rng, config, tokens: int) -> dict:
-    """Random inputs of the chunk kernels: unit-norm q and k per head, v (BF16, as the conv pass leaves it), the
-    gate's projections, a state."""
+    """Random inputs of the chunk kernels: unit-norm q and k per head, the gate's projections, a state."""
     import cupy
 
     heads, dim = config.heads, config.head_dim
@@ -140,7 +122,7 @@ def _chunk_inputs(rng, config, tokens: int) -> dict:
 
     return {"q": unit(rng.standard_normal((tokens, heads, dim), dtype=cupy.float32)),
             "k": unit(rng.standard_normal((tokens, heads, dim), dtype=cupy.float32)),
-            "v": random_bf16(rng, (tokens, heads * dim)),
+            "v": rng.standard_normal((tokens, heads, dim), dtype=cupy.float32),
             "forget_proj": random_bf16(rng, (tokens, heads * dim)),
             "dt_bias": rng.standard_normal(heads * dim, dtype=cupy.float32) * 0.5,
             "a_log": rng.standard_normal(heads, dtype=cupy.float32) * 0.5,
@@ -180,12 +162,9 @@ def _prepare_case(folder: str, config, tokens: int, inputs: dict):
     inputs["scratch"] = scratch
     grid, block = (chunk_count(tokens), heads), (_define(source, "CHUNK_TC_PREPARE_THREADS"),)
 
-    # A folder whose prepare takes ld_value reads v as BF16 rows, an older one as FP32 (the same values).
-    value = (inputs["v"], np.int32(config.qkv)) if "int ld_value" in source else (_widened(inputs["v"]),)
-
     def launch():
         function(grid, block,
-                 (inputs["q"], inputs["k"], *value, np.uint64(0), beta, scratch["q_decay"], scratch["k_tail"],
+                 (inputs["q"], inputs["k"], inputs["v"], np.uint64(0), beta, scratch["q_decay"], scratch["k_tail"],
                   scratch["w"], scratch["u"], scratch["attn"], scratch["chunk_decay"], np.int32(tokens),
                   np.int32(heads), np.float32(config.head_dim ** -0.5), np.float32(lower_bound or 0.0),
                   inputs["forget_proj"], inputs["dt_bias"], inputs["a_log"], inputs["beta_logits"], np.int32(heads)),

@@ -1,6 +1,5 @@
 // The prefill conv pass: causal depthwise conv + SiLU (BF16 output), per-head L2 of q and k, split into
-// FP32 q, k and v; conv_state [3 H D, K] FP32 left as T decode steps leave it, with decode's bits. v is the
-// BF16 conv output itself (v takes no norm), so its BF16 third of conv_out holds v exactly in half the bytes.
+// FP32 q, k, v; conv_state [3 H D, K] FP32 left as T decode steps leave it, with decode's bits.
 // Launch: grid (ceil(3 * heads / 4), ceil(T / 64)), 128 threads, no shared memory; a warp holds one head
 // of q, k or v for 64 tokens, 4 channels a lane (docs/kernels.md, 'Prefill conv').
 #include "common/conv_window.cuh"
@@ -10,9 +9,9 @@
 #define CONV_PREFILL_TILE 64
 
 // Tokens a warp works as one group; the next group's loads are in flight meanwhile.
-#define CONV_PREFILL_AHEAD 3
+#define CONV_PREFILL_AHEAD 4
 
-// Resident blocks an SM the register budget is cut for (72 - 80 registers a thread, no spill).
+// Resident blocks an SM the register budget is cut for (80 registers a thread, no spill).
 #define CONV_PREFILL_BLOCKS_PER_SM 6
 
 // One warp's tile (see the kernel below); kernel_size is FIXED_K where that is > 0, so that the window
@@ -98,12 +97,9 @@ __device__ __forceinline__ void conv_prefill_tile(float* __restrict__ conv_state
                 bits[c] = out;
                 rounded[c] = bf16_to_f32(out);
             }
-            if (conv_out != nullptr) {  // warp-uniform
+            if (conv_out != nullptr) {  // a stage buffer no later kernel reads: written on request
                 *reinterpret_cast<uint2*>(conv_out + static_cast<size_t>(t) * conv_dim + channel) =
                     make_uint2(bits[0] | (bits[1] << 16), bits[2] | (bits[3] << 16));
-            }
-            if (outputs == nullptr) {  // warp-uniform: v's FP32 copy not asked for
-                continue;
             }
             float4 result = make_float4(rounded[0], rounded[1], rounded[2], rounded[3]);
             if (normalize) {  // warp-uniform
@@ -135,18 +131,16 @@ __device__ __forceinline__ void conv_prefill_tile(float* __restrict__ conv_state
     }
 }
 
-// qkv_proj, conv_out [T, 3 H D] BF16 (8-byte aligned rows), conv_w [3 H D, K] BF16, query, key, value
-// [T, H D] FP32 (16-byte aligned rows). conv_out's columns from conv_out_first (0: all; 2 H D: v's third,
-// what the tensor-core prepare reads) are written, none where it is null; value may be null (no FP32
-// v). Warp w of block x holds head part 4x + w of q, then k, then v. The register cap keeps six blocks
-// an SM beside the two groups of loads a warp holds; it needs no spill on any architecture
-// (docs/performance.md).
+// qkv_proj, conv_out [T, 3 H D] BF16 (8-byte aligned rows; conv_out may be null: not written), conv_w
+// [3 H D, K] BF16, query, key, value [T, H D] FP32 (16-byte aligned rows). Warp w of block x holds
+// head part 4x + w of q, then k, then v. The register cap keeps six blocks an SM beside the two
+// groups of loads a warp holds; it needs no spill on any architecture (docs/performance.md).
 extern "C" __global__ void __launch_bounds__(KDA_HEAD_BLOCK, CONV_PREFILL_BLOCKS_PER_SM)
 kda_conv_prefill_silu_l2_bf16(float* __restrict__ conv_state, const bf16_t* __restrict__ qkv_proj,
                           const bf16_t* __restrict__ conv_w, bf16_t* __restrict__ conv_out,
                           float* __restrict__ query, float* __restrict__ key,
-                          float* __restrict__ value, int conv_out_first, int heads, int head_dim,
-                          int kernel_size, int tokens, float l2_eps)
+                          float* __restrict__ value, int heads, int head_dim, int kernel_size,
+                          int tokens, float l2_eps)
 {
     const int part = blockIdx.x * (KDA_HEAD_BLOCK / 32) + (threadIdx.x >> 5);
     // Uniform over the warp (there is no block barrier): a wrong geometry leaves whole warps.
@@ -155,12 +149,7 @@ kda_conv_prefill_silu_l2_bf16(float* __restrict__ conv_state, const bf16_t* __re
         return;
     }
     float* outputs = part < heads ? query : part < 2 * heads ? key : value;
-    if (outputs != nullptr) {
-        outputs += static_cast<size_t>(part % heads) * KDA_HEAD_DIM + 4 * (threadIdx.x & 31);
-    }
-    if (part * KDA_HEAD_DIM < conv_out_first) {
-        conv_out = nullptr;
-    }
+    outputs += static_cast<size_t>(part % heads) * KDA_HEAD_DIM + 4 * (threadIdx.x & 31);
     // Both models' K is CONV_MAX_KERNEL: its own copy of the loop; any other K takes the general one.
     if (kernel_size == CONV_MAX_KERNEL) {
         conv_prefill_tile<CONV_MAX_KERNEL>(conv_state, qkv_proj, conv_w, conv_out, outputs, part, heads, kernel_size,

@@ -101,18 +101,6 @@ def assert_bits_equal(a, b, what):
     assert differ == 0, f"{what}: {differ} elements differ in their bits"
 
 
-def bf16_values(x, xp=np):
-    """x rounded to the nearest BF16 value (ties to even), as FP32: the values the conv pass's v takes."""
-    bits = xp.asarray(x, dtype=np.float32).view(np.uint32)
-    return ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) & np.uint32(0xFFFF0000)).view(np.float32)
-
-
-def bf16_rows(value, xp=np):
-    """value [T, H, D] of BF16 values (FP32) as the prepare reads it: BF16 bits [T, H*D]."""
-    value = xp.ascontiguousarray(value, dtype=np.float32)
-    return (value.view(np.uint32) >> 16).astype(np.uint16).reshape(value.shape[0], -1)
-
-
 def make_inputs(tokens, heads, law="bounded", state="random", seed=SEED, xp=np, dtype=np.float64):
     """query, key (unit rows), value, gate, beta, recurrent state. Laws: "bounded" (the GLM
     law with lower bound -5 on random pre-activations), "strong" (g in [-5, -4.85] on every
@@ -129,7 +117,7 @@ def make_inputs(tokens, heads, law="bounded", state="random", seed=SEED, xp=np, 
 
     query = unit(normal(tokens, heads, 128))
     key = unit(normal(tokens, heads, 128))
-    value = bf16_values(normal(tokens, heads, 128), xp)  # v is the conv pass's BF16 output
+    value = normal(tokens, heads, 128)
     if law == "bounded":
         gate = LOWER_BOUND / (1.0 + xp.exp(-(2.0 * normal(tokens, heads, 128) - 3.0)))
     elif law == "strong":
@@ -299,9 +287,7 @@ def launches(monkeypatch):
 
 
 def _call_arguments(tokens, heads):
-    """query, key, value (BF16 rows), gate; beta, state, core and the scratch, as stand-ins."""
     inputs = [_aligned_f32((tokens, heads, 128)) for _ in range(4)]
-    inputs[2] = HostStandIn(aligned((tokens, heads * 128), np.uint16))
     beta = _aligned_f32((tokens, heads))
     state = _aligned_f32((heads, 128, 128))
     core = _aligned_f32((tokens, heads, 128))
@@ -359,16 +345,6 @@ def test_wrapper_names_a_bad_scratch_buffer(launches):
     scratch[4] = _aligned_f32((2, 2, 64, 64))  # the FP32 path's attn: the tensor-core path stores FP16
     with pytest.raises(TypeError, match="attn: expected float16"):
         chunk_tc.chunk_prefill_tc(*inputs, beta, state, core, 65, LOWER_BOUND, *scratch)
-    assert launches == []
-
-
-def test_wrapper_names_a_bad_value(launches):
-    inputs, beta, state, core, scratch = _call_arguments(65, 2)
-    for bad, error in ((_aligned_f32((65, 2, 128)), TypeError),  # the FP32 v of the FP32 path
-                       (HostStandIn(aligned((65, 2 * 128 + 2), np.uint16))[:, 2:], ValueError)):  # rows 4 bytes off
-        inputs[2] = bad
-        with pytest.raises(error, match="value"):
-            chunk_tc.chunk_prefill_tc(*inputs, beta, state, core, 65, LOWER_BOUND, *scratch)
     assert launches == []
 
 
@@ -448,16 +424,16 @@ EMULATION_MAIN = r"""
 std::atomic<long> not_tf32{0}, mma_count{0};
 WarpSlot warp_slots[32][32];
 using f16_t = unsigned short;
-using bf16_t = unsigned short;
-extern "C" void kda_chunk_tc_prepare_f32(const float*, const float*, const bf16_t*, int, const float*, const float*,
+extern "C" void kda_chunk_tc_prepare_f32(const float*, const float*, const float*, const float*, const float*,
     f16_t*, f16_t*, f16_t*, float*, f16_t*, float*, int, int, float, float);
-extern "C" void kda_chunk_tc_prepare_gate_f32(const float*, const float*, const bf16_t*, int, float*, float*,
+using bf16_t = unsigned short;
+extern "C" void kda_chunk_tc_prepare_gate_f32(const float*, const float*, const float*, float*, float*,
     f16_t*, f16_t*, f16_t*, float*, f16_t*, float*, int, int, float, float, const bf16_t*, const float*,
     const float*, const bf16_t*, int);
-extern "C" void kda_chunk_tc_prepare_unbounded_gate_f32(const float*, const float*, const bf16_t*, int, float*, float*,
+extern "C" void kda_chunk_tc_prepare_unbounded_gate_f32(const float*, const float*, const float*, float*, float*,
     f16_t*, f16_t*, f16_t*, float*, f16_t*, float*, int, int, float, float, const bf16_t*, const float*,
     const float*, const bf16_t*, int);
-extern "C" void kda_chunk_tc_prepare_unbounded_f32(const float*, const float*, const bf16_t*, int, const float*,
+extern "C" void kda_chunk_tc_prepare_unbounded_f32(const float*, const float*, const float*, const float*,
     const float*, f16_t*, f16_t*, f16_t*, float*, f16_t*, float*, int, int, float, float);
 extern "C" void kda_chunk_tc_scan_f32(const f16_t*, const f16_t*, const f16_t*, const float*, const f16_t*,
     const float*, float*, float*, int, int);
@@ -479,14 +455,6 @@ int main(int argc, char** argv)
     auto in = [&](const char* name, size_t per_row) { return load(dir + "/" + name, rows * heads * per_row); };
     auto query = in("query", D), key = in("key", D), value = in("value", D), gate = in("gate", D), beta = in("beta", 1);
     auto state = load(dir + "/state", heads * D * D);
-    // v as the prepare reads it: BF16 rows (the test's values are BF16 values; a poisoned pad stays poison).
-    std::vector<bf16_t> value_bf16(value.size());
-    for (size_t i = 0; i < value.size(); ++i) {
-        unsigned int bits;
-        std::memcpy(&bits, &value[i], 4);
-        value_bf16[i] = bf16_t(bits >> 16);
-    }
-    const int ld_value = int(heads * D);
     // Scratch starts as NaN: an element the prepare does not write shows.
     auto poisoned = [](size_t count) { return std::vector<float>(count, std::nanf("")); };
     auto poisoned_f16 = [](size_t count) { return std::vector<f16_t>(count, f16_t(0x7e00)); };
@@ -514,14 +482,14 @@ int main(int argc, char** argv)
     run_grid(dim3{unsigned(nchunks), unsigned(heads), 1}, 256, std::atoi(argv[7]), [&] {
         if (fused) {
             (unbounded ? kda_chunk_tc_prepare_unbounded_gate_f32 : kda_chunk_tc_prepare_gate_f32)(
-                query.data(), key.data(), value_bf16.data(), ld_value, gate.data(), beta.data(), q_decay.data(),
-                k_tail.data(), w.data(), u.data(), attn.data(), chunk_decay.data(), tokens, heads,
-                1.0f / std::sqrt(128.0f), lower_bound, forget_proj.data(), dt_bias.data(), a_log.data(), beta_logits.data(), ld_beta);
+                query.data(), key.data(), value.data(), gate.data(), beta.data(), q_decay.data(), k_tail.data(),
+                w.data(), u.data(), attn.data(), chunk_decay.data(), tokens, heads, 1.0f / std::sqrt(128.0f),
+                lower_bound, forget_proj.data(), dt_bias.data(), a_log.data(), beta_logits.data(), ld_beta);
         } else {
             (unbounded ? kda_chunk_tc_prepare_unbounded_f32 : kda_chunk_tc_prepare_f32)(
-                query.data(), key.data(), value_bf16.data(), ld_value, gate.data(), beta.data(), q_decay.data(),
-                k_tail.data(), w.data(), u.data(), attn.data(), chunk_decay.data(), tokens, heads,
-                1.0f / std::sqrt(128.0f), lower_bound);
+                query.data(), key.data(), value.data(), gate.data(), beta.data(), q_decay.data(), k_tail.data(),
+                w.data(), u.data(), attn.data(), chunk_decay.data(), tokens, heads, 1.0f / std::sqrt(128.0f),
+                lower_bound);
         }
     });
     run_grid(dim3{unsigned(heads), 4, 1}, 128, std::atoi(argv[8]), [&] {
@@ -772,17 +740,11 @@ def _scratch_f32(tokens, heads):
     return {name: cp.full(shape, float("nan"), cp.float32) for name, shape in scratch_shapes(tokens, heads).items()}
 
 
-def _tc_inputs(device):
-    """query, key, value, gate, beta on the GPU as the tensor-core path takes them: v as BF16 rows."""
-    query, key, value, gate, beta = device
-    return query, key, bf16_rows(value, _cp()), gate, beta
-
-
 def _run_tc(device, state, tokens, lower_bound=LOWER_BOUND):
     cp = _cp()
     scratch = _scratch(tokens, state.shape[0])
     core = cp.full(device[0].shape, 12345.0, cp.float32)
-    chunk_tc.chunk_prefill_tc(*_tc_inputs(device), state, core, tokens, lower_bound, *scratch.values())
+    chunk_tc.chunk_prefill_tc(*device, state, core, tokens, lower_bound, *scratch.values())
     return core, scratch
 
 
@@ -897,7 +859,7 @@ def test_gpu_refusal_leaves_the_state_untouched():
     scratch = _scratch(65, 32)
     core = _cp().zeros(device[0].shape, np.float32)
     with pytest.raises(ValueError, match="lower_bound"):
-        chunk_tc.chunk_prefill_tc(*_tc_inputs(device), state, core, 65, -6.0, *scratch.values())
+        chunk_tc.chunk_prefill_tc(*device, state, core, 65, -6.0, *scratch.values())
     assert_bits_equal(state, start, "state after a refused call")
 
 
@@ -914,7 +876,7 @@ def test_gpu_throughput_report(geometry, figures):
     scratch, scratch_f32 = _scratch(tokens, heads), _scratch_f32(tokens, heads)
 
     def tensor_core():
-        chunk_tc.chunk_prefill_tc(*_tc_inputs(device), state, core, tokens, LOWER_BOUND, *scratch.values())
+        chunk_tc.chunk_prefill_tc(*device, state, core, tokens, LOWER_BOUND, *scratch.values())
 
     def fp32():
         ops.kda_chunk_prepare_f32(*device, *scratch_f32.values(), tokens, 64, 1.0 / math.sqrt(128))
@@ -961,7 +923,7 @@ def test_gpu_fused_gate_equals_the_gate_kernel(tokens, law):
     bound = LOWER_BOUND if bounded else None
     ops.kda_gate_beta_f32(forget_proj, dt_bias, a_log, beta_logits, gate_ref, beta_ref, heads, 128, bounded,
                           LOWER_BOUND if bounded else 0.0, tokens=tokens)
-    query, key, value = _tc_inputs(device)[:3]
+    query, key, value = device[:3]
     gate_out, beta_out = cp.full_like(gate_ref, 7.0), cp.full_like(beta_ref, 7.0)
     fused_state, fused_core, fused_scratch = start.copy(), cp.zeros_like(query), _scratch(tokens, heads)
     chunk_tc.chunk_prefill_tc(query, key, value, gate_out, beta_out, fused_state, fused_core, tokens, bound,

@@ -37,7 +37,7 @@ CONV_MAIN = r"""
 """ + HOST_CUDA_RUNTIME + r"""
 using bf16_t = unsigned short;
 extern "C" void kda_conv_prefill_silu_l2_bf16(float*, const bf16_t*, const bf16_t*, bf16_t*, float*, float*, float*, int,
-                                          int, int, int, int, float);
+                                          int, int, int, float);
 
 int main(int argc, char** argv)
 {
@@ -49,20 +49,17 @@ int main(int argc, char** argv)
     const auto qkv_proj = load_u16(dir + "/qkv_proj", tokens * conv_dim);
     const auto conv_w = load_u16(dir + "/conv_w", conv_dim * kernel);
     const auto start = load(dir + "/state", conv_dim * kernel);
-    for (const char* path : {"prefill", "steps", "lean"}) {
+    for (const char* path : {"prefill", "steps"}) {
         auto state = start;
         std::vector<bf16_t> conv_out(tokens * conv_dim, 0x7FA5);
         std::vector<float> query(tokens * qkv, std::nanf("")), key = query, value = query;
-        // prefill: one launch of every token; steps: one launch a token; lean: one launch writing v only as
-        // conv_out's third (the tensor-core path's).
-        const bool lean = std::string(path) == "lean";
-        const int launches = std::string(path) == "steps" ? tokens : 1, count = tokens / launches;
+        // prefill: one launch of every token; steps: one launch a token.
+        const int launches = std::string(path) == "prefill" ? 1 : tokens, count = tokens / launches;
         for (int t = 0; t < tokens; t += count) {
             run_grid(dim3{unsigned((3 * heads + 3) / 4), unsigned((count + 63) / 64), 1}, 128, 0, [&] {
                 kda_conv_prefill_silu_l2_bf16(state.data(), qkv_proj.data() + t * conv_dim, conv_w.data(),
                                           conv_out.data() + t * conv_dim, query.data() + t * qkv, key.data() + t * qkv,
-                                          lean ? nullptr : value.data() + t * qkv, lean ? int(2 * qkv) : 0, heads,
-                                          128, kernel, count, eps);
+                                          value.data() + t * qkv, heads, 128, kernel, count, eps);
             });
         }
         save_each(dir + "/" + std::string(path) + ".", {"conv_out", "query", "key", "value", "state"}, conv_out, query,
@@ -85,8 +82,8 @@ def conv_host(tmp_path_factory):
 
 
 def run_conv(binary, qkv_proj_bits, conv_w_bits, state, jitter=False):
-    """(prefill outputs, one-token launches' outputs, the lean launch's: v as conv_out's third alone): dicts
-    of conv_out (BF16 bits), query, key, value, state."""
+    """(prefill outputs, one-token launches' outputs): dicts of conv_out (BF16 bits), query, key, value,
+    state."""
     tokens, conv_dim = qkv_proj_bits.shape
     kernel = conv_w_bits.shape[1]
     folder = Path(tempfile.mkdtemp(prefix=f"T{tokens}-K{kernel}-{int(jitter)}-", dir=binary.parent))
@@ -98,12 +95,12 @@ def run_conv(binary, qkv_proj_bits, conv_w_bits, state, jitter=False):
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["misaligned=0"], f"host run: {result.stdout.strip()}"
     out = {}
-    for path in ("prefill", "steps", "lean"):
+    for path in ("prefill", "steps"):
         read = lambda name, dtype, shape: np.fromfile(folder / f"{path}.{name}", dtype).reshape(shape)  # noqa: E731
         out[path] = {"conv_out": read("conv_out", np.uint16, (tokens, conv_dim)),
                      **{name: read(name, np.float32, (tokens, HEADS, DIM)) for name in ("query", "key", "value")},
                      "state": read("state", np.float32, (conv_dim, kernel))}
-    return out["prefill"], out["steps"], out["lean"]
+    return out["prefill"], out["steps"]
 
 
 @pytest.mark.parametrize("tokens,kernel,jitter,scale", [(1, 4, False, 1.0), (5, 4, False, 1.0), (64, 4, False, 1.0),
@@ -118,24 +115,13 @@ def test_conv_kernels_on_host(conv_host, tokens, kernel, jitter, scale):
     qkv_proj = bf16_bits(rng.standard_normal((tokens, conv_dim)) * 2.0 * scale)
     conv_w = bf16_bits(rng.standard_normal((conv_dim, kernel)) * 0.5)
     start = (scale * rng.standard_normal((conv_dim, kernel))).astype(np.float32)
-    prefill, steps, lean = run_conv(conv_host, qkv_proj, conv_w, start, jitter)
+    prefill, steps = run_conv(conv_host, qkv_proj, conv_w, start, jitter)
     tag = f"T={tokens} K={kernel} x{scale:g}"
 
     for name in ("conv_out", "query", "key", "value", "state"):
         a, b = prefill[name], steps[name]
         differ = int(np.count_nonzero(a.view(np.uint8) != b.view(np.uint8)))
         assert differ == 0, f"{tag}: {differ} bytes of {name} differ between one launch and one launch a token"
-    # The lean launch: q, k and the state as the full one's; v as conv_out's last third alone, the FP32 v's bits.
-    qkv = HEADS * DIM
-    for name in ("query", "key", "state"):
-        differ = int(np.count_nonzero(lean[name].view(np.uint8) != prefill[name].view(np.uint8)))
-        assert differ == 0, f"{tag}: {differ} bytes of {name} differ between the lean launch and the full one"
-    assert np.isnan(lean["value"]).all(), f"{tag}: the lean launch wrote an FP32 v"
-    assert (lean["conv_out"][:, : 2 * qkv] == 0x7FA5).all(), f"{tag}: the lean launch wrote q's or k's conv output"
-    assert np.array_equal(lean["conv_out"][:, 2 * qkv :], prefill["conv_out"][:, 2 * qkv :]), f"{tag}: lean v differs"
-    widened = (lean["conv_out"][:, 2 * qkv :].astype(np.uint32) << 16).view(np.float32).reshape(tokens, HEADS, DIM)
-    assert np.array_equal(widened.view(np.uint32), prefill["value"].view(np.uint32)), (
-        f"{tag}: conv_out's v third is not the FP32 v's bits")
 
     expected_conv, expected_state = conv_silu(bits_to_f64(qkv_proj), start.astype(np.float64), bits_to_f64(conv_w))
     conv_out = bits_to_f64(prefill["conv_out"])

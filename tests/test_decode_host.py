@@ -178,7 +178,7 @@ int main(int argc, char** argv)
             // The prefill kernels over the rows, the recurrence a token at a time, the norm of the walk's core.
             run_grid(dim3{unsigned((3 * heads + 3) / 4), unsigned((rows + 63) / 64), 1}, 128, 0, [&] {
                 kda_conv_prefill_silu_l2_bf16(conv_state.data(), qkv_proj.data(), conv_w.data(), conv_out.data(),
-                                          query.data(), key.data(), value.data(), 0, heads, 128, kernel, rows, l2_eps);
+                                          query.data(), key.data(), value.data(), heads, 128, kernel, rows, l2_eps);
             });
             run_grid(dim3{unsigned(heads), unsigned((rows + 31) / 32), 1}, 128, 0, [&] {
                 kda_gate_beta_f32(forget_proj.data(), dt_bias.data(), a_log.data(), beta_logits, int(ld_beta), gate.data(),

@@ -94,22 +94,6 @@ def test_prefill_conv_grid_is_head_groups_by_token_tiles(launches, tokens):
     # One warp per head of q, k or v: 4 heads per block of 128 threads.
     assert grid == (-(-3 * heads // 4), -(-tokens // 64)) and block == (128,)
     assert int(args[-2]) == tokens
-    assert int(args[7]) == 0, "every column of conv_out written"
-
-
-def test_prefill_conv_writes_v_alone_into_conv_out_where_asked(launches):
-    heads, dim, tokens = 2, ops.HEAD_DIM, 65
-    conv_dim = 3 * heads * dim
-    state, qkv_proj, conv_w = _f32(conv_dim, 4), _bf16(tokens, conv_dim), _bf16(conv_dim, 4)
-    query, key = _f32(tokens, heads, dim), _f32(tokens, heads, dim)
-    ops.kda_conv_prefill_silu_l2_bf16(state, qkv_proj, conv_w, _bf16(tokens, conv_dim), query, key, None, heads, dim,
-                                      1e-6, tokens=tokens, conv_out_value_only=True)
-    (_, _, _, args), = launches
-    assert args[6] is None and int(args[7]) == 2 * heads * dim, "v's third of conv_out from column 2 H D, no FP32 v"
-    with pytest.raises(ValueError, match="conv_out"):
-        ops.kda_conv_prefill_silu_l2_bf16(state, qkv_proj, conv_w, None, query, key, None, heads, dim, 1e-6,
-                                          tokens=tokens, conv_out_value_only=True)
-    assert len(launches) == 1
 
 
 def test_prefill_conv_names_a_short_output(launches):

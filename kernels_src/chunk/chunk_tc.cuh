@@ -345,15 +345,13 @@ __device__ __forceinline__ void diagonal_blocks_exact(const float* key_s, const 
     }
 }
 
-// The prepare of every entry point: query, key [T, H, D] FP32, value [T, H D] BF16 (row stride ld_value: the
-// conv output's v third, exactly the values the FP32 v would hold). FUSED_GATE false: gate_in [T, H, D] and
-// beta_in [T, H] are inputs.
+// The prepare of every entry point. FUSED_GATE false: gate_in [T, H, D] and beta_in [T, H] are inputs.
 // FUSED_GATE true: gate_out and beta_out are formed (the bounded law, or UNBOUNDED the softplus law;
 // gate.cu's bits) from forget_proj [T, H*D] BF16, dt_bias [H*D], A_log [H] and the BF16 beta logits
 // (row stride ld_beta); gate_out may be null (not written).
 template <bool FUSED_GATE, bool UNBOUNDED = false>
 __device__ __forceinline__ void chunk_tc_prepare(
-    const float* __restrict__ query, const float* __restrict__ key, const bf16_t* __restrict__ value, int ld_value,
+    const float* __restrict__ query, const float* __restrict__ key, const float* __restrict__ value,
     const float* __restrict__ gate_in, const float* __restrict__ beta_in, float* __restrict__ gate_out,
     float* __restrict__ beta_out, f16_t* __restrict__ q_decay, f16_t* __restrict__ k_tail_t,
     f16_t* __restrict__ w, float* __restrict__ u, f16_t* __restrict__ attn, float* __restrict__ chunk_decay,
@@ -662,12 +660,12 @@ __device__ __forceinline__ void chunk_tc_prepare(
             value_rows[pass][e] = 0.0f;
         }
         if (t < valid) {
-            const uint2 v = *reinterpret_cast<const uint2*>(
-                value + static_cast<size_t>(first + t) * ld_value + head_offset + d);
-            value_rows[pass][0] = bf16_half_to_f32(v.x, 0);
-            value_rows[pass][1] = bf16_half_to_f32(v.x, 1);
-            value_rows[pass][2] = bf16_half_to_f32(v.y, 0);
-            value_rows[pass][3] = bf16_half_to_f32(v.y, 1);
+            const size_t at = static_cast<size_t>(first + t) * row_stride + head_offset + d;
+            const float4 v = *reinterpret_cast<const float4*>(value + at);
+            value_rows[pass][0] = v.x;
+            value_rows[pass][1] = v.y;
+            value_rows[pass][2] = v.z;
+            value_rows[pass][3] = v.w;
         }
     }
 
@@ -817,29 +815,27 @@ __device__ __forceinline__ void chunk_tc_prepare(
 // CHUNK_TC_PREPARE_GATE_ENTRY forms and writes them (chunk_tc_prepare's contract); UNBOUNDED: any gate
 // <= 0 (the softplus law), lower_bound unread.
 #define CHUNK_TC_PREPARE_ENTRY(NAME, UNBOUNDED)                                                        \
-    extern "C" __global__ void __launch_bounds__(CHUNK_TC_PREPARE_THREADS, 2)                          \
-        NAME(const float* __restrict__ query, const float* __restrict__ key,                           \
-             const bf16_t* __restrict__ value, int ld_value, const float* __restrict__ gate,           \
-             const float* __restrict__ beta, f16_t* __restrict__ q_decay, f16_t* __restrict__ k_tail_t, \
-             f16_t* __restrict__ w, float* __restrict__ u, f16_t* __restrict__ attn,                    \
-             float* __restrict__ chunk_decay, int tokens, int heads, float scale, float lower_bound)    \
-    {                                                                                                  \
-        chunk_tc_prepare<false, UNBOUNDED>(query, key, value, ld_value, gate, beta, nullptr, nullptr,  \
-                                           q_decay, k_tail_t, w, u, attn, chunk_decay, tokens, heads, \
-                                           scale, lower_bound, nullptr, nullptr, nullptr, nullptr, 0); \
+    extern "C" __global__ void __launch_bounds__(CHUNK_TC_PREPARE_THREADS, 2)                              \
+        NAME(const float* __restrict__ query, const float* __restrict__ key, const float* __restrict__ value, \
+             const float* __restrict__ gate, const float* __restrict__ beta, f16_t* __restrict__ q_decay,  \
+             f16_t* __restrict__ k_tail_t, f16_t* __restrict__ w, float* __restrict__ u,                  \
+             f16_t* __restrict__ attn, float* __restrict__ chunk_decay, int tokens, int heads, float scale, \
+             float lower_bound)                                                                           \
+    {                                                                                                      \
+        chunk_tc_prepare<false, UNBOUNDED>(query, key, value, gate, beta, nullptr, nullptr,  \
+                                           q_decay, k_tail_t, w, u, attn, chunk_decay, tokens, heads,     \
+                                           scale, lower_bound, nullptr, nullptr, nullptr, nullptr, 0);    \
     }
-#define CHUNK_TC_PREPARE_GATE_ENTRY(NAME, UNBOUNDED)                                                   \
-    extern "C" __global__ void __launch_bounds__(CHUNK_TC_PREPARE_THREADS, 2)                          \
-        NAME(const float* __restrict__ query, const float* __restrict__ key,                           \
-             const bf16_t* __restrict__ value, int ld_value, float* __restrict__ gate,                 \
-             float* __restrict__ beta, f16_t* __restrict__ q_decay, f16_t* __restrict__ k_tail_t,      \
-             f16_t* __restrict__ w, float* __restrict__ u, f16_t* __restrict__ attn,                    \
-             float* __restrict__ chunk_decay, int tokens, int heads, float scale, float lower_bound,    \
-             const bf16_t* __restrict__ forget_proj, const float* __restrict__ dt_bias,                \
-             const float* __restrict__ a_log, const bf16_t* __restrict__ beta_logits, int ld_beta)     \
-    {                                                                                                  \
-        chunk_tc_prepare<true, UNBOUNDED>(query, key, value, ld_value, nullptr, nullptr, gate, beta,   \
-                                          q_decay, k_tail_t, w, u, attn, chunk_decay, tokens, heads,  \
-                                          scale, lower_bound, forget_proj, dt_bias, a_log,            \
-                                          beta_logits, ld_beta);                                      \
+#define CHUNK_TC_PREPARE_GATE_ENTRY(NAME, UNBOUNDED)                                                       \
+    extern "C" __global__ void __launch_bounds__(CHUNK_TC_PREPARE_THREADS, 2)                              \
+        NAME(const float* __restrict__ query, const float* __restrict__ key, const float* __restrict__ value, \
+             float* __restrict__ gate, float* __restrict__ beta, f16_t* __restrict__ q_decay,              \
+             f16_t* __restrict__ k_tail_t, f16_t* __restrict__ w, float* __restrict__ u,                  \
+             f16_t* __restrict__ attn, float* __restrict__ chunk_decay, int tokens, int heads, float scale, \
+             float lower_bound, const bf16_t* __restrict__ forget_proj, const float* __restrict__ dt_bias, \
+             const float* __restrict__ a_log, const bf16_t* __restrict__ beta_logits, int ld_beta)        \
+    {                                                                                                      \
+        chunk_tc_prepare<true, UNBOUNDED>(query, key, value, nullptr, nullptr, gate, beta, q_decay, k_tail_t, \
+                                          w, u, attn, chunk_decay, tokens, heads, scale, lower_bound,      \
+                                          forget_proj, dt_bias, a_log, beta_logits, ld_beta);              \
     }

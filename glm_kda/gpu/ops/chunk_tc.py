@@ -13,8 +13,8 @@ from typing import Any, NamedTuple
 from ...chunk_model import (CHUNK, PREPARE_SMEM_BYTES, PREPARE_THREADS, SCAN_COLUMNS, SCAN_SMEM_BYTES, SCAN_THREADS,
                             SCRATCH_KINDS, chunk_count, require_lower_bound)
 from .. import build
-from .checks import (HEAD_DIM, _check_dtype, _f32, _i32, _require, _require_aligned, _require_int32, _require_rows,
-                     _row_stride, beta_heads, recurrent_state_heads, require_chunk_scratch)
+from .checks import (HEAD_DIM, _check_dtype, _f32, _i32, _require, _require_int32, _require_rows, beta_heads,
+                     recurrent_state_heads, require_chunk_scratch)
 from .gate import check_gate_sources
 
 
@@ -38,16 +38,6 @@ def _require_scratch(q_decay, k_tail, w, u, attn, chunk_decay, tokens: int, head
                           attn_aligned=True)
 
 
-def _value_stride(value, tokens: int, heads: int) -> int:
-    """Checks the prepare's v, BF16 [>= T, H*D] (a column slice is fine), and returns its row stride in
-    elements; every access is an 8-byte vector."""
-    stride = _row_stride("value", value, "bf16", tokens, heads * HEAD_DIM)
-    if stride % 4:
-        raise ValueError(f"value: row stride {stride} must be a multiple of 4 (8-byte vectors)")
-    _require_aligned("value", value, 8)
-    return stride
-
-
 class GateSource(NamedTuple):
     """What the forget gate and beta are formed from (as ops.kda_gate_beta_f32 takes them):
     forget_proj [>= T, H*D] BF16, dt_bias [H*D] FP32, a_log [H] FP32, beta_logits [>= T, >= H]
@@ -67,9 +57,8 @@ def kda_chunk_tc_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, 
     lower_bound: the bounded law's bound (-5 <= lower_bound <= 0), or None for gates with no lower
     bound: the unbounded prepare (docs/design.md, "Prefill"; docs/maths.md, "The chunked (WY) form").
 
-    query, key, gate [>= T, H, D] and beta [>= T, H] FP32, 16-byte aligned; value [>= T, H*D] BF16,
-    8-byte aligned, its columns contiguous (a column slice of a wider buffer is fine: the pipeline
-    passes the conv output's v third, whose values are v's exactly); rows >= T are never read. With `gate_source` gate and beta are OUTPUTS, their T rows formed from the
+    query, key, value, gate [>= T, H, D] and beta [>= T, H] FP32, 16-byte aligned; rows >= T are
+    never read. With `gate_source` gate and beta are OUTPUTS, their T rows formed from the
     projections bit for bit as ops.kda_gate_beta_f32 writes them: by the bounded law, or (lower_bound
     None) by the softplus law; gate may then be None (not written).
 
@@ -84,14 +73,13 @@ def kda_chunk_tc_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, 
     _require_rows("beta", beta, "f32", tokens, (heads,))
     if gate is None and gate_source is None:
         raise ValueError("kda_chunk_tc_prepare_f32: gate is an input (no gate_source), got None")
-    for name, array in (("query", query), ("key", key), ("gate", gate)):
+    for name, array in (("query", query), ("key", key), ("value", value), ("gate", gate)):
         if array is not None:
             _require_rows(name, array, "f32", tokens, (heads, HEAD_DIM), aligned=True)
-    ld_value = _value_stride(value, tokens, heads)
     _require_scratch(q_decay, k_tail, w, u, attn, chunk_decay, tokens, heads)
     if scale is None:
         scale = 1.0 / math.sqrt(HEAD_DIM)
-    args = (query, key, value, _i32(ld_value), gate, beta, q_decay, k_tail, w, u, attn, chunk_decay,
+    args = (query, key, value, gate, beta, q_decay, k_tail, w, u, attn, chunk_decay,
             _i32(tokens), _i32(heads), _f32(scale), _f32(0.0 if lower_bound is None else lower_bound))
     name = "kda_chunk_tc_prepare_f32" if lower_bound is not None else "kda_chunk_tc_prepare_unbounded_f32"
     if gate_source is not None:
@@ -125,8 +113,7 @@ def chunk_prefill_tc(query, key, value, gate, beta, state, core, tokens: int, lo
                      q_decay, k_tail, w, u, attn, chunk_decay, scale: float | None = None,
                      gate_source: GateSource | None = None) -> None:
     """The chunked prefill core on tensor cores: core [>= T, H, D] and the carried state
-    [H, D, D] (in place) from query, key, gate [>= T, H, D] (FP32), value [>= T, H*D] (BF16, as
-    :func:`kda_chunk_tc_prepare_f32` takes it) and beta [>= T, H].
+    [H, D, D] (in place) from query, key, value, gate [>= T, H, D] and beta [>= T, H].
 
     Scratch (C-contiguous, 16-byte aligned) of :func:`glm_kda.chunk_model.scratch_shapes` and SCRATCH_KINDS:
     the workspace's q_decay_f16, k_tail_f16, chunk_w_f16, chunk_u, attn_f16 and chunk_decay at chunk 64.
