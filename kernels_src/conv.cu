@@ -70,18 +70,18 @@ __device__ __forceinline__ void conv_prefill_tile(float* __restrict__ conv_state
     }
     // A group's arithmetic would otherwise wait for its own loads in full: the next group's loads go
     // out before the present group's arithmetic (docs/performance.md, "The conv pass's loads a group ahead").
-    uint2 packed[CONV_PREFILL_AHEAD];
-#pragma unroll
-    for (int u = 0; u < CONV_PREFILL_AHEAD; ++u) {
-        packed[u] = first + u < last ? load_inputs(first + u) : make_uint2(0u, 0u);
-    }
-    for (int t0 = first; t0 < last; t0 += CONV_PREFILL_AHEAD) {
-        uint2 next[CONV_PREFILL_AHEAD];
+    // The conv inputs of tokens t0 .. t0 + CONV_PREFILL_AHEAD - 1, zero past the tile.
+    auto load_group = [&](int t0, uint2 (&group)[CONV_PREFILL_AHEAD]) {
 #pragma unroll
         for (int u = 0; u < CONV_PREFILL_AHEAD; ++u) {
-            const int t = t0 + CONV_PREFILL_AHEAD + u;
-            next[u] = t < last ? load_inputs(t) : make_uint2(0u, 0u);
+            group[u] = t0 + u < last ? load_inputs(t0 + u) : make_uint2(0u, 0u);
         }
+    };
+    uint2 packed[CONV_PREFILL_AHEAD];
+    load_group(first, packed);
+    for (int t0 = first; t0 < last; t0 += CONV_PREFILL_AHEAD) {
+        uint2 next[CONV_PREFILL_AHEAD];
+        load_group(t0 + CONV_PREFILL_AHEAD, next);
 #pragma unroll
         for (int u = 0; u < CONV_PREFILL_AHEAD; ++u) {
             const int t = t0 + u;
