@@ -27,16 +27,16 @@ def walk(monkeypatch, total, runs, max_tokens, middle_rows, chunk=64, options=Kd
     """The recorded calls of _prefill_rows over `total` rows and `runs` [(first, tokens)]:
     ("front", start, rows), ("core", run index, tokens, row, middle_first), ("norm", rows, row),
     ("back", rows, start), rows absolute."""
+    calls, segment = [], [0]
     cupy = types.ModuleType("cupy")
     cupy.empty = np.empty
     monkeypatch.setitem(sys.modules, "cupy", cupy)
-    monkeypatch.setattr(pipeline, "copy_into", lambda out, src: None)
+    monkeypatch.setattr(pipeline, "copy_into", lambda out, src: calls.append(("copy", out.shape[0])))
     layer = object.__new__(KdaLayer)
     layer.config = SimpleNamespace(chunk=chunk, hidden=HIDDEN)
     layer._options, layer._chunk_impl = options, "tensor"
     ws = SimpleNamespace(max_tokens=max_tokens, middle_rows=middle_rows, unrecorded="stale",
                          final_out=np.zeros((max_tokens, HIDDEN), np.uint16))
-    calls, segment = [], [0]
 
     def front_end(ws, hidden, wide):
         start = sum(call[2] for call in calls if call[0] == "front")
@@ -49,7 +49,8 @@ def walk(monkeypatch, total, runs, max_tokens, middle_rows, chunk=64, options=Kd
     layer._front_end = front_end
     layer._prefill_core = core
     layer._norm = lambda ws, rows, first: calls.append(("norm", rows, segment[0] + first))
-    layer._back_end = lambda ws, rows, wide, first=0: calls.append(("back", rows, first))
+    layer._back_end = lambda ws, rows, wide, first=0, out=None: calls.append(
+        ("back", rows, first, "final_out" if out is None else out.shape[0]))
     layer._prefill_rows(ws, np.zeros((total, HIDDEN), np.uint16),
                         [(first, tokens, index, index) for index, (first, tokens) in enumerate(runs)], None)
     return calls, ws
@@ -59,7 +60,7 @@ def check_walk(calls, runs, total, middle_rows, chunk=64):
     fronts = [call for call in calls if call[0] == "front"]
     assert [start for _, start, _ in fronts] == list(np.cumsum([0] + [rows for _, _, rows in fronts])[:-1])
     assert sum(rows for _, _, rows in fronts) == total, "the projections ran over every row once"
-    assert [(rows, start) for _, rows, start in (c for c in calls if c[0] == "back")] == \
+    assert [(rows, start) for _, rows, start, _ in (c for c in calls if c[0] == "back")] == \
         [(rows, start) for _, start, rows in fronts], "o_proj once a segment, over its rows"
     segment_starts = [start for _, start, _ in fronts]
     for start in segment_starts:
@@ -120,3 +121,18 @@ def test_the_stages_are_refused_after_windows_of_a_recording_layer(monkeypatch):
         assert ws.unrecorded is None if reason is None else reason in ws.unrecorded, (total, ws.unrecorded)
     _, ws = walk(monkeypatch, 4000, [(0, 4000)], 8192, 4096)
     assert "stage_buffers=False" in ws.unrecorded, ws.unrecorded
+
+
+def test_the_output_goes_through_final_out_only_where_it_is_recorded(monkeypatch):
+    """o_proj writes into final_out, then a copy into the returned rows, only where the stage buffers
+    record the call; otherwise straight into the returned array's rows of each segment, no copy."""
+    recording = KdaOptions(stage_buffers=True)
+    calls, ws = walk(monkeypatch, 4000, [(0, 4000)], 8192, 4096, options=recording)
+    assert ws.unrecorded is None
+    assert [c for c in calls if c[0] in ("back", "copy")] == [("back", 4000, 0, "final_out"), ("copy", 4000)], calls
+    for total, max_tokens, options in ((4000, 8192, KdaOptions()), (5000, 8192, recording), (5000, 2048, recording)):
+        calls, ws = walk(monkeypatch, total, [(0, total)], max_tokens, 4096, options=options)
+        assert ws.unrecorded is not None
+        backs = [c for c in calls if c[0] == "back"]
+        assert not [c for c in calls if c[0] == "copy"], calls
+        assert [out_rows for *_, out_rows in backs] == [rows for _, rows, _, _ in backs], backs

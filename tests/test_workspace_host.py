@@ -12,7 +12,7 @@ import pytest
 
 from glm_kda.gpu import graph_copies
 from glm_kda.gpu.graphs import DecodeGraphs
-from glm_kda.gpu.workspace import KdaWorkspace
+from glm_kda.gpu.workspace import MAX_DECODE_ROWS, KdaWorkspace
 from glm_kda.synthetic import synthetic_config
 
 from test_decode_graphs_host import call, fake_cupy, rows_of, workspace as graph_workspace
@@ -99,6 +99,9 @@ def shape_only_workspace(monkeypatch, config, max_tokens, stage_buffers):
 # KdaWorkspace.nbytes at GLM-5.3-Flash geometry and 16384 rows, read on a GPU before the middle's windows,
 # when every buffer held every row (docs/performance.md, "Workspace size").
 FULL_GLM_16384_BYTES = 7_822_508_040
+# The same of the lean workspace, read on a GPU once final_out held the middle's rows and the decode
+# graphs' input rows MAX_DECODE_ROWS.
+LEAN_GLM_16384_BYTES = 3_151_037_448
 
 
 def test_the_lean_workspace_is_under_half_of_one_holding_every_row(monkeypatch):
@@ -109,10 +112,14 @@ def test_the_lean_workspace_is_under_half_of_one_holding_every_row(monkeypatch):
     glm, kimi = synthetic_config("glm", 1), synthetic_config("kimi", 1)
     full = shape_only_workspace(monkeypatch, glm, 16384, True)
     lean = shape_only_workspace(monkeypatch, glm, 16384, False)
-    assert full.nbytes == FULL_GLM_16384_BYTES, f"recording workspace {full.nbytes:,} bytes"
+    # Since then the decode graphs' input rows and slots hold the rows of a decode-side call only.
+    graph_rows_dropped = (16384 - MAX_DECODE_ROWS) * (glm.hidden * 2 + 4)
+    assert full.nbytes == FULL_GLM_16384_BYTES - graph_rows_dropped, f"recording workspace {full.nbytes:,} bytes"
     assert (full.middle_rows, lean.middle_rows) == (16384, 4096)
-    assert lean.query.shape[0] == lean.core.shape[0] == lean.conv_out.shape[0] == 4096
-    assert lean.qkv_proj.shape[0] == lean.o_norm_out.shape[0] == lean.final_out.shape[0] == 16384
+    assert full.final_out.shape[0] == 16384 and full.graph_hidden.shape[0] == MAX_DECODE_ROWS
+    assert lean.query.shape[0] == lean.core.shape[0] == lean.conv_out.shape[0] == lean.final_out.shape[0] == 4096
+    assert lean.qkv_proj.shape[0] == lean.o_norm_out.shape[0] == 16384
+    assert lean.nbytes == LEAN_GLM_16384_BYTES, f"lean workspace {lean.nbytes:,} bytes"
     assert lean.nbytes <= FULL_GLM_16384_BYTES / 2, f"lean {lean.nbytes:,} of {FULL_GLM_16384_BYTES:,} bytes"
     kimi_lean = shape_only_workspace(monkeypatch, kimi, 16384, False)
     assert kimi_lean.middle_rows == 8192 and kimi_lean.core.nbytes == lean.core.nbytes

@@ -26,10 +26,8 @@ from . import build, projection
 from .arrays import bf16_dtype, require_bf16, to_device_bf16, to_device_f32, to_host
 from .graphs import DecodeGraphs
 from .pipeline import DECODE_MAX_ROWS, Stages
-from .workspace import KdaWorkspace
+from .workspace import MAX_DECODE_ROWS, KdaWorkspace
 
-# Most rows of one pool decode call (the workspace and the pool may limit it further).
-MAX_DECODE_ROWS = 256
 _F32, _I32 = np.dtype(np.float32), np.dtype(np.int32)
 # BF16 bits whose exponent is all ones: Inf or NaN.
 _BF16_EXPONENT = 0x7F80

@@ -180,11 +180,12 @@ class Stages:
 
     # Back end and prefill ---------------------------------------------------------------------
     def _back_end(self, ws: KdaWorkspace, rows: int, wide: bool, ready_target: int = 0, x_tiled: bool = False,
-                  first: int = 0) -> None:
-        """o_proj of o_norm_out's first `rows` rows into final_out (and its FP32 sums into o_proj_sums rows
-        first.., where set)."""
+                  first: int = 0, out: Any = None) -> None:
+        """o_proj of o_norm_out's first `rows` rows into `out` [rows, hidden] BF16 (None: final_out's rows),
+        and its FP32 sums into o_proj_sums rows first.., where set."""
         sums = None if self._o_proj_sums is None else self._o_proj_sums[first : first + rows]
-        self._project(ws, ws.o_norm_out[:rows], "o_proj", ws.final_out[:rows], wide, after_kernel=True,
+        out = ws.final_out[:rows] if out is None else out
+        self._project(ws, ws.o_norm_out[:rows], "o_proj", out, wide, after_kernel=True,
                       x_tiled=x_tiled, ready_target=ready_target, sums=sums)
 
     def _norm(self, ws: KdaWorkspace, rows: int, first: int) -> None:
@@ -256,6 +257,8 @@ class Stages:
                              f"stage_buffers=False)")
         else:
             ws.unrecorded = None
+        # The output goes through final_out only where the stage buffers record the call.
+        record = ws.unrecorded is None
         out = cupy.empty((total, self.config.hidden), hidden.dtype)
         for start in range(0, total, segment):
             stop = min(total, start + segment)
@@ -272,6 +275,9 @@ class Stages:
                 with _section("back_end"):
                     self._norm(ws, high - low, low - start)
             with _section("back_end"):
-                self._back_end(ws, stop - start, wide, first=start)
-            copy_into(out[start:stop], ws.final_out[: stop - start])
+                if record:
+                    self._back_end(ws, stop - start, wide, first=start)
+                    copy_into(out[start:stop], ws.final_out[: stop - start])
+                else:
+                    self._back_end(ws, stop - start, wide, first=start, out=out[start:stop])
         return out

@@ -17,6 +17,10 @@ from ..chunk_model import f16_view
 from . import projection
 from .arrays import bf16_dtype, to_host
 
+# Most rows of a decode-side call (a pool decode's sequences): the rows the decode graphs' input and
+# output buffers hold.
+MAX_DECODE_ROWS = 256
+
 # Priority of the low-rank chain's stream (lower is more urgent; CUDA clamps it to the device's
 # range): the chain is short and the fused step waits for it, while q|k|v streams most bytes.
 _SIDE_STREAM_PRIORITY = -64
@@ -74,7 +78,7 @@ class KdaWorkspace:
 
       qkv_proj [T, 3*qkv] BF16    down_proj [T, 2D+H] BF16    forget_proj, out_gate [T, qkv] BF16
       conv_out [M, 3*qkv] BF16    query, key, value, gate, core [M, H, D] FP32    beta [M, H] FP32
-      o_norm_out [T, qkv] BF16    final_out [T, hidden] BF16
+      o_norm_out [T, qkv] BF16    final_out [min(T, max(M, MAX_DECODE_ROWS)), hidden] BF16
       chunk scratch: q_decay, k_tail, chunk_w, chunk_u [M, H, D], attn [M/C, H, C, C],
       chunk_decay [M/C, H, D], all FP32
     with T = max_tokens and M = ``middle_rows``: T rounded up to the chunk where `stage_buffers`,
@@ -119,7 +123,10 @@ class KdaWorkspace:
         # forget_proj and out_gate have the same shape and kind: separate buffers, never aliased.
         self.forget_proj, self.out_gate, self.o_norm_out = (cupy.zeros((max_tokens, c.qkv), bf16) for _ in range(3))
         self.conv_out = cupy.zeros((min(max_tokens, middle), c.conv_dim), bf16)
-        self.final_out = cupy.zeros((max_tokens, c.hidden), bf16)
+        # A prefill writes its output here only where the stage buffers record the whole call (its rows
+        # fit the middle), else straight into the array it returns.
+        decode_rows = min(max_tokens, MAX_DECODE_ROWS)
+        self.final_out = cupy.zeros((min(max_tokens, max(middle, MAX_DECODE_ROWS)), c.hidden), bf16)
         per_head = (middle, heads, dim)
         self.query, self.key, self.value, self.gate, self.core = (cupy.zeros(per_head, f32) for _ in range(5))
         self.beta = cupy.zeros((middle, heads), f32)
@@ -136,8 +143,8 @@ class KdaWorkspace:
         # o_proj's k-range sums where its bulk sweep splits (up to 64 rows).
         self.bulk_partial = cupy.zeros((projection.bulk_partial_size(c.hidden, c.qkv, min(max_tokens, 64)),), f32)
         self.outputs_ready = cupy.zeros((2,), np.int32)
-        self.graph_hidden = cupy.zeros((max_tokens, c.hidden), bf16)
-        self.graph_slots = cupy.zeros((max_tokens,), np.int32)
+        self.graph_hidden = cupy.zeros((decode_rows, c.hidden), bf16)
+        self.graph_slots = cupy.zeros((decode_rows,), np.int32)
         self.uploads: PinnedUploads | None = None
         # Why the stage buffers do not hold the last call's stages (None: they do).
         self.unrecorded: str | None = None
