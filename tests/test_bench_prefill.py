@@ -95,15 +95,16 @@ _FLA_REST = {"recompute_w_u_fwd_kda_kernel": 0.727, "chunk_kda_fwd_kernel_inter_
 
 
 def test_middle_against_fla_sets_kernel_time_beside_kernel_time():
-    """Our kda_ kernels against fla's layer's kernels that are not cuBLAS's, at the T both broke down;
-    the sections and a variant's breakdown left out, and fla's kernel sum over its median call."""
+    """Our kda_ kernels against fla's layer's kernels that are not cuBLAS's, at the T both broke down
+    (ours also breaks down a longer T); the sections and a variant's breakdown left out, and fla's kernel sum over its median call."""
     kernels = {**_FLA_GEMMS, **_OLDER_GEMM, **_FLA_REST}
     fla = {"impl": "fla", "case": "prefill_kernels", "geometry": "glm", "T": 16384, "kernel_ms": kernels,
            "kernel_total_ms": sum(kernels.values())}
     fla_block = {"impl": "fla", "case": "block", "fla_case": "prefill", "geometry": "glm", "T": 16384,
                  "median_us": 11278.2}
     variant = {**_OURS_KERNELS, "options": {"hopper": False}, "total_ms": {"kda_chunk_tc_scan_f32": 99.0}}
-    row = middle_against_fla([variant, _OURS_KERNELS, fla_block, fla])
+    longer = {**_OURS_KERNELS, "T": 65536, "total_ms": {"kda_chunk_tc_scan_f32": 4.8}}
+    row = middle_against_fla([longer, variant, _OURS_KERNELS, fla_block, fla])
     assert row["ours_ms"] == pytest.approx(1.212 + 1.951 + 1.203 + 0.367)
     assert row["fla_gemm_ms"] == pytest.approx(sum(_FLA_GEMMS.values()) + 0.5)
     assert row["fla_ms"] == pytest.approx(sum(_FLA_REST.values()))

@@ -14,7 +14,7 @@ split) pass to "core": projection output to core output. They come from the laye
 (layer.timing(): a pair of CUDA events around each launch and each stage, the calls eager):
 "core_conv" is the "[recurrence]" stage of a prefill, "core" that less its conv kernel,
 "core_norm" that plus the norm kernel, each the median over as many timed prefills as the block's.
-At T = 16384 a "block_kernels" line gives every kernel's and stage's milliseconds.
+At T >= 16384 a "block_kernels" line gives every kernel's and stage's milliseconds.
 
 Geometries: "glm" (hidden 4096, 64 heads, bounded gate -5), "kimi" (hidden 2304, 32 heads,
 softplus law) and "kimi-bounded" (Kimi's shapes with the bounded gate -5, the law
@@ -159,7 +159,7 @@ def bench_geometry(geometry: str, directory: Path, tokens: tuple[int, ...], repe
             core_ms = float(np.median(cores))
             # conv output to o_proj input: core and the gated RMSNorm
             core_norm_ms = float(np.median([core + timed.get(NORM_KERNEL, 0.0) for core, timed in zip(cores, stages)]))
-            if count == 16384:
+            if count >= 16384:
                 breakdown = {"impl": f"glm_kda-{impl}", "case": "block_kernels", "geometry": geometry, "T": count,
                              "options": changed or {},
                              "workspace_rows": layer.workspace.max_tokens,
@@ -196,10 +196,11 @@ def middle_against_fla(rows: list[dict]) -> dict | None:
     and fills); "ratio" is fla's over ours (above 1: ours is faster). "fla_gpu_busy" is fla's kernel sum
     over its median call: well under 1, its calls waited on the host's launches, and a block ratio of
     that run measures the host. None when either breakdown is missing."""
-    # The first such line: the default options through the layer's own workspace (run() times that first).
-    ours = next((row for row in rows if row.get("case") == "block_kernels" and row.get("impl") == "glm_kda-tensor"
-                 and not row.get("options")), None)
-    fla = next((row for row in rows if row.get("case") == "prefill_kernels" and ours and row["T"] == ours["T"]), None)
+    # The first such pair: the default options through the layer's own workspace (run() times that first).
+    pairs = ((ours, fla) for ours in rows
+             if ours.get("case") == "block_kernels" and ours.get("impl") == "glm_kda-tensor" and not ours.get("options")
+             for fla in rows if fla.get("case") == "prefill_kernels" and fla["T"] == ours["T"])
+    ours, fla = next(pairs, (None, None))
     if fla is None:
         return None
     fla_block = next((row for row in rows if row.get("impl") == "fla" and row.get("fla_case") == "prefill"
