@@ -1,6 +1,7 @@
 """Decode through a whole KDA stack, one sequence, a loop that waits for each token: the time per
 token of KdaStack.decode against the sum of the same layers called one by one (each waited for),
-with the copy-bandwidth roofline per layer measured in the same run. The stack is timed in rounds,
+with the copy-bandwidth roofline per layer measured in the same run, and how a token's time splits
+between the host's part of the call and the token's graph replayed alone. The stack is timed in rounds,
 each next to a copy-bandwidth measurement of its own, so that a drift of the GPU's clocks moves both
 sides of a round's roofline ratio; the median round is reported with the spread of the rounds.
 
@@ -37,6 +38,24 @@ def waited_us(call, rows, warmup: int = 8) -> float:
     return 1e3 * median_ms(lambda: call(next(row)), repeats=len(rows) - warmup, warmup=warmup)
 
 
+def host_us(call, rows, warmup: int = 8) -> float:
+    """Median microseconds the host spends in call(row), for each row: the call alone, its GPU work
+    waited for after the timed span (a graph replay returns once its launch is queued)."""
+    import time
+
+    import cupy
+
+    times = []
+    for index, row in enumerate(rows):
+        start = time.perf_counter()
+        call(row)
+        spent = time.perf_counter() - start
+        cupy.cuda.get_current_stream().synchronize()
+        if index >= warmup:
+            times.append(spent)
+    return 1e6 * float(np.median(times))
+
+
 def run_geometry(geometry: str, layers: int | None, tokens: int, rounds: int, folder: Path) -> dict:
     import cupy
 
@@ -69,6 +88,11 @@ def run_geometry(geometry: str, layers: int | None, tokens: int, rounds: int, fo
     ratios = [roofline_us(bandwidth) * count / stack_us for bandwidth, stack_us in per_round]
     middle = int(np.argsort(ratios)[len(ratios) // 2])
     bandwidth, stack_us = per_round[middle]
+    # Where a waited token's time goes: the host's part of a call, and the GPU's (the token's graph
+    # replayed alone, back to back, which is what a loop that does not wait would see).
+    host_call_us = host_us(lambda row: stack.decode(row, states), rows)
+    graph, stream = stack.graphs.last_graph, cupy.cuda.get_current_stream()
+    graph_us = 1e3 * median_ms(lambda: graph.launch(stream), repeats=len(rows) - 8, warmup=8)
     single = []
     for layer in stack.layers:
         state = layer.new_state()
@@ -81,6 +105,8 @@ def run_geometry(geometry: str, layers: int | None, tokens: int, rounds: int, fo
             "rounds": [{"copy_bandwidth_GBs": b, "stack_us_per_token": t, "roofline_ratio_per_layer": r}
                        for (b, t), r in zip(per_round, ratios)],
             "roofline_ratio_spread": [min(ratios), max(ratios)],
+            "host_us_per_call": host_call_us, "graph_us_per_token": graph_us,
+            "graph_roofline_ratio_per_layer": roofline_us(bandwidth) * count / graph_us,
             "single_layer_roofline_ratio_median": roofline_us(bandwidth) / float(np.median(single))}
 
 
