@@ -13,9 +13,7 @@ tokens a block, the bytes, from its `#define`s). A line gives each version's med
 --repeats launches (CUDA events, after warm-up), `ratio` new / old (below 1: the new one is faster),
 each one's share of the copy bandwidth measured in the same run for the bytes the kernel must move
 (lib/bench_prefill.kernel_bytes), and `same_bits`: whether every output byte (and the conv state)
-agrees. A version whose conv pass writes FP16 q and k for a prepare that reads them (`qk_half`) runs as
-the package runs it, without FP32 q and k: the other version's FP32 q and k are compared rounded to FP16,
-and both prepares are given q and k that FP16 holds exactly.
+agrees.
 """
 
 from __future__ import annotations
@@ -76,21 +74,17 @@ def _conv_case(folder: str, config, tokens: int, inputs: dict):
     function, source = _function(folder, "conv", "kda_conv_prefill_silu_l2_bf16")
     heads, dim, qkv = config.heads, config.head_dim, config.qkv
     state = inputs["state"].copy()
-    halves = "qk_half" in source
-    q, k = (cupy.empty((tokens, qkv), cupy.float16 if halves else cupy.float32) for _ in range(2))
-    v = cupy.empty((tokens, qkv), cupy.float32)
+    q, k, v = (cupy.empty((tokens, qkv), cupy.float32) for _ in range(3))
     grid = (-(-3 * heads // 4), -(-tokens // _define(source, "CONV_PREFILL_TILE")))
-    outputs_q_k_v = (q, k, v, np.int32(1)) if halves else (q, k, v)
 
     def launch():
-        function(grid, (128,), (state, inputs["qkv"], inputs["conv_w"], np.uint64(0), *outputs_q_k_v,
-                                np.int32(heads), np.int32(dim), np.int32(config.conv_kernel), np.int32(tokens),
-                                np.float32(config.l2_eps)))
+        function(grid, (128,), (state, inputs["qkv"], inputs["conv_w"], np.uint64(0), q, k, v, np.int32(heads),
+                                np.int32(dim), np.int32(config.conv_kernel), np.int32(tokens), np.float32(config.l2_eps)))
 
     def outputs():
         state[...] = inputs["state"]
         launch()
-        return [state.copy(), q.astype(cupy.float16), k.astype(cupy.float16), v.copy()]
+        return [array.copy() for array in (state, q, k, v)]
 
     return launch, outputs
 
@@ -126,10 +120,8 @@ def _chunk_inputs(rng, config, tokens: int) -> dict:
     def unit(x):
         return x / cupy.sqrt((x * x).sum(axis=-1, keepdims=True))
 
-    # q and k values that FP16 holds: a prepare reading FP16 and one reading FP32 see the same values.
-    q16, k16 = (unit(rng.standard_normal((tokens, heads, dim), dtype=cupy.float32)).astype(cupy.float16)
-                for _ in range(2))
-    return {"q": q16.astype(cupy.float32), "k": k16.astype(cupy.float32), "q16": q16, "k16": k16,
+    return {"q": unit(rng.standard_normal((tokens, heads, dim), dtype=cupy.float32)),
+            "k": unit(rng.standard_normal((tokens, heads, dim), dtype=cupy.float32)),
             "v": rng.standard_normal((tokens, heads, dim), dtype=cupy.float32),
             "forget_proj": random_bf16(rng, (tokens, heads * dim)),
             "dt_bias": rng.standard_normal(heads * dim, dtype=cupy.float32) * 0.5,
@@ -169,12 +161,10 @@ def _prepare_case(folder: str, config, tokens: int, inputs: dict):
     beta = cupy.empty((tokens, heads), cupy.float32)
     inputs["scratch"] = scratch
     grid, block = (chunk_count(tokens), heads), (_define(source, "CHUNK_TC_PREPARE_THREADS"),)
-    halves = "const f16_t* __restrict__ query" in source
-    q, k = (inputs["q16"], inputs["k16"]) if halves else (inputs["q"], inputs["k"])
 
     def launch():
         function(grid, block,
-                 (q, k, inputs["v"], np.uint64(0), beta, scratch["q_decay"], scratch["k_tail"],
+                 (inputs["q"], inputs["k"], inputs["v"], np.uint64(0), beta, scratch["q_decay"], scratch["k_tail"],
                   scratch["w"], scratch["u"], scratch["attn"], scratch["chunk_decay"], np.int32(tokens),
                   np.int32(heads), np.float32(config.head_dim ** -0.5), np.float32(lower_bound or 0.0),
                   inputs["forget_proj"], inputs["dt_bias"], inputs["a_log"], inputs["beta_logits"], np.int32(heads)),

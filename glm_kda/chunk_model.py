@@ -102,12 +102,11 @@ def scratch_shapes(tokens: int, heads: int) -> dict[str, tuple[int, ...]]:
     }
 
 
-def f16_view(buffer: Any, half: int = 0) -> Any:
-    """An FP16 view of the first (half 0) or second (half 1) half of a C-contiguous FP32 buffer's
-    bytes, of the buffer's shape: the workspace keeps one allocation per scratch for both chunk paths."""
+def f16_view(buffer: Any) -> Any:
+    """An FP16 view of the first half of a C-contiguous FP32 buffer's bytes, of the buffer's
+    shape: the workspace keeps one allocation per scratch for both chunk paths."""
     flat = buffer.reshape(-1)
-    size = flat.size // 2
-    return flat[half * size : (half + 1) * size].view(array_module(buffer).float16).reshape(buffer.shape)
+    return flat[: flat.size // 2].view(array_module(buffer).float16).reshape(buffer.shape)
 
 
 def new_scratch(xp: Any, tokens: int, heads: int, fill: float = 0.0) -> dict[str, Any]:

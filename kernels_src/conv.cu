@@ -1,10 +1,8 @@
 // The prefill conv pass: causal depthwise conv + SiLU (BF16 output), per-head L2 of q and k, split into
-// q, k (FP32, or FP16 for the gate-forming tensor-core prepares) and v (FP32); conv_state [3 H D, K] FP32
-// left as T decode steps leave it, with decode's bits.
+// FP32 q, k, v; conv_state [3 H D, K] FP32 left as T decode steps leave it, with decode's bits.
 // Launch: grid (ceil(3 * heads / 4), ceil(T / 64)), 128 threads, no shared memory; a warp holds one head
 // of q, k or v for 64 tokens, 4 channels a lane (docs/kernels.md, 'Prefill conv').
 #include "common/conv_window.cuh"
-#include "common/f16.cuh"
 #include "common/reduce.cuh"
 
 // Tokens per block of the prefill conv; at least CONV_MAX_KERNEL (see the kernel).
@@ -21,8 +19,8 @@
 template <int FIXED_K>
 __device__ __forceinline__ void conv_prefill_tile(float* __restrict__ conv_state, const bf16_t* __restrict__ qkv_proj,
                                                   const bf16_t* __restrict__ conv_w, bf16_t* __restrict__ conv_out,
-                                                  void* __restrict__ outputs, bool half, int part, int heads,
-                                                  int run_time_k, int tokens, float l2_eps)
+                                                  float* __restrict__ outputs, int part, int heads, int run_time_k,
+                                                  int tokens, float l2_eps)
 {
     const int kernel_size = FIXED_K > 0 ? FIXED_K : run_time_k;
     const int lane = threadIdx.x & 31;
@@ -108,12 +106,7 @@ __device__ __forceinline__ void conv_prefill_tile(float* __restrict__ conv_state
                 const float norm = sqrtf(warp_head_sum_squares(rounded) + l2_eps);
                 result = make_float4(rounded[0] / norm, rounded[1] / norm, rounded[2] / norm, rounded[3] / norm);
             }
-            if (half) {  // warp-uniform: q or k as FP16, rounded to nearest
-                *reinterpret_cast<uint2*>(static_cast<f16_t*>(outputs) + static_cast<size_t>(t) * qkv) =
-                    make_uint2(pack_f16x2(result.x, result.y), pack_f16x2(result.z, result.w));
-            } else {
-                *reinterpret_cast<float4*>(static_cast<float*>(outputs) + static_cast<size_t>(t) * qkv) = result;
-            }
+            *reinterpret_cast<float4*>(outputs + static_cast<size_t>(t) * qkv) = result;
         }
 #pragma unroll
         for (int u = 0; u < CONV_PREFILL_AHEAD; ++u) {
@@ -139,15 +132,14 @@ __device__ __forceinline__ void conv_prefill_tile(float* __restrict__ conv_state
 }
 
 // qkv_proj, conv_out [T, 3 H D] BF16 (8-byte aligned rows; conv_out may be null: not written), conv_w
-// [3 H D, K] BF16, query, key [T, H D] FP32 (16-byte aligned rows), or FP16 where qk_half is set (8-byte
-// aligned), value [T, H D] FP32 (16-byte aligned). Warp w of block x holds
+// [3 H D, K] BF16, query, key, value [T, H D] FP32 (16-byte aligned rows). Warp w of block x holds
 // head part 4x + w of q, then k, then v. The register cap keeps six blocks an SM beside the two
 // groups of loads a warp holds; it needs no spill on any architecture (docs/performance.md).
 extern "C" __global__ void __launch_bounds__(KDA_HEAD_BLOCK, CONV_PREFILL_BLOCKS_PER_SM)
 kda_conv_prefill_silu_l2_bf16(float* __restrict__ conv_state, const bf16_t* __restrict__ qkv_proj,
                           const bf16_t* __restrict__ conv_w, bf16_t* __restrict__ conv_out,
-                          void* __restrict__ query, void* __restrict__ key,
-                          float* __restrict__ value, int qk_half, int heads, int head_dim, int kernel_size,
+                          float* __restrict__ query, float* __restrict__ key,
+                          float* __restrict__ value, int heads, int head_dim, int kernel_size,
                           int tokens, float l2_eps)
 {
     const int part = blockIdx.x * (KDA_HEAD_BLOCK / 32) + (threadIdx.x >> 5);
@@ -156,17 +148,13 @@ kda_conv_prefill_silu_l2_bf16(float* __restrict__ conv_state, const bf16_t* __re
         kernel_size < 1 || kernel_size > CONV_MAX_KERNEL) {
         return;
     }
-    const bool half = qk_half != 0 && part < 2 * heads;
-    const size_t column = static_cast<size_t>(part % heads) * KDA_HEAD_DIM + 4 * (threadIdx.x & 31);
-    void* outputs = part < heads ? query : part < 2 * heads ? key : value;
-    outputs = half ? static_cast<void*>(static_cast<f16_t*>(outputs) + column)
-                   : static_cast<void*>(static_cast<float*>(outputs) + column);
+    float* outputs = part < heads ? query : part < 2 * heads ? key : value;
+    outputs += static_cast<size_t>(part % heads) * KDA_HEAD_DIM + 4 * (threadIdx.x & 31);
     // Both models' K is CONV_MAX_KERNEL: its own copy of the loop; any other K takes the general one.
     if (kernel_size == CONV_MAX_KERNEL) {
-        conv_prefill_tile<CONV_MAX_KERNEL>(conv_state, qkv_proj, conv_w, conv_out, outputs, half, part, heads,
-                                           kernel_size, tokens, l2_eps);
+        conv_prefill_tile<CONV_MAX_KERNEL>(conv_state, qkv_proj, conv_w, conv_out, outputs, part, heads, kernel_size,
+                                           tokens, l2_eps);
     } else {
-        conv_prefill_tile<0>(conv_state, qkv_proj, conv_w, conv_out, outputs, half, part, heads, kernel_size, tokens,
-                             l2_eps);
+        conv_prefill_tile<0>(conv_state, qkv_proj, conv_w, conv_out, outputs, part, heads, kernel_size, tokens, l2_eps);
     }
 }

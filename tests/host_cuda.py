@@ -251,26 +251,6 @@ static void save_each(const std::string& prefix, std::initializer_list<const cha
 """
 
 
-# common/f16.cuh's conversions (inline PTX on the device) through the compiler's IEEE half type: the
-# same nearest-even rounding as cvt.rn.f16.f32, exact widening as cvt.f32.f16. A kernel file that
-# includes f16.cuh is built with F16_DEVICE_HELPERS removed and this after HOST_CUDA_HEADER.
-F16_HOST_HELPERS = r"""
-inline unsigned short f32_to_f16(float x)
-{
-    const _Float16 h = static_cast<_Float16>(x);
-    unsigned short bits;
-    std::memcpy(&bits, &h, 2);
-    return bits;
-}
-inline float f16_to_f32(unsigned short bits)
-{
-    _Float16 h;
-    std::memcpy(&h, &bits, 2);
-    return static_cast<float>(h);
-}
-"""
-F16_DEVICE_HELPERS = ("f32_to_f16", "f16_to_f32")
-
 # The device-only helpers of common/sync.cuh (the first two no-ops before sm_90; their bodies are
 # inline PTX or device intrinsics), removed wherever it is inlined: HOST_CUDA_HEADER defines them.
 SYNC_DEVICE_HELPERS = ("kda_let_next_kernel_launch", "kda_grid_dependency_wait", "shared_address", "load_acquire",

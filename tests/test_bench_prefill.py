@@ -63,11 +63,9 @@ def test_kernel_bytes_by_hand_and_by_gate_law():
         assert "kda_gate_beta_f32" not in moved, f"{geometry}: every prepare here forms the gate itself"
     moved, recorded = (kernel_bytes(geometry_config("kimi"), tokens, record) for record in (False, True))
     qkv = 32 * 128
-    # qkv_proj in (BF16 [T, 3*qkv]), q and k out (FP16 [T, qkv] each), v out (FP32 [T, qkv]); recorded, conv_out
-    # out (as qkv_proj) and q and k as FP32 too
-    assert moved["kda_conv_prefill_silu_l2_bf16"] == tokens * 3 * qkv * 2 + 2 * tokens * qkv * 2 + tokens * qkv * 4
-    assert recorded["kda_conv_prefill_silu_l2_bf16"] == (moved["kda_conv_prefill_silu_l2_bf16"] + tokens * 3 * qkv * 2
-                                                         + 2 * tokens * qkv * 4)
+    # qkv_proj in (BF16 [T, 3*qkv]), q, k and v out (FP32 [T, qkv] each); recorded, conv_out out (as qkv_proj)
+    assert moved["kda_conv_prefill_silu_l2_bf16"] == tokens * 3 * qkv * 2 + 3 * tokens * qkv * 4
+    assert recorded["kda_conv_prefill_silu_l2_bf16"] == moved["kda_conv_prefill_silu_l2_bf16"] + tokens * 3 * qkv * 2
     # recorded, the prepare also writes the gate it forms (FP32 [T, qkv])
     gated = "kda_chunk_tc_prepare_unbounded_gate_f32"
     assert recorded[gated] == moved[gated] + tokens * qkv * 4

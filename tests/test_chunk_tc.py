@@ -62,8 +62,8 @@ from chunk_tc_model import model_chunk_tc, model_chunk_tc_prepare, model_chunk_t
 from glm_kda.device import gpu_status
 from glm_kda.reference import chunk_scan, rms_ratio
 from glm_kda.synthetic import synthetic_config
-from host_cuda import (F16_DEVICE_HELPERS, F16_HOST_HELPERS, HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, bf16_bits,
-                       build_host_binary, host_kernel_source)
+from host_cuda import (HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, bf16_bits, build_host_binary,
+                       host_kernel_source)
 from standins import HostStandIn, aligned, use_stand_ins
 
 GPU_OK, GPU_WHY = gpu_status()
@@ -297,11 +297,6 @@ def _call_arguments(tokens, heads):
     return inputs, beta, state, core, scratch
 
 
-def _with_halves(inputs):
-    """query and key as the gate-forming prepares take them: FP16."""
-    return [HostStandIn(aligned(tuple(x.shape), np.float16)) for x in inputs[:2]] + inputs[2:]
-
-
 @pytest.mark.parametrize("bound", [-6.0, -5.0001, 0.5, float("nan"), float("-inf"), "x"], ids=str)
 def test_wrapper_refuses_other_bounds_before_any_launch(launches, bound):
     inputs, beta, state, core, scratch = _call_arguments(65, 2)
@@ -338,7 +333,7 @@ def test_unbounded_launches_its_prepare_and_its_fused_gate_form(launches):
     launches.clear()
     source = chunk_tc.GateSource(HostStandIn(aligned((65, 256), np.uint16)), _aligned_f32((256,)), _aligned_f32((2,)),
                                  HostStandIn(aligned((65, 2), np.uint16)))
-    chunk_tc.chunk_prefill_tc(*_with_halves(inputs), beta, state, core, 65, None, *scratch, gate_source=source)
+    chunk_tc.chunk_prefill_tc(*inputs, beta, state, core, 65, None, *scratch, gate_source=source)
     assert [launch[0] for launch in launches] == ["kda_chunk_tc_prepare_unbounded_gate_f32", "kda_chunk_tc_scan_f32"]
 
 
@@ -354,24 +349,16 @@ def test_wrapper_names_a_bad_scratch_buffer(launches):
 
 
 def test_wrapper_names_a_bad_gate_source(launches):
-    """And the FP32 q or k a prepare that forms the gate does not take (it reads them as FP16)."""
     inputs, beta, state, core, scratch = _call_arguments(65, 2)
-    halves = _with_halves(inputs)
     good = dict(forget_proj=HostStandIn(aligned((65, 256), np.uint16)), dt_bias=_aligned_f32((256,)),
                 a_log=_aligned_f32((2,)), beta_logits=HostStandIn(aligned((65, 2), np.uint16)))
     for name, bad in (("forget_proj", _aligned_f32((65, 256))), ("dt_bias", _aligned_f32((2,))),
                       ("a_log", _aligned_f32((256,))), ("beta_logits", HostStandIn(aligned((64, 2), np.uint16)))):
         source = chunk_tc.GateSource(**{**good, name: bad})
         with pytest.raises((TypeError, ValueError), match=name):
-            chunk_tc.chunk_prefill_tc(*halves, beta, state, core, 65, LOWER_BOUND, *scratch, gate_source=source)
-    for index, name in enumerate(("query", "key")):
-        wide = list(halves)
-        wide[index] = inputs[index]
-        with pytest.raises(TypeError, match=f"{name}: expected float16"):
-            chunk_tc.chunk_prefill_tc(*wide, beta, state, core, 65, LOWER_BOUND, *scratch,
-                                      gate_source=chunk_tc.GateSource(**good))
+            chunk_tc.chunk_prefill_tc(*inputs, beta, state, core, 65, LOWER_BOUND, *scratch, gate_source=source)
     assert launches == []
-    chunk_tc.chunk_prefill_tc(*halves, beta, state, core, 65, LOWER_BOUND, *scratch,
+    chunk_tc.chunk_prefill_tc(*inputs, beta, state, core, 65, LOWER_BOUND, *scratch,
                               gate_source=chunk_tc.GateSource(**good))
     assert [launch[0] for launch in launches] == ["kda_chunk_tc_prepare_gate_f32", "kda_chunk_tc_scan_f32"]
 
@@ -400,7 +387,7 @@ def test_no_spills_on_sm_90():
 # t + 4 (r / 2)), B (k t + 4 r, n g), C (g + 8 (r / 2), 2 t + r % 2), lane = 4 g + t), cp.async
 # as a plain copy, the FP16 conversions through _Float16. Counts mma operands that are not TF32
 # values (and, through checked_cast, vector accesses that are not aligned).
-EMULATION_HEADER = HOST_CUDA_HEADER + F16_HOST_HELPERS + r"""
+EMULATION_HEADER = HOST_CUDA_HEADER + r"""
 extern std::atomic<long> not_tf32, mma_count;
 struct WarpSlot { float a[4], b[2]; };
 extern WarpSlot warp_slots[32][32];
@@ -413,6 +400,20 @@ inline void mma_tf32_m16n8k8(float acc[4], float a0, float a1, float a2, float a
     if ((threadIdx.x & 31) == 0) mma_count++;
 }
 inline void copy_async_16B(void* destination, const void* source) { std::memcpy(destination, source, 16); }
+// cvt.rn.f16.f32 / cvt.f32.f16 through the compiler's IEEE half type (nearest even).
+inline unsigned short f32_to_f16(float x)
+{
+    const _Float16 h = static_cast<_Float16>(x);
+    unsigned short bits;
+    std::memcpy(&bits, &h, 2);
+    return bits;
+}
+inline float f16_to_f32(unsigned short bits)
+{
+    _Float16 h;
+    std::memcpy(&h, &bits, 2);
+    return static_cast<float>(h);
+}
 inline void copy_async_commit() {}
 inline void copy_async_wait_all() {}
 """
@@ -426,10 +427,10 @@ using f16_t = unsigned short;
 extern "C" void kda_chunk_tc_prepare_f32(const float*, const float*, const float*, const float*, const float*,
     f16_t*, f16_t*, f16_t*, float*, f16_t*, float*, int, int, float, float);
 using bf16_t = unsigned short;
-extern "C" void kda_chunk_tc_prepare_gate_f32(const f16_t*, const f16_t*, const float*, float*, float*,
+extern "C" void kda_chunk_tc_prepare_gate_f32(const float*, const float*, const float*, float*, float*,
     f16_t*, f16_t*, f16_t*, float*, f16_t*, float*, int, int, float, float, const bf16_t*, const float*,
     const float*, const bf16_t*, int);
-extern "C" void kda_chunk_tc_prepare_unbounded_gate_f32(const f16_t*, const f16_t*, const float*, float*, float*,
+extern "C" void kda_chunk_tc_prepare_unbounded_gate_f32(const float*, const float*, const float*, float*, float*,
     f16_t*, f16_t*, f16_t*, float*, f16_t*, float*, int, int, float, float, const bf16_t*, const float*,
     const float*, const bf16_t*, int);
 extern "C" void kda_chunk_tc_prepare_unbounded_f32(const float*, const float*, const float*, const float*,
@@ -470,13 +471,7 @@ int main(int argc, char** argv)
     const int ld_beta = heads + 3;
     std::vector<unsigned short> forget_proj, beta_logits;
     std::vector<float> dt_bias, a_log;
-    // The gate-forming prepares read q and k as FP16, rounded to nearest as the conv pass does.
-    std::vector<f16_t> query_half(query.size()), key_half(key.size());
     if (fused) {
-        for (size_t i = 0; i < query.size(); ++i) {
-            query_half[i] = f32_to_f16(query[i]);
-            key_half[i] = f32_to_f16(key[i]);
-        }
         forget_proj = load_u16(dir + "/forget_proj", rows * heads * D);
         beta_logits = load_u16(dir + "/beta_logits", rows * ld_beta);
         dt_bias = load(dir + "/dt_bias", heads * D);
@@ -487,7 +482,7 @@ int main(int argc, char** argv)
     run_grid(dim3{unsigned(nchunks), unsigned(heads), 1}, 256, std::atoi(argv[7]), [&] {
         if (fused) {
             (unbounded ? kda_chunk_tc_prepare_unbounded_gate_f32 : kda_chunk_tc_prepare_gate_f32)(
-                query_half.data(), key_half.data(), value.data(), gate.data(), beta.data(), q_decay.data(), k_tail.data(),
+                query.data(), key.data(), value.data(), gate.data(), beta.data(), q_decay.data(), k_tail.data(),
                 w.data(), u.data(), attn.data(), chunk_decay.data(), tokens, heads, 1.0f / std::sqrt(128.0f),
                 lower_bound, forget_proj.data(), dt_bias.data(), a_log.data(), beta_logits.data(), ld_beta);
         } else {
@@ -514,8 +509,8 @@ int main(int argc, char** argv)
 """
 
 # The device-only helpers the emulation header replaces (their bodies are inline PTX).
-DEVICE_HELPERS = ("mma_tf32_m16n8k8", "copy_async_16B", "copy_async_commit", "copy_async_wait_all",
-                  *F16_DEVICE_HELPERS)
+DEVICE_HELPERS = ("mma_tf32_m16n8k8", "copy_async_16B", "copy_async_commit", "copy_async_wait_all", "f32_to_f16",
+                  "f16_to_f32")
 
 
 def host_source() -> str:
@@ -544,8 +539,7 @@ def host_rows(tokens):
 def run_on_host(binary, inputs, tokens, pad, jitter=False, gate_source=None, unbounded=False):
     """The two kernels on the host emulator; input rows T.. are filled with `pad`. With
     gate_source (forget_proj [rows, H*D] and beta_logits [rows, H + 3] as BF16 bits, dt_bias,
-    a_log), the fused-gate prepare runs on query and key rounded to FP16 and "gate" / "beta" are its
-    outputs; unbounded: the
+    a_log), the fused-gate prepare runs and "gate" / "beta" are its outputs; unbounded: the
     prepare for gates without a lower bound (with gate_source: forming the softplus law's)."""
     query, key, value, gate, beta, recurrent = inputs
     heads = query.shape[1]
@@ -582,8 +576,8 @@ def run_on_host(binary, inputs, tokens, pad, jitter=False, gate_source=None, unb
 def test_kernel_source_on_host_fused_gate(emulator, law):
     # The fused-gate entry points (the bounded prepare's, the unbounded prepare's by the softplus
     # law): gate and beta from the projections for the real rows only (the pad rows of the sources
-    # are NaN and must not leak), and, fed those gate and beta and the FP16 q and k it read, the same
-    # prepare reading them gives the same scratch, core and state bits.
+    # are NaN and must not leak), and, fed those gate and beta, the same prepare reading them gives
+    # the same scratch, core and state bits.
     import ml_dtypes
 
     tokens, heads = 70, 2
@@ -615,8 +609,7 @@ def test_kernel_source_on_host_fused_gate(emulator, law):
     assert_close(fused["beta"][:tokens], expected_beta, 1e-6, "host fused beta vs sigmoid")
     assert (fused["gate"][tokens:] == 7.0).all() and (fused["beta"][tokens:] == 7.0).all(), \
         "the fused prepare wrote gate or beta rows >= T"
-    halves = (x.astype(np.float16).astype(np.float32) for x in inputs[:2])
-    fed = (*halves, inputs[2], fused["gate"][:tokens], fused["beta"][:tokens], inputs[5])
+    fed = (*inputs[:3], fused["gate"][:tokens], fused["beta"][:tokens], inputs[5])
     plain, _ = run_on_host(emulator, fed, tokens, pad=float("nan"), unbounded=unbounded)
     for name in (*SCRATCH, "state"):
         assert_bits_equal(fused[name], plain[name], f"host {name}, fused vs plain prepare")
@@ -912,8 +905,7 @@ def test_gpu_throughput_report(geometry, figures):
 def test_gpu_fused_gate_equals_the_gate_kernel(tokens, law):
     # The prepare forming gate and beta from the projections (the bounded prepare's, the unbounded
     # prepare's by the softplus law) writes the bits kda_gate_beta_f32 writes, only for the T real
-    # rows, and the chunk results equal those of the plain prepare fed the gate kernel's output and
-    # the FP16 q and k the fused one reads, as FP32.
+    # rows, and the chunk results equal those of the same prepare fed the gate kernel's output.
     import ml_dtypes
 
     cp = _cp()
@@ -931,11 +923,10 @@ def test_gpu_fused_gate_equals_the_gate_kernel(tokens, law):
     bound = LOWER_BOUND if bounded else None
     ops.kda_gate_beta_f32(forget_proj, dt_bias, a_log, beta_logits, gate_ref, beta_ref, heads, 128, bounded,
                           LOWER_BOUND if bounded else 0.0, tokens=tokens)
-    query_half, key_half = (x.astype(cp.float16) for x in device[:2])
-    query, key, value = query_half.astype(cp.float32), key_half.astype(cp.float32), device[2]
+    query, key, value = device[:3]
     gate_out, beta_out = cp.full_like(gate_ref, 7.0), cp.full_like(beta_ref, 7.0)
     fused_state, fused_core, fused_scratch = start.copy(), cp.zeros_like(query), _scratch(tokens, heads)
-    chunk_tc.chunk_prefill_tc(query_half, key_half, value, gate_out, beta_out, fused_state, fused_core, tokens, bound,
+    chunk_tc.chunk_prefill_tc(query, key, value, gate_out, beta_out, fused_state, fused_core, tokens, bound,
                               *fused_scratch.values(),
                               gate_source=chunk_tc.GateSource(forget_proj, dt_bias, a_log, beta_logits))
     assert_bits_equal(gate_out[:tokens], gate_ref[:tokens], f"T{tokens} {law} fused gate")

@@ -7,8 +7,6 @@ Promises tested:
     conv output, q, k, v and the carried conv state, from a random carried state, across token
     tiles of 64, for kernel sizes 1..4, with scheduling jitter (tests/test_decode_host.py checks
     that the fused decode step's conv stage writes these bits too);
-  * the FP16 q and k (what the gate-forming tensor-core prepares read) are the FP32 q and k rounded
-    to nearest, bit for bit;
   * the conv output is the float64 oracle's (glm_kda.reference.conv_silu) rounded to BF16
     within the stage bound, q and k are the oracle's L2 norm of that output, v is it, and the
     new state is the last K inputs exactly;
@@ -26,8 +24,8 @@ import numpy as np
 import pytest
 
 from glm_kda.reference import conv_silu, l2norm_split, rms_ratio, round_bf16
-from host_cuda import (F16_DEVICE_HELPERS, F16_HOST_HELPERS, HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, bf16_bits,
-                       bits_to_f64, build_host_binary, host_kernel_source)
+from host_cuda import (HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, bf16_bits, bits_to_f64, build_host_binary,
+                       host_kernel_source)
 
 HEADS = 2  # 6 heads of q, k or v: the prefill's second block has two warps past the last head
 DIM = 128
@@ -38,9 +36,8 @@ CONV_MAIN = r"""
 #include "emulation.h"
 """ + HOST_CUDA_RUNTIME + r"""
 using bf16_t = unsigned short;
-using f16_t = unsigned short;
-extern "C" void kda_conv_prefill_silu_l2_bf16(float*, const bf16_t*, const bf16_t*, bf16_t*, void*, void*, float*, int,
-                                          int, int, int, int, float);
+extern "C" void kda_conv_prefill_silu_l2_bf16(float*, const bf16_t*, const bf16_t*, bf16_t*, float*, float*, float*, int,
+                                          int, int, int, float);
 
 int main(int argc, char** argv)
 {
@@ -56,26 +53,17 @@ int main(int argc, char** argv)
         auto state = start;
         std::vector<bf16_t> conv_out(tokens * conv_dim, 0x7FA5);
         std::vector<float> query(tokens * qkv, std::nanf("")), key = query, value = query;
-        std::vector<f16_t> query_half(tokens * qkv, 0x7e00), key_half = query_half;
         // prefill: one launch of every token; steps: one launch a token.
         const int launches = std::string(path) == "prefill" ? 1 : tokens, count = tokens / launches;
         for (int t = 0; t < tokens; t += count) {
             run_grid(dim3{unsigned((3 * heads + 3) / 4), unsigned((count + 63) / 64), 1}, 128, 0, [&] {
                 kda_conv_prefill_silu_l2_bf16(state.data(), qkv_proj.data() + t * conv_dim, conv_w.data(),
                                           conv_out.data() + t * conv_dim, query.data() + t * qkv, key.data() + t * qkv,
-                                          value.data() + t * qkv, 0, heads, 128, kernel, count, eps);
+                                          value.data() + t * qkv, heads, 128, kernel, count, eps);
             });
         }
-        if (std::string(path) == "prefill") {  // once more, q and k as FP16 (the state from the same start)
-            auto half_state = start;
-            run_grid(dim3{unsigned((3 * heads + 3) / 4), unsigned((tokens + 63) / 64), 1}, 128, 0, [&] {
-                kda_conv_prefill_silu_l2_bf16(half_state.data(), qkv_proj.data(), conv_w.data(), nullptr,
-                                          query_half.data(), key_half.data(), value.data(), 1, heads, 128, kernel,
-                                          tokens, eps);
-            });
-        }
-        save_each(dir + "/" + std::string(path) + ".", {"conv_out", "query", "key", "value", "state", "query_half",
-                  "key_half"}, conv_out, query, key, value, state, query_half, key_half);
+        save_each(dir + "/" + std::string(path) + ".", {"conv_out", "query", "key", "value", "state"}, conv_out, query,
+                  key, value, state);
     }
     std::printf("misaligned=%ld\n", misaligned.load());
     return 0;
@@ -84,20 +72,18 @@ int main(int argc, char** argv)
 
 
 def host_source() -> str:
-    return '#include "emulation.h"\n' + host_kernel_source("conv", F16_DEVICE_HELPERS)
+    return '#include "emulation.h"\n' + host_kernel_source("conv", ())
 
 
 @pytest.fixture(scope="module")
 def conv_host(tmp_path_factory):
     return build_host_binary(tmp_path_factory.mktemp("conv_host"), "conv_host",
-                             {"emulation.h": HOST_CUDA_HEADER + F16_HOST_HELPERS, "main.cpp": CONV_MAIN,
-                              "kernel.cpp": host_source()})
+                             {"emulation.h": HOST_CUDA_HEADER, "main.cpp": CONV_MAIN, "kernel.cpp": host_source()})
 
 
 def run_conv(binary, qkv_proj_bits, conv_w_bits, state, jitter=False):
     """(prefill outputs, one-token launches' outputs): dicts of conv_out (BF16 bits), query, key, value,
-    state, and query_half and key_half (FP16: the prefill's launch with q and k as FP16, writing value
-    again over the first's)."""
+    state."""
     tokens, conv_dim = qkv_proj_bits.shape
     kernel = conv_w_bits.shape[1]
     folder = Path(tempfile.mkdtemp(prefix=f"T{tokens}-K{kernel}-{int(jitter)}-", dir=binary.parent))
@@ -113,7 +99,6 @@ def run_conv(binary, qkv_proj_bits, conv_w_bits, state, jitter=False):
         read = lambda name, dtype, shape: np.fromfile(folder / f"{path}.{name}", dtype).reshape(shape)  # noqa: E731
         out[path] = {"conv_out": read("conv_out", np.uint16, (tokens, conv_dim)),
                      **{name: read(name, np.float32, (tokens, HEADS, DIM)) for name in ("query", "key", "value")},
-                     **{name: read(name, np.float16, (tokens, HEADS, DIM)) for name in ("query_half", "key_half")},
                      "state": read("state", np.float32, (conv_dim, kernel))}
     return out["prefill"], out["steps"]
 
@@ -147,8 +132,4 @@ def test_conv_kernels_on_host(conv_host, tokens, kernel, jitter, scale):
         ratio = rms_ratio(prefill[name].astype(np.float64), expected)
         assert ratio <= 1e-6, f"{tag}: {name} rms-ratio {ratio:.3e} against the oracle's L2 norm of the kernel's conv_out"
     assert np.array_equal(prefill["value"].astype(np.float64), v), f"{tag}: value is not the conv output"
-    for name in ("query", "key"):
-        rounded = prefill[name].astype(np.float16)
-        differ = int(np.count_nonzero(prefill[f"{name}_half"].view(np.uint16) != rounded.view(np.uint16)))
-        assert differ == 0, f"{tag}: {differ} values of {name}_half are not {name} rounded to FP16"
     assert np.array_equal(prefill["state"].astype(np.float64), expected_state), f"{tag}: new state is not the last K inputs"

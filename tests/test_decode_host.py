@@ -26,8 +26,8 @@ from types import SimpleNamespace
 
 from glm_kda.gpu.projection import tile_layout
 from glm_kda.reference import forget_gate, gated_rmsnorm, recurrent_scan, rms_ratio, round_bf16, sigmoid
-from host_cuda import (F16_DEVICE_HELPERS, F16_HOST_HELPERS, HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, bf16_bits,
-                       bits_to_f64, build_host_binary, host_kernel_source, kernel_declaration)
+from host_cuda import (HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, bf16_bits, bits_to_f64, build_host_binary,
+                       host_kernel_source, kernel_declaration)
 
 HEADS = 2
 DIM = 128
@@ -40,7 +40,7 @@ OUTPUTS = ("conv_out", "query", "key", "value", "gate", "beta", "core", "o_norm_
 
 # The pool path's fused step asks L2 for the state of the sequence this far ahead.
 PREFETCH_AHEAD = 2
-DEVICE_HELPERS = {"decode/decode": ("prefetch_floats_l2",), "conv": F16_DEVICE_HELPERS}
+DEVICE_HELPERS = {"decode/decode": ("prefetch_floats_l2",)}
 
 # One token of the recurrence of every head, by the step's own device functions (decode_step.cuh),
 # appended to the host build of decode.cu: block h, thread d steps value column d of head h.
@@ -67,7 +67,7 @@ extern "C" void host_recurrent_step(const float* query, const float* key, const 
 # The L2 requests of the fused step: counted, and checked to name exactly the head of the block
 # (blockIdx.x) in the slot of the sequence PREFETCH_AHEAD after the block's (blockIdx.y): its
 # state, then the conv windows of its q, k and v channels.
-DECODE_HEADER = HOST_CUDA_HEADER + F16_HOST_HELPERS + r"""
+DECODE_HEADER = HOST_CUDA_HEADER + r"""
 extern const float* prefetch_pool;
 extern const float* prefetch_conv_pool;
 extern const int* prefetch_slots;
@@ -95,7 +95,6 @@ const int* prefetch_slots;
 int prefetch_heads, prefetch_kernel;
 std::atomic<long> prefetches{0}, bad_prefetches{0};
 using bf16_t = unsigned short;
-using f16_t = unsigned short;
 """ + "".join(kernel_declaration(stem, name) for stem, name in (
     ("conv", "kda_conv_prefill_silu_l2_bf16"), ("gate", "kda_gate_beta_f32"), ("norm", "kda_gated_rmsnorm_sigmoid_bf16"),
     ("decode/decode", "kda_decode_fused_bf16"))) + r"""
@@ -179,7 +178,7 @@ int main(int argc, char** argv)
             // The prefill kernels over the rows, the recurrence a token at a time, the norm of the walk's core.
             run_grid(dim3{unsigned((3 * heads + 3) / 4), unsigned((rows + 63) / 64), 1}, 128, 0, [&] {
                 kda_conv_prefill_silu_l2_bf16(conv_state.data(), qkv_proj.data(), conv_w.data(), conv_out.data(),
-                                          query.data(), key.data(), value.data(), 0, heads, 128, kernel, rows, l2_eps);
+                                          query.data(), key.data(), value.data(), heads, 128, kernel, rows, l2_eps);
             });
             run_grid(dim3{unsigned(heads), unsigned((rows + 31) / 32), 1}, 128, 0, [&] {
                 kda_gate_beta_f32(forget_proj.data(), dt_bias.data(), a_log.data(), beta_logits, int(ld_beta), gate.data(),

@@ -106,23 +106,6 @@ def test_prefill_conv_names_a_short_output(launches):
     assert not launches
 
 
-def test_prefill_conv_takes_q_and_k_both_fp32_or_both_fp16(launches):
-    """FP16 q and k set the kernel's qk_half argument; one FP16 and one FP32 is refused, naming key."""
-    heads, dim = 2, ops.HEAD_DIM
-    conv_dim = 3 * heads * dim
-    f16 = lambda *shape: HostStandIn(aligned(shape, np.float16))  # noqa: E731
-    common = (_f32(conv_dim, 4), _bf16(10, conv_dim), _bf16(conv_dim, 4), None)
-    ops.kda_conv_prefill_silu_l2_bf16(*common, f16(10, heads, dim), f16(10, heads, dim), _f32(10, heads, dim), heads,
-                                      dim, 1e-6, tokens=10)
-    ops.kda_conv_prefill_silu_l2_bf16(*common, _f32(10, heads, dim), _f32(10, heads, dim), _f32(10, heads, dim),
-                                      heads, dim, 1e-6, tokens=10)
-    assert [int(args[7]) for _, _, _, args in launches] == [1, 0], "qk_half: FP16, then FP32"
-    with pytest.raises(TypeError, match="key: expected float16"):
-        ops.kda_conv_prefill_silu_l2_bf16(*common, f16(10, heads, dim), _f32(10, heads, dim), _f32(10, heads, dim),
-                                          heads, dim, 1e-6, tokens=10)
-    assert len(launches) == 2
-
-
 @pytest.mark.parametrize("tokens", [1, 3, 4, 5, 7, 8, 9, ops.MAX_GRID_Y + 5], ids=lambda t: f"T{t}")
 def test_gate_and_norm_walk_token_groups(launches, tokens):
     """grid.y = ceil(T / tokens per block) per slice of at most MAX_GRID_Y tokens; each launch

@@ -79,9 +79,8 @@ class ShapeOnly:
         return ShapeOnly((self.size,) if shape == (-1,) else shape, self.dtype, self.base or self)
 
     def __getitem__(self, key):
-        assert self.shape == (self.size,) and key.step is None, key
-        start, stop = key.start or 0, self.size if key.stop is None else key.stop
-        return ShapeOnly((stop - start,), self.dtype, self.base or self)
+        assert self.shape == (self.size,) and key.start is None and key.step is None, key
+        return ShapeOnly((key.stop,), self.dtype, self.base or self)
 
     def view(self, dtype):
         return ShapeOnly((self.nbytes // np.dtype(dtype).itemsize,), dtype, self.base or self)

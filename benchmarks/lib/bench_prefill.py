@@ -73,22 +73,19 @@ def kernel_bytes(config: KdaConfig, tokens: int, record: bool = False) -> dict[s
     attn_f16, chunk_decay = chunks * heads * 64 * 64 * 2, chunks * qkv * 4
     # q_decay, k_tail, W (FP16), U (FP32), attn (FP16), the chunk decay: the prepare's writes, the scan's reads.
     prepared = 3 * f16_rows + f32_rows + attn_f16 + chunk_decay
-    # The prepare forms the gate and beta from the projections and writes them out (the bounded prepare,
-    # or the unbounded one by the softplus law), reading q and k as FP16; a bound the bounded prepare does
-    # not take: the gate kernel, then the unbounded prepare reading its output and FP32 q and k.
-    fused = prepare_lower_bound(config) is not None or not config.bounded
-    # The conv pass: qkv_proj in; v (FP32) out; q and k FP16 where the prepare forms the gate (FP32 too
-    # where recorded), else FP32; conv_out (BF16) where recorded.
-    qk_out = 2 * f16_rows + 2 * f32_rows * record if fused else 2 * f32_rows
     moved = {
-        "kda_conv_prefill_silu_l2_bf16": 3 * bf16_rows + 3 * bf16_rows * record + qk_out + f32_rows,
+        # qkv_proj in; conv_out (BF16, recorded) and q, k, v (FP32) out.
+        "kda_conv_prefill_silu_l2_bf16": 3 * bf16_rows + 3 * bf16_rows * record + 3 * f32_rows,
         "kda_chunk_tc_scan_f32": prepared + f32_rows,  # core out
         "kda_gated_rmsnorm_sigmoid_bf16": f32_rows + 2 * bf16_rows,  # core, out_gate in; o_norm_out out
     }
-    forming = 2 * f16_rows + f32_rows + bf16_rows + beta_logits + f32_rows * record + beta_f32 + prepared
+    # The prepare forms the gate and beta from the projections and writes them out (the bounded prepare,
+    # or the unbounded one by the softplus law); a bound the bounded prepare does not take: the gate kernel,
+    # then the unbounded prepare reading its output.
+    forming = 3 * f32_rows + bf16_rows + beta_logits + f32_rows * record + beta_f32 + prepared
     if prepare_lower_bound(config) is not None:
         moved["kda_chunk_tc_prepare_gate_f32"] = forming
-    elif fused:
+    elif not config.bounded:
         moved["kda_chunk_tc_prepare_unbounded_gate_f32"] = forming
     else:
         moved["kda_gate_beta_f32"] = bf16_rows + beta_logits + f32_rows + beta_f32

@@ -205,33 +205,23 @@ class Stages:
         c = self.config
         rows, middle = slice(first, None), slice(middle_first, None)
         record = self._options.stage_buffers
-        # The tensor-core prepare forms the gate and beta itself, reading q and k as FP16, but for a bounded
-        # law whose bound the bounded prepare does not take: the unbounded one then reads the gate kernel's.
-        tensor = self._chunk_impl == "tensor"
-        lower_bound = prepare_lower_bound(c) if tensor else None
-        fused = tensor and (lower_bound is not None or not c.bounded)
         query, key, value, gate, beta = (buf[middle] for buf in (ws.query, ws.key, ws.value, ws.gate, ws.beta))
-        query_half, key_half = (buf[middle] for buf in (ws.query_f16, ws.key_f16))
-        # The conv pass writes FP16 q and k straight for a gate-forming prepare, unless the FP32 stage
-        # buffers are recorded: then they are rounded from those, to the same bits.
-        straight = fused and not record
         ops.kda_conv_prefill_silu_l2_bf16(conv_state, ws.qkv_proj[rows], self.conv_weight,
-                                          ws.conv_out[middle] if record else None,
-                                          query_half if straight else query, key_half if straight else key, value,
-                                          c.heads, c.head_dim, c.l2_eps, tokens=tokens)
-        if fused and record:
-            query_half[:tokens] = query[:tokens]
-            key_half[:tokens] = key[:tokens]
+                                          ws.conv_out[middle] if record else None, query, key, value, c.heads,
+                                          c.head_dim, c.l2_eps, tokens=tokens)
         padded = ops.chunk_count(tokens, c.chunk) * c.chunk
         if pad_value is not None and padded > tokens:
-            for buf in (query, key, value, gate, beta, *((query_half, key_half) if fused else ())):
+            for buf in (query, key, value, gate, beta):
                 buf[tokens:padded].fill(pad_value)
         core = ws.core[middle]
-        if tensor:
+        if self._chunk_impl == "tensor":
+            # The prepare forms the gate and beta itself, but for a bounded law whose bound the bounded
+            # prepare does not take: the unbounded prepare then reads the gate kernel's.
+            lower_bound = prepare_lower_bound(c)
+            fused = lower_bound is not None or not c.bounded
             if not fused:
                 self._gate_beta(ws, tokens, first, middle_first)
-            chunk_tc.chunk_prefill_tc(query_half if fused else query, key_half if fused else key, value,
-                                      gate if record or not fused else None, beta,
+            chunk_tc.chunk_prefill_tc(query, key, value, gate if record or not fused else None, beta,
                                       recurrent_state, core, tokens, lower_bound, ws.q_decay_f16, ws.k_tail_f16,
                                       ws.chunk_w_f16, ws.chunk_u, ws.attn_f16, ws.chunk_decay, scale=self.scale,
                                       gate_source=self._gate_source(ws, first) if fused else None)

@@ -88,8 +88,7 @@ class KdaWorkspace:
     layer under KdaOptions(stage_buffers=True) takes a workspace made with stage_buffers=True, whose
     buffers hold every row (2.3x the bytes at GLM-5.3-Flash geometry and 16384 rows). The tensor-core chunk
     kernels keep q_decay, k_tail, w and attn as FP16 in the first half of the same bytes
-    (q_decay_f16, k_tail_f16, chunk_w_f16, attn_f16), and the FP16 q and k they read in the second half
-    of q_decay's and k_tail's (query_f16, key_f16). The rest (docs/design.md, "Workspaces"): the
+    (q_decay_f16, k_tail_f16, chunk_w_f16, attn_f16). The rest (docs/design.md, "Workspaces"): the
     bulk sweep's x_tiles, x_tiles_side, x_tiles_gate and bulk_partial, the outputs_ready count (zero
     between calls), graph_hidden and graph_slots.
     """
@@ -136,9 +135,6 @@ class KdaWorkspace:
         self.chunk_decay = cupy.zeros((nchunks, heads, dim), f32)
         self.q_decay_f16, self.k_tail_f16, self.chunk_w_f16, self.attn_f16 = (
             f16_view(buffer) for buffer in (self.q_decay, self.k_tail, self.chunk_w, self.attn))
-        # The FP16 q and k the conv pass hands the gate-forming prepares, in the halves of q_decay's and
-        # k_tail's bytes that the tensor-core path leaves free.
-        self.query_f16, self.key_f16 = (f16_view(buffer, 1) for buffer in (self.q_decay, self.k_tail))
         # One row group of the decode-side projection and the widest k it reads.
         tile_rows = min(max_tokens, projection.GEMM_ROWS_MAX_ROWS)
         self.x_tiles = cupy.zeros((projection.x_tiles_size(tile_rows, max(c.hidden, c.qkv)),), bf16)

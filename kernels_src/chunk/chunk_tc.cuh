@@ -4,7 +4,6 @@
 // 'Tensor-core chunk kernels'. Launch: the prepare (nchunks, heads) x 256 threads, 104,704 B of
 // dynamic shared memory; the scan (heads, D / 32) x 128 threads, 66,560 B.
 #include "common/bf16.cuh"
-#include "common/f16.cuh"
 #include "common/math.cuh"
 #include "common/reduce.cuh"
 #include "common/sync.cuh"
@@ -44,8 +43,28 @@ __device__ __forceinline__ float round_tf32(float x)
     return __uint_as_float((bits + 0x1000u) & 0xffffe000u);
 }
 
-// FP16 (raw bits, common/f16.cuh) for the scan's operands: half the traffic, exact for TF32 values
-// (docs/kernels.md).
+// FP16 (raw bits) for the scan's operands: half the traffic, exact for TF32 values (docs/kernels.md).
+typedef unsigned short f16_t;
+
+__device__ __forceinline__ f16_t f32_to_f16(float x)
+{
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return h;
+}
+
+__device__ __forceinline__ float f16_to_f32(f16_t h)
+{
+    float x;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(x) : "h"(h));
+    return x;
+}
+
+__device__ __forceinline__ unsigned int pack_f16x2(float low, float high)
+{
+    return static_cast<unsigned int>(f32_to_f16(low)) | (static_cast<unsigned int>(f32_to_f16(high)) << 16);
+}
+
 __device__ __forceinline__ void load8_f16(float out[8], const f16_t* pointer)
 {
     const uint4 value = *reinterpret_cast<const uint4*>(pointer);
@@ -93,20 +112,6 @@ __device__ __forceinline__ void load8(float out[8], const float* pointer)
 {
     load4(out, pointer);
     load4(out + 4, pointer + 4);
-}
-
-// Four q or k values of a row as FP32: FP32 rows (the plain prepares') or FP16 rows (the gate-forming
-// prepares', the conv pass's FP16 q and k), exact either way.
-__device__ __forceinline__ float4 load_qk4(const float* pointer)
-{
-    return *reinterpret_cast<const float4*>(pointer);
-}
-
-__device__ __forceinline__ float4 load_qk4(const f16_t* pointer)
-{
-    const uint2 words = *reinterpret_cast<const uint2*>(pointer);
-    return make_float4(f16_to_f32(static_cast<f16_t>(words.x & 0xffffu)), f16_to_f32(static_cast<f16_t>(words.x >> 16)),
-                       f16_to_f32(static_cast<f16_t>(words.y & 0xffffu)), f16_to_f32(static_cast<f16_t>(words.y >> 16)));
 }
 
 template <int N>
@@ -226,22 +231,11 @@ __device__ __forceinline__ void inverse_block_below_diagonal(const float* lower_
 }
 
 // Eight q values of chunk row t (channels column .. column + 7), zero for a padding row (never read).
-template <typename QK>
-__device__ __forceinline__ void load_query_row8(float out[8], const QK* __restrict__ query, int first, int t,
+__device__ __forceinline__ void load_query_row8(float out[8], const float* __restrict__ query, int first, int t,
                                                 int valid, size_t row_stride, size_t column)
 {
     if (t < valid) {
-        const QK* row = query + static_cast<size_t>(first + t) * row_stride + column;
-        const float4 low = load_qk4(row);
-        const float4 high = load_qk4(row + 4);
-        out[0] = low.x;
-        out[1] = low.y;
-        out[2] = low.z;
-        out[3] = low.w;
-        out[4] = high.x;
-        out[5] = high.y;
-        out[6] = high.z;
-        out[7] = high.w;
+        load8(out, query + static_cast<size_t>(first + t) * row_stride + column);
     } else {
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
@@ -291,9 +285,8 @@ __device__ __forceinline__ bool diagonal_in_range(const float* cumgate_s, int i,
 #define CHUNK_TC_SUB_PAIRS (CHUNK_TC_SUB * (CHUNK_TC_SUB + 1) / 2)
 
 // The diagonal blocks i with exact[i] set, of A and B, as exact FP32 sums by every thread (docs/kernels.md).
-template <typename QK>
 __device__ __forceinline__ void diagonal_blocks_exact(const float* key_s, const float* cumgate_s, const float* beta_s,
-                                                      float* lower_s, f16_t* attn_block, const QK* query,
+                                                      float* lower_s, f16_t* attn_block, const float* query,
                                                       int first, int valid, size_t row_stride, size_t head_offset,
                                                       float scale, const int* exact, int thread)
 {
@@ -313,7 +306,7 @@ __device__ __forceinline__ void diagonal_blocks_exact(const float* key_s, const 
         const float* key_src = key_s + s * CHUNK_TC_D_STRIDE;
         const float* gate_t = cumgate_s + t * CHUNK_TC_D_STRIDE;
         const float* gate_src = cumgate_s + s * CHUNK_TC_D_STRIDE;
-        const QK* query_t = query + static_cast<size_t>(first + t) * row_stride + head_offset;
+        const float* query_t = query + static_cast<size_t>(first + t) * row_stride + head_offset;
         const bool real = t < valid;
         float kk = 0.0f;
         float qk = 0.0f;
@@ -329,11 +322,7 @@ __device__ __forceinline__ void diagonal_blocks_exact(const float* key_s, const 
             load4(gate_row, gate_t + d);
             load4(gate_source, gate_src + d);
             if (real) {
-                const float4 loaded = load_qk4(query_t + d);
-                query_row[0] = loaded.x;
-                query_row[1] = loaded.y;
-                query_row[2] = loaded.z;
-                query_row[3] = loaded.w;
+                load4(query_row, query_t + d);
             }
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
@@ -356,14 +345,13 @@ __device__ __forceinline__ void diagonal_blocks_exact(const float* key_s, const 
     }
 }
 
-// The prepare of every entry point; query and key [T, H, D] of type QK (FP32, or FP16 in the gate-forming
-// entries). FUSED_GATE false: gate_in [T, H, D] and beta_in [T, H] are inputs.
+// The prepare of every entry point. FUSED_GATE false: gate_in [T, H, D] and beta_in [T, H] are inputs.
 // FUSED_GATE true: gate_out and beta_out are formed (the bounded law, or UNBOUNDED the softplus law;
 // gate.cu's bits) from forget_proj [T, H*D] BF16, dt_bias [H*D], A_log [H] and the BF16 beta logits
 // (row stride ld_beta); gate_out may be null (not written).
-template <bool FUSED_GATE, bool UNBOUNDED = false, typename QK = float>
+template <bool FUSED_GATE, bool UNBOUNDED = false>
 __device__ __forceinline__ void chunk_tc_prepare(
-    const QK* __restrict__ query, const QK* __restrict__ key, const float* __restrict__ value,
+    const float* __restrict__ query, const float* __restrict__ key, const float* __restrict__ value,
     const float* __restrict__ gate_in, const float* __restrict__ beta_in, float* __restrict__ gate_out,
     float* __restrict__ beta_out, f16_t* __restrict__ q_decay, f16_t* __restrict__ k_tail_t,
     f16_t* __restrict__ w, float* __restrict__ u, f16_t* __restrict__ attn, float* __restrict__ chunk_decay,
@@ -418,7 +406,7 @@ __device__ __forceinline__ void chunk_tc_prepare(
                 projected[l] = make_uint2(0u, 0u);
                 if (t < valid) {
                     const size_t at = static_cast<size_t>(first + t) * row_stride + head_offset + channel;
-                    key_value[l] = load_qk4(key + at);
+                    key_value[l] = *reinterpret_cast<const float4*>(key + at);
                     projected[l] = *reinterpret_cast<const uint2*>(forget_proj + at);
                 }
             }
@@ -459,7 +447,7 @@ __device__ __forceinline__ void chunk_tc_prepare(
                 gate_value[l] = key_value[l];
                 if (t < valid) {
                     const size_t at = static_cast<size_t>(first + t) * row_stride + head_offset + channel;
-                    key_value[l] = load_qk4(key + at);
+                    key_value[l] = *reinterpret_cast<const float4*>(key + at);
                     gate_value[l] = *reinterpret_cast<const float4*>(gate_in + at);
                 }
             }
@@ -525,7 +513,8 @@ __device__ __forceinline__ void chunk_tc_prepare(
             const int d = (index & 31) * 4;
             query_value[l] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             if (t < valid) {
-                query_value[l] = load_qk4(query + static_cast<size_t>(first + t) * row_stride + head_offset + d);
+                query_value[l] = *reinterpret_cast<const float4*>(
+                    query + static_cast<size_t>(first + t) * row_stride + head_offset + d);
             }
         }
 #pragma unroll
@@ -823,8 +812,8 @@ __device__ __forceinline__ void chunk_tc_prepare(
 }
 
 // The prepare's entry points, one a file. CHUNK_TC_PREPARE_ENTRY reads gate and beta,
-// CHUNK_TC_PREPARE_GATE_ENTRY forms and writes them (chunk_tc_prepare's contract) and reads q and k as
-// FP16, as the conv pass writes them for it; UNBOUNDED: any gate <= 0 (the softplus law), lower_bound unread.
+// CHUNK_TC_PREPARE_GATE_ENTRY forms and writes them (chunk_tc_prepare's contract); UNBOUNDED: any gate
+// <= 0 (the softplus law), lower_bound unread.
 #define CHUNK_TC_PREPARE_ENTRY(NAME, UNBOUNDED)                                                        \
     extern "C" __global__ void __launch_bounds__(CHUNK_TC_PREPARE_THREADS, 2)                              \
         NAME(const float* __restrict__ query, const float* __restrict__ key, const float* __restrict__ value, \
@@ -839,15 +828,14 @@ __device__ __forceinline__ void chunk_tc_prepare(
     }
 #define CHUNK_TC_PREPARE_GATE_ENTRY(NAME, UNBOUNDED)                                                       \
     extern "C" __global__ void __launch_bounds__(CHUNK_TC_PREPARE_THREADS, 2)                              \
-        NAME(const f16_t* __restrict__ query, const f16_t* __restrict__ key, const float* __restrict__ value, \
+        NAME(const float* __restrict__ query, const float* __restrict__ key, const float* __restrict__ value, \
              float* __restrict__ gate, float* __restrict__ beta, f16_t* __restrict__ q_decay,              \
              f16_t* __restrict__ k_tail_t, f16_t* __restrict__ w, float* __restrict__ u,                  \
              f16_t* __restrict__ attn, float* __restrict__ chunk_decay, int tokens, int heads, float scale, \
              float lower_bound, const bf16_t* __restrict__ forget_proj, const float* __restrict__ dt_bias, \
              const float* __restrict__ a_log, const bf16_t* __restrict__ beta_logits, int ld_beta)        \
     {                                                                                                      \
-        chunk_tc_prepare<true, UNBOUNDED, f16_t>(query, key, value, nullptr, nullptr, gate, beta, q_decay,  \
-                                                 k_tail_t, w, u, attn, chunk_decay, tokens, heads, scale,  \
-                                                 lower_bound, forget_proj, dt_bias, a_log, beta_logits,    \
-                                                 ld_beta);                                                 \
+        chunk_tc_prepare<true, UNBOUNDED>(query, key, value, nullptr, nullptr, gate, beta, q_decay, k_tail_t, \
+                                          w, u, attn, chunk_decay, tokens, heads, scale, lower_bound,      \
+                                          forget_proj, dt_bias, a_log, beta_logits, ld_beta);              \
     }

@@ -60,8 +60,7 @@ def kda_chunk_tc_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, 
     query, key, value, gate [>= T, H, D] and beta [>= T, H] FP32, 16-byte aligned; rows >= T are
     never read. With `gate_source` gate and beta are OUTPUTS, their T rows formed from the
     projections bit for bit as ops.kda_gate_beta_f32 writes them: by the bounded law, or (lower_bound
-    None) by the softplus law; gate may then be None (not written); query and key are then FP16 (the
-    conv pass's query_half and key_half): the prepare reads them as what the FP32 ones round to.
+    None) by the softplus law; gate may then be None (not written).
 
     Writes the scratch of :func:`scratch_shapes`: q_decay = f16(tf32(scale q exp(G))),
     k_tail = f16(tf32(k exp(G_last - G))) chunk-transposed, w = f16(tf32(W)), u = Uc (FP32),
@@ -74,11 +73,9 @@ def kda_chunk_tc_prepare_f32(query, key, value, gate, beta, q_decay, k_tail, w, 
     _require_rows("beta", beta, "f32", tokens, (heads,))
     if gate is None and gate_source is None:
         raise ValueError("kda_chunk_tc_prepare_f32: gate is an input (no gate_source), got None")
-    qk_kind = "f32" if gate_source is None else "f16"
-    for name, array, kind in (("query", query, qk_kind), ("key", key, qk_kind), ("value", value, "f32"),
-                              ("gate", gate, "f32")):
-        if array is not None or name != "gate":
-            _require_rows(name, array, kind, tokens, (heads, HEAD_DIM), aligned=True)
+    for name, array in (("query", query), ("key", key), ("value", value), ("gate", gate)):
+        if array is not None:
+            _require_rows(name, array, "f32", tokens, (heads, HEAD_DIM), aligned=True)
     _require_scratch(q_decay, k_tail, w, u, attn, chunk_decay, tokens, heads)
     if scale is None:
         scale = 1.0 / math.sqrt(HEAD_DIM)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import numpy
-
 from .. import build
 from .checks import HEAD_BLOCK, _f32, _i32, _require_head_dim, _require_int32, _require_rows, conv_kernel_size
 
@@ -19,10 +17,9 @@ def kda_conv_prefill_silu_l2_bf16(conv_state, qkv_proj, conv_w, conv_out, query,
 
     conv_state [conv_dim, K] FP32 (in place), qkv_proj [>= T, conv_dim] BF16, conv_w
     [conv_dim, K] BF16; writes conv_out [>= T, conv_dim] BF16 (None: not written) and query, key
-    (L2-normalised per head) and value [>= T, H, D], conv_dim = 3 * H * D: value FP32, query and key
-    both FP32, or both FP16 (rounded to nearest from the FP32 values: what the gate-forming
-    tensor-core prepares read). All 16-byte aligned (vector loads and stores). Grid (ceil(3H / 4),
-    ceil(T / 64)), one warp per head of q, k or v and tile of tokens.
+    (L2-normalised per head), value [>= T, H, D] FP32, conv_dim = 3 * H * D; qkv_proj, conv_out,
+    query, key and value 16-byte aligned (vector loads and stores). Grid (ceil(3H / 4), ceil(T / 64)),
+    one warp per head of q, k or v and tile of tokens.
     """
     _require_head_dim(head_dim)
     conv_dim = 3 * heads * head_dim
@@ -32,14 +29,12 @@ def kda_conv_prefill_silu_l2_bf16(conv_state, qkv_proj, conv_w, conv_out, query,
     _require_rows("qkv_proj", qkv_proj, "bf16", tokens, (conv_dim,), aligned=True)
     if conv_out is not None:
         _require_rows("conv_out", conv_out, "bf16", tokens, (conv_dim,), aligned=True)
-    half = getattr(query, "dtype", None) == numpy.float16
-    for name, array, kind in (("query", query, "f16" if half else "f32"), ("key", key, "f16" if half else "f32"),
-                              ("value", value, "f32")):
-        _require_rows(name, array, kind, tokens, (heads, head_dim), aligned=True)
+    for name, array in (("query", query), ("key", key), ("value", value)):
+        _require_rows(name, array, "f32", tokens, (heads, head_dim), aligned=True)
     _require_int32("tokens", tokens)
     if tokens == 0:
         return
     grid = (-(-3 * heads // _HEADS_PER_BLOCK), -(-tokens // _TILE))
     build.launch("kda_conv_prefill_silu_l2_bf16", grid, (HEAD_BLOCK,),
-                 (conv_state, qkv_proj, conv_w, conv_out, query, key, value, _i32(int(half)), _i32(heads),
-                  _i32(head_dim), _i32(kernel_size), _i32(tokens), _f32(l2_eps)))
+                 (conv_state, qkv_proj, conv_w, conv_out, query, key, value, _i32(heads), _i32(head_dim),
+                  _i32(kernel_size), _i32(tokens), _f32(l2_eps)))
