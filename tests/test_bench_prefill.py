@@ -96,7 +96,8 @@ _FLA_REST = {"recompute_w_u_fwd_kda_kernel": 0.727, "chunk_kda_fwd_kernel_inter_
 
 def test_middle_against_fla_sets_kernel_time_beside_kernel_time():
     """Our kda_ kernels against fla's layer's kernels that are not cuBLAS's, at the T both broke down
-    (ours also breaks down a longer T); the sections and a variant's breakdown left out, and fla's kernel sum over its median call."""
+    (ours also breaks down a longer T); the sections and a variant's breakdown left out, and fla's
+    kernel sum over its median call."""
     kernels = {**_FLA_GEMMS, **_OLDER_GEMM, **_FLA_REST}
     fla = {"impl": "fla", "case": "prefill_kernels", "geometry": "glm", "T": 16384, "kernel_ms": kernels,
            "kernel_total_ms": sum(kernels.values())}

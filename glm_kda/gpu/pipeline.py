@@ -258,7 +258,7 @@ class Stages:
         else:
             ws.unrecorded = None
         # The output goes through final_out only where the stage buffers record the call.
-        record = ws.unrecorded is None
+        recorded = ws.unrecorded is None
         out = cupy.empty((total, self.config.hidden), hidden.dtype)
         for start in range(0, total, segment):
             stop = min(total, start + segment)
@@ -275,9 +275,7 @@ class Stages:
                 with _section("back_end"):
                     self._norm(ws, high - low, low - start)
             with _section("back_end"):
-                if record:
-                    self._back_end(ws, stop - start, wide, first=start)
+                self._back_end(ws, stop - start, wide, first=start, out=None if recorded else out[start:stop])
+                if recorded:
                     copy_into(out[start:stop], ws.final_out[: stop - start])
-                else:
-                    self._back_end(ws, stop - start, wide, first=start, out=out[start:stop])
         return out
