@@ -14,7 +14,7 @@ class HostStandIn:
         self._array = array
         self.dtype, self.shape, self.ndim = array.dtype, array.shape, array.ndim
         self.strides, self.itemsize, self.size, self.flags = array.strides, array.itemsize, array.size, array.flags
-        self.data = SimpleNamespace(ptr=array.ctypes.data)
+        self.data = SimpleNamespace(ptr=array.ctypes.data, device_id=0)
 
     def __getitem__(self, index):
         return HostStandIn(self._array[index])

@@ -121,12 +121,15 @@ def test_a_bad_state_list_is_refused_before_the_first_layer(stack_checkpoint):
     stack = KdaStack.from_pretrained(stack_checkpoint, layers=[2, 0], max_tokens=64, progress=False)
     assert stack.layer_indices == (2, 0)
     states = [_device(KdaState.random(stack.config, seed=s)) for s in (1, 2)]
-    before = [_bits(s.recurrent) for s in states]
     row = synthetic_hidden(1, stack.config.hidden, seed=3)
+    stack.decode(row, states)  # passed: the same buffers are not checked again, other ones are
+    before = [_bits(s.recurrent) for s in states]
     other = KdaState.zeros(synthetic_config("tiny-kimi"), cupy)
+    transposed = KdaState(states[1].conv, states[1].recurrent.transpose(0, 2, 1))
     for bad, needle in (([states[0]], "expected one state (or one StatePool) per layer (2), got 1"),
                         (states[0], "got one"),
-                        ([states[0], other], "states[1]")):
+                        ([states[0], other], "states[1]"),
+                        ([states[0], transposed], "states[1].recurrent must be a contiguous CuPy float32 array")):
         with pytest.raises((TypeError, ValueError), match=None) as info:
             stack.decode(row, bad)
         assert needle in str(info.value), info.value

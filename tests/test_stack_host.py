@@ -129,3 +129,23 @@ def test_two_rows_for_one_state_each_are_refused_before_any_launch(stack):
     with pytest.raises(ValueError, match="decode: 2 rows for one state"):
         stack.decode(rows_of(1, 2), states)
     assert all(int(s.recurrent._array[0, 0]) == 0 for s in states) and stack.graphs.captures == 0
+
+
+def test_a_state_list_that_passed_is_checked_again_only_when_a_buffer_changes(stack, monkeypatch):
+    checked = []
+    for layer in stack.layers:
+        monkeypatch.setattr(layer, "_check_state", lambda state, what, name="state": checked.append(name))
+    states = _states()
+    for t in range(3):
+        stack.decode(rows_of(t, 1), states)
+    assert checked == ["states[0]", "states[1]", "states[2]"], f"checks over three calls: {checked}"
+    for change, replacement in (("a new buffer", Array(aligned((2, 2), np.float32))),
+                                ("a view of it with other strides", Array(states[1].recurrent._array.T)),
+                                ("a view of it as another dtype", Array(states[1].recurrent._array.view(np.int32)))):
+        checked.clear()
+        states[1].recurrent = replacement
+        stack.decode(rows_of(5, 1), states)
+        assert checked == ["states[0]", "states[1]", "states[2]"], f"{change}: checks {checked}"
+    checked.clear()
+    stack.decode(rows_of(6, 1), _states())
+    assert len(checked) == 3, "a new state list is checked"

@@ -24,6 +24,22 @@ from .workspace import KdaWorkspace
 Between = Callable[[int, Any], Any]
 
 
+def state_signature(states: Sequence[Any]) -> tuple | None:
+    """Everything the checks of a state list read, per state: its type and, for its conv and
+    recurrent buffers, device, address, shape, strides and dtype. None where a state lacks those buffers
+    (the full checks then name what is wrong). Equal signatures pass or fail the same checks."""
+    try:
+        signature = []
+        for state in states:
+            conv, recurrent = state.conv, state.recurrent
+            signature.append((type(state), conv.data.device_id, conv.data.ptr, conv.shape, conv.strides, conv.dtype,
+                              recurrent.data.device_id, recurrent.data.ptr, recurrent.shape, recurrent.strides,
+                              recurrent.dtype))
+        return tuple(signature)
+    except AttributeError:
+        return None
+
+
 def chosen_layers(config: KdaConfig, layers: str | Sequence[int]) -> tuple[int, ...]:
     """The checkpoint layer indices `layers` names: "all" (every KDA layer, in order) or a list of
     KDA layer indices, each once."""
@@ -67,6 +83,9 @@ class KdaStack:
         self.graphs = DecodeGraphs()
         shared = first._workspace
         self._one_graph = shared is not None and all(layer._workspace is shared for layer in self.layers)
+        # The state_signature of the last state list that passed every check: a decode loop passes the
+        # same states each token, and checking each layer's again was most of the host's part of a call.
+        self._checked: tuple | None = None
 
     @classmethod
     def from_pretrained(cls, path_or_repo: str | Path, layers: str | Sequence[int] = "all", max_tokens: int = 4096,
@@ -171,11 +190,15 @@ class KdaStack:
 
     # ----------------------------------------------------------------------------------------------
     def _check_states(self, states: Sequence[Any], what: str) -> bool:
-        """Every layer's state (or pool) checked before the first layer runs; True for pools."""
+        """Every layer's state (or pool) checked before the first layer runs (at once where its
+        state_signature is that of the last list to pass); True for pools."""
         if isinstance(states, (KdaState, StatePool)) or len(states) != len(self.layers):
             count = "one" if isinstance(states, (KdaState, StatePool)) else len(states)
             raise ValueError(f"{what}: expected one state (or one StatePool) per layer ({len(self.layers)}), "
                              f"got {count}")
+        signature = state_signature(states)
+        if signature is not None and signature == self._checked:
+            return issubclass(signature[0][0], StatePool)
         pools = isinstance(states[0], StatePool)
         for i, (layer, state) in enumerate(zip(self.layers, states)):
             if pools:
@@ -184,6 +207,7 @@ class KdaStack:
                 layer._check_pool(state, what)
             else:
                 layer._check_state(state, what, f"states[{i}]")
+        self._checked = signature
         return pools
 
     def _through_one_graph(self, hidden: Any, what: str, max_rows: int, states: Sequence[Any], slots: Any,
