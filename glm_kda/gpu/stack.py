@@ -26,15 +26,16 @@ Between = Callable[[int, Any], Any]
 
 def state_signature(states: Sequence[Any]) -> tuple | None:
     """Everything the checks of a state list read, per state: its type and, for its conv and
-    recurrent buffers, device, address, shape, strides and dtype. None where a state lacks those buffers
-    (the full checks then name what is wrong). Equal signatures pass or fail the same checks."""
+    recurrent buffers, type, device, address, shape, strides and dtype. None where a state lacks
+    those buffers (the full checks then name what is wrong). Equal signatures pass or fail the same
+    checks."""
     try:
         signature = []
         for state in states:
             conv, recurrent = state.conv, state.recurrent
-            signature.append((type(state), conv.data.device_id, conv.data.ptr, conv.shape, conv.strides, conv.dtype,
-                              recurrent.data.device_id, recurrent.data.ptr, recurrent.shape, recurrent.strides,
-                              recurrent.dtype))
+            signature.append((type(state), type(conv), conv.data.device_id, conv.data.ptr, conv.shape, conv.strides,
+                              conv.dtype, type(recurrent), recurrent.data.device_id, recurrent.data.ptr,
+                              recurrent.shape, recurrent.strides, recurrent.dtype))
         return tuple(signature)
     except AttributeError:
         return None
