@@ -197,10 +197,10 @@ class KdaStack:
             count = "one" if isinstance(states, (KdaState, StatePool)) else len(states)
             raise ValueError(f"{what}: expected one state (or one StatePool) per layer ({len(self.layers)}), "
                              f"got {count}")
+        pools = isinstance(states[0], StatePool)
         signature = state_signature(states)
         if signature is not None and signature == self._checked:
-            return issubclass(signature[0][0], StatePool)
-        pools = isinstance(states[0], StatePool)
+            return pools
         for i, (layer, state) in enumerate(zip(self.layers, states)):
             if pools:
                 if not isinstance(state, StatePool):
