@@ -128,10 +128,9 @@ class Stages:
         self._project(ws, hidden, "down_weight", ws.down_proj[:rows], wide)
         f_b, g_b = self._decode_weight("f_b"), self._decode_weight("g_b")
         if self._pairs_gates(rows, wide, branched):
-            blocks = projection.gemm_rows_pair_bf16(ws.down_proj[:rows, :d], f_b, ws.forget_proj[:rows],
-                                                    ws.down_proj[:rows, d : 2 * d], g_b, ws.out_gate[:rows],
-                                                    done=done)
-            return 0 if done is None else blocks
+            return projection.gemm_rows_pair_bf16(ws.down_proj[:rows, :d], f_b, ws.forget_proj[:rows],
+                                                  ws.down_proj[:rows, d : 2 * d], g_b, ws.out_gate[:rows],
+                                                  done=done)
         if done is not None:
             raise ValueError("_low_rank_chain: a count of the chain's blocks needs its paired launch")
         with ws.beside(branched, branch=1) as gate_side:
