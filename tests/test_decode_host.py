@@ -6,8 +6,7 @@ Promises tested, for both gate laws and 1..9 tokens of one sequence from a rando
     norm.cu on the step's core: o_norm_out), and its recurrence is the state column's device
     functions (kda_recurrent_load / _step / _store) launched one token at a time: core and state;
   * the step walking all the tokens in one launch (a verify's rows), counting its blocks' outputs
-    out or not, awaiting the low-rank chain's count or not, writes the same bits, and the awaited
-    count is set back to zero;
+    out or not, writes the same bits;
   * in a pool, B sequences advancing shuffled slots in one launch write the bits each sequence
     gets alone, the other slots keep theirs, and the L2 requests name the right slot;
   * against the float64 oracle (glm_kda.reference), each fed the kernels' own inputs: the gate
@@ -103,8 +102,8 @@ extern "C" void host_recurrent_step(const float*, const float*, const float*, co
                                     float*, float);
 
 // argv: dir, rows, heads, K, bounded, lower bound, l2 eps, norm eps, jitter, pool size. Pool size 0:
-// the rows are consecutive tokens of one sequence (paths stages, fused_rows, fused_walk,
-// fused_walk_counted and fused_walk_chained, awaiting the chain's count); else sequence s (rows s T .. s T + T - 1, T = argv[11] tokens, 1 by default)
+// the rows are consecutive tokens of one sequence (paths stages, fused_rows, fused_walk and
+// fused_walk_counted); else sequence s (rows s T .. s T + T - 1, T = argv[11] tokens, 1 by default)
 // advances slot slots[s] of a pool of that many (paths pool_fused, counting its outputs out, pool_plain,
 // and alone: the step for each sequence by itself).
 int main(int argc, char** argv)
@@ -133,7 +132,7 @@ int main(int argc, char** argv)
     const bf16_t* beta_logits = down_proj.data() + 2 * D;
 
     const std::initializer_list<const char*> one_sequence = {"fused_walk", "stages", "fused_rows",
-                                                             "fused_walk_counted", "fused_walk_chained"};
+                                                             "fused_walk_counted"};
     const std::initializer_list<const char*> pool = {"pool_fused", "pool_plain", "alone"};
     std::vector<float> walk_core;  // the fused walk's core, which the stages path normalises
     for (const std::string path : pool_size ? pool : one_sequence) {
@@ -149,8 +148,7 @@ int main(int argc, char** argv)
         // The fused step over rows first.. : `sequences` sequences (slot_list, or the states given
         // when null) of `tokens` tokens each.
         auto fused = [&](int first, int sequences, int tokens, const int* slot_list, float* conv, float* states,
-                         int prefetch_ahead = 0, bf16_t* tiles = nullptr, int* outputs_ready = nullptr,
-                         int* chain_ready = nullptr, int chain_target = 0) {
+                         int prefetch_ahead = 0, bf16_t* tiles = nullptr, int* outputs_ready = nullptr) {
             // Where the blocks let the next kernel launch (a no-op here): every choice, in turn.
             const int dependents_after = (first + tokens) % 3;
             prefetch_pool = states;
@@ -166,8 +164,7 @@ int main(int argc, char** argv)
                              key.data() + first * qkv, value.data() + first * qkv, gate.data() + first * qkv,
                              beta.data() + first * heads, core.data() + first * qkv,
                              o_norm_out.data() + first * qkv, heads, kernel, tokens, bounded, lower_bound,
-                             scale, l2_eps, norm_eps, prefetch_ahead, dependents_after, tiles, outputs_ready,
-                             chain_ready, chain_target);
+                             scale, l2_eps, norm_eps, prefetch_ahead, dependents_after, tiles, outputs_ready);
             });
         };
         if (path == "fused_walk") {
@@ -175,10 +172,6 @@ int main(int argc, char** argv)
             walk_core = core;
         } else if (path == "fused_walk_counted") {
             fused(0, 1, rows, nullptr, conv_state.data(), state.data(), 0, nullptr, counted.data());
-        } else if (path == "fused_walk_chained") {
-            // The low-rank chain's 3 blocks already counted: the walk awaits them, then sets both words to zero.
-            counted = {3, 0};
-            fused(0, 1, rows, nullptr, conv_state.data(), state.data(), 0, nullptr, nullptr, counted.data(), 3);
         } else if (path == "fused_rows") {
             for (int t = 0; t < rows; ++t) fused(t, 1, 1, nullptr, conv_state.data(), state.data());
         } else if (path == "stages") {
@@ -291,14 +284,12 @@ def run_decode(binary, tokens, bounded, seed, jitter=False):
     _run_binary(binary, folder, inputs, tokens, bounded, int(jitter), 0)
     layout = _layout(tokens)
     out = {}
-    for path in ("stages", "fused_rows", "fused_walk", "fused_walk_counted", "fused_walk_chained"):
+    for path in ("stages", "fused_rows", "fused_walk", "fused_walk_counted"):
         out[path] = {name: np.fromfile(folder / f"{path}.{name}", dtype).reshape(shape)
                      for name, (dtype, shape) in layout.items()}
     counted = np.fromfile(folder / "fused_walk_counted.counted", np.int32)
     assert counted.tolist() == [HEADS, 0], (f"T={tokens}: the walk's count of blocks with their outputs out is "
                                             f"{counted.tolist()}, not [{HEADS}, 0]")
-    chain = np.fromfile(folder / "fused_walk_chained.counted", np.int32)
-    assert chain.tolist() == [0, 0], f"T={tokens}: the chain's count after the walk awaited it is {chain.tolist()}"
     return out, inputs
 
 
@@ -309,7 +300,7 @@ def test_fused_decode_equals_its_stages_on_host(decode_host, tokens, jitter, bou
     bit, and those against float64."""
     out, inputs = run_decode(decode_host, tokens, bounded, seed=7 * tokens + int(bounded), jitter=jitter)
     stages = out["stages"]
-    for path in ("fused_rows", "fused_walk", "fused_walk_counted", "fused_walk_chained"):
+    for path in ("fused_rows", "fused_walk", "fused_walk_counted"):
         for name in OUTPUTS:
             a, b = out[path][name], stages[name]
             differ = int(np.count_nonzero(a.view(np.uint8) != b.view(np.uint8)))

@@ -131,16 +131,16 @@ DECLARE_AWAITING_SUMS(kda_gemm_rows_tail_staged_awaiting_sums_bf16_m1_n4)
 using Entry = void (*)(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int, int);
 #define DECLARE_DECODE(N)                                                                                         \
     extern "C" void kda_gemm_rows_packed_pair_bf16_m1_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, \
-                                                       int, int, const bf16_t*, const bf16_t*, bf16_t*, int*);    \
+                                                       int, int, const bf16_t*, const bf16_t*, bf16_t*);          \
     extern "C" void kda_gemm_rows_packed_awaiting_bf16_m1_n##N(const bf16_t*, int, const bf16_t*, bf16_t*, int, int,  \
                                                            int, int, int, int*, int);
 DECLARE_DECODE(1) DECLARE_DECODE(2) DECLARE_DECODE(4)
 using PairEntry = void (*)(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int, int, const bf16_t*,
-                           const bf16_t*, bf16_t*, int*);
+                           const bf16_t*, bf16_t*);
 using AwaitingEntry = void (*)(const bf16_t*, int, const bf16_t*, bf16_t*, int, int, int, int, int, int*, int);
 
 // The one-sequence decode forms of the packed m1 entries (argv[17]): 1 the pair (x2 = x + argv[18]
-// columns, w2 and y2 from their files, counting its blocks in words from {0, 0}), 2 awaiting words set to {argv[18], 0} (the count its target),
+// columns, w2 and y2 from their files), 2 awaiting words set to {argv[18], 0} (the count its target),
 // 3 the staged awaiting entry so (with shared_bytes of dynamic shared memory), 5 the tail-staged
 // awaiting entry as 3, its tail argv[19] k blocks, 8 form 2 with x written late. ld_sums > 0 (forms
 // 2, 3 and 5): the form's entry writing the FP32 sums too, into a [y_rows, ld_sums] float buffer of
@@ -177,12 +177,11 @@ int decode_form(const std::string& dir, int form, int form_arg, int n_tiles, uns
     if (form == 1) {
         const auto w2 = load_u16(dir + "/w2", size_t(w_elements));
         auto y2 = load_u16(dir + "/y2", size_t(y_rows) * ldy);
-        std::vector<int> done = {0, 0};
         run_grid(dim3{grid_x, 1, 1}, threads, 0, [&] {
             pairs[index](x.data(), ldx, w.data(), y.data(), ldy, rows, n, k, 0, x.data() + form_arg, w2.data(),
-                         y2.data(), done.data());
+                         y2.data());
         });
-        save_each(dir + "/", {"y2.out", "words.out"}, y2, done);
+        save(dir + "/y2.out", y2);
     } else if (form == 8) {
         // Form 2 with x written late: the words one short of their target, x poison until another
         // thread writes it and counts the last producer in.
@@ -316,8 +315,7 @@ def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, packed
     """One launch as gemm_rows_bf16 plans it (132 SMs), on x_buffer[:, :k] (row stride of the
     buffer) into y_buffer[:, :n], or with one_row_launches a one-row launch per row; returns the
     new y_buffer. packed: the packed entry point on pack_weight(w). form 1: gemm_rows_pair_bf16's
-    launch with w2, x2 = x_buffer from column form_arg and y2 a copy of y_buffer, counting its blocks
-    in words from zero; returns (y, y2, words after, blocks launched).
+    launch with w2, x2 = x_buffer from column form_arg and y2 a copy of y_buffer; returns (y, y2).
     form 2: the awaiting entry with its words set to {form_arg, 0} and form_arg its target; returns
     (y, words after). form 3: the same with the staged awaiting entry as _staged_plan plans it.
     form 5: the tail-staged awaiting entry as _tail_staged_plan plans it (plan_args its tail_blocks),
@@ -356,8 +354,7 @@ def run_host(binary, x_buffer, w, rows, y_buffer, one_row_launches=False, packed
     assert result.stdout.split() == ["misaligned=0"], f"host run: {result.stdout.strip()}"
     y = np.fromfile(folder / "y.out", np.uint16).reshape(y_buffer.shape)
     if form == 1:
-        y2 = np.fromfile(folder / "y2.out", np.uint16).reshape(y_buffer.shape)
-        return y, y2, np.fromfile(folder / "words.out", np.int32), plan.grid[0] * plan.grid[1]
+        return y, np.fromfile(folder / "y2.out", np.uint16).reshape(y_buffer.shape)
     if form == 7:
         return y, np.fromfile(folder / "sums.out", np.float32).reshape(y_buffer.shape[0], form_arg)
     if form == 0:
@@ -449,7 +446,7 @@ def test_packed_weight_gives_the_row_major_bits_on_host(gemm_host, shape):
 def test_pair_launch_gives_each_projection_its_own_bits_on_host(gemm_host, shape):
     """gemm_rows_pair_bf16's entry: y = x @ w.T and y2 = x2 @ w2.T in one launch (x2 a column range of
     the same buffer, as down_proj's forget and gate ranges are), each bit-equal to its own packed
-    launch, for every tile width and a small grid; every block counted in its done words."""
+    launch, for every tile width and a small grid."""
     n, k = shape
     rng = np.random.default_rng(n + 7 * k)
     x = bf16_bits(rng.standard_normal((16, 2 * k)))
@@ -459,8 +456,7 @@ def test_pair_launch_gives_each_projection_its_own_bits_on_host(gemm_host, shape
             args = dict(tiles_per_warp=tiles, blocks=blocks)
             tag = f"N{n}-K{k} R{rows} tiles={tiles} blocks={blocks}"
             fresh = np.full((rows, n), POISON, np.uint16)
-            y, y2, done, launched = run_host(gemm_host, x[:rows], w, rows, fresh, form=1, form_arg=k, w2=w2, **args)
-            assert done.tolist() == [launched, 0], f"{tag}: the pair's count of its blocks {done.tolist()}"
+            y, y2 = run_host(gemm_host, x[:rows], w, rows, fresh, form=1, form_arg=k, w2=w2, **args)
             _assert_bits_equal(y, run_host(gemm_host, x[:rows, :k], w, rows, fresh, packed=True, **args),
                                f"{tag}: the first projection of the pair")
             _assert_bits_equal(y2, run_host(gemm_host, np.ascontiguousarray(x[:rows, k:]), w2, rows, fresh,

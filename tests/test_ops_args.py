@@ -359,8 +359,7 @@ def test_fused_decode_counts_outputs_into_its_words_and_returns_its_blocks(launc
 
 def test_pair_and_awaiting_projections_check_their_operands(monkeypatch):
     """gemm_rows_pair_bf16 takes two PackedWeights of one shape with equal strides, and launches the
-    pair entry of the [2n, k] plan with the second projection's pointers and its done words (None: a
-    null pointer) last, returning the blocks launched; gemm_rows_bf16's ready
+    pair entry of the [2n, k] plan with the second projection's pointers last; gemm_rows_bf16's ready
     needs a programmatic launch of <= 16 rows of a PackedWeight and a target of at least 1, and
     launches the awaiting entry with the words and the target last. Every refusal comes before a launch."""
     from glm_kda.gpu import projection as gemm_rows
@@ -377,19 +376,11 @@ def test_pair_and_awaiting_projections_check_their_operands(monkeypatch):
     w, w2 = (dataclasses.replace(packed, data=HostStandIn(aligned(packed.data.shape))) for _ in range(2))
     x = _bf16(3, 2 * k)
     out, out2 = _bf16(3, n), _bf16(3, n)
-    blocks = gemm_rows.gemm_rows_pair_bf16(x[:, :k], w, out, x[:, k:], w2, out2)
+    gemm_rows.gemm_rows_pair_bf16(x[:, :k], w, out, x[:, k:], w2, out2)
     name, grid, args = made[-1]
     plan = gemm_rows.launch_plan(2 * n, k, 3, None, 132)
     assert name == plan.kernel.replace("gemm_rows_", "gemm_rows_packed_pair_") and grid == plan.grid
-    assert args[-4] is not None and args[-3] is w2.data and args[-2] is out2 and args[-1] is None
-    assert blocks == grid[0] * grid[1]
-    done = HostStandIn(np.zeros(2, np.int32))
-    gemm_rows.gemm_rows_pair_bf16(x[:, :k], w, out, x[:, k:], w2, out2, done=done)
-    assert made[-1][2][-1] is done
-    launched = len(made)
-    with pytest.raises(ValueError, match="done must be a contiguous int32 array of at least 2"):
-        gemm_rows.gemm_rows_pair_bf16(x[:, :k], w, out, x[:, k:], w2, out2, done=HostStandIn(np.zeros(1, np.int32)))
-    assert len(made) == launched
+    assert args[-3] is not None and args[-2] is w2.data and args[-1] is out2
     with pytest.raises(ValueError, match="PackedWeight"):
         gemm_rows.gemm_rows_pair_bf16(x[:, :k], w, out, x[:, k:], _bf16(n, k), out2)
     with pytest.raises(ValueError, match="the first's shapes and strides"):

@@ -50,10 +50,8 @@ class StandInLayer(KdaLayer):
     def _graphed(self):
         return True
 
-    def _decode_rows(self, ws, hidden, conv_state, recurrent_state, *, slots=None, sequential=False, snapshots=(),
-                     join=True):
+    def _decode_rows(self, ws, hidden, conv_state, recurrent_state, *, slots=None, sequential=False, snapshots=()):
         rows, add = hidden.shape[0], self.position + 1
-        ws.events.append(("layer", self.position, join))
 
         def kernel():
             ws.final_out._array[:rows] = hidden._array + add
@@ -67,14 +65,7 @@ class StandInLayer(KdaLayer):
 
 
 class Workspace(types.SimpleNamespace):
-    """test_decode_graphs_host's stand-in workspace, weakly referable (DecodeGraphs.follow), noting
-    each layer's call (with its join flag) and each join_open in `events`."""
-
-    def __init__(self, **fields):
-        super().__init__(**fields, events=[])
-
-    def join_open(self):
-        self.events.append(("join",))
+    """test_decode_graphs_host's stand-in workspace, weakly referable (DecodeGraphs.follow)."""
 
 
 def _workspace(serial: int) -> Workspace:
@@ -99,9 +90,6 @@ def test_a_decode_through_the_stack_is_one_graph_after_the_first_call(stack):
         assert np.array_equal(out._array, rows_of(10 * t, 1)._array + 6), f"call {t}: {out._array}"
     assert stack.graphs.captures == 1, "one capture for one key, replays after"
     assert all(int(s.recurrent._array[0, 0]) == 4 for s in states), "each layer's state advanced once a call"
-    body = [("layer", i, False) for i in range(len(states))] + [("join",)]
-    assert stack.layers[0]._workspace.events == 2 * body, (
-        "the eager call and the capture: each layer leaves its side stream open, joined once after the last")
     other = _states()
     stack.decode(rows_of(1, 1), other)
     stack.decode(rows_of(1, 1), other)

@@ -114,15 +114,12 @@ def test_the_lean_workspace_is_under_half_of_one_holding_every_row(monkeypatch):
     lean = shape_only_workspace(monkeypatch, glm, 16384, False)
     # Since then the decode graphs' input rows and slots hold the rows of a decode-side call only.
     graph_rows_dropped = (16384 - MAX_DECODE_ROWS) * (glm.hidden * 2 + 4)
-    # And the low-rank chain's count (two int32 words) joined them.
-    chain_words = 8
-    assert full.nbytes == FULL_GLM_16384_BYTES - graph_rows_dropped + chain_words, (
-        f"recording workspace {full.nbytes:,} bytes")
+    assert full.nbytes == FULL_GLM_16384_BYTES - graph_rows_dropped, f"recording workspace {full.nbytes:,} bytes"
     assert (full.middle_rows, lean.middle_rows) == (16384, 4096)
     assert full.final_out.shape[0] == 16384 and full.graph_hidden.shape[0] == MAX_DECODE_ROWS
     assert lean.query.shape[0] == lean.core.shape[0] == lean.conv_out.shape[0] == lean.final_out.shape[0] == 4096
     assert lean.qkv_proj.shape[0] == lean.o_norm_out.shape[0] == 16384
-    assert lean.nbytes == LEAN_GLM_16384_BYTES + chain_words, f"lean workspace {lean.nbytes:,} bytes"
+    assert lean.nbytes == LEAN_GLM_16384_BYTES, f"lean workspace {lean.nbytes:,} bytes"
     assert lean.nbytes <= FULL_GLM_16384_BYTES / 2, f"lean {lean.nbytes:,} of {FULL_GLM_16384_BYTES:,} bytes"
     kimi_lean = shape_only_workspace(monkeypatch, kimi, 16384, False)
     assert kimi_lean.middle_rows == 8192 and kimi_lean.core.nbytes == lean.core.nbytes

@@ -28,9 +28,6 @@ _GATE_BRANCH_MIN_ROWS = 16
 _STEP_PREFETCH_WAVES = 0.25
 # Blocks of the fused step resident per SM (its __launch_bounds__).
 _STEP_RESIDENT_BLOCKS_PER_SM = 2
-# When a step awaiting the chain's count lets o_proj launch: once its inputs are formed (1, decode.cu's
-# KDA_DEPENDENTS_AFTER_INPUTS), so that no waiting o_proj block holds the room the chain's blocks need.
-_CHAINED_STEP_DEPENDENTS_AFTER = 1
 # The weights the low-rank chain's projections read (they run on its stream, with its scratch).
 _SIDE_CHAIN_WEIGHTS = ("down_weight", "f_b", "g_b")
 
@@ -91,48 +88,27 @@ class Stages:
         ops.kda_gate_beta_f32(*self._gate_source(ws, first), ws.gate[middle_first:], ws.beta[middle_first:], c.heads,
                               c.head_dim, c.bounded, c.gate_lower_bound or 0.0, tokens=rows)
 
-    def _front_end(self, ws: KdaWorkspace, hidden: Any, wide: bool, chain_done: Any = None) -> int:
+    def _front_end(self, ws: KdaWorkspace, hidden: Any, wide: bool) -> None:
         """q|k|v, down_proj, forget_proj and out_gate of hidden's rows; on the decode side the low-rank
-        chain runs on a side stream (docs/design.md, "Decode front end"). No bit depends on the streams.
-        chain_done (ws.chain_ready, where _chain_counted): the chain's paired launch counts its blocks
-        there and the side stream stays open (ws.join_open joins it). Returns the blocks counted (0: none)."""
+        chain runs on a side stream (docs/design.md, "Decode front end"). No bit depends on the streams."""
         rows = hidden.shape[0]
         concurrent = not wide and build.current_context().timer is None
-        with ws.beside(concurrent, join=chain_done is None) as side:
+        with ws.beside(concurrent) as side:
             with side:
-                counted = self._low_rank_chain(ws, hidden, wide, branched=concurrent and rows > _GATE_BRANCH_MIN_ROWS,
-                                               done=chain_done)
+                self._low_rank_chain(ws, hidden, wide, branched=concurrent and rows > _GATE_BRANCH_MIN_ROWS)
             self._project(ws, hidden, "qkv_weight", ws.qkv_proj[:rows], wide, reserved_slots=_QKV_RESERVED_SLOTS)
-        return counted
 
-    def _pairs_gates(self, rows: int, wide: bool, branched: bool) -> bool:
-        """Whether the low-rank chain forms forget_proj and out_gate in one paired launch."""
-        f_b, g_b = self._decode_weight("f_b"), self._decode_weight("g_b")
-        return (not wide and not branched and rows <= projection.M_TILE
-                and isinstance(f_b, projection.PackedWeight) and isinstance(g_b, projection.PackedWeight))
-
-    def _chain_counted(self, ws: KdaWorkspace, rows: int, sequences: int, one_step: bool) -> bool:
-        """Whether the fused step awaits the low-rank chain's count instead of a join of the streams, for
-        a decode-side call of `rows` rows of `sequences` sequences whose step is one launch (`one_step`):
-        the chain ends in the paired launch on the side stream, and the step's blocks fit one an SM
-        (docs/design.md, "Decode front end")."""
-        concurrent = build.current_context().timer is None
-        return (one_step and concurrent and self._pairs_gates(rows, False, rows > _GATE_BRANCH_MIN_ROWS)
-                and self.config.heads * sequences <= projection.sm_count(ws.device_id))
-
-    def _low_rank_chain(self, ws: KdaWorkspace, hidden: Any, wide: bool, branched: bool, done: Any = None) -> int:
+    def _low_rank_chain(self, ws: KdaWorkspace, hidden: Any, wide: bool, branched: bool) -> None:
         """down_proj, then forget_proj and out_gate: up to 16 rows of packed weights as one paired
-        launch, its blocks counted in `done` where given; `branched`: out_gate's projection on a stream
-        of its own beside forget_proj's. Returns the blocks counted in `done` (0: none)."""
+        launch; `branched`: out_gate's projection on a stream of its own beside forget_proj's."""
         rows, d = hidden.shape[0], self.config.head_dim
         self._project(ws, hidden, "down_weight", ws.down_proj[:rows], wide)
         f_b, g_b = self._decode_weight("f_b"), self._decode_weight("g_b")
-        if self._pairs_gates(rows, wide, branched):
-            return projection.gemm_rows_pair_bf16(ws.down_proj[:rows, :d], f_b, ws.forget_proj[:rows],
-                                                  ws.down_proj[:rows, d : 2 * d], g_b, ws.out_gate[:rows],
-                                                  done=done)
-        if done is not None:
-            raise ValueError("_low_rank_chain: a count of the chain's blocks needs its paired launch")
+        if (not wide and not branched and rows <= projection.M_TILE
+                and isinstance(f_b, projection.PackedWeight) and isinstance(g_b, projection.PackedWeight)):
+            projection.gemm_rows_pair_bf16(ws.down_proj[:rows, :d], f_b, ws.forget_proj[:rows],
+                                           ws.down_proj[:rows, d : 2 * d], g_b, ws.out_gate[:rows])
+            return
         with ws.beside(branched, branch=1) as gate_side:
             if branched:
                 with gate_side:
@@ -141,17 +117,15 @@ class Stages:
             self._project(ws, ws.down_proj[:rows, :d], "f_b", ws.forget_proj[:rows], wide)
             if not branched:
                 self._project(ws, ws.down_proj[:rows, d : 2 * d], "g_b", ws.out_gate[:rows], wide)
-        return 0
 
     # Decode ---------------------------------------------------------------------------------
     def _step(self, ws: KdaWorkspace, first: int, rows: int, conv_state: Any, recurrent_state: Any, *,
-              slots: Any = None, walk: bool = False, whole: bool = False, chain_target: int = 0) -> tuple[int, bool]:
+              slots: Any = None, walk: bool = False, whole: bool = False) -> tuple[int, bool]:
         """The fused decode step for workspace rows first..first+rows-1, states in place: row r
         advances slot slots[r] of a pool, or (slots None) the single state given; walk: the rows
         are consecutive tokens of that state, walked in one launch. whole: these are all the rows
-        the back end projects next. chain_target: the count of the chain's blocks in ws.chain_ready
-        to await (0: the streams were joined). Returns (blocks o_proj should await, 0 for none;
-        whether the step also wrote o_norm_out into ws.x_tiles)."""
+        the back end projects next. Returns (blocks o_proj should await, 0 for none; whether the
+        step also wrote o_norm_out into ws.x_tiles)."""
         c, d = self.config, self.config.head_dim
         sl = slice(first, first + rows)
         o_proj = self._decode_weight("o_proj")
@@ -168,29 +142,23 @@ class Stages:
             ws.key[sl], ws.value[sl], ws.gate[sl], ws.beta[sl], ws.core[sl], ws.o_norm_out[sl],
             bounded=c.bounded, lower_bound=c.gate_lower_bound or 0.0, scale=self.scale, l2_eps=c.l2_eps,
             norm_eps=c.rms_norm_eps, slots=slots, tokens=rows if walk else 1,
-            prefetch_ahead=prefetch_ahead, dependents_after=_CHAINED_STEP_DEPENDENTS_AFTER if chain_target else 0,
-            x_tiles=ws.x_tiles if tiles else None, outputs_ready=ws.outputs_ready if counted else None,
-            chain_ready=ws.chain_ready if chain_target else None, chain_target=chain_target)
+            prefetch_ahead=prefetch_ahead, dependents_after=0,
+            x_tiles=ws.x_tiles if tiles else None, outputs_ready=ws.outputs_ready if counted else None)
         return (blocks if counted else 0), tiles
 
     def _decode_rows(self, ws: KdaWorkspace, hidden: Any, conv_state: Any, recurrent_state: Any, *,
-                     slots: Any = None, sequential: bool = False, snapshots: Sequence[KdaState] = (),
-                     join: bool = True) -> None:
+                     slots: Any = None, sequential: bool = False, snapshots: Sequence[KdaState] = ()) -> None:
         """Every launch of a decode-side call on hidden [rows, hidden] BF16, output in ws.final_out[:rows].
         sequential: the rows are consecutive tokens of ONE sequence (decode_k), snapshots[i] receiving the
-        state after row i; otherwise row r is one token of the sequence in slot slots[r] of a pool.
-        join=False: a side stream may stay open; the caller ends with ws.join_open()."""
+        state after row i; otherwise row r is one token of the sequence in slot slots[r] of a pool."""
         rows = hidden.shape[0]
-        chained = self._chain_counted(ws, rows, 1 if sequential else rows, one_step=not (sequential and snapshots))
-        # Whether ws.chain_ready may hold a count no step has cleared; o_proj's count as ready.
-        chain_counting, ready, tiled = chained, 0, False
+        with _section("front_end"):
+            self._front_end(ws, hidden, wide=False)
+        ready, tiled = 0, False
         try:
-            with _section("front_end"):
-                chain_target = self._front_end(ws, hidden, wide=False, chain_done=ws.chain_ready if chained else None)
             with _section("recurrence"):
                 if sequential and not snapshots:
-                    ready, tiled = self._step(ws, 0, rows, conv_state, recurrent_state, walk=True, whole=True,
-                                              chain_target=chain_target)
+                    ready, tiled = self._step(ws, 0, rows, conv_state, recurrent_state, walk=True, whole=True)
                 elif sequential:
                     for row in range(rows):
                         self._step(ws, row, 1, conv_state, recurrent_state)
@@ -198,26 +166,17 @@ class Stages:
                             snapshots[row].conv[...] = conv_state
                             snapshots[row].recurrent[...] = recurrent_state
                 else:
-                    ready, tiled = self._step(ws, 0, rows, conv_state, recurrent_state, slots=slots, whole=True,
-                                              chain_target=chain_target)
-                chain_counting = False  # (the step clears the chain's count)
+                    ready, tiled = self._step(ws, 0, rows, conv_state, recurrent_state, slots=slots, whole=True)
             with _section("back_end"):
                 self._back_end(ws, rows, wide=False, ready_target=ready, x_tiled=tiled)
         except BaseException:
             import cupy
 
-            ws.join_open()
-            # A count without the launch that clears it (the step's outputs without o_proj, the chain's
-            # blocks without the step): clear it here, so that no later launch takes it for its own (a
-            # failed capture launched nothing).
-            if not cupy.cuda.get_current_stream().is_capturing():
-                if ready:
-                    ws.outputs_ready.fill(0)
-                if chain_counting:
-                    ws.chain_ready.fill(0)
+            # A step that counted its outputs without the o_proj that clears the count: clear it
+            # here, so that no later o_proj takes it for its own (a failed capture launched nothing).
+            if ready and not cupy.cuda.get_current_stream().is_capturing():
+                ws.outputs_ready.fill(0)
             raise
-        if join:
-            ws.join_open()
 
     # Back end and prefill ---------------------------------------------------------------------
     def _back_end(self, ws: KdaWorkspace, rows: int, wide: bool, ready_target: int = 0, x_tiled: bool = False,

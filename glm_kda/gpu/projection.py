@@ -358,16 +358,13 @@ def gemm_rows_bf16(x, w, out, rows: int | None = None, *, tiles_per_warp: int | 
 
 
 def gemm_rows_pair_bf16(x, w, out, x2, w2, out2, rows: int | None = None, *, programmatic: bool = False,
-                        reserved_slots: int = 0, done: Any = None) -> int:
+                        reserved_slots: int = 0) -> None:
     """out[r] = bf16(x[r] @ w.T) and out2[r] = bf16(x2[r] @ w2.T) for r < rows (1..16) in one launch,
     each the bits of :func:`gemm_rows_bf16` alone (docs/design.md, "Decode front end").
 
     Shapes: w and w2 PackedWeights of one shape [n, k]; x, x2 [>= rows, k] and out, out2 [>= rows, n]
     BF16 with equal row strides (column slices of wider buffers are fine), as gemm_rows_bf16 takes
     them. ``programmatic`` and ``reserved_slots`` as there (the plan is that of one [2n, k] weight).
-    ``done``: None, or contiguous int32 of at least 2 elements: each block adds 1 to done[0] once its
-    outputs are out (a later kernel awaits the count, as the fused step's chain_ready). Returns the
-    blocks launched (the count done[0] reaches).
     """
     rows, n, k, ldx, ldy = projection_args("gemm_rows_pair_bf16", x, w, out, rows, M_TILE)
     _, n2, k2, ldx2, ldy2 = projection_args("gemm_rows_pair_bf16", x2, w2, out2, rows, M_TILE)
@@ -378,13 +375,10 @@ def gemm_rows_pair_bf16(x, w, out, x2, w2, out2, rows: int | None = None, *, pro
     if (n2, k2, ldx2, ldy2) != (n, k, ldx, ldy):
         raise ValueError("gemm_rows_pair_bf16: the second projection must have the first's shapes and strides: "
                          f"(n, k, x stride, out stride) {(n2, k2, ldx2, ldy2)} against {(n, k, ldx, ldy)}")
-    if done is not None:
-        check_scratch(done, cupy.int32, "int32", 2, "done", "gemm_rows_pair_bf16")
     plan = launch_plan(2 * n, k, rows, None, sm_count(cupy.cuda.Device().id), reserved_slots=reserved_slots)
     build.launch(plan.kernel.replace("gemm_rows_", "gemm_rows_packed_pair_"), plan.grid, plan.block,
                  (x, _i32(ldx), w.data, out, _i32(ldy), _i32(rows), _i32(n), _i32(k),
-                  _i32(_prefetch_k_blocks(n, k, programmatic)), x2, w2.data, out2, done), programmatic=programmatic)
-    return plan.grid[0] * plan.grid[1]
+                  _i32(_prefetch_k_blocks(n, k, programmatic)), x2, w2.data, out2), programmatic=programmatic)
 
 
 def bulk_available() -> bool:

@@ -224,18 +224,13 @@ class KdaStack:
         first._check_finite(x, what)
 
         def body(ws: KdaWorkspace, rows_in: Any, device_slots: Any) -> None:
-            # A layer's side stream is joined once, after the last layer: no layer's first launch waits
-            # on two streams (docs/design.md, "Decode front end").
-            try:
-                for layer, state in zip(self.layers, states):
-                    if pooled:
-                        layer._decode_rows(ws, rows_in, state.conv, state.recurrent, slots=device_slots, join=False)
-                    else:
-                        layer._decode_rows(ws, rows_in, state.conv, state.recurrent, sequential=True, join=False)
-                    # The next layer reads this one's output in place (safe: docs/design.md, "Python modules").
-                    rows_in = ws.final_out[:rows]
-            finally:
-                ws.join_open()
+            for layer, state in zip(self.layers, states):
+                if pooled:
+                    layer._decode_rows(ws, rows_in, state.conv, state.recurrent, slots=device_slots)
+                else:
+                    layer._decode_rows(ws, rows_in, state.conv, state.recurrent, sequential=True)
+                # The next layer reads this one's output in place (safe: docs/design.md, "Python modules").
+                rows_in = ws.final_out[:rows]
 
         key = ("stack", pooled, rows, tuple(layer._generation for layer in self.layers),
                tuple((state.conv.data.ptr, state.recurrent.data.ptr) for state in states))

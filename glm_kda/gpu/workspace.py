@@ -89,8 +89,8 @@ class KdaWorkspace:
     buffers hold every row (2.3x the bytes at GLM-5.3-Flash geometry and 16384 rows). The tensor-core chunk
     kernels keep q_decay, k_tail, w and attn as FP16 in the first half of the same bytes
     (q_decay_f16, k_tail_f16, chunk_w_f16, attn_f16). The rest (docs/design.md, "Workspaces"): the
-    bulk sweep's x_tiles, x_tiles_side, x_tiles_gate and bulk_partial, the outputs_ready and chain_ready
-    counts (zero between calls), graph_hidden and graph_slots.
+    bulk sweep's x_tiles, x_tiles_side, x_tiles_gate and bulk_partial, the outputs_ready count (zero
+    between calls), graph_hidden and graph_slots.
     """
 
     _serials = itertools.count()
@@ -143,16 +143,13 @@ class KdaWorkspace:
         # o_proj's k-range sums where its bulk sweep splits (up to 64 rows).
         self.bulk_partial = cupy.zeros((projection.bulk_partial_size(c.hidden, c.qkv, min(max_tokens, 64)),), f32)
         self.outputs_ready = cupy.zeros((2,), np.int32)
-        self.chain_ready = cupy.zeros((2,), np.int32)
         self.graph_hidden = cupy.zeros((decode_rows, c.hidden), bf16)
         self.graph_slots = cupy.zeros((decode_rows,), np.int32)
         self.uploads: PinnedUploads | None = None
         # Why the stage buffers do not hold the last call's stages (None: they do).
         self.unrecorded: str | None = None
-        # The extra streams of the decode front end and their fork / join events, by branch; the branches
-        # forked and not yet joined (beside(..., join=False)), each with the stream that joins it.
+        # The extra streams of the decode front end and their fork / join events, by branch.
         self._branches: dict[int, tuple] = {}
-        self._open: dict[int, Any] = {}
         # Host-side use: one call at a time; calls from another stream wait for the last one.
         self._lock = threading.RLock()
         self._home_stream: int | None = None  # the stream of a for_stream workspace
@@ -226,13 +223,11 @@ class KdaWorkspace:
             self._lock.release()
 
     @contextlib.contextmanager
-    def beside(self, concurrent: bool, branch: int = 0, join: bool = True) -> Iterator[Any]:
+    def beside(self, concurrent: bool, branch: int = 0) -> Iterator[Any]:
         """Yields the stream for work that may run beside the current stream's next launches:
         extra stream number `branch`, which starts after everything issued so far on the current
         stream and which the current stream waits for on exit (fork and join), or, when not
-        `concurrent`, the current stream itself. Nest branches with a higher number. join=False:
-        the current stream waits for the branch only at join_open(), so that the launches after
-        this one do not wait for it (they await its count instead)."""
+        `concurrent`, the current stream itself. Nest branches with a higher number."""
         import cupy
 
         main = cupy.cuda.get_current_stream()
@@ -244,24 +239,14 @@ class KdaWorkspace:
             known = self._branches[branch] = (cupy.cuda.Stream(non_blocking=True, priority=_SIDE_STREAM_PRIORITY),
                                               cupy.cuda.Event(disable_timing=True),
                                               cupy.cuda.Event(disable_timing=True))
-        side, fork, _ = known
+        side, fork, join = known
         fork.record(main)
         side.wait_event(fork)
         try:
             yield side
         finally:
-            self._open[branch] = main
-            if join:
-                self.join_open()
-
-    def join_open(self) -> None:
-        """The streams that forked branches wait for everything issued on them so far (a no-op where
-        none is open). A capture ends only after this."""
-        for branch, main in self._open.items():
-            side, _, join = self._branches[branch]
             join.record(side)
             main.wait_event(join)
-        self._open.clear()
 
     def stages(self, rows: int) -> dict[str, np.ndarray]:
         """Host copies of the first `rows` rows of every stage buffer, by oracle stage name: the

@@ -26,8 +26,7 @@ kda_decode_fused_bf16(float* __restrict__ conv_state, float* __restrict__ state,
                       float* __restrict__ value, float* __restrict__ gate, float* __restrict__ beta,
                       float* __restrict__ core, bf16_t* __restrict__ o_norm_out, int heads, int kernel_size,
                       int tokens, int gate_law, float lower_bound, float scale, float l2_eps, float norm_eps,
-                      int prefetch_ahead, int dependents_after, bf16_t* __restrict__ x_tiles, int* outputs_ready,
-                      int* chain_ready, int chain_target)
+                      int prefetch_ahead, int dependents_after, bf16_t* __restrict__ x_tiles, int* outputs_ready)
 {
     __shared__ KdaStepShared shared;
     const int head = blockIdx.x;
@@ -51,13 +50,9 @@ kda_decode_fused_bf16(float* __restrict__ conv_state, float* __restrict__ state,
     const bool prefetch = prefetch_ahead > 0 && ahead < sequences;
     const size_t slot = slots != nullptr ? static_cast<size_t>(slots[sequence]) : sequence;
     const size_t ahead_slot = prefetch && slots != nullptr ? static_cast<size_t>(slots[ahead]) : ahead;
-    // Awaiting the low-rank chain's count (a programmatic dependent of q|k|v): the inputs come after the waits.
-    const bool awaits_chain = chain_ready != nullptr;
-    KdaTokenInputs inputs;
-    if (!awaits_chain) {
-        inputs = kda_load_token_inputs(qkv_proj, forget_proj, beta_logits, ld_beta, out_gate, sequence * tokens, qkv,
-                                       channel, head);
-    }
+    KdaTokenInputs inputs =
+        kda_load_token_inputs(qkv_proj, forget_proj, beta_logits, ld_beta, out_gate, sequence * tokens, qkv, channel,
+                              head);
     bf16_t taps[3][CONV_MAX_KERNEL];
 #pragma unroll
     for (int part = 0; part < 3; ++part) {
@@ -88,19 +83,6 @@ kda_decode_fused_bf16(float* __restrict__ conv_state, float* __restrict__ state,
     }
     const float a = expf(a_log_head);
     const float weight = bf16_to_f32(norm_weight);
-    if (awaits_chain) {
-        // The states and weights above are no kernel's output in this stream; q|k|v, forget_proj, out_gate
-        // and beta's logits are.
-        int passed = 0;
-        if (d == 0) {
-            passed = kda_await_words(chain_ready, chain_target);
-            kda_clear_words_if_last(chain_ready, passed, static_cast<int>(gridDim.x * gridDim.y));
-        }
-        __syncthreads();
-        kda_grid_dependency_wait();
-        inputs = kda_load_token_inputs(qkv_proj, forget_proj, beta_logits, ld_beta, out_gate, sequence * tokens, qkv,
-                                       channel, head);
-    }
 
     for (int t = 0; t < tokens; ++t) {
         const size_t row = sequence * tokens + t;

@@ -19,7 +19,7 @@ def kda_decode_fused_bf16(
     conv_state, recurrent_state, qkv_proj, conv_w, forget_proj, dt_bias, a_log, beta_logits, out_gate, o_norm_w,
     conv_out, query, key, value, gate, beta, core, o_norm_out, *, bounded: bool, lower_bound: float,
     scale: float, l2_eps: float, norm_eps: float, slots=None, tokens: int = 1, prefetch_ahead: int = 0,
-    dependents_after: int = 0, x_tiles=None, outputs_ready=None, chain_ready=None, chain_target: int = 0,
+    dependents_after: int = 0, x_tiles=None, outputs_ready=None,
 ) -> int:
     """The stateful half of decode in one launch (docs/design.md, "The fused decode step"): for each
     sequence, `tokens` consecutive tokens of conv + SiLU + L2, forget gate and beta, one delta-rule step,
@@ -44,13 +44,6 @@ def kda_decode_fused_bf16(
         outputs_ready     None, or contiguous int32 of at least 2 elements, both zero: each block adds 1 to
                           outputs_ready[0] once its outputs are written, before it stores its states, for
                           projection.gemm_rows_bf16(..., ready=outputs_ready, ready_target=<blocks launched>)
-        chain_ready       None, or contiguous int32 of at least 2 elements counting the blocks of the launch that
-                          writes forget_proj, out_gate and beta_logits on another stream
-                          (projection.gemm_rows_pair_bf16's done): the step awaits chain_target, and its last
-                          block sets both words back to zero. The launch is then a programmatic dependent of the
-                          kernel before it, the one writing qkv_proj, and reads the states before its wait. The
-                          count's writer must find room beside the waiting blocks: at most one block an SM
-                          (heads * sequences <= the SM count).
 
     Returns the blocks launched (the count outputs_ready reaches).
     """
@@ -86,21 +79,11 @@ def kda_decode_fused_bf16(
         check_x_tiles(x_tiles, o_norm_out.dtype, rows, qkv, "kda_decode_fused_bf16")
     if outputs_ready is not None:
         check_scratch(outputs_ready, numpy.int32, "int32", 2, "outputs_ready", "kda_decode_fused_bf16")
-    if chain_ready is not None:
-        check_scratch(chain_ready, numpy.int32, "int32", 2, "chain_ready", "kda_decode_fused_bf16")
-        if chain_target < 1:
-            raise ValueError(f"kda_decode_fused_bf16: chain_target must be >= 1 with chain_ready, got {chain_target}")
-        from ..projection import sm_count  # (projection imports this package)
-
-        if heads * sequences > sm_count(conv_state.device.id):
-            raise ValueError(f"kda_decode_fused_bf16: chain_ready needs at most one block an SM; {heads} heads x "
-                             f"{sequences} sequences > {sm_count(conv_state.device.id)} SMs")
     build.launch(
         "kda_decode_fused_bf16", (heads, sequences), (HEAD_BLOCK,),
         (conv_state, recurrent_state, slots, qkv_proj, conv_w, forget_proj, dt_bias, a_log, beta_logits,
          _i32(ld_beta), out_gate, o_norm_w, conv_out, query, key, value, gate, beta, core, o_norm_out, _i32(heads),
          _i32(kernel_size), _i32(tokens), *law, _f32(scale), _f32(l2_eps), _f32(norm_eps), _i32(prefetch_ahead),
-         _i32(dependents_after), x_tiles, outputs_ready, chain_ready, _i32(chain_target)),
-        programmatic=chain_ready is not None,
+         _i32(dependents_after), x_tiles, outputs_ready),
     )
     return heads * sequences
