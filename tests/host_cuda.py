@@ -6,7 +6,7 @@ its grid with one std::thread per CUDA thread, so CPU CI runs the kernel source 
                      (function statics: the blocks run one after the other), alignment-checked
                      vector casts, and shims for the intrinsics with no host twin
   HOST_CUDA_RUNTIME  the globals, run_grid (a grid, block after block, x fastest) and file helpers
-  host_kernel_source the kernel file with its PTX-only helpers removed
+  host_kernel_source the kernel file with its PTX-only helpers removed (host_source: any kernel text)
   kernel_declaration an entry point's declaration, taken from its definition
   build_host_binary  compile with g++ / clang++ (C++20 for <barrier>), or skip the test
 
@@ -264,20 +264,24 @@ def _remove_helper(source: str, name: str) -> str | None:
 
 
 def host_kernel_source(stem: str, device_helpers: tuple[str, ...] = ()) -> str:
-    """``<stem>.cu`` (headers inlined) for the host: the named PTX-only helpers and those of
-    common/sync.cuh removed (the emulation header defines them), every vector cast
-    alignment-checked, no inline PTX left."""
-    source = kernels.kernel_source(stem)
-    for name in device_helpers:
-        removed = _remove_helper(source, name)
-        assert removed is not None, f"{stem}.cu no longer defines {name}; update the host emulation"
+    """``<stem>.cu`` (headers inlined) for the host: host_source of its text."""
+    return host_source(kernels.kernel_source(stem), f"{stem}.cu", device_helpers)
+
+
+def host_source(source: str, name: str, device_helpers: tuple[str, ...] = ()) -> str:
+    """A kernel text (headers inlined; `name` in messages) for the host: the named PTX-only helpers
+    and those of common/sync.cuh removed (the emulation header, or the test, defines them), every
+    vector cast alignment-checked, no inline PTX left."""
+    for helper in device_helpers:
+        removed = _remove_helper(source, helper)
+        assert removed is not None, f"{name} no longer defines {helper}; update the host emulation"
         source = removed
-    for name in SYNC_DEVICE_HELPERS:
-        source = _remove_helper(source, name) or source
+    for helper in SYNC_DEVICE_HELPERS:
+        source = _remove_helper(source, helper) or source
     for vector in ("float4", "float2", "uint4", "uint2", "unsigned int"):
         source = source.replace(f"reinterpret_cast<const {vector}*>(", f"checked_cast<const {vector}>(")
         source = source.replace(f"reinterpret_cast<{vector}*>(", f"checked_cast<{vector}>(")
-    assert "asm" not in re.sub(r"//.*", "", source), f"inline PTX left in the host build of {stem}.cu"
+    assert "asm" not in re.sub(r"//.*", "", source), f"inline PTX left in the host build of {name}"
     return source
 
 

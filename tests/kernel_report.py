@@ -59,6 +59,13 @@ def _ptxas_log_without_cache(source: str, name: str, options: list[str]) -> str:
     return result.stdout
 
 
+def source_resources(source: str, name: str, arch: str) -> dict[str, dict[str, int]]:
+    """parse_ptxas_log of `source` (a kernel text outside kernels_src/, named `name` in messages)
+    compiled for `arch` with the package's options; KernelCompileError if NVRTC rejects it."""
+    options = [*COMPILE_OPTIONS, f"--gpu-architecture={arch}", "--ptxas-options=-v"]
+    return parse_ptxas_log(_ptxas_log_without_cache(source, name, options))
+
+
 _PTXAS_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
 _PTXAS_PROPERTIES = re.compile(r"Function properties for (\S+)")
 _PTXAS_FRAME = re.compile(

@@ -17,6 +17,8 @@ from glm_kda.device import gpu_status
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from lib.script import exit_unless_gpu  # noqa: E402
 import sanitizer_report  # noqa: E402
+import stream_stack  # noqa: E402
+from kernel_report import source_resources  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 BENCHMARKS = REPO / "benchmarks"
@@ -25,7 +27,7 @@ BENCHMARKS = REPO / "benchmarks"
 GPU_SCRIPTS = {
     "block.py": [], "cold_start.py": [], "compare_versions.py": ["--old", str(REPO)], "decode.py": [], "decode_breakdown.py": [],
     "gemm_rows.py": [], "host_cost.py": [], "kernel_versions.py": ["--old", str(REPO / "kernels_src")], "prefill.py": [], "profile_kernels.py": ["decode", "glm"],
-    "projections.py": [], "stack.py": [], "stream_floor.py": [],
+    "projections.py": [], "stack.py": [], "stream_floor.py": [], "stream_stack.py": [],
 }
 # Scripts that run without a GPU here: fla_compare prints a note and exits 0 without fla (or torch,
 # or a GPU); summarize_breakdown reads decode_breakdown's lines.
@@ -235,3 +237,11 @@ def test_sanitizer_report_counts_passed_tests_and_a_process_that_ended_badly(tmp
     row = sanitizer_report.summarize(log, sanitizer_report.our_kernels())
     assert row["passed_tests"] == 2 and row["ended_badly"], row
     assert row["printed"] == 0 and row["library_kernels"] == {} and row["tool_total"] == 0, row
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_100", "sm_120"])
+def test_stream_stack_kernel_compiles_without_spills(arch):
+    """stream_stack.py's persistent kernel (bulk copies and mbarriers: sm_90 and later) compiles
+    with the product's headers in front, and keeps its state column in registers."""
+    resources = source_resources(stream_stack.kernel_source(), "stream_stack.cu", arch)["stream_stack"]
+    assert resources["stack_frame"] == 0 and resources["spill_stores"] == 0, f"{arch}: {resources}"

@@ -4,6 +4,7 @@
 // grid.y the row groups of 64. Tile layout, ring and walk: docs/kernels.md, 'Bulk-copy sweep'.
 #include "projection/gemm_rows.cuh"
 #include "projection/tile_layout.cuh"
+#include "common/mbarrier.cuh"
 #include "projection/wgmma.cuh"
 
 #define GEMM_BULK_WARPGROUP 128
@@ -181,7 +182,7 @@ __device__ __forceinline__ void gemm_bulk_entry(const bf16_t* __restrict__ x_til
             mbarrier_init(full_barriers + 8 * slot, 1);
             mbarrier_init(empty_barriers + 8 * slot, consumer_warps);
         }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        mbarrier_init_fence();
     }
     __syncthreads();
 
