@@ -15,7 +15,7 @@ at every layer (q|k|v, the step's core and state, o_proj); the run stops if an e
 It is a measurement of what a design could reach, not a product kernel: the step has no conv and
 no gates, and its sums are not the product's bits. Needs sm_90 or later.
 
-    PYTHONPATH=. python benchmarks/stream_stack.py [--geometry kimi glm] [--layers N] [--repeats 30]
+    PYTHONPATH=. python benchmarks/stream_stack.py [--geometry kimi glm] [--layers N] [--repeats 30] [--slots S]
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def shared_bytes(hidden: int, core_width: int, slots: int) -> int:
     return slots * SLOT_BYTES + 4 * max(hidden, core_width, 2 * HEAD_DIM) + 16 * slots
 
 
-def run_geometry(geometry: str, layers: int | None, repeats: int) -> list[dict]:
+def run_geometry(geometry: str, layers: int | None, repeats: int, slots: int | None = None) -> list[dict]:
     import cupy
 
     from lib.bench_prefill import geometry_config
@@ -135,7 +135,7 @@ def run_geometry(geometry: str, layers: int | None, repeats: int) -> list[dict]:
     rows = qkv_rows(config)
     device = cupy.cuda.Device()
     sm_count = device.attributes["MultiProcessorCount"]
-    slots = ring_slots(hidden, width)
+    slots = min(slots or MAX_SLOTS, ring_slots(hidden, width))
     shared = shared_bytes(hidden, width, slots)
 
     rng = cupy.random.default_rng(7)
@@ -189,10 +189,11 @@ def main() -> int:
     parser.add_argument("--geometry", nargs="+", default=["kimi", "glm"], choices=sorted(MODEL_KDA_LAYERS))
     parser.add_argument("--layers", type=int, default=None, help="layers in the stack (default: the model's KDA layers)")
     parser.add_argument("--repeats", type=int, default=30, help="timed tokens per case")
+    parser.add_argument("--slots", type=int, default=None, help="ring slots a block (default: as many as fit)")
     args = parser.parse_args()
     exit_unless_gpu("the persistent stack stream benchmark")
     for geometry in args.geometry:
-        for row in run_geometry(geometry, args.layers, args.repeats):
+        for row in run_geometry(geometry, args.layers, args.repeats, args.slots):
             print(json.dumps(row), flush=True)
     return 0
 
