@@ -149,7 +149,9 @@ def run_geometry(geometry: str, layers: int | None, repeats: int, slots: int | N
     }
     buffers["x"][0] = rng.standard_normal(hidden, dtype=cupy.float32)
     counters = cupy.zeros((layers, 3), cupy.int32)
-    kernel = cupy.RawModule(code=kernel_source(), options=("-std=c++17",)).get_function("stream_stack")
+    # (A cooperative launch: every block resident at once, or the launch fails instead of hanging.)
+    kernel = cupy.RawModule(code=kernel_source(), options=("-std=c++17",),
+                            enable_cooperative_groups=True).get_function("stream_stack")
     kernel.max_dynamic_shared_size_bytes = shared
     launches = iter(range(1, 1 << 30))
 
@@ -158,7 +160,7 @@ def run_geometry(geometry: str, layers: int | None, repeats: int, slots: int | N
                (buffers["qkv_w"], buffers["o_w"], buffers["x"], buffers["qkv"], buffers["core"], buffers["state"],
                 counters, np.int32(layers), np.int32(rows), np.int32(hidden), np.int32(heads),
                 np.int32(next(launches)), np.int32(waits), np.int32(slots)),
-               shared_mem=shared, enable_cooperative_groups=True)
+               shared_mem=shared)
 
     state_before = buffers["state"].copy()
     launch(True)
