@@ -5,7 +5,8 @@ its grid with one std::thread per CUDA thread, so CPU CI runs the kernel source 
                      shuffles (a slot per lane and two warp barriers), static __shared__ arrays
                      (function statics: the blocks run one after the other), alignment-checked
                      vector casts, and shims for the intrinsics with no host twin
-  HOST_CUDA_RUNTIME  the globals, run_grid (a grid, block after block, x fastest) and file helpers
+  HOST_CUDA_RUNTIME  the globals, run_grid (a grid, block after block, x fastest), run_grid_concurrent
+                     (every block at once) and file helpers
   host_kernel_source the kernel file with its PTX-only helpers removed (host_source: any kernel text)
   kernel_declaration an entry point's declaration, taken from its definition
   build_host_binary  compile with g++ / clang++ (C++20 for <barrier>), or skip the test
@@ -89,11 +90,12 @@ inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); 
 #define __align__(n) __attribute__((aligned(n)))
 extern thread_local dim3 threadIdx, blockIdx;
 extern dim3 blockDim, gridDim;
-extern float* emulated_shared;
-extern std::barrier<>* block_barrier;
-extern std::barrier<>* warp_barriers[32];
+// The present block's, per thread (run_grid_concurrent runs several blocks at once).
+extern thread_local float* emulated_shared;
+extern thread_local std::barrier<>* block_barrier;
+extern thread_local std::barrier<>** warp_barriers;
 extern std::atomic<long> misaligned;
-extern unsigned int shuffle_slots[32][32];
+extern thread_local unsigned int (*shuffle_slots)[32];
 extern int jitter;
 inline void maybe_sleep()
 {
@@ -193,35 +195,77 @@ HOST_CUDA_RUNTIME = r"""
 #include <vector>
 thread_local dim3 threadIdx, blockIdx;
 dim3 blockDim, gridDim;
-float* emulated_shared;
-std::barrier<>* block_barrier;
-std::barrier<>* warp_barriers[32];
+thread_local float* emulated_shared;
+thread_local std::barrier<>* block_barrier;
+thread_local std::barrier<>** warp_barriers;
 std::atomic<long> misaligned{0};
-unsigned int shuffle_slots[32][32];
+thread_local unsigned int (*shuffle_slots)[32];
 int jitter = 0;
+
+// One block's shared memory (NaN at the start: a read before a write shows), barriers and shuffle slots.
+struct BlockContext {
+    std::vector<float> shared;
+    std::barrier<> block;
+    std::vector<std::unique_ptr<std::barrier<>>> warps;
+    std::vector<std::barrier<>*> warp_pointers;
+    unsigned int slots[32][32];
+    BlockContext(int threads, size_t shared_bytes) : shared(shared_bytes / 4 + 4, std::nanf("")), block(threads)
+    {
+        for (int w = 0; w < threads / 32; ++w) {
+            warps.emplace_back(new std::barrier<>(32));
+            warp_pointers.push_back(warps.back().get());
+        }
+    }
+    float* aligned_shared() { return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(shared.data()) + 15) & ~uintptr_t(15)); }
+};
+
+// The threads of block `index` (x fastest) of the grid, started into `pool`, each with the block's context.
+template <class F>
+void start_block(BlockContext& context, unsigned index, int threads, F kernel, std::vector<std::thread>& pool)
+{
+    const dim3 grid = gridDim;
+    const unsigned x = index % grid.x, y = index / grid.x % grid.y, z = index / (grid.x * grid.y);
+    for (int t = 0; t < threads; ++t) {
+        pool.emplace_back([=, &context] {
+            threadIdx = dim3{unsigned(t), 0, 0};
+            blockIdx = dim3{x, y, z};
+            emulated_shared = context.aligned_shared();
+            block_barrier = &context.block;
+            warp_barriers = context.warp_pointers.data();
+            shuffle_slots = context.slots;
+            kernel();
+        });
+    }
+}
 
 template <class F> void run_grid(dim3 grid, int threads, size_t shared_bytes, F kernel)
 {
     gridDim = grid;
     blockDim = dim3{unsigned(threads), 1, 1};
-    std::vector<float> shared(shared_bytes / 4 + 4);
     for (unsigned index = 0; index < grid.x * grid.y * grid.z; ++index) {
-        const unsigned x = index % grid.x, y = index / grid.x % grid.y, z = index / (grid.x * grid.y);
-        std::fill(shared.begin(), shared.end(), std::nanf(""));  // a read before a write shows
-        emulated_shared = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(shared.data()) + 15) & ~uintptr_t(15));
-        std::barrier<> block(threads);
-        block_barrier = &block;
-        std::vector<std::unique_ptr<std::barrier<>>> warps;
-        for (int w = 0; w < threads / 32; ++w) {
-            warps.emplace_back(new std::barrier<>(32));
-            warp_barriers[w] = warps.back().get();
-        }
+        BlockContext context(threads, shared_bytes);
         std::vector<std::thread> pool;
-        for (int t = 0; t < threads; ++t) {
-            pool.emplace_back([=] { threadIdx = dim3{unsigned(t), 0, 0}; blockIdx = dim3{x, y, z}; kernel(); });
-        }
+        start_block(context, index, threads, kernel, pool);
         for (auto& thread : pool) thread.join();
     }
+}
+
+// Every block at once, as a cooperative launch runs them: for kernels whose blocks wait on each other.
+// Their shared memory must be the dynamic one (emulated_shared): a static __shared__ array is one for all.
+template <class F> void run_grid_concurrent(dim3 grid, int threads, size_t shared_bytes, F kernel)
+{
+    gridDim = grid;
+    blockDim = dim3{unsigned(threads), 1, 1};
+    const unsigned blocks = grid.x * grid.y * grid.z;
+    std::vector<std::unique_ptr<BlockContext>> contexts;
+    std::vector<std::thread> pool;
+    for (unsigned index = 0; index < blocks; ++index) {
+        contexts.emplace_back(new BlockContext(threads, shared_bytes));
+    }
+    for (unsigned index = 0; index < blocks; ++index) {
+        start_block(*contexts[index], index, threads, kernel, pool);
+    }
+    for (auto& thread : pool) thread.join();
 }
 
 template <class T> static std::vector<T> load_as(const std::string& path, size_t count)

@@ -8,8 +8,10 @@ Promises tested:
     second launch are within FP32 rounding of float64 products of the kernel's own inputs
     (stream_stack.check_token, the check the benchmark runs on the GPU before it times);
   * the counters end at the launches times each phase's count (a warp's, or a block's for the step);
-  * three blocks without waits (they run one after the other here): each block's share of layer
-    0's q|k|v rows, together every row, as float64 gives.
+  * three blocks at once (run_grid_concurrent), two of them stepping a head, waiting on each
+    other's counts: the same, with every count from the other blocks;
+  * three blocks without waits, one after the other: each block's share of layer 0's q|k|v rows,
+    together every row, as float64 gives.
 """
 
 from __future__ import annotations
@@ -31,8 +33,6 @@ HEADS = 1
 EXTRA_ROWS = 8
 LAYERS = 3
 SLOTS = 2
-WIDTH = HEADS * stream_stack.HEAD_DIM
-ROWS = 3 * WIDTH + EXTRA_ROWS
 
 # The kernel's PTX-only pieces, defined by SHIMS below.
 DEVICE_HELPERS = ("mbarrier_init", "mbarrier_init_fence", "mbarrier_expect_bytes", "mbarrier_arrive",
@@ -54,7 +54,9 @@ struct HostBarrier {
     unsigned int phases = 0;
 };
 std::mutex barrier_lock;
-std::map<unsigned int, HostBarrier> host_barriers;
+// By the barrier's address in its block's shared memory (blocks may run at once).
+std::map<const unsigned char*, HostBarrier> host_barriers;
+inline HostBarrier& host_barrier(unsigned int barrier) { return host_barriers.at(shared_bytes() + barrier); }
 inline void complete_if_done(HostBarrier& b)
 {
     if (b.pending == 0 && b.bytes == 0) {
@@ -65,13 +67,13 @@ inline void complete_if_done(HostBarrier& b)
 inline void mbarrier_init(unsigned int barrier, unsigned int count)
 {
     std::lock_guard<std::mutex> hold(barrier_lock);
-    host_barriers[barrier] = HostBarrier{int(count), int(count), 0, 0};
+    host_barriers[shared_bytes() + barrier] = HostBarrier{int(count), int(count), 0, 0};
 }
 inline void mbarrier_init_fence() {}
 inline void mbarrier_expect_bytes(unsigned int barrier, unsigned int bytes)
 {
     std::lock_guard<std::mutex> hold(barrier_lock);
-    HostBarrier& b = host_barriers.at(barrier);
+    HostBarrier& b = host_barrier(barrier);
     b.bytes += bytes;
     b.pending -= 1;
     complete_if_done(b);
@@ -79,7 +81,7 @@ inline void mbarrier_expect_bytes(unsigned int barrier, unsigned int bytes)
 inline void mbarrier_arrive(unsigned int barrier)
 {
     std::lock_guard<std::mutex> hold(barrier_lock);
-    HostBarrier& b = host_barriers.at(barrier);
+    HostBarrier& b = host_barrier(barrier);
     b.pending -= 1;
     if (b.pending < 0) std::abort();  // more arrivals than the phase takes
     complete_if_done(b);
@@ -90,7 +92,7 @@ inline void mbarrier_wait(unsigned int barrier, unsigned int parity)
     for (;;) {
         {
             std::lock_guard<std::mutex> hold(barrier_lock);
-            if ((host_barriers.at(barrier).phases & 1u) != parity) return;
+            if ((host_barrier(barrier).phases & 1u) != parity) return;
         }
         maybe_sleep();
         std::this_thread::yield();
@@ -101,11 +103,11 @@ inline void bulk_copy_to_shared(unsigned int destination, const void* source, un
     if (destination % 16 || reinterpret_cast<uintptr_t>(source) % 16 || bytes % 16) misaligned++;
     std::memcpy(shared_bytes() + destination, source, bytes);
     std::lock_guard<std::mutex> hold(barrier_lock);
-    HostBarrier& b = host_barriers.at(barrier);
+    HostBarrier& b = host_barrier(barrier);
     b.bytes -= bytes;
     complete_if_done(b);
 }
-std::barrier<>* consumer_barrier;
+thread_local std::barrier<>* consumer_barrier;  // the block's
 inline void consumers_sync()
 {
     maybe_sleep();
@@ -121,6 +123,7 @@ int main(int argc, char** argv)
     const int hidden = std::atoi(argv[5]), heads = std::atoi(argv[6]), slots = std::atoi(argv[7]);
     const int waits = std::atoi(argv[8]), launches = std::atoi(argv[9]);
     jitter = std::atoi(argv[10]);
+    const bool concurrent = std::atoi(argv[12]) != 0;
     const size_t shared = std::strtoull(argv[11], nullptr, 10);
     const int width = heads * STREAM_HEAD_DIM;
     auto qkv_w = load_u16(dir + "/qkv_w", size_t(layers) * rows * hidden);
@@ -130,14 +133,20 @@ int main(int argc, char** argv)
     std::vector<float> qkv(size_t(layers) * rows, std::nanf("")), core(size_t(layers) * width, std::nanf(""));
     std::vector<float> state_before;
     std::vector<int> counters(3 * layers, 0);
-    std::barrier<> consumers(32 * STREAM_CONSUMER_WARPS);
-    consumer_barrier = &consumers;
+    std::vector<std::unique_ptr<std::barrier<>>> consumers;
+    for (int block = 0; block < grid; ++block) consumers.emplace_back(new std::barrier<>(32 * STREAM_CONSUMER_WARPS));
     for (int launch = 1; launch <= launches; ++launch) {
         state_before = state;
-        run_grid(dim3{unsigned(grid), 1, 1}, STREAM_THREADS, shared, [&] {
+        auto block = [&] {
+            consumer_barrier = consumers[blockIdx.x].get();
             stream_stack(qkv_w.data(), o_w.data(), x.data(), qkv.data(), core.data(), state.data(), counters.data(),
                          layers, rows, hidden, heads, launch, waits, slots);
-        });
+        };
+        if (concurrent) {
+            run_grid_concurrent(dim3{unsigned(grid), 1, 1}, STREAM_THREADS, shared, block);
+        } else {
+            run_grid(dim3{unsigned(grid), 1, 1}, STREAM_THREADS, shared, block);
+        }
     }
     save_each(dir + "/", {"x.out", "qkv.out", "core.out", "state.out", "state_before.out"}, x, qkv, core, state,
               state_before);
@@ -159,18 +168,21 @@ def stream_host(tmp_path_factory):
     return build_host_binary(tmp_path_factory.mktemp("stream_stack_host"), "stream_stack_host", files)
 
 
-def _run(binary, folder: Path, grid: int, waits: bool, launches: int, jitter: int = 0) -> dict:
+def _run(binary, folder: Path, grid: int, waits: bool, launches: int, jitter: int = 0, heads: int = HEADS,
+         concurrent: bool = False) -> dict:
+    width = heads * stream_stack.HEAD_DIM
+    rows = 3 * width + EXTRA_ROWS
     rng = np.random.default_rng(11)
-    qkv_w = bf16_bits(rng.standard_normal((LAYERS, ROWS, HIDDEN)) * HIDDEN**-0.5)
-    o_w = bf16_bits(rng.standard_normal((LAYERS, HIDDEN, WIDTH)) * WIDTH**-0.5)
+    qkv_w = bf16_bits(rng.standard_normal((LAYERS, rows, HIDDEN)) * HIDDEN**-0.5)
+    o_w = bf16_bits(rng.standard_normal((LAYERS, HIDDEN, width)) * width**-0.5)
     x = np.zeros((LAYERS + 1, HIDDEN), np.float32)
     x[0] = rng.standard_normal(HIDDEN)
-    state = (rng.standard_normal((LAYERS, HEADS, stream_stack.HEAD_DIM, stream_stack.HEAD_DIM)) * 0.1).astype(np.float32)
+    state = (rng.standard_normal((LAYERS, heads, stream_stack.HEAD_DIM, stream_stack.HEAD_DIM)) * 0.1).astype(np.float32)
     for name, array in (("qkv_w", qkv_w), ("o_w", o_w), ("x", x), ("state", state)):
         array.tofile(folder / name)
-    result = subprocess.run([str(binary), str(folder), str(grid), str(LAYERS), str(ROWS), str(HIDDEN), str(HEADS),
+    result = subprocess.run([str(binary), str(folder), str(grid), str(LAYERS), str(rows), str(HIDDEN), str(heads),
                              str(SLOTS), str(int(waits)), str(launches), str(jitter),
-                             str(stream_stack.shared_bytes(HIDDEN, WIDTH, SLOTS))],
+                             str(stream_stack.shared_bytes(HIDDEN, width, SLOTS)), str(int(concurrent))],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "misaligned=0" in result.stdout, result.stdout
@@ -178,19 +190,28 @@ def _run(binary, folder: Path, grid: int, waits: bool, launches: int, jitter: in
     def out(name, shape, dtype=np.float32):
         return np.fromfile(folder / f"{name}.out", dtype).reshape(shape)
 
-    return {"qkv_w": qkv_w, "o_w": o_w, "x": out("x", (LAYERS + 1, HIDDEN)), "qkv": out("qkv", (LAYERS, ROWS)),
-            "core": out("core", (LAYERS, WIDTH)), "state": out("state", state.shape),
+    return {"qkv_w": qkv_w, "o_w": o_w, "x": out("x", (LAYERS + 1, HIDDEN)), "qkv": out("qkv", (LAYERS, rows)),
+            "core": out("core", (LAYERS, width)), "state": out("state", state.shape),
             "state_before": out("state_before", state.shape), "counters": out("counters", (LAYERS, 3), np.int32)}
+
+
+def _check_every_phase(buffers: dict, grid: int, heads: int, launches: int) -> None:
+    errors = stream_stack.check_token(buffers, buffers["state_before"], LAYERS, heads)
+    assert max(errors.values()) < 1e-6, f"rms ratio against float64 per stage (bound 1e-6): {errors}"
+    warps = grid * stream_stack.CONSUMER_WARPS
+    assert (buffers["counters"] == [launches * warps, launches * heads, launches * warps]).all(), buffers["counters"]
 
 
 @pytest.mark.parametrize("jitter", [0, 1])
 def test_one_block_through_every_phase_matches_float64(stream_host, tmp_path, jitter):
-    launches = 2
-    buffers = _run(stream_host, tmp_path, grid=1, waits=True, launches=launches, jitter=jitter)
-    errors = stream_stack.check_token(buffers, buffers["state_before"], LAYERS, HEADS)
-    assert max(errors.values()) < 1e-6, f"rms ratio against float64 per stage (bound 1e-6): {errors}"
-    warps = stream_stack.CONSUMER_WARPS
-    assert (buffers["counters"] == [launches * warps, launches * HEADS, launches * warps]).all(), buffers["counters"]
+    _check_every_phase(_run(stream_host, tmp_path, grid=1, waits=True, launches=2, jitter=jitter), 1, HEADS, 2)
+
+
+def test_blocks_at_once_wait_on_each_other(stream_host, tmp_path):
+    """Three blocks run at once, as the cooperative launch runs them, two of them stepping a head:
+    every phase's wait is on counts from the other blocks."""
+    buffers = _run(stream_host, tmp_path, grid=3, waits=True, launches=2, jitter=1, heads=2, concurrent=True)
+    _check_every_phase(buffers, 3, 2, 2)
 
 
 def test_blocks_share_the_rows(stream_host, tmp_path):
