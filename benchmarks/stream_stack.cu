@@ -15,7 +15,6 @@
 
 #define STREAM_CONSUMER_WARPS 8
 #define STREAM_THREADS (32 * (1 + STREAM_CONSUMER_WARPS))
-#define STREAM_SLOT_BYTES 16384
 #define STREAM_HEAD_DIM 128
 
 // Rows [first, last) of an n-row weight that block b of `blocks` streams, and its chunks of whole rows.
@@ -23,12 +22,12 @@ struct StreamShare {
     int first, last, rows_per_chunk, chunks;
 };
 
-__device__ __forceinline__ StreamShare stream_share(int n, int k, int block, int blocks)
+__device__ __forceinline__ StreamShare stream_share(int n, int k, int block, int blocks, int slot_bytes)
 {
     StreamShare share;
     share.first = static_cast<int>(static_cast<long long>(n) * block / blocks);
     share.last = static_cast<int>(static_cast<long long>(n) * (block + 1) / blocks);
-    share.rows_per_chunk = max(1, STREAM_SLOT_BYTES / (2 * k));
+    share.rows_per_chunk = slot_bytes / (2 * k);  // (the script keeps a row within a slot)
     share.chunks = (share.last - share.first + share.rows_per_chunk - 1) / share.rows_per_chunk;
     return share;
 }
@@ -42,8 +41,8 @@ __device__ __forceinline__ void consumers_sync()
 // The producer: every chunk of the block's share, layer by layer (q|k|v, then o_proj), into slot
 // `sequence % slots` once the consumer of that slot's previous chunk has let it go.
 __device__ void stream_weights(const unsigned short* qkv_w, const unsigned short* o_w, unsigned char* ring,
-                               unsigned int full, unsigned int empty, int slots, int layers, int qkv_rows,
-                               int hidden, int core_width)
+                               unsigned int full, unsigned int empty, int slots, int slot_bytes, int layers,
+                               int qkv_rows, int hidden, int core_width)
 {
     int sequence = 0;
     for (int layer = 0; layer < layers; ++layer) {
@@ -51,7 +50,7 @@ __device__ void stream_weights(const unsigned short* qkv_w, const unsigned short
             const int n = phase == 0 ? qkv_rows : hidden, k = phase == 0 ? hidden : core_width;
             const unsigned short* w =
                 (phase == 0 ? qkv_w : o_w) + static_cast<size_t>(layer) * static_cast<size_t>(n) * k;
-            const StreamShare share = stream_share(n, k, blockIdx.x, gridDim.x);
+            const StreamShare share = stream_share(n, k, blockIdx.x, gridDim.x, slot_bytes);
             for (int chunk = 0; chunk < share.chunks; ++chunk, ++sequence) {
                 const int slot = sequence % slots, round = sequence / slots;
                 if (round > 0) {
@@ -61,7 +60,7 @@ __device__ void stream_weights(const unsigned short* qkv_w, const unsigned short
                 const int rows = min(share.rows_per_chunk, share.last - row);
                 const unsigned int bytes = static_cast<unsigned int>(rows) * 2u * k;
                 mbarrier_expect_bytes(full + 8 * slot, bytes);
-                bulk_copy_to_shared(shared_address(ring + static_cast<size_t>(slot) * STREAM_SLOT_BYTES),
+                bulk_copy_to_shared(shared_address(ring + static_cast<size_t>(slot) * slot_bytes),
                                     w + static_cast<size_t>(row) * k, bytes, full + 8 * slot);
             }
         }
@@ -98,7 +97,7 @@ __device__ __forceinline__ void chunk_sums(const unsigned char* slot, const floa
 // once `counter` reaches `target`, then the warp's chunks (every STREAM_CONSUMER_WARPS-th of the
 // block's sequence), then one count per warp in `done`. Returns the sequence number after the phase.
 __device__ int consume_phase(const unsigned char* ring, unsigned int full, unsigned int empty, int slots,
-                             int sequence, const int* counter, int target, const float* x_in, float* x_shared,
+                             int slot_bytes, int sequence, const int* counter, int target, const float* x_in, float* x_shared,
                              int k, int n, float* y, int* done, int warp, int lane, int consumer)
 {
     consumers_sync();  // every warp is done with x_shared's previous contents
@@ -110,7 +109,7 @@ __device__ int consume_phase(const unsigned char* ring, unsigned int full, unsig
         x_shared[i] = x_in[i];
     }
     consumers_sync();
-    const StreamShare share = stream_share(n, k, blockIdx.x, gridDim.x);
+    const StreamShare share = stream_share(n, k, blockIdx.x, gridDim.x, slot_bytes);
     for (int chunk = 0; chunk < share.chunks; ++chunk) {
         const int at = sequence + chunk;
         if (at % STREAM_CONSUMER_WARPS != warp) {
@@ -119,7 +118,7 @@ __device__ int consume_phase(const unsigned char* ring, unsigned int full, unsig
         const int slot = at % slots;
         mbarrier_wait(full + 8 * slot, (at / slots) & 1);
         const int row = share.first + chunk * share.rows_per_chunk;
-        chunk_sums(ring + static_cast<size_t>(slot) * STREAM_SLOT_BYTES, x_shared, y, row,
+        chunk_sums(ring + static_cast<size_t>(slot) * slot_bytes, x_shared, y, row,
                    min(share.rows_per_chunk, share.last - row), k, lane);
         __syncwarp();
         if (lane == 0) {
@@ -176,15 +175,16 @@ __device__ void step_head(const float* qkv, float* state, float* core, float* sh
 // x [layers + 1, hidden] (row 0 the input; row L + 1 layer L's output), qkv [layers, qkv_rows],
 // core [layers, core_width], state [layers, heads, D, D], counters [layers, 3] (q|k|v, step, o_proj
 // counts, never reset: launch e waits for e times each phase's count), weights [layers, n, k] BF16 bits.
-// waits == 0: no phase waits for the one before (the stream and the sums alone).
+// slots: ring slots of slot_bytes each (a multiple of 16 holding a row of either weight). waits == 0: no
+// phase waits for the one before (the stream and the sums alone).
 extern "C" __global__ void __launch_bounds__(STREAM_THREADS, 1)
     stream_stack(const unsigned short* __restrict__ qkv_w, const unsigned short* __restrict__ o_w, float* x,
                  float* qkv, float* core, float* state, int* counters, int layers, int qkv_rows, int hidden,
-                 int heads, int launch, int waits, int slots)
+                 int heads, int launch, int waits, int slots, int slot_bytes)
 {
     extern __shared__ __align__(128) unsigned char stream_ring[];
     const int core_width = heads * STREAM_HEAD_DIM;
-    float* x_shared = reinterpret_cast<float*>(stream_ring + static_cast<size_t>(slots) * STREAM_SLOT_BYTES);
+    float* x_shared = reinterpret_cast<float*>(stream_ring + static_cast<size_t>(slots) * slot_bytes);
     // (x's copy: hidden or core_width floats; the step's q and k: 2 D.)
     unsigned char* barriers =
         reinterpret_cast<unsigned char*>(x_shared + max(max(hidden, core_width), 2 * STREAM_HEAD_DIM));
@@ -200,7 +200,8 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS, 1)
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (warp == 0) {
         if (lane == 0) {
-            stream_weights(qkv_w, o_w, stream_ring, full, empty, slots, layers, qkv_rows, hidden, core_width);
+            stream_weights(qkv_w, o_w, stream_ring, full, empty, slots, slot_bytes, layers, qkv_rows, hidden,
+                           core_width);
         }
         return;
     }
@@ -212,9 +213,9 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS, 1)
         const int* input_ready = waits && layer > 0 ? count - 3 + 2 : nullptr;
         float* layer_qkv = qkv + static_cast<size_t>(layer) * qkv_rows;
         float* layer_core = core + static_cast<size_t>(layer) * core_width;
-        sequence = consume_phase(stream_ring, full, empty, slots, sequence, input_ready, launch * warp_counts,
-                                 x + static_cast<size_t>(layer) * hidden, x_shared, hidden, qkv_rows, layer_qkv,
-                                 count, consumer_warp, lane, consumer);
+        sequence = consume_phase(stream_ring, full, empty, slots, slot_bytes, sequence, input_ready,
+                                 launch * warp_counts, x + static_cast<size_t>(layer) * hidden, x_shared, hidden,
+                                 qkv_rows, layer_qkv, count, consumer_warp, lane, consumer);
         if (blockIdx.x < heads) {
             consumers_sync();
             if (consumer == 0 && waits) {
@@ -228,7 +229,7 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS, 1)
                 kda_count_release(count + 1);
             }
         }
-        sequence = consume_phase(stream_ring, full, empty, slots, sequence, waits ? count + 1 : nullptr,
+        sequence = consume_phase(stream_ring, full, empty, slots, slot_bytes, sequence, waits ? count + 1 : nullptr,
                                  launch * heads, layer_core, x_shared, core_width, hidden,
                                  x + static_cast<size_t>(layer + 1) * hidden, count + 2, consumer_warp, lane,
                                  consumer);

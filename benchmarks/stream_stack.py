@@ -15,7 +15,7 @@ at every layer (q|k|v, the step's core and state, o_proj); the run stops if an e
 It is a measurement of what a design could reach, not a product kernel: the step has no conv and
 no gates, and its sums are not the product's bits. Needs sm_90 or later.
 
-    PYTHONPATH=. python benchmarks/stream_stack.py [--geometry kimi glm] [--layers N] [--repeats 30] [--slots S]
+    PYTHONPATH=. python benchmarks/stream_stack.py [--geometry kimi glm] [--layers N] [--repeats 30] [--slots S] [--slot-kb 16]
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ HEADERS = ("common/sync.cuh", "common/mbarrier.cuh")
 MODEL_KDA_LAYERS = {"glm": 34, "kimi": 20}
 # Must match stream_stack.cu.
 CONSUMER_WARPS = 8
+# Bytes of a ring slot unless --slot-kb says otherwise.
 SLOT_BYTES = 16384
 HEAD_DIM = 128
 # Shared memory one block may ask for on sm_90 and later.
@@ -59,10 +60,10 @@ def kernel_source() -> str:
     return "".join((folder / header).read_text() + "\n" for header in HEADERS) + SOURCE.read_text()
 
 
-def ring_slots(hidden: int, core_width: int) -> int:
+def ring_slots(hidden: int, core_width: int, slot_bytes: int = SLOT_BYTES) -> int:
     """Slots of the ring (each with its two mbarriers) that fit beside x's FP32 copy in one block's
     shared memory."""
-    return min(MAX_SLOTS, (SHARED_BYTES - shared_bytes(hidden, core_width, 0)) // (SLOT_BYTES + 16))
+    return min(MAX_SLOTS, (SHARED_BYTES - shared_bytes(hidden, core_width, 0)) // (slot_bytes + 16))
 
 
 def qkv_rows(config) -> int:
@@ -118,13 +119,14 @@ def check_token(buffers: dict, state_before, layers: int, heads: int) -> dict[st
     return worst
 
 
-def shared_bytes(hidden: int, core_width: int, slots: int) -> int:
+def shared_bytes(hidden: int, core_width: int, slots: int, slot_bytes: int = SLOT_BYTES) -> int:
     """Dynamic shared memory of a block: the ring, x's FP32 copy (or the step's q and k), two
     mbarriers a slot."""
-    return slots * SLOT_BYTES + 4 * max(hidden, core_width, 2 * HEAD_DIM) + 16 * slots
+    return slots * slot_bytes + 4 * max(hidden, core_width, 2 * HEAD_DIM) + 16 * slots
 
 
-def run_geometry(geometry: str, layers: int | None, repeats: int, slots: int | None = None) -> list[dict]:
+def run_geometry(geometry: str, layers: int | None, repeats: int, slots: int | None = None,
+                 slot_bytes: int = SLOT_BYTES) -> list[dict]:
     import cupy
 
     from lib.bench_prefill import geometry_config
@@ -135,8 +137,11 @@ def run_geometry(geometry: str, layers: int | None, repeats: int, slots: int | N
     rows = qkv_rows(config)
     device = cupy.cuda.Device()
     sm_count = device.attributes["MultiProcessorCount"]
-    slots = min(slots or MAX_SLOTS, ring_slots(hidden, width))
-    shared = shared_bytes(hidden, width, slots)
+    if slot_bytes % 16 or slot_bytes < 2 * max(hidden, width):
+        raise SystemExit(f"error: a slot of {slot_bytes} bytes must be a multiple of 16 holding a row of "
+                         f"{2 * max(hidden, width)} bytes")
+    slots = min(slots or MAX_SLOTS, ring_slots(hidden, width, slot_bytes))
+    shared = shared_bytes(hidden, width, slots, slot_bytes)
 
     rng = cupy.random.default_rng(7)
     buffers = {
@@ -159,7 +164,7 @@ def run_geometry(geometry: str, layers: int | None, repeats: int, slots: int | N
         kernel((sm_count,), (32 * (1 + CONSUMER_WARPS),),
                (buffers["qkv_w"], buffers["o_w"], buffers["x"], buffers["qkv"], buffers["core"], buffers["state"],
                 counters, np.int32(layers), np.int32(rows), np.int32(hidden), np.int32(heads),
-                np.int32(next(launches)), np.int32(waits), np.int32(slots)),
+                np.int32(next(launches)), np.int32(waits), np.int32(slots), np.int32(slot_bytes)),
                shared_mem=shared)
 
     state_before = buffers["state"].copy()
@@ -177,7 +182,7 @@ def run_geometry(geometry: str, layers: int | None, repeats: int, slots: int | N
         token_us = 1e3 * median_ms(lambda: launch(waits), repeats=repeats, warmup=3)
         results.append({
             "case": "stream_stack" if waits else "stream_stack_no_waits", "geometry": geometry, "layers": layers,
-            "sms": sm_count, "ring_slots": slots, "us_per_token": token_us, "us_per_layer": token_us / layers,
+            "sms": sm_count, "ring_slots": slots, "slot_bytes": slot_bytes, "us_per_token": token_us, "us_per_layer": token_us / layers,
             "layer_bytes": layer_bytes, "streamed_bytes_per_layer": streamed, "copy_bandwidth_GBs": bandwidth,
             "roofline_ratio_per_layer": layer_bytes * layers / 1e3 / bandwidth / token_us,
             "check_rms_ratio": errors,
@@ -192,10 +197,11 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=None, help="layers in the stack (default: the model's KDA layers)")
     parser.add_argument("--repeats", type=int, default=30, help="timed tokens per case")
     parser.add_argument("--slots", type=int, default=None, help="ring slots a block (default: as many as fit)")
+    parser.add_argument("--slot-kb", type=int, default=SLOT_BYTES >> 10, help="KB of a ring slot (default 16)")
     args = parser.parse_args()
     exit_unless_gpu("the persistent stack stream benchmark")
     for geometry in args.geometry:
-        for row in run_geometry(geometry, args.layers, args.repeats, args.slots):
+        for row in run_geometry(geometry, args.layers, args.repeats, args.slots, args.slot_kb << 10):
             print(json.dumps(row), flush=True)
     return 0
 

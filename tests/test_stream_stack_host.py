@@ -124,6 +124,7 @@ int main(int argc, char** argv)
     const int waits = std::atoi(argv[8]), launches = std::atoi(argv[9]);
     jitter = std::atoi(argv[10]);
     const bool concurrent = std::atoi(argv[12]) != 0;
+    const int slot_bytes = std::atoi(argv[13]);
     const size_t shared = std::strtoull(argv[11], nullptr, 10);
     const int width = heads * STREAM_HEAD_DIM;
     auto qkv_w = load_u16(dir + "/qkv_w", size_t(layers) * rows * hidden);
@@ -140,7 +141,7 @@ int main(int argc, char** argv)
         auto block = [&] {
             consumer_barrier = consumers[blockIdx.x].get();
             stream_stack(qkv_w.data(), o_w.data(), x.data(), qkv.data(), core.data(), state.data(), counters.data(),
-                         layers, rows, hidden, heads, launch, waits, slots);
+                         layers, rows, hidden, heads, launch, waits, slots, slot_bytes);
         };
         if (concurrent) {
             run_grid_concurrent(dim3{unsigned(grid), 1, 1}, STREAM_THREADS, shared, block);
@@ -182,7 +183,8 @@ def _run(binary, folder: Path, grid: int, waits: bool, launches: int, jitter: in
         array.tofile(folder / name)
     result = subprocess.run([str(binary), str(folder), str(grid), str(LAYERS), str(rows), str(HIDDEN), str(heads),
                              str(SLOTS), str(int(waits)), str(launches), str(jitter),
-                             str(stream_stack.shared_bytes(HIDDEN, width, SLOTS)), str(int(concurrent))],
+                             str(stream_stack.shared_bytes(HIDDEN, width, SLOTS)), str(int(concurrent)),
+                             str(stream_stack.SLOT_BYTES)],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "misaligned=0" in result.stdout, result.stdout
