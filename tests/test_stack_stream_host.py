@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from glm_kda.gpu.ops import stack_stream
-from glm_kda.gpu.projection import pack_weight
+from glm_kda.gpu.projection import PackedWeight, pack_weight
 from host_cuda import (HOST_CUDA_RUNTIME, MBARRIER_HELPERS, MBARRIER_SHIMS, bf16_bits, build_host_binary,
                        host_kernel_source, kernel_declaration)
 from test_gemm_rows_host import DEVICE_HELPERS as GEMM_DEVICE_HELPERS
@@ -229,3 +229,37 @@ def test_stack_stream_gives_the_layers_bits(stack_host, tmp_path, bounded):
         differ = np.flatnonzero(layers.view(bits) != stream.view(bits))
         assert differ.size == 0, f"{name}: {differ.size} elements differ from the layers' kernels, first {differ[:5]}"
     assert np.isfinite(np.fromfile(tmp_path / "stream_core", np.float32)).all()
+
+
+# The launch's plan and table, in Python -----------------------------------------------------------------
+def test_the_ring_fits_kimi_linear_and_not_glm():
+    """Kimi-Linear's largest column group (o_proj, k = 4096) is 64 KB: three slots fit 227 KB of shared
+    memory beside the rest; GLM-5.3-Flash's o_proj groups are 128 KB, one slot: no plan."""
+    from glm_kda.synthetic import synthetic_config
+
+    limit = 227 << 10
+    kimi = synthetic_config("kimi")
+    ring = stack_stream.plan(kimi.hidden, kimi.heads, kimi.down_dim, limit)
+    assert ring is not None and (ring.slots, ring.slot_bytes) == (3, 64 << 10), ring
+    assert ring.shared_bytes == stack_stream.shared_bytes(kimi.hidden, kimi.heads, 3, 64 << 10) <= limit
+    assert stack_stream.shared_bytes(kimi.hidden, kimi.heads, 4, 64 << 10) > limit
+    glm = synthetic_config("glm")
+    assert stack_stream.group_bytes(glm.hidden, glm.qkv) == 128 << 10
+    assert stack_stream.plan(glm.hidden, glm.heads, glm.down_dim, limit) is None
+
+
+def test_the_table_holds_the_rows_then_each_layers_arrays_in_the_kernels_order():
+    from types import SimpleNamespace
+
+    def array(address):
+        return SimpleNamespace(data=SimpleNamespace(ptr=address))
+
+    rows = {name: array(100 + i) for i, name in enumerate(stack_stream.ROW_NAMES)}
+    names = (*stack_stream.PROJECTIONS, "conv_w", "dt_bias", "a_log", "norm_w", "conv_state", "state")
+    layers = [{name: array(1000 * (layer + 1) + i) for i, name in enumerate(names)} for layer in range(2)]
+    layers[1]["o_proj"] = PackedWeight(array(5000), 8, 32)
+    table = stack_stream.call_table(rows, layers)
+    assert table.dtype == np.uint64 and table.size == 13 + 2 * 11
+    assert list(table[:13]) == list(range(100, 113))
+    assert list(table[13:24]) == list(range(1000, 1011))
+    assert table[24 + 4] == 5000  # a PackedWeight: its data's address
