@@ -263,3 +263,34 @@ def test_the_table_holds_the_rows_then_each_layers_arrays_in_the_kernels_order()
     assert list(table[:13]) == list(range(100, 113))
     assert list(table[13:24]) == list(range(1000, 1011))
     assert table[24 + 4] == 5000  # a PackedWeight: its data's address
+
+
+def test_the_one_launch_applies_to_hopper_layers_with_packed_weights_and_no_timer():
+    from types import SimpleNamespace
+
+    from glm_kda.gpu import build
+    from glm_kda.gpu.streamed_decode import StreamedDecode
+    from glm_kda.options import KdaOptions
+    from glm_kda.synthetic import synthetic_config
+
+    packed = {name: PackedWeight(None, 8, 32) for name in stack_stream.PROJECTIONS}
+    layers = [SimpleNamespace(config=synthetic_config("kimi"), device_id=0, _generation=0, options=KdaOptions(),
+                              _o_proj_sums=None, _packed=dict(packed)) for _ in range(3)]
+    streamed = StreamedDecode(layers)
+    if streamed.plan is None:  # (no cooperative launch without a GPU: plan as on an H100)
+        c = layers[0].config
+        streamed.plan = stack_stream.plan(c.hidden, c.heads, c.down_dim, 227 << 10)
+    assert streamed.applies()
+    for change, undo in ((lambda l: setattr(l, "options", KdaOptions(hopper=False)),
+                          lambda l: setattr(l, "options", KdaOptions())),
+                         (lambda l: setattr(l, "_o_proj_sums", object()), lambda l: setattr(l, "_o_proj_sums", None)),
+                         (lambda l: l._packed.pop("f_b"), lambda l: l._packed.update(packed))):
+        change(layers[1])
+        layers[1]._generation += 1
+        assert not streamed.applies()
+        undo(layers[1])
+        layers[1]._generation += 1
+        assert streamed.applies()
+    with build.timing():
+        assert not streamed.applies()
+    assert streamed.applies()

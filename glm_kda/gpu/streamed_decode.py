@@ -29,6 +29,8 @@ class StreamedDecode:
             self.plan = stack_stream.plan(c.hidden, c.heads, c.down_dim, shared_memory(first.device_id)[1])
         self._counters: Any = None
         self._table: tuple[tuple, Any] = ((), None)
+        # The layers' generations when they were last found to fit (they change with options and sums).
+        self._fitting: tuple = ()
 
     def applies(self) -> bool:
         """Whether the next one-sequence decode of the stack may take the one launch: a plan, every layer on
@@ -36,11 +38,13 @@ class StreamedDecode:
         layers' own launches)."""
         if self.plan is None or build.current_context().timer is not None:
             return False
-        for layer in self.layers:
-            if (not layer.options.hopper or layer._o_proj_sums is not None
-                    or not all(isinstance(layer._packed.get(name), PackedWeight)
-                               for name in stack_stream.PROJECTIONS)):
+        generations = tuple(layer._generation for layer in self.layers)
+        if generations != self._fitting:
+            if not all(layer.options.hopper and layer._o_proj_sums is None
+                       and all(isinstance(layer._packed.get(name), PackedWeight) for name in stack_stream.PROJECTIONS)
+                       for layer in self.layers):
                 return False
+            self._fitting = generations
         return True
 
     def run(self, ws: KdaWorkspace, x: Any, states: Sequence[Any]) -> None:
@@ -63,11 +67,10 @@ class StreamedDecode:
 
     def _table_for(self, ws: KdaWorkspace, states: Sequence[Any]) -> Any:
         """The device table of ws's rows and each layer's weights and state, built again only when one of
-        them changed."""
+        them changed (the weights change with the layers' generations, which applies() kept)."""
         import cupy
 
-        key = (ws.serial, tuple(layer._generation for layer in self.layers),
-               tuple((state.conv.data.ptr, state.recurrent.data.ptr) for state in states))
+        key = (ws.serial, self._fitting, tuple((state.conv.data.ptr, state.recurrent.data.ptr) for state in states))
         if self._table[0] != key:
             rows = {name: getattr(ws, name)[:1] for name in stack_stream.ROW_NAMES}
             layers = [{**{name: layer._packed[name] for name in stack_stream.PROJECTIONS},
