@@ -97,8 +97,8 @@ __device__ __forceinline__ void chunk_sums(const unsigned char* slot, const floa
 // once `counter` reaches `target`, then the warp's chunks (every STREAM_CONSUMER_WARPS-th of the
 // block's sequence), then one count per warp in `done`. Returns the sequence number after the phase.
 __device__ int consume_phase(const unsigned char* ring, unsigned int full, unsigned int empty, int slots,
-                             int slot_bytes, int sequence, const int* counter, int target, const float* x_in, float* x_shared,
-                             int k, int n, float* y, int* done, int warp, int lane, int consumer)
+                             int slot_bytes, int sequence, const int* counter, int target, const float* x_in,
+                             float* x_shared, int k, int n, float* y, int* done, int warp, int lane, int consumer)
 {
     consumers_sync();  // every warp is done with x_shared's previous contents
     if (consumer == 0 && counter != nullptr) {

@@ -15,7 +15,8 @@ at every layer (q|k|v, the step's core and state, o_proj); the run stops if an e
 It is a measurement of what a design could reach, not a product kernel: the step has no conv and
 no gates, and its sums are not the product's bits. Needs sm_90 or later.
 
-    PYTHONPATH=. python benchmarks/stream_stack.py [--geometry kimi glm] [--layers N] [--repeats 30] [--slots S] [--slot-kb 16]
+    PYTHONPATH=. python benchmarks/stream_stack.py [--geometry kimi glm] [--layers N] [--repeats 30]
+        [--slots S] [--slot-kb 16]
 """
 
 from __future__ import annotations
@@ -182,7 +183,8 @@ def run_geometry(geometry: str, layers: int | None, repeats: int, slots: int | N
         token_us = 1e3 * median_ms(lambda: launch(waits), repeats=repeats, warmup=3)
         results.append({
             "case": "stream_stack" if waits else "stream_stack_no_waits", "geometry": geometry, "layers": layers,
-            "sms": sm_count, "ring_slots": slots, "slot_bytes": slot_bytes, "us_per_token": token_us, "us_per_layer": token_us / layers,
+            "sms": sm_count, "ring_slots": slots, "slot_bytes": slot_bytes, "us_per_token": token_us,
+            "us_per_layer": token_us / layers,
             "layer_bytes": layer_bytes, "streamed_bytes_per_layer": streamed, "copy_bandwidth_GBs": bandwidth,
             "roofline_ratio_per_layer": layer_bytes * layers / 1e3 / bandwidth / token_us,
             "check_rms_ratio": errors,
@@ -194,7 +196,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--geometry", nargs="+", default=["kimi", "glm"], choices=sorted(MODEL_KDA_LAYERS))
-    parser.add_argument("--layers", type=int, default=None, help="layers in the stack (default: the model's KDA layers)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="layers in the stack (default: the model's KDA layers)")
     parser.add_argument("--repeats", type=int, default=30, help="timed tokens per case")
     parser.add_argument("--slots", type=int, default=None, help="ring slots a block (default: as many as fit)")
     parser.add_argument("--slot-kb", type=int, default=SLOT_BYTES >> 10, help="KB of a ring slot (default 16)")

@@ -216,7 +216,10 @@ struct BlockContext {
             warp_pointers.push_back(warps.back().get());
         }
     }
-    float* aligned_shared() { return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(shared.data()) + 15) & ~uintptr_t(15)); }
+    float* aligned_shared()
+    {
+        return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(shared.data()) + 15) & ~uintptr_t(15));
+    }
 };
 
 // The threads of block `index` (x fastest) of the grid, started into `pool`, each with the block's context.

@@ -178,7 +178,8 @@ def _run(binary, folder: Path, grid: int, waits: bool, launches: int, jitter: in
     o_w = bf16_bits(rng.standard_normal((LAYERS, HIDDEN, width)) * width**-0.5)
     x = np.zeros((LAYERS + 1, HIDDEN), np.float32)
     x[0] = rng.standard_normal(HIDDEN)
-    state = (rng.standard_normal((LAYERS, heads, stream_stack.HEAD_DIM, stream_stack.HEAD_DIM)) * 0.1).astype(np.float32)
+    d = stream_stack.HEAD_DIM
+    state = (rng.standard_normal((LAYERS, heads, d, d)) * 0.1).astype(np.float32)
     for name, array in (("qkv_w", qkv_w), ("o_w", o_w), ("x", x), ("state", state)):
         array.tofile(folder / name)
     result = subprocess.run([str(binary), str(folder), str(grid), str(LAYERS), str(rows), str(HIDDEN), str(heads),
