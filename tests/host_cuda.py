@@ -298,6 +298,83 @@ static void save_each(const std::string& prefix, std::initializer_list<const cha
 """
 
 
+# The mbarrier and bulk-copy steps of common/mbarrier.cuh (PTX), removed from a host build
+# (host_source's device_helpers) and defined by MBARRIER_SHIMS: a bulk copy lands at once and completes
+# its bytes on the barrier; shared_address is the offset in the block's emulated shared memory.
+MBARRIER_HELPERS = ("mbarrier_init", "mbarrier_init_fence", "mbarrier_expect_bytes", "mbarrier_arrive",
+                    "mbarrier_wait", "bulk_copy_to_shared")
+MBARRIER_SHIMS = r"""
+#include <map>
+#include <mutex>
+inline unsigned char* shared_bytes() { return reinterpret_cast<unsigned char*>(emulated_shared); }
+inline unsigned int shared_address(const void* p)
+{
+    return static_cast<unsigned int>(static_cast<const unsigned char*>(p) - shared_bytes());
+}
+// An mbarrier: arrivals pending and bytes pending in the present phase, and phases completed.
+struct HostBarrier {
+    int count = 0, pending = 0;
+    long bytes = 0;
+    unsigned int phases = 0;
+};
+// (inline: one for every translation unit that includes this.)
+inline std::mutex barrier_lock;
+// By the barrier's address in its block's shared memory (blocks may run at once).
+inline std::map<const unsigned char*, HostBarrier> host_barriers;
+inline HostBarrier& host_barrier(unsigned int barrier) { return host_barriers.at(shared_bytes() + barrier); }
+inline void complete_if_done(HostBarrier& b)
+{
+    if (b.pending == 0 && b.bytes == 0) {
+        b.phases += 1;
+        b.pending = b.count;
+    }
+}
+inline void mbarrier_init(unsigned int barrier, unsigned int count)
+{
+    std::lock_guard<std::mutex> hold(barrier_lock);
+    host_barriers[shared_bytes() + barrier] = HostBarrier{int(count), int(count), 0, 0};
+}
+inline void mbarrier_init_fence() {}
+inline void mbarrier_expect_bytes(unsigned int barrier, unsigned int bytes)
+{
+    std::lock_guard<std::mutex> hold(barrier_lock);
+    HostBarrier& b = host_barrier(barrier);
+    b.bytes += bytes;
+    b.pending -= 1;
+    complete_if_done(b);
+}
+inline void mbarrier_arrive(unsigned int barrier)
+{
+    std::lock_guard<std::mutex> hold(barrier_lock);
+    HostBarrier& b = host_barrier(barrier);
+    b.pending -= 1;
+    if (b.pending < 0) std::abort();  // more arrivals than the phase takes
+    complete_if_done(b);
+}
+// The phase of parity `parity` has completed once the phases completed differ from it in parity.
+inline void mbarrier_wait(unsigned int barrier, unsigned int parity)
+{
+    for (;;) {
+        {
+            std::lock_guard<std::mutex> hold(barrier_lock);
+            if ((host_barrier(barrier).phases & 1u) != parity) return;
+        }
+        maybe_sleep();
+        std::this_thread::yield();
+    }
+}
+inline void bulk_copy_to_shared(unsigned int destination, const void* source, unsigned int bytes, unsigned int barrier)
+{
+    if (destination % 16 || reinterpret_cast<uintptr_t>(source) % 16 || bytes % 16) misaligned++;
+    std::memcpy(shared_bytes() + destination, source, bytes);
+    std::lock_guard<std::mutex> hold(barrier_lock);
+    HostBarrier& b = host_barrier(barrier);
+    b.bytes -= bytes;
+    complete_if_done(b);
+}
+"""
+
+
 # The device-only helpers of common/sync.cuh (the first two no-ops before sm_90; their bodies are
 # inline PTX or device intrinsics), removed wherever it is inlined: HOST_CUDA_HEADER defines them.
 SYNC_DEVICE_HELPERS = ("kda_let_next_kernel_launch", "kda_grid_dependency_wait", "shared_address", "load_acquire",
