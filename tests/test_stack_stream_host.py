@@ -3,8 +3,9 @@ blocks all at once as a cooperative launch runs them, against the layers' own ke
 other on the host: the row projection's one-row entry (gemm_rows.cu) for down_proj, q|k|v, f_b, g_b and
 o_proj, and the fused step (decode.cu), layer after layer, the output of one the input of the next.
 
-Promises tested, for both gate laws, over two tokens of three layers, three blocks (two of them stepping
-two heads each) and a ring of two slots:
+Promises tested over two tokens and a ring of two slots, for both gate laws: three layers on three blocks
+(two of them stepping two heads each), one layer on two (one stepping, a conv of two taps), two layers on
+four (three stepping; o_proj's column groups two tiles wide):
   * the same bits: each token's output, every layer's conv and recurrent state after each token, and
     the last layer's stage rows (its projections, conv output, q, k, v, gate, beta, core, o_norm_out);
   * the counters the blocks wait on are zero again after each launch (the second token waits on them);
@@ -28,20 +29,14 @@ from test_gemm_rows_host import DEVICE_HELPERS as GEMM_DEVICE_HELPERS
 from test_gemm_rows_host import GEMM_HEADER
 
 HIDDEN = 64
-HEADS = 4
 D = 128
-KERNEL = 4
-LAYERS = 3
 TOKENS = 2
-BLOCKS = 3
 SLOTS = 2
-WIDTH = HEADS * D
-DOWN_DIM = 2 * D + HEADS
 STEP_HELPERS = ("prefetch_floats_l2",)
-STAGES = {"down_proj": (DOWN_DIM, np.uint16), "qkv_proj": (3 * WIDTH, np.uint16), "forget_proj": (WIDTH, np.uint16),
-          "out_gate": (WIDTH, np.uint16), "conv_out": (3 * WIDTH, np.uint16), "query": (WIDTH, np.float32),
-          "key": (WIDTH, np.float32), "value": (WIDTH, np.float32), "gate": (WIDTH, np.float32),
-          "beta": (HEADS, np.float32), "core": (WIDTH, np.float32), "o_norm_out": (WIDTH, np.uint16)}
+# The last layer's stage rows compared, by element type.
+STAGES = {**{name: np.uint16 for name in ("down_proj", "qkv_proj", "forget_proj", "out_gate", "conv_out",
+                                          "o_norm_out")},
+          **{name: np.float32 for name in ("query", "key", "value", "gate", "beta", "core")}}
 
 # The row projection's host header, its mma slots one set a block (the blocks run at once here).
 _SLOTS_DECLARATION = "extern MmaSlot mma_slots[32][32];"
@@ -193,25 +188,30 @@ def _bf16(rng, shape, scale):
     return bf16_bits(rng.standard_normal(shape) * scale)
 
 
-@pytest.mark.parametrize("bounded", [False, True])
-def test_stack_stream_gives_the_layers_bits(stack_host, tmp_path, bounded):
-    rng = np.random.default_rng(5 + bounded)
-    shapes = stack_stream.projection_shapes(HIDDEN, HEADS, DOWN_DIM)
-    for layer in range(LAYERS):
+@pytest.mark.parametrize("heads,kernel,layers,blocks,bounded", [
+    (4, 4, 3, 3, False), (4, 4, 3, 3, True),  # two blocks stepping two heads each, one without a step
+    (2, 2, 1, 2, False),                      # one layer, one block stepping, a conv of two taps
+    (6, 3, 2, 4, True),                       # three blocks stepping, o_proj's column groups of two tiles
+])
+def test_stack_stream_gives_the_layers_bits(stack_host, tmp_path, heads, kernel, layers, blocks, bounded):
+    rng = np.random.default_rng(5 + heads + bounded)
+    width, down_dim = heads * D, 2 * D + heads
+    shapes = stack_stream.projection_shapes(HIDDEN, heads, down_dim)
+    for layer in range(layers):
         prefix = tmp_path / f"layer{layer}_"
         for index, (n, k) in enumerate(shapes):
             pack_weight(_bf16(rng, (n, k), k**-0.5)).data.tofile(f"{prefix}w{index}")
-        _bf16(rng, (3 * WIDTH, KERNEL), 0.5).tofile(f"{prefix}conv_w")
+        _bf16(rng, (3 * width, kernel), 0.5).tofile(f"{prefix}conv_w")
         _bf16(rng, (D,), 1.0).tofile(f"{prefix}norm_w")
-        rng.standard_normal(WIDTH).astype(np.float32).tofile(f"{prefix}dt_bias")
-        (rng.standard_normal(HEADS) * 0.5).astype(np.float32).tofile(f"{prefix}a_log")
-        rng.standard_normal((3 * WIDTH, KERNEL)).astype(np.float32).tofile(f"{prefix}conv_state")
-        (rng.standard_normal((HEADS, D, D)) * 0.05).astype(np.float32).tofile(f"{prefix}state")
+        rng.standard_normal(width).astype(np.float32).tofile(f"{prefix}dt_bias")
+        (rng.standard_normal(heads) * 0.5).astype(np.float32).tofile(f"{prefix}a_log")
+        rng.standard_normal((3 * width, kernel)).astype(np.float32).tofile(f"{prefix}conv_state")
+        (rng.standard_normal((heads, D, D)) * 0.05).astype(np.float32).tofile(f"{prefix}state")
     _bf16(rng, (TOKENS, HIDDEN), 1.0).tofile(tmp_path / "x")
     slot_bytes = -(-max(stack_stream.group_bytes(n, k) for n, k in shapes) // 128) * 128
-    shared = stack_stream.shared_bytes(HIDDEN, HEADS, SLOTS, slot_bytes)
-    result = subprocess.run([str(stack_host), str(tmp_path), str(LAYERS), str(TOKENS), str(HIDDEN), str(HEADS),
-                             str(KERNEL), str(BLOCKS), str(SLOTS), str(slot_bytes), str(shared), str(int(bounded)),
+    shared = stack_stream.shared_bytes(HIDDEN, heads, SLOTS, slot_bytes)
+    result = subprocess.run([str(stack_host), str(tmp_path), str(layers), str(TOKENS), str(HIDDEN), str(heads),
+                             str(kernel), str(blocks), str(SLOTS), str(slot_bytes), str(shared), str(int(bounded)),
                              "-5.0", "1"], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "misaligned=0" in result.stdout and "counters_cleared=1" in result.stdout, result.stdout
@@ -221,8 +221,8 @@ def test_stack_stream_gives_the_layers_bits(stack_host, tmp_path, bounded):
         assert layers.size and layers.size == stream.size, name
         return layers, stream
 
-    names = {"outputs": np.uint16, **{name: dtype for name, (_, dtype) in STAGES.items()}}
-    names.update({f"{kind}{layer}": np.float32 for kind in ("conv_state", "state") for layer in range(LAYERS)})
+    names = {"outputs": np.uint16, **STAGES}
+    names.update({f"{kind}{layer}": np.float32 for kind in ("conv_state", "state") for layer in range(layers)})
     for name, dtype in names.items():
         layers, stream = pair(name, dtype)
         bits = np.uint16 if dtype == np.uint16 else np.uint32
