@@ -1,10 +1,9 @@
 """Decode through a whole KDA stack, one sequence, a loop that waits for each token: the time per
 token of KdaStack.decode against the sum of the same layers called one by one (each waited for),
 with the copy-bandwidth roofline per layer measured in the same run, and how a token's time splits
-between the host's part of the call and the token's graph replayed alone (or its one persistent
-launch, where the stack takes it: `decode_path`). The stack is timed in rounds, each next to a
-copy-bandwidth measurement of its own, so that a drift of the GPU's clocks moves both sides of a
-round's roofline ratio; the median round is reported with the spread of the rounds.
+between the host's part of the call and the token's graph replayed alone. The stack is timed in rounds,
+each next to a copy-bandwidth measurement of its own, so that a drift of the GPU's clocks moves both
+sides of a round's roofline ratio; the median round is reported with the spread of the rounds.
 
 The stack has as many KDA layers as the model (GLM-5.3-Flash: 34 of 45 layers; Kimi-Linear-48B:
 20 of 27; glm_kda.synthetic.default_kda_layers), each its own copy of one synthetic layer's weights,
@@ -90,16 +89,10 @@ def run_geometry(geometry: str, layers: int | None, tokens: int, rounds: int, fo
     middle = int(np.argsort(ratios)[len(ratios) // 2])
     bandwidth, stack_us = per_round[middle]
     # Where a waited token's time goes: the host's part of a call, and the GPU's (the token's graph
-    # replayed alone, or its one persistent launch made alone).
+    # replayed alone, back to back, which is what a loop that does not wait would see).
     host_call_us = host_us(lambda row: stack.decode(row, states), rows)
-    one_launch = stack._streamed is not None and stack._streamed.applies()
-    if one_launch:
-        ws = stack.layers[0].workspace
-        gpu_part = lambda: stack._streamed.run(ws, rows[0], states)  # noqa: E731
-    else:
-        graph, stream = stack.graphs.last_graph, cupy.cuda.get_current_stream()
-        gpu_part = lambda: graph.launch(stream)  # noqa: E731
-    graph_us = 1e3 * median_ms(gpu_part, repeats=len(rows) - 8, warmup=8)
+    graph, stream = stack.graphs.last_graph, cupy.cuda.get_current_stream()
+    graph_us = 1e3 * median_ms(lambda: graph.launch(stream), repeats=len(rows) - 8, warmup=8)
     single = []
     for layer in stack.layers:
         state = layer.new_state()
@@ -112,7 +105,6 @@ def run_geometry(geometry: str, layers: int | None, tokens: int, rounds: int, fo
             "rounds": [{"copy_bandwidth_GBs": b, "stack_us_per_token": t, "roofline_ratio_per_layer": r}
                        for (b, t), r in zip(per_round, ratios)],
             "roofline_ratio_spread": [min(ratios), max(ratios)],
-            "decode_path": "one launch" if one_launch else "graph",
             "host_us_per_call": host_call_us, "graph_us_per_token": graph_us,
             "graph_roofline_ratio_per_layer": roofline_us(bandwidth) * count / graph_us,
             "single_layer_roofline_ratio_median": roofline_us(bandwidth) / float(np.median(single))}

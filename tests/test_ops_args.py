@@ -152,7 +152,7 @@ def test_constants_match_the_kernel_sources():
     assert (gate._GATE_SOFTPLUS, gate._GATE_BOUNDED) == (enum("common/math.cuh", "KDA_GATE_SOFTPLUS"),
                                                          enum("common/math.cuh", "KDA_GATE_BOUNDED"))
     assert (decode_step._DEPENDENTS_AT_START, decode_step._DEPENDENTS_AFTER_INPUTS,
-            decode_step._DEPENDENTS_AFTER_STEP) == tuple(enum("decode/decode_head.cuh", name) for name in (
+            decode_step._DEPENDENTS_AFTER_STEP) == tuple(enum("decode/decode.cu", name) for name in (
                 "KDA_DEPENDENTS_AT_START", "KDA_DEPENDENTS_AFTER_INPUTS", "KDA_DEPENDENTS_AFTER_STEP"))
 
 

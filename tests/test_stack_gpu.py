@@ -1,7 +1,6 @@
 """KdaStack: every KDA layer of a checkpoint with one workspace. Its calls give the bits of the
-same layers called one by one (each built on its own, with its own workspace), a one-sequence decode
-in one persistent launch too; a bad state list is refused before the first layer runs. The layer
-choice is checked on the host."""
+same layers called one by one (each built on its own, with its own workspace); a bad state list
+is refused before the first layer runs. The layer choice is checked on the host."""
 
 from __future__ import annotations
 
@@ -98,9 +97,7 @@ def test_the_stack_gives_the_bits_of_its_layers_called_one_by_one(stack_checkpoi
         outs += [stack.decode_k(hidden[104:107], mine, between=between),
                  through_layers(lambda layer, x, s: layer.decode_k(x, s), hidden[104:107], theirs, between)]
         if between is None:
-            # A one-sequence decode takes the one persistent launch where it applies, else one graph a token.
-            streamed = stack._streamed is not None and stack._streamed.applies()
-            assert streamed or stack.graphs.captures >= 1, "decode through the stack never replayed one graph"
+            assert stack.graphs.captures >= 1, "decode through the stack never replayed one graph"
         for k in range(0, len(outs), 2):
             assert np.array_equal(_bits(outs[k]), _bits(outs[k + 1])), f"between={between}: call {k // 2} differs"
         for i in range(3):
@@ -139,51 +136,3 @@ def test_a_bad_state_list_is_refused_before_the_first_layer(stack_checkpoint):
     with pytest.raises(ValueError, match=r"snapshots\[1\] holds 2 states for 1 rows"):
         stack.decode_k(row, states, [[], [stack.layers[1].new_state()] * 2])
     assert all(np.array_equal(_bits(s.recurrent), b) for s, b in zip(states, before)), "a refused call changed a state"
-
-
-@needs_gpu
-@pytest.mark.gpu
-def test_one_launch_a_token_gives_the_bits_of_the_layers(stack_checkpoint):
-    """On sm_90 and later a Kimi-Linear stack's one-sequence decode is one persistent launch
-    (glm_kda.gpu.streamed_decode): over eight tokens, each output, every layer's states and the last
-    layer's stage rows are those of the same stack under hopper=False (one graph of the layers' launches),
-    and under layer.timing() (the layers' launches, eagerly)."""
-    import dataclasses
-
-    import cupy
-
-    from glm_kda import KdaStack
-
-    stack = KdaStack.from_pretrained(stack_checkpoint, max_tokens=64, progress=False)
-    if int(cupy.cuda.Device().compute_capability) < 90:
-        pytest.skip("the persistent launch needs sm_90 or later")
-    hidden = synthetic_hidden(8, stack.config.hidden, seed=11)
-    starts = [KdaState.random(stack.config, seed=20 + i) for i in range(len(stack))]
-    stage_names = ("down_proj", "qkv_proj", "forget_proj", "out_gate", "conv_out", "query", "key", "value", "gate",
-                   "beta", "core", "o_norm_out")
-
-    def run(options, timed=False):
-        stack.options = options
-        states = [_device(s) for s in starts]
-        outs = []
-        for t in range(len(hidden)):
-            if timed:
-                with stack.timing():
-                    outs.append(_bits(stack.decode(hidden[t], states)))
-            else:
-                outs.append(_bits(stack.decode(hidden[t], states)))
-        ws = stack.layers[0].workspace
-        stages = {name: _bits(getattr(ws, name)[:1]) for name in stage_names}
-        return outs, [(_bits(s.conv), _bits(s.recurrent)) for s in states], stages
-
-    streamed = run(stack.options)
-    assert stack._streamed is not None and stack._streamed.applies(), "the one launch did not apply on this GPU"
-    hopper = stack.options
-    for name, other in (("hopper=False", run(dataclasses.replace(hopper, hopper=False))),
-                        ("timing", run(hopper, timed=True))):
-        for t, (a, b) in enumerate(zip(streamed[0], other[0])):
-            assert np.array_equal(a, b), f"token {t}: the output differs from {name}'s"
-        for i, ((conv_a, rec_a), (conv_b, rec_b)) in enumerate(zip(streamed[1], other[1])):
-            assert np.array_equal(conv_a, conv_b) and np.array_equal(rec_a, rec_b), f"layer {i}: states differ ({name})"
-        for stage in stage_names:
-            assert np.array_equal(streamed[2][stage], other[2][stage]), f"the last layer's {stage} differs ({name})"

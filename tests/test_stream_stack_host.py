@@ -23,8 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from host_cuda import (HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, MBARRIER_HELPERS, MBARRIER_SHIMS, bf16_bits,
-                       build_host_binary, host_source)
+from host_cuda import HOST_CUDA_HEADER, HOST_CUDA_RUNTIME, bf16_bits, build_host_binary, host_source
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import stream_stack  # noqa: E402
@@ -35,11 +34,79 @@ EXTRA_ROWS = 8
 LAYERS = 3
 SLOTS = 2
 
-# The kernel's PTX-only pieces, defined by SHIMS below (the mbarriers' by host_cuda.MBARRIER_SHIMS).
-DEVICE_HELPERS = MBARRIER_HELPERS + ("consumers_sync",)
+# The kernel's PTX-only pieces, defined by SHIMS below.
+DEVICE_HELPERS = ("mbarrier_init", "mbarrier_init_fence", "mbarrier_expect_bytes", "mbarrier_arrive",
+                  "mbarrier_wait", "bulk_copy_to_shared", "consumers_sync")
 
-SHIMS = MBARRIER_SHIMS + r"""
+SHIMS = r"""
+#include <map>
+#include <mutex>
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+inline unsigned char* shared_bytes() { return reinterpret_cast<unsigned char*>(emulated_shared); }
+inline unsigned int shared_address(const void* p)
+{
+    return static_cast<unsigned int>(static_cast<const unsigned char*>(p) - shared_bytes());
+}
+// An mbarrier: arrivals pending and bytes pending in the present phase, and phases completed.
+struct HostBarrier {
+    int count = 0, pending = 0;
+    long bytes = 0;
+    unsigned int phases = 0;
+};
+std::mutex barrier_lock;
+// By the barrier's address in its block's shared memory (blocks may run at once).
+std::map<const unsigned char*, HostBarrier> host_barriers;
+inline HostBarrier& host_barrier(unsigned int barrier) { return host_barriers.at(shared_bytes() + barrier); }
+inline void complete_if_done(HostBarrier& b)
+{
+    if (b.pending == 0 && b.bytes == 0) {
+        b.phases += 1;
+        b.pending = b.count;
+    }
+}
+inline void mbarrier_init(unsigned int barrier, unsigned int count)
+{
+    std::lock_guard<std::mutex> hold(barrier_lock);
+    host_barriers[shared_bytes() + barrier] = HostBarrier{int(count), int(count), 0, 0};
+}
+inline void mbarrier_init_fence() {}
+inline void mbarrier_expect_bytes(unsigned int barrier, unsigned int bytes)
+{
+    std::lock_guard<std::mutex> hold(barrier_lock);
+    HostBarrier& b = host_barrier(barrier);
+    b.bytes += bytes;
+    b.pending -= 1;
+    complete_if_done(b);
+}
+inline void mbarrier_arrive(unsigned int barrier)
+{
+    std::lock_guard<std::mutex> hold(barrier_lock);
+    HostBarrier& b = host_barrier(barrier);
+    b.pending -= 1;
+    if (b.pending < 0) std::abort();  // more arrivals than the phase takes
+    complete_if_done(b);
+}
+// The phase of parity `parity` has completed once the phases completed differ from it in parity.
+inline void mbarrier_wait(unsigned int barrier, unsigned int parity)
+{
+    for (;;) {
+        {
+            std::lock_guard<std::mutex> hold(barrier_lock);
+            if ((host_barrier(barrier).phases & 1u) != parity) return;
+        }
+        maybe_sleep();
+        std::this_thread::yield();
+    }
+}
+inline void bulk_copy_to_shared(unsigned int destination, const void* source, unsigned int bytes, unsigned int barrier)
+{
+    if (destination % 16 || reinterpret_cast<uintptr_t>(source) % 16 || bytes % 16) misaligned++;
+    std::memcpy(shared_bytes() + destination, source, bytes);
+    std::lock_guard<std::mutex> hold(barrier_lock);
+    HostBarrier& b = host_barrier(barrier);
+    b.bytes -= bytes;
+    complete_if_done(b);
+}
 thread_local std::barrier<>* consumer_barrier;  // the block's
 inline void consumers_sync()
 {

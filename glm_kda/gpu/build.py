@@ -35,7 +35,6 @@ ENTRY_POINTS: dict[str, tuple[str, ...]] = {
     "conv": ("kda_conv_prefill_silu_l2_bf16",),
     "gate": ("kda_gate_beta_f32",),
     "decode/decode": ("kda_decode_fused_bf16",),
-    "decode/stack_stream": ("kda_stack_stream_bf16",),
     "chunk/chunk": ("kda_chunk_prepare_f32", "kda_chunk_scan_f32"),
     "chunk/chunk_tc": ("kda_chunk_tc_prepare_f32", "kda_chunk_tc_prepare_unbounded_f32", "kda_chunk_tc_scan_f32"),
     "chunk/chunk_tc_gate": ("kda_chunk_tc_prepare_gate_f32",),
@@ -421,10 +420,9 @@ def hopper_enabled() -> bool:
     return _CONTEXT.get().hopper
 
 
-# Programmatic dependent and cooperative launches (sm_90 and later, through cuLaunchKernelEx) ---------
+# Programmatic dependent launch (sm_90 and later, through cuLaunchKernelEx) ------------------------
 
-# cuLaunchAttributeID (cuda.h): CU_LAUNCH_ATTRIBUTE_COOPERATIVE, _PROGRAMMATIC_STREAM_SERIALIZATION.
-_COOPERATIVE = 2
+# cuLaunchAttributeID CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h).
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
@@ -472,13 +470,12 @@ class _ProgrammaticLauncher:
         return self.devices[device_id]
 
     def launch(self, function: Any, grid: tuple, block: tuple, args: Sequence[Any], shared_mem: int,
-               stream: int, attribute_id: int = _PROGRAMMATIC_STREAM_SERIALIZATION) -> int:
+               stream: int) -> int:
         """cuLaunchKernelEx of a cupy RawKernel (its CUfunction) on `stream` (a CUstream handle)
-        with the launch attribute `attribute_id` set to 1 (programmatic serialization, or a cooperative
-        launch); returns the CUresult."""
+        with programmatic serialization; returns the CUresult."""
         values = kernel_parameters(args)
         params = (ctypes.c_void_p * len(values))(*(ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values))
-        attribute = _LaunchAttribute(id=attribute_id)
+        attribute = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
         attribute.value[0] = 1
         config = _LaunchConfig(*(grid + (1,) * (3 - len(grid))), *(block + (1,) * (3 - len(block))), shared_mem,
                                stream, ctypes.pointer(attribute), 1)
@@ -509,14 +506,8 @@ def kernel_parameters(args: Sequence[Any]) -> list:
 _PROGRAMMATIC = _ProgrammaticLauncher()
 
 
-def cooperative_available(device_id: int) -> bool:
-    """Whether launch(..., cooperative=True) can run on device `device_id` (sm_90 or later, and a driver
-    with cuLaunchKernelEx)."""
-    return _PROGRAMMATIC.usable(device_id)
-
-
 def launch(name: str, grid: Sequence[int], block: Sequence[int], args: Sequence[Any], shared_mem: int = 0, *,
-           programmatic: bool = False, cooperative: bool = False, carveout: int = -1) -> None:
+           programmatic: bool = False, carveout: int = -1) -> None:
     """Launch kernel ``name`` on the current stream.
 
     ``args`` are cupy arrays (passed as device pointers), None (a null pointer) and numpy.int32 /
@@ -525,8 +516,7 @@ def launch(name: str, grid: Sequence[int], block: Sequence[int], args: Sequence[
     in common/sync.cuh: the kernel must wait before it touches anything the previous kernel writes);
     a plain launch where the device or driver cannot, or where the current LaunchContext says so
     (portable path, timing). ``carveout``: the preferred shared-memory split in percent (see
-    :meth:`KernelSet.prefer_shared_carveout`; -1 the driver's choice). ``cooperative``: every block
-    resident at once or the launch fails (cuLaunchKernelEx; check :func:`cooperative_available` first).
+    :meth:`KernelSet.prefer_shared_carveout`; -1 the driver's choice).
     """
     kernel_set = KernelSet.get()
     function = kernel_set.function(name)
@@ -536,17 +526,6 @@ def launch(name: str, grid: Sequence[int], block: Sequence[int], args: Sequence[
     grid = tuple(int(value) for value in grid)
     block = tuple(int(value) for value in block)
     context = _CONTEXT.get()
-    if cooperative:
-        import cupy
-
-        with contextlib.nullcontext() if context.timer is None else context.timer.span(name):
-            result = _PROGRAMMATIC.launch(function, grid, block, args, shared_mem, cupy.cuda.get_current_stream().ptr,
-                                          _COOPERATIVE) if _PROGRAMMATIC.usable(kernel_set.device_id) else None
-        if result != 0:
-            raise RuntimeError(f"the cooperative launch of {name} failed: "
-                               + (f"CUresult {result}" if result is not None else _PROGRAMMATIC.unavailable
-                                  or "the device is older than sm_90"))
-        return
     if programmatic and context.hopper and context.timer is None and _PROGRAMMATIC.usable(kernel_set.device_id):
         import cupy
 

@@ -1,8 +1,7 @@
 """KdaStack: the KDA layers of a checkpoint on one GPU, sharing one workspace (README, "API").
 
 Without ``between``, a decode or decode_k through the stack is one CUDA graph a call: no host work between
-layers; a one-sequence decode on sm_90 and later is one persistent launch where it fits (StreamedDecode).
-The bits are those of calling ``stack.layers[i]`` one after the other by hand.
+layers. The bits are those of calling ``stack.layers[i]`` one after the other by hand.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ from ..state import KdaState, StatePool, require_one_row
 from .graphs import DecodeGraphs
 from .layer import MAX_DECODE_ROWS, KdaLayer
 from .pipeline import DECODE_MAX_ROWS
-from .streamed_decode import StreamedDecode
 from .workspace import KdaWorkspace
 
 Between = Callable[[int, Any], Any]
@@ -89,8 +87,6 @@ class KdaStack:
         # The state_signature of the last state list that passed every check: a decode loop passes the
         # same states each token, and checking each layer's again was most of the host's part of a call.
         self._checked: tuple | None = None
-        # A one-sequence decode token as one persistent launch, where it applies (made at first use).
-        self._streamed: StreamedDecode | None = None
 
     @classmethod
     def from_pretrained(cls, path_or_repo: str | Path, layers: str | Sequence[int] = "all", max_tokens: int = 4096,
@@ -226,11 +222,6 @@ class KdaStack:
         if pooled:
             slots = first._slots_in(slots, rows, states[0], what, check_slots)
         first._check_finite(x, what)
-        if what == "decode" and not pooled:
-            if self._streamed is None:
-                self._streamed = StreamedDecode(self.layers)
-            if self._streamed.applies():
-                return back(self._through_one_launch(x, states))
 
         def body(ws: KdaWorkspace, rows_in: Any, device_slots: Any) -> None:
             for layer, state in zip(self.layers, states):
@@ -244,19 +235,6 @@ class KdaStack:
         key = ("stack", pooled, rows, tuple(layer._generation for layer in self.layers),
                tuple((state.conv.data.ptr, state.recurrent.data.ptr) for state in states))
         return back(first._replay(self.graphs, key, x, slots, what, body))
-
-    def _through_one_launch(self, x: Any, states: Sequence[KdaState]) -> Any:
-        """A one-sequence decode token through every layer as one persistent launch (StreamedDecode): the bits
-        of the layers' launches. Returns a new CuPy array of final_out's row, checked as options.check_finite asks."""
-        first = self.layers[0]
-        call = first._enter()
-        try:
-            ws = call[0]
-            self._streamed.run(ws, x, states)
-            ws.unrecorded = None  # a decode-side call writes every stage buffer of its rows
-            return first._checked_output(ws.final_out[:1].copy(), "decode")
-        finally:
-            first._leave(call)
 
     def _run(self, hidden: Any, what: str, max_rows: int, between: Between | None,
              call: Callable[[KdaLayer, Any, Any], Any], states: Sequence[Any]) -> Any:

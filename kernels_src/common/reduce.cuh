@@ -17,16 +17,15 @@ __device__ __forceinline__ float sum_of_warps(const float* sums)
     return total;
 }
 
-// Sum of `value` over the head's 128 threads, returned to every one of them: a fixed xor-shuffle tree in
-// each warp, then the warp sums in warp order. `scratch`: at least 5 floats; every thread of the block must
-// call it. `thread`: the caller's place among the head's threads (a block of two heads passes
-// threadIdx.x % KDA_HEAD_BLOCK and each head's own scratch).
-__device__ __forceinline__ float block_sum_f32(float value, float* scratch, int thread = threadIdx.x)
+// Sum of `value` over the block's 128 threads, returned to every one of them: a fixed xor-shuffle tree in
+// each warp, then the warp sums in warp order. `scratch`: at least 5 floats; every thread must call it.
+__device__ __forceinline__ float block_sum_f32(float value, float* scratch)
 {
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) {
         value += __shfl_xor_sync(KDA_FULL_WARP_MASK, value, offset);
     }
+    const int thread = threadIdx.x;
     const int warp = thread >> 5;
     if ((thread & 31) == 0) {
         scratch[warp] = value;
@@ -43,13 +42,14 @@ __device__ __forceinline__ float block_sum_f32(float value, float* scratch, int 
 }
 
 // block_sum_f32 of two values, the bits of two calls with the barriers of one; scratch of 10 floats.
-__device__ __forceinline__ void block_sum2_f32(float& a, float& b, float* scratch, int thread = threadIdx.x)
+__device__ __forceinline__ void block_sum2_f32(float& a, float& b, float* scratch)
 {
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) {
         a += __shfl_xor_sync(KDA_FULL_WARP_MASK, a, offset);
         b += __shfl_xor_sync(KDA_FULL_WARP_MASK, b, offset);
     }
+    const int thread = threadIdx.x;
     const int warp = thread >> 5;
     if ((thread & 31) == 0) {
         scratch[warp] = a;
@@ -67,13 +67,12 @@ __device__ __forceinline__ void block_sum2_f32(float& a, float& b, float* scratc
 }
 
 // q / sqrt(sum over the head of q^2 + eps) and the same of k, one reduction's barriers; 10 floats scratch.
-__device__ __forceinline__ void l2_normalize_pair(float& q, float& k, float l2_eps, float* scratch,
-                                                  int thread = threadIdx.x)
+__device__ __forceinline__ void l2_normalize_pair(float& q, float& k, float l2_eps, float* scratch)
 {
     // __fmul_rn: a product the compiler may not fuse into the first shuffle add.
     float q_squares = __fmul_rn(q, q);
     float k_squares = __fmul_rn(k, k);
-    block_sum2_f32(q_squares, k_squares, scratch, thread);
+    block_sum2_f32(q_squares, k_squares, scratch);
     q = q / sqrtf(q_squares + l2_eps);
     k = k / sqrtf(k_squares + l2_eps);
 }
@@ -88,11 +87,10 @@ __device__ __forceinline__ float gated_rmsnorm_sigmoid_of_sum(float o, float sum
 }
 
 // gated_rmsnorm_sigmoid_of_sum of a channel a thread; every thread calls it.
-__device__ __forceinline__ float gated_rmsnorm_sigmoid(float o, float weight, float z, float eps, float* scratch,
-                                                       int thread = threadIdx.x)
+__device__ __forceinline__ float gated_rmsnorm_sigmoid(float o, float weight, float z, float eps, float* scratch)
 {
     // __fmul_rn: a product the compiler may not fuse into the first shuffle add.
-    return gated_rmsnorm_sigmoid_of_sum(o, block_sum_f32(__fmul_rn(o, o), scratch, thread), weight, z, eps);
+    return gated_rmsnorm_sigmoid_of_sum(o, block_sum_f32(__fmul_rn(o, o), scratch), weight, z, eps);
 }
 
 // The L2 sum of a head's 128 squares held 4 per lane (lane L: channels 4L .. 4L+3) with block_sum_f32's

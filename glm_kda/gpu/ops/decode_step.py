@@ -10,7 +10,7 @@ from .checks import (HEAD_BLOCK, HEAD_DIM, _f32, _i32, _require, _slot_rows, _st
                      conv_kernel_size)
 from .gate import check_gate_sources, gate_law_args
 
-# dependents_after (KdaDependentsAfter of decode/decode_head.cuh): the next kernel launches at once, once the first
+# dependents_after (KdaDependentsAfter of decode.cu): the next kernel launches at once, once the first
 # token's inputs are formed, or after its recurrent step.
 _DEPENDENTS_AT_START, _DEPENDENTS_AFTER_INPUTS, _DEPENDENTS_AFTER_STEP = 0, 1, 2
 
