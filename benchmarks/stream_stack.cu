@@ -32,6 +32,14 @@ __device__ __forceinline__ StreamShare stream_share(int n, int k, int block, int
     return share;
 }
 
+// n and k of a layer's phase 0 (q|k|v and the rest of the layer's bytes, from x) and phase 1 (o_proj, from
+// core): the producer streams and the consumers use the same shares.
+__device__ __forceinline__ void phase_shape(int phase, int qkv_rows, int hidden, int core_width, int& n, int& k)
+{
+    n = phase == 0 ? qkv_rows : hidden;
+    k = phase == 0 ? hidden : core_width;
+}
+
 // A barrier of the consumer warps alone (named barrier 1; the producer warp never takes part).
 __device__ __forceinline__ void consumers_sync()
 {
@@ -47,7 +55,8 @@ __device__ void stream_weights(const unsigned short* qkv_w, const unsigned short
     int sequence = 0;
     for (int layer = 0; layer < layers; ++layer) {
         for (int phase = 0; phase < 2; ++phase) {
-            const int n = phase == 0 ? qkv_rows : hidden, k = phase == 0 ? hidden : core_width;
+            int n, k;
+            phase_shape(phase, qkv_rows, hidden, core_width, n, k);
             const unsigned short* w =
                 (phase == 0 ? qkv_w : o_w) + static_cast<size_t>(layer) * static_cast<size_t>(n) * k;
             const StreamShare share = stream_share(n, k, blockIdx.x, gridDim.x, slot_bytes);
@@ -93,13 +102,16 @@ __device__ __forceinline__ void chunk_sums(const unsigned char* slot, const floa
     }
 }
 
-// The consumers of one projection phase: x (n_in floats, written by other blocks) into shared memory
-// once `counter` reaches `target`, then the warp's chunks (every STREAM_CONSUMER_WARPS-th of the
-// block's sequence), then one count per warp in `done`. Returns the sequence number after the phase.
+// The consumers of phase `phase` (phase_shape's) of a layer: x (k floats, written by other blocks) into
+// shared memory once `counter` reaches `target`, then the warp's chunks (every STREAM_CONSUMER_WARPS-th
+// of the block's sequence), then one count per warp in `done`. Returns the sequence number after the phase.
 __device__ int consume_phase(const unsigned char* ring, unsigned int full, unsigned int empty, int slots,
                              int slot_bytes, int sequence, const int* counter, int target, const float* x_in,
-                             float* x_shared, int k, int n, float* y, int* done, int warp, int lane, int consumer)
+                             float* x_shared, int phase, int qkv_rows, int hidden, int core_width, float* y,
+                             int* done, int warp, int lane, int consumer)
 {
+    int n, k;
+    phase_shape(phase, qkv_rows, hidden, core_width, n, k);
     consumers_sync();  // every warp is done with x_shared's previous contents
     if (consumer == 0 && counter != nullptr) {
         wait_for_counter(counter, target);
@@ -210,12 +222,12 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS, 1)
     int sequence = 0;
     for (int layer = 0; layer < layers; ++layer) {
         int* count = counters + 3 * layer;
-        const int* input_ready = waits && layer > 0 ? count - 3 + 2 : nullptr;
+        const int* input_ready = waits && layer > 0 ? counters + 3 * (layer - 1) + 2 : nullptr;  // o_proj's
         float* layer_qkv = qkv + static_cast<size_t>(layer) * qkv_rows;
         float* layer_core = core + static_cast<size_t>(layer) * core_width;
         sequence = consume_phase(stream_ring, full, empty, slots, slot_bytes, sequence, input_ready,
-                                 launch * warp_counts, x + static_cast<size_t>(layer) * hidden, x_shared, hidden,
-                                 qkv_rows, layer_qkv, count, consumer_warp, lane, consumer);
+                                 launch * warp_counts, x + static_cast<size_t>(layer) * hidden, x_shared, 0,
+                                 qkv_rows, hidden, core_width, layer_qkv, count, consumer_warp, lane, consumer);
         if (blockIdx.x < heads) {
             consumers_sync();
             if (consumer == 0 && waits) {
@@ -230,7 +242,7 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS, 1)
             }
         }
         sequence = consume_phase(stream_ring, full, empty, slots, slot_bytes, sequence, waits ? count + 1 : nullptr,
-                                 launch * heads, layer_core, x_shared, core_width, hidden,
+                                 launch * heads, layer_core, x_shared, 1, qkv_rows, hidden, core_width,
                                  x + static_cast<size_t>(layer + 1) * hidden, count + 2, consumer_warp, lane,
                                  consumer);
     }
